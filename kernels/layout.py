@@ -1,0 +1,145 @@
+"""The quantized-tensor format shared by every kernel, its torch reference and the collectives.
+
+A tensor is quantized as ``rows`` independent rows of ``cols`` elements each (a 1-D shard is one
+row; a reduce-scatter input is ``world`` rows, one per destination chunk). Each row is cut into
+``groups = ceil(cols / group_size)`` blocks; the last block is padded with zeros, so no element
+count ever has to be a multiple of 8 or of the group size. Each block gets one fp32 scale.
+
+Symmetric quantization, ``qmax = 2**(bits-1) - 1`` (127 for INT8, 7 for INT4)::
+
+    scale = absmax(block) / qmax                       (IEEE division, round to nearest)
+    code  = clamp(floor(x / scale + 0.5), -qmax, qmax)  (or floor(x / scale + u), u ~ U[0,1))
+    x'    = code * scale
+
+Special blocks, so that a result is never silently wrong:
+- all-zero block: scale 0, codes 0, dequantizes to exact zeros (never NaN);
+- a block holding NaN or +-Inf: scale NaN, codes 0, dequantizes to NaN everywhere, so that
+  overflow checks downstream (fp16 loss scaling, gradient-norm checks) still see it.
+
+Storage per row: INT8 codes are ``int8`` (one per element); INT4 codes are ``uint8``, two per
+byte, element ``2i`` in the low nibble and ``2i+1`` in the high nibble, each stored as
+``code + 8`` (so 1..15; the padding code 0 is stored as 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+SUPPORTED_BITS = (4, 8)
+"""Bit widths the kernels implement."""
+
+DEFAULT_WEIGHT_GROUP_SIZE = 512
+"""Default block size for weights (qwZ): INT8 scales cost 4 bytes per 512 = 0.8% extra traffic."""
+
+DEFAULT_GRAD_GROUP_SIZE = 128
+"""Default block size for gradients (qgZ): small blocks keep INT4 error local (SDP4Bit uses 128)."""
+
+QUANT_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Floating dtypes accepted as input and produced as output."""
+
+
+def qmax(bits: int) -> int:
+    """Largest code magnitude for a bit width (symmetric range, -qmax..qmax)."""
+    check_bits(bits)
+    return 2 ** (bits - 1) - 1
+
+
+def check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(
+            f"bits={bits!r} is not supported by the quantization kernels; use one of "
+            f"{SUPPORTED_BITS} (or no quantization)"
+        )
+
+
+def check_group_size(group_size: int, bits: int) -> None:
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if bits == 4 and group_size % 2:
+        raise ValueError(
+            f"group_size={group_size} is odd; INT4 packs two codes per byte, so use an even group size"
+        )
+
+
+def num_groups(cols: int, group_size: int) -> int:
+    """Blocks per row: ceil(cols / group_size); a zero-length row still has zero groups."""
+    return math.ceil(cols / group_size)
+
+
+def row_bytes(cols: int, bits: int, group_size: int) -> int:
+    """Bytes of codes per row (padded to whole blocks)."""
+    return num_groups(cols, group_size) * group_size * bits // 8
+
+
+def quantized_nbytes(rows: int, cols: int, bits: int, group_size: int) -> int:
+    """Total bytes (codes + fp32 scales) that ``rows x cols`` elements occupy once quantized."""
+    return rows * (row_bytes(cols, bits, group_size) + 4 * num_groups(cols, group_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes and scales of a block-quantized tensor (see the module docstring for the format).
+
+    ``codes`` and ``scales`` may carry extra leading dimensions (``[k, rows, ...]``) when k
+    quantized tensors of the same layout are stacked, as a reduce does.
+    """
+
+    codes: torch.Tensor
+    """``[..., rows, row_bytes]``: int8 for INT8, uint8 (two codes per byte) for INT4."""
+    scales: torch.Tensor
+    """``[..., rows, groups]`` fp32: one scale per block; 0 for zero blocks, NaN for non-finite ones."""
+    cols: int
+    """Elements per row before padding."""
+    bits: int
+    """4 or 8."""
+    group_size: int
+    """Elements per block."""
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        check_group_size(self.group_size, self.bits)
+        g = num_groups(self.cols, self.group_size)
+        rb = row_bytes(self.cols, self.bits, self.group_size)
+        if self.codes.shape[-1] != rb or self.scales.shape[-1] != g:
+            raise ValueError(
+                f"QuantizedTensor layout mismatch: cols={self.cols}, bits={self.bits}, "
+                f"group_size={self.group_size} needs codes [..., {rb}] and scales [..., {g}], got "
+                f"{tuple(self.codes.shape)} and {tuple(self.scales.shape)}"
+            )
+        if self.codes.shape[:-1] != self.scales.shape[:-1]:
+            raise ValueError(
+                f"codes {tuple(self.codes.shape)} and scales {tuple(self.scales.shape)} disagree on leading dims"
+            )
+        if self.scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32, got {self.scales.dtype}")
+        want = torch.int8 if self.bits == 8 else torch.uint8
+        if self.codes.dtype != want:
+            raise ValueError(f"INT{self.bits} codes must be {want}, got {self.codes.dtype}")
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes plus scales: what travels over the wire."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+
+def check_float_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in QUANT_FLOAT_DTYPES:
+        raise ValueError(f"{what} dtype {dtype} is not supported; use float32, bfloat16 or float16")
+
+
+def split_rows(numel: int, rows: int) -> int:
+    """Columns per row for ``numel`` elements in ``rows`` equal rows, with a clear error if uneven."""
+    if rows <= 0:
+        raise ValueError(f"rows must be positive, got {rows}")
+    if numel % rows:
+        raise ValueError(
+            f"cannot split {numel} elements into {rows} equal rows; pad the tensor to a multiple of {rows}"
+        )
+    return numel // rows

@@ -1,0 +1,191 @@
+"""Pure-torch reference of every quantization kernel: the specification the Triton kernels match
+bit for bit (same scales, same codes), and the path CPU tensors take.
+
+All arithmetic is fp32 with the exact operation order the kernels use (see ``layout.py``):
+division is IEEE round-to-nearest, rounding is ``floor(v + 0.5)`` (or ``floor(v + u)`` with
+Triton's Philox uniform ``u`` for stochastic rounding), and a k-way sum adds the dequantized
+inputs in index order 0..k-1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import (
+    QuantizedTensor,
+    check_bits,
+    check_float_dtype,
+    check_group_size,
+    num_groups,
+    qmax,
+    split_rows,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Triton's Philox4x32-10 and uint -> uniform float conversion (triton.language.random), in torch.
+# ----------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+_PHILOX_KEY_A = 0x9E3779B9
+_PHILOX_KEY_B = 0xBB67AE85
+_PHILOX_ROUND_A = 0xD2511F53
+_PHILOX_ROUND_B = 0xCD9E8D57
+_UNIFORM_SCALE = 4.6566127342e-10  # 2**-31, as Triton writes it
+
+
+def _umulhi32(a: int, b: torch.Tensor) -> torch.Tensor:
+    """High 32 bits of the 64-bit product of a uint32 constant and uint32 values (held in int64)."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    return (a * b_hi + ((a * b_lo) >> 16)) >> 16
+
+
+def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """``tl.rand(seed, offsets)`` for int64 ``offsets``: fp32 uniforms in [0, 1), bit-identical."""
+    offsets = offsets.to(torch.int64)
+    c0 = offsets & _M32
+    c1 = (offsets >> 32) & _M32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(10):
+        _c0, _c2 = c0, c2
+        c0 = _umulhi32(_PHILOX_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = _umulhi32(_PHILOX_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = (_PHILOX_ROUND_B * _c2) & _M32
+        c3 = (_PHILOX_ROUND_A * _c0) & _M32
+        k0 = (k0 + _PHILOX_KEY_A) & _M32
+        k1 = (k1 + _PHILOX_KEY_B) & _M32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast uint32 -> int32
+    x = torch.where(x < 0, -x - 1, x).to(torch.int32)  # ~x for negatives
+    return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block quantization of fp32 values laid out as [rows, groups, group_size].
+# ----------------------------------------------------------------------------------------------
+def _pad_rows(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[rows, cols] any float -> [rows, groups, group_size] fp32, zero padded."""
+    rows, cols = x2d.shape
+    g = num_groups(cols, group_size)
+    out = torch.zeros(rows, g * group_size, dtype=torch.float32, device=x2d.device)
+    out[:, :cols] = x2d
+    return out.view(rows, g, group_size)
+
+
+def _quantize_blocks(
+    v: torch.Tensor, bits: int, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """v: [rows, groups, group_size] fp32 -> (codes int32 same shape, scales [rows, groups] fp32)."""
+    q = qmax(bits)
+    finite = torch.isfinite(v).all(dim=-1)  # [rows, groups]
+    absmax = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax(dim=-1)
+    scale = absmax / torch.tensor(float(q), dtype=torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    t = v / safe
+    if stochastic:
+        rows, g, gs = v.shape
+        offs = torch.arange(rows * g * gs, dtype=torch.int64, device=v.device).view(rows, g, gs)
+        t = t + philox_uniform(seed, offs.cpu()).to(v.device)
+    else:
+        t = t + 0.5
+    codes = torch.floor(t).clamp_(-q, q)
+    ok = (finite & (scale > 0)).unsqueeze(-1)
+    codes = torch.where(ok, codes, torch.zeros_like(codes)).to(torch.int32)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    return codes, scale
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 codes [rows, padded_cols] -> stored codes [rows, row_bytes]."""
+    if bits == 8:
+        return codes.to(torch.int8)
+    nib = (codes + 8).to(torch.uint8)
+    return nib[:, 0::2] | (nib[:, 1::2] << 4)
+
+
+def _unpack(stored: torch.Tensor, bits: int) -> torch.Tensor:
+    """stored codes [..., row_bytes] -> fp32 codes [..., padded_cols]."""
+    if bits == 8:
+        return stored.to(torch.float32)
+    lo = (stored & 0xF).to(torch.int32) - 8
+    hi = (stored >> 4).to(torch.int32) - 8
+    return torch.stack([lo, hi], dim=-1).flatten(-2).to(torch.float32)
+
+
+def _dequantize_fp32(q: QuantizedTensor) -> torch.Tensor:
+    """codes/scales [..., rows, *] -> fp32 [..., rows, groups, group_size] (padded)."""
+    c = _unpack(q.codes, q.bits)
+    c = c.view(*c.shape[:-1], -1, q.group_size)
+    return c * q.scales.unsqueeze(-1)
+
+
+def _to_quantized(v: torch.Tensor, cols: int, bits: int, group_size: int, stochastic: bool, seed: int) -> QuantizedTensor:
+    codes, scales = _quantize_blocks(v, bits, stochastic, seed)
+    rows = v.shape[0]
+    return QuantizedTensor(_pack(codes.view(rows, -1), bits), scales, cols, bits, group_size)
+
+
+def _write_out(
+    full: torch.Tensor, cols: int, out: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[..., rows, groups, group_size] fp32 -> [..., rows, cols] in ``dtype``, into ``out`` if given."""
+    lead = full.shape[:-2]
+    res = full.reshape(*lead, -1)[..., :cols]
+    if out is None:
+        return res.to(dtype)
+    out.view(res.shape).copy_(res)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public reference functions (same signatures as the dispatching ones in kernels/__init__.py).
+# ----------------------------------------------------------------------------------------------
+def quantize_ref(
+    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0
+) -> QuantizedTensor:
+    """x (any shape, numel divisible by ``rows``) -> QuantizedTensor of ``rows`` rows."""
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    check_float_dtype(x.dtype, "input")
+    cols = split_rows(x.numel(), rows)
+    v = _pad_rows(x.reshape(rows, cols), group_size)
+    return _to_quantized(v, cols, bits, group_size, stochastic, seed)
+
+
+def dequantize_ref(
+    q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """QuantizedTensor -> [rows, cols] in ``dtype`` (or written into ``out``, any shape of that numel)."""
+    return _write_out(_dequantize_fp32(q), q.cols, out, out.dtype if out is not None else dtype)
+
+
+def dequantize_sum_ref(
+    q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Stacked QuantizedTensor [k, rows, *] -> sum over k, [rows, cols], accumulated in fp32."""
+    deq = _dequantize_fp32(q)
+    acc = torch.zeros_like(deq[0])
+    for i in range(deq.shape[0]):
+        acc = acc + deq[i]
+    return _write_out(acc, q.cols, out, out.dtype if out is not None else dtype)
+
+
+def dequantize_sum_requantize_ref(
+    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
+) -> QuantizedTensor:
+    """Stacked QuantizedTensor [k, rows, *] -> the fp32 sum over k, quantized again with
+    ``bits``/``group_size`` (the qgZ intra-node hop). ``group_size`` must equal the input's: the
+    fused kernel re-quantizes each block where it was summed."""
+    check_bits(bits)
+    if group_size != q.group_size:
+        raise ValueError(
+            f"dequantize_sum_requantize keeps the block layout: group_size={group_size} must equal "
+            f"the input's {q.group_size}"
+        )
+    check_group_size(group_size, bits)
+    deq = _dequantize_fp32(q)
+    acc = torch.zeros_like(deq[0])
+    for i in range(deq.shape[0]):
+        acc = acc + deq[i]
+    # Padding positions sum to exactly 0, so re-quantizing the padded blocks is the same as
+    # re-quantizing the unpadded row.
+    return _to_quantized(acc, q.cols, bits, group_size, stochastic, seed)
