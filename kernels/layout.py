@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 
@@ -62,6 +63,19 @@ def check_group_size(group_size: int, bits: int) -> None:
         raise ValueError(
             f"group_size={group_size} is odd; INT4 packs two codes per byte, so use an even group size"
         )
+
+
+def check_seed(seed: int) -> int:
+    """Philox takes a 64-bit key; negative or oversized seeds would be read differently by Triton
+    (sign extension) and by the torch reference, so they are refused rather than silently remapped.
+    Returns the seed as a plain int (numpy / torch integer scalars are accepted)."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}") from None
+    if not 0 <= value < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    return value
 
 
 def num_groups(cols: int, group_size: int) -> int:

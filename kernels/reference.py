@@ -16,6 +16,7 @@ from .layout import (
     check_bits,
     check_float_dtype,
     check_group_size,
+    check_seed,
     num_groups,
     qmax,
     split_rows,
@@ -114,11 +115,13 @@ def _unpack(stored: torch.Tensor, bits: int) -> torch.Tensor:
 def _dequantize_fp32(q: QuantizedTensor) -> torch.Tensor:
     """codes/scales [..., rows, *] -> fp32 [..., rows, groups, group_size] (padded)."""
     c = _unpack(q.codes, q.bits)
-    c = c.view(*c.shape[:-1], -1, q.group_size)
+    c = c.view(*c.shape[:-1], num_groups(q.cols, q.group_size), q.group_size)
     return c * q.scales.unsqueeze(-1)
 
 
-def _to_quantized(v: torch.Tensor, cols: int, bits: int, group_size: int, stochastic: bool, seed: int) -> QuantizedTensor:
+def _to_quantized(
+    v: torch.Tensor, cols: int, bits: int, group_size: int, stochastic: bool, seed: int
+) -> QuantizedTensor:
     codes, scales = _quantize_blocks(v, bits, stochastic, seed)
     rows = v.shape[0]
     return QuantizedTensor(_pack(codes.view(rows, -1), bits), scales, cols, bits, group_size)
@@ -131,9 +134,31 @@ def _write_out(
     lead = full.shape[:-2]
     res = full.reshape(*lead, -1)[..., :cols]
     if out is None:
-        return res.to(dtype)
+        check_float_dtype(dtype, "output")
+        return res.to(dtype).contiguous()  # a fresh [.., rows, cols] tensor, never a padded view
+    check_out_buffer(out, res.numel(), full.device)
     out.view(res.shape).copy_(res)
     return out
+
+
+def check_out_buffer(out: torch.Tensor, numel: int, device: torch.device) -> None:
+    """A caller-provided output buffer must be a contiguous float tensor of ``numel`` elements on
+    the data's device (the kernels write it as a flat ``[rows, cols]`` buffer)."""
+    check_float_dtype(out.dtype, "out")
+    if out.numel() != numel:
+        raise ValueError(f"out has {out.numel()} elements, expected rows*cols = {numel}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is written as a flat [rows, cols] buffer")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the quantized data on {device}")
+
+
+def _check_dims(q: QuantizedTensor, stacked: bool, what: str) -> None:
+    """dequantize takes [rows, *] codes; the reductions take stacked [k, rows, *] codes."""
+    want = 3 if stacked else 2
+    if q.codes.dim() != want:
+        shape = "[k, rows, *]" if stacked else "[rows, *]"
+        raise ValueError(f"{what} takes codes shaped {shape}, got {tuple(q.codes.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,6 +171,7 @@ def quantize_ref(
     check_bits(bits)
     check_group_size(group_size, bits)
     check_float_dtype(x.dtype, "input")
+    seed = check_seed(seed)
     cols = split_rows(x.numel(), rows)
     v = _pad_rows(x.reshape(rows, cols), group_size)
     return _to_quantized(v, cols, bits, group_size, stochastic, seed)
@@ -155,6 +181,7 @@ def dequantize_ref(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """QuantizedTensor -> [rows, cols] in ``dtype`` (or written into ``out``, any shape of that numel)."""
+    _check_dims(q, False, "dequantize")
     return _write_out(_dequantize_fp32(q), q.cols, out, out.dtype if out is not None else dtype)
 
 
@@ -162,8 +189,9 @@ def dequantize_sum_ref(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Stacked QuantizedTensor [k, rows, *] -> sum over k, [rows, cols], accumulated in fp32."""
+    _check_dims(q, True, "dequantize_sum")
     deq = _dequantize_fp32(q)
-    acc = torch.zeros_like(deq[0])
+    acc = deq.new_zeros(deq.shape[1:])  # [rows, groups, group_size]; k = 0 sums to zeros
     for i in range(deq.shape[0]):
         acc = acc + deq[i]
     return _write_out(acc, q.cols, out, out.dtype if out is not None else dtype)
@@ -176,6 +204,8 @@ def dequantize_sum_requantize_ref(
     ``bits``/``group_size`` (the qgZ intra-node hop). ``group_size`` must equal the input's: the
     fused kernel re-quantizes each block where it was summed."""
     check_bits(bits)
+    _check_dims(q, True, "dequantize_sum_requantize")
+    seed = check_seed(seed)
     if group_size != q.group_size:
         raise ValueError(
             f"dequantize_sum_requantize keeps the block layout: group_size={group_size} must equal "
@@ -183,7 +213,7 @@ def dequantize_sum_requantize_ref(
         )
     check_group_size(group_size, bits)
     deq = _dequantize_fp32(q)
-    acc = torch.zeros_like(deq[0])
+    acc = deq.new_zeros(deq.shape[1:])  # [rows, groups, group_size]; k = 0 sums to zeros
     for i in range(deq.shape[0]):
         acc = acc + deq[i]
     # Padding positions sum to exactly 0, so re-quantizing the padded blocks is the same as

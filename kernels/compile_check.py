@@ -1,0 +1,109 @@
+"""Compile every Triton kernel for an NVIDIA target without a GPU, and check the generated PTX.
+
+    python -m zeropp.kernels.compile_check            # sm_90 (H100/H200), representative variants
+    python -m zeropp.kernels.compile_check --all      # every dtype x bits x stochastic variant
+
+Why: CPU tests run the kernels under TRITON_INTERPRET=1, which never invokes the compiler, so an
+error only the compiler sees (a non-constexpr global read, a type mismatch) would first show on a
+GPU. Triton ships ptxas, so the full compile runs on any Linux machine. The PTX is also checked
+for the two properties bit-exactness depends on: no ``fma`` (fp contraction off) and IEEE
+division without flush-to-zero. Exit code 77 means "cannot check here" (interpreter mode or
+no ptxas), for test runners to report as a skip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import os
+import re
+import sys
+
+from ._triton import HAS_TRITON, LAUNCH_OPTS, TileConfig
+
+SKIP = 77
+
+
+def _compile_ptx(fn, ptrs: dict[str, str], consts: dict[str, object], arch: int) -> str:
+    """One kernel variant -> PTX text. Ints are typed i32 with Triton's usual divisibility-16
+    specialisation, as the launchers' calls on aligned sizes get."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = TileConfig(consts["GROUP_SIZE"], 1 << 16)
+    consts = dict(consts, BLOCK_G=cfg.block_g, BLOCK_GS=cfg.block_gs)
+    sig = {name: ptrs.get(name, "i32") for name in fn.arg_names}
+    div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in consts and name not in ("k", "seed", "tiles_per_row")}
+    sig.update({name: "constexpr" for name in consts})
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div16)
+    opts = dict(LAUNCH_OPTS, num_warps=cfg.num_warps)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).asm["ptx"]
+
+
+def _variants(full: bool):
+    """(name, kernel, pointer types, constexprs) for each variant to compile."""
+    # modules by name: the package re-exports functions called quantize / reduce's names
+    qm = importlib.import_module(__package__ + ".quantize")
+    rm = importlib.import_module(__package__ + ".reduce")
+    f32 = "*fp32"
+    codes = {8: "*i8", 4: "*u8"}
+    dtypes = ("fp32", "bf16", "fp16") if full else ("bf16",)
+    for dt, bits, st in itertools.product(dtypes, (8, 4), (False, True) if full else (True,)):
+        gs = 100 if bits == 4 else 512  # a non-power-of-two and a power-of-two group
+        yield (f"quantize {dt} int{bits} g{gs} stochastic={st}", qm._quantize_kernel,
+               {"x_ptr": "*" + dt, "codes_ptr": codes[bits], "scales_ptr": f32},
+               dict(GROUP_SIZE=gs, BITS=bits, QMAX=2 ** (bits - 1) - 1, STOCHASTIC=st))
+        yield (f"dequantize int{bits} -> {dt}", qm._dequantize_kernel,
+               {"codes_ptr": codes[bits], "scales_ptr": f32, "out_ptr": "*" + dt}, dict(GROUP_SIZE=128, BITS=bits))
+        yield (f"dequantize_sum int{bits} -> {dt}", rm._dequantize_sum_kernel,
+               {"codes_ptr": codes[bits], "scales_ptr": f32, "out_ptr": "*" + dt}, dict(GROUP_SIZE=128, BITS=bits))
+    for ib, ob in ((4, 4), (8, 4), (4, 8)) if full else ((4, 8),):
+        for st in (False, True):
+            yield (f"dequantize_sum_requantize int{ib} -> int{ob} stochastic={st}",
+                   rm._dequantize_sum_requantize_kernel,
+                   {"codes_ptr": codes[ib], "scales_ptr": f32, "out_codes_ptr": codes[ob], "out_scales_ptr": f32},
+                   dict(GROUP_SIZE=128, IN_BITS=ib, OUT_BITS=ob, QMAX=2 ** (ob - 1) - 1, STOCHASTIC=st))
+
+
+def check(arch: int = 90, full: bool = False) -> list[str]:
+    """Compile the variants; return a list of problems (empty when all is well)."""
+    problems = []
+    for name, fn, ptrs, consts in _variants(full):
+        ptx = _compile_ptx(fn, ptrs, consts, arch)
+        if re.search(r"\bfma\.", ptx):
+            problems.append(f"{name}: fused multiply-add in PTX (fp contraction must be off)")
+        if re.search(r"\bdiv\.(rn\.ftz|full|approx)", ptx):
+            problems.append(f"{name}: approximate or flush-to-zero division in PTX")
+        if name.startswith("quantize") or "requantize" in name:
+            if "div.rn.f32" not in ptx:
+                problems.append(f"{name}: no IEEE division (div.rn.f32) found")
+        print(f"ok  {name}" if not any(p.startswith(name) for p in problems) else f"BAD {name}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    p.add_argument("--all", action="store_true", help="every dtype / bits / stochastic variant")
+    args = p.parse_args(argv)
+    if not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile check needs triton without TRITON_INTERPRET=1")
+        return SKIP
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(args.arch).path
+    except Exception as exc:  # noqa: BLE001 - any failure here means: no toolchain
+        print(f"no ptxas available for sm_{args.arch}: {exc}")
+        return SKIP
+    problems = check(args.arch, args.all)
+    for line in problems:
+        print(line)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

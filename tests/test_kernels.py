@@ -1,0 +1,298 @@
+"""Properties of the quantization format through the public API (torch reference, the spec), its
+input checks, the CPU dispatch, and a smoke run of the kernel benchmark.
+
+The Triton kernels are compared with this reference bit for bit in test_kernels_triton.py; the
+properties checked here therefore hold for both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from zeropp.kernels import (
+    QuantizedTensor,
+    dequantize,
+    dequantize_sum,
+    dequantize_sum_requantize,
+    quantize,
+    quantized_nbytes,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These tensors are small: on the shared 2-core machine intra-op threads only add waiting
+    (a parallel region waits for its slowest, often descheduled, thread). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gaussian(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def per_element_scale(q: QuantizedTensor) -> torch.Tensor:
+    """scales [rows, groups] -> [rows, cols]: the scale each element was quantized with."""
+    return q.scales.repeat_interleave(q.group_size, dim=-1)[..., : q.cols]
+
+
+def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
+    """k QuantizedTensors of one layout -> one stacked [k, rows, *] QuantizedTensor."""
+    q0 = qs[0]
+    return QuantizedTensor(
+        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), q0.cols, q0.bits, q0.group_size
+    )
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double().flatten(), y.double().flatten()
+    return 10 * math.log10(x.pow(2).sum().item() / (x - y).pow(2).sum().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trip, noise floor
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [2, 100, 128, 2048])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_within_half_a_step(bits, group_size, dtype):
+    x = gaussian(17 * 257, seed=bits + group_size, dtype=dtype).view(17, 257)
+    q = quantize(x, bits, group_size, rows=17)
+    assert q.codes.shape == (17, q.codes.shape[-1]) and q.cols == 257
+    xf = x.float()
+    err = (xf - dequantize(q)).abs()  # [17, 257]
+    scale = per_element_scale(q)
+    # half a step, plus fp32 rounding of x/scale and code*scale (a few ulps of |x|)
+    assert (err <= scale / 2 + 4e-7 * xf.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize(
+    "bits,group_size,stochastic,floor_db",
+    # measured on this data (seed 0, 2**16 samples): 43.8, 42.6, 40.8, 18.6, 17.4, 15.6 dB
+    [(8, 128, False, 42.0), (8, 512, False, 41.0), (8, 128, True, 39.0),
+     (4, 128, False, 17.0), (4, 512, False, 16.0), (4, 128, True, 14.0)],
+)
+def test_sqnr_floor_on_gaussian_data(bits, group_size, stochastic, floor_db):
+    x = gaussian(1 << 16)
+    y = dequantize(quantize(x, bits, group_size, stochastic=stochastic, seed=1))
+    assert sqnr_db(x, y) >= floor_db
+
+
+def test_smaller_blocks_keep_error_local():
+    """Why block-wise scales: an outlier only coarsens its own block."""
+    x = gaussian(1 << 14)
+    x[7] = 1000.0
+    fine = sqnr_db(x, dequantize(quantize(x, 8, 64)))
+    coarse = sqnr_db(x, dequantize(quantize(x, 8, 1 << 14)))
+    assert fine > coarse + 10
+
+
+# ---------------------------------------------------------------------------------------------
+# Special blocks
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_block_gives_zeros_and_zero_scale(bits, dtype):
+    x = gaussian(5 * 64, dtype=dtype)
+    x[64:128] = 0
+    q = quantize(x, bits, 64)
+    assert q.scales[0, 1] == 0
+    y = dequantize(q, dtype=dtype).view(-1)
+    assert torch.equal(y[64:128], torch.zeros(64, dtype=dtype))
+    assert torch.isfinite(y).all()
+    assert torch.equal(dequantize(quantize(torch.zeros(10, dtype=dtype), bits, 4)), torch.zeros(1, 10))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_block_dequantizes_to_nan_and_neighbours_survive(bits, bad, dtype):
+    x = gaussian(4 * 32 + 5, dtype=dtype)  # 5 blocks, the last one partial
+    x[40] = bad
+    q = quantize(x, bits, 32)
+    assert torch.isnan(q.scales[0, 1]) and torch.isfinite(q.scales[0, [0, 2, 3, 4]]).all()
+    y = dequantize(q, dtype=dtype).view(-1)
+    assert torch.isnan(y[32:64]).all()
+    ok = torch.cat([y[:32], y[64:]]).float()
+    ref = torch.cat([x[:32], x[64:]]).float()
+    assert torch.isfinite(ok).all() and (ok - ref).abs().max() < 0.6  # INT4 step on N(0,1) < 1.2
+
+
+def test_non_finite_block_codes_are_zero():
+    x = torch.ones(8)
+    x[3] = float("nan")
+    assert torch.equal(quantize(x, 8, 8).codes, torch.zeros(1, 8, dtype=torch.int8))
+    assert torch.equal(quantize(x, 4, 8).codes, torch.full((1, 4), 0x88, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: sizes, packing, byte accounting
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 7, 257, 2**20 + 3])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_any_element_count_pads_internally(n, bits):
+    q = quantize(gaussian(n), bits, 128)
+    assert q.nbytes == quantized_nbytes(1, n, bits, 128)
+    assert dequantize(q).shape == (1, n)
+
+
+def test_int4_packing_order():
+    """Element 2i in the low nibble, 2i+1 in the high nibble, each stored as code + 8."""
+    x = torch.tensor([7.0, -7.0, 1.0, 0.0])
+    assert quantize(x, 4, 4).codes.tolist() == [[(8 + 7) | ((8 - 7) << 4), (8 + 1) | (8 << 4)]]
+
+
+# ---------------------------------------------------------------------------------------------
+# out= buffers and output dtypes
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_out_buffer_written_in_place(dtype, bits):
+    x = gaussian(3 * 100).view(3, 100)
+    q = quantize(x, bits, 64, rows=3)
+    out = torch.full((300,), 123.0, dtype=dtype)
+    ptr = out.data_ptr()
+    res = dequantize(q, out=out, dtype=torch.float32)  # the buffer's dtype wins
+    assert res is out and out.data_ptr() == ptr
+    assert torch.equal(out.view(3, 100), dequantize(q, dtype=dtype))
+    assert torch.equal(dequantize(q, dtype=dtype), dequantize(q).to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stochastic rounding
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased(bits):
+    x = gaussian(2048, seed=3)
+    seeds = 256
+    mean = sum(dequantize(quantize(x, bits, 128, stochastic=True, seed=s)) for s in range(seeds)) / seeds
+    nearest_err = (dequantize(quantize(x, bits, 128)) - x).abs().mean()
+    stoch_err = (mean - x).abs().mean()
+    # each element's error is zero-mean with std <= step/2: the average over 256 seeds shrinks it 16x
+    assert stoch_err < nearest_err / 4
+    step = per_element_scale(quantize(x, bits, 128))
+    assert ((mean - x).abs() <= 6 * step / (2 * seeds**0.5)).all()
+
+
+def test_stochastic_rounding_is_deterministic_per_seed():
+    x = gaussian(1000)
+    a, b = quantize(x, 4, 64, stochastic=True, seed=5), quantize(x, 4, 64, stochastic=True, seed=5)
+    c = quantize(x, 4, 64, stochastic=True, seed=6)
+    assert torch.equal(a.codes, b.codes) and not torch.equal(a.codes, c.codes)
+    err = (dequantize(a) - x).abs()
+    assert (err < per_element_scale(a) * (1 + 1e-6)).all()  # within one step, never more
+
+
+# ---------------------------------------------------------------------------------------------
+# Reductions
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_sum_is_ordered_fp32_sum(k, bits):
+    qs = [quantize(gaussian(2 * 300, seed=i), bits, 128, rows=2) for i in range(k)]
+    acc = torch.zeros(2, 300)
+    for q in qs:
+        acc = acc + dequantize(q)
+    assert torch.equal(dequantize_sum(stack(qs)), acc)
+    out = torch.empty(600, dtype=torch.bfloat16)
+    assert dequantize_sum(stack(qs), out=out) is out and torch.equal(out.view(2, 300), acc.bfloat16())
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 8), (4, 4), (8, 4), (4, 8)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fused_requantize_equals_quantize_of_sum(k, in_bits, out_bits, stochastic):
+    qs = [quantize(gaussian(3 * 257, seed=i), in_bits, 64, rows=3) for i in range(k)]
+    s = stack(qs)
+    fused = dequantize_sum_requantize(s, out_bits, stochastic=stochastic, seed=11)
+    unfused = quantize(dequantize_sum(s), out_bits, 64, rows=3, stochastic=stochastic, seed=11)
+    assert torch.equal(fused.codes, unfused.codes) and torch.equal(fused.scales, unfused.scales)
+
+
+def test_reduction_propagates_non_finite_blocks():
+    a, b = gaussian(256, seed=1), gaussian(256, seed=2)
+    b[130] = float("inf")
+    s = stack([quantize(a, 4, 128), quantize(b, 4, 128)])
+    assert torch.isnan(dequantize_sum(s)[0, 128:]).all() and torch.isfinite(dequantize_sum(s)[0, :128]).all()
+    r = dequantize_sum_requantize(s, 4)
+    assert torch.isnan(r.scales[0, 1]) and torch.isfinite(r.scales[0, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks (both implementations share them) and dispatch
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_bad_inputs_raise_clear_value_errors(impl):
+    x = gaussian(100)
+    q = quantize(x, 8, 32)
+    cases = [
+        (lambda: quantize(x, 3, 32, impl=impl), "bits=3"),
+        (lambda: quantize(x, 4, 33, impl=impl), "odd"),
+        (lambda: quantize(x, 8, 0, impl=impl), "group_size"),
+        (lambda: quantize(x, 8, 32, rows=3, impl=impl), "equal rows"),
+        (lambda: quantize(torch.arange(10), 8, 32, impl=impl), "dtype"),
+        (lambda: quantize(x, 8, 32, stochastic=True, seed=-1, impl=impl), "seed"),
+        (lambda: dequantize(q, out=torch.empty(99), impl=impl), "elements"),
+        (lambda: dequantize(q, out=torch.empty(100, dtype=torch.int32), impl=impl), "dtype"),
+        (lambda: dequantize(q, out=torch.empty(200)[::2], impl=impl), "contiguous"),
+        (lambda: dequantize(q, dtype=torch.int8, impl=impl), "dtype"),
+        (lambda: dequantize_sum(q, impl=impl), r"\[k, rows"),
+        (lambda: dequantize(stack([q, q]), impl=impl), r"\[rows, \*\]"),
+        (lambda: dequantize_sum_requantize(stack([q]), 8, 64, impl=impl), "group_size"),
+        (lambda: dequantize_sum_requantize(stack([quantize(x, 8, 33)]), 4, impl=impl), "odd"),
+        (lambda: quantize(x, impl="cuda"), "impl"),
+    ]
+    for fn, match in cases:
+        with pytest.raises(ValueError, match=match):
+            fn()
+
+
+def test_mismatched_quantized_tensor_is_rejected():
+    q = quantize(gaussian(100), 4, 32)
+    with pytest.raises(ValueError, match="layout mismatch"):
+        QuantizedTensor(q.codes, q.scales, 200, 4, 32)
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedTensor(q.codes.view(torch.int8), q.scales, 100, 4, 32)
+    with pytest.raises(ValueError, match="float32"):
+        QuantizedTensor(q.codes, q.scales.double(), 100, 4, 32)
+    with pytest.raises(ValueError, match="leading dims"):
+        QuantizedTensor(q.codes, q.scales.expand(2, 4), 100, 4, 32)
+
+
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    # the package re-exports functions named like its modules, so fetch the modules themselves
+    qm = importlib.import_module("zeropp.kernels.quantize")
+    rm = importlib.import_module("zeropp.kernels.reduce")
+
+    def boom(*a, **k):
+        raise AssertionError("Triton path taken for a CPU tensor")
+
+    for mod, name in [(qm, "_quantize_triton"), (qm, "_dequantize_triton"),
+                      (rm, "_dequantize_sum_triton"), (rm, "_dequantize_sum_requantize_triton")]:
+        monkeypatch.setattr(mod, name, boom)
+    q = quantize(gaussian(100), 4, 32)
+    dequantize(q)
+    dequantize_sum(stack([q, q]))
+    dequantize_sum_requantize(stack([q, q]), 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark smoke test (CPU, tiny sizes; no timing assertions)
+# ---------------------------------------------------------------------------------------------
+def test_bench_runs_on_cpu(capsys):
+    from zeropp.experiments import bench_kernels
+
+    rows = bench_kernels.main(["--device", "cpu", "--max-mib", "0.125", "--iters", "2", "--warmup", "1"])
+    text = capsys.readouterr().out
+    assert "CPU: timing the torch reference, not the Triton kernels" in text
+    assert {r["op"] for r in rows} >= {"copy", "quantize int8 g512", "fused reduce int4 g128 k4"}
+    assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)

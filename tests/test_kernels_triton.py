@@ -1,0 +1,235 @@
+"""The Triton kernels against the torch reference, bit for bit (same scales, same codes, same
+output bits), run on CPU tensors under TRITON_INTERPRET=1 (set by conftest.py).
+
+The interpreter costs about 1 s per million elements per kernel, so the 2**20 + 3 cases are kept
+to two; everything else is small but chosen to hit every masking path: sizes smaller than one
+block, group sizes that do not divide the row, non-power-of-two group sizes, several tiles per
+row, several rows, NaN/Inf/zero blocks, and all dtype/bit-width combinations.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
+from zeropp.kernels._triton import HAS_TRITON
+from zeropp.kernels.reference import philox_uniform
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (shape, rows): a lone element, less than a block, one row of 17*257, and 17 rows of 257
+SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 1), ((17, 257), 17)]
+# 2: many blocks per tile and >1 tile per row; 64: does not divide 257; 100: not a power of two;
+# 2048: one block larger than the whole row
+GROUP_SIZES = [2, 64, 100, 2048]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These tensors are small: on the shared 2-core machine intra-op threads only add waiting
+    (a parallel region waits for its slowest, often descheduled, thread). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def data(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(dtype)
+
+
+def assert_same_q(a: QuantizedTensor, b: QuantizedTensor) -> None:
+    """Same layout, same codes, same scales (NaN scales compared by position)."""
+    assert (a.cols, a.bits, a.group_size) == (b.cols, b.bits, b.group_size)
+    assert a.codes.dtype == b.codes.dtype and torch.equal(a.codes, b.codes)
+    assert torch.equal(torch.isnan(a.scales), torch.isnan(b.scales))
+    assert torch.equal(a.scales.nan_to_num(0.0), b.scales.nan_to_num(0.0))
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Identical values including NaN positions (and dtype)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
+    q0 = qs[0]
+    return QuantizedTensor(
+        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), q0.cols, q0.bits, q0.group_size
+    )
+
+
+def both(fn, *args, **kwargs):
+    return fn(*args, impl="torch", **kwargs), fn(*args, impl="triton", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,rows", SHAPES, ids=str)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_quantize_and_dequantize_bit_exact(shape, rows, group_size, dtype, bits, stochastic):
+    x = data(shape, dtype, seed=group_size)
+    ref, tri = both(quantize, x, bits, group_size, rows=rows, stochastic=stochastic, seed=1234)
+    assert_same_q(ref, tri)
+    assert_same_bits(*both(dequantize, tri, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "n,dtype,bits,group_size,stochastic",
+    [(2**20 + 3, torch.float32, 8, 512, False), (2**20 + 3, torch.bfloat16, 4, 128, False),
+     # stochastic rounding costs ~10x in the interpreter (Philox in numpy): many tiles, fewer elements
+     (2**16 + 3, torch.float16, 4, 128, True)],
+    ids=["2^20+3-fp32-int8-g512", "2^20+3-bf16-int4-g128", "2^16+3-fp16-int4-g128-stochastic"],
+)
+def test_large_odd_size_bit_exact(n, dtype, bits, group_size, stochastic):
+    x = data((n,), dtype)
+    ref, tri = both(quantize, x, bits, group_size, stochastic=stochastic, seed=7)
+    assert_same_q(ref, tri)
+    assert_same_bits(*both(dequantize, tri, dtype=dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_blocks_bit_exact(bits, dtype):
+    x = data((6 * 32 + 10,), dtype)
+    x[32:64] = 0  # zero block
+    x[70] = float("nan")
+    x[100] = float("inf")
+    x[140] = float("-inf")
+    x[190:] = 0  # trailing partial block of zeros
+    x[5] = 1e-30 if dtype == torch.float32 else x[5]  # tiny value beside normal ones
+    ref, tri = both(quantize, x, bits, 32)
+    assert_same_q(ref, tri)
+    assert torch.isnan(tri.scales[0, 2:5]).all() and tri.scales[0, 1] == 0 and tri.scales[0, 6] == 0
+    for out_dtype in DTYPES:
+        y_ref, y_tri = both(dequantize, tri, dtype=out_dtype)
+        assert_same_bits(y_ref, y_tri)
+        assert torch.isnan(y_tri[0, 64:160]).all() and torch.isfinite(y_tri[0, :64]).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy, in the interpreter
+def test_huge_values_and_output_overflow_bit_exact():
+    """Near-FLT_MAX inputs stay finite in fp32; written to fp16 they overflow to inf like torch."""
+    x = torch.tensor([3e38, -1e38, 1.0, 70000.0, -65520.0, 5.0])
+    ref, tri = both(quantize, x, 8, 2)
+    assert_same_q(ref, tri)
+    for dtype in DTYPES:
+        assert_same_bits(*both(dequantize, tri, dtype=dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_subnormal_blocks_bit_exact(bits):
+    """Blocks whose values or scales are subnormal fp32 (GPU flush-to-zero would differ)."""
+    x = torch.tensor([1e-40, -3e-39, 2e-45, 0.0,  # subnormal values, subnormal scale
+                      5e-38, -1e-38, 2e-38, 3e-38,  # normal values, subnormal scale
+                      1.0, 1e-40, -2.0, 1e-45])  # normal scale, subnormal values (code 0)
+    ref, tri = both(quantize, x, bits, 4)
+    assert_same_q(ref, tri)
+    assert ref.scales[0, 0] > 0 and ref.scales[0, 1] < 1.18e-38  # really subnormal
+    assert_same_bits(*both(dequantize, tri))
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_into_out_buffer(out_dtype, bits):
+    q = quantize(data((3, 100), torch.float32), bits, 64, rows=3)
+    out = torch.full((300,), 5.0, dtype=out_dtype)
+    res = dequantize(q, out=out, impl="triton")
+    assert res is out
+    assert_same_bits(out, dequantize(q, dtype=out_dtype, impl="torch").view(-1))
+
+
+def test_strided_input_and_empty_tensor():
+    x = data((64, 33), torch.bfloat16).t()  # non-contiguous view
+    assert_same_q(*both(quantize, x, 4, 16, rows=33))
+    e_ref, e_tri = both(quantize, torch.empty(0), 8, 16)
+    assert_same_q(e_ref, e_tri)
+    assert dequantize(e_tri, impl="triton").shape == (1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 8), (4, 4), (8, 4), (4, 8)])
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_reductions_bit_exact(k, in_bits, out_bits, stochastic):
+    rows, cols, gs = 3, 257, 64
+    qs = [quantize(data((rows, cols), torch.float32, seed=i), in_bits, gs, rows=rows) for i in range(k)]
+    s = stack(qs)
+    ref, tri = both(dequantize_sum_requantize, s, out_bits, stochastic=stochastic, seed=99)
+    assert_same_q(ref, tri)
+    # the fused result is quantize(sum of dequantized), computed here with the Triton kernels alone
+    unfused = quantize(dequantize_sum(s, impl="triton"), out_bits, gs, rows=rows,
+                       stochastic=stochastic, seed=99, impl="triton")
+    assert_same_q(tri, unfused)
+    for dtype in DTYPES:
+        assert_same_bits(*both(dequantize_sum, s, dtype=dtype))
+
+
+def test_reductions_of_nothing_are_zero():
+    empty = QuantizedTensor(torch.zeros(0, 2, 64, dtype=torch.int8), torch.zeros(0, 2, 1), 50, 8, 64)
+    for impl in ("torch", "triton"):
+        assert torch.equal(dequantize_sum(empty, impl=impl), torch.zeros(2, 50))
+        r = dequantize_sum_requantize(empty, 4, impl=impl)
+        assert torch.equal(r.scales, torch.zeros(2, 1))
+        assert torch.equal(r.codes, torch.full((2, 32), 0x88, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reductions_with_special_blocks_bit_exact(bits):
+    a, b, c = (data((2, 200), torch.float32, seed=i) for i in range(3))
+    a[0, 10] = float("nan")  # block 0 of row 0
+    b[1, 150] = float("-inf")  # block 1 of row 1
+    b[0, 100:200] = 0
+    c[0, 100:200] = 0  # block 1 of row 0 is zero in b and c ...
+    a[0, 100:200] = -0.0  # ... and negative zero in a
+    s = stack([quantize(t, bits, 100, rows=2) for t in (a, b, c)])
+    assert_same_q(*both(dequantize_sum_requantize, s, bits))
+    r = dequantize_sum_requantize(s, bits, impl="triton")
+    assert torch.isnan(r.scales[0, 0]) and torch.isnan(r.scales[1, 1]) and r.scales[0, 1] == 0
+    out_ref, out_tri = torch.empty(400, dtype=torch.bfloat16), torch.empty(400, dtype=torch.bfloat16)
+    dequantize_sum(s, out=out_ref, impl="torch")
+    assert dequantize_sum(s, out=out_tri, impl="triton") is out_tri
+    assert_same_bits(out_ref, out_tri)
+
+
+# ---------------------------------------------------------------------------------------------
+def test_reference_philox_matches_tl_rand_beyond_32_bit_offsets():
+    """Stochastic offsets are int64; tensors past 2**32 elements use Philox's second counter word,
+    which no interpreter-sized tensor reaches, so check the reference uniform against tl.rand there."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rand_kernel(out_ptr, seed, base, N: tl.constexpr):  # out_ptr: *fp32 [N]
+        offs = base + tl.arange(0, N).to(tl.int64)
+        tl.store(out_ptr + tl.arange(0, N), tl.rand(seed, offs))
+
+    for seed, base in [(0, 0), (2**40 + 5, 2**32 - 3), (123, 5 * 2**33)]:
+        out = torch.empty(64)
+        rand_kernel[(1,)](out, seed, base, N=64)
+        assert torch.equal(out, philox_uniform(seed, torch.arange(64, dtype=torch.int64) + base))
+
+
+# ---------------------------------------------------------------------------------------------
+def test_kernels_compile_for_h100_without_fp_contraction_or_ftz():
+    """The interpreter skips the compiler, so GPU-only errors (a non-constexpr global, a type
+    mismatch) would otherwise surface only on a GPU. kernels/compile_check.py compiles every kernel
+    for sm_90 with the launchers' options and checks the PTX keeps the bit-exact arithmetic (no
+    fused multiply-add, IEEE division without flush-to-zero). It must run without
+    TRITON_INTERPRET (which replaces triton.jit), hence the subprocess."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "zeropp.kernels.compile_check"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
