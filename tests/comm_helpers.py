@@ -1,0 +1,113 @@
+"""Shared helpers of the comm tests: deterministic per-rank inputs, references computed from the
+kernels' torch reference, error bounds derived from the block scales, and the analytic byte
+volumes that the accounting must reproduce exactly.
+
+Every rank can regenerate every other rank's input (seeded by rank), so each rank can check its
+result against a reference built from the whole world's data without extra communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeropp.comm import Topology
+from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REL_ROUND = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+"""Half an ulp, relative: the rounding of a result stored in each dtype."""
+
+
+def rank_input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A rank's test tensor: normal values whose magnitude varies by chunk of 64 (so blocks have
+    different scales) and a few exact zeros."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(numel, generator=g)
+    mag = torch.exp(torch.randn(math.ceil(numel / 64), generator=g)).repeat_interleave(64)[:numel]
+    x = x * mag
+    x[::97] = 0.0
+    return x.to(dtype)
+
+
+def block_absmax(x: torch.Tensor, gs: int) -> torch.Tensor:
+    """[rows, cols] -> per-element absmax of its block (fp32, same shape)."""
+    rows, cols = x.shape
+    g = math.ceil(cols / gs)
+    pad = torch.zeros(rows, g * gs)
+    pad[:, :cols] = x.float().abs()
+    return pad.view(rows, g, gs).amax(-1).repeat_interleave(gs, dim=1)[:, :cols]
+
+
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def simulate_qgz(inputs: list[torch.Tensor], topo: Topology, j: int, n: int, bits: int, intra_bits: int, gs: int) -> torch.Tensor:
+    """Bit-exact expected SUM of chunk ``j`` by the hierarchical algorithm, built from the kernels:
+    each rank quantizes its chunk, each node sums its ranks' chunks in local order and
+    re-quantizes, the node sums are dequantized and summed in node order. fp32 [n]."""
+    rpn = topo.ranks_per_node
+    chunks = [x.view(-1, n)[j : j + 1] for x in inputs]  # per rank [1, n]
+    if topo.nodes == 1 or rpn == 1:
+        b = intra_bits if topo.nodes == 1 else bits
+        qs = [quantize(c, b, gs, rows=1) for c in chunks]
+        return dequantize_sum(_stack(qs)).view(-1)
+    node_sums = []
+    for m in range(topo.nodes):
+        qs = [quantize(chunks[m * rpn + l], intra_bits, gs, rows=1) for l in range(rpn)]
+        node_sums.append(dequantize_sum_requantize(_stack(qs), bits, gs))
+    return dequantize_sum(_stack(node_sums)).view(-1)
+
+
+def _stack(qs):
+    from zeropp.kernels import QuantizedTensor
+
+    return QuantizedTensor(
+        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), qs[0].cols, qs[0].bits, qs[0].group_size
+    )
+
+
+def qgz_error_bound(inputs: list[torch.Tensor], topo: Topology, j: int, n: int, bits: int, intra_bits: int, gs: int) -> torch.Tensor:
+    """Per-element bound on |qgZ SUM - exact SUM| for chunk ``j``, from the block scales:
+    each first-hop quantization errs by at most half a step, ``A_r / (2 qmax)`` (A_r = the block's
+    absmax on rank r); a node's partial sum has absmax <= sum_r A_r (1 + 1/(2 qmax1)) and its
+    re-quantization errs by half of that step. Half-steps add up over ranks and nodes."""
+    A = [block_absmax(x.view(-1, n)[j : j + 1], gs).view(-1) for x in inputs]
+    hierarchical = topo.nodes > 1 and topo.ranks_per_node > 1
+    q1 = qmax(intra_bits if hierarchical or topo.nodes == 1 else bits)
+    total_A = torch.stack(A).sum(0)
+    bound = total_A / (2 * q1)
+    if hierarchical:
+        bound = bound + total_A * (1 + 1 / (2 * q1)) / (2 * qmax(bits))
+    return bound + total_A * 1e-5  # fp32 arithmetic slack
+
+
+def wire(n: int, bits: int, gs: int) -> int:
+    """Bytes of one quantized row of n elements (codes + scales)."""
+    return quantized_nbytes(1, n, bits, gs)
+
+
+def expected_all_gather_bytes(topo: Topology, n: int, elem_bytes: int, bits=None, gs: int = 512) -> dict[str, int]:
+    """World all-gather: my message to each of the other rpn-1 node peers and W-rpn remote ranks."""
+    msg = n * elem_bytes if bits is None else wire(n, bits, gs)
+    return {"intra": (topo.ranks_per_node - 1) * msg, "cross": (topo.world_size - topo.ranks_per_node) * msg}
+
+
+def expected_reduce_scatter_bytes(topo: Topology, n: int, elem_bytes: int, bits=None, intra_bits=None, gs: int = 128) -> dict[str, int]:
+    """World reduce-scatter. Plain: one chunk to every other rank. qgZ: hop 1 sends ``nodes`` rows
+    to each of the rpn-1 node peers; hop 2 one row to each of the nodes-1 remote peers."""
+    W, rpn, nodes = topo.world_size, topo.ranks_per_node, topo.nodes
+    if bits is None:
+        return {"intra": (rpn - 1) * n * elem_bytes, "cross": (W - rpn) * n * elem_bytes}
+    ib = bits if intra_bits is None else intra_bits
+    if nodes == 1:
+        return {"intra": (W - 1) * wire(n, ib, gs), "cross": 0}
+    if rpn == 1:
+        return {"intra": 0, "cross": (W - 1) * wire(n, bits, gs)}
+    return {"intra": (rpn - 1) * nodes * wire(n, ib, gs), "cross": (nodes - 1) * wire(n, bits, gs)}
+
+
+def bytes_of(stats, kind: str) -> dict[str, int]:
+    return stats.snapshot().get(kind, {"intra": 0, "cross": 0})
