@@ -1,0 +1,11 @@
+"""zeropp: a ZeRO++ communication research toolkit.
+
+Floors (each imports only downward): ``zeropp.kernels`` (block quantization), ``zeropp.comm``
+(topology-aware, byte-accounted collectives: qwZ, qgZ, hpZ groups), ``zeropp.models`` (a small
+byte-level GPT), ``zeropp.runtime`` (``ZeroEngine``: ZeRO stages 0-3 with the ZeRO++ switches).
+Subpackages are imported on demand so ``import zeropp`` stays cheap.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,103 @@
+"""Shared pieces of the runtime tests: deterministic data, a single-process reference trainer,
+and rank functions for ``run_world`` (module-level so they pickle by name)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from zeropp.models import GPT, GPTConfig, byte_batch
+
+TINY = GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+MICRO_B = 2  # sequences per rank per micro-batch
+
+
+def micro_batch(step: int, micro: int, rank: int, cfg: GPTConfig = TINY, batch: int = MICRO_B) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch rank ``rank`` sees at (step, micro): random bytes, reproducible anywhere."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)  # [B, T+1]
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+CORPUS = (b"ZeRO++ cuts cross-node traffic four times: quantized weights, hierarchical partitions, "
+          b"quantized gradients. The quick brown fox jumps over the lazy dog. ") * 8
+
+
+def text_batch(step: int, micro: int, rank: int, cfg: GPTConfig = TINY, batch: int = MICRO_B) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`micro_batch` but windows of a fixed English text, so the loss can fall."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    return byte_batch(CORPUS, batch, cfg.seq_len, g)
+
+
+def rank_batches(step: int, accum: int, rank: int, cfg: GPTConfig = TINY, text: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    fn = text_batch if text else micro_batch
+    return [fn(step, j, rank, cfg) for j in range(accum)]
+
+
+def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def reference_train(steps: int, world: int, accum: int, *, lr: float, wd: float, clip: float | None,
+                    cfg: GPTConfig = TINY) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the same global batch: for each micro index, every rank's
+    micro-batch concatenated; torch.optim.AdamW and clip_grad_norm_. Returns (losses, norms, weights)."""
+    model = make_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, foreach=False)
+    losses, norms = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        tot = 0.0
+        for j in range(accum):
+            parts = [micro_batch(s, j, r, cfg) for r in range(world)]
+            idx = torch.cat([p[0] for p in parts])
+            tgt = torch.cat([p[1] for p in parts])
+            _, loss = model(idx, tgt)
+            (loss / accum).backward()
+            tot += loss.item()
+        n = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else math.inf)
+        norms.append(float(n))
+        opt.step()
+        losses.append(tot / accum)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rel_err(a: Any, b: Any) -> float:
+    """Norm-relative difference ||a - b|| / ||b|| (elementwise relative error is meaningless
+    where Adam's normalised update makes near-zero gradients move weights by a full lr)."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: int, nodes: int, lr: float = 1e-3,
+                 wd: float = 0.01, cfg: GPTConfig = TINY, consolidate: bool = True, text: bool = False) -> dict[str, Any]:
+    """Train one engine for ``steps`` steps inside a world; returns losses, norms, comm, memory, weights."""
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+
+    zc = ZeroConfig(**zero_kwargs)
+    eng = ZeroEngine(make_model(cfg), config=zc, optimizer=OptimizerConfig(lr=lr, weight_decay=wd),
+                     topology=Topology(nodes=nodes, ranks_per_node=world // nodes))
+    try:
+        results = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank, cfg, text)) for s in range(steps)]
+        out = {
+            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "skipped": [r.skipped for r in results], "wait": [r.comm_wait_s for r in results],
+            "memory": eng.memory_report(), "comm": eng.comm_stats.snapshot(), "num_params": eng.num_params,
+            "scales": [r.loss_scale for r in results],
+        }
+        if consolidate:
+            # numpy, not tensors: torch's queue would share tensors by fd, which dies with the process
+            out["weights"] = {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}
+        return out
+    finally:
+        eng.close()
+
+
+def parity_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """Several engines, one after another, in one world launch (a launch costs seconds)."""
+    res = [train_engine(rank, world, kw, steps=steps, nodes=nodes) for kw in configs]
+    return res if rank == 0 else [{"losses": r["losses"]} for r in res]

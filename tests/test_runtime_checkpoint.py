@@ -1,0 +1,160 @@
+"""Checkpoints (exact resume, atomicity, consolidation), evaluation at stage 3, and bad
+configurations failing on every rank before any collective, in one 2x2 world."""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_world
+from tests.runtime_helpers import TINY, make_model, rank_batches, text_batch
+
+STEPS, SPLIT = 6, 3
+
+
+def _engine(seed, **kw):
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+
+    return ZeroEngine(make_model(seed=seed), config=ZeroConfig(**{"stage": 3, "grad_accum_steps": 2, "grad_clip": 0.5, **kw}),
+                      optimizer=OptimizerConfig(lr=1e-2), topology=Topology(nodes=2, ranks_per_node=2))
+
+
+def _train(eng, rank, steps):
+    return [eng.train_step(rank_batches(s, 2, rank, TINY, text=True)).loss for s in steps]
+
+
+def _ckpt_world(rank, world, path):
+    from zeropp.runtime import ZeroConfig, ZeroEngine, checkpoint
+
+    out = {}
+    # 1. uninterrupted reference run
+    ref = _engine(0)
+    out["ref"] = _train(ref, rank, range(STEPS))
+    ref_sd = ref.consolidated_state_dict()
+    ref.close()
+
+    # 2. interrupted run: 3 steps, save, one more step, then two saves that crash
+    a = _engine(0)
+    _train(a, rank, range(SPLIT))
+    a.save_checkpoint(path)
+    _train(a, rank, [SPLIT])
+    real_commit, real_save = checkpoint._commit, torch.save
+    crashes = 0
+
+    def crash_commit(root, tag):
+        raise OSError("simulated crash before commit")
+
+    def crash_mid_write(obj, f, *args, **kwargs):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise OSError("simulated crash mid-write")
+
+    for where in ("commit", "write"):
+        checkpoint._commit = crash_commit if where == "commit" else real_commit
+        checkpoint.torch.save = crash_mid_write if where == "write" else real_save
+        try:
+            a.save_checkpoint(path)
+        except OSError:
+            crashes += 1
+            if where == "commit":  # only rank 0 commits, so only it crashed; it still owes the save's last barrier
+                dist.barrier()
+        finally:
+            checkpoint._commit, checkpoint.torch.save = real_commit, real_save
+    out["crashes"] = crashes
+    a.close()
+
+    # 3. a fresh engine with different initial weights resumes from the last complete checkpoint
+    b = _engine(seed=123, hpz=True)  # hpZ too: its secondary copies must not survive the load
+    b.model(*text_batch(99, 0, rank))  # a forward with grad builds secondary copies ...
+    out["secondary_before_load"] = any(u.secondary is not None for u in b.units)
+    b.load_checkpoint(path)
+    out["latest_after_crashes"] = (Path(path) / "LATEST").read_text().strip()
+    out["secondary_after_load"] = any(u.secondary is not None for u in b.units)
+    b.stage3.release_all()
+    out["resumed"] = _train(b, rank, range(SPLIT, STEPS))
+    sd = b.consolidated_state_dict()
+    out["same_weights"] = all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+    # 4. consolidated weights load into the plain model; stage-3 eval under no_grad agrees
+    idx, tgt = text_batch(1000, 0, 0)  # same batch on every rank
+    plain = make_model(seed=7)
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        out["plain_loss"] = float(plain(idx, tgt)[1])
+    out["engine_eval"] = b.eval_loss(idx, tgt)
+    out["params_free_after_eval"] = all(p.numel() == 0 for u in b.units for p in u.params)
+
+    dist.barrier()
+    out["dirs_before"] = sorted(p.name for p in Path(path).iterdir())
+    dist.barrier()
+    b.save_checkpoint(path)  # a successful save removes older versions and crash debris
+    out["dirs_after"] = sorted(p.name for p in Path(path).iterdir())
+
+    # 5. a checkpoint of another stage is refused with a clear message
+    c = _engine(0, stage=2)
+    try:
+        c.load_checkpoint(path)
+        out["stage_mismatch"] = None
+    except ValueError as e:
+        out["stage_mismatch"] = str(e)
+    c.close()
+    b.close()
+
+    # 6. exact resume through the other parameter paths: replicated (stage 0), all-gathered (stage 1)
+    out["resume_other_stages"] = {}
+    for stage in (0, 1):
+        ref = _engine(0, stage=stage)
+        want = _train(ref, rank, range(4))
+        ref.close()
+        a = _engine(0, stage=stage)
+        _train(a, rank, range(2))
+        a.save_checkpoint(f"{path}-s{stage}")
+        a.close()
+        b2 = _engine(5, stage=stage)
+        b2.load_checkpoint(f"{path}-s{stage}")
+        out["resume_other_stages"][stage] = (_train(b2, rank, range(2, 4)), want[2:])
+        b2.close()
+
+    # 7. bad configurations raise on every rank before any collective, leaving the world usable
+    errors = []
+    for kwargs in (dict(stage=3, hpz=True, hpz_size=3), dict(stage=2, hpz=True), dict(stage=3, qwz_bits=5)):
+        try:
+            _engine(0, **kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+    from zeropp.comm import Topology
+
+    try:
+        ZeroEngine(make_model(), config=ZeroConfig(stage=3), topology=Topology(nodes=3, ranks_per_node=2))
+    except ValueError as e:
+        errors.append(str(e))
+    dist.barrier()
+    out["errors"] = errors
+    return out
+
+
+def test_resume_atomicity_consolidation_eval_and_bad_configs(tmp_path):
+    res = run_world(_ckpt_world, 4, str(tmp_path / "ckpt"), timeout=120)
+    r = res[0]
+    assert r["crashes"] == 2
+    # resuming reproduces the uninterrupted run exactly (fp32), despite the two crashed saves
+    assert r["resumed"] == r["ref"][SPLIT:], (r["resumed"], r["ref"])
+    assert r["same_weights"]
+    for stage, (got, want) in r["resume_other_stages"].items():
+        assert got == want, (stage, got, want)
+    assert r["secondary_before_load"] and not r["secondary_after_load"]
+    # the consolidated state_dict is the plain model's; evaluation at stage 3 gives its loss
+    assert abs(r["engine_eval"] - r["plain_loss"]) <= 1e-6 * r["plain_loss"]
+    assert r["params_free_after_eval"]
+    assert "stage 3" in r["stage_mismatch"] and "stage 2" in r["stage_mismatch"]
+    msgs = r["errors"]
+    assert len(msgs) == 4
+    assert "divisor of ranks_per_node" in msgs[0] or "does not divide" in msgs[0]
+    assert "set stage=3 or hpz=False" in msgs[1]
+    assert "qwz_bits=5 is not supported" in msgs[2]
+    assert "process group has 4" in msgs[3] or "world size 4" in msgs[3]
+    assert r["latest_after_crashes"].startswith(f"ckpt-{SPLIT:08d}-")  # the crashed saves left it alone
+    assert len(r["dirs_before"]) == 4  # LATEST, the good version, debris of both crashed saves
+    assert r["dirs_after"] == sorted(["LATEST", (tmp_path / "ckpt" / "LATEST").read_text().strip()])
+    assert r["dirs_after"][1].startswith(f"ckpt-{STEPS:08d}-")

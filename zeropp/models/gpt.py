@@ -1,0 +1,152 @@
+"""A small GPT-style decoder for experiments and tests.
+
+Byte-level vocabulary (256 symbols), so any text trains without a tokenizer download. The
+transformer blocks live in ``model.blocks`` (a ``ModuleList``): the ZeRO-3 runtime gathers and
+frees parameters per block, so a block is the natural unit of communication. Everything else
+(embeddings, final norm, head) is the "root" and is small. There is no dropout and no buffer, so
+two runs with the same weights and data are bit-for-bit reproducible, which the exactness tests
+rely on. The head is not tied to the embedding: tied weights would make one parameter live in
+two communication units.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BYTE_VOCAB = 256
+
+_PRESETS: dict[str, dict[str, int]] = {
+    # name: width, depth, heads, context; parameter counts are for vocab 256.
+    "tiny": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),  # ~43k params, unit tests
+    "small": dict(d_model=128, n_layers=4, n_heads=4, seq_len=64),  # ~0.86M params, CPU sweeps
+    "medium": dict(d_model=256, n_layers=4, n_heads=4, seq_len=128),  # ~3.3M params, like background.md
+    "large": dict(d_model=512, n_layers=8, n_heads=8, seq_len=256),  # ~25M params, GPU runs
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of the model. Frozen so it can be hashed, logged and compared."""
+
+    vocab_size: int = BYTE_VOCAB
+    """Number of token ids; 256 for raw bytes."""
+    seq_len: int = 64
+    """Longest sequence the position embedding covers."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_layers: int = 4
+    """Number of transformer blocks (the ZeRO-3 gather units)."""
+    n_heads: int = 4
+    """Attention heads; must divide ``d_model``."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of ``d_model``."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
+                f"pick d_model as a multiple of n_heads"
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: int) -> "GPTConfig":
+        """A named size (``tiny``, ``small``, ``medium``, ``large``) with optional overrides."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    def with_(self, **changes: int) -> "GPTConfig":
+        return replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Exact parameter count (matches ``sum(p.numel() for p in GPT(cfg).parameters())``)."""
+        d, h = self.d_model, self.d_model * self.mlp_ratio
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+        return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size + self.vocab_size
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape  # [B, T, D]
+        q, k, v = self.qkv(x).split(d, dim=2)  # each [B, T, D]
+        shape = (b, t, self.n_heads, d // self.n_heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))  # [B, H, T, D/H]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))  # [B, T, D]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """``model(idx, targets=None) -> (logits [B, T, V], loss or None)``; loss is mean cross-entropy."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 style: N(0, 0.02), residual projections scaled down by depth so deep stacks start stable.
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t = idx.shape  # [B, T] int64 byte ids
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # [B, T, D]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # [B, T, V]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+def byte_batch(data: bytes | torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of a byte string: ``(idx [B, T], targets [B, T])`` with targets shifted by one."""
+    buf = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if buf.numel() < seq_len + 2:
+        raise ValueError(f"need at least {seq_len + 2} bytes of data, got {buf.numel()}")
+    starts = torch.randint(0, buf.numel() - seq_len - 1, (batch,), generator=generator)
+    win = torch.stack([buf[s : s + seq_len + 1] for s in starts.tolist()]).long()  # [B, T+1]
+    return win[:, :-1].contiguous(), win[:, 1:].contiguous()

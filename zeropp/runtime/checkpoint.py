@@ -1,0 +1,146 @@
+"""Sharded checkpoints with atomic commit, and consolidation into a plain ``state_dict``.
+
+Layout under the checkpoint directory ``path``::
+
+    path/LATEST                  name of the newest *complete* checkpoint (one line)
+    path/ckpt-<step>-<nonce>/    rank00000.pt ... rank{W-1}.pt, meta.json
+
+A save writes a fresh version directory (each rank its own file, via a temporary name and
+``os.replace``), waits for every rank, and only then rank 0 replaces ``LATEST`` (again temp file +
+``os.replace``, which is atomic on POSIX). A crash anywhere before that leaves ``LATEST`` naming
+the previous complete checkpoint; half-written directories are removed by the next successful
+save. Loading reads ``LATEST`` only, so it can never see a partial save.
+
+Each rank file holds that rank's fp32 master shards and Adam moments, the step count, the fp16
+loss-scaler state and the unit layout, which is checked on load (same world size, stage and
+partitioning). qgZ error-feedback residuals are not saved: a load resets them to zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+FORMAT = 1
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(target: Path, write) -> None:
+    """``write(tmp_path)`` then rename over ``target``: readers see the old file or the new one."""
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def _rank_state(e: "ZeroEngine") -> dict:
+    return {
+        "format": FORMAT, "world_size": e.world_size, "stage": e.cfg.stage, "rank": e.rank,
+        "units": [{"name": u.name, "kind": u.kind, "padded": u.padded, "layout": u.layout()} for u in e.units],
+        "optim": e.optim.state(), "loss_scale": e._loss_scale, "good_steps": e._good_steps,
+    }
+
+
+def _commit(root: Path, tag: str) -> None:
+    """Point LATEST at ``tag`` (the single atomic step that makes a checkpoint visible)."""
+    _write_atomic(root / "LATEST", lambda p: p.write_text(tag + "\n"))
+
+
+def save(e: "ZeroEngine", path: str | os.PathLike) -> str:
+    """Collective. Returns the version directory written."""
+    root = Path(path)
+    obj = [f"ckpt-{e.optim.step_count:08d}-{time.time_ns():x}" if e.rank == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    tag = obj[0]
+    d = root / tag
+    d.mkdir(parents=True, exist_ok=True)
+    state = _rank_state(e)
+    _write_atomic(d / f"rank{e.rank:05d}.pt", lambda p: torch.save(state, p))
+    dist.barrier()  # every shard is on disk before anyone can commit
+    if e.rank == 0:
+        meta = {"format": FORMAT, "world_size": e.world_size, "stage": e.cfg.stage, "step": e.optim.step_count,
+                "config": repr(e.cfg), "topology": repr(e.topology)}
+        _write_atomic(d / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+        _commit(root, tag)
+        for old in root.glob("ckpt-*"):  # previous versions and debris of crashed saves
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return str(d)
+
+
+def latest(path: str | os.PathLike) -> Path:
+    root = Path(path)
+    f = root / "LATEST"
+    if not f.is_file():
+        raise FileNotFoundError(f"no complete checkpoint under {root} (missing {f})")
+    d = root / f.read_text().strip()
+    if not d.is_dir():
+        raise FileNotFoundError(f"{f} names {d.name}, which does not exist")
+    return d
+
+
+@torch.no_grad()
+def load(e: "ZeroEngine", path: str | os.PathLike) -> None:
+    d = latest(path)
+    state = torch.load(d / f"rank{e.rank:05d}.pt", map_location="cpu", weights_only=True)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{d}: checkpoint format {state.get('format')} is not {FORMAT}")
+    if state["world_size"] != e.world_size or state["stage"] != e.cfg.stage:
+        raise ValueError(
+            f"{d} was saved by stage {state['stage']} on {state['world_size']} ranks; this engine is stage "
+            f"{e.cfg.stage} on {e.world_size}. Load it with the same stage and world size, or export "
+            f"consolidated_state_dict() and wrap a model built from that")
+    mine = [{"name": u.name, "kind": u.kind, "padded": u.padded, "layout": [tuple(x) for x in u.layout()]} for u in e.units]
+    theirs = [{**x, "layout": [(n, tuple(s)) for n, s in x["layout"]]} for x in state["units"]]
+    if mine != theirs:
+        raise ValueError(f"{d}: parameter partitioning differs from this engine's (different model or persistence_threshold)")
+    e.optim.load_state(state["optim"])
+    e._loss_scale, e._good_steps = float(state["loss_scale"]), int(state["good_steps"])
+    if e._ef is not None:
+        e._ef.reset()  # residuals belong to the run that produced them
+    for u in e.units:
+        u.secondary = None  # stale: built from the weights before the load
+        if u.grad_shard is not None:
+            u.grad_shard.zero_()
+    e.refresh_params()
+
+
+@torch.no_grad()
+def consolidated_state_dict(e: "ZeroEngine") -> dict[str, torch.Tensor]:
+    """Gather every unit's fp32 master and split it into the unwrapped model's parameters."""
+    full_params: dict[str, torch.Tensor] = {}
+    for u, m in zip(e.units, e.optim.masters):
+        if u.kind == "replicated":
+            full = m
+        else:
+            full = torch.empty(u.padded, dtype=torch.float32, device=m.device)
+            e.comm.all_gather(full, m, bucket=e.cfg.allgather_bucket_size, kind="checkpoint", async_op=False)
+        for name, t in u.unflatten(full).items():
+            full_params[name] = t.to(dtype=e._param_dtypes[name], device="cpu").clone()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in e.model.state_dict(keep_vars=True).items():
+        out[k] = full_params[k] if k in full_params else v.detach().clone()
+    return out

@@ -1,0 +1,142 @@
+"""The engine's only door to communication.
+
+Everything the engine sends goes through :class:`EngineComm`, which
+
+- routes to ``zeropp.comm`` (quantized or plain, with byte accounting by link),
+- splits a collective larger than the bucket size into column chunks (each rank's shard is
+  cut at the same offsets, so chunk ``k`` of the full buffer is ``[G, c]`` columns of the
+  ``[G, S]`` view and its reduce-scatter lands in ``shard[a:b]``),
+- times how long the engine is blocked waiting (``wait_s``), which the runner reports as
+  exposed communication.
+
+Reductions are always SUM followed by a local divide: that keeps one code path for plain and
+quantized collectives and does not depend on a backend's AVG (gloo's has had bugs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from zeropp.comm.stats import CommStats
+from zeropp.comm.topology import Topology
+
+
+class Pending:
+    """Handles of one logical collective (possibly several chunks) plus what to do after them."""
+
+    def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None) -> None:
+        self._comm, self._works, self._finish, self.done = comm, works, finish, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        if self._finish is not None:
+            self._finish()
+        self._comm.wait_s += time.perf_counter() - t0
+        self.done = True
+
+
+def _chunks(cols: int, rows: int, bucket: int) -> list[tuple[int, int]]:
+    """Column ranges of a ``[rows, cols]`` buffer so that each chunk has at most ``bucket`` elements."""
+    if rows * cols <= bucket:
+        return [(0, cols)]
+    c = max(1, bucket // rows)
+    return [(a, min(a + c, cols)) for a in range(0, cols, c)]
+
+
+class EngineComm:
+    """Collectives for one engine over a :class:`Topology` (groups built collectively at init)."""
+
+    def __init__(self, topology: Topology, stats: CommStats, device: torch.device | None = None) -> None:
+        from zeropp import comm as zcomm  # the public collectives (qwZ / qgZ / accounting)
+
+        self._z = zcomm
+        self.topology = topology
+        self.stats = stats
+        self.groups = topology.build()
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.hpz_size = topology.hpz_group_size
+        self.hpz_rank = self.rank % self.hpz_size
+        self.wait_s = 0.0
+        self.device = device if device is not None else torch.device("cpu")  # where scalars travel (NCCL: the GPU)
+
+    def _group(self, hpz: bool) -> tuple[Optional[dist.ProcessGroup], int]:
+        return (self.groups.hpz, self.hpz_size) if hpz else (None, self.world_size)
+
+    # ------------------------------------------------------------------ all-gather
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, hpz: bool = False, bits: Optional[int] = None,
+                   group_size: Optional[int] = None, bucket: int, kind: str, async_op: bool) -> Pending:
+        """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order)."""
+        group, g = self._group(hpz)
+        s = shard.numel()
+        works: list = []
+        finishes: list[Callable[[], None]] = []
+        t0 = time.perf_counter()
+        for a, b in _chunks(s, g, bucket):
+            whole = (a, b) == (0, s)
+            dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
+            works.append(self._z.quantized_all_gather(
+                dst, shard[a:b], group, bits=bits, group_size=group_size, topology=self.topology,
+                stats=self.stats, kind=kind, async_op=True))
+            if not whole:
+                finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
+        self.wait_s += time.perf_counter() - t0  # issuing a quantized gather quantizes on this thread
+        p = Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None)
+        if not async_op:
+            p.wait()
+        return p
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, bits: Optional[int] = None,
+                       intra_bits: Optional[int] = None, group_size: Optional[int] = None,
+                       error_feedback: object = None, key: str = "", bucket: int, kind: str,
+                       async_op: bool) -> Pending:
+        """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S])."""
+        w = self.world_size
+        s = out.numel()
+        works: list = []
+        t0 = time.perf_counter()
+        for a, b in _chunks(s, w, bucket):
+            src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
+            kw = {}
+            if bits is not None:
+                kw = dict(intra_bits=intra_bits, group_size=group_size, error_feedback=error_feedback,
+                          feedback_key=f"{key}:{a}")
+            works.append(self._z.quantized_reduce_scatter(
+                out[a:b], src, dist.ReduceOp.SUM, None, bits=bits, topology=self.topology,
+                stats=self.stats, kind=kind, async_op=True, **kw))
+        self.wait_s += time.perf_counter() - t0
+        p = Pending(self, works, lambda: out.div_(w))
+        if not async_op:
+            p.wait()
+        return p
+
+    # ------------------------------------------------------------------ all-reduce / misc
+    def all_reduce_mean(self, t: torch.Tensor, *, kind: str) -> None:
+        """In-place average over the world (stage 0 gradients, replicated units)."""
+        t0 = time.perf_counter()
+        self._z.all_reduce(t, dist.ReduceOp.SUM, None, topology=self.topology, stats=self.stats, kind=kind)
+        t.div_(self.world_size)
+        self.wait_s += time.perf_counter() - t0
+
+    def sum_scalars(self, values: list[float]) -> list[float]:
+        """Sum a few fp64 scalars over the world (loss, squared norms). Control traffic: a few
+        bytes per step, deliberately not accounted so the byte formulas stay exact."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        self.wait_s += time.perf_counter() - t0
+        return t.tolist()
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        """Initial synchronisation of weights (once, at wrap time; not accounted)."""
+        dist.broadcast(t, src)

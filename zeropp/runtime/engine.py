@@ -1,0 +1,322 @@
+"""ZeroEngine: ZeRO stages 0-3 with the ZeRO++ switches, behind one ``train_step``.
+
+Life of a step (``grad_accum_steps`` micro-batches):
+
+1. forward + backward of each micro-batch. Stage 3 gathers blocks on demand (``stage3.py``).
+   Stages 2 and 3 reduce-scatter a block's gradient as soon as the last of its parameters has
+   its gradient (post-accumulate-grad hooks), *on every micro-step*, and add the result into a
+   sharded gradient buffer, so full gradients never outlive one block's backward. Stages 0 and 1
+   let autograd accumulate full gradients locally and reduce once after the last micro-step
+   (all-reduce at stage 0, reduce-scatter at stage 1), which is what their memory budget allows.
+2. gradients -> fp32 (unscaled for fp16), global norm over all shards (one scalar all-reduce,
+   shared with the loss), skip on overflow, clip, AdamW on the fp32 master shards.
+3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
+   (stages 1 and 2); hpZ secondary copies are dropped because they are now stale.
+
+The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
+are averaged over ranks, so the update equals single-process training on the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeropp.comm.stats import CommStats
+from zeropp.comm.topology import Topology
+
+from . import checkpoint as ckpt
+from .collectives import EngineComm
+from .config import OptimizerConfig, ZeroConfig, validate_against_topology
+from .memory import measure_memory
+from .optimizer import ShardedAdamW
+from .partition import FlatUnit, build_units
+from .stage3 import Stage3Hooks
+
+
+@dataclass
+class StepResult:
+    """What one ``train_step`` did (identical on every rank)."""
+
+    loss: float
+    """Mean loss over the global batch (all micro-batches, all ranks)."""
+    grad_norm: float
+    """Global gradient norm before clipping (nan/inf when the step was skipped)."""
+    skipped: bool
+    """True when the gradient was not finite and no update was made (fp16 overflow)."""
+    comm_wait_s: float = 0.0
+    """Seconds this rank was blocked on communication (waits, synchronous calls, quantization at issue)."""
+    step_time_s: float = 0.0
+    """Wall time of the whole step on this rank."""
+    loss_scale: float = 1.0
+    """fp16 loss scale used for this step (1.0 otherwise)."""
+    memory: dict[str, int] = field(default_factory=dict)
+    """Model-state bytes this rank held during the step (see ``memory_report``)."""
+
+
+class ZeroEngine:
+    """Wrap ``model`` for ZeRO ``config.stage`` training with AdamW ``optimizer``.
+
+    Must be created on every rank of an initialised default process group, with the same model
+    architecture; rank 0's weights are broadcast so ranks start identical. The model's
+    parameters are replaced by views into the engine's buffers (stage 3: empty between uses);
+    use :meth:`consolidated_state_dict` to get plain weights back.
+    """
+
+    def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,
+                 optimizer: OptimizerConfig | None = None, topology: Topology | None = None) -> None:
+        cfg = config if config is not None else ZeroConfig()
+        if not isinstance(cfg, ZeroConfig):
+            raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroEngine needs torch.distributed initialised (dist.init_process_group) on every rank")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        topo = topology if topology is not None else Topology.single_node(world)
+        if cfg.hpz_size is not None:
+            topo = dataclasses.replace(topo, hpz_size=cfg.hpz_size)
+        validate_against_topology(cfg, world, topo.nodes, topo.ranks_per_node)  # before any allocation
+        self.cfg, self.opt_cfg, self.topology = cfg, optimizer or OptimizerConfig(), topo
+        self.dtype = cfg.dtype
+        self.model = model
+        self.world_size, self.rank = world, rank
+        self.comm_stats = CommStats()
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.comm = EngineComm(topo, self.comm_stats, self.device)
+        self._param_dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+        for p in model.parameters():  # frozen parameters are not trained or sharded, only cast
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(self.dtype)
+        self.units, self.blocks, self.root, self.persistent = build_units(
+            model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
+            persistence_threshold=cfg.persistence_threshold)
+        masters = []
+        for u in self.units:
+            full = u.flatten_data(torch.float32)  # [padded]
+            self.comm.broadcast_(full)
+            a, b = u.shard_range()
+            masters.append(full[a:b].clone())  # [S] fp32
+            if u.kind == "sharded":
+                u.param_shard = masters[-1].to(self.dtype).clone()
+                u.release()
+            else:
+                u.bind(full.to(self.dtype).clone())
+            if self._reduces_when_ready(u):
+                u.grad_shard = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.device)
+        self.optim = ShardedAdamW(masters, self.opt_cfg)
+        self._ef = self._make_error_feedback()
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
+                            for u in self.units if self._reduces_when_ready(u) for p in u.params]
+        self.stage3 = Stage3Hooks(self) if cfg.stage == 3 else None
+        self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []
+        self._loss_scale = cfg.loss_scale_init if cfg.precision == "fp16" else 1.0
+        self._good_steps = 0
+        self._last_memory: dict[str, int] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """Forward/backward every ``(idx, targets)`` micro-batch, then clip and step. Collective."""
+        self._check_open()
+        a = self.cfg.grad_accum_steps
+        if len(micro_batches) != a:
+            raise ValueError(f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}")
+        t0 = time.perf_counter()
+        self.comm.wait_s = 0.0
+        scale = self._loss_scale
+        loss_sum = 0.0
+        for j, (idx, targets) in enumerate(micro_batches):
+            for u in self.units:
+                u.grads_ready, u.reduced = 0, False
+            _, loss = self.model(idx, targets)
+            if loss is None:
+                raise ValueError("the model returned no loss; call it with targets")
+            loss_sum += float(loss.detach())
+            (loss * (scale / a)).backward()
+            self._after_backward(last=j == a - 1)
+        grads = self._final_grads()
+        res = self._step(grads, loss_sum / a)
+        res.step_time_s = time.perf_counter() - t0
+        return res
+
+    @torch.no_grad()
+    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        """Loss on a batch without gradients, averaged over ranks. Collective (stage 3 gathers)."""
+        self._check_open()
+        _, loss = self.model(idx, targets)
+        if self.stage3 is not None:
+            self.stage3.release_all()
+        return self.comm.sum_scalars([float(loss)])[0] / self.world_size
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
+        holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
+        return dict(self._last_memory) if self._last_memory is not None else measure_memory(self)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
+        """Atomically save this engine's sharded state under directory ``path``. Collective."""
+        self._check_open()
+        return ckpt.save(self, path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Load the latest complete checkpoint under ``path`` (same world and stage). Collective."""
+        self._check_open()
+        ckpt.load(self, path)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank. Collective."""
+        self._check_open()
+        return ckpt.consolidated_state_dict(self)
+
+    def close(self) -> None:
+        """Remove all hooks and drop buffers. Local (no collective), safe to call twice."""
+        if self._closed:
+            return
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
+        if self.stage3 is not None:
+            self.stage3.release_all()
+            self.stage3.remove()
+        for p, _u, _o in self._pending:
+            p.wait()
+        self._pending.clear()
+        for u in self.units:
+            u.secondary = u.grad_shard = None
+        self._closed = True
+
+    # ------------------------------------------------------------------ gradients
+    def _reduces_when_ready(self, u: FlatUnit) -> bool:
+        return self.cfg.stage >= 2 and u.kind != "replicated"
+
+    def _grad_hook(self, u: FlatUnit):
+        def hook(_p: torch.Tensor) -> None:
+            u.grads_ready += 1
+            if u.grads_ready == len(u.slots):
+                self._reduce_unit(u)
+        return hook
+
+    def _qgz(self) -> dict:
+        c = self.cfg
+        return dict(bits=c.qgz_bits, intra_bits=c.qgz_intra_bits, group_size=c.qgz_group_size, error_feedback=self._ef)
+
+    def _reduce_unit(self, u: FlatUnit) -> None:
+        """Stages 2/3: send this micro-step's gradient of ``u`` (async); free ``u`` at stage 3."""
+        if u.reduced:
+            return
+        u.reduced = True
+        flat = u.flatten_grads()  # [padded], clears p.grad
+        if self.stage3 is not None and u.kind == "sharded":
+            self.stage3.release(u)
+        out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S]
+        work = self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
+                                        kind="grad_reduce_scatter", async_op=True, **self._qgz())
+        self._pending.append((work, u, out))
+
+    def _after_backward(self, last: bool) -> None:
+        for u in self.units:  # units some of whose parameters got no gradient this micro-step
+            if self._reduces_when_ready(u) and not u.reduced:
+                self._reduce_unit(u)
+        for work, u, out in self._pending:
+            work.wait()
+            u.grad_shard.add_(out)
+        self._pending.clear()
+        if self.stage3 is not None:
+            self.stage3.release_all()
+        if last:
+            self._last_memory = measure_memory(self)
+
+    def _final_grads(self) -> list[torch.Tensor]:
+        """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
+        grads = []
+        for u in self.units:
+            if self._reduces_when_ready(u):
+                grads.append(u.grad_shard)
+                continue
+            flat = u.flatten_grads()  # [padded]
+            if u.kind == "replicated":
+                self.comm.all_reduce_mean(flat, kind="grad_all_reduce")
+                grads.append(flat)
+            else:  # stage 1: one reduce-scatter after the last micro-step
+                out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
+                self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
+                                         kind="grad_reduce_scatter", async_op=False, **self._qgz())
+                grads.append(out)
+        return grads
+
+    # ------------------------------------------------------------------ optimizer step
+    def _step(self, grads: list[torch.Tensor], local_loss: float) -> StepResult:
+        scale = self._loss_scale
+        g32 = [g.float() if g.dtype != torch.float32 else g.clone() for g in grads]
+        if scale != 1.0:
+            for g in g32:
+                g.div_(scale)
+        sq_sharded = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind != "replicated")
+        sq_repl = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind == "replicated")
+        loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])
+        norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
+        res = StepResult(loss=loss_tot / self.world_size, grad_norm=norm, skipped=not math.isfinite(norm),
+                         comm_wait_s=0.0, loss_scale=scale, memory=dict(self._last_memory or {}))
+        if res.skipped:
+            if self.cfg.precision == "fp16":
+                self._loss_scale, self._good_steps = scale / 2, 0
+        else:
+            if self.cfg.grad_clip is not None:
+                coef = min(self.cfg.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+                for g in g32:
+                    g.mul_(coef)
+            self.optim.step(g32)
+            if self.cfg.precision == "fp16":
+                self._good_steps += 1
+                if self._good_steps >= self.cfg.loss_scale_window:
+                    self._loss_scale, self._good_steps = scale * 2, 0
+            self.refresh_params()
+        for u in self.units:
+            if u.grad_shard is not None:
+                u.grad_shard.zero_()
+            u.secondary = None  # stale after the step (hpZ)
+        res.comm_wait_s = self.comm.wait_s
+        return res
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Rebuild compute-dtype parameters from the fp32 masters (after a step or a load)."""
+        works = []
+        for u, m in zip(self.units, self.optim.masters):
+            if u.kind == "replicated":
+                u.flat.copy_(m)
+            elif u.kind == "sharded":
+                u.param_shard.copy_(m)
+                u.secondary = None
+            else:  # stages 1/2: everyone needs every updated shard
+                works.append(self.comm.all_gather(u.flat, m.to(self.dtype), bucket=self.cfg.allgather_bucket_size,
+                                                  kind="param_all_gather", async_op=True))
+        for w in works:
+            w.wait()
+
+    # ------------------------------------------------------------------ misc
+    def _make_error_feedback(self) -> object | None:
+        if not self.cfg.qgz_error_feedback:
+            return None
+        from zeropp.comm import ErrorFeedback
+
+        return ErrorFeedback()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ZeroEngine was closed; create a new one")
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"ZeroEngine(stage={c.stage}, precision={c.precision}, world={self.world_size}, {self.topology}, "
+                f"qwz={c.qwz_bits}, hpz={c.hpz}, qgz={c.qgz_bits}, params={self.num_params})")

@@ -1,0 +1,156 @@
+"""Stage 3: gather each block's parameters just before it runs, free them right after.
+
+Forward: a pre-hook on the block makes sure its gather is done (waiting on a prefetch, or
+gathering now) and issues the gathers of the next ``prefetch_depth`` blocks; a post-hook frees
+the block (keeping the hpZ secondary slice first) and wraps the block's output in
+:class:`_PreBackward`, an identity whose backward runs when the gradient reaches that output,
+i.e. just before the block's own backward: it gathers the block again (inside the node when hpZ
+holds a secondary copy) and prefetches the blocks that come next in backward order. The
+gradient side (reduce-scatter when the last parameter of a block has its gradient, then free)
+lives in the engine because stage 2 shares it.
+
+The root unit (embeddings, final norm, head: everything outside the blocks) is used at both
+ends of the network, so it is gathered when the model's forward starts, freed when it returns,
+and gathered again (hpZ: inside the node) when the gradient reaches the model's outputs; it
+stays until its last gradient (the embeddings') is reduced. Every parameter is therefore
+gathered twice per micro-step, as in ZeRO-3's 3M accounting. Under ``torch.no_grad()`` nothing
+is wrapped and no secondary copy is made, so evaluation needs no gradient bookkeeping.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .partition import FlatUnit
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+ROOT = -1  # hook index of the root unit
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity in forward; in backward, tells the engine block ``index`` is about to run backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hooks: "Stage3Hooks", index: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hooks, ctx.index = hooks, index
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks.pre_backward(ctx.index)
+        return (None, None, *grads)
+
+
+class Stage3Hooks:
+    """Installs and runs the gather/free hooks of one engine."""
+
+    def __init__(self, engine: "ZeroEngine") -> None:
+        self.e = engine
+        self.units: list[FlatUnit] = [u for _, u in engine.blocks]
+        self.depth = engine.cfg.prefetch_depth
+        m = engine.model
+        self.handles = [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
+        for i, (blk, _) in enumerate(engine.blocks):
+            self.handles.append(blk.register_forward_pre_hook(partial(self._pre, i)))
+            self.handles.append(blk.register_forward_hook(partial(self._post, i)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # ------------------------------------------------------------------ gather / free
+    def gather(self, u: FlatUnit, *, backward: bool) -> None:
+        """Issue the (async) gather of ``u`` unless it is already gathered or in flight."""
+        if u.state != "free":
+            return
+        e = self.e
+        buf = torch.empty(u.padded, dtype=e.dtype, device=e.device)  # [padded]
+        if u.secondary is not None:  # hpZ: the node already holds the whole block
+            work = e.comm.all_gather(buf, u.secondary, hpz=True, bucket=e.cfg.allgather_bucket_size,
+                                     kind="bwd_all_gather" if backward else "fwd_all_gather", async_op=True)
+        else:
+            work = e.comm.all_gather(buf, u.param_shard, bits=e.cfg.qwz_bits, group_size=e.cfg.qwz_group_size,
+                                     bucket=e.cfg.allgather_bucket_size,
+                                     kind="bwd_all_gather" if backward else "fwd_all_gather", async_op=True)
+        u.extra["buf"], u.work, u.state = buf, work, "inflight"
+
+    def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:
+        """Make ``u``'s full parameters available in the module (waits for its gather)."""
+        if u.state == "ready":
+            return
+        self.gather(u, backward=backward)
+        u.work.wait()
+        u.work = None
+        u.bind(u.extra.pop("buf"))
+        u.state = "ready"
+
+    def release(self, u: FlatUnit) -> None:
+        """Free ``u``'s full buffer (waiting first if a prefetch is still writing into it)."""
+        if u.state == "inflight":
+            u.work.wait()
+            u.work = None
+            u.extra.pop("buf", None)
+        if u.kind == "sharded" and (u.state != "free" or u.flat is not None):
+            u.release()
+
+    def release_all(self) -> None:
+        for u in self.e.units:
+            if u.kind == "sharded":
+                self.release(u)
+
+    # ------------------------------------------------------------------ hooks
+    def _prefetch(self, indices: range, *, backward: bool) -> None:
+        for j in indices:
+            if 0 <= j < len(self.units):
+                self.gather(self.units[j], backward=backward)
+
+    def _unit(self, i: int) -> FlatUnit | None:
+        return self.e.root if i == ROOT else self.units[i]
+
+    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self.e.root is not None:
+            self.ensure_ready(self.e.root, backward=False)
+        self._prefetch(range(0, self.depth), backward=False)
+
+    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.e.root is None:
+            return output
+        return self._post(ROOT, module, args, output)
+
+    def _pre(self, i: int, module: torch.nn.Module, args: Any) -> None:
+        self.ensure_ready(self.units[i], backward=False)
+        self._prefetch(range(i + 1, i + 1 + self.depth), backward=False)
+
+    def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        u = self._unit(i)
+        grad = torch.is_grad_enabled()
+        if grad and self.e.cfg.hpz and u.secondary is None:
+            h = self.e.comm.hpz_size
+            u.secondary = u.flat.view(h, -1)[self.e.comm.hpz_rank].clone()  # [padded / h]
+        self.release(u)
+        if not grad:
+            return output
+        if isinstance(output, torch.Tensor):
+            return _PreBackward.apply(self, i, output)[0] if output.requires_grad else output
+        if isinstance(output, tuple):
+            idx = [k for k, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not idx:
+                return output
+            wrapped = _PreBackward.apply(self, i, *(output[k] for k in idx))
+            out = list(output)
+            for k, t in zip(idx, wrapped):
+                out[k] = t
+            return type(output)(out) if type(output) is tuple else output.__class__(*out)
+        raise TypeError(f"stage 3 supports blocks returning a tensor or a tuple of tensors, got {type(output).__name__}")
+
+    def pre_backward(self, i: int) -> None:
+        """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
+        self.ensure_ready(self._unit(i), backward=True)
+        start = len(self.units) - 1 if i == ROOT else i - 1
+        self._prefetch(range(start, start - self.depth, -1), backward=True)
