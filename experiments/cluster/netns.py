@@ -1,0 +1,277 @@
+"""Network-namespace plumbing for the cluster emulator: thin wrappers over `ip` and `tc`.
+
+Why subprocess calls and not netlink bindings: `ip`/`tc` (iproute2) are on every Linux box that
+can do this at all, their error messages are what users will search for, and a failed command
+can be shown verbatim. Every call has a timeout, so a wedged kernel call fails instead of hanging.
+
+Safety rules this module enforces, because it runs as root:
+- it only ever creates, enters or deletes namespaces whose names start with ``<prefix>-``;
+- interfaces are created *directly inside* those namespaces (``ip -n NS link add ... peer ...
+  netns OTHER``), so the host's root namespace never gains or loses an interface or route;
+- processes are only signalled when they live inside one of those namespaces (i.e. were started
+  there by this project), and only by pid.
+
+Namespace names carry the owning process id (``zpp-<pid>-<k>-n0``) so a later run can tell a
+namespace left behind by a crashed run (owner gone) from one a live run is using.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+CMD_TIMEOUT_S = 15.0
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+LOCAL_HINT = "To run without emulation use the plain local topology: cluster=local."
+
+
+class NetnsError(RuntimeError):
+    """An `ip`/`tc` command failed; the message holds the command and its stderr."""
+
+
+class ClusterPrivilegeError(NetnsError):
+    """This process cannot create network namespaces (not root, no iproute2, or forbidden)."""
+
+
+def check_prefix(prefix: str) -> str:
+    """Prefixes end up in interface names (15 chars max), so keep them short and plain."""
+    if not _PREFIX_RE.match(prefix):
+        raise ValueError(f"cluster prefix {prefix!r} must be 1-8 lowercase letters/digits starting with a letter")
+    return prefix
+
+
+def run(cmd: list[str], *, timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+    """Run one command with a timeout; on failure raise NetnsError quoting the command and stderr."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError as e:
+        raise ClusterPrivilegeError(
+            f"`{cmd[0]}` not found: the cluster emulator needs iproute2 (`ip`, `tc`); install it "
+            f"(e.g. `apt-get install -y iproute2`). {LOCAL_HINT}"
+        ) from e
+    except subprocess.TimeoutExpired as e:
+        raise NetnsError(f"`{' '.join(cmd)}` did not finish within {timeout:.0f}s") from e
+    if check and proc.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def ip_ns(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`ip -n NS ...`: an `ip` command executed inside namespace NS."""
+    return run(["ip", "-n", ns, *args], check=check)
+
+
+def tc_ns(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`tc` inside NS (via `ip netns exec`, which works on every iproute2 version)."""
+    return run(["ip", "netns", "exec", ns, "tc", *args], check=check)
+
+
+# ----------------------------------------------------------------------------- privileges
+
+
+def require_privileges(prefix: str = "zpp") -> None:
+    """Fail early, with what to change, when namespaces cannot be created here.
+
+    Checks in order: Linux, root (CAP_NET_ADMIN is what is really needed, and root is the only
+    portable way to have it), `ip` and `tc` on PATH, and finally that `ip netns add` really works
+    (containers often forbid it even to root).
+    """
+    check_prefix(prefix)
+    if not os.path.isdir("/proc/self/ns"):
+        raise ClusterPrivilegeError(f"network namespaces need Linux. {LOCAL_HINT}")
+    if os.geteuid() != 0:
+        raise ClusterPrivilegeError(
+            "cluster=emulated creates network namespaces, veth pairs and tc qdiscs, which needs root "
+            f"(CAP_NET_ADMIN); this process runs as uid {os.geteuid()}. Re-run as root (e.g. with sudo). {LOCAL_HINT}"
+        )
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ClusterPrivilegeError(
+            f"{' and '.join(missing)} not found on PATH: install iproute2 (`apt-get install -y iproute2`). {LOCAL_HINT}"
+        )
+    trial = f"{prefix}-{os.getpid()}-probe"
+    try:
+        run(["ip", "netns", "add", trial])
+    except NetnsError as e:
+        raise ClusterPrivilegeError(
+            f"cannot create a network namespace here ({e}); containers need --privileged or CAP_SYS_ADMIN "
+            f"+ CAP_NET_ADMIN. {LOCAL_HINT}"
+        ) from e
+    finally:
+        run(["ip", "netns", "del", trial], check=False)
+
+
+def qdisc_supported(kind: str, prefix: str = "zpp") -> bool:
+    """Whether the kernel offers qdisc `kind` (e.g. netem is often compiled out of minimal kernels).
+
+    Tested on a veth inside a throw-away namespace of ours, never on a real interface.
+    """
+    ns = f"{prefix}-{os.getpid()}-qcheck"
+    run(["ip", "netns", "add", ns])
+    try:
+        # a veth pair (always available where the emulator works at all; `dummy` often is not)
+        ip_ns(ns, "link", "add", f"{prefix}-q", "type", "veth", "peer", "name", f"{prefix}-qp")
+        args = {"netem": ["delay", "1ms"], "tbf": ["rate", "1gbit", "burst", "64kb", "limit", "1mb"]}.get(kind, [])
+        return tc_ns(ns, "qdisc", "add", "dev", f"{prefix}-q", "root", kind, *args, check=False).returncode == 0
+    finally:
+        run(["ip", "netns", "del", ns], check=False)
+
+
+# ----------------------------------------------------------------------------- namespaces
+
+
+def _name_re(prefix: str) -> re.Pattern:
+    """The exact names this package creates: ``<p>-<pid>-<k>-sw|n<i>`` and its short-lived checks."""
+    return re.compile(rf"^{re.escape(prefix)}-(\d+)-(\d+-(sw|n\d+)|probe|qcheck)$")
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    """Existing namespaces named the way this package names them (others, even ``<prefix>-foo``, are ignored)."""
+    out = run(["ip", "netns", "list"]).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    pattern = _name_re(prefix)
+    return sorted(n for n in names if pattern.match(n))
+
+
+def owner_pid(name: str, prefix: str) -> int | None:
+    """The pid encoded in ``<prefix>-<pid>-...``, or None for names in another format."""
+    m = _name_re(prefix).match(name)
+    return int(m.group(1)) if m else None
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Processes whose network namespace is NS (`ip netns pids`)."""
+    proc = run(["ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def kill_namespace_processes(ns: str, grace_s: float = 2.0) -> list[int]:
+    """SIGTERM then SIGKILL every process inside NS (rank processes we started there).
+
+    Deleting a namespace's name does not stop processes inside it; they would keep the veth and
+    its addresses alive and keep gloo ranks waiting, so they go first.
+    """
+    pids = namespace_pids(ns)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline and any(pid_alive(p) and not _is_zombie(p) for p in pids):
+            time.sleep(0.05)
+        pids = [p for p in pids if pid_alive(p) and not _is_zombie(p)]
+        if not pids:
+            break
+    return pids
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def add_namespace(ns: str) -> None:
+    run(["ip", "netns", "add", ns])
+    ip_ns(ns, "link", "set", "lo", "up")
+
+
+def delete_namespace(ns: str) -> None:
+    """Kill what runs inside NS, then delete it (its veth ends go with it). Idempotent."""
+    kill_namespace_processes(ns)
+    run(["ip", "netns", "del", ns], check=False)
+
+
+def stale_namespaces(prefix: str) -> list[str]:
+    """Namespaces of ours whose owning process is gone: left behind by a crashed run."""
+    return [n for n in list_namespaces(prefix) if not pid_alive(owner_pid(n, prefix) or 0)]
+
+
+def clean(prefix: str, *, everything: bool = False) -> list[str]:
+    """Delete stale namespaces (or, with everything=True, all of ours, live too); return their names.
+
+    Switch namespaces (holding the bridge) go last so node ends are gone first.
+    """
+    check_prefix(prefix)
+    names = list_namespaces(prefix) if everything else stale_namespaces(prefix)
+    for ns in sorted(names, key=lambda n: n.endswith("-sw")):
+        delete_namespace(ns)
+    return names
+
+
+# ----------------------------------------------------------------------------- links and shaping
+
+
+def add_bridge(ns: str, bridge: str) -> None:
+    ip_ns(ns, "link", "add", bridge, "type", "bridge")
+    ip_ns(ns, "link", "set", bridge, "up")
+
+
+def add_uplink(node_ns: str, node_if: str, switch_ns: str, port_if: str, bridge: str, cidr: str) -> None:
+    """A veth pair born directly inside the node and switch namespaces, the switch end on the bridge."""
+    ip_ns(node_ns, "link", "add", node_if, "type", "veth", "peer", "name", port_if, "netns", switch_ns)
+    ip_ns(switch_ns, "link", "set", port_if, "master", bridge)
+    ip_ns(switch_ns, "link", "set", port_if, "up")
+    ip_ns(node_ns, "addr", "add", cidr, "dev", node_if)
+    ip_ns(node_ns, "link", "set", node_if, "up")
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """tbf parameters for one egress point, sized from the rate.
+
+    burst: 5 ms of traffic (at least 64 KiB so a GSO super-packet is not split needlessly). The
+    bucket must cover how late tbf's dequeue can run: on a loaded host the NET_TX softirq slips to
+    ksoftirqd, and tokens beyond the bucket are lost. Measured on the 2-core dev box at load ~12:
+    a 1 ms bucket gave 83% of 0.5 Gbit/s, 5 ms 96%, 10 ms 96%. A burst lets at most 5 ms of data
+    through at line rate, which changes a 1 s transfer by <1%. limit: about 50 ms of queue (at
+    least 1 MiB), so TCP bursts queue rather than drop, as on a switch port buffer.
+    """
+
+    rate_bit: int
+    burst_bytes: int
+    limit_bytes: int
+    delay_ms: float = 0.0
+
+    @classmethod
+    def for_rate(cls, gbps: float, delay_ms: float = 0.0) -> "Shaping":
+        rate_bit = int(gbps * 1e9)
+        byte_rate = rate_bit / 8
+        return cls(rate_bit, max(64 * 1024, int(byte_rate * 5e-3)), max(1 << 20, int(byte_rate * 0.05), 2 * int(byte_rate * 5e-3)), delay_ms)
+
+
+def shape_egress(ns: str, ifname: str, shaping: Shaping) -> None:
+    """Rate-limit (and optionally delay) traffic leaving `ifname` in `ns`.
+
+    With a delay: netem at the root (holds packets for the delay) and tbf as its child (rate).
+    """
+    tbf = ["tbf", "rate", f"{shaping.rate_bit}bit", "burst", str(shaping.burst_bytes), "limit", str(shaping.limit_bytes)]
+    if shaping.delay_ms > 0:
+        # netem's own queue must hold a delay's worth of packets at full rate (plus headroom).
+        pkts = max(1000, int(shaping.rate_bit / 8 * shaping.delay_ms / 1000 / 1500 * 4))
+        tc_ns(ns, "qdisc", "replace", "dev", ifname, "root", "handle", "1:", "netem",
+              "delay", f"{shaping.delay_ms}ms", "limit", str(pkts))
+        tc_ns(ns, "qdisc", "replace", "dev", ifname, "parent", "1:1", "handle", "10:", *tbf)
+    else:
+        tc_ns(ns, "qdisc", "replace", "dev", ifname, "root", "handle", "1:", *tbf)

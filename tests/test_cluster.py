@@ -1,0 +1,194 @@
+"""Cluster emulator (issue 6): namespaces up and down, shaped link rate, stale cleanup, signals,
+and gloo/training across emulated nodes.
+
+Tests that build namespaces need root and a kernel/container that allows `ip netns add`; they
+skip with the reason otherwise. Every cluster a test builds is torn down by a finalizer, and the
+last check asserts nothing with this process's id is left behind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zeropp.experiments.cluster import ClusterPrivilegeError, EmulatedCluster, NetnsError, netns
+from zeropp.experiments.cluster.ranks import run_ranks
+
+PREFIX = "zpp"
+
+
+def _netns_unavailable() -> str | None:
+    try:
+        netns.require_privileges(PREFIX)
+    except NetnsError as e:
+        return f"emulated-cluster test needs network namespaces: {e}"
+    return None
+
+
+_SKIP = _netns_unavailable()
+needs_netns = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+
+@pytest.fixture
+def clusters():
+    """Make clusters; whatever happens in the test, each is torn down afterwards."""
+    made: list[EmulatedCluster] = []
+
+    def make(*args, **kw) -> EmulatedCluster:
+        c = EmulatedCluster(*args, **kw)
+        made.append(c)
+        return c.up()
+
+    yield make
+    for c in made:
+        c.down()
+
+
+def _ours(c: EmulatedCluster) -> list[str]:
+    return [n for n in netns.list_namespaces(PREFIX) if n in c.namespaces()]
+
+
+def _wait_for(pred, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- no privileges needed
+
+
+def test_bad_spec_and_prefix_are_rejected_with_reasons():
+    with pytest.raises(ValueError, match="inter_gbps"):
+        EmulatedCluster(2, 2, 0.0)
+    with pytest.raises(ValueError, match="prefix"):
+        EmulatedCluster(2, 2, 1.0, prefix="Not-OK-too-long")
+    c = EmulatedCluster(2, 2, 1.0)
+    assert c.world_size == 4 and [c.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert c.rank_command_prefix(3)[:3] == ["ip", "netns", "exec"] and c.rank_command_prefix(3)[3].endswith("-n1")
+    env = c.rank_env(2, 29500)
+    assert env["MASTER_ADDR"] == c.node_address(0) == c.master_addr and env["GLOO_SOCKET_IFNAME"] == c.interface
+    c.down()  # never brought up: a no-op
+
+
+def test_without_root_the_error_says_why_and_how_to_run_locally(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterPrivilegeError, match="root") as e:
+        EmulatedCluster(2, 2, 1.0).up()
+    assert "cluster=local" in str(e.value)
+
+
+# ---------------------------------------------------------------- namespaces
+
+
+@needs_netns
+def test_setup_probe_and_teardown(clusters):
+    c = clusters(2, 1, 0.5, probe_seconds=1.0)
+    assert sorted(_ours(c)) == sorted(c.namespaces())
+    # within 20% of the configured rate; the upper bound shows the link really is shaped
+    assert c.measured_gbps is not None and abs(c.measured_gbps / 0.5 - 1) < 0.2, c.measured_gbps
+    s = c.summary()
+    assert s["cluster"] == "emulated" and s["inter_gbps"] == 0.5 and s["measured_gbps"] == c.measured_gbps
+    c.down()
+    c.down()  # idempotent
+    assert _ours(c) == []
+
+
+@needs_netns
+def test_teardown_after_a_rank_is_killed_and_another_hangs(clusters):
+    c = clusters(2, 1, 1.0, probe=False)
+    killed = subprocess.Popen([*c.rank_command_prefix(1), "sleep", "60"])
+    hung = subprocess.Popen([*c.rank_command_prefix(0), "sleep", "60"])
+    _wait_for(lambda: killed.pid in netns.namespace_pids(c.node_namespace(1)), what="rank in node 1")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=10)
+    c.down()
+    assert _ours(c) == []
+    assert hung.wait(timeout=10) is not None  # teardown stopped the rank still running inside
+
+
+@needs_netns
+def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clusters, tmp_path):
+    live = clusters(2, 1, 1.0, probe=False)  # owned by this (live) process: must survive cleaning
+    owner = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2",
+                              "--ranks-per-node", "1", "--seconds", "60"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == owner.pid]  # noqa: E731
+        _wait_for(lambda: len(mine()) == 3, what="the owner's namespaces")
+        owner.send_signal(signal.SIGKILL)  # no handler runs: its namespaces are left behind
+        owner.wait(timeout=10)
+        left = mine()
+        assert len(left) == 3 and set(left) <= set(netns.stale_namespaces(PREFIX))
+        fresh = clusters(2, 1, 1.0, probe=False)
+        assert set(left) <= set(fresh.cleaned_stale) and mine() == []
+        assert sorted(_ours(live)) == sorted(live.namespaces())
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        netns.clean(PREFIX)
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_owner_tears_down(sig):
+    owner = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2",
+                              "--ranks-per-node", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == owner.pid]  # noqa: E731
+        assert owner.stdout.readline()  # summary printed: the cluster is up and probed
+        assert len(mine()) == 3
+        owner.send_signal(sig)
+        owner.wait(timeout=30)
+        assert mine() == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+        netns.clean(PREFIX)
+
+
+@needs_netns
+def test_latency_is_applied_or_refused_clearly(clusters):
+    if not netns.qdisc_supported("netem", PREFIX):
+        with pytest.raises(NetnsError, match="netem"):
+            clusters(2, 1, 1.0, inter_latency_ms=2.0, probe=False)
+        pytest.skip("this kernel has no netem qdisc: latency emulation unavailable (rate shaping still works)")
+    c = clusters(2, 1, 1.0, inter_latency_ms=2.0, probe=False)
+    c.run_probe()
+    assert 3.0 < c.measured_rtt_ms < 8.0, c.measured_rtt_ms  # one-way 2 ms -> RTT ~4 ms
+
+
+# ---------------------------------------------------------------- ranks across emulated nodes
+
+
+@needs_netns
+def test_gloo_all_reduce_across_two_emulated_nodes(clusters):
+    c = clusters(2, 1, 1.0, probe=False)
+    reports = run_ranks(c, ["--mode", "allreduce"], timeout_s=120)
+    assert all(r["sum"] == r["expected"] == 1.0 and r["big_ok"] for r in reports)
+    assert {r["ifname"] for r in reports} == {c.interface}
+
+
+@needs_netns
+def test_short_zeropp_training_on_a_2x2_emulated_cluster(clusters):
+    c = clusters(2, 2, 1.0, probe=False)
+    reports = run_ranks(c, ["--mode", "zeropp", "--preset", "tiny", "--micro-batch", "2", "--steps", "2",
+                            "--warmup", "1"], timeout_s=240)
+    runs = [r["runs"]["zeropp"] for r in reports]
+    assert all(r["losses"] == runs[0]["losses"] for r in runs) and all(math.isfinite(x) for x in runs[0]["losses"])
+    assert all(r["bytes_per_step"]["cross"] > 0 and r["bytes_per_step"]["intra"] > 0 for r in runs)
+
+
+def test_nothing_left_behind():
+    """Runs last in this file: no namespace carrying this process's id survives the tests."""
+    if _SKIP is not None:
+        pytest.skip(_SKIP)
+    assert [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == os.getpid()] == []
