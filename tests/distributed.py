@@ -14,6 +14,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -58,8 +59,6 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(out) + len(errors) < world_size:
@@ -82,7 +81,20 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
                 out[rank] = val
             else:
                 errors.append(f"--- rank {rank} ---\n{val}")
-                break  # one failure is enough: the others may be stuck waiting for it
+                # One failure is enough: the others may be stuck waiting for it. Peers that fail
+                # *because* of it ("connection closed by peer") can report first, so collect what
+                # else arrives within a short grace period to include the original error too.
+                grace = time.monotonic() + 3.0
+                while len(out) + len(errors) < world_size and time.monotonic() < grace:
+                    try:
+                        rank, ok, val = results.get(timeout=max(grace - time.monotonic(), 0.01))
+                    except queue.Empty:
+                        break
+                    if ok:
+                        out[rank] = val
+                    else:
+                        errors.append(f"--- rank {rank} ---\n{val}")
+                break
         if errors:
             raise AssertionError("a rank failed:\n" + "\n".join(errors))
         return [out[r] for r in range(world_size)]

@@ -1,0 +1,206 @@
+"""Measure communication from outside any trainer: bytes per link class and time blocked on it.
+
+Every trainer (zeropp's engine, FSDP2, DDP, plug-ins) ends up in ``torch.distributed``'s
+collectives. :class:`CommWatch` wraps those functions and ``Work.wait`` in this process, and
+records, per collective kind and link class (``intra`` / ``cross`` node, from the run's topology):
+
+* **bytes** this rank sends, counted with the direct pairwise algorithm (all-gather: my shard to
+  every peer; reduce-scatter: each peer's chunk to it; all-to-all: each split; all-reduce:
+  2(g-1)/g of the buffer). These are *wire* bytes of whatever dtype travels (INT8 codes and scales
+  for a quantized collective), so trainers are compared on equal terms; zeropp's own
+  ``CommStats`` adds semantic kinds (forward vs backward all-gather) where a trainer has it.
+* **wait seconds**: wall time the training thread spends inside a blocking collective or a
+  ``Work.wait()``. That is the time communication is *not* overlapped with compute.
+
+Nested calls (a collective implemented with another) are counted once, at the outermost call.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+_WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "reduce_scatter_tensor",
+            "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "all_reduce",
+            "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter")
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
+
+
+def _peer_bytes(name: str, args: tuple, kwargs: dict, ranks: list[int], me: int) -> list[int]:
+    """Bytes this rank sends to each group member (index = group rank) for one call."""
+    g = len(ranks)
+    out = [0] * g
+    if g <= 1:
+        return out
+    if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        b = _nbytes(_arg(args, kwargs, 1, "input_tensor"))
+        out = [b] * g
+    elif name == "all_gather":
+        b = _nbytes(_arg(args, kwargs, 1, "tensor"))
+        out = [b] * g
+    elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
+        b = _nbytes(_arg(args, kwargs, 1, "input")) // g
+        out = [b] * g
+    elif name == "reduce_scatter":
+        lst = _arg(args, kwargs, 1, "input_list") or []
+        out = [_nbytes(t) for t in lst][:g] + [0] * max(0, g - len(lst))
+    elif name == "all_reduce":
+        b = _nbytes(_arg(args, kwargs, 0, "tensor"))
+        out = [2 * b // g] * g
+    elif name == "all_to_all_single":
+        inp = _arg(args, kwargs, 1, "input")
+        splits = _arg(args, kwargs, 3, "input_split_sizes")
+        total = _nbytes(inp)
+        if splits:
+            per_row = total // max(1, inp.shape[0]) if inp is not None and inp.dim() else 0
+            out = [int(s) * per_row for s in splits]
+        else:
+            out = [total // g] * g
+    elif name == "all_to_all":
+        lst = _arg(args, kwargs, 1, "input_tensor_list") or []
+        out = [_nbytes(t) for t in lst][:g] + [0] * max(0, g - len(lst))
+    elif name in ("broadcast", "scatter"):
+        src = _arg(args, kwargs, 1 if name == "broadcast" else 2, "src", 0)
+        if src == ranks[me]:
+            out = [_nbytes(_arg(args, kwargs, 0, "tensor"))] * g
+    elif name in ("reduce", "gather"):
+        dst = _arg(args, kwargs, 1 if name == "reduce" else 2, "dst", 0)
+        if dst != ranks[me] and dst in ranks:
+            out[ranks.index(dst)] = _nbytes(_arg(args, kwargs, 0, "tensor"))
+    out[me] = 0
+    return out
+
+
+def _kind(name: str) -> str:
+    return (name.lstrip("_").replace("_into_tensor", "").replace("_base", "").replace("_tensor", "")
+            .replace("_single", ""))
+
+
+class CommWatch:
+    """Patch torch.distributed for this process while active (see module doc).
+
+    ``node_of`` maps a global rank to its node index. Use as a context manager; ``take()`` returns
+    and resets the counters (one step's worth).
+    """
+
+    def __init__(self, node_of: Callable[[int], int]) -> None:
+        self.node_of = node_of
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.wait_s = 0.0
+        self._local = threading.local()
+        self._thread = threading.get_ident()
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _account(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.get("group")
+        if group is None:
+            idx = {"all_gather_into_tensor": 2, "all_gather_single": 2, "_all_gather_base": 2, "all_gather": 2,
+                   "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "_reduce_scatter_base": 3,
+                   "reduce_scatter": 3, "all_reduce": 2, "all_to_all_single": 4, "all_to_all": 2,
+                   "broadcast": 2, "reduce": 3, "gather": 3, "scatter": 3}[name]
+            group = args[idx] if len(args) > idx and not isinstance(args[idx], (bool, int)) else None
+        try:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        except Exception:  # noqa: BLE001 - an exotic group: count it as world
+            ranks = list(range(dist.get_world_size()))
+        me_global = dist.get_rank()
+        if me_global not in ranks:
+            return
+        me = ranks.index(me_global)
+        kind = _kind(name)
+        my_node = self.node_of(me_global)
+        for r, b in zip(ranks, _peer_bytes(name, args, kwargs, ranks, me)):
+            if b:
+                self.bytes[f"{kind}.{'intra' if self.node_of(r) == my_node else 'cross'}"] += b
+        self.calls[kind] += 1
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._local, "depth", 0):
+                return fn(*args, **kwargs)
+            self._local.depth = 1
+            t0 = time.perf_counter()
+            try:
+                with contextlib.suppress(Exception):
+                    self._account(name, args, kwargs)
+                return fn(*args, **kwargs)
+            finally:
+                if threading.get_ident() == self._thread:  # only the training thread's blocking counts
+                    self.wait_s += time.perf_counter() - t0
+                self._local.depth = 0
+        return wrapper
+
+    def _wrap_wait(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self._local, "depth", 0) or threading.get_ident() != self._thread:
+                return fn(work, *args, **kwargs)
+            self._local.depth = 1
+            t0 = time.perf_counter()
+            try:
+                return fn(work, *args, **kwargs)
+            finally:
+                self.wait_s += time.perf_counter() - t0
+                self._local.depth = 0
+        return wait
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def __enter__(self) -> "CommWatch":
+        self._thread = threading.get_ident()
+        wrappers: dict[str, Callable] = {}
+        for name in _WRAPPED:
+            fn = getattr(c10d, name, None)
+            if fn is None:
+                continue
+            wrappers[name] = self._wrap(name, fn)
+            for mod in (dist, c10d):
+                if getattr(mod, name, None) is fn:
+                    self._saved.append((mod, name, fn))
+                    setattr(mod, name, wrappers[name])
+        work = getattr(torch._C._distributed_c10d, "Work", None)
+        if work is not None:
+            self._saved.append((work, "wait", work.wait))
+            work.wait = self._wrap_wait(work.wait)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, name, fn in reversed(self._saved):
+            setattr(obj, name, fn)
+        self._saved.clear()
+
+    def take(self) -> tuple[dict[str, int], float]:
+        """``({"<kind>.<link>": bytes}, wait_seconds)`` since the last call; resets both."""
+        b, w = dict(self.bytes), self.wait_s
+        self.bytes.clear()
+        self.wait_s = 0.0
+        return b, w
+
+
+@contextlib.contextmanager
+def watching(node_of: Callable[[int], int]) -> Iterator[CommWatch]:
+    with CommWatch(node_of) as w:
+        yield w

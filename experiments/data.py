@@ -1,0 +1,108 @@
+"""Token sources: a real text corpus that is always available offline, or random tokens.
+
+The model has a byte-level vocabulary (256), so any file is a token stream as it is. The default
+corpus is this interpreter's own standard library (``*.py`` under ``sysconfig``'s stdlib path,
+sorted, so every rank and every machine with the same Python reads the same bytes): real,
+structured text, a few MB, no download. ``data=licenses`` reads Debian's license texts instead;
+``data.source=path data.path=...`` reads any file or directory.
+
+Each rank draws its own random windows (seeded by seed and rank): data parallelism with
+different data on each rank, reproducible across runs.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from .config import DataSection
+
+
+class DataError(RuntimeError):
+    """The corpus could not be read; the message says where it looked and what to do."""
+
+
+def _files_under(root: Path, pattern: str) -> list[Path]:
+    return sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
+
+
+def read_corpus(data: DataSection) -> bytes:
+    """The corpus bytes (at most ``data.max_bytes``), or a :class:`DataError` naming the path."""
+    if data.source == "python_stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = _files_under(root, "*.py") if root.is_dir() else []
+        where = f"Python standard library sources under {root}"
+    else:
+        root = Path(str(data.path)).expanduser()
+        if root.is_file():
+            files = [root]
+        elif root.is_dir():
+            files = _files_under(root, "*")
+        else:
+            raise DataError(f"data.path={str(root)!r} does not exist; point data.path at a file or "
+                            "directory, or use data=text (Python's own sources) or data=random")
+        where = str(root)
+    chunks: list[bytes] = []
+    total = 0
+    for f in files:
+        try:
+            b = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(b)
+        total += len(b)
+        if total >= data.max_bytes:
+            break
+    corpus = b"".join(chunks)[: data.max_bytes]
+    if len(corpus) < 4096:
+        raise DataError(f"found only {len(corpus)} bytes of text in {where}; need at least 4096. "
+                        "Use data=random or set data.source=path data.path=<a text file or folder>")
+    return corpus
+
+
+class TokenBatches:
+    """Draws ``(idx, targets)`` micro-batches of shape ``[batch, seq_len]`` for one rank."""
+
+    def __init__(self, data: DataSection, *, seq_len: int, batch: int, vocab_size: int, seed: int,
+                 rank: int, device: torch.device) -> None:
+        self.data = data
+        self.seq_len = seq_len
+        self.batch = batch
+        self.vocab_size = vocab_size
+        self.device = device
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.train: torch.Tensor | None = None
+        self.val: torch.Tensor | None = None
+        if data.kind == "text":
+            tokens = torch.frombuffer(bytearray(read_corpus(data)), dtype=torch.uint8).long()
+            n_val = int(len(tokens) * data.val_fraction)
+            if len(tokens) - n_val < seq_len + 2:
+                raise DataError(f"corpus of {len(tokens)} bytes is shorter than one sequence ({seq_len})")
+            self.train = tokens[: len(tokens) - n_val]
+            self.val = tokens[len(tokens) - n_val:] if n_val > seq_len + 1 else self.train
+            if int(tokens.max()) >= vocab_size:
+                raise DataError(f"corpus has byte values >= model vocab_size={vocab_size}")
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.train is None else len(self.train)
+
+    def _windows(self, source: torch.Tensor | None, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        if source is None:
+            x = torch.randint(0, self.vocab_size, (self.batch, self.seq_len + 1), generator=gen)
+        else:
+            starts = torch.randint(0, len(source) - self.seq_len - 1, (self.batch,), generator=gen)
+            x = torch.stack([source[s: s + self.seq_len + 1] for s in starts.tolist()])
+        x = x.to(self.device)
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next training micro-batch."""
+        return self._windows(self.train, self.gen)
+
+    def eval_batch(self, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed held-out batch (the same on every call with the same index)."""
+        gen = torch.Generator().manual_seed(10_000_019 + index)
+        return self._windows(self.val, gen)

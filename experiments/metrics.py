@@ -1,0 +1,150 @@
+"""What a run records: ``metrics.jsonl`` (one line per logged step) and ``summary.json``.
+
+Throughput is averaged over the steps after ``train.warmup_steps`` (total tokens / total time, not
+a mean of rates). Model TFLOP/s uses the PaLM accounting: per token, 6N for the matmuls of forward
+and backward (N = parameters except the position embedding, which is a lookup, not a matmul) plus 12 * n_layers * d_model * seq_len for attention scores, times the tokens of all ranks.
+Communication bytes are per rank per step, averaged over ranks, keyed ``<kind>.<link>`` (link
+``intra`` or ``cross`` node): ``comm_bytes_per_step`` from CommWatch (every torch.distributed call,
+any trainer, kinds like ``all_gather``), ``engine_comm_bytes_per_step`` from zeropp's CommStats
+when the trainer has one (semantic kinds like ``fwd_all_gather``, ``grad_reduce_scatter``).
+``comm_wait_s_per_step`` is the time the training thread was blocked inside collectives or
+``Work.wait()`` (CommWatch); ``engine_comm_wait_s_per_step`` is ZeroEngine's own measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .config import RunConfig
+
+SUMMARY_KEYS = ("label", "tokens_per_s", "step_time_s", "model_tflops", "comm_bytes_per_step",
+                "comm_wait_s_per_step", "memory_per_rank", "loss", "config")
+"""Keys every summary.json has (tests and the report rely on them)."""
+
+
+def flops_per_token(cfg: RunConfig, n_params: int) -> float:
+    m = cfg.model
+    n = n_params - m.seq_len * m.d_model
+    return 6.0 * n + 12.0 * m.n_layers * m.d_model * m.seq_len
+
+
+def tokens_per_step(cfg: RunConfig) -> int:
+    t = cfg.train
+    return cfg.topology.world_size * t.micro_batch_size * t.grad_accum * cfg.model.seq_len
+
+
+class MetricsFile:
+    """Appends one JSON object per line; flushed each line so a crash keeps what was logged."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._f = path.open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def link_totals(bytes_by_key: dict[str, float]) -> dict[str, float]:
+    """``{"intra": .., "cross": ..}`` from ``{"<kind>.<link>": bytes}``."""
+    out = {"intra": 0.0, "cross": 0.0}
+    for k, v in bytes_by_key.items():
+        link = k.rsplit(".", 1)[-1]
+        if link in out:
+            out[link] += v
+    return out
+
+
+def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, float]:
+    keys = sorted({k for d in dicts for k in d})
+    return {k: sum(d.get(k, 0) for d in dicts) / max(divisor, 1) for k in keys}
+
+
+def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],
+                  losses: list[float], eval_loss: float | None, n_params: int, run_dir: str,
+                  overrides: list[str], device: str, backend: str, notes: list[str]) -> dict[str, Any]:
+    """Aggregate per-rank reports (gathered on rank 0) into the summary.json dict.
+
+    Each rank report has ``wire_bytes`` and ``engine_bytes`` (totals over measured steps),
+    ``wait_s`` (total), ``measured_steps`` and ``memory`` (model-state bytes by part).
+    """
+    w = cfg.train.warmup_steps
+    measured = step_times[w:] or step_times
+    total_time = sum(measured)
+    tps = tokens_per_step(cfg) * len(measured) / total_time if total_time > 0 else 0.0
+    fpt = flops_per_token(cfg, n_params)
+    world = len(rank_reports)
+    n_meas = max(1, rank_reports[0]["measured_steps"])
+    wire = _mean_dicts([r["wire_bytes"] for r in rank_reports], world * n_meas)
+    engine = [r["engine_bytes"] for r in rank_reports if r.get("engine_bytes") is not None]
+    engine_mean = _mean_dicts(engine, len(engine) * n_meas) if engine else None
+    wait = sum(r["wait_s"] for r in rank_reports) / (world * n_meas)
+    eng_wait = sum(r.get("engine_wait_s", 0.0) for r in rank_reports) / (world * n_meas)
+    step_mean = total_time / len(measured) if measured else math.nan
+    mems = [r["memory"] for r in rank_reports]
+    return {
+        "label": cfg.describe(),
+        "trainer": cfg.trainer.name,
+        "zero": {"requested": dataclasses.asdict(cfg.zero), "effective": dataclasses.asdict(cfg.zero.effective())},
+        "topology": {"world_size": cfg.topology.world_size, "ranks_per_node": cfg.topology.ranks_per_node,
+                     "nodes": cfg.topology.nodes},
+        "model": {"name": cfg.model.name, "params": n_params, "flops_per_token": fpt},
+        "tokens_per_step": tokens_per_step(cfg),
+        "steps": len(step_times),
+        "measured_steps": len(measured),
+        "tokens_per_s": tps,
+        "step_time_s": {"mean": step_mean, "median": statistics.median(measured) if measured else math.nan,
+                        "min": min(measured, default=math.nan), "max": max(measured, default=math.nan)},
+        "model_tflops": tps * fpt / 1e12,
+        "model_tflops_per_rank": tps * fpt / 1e12 / world,
+        "comm_bytes_per_step": {"by_kind_link": wire, "by_link": link_totals(wire),
+                                "total": sum(wire.values()), "source": "torch.distributed (wire bytes)"},
+        "engine_comm_bytes_per_step": None if engine_mean is None else {
+            "by_kind_link": engine_mean, "by_link": link_totals(engine_mean), "total": sum(engine_mean.values())},
+        "comm_wait_s_per_step": wait,
+        "engine_comm_wait_s_per_step": eng_wait if engine_mean is not None else None,
+        "comm_wait_fraction": wait / step_mean if step_mean and step_mean > 0 else math.nan,
+        "memory_per_rank": mems,
+        "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
+        "loss": {"first": losses[0] if losses else math.nan, "final": losses[-1] if losses else math.nan,
+                 "eval": eval_loss, "curve": losses},
+        "device": device,
+        "backend": backend,
+        "notes": notes,
+        "run_dir": run_dir,
+        "overrides": overrides,
+        "config": cfg.to_dict(),
+    }
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    path.write_text(json.dumps(clean(summary), indent=2))
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

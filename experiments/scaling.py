@@ -1,0 +1,363 @@
+"""Scaling projection: a latency-bandwidth cost model of ZeRO / ZeRO++ step time on big clusters.
+
+Why: we can measure 4 CPU ranks, not 384 GPUs. The model takes what does not change with the
+cluster (the model's communication units, the compute time per step per rank, measured or from
+FLOPs) and what does (nodes x ranks per node, intra- and cross-node bandwidth and latency), and
+predicts step time and throughput for ZeRO-3 and ZeRO++.
+
+Messages (per micro-step, per communication unit = the root and each transformer block, padded
+to the world size like the engine's flat units; quantized sizes from
+``zeropp.kernels.quantized_nbytes``):
+
+* stage 3: forward all-gather over the world (qwZ: quantized shards); backward all-gather over
+  the world, or inside the hpZ group (hpZ); gradient reduce-scatter over the world, or (qgZ) an
+  intra-node all-to-all of the quantized gradient followed by a cross-node all-to-all of each
+  rank's requantized 1/ranks_per_node slice.
+* stages 1-2: gradient reduce-scatter (qgZ as above) and a parameter all-gather after the step;
+  stage 0: an all-reduce.
+
+Time of one collective over a group spanning ``n`` nodes x ``r`` ranks (ring for all-gather /
+reduce-scatter, ``M`` = bytes of the full buffer): ``(g-1)*alpha + max((n-1)/n * M / B_node,
+(g-1)/g * M / B_intra)``: every byte of the other nodes' data must enter a node once, through
+its aggregate NIC bandwidth ``B_node`` (NCCL spreads rings over all NICs), while intra-node
+forwarding runs at ``B_intra`` per rank. All-to-all: each rank sends (g-1)/g of its buffer;
+the cross-node share of a node's ranks shares ``B_node``. Step time = compute + comm -
+overlap * min(compute, comm).
+
+Two byte views come out of the same messages: ``pairwise_bytes`` (what this rank hands to each
+peer, by link: zeropp.comm.CommStats' accounting, to check against measured runs) and
+``node_cross_bytes`` (what crosses a node's NICs: the paper's 3M vs 0.75M).
+
+``python -m experiments.scaling`` prints the projection for 8 GPUs/node at 100 and 400 Gbps up
+to 384 GPUs and saves ``outputs/scaling.png``; ``--compare DIR [--calibrate]`` checks the model against
+measured ``summary.json`` files (cluster=emulated runs of issue 6; see scaling_check.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE, quantized_nbytes
+
+GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Shape and links of a (real or projected) cluster."""
+
+    nodes: int
+    """Number of nodes."""
+    ranks_per_node: int
+    """GPUs (ranks) per node."""
+    cross_gbps: float
+    """Aggregate inter-node bandwidth of one node (all its NICs), Gbit/s."""
+    intra_gbps: float = 1200.0
+    """Per-rank intra-node bandwidth (NVLink/NVSwitch; ~150 GB/s on V100 DGX), Gbit/s."""
+    alpha_cross_s: float = 20e-6
+    """Latency of one cross-node message step."""
+    alpha_intra_s: float = 5e-6
+    """Latency of one intra-node message step."""
+    parallel_links: bool = True
+    """Intra- and cross-node transfers proceed at once (GPUs: NVLink beside the NICs). False for
+    CPU ranks sharing cores (the emulator), where the two add up."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1 or self.cross_gbps <= 0 or self.intra_gbps <= 0:
+            raise ValueError(f"invalid cluster {self}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What is trained, per rank, independent of the cluster size (weak scaling)."""
+
+    units: tuple[int, ...]
+    """Elements of each communication unit (root first, then one per block)."""
+    compute_s: float
+    """Forward+backward+optimizer compute time of one step on one rank."""
+    tokens_per_rank: int
+    """Tokens one rank processes per step."""
+    stage: int = 3
+    qwz_bits: int | None = None
+    hpz: bool = False
+    hpz_size: int | None = None
+    qgz_bits: int | None = None
+    qgz_intra_bits: int | None = None
+    qwz_group_size: int = DEFAULT_WEIGHT_GROUP_SIZE
+    qgz_group_size: int = DEFAULT_GRAD_GROUP_SIZE
+    dtype_bytes: int = 2
+    """Bytes per element of weights/gradients on the wire when not quantized (bf16/fp16: 2)."""
+    grad_accum: int = 1
+    overlap: float = 0.0
+    """Fraction of min(compute, comm) hidden by overlap (0: fully serialized)."""
+    flops_per_token: float = 0.0
+    """For TFLOP/s in the projection (optional)."""
+    quant_gbs: float = 500.0
+    """Quantize/dequantize kernel throughput (GB/s of full-precision data); their time is not hidden."""
+
+    def with_zero(self, **kw: object) -> "Workload":
+        return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One collective call of a step: ``count`` calls per step of this shape."""
+
+    kind: str
+    algo: str  # "ring_ag", "ring_rs", "all_reduce", "a2a_intra", "a2a_cross"
+    nodes: int  # nodes the group spans
+    ranks: int  # group ranks per node
+    chunk_bytes: int  # bytes this rank sends to each peer
+    count: int
+
+
+def _ring(kind: str, algo: str, group_nodes: int, group_rpn: int, shard_bytes: int, count: int) -> Message:
+    return Message(kind, algo, group_nodes, group_rpn, shard_bytes, count)
+
+
+def messages(w: Workload, c: Cluster) -> list[Message]:
+    """Every collective of one step, with exact per-peer chunk sizes (see module doc)."""
+    W, R, N = c.world, c.ranks_per_node, c.nodes
+    out: list[Message] = []
+    a = w.grad_accum
+    for numel in w.units:
+        shard = -(-numel // W)  # elements per rank after padding to the world size
+        plain = shard * w.dtype_bytes
+        wq = quantized_nbytes(1, shard, w.qwz_bits, w.qwz_group_size) if w.qwz_bits else plain
+        if w.stage == 3:
+            out.append(_ring("fwd_all_gather", "ring_ag", N, R, wq, a))
+            if w.hpz and N > 1:
+                h = w.hpz_size or R
+                sec = -(-numel // h)  # secondary shard of the hpZ group
+                out.append(_ring("bwd_all_gather", "ring_ag", 1, h, sec * w.dtype_bytes, a))
+            else:
+                out.append(_ring("bwd_all_gather", "ring_ag", N, R, wq, a))
+        rs_count = a if w.stage >= 2 else 1
+        if w.stage == 0:
+            out.append(_ring("grad_all_reduce", "all_reduce", N, R, plain, 1))
+        elif w.qgz_bits:
+            ib = w.qgz_intra_bits or w.qgz_bits
+            # intra hop: my full gradient as W rows of `shard`; each local peer gets the N rows it reduces
+            out.append(Message("grad_a2a_intra", "a2a_intra", 1, R, quantized_nbytes(N, shard, ib, w.qgz_group_size),
+                               rs_count))
+            if N > 1:  # cross hop: one requantized row to each node's same-local-rank peer
+                out.append(Message("grad_a2a_cross", "a2a_cross", N, 1,
+                                   quantized_nbytes(1, shard, w.qgz_bits, w.qgz_group_size), rs_count))
+        else:
+            out.append(_ring("grad_reduce_scatter", "ring_rs", N, R, plain, rs_count))
+        if w.stage in (1, 2):
+            out.append(_ring("param_all_gather", "ring_ag", N, R, plain, 1))
+    return out
+
+
+def pairwise_bytes(msgs: Iterable[Message]) -> dict[str, float]:
+    """Bytes this rank sends per step, ``{"<kind>.<intra|cross>": bytes}`` (CommStats' accounting)."""
+    out: dict[str, float] = {}
+    for m in msgs:
+        if m.algo == "a2a_cross":
+            intra_peers, cross_peers = 0, m.nodes - 1
+        else:
+            intra_peers, cross_peers = m.ranks - 1, (m.nodes - 1) * m.ranks
+        mult = 2 if m.algo == "all_reduce" else 1
+        for link, peers in (("intra", intra_peers), ("cross", cross_peers)):
+            if peers:
+                key = f"{m.kind}.{link}"
+                out[key] = out.get(key, 0) + mult * peers * m.chunk_bytes * m.count
+    return out
+
+
+def node_cross_bytes(msgs: Iterable[Message], c: Cluster) -> float:
+    """Bytes entering one node from other nodes per step (ring: (n-1)/n of the buffer per collective)."""
+    total = 0.0
+    for m in msgs:
+        if m.nodes <= 1:
+            continue
+        if m.algo == "a2a_cross":
+            total += c.ranks_per_node * (m.nodes - 1) * m.chunk_bytes * m.count
+        else:
+            full = m.chunk_bytes * m.nodes * m.ranks
+            total += (2 if m.algo == "all_reduce" else 1) * (m.nodes - 1) / m.nodes * full * m.count
+    return total
+
+
+def _terms(m: Message, c: Cluster) -> tuple[int, float, float]:
+    """(latency steps, cross-node seconds, intra-node bytes per rank) of one call."""
+    b_node = c.cross_gbps * GBPS
+    g = m.nodes * m.ranks
+    if g <= 1:
+        return 0, 0.0, 0.0
+    if m.algo == "a2a_intra":
+        return g - 1, 0.0, (g - 1) * m.chunk_bytes
+    if m.algo == "a2a_cross":
+        return g - 1, c.ranks_per_node * (g - 1) * m.chunk_bytes / b_node, 0.0
+    full = m.chunk_bytes * g
+    t_cross = (m.nodes - 1) / m.nodes * full / b_node if m.nodes > 1 else 0.0
+    k = 2 if m.algo == "all_reduce" else 1
+    return k * (g - 1), k * t_cross, k * (g - 1) / g * full
+
+
+def collective_time(m: Message, c: Cluster) -> float:
+    """Alpha-beta time of one call (see module doc)."""
+    steps, t_cross, intra = _terms(m, c)
+    alpha = c.alpha_cross_s if m.nodes > 1 else c.alpha_intra_s
+    t_intra = intra / (c.intra_gbps * GBPS)
+    return steps * alpha + (max(t_cross, t_intra) if c.parallel_links else t_cross + t_intra)
+
+
+def quant_time(w: Workload, c: Cluster) -> float:
+    """Kernel time of qwZ (quantize shard, dequantize gathered buffer) and qgZ (two rounds)."""
+    elems = sum(-(-u // c.world) * c.world for u in w.units)
+    rounds = (2 * w.grad_accum if w.qwz_bits and w.stage == 3 else 0) + (
+        2 * (w.grad_accum if w.stage >= 2 else 1) if w.qgz_bits and w.stage >= 1 else 0)
+    return rounds * elems * w.dtype_bytes / (w.quant_gbs * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """Predicted step of one workload on one cluster."""
+
+    cluster: Cluster
+    comm_s: float
+    compute_s: float
+    step_s: float
+    tokens_per_s: float
+    tflops_per_rank: float
+    node_cross_bytes: float
+    pairwise: dict[str, float]
+
+
+def project(w: Workload, c: Cluster) -> Projection:
+    msgs = messages(w, c)
+    comm = sum(collective_time(m, c) * m.count for m in msgs) + quant_time(w, c)
+    step = w.compute_s + comm - w.overlap * min(w.compute_s, comm)
+    tps = w.tokens_per_rank * c.world / step
+    return Projection(c, comm, w.compute_s, step, tps, w.flops_per_token * w.tokens_per_rank / step / 1e12,
+                      node_cross_bytes(msgs, c), pairwise_bytes(msgs))
+
+
+def gpt_units(*, vocab: int, seq_len: int, d_model: int, n_layers: int, mlp_ratio: int = 4) -> tuple[int, ...]:
+    """Communication units of zeropp's GPT: root (embeddings, final norm, head), then each block."""
+    d, h = d_model, d_model * mlp_ratio
+    root = vocab * d + seq_len * d + 2 * d + d * vocab + vocab
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+    return (root, *([block] * n_layers))
+
+
+def paper_workload(*, tokens_per_gpu: int = 1024, achieved_tflops: float = 50.0) -> Workload:
+    """The ZeRO++ paper's regime: an 18B GPT (d 6144, 40 layers) in fp16 on V100s, a small batch
+    per GPU (where ZeRO-3 is communication bound), compute at ``achieved_tflops`` per GPU with
+    activation recomputation (8 flops per parameter per token)."""
+    units = gpt_units(vocab=50304, seq_len=2048, d_model=6144, n_layers=40)
+    n = sum(units)
+    return Workload(units=units, compute_s=8 * n * tokens_per_gpu / (achieved_tflops * 1e12),
+                    tokens_per_rank=tokens_per_gpu, stage=3, flops_per_token=6.0 * n)
+
+
+ZEROPP = dict(qwz_bits=8, hpz=True, qgz_bits=4)
+"""The full ZeRO++ switches (qwZ INT8, hpZ, qgZ INT4)."""
+
+
+def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_per_node: int = 8,
+                  max_ranks: int = 384) -> list[dict[str, float]]:
+    """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth."""
+    rows = []
+    base = w.with_zero(qwz_bits=None, hpz=False, qgz_bits=None)
+    plus = w.with_zero(**ZEROPP)
+    node_counts = sorted({n for n in (1, 2, 4, 8, 16, 24, 32, 48) if n * ranks_per_node <= max_ranks}
+                         | {max_ranks // ranks_per_node})
+    for bw in gbps:
+        for n in node_counts:
+            c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw)
+            p0, p1 = project(base, c), project(plus, c)
+            rows.append({"gbps": bw, "nodes": n, "gpus": c.world, "zero3_step_s": p0.step_s,
+                         "zeropp_step_s": p1.step_s, "zero3_tflops": p0.tflops_per_rank,
+                         "zeropp_tflops": p1.tflops_per_rank, "speedup": p0.step_s / p1.step_s,
+                         "zero3_cross_gb": p0.node_cross_bytes / 1e9, "zeropp_cross_gb": p1.node_cross_bytes / 1e9})
+    return rows
+
+
+def format_table(rows: list[dict[str, float]]) -> str:
+    head = (f"{'Gbps':>6} {'GPUs':>5} {'ZeRO-3 s':>9} {'ZeRO++ s':>9} {'ZeRO-3 TF':>9} {'ZeRO++ TF':>9} "
+            f"{'x-node GB/node (3 -> ++)':>25} {'speedup':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['gbps']:>6.0f} {r['gpus']:>5d} {r['zero3_step_s']:>9.2f} {r['zeropp_step_s']:>9.2f} "
+                     f"{r['zero3_tflops']:>9.1f} {r['zeropp_tflops']:>9.1f} "
+                     f"{r['zero3_cross_gb']:>12.1f} -> {r['zeropp_cross_gb']:>8.1f} {r['speedup']:>8.2f}x")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, bw in enumerate(sorted({r["gbps"] for r in rows})):
+        rs = [r for r in rows if r["gbps"] == bw]
+        g = [r["gpus"] for r in rs]
+        color = f"C{i}"
+        ax1.plot(g, [r["zero3_tflops"] for r in rs], "o--", color=color, label=f"ZeRO-3 {bw:.0f} Gbps")
+        ax1.plot(g, [r["zeropp_tflops"] for r in rs], "s-", color=color, label=f"ZeRO++ {bw:.0f} Gbps")
+        ax2.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"{bw:.0f} Gbps")
+    ax1.set(xlabel="GPUs", ylabel="TFLOP/s per GPU", title="Projected throughput", xscale="log")
+    ax2.set(xlabel="GPUs", ylabel="ZeRO++ / ZeRO-3", title="Projected speedup", xscale="log")
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="cross-node Gbit/s per node")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--max-gpus", type=int, default=384)
+    ap.add_argument("--tokens-per-gpu", type=int, default=1024)
+    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
+    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
+    ap.add_argument("--plot", default="outputs/scaling.png", help="where to save the plot ('' to skip)")
+    ap.add_argument("--compare", metavar="DIR", help="check the model against summary.json files under DIR")
+    ap.add_argument("--cross-gbps", type=float, default=None, help="--compare: link rate of cluster=local runs")
+    ap.add_argument("--intra-gbps", type=float, default=20.0, help="--compare: intra-node (loopback) rate")
+    ap.add_argument("--alpha", type=float, default=100e-6, help="--compare: seconds per message step")
+    ap.add_argument("--calibrate", action="store_true", help="--compare: fit --alpha and --intra-gbps first")
+    a = ap.parse_args(argv)
+    if a.compare:
+        from .scaling_check import compare_measured, format_comparison
+
+        paths = sorted(Path(a.compare).rglob("summary.json"))
+        rows = compare_measured([json.loads(p.read_text()) for p in paths], cross_gbps=a.cross_gbps,
+                                intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate)
+        if rows:
+            print(f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
+                  f"{1e6 * rows[0]['alpha_s']:.0f} us per message step")
+        print(format_comparison(rows))
+        return
+    w = dataclasses.replace(paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops),
+                            overlap=a.overlap)
+    print(f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
+          f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node")
+    rows = speedup_table(w, gbps=a.gbps, ranks_per_node=a.ranks_per_node, max_ranks=a.max_gpus)
+    print(format_table(rows))
+    if a.plot:
+        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, a.plot)
+        print(f"plot: {a.plot}")
+
+
+if __name__ == "__main__":
+    main()

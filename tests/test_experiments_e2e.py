@@ -1,0 +1,110 @@
+"""The runner end to end, as the researcher types it: a single run, a 2-point multirun and its
+report, logger=none vs wandb offline, and the failure path (a rank that raises / is SIGKILLed).
+
+Each run is a real ``python -m zeropp.experiments.run`` with the real ZeroEngine on a tiny model
+and a few steps, so the whole file stays around a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zeropp.experiments.metrics import SUMMARY_KEYS
+from zeropp.experiments.report import PLOTS
+
+FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
+
+
+def _run(args: list[str], *, env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
+    e.update(WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=e)
+
+
+def _live_procs_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (the run dir is in every rank's argv)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = [ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:")]
+            except OSError:
+                continue
+            if text in cmd and not (state and "Z" in state[0]):
+                out.append(int(d.name))
+    return out
+
+
+def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
+    p = _run(["stage=3", "quant=zeropp", *FAST, f"hydra.run.dir={tmp_path}"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "tokens/s" in p.stdout and "ZeRO-3+qwZ8+hpZ+qgZ4" in p.stdout  # the summary table
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for k in SUMMARY_KEYS:
+        assert k in s, k
+    assert s["tokens_per_s"] > 0 and s["model_tflops"] > 0 and s["step_time_s"]["mean"] > 0
+    assert s["tokens_per_step"] == 4 * 4 * 32
+    by = s["comm_bytes_per_step"]["by_link"]
+    assert by["intra"] > 0 and by["cross"] > 0  # 2 emulated nodes x 2
+    eng = s["engine_comm_bytes_per_step"]["by_kind_link"]
+    assert "bwd_all_gather.cross" not in eng or eng["bwd_all_gather.cross"] == 0  # hpZ keeps it in the node
+    assert s["comm_wait_s_per_step"] >= 0
+    assert len(s["memory_per_rank"]) == 4 and all(m["total"] > 0 for m in s["memory_per_rank"])
+    assert 0 < s["loss"]["final"] < 6 and len(s["loss"]["curve"]) == 4
+    assert s["config"]["zero"]["qgz_bits"] == 4 and s["config"]["topology"]["world_size"] == 4
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[-1])["step"] == 4
+    # both byte views agree (CommWatch sees only the engine's traffic plus two scalar all-reduces) ...
+    wire = s["comm_bytes_per_step"]["by_link"]
+    assert abs(wire["cross"] - s["engine_comm_bytes_per_step"]["by_link"]["cross"]) < 256
+    # ... and the cost model's exact message sizes equal what the run measured
+    from zeropp.experiments.scaling_check import compare_measured
+
+    (row,) = compare_measured([s], cross_gbps=10.0)
+    assert row["bytes_error"] == 0 and row["intra_bytes_error"] == 0, row
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and s["wandb_dir"]
+
+
+def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    p = _run(["-m", "quant=none,int8", "topology=1x2", "logger=none", *FAST, f"hydra.sweep.dir={sweep}"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    sums = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["label"].split()[0] for s in sums] == ["ZeRO-3", "ZeRO-3+qwZ8"]
+    # INT8 weights: the all-gathers move about a quarter of the fp32 bytes
+    ag = [sum(v for k, v in s["engine_comm_bytes_per_step"]["by_kind_link"].items() if "all_gather" in k) for s in sums]
+    assert 0.2 < ag[1] / ag[0] < 0.35
+    assert not any((sweep / str(i) / "wandb").exists() for i in (0, 1))  # logger=none
+    r = subprocess.run([sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    md = (sweep / "report.md").read_text()
+    assert "| quant=none" in md and "| quant=int8" in md and "tokens/s" in md
+    for name in PLOTS:
+        assert (sweep / name).stat().st_size > 1000
+        assert (sweep / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("fault, words", [("raise@1:2", ["rank 1", "injected fault"]),
+                                          ("kill@1:2", ["rank 1", "SIGKILL"])])
+def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[str]) -> None:
+    t0 = time.monotonic()
+    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2",
+              f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault}, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode != 0
+    for w in words:
+        assert w in p.stderr, p.stderr[-3000:]
+    assert took < 90
+    assert not (tmp_path / "summary.json").exists()
+    assert _live_procs_mentioning(str(tmp_path)) == []  # no orphan rank left behind
