@@ -29,7 +29,9 @@ from typing import Any
 
 from .cluster import ClusterPrivilegeError, EmulatedCluster, NetnsError
 from .cluster.ranks import RankError, run_ranks
-from .cluster.worker import MODES
+from .cluster.worker import mode_workload
+from .scaling import project
+from .scaling_check import emulator_cluster
 
 
 def _per_step_max(reports: list[dict[str, Any]], mode: str) -> list[float]:
@@ -46,7 +48,7 @@ def measure(cluster: EmulatedCluster, a: argparse.Namespace) -> dict[str, dict[s
     """Run ZeRO-3 and ZeRO++ alternately (`a.rounds` each) on the cluster's ranks; medians per mode."""
     reports = run_ranks(cluster, ["--mode", "zero3,zeropp", "--rounds", str(a.rounds), "--preset", a.preset,
                                   "--micro-batch", str(a.micro_batch), "--steps", str(a.steps),
-                                  "--warmup", str(a.warmup)], timeout_s=a.timeout)
+                                  "--warmup", str(a.warmup), "--quant-rates"], timeout_s=a.timeout)
     out = {}
     for mode in ("zero3", "zeropp"):
         r0 = reports[0]["runs"][mode]
@@ -59,34 +61,31 @@ def measure(cluster: EmulatedCluster, a: argparse.Namespace) -> dict[str, dict[s
                      # node uplink counters, read by each node's local rank 0 (rank % rpn == 0)
                      "uplink_bytes": _mean_or_none([r["runs"][mode]["uplink_tx_bytes_per_step"]
                                                     for i, r in enumerate(reports) if i % a.ranks_per_node == 0]),
+                     "quant_rates": _median_rates([r["runs"][mode].get("quant_rates") or [] for r in reports]),
                      "loss_first": r0["losses"][0], "loss_last": r0["losses"][-1], "model": r0["model"],
                      "params": r0["params"], "tokens_per_rank": a.micro_batch * r0["seq_len"]}
     return out
 
 
-def predict(m: dict[str, Any], cluster: EmulatedCluster, gbps: float) -> dict[str, float] | None:
-    """The scaling model's step time and cross-node bytes for measured run `m`, or None if absent."""
-    try:
-        from .scaling import Cluster, Workload, gpt_units, project
-    except ImportError:
-        return None
-    md = m["model"]
-    w = Workload(units=gpt_units(vocab=md["vocab"], seq_len=md["seq_len"], d_model=md["d_model"],
-                                 n_layers=md["n_layers"], mlp_ratio=md["mlp_ratio"]),
-                 compute_s=m["compute_s"], tokens_per_rank=m["tokens_per_rank"], dtype_bytes=4,
-                 quant_gbs=float("inf"),  # quantization time sits inside the measured compute/wait
-                 **MODES[m["mode"]])
-    # Same link constants as scaling.compare_measured for emulated runs.
-    c = Cluster(nodes=cluster.spec.nodes, ranks_per_node=cluster.spec.ranks_per_node, cross_gbps=gbps,
-                intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6)
-    p = project(w, c)
+def _median_rates(per_rank: list[list]) -> list[tuple[str, int, float]]:
+    """Median over ranks of each (op, bits) throughput measured by the workers."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for rates in per_rank:
+        for op, bits, gbs in rates:
+            by.setdefault((op, int(bits)), []).append(float(gbs))
+    return [(op, bits, statistics.median(v)) for (op, bits), v in sorted(by.items())]
+
+
+def predict(m: dict[str, Any], cluster: EmulatedCluster, gbps: float) -> dict[str, float]:
+    """The scaling model's step time and bytes for measured run `m` (compute = its measured step
+    minus its measured comm wait; quantization charged at the ranks' measured rates; one uplink
+    per node shared by the node's ranks; link constants of ``scaling_check.EMULATOR_LINKS``)."""
+    w = mode_workload(m["model"], m["mode"], compute_s=m["compute_s"], tokens_per_rank=m["tokens_per_rank"],
+                      quant_rates=tuple(tuple(x) for x in m.get("quant_rates") or ()))
+    p = project(w, emulator_cluster(cluster.spec.nodes, cluster.spec.ranks_per_node, gbps))
     cross = sum(v for k, v in p.pairwise.items() if k.endswith(".cross"))
-    # gloo's collectives are flat: every rank sends its pairwise bytes to every cross-node peer
-    # itself, so a node's uplink carries ranks_per_node x one rank's cross bytes (the projection's
-    # ring model assumes each byte enters a node once). This bound is that, plus measured compute.
-    uplink_s = m["compute_s"] + cluster.spec.ranks_per_node * cross / (gbps * 1e9 / 8)
-    return {"step_s": p.step_s, "comm_s": p.comm_s, "cross_bytes": cross, "uplink_step_s": uplink_s,
-            "node_cross_bytes": p.node_cross_bytes}
+    return {"step_s": p.step_s, "comm_s": p.comm_s, "quant_s": p.quant_s, "cross_bytes": cross,
+            "uplink_bytes": p.uplink_bytes, "node_cross_bytes": p.node_cross_bytes}
 
 
 def run(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -121,32 +120,30 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
         z3, zp = r["zero3"], r["zeropp"]
         out.append(f"| {r['gbps']:g} ({r['measured_gbps']:.3f}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
                    f"{r['speedup']:.2f}x | {z3['cross_bytes'] / 1e6:.2f} -> {zp['cross_bytes'] / 1e6:.2f} |")
-    if all(r["zero3"]["predicted"] is None for r in rows):
-        out.append("\n(scaling projection not available: experiments/scaling.py missing)")
-        return "\n".join(out)
-    out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured rate):", "",
-            "| link Gbit/s | run | measured s | projection s | error | uplink bound s | error | measured x-node MB | predicted x-node MB | error |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured rate, "
+            "one uplink per node shared by its ranks; quantization at the ranks' measured kernel rates):", "",
+            "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank | predicted | error |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++")):
             m, p = r[mode], r[mode]["predicted"]
             out.append(f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | {_pct(p['step_s'], m['step_s'])} | "
-                       f"{p['uplink_step_s']:.3f} | {_pct(p['uplink_step_s'], m['step_s'])} | "
-                       f"{m['cross_bytes'] / 1e6:.2f} | {p['cross_bytes'] / 1e6:.2f} | {_pct(p['cross_bytes'], m['cross_bytes'])} |")
+                       f"{p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | {p['cross_bytes'] / 1e6:.2f} | "
+                       f"{_pct(p['cross_bytes'], m['cross_bytes'])} |")
     out += ["", "Bytes one node's uplink sent per step (kernel tx counter, headers included) vs the projection's "
-            "node_cross_bytes (bytes entering a node) and ranks_per_node x pairwise cross bytes:", "",
-            "| link Gbit/s | run | measured uplink MB | projection MB | error | rpn x pairwise MB | error |", "|---|---|---|---|---|---|---|"]
+            "uplink_bytes (ranks sharing the uplink x pairwise cross bytes per rank):", "",
+            "| link Gbit/s | run | measured uplink MB | predicted MB | error |", "|---|---|---|---|---|"]
     for r in rows:
         for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++")):
             m, p = r[mode], r[mode]["predicted"]
             if m.get("uplink_bytes") is None:
                 continue
-            flat = a.ranks_per_node * p["cross_bytes"]
-            out.append(f"| {r['gbps']:g} | {name} | {m['uplink_bytes'] / 1e6:.2f} | {p['node_cross_bytes'] / 1e6:.2f} | "
-                       f"{_pct(p['node_cross_bytes'], m['uplink_bytes'])} | {flat / 1e6:.2f} | {_pct(flat, m['uplink_bytes'])} |")
-    out.append("\nprojection = experiments.scaling.project (ring model: each byte enters a node once); uplink bound = "
-               "compute + ranks_per_node x predicted cross bytes per rank / link rate (gloo sends pairwise: see the uplink table). "
-               "Quantization runs on the CPU inside the engine's comm wait, which neither model charges.")
+            out.append(f"| {r['gbps']:g} | {name} | {m['uplink_bytes'] / 1e6:.2f} | {p['uplink_bytes'] / 1e6:.2f} | "
+                       f"{_pct(p['uplink_bytes'], m['uplink_bytes'])} |")
+    rates = rows[0]["zeropp"].get("quant_rates") or []
+    if rates:
+        out.append("\nZeRO++ quantization ops measured on the ranks (GB/s of fp32 input, median over ranks, "
+                   f"{rows[0]['gbps']:g} Gbit/s run): " + ", ".join(f"{op} int{b} {g:.3f}" for op, b, g in rates))
     sp = [(r["zero3"]["predicted"]["step_s"] / r["zeropp"]["predicted"]["step_s"], r["speedup"]) for r in rows]
     out.append("\npredicted vs measured speedup: " + ", ".join(
         f"{r['gbps']:g} Gbit/s {p:.2f}x vs {m:.2f}x" for r, (p, m) in zip(rows, sp)))

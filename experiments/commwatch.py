@@ -2,13 +2,17 @@
 
 Every trainer (zeropp's engine, FSDP2, DDP, plug-ins) ends up in ``torch.distributed``'s
 collectives. :class:`CommWatch` wraps those functions and ``Work.wait`` in this process, and
-records, per collective kind and link class (``intra`` / ``cross`` node, from the run's topology):
+records, per collective kind and link class (``intra`` / ``cross`` node, from the run's topology),
+into a ``zeropp.comm.CommStats`` through ``zeropp.comm.stats.record_sends`` (zeropp owns the
+accounting convention and the node classification; this module only reads the message sizes
+off the ``torch.distributed`` call's arguments):
 
 * **bytes** this rank sends, counted with the direct pairwise algorithm (all-gather: my shard to
-  every peer; reduce-scatter: each peer's chunk to it; all-to-all: each split; all-reduce:
-  2(g-1)/g of the buffer). These are *wire* bytes of whatever dtype travels (INT8 codes and scales
-  for a quantized collective), so trainers are compared on equal terms; zeropp's own
-  ``CommStats`` adds semantic kinds (forward vs backward all-gather) where a trainer has it.
+  every peer; reduce-scatter: each peer's chunk to it; all-to-all: each split; all-reduce: 2/g
+  of the buffer to each peer), zeropp.comm.stats' convention. These are *wire* bytes of whatever
+  dtype travels (INT8 codes and scales for a quantized collective), so trainers are compared on
+  equal terms; zeropp's own ``CommStats`` adds semantic kinds (forward vs backward all-gather)
+  where a trainer has it.
 * **wait seconds**: wall time the training thread spends inside a blocking collective or a
   ``Work.wait()``. That is the time communication is *not* overlapped with compute.
 
@@ -17,7 +21,6 @@ Nested calls (a collective implemented with another) are counted once, at the ou
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import threading
@@ -27,6 +30,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from zeropp.comm import CommStats, Topology
+from zeropp.comm.stats import record_sends
 
 _WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "reduce_scatter_tensor",
             "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "all_reduce",
@@ -100,14 +106,14 @@ def _kind(name: str) -> str:
 class CommWatch:
     """Patch torch.distributed for this process while active (see module doc).
 
-    ``node_of`` maps a global rank to its node index. Use as a context manager; ``take()`` returns
-    and resets the counters (one step's worth).
+    ``topology`` (zeropp.comm.Topology) classifies each peer as intra- or cross-node. Use as a
+    context manager; ``take()`` returns and resets the counters (one step's worth); ``stats`` is
+    the underlying CommStats.
     """
 
-    def __init__(self, node_of: Callable[[int], int]) -> None:
-        self.node_of = node_of
-        self.bytes: collections.Counter[str] = collections.Counter()
-        self.calls: collections.Counter[str] = collections.Counter()
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.stats = CommStats()
         self.wait_s = 0.0
         self._local = threading.local()
         self._thread = threading.get_ident()
@@ -129,13 +135,9 @@ class CommWatch:
         me_global = dist.get_rank()
         if me_global not in ranks:
             return
-        me = ranks.index(me_global)
         kind = _kind(name)
-        my_node = self.node_of(me_global)
-        for r, b in zip(ranks, _peer_bytes(name, args, kwargs, ranks, me)):
-            if b:
-                self.bytes[f"{kind}.{'intra' if self.node_of(r) == my_node else 'cross'}"] += b
-        self.calls[kind] += 1
+        record_sends(self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global)))
+        self.stats.count_call(kind)
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -194,13 +196,14 @@ class CommWatch:
 
     def take(self) -> tuple[dict[str, int], float]:
         """``({"<kind>.<link>": bytes}, wait_seconds)`` since the last call; resets both."""
-        b, w = dict(self.bytes), self.wait_s
-        self.bytes.clear()
+        b = {f"{k}.{ln}": v for k, links in self.stats.snapshot().items() for ln, v in links.items() if v}
+        w = self.wait_s
+        self.stats.reset()
         self.wait_s = 0.0
         return b, w
 
 
 @contextlib.contextmanager
-def watching(node_of: Callable[[int], int]) -> Iterator[CommWatch]:
-    with CommWatch(node_of) as w:
+def watching(topology: Topology) -> Iterator[CommWatch]:
+    with CommWatch(topology) as w:
         yield w

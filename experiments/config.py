@@ -195,8 +195,11 @@ class TopologySection:
     def nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+    def zeropp(self) -> Any:
+        """This shape as a ``zeropp.comm.Topology`` (no collective; node_of, same_node, ...)."""
+        from zeropp.comm import Topology
+
+        return Topology(nodes=self.nodes, ranks_per_node=self.ranks_per_node)
 
 
 TRAINERS = ("zeropp", "fsdp2", "fsdp2_zeropp", "ddp", "ddp_zeropp")

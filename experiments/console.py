@@ -63,20 +63,26 @@ def summary_table(s: dict[str, Any]) -> str:
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         ("step time", f"{s['step_time_s']['mean'] * 1e3:.1f} ms (median {s['step_time_s']['median'] * 1e3:.1f})"),
         ("model TFLOP/s", f"{s['model_tflops']:.4f} ({s['model_tflops_per_rank']:.4f} per rank)"),
-        ("comm / step / rank", f"{human_bytes(comm['total'])}: intra {human_bytes(comm['by_link']['intra'])}, "
-                               f"cross {human_bytes(comm['by_link']['cross'])}"),
+        ("wire bytes / step / rank", f"{human_bytes(comm['total'])}: intra {human_bytes(comm['by_link']['intra'])}, "
+                                     f"cross {human_bytes(comm['by_link']['cross'])}  "
+                                     "(all torch.distributed calls)"),
     ]
     for k, v in sorted(comm["by_kind_link"].items()):
         rows.append((f"  {k}", human_bytes(v)))
     eng = s.get("engine_comm_bytes_per_step")
     if eng:
-        rows.append(("zeropp CommStats", f"{human_bytes(eng['total'])}: intra {human_bytes(eng['by_link']['intra'])}, "
-                                         f"cross {human_bytes(eng['by_link']['cross'])}"))
+        rows.append(("zeropp kinds / step / rank",
+                     f"{human_bytes(eng['total'])}: intra {human_bytes(eng['by_link']['intra'])}, "
+                     f"cross {human_bytes(eng['by_link']['cross'])}  (zeropp CommStats, by purpose)"))
         for k, v in sorted(eng["by_kind_link"].items()):
             rows.append((f"  {k}", human_bytes(v)))
     frac = s.get("comm_wait_fraction")
     rows.append(("comm wait / step", f"{s['comm_wait_s_per_step'] * 1e3:.1f} ms"
-                 + (f" ({100 * frac:.0f}% of step)" if isinstance(frac, float) and frac == frac else "")))
+                 + (f" ({100 * frac:.0f}% of step)" if isinstance(frac, float) and frac == frac else "")
+                 + "  (blocked in torch.distributed)"))
+    ew = s.get("engine_comm_wait_s_per_step")
+    if ew is not None:
+        rows.append(("engine comm wait / step", f"{ew * 1e3:.1f} ms  (engine: waits + quantize)"))
     rows.append(("model state / rank", ", ".join(human_bytes(m.get("total", 0)) for m in mem)))
     loss = s["loss"]
     ev = loss.get("eval")

@@ -124,7 +124,12 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     out = Path(out or root)
     out.mkdir(parents=True, exist_ok=True)
     written = plots(runs, out)
-    md = [f"# Sweep report: {Path(root).resolve().name}", "", f"{len(runs)} runs.", "", markdown(runs), ""]
+    failed = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("failed.json"), key=_job_key)]
+    md = [f"# Sweep report: {Path(root).resolve().name}", "",
+          f"{len(runs)} runs" + (f", {len(failed)} failed (not in the table or plots)" if failed else "") + ".", "",
+          markdown(runs), ""]
+    if failed:
+        md += ["Failed jobs:", ""] + [f"- `{' '.join(j['overrides'])}`: {j['error'].splitlines()[0]}" for j in failed] + [""]
     md += [f"![{p.stem}]({p.name})" for p in written]
     path = out / "report.md"
     path.write_text("\n".join(md) + "\n")

@@ -80,16 +80,34 @@ def execute(cfg: DictConfig) -> dict[str, Any] | None:
     return summary
 
 
+FAILED_FILE = "failed.json"
+"""Written into a multirun job's directory when that job fails (its overrides and the error)."""
+
+_failed: list[dict[str, Any]] = []  # this process's failed multirun jobs (Hydra runs them in-process, in order)
+
+
+def _record_failure(error: str, exit_code: int) -> None:
+    """In a multirun, keep going: note the failed job in its directory and for the final message."""
+    import json
+
+    info = _hydra_info()
+    job = {"run_dir": info["run_dir"], "overrides": info["overrides"], "error": error, "exit_code": exit_code}
+    Path(info["run_dir"]).mkdir(parents=True, exist_ok=True)
+    (Path(info["run_dir"]) / FAILED_FILE).write_text(json.dumps(job, indent=1) + "\n")
+    _failed.append(job)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         summary = execute(cfg)
-    except ConfigError as e:
+    except (ConfigError, RankFailure) as e:
+        code = 2 if isinstance(e, ConfigError) else (e.exit_code if e.exit_code and e.exit_code > 0 else 1)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except RankFailure as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+        if in_torchrun() or not _hydra_info()["multirun"]:
+            sys.exit(code)
+        _record_failure(str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
+        return None
     return None if summary is None else float(summary["tokens_per_s"])
 
 
@@ -100,6 +118,11 @@ def cli() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     _hydra_main()
+    if _failed:
+        print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)
+        for job in _failed:
+            print(f"  {job['run_dir']}: {' '.join(job['overrides'])}: {job['error'].splitlines()[0]}", file=sys.stderr)
+        sys.exit(max(j["exit_code"] for j in _failed))
 
 
 if __name__ == "__main__":

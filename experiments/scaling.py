@@ -16,17 +16,24 @@ to the world size like the engine's flat units; quantized sizes from
 * stages 1-2: gradient reduce-scatter (qgZ as above) and a parameter all-gather after the step;
   stage 0: an all-reduce.
 
-Time of one collective over a group spanning ``n`` nodes x ``r`` ranks (ring for all-gather /
-reduce-scatter, ``M`` = bytes of the full buffer): ``(g-1)*alpha + max((n-1)/n * M / B_node,
-(g-1)/g * M / B_intra)``: every byte of the other nodes' data must enter a node once, through
-its aggregate NIC bandwidth ``B_node`` (NCCL spreads rings over all NICs), while intra-node
-forwarding runs at ``B_intra`` per rank. All-to-all: each rank sends (g-1)/g of its buffer;
-the cross-node share of a node's ranks shares ``B_node``. Step time = compute + comm -
-overlap * min(compute, comm).
+Time of one collective over a group spanning ``n`` nodes x ``r`` ranks: ``(g-1)*alpha`` plus the
+link time. Cross-node: every rank sends its *pairwise* bytes to each cross-node peer (all-gather:
+its shard to each; reduce-scatter: each peer's chunk; all-reduce: twice that; qgZ's cross
+all-to-all: one row per other node), and the ``ranks_per_uplink`` ranks that share one uplink
+(NIC) send at once, so the uplink carries ``ranks_per_uplink x`` one rank's cross bytes at
+``cross_gbps``. ``Cluster.nics_per_node`` sets that: by default one NIC per rank (8-GPU nodes
+with 8 NICs; the plain collectives then take exactly a bandwidth-optimal ring's time over a node
+whose aggregate rate is ``cross_gbps``), ``nics_per_node=1`` for the emulator (one shared uplink,
+measured: its counter reads 2 x 19.94 MB per ZeRO-3 step on 2 x 2). Intra-node: ``(g-1)/g`` of the
+buffer per rank at ``B_intra``, beside the cross-node time on GPUs (max) or added on CPU ranks.
+Quantize/dequantize kernels (:func:`quant_work`) are charged at measured rates
+(``Workload.quant_rates``, see ``scaling_check.measure_quant_rates``) or ``quant_gbs``.
+Step time = compute + comm + quantization - overlap * min(compute, comm).
 
-Two byte views come out of the same messages: ``pairwise_bytes`` (what this rank hands to each
-peer, by link: zeropp.comm.CommStats' accounting, to check against measured runs) and
-``node_cross_bytes`` (what crosses a node's NICs: the paper's 3M vs 0.75M).
+Three byte views come out of the same messages: ``pairwise_bytes`` (what this rank hands to each
+peer, by link: zeropp.comm.CommStats' accounting, to check against measured runs),
+``uplink_bytes`` (what one uplink carries: the emulator's tx counter) and ``node_cross_bytes``
+(what a bandwidth-optimal schedule must bring into a node: the paper's 3M vs 0.75M).
 
 ``python -m experiments.scaling`` prints the projection for 8 GPUs/node at 100 and 400 Gbps up
 to 384 GPUs and saves ``outputs/scaling.png``; ``--compare DIR [--calibrate]`` checks the model against
@@ -52,13 +59,17 @@ class Cluster:
     ranks_per_node: int
     """GPUs (ranks) per node."""
     cross_gbps: float
-    """Aggregate inter-node bandwidth of one node (all its NICs), Gbit/s."""
+    """Rate of one cross-node uplink (one NIC), Gbit/s, each direction."""
     intra_gbps: float = 1200.0
     """Per-rank intra-node bandwidth (NVLink/NVSwitch; ~150 GB/s on V100 DGX), Gbit/s."""
     alpha_cross_s: float = 20e-6
     """Latency of one cross-node message step."""
     alpha_intra_s: float = 5e-6
     """Latency of one intra-node message step."""
+    nics_per_node: int | None = None
+    """Cross-node uplinks (NICs) per node; ``None`` = one per rank (8-GPU nodes with 8 NICs, the
+    usual GPU cluster). Each uplink is shared by ``ranks_per_node / nics_per_node`` ranks
+    (:attr:`ranks_per_uplink`): the emulator has one shared uplink per node (``nics_per_node=1``)."""
     parallel_links: bool = True
     """Intra- and cross-node transfers proceed at once (GPUs: NVLink beside the NICs). False for
     CPU ranks sharing cores (the emulator), where the two add up."""
@@ -66,10 +77,18 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.cross_gbps <= 0 or self.intra_gbps <= 0:
             raise ValueError(f"invalid cluster {self}")
+        nics = self.nics_per_node
+        if nics is not None and (nics < 1 or self.ranks_per_node % nics):
+            raise ValueError(f"nics_per_node={nics} must be >= 1 and divide ranks_per_node={self.ranks_per_node}")
 
     @property
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def ranks_per_uplink(self) -> int:
+        """Ranks whose cross-node sends share one uplink (1 with one NIC per rank)."""
+        return self.ranks_per_node // (self.nics_per_node or self.ranks_per_node)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +117,11 @@ class Workload:
     flops_per_token: float = 0.0
     """For TFLOP/s in the projection (optional)."""
     quant_gbs: float = 500.0
-    """Quantize/dequantize kernel throughput (GB/s of full-precision data); their time is not hidden."""
+    """Quantize/dequantize kernel throughput (GB/s of full-precision input data) for every op not
+    in ``quant_rates``; their time is not hidden under compute."""
+    quant_rates: tuple[tuple[str, int, float], ...] = ()
+    """Measured ``(op, bits, GB/s of full-precision input)`` per kernel op (see :data:`QUANT_OPS`
+    and ``scaling_check.measure_quant_rates``); overrides ``quant_gbs`` for the ops listed."""
 
     def with_zero(self, **kw: object) -> "Workload":
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
@@ -172,7 +195,10 @@ def pairwise_bytes(msgs: Iterable[Message]) -> dict[str, float]:
 
 
 def node_cross_bytes(msgs: Iterable[Message], c: Cluster) -> float:
-    """Bytes entering one node from other nodes per step (ring: (n-1)/n of the buffer per collective)."""
+    """Bytes that must enter one node from other nodes per step with a bandwidth-optimal schedule
+    (hierarchical ring: each byte enters a node once, (n-1)/n of the buffer per collective): the
+    paper's 3M vs 0.75M. Flat pairwise sends (gloo, or one NIC per rank) move
+    :func:`uplink_bytes` per uplink instead."""
     total = 0.0
     for m in msgs:
         if m.nodes <= 1:
@@ -185,20 +211,31 @@ def node_cross_bytes(msgs: Iterable[Message], c: Cluster) -> float:
     return total
 
 
+def uplink_bytes(msgs: Iterable[Message], c: Cluster) -> float:
+    """Bytes one uplink sends per step: the per-rank pairwise cross-node bytes times the ranks
+    sharing the uplink (what the emulator's uplink counter measures; what the time model charges)."""
+    cross = sum(v for k, v in pairwise_bytes(msgs).items() if k.endswith(".cross"))
+    return c.ranks_per_uplink * cross
+
+
 def _terms(m: Message, c: Cluster) -> tuple[int, float, float]:
-    """(latency steps, cross-node seconds, intra-node bytes per rank) of one call."""
-    b_node = c.cross_gbps * GBPS
+    """(latency steps, cross-node seconds, intra-node bytes per rank) of one call.
+
+    Cross-node seconds: this rank's pairwise cross-node bytes (:func:`pairwise_bytes`), times the
+    ranks sharing its uplink (all of them send at once), over the uplink rate."""
+    b_uplink = c.cross_gbps * GBPS
     g = m.nodes * m.ranks
     if g <= 1:
         return 0, 0.0, 0.0
     if m.algo == "a2a_intra":
         return g - 1, 0.0, (g - 1) * m.chunk_bytes
     if m.algo == "a2a_cross":
-        return g - 1, c.ranks_per_node * (g - 1) * m.chunk_bytes / b_node, 0.0
-    full = m.chunk_bytes * g
-    t_cross = (m.nodes - 1) / m.nodes * full / b_node if m.nodes > 1 else 0.0
+        return g - 1, c.ranks_per_uplink * (g - 1) * m.chunk_bytes / b_uplink, 0.0
     k = 2 if m.algo == "all_reduce" else 1
-    return k * (g - 1), k * t_cross, k * (g - 1) / g * full
+    cross_peers = (m.nodes - 1) * m.ranks
+    t_cross = k * c.ranks_per_uplink * cross_peers * m.chunk_bytes / b_uplink
+    full = m.chunk_bytes * g
+    return k * (g - 1), t_cross, k * (g - 1) / g * full
 
 
 def collective_time(m: Message, c: Cluster) -> float:
@@ -209,12 +246,52 @@ def collective_time(m: Message, c: Cluster) -> float:
     return steps * alpha + (max(t_cross, t_intra) if c.parallel_links else t_cross + t_intra)
 
 
+QUANT_OPS = ("quantize", "dequantize", "dequantize_sum_requantize", "dequantize_sum")
+"""The ``zeropp.kernels`` ops a ZeRO++ step runs (qwZ: quantize + dequantize; qgZ: quantize,
+fused dequantize-sum-requantize, dequantize-sum)."""
+
+
+def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
+    """Full-precision input elements each kernel op processes per rank per step, ``{(op, bits): n}``,
+    as zeropp.comm runs them (one call per communication unit):
+
+    * qwZ all-gather: quantize my shard, dequantize the gathered ``world`` shards (forward; also
+      backward unless hpZ serves it inside the node);
+    * qgZ, hierarchical (nodes > 1 and ranks_per_node > 1): quantize my whole gradient at the
+      intra bits, fused dequantize-sum-requantize of the ``world`` received rows, dequantize-sum of
+      the ``nodes`` rows from the cross hop; otherwise one quantize and one dequantize-sum of the
+      whole gradient (error feedback's extra dequantize is not counted).
+    """
+    W, R, N = c.world, c.ranks_per_node, c.nodes
+    S = sum(-(-u // W) for u in w.units)  # elements of my shards
+    out: dict[tuple[str, int], int] = {}
+
+    def add(op: str, bits: int, n: int) -> None:
+        out[(op, bits)] = out.get((op, bits), 0) + n
+
+    if w.stage == 3 and w.qwz_bits:
+        gathers = w.grad_accum * (1 if w.hpz and N > 1 else 2)
+        add("quantize", w.qwz_bits, gathers * S)
+        add("dequantize", w.qwz_bits, gathers * W * S)
+    if w.stage >= 1 and w.qgz_bits:
+        calls = w.grad_accum if w.stage >= 2 else 1
+        ib = w.qgz_intra_bits or w.qgz_bits
+        if N > 1 and R > 1:
+            add("quantize", ib, calls * W * S)
+            add("dequantize_sum_requantize", ib, calls * W * S)
+            add("dequantize_sum", w.qgz_bits, calls * N * S)
+        else:
+            bits = ib if N == 1 else w.qgz_bits
+            add("quantize", bits, calls * W * S)
+            add("dequantize_sum", bits, calls * W * S)
+    return out
+
+
 def quant_time(w: Workload, c: Cluster) -> float:
-    """Kernel time of qwZ (quantize shard, dequantize gathered buffer) and qgZ (two rounds)."""
-    elems = sum(-(-u // c.world) * c.world for u in w.units)
-    rounds = (2 * w.grad_accum if w.qwz_bits and w.stage == 3 else 0) + (
-        2 * (w.grad_accum if w.stage >= 2 else 1) if w.qgz_bits and w.stage >= 1 else 0)
-    return rounds * elems * w.dtype_bytes / (w.quant_gbs * 1e9)
+    """Seconds of quantize/dequantize kernels per rank per step: :func:`quant_work` at the
+    workload's measured ``quant_rates`` (else ``quant_gbs``)."""
+    rates = {(op, bits): gbs for op, bits, gbs in w.quant_rates}
+    return sum(n * w.dtype_bytes / (rates.get(key, w.quant_gbs) * 1e9) for key, n in quant_work(w, c).items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,21 +300,27 @@ class Projection:
 
     cluster: Cluster
     comm_s: float
+    """Collectives plus quantization (``quant_s``)."""
     compute_s: float
     step_s: float
     tokens_per_s: float
     tflops_per_rank: float
     node_cross_bytes: float
     pairwise: dict[str, float]
+    uplink_bytes: float = 0.0
+    """Bytes one uplink sends per step (:func:`uplink_bytes`)."""
+    quant_s: float = 0.0
+    """Quantize/dequantize seconds per step (:func:`quant_time`), inside ``comm_s``."""
 
 
 def project(w: Workload, c: Cluster) -> Projection:
     msgs = messages(w, c)
-    comm = sum(collective_time(m, c) * m.count for m in msgs) + quant_time(w, c)
+    q = quant_time(w, c)
+    comm = sum(collective_time(m, c) * m.count for m in msgs) + q
     step = w.compute_s + comm - w.overlap * min(w.compute_s, comm)
     tps = w.tokens_per_rank * c.world / step
     return Projection(c, comm, w.compute_s, step, tps, w.flops_per_token * w.tokens_per_rank / step / 1e12,
-                      node_cross_bytes(msgs, c), pairwise_bytes(msgs))
+                      node_cross_bytes(msgs, c), pairwise_bytes(msgs), uplink_bytes(msgs, c), q)
 
 
 def gpt_units(*, vocab: int, seq_len: int, d_model: int, n_layers: int, mlp_ratio: int = 4) -> tuple[int, ...]:
@@ -263,7 +346,7 @@ ZEROPP = dict(qwz_bits=8, hpz=True, qgz_bits=4)
 
 
 def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_per_node: int = 8,
-                  max_ranks: int = 384) -> list[dict[str, float]]:
+                  max_ranks: int = 384, nics_per_node: int | None = None) -> list[dict[str, float]]:
     """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth."""
     rows = []
     base = w.with_zero(qwz_bits=None, hpz=False, qgz_bits=None)
@@ -272,7 +355,7 @@ def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_
                          | {max_ranks // ranks_per_node})
     for bw in gbps:
         for n in node_counts:
-            c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw)
+            c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw, nics_per_node=nics_per_node)
             p0, p1 = project(base, c), project(plus, c)
             rows.append({"gbps": bw, "nodes": n, "gpus": c.world, "zero3_step_s": p0.step_s,
                          "zeropp_step_s": p1.step_s, "zero3_tflops": p0.tflops_per_rank,
@@ -282,11 +365,11 @@ def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_
 
 
 def format_table(rows: list[dict[str, float]]) -> str:
-    head = (f"{'Gbps':>6} {'GPUs':>5} {'ZeRO-3 s':>9} {'ZeRO++ s':>9} {'ZeRO-3 TF':>9} {'ZeRO++ TF':>9} "
+    head = (f"{'NIC Gbps':>8} {'GPUs':>5} {'ZeRO-3 s':>9} {'ZeRO++ s':>9} {'ZeRO-3 TF':>9} {'ZeRO++ TF':>9} "
             f"{'x-node GB/node (3 -> ++)':>25} {'speedup':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['gbps']:>6.0f} {r['gpus']:>5d} {r['zero3_step_s']:>9.2f} {r['zeropp_step_s']:>9.2f} "
+        lines.append(f"{r['gbps']:>8.0f} {r['gpus']:>5d} {r['zero3_step_s']:>9.2f} {r['zeropp_step_s']:>9.2f} "
                      f"{r['zero3_tflops']:>9.1f} {r['zeropp_tflops']:>9.1f} "
                      f"{r['zero3_cross_gb']:>12.1f} -> {r['zeropp_cross_gb']:>8.1f} {r['speedup']:>8.2f}x")
     return "\n".join(lines)
@@ -303,9 +386,9 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
         rs = [r for r in rows if r["gbps"] == bw]
         g = [r["gpus"] for r in rs]
         color = f"C{i}"
-        ax1.plot(g, [r["zero3_tflops"] for r in rs], "o--", color=color, label=f"ZeRO-3 {bw:.0f} Gbps")
-        ax1.plot(g, [r["zeropp_tflops"] for r in rs], "s-", color=color, label=f"ZeRO++ {bw:.0f} Gbps")
-        ax2.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"{bw:.0f} Gbps")
+        ax1.plot(g, [r["zero3_tflops"] for r in rs], "o--", color=color, label=f"ZeRO-3 {bw:.0f} Gbps/NIC")
+        ax1.plot(g, [r["zeropp_tflops"] for r in rs], "s-", color=color, label=f"ZeRO++ {bw:.0f} Gbps/NIC")
+        ax2.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"{bw:.0f} Gbps/NIC")
     ax1.set(xlabel="GPUs", ylabel="TFLOP/s per GPU", title="Projected throughput", xscale="log")
     ax2.set(xlabel="GPUs", ylabel="ZeRO++ / ZeRO-3", title="Projected speedup", xscale="log")
     ax2.axhline(1.0, color="grey", lw=0.5)
@@ -323,8 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="cross-node Gbit/s per node")
+    ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC")
     ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--nics-per-node", type=int, default=None,
+                    help="cross-node NICs per node, each shared by ranks-per-node/nics ranks (default: one per GPU)")
     ap.add_argument("--max-gpus", type=int, default=384)
     ap.add_argument("--tokens-per-gpu", type=int, default=1024)
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
@@ -340,8 +425,13 @@ def main(argv: list[str] | None = None) -> None:
         from .scaling_check import compare_measured, format_comparison
 
         paths = sorted(Path(a.compare).rglob("summary.json"))
-        rows = compare_measured([json.loads(p.read_text()) for p in paths], cross_gbps=a.cross_gbps,
-                                intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate)
+        if not paths:
+            raise SystemExit(f"error: no summary.json under {a.compare}")
+        try:
+            rows = compare_measured([json.loads(p.read_text()) for p in paths], cross_gbps=a.cross_gbps,
+                                    intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate)
+        except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
+            raise SystemExit(f"error: {e}") from None
         if rows:
             print(f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
                   f"{1e6 * rows[0]['alpha_s']:.0f} us per message step")
@@ -349,9 +439,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     w = dataclasses.replace(paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops),
                             overlap=a.overlap)
+    nics = a.nics_per_node or a.ranks_per_node
     print(f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
-          f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node")
-    rows = speedup_table(w, gbps=a.gbps, ranks_per_node=a.ranks_per_node, max_ranks=a.max_gpus)
+          f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node, "
+          f"{nics} NIC(s)/node of the given Gbps, each shared by {a.ranks_per_node // nics} GPU(s); "
+          f"quantization at {w.quant_gbs:g} GB/s")
+    rows = speedup_table(w, gbps=a.gbps, ranks_per_node=a.ranks_per_node, max_ranks=a.max_gpus,
+                         nics_per_node=a.nics_per_node)
     print(format_table(rows))
     if a.plot:
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)

@@ -6,25 +6,124 @@ measured wait, so the step-time error is the error of the communication model al
 ranks the per-message overhead (gloo, 4 processes on 2 cores) dominates small models, so
 :func:`calibrate` fits it (and the loopback rate) by least squares before predicting;
 ``cluster=emulated`` runs record the shaped link's measured rate, which fixes the cross-node rate.
+
+Quantization is charged, not assumed free: :func:`measure_quant_rates` times zeropp.kernels'
+quantize / dequantize ops on this machine at exactly the run's per-rank shapes, and the
+prediction adds that time (the engine's measured wait includes it, so the run's compute time
+= step - engine wait excludes it). The emulator has one uplink per node shared by the node's
+ranks (``nics_per_node=1``): gloo sends pairwise, so the uplink carries ranks_per_node x each
+rank's cross-node bytes.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from typing import Iterable
 
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-from .scaling import GBPS, Cluster, Workload, _terms, gpt_units, messages, project
+from .scaling import GBPS, Cluster, Workload, _terms, gpt_units, messages, project, quant_time, quant_work
+
+EMULATOR_LINKS = dict(intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6, nics_per_node=1,
+                      parallel_links=False)
+"""Link constants of an emulated (CPU, gloo) cluster: loopback rate and per-message overheads
+(uncalibrated defaults), one shared uplink per node, intra and cross transfers serialized."""
 
 
-def workload_from_summary(summary: dict) -> Workload:
-    """The Workload of a measured run: its model's units, its switches, and its own compute time
-    (measured step time minus measured time blocked on communication)."""
+def emulator_cluster(nodes: int, ranks_per_node: int, gbps: float, **kw: float) -> Cluster:
+    """The :class:`Cluster` of an emulated run at link rate ``gbps`` (:data:`EMULATOR_LINKS`, overridable)."""
+    return Cluster(nodes=nodes, ranks_per_node=ranks_per_node, cross_gbps=gbps, **{**EMULATOR_LINKS, **kw})
+
+
+def measure_quant_rates(w: Workload, c: Cluster, *, repeats: int = 3,
+                        threads: int | None = 1) -> tuple[tuple[str, int, float], ...]:
+    """Throughput of each quantize/dequantize op a step of ``w`` on ``c`` runs, timed on this
+    machine with zeropp.kernels at exactly the per-rank shapes zeropp.comm uses (one call per
+    communication unit, median of ``repeats``), as ``Workload.quant_rates``: ``(op, bits, GB/s
+    of full-precision input)``. On CPU tensors this is the torch reference; call it where the
+    run ran, under the same load (the cluster worker does, on every rank at once). ``threads``:
+    torch intra-op threads while timing (1, as each rank of a CPU run uses; None: leave as is)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _time_quant_ops(w, c, repeats)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, int, float], ...]:
+    import torch
+
+    from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
+
+    dtype = torch.float32 if w.dtype_bytes == 4 else torch.bfloat16
+    W, R, N = c.world, c.ranks_per_node, c.nodes
+    shards = [-(-u // W) for u in w.units]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=gen).to(dtype)
+
+    def stacked(x: torch.Tensor, k: int, rows: int, bits: int, gs: int, n: int) -> QuantizedTensor:
+        q = quantize(x, bits, gs, rows=k * rows)
+        return QuantizedTensor(q.codes.view(k, rows, -1), q.scales.view(k, rows, -1), n, bits, gs)
+
+    calls: dict[tuple[str, int], list] = {}  # (op, bits) -> [(fn, elements)]
+    for n in shards:
+        if w.qwz_bits:
+            b, gs = w.qwz_bits, w.qwz_group_size
+            calls.setdefault(("quantize", b), []).append((lambda x=rand(n), b=b, gs=gs: quantize(x, b, gs), n))
+            qg = quantize(rand(W * n), b, gs, rows=W)
+            calls.setdefault(("dequantize", b), []).append((lambda q=qg: dequantize(q, dtype=dtype), W * n))
+        if w.qgz_bits:
+            gs, ib, b = w.qgz_group_size, w.qgz_intra_bits or w.qgz_bits, w.qgz_bits
+            if N > 1 and R > 1:
+                calls.setdefault(("quantize", ib), []).append(
+                    (lambda x=rand(W * n), ib=ib, gs=gs: quantize(x, ib, gs, rows=W), W * n))
+                qi = stacked(rand(W * n), R, N, ib, gs, n)
+                calls.setdefault(("dequantize_sum_requantize", ib), []).append(
+                    (lambda q=qi, b=b, gs=gs: dequantize_sum_requantize(q, b, gs), W * n))
+                qc = stacked(rand(N * n), N, 1, b, gs, n)
+                calls.setdefault(("dequantize_sum", b), []).append((lambda q=qc: dequantize_sum(q), N * n))
+            else:
+                sb = ib if N == 1 else b
+                calls.setdefault(("quantize", sb), []).append(
+                    (lambda x=rand(W * n), sb=sb, gs=gs: quantize(x, sb, gs, rows=W), W * n))
+                qs = stacked(rand(W * n), W, 1, sb, gs, n)
+                calls.setdefault(("dequantize_sum", sb), []).append((lambda q=qs: dequantize_sum(q), W * n))
+    out = []
+    for (op, bits), fns in sorted(calls.items()):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for fn, _n in fns:
+                fn()
+            times.append(time.perf_counter() - t0)
+        elems = sum(n for _fn, n in fns)
+        out.append((op, bits, elems * w.dtype_bytes / max(statistics.median(times), 1e-9) / 1e9))
+    return tuple(out)
+
+
+def _wait(summary: dict) -> float | None:
+    """The run's time blocked on communication per step: the engine's own measure where there is
+    one (it includes quantization), else CommWatch's."""
+    eng = summary.get("engine_comm_wait_s_per_step")
+    return eng if eng is not None else summary.get("comm_wait_s_per_step")
+
+
+def workload_from_summary(summary: dict, quant_rates: tuple[tuple[str, int, float], ...] = ()) -> Workload:
+    """The Workload of a measured run: its model's units, its switches, its own compute time
+    (measured step time minus measured time blocked on communication, quantization included) and
+    the quantization rates to charge (:func:`measure_quant_rates`)."""
     cfg = summary["config"]
     m, z, t = cfg["model"], summary["zero"]["effective"], cfg["train"]
     step = summary["step_time_s"]["mean"]
-    compute = max(step - (summary.get("comm_wait_s_per_step") or 0.0), 0.0)
+    compute = max(step - (_wait(summary) or 0.0), 0.0)
     return Workload(
         units=gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"],
                         n_layers=m["n_layers"], mlp_ratio=m["mlp_ratio"]),
@@ -34,8 +133,7 @@ def workload_from_summary(summary: dict) -> Workload:
         qwz_group_size=z.get("qwz_group_size") or DEFAULT_WEIGHT_GROUP_SIZE,
         qgz_group_size=z.get("qgz_group_size") or DEFAULT_GRAD_GROUP_SIZE,
         dtype_bytes=4 if t["precision"] == "fp32" else 2, grad_accum=t["grad_accum"],
-        flops_per_token=summary["model"]["flops_per_token"],
-        quant_gbs=math.inf)  # quantization already sits inside the measured compute time
+        flops_per_token=summary["model"]["flops_per_token"], quant_rates=tuple(quant_rates))
 
 
 def _measured_cluster(s: dict, cross_gbps: float | None, intra_gbps: float, alpha_s: float) -> Cluster:
@@ -44,30 +142,62 @@ def _measured_cluster(s: dict, cross_gbps: float | None, intra_gbps: float, alph
     bw = cross_gbps if cross_gbps is not None else (
         placement.get("measured_gbps") or cfg["cluster"]["inter_gbps"] if cfg["cluster"]["name"] == "emulated" else None)
     if bw is None:
-        raise ValueError(f"run {s.get('run_dir')} is cluster=local: pass cross_gbps for its links")
+        raise ValueError(f"run {s.get('run_dir')} is cluster=local: give its cross-node rate (cross_gbps, "
+                         "--cross-gbps on the command line)")
     topo = s["topology"]
-    return Cluster(nodes=topo["nodes"], ranks_per_node=topo["ranks_per_node"], cross_gbps=bw, intra_gbps=intra_gbps,
-                   alpha_cross_s=alpha_s, alpha_intra_s=alpha_s, parallel_links=False)
+    return emulator_cluster(topo["nodes"], topo["ranks_per_node"], bw, intra_gbps=intra_gbps, alpha_cross_s=alpha_s,
+                            alpha_intra_s=alpha_s)
 
 
-def calibrate(summaries: Iterable[dict], *, cross_gbps: float | None = None) -> dict[str, float]:
+def _rates_for(summaries: list[dict], cross_gbps: float | None,
+               quant_rates: tuple[tuple[str, int, float], ...] | None) -> dict[int, tuple]:
+    """Quantization rates per run (index): the given ones, else measured here once per shape."""
+    out: dict[int, tuple] = {}
+    cache: dict[tuple, tuple] = {}
+    for i, s in enumerate(summaries):
+        if s.get("trainer") != "zeropp":
+            continue
+        if quant_rates is not None:
+            out[i] = tuple(quant_rates)
+            continue
+        w, c = workload_from_summary(s), _measured_cluster(s, cross_gbps, 1.0, 0.0)
+        key = (w.units, w.stage, w.qwz_bits, w.hpz, w.qgz_bits, w.qgz_intra_bits, w.qwz_group_size,
+               w.qgz_group_size, w.dtype_bytes, c.nodes, c.ranks_per_node)
+        if not quant_work(w, c):
+            out[i] = ()
+            continue
+        if key not in cache:
+            cache[key] = measure_quant_rates(w, c)
+        out[i] = cache[key]
+    return out
+
+
+def calibrate(summaries: Iterable[dict], *, cross_gbps: float | None = None,
+              quant_rates: tuple[tuple[str, int, float], ...] | None = None) -> dict[str, float]:
     """Fit the two constants a CPU run cannot know in advance: the per-message-step latency (gloo
     and scheduling overhead) and the intra-node (loopback) rate, by least squares on the measured
-    communication wait, with the cross-node rate fixed to the emulator's link. Returns
+    communication wait minus the charged link and quantization time, with the cross-node rate
+    fixed to the emulator's link. ``quant_rates`` as in :func:`compare_measured`. Returns
     ``{"alpha_s", "intra_gbps"}`` for :func:`compare_measured`."""
+    summaries = list(summaries)
+    return _fit(summaries, cross_gbps, _rates_for(summaries, cross_gbps, quant_rates))
+
+
+def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple]) -> dict[str, float]:
     import numpy as np
 
     rows, ys = [], []
-    for s in summaries:
-        if s.get("trainer") != "zeropp" or s.get("comm_wait_s_per_step") is None:
+    for i, s in enumerate(summaries):
+        if s.get("trainer") != "zeropp" or _wait(s) is None:
             continue
         c = _measured_cluster(s, cross_gbps, 1.0, 0.0)
+        w = workload_from_summary(s, rates[i])
         steps = cross_s = intra_b = 0.0
-        for m in messages(workload_from_summary(s), c):
+        for m in messages(w, c):
             st, tx, ib = _terms(m, c)
             steps, cross_s, intra_b = steps + st * m.count, cross_s + tx * m.count, intra_b + ib * m.count
         rows.append([steps, intra_b])
-        ys.append(s["comm_wait_s_per_step"] - cross_s)
+        ys.append(_wait(s) - cross_s - quant_time(w, c))
     if not rows:
         raise ValueError("no trainer=zeropp run with a measured communication wait to calibrate on")
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
@@ -76,7 +206,8 @@ def calibrate(summaries: Iterable[dict], *, cross_gbps: float | None = None) -> 
 
 
 def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = None, intra_gbps: float = 20.0,
-                     alpha_s: float = 100e-6, calibrated: bool = False) -> list[dict]:
+                     alpha_s: float = 100e-6, calibrated: bool = False,
+                     quant_rates: tuple[tuple[str, int, float], ...] | None = None) -> list[dict]:
     """Predicted vs measured step time and bytes for each run (trainer=zeropp runs only).
 
     ``cross_gbps`` defaults to the emulator's measured (else configured) link rate recorded in the
@@ -85,18 +216,21 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
     check, calibrate on some runs and pass the result to a comparison of others. The compute
     time of each run is its own measured step time minus its measured communication wait, so
     the step-time error is the error of the communication model. Bytes are exact: 0 error
-    means the model's message sizes are what the engine sent.
+    means the model's message sizes are what the engine sent. Quantization is charged at
+    ``quant_rates`` (``Workload.quant_rates``), by default measured on this machine at each run's
+    shapes (:func:`measure_quant_rates`); pass ``()`` to charge none.
     """
     summaries = list(summaries)
+    rates = _rates_for(summaries, cross_gbps, quant_rates)
     if calibrated:
-        fit = calibrate(summaries, cross_gbps=cross_gbps)
+        fit = _fit(summaries, cross_gbps, rates)
         alpha_s, intra_gbps = fit["alpha_s"], fit["intra_gbps"]
     rows = []
-    for s in summaries:
+    for i, s in enumerate(summaries):
         if s.get("trainer") != "zeropp":
             continue
         c = _measured_cluster(s, cross_gbps, intra_gbps, alpha_s)
-        p = project(workload_from_summary(s), c)
+        p = project(workload_from_summary(s, rates[i]), c)
         measured_step = s["step_time_s"]["mean"]
         eng = s.get("engine_comm_bytes_per_step") or s["comm_bytes_per_step"]
         meas_cross, meas_intra = eng["by_link"]["cross"], eng["by_link"]["intra"]
@@ -106,7 +240,7 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
             "label": s["label"], "run_dir": s.get("run_dir"), "cross_gbps": c.cross_gbps, "alpha_s": alpha_s,
             "intra_gbps": intra_gbps, "measured_step_s": measured_step, "predicted_step_s": p.step_s,
             "step_error": p.step_s / measured_step - 1 if measured_step else math.nan,
-            "measured_comm_s": s.get("comm_wait_s_per_step"), "predicted_comm_s": p.comm_s,
+            "measured_comm_s": _wait(s), "predicted_comm_s": p.comm_s, "predicted_quant_s": p.quant_s,
             "measured_cross_bytes": meas_cross, "predicted_cross_bytes": pred_cross,
             "bytes_error": pred_cross / meas_cross - 1 if meas_cross else math.nan,
             "measured_intra_bytes": meas_intra, "predicted_intra_bytes": pred_intra,
@@ -116,10 +250,11 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
 
 
 def format_comparison(rows: list[dict]) -> str:
-    head = f"{'run':<34} {'meas s':>8} {'pred s':>8} {'err':>7} {'meas x-B':>10} {'pred x-B':>10} {'err':>7}"
+    head = (f"{'run':<34} {'meas s':>8} {'pred s':>8} {'err':>7} {'quant s':>8} {'meas x-B':>10} {'pred x-B':>10} "
+            f"{'err':>7}")
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(f"{r['label'][:34]:<34} {r['measured_step_s']:>8.3f} {r['predicted_step_s']:>8.3f} "
-                   f"{100 * r['step_error']:>6.0f}% {r['measured_cross_bytes']:>10.0f} "
+                   f"{100 * r['step_error']:>6.0f}% {r['predicted_quant_s']:>8.3f} {r['measured_cross_bytes']:>10.0f} "
                    f"{r['predicted_cross_bytes']:>10.0f} {100 * r['bytes_error']:>6.1f}%")
     return "\n".join(out)

@@ -75,9 +75,7 @@ def _zeropp_topology(cfg: RunConfig) -> Any:
     """zeropp.comm.Topology for the trainers that use zeropp's collectives."""
     if cfg.trainer.name in ("fsdp2", "ddp"):
         return None
-    from zeropp.comm import Topology
-
-    return Topology(nodes=cfg.topology.nodes, ranks_per_node=cfg.topology.ranks_per_node)
+    return cfg.topology.zeropp()
 
 
 def _count_params(cfg: RunConfig) -> int:
@@ -150,7 +148,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     step_times: list[float] = []
     losses: list[float] = []
     prev_eng = trainer.comm_stats()
-    with CommWatch(cfg.topology.node_of) as watch:
+    with CommWatch(cfg.topology.zeropp()) as watch:
         dist.barrier()
         watch.take()
         for step in range(1, t.steps + 1):

@@ -139,8 +139,11 @@ def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clust
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_owner_tears_down(sig):
+    # The owner keeps a SIGINT its parent ignores (a shell's `cmd &` does that, and pytest run that
+    # way passes it on), so give it the default disposition, as an interactive shell would.
     owner = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2",
-                              "--ranks-per-node", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              "--ranks-per-node", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == owner.pid]  # noqa: E731
         assert owner.stdout.readline()  # summary printed: the cluster is up and probed

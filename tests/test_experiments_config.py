@@ -81,6 +81,18 @@ def test_command_line_precheck() -> None:
     check_overrides(["stage=3", "quant=int8", "train.steps=3", "hydra.run.dir=x", "+foo=1"])
 
 
+def test_command_line_precheck_of_section_keys() -> None:
+    """A misspelt key names the section's keys; a key of another group option names that option."""
+    with pytest.raises(ConfigError, match=r"train\.stepz.*did you mean train\.steps.*micro_batch_size"):
+        check_overrides(["train.stepz=3"])
+    with pytest.raises(ConfigError, match=r"cluster\.inter_gbps does not apply to cluster=local.*cluster=emulated"):
+        check_overrides(["cluster.inter_gbps=1"])
+    with pytest.raises(ConfigError, match=r"reshard_after_forward.*trainer=zeropp.*trainer=fsdp2"):
+        check_overrides(["trainer.reshard_after_forward=2"])
+    check_overrides(["cluster=emulated", "cluster.inter_gbps=1", "trainer=fsdp2", "trainer.reshard_after_forward=2",
+                     "zero.hpz_size=2", "model.d_model=128", "+train.extra=1"])
+
+
 def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
     for args, words in ((["quant=int9"], ["quant", "allowed", "int8"]),
                         (["topology.world_size=5", "topology.ranks_per_node=2"], ["topology.ranks_per_node", "[1, 5]"])):

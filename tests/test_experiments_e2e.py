@@ -108,3 +108,20 @@ def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[s
     assert took < 90
     assert not (tmp_path / "summary.json").exists()
     assert _live_procs_mentioning(str(tmp_path)) == []  # no orphan rank left behind
+
+
+def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """Job 0 is an invalid config; job 1 still runs; the command exits non-zero naming job 0, which
+    leaves failed.json, and the report lists it."""
+    sweep = tmp_path / "sweep"
+    p = _run(["-m", "topology.ranks_per_node=3,2", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"])
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "1 multirun job(s) failed" in p.stderr and "topology.ranks_per_node=3" in p.stderr
+    failed = json.loads((sweep / "0" / "failed.json").read_text())
+    assert "ranks_per_node" in failed["error"] and failed["exit_code"] == 2
+    assert (sweep / "1" / "summary.json").exists()
+    r = subprocess.run([sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    md = (sweep / "report.md").read_text()
+    assert "1 failed" in md and "topology.ranks_per_node=3" in md

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from zeropp.experiments.scaling import (
-    ZEROPP, Cluster, Workload, gpt_units, messages, node_cross_bytes, pairwise_bytes, paper_workload, project,
-    speedup_table,
+    GBPS, ZEROPP, Cluster, Workload, collective_time, gpt_units, messages, node_cross_bytes, pairwise_bytes,
+    paper_workload, project, quant_time, quant_work, speedup_table, uplink_bytes,
 )
 from zeropp.kernels import quantized_nbytes
 
@@ -77,3 +77,70 @@ def test_more_bandwidth_never_slower() -> None:
         lo = project(w, Cluster(nodes=8, ranks_per_node=8, cross_gbps=bw_lo)).step_s
         hi = project(w, Cluster(nodes=8, ranks_per_node=8, cross_gbps=bw_hi)).step_s
         assert hi <= lo and math.isfinite(hi)
+
+
+def _cross(b: dict[str, float]) -> float:
+    return sum(v for k, v in b.items() if k.endswith(".cross"))
+
+
+@pytest.mark.parametrize("nics", [None, 1, 2])
+def test_uplink_carries_its_ranks_pairwise_bytes(nics: int | None) -> None:
+    """A node's uplink carries (ranks sharing it) x one rank's pairwise cross-node bytes, and the
+    link time of every cross-node collective is that over the uplink rate."""
+    c = Cluster(nodes=3, ranks_per_node=4, cross_gbps=10, nics_per_node=nics, alpha_cross_s=0.0, alpha_intra_s=0.0,
+                intra_gbps=1e9)
+    k = 4 // (nics or 4)
+    assert c.ranks_per_uplink == k
+    for w in (_w(), _w(**ZEROPP)):
+        msgs = messages(w, c)
+        assert uplink_bytes(msgs, c) == k * _cross(pairwise_bytes(msgs))
+        for m in msgs:
+            if m.nodes > 1:  # intra forwarding is free here, so the time is the uplink's alone
+                assert collective_time(m, c) == pytest.approx(k * _cross(pairwise_bytes([m])) / m.count / (10 * GBPS))
+
+
+def test_one_nic_per_rank_equals_a_ring_over_the_node() -> None:
+    """With one NIC per rank the plain collectives take (n-1)/n of the buffer over one NIC's rate:
+    the bandwidth-optimal ring's time, so the GPU projection keeps the paper's regime."""
+    c = Cluster(nodes=8, ranks_per_node=8, cross_gbps=100, alpha_cross_s=0.0, intra_gbps=1e9)
+    for m in messages(_w(), c):
+        full = m.chunk_bytes * c.world
+        assert collective_time(m, c) == pytest.approx((c.nodes - 1) / c.nodes * full / (100 * GBPS))
+    shared = Cluster(nodes=8, ranks_per_node=8, cross_gbps=100, nics_per_node=1, alpha_cross_s=0.0, intra_gbps=1e9)
+    m = messages(_w(), c)[0]
+    assert collective_time(m, shared) == pytest.approx(8 * collective_time(m, c))
+
+
+def test_bad_nic_count_is_rejected() -> None:
+    with pytest.raises(ValueError, match="nics_per_node"):
+        Cluster(nodes=2, ranks_per_node=4, cross_gbps=1, nics_per_node=3)
+
+
+def test_quantization_work_and_time_follow_the_schedule() -> None:
+    """Elements per op = what zeropp.comm quantizes per unit; time = elements x bytes / measured rate."""
+    c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=10)
+    W, S = c.world, sum(-(-u // c.world) for u in UNITS)
+    w = _w(**ZEROPP)
+    assert quant_work(w, c) == {("quantize", 8): S, ("dequantize", 8): W * S,  # qwZ fwd only (hpZ)
+                                ("quantize", 4): W * S, ("dequantize_sum_requantize", 4): W * S,
+                                ("dequantize_sum", 4): 2 * S}
+    assert quant_work(_w(qwz_bits=8), c) == {("quantize", 8): 2 * S, ("dequantize", 8): 2 * W * S}  # fwd + bwd
+    assert quant_work(_w(), c) == {} and quant_time(_w(), c) == 0.0
+    rates = (("quantize", 8, 0.5), ("dequantize", 8, 2.0), ("quantize", 4, 0.25))
+    wr = w.with_zero(quant_rates=rates, quant_gbs=1.0)
+    expect = 4 * (S / 0.5 + W * S / 2.0 + W * S / 0.25 + W * S / 1.0 + 2 * S / 1.0) / 1e9
+    assert quant_time(wr, c) == pytest.approx(expect)
+    p = project(wr, c)
+    assert p.quant_s == pytest.approx(expect)
+    assert p.comm_s == pytest.approx(sum(collective_time(m, c) * m.count for m in messages(wr, c)) + expect)
+
+
+def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
+    from zeropp.experiments.scaling_check import emulator_cluster, measure_quant_rates
+
+    c = emulator_cluster(2, 2, 1.0)
+    w = _w(**ZEROPP)
+    rates = measure_quant_rates(w, c, repeats=1)
+    assert {(op, b) for op, b, _ in rates} == set(quant_work(w, c))
+    assert all(0 < g < math.inf for _, _, g in rates)
+    assert project(w.with_zero(quant_rates=rates), c).quant_s > 0

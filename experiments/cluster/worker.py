@@ -9,7 +9,8 @@ training run that depends on nothing but the engine API. It is started by
 
 with RANK, WORLD_SIZE, MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME from ``EmulatedCluster.rank_env``.
 Each rank writes ``DIR/rank<r>.json``: step times, the engine's own time blocked on
-communication, and bytes by link (intra/cross) from the engine's CommStats.
+communication, and bytes by link (intra/cross) from the engine's CommStats; with ``--quant-rates``
+also the measured throughput of the quantize/dequantize ops of each quantized mode.
 
 Modes: ``zero3`` (plain ZeRO-3), ``zeropp`` (ZeRO-3 + qwZ INT8 + hpZ + qgZ INT4), a comma list of
 them (run alternately, ``--rounds`` times each, one fresh engine per run), or ``allreduce`` (no
@@ -135,7 +136,29 @@ def _train(rank: int, world: int, a: argparse.Namespace) -> dict[str, Any]:
     for r in runs.values():
         r["step_s_median"] = statistics.median(r["step_s"])
         r["comm_wait_s_median"] = statistics.median(r["comm_wait_s"])
+        if a.quant_rates and any(MODES[r["mode"]].get(k) for k in ("qwz_bits", "qgz_bits")):
+            r["quant_rates"] = _quant_rates(r, world, a)
     return {"runs": runs, "preset": a.preset, "micro_batch": a.micro_batch}
+
+
+def _quant_rates(r: dict[str, Any], world: int, a: argparse.Namespace) -> list[list]:
+    """Time this mode's quantize/dequantize ops at its exact per-rank shapes, on every rank at once
+    (the same core sharing as during training), for the scaling comparison's quantization charge."""
+    from ..scaling_check import emulator_cluster, measure_quant_rates
+
+    c = emulator_cluster(world // a.ranks_per_node, a.ranks_per_node, 1.0)
+    return [list(x) for x in measure_quant_rates(mode_workload(r["model"], r["mode"]), c, repeats=3)]
+
+
+def mode_workload(md: dict[str, int], mode: str, **kw: Any) -> Any:
+    """The scaling model's Workload of a run of this worker: the GPT of ``md`` (a report's
+    ``"model"``), the ZeRO switches of ``mode``, fp32 on the wire; ``kw`` sets the rest
+    (compute_s, tokens_per_rank, quant_rates)."""
+    from ..scaling import Workload, gpt_units
+
+    return Workload(units=gpt_units(vocab=md["vocab"], seq_len=md["seq_len"], d_model=md["d_model"],
+                                    n_layers=md["n_layers"], mlp_ratio=md["mlp_ratio"]),
+                    **{"compute_s": 0.0, "tokens_per_rank": 0, **kw}, dtype_bytes=4, **MODES[mode])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--pg-timeout", type=float, default=120.0)
+    p.add_argument("--quant-rates", action="store_true",
+                   help="after training, time the quantization ops on every rank (scaling comparison)")
     a = p.parse_args(argv)
     import torch.distributed as dist
 
