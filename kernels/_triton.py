@@ -63,6 +63,19 @@ def launch_opts() -> dict:
 # Tile helpers (inlined into the kernels).
 # ----------------------------------------------------------------------------------------------
 @jit
+def tile_coords(tiles_per_row, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr):
+    """This program's tile: program id -> (row, tile of the row). Returns ``(row, g, j, col)``:
+    the int64 row, its blocks ``g`` [BG] (int64), the lanes ``j`` [BGS] and each lane's position
+    ``col = g * GROUP_SIZE + j`` [BG, BGS] in the padded row."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // tiles_per_row
+    g = (pid % tiles_per_row) * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)  # [BG]
+    j = tl.arange(0, BLOCK_GS)  # [BGS]
+    col = g[:, None] * GROUP_SIZE + j[None, :]  # [BG, BGS]
+    return row, g, j, col
+
+
+@jit
 def tile_quantize(v, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
     """v: [BG, BGS] fp32 (masked lanes 0); offs: [BG, BGS] int64 padded-layout index.
 

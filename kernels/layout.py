@@ -148,6 +148,11 @@ def check_float_dtype(dtype: torch.dtype, what: str) -> None:
         raise ValueError(f"{what} dtype {dtype} is not supported; use float32, bfloat16 or float16")
 
 
+def codes_dtype(bits: int) -> torch.dtype:
+    """Storage dtype of the codes: int8 for INT8, uint8 (two codes per byte) for INT4."""
+    return torch.int8 if bits == 8 else torch.uint8
+
+
 def split_rows(numel: int, rows: int) -> int:
     """Columns per row for ``numel`` elements in ``rows`` equal rows, with a clear error if uneven."""
     if rows <= 0:
@@ -157,3 +162,64 @@ def split_rows(numel: int, rows: int) -> int:
             f"cannot split {numel} elements into {rows} equal rows; pad the tensor to a multiple of {rows}"
         )
     return numel // rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks shared by every implementation (torch reference, fast CPU path, Triton), so
+# that all of them refuse the same inputs with the same message.
+# ----------------------------------------------------------------------------------------------
+def check_quantize_args(x: torch.Tensor, bits: int, group_size: int, rows: int, seed: int) -> tuple[int, int]:
+    """Checks of ``quantize``; returns ``(cols, seed)`` (the seed as a plain int)."""
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    check_float_dtype(x.dtype, "input")
+    seed = check_seed(seed)
+    return split_rows(x.numel(), rows), seed
+
+
+def check_dims(q: QuantizedTensor, stacked: bool, what: str) -> tuple[int, int]:
+    """``dequantize`` takes ``[rows, *]`` codes, the reductions stacked ``[k, rows, *]`` codes.
+    Returns ``(k, rows)`` (k = 1 when not stacked)."""
+    want = 3 if stacked else 2
+    if q.codes.dim() != want:
+        shape = "[k, rows, *]" if stacked else "[rows, *]"
+        hint = "" if stacked else "; use dequantize_sum for stacked inputs"
+        raise ValueError(f"{what} takes codes shaped {shape}, got {tuple(q.codes.shape)}{hint}")
+    return (q.codes.shape[0] if stacked else 1), q.codes.shape[-2]
+
+
+def check_requantize_args(q: QuantizedTensor, bits: int, group_size: int, seed: int) -> tuple[int, int, int]:
+    """Checks of ``dequantize_sum_requantize``; returns ``(k, rows, seed)``."""
+    check_bits(bits)
+    k, rows = check_dims(q, True, "dequantize_sum_requantize")
+    seed = check_seed(seed)
+    if group_size != q.group_size:
+        raise ValueError(
+            f"dequantize_sum_requantize keeps the block layout: group_size={group_size} must equal "
+            f"the input's {q.group_size}"
+        )
+    check_group_size(group_size, bits)
+    return k, rows, seed
+
+
+def check_out_buffer(out: torch.Tensor, numel: int, device: torch.device) -> None:
+    """A caller-provided output buffer must be a contiguous float tensor of ``numel`` elements on
+    the data's device (the kernels write it as a flat ``[rows, cols]`` buffer)."""
+    check_float_dtype(out.dtype, "out")
+    if out.numel() != numel:
+        raise ValueError(f"out has {out.numel()} elements, expected rows*cols = {numel}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is written as a flat [rows, cols] buffer")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the quantized data on {device}")
+
+
+def output_buffer(
+    out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``out`` checked (its dtype wins), or a new ``[rows, cols]`` tensor of ``dtype``."""
+    if out is None:
+        check_float_dtype(dtype, "output")
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    check_out_buffer(out, rows * cols, device)
+    return out

@@ -1,8 +1,9 @@
 """Block-wise symmetric quantize / dequantize (qwZ weights, qgZ gradient chunks).
 
-CUDA tensors take the Triton kernels; CPU tensors take the torch reference in ``reference.py``.
-``impl="triton"`` forces the kernels (tests do this on CPU under ``TRITON_INTERPRET=1``).
-The kernels match the reference bit for bit (same scales, same codes); see ``_triton.py`` for
+CUDA tensors take the Triton kernels; CPU tensors take ``cpu.py``, the torch reference's arithmetic
+done tile by tile in cache (bit-identical to ``reference.py``, several times faster).
+``impl="torch"`` forces the CPU path, ``impl="triton"`` the kernels (tests do this on CPU under
+``TRITON_INTERPRET=1``). The kernels match the reference bit for bit (same scales, same codes); see ``_triton.py`` for
 the tile they share and why each arithmetic step is written the way it is.
 """
 
@@ -16,24 +17,24 @@ from ._triton import (
     jit,
     on_device,
     tile_load_codes,
+    tile_coords,
     tile_quantize,
     tile_store_codes,
     tl,
     to_out_dtype,
 )
+from .cpu import dequantize_cpu, quantize_cpu
 from .layout import (
     DEFAULT_WEIGHT_GROUP_SIZE,
     QuantizedTensor,
-    check_bits,
-    check_float_dtype,
-    check_group_size,
-    check_seed,
+    check_dims,
+    check_quantize_args,
+    codes_dtype,
     num_groups,
+    output_buffer,
     qmax,
     row_bytes,
-    split_rows,
 )
-from .reference import check_out_buffer, dequantize_ref, quantize_ref
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,11 +57,7 @@ def _quantize_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_GS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // tiles_per_row
-    g = (pid % tiles_per_row) * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)  # [BG]
-    j = tl.arange(0, BLOCK_GS)  # [BGS]
-    col = g[:, None] * GROUP_SIZE + j[None, :]  # [BG, BGS] position in the padded row
+    row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     in_block = (j[None, :] < GROUP_SIZE) & (g[:, None] < groups)
     v = tl.load(x_ptr + row * cols + col, mask=in_block & (col < cols), other=0.0).to(tl.float32)
     offs = row * groups * GROUP_SIZE + col  # [BG, BGS] int64 index into [rows, groups*GROUP_SIZE]
@@ -83,11 +80,7 @@ def _dequantize_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_GS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // tiles_per_row
-    g = (pid % tiles_per_row) * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)  # [BG]
-    j = tl.arange(0, BLOCK_GS)  # [BGS]
-    col = g[:, None] * GROUP_SIZE + j[None, :]  # [BG, BGS]
+    row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     c = tile_load_codes(codes_ptr + row * row_bytes, g, groups, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
     s = tl.load(scales_ptr + row * groups + g, mask=g < groups, other=0.0)  # [BG]
     val = c * s[:, None]  # [BG, BGS] fp32, exactly the reference's code * scale
@@ -98,24 +91,16 @@ def _dequantize_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers: validate, allocate, size the grid.
 # ----------------------------------------------------------------------------------------------
-def _codes_dtype(bits: int) -> torch.dtype:
-    return torch.int8 if bits == 8 else torch.uint8
-
-
 def _quantize_triton(
     x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0
 ) -> QuantizedTensor:
     """Triton twin of ``quantize_ref`` (same checks, same result bit for bit)."""
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    check_float_dtype(x.dtype, "input")
-    seed = check_seed(seed)
+    cols, seed = check_quantize_args(x, bits, group_size, rows, seed)
     check_launchable(x)
-    cols = split_rows(x.numel(), rows)
     g = num_groups(cols, group_size)
     rb = row_bytes(cols, bits, group_size)
     x2 = x.contiguous().view(rows, cols)  # [rows, cols]; a copy only if x was strided
-    codes = torch.empty(rows, rb, dtype=_codes_dtype(bits), device=x.device)  # [rows, row_bytes]
+    codes = torch.empty(rows, rb, dtype=codes_dtype(bits), device=x.device)  # [rows, row_bytes]
     scales = torch.empty(rows, g, dtype=torch.float32, device=x.device)  # [rows, groups]
     if rows * g:
         cfg = TileConfig(group_size, g)
@@ -131,16 +116,10 @@ def _dequantize_triton(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Triton twin of ``dequantize_ref``: writes straight into ``out`` when one is given."""
-    if q.codes.dim() != 2:
-        raise ValueError(f"dequantize takes one [rows, *] tensor, got codes {tuple(q.codes.shape)}; "
-                         "use dequantize_sum for stacked inputs")
+    _, rows = check_dims(q, False, "dequantize")
     check_launchable(q.codes)
-    rows, cols = q.rows, q.cols
-    if out is None:
-        check_float_dtype(dtype, "output")
-        out = torch.empty(rows, cols, dtype=dtype, device=q.codes.device)  # [rows, cols]
-    else:
-        check_out_buffer(out, rows * cols, q.codes.device)
+    cols = q.cols
+    out = output_buffer(out, rows, cols, dtype, q.codes.device)  # [rows, cols] or the caller's buffer
     g = num_groups(cols, q.group_size)
     if rows * g:
         cfg = TileConfig(q.group_size, g)
@@ -179,7 +158,7 @@ def quantize(
     group_size = DEFAULT_WEIGHT_GROUP_SIZE if group_size is None else group_size
     if _use_triton(x, impl):
         return _quantize_triton(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed)
-    return quantize_ref(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed)
+    return quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed)
 
 
 def dequantize(
@@ -193,4 +172,4 @@ def dequantize(
     ``rows*cols`` elements, its dtype wins)."""
     if _use_triton(q.codes, impl):
         return _dequantize_triton(q, out=out, dtype=dtype)
-    return dequantize_ref(q, out=out, dtype=dtype)
+    return dequantize_cpu(q, out=out, dtype=dtype)

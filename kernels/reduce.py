@@ -17,6 +17,7 @@ from ._triton import (
     jit,
     on_device,
     tile_load_codes,
+    tile_coords,
     tile_quantize,
     tile_store_codes,
     tl,
@@ -24,16 +25,16 @@ from ._triton import (
 )
 from .layout import (
     QuantizedTensor,
-    check_bits,
-    check_float_dtype,
-    check_group_size,
-    check_seed,
+    check_dims,
+    check_requantize_args,
+    codes_dtype,
     num_groups,
+    output_buffer,
     qmax,
     row_bytes,
 )
-from .quantize import _codes_dtype, _use_triton
-from .reference import check_out_buffer, dequantize_sum_ref, dequantize_sum_requantize_ref
+from .cpu import dequantize_sum_cpu, dequantize_sum_requantize_cpu
+from .quantize import _use_triton
 
 
 @jit
@@ -78,11 +79,7 @@ def _dequantize_sum_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_GS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // tiles_per_row
-    g = (pid % tiles_per_row) * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)  # [BG]
-    j = tl.arange(0, BLOCK_GS)  # [BGS]
-    col = g[:, None] * GROUP_SIZE + j[None, :]  # [BG, BGS]
+    row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     acc = _tile_sum(codes_ptr, scales_ptr, k, rows, row, g, groups, row_bytes, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
     mask = (j[None, :] < GROUP_SIZE) & (col < cols)
     tl.store(out_ptr + row * cols + col, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=mask)
@@ -109,11 +106,7 @@ def _dequantize_sum_requantize_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_GS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // tiles_per_row
-    g = (pid % tiles_per_row) * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)  # [BG]
-    j = tl.arange(0, BLOCK_GS)  # [BGS]
-    col = g[:, None] * GROUP_SIZE + j[None, :]  # [BG, BGS]
+    row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     acc = _tile_sum(  # [BG, BGS] fp32, never written to memory
         codes_ptr, scales_ptr, k, rows, row, g, groups, in_row_bytes, GROUP_SIZE, IN_BITS, BLOCK_G, BLOCK_GS
     )
@@ -123,25 +116,14 @@ def _dequantize_sum_requantize_kernel(
     tile_store_codes(out_codes_ptr + row * out_row_bytes, c, g, groups, GROUP_SIZE, OUT_BITS, BLOCK_G, BLOCK_GS)
 
 
-def _check_stacked(q: QuantizedTensor, what: str) -> tuple[int, int]:
-    """Stacked input -> (k, rows), with a clear error for an unstacked one."""
-    if q.codes.dim() != 3:
-        raise ValueError(f"{what} takes codes shaped [k, rows, *], got {tuple(q.codes.shape)}")
-    return q.codes.shape[0], q.codes.shape[1]
-
-
 def _dequantize_sum_triton(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Triton twin of ``dequantize_sum_ref``."""
-    k, rows = _check_stacked(q, "dequantize_sum")
+    k, rows = check_dims(q, True, "dequantize_sum")
     check_launchable(q.codes)
-    cols, device = q.cols, q.codes.device
-    if out is None:
-        check_float_dtype(dtype, "output")
-        out = torch.empty(rows, cols, dtype=dtype, device=device)  # [rows, cols]
-    else:
-        check_out_buffer(out, rows * cols, device)
+    cols = q.cols
+    out = output_buffer(out, rows, cols, dtype, q.codes.device)  # [rows, cols] or the caller's buffer
     g = num_groups(cols, q.group_size)
     if k == 0:
         return out.zero_()
@@ -159,20 +141,12 @@ def _dequantize_sum_requantize_triton(
     q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
 ) -> QuantizedTensor:
     """Triton twin of ``dequantize_sum_requantize_ref``: one pass, sum kept in registers."""
-    check_bits(bits)
-    k, rows = _check_stacked(q, "dequantize_sum_requantize")
-    seed = check_seed(seed)
-    if group_size != q.group_size:
-        raise ValueError(
-            f"dequantize_sum_requantize keeps the block layout: group_size={group_size} must equal "
-            f"the input's {q.group_size}"
-        )
-    check_group_size(group_size, bits)
+    k, rows, seed = check_requantize_args(q, bits, group_size, seed)
     check_launchable(q.codes)
     cols, device = q.cols, q.codes.device
     g = num_groups(cols, group_size)
     out_rb = row_bytes(cols, bits, group_size)
-    codes = torch.empty(rows, out_rb, dtype=_codes_dtype(bits), device=device)  # [rows, out_row_bytes]
+    codes = torch.empty(rows, out_rb, dtype=codes_dtype(bits), device=device)  # [rows, out_row_bytes]
     scales = torch.empty(rows, g, dtype=torch.float32, device=device)  # [rows, groups]
     if rows * g:
         cfg = TileConfig(group_size, g)
@@ -195,7 +169,7 @@ def dequantize_sum(
     """Stacked ``[k, rows, *]`` -> fp32-accumulated sum over k as ``[rows, cols]`` (or into ``out``)."""
     if _use_triton(q.codes, impl):
         return _dequantize_sum_triton(q, out=out, dtype=dtype)
-    return dequantize_sum_ref(q, out=out, dtype=dtype)
+    return dequantize_sum_cpu(q, out=out, dtype=dtype)
 
 
 def dequantize_sum_requantize(
@@ -211,4 +185,4 @@ def dequantize_sum_requantize(
     group_size = q.group_size if group_size is None else group_size
     if _use_triton(q.codes, impl):
         return _dequantize_sum_requantize_triton(q, bits, group_size, stochastic=stochastic, seed=seed)
-    return dequantize_sum_requantize_ref(q, bits, group_size, stochastic=stochastic, seed=seed)
+    return dequantize_sum_requantize_cpu(q, bits, group_size, stochastic=stochastic, seed=seed)

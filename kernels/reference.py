@@ -1,5 +1,6 @@
-"""Pure-torch reference of every quantization kernel: the specification the Triton kernels match
-bit for bit (same scales, same codes), and the path CPU tensors take.
+"""Pure-torch reference of every quantization kernel: the specification that the Triton kernels
+and the CPU path (``cpu.py``, the same arithmetic tiled for speed) match bit for bit (same scales,
+same codes). Written to be read, not to be fast.
 
 All arithmetic is fp32 with the exact operation order the kernels use (see ``layout.py``):
 division is IEEE round-to-nearest, rounding is ``floor(v + 0.5)`` (or ``floor(v + u)`` with
@@ -13,13 +14,12 @@ import torch
 
 from .layout import (
     QuantizedTensor,
-    check_bits,
-    check_float_dtype,
-    check_group_size,
-    check_seed,
+    check_dims,
+    check_quantize_args,
+    check_requantize_args,
     num_groups,
+    output_buffer,
     qmax,
-    split_rows,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -130,35 +130,21 @@ def _to_quantized(
 def _write_out(
     full: torch.Tensor, cols: int, out: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[..., rows, groups, group_size] fp32 -> [..., rows, cols] in ``dtype``, into ``out`` if given."""
-    lead = full.shape[:-2]
-    res = full.reshape(*lead, -1)[..., :cols]
-    if out is None:
-        check_float_dtype(dtype, "output")
-        return res.to(dtype).contiguous()  # a fresh [.., rows, cols] tensor, never a padded view
-    check_out_buffer(out, res.numel(), full.device)
-    out.view(res.shape).copy_(res)
-    return out
+    """[rows, groups, group_size] fp32 -> [rows, cols] in ``dtype``, into ``out`` if given."""
+    rows = full.shape[0]
+    dst = output_buffer(out, rows, cols, dtype, full.device)
+    dst.view(rows, cols).copy_(full.reshape(rows, -1)[:, :cols])
+    return dst
 
 
-def check_out_buffer(out: torch.Tensor, numel: int, device: torch.device) -> None:
-    """A caller-provided output buffer must be a contiguous float tensor of ``numel`` elements on
-    the data's device (the kernels write it as a flat ``[rows, cols]`` buffer)."""
-    check_float_dtype(out.dtype, "out")
-    if out.numel() != numel:
-        raise ValueError(f"out has {out.numel()} elements, expected rows*cols = {numel}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: it is written as a flat [rows, cols] buffer")
-    if out.device != device:
-        raise ValueError(f"out is on {out.device}, the quantized data on {device}")
-
-
-def _check_dims(q: QuantizedTensor, stacked: bool, what: str) -> None:
-    """dequantize takes [rows, *] codes; the reductions take stacked [k, rows, *] codes."""
-    want = 3 if stacked else 2
-    if q.codes.dim() != want:
-        shape = "[k, rows, *]" if stacked else "[rows, *]"
-        raise ValueError(f"{what} takes codes shaped {shape}, got {tuple(q.codes.shape)}")
+def _sum_fp32(q: QuantizedTensor) -> torch.Tensor:
+    """Stacked [k, rows, *] -> fp32 [rows, groups, group_size]: the dequantized inputs added in
+    index order 0..k-1 onto zeros (k = 0 sums to zeros), as the kernels accumulate."""
+    deq = _dequantize_fp32(q)
+    acc = deq.new_zeros(deq.shape[1:])
+    for i in range(deq.shape[0]):
+        acc = acc + deq[i]
+    return acc
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,11 +154,7 @@ def quantize_ref(
     x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0
 ) -> QuantizedTensor:
     """x (any shape, numel divisible by ``rows``) -> QuantizedTensor of ``rows`` rows."""
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    check_float_dtype(x.dtype, "input")
-    seed = check_seed(seed)
-    cols = split_rows(x.numel(), rows)
+    cols, seed = check_quantize_args(x, bits, group_size, rows, seed)
     v = _pad_rows(x.reshape(rows, cols), group_size)
     return _to_quantized(v, cols, bits, group_size, stochastic, seed)
 
@@ -181,20 +163,16 @@ def dequantize_ref(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """QuantizedTensor -> [rows, cols] in ``dtype`` (or written into ``out``, any shape of that numel)."""
-    _check_dims(q, False, "dequantize")
-    return _write_out(_dequantize_fp32(q), q.cols, out, out.dtype if out is not None else dtype)
+    check_dims(q, False, "dequantize")
+    return _write_out(_dequantize_fp32(q), q.cols, out, dtype)
 
 
 def dequantize_sum_ref(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Stacked QuantizedTensor [k, rows, *] -> sum over k, [rows, cols], accumulated in fp32."""
-    _check_dims(q, True, "dequantize_sum")
-    deq = _dequantize_fp32(q)
-    acc = deq.new_zeros(deq.shape[1:])  # [rows, groups, group_size]; k = 0 sums to zeros
-    for i in range(deq.shape[0]):
-        acc = acc + deq[i]
-    return _write_out(acc, q.cols, out, out.dtype if out is not None else dtype)
+    check_dims(q, True, "dequantize_sum")
+    return _write_out(_sum_fp32(q), q.cols, out, dtype)
 
 
 def dequantize_sum_requantize_ref(
@@ -203,19 +181,7 @@ def dequantize_sum_requantize_ref(
     """Stacked QuantizedTensor [k, rows, *] -> the fp32 sum over k, quantized again with
     ``bits``/``group_size`` (the qgZ intra-node hop). ``group_size`` must equal the input's: the
     fused kernel re-quantizes each block where it was summed."""
-    check_bits(bits)
-    _check_dims(q, True, "dequantize_sum_requantize")
-    seed = check_seed(seed)
-    if group_size != q.group_size:
-        raise ValueError(
-            f"dequantize_sum_requantize keeps the block layout: group_size={group_size} must equal "
-            f"the input's {q.group_size}"
-        )
-    check_group_size(group_size, bits)
-    deq = _dequantize_fp32(q)
-    acc = deq.new_zeros(deq.shape[1:])  # [rows, groups, group_size]; k = 0 sums to zeros
-    for i in range(deq.shape[0]):
-        acc = acc + deq[i]
+    _, _, seed = check_requantize_args(q, bits, group_size, seed)
     # Padding positions sum to exactly 0, so re-quantizing the padded blocks is the same as
     # re-quantizing the unpadded row.
-    return _to_quantized(acc, q.cols, bits, group_size, stochastic, seed)
+    return _to_quantized(_sum_fp32(q), q.cols, bits, group_size, stochastic, seed)

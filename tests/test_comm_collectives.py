@@ -119,6 +119,10 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
             src = xs[rank] * 0.5 if op_name == "premul" else xs[rank]
             dist.reduce_scatter_single(ref, src, op=ReduceOp.SUM if op_name == "premul" else ops[op_name])
             assert torch.equal(out, ref), f"plain reduce-scatter differs from torch.distributed {what}"
+            # ... and is the true reduction: equality with the backend alone would pass a backend whose
+            # AVG sums (the gloo bug background.md section 5 mentions). W roundings in the dtype at most.
+            mass = torch.stack([x.view(W, n)[rank].double().abs() for x in xs]).sum(0) * post[op_name]
+            assert ((out.double() - exact).abs() <= mass * REL_ROUND[dtype] * 2 * W + 1e-30).all(), f"plain result is not the true {op_name} {what}"
         else:
             sim = simulate_qgz(xs, topo, rank, n, bits, ibits, gs).mul(post[op_name]).to(dtype)
             assert torch.equal(out, sim), f"qgZ result is not the simulated hierarchical sum {what}"
@@ -215,6 +219,10 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
         "MAX with quantization": lambda: quantized_reduce_scatter(out, big, ReduceOp.MAX, topology=topo),
         "non-contiguous output": lambda: quantized_all_gather(torch.empty(2 * world * n)[::2], x, topology=topo),
         "error feedback of another size": lambda: _ef_mismatch(out, big, topo),
+        # a plain value on one side of bits/intra_bits used to be dropped silently: 16 ran a
+        # 4-bit intra-node hop, and intra_bits=8 with bits=None a plain reduce-scatter
+        "unquantized intra hop under a quantized cross hop": lambda: quantized_reduce_scatter(out, big, bits=4, intra_bits=16, topology=topo),
+        "intra_bits without bits": lambda: quantized_reduce_scatter(out, big, bits=None, intra_bits=8, topology=topo),
     }
     msgs = {}
     for name, fn in cases.items():
@@ -301,3 +309,5 @@ def test_bad_inputs_raise_on_every_rank(world) -> None:
     assert "describes 8 ranks but the process group has 4" in msgs["topology of another world"]
     assert "odd" in msgs["odd group size for INT4"]
     assert "use bits=None" in msgs["MAX with quantization"]
+    assert "intra_bits=16 asks for an unquantized intra-node hop" in msgs["unquantized intra hop under a quantized cross hop"]
+    assert "intra_bits=8 has no effect with bits=None" in msgs["intra_bits without bits"]

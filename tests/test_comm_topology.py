@@ -88,3 +88,16 @@ def test_error_feedback_buckets() -> None:
         ef.residual("a", 5, torch.device("cpu"))
     ef.reset("a")
     assert ef.keys() == []
+
+
+def test_plugins_refuse_a_plain_value_on_one_side_of_bits_and_intra_bits() -> None:
+    """Checked when the plug-in is built, not in the first backward (no process group needed)."""
+    from zeropp.comm.ddp import QuantizedAllReduceState
+    from zeropp.comm.fsdp import QuantizedReduceScatter
+
+    for make in (lambda b, ib: QuantizedAllReduceState(bits=b, intra_bits=ib), QuantizedReduceScatter):
+        with pytest.raises(ValueError, match="unquantized intra-node hop"):
+            make(4, 16)
+        with pytest.raises(ValueError, match="no effect with bits=None"):
+            make(None, 8)
+        make(4, 8), make(None, None), make(None, 32), make(8, None)  # all fine

@@ -286,6 +286,107 @@ def test_cpu_tensors_take_the_reference(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# The fast CPU path (kernels/cpu.py) against the reference, bit for bit
+# ---------------------------------------------------------------------------------------------
+def assert_bit_identical(a: QuantizedTensor, b: QuantizedTensor) -> None:
+    """Same layout, same code bytes, same scale *bits* (NaN payloads and signed zeros included)."""
+    assert (a.cols, a.bits, a.group_size, a.codes.dtype) == (b.cols, b.bits, b.group_size, b.codes.dtype)
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
+
+
+def awkward(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Gaussian data with a zero block, a -0.0 run, NaN and Inf (where the tensor is big enough)."""
+    x = (gaussian(math.prod(shape), seed) * 3).view(shape)
+    flat = x.view(-1)
+    if flat.numel() > 300:
+        flat[100:200] = 0
+        flat[290:300] = -0.0
+        flat[5] = float("nan")
+        flat[250] = float("inf")
+    return x.to(dtype)
+
+
+SMALL_SHAPES = [((0,), 1), ((1,), 1), ((7,), 1), ((17, 257), 17)]
+LARGE_SHAPES = [((3, 70001), 3), ((2**17 + 3,), 1)]  # several tiles per row (kernels.cpu.TILE_ELEMS = 65536)
+FAST_CASES = (  # (shape, rows, group_size, stochastic); stochastic large shapes once (Philox is slow)
+    [(sh, r, gs, st) for sh, r in SMALL_SHAPES for gs in (2, 100, 512, 40000) for st in (False, True)]
+    + [(sh, r, gs, False) for sh, r in LARGE_SHAPES for gs in (2, 100, 512, 40000)]
+    + [(sh, r, 100, True) for sh, r in LARGE_SHAPES]
+)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,rows,group_size,stochastic", FAST_CASES, ids=str)
+def test_fast_cpu_quantize_is_bit_identical_to_the_reference(shape, rows, group_size, stochastic, dtype, bits):
+    """Shapes with several tiles per row, several rows per tile, partial last blocks and a block
+    bigger than a tile."""
+    from zeropp.kernels.cpu import quantize_cpu
+    from zeropp.kernels.reference import quantize_ref
+
+    x = awkward(shape, dtype, seed=group_size)
+    ref = quantize_ref(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9)
+    assert_bit_identical(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9), ref)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fast_cpu_quantize_special_values_and_strides(bits):
+    from zeropp.kernels.cpu import quantize_cpu
+    from zeropp.kernels.reference import quantize_ref
+
+    x = torch.tensor([3e38, -1e38, 1.0, 70000.0, -65520.0, 5.0, 1e-40, -3e-39,  # huge, subnormal
+                      2e-45, 0.0, -0.0, -0.0, -0.0, -0.0, 1e-45, 2.0])  # an all -0.0 block of 4
+    for gs in (2, 4):
+        assert_bit_identical(quantize_cpu(x, bits, gs), quantize_ref(x, bits, gs))
+    t = gaussian(64 * 34).view(64, 34).t()  # non-contiguous
+    assert_bit_identical(quantize_cpu(t, bits, 16, rows=34), quantize_ref(t, bits, 16, rows=34))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (4, 4)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fast_cpu_requantize_is_bit_identical_to_the_reference(k, in_bits, out_bits, stochastic):
+    from zeropp.kernels.cpu import dequantize_sum_requantize_cpu
+    from zeropp.kernels.reference import dequantize_sum_requantize_ref
+
+    qs = [quantize(awkward((3, 401), torch.float32, seed=i), in_bits, 64, rows=3) for i in range(max(k, 1))]
+    s = stack(qs)
+    s = QuantizedTensor(s.codes[:k], s.scales[:k], s.cols, s.bits, s.group_size)
+    want = dequantize_sum_requantize_ref(s, out_bits, 64, stochastic=stochastic, seed=4)
+    assert_bit_identical(dequantize_sum_requantize_cpu(s, out_bits, 64, stochastic=stochastic, seed=4), want)
+
+
+def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit-identical floats: same dtype, same NaN positions, same values and signs elsewhere."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    a, b = (torch.where(torch.isnan(t), torch.zeros_like(t), t) for t in (a, b))
+    assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape,rows,group_size", [((0,), 1, 64), ((7,), 1, 2), ((17, 257), 17, 100),
+                                                   ((3, 70001), 3, 512), ((2**17 + 3,), 1, 2), ((5, 300), 5, 40000)],
+                         ids=str)
+def test_fast_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(shape, rows, group_size, bits):
+    from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu
+    from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref
+
+    qs = [quantize(awkward(shape, torch.float32, seed=i), bits, group_size, rows=rows) for i in range(3)]
+    for k in (0, 1, 3):
+        s = stack(qs)
+        s = QuantizedTensor(s.codes[:k], s.scales[:k], s.cols, s.bits, s.group_size)
+        for dtype in DTYPES:
+            assert_same_values(dequantize_sum_cpu(s, dtype=dtype), dequantize_sum_ref(s, dtype=dtype))
+    for dtype in DTYPES:
+        assert_same_values(dequantize_cpu(qs[0], dtype=dtype), dequantize_ref(qs[0], dtype=dtype))
+        out = torch.full((math.prod(shape),), 7.0, dtype=dtype)
+        assert dequantize_cpu(qs[1], out=out) is out
+        assert_same_values(out, dequantize_ref(qs[1], dtype=dtype).view(-1))
+
+
+# ---------------------------------------------------------------------------------------------
 # Benchmark smoke test (CPU, tiny sizes; no timing assertions)
 # ---------------------------------------------------------------------------------------------
 def test_bench_runs_on_cpu(capsys):

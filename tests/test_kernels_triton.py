@@ -49,15 +49,32 @@ def assert_same_q(a: QuantizedTensor, b: QuantizedTensor) -> None:
     """Same layout, same codes, same scales (NaN scales compared by position)."""
     assert (a.cols, a.bits, a.group_size) == (b.cols, b.bits, b.group_size)
     assert a.codes.dtype == b.codes.dtype and torch.equal(a.codes, b.codes)
-    assert torch.equal(torch.isnan(a.scales), torch.isnan(b.scales))
-    assert torch.equal(a.scales.nan_to_num(0.0), b.scales.nan_to_num(0.0))
+    assert_same_bits(a.scales, b.scales)
+
+
+def _nan_to_zero(t: torch.Tensor) -> torch.Tensor:
+    """NaN -> 0, everything else untouched. (``nan_to_num`` would also map +-inf to the dtype's
+    largest finite value, so an inf on one side and the max finite on the other compared equal.)"""
+    return torch.where(torch.isnan(t), torch.zeros_like(t), t)
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Identical values including NaN positions (and dtype)."""
+    """Identical values including NaN positions, infinities and signed zeros (and dtype)."""
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(torch.isnan(a), torch.isnan(b))
-    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    a, b = _nan_to_zero(a), _nan_to_zero(b)
+    assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+def test_assert_same_bits_tells_inf_from_the_largest_finite_value():
+    """The overflow tests below compare outputs that are +-inf; the comparison must see them."""
+    for dtype in DTYPES:
+        big = torch.finfo(dtype).max
+        with pytest.raises(AssertionError):
+            assert_same_bits(torch.tensor([float("inf")], dtype=dtype), torch.tensor([big], dtype=dtype))
+        with pytest.raises(AssertionError):
+            assert_same_bits(torch.tensor([0.0], dtype=dtype), torch.tensor([-0.0], dtype=dtype))
+        assert_same_bits(torch.tensor([float("nan"), -0.0], dtype=dtype), torch.tensor([float("nan"), -0.0], dtype=dtype))
 
 
 def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:

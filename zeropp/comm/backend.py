@@ -94,6 +94,31 @@ def check_bits_arg(bits: Optional[int], name: str = "bits") -> None:
         )
 
 
+def resolve_intra_bits(bits: Optional[int], intra_bits: Optional[int]) -> Optional[int]:
+    """Check a reduce-scatter's ``bits`` / ``intra_bits`` pair; return the intra hop's bits.
+
+    ``intra_bits=None`` means "as ``bits``". A plain value on one side and a quantized value on
+    the other is refused rather than silently ignored: ``bits=None, intra_bits=8`` would run a plain
+    reduce-scatter, and ``bits=4, intra_bits=16`` would quantize the intra-node hop to 4 bits,
+    though the caller asked for it unquantized (qgZ has no unquantized intra-node hop).
+    """
+    check_bits_arg(bits)
+    check_bits_arg(intra_bits, "intra_bits")
+    if intra_bits is None:
+        return bits
+    if is_plain(bits) and not is_plain(intra_bits):
+        raise ValueError(
+            f"intra_bits={intra_bits} has no effect with bits={bits!r} (a plain reduce-scatter); "
+            f"set bits to quantize, or intra_bits=None"
+        )
+    if not is_plain(bits) and is_plain(intra_bits):
+        raise ValueError(
+            f"intra_bits={intra_bits} asks for an unquantized intra-node hop, which qgZ does not have "
+            f"(its intra-node hop is quantized); use intra_bits=None (= bits={bits}), 8 or 4, or bits=None"
+        )
+    return bits if is_plain(intra_bits) else intra_bits
+
+
 def check_group_size_arg(group_size: int, bits_list: Sequence[Optional[int]]) -> None:
     for b in bits_list:
         if b in SUPPORTED_BITS:

@@ -28,6 +28,7 @@ from .backend import (
     is_plain,
     pack,
     parse_op,
+    resolve_intra_bits,
     unpack,
     wire_row_bytes,
 )
@@ -131,10 +132,7 @@ def quantized_reduce_scatter(
     Plain (bits None/16/32): the backend reduce-scatter (PREMUL_SUM emulated on gloo); error
     feedback does not apply there (nothing is rounded away).
     """
-    check_bits_arg(bits)
-    check_bits_arg(intra_bits, "intra_bits")
-    if intra_bits is None or is_plain(intra_bits):
-        intra_bits = bits
+    intra_bits = resolve_intra_bits(bits, intra_bits)
     gs = DEFAULT_GRAD_GROUP_SIZE if group_size is None else group_size
     plain = is_plain(bits)
     if not plain:

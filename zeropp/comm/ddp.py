@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .backend import check_bits_arg
+from .backend import check_bits_arg, resolve_intra_bits
 from .collectives import quantized_all_reduce
 from .qgz import ErrorFeedback
 from .stats import CommStats
@@ -50,8 +50,7 @@ class QuantizedAllReduceState:
     feedback: Optional[ErrorFeedback] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_bits_arg(self.bits)
-        check_bits_arg(self.intra_bits, "intra_bits")
+        resolve_intra_bits(self.bits, self.intra_bits)  # fail here, not in the first backward
         check_bits_arg(self.gather_bits, "gather_bits")
         if self.error_feedback and self.feedback is None:
             self.feedback = ErrorFeedback()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .backend import QUANT_FLOAT_DTYPES, ReduceOpLike, check_bits_arg
+from .backend import QUANT_FLOAT_DTYPES, ReduceOpLike, check_bits_arg, resolve_intra_bits
 from .collectives import quantized_all_gather, quantized_reduce_scatter
 from .qgz import ErrorFeedback
 from .stats import CommStats
@@ -86,8 +86,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         error_feedback: bool = False,
         kind: str = "fsdp_reduce_scatter",
     ) -> None:
-        check_bits_arg(bits)
-        check_bits_arg(intra_bits, "intra_bits")
+        resolve_intra_bits(bits, intra_bits)  # fail here, not in the first backward
         self.bits, self.intra_bits, self.group_size = bits, intra_bits, group_size
         self.topology, self.stats, self.kind = topology, stats, kind
         self.error_feedback = ErrorFeedback() if error_feedback else None

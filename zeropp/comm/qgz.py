@@ -22,7 +22,7 @@ rank per node, or a sub-group of the world, a single quantized all-to-all + dequ
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -130,62 +130,64 @@ def run(
 ) -> Optional[CommHandle]:
     """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``)."""
     W, n, gs = len(plan.ranks), plan.n, plan.group_size
+    topo = plan.topology
     x = inp.view(W, n)  # [W, n] chunk j for member j
     if ef is not None:
         x = x.float() + ef.residual(key, W * n, inp.device).view(W, n)
-    if not plan.hierarchical:
-        return _single_hop(plan, out, x, post_scale, group, ef, key, stats, kind, async_op)
+    if not plan.hierarchical:  # one quantized all-to-all over the group, then dequantize-sum
+        bits = plan.single_hop_bits
+        send = _quantize_for_send(x, bits, gs, ef, key)  # [W, B]; row j -> member j
+        recv, work = _all_to_all(send, plan.ranks, group, topo, stats, kind, async_op)
+        return finish_or_handle([work], lambda: _sum_into(recv.unsqueeze(1), n, bits, gs, post_scale, out), async_op)
 
-    topo = plan.topology
     nodes, rpn = topo.nodes, topo.ranks_per_node
     groups = topo.build()
     me = dist.get_rank()
     xs = swizzle(x, nodes, rpn)  # [rpn * nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l
-    q1 = quantize(xs, plan.intra_bits, gs, rows=W)
-    if ef is not None:
-        ef.store(key, unswizzle(xs.float() - dequantize(q1), nodes, rpn))
-    send1 = pack(q1)  # [W, B1] uint8
-    B1 = send1.shape[1]
-    recv1 = torch.empty_like(send1)
-    record_sends(stats, kind, topo, topo.intra_ranks(me), nodes * B1)
-    work = backend_all_to_all(recv1, send1, groups.intra, async_op)
+    send1 = _quantize_for_send(xs, plan.intra_bits, gs, ef, key, lambda r: unswizzle(r, nodes, rpn))  # [W, B1]
+    recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, async_op)
 
     def finish() -> None:
-        q_in = unpack(recv1.view(rpn, nodes, B1), n, plan.intra_bits, gs)  # [rpn sources, nodes, *]
+        q_in = unpack(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs)  # [rpn sources, nodes, *]
         q2 = dequantize_sum_requantize(q_in, plan.bits, gs)  # [nodes, *]: node sums of my-local chunks
         send2 = pack(q2)  # [nodes, B2]; row m -> node m
-        B2 = send2.shape[1]
-        recv2 = torch.empty_like(send2)
-        record_sends(stats, kind, topo, topo.cross_ranks(me), B2)
-        backend_all_to_all(recv2, send2, groups.cross, False)
-        _sum_into(recv2.view(nodes, 1, B2), n, plan.bits, gs, post_scale, out)
+        recv2, _ = _all_to_all(send2, topo.cross_ranks(me), groups.cross, topo, stats, kind, False)
+        _sum_into(recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
     return finish_or_handle([work], finish, async_op)
 
 
-def _single_hop(
-    plan: QgzPlan,
-    out: torch.Tensor,
+def _quantize_for_send(
     x: torch.Tensor,
-    post_scale: float,
-    group: Optional[dist.ProcessGroup],
+    bits: int,
+    gs: int,
     ef: Optional[ErrorFeedback],
     key: str,
+    to_input_layout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
+    """Quantize ``x`` ([rows, n]) row-wise and pack it for the wire ([rows, B] uint8). With error
+    feedback, store what the rounding lost, mapped back to the input's chunk order."""
+    q = quantize(x, bits, gs, rows=x.shape[0])
+    if ef is not None:
+        r = x.float() - dequantize(q)  # [rows, n]
+        ef.store(key, r if to_input_layout is None else to_input_layout(r))
+    return pack(q)
+
+
+def _all_to_all(
+    send: torch.Tensor,
+    peers: list[int],
+    group: Optional[dist.ProcessGroup],
+    topo: Topology,
     stats: CommStats,
     kind: str,
     async_op: bool,
-) -> Optional[CommHandle]:
-    """One quantized all-to-all over the group, then dequantize-sum."""
-    W, n, gs, bits = len(plan.ranks), plan.n, plan.group_size, plan.single_hop_bits
-    q = quantize(x, bits, gs, rows=W)
-    if ef is not None:
-        ef.store(key, x.float() - dequantize(q))
-    send = pack(q)  # [W, B]; row j -> member j
-    B = send.shape[1]
+) -> tuple[torch.Tensor, Optional[dist.Work]]:
+    """Equal-split all-to-all of ``send`` ([rows, B], ``rows / len(peers)`` rows per member, in
+    member order) over ``group`` (members = the global ``peers``), accounted per peer."""
     recv = torch.empty_like(send)
-    record_sends(stats, kind, plan.topology, plan.ranks, B)
-    work = backend_all_to_all(recv, send, group, async_op)
-    return finish_or_handle([work], lambda: _sum_into(recv.view(W, 1, B), n, bits, gs, post_scale, out), async_op)
+    record_sends(stats, kind, topo, peers, send.numel() // len(peers))
+    return recv, backend_all_to_all(recv, send, group, async_op)
 
 
 def _sum_into(buf: torch.Tensor, n: int, bits: int, gs: int, post_scale: float, out: torch.Tensor) -> None:

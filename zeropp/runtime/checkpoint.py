@@ -142,5 +142,10 @@ def consolidated_state_dict(e: "ZeroEngine") -> dict[str, torch.Tensor]:
             full_params[name] = t.to(dtype=e._param_dtypes[name], device="cpu").clone()
     out: dict[str, torch.Tensor] = {}
     for k, v in e.model.state_dict(keep_vars=True).items():
-        out[k] = full_params[k] if k in full_params else v.detach().clone()
+        if k in full_params:
+            out[k] = full_params[k]
+        elif k in e._frozen:  # a frozen parameter in its original dtype, not the compute-dtype copy
+            out[k] = e._frozen[k].detach().to("cpu").clone()
+        else:
+            out[k] = v.detach().clone()
     return out

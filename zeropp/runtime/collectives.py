@@ -9,8 +9,11 @@ Everything the engine sends goes through :class:`EngineComm`, which
 - times how long the engine is blocked waiting (``wait_s``), which the runner reports as
   exposed communication.
 
-Reductions are always SUM followed by a local divide: that keeps one code path for plain and
-quantized collectives and does not depend on a backend's AVG (gloo's has had bugs).
+Averaging: a plain reduce-scatter or all-reduce is a backend SUM followed by a local divide (no
+dependence on a backend's AVG; gloo's has had bugs). A quantized reduce-scatter averages itself:
+it sums in fp32 and scales by 1/W *before* the single rounding into the compute dtype, whereas a
+sum rounded to fp16 overflows once it passes 65504 even when the mean does not (and in bf16 it
+would be rounded twice).
 """
 
 from __future__ import annotations
@@ -103,19 +106,21 @@ class EngineComm:
         """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S])."""
         w = self.world_size
         s = out.numel()
+        quantized = bits is not None
+        op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
         works: list = []
         t0 = time.perf_counter()
         for a, b in _chunks(s, w, bucket):
             src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
             kw = {}
-            if bits is not None:
+            if quantized:
                 kw = dict(intra_bits=intra_bits, group_size=group_size, error_feedback=error_feedback,
                           feedback_key=f"{key}:{a}")
             works.append(self._z.quantized_reduce_scatter(
-                out[a:b], src, dist.ReduceOp.SUM, None, bits=bits, topology=self.topology,
+                out[a:b], src, op, None, bits=bits, topology=self.topology,
                 stats=self.stats, kind=kind, async_op=True, **kw))
         self.wait_s += time.perf_counter() - t0
-        p = Pending(self, works, lambda: out.div_(w))
+        p = Pending(self, works, None if quantized else (lambda: out.div_(w)))
         if not async_op:
             p.wait()
         return p

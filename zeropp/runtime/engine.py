@@ -94,9 +94,17 @@ class ZeroEngine:
         self._param_dtypes = {n: p.dtype for n, p in model.named_parameters()}
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-        for p in model.parameters():  # frozen parameters are not trained or sharded, only cast
+        # Frozen parameters are not trained or sharded: rank 0's values are broadcast (ranks start
+        # identical, as for the trained ones) and cast to the compute dtype. The originals are kept
+        # when the cast rounds, so consolidated_state_dict returns them unrounded, in their dtype.
+        self._frozen: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(self.dtype)
+                data = p.data.contiguous()
+                self.comm.broadcast_(data)
+                if data.dtype != self.dtype:
+                    self._frozen[name] = data
+                p.data = data.to(self.dtype)
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold)
