@@ -1,7 +1,7 @@
 """Bandwidth of the quantization kernels against a plain copy measured in the same run.
 
     python -m experiments.bench_kernels                 # GPU: Triton kernels, 64 KiB .. 256 MiB
-    python -m experiments.bench_kernels --max-mib 16    # CPU default: the torch reference
+    python -m experiments.bench_kernels --max-mib 16    # CPU default: the CPU path (kernels/cpu.py)
 
 Why a copy baseline: quantize, dequantize and the fused reduce are memory-bound, so the honest
 yardstick is what the same device reaches moving bytes with no arithmetic at all. Each op row is
@@ -135,7 +135,7 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(dev)} - Triton kernels")
     else:
-        print("CPU: timing the torch reference, not the Triton kernels "
+        print("CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels "
               f"({torch.get_num_threads()} thread(s))")
     print(f"input dtype {args.dtype}; bytes moved = bytes read + bytes written (codes, fp32 scales, "
           f"full-precision data), each once; copy = dst.copy_(src) moving the same bytes, same run")
