@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from zeropp.comm import CommStats, Topology
-from zeropp.comm.stats import record_sends
+from zeropp.comm.stats import peer_bytes, record_sends
 
 _WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "reduce_scatter_tensor",
             "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "all_reduce",
@@ -54,48 +54,38 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 
 
 def _peer_bytes(name: str, args: tuple, kwargs: dict, ranks: list[int], me: int) -> list[int]:
-    """Bytes this rank sends to each group member (index = group rank) for one call."""
+    """Bytes this rank sends to each group member (index = group rank) for one call: reads the
+    message sizes off the call's arguments; the per-collective rules are zeropp.comm.stats.peer_bytes."""
     g = len(ranks)
-    out = [0] * g
     if g <= 1:
-        return out
+        return [0] * g
+    kind, nbytes, splits, root = _kind(name), 0, None, None
     if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
-        b = _nbytes(_arg(args, kwargs, 1, "input_tensor"))
-        out = [b] * g
+        nbytes = _nbytes(_arg(args, kwargs, 1, "input_tensor"))
     elif name == "all_gather":
-        b = _nbytes(_arg(args, kwargs, 1, "tensor"))
-        out = [b] * g
+        nbytes = _nbytes(_arg(args, kwargs, 1, "tensor"))
     elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
-        b = _nbytes(_arg(args, kwargs, 1, "input")) // g
-        out = [b] * g
+        nbytes = _nbytes(_arg(args, kwargs, 1, "input"))
     elif name == "reduce_scatter":
-        lst = _arg(args, kwargs, 1, "input_list") or []
-        out = [_nbytes(t) for t in lst][:g] + [0] * max(0, g - len(lst))
+        splits = [_nbytes(t) for t in (_arg(args, kwargs, 1, "input_list") or [])]
     elif name == "all_reduce":
-        b = _nbytes(_arg(args, kwargs, 0, "tensor"))
-        out = [2 * b // g] * g
+        nbytes = _nbytes(_arg(args, kwargs, 0, "tensor"))
     elif name == "all_to_all_single":
         inp = _arg(args, kwargs, 1, "input")
-        splits = _arg(args, kwargs, 3, "input_split_sizes")
-        total = _nbytes(inp)
-        if splits:
-            per_row = total // max(1, inp.shape[0]) if inp is not None and inp.dim() else 0
-            out = [int(s) * per_row for s in splits]
-        else:
-            out = [total // g] * g
+        in_splits = _arg(args, kwargs, 3, "input_split_sizes")
+        nbytes = _nbytes(inp)
+        if in_splits:
+            per_row = nbytes // max(1, inp.shape[0]) if inp is not None and inp.dim() else 0
+            splits = [int(s) * per_row for s in in_splits]
     elif name == "all_to_all":
-        lst = _arg(args, kwargs, 1, "input_tensor_list") or []
-        out = [_nbytes(t) for t in lst][:g] + [0] * max(0, g - len(lst))
-    elif name in ("broadcast", "scatter"):
-        src = _arg(args, kwargs, 1 if name == "broadcast" else 2, "src", 0)
-        if src == ranks[me]:
-            out = [_nbytes(_arg(args, kwargs, 0, "tensor"))] * g
-    elif name in ("reduce", "gather"):
-        dst = _arg(args, kwargs, 1 if name == "reduce" else 2, "dst", 0)
-        if dst != ranks[me] and dst in ranks:
-            out[ranks.index(dst)] = _nbytes(_arg(args, kwargs, 0, "tensor"))
-    out[me] = 0
-    return out
+        splits = [_nbytes(t) for t in (_arg(args, kwargs, 1, "input_tensor_list") or [])]
+    elif name in ("broadcast", "scatter", "reduce", "gather"):
+        nbytes = _nbytes(_arg(args, kwargs, 0, "tensor"))
+        src = _arg(args, kwargs, 1 if name in ("broadcast", "reduce") else 2, "dst" if name in ("reduce", "gather") else "src", 0)
+        if src not in ranks:
+            return [0] * g
+        root = ranks.index(src)
+    return peer_bytes(kind, nbytes, g, splits=splits, rank=me, root=root)
 
 
 def _kind(name: str) -> str:

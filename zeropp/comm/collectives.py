@@ -32,7 +32,7 @@ from .backend import (
     unpack,
     wire_row_bytes,
 )
-from .stats import CommStats, get_comm_stats, group_ranks, record_sends
+from .stats import CommStats, get_comm_stats, group_ranks, peer_bytes, record_sends
 from .topology import Topology, resolve_topology
 
 ReduceOp = dist.ReduceOp
@@ -83,7 +83,7 @@ def quantized_all_gather(
 
     if is_plain(bits):
         inp = input_tensor.reshape(-1)
-        record_sends(stats, kind, topo, ranks, inp.numel() * inp.element_size())
+        record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", inp.numel() * inp.element_size(), len(ranks)))
         if output_tensor.dtype == inp.dtype:
             work = backend_all_gather(output_tensor.view(-1), inp, group, async_op)
             return finish_or_handle([work], None, async_op)
@@ -95,7 +95,7 @@ def quantized_all_gather(
     send = pack(q).view(-1)  # [B] = codes + scales of my shard
     B = wire_row_bytes(n, bits, gs)
     recv = torch.empty(W * B, dtype=torch.uint8, device=send.device)
-    record_sends(stats, kind, topo, ranks, B)
+    record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", B, len(ranks)))
     work = backend_all_gather(recv, send, group, async_op)
 
     def finish() -> None:
@@ -186,7 +186,7 @@ def _plain_reduce_scatter(
 ) -> Optional[CommHandle]:
     """Backend reduce-scatter; converts dtypes through a temporary and emulates PREMUL_SUM on gloo."""
     W = len(ranks)
-    record_sends(stats, kind, topo, ranks, inp.numel() // W * inp.element_size())
+    record_sends(stats, kind, topo, ranks, peer_bytes("reduce_scatter", inp.numel() * inp.element_size(), W))
     src = inp.view(-1)
     if op_name == "premul_sum" and dist.get_backend(group) == "gloo":  # gloo has no PREMUL_SUM
         src, op = src * factor, ReduceOp.SUM
@@ -215,7 +215,7 @@ def all_reduce(
     stats = stats if stats is not None else _default_stats()
     stats.count_call(kind)
     W = len(ranks)
-    record_sends(stats, kind, topo, ranks, 2 * tensor.numel() * tensor.element_size() // W)
+    record_sends(stats, kind, topo, ranks, peer_bytes("all_reduce", tensor.numel() * tensor.element_size(), W))
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return finish_or_handle([work], None, async_op)
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize
 from .backend import CommHandle, backend_all_to_all, finish_or_handle, pack, unpack
-from .stats import CommStats, record_sends
+from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
 
 
@@ -186,7 +186,7 @@ def _all_to_all(
     """Equal-split all-to-all of ``send`` ([rows, B], ``rows / len(peers)`` rows per member, in
     member order) over ``group`` (members = the global ``peers``), accounted per peer."""
     recv = torch.empty_like(send)
-    record_sends(stats, kind, topo, peers, send.numel() // len(peers))
+    record_sends(stats, kind, topo, peers, peer_bytes("all_to_all", send.numel() * send.element_size(), len(peers)))
     return recv, backend_all_to_all(recv, send, group, async_op)
 
 

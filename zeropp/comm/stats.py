@@ -11,6 +11,12 @@ Convention (per rank, per call; counted from the tensors actually passed to the 
 - all-reduce (plain): a reduce-scatter followed by an all-gather of the reduced chunk, i.e.
   ``2 * nbytes / group_size`` to each other member.
 
+- broadcast / scatter: the whole message to each other member, from the root only;
+- reduce / gather: my message to the root, from each non-root member.
+
+:func:`peer_bytes` turns one call into these per-member amounts; zeropp's collectives and
+``experiments/commwatch.py`` both use it, so the rules live in one place.
+
 Each per-peer amount is classified ``"intra"`` if the peer is on this rank's node under the
 topology in use, ``"cross"`` otherwise. Self-sends are never counted, so a one-rank group
 records nothing. Only this rank's sends are recorded: sum over ranks for the world's traffic.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -126,3 +132,50 @@ def record_sends(
         stats.record(kind, "intra", intra)
     if cross:
         stats.record(kind, "cross", cross)
+
+
+PEER_BYTES_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter", "reduce", "gather")
+
+
+def peer_bytes(kind: str, nbytes: int, group_size: int, *, splits: Optional[Sequence[int]] = None,
+               rank: Optional[int] = None, root: Optional[int] = None) -> list[int]:
+    """Bytes this rank sends to each group member (index = group rank) for one collective call,
+    under the module's convention. Feed the result to :func:`record_sends` (which drops self).
+
+    ``nbytes``: all_gather -- my contribution; reduce_scatter / all_reduce / all_to_all -- my whole
+    input buffer; broadcast / scatter / reduce / gather -- the message. ``splits``: per-member bytes
+    for an uneven all_to_all or a list-input reduce_scatter (padded with 0 / cut to ``group_size``;
+    ``nbytes`` is then ignored). ``rank`` / ``root``: my group rank and the root's, required for
+    broadcast, scatter, reduce and gather (``root`` outside the group sends nothing). When
+    ``rank`` is given its own entry is 0. A group of one sends nothing.
+    """
+    if kind not in PEER_BYTES_KINDS:
+        raise ValueError(f"peer_bytes: kind must be one of {PEER_BYTES_KINDS}, got {kind!r}")
+    g = int(group_size)
+    if g < 0:
+        raise ValueError(f"peer_bytes: group_size must be >= 0, got {group_size}")
+    if nbytes < 0:
+        raise ValueError(f"peer_bytes: nbytes must be >= 0, got {nbytes}")
+    if g <= 1:
+        return [0] * g
+    if kind in ("broadcast", "scatter", "reduce", "gather") and (rank is None or root is None):
+        raise ValueError(f"peer_bytes: kind {kind!r} needs rank= and root= (group ranks of this rank and the root)")
+    nbytes = int(nbytes)
+    if splits is not None and kind in ("all_to_all", "reduce_scatter"):
+        out = [int(s) for s in splits][:g]
+        out += [0] * (g - len(out))
+    elif kind == "all_gather":
+        out = [nbytes] * g
+    elif kind in ("reduce_scatter", "all_to_all"):
+        out = [nbytes // g] * g
+    elif kind == "all_reduce":
+        out = [2 * nbytes // g] * g
+    elif kind in ("broadcast", "scatter"):
+        out = [nbytes] * g if rank == root else [0] * g
+    else:  # reduce, gather
+        out = [0] * g
+        if rank != root and 0 <= root < g:
+            out[root] = nbytes
+    if rank is not None and 0 <= rank < g:
+        out[rank] = 0
+    return out

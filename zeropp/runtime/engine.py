@@ -5,7 +5,16 @@ Life of a step (``grad_accum_steps`` micro-batches):
 1. forward + backward of each micro-batch. Stage 3 gathers blocks on demand (``stage3.py``).
    Stages 2 and 3 reduce-scatter a block's gradient as soon as the last of its parameters has
    its gradient (post-accumulate-grad hooks), *on every micro-step*, and add the result into a
-   sharded gradient buffer, so full gradients never outlive one block's backward. Stages 0 and 1
+   sharded gradient buffer, so full gradients never outlive one block's backward. The
+   reduce-scatters are issued in one fixed order on every rank (blocks last to first, then the
+   root): a unit that is ready early waits for the units before it, and at the end of backward
+   the units that got no (or partial) gradient are sent with zeros for the missing parts. So a
+   parameter or block that is unused on some ranks only still gets the right averaged gradient,
+   instead of the ranks' collectives pairing up out of order. At stage 3 the waiting units are
+   also sent when the backward of the block before them starts (the point where they can get no
+   more gradient), so each reduce-scatter sits at the same place among the backward gathers on
+   every rank. (Stage 3 also requires every rank to run the same blocks in forward; it checks
+   that, see ``stage3.py``.) Stages 0 and 1
    let autograd accumulate full gradients locally and reduce once after the last micro-step
    (all-reduce at stage 0, reduce-scatter at stage 1), which is what their memory budget allows.
 2. gradients -> fp32 (unscaled for fp16), global norm over all shards (one scalar all-reduce,
@@ -127,6 +136,12 @@ class ZeroEngine:
                             for u in self.units if self._reduces_when_ready(u) for p in u.params]
         self.stage3 = Stage3Hooks(self) if cfg.stage == 3 else None
         self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []
+        # the one order in which every rank issues the gradient reduce-scatters (backward order)
+        order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
+        order += [u for u in self.units if u not in order]
+        self._reduce_order = [u for u in order if self._reduces_when_ready(u)]
+        self._reduce_pos = {id(u): k for k, u in enumerate(self._reduce_order)}
+        self._next_reduce = 0
         self._loss_scale = cfg.loss_scale_init if cfg.precision == "fp16" else 1.0
         self._good_steps = 0
         self._last_memory: dict[str, int] | None = None
@@ -146,7 +161,11 @@ class ZeroEngine:
         for j, (idx, targets) in enumerate(micro_batches):
             for u in self.units:
                 u.grads_ready, u.reduced = 0, False
+                u.extra["ready"] = False
+            self._next_reduce = 0
             _, loss = self.model(idx, targets)
+            if self.stage3 is not None:
+                self.stage3.check_forward()  # same blocks ran on every rank, else a clear error everywhere
             if loss is None:
                 raise ValueError("the model returned no loss; call it with targets")
             loss_sum += float(loss.detach())
@@ -208,11 +227,38 @@ class ZeroEngine:
         return self.cfg.stage >= 2 and u.kind != "replicated"
 
     def _grad_hook(self, u: FlatUnit):
-        def hook(_p: torch.Tensor) -> None:
+        def hook(p: torch.Tensor) -> None:
+            if u.reduced:
+                name = next((s.name for s in u.slots if s.param is p), "a parameter")
+                raise RuntimeError(
+                    f"the gradient of {name} ({u.name}) arrived after {u.name}'s gradient was sent: at stage 3 a "
+                    f"block's parameters must get their gradients before the backward of the block before it "
+                    f"starts (do not use a block's parameters in another block)")
             u.grads_ready += 1
             if u.grads_ready == len(u.slots):
-                self._reduce_unit(u)
+                u.extra["ready"] = True
+                self._issue_ready()
         return hook
+
+    def _issue_ready(self) -> None:
+        """Send the ready units that are next in the fixed order (the same order on every rank)."""
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].extra.get("ready"):
+            self._reduce_unit(order[self._next_reduce])
+            self._next_reduce += 1
+
+    def flush_reductions_before(self, u: FlatUnit) -> None:
+        """Stage 3, when ``u``'s backward starts: the units before ``u`` in the fixed order (the
+        blocks after it) have had all the gradient they will get in this micro-step, so send the
+        ones still waiting (a parameter unused on this rank only) now, in order. Every rank thus
+        issues each reduce-scatter at the same point relative to the backward gathers."""
+        pos = self._reduce_pos.get(id(u))
+        if pos is None:
+            return
+        order = self._reduce_order
+        while self._next_reduce < pos:
+            self._reduce_unit(order[self._next_reduce])
+            self._next_reduce += 1
 
     def _qgz(self) -> dict:
         c = self.cfg
@@ -232,9 +278,11 @@ class ZeroEngine:
         self._pending.append((work, u, out))
 
     def _after_backward(self, last: bool) -> None:
-        for u in self.units:  # units some of whose parameters got no gradient this micro-step
-            if self._reduces_when_ready(u) and not u.reduced:
-                self._reduce_unit(u)
+        # the rest of the fixed order: units some of whose parameters got no gradient this
+        # micro-step (on this rank) are sent with zeros there, so every rank sends every unit
+        for u in self._reduce_order[self._next_reduce:]:
+            self._reduce_unit(u)
+        self._next_reduce = len(self._reduce_order)
         for work, u, out in self._pending:
             work.wait()
             u.grad_shard.add_(out)

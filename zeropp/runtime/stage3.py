@@ -15,6 +15,14 @@ and gathered again (hpZ: inside the node) when the gradient reaches the model's 
 stays until its last gradient (the embeddings') is reduced. Every parameter is therefore
 gathered twice per micro-step, as in ZeRO-3's 3M accounting. Under ``torch.no_grad()`` nothing
 is wrapped and no secondary copy is made, so evaluation needs no gradient bookkeeping.
+
+Blocks a rank skips: the forward gathers are issued in block order whatever the model runs (a
+block's pre-hook first issues the gathers of any earlier block not gathered yet in this forward,
+and the end of forward those of the blocks after the last one run), so every rank issues the
+same gathers. In training, :meth:`Stage3Hooks.check_forward` then compares, with one small
+all-reduce, which blocks ran on each rank; if a block ran on some ranks but not others, every
+rank raises a ``RuntimeError`` naming the block and the ranks before any backward collective
+(whose order would otherwise differ between the ranks and hang or mix up buffers).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .partition import FlatUnit
 
@@ -53,6 +62,8 @@ class Stage3Hooks:
         self.e = engine
         self.units: list[FlatUnit] = [u for _, u in engine.blocks]
         self.depth = engine.cfg.prefetch_depth
+        self.ran = [False] * len(self.units)  # blocks whose forward ran in the current forward
+        self._next_fwd = 0  # blocks before this index have had their forward gather issued
         m = engine.model
         self.handles = [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
         for i, (blk, _) in enumerate(engine.blocks):
@@ -113,18 +124,53 @@ class Stage3Hooks:
     def _unit(self, i: int) -> FlatUnit | None:
         return self.e.root if i == ROOT else self.units[i]
 
+    def _catch_up(self, end: int) -> None:
+        """Issue the forward gathers of blocks ``< end`` not issued yet, in block order, so that a
+        rank that skips a block still issues the same gathers as the ranks that run it."""
+        for j in range(self._next_fwd, end):
+            self.gather(self.units[j], backward=False)
+        self._next_fwd = max(self._next_fwd, end)
+
+    def check_forward(self) -> None:
+        """Collective (training only): raise on every rank unless every rank ran the same blocks."""
+        n = len(self.units)
+        if n == 0 or self.e.world_size == 1:
+            return
+        ran = torch.tensor([int(x) for x in self.ran], dtype=torch.int32, device=self.e.device)
+        dist.all_reduce(ran)  # per block: how many ranks ran it
+        bad = [i for i, c in enumerate(ran.tolist()) if c not in (0, self.e.world_size)]
+        if not bad:
+            return
+        runs: list = [None] * self.e.world_size
+        dist.all_gather_object(runs, list(self.ran))
+        self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
+        what = "; ".join(f"{self.units[i].name} ran on ranks {[r for r in range(len(runs)) if runs[r][i]]} but not on "
+                         f"{[r for r in range(len(runs)) if not runs[r][i]]}" for i in bad)
+        raise RuntimeError(
+            f"ZeRO stage 3 needs every rank to run the same blocks in each forward: {what}. Their gradient "
+            f"reduce-scatters and backward gathers would be issued in different orders on different ranks. Make "
+            f"the forward run every block on every rank (e.g. multiply a block's output by a 0/1 gate instead of "
+            f"skipping it), freeze the parameters of blocks that may be skipped (requires_grad=False), or use "
+            f"stage 2, which handles rank-dependent unused parameters")
+
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self.ran = [False] * len(self.units)
+        self._next_fwd = 0
         if self.e.root is not None:
             self.ensure_ready(self.e.root, backward=False)
         self._prefetch(range(0, self.depth), backward=False)
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        self._catch_up(len(self.units))
         if self.e.root is None:
             return output
         return self._post(ROOT, module, args, output)
 
     def _pre(self, i: int, module: torch.nn.Module, args: Any) -> None:
+        self.ran[i] = True
+        self._catch_up(i)
         self.ensure_ready(self.units[i], backward=False)
+        self._next_fwd = max(self._next_fwd, i + 1)
         self._prefetch(range(i + 1, i + 1 + self.depth), backward=False)
 
     def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -151,6 +197,8 @@ class Stage3Hooks:
 
     def pre_backward(self, i: int) -> None:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
+        if i != ROOT:
+            self.e.flush_reductions_before(self.units[i])  # blocks after i are done: send what waits
         self.ensure_ready(self._unit(i), backward=True)
         start = len(self.units) - 1 if i == ROOT else i - 1
         self._prefetch(range(start, start - self.depth, -1), backward=True)
