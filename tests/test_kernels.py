@@ -25,14 +25,7 @@ from zeropp.kernels import (
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tensors are small: on the shared 2-core machine intra-op threads only add waiting
-    (a parallel region waits for its slowest, often descheduled, thread). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def gaussian(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

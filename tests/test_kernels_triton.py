@@ -20,7 +20,10 @@ from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequanti
 from zeropp.kernels._triton import HAS_TRITON
 from zeropp.kernels.reference import philox_uniform
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (shape, rows): a lone element, less than a block, one row of 17*257, and 17 rows of 257
@@ -28,16 +31,6 @@ SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 1), ((17, 257), 17)]
 # 2: many blocks per tile and >1 tile per row; 64: does not divide 257; 100: not a power of two;
 # 2048: one block larger than the whole row
 GROUP_SIZES = [2, 64, 100, 2048]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tensors are small: on the shared 2-core machine intra-op threads only add waiting
-    (a parallel region waits for its slowest, often descheduled, thread). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def data(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
