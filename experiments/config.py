@@ -50,6 +50,8 @@ class ZeroSection:
     """qwZ: bits of the stage-3 weight all-gather (8, 4), None for full precision."""
     qwz_group_size: int | None = None
     """Elements per weight scale block; None: kernel default (512)."""
+    qwz_stochastic: bool = False
+    """Round the qwZ weight gather stochastically (unbiased) instead of to nearest; needs qwz_bits."""
     hpz: bool = False
     """hpZ: secondary intra-node weight shard, so the backward all-gather stays inside the node."""
     hpz_size: int | None = None
@@ -62,6 +64,8 @@ class ZeroSection:
     """Elements per gradient scale block; None: kernel default (128)."""
     qgz_error_feedback: bool = False
     """Carry each gradient reduce-scatter's quantization error into the next one."""
+    qgz_stochastic: bool = False
+    """Round qgZ's gradient quantizations stochastically (unbiased) instead of to nearest; needs qgz_bits."""
     reduce_bucket_size: int = 500_000_000
     """Most elements one gradient collective moves."""
     allgather_bucket_size: int = 500_000_000
@@ -73,8 +77,11 @@ class ZeroSection:
         _check(self.stage in (0, 1, 2, 3), "stage", self.stage, "0, 1, 2, 3")
         for name in ("qwz_bits", "qgz_bits", "qgz_intra_bits"):
             _bits(f"zero.{name}", getattr(self, name))
-        for name in ("hpz", "qgz_error_feedback"):
+        for name in ("hpz", "qgz_error_feedback", "qwz_stochastic", "qgz_stochastic"):
             _check(isinstance(getattr(self, name), bool), f"zero.{name}", getattr(self, name), "true, false")
+        for name, bits in (("qwz_stochastic", "qwz_bits"), ("qgz_stochastic", "qgz_bits")):
+            _check(not getattr(self, name) or getattr(self, bits) is not None, f"zero.{name}", getattr(self, name),
+                   f"false unless zero.{bits} is set (it rounds quantized values; e.g. quant=zeropp)")
         for name in ("qwz_group_size", "qgz_group_size", "hpz_size"):
             v = getattr(self, name)
             if v is not None:
@@ -95,10 +102,11 @@ class ZeroSection:
         """
         eff = self
         if self.stage < 3:
-            eff = dataclasses.replace(eff, qwz_bits=None, qwz_group_size=None, hpz=False, hpz_size=None)
+            eff = dataclasses.replace(eff, qwz_bits=None, qwz_group_size=None, qwz_stochastic=False, hpz=False,
+                                      hpz_size=None)
         if self.stage == 0:
             eff = dataclasses.replace(eff, qgz_bits=None, qgz_intra_bits=None, qgz_group_size=None,
-                                      qgz_error_feedback=False)
+                                      qgz_error_feedback=False, qgz_stochastic=False)
         return eff
 
     @property

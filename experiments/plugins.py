@@ -23,7 +23,8 @@ def install_fsdp_comms(model: nn.Module, cfg: RunConfig, topology: Any) -> Any:
     stats = CommStats()
     apply_zeropp_comms(model, weight_bits=z.qwz_bits, grad_bits=z.qgz_bits, intra_grad_bits=z.qgz_intra_bits,
                        weight_group_size=z.qwz_group_size, grad_group_size=z.qgz_group_size,
-                       topology=topology, stats=stats, error_feedback=z.qgz_error_feedback)
+                       topology=topology, stats=stats, error_feedback=z.qgz_error_feedback,
+                       weight_stochastic=z.qwz_stochastic, grad_stochastic=z.qgz_stochastic)
     return stats
 
 
@@ -35,6 +36,7 @@ def install_ddp_hook(ddp: nn.Module, cfg: RunConfig, topology: Any) -> Any:
     z = cfg.zero
     stats = CommStats()
     state = QuantizedAllReduceState(bits=z.qgz_bits, intra_bits=z.qgz_intra_bits, group_size=z.qgz_group_size,
-                                    topology=topology, stats=stats, error_feedback=z.qgz_error_feedback)
+                                    topology=topology, stats=stats, error_feedback=z.qgz_error_feedback,
+                                    stochastic=z.qgz_stochastic)
     ddp.register_comm_hook(state, quantized_allreduce_hook)  # type: ignore[operator]
     return stats

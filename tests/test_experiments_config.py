@@ -109,3 +109,28 @@ def test_omegaconf_entry() -> None:
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         rc = from_omegaconf(compose("config", overrides=["trainer=fsdp2"]))
     assert rc.trainer.name == "fsdp2"
+
+
+def test_stochastic_rounding_keys() -> None:
+    """zero.qwz_stochastic / zero.qgz_stochastic reach zeropp.runtime.ZeroConfig; they need their bits,
+    and a stage that drops a switch drops its stochastic flag with it."""
+    from zeropp.experiments.trainers import zero_config
+
+    check_overrides(["zero.qwz_stochastic=true", "zero.qgz_stochastic=true"])
+    assert (from_dict(_cfg()).zero.qwz_stochastic, from_dict(_cfg()).zero.qgz_stochastic) == (False, False)
+    rc = from_dict(_cfg("quant=zeropp", "zero.qwz_stochastic=true", "zero.qgz_stochastic=true"))
+    check_zero_runtime(rc)
+    zc = zero_config(rc)
+    assert (zc.qwz_stochastic, zc.qgz_stochastic, zc.qwz_bits, zc.qgz_bits) == (True, True, 8, 4)
+    rc = from_dict(_cfg("stage=2", "quant=zeropp", "zero.qwz_stochastic=true", "zero.qgz_stochastic=true"))
+    check_zero_runtime(rc)  # qwZ (and its flag) is off below stage 3
+    assert (rc.zero.effective().qwz_stochastic, rc.zero.effective().qgz_stochastic) == (False, True)
+    for overrides, key in ((["quant=none", "zero.qwz_stochastic=true"], "zero.qwz_stochastic"),
+                           (["quant=int8", "zero.qgz_stochastic=true"], "zero.qgz_stochastic")):
+        with pytest.raises(ConfigError, match=key + r"=True.*" + key.replace("stochastic", "bits")):
+            from_dict(_cfg(*overrides))
+    with pytest.raises(ConfigError, match=r"zero\.qgz_stochastic=2.*true, false"):
+        from_dict(_cfg("quant=zeropp", "zero.qgz_stochastic=2"))
+    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "qwz_stochastic: false" in p.stdout and "qgz_stochastic: false" in p.stdout, p.stderr

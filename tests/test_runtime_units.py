@@ -26,6 +26,9 @@ from zeropp.runtime.partition import build_units
     (dict(prefetch_depth=-1), "prefetch_depth must be >= 0"),
     (dict(stage=3, qgz_bits=4, qgz_group_size=127), "qgz_group_size=127 is odd"),
     (dict(stage=3, qwz_bits=8, qwz_group_size=0), "qwz_group_size must be a positive int"),
+    (dict(stage=3, qwz_stochastic=True), "qwz_stochastic=True.*qwz_bits=None"),
+    (dict(stage=3, qwz_bits=8, qgz_stochastic=True), "qgz_stochastic=True.*set qgz_bits"),
+    (dict(stage=3, qgz_bits=4, qgz_stochastic=1), "qgz_stochastic must be True or False"),
 ])
 def test_bad_configs_raise_with_a_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):

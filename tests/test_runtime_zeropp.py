@@ -26,6 +26,7 @@ SWITCHES = {
     "qgz4_ef": dict(S3, qgz_bits=4, qgz_error_feedback=True),
     "qgz_8_4": dict(S3, qgz_bits=4, qgz_intra_bits=8),
     "all": dict(S3, qwz_bits=8, hpz=True, qgz_bits=4, grad_accum_steps=2),
+    "stochastic": dict(S3, qwz_bits=8, qgz_bits=4, qwz_stochastic=True, qgz_stochastic=True),  # unbiased rounding
     "s2_qgz4": dict(stage=2, qgz_bits=4),
     "s1_qgz8": dict(stage=1, qgz_bits=8),
     "bf16_z3": dict(S3, precision="bf16"),
@@ -37,8 +38,13 @@ MEMORY = {f"mem{s}": dict(stage=s, precision="bf16") for s in (0, 1, 2)}
 
 
 def _world(rank, world):
-    out = {name: train_engine(rank, world, kw, steps=STEPS, nodes=2, lr=LR, text=True, consolidate=False)
-           for name, kw in SWITCHES.items()}
+    from zeropp.comm import stochastic_calls
+
+    out = {}
+    for name, kw in SWITCHES.items():
+        before = stochastic_calls()
+        out[name] = train_engine(rank, world, kw, steps=STEPS, nodes=2, lr=LR, text=True, consolidate=False)
+        out[name]["stochastic_calls"] = stochastic_calls() - before
     out.update({name: train_engine(rank, world, kw, steps=1, nodes=2, lr=LR, text=True, consolidate=False)
                 for name, kw in MEMORY.items()})
     return out
@@ -60,6 +66,15 @@ def test_each_switch_and_all_together_track_the_unquantized_loss(runs):
         tol = TOLS.get(name, TOL_4BIT)
         for step, (a, b) in enumerate(zip(runs[name]["losses"], base)):
             assert abs(a - b) <= tol * b, (name, step, runs[name]["losses"], base)
+
+
+def test_stochastic_rounding_reaches_every_quantized_collective(runs):
+    """qwz_stochastic / qgz_stochastic: every quantized gather and reduce-scatter of the engine
+    takes a stochastic call index (the seed rule's counter); the other switches take none."""
+    r = runs["stochastic"]
+    quantized = sum(r["calls"].get(k, 0) for k in ("fwd_all_gather", "bwd_all_gather", "grad_reduce_scatter"))
+    assert r["stochastic_calls"] == quantized > 0, (r["stochastic_calls"], r["calls"])
+    assert all(runs[name]["stochastic_calls"] == 0 for name in SWITCHES if name != "stochastic")
 
 
 def test_each_switch_keeps_the_gradient_scale(runs):

@@ -10,6 +10,7 @@ from .backend import CommHandle
 from .collectives import all_reduce, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 from .qgz import ErrorFeedback
 from .stats import CommStats, get_comm_stats
+from .stochastic import reset_stochastic_calls, stochastic_calls, stochastic_seed
 from .topology import Topology, TopologyGroups, get_topology, set_topology
 
 __all__ = [
@@ -25,5 +26,8 @@ __all__ = [
     "quantized_all_gather",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
+    "reset_stochastic_calls",
     "set_topology",
+    "stochastic_calls",
+    "stochastic_seed",
 ]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE, dequantize, quantize
-from . import qgz
+from . import qgz, stochastic as sr
 from .backend import (
     CommHandle,
     ReduceOpLike,
@@ -49,6 +49,8 @@ def quantized_all_gather(
     stats: Optional[CommStats] = None,
     kind: str = "all_gather",
     async_op: bool = False,
+    stochastic: bool = False,
+    seed: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """qwZ: gather every member's shard into ``output_tensor`` ([W * n], member order).
 
@@ -57,8 +59,15 @@ def quantized_all_gather(
     and the result is dequantized into ``output_tensor``, whose dtype sets the output precision.
     The input is read (quantized) before the output is written, so the input may be a view into
     the output, as FSDP2 passes it. Plain (bits None/16/32): the backend all-gather.
+
+    ``stochastic=True`` rounds stochastically (unbiased: the expected dequantized shard is the
+    shard). Each such call takes the next index of a per-process counter and quantizes with
+    the kernel seed ``stochastic_seed(seed, global rank, call index, 0)`` (``zeropp.comm.stochastic``;
+    ``seed`` None = 0, else an int in [0, 2**63)): different noise on every rank and every call,
+    reproducible for a given (seed, rank, call index). Ignored (no index taken) when plain.
     """
     check_bits_arg(bits)
+    base_seed = sr.check_base_seed(seed)
     gs = DEFAULT_WEIGHT_GROUP_SIZE if group_size is None else group_size
     check_group_size_arg(gs, [bits])
     topo = resolve_topology(topology)
@@ -78,6 +87,7 @@ def quantized_all_gather(
         check_float(output_tensor, "all-gather output")
     stats = stats if stats is not None else _default_stats()
     stats.count_call(kind)
+    kseed = sr.stochastic_seed(base_seed, dist.get_rank(), sr.next_call()) if stochastic and not is_plain(bits) else 0
     if n == 0:
         return finish_or_handle([], None, async_op)
 
@@ -91,7 +101,7 @@ def quantized_all_gather(
         work = backend_all_gather(tmp, inp.contiguous(), group, async_op)
         return finish_or_handle([work], lambda: output_tensor.view(-1).copy_(tmp), async_op)
 
-    q = quantize(input_tensor.reshape(-1), bits, gs, rows=1)  # reads the input before any write
+    q = quantize(input_tensor.reshape(-1), bits, gs, rows=1, stochastic=bool(stochastic), seed=kseed)  # reads input first
     send = pack(q).view(-1)  # [B] = codes + scales of my shard
     B = wire_row_bytes(n, bits, gs)
     recv = torch.empty(W * B, dtype=torch.uint8, device=send.device)
@@ -119,6 +129,8 @@ def quantized_reduce_scatter(
     stats: Optional[CommStats] = None,
     kind: str = "reduce_scatter",
     async_op: bool = False,
+    stochastic: bool = False,
+    seed: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """qgZ: reduce ``input_tensor`` ([W * n], W chunks) over the group; member ``j`` gets chunk ``j``
     (summed, or averaged over all W members for AVG; PREMUL_SUM(f) sums ``f * x``) in
@@ -131,8 +143,15 @@ def quantized_reduce_scatter(
     pass an :class:`ErrorFeedback` and a ``feedback_key`` per bucket (see ``qgz.py``).
     Plain (bits None/16/32): the backend reduce-scatter (PREMUL_SUM emulated on gloo); error
     feedback does not apply there (nothing is rounded away).
+
+    ``stochastic=True`` rounds every quantization stochastically (unbiased). The call takes the
+    next index of the per-process counter shared with :func:`quantized_all_gather`; this rank's
+    first quantization uses the kernel seed ``stochastic_seed(seed, global rank, call index, 0)``,
+    the hierarchical re-quantization ``stochastic_seed(..., 1)`` (``zeropp.comm.stochastic``).
+    Ignored (no index taken) when plain.
     """
     intra_bits = resolve_intra_bits(bits, intra_bits)
+    base_seed = sr.check_base_seed(seed)
     gs = DEFAULT_GRAD_GROUP_SIZE if group_size is None else group_size
     plain = is_plain(bits)
     if not plain:
@@ -164,11 +183,16 @@ def quantized_reduce_scatter(
     if error_feedback is not None and not isinstance(error_feedback, qgz.ErrorFeedback):
         raise TypeError(f"error_feedback must be a zeropp.comm.ErrorFeedback, got {type(error_feedback).__name__}")
     stats.count_call(kind)
+    seeds = None
+    if stochastic:
+        me, call = dist.get_rank(), sr.next_call()
+        seeds = (sr.stochastic_seed(base_seed, me, call, 0), sr.stochastic_seed(base_seed, me, call, 1))
     if n == 0:
         return finish_or_handle([], None, async_op)
     post_scale = factor / W if op_name == "avg" else factor
     plan = qgz.QgzPlan(topo, ranks, n, bits, intra_bits, gs)
-    return qgz.run(plan, output_tensor, input_tensor, post_scale, group, error_feedback, feedback_key, stats, kind, async_op)
+    return qgz.run(plan, output_tensor, input_tensor, post_scale, group, error_feedback, feedback_key, stats, kind,
+                   async_op, seeds)
 
 
 def _plain_reduce_scatter(
@@ -235,10 +259,14 @@ def quantized_all_reduce(
     feedback_key: str = "default",
     stats: Optional[CommStats] = None,
     kind: str = "all_reduce",
+    stochastic: bool = False,
+    seed: Optional[int] = None,
 ) -> torch.Tensor:
     """In-place all-reduce of any-size ``tensor`` as a (quantized) reduce-scatter of the
     zero-padded flat tensor followed by a (``gather_bits``-quantized, default plain) all-gather.
-    Synchronous; returns ``tensor``. Both halves are recorded under ``kind``."""
+    Synchronous; returns ``tensor``. Both halves are recorded under ``kind``. ``stochastic`` /
+    ``seed`` apply to both halves (each quantized half takes its own call index)."""
+    sr.check_base_seed(seed)
     ranks = group_ranks(group)
     W, numel = len(ranks), tensor.numel()
     n = -(-numel // W)  # ceil: chunk per rank
@@ -248,9 +276,10 @@ def quantized_all_reduce(
     quantized_reduce_scatter(
         chunk, flat, op, group, bits=bits, intra_bits=intra_bits, group_size=group_size, topology=topology,
         error_feedback=error_feedback, feedback_key=feedback_key, stats=stats, kind=kind,
+        stochastic=stochastic, seed=seed,
     )
     quantized_all_gather(flat, chunk, group, bits=gather_bits, group_size=gather_group_size,
-                         topology=topology, stats=stats, kind=kind)
+                         topology=topology, stats=stats, kind=kind, stochastic=stochastic, seed=seed)
     tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     return tensor
 

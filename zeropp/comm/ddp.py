@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .backend import check_bits_arg, resolve_intra_bits
 from .collectives import quantized_all_reduce
 from .qgz import ErrorFeedback
+from .stochastic import check_base_seed
 from .stats import CommStats
 from .topology import Topology
 
@@ -47,11 +48,16 @@ class QuantizedAllReduceState:
     error_feedback: bool = False
     """Keep each rank's first-hop quantization residual per bucket (LoCo-style)."""
     kind: str = "ddp_all_reduce"
+    stochastic: bool = False
+    """Stochastic (unbiased) rounding in both quantized halves; seed rule: ``quantized_all_gather``."""
+    seed: Optional[int] = None
+    """Base seed of the stochastic rounding (None = 0; an int in [0, 2**63))."""
     feedback: Optional[ErrorFeedback] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         resolve_intra_bits(self.bits, self.intra_bits)  # fail here, not in the first backward
         check_bits_arg(self.gather_bits, "gather_bits")
+        check_base_seed(self.seed)
         if self.error_feedback and self.feedback is None:
             self.feedback = ErrorFeedback()
 
@@ -67,6 +73,7 @@ def quantized_allreduce_hook(
         buf, dist.ReduceOp.AVG, state.group, bits=state.bits, intra_bits=state.intra_bits,
         gather_bits=state.gather_bits, group_size=state.group_size, topology=state.topology,
         error_feedback=state.feedback, feedback_key=key, stats=state.stats, kind=state.kind,
+        stochastic=state.stochastic, seed=state.seed,
     )
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)

@@ -32,6 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from .backend import QUANT_FLOAT_DTYPES, ReduceOpLike, check_bits_arg, resolve_intra_bits
 from .collectives import quantized_all_gather, quantized_reduce_scatter
 from .qgz import ErrorFeedback
+from .stochastic import check_base_seed
 from .stats import CommStats
 from .topology import Topology
 
@@ -44,7 +45,8 @@ class _Alloc:
 
 
 class QuantizedAllGather(_Alloc, AllGather):
-    """qwZ for FSDP2: each rank's flat shard quantized to ``bits`` (None = plain, accounted)."""
+    """qwZ for FSDP2: each rank's flat shard quantized to ``bits`` (None = plain, accounted);
+    ``stochastic=True`` rounds stochastically (seed rule: ``quantized_all_gather``)."""
 
     def __init__(
         self,
@@ -54,9 +56,12 @@ class QuantizedAllGather(_Alloc, AllGather):
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
         kind: str = "fsdp_all_gather",
+        stochastic: bool = False,
+        seed: Optional[int] = None,
     ) -> None:
         check_bits_arg(bits)
         self.bits, self.group_size, self.topology, self.stats, self.kind = bits, group_size, topology, stats, kind
+        self.stochastic, self.seed = bool(stochastic), check_base_seed(seed)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -65,6 +70,7 @@ class QuantizedAllGather(_Alloc, AllGather):
         return quantized_all_gather(
             output_tensor, input_tensor, group, bits=bits, group_size=self.group_size,
             topology=self.topology, stats=self.stats, kind=self.kind, async_op=async_op,
+            stochastic=self.stochastic, seed=self.seed,
         )
 
 
@@ -73,7 +79,8 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
 
     ``error_feedback=True`` keeps this module's residual (one instance per FSDP module, which
     :func:`apply_zeropp_comms` ensures; the bucket is keyed by its size so a changed layout
-    starts a fresh residual instead of failing)."""
+    starts a fresh residual instead of failing). ``stochastic=True`` rounds stochastically (seed
+    rule: ``quantized_reduce_scatter``)."""
 
     def __init__(
         self,
@@ -85,8 +92,11 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         stats: Optional[CommStats] = None,
         error_feedback: bool = False,
         kind: str = "fsdp_reduce_scatter",
+        stochastic: bool = False,
+        seed: Optional[int] = None,
     ) -> None:
         resolve_intra_bits(bits, intra_bits)  # fail here, not in the first backward
+        self.stochastic, self.seed = bool(stochastic), check_base_seed(seed)
         self.bits, self.intra_bits, self.group_size = bits, intra_bits, group_size
         self.topology, self.stats, self.kind = topology, stats, kind
         self.error_feedback = ErrorFeedback() if error_feedback else None
@@ -103,6 +113,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
             output_tensor, input_tensor, op, group, bits=self.bits, intra_bits=self.intra_bits,
             group_size=self.group_size, topology=self.topology, error_feedback=self.error_feedback,
             feedback_key=f"numel{input_tensor.numel()}", stats=self.stats, kind=self.kind, async_op=async_op,
+            stochastic=self.stochastic, seed=self.seed,
         )
 
 
@@ -117,19 +128,26 @@ def apply_zeropp_comms(
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
     error_feedback: bool = False,
+    weight_stochastic: bool = False,
+    grad_stochastic: bool = False,
+    seed: Optional[int] = None,
 ) -> int:
     """Install qwZ / qgZ on every FSDP module of ``model`` (after ``fully_shard``); returns how
-    many modules were set. ``None`` bits keep the plain collective (still byte-accounted)."""
+    many modules were set. ``None`` bits keep the plain collective (still byte-accounted).
+    ``weight_stochastic`` / ``grad_stochastic``: stochastic rounding of the weight gathers /
+    gradient reduce-scatters, base ``seed`` (see ``quantized_all_gather`` for the seed rule)."""
+    check_base_seed(seed)
     count = 0
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_custom_all_gather(
-                QuantizedAllGather(weight_bits, weight_group_size, topology=topology, stats=stats)
+                QuantizedAllGather(weight_bits, weight_group_size, topology=topology, stats=stats,
+                                   stochastic=weight_stochastic, seed=seed)
             )
             m.set_custom_reduce_scatter(
                 QuantizedReduceScatter(
                     grad_bits, intra_grad_bits, grad_group_size, topology=topology, stats=stats,
-                    error_feedback=error_feedback,
+                    error_feedback=error_feedback, stochastic=grad_stochastic, seed=seed,
                 )
             )
             count += 1

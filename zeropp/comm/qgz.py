@@ -127,8 +127,11 @@ def run(
     stats: CommStats,
     kind: str,
     async_op: bool,
+    seeds: Optional[tuple[int, int]] = None,
 ) -> Optional[CommHandle]:
-    """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``)."""
+    """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``). ``seeds``:
+    kernel seeds of the first quantization and of the re-quantization for stochastic rounding
+    (None = round to nearest)."""
     W, n, gs = len(plan.ranks), plan.n, plan.group_size
     topo = plan.topology
     x = inp.view(W, n)  # [W, n] chunk j for member j
@@ -136,7 +139,7 @@ def run(
         x = x.float() + ef.residual(key, W * n, inp.device).view(W, n)
     if not plan.hierarchical:  # one quantized all-to-all over the group, then dequantize-sum
         bits = plan.single_hop_bits
-        send = _quantize_for_send(x, bits, gs, ef, key)  # [W, B]; row j -> member j
+        send = _quantize_for_send(x, bits, gs, ef, key, seed=None if seeds is None else seeds[0])  # [W, B]
         recv, work = _all_to_all(send, plan.ranks, group, topo, stats, kind, async_op)
         return finish_or_handle([work], lambda: _sum_into(recv.unsqueeze(1), n, bits, gs, post_scale, out), async_op)
 
@@ -144,12 +147,16 @@ def run(
     groups = topo.build()
     me = dist.get_rank()
     xs = swizzle(x, nodes, rpn)  # [rpn * nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l
-    send1 = _quantize_for_send(xs, plan.intra_bits, gs, ef, key, lambda r: unswizzle(r, nodes, rpn))  # [W, B1]
+    send1 = _quantize_for_send(xs, plan.intra_bits, gs, ef, key, lambda r: unswizzle(r, nodes, rpn),
+                               seed=None if seeds is None else seeds[0])  # [W, B1]
     recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, async_op)
 
     def finish() -> None:
         q_in = unpack(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs)  # [rpn sources, nodes, *]
-        q2 = dequantize_sum_requantize(q_in, plan.bits, gs)  # [nodes, *]: node sums of my-local chunks
+        if seeds is None:
+            q2 = dequantize_sum_requantize(q_in, plan.bits, gs)  # [nodes, *]: node sums of my-local chunks
+        else:
+            q2 = dequantize_sum_requantize(q_in, plan.bits, gs, stochastic=True, seed=seeds[1])
         send2 = pack(q2)  # [nodes, B2]; row m -> node m
         recv2, _ = _all_to_all(send2, topo.cross_ranks(me), groups.cross, topo, stats, kind, False)
         _sum_into(recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
@@ -164,10 +171,16 @@ def _quantize_for_send(
     ef: Optional[ErrorFeedback],
     key: str,
     to_input_layout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    *,
+    seed: Optional[int] = None,
 ) -> torch.Tensor:
-    """Quantize ``x`` ([rows, n]) row-wise and pack it for the wire ([rows, B] uint8). With error
-    feedback, store what the rounding lost, mapped back to the input's chunk order."""
-    q = quantize(x, bits, gs, rows=x.shape[0])
+    """Quantize ``x`` ([rows, n]) row-wise and pack it for the wire ([rows, B] uint8); a ``seed``
+    selects stochastic rounding with that kernel seed. With error feedback, store what the
+    rounding lost, mapped back to the input's chunk order."""
+    if seed is None:
+        q = quantize(x, bits, gs, rows=x.shape[0])
+    else:
+        q = quantize(x, bits, gs, rows=x.shape[0], stochastic=True, seed=seed)
     if ef is not None:
         r = x.float() - dequantize(q)  # [rows, n]
         ef.store(key, r if to_input_layout is None else to_input_layout(r))

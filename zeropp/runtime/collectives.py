@@ -77,8 +77,10 @@ class EngineComm:
 
     # ------------------------------------------------------------------ all-gather
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, hpz: bool = False, bits: Optional[int] = None,
-                   group_size: Optional[int] = None, bucket: int, kind: str, async_op: bool) -> Pending:
-        """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order)."""
+                   group_size: Optional[int] = None, stochastic: bool = False, bucket: int, kind: str,
+                   async_op: bool) -> Pending:
+        """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order); ``stochastic``
+        rounds a quantized gather stochastically (each chunk is one call of the seed rule)."""
         group, g = self._group(hpz)
         s = shard.numel()
         works: list = []
@@ -89,7 +91,7 @@ class EngineComm:
             dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
             works.append(self._z.quantized_all_gather(
                 dst, shard[a:b], group, bits=bits, group_size=group_size, topology=self.topology,
-                stats=self.stats, kind=kind, async_op=True))
+                stats=self.stats, kind=kind, async_op=True, stochastic=stochastic))
             if not whole:
                 finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
         self.wait_s += time.perf_counter() - t0  # issuing a quantized gather quantizes on this thread
@@ -101,9 +103,10 @@ class EngineComm:
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, bits: Optional[int] = None,
                        intra_bits: Optional[int] = None, group_size: Optional[int] = None,
-                       error_feedback: object = None, key: str = "", bucket: int, kind: str,
-                       async_op: bool) -> Pending:
-        """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S])."""
+                       error_feedback: object = None, key: str = "", stochastic: bool = False, bucket: int,
+                       kind: str, async_op: bool) -> Pending:
+        """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S]);
+        ``stochastic`` rounds a quantized reduce-scatter stochastically."""
         w = self.world_size
         s = out.numel()
         quantized = bits is not None
@@ -115,7 +118,7 @@ class EngineComm:
             kw = {}
             if quantized:
                 kw = dict(intra_bits=intra_bits, group_size=group_size, error_feedback=error_feedback,
-                          feedback_key=f"{key}:{a}")
+                          feedback_key=f"{key}:{a}", stochastic=stochastic)
             works.append(self._z.quantized_reduce_scatter(
                 out[a:b], src, op, None, bits=bits, topology=self.topology,
                 stats=self.stats, kind=kind, async_op=True, **kw))

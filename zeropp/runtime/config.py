@@ -47,6 +47,11 @@ class ZeroConfig:
     qwz_group_size: int | None = None
     """Elements per quantization scale for qwZ; None = kernel default (512)."""
 
+    qwz_stochastic: bool = False
+    """Round the qwZ weight gathers stochastically (unbiased: the expected gathered weight is the
+    weight) instead of to nearest; needs ``qwz_bits``. Noise differs per rank and per call
+    (seed rule: ``zeropp.comm.quantized_all_gather``)."""
+
     hpz: bool = False
     """hpZ: keep a secondary copy of each gathered block partitioned inside the node after the
     forward gather, so backward gathers never leave the node (stage 3 only)."""
@@ -66,6 +71,10 @@ class ZeroConfig:
 
     qgz_error_feedback: bool = False
     """Keep the quantization error of each gradient reduce-scatter and add it to the next one."""
+
+    qgz_stochastic: bool = False
+    """Round every qgZ quantization (both hops) stochastically, so the reduced gradient is unbiased;
+    needs ``qgz_bits``. Seed rule: ``zeropp.comm.quantized_reduce_scatter``."""
 
     reduce_bucket_size: int = 500_000_000
     """Most elements (of the unsharded buffer) one gradient collective moves; a block larger than
@@ -126,6 +135,14 @@ class ZeroConfig:
             )
         if self.qgz_bits is None and (self.qgz_intra_bits is not None or self.qgz_error_feedback):
             raise ValueError("qgz_intra_bits / qgz_error_feedback need qgZ on; set qgz_bits too")
+        for name, bits_name in (("qwz_stochastic", "qwz_bits"), ("qgz_stochastic", "qgz_bits")):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}")
+            if getattr(self, name) and getattr(self, bits_name) is None:
+                raise ValueError(
+                    f"ZeroConfig.{name}=True selects stochastic rounding, but {bits_name}=None quantizes "
+                    f"nothing; set {bits_name} (8 or 4) or {name}=False"
+                )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ZeroConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -262,7 +262,8 @@ class ZeroEngine:
 
     def _qgz(self) -> dict:
         c = self.cfg
-        return dict(bits=c.qgz_bits, intra_bits=c.qgz_intra_bits, group_size=c.qgz_group_size, error_feedback=self._ef)
+        return dict(bits=c.qgz_bits, intra_bits=c.qgz_intra_bits, group_size=c.qgz_group_size, error_feedback=self._ef,
+                    stochastic=c.qgz_stochastic)
 
     def _reduce_unit(self, u: FlatUnit) -> None:
         """Stages 2/3: send this micro-step's gradient of ``u`` (async); free ``u`` at stage 3."""

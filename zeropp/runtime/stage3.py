@@ -87,7 +87,7 @@ class Stage3Hooks:
                                      kind="bwd_all_gather" if backward else "fwd_all_gather", async_op=True)
         else:
             work = e.comm.all_gather(buf, u.param_shard, bits=e.cfg.qwz_bits, group_size=e.cfg.qwz_group_size,
-                                     bucket=e.cfg.allgather_bucket_size,
+                                     stochastic=e.cfg.qwz_stochastic, bucket=e.cfg.allgather_bucket_size,
                                      kind="bwd_all_gather" if backward else "fwd_all_gather", async_op=True)
         u.extra["buf"], u.work, u.state = buf, work, "inflight"
 

@@ -1,0 +1,70 @@
+"""Seeds for stochastic rounding in the quantized collectives (an unbiased quantizer, QSDP's idea).
+
+The rule (also in docs/design.md): a collective called with ``stochastic=True`` and quantized
+bits takes the next index ``call`` of a per-process counter (every such all-gather and
+reduce-scatter call, in issue order, starting at 0; a plain-bits call or ``stochastic=False``
+takes none), and quantization round ``hop`` of that call (0: the first quantization on this
+rank; 1: qgZ's re-quantization of the node's partial sums) uses the kernel seed
+``stochastic_seed(seed, rank, call, hop)`` with ``seed`` the caller's base seed (None = 0)
+and ``rank`` the *global* rank. The mix is SplitMix64 applied in a chain and cut to 63 bits, so
+every rank draws different noise, successive calls differ, and a given (seed, rank, call, hop)
+always gives the same rounding.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+_M64 = (1 << 64) - 1
+_SEED_LIMIT = 1 << 63
+_calls = 0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def check_base_seed(seed: Optional[int]) -> int:
+    """The caller's base seed as a plain int (None -> 0); ValueError outside [0, 2**63)."""
+    if seed is None:
+        return 0
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}") from None
+    if isinstance(seed, bool) or not 0 <= value < _SEED_LIMIT:
+        raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
+    return value
+
+
+def stochastic_seed(seed: Optional[int], rank: int, call: int, hop: int = 0) -> int:
+    """Kernel seed of quantization round ``hop`` of stochastic call ``call`` on global ``rank``."""
+    h = _splitmix64(check_base_seed(seed))
+    for v in (rank, call, hop):
+        h = _splitmix64(h ^ (v & _M64))
+    return h & (_SEED_LIMIT - 1)
+
+
+def stochastic_calls() -> int:
+    """How many stochastic collective calls this process has issued (= the next call's index)."""
+    return _calls
+
+
+def reset_stochastic_calls(value: int = 0) -> None:
+    """Set this process's call counter (e.g. to replay a run from a known point)."""
+    global _calls
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"the stochastic call counter must be an int >= 0, got {value!r}")
+    _calls = value
+
+
+def next_call() -> int:
+    """Take the next call index (internal: the collectives call this once per stochastic call)."""
+    global _calls
+    call = _calls
+    _calls += 1
+    return call
