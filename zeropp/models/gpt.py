@@ -23,10 +23,14 @@ BYTE_VOCAB = 256
 _PRESETS: dict[str, dict[str, int]] = {
     # name: width, depth, heads, context; parameter counts are for vocab 256.
     "tiny": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),  # ~43k params, unit tests
+    "mini": dict(d_model=64, n_layers=2, n_heads=2, seq_len=64),  # ~0.14M params, the runner's default job
     "small": dict(d_model=128, n_layers=4, n_heads=4, seq_len=64),  # ~0.86M params, CPU sweeps
     "medium": dict(d_model=256, n_layers=4, n_heads=4, seq_len=128),  # ~3.3M params, like background.md
     "large": dict(d_model=512, n_layers=8, n_heads=8, seq_len=256),  # ~25M params, GPU runs
 }
+PRESETS = _PRESETS
+"""The named sizes of :meth:`GPTConfig.preset` (read it, do not change it); the runner's ``model=``
+options are generated from it."""
 
 
 @dataclass(frozen=True, kw_only=True)
