@@ -1,7 +1,8 @@
-"""Terminal output of a run: a one-line text progress bar (rank 0) and the final summary table.
+"""Terminal output of a run (rank 0): a progress bar while training and the summary table after.
 
-Plain text, no dependency: on a terminal the bar redraws in place; in a log file (not a tty) it
-prints a line every ~10% so logs stay short.
+Both through ``rich``: on a terminal the bar redraws in place; when the output is a file or a
+pipe (CI, ``ranks/`` logs, a sweep's job), rich prints nothing transient, so this module then
+writes a plain line every ~10% of the steps instead, which keeps logs short and readable.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import sys
 import time
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
 
 def human_bytes(n: float) -> str:
@@ -20,76 +25,88 @@ def human_bytes(n: float) -> str:
 
 
 class Progress:
-    """``[#####-----] 12/30 loss 2.31 | 0.41 s/step | 8.1k tok/s | eta 7s``."""
+    """``━━━━━━━━╸━━━━━ 12/30 loss 2.310 | 0.41 s/step | 8.1k tok/s | 0:00:07`` (rank 0 only)."""
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 24) -> None:
-        self.total = total
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.width = width
-        self.t0 = time.perf_counter()
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+    def __init__(self, total: int, *, start: int = 0, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.total, self.enabled = total, enabled
+        self.console = Console(file=stream or sys.stderr)
+        self.live = enabled and self.console.is_terminal
         self._last_decile = -1
+        self.t0 = time.perf_counter()
+        self.start = start
+        self._bar: RichProgress | None = None
+        if self.live:
+            self._bar = RichProgress(BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                     TimeRemainingColumn(), console=self.console, transient=False)
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+            self._bar.start()
 
     def update(self, step: int, *, loss: float, step_time: float, tokens_per_s: float) -> None:
         if not self.enabled:
             return
-        frac = step / max(self.total, 1)
-        filled = int(self.width * frac)
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(step, 1) * (self.total - step)
-        line = (f"[{'#' * filled}{'-' * (self.width - filled)}] {step}/{self.total} loss {loss:.3f} | "
-                f"{step_time:.3f} s/step | {tokens_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s")
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if step >= self.total else ""))
-        else:
-            decile = int(frac * 10)
-            if decile == self._last_decile and step < self.total:
-                return
+        info = f"loss {loss:.3f} | {step_time:.3f} s/step | {tokens_per_s / 1e3:.1f}k tok/s"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+            if step >= self.total:
+                self.close()
+            return
+        decile = int(10 * step / max(self.total, 1))
+        if decile != self._last_decile or step >= self.total:
             self._last_decile = decile
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            done = step - self.start
+            eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
+            self.console.print(f"step {step}/{self.total} {info} | eta {eta:.0f}s", highlight=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
-def summary_table(s: dict[str, Any]) -> str:
-    """The end-of-run table printed to the terminal."""
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (name, value) rows of the end-of-run table."""
     comm = s["comm_bytes_per_step"]
     mem = s["memory_per_rank"]
     rows: list[tuple[str, str]] = [
         ("run", s["label"]),
         ("device / backend", f"{s['device']} / {s['backend']}"),
         ("params", f"{s['model']['params'] / 1e6:.3f} M"),
-        ("steps (measured)", f"{s['steps']} ({s['measured_steps']})"),
+        ("steps (measured)", f"{s['first_step']}-{s['first_step'] + s['steps'] - 1} ({s['measured_steps']})"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         ("step time", f"{s['step_time_s']['mean'] * 1e3:.1f} ms (median {s['step_time_s']['median'] * 1e3:.1f})"),
         ("model TFLOP/s", f"{s['model_tflops']:.4f} ({s['model_tflops_per_rank']:.4f} per rank)"),
         ("wire bytes / step / rank", f"{human_bytes(comm['total'])}: intra {human_bytes(comm['by_link']['intra'])}, "
-                                     f"cross {human_bytes(comm['by_link']['cross'])}  "
-                                     "(all torch.distributed calls)"),
+                                     f"cross {human_bytes(comm['by_link']['cross'])} (all torch.distributed calls)"),
     ]
-    for k, v in sorted(comm["by_kind_link"].items()):
-        rows.append((f"  {k}", human_bytes(v)))
+    rows += [(f"  {k}", human_bytes(v)) for k, v in sorted(comm["by_kind_link"].items())]
     eng = s.get("engine_comm_bytes_per_step")
     if eng:
         rows.append(("zeropp kinds / step / rank",
                      f"{human_bytes(eng['total'])}: intra {human_bytes(eng['by_link']['intra'])}, "
-                     f"cross {human_bytes(eng['by_link']['cross'])}  (zeropp CommStats, by purpose)"))
-        for k, v in sorted(eng["by_kind_link"].items()):
-            rows.append((f"  {k}", human_bytes(v)))
+                     f"cross {human_bytes(eng['by_link']['cross'])} (zeropp CommStats, by purpose)"))
+        rows += [(f"  {k}", human_bytes(v)) for k, v in sorted(eng["by_kind_link"].items())]
     frac = s.get("comm_wait_fraction")
     rows.append(("comm wait / step", f"{s['comm_wait_s_per_step'] * 1e3:.1f} ms"
                  + (f" ({100 * frac:.0f}% of step)" if isinstance(frac, float) and frac == frac else "")
-                 + "  (blocked in torch.distributed)"))
+                 + " (blocked in torch.distributed)"))
     ew = s.get("engine_comm_wait_s_per_step")
     if ew is not None:
-        rows.append(("engine comm wait / step", f"{ew * 1e3:.1f} ms  (engine: waits + quantize)"))
+        rows.append(("engine comm wait / step", f"{ew * 1e3:.1f} ms (engine: waits + quantize)"))
     rows.append(("model state / rank", ", ".join(human_bytes(m.get("total", 0)) for m in mem)))
     loss = s["loss"]
     ev = loss.get("eval")
     rows.append(("loss", f"{loss['first']:.3f} -> {loss['final']:.3f}" + (f" (eval {ev:.3f})" if ev is not None else "")))
-    for n in s.get("notes", []):
-        rows.append(("note", n))
+    if s.get("checkpoint"):
+        rows.append(("checkpoint", s["checkpoint"]))
     rows.append(("outputs", s["run_dir"]))
-    w = max(len(k) for k, _ in rows)
-    bar = "-" * (w + 2 + max(len(v) for _, v in rows))
-    return "\n".join([bar, *(f"{k.ljust(w)}  {v}" for k, v in rows), bar])
+    return rows
+
+
+def print_summary(s: dict[str, Any], stream: TextIO | None = None) -> None:
+    """The end-of-run table (a rich table; plain aligned text when not on a terminal)."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for k, v in summary_rows(s):
+        table.add_row(k, v)
+    Console(file=stream or sys.stdout, width=max(100, Console().width)).print(table)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DataSection
+from .config import DataConfig
 
 
 class DataError(RuntimeError):
@@ -28,7 +28,7 @@ def _files_under(root: Path, pattern: str) -> list[Path]:
     return sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
 
 
-def read_corpus(data: DataSection) -> bytes:
+def read_corpus(data: DataConfig) -> bytes:
     """The corpus bytes (at most ``data.max_bytes``), or a :class:`DataError` naming the path."""
     if data.source == "python_stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -65,7 +65,7 @@ def read_corpus(data: DataSection) -> bytes:
 class TokenBatches:
     """Draws ``(idx, targets)`` micro-batches of shape ``[batch, seq_len]`` for one rank."""
 
-    def __init__(self, data: DataSection, *, seq_len: int, batch: int, vocab_size: int, seed: int,
+    def __init__(self, data: DataConfig, *, seq_len: int, batch: int, vocab_size: int, seed: int,
                  rank: int, device: torch.device) -> None:
         self.data = data
         self.seq_len = seq_len
@@ -101,6 +101,15 @@ class TokenBatches:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next training micro-batch."""
         return self._windows(self.train, self.gen)
+
+    def skip(self, n: int) -> None:
+        """Advance past ``n`` training micro-batches without building them: a resumed run then
+        draws exactly the batches the uninterrupted run would have drawn next."""
+        for _ in range(n):
+            if self.train is None:
+                torch.randint(0, self.vocab_size, (self.batch, self.seq_len + 1), generator=self.gen)
+            else:
+                torch.randint(0, len(self.train) - self.seq_len - 1, (self.batch,), generator=self.gen)
 
     def eval_batch(self, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed held-out batch (the same on every call with the same index)."""

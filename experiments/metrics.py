@@ -1,6 +1,6 @@
 """What a run records: ``metrics.jsonl`` (one line per logged step) and ``summary.json``.
 
-Throughput is averaged over the steps after ``train.warmup_steps`` (total tokens / total time, not
+Throughput is averaged over the steps after ``train.throughput_skip_steps`` (total tokens / total time, not
 a mean of rates). Model TFLOP/s uses the PaLM accounting: per token, 6N for the matmuls of forward
 and backward (N = parameters except the position embedding, which is a lookup, not a matmul) plus 12 * n_layers * d_model * seq_len for attention scores, times the tokens of all ranks.
 Communication bytes are per rank per step, averaged over ranks, keyed ``<kind>.<link>`` (link
@@ -34,8 +34,7 @@ def flops_per_token(cfg: RunConfig, n_params: int) -> float:
 
 
 def tokens_per_step(cfg: RunConfig) -> int:
-    t = cfg.train
-    return cfg.topology.world_size * t.micro_batch_size * t.grad_accum * cfg.model.seq_len
+    return cfg.topology.world_size * cfg.train.micro_batch_size * cfg.zero.grad_accum_steps * cfg.model.seq_len
 
 
 class MetricsFile:
@@ -44,7 +43,7 @@ class MetricsFile:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f = path.open("w")
+        self._f = path.open("a")  # a resumed run appends to the lines of the run it continues
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
@@ -71,13 +70,14 @@ def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, floa
 
 def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],
                   losses: list[float], eval_loss: float | None, n_params: int, run_dir: str,
-                  overrides: list[str], device: str, backend: str, notes: list[str]) -> dict[str, Any]:
+                  overrides: list[str], device: str, backend: str, label: str,
+                  model_name: str, first_step: int = 1) -> dict[str, Any]:
     """Aggregate per-rank reports (gathered on rank 0) into the summary.json dict.
 
     Each rank report has ``wire_bytes`` and ``engine_bytes`` (totals over measured steps),
     ``wait_s`` (total), ``measured_steps`` and ``memory`` (model-state bytes by part).
     """
-    w = cfg.train.warmup_steps
+    w = max(0, cfg.train.throughput_skip_steps - (first_step - 1))
     measured = step_times[w:] or step_times
     total_time = sum(measured)
     tps = tokens_per_step(cfg) * len(measured) / total_time if total_time > 0 else 0.0
@@ -92,14 +92,15 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
     step_mean = total_time / len(measured) if measured else math.nan
     mems = [r["memory"] for r in rank_reports]
     return {
-        "label": cfg.describe(),
+        "label": label,
         "trainer": cfg.trainer.name,
-        "zero": {"requested": dataclasses.asdict(cfg.zero), "effective": dataclasses.asdict(cfg.zero.effective())},
+        "zero": dataclasses.asdict(cfg.zero),
         "topology": {"world_size": cfg.topology.world_size, "ranks_per_node": cfg.topology.ranks_per_node,
                      "nodes": cfg.topology.nodes},
-        "model": {"name": cfg.model.name, "params": n_params, "flops_per_token": fpt},
+        "model": {"name": model_name, "params": n_params, "flops_per_token": fpt},
         "tokens_per_step": tokens_per_step(cfg),
         "steps": len(step_times),
+        "first_step": first_step,
         "measured_steps": len(measured),
         "tokens_per_s": tps,
         "step_time_s": {"mean": step_mean, "median": statistics.median(measured) if measured else math.nan,
@@ -119,7 +120,6 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
                  "eval": eval_loss, "curve": losses},
         "device": device,
         "backend": backend,
-        "notes": notes,
         "run_dir": run_dir,
         "overrides": overrides,
         "config": cfg.to_dict(),

@@ -1,47 +1,73 @@
 """Command-line pre-check: clearer answers than Hydra's for the common slips.
 
-Hydra refuses ``quant=int9`` or ``quantt=int8`` too, but buries the answer under its config search
-path; :func:`check_overrides` runs before Hydra and names the override, the allowed values and
-the closest match, then the runner exits 2 without starting anything.
+Hydra refuses ``quant=int9`` or ``zero.prefetch_dept=2`` too, but buries the answer under its
+config search path; :func:`check_overrides` runs before Hydra and names the override, the allowed
+values and the closest match, then the runner exits 2 without starting anything. It walks the
+same generated schema Hydra uses (``schema.run_schema``), so it knows every key of every section,
+nested ones (``zero.grads.intra_bits``) included.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 
-from .config import SECTIONS, CONF_DIR, ConfigError
+from .config import CONF_DIR, ConfigError
+from .schema import group_options as generated_options, run_schema
 
 
 def group_options(group: str) -> list[str]:
-    """Option names of a config group (the yaml files in ``conf/<group>/``)."""
+    """Option names of a config group: generated ones, or the yaml files in ``conf/<group>/``."""
+    gen = generated_options()
+    if group in gen:
+        return gen[group]
     d = CONF_DIR / group
     return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
 def config_groups() -> list[str]:
-    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
+    yaml_groups = [p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")]
+    return sorted(set(yaml_groups) | set(generated_options()))
+
+
+def _fields(schema: type) -> dict[str, type]:
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _sub_schema(tp: type) -> type | None:
+    for cand in (tp, *typing.get_args(tp)):
+        if dataclasses.is_dataclass(cand):
+            return cand  # type: ignore[return-value]
+    return None
+
+
+def _check_key(key: str) -> None:
+    """Every part of a dotted key must be a field of the schema node above it."""
+    node: type | None = run_schema()
+    path: list[str] = []
+    for part in key.split("."):
+        if node is None:
+            raise ConfigError(f"unknown config key {key!r}: {'.'.join(path)} has no sub-keys")
+        fields = _fields(node)
+        if part not in fields:
+            near = difflib.get_close_matches(part, list(fields), n=1)
+            where = ".".join(path) or "top level"
+            hint = f" (did you mean {'.'.join([*path, near[0]])}?)" if near else ""
+            groups = f"; config groups: {', '.join(config_groups())}" if not path else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}; keys of {where}: {', '.join(fields)}{groups}")
+        path.append(part)
+        node = _sub_schema(fields[part])
 
 
 def check_overrides(args: list[str]) -> None:
-    """Reject a command-line override that names an unknown group option or top-level key.
-
-    Hydra would also refuse these, but buries the answer under its search path; this names the
-    override, the allowed values, and the closest match. Everything else is left to Hydra and
-    :func:`from_omegaconf`.
-    """
+    """Reject a command-line override that names an unknown group option or key."""
     groups = config_groups()
-    keys = set(groups) | set(SECTIONS) | {"stage"}
     for arg in args:
         if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
-        top = key.split(".", 1)[0].split("/", 1)[0]
-        if top not in keys:
-            near = difflib.get_close_matches(top, sorted(keys), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise ConfigError(f"unknown config key {key!r} in {arg!r}{hint}; config groups: "
-                              f"{', '.join(groups)}; keys: stage, {', '.join(SECTIONS)}")
         if key in groups:
             options = group_options(key)
             for v in value.split(","):
@@ -49,58 +75,7 @@ def check_overrides(args: list[str]) -> None:
                 if v and v != "null" and v not in options and not v.startswith(("range(", "choice(", "glob(")):
                     near = difflib.get_close_matches(v, options, n=1)
                     hint = f" (did you mean {key}={near[0]}?)" if near else ""
-                    raise ConfigError(f"invalid config: {key}={v!r} is not a {key} preset{hint}; "
+                    raise ConfigError(f"invalid config: {key}={v!r} is not a {key} option{hint}; "
                                       f"allowed: {', '.join(options)}")
-        elif "." in key and not arg.startswith("+"):
-            _check_subkey(key, top, args, groups)
-
-
-def _option_keys(group: str, option: str) -> set[str] | None:
-    """Top-level keys of ``conf/<group>/<option>.yaml`` (None if it is packaged elsewhere)."""
-    path = CONF_DIR / group / f"{option}.yaml"
-    if not path.is_file():
-        return None
-    text = path.read_text()
-    if "# @package" in text:
-        return None
-    from omegaconf import OmegaConf
-
-    return set(OmegaConf.load(path).keys())
-
-
-def _selected_option(group: str, args: list[str]) -> str | None:
-    """The option of ``group`` this command line uses: its ``group=...`` override, else the default."""
-    for arg in args:
-        if arg.startswith(f"{group}="):
-            return arg.split("=", 1)[1].split(",")[0].strip().strip("'\"")
-    from omegaconf import OmegaConf
-
-    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
-        if isinstance(entry, str) or group not in entry:
-            continue
-        return str(entry[group])
-    return None
-
-
-def _check_subkey(key: str, top: str, args: list[str], groups: list[str]) -> None:
-    """``section.key=value``: the key must be a field of the section and, for a section chosen
-    from a config group, a key of the chosen option (Hydra's "not in struct" otherwise)."""
-    sub = key.split(".")[1]
-    cls = SECTIONS.get(top)
-    if cls is not None:
-        fields = [f.name for f in dataclasses.fields(cls)]
-        if sub not in fields:
-            near = difflib.get_close_matches(sub, fields, n=1)
-            hint = f" (did you mean {top}.{near[0]}?)" if near else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}; {top} keys: {', '.join(fields)}")
-    if top not in groups:
-        return
-    option = _selected_option(top, args)
-    keys = _option_keys(top, option) if option else None
-    if keys is None or sub in keys:
-        return
-    owners = [o for o in group_options(top) if sub in (_option_keys(top, o) or set())]
-    where = f"; it is a key of {top}={' / '.join(owners)} (add {top}={owners[0]})" if owners else ""
-    raise ConfigError(f"invalid config: {key} does not apply to {top}={option}{where}; "
-                      f"{top}={option} keys: {', '.join(sorted(keys))}")
-
+        else:
+            _check_key(key)

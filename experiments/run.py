@@ -1,82 +1,107 @@
 """``python -m experiments.run [overrides]``: the experiment runner (a thin Hydra app).
 
-Composes ``conf/``, validates it (experiments/config.py), then either spawns one process per rank
-(launcher.py) or, under torchrun, runs this process as its rank (worker.py). Outputs land in
-Hydra's run directory: ``metrics.jsonl``, ``summary.json``, ``ranks/`` and ``wandb/``.
+Composes the config (the schema generated from the library's dataclasses, ``schema.py``, plus
+``conf/``), validates it into a :class:`config.RunConfig` before anything starts, then either
+launches one process per rank (``launcher.py``) or, under torchrun, runs this process as its rank
+(``worker.py``). Outputs land in Hydra's run directory: ``metrics.jsonl``, ``summary.json``,
+``ranks/``, ``checkpoints/`` and ``wandb/``. Benchmarks call :func:`run_job` with overrides.
 
     python -m experiments.run stage=3 quant=int8
-    python -m experiments.run -m stage=1,2,3 quant=none,int8,int4
-    python -m experiments.run sweep=ablation
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m zeropp.experiments.run topology.world_size=16 topology.ranks_per_node=8
+    python -m experiments.run -m stage=0,1,2,3
+    python -m experiments.run sweep=trainers
+    torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run stage=3 quant=int8
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, RunConfig, check_zero_runtime, from_omegaconf
+from . import schema
+from .config import ConfigError, RunConfig, from_omegaconf
 from .launcher import RankFailure, emulated_placement, in_torchrun, launch, local_placement, worker_module
 from .metrics import read_summary, write_summary
 from .overrides import check_overrides
 
-
-def _notes(cfg: RunConfig) -> list[str]:
-    """Say where a requested switch has no effect, so a summary never over-claims."""
-    z, notes = cfg.zero, []
-    if cfg.trainer.name == "zeropp" and z.stage < 3 and (z.qwz_bits or z.hpz):
-        notes.append(f"qwZ/hpZ need sharded weights (stage 3); not applied at stage {z.stage}")
-    if cfg.trainer.name in ("fsdp2", "ddp") and (z.qwz_bits or z.hpz or z.qgz_bits):
-        notes.append(f"trainer={cfg.trainer.name} uses PyTorch's own collectives; zero.* quantization ignored")
-    if cfg.trainer.name != "zeropp" and z.stage != 3:
-        notes.append(f"zero.stage={z.stage} ignored by trainer={cfg.trainer.name}")
-    return notes
+schema.register()
 
 
-def _hydra_info() -> dict[str, Any]:
+def _run_dir_suffix(default: str) -> str:
+    """Hydra's run-dir leaf: the time, or under torchrun the elastic run id, so that every rank
+    of one torchrun job (processes started a second apart) agrees on one directory."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun-{run_id}" if run_id and run_id != "none" else default
+
+
+if not OmegaConf.has_resolver("zeropp_run"):
+    OmegaConf.register_new_resolver("zeropp_run", _run_dir_suffix)
+
+
+def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
+    """Run directory, overrides, names of the chosen group options, multirun group."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    hc = HydraConfig.get()
+    hc = HydraConfig.get() if cfg is None else cfg.hydra
     multirun = hc.mode == RunMode.MULTIRUN
     return {
         "run_dir": hc.runtime.output_dir,
         "overrides": list(hc.overrides.task),
         "name": hc.job.override_dirname or "defaults",
-        "group": "_".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,  # e.g. 2026-11-21_20-03-40
+        "group": "_".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,
         "multirun": multirun,
+        "model_name": hc.runtime.choices.get("model") or "",
     }
 
 
-def execute(cfg: DictConfig) -> dict[str, Any] | None:
-    """Validate, launch, and return rank 0's summary (None on other torchrun ranks)."""
-    rc = from_omegaconf(cfg)
-    check_zero_runtime(rc)
-    info = _hydra_info()
+def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
+    """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
+    label = rc.describe(info["model_name"])
     spec = {"config": rc.to_dict(), "run_dir": str(run_dir), "name": info["name"], "group": info["group"],
-            "overrides": info["overrides"], "notes": _notes(rc)}
+            "overrides": info["overrides"], "label": label, "model_name": info["model_name"]}
     if in_torchrun():
         from .worker import run_rank
 
-        return run_rank(spec)
+        summary = run_rank(spec)
+        if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
+            summary["placement"] = {"cluster": "torchrun"}
+            write_summary(run_dir / "summary.json", summary)
+        return summary
     t = rc.topology
-    if rc.cluster.name == "emulated":
-        placement = emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps,
-                                       rc.cluster.inter_latency_ms)
-    else:
-        placement = local_placement(t.world_size)
-    print(f"zeropp: {rc.describe()} -> {run_dir}", file=sys.stderr, flush=True)
-    info = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
-                  ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
-                  grace_s=rc.launcher.grace_s)
+    placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms)
+                 if rc.cluster.name == "emulated" else local_placement(t.world_size))
+    print(f"zeropp: {label} -> {run_dir}", file=sys.stderr, flush=True)
+    placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
+                    ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
+                    grace_s=rc.launcher.grace_s)
     summary = read_summary(run_dir / "summary.json")
-    summary["placement"] = info  # e.g. the emulated links' configured and measured rates
+    summary["placement"] = placed  # e.g. the emulated links' configured and measured rates
     write_summary(run_dir / "summary.json", summary)
+    return summary
+
+
+def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
+    """Compose ``overrides`` like the command line, run the job into ``run_dir``, return its
+    summary. For benchmarks and tests that run several jobs from Python; raises ConfigError or
+    RankFailure as the command would."""
+    from hydra import compose, initialize_config_module
+
+    check_overrides(overrides)
+    with initialize_config_module("zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    info = {"run_dir": str(run_dir), "overrides": list(overrides), "name": ",".join(overrides) or "defaults",
+            "group": None, "multirun": False, "model_name": cfg.hydra.runtime.choices.get("model") or ""}
+    rc = from_omegaconf(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    summary = execute(rc, info)
+    assert summary is not None
     return summary
 
 
@@ -86,11 +111,8 @@ FAILED_FILE = "failed.json"
 _failed: list[dict[str, Any]] = []  # this process's failed multirun jobs (Hydra runs them in-process, in order)
 
 
-def _record_failure(error: str, exit_code: int) -> None:
+def _record_failure(info: dict[str, Any], error: str, exit_code: int) -> None:
     """In a multirun, keep going: note the failed job in its directory and for the final message."""
-    import json
-
-    info = _hydra_info()
     job = {"run_dir": info["run_dir"], "overrides": info["overrides"], "error": error, "exit_code": exit_code}
     Path(info["run_dir"]).mkdir(parents=True, exist_ok=True)
     (Path(info["run_dir"]) / FAILED_FILE).write_text(json.dumps(job, indent=1) + "\n")
@@ -99,14 +121,15 @@ def _record_failure(error: str, exit_code: int) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    info = _hydra_info()
     try:
-        summary = execute(cfg)
+        summary = execute(from_omegaconf(cfg), info)
     except (ConfigError, RankFailure) as e:
         code = 2 if isinstance(e, ConfigError) else (e.exit_code if e.exit_code and e.exit_code > 0 else 1)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        if in_torchrun() or not _hydra_info()["multirun"]:
+        if in_torchrun() or not info["multirun"]:
             sys.exit(code)
-        _record_failure(str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
+        _record_failure(info, str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
         return None
     return None if summary is None else float(summary["tokens_per_s"])
 

@@ -1,21 +1,29 @@
-"""One interface over the training stacks a run can compare.
+"""One interface over the training stacks a run can compare, and the one factory that builds them.
 
-``trainer=zeropp`` is zeropp's ZeroEngine (stages 0-3 with qwZ/hpZ/qgZ switches); ``fsdp2`` is
-PyTorch's ``fully_shard`` on every block and the root; ``fsdp2_zeropp`` is the same with zeropp's
-collectives plugged into FSDP2; ``ddp`` is DistributedDataParallel, ``ddp_zeropp`` DDP with
-zeropp's quantized gradient all-reduce hook. The runner only sees :class:`Trainer`, so metrics,
-memory and communication are measured the same way for all of them.
+``trainer=zeropp`` is zeropp's ZeroEngine (stages 0-3 with qwZ/hpZ/qgZ); ``fsdp2`` is PyTorch's
+``fully_shard`` on every block and the root (``zero.hpz`` = ``reshard_after_forward`` to the hpZ
+group, FSDP2's own form of hpZ); ``fsdp2_zeropp`` the same with zeropp's collectives plugged in
+(``zero.weights`` / ``zero.grads``); ``ddp`` is DistributedDataParallel, ``ddp_zeropp`` DDP with
+zeropp's quantized gradient all-reduce hook (``zero.grads``). All of them read the same settings
+(``zero.precision``, ``zero.grad_accum_steps``, ``zero.grad_clip``, the ``optim`` section with its
+LR schedule), so the runner measures them on equal terms; ``config.HONORED`` refuses settings a
+trainer would not use. Checkpoints go through ``torch.distributed.checkpoint`` everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .config import RunConfig
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepOut:
@@ -29,6 +37,8 @@ class StepOut:
     """True when the step was skipped (non-finite gradients)."""
     comm_wait_s: float | None = None
     """The trainer's own measure of time blocked on communication, when it has one (ZeroEngine)."""
+    lr: float | None = None
+    """Learning rate used by this step."""
 
 
 class Trainer(Protocol):
@@ -38,18 +48,17 @@ class Trainer(Protocol):
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float: ...
     def memory_report(self) -> dict[str, int]: ...
     def comm_stats(self) -> dict[str, int] | None: ...
+    def save(self, path: Path, extra: dict[str, Any]) -> None: ...
+    def load(self, path: Path) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> nn.Module:
     """The GPT of ``cfg.model`` on ``device``; identical on every rank (seeded)."""
-    from zeropp.models import GPT, GPTConfig
+    from zeropp.models import GPT
 
-    m = cfg.model
-    gcfg = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layers=m.n_layers,
-                     n_heads=m.n_heads, mlp_ratio=m.mlp_ratio)
     torch.manual_seed(cfg.train.seed)
-    return GPT(gcfg).to(device)
+    return GPT(cfg.model).to(device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -60,86 +69,10 @@ def _bytes(ts: Any) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
-def torch_memory_report(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """Model-state bytes held by this rank: local parameter/gradient shards and optimizer state."""
-    params = _bytes(model.parameters())
-    grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
-    optim = _bytes(v for s in opt.state.values() for v in s.values())
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
-
-
-def _blocks(model: nn.Module, n_layers: int) -> list[nn.Module]:
-    """The transformer blocks (``model.blocks``, or any ModuleList with n_layers entries)."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks) == n_layers:
-        return list(blocks)
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers:
-            return list(mod)
-    raise RuntimeError(f"could not find the {n_layers} transformer blocks (an nn.ModuleList) in the model")
-
-
-class TorchTrainer:
-    """Shared loop for FSDP2 and DDP: accumulate, clip, AdamW step."""
-
-    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool) -> None:
-        self.model = model
-        self.cfg = cfg
-        self.autocast = autocast
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-
-    def _forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        dev = idx.device.type
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(idx, targets)
-        return loss
-
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
-        total = 0.0
-        n = len(micro_batches)
-        for i, (idx, tgt) in enumerate(micro_batches):
-            sync = getattr(self.model, "no_sync", None) if i < n - 1 else None
-            ctx = sync() if sync is not None and callable(sync) else _null()
-            with ctx:
-                loss = self._forward(idx, tgt)
-                (loss / n).backward()
-            total += float(loss.detach())
-        clip = self.cfg.train.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        norm_f = float(_local(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return StepOut(loss=total / n, grad_norm=norm_f)
-
-    @torch.no_grad()
-    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        was = self.model.training
-        self.model.eval()
-        try:
-            return float(self._forward(idx, targets))
-        finally:
-            self.model.train(was)
-
-    def memory_report(self) -> dict[str, int]:
-        return torch_memory_report(self.model, self.opt)
-
-    def comm_stats(self) -> dict[str, int] | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class _null:
-    def __enter__(self) -> None: ...
-    def __exit__(self, *a: object) -> None: ...
-
-
 def _stats_dict(stats: Any) -> dict[str, int] | None:
     """``CommStats.snapshot()`` flattened to ``{"<kind>.<link>": bytes}``."""
     if stats is None:
         return None
-    snap = stats.snapshot() if hasattr(stats, "snapshot") else dict(stats)
     out: dict[str, int] = {}
 
     def walk(prefix: str, v: Any) -> None:
@@ -149,100 +82,226 @@ def _stats_dict(stats: Any) -> dict[str, int] | None:
         elif isinstance(v, (int, float)):
             out[prefix] = int(v)
 
-    for k, v in snap.items():
+    for k, v in stats.snapshot().items():
         walk(".".join(map(str, k)) if isinstance(k, tuple) else str(k), v)
     return out
 
 
-def zero_config(cfg: RunConfig) -> Any:
-    """The ``zeropp.runtime.ZeroConfig`` of a run (its own checks run here)."""
-    from zeropp.runtime import ZeroConfig
-
-    z = cfg.zero.effective()
-    fields = {f.name: getattr(z, f.name) for f in dataclasses.fields(z)}
-    return ZeroConfig(**fields, precision=cfg.train.precision, grad_accum_steps=cfg.train.grad_accum,
-                      grad_clip=cfg.train.grad_clip if cfg.train.grad_clip > 0 else None)
-
-
 class ZeroTrainer:
-    """zeropp.runtime.ZeroEngine behind the Trainer interface."""
+    """zeropp.runtime.ZeroEngine behind the Trainer interface (the engine applies the LR schedule)."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device, topology: Any) -> None:
-        from zeropp.runtime import OptimizerConfig, ZeroEngine
+    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+        from zeropp.runtime import ZeroEngine
 
-        z = cfg.zero.effective()
-        zcfg = zero_config(cfg)
-        ocfg = OptimizerConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        self.engine = ZeroEngine(build_model(cfg, device), config=zcfg, optimizer=ocfg, topology=topology)
+        self.engine = ZeroEngine(build_model(cfg, device), config=cfg.zero, optimizer=cfg.optim,
+                                 topology=cfg.topology)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
         r = self.engine.train_step(micro_batches)
-        gn = getattr(r, "grad_norm", None)
-        cw = getattr(r, "comm_wait_s", None)
-        return StepOut(loss=float(r.loss), grad_norm=None if gn is None else float(gn),
-                       skipped=bool(getattr(r, "skipped", False)), comm_wait_s=None if cw is None else float(cw))
+        return StepOut(loss=float(r.loss), grad_norm=float(r.grad_norm), skipped=bool(r.skipped),
+                       comm_wait_s=float(r.comm_wait_s), lr=getattr(r, "lr", None))
 
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         return float(self.engine.eval_loss(idx, targets))
 
     def memory_report(self) -> dict[str, int]:
-        return {k: int(v) for k, v in dict(self.engine.memory_report()).items()}
+        return {k: int(v) for k, v in self.engine.memory_report().items()}
 
     def comm_stats(self) -> dict[str, int] | None:
-        return _stats_dict(getattr(self.engine, "comm_stats", None))
+        return _stats_dict(self.engine.comm_stats)
+
+    def save(self, path: Path, extra: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(path, extra=extra)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return dict(self.engine.load_checkpoint(path) or {})
 
     def close(self) -> None:
         self.engine.close()
 
 
-def _fsdp2(cfg: RunConfig, device: torch.device, topology: Any, zeropp_comms: bool) -> TorchTrainer:
+class TorchTrainer:
+    """The loop shared by FSDP2 and DDP: accumulate, clip, AdamW step, LR schedule."""
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, stats: Any = None) -> None:
+        self.model, self.cfg, self.autocast, self.stats = model, cfg, autocast, stats
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                     weight_decay=o.weight_decay)
+        # the same schedule function as ZeroEngine's, as a multiplier of the peak rate
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda step: o.lr_at(step) / o.lr if o.lr > 0 else 0.0)
+
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            _, loss = self.model(idx, targets)
+        return loss
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
+        n = len(micro_batches)
+        if n != self.cfg.zero.grad_accum_steps:
+            raise ValueError(f"got {n} micro-batches but zero.grad_accum_steps={self.cfg.zero.grad_accum_steps}")
+        total = 0.0
+        for i, (idx, tgt) in enumerate(micro_batches):
+            sync = getattr(self.model, "no_sync", None) if i < n - 1 else None
+            ctx = sync() if callable(sync) else _Null()
+            with ctx:
+                loss = self._forward(idx, tgt)
+                (loss / n).backward()
+            total += float(loss.detach())
+        clip = self.cfg.zero.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
+        norm_f = float(_local(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return StepOut(loss=total / n, grad_norm=norm_f, lr=lr)
+
+    @torch.no_grad()
+    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        was = self.model.training
+        self.model.eval()
+        try:
+            loss = self._forward(idx, targets).detach().float().reshape(1)
+            dist.all_reduce(loss)  # the mean over ranks, as ZeroEngine.eval_loss
+            return float(loss) / dist.get_world_size()
+        finally:
+            self.model.train(was)
+
+    def memory_report(self) -> dict[str, int]:
+        params = _bytes(self.model.parameters())
+        grads = _bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+        optim = _bytes(v for s in self.opt.state.values() for v in s.values())
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+    def comm_stats(self) -> dict[str, int] | None:
+        return _stats_dict(self.stats)
+
+    def save(self, path: Path, extra: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
+        save_dcp(state, path, extra)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
+        extra = load_dcp(state, path)
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.sched.load_state_dict(state["sched"])
+        return extra
+
+    def close(self) -> None:
+        pass
+
+
+class _Null:
+    def __enter__(self) -> None: ...
+    def __exit__(self, *a: object) -> None: ...
+
+
+LATEST = "LATEST"
+
+
+def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any]) -> None:
+    """Collective: ``state`` (a DCP state dict) into a fresh ``path/step-<n>`` directory; ``LATEST``
+    moves to it only after every rank has written (os.replace), so a crash keeps the previous one."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    name = f"step-{int(extra.get('step', 0)):08d}"
+    dcp.save(state, checkpoint_id=str(path / name))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (path / name / "extra.json").write_text(json.dumps(extra))
+        tmp = path / f".{LATEST}.tmp"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, path / LATEST)
+    dist.barrier()
+
+
+def load_dcp(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place; its extra."""
+    import torch.distributed.checkpoint as dcp
+
+    latest = Path(path) / LATEST
+    if not latest.is_file():
+        raise FileNotFoundError(f"no checkpoint under {path} (no {LATEST} file); save one with "
+                                "train.checkpoint_every=N first")
+    d = Path(path) / latest.read_text().strip()
+    dcp.load(state, checkpoint_id=str(d))
+    return json.loads((d / "extra.json").read_text())
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``model.blocks``) that FSDP2 shards one by one."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise RuntimeError("trainer=fsdp2 needs the model's blocks as model.blocks (an nn.ModuleList)")
+    return list(blocks)
+
+
+def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTrainer:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(cfg, device)
+    z = cfg.zero
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.train.precision == "bf16" else MixedPrecisionPolicy()
-    raf = cfg.trainer.reshard_after_forward
-    for block in _blocks(model, cfg.model.n_layers):
+        if z.precision == "bf16" else MixedPrecisionPolicy()
+    # hpZ in FSDP2's own terms: after forward, keep the parameters sharded over the hpZ group only
+    raf: bool | int = (z.hpz_size or cfg.topology.ranks_per_node) if z.hpz else True
+    if raf is not True and raf == cfg.topology.world_size:
+        raf = False  # one node: the "secondary" group is the world, i.e. keep the gathered weights
+    for block in _blocks(model):
         fully_shard(block, mp_policy=mp, reshard_after_forward=raf)
     fully_shard(model, mp_policy=mp, reshard_after_forward=raf)
-    t = TorchTrainer(model, cfg, autocast=False)
+    stats = None
     if zeropp_comms:
-        from . import plugins
+        from zeropp.comm import CommStats
+        from zeropp.comm.fsdp import apply_zeropp_comms
 
-        t.stats = plugins.install_fsdp_comms(model, cfg, topology)  # type: ignore[attr-defined]
-        t.comm_stats = lambda: _stats_dict(t.stats)  # type: ignore[method-assign]
-    return t
+        stats = CommStats()
+        apply_zeropp_comms(model, weights=z.weights, grads=z.grads, topology=cfg.topology, stats=stats)
+    return TorchTrainer(model, cfg, autocast=False, stats=stats)
 
 
-def _ddp(cfg: RunConfig, device: torch.device, topology: Any, zeropp_hook: bool) -> TorchTrainer:
+def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTrainer:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = build_model(cfg, device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if not zeropp_hook:
-        # The stock all-reduce, but issued from Python so CommWatch sees its bytes (DDP's default
-        # reducer calls the C++ collective directly). Same arithmetic as DDP's built-in path.
+    z = cfg.zero
+    bucket_mb = z.reduce_bucket_size * 4 / 2**20  # fp32 gradients
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
+    stats = None
+    if zeropp_hook:
+        from zeropp.comm import CommStats
+        from zeropp.comm.ddp import QuantizedAllReduceState, quantized_allreduce_hook
+
+        stats = CommStats()
+        ddp.register_comm_hook(QuantizedAllReduceState(grads=z.grads, topology=cfg.topology, stats=stats),
+                               quantized_allreduce_hook)
+    else:
+        # the stock all-reduce, issued from Python so CommWatch sees its bytes (DDP's default
+        # reducer calls the C++ collective directly); same arithmetic as DDP's built-in path
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(None, allreduce_hook)
-    t = TorchTrainer(ddp, cfg, autocast=cfg.train.precision == "bf16")
-    if zeropp_hook:
-        from . import plugins
-
-        t.stats = plugins.install_ddp_hook(ddp, cfg, topology)  # type: ignore[attr-defined]
-        t.comm_stats = lambda: _stats_dict(t.stats)  # type: ignore[method-assign]
-    return t
+    return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", stats=stats)
 
 
-BUILDERS: dict[str, Callable[[RunConfig, torch.device, Any], Trainer]] = {
-    "zeropp": lambda c, d, t: ZeroTrainer(c, d, t),
-    "fsdp2": lambda c, d, t: _fsdp2(c, d, t, False),
-    "fsdp2_zeropp": lambda c, d, t: _fsdp2(c, d, t, True),
-    "ddp": lambda c, d, t: _ddp(c, d, t, False),
-    "ddp_zeropp": lambda c, d, t: _ddp(c, d, t, True),
+BUILDERS: dict[str, Callable[[RunConfig, torch.device], Trainer]] = {
+    "zeropp": lambda c, d: ZeroTrainer(c, d),
+    "fsdp2": lambda c, d: _fsdp2(c, d, False),
+    "fsdp2_zeropp": lambda c, d: _fsdp2(c, d, True),
+    "ddp": lambda c, d: _ddp(c, d, False),
+    "ddp_zeropp": lambda c, d: _ddp(c, d, True),
 }
 
 
-def build_trainer(cfg: RunConfig, device: torch.device, topology: Any) -> Trainer:
-    """The trainer named by ``cfg.trainer.name``; ``topology`` is a zeropp.comm.Topology."""
-    return BUILDERS[cfg.trainer.name](cfg, device, topology)
+def build_trainer(cfg: RunConfig, device: torch.device) -> Trainer:
+    """The trainer named by ``cfg.trainer.name`` (after ``dist.init_process_group``)."""
+    return BUILDERS[cfg.trainer.name](cfg, device)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import LoggerSection
+from .config import LoggerConfig
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 class WandbLogger:
     """A thin, failure-proof wrapper around a wandb run (no-op when disabled)."""
 
-    def __init__(self, settings: LoggerSection, *, run_dir: Path, name: str, group: str | None,
+    def __init__(self, settings: LoggerConfig, *, run_dir: Path, name: str, group: str | None,
                  config: dict[str, Any], tags: list[str] | None = None) -> None:
         self.run: Any = None
         self.dir: str | None = None

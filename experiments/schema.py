@@ -1,0 +1,121 @@
+"""The Hydra schema of the runner, generated from the library's config dataclasses.
+
+Why generated: every setting is declared once, in the frozen dataclasses that validate it
+(``zeropp.runtime.ZeroConfig``, ``OptimizerConfig``, ``zeropp.models.GPTConfig``,
+``zeropp.comm.Topology``, ``zeropp.comm.spec.QuantSpec`` and the harness's own sections in
+``config.py``). :func:`schema_of` turns each into a plain (mutable) dataclass with the same field
+names, types and defaults, which Hydra uses as a structured config: an unknown key or a value of
+the wrong type is refused by OmegaConf while composing, and the values are then handed to the
+library classes, whose ``__post_init__`` checks the rest. Adding a field to ``ZeroConfig`` makes
+it a command-line override with no edit here.
+
+The config groups whose options are library objects are generated too: ``quant=`` from
+``zeropp.comm.spec.RECIPES``, ``model=`` from ``zeropp.models.gpt.PRESETS``, ``topology=`` as
+``<nodes>x<ranks per node>``, ``trainer=`` from :data:`config.TRAINERS`. The harness-only groups
+(data, logger, cluster, sweep) stay YAML files under ``conf/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Optional, Union
+
+from hydra.core.config_store import ConfigStore
+
+from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.models.gpt import PRESETS as MODEL_PRESETS
+from zeropp.runtime import ZeroConfig
+
+from .config import EXCLUDED, SECTION_CLASSES, TRAINERS
+
+TOPOLOGIES = ("1x1", "1x2", "1x4", "2x1", "2x2", "2x4", "4x1", "4x2", "3x2")
+"""``topology=`` options (nodes x ranks per node); any other shape: ``topology.nodes=N topology.ranks_per_node=R``."""
+
+_cache: dict[type, type] = {}
+
+
+def _schema_type(tp: Any) -> Any:
+    """The OmegaConf-compatible annotation of a library field type."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = _schema_type(args[0]) if len(args) == 1 else Any
+        return Optional[inner] if inner is not Any else Any
+    if dataclasses.is_dataclass(tp):
+        return schema_of(tp)
+    if origin is tuple:
+        return typing.Tuple[tuple(_schema_type(a) for a in typing.get_args(tp))]  # type: ignore[misc]
+    if tp in (int, float, bool, str):
+        return tp
+    return Any
+
+
+def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
+    """A mutable dataclass mirroring ``cls``'s fields (names, types, defaults), minus ``exclude``."""
+    key = (cls, exclude)
+    if key in _cache:  # type: ignore[comparison-overlap]
+        return _cache[key]  # type: ignore[index]
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or not f.init:
+            continue
+        tp = _schema_type(hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+            if dataclasses.is_dataclass(default):  # a dataclass instance default: rebuild per instance
+                sub = schema_of(type(default))
+                fields.append((f.name, tp, dataclasses.field(default_factory=lambda s=sub, d=default: s(
+                    **{k.name: getattr(d, k.name) for k in dataclasses.fields(s)}))))
+            else:
+                fields.append((f.name, tp, dataclasses.field(default=default)))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, tp, dataclasses.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, tp, dataclasses.field(default="???")))  # OmegaConf's MISSING
+    schema = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
+    _cache[key] = schema  # type: ignore[index]
+    return schema
+
+
+def run_schema() -> type:
+    """The whole run: top-level keys (``stage``, ``resume``) and one node per section."""
+    fields: list[tuple[str, Any, Any]] = [
+        ("stage", int, dataclasses.field(default=ZeroConfig().stage)),
+        ("resume", bool, dataclasses.field(default=False)),
+    ]
+    for name, cls in SECTION_CLASSES.items():
+        sub = schema_of(cls, EXCLUDED.get(name, ()))
+        fields.append((name, sub, dataclasses.field(default_factory=sub)))
+    return dataclasses.make_dataclass("RunSchema", fields)
+
+
+def _spec_node(spec: QuantSpec | None) -> dict[str, Any] | None:
+    return None if spec is None else dataclasses.asdict(spec)
+
+
+def register() -> None:
+    """Store the schema and the generated group options in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=run_schema())
+    for name, r in RECIPES.items():
+        cs.store(group="quant", name=name, package="zero",
+                 node={"weights": _spec_node(r.weights), "grads": _spec_node(r.grads), "hpz": r.hpz})
+    for name, sizes in MODEL_PRESETS.items():
+        cs.store(group="model", name=name, package="model", node=dict(sizes))
+    for name in TOPOLOGIES:
+        n, r = (int(x) for x in name.split("x"))
+        cs.store(group="topology", name=name, package="topology", node={"nodes": n, "ranks_per_node": r})
+    for name in TRAINERS:
+        cs.store(group="trainer", name=name, package="trainer", node={"name": name})
+
+
+def group_options() -> dict[str, list[str]]:
+    """Generated group -> option names (for the command-line pre-check and ``--help``)."""
+    return {"quant": sorted(RECIPES), "model": list(MODEL_PRESETS), "topology": list(TOPOLOGIES),
+            "trainer": list(TRAINERS)}
+
+
+__all__ = ["TOPOLOGIES", "group_options", "register", "run_schema", "schema_of"]
