@@ -22,8 +22,15 @@ from typing import Any, Optional
 
 import torch
 
-from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, num_groups
-from zeropp.kernels import quantize, row_bytes
+from zeropp.kernels import (
+    QuantizedTensor,
+    dequantize,
+    dequantize_sum,
+    dequantize_sum_requantize,
+    num_groups,
+    quantize,
+    row_bytes,
+)
 
 from .spec import QuantSpec, register_scheme, schemes, unregister_scheme
 

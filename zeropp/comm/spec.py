@@ -28,8 +28,9 @@ symmetric integer quantization (one fp32 scale per group, ``absmax / qmax``)."""
 
 
 def register_scheme(name: str, bits: tuple[int, ...]) -> None:
-    """Declare a quantization scheme and the bit widths it supports (its kernels register their
-    codec in ``zeropp.comm.codecs``). Re-registering a name replaces it."""
+    """Declare a quantization scheme and the bit widths it supports, so ``QuantSpec(scheme=name)``
+    validates. To make it *runnable*, register its codec with ``zeropp.comm.codecs.register_codec``
+    (which calls this). Re-registering a name replaces it."""
     if not name or not isinstance(name, str):
         raise ValueError(f"a scheme name must be a non-empty string, got {name!r}")
     if not bits or not all(isinstance(b, int) and b > 0 for b in bits):
