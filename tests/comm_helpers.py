@@ -12,12 +12,18 @@ import math
 
 import torch
 
-from zeropp.comm import Topology
+from zeropp.comm import QuantSpec, Topology
 from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REL_ROUND = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 """Half an ulp, relative: the rounding of a result stored in each dtype."""
+
+
+def spec_of(bits, intra_bits=None, group_size=None):
+    """The spec of a (bits, intra_bits, group_size) test case; ``bits=None`` is the plain
+    collective (``spec=None``)."""
+    return None if bits is None else QuantSpec(bits=bits, intra_bits=intra_bits, group_size=group_size)
 
 
 def rank_input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ from tests.comm_helpers import (
     qmax,
     rank_input,
     simulate_qgz,
+    spec_of,
     wire,
 )
 from tests.distributed import run_world
@@ -40,6 +41,7 @@ from zeropp.comm import (
     quantized_reduce_scatter,
     set_topology,
 )
+from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, quantize
 
 SIZES = (1, 7, 257)  # elements per shard / chunk: odd, smaller and larger than a block
@@ -54,7 +56,7 @@ def _check_all_gather(rank: int, topo: Topology, stats: CommStats) -> int:
             for bits in BITS:
                 out = torch.empty(W * n, dtype=dtype)
                 stats.reset()
-                quantized_all_gather(out, xs[rank], bits=bits, topology=topo, stats=stats)
+                quantized_all_gather(out, xs[rank], spec=spec_of(bits), topology=topo, stats=stats)
                 got, want = bytes_of(stats, "all_gather"), expected_all_gather_bytes(topo, n, out.element_size(), bits, gs)
                 assert got == want, f"all-gather bytes {got} != formula {want} ({dname}, n={n}, bits={bits})"
                 if bits is None:
@@ -75,15 +77,15 @@ def _check_all_gather(rank: int, topo: Topology, stats: CommStats) -> int:
     xs = [rank_input(2, r, n, torch.bfloat16) for r in range(W)]
     for bits in BITS:
         plain_out = torch.empty(W * n, dtype=torch.bfloat16)
-        quantized_all_gather(plain_out, xs[rank], bits=bits, topology=topo, stats=stats)
+        quantized_all_gather(plain_out, xs[rank], spec=spec_of(bits), topology=topo, stats=stats)
         buf = torch.zeros(W * n, dtype=torch.bfloat16)
         buf[rank * n : (rank + 1) * n] = xs[rank]
-        h = quantized_all_gather(buf, buf[rank * n : (rank + 1) * n], bits=bits, topology=topo, stats=stats, async_op=True)
+        h = quantized_all_gather(buf, buf[rank * n : (rank + 1) * n], spec=spec_of(bits), topology=topo, stats=stats, async_op=True)
         assert isinstance(h, dist.Work) and not h.is_completed()
         h.wait()
         assert h.is_completed() and torch.equal(buf, plain_out), f"aliased async all-gather differs (bits={bits})"
         wide = torch.empty(W * n, dtype=torch.float32)
-        quantized_all_gather(wide, xs[rank], bits=bits, topology=topo, stats=stats)
+        quantized_all_gather(wide, xs[rank], spec=spec_of(bits), topology=topo, stats=stats)
         exp = torch.cat([x.float() if bits is None else dequantize(quantize(x, bits, 512)).view(-1) for x in xs])
         assert torch.equal(wide, exp), f"fp32 output of a bf16 all-gather differs (bits={bits})"
         checks += 1
@@ -109,7 +111,7 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
         xs = [rank_input(3 + n, r, W * n, dtype) for r in range(W)]
         out = torch.empty(n, dtype=dtype)
         stats.reset()
-        quantized_reduce_scatter(out, xs[rank], ops[op_name], bits=bits, intra_bits=ibits, topology=topo, stats=stats)
+        quantized_reduce_scatter(out, xs[rank], ops[op_name], spec=spec_of(bits, ibits), topology=topo, stats=stats)
         what = f"({dname}, n={n}, bits={bits}/{ibits}, {op_name})"
         got, want = bytes_of(stats, "reduce_scatter"), expected_reduce_scatter_bytes(topo, n, out.element_size(), bits, ibits, gs)
         assert got == want, f"reduce-scatter bytes {got} != formula {want} {what}"
@@ -134,25 +136,28 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
     return checks
 
 
+EF4 = QuantSpec(bits=4, error_feedback=True)
+
+
 def _check_reduce_scatter_extras(rank: int, topo: Topology, stats: CommStats) -> None:
     W, n, gs = topo.world_size, 9, 128
     xs = [rank_input(50, r, W * n, torch.float32) for r in range(W)]
     # async: the handle finishes the later hop in wait()
     sync_out, async_out = torch.empty(n), torch.empty(n)
-    quantized_reduce_scatter(sync_out, xs[rank], topology=topo, stats=stats)
-    h = quantized_reduce_scatter(async_out, xs[rank], topology=topo, stats=stats, async_op=True)
+    quantized_reduce_scatter(sync_out, xs[rank], spec=QuantSpec(bits=4), topology=topo, stats=stats)
+    h = quantized_reduce_scatter(async_out, xs[rank], spec=QuantSpec(bits=4), topology=topo, stats=stats, async_op=True)
     assert isinstance(h, dist.Work)
     h.wait()
     assert torch.equal(sync_out, async_out)
     # error feedback: 1st call stores r = x - deq(quant(x)); the 2nd call quantizes x2 + r
     ef = ErrorFeedback()
     out1, out2 = torch.empty(n), torch.empty(n)
-    quantized_reduce_scatter(out1, xs[rank], ReduceOp.SUM, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
+    quantized_reduce_scatter(out1, xs[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
     assert torch.equal(out1, simulate_qgz(xs, topo, rank, n, 4, 4, gs)), "error feedback changed the first call"
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(ef.residual("b0", W * n, torch.device("cpu")), res[rank].view(-1))
     x2 = [rank_input(51, r, W * n, torch.float32) for r in range(W)]
-    quantized_reduce_scatter(out2, x2[rank], ReduceOp.SUM, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
+    quantized_reduce_scatter(out2, x2[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
     comp = [x2[r] + res[r].view(-1) for r in range(W)]
     assert torch.equal(out2, simulate_qgz(comp, topo, rank, n, 4, 4, gs)), "residual not added to the next gradient"
 
@@ -167,15 +172,15 @@ def _zero3_vs_zeropp(rank: int, topo: Topology) -> dict:
     full, gshard = torch.empty(M, dtype=bf16), torch.empty(M // W, dtype=bf16)
 
     z3 = CommStats()  # ZeRO-3: plain fwd all-gather, plain bwd all-gather, plain reduce-scatter
-    quantized_all_gather(full, shard, bits=None, topology=topo, stats=z3, kind="fwd_ag")
-    quantized_all_gather(full, shard, bits=None, topology=topo, stats=z3, kind="bwd_ag")
-    quantized_reduce_scatter(gshard, grad, bits=None, topology=topo, stats=z3, kind="rs")
+    quantized_all_gather(full, shard, spec=None, topology=topo, stats=z3, kind="fwd_ag")
+    quantized_all_gather(full, shard, spec=None, topology=topo, stats=z3, kind="bwd_ag")
+    quantized_reduce_scatter(gshard, grad, spec=None, topology=topo, stats=z3, kind="rs")
 
     zpp = CommStats()  # ZeRO++: qwZ INT8 over the world, hpZ plain inside the node, qgZ INT4
-    quantized_all_gather(full, shard, bits=8, topology=topo, stats=zpp, kind="fwd_ag")
+    quantized_all_gather(full, shard, spec=QuantSpec(bits=8), topology=topo, stats=zpp, kind="fwd_ag")
     secondary = full.view(rpn, M // rpn)[topo.local_rank(rank)].clone()  # hpZ secondary shard
-    quantized_all_gather(full, secondary, groups.hpz, bits=None, topology=topo, stats=zpp, kind="bwd_ag")
-    quantized_reduce_scatter(gshard, grad, bits=4, topology=topo, stats=zpp, kind="rs")
+    quantized_all_gather(full, secondary, groups.hpz, spec=None, topology=topo, stats=zpp, kind="bwd_ag")
+    quantized_reduce_scatter(gshard, grad, spec=QuantSpec(bits=4), topology=topo, stats=zpp, kind="rs")
 
     cross_frac = (W - rpn) / W  # share of the other ranks that sit on other nodes
     model_bytes = 2 * M
@@ -206,23 +211,31 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
     """Each bad call must raise on every rank before any message is sent."""
     n = 5
     x, out, big = torch.randn(n), torch.empty(n), torch.randn(world * n)
+    q4, q8 = QuantSpec(bits=4), QuantSpec(bits=8)
     cases = {
-        "all-gather output of the wrong size": lambda: quantized_all_gather(torch.empty(world * n + 1), x, topology=topo),
-        "reduce-scatter input of the wrong size": lambda: quantized_reduce_scatter(out, big[:-1], topology=topo),
-        "reduce-scatter output of the wrong size (plain)": lambda: quantized_reduce_scatter(torch.empty(n + 1), big, bits=None, topology=topo),
-        "unsupported bits": lambda: quantized_reduce_scatter(out, big, bits=3, topology=topo),
-        "unsupported intra_bits": lambda: quantized_reduce_scatter(out, big, bits=4, intra_bits=2, topology=topo),
-        "unsupported all-gather bits": lambda: quantized_all_gather(torch.empty(world * n), x, bits=6, topology=topo),
-        "topology of another world": lambda: quantized_reduce_scatter(out, big, topology=Topology(2, 4)),
-        "odd group size for INT4": lambda: quantized_reduce_scatter(out, big, bits=4, group_size=7, topology=topo),
-        "integer input to a quantized gather": lambda: quantized_all_gather(torch.empty(world * n, dtype=torch.int32), torch.ones(n, dtype=torch.int32), topology=topo),
-        "MAX with quantization": lambda: quantized_reduce_scatter(out, big, ReduceOp.MAX, topology=topo),
-        "non-contiguous output": lambda: quantized_all_gather(torch.empty(2 * world * n)[::2], x, topology=topo),
+        "all-gather output of the wrong size": lambda: quantized_all_gather(torch.empty(world * n + 1), x, spec=q8, topology=topo),
+        "reduce-scatter input of the wrong size": lambda: quantized_reduce_scatter(out, big[:-1], spec=q4, topology=topo),
+        "reduce-scatter output of the wrong size (plain)": lambda: quantized_reduce_scatter(torch.empty(n + 1), big, spec=None, topology=topo),
+        "unsupported bits": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=3), topology=topo),
+        "unsupported intra_bits": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=4, intra_bits=2), topology=topo),
+        "unsupported all-gather bits": lambda: quantized_all_gather(torch.empty(world * n), x, spec=QuantSpec(bits=6), topology=topo),
+        "topology of another world": lambda: quantized_reduce_scatter(out, big, spec=q4, topology=Topology(2, 4)),
+        "odd group size for INT4": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=4, group_size=7), topology=topo),
+        "integer input to a quantized gather": lambda: quantized_all_gather(torch.empty(world * n, dtype=torch.int32), torch.ones(n, dtype=torch.int32), spec=q8, topology=topo),
+        "MAX with quantization": lambda: quantized_reduce_scatter(out, big, ReduceOp.MAX, spec=q4, topology=topo),
+        "non-contiguous output": lambda: quantized_all_gather(torch.empty(2 * world * n)[::2], x, spec=q8, topology=topo),
         "error feedback of another size": lambda: _ef_mismatch(out, big, topo),
         # a plain value on one side of bits/intra_bits used to be dropped silently: 16 ran a
         # 4-bit intra-node hop, and intra_bits=8 with bits=None a plain reduce-scatter
-        "unquantized intra hop under a quantized cross hop": lambda: quantized_reduce_scatter(out, big, bits=4, intra_bits=16, topology=topo),
-        "intra_bits without bits": lambda: quantized_reduce_scatter(out, big, bits=None, intra_bits=8, topology=topo),
+        "unquantized intra hop under a quantized cross hop": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=4, intra_bits=16), topology=topo),
+        "intra_bits without bits": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=None, intra_bits=8), topology=topo),
+        # the spec and the error-feedback state must agree; one-hop gathers refuse per-hop settings
+        "error feedback spec without state": lambda: quantized_reduce_scatter(out, big, spec=EF4, topology=topo),
+        "error feedback state without spec flag": lambda: quantized_reduce_scatter(out, big, spec=q4, error_feedback=ErrorFeedback(), topology=topo),
+        "error feedback state on a plain reduce-scatter": lambda: quantized_reduce_scatter(out, big, spec=None, error_feedback=ErrorFeedback(), topology=topo),
+        "all-gather with intra_bits": lambda: quantized_all_gather(torch.empty(world * n), x, spec=QuantSpec(bits=4, intra_bits=8), topology=topo),
+        "all-gather with error feedback": lambda: quantized_all_gather(torch.empty(world * n), x, spec=EF4, topology=topo),
+        "spec of the wrong type": lambda: quantized_all_gather(torch.empty(world * n), x, spec=8, topology=topo),
     }
     msgs = {}
     for name, fn in cases.items():
@@ -233,7 +246,7 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
             msgs[name] = f"{type(e).__name__}: {e}"
     set_topology(Topology(1, 8))  # a wrong process-wide default is caught the same way
     try:
-        quantized_all_gather(torch.empty(world * n), x)
+        quantized_all_gather(torch.empty(world * n), x, spec=q8)
         msgs["default topology of another world"] = None
     except ValueError as e:
         msgs["default topology of another world"] = f"ValueError: {e}"
@@ -241,7 +254,7 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
         set_topology(None)
     # nobody is stuck half-way through a collective: a good call still works on every rank
     good = torch.empty(world * n)
-    quantized_all_gather(good, torch.full((n,), float(rank)), bits=None, topology=topo, stats=get_comm_stats())
+    quantized_all_gather(good, torch.full((n,), float(rank)), spec=None, topology=topo, stats=get_comm_stats())
     assert good.tolist() == [float(r) for r in range(world) for _ in range(n)]
     return msgs
 
@@ -249,7 +262,7 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
 def _ef_mismatch(out, big, topo):
     ef = ErrorFeedback()
     ef.store("b", torch.zeros(3))
-    quantized_reduce_scatter(out, big, topology=topo, error_feedback=ef, feedback_key="b")
+    quantized_reduce_scatter(out, big, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b")
 
 
 def _world(rank: int, world: int, nodes: int, rpn: int) -> dict:
@@ -305,9 +318,17 @@ def test_bad_inputs_raise_on_every_rank(world) -> None:
     msgs = res[0]["errors"]
     assert "allocate output with 20 elements" in msgs["all-gather output of the wrong size"]
     assert "must hold 4 x 5 = 20 elements" in msgs["reduce-scatter input of the wrong size"]
-    assert "bits=3 is not supported" in msgs["unsupported bits"]
+    assert "QuantSpec.bits=3 is not supported" in msgs["unsupported bits"]
+    assert "QuantSpec.intra_bits=2 is not supported" in msgs["unsupported intra_bits"]
+    assert "QuantSpec.bits=6 is not supported" in msgs["unsupported all-gather bits"]
     assert "describes 8 ranks but the process group has 4" in msgs["topology of another world"]
     assert "odd" in msgs["odd group size for INT4"]
-    assert "use bits=None" in msgs["MAX with quantization"]
+    assert "use spec=None" in msgs["MAX with quantization"]
     assert "intra_bits=16 asks for an unquantized intra-node hop" in msgs["unquantized intra hop under a quantized cross hop"]
-    assert "intra_bits=8 has no effect with bits=None" in msgs["intra_bits without bits"]
+    assert "bits=None means no quantization; pass spec=None" in msgs["intra_bits without bits"]
+    assert "error_feedback=True but no error_feedback state" in msgs["error feedback spec without state"]
+    assert "spec.error_feedback=False" in msgs["error feedback state without spec flag"]
+    assert "spec=None (a plain reduce-scatter rounds nothing)" in msgs["error feedback state on a plain reduce-scatter"]
+    assert "intra_bits=8 does nothing for an all-gather" in msgs["all-gather with intra_bits"]
+    assert "error_feedback=True does nothing for an all-gather" in msgs["all-gather with error feedback"]
+    assert msgs["spec of the wrong type"].startswith("TypeError: spec must be a zeropp.comm.QuantSpec")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_world
-from zeropp.comm import CommStats, Topology
+from zeropp.comm import CommStats, QuantSpec, Topology
 
 STEPS, BATCH, DIN, DOUT, LR = 5, 8, 16, 8, 1e-2
 GRAD_TOL = 0.3
@@ -85,6 +85,8 @@ def _fsdp_world(rank: int, world: int) -> dict:
         "plain": dict(plugin=(None, None)),
         "q8_4": dict(plugin=(8, 4)),
         "q8_4_ef": dict(plugin=(8, 4), ef=True),
+        "w8g4_specs": dict(plugin=(8, 4), default_group=True),  # the specs the recipe "w8g4" names
+        "w8g4_recipe": dict(recipe="w8g4"),
         "stock_bf16": dict(plugin=None, bf16=True),
         "q8_4_bf16": dict(plugin=(8, 4), bf16=True),
         "stock_sgd_half_lr": dict(plugin=None, sgd=True, lr=LR / 2),
@@ -100,12 +102,13 @@ def _fsdp_world(rank: int, world: int) -> dict:
                 fully_shard(layer, **kw)
         fully_shard(model, **kw)
         stats = CommStats()
-        if v["plugin"] is not None:
+        if "recipe" in v:
+            assert apply_zeropp_comms(model, recipe=v["recipe"], topology=topo, stats=stats) == 4
+        elif v["plugin"] is not None:
             wb, gb = v["plugin"]
-            n = apply_zeropp_comms(
-                model, weight_bits=wb, grad_bits=gb, weight_group_size=64, topology=topo, stats=stats,
-                error_feedback=v.get("ef", False),
-            )
+            weights = None if wb is None else QuantSpec(bits=wb, group_size=None if v.get("default_group") else 64)
+            grads = None if gb is None else QuantSpec(bits=gb, error_feedback=v.get("ef", False))
+            n = apply_zeropp_comms(model, weights=weights, grads=grads, topology=topo, stats=stats)
             assert n == 4
             if "factor" in v:
                 for m in model.modules():
@@ -131,7 +134,7 @@ def _fsdp_grad_error(rank: int, topo: Topology) -> float:
                 fully_shard(layer)
         fully_shard(model)
         if plugin:
-            apply_zeropp_comms(model, weight_bits=None, grad_bits=4, topology=topo)
+            apply_zeropp_comms(model, weights=None, grads=QuantSpec(bits=4), topology=topo)
         x, y = _batch(rank, 0)
         F.mse_loss(model(x), y).backward()
         grads.append([p.grad.to_local().clone() for p in model.parameters()])
@@ -160,6 +163,9 @@ def test_fsdp2_with_zeropp_comms_tracks_stock_fsdp2() -> None:
     bf16 = r["stock_bf16"]["losses"]
     assert _tracks(bf16, stock), "bf16 compute alone should stay close"
     assert _tracks(r["q8_4_bf16"]["losses"], bf16), f"bf16 + qwZ/qgZ: {r['q8_4_bf16']['losses']} vs {bf16}"
+    # a named recipe is exactly its specs
+    assert r["w8g4_recipe"] == r["w8g4_specs"], "recipe='w8g4' must equal weights=QuantSpec(bits=8), grads=QuantSpec(bits=4)"
+    assert _tracks(r["w8g4_recipe"]["losses"], stock)
     # gradient scale: Adam hides a wrong scale, so compare one step's gradients directly
     assert all(0 < x["grad_rel_err"] < GRAD_TOL for x in res), [x["grad_rel_err"] for x in res]
     # PREMUL_SUM(1/(2W)) (emulated on gloo) halves the averaged gradient: SGD at lr equals SGD at lr/2
@@ -185,9 +191,9 @@ def _ddp_world(rank: int, world: int) -> dict:
         model = DDP(_mlp())
         stats = CommStats()
         if v is not None:
-            state = QuantizedAllReduceState(
-                bits=v[0], intra_bits=8 if v[0] else None, gather_bits=v[2], topology=topo, stats=stats, error_feedback=v[1]
-            )
+            grads = None if v[0] is None else QuantSpec(bits=v[0], intra_bits=8, error_feedback=v[1])
+            gather = None if v[2] is None else QuantSpec(bits=v[2])
+            state = QuantizedAllReduceState(grads=grads, gather=gather, topology=topo, stats=stats)
             model.register_comm_hook(state, quantized_allreduce_hook)
         out[name] = {"losses": _train(model, rank, world), "bytes": stats.snapshot()}
     out["reference"] = _reference_losses(world)
@@ -195,7 +201,7 @@ def _ddp_world(rank: int, world: int) -> dict:
     for hook in (False, True):  # one step's averaged gradients, INT4 hook vs stock DDP
         model = DDP(_mlp())
         if hook:
-            model.register_comm_hook(QuantizedAllReduceState(bits=4, topology=topo), quantized_allreduce_hook)
+            model.register_comm_hook(QuantizedAllReduceState(grads=QuantSpec(bits=4), topology=topo), quantized_allreduce_hook)
         x, y = _batch(rank, 0)
         F.mse_loss(model(x), y).backward()
         grads.append([p.grad.clone() for p in model.parameters()])

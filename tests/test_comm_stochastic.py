@@ -1,4 +1,4 @@
-"""Stochastic rounding through the quantized collectives (``stochastic=True``, seed rule of
+"""Stochastic rounding through the quantized collectives (``QuantSpec(rounding="stochastic")``, seed rule of
 ``zeropp.comm.stochastic``): the collectives use exactly the documented kernel seed per
 (seed, global rank, call index, hop); the result is unbiased where round-to-nearest has a fixed
 bias; noise differs across calls and ranks and replays after resetting the call counter.
@@ -24,10 +24,17 @@ from zeropp.comm import (
     stochastic_calls,
     stochastic_seed,
 )
+from zeropp.comm.spec import QuantSpec
 from zeropp.comm.qgz import swizzle
 from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize
 
 SEED = 1234
+
+
+def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
+    """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
+    return QuantSpec(bits=bits, group_size=group_size, intra_bits=intra_bits, seed=seed,
+                     rounding="stochastic" if stochastic else "nearest")
 CALLS = 50  # calls averaged in the unbiasedness checks
 
 
@@ -49,8 +56,7 @@ def _gather_exact(rank, W, topo, stats):
     for bits in (8, 4):
         call = stochastic_calls()
         out = torch.empty(W * n)
-        quantized_all_gather(out, xs[rank], bits=bits, group_size=128, topology=topo, stats=stats,
-                             stochastic=True, seed=SEED)
+        quantized_all_gather(out, xs[rank], spec=sr_spec(bits, 128), topology=topo, stats=stats)
         assert stochastic_calls() == call + 1
         want = torch.cat([dequantize(quantize(xs[r], bits, 128, stochastic=True,
                                               seed=stochastic_seed(SEED, r, call))).view(-1) for r in range(W)])
@@ -65,7 +71,7 @@ def _reduce_scatter_exact(rank, W, topo, stats):
     xs = [rank_input(9, r, W * n, torch.float32) for r in range(W)]
     call = stochastic_calls()
     out = torch.empty(n)
-    quantized_reduce_scatter(out, xs[rank], topology=topo, stats=stats, stochastic=True, seed=SEED)
+    quantized_reduce_scatter(out, xs[rank], spec=sr_spec(4), topology=topo, stats=stats)
     qs = [quantize(xs[r].view(W, n), 4, 128, rows=W, stochastic=True, seed=stochastic_seed(SEED, r, call, 0))
           for r in range(W)]
     acc = torch.zeros(n)
@@ -86,8 +92,7 @@ def _unbiased(rank, W, topo, stats):
 
             def call(stochastic, x=x, bits=bits):
                 out = torch.empty(W * n)
-                quantized_all_gather(out, x, bits=bits, group_size=gs, topology=topo, stats=stats,
-                                     stochastic=stochastic, seed=SEED)
+                quantized_all_gather(out, x, spec=sr_spec(bits, gs, stochastic=stochastic), topology=topo, stats=stats)
                 return out
         else:
             x, mask = _crafted(W * n, gs, bits)  # every rank sends the same [W, n]: AVG = x's chunk
@@ -95,8 +100,8 @@ def _unbiased(rank, W, topo, stats):
 
             def call(stochastic, x=x, bits=bits):
                 out = torch.empty(n)
-                quantized_reduce_scatter(out, x, bits=bits, group_size=gs, topology=topo, stats=stats,
-                                         stochastic=stochastic, seed=SEED)
+                quantized_reduce_scatter(out, x, spec=sr_spec(bits, gs, stochastic=stochastic), topology=topo,
+                                         stats=stats)
                 return out
 
         nearest = [call(False) for _ in range(3)]
@@ -123,50 +128,49 @@ def _noise_differs(rank, W, topo, stats):
     outs = []
     for _ in range(2):
         out = torch.empty(W * n)
-        quantized_all_gather(out, x, bits=4, group_size=64, topology=topo, stats=stats, stochastic=True, seed=SEED)
+        quantized_all_gather(out, x, spec=sr_spec(4, 64), topology=topo, stats=stats)
         outs.append(out)
     assert not torch.equal(outs[0], outs[1]), "two calls must draw different noise"
     halves = outs[0].view(W, n)
     assert not torch.equal(halves[0], halves[1]), "two ranks must draw different noise"
     other = torch.empty(W * n)
-    quantized_all_gather(other, x, bits=4, group_size=64, topology=topo, stats=stats, stochastic=True, seed=SEED + 1)
+    quantized_all_gather(other, x, spec=sr_spec(4, 64, seed=SEED + 1), topology=topo, stats=stats)
     assert not torch.equal(other, outs[0])  # a different base seed: different noise
     reset_stochastic_calls(start)
     again = torch.empty(W * n)
-    quantized_all_gather(again, x, bits=4, group_size=64, topology=topo, stats=stats, stochastic=True, seed=SEED)
+    quantized_all_gather(again, x, spec=sr_spec(4, 64), topology=topo, stats=stats)
     assert torch.equal(again, outs[0]), "same (seed, rank, call) must replay"
-    # plain collectives and stochastic=False take no call index
+    # plain collectives (spec=None) and rounding="nearest" take no call index
     before = stochastic_calls()
-    quantized_all_gather(torch.empty(W * n), x, bits=None, topology=topo, stats=stats, stochastic=True)
-    quantized_all_gather(torch.empty(W * n), x, bits=8, topology=topo, stats=stats)
+    quantized_all_gather(torch.empty(W * n), x, spec=None, topology=topo, stats=stats)
+    quantized_all_gather(torch.empty(W * n), x, spec=QuantSpec(bits=8), topology=topo, stats=stats)
     assert stochastic_calls() == before
     # all-reduce: both quantized halves take one index each
     t = x.clone()
-    quantized_all_reduce(t, bits=8, gather_bits=8, topology=topo, stats=stats, stochastic=True, seed=SEED)
+    quantized_all_reduce(t, spec=sr_spec(8), gather_spec=sr_spec(8), topology=topo, stats=stats)
     assert stochastic_calls() == before + 2 and torch.allclose(t, x, atol=float(x.abs().max()) / 50)
 
 
 def _bad_seed(rank, W, topo, stats):
     for bad in (-1, 2**63, 1.5):
         with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
-            quantized_all_gather(torch.empty(W * 4), torch.ones(4), topology=topo, stats=stats, stochastic=True, seed=bad)
+            quantized_all_gather(torch.empty(W * 4), torch.ones(4), spec=sr_spec(8, seed=bad), topology=topo, stats=stats)
         with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
-            quantized_reduce_scatter(torch.empty(4), torch.ones(W * 4), topology=topo, stats=stats,
-                                     stochastic=True, seed=bad)
+            quantized_reduce_scatter(torch.empty(4), torch.ones(W * 4), spec=sr_spec(4, seed=bad), topology=topo,
+                                     stats=stats)
 
 
 def _plugins(rank, W, topo, stats):
-    """The FSDP2 plug-ins pass stochastic/seed through: same result as the direct call at that index."""
+    """The FSDP2 plug-ins pass the spec's rounding/seed through: same result as the direct call at that index."""
     from zeropp.comm.fsdp import QuantizedAllGather, QuantizedReduceScatter
 
     x = rank_input(5, rank, 2 * W * 64, torch.float32)
     for plug, direct, out_n in (
-        (lambda o: QuantizedAllGather(8, 128, topology=topo, stats=stats, stochastic=True, seed=SEED)(o, x[:128], None),
-         lambda o: quantized_all_gather(o, x[:128], bits=8, group_size=128, topology=topo, stats=stats,
-                                        stochastic=True, seed=SEED), W * 128),
-        (lambda o: QuantizedReduceScatter(4, topology=topo, stats=stats, stochastic=True, seed=SEED)(
+        (lambda o: QuantizedAllGather(sr_spec(8, 128), topology=topo, stats=stats)(o, x[:128], None),
+         lambda o: quantized_all_gather(o, x[:128], spec=sr_spec(8, 128), topology=topo, stats=stats), W * 128),
+        (lambda o: QuantizedReduceScatter(sr_spec(4), topology=topo, stats=stats)(
             o, x, None, torch.distributed.ReduceOp.AVG),
-         lambda o: quantized_reduce_scatter(o, x, bits=4, topology=topo, stats=stats, stochastic=True, seed=SEED),
+         lambda o: quantized_reduce_scatter(o, x, spec=sr_spec(4), topology=topo, stats=stats),
          x.numel() // W),
     ):
         start = stochastic_calls()
@@ -181,10 +185,10 @@ def test_plugin_settings_validate_the_seed():
     from zeropp.comm.ddp import QuantizedAllReduceState
     from zeropp.comm.fsdp import QuantizedAllGather, QuantizedReduceScatter
 
-    assert QuantizedAllReduceState(bits=4, stochastic=True, seed=3).stochastic
-    for make in (lambda: QuantizedAllGather(8, stochastic=True, seed=-1),
-                 lambda: QuantizedReduceScatter(4, stochastic=True, seed=2**63),
-                 lambda: QuantizedAllReduceState(bits=4, stochastic=True, seed=-5)):
+    assert QuantizedAllReduceState(grads=sr_spec(4, seed=3)).grads.stochastic
+    for make in (lambda: QuantizedAllGather(sr_spec(8, seed=-1)),
+                 lambda: QuantizedReduceScatter(sr_spec(4, seed=2**63)),
+                 lambda: QuantizedAllReduceState(grads=sr_spec(4, seed=-5))):
         with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
             make()
     assert stochastic_seed(None, 0, 0) == stochastic_seed(0, 0, 0)
@@ -210,8 +214,7 @@ def _world_2x2(rank, W):
     reset_stochastic_calls(5)
     xs = [rank_input(11, r, W * n, torch.float32) for r in range(W)]
     out = torch.empty(n)
-    quantized_reduce_scatter(out, xs[rank], intra_bits=ib, bits=b, group_size=gs, topology=topo, stats=stats,
-                             stochastic=True, seed=SEED)
+    quantized_reduce_scatter(out, xs[rank], spec=sr_spec(b, gs, intra_bits=ib), topology=topo, stats=stats)
     first = [quantize(swizzle(xs[r].view(W, n), nodes, rpn), ib, gs, rows=W, stochastic=True,
                       seed=stochastic_seed(SEED, r, 5, 0)) for r in range(W)]  # rows l*nodes + m -> local peer l
     node, local = divmod(rank, rpn)
@@ -230,11 +233,11 @@ def _world_2x2(rank, W):
     outs = []
     for _ in range(CALLS):
         o = torch.empty(n)
-        quantized_reduce_scatter(o, x, intra_bits=ib, bits=b, group_size=gs, topology=topo, stats=stats,
-                                 stochastic=True, seed=SEED)
+        quantized_reduce_scatter(o, x, spec=sr_spec(b, gs, intra_bits=ib), topology=topo, stats=stats)
         outs.append(o)
     near = torch.empty(n)
-    quantized_reduce_scatter(near, x, intra_bits=ib, bits=b, group_size=gs, topology=topo, stats=stats)
+    quantized_reduce_scatter(near, x, spec=sr_spec(b, gs, intra_bits=ib, stochastic=False), topology=topo,
+                             stats=stats)
     runs = torch.stack(outs)
     step4 = 1.0 / 7  # the 4-bit cross hop dominates the error
     rms_one = float(((runs[0] - exact)[m] / step4).pow(2).mean().sqrt())

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from zeropp.comm import CommStats, ErrorFeedback, Topology
+from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology
 from zeropp.comm.qgz import swizzle, unswizzle
 
 
@@ -91,13 +91,47 @@ def test_error_feedback_buckets() -> None:
 
 
 def test_plugins_refuse_a_plain_value_on_one_side_of_bits_and_intra_bits() -> None:
-    """Checked when the plug-in is built, not in the first backward (no process group needed)."""
+    """Checked when the spec (and so the plug-in) is built, not in the first backward (no process
+    group needed)."""
     from zeropp.comm.ddp import QuantizedAllReduceState
     from zeropp.comm.fsdp import QuantizedReduceScatter
 
-    for make in (lambda b, ib: QuantizedAllReduceState(bits=b, intra_bits=ib), QuantizedReduceScatter):
+    def spec(b, ib):  # the old (bits, intra_bits) pair as a spec; both plain = spec None
+        return None if b is None and ib is None else QuantSpec(bits=b, intra_bits=ib)
+
+    for make in (lambda b, ib: QuantizedAllReduceState(grads=spec(b, ib)), lambda b, ib: QuantizedReduceScatter(spec(b, ib))):
         with pytest.raises(ValueError, match="unquantized intra-node hop"):
             make(4, 16)
-        with pytest.raises(ValueError, match="no effect with bits=None"):
+        with pytest.raises(ValueError, match="bits=None means no quantization; pass spec=None"):
             make(None, 8)
-        make(4, 8), make(None, None), make(None, 32), make(8, None)  # all fine
+        make(4, 8), make(None, None), make(8, None)  # all fine (both plain: spec None)
+
+
+def test_plugins_check_spec_and_error_feedback_when_built() -> None:
+    """Per-hop settings on a one-hop gather, specs of the wrong type and recipe misuse are refused
+    when the plug-in is built; error-feedback state is created by the plug-in that owns it."""
+    from torch import nn
+
+    from zeropp.comm.ddp import QuantizedAllReduceState
+    from zeropp.comm.fsdp import QuantizedAllGather, QuantizedReduceScatter, apply_zeropp_comms
+
+    with pytest.raises(ValueError, match="intra_bits=8 does nothing for an all-gather"):
+        QuantizedAllGather(QuantSpec(bits=4, intra_bits=8))
+    with pytest.raises(ValueError, match="error_feedback=True does nothing for an all-gather"):
+        QuantizedAllReduceState(grads=QuantSpec(bits=4), gather=QuantSpec(bits=8, error_feedback=True))
+    with pytest.raises(TypeError, match="must be a zeropp.comm.QuantSpec"):
+        QuantizedReduceScatter(4)
+    rs = QuantizedReduceScatter(QuantSpec(bits=4, error_feedback=True))
+    assert isinstance(rs.error_feedback, ErrorFeedback)
+    assert QuantizedReduceScatter(QuantSpec(bits=4)).error_feedback is None
+    st = QuantizedAllReduceState(grads=QuantSpec(bits=4, error_feedback=True))
+    assert isinstance(st.feedback, ErrorFeedback) and QuantizedAllReduceState(grads=None).feedback is None
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="either recipe="):
+        apply_zeropp_comms(model, recipe="w8g4", weights=QuantSpec(bits=8))
+    with pytest.raises(ValueError, match=r"reshard_after_forward=<ranks per node>"):
+        apply_zeropp_comms(model, recipe="zeropp")
+    with pytest.raises(ValueError, match="unknown quantization recipe 'int3'"):
+        apply_zeropp_comms(model, recipe="int3")
+    with pytest.raises(ValueError, match="no FSDP module"):
+        apply_zeropp_comms(model, recipe="w8g4")

@@ -7,27 +7,39 @@ and, through the plug-ins in ``zeropp.comm.fsdp`` / ``zeropp.comm.ddp``, by stoc
 from torch.distributed import ReduceOp
 
 from .backend import CommHandle
+from .codecs import Codec, IntCodec, codec_for, register_codec, unregister_codec
 from .collectives import all_reduce, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
-from .qgz import ErrorFeedback
+from .feedback import ErrorFeedback
+from .spec import RECIPES, QuantRecipe, QuantSpec, register_scheme, schemes
 from .stats import CommStats, get_comm_stats
 from .stochastic import reset_stochastic_calls, stochastic_calls, stochastic_seed
 from .topology import Topology, TopologyGroups, get_topology, set_topology
 
 __all__ = [
+    "RECIPES",
+    "Codec",
     "CommHandle",
     "CommStats",
     "ErrorFeedback",
+    "IntCodec",
+    "QuantRecipe",
+    "QuantSpec",
     "ReduceOp",
     "Topology",
     "TopologyGroups",
     "all_reduce",
+    "codec_for",
     "get_comm_stats",
     "get_topology",
     "quantized_all_gather",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
+    "register_codec",
+    "register_scheme",
     "reset_stochastic_calls",
+    "schemes",
     "set_topology",
     "stochastic_calls",
     "stochastic_seed",
+    "unregister_codec",
 ]

@@ -12,11 +12,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..kernels import QuantizedTensor, SUPPORTED_BITS, num_groups, row_bytes
-from ..kernels.layout import QUANT_FLOAT_DTYPES, check_group_size
+from zeropp.kernels.layout import QUANT_FLOAT_DTYPES
 
-PLAIN_BITS = (None, 16, 32)
-"""``bits`` values meaning "no quantization": the plain backend collective is used."""
+from .feedback import ErrorFeedback
+from .spec import QuantSpec
 
 ReduceOpLike = Union[dist.ReduceOp, "dist.ReduceOp.RedOpType"]
 """``ReduceOp.SUM`` / ``AVG`` (enum values) or a ``ReduceOp`` object such as ``PREMUL_SUM(f)``."""
@@ -82,54 +81,60 @@ def backend_all_to_all(out: torch.Tensor, inp: torch.Tensor, group, async_op: bo
 
 
 # ---------------------------------------------------------------------------------- checks
-def is_plain(bits: Optional[int]) -> bool:
-    return bits in PLAIN_BITS
-
-
-def check_bits_arg(bits: Optional[int], name: str = "bits") -> None:
-    if bits not in PLAIN_BITS and bits not in SUPPORTED_BITS:
-        raise ValueError(
-            f"{name}={bits!r} is not supported; use one of {SUPPORTED_BITS} to quantize, or None "
-            f"(16/32 mean the same) for the plain collective"
+def check_spec_type(spec: object, name: str = "spec") -> Optional[QuantSpec]:
+    """``spec`` must be a :class:`QuantSpec` or None (= the plain collective)."""
+    if spec is not None and not isinstance(spec, QuantSpec):
+        raise TypeError(
+            f"{name} must be a zeropp.comm.QuantSpec or None (plain collective), got {type(spec).__name__}; "
+            f"e.g. {name}=QuantSpec(bits=8)"
         )
+    return spec
 
 
-def resolve_intra_bits(bits: Optional[int], intra_bits: Optional[int]) -> Optional[int]:
-    """Check a reduce-scatter's ``bits`` / ``intra_bits`` pair; return the intra hop's bits.
-
-    ``intra_bits=None`` means "as ``bits``". A plain value on one side and a quantized value on
-    the other is refused rather than silently ignored: ``bits=None, intra_bits=8`` would run a plain
-    reduce-scatter, and ``bits=4, intra_bits=16`` would quantize the intra-node hop to 4 bits,
-    though the caller asked for it unquantized (qgZ has no unquantized intra-node hop).
-    """
-    check_bits_arg(bits)
-    check_bits_arg(intra_bits, "intra_bits")
-    if intra_bits is None:
-        return bits
-    if is_plain(bits) and not is_plain(intra_bits):
+def check_gather_spec(spec: Optional[QuantSpec], name: str = "spec") -> Optional[QuantSpec]:
+    """An all-gather has one hop and rounds nothing it could carry over: a spec asking for
+    per-hop bits or error feedback would be silently ignored, so it is refused."""
+    check_spec_type(spec, name)
+    if spec is not None and spec.intra_bits is not None:
         raise ValueError(
-            f"intra_bits={intra_bits} has no effect with bits={bits!r} (a plain reduce-scatter); "
-            f"set bits to quantize, or intra_bits=None"
+            f"{name}.intra_bits={spec.intra_bits} does nothing for an all-gather (one hop); "
+            f"set intra_bits=None (it applies to reduce-scatters only)"
         )
-    if not is_plain(bits) and is_plain(intra_bits):
+    if spec is not None and spec.error_feedback:
         raise ValueError(
-            f"intra_bits={intra_bits} asks for an unquantized intra-node hop, which qgZ does not have "
-            f"(its intra-node hop is quantized); use intra_bits=None (= bits={bits}), 8 or 4, or bits=None"
+            f"{name}.error_feedback=True does nothing for an all-gather (no residual is carried to a "
+            f"next call); set error_feedback=False (it applies to reduce-scatters only)"
         )
-    return bits if is_plain(intra_bits) else intra_bits
+    return spec
 
 
-def check_group_size_arg(group_size: int, bits_list: Sequence[Optional[int]]) -> None:
-    for b in bits_list:
-        if b in SUPPORTED_BITS:
-            check_group_size(group_size, b)
+def check_reduce_spec(spec: Optional[QuantSpec], error_feedback: Optional[ErrorFeedback],
+                      name: str = "spec") -> Optional[QuantSpec]:
+    """A reduce-scatter's spec and its error-feedback state must agree: the spec says *whether*
+    residuals are kept, the caller-owned :class:`ErrorFeedback` *holds* them."""
+    check_spec_type(spec, name)
+    if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
+        raise TypeError(f"error_feedback must be a zeropp.comm.ErrorFeedback, got {type(error_feedback).__name__}")
+    wants = spec is not None and spec.error_feedback
+    if wants and error_feedback is None:
+        raise ValueError(
+            f"{name}.error_feedback=True but no error_feedback state was passed; pass "
+            f"error_feedback=ErrorFeedback() (owned by the caller, one per model) and a feedback_key per bucket"
+        )
+    if error_feedback is not None and not wants:
+        what = "spec=None (a plain reduce-scatter rounds nothing)" if spec is None else f"{name}.error_feedback=False"
+        raise ValueError(
+            f"an error_feedback state was passed with {what}; set {name}=QuantSpec(..., "
+            f"error_feedback=True) to use it, or pass error_feedback=None"
+        )
+    return spec
 
 
 def check_float(t: torch.Tensor, what: str) -> None:
     if t.dtype not in QUANT_FLOAT_DTYPES:
         raise ValueError(
             f"{what} has dtype {t.dtype}; quantized collectives take float32, bfloat16 or float16 "
-            f"(pass bits=None for a plain collective of other dtypes)"
+            f"(pass spec=None for a plain collective of other dtypes)"
         )
 
 
@@ -155,24 +160,3 @@ def parse_op(op: ReduceOpLike) -> tuple[str, float]:
         f = op.factor
         return "premul_sum", float(f.item() if isinstance(f, torch.Tensor) else f)
     return str(code).split(".")[-1].lower(), 1.0
-
-
-# ---------------------------------------------------------------------------------- wire format
-def wire_row_bytes(cols: int, bits: int, group_size: int) -> int:
-    """Bytes of one packed quantized row: codes then fp32 scales (= kernels.quantized_nbytes(1, ...))."""
-    return row_bytes(cols, bits, group_size) + 4 * num_groups(cols, group_size)
-
-
-def pack(q: QuantizedTensor) -> torch.Tensor:
-    """QuantizedTensor [..., rows, *] -> uint8 [..., rows, row_bytes + 4*groups]: one message
-    per hop instead of two (codes and scales travel together)."""
-    return torch.cat([q.codes.view(torch.uint8), q.scales.contiguous().view(torch.uint8)], dim=-1)
-
-
-def unpack(buf: torch.Tensor, cols: int, bits: int, group_size: int) -> QuantizedTensor:
-    """Inverse of :func:`pack` for a buffer [..., rows, wire_row_bytes]."""
-    rb = row_bytes(cols, bits, group_size)
-    codes = buf[..., :rb].contiguous()
-    codes = codes.view(torch.int8) if bits == 8 else codes
-    scales = buf[..., rb:].contiguous().view(torch.float32)
-    return QuantizedTensor(codes, scales, cols, bits, group_size)

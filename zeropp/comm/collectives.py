@@ -1,8 +1,13 @@
 """The public collectives: qwZ all-gather, qgZ reduce-scatter, all-reduce, all with byte accounting.
 
-Signatures follow ``torch.distributed`` (``output, input, [op,] group, async_op``); ``bits=None``
-(or 16/32) selects the plain backend collective, so a caller switches quantization with one
-argument. The accounting convention is in ``stats.py``.
+Signatures follow ``torch.distributed`` (``output, input, [op,] group``) plus keywords: one
+``spec`` (a :class:`~zeropp.comm.spec.QuantSpec`, or None for the plain backend collective) says
+how the payload is quantized, so a caller switches quantization with one argument and a new
+scheme (``codecs.register_codec``) reaches every collective without editing them. The
+accounting convention is in ``stats.py``; the stochastic-rounding seed rule in ``stochastic.py``.
+
+Device rule: everything handed to the backend (packed rows, receive buffers, temporaries) is
+allocated on the input's device, which under NCCL is the process group's device.
 """
 
 from __future__ import annotations
@@ -12,26 +17,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE, dequantize, quantize
+from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+
 from . import qgz, stochastic as sr
 from .backend import (
     CommHandle,
     ReduceOpLike,
     backend_all_gather,
     backend_reduce_scatter,
-    check_bits_arg,
     check_contiguous,
     check_float,
-    check_group_size_arg,
+    check_gather_spec,
     check_member,
+    check_reduce_spec,
     finish_or_handle,
-    is_plain,
-    pack,
     parse_op,
-    resolve_intra_bits,
-    unpack,
-    wire_row_bytes,
 )
+from .codecs import codec_for
+from .feedback import ErrorFeedback
+from .spec import QuantSpec
 from .stats import CommStats, get_comm_stats, group_ranks, peer_bytes, record_sends
 from .topology import Topology, resolve_topology
 
@@ -43,33 +47,27 @@ def quantized_all_gather(
     input_tensor: torch.Tensor,
     group: Optional[dist.ProcessGroup] = None,
     *,
-    bits: Optional[int] = 8,
-    group_size: Optional[int] = None,
+    spec: Optional[QuantSpec] = None,
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
     kind: str = "all_gather",
     async_op: bool = False,
-    stochastic: bool = False,
-    seed: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """qwZ: gather every member's shard into ``output_tensor`` ([W * n], member order).
 
-    Quantized (bits 4/8): each rank block-quantizes its shard (``group_size`` elements per fp32
-    scale, default 512), codes and scales are packed into one byte message and all-gathered,
-    and the result is dequantized into ``output_tensor``, whose dtype sets the output precision.
-    The input is read (quantized) before the output is written, so the input may be a view into
-    the output, as FSDP2 passes it. Plain (bits None/16/32): the backend all-gather.
+    Quantized (``spec`` given): each rank quantizes its shard with the codec of ``spec.scheme``
+    at ``spec.bits`` (``spec.group_size`` elements per scale, default 512), the wire row is
+    all-gathered, and the rows are dequantized into ``output_tensor``, whose dtype sets the
+    output precision. The input is read (quantized) before the output is written, so the input
+    may be a view into the output, as FSDP2 passes it. ``spec=None``: the backend all-gather.
+    A spec with ``intra_bits`` or ``error_feedback`` is refused (one hop, nothing carried over).
 
-    ``stochastic=True`` rounds stochastically (unbiased: the expected dequantized shard is the
-    shard). Each such call takes the next index of a per-process counter and quantizes with
-    the kernel seed ``stochastic_seed(seed, global rank, call index, 0)`` (``zeropp.comm.stochastic``;
-    ``seed`` None = 0, else an int in [0, 2**63)): different noise on every rank and every call,
-    reproducible for a given (seed, rank, call index). Ignored (no index taken) when plain.
+    ``spec.rounding="stochastic"`` rounds stochastically (unbiased). Each such call takes the
+    next index of a per-process counter and quantizes with the kernel seed
+    ``stochastic_seed(spec.seed, global rank, call index, 0)`` (``zeropp.comm.stochastic``):
+    different noise on every rank and every call, reproducible for a given (seed, rank, call).
     """
-    check_bits_arg(bits)
-    base_seed = sr.check_base_seed(seed)
-    gs = DEFAULT_WEIGHT_GROUP_SIZE if group_size is None else group_size
-    check_group_size_arg(gs, [bits])
+    check_gather_spec(spec)
     topo = resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "all-gather")
@@ -82,16 +80,18 @@ def quantized_all_gather(
     check_contiguous(output_tensor, "all-gather output")
     if output_tensor.device != input_tensor.device:
         raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
-    if not is_plain(bits):
+    if spec is not None:
         check_float(input_tensor, "all-gather input")
         check_float(output_tensor, "all-gather output")
     stats = stats if stats is not None else _default_stats()
     stats.count_call(kind)
-    kseed = sr.stochastic_seed(base_seed, dist.get_rank(), sr.next_call()) if stochastic and not is_plain(bits) else 0
+    kseed = None
+    if spec is not None and spec.stochastic:
+        kseed = sr.stochastic_seed(spec.seed, dist.get_rank(), sr.next_call())
     if n == 0:
         return finish_or_handle([], None, async_op)
 
-    if is_plain(bits):
+    if spec is None:
         inp = input_tensor.reshape(-1)
         record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", inp.numel() * inp.element_size(), len(ranks)))
         if output_tensor.dtype == inp.dtype:
@@ -101,15 +101,20 @@ def quantized_all_gather(
         work = backend_all_gather(tmp, inp.contiguous(), group, async_op)
         return finish_or_handle([work], lambda: output_tensor.view(-1).copy_(tmp), async_op)
 
-    q = quantize(input_tensor.reshape(-1), bits, gs, rows=1, stochastic=bool(stochastic), seed=kseed)  # reads input first
-    send = pack(q).view(-1)  # [B] = codes + scales of my shard
-    B = wire_row_bytes(n, bits, gs)
-    recv = torch.empty(W * B, dtype=torch.uint8, device=send.device)
+    codec = codec_for(spec)
+    bits = spec.bits
+    gs = DEFAULT_WEIGHT_GROUP_SIZE if spec.group_size is None else spec.group_size
+    send = codec.encode(input_tensor.reshape(-1), bits, gs, rows=1, seed=kseed).view(-1)  # [B]; reads input first
+    B = codec.wire_bytes(n, bits, gs)
+    if send.numel() != B or send.dtype != torch.uint8:
+        raise RuntimeError(f"codec {spec.scheme!r} packed a {send.dtype} row of {send.numel()} bytes; "
+                           f"its wire_bytes says {B} uint8 bytes")
+    recv = torch.empty(W * B, dtype=torch.uint8, device=send.device)  # [W * B] on the input's device
     record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", B, len(ranks)))
     work = backend_all_gather(recv, send, group, async_op)
 
     def finish() -> None:
-        dequantize(unpack(recv.view(W, B), n, bits, gs), out=output_tensor)  # [W, n] into output
+        codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)  # [W, n] into output
 
     return finish_or_handle([work], finish, async_op)
 
@@ -120,42 +125,35 @@ def quantized_reduce_scatter(
     op: ReduceOpLike = ReduceOp.AVG,
     group: Optional[dist.ProcessGroup] = None,
     *,
-    bits: Optional[int] = 4,
-    intra_bits: Optional[int] = None,
-    group_size: Optional[int] = None,
-    topology: Optional[Topology] = None,
-    error_feedback: Optional[qgz.ErrorFeedback] = None,
+    spec: Optional[QuantSpec] = None,
+    error_feedback: Optional[ErrorFeedback] = None,
     feedback_key: str = "default",
+    topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
     kind: str = "reduce_scatter",
     async_op: bool = False,
-    stochastic: bool = False,
-    seed: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """qgZ: reduce ``input_tensor`` ([W * n], W chunks) over the group; member ``j`` gets chunk ``j``
     (summed, or averaged over all W members for AVG; PREMUL_SUM(f) sums ``f * x``) in
     ``output_tensor`` ([n]), as ``reduce_scatter_tensor`` would.
 
-    Quantized: ``bits`` (default 4) for the cross-node hop, ``intra_bits`` (default = ``bits``)
-    for the intra-node hop; ``group_size`` elements per scale (default 128). Over the whole world
-    of a multi-node ``topology`` the hierarchical two-hop algorithm of ``qgz.py`` runs; otherwise
-    (one node, one rank per node, or a sub-group) a single quantized all-to-all. Error feedback:
-    pass an :class:`ErrorFeedback` and a ``feedback_key`` per bucket (see ``qgz.py``).
-    Plain (bits None/16/32): the backend reduce-scatter (PREMUL_SUM emulated on gloo); error
-    feedback does not apply there (nothing is rounded away).
+    Quantized (``spec`` given): ``spec.bits`` for the cross-node hop, ``spec.intra_bits``
+    (default = bits) for the intra-node hop, ``spec.group_size`` elements per scale (default
+    128), all through the codec of ``spec.scheme``. Over the whole world of a multi-node
+    ``topology`` the hierarchical two-hop algorithm of ``qgz.py`` runs; otherwise (one node, one
+    rank per node, or a sub-group) a single quantized all-to-all. ``spec=None``: the backend
+    reduce-scatter (PREMUL_SUM emulated on gloo).
 
-    ``stochastic=True`` rounds every quantization stochastically (unbiased). The call takes the
-    next index of the per-process counter shared with :func:`quantized_all_gather`; this rank's
-    first quantization uses the kernel seed ``stochastic_seed(seed, global rank, call index, 0)``,
-    the hierarchical re-quantization ``stochastic_seed(..., 1)`` (``zeropp.comm.stochastic``).
-    Ignored (no index taken) when plain.
+    Error feedback: ``spec.error_feedback=True`` *and* a caller-owned :class:`ErrorFeedback` in
+    ``error_feedback``, with one ``feedback_key`` per gradient bucket (see ``feedback.py``); one
+    without the other is a ValueError.
+
+    ``spec.rounding="stochastic"``: the call takes the next index of the per-process counter
+    shared with :func:`quantized_all_gather`; this rank's first quantization uses the kernel seed
+    ``stochastic_seed(spec.seed, global rank, call index, 0)``, the hierarchical re-quantization
+    ``stochastic_seed(..., 1)`` (``zeropp.comm.stochastic``).
     """
-    intra_bits = resolve_intra_bits(bits, intra_bits)
-    base_seed = sr.check_base_seed(seed)
-    gs = DEFAULT_GRAD_GROUP_SIZE if group_size is None else group_size
-    plain = is_plain(bits)
-    if not plain:
-        check_group_size_arg(gs, [bits, intra_bits])
+    check_reduce_spec(spec, error_feedback)
     topo = resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "reduce-scatter")
@@ -171,26 +169,27 @@ def quantized_reduce_scatter(
         raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
     op_name, factor = parse_op(op)
     stats = stats if stats is not None else _default_stats()
-    if plain:
+    if spec is None:
         stats.count_call(kind)
         if n == 0:
             return finish_or_handle([], None, async_op)
         return _plain_reduce_scatter(output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats, kind, async_op)
     if op_name not in ("sum", "avg", "premul_sum"):
-        raise ValueError(f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use bits=None")
+        raise ValueError(f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None")
     check_float(input_tensor, "reduce-scatter input")
     check_float(output_tensor, "reduce-scatter output")
-    if error_feedback is not None and not isinstance(error_feedback, qgz.ErrorFeedback):
-        raise TypeError(f"error_feedback must be a zeropp.comm.ErrorFeedback, got {type(error_feedback).__name__}")
+    codec = codec_for(spec)
     stats.count_call(kind)
     seeds = None
-    if stochastic:
+    if spec.stochastic:
         me, call = dist.get_rank(), sr.next_call()
-        seeds = (sr.stochastic_seed(base_seed, me, call, 0), sr.stochastic_seed(base_seed, me, call, 1))
+        seeds = (sr.stochastic_seed(spec.seed, me, call, 0), sr.stochastic_seed(spec.seed, me, call, 1))
     if n == 0:
         return finish_or_handle([], None, async_op)
     post_scale = factor / W if op_name == "avg" else factor
-    plan = qgz.QgzPlan(topo, ranks, n, bits, intra_bits, gs)
+    intra_bits, bits = spec.hop_bits
+    gs = DEFAULT_GRAD_GROUP_SIZE if spec.group_size is None else spec.group_size
+    plan = qgz.QgzPlan(topo, ranks, n, bits, intra_bits, gs, codec)
     return qgz.run(plan, output_tensor, input_tensor, post_scale, group, error_feedback, feedback_key, stats, kind,
                    async_op, seeds)
 
@@ -249,37 +248,30 @@ def quantized_all_reduce(
     op: ReduceOpLike = ReduceOp.AVG,
     group: Optional[dist.ProcessGroup] = None,
     *,
-    bits: Optional[int] = 4,
-    intra_bits: Optional[int] = None,
-    gather_bits: Optional[int] = None,
-    group_size: Optional[int] = None,
-    gather_group_size: Optional[int] = None,
-    topology: Optional[Topology] = None,
-    error_feedback: Optional[qgz.ErrorFeedback] = None,
+    spec: Optional[QuantSpec] = None,
+    gather_spec: Optional[QuantSpec] = None,
+    error_feedback: Optional[ErrorFeedback] = None,
     feedback_key: str = "default",
+    topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
     kind: str = "all_reduce",
-    stochastic: bool = False,
-    seed: Optional[int] = None,
 ) -> torch.Tensor:
-    """In-place all-reduce of any-size ``tensor`` as a (quantized) reduce-scatter of the
-    zero-padded flat tensor followed by a (``gather_bits``-quantized, default plain) all-gather.
-    Synchronous; returns ``tensor``. Both halves are recorded under ``kind``. ``stochastic`` /
-    ``seed`` apply to both halves (each quantized half takes its own call index)."""
-    sr.check_base_seed(seed)
+    """In-place all-reduce of any-size ``tensor`` as a reduce-scatter of the zero-padded flat
+    tensor (quantized by ``spec``; error feedback as in :func:`quantized_reduce_scatter`)
+    followed by an all-gather of the reduced chunks (quantized by ``gather_spec``, default
+    plain). Synchronous; returns ``tensor``. Both halves are recorded under ``kind``; each
+    stochastic half takes its own call index of the seed rule."""
+    check_reduce_spec(spec, error_feedback)
+    check_gather_spec(gather_spec, "gather_spec")
     ranks = group_ranks(group)
     W, numel = len(ranks), tensor.numel()
     n = -(-numel // W)  # ceil: chunk per rank
-    flat = torch.zeros(W * n, dtype=tensor.dtype, device=tensor.device)
+    flat = torch.zeros(W * n, dtype=tensor.dtype, device=tensor.device)  # [W * n], padded
     flat[:numel] = tensor.reshape(-1)
-    chunk = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
-    quantized_reduce_scatter(
-        chunk, flat, op, group, bits=bits, intra_bits=intra_bits, group_size=group_size, topology=topology,
-        error_feedback=error_feedback, feedback_key=feedback_key, stats=stats, kind=kind,
-        stochastic=stochastic, seed=seed,
-    )
-    quantized_all_gather(flat, chunk, group, bits=gather_bits, group_size=gather_group_size,
-                         topology=topology, stats=stats, kind=kind, stochastic=stochastic, seed=seed)
+    chunk = torch.empty(n, dtype=tensor.dtype, device=tensor.device)  # [n], my reduced chunk
+    quantized_reduce_scatter(chunk, flat, op, group, spec=spec, error_feedback=error_feedback,
+                             feedback_key=feedback_key, topology=topology, stats=stats, kind=kind)
+    quantized_all_gather(flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind)
     tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     return tensor
 

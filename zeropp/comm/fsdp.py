@@ -17,22 +17,29 @@ Usage::
 
     for layer in model.layers: fully_shard(layer)
     fully_shard(model)
-    apply_zeropp_comms(model, weight_bits=8, grad_bits=4, topology=Topology(2, 2))
+    apply_zeropp_comms(model, weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), topology=Topology(2, 2))
+    # or a named recipe: apply_zeropp_comms(model, recipe="w8g4", topology=Topology(2, 2))
+
+hpZ is not a collective here: FSDP2's own secondary partition is
+``fully_shard(..., reshard_after_forward=<ranks per node>)``, so a recipe with ``hpz=True`` is
+refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .backend import QUANT_FLOAT_DTYPES, ReduceOpLike, check_bits_arg, resolve_intra_bits
+from zeropp.kernels.layout import QUANT_FLOAT_DTYPES
+
+from .backend import ReduceOpLike, check_gather_spec, check_reduce_spec, check_spec_type
 from .collectives import quantized_all_gather, quantized_reduce_scatter
-from .qgz import ErrorFeedback
-from .stochastic import check_base_seed
+from .feedback import ErrorFeedback
+from .spec import QuantRecipe, QuantSpec
 from .stats import CommStats
 from .topology import Topology
 
@@ -45,61 +52,50 @@ class _Alloc:
 
 
 class QuantizedAllGather(_Alloc, AllGather):
-    """qwZ for FSDP2: each rank's flat shard quantized to ``bits`` (None = plain, accounted);
-    ``stochastic=True`` rounds stochastically (seed rule: ``quantized_all_gather``)."""
+    """qwZ for FSDP2: each rank's flat shard quantized by ``spec`` (None = plain, accounted);
+    stochastic rounding and its seed as in ``quantized_all_gather``."""
 
     def __init__(
         self,
-        bits: Optional[int] = 8,
-        group_size: Optional[int] = None,
+        spec: Optional[QuantSpec] = None,
         *,
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
         kind: str = "fsdp_all_gather",
-        stochastic: bool = False,
-        seed: Optional[int] = None,
     ) -> None:
-        check_bits_arg(bits)
-        self.bits, self.group_size, self.topology, self.stats, self.kind = bits, group_size, topology, stats, kind
-        self.stochastic, self.seed = bool(stochastic), check_base_seed(seed)
+        self.spec = check_gather_spec(spec)  # fail here, not in the first forward
+        self.topology, self.stats, self.kind = topology, stats, kind
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Optional[dist.Work]:
-        bits = self.bits if input_tensor.dtype in QUANT_FLOAT_DTYPES else None  # raw bytes: never quantize
+        spec = self.spec if input_tensor.dtype in QUANT_FLOAT_DTYPES else None  # raw bytes: never quantize
         return quantized_all_gather(
-            output_tensor, input_tensor, group, bits=bits, group_size=self.group_size,
+            output_tensor, input_tensor, group, spec=spec,
             topology=self.topology, stats=self.stats, kind=self.kind, async_op=async_op,
-            stochastic=self.stochastic, seed=self.seed,
         )
 
 
 class QuantizedReduceScatter(_Alloc, ReduceScatter):
     """qgZ for FSDP2: hierarchical when the group is the topology's whole multi-node world.
 
-    ``error_feedback=True`` keeps this module's residual (one instance per FSDP module, which
-    :func:`apply_zeropp_comms` ensures; the bucket is keyed by its size so a changed layout
-    starts a fresh residual instead of failing). ``stochastic=True`` rounds stochastically (seed
-    rule: ``quantized_reduce_scatter``)."""
+    ``spec.error_feedback=True`` keeps this module's residual in an :class:`ErrorFeedback` the
+    instance owns (one instance per FSDP module, which :func:`apply_zeropp_comms` ensures; the
+    bucket is keyed by its size so a changed layout starts a fresh residual instead of failing)."""
 
     def __init__(
         self,
-        bits: Optional[int] = 4,
-        intra_bits: Optional[int] = None,
-        group_size: Optional[int] = None,
+        spec: Optional[QuantSpec] = None,
         *,
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
-        error_feedback: bool = False,
         kind: str = "fsdp_reduce_scatter",
-        stochastic: bool = False,
-        seed: Optional[int] = None,
     ) -> None:
-        resolve_intra_bits(bits, intra_bits)  # fail here, not in the first backward
-        self.stochastic, self.seed = bool(stochastic), check_base_seed(seed)
-        self.bits, self.intra_bits, self.group_size = bits, intra_bits, group_size
+        check_spec_type(spec)
+        self.spec = spec
         self.topology, self.stats, self.kind = topology, stats, kind
-        self.error_feedback = ErrorFeedback() if error_feedback else None
+        self.error_feedback = ErrorFeedback() if spec is not None and spec.error_feedback else None
+        check_reduce_spec(spec, self.error_feedback)
 
     def __call__(
         self,
@@ -110,46 +106,50 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         async_op: bool = False,
     ) -> Optional[dist.Work]:
         return quantized_reduce_scatter(
-            output_tensor, input_tensor, op, group, bits=self.bits, intra_bits=self.intra_bits,
-            group_size=self.group_size, topology=self.topology, error_feedback=self.error_feedback,
-            feedback_key=f"numel{input_tensor.numel()}", stats=self.stats, kind=self.kind, async_op=async_op,
-            stochastic=self.stochastic, seed=self.seed,
+            output_tensor, input_tensor, op, group, spec=self.spec, error_feedback=self.error_feedback,
+            feedback_key=f"numel{input_tensor.numel()}", topology=self.topology, stats=self.stats,
+            kind=self.kind, async_op=async_op,
         )
 
 
 def apply_zeropp_comms(
     model: torch.nn.Module,
     *,
-    weight_bits: Optional[int] = 8,
-    grad_bits: Optional[int] = 4,
-    intra_grad_bits: Optional[int] = None,
-    weight_group_size: Optional[int] = None,
-    grad_group_size: Optional[int] = None,
+    weights: Optional[QuantSpec] = None,
+    grads: Optional[QuantSpec] = None,
+    recipe: Union[QuantRecipe, str, None] = None,
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
-    error_feedback: bool = False,
-    weight_stochastic: bool = False,
-    grad_stochastic: bool = False,
-    seed: Optional[int] = None,
 ) -> int:
-    """Install qwZ / qgZ on every FSDP module of ``model`` (after ``fully_shard``); returns how
-    many modules were set. ``None`` bits keep the plain collective (still byte-accounted).
-    ``weight_stochastic`` / ``grad_stochastic``: stochastic rounding of the weight gathers /
-    gradient reduce-scatters, base ``seed`` (see ``quantized_all_gather`` for the seed rule)."""
-    check_base_seed(seed)
+    """Install qwZ (``weights``) / qgZ (``grads``) on every FSDP module of ``model`` (after
+    ``fully_shard``); returns how many modules were set. A None spec keeps the plain collective
+    (still byte-accounted). ``recipe`` (a :class:`QuantRecipe` or a name in ``RECIPES``) sets both
+    instead, so it excludes ``weights`` / ``grads``; a recipe with ``hpz=True`` is refused (use
+    FSDP2's own ``reshard_after_forward=<ranks per node>``)."""
+    if recipe is not None:
+        if weights is not None or grads is not None:
+            raise ValueError(
+                f"apply_zeropp_comms: pass either recipe={recipe!r} or weights=/grads=, not both "
+                f"(a recipe sets both specs)"
+            )
+        if isinstance(recipe, str):
+            recipe = QuantRecipe.from_name(recipe)
+        if not isinstance(recipe, QuantRecipe):
+            raise TypeError(f"recipe must be a QuantRecipe, a recipe name or None, got {type(recipe).__name__}")
+        if recipe.hpz:
+            raise ValueError(
+                "apply_zeropp_comms: the recipe has hpz=True, but hpZ is not a collective under FSDP2: use "
+                "fully_shard(..., reshard_after_forward=<ranks per node>) for its intra-node secondary "
+                "partition, and a recipe without hpz (e.g. 'w8g4' instead of 'zeropp') here"
+            )
+        weights, grads = recipe.weights, recipe.grads
+    check_gather_spec(weights, "weights")
+    check_spec_type(grads, "grads")
     count = 0
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(
-                QuantizedAllGather(weight_bits, weight_group_size, topology=topology, stats=stats,
-                                   stochastic=weight_stochastic, seed=seed)
-            )
-            m.set_custom_reduce_scatter(
-                QuantizedReduceScatter(
-                    grad_bits, intra_grad_bits, grad_group_size, topology=topology, stats=stats,
-                    error_feedback=error_feedback, stochastic=grad_stochastic, seed=seed,
-                )
-            )
+            m.set_custom_all_gather(QuantizedAllGather(weights, topology=topology, stats=stats))
+            m.set_custom_reduce_scatter(QuantizedReduceScatter(grads, topology=topology, stats=stats))
             count += 1
     if count == 0:
         raise ValueError("apply_zeropp_comms found no FSDP module in the model; call fully_shard(...) first")

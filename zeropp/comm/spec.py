@@ -28,8 +28,9 @@ symmetric integer quantization (one fp32 scale per group, ``absmax / qmax``)."""
 
 
 def register_scheme(name: str, bits: tuple[int, ...]) -> None:
-    """Declare a quantization scheme and the bit widths it supports (its kernels register their
-    codec in ``zeropp.comm.codecs``). Re-registering a name replaces it."""
+    """Declare a quantization scheme and the bit widths it supports, so ``QuantSpec(scheme=name)``
+    validates. To make it *runnable*, register its codec with ``zeropp.comm.codecs.register_codec``
+    (which calls this). Re-registering a name replaces it."""
     if not name or not isinstance(name, str):
         raise ValueError(f"a scheme name must be a non-empty string, got {name!r}")
     if not bits or not all(isinstance(b, int) and b > 0 for b in bits):
@@ -37,9 +38,20 @@ def register_scheme(name: str, bits: tuple[int, ...]) -> None:
     _SCHEME_BITS[name] = tuple(bits)
 
 
+def unregister_scheme(name: str) -> None:
+    """Forget a scheme (tests that register a toy scheme clean up with this); ``int`` stays."""
+    if name == "int":
+        raise ValueError("the built-in scheme 'int' cannot be unregistered")
+    _SCHEME_BITS.pop(name, None)
+
+
 def schemes() -> dict[str, tuple[int, ...]]:
     """Registered scheme names and their supported bit widths."""
     return dict(_SCHEME_BITS)
+
+
+_PLAIN_BITS = (None, 16, 32)
+"""Widths that mean "not quantized": a plain collective is ``spec=None``, never a spec."""
 
 
 def _is_int(v: object) -> bool:
@@ -80,6 +92,17 @@ class QuantSpec:
         if self.scheme not in _SCHEME_BITS:
             raise ValueError(f"QuantSpec.scheme={self.scheme!r} is not registered; use one of {sorted(_SCHEME_BITS)}")
         allowed = _SCHEME_BITS[self.scheme]
+        if self.bits in _PLAIN_BITS:
+            raise ValueError(
+                f"QuantSpec.bits={self.bits!r} means no quantization; pass spec=None for the plain "
+                f"collective, or bits in {allowed} to quantize"
+            )
+        if self.intra_bits in (16, 32):
+            raise ValueError(
+                f"QuantSpec.intra_bits={self.intra_bits} asks for an unquantized intra-node hop, which qgZ "
+                f"does not have (its intra-node hop is quantized); use intra_bits=None (= bits={self.bits}) "
+                f"or one of {allowed}"
+            )
         for name in ("bits", "intra_bits"):
             v = getattr(self, name)
             if name == "intra_bits" and v is None:

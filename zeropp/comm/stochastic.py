@@ -1,11 +1,11 @@
 """Seeds for stochastic rounding in the quantized collectives (an unbiased quantizer, QSDP's idea).
 
-The rule (also in docs/design.md): a collective called with ``stochastic=True`` and quantized
-bits takes the next index ``call`` of a per-process counter (every such all-gather and
-reduce-scatter call, in issue order, starting at 0; a plain-bits call or ``stochastic=False``
-takes none), and quantization round ``hop`` of that call (0: the first quantization on this
-rank; 1: qgZ's re-quantization of the node's partial sums) uses the kernel seed
-``stochastic_seed(seed, rank, call, hop)`` with ``seed`` the caller's base seed (None = 0)
+The rule (also in docs/design.md): a collective whose ``spec`` has ``rounding="stochastic"``
+takes the next index ``call`` of a per-process counter (every such all-gather and
+reduce-scatter call, in issue order, starting at 0; a plain call (``spec=None``) or
+``rounding="nearest"`` takes none), and quantization round ``hop`` of that call (0: the first
+quantization on this rank; 1: qgZ's re-quantization of the node's partial sums) uses the kernel seed
+``stochastic_seed(seed, rank, call, hop)`` with ``seed`` the spec's base seed (``QuantSpec.seed``)
 and ``rank`` the *global* rank. The mix is SplitMix64 applied in a chain and cut to 63 bits, so
 every rank draws different noise, successive calls differ, and a given (seed, rank, call, hop)
 always gives the same rounding.
