@@ -63,8 +63,10 @@ class QuantSpec:
     """How one collective's payload is quantized. Validated on construction; a value, so it can be
     hashed, logged, compared across a sweep and shared by every layer."""
 
-    bits: int = 8
-    """Code width of the message (for a gradient reduce-scatter: the cross-node hop)."""
+    bits: int
+    """Code width of the message (for a gradient reduce-scatter: the cross-node hop). Required, so
+    that setting any other field (``zero.weights.group_size=256`` on the command line) never
+    switches quantization on at a width nobody chose."""
 
     group_size: Optional[int] = None
     """Elements per fp32 scale; None = the kernel default for the use (512 for weights, 128 for
