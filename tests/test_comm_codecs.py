@@ -152,7 +152,7 @@ def offset_scheme():
 
 def test_unregistered_scheme_fails_in_quantspec() -> None:
     with pytest.raises(ValueError, match=r"QuantSpec.scheme='hadamard' is not registered; use one of \['int'"):
-        QuantSpec(scheme="hadamard")
+        QuantSpec(bits=8, scheme="hadamard")
     assert "hadamard" not in schemes()
 
 
