@@ -44,6 +44,7 @@ from zeropp.comm.topology import Topology
 
 from . import checkpoint as ckpt
 from .collectives import EngineComm
+from .consolidate import consolidated_state_dict
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
 from .memory import measure_memory
@@ -232,25 +233,15 @@ class ZeroEngine:
         """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank
         (parameters in their original dtype, on the CPU). Collective."""
         self._check_open()
-        full_params: dict[str, torch.Tensor] = {}
-        for u, m in zip(self.units, self.optim.masters):
-            if u.kind == "replicated":
-                full = m
-            else:
-                full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
-                self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
-                                     async_op=False)
-            for name, t in u.unflatten(full).items():
-                full_params[name] = t.to(dtype=self.param_dtypes[name], device="cpu").clone()
-        out: dict[str, torch.Tensor] = {}
-        for k, v in self.model.state_dict(keep_vars=True).items():
-            if k in full_params:
-                out[k] = full_params[k]
-            elif k in self.frozen_originals:  # a frozen parameter in its original dtype, not the compute copy
-                out[k] = self.frozen_originals[k].detach().to("cpu").clone()
-            else:
-                out[k] = v.detach().to("cpu").clone()
-        return out
+
+        def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
+            full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
+            self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
+                                 async_op=False)
+            return full
+
+        return consolidated_state_dict(self.units, self.optim.masters, gather, self.model, self.param_dtypes,
+                                       self.frozen_originals)
 
     def close(self) -> None:
         """Remove all hooks and drop buffers. Local (no collective), safe to call twice."""
