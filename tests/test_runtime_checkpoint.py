@@ -19,7 +19,8 @@ def _engine(seed, **kw):
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     return ZeroEngine(make_model(seed=seed), config=ZeroConfig(**{"stage": 3, "grad_accum_steps": 2, "grad_clip": 0.5, **kw}),
-                      optimizer=OptimizerConfig(lr=1e-2), topology=Topology(nodes=2, ranks_per_node=2))
+                      optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=STEPS + 2),
+                      topology=Topology(nodes=2, ranks_per_node=2))
 
 
 class HalfWriter(FileSystemWriter):
@@ -35,7 +36,13 @@ class HalfWriter(FileSystemWriter):
 
 
 def _train(eng, rank, steps):
-    return [eng.train_step(rank_batches(s, 2, rank, TINY, text=True)).loss for s in steps]
+    out = []
+    for s in steps:
+        lr = eng.optim.lr
+        res = eng.train_step(rank_batches(s, 2, rank, TINY, text=True))
+        assert res.lr == lr == eng.opt_cfg.lr_at(s)  # the schedule continues from the restored step count
+        out.append(res.loss)
+    return out
 
 
 def _ckpt_world(rank, world, path):

@@ -223,7 +223,8 @@ class OptimizerConfig:
 
     def lr_at(self, step: int) -> float:
         """Learning rate of the update made after ``step`` optimizer steps: ``lr * lr_factor(step)``
-        (computed exactly as ``LambdaLR`` does, so the two agree bit for bit)."""
+        (computed exactly as ``LambdaLR`` does, so the two agree bit for bit). ``step`` counts
+        updates made: an fp16 step skipped on overflow does not advance the schedule."""
         return self.lr * self.lr_factor(step)
 
 

@@ -69,6 +69,9 @@ class StepResult:
     """Wall time of the whole step on this rank."""
     loss_scale: float = 1.0
     """fp16 loss scale used for this step (1.0 otherwise)."""
+    lr: float = 0.0
+    """Learning rate of this step's update (``OptimizerConfig.lr_at(steps taken before it)``); a
+    skipped step makes no update and does not advance the schedule."""
     memory: dict[str, int] = field(default_factory=dict)
     """Model-state bytes this rank held during the step (see ``memory_report``)."""
 
@@ -359,7 +362,7 @@ class ZeroEngine:
         loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])  # one fp64 all-reduce on self.device
         norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
         res = StepResult(loss=loss_tot / self.world_size, grad_norm=norm, skipped=not math.isfinite(norm),
-                         comm_wait_s=0.0, loss_scale=scale, memory=dict(self._last_memory or {}))
+                         comm_wait_s=0.0, loss_scale=scale, lr=self.optim.lr, memory=dict(self._last_memory or {}))
         self.scaler.update(finite=not res.skipped)
         if not res.skipped:
             if self.cfg.grad_clip is not None:
