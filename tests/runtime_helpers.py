@@ -42,10 +42,11 @@ def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
 
 
 def reference_train(steps: int, world: int, accum: int, *, lr: float, wd: float, clip: float | None,
-                    cfg: GPTConfig = TINY) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+                    cfg: GPTConfig = TINY, device: str = "cpu") -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Single-process training on the same global batch: for each micro index, every rank's
-    micro-batch concatenated; torch.optim.AdamW and clip_grad_norm_. Returns (losses, norms, weights)."""
-    model = make_model(cfg)
+    micro-batch concatenated; torch.optim.AdamW and clip_grad_norm_, on ``device``. Returns
+    (losses, norms, weights on the CPU)."""
+    model = make_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, foreach=False)
     losses, norms = [], []
     for s in range(steps):
@@ -53,8 +54,8 @@ def reference_train(steps: int, world: int, accum: int, *, lr: float, wd: float,
         tot = 0.0
         for j in range(accum):
             parts = [micro_batch(s, j, r, cfg) for r in range(world)]
-            idx = torch.cat([p[0] for p in parts])
-            tgt = torch.cat([p[1] for p in parts])
+            idx = torch.cat([p[0] for p in parts]).to(device)
+            tgt = torch.cat([p[1] for p in parts]).to(device)
             _, loss = model(idx, tgt)
             (loss / accum).backward()
             tot += loss.item()
@@ -62,7 +63,7 @@ def reference_train(steps: int, world: int, accum: int, *, lr: float, wd: float,
         norms.append(float(n))
         opt.step()
         losses.append(tot / accum)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def rel_err(a: Any, b: Any) -> float:
@@ -73,16 +74,19 @@ def rel_err(a: Any, b: Any) -> float:
 
 
 def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: int, nodes: int, lr: float = 1e-3,
-                 wd: float = 0.01, cfg: GPTConfig = TINY, consolidate: bool = True, text: bool = False) -> dict[str, Any]:
-    """Train one engine for ``steps`` steps inside a world; returns losses, norms, comm, memory, weights."""
+                 wd: float = 0.01, cfg: GPTConfig = TINY, consolidate: bool = True, text: bool = False,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Train one engine for ``steps`` steps inside a world, model and batches on ``device``;
+    returns losses, norms, comm, memory, weights."""
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     zc = ZeroConfig(**zero_kwargs)
-    eng = ZeroEngine(make_model(cfg), config=zc, optimizer=OptimizerConfig(lr=lr, weight_decay=wd),
+    eng = ZeroEngine(make_model(cfg).to(device), config=zc, optimizer=OptimizerConfig(lr=lr, weight_decay=wd),
                      topology=Topology(nodes=nodes, ranks_per_node=world // nodes))
     try:
-        results = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank, cfg, text)) for s in range(steps)]
+        results = [eng.train_step([(i.to(device), t.to(device)) for i, t in rank_batches(s, zc.grad_accum_steps, rank, cfg, text)])
+                   for s in range(steps)]
         out = {
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "skipped": [r.skipped for r in results], "wait": [r.comm_wait_s for r in results],
@@ -97,7 +101,8 @@ def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: i
         eng.close()
 
 
-def parity_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+def parity_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], steps: int,
+                 device: str = "cpu") -> list[dict[str, Any]]:
     """Several engines, one after another, in one world launch (a launch costs seconds)."""
-    res = [train_engine(rank, world, kw, steps=steps, nodes=nodes) for kw in configs]
+    res = [train_engine(rank, world, kw, steps=steps, nodes=nodes, device=device) for kw in configs]
     return res if rank == 0 else [{"losses": r["losses"]} for r in res]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.distributed import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
@@ -17,6 +18,13 @@ def _engine(seed):
 
     return ZeroEngine(make_model(seed=seed), config=ZeroConfig(stage=3, grad_clip=0.5),
                       optimizer=OptimizerConfig(lr=1e-2), topology=Topology(nodes=1, ranks_per_node=2))
+
+
+class DiskFullWriter(FileSystemWriter):
+    """A DCP writer whose data write fails as on a full disk."""
+
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device")
 
 
 def _step(eng, rank, s):
@@ -45,17 +53,13 @@ def _faults_world(rank, world, path):
     out["ref"] = [_step(a, rank, s) for s in (2, 3)]  # what a resume from the good checkpoint must give
 
     # 1. a save whose shard write fails on rank 1 only (disk full): every rank raises, naming rank 1
-    real_save = torch.save
-
-    def disk_full(obj, f, *args, **kwargs):
-        raise OSError(28, "No space left on device")
-
+    real_writer = checkpoint._storage_writer
     if rank == 1:
-        checkpoint.torch.save = disk_full
+        checkpoint._storage_writer = DiskFullWriter
     try:
         out["save_fail"] = _try(lambda: a.save_checkpoint(path))
     finally:
-        checkpoint.torch.save = real_save
+        checkpoint._storage_writer = real_writer
     # 2. a commit that fails (rank 0 only commits): every rank raises, naming rank 0
     real_commit = checkpoint._commit
 
@@ -77,7 +81,7 @@ def _faults_world(rank, world, path):
     b.close()
 
     # 4. load errors from rank 1's file: corrupt, then missing -> every rank raises naming rank 1
-    shard = Path(path) / good / "rank00001.pt"
+    shard = Path(path) / good / "__1_0.distcp"  # rank 1's DCP file
     c = _engine(seed=7)
     before = [m.clone() for m in c.optim.masters]
     dist.barrier()
@@ -107,7 +111,7 @@ def test_checkpoint_failures_raise_on_every_rank(tmp_path):
         assert r["latest_unchanged"]
         assert r["resumed"] == r["ref"], (rank, r["resumed"], r["ref"])
         lc = r["load_corrupt"]
-        assert lc is not None and lc["failures"] == [1] and "corrupt" in lc["msg"] and "rank00001.pt" in lc["msg"], (rank, lc)
+        assert lc is not None and lc["failures"] == [1] and "corrupt" in lc["msg"] and "__1_0.distcp" in lc["msg"], (rank, lc)
         lm = r["load_missing"]
         assert lm is not None and lm["failures"] == [1] and "missing" in lm["msg"], (rank, lm)
         assert r["state_untouched"] and r["usable_after"]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.runtime_helpers import TINY, make_model
+from zeropp.comm.spec import RECIPES, QuantRecipe, QuantSpec
 from zeropp.runtime import OptimizerConfig, ShardedAdamW, ZeroConfig, expected_memory
 from zeropp.runtime.config import validate_against_topology
 from zeropp.runtime.partition import build_units
@@ -12,27 +13,47 @@ from zeropp.runtime.partition import build_units
 @pytest.mark.parametrize("kwargs, match", [
     (dict(stage=4), "stage must be 0, 1, 2 or 3"),
     (dict(precision="fp8"), "precision must be one of"),
-    (dict(stage=3, qwz_bits=3), "qwz_bits=3 is not supported"),
-    (dict(stage=3, qgz_bits=2), "qgz_bits=2 is not supported"),
-    (dict(stage=3, qgz_bits=4, qgz_intra_bits=6), "qgz_intra_bits=6"),
+    (dict(stage=3, weights=dict(bits=3)), "QuantSpec.bits=3 is not supported"),
+    (dict(stage=3, grads=dict(bits=2)), "QuantSpec.bits=2 is not supported"),
+    (dict(stage=3, grads=dict(bits=4, intra_bits=6)), "intra_bits=6"),
     (dict(stage=2, hpz=True), "set stage=3 or hpz=False"),
-    (dict(stage=1, qwz_bits=8), "set stage=3"),
-    (dict(stage=0, qgz_bits=4), "stage 0 does not use"),
+    (dict(stage=1, weights=dict(bits=8)), "set stage=3"),
+    (dict(stage=0, grads=dict(bits=4)), "stage 0 does not use"),
     (dict(stage=3, hpz_size=2), "hpz=False"),
-    (dict(stage=3, qgz_error_feedback=True), "need qgZ on"),
+    (dict(stage=3, weights=dict(bits=8, error_feedback=True)), "error_feedback=True.*one hop"),
+    (dict(stage=3, weights=dict(bits=8, intra_bits=4)), "intra_bits=4.*one hop"),
     (dict(stage=2, persistence_threshold=10), "only applies at stage 3"),
     (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
     (dict(grad_clip=0.0), "grad_clip must be > 0"),
     (dict(prefetch_depth=-1), "prefetch_depth must be >= 0"),
-    (dict(stage=3, qgz_bits=4, qgz_group_size=127), "qgz_group_size=127 is odd"),
-    (dict(stage=3, qwz_bits=8, qwz_group_size=0), "qwz_group_size must be a positive int"),
-    (dict(stage=3, qwz_stochastic=True), "qwz_stochastic=True.*qwz_bits=None"),
-    (dict(stage=3, qwz_bits=8, qgz_stochastic=True), "qgz_stochastic=True.*set qgz_bits"),
-    (dict(stage=3, qgz_bits=4, qgz_stochastic=1), "qgz_stochastic must be True or False"),
+    (dict(stage=3, grads=dict(bits=4, group_size=127)), "group_size=127 is odd"),
+    (dict(stage=3, weights=dict(bits=8, group_size=0)), "group_size must be a positive int"),
+    (dict(stage=3, weights="int8"), "weights must be a zeropp.comm.spec.QuantSpec or None, got str"),
+    (dict(stage=3, grads={"bits": 4, "raw": True}), "grads must be a zeropp.comm.spec.QuantSpec or None, got dict"),
+    (dict(stage=3, weights=dict(bits=8, rounding="up")), "rounding='up'"),
+    (dict(stage=3, grads=dict(bits=4, error_feedback=1)), "error_feedback must be True or False"),
 ])
 def test_bad_configs_raise_with_a_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ZeroConfig(**kwargs)
+        # a plain dict of QuantSpec fields is built here, inside the check (its own errors count too);
+        # the "raw" marker keeps a dict as is, to test ZeroConfig's own type check
+        built = {k: QuantSpec(**v) if k in ("weights", "grads") and isinstance(v, dict) and "raw" not in v else v
+                 for k, v in kwargs.items()}
+        ZeroConfig(**built)
+
+
+def test_from_recipe_takes_weights_grads_and_hpz_from_the_named_recipe():
+    c = ZeroConfig.from_recipe("zeropp", stage=3, grad_clip=1.0)
+    r = RECIPES["zeropp"]
+    assert (c.weights, c.grads, c.hpz, c.grad_clip) == (r.weights, r.grads, True, 1.0)
+    assert ZeroConfig.from_recipe("none") == ZeroConfig()
+    assert ZeroConfig.from_recipe(QuantRecipe(grads=QuantSpec(bits=8)), stage=1).grads == QuantSpec(bits=8)
+    with pytest.raises(ValueError, match="unknown quantization recipe 'int3'"):
+        ZeroConfig.from_recipe("int3")
+    with pytest.raises(ValueError, match="come from the recipe"):
+        ZeroConfig.from_recipe("int8", hpz=True)
+    with pytest.raises(ValueError, match="set stage=3"):
+        ZeroConfig.from_recipe("int8", stage=2)  # the recipe's values are validated like any others
 
 
 def test_topology_checks_and_optimizer_config():
@@ -105,7 +126,7 @@ def _fp16_mean_world(rank: int, world: int) -> dict:
     res = {}
     for bits in (8, 4):
         out = torch.empty(256, dtype=torch.float16)
-        comm.reduce_scatter(out, full, bits=bits, bucket=10**9, kind="grad_reduce_scatter", async_op=False)
+        comm.reduce_scatter(out, full, spec=QuantSpec(bits=bits), bucket=10**9, kind="grad_reduce_scatter", async_op=False)
         res[bits] = out.float().tolist()
     return res
 

@@ -11,26 +11,28 @@ import pytest
 
 from tests.distributed import run_world
 from tests.runtime_helpers import train_engine
+from zeropp.comm.spec import QuantSpec
 from zeropp.runtime import expected_memory
 
 STEPS, LR = 8, 1e-2
+W8, W4, G8, G4 = QuantSpec(bits=8), QuantSpec(bits=4), QuantSpec(bits=8), QuantSpec(bits=4)
 TOL_8BIT, TOL_4BIT = 0.01, 0.03
 S3 = dict(stage=3)
 SWITCHES = {
     "base": S3,
-    "qwz8": dict(S3, qwz_bits=8),
-    "qwz4": dict(S3, qwz_bits=4),
+    "qwz8": dict(S3, weights=W8),
+    "qwz4": dict(S3, weights=W4),
     "hpz": dict(S3, hpz=True),
     "hpz1": dict(S3, hpz=True, hpz_size=1),  # secondary = the whole block on each rank: no backward traffic
-    "qgz4": dict(S3, qgz_bits=4),
-    "qgz4_ef": dict(S3, qgz_bits=4, qgz_error_feedback=True),
-    "qgz_8_4": dict(S3, qgz_bits=4, qgz_intra_bits=8),
-    "all": dict(S3, qwz_bits=8, hpz=True, qgz_bits=4, grad_accum_steps=2),
-    "stochastic": dict(S3, qwz_bits=8, qgz_bits=4, qwz_stochastic=True, qgz_stochastic=True),  # unbiased rounding
-    "s2_qgz4": dict(stage=2, qgz_bits=4),
-    "s1_qgz8": dict(stage=1, qgz_bits=8),
+    "qgz4": dict(S3, grads=G4),
+    "qgz4_ef": dict(S3, grads=G4.replace(error_feedback=True)),
+    "qgz_8_4": dict(S3, grads=G4.replace(intra_bits=8)),
+    "all": dict(S3, weights=W8, hpz=True, grads=G4, grad_accum_steps=2),
+    "stochastic": dict(S3, weights=W8.replace(rounding="stochastic"), grads=G4.replace(rounding="stochastic")),  # unbiased
+    "s2_qgz4": dict(stage=2, grads=G4),
+    "s1_qgz8": dict(stage=1, grads=G8),
     "bf16_z3": dict(S3, precision="bf16"),
-    "bf16_zpp": dict(S3, precision="bf16", qwz_bits=8, hpz=True, qgz_bits=4),
+    "bf16_zpp": dict(S3, precision="bf16", weights=W8, hpz=True, grads=G4),
     "fp16_z3": dict(S3, precision="fp16", loss_scale_init=2.0**18, loss_scale_window=3),
 }
 TOLS = {"qwz8": TOL_8BIT, "s1_qgz8": TOL_8BIT, "bf16_z3": TOL_8BIT, "fp16_z3": TOL_8BIT}
@@ -69,7 +71,7 @@ def test_each_switch_and_all_together_track_the_unquantized_loss(runs):
 
 
 def test_stochastic_rounding_reaches_every_quantized_collective(runs):
-    """qwz_stochastic / qgz_stochastic: every quantized gather and reduce-scatter of the engine
+    """weights / grads with rounding="stochastic": every quantized gather and reduce-scatter of the engine
     takes a stochastic call index (the seed rule's counter); the other switches take none."""
     r = runs["stochastic"]
     quantized = sum(r["calls"].get(k, 0) for k in ("fwd_all_gather", "bwd_all_gather", "grad_reduce_scatter"))

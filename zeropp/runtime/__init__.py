@@ -1,9 +1,13 @@
 """zeropp.runtime: the ZeRO stage 0-3 engine with the ZeRO++ switches (qwZ, hpZ, qgZ)."""
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, export_consolidated
 from .config import OptimizerConfig, ZeroConfig
 from .engine import StepResult, ZeroEngine
+from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
 from .memory import expected_memory, measure_memory
 from .optimizer import ShardedAdamW
+from .partition import UnitLayout
 
-__all__ = ["CheckpointError", "OptimizerConfig", "ShardedAdamW", "StepResult", "ZeroConfig", "ZeroEngine", "expected_memory", "measure_memory"]
+__all__ = ["CheckpointError", "DynamicLossScaler", "LossScaler", "OptimizerConfig", "ShardedAdamW", "StaticLossScaler",
+           "StepResult", "UnitLayout", "ZeroConfig", "ZeroEngine", "expected_memory", "export_consolidated",
+           "measure_memory"]

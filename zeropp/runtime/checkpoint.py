@@ -1,46 +1,63 @@
-"""Sharded checkpoints with atomic commit, and consolidation into a plain ``state_dict``.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): atomic, collective-safe, reshardable.
 
 Layout under the checkpoint directory ``path``::
 
     path/LATEST                  name of the newest *complete* checkpoint (one line)
-    path/ckpt-<step>-<nonce>/    rank00000.pt ... rank{W-1}.pt, meta.json
+    path/ckpt-<step>-<nonce>/    DCP files (.metadata, __<rank>_0.distcp), meta.json
 
-A save writes a fresh version directory (each rank its own file, via a temporary name and
-``os.replace``), waits for every rank, and only then rank 0 replaces ``LATEST`` (again temp file +
-``os.replace``, which is atomic on POSIX). A crash anywhere before that leaves ``LATEST`` naming
-the previous complete checkpoint; half-written directories are removed by the next successful
-save. Loading reads ``LATEST`` only, so it can never see a partial save.
+What is saved, per flat unit (``partition.UnitLayout``): the fp32 master and both Adam moments
+as 1-D tensors of the unit's *unpadded* length. A sharded unit's are ``Shard(0)`` DTensors over a
+1-D world ``DeviceMesh``: the engine pads a unit to ``W * S`` with ``S = ceil(numel / W)`` and gives
+rank ``r`` the range ``[r*S, (r+1)*S)``, so rank ``r``'s shard minus the padding is exactly
+``torch.chunk``'s piece ``r``, which is what ``Shard(0)`` holds (a rank past the end holds an
+empty piece). A replicated unit's are plain tensors, written once (DCP de-duplicates them).
+Frozen parameters (in their original dtype) and buffers are saved replicated as ``model.<name>``.
+``meta.json`` holds the step count, the loss scaler, the unit layouts, the parameter dtypes, the
+caller's ``extra`` values and a CRC-32 per DCP file.
 
-Each rank file holds that rank's fp32 master shards and Adam moments, the step count, the fp16
-loss-scaler state and the unit layout, which is checked on load (same world size, stage and
-partitioning). qgZ error-feedback residuals are not saved: a load resets them to zero.
+Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
+checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
+same units (same model, same ``persistence_threshold`` at stage 3); otherwise the load is refused
+with the differing unit named. qgZ error-feedback residuals are not saved (a load resets them).
 
-Both ``save`` and ``load`` are collective-safe: each rank does its local part (writing its shard;
-reading and checking its file) inside ``try``, then all ranks agree with one small all-reduce.
-If any rank failed, *every* rank raises :class:`CheckpointError` naming the failing rank(s) and
-their reasons (gathered with ``all_gather_object`` only on that path), instead of the healthy
-ranks hanging at the next barrier or collective. A failed save never moves ``LATEST``, so the
-previous checkpoint stays loadable; a failed load leaves the engine's state untouched. A load
-also checks that every rank read the same checkpoint version.
+Atomic commit: a save writes a fresh version directory, waits for every rank, and only then
+rank 0 replaces ``LATEST`` (temporary file + ``os.replace``). A crash anywhere before that leaves
+``LATEST`` naming the previous complete checkpoint; debris is removed by the next successful save.
+
+Collective safety: each rank does its local part inside ``try`` and all ranks agree with one small
+all-reduce (on the engine's device) before any step that could block; DCP itself reports a failure
+during its collective phases to every rank. Either way *every* rank raises
+:class:`CheckpointError` naming the failing rank(s), a failed save never moves ``LATEST``, and a
+failed load leaves the engine's state untouched (it loads into fresh tensors, copied in at the end).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+import warnings
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from .loss_scale import LossScaler
+from .optimizer import ShardedAdamW
+from .partition import UnitLayout, unflatten
 
-FORMAT = 1
+FORMAT = 2
+_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 class CheckpointError(RuntimeError):
@@ -52,30 +69,59 @@ class CheckpointError(RuntimeError):
         """Failing global rank -> its error (``"Type: message"``)."""
 
 
+@dataclass
+class CheckpointTarget:
+    """What a checkpoint reads from and writes into: the engine passes one per call."""
+
+    layouts: Sequence[UnitLayout]
+    """The engine's flat units, in the order of ``optimizer``'s lists."""
+    optimizer: ShardedAdamW
+    """Holds this rank's master shards and Adam moments (padded ``[S]``, or ``[numel]`` if replicated)."""
+    scaler: LossScaler
+    """The loss scaler whose state is saved and restored."""
+    rank: int
+    world_size: int
+    device: torch.device
+    """Where the agreement flags travel (the process group's device)."""
+    stage: int
+    param_dtypes: dict[str, torch.dtype]
+    """Parameter name -> dtype in the unwrapped model (for the consolidated export)."""
+    model_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Replicated tensors saved besides the units: frozen parameters (original dtype), buffers."""
+    info: dict[str, str] = field(default_factory=dict)
+    """Free text recorded in meta.json (config, topology)."""
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _agree(e: "ZeroEngine", error: str | None, what: str, hint: str, token: int = 0) -> None:
+def _raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -> None:
+    by_msg: dict[str, list[int]] = {}
+    for r, m in sorted(failures.items()):
+        by_msg.setdefault(m, []).append(r)
+    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {m}" for m, rs in by_msg.items())
+    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {lines}. {hint}", failures)
+
+
+def _agree(t: CheckpointTarget, error: str | None, what: str, hint: str, token: int = 0) -> None:
     """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank,
     or if the ranks' ``token`` values differ. One 3-element all-reduce when all is well."""
-    flag = torch.tensor([1 if error else 0, token, -token], dtype=torch.int64, device=e.device)
+    flag = torch.tensor([1 if error else 0, token, -token], dtype=torch.int64, device=t.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     failed, hi, lo = (int(x) for x in flag.tolist())
     if failed:
-        msgs: list = [None] * e.world_size
+        msgs: list = [None] * t.world_size
         dist.all_gather_object(msgs, error)
-        failures = {r: m for r, m in enumerate(msgs) if m}
-        by_msg: dict[str, list[int]] = {}
-        for r, m in failures.items():
-            by_msg.setdefault(m, []).append(r)
-        lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {m}" for m, rs in by_msg.items())
-        raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {e.world_size}: {lines}. "
-                              f"{hint}", failures)
+        _raise_failures({r: m for r, m in enumerate(msgs) if m}, t.world_size, what, hint)
     if hi != -lo:
         raise CheckpointError(f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
                               f"changed during the load, or the ranks do not see the same directory). Make every "
                               f"rank load the same path, with no save running at the same time", {})
+
+
+def _dcp_failures(exc: CheckpointException) -> dict[int, str]:
+    return {int(r): _describe(pair[0]) for r, pair in exc.failures.items()}
 
 
 def _fsync_dir(d: Path) -> None:
@@ -89,53 +135,104 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(target: Path, write) -> None:
-    """``write(tmp_path)`` then rename over ``target``: readers see the old file or the new one."""
+def _write_atomic(target: Path, text: str) -> None:
+    """Write ``text`` to a temporary file and rename it over ``target``: readers see old or new."""
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb+") as f:
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
     _fsync_dir(target.parent)
 
 
-def _rank_state(e: "ZeroEngine") -> dict:
-    return {
-        "format": FORMAT, "world_size": e.world_size, "stage": e.cfg.stage, "rank": e.rank,
-        "units": [{"name": u.name, "kind": u.kind, "padded": u.padded, "layout": u.layout()} for u in e.units],
-        "optim": e.optim.state(), "loss_scale": e._loss_scale, "good_steps": e._good_steps,
-    }
-
-
 def _commit(root: Path, tag: str) -> None:
     """Point LATEST at ``tag`` (the single atomic step that makes a checkpoint visible)."""
-    _write_atomic(root / "LATEST", lambda p: p.write_text(tag + "\n"))
+    _write_atomic(root / "LATEST", tag + "\n")
 
 
-def save(e: "ZeroEngine", path: str | os.PathLike) -> str:
+def _storage_writer(d: Path) -> FileSystemWriter:
+    """The DCP writer of one version directory (one file per rank, fsynced)."""
+    return FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
+
+
+def _crc(f: Path) -> int:
+    crc = 0
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _mesh(t: CheckpointTarget) -> DeviceMesh:
+    return DeviceMesh(t.device.type, list(range(t.world_size)))
+
+
+def _unit_tensors(t: CheckpointTarget, mesh: DeviceMesh, make: Callable[[int, int, str], torch.Tensor]
+                  ) -> dict[str, Any]:
+    """The DCP state dict of the units: ``make(i, length, name)`` gives the local tensor of unit
+    ``i``'s state ``name`` (its unpadded local piece); sharded units become ``Shard(0)`` DTensors."""
+    sd: dict[str, Any] = {}
+    for i, lay in enumerate(t.layouts):
+        for name in ShardedAdamW.STATE:
+            if lay.num_shards == 1:
+                sd[f"units.{lay.name}.{name}"] = make(i, lay.numel, name)
+                continue
+            a, b = lay.unpadded_range(t.rank)
+            local = make(i, b - a, name)  # [b - a]
+            sd[f"units.{lay.name}.{name}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                                shape=torch.Size([lay.numel]), stride=(1,))
+    return sd
+
+
+def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None) -> str:
     """Collective. Returns the version directory written. On any rank's failure every rank raises
     :class:`CheckpointError` and ``LATEST`` still names the previous complete checkpoint."""
     root = Path(path)
-    obj = [f"ckpt-{e.optim.step_count:08d}-{time.time_ns():x}" if e.rank == 0 else None]
-    dist.broadcast_object_list(obj, src=0)
+    step = t.optimizer.step_count
+    obj = [f"ckpt-{step:08d}-{time.time_ns():x}" if t.rank == 0 else None]
+    dist.broadcast_object_list(obj, src=0, device=t.device if t.device.type != "cpu" else None)
     tag = obj[0]
     d = root / tag
-    error = None
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        state = _rank_state(e)
-        _write_atomic(d / f"rank{e.rank:05d}.pt", lambda p: torch.save(state, p))
-        if e.rank == 0:
-            meta = {"format": FORMAT, "world_size": e.world_size, "stage": e.cfg.stage, "step": e.optim.step_count,
-                    "config": repr(e.cfg), "topology": repr(e.topology)}
-            _write_atomic(d / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
-        error = f"writing {d}: {_describe(exc)}"
     hint = (f"Nothing was committed: {root / 'LATEST'} still names the previous checkpoint. Fix the cause "
             f"(disk space, permissions, path reachable from every rank) and save again")
-    _agree(e, error, "save", hint)  # every shard is on disk before anyone can commit
+    error, meta_text = None, ""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FORMAT, "world_size": t.world_size, "stage": t.stage, "step": step,
+                "scaler": t.scaler.state_dict(), "units": [lay.to_dict() for lay in t.layouts],
+                "param_dtypes": {k: str(v).removeprefix("torch.") for k, v in t.param_dtypes.items()},
+                "model_state": {k: str(v.dtype).removeprefix("torch.") for k, v in t.model_state.items()},
+                "extra": extra if extra is not None else {}, **t.info}
+        meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if extra is not JSON
+        mesh = _mesh(t)
+        opt = t.optimizer
+        sd = _unit_tensors(t, mesh, lambda i, n, name: getattr(opt, name)[i][:n])
+        sd.update({f"model.{k}": v for k, v in t.model_state.items()})
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        error = f"preparing {d}: {_describe(exc)}"
+    _agree(t, error, "save", hint)
+    try:
+        dcp.save(sd, storage_writer=_storage_writer(d))
+    except CheckpointException as exc:  # DCP told every rank who failed
+        _raise_failures(_dcp_failures(exc), t.world_size, "save", hint)
     error = None
-    if e.rank == 0:
+    crcs: list = [None] * t.world_size
+    try:
+        mine = {f.name: _crc(f) for f in d.iterdir() if (m := _FILE.match(f.name)) and int(m.group(1)) == t.rank}
+    except Exception as exc:  # noqa: BLE001
+        mine, error = {}, f"checksumming {d}: {_describe(exc)}"
+    dist.all_gather_object(crcs, mine)
+    if t.rank == 0 and error is None:
+        try:
+            meta = json.loads(meta_text)
+            meta["files"] = {k: v for c in crcs for k, v in c.items()}
+            _write_atomic(d / "meta.json", json.dumps(meta, indent=1))
+        except Exception as exc:  # noqa: BLE001
+            error = f"writing {d / 'meta.json'}: {_describe(exc)}"
+    _agree(t, error, "save", hint)  # every file is on disk before anyone can commit
+    error = None
+    if t.rank == 0:
         try:
             _commit(root, tag)
         except Exception as exc:  # noqa: BLE001
@@ -147,11 +244,12 @@ def save(e: "ZeroEngine", path: str | os.PathLike) -> str:
                         shutil.rmtree(old, ignore_errors=True)
             except OSError:
                 pass  # leftovers are harmless; the next successful save retries
-    _agree(e, error, "save", hint)
+    _agree(t, error, "save", hint)
     return str(d)
 
 
 def latest(path: str | os.PathLike) -> Path:
+    """The version directory ``LATEST`` names under ``path``."""
     root = Path(path)
     f = root / "LATEST"
     if not f.is_file():
@@ -162,78 +260,118 @@ def latest(path: str | os.PathLike) -> Path:
     return d
 
 
-def _read_checked(e: "ZeroEngine", path: str | os.PathLike) -> tuple[Path, dict]:
-    """This rank's part of a load: find, read and check its file (no collective, no state change)."""
-    d = latest(path)
-    f = d / f"rank{e.rank:05d}.pt"
+def read_meta(d: Path) -> dict:
+    """The ``meta.json`` of version directory ``d``, checked for this format."""
+    f = d / "meta.json"
     if not f.is_file():
-        raise FileNotFoundError(f"{f} is missing (saved by a different world size, or the file was removed)")
+        raise FileNotFoundError(f"{f} is missing (not a complete checkpoint of this format)")
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises several types for a damaged file
+        meta = json.loads(f.read_text())
+    except ValueError as exc:
         raise ValueError(f"{f} cannot be read ({_describe(exc)}): the file is corrupt or truncated") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{f}: checkpoint format {fmt} is not {FORMAT}")
-    if state["world_size"] != e.world_size or state["stage"] != e.cfg.stage:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{f}: checkpoint format {fmt} is not {FORMAT}; re-save it with this version")
+    return meta
+
+
+def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
+    """This rank's part of a load: find the version, check it fits, verify the files this rank is
+    responsible for (``__<i>_*.distcp`` with ``i % world == rank``). No collective, no state change."""
+    d = latest(path)
+    meta = read_meta(d)
+    saved = {u["name"]: UnitLayout.from_dict(u) for u in meta["units"]}
+    mine = {lay.name: lay for lay in t.layouts}
+    if set(saved) != set(mine):
         raise ValueError(
-            f"{d} was saved by stage {state['stage']} on {state['world_size']} ranks; this engine is stage "
-            f"{e.cfg.stage} on {e.world_size}. Load it with the same stage and world size, or export "
-            f"consolidated_state_dict() and wrap a model built from that")
-    if state.get("rank") != e.rank:
-        raise ValueError(f"{f} holds rank {state.get('rank')}'s shard, not rank {e.rank}'s: the files were renamed")
-    mine = [{"name": u.name, "kind": u.kind, "padded": u.padded, "layout": [tuple(x) for x in u.layout()]} for u in e.units]
-    theirs = [{**x, "layout": [(n, tuple(s)) for n, s in x["layout"]]} for x in state["units"]]
-    if mine != theirs:
-        raise ValueError(f"{d}: parameter partitioning differs from this engine's (different model or persistence_threshold)")
-    for name in ("masters", "exp_avg", "exp_avg_sq"):
-        ours, saved = getattr(e.optim, name), state["optim"][name]
-        if len(ours) != len(saved) or any(a.shape != b.shape for a, b in zip(ours, saved)):
-            raise ValueError(f"{f}: optimizer state {name!r} does not match this engine's partitioning")
-    return d, state
+            f"{d} has units {sorted(saved)} but this engine has {sorted(mine)}: parameter partitioning differs "
+            f"(different model, or stage 3's persistence_threshold moved parameters into or out of the "
+            f"'persistent' unit). Use the same model and persistence_threshold, or export_consolidated()")
+    for name, lay in mine.items():
+        if saved[name].params() != lay.params():
+            raise ValueError(f"{d}: unit {name!r} holds {saved[name].params()} in the checkpoint but "
+                             f"{lay.params()} here: parameter partitioning differs (a different model)")
+    if sorted(meta["model_state"]) != sorted(t.model_state):
+        raise ValueError(f"{d}: frozen parameters / buffers {sorted(meta['model_state'])} were saved, this model has "
+                         f"{sorted(t.model_state)}; freeze the same parameters as the saving run")
+    for fname, crc in sorted(meta["files"].items()):
+        m = _FILE.match(fname)
+        if m is None or int(m.group(1)) % t.world_size != t.rank:
+            continue
+        f = d / fname
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing (removed after the save, or not visible from this rank)")
+        if _crc(f) != crc:
+            raise ValueError(f"{f} fails its checksum: the file is corrupt or truncated")
+    return d, meta
 
 
 @torch.no_grad()
-def load(e: "ZeroEngine", path: str | os.PathLike) -> None:
-    """Collective. On any rank's failure every rank raises :class:`CheckpointError` naming it,
-    and no rank's state has changed."""
-    error, token, d, state = None, 0, None, None
+def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Collective. Loads the latest checkpoint under ``path`` into ``t.optimizer`` and ``t.scaler``
+    (any world size or stage saved it) and returns ``(extra, model_state)``: the values the saver
+    passed and the loaded frozen parameters / buffers, for the engine to put back. On any rank's
+    failure every rank raises :class:`CheckpointError` naming it, and nothing has changed."""
+    error, token, d, meta = None, 0, None, None
     try:
-        d, state = _read_checked(e, path)
+        d, meta = _check(t, path)
         token = zlib.crc32(d.name.encode()) + 1
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
         error = _describe(exc)
-    _agree(e, error, f"load from {path}", "No rank's state was changed. Restore or re-create the checkpoint, or "
-           "load one saved with this world size, stage and model", token)
-    e.optim.load_state(state["optim"])
-    e._loss_scale, e._good_steps = float(state["loss_scale"]), int(state["good_steps"])
-    if e._ef is not None:
-        e._ef.reset()  # residuals belong to the run that produced them
-    for u in e.units:
-        u.secondary = None  # stale: built from the weights before the load
-        if u.grad_shard is not None:
-            u.grad_shard.zero_()
-    e.refresh_params()
+    hint = ("No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same "
+            "model")
+    _agree(t, error, f"load from {path}", hint, token)
+    assert d is not None and meta is not None
+    mesh = _mesh(t)
+    fresh: dict[tuple[int, str], torch.Tensor] = {}
+
+    def make(i: int, n: int, name: str) -> torch.Tensor:
+        fresh[(i, name)] = torch.zeros(n, dtype=torch.float32, device=t.device)
+        return fresh[(i, name)]
+
+    sd = _unit_tensors(t, mesh, make)
+    model_state = {k: torch.empty_like(v) for k, v in t.model_state.items()}
+    sd.update({f"model.{k}": v for k, v in model_state.items()})
+    try:
+        dcp.load(sd, storage_reader=FileSystemReader(d))
+    except CheckpointException as exc:
+        _raise_failures(_dcp_failures(exc), t.world_size, f"load from {path}", hint)
+    opt = t.optimizer
+    state: dict[str, list[torch.Tensor]] = {}
+    for name in ShardedAdamW.STATE:
+        state[name] = []
+        for i, ours in enumerate(getattr(opt, name)):
+            full = torch.zeros_like(ours)  # padded [S]: padding stays zero, as the engine keeps it
+            piece = fresh[(i, name)]
+            full[: piece.numel()].copy_(piece)
+            state[name].append(full)
+    opt.load_state(state, step=int(meta["step"]))
+    t.scaler.load_state_dict(meta["scaler"])
+    return dict(meta.get("extra") or {}), model_state
 
 
-@torch.no_grad()
-def consolidated_state_dict(e: "ZeroEngine") -> dict[str, torch.Tensor]:
-    """Gather every unit's fp32 master and split it into the unwrapped model's parameters."""
-    full_params: dict[str, torch.Tensor] = {}
-    for u, m in zip(e.units, e.optim.masters):
-        if u.kind == "replicated":
-            full = m
-        else:
-            full = torch.empty(u.padded, dtype=torch.float32, device=m.device)
-            e.comm.all_gather(full, m, bucket=e.cfg.allgather_bucket_size, kind="checkpoint", async_op=False)
-        for name, t in u.unflatten(full).items():
-            full_params[name] = t.to(dtype=e._param_dtypes[name], device="cpu").clone()
+def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:
+    """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
+    model's ``state_dict`` (fp32 masters cast to each parameter's dtype, plus frozen parameters and
+    buffers). Runs in one process, no process group needed (DCP reads every piece)."""
+    d = latest(path)
+    meta = read_meta(d)
+    layouts = [UnitLayout.from_dict(u) for u in meta["units"]]
+    sd: dict[str, Any] = {f"units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts}
+    sd.update({f"model.{k}": torch.empty(0, dtype=getattr(torch, dt)) for k, dt in meta["model_state"].items()})
+    md = FileSystemReader(d).read_metadata().state_dict_metadata
+    for k, dt in meta["model_state"].items():
+        sd[f"model.{k}"] = torch.empty(md[f"model.{k}"].size, dtype=getattr(torch, dt))
+    with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, storage_reader=FileSystemReader(d), no_dist=True)
     out: dict[str, torch.Tensor] = {}
-    for k, v in e.model.state_dict(keep_vars=True).items():
-        if k in full_params:
-            out[k] = full_params[k]
-        elif k in e._frozen:  # a frozen parameter in its original dtype, not the compute-dtype copy
-            out[k] = e._frozen[k].detach().to("cpu").clone()
-        else:
-            out[k] = v.detach().clone()
-    return out
+    for lay in layouts:
+        for name, v in unflatten(lay, sd[f"units.{lay.name}.masters"]).items():
+            out[name] = v.to(getattr(torch, meta["param_dtypes"][name])).clone()
+    out.update({k: sd[f"model.{k}"] for k in meta["model_state"]})
+    target = Path(out_file)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    torch.save(out, tmp)
+    os.replace(tmp, target)
+    return str(target)

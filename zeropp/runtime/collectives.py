@@ -19,11 +19,12 @@ would be rounded twice).
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
@@ -75,14 +76,32 @@ class EngineComm:
     def _group(self, hpz: bool) -> tuple[Optional[dist.ProcessGroup], int]:
         return (self.groups.hpz, self.hpz_size) if hpz else (None, self.world_size)
 
+    # ------------------------------------------------------------------ spec -> zeropp.comm
+    @staticmethod
+    def _spec_kwargs(spec: Optional[QuantSpec], *, gather: bool) -> dict[str, Any]:
+        """The keyword arguments of today's ``zeropp.comm`` collectives for ``spec``.
+
+        Until zeropp.comm takes spec=: this is the one place that translates a QuantSpec into the
+        flat knobs (bits, intra_bits, group_size, stochastic, seed); when the collectives accept
+        ``spec=`` this helper becomes ``{"spec": spec}``. ``None`` = full precision (bits None).
+        """
+        if spec is None:
+            return {"bits": None}
+        if spec.scheme != "int":
+            raise ValueError(f"QuantSpec.scheme={spec.scheme!r}: zeropp.comm's collectives implement only 'int' here")
+        kw: dict[str, Any] = dict(bits=spec.bits, group_size=spec.group_size, stochastic=spec.stochastic, seed=spec.seed)
+        if not gather:
+            kw["intra_bits"] = spec.intra_bits
+        return kw
+
     # ------------------------------------------------------------------ all-gather
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, hpz: bool = False, bits: Optional[int] = None,
-                   group_size: Optional[int] = None, stochastic: bool = False, bucket: int, kind: str,
-                   async_op: bool) -> Pending:
-        """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order); ``stochastic``
-        rounds a quantized gather stochastically (each chunk is one call of the seed rule)."""
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, spec: Optional[QuantSpec], hpz: bool = False,
+                   bucket: int, kind: str, async_op: bool) -> Pending:
+        """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order), quantized as
+        ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule)."""
         group, g = self._group(hpz)
         s = shard.numel()
+        kw = self._spec_kwargs(spec, gather=True)
         works: list = []
         finishes: list[Callable[[], None]] = []
         t0 = time.perf_counter()
@@ -90,8 +109,7 @@ class EngineComm:
             whole = (a, b) == (0, s)
             dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
             works.append(self._z.quantized_all_gather(
-                dst, shard[a:b], group, bits=bits, group_size=group_size, topology=self.topology,
-                stats=self.stats, kind=kind, async_op=True, stochastic=stochastic))
+                dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True, **kw))
             if not whole:
                 finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
         self.wait_s += time.perf_counter() - t0  # issuing a quantized gather quantizes on this thread
@@ -101,27 +119,25 @@ class EngineComm:
         return p
 
     # ------------------------------------------------------------------ reduce-scatter
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, bits: Optional[int] = None,
-                       intra_bits: Optional[int] = None, group_size: Optional[int] = None,
-                       error_feedback: object = None, key: str = "", stochastic: bool = False, bucket: int,
-                       kind: str, async_op: bool) -> Pending:
-        """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S]);
-        ``stochastic`` rounds a quantized reduce-scatter stochastically."""
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, spec: Optional[QuantSpec],
+                       error_feedback: object = None, key: str = "", bucket: int, kind: str,
+                       async_op: bool) -> Pending:
+        """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S]),
+        quantized as ``spec`` says (None = full precision). ``error_feedback`` (a
+        ``zeropp.comm.ErrorFeedback``, when ``spec.error_feedback``) keeps residuals under ``key``."""
         w = self.world_size
         s = out.numel()
-        quantized = bits is not None
+        quantized = spec is not None
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
+        kw = self._spec_kwargs(spec, gather=False)
         works: list = []
         t0 = time.perf_counter()
         for a, b in _chunks(s, w, bucket):
             src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
-            kw = {}
-            if quantized:
-                kw = dict(intra_bits=intra_bits, group_size=group_size, error_feedback=error_feedback,
-                          feedback_key=f"{key}:{a}", stochastic=stochastic)
+            extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
             works.append(self._z.quantized_reduce_scatter(
-                out[a:b], src, op, None, bits=bits, topology=self.topology,
-                stats=self.stats, kind=kind, async_op=True, **kw))
+                out[a:b], src, op, None, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
+                **kw, **extra))
         self.wait_s += time.perf_counter() - t0
         p = Pending(self, works, None if quantized else (lambda: out.div_(w)))
         if not async_op:
@@ -146,5 +162,12 @@ class EngineComm:
         return t.tolist()
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
-        """Initial synchronisation of weights (once, at wrap time; not accounted)."""
+        """Initial synchronisation of weights (once, at wrap time; not accounted). ``t`` must be
+        on the engine's device (NCCL cannot broadcast a CPU tensor)."""
+        self._check_device(t, "broadcast")
         dist.broadcast(t, src)
+
+    def _check_device(self, t: torch.Tensor, what: str) -> None:
+        if t.device.type != self.device.type:
+            raise ValueError(f"EngineComm.{what}: tensor on {t.device}, but the engine communicates on "
+                             f"{self.device}; move it to {self.device} first")

@@ -10,21 +10,23 @@ before it allocates anything.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zeropp.kernels import SUPPORTED_BITS  # bit widths the quantization kernels implement
+from zeropp.comm.spec import QuantRecipe, QuantSpec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEDULES = ("constant", "cosine")
 
 
-def _check_bits(name: str, bits: Any) -> None:
-    if bits is not None and bits not in SUPPORTED_BITS:
+def _check_spec(name: str, spec: Any) -> None:
+    if spec is not None and not isinstance(spec, QuantSpec):
         raise ValueError(
-            f"ZeroConfig.{name}={bits!r} is not supported by the quantization kernels; "
-            f"use one of {SUPPORTED_BITS} or None to switch it off"
+            f"ZeroConfig.{name} must be a zeropp.comm.spec.QuantSpec or None, got {type(spec).__name__} "
+            f"{spec!r}; build one with QuantSpec(bits=..., ...) or use ZeroConfig.from_recipe(name)"
         )
 
 
@@ -41,16 +43,9 @@ class ZeroConfig:
     """Compute and communication dtype: ``fp32`` (exactness checks), ``bf16``, or ``fp16`` (with
     dynamic loss scaling). Master weights and Adam states are always fp32."""
 
-    qwz_bits: int | None = None
-    """qwZ: bits of the quantized forward/backward parameter all-gather (stage 3 only); None = off."""
-
-    qwz_group_size: int | None = None
-    """Elements per quantization scale for qwZ; None = kernel default (512)."""
-
-    qwz_stochastic: bool = False
-    """Round the qwZ weight gathers stochastically (unbiased: the expected gathered weight is the
-    weight) instead of to nearest; needs ``qwz_bits``. Noise differs per rank and per call
-    (seed rule: ``zeropp.comm.quantized_all_gather``)."""
+    weights: QuantSpec | None = None
+    """qwZ: how the stage-3 parameter all-gathers (forward and backward) are quantized; None = full
+    precision. One-hop gather, so ``intra_bits`` and ``error_feedback`` must stay unset."""
 
     hpz: bool = False
     """hpZ: keep a secondary copy of each gathered block partitioned inside the node after the
@@ -59,22 +54,10 @@ class ZeroConfig:
     hpz_size: int | None = None
     """Ranks in a hpZ group; must divide ranks per node. None = the whole node."""
 
-    qgz_bits: int | None = None
-    """qgZ: bits of the cross-node hop of the quantized hierarchical gradient reduce-scatter
-    (stages 1-3); None = off."""
-
-    qgz_intra_bits: int | None = None
-    """Bits of the intra-node hop of qgZ; None = same as ``qgz_bits``."""
-
-    qgz_group_size: int | None = None
-    """Elements per quantization scale for qgZ; None = kernel default (128)."""
-
-    qgz_error_feedback: bool = False
-    """Keep the quantization error of each gradient reduce-scatter and add it to the next one."""
-
-    qgz_stochastic: bool = False
-    """Round every qgZ quantization (both hops) stochastically, so the reduced gradient is unbiased;
-    needs ``qgz_bits``. Seed rule: ``zeropp.comm.quantized_reduce_scatter``."""
+    grads: QuantSpec | None = None
+    """qgZ: how the gradient reduce-scatters (stages 1-3) are quantized: ``bits`` for the cross-node
+    hop, ``intra_bits`` for the intra-node hop, ``error_feedback`` keeps each rank's residual;
+    None = full precision."""
 
     reduce_bucket_size: int = 500_000_000
     """Most elements (of the unsharded buffer) one gradient collective moves; a block larger than
@@ -108,19 +91,19 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.precision not in _DTYPES:
             raise ValueError(f"ZeroConfig.precision must be one of {sorted(_DTYPES)}, got {self.precision!r}")
-        _check_bits("qwz_bits", self.qwz_bits)
-        _check_bits("qgz_bits", self.qgz_bits)
-        _check_bits("qgz_intra_bits", self.qgz_intra_bits)
-        for name, bits in (("qwz_group_size", (self.qwz_bits,)), ("qgz_group_size", (self.qgz_bits, self.qgz_intra_bits))):
-            gs = getattr(self, name)
-            if gs is not None and (not isinstance(gs, int) or gs < 1):
-                raise ValueError(f"ZeroConfig.{name} must be a positive int or None, got {gs!r}")
-            if gs is not None and gs % 2 and 4 in bits:
-                raise ValueError(f"ZeroConfig.{name}={gs} is odd; INT4 packs two codes per byte, so use an even size")
-        if self.qwz_bits is not None and self.stage != 3:
+        _check_spec("weights", self.weights)
+        _check_spec("grads", self.grads)
+        w, g = self.weights, self.grads
+        if w is not None and self.stage != 3:
             raise ValueError(
-                f"qwZ (qwz_bits={self.qwz_bits}) quantizes the stage-3 parameter gathers; set stage=3 "
-                f"or qwz_bits=None (stage {self.stage} keeps full replicas, which quantized gathers would corrupt)"
+                f"ZeroConfig.weights={w} (qwZ) quantizes the stage-3 parameter gathers; set stage=3 or "
+                f"weights=None (stage {self.stage} keeps full replicas, which quantized gathers would corrupt)"
+            )
+        if w is not None and (w.intra_bits is not None or w.error_feedback):
+            raise ValueError(
+                f"ZeroConfig.weights={w!r} sets intra_bits={w.intra_bits!r} / error_feedback={w.error_feedback!r}, "
+                f"which only a two-hop gradient reduce-scatter uses; a weight gather has one hop and keeps no "
+                f"residual, so leave both unset (intra_bits=None, error_feedback=False)"
             )
         if self.hpz and self.stage != 3:
             raise ValueError(f"hpZ partitions stage-3 parameters; set stage=3 or hpz=False (got stage={self.stage})")
@@ -128,21 +111,11 @@ class ZeroConfig:
             raise ValueError(f"hpz_size={self.hpz_size} is set but hpz=False; set hpz=True or hpz_size=None")
         if self.hpz_size is not None and self.hpz_size < 1:
             raise ValueError(f"ZeroConfig.hpz_size must be >= 1, got {self.hpz_size}")
-        if self.qgz_bits is not None and self.stage == 0:
+        if g is not None and self.stage == 0:
             raise ValueError(
-                "qgZ quantizes the gradient reduce-scatter, which stage 0 does not use (it all-reduces); "
-                "set stage>=1 or qgz_bits=None"
+                f"ZeroConfig.grads={g} (qgZ) quantizes the gradient reduce-scatter, which stage 0 does not use "
+                f"(it all-reduces); set stage>=1 or grads=None"
             )
-        if self.qgz_bits is None and (self.qgz_intra_bits is not None or self.qgz_error_feedback):
-            raise ValueError("qgz_intra_bits / qgz_error_feedback need qgZ on; set qgz_bits too")
-        for name, bits_name in (("qwz_stochastic", "qwz_bits"), ("qgz_stochastic", "qgz_bits")):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}")
-            if getattr(self, name) and getattr(self, bits_name) is None:
-                raise ValueError(
-                    f"ZeroConfig.{name}=True selects stochastic rounding, but {bits_name}=None quantizes "
-                    f"nothing; set {bits_name} (8 or 4) or {name}=False"
-                )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ZeroConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -164,19 +137,46 @@ class ZeroConfig:
         """The compute/communication dtype."""
         return _DTYPES[self.precision]
 
+    @classmethod
+    def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> "ZeroConfig":
+        """A config whose ``weights``, ``grads`` and ``hpz`` come from a named recipe
+        (``zeropp.comm.spec.RECIPES``: ``int8``, ``w8g4``, ``zeropp``, ...) or a
+        :class:`QuantRecipe`; ``fields`` set the rest (and must not repeat the recipe's three)."""
+        r = QuantRecipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        if not isinstance(r, QuantRecipe):
+            raise ValueError(f"ZeroConfig.from_recipe needs a recipe name or a QuantRecipe, got {type(r).__name__}")
+        clash = sorted(set(fields) & {"weights", "grads", "hpz"})
+        if clash:
+            raise ValueError(f"ZeroConfig.from_recipe: {clash} come from the recipe; pass a different recipe "
+                             f"or build ZeroConfig(...) directly")
+        return cls(weights=r.weights, grads=r.grads, hpz=r.hpz, **fields)
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters; the update is the same arithmetic as ``torch.optim.AdamW``."""
+    """AdamW hyper-parameters and the learning-rate schedule; the update is the same arithmetic as
+    ``torch.optim.AdamW`` driven by ``LambdaLR(opt, lambda k: cfg.lr_factor(k))``."""
 
     lr: float = 1e-3
-    """Learning rate."""
+    """Peak learning rate (reached at the end of the warmup)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam moment decay rates."""
     eps: float = 1e-8
     """Added to the root of the second moment."""
     weight_decay: float = 0.01
     """Decoupled weight decay, applied to every parameter (as ``AdamW(model.parameters())``)."""
+    warmup_steps: int = 0
+    """Linear warmup: the optimizer step taken after ``k < warmup_steps`` steps uses
+    ``lr * (k + 1) / warmup_steps`` (so the first step uses ``lr / warmup_steps`` and step
+    ``warmup_steps - 1`` the full ``lr``). 0 = no warmup."""
+    schedule: str = "constant"
+    """After the warmup: ``constant`` (stay at ``lr``) or ``cosine`` (half a cosine from ``lr`` down
+    to ``lr * min_lr_ratio`` at ``decay_steps``, then stay there)."""
+    decay_steps: int | None = None
+    """``cosine`` only (required there): optimizer steps from 0 to the end of the cosine, warmup
+    included; from this step on the rate stays at the floor ``lr * min_lr_ratio``."""
+    min_lr_ratio: float = 0.1
+    """``cosine`` only: the floor of the rate as a fraction of ``lr``, in [0, 1]."""
 
     def __post_init__(self) -> None:
         if not self.lr >= 0:
@@ -185,6 +185,47 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.betas must be two values in [0, 1), got {self.betas}")
         if not self.eps > 0 or self.weight_decay < 0:
             raise ValueError("OptimizerConfig.eps must be > 0 and weight_decay >= 0")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if self.decay_steps is not None and (not isinstance(self.decay_steps, int) or self.decay_steps < 0):
+            raise ValueError(f"OptimizerConfig.decay_steps must be an int >= 0 or None, got {self.decay_steps!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.schedule == "cosine":
+            if self.decay_steps is None:
+                raise ValueError("OptimizerConfig.schedule='cosine' needs decay_steps (the step where the cosine "
+                                 "reaches lr * min_lr_ratio); set decay_steps or use schedule='constant'")
+            if self.warmup_steps > self.decay_steps:
+                raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps} exceeds decay_steps="
+                                 f"{self.decay_steps}; the cosine starts after the warmup, so choose "
+                                 f"decay_steps >= warmup_steps")
+        elif self.decay_steps is not None:
+            raise ValueError(f"OptimizerConfig.decay_steps={self.decay_steps} does nothing with schedule="
+                             f"'constant'; set schedule='cosine' or decay_steps=None")
+
+    def lr_factor(self, step: int) -> float:
+        """The multiplier of ``lr`` for the update made after ``step`` optimizer steps (the
+        ``lr_lambda`` of an equivalent ``torch.optim.lr_scheduler.LambdaLR``)."""
+        if step < 0:
+            raise ValueError(f"lr_factor: step must be >= 0, got {step}")
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        assert self.decay_steps is not None
+        span = self.decay_steps - self.warmup_steps
+        if step >= self.decay_steps or span == 0:
+            return self.min_lr_ratio
+        progress = (step - self.warmup_steps) / span  # in [0, 1)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the update made after ``step`` optimizer steps: ``lr * lr_factor(step)``
+        (computed exactly as ``LambdaLR`` does, so the two agree bit for bit). ``step`` counts
+        updates made: an fp16 step skipped on overflow does not advance the schedule."""
+        return self.lr * self.lr_factor(step)
 
 
 def validate_against_topology(cfg: ZeroConfig, world_size: int, nodes: int, ranks_per_node: int) -> None:

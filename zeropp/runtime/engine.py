@@ -44,7 +44,9 @@ from zeropp.comm.topology import Topology
 
 from . import checkpoint as ckpt
 from .collectives import EngineComm
+from .consolidate import consolidated_state_dict
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
+from .loss_scale import make_loss_scaler
 from .memory import measure_memory
 from .optimizer import ShardedAdamW
 from .partition import FlatUnit, build_units
@@ -67,6 +69,9 @@ class StepResult:
     """Wall time of the whole step on this rank."""
     loss_scale: float = 1.0
     """fp16 loss scale used for this step (1.0 otherwise)."""
+    lr: float = 0.0
+    """Learning rate of this step's update (``OptimizerConfig.lr_at(steps taken before it)``); a
+    skipped step makes no update and does not advance the schedule."""
     memory: dict[str, int] = field(default_factory=dict)
     """Model-state bytes this rank held during the step (see ``memory_report``)."""
 
@@ -100,19 +105,21 @@ class ZeroEngine:
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.comm = EngineComm(topo, self.comm_stats, self.device)
-        self._param_dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        self.param_dtypes: dict[str, torch.dtype] = {n: p.dtype for n, p in model.named_parameters()}
+        """Parameter name -> dtype in the unwrapped model (what ``consolidated_state_dict`` returns)."""
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
         # Frozen parameters are not trained or sharded: rank 0's values are broadcast (ranks start
         # identical, as for the trained ones) and cast to the compute dtype. The originals are kept
         # when the cast rounds, so consolidated_state_dict returns them unrounded, in their dtype.
-        self._frozen: dict[str, torch.Tensor] = {}
+        self.frozen_originals: dict[str, torch.Tensor] = {}
+        """Frozen parameters whose compute-dtype copy rounds: name -> the unrounded original."""
         for name, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
                 data = p.data.contiguous()
                 self.comm.broadcast_(data)
                 if data.dtype != self.dtype:
-                    self._frozen[name] = data
+                    self.frozen_originals[name] = data
                 p.data = data.to(self.dtype)
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
@@ -131,10 +138,13 @@ class ZeroEngine:
             if self._reduces_when_ready(u):
                 u.grad_shard = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.device)
         self.optim = ShardedAdamW(masters, self.opt_cfg)
-        self._ef = self._make_error_feedback()
+        self.error_feedback = self._make_error_feedback()
+        """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
                             for u in self.units if self._reduces_when_ready(u) for p in u.params]
-        self.stage3 = Stage3Hooks(self) if cfg.stage == 3 else None
+        self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units, self.comm, config=cfg, dtype=self.dtype,
+                                  device=self.device, on_block_backward=self.flush_reductions_before
+                                  ) if cfg.stage == 3 else None
         self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
         order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
@@ -142,8 +152,8 @@ class ZeroEngine:
         self._reduce_order = [u for u in order if self._reduces_when_ready(u)]
         self._reduce_pos = {id(u): k for k, u in enumerate(self._reduce_order)}
         self._next_reduce = 0
-        self._loss_scale = cfg.loss_scale_init if cfg.precision == "fp16" else 1.0
-        self._good_steps = 0
+        self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
+        """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
         self._last_memory: dict[str, int] | None = None
         self._closed = False
 
@@ -156,7 +166,7 @@ class ZeroEngine:
             raise ValueError(f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}")
         t0 = time.perf_counter()
         self.comm.wait_s = 0.0
-        scale = self._loss_scale
+        scale = self.scaler.scale
         loss_sum = 0.0
         for j, (idx, targets) in enumerate(micro_batches):
             for u in self.units:
@@ -168,7 +178,7 @@ class ZeroEngine:
                 self.stage3.check_forward()  # same blocks ran on every rank, else a clear error everywhere
             if loss is None:
                 raise ValueError("the model returned no loss; call it with targets")
-            loss_sum += float(loss.detach())
+            loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
         grads = self._final_grads()
@@ -188,22 +198,53 @@ class ZeroEngine:
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
         holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
-        return dict(self._last_memory) if self._last_memory is not None else measure_memory(self)
+        return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
 
-    def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Atomically save this engine's sharded state under directory ``path``. Collective."""
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> str:
+        """Atomically save this engine's state under directory ``path`` through
+        ``torch.distributed.checkpoint``, with ``extra`` (small JSON values, e.g. the runner's step
+        and data position) returned by the load. Returns the version directory. Collective."""
         self._check_open()
-        return ckpt.save(self, path)
+        return ckpt.save(self._checkpoint_target(), path, extra)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Load the latest complete checkpoint under ``path`` (same world and stage). Collective."""
+    @torch.no_grad()
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Load the latest complete checkpoint under ``path``, saved at any world size and stage
+        from the same model; returns the ``extra`` it was saved with. Collective."""
         self._check_open()
-        ckpt.load(self, path)
+        extra, model_state = ckpt.load(self._checkpoint_target(), path)
+        named = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        for k, v in model_state.items():
+            if k in self.frozen_originals:
+                self.frozen_originals[k].copy_(v)
+            if k in named:
+                named[k].data.copy_(v)
+            else:
+                buffers[k].copy_(v)
+        if self.error_feedback is not None:
+            self.error_feedback.reset()  # residuals belong to the run that produced them
+        for u in self.units:
+            u.secondary = None  # hpZ: stale, built from the weights before the load
+            if u.grad_shard is not None:
+                u.grad_shard.zero_()
+        self.refresh_params()
+        return extra
 
+    @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank. Collective."""
+        """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank
+        (parameters in their original dtype, on the CPU). Collective."""
         self._check_open()
-        return ckpt.consolidated_state_dict(self)
+
+        def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
+            full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
+            self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
+                                 async_op=False)
+            return full
+
+        return consolidated_state_dict(self.units, self.optim.masters, gather, self.model, self.param_dtypes,
+                                       self.frozen_originals)
 
     def close(self) -> None:
         """Remove all hooks and drop buffers. Local (no collective), safe to call twice."""
@@ -229,7 +270,7 @@ class ZeroEngine:
     def _grad_hook(self, u: FlatUnit):
         def hook(p: torch.Tensor) -> None:
             if u.reduced:
-                name = next((s.name for s in u.slots if s.param is p), "a parameter")
+                name = u.param_name(p)
                 raise RuntimeError(
                     f"the gradient of {name} ({u.name}) arrived after {u.name}'s gradient was sent: at stage 3 a "
                     f"block's parameters must get their gradients before the backward of the block before it "
@@ -261,9 +302,7 @@ class ZeroEngine:
             self._next_reduce += 1
 
     def _qgz(self) -> dict:
-        c = self.cfg
-        return dict(bits=c.qgz_bits, intra_bits=c.qgz_intra_bits, group_size=c.qgz_group_size, error_feedback=self._ef,
-                    stochastic=c.qgz_stochastic)
+        return dict(spec=self.cfg.grads, error_feedback=self.error_feedback)
 
     def _reduce_unit(self, u: FlatUnit) -> None:
         """Stages 2/3: send this micro-step's gradient of ``u`` (async); free ``u`` at stage 3."""
@@ -291,7 +330,7 @@ class ZeroEngine:
         if self.stage3 is not None:
             self.stage3.release_all()
         if last:
-            self._last_memory = measure_memory(self)
+            self._last_memory = self._measure_memory()
 
     def _final_grads(self) -> list[torch.Tensor]:
         """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
@@ -313,30 +352,24 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ optimizer step
     def _step(self, grads: list[torch.Tensor], local_loss: float) -> StepResult:
-        scale = self._loss_scale
+        scale = self.scaler.scale
         g32 = [g.float() if g.dtype != torch.float32 else g.clone() for g in grads]
         if scale != 1.0:
             for g in g32:
                 g.div_(scale)
         sq_sharded = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind != "replicated")
         sq_repl = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind == "replicated")
-        loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])
+        loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])  # one fp64 all-reduce on self.device
         norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
         res = StepResult(loss=loss_tot / self.world_size, grad_norm=norm, skipped=not math.isfinite(norm),
-                         comm_wait_s=0.0, loss_scale=scale, memory=dict(self._last_memory or {}))
-        if res.skipped:
-            if self.cfg.precision == "fp16":
-                self._loss_scale, self._good_steps = scale / 2, 0
-        else:
+                         comm_wait_s=0.0, loss_scale=scale, lr=self.optim.lr, memory=dict(self._last_memory or {}))
+        self.scaler.update(finite=not res.skipped)
+        if not res.skipped:
             if self.cfg.grad_clip is not None:
                 coef = min(self.cfg.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
                 for g in g32:
                     g.mul_(coef)
             self.optim.step(g32)
-            if self.cfg.precision == "fp16":
-                self._good_steps += 1
-                if self._good_steps >= self.cfg.loss_scale_window:
-                    self._loss_scale, self._good_steps = scale * 2, 0
             self.refresh_params()
         for u in self.units:
             if u.grad_shard is not None:
@@ -356,14 +389,27 @@ class ZeroEngine:
                 u.param_shard.copy_(m)
                 u.secondary = None
             else:  # stages 1/2: everyone needs every updated shard
-                works.append(self.comm.all_gather(u.flat, m.to(self.dtype), bucket=self.cfg.allgather_bucket_size,
+                works.append(self.comm.all_gather(u.flat, m.to(self.dtype), spec=None,
+                                                  bucket=self.cfg.allgather_bucket_size,
                                                   kind="param_all_gather", async_op=True))
         for w in works:
             w.wait()
 
     # ------------------------------------------------------------------ misc
+    def _checkpoint_target(self) -> ckpt.CheckpointTarget:
+        model_state = {n: self.frozen_originals.get(n, p.data) for n, p in self.model.named_parameters()
+                       if not p.requires_grad and p.is_floating_point()}
+        model_state.update(dict(self.model.named_buffers()))
+        return ckpt.CheckpointTarget(
+            layouts=[u.layout for u in self.units], optimizer=self.optim, scaler=self.scaler, rank=self.rank,
+            world_size=self.world_size, device=self.device, stage=self.cfg.stage, param_dtypes=self.param_dtypes,
+            model_state=model_state, info={"config": repr(self.cfg), "topology": repr(self.topology)})
+
+    def _measure_memory(self) -> dict[str, int]:
+        return measure_memory(self.units, self.optim.nbytes())
+
     def _make_error_feedback(self) -> object | None:
-        if not self.cfg.qgz_error_feedback:
+        if self.cfg.grads is None or not self.cfg.grads.error_feedback:
             return None
         from zeropp.comm import ErrorFeedback
 
@@ -376,4 +422,5 @@ class ZeroEngine:
     def __repr__(self) -> str:
         c = self.cfg
         return (f"ZeroEngine(stage={c.stage}, precision={c.precision}, world={self.world_size}, {self.topology}, "
-                f"qwz={c.qwz_bits}, hpz={c.hpz}, qgz={c.qgz_bits}, params={self.num_params})")
+                f"weights={c.weights.label if c.weights else None}, hpz={c.hpz}, "
+                f"grads={c.grads.label if c.grads else None}, params={self.num_params})")

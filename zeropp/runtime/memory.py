@@ -17,10 +17,9 @@ With bf16 (p = g = 2) the rows are 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Iterable
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from .partition import FlatUnit
 
 KEYS = ("params", "grads", "optimizer", "hpz_secondary", "total")
 
@@ -29,18 +28,19 @@ def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def measure_memory(engine: "ZeroEngine") -> dict[str, int]:
-    """Bytes held by this rank now. Call at the end of backward for the step's peak model state
-    (gradients and hpZ copies exist then)."""
+def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str, int]:
+    """Bytes held by this rank now in ``units``' buffers plus ``optimizer_bytes`` of optimizer
+    state. Call at the end of backward for the step's peak model state (gradients and hpZ copies
+    exist then)."""
     params = grads = hpz = 0
-    for u in engine.units:
+    for u in units:
         params += _nbytes(u.param_shard) if u.kind == "sharded" else _nbytes(u.flat)
         if u.grad_shard is not None:
             grads += _nbytes(u.grad_shard)
         else:  # full gradients held by autograd until the final reduction (stages 0/1, replicated units)
             grads += sum(_nbytes(p.grad) for p in u.params)
         hpz += _nbytes(u.secondary)
-    opt = engine.optim.nbytes()
+    opt = optimizer_bytes
     return {"params": params, "grads": grads, "optimizer": opt, "hpz_secondary": hpz,
             "total": params + grads + opt + hpz}
 

@@ -28,8 +28,9 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor]) -> None:
-        """One AdamW update; ``grads[i]`` is the fp32 gradient of ``masters[i]`` (same shape)."""
-        lr, (beta1, beta2), eps, wd = self.cfg.lr, self.cfg.betas, self.cfg.eps, self.cfg.weight_decay
+        """One AdamW update; ``grads[i]`` is the fp32 gradient of ``masters[i]`` (same shape). The
+        rate is the schedule's ``cfg.lr_at(steps taken so far)``."""
+        lr, (beta1, beta2), eps, wd = self.lr, self.cfg.betas, self.cfg.eps, self.cfg.weight_decay
         self.step_count += 1
         step = float(self.step_count)  # torch keeps the step as a float tensor and reads .item()
         bias_correction1 = 1 - beta1**step
@@ -44,21 +45,27 @@ class ShardedAdamW:
             denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
             p.addcdiv_(m, denom, value=-step_size)
 
+    @property
+    def lr(self) -> float:
+        """The learning rate the next ``step`` uses."""
+        return self.cfg.lr_at(self.step_count)
+
     def nbytes(self) -> int:
         """Bytes of master weights plus both moments held by this rank."""
         return sum(t.numel() * t.element_size() for ts in (self.masters, self.exp_avg, self.exp_avg_sq) for t in ts)
 
-    def state(self) -> dict:
-        return {"masters": self.masters, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+    STATE = ("masters", "exp_avg", "exp_avg_sq")
+    """Names of the per-shard fp32 state lists (what a checkpoint stores per unit)."""
 
     @torch.no_grad()
-    def load_state(self, state: dict) -> None:
-        for name in ("masters", "exp_avg", "exp_avg_sq"):
+    def load_state(self, state: dict[str, list[torch.Tensor]], step: int) -> None:
+        """Copy ``state[name][i]`` into each list of :data:`STATE` (same shapes) and set the step count."""
+        for name in self.STATE:
             mine, theirs = getattr(self, name), state[name]
             if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
                 raise ValueError(f"checkpoint optimizer state {name!r} does not match this partitioning")
             for a, b in zip(mine, theirs):
                 a.copy_(b)
-        self.step_count = int(state["step"])
+        self.step_count = int(step)
 
 

@@ -15,25 +15,34 @@ re-populated before backward by re-binding).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
 
 
-@dataclass
+KINDS = ("replicated", "sharded_opt", "sharded")
+
+
+@dataclass(frozen=True)
 class Slot:
     """Where one parameter lives inside its unit's flat buffer."""
 
     name: str
-    param: nn.Parameter
-    shape: torch.Size
+    """Parameter name in the unwrapped model (``model.named_parameters()``)."""
+    shape: tuple[int, ...]
+    """The parameter's shape."""
     offset: int
+    """First element of the parameter in the flat buffer."""
     numel: int
+    """Elements of the parameter."""
 
 
-@dataclass
-class FlatUnit:
-    """One communication unit. ``kind`` decides how it is reduced and whether it is gathered:
+@dataclass(frozen=True, kw_only=True)
+class UnitLayout:
+    """The frozen description of one flat unit: which parameters, where, and how it is cut into
+    shards. A value (no tensors), so checkpoints record it, memory and checkpoint code read it,
+    and two engines can compare theirs. ``kind`` decides how the unit is reduced and gathered:
 
     - ``replicated``: full parameters always present, gradients all-reduced, optimizer state
       for the whole unit on every rank (stage 0; stage-3 parameters under the persistence threshold).
@@ -41,96 +50,186 @@ class FlatUnit:
       state for this rank's shard; updated shards all-gathered after the step (stages 1 and 2).
     - ``sharded``: only this rank's shard is kept; the full buffer exists between a gather and
       its release (stage 3).
+
+    Sharding: the buffer is padded to ``padded = num_shards * shard_numel`` with
+    ``shard_numel = ceil(numel / num_shards)``, and shard ``r`` is ``[r * S, (r + 1) * S)``. Without
+    the padding, shard ``r`` is exactly ``torch.chunk``'s (and a ``Shard(0)`` DTensor's) piece ``r``
+    of the unpadded ``[numel]`` buffer, which is what lets checkpoints reshard.
     """
 
     name: str
-    slots: list[Slot]
+    """``block<i>``, ``root`` or ``persistent``."""
     kind: str
+    """``replicated``, ``sharded_opt`` or ``sharded`` (see above)."""
+    slots: tuple[Slot, ...]
+    """The parameters, in buffer order."""
     num_shards: int
+    """Shards the buffer is cut into: the world size, or 1 for a replicated unit."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"UnitLayout.kind={self.kind!r}; use one of {KINDS}")
+        off = 0
+        for s in self.slots:
+            if s.offset != off:
+                raise ValueError(f"UnitLayout {self.name}: {s.name} starts at {s.offset}, expected {off} (packed order)")
+            off += s.numel
+
+    @classmethod
+    def pack(cls, name: str, params: list[tuple[str, tuple[int, ...]]], *, kind: str, num_shards: int) -> "UnitLayout":
+        """Lay ``(name, shape)`` parameters out back to back."""
+        slots, off = [], 0
+        for n, shape in params:
+            numel = 1
+            for d in shape:
+                numel *= d
+            slots.append(Slot(n, tuple(shape), off, numel))
+            off += numel
+        return cls(name=name, kind=kind, slots=tuple(slots), num_shards=num_shards)
+
+    @cached_property
+    def numel(self) -> int:
+        """Elements of all parameters (unpadded buffer)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one shard, ``ceil(numel / num_shards)`` (at least 1)."""
+        return max(1, -(-self.numel // self.num_shards))
+
+    @property
+    def padded(self) -> int:
+        """Elements of the padded buffer, ``num_shards * shard_numel``."""
+        return self.num_shards * self.shard_numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Padded-buffer range of shard ``rank``."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def unpadded_range(self, rank: int) -> tuple[int, int]:
+        """Range of shard ``rank`` inside the unpadded ``[numel]`` buffer (empty past the end)."""
+        a, b = self.shard_range(rank)
+        return min(a, self.numel), min(b, self.numel)
+
+    def params(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` per parameter: what must match for a checkpoint to load."""
+        return [(s.name, s.shape) for s in self.slots]
+
+    def to_dict(self) -> dict:
+        """JSON-ready description (checkpoint metadata)."""
+        return {"name": self.name, "kind": self.kind, "num_shards": self.num_shards,
+                "params": [[s.name, list(s.shape)] for s in self.slots]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UnitLayout":
+        return cls.pack(d["name"], [(n, tuple(sh)) for n, sh in d["params"]], kind=d["kind"], num_shards=d["num_shards"])
+
+
+@dataclass(eq=False)
+class FlatUnit:
+    """One communication unit at runtime: its :class:`UnitLayout`, the ``Parameter`` objects it
+    binds, and the buffers and per-step flags the engine and the stage-3 hooks keep for it."""
+
+    layout: UnitLayout
+    params: list[nn.Parameter]
     shard_rank: int
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")
-    numel: int = 0
-    padded: int = 0
-    shard_numel: int = 0
     # runtime state, owned by the engine
     flat: torch.Tensor | None = None  # [padded] compute dtype, full parameters (when present)
     param_shard: torch.Tensor | None = None  # [S] compute dtype (stage 3)
     grad_shard: torch.Tensor | None = None  # [S] compute dtype, accumulated reduced gradient
     secondary: torch.Tensor | None = None  # [padded / hpz] compute dtype (hpZ)
-    error_feedback: object | None = None  # qgZ error-feedback state (opaque to this module)
     state: str = "free"  # free | inflight | ready  (stage 3 gather state)
     work: object | None = None  # pending gather handle
     grads_ready: int = 0  # parameters whose gradient was accumulated in this backward
     reduced: bool = False  # gradients of this micro-step already sent
     extra: dict = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        off = 0
-        for s in self.slots:
-            s.offset = off
-            off += s.numel
-        self.numel = off
-        n = self.num_shards
-        self.padded = max(n, -(-off // n) * n)
-        self.shard_numel = self.padded // n
-
     @classmethod
     def build(cls, name: str, named: list[tuple[str, nn.Parameter]], *, kind: str, num_shards: int,
               shard_rank: int, dtype: torch.dtype) -> "FlatUnit":
-        slots = [Slot(n, p, p.shape, 0, p.numel()) for n, p in named]
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"unit {name!r} has parameters on several devices {devices}; move the model to one device")
-        return cls(name=name, slots=slots, kind=kind, num_shards=num_shards, shard_rank=shard_rank, dtype=dtype,
-                   device=devices.pop())
+        layout = UnitLayout.pack(name, [(n, tuple(p.shape)) for n, p in named], kind=kind, num_shards=num_shards)
+        return cls(layout=layout, params=[p for _, p in named], shard_rank=shard_rank, dtype=dtype, device=devices.pop())
+
+    # the layout's facts, for brevity at the call sites
+    @property
+    def name(self) -> str:
+        return self.layout.name
 
     @property
-    def params(self) -> list[nn.Parameter]:
-        return [s.param for s in self.slots]
+    def kind(self) -> str:
+        return self.layout.kind
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return self.layout.slots
+
+    @property
+    def num_shards(self) -> int:
+        return self.layout.num_shards
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def padded(self) -> int:
+        return self.layout.padded
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
 
     def shard_range(self) -> tuple[int, int]:
-        start = self.shard_rank * self.shard_numel
-        return start, start + self.shard_numel
+        return self.layout.shard_range(self.shard_rank)
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """Name of parameter ``p`` of this unit (for messages)."""
+        return next((s.name for s, q in zip(self.slots, self.params) if q is p), "a parameter")
 
     def flatten_data(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Current parameter values as a new padded flat tensor ``[padded]``."""
         out = torch.zeros(self.padded, dtype=dtype or self.dtype, device=self.device)
-        for s in self.slots:
-            out[s.offset : s.offset + s.numel].copy_(s.param.data.reshape(-1))
+        for s, p in zip(self.slots, self.params):
+            out[s.offset : s.offset + s.numel].copy_(p.data.reshape(-1))
         return out
 
     def flatten_grads(self) -> torch.Tensor:
         """Gradients as a padded flat tensor ``[padded]`` (missing gradients count as zero); clears ``p.grad``."""
         out = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        for s in self.slots:
-            g = s.param.grad
+        for s, p in zip(self.slots, self.params):
+            g = p.grad
             if g is not None:
                 out[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-                s.param.grad = None
+                p.grad = None
         return out
 
     def bind(self, flat: torch.Tensor) -> None:
         """Point every parameter at its view of ``flat`` (``[padded]``)."""
         self.flat = flat
-        for s in self.slots:
-            s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+        for s, p in zip(self.slots, self.params):
+            p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def release(self) -> None:
         """Drop the full buffer; parameters become empty tensors until the next ``bind``."""
         self.flat = None
         self.state = "free"
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for s in self.slots:
-            s.param.data = empty
+        for p in self.params:
+            p.data = empty
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full flat buffer into ``{param name: tensor of the param's shape}`` (views)."""
-        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+        return unflatten(self.layout, flat)
 
-    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        """What a checkpoint records to check it is loaded into the same partitioning."""
-        return [(s.name, tuple(s.shape)) for s in self.slots]
+
+def unflatten(layout: UnitLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Split a flat buffer (``[numel]`` or longer) of ``layout`` into its parameters (views)."""
+    return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in layout.slots}
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:

@@ -28,15 +28,15 @@ rank raises a ``RuntimeError`` naming the block and the ranks before any backwar
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from .collectives import EngineComm
+from .config import ZeroConfig
 from .partition import FlatUnit
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
 
 ROOT = -1  # hook index of the root unit
 
@@ -56,17 +56,28 @@ class _PreBackward(torch.autograd.Function):
 
 
 class Stage3Hooks:
-    """Installs and runs the gather/free hooks of one engine."""
+    """Installs and runs the gather/free hooks of one engine.
 
-    def __init__(self, engine: "ZeroEngine") -> None:
-        self.e = engine
-        self.units: list[FlatUnit] = [u for _, u in engine.blocks]
-        self.depth = engine.cfg.prefetch_depth
+    It gets what it uses and nothing more: the model and its block units, the communication door,
+    the config (prefetch depth, bucket size, qwZ spec, hpZ), the compute dtype and device, and
+    ``on_block_backward(unit)``, which the engine uses to send the gradient reduce-scatters that
+    must precede that block's backward gathers.
+    """
+
+    def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
+                 all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
+                 device: torch.device, on_block_backward: Callable[[FlatUnit], None]) -> None:
+        self.units: list[FlatUnit] = [u for _, u in blocks]
+        self.root = root
+        self.all_units = list(all_units)
+        self.comm, self.cfg, self.dtype, self.device = comm, config, dtype, device
+        self.on_block_backward = on_block_backward
+        self.depth = config.prefetch_depth
         self.ran = [False] * len(self.units)  # blocks whose forward ran in the current forward
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
-        m = engine.model
+        m = model
         self.handles = [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
-        for i, (blk, _) in enumerate(engine.blocks):
+        for i, (blk, _) in enumerate(blocks):
             self.handles.append(blk.register_forward_pre_hook(partial(self._pre, i)))
             self.handles.append(blk.register_forward_hook(partial(self._post, i)))
 
@@ -80,15 +91,14 @@ class Stage3Hooks:
         """Issue the (async) gather of ``u`` unless it is already gathered or in flight."""
         if u.state != "free":
             return
-        e = self.e
-        buf = torch.empty(u.padded, dtype=e.dtype, device=e.device)  # [padded]
-        if u.secondary is not None:  # hpZ: the node already holds the whole block
-            work = e.comm.all_gather(buf, u.secondary, hpz=True, bucket=e.cfg.allgather_bucket_size,
-                                     kind="bwd_all_gather" if backward else "fwd_all_gather", async_op=True)
+        buf = torch.empty(u.padded, dtype=self.dtype, device=self.device)  # [padded]
+        kind = "bwd_all_gather" if backward else "fwd_all_gather"
+        bucket = self.cfg.allgather_bucket_size
+        if u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
+            work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, async_op=True)
         else:
-            work = e.comm.all_gather(buf, u.param_shard, bits=e.cfg.qwz_bits, group_size=e.cfg.qwz_group_size,
-                                     stochastic=e.cfg.qwz_stochastic, bucket=e.cfg.allgather_bucket_size,
-                                     kind="bwd_all_gather" if backward else "fwd_all_gather", async_op=True)
+            work = self.comm.all_gather(buf, u.param_shard, spec=self.cfg.weights, bucket=bucket, kind=kind,
+                                        async_op=True)
         u.extra["buf"], u.work, u.state = buf, work, "inflight"
 
     def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:
@@ -111,7 +121,7 @@ class Stage3Hooks:
             u.release()
 
     def release_all(self) -> None:
-        for u in self.e.units:
+        for u in self.all_units:
             if u.kind == "sharded":
                 self.release(u)
 
@@ -122,7 +132,7 @@ class Stage3Hooks:
                 self.gather(self.units[j], backward=backward)
 
     def _unit(self, i: int) -> FlatUnit | None:
-        return self.e.root if i == ROOT else self.units[i]
+        return self.root if i == ROOT else self.units[i]
 
     def _catch_up(self, end: int) -> None:
         """Issue the forward gathers of blocks ``< end`` not issued yet, in block order, so that a
@@ -134,14 +144,14 @@ class Stage3Hooks:
     def check_forward(self) -> None:
         """Collective (training only): raise on every rank unless every rank ran the same blocks."""
         n = len(self.units)
-        if n == 0 or self.e.world_size == 1:
+        if n == 0 or self.comm.world_size == 1:
             return
-        ran = torch.tensor([int(x) for x in self.ran], dtype=torch.int32, device=self.e.device)
+        ran = torch.tensor([int(x) for x in self.ran], dtype=torch.int32, device=self.device)
         dist.all_reduce(ran)  # per block: how many ranks ran it
-        bad = [i for i, c in enumerate(ran.tolist()) if c not in (0, self.e.world_size)]
+        bad = [i for i, c in enumerate(ran.tolist()) if c not in (0, self.comm.world_size)]
         if not bad:
             return
-        runs: list = [None] * self.e.world_size
+        runs: list = [None] * self.comm.world_size
         dist.all_gather_object(runs, list(self.ran))
         self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
         what = "; ".join(f"{self.units[i].name} ran on ranks {[r for r in range(len(runs)) if runs[r][i]]} but not on "
@@ -156,13 +166,13 @@ class Stage3Hooks:
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         self.ran = [False] * len(self.units)
         self._next_fwd = 0
-        if self.e.root is not None:
-            self.ensure_ready(self.e.root, backward=False)
+        if self.root is not None:
+            self.ensure_ready(self.root, backward=False)
         self._prefetch(range(0, self.depth), backward=False)
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._catch_up(len(self.units))
-        if self.e.root is None:
+        if self.root is None:
             return output
         return self._post(ROOT, module, args, output)
 
@@ -176,9 +186,9 @@ class Stage3Hooks:
     def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         u = self._unit(i)
         grad = torch.is_grad_enabled()
-        if grad and self.e.cfg.hpz and u.secondary is None:
-            h = self.e.comm.hpz_size
-            u.secondary = u.flat.view(h, -1)[self.e.comm.hpz_rank].clone()  # [padded / h]
+        if grad and self.cfg.hpz and u.secondary is None:
+            h = self.comm.hpz_size
+            u.secondary = u.flat.view(h, -1)[self.comm.hpz_rank].clone()  # [padded / h]
         self.release(u)
         if not grad:
             return output
@@ -198,7 +208,7 @@ class Stage3Hooks:
     def pre_backward(self, i: int) -> None:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
         if i != ROOT:
-            self.e.flush_reductions_before(self.units[i])  # blocks after i are done: send what waits
+            self.on_block_backward(self.units[i])  # blocks after i are done: send what waits
         self.ensure_ready(self._unit(i), backward=True)
         start = len(self.units) - 1 if i == ROOT else i - 1
         self._prefetch(range(start, start - self.depth, -1), backward=True)

@@ -1,0 +1,39 @@
+"""Plain weights back from a sharded engine: the unwrapped model's ``state_dict``.
+
+Every unit's fp32 master is assembled whole (a replicated unit's is already whole; a sharded one
+is all-gathered by the caller's ``gather``), split into parameters by the unit's layout and cast
+to each parameter's original dtype. Frozen parameters come back unrounded (the originals the
+engine kept when the compute-dtype cast rounds), buffers as they are. Everything lands on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .partition import FlatUnit
+
+
+@torch.no_grad()
+def consolidated_state_dict(units: Sequence[FlatUnit], masters: Sequence[torch.Tensor],
+                            gather: Callable[[FlatUnit, torch.Tensor], torch.Tensor], model: nn.Module,
+                            param_dtypes: dict[str, torch.dtype], frozen_originals: dict[str, torch.Tensor]
+                            ) -> dict[str, torch.Tensor]:
+    """``gather(unit, master_shard)`` returns the unit's full ``[padded]`` fp32 master (collective
+    for sharded units, so every rank must call this)."""
+    full_params: dict[str, torch.Tensor] = {}
+    for u, m in zip(units, masters):
+        full = m if u.kind == "replicated" else gather(u, m)  # [padded]
+        for name, t in u.unflatten(full).items():
+            full_params[name] = t.to(dtype=param_dtypes[name], device="cpu").clone()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if k in full_params:
+            out[k] = full_params[k]
+        elif k in frozen_originals:  # a frozen parameter in its original dtype, not the compute copy
+            out[k] = frozen_originals[k].detach().to("cpu").clone()
+        else:
+            out[k] = v.detach().to("cpu").clone()
+    return out
