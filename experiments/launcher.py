@@ -4,7 +4,7 @@ Used by the runner (``python -m experiments.run``), the emulated-cluster benchma
 (``cluster/ranks.py``) and the tests (``tests/distributed.py::run_world``)::
 
     launch_world(ModuleEntry(module="zeropp.experiments.worker", args=(spec,)), 4,
-                 placement=local_placement_of(4), log_dir=run_dir / "ranks", timeout_s=600)
+                 placement=LOCAL, log_dir=run_dir / "ranks", timeout_s=600)
     launch_world(fn, 4, args=(x,), process_group="gloo", timeout_s=60)  # -> [fn(0, 4, x), ..]
 
 Processes come from ``torch.distributed.elastic.multiprocessing.start_processes``, the engine of
@@ -401,43 +401,40 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
     port = free_port()
     envs = _rank_envs(world_size, placement, port, extra_env)
     logs = {r: str(log_dir / f"rank{r}.log") if log_dir is not None and r > 0 else "" for r in range(world_size)}
-    with contextlib.ExitStack() as stack:
-        if log_dir is not None:
-            (log_dir / "elastic").mkdir(parents=True, exist_ok=True)
-            for path in filter(None, logs.values()):
-                Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
-            error_root = str(log_dir / "elastic")
-        else:
-            error_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="zeropp-ranks-"))
-        if function:
-            pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
-            ep: Callable | str = _function_rank
-            rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads)
-                         for r in range(world_size)}
-        else:
-            assert isinstance(entry, ModuleEntry)
-            ep = sys.executable
-            rank_args = {r: ("-I", "-S", "-c", _BOOT, str(os.getpid()), logs[r],
-                             *(placement.prefixes[r] if placement.prefixes else ()),
-                             sys.executable, "-m", entry.module, *entry.args) for r in range(world_size)}
-        old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}
-        world: _World | None = None
+    if log_dir is not None:
+        (log_dir / "elastic").mkdir(parents=True, exist_ok=True)
+        for path in filter(None, logs.values()):
+            Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
+    if function:
+        pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
+        ep: Callable | str = _function_rank
+        rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads) for r in range(world_size)}
+    else:
+        assert isinstance(entry, ModuleEntry)
+        ep = sys.executable
+        rank_args = {r: ("-I", "-S", "-c", _BOOT, str(os.getpid()), logs[r],
+                         *(placement.prefixes[r] if placement.prefixes else ()),
+                         sys.executable, "-m", entry.module, *entry.args) for r in range(world_size)}
+    errors_cm = (contextlib.nullcontext(str(log_dir / "elastic")) if log_dir is not None
+                 else tempfile.TemporaryDirectory(prefix="zeropp-ranks-"))
+    old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}  # start_processes installs its own
+    world: _World | None = None
+    with errors_cm as error_root:
         try:
             pc = start_processes(name="zeropp", entrypoint=ep, args=rank_args, envs=envs,
                                  logs_specs=DefaultLogsSpecs(log_dir=error_root))
             world = _World(pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node)
             return _watch(world, timeout_s=timeout_s, poll_s=poll_s)
         except SignalException as e:
-            if world is not None:
-                world.stop()
             raise RankFailure(f"interrupted by {e.sigval.name}; all ranks stopped",
                               exit_code=128 + int(e.sigval)) from None
         finally:
-            if world is not None:
-                world.stop()  # idempotent; reaps stray grandchildren after a success too
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-    raise AssertionError("unreachable")
+            try:
+                if world is not None:
+                    world.stop()  # idempotent; after a success it reaps stray grandchildren
+            finally:
+                for sig, handler in old_handlers.items():
+                    signal.signal(sig, handler)
 
 
 def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
