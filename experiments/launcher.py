@@ -39,8 +39,16 @@ handlers, restored afterwards) and the whole-run timeout stop all ranks the same
 
 Logs: rank 0 keeps the terminal; with ``log_dir`` the other ranks write ``<log_dir>/rank<r>.log``
 and torch's error files land under ``<log_dir>/elastic/`` (``DefaultLogsSpecs`` layout
-``<run id>_*/attempt_0/<local rank>/error.json``); without it all ranks share the terminal and
-the error files live in a temporary directory removed afterwards.
+``test_run_id_*/attempt_0/<local rank>/error.json``: we set no ``TORCHELASTIC_RUN_ID``, which
+would make ``torch.distributed.is_torchelastic_launched()`` claim an elastic agent); without it
+all ranks share the terminal and the error files live in a temporary directory removed afterwards.
+
+API: :func:`launch_world` (``ModuleEntry`` or function), :func:`launch` (the runner's call),
+placements :data:`LOCAL`, :func:`cluster_placement`, :func:`local_placement`,
+:func:`emulated_placement`; :func:`select_device`, :func:`device_for_cluster`; :func:`free_port`,
+:func:`in_torchrun`, :func:`worker_module`, :data:`LAUNCHED_MARK`; errors :class:`RankFailure`,
+:class:`PlacementError`. Launch from the main thread: PDEATHSIG fires when the *thread* that
+started a rank exits.
 
 CUDA (:func:`select_device`): one GPU per process on its host, chosen by ``LOCAL_RANK``. The
 emulated cluster is CPU only: NCCL would move intra-host traffic over P2P/SHM and never cross the
