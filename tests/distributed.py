@@ -12,6 +12,7 @@ collective fails the test instead of hanging the suite. ``fn`` must be a module-
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Callable
 
 from zeropp.experiments.launcher import RankFailure, launch_world
@@ -23,4 +24,6 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
         return launch_world(fn, world_size, args=args, process_group="gloo", threads=1, timeout_s=timeout,
                             grace_s=2.0)
     except RankFailure as e:
+        if e.exit_code == 128 + signal.SIGINT:  # Ctrl-C: the ranks are stopped; let pytest stop too
+            raise KeyboardInterrupt from None
         raise AssertionError(f"world of {world_size}: {e}") from None
