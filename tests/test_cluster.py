@@ -8,6 +8,7 @@ last check asserts nothing with this process's id is left behind.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 from zeropp.experiments.cluster import ClusterPrivilegeError, EmulatedCluster, NetnsError, netns
 from zeropp.experiments.cluster.ranks import run_ranks
+from zeropp.experiments.launcher import ModuleEntry, RankFailure, cluster_placement, launch_world
 
 PREFIX = "zpp"
 
@@ -75,6 +77,7 @@ def test_bad_spec_and_prefix_are_rejected_with_reasons():
     assert c.rank_command_prefix(3)[:3] == ["ip", "netns", "exec"] and c.rank_command_prefix(3)[3].endswith("-n1")
     env = c.rank_env(2, 29500)
     assert env["MASTER_ADDR"] == c.node_address(0) == c.master_addr and env["GLOO_SOCKET_IFNAME"] == c.interface
+    assert env["LOCAL_RANK"] == "2" and env["LOCAL_WORLD_SIZE"] == "4"  # one host: index on the host, not the node
     c.down()  # never brought up: a no-op
 
 
@@ -172,12 +175,34 @@ def test_latency_is_applied_or_refused_clearly(clusters):
 # ---------------------------------------------------------------- ranks across emulated nodes
 
 
+CHECK = "zeropp.experiments.cluster.check"
+
+
 @needs_netns
 def test_gloo_all_reduce_across_two_emulated_nodes(clusters):
     c = clusters(2, 1, 1.0, probe=False)
-    reports = run_ranks(c, ["--mode", "allreduce"], timeout_s=120)
+    reports = run_ranks(c, [], timeout_s=120, module=CHECK)  # the launcher, with the cluster's placement
     assert all(r["sum"] == r["expected"] == 1.0 and r["big_ok"] for r in reports)
     assert {r["ifname"] for r in reports} == {c.interface}
+
+
+@needs_netns
+def test_launcher_on_a_2x2_emulated_cluster_local_ranks_and_failure(clusters, tmp_path):
+    """Ranks in namespaces get the host-wide LOCAL_RANK, and a rank failing there is named."""
+    c = clusters(2, 2, 1.0, probe=False)
+    placement = cluster_placement(c)
+    assert placement.info["cluster"] == "emulated" and placement.master_addr == c.master_addr
+    launch_world(ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "ok"))), 4, placement=placement,
+                 log_dir=tmp_path / "ranks", timeout_s=120)
+    reports = [json.loads((tmp_path / "ok" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["sum"] == r["expected"] == 6.0 and r["big_ok"] and r["ifname"] == c.interface for r in reports)
+    assert [r["env"]["LOCAL_RANK"] for r in reports] == ["0", "1", "2", "3"]
+    assert {r["env"]["LOCAL_WORLD_SIZE"] for r in reports} == {"4"} and {r["env"]["MASTER_ADDR"] for r in reports} == {
+        c.master_addr}
+    with pytest.raises(RankFailure, match=r"rank 2 \(node 1\) exited with code 1") as e:
+        launch_world(ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "bad"), "--fail-rank", "2")), 4,
+                     placement=placement, log_dir=tmp_path / "ranks2", timeout_s=120, grace_s=2, ranks_per_node=2)
+    assert "failing on purpose on rank 2" in str(e.value)
 
 
 @needs_netns

@@ -1,10 +1,26 @@
-"""The multi-process harness itself: results come back by rank, and a failing rank fails fast."""
+"""The one launcher (experiments/launcher.py) and the tests' run_world over it: results come back
+by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
+the launcher leaves no process behind, and select_device places one GPU per local process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed import run_world
+from zeropp.experiments import launcher
+from zeropp.experiments.launcher import (LOCAL, ModuleEntry, PlacementError, RankFailure, device_for_cluster,
+                                         emulated_placement, launch_world, select_device)
 
 
 def _sum_ranks(rank: int, world: int) -> float:
@@ -19,6 +35,58 @@ def _raise_on_one(rank: int, world: int) -> None:
     dist.barrier()  # rank 0 would wait here forever without the harness's kill
 
 
+def _env_and_value(rank: int, world: int, scale: int) -> dict:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", launcher.LAUNCHED_MARK)
+    return {"value": [rank * scale] * (rank + 1), **{k: os.environ.get(k) for k in keys}}
+
+
+def _kill_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def _hang_with_grandchild(rank: int, world: int, pid_dir: str) -> None:
+    """Start a grandchild (like wandb's service), record both pids, then hang."""
+    child = subprocess.Popen(["sleep", "120"])
+    Path(pid_dir, f"rank{rank}").write_text(f"{os.getpid()} {child.pid}")
+    time.sleep(120)
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (no psutil: /proc and kill(0))."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = [ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("State:")]
+    except OSError:
+        return False
+    return not (state and "Z" in state[0])
+
+
+def _pids(pid_dir: Path, n: int, timeout: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(list(pid_dir.glob("rank*"))) < n:
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.1)
+    time.sleep(0.2)  # the files are written whole, but give the last write a moment
+    return [int(p) for f in sorted(pid_dir.glob("rank*")) for p in f.read_text().split()]
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+# ---------------------------------------------------------------- run_world (the tests' wrapper)
+
+
 def test_results_by_rank():
     assert run_world(_sum_ranks, 3) == [3.0, 3.0, 3.0]
 
@@ -26,3 +94,147 @@ def test_results_by_rank():
 def test_failing_rank_reports_its_error_without_hanging():
     with pytest.raises(AssertionError, match="boom on rank 1"):
         run_world(_raise_on_one, 2, timeout=60)
+
+
+# ---------------------------------------------------------------- launch_world: functions
+
+
+def test_function_world_values_and_env_by_rank():
+    out = launch_world(_env_and_value, 3, args=(7,), timeout_s=60)
+    assert [o["value"] for o in out] == [[0], [7, 7], [14, 14, 14]]
+    assert [o["RANK"] for o in out] == [o["LOCAL_RANK"] for o in out] == ["0", "1", "2"]
+    assert all(o["WORLD_SIZE"] == o["LOCAL_WORLD_SIZE"] == "3" and o["MASTER_ADDR"] == "127.0.0.1" for o in out)
+    assert all(o[launcher.LAUNCHED_MARK] is not None for o in out)
+
+
+def test_raising_rank_is_named_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        launch_world(_raise_on_one, 3, process_group="gloo", timeout_s=60, grace_s=2)
+    assert e.value.rank == 1 and e.value.exit_code != 0
+    msg = str(e.value)
+    assert msg.startswith("rank 1 ") and "ValueError: boom on rank 1" in msg
+    assert "Traceback" in msg and "_raise_on_one" in msg  # the rank's own traceback, not a peer's echo
+    assert time.monotonic() - t0 < 30
+
+
+def test_killed_rank_is_named():
+    with pytest.raises(RankFailure, match=r"rank 1 was killed by SIGKILL") as e:
+        launch_world(_kill_one, 2, process_group="gloo", timeout_s=60, grace_s=2)
+    assert e.value.rank == 1 and e.value.exit_code == -signal.SIGKILL
+
+
+def test_timeout_kills_ranks_and_grandchildren(tmp_path: Path):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="timeout of 6s"):
+        launch_world(_hang_with_grandchild, 2, args=(str(tmp_path),), timeout_s=6, grace_s=1)
+    assert time.monotonic() - t0 < 20
+    pids = _pids(tmp_path, 2, timeout=1)
+    assert len(pids) == 4 and _wait_gone(pids) == []
+
+
+# ---------------------------------------------------------------- launch_world: modules
+
+
+CHECK = "zeropp.experiments.cluster.check"
+
+
+def test_module_world_runs_with_logs_per_rank(tmp_path: Path):
+    out = tmp_path / "out"
+    assert launch_world(ModuleEntry(module=CHECK, args=("--out", str(out))), 2, log_dir=tmp_path / "ranks",
+                        timeout_s=90) == [None, None]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["sum"] == r["expected"] == 1.0 and r["big_ok"] for r in reports)
+    assert [r["env"]["LOCAL_RANK"] for r in reports] == ["0", "1"] and reports[1]["env"]["LOCAL_WORLD_SIZE"] == "2"
+    assert (tmp_path / "ranks" / "rank1.log").exists() and not (tmp_path / "ranks" / "rank0.log").exists()
+
+
+def test_module_rank_failure_names_the_root_cause(tmp_path: Path):
+    entry = ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "out"), "--fail-rank", "1"))
+    with pytest.raises(RankFailure) as e:
+        launch_world(entry, 3, log_dir=tmp_path / "ranks", timeout_s=90, grace_s=2, ranks_per_node=2)
+    assert e.value.rank == 1
+    assert str(e.value).startswith("rank 1 (node 0) exited with code 1")
+    assert "failing on purpose on rank 1" in str(e.value) and "Traceback" in str(e.value)  # from @record's file
+
+
+_SIGNAL_SCRIPT = textwrap.dedent("""
+    import sys
+    from tests.test_harness import _hang_with_grandchild
+    from zeropp.experiments.launcher import RankFailure, launch_world
+    try:
+        launch_world(_hang_with_grandchild, 2, args=(sys.argv[1],), timeout_s=120, grace_s=1)
+    except RankFailure as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signals):
+    """SIGTERM: the launcher stops the ranks and their groups and says so. SIGKILL: no handler
+    runs; PDEATHSIG still takes the ranks down (their own grandchildren then need their own
+    parent watch, as wandb's service has)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(pid_dir)], stderr=err_file,
+                             cwd=Path(__file__).resolve().parents[1])
+    try:
+        pids = _pids(pid_dir, 2)
+        p.send_signal(sig)
+        p.wait(timeout=30)
+        err = (tmp_path / "stderr").read_text()
+        assert p.returncode != 0
+        if sig == signal.SIGTERM:
+            assert p.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+            assert _wait_gone(pids) == []
+        else:
+            assert _wait_gone(pids[0::2]) == []  # the ranks (the grandchildren belong to them, see below)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for f in pid_dir.glob("rank*"):  # whatever outlived a SIGKILLed launcher: clean up
+            for pid in map(int, f.read_text().split()):
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- devices and placements
+
+
+def test_select_device(monkeypatch):
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert select_device("auto", 0, 1) == (torch.device("cpu"), "gloo")
+    assert select_device("cpu", 1, 2) == (torch.device("cpu"), "gloo")
+    with pytest.raises(RuntimeError, match=r"1 local process\(es\) but torch.cuda.device_count\(\)=0"):
+        select_device("cuda", 0, 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("auto", 1, 2) == (torch.device("cuda", 1), "nccl") and chosen == [1]
+    assert select_device("cpu", 1, 2) == (torch.device("cpu"), "gloo") and chosen == [1]
+    assert select_device("auto", 3, 4) == (torch.device("cpu"), "gloo")  # 4 local processes, 2 GPUs
+    with pytest.raises(RuntimeError, match=r"4 local process\(es\) but torch.cuda.device_count\(\)=2"):
+        select_device("cuda", 3, 4)
+    assert select_device("cuda", 0, 2) == (torch.device("cuda", 0), "nccl") and chosen == [1, 0]
+    with pytest.raises(ValueError, match="launcher.device='gpu'"):
+        select_device("gpu", 0, 1)
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 outside LOCAL_WORLD_SIZE=2"):
+        select_device("auto", 2, 2)
+
+
+def test_emulated_cluster_refuses_cuda_before_building_anything():
+    assert device_for_cluster("cuda", "local") == "cuda" and device_for_cluster("auto", "local") == "auto"
+    assert device_for_cluster("auto", "emulated") == "cpu" and device_for_cluster("cpu", "emulated") == "cpu"
+    with pytest.raises(PlacementError, match="bypass the shaped links.*cluster=local"):
+        device_for_cluster("cuda", "emulated")
+    with pytest.raises(PlacementError, match="NCCL"):
+        with emulated_placement(4, 2, 1.0, 0.0, device="cuda"):
+            pass
+
+
+def test_function_world_refuses_a_command_prefix():
+    prefixed = launcher.Placement(master_addr=LOCAL.master_addr, prefixes=(("ip", "netns", "exec", "x"),) * 2)
+    with pytest.raises(PlacementError, match="ModuleEntry"):
+        launch_world(_sum_ranks, 2, placement=prefixed, timeout_s=10)

@@ -8,13 +8,16 @@ Public API::
         env = {**os.environ, **c.rank_env(rank, master_port)}
         c.measured_gbps, c.summary()
 
+Ranks are started in the namespaces by the one launcher (``experiments/launcher.py``:
+``launch_world(..., placement=cluster_placement(c))``; ``cluster.ranks.run_ranks`` for the
+benchmark's worker). This package does not import them, so the launcher can import it.
+
 CLI: ``python -m experiments.cluster up|down|status|clean`` (see ``__main__.py``).
 """
 
 from .emulator import DEFAULT_SUBNET, ClusterSpec, EmulatedCluster
 from .netns import ClusterPrivilegeError, NetnsError, clean, list_namespaces, require_privileges, stale_namespaces
 from .probe import measure_rtt, measure_throughput
-from .ranks import RankError, run_ranks
 
 __all__ = [
     "DEFAULT_SUBNET",
@@ -22,12 +25,10 @@ __all__ = [
     "ClusterSpec",
     "EmulatedCluster",
     "NetnsError",
-    "RankError",
     "clean",
     "list_namespaces",
     "measure_rtt",
     "measure_throughput",
     "require_privileges",
-    "run_ranks",
     "stale_namespaces",
 ]

@@ -126,14 +126,19 @@ class EmulatedCluster:
         return ["ip", "netns", "exec", self.node_namespace(self.node_of(rank))]
 
     def rank_env(self, rank: int, master_port: int) -> dict[str, str]:
-        """Environment entries for `rank` (merge into os.environ): rendezvous + gloo interface."""
+        """Environment entries for `rank` (merge into os.environ): rendezvous + gloo interface.
+
+        Every emulated node lives on this one host, so LOCAL_RANK is the rank's index on the host
+        (the rank itself) and LOCAL_WORLD_SIZE the whole world, as torchrun would set them for one
+        host: a per-node LOCAL_RANK would put ranks of different nodes on the same GPU.
+        """
         return {
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(master_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(rank % self.spec.ranks_per_node),
-            "LOCAL_WORLD_SIZE": str(self.spec.ranks_per_node),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
             "GLOO_SOCKET_IFNAME": self.interface,
         }
 
