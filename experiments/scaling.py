@@ -138,29 +138,22 @@ class Workload:
     and ``scaling_check.measure_quant_rates``); overrides ``quant_gbs`` for the ops listed."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
-
-        if not self.units or any(u < 1 for u in self.units):
-            raise bad("units", "give the element count (>= 1) of every communication unit")
-        if self.stage not in (0, 1, 2, 3):
-            raise bad("stage", "use 0, 1, 2 or 3")
-        if self.weights is not None and self.stage != 3:
-            raise bad("weights", "quantized weight gathers (qwZ) exist at stage 3 only; set stage=3 or weights=None")
-        if self.hpz and self.stage != 3:
-            raise bad("hpz", "hpZ partitions stage-3 weights; set stage=3 or hpz=False")
-        if self.grads is not None and self.stage == 0:
-            raise bad("grads", "stage 0 all-reduces (no reduce-scatter to quantize); set stage>=1 or grads=None")
-        if self.hpz_size is not None and self.hpz_size < 1:
-            raise bad("hpz_size", "use a positive group size or None (the node)")
-        if self.dtype_bytes not in (2, 4):
-            raise bad("dtype_bytes", "use 2 (bf16/fp16) or 4 (fp32)")
-        if self.grad_accum < 1:
-            raise bad("grad_accum", "use >= 1")
-        if not 0.0 <= self.overlap <= 1.0:
-            raise bad("overlap", "use a fraction in [0, 1]")
-        if self.compute_s < 0 or self.quant_gbs <= 0:
-            raise ValueError(f"Workload.compute_s={self.compute_s} must be >= 0 and quant_gbs={self.quant_gbs} > 0")
+        checks = (
+            ("units", bool(self.units) and min(self.units) >= 1, "give every unit's element count (>= 1)"),
+            ("stage", self.stage in (0, 1, 2, 3), "use 0, 1, 2 or 3"),
+            ("weights", self.weights is None or self.stage == 3, "qwZ gathers exist at stage 3 only; set stage=3"),
+            ("hpz", not self.hpz or self.stage == 3, "hpZ partitions stage-3 weights; set stage=3 or hpz=False"),
+            ("grads", self.grads is None or self.stage >= 1, "stage 0 all-reduces; set stage>=1 or grads=None"),
+            ("hpz_size", self.hpz_size is None or self.hpz_size >= 1, "use a positive group size or None (the node)"),
+            ("dtype_bytes", self.dtype_bytes in (2, 4), "use 2 (bf16/fp16) or 4 (fp32)"),
+            ("grad_accum", self.grad_accum >= 1, "use >= 1"),
+            ("overlap", 0.0 <= self.overlap <= 1.0, "use a fraction in [0, 1]"),
+            ("compute_s", self.compute_s >= 0, "use >= 0"),
+            ("quant_gbs", self.quant_gbs > 0, "use a positive rate"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
     @classmethod
     def from_zero(cls, zero: "ZeroConfig | Any", *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
@@ -201,10 +194,6 @@ class Message:
     count: int
 
 
-def _ring(kind: str, algo: str, group_nodes: int, group_rpn: int, shard_bytes: int, count: int) -> Message:
-    return Message(kind, algo, group_nodes, group_rpn, shard_bytes, count)
-
-
 def messages(w: Workload, c: Cluster) -> list[Message]:
     """Every collective of one step, with exact per-peer chunk sizes (see module doc)."""
     W, R, N = c.world, c.ranks_per_node, c.nodes
@@ -215,16 +204,16 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
         plain = shard * w.dtype_bytes
         wq = quantized_nbytes(1, shard, w.weights.bits, w.weight_group_size) if w.weights else plain
         if w.stage == 3:
-            out.append(_ring("fwd_all_gather", "ring_ag", N, R, wq, a))
+            out.append(Message("fwd_all_gather", "ring_ag", N, R, wq, a))
             if w.hpz and N > 1:
                 h = w.hpz_size or R
                 sec = -(-numel // h)  # secondary shard of the hpZ group
-                out.append(_ring("bwd_all_gather", "ring_ag", 1, h, sec * w.dtype_bytes, a))
+                out.append(Message("bwd_all_gather", "ring_ag", 1, h, sec * w.dtype_bytes, a))
             else:
-                out.append(_ring("bwd_all_gather", "ring_ag", N, R, wq, a))
+                out.append(Message("bwd_all_gather", "ring_ag", N, R, wq, a))
         rs_count = a if w.stage >= 2 else 1
         if w.stage == 0:
-            out.append(_ring("grad_all_reduce", "all_reduce", N, R, plain, 1))
+            out.append(Message("grad_all_reduce", "all_reduce", N, R, plain, 1))
         elif w.grads:
             ib, cb = w.grads.hop_bits
             gs = w.grad_group_size
@@ -233,9 +222,9 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
             if N > 1:  # cross hop: one requantized row to each node's same-local-rank peer
                 out.append(Message("grad_a2a_cross", "a2a_cross", N, 1, quantized_nbytes(1, shard, cb, gs), rs_count))
         else:
-            out.append(_ring("grad_reduce_scatter", "ring_rs", N, R, plain, rs_count))
+            out.append(Message("grad_reduce_scatter", "ring_rs", N, R, plain, rs_count))
         if w.stage in (1, 2):
-            out.append(_ring("param_all_gather", "ring_ag", N, R, plain, 1))
+            out.append(Message("param_all_gather", "ring_ag", N, R, plain, 1))
     return out
 
 

@@ -114,7 +114,7 @@ def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, i
     return tuple(out)
 
 
-def _wait(summary: dict) -> float | None:
+def comm_wait_s(summary: dict) -> float | None:
     """The run's time blocked on communication per step: the engine's own measure where there is
     one (it includes quantization), else CommWatch's."""
     eng = summary.get("engine_comm_wait_s_per_step")
@@ -132,7 +132,7 @@ def workload_from_summary(summary: dict, quant_rates: tuple[tuple[str, int, floa
     quantization rates to charge (:func:`measure_quant_rates`)."""
     cfg = summary["config"]
     m, z = cfg["model"], cfg["zero"]
-    compute = max(summary["step_time_s"]["mean"] - (_wait(summary) or 0.0), 0.0)
+    compute = max(summary["step_time_s"]["mean"] - (comm_wait_s(summary) or 0.0), 0.0)
     zero = types.SimpleNamespace(**{**z, "weights": _spec(z.get("weights")), "grads": _spec(z.get("grads"))})
     units = gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"], n_layers=m["n_layers"],
                       mlp_ratio=m["mlp_ratio"])
@@ -204,7 +204,7 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
 
     rows, ys = [], []
     for i, s in enumerate(summaries):
-        if not _is_zeropp(s) or _wait(s) is None:
+        if not _is_zeropp(s) or comm_wait_s(s) is None:
             continue
         c = _measured_cluster(s, cross_gbps, 1.0, 0.0)
         w = workload_from_summary(s, rates[i])
@@ -213,7 +213,7 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
             st, tx, ib = link_terms(m, c)
             steps, cross_s, intra_b = steps + st * m.count, cross_s + tx * m.count, intra_b + ib * m.count
         rows.append([steps, intra_b])
-        ys.append(_wait(s) - cross_s - quant_time(w, c))
+        ys.append(comm_wait_s(s) - cross_s - quant_time(w, c))
     if not rows:
         raise ValueError("no trainer=zeropp run with a measured communication wait to calibrate on")
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
@@ -256,7 +256,7 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
             "label": s["label"], "run_dir": s.get("run_dir"), "cross_gbps": c.cross_gbps, "alpha_s": alpha_s,
             "intra_gbps": intra_gbps, "measured_step_s": measured_step, "predicted_step_s": p.step_s,
             "step_error": p.step_s / measured_step - 1 if measured_step else math.nan,
-            "measured_comm_s": _wait(s), "predicted_comm_s": p.comm_s, "predicted_quant_s": p.quant_s,
+            "measured_comm_s": comm_wait_s(s), "predicted_comm_s": p.comm_s, "predicted_quant_s": p.quant_s,
             "measured_cross_bytes": meas_cross, "predicted_cross_bytes": pred_cross,
             "bytes_error": pred_cross / meas_cross - 1 if meas_cross else math.nan,
             "measured_intra_bytes": meas_intra, "predicted_intra_bytes": pred_intra,
