@@ -44,6 +44,10 @@ from .scaling_check import comm_wait_s, emulator_cluster, link_gbps, measure_qua
 MODES = {"zero3": "none", "zeropp": "zeropp"}
 """Benchmark mode -> the runner's ``quant=`` recipe (both at stage 3)."""
 
+UPLINK_KEY = "uplink_tx_bytes_per_step"
+"""Summary key of the bytes one node's uplink sent per measured step (its kernel tx counter,
+headers included), compared with the projection's ``uplink_bytes`` when a run records it."""
+
 
 def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:
     """The runner overrides of one measurement (identical for both modes but ``quant=``)."""
@@ -61,10 +65,12 @@ def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     wait = statistics.median(comm_wait_s(s) or 0.0 for s in summaries)
     by_link = [(s["engine_comm_bytes_per_step"] or s["comm_bytes_per_step"])["by_link"] for s in summaries]
     rates = [g for s in summaries if (g := link_gbps(s)) is not None]
+    uplink = [u for s in summaries if (u := s.get(UPLINK_KEY)) is not None]
     return {"mode": mode, "step_s": step, "comm_wait_s": wait, "compute_s": max(step - wait, 0.0),
             "step_s_all": steps, "measured_gbps": statistics.median(rates) if rates else None,
             "cross_bytes": statistics.mean(b["cross"] for b in by_link),
             "intra_bytes": statistics.mean(b["intra"] for b in by_link),
+            "uplink_bytes": statistics.median(uplink) if uplink else None,
             "loss_first": summaries[0]["loss"]["first"], "loss_last": summaries[0]["loss"]["final"],
             "params": summaries[0]["model"]["params"], "seq_len": summaries[0]["config"]["model"]["seq_len"],
             "run_dirs": [s.get("run_dir") for s in summaries]}
@@ -138,6 +144,17 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
             out.append(f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | "
                        f"{_pct(p['step_s'], m['step_s'])} | {p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | "
                        f"{p['cross_bytes'] / 1e6:.2f} | {_pct(p['cross_bytes'], m['cross_bytes'])} |")
+    up = [(r, mode, name) for r in rows for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
+          if r[mode]["uplink_bytes"] is not None]
+    if up:
+        out += ["", "Bytes one node's uplink sent per step (kernel tx counter, headers included) vs the projection's "
+                "uplink_bytes (ranks sharing the uplink x pairwise cross bytes per rank):", "",
+                "| link Gbit/s | run | measured uplink MB | predicted MB | error |", "|---|---|---|---|---|"]
+        for r, mode, name in up:
+            m, p = r[mode]["uplink_bytes"], r[mode]["predicted"]["uplink_bytes"]
+            out.append(f"| {r['gbps']:g} | {name} | {m / 1e6:.2f} | {p / 1e6:.2f} | {_pct(p, m)} |")
+    else:
+        out.append(f"\n(no uplink counter comparison: the runs' summaries have no {UPLINK_KEY!r})")
     rates = rows[0]["zeropp"]["predicted"]["quant_rates"]
     if rates:
         out.append("\nZeRO++ quantization ops as charged (GB/s of fp32 input): "

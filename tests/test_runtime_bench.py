@@ -72,9 +72,11 @@ def test_bench_cluster_reads_the_summaries() -> None:
     row: dict = {"gbps": 1.0}
     for mode, quant, steps in (("zero3", "none", (0.5, 0.7, 0.6)), ("zeropp", "zeropp", (0.3, 0.2, 0.4))):
         sums = [_cluster_summary(quant, s, 0.1, 2e5) for s in steps]
+        sums[0][bench_cluster.UPLINK_KEY] = 4e5 if mode == "zero3" else None  # recorded by some runs only
         m = bench_cluster.aggregate(mode, sums)
         assert m["step_s"] == statistics.median(steps) and m["compute_s"] == pytest.approx(m["step_s"] - 0.1)
         assert m["measured_gbps"] == 0.9 and m["cross_bytes"] == 2e5
+        assert m["uplink_bytes"] == (4e5 if mode == "zero3" else None)
         m["predicted"] = p = bench_cluster.predict(m, sums[0], m["measured_gbps"])
         assert p["step_s"] > m["compute_s"] and math.isfinite(p["step_s"]) and p["cross_bytes"] > 0
         assert (p["quant_s"] > 0) == (quant == "zeropp")
@@ -83,6 +85,8 @@ def test_bench_cluster_reads_the_summaries() -> None:
     rows.append(row)
     text = bench_cluster.format_rows(rows, a)
     assert "| 1 (0.900) | 0.600 | 0.300 | 2.00x |" in text and "predicted vs measured speedup" in text
+    uplink = [line for line in text.splitlines() if line.startswith("| 1 | ZeRO") and "0.40 |" in line]
+    assert len(uplink) == 1 and uplink[0].startswith("| 1 | ZeRO-3 | 0.40 |")
 
 
 def _netns_unavailable() -> str | None:
@@ -108,3 +112,36 @@ def test_bench_cluster_refuses_bad_arguments() -> None:
         with pytest.raises(SystemExit):
             bench_cluster.parse_args(argv)
     assert isinstance(bench_cluster.parse_args([]), argparse.Namespace)
+
+
+def test_bench_cluster_alternates_the_modes(monkeypatch, tmp_path, capsys) -> None:
+    """--rounds runs ZeRO-3 and ZeRO++ in turn, one runner job each, into their own directories."""
+    calls: list[tuple[str, str]] = []
+
+    def fake_job(overrides: list[str], run_dir) -> dict:
+        quant = next(o.split("=")[1] for o in overrides if o.startswith("quant="))
+        calls.append((quant, str(run_dir.relative_to(tmp_path))))
+        return _cluster_summary(quant, 0.5 if quant == "none" else 0.25, 0.1, 2e5)
+
+    monkeypatch.setattr(bench_cluster, "run_job", fake_job)
+    monkeypatch.setattr(bench_cluster, "require_privileges", lambda: None)
+    assert bench_cluster.main(["--gbps", "1,2", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert calls[:4] == [("none", "1gbps/zero3-0"), ("zeropp", "1gbps/zeropp-0"),
+                         ("none", "1gbps/zero3-1"), ("zeropp", "1gbps/zeropp-1")]
+    assert len(calls) == 8 and calls[4][1] == "2gbps/zero3-0"
+    assert "| 2 (0.900) | 0.500 | 0.250 | 2.00x |" in capsys.readouterr().out
+
+
+def test_bench_fsdp_reads_both_summaries(monkeypatch, capsys) -> None:
+    from zeropp.experiments import bench_fsdp
+
+    def fake_job(overrides: list[str], run_dir) -> dict:
+        ours = "trainer=zeropp" in overrides
+        return {"step_time_s": {"median": 0.2 if ours else 0.4}, "memory_max_rank_bytes": 3 << 20 if ours else 4 << 20,
+                "loss": {"curve": [5.5, 5.4]}, "tokens_per_s": 1.0, "device": "cpu", "run_dir": str(run_dir)}
+
+    monkeypatch.setattr(bench_fsdp, "run_job", fake_job)
+    out = bench_fsdp.main([])
+    assert out["time_ratio"] == 0.5 and out["memory_ratio"] == 0.75
+    text = capsys.readouterr().out
+    assert "4 ranks (1 node(s), cpu)" in text and "GPT small" in text and "0.75" in text
