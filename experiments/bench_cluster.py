@@ -3,100 +3,111 @@
     sudo python -m experiments.bench_cluster                       # 2 nodes x 2 ranks, 0.1,0.5,2 Gbit/s
     python -m experiments.bench_cluster --gbps 0.2,1,5 --steps 6 --json out.json
 
-For each bandwidth it builds one EmulatedCluster (namespaces, shaped links, throughput probe),
-runs the same short training on it, ZeRO-3 and ZeRO++ (qwZ INT8 + hpZ + qgZ INT4) alternately
-(--rounds each, fresh engine each time, one process per rank inside its node's namespace, one
-process start for all runs), and prints the median step time (slowest rank
-per step), the speedup, and the bytes each rank sent across nodes per step. Then it puts the
-scaling projection (experiments/scaling.py) next to each measurement: the same workload (this
-GPT's communication units, each run's own measured compute time = step - time blocked on
-communication) on a Cluster with the *measured* link rate, and prints the relative error.
+Every measurement is one runner job (``experiments.run.run_job``, exactly ``python -m
+experiments.run cluster=emulated cluster.inter_gbps=<g> stage=3 quant=none|zeropp ...``): the
+same worker and trainer as any run, its own shaped namespaces and link probe. For each bandwidth
+ZeRO-3 and ZeRO++ (qwZ INT8 + hpZ + qgZ INT4) run alternately (``--rounds`` each, so both see
+the same drift of the host's load); the table shows the median over rounds of each run's median
+step time (rank 0's, after the warm-up steps), the speedup, and the bytes each rank sent across
+nodes per step (the engine's CommStats). Then it puts the scaling projection
+(experiments/scaling.py) next to each measurement: the same workload (this GPT's communication
+units, the run's own measured compute time = step - time blocked on communication) on a Cluster
+with the *measured* link rate, and prints the relative error.
 
 Why these defaults: the "medium" GPT (3.3M parameters, fp32 on the wire) with 2 sequences of 128
 per rank keeps compute short enough on a 2-core CPU that ZeRO-3 is communication-bound at the
 lowest rate, which is the regime ZeRO++ targets; as the rate grows both converge to compute time.
-Needs root (network namespaces); without it, it says so and exits 2.
+Needs root (network namespaces); without it, it says so and exits 2. Run directories go to a
+temporary directory, or under ``--out`` to keep them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from .cluster import ClusterPrivilegeError, EmulatedCluster, NetnsError
-from .cluster.ranks import RankError, run_ranks
-from .cluster.worker import mode_workload
-from .scaling import project
-from .scaling_check import emulator_cluster
+from .cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
+from .config import ConfigError
+from .launcher import RankFailure
+from .run import run_job
+from .scaling import project, quant_work
+from .scaling_check import comm_wait_s, emulator_cluster, link_gbps, measure_quant_rates, workload_from_summary
+
+MODES = {"zero3": "none", "zeropp": "zeropp"}
+"""Benchmark mode -> the runner's ``quant=`` recipe (both at stage 3)."""
+
+UPLINK_KEY = "uplink_tx_bytes_per_step"
+"""Summary key of the bytes one node's uplink sent per measured step (its kernel tx counter,
+headers included), compared with the projection's ``uplink_bytes`` when a run records it."""
 
 
-def _per_step_max(reports: list[dict[str, Any]], mode: str) -> list[float]:
-    """A synchronous step takes as long as its slowest rank."""
-    return [max(vals) for vals in zip(*(r["runs"][mode]["step_s"] for r in reports))]
+def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:
+    """The runner overrides of one measurement (identical for both modes but ``quant=``)."""
+    return ["cluster=emulated", f"cluster.inter_gbps={gbps}", f"cluster.inter_latency_ms={a.latency_ms}",
+            f"topology.nodes={a.nodes}", f"topology.ranks_per_node={a.ranks_per_node}", f"model={a.preset}",
+            "stage=3", f"quant={MODES[mode]}", f"train.steps={a.warmup + a.steps}",
+            f"train.throughput_skip_steps={a.warmup}", f"train.micro_batch_size={a.micro_batch}", "data=random",
+            "logger=none", "launcher.progress=false", "launcher.device=cpu", f"launcher.timeout_s={a.timeout}"]
 
 
-def _mean_or_none(xs: list[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return statistics.mean(vals) if vals else None
+def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of one mode's runs (their summary.json contents)."""
+    steps = [s["step_time_s"]["median"] for s in summaries]
+    step = statistics.median(steps)
+    wait = statistics.median(comm_wait_s(s) or 0.0 for s in summaries)
+    by_link = [(s["engine_comm_bytes_per_step"] or s["comm_bytes_per_step"])["by_link"] for s in summaries]
+    rates = [g for s in summaries if (g := link_gbps(s)) is not None]
+    uplink = [u for s in summaries if (u := s.get(UPLINK_KEY)) is not None]
+    return {"mode": mode, "step_s": step, "comm_wait_s": wait, "compute_s": max(step - wait, 0.0),
+            "step_s_all": steps, "measured_gbps": statistics.median(rates) if rates else None,
+            "cross_bytes": statistics.mean(b["cross"] for b in by_link),
+            "intra_bytes": statistics.mean(b["intra"] for b in by_link),
+            "uplink_bytes": statistics.median(uplink) if uplink else None,
+            "loss_first": summaries[0]["loss"]["first"], "loss_last": summaries[0]["loss"]["final"],
+            "params": summaries[0]["model"]["params"], "seq_len": summaries[0]["config"]["model"]["seq_len"],
+            "run_dirs": [s.get("run_dir") for s in summaries]}
 
 
-def measure(cluster: EmulatedCluster, a: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Run ZeRO-3 and ZeRO++ alternately (`a.rounds` each) on the cluster's ranks; medians per mode."""
-    reports = run_ranks(cluster, ["--mode", "zero3,zeropp", "--rounds", str(a.rounds), "--preset", a.preset,
-                                  "--micro-batch", str(a.micro_batch), "--steps", str(a.steps),
-                                  "--warmup", str(a.warmup), "--quant-rates"], timeout_s=a.timeout)
-    out = {}
-    for mode in ("zero3", "zeropp"):
-        r0 = reports[0]["runs"][mode]
-        step = statistics.median(_per_step_max(reports, mode))
-        wait = statistics.median(r["runs"][mode]["comm_wait_s_median"] for r in reports)
-        out[mode] = {"mode": mode, "step_s": step, "comm_wait_s": wait, "compute_s": max(step - wait, 0.0),
-                     "step_s_all": _per_step_max(reports, mode),
-                     "cross_bytes": statistics.mean(r["runs"][mode]["bytes_per_step"]["cross"] for r in reports),
-                     "intra_bytes": statistics.mean(r["runs"][mode]["bytes_per_step"]["intra"] for r in reports),
-                     # node uplink counters, read by each node's local rank 0 (rank % rpn == 0)
-                     "uplink_bytes": _mean_or_none([r["runs"][mode]["uplink_tx_bytes_per_step"]
-                                                    for i, r in enumerate(reports) if i % a.ranks_per_node == 0]),
-                     "quant_rates": _median_rates([r["runs"][mode].get("quant_rates") or [] for r in reports]),
-                     "loss_first": r0["losses"][0], "loss_last": r0["losses"][-1], "model": r0["model"],
-                     "params": r0["params"], "tokens_per_rank": a.micro_batch * r0["seq_len"]}
-    return out
+def predict(m: dict[str, Any], summary: dict[str, Any], gbps: float) -> dict[str, Any]:
+    """The scaling model's step time and bytes for the measured mode ``m`` (one of its runs'
+    ``summary`` gives the workload; compute = the median step minus the median comm wait; one
+    uplink per node shared by the node's ranks; link constants of ``scaling_check.EMULATOR_LINKS``).
 
-
-def _median_rates(per_rank: list[list]) -> list[tuple[str, int, float]]:
-    """Median over ranks of each (op, bits) throughput measured by the workers."""
-    by: dict[tuple[str, int], list[float]] = {}
-    for rates in per_rank:
-        for op, bits, gbs in rates:
-            by.setdefault((op, int(bits)), []).append(float(gbs))
-    return [(op, bits, statistics.median(v)) for (op, bits), v in sorted(by.items())]
-
-
-def predict(m: dict[str, Any], cluster: EmulatedCluster, gbps: float) -> dict[str, float]:
-    """The scaling model's step time and bytes for measured run `m` (compute = its measured step
-    minus its measured comm wait; quantization charged at the ranks' measured rates; one uplink
-    per node shared by the node's ranks; link constants of ``scaling_check.EMULATOR_LINKS``)."""
-    w = mode_workload(m["model"], m["mode"], compute_s=m["compute_s"], tokens_per_rank=m["tokens_per_rank"],
-                      quant_rates=tuple(tuple(x) for x in m.get("quant_rates") or ()))
-    p = project(w, emulator_cluster(cluster.spec.nodes, cluster.spec.ranks_per_node, gbps))
+    Quantization is charged at rates timed here after the runs (one thread), scaled by the share
+    of a core each rank had (cores / ranks when the ranks outnumber the cores)."""
+    topo = summary["config"]["topology"]
+    c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], gbps)
+    w = dataclasses.replace(workload_from_summary(summary), compute_s=m["compute_s"])
+    share = min(1.0, (os.cpu_count() or 1) / c.world)
+    rates = tuple((op, b, g * share) for op, b, g in measure_quant_rates(w, c)) if quant_work(w, c) else ()
+    p = project(dataclasses.replace(w, quant_rates=rates), c)
     cross = sum(v for k, v in p.pairwise.items() if k.endswith(".cross"))
     return {"step_s": p.step_s, "comm_s": p.comm_s, "quant_s": p.quant_s, "cross_bytes": cross,
-            "uplink_bytes": p.uplink_bytes, "node_cross_bytes": p.node_cross_bytes}
+            "uplink_bytes": p.uplink_bytes, "node_cross_bytes": p.node_cross_bytes, "quant_rates": rates}
 
 
-def run(a: argparse.Namespace) -> list[dict[str, Any]]:
+def run(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     rows = []
     for gbps in a.gbps:
         t0 = time.monotonic()
-        with EmulatedCluster(a.nodes, a.ranks_per_node, gbps, a.latency_ms, probe_seconds=a.probe_seconds) as c:
-            row: dict[str, Any] = {"gbps": gbps, "measured_gbps": c.measured_gbps, "rtt_ms": c.measured_rtt_ms}
-            for mode, m in measure(c, a).items():
-                m["predicted"] = predict(m, c, c.measured_gbps or gbps)
-                row[mode] = m
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+        for r in range(a.rounds):
+            for mode in MODES:
+                runs[mode].append(run_job(job_overrides(a, gbps, mode), root / f"{gbps:g}gbps" / f"{mode}-{r}"))
+        row: dict[str, Any] = {"gbps": gbps}
+        for mode, sums in runs.items():
+            m = aggregate(mode, sums)
+            m["predicted"] = predict(m, sums[0], m["measured_gbps"] or gbps)
+            row[mode] = m
+        row["measured_gbps"] = row["zero3"]["measured_gbps"]
         row["speedup"] = row["zero3"]["step_s"] / row["zeropp"]["step_s"]
         row["wall_s"] = time.monotonic() - t0
         rows.append(row)
@@ -111,69 +122,90 @@ def _pct(pred: float, meas: float) -> str:
 def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     m0 = rows[0]["zero3"]
     out = [f"{a.nodes} nodes x {a.ranks_per_node} ranks, GPT '{a.preset}' ({m0['params'] / 1e6:.2f}M params, fp32), "
-           f"{a.micro_batch}x{m0['model']['seq_len']} tokens/rank/step; median over {a.rounds} alternating runs x "
-           f"{a.steps} steps (after {a.warmup} warm-up) of the slowest rank's step time",
+           f"{a.micro_batch}x{m0['seq_len']} tokens/rank/step; median over {a.rounds} alternating runs of each run's "
+           f"median step time ({a.steps} steps after {a.warmup} warm-up)",
            "",
            "| link Gbit/s (measured) | ZeRO-3 step s | ZeRO++ step s | speedup | x-node MB/rank/step (3 -> ++) |",
            "|---|---|---|---|---|"]
     for r in rows:
         z3, zp = r["zero3"], r["zeropp"]
-        out.append(f"| {r['gbps']:g} ({r['measured_gbps']:.3f}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
+        meas = f"{r['measured_gbps']:.3f}" if r["measured_gbps"] else "n/a"
+        out.append(f"| {r['gbps']:g} ({meas}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
                    f"{r['speedup']:.2f}x | {z3['cross_bytes'] / 1e6:.2f} -> {zp['cross_bytes'] / 1e6:.2f} |")
-    out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured rate, "
-            "one uplink per node shared by its ranks; quantization at the ranks' measured kernel rates):", "",
-            "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank | predicted | error |",
+    out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured "
+            "rate, one uplink per node shared by its ranks; quantization at kernel rates timed here, scaled to the "
+            "ranks' core share):", "",
+            "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank "
+            "| predicted | error |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++")):
             m, p = r[mode], r[mode]["predicted"]
-            out.append(f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | {_pct(p['step_s'], m['step_s'])} | "
-                       f"{p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | {p['cross_bytes'] / 1e6:.2f} | "
-                       f"{_pct(p['cross_bytes'], m['cross_bytes'])} |")
-    out += ["", "Bytes one node's uplink sent per step (kernel tx counter, headers included) vs the projection's "
-            "uplink_bytes (ranks sharing the uplink x pairwise cross bytes per rank):", "",
-            "| link Gbit/s | run | measured uplink MB | predicted MB | error |", "|---|---|---|---|---|"]
-    for r in rows:
-        for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++")):
-            m, p = r[mode], r[mode]["predicted"]
-            if m.get("uplink_bytes") is None:
-                continue
-            out.append(f"| {r['gbps']:g} | {name} | {m['uplink_bytes'] / 1e6:.2f} | {p['uplink_bytes'] / 1e6:.2f} | "
-                       f"{_pct(p['uplink_bytes'], m['uplink_bytes'])} |")
-    rates = rows[0]["zeropp"].get("quant_rates") or []
+            out.append(f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | "
+                       f"{_pct(p['step_s'], m['step_s'])} | {p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | "
+                       f"{p['cross_bytes'] / 1e6:.2f} | {_pct(p['cross_bytes'], m['cross_bytes'])} |")
+    up = [(r, mode, name) for r in rows for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
+          if r[mode]["uplink_bytes"] is not None]
+    if up:
+        out += ["", "Bytes one node's uplink sent per step (kernel tx counter, headers included) vs the projection's "
+                "uplink_bytes (ranks sharing the uplink x pairwise cross bytes per rank):", "",
+                "| link Gbit/s | run | measured uplink MB | predicted MB | error |", "|---|---|---|---|---|"]
+        for r, mode, name in up:
+            m, p = r[mode]["uplink_bytes"], r[mode]["predicted"]["uplink_bytes"]
+            out.append(f"| {r['gbps']:g} | {name} | {m / 1e6:.2f} | {p / 1e6:.2f} | {_pct(p, m)} |")
+    else:
+        out.append(f"\n(no uplink counter comparison: the runs' summaries have no {UPLINK_KEY!r})")
+    rates = rows[0]["zeropp"]["predicted"]["quant_rates"]
     if rates:
-        out.append("\nZeRO++ quantization ops measured on the ranks (GB/s of fp32 input, median over ranks, "
-                   f"{rows[0]['gbps']:g} Gbit/s run): " + ", ".join(f"{op} int{b} {g:.3f}" for op, b, g in rates))
+        out.append("\nZeRO++ quantization ops as charged (GB/s of fp32 input): "
+                   + ", ".join(f"{op} int{b} {g:.3f}" for op, b, g in rates))
     sp = [(r["zero3"]["predicted"]["step_s"] / r["zeropp"]["predicted"]["step_s"], r["speedup"]) for r in rows]
     out.append("\npredicted vs measured speedup: " + ", ".join(
         f"{r['gbps']:g} Gbit/s {p:.2f}x vs {m:.2f}x" for r, (p, m) in zip(rows, sp)))
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--gbps", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.5, 2.0],
                    help="comma-separated cross-node rates, Gbit/s (default 0.1,0.5,2)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--latency-ms", type=float, default=0.0, help="one-way cross-node latency (needs netem)")
-    p.add_argument("--preset", default="medium", help="zeropp.models GPT preset")
+    p.add_argument("--preset", default="medium", help="zeropp.models GPT preset (the runner's model=)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of each run's averages")
     p.add_argument("--rounds", type=int, default=2, help="alternating ZeRO-3/ZeRO++ runs of each (noise control)")
-    p.add_argument("--probe-seconds", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per training run, seconds")
+    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write all numbers to this file")
     a = p.parse_args(argv)
+    for name in ("nodes", "ranks_per_node", "micro_batch", "steps", "rounds"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0 or not all(g > 0 for g in a.gbps):
+        p.error("--warmup must be >= 0 and every --gbps rate > 0")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     try:
-        rows = run(a)
+        require_privileges()
     except (ClusterPrivilegeError, NetnsError) as e:
         print(f"error: {e}\n(this benchmark exists to cross a shaped link, so it needs the emulator; an unshaped "
-              "comparison: python -m experiments.run cluster=local stage=3 quant=none, then quant=zeropp)", file=sys.stderr)
+              "comparison: python -m experiments.run cluster=local stage=3 quant=none, then quant=zeropp)",
+              file=sys.stderr)
         return 2
-    except RankError as e:
-        print(f"error: a benchmark rank failed: {e}", file=sys.stderr)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_cluster-") as tmp:
+            rows = run(a, Path(a.out or tmp))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankFailure as e:
+        print(f"error: a benchmark run failed: {e}", file=sys.stderr)
         return 1
     print(format_rows(rows, a))
     if a.json:

@@ -35,17 +35,26 @@ peer, by link: zeropp.comm.CommStats' accounting, to check against measured runs
 ``uplink_bytes`` (what one uplink carries: the emulator's tx counter) and ``node_cross_bytes``
 (what a bandwidth-optimal schedule must bring into a node: the paper's 3M vs 0.75M).
 
+The ZeRO settings are the library's own: ``Workload.weights`` / ``Workload.grads`` are the
+``zeropp.comm.spec.QuantSpec`` values of ``ZeroConfig`` (:meth:`Workload.from_zero` turns a run's
+ZeroConfig into a workload), so a spec means the same bytes here as on the wire.
+
 ``python -m experiments.scaling`` prints the projection for 8 GPUs/node at 100 and 400 Gbps up
-to 384 GPUs and saves ``outputs/scaling.png``; ``--compare DIR [--calibrate]`` checks the model against
-measured ``summary.json`` files (cluster=emulated runs of issue 6; see scaling_check.py).
+to 384 GPUs and saves ``outputs/scaling.png``. Checking the model against measured runs is
+``scaling_check.py`` (``python -m experiments.scaling_check DIR [--calibrate]``), which imports
+this module, never the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
+from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE, quantized_nbytes
+
+if TYPE_CHECKING:
+    from zeropp.runtime import ZeroConfig
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -102,16 +111,21 @@ class Workload:
     tokens_per_rank: int
     """Tokens one rank processes per step."""
     stage: int = 3
-    qwz_bits: int | None = None
+    """ZeRO stage 0-3 (as ``ZeroConfig.stage``)."""
+    weights: QuantSpec | None = None
+    """qwZ: the spec of the stage-3 weight all-gathers (``ZeroConfig.weights``); None = full precision."""
+    grads: QuantSpec | None = None
+    """qgZ: the spec of the gradient reduce-scatters (``ZeroConfig.grads``; its ``hop_bits`` are the
+    intra-/cross-node bits of the hierarchical all-to-all); None = full precision."""
     hpz: bool = False
+    """hpZ: backward gathers stay inside the hpZ group (``ZeroConfig.hpz``)."""
     hpz_size: int | None = None
-    qgz_bits: int | None = None
-    qgz_intra_bits: int | None = None
-    qwz_group_size: int = DEFAULT_WEIGHT_GROUP_SIZE
-    qgz_group_size: int = DEFAULT_GRAD_GROUP_SIZE
+    """Ranks of a hpZ group; None = the node (``ZeroConfig.hpz_size``)."""
     dtype_bytes: int = 2
     """Bytes per element of weights/gradients on the wire when not quantized (bf16/fp16: 2)."""
     grad_accum: int = 1
+    """Micro-batches per step (``ZeroConfig.grad_accum_steps``): stage 3 gathers and stage 2-3
+    reduce-scatters run once per micro-batch."""
     overlap: float = 0.0
     """Fraction of min(compute, comm) hidden by overlap (0: fully serialized)."""
     flops_per_token: float = 0.0
@@ -123,7 +137,48 @@ class Workload:
     """Measured ``(op, bits, GB/s of full-precision input)`` per kernel op (see :data:`QUANT_OPS`
     and ``scaling_check.measure_quant_rates``); overrides ``quant_gbs`` for the ops listed."""
 
+    def __post_init__(self) -> None:
+        checks = (
+            ("units", bool(self.units) and min(self.units) >= 1, "give every unit's element count (>= 1)"),
+            ("stage", self.stage in (0, 1, 2, 3), "use 0, 1, 2 or 3"),
+            ("weights", self.weights is None or self.stage == 3, "qwZ gathers exist at stage 3 only; set stage=3"),
+            ("hpz", not self.hpz or self.stage == 3, "hpZ partitions stage-3 weights; set stage=3 or hpz=False"),
+            ("grads", self.grads is None or self.stage >= 1, "stage 0 all-reduces; set stage>=1 or grads=None"),
+            ("hpz_size", self.hpz_size is None or self.hpz_size >= 1, "use a positive group size or None (the node)"),
+            ("dtype_bytes", self.dtype_bytes in (2, 4), "use 2 (bf16/fp16) or 4 (fp32)"),
+            ("grad_accum", self.grad_accum >= 1, "use >= 1"),
+            ("overlap", 0.0 <= self.overlap <= 1.0, "use a fraction in [0, 1]"),
+            ("compute_s", self.compute_s >= 0, "use >= 0"),
+            ("quant_gbs", self.quant_gbs > 0, "use a positive rate"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
+
+    @classmethod
+    def from_zero(cls, zero: "ZeroConfig | Any", *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
+                  **kw: Any) -> "Workload":
+        """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
+        wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
+        ``zero`` (a ``ZeroConfig``, or any object with those attributes); ``kw`` sets the rest."""
+        return cls(units=tuple(units), compute_s=compute_s, tokens_per_rank=tokens_per_rank, stage=zero.stage,
+                   weights=zero.weights, grads=zero.grads, hpz=zero.hpz, hpz_size=zero.hpz_size,
+                   dtype_bytes=4 if zero.precision == "fp32" else 2, grad_accum=zero.grad_accum_steps, **kw)
+
+    @property
+    def weight_group_size(self) -> int:
+        """Elements per scale of the weight gathers: the spec's, else the kernels' default."""
+        gs = self.weights.group_size if self.weights else None
+        return gs or DEFAULT_WEIGHT_GROUP_SIZE
+
+    @property
+    def grad_group_size(self) -> int:
+        """Elements per scale of the gradient reduce-scatters: the spec's, else the kernels' default."""
+        gs = self.grads.group_size if self.grads else None
+        return gs or DEFAULT_GRAD_GROUP_SIZE
+
     def with_zero(self, **kw: object) -> "Workload":
+        """A copy with other ZeRO settings (e.g. ``**ZEROPP``), validated."""
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
 
 
@@ -139,10 +194,6 @@ class Message:
     count: int
 
 
-def _ring(kind: str, algo: str, group_nodes: int, group_rpn: int, shard_bytes: int, count: int) -> Message:
-    return Message(kind, algo, group_nodes, group_rpn, shard_bytes, count)
-
-
 def messages(w: Workload, c: Cluster) -> list[Message]:
     """Every collective of one step, with exact per-peer chunk sizes (see module doc)."""
     W, R, N = c.world, c.ranks_per_node, c.nodes
@@ -151,30 +202,29 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
     for numel in w.units:
         shard = -(-numel // W)  # elements per rank after padding to the world size
         plain = shard * w.dtype_bytes
-        wq = quantized_nbytes(1, shard, w.qwz_bits, w.qwz_group_size) if w.qwz_bits else plain
+        wq = quantized_nbytes(1, shard, w.weights.bits, w.weight_group_size) if w.weights else plain
         if w.stage == 3:
-            out.append(_ring("fwd_all_gather", "ring_ag", N, R, wq, a))
+            out.append(Message("fwd_all_gather", "ring_ag", N, R, wq, a))
             if w.hpz and N > 1:
                 h = w.hpz_size or R
                 sec = -(-numel // h)  # secondary shard of the hpZ group
-                out.append(_ring("bwd_all_gather", "ring_ag", 1, h, sec * w.dtype_bytes, a))
+                out.append(Message("bwd_all_gather", "ring_ag", 1, h, sec * w.dtype_bytes, a))
             else:
-                out.append(_ring("bwd_all_gather", "ring_ag", N, R, wq, a))
+                out.append(Message("bwd_all_gather", "ring_ag", N, R, wq, a))
         rs_count = a if w.stage >= 2 else 1
         if w.stage == 0:
-            out.append(_ring("grad_all_reduce", "all_reduce", N, R, plain, 1))
-        elif w.qgz_bits:
-            ib = w.qgz_intra_bits or w.qgz_bits
+            out.append(Message("grad_all_reduce", "all_reduce", N, R, plain, 1))
+        elif w.grads:
+            ib, cb = w.grads.hop_bits
+            gs = w.grad_group_size
             # intra hop: my full gradient as W rows of `shard`; each local peer gets the N rows it reduces
-            out.append(Message("grad_a2a_intra", "a2a_intra", 1, R, quantized_nbytes(N, shard, ib, w.qgz_group_size),
-                               rs_count))
+            out.append(Message("grad_a2a_intra", "a2a_intra", 1, R, quantized_nbytes(N, shard, ib, gs), rs_count))
             if N > 1:  # cross hop: one requantized row to each node's same-local-rank peer
-                out.append(Message("grad_a2a_cross", "a2a_cross", N, 1,
-                                   quantized_nbytes(1, shard, w.qgz_bits, w.qgz_group_size), rs_count))
+                out.append(Message("grad_a2a_cross", "a2a_cross", N, 1, quantized_nbytes(1, shard, cb, gs), rs_count))
         else:
-            out.append(_ring("grad_reduce_scatter", "ring_rs", N, R, plain, rs_count))
+            out.append(Message("grad_reduce_scatter", "ring_rs", N, R, plain, rs_count))
         if w.stage in (1, 2):
-            out.append(_ring("param_all_gather", "ring_ag", N, R, plain, 1))
+            out.append(Message("param_all_gather", "ring_ag", N, R, plain, 1))
     return out
 
 
@@ -218,8 +268,9 @@ def uplink_bytes(msgs: Iterable[Message], c: Cluster) -> float:
     return c.ranks_per_uplink * cross
 
 
-def _terms(m: Message, c: Cluster) -> tuple[int, float, float]:
-    """(latency steps, cross-node seconds, intra-node bytes per rank) of one call.
+def link_terms(m: Message, c: Cluster) -> tuple[int, float, float]:
+    """(latency steps, cross-node seconds, intra-node bytes per rank) of one call: the three
+    terms :func:`collective_time` combines (and ``scaling_check.calibrate`` fits constants to).
 
     Cross-node seconds: this rank's pairwise cross-node bytes (:func:`pairwise_bytes`), times the
     ranks sharing its uplink (all of them send at once), over the uplink rate."""
@@ -240,7 +291,7 @@ def _terms(m: Message, c: Cluster) -> tuple[int, float, float]:
 
 def collective_time(m: Message, c: Cluster) -> float:
     """Alpha-beta time of one call (see module doc)."""
-    steps, t_cross, intra = _terms(m, c)
+    steps, t_cross, intra = link_terms(m, c)
     alpha = c.alpha_cross_s if m.nodes > 1 else c.alpha_intra_s
     t_intra = intra / (c.intra_gbps * GBPS)
     return steps * alpha + (max(t_cross, t_intra) if c.parallel_links else t_cross + t_intra)
@@ -269,19 +320,19 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
     def add(op: str, bits: int, n: int) -> None:
         out[(op, bits)] = out.get((op, bits), 0) + n
 
-    if w.stage == 3 and w.qwz_bits:
+    if w.stage == 3 and w.weights:
         gathers = w.grad_accum * (1 if w.hpz and N > 1 else 2)
-        add("quantize", w.qwz_bits, gathers * S)
-        add("dequantize", w.qwz_bits, gathers * W * S)
-    if w.stage >= 1 and w.qgz_bits:
+        add("quantize", w.weights.bits, gathers * S)
+        add("dequantize", w.weights.bits, gathers * W * S)
+    if w.stage >= 1 and w.grads:
         calls = w.grad_accum if w.stage >= 2 else 1
-        ib = w.qgz_intra_bits or w.qgz_bits
+        ib, cb = w.grads.hop_bits
         if N > 1 and R > 1:
             add("quantize", ib, calls * W * S)
             add("dequantize_sum_requantize", ib, calls * W * S)
-            add("dequantize_sum", w.qgz_bits, calls * N * S)
+            add("dequantize_sum", cb, calls * N * S)
         else:
-            bits = ib if N == 1 else w.qgz_bits
+            bits = ib if N == 1 else cb
             add("quantize", bits, calls * W * S)
             add("dequantize_sum", bits, calls * W * S)
     return out
@@ -341,15 +392,16 @@ def paper_workload(*, tokens_per_gpu: int = 1024, achieved_tflops: float = 50.0)
                     tokens_per_rank=tokens_per_gpu, stage=3, flops_per_token=6.0 * n)
 
 
-ZEROPP = dict(qwz_bits=8, hpz=True, qgz_bits=4)
-"""The full ZeRO++ switches (qwZ INT8, hpZ, qgZ INT4)."""
+ZEROPP: dict[str, Any] = {"weights": RECIPES["zeropp"].weights, "grads": RECIPES["zeropp"].grads,
+                          "hpz": RECIPES["zeropp"].hpz}
+"""The full ZeRO++ switches (the ``zeropp`` recipe: qwZ INT8, hpZ, qgZ INT4), for :meth:`Workload.with_zero`."""
 
 
 def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_per_node: int = 8,
                   max_ranks: int = 384, nics_per_node: int | None = None) -> list[dict[str, float]]:
     """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth."""
     rows = []
-    base = w.with_zero(qwz_bits=None, hpz=False, qgz_bits=None)
+    base = w.with_zero(weights=None, hpz=False, grads=None)
     plus = w.with_zero(**ZEROPP)
     node_counts = sorted({n for n in (1, 2, 4, 8, 16, 24, 32, 48) if n * ranks_per_node <= max_ranks}
                          | {max_ranks // ranks_per_node})
@@ -402,7 +454,6 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    import json
     from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__.split("\n\n")[0])
@@ -415,28 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
     ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
     ap.add_argument("--plot", default="outputs/scaling.png", help="where to save the plot ('' to skip)")
-    ap.add_argument("--compare", metavar="DIR", help="check the model against summary.json files under DIR")
-    ap.add_argument("--cross-gbps", type=float, default=None, help="--compare: link rate of cluster=local runs")
-    ap.add_argument("--intra-gbps", type=float, default=20.0, help="--compare: intra-node (loopback) rate")
-    ap.add_argument("--alpha", type=float, default=100e-6, help="--compare: seconds per message step")
-    ap.add_argument("--calibrate", action="store_true", help="--compare: fit --alpha and --intra-gbps first")
     a = ap.parse_args(argv)
-    if a.compare:
-        from .scaling_check import compare_measured, format_comparison
-
-        paths = sorted(Path(a.compare).rglob("summary.json"))
-        if not paths:
-            raise SystemExit(f"error: no summary.json under {a.compare}")
-        try:
-            rows = compare_measured([json.loads(p.read_text()) for p in paths], cross_gbps=a.cross_gbps,
-                                    intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate)
-        except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
-            raise SystemExit(f"error: {e}") from None
-        if rows:
-            print(f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
-                  f"{1e6 * rows[0]['alpha_s']:.0f} us per message step")
-        print(format_comparison(rows))
-        return
     w = dataclasses.replace(paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops),
                             overlap=a.overlap)
     nics = a.nics_per_node or a.ranks_per_node

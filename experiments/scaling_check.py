@@ -13,18 +13,23 @@ prediction adds that time (the engine's measured wait includes it, so the run's 
 = step - engine wait excludes it). The emulator has one uplink per node shared by the node's
 ranks (``nics_per_node=1``): gloo sends pairwise, so the uplink carries ranks_per_node x each
 rank's cross-node bytes.
+
+``python -m experiments.scaling_check DIR [--calibrate]`` compares every ``summary.json`` under
+DIR (e.g. a ``cluster=emulated`` multirun) with the model's prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
+import types
 from typing import Iterable
 
-from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+from zeropp.comm.spec import QuantSpec
 
-from .scaling import GBPS, Cluster, Workload, _terms, gpt_units, messages, project, quant_time, quant_work
+from .scaling import GBPS, Cluster, Workload, gpt_units, link_terms, messages, project, quant_time, quant_work
 
 EMULATOR_LINKS = dict(intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6, nics_per_node=1,
                       parallel_links=False)
@@ -43,7 +48,7 @@ def measure_quant_rates(w: Workload, c: Cluster, *, repeats: int = 3,
     machine with zeropp.kernels at exactly the per-rank shapes zeropp.comm uses (one call per
     communication unit, median of ``repeats``), as ``Workload.quant_rates``: ``(op, bits, GB/s
     of full-precision input)``. On CPU tensors this is the torch reference; call it where the
-    run ran, under the same load (the cluster worker does, on every rank at once). ``threads``:
+    run ran, under a load like the run's (ranks sharing the cores). ``threads``:
     torch intra-op threads while timing (1, as each rank of a CPU run uses; None: leave as is)."""
     import torch
 
@@ -75,13 +80,13 @@ def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, i
 
     calls: dict[tuple[str, int], list] = {}  # (op, bits) -> [(fn, elements)]
     for n in shards:
-        if w.qwz_bits:
-            b, gs = w.qwz_bits, w.qwz_group_size
+        if w.weights:
+            b, gs = w.weights.bits, w.weight_group_size
             calls.setdefault(("quantize", b), []).append((lambda x=rand(n), b=b, gs=gs: quantize(x, b, gs), n))
             qg = quantize(rand(W * n), b, gs, rows=W)
             calls.setdefault(("dequantize", b), []).append((lambda q=qg: dequantize(q, dtype=dtype), W * n))
-        if w.qgz_bits:
-            gs, ib, b = w.qgz_group_size, w.qgz_intra_bits or w.qgz_bits, w.qgz_bits
+        if w.grads:
+            gs, (ib, b) = w.grad_group_size, w.grads.hop_bits
             if N > 1 and R > 1:
                 calls.setdefault(("quantize", ib), []).append(
                     (lambda x=rand(W * n), ib=ib, gs=gs: quantize(x, ib, gs, rows=W), W * n))
@@ -109,42 +114,54 @@ def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, i
     return tuple(out)
 
 
-def _wait(summary: dict) -> float | None:
+def comm_wait_s(summary: dict) -> float | None:
     """The run's time blocked on communication per step: the engine's own measure where there is
     one (it includes quantization), else CommWatch's."""
     eng = summary.get("engine_comm_wait_s_per_step")
     return eng if eng is not None else summary.get("comm_wait_s_per_step")
 
 
+def _spec(d: dict | None) -> QuantSpec | None:
+    return None if d is None else QuantSpec(**d)
+
+
 def workload_from_summary(summary: dict, quant_rates: tuple[tuple[str, int, float], ...] = ()) -> Workload:
-    """The Workload of a measured run: its model's units, its switches, its own compute time
-    (measured step time minus measured time blocked on communication, quantization included) and
-    the quantization rates to charge (:func:`measure_quant_rates`)."""
+    """The Workload of a measured run: its model's units, its ZeRO settings
+    (``summary["config"]["zero"]``, i.e. ``asdict(ZeroConfig)``), its own compute time (measured
+    step time minus measured time blocked on communication, quantization included) and the
+    quantization rates to charge (:func:`measure_quant_rates`)."""
     cfg = summary["config"]
-    m, z, t = cfg["model"], summary["zero"]["effective"], cfg["train"]
-    step = summary["step_time_s"]["mean"]
-    compute = max(step - (_wait(summary) or 0.0), 0.0)
-    return Workload(
-        units=gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"],
-                        n_layers=m["n_layers"], mlp_ratio=m["mlp_ratio"]),
-        compute_s=compute, tokens_per_rank=t["micro_batch_size"] * t["grad_accum"] * m["seq_len"],
-        stage=z["stage"], qwz_bits=z["qwz_bits"], hpz=z["hpz"], hpz_size=z.get("hpz_size"),
-        qgz_bits=z["qgz_bits"], qgz_intra_bits=z.get("qgz_intra_bits"),
-        qwz_group_size=z.get("qwz_group_size") or DEFAULT_WEIGHT_GROUP_SIZE,
-        qgz_group_size=z.get("qgz_group_size") or DEFAULT_GRAD_GROUP_SIZE,
-        dtype_bytes=4 if t["precision"] == "fp32" else 2, grad_accum=t["grad_accum"],
-        flops_per_token=summary["model"]["flops_per_token"], quant_rates=tuple(quant_rates))
+    m, z = cfg["model"], cfg["zero"]
+    compute = max(summary["step_time_s"]["mean"] - (comm_wait_s(summary) or 0.0), 0.0)
+    zero = types.SimpleNamespace(**{**z, "weights": _spec(z.get("weights")), "grads": _spec(z.get("grads"))})
+    units = gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"], n_layers=m["n_layers"],
+                      mlp_ratio=m["mlp_ratio"])
+    return Workload.from_zero(zero, units=units, compute_s=compute,
+                              tokens_per_rank=cfg["train"]["micro_batch_size"] * z["grad_accum_steps"] * m["seq_len"],
+                              flops_per_token=summary["model"]["flops_per_token"], quant_rates=tuple(quant_rates))
+
+
+def _is_zeropp(summary: dict) -> bool:
+    """The model describes ZeroEngine's messages: trainer=zeropp runs only."""
+    return summary["config"]["trainer"]["name"] == "zeropp"
+
+
+def link_gbps(summary: dict) -> float | None:
+    """The cross-node rate of a run: the emulator's measured rate (``summary["placement"]``), else
+    its configured ``cluster.inter_gbps``; None for a cluster=local run (no shaped link)."""
+    cfg = summary["config"]
+    if cfg["cluster"]["name"] != "emulated":
+        return None
+    return (summary.get("placement") or {}).get("measured_gbps") or cfg["cluster"]["inter_gbps"]
 
 
 def _measured_cluster(s: dict, cross_gbps: float | None, intra_gbps: float, alpha_s: float) -> Cluster:
     cfg = s["config"]
-    placement = s.get("placement") or {}
-    bw = cross_gbps if cross_gbps is not None else (
-        placement.get("measured_gbps") or cfg["cluster"]["inter_gbps"] if cfg["cluster"]["name"] == "emulated" else None)
+    bw = cross_gbps if cross_gbps is not None else link_gbps(s)
     if bw is None:
         raise ValueError(f"run {s.get('run_dir')} is cluster=local: give its cross-node rate (cross_gbps, "
                          "--cross-gbps on the command line)")
-    topo = s["topology"]
+    topo = cfg["topology"]
     return emulator_cluster(topo["nodes"], topo["ranks_per_node"], bw, intra_gbps=intra_gbps, alpha_cross_s=alpha_s,
                             alpha_intra_s=alpha_s)
 
@@ -155,14 +172,13 @@ def _rates_for(summaries: list[dict], cross_gbps: float | None,
     out: dict[int, tuple] = {}
     cache: dict[tuple, tuple] = {}
     for i, s in enumerate(summaries):
-        if s.get("trainer") != "zeropp":
+        if not _is_zeropp(s):
             continue
         if quant_rates is not None:
             out[i] = tuple(quant_rates)
             continue
         w, c = workload_from_summary(s), _measured_cluster(s, cross_gbps, 1.0, 0.0)
-        key = (w.units, w.stage, w.qwz_bits, w.hpz, w.qgz_bits, w.qgz_intra_bits, w.qwz_group_size,
-               w.qgz_group_size, w.dtype_bytes, c.nodes, c.ranks_per_node)
+        key = (dataclasses.replace(w, compute_s=0.0, tokens_per_rank=0, flops_per_token=0.0), c)
         if not quant_work(w, c):
             out[i] = ()
             continue
@@ -188,16 +204,16 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
 
     rows, ys = [], []
     for i, s in enumerate(summaries):
-        if s.get("trainer") != "zeropp" or _wait(s) is None:
+        if not _is_zeropp(s) or comm_wait_s(s) is None:
             continue
         c = _measured_cluster(s, cross_gbps, 1.0, 0.0)
         w = workload_from_summary(s, rates[i])
         steps = cross_s = intra_b = 0.0
         for m in messages(w, c):
-            st, tx, ib = _terms(m, c)
+            st, tx, ib = link_terms(m, c)
             steps, cross_s, intra_b = steps + st * m.count, cross_s + tx * m.count, intra_b + ib * m.count
         rows.append([steps, intra_b])
-        ys.append(_wait(s) - cross_s - quant_time(w, c))
+        ys.append(comm_wait_s(s) - cross_s - quant_time(w, c))
     if not rows:
         raise ValueError("no trainer=zeropp run with a measured communication wait to calibrate on")
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
@@ -218,7 +234,7 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
     the step-time error is the error of the communication model. Bytes are exact: 0 error
     means the model's message sizes are what the engine sent. Quantization is charged at
     ``quant_rates`` (``Workload.quant_rates``), by default measured on this machine at each run's
-    shapes (:func:`measure_quant_rates`); pass ``()`` to charge none.
+    shapes (:func:`measure_quant_rates`); ``()`` charges ``Workload.quant_gbs`` for every op.
     """
     summaries = list(summaries)
     rates = _rates_for(summaries, cross_gbps, quant_rates)
@@ -227,7 +243,7 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
         alpha_s, intra_gbps = fit["alpha_s"], fit["intra_gbps"]
     rows = []
     for i, s in enumerate(summaries):
-        if s.get("trainer") != "zeropp":
+        if not _is_zeropp(s):
             continue
         c = _measured_cluster(s, cross_gbps, intra_gbps, alpha_s)
         p = project(workload_from_summary(s, rates[i]), c)
@@ -240,7 +256,7 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
             "label": s["label"], "run_dir": s.get("run_dir"), "cross_gbps": c.cross_gbps, "alpha_s": alpha_s,
             "intra_gbps": intra_gbps, "measured_step_s": measured_step, "predicted_step_s": p.step_s,
             "step_error": p.step_s / measured_step - 1 if measured_step else math.nan,
-            "measured_comm_s": _wait(s), "predicted_comm_s": p.comm_s, "predicted_quant_s": p.quant_s,
+            "measured_comm_s": comm_wait_s(s), "predicted_comm_s": p.comm_s, "predicted_quant_s": p.quant_s,
             "measured_cross_bytes": meas_cross, "predicted_cross_bytes": pred_cross,
             "bytes_error": pred_cross / meas_cross - 1 if meas_cross else math.nan,
             "measured_intra_bytes": meas_intra, "predicted_intra_bytes": pred_intra,
@@ -258,3 +274,33 @@ def format_comparison(rows: list[dict]) -> str:
                    f"{100 * r['step_error']:>6.0f}% {r['predicted_quant_s']:>8.3f} {r['measured_cross_bytes']:>10.0f} "
                    f"{r['predicted_cross_bytes']:>10.0f} {100 * r['bytes_error']:>6.1f}%")
     return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.scaling_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", metavar="DIR", help="check the model against every summary.json under DIR")
+    ap.add_argument("--cross-gbps", type=float, default=None, help="link rate of cluster=local runs, Gbit/s")
+    ap.add_argument("--intra-gbps", type=float, default=20.0, help="intra-node (loopback) rate, Gbit/s")
+    ap.add_argument("--alpha", type=float, default=100e-6, help="seconds per message step")
+    ap.add_argument("--calibrate", action="store_true", help="fit --alpha and --intra-gbps on these runs first")
+    a = ap.parse_args(argv)
+    paths = sorted(Path(a.runs).rglob("summary.json"))
+    if not paths:
+        raise SystemExit(f"error: no summary.json under {a.runs}")
+    try:
+        rows = compare_measured([json.loads(p.read_text()) for p in paths], cross_gbps=a.cross_gbps,
+                                intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate)
+    except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
+        raise SystemExit(f"error: {e}") from None
+    if rows:
+        print(f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
+              f"{1e6 * rows[0]['alpha_s']:.0f} us per message step")
+    print(format_comparison(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from zeropp.comm.spec import QuantSpec
 from zeropp.experiments.scaling import (
     GBPS, ZEROPP, Cluster, Workload, collective_time, gpt_units, messages, node_cross_bytes, pairwise_bytes,
     paper_workload, project, quant_time, quant_work, speedup_table, uplink_bytes,
 )
 from zeropp.kernels import quantized_nbytes
+
+INT8, INT4 = QuantSpec(bits=8), QuantSpec(bits=4)
 
 UNITS = gpt_units(vocab=256, seq_len=64, d_model=64, n_layers=2)
 
@@ -37,13 +41,13 @@ def test_pairwise_bytes_equal_the_formulas() -> None:
         assert b[f"{kind}.intra"] == sum(4 * s for s in shards)
         assert b[f"{kind}.cross"] == 2 * sum(4 * s for s in shards)
     # qwZ INT8: the shard travels quantized (codes + one fp32 scale per 512)
-    b = pairwise_bytes(messages(_w(qwz_bits=8), c))
+    b = pairwise_bytes(messages(_w(weights=INT8), c))
     assert b["fwd_all_gather.cross"] == 2 * sum(quantized_nbytes(1, s, 8, 512) for s in shards)
     # hpZ: the backward gather never leaves the node
     b = pairwise_bytes(messages(_w(hpz=True), c))
     assert "bwd_all_gather.cross" not in b and b["bwd_all_gather.intra"] > 0
     # qgZ INT4: one quantized row per remote node, N rows to each local peer
-    b = pairwise_bytes(messages(_w(qgz_bits=4), c))
+    b = pairwise_bytes(messages(_w(grads=INT4), c))
     assert b["grad_a2a_cross.cross"] == sum(quantized_nbytes(1, s, 4, 128) for s in shards)
     assert b["grad_a2a_intra.intra"] == sum(quantized_nbytes(2, s, 4, 128) for s in shards)
 
@@ -124,7 +128,7 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
     assert quant_work(w, c) == {("quantize", 8): S, ("dequantize", 8): W * S,  # qwZ fwd only (hpZ)
                                 ("quantize", 4): W * S, ("dequantize_sum_requantize", 4): W * S,
                                 ("dequantize_sum", 4): 2 * S}
-    assert quant_work(_w(qwz_bits=8), c) == {("quantize", 8): 2 * S, ("dequantize", 8): 2 * W * S}  # fwd + bwd
+    assert quant_work(_w(weights=INT8), c) == {("quantize", 8): 2 * S, ("dequantize", 8): 2 * W * S}  # fwd + bwd
     assert quant_work(_w(), c) == {} and quant_time(_w(), c) == 0.0
     rates = (("quantize", 8, 0.5), ("dequantize", 8, 2.0), ("quantize", 4, 0.25))
     wr = w.with_zero(quant_rates=rates, quant_gbs=1.0)
@@ -144,3 +148,92 @@ def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
     assert {(op, b) for op, b, _ in rates} == set(quant_work(w, c))
     assert all(0 < g < math.inf for _, _, g in rates)
     assert project(w.with_zero(quant_rates=rates), c).quant_s > 0
+
+
+def test_spec_group_size_and_hop_bits_set_the_messages() -> None:
+    """The spec's group size replaces the kernels' default; ``intra_bits`` is the intra hop's width."""
+    c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=10)
+    shards = [-(-u // c.world) for u in UNITS]
+    b = pairwise_bytes(messages(_w(weights=QuantSpec(bits=4, group_size=64)), c))
+    assert b["fwd_all_gather.cross"] == 2 * sum(quantized_nbytes(1, s, 4, 64) for s in shards)
+    w = _w(grads=QuantSpec(bits=4, intra_bits=8, group_size=256))
+    assert (w.weight_group_size, w.grad_group_size) == (512, 256)
+    b = pairwise_bytes(messages(w, c))
+    assert b["grad_a2a_intra.intra"] == sum(quantized_nbytes(2, s, 8, 256) for s in shards)
+    assert b["grad_a2a_cross.cross"] == sum(quantized_nbytes(1, s, 4, 256) for s in shards)
+    assert quant_work(w, c) == {("quantize", 8): c.world * sum(shards),
+                                ("dequantize_sum_requantize", 8): c.world * sum(shards),
+                                ("dequantize_sum", 4): 2 * sum(shards)}
+
+
+def test_workload_from_zero_config() -> None:
+    from zeropp.runtime import ZeroConfig
+
+    z = ZeroConfig(stage=3, weights=INT8, grads=QuantSpec(bits=4, intra_bits=8), hpz=True, hpz_size=2,
+                   precision="bf16", grad_accum_steps=3)
+    w = Workload.from_zero(z, units=UNITS, compute_s=0.5, tokens_per_rank=64, overlap=0.25)
+    assert (w.stage, w.weights, w.grads, w.hpz, w.hpz_size) == (3, z.weights, z.grads, True, 2)
+    assert (w.dtype_bytes, w.grad_accum, w.overlap, w.units) == (2, 3, 0.25, UNITS)
+    assert Workload.from_zero(ZeroConfig(stage=1), units=UNITS, compute_s=0, tokens_per_rank=1).dtype_bytes == 4
+
+
+def _summary(cluster: dict) -> dict:
+    """A summary.json of the runner's layout: summary["config"] holds asdict() of the library configs."""
+    zero = {"stage": 3, "precision": "fp32", "hpz": True, "hpz_size": None, "grad_accum_steps": 2,
+            "weights": dataclasses.asdict(INT8), "grads": dataclasses.asdict(QuantSpec(bits=4, group_size=64))}
+    cfg = {"zero": zero, "model": {"vocab_size": 256, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 2,
+                                   "mlp_ratio": 4},
+           "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None}, "train": {"micro_batch_size": 4},
+           "trainer": {"name": "zeropp"}, "cluster": cluster}
+    return {"config": cfg, "label": "run", "step_time_s": {"mean": 0.5}, "engine_comm_wait_s_per_step": 0.2,
+            "comm_wait_s_per_step": 0.3, "model": {"flops_per_token": 7.0}}
+
+
+def test_workload_from_summary_reads_the_run_config() -> None:
+    from zeropp.experiments.scaling_check import workload_from_summary
+
+    w = workload_from_summary(_summary({"name": "local"}), (("quantize", 8, 1.0),))
+    assert w.compute_s == pytest.approx(0.5 - 0.2)  # step - the engine's own wait
+    expect = Workload(units=UNITS, compute_s=0.0, tokens_per_rank=4 * 2 * 64, stage=3, weights=INT8,
+                      grads=QuantSpec(bits=4, group_size=64), hpz=True, dtype_bytes=4, grad_accum=2,
+                      flops_per_token=7.0, quant_rates=(("quantize", 8, 1.0),))
+    assert dataclasses.replace(w, compute_s=0.0) == expect
+
+
+def test_compare_measured_takes_the_link_from_the_summary() -> None:
+    """Emulated runs: the measured link rate from the placement; local runs need cross_gbps."""
+    from zeropp.experiments.scaling_check import compare_measured, workload_from_summary
+
+    s = _summary({"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0})
+    s["placement"] = {"cluster": "emulated", "measured_gbps": 0.8}
+    c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=0.8)
+    pw = pairwise_bytes(messages(workload_from_summary(s), c))
+    by_link = {"cross": _cross(pw), "intra": sum(v for k, v in pw.items() if k.endswith(".intra"))}
+    s["engine_comm_bytes_per_step"] = {"by_link": by_link}
+    (row,) = compare_measured([s], quant_rates=())
+    assert row["cross_gbps"] == 0.8 and row["bytes_error"] == 0 and row["intra_bytes_error"] == 0
+    assert row["predicted_quant_s"] == pytest.approx(quant_time(workload_from_summary(s), c))  # at quant_gbs
+    assert row["measured_comm_s"] == 0.2
+    local = {**s, "config": {**s["config"], "cluster": {"name": "local"}}}
+    with pytest.raises(ValueError, match="cross_gbps"):
+        compare_measured([local], quant_rates=())
+    assert compare_measured([local], quant_rates=(), cross_gbps=2.0)[0]["cross_gbps"] == 2.0
+
+
+@pytest.mark.parametrize("kw, word", [({"stage": 5}, "stage"), ({"stage": 2, "weights": INT8}, "weights"),
+                                      ({"stage": 1, "hpz": True}, "hpz"), ({"stage": 0, "grads": INT4}, "grads"),
+                                      ({"dtype_bytes": 3}, "dtype_bytes"), ({"overlap": 1.5}, "overlap"),
+                                      ({"units": ()}, "units")])
+def test_bad_workload_is_rejected(kw: dict, word: str) -> None:
+    with pytest.raises(ValueError, match=f"Workload.{word}="):
+        Workload(**{"units": UNITS, "compute_s": 0.0, "tokens_per_rank": 1, **kw})
+
+
+def test_scaling_does_not_import_its_check() -> None:
+    """scaling_check imports scaling, never the other way round (no import cycle)."""
+    import subprocess
+    import sys
+
+    code = "import sys, zeropp.experiments.scaling; print('zeropp.experiments.scaling_check' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
