@@ -320,11 +320,12 @@ def from_dict(d: Mapping[str, Any]) -> RunConfig:
     unknown = [k for k in d if k not in SECTION_CLASSES]
     if unknown:
         raise ConfigError(f"unknown config section {unknown[0]!r}; allowed: {', '.join(SECTION_CLASSES)}")
+    train = _build(TrainConfig, d.get("train") or {}, "train")
+    optim = dict(d.get("optim") or {})
+    if optim.get("schedule", "constant") != "constant" and optim.get("decay_steps") is None:
+        optim["decay_steps"] = train.steps  # the schedule spans the run unless told otherwise
+    d["optim"] = optim
     sections = {name: _build(cls, d.get(name) or {}, name) for name, cls in SECTION_CLASSES.items()}
-    opt = sections["optim"]
-    if opt.schedule != "constant" and opt.decay_steps is None:  # the schedule spans the run unless told otherwise
-        sections["optim"] = _build(OptimizerConfig, {**dataclasses.asdict(opt), "decay_steps": sections["train"].steps},
-                                   "optim")
     return RunConfig(**sections, resume=resume)
 
 

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 
 def human_bytes(n: float) -> str:
@@ -55,7 +56,7 @@ class Progress:
             self._last_decile = decile
             done = step - self.start
             eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
-            self.console.print(f"step {step}/{self.total} {info} | eta {eta:.0f}s", highlight=False)
+            self.console.print(Text(f"step {step}/{self.total} {info} | eta {eta:.0f}s"))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -108,5 +109,8 @@ def print_summary(s: dict[str, Any], stream: TextIO | None = None) -> None:
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     for k, v in summary_rows(s):
-        table.add_row(k, v)
-    Console(file=stream or sys.stdout, width=max(100, Console().width)).print(table)
+        table.add_row(Text(k), Text(v))  # Text: labels like "qwZ[int8]" are not rich markup
+    console = Console(file=stream or sys.stdout)
+    if not console.is_terminal:
+        console.width = 160  # a log file: keep each row on one line
+    console.print(table)

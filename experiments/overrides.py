@@ -52,7 +52,7 @@ def _check_key(key: str) -> None:
             raise ConfigError(f"unknown config key {key!r}: {'.'.join(path)} has no sub-keys")
         fields = _fields(node)
         if part not in fields:
-            near = difflib.get_close_matches(part, list(fields), n=1)
+            near = difflib.get_close_matches(part, list(fields) + ([] if path else config_groups()), n=1)
             where = ".".join(path) or "top level"
             hint = f" (did you mean {'.'.join([*path, near[0]])}?)" if near else ""
             groups = f"; config groups: {', '.join(config_groups())}" if not path else ""

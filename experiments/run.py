@@ -75,7 +75,8 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             write_summary(run_dir / "summary.json", summary)
         return summary
     t = rc.topology
-    placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms)
+    placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms,
+                                    device=rc.launcher.device)
                  if rc.cluster.name == "emulated" else local_placement(t.world_size))
     print(f"zeropp: {label} -> {run_dir}", file=sys.stderr, flush=True)
     placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,

@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
-from .launcher import select_device
+from .launcher import device_for_cluster, select_device
 from .metrics import MetricsFile, build_summary, tokens_per_step, write_summary
-from .trainers import Trainer, build_trainer
+from .trainers import build_trainer
 from .wandb_log import WandbLogger, flatten
 
 
@@ -73,7 +74,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         raise RuntimeError(f"WORLD_SIZE={world} from the launcher but topology is {cfg.topology.nodes} nodes x "
                            f"{cfg.topology.ranks_per_node} = {cfg.world_size} ranks; set topology.nodes and "
                            "topology.ranks_per_node to match the launch")
-    device, backend = select_device(cfg.launcher.device, local_rank, local_world)
+    device, backend = select_device(device_for_cluster(cfg.launcher.device, cfg.cluster.name), local_rank, local_world)
     if device.type == "cpu":
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     dist.init_process_group(backend, rank=rank, world_size=world,
@@ -186,6 +187,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     return summary
 
 
+@record  # a rank's exception goes to torch's error file, which the launcher reads to name the failing rank
 def main(argv: list[str]) -> int:
     """Entry of a launched rank: ``python -m <pkg>.worker <spec.json>``."""
     run_rank(json.loads(Path(argv[1]).read_text()))

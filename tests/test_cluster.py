@@ -19,7 +19,6 @@ import time
 import pytest
 
 from zeropp.experiments.cluster import ClusterPrivilegeError, EmulatedCluster, NetnsError, netns
-from zeropp.experiments.cluster.ranks import run_ranks
 from zeropp.experiments.launcher import ModuleEntry, RankFailure, cluster_placement, launch_world
 
 PREFIX = "zpp"
@@ -179,9 +178,11 @@ CHECK = "zeropp.experiments.cluster.check"
 
 
 @needs_netns
-def test_gloo_all_reduce_across_two_emulated_nodes(clusters):
+def test_gloo_all_reduce_across_two_emulated_nodes(clusters, tmp_path):
     c = clusters(2, 1, 1.0, probe=False)
-    reports = run_ranks(c, [], timeout_s=120, module=CHECK)  # the launcher, with the cluster's placement
+    launch_world(ModuleEntry(module=CHECK, args=("--out", str(tmp_path))), 2, placement=cluster_placement(c),
+                 log_dir=tmp_path / "ranks", timeout_s=120)  # the one launcher, with the cluster's placement
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["sum"] == r["expected"] == 1.0 and r["big_ok"] for r in reports)
     assert {r["ifname"] for r in reports} == {c.interface}
 
@@ -206,13 +207,17 @@ def test_launcher_on_a_2x2_emulated_cluster_local_ranks_and_failure(clusters, tm
 
 
 @needs_netns
-def test_short_zeropp_training_on_a_2x2_emulated_cluster(clusters):
-    c = clusters(2, 2, 1.0, probe=False)
-    reports = run_ranks(c, ["--mode", "zeropp", "--preset", "tiny", "--micro-batch", "2", "--steps", "2",
-                            "--warmup", "1"], timeout_s=240)
-    runs = [r["runs"]["zeropp"] for r in reports]
-    assert all(r["losses"] == runs[0]["losses"] for r in runs) and all(math.isfinite(x) for x in runs[0]["losses"])
-    assert all(r["bytes_per_step"]["cross"] > 0 and r["bytes_per_step"]["intra"] > 0 for r in runs)
+def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
+    """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link."""
+    from zeropp.experiments.run import run_job
+
+    s = run_job(["cluster=emulated", "cluster.inter_gbps=1", "topology=2x2", "model=tiny", "stage=3", "quant=zeropp",
+                 "train.steps=3", "train.throughput_skip_steps=1", "train.micro_batch_size=2", "data=random",
+                 "logger=none", "launcher.progress=false", "launcher.device=cpu"], tmp_path)
+    assert all(math.isfinite(x) for x in s["loss"]["curve"]) and len(s["loss"]["curve"]) == 3
+    by = s["engine_comm_bytes_per_step"]["by_link"]
+    assert by["cross"] > 0 and by["intra"] > 0
+    assert s["placement"]["cluster"] == "emulated" and s["placement"]["measured_gbps"] > 0
 
 
 def test_nothing_left_behind():

@@ -101,7 +101,7 @@ def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) 
 
 @pytest.mark.parametrize("trainer, override", [
     ("fsdp2", "zero.prefetch_depth=2"), ("fsdp2", "quant=int8"), ("fsdp2", "stage=2"),
-    ("fsdp2_zeropp", "zero.allgather_bucket_size=1000"), ("ddp", "quant=qgz"), ("ddp_zeropp", "zero.hpz_size=2"),
+    ("fsdp2_zeropp", "zero.allgather_bucket_size=1000"), ("ddp", "quant=qgz"), ("ddp_zeropp", "zero.allgather_bucket_size=10"),
     ("ddp", "zero.persistence_threshold=10"), ("fsdp2", "zero.precision=fp16"),
 ])
 def test_a_key_the_trainer_does_not_use_is_an_error(trainer: str, override: str) -> None:

@@ -9,8 +9,8 @@ Public API::
         c.measured_gbps, c.summary()
 
 Ranks are started in the namespaces by the one launcher (``experiments/launcher.py``:
-``launch_world(..., placement=cluster_placement(c))``; ``cluster.ranks.run_ranks`` for the
-benchmark's worker). This package does not import them, so the launcher can import it.
+``launch_world(..., placement=cluster_placement(c))``; the runner's ``cluster=emulated``).
+This package does not import the launcher, so the launcher can import it.
 
 CLI: ``python -m experiments.cluster up|down|status|clean`` (see ``__main__.py``).
 """

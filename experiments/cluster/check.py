@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="directory for rank<r>.json")
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises before the collectives")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout (s)")
-    p.add_argument("--ranks-per-node", type=int, default=0, help="accepted for run_ranks; unused")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -19,7 +19,7 @@ would be rounded twice).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,23 +77,6 @@ class EngineComm:
         return (self.groups.hpz, self.hpz_size) if hpz else (None, self.world_size)
 
     # ------------------------------------------------------------------ spec -> zeropp.comm
-    @staticmethod
-    def _spec_kwargs(spec: Optional[QuantSpec], *, gather: bool) -> dict[str, Any]:
-        """The keyword arguments of today's ``zeropp.comm`` collectives for ``spec``.
-
-        Until zeropp.comm takes spec=: this is the one place that translates a QuantSpec into the
-        flat knobs (bits, intra_bits, group_size, stochastic, seed); when the collectives accept
-        ``spec=`` this helper becomes ``{"spec": spec}``. ``None`` = full precision (bits None).
-        """
-        if spec is None:
-            return {"bits": None}
-        if spec.scheme != "int":
-            raise ValueError(f"QuantSpec.scheme={spec.scheme!r}: zeropp.comm's collectives implement only 'int' here")
-        kw: dict[str, Any] = dict(bits=spec.bits, group_size=spec.group_size, stochastic=spec.stochastic, seed=spec.seed)
-        if not gather:
-            kw["intra_bits"] = spec.intra_bits
-        return kw
-
     # ------------------------------------------------------------------ all-gather
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, spec: Optional[QuantSpec], hpz: bool = False,
                    bucket: int, kind: str, async_op: bool) -> Pending:
@@ -101,7 +84,6 @@ class EngineComm:
         ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule)."""
         group, g = self._group(hpz)
         s = shard.numel()
-        kw = self._spec_kwargs(spec, gather=True)
         works: list = []
         finishes: list[Callable[[], None]] = []
         t0 = time.perf_counter()
@@ -109,7 +91,7 @@ class EngineComm:
             whole = (a, b) == (0, s)
             dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
             works.append(self._z.quantized_all_gather(
-                dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True, **kw))
+                dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True, spec=spec))
             if not whole:
                 finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
         self.wait_s += time.perf_counter() - t0  # issuing a quantized gather quantizes on this thread
@@ -129,15 +111,14 @@ class EngineComm:
         s = out.numel()
         quantized = spec is not None
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
-        kw = self._spec_kwargs(spec, gather=False)
         works: list = []
         t0 = time.perf_counter()
         for a, b in _chunks(s, w, bucket):
             src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
             extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
             works.append(self._z.quantized_reduce_scatter(
-                out[a:b], src, op, None, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
-                **kw, **extra))
+                out[a:b], src, op, None, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
+                async_op=True, **extra))
         self.wait_s += time.perf_counter() - t0
         p = Pending(self, works, None if quantized else (lambda: out.div_(w)))
         if not async_op:
