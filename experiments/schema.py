@@ -97,7 +97,12 @@ def _spec_node(spec: QuantSpec | None) -> dict[str, Any] | None:
 
 
 def register() -> None:
-    """Store the schema and the generated group options in Hydra's ConfigStore (idempotent)."""
+    """Store the schema and the generated group options in Hydra's ConfigStore, and the resolvers
+    conf/config.yaml uses (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("zeropp_tenth"):  # LR warmup: a tenth of the run by default
+        OmegaConf.register_new_resolver("zeropp_tenth", lambda steps: int(steps) // 10)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=run_schema())
     for name, r in RECIPES.items():
