@@ -247,6 +247,18 @@ class RunConfig:
     def world_size(self) -> int:
         return self.topology.world_size
 
+    def checkpoint_dir(self, run_dir: Path) -> Path:
+        """``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
+        return Path(self.train.checkpoint_dir) if self.train.checkpoint_dir else Path(run_dir) / "checkpoints"
+
+    def check_resume(self, run_dir: Path) -> None:
+        """With ``resume=true``, a checkpoint must be there (checked before any rank starts)."""
+        ckpt = self.checkpoint_dir(run_dir)
+        if self.resume and not (ckpt / "LATEST").is_file():
+            raise ConfigError(f"invalid config: resume=true but there is no checkpoint under {ckpt} (no LATEST file); "
+                              "resume in the directory of a run saved with train.checkpoint_every=N "
+                              "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -1,158 +1,25 @@
-"""The one way ranks are started on this host: torch's elastic multiprocessing, watched.
+"""The runner's side of launching: placements of the ranks and the runner's one call.
 
-Used by the runner (``python -m experiments.run``), the emulated-cluster benchmark
-(``cluster/ranks.py``) and the tests (``tests/distributed.py::run_world``)::
-
-    launch_world(ModuleEntry(module="zeropp.experiments.worker", args=(spec,)), 4,
-                 placement=LOCAL, log_dir=run_dir / "ranks", timeout_s=600)
-    launch_world(fn, 4, args=(x,), process_group="gloo", timeout_s=60)  # -> [fn(0, 4, x), ..]
-
-Processes come from ``torch.distributed.elastic.multiprocessing.start_processes``, the engine of
-``torchrun``: a module entrypoint runs as a binary (``SubprocessContext``, each rank in its own
-session), a function through ``torch.multiprocessing`` spawn (``MultiprocessContext``; its
-return values come back by rank). Each rank sees the torchrun contract: ``RANK, WORLD_SIZE,
-LOCAL_RANK`` (its index on *this host*, whatever node layout is emulated), ``LOCAL_WORLD_SIZE``
-(processes on this host), ``MASTER_ADDR/PORT``, ``TORCHELASTIC_ERROR_FILE``, plus the
-placement's per-rank env and :data:`LAUNCHED_MARK`. Under a real ``torchrun`` nothing here runs:
-:func:`in_torchrun` tells the runner to be the rank itself.
-
-Why a bootstrap in front of module ranks. ``start_processes`` takes one binary for all ranks
-and ``Popen`` s it with no pre-exec hook, while a rank needs three things before the worker
-starts: ``PR_SET_PDEATHSIG`` (so a SIGKILLed launcher takes its ranks along), an optional command
-prefix (``ip netns exec <node ns>`` for the emulated cluster; it ``exec`` s, so the pid stays the
-rank's) and one log file for stdout *and* stderr (torch's redirects open two files). The entry
-binary is therefore this interpreter running :data:`_BOOT` (a few lines of stdlib: prctl, check
-the parent is still ours, dup2 the log, ``execvp`` the rest of argv), so every placement is the
-same entrypoint with per-rank args, and nothing but the exec chain differs between local and
-emulated ranks. Function ranks get the same guarantees in :func:`_function_rank`.
-
-Failure handling. Each poll first peeks every rank's exit status (``waitid(WNOWAIT)``, which
-leaves the child for torch to reap), so the launcher knows which rank died *first*; then
-``PContext.wait(0)`` collects torch's ``RunProcsResult``. On a failure every rank is closed with
-``PContext.close(timeout=grace_s)`` (SIGTERM to each rank's process group, SIGKILL after the
-grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's service) go too.
-:class:`RankFailure` names the root cause: among the ranks that failed before the close, one
-whose error is not a peer's "connection closed" echo, earliest first, with the tail of its
-error: torch's error file (``@record`` / function ranks), else ``<log_dir>/rank<r>.err``, else
-the tail of ``<log_dir>/rank<r>.log``. SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
-handlers, restored afterwards) and the whole-run timeout stop all ranks the same way.
-
-Logs: rank 0 keeps the terminal; with ``log_dir`` the other ranks write ``<log_dir>/rank<r>.log``
-and torch's error files land under ``<log_dir>/elastic/`` (``DefaultLogsSpecs`` layout
-``test_run_id_*/attempt_0/<local rank>/error.json``: we set no ``TORCHELASTIC_RUN_ID``, which
-would make ``torch.distributed.is_torchelastic_launched()`` claim an elastic agent); without it
-all ranks share the terminal and the error files live in a temporary directory removed afterwards.
-
-API: :func:`launch_world` (``ModuleEntry`` or function), :func:`launch` (the runner's call),
-placements :data:`LOCAL`, :func:`cluster_placement`, :func:`local_placement`,
-:func:`emulated_placement`; :func:`select_device`, :func:`device_for_cluster`; :func:`free_port`,
-:func:`in_torchrun`, :func:`worker_module`, :data:`LAUNCHED_MARK`; errors :class:`RankFailure`,
-:class:`PlacementError`. Launch from the main thread: PDEATHSIG fires when the *thread* that
-started a rank exits.
-
-CUDA (:func:`select_device`): one GPU per process on its host, chosen by ``LOCAL_RANK``. The
-emulated cluster is CPU only: NCCL would move intra-host traffic over P2P/SHM and never cross the
-shaped links, so :func:`device_for_cluster` refuses ``cuda`` there.
+Ranks start through ``zeropp.launch.launch_world`` (torch's elastic multiprocessing, watched; see
+there). Here: the emulated cluster's placement (each rank behind ``ip netns exec <node ns>``, with
+its namespace's env), which device the ranks of a placement may use, and :func:`launch`, which
+writes the run's spec and starts ``python -m <pkg>.worker <spec.json>`` on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import dataclasses
-import datetime
 import json
-import os
-import signal
-import socket
-import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
-import torch
-from torch.distributed.elastic.multiprocessing import (DefaultLogsSpecs, PContext, ProcessFailure,
-                                                       SignalException, start_processes)
+from zeropp.launch import LOCAL, ModuleEntry, Placement, PlacementError, RankFailure, in_torchrun, launch_world
 
 from .cluster import EmulatedCluster, NetnsError
-
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
-"""Set in ranks this launcher starts, so a rank never mistakes itself for a torchrun rank that should spawn."""
-
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-                "Timed out waiting", "ECONNRESET", "connectFullMesh")
-_TORCH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # start_processes' handlers
-_PR_SET_PDEATHSIG = 1
-_BOOT = """import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-if os.getppid() != int(sys.argv[1]):
-    os._exit(70)
-if sys.argv[2]:
-    fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
-os.execvp(sys.argv[3], sys.argv[3:])
-"""
-"""Run by ``python -I -S -c`` as every module rank's first image (see the module docstring)."""
-
-
-class RankFailure(RuntimeError):
-    """A rank failed, the run timed out or was interrupted, or the placement cannot run the job."""
-
-    def __init__(self, message: str, rank: int | None = None, exit_code: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exit_code = exit_code
-
-
-class PlacementError(RankFailure):
-    """The placement cannot run this job (no namespaces, CUDA on the emulated cluster); no rank started."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, exit_code=2)
-
-
-def in_torchrun() -> bool:
-    """True when torchrun (or any launcher with its env contract) started this process."""
-    return all(v in os.environ for v in TORCHRUN_VARS) and LAUNCHED_MARK not in os.environ
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the rendezvous port of a world)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
 
 def worker_module(package: str | None) -> str:
     """``experiments.worker`` when run from the repo root, ``zeropp.experiments.worker`` otherwise."""
     return f"{package or 'zeropp.experiments'}.worker"
-
-
-# ---------------------------------------------------------------------------------- devices
-
-
-def select_device(want: str, local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
-    """This rank's device and process-group backend: ``(cuda:<local_rank>, "nccl")`` or ``(cpu, "gloo")``.
-
-    ``want`` is ``launcher.device``: ``cpu``; ``cuda`` (an error unless this host has a GPU per
-    local process); ``auto`` (CUDA exactly when it has). Choosing CUDA also sets this process's
-    current device, so every later ``torch.cuda`` call and NCCL use ``cuda:<local_rank>``.
-    """
-    if want not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"launcher.device={want!r} is not one of auto, cpu, cuda")
-    if not 0 <= local_rank < local_world_size:
-        raise ValueError(f"LOCAL_RANK={local_rank} outside LOCAL_WORLD_SIZE={local_world_size}")
-    gpus = torch.cuda.device_count() if want != "cpu" else 0
-    if want == "cuda" and gpus < local_world_size:
-        raise RuntimeError(f"launcher.device=cuda needs one GPU per process on this host: {local_world_size} "
-                           f"local process(es) but torch.cuda.device_count()={gpus}; use launcher.device=cpu "
-                           f"(or auto), or start at most {gpus} process(es) per host")
-    if want == "cpu" or gpus < local_world_size:
-        return torch.device("cpu"), "gloo"
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank), "nccl"
 
 
 def device_for_cluster(want: str, cluster: str) -> str:
@@ -169,43 +36,6 @@ def device_for_cluster(want: str, cluster: str) -> str:
                              "GPU peer-to-peer / shared memory and bypass the shaped links, so the measured link "
                              "would be false. Use cluster=local for GPU runs, or launcher.device=cpu to emulate.")
     return "cpu"
-
-
-# ---------------------------------------------------------------------------------- placements
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where the ranks of one world run on this host, and how they find rank 0."""
-
-    master_addr: str
-    """Address rank 0 listens on, reachable from every rank."""
-    prefixes: tuple[tuple[str, ...], ...] = ()
-    """Per rank, argv prepended to a module rank's command (``ip netns exec <ns>``); empty = none."""
-    envs: tuple[dict[str, str], ...] = ()
-    """Per rank, extra environment (e.g. GLOO_SOCKET_IFNAME inside a namespace); empty = none."""
-    info: dict = dataclasses.field(default_factory=dict)
-    """What a run's summary records about the placement (cluster kind, emulated links, measured rate)."""
-
-    def __post_init__(self) -> None:
-        if not self.master_addr:
-            raise ValueError("Placement.master_addr must be an address, got ''")
-        if self.prefixes and self.envs and len(self.prefixes) != len(self.envs):
-            raise ValueError(f"Placement has {len(self.prefixes)} prefixes but {len(self.envs)} envs")
-
-    def check(self, world_size: int, *, function: bool) -> None:
-        """Raise :class:`PlacementError` if this placement cannot hold ``world_size`` ranks of that kind."""
-        for name, per_rank in (("prefixes", self.prefixes), ("envs", self.envs)):
-            if per_rank and len(per_rank) != world_size:
-                raise PlacementError(f"placement has {name} for {len(per_rank)} ranks, world_size={world_size}")
-        if function and any(self.prefixes):
-            raise PlacementError("a function world cannot run behind a command prefix (e.g. emulated "
-                                 "namespaces); start a module entrypoint (ModuleEntry) instead")
-
-
-LOCAL = Placement(master_addr="127.0.0.1", info={"cluster": "local"})
-"""Every rank on this host, rendezvous on loopback."""
-
 
 def cluster_placement(cluster: EmulatedCluster) -> Placement:
     """The placement of an emulated cluster that is up: each rank in its node's namespace."""
@@ -240,237 +70,6 @@ def emulated_placement(world_size: int, ranks_per_node: int, inter_gbps: float, 
     finally:
         cluster.__exit__(None, None, None)
 
-
-# ---------------------------------------------------------------------------------- launching
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModuleEntry:
-    """A rank that runs ``python -m <module> <args...>`` (the same argv on every rank)."""
-
-    module: str
-    """Dotted module name, e.g. ``zeropp.experiments.worker``."""
-    args: tuple[str, ...] = ()
-    """Command-line arguments after the module name."""
-
-
-def _prctl_pdeathsig() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _redirect_output(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | None, pg_timeout_s: float,
-                   threads: int | None) -> Any:
-    """Entrypoint of a function rank (runs in the spawned child; torch's ``_wrap`` applies ``@record``).
-
-    Gives the rank what the bootstrap gives a module rank (own process group for the final SIGKILL
-    of grandchildren, PDEATHSIG=SIGKILL, its log file), then runs ``fn(rank, world_size, *args)``
-    inside a default process group of ``process_group`` when one is asked for.
-    """
-    os.setsid()
-    _prctl_pdeathsig()
-    if log:
-        _redirect_output(log)
-    if threads:
-        torch.set_num_threads(threads)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if process_group is None:
-        return fn(rank, world, *args)
-    import torch.distributed as dist
-
-    dist.init_process_group(process_group, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
-    try:
-        return fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _exit_status(pid: int) -> int | None:
-    """Exit code of child ``pid`` if it has exited (``-signal`` if killed), without reaping it."""
-    try:
-        st = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # already reaped by torch: its RunProcsResult reports it
-        return None
-    if st is None:
-        return None
-    return -st.si_status if st.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else st.si_status
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _tail(path: Path, lines: int) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
-    return ""
-
-
-def _rank_error(rank: int, pid: int, code: int, error_file: str, log_dir: Path | None
-                ) -> tuple[str, float, bool]:
-    """(error text, time it was written, whether the rank recorded it as an error) of a rank;
-    ``("", inf, False)`` when it left nothing."""
-    if os.path.isfile(error_file):
-        with contextlib.suppress(Exception):  # a half-written file: fall through to the logs
-            msg = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=error_file).message
-            text = msg.get("extraInfo", {}).get("py_callstack") or msg.get("message") if isinstance(msg, dict) else msg
-            return "\n".join(str(text).rstrip().splitlines()[-60:]), os.stat(error_file).st_mtime, True
-    for name, lines in ((f"rank{rank}.err", 60), (f"rank{rank}.log", 30)):
-        path = (log_dir / name) if log_dir else None
-        if path and (text := _tail(path, lines)):
-            return text, path.stat().st_mtime, name.endswith(".err")
-    return "", float("inf"), False
-
-
-def _kill_groups(pids: Sequence[int]) -> None:
-    """SIGKILL what is left of each rank's process group (grandchildren such as wandb's service)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-
-
-@dataclasses.dataclass(kw_only=True)
-class _World:
-    """One started world: torch's process context plus what failure reports need."""
-
-    pc: PContext
-    pids: dict[int, int]
-    log_dir: Path | None
-    grace_s: float
-    ranks_per_node: int | None
-
-    def stop(self) -> None:
-        self.pc.close(timeout=max(self.grace_s, 0.5))  # type: ignore[arg-type]  # torch annotates int, uses float
-        _kill_groups(list(self.pids.values()))
-
-    def failure(self, first: dict[int, int], codes: dict[int, int]) -> RankFailure:
-        """Stop everything and build the :class:`RankFailure` naming the root cause among ``first``."""
-        t_stop = time.time()
-        self.stop()
-        errors = {r: _rank_error(r, self.pids[r], codes.get(r, first.get(r, 1)), self.pc.error_files[r],
-                                 self.log_dir) for r in self.pids}
-        # candidates: the ranks seen dead first, and any rank that recorded an error before our stop;
-        # preferred: not a peer's echo, seen first, not a SIGTERM (ours), error written earliest
-        pool = set(first) | {r for r, (_, t, recorded) in errors.items() if recorded and t < t_stop}
-        rank = min(pool, key=lambda r: (any(e in errors[r][0] for e in _PEER_ERRORS), r not in first,
-                                        first.get(r) == -signal.SIGTERM, errors[r][1], r))
-        code = first.get(rank, codes.get(rank, 1))
-        node = f" (node {rank // self.ranks_per_node})" if self.ranks_per_node else ""
-        others = [r for r in self.pids if r != rank]
-        return RankFailure(f"rank {rank}{node} {_describe_exit(code)}; stopped ranks {others}.\n"
-                           f"--- rank {rank} error ---\n{errors[rank][0] or '(no error recorded; see its output)'}",
-                           rank=rank, exit_code=code)
-
-
-def _rank_envs(world_size: int, placement: Placement, port: int, extra_env: dict[str, str] | None
-               ) -> dict[int, dict[str, str]]:
-    envs = {}
-    for r in range(world_size):
-        env = dict(extra_env or {})
-        if placement.envs:
-            env.update(placement.envs[r])
-        env.update(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
-                   MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port), **{LAUNCHED_MARK: str(r)})
-        envs[r] = env
-    return envs
-
-
-def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, args: tuple = (),
-                 placement: Placement = LOCAL, log_dir: Path | None = None, timeout_s: float,
-                 grace_s: float = 5.0, extra_env: dict[str, str] | None = None, process_group: str | None = None,
-                 pg_timeout_s: float | None = None, threads: int | None = None,
-                 ranks_per_node: int | None = None, poll_s: float = 0.05) -> list[Any]:
-    """Start ``world_size`` ranks of ``entry`` on this host and wait; return their results by rank.
-
-    ``entry``: a :class:`ModuleEntry` (results are ``None``) or a picklable module-level function,
-    called as ``fn(rank, world_size, *args)`` (``process_group``, e.g. ``"gloo"``: initialised
-    before and destroyed after it, with ``pg_timeout_s`` (default ``timeout_s - 5``, at least 10);
-    ``threads``: ``torch.set_num_threads`` first). ``log_dir``: ranks other than 0 write
-    ``rank<r>.log`` there (else all ranks keep the terminal). ``timeout_s`` bounds the whole run;
-    ``grace_s`` is how long a stopped rank gets between SIGTERM and SIGKILL. ``ranks_per_node``
-    only names a failing rank's node in messages. Raises :class:`RankFailure` (see module doc).
-    """
-    function = not isinstance(entry, ModuleEntry)
-    placement.check(world_size, function=function)
-    if world_size < 1:
-        raise PlacementError(f"world_size must be >= 1, got {world_size}")
-    port = free_port()
-    envs = _rank_envs(world_size, placement, port, extra_env)
-    logs = {r: str(log_dir / f"rank{r}.log") if log_dir is not None and r > 0 else "" for r in range(world_size)}
-    if log_dir is not None:
-        (log_dir / "elastic").mkdir(parents=True, exist_ok=True)
-        for path in filter(None, logs.values()):
-            Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
-    if function:
-        pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
-        ep: Callable | str = _function_rank
-        rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads) for r in range(world_size)}
-    else:
-        assert isinstance(entry, ModuleEntry)
-        ep = sys.executable
-        rank_args = {r: ("-I", "-S", "-c", _BOOT, str(os.getpid()), logs[r],
-                         *(placement.prefixes[r] if placement.prefixes else ()),
-                         sys.executable, "-m", entry.module, *entry.args) for r in range(world_size)}
-    errors_cm = (contextlib.nullcontext(str(log_dir / "elastic")) if log_dir is not None
-                 else tempfile.TemporaryDirectory(prefix="zeropp-ranks-"))
-    old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}  # start_processes installs its own
-    world: _World | None = None
-    with errors_cm as error_root:
-        try:
-            pc = start_processes(name="zeropp", entrypoint=ep, args=rank_args, envs=envs,
-                                 logs_specs=DefaultLogsSpecs(log_dir=error_root))
-            world = _World(pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node)
-            return _watch(world, timeout_s=timeout_s, poll_s=poll_s)
-        except SignalException as e:
-            raise RankFailure(f"interrupted by {e.sigval.name}; all ranks stopped",
-                              exit_code=128 + int(e.sigval)) from None
-        finally:
-            try:
-                if world is not None:
-                    world.stop()  # idempotent; after a success it reaps stray grandchildren
-            finally:
-                for sig, handler in old_handlers.items():
-                    signal.signal(sig, handler)
-
-
-def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
-    """Poll until every rank is done (results by rank) or one fails or the deadline passes (raise)."""
-    deadline = time.monotonic() + timeout_s
-    codes: dict[int, int] = {}
-    while True:
-        first = {}
-        for r, pid in world.pids.items():
-            if r not in codes and (c := _exit_status(pid)) is not None:
-                codes[r] = c
-                if c != 0:
-                    first[r] = c
-        if first:
-            raise world.failure(first, codes)
-        result = world.pc.wait(0)
-        if result is not None:
-            if result.is_failed():  # torch saw it between our peek and its poll
-                raise world.failure({r: f.exitcode for r, f in result.failures.items()}, codes)
-            return [result.return_values.get(r) for r in range(len(world.pids))]
-        if time.monotonic() > deadline:
-            running = [r for r in world.pids if r not in codes]
-            world.stop()
-            raise RankFailure(f"run exceeded its timeout of {timeout_s:g}s; all ranks stopped "
-                              f"(still running were {running})")
-        time.sleep(poll_s)
-
-
 def launch(*, module: str, spec: dict, run_dir: Path, world_size: int, ranks_per_node: int,
            placement_cm: contextlib.AbstractContextManager, timeout_s: float, grace_s: float,
            extra_env: dict[str, str] | None = None) -> dict:
@@ -486,6 +85,5 @@ def launch(*, module: str, spec: dict, run_dir: Path, world_size: int, ranks_per
         return dict(placement.info)
 
 
-__all__: Sequence[str] = ("LAUNCHED_MARK", "LOCAL", "ModuleEntry", "Placement", "PlacementError", "RankFailure",
-                          "cluster_placement", "device_for_cluster", "emulated_placement", "free_port", "in_torchrun",
-                          "launch", "launch_world", "local_placement", "select_device", "worker_module")
+__all__: Sequence[str] = ("RankFailure", "PlacementError", "cluster_placement", "device_for_cluster",
+                          "emulated_placement", "in_torchrun", "launch", "local_placement", "worker_module")

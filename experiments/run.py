@@ -63,6 +63,7 @@ def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
+    rc.check_resume(run_dir)
     label = rc.describe(info["model_name"])
     spec = {"config": rc.to_dict(), "run_dir": str(run_dir), "name": info["name"], "group": info["group"],
             "overrides": info["overrides"], "label": label, "model_name": info["model_name"]}

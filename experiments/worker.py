@@ -29,7 +29,9 @@ from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
-from .launcher import device_for_cluster, select_device
+from zeropp.launch import select_device
+
+from .launcher import device_for_cluster
 from .metrics import MetricsFile, build_summary, tokens_per_step, write_summary
 from .trainers import build_trainer
 from .wandb_log import WandbLogger, flatten
@@ -57,11 +59,6 @@ def _delta(now: dict[str, int] | None, before: dict[str, int] | None) -> dict[st
 def _add(acc: dict[str, float], d: dict[str, int] | None) -> None:
     for k, v in (d or {}).items():
         acc[k] = acc.get(k, 0) + v
-
-
-def checkpoint_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
-    return Path(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else run_dir / "checkpoints"
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -93,7 +90,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     data = TokenBatches(cfg.data, seq_len=cfg.model.seq_len, batch=t.micro_batch_size,
                         vocab_size=cfg.model.vocab_size, seed=t.seed, rank=rank, device=device)
     trainer = build_trainer(cfg, device)
-    ckpt = checkpoint_dir(cfg, run_dir)
+    ckpt = cfg.checkpoint_dir(run_dir)
     start = 0
     if cfg.resume:
         start = int(trainer.load(ckpt)["step"])
@@ -197,4 +194,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    os._exit(code)  # skip interpreter teardown: gloo's threads can abort it after destroy_process_group

@@ -3,7 +3,7 @@
 Used by every multi-process test: ``results = run_world(fn, 4, arg1, ...)`` calls
 ``fn(rank, world_size, arg1, ...)`` in each of 4 processes after the default gloo process group
 is initialised (destroyed after ``fn``), and returns the per-rank return values. It is a thin
-wrapper over the toolkit's one launcher (``zeropp.experiments.launcher.launch_world``): a rank that
+wrapper over the toolkit's one launcher (``zeropp.launch.launch_world``): a rank that
 raises or dies fails the call with an AssertionError naming that rank with its traceback, and a
 world that does not finish within ``timeout`` seconds is killed and reported, so a broken
 collective fails the test instead of hanging the suite. ``fn`` must be a module-level function
@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable
 
-from zeropp.experiments.launcher import RankFailure, launch_world
+from zeropp.launch import RankFailure, launch_world
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:

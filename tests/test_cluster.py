@@ -19,7 +19,8 @@ import time
 import pytest
 
 from zeropp.experiments.cluster import ClusterPrivilegeError, EmulatedCluster, NetnsError, netns
-from zeropp.experiments.launcher import ModuleEntry, RankFailure, cluster_placement, launch_world
+from zeropp.experiments.launcher import cluster_placement
+from zeropp.launch import ModuleEntry, RankFailure, launch_world
 
 PREFIX = "zpp"
 

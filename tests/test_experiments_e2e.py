@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -142,6 +143,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     p = _run([*common, "train.checkpoint_every=3", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@0:5"})
     assert p.returncode != 0 and "injected fault" in p.stderr
     assert (cut / "checkpoints" / "LATEST").exists()
+    shutil.copytree(cut / "checkpoints", tmp_path / "at3")  # the step-3 checkpoint, for the resharded resume
     p = _run([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"])
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)
@@ -152,7 +154,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     # resumed on 4 ranks from the 2-rank checkpoint: the same weights carry on (different data per rank)
     wide = tmp_path / "wide"
     p = _run(["topology=1x4", "logger=none", *FAST, "train.steps=6", "stage=1", "resume=true",
-              f"train.checkpoint_dir={cut / 'checkpoints'}", f"hydra.run.dir={wide}"])
+              f"train.checkpoint_dir={tmp_path / 'at3'}", f"hydra.run.dir={wide}"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
     p = _run([*common, "resume=true", f"hydra.run.dir={tmp_path / 'none'}"])

@@ -1,4 +1,4 @@
-"""The one launcher (experiments/launcher.py) and the tests' run_world over it: results come back
+"""The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world over it: results come back
 by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
 the launcher leaves no process behind, and select_device places one GPU per local process."""
 
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_world
-from zeropp.experiments import launcher
-from zeropp.experiments.launcher import (LOCAL, ModuleEntry, PlacementError, RankFailure, device_for_cluster,
-                                         emulated_placement, launch_world, select_device)
+from zeropp import launch as launcher
+from zeropp.experiments.launcher import device_for_cluster, emulated_placement
+from zeropp.launch import LOCAL, ModuleEntry, PlacementError, RankFailure, launch_world, select_device
 
 
 def _sum_ranks(rank: int, world: int) -> float:
@@ -161,7 +161,7 @@ def test_module_rank_failure_names_the_root_cause(tmp_path: Path):
 _SIGNAL_SCRIPT = textwrap.dedent("""
     import sys
     from tests.test_harness import _hang_with_grandchild
-    from zeropp.experiments.launcher import RankFailure, launch_world
+    from zeropp.launch import RankFailure, launch_world
     try:
         launch_world(_hang_with_grandchild, 2, args=(sys.argv[1],), timeout_s=120, grace_s=1)
     except RankFailure as e:
