@@ -70,6 +70,13 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     if in_torchrun():
         from .worker import run_rank
 
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != rc.world_size:  # before this rank joins anything, on every rank
+            raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
+                              f"topology.ranks_per_node = {rc.topology.nodes} x {rc.topology.ranks_per_node} = "
+                              f"{rc.world_size}; pass topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> "
+                              f"multiplying to {launched}")
+
         summary = run_rank(spec)
         if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
             summary["placement"] = {"cluster": "torchrun"}

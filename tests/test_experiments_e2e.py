@@ -161,6 +161,28 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     assert p.returncode != 0 and "no checkpoint" in p.stderr
 
 
+@pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp"])
+def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
+    """FSDP2 / DDP checkpoints go through torch.distributed.checkpoint too: a stopped and resumed
+    run equals the uninterrupted one in fp32. ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds
+    its gradient buckets after its first iteration, so the resumed run's first step quantizes over
+    the initial bucket layout, where the uninterrupted run used the rebuilt one."""
+    common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}",
+              *(["quant=qgz"] if trainer == "ddp_zeropp" else [])]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert _run([*common, f"hydra.run.dir={ref}"]).returncode == 0
+    p = _run([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    assert p.returncode != 0 and "injected fault" in p.stderr
+    p = _run([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    want, got = _losses(ref), _losses(cut)
+    if trainer == "ddp_zeropp":
+        assert [got[i] for i in range(1, 4)] == [want[i] for i in range(1, 4)]
+        assert got[4] == pytest.approx(want[4], rel=1e-3)
+    else:
+        assert [got[i] for i in range(1, 5)] == [want[i] for i in range(1, 5)]
+
+
 def test_torchrun_leaves_the_same_summary(tmp_path: Path) -> None:
     args = ["stage=3", "quant=int8", "logger=none", *FAST]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
@@ -169,6 +191,10 @@ def test_torchrun_leaves_the_same_summary(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     one = _run([*args, f"hydra.run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path / 'bad'}"],
+                         capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0 and "torchrun started 3 ranks" in bad.stderr, bad.stderr[-2000:]
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
     assert set(a) == set(b) and a["label"] == b["label"] and a["tokens_per_step"] == b["tokens_per_step"]
     assert a["loss"]["curve"] == b["loss"]["curve"]  # the same job: same data, same arithmetic
