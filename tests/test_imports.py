@@ -106,3 +106,27 @@ def test_one_spelling_of_the_kernels_import() -> None:
     bad = [str(p.relative_to(root)) for p in root.rglob("*.py") if "from ..kernels" in p.read_text()
            or "from ...kernels" in p.read_text()]
     assert not bad, bad
+
+
+EXTERNAL = {"os", "sys", "torch"}
+"""Modules not of this project whose private names we may use (``os._exit``, ``torch._C``)."""
+
+
+def test_no_private_attribute_reach_ins() -> None:
+    """Collaborators talk through public attributes: no ``obj._private`` on anything but ``self`` /
+    ``cls`` (or an external module) in zeropp and experiments."""
+    bad = []
+    for mod, path in _modules().items():
+        if mod.startswith("zeropp.kernels"):
+            continue  # the kernels floor's compile check reads its sibling kernels on purpose
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                if isinstance(root, ast.Name) and root.id in EXTERNAL:
+                    continue
+                bad.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)

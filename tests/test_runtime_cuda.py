@@ -11,8 +11,7 @@ import torch
 
 from tests.distributed import run_world
 from tests.runtime_helpers import parity_world
-from tests.test_runtime_parity import ACCUM, CLIP, LR, STAGES, STEPS, WD
-from tests.runtime_helpers import reference_train, rel_err
+from tests.test_runtime_parity import LR, STAGES, STEPS, check_parity
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,28 +54,10 @@ def _run(world):
     return res
 
 
-def _check_cuda(results, world):
-    """The CPU test's checks, with the reference trained on the same GPU."""
-    ref_losses, ref_norms, ref_w = reference_train(STEPS, world, ACCUM, lr=LR, wd=WD, clip=CLIP, device="cuda:0")
-    for cfg, r in zip(STAGES, results[0]):
-        for other in results[1:]:
-            assert other[STAGES.index(cfg)]["losses"] == r["losses"]
-        for a, b in zip(r["losses"], ref_losses):
-            assert abs(a - b) <= 1e-5 * abs(b), (cfg, r["losses"], ref_losses)
-        for a, b in zip(r["norms"], ref_norms):
-            assert abs(a - b) <= 1e-5 * abs(b), (cfg, r["norms"], ref_norms)
-        assert not any(r["skipped"])
-        w = r["weights"]
-        flat_got = torch.cat([torch.as_tensor(w[k]).reshape(-1) for k in ref_w])
-        flat_ref = torch.cat([ref_w[k].reshape(-1) for k in ref_w])
-        assert rel_err(flat_got, flat_ref) <= 1e-5, cfg
-        assert max(rel_err(w[k], ref_w[k]) for k in ref_w) <= 2e-4, cfg
-
-
 def test_stages_match_single_process_on_cuda_world1():
-    _check_cuda(_run(1), 1)
+    check_parity(_run(1), 1, STAGES, device="cuda:0")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_stages_match_single_process_on_cuda_world2():
-    _check_cuda(_run(2), 2)
+    check_parity(_run(2), 2, STAGES, device="cuda:0")

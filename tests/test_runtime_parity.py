@@ -31,8 +31,9 @@ VARIANTS = [
 ]
 
 
-def _check(results, world, configs):
-    ref_losses, ref_norms, ref_w = reference_train(STEPS, world, ACCUM, lr=LR, wd=WD, clip=CLIP)
+def check_parity(results, world, configs, device="cpu"):
+    """Every config's losses, norms and weights against single-process training (on ``device``)."""
+    ref_losses, ref_norms, ref_w = reference_train(STEPS, world, ACCUM, lr=LR, wd=WD, clip=CLIP, device=device)
     assert max(ref_norms) > CLIP, "the test must exercise clipping"
     for cfg, r in zip(configs, results[0]):
         for other in results[1:]:  # every rank reports the same global loss
@@ -53,8 +54,8 @@ def _check(results, world, configs):
 
 def test_stages_match_single_process_2x2():
     configs = STAGES + VARIANTS
-    _check(run_world(parity_world, 4, 2, configs, STEPS, timeout=240), 4, configs)
+    check_parity(run_world(parity_world, 4, 2, configs, STEPS, timeout=240), 4, configs)
 
 
 def test_stages_match_single_process_3x2():
-    _check(run_world(parity_world, 6, 3, STAGES, STEPS, timeout=240), 6, STAGES)
+    check_parity(run_world(parity_world, 6, 3, STAGES, STEPS, timeout=240), 6, STAGES)
