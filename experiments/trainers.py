@@ -125,6 +125,7 @@ class TorchTrainer:
 
     def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, stats: Any = None) -> None:
         self.model, self.cfg, self.autocast, self.stats = model, cfg, autocast, stats
+        self._memory: dict[str, int] = {}
         o = cfg.optim
         self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                      weight_decay=o.weight_decay)
@@ -149,6 +150,7 @@ class TorchTrainer:
                 loss = self._forward(idx, tgt)
                 (loss / n).backward()
             total += float(loss.detach())
+        self._memory = self._measure_memory()  # at the end of backward, as ZeroEngine.memory_report()
         clip = self.cfg.zero.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
         norm_f = float(_local(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -170,6 +172,11 @@ class TorchTrainer:
             self.model.train(was)
 
     def memory_report(self) -> dict[str, int]:
+        """Model-state bytes this rank held at the end of the last step's backward (gradients still
+        there, optimizer states from the step before), measured as ZeroEngine measures its own."""
+        return dict(self._memory) if self._memory else self._measure_memory()
+
+    def _measure_memory(self) -> dict[str, int]:
         params = _bytes(self.model.parameters())
         grads = _bytes(p.grad for p in self.model.parameters() if p.grad is not None)
         optim = _bytes(v for s in self.opt.state.values() for v in s.values())
