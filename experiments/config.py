@@ -239,9 +239,9 @@ class RunConfig:
         if self.trainer.name == "fsdp2_zeropp" and self.zero.weights is None and self.zero.grads is None:
             raise ConfigError("invalid config: trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, "
                               "w8g4, ... or trainer=fsdp2")
-        if self.cluster.name == "emulated" and self.launcher.device == "cuda":
-            raise ConfigError("invalid config: cluster=emulated with launcher.device=cuda; NCCL's peer-to-peer "
-                              "and shared-memory paths would bypass the shaped links. Use launcher.device=cpu")
+        if self.data.kind == "text" and self.model.vocab_size < 256:
+            raise ConfigError(f"invalid config: model.vocab_size={self.model.vocab_size} with data.kind=text; byte "
+                              "tokens need a vocabulary of at least 256 (or use data=random)")
 
     @property
     def world_size(self) -> int:
@@ -318,7 +318,7 @@ def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        msg = str(e).replace(f"{cls.__name__}.", f"{key}.")
+        msg = str(e).replace(f"{cls.__name__}.", f"{key}.").replace("zero.stage", "stage")
         raise ConfigError(f"invalid config {key}: {msg}") from None
 
 

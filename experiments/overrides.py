@@ -61,6 +61,26 @@ def _check_key(key: str) -> None:
         node = _sub_schema(fields[part])
 
 
+def _check_spec_key(key: str, args: list[str]) -> None:
+    """``zero.weights.*`` / ``zero.grads.*`` refine the spec a ``quant=`` recipe sets; on a recipe
+    that leaves it null there is nothing to refine (Hydra would fail obscurely)."""
+    from zeropp.comm.spec import RECIPES
+
+    parts = key.split(".")
+    if len(parts) < 3 or parts[0] != "zero" or parts[1] not in ("weights", "grads"):
+        return
+    if any(a.startswith(("sweep=", "+trainer_job=")) for a in args):
+        return  # the sweep chooses quant per job; Hydra reports a job whose recipe leaves the spec null
+    chosen = [a.split("=", 1)[1] for a in args if a.startswith("quant=")]
+    for name in (chosen[-1].split(",") if chosen else ["none"]):
+        name = name.strip().strip("'\"")
+        if name in RECIPES and getattr(RECIPES[name], parts[1]) is None:
+            with_it = sorted(n for n, r in RECIPES.items() if getattr(r, parts[1]) is not None)
+            raise ConfigError(f"invalid config: {key} refines the {parts[1]} spec, but quant={name} quantizes no "
+                              f"{parts[1]}; first choose a recipe that does (quant={' / '.join(with_it)}), then "
+                              f"refine it ({key}=...)")
+
+
 def check_overrides(args: list[str]) -> None:
     """Reject a command-line override that names an unknown group option or key."""
     groups = config_groups()
@@ -79,3 +99,4 @@ def check_overrides(args: list[str]) -> None:
                                       f"allowed: {', '.join(options)}")
         else:
             _check_key(key)
+            _check_spec_key(key, args)

@@ -22,6 +22,7 @@ from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import schema
 from .config import ConfigError, RunConfig, from_omegaconf
@@ -33,10 +34,15 @@ schema.register()
 
 
 def _run_dir_suffix(default: str) -> str:
-    """Hydra's run-dir leaf: the time, or under torchrun the elastic run id, so that every rank
-    of one torchrun job (processes started a second apart) agrees on one directory."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"torchrun-{run_id}" if run_id and run_id != "none" else default
+    """Hydra's run-dir leaf: the time, or under torchrun a name every rank of the job shares
+    (processes start seconds apart): the elastic run id, or for a static rendezvous (run id
+    ``none``) the rendezvous address. Pass ``hydra.run.dir`` to choose the directory yourself."""
+    if not in_torchrun():
+        return default
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"torchrun-{run_id}"
+    return f"torchrun-{os.environ['MASTER_ADDR']}-{os.environ['MASTER_PORT']}"
 
 
 if not OmegaConf.has_resolver("zeropp_run"):
@@ -70,6 +76,10 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     if in_torchrun():
         from .worker import run_rank
 
+        if rc.cluster.name == "emulated":
+            raise ConfigError("invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
+                              "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
+                              "without torchrun")
         launched = int(os.environ["WORLD_SIZE"])
         if launched != rc.world_size:  # before this rank joins anything, on every rank
             raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
@@ -83,6 +93,13 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             write_summary(run_dir / "summary.json", summary)
         return summary
     t = rc.topology
+    if rc.launcher.device == "cuda":  # the ranks would each refuse; say it once, before starting them
+        import torch
+
+        if torch.cuda.device_count() < t.world_size:
+            raise ConfigError(f"invalid config: launcher.device=cuda starts {t.world_size} ranks on this host but it "
+                              f"has {torch.cuda.device_count()} GPU(s); choose a topology of at most that many ranks "
+                              "(topology=1x1), launcher.device=cpu, or torchrun across hosts")
     placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms,
                                     device=rc.launcher.device)
                  if rc.cluster.name == "emulated" else local_placement(t.world_size))
@@ -143,7 +160,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return None if summary is None else float(summary["tokens_per_s"])
 
 
+@record  # under torchrun: a rank's exception goes to torch's error file
 def cli() -> None:
+    if in_torchrun() and any(a in ("-m", "--multirun") or a.startswith("sweep=") for a in sys.argv[1:]):
+        print("error: multirun/sweeps under torchrun are not supported (every job would re-join the same "
+              "rendezvous); run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:

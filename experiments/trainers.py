@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zeropp.runtime import ZeroConfig
+
 from .config import RunConfig
 
 
@@ -99,7 +101,7 @@ class ZeroTrainer:
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
         r = self.engine.train_step(micro_batches)
         return StepOut(loss=float(r.loss), grad_norm=float(r.grad_norm), skipped=bool(r.skipped),
-                       comm_wait_s=float(r.comm_wait_s), lr=getattr(r, "lr", None))
+                       comm_wait_s=float(r.comm_wait_s), lr=r.lr)
 
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         return float(self.engine.eval_loss(idx, targets))
@@ -130,8 +132,7 @@ class TorchTrainer:
         self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                      weight_decay=o.weight_decay)
         # the same schedule function as ZeroEngine's, as a multiplier of the peak rate
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda step: o.lr_at(step) / o.lr if o.lr > 0 else 0.0)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, o.lr_factor)
 
     def _forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -253,19 +254,20 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTrainer:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(cfg, device)
     z = cfg.zero
+    # the ranks' own device: without a mesh FSDP2 picks the host's accelerator, also for CPU/gloo ranks
+    mesh = init_device_mesh(device.type, (cfg.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if z.precision == "bf16" else MixedPrecisionPolicy()
     # hpZ in FSDP2's own terms: after forward, keep the parameters sharded over the hpZ group only
     raf: bool | int = (z.hpz_size or cfg.topology.ranks_per_node) if z.hpz else True
-    if raf is not True and raf == cfg.topology.world_size:
-        raf = False  # one node: the "secondary" group is the world, i.e. keep the gathered weights
     for block in _blocks(model):
-        fully_shard(block, mp_policy=mp, reshard_after_forward=raf)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=raf)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     stats = None
     if zeropp_comms:
         from zeropp.comm import CommStats
@@ -281,8 +283,10 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
 
     model = build_model(cfg, device)
     z = cfg.zero
-    bucket_mb = z.reduce_bucket_size * 4 / 2**20  # fp32 gradients
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
+    # zero.reduce_bucket_size, when set, caps DDP's buckets (fp32 gradients); else DDP's own default
+    bucket = {} if z.reduce_bucket_size == ZeroConfig().reduce_bucket_size else {
+        "bucket_cap_mb": z.reduce_bucket_size * 4 / 2**20}
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **bucket)
     stats = None
     if zeropp_hook:
         from zeropp.comm import CommStats

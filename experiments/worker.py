@@ -61,16 +61,20 @@ def _add(acc: dict[str, float], d: dict[str, int] | None) -> None:
         acc[k] = acc.get(k, 0) + v
 
 
+def _resume_keys(cfg: RunConfig) -> dict[str, Any]:
+    """The settings a resumed run must keep to continue exactly as an uninterrupted one (the world
+    size and stage may change: the checkpoint reshards)."""
+    return json.loads(json.dumps({"train.seed": cfg.train.seed, "train.micro_batch_size": cfg.train.micro_batch_size,
+                                  "train.steps": cfg.train.steps, "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
+                                  "data": cfg.data.__dict__, "optim": cfg.optim.__dict__}))
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Train one rank; returns the summary on rank 0 (None elsewhere)."""
     cfg = from_dict(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world != cfg.world_size:
-        raise RuntimeError(f"WORLD_SIZE={world} from the launcher but topology is {cfg.topology.nodes} nodes x "
-                           f"{cfg.topology.ranks_per_node} = {cfg.world_size} ranks; set topology.nodes and "
-                           "topology.ranks_per_node to match the launch")
     device, backend = select_device(device_for_cluster(cfg.launcher.device, cfg.cluster.name), local_rank, local_world)
     if device.type == "cpu":
         torch.set_num_threads(cfg.launcher.threads_per_rank)
@@ -92,13 +96,19 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     trainer = build_trainer(cfg, device)
     ckpt = cfg.checkpoint_dir(run_dir)
     start = 0
-    if cfg.resume:
-        start = int(trainer.load(ckpt)["step"])
-        data.skip(start * accum)
-        if start >= t.steps:
-            raise RuntimeError(f"the checkpoint in {ckpt} is at step {start}, train.steps={t.steps}: nothing to "
-                               f"resume; raise train.steps")
     lead = rank == 0
+    if cfg.resume:
+        extra = trainer.load(ckpt)
+        start = int(extra["step"])
+        if start >= t.steps:
+            raise RuntimeError(f"the checkpoint in {ckpt} is at step {start} and train.steps={t.steps}: this run "
+                               "already finished; to train further raise train.steps (the default LR schedule "
+                               "spans train.steps, so it changes too)")
+        changed = sorted(k for k, v in _resume_keys(cfg).items() if extra.get("run", {}).get(k, v) != v)
+        if changed and lead:
+            print(f"warning: resumed with changed settings {changed}: training continues from the checkpoint "
+                  "but will not match an uninterrupted run", file=sys.stderr, flush=True)
+        data.skip(start * accum)
     label = spec.get("label") or cfg.describe()
     metrics = MetricsFile(run_dir / "metrics.jsonl") if lead else None
     wb = WandbLogger(cfg.logger, run_dir=run_dir, name=spec.get("name") or label, group=spec.get("group"),
@@ -147,7 +157,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 evl = trainer.eval_loss(*data.eval_batch())
                 watch.take()
             if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-                trainer.save(ckpt, {"step": step})
+                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
                 saved = str(ckpt)
                 watch.take()
             if lead and (step % t.log_every == 0 or step == t.steps):

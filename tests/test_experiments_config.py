@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
@@ -52,7 +53,7 @@ def test_schema_is_generated_from_the_library() -> None:
     assert dataclasses.fields(ZeroConfig)  # sanity
     for key in ("zero.persistence_threshold=64", "zero.loss_scale_init=1024", "optim.betas=[0.8,0.95]",
                 "optim.eps=1e-6", "zero.grads.seed=7", "zero.weights.rounding=stochastic"):
-        check_overrides([key])
+        check_overrides(["quant=w8g4", key])
     rc = from_dict(_cfg("quant=w8g4", "zero.persistence_threshold=64", "optim.betas=[0.8,0.95]", "optim.eps=1e-6",
                         "zero.grads.seed=7", "zero.grads.intra_bits=8", "zero.weights.rounding=stochastic",
                         "zero.precision=fp16", "zero.loss_scale_init=1024"))
@@ -80,7 +81,8 @@ def test_every_option_composes() -> None:
 
 
 @pytest.mark.parametrize("override, words", [
-    (["stage=5"], ["zero", "stage", "5"]),
+    (["stage=5"], ["stage must be", "5"]),
+    (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
     (["quant=int8", "zero.weights.bits=3"], ["zero.weights", "bits=3", "(8, 4)"]),
     (["train.steps=0"], ["train.steps=0", ">= 1"]),
     (["zero.precision=fp8"], ["zero", "precision", "fp8"]),
@@ -144,7 +146,12 @@ def test_command_line_precheck() -> None:
         check_overrides(["train.stepz=3"])
     with pytest.raises(ConfigError, match=r"zero\.grads\.intra_bitz.*did you mean zero\.grads\.intra_bits"):
         check_overrides(["zero.grads.intra_bitz=8"])
-    check_overrides(["stage=3", "quant=int8", "train.steps=3", "hydra.run.dir=x", "+foo=1", "zero.grads.bits=8"])
+    check_overrides(["stage=3", "quant=w8g4", "train.steps=3", "hydra.run.dir=x", "+foo=1", "zero.grads.bits=8"])
+    # a spec field on a recipe that leaves that spec null: say which recipes have it
+    with pytest.raises(ConfigError, match=r"zero\.weights\.bits.*quant=none quantizes no weights.*int8"):
+        check_overrides(["zero.weights.bits=8"])
+    with pytest.raises(ConfigError, match=r"quant=int8 quantizes no grads.*w8g4"):
+        check_overrides(["quant=int8", "zero.grads.intra_bits=8"])
 
 
 def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
@@ -152,7 +159,9 @@ def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
                         (["stage=5"], ["stage", "5"]),
                         (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
                         (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
-                        (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"])):
+                        (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
+                        *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])]
+                          if torch.cuda.device_count() < 4 else [])):
         t0 = time.monotonic()
         p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path}"],
                            capture_output=True, text=True, timeout=60)

@@ -157,6 +157,10 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
               f"train.checkpoint_dir={tmp_path / 'at3'}", f"hydra.run.dir={wide}"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
+    assert "changed settings" not in p.stderr  # world size and stage may change: the checkpoint reshards
+    p = _run([*common, "train.seed=1", "resume=true", f"train.checkpoint_dir={tmp_path / 'at3'}",
+              f"hydra.run.dir={tmp_path / 'reseeded'}"])
+    assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
     p = _run([*common, "resume=true", f"hydra.run.dir={tmp_path / 'none'}"])
     assert p.returncode != 0 and "no checkpoint" in p.stderr
 
@@ -195,6 +199,10 @@ def test_torchrun_leaves_the_same_summary(tmp_path: Path) -> None:
                           "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path / 'bad'}"],
                          capture_output=True, text=True, timeout=180)
     assert bad.returncode != 0 and "torchrun started 3 ranks" in bad.stderr, bad.stderr[-2000:]
+    sweep = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "zeropp.experiments.run", "-m", "quant=none,int8"], capture_output=True, text=True,
+                           timeout=180)
+    assert sweep.returncode != 0 and "multirun/sweeps under torchrun are not supported" in sweep.stderr
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
     assert set(a) == set(b) and a["label"] == b["label"] and a["tokens_per_step"] == b["tokens_per_step"]
     assert a["loss"]["curve"] == b["loss"]["curve"]  # the same job: same data, same arithmetic
