@@ -1,11 +1,19 @@
-"""Bandwidth of the quantization kernels against a plain copy measured in the same run.
+"""Bandwidth of the quantization kernels against a plain copy and against ``torch.compile`` of
+the plain torch formulation of the same op, all measured in the same run.
 
-    python -m experiments.bench_kernels                 # GPU: Triton kernels, 64 KiB .. 256 MiB
-    python -m experiments.bench_kernels --max-mib 16    # CPU default: the CPU path (kernels/cpu.py)
+    python -m experiments.bench_kernels                 # GPU: Triton kernels, 64 KiB .. 1 GiB
+    python -m experiments.bench_kernels                 # CPU: the CPU path (kernels/cpu.py), 64 KiB .. 64 MiB
+    python -m experiments.bench_kernels --max-mib 256   # larger sizes
+    python -m experiments.bench_kernels --cpu-path tiled   # CPU: only the tiled path (the one before issue 11)
 
 Why a copy baseline: quantize, dequantize and the fused reduce are memory-bound, so the honest
 yardstick is what the same device reaches moving bytes with no arithmetic at all. Each op row is
 compared with ``dst.copy_(src)`` moving the same number of bytes (read + written) at that size.
+
+Why a ``torch.compile`` baseline: it is what a user would write instead, block quantization in a
+few lines of torch (``amax``, a division, ``round``, a cast), compiled by inductor. It is not
+bit-exact with the reference (``round`` is half-to-even; no NaN-block handling), only the same work.
+Column "vs compile" = compiled baseline's time / our time (> 1: ours is faster).
 
 Byte convention: "bytes moved" = bytes the op must read plus bytes it must write, each counted
 once (codes, fp32 scales and full-precision tensors alike); GB/s = bytes moved / time / 1e9.
@@ -23,6 +31,7 @@ import torch
 
 from zeropp.kernels import (
     QuantizedTensor,
+    cpu_fused,
     dequantize,
     dequantize_sum,
     dequantize_sum_requantize,
@@ -79,6 +88,55 @@ def _fmt_bytes(b: int) -> str:
     return f"{b} B"
 
 
+# ----------------------------------------------------------------------------------------------
+# The plain torch formulations (what a user would write), compiled once per op with the block
+# count dynamic, as our compiled CPU kernels are.
+# ----------------------------------------------------------------------------------------------
+def _plain_quantize(v: torch.Tensor, bits: int, stochastic: bool = False):
+    """v [n, gs] -> (codes [n, gs * bits / 8], scales [n])."""
+    q = 2 ** (bits - 1) - 1
+    scale = v.float().abs().amax(dim=-1) / q
+    t = v.float() / scale.clamp_min(1e-30).unsqueeze(-1)
+    t = torch.floor(t + torch.rand_like(t)) if stochastic else torch.round(t)
+    codes = t.clamp(-q, q).to(torch.int8)
+    if bits == 4:
+        nib = (codes + 8).to(torch.uint8)
+        codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return codes, scale
+
+
+def _plain_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., n, bpg], scales [..., n] -> [..., n, gs] in ``dtype``."""
+    if bits == 4:
+        c = torch.stack([(codes & 0xF).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8], dim=-1).flatten(-2)
+    else:
+        c = codes
+    return (c.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+def _plain_dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    return _plain_dequantize(codes, scales, bits, torch.float32).sum(dim=0).to(dtype)
+
+
+def _plain_reduce(codes: torch.Tensor, scales: torch.Tensor, bits: int):
+    return _plain_quantize(_plain_dequantize(codes, scales, bits, torch.float32).sum(dim=0), bits)
+
+
+class _Compiled:
+    """``torch.compile`` of the plain formulations, one compiled function per op (block count dynamic)."""
+
+    def __init__(self) -> None:
+        self.fns: dict[str, Callable] = {}
+
+    def __call__(self, name: str, fn: Callable, *tensors: torch.Tensor, dims: tuple[int, ...], **kw) -> Callable:
+        if name not in self.fns:
+            self.fns[name] = torch.compile(fn)
+        for t, d in zip(tensors, dims):
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        compiled = self.fns[name]
+        return lambda: compiled(*tensors, **kw)
+
+
 def bench(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -97,10 +155,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
     rows: list[dict] = []
 
-    def record(op: str, size: int, nbytes: int, seconds: float) -> None:
+    compiled = _Compiled()
+
+    def record(op: str, size: int, nbytes: int, seconds: float, baseline: Callable[[], object] | None = None) -> None:
         gbps = nbytes / seconds / 1e9
         copy_gbps = nbytes / copy_seconds(nbytes) / 1e9
-        rows.append(dict(op=op, size=size, bytes=nbytes, seconds=seconds, gbps=gbps, fraction=gbps / copy_gbps))
+        vs = timeit(baseline) / seconds if baseline is not None and not args.no_compile else None
+        rows.append(dict(op=op, size=size, bytes=nbytes, seconds=seconds, gbps=gbps, fraction=gbps / copy_gbps,
+                         vs_compile=vs))
 
     k = args.k
     for size in _sizes(args.min_kib, args.max_mib):
@@ -108,25 +170,34 @@ def bench(args: argparse.Namespace) -> list[dict]:
         x = torch.randn(n, device=device).to(dtype)  # [n]
         record("copy", size, 2 * n * esize, copy_seconds(2 * n * esize))
         for bits, gs in ((8, 512), (4, 128)):
+            nb = -(-n // gs)
+            xb = torch.nn.functional.pad(x, (0, nb * gs - n)).view(nb, gs)  # [blocks, gs] for the baseline
             qb = quantized_nbytes(1, n, bits, gs)  # codes + scales of one tensor
             q = quantize(x, bits, gs)
-            record(f"quantize int{bits} g{gs}", size, n * esize + qb, timeit(lambda: quantize(x, bits, gs)))
+            record(f"quantize int{bits} g{gs}", size, n * esize + qb, timeit(lambda: quantize(x, bits, gs)),
+                   compiled(f"q{bits}", _plain_quantize, xb, dims=(0,), bits=bits))
             out = torch.empty(n, dtype=dtype, device=device)
-            record(f"dequantize int{bits} g{gs}", size, qb + n * esize, timeit(lambda: dequantize(q, out=out)))
-        if device.type == "cuda":  # the torch reference's Philox is ~50x slower than its rounding
-            qb = quantized_nbytes(1, n, 4, 128)  # stochastic rounding adds Philox work, not bytes
-            record("quantize int4 g128 stochastic", size, n * esize + qb,
-                   timeit(lambda: quantize(x, 4, 128, stochastic=True, seed=1)))
+            cb, sb = q.codes.view(nb, -1), q.scales.view(nb)
+            record(f"dequantize int{bits} g{gs}", size, qb + n * esize, timeit(lambda: dequantize(q, out=out)),
+                   compiled(f"dq{bits}", _plain_dequantize, cb, sb, dims=(0, 0), bits=bits, dtype=dtype))
+            if bits == 4:  # stochastic rounding adds Philox work, not bytes
+                record("quantize int4 g128 stochastic", size, n * esize + qb,
+                       timeit(lambda: quantize(x, 4, 128, stochastic=True, seed=1)),
+                       compiled("q4s", _plain_quantize, xb, dims=(0,), bits=4, stochastic=True))
         gs = 128
+        nb = -(-n // gs)
         qs = [quantize(torch.randn(n, device=device), 4, gs) for _ in range(k)]
         stacked = QuantizedTensor(torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), n, 4, gs)
+        cb, sb = stacked.codes.view(k, nb, -1), stacked.scales.view(k, nb)
         qb = quantized_nbytes(1, n, 4, gs)
         record(f"fused reduce int4 g{gs} k{k}", size, (k + 1) * qb,
-               timeit(lambda: dequantize_sum_requantize(stacked, 4)))
+               timeit(lambda: dequantize_sum_requantize(stacked, 4)),
+               compiled("reduce", _plain_reduce, cb, sb, dims=(1, 1), bits=4))
         out = torch.empty(n, dtype=dtype, device=device)
         record(f"dequantize_sum int4 g{gs} k{k}", size, k * qb + n * esize,
-               timeit(lambda: dequantize_sum(stacked, out=out)))
-        del x, q, qs, stacked, out
+               timeit(lambda: dequantize_sum(stacked, out=out)),
+               compiled("dsum", _plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype))
+        del x, q, qs, stacked, out, xb, cb, sb
     return rows
 
 
@@ -135,16 +206,21 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(dev)} - Triton kernels")
     else:
+        path = ("compiled kernels (kernels/cpu_fused.py) from "
+                f"{cpu_fused.FUSED_MIN_ELEMS} elements, tiles below" if args.cpu_path == "auto" else "tiles only")
         print("CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels "
-              f"({torch.get_num_threads()} thread(s))")
+              f"({torch.get_num_threads()} thread(s); {path})")
     print(f"input dtype {args.dtype}; bytes moved = bytes read + bytes written (codes, fp32 scales, "
-          f"full-precision data), each once; copy = dst.copy_(src) moving the same bytes, same run")
-    head = f"| {'op':<30} | {'size':>9} | {'bytes moved':>12} | {'time (us)':>10} | {'GB/s':>8} | {'of copy':>7} |"
+          f"full-precision data), each once; copy = dst.copy_(src) moving the same bytes, same run; "
+          f"vs compile = time of torch.compile'd plain torch / ours (> 1: ours faster)")
+    head = (f"| {'op':<30} | {'size':>9} | {'bytes moved':>13} | {'time (us)':>10} | {'GB/s':>8} | {'of copy':>7} "
+            f"| {'vs compile':>10} |")
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r['op']:<30} | {_fmt_bytes(r['size']):>9} | {r['bytes']:>12,} | {r['seconds'] * 1e6:>10.1f} | "
-              f"{r['gbps']:>8.2f} | {r['fraction']:>6.0%} |")
+        vs = "" if r["vs_compile"] is None else f"{r['vs_compile']:.2f}x"
+        print(f"| {r['op']:<30} | {_fmt_bytes(r['size']):>9} | {r['bytes']:>13,} | {r['seconds'] * 1e6:>10.1f} | "
+              f"{r['gbps']:>8.2f} | {r['fraction']:>6.0%} | {vs:>10} |")
     big = [r["fraction"] for r in rows if r["op"] != "copy" and r["size"] >= 64 << 20]
     if dev.type == "cuda" and big:
         print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} "
@@ -156,7 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--min-kib", type=float, default=64.0, help="smallest input size (KiB)")
-    p.add_argument("--max-mib", type=float, default=None, help="largest input size (MiB); 256 GPU, 16 CPU")
+    p.add_argument("--max-mib", type=float, default=None, help="largest input size (MiB); 1024 GPU, 64 CPU")
+    p.add_argument("--cpu-path", default="auto", choices=["auto", "tiled"],
+                   help="CPU: auto = compiled kernels from cpu_fused.FUSED_MIN_ELEMS elements (what ranks run); "
+                        "tiled = the tiles only (the CPU path before the compiled kernels)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline column")
     p.add_argument("--k", type=int, default=4, help="inputs summed by the reductions (ranks per node)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads (1: on a shared machine a multi-threaded region waits for "
@@ -165,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
-    args.max_mib = args.max_mib if args.max_mib is not None else (256.0 if cuda else 16.0)
+    args.max_mib = args.max_mib if args.max_mib is not None else (1024.0 if cuda else 64.0)
     args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     args.iters = args.iters if args.iters is not None else (20 if cuda else 10)
     return args
@@ -174,13 +254,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     threads = torch.get_num_threads()
+    fused_min = cpu_fused.FUSED_MIN_ELEMS
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads)
+        if args.cpu_path == "tiled":
+            cpu_fused.FUSED_MIN_ELEMS = 2**62
     try:
         rows = bench(args)
         _print(rows, args)
-    finally:
-        torch.set_num_threads(threads)  # main() is also called in-process by the smoke test
+    finally:  # main() is also called in-process by the smoke test
+        torch.set_num_threads(threads)
+        cpu_fused.FUSED_MIN_ELEMS = fused_min
     return rows
 
 

@@ -1,4 +1,14 @@
-"""The CPU path: the reference's arithmetic, tile by tile, bit-identical to ``reference.py``.
+"""The CPU path: the reference's arithmetic, bit-identical to ``reference.py``, two ways.
+
+Tensors of at least ``cpu_fused.FUSED_MIN_ELEMS`` elements take the compiled single-pass kernels
+of ``cpu_fused.py`` (the reference's formulation under ``torch.compile``; why it is exact and
+several times faster is said there) on their whole blocks. Smaller tensors, the partial last
+block of each row, and every tensor once compilation has failed in this process (a warning says
+so) take the tiles below, which need no compiler. Measured on one thread of the 2-core dev machine
+(``docs/benchmarks.md``): the tiled path reached 6-8% of a memory copy for quantize and 12-23%
+for dequantize; the compiled one is faster in every op (numbers in the benchmark table).
+
+The tiled path:
 
 ``quantize_ref`` is written for reading: it pads the whole tensor, then makes a dozen full
 passes (finiteness masks, ``where``s, a division, rounding, clamping, integer casts), each with a
@@ -27,8 +37,11 @@ full-precision copies and no full-size fp32 sum are ever materialised.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from . import cpu_fused
 from .layout import (
     QuantizedTensor,
     check_dims,
@@ -169,20 +182,123 @@ def _write_tiles(q: QuantizedTensor, stacked: bool, out: torch.Tensor) -> torch.
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Dispatch between the compiled single-pass path (cpu_fused.py) and the tiles above.
+# ----------------------------------------------------------------------------------------------
+_fused_failed: str | None = None
+"""Why the compiled path was switched off in this process (None while it works)."""
+
+
+def fused_enabled(numel: int) -> bool:
+    """Whether a tensor of ``numel`` elements takes the compiled path (see ``cpu_fused.py``)."""
+    return cpu_fused.AVAILABLE and _fused_failed is None and numel >= cpu_fused.FUSED_MIN_ELEMS
+
+
+def _run_fused(fn, *args) -> bool:
+    """Runs a compiled kernel; on a compilation failure (no C++ compiler, say) warns once, turns the
+    compiled path off for this process and returns False so the caller takes the tiled path."""
+    global _fused_failed
+    try:
+        fn(*args)
+        return True
+    except Exception as err:  # noqa: BLE001 - any compile failure means: use the tiled path
+        _fused_failed = f"{type(err).__name__}: {err}"
+        warnings.warn(f"zeropp.kernels: the compiled CPU quantization path failed ({_fused_failed}); "
+                      "using the slower tiled path for the rest of this process", RuntimeWarning, stacklevel=3)
+        return False
+
+
+MAX_ROW_CALLS = 64
+"""Rows with a partial last block take one compiled call each; beyond this many rows the tiled
+path is used instead (reduce-scatter inputs have one row per rank, far fewer)."""
+
+
+def _row_blocks(rows: int, g: int, full: int) -> list[tuple[int | None, int]]:
+    """``(r, n)`` units the compiled kernels take as flat ``[n, *]`` blocks: all rows at once when
+    every row is whole blocks (``r`` None), else the ``full`` whole blocks of each row ``r`` (none
+    at all past ``MAX_ROW_CALLS`` rows: the callers then fall back to the tiles)."""
+    if full == g:
+        return [(None, rows * g)]
+    return [(r, full) for r in range(rows)] if rows <= MAX_ROW_CALLS else []
+
+
+def _tail(q: QuantizedTensor, full: int) -> QuantizedTensor:
+    """The partial last block of each row of ``q`` (stacked or not) as its own QuantizedTensor."""
+    bpg = q.group_size * q.bits // 8
+    return QuantizedTensor(q.codes[..., full * bpg :], q.scales[..., full:], q.cols - full * q.group_size,
+                           q.bits, q.group_size)
+
+
+def _fused_write(q: QuantizedTensor, stacked: bool, dst: torch.Tensor) -> bool:
+    """Dequantized (summed) whole blocks of ``q`` into ``dst`` [rows, cols] by the compiled kernels.
+    Returns False (nothing written) when the compiled path is off; the partial last blocks are left."""
+    gs, bits, cols = q.group_size, q.bits, q.cols
+    codes = q.codes if stacked else q.codes.unsqueeze(0)  # [k, rows, rb]
+    scales = q.scales if stacked else q.scales.unsqueeze(0)  # [k, rows, g]
+    k, rows, g = scales.shape
+    full, bpg = cols // gs, gs * bits // 8
+    units = _row_blocks(rows, g, full)
+    if not units:
+        return False
+    for r, n in units:
+        if r is None:
+            c, s, o = codes.reshape(k, n, bpg), scales.reshape(k, n), dst.view(n, gs)
+        else:
+            c = codes[:, r, : n * bpg].reshape(k, n, bpg).contiguous()
+            s, o = scales[:, r, :n].contiguous(), dst[r, : n * gs].view(n, gs)
+        ok = (_run_fused(cpu_fused.dequantize_sum_fused, c, s, bits, o) if stacked
+              else _run_fused(cpu_fused.dequantize_fused, c[0], s[0], bits, o))
+        if not ok:
+            return False
+    if g > full:  # the partial last blocks, tiled, through a small buffer (their columns are strided)
+        tail = _tail(q, full)
+        buf = torch.empty(rows, tail.cols, dtype=dst.dtype)
+        _write_tiles(tail, stacked, buf)
+        dst[:, full * gs :].copy_(buf)
+    return True
+
+
+def _dequantize_into(q: QuantizedTensor, stacked: bool, out: torch.Tensor) -> torch.Tensor:
+    dst = out.view(q.rows, q.cols)
+    k = q.codes.shape[0] if stacked else 1
+    if k and q.cols >= q.group_size and fused_enabled(q.rows * q.cols) and _fused_write(q, stacked, dst):
+        return out
+    return _write_tiles(q, stacked, out)
+
+
 def dequantize_cpu(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """``dequantize_ref`` tile by tile, bit for bit."""
+    """``dequantize_ref`` for CPU tensors, bit for bit (compiled or tiled, see the module docstring)."""
     _, rows = check_dims(q, False, "dequantize")
-    return _write_tiles(q, False, output_buffer(out, rows, q.cols, dtype, q.codes.device))
+    return _dequantize_into(q, False, output_buffer(out, rows, q.cols, dtype, q.codes.device))
 
 
 def dequantize_sum_cpu(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """``dequantize_sum_ref`` tile by tile, bit for bit (no k full-precision copies)."""
+    """``dequantize_sum_ref`` for CPU tensors, bit for bit (no k full-precision copies)."""
     _, rows = check_dims(q, True, "dequantize_sum")
-    return _write_tiles(q, True, output_buffer(out, rows, q.cols, dtype, q.codes.device))
+    return _dequantize_into(q, True, output_buffer(out, rows, q.cols, dtype, q.codes.device))
+
+
+def _fused_quantize(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int,
+                    stochastic: bool, seed: int) -> bool:
+    """Whole blocks of x2 [rows, cols] into codes / scales by the compiled kernel (False: path off)."""
+    rows, cols = x2.shape
+    g, full, bpg = scales.shape[1], cols // gs, gs * bits // 8
+    units = _row_blocks(rows, g, full)
+    if not units:
+        return False
+    x2 = x2.contiguous()
+    for r, n in units:
+        if r is None:
+            v, c, s, base = x2.view(n, gs), codes.view(n, bpg), scales.view(n), 0
+        else:
+            v, c, s, base = x2[r, : n * gs].view(n, gs), codes[r, : n * bpg].view(n, bpg), scales[r, :n], r * g * gs
+        if not _run_fused(cpu_fused.quantize_fused, v, c, s, bits, stochastic, seed, base):
+            return False
+    return True
 
 
 def quantize_cpu(
@@ -199,7 +315,8 @@ def quantize_cpu(
     scales = torch.empty(rows, g, dtype=torch.float32)  # [rows, groups]
     x2 = x.reshape(rows, cols)  # a view when x is contiguous
     full = cols // gs  # complete blocks per row, quantized straight from the input
-    if full:
+    fused = full and fused_enabled(x.numel()) and _fused_quantize(x2, codes, scales, bits, gs, stochastic, seed)
+    if full and not fused:
         v = x2[:, : full * gs].unflatten(1, (full, gs))  # [rows, full, gs] view
         _quantize_blocks(v, codes[:, : full * bpg].unflatten(1, (full, bpg)), scales[:, :full], bits, stochastic,
                          seed, 0, g)
@@ -210,19 +327,49 @@ def quantize_cpu(
     return QuantizedTensor(codes, scales, cols, bits, gs)
 
 
+def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                      stochastic: bool, seed: int) -> bool:
+    """The whole blocks' sums of stacked ``q`` re-quantized by the compiled kernel (False: path off)."""
+    k, rows, g = q.scales.shape
+    gs, full = q.group_size, q.cols // q.group_size
+    ibpg, obpg = gs * q.bits // 8, gs * bits // 8
+    units = _row_blocks(rows, g, full)
+    if not units:
+        return False
+    for r, n in units:
+        if r is None:
+            c, s, co, so, base = (q.codes.reshape(k, n, ibpg), q.scales.reshape(k, n), codes.view(n, obpg),
+                                  scales.view(n), 0)
+        else:
+            c = q.codes[:, r, : n * ibpg].reshape(k, n, ibpg).contiguous()
+            s, co, so, base = q.scales[:, r, :n].contiguous(), codes[r, : n * obpg].view(n, obpg), scales[r, :n], r * g * gs
+        if not _run_fused(cpu_fused.requantize_fused, c, s, q.bits, co, so, bits, stochastic, seed, base):
+            return False
+    return True
+
+
 def dequantize_sum_requantize_cpu(
     q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
 ) -> QuantizedTensor:
-    """``dequantize_sum_requantize_ref`` tile by tile, bit for bit: each tile's fp32 sum of the
-    padded blocks (padding sums to 0, or NaN in a non-finite block) is re-quantized where it lies,
-    as the fused kernel does, so the full-precision sum never exists as a whole."""
-    _, rows, seed = check_requantize_args(q, bits, group_size, seed)
-    g = num_groups(q.cols, group_size)
-    codes = torch.empty(rows, row_bytes(q.cols, bits, group_size), dtype=codes_dtype(bits))
+    """``dequantize_sum_requantize_ref`` for CPU tensors, bit for bit: each block's fp32 sum (padding
+    sums to 0, or NaN in a non-finite block) is re-quantized where it lies, as the fused kernel
+    does, so the full-precision sum never exists as a whole."""
+    k, rows, seed = check_requantize_args(q, bits, group_size, seed)
+    cols, g = q.cols, num_groups(q.cols, group_size)
+    codes = torch.empty(rows, row_bytes(cols, bits, group_size), dtype=codes_dtype(bits))
     scales = torch.empty(rows, g, dtype=torch.float32)
-    codes3 = codes.view(rows, g, group_size * bits // 8)  # [rows, g, code bytes per block]
-    buf = _scratch(rows, g, group_size)
+    full = cols // group_size
+    if k and full and fused_enabled(rows * q.cols) and _fused_requantize(q, codes, scales, bits, stochastic, seed):
+        if g == full:
+            return QuantizedTensor(codes, scales, cols, bits, group_size)
+        first, q = full, _tail(q, full)  # the partial last blocks go through the tiles below
+    else:
+        first = 0
+    G = g - first  # blocks per row left for the tiles
+    codes3 = codes.view(rows, g, group_size * bits // 8)[:, first:]  # [rows, G, code bytes per block]
+    buf = _scratch(rows, G, group_size)
     for r0, r1, g0, g1, acc in _summed_tiles(q, True):
-        offs = _offsets(r0, r1, g0, g1, g, group_size) if stochastic else None
-        _quantize_tile(acc, codes3[r0:r1, g0:g1], scales[r0:r1, g0:g1], buf, bits, stochastic, seed, offs)
-    return QuantizedTensor(codes, scales, q.cols, bits, group_size)
+        offs = _offsets(r0, r1, first + g0, first + g1, g, group_size) if stochastic else None
+        _quantize_tile(acc, codes3[r0:r1, g0:g1], scales[r0:r1, first + g0 : first + g1], buf, bits, stochastic, seed,
+                       offs)
+    return QuantizedTensor(codes, scales, cols, bits, group_size)

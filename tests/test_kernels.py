@@ -309,6 +309,27 @@ FAST_CASES = (  # (shape, rows, group_size, stochastic); stochastic large shapes
 )
 
 
+@pytest.fixture
+def tiled_path(monkeypatch):
+    """The CPU path's tiles only (kernels/cpu.py), whatever the tensor size: the tile-boundary
+    cases below are about them; the compiled kernels have their own tests further down."""
+    from zeropp.kernels import cpu_fused
+
+    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 2**62)
+
+
+@pytest.fixture
+def compiled_path(monkeypatch):
+    """The compiled kernels (kernels/cpu_fused.py) for every tensor with a whole block, however small."""
+    from zeropp.kernels import cpu, cpu_fused
+
+    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
+    monkeypatch.setattr(cpu, "_fused_failed", None)
+    yield
+    assert cpu._fused_failed is None, cpu._fused_failed  # the compiled path really ran
+
+
+@pytest.mark.usefixtures("tiled_path")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,rows,group_size,stochastic", FAST_CASES, ids=str)
@@ -323,6 +344,7 @@ def test_fast_cpu_quantize_is_bit_identical_to_the_reference(shape, rows, group_
     assert_bit_identical(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9), ref)
 
 
+@pytest.mark.usefixtures("tiled_path")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fast_cpu_quantize_special_values_and_strides(bits):
     from zeropp.kernels.cpu import quantize_cpu
@@ -336,6 +358,7 @@ def test_fast_cpu_quantize_special_values_and_strides(bits):
     assert_bit_identical(quantize_cpu(t, bits, 16, rows=34), quantize_ref(t, bits, 16, rows=34))
 
 
+@pytest.mark.usefixtures("tiled_path")
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (4, 4)])
 @pytest.mark.parametrize("stochastic", [False, True])
@@ -358,6 +381,7 @@ def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
+@pytest.mark.usefixtures("tiled_path")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("shape,rows,group_size", [((0,), 1, 64), ((7,), 1, 2), ((17, 257), 17, 100),
                                                    ((3, 70001), 3, 512), ((2**17 + 3,), 1, 2), ((5, 300), 5, 40000)],
@@ -377,6 +401,131 @@ def test_fast_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(shape, 
         out = torch.full((math.prod(shape),), 7.0, dtype=dtype)
         assert dequantize_cpu(qs[1], out=out) is out
         assert_same_values(out, dequantize_ref(qs[1], dtype=dtype).view(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled CPU kernels (kernels/cpu_fused.py) against the reference, bit for bit. Each
+# (op, dtype, bits, group size, k) variant compiles once per process, so the matrix is kept small:
+# every dtype and bit width at one group size, the rest on fp32.
+# ---------------------------------------------------------------------------------------------
+COMPILED_SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 17), ((4, 1000), 4), ((3, 70001), 3)]
+"""Shorter than a block (tiles only), one compiled call per row (partial last blocks), one call for
+all rows (whole blocks), and several rows of many blocks."""
+
+
+@pytest.mark.usefixtures("compiled_path")
+@pytest.mark.parametrize("dtype,bits,group_size,stochastic",
+                         [(d, b, 100, False) for d in DTYPES for b in (8, 4)]
+                         + [(torch.float32, b, gs, False) for b in (8, 4) for gs in (2, 512)]
+                         + [(torch.float32, b, 100, True) for b in (8, 4)], ids=str)
+def test_compiled_cpu_quantize_is_bit_identical_to_the_reference(dtype, bits, group_size, stochastic):
+    from zeropp.kernels.cpu import quantize_cpu
+    from zeropp.kernels.reference import quantize_ref
+
+    for shape, rows in COMPILED_SHAPES:
+        x = awkward(shape, dtype, seed=rows)
+        ref = quantize_ref(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9)
+        assert_bit_identical(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9), ref)
+    t = awkward((700, 34), dtype).t()  # non-contiguous input
+    assert_bit_identical(quantize_cpu(t, bits, group_size, rows=34), quantize_ref(t, bits, group_size, rows=34))
+
+
+@pytest.mark.usefixtures("compiled_path")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_cpu_quantize_special_values(bits):
+    from zeropp.kernels.cpu import quantize_cpu
+    from zeropp.kernels.reference import quantize_ref
+
+    x = torch.tensor([3e38, -1e38, 1.0, 70000.0, -65520.0, 5.0, 1e-40, -3e-39,  # huge, subnormal
+                      2e-45, 0.0, -0.0, -0.0, -0.0, -0.0, 1e-45, 2.0])  # an all -0.0 block
+    assert_bit_identical(quantize_cpu(x, bits, 2), quantize_ref(x, bits, 2))
+
+
+@pytest.mark.usefixtures("compiled_path")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(bits):
+    from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu
+    from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref
+
+    for shape, rows in COMPILED_SHAPES:
+        qs = [quantize(awkward(shape, torch.float32, seed=i), bits, 100, rows=rows) for i in range(3)]
+        for dtype in DTYPES:
+            assert_same_values(dequantize_cpu(qs[0], dtype=dtype), dequantize_ref(qs[0], dtype=dtype))
+            s = stack(qs)
+            assert_same_values(dequantize_sum_cpu(s, dtype=dtype), dequantize_sum_ref(s, dtype=dtype))
+        out = torch.full((math.prod(shape),), 7.0, dtype=torch.bfloat16)
+        assert dequantize_cpu(qs[1], out=out) is out
+        assert_same_values(out, dequantize_ref(qs[1], dtype=torch.bfloat16).view(-1))
+        one = stack(qs[:1])
+        assert_same_values(dequantize_sum_cpu(one), dequantize_sum_ref(one))
+
+
+@pytest.mark.usefixtures("compiled_path")
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (4, 4)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_compiled_cpu_requantize_is_bit_identical_to_the_reference(in_bits, out_bits, stochastic):
+    from zeropp.kernels.cpu import dequantize_sum_requantize_cpu
+    from zeropp.kernels.reference import dequantize_sum_requantize_ref
+
+    for shape, rows in COMPILED_SHAPES[2:]:
+        qs = [quantize(awkward(shape, torch.float32, seed=i), in_bits, 100, rows=rows) for i in range(3)]
+        s = stack(qs)
+        want = dequantize_sum_requantize_ref(s, out_bits, 100, stochastic=stochastic, seed=4)
+        assert_bit_identical(dequantize_sum_requantize_cpu(s, out_bits, 100, stochastic=stochastic, seed=4), want)
+
+
+@pytest.mark.usefixtures("compiled_path")
+@pytest.mark.parametrize("group_size", [2, 100])
+def test_compiled_cpu_int4_codes_at_odd_offsets(group_size):
+    """INT4 codes read as int16 pairs only where their bytes allow it (even offset and length);
+    codes in a receive buffer at an odd offset, or one byte per block, take the byte-wise unpack."""
+    from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu
+    from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref
+
+    q = quantize(awkward((4, 1000), torch.float32), 4, group_size, rows=4)
+    buf = torch.empty(1 + q.codes.numel(), dtype=torch.uint8)
+    buf[1:] = q.codes.view(-1)
+    odd = QuantizedTensor(buf[1:].view(q.codes.shape), q.scales, q.cols, 4, group_size)
+    assert odd.codes.storage_offset() == 1
+    assert_same_values(dequantize_cpu(odd), dequantize_ref(q))
+    assert_same_values(dequantize_sum_cpu(stack([odd, odd])), dequantize_sum_ref(stack([q, q])))
+
+
+@pytest.mark.usefixtures("compiled_path")
+def test_compiled_cpu_kernels_are_reused_across_sizes_and_kept_apart_across_variants():
+    """One compiled kernel per variant serves every bucket size (no recompiling per shape), and
+    variants that share the Python formulation never answer for each other."""
+    from zeropp.kernels import cpu_fused
+    from zeropp.kernels.cpu import dequantize_cpu, quantize_cpu
+    from zeropp.kernels.reference import dequantize_ref, quantize_ref
+
+    calls = [(n, dtype, bits, gs) for n in (1000, 64 * 1000, 3000, 1000) for dtype in (torch.float32, torch.bfloat16)
+             for bits, gs in ((8, 100), (4, 100), (8, 500))]
+    for n, dtype, bits, gs in calls:
+        x = awkward((n,), dtype, seed=n)
+        q = quantize_cpu(x, bits, gs)
+        assert_bit_identical(q, quantize_ref(x, bits, gs))
+        assert_same_values(dequantize_cpu(q, dtype=dtype), dequantize_ref(q, dtype=dtype))
+    keys = {k for k in cpu_fused._COMPILED if k[0] in ("q", "dq") and k[1] in (torch.float32, torch.bfloat16)}
+    assert {("q", d, b, gs, False) for _, d, b, gs in calls} <= keys
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= len(cpu_fused._COMPILED) * 2  # static/dynamic
+
+
+def test_compiled_cpu_failure_warns_and_falls_back_to_the_tiles(monkeypatch):
+    from zeropp.kernels import cpu, cpu_fused
+    from zeropp.kernels.reference import quantize_ref
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
+    monkeypatch.setattr(cpu, "_fused_failed", None)
+    monkeypatch.setattr(cpu_fused, "quantize_fused", broken)
+    x = awkward((4, 1000), torch.float32)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        q = cpu.quantize_cpu(x, 8, 100, rows=4)
+    assert_bit_identical(q, quantize_ref(x, 8, 100, rows=4))
+    assert not cpu.fused_enabled(10**9)  # off for the rest of the process (here: of this test)
 
 
 # ---------------------------------------------------------------------------------------------
