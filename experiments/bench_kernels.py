@@ -207,7 +207,8 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"device: {torch.cuda.get_device_name(dev)} - Triton kernels")
     else:
         path = ("compiled kernels (kernels/cpu_fused.py) from "
-                f"{cpu_fused.FUSED_MIN_ELEMS} elements, tiles below" if args.cpu_path == "auto" else "tiles only")
+                f"{cpu_fused.FUSED_MIN_ELEMS} elements ({cpu_fused.DEQUANTIZE_MIN_ELEMS} for dequantize), tiles below"
+                if args.cpu_path == "auto" else "tiles only")
         print("CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels "
               f"({torch.get_num_threads()} thread(s); {path})")
     print(f"input dtype {args.dtype}; bytes moved = bytes read + bytes written (codes, fp32 scales, "
@@ -254,17 +255,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     threads = torch.get_num_threads()
-    fused_min = cpu_fused.FUSED_MIN_ELEMS
+    fused_min, dequantize_min = cpu_fused.FUSED_MIN_ELEMS, cpu_fused.DEQUANTIZE_MIN_ELEMS
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads)
         if args.cpu_path == "tiled":
-            cpu_fused.FUSED_MIN_ELEMS = 2**62
+            cpu_fused.FUSED_MIN_ELEMS = cpu_fused.DEQUANTIZE_MIN_ELEMS = 2**62
     try:
         rows = bench(args)
         _print(rows, args)
     finally:  # main() is also called in-process by the smoke test
         torch.set_num_threads(threads)
-        cpu_fused.FUSED_MIN_ELEMS = fused_min
+        cpu_fused.FUSED_MIN_ELEMS, cpu_fused.DEQUANTIZE_MIN_ELEMS = fused_min, dequantize_min
     return rows
 
 

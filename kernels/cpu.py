@@ -5,8 +5,8 @@ of ``cpu_fused.py`` (the reference's formulation under ``torch.compile``; why it
 several times faster is said there) on their whole blocks. Smaller tensors, the partial last
 block of each row, and every tensor once compilation has failed in this process (a warning says
 so) take the tiles below, which need no compiler. Measured on one thread of the 2-core dev machine
-(``docs/benchmarks.md``): the tiled path reached 6-8% of a memory copy for quantize and 12-23%
-for dequantize; the compiled one is faster in every op (numbers in the benchmark table).
+(``docs/benchmarks.md``): the compiled kernels are 2-3x faster than the tiles at bucket sizes of
+256 KiB - 16 MiB, 1.1-2.3x at 64 MiB, and 11-17x with stochastic rounding.
 
 The tiled path:
 
@@ -189,9 +189,11 @@ _fused_failed: str | None = None
 """Why the compiled path was switched off in this process (None while it works)."""
 
 
-def fused_enabled(numel: int) -> bool:
-    """Whether a tensor of ``numel`` elements takes the compiled path (see ``cpu_fused.py``)."""
-    return cpu_fused.AVAILABLE and _fused_failed is None and numel >= cpu_fused.FUSED_MIN_ELEMS
+def fused_enabled(numel: int, dequantize: bool = False) -> bool:
+    """Whether a tensor of ``numel`` elements takes the compiled path (see ``cpu_fused.py``);
+    ``dequantize``: for a plain dequantize, which has its own, higher threshold."""
+    least = max(cpu_fused.FUSED_MIN_ELEMS, cpu_fused.DEQUANTIZE_MIN_ELEMS if dequantize else 0)
+    return cpu_fused.AVAILABLE and _fused_failed is None and numel >= least
 
 
 def _run_fused(fn, *args) -> bool:
@@ -261,7 +263,7 @@ def _fused_write(q: QuantizedTensor, stacked: bool, dst: torch.Tensor) -> bool:
 def _dequantize_into(q: QuantizedTensor, stacked: bool, out: torch.Tensor) -> torch.Tensor:
     dst = out.view(q.rows, q.cols)
     k = q.codes.shape[0] if stacked else 1
-    if k and q.cols >= q.group_size and fused_enabled(q.rows * q.cols) and _fused_write(q, stacked, dst):
+    if k and q.cols >= q.group_size and fused_enabled(q.rows * q.cols, not stacked) and _fused_write(q, stacked, dst):
         return out
     return _write_tiles(q, stacked, out)
 
@@ -342,7 +344,8 @@ def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Ten
                                   scales.view(n), 0)
         else:
             c = q.codes[:, r, : n * ibpg].reshape(k, n, ibpg).contiguous()
-            s, co, so, base = q.scales[:, r, :n].contiguous(), codes[r, : n * obpg].view(n, obpg), scales[r, :n], r * g * gs
+            s, co, so = q.scales[:, r, :n].contiguous(), codes[r, : n * obpg].view(n, obpg), scales[r, :n]
+            base = r * g * gs
         if not _run_fused(cpu_fused.requantize_fused, c, s, q.bits, co, so, bits, stochastic, seed, base):
             return False
     return True

@@ -1,6 +1,14 @@
 """The reference's arithmetic as single-pass formulations for ``torch.compile`` (inductor's C++
 CPU code generation): the fast CPU path for tensors of at least ``FUSED_MIN_ELEMS`` elements.
 
+Approaches measured on the 2-core dev machine, one thread (``docs/benchmarks.md``): fused eager
+torch ops on cache-sized tiles (``cpu.py``, the path before this one) stay at six to eight passes
+per tile; this module, compiled, is 2-3x faster at bucket sizes and 11-17x with stochastic
+rounding (whose Philox is integer arithmetic that inductor vectorises). Formulations that
+inductor turned into scalar loops were replaced: a symbolic group size (so the group size is a
+constant of each kernel, only the block count is dynamic), stack/stride-2 interleaving of INT4
+nibbles (replaced by the byte-pair tricks below).
+
 Why compiled, not fused eager ops: quantize needs, per element, a load, a division, an add, a
 floor, a clamp, a select and a narrowing store. Eager torch runs each as its own pass with its
 own temporary; even on cache-resident tiles (``cpu.py``) that is six to eight passes and an
@@ -53,6 +61,11 @@ FUSED_MIN_ELEMS = 1 << 15
 """Inputs (elements per tensor) from which CPU ranks take the compiled path. Below it the tiled
 eager path (``cpu.py``) is as fast (a compiled call costs a few tens of microseconds of Python
 around the kernel), and small tensors never pay a compilation."""
+
+DEQUANTIZE_MIN_ELEMS = 1 << 17
+"""The same for a plain dequantize: its tiles are cheap (a cast and a multiply), so the compiled
+call's fixed cost only pays off from here (measured: 64 KiB of bf16 took 58 us compiled, 37 us tiled;
+256 KiB 70 us and 82 us)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -324,6 +324,7 @@ def compiled_path(monkeypatch):
     from zeropp.kernels import cpu, cpu_fused
 
     monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
+    monkeypatch.setattr(cpu_fused, "DEQUANTIZE_MIN_ELEMS", 0)
     monkeypatch.setattr(cpu, "_fused_failed", None)
     yield
     assert cpu._fused_failed is None, cpu._fused_failed  # the compiled path really ran
