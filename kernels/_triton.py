@@ -193,6 +193,8 @@ class TileConfig:
     """
 
     def __init__(self, group_size: int, groups: int, rows: int = 1) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("impl='triton' needs the triton package (Linux only); use impl='torch'")
         self.block_gs = triton.next_power_of_2(group_size)
         if self.block_gs > MAX_BLOCK_GS:
             raise ValueError(
@@ -235,7 +237,7 @@ class LaunchPlan:
     skipping Triton's per-call argument binding, specialisation and cache-key work. The
     specialisation key is what Triton would specialise on for these arguments: the device, each
     pointer's 16-byte alignment and the per-call ints' traits (``_int_traits``); the fixed ints
-    are part of the plan. Launch hooks (profilers) are honoured as Triton's own launch does.
+    and the pointers' dtypes are part of the plan's own cache key. Launch hooks (profilers) are honoured as Triton's own launch does.
     """
 
     def __init__(self, kernel, cfg: TileConfig, ints: tuple[int, ...], consts: dict) -> None:
@@ -257,10 +259,10 @@ class LaunchPlan:
         dev = t0.device.index
         key = (dev, tuple(t.data_ptr() % 16 == 0 for t in tensors), tuple(map(_int_traits, scalars)))
         compiled = self.bound.get(key)
-        if compiled is not None and dev == torch.cuda.current_device():
+        if compiled is not None and dev == current_device():
             # the launch lines of Triton's JITFunction.run, minus binding and cache lookup
             args = (*tensors, *self.ints, *scalars, *self.const_values)
-            stream = torch.cuda.current_stream(dev).cuda_stream
+            stream = current_stream(dev)
             hooks = knobs.runtime
             compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata((self.grid,), stream, *args),
@@ -272,10 +274,20 @@ class LaunchPlan:
             self.bound[key] = compiled
 
 
+def current_device() -> int:
+    """The current CUDA device, as Triton's launch reads it."""
+    return triton.runtime.driver.active.get_current_device()
+
+
+def current_stream(device: int) -> int:
+    """The raw handle of torch's current stream on ``device``, as Triton's launch reads it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device: make it ``t``'s (a no-op on CPU and when it
     already is the current device)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
+    if t.is_cuda and t.device.index != current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
 

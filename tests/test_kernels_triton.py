@@ -396,13 +396,11 @@ def test_launch_plan_binds_once_per_specialisation(monkeypatch):
     ``kernel[grid]`` (Triton compiles and specialises); repeats call the compiled launcher with
     the same arguments in parameter order; a differently aligned pointer or a seed of another
     Triton specialisation (1, a multiple of 16, beyond 32 bits) is bound anew."""
-    from types import SimpleNamespace
-
     from zeropp.kernels import _triton
 
     monkeypatch.setattr(_triton, "DIRECT_LAUNCH", True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev: SimpleNamespace(cuda_stream=1234))
+    monkeypatch.setattr(_triton, "current_device", lambda: 0)
+    monkeypatch.setattr(_triton, "current_stream", lambda dev: 1234)
     monkeypatch.setattr(_triton, "on_device", lambda t: __import__("contextlib").nullcontext())
     cfg = _triton.TileConfig(100, 70, 3)
     kern = _FakeKernel()
