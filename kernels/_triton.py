@@ -25,9 +25,14 @@ try:  # pragma: no cover - exercised implicitly on every platform that has trito
 
     HAS_TRITON = True
     jit = triton.jit
+    try:
+        from triton import knobs  # Triton >= 3.3: the launch hooks a direct launch must honour
+    except ImportError:
+        knobs = None
 except ImportError:  # pragma: no cover - non-Linux installs
     triton = None
     tl = None
+    knobs = None
     HAS_TRITON = False
 
     def jit(fn):  # type: ignore[no-redef]
@@ -169,29 +174,122 @@ def tile_store_codes(
 # ----------------------------------------------------------------------------------------------
 # Host-side launch helpers.
 # ----------------------------------------------------------------------------------------------
-class TileConfig:
-    """Tile shape and warps for one group size: ``BLOCK_G`` blocks x ``BLOCK_GS`` lanes."""
+SMALL_ELEMS = 132 * TILE_ELEMS
+"""Below this many (padded) elements a launch has fewer full tiles than an H100 has SMs: halve the
+tile so that more SMs get work."""
 
-    def __init__(self, group_size: int, groups: int) -> None:
+LARGE_ELEMS = 1 << 26
+"""From this many (padded) elements on, tiles of twice TILE_ELEMS with 8 warps halve the number of
+programs; per-program overhead (index math, scale stores) is amortised over more bytes."""
+
+
+class TileConfig:
+    """Tile shape and warps for one launch: ``BLOCK_G`` blocks x ``BLOCK_GS`` lanes per program.
+
+    The tile's element count is chosen by size class (``rows * groups * block`` padded elements):
+    small launches take half tiles (more programs than SMs), large ones double tiles with more
+    warps, everything else ``TILE_ELEMS``. A block never spans two programs, so a group size
+    larger than the tile gets one block per program.
+    """
+
+    def __init__(self, group_size: int, groups: int, rows: int = 1) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("impl='triton' needs the triton package (Linux only); use impl='torch'")
         self.block_gs = triton.next_power_of_2(group_size)
         if self.block_gs > MAX_BLOCK_GS:
             raise ValueError(
                 f"group_size={group_size} exceeds the Triton kernels' largest block ({MAX_BLOCK_GS} "
                 f"elements); use a smaller group size or impl='torch'"
             )
-        per_tile = max(1, TILE_ELEMS // self.block_gs)
-        self.block_g = min(per_tile, triton.next_power_of_2(max(groups, 1)))
+        total = rows * groups * self.block_gs
+        tile = TILE_ELEMS // 2 if total < SMALL_ELEMS else 2 * TILE_ELEMS if total >= LARGE_ELEMS else TILE_ELEMS
+        self.block_g = min(max(1, tile // self.block_gs), triton.next_power_of_2(max(groups, 1)))
         elems = self.block_g * self.block_gs
         self.num_warps = 4 if elems <= 4096 else 8 if elems <= 16384 else 16
         self.tiles_per_row = triton.cdiv(groups, self.block_g)
+        self.grid = rows * self.tiles_per_row
 
     def meta(self) -> dict:
         return dict(BLOCK_G=self.block_g, BLOCK_GS=self.block_gs, num_warps=self.num_warps, **launch_opts())
 
 
+DIRECT_LAUNCH = knobs is not None and os.environ.get("ZEROPP_TRITON_DIRECT_LAUNCH", "1") != "0"
+"""Launch compiled kernels through their bound launcher (``LaunchPlan``); set the environment
+variable ``ZEROPP_TRITON_DIRECT_LAUNCH=0`` to go through ``kernel[grid](...)`` on every call."""
+
+
+def _int_traits(v: int) -> tuple[bool, bool, bool, bool]:
+    """What Triton's specialisation of an int argument depends on: equal to 1 (becomes a
+    constant), divisible by 16 (an alignment hint), and its type (i32, i64 or u64 by range)."""
+    return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
+
+
+class LaunchPlan:
+    """One kernel with everything about its launch fixed except the tensors and a few per-call ints.
+
+    Built once per (kernel, shape, dtype, bits, group size, ...) by the launchers' plan caches,
+    so grid, tile, warps and compile options are computed once. Calling it launches
+    ``kernel[grid](*tensors, *ints, *scalars, **meta)``: the kernels take their pointers first,
+    then the fixed ints (sizes), then the per-call ints (a seed), then the constexprs.
+
+    On CUDA the first launch per specialisation goes through ``kernel[grid]`` (Triton compiles,
+    caches, launches) and keeps the compiled kernel; later launches call its launcher directly,
+    skipping Triton's per-call argument binding, specialisation and cache-key work. The
+    specialisation key is what Triton would specialise on for these arguments: the device, each
+    pointer's 16-byte alignment and the per-call ints' traits (``_int_traits``); the fixed ints
+    and the pointers' dtypes are part of the plan's own cache key. Launch hooks (profilers) are honoured as Triton's own launch does.
+    """
+
+    def __init__(self, kernel, cfg: TileConfig, ints: tuple[int, ...], consts: dict) -> None:
+        self.kernel = kernel
+        self.cfg = cfg
+        self.grid = cfg.grid
+        self.ints = ints
+        self.meta = dict(consts, **cfg.meta())
+        names = getattr(kernel, "arg_names", None) or list(self.meta)
+        self.const_values = tuple(self.meta[n] for n in names if n in self.meta)  # in parameter order
+        self.bound: dict[tuple, object] = {}  # specialisation key -> compiled kernel
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...], scalars: tuple[int, ...] = ()) -> None:
+        t0 = tensors[0]
+        if not (t0.is_cuda and DIRECT_LAUNCH):
+            with on_device(t0):
+                self.kernel[(self.grid,)](*tensors, *self.ints, *scalars, **self.meta)
+            return
+        dev = t0.device.index
+        key = (dev, tuple(t.data_ptr() % 16 == 0 for t in tensors), tuple(map(_int_traits, scalars)))
+        compiled = self.bound.get(key)
+        if compiled is not None and dev == current_device():
+            # the launch lines of Triton's JITFunction.run, minus binding and cache lookup
+            args = (*tensors, *self.ints, *scalars, *self.const_values)
+            stream = current_stream(dev)
+            hooks = knobs.runtime
+            compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata((self.grid,), stream, *args),
+                         hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+            return
+        with on_device(t0):
+            compiled = self.kernel[(self.grid,)](*tensors, *self.ints, *scalars, **self.meta)
+        if hasattr(compiled, "packed_metadata"):  # a CompiledKernel (not the interpreter's result)
+            self.bound[key] = compiled
+
+
+def current_device() -> int:
+    """The current CUDA device, as Triton's launch reads it."""
+    return triton.runtime.driver.active.get_current_device()
+
+
+def current_stream(device: int) -> int:
+    """The raw handle of torch's current stream on ``device``, as Triton's launch reads it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Triton launches on the current CUDA device: make it ``t``'s (a no-op on CPU)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it ``t``'s (a no-op on CPU and when it
+    already is the current device)."""
+    if t.is_cuda and t.device.index != current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def check_launchable(t: torch.Tensor) -> None:

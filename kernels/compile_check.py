@@ -25,14 +25,18 @@ from ._triton import HAS_TRITON, LAUNCH_OPTS, TileConfig
 SKIP = 77
 
 
-def _compile_ptx(fn, ptrs: dict[str, str], consts: dict[str, object], arch: int) -> str:
+_GROUPS_ROWS = {"small": (64, 1), "medium": (1 << 12, 1), "large": (1 << 16, 2)}
+"""(groups, rows) per size class of ``TileConfig`` (tiles and warps differ between them)."""
+
+
+def _compile_ptx(fn, ptrs: dict[str, str], consts: dict[str, object], arch: int, size: str = "large") -> str:
     """One kernel variant -> PTX text. Ints are typed i32 with Triton's usual divisibility-16
     specialisation, as the launchers' calls on aligned sizes get."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cfg = TileConfig(consts["GROUP_SIZE"], 1 << 16)
+    cfg = TileConfig(consts["GROUP_SIZE"], *_GROUPS_ROWS[size])
     consts = dict(consts, BLOCK_G=cfg.block_g, BLOCK_GS=cfg.block_gs)
     sig = {name: ptrs.get(name, "i32") for name in fn.arg_names}
     div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -69,10 +73,12 @@ def _variants(full: bool):
 
 
 def check(arch: int = 90, full: bool = False) -> list[str]:
-    """Compile the variants; return a list of problems (empty when all is well)."""
+    """Compile the variants (each in every size class with ``full``, else in the large class: the
+    largest tiles); return a list of problems (empty when all is well)."""
     problems = []
-    for name, fn, ptrs, consts in _variants(full):
-        ptx = _compile_ptx(fn, ptrs, consts, arch)
+    for (name, fn, ptrs, consts), size in itertools.product(_variants(full), _GROUPS_ROWS if full else ("large",)):
+        name = f"{name} [{size}]"
+        ptx = _compile_ptx(fn, ptrs, consts, arch, size)
         if re.search(r"\bfma\.", ptx):
             problems.append(f"{name}: fused multiply-add in PTX (fp contraction must be off)")
         if re.search(r"\bdiv\.(rn\.ftz|full|approx)", ptx):

@@ -133,6 +133,15 @@ class QuantizedTensor:
         if self.codes.dtype != want:
             raise ValueError(f"INT{self.bits} codes must be {want}, got {self.codes.dtype}")
 
+    @classmethod
+    def unchecked(cls, codes: torch.Tensor, scales: torch.Tensor, cols: int, bits: int, group_size: int) -> QuantizedTensor:
+        """Build without ``__post_init__``'s checks (about 2 us per call): only for launchers that
+        allocated ``codes`` and ``scales`` themselves from a layout they already checked."""
+        q = object.__new__(cls)
+        for name, value in (("codes", codes), ("scales", scales), ("cols", cols), ("bits", bits), ("group_size", group_size)):
+            object.__setattr__(q, name, value)
+        return q
+
     @property
     def rows(self) -> int:
         return self.codes.shape[-2]
@@ -212,6 +221,28 @@ def check_out_buffer(out: torch.Tensor, numel: int, device: torch.device) -> Non
         raise ValueError("out must be contiguous: it is written as a flat [rows, cols] buffer")
     if out.device != device:
         raise ValueError(f"out is on {out.device}, the quantized data on {device}")
+
+
+def check_quantized_out(
+    out: QuantizedTensor, rows: int, cols: int, bits: int, group_size: int, device: torch.device
+) -> None:
+    """A caller-provided quantized output must have exactly the result's layout (``[rows, *]``
+    codes and scales for ``cols`` elements per row at ``bits`` / ``group_size``), be contiguous
+    (the kernels write flat buffers) and live on the data's device."""
+    if not isinstance(out, QuantizedTensor):
+        raise TypeError(f"out must be a QuantizedTensor, got {type(out).__name__}")
+    got = (out.codes.dim(), out.rows, out.cols, out.bits, out.group_size)
+    if got != (2, rows, cols, bits, group_size):
+        raise ValueError(
+            f"out does not fit the result: it holds codes {tuple(out.codes.shape)} for cols={out.cols}, "
+            f"bits={out.bits}, group_size={out.group_size}; the result needs codes "
+            f"[{rows}, {row_bytes(cols, bits, group_size)}] and scales [{rows}, {num_groups(cols, group_size)}] "
+            f"for cols={cols}, bits={bits}, group_size={group_size}"
+        )
+    if not (out.codes.is_contiguous() and out.scales.is_contiguous()):
+        raise ValueError("out.codes and out.scales must be contiguous: the kernels write them as flat buffers")
+    if out.codes.device != device or out.scales.device != device:
+        raise ValueError(f"out is on {out.codes.device} / {out.scales.device}, the data on {device}")
 
 
 def output_buffer(

@@ -9,13 +9,15 @@ the tile they share and why each arithmetic step is written the way it is.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton import (
+    LaunchPlan,
     TileConfig,
     check_launchable,
     jit,
-    on_device,
     tile_load_codes,
     tile_coords,
     tile_quantize,
@@ -27,13 +29,18 @@ from .cpu import dequantize_cpu, quantize_cpu
 from .layout import (
     DEFAULT_WEIGHT_GROUP_SIZE,
     QuantizedTensor,
+    check_bits,
     check_dims,
-    check_quantize_args,
+    check_float_dtype,
+    check_group_size,
+    check_quantized_out,
+    check_seed,
     codes_dtype,
     num_groups,
     output_buffer,
     qmax,
     row_bytes,
+    split_rows,
 )
 
 
@@ -89,27 +96,81 @@ def _dequantize_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers: validate, allocate, size the grid.
+# Launchers. Everything that depends only on (shape, dtype, bits, group size) - the checks of
+# those, the layout, the tile, the grid, the compile options - is worked out once per key in a
+# cached plan; a call then checks only what can differ between calls with the same key (seed,
+# contiguity, the caller's buffers) and launches.
 # ----------------------------------------------------------------------------------------------
-def _quantize_triton(
-    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0
-) -> QuantizedTensor:
-    """Triton twin of ``quantize_ref`` (same checks, same result bit for bit)."""
-    cols, seed = check_quantize_args(x, bits, group_size, rows, seed)
-    check_launchable(x)
-    g = num_groups(cols, group_size)
-    rb = row_bytes(cols, bits, group_size)
-    x2 = x.contiguous().view(rows, cols)  # [rows, cols]; a copy only if x was strided
-    codes = torch.empty(rows, rb, dtype=codes_dtype(bits), device=x.device)  # [rows, row_bytes]
-    scales = torch.empty(rows, g, dtype=torch.float32, device=x.device)  # [rows, groups]
-    if rows * g:
-        cfg = TileConfig(group_size, g)
-        with on_device(x):
-            _quantize_kernel[(rows * cfg.tiles_per_row,)](
-                x2, codes, scales, cols, g, rb, cfg.tiles_per_row, seed,
-                GROUP_SIZE=group_size, BITS=bits, QMAX=qmax(bits), STOCHASTIC=bool(stochastic), **cfg.meta(),
+PLAN_CACHE_SIZE = 4096
+"""Launch plans kept per launcher (one per distinct shape/dtype/bits/group size in use)."""
+
+
+class QuantizePlan:
+    """Layout and launch of ``quantize`` for one (numel, rows, dtype, bits, group size, rounding)."""
+
+    def __init__(self, numel: int, rows: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool):
+        check_bits(bits)  # the checks of check_quantize_args that depend on the key only
+        check_group_size(group_size, bits)
+        check_float_dtype(dtype, "input")
+        self.cols = split_rows(numel, rows)
+        self.rows, self.bits, self.group_size = rows, bits, group_size
+        self.groups = num_groups(self.cols, group_size)
+        self.row_bytes = row_bytes(self.cols, bits, group_size)
+        self.codes_dtype = codes_dtype(bits)
+        self.launch = None  # nothing to launch for an empty tensor
+        if rows * self.groups:
+            cfg = TileConfig(group_size, self.groups, rows)
+            self.launch = LaunchPlan(
+                _quantize_kernel, cfg, (self.cols, self.groups, self.row_bytes, cfg.tiles_per_row),
+                dict(GROUP_SIZE=group_size, BITS=bits, QMAX=qmax(bits), STOCHASTIC=stochastic),
             )
-    return QuantizedTensor(codes, scales, cols, bits, group_size)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def quantize_plan(numel: int, rows: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool) -> QuantizePlan:
+    return QuantizePlan(numel, rows, dtype, bits, group_size, stochastic)
+
+
+class DequantizePlan:
+    """Launch of ``dequantize`` for one (rows, cols, bits, group size, output dtype)."""
+
+    def __init__(self, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype):
+        check_float_dtype(out_dtype, "out")
+        groups = num_groups(cols, group_size)
+        self.launch = None
+        if rows * groups:
+            cfg = TileConfig(group_size, groups, rows)
+            self.launch = LaunchPlan(
+                _dequantize_kernel, cfg, (cols, groups, row_bytes(cols, bits, group_size), cfg.tiles_per_row),
+                dict(GROUP_SIZE=group_size, BITS=bits),
+            )
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def dequantize_plan(rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype) -> DequantizePlan:
+    return DequantizePlan(rows, cols, bits, group_size, out_dtype)
+
+
+def _quantize_triton(
+    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0,
+    out: QuantizedTensor | None = None,
+) -> QuantizedTensor:
+    """Triton twin of ``quantize_ref`` (same checks, same result bit for bit), into ``out`` if given."""
+    plan = quantize_plan(x.numel(), rows, x.dtype, bits, group_size, bool(stochastic))
+    seed = check_seed(seed)
+    if not x.is_cuda:
+        check_launchable(x)
+    if not x.is_contiguous():
+        x = x.contiguous()  # the kernel reads x as a flat [rows, cols] buffer
+    if out is None:
+        codes = torch.empty(rows, plan.row_bytes, dtype=plan.codes_dtype, device=x.device)  # [rows, row_bytes]
+        scales = torch.empty(rows, plan.groups, dtype=torch.float32, device=x.device)  # [rows, groups]
+        out = QuantizedTensor.unchecked(codes, scales, plan.cols, bits, group_size)
+    else:
+        check_quantized_out(out, rows, plan.cols, bits, group_size, x.device)
+    if plan.launch is not None:
+        plan.launch((x, out.codes, out.scales), (seed if stochastic else 0,))
+    return out
 
 
 def _dequantize_triton(
@@ -117,17 +178,13 @@ def _dequantize_triton(
 ) -> torch.Tensor:
     """Triton twin of ``dequantize_ref``: writes straight into ``out`` when one is given."""
     _, rows = check_dims(q, False, "dequantize")
-    check_launchable(q.codes)
-    cols = q.cols
-    out = output_buffer(out, rows, cols, dtype, q.codes.device)  # [rows, cols] or the caller's buffer
-    g = num_groups(cols, q.group_size)
-    if rows * g:
-        cfg = TileConfig(q.group_size, g)
-        with on_device(out):
-            _dequantize_kernel[(rows * cfg.tiles_per_row,)](
-                q.codes.contiguous(), q.scales.contiguous(), out, cols, g, q.codes.shape[-1], cfg.tiles_per_row,
-                GROUP_SIZE=q.group_size, BITS=q.bits, **cfg.meta(),
-            )
+    codes = q.codes
+    if not codes.is_cuda:
+        check_launchable(codes)
+    out = output_buffer(out, rows, q.cols, dtype, codes.device)  # [rows, cols] or the caller's buffer
+    plan = dequantize_plan(rows, q.cols, q.bits, q.group_size, out.dtype)
+    if plan.launch is not None:
+        plan.launch((codes.contiguous(), q.scales.contiguous(), out))
     return out
 
 
@@ -135,9 +192,21 @@ def _dequantize_triton(
 # Public, dispatching functions (signatures fixed by docs/design.md).
 # ----------------------------------------------------------------------------------------------
 def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
-    if impl not in (None, "triton", "torch"):
+    if impl is None:
+        return t.is_cuda
+    if impl not in ("triton", "torch"):
         raise ValueError(f"impl must be None (auto), 'triton' or 'torch', got {impl!r}")
-    return impl == "triton" or (impl is None and t.is_cuda)
+    return impl == "triton"
+
+
+def copy_into(q: QuantizedTensor, out: QuantizedTensor | None) -> QuantizedTensor:
+    """``q`` itself, or copied into the caller's ``out`` (for paths that cannot write in place)."""
+    if out is None:
+        return q
+    check_quantized_out(out, q.rows, q.cols, q.bits, q.group_size, q.codes.device)
+    out.codes.copy_(q.codes)
+    out.scales.copy_(q.scales)
+    return out
 
 
 def quantize(
@@ -149,16 +218,20 @@ def quantize(
     stochastic: bool = False,
     seed: int = 0,
     impl: str | None = None,
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` (fp32/bf16/fp16, any shape, numel divisible by ``rows``) as ``rows`` rows.
 
     ``stochastic=True`` rounds up with probability equal to the fractional part (an unbiased
-    quantizer, as QSDP needs); ``seed`` makes it reproducible.
+    quantizer, as QSDP needs); ``seed`` makes it reproducible. ``out``: a QuantizedTensor of the
+    same layout (``[rows, *]`` codes and scales, contiguous, on ``x``'s device; for example views
+    into a collective's send buffer) that receives the result and is returned; the Triton
+    kernels write it in place.
     """
     group_size = DEFAULT_WEIGHT_GROUP_SIZE if group_size is None else group_size
     if _use_triton(x, impl):
-        return _quantize_triton(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed)
-    return quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed)
+        return _quantize_triton(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed, out=out)
+    return copy_into(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed), out)
 
 
 def dequantize(

@@ -9,13 +9,15 @@ reads and one code/scale write; the full-precision sum never leaves registers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton import (
+    LaunchPlan,
     TileConfig,
     check_launchable,
     jit,
-    on_device,
     tile_load_codes,
     tile_coords,
     tile_quantize,
@@ -26,6 +28,8 @@ from ._triton import (
 from .layout import (
     QuantizedTensor,
     check_dims,
+    check_float_dtype,
+    check_quantized_out,
     check_requantize_args,
     codes_dtype,
     num_groups,
@@ -34,7 +38,7 @@ from .layout import (
     row_bytes,
 )
 from .cpu import dequantize_sum_cpu, dequantize_sum_requantize_cpu
-from .quantize import _use_triton
+from .quantize import PLAN_CACHE_SIZE, _use_triton, copy_into
 
 
 @jit
@@ -116,47 +120,88 @@ def _dequantize_sum_requantize_kernel(
     tile_store_codes(out_codes_ptr + row * out_row_bytes, c, g, groups, GROUP_SIZE, OUT_BITS, BLOCK_G, BLOCK_GS)
 
 
+class DequantizeSumPlan:
+    """Launch of ``dequantize_sum`` for one (k, rows, cols, bits, group size, output dtype)."""
+
+    def __init__(self, k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype):
+        check_float_dtype(out_dtype, "out")
+        groups = num_groups(cols, group_size)
+        self.launch = None  # k = 0 (a sum of nothing) or an empty tensor: no kernel
+        if k and rows * groups:
+            cfg = TileConfig(group_size, groups, rows)
+            self.launch = LaunchPlan(
+                _dequantize_sum_kernel, cfg,
+                (k, rows, cols, groups, row_bytes(cols, bits, group_size), cfg.tiles_per_row),
+                dict(GROUP_SIZE=group_size, BITS=bits),
+            )
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def dequantize_sum_plan(k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype):
+    return DequantizeSumPlan(k, rows, cols, bits, group_size, out_dtype)
+
+
+class RequantizePlan:
+    """Layout and launch of ``dequantize_sum_requantize`` for one (k, rows, cols, input bits,
+    output bits, group size, rounding)."""
+
+    def __init__(self, k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool):
+        self.groups = num_groups(cols, group_size)
+        self.row_bytes = row_bytes(cols, bits, group_size)
+        self.codes_dtype = codes_dtype(bits)
+        self.launch = None
+        if rows * self.groups:
+            cfg = TileConfig(group_size, self.groups, rows)
+            self.launch = LaunchPlan(
+                _dequantize_sum_requantize_kernel, cfg,
+                (k, rows, self.groups, row_bytes(cols, in_bits, group_size), self.row_bytes, cfg.tiles_per_row),
+                dict(GROUP_SIZE=group_size, IN_BITS=in_bits, OUT_BITS=bits, QMAX=qmax(bits), STOCHASTIC=stochastic),
+            )
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def requantize_plan(k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool):
+    return RequantizePlan(k, rows, cols, in_bits, bits, group_size, stochastic)
+
+
 def _dequantize_sum_triton(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Triton twin of ``dequantize_sum_ref``."""
     k, rows = check_dims(q, True, "dequantize_sum")
-    check_launchable(q.codes)
-    cols = q.cols
-    out = output_buffer(out, rows, cols, dtype, q.codes.device)  # [rows, cols] or the caller's buffer
-    g = num_groups(cols, q.group_size)
+    codes = q.codes
+    if not codes.is_cuda:
+        check_launchable(codes)
+    out = output_buffer(out, rows, q.cols, dtype, codes.device)  # [rows, cols] or the caller's buffer
     if k == 0:
         return out.zero_()
-    if rows * g:
-        cfg = TileConfig(q.group_size, g)
-        with on_device(out):
-            _dequantize_sum_kernel[(rows * cfg.tiles_per_row,)](
-                q.codes.contiguous(), q.scales.contiguous(), out, k, rows, cols, g, q.codes.shape[-1],
-                cfg.tiles_per_row, GROUP_SIZE=q.group_size, BITS=q.bits, **cfg.meta(),
-            )
+    plan = dequantize_sum_plan(k, rows, q.cols, q.bits, q.group_size, out.dtype)
+    if plan.launch is not None:
+        plan.launch((codes.contiguous(), q.scales.contiguous(), out))
     return out
 
 
 def _dequantize_sum_requantize_triton(
-    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
+    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0,
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """Triton twin of ``dequantize_sum_requantize_ref``: one pass, sum kept in registers."""
     k, rows, seed = check_requantize_args(q, bits, group_size, seed)
-    check_launchable(q.codes)
-    cols, device = q.cols, q.codes.device
-    g = num_groups(cols, group_size)
-    out_rb = row_bytes(cols, bits, group_size)
-    codes = torch.empty(rows, out_rb, dtype=codes_dtype(bits), device=device)  # [rows, out_row_bytes]
-    scales = torch.empty(rows, g, dtype=torch.float32, device=device)  # [rows, groups]
-    if rows * g:
-        cfg = TileConfig(group_size, g)
-        with on_device(codes):
-            _dequantize_sum_requantize_kernel[(rows * cfg.tiles_per_row,)](
-                q.codes.contiguous(), q.scales.contiguous(), codes, scales, k, rows, g, q.codes.shape[-1], out_rb,
-                cfg.tiles_per_row, seed, GROUP_SIZE=group_size, IN_BITS=q.bits, OUT_BITS=bits, QMAX=qmax(bits),
-                STOCHASTIC=bool(stochastic), **cfg.meta(),
-            )
-    return QuantizedTensor(codes, scales, cols, bits, group_size)
+    codes = q.codes
+    if not codes.is_cuda:
+        check_launchable(codes)
+    plan = requantize_plan(k, rows, q.cols, q.bits, bits, group_size, bool(stochastic))
+    if out is None:
+        out = QuantizedTensor.unchecked(
+            torch.empty(rows, plan.row_bytes, dtype=plan.codes_dtype, device=codes.device),  # [rows, out_row_bytes]
+            torch.empty(rows, plan.groups, dtype=torch.float32, device=codes.device),  # [rows, groups]
+            q.cols, bits, group_size,
+        )
+    else:
+        check_quantized_out(out, rows, q.cols, bits, group_size, codes.device)
+    if plan.launch is not None:
+        plan.launch((codes.contiguous(), q.scales.contiguous(), out.codes, out.scales), (seed if stochastic else 0,))
+    return out
 
 
 def dequantize_sum(
@@ -180,9 +225,11 @@ def dequantize_sum_requantize(
     stochastic: bool = False,
     seed: int = 0,
     impl: str | None = None,
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
-    """Stacked ``[k, rows, *]`` -> their sum re-quantized to ``bits`` (same group size)."""
+    """Stacked ``[k, rows, *]`` -> their sum re-quantized to ``bits`` (same group size), into
+    ``out`` if given (same contract as ``quantize``'s ``out``)."""
     group_size = q.group_size if group_size is None else group_size
     if _use_triton(q.codes, impl):
-        return _dequantize_sum_requantize_triton(q, bits, group_size, stochastic=stochastic, seed=seed)
-    return dequantize_sum_requantize_cpu(q, bits, group_size, stochastic=stochastic, seed=seed)
+        return _dequantize_sum_requantize_triton(q, bits, group_size, stochastic=stochastic, seed=seed, out=out)
+    return copy_into(dequantize_sum_requantize_cpu(q, bits, group_size, stochastic=stochastic, seed=seed), out)

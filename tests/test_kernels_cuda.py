@@ -109,3 +109,38 @@ def test_stochastic_streams_differ_by_seed_on_cuda() -> None:
     b = quantize(x, 4, 64, stochastic=True, seed=2)
     c = quantize(x, 4, 64, stochastic=True, seed=1)
     assert not torch.equal(a.codes, b.codes) and torch.equal(a.codes, c.codes)
+
+
+def _views(buf: torch.Tensor, offset: int, rows: int, cols: int, bits: int, gs: int) -> QuantizedTensor:
+    """Codes then (4-byte aligned) scales as views into the byte buffer ``buf`` from ``offset``."""
+    from zeropp.kernels import num_groups, row_bytes
+
+    rb, g = row_bytes(cols, bits, gs), num_groups(cols, gs)
+    codes = buf[offset:offset + rows * rb].view(torch.int8 if bits == 8 else torch.uint8).view(rows, rb)
+    start = offset + rows * rb
+    start += -start % 4
+    return QuantizedTensor(codes, buf[start:start + 4 * rows * g].view(torch.float32).view(rows, g), cols, bits, gs)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bound_launches_on_cuda_bit_exact(bits: int) -> None:
+    """Repeated calls of one shape take the directly launched (bound) kernel; outputs at 16-byte
+    aligned and unaligned offsets of a send buffer, and seeds of each Triton int specialisation
+    (1, a multiple of 16, beyond 32 bits), must each get their own binding and stay bit-exact."""
+    rows, cols, gs = 3, 1000, 64
+    x = _data((rows, cols), torch.bfloat16)
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    for seed in (1, 2, 16, 2**40, 2**40 + 1, 2):
+        for offset in (0, 3, 16, 3):
+            for _ in range(2):
+                out = _views(buf, offset, rows, cols, bits, gs)
+                assert quantize(x.cuda(), bits, gs, rows=rows, stochastic=True, seed=seed, out=out) is out
+                _same_q(out, quantize_ref(x, bits, gs, rows=rows, stochastic=True, seed=seed))
+                y = torch.empty(rows * cols + 1, dtype=torch.bfloat16, device="cuda")[1:]  # 2-byte aligned
+                dequantize(out, out=y)
+                _same(y.view(rows, cols), dequantize_ref(_to(out, "cpu"), dtype=torch.bfloat16))
+    refs = _stack([quantize_ref(_data((rows, cols), torch.float32, seed=s), bits, gs, rows=rows) for s in range(3)])
+    for offset in (0, 5):
+        out = _views(buf, offset, rows, cols, 4, gs)
+        assert dequantize_sum_requantize(_to(refs, "cuda"), 4, gs, stochastic=True, seed=9, out=out) is out
+        _same_q(out, dequantize_sum_requantize_ref(refs, 4, gs, stochastic=True, seed=9))

@@ -243,3 +243,191 @@ def test_kernels_compile_for_h100_without_fp_contraction_or_ftz():
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Caller-provided outputs and the launch-plan caches.
+# ---------------------------------------------------------------------------------------------
+def quantized_views(buf: torch.Tensor, offset: int, rows: int, cols: int, bits: int, gs: int) -> QuantizedTensor:
+    """A QuantizedTensor whose codes and then scales are views into the byte buffer ``buf`` from
+    ``offset`` on, as a collective's send buffer holds them (one message, scales included)."""
+    from zeropp.kernels import num_groups, row_bytes
+
+    rb, g = row_bytes(cols, bits, gs), num_groups(cols, gs)
+    codes = buf[offset:offset + rows * rb].view(torch.int8 if bits == 8 else torch.uint8).view(rows, rb)
+    start = offset + rows * rb
+    start += -start % 4  # fp32 scales start 4-byte aligned
+    scales = buf[start:start + 4 * rows * g].view(torch.float32).view(rows, g)
+    return QuantizedTensor(codes, scales, cols, bits, gs)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_into_views_of_a_send_buffer(dtype, bits, stochastic):
+    """``out=`` is written in place (codes and scales views into one byte buffer, at an offset
+    that is not 16-byte aligned) with the reference's bits; the rest of the buffer is untouched."""
+    rows, cols, gs = 3, 257, 64
+    x = data((rows, cols), dtype, seed=bits)
+    buf = torch.full((8192,), 0xAB, dtype=torch.uint8)
+    out = quantized_views(buf, 5, rows, cols, bits, gs)
+    got = quantize(x, bits, gs, rows=rows, stochastic=stochastic, seed=77, impl="triton", out=out)
+    assert got is out
+    assert_same_q(out, quantize(x, bits, gs, rows=rows, stochastic=stochastic, seed=77, impl="torch"))
+    used = torch.zeros_like(buf, dtype=torch.bool)
+    used[5:5 + out.codes.numel()] = True
+    s0 = out.scales.data_ptr() - buf.data_ptr()
+    used[s0:s0 + 4 * out.scales.numel()] = True
+    assert (buf[~used] == 0xAB).all()
+    # the CPU path (impl="torch") takes out= too, through a copy
+    out2 = quantized_views(torch.zeros(8192, dtype=torch.uint8), 0, rows, cols, bits, gs)
+    assert quantize(x, bits, gs, rows=rows, stochastic=stochastic, seed=77, impl="torch", out=out2) is out2
+    assert_same_q(out2, out)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8)])
+def test_dequantize_sum_requantize_into_out(in_bits, out_bits, impl):
+    rows, cols, gs = 2, 300, 100
+    s = stack([quantize(data((rows, cols), torch.float32, seed=i), in_bits, gs, rows=rows) for i in range(3)])
+    out = quantized_views(torch.zeros(4096, dtype=torch.uint8), 3, rows, cols, out_bits, gs)
+    assert dequantize_sum_requantize(s, out_bits, stochastic=True, seed=5, impl=impl, out=out) is out
+    assert_same_q(out, dequantize_sum_requantize(s, out_bits, stochastic=True, seed=5, impl="torch"))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_wrong_out_is_a_clear_error(impl):
+    x = data((2, 100), torch.float32)
+    good = quantize(x, 8, 64, rows=2, impl=impl)
+    wrong = [
+        (quantize(x, 8, 64, rows=1, impl="torch"), ValueError, "does not fit"),  # [1, *] for [2, *]
+        (quantize(x[:, :99], 8, 64, rows=2, impl="torch"), ValueError, "cols=99"),  # other cols
+        (quantize(x, 4, 64, rows=2, impl="torch"), ValueError, "bits=4"),  # other bits
+        (quantize(x, 8, 32, rows=2, impl="torch"), ValueError, "group_size=32"),  # other group size
+        (stack([good]), ValueError, "does not fit"),  # stacked [1, 2, *]
+        (QuantizedTensor(good.codes.t().contiguous().t(), good.scales, 100, 8, 64), ValueError, "contiguous"),
+        (good.codes, TypeError, "QuantizedTensor"),
+    ]
+    for out, err, msg in wrong:
+        with pytest.raises(err, match=msg):
+            quantize(x, 8, 64, rows=2, impl=impl, out=out)
+    s = stack([good, good])
+    with pytest.raises(ValueError, match="does not fit"):
+        dequantize_sum_requantize(s, 4, impl=impl, out=good)  # INT8 out for an INT4 result
+    with pytest.raises(ValueError, match="expected rows\\*cols = 200"):
+        dequantize(good, out=torch.empty(199), impl=impl)
+
+
+def test_plans_cached_per_key_give_exact_results_in_any_order():
+    """Interleaved shapes, dtypes, bits, group sizes, roundings and seeds share the plan caches
+    (one plan per key, reused): every call still matches the reference."""
+    from zeropp.kernels.quantize import dequantize_plan, quantize_plan
+
+    quantize_plan.cache_clear()
+    dequantize_plan.cache_clear()
+    cases = [((7,), 1, torch.float32, 8, 2, False, 0), ((17, 257), 17, torch.bfloat16, 4, 100, True, 3),
+             ((7,), 1, torch.float16, 8, 2, False, 0), ((17, 257), 17, torch.bfloat16, 4, 100, True, 2**40 + 1),
+             ((17, 257), 17, torch.bfloat16, 4, 100, False, 3), ((7,), 1, torch.float32, 4, 2, False, 1),
+             ((7,), 1, torch.float32, 8, 2, False, 0), ((33,), 3, torch.float32, 8, 2, True, 1)]
+    for shape, rows, dtype, bits, gs, st, seed in cases * 2:
+        x = data(shape, dtype, seed=seed % 97)
+        ref, tri = both(quantize, x, bits, gs, rows=rows, stochastic=st, seed=seed)
+        assert_same_q(ref, tri)
+        for out_dtype in (dtype, torch.float32):
+            assert_same_bits(*both(dequantize, tri, dtype=out_dtype))
+    distinct = {(shape, rows, dtype, bits, gs, st) for shape, rows, dtype, bits, gs, st, _ in cases}
+    assert quantize_plan.cache_info().currsize == len(distinct)
+    assert quantize_plan.cache_info().hits >= len(cases)
+
+
+def test_plans_refuse_bad_arguments_like_the_reference():
+    x = data((10,), torch.float32)
+    for kwargs, msg in [(dict(bits=3), "bits=3"), (dict(group_size=0), "group_size"), (dict(bits=4, group_size=3), "odd"),
+                        (dict(rows=3), "equal rows"), (dict(seed=-1), "seed")]:
+        args = dict(bits=8, group_size=4, rows=1, seed=0) | kwargs
+        for impl in ("torch", "triton"):
+            with pytest.raises(ValueError, match=msg):
+                quantize(x, args["bits"], args["group_size"], rows=args["rows"], seed=args["seed"], impl=impl)
+    with pytest.raises(ValueError, match="int64"):
+        quantize(torch.zeros(4, dtype=torch.int64), 8, 4, impl="triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# The direct launch of LaunchPlan (CUDA only), with a fake kernel and fake CUDA tensors.
+# ---------------------------------------------------------------------------------------------
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, gx, gy, gz, stream, function, packed, launch_meta, enter, exit_, *args):
+        self.log.append(("direct", gx, stream, args))
+
+
+class _FakeKernel:
+    arg_names = ["a_ptr", "b_ptr", "n", "seed", "BLOCK_G", "X", "BLOCK_GS"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.log.append(("jit", grid[0], args, meta))
+            return _FakeCompiled(self.log)
+        return launch
+
+
+class _FakeCudaTensor:
+    is_cuda = True
+
+    def __init__(self, ptr):
+        self.ptr, self.device = ptr, torch.device("cuda", 0)
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_launch_plan_binds_once_per_specialisation(monkeypatch):
+    """First launch per (device, pointer alignments, per-call int traits) goes through
+    ``kernel[grid]`` (Triton compiles and specialises); repeats call the compiled launcher with
+    the same arguments in parameter order; a differently aligned pointer or a seed of another
+    Triton specialisation (1, a multiple of 16, beyond 32 bits) is bound anew."""
+    from zeropp.kernels import _triton
+
+    monkeypatch.setattr(_triton, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(_triton, "current_device", lambda: 0)
+    monkeypatch.setattr(_triton, "current_stream", lambda dev: 1234)
+    monkeypatch.setattr(_triton, "on_device", lambda t: __import__("contextlib").nullcontext())
+    cfg = _triton.TileConfig(100, 70, 3)
+    kern = _FakeKernel()
+    plan = _triton.LaunchPlan(kern, cfg, (5,), dict(X=9))
+    a, b, b_odd = _FakeCudaTensor(4096), _FakeCudaTensor(8192), _FakeCudaTensor(8194)
+    calls = [((a, b), 3), ((a, b), 5), ((a, b_odd), 5), ((a, b_odd), 7), ((a, b), 1), ((a, b), 32), ((a, b), 2**40),
+             ((a, b), 2**40 + 16), ((a, b), 48)]
+    for tensors, seed in calls:
+        plan(tensors, (seed,))
+    kinds = [entry[0] for entry in kern.log]
+    assert kinds == ["jit", "direct", "jit", "direct", "jit", "jit", "jit", "direct", "direct"]
+    consts = (cfg.block_g, 9, cfg.block_gs)  # in the kernel's parameter order
+    assert kern.log[1] == ("direct", cfg.grid, 1234, (a, b, 5, 5, *consts))
+    jit_meta = kern.log[0][3]
+    assert jit_meta["BLOCK_G"] == cfg.block_g and jit_meta["X"] == 9 and jit_meta["enable_fp_fusion"] is False
+    assert kern.log[0][1] == cfg.grid == 3 * cfg.tiles_per_row
+
+
+@pytest.mark.parametrize("group_size,groups,rows", [(2, 1, 1), (64, 5, 17), (128, 1 << 14, 4), (512, 1 << 18, 1),
+                                                     (4096, 3, 1), (1 << 20, 1, 1)])
+def test_tile_config_size_classes(group_size, groups, rows):
+    """Power-of-two tiles that hold whole blocks, never more blocks than a row has, and one grid
+    program per tile of every row."""
+    from zeropp.kernels._triton import TILE_ELEMS, TileConfig
+
+    cfg = TileConfig(group_size, groups, rows)
+    assert cfg.block_gs >= group_size and cfg.block_gs & (cfg.block_gs - 1) == 0
+    assert cfg.block_g & (cfg.block_g - 1) == 0 and cfg.block_g <= max(1, 2 * groups)
+    assert cfg.block_g * cfg.block_gs <= max(2 * TILE_ELEMS, cfg.block_gs)
+    assert cfg.grid == rows * -(-groups // cfg.block_g)
