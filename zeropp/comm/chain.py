@@ -46,7 +46,7 @@ class Deferred:
         self._error: Optional[BaseException] = None
         self._keep: Optional[Callable[[], None]] = None  # CUDA: the continuation, alive until wait()
 
-    def _run(self) -> None:
+    def run(self) -> None:
         """Run the continuation (on the worker or inline), keeping its exception for wait()."""
         fn, self._fn = self._fn, None
         try:
@@ -56,6 +56,20 @@ class Deferred:
             self._error = e
         finally:
             self._done.set()
+
+    def run_on_stream(self, stream: torch.cuda.Stream) -> None:
+        """CUDA: run the continuation now with ``stream`` current, record the end event there, and
+        keep the continuation (with the tensors it references) alive until :meth:`wait`."""
+        self._keep = self._fn
+        with torch.cuda.stream(stream):
+            self.run()
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What the continuation raised (None if it has not run or succeeded)."""
+        return self._error
 
     def done(self) -> bool:
         """True once the continuation has been run (CPU) or enqueued (CUDA)."""
@@ -100,7 +114,7 @@ class _Worker:
     @staticmethod
     def _loop(q: "queue.SimpleQueue[Deferred]") -> None:
         while True:
-            q.get()._run()
+            q.get().run()
 
 
 _WORKER = _Worker()
@@ -126,14 +140,10 @@ def submit(fn: Callable[[], None], device: torch.device) -> Deferred:
     if device.type == "cuda":
         side = _side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # inputs were produced on the caller's stream
-        job._keep = fn  # tensors the continuation references stay alive until the caller's wait()
-        with torch.cuda.stream(side):
-            job._run()
-            job._event = torch.cuda.Event()
-            job._event.record(side)
+        job.run_on_stream(side)
         return job
     if in_worker():
-        job._run()
+        job.run()
         return job
     _WORKER.submit(job)
     return job
@@ -148,8 +158,8 @@ def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures
         job = submit(fn, device)
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
         with torch.cuda.stream(_side_stream(device)):
-            if job._error is not None:
-                fut.set_exception(job._error)
+            if job.error is not None:
+                fut.set_exception(job.error)
             else:
                 fut.set_result(result)  # records its events on the side stream
         return fut

@@ -51,10 +51,11 @@ class Pending:
             self._comm.streams.wait(self._event)  # timed inside
         else:
             with self._comm.streams.blocked():
-                self._run()
+                self.complete()
         self.done = True
 
-    def _run(self) -> None:
+    def complete(self) -> None:
+        """Wait for the backend handles and run the post-processing, untimed (callers time it)."""
         for w in self._works:
             if w is not None:
                 w.wait()
@@ -157,13 +158,13 @@ class EngineComm:
         st = self.streams
         if async_op and st.enabled:
             with st.issuing(kind, reads):
-                issue()._run()  # enqueued on the side stream: under NCCL the host does not wait
+                issue().complete()  # enqueued on the side stream: under NCCL the host does not wait
                 ev = st.record(kind)
             return Pending(self, [], None, event=ev)
         with st.blocked():  # CPU: issuing a quantized collective quantizes on this thread
             p = issue()
             if not async_op:
-                p._run()
+                p.complete()
                 p.done = True
         return p
 
