@@ -96,7 +96,8 @@ def _qgz_async(rank: int, world: int, store: str) -> bool:
     for o, x in zip(sync, xs):
         quantized_reduce_scatter(o, x, spec=QuantSpec(bits=4), topology=topo)
     outs = [torch.empty(n, device=dev) for n in sizes]
-    hs = [quantized_reduce_scatter(o, x, spec=QuantSpec(bits=4), topology=topo, async_op=True) for o, x in zip(outs, xs)]
+    hs = [quantized_reduce_scatter(o, x, spec=QuantSpec(bits=4), topology=topo, async_op=True)
+          for o, x in zip(outs, xs)]
     for h in reversed(hs):
         h.wait()
     return all(torch.equal(a, b) for a, b in zip(outs, sync))
