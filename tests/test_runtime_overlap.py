@@ -240,10 +240,18 @@ CONFIGS = {
 }
 
 
+def _trace_all(rank: int, world: int, steps: int) -> dict:
+    return {name: _trace(rank, world, kw, steps) for name, kw in CONFIGS.items()}  # one launch for all
+
+
+@pytest.fixture(scope="module")
+def traces() -> list[dict]:
+    return run_world(_trace_all, 2, 2, timeout=300)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_engine_stream_ordering_under_fake_streams(name: str) -> None:
-    res = run_world(_trace, 2, CONFIGS[name], 2, timeout=240)
-    for r in res:
+def test_engine_stream_ordering_under_fake_streams(traces: list[dict], name: str) -> None:
+    for r in (t[name] for t in traces):
         assert r["fake"]["losses"] == r["plain"]["losses"], "streams changed the results"
         for k, v in r["plain"]["weights"].items():
             assert np.array_equal(v, r["fake"]["weights"][k]), k
@@ -256,6 +264,10 @@ def test_engine_stream_ordering_under_fake_streams(name: str) -> None:
 
 
 # ------------------------------------------------------------------ schedule (CPU path)
+def _schedules(rank: int, world: int) -> tuple[dict, dict]:
+    return _schedule(rank, world, 1), _schedule(rank, world, 0)  # one launch for both depths
+
+
 def _schedule(rank: int, world: int, depth: int) -> dict:
     eng = ZeroEngine(make_model(), config=ZeroConfig(stage=3, prefetch_depth=depth), topology=Topology(1, world))
     st3 = eng.stage3
@@ -285,7 +297,7 @@ def _schedule(rank: int, world: int, depth: int) -> dict:
 
 
 def test_stage3_prefetches_ahead_and_leaves_reduce_scatters_in_flight() -> None:
-    r1, r0 = run_world(_schedule, 2, 1)[0], run_world(_schedule, 2, 0)[0]
+    r1, r0 = run_world(_schedules, 2)[0]
     n = len(r1["fwd"])
     assert n >= 2
     # depth 1: when block i computes, block i+1's gather is already issued (in flight)
