@@ -28,8 +28,9 @@ class CommHandle(dist.Work):
 
     Subclasses ``dist.Work`` so callers that test ``isinstance(work, dist.Work)`` (FSDP2) treat it
     as the async work it is. ``is_completed()`` is True once ``wait()`` has written the output.
-    Later hops of a multi-hop collective are issued inside ``wait()``, so every rank must call
-    ``wait()`` on its handles in the same order (as SPMD programs do).
+    Later hops of a multi-hop collective (qgZ) do not wait for ``wait()``: they run as a
+    continuation (``chain.py``) as soon as the first hop lands, in call order; ``finish`` then
+    only waits for that continuation. Handles may be waited in any order.
     """
 
     def __init__(self, works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]] = None) -> None:

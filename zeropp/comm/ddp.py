@@ -8,8 +8,14 @@ Usage::
 
 DDP hands the hook a flat bucket whose size need not divide the world size; the bucket is
 zero-padded to a multiple of it (``quantized_all_reduce``). The result is the *average* over
-the group, as DDP's default hook gives. The hook runs synchronously and returns a completed
-Future (DDP then copies the bucket back into ``param.grad``).
+the group, as DDP's default hook gives.
+
+The hook returns at once with a future that completes when the bucket's reduce-scatter and
+all-gather have finished, so DDP keeps computing the backward of earlier layers and hands over
+later buckets meanwhile (it waits for all futures at the end of backward, then copies the
+buckets back into ``param.grad``). The all-reduce runs as a continuation (``chain.py``): on
+CPU on the comm worker thread, bucket after bucket in DDP's order (the same on every rank); on
+CUDA on a side stream, the future being device-aware.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.
@@ -19,6 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .chain import submit_future
 from .backend import check_gather_spec, check_reduce_spec, check_spec_type
 from .collectives import quantized_all_reduce
 from .feedback import ErrorFeedback
@@ -61,15 +68,17 @@ class QuantizedAllReduceState:
 def quantized_allreduce_hook(
     state: QuantizedAllReduceState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket.buffer()`` over the group with quantized collectives, in place."""
+    """Average ``bucket.buffer()`` over the group with quantized collectives, in place; the
+    returned future completes (with the buffer) once both collectives have finished."""
     buf = bucket.buffer()
     # DDP may rebuild its buckets after the first iteration: key residuals by index *and* size.
     key = f"bucket{bucket.index()}:{buf.numel()}"
-    quantized_all_reduce(
-        buf, dist.ReduceOp.AVG, state.group, spec=state.grads, gather_spec=state.gather,
-        error_feedback=state.feedback, feedback_key=key, topology=state.topology, stats=state.stats,
-        kind=state.kind,
-    )
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+
+    def reduce() -> None:
+        quantized_all_reduce(
+            buf, dist.ReduceOp.AVG, state.group, spec=state.grads, gather_spec=state.gather,
+            error_feedback=state.feedback, feedback_key=key, topology=state.topology, stats=state.stats,
+            kind=state.kind,
+        )
+
+    return submit_future(reduce, buf)

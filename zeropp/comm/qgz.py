@@ -14,6 +14,11 @@ With ``rank = node * rpn + local``:
 6. dequantize-sum of the ``nodes`` partial sums = my chunk, scaled (AVG divides by the *world*
    size, unlike DeepSpeed which divides by the node count).
 
+Steps 4-6 run as a continuation (``chain.py``): issued as soon as hop 1 has landed, on the
+comm worker thread (CPU) or a side stream (CUDA), in call order, so several outstanding
+reduce-scatters keep the same collective order on every rank and the caller's ``wait()`` only
+waits. Hop 2's bytes are accounted at issue, on the caller's thread.
+
 Cross-node bytes per rank: ``(nodes - 1)`` rows at ``bits`` instead of ``rpn * (nodes - 1)``
 full-precision chunks. Two quantization rounds whatever the world size. With one node, one
 rank per node, or a sub-group of the world, a single quantized all-to-all + dequantize-sum.
@@ -27,6 +32,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import chain
 from .backend import CommHandle, backend_all_to_all, finish_or_handle
 from .codecs import Codec
 from .feedback import ErrorFeedback
@@ -112,16 +118,27 @@ def run(
     xs = swizzle(x, nodes, rpn)  # [rpn * nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l
     send1 = _quantize_for_send(codec, xs, plan.intra_bits, gs, ef, key, lambda r: unswizzle(r, nodes, rpn),
                                seed=seed1)  # [W, B1]
-    recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, async_op)
+    recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, True)
+    # hop 2's size is known now: account it here, on the caller's thread, in issue order
+    B2 = codec.wire_bytes(n, plan.bits, gs)
+    cross = topo.cross_ranks(me)
+    record_sends(stats, kind, topo, cross, peer_bytes("all_to_all", nodes * B2, len(cross)))
 
-    def finish() -> None:
+    def hop2() -> None:
+        # runs as soon as hop 1 has landed (chain.py), not in the caller's wait()
+        work.wait()
         # [rpn sources, nodes, B1] -> [nodes, B2]: node sums of my-local chunks; row m -> node m
         send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
                                                 out_bits=plan.bits, seed=seed2)
-        recv2, _ = _all_to_all(send2, topo.cross_ranks(me), groups.cross, topo, stats, kind, False)
+        if tuple(send2.shape) != (nodes, B2) or send2.dtype != torch.uint8:
+            raise RuntimeError(f"codec {type(codec).__name__} re-quantized to {send2.dtype} {tuple(send2.shape)}; its "
+                               f"wire_bytes says uint8 ({nodes}, {B2})")
+        recv2 = torch.empty_like(send2)  # [nodes, B2]
+        backend_all_to_all(recv2, send2, groups.cross, False)
         _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
-    return finish_or_handle([work], finish, async_op)
+    later = chain.submit(hop2, out.device)
+    return finish_or_handle([], later.wait, async_op)
 
 
 def _quantize_for_send(

@@ -7,7 +7,8 @@ from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
 from .memory import expected_memory, measure_memory
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout
+from .streams import CommStreams
 
-__all__ = ["CheckpointError", "DynamicLossScaler", "LossScaler", "OptimizerConfig", "ShardedAdamW", "StaticLossScaler",
+__all__ = ["CheckpointError", "CommStreams", "DynamicLossScaler", "LossScaler", "OptimizerConfig", "ShardedAdamW", "StaticLossScaler",
            "StepResult", "UnitLayout", "ZeroConfig", "ZeroEngine", "expected_memory", "export_consolidated",
            "measure_memory"]

@@ -6,7 +6,9 @@ Everything the engine sends goes through :class:`EngineComm`, which
 - splits a collective larger than the bucket size into column chunks (each rank's shard is
   cut at the same offsets, so chunk ``k`` of the full buffer is ``[G, c]`` columns of the
   ``[G, S]`` view and its reduce-scatter lands in ``shard[a:b]``),
-- times how long the engine is blocked waiting (``wait_s``), which the runner reports as
+- issues asynchronous collectives on the side streams of :class:`~.streams.CommStreams` (CUDA)
+  and times how long the engine is blocked waiting (``wait_s``: compute-stream stalls measured
+  with events on CUDA, host time on CPU; see ``streams.py``), which the runner reports as
   exposed communication.
 
 Averaging: a plain reduce-scatter or all-reduce is a backend SUM followed by a local divide (no
@@ -18,7 +20,6 @@ would be rounded twice).
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
@@ -28,24 +29,39 @@ from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
+from .streams import CommStreams
+
 
 class Pending:
-    """Handles of one logical collective (possibly several chunks) plus what to do after them."""
+    """One logical collective (possibly several chunks): wait for it before using its output.
 
-    def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None) -> None:
-        self._comm, self._works, self._finish, self.done = comm, works, finish, False
+    Without streams: the backend handles plus what to do after them (chunk copies, a divide),
+    run in :meth:`wait`. With streams (CUDA): everything was enqueued on a side stream at issue
+    and ``event`` marks its end; :meth:`wait` makes the compute stream wait for it.
+    """
+
+    def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None, *,
+                 event: object = None) -> None:
+        self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
 
     def wait(self) -> None:
         if self.done:
             return
-        t0 = time.perf_counter()
+        if self._event is not None:
+            self._comm.streams.wait(self._event)  # timed inside
+        else:
+            with self._comm.streams.blocked():
+                self.complete()
+        self.done = True
+
+    def complete(self) -> None:
+        """Wait for the backend handles and run the post-processing, untimed (callers time it)."""
         for w in self._works:
             if w is not None:
                 w.wait()
         if self._finish is not None:
             self._finish()
-        self._comm.wait_s += time.perf_counter() - t0
-        self.done = True
+        self._works, self._finish = [], None
 
 
 def _chunks(cols: int, rows: int, bucket: int) -> list[tuple[int, int]]:
@@ -70,8 +86,18 @@ class EngineComm:
         self.rank = dist.get_rank()
         self.hpz_size = topology.hpz_group_size
         self.hpz_rank = self.rank % self.hpz_size
-        self.wait_s = 0.0
         self.device = device if device is not None else torch.device("cpu")  # where scalars travel (NCCL: the GPU)
+        self.streams = CommStreams(self.device)
+        """Side streams, events and blocked-time measurement (``streams.py``; no-ops on CPU)."""
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the engine was blocked on communication since :meth:`reset_wait` (``streams.py``
+        says what is measured on CUDA and on CPU)."""
+        return self.streams.blocked_s()
+
+    def reset_wait(self) -> None:
+        self.streams.reset()
 
     def _group(self, hpz: bool) -> tuple[Optional[dist.ProcessGroup], int]:
         return (self.groups.hpz, self.hpz_size) if hpz else (None, self.world_size)
@@ -84,21 +110,21 @@ class EngineComm:
         ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule)."""
         group, g = self._group(hpz)
         s = shard.numel()
-        works: list = []
-        finishes: list[Callable[[], None]] = []
-        t0 = time.perf_counter()
-        for a, b in _chunks(s, g, bucket):
-            whole = (a, b) == (0, s)
-            dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
-            works.append(self._z.quantized_all_gather(
-                dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True, spec=spec))
-            if not whole:
-                finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
-        self.wait_s += time.perf_counter() - t0  # issuing a quantized gather quantizes on this thread
-        p = Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None)
-        if not async_op:
-            p.wait()
-        return p
+
+        def issue() -> Pending:
+            works: list = []
+            finishes: list[Callable[[], None]] = []
+            for a, b in _chunks(s, g, bucket):
+                whole = (a, b) == (0, s)
+                dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
+                works.append(self._z.quantized_all_gather(
+                    dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
+                    spec=spec))
+                if not whole:
+                    finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
+            return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None)
+
+        return self._launch("all_gather", issue, (shard,), async_op)
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, spec: Optional[QuantSpec],
@@ -111,35 +137,50 @@ class EngineComm:
         s = out.numel()
         quantized = spec is not None
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
-        works: list = []
-        t0 = time.perf_counter()
-        for a, b in _chunks(s, w, bucket):
-            src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
-            extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
-            works.append(self._z.quantized_reduce_scatter(
-                out[a:b], src, op, None, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
-                async_op=True, **extra))
-        self.wait_s += time.perf_counter() - t0
-        p = Pending(self, works, None if quantized else (lambda: out.div_(w)))
-        if not async_op:
-            p.wait()
+
+        def issue() -> Pending:
+            works: list = []
+            for a, b in _chunks(s, w, bucket):
+                src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
+                extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
+                works.append(self._z.quantized_reduce_scatter(
+                    out[a:b], src, op, None, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
+                    async_op=True, **extra))
+            return Pending(self, works, None if quantized else (lambda: out.div_(w)))
+
+        return self._launch("reduce_scatter", issue, (full,), async_op)
+
+    def _launch(self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...],
+                async_op: bool) -> Pending:
+        """Issue a collective: asynchronously on the ``kind`` side stream when there are streams
+        (finished there at once, an event marks its end), else on the current stream/thread;
+        synchronous calls are waited before returning. See ``streams.py`` for what is timed."""
+        st = self.streams
+        if async_op and st.enabled:
+            with st.issuing(kind, reads):
+                issue().complete()  # enqueued on the side stream: under NCCL the host does not wait
+                ev = st.record(kind)
+            return Pending(self, [], None, event=ev)
+        with st.blocked():  # CPU: issuing a quantized collective quantizes on this thread
+            p = issue()
+            if not async_op:
+                p.complete()
+                p.done = True
         return p
 
     # ------------------------------------------------------------------ all-reduce / misc
     def all_reduce_mean(self, t: torch.Tensor, *, kind: str) -> None:
         """In-place average over the world (stage 0 gradients, replicated units)."""
-        t0 = time.perf_counter()
-        self._z.all_reduce(t, dist.ReduceOp.SUM, None, topology=self.topology, stats=self.stats, kind=kind)
-        t.div_(self.world_size)
-        self.wait_s += time.perf_counter() - t0
+        with self.streams.blocked():
+            self._z.all_reduce(t, dist.ReduceOp.SUM, None, topology=self.topology, stats=self.stats, kind=kind)
+            t.div_(self.world_size)
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         """Sum a few fp64 scalars over the world (loss, squared norms). Control traffic: a few
         bytes per step, deliberately not accounted so the byte formulas stay exact."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        self.wait_s += time.perf_counter() - t0
+        with self.streams.blocked():
+            dist.all_reduce(t)
         return t.tolist()
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:

@@ -64,7 +64,9 @@ class StepResult:
     skipped: bool
     """True when the gradient was not finite and no update was made (fp16 overflow)."""
     comm_wait_s: float = 0.0
-    """Seconds this rank was blocked on communication (waits, synchronous calls, quantization at issue)."""
+    """Seconds this rank was blocked on communication. CUDA: the compute stream's stalls waiting
+    for the communication streams and synchronous collectives, measured with timing events on the
+    GPU. CPU: host time of waits, synchronous calls and quantization at issue (``streams.py``)."""
     step_time_s: float = 0.0
     """Wall time of the whole step on this rank."""
     loss_scale: float = 1.0
@@ -165,7 +167,7 @@ class ZeroEngine:
         if len(micro_batches) != a:
             raise ValueError(f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}")
         t0 = time.perf_counter()
-        self.comm.wait_s = 0.0
+        self.comm.reset_wait()
         scale = self.scaler.scale
         loss_sum = 0.0
         for j, (idx, targets) in enumerate(micro_batches):

@@ -1,0 +1,177 @@
+"""Work that follows a collective (a later hop, a dequantize) run without the caller waiting.
+
+A multi-hop collective (qgZ's cross-node all-to-all after the intra-node one; the DDP hook's
+all-gather after its reduce-scatter) must start its next hop as soon as the previous one has
+landed, not when the caller finally calls ``wait()``. :func:`submit` runs such a continuation:
+
+- **CUDA**: now, on this module's side stream of the device, which first waits for the
+  caller's current stream. NCCL's ``Work.wait()`` only orders streams, so nothing blocks the
+  host: the continuation's kernels and collectives are enqueued at once and run when their
+  inputs are ready. The caller's ``wait()`` makes its current stream wait on an event recorded
+  at the end. The continuation (and the tensors it references) is kept alive until then, so
+  the caching allocator cannot hand its buffers to the caller's stream too early.
+- **CPU (gloo)**: on one comm worker thread per process, in submission order (FIFO). Gloo's
+  ``wait()`` blocks that thread, not the caller. The caller's ``wait()`` blocks until the job
+  ran and re-raises what it raised.
+
+Ordering contract: continuations run in the order they were submitted (CPU: one FIFO thread;
+CUDA: submitted inline, in order), so the collectives they issue go out in the same order on
+every rank as long as the ranks submit in the same order, as SPMD programs do. A process group
+used inside continuations (qgZ: the topology's cross-node group) must not be used by the
+caller's thread while continuations are outstanding. A continuation that submits another one
+(the DDP hook's all-reduce, which runs whole on the worker, calling a synchronous qgZ) runs it
+inline.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Deferred", "in_worker", "submit", "submit_future"]
+
+
+class Deferred:
+    """The outcome of one submitted continuation; :meth:`wait` once it is needed."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device) -> None:
+        self._fn: Optional[Callable[[], None]] = fn
+        self._device = device
+        self._event: Optional[torch.cuda.Event] = None  # CUDA: end of the continuation on the side stream
+        self._done = threading.Event()  # CPU: the worker has run it
+        self._error: Optional[BaseException] = None
+        self._keep: Optional[Callable[[], None]] = None  # CUDA: the continuation, alive until wait()
+
+    def run(self) -> None:
+        """Run the continuation (on the worker or inline), keeping its exception for wait()."""
+        fn, self._fn = self._fn, None
+        try:
+            if fn is not None:
+                fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's wait()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def run_on_stream(self, stream: torch.cuda.Stream) -> None:
+        """CUDA: run the continuation now with ``stream`` current, record the end event there, and
+        keep the continuation (with the tensors it references) alive until :meth:`wait`."""
+        self._keep = self._fn
+        with torch.cuda.stream(stream):
+            self.run()
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What the continuation raised (None if it has not run or succeeded)."""
+        return self._error
+
+    def done(self) -> bool:
+        """True once the continuation has been run (CPU) or enqueued (CUDA)."""
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """CPU: block until the continuation ran, re-raise its error. CUDA: make the current
+        stream wait for its end (no host wait), then drop the references it kept alive."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._event = None
+            self._keep = None
+        else:
+            self._done.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+
+class _Worker:
+    """One daemon thread per process running continuations in submission order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Deferred]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = -1
+
+    def submit(self, job: Deferred) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._queue = queue.SimpleQueue()  # a forked child starts with a fresh queue
+                self._thread = threading.Thread(target=self._loop, args=(self._queue,), name="zeropp-comm",
+                                                daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+            self._queue.put(job)
+
+    def is_current(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    @staticmethod
+    def _loop(q: "queue.SimpleQueue[Deferred]") -> None:
+        while True:
+            q.get().run()
+
+
+_WORKER = _Worker()
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def in_worker() -> bool:
+    """True on the comm worker thread (a continuation submitted there runs inline)."""
+    return _WORKER.is_current()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return s
+
+
+def submit(fn: Callable[[], None], device: torch.device) -> Deferred:
+    """Run ``fn`` (which may wait on works and issue collectives) after the caller's current
+    work, without blocking the caller; see the module docstring for where it runs."""
+    job = Deferred(fn, device)
+    if device.type == "cuda":
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # inputs were produced on the caller's stream
+        job.run_on_stream(side)
+        return job
+    if in_worker():
+        job.run()
+        return job
+    _WORKER.submit(job)
+    return job
+
+
+def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures.Future:
+    """Run ``fn`` as :func:`submit` does and return a ``torch.futures.Future`` holding ``result``
+    once it finished (the form DDP comm hooks return). On CUDA the future is device-aware: its
+    ``wait()`` / ``then()`` make the consumer's stream wait for the side stream."""
+    device = result.device
+    if device.type == "cuda":
+        job = submit(fn, device)
+        fut: torch.futures.Future = torch.futures.Future(devices=[device])
+        with torch.cuda.stream(_side_stream(device)):
+            if job.error is not None:
+                fut.set_exception(job.error)
+            else:
+                fut.set_result(result)  # records its events on the side stream
+        return fut
+    fut = torch.futures.Future()
+
+    def run_and_complete() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+            return
+        fut.set_result(result)
+
+    submit(run_and_complete, device)
+    return fut
