@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from zeropp.comm import CommStats, Topology
+from zeropp.comm.chain import Deferred
 from zeropp.comm.stats import peer_bytes, record_sends
 
 _WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "reduce_scatter_tensor",
@@ -107,6 +108,7 @@ class CommWatch:
         self.wait_s = 0.0
         self._local = threading.local()
         self._thread = threading.get_ident()
+        self._lock = threading.Lock()  # zeropp's comm worker thread issues collectives too
         self._saved: list[tuple[Any, str, Any]] = []
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -137,7 +139,7 @@ class CommWatch:
             self._local.depth = 1
             t0 = time.perf_counter()
             try:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception), self._lock:
                     self._account(name, args, kwargs)
                 return fn(*args, **kwargs)
             finally:
@@ -177,6 +179,9 @@ class CommWatch:
         if work is not None:
             self._saved.append((work, "wait", work.wait))
             work.wait = self._wrap_wait(work.wait)
+        # waiting for a continuation that zeropp's comm worker runs (qgZ's cross-node hop) blocks too
+        self._saved.append((Deferred, "wait", Deferred.wait))
+        Deferred.wait = self._wrap_wait(Deferred.wait)  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -186,10 +191,11 @@ class CommWatch:
 
     def take(self) -> tuple[dict[str, int], float]:
         """``({"<kind>.<link>": bytes}, wait_seconds)`` since the last call; resets both."""
-        b = {f"{k}.{ln}": v for k, links in self.stats.snapshot().items() for ln, v in links.items() if v}
-        w = self.wait_s
-        self.stats.reset()
-        self.wait_s = 0.0
+        with self._lock:
+            b = {f"{k}.{ln}": v for k, links in self.stats.snapshot().items() for ln, v in links.items() if v}
+            w = self.wait_s
+            self.stats.reset()
+            self.wait_s = 0.0
         return b, w
 
 

@@ -213,9 +213,12 @@ class TileConfig:
         return dict(BLOCK_G=self.block_g, BLOCK_GS=self.block_gs, num_warps=self.num_warps, **launch_opts())
 
 
-DIRECT_LAUNCH = knobs is not None and os.environ.get("ZEROPP_TRITON_DIRECT_LAUNCH", "1") != "0"
-"""Launch compiled kernels through their bound launcher (``LaunchPlan``); set the environment
-variable ``ZEROPP_TRITON_DIRECT_LAUNCH=0`` to go through ``kernel[grid](...)`` on every call."""
+DIRECT_LAUNCH = knobs is not None and os.environ.get("ZEROPP_TRITON_DIRECT_LAUNCH", "0") == "1"
+"""Launch compiled kernels through their bound launcher (``LaunchPlan``) instead of
+``kernel[grid](...)`` on every call. Opt-in (``ZEROPP_TRITON_DIRECT_LAUNCH=1``) until its
+specialisation key has been checked against Triton's own on a GPU
+(``tests/test_kernels_cuda.py::test_bound_launches_on_cuda_bit_exact``, which switches it on): a key
+that missed a specialisation would launch a kernel compiled for other alignments."""
 
 
 def _int_traits(v: int) -> tuple[bool, bool, bool, bool]:

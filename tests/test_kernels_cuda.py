@@ -123,10 +123,13 @@ def _views(buf: torch.Tensor, offset: int, rows: int, cols: int, bits: int, gs: 
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_bound_launches_on_cuda_bit_exact(bits: int) -> None:
+def test_bound_launches_on_cuda_bit_exact(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Repeated calls of one shape take the directly launched (bound) kernel; outputs at 16-byte
     aligned and unaligned offsets of a send buffer, and seeds of each Triton int specialisation
     (1, a multiple of 16, beyond 32 bits), must each get their own binding and stay bit-exact."""
+    from zeropp.kernels import _triton
+
+    monkeypatch.setattr(_triton, "DIRECT_LAUNCH", True)  # opt-in path under test
     rows, cols, gs = 3, 1000, 64
     x = _data((rows, cols), torch.bfloat16)
     buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
