@@ -18,6 +18,7 @@ The config groups whose options are library objects are generated too: ``quant=`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Optional, Union
@@ -32,9 +33,6 @@ from .config import EXCLUDED, SECTION_CLASSES, TRAINERS
 
 TOPOLOGIES = ("1x1", "1x2", "1x4", "2x1", "2x2", "2x4", "4x1", "4x2", "3x2")
 """``topology=`` options (nodes x ranks per node); any other shape: ``topology.nodes=N topology.ranks_per_node=R``."""
-
-_cache: dict[type, type] = {}
-
 
 def _schema_type(tp: Any) -> Any:
     """The OmegaConf-compatible annotation of a library field type."""
@@ -52,11 +50,9 @@ def _schema_type(tp: Any) -> Any:
     return Any
 
 
+@functools.lru_cache(maxsize=None)  # one schema class per (class, exclusions): OmegaConf compares them
 def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
     """A mutable dataclass mirroring ``cls``'s fields (names, types, defaults), minus ``exclude``."""
-    key = (cls, exclude)
-    if key in _cache:  # type: ignore[comparison-overlap]
-        return _cache[key]  # type: ignore[index]
     hints = typing.get_type_hints(cls)
     fields = []
     for f in dataclasses.fields(cls):
@@ -75,9 +71,7 @@ def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
             fields.append((f.name, tp, dataclasses.field(default_factory=f.default_factory)))
         else:
             fields.append((f.name, tp, dataclasses.field(default="???")))  # OmegaConf's MISSING
-    schema = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
-    _cache[key] = schema  # type: ignore[index]
-    return schema
+    return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
 
 
 def run_schema() -> type:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -212,13 +211,12 @@ class _Null:
     def __exit__(self, *a: object) -> None: ...
 
 
-LATEST = "LATEST"
-
-
 def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any]) -> None:
     """Collective: ``state`` (a DCP state dict) into a fresh ``path/step-<n>`` directory; ``LATEST``
-    moves to it only after every rank has written (os.replace), so a crash keeps the previous one."""
+    moves to it (the engine's checkpoint layout and commit) only after every rank has written, so a
+    crash keeps the previous one."""
     import torch.distributed.checkpoint as dcp
+    from zeropp.runtime.checkpoint import commit
 
     path = Path(path)
     name = f"step-{int(extra.get('step', 0)):08d}"
@@ -226,21 +224,16 @@ def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any]) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         (path / name / "extra.json").write_text(json.dumps(extra))
-        tmp = path / f".{LATEST}.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, path / LATEST)
+        commit(path, name)
     dist.barrier()
 
 
 def load_dcp(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place; its extra."""
     import torch.distributed.checkpoint as dcp
+    from zeropp.runtime.checkpoint import latest
 
-    latest = Path(path) / LATEST
-    if not latest.is_file():
-        raise FileNotFoundError(f"no checkpoint under {path} (no {LATEST} file); save one with "
-                                "train.checkpoint_every=N first")
-    d = Path(path) / latest.read_text().strip()
+    d = latest(path)
     dcp.load(state, checkpoint_id=str(d))
     return json.loads((d / "extra.json").read_text())
 

@@ -12,6 +12,7 @@ that rank raise at that step, ``kill@<rank>:<step>`` makes it SIGKILL itself.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -66,7 +67,7 @@ def _resume_keys(cfg: RunConfig) -> dict[str, Any]:
     size and stage may change: the checkpoint reshards)."""
     return json.loads(json.dumps({"train.seed": cfg.train.seed, "train.micro_batch_size": cfg.train.micro_batch_size,
                                   "train.steps": cfg.train.steps, "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
-                                  "data": cfg.data.__dict__, "optim": cfg.optim.__dict__}))
+                                  "data": dataclasses.asdict(cfg.data), "optim": dataclasses.asdict(cfg.optim)}))
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:

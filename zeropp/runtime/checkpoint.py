@@ -151,6 +151,12 @@ def _commit(root: Path, tag: str) -> None:
     _write_atomic(root / "LATEST", tag + "\n")
 
 
+def commit(root: str | os.PathLike, tag: str) -> None:
+    """Point ``root/LATEST`` at version directory ``tag``, atomically and durably: for other DCP
+    checkpoints that follow this layout (the runner's FSDP2/DDP trainers). Rank 0 only."""
+    _commit(Path(root), tag)
+
+
 def _storage_writer(d: Path) -> FileSystemWriter:
     """The DCP writer of one version directory (one file per rank, fsynced)."""
     return FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
