@@ -146,6 +146,10 @@ class TrainConfig:
     """Save a checkpoint every N steps (and at the end); 0: never."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; None: ``<run dir>/checkpoints``. ``resume=true`` loads the latest one here."""
+    activation_checkpointing: bool = False
+    """ZeRO-R: recompute each block's activations in backward instead of keeping them (torch's
+    non-reentrant ``torch.utils.checkpoint`` around every block; at stage 3 the recomputation
+    re-gathers the block). Every trainer honours it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "log_every"):

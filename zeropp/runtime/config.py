@@ -11,6 +11,7 @@ before it allocates anything.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from zeropp.comm.spec import QuantRecipe, QuantSpec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("constant", "cosine")
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
 
 
 def _check_spec(name: str, spec: Any) -> None:
@@ -86,6 +88,36 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     """fp16 only: good steps before the loss scale doubles (it halves on every overflow)."""
 
+    offload_optimizer: str = "none"
+    """ZeRO-Offload / ZeRO-Infinity: where the fp32 master shards and the Adam moments live and
+    where the optimizer step runs: ``none`` (the model's device), ``cpu`` (pinned host memory, the
+    step on the CPU, gradient shards copied down as their reductions finish, updated shards copied
+    back), ``nvme`` (files under ``nvme_path``, streamed through the bounded host buffers below).
+    Stages 1-3 (stage 0 has no optimizer shard to move)."""
+
+    offload_param: str = "none"
+    """Stage 3: where each rank's parameter shards live between gathers: ``none`` (the model's
+    device), ``cpu`` (pinned host memory, copied to the device ahead of each gather, honouring
+    ``prefetch_depth``), ``nvme`` (files under ``nvme_path``)."""
+
+    nvme_path: str | None = None
+    """Directory for the ``nvme`` tier's swap files: must exist and be writable. Required when
+    ``offload_optimizer`` or ``offload_param`` is ``nvme``, refused otherwise."""
+
+    swap_buffers: int = 4
+    """``nvme`` only: host staging buffers the swapper reads ahead into and writes behind from
+    (host memory for swapping stays ``swap_buffers * swap_buffer_size`` fp32 elements, whatever
+    the model size); at least 2, so one can be in flight while another is in use."""
+
+    swap_buffer_size: int = 1 << 22
+    """``nvme`` only: fp32 elements per staging buffer (a swapped tensor larger than this is moved
+    in several pieces)."""
+
+    offload_activations: bool = False
+    """ZeRO-R: keep the tensors autograd saves for backward in (pinned) host memory and bring them
+    back when backward needs them. With activation checkpointing only the blocks' inputs are saved,
+    so this moves exactly the checkpointed activations."""
+
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
@@ -131,6 +163,40 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.grad_clip must be > 0 or None, got {self.grad_clip}")
         if self.loss_scale_init <= 0 or self.loss_scale_window < 1:
             raise ValueError("ZeroConfig.loss_scale_init must be > 0 and loss_scale_window >= 1")
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) not in OFFLOAD_TIERS:
+                raise ValueError(f"ZeroConfig.{name} must be one of {OFFLOAD_TIERS}, got {getattr(self, name)!r}")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} needs stage >= 1: stage 0 keeps a full "
+                f"optimizer replica on every rank and has no shard to offload; set stage=1, 2 or 3"
+            )
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.offload_param={self.offload_param!r} offloads stage-3 parameter shards; set stage=3 "
+                f"(stage {self.stage} keeps full parameters on the device) or offload_param='none'"
+            )
+        uses_nvme = "nvme" in (self.offload_optimizer, self.offload_param)
+        if uses_nvme and self.nvme_path is None:
+            raise ValueError("ZeroConfig: the 'nvme' offload tier needs nvme_path=<a writable directory on the "
+                             "disk to swap to>")
+        if self.nvme_path is not None:
+            if not uses_nvme:
+                raise ValueError(f"ZeroConfig.nvme_path={self.nvme_path!r} is set but neither offload_optimizer nor "
+                                 f"offload_param is 'nvme'; set one of them to 'nvme' or nvme_path=None")
+            if not os.path.isdir(self.nvme_path):
+                raise ValueError(f"ZeroConfig.nvme_path={self.nvme_path!r} is not an existing directory; create it "
+                                 f"or point nvme_path at one")
+            if not os.access(self.nvme_path, os.W_OK | os.X_OK):
+                raise ValueError(f"ZeroConfig.nvme_path={self.nvme_path!r} is not writable by this process; "
+                                 f"choose a directory you can write to")
+        if self.swap_buffers < 2:
+            raise ValueError(f"ZeroConfig.swap_buffers must be >= 2 (one in flight, one in use), got {self.swap_buffers}")
+        if self.swap_buffer_size < 1:
+            raise ValueError(f"ZeroConfig.swap_buffer_size must be >= 1 element, got {self.swap_buffer_size}")
 
     @property
     def dtype(self) -> torch.dtype:
