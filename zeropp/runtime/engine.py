@@ -47,6 +47,7 @@ from .collectives import EngineComm
 from .consolidate import consolidated_state_dict
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
+from . import memory as mem
 from .memory import measure_memory
 from .optimizer import ShardedAdamW
 from .partition import FlatUnit, build_units
@@ -157,6 +158,10 @@ class ZeroEngine:
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
         self._last_memory: dict[str, int] | None = None
+        self._memory_sources: dict[str, list[object]] = {c: [] for c in mem.CATEGORIES}
+        self.track_memory("optimizer", self.optim)
+        self._phases: dict[str, mem.MemorySnapshot] = {}
+        self._record_phase("model_creation")
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -180,11 +185,14 @@ class ZeroEngine:
                 self.stage3.check_forward()  # same blocks ran on every rank, else a clear error everywhere
             if loss is None:
                 raise ValueError("the model returned no loss; call it with targets")
+            if j == a - 1:
+                self._record_phase("forward")  # activations saved for backward are alive now
             loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
         grads = self._final_grads()
         res = self._step(grads, loss_sum / a)
+        self._record_phase("step")
         res.step_time_s = time.perf_counter() - t0
         return res
 
@@ -201,6 +209,22 @@ class ZeroEngine:
         """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
         holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
         return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
+
+    def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
+        """This rank's memory by tier and category after model creation and, from the last step,
+        after its (last micro-batch's) forward, backward and optimizer step, each with the phase's
+        peak (``zeropp.runtime.memory.MemorySnapshot``). Local, cheap."""
+        return dict(self._phases)
+
+    def track_memory(self, category: str, source: object) -> None:
+        """Count ``source``'s bytes under ``category`` (one of ``memory.CATEGORIES``) in
+        :meth:`memory_phases`: it must have ``memory_by_tier() -> {"device"|"host"|"disk": int}``
+        or ``nbytes`` (device bytes). A ``params`` source (offloaded parameter store) reports the
+        sharded units' parameter shards itself, so the engine stops counting them."""
+        if category not in self._memory_sources:
+            raise ValueError(f"track_memory: category {category!r} is not one of {mem.CATEGORIES}")
+        mem.source_tiers(source)  # fails now, naming the object, if it cannot report
+        self._memory_sources[category].append(source)
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> str:
         """Atomically save this engine's state under directory ``path`` through
@@ -333,6 +357,7 @@ class ZeroEngine:
             self.stage3.release_all()
         if last:
             self._last_memory = self._measure_memory()
+            self._record_phase("backward")
 
     def _final_grads(self) -> list[torch.Tensor]:
         """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
@@ -409,6 +434,11 @@ class ZeroEngine:
 
     def _measure_memory(self) -> dict[str, int]:
         return measure_memory(self.units, self.optim.nbytes())
+
+    def _record_phase(self, phase: str) -> None:
+        """Snapshot memory at the end of ``phase`` and start the next phase's peak."""
+        self._phases[phase] = mem.snapshot(phase, self.units, self._memory_sources, self.device)
+        mem.reset_peak(self.device)
 
     def _make_error_feedback(self) -> object | None:
         if self.cfg.grads is None or not self.cfg.grads.error_feedback:
