@@ -259,6 +259,21 @@ class MemorySnapshot:
                 "process": dict(self.process), "peak": self.peak, "peak_source": self.peak_source}
 
 
+def flat_snapshot(phase: str, flat: Mapping[str, int], device: torch.device) -> MemorySnapshot:
+    """A snapshot from a flat model-state report (``params``/``grads``/``optimizer``[/``hpz_secondary``]),
+    all on the device: for trainers without the engine's tiered accounting (DDP, FSDP2)."""
+    tiers = {t: {c: 0 for c in CATEGORIES} for t in TIERS}
+    for c in MODEL_STATE:
+        tiers["device"][c] = int(flat.get(c, 0))
+    tiers["device"]["params"] += int(flat.get("hpz_secondary", 0))
+    proc = process_stats(device)
+    if "peak_allocated" in proc:
+        peak, src = proc["peak_allocated"], "cuda_allocator"
+    else:
+        peak, src = sum(tiers["device"].values()), "accounting"
+    return MemorySnapshot(phase=phase, tiers=tiers, process=proc, peak=peak, peak_source=src)
+
+
 def snapshot(phase: str, units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]],
              device: torch.device) -> MemorySnapshot:
     """This rank's :class:`MemorySnapshot` now, closing ``phase`` (then call :func:`reset_peak`)."""
