@@ -225,3 +225,19 @@ def test_account_and_sources_local():
         account([], {"weights": []}, torch.device("cpu"))
     snap = MemorySnapshot(phase="forward", tiers={t: {c: 1 for c in CATEGORIES} for t in TIERS})
     assert snap.total == 15 and snap.to_dict()["tier_totals"]["disk"] == 5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_comes_from_the_allocator_and_resets_per_phase():
+    from zeropp.runtime.memory import reset_peak, snapshot
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    reset_peak(dev)
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # 64 MiB, freed before the snapshot
+    del big
+    snap = snapshot("forward", [], {"buffers": [_Pool(10)]}, dev)
+    assert snap.peak_source == "cuda_allocator" and snap.peak >= 64 << 20
+    assert snap.process["allocated"] < snap.peak and snap.tiers["device"]["buffers"] == 10
+    reset_peak(dev)
+    assert snapshot("backward", [], {}, dev).peak < 64 << 20
