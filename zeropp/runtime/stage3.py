@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
 from .partition import FlatUnit
@@ -66,12 +67,15 @@ class Stage3Hooks:
 
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
                  all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
-                 device: torch.device, on_block_backward: Callable[[FlatUnit], None]) -> None:
+                 device: torch.device, on_block_backward: Callable[[FlatUnit], None],
+                 pool: BufferPool | None = None) -> None:
         self.units: list[FlatUnit] = [u for _, u in blocks]
         self.root = root
         self.all_units = list(all_units)
         self.comm, self.cfg, self.dtype, self.device = comm, config, dtype, device
         self.on_block_backward = on_block_backward
+        self.pool = pool if pool is not None else BufferPool(dtype, device)
+        """Where gather buffers come from and go back to (the engine's constant pool)."""
         self.depth = config.prefetch_depth
         self.ran = [False] * len(self.units)  # blocks whose forward ran in the current forward
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
@@ -91,7 +95,7 @@ class Stage3Hooks:
         """Issue the (async) gather of ``u`` unless it is already gathered or in flight."""
         if u.state != "free":
             return
-        buf = torch.empty(u.padded, dtype=self.dtype, device=self.device)  # [padded]
+        buf = self.pool.acquire("gather", u.padded)  # [padded]
         kind = "bwd_all_gather" if backward else "fwd_all_gather"
         bucket = self.cfg.allgather_bucket_size
         if u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
@@ -116,9 +120,11 @@ class Stage3Hooks:
         if u.state == "inflight":
             u.work.wait()
             u.work = None
-            u.extra.pop("buf", None)
+            self.pool.give_back(u.extra.pop("buf", None))
         if u.kind == "sharded" and (u.state != "free" or u.flat is not None):
+            flat = u.flat
             u.release()
+            self.pool.give_back(flat)
 
     def release_all(self) -> None:
         for u in self.all_units:
