@@ -22,6 +22,14 @@ Life of a step (``grad_accum_steps`` micro-batches):
 3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
    (stages 1 and 2); hpZ secondary copies are dropped because they are now stale.
 
+ZeRO-R (``activation_checkpointing=True``, ``ZeroConfig.offload_activations``): each block is
+checkpointed with torch's non-reentrant ``torch.utils.checkpoint`` (at stage 3 the recomputation
+finds the block re-gathered, see ``stage3.py``); every training forward runs under the
+``ActivationStore`` hooks (``activations.py``), which keep saved activations on the device or in
+(pinned) host memory and count their bytes per tier (``self.activations.memory_by_tier()``).
+Gathers and reduce-scatters draw their buffers from one constant pool (``self.buffers``,
+``buffers.py``; size ``self.buffers.nbytes``).
+
 The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
 are averaged over ranks, so the update equals single-process training on the global batch.
 """
@@ -92,6 +100,10 @@ class ZeroEngine:
     architecture; rank 0's weights are broadcast so ranks start identical. The model's
     parameters are replaced by views into the engine's buffers (stage 3: empty between uses);
     use :meth:`consolidated_state_dict` to get plain weights back.
+
+    ``activation_checkpointing=True`` recomputes each block's activations in backward (the
+    engine's blocks: the modules of the model's block ``ModuleList`` that hold trainable
+    parameters); a model without blocks is refused with a ``ValueError`` at construction.
     """
 
     def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,

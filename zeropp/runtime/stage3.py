@@ -16,6 +16,20 @@ stays until its last gradient (the embeddings') is reduced. Every parameter is t
 gathered twice per micro-step, as in ZeRO-3's 3M accounting. Under ``torch.no_grad()`` nothing
 is wrapped and no secondary copy is made, so evaluation needs no gradient bookkeeping.
 
+Activation checkpointing (``activations.checkpoint_blocks``) replaces a block's ``forward`` by a
+non-reentrant ``torch.utils.checkpoint`` of it, *inside* these module hooks: the hooks run once
+in forward (gather, free after the block), the recomputation replays only the block's own
+forward, and it is triggered by the first saved tensor the block's backward needs, which comes
+after :class:`_PreBackward` has re-gathered the block (from the hpZ secondary copy when there is
+one) and issued the next prefetches. The re-gathered block is freed as without checkpointing,
+by the engine once the block's gradient is reduced, so the reduce-scatter order is unchanged.
+
+Gather buffers come from the engine's constant :class:`~.buffers.BufferPool` and go back to it
+when a block is freed. That is safe because nothing keeps a view of a freed buffer: the
+engine's ``ActivationStore`` saves parameters (and views of them, such as ``linear``'s
+``weight.t()``) by reference to the ``Parameter``, re-deriving the view from the re-gathered
+buffer in backward.
+
 Blocks a rank skips: the forward gathers are issued in block order whatever the model runs (a
 block's pre-hook first issues the gathers of any earlier block not gathered yet in this forward,
 and the end of forward those of the blocks after the last one run), so every rank issues the
