@@ -174,7 +174,7 @@ class ZeroEngine:
         self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units, self.comm, config=cfg, dtype=self.dtype,
                                   device=self.device, on_block_backward=self.flush_reductions_before,
                                   pool=self.buffers) if cfg.stage == 3 else None
-        self._pending: list[tuple[object, FlatUnit, torch.Tensor, torch.Tensor]] = []  # work, unit, out, flat
+        self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
         order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
         order += [u for u in self.units if u not in order]
@@ -349,14 +349,15 @@ class ZeroEngine:
         out = self.buffers.acquire("grad_shard", u.shard_numel)  # [S]
         work = self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
                                         kind="grad_reduce_scatter", async_op=True, **self._qgz())
-        self._pending.append((work, u, out, flat))
+        u.extra["rs_input"] = flat  # back to the pool once the reduce-scatter is waited
+        self._pending.append((work, u, out))
 
-    def _finish_reduction(self, work: object, u: FlatUnit, out: torch.Tensor, flat: torch.Tensor) -> None:
+    def _finish_reduction(self, work: object, u: FlatUnit, out: torch.Tensor) -> None:
         """Wait for one reduce-scatter, add it into ``u``'s gradient shard, return its buffers to the pool."""
         work.wait()
         u.grad_shard.add_(out)
         self.buffers.give_back(out)
-        self.buffers.give_back(flat)
+        self.buffers.give_back(u.extra.pop("rs_input", None))
 
     def _after_backward(self, last: bool) -> None:
         # the rest of the fixed order: units some of whose parameters got no gradient this
