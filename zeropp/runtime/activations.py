@@ -45,6 +45,16 @@ from torch.utils.checkpoint import checkpoint
 TIERS = ("device", "host", "disk")
 
 
+def _view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (torch's ``Tensor._base``), None when ``t`` is not a view."""
+    return torch.Tensor._base.__get__(t)
+
+
+def _version(t: torch.Tensor) -> int:
+    """Torch's in-place modification counter of ``t`` (``Tensor._version``)."""
+    return torch.Tensor._version.__get__(t)
+
+
 class BlockCheckpointing:
     """Non-reentrant activation checkpointing around each of ``blocks``; :meth:`remove` undoes it."""
 
@@ -125,7 +135,8 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> tuple:
-        base = t if t._base is None else t._base
+        base = _view_base(t)
+        base = t if base is None else base
         if isinstance(base, nn.Parameter):
             if t is base:
                 return ("param", base)
@@ -133,7 +144,7 @@ class ActivationStore:
         if not self.offload:
             self._device_storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             return ("device", t)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, _version(t))
         hit = self._host_copies.get(key)
         host = hit[1] if hit is not None and hit[0]() is t else None
         if host is None:
