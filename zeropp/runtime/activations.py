@@ -23,10 +23,10 @@ Two independent pieces, used by ``ZeroEngine`` and by the torch trainers alike:
   * other tensors (activations) stay on the device, or with ``offload=True`` are copied to host
     memory (pinned when the device is CUDA, so the copies are asynchronous) and brought back
     when backward needs them. A CPU engine copies too (into separate host tensors), so the path
-    and its accounting are the same as on a GPU and are tested on CPU ranks. With activation checkpointing, the only tensors saved inside a
-    block are its inputs (the checkpoint saves them through these hooks, everything else is
-    recomputed), so the offloaded set is exactly the checkpointed activations plus those of
-    the layers outside the blocks.
+    and its accounting are the same as on a GPU and are tested on CPU ranks. With activation
+    checkpointing, the only tensors saved inside a block are its inputs (the checkpoint saves
+    them through these hooks, everything else is recomputed), so the offloaded set is exactly
+    the checkpointed activations plus those of the layers outside the blocks.
 
   Own hooks rather than ``torch.autograd.graph.save_on_cpu`` because that one copies
   parameters too (wrong for stage 3, wasteful everywhere) and keeps no account of the bytes.
