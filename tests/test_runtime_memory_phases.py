@@ -74,7 +74,8 @@ def _engine_run(rank: int, world: int, kw: dict, nvme_dir: str | None, fakes: bo
             return has  # the option is accepted but not implemented on this branch: nothing to measure
         eng.train_step(rank_batches(0, 1, rank))
         return has | {"phases": {k: v.to_dict() for k, v in eng.memory_phases().items()}, "flat": eng.memory_report(),
-                "num_params": eng.num_params}
+                "num_params": eng.num_params, "pool_nbytes": eng.buffers.nbytes,
+                "saved": eng.activations.memory_by_tier()}
     finally:
         eng.close()
 
@@ -142,10 +143,16 @@ def test_phases_add_up_to_the_flat_report(runs, name):
 
 def test_tracked_components_land_in_their_category_and_tier(runs):
     for r in runs:
-        for phase in ("forward", "backward", "step"):  # tracked after model creation
-            t = r["s3"]["phases"][phase]["tiers"]
-            assert t["host"]["activations"] == 1000 and t["device"]["activations"] == 24
-            assert t["device"]["buffers"] == 4096 and t["disk"]["activations"] == 0
+        s3 = r["s3"]
+        for phase in ("forward", "backward", "step"):  # the fakes are tracked after model creation
+            t = s3["phases"][phase]["tiers"]
+            # on top of the engine's own pool and activation store (no offload: nothing on the host)
+            assert t["device"]["buffers"] == 4096 + s3["pool_nbytes"] and t["disk"]["activations"] == 0
+            if phase == "forward":  # saved activations are alive from a forward to its backward
+                assert s3["saved"]["host"] == 0 and s3["saved"]["device"] > 0
+                assert t["host"]["activations"] == 1000 and t["device"]["activations"] == 24 + s3["saved"]["device"]
+            else:
+                assert t["host"]["activations"] == 0 and t["device"]["activations"] == 0
 
 
 @pytest.mark.parametrize("name", list(OFFLOAD))
