@@ -109,6 +109,22 @@ def test_dequantize_writes_row_strided_columns_in_place(impl, dtype) -> None:
         assert (full[:, :a] == 7).all() and (full[:, b:] == 7).all()
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_quantize_reads_row_strided_columns_in_place(impl) -> None:
+    """Columns of a wider buffer (the engine's bucketed reduce-scatter input), rows long enough
+    for the CPU path's row-by-row reading, quantized into a wire buffer: the reference's bytes."""
+    from zeropp.kernels.quantize import ROW_LOOP_MIN_COLS
+
+    W, cols, gs = 3, ROW_LOOP_MIN_COLS + 7, 128
+    wide = torch.randn(W, cols + 50).to(torch.bfloat16)
+    x = wide[:, 20 : 20 + cols]  # [W, cols] row-strided view
+    for bits in (8, 4):
+        lay = wire_layout(cols, bits, gs)
+        buf, q = lay.empty(W, x.device)
+        quantize(x, bits, gs, rows=W, out=q, impl=impl)
+        assert torch.equal(buf, Codec.encode(IntCodec(), x.contiguous(), bits, gs, rows=W, seed=None))
+
+
 # ----------------------------------------------------------------------------------------------
 # Op counting on gloo worlds, kernels forced onto the Triton path
 # ----------------------------------------------------------------------------------------------
@@ -307,3 +323,33 @@ def test_engine_bucketed_collectives_write_in_place_world_2() -> None:
             assert all(v for v in value if isinstance(v, bool)), (key, value)
             if key.startswith("ag"):
                 assert value[2] > 1  # the buckets really split the gather
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [None, 5])
+def test_wire_views_on_cuda_match_the_cpu_reference(dtype, seed) -> None:
+    """The compiled kernels on row-strided and swizzled views: the bytes and values of the CPU
+    reference path (encode of the swizzled view, reduce of received rows through views,
+    re-quantization into a wire buffer, dequantization into columns of a wider buffer)."""
+    from zeropp.comm.qgz import swizzle, swizzled_view
+
+    nodes, rpn, n = 2, 4, 17 * 257
+    c = IntCodec()
+    x = (torch.randn(nodes * rpn, n) * 2).to(dtype)
+    for bits in (8, 4):
+        want = _generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)  # CPU
+        got = c.encode(swizzled_view(x.cuda(), nodes, rpn), bits, 128, rows=nodes * rpn, seed=seed)
+        assert torch.equal(got.cpu(), want)
+        recv = got.view(rpn, nodes, -1)  # as hop 1 receives it: [rpn sources, nodes, B]
+        s_gpu = c.dequantize_sum_requantize(recv, n, bits, 128, out_bits=4, seed=seed)
+        s_cpu = c.dequantize_sum_requantize(want.view(rpn, nodes, -1), n, bits, 128, out_bits=4, seed=seed)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        out = torch.zeros(1, n, dtype=dtype, device="cuda")
+        c.dequantize_sum(s_gpu.unsqueeze(1), n, 4, 128, out=out)
+        assert torch.equal(out.cpu(), c.dequantize_sum(s_cpu.unsqueeze(1), n, 4, 128, dtype=dtype))
+        wide = torch.zeros(nodes * rpn, n + 30, dtype=dtype, device="cuda")
+        c.dequantize(c.unpack(got, n, bits, 128), out=wide[:, 10 : 10 + n])
+        ref = c.dequantize(c.unpack(want, n, bits, 128), dtype=dtype)
+        assert torch.equal(wide[:, 10 : 10 + n].cpu(), ref) and not wide[:, :10].any() and not wide[:, 10 + n :].any()
