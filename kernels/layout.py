@@ -239,8 +239,11 @@ def check_quantized_out(
             f"[{rows}, {row_bytes(cols, bits, group_size)}] and scales [{rows}, {num_groups(cols, group_size)}] "
             f"for cols={cols}, bits={bits}, group_size={group_size}"
         )
-    if not (out.codes.is_contiguous() and out.scales.is_contiguous()):
-        raise ValueError("out.codes and out.scales must be contiguous: the kernels write them as flat buffers")
+    if row_stride(out.codes) is None or row_stride(out.scales) is None:
+        raise ValueError(
+            "out.codes and out.scales must be row-strided (each row contiguous, rows a fixed stride apart, "
+            f"as views into a wire buffer are); got strides {out.codes.stride()} and {out.scales.stride()}"
+        )
     if out.codes.device != device or out.scales.device != device:
         raise ValueError(f"out is on {out.codes.device} / {out.scales.device}, the data on {device}")
 
@@ -254,3 +257,63 @@ def output_buffer(
         return torch.empty(rows, cols, dtype=dtype, device=device)
     check_out_buffer(out, rows * cols, device)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Row-strided tensors: the collectives hand the kernels views into one wire buffer (codes and
+# scales of each destination's row side by side), so rows are a fixed stride apart instead of
+# packed. These helpers say whether a tensor is laid out that way and with which stride.
+# ----------------------------------------------------------------------------------------------
+def row_stride(t: torch.Tensor) -> int | None:
+    """Elements between consecutive rows of ``t`` ([..., m], the leading dims flattened into rows)
+    when every row is contiguous and all rows are one fixed stride apart; None otherwise.
+    A contiguous tensor has row stride ``m``."""
+    if t.dim() == 0:
+        return None
+    m = t.shape[-1]
+    if m > 1 and t.stride(-1) != 1:
+        return None
+    lead = [(size, st) for size, st in zip(t.shape[:-1], t.stride()[:-1]) if size != 1]
+    if not lead:
+        return m
+    stride = lead[-1][1]
+    for (size_hi, st_hi), (size_lo, st_lo) in zip(lead[:-1], lead[1:]):
+        if st_hi != st_lo * size_lo:
+            return None
+    if stride < m:
+        return None  # overlapping rows: never a valid output, and not what any caller builds
+    return stride
+
+
+def row_geometry(x: torch.Tensor, rows: int, cols: int) -> tuple[int, int, int] | None:
+    """``(inner, outer, stride)`` such that row ``r`` of ``x`` (``rows`` rows of ``cols``) starts
+    ``(r // inner) * outer + (r % inner) * stride`` elements after ``x``'s first element, each row
+    contiguous; None when ``x`` is not laid out so (the caller makes it contiguous). Two levels
+    cover a contiguous tensor, a row-strided one and a swizzled view ``[a, b, cols]`` of a
+    contiguous ``[b, a, cols]`` tensor (qgZ's local-major order) without a copy."""
+    if x.is_contiguous():
+        return rows, 0, cols
+    if x.dim() < 2 or x.shape[-1] != cols or (cols > 1 and x.stride(-1) != 1):
+        return None
+    lead = [(size, st) for size, st in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    if len(lead) == 1:
+        return rows, 0, lead[0][1]
+    if len(lead) == 2:
+        return lead[1][0], lead[0][1], lead[1][1]
+    s = row_stride(x)
+    return None if s is None else (rows, 0, s)
+
+
+def output_rows(
+    out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Like :func:`output_buffer`, but also accepts a row-strided ``[rows, cols]`` ``out`` (for
+    example columns ``[a:b]`` of a ``[rows, S]`` gathered buffer). Returns ``(out, row stride)``."""
+    if out is not None and not out.is_contiguous() and out.dim() == 2 and tuple(out.shape) == (rows, cols):
+        s = row_stride(out)
+        if s is not None:
+            check_float_dtype(out.dtype, "out")
+            if out.device != device:
+                raise ValueError(f"out is on {out.device}, the quantized data on {device}")
+            return out, s
+    return output_buffer(out, rows, cols, dtype, device), cols

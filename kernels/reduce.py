@@ -33,12 +33,13 @@ from .layout import (
     check_requantize_args,
     codes_dtype,
     num_groups,
-    output_buffer,
+    output_rows,
     qmax,
     row_bytes,
+    row_stride,
 )
 from .cpu import dequantize_sum_cpu, dequantize_sum_requantize_cpu
-from .quantize import PLAN_CACHE_SIZE, _use_triton, copy_into
+from .quantize import PLAN_CACHE_SIZE, _use_triton, copy_into, quantized_rows
 
 
 @jit
@@ -50,7 +51,8 @@ def _tile_sum(
     row,  # int64 row of this program
     g,  # [BG] int64 block indices of this tile
     groups,  # blocks per row
-    row_bytes,  # code bytes per row of the inputs
+    codes_stride,  # elements between code rows of the flattened [k * rows] stack (row_bytes if contiguous)
+    scales_stride,  # elements between scale rows (groups if contiguous)
     GROUP_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -61,8 +63,8 @@ def _tile_sum(
     acc = tl.zeros((BLOCK_G, BLOCK_GS), dtype=tl.float32)
     for i in range(k):
         r = i * rows + row  # int64 row in the flattened [k * rows, ...] stack
-        c = tile_load_codes(codes_ptr + r * row_bytes, g, groups, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
-        s = tl.load(scales_ptr + r * groups + g, mask=g < groups, other=0.0)  # [BG]
+        c = tile_load_codes(codes_ptr + r * codes_stride, g, groups, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
+        s = tl.load(scales_ptr + r * scales_stride + g, mask=g < groups, other=0.0)  # [BG]
         acc = acc + c * s[:, None]
     return acc
 
@@ -71,12 +73,14 @@ def _tile_sum(
 def _dequantize_sum_kernel(
     codes_ptr,  # *int8 / *uint8 [k, rows, row_bytes] stacked input codes
     scales_ptr,  # *fp32 [k, rows, groups] stacked input scales
-    out_ptr,  # *fp32 / *bf16 / *fp16 [rows, cols] contiguous output
+    out_ptr,  # *fp32 / *bf16 / *fp16 [rows, cols] output rows (unit inner stride)
     k,  # number of stacked inputs
     rows,  # rows per input
     cols,  # elements per row (unpadded)
     groups,  # blocks per row
-    row_bytes,  # code bytes per row
+    codes_stride,  # elements between code rows (row_bytes if contiguous)
+    scales_stride,  # elements between scale rows (groups if contiguous)
+    out_stride,  # elements between output rows (cols if contiguous)
     tiles_per_row,  # ceil(groups / BLOCK_G)
     GROUP_SIZE: tl.constexpr,
     BITS: tl.constexpr,
@@ -84,9 +88,10 @@ def _dequantize_sum_kernel(
     BLOCK_GS: tl.constexpr,
 ):
     row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
-    acc = _tile_sum(codes_ptr, scales_ptr, k, rows, row, g, groups, row_bytes, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
+    acc = _tile_sum(codes_ptr, scales_ptr, k, rows, row, g, groups, codes_stride, scales_stride, GROUP_SIZE, BITS,
+                    BLOCK_G, BLOCK_GS)
     mask = (j[None, :] < GROUP_SIZE) & (col < cols)
-    tl.store(out_ptr + row * cols + col, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + col, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -98,8 +103,10 @@ def _dequantize_sum_requantize_kernel(
     k,  # number of stacked inputs
     rows,  # rows per input
     groups,  # blocks per row (same layout in and out)
-    in_row_bytes,  # input code bytes per row
-    out_row_bytes,  # output code bytes per row
+    codes_stride,  # elements between input code rows (in_row_bytes if contiguous)
+    scales_stride,  # elements between input scale rows (groups if contiguous)
+    out_codes_stride,  # elements between output code rows (out_row_bytes if contiguous; a wire row in place)
+    out_scales_stride,  # elements between output scale rows (groups if contiguous)
     tiles_per_row,  # ceil(groups / BLOCK_G)
     seed,  # Philox seed for stochastic rounding
     GROUP_SIZE: tl.constexpr,
@@ -112,72 +119,81 @@ def _dequantize_sum_requantize_kernel(
 ):
     row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     acc = _tile_sum(  # [BG, BGS] fp32, never written to memory
-        codes_ptr, scales_ptr, k, rows, row, g, groups, in_row_bytes, GROUP_SIZE, IN_BITS, BLOCK_G, BLOCK_GS
+        codes_ptr, scales_ptr, k, rows, row, g, groups, codes_stride, scales_stride, GROUP_SIZE, IN_BITS, BLOCK_G,
+        BLOCK_GS,
     )
     offs = row * groups * GROUP_SIZE + col  # [BG, BGS] int64 index into [rows, groups*GROUP_SIZE]
     c, scale = tile_quantize(acc, offs, seed, QMAX, STOCHASTIC)
-    tl.store(out_scales_ptr + row * groups + g, scale, mask=g < groups)
-    tile_store_codes(out_codes_ptr + row * out_row_bytes, c, g, groups, GROUP_SIZE, OUT_BITS, BLOCK_G, BLOCK_GS)
+    tl.store(out_scales_ptr + row * out_scales_stride + g, scale, mask=g < groups)
+    tile_store_codes(out_codes_ptr + row * out_codes_stride, c, g, groups, GROUP_SIZE, OUT_BITS, BLOCK_G, BLOCK_GS)
 
 
 class DequantizeSumPlan:
-    """Launch of ``dequantize_sum`` for one (k, rows, cols, bits, group size, output dtype)."""
+    """Launch of ``dequantize_sum`` for one (k, rows, cols, bits, group size, output dtype,
+    strides); ``strides`` = ``(codes_stride, scales_stride, out_stride)``, None if contiguous."""
 
-    def __init__(self, k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype):
+    def __init__(self, k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype,
+                 strides: tuple[int, int, int] | None = None):
         check_float_dtype(out_dtype, "out")
         groups = num_groups(cols, group_size)
+        if strides is None:
+            strides = (row_bytes(cols, bits, group_size), groups, cols)
         self.launch = None  # k = 0 (a sum of nothing) or an empty tensor: no kernel
         if k and rows * groups:
             cfg = TileConfig(group_size, groups, rows)
             self.launch = LaunchPlan(
-                _dequantize_sum_kernel, cfg,
-                (k, rows, cols, groups, row_bytes(cols, bits, group_size), cfg.tiles_per_row),
+                _dequantize_sum_kernel, cfg, (k, rows, cols, groups, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=group_size, BITS=bits),
             )
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def dequantize_sum_plan(k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype):
-    return DequantizeSumPlan(k, rows, cols, bits, group_size, out_dtype)
+def dequantize_sum_plan(k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype,
+                        strides: tuple[int, int, int] | None = None):
+    return DequantizeSumPlan(k, rows, cols, bits, group_size, out_dtype, strides)
 
 
 class RequantizePlan:
     """Layout and launch of ``dequantize_sum_requantize`` for one (k, rows, cols, input bits,
-    output bits, group size, rounding)."""
+    output bits, group size, rounding, strides); ``strides`` = ``(codes_stride, scales_stride,
+    out_codes_stride, out_scales_stride)``, None if all are contiguous."""
 
-    def __init__(self, k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool):
+    def __init__(self, k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool,
+                 strides: tuple[int, int, int, int] | None = None):
         self.groups = num_groups(cols, group_size)
         self.row_bytes = row_bytes(cols, bits, group_size)
         self.codes_dtype = codes_dtype(bits)
+        if strides is None:
+            strides = (row_bytes(cols, in_bits, group_size), self.groups, self.row_bytes, self.groups)
         self.launch = None
         if rows * self.groups:
             cfg = TileConfig(group_size, self.groups, rows)
             self.launch = LaunchPlan(
-                _dequantize_sum_requantize_kernel, cfg,
-                (k, rows, self.groups, row_bytes(cols, in_bits, group_size), self.row_bytes, cfg.tiles_per_row),
+                _dequantize_sum_requantize_kernel, cfg, (k, rows, self.groups, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=group_size, IN_BITS=in_bits, OUT_BITS=bits, QMAX=qmax(bits), STOCHASTIC=stochastic),
             )
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def requantize_plan(k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool):
-    return RequantizePlan(k, rows, cols, in_bits, bits, group_size, stochastic)
+def requantize_plan(k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool,
+                    strides: tuple[int, int, int, int] | None = None):
+    return RequantizePlan(k, rows, cols, in_bits, bits, group_size, stochastic, strides)
 
 
 def _dequantize_sum_triton(
     q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Triton twin of ``dequantize_sum_ref``."""
+    """Triton twin of ``dequantize_sum_ref``; reads row-strided stacks (a received wire buffer) in place."""
     k, rows = check_dims(q, True, "dequantize_sum")
-    codes = q.codes
-    if not codes.is_cuda:
-        check_launchable(codes)
-    out = output_buffer(out, rows, q.cols, dtype, codes.device)  # [rows, cols] or the caller's buffer
+    if not q.codes.is_cuda:
+        check_launchable(q.codes)
+    out, os_ = output_rows(out, rows, q.cols, dtype, q.codes.device)  # [rows, cols] or the caller's buffer
     if k == 0:
         return out.zero_()
-    plan = dequantize_sum_plan(k, rows, q.cols, q.bits, q.group_size, out.dtype)
+    codes, scales, cs, ss = quantized_rows(q)
+    plan = dequantize_sum_plan(k, rows, q.cols, q.bits, q.group_size, out.dtype, (cs, ss, os_))
     if plan.launch is not None:
-        plan.launch((codes.contiguous(), q.scales.contiguous(), out))
+        plan.launch((codes, scales, out))
     return out
 
 
@@ -185,22 +201,25 @@ def _dequantize_sum_requantize_triton(
     q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0,
     out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
-    """Triton twin of ``dequantize_sum_requantize_ref``: one pass, sum kept in registers."""
+    """Triton twin of ``dequantize_sum_requantize_ref``: one pass, sum kept in registers; reads
+    and writes row-strided views (wire buffers) in place."""
     k, rows, seed = check_requantize_args(q, bits, group_size, seed)
-    codes = q.codes
-    if not codes.is_cuda:
-        check_launchable(codes)
-    plan = requantize_plan(k, rows, q.cols, q.bits, bits, group_size, bool(stochastic))
+    if not q.codes.is_cuda:
+        check_launchable(q.codes)
+    codes, scales, cs, ss = quantized_rows(q)
     if out is None:
+        rb, g = row_bytes(q.cols, bits, group_size), num_groups(q.cols, group_size)
         out = QuantizedTensor.unchecked(
-            torch.empty(rows, plan.row_bytes, dtype=plan.codes_dtype, device=codes.device),  # [rows, out_row_bytes]
-            torch.empty(rows, plan.groups, dtype=torch.float32, device=codes.device),  # [rows, groups]
+            torch.empty(rows, rb, dtype=codes_dtype(bits), device=codes.device),  # [rows, out_row_bytes]
+            torch.empty(rows, g, dtype=torch.float32, device=codes.device),  # [rows, groups]
             q.cols, bits, group_size,
         )
     else:
         check_quantized_out(out, rows, q.cols, bits, group_size, codes.device)
+    strides = (cs, ss, row_stride(out.codes), row_stride(out.scales))
+    plan = requantize_plan(k, rows, q.cols, q.bits, bits, group_size, bool(stochastic), strides)
     if plan.launch is not None:
-        plan.launch((codes.contiguous(), q.scales.contiguous(), out.codes, out.scales), (seed if stochastic else 0,))
+        plan.launch((codes, scales, out.codes, out.scales), (seed if stochastic else 0,))
     return out
 
 

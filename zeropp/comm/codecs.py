@@ -13,11 +13,17 @@ self-contained row per destination chunk, and :meth:`Codec.unpack` inverts it fo
 dims (a received ``[k, rows, B]`` buffer unpacks to ``k`` stacked encodings).
 
 ``int`` (:class:`IntCodec`) is ZeRO++'s block-symmetric INT8/INT4 on ``zeropp.kernels``:
-codes then fp32 scales in one row, so each hop sends one message instead of two.
+codes then fp32 scales in one row, so each hop sends one message instead of two. It is
+zero-copy (:class:`WireLayout`): the kernels write codes and scales straight into views of the
+send buffer, and read a received buffer through views, so no pack (``cat``) or unpack
+(``contiguous``) copy is made. A codec that cannot do that keeps the generic pack/unpack path;
+:attr:`Codec.in_place` tells the collectives which kind they hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -47,6 +53,13 @@ class Codec:
     with fused kernels overrides them. ``seed`` None means round to nearest; an int is the
     kernel seed of stochastic rounding (the collectives derive it, see ``stochastic.py``).
     """
+
+    in_place: bool = False
+    """True when the codec works on wire buffers in place: :meth:`encode` and
+    :meth:`quantize` accept row-strided and two-level views of the input (a swizzled
+    ``[a, b, cols]`` view, columns of a larger buffer), :meth:`dequantize` writes a row-strided
+    ``out``, and :meth:`dequantize_sum` takes ``out=``. False (the default) makes the collectives
+    hand it contiguous tensors, as a minimal codec expects."""
 
     def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> Encoded:
         """``x`` (numel divisible by ``rows``) -> ``rows`` encoded rows of ``numel / rows`` elements."""
@@ -91,10 +104,75 @@ class Codec:
         return self.encode(s, out_bits, group_size, rows=s.shape[0], seed=seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class WireLayout:
+    """Where codes and scales lie in the int codec's wire row of ``cols`` elements: codes
+    (``code_bytes``) then fp32 scales (``4 * groups``), ``nbytes`` in all. Built once per
+    (cols, bits, group size) by :func:`wire_layout`.
+
+    When ``code_bytes`` is a multiple of 4 (any group size that is a multiple of 8), the scales
+    of every row of a ``uint8 [..., rows, nbytes]`` buffer are 4-byte aligned, so
+    :meth:`views` returns codes and scales as views of the buffer and the kernels read and write
+    them in place (``in_place``). Otherwise the scales cannot be viewed as fp32 and the codec
+    packs and unpacks with copies (the bytes on the wire are the same either way)."""
+
+    cols: int
+    bits: int
+    group_size: int
+
+    @property
+    def code_bytes(self) -> int:
+        return row_bytes(self.cols, self.bits, self.group_size)
+
+    @property
+    def groups(self) -> int:
+        return num_groups(self.cols, self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one wire row."""
+        return self.code_bytes + 4 * self.groups
+
+    @property
+    def in_place(self) -> bool:
+        return self.code_bytes % 4 == 0
+
+    def views(self, buf: torch.Tensor) -> QuantizedTensor:
+        """``uint8 [..., rows, nbytes]`` (row-strided, e.g. contiguous) -> a QuantizedTensor whose
+        codes ``[..., rows, code_bytes]`` and scales ``[..., rows, groups]`` are views into ``buf``
+        (writing them writes the buffer). Needs ``in_place``."""
+        if not self.in_place:
+            raise ValueError(f"wire rows of {self.cols} elements at INT{self.bits}, group_size={self.group_size} "
+                             f"have {self.code_bytes} code bytes, not a multiple of 4: the scales cannot be viewed "
+                             "in place; use a group size that is a multiple of 8")
+        if buf.dtype != torch.uint8 or buf.shape[-1] != self.nbytes:
+            raise ValueError(f"wire buffer must be uint8 [..., {self.nbytes}], got {buf.dtype} {tuple(buf.shape)}")
+        rb = self.code_bytes
+        codes = buf[..., :rb]
+        codes = codes.view(torch.int8) if self.bits == 8 else codes  # [..., rows, rb]
+        return QuantizedTensor.unchecked(codes, buf[..., rb:].view(torch.float32), self.cols, self.bits,
+                                         self.group_size)
+
+    def empty(self, rows: int, device: torch.device) -> tuple[torch.Tensor, QuantizedTensor]:
+        """A new ``uint8 [rows, nbytes]`` wire buffer and its views (one allocation)."""
+        buf = torch.empty(rows, self.nbytes, dtype=torch.uint8, device=device)
+        return buf, self.views(buf)
+
+
+@functools.lru_cache(maxsize=1024)
+def wire_layout(cols: int, bits: int, group_size: int) -> WireLayout:
+    """The int codec's wire layout for rows of ``cols`` elements (cached per shape)."""
+    return WireLayout(cols, bits, group_size)
+
+
 class IntCodec(Codec):
     """Block-wise symmetric INT8/INT4 (``zeropp.kernels``): one fp32 scale per ``group_size``
-    elements; wire row = codes (``row_bytes``) then the scales' bytes. The reductions use the
-    fused kernels (one pass, fp32 accumulation, no intermediate tensor per source)."""
+    elements; wire row = codes (``row_bytes``) then the scales' bytes (:class:`WireLayout`). The
+    reductions use the fused kernels (one pass, fp32 accumulation, no intermediate tensor per
+    source). Zero-copy: quantizations write straight into the wire buffer and reads go through
+    views of it (``WireLayout.in_place``; other group sizes pack and unpack with copies)."""
+
+    in_place = True
 
     def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> QuantizedTensor:
         if seed is None:
@@ -112,25 +190,51 @@ class IntCodec(Codec):
         # [..., rows, row_bytes] codes ++ [..., rows, 4 * groups] scale bytes, same device
         return torch.cat([q.codes.view(torch.uint8), q.scales.contiguous().view(torch.uint8)], dim=-1)
 
+    def encode(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> torch.Tensor:
+        """Quantize straight into a new wire buffer ``uint8 [rows, B]`` (no pack copy). ``x`` may be
+        a row-strided or swizzled view (``zeropp.kernels.layout.row_geometry``); it is read in place."""
+        lay = wire_layout(x.numel() // rows, bits, group_size)
+        if not lay.in_place:
+            return super().encode(x, bits, group_size, rows=rows, seed=seed)
+        buf, q = lay.empty(rows, x.device)  # [rows, B] and its codes / scales views
+        if seed is None:
+            quantize(x, bits, group_size, rows=rows, out=q)
+        else:
+            quantize(x, bits, group_size, rows=rows, stochastic=True, seed=seed, out=q)
+        return buf
+
     def unpack(self, buf: torch.Tensor, cols: int, bits: int, group_size: int) -> QuantizedTensor:
-        rb = row_bytes(cols, bits, group_size)
-        codes = buf[..., :rb].contiguous()  # own storage: the dtype views below need aligned offsets
+        """Views into ``buf`` (no copy) when the layout allows (``WireLayout.in_place``); the result
+        aliases ``buf``. Otherwise contiguous copies."""
+        lay = wire_layout(cols, bits, group_size)
+        if lay.in_place:
+            return lay.views(buf)
+        rb = lay.code_bytes
+        codes = buf[..., :rb].contiguous()
         codes = codes.view(torch.int8) if bits == 8 else codes
-        scales = buf[..., rb:].contiguous().view(torch.float32)
+        # own storage at offset 0 (.contiguous() keeps a one-row slice at its unaligned offset)
+        scales = torch.empty(buf[..., rb:].shape, dtype=torch.uint8, device=buf.device).copy_(buf[..., rb:])
+        scales = scales.view(torch.float32)
         return QuantizedTensor(codes, scales, cols, bits, group_size)
 
     def dequantize_sum(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_sum(self.unpack(buf, cols, bits, group_size), dtype=dtype)
+                       dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As :meth:`Codec.dequantize_sum`, reading ``buf`` in place; ``out`` (contiguous, its dtype
+        wins) receives the sum directly."""
+        return dequantize_sum(self.unpack(buf, cols, bits, group_size), out=out, dtype=dtype)
 
     def dequantize_sum_requantize(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
                                   out_bits: int, seed: Optional[int]) -> torch.Tensor:
-        q = self.unpack(buf, cols, bits, group_size)  # [k, rows, *]
+        q = self.unpack(buf, cols, bits, group_size)  # [k, rows, *] views of buf
+        lay = wire_layout(cols, out_bits, group_size)
+        dst = None
+        if lay.in_place:
+            send, dst = lay.empty(q.rows, buf.device)  # [rows, B'] written by the kernel in place
         if seed is None:
-            q2 = dequantize_sum_requantize(q, out_bits, group_size)
+            q2 = dequantize_sum_requantize(q, out_bits, group_size, out=dst)
         else:
-            q2 = dequantize_sum_requantize(q, out_bits, group_size, stochastic=True, seed=seed)
-        return self.pack(q2)  # [rows, B']
+            q2 = dequantize_sum_requantize(q, out_bits, group_size, stochastic=True, seed=seed, out=dst)
+        return send if dst is not None else self.pack(q2)  # [rows, B']
 
 
 _CODECS: dict[str, Codec] = {"int": IntCodec()}

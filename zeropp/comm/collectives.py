@@ -62,6 +62,12 @@ def quantized_all_gather(
     may be a view into the output, as FSDP2 passes it. ``spec=None``: the backend all-gather.
     A spec with ``intra_bits`` or ``error_feedback`` is refused (one hop, nothing carried over).
 
+    Zero-copy with the ``int`` codec: the shard is quantized straight into the one send buffer
+    (codes and scales of the row side by side, one message), and the received buffer is
+    dequantized in place, through views, straight into ``output_tensor``. Quantized, the output
+    may also be a row-strided ``[W, n]`` view (columns ``[a:b]`` of a ``[W, S]`` gathered
+    buffer, as the engine's bucketed gathers pass), which is written in place.
+
     ``spec.rounding="stochastic"`` rounds stochastically (unbiased). Each such call takes the
     next index of a per-process counter and quantizes with the kernel seed
     ``stochastic_seed(spec.seed, global rank, call index, 0)`` (``zeropp.comm.stochastic``):
@@ -77,7 +83,7 @@ def quantized_all_gather(
             f"all-gather output has {output_tensor.numel()} elements but the group of {W} ranks "
             f"gathers {W} x {n} = {W * n}; allocate output with {W * n} elements"
         )
-    check_contiguous(output_tensor, "all-gather output")
+    _check_rows(output_tensor, W, n, spec, "all-gather output")
     if output_tensor.device != input_tensor.device:
         raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
     if spec is not None:
@@ -105,6 +111,8 @@ def quantized_all_gather(
     bits = spec.bits
     gs = DEFAULT_WEIGHT_GROUP_SIZE if spec.group_size is None else spec.group_size
     send = codec.encode(input_tensor.reshape(-1), bits, gs, rows=1, seed=kseed).view(-1)  # [B]; reads input first
+    if not codec.in_place and not output_tensor.is_contiguous():
+        raise ValueError(f"codec {spec.scheme!r} writes only contiguous outputs; pass a contiguous all-gather output")
     B = codec.wire_bytes(n, bits, gs)
     if send.numel() != B or send.dtype != torch.uint8:
         raise RuntimeError(f"codec {spec.scheme!r} packed a {send.dtype} row of {send.numel()} bytes; "
@@ -114,7 +122,8 @@ def quantized_all_gather(
     work = backend_all_gather(recv, send, group, async_op)
 
     def finish() -> None:
-        codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)  # [W, n] into output
+        # [W, B] received rows, read through views, dequantized straight into output ([W, n])
+        codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
 
     return finish_or_handle([work], finish, async_op)
 
@@ -152,6 +161,12 @@ def quantized_reduce_scatter(
     shared with :func:`quantized_all_gather`; this rank's first quantization uses the kernel seed
     ``stochastic_seed(spec.seed, global rank, call index, 0)``, the hierarchical re-quantization
     ``stochastic_seed(..., 1)`` (``zeropp.comm.stochastic``).
+
+    Zero-copy with the ``int`` codec: each destination's chunk is quantized straight into its
+    slot of the all-to-all send buffer (in qgZ's swizzled order, read in place), received
+    buffers are reduced through views, and the sum is written into ``output_tensor``.
+    Quantized, the input may also be a row-strided ``[W, n]`` view (columns of a ``[W, S]``
+    buffer), read in place.
     """
     check_reduce_spec(spec, error_feedback)
     topo = resolve_topology(topology)
@@ -164,7 +179,7 @@ def quantized_reduce_scatter(
             f"group has {W} ranks; the input must hold {W} x {n} = {W * n} elements (pad it)"
         )
     check_contiguous(output_tensor, "reduce-scatter output")
-    check_contiguous(input_tensor, "reduce-scatter input")
+    _check_rows(input_tensor, W, n, spec, "reduce-scatter input")
     if output_tensor.device != input_tensor.device:
         raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
     op_name, factor = parse_op(op)
@@ -266,14 +281,31 @@ def quantized_all_reduce(
     ranks = group_ranks(group)
     W, numel = len(ranks), tensor.numel()
     n = -(-numel // W)  # ceil: chunk per rank
-    flat = torch.zeros(W * n, dtype=tensor.dtype, device=tensor.device)  # [W * n], padded
-    flat[:numel] = tensor.reshape(-1)
+    direct = tensor.is_contiguous() and numel == W * n  # no padding: reduce and gather in place
+    if direct:
+        flat = tensor.view(-1)
+    else:
+        flat = torch.zeros(W * n, dtype=tensor.dtype, device=tensor.device)  # [W * n], padded
+        flat[:numel] = tensor.reshape(-1)
     chunk = torch.empty(n, dtype=tensor.dtype, device=tensor.device)  # [n], my reduced chunk
     quantized_reduce_scatter(chunk, flat, op, group, spec=spec, error_feedback=error_feedback,
                              feedback_key=feedback_key, topology=topology, stats=stats, kind=kind)
     quantized_all_gather(flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind)
-    tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
+    if not direct:
+        tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     return tensor
+
+
+def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str) -> None:
+    """A collective's ``[W * n]`` side must be contiguous; a quantized one may also be a ``[W, n]``
+    view whose rows are each contiguous and a fixed stride apart (the kernels index it in place)."""
+    if t.is_contiguous():
+        return
+    if spec is not None and t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1):
+        return
+    hint = f" or, quantized, a [{W}, {n}] view with contiguous rows" if spec is not None else ""
+    raise ValueError(f"{what} must be contiguous{hint} (got shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
+                     "pass t.contiguous()")
 
 
 def _default_stats() -> CommStats:

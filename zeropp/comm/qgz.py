@@ -39,7 +39,7 @@ from .feedback import ErrorFeedback
 from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
 
-__all__ = ["ErrorFeedback", "QgzPlan", "run", "swizzle", "unswizzle"]
+__all__ = ["ErrorFeedback", "QgzPlan", "run", "swizzle", "swizzled_view", "unswizzle"]
 
 
 def swizzle(x: torch.Tensor, nodes: int, rpn: int) -> torch.Tensor:
@@ -52,6 +52,13 @@ def unswizzle(y: torch.Tensor, nodes: int, rpn: int) -> torch.Tensor:
     """Inverse of :func:`swizzle`."""
     n = y.shape[-1]
     return y.reshape(rpn, nodes, n).transpose(0, 1).reshape(nodes * rpn, n)
+
+
+def swizzled_view(x: torch.Tensor, nodes: int, rpn: int) -> torch.Tensor:
+    """:func:`swizzle` as a view, no copy: ``[W, n]`` (rows may be strided) -> ``[rpn, nodes, n]``
+    whose flattened rows are :func:`swizzle`'s rows. The kernels index it in place
+    (``zeropp.kernels.layout.row_geometry``)."""
+    return x.view(nodes, rpn, x.shape[-1]).transpose(0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +108,11 @@ def run(
     (None = round to nearest)."""
     W, n, gs, codec = len(plan.ranks), plan.n, plan.group_size, plan.codec
     topo = plan.topology
-    x = inp.view(W, n)  # [W, n] chunk j for member j
+    x = inp.view(W, n)  # [W, n] chunk j for member j (a row-strided view is read in place)
     if ef is not None:
         x = x.float() + ef.residual(key, W * n, inp.device).view(W, n)
+    elif not codec.in_place and not x.is_contiguous():
+        x = x.contiguous()  # a minimal codec expects a contiguous input
     seed1, seed2 = (None, None) if seeds is None else seeds
     if not plan.hierarchical:  # one quantized all-to-all over the group, then dequantize-sum
         bits = plan.single_hop_bits
@@ -115,9 +124,11 @@ def run(
     nodes, rpn = topo.nodes, topo.ranks_per_node
     groups = topo.build()
     me = dist.get_rank()
-    xs = swizzle(x, nodes, rpn)  # [rpn * nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l
-    send1 = _quantize_for_send(codec, xs, plan.intra_bits, gs, ef, key, lambda r: unswizzle(r, nodes, rpn),
-                               seed=seed1)  # [W, B1]
+    # [rpn, nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l. For an in-place codec this
+    # stays a view: the quantization reads x in swizzled order and writes each row straight
+    # into its slot of the send buffer, so no swizzled copy of x is made.
+    xs = swizzled_view(x, nodes, rpn) if codec.in_place else swizzle(x, nodes, rpn)
+    send1 = _quantize_for_send(codec, xs, plan.intra_bits, gs, ef, key, (nodes, rpn), seed=seed1)  # [W, B1]
     recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, True)
     # hop 2's size is known now: account it here, on the caller's thread, in issue order
     B2 = codec.wire_bytes(n, plan.bits, gs)
@@ -148,19 +159,34 @@ def _quantize_for_send(
     gs: int,
     ef: Optional[ErrorFeedback],
     key: str,
-    to_input_layout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    swizzled: Optional[tuple[int, int]] = None,
     *,
     seed: Optional[int] = None,
 ) -> torch.Tensor:
-    """Quantize ``x`` ([rows, n]) row-wise into wire rows ([rows, B] uint8, on x's device); a
-    ``seed`` selects stochastic rounding with that kernel seed. With error feedback, store what
-    the rounding lost, mapped back to the input's chunk order."""
+    """Quantize ``x`` ([rows, n], or the ``[rpn, nodes, n]`` swizzled view) row-wise into wire
+    rows ([rows, B] uint8, on x's device; the codec writes them in place); a ``seed`` selects
+    stochastic rounding with that kernel seed. With error feedback, store what the rounding
+    lost, in the input's chunk order (``swizzled`` = ``(nodes, rpn)`` when ``x`` is swizzled)."""
+    n = x.shape[-1]
+    rows = x.numel() // n if n else x.shape[0]
+    send = codec.encode(x, bits, gs, rows=rows, seed=seed)
     if ef is None:
-        return codec.encode(x, bits, gs, rows=x.shape[0], seed=seed)
-    q = codec.quantize(x, bits, gs, rows=x.shape[0], seed=seed)
-    r = x.float() - codec.dequantize(q).view(x.shape)  # [rows, n]
-    ef.store(key, r if to_input_layout is None else to_input_layout(r))
-    return codec.pack(q)
+        return send
+    q = codec.unpack(send, n, bits, gs)  # views of send for an in-place codec
+    if swizzled is None:
+        r = x.float() - codec.dequantize(q).view(x.shape)  # [rows, n]
+    elif codec.in_place:
+        nodes, rpn = swizzled
+        r = torch.empty(nodes, rpn, n, dtype=torch.float32, device=x.device)  # input chunk order
+        for l in range(rpn):  # send rows l*nodes .. (l+1)*nodes hold input chunks m*rpn + l
+            rows_l = type(q)(q.codes[l * nodes:(l + 1) * nodes], q.scales[l * nodes:(l + 1) * nodes], q.cols, q.bits,
+                             q.group_size)
+            codec.dequantize(rows_l, out=r[:, l, :])  # [nodes, n] row-strided, written in place
+        r = torch.sub(x.transpose(0, 1).reshape(nodes, rpn, n), r, out=r)  # x is fp32 and contiguous under EF
+    else:
+        r = unswizzle(x.float() - codec.dequantize(q).view(x.shape), *swizzled)
+    ef.store(key, r)
+    return send
 
 
 def _all_to_all(
@@ -181,7 +207,16 @@ def _all_to_all(
 
 
 def _sum_into(codec: Codec, buf: torch.Tensor, n: int, bits: int, gs: int, post_scale: float, out: torch.Tensor) -> None:
-    """Wire rows [k, 1, B] -> fp32 sum over k, times ``post_scale``, written into ``out`` ([n])."""
+    """Wire rows [k, 1, B] -> fp32 sum over k, times ``post_scale``, written into ``out`` ([n]).
+
+    An fp32 ``out`` of an in-place codec receives the sum directly (read from ``buf`` in place)
+    and is scaled there: the same fp32 operations as through a temporary. A bf16/fp16 ``out``
+    needs the fp32 sum scaled *before* its single rounding, so it goes through an fp32 [n]."""
+    if codec.in_place and out.dtype == torch.float32 and out.is_contiguous():
+        codec.dequantize_sum(buf, n, bits, gs, dtype=torch.float32, out=out)
+        if post_scale != 1.0:
+            out.mul_(post_scale)
+        return
     s = codec.dequantize_sum(buf, n, bits, gs, dtype=torch.float32)  # [1, n]
     if post_scale != 1.0:
         s.mul_(post_scale)

@@ -5,7 +5,9 @@ Everything the engine sends goes through :class:`EngineComm`, which
 - routes to ``zeropp.comm`` (quantized or plain, with byte accounting by link),
 - splits a collective larger than the bucket size into column chunks (each rank's shard is
   cut at the same offsets, so chunk ``k`` of the full buffer is ``[G, c]`` columns of the
-  ``[G, S]`` view and its reduce-scatter lands in ``shard[a:b]``),
+  ``[G, S]`` view and its reduce-scatter lands in ``shard[a:b]``); a quantized chunk reads and
+  writes those columns in place (row-strided views), a plain one goes through a contiguous
+  temporary because the backend collectives need one,
 - issues asynchronous collectives on the side streams of :class:`~.streams.CommStreams` (CUDA)
   and times how long the engine is blocked waiting (``wait_s``: compute-stream stalls measured
   with events on CUDA, host time on CPU; see ``streams.py``), which the runner reports as
@@ -25,6 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from zeropp.comm.codecs import codec_for
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
@@ -116,12 +119,16 @@ class EngineComm:
             finishes: list[Callable[[], None]] = []
             for a, b in _chunks(s, g, bucket):
                 whole = (a, b) == (0, s)
-                dst = out if whole else torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
+                if whole:
+                    dst = out
+                elif spec is not None and codec_for(spec).in_place:  # dequantized straight into out's columns
+                    dst = out.view(g, s)[:, a:b]  # [g, b - a] row-strided view
+                else:  # the backend all-gather needs a contiguous output
+                    dst = torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
+                    finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
                 works.append(self._z.quantized_all_gather(
                     dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
                     spec=spec))
-                if not whole:
-                    finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
             return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None)
 
         return self._launch("all_gather", issue, (shard,), async_op)
@@ -141,7 +148,12 @@ class EngineComm:
         def issue() -> Pending:
             works: list = []
             for a, b in _chunks(s, w, bucket):
-                src = full if (a, b) == (0, s) else full.view(w, s)[:, a:b].contiguous()
+                if (a, b) == (0, s):
+                    src = full
+                elif quantized and codec_for(spec).in_place:  # [w, b - a] view, quantized in place (no copy)
+                    src = full.view(w, s)[:, a:b]
+                else:  # the backend reduce-scatter needs a contiguous input
+                    src = full.view(w, s)[:, a:b].contiguous()
                 extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
                 works.append(self._z.quantized_reduce_scatter(
                     out[a:b], src, op, None, spec=spec, topology=self.topology, stats=self.stats, kind=kind,

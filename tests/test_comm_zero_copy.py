@@ -1,0 +1,355 @@
+"""The quantized collectives make no copies around the collective itself (issue 11, item 2).
+
+What is proven, and how:
+
+- parity: the ``int`` codec's in-place wire path (quantize into views of the send buffer, read
+  the receive buffer through views) produces the same bytes and the same values as the generic
+  pack / unpack path (``Codec``'s defaults, which are what the codec did before), on awkward
+  sizes (1, 7, 17x257), fp32/bf16/fp16, INT8/INT4, round-to-nearest and stochastic, and on group
+  sizes whose layout cannot be viewed in place (those keep copying, with the same bytes);
+- aliasing: ``unpack`` returns views of the received buffer; the all-gather writes the caller's
+  output (same ``data_ptr``), also when the output is a row-strided column slice;
+- op counts: a ``TorchDispatchMode`` records every aten op the caller's thread issues during a
+  quantized all-gather / reduce-scatter on gloo worlds of 2 and 2x2 ranks, with the kernels
+  forced onto the Triton path (run by the interpreter on CPU). Ops issued *inside* a kernel
+  launch are not counted: the interpreter emulates the kernel with host copies of its
+  arguments, a GPU launch issues no aten op at all. What remains must be exactly the send and
+  receive wire buffers (one allocation each, codes and scales included), the collective, and
+  views: no ``copy_``, ``cat``, ``clone`` or ``contiguous`` copy, in particular no swizzled copy
+  of the gradient in the hierarchical qgZ.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed import run_world
+from zeropp.comm.codecs import Codec, IntCodec, wire_layout
+from zeropp.kernels import QuantizedTensor, dequantize, quantize
+from zeropp.kernels.reference import dequantize_ref, quantize_ref
+
+SIZES = [(1, 1), (1, 7), (17, 257)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ALLOC_OPS = ("empty", "empty_like", "zeros", "zeros_like", "new_empty", "new_zeros", "empty_strided")
+COPY_OPS = ("copy_", "cat", "clone", "_to_copy", "index_select", "stack", "contiguous")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity of the in-place wire path with the generic pack / unpack path (no process group needed)
+# ----------------------------------------------------------------------------------------------
+def _generic_encode(c: IntCodec, x: torch.Tensor, bits: int, gs: int, rows: int, seed: Optional[int]) -> torch.Tensor:
+    return Codec.encode(c, x, bits, gs, rows=rows, seed=seed)  # pack(quantize(x)): the old path
+
+
+@pytest.mark.parametrize("rows,cols", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("seed", [None, 1234])
+def test_int_encode_in_place_matches_pack(rows, cols, dtype, bits, seed) -> None:
+    c = IntCodec()
+    x = (torch.randn(rows, cols) * 3).to(dtype)
+    for gs in (8, 128, 6):  # 6 at INT4: 3 code bytes per block, not viewable in place for odd block counts
+        buf = c.encode(x, bits, gs, rows=rows, seed=seed)
+        assert buf.dtype == torch.uint8 and buf.shape == (rows, c.wire_bytes(cols, bits, gs))
+        assert torch.equal(buf, _generic_encode(c, x, bits, gs, rows, seed))
+        q = c.unpack(buf, cols, bits, gs)
+        if wire_layout(cols, bits, gs).in_place:  # views of the buffer, no unpack copy
+            assert q.codes.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            assert q.scales.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        ref = QuantizedTensor(q.codes.contiguous(), q.scales.contiguous(), cols, bits, gs)
+        for out_dtype in DTYPES:
+            got = c.dequantize(q, dtype=out_dtype)
+            assert torch.equal(got, dequantize_ref(ref, dtype=out_dtype).view(rows, cols))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [None, 99])
+def test_swizzled_view_quantizes_like_the_swizzled_copy(dtype, seed) -> None:
+    """qgZ's swizzle as indexing: quantizing the ``[rpn, nodes, n]`` view of the input straight
+    into the send buffer gives the bytes of quantizing the materialised swizzled copy."""
+    from zeropp.comm.qgz import swizzle, swizzled_view
+
+    nodes, rpn, n = 2, 3, 257
+    x = torch.randn(nodes * rpn, n).to(dtype)
+    c = IntCodec()
+    for bits in (8, 4):
+        got = c.encode(swizzled_view(x, nodes, rpn), bits, 128, rows=nodes * rpn, seed=seed)
+        want = _generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)
+        assert torch.equal(got, want)
+        # the same through the Triton kernels (interpreter on CPU), which index the view in place
+        lay = wire_layout(n, bits, 128)
+        buf, q = lay.empty(nodes * rpn, x.device)
+        quantize(swizzled_view(x, nodes, rpn), bits, 128, rows=nodes * rpn, stochastic=seed is not None,
+                 seed=seed or 0, out=q, impl="triton")
+        assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_writes_row_strided_columns_in_place(impl, dtype) -> None:
+    """Received rows dequantized straight into columns ``[a:b]`` of a ``[W, S]`` buffer (the
+    engine's bucketed all-gather): the caller's storage is written, nothing around it."""
+    W, S, a, b, gs = 3, 300, 17, 17 + 257, 8
+    x = torch.randn(W, b - a)
+    for bits in (8, 4):
+        lay = wire_layout(b - a, bits, gs)
+        buf, q = lay.empty(W, x.device)
+        quantize(x, bits, gs, rows=W, out=q, impl=impl)
+        full = torch.full((W, S), 7.0, dtype=dtype)
+        ptr = full.data_ptr()
+        dst = full[:, a:b]
+        assert dequantize(q, out=dst, impl=impl) is dst and full.data_ptr() == ptr
+        ref = dequantize_ref(quantize_ref(x, bits, gs, rows=W), dtype=dtype).view(W, b - a)
+        assert torch.equal(full[:, a:b], ref)
+        assert (full[:, :a] == 7).all() and (full[:, b:] == 7).all()
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_quantize_reads_row_strided_columns_in_place(impl) -> None:
+    """Columns of a wider buffer (the engine's bucketed reduce-scatter input), rows long enough
+    for the CPU path's row-by-row reading, quantized into a wire buffer: the reference's bytes."""
+    from zeropp.kernels.quantize import ROW_LOOP_MIN_COLS
+
+    W, cols, gs = 3, ROW_LOOP_MIN_COLS + 7, 128
+    wide = torch.randn(W, cols + 50).to(torch.bfloat16)
+    x = wide[:, 20 : 20 + cols]  # [W, cols] row-strided view
+    for bits in (8, 4):
+        lay = wire_layout(cols, bits, gs)
+        buf, q = lay.empty(W, x.device)
+        quantize(x, bits, gs, rows=W, out=q, impl=impl)
+        assert torch.equal(buf, Codec.encode(IntCodec(), x.contiguous(), bits, gs, rows=W, seed=None))
+
+
+# ----------------------------------------------------------------------------------------------
+# Op counting on gloo worlds, kernels forced onto the Triton path
+# ----------------------------------------------------------------------------------------------
+class OpLog(TorchDispatchMode):
+    """Every aten op of this thread with the bytes of its first tensor result, except inside a
+    kernel launch (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            t = out if isinstance(out, torch.Tensor) else next(
+                (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
+            self.ops.append((func.overloadpacket.__name__, 0 if t is None else t.numel() * t.element_size()))
+        return out
+
+    def names(self, kinds) -> list[tuple[str, int]]:
+        return [(n, b) for n, b in self.ops if n in kinds]
+
+
+def _force_triton(log: OpLog) -> None:
+    """Route every kernel call to the Triton launchers and keep their launches out of ``log``."""
+    kq, kr = sys.modules["zeropp.kernels.quantize"], sys.modules["zeropp.kernels.reduce"]
+    kq._use_triton = kr._use_triton = lambda t, impl: True
+    from zeropp.kernels import _triton
+
+    launch = _triton.LaunchPlan.__call__
+
+    def paused(self, *a, **k):
+        log.paused += 1
+        try:
+            return launch(self, *a, **k)
+        finally:
+            log.paused -= 1
+
+    _triton.LaunchPlan.__call__ = paused
+
+
+def _pause_in_cpu_kernels(log: OpLog) -> None:
+    """Keep the CPU kernels' own work (``kernels/cpu.py``: outputs, tile scratch) out of ``log``."""
+    for mod in (sys.modules["zeropp.kernels.quantize"], sys.modules["zeropp.kernels.reduce"]):
+        for name in ("quantize_cpu", "dequantize_cpu", "dequantize_sum_cpu", "dequantize_sum_requantize_cpu"):
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+
+            def paused(*a, _fn=fn, **k):
+                log.paused += 1
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    log.paused -= 1
+
+            setattr(mod, name, paused)
+
+
+def _zero_copy_world(rank: int, W: int, nodes: int, triton: bool = True) -> dict:
+    import torch.distributed as dist
+
+    from zeropp.comm import QuantSpec, Topology, quantized_all_gather, quantized_reduce_scatter
+
+    log = OpLog()
+    _force_triton(log) if triton else _pause_in_cpu_kernels(log)
+    topo = Topology.from_world(W, W // nodes)
+    gen = torch.Generator().manual_seed(rank)
+    res: dict = {}
+    n = 17 * 257
+    # all-gather into a bf16 output; then into columns of a wider buffer (the engine's buckets)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(n, generator=gen).to(dtype)
+        out = torch.empty(W * n, dtype=dtype)
+        ptr = out.data_ptr()
+        spec = QuantSpec(bits=8, group_size=128)
+        quantized_all_gather(out, x, spec=spec, topology=topo)  # warm-up: plans built, compiled
+        log.ops.clear()
+        with log:
+            quantized_all_gather(out, x, spec=spec, topology=topo)
+        B = wire_layout(n, 8, 128).nbytes
+        res[f"ag_{dtype}"] = dict(allocs=log.names(ALLOC_OPS), copies=log.names(COPY_OPS), B=B, full=out.nbytes,
+                                  same_ptr=out.data_ptr() == ptr, collectives=[o for o, _ in log.ops if "gather" in o])
+        ref = torch.empty(W * n, dtype=dtype)
+        quantized_all_gather(ref, x, spec=spec, topology=topo)
+        res[f"ag_{dtype}_equal"] = torch.equal(out, ref)
+    wide = torch.full((W, n + 40), 5.0)
+    with log:
+        log.ops.clear()
+        quantized_all_gather(wide[:, 20:20 + n], torch.randn(n, generator=gen), spec=QuantSpec(bits=4, group_size=128),
+                             topology=topo)
+    res["ag_cols"] = dict(copies=log.names(COPY_OPS), untouched=bool((wide[:, :20] == 5).all() and (wide[:, 20 + n:] == 5).all()))
+    # reduce-scatter of fp32 gradients: single hop (one node) or hierarchical qgZ (2x2)
+    for bits, intra in ((4, None), (8, 4)):
+        g = torch.randn(W * n, generator=gen)
+        o = torch.empty(n)
+        spec = QuantSpec(bits=bits, intra_bits=intra, group_size=128)
+        quantized_reduce_scatter(o, g, spec=spec, topology=topo)
+        log.ops.clear()
+        with log:
+            quantized_reduce_scatter(o, g, spec=spec, topology=topo)
+        res[f"rs_{bits}_{intra}"] = dict(allocs=log.names(ALLOC_OPS), copies=log.names(COPY_OPS), full=g.nbytes,
+                                         B=wire_layout(n, intra or bits, 128).nbytes)
+    dist.barrier()
+    return res
+
+
+def _check_world(results: list[dict], W: int, hierarchical: bool) -> None:
+    for res in results:
+        for dtype in (torch.bfloat16, torch.float32):
+            ag = res[f"ag_{dtype}"]
+            assert ag["copies"] == [], ag["copies"]  # no pack (cat), no unpack (contiguous), no temp -> out copy
+            assert sorted(b for _, b in ag["allocs"]) == [ag["B"], W * ag["B"]]  # send row and receive buffer only
+            assert ag["same_ptr"] and res[f"ag_{dtype}_equal"]
+            assert len(ag["collectives"]) == 1  # one message: codes and scales together
+        assert res["ag_cols"]["copies"] == [] and res["ag_cols"]["untouched"]
+        for key in ("rs_4_None", "rs_8_4"):
+            rs = res[key]
+            assert rs["copies"] == [], (key, rs["copies"])  # in particular no swizzled copy of the gradient
+            # hop 1's send and receive buffers: W wire rows each (hop 2 runs on the comm thread)
+            assert sorted(b for _, b in rs["allocs"]) == [W * rs["B"], W * rs["B"]], (key, rs["allocs"])
+
+
+def _check_cpu_path(results: list[dict], W: int) -> None:
+    """The CPU kernels (``kernels/cpu.py``) return new codes and scales (no ``out=`` yet), which
+    ``kernels.quantize.copy_into`` copies into the send buffer: so on CPU the only copies around
+    the collective are those quantized bytes, once (at most the send buffer's size), and the
+    only allocations the send and receive buffers. No pack ``cat``, no unpack copy, no
+    full-precision temporary."""
+    for res in results:
+        for key, rec in res.items():
+            if not isinstance(rec, dict) or "allocs" not in rec:
+                continue
+            send = rec["B"] * (1 if key.startswith("ag") else W)
+            assert {o for o, _ in rec["copies"]} <= {"copy_"}, (key, rec["copies"])
+            assert sum(b for _, b in rec["copies"]) <= send, (key, rec["copies"])
+            assert sorted(b for _, b in rec["allocs"]) == sorted([send, W * rec["B"]]), (key, rec["allocs"])
+
+
+def test_cpu_path_makes_no_full_size_copies_world_2() -> None:
+    _check_cpu_path(run_world(_zero_copy_world, 2, 1, False, timeout=300.0), 2)
+
+
+def test_no_copies_around_collectives_world_2() -> None:
+    _check_world(run_world(_zero_copy_world, 2, 1, timeout=300.0), 2, False)
+
+
+def test_no_copies_around_hierarchical_qgz_2x2() -> None:
+    _check_world(run_world(_zero_copy_world, 4, 2, timeout=300.0), 4, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine's bucketed collectives: quantized chunks read and write columns of the caller's
+# buffers in place, with the results of the old path (contiguous temporary + copy)
+# ----------------------------------------------------------------------------------------------
+def _engine_buckets(rank: int, W: int) -> dict:
+    from zeropp.comm import QuantSpec, Topology, quantized_all_gather, quantized_reduce_scatter
+    from zeropp.comm.stats import CommStats
+    from zeropp.runtime.collectives import EngineComm, _chunks
+
+    topo = Topology.single_node(W)
+    comm = EngineComm(topo, CommStats())
+    gen = torch.Generator().manual_seed(10 + rank)
+    S, bucket = 17 * 257, 2 * 1000  # 5 column chunks of <= 1000 per rank
+    res: dict = {}
+    for dtype in DTYPES:
+        spec = QuantSpec(bits=4, group_size=128)
+        shard = torch.randn(S, generator=gen).to(dtype)
+        out = torch.empty(W * S, dtype=dtype)
+        ptr = out.data_ptr()
+        comm.all_gather(out, shard, spec=spec, bucket=bucket, kind="ag", async_op=False)
+        old = torch.empty(W * S, dtype=dtype)  # the old path: each chunk through a contiguous temporary
+        for a, b in _chunks(S, W, bucket):
+            tmp = torch.empty(W * (b - a), dtype=dtype)
+            quantized_all_gather(tmp, shard[a:b], spec=spec, topology=topo)
+            old.view(W, S)[:, a:b].copy_(tmp.view(W, b - a))
+        res[f"ag_{dtype}"] = (out.data_ptr() == ptr, torch.equal(out, old), len(_chunks(S, W, bucket)))
+
+        full = torch.randn(W * S, generator=gen).to(dtype)
+        before = full.clone()
+        red = torch.empty(S, dtype=dtype)
+        comm.reduce_scatter(red, full, spec=QuantSpec(bits=8, intra_bits=4, group_size=128), bucket=bucket, kind="rs",
+                            async_op=False)
+        old_red = torch.empty(S, dtype=dtype)
+        for a, b in _chunks(S, W, bucket):  # the old path: a contiguous copy of each chunk's columns
+            quantized_reduce_scatter(old_red[a:b], full.view(W, S)[:, a:b].contiguous(), torch.distributed.ReduceOp.AVG,
+                                     spec=QuantSpec(bits=8, intra_bits=4, group_size=128), topology=topo)
+        res[f"rs_{dtype}"] = (torch.equal(red, old_red), torch.equal(full, before))
+    return res
+
+
+def test_engine_bucketed_collectives_write_in_place_world_2() -> None:
+    for res in run_world(_engine_buckets, 2, timeout=300.0):
+        for key, value in res.items():
+            assert all(v for v in value if isinstance(v, bool)), (key, value)
+            if key.startswith("ag"):
+                assert value[2] > 1  # the buckets really split the gather
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [None, 5])
+def test_wire_views_on_cuda_match_the_cpu_reference(dtype, seed) -> None:
+    """The compiled kernels on row-strided and swizzled views: the bytes and values of the CPU
+    reference path (encode of the swizzled view, reduce of received rows through views,
+    re-quantization into a wire buffer, dequantization into columns of a wider buffer)."""
+    from zeropp.comm.qgz import swizzle, swizzled_view
+
+    nodes, rpn, n = 2, 4, 17 * 257
+    c = IntCodec()
+    x = (torch.randn(nodes * rpn, n) * 2).to(dtype)
+    for bits in (8, 4):
+        want = _generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)  # CPU
+        got = c.encode(swizzled_view(x.cuda(), nodes, rpn), bits, 128, rows=nodes * rpn, seed=seed)
+        assert torch.equal(got.cpu(), want)
+        recv = got.view(rpn, nodes, -1)  # as hop 1 receives it: [rpn sources, nodes, B]
+        s_gpu = c.dequantize_sum_requantize(recv, n, bits, 128, out_bits=4, seed=seed)
+        s_cpu = c.dequantize_sum_requantize(want.view(rpn, nodes, -1), n, bits, 128, out_bits=4, seed=seed)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        out = torch.zeros(1, n, dtype=dtype, device="cuda")
+        c.dequantize_sum(s_gpu.unsqueeze(1), n, 4, 128, out=out)
+        assert torch.equal(out.cpu(), c.dequantize_sum(s_cpu.unsqueeze(1), n, 4, 128, dtype=dtype))
+        wide = torch.zeros(nodes * rpn, n + 30, dtype=dtype, device="cuda")
+        c.dequantize(c.unpack(got, n, bits, 128), out=wide[:, 10 : 10 + n])
+        ref = c.dequantize(c.unpack(want, n, bits, 128), dtype=dtype)
+        assert torch.equal(wide[:, 10 : 10 + n].cpu(), ref) and not wide[:, :10].any() and not wide[:, 10 + n :].any()
