@@ -3,7 +3,8 @@
 Each setting is declared once. The ZeRO settings *are* ``zeropp.runtime.ZeroConfig`` (``zero.*``,
 with the stage as the top-level ``stage`` key), the optimizer and its LR schedule
 ``zeropp.runtime.OptimizerConfig`` (``optim.*``), the model ``zeropp.models.GPTConfig`` or, with
-``model=hf``, ``zeropp.models.HFConfig`` (``model.*``; ``model.kind`` picks, :data:`MODEL_KINDS`), the world shape ``zeropp.comm.Topology`` (``topology.*``); quantization is
+``model=hf``, ``zeropp.models.HFConfig`` (``model.*``; ``model.kind`` picks, :data:`MODEL_KINDS`),
+the world shape ``zeropp.comm.Topology`` (``topology.*``); quantization is
 ``zeropp.comm.spec.QuantSpec`` values (``zero.weights.*``, ``zero.grads.*``). Only what no library
 object holds is declared here: data, trainer, logger, cluster, the training loop and the
 launcher. ``schema.py`` generates the Hydra schema from all of them.

@@ -27,6 +27,7 @@ from zeropp.models import GPTConfig, HFConfig
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
 TINY = ["model.d_model=32", "model.seq_len=32", "model.n_layers=2"]
 FAST = ["train.steps=2", "train.micro_batch_size=4", "data.max_bytes=200000", "logger=none"]
+# two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/test_models_hf.py
 
 
 def test_model_hf_is_an_option_and_its_keys_come_from_hfconfig() -> None:
@@ -110,8 +111,8 @@ def _summary(tmp: Path, p: subprocess.CompletedProcess) -> dict[str, Any]:
 
 def test_runner_trains_hf_gpt2_from_the_command_line(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason=REASON)
-    s = _summary(tmp_path, _run(["model=hf", "model.hf_config=gpt2", *TINY, "stage=3", "quant=zeropp", *FAST,
-                                 f"hydra.run.dir={tmp_path}"]))
+    s = _summary(tmp_path, _run(["model=hf", "model.hf_config=gpt2", *TINY, "stage=3", "quant=zeropp", "topology=2x1",
+                                 *FAST, f"hydra.run.dir={tmp_path}"]))
     m = s["config"]["model"]
     assert m["kind"] == "hf" and m["hf_config"] == "gpt2" and m["d_model"] == 32
     cfg = HFConfig(**{k: v for k, v in m.items() if k != "kind"})
@@ -129,6 +130,7 @@ def test_runner_trains_hf_llama_from_a_local_checkpoint(tmp_path: Path) -> None:
     build_hf_model(cfg, seed=11).hf.save_pretrained(ckpt)
     run = tmp_path / "run"
     s = _summary(run, _run(["model=hf", "model.hf_config=llama", *TINY, "model.n_heads=4", "model.n_kv_heads=2",
-                            f"model.pretrained={ckpt}", "stage=2", "quant=qgz", *FAST, f"hydra.run.dir={run}"]))
+                            f"model.pretrained={ckpt}", "stage=2", "quant=qgz", "topology=1x2", *FAST,
+                            f"hydra.run.dir={run}"]))
     assert s["config"]["model"]["pretrained"] == str(ckpt) and s["config"]["model"]["n_kv_heads"] == 2
     assert s["model"]["params"] == cfg.num_params() and len(s["loss"]["curve"]) == 2

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tests.distributed import run_world
 from tests.runtime_helpers import micro_batch, rel_err
 from zeropp.models import HFConfig, build_hf_model
+from zeropp.models.hf import hf_model_config
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
 STEPS, ACCUM, CLIP, LR, WD = 4, 2, 0.5, 1e-3, 0.01
@@ -121,19 +122,23 @@ def test_hf_tied_embeddings_stages_match_single_process_2x2(tf: Any) -> None:
     tied = [GPT2.with_(tie_embeddings=True), LLAMA.with_(tie_embeddings=True)]
     model = build_hf_model(tied[0], seed=0)
     assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
-    try:
+    try:  # the engine's partitioning refuses ties where they are not supported yet
         build_units(model, stage=3, world_size=2, rank=0, dtype=torch.float32)
     except ValueError as e:
         if "same tensor" in str(e):
             pytest.skip(f"this engine refuses tied weights ({e}); HFConfig.tie_embeddings=False until it shares them")
         raise
+    except TypeError:
+        pass  # a newer build_units signature: the world below is the judge
     _check(run_world(_engine_world, 4, 2, tied, timeout=300), tied, 4)
 
 
-@pytest.mark.parametrize("cfg", [GPT2, LLAMA, GPT2.with_(tie_embeddings=True), LLAMA.with_(n_kv_heads=None, d_model=24)],
-                         ids=["gpt2", "llama", "gpt2-tied", "llama-mha"])
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA, GPT2.with_(tie_embeddings=True), LLAMA.with_(n_kv_heads=None, d_model=24),
+                                 GPT2.with_(attn_implementation="eager", n_layers=1, intermediate_size=17)],
+                         ids=["gpt2", "llama", "gpt2-tied", "llama-mha", "gpt2-eager"])
 def test_shape_blocks_and_param_count(tf: Any, cfg: HFConfig) -> None:
     model = build_hf_model(cfg, seed=0)
+    assert model.hf.config._attn_implementation == cfg.attn_implementation
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == cfg.n_layers
     assert not any("blocks" in n for n, _ in model.named_parameters())  # blocks are not registered twice
@@ -152,13 +157,23 @@ def test_shape_blocks_and_param_count(tf: Any, cfg: HFConfig) -> None:
 
 @pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_pretrained_local_directory_round_trip(tf: Any, tmp_path: Any, cfg: HFConfig) -> None:
-    saved = build_hf_model(cfg, seed=3)
-    saved.hf.save_pretrained(tmp_path)
+    """Weights, and the checkpoint's own settings that HFConfig does not hold (norm epsilon), load;
+    dropout is switched off."""
+    conf = hf_model_config(cfg)
+    eps, drop = ("layer_norm_epsilon", "resid_pdrop") if cfg.hf_config == "gpt2" else ("rms_norm_eps", "attention_dropout")
+    setattr(conf, eps, 1e-3)
+    setattr(conf, drop, 0.1)
+    torch.manual_seed(3)
+    hf = type(build_hf_model(cfg).hf)(conf)
+    hf.save_pretrained(tmp_path)
+    hf.eval()  # the reference without its dropout
     loaded = build_hf_model(cfg.with_(pretrained=str(tmp_path)), seed=0)  # the seed must not matter
-    a, b = saved.state_dict(), loaded.state_dict()
+    assert getattr(loaded.hf.config, eps) == 1e-3 and getattr(loaded.hf.config, drop) == 0.0
+    assert loaded.training and loaded.hf.config.use_cache is False
+    a, b = hf.state_dict(), loaded.hf.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     idx, tgt = micro_batch(0, 0, 0, cfg)  # type: ignore[arg-type]
-    assert torch.equal(saved(idx, tgt)[1], loaded(idx, tgt)[1])
+    assert torch.equal(hf(input_ids=idx).logits, loaded(idx, tgt)[0])
     with pytest.raises(ValueError, match=r"does not match this config; the checkpoint has d_model=32"):
         cfg.with_(pretrained=str(tmp_path), d_model=64)
     other = "llama" if cfg.hf_config == "gpt2" else "gpt2"

@@ -80,7 +80,8 @@ class HFConfig:
 
     def __post_init__(self) -> None:
         if self.hf_config not in HF_ARCHS:
-            raise ValueError(f"HFConfig.hf_config={self.hf_config!r} is not supported; choose one of {', '.join(HF_ARCHS)}")
+            raise ValueError(f"HFConfig.hf_config={self.hf_config!r} is not supported; "
+                             f"choose one of {', '.join(HF_ARCHS)}")
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "intermediate_size", "n_kv_heads"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -122,7 +123,7 @@ class HFConfig:
             if field == "n_kv_heads" and have is None:
                 have = saved.get("num_attention_heads")
             if field == "tie_embeddings" and have is None:
-                have = True  # the transformers default
+                have = self.hf_config == "gpt2"  # the config classes' defaults
             if have != want[field]:
                 wrong.append(f"{field}={have}")
         if wrong:
@@ -173,16 +174,18 @@ def require_transformers() -> Any:
 
 
 def hf_model_config(cfg: HFConfig) -> Any:
-    """The ``transformers`` config object of ``cfg`` (dropout 0, no KV cache)."""
+    """The ``transformers`` config object of ``cfg`` (dropout 0, no KV cache). With
+    ``cfg.pretrained`` it is the checkpoint's own (its sizes were checked against ``cfg``; its other
+    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes."""
     tf = require_transformers()
+    run = {**dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0), "use_cache": False,
+           "attn_implementation": cfg.attn_implementation}
+    if cfg.pretrained is not None:  # keyword arguments of from_pretrained override the saved attributes
+        return tf.AutoConfig.from_pretrained(str(Path(cfg.pretrained).expanduser()), local_files_only=True, **run)
     keys = _HF_KEYS[cfg.hf_config]
-    kw = {keys[f]: v for f, v in _resolved(cfg, {f: getattr(cfg, f) for f in keys}).items()}
-    kw.update(dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0))
-    kw.update(use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    sizes = {keys[f]: v for f, v in _resolved(cfg, {f: getattr(cfg, f) for f in keys}).items()}
     cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
-    conf = cls(**kw)
-    conf._attn_implementation = cfg.attn_implementation
-    return conf
+    return cls(**sizes, **run, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 class HFCausalLM(nn.Module):
@@ -204,7 +207,8 @@ class HFCausalLM(nn.Module):
                                f"{self.cfg.hf_config!r} keeps it")
         return layers
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = idx.shape  # [B, T] int64 token ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds HFConfig.seq_len={self.cfg.seq_len}")
@@ -227,8 +231,7 @@ def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     if cfg.pretrained is None:
         hf = cls(conf)
     else:
-        hf = cls.from_pretrained(str(Path(cfg.pretrained).expanduser()), config=conf, local_files_only=True,
-                                 attn_implementation=cfg.attn_implementation)
+        hf = cls.from_pretrained(str(Path(cfg.pretrained).expanduser()), config=conf, local_files_only=True)
     hf = hf.float().train()
     return HFCausalLM(hf, cfg)
 
