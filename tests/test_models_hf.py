@@ -160,7 +160,8 @@ def test_pretrained_local_directory_round_trip(tf: Any, tmp_path: Any, cfg: HFCo
     """Weights, and the checkpoint's own settings that HFConfig does not hold (norm epsilon), load;
     dropout is switched off."""
     conf = hf_model_config(cfg)
-    eps, drop = ("layer_norm_epsilon", "resid_pdrop") if cfg.hf_config == "gpt2" else ("rms_norm_eps", "attention_dropout")
+    eps, drop = {"gpt2": ("layer_norm_epsilon", "resid_pdrop"),
+                 "llama": ("rms_norm_eps", "attention_dropout")}[cfg.hf_config]
     setattr(conf, eps, 1e-3)
     setattr(conf, drop, 0.1)
     torch.manual_seed(3)
