@@ -210,3 +210,13 @@ def test_missing_extra_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> N
     assert cfg.num_params() > 0
     with pytest.raises(ImportError, match=r'need the optional extra: pip install -e "\.\[hf\]"'):
         build_hf_model(cfg)
+
+
+def test_transformers_is_imported_only_when_a_model_is_built() -> None:
+    import subprocess
+
+    code = ("import sys, zeropp.models, zeropp.experiments.config, zeropp.experiments.schema; "
+            "from zeropp.models import HFConfig; HFConfig(hf_config='llama').num_params(); "
+            "assert 'transformers' not in sys.modules, 'imported eagerly'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
