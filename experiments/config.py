@@ -2,8 +2,9 @@
 
 Each setting is declared once. The ZeRO settings *are* ``zeropp.runtime.ZeroConfig`` (``zero.*``,
 with the stage as the top-level ``stage`` key), the optimizer and its LR schedule
-``zeropp.runtime.OptimizerConfig`` (``optim.*``), the model ``zeropp.models.GPTConfig``
-(``model.*``), the world shape ``zeropp.comm.Topology`` (``topology.*``); quantization is
+``zeropp.runtime.OptimizerConfig`` (``optim.*``), the model ``zeropp.models.GPTConfig`` or, with
+``model=hf``, ``zeropp.models.HFConfig`` (``model.*``; ``model.kind`` picks, :data:`MODEL_KINDS`),
+the world shape ``zeropp.comm.Topology`` (``topology.*``); quantization is
 ``zeropp.comm.spec.QuantSpec`` values (``zero.weights.*``, ``zero.grads.*``). Only what no library
 object holds is declared here: data, trainer, logger, cluster, the training loop and the
 launcher. ``schema.py`` generates the Hydra schema from all of them.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from zeropp.comm import Topology
-from zeropp.models import GPTConfig
+from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
@@ -185,12 +186,19 @@ class LauncherConfig:
         _pos_int("launcher.threads_per_rank", self.threads_per_rank)
 
 
+MODEL_KINDS: dict[str, type] = {"gpt": GPTConfig, "hf": HFConfig}
+"""``model.kind`` -> the library class that declares and validates that model's settings: ``gpt``
+(the built-in GPT; ``model=<preset>``) or ``hf`` (a Hugging Face GPT-2 / Llama; ``model=hf``, needs
+``pip install -e ".[hf]"``). The ``model`` section's keys are the union of their fields; a key of
+the other kind set away from its default is refused (:func:`build_model_config`)."""
+
 SECTION_CLASSES: dict[str, type] = {
     "zero": ZeroConfig, "optim": OptimizerConfig, "model": GPTConfig, "topology": Topology,
     "data": DataConfig, "trainer": TrainerConfig, "logger": LoggerConfig, "cluster": ClusterConfig,
     "train": TrainConfig, "launcher": LauncherConfig,
 }
-"""Config section -> the class that declares and validates it."""
+"""Config section -> the class that declares and validates it (``model``: the default kind; every
+kind is in :data:`MODEL_KINDS`)."""
 
 EXCLUDED: dict[str, tuple[str, ...]] = {"zero": ("stage",), "topology": ("hpz_size",)}
 """Fields set elsewhere: the stage is the top-level ``stage`` key; the hpZ group size is
@@ -216,7 +224,7 @@ class RunConfig:
 
     zero: ZeroConfig
     optim: OptimizerConfig
-    model: GPTConfig
+    model: GPTConfig | HFConfig
     topology: Topology
     data: DataConfig
     trainer: TrainerConfig
@@ -263,8 +271,25 @@ class RunConfig:
                               "resume in the directory of a run saved with train.checkpoint_every=N "
                               "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints")
 
+    def check_installed(self) -> None:
+        """The optional packages this run needs are importable (checked before any rank starts):
+        ``model=hf`` needs the ``hf`` extra. Not part of validation, so configs compose anywhere."""
+        if isinstance(self.model, HFConfig):
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:
+                raise ConfigError('invalid config: model=hf needs the Hugging Face extra, which is not installed: '
+                                  'pip install -e ".[hf]" (or choose a GPT preset: model=mini, ...)')
+
+    @property
+    def model_kind(self) -> str:
+        """``model.kind`` of this run (``gpt`` or ``hf``)."""
+        return next(k for k, c in MODEL_KINDS.items() if isinstance(self.model, c))
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["model"] = {"kind": self.model_kind, **d["model"]}  # from_dict(to_dict()) rebuilds the same kind
+        return d
 
     def describe(self, model_name: str | None = None) -> str:
         """A short label: trainer and ZeRO switches, model, precision, topology."""
@@ -279,7 +304,10 @@ class RunConfig:
             q = [f"w:{z.weights.label}" if z.weights else "", f"g:{z.grads.label}" if z.grads else ""]
             head = self.trainer.name + (f"({','.join(x for x in q if x)})" if any(q) else "")
         prec = "" if z.precision == "fp32" else f" {z.precision}"
-        return f"{head} {model_name or f'd{self.model.d_model}xL{self.model.n_layers}'}{prec} {t.nodes}x{t.ranks_per_node}"
+        shape = f"d{self.model.d_model}xL{self.model.n_layers}"
+        if isinstance(self.model, HFConfig):
+            shape = f"hf-{self.model.hf_config} {shape}"
+        return f"{head} {model_name or shape}{prec} {t.nodes}x{t.ranks_per_node}"
 
 
 def _check_trainer_keys(rc: RunConfig) -> None:
@@ -326,6 +354,40 @@ def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
         raise ConfigError(f"invalid config {key}: {msg}") from None
 
 
+def model_field_defaults() -> dict[str, Any]:
+    """Every ``model.*`` key with its default: the kinds' fields, the first kind declaring a name
+    giving its default (shared names such as ``d_model`` mean the same in every kind)."""
+    out: dict[str, Any] = {}
+    for cls in MODEL_KINDS.values():
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in out:
+                out[f.name] = f.default
+    return out
+
+
+def build_model_config(values: Mapping[str, Any]) -> GPTConfig | HFConfig:
+    """The ``model`` section: ``model.kind`` picks the class; its fields build it, and a key that
+    only another kind has must be left at its default (nothing is silently ignored)."""
+    values = dict(values)
+    kind = values.pop("kind", "gpt")
+    _check(kind in MODEL_KINDS, "model.kind", kind, ", ".join(MODEL_KINDS) + " (model=<GPT preset> or model=hf)")
+    cls = MODEL_KINDS[kind]
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+    defaults = model_field_defaults()
+    for name, v in values.items():
+        if name in own:
+            continue
+        if name not in defaults:
+            raise ConfigError(f"unknown config key model.{name}; allowed keys of model (model.kind={kind}): "
+                              f"kind, {', '.join(sorted(own))}")
+        if v != defaults[name]:
+            other = [k for k, c in MODEL_KINDS.items() if name in {f.name for f in dataclasses.fields(c)}]
+            raise ConfigError(f"invalid config: model.{name}={v!r} does nothing with model.kind={kind} "
+                              f"({cls.__name__}); it is a setting of model.kind={'/'.join(other)}. Remove it, or "
+                              f"choose {'model=hf' if 'hf' in other else 'a GPT preset (model=mini, ...)'}")
+    return _build(cls, {k: v for k, v in values.items() if k in own}, "model")
+
+
 def from_dict(d: Mapping[str, Any]) -> RunConfig:
     """Validate a plain nested dict (the resolved Hydra config minus ``hydra``)."""
     d = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items() if k not in ("hydra", "sweep")}
@@ -341,12 +403,16 @@ def from_dict(d: Mapping[str, Any]) -> RunConfig:
     if optim.get("schedule", "constant") != "constant" and optim.get("decay_steps") is None:
         optim["decay_steps"] = train.steps  # the schedule spans the run unless told otherwise
     d["optim"] = optim
-    sections = {name: _build(cls, d.get(name) or {}, name) for name, cls in SECTION_CLASSES.items()}
+    sections = {name: _build(cls, d.get(name) or {}, name) for name, cls in SECTION_CLASSES.items() if name != "model"}
+    sections["model"] = build_model_config(d.get("model") or {})
     return RunConfig(**sections, resume=resume)
 
 
 def from_omegaconf(cfg: Any) -> RunConfig:
-    """Resolve interpolations and validate the composed Hydra config."""
+    """Resolve interpolations and validate the composed Hydra config (the runner's entry, before any
+    rank starts: also :meth:`RunConfig.check_installed`)."""
     from omegaconf import OmegaConf
 
-    return from_dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    rc = from_dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    rc.check_installed()
+    return rc

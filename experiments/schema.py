@@ -10,9 +10,15 @@ library classes, whose ``__post_init__`` checks the rest. Adding a field to ``Ze
 it a command-line override with no edit here.
 
 The config groups whose options are library objects are generated too: ``quant=`` from
-``zeropp.comm.spec.RECIPES``, ``model=`` from ``zeropp.models.gpt.PRESETS``, ``topology=`` as
+``zeropp.comm.spec.RECIPES``, ``model=`` from ``zeropp.models.gpt.PRESETS`` plus ``hf`` (a Hugging
+Face model, ``zeropp.models.HFConfig``'s defaults), ``topology=`` as
 ``<nodes>x<ranks per node>``, ``trainer=`` from :data:`config.TRAINERS`. The harness-only groups
 (data, logger, cluster, sweep) stay YAML files under ``conf/``.
+
+The ``model`` section holds more than one library class (``config.MODEL_KINDS``): its schema is
+:func:`model_schema`, ``kind`` plus the union of the kinds' fields, so every key of every kind is a
+typed override and each kind's group option sets ``kind``; ``config.build_model_config`` then
+builds the chosen class and refuses keys of another kind that were changed.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ from typing import Any, Optional, Union
 from hydra.core.config_store import ConfigStore
 
 from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.models import HFConfig
 from zeropp.models.gpt import PRESETS as MODEL_PRESETS
 from zeropp.runtime import ZeroConfig
 
-from .config import EXCLUDED, SECTION_CLASSES, TRAINERS
+from .config import EXCLUDED, MODEL_KINDS, SECTION_CLASSES, TRAINERS
 
 TOPOLOGIES = ("1x1", "1x2", "1x4", "2x1", "2x2", "2x4", "4x1", "4x2", "3x2")
 """``topology=`` options (nodes x ranks per node); any other shape: ``topology.nodes=N topology.ranks_per_node=R``."""
@@ -74,6 +81,26 @@ def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
 
 
+@functools.lru_cache(maxsize=None)
+def model_schema() -> type:
+    """The ``model`` section: ``kind`` (default ``gpt``) and every field of every model kind, typed
+    and defaulted as the library declares it (the first kind declaring a name gives its default)."""
+    fields: list[tuple[str, Any, Any]] = [("kind", str, dataclasses.field(default=next(iter(MODEL_KINDS))))]
+    seen: dict[str, Any] = {"kind": str}
+    for cls in MODEL_KINDS.values():
+        sub = schema_of(cls)
+        hints = typing.get_type_hints(sub)
+        for f in dataclasses.fields(sub):
+            if f.name in seen:
+                if seen[f.name] != hints[f.name]:
+                    raise TypeError(f"model.{f.name} has type {seen[f.name]} in one model kind and {hints[f.name]} "
+                                    f"in {cls.__name__}; shared model keys must mean the same")
+                continue
+            seen[f.name] = hints[f.name]
+            fields.append((f.name, hints[f.name], dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass("ModelSchema", fields)
+
+
 def run_schema() -> type:
     """The whole run: top-level keys (``stage``, ``resume``) and one node per section."""
     fields: list[tuple[str, Any, Any]] = [
@@ -81,7 +108,7 @@ def run_schema() -> type:
         ("resume", bool, dataclasses.field(default=False)),
     ]
     for name, cls in SECTION_CLASSES.items():
-        sub = schema_of(cls, EXCLUDED.get(name, ()))
+        sub = model_schema() if name == "model" else schema_of(cls, EXCLUDED.get(name, ()))
         fields.append((name, sub, dataclasses.field(default_factory=sub)))
     return dataclasses.make_dataclass("RunSchema", fields)
 
@@ -103,7 +130,9 @@ def register() -> None:
         cs.store(group="quant", name=name, package="zero",
                  node={"weights": _spec_node(r.weights), "grads": _spec_node(r.grads), "hpz": r.hpz})
     for name, sizes in MODEL_PRESETS.items():
-        cs.store(group="model", name=name, package="model", node=dict(sizes))
+        cs.store(group="model", name=name, package="model", node={"kind": "gpt", **sizes})
+    # model=hf: every HFConfig field at its default, so the union's GPT defaults of shared keys are replaced
+    cs.store(group="model", name="hf", package="model", node={"kind": "hf", **dataclasses.asdict(HFConfig())})
     for name in TOPOLOGIES:
         n, r = (int(x) for x in name.split("x"))
         cs.store(group="topology", name=name, package="topology", node={"nodes": n, "ranks_per_node": r})
@@ -113,8 +142,8 @@ def register() -> None:
 
 def group_options() -> dict[str, list[str]]:
     """Generated group -> option names (for the command-line pre-check and ``--help``)."""
-    return {"quant": sorted(RECIPES), "model": list(MODEL_PRESETS), "topology": list(TOPOLOGIES),
+    return {"quant": sorted(RECIPES), "model": [*MODEL_PRESETS, "hf"], "topology": list(TOPOLOGIES),
             "trainer": list(TRAINERS)}
 
 
-__all__ = ["TOPOLOGIES", "group_options", "register", "run_schema", "schema_of"]
+__all__ = ["TOPOLOGIES", "group_options", "model_schema", "register", "run_schema", "schema_of"]

@@ -63,10 +63,14 @@ class Trainer(Protocol):
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> nn.Module:
-    """The GPT of ``cfg.model`` on ``device``; identical on every rank (seeded)."""
-    from zeropp.models import GPT
+    """The model of ``cfg.model`` on ``device``, identical on every rank (seeded): the built-in GPT
+    (``GPTConfig``) or a Hugging Face causal LM (``HFConfig``, ``model=hf``; the ``hf`` extra). Both
+    are ``model(idx, targets) -> (logits, loss)`` with their blocks as ``model.blocks``."""
+    from zeropp.models import GPT, HFConfig, build_hf_model
 
     torch.manual_seed(cfg.train.seed)
+    if isinstance(cfg.model, HFConfig):
+        return build_hf_model(cfg.model).to(device)
     return GPT(cfg.model).to(device)
 
 

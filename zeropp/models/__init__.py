@@ -1,5 +1,10 @@
-"""zeropp.models: small models for experiments and tests (no downloads needed)."""
+"""zeropp.models: small models for experiments and tests (no downloads needed).
+
+``hf`` (Hugging Face GPT-2 / Llama behind the same contract) needs the optional extra
+``pip install -e ".[hf]"`` only when a model is built; its config imports without it.
+"""
 
 from .gpt import BYTE_VOCAB, GPT, Block, GPTConfig, byte_batch
+from .hf import HFCausalLM, HFConfig, build_hf_model
 
-__all__ = ["BYTE_VOCAB", "GPT", "Block", "GPTConfig", "byte_batch"]
+__all__ = ["BYTE_VOCAB", "GPT", "Block", "GPTConfig", "HFCausalLM", "HFConfig", "build_hf_model", "byte_batch"]

@@ -1,0 +1,239 @@
+"""Hugging Face causal language models (GPT-2, Llama) behind the engine's model contract.
+
+Why a wrapper: the runtime trains ``model(idx, targets) -> (logits, loss)`` and shards per
+transformer block, found as ``model.blocks``. :func:`build_hf_model` builds a ``transformers``
+model from its config class with random weights (seeded by the caller's ``torch.manual_seed``;
+nothing is downloaded) or loads a local ``save_pretrained`` directory, and wraps it in
+:class:`HFCausalLM`, whose ``blocks`` is the model's own decoder-layer ``ModuleList`` (not a second
+registration, so parameter names stay the Hugging Face ones under ``hf.``) and whose loss is the
+mean cross-entropy of the logits against ``targets`` exactly as :class:`~zeropp.models.GPT`
+computes it. Our targets are already the next tokens, so the Hugging Face ``labels`` path (which
+shifts by one position itself) is not used.
+
+``transformers`` is an optional extra (``pip install -e ".[hf]"``), imported only when a model is
+built; :class:`HFConfig` itself needs nothing beyond the standard library, so the runner can
+validate ``model=hf`` settings anywhere. Its size fields share their names with
+:class:`~zeropp.models.GPTConfig` (``vocab_size``, ``seq_len``, ``d_model``, ``n_layers``,
+``n_heads``), so code that reads a model config's shape works on either.
+
+Dropout is always 0 (also for a pretrained checkpoint): two runs with the same weights and data
+are then bit-for-bit reproducible, which the parity tests rely on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HF_ARCHS = ("gpt2", "llama")
+"""Values of :attr:`HFConfig.hf_config`: the ``transformers`` config classes this module maps."""
+
+INSTALL_HINT = 'pip install -e ".[hf]"'
+
+# HFConfig field -> the transformers config attribute of each architecture (save_pretrained's config.json keys)
+_HF_KEYS: dict[str, dict[str, str]] = {
+    "gpt2": {"vocab_size": "vocab_size", "seq_len": "n_positions", "d_model": "n_embd", "n_layers": "n_layer",
+             "n_heads": "n_head", "intermediate_size": "n_inner", "tie_embeddings": "tie_word_embeddings"},
+    "llama": {"vocab_size": "vocab_size", "seq_len": "max_position_embeddings", "d_model": "hidden_size",
+              "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+              "intermediate_size": "intermediate_size", "tie_embeddings": "tie_word_embeddings"},
+}
+_DROPOUT = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
+            "llama": ("attention_dropout",)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFConfig:
+    """A Hugging Face causal LM: which architecture, its shape, and optionally a local checkpoint.
+    Frozen so it can be hashed, logged and compared."""
+
+    hf_config: str = "gpt2"
+    """Architecture, i.e. the ``transformers`` config class: ``gpt2`` (GPT2Config) or ``llama`` (LlamaConfig)."""
+    vocab_size: int = 256
+    """Number of token ids; 256 matches the runner's byte-level data."""
+    seq_len: int = 64
+    """Longest sequence (GPT-2 ``n_positions``, Llama ``max_position_embeddings``)."""
+    d_model: int = 64
+    """Hidden width (GPT-2 ``n_embd``, Llama ``hidden_size``)."""
+    n_layers: int = 2
+    """Decoder layers, the ZeRO-3 gather units (GPT-2 ``n_layer``, Llama ``num_hidden_layers``)."""
+    n_heads: int = 2
+    """Attention heads; must divide ``d_model`` (GPT-2 ``n_head``, Llama ``num_attention_heads``)."""
+    intermediate_size: int | None = None
+    """MLP hidden width (GPT-2 ``n_inner``, Llama ``intermediate_size``); None: ``4 * d_model``."""
+    n_kv_heads: int | None = None
+    """Llama only: key/value heads (grouped-query attention), must divide ``n_heads``; None: ``n_heads``."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output layer (``tie_word_embeddings``; GPT-2's own default is
+    True). Off by default: the engine keeps one parameter in one communication unit."""
+    attn_implementation: str = "sdpa"
+    """``transformers`` attention kernel: ``sdpa`` (torch's scaled_dot_product_attention) or ``eager``."""
+    pretrained: str | None = None
+    """A LOCAL ``save_pretrained`` directory to load weights from (``local_files_only``; never a hub
+    name, nothing is downloaded). Its config.json must have this config's architecture and sizes."""
+
+    def __post_init__(self) -> None:
+        if self.hf_config not in HF_ARCHS:
+            raise ValueError(f"HFConfig.hf_config={self.hf_config!r} is not supported; "
+                             f"choose one of {', '.join(HF_ARCHS)}")
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "intermediate_size", "n_kv_heads"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"HFConfig.{name} must be an integer >= 1, got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"HFConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
+                             "pick d_model as a multiple of n_heads")
+        if self.n_kv_heads is not None:
+            if self.hf_config != "llama":
+                raise ValueError(f"HFConfig.n_kv_heads={self.n_kv_heads} applies to hf_config=llama only "
+                                 f"(hf_config={self.hf_config!r} has one key/value head per query head); remove it")
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(f"HFConfig: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.hf_config == "llama" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"HFConfig: the head size d_model / n_heads = {self.d_model // self.n_heads} must be even "
+                             "for hf_config=llama (rotary embeddings rotate pairs of channels)")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"HFConfig.attn_implementation={self.attn_implementation!r}; choose sdpa or eager")
+        if self.pretrained is not None:
+            self._check_pretrained(Path(self.pretrained).expanduser())
+
+    def _check_pretrained(self, path: Path) -> None:
+        """The directory holds a checkpoint of this architecture and these sizes (its config.json)."""
+        if not (path / "config.json").is_file():
+            what = "has no config.json" if path.is_dir() else "does not exist"
+            raise ValueError(f"HFConfig.pretrained={str(path)!r} {what}; give a local directory written by "
+                             "save_pretrained (nothing is downloaded), or leave it unset for random weights")
+        saved = json.loads((path / "config.json").read_text())
+        if saved.get("model_type") != self.hf_config:
+            raise ValueError(f"HFConfig.pretrained={str(path)!r} holds a {saved.get('model_type')!r} model but "
+                             f"hf_config={self.hf_config!r}; set hf_config to match")
+        want = {field: getattr(self, field) for field in _HF_KEYS[self.hf_config]}
+        want = _resolved(self, want)
+        wrong = []
+        for field, key in _HF_KEYS[self.hf_config].items():
+            have = saved.get(key)
+            if field == "intermediate_size" and have is None:
+                have = 4 * saved.get(_HF_KEYS[self.hf_config]["d_model"], 0)
+            if field == "n_kv_heads" and have is None:
+                have = saved.get("num_attention_heads")
+            if field == "tie_embeddings" and have is None:
+                have = self.hf_config == "gpt2"  # the config classes' defaults
+            if have != want[field]:
+                wrong.append(f"{field}={have}")
+        if wrong:
+            raise ValueError(f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
+                             f"{', '.join(wrong)}: set these (model.<name>=... in the runner)")
+
+    def with_(self, **changes: Any) -> "HFConfig":
+        return replace(self, **changes)
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP hidden width actually built."""
+        return self.intermediate_size or 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually built."""
+        return self.n_kv_heads or self.n_heads
+
+    def num_params(self) -> int:
+        """Exact parameter count of the built model (tied embeddings counted once)."""
+        v, t, d, h, n = self.vocab_size, self.seq_len, self.d_model, self.ffn_size, self.n_layers
+        head = 0 if self.tie_embeddings else d * v
+        if self.hf_config == "gpt2":  # LayerNorms and linear layers with biases, learned positions
+            block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+            return v * d + t * d + n * block + 2 * d + head
+        kv = self.kv_heads * (d // self.n_heads)  # llama: RMSNorms, bias-free linears, rotary positions
+        block = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * h
+        return v * d + n * block + d + head
+
+
+def _resolved(cfg: HFConfig, values: dict[str, Any]) -> dict[str, Any]:
+    out = dict(values)
+    out["intermediate_size"] = cfg.ffn_size
+    if "n_kv_heads" in out:
+        out["n_kv_heads"] = cfg.kv_heads
+    return out
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, or an ImportError that says how to install the extra."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"Hugging Face models (model=hf, zeropp.models.hf) need the optional extra: {INSTALL_HINT} "
+                          f"(transformers is not installed: {e})") from e
+    return transformers
+
+
+def hf_model_config(cfg: HFConfig) -> Any:
+    """The ``transformers`` config object of ``cfg`` (dropout 0, no KV cache). With
+    ``cfg.pretrained`` it is the checkpoint's own (its sizes were checked against ``cfg``; its other
+    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes."""
+    tf = require_transformers()
+    run = {**dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0), "use_cache": False,
+           "attn_implementation": cfg.attn_implementation}
+    if cfg.pretrained is not None:  # keyword arguments of from_pretrained override the saved attributes
+        return tf.AutoConfig.from_pretrained(str(Path(cfg.pretrained).expanduser()), local_files_only=True, **run)
+    keys = _HF_KEYS[cfg.hf_config]
+    sizes = {keys[f]: v for f, v in _resolved(cfg, {f: getattr(cfg, f) for f in keys}).items()}
+    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
+    return cls(**sizes, **run, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+class HFCausalLM(nn.Module):
+    """``model(idx, targets=None) -> (logits [B, T, V], loss or None)`` around a ``transformers``
+    causal LM (``self.hf``); ``blocks`` is its decoder-layer ``ModuleList``."""
+
+    def __init__(self, hf: nn.Module, cfg: HFConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.hf = hf
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers (GPT-2 ``transformer.h``, Llama ``model.layers``): the ZeRO-3 units."""
+        base = self.hf.base_model
+        layers = getattr(base, "h", None) if self.cfg.hf_config == "gpt2" else getattr(base, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise RuntimeError(f"{type(self.hf).__name__} has no decoder-layer ModuleList where hf_config="
+                               f"{self.cfg.hf_config!r} keeps it")
+        return layers
+
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t = idx.shape  # [B, T] int64 token ids
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds HFConfig.seq_len={self.cfg.seq_len}")
+        logits = self.hf(input_ids=idx, use_cache=False).logits  # [B, T, V]
+        loss = None
+        if targets is not None:  # targets are the next tokens already: no shift
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
+    """``cfg``'s model in fp32 on the CPU: random weights from the ``transformers`` config class
+    (after ``torch.manual_seed(seed)`` when ``seed`` is given; nothing downloaded), or the weights
+    of the local directory ``cfg.pretrained`` (``from_pretrained(local_files_only=True)``)."""
+    tf = require_transformers()
+    conf = hf_model_config(cfg)
+    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
+    if seed is not None:
+        torch.manual_seed(seed)
+    if cfg.pretrained is None:
+        hf = cls(conf)
+    else:
+        hf = cls.from_pretrained(str(Path(cfg.pretrained).expanduser()), config=conf, local_files_only=True)
+    hf = hf.float().train()
+    return HFCausalLM(hf, cfg)
+
+
+__all__ = ["HFCausalLM", "HFConfig", "HF_ARCHS", "build_hf_model", "hf_model_config", "require_transformers"]
