@@ -18,7 +18,7 @@ from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.experiments.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
 from zeropp.experiments.overrides import check_overrides, group_options
 from zeropp.experiments.schema import run_schema
-from zeropp.models import GPTConfig
+from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 
 
@@ -67,8 +67,10 @@ def test_generated_groups_are_the_library_presets() -> None:
     for name, recipe in RECIPES.items():
         rc = from_dict(_cfg(f"quant={name}"))
         assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (recipe.weights, recipe.grads, recipe.hpz)
-    for name in group_options("model"):
+    assert "hf" in group_options("model")
+    for name in (n for n in group_options("model") if n != "hf"):
         assert from_dict(_cfg(f"model={name}")).model == GPTConfig.preset(name)
+    assert from_dict(_cfg("model=hf")).model == HFConfig()
     rc = from_dict(_cfg("topology=4x2"))
     assert rc.topology == Topology(nodes=4, ranks_per_node=2)
 
