@@ -48,9 +48,10 @@ from .consolidate import consolidated_state_dict
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
 from .memory import measure_memory
-from .optimizer import ShardedAdamW
+from .offload import DEFAULT_CPU_KERNEL, ParamStore, make_optimizer
 from .partition import FlatUnit, build_units
 from .stage3 import Stage3Hooks
+from .swap import SwapSpace
 
 
 @dataclass
@@ -84,11 +85,14 @@ class ZeroEngine:
     Must be created on every rank of an initialised default process group, with the same model
     architecture; rank 0's weights are broadcast so ranks start identical. The model's
     parameters are replaced by views into the engine's buffers (stage 3: empty between uses);
-    use :meth:`consolidated_state_dict` to get plain weights back.
+    use :meth:`consolidated_state_dict` to get plain weights back. ``cpu_adam`` picks the AdamW
+    kernel of an offloaded optimizer (``fused``, ``foreach`` or ``single``; see ``offload.py``:
+    ``single`` is bit-identical to the in-memory step, ``fused`` is the fast default).
     """
 
     def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,
-                 optimizer: OptimizerConfig | None = None, topology: Topology | None = None) -> None:
+                 optimizer: OptimizerConfig | None = None, topology: Topology | None = None,
+                 cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
@@ -126,20 +130,35 @@ class ZeroEngine:
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold)
+        self.swap = SwapSpace(cfg.nvme_path, rank, buffers=cfg.swap_buffers, buffer_size=cfg.swap_buffer_size,
+                              pin=self.device.type == "cuda") if cfg.nvme_path is not None else None
+        """The nvme tier's swap files and staging buffers (``swap.py``), or None."""
+        self.param_store = ParamStore(cfg.offload_param, self.units, dtype=self.dtype, device=self.device,
+                                      space=self.swap) if cfg.stage == 3 else None
+        """Stage 3: where the parameter shards live between gathers (``offload.py``), or None."""
+        # fp32 without offload: the master IS the parameter (shard or flat view), no second copy
+        alias = self.dtype == torch.float32 and cfg.offload_optimizer == "none" and cfg.offload_param == "none"
         masters = []
         for u in self.units:
             full = u.flatten_data(torch.float32)  # [padded]
             self.comm.broadcast_(full)
             a, b = u.shard_range()
-            masters.append(full[a:b].clone())  # [S] fp32
             if u.kind == "sharded":
-                u.param_shard = masters[-1].to(self.dtype).clone()
+                shard = full[a:b].clone()  # [S] fp32
+                masters.append(shard)
+                self.param_store.put(u, shard if alias else shard.to(self.dtype))
                 u.release()
             else:
-                u.bind(full.to(self.dtype).clone())
+                flat = full if alias else full.to(self.dtype).clone()
+                u.bind(flat)
+                masters.append(flat[a:b] if alias else full[a:b].clone())  # [S] fp32 (a view of flat if alias)
+            del full
             if self._reduces_when_ready(u):
                 u.grad_shard = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.device)
-        self.optim = ShardedAdamW(masters, self.opt_cfg)
+        self.optim = make_optimizer(masters, self.opt_cfg, cfg, device=self.device, space=self.swap,
+                                    masters_are_params=alias, cpu_adam=cpu_adam)
+        """fp32 masters and Adam moments (``optimizer.py`` / ``offload.py``; ``memory_by_tier()``)."""
+        del masters
         self.error_feedback = self._make_error_feedback()
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
@@ -239,13 +258,18 @@ class ZeroEngine:
         (parameters in their original dtype, on the CPU). Collective."""
         self._check_open()
 
+        def master(i: int) -> torch.Tensor:  # fp32 master i on the engine's device (read back if offloaded)
+            m = torch.empty(self.optim.numels[i], dtype=torch.float32, device=self.device)
+            self.optim.copy_master_to(i, m)
+            return m
+
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
             self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
                                  async_op=False)
             return full
 
-        return consolidated_state_dict(self.units, self.optim.masters, gather, self.model, self.param_dtypes,
+        return consolidated_state_dict(self.units, master, gather, self.model, self.param_dtypes,
                                        self.frozen_originals)
 
     def close(self) -> None:
@@ -263,6 +287,8 @@ class ZeroEngine:
         self._pending.clear()
         for u in self.units:
             u.secondary = u.grad_shard = None
+        if self.swap is not None:
+            self.swap.close()  # deletes this rank's swap files
         self._closed = True
 
     # ------------------------------------------------------------------ gradients
@@ -384,15 +410,16 @@ class ZeroEngine:
     def refresh_params(self) -> None:
         """Rebuild compute-dtype parameters from the fp32 masters (after a step or a load)."""
         works = []
-        for u, m in zip(self.units, self.optim.masters):
+        for i, u in enumerate(self.units):
             if u.kind == "replicated":
-                u.flat.copy_(m)
+                self.optim.copy_master_to(i, u.flat)  # nothing to do when the master is the flat (fp32)
             elif u.kind == "sharded":
-                u.param_shard.copy_(m)
+                self.param_store.update(u, self.optim, i)
                 u.secondary = None
             else:  # stages 1/2: everyone needs every updated shard
-                works.append(self.comm.all_gather(u.flat, m.to(self.dtype), spec=None,
-                                                  bucket=self.cfg.allgather_bucket_size,
+                m = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S] (not a view of u.flat)
+                self.optim.copy_master_to(i, m)
+                works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
                                                   kind="param_all_gather", async_op=True))
         for w in works:
             w.wait()
