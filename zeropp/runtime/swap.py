@@ -37,6 +37,10 @@ from typing import Iterator, Sequence
 import torch
 
 
+ALIGN = 64
+"""Chunks of more than this many elements are cut at multiples of it (see :meth:`SwapSpace.chunks_of`)."""
+
+
 class SwapError(RuntimeError):
     """A swap-file operation failed (disk full, I/O error); the message names the file."""
 
@@ -231,6 +235,8 @@ class SwapSpace:
         numel = segs[0].numel
         per = sum(torch.empty(0, dtype=s.dtype).element_size() for s in segs)
         n = max(1, self.buffer_bytes // per)
+        if n >= ALIGN:  # whole SIMD blocks: a vectorized kernel then treats each element as it would unchunked
+            n -= n % ALIGN
         out = []
         for lo in range(0, numel, n):
             hi = min(numel, lo + n)
