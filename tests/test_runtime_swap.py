@@ -37,10 +37,14 @@ def test_round_trip_through_bounded_buffers(space, numel, dtype):
     f = space.create("t.swp", 3 + numel * 2 * torch.empty(0, dtype=dtype).element_size())
     src = torch.randn(numel).to(dtype)
     seg = Segment(f, 3, numel, dtype)  # an odd byte offset: files are byte-addressed
-    space.write_from(seg, src)
+    space.write_from(seg, src)  # a host tensor of the segment's dtype: straight to the file
     out = torch.empty(numel, dtype=dtype)
     space.read_into(seg, out)
     assert torch.equal(out, src)
+    space.write_from(seg, src.double() + 1)  # another dtype: cast through the staging buffers
+    out64 = torch.empty(numel, dtype=torch.float64)
+    space.read_into(seg, out64)
+    assert torch.equal(out64, (src.double() + 1).to(dtype).double())
     assert space.host_bytes() == 2 * 7 * 4  # whatever the tensor size
 
 

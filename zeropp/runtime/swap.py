@@ -13,6 +13,10 @@ A :class:`SwapSpace` owns, for one rank:
 - a small ``concurrent.futures`` thread pool doing the reads and writes (``os.preadv`` /
   ``os.pwrite`` release the GIL, so the disk works while the caller computes).
 
+A whole tensor that already lives in host memory with the segment's dtype (``read_into`` /
+``write_from``) is moved straight between the file and the tensor, in buffer-sized pieces on the
+I/O threads: no staging copy and no extra memory.
+
 :meth:`SwapSpace.stream` is the one pipeline everything uses: given chunks (each a few file
 segments that fit one buffer together) it reads ahead up to ``buffers - 1`` chunks, hands each
 chunk to the caller as tensor views of its buffer, and writes it back behind while the next
@@ -243,8 +247,32 @@ class SwapSpace:
             out.append([Segment(s.file, s.offset + lo * (s.nbytes // s.numel), hi - lo, s.dtype) for s in segs])
         return out
 
+    def _direct(self, write: bool, seg: Segment, t: torch.Tensor) -> bool:
+        """Host tensor of the segment's dtype: move it straight between file and tensor (no
+        staging copy, no extra memory), in buffer-sized pieces on the I/O threads. False if ``t``
+        does not qualify (another device, dtype or layout)."""
+        if t.device.type != "cpu" or t.dtype != seg.dtype or not t.is_contiguous() or t.numel() != seg.numel:
+            return False
+        self._check_open()
+        t0 = time.perf_counter()
+        raw = t.view(torch.uint8) if seg.numel else t
+        fs = []
+        for lo in range(0, seg.nbytes, self.buffer_bytes):
+            n = min(self.buffer_bytes, seg.nbytes - lo)
+            piece = Segment(seg.file, seg.offset + lo, n, torch.uint8)
+            fs.append(self.pool.submit(self._io, write, piece, raw, lo))
+        _wait(fs)
+        if write:
+            self.bytes_written += seg.nbytes
+        else:
+            self.bytes_read += seg.nbytes
+        self.io_s += time.perf_counter() - t0
+        return True
+
     def read_into(self, seg: Segment, out: torch.Tensor) -> None:
         """Copy ``seg`` into ``out`` (``[seg.numel]``, any device; cast to ``out.dtype``)."""
+        if self._direct(False, seg, out):
+            return
         at = 0
         for (v,) in self.stream(self.chunks_of([seg])):
             out[at: at + v.numel()].copy_(v)
@@ -252,6 +280,8 @@ class SwapSpace:
 
     def write_from(self, seg: Segment, src: torch.Tensor) -> None:
         """Copy ``src`` (``[seg.numel]``, any device and dtype) into ``seg``."""
+        if self._direct(True, seg, src):
+            return
         at = 0
         for (v,) in self.stream(self.chunks_of([seg]), read=False, write=True):
             v.copy_(src[at: at + v.numel()])
