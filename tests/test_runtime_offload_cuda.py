@@ -41,6 +41,14 @@ def _world(rank, world, store_path, nvme):
         tiers = eng.optim.memory_by_tier()
         out[name] = {"losses": losses, "tiers": tiers,
                      "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+        if name.endswith(("_cpu", "_nvme")):  # checkpoint of host / disk state on a CUDA mesh, and back
+            ck = os.path.join(nvme, f"ck_{name}")
+            batch = [(i.cuda(), t.cuda()) for i, t in rank_batches(9, 1, rank)][0]
+            eng.save_checkpoint(ck)
+            before = eng.eval_loss(*batch)
+            eng.train_step([batch])
+            eng.load_checkpoint(ck)
+            out[name]["ckpt"] = (before, eng.eval_loss(*batch))
         eng.close()
     return out
 
@@ -53,3 +61,4 @@ def test_offload_on_cuda_matches_the_in_memory_run():
         for k, v in r[ref]["weights"].items():
             assert (r[name]["weights"][k] == v).all(), (name, k)
         assert r[name]["tiers"]["device"] == 0, r[name]["tiers"]
+        assert r[name]["ckpt"][0] == r[name]["ckpt"][1], (name, r[name]["ckpt"])  # the load restores exactly

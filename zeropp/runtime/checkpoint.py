@@ -15,6 +15,11 @@ Frozen parameters (in their original dtype) and buffers are saved replicated as 
 ``meta.json`` holds the step count, the loss scaler, the unit layouts, the parameter dtypes, the
 caller's ``extra`` values and a CRC-32 per DCP file.
 
+Offloaded optimizer state (``offload.py``) is saved in the same format: the holder hands each
+state back as a host tensor (``state_tensor``; read back from the swap file for the nvme tier, so a
+save materializes the rank's optimizer state in host memory for the duration of the save) and a
+load writes it back through ``load_state``. A checkpoint therefore loads into any offload tier.
+
 Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
 checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
 same units (same model, same ``persistence_threshold`` at stage 3); otherwise the load is refused

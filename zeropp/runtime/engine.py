@@ -22,6 +22,12 @@ Life of a step (``grad_accum_steps`` micro-batches):
 3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
    (stages 1 and 2); hpZ secondary copies are dropped because they are now stale.
 
+Where the state lives: in fp32 without offload the master *is* the parameter (the stage-3 shard,
+or this rank's slice of the stage 0-2 flat buffer), so there is no second fp32 copy (16 / 10 / 7 / 4
+bytes per parameter for stages 0-3 at 4 ranks). ``offload_optimizer=cpu|nvme`` moves masters and
+moments to host memory or swap files and runs AdamW on the CPU; ``offload_param=cpu|nvme`` keeps
+the stage-3 parameter shards there between gathers (``offload.py``, ``swap.py``).
+
 The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
 are averaged over ranks, so the update equals single-process training on the global batch.
 """
@@ -49,6 +55,7 @@ from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, ParamStore, make_optimizer
+from .optimizer import KERNELS
 from .partition import FlatUnit, build_units
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
@@ -96,6 +103,8 @@ class ZeroEngine:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
+        if cpu_adam not in KERNELS:
+            raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
         if not dist.is_initialized():
             raise RuntimeError("ZeroEngine needs torch.distributed initialised (dist.init_process_group) on every rank")
         world, rank = dist.get_world_size(), dist.get_rank()

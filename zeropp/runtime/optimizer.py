@@ -31,8 +31,10 @@ def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
                  exp_avg_sqs: Sequence[torch.Tensor], *, step: int, lr: float, cfg: OptimizerConfig,
                  kernel: str = "single") -> None:
     """One AdamW update of ``params`` in place (all fp32, same shapes pairwise); ``step`` is the
-    1-based count including this update. Element-wise, so updating a tensor in chunks gives the
-    same bits as updating it whole, with any kernel."""
+    1-based count including this update. Element-wise: with ``single`` and ``foreach``, updating
+    a tensor in chunks gives the same bits as updating it whole; the ``fused`` CPU kernel rounds
+    its SIMD body and its scalar tail differently, so it does so only for chunks that are whole
+    SIMD blocks (the nvme tier cuts chunks at multiples of ``swap.ALIGN`` elements for that)."""
     (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
     if kernel == "single":
         stepf = float(step)  # torch keeps the step as a float tensor and reads .item()
@@ -125,7 +127,9 @@ class ShardedAdamW:
         for lo, hi, chunk in self.master_chunks(i):
             d = dst[lo:hi]
             if d.data_ptr() != chunk.data_ptr() or d.device != chunk.device:
-                d.copy_(chunk, non_blocking=True)
+                # host -> CUDA from pinned memory is asynchronous (ordered before the gather on the
+                # stream; the host side is not written again before the next step's loss sync)
+                d.copy_(chunk, non_blocking=d.is_cuda)
 
     def nbytes(self) -> int:
         """Bytes of optimizer state held by this rank, all tiers (masters that are the parameters
