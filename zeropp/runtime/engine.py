@@ -406,8 +406,12 @@ class ZeroEngine:
                 coef = min(self.cfg.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
                 for g in g32:
                     g.mul_(coef)
-            self.optim.step(g32)
-            self.refresh_params()
+            works: list = []
+            # each unit's parameters are refreshed as soon as its master is updated: with a CPU
+            # optimizer the copy back (async from pinned memory) overlaps the next unit's update
+            self.optim.step(g32, on_updated=lambda i: self._refresh_unit(i, works))
+            for w in works:
+                w.wait()
         for u in self.units:
             if u.grad_shard is not None:
                 u.grad_shard.zero_()
@@ -418,20 +422,26 @@ class ZeroEngine:
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Rebuild compute-dtype parameters from the fp32 masters (after a step or a load)."""
-        works = []
-        for i, u in enumerate(self.units):
-            if u.kind == "replicated":
-                self.optim.copy_master_to(i, u.flat)  # nothing to do when the master is the flat (fp32)
-            elif u.kind == "sharded":
-                self.param_store.update(u, self.optim, i)
-                u.secondary = None
-            else:  # stages 1/2: everyone needs every updated shard
-                m = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S] (not a view of u.flat)
-                self.optim.copy_master_to(i, m)
-                works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
-                                                  kind="param_all_gather", async_op=True))
+        works: list = []
+        for i in range(len(self.units)):
+            self._refresh_unit(i, works)
         for w in works:
             w.wait()
+
+    def _refresh_unit(self, i: int, works: list) -> None:
+        """Refresh unit ``i``'s compute parameters from master ``i``; stages 1/2 append the async
+        all-gather to ``works`` (issued in unit order on every rank)."""
+        u = self.units[i]
+        if u.kind == "replicated":
+            self.optim.copy_master_to(i, u.flat)  # nothing to do when the master is the flat (fp32)
+        elif u.kind == "sharded":
+            self.param_store.update(u, self.optim, i)
+            u.secondary = None
+        else:  # stages 1/2: everyone needs every updated shard
+            m = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S] (not a view of u.flat)
+            self.optim.copy_master_to(i, m)
+            works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
+                                              kind="param_all_gather", async_op=True))
 
     # ------------------------------------------------------------------ misc
     def _checkpoint_target(self) -> ckpt.CheckpointTarget:

@@ -36,7 +36,7 @@ memory and on ``disk``; "device" is the model's device even when that is the CPU
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -70,15 +70,16 @@ class HostAdamW(ShardedAdamW):
         self.grad_host = [_host_zeros(m.numel(), pin) for m in host] if device.type != "cpu" else []
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """Copy the fp32 gradient shards to the host (all copies issued, then one wait) and update there."""
+    def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
+        """Copy the fp32 gradient shards to the host (all copies issued, then one wait) and update
+        there, shard by shard (``on_updated(i)`` after each: the engine copies it back meanwhile)."""
         if self.grad_host:
             for dst, g in zip(self.grad_host, grads):
                 dst.copy_(g, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             grads = self.grad_host
-        super().step(grads)
+        super().step(grads, on_updated)
 
     def memory_by_tier(self) -> dict[str, int]:
         out = super().memory_by_tier()
@@ -129,8 +130,9 @@ class SwappedAdamW:
         return list(self._numels)
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """Stream every shard's (master, m, v) through the buffers and update each chunk."""
+    def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
+        """Stream every shard's (master, m, v) through the buffers and update each chunk; then
+        ``on_updated(i)`` for every shard (after the last write-back: the caller reads the file)."""
         lr = self.lr
         self.step_count += 1
         chunks, where = [], []
@@ -146,6 +148,9 @@ class SwappedAdamW:
             if g.device.type != "cpu":
                 g = g.to("cpu")
             adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=self.kernel)
+        if on_updated is not None:
+            for i in range(len(self._numels)):
+                on_updated(i)
 
     def master_chunks(self, i: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         lo = 0

@@ -10,14 +10,14 @@ CPU kernel is the fast one the CPU offload uses (see ``offload.py``); it rounds 
 (about 1 ulp of the update, 1e-8 absolute on unit-scale weights after a step).
 
 Every optimizer-state holder (this class, and ``offload.HostAdamW`` / ``offload.SwappedAdamW``)
-offers the same small interface the engine and the checkpoint use: ``step(grads)``, ``lr``,
+offers the same small interface the engine and the checkpoint use: ``step(grads, on_updated)``, ``lr``,
 ``step_count``, ``numels``, ``state_tensor(name, i)``, ``load_state``, ``master_chunks(i)``,
 ``copy_master_to(i, dst)``, ``nbytes()`` and ``memory_by_tier()``.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -93,13 +93,17 @@ class ShardedAdamW:
         self.step_count = 0
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor]) -> None:
+    def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
         """One AdamW update; ``grads[i]`` is the fp32 gradient of ``masters[i]`` (same shape). The
-        rate is the schedule's ``cfg.lr_at(steps taken so far)``."""
+        rate is the schedule's ``cfg.lr_at(steps taken so far)``. ``on_updated(i)`` is called as
+        soon as shard ``i`` is updated (shard by shard: the same bits as one call over all, the
+        update being element-wise), so the caller can copy it back while the next one updates."""
         lr = self.lr
         self.step_count += 1
-        adamw_update(self.masters, grads, self.exp_avg, self.exp_avg_sq, step=self.step_count, lr=lr, cfg=self.cfg,
-                     kernel=self.kernel)
+        for i, (p, g, m, v) in enumerate(zip(self.masters, grads, self.exp_avg, self.exp_avg_sq)):
+            adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=self.kernel)
+            if on_updated is not None:
+                on_updated(i)
 
     @property
     def lr(self) -> float:
