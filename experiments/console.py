@@ -94,12 +94,42 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if ew is not None:
         rows.append(("engine comm wait / step", f"{ew * 1e3:.1f} ms (engine: waits + quantize)"))
     rows.append(("model state / rank", ", ".join(human_bytes(m.get("total", 0)) for m in mem)))
+    rows += memory_rows(s)
     loss = s["loss"]
     ev = loss.get("eval")
     rows.append(("loss", f"{loss['first']:.3f} -> {loss['final']:.3f}" + (f" (eval {ev:.3f})" if ev is not None else "")))
     if s.get("checkpoint"):
         rows.append(("checkpoint", s["checkpoint"]))
     rows.append(("outputs", s["run_dir"]))
+    return rows
+
+
+_SHORT = {"params": "p", "grads": "g", "optimizer": "o", "activations": "a", "buffers": "b"}
+
+
+def memory_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Per phase, the rank holding the most: bytes per tier, the device's split by category, the
+    phase's peak; then ZeRO's formula for the config by tier (``summary['memory_expected']``)."""
+    phases = [ph for ph in s.get("memory_by_phase") or [] if ph]
+    if not phases:
+        return []
+    rows: list[tuple[str, str]] = [("memory by phase", "per tier, the rank with the most device bytes "
+                                    "(p params, g grads, o optimizer, a activations, b buffers)")]
+    for name in phases[0]:
+        snaps = [(r, ph[name]) for r, ph in enumerate(phases) if name in ph]
+        r, top = max(snaps, key=lambda x: x[1]["tier_totals"]["device"])
+        dev = top["tiers"]["device"]
+        split = " ".join(f"{_SHORT[c]} {human_bytes(v)}" for c, v in dev.items() if v)
+        tt = top["tier_totals"]
+        peak = max(p["peak"] for _, p in snaps)
+        rss = max(p.get("process", {}).get("rss", 0) for _, p in snaps)
+        rows.append((f"  {name} (rank {r})", f"device {human_bytes(tt['device'])} [{split}] | host "
+                     f"{human_bytes(tt['host'])} | disk {human_bytes(tt['disk'])} | peak {human_bytes(peak)} "
+                     f"({top['peak_source']}) | rss {human_bytes(rss)}"))
+    exp = s.get("memory_expected")
+    if exp:
+        rows.append(("  ZeRO formula / rank", " | ".join(f"{t} {human_bytes(sum(c.values()))}" for t, c in exp.items())
+                     + " (params + grads + optimizer)"))
     return rows
 
 

@@ -9,6 +9,13 @@ any trainer, kinds like ``all_gather``), ``engine_comm_bytes_per_step`` from zer
 when the trainer has one (semantic kinds like ``fwd_all_gather``, ``grad_reduce_scatter``).
 ``comm_wait_s_per_step`` is the time the training thread was blocked inside collectives or
 ``Work.wait()`` (CommWatch); ``engine_comm_wait_s_per_step`` is ZeroEngine's own measure.
+
+Memory: ``memory_per_rank`` is each rank's flat model-state report (end of backward);
+``memory_by_phase`` gives per rank, per phase (model_creation, forward, backward, step), bytes
+per tier (device, host, disk) and category (params, grads, optimizer, activations, buffers) with
+the phase's peak and the process figures (``zeropp.runtime.memory.MemorySnapshot.to_dict``);
+``memory_expected`` is ZeRO's formula for the run's config by tier. ``memory.json`` in the run
+directory holds the same per-rank figures on their own (:func:`write_memory_json`).
 """
 
 from __future__ import annotations
@@ -68,6 +75,22 @@ def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, floa
     return {k: sum(d.get(k, 0) for d in dicts) / max(divisor, 1) for k in keys}
 
 
+def expected_model_state(cfg: RunConfig, n_params: int) -> dict[str, dict[str, float]] | None:
+    """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` for a ZeroEngine run of
+    ``cfg`` (None for the other trainers, whose memory the formulas do not describe)."""
+    if cfg.trainer.name != "zeropp":
+        return None
+    from zeropp.runtime import ZeroEngine
+    from zeropp.runtime.memory import expected_by_tier
+
+    z, t = cfg.zero, cfg.topology
+    pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
+    hpz = (z.hpz_size or t.ranks_per_node) if z.hpz else None
+    return expected_by_tier(z.stage, n_params, t.world_size, param_bytes=pbytes, hpz_size=hpz,
+                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
+                            shared_master=ZeroEngine.shares_fp32_master and z.precision == "fp32")
+
+
 def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],
                   losses: list[float], eval_loss: float | None, n_params: int, run_dir: str,
                   overrides: list[str], device: str, backend: str, label: str,
@@ -91,6 +114,7 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
     eng_wait = sum(r.get("engine_wait_s", 0.0) for r in rank_reports) / (world * n_meas)
     step_mean = total_time / len(measured) if measured else math.nan
     mems = [r["memory"] for r in rank_reports]
+    phases = [r.get("memory_phases") or {} for r in rank_reports]
     return {
         "label": label,
         "trainer": cfg.trainer.name,
@@ -116,6 +140,9 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "comm_wait_fraction": wait / step_mean if step_mean and step_mean > 0 else math.nan,
         "memory_per_rank": mems,
         "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
+        "memory_by_phase": phases,
+        "memory_peak_per_rank": [max((p.get("peak", 0) for p in ph.values()), default=0) for ph in phases],
+        "memory_expected": expected_model_state(cfg, n_params),
         "loss": {"first": losses[0] if losses else math.nan, "final": losses[-1] if losses else math.nan,
                  "eval": eval_loss, "curve": losses},
         "device": device,
@@ -137,6 +164,21 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
         return x
 
     path.write_text(json.dumps(clean(summary), indent=2))
+
+
+def write_memory_json(path: Path, summary: dict[str, Any]) -> None:
+    """``memory.json``: per rank the per-phase, per-tier, per-category bytes and the peak, plus the
+    formula for the config (same figures as the summary's ``memory_*`` keys, on their own)."""
+    ranks = []
+    for r, ph in enumerate(summary.get("memory_by_phase") or []):
+        rss = [p.get("process", {}).get("peak_rss", 0) for p in ph.values()]
+        ranks.append({"rank": r, "phases": ph, "peak": summary["memory_peak_per_rank"][r],
+                      "peak_rss": max(rss, default=0), "model_state": summary["memory_per_rank"][r]})
+    doc = {"label": summary.get("label"), "model": summary.get("model"), "topology": summary.get("topology"),
+           "zero": {k: summary.get("zero", {}).get(k) for k in ("stage", "precision", "hpz", "offload_optimizer",
+                                                               "offload_param")},
+           "expected": summary.get("memory_expected"), "ranks": ranks}
+    write_summary(path, doc)
 
 
 def read_summary(path: Path) -> dict[str, Any]:

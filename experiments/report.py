@@ -3,8 +3,11 @@
 Reads every ``summary.json`` (and ``metrics.jsonl``) under the directory, in Hydra's job order,
 and writes next to them (or to ``--out``): ``report.md`` with one row per run, and
 ``throughput.png`` (tokens/s per configuration), ``comm_bytes.png`` (bytes per step per rank,
-stacked intra- vs cross-node), ``memory.png`` (model-state bytes of each rank) and
-``loss.png`` (training loss curves).
+stacked intra- vs cross-node), ``memory.png`` (model-state bytes of each rank),
+``memory_phases.png`` (per run, one bar per phase -- after model creation, forward, backward,
+step -- for the rank with the most device bytes: the device's bytes stacked by category, host and
+disk bytes on top, hatched, and the phase's peak as a black tick) and ``loss.png`` (training loss
+curves). ``report.md`` also tabulates the per-phase bytes per tier.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Any
 from .console import human_bytes
 from .metrics import read_metrics
 
-PLOTS = ("throughput.png", "comm_bytes.png", "memory.png", "loss.png")
+PLOTS = ("throughput.png", "comm_bytes.png", "memory.png", "memory_phases.png", "loss.png")
+PHASE_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "activations": "tab:purple",
+                "buffers": "tab:gray"}
 
 
 def _job_key(p: Path) -> tuple:
@@ -55,6 +60,29 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"{s['model_tflops']:.4f} | {human_bytes(c['intra'])} | {human_bytes(c['cross'])} | "
             f"{1e3 * s['comm_wait_s_per_step']:.1f} | {human_bytes(s['memory_max_rank_bytes'])} | "
             f"{s['loss']['final']:.3f} | {'' if ev is None else f'{ev:.3f}'} |")
+    return "\n".join(lines)
+
+
+def phase_rows(s: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
+    """``(phase, rank, snapshot)`` per phase of a run: the rank with the most device bytes."""
+    ranks = [ph for ph in s.get("memory_by_phase") or [] if ph]
+    out = []
+    for phase in ranks[0] if ranks else []:
+        r, snap = max(((r, ph[phase]) for r, ph in enumerate(ranks) if phase in ph),
+                      key=lambda x: x[1]["tier_totals"]["device"])
+        out.append((phase, r, snap))
+    return out
+
+
+def phase_markdown(runs: list[dict[str, Any]]) -> str:
+    lines = ["| run | phase | rank | device | params | grads | optimizer | activations | buffers | host | disk | peak |",
+             "|" + "|".join(["---"] * 12) + "|"]
+    for s in runs:
+        for phase, r, p in phase_rows(s):
+            d, tt = p["tiers"]["device"], p["tier_totals"]
+            lines.append(f"| {run_name(s)} | {phase} | {r} | {human_bytes(tt['device'])} | "
+                         + " | ".join(human_bytes(d.get(c, 0)) for c in PHASE_COLORS)
+                         + f" | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | {human_bytes(p['peak'])} |")
     return "\n".join(lines)
 
 
@@ -102,6 +130,44 @@ def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.legend(fontsize=7, ncol=min(world, 4))
     save(fig, "memory.png")
 
+    phase_names = list(dict.fromkeys(ph for s in runs for ph, _, _ in phase_rows(s)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(runs) * max(len(phase_names), 1) + 2), 4.5))
+    pw = 0.8 / max(len(phase_names), 1)
+    labelled: set[str] = set()
+
+    def bar(xpos: float, height: float, bottom: float, key: str, **kw: Any) -> None:
+        ax.bar(xpos, height, bottom=bottom, width=pw, label=None if key in labelled else key, **kw)
+        labelled.add(key)
+
+    for i, s in enumerate(runs):
+        for j, (phase, _r, p) in enumerate(phase_rows(s)):
+            xpos = i - 0.4 + pw * (phase_names.index(phase) + 0.5)
+            bottom = 0.0
+            for c, color in PHASE_COLORS.items():
+                v = p["tiers"]["device"].get(c, 0) / 2**20
+                if v:
+                    bar(xpos, v, bottom, f"device {c}", color=color)
+                    bottom += v
+            for tier, hatch in (("host", "//"), ("disk", "xx")):
+                v = p["tier_totals"][tier] / 2**20
+                if v:
+                    bar(xpos, v, bottom, tier, color="white", edgecolor="black", hatch=hatch)
+                    bottom += v
+            ax.plot([xpos - pw / 2, xpos + pw / 2], [p["peak"] / 2**20] * 2, color="black", lw=2,
+                    label=None if "peak" in labelled else "peak (device)")
+            labelled.add("peak")
+            top = max(bottom, p["peak"] / 2**20)
+            ax.text(xpos, top, {"model_creation": "init"}.get(phase, phase[:4]), rotation=90, ha="center",
+                    va="bottom", fontsize=6)
+    ax.set(ylabel="MiB per rank", title="Memory by phase and tier (busiest rank)")
+    ax.margins(y=0.15)
+    ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    if not phase_names:
+        ax.text(0.5, 0.5, "no per-phase memory in these summaries", transform=ax.transAxes, ha="center")
+    if labelled:
+        ax.legend(fontsize=7, ncol=2)
+    save(fig, "memory_phases.png")
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for s, n in zip(runs, names):
         m = s["_metrics"]
@@ -128,6 +194,9 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     md = [f"# Sweep report: {Path(root).resolve().name}", "",
           f"{len(runs)} runs" + (f", {len(failed)} failed (not in the table or plots)" if failed else "") + ".", "",
           markdown(runs), ""]
+    if any(phase_rows(s) for s in runs):
+        md += ["Memory by phase (per run and phase, the rank with the most device bytes; peak: CUDA allocator on "
+               "GPUs, the runtime's accounted device bytes on CPU ranks):", "", phase_markdown(runs), ""]
     if failed:
         md += ["Failed jobs:", ""] + [f"- `{' '.join(j['overrides'])}`: {j['error'].splitlines()[0]}" for j in failed] + [""]
     md += [f"![{p.stem}]({p.name})" for p in written]

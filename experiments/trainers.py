@@ -8,6 +8,14 @@ zeropp's quantized gradient all-reduce hook (``zero.grads``). All of them read t
 (``zero.precision``, ``zero.grad_accum_steps``, ``zero.grad_clip``, the ``optim`` section with its
 LR schedule), so the runner measures them on equal terms; ``config.HONORED`` refuses settings a
 trainer would not use. Checkpoints go through ``torch.distributed.checkpoint`` everywhere.
+
+``train.activation_checkpointing`` is honoured by every trainer, the same way: torch's
+non-reentrant ``torch.utils.checkpoint`` around each of the GPT's blocks
+(``zeropp.runtime.activations.checkpoint_blocks``; ZeroEngine applies it itself so that stage 3
+re-gathers the block for the recomputation). The block's ``forward`` is replaced in place rather
+than the block wrapped (torch's ``checkpoint_wrapper`` lives in a private module and renames the
+parameters), so parameter names and checkpoints are the same with and without it. FSDP2 shards
+the blocks after that, so its unshard/reshard hooks stay outside the recomputed region.
 """
 
 from __future__ import annotations
@@ -95,7 +103,7 @@ class ZeroTrainer:
         from zeropp.runtime import ZeroEngine
 
         self.engine = ZeroEngine(build_model(cfg, device), config=cfg.zero, optimizer=cfg.optim,
-                                 topology=cfg.topology)
+                                 topology=cfg.topology, activation_checkpointing=cfg.train.activation_checkpointing)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
         r = self.engine.train_step(micro_batches)
@@ -238,12 +246,20 @@ def load_dcp(state: dict[str, Any], path: Path) -> dict[str, Any]:
     return json.loads((d / "extra.json").read_text())
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (``model.blocks``) that FSDP2 shards one by one."""
+def _blocks(model: nn.Module, why: str = "trainer=fsdp2 shards them one by one") -> list[nn.Module]:
+    """The transformer blocks (``model.blocks``)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise RuntimeError("trainer=fsdp2 needs the model's blocks as model.blocks (an nn.ModuleList)")
+        raise RuntimeError(f"the model's blocks must be model.blocks (an nn.ModuleList): {why}")
     return list(blocks)
+
+
+def _maybe_checkpoint(model: nn.Module, cfg: RunConfig) -> None:
+    """``train.activation_checkpointing``: checkpoint each block (before FSDP2 / DDP wrap the model)."""
+    if cfg.train.activation_checkpointing:
+        from zeropp.runtime.activations import checkpoint_blocks
+
+        checkpoint_blocks(_blocks(model, "train.activation_checkpointing=true checkpoints each of them"))
 
 
 def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTrainer:
@@ -251,6 +267,7 @@ def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTra
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(cfg, device)
+    _maybe_checkpoint(model, cfg)
     z = cfg.zero
     # the ranks' own device: without a mesh FSDP2 picks the host's accelerator, also for CPU/gloo ranks
     mesh = init_device_mesh(device.type, (cfg.world_size,))
@@ -275,6 +292,7 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = build_model(cfg, device)
+    _maybe_checkpoint(model, cfg)
     z = cfg.zero
     # zero.reduce_bucket_size, when set, caps DDP's buckets (fp32 gradients); else DDP's own default
     bucket = {} if z.reduce_bucket_size == ZeroConfig().reduce_bucket_size else {

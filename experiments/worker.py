@@ -33,7 +33,7 @@ from .data import TokenBatches
 from zeropp.launch import select_device
 
 from .launcher import device_for_cluster
-from .metrics import MetricsFile, build_summary, tokens_per_step, write_summary
+from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
 from .trainers import build_trainer
 from .wandb_log import WandbLogger, flatten
 
@@ -70,6 +70,19 @@ def _resume_keys(cfg: RunConfig) -> dict[str, Any]:
                                   "data": dataclasses.asdict(cfg.data), "optim": dataclasses.asdict(cfg.optim)}))
 
 
+def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str, dict[str, Any]]:
+    """Per-phase, per-tier memory of this rank: the engine's own snapshots (``memory_phases``), or
+    for trainers without them the flat report after model creation and after the last step."""
+    from zeropp.runtime import memory as mem
+
+    eng = getattr(trainer, "engine", None)
+    if eng is not None and hasattr(eng, "memory_phases"):
+        return {k: v.to_dict() for k, v in eng.memory_phases().items()}
+    out = {"model_creation": created.to_dict()} if created is not None else {}
+    out["step"] = mem.flat_snapshot("step", trainer.memory_report(), device).to_dict()
+    return out
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Train one rank; returns the summary on rank 0 (None elsewhere)."""
     cfg = from_dict(spec["config"])
@@ -95,6 +108,10 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     data = TokenBatches(cfg.data, seq_len=cfg.model.seq_len, batch=t.micro_batch_size,
                         vocab_size=cfg.model.vocab_size, seed=t.seed, rank=rank, device=device)
     trainer = build_trainer(cfg, device)
+    from zeropp.runtime import memory as mem
+
+    created = None if hasattr(getattr(trainer, "engine", None), "memory_phases") else \
+        mem.flat_snapshot("model_creation", trainer.memory_report(), device)
     ckpt = cfg.checkpoint_dir(run_dir)
     start = 0
     lead = rank == 0
@@ -175,7 +192,8 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
         eval_loss = trainer.eval_loss(*data.eval_batch())
         watch.take()
     report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
-              "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report()}
+              "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report(),
+              "memory_phases": _memory_phases(trainer, device, created)}
     gathered: list[Any] = [None] * world if lead else []
     dist.gather_object(report, gathered if lead else None, dst=0)
     trainer.close()
@@ -190,7 +208,9 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     metrics.close()
     summary["wandb_dir"] = wb.dir
     write_summary(run_dir / "summary.json", summary)
-    wb.finish(flatten({k: v for k, v in summary.items() if k not in ("config", "loss", "memory_per_rank")}))
+    write_memory_json(run_dir / "memory.json", summary)
+    wb.finish(flatten({k: v for k, v in summary.items()
+                       if k not in ("config", "loss", "memory_per_rank", "memory_by_phase", "memory_expected")}))
     print_summary(summary)
     return summary
 

@@ -28,6 +28,14 @@ bytes per parameter for stages 0-3 at 4 ranks). ``offload_optimizer=cpu|nvme`` m
 moments to host memory or swap files and runs AdamW on the CPU; ``offload_param=cpu|nvme`` keeps
 the stage-3 parameter shards there between gathers (``offload.py``, ``swap.py``).
 
+ZeRO-R (``activation_checkpointing=True``, ``ZeroConfig.offload_activations``): each block is
+checkpointed with torch's non-reentrant ``torch.utils.checkpoint`` (at stage 3 the recomputation
+finds the block re-gathered, see ``stage3.py``); every training forward runs under the
+``ActivationStore`` hooks (``activations.py``), which keep saved activations on the device or in
+(pinned) host memory and count their bytes per tier (``self.activations.memory_by_tier()``).
+Gathers and reduce-scatters draw their buffers from one constant pool (``self.buffers``,
+``buffers.py``; size ``self.buffers.nbytes``).
+
 The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
 are averaged over ranks, so the update equals single-process training on the global batch.
 """
@@ -49,16 +57,24 @@ from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
 from . import checkpoint as ckpt
+from .activations import ActivationStore, checkpoint_blocks
+from .buffers import BufferPool
 from .collectives import EngineComm
 from .consolidate import consolidated_state_dict
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
+from . import memory as mem
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit, build_units
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
+
+
+REDUCE_INFLIGHT = 2
+"""Stages 2-3: gradient reduce-scatters in flight at once (each holds one ``[padded]`` input and one
+``[S]`` output buffer of the pool); two lets one unit's reduction overlap the next unit's backward."""
 
 
 @dataclass
@@ -95,11 +111,15 @@ class ZeroEngine:
     use :meth:`consolidated_state_dict` to get plain weights back. ``cpu_adam`` picks the AdamW
     kernel of an offloaded optimizer (``fused``, ``foreach`` or ``single``; see ``offload.py``:
     ``single`` is bit-identical to the in-memory step, ``fused`` is the fast default).
+
+    ``activation_checkpointing=True`` recomputes each block's activations in backward (the
+    engine's blocks: the modules of the model's block ``ModuleList`` that hold trainable
+    parameters); a model without blocks is refused with a ``ValueError`` at construction.
     """
 
     def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,
                  optimizer: OptimizerConfig | None = None, topology: Topology | None = None,
-                 cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
+                 activation_checkpointing: bool = False, cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
@@ -168,14 +188,21 @@ class ZeroEngine:
                                     masters_are_params=alias, cpu_adam=cpu_adam)
         """fp32 masters and Adam moments (``optimizer.py`` / ``offload.py``; ``memory_by_tier()``)."""
         del masters
+        # ZeRO-R (activations.py, buffers.py): checkpointing, where saved activations live, the buffer pool
+        self.checkpointing = checkpoint_blocks([blk for blk, _ in self.blocks]) if activation_checkpointing else None
+        """Activation checkpointing of the engine's blocks (``activations.BlockCheckpointing``) or None."""
+        self.activations = ActivationStore(self.device, offload=cfg.offload_activations)
+        """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
+        self.buffers = self._make_buffer_pool()
+        """The constant pool of gather and reduce-scatter buffers (``buffers.BufferPool``; ``nbytes``)."""
         self.error_feedback = self._make_error_feedback()
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
                             for u in self.units if self._reduces_when_ready(u) for p in u.params]
         self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units, self.comm, config=cfg, dtype=self.dtype,
-                                  device=self.device, on_block_backward=self.flush_reductions_before
-                                  ) if cfg.stage == 3 else None
-        self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []
+                                  device=self.device, on_block_backward=self.flush_reductions_before,
+                                  pool=self.buffers) if cfg.stage == 3 else None
+        self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
         order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
         order += [u for u in self.units if u not in order]
@@ -185,6 +212,16 @@ class ZeroEngine:
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
         self._last_memory: dict[str, int] | None = None
+        self._memory_sources: dict[str, list[object]] = {c: [] for c in mem.CATEGORIES}
+        self.track_memory("optimizer", self.optim)
+        if self.param_store is not None and self.param_store.tier != "none":
+            self.track_memory("params", self.param_store)  # owns the offloaded parameter shards
+        if self.swap is not None:
+            self.track_memory("buffers", self.swap)  # the nvme tier's staging buffers (host)
+        self.track_memory("buffers", self.buffers)
+        self.track_memory("activations", self.activations)
+        self._phases: dict[str, mem.MemorySnapshot] = {}
+        self._record_phase("model_creation")
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -203,16 +240,20 @@ class ZeroEngine:
                 u.grads_ready, u.reduced = 0, False
                 u.extra["ready"] = False
             self._next_reduce = 0
-            _, loss = self.model(idx, targets)
+            with self.activations.saving():
+                _, loss = self.model(idx, targets)
             if self.stage3 is not None:
                 self.stage3.check_forward()  # same blocks ran on every rank, else a clear error everywhere
             if loss is None:
                 raise ValueError("the model returned no loss; call it with targets")
+            if j == a - 1:
+                self._record_phase("forward")  # activations saved for backward are alive now
             loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
         grads = self._final_grads()
         res = self._step(grads, loss_sum / a)
+        self._record_phase("step")
         res.step_time_s = time.perf_counter() - t0
         return res
 
@@ -229,6 +270,26 @@ class ZeroEngine:
         """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
         holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
         return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
+
+    shares_fp32_master: bool = False
+    """True when an fp32 run's master weights are the parameter shard itself (no second fp32
+    copy): ``memory.expected_memory(shared_master=...)`` for this engine's predictions."""
+
+    def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
+        """This rank's memory by tier and category after model creation and, from the last step,
+        after its (last micro-batch's) forward, backward and optimizer step, each with the phase's
+        peak (``zeropp.runtime.memory.MemorySnapshot``). Local, cheap."""
+        return dict(self._phases)
+
+    def track_memory(self, category: str, source: object) -> None:
+        """Count ``source``'s bytes under ``category`` (one of ``memory.CATEGORIES``) in
+        :meth:`memory_phases`: it must have ``memory_by_tier() -> {"device"|"host"|"disk": int}``
+        or ``nbytes`` (device bytes). A ``params`` source (offloaded parameter store) reports the
+        sharded units' parameter shards itself, so the engine stops counting them."""
+        if category not in self._memory_sources:
+            raise ValueError(f"track_memory: category {category!r} is not one of {mem.CATEGORIES}")
+        mem.source_tiers(source)  # fails now, naming the object, if it cannot report
+        self._memory_sources[category].append(source)
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> str:
         """Atomically save this engine's state under directory ``path`` through
@@ -291,9 +352,11 @@ class ZeroEngine:
         if self.stage3 is not None:
             self.stage3.release_all()
             self.stage3.remove()
-        for p, _u, _o in self._pending:
-            p.wait()
+        for pending in self._pending:
+            pending[0].wait()
         self._pending.clear()
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
         for u in self.units:
             u.secondary = u.grad_shard = None
         if self.swap is not None:
@@ -346,13 +409,23 @@ class ZeroEngine:
         if u.reduced:
             return
         u.reduced = True
-        flat = u.flatten_grads()  # [padded], clears p.grad
+        while len(self._pending) >= REDUCE_INFLIGHT:  # the pool's reduce slots are all in flight
+            self._finish_reduction(*self._pending.pop(0))
+        flat = u.flatten_grads(out=self.buffers.acquire("grad_flat", u.padded))  # [padded], clears p.grad
         if self.stage3 is not None and u.kind == "sharded":
             self.stage3.release(u)
-        out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S]
+        out = self.buffers.acquire("grad_shard", u.shard_numel)  # [S]
         work = self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
                                         kind="grad_reduce_scatter", async_op=True, **self._qgz())
+        u.extra["rs_input"] = flat  # back to the pool once the reduce-scatter is waited
         self._pending.append((work, u, out))
+
+    def _finish_reduction(self, work: object, u: FlatUnit, out: torch.Tensor) -> None:
+        """Wait for one reduce-scatter, add it into ``u``'s gradient shard, return its buffers to the pool."""
+        work.wait()
+        u.grad_shard.add_(out)
+        self.buffers.give_back(out)
+        self.buffers.give_back(u.extra.pop("rs_input", None))
 
     def _after_backward(self, last: bool) -> None:
         # the rest of the fixed order: units some of whose parameters got no gradient this
@@ -360,14 +433,14 @@ class ZeroEngine:
         for u in self._reduce_order[self._next_reduce:]:
             self._reduce_unit(u)
         self._next_reduce = len(self._reduce_order)
-        for work, u, out in self._pending:
-            work.wait()
-            u.grad_shard.add_(out)
+        for pending in self._pending:
+            self._finish_reduction(*pending)
         self._pending.clear()
         if self.stage3 is not None:
             self.stage3.release_all()
         if last:
             self._last_memory = self._measure_memory()
+            self._record_phase("backward")
 
     def _final_grads(self) -> list[torch.Tensor]:
         """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
@@ -376,7 +449,8 @@ class ZeroEngine:
             if self._reduces_when_ready(u):
                 grads.append(u.grad_shard)
                 continue
-            flat = u.flatten_grads()  # [padded]
+            pooled = u.kind == "sharded_opt"  # stage 1: a communication buffer; stage 0: the gradient itself
+            flat = u.flatten_grads(out=self.buffers.acquire("grad_flat", u.padded) if pooled else None)  # [padded]
             if u.kind == "replicated":
                 self.comm.all_reduce_mean(flat, kind="grad_all_reduce")
                 grads.append(flat)
@@ -384,6 +458,7 @@ class ZeroEngine:
                 out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
                 self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
                                          kind="grad_reduce_scatter", async_op=False, **self._qgz())
+                self.buffers.give_back(flat)
                 grads.append(out)
         return grads
 
@@ -455,6 +530,37 @@ class ZeroEngine:
 
     def _measure_memory(self) -> dict[str, int]:
         return measure_memory(self.units, self.optim.nbytes())
+
+    def _record_phase(self, phase: str) -> None:
+        """Snapshot memory at the end of ``phase`` and start the next phase's peak."""
+        sources = self._memory_sources
+        if phase != "forward":  # saved activations live from a forward to its backward only
+            sources = {**sources, "activations": []}
+        self._phases[phase] = mem.snapshot(phase, self.units, sources, self.device)
+        mem.reset_peak(self.device)
+
+    def _make_buffer_pool(self) -> BufferPool:
+        """The gather / reduce-scatter pool, preallocated for what is in use at once: at stage 3 the
+        root, the running block and ``prefetch_depth`` prefetched blocks (a block is freed before
+        the next but ``prefetch_depth`` one is gathered, in forward and in backward); the
+        reduce-scatters of stages 2-3 keep at most ``REDUCE_INFLIGHT`` in flight (an older one is
+        waited for before the next is sent, in the same order on every rank); stage 1 reduces
+        one unit at a time. Collectives larger than a bucket are chunked inside ``EngineComm``."""
+        pool = BufferPool(self.dtype, self.device)
+        gathered = [u for u in self.units if u.kind == "sharded"]
+        block_units = [u for _, u in self.blocks if u.kind == "sharded"]
+        if gathered:
+            if self.root is not None and self.root.kind == "sharded":
+                pool.reserve("gather", 1, self.root.padded)
+            if block_units:
+                pool.reserve("gather", self.cfg.prefetch_depth + 1, max(u.padded for u in block_units))
+        reduced = [u for u in self.units if u.kind != "replicated"]
+        if reduced:
+            inflight = REDUCE_INFLIGHT if self.cfg.stage >= 2 else 1
+            pool.reserve("grad_flat", inflight, max(u.padded for u in reduced))
+            if self.cfg.stage >= 2:
+                pool.reserve("grad_shard", inflight, max(u.shard_numel for u in reduced))
+        return pool
 
     def _make_error_feedback(self) -> object | None:
         if self.cfg.grads is None or not self.cfg.grads.error_feedback:

@@ -198,9 +198,16 @@ class FlatUnit:
             out[s.offset : s.offset + s.numel].copy_(p.data.reshape(-1))
         return out
 
-    def flatten_grads(self) -> torch.Tensor:
-        """Gradients as a padded flat tensor ``[padded]`` (missing gradients count as zero); clears ``p.grad``."""
-        out = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+    def flatten_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gradients as a padded flat tensor ``[padded]`` (missing gradients count as zero); clears
+        ``p.grad``. Written into ``out`` (``[padded]``, e.g. a pool buffer) when given, else a new tensor."""
+        if out is None:
+            out = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        else:
+            if out.shape != (self.padded,) or out.dtype != self.dtype:
+                raise ValueError(f"flatten_grads(out=...) of {self.name} needs [{self.padded}] {self.dtype}, got "
+                                 f"{list(out.shape)} {out.dtype}")
+            out.zero_()
         for s, p in zip(self.slots, self.params):
             g = p.grad
             if g is not None:

@@ -16,6 +16,20 @@ stays until its last gradient (the embeddings') is reduced. Every parameter is t
 gathered twice per micro-step, as in ZeRO-3's 3M accounting. Under ``torch.no_grad()`` nothing
 is wrapped and no secondary copy is made, so evaluation needs no gradient bookkeeping.
 
+Activation checkpointing (``activations.checkpoint_blocks``) replaces a block's ``forward`` by a
+non-reentrant ``torch.utils.checkpoint`` of it, *inside* these module hooks: the hooks run once
+in forward (gather, free after the block), the recomputation replays only the block's own
+forward, and it is triggered by the first saved tensor the block's backward needs, which comes
+after :class:`_PreBackward` has re-gathered the block (from the hpZ secondary copy when there is
+one) and issued the next prefetches. The re-gathered block is freed as without checkpointing,
+by the engine once the block's gradient is reduced, so the reduce-scatter order is unchanged.
+
+Gather buffers come from the engine's constant :class:`~.buffers.BufferPool` and go back to it
+when a block is freed. That is safe because nothing keeps a view of a freed buffer: the
+engine's ``ActivationStore`` saves parameters (and views of them, such as ``linear``'s
+``weight.t()``) by reference to the ``Parameter``, re-deriving the view from the re-gathered
+buffer in backward.
+
 Blocks a rank skips: the forward gathers are issued in block order whatever the model runs (a
 block's pre-hook first issues the gathers of any earlier block not gathered yet in this forward,
 and the end of forward those of the blocks after the last one run), so every rank issues the
@@ -34,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
 from .partition import FlatUnit
@@ -66,12 +81,15 @@ class Stage3Hooks:
 
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
                  all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
-                 device: torch.device, on_block_backward: Callable[[FlatUnit], None]) -> None:
+                 device: torch.device, on_block_backward: Callable[[FlatUnit], None],
+                 pool: BufferPool | None = None) -> None:
         self.units: list[FlatUnit] = [u for _, u in blocks]
         self.root = root
         self.all_units = list(all_units)
         self.comm, self.cfg, self.dtype, self.device = comm, config, dtype, device
         self.on_block_backward = on_block_backward
+        self.pool = pool if pool is not None else BufferPool(dtype, device)
+        """Where gather buffers come from and go back to (the engine's constant pool)."""
         self.depth = config.prefetch_depth
         self.ran = [False] * len(self.units)  # blocks whose forward ran in the current forward
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
@@ -91,7 +109,7 @@ class Stage3Hooks:
         """Issue the (async) gather of ``u`` unless it is already gathered or in flight."""
         if u.state != "free":
             return
-        buf = torch.empty(u.padded, dtype=self.dtype, device=self.device)  # [padded]
+        buf = self.pool.acquire("gather", u.padded)  # [padded]
         kind = "bwd_all_gather" if backward else "fwd_all_gather"
         bucket = self.cfg.allgather_bucket_size
         if u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
@@ -117,9 +135,11 @@ class Stage3Hooks:
         if u.state == "inflight":
             u.work.wait()
             u.work = None
-            u.extra.pop("buf", None)
+            self.pool.give_back(u.extra.pop("buf", None))
         if u.kind == "sharded" and (u.state != "free" or u.flat is not None):
+            flat = u.flat
             u.release()
+            self.pool.give_back(flat)
 
     def release_all(self) -> None:
         for u in self.all_units:

@@ -146,6 +146,11 @@ class SwapSpace:
         """Bytes of the staging buffers (all the host memory the tier uses)."""
         return sum(b.numel() for b in self.buffers)
 
+    def memory_by_tier(self) -> dict[str, int]:
+        """The staging buffers (host); the files' bytes are reported by their owners (the
+        optimizer state and the parameter store), so they are not counted here twice."""
+        return {"device": 0, "host": self.host_bytes(), "disk": 0}
+
     # ------------------------------------------------------------------ I/O
     def _io(self, write: bool, seg: Segment, buf: torch.Tensor, at: int) -> None:
         view = memoryview(buf[at: at + seg.nbytes].numpy())

@@ -1,0 +1,250 @@
+"""Memory by phase and by tier (``ZeroEngine.memory_phases``) against ZeRO's formulas.
+
+One 2-node x 2-rank gloo world trains the tiny GPT for one step per configuration and returns
+each engine's snapshots. Checked: the four phases exist; at the end of backward (all model state
+alive) each tier's params / grads / optimizer bytes are within 5% of ``expected_by_tier``
+(the ZeRO table placed on tiers); the tiers add up to the flat ``memory_report``; registered
+components (activations, buffers) land under their category and tier; the CPU peak is the
+accounted device total and the RSS figures are there.
+
+Offload rows run when the engine has the offload pieces (an optimizer-state holder with
+``memory_by_tier``, a parameter store registered with ``track_memory("params", ...)``); where
+``ZeroEngine`` accepts the option but has no such piece yet, they skip saying so.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+from tests.runtime_helpers import make_model, rank_batches
+from zeropp.runtime.memory import (CATEGORIES, MODEL_STATE, PHASES, TIERS, MemorySnapshot, account, expected_by_tier,
+                                   expected_memory, offload_choices, source_tiers, tier_totals)
+
+WORLD, NODES, TOL = 4, 2, 0.05
+CASES = {
+    "s0": dict(stage=0, precision="bf16"),
+    "s1": dict(stage=1, precision="bf16"),
+    "s2": dict(stage=2, precision="bf16"),
+    "s3": dict(stage=3, precision="bf16"),
+    "s3_hpz": dict(stage=3, precision="bf16", hpz=True, hpz_size=2),
+    "s2_fp32": dict(stage=2),
+    "s3_fp32": dict(stage=3),
+}
+OFFLOAD = {f"s{s}_opt-{o}_param-{p}": dict(stage=s, precision="bf16", offload_optimizer=o, offload_param=p)
+           for s in (1, 2, 3) for o, p in offload_choices(s) if (o, p) != ("none", "none")}
+
+
+class _Fake:
+    """A component reporting fixed bytes, as the activation tracker / buffer pool will."""
+
+    def __init__(self, tiers: dict[str, int]) -> None:
+        self.tiers = tiers
+
+    def memory_by_tier(self) -> dict[str, int]:
+        return dict(self.tiers)
+
+
+class _Pool:
+    """A component with ``nbytes`` only (the communication buffer pool): device bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+def _engine_run(rank: int, world: int, kw: dict, nvme_dir: str | None, fakes: bool, offload: bool = False) -> dict:
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+
+    if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_param")):
+        kw = dict(kw, nvme_path=nvme_dir)
+    eng = ZeroEngine(make_model(), config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=1e-3),
+                     topology=Topology(nodes=NODES, ranks_per_node=world // NODES))
+    try:
+        if fakes:
+            eng.track_memory("activations", _Fake({"host": 1000, "device": 24}))
+            eng.track_memory("buffers", _Pool(4096))
+        has = {"has_offload_optimizer": hasattr(eng.optim, "memory_by_tier"),
+               "has_param_store": bool(eng._memory_sources["params"])}
+        if offload and not ((kw["offload_optimizer"] == "none" or has["has_offload_optimizer"])
+                            and (kw["offload_param"] == "none" or has["has_param_store"])):
+            return has  # the option is accepted but not implemented on this branch: nothing to measure
+        eng.train_step(rank_batches(0, 1, rank))
+        return has | {"phases": {k: v.to_dict() for k, v in eng.memory_phases().items()}, "flat": eng.memory_report(),
+                "num_params": eng.num_params, "pool_nbytes": eng.buffers.nbytes,
+                "saved": eng.activations.memory_by_tier()}
+    finally:
+        eng.close()
+
+
+def _world(rank: int, world: int) -> dict:
+    nvme = tempfile.mkdtemp(prefix=f"zeropp-mem-{rank}-")
+    out = {name: _engine_run(rank, world, kw, nvme, fakes=name == "s3") for name, kw in CASES.items()}
+    for name, kw in OFFLOAD.items():
+        try:
+            out[name] = _engine_run(rank, world, kw, nvme, fakes=False, offload=True)
+        except NotImplementedError as e:  # the engine refuses it on this branch
+            out[name] = {"refused": f"{type(e).__name__}: {e}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_world(_world, WORLD, timeout=300)
+
+
+def _want(kw: dict, n: int) -> dict[str, dict[str, float]]:
+    pbytes = 2 if kw.get("precision") == "bf16" else 4
+    return expected_by_tier(kw["stage"], n, WORLD, param_bytes=pbytes, hpz_size=kw.get("hpz_size"),
+                            offload_optimizer=kw.get("offload_optimizer", "none"),
+                            offload_param=kw.get("offload_param", "none"))
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= TOL * want if want else got == 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_phase_tiers_match_the_zero_formulas(runs, name):
+    for rank, r in enumerate(runs):
+        got = r[name]["phases"]["backward"]["tiers"]
+        want = _want(CASES[name], r[name]["num_params"])
+        if not CASES[name].get("precision") and want["device"]["optimizer"] > 0:
+            # fp32: the engine may keep the master as the parameter shard itself (no second copy)
+            shared = expected_by_tier(CASES[name]["stage"], r[name]["num_params"], WORLD, param_bytes=4,
+                                      shared_master=True)
+            if _close(got["device"]["optimizer"], shared["device"]["optimizer"]):
+                want = shared
+        for t in TIERS:
+            for c in MODEL_STATE:
+                assert _close(got[t][c], want[t][c]), (name, rank, t, c, got, want)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_phases_add_up_to_the_flat_report(runs, name):
+    for r in runs:
+        ph = r[name]["phases"]
+        assert list(ph) == list(PHASES)
+        b = ph["backward"]
+        flat = r[name]["flat"]
+        acts_bufs = sum(b["tiers"][t][c] for t in TIERS for c in ("activations", "buffers"))
+        assert b["total"] - acts_bufs == flat["total"], (b, flat)
+        for p in ph.values():
+            assert p["peak_source"] == "accounting" and p["peak"] == p["tier_totals"]["device"]  # CPU ranks
+            assert p["process"]["rss"] > 0 and p["process"]["peak_rss"] >= p["process"]["rss"] * 0.5
+        # after model creation: parameters and optimizer state, no gradients yet
+        mc = ph["model_creation"]["tiers"]["device"]
+        assert mc["grads"] in (0, b["tiers"]["device"]["grads"]) and mc["params"] > 0 and mc["optimizer"] > 0
+        assert ph["step"]["tiers"]["device"]["optimizer"] == b["tiers"]["device"]["optimizer"]
+
+
+def test_tracked_components_land_in_their_category_and_tier(runs):
+    for r in runs:
+        s3 = r["s3"]
+        for phase in ("forward", "backward", "step"):  # the fakes are tracked after model creation
+            t = s3["phases"][phase]["tiers"]
+            # on top of the engine's own pool and activation store (no offload: nothing on the host)
+            assert t["device"]["buffers"] == 4096 + s3["pool_nbytes"] and t["disk"]["activations"] == 0
+            if phase == "forward":  # saved activations are alive from a forward to its backward
+                assert s3["saved"]["host"] == 0 and s3["saved"]["device"] > 0
+                assert t["host"]["activations"] == 1000 and t["device"]["activations"] == 24 + s3["saved"]["device"]
+            else:
+                assert t["host"]["activations"] == 0 and t["device"]["activations"] == 0
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD))
+def test_offload_tiers_match_the_formulas(runs, name):
+    kw = OFFLOAD[name]
+    r0 = runs[0][name]
+    if "refused" in r0:
+        pytest.skip(f"ZeroEngine refuses {name} on this branch: {r0['refused']}")
+    if kw["offload_optimizer"] != "none" and not r0["has_offload_optimizer"]:
+        pytest.skip(f"offload_optimizer={kw['offload_optimizer']} is accepted by ZeroConfig but this branch's ZeroEngine "
+                    f"has no offloaded optimizer (engine.optim has no memory_by_tier): runs once ZeRO-Offload is merged")
+    if kw["offload_param"] != "none" and not r0["has_param_store"]:
+        pytest.skip(f"offload_param={kw['offload_param']} is accepted by ZeroConfig but this branch's ZeroEngine has no "
+                    f"parameter store registered with track_memory('params', ...): runs once parameter offload is merged")
+    for rank, r in enumerate(runs):
+        got = tier_totals(r[name]["phases"]["backward"]["tiers"])
+        want = tier_totals(_want(kw, r[name]["num_params"]))
+        for t in TIERS:
+            assert _close(got[t], want[t]), (name, rank, t, got, want)
+
+
+def test_device_model_state_falls_as_the_offload_papers_say():
+    """ZeRO-Offload (Ren et al. 2021, table 1 / section 4): offloading the optimizer leaves 2Ψ fp16
+    parameters + 2Ψ/N gradients on the GPU at stage 2 instead of 2Ψ + 2Ψ/N + 12Ψ/N, host holds 16Ψ/N
+    (fp32 master, m, v, fp32 gradients); ZeRO-Infinity (Rajbhandari et al. 2021, table 1/2): stage 3 with
+    everything offloaded keeps only the gradient shard on the device and moves the parameter shard too."""
+    psi, n = 10**9, 4
+    s2 = expected_by_tier(2, psi, n)
+    s2_cpu = expected_by_tier(2, psi, n, offload_optimizer="cpu")
+    assert tier_totals(s2)["device"] == 2 * psi + 14 * psi / n
+    assert tier_totals(s2_cpu)["device"] == 2 * psi + 2 * psi / n and tier_totals(s2_cpu)["host"] == 16 * psi / n
+    s3 = tier_totals(expected_by_tier(3, psi, n))
+    s3_nvme = tier_totals(expected_by_tier(3, psi, n, offload_optimizer="nvme", offload_param="nvme"))
+    s3_cpu = tier_totals(expected_by_tier(3, psi, n, offload_optimizer="cpu", offload_param="cpu"))
+    assert s3["device"] == 16 * psi / n
+    assert s3_nvme["device"] == s3_cpu["device"] == 2 * psi / n
+    assert s3_nvme["disk"] == s3_cpu["host"] == 18 * psi / n and s3_nvme["host"] == 0
+    # the whole model fits where the sum of the tiers is: totals differ only by the fp32 gradient copy
+    assert sum(s3_nvme.values()) == sum(s3.values()) + 4 * psi / n
+    # strictly falling device bytes: stage 0 > 1 > 2 > 3 > 3+cpu optimizer > 3+cpu optimizer+params
+    chain = [tier_totals(expected_by_tier(s, psi, n))["device"] for s in range(4)]
+    chain += [tier_totals(expected_by_tier(3, psi, n, offload_optimizer="cpu"))["device"], s3_cpu["device"]]
+    assert all(a > b for a, b in zip(chain, chain[1:])), chain
+
+
+def test_formula_units():
+    psi, n = 1000, 4
+    flat = expected_memory(3, psi, n, hpz_size=2)
+    t = expected_by_tier(3, psi, n, hpz_size=2)
+    assert sum(tier_totals(t).values()) == flat["total"]
+    assert expected_memory(1, psi, n, param_bytes=4, shared_master=True)["total"] == 10 * psi
+    assert [expected_memory(s, psi, n, param_bytes=4, shared_master=True)["total"] / psi for s in range(4)] == [16, 10, 7, 4]
+    with pytest.raises(ValueError, match="offload_param"):
+        expected_by_tier(2, psi, n, offload_param="cpu")
+    with pytest.raises(ValueError, match="stage >= 1"):
+        expected_by_tier(0, psi, n, offload_optimizer="cpu")
+    assert offload_choices(0) == [("none", "none")] and len(offload_choices(3)) == 9 and len(offload_choices(2)) == 3
+
+
+def test_account_and_sources_local():
+    class U:  # a stand-in FlatUnit: a device shard and a host (offloaded) gradient
+        kind, flat, secondary, params = "sharded", None, None, []
+        param_shard = torch.zeros(10)
+        grad_shard = torch.zeros(5, dtype=torch.bfloat16)
+
+    got = account([U()], {"optimizer": [_Fake({"host": 7})], "buffers": [_Pool(3)]}, torch.device("cpu"))
+    assert got["device"]["params"] == 40 and got["device"]["grads"] == 10
+    assert got["host"]["optimizer"] == 7 and got["device"]["buffers"] == 3
+    # a params source owns the shards: not counted twice
+    got = account([U()], {"params": [_Fake({"host": 40})]}, torch.device("cpu"))
+    assert got["device"]["params"] == 0 and got["host"]["params"] == 40
+    with pytest.raises(ValueError, match="tiers"):
+        source_tiers(_Fake({"gpu": 1}))
+    with pytest.raises(TypeError, match="memory_by_tier"):
+        source_tiers(object())
+    with pytest.raises(ValueError, match="category"):
+        account([], {"weights": []}, torch.device("cpu"))
+    snap = MemorySnapshot(phase="forward", tiers={t: {c: 1 for c in CATEGORIES} for t in TIERS})
+    assert snap.total == 15 and snap.to_dict()["tier_totals"]["disk"] == 5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_comes_from_the_allocator_and_resets_per_phase():
+    from zeropp.runtime.memory import reset_peak, snapshot
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    reset_peak(dev)
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # 64 MiB, freed before the snapshot
+    del big
+    snap = snapshot("forward", [], {"buffers": [_Pool(10)]}, dev)
+    assert snap.peak_source == "cuda_allocator" and snap.peak >= 64 << 20
+    assert snap.process["allocated"] < snap.peak and snap.tiers["device"]["buffers"] == 10
+    reset_peak(dev)
+    assert snapshot("backward", [], {}, dev).peak < 64 << 20

@@ -1,0 +1,86 @@
+"""ZeRO-R's constant-size communication buffers: one pool the stage-3 gathers and the gradient
+reduce-scatters draw from, instead of a fresh ``torch.empty`` per collective.
+
+Why: a fresh buffer per call makes the allocator's footprint follow the call pattern (and on
+CUDA fragments the cache with a different size per unit); a pool sized once from the largest
+unit and the prefetch depth keeps the communication memory a known constant that the memory
+report can state (:attr:`BufferPool.nbytes`).
+
+How: the pool holds *slots* (flat tensors of one dtype on one device). :meth:`acquire` hands out
+a ``[numel]`` view of the smallest free slot that fits; :meth:`give_back` returns it. The pool
+is preallocated for what the engine needs at once (see ``ZeroEngine``); if a rare pattern (a
+block all ranks skip, whose gather stays in flight) needs more, a slot is added and counted in
+:attr:`allocations`, so after the first step the count stays constant: a test checks exactly
+that. Reusing a slot is safe on CUDA because every collective is issued after the compute
+stream's work so far (``streams.py``) and a slot is given back only after its collective was
+waited.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BufferPool:
+    """Reusable flat buffers of ``dtype`` on ``device``, grouped by role (``"gather"``, ``"reduce"``)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._slots: dict[str, list[torch.Tensor]] = {}  # role -> slots, each [capacity]
+        self._free: dict[str, list[int]] = {}  # role -> indices of free slots
+        self._owner: dict[int, tuple[str, int]] = {}  # storage pointer -> (role, slot index) of slots in use
+        self.allocations = 0
+        """Slots created so far (preallocated ones included): constant once the call pattern repeats."""
+
+    def reserve(self, role: str, count: int, numel: int) -> None:
+        """Preallocate ``count`` slots of ``numel`` elements for ``role``."""
+        for _ in range(count):
+            self._new_slot(role, numel)
+
+    def _new_slot(self, role: str, numel: int) -> int:
+        slots = self._slots.setdefault(role, [])
+        slots.append(torch.empty(max(1, numel), dtype=self.dtype, device=self.device))  # [capacity]
+        self._free.setdefault(role, []).append(len(slots) - 1)
+        self.allocations += 1
+        return len(slots) - 1
+
+    def free_slots(self, role: str, numel: int) -> int:
+        """Free slots of ``role`` that can hold ``numel`` elements."""
+        return sum(1 for k in self._free.get(role, []) if self._slots[role][k].numel() >= numel)
+
+    def acquire(self, role: str, numel: int) -> torch.Tensor:
+        """A ``[numel]`` view of a free slot of ``role`` (contents undefined); a new slot if none fits."""
+        slots, free = self._slots.setdefault(role, []), self._free.setdefault(role, [])
+        fits = [k for k in free if slots[k].numel() >= numel]
+        k = min(fits, key=lambda j: slots[j].numel()) if fits else self._new_slot(role, numel)
+        free.remove(k)
+        buf = slots[k][:numel]
+        self._owner[buf.untyped_storage().data_ptr()] = (role, k)
+        return buf
+
+    def give_back(self, buf: torch.Tensor | None) -> None:
+        """Return a buffer from :meth:`acquire` (anything else, or a second return, is ignored)."""
+        if buf is None:
+            return
+        owner = self._owner.pop(buf.untyped_storage().data_ptr(), None)
+        if owner is not None:
+            role, k = owner
+            self._free[role].append(k)
+
+    @property
+    def in_use(self) -> int:
+        """Slots currently handed out."""
+        return len(self._owner)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all slots: the pool's constant footprint."""
+        return sum(t.numel() * t.element_size() for slots in self._slots.values() for t in slots)
+
+    def nbytes_by_role(self) -> dict[str, int]:
+        """Bytes of the slots of each role."""
+        return {r: sum(t.numel() * t.element_size() for t in s) for r, s in self._slots.items()}
+
+    def __repr__(self) -> str:
+        return (f"BufferPool({self.dtype}, {self.device}, slots={ {r: len(s) for r, s in self._slots.items()} }, "
+                f"nbytes={self.nbytes})")
