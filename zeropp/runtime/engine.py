@@ -271,9 +271,10 @@ class ZeroEngine:
         holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
         return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
 
-    shares_fp32_master: bool = False
+    shares_fp32_master: bool = True
     """True when an fp32 run's master weights are the parameter shard itself (no second fp32
-    copy): ``memory.expected_memory(shared_master=...)`` for this engine's predictions."""
+    copy): ``memory.expected_memory(shared_master=...)`` for this engine's predictions. This
+    engine does so whenever neither the optimizer nor the parameters are offloaded."""
 
     def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
         """This rank's memory by tier and category after model creation and, from the last step,

@@ -66,19 +66,20 @@ class HostAdamW(ShardedAdamW):
             host.append(h)
         super().__init__(host, cfg, kernel=kernel, tier="host")
         self.device, self.pin = device, pin
-        # pinned landing buffers for the gradient shards (device != cpu only)
-        self.grad_host = [_host_zeros(m.numel(), pin) for m in host] if device.type != "cpu" else []
+        # landing buffers for the fp32 gradient shards (pinned on CUDA): ZeRO-Offload's 4Ψ/N of host
+        # gradients. Kept on a CPU device too (one memcpy a step) so that the host holds the same
+        # 16Ψ/N whatever the device, as the formulas (memory.expected_by_tier) say.
+        self.grad_host = [_host_zeros(m.numel(), pin) for m in host]
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
         """Copy the fp32 gradient shards to the host (all copies issued, then one wait) and update
         there, shard by shard (``on_updated(i)`` after each: the engine copies it back meanwhile)."""
-        if self.grad_host:
-            for dst, g in zip(self.grad_host, grads):
-                dst.copy_(g, non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            grads = self.grad_host
+        for dst, g in zip(self.grad_host, grads):
+            dst.copy_(g, non_blocking=g.is_cuda)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        grads = self.grad_host
         super().step(grads, on_updated)
 
     def memory_by_tier(self) -> dict[str, int]:
