@@ -15,6 +15,11 @@ Frozen parameters (in their original dtype) and buffers are saved replicated as 
 ``meta.json`` holds the step count, the loss scaler, the unit layouts, the parameter dtypes, the
 caller's ``extra`` values and a CRC-32 per DCP file.
 
+Offloaded optimizer state (``offload.py``) is saved in the same format: the holder hands each
+state back as a host tensor (``state_tensor``; read back from the swap file for the nvme tier, so a
+save materializes the rank's optimizer state in host memory for the duration of the save) and a
+load writes it back through ``load_state``. A checkpoint therefore loads into any offload tier.
+
 Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
 checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
 same units (same model, same ``persistence_threshold`` at stage 3); otherwise the load is refused
@@ -76,7 +81,9 @@ class CheckpointTarget:
     layouts: Sequence[UnitLayout]
     """The engine's flat units, in the order of ``optimizer``'s lists."""
     optimizer: ShardedAdamW
-    """Holds this rank's master shards and Adam moments (padded ``[S]``, or ``[numel]`` if replicated)."""
+    """Holds this rank's master shards and Adam moments (padded ``[S]``, or ``[numel]`` if replicated),
+    in memory or offloaded (``offload.SwappedAdamW`` has the same interface): read through
+    ``state_tensor(name, i)``, written through ``load_state``, sized by ``numels``."""
     scaler: LossScaler
     """The loss scaler whose state is saved and restored."""
     rank: int
@@ -213,7 +220,7 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if extra is not JSON
         mesh = _mesh(t)
         opt = t.optimizer
-        sd = _unit_tensors(t, mesh, lambda i, n, name: getattr(opt, name)[i][:n])
+        sd = _unit_tensors(t, mesh, lambda i, n, name: opt.state_tensor(name, i)[:n])  # read back if offloaded
         sd.update({f"model.{k}": v for k, v in t.model_state.items()})
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
         error = f"preparing {d}: {_describe(exc)}"
@@ -343,11 +350,15 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     except CheckpointException as exc:
         _raise_failures(_dcp_failures(exc), t.world_size, f"load from {path}", hint)
     opt = t.optimizer
+
+    def piece_device(i: int, name: str) -> torch.device:
+        return fresh[(i, name)].device
+
     state: dict[str, list[torch.Tensor]] = {}
     for name in ShardedAdamW.STATE:
         state[name] = []
-        for i, ours in enumerate(getattr(opt, name)):
-            full = torch.zeros_like(ours)  # padded [S]: padding stays zero, as the engine keeps it
+        for i, numel in enumerate(opt.numels):
+            full = torch.zeros(numel, dtype=torch.float32, device=piece_device(i, name))  # padded [S]: padding stays zero
             piece = fresh[(i, name)]
             full[: piece.numel()].copy_(piece)
             state[name].append(full)

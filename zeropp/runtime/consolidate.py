@@ -8,7 +8,7 @@ engine kept when the compute-dtype cast rounds), buffers as they are. Everything
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
@@ -17,14 +17,19 @@ from .partition import FlatUnit
 
 
 @torch.no_grad()
-def consolidated_state_dict(units: Sequence[FlatUnit], masters: Sequence[torch.Tensor],
+def consolidated_state_dict(units: Sequence[FlatUnit],
+                            masters: Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]],
                             gather: Callable[[FlatUnit, torch.Tensor], torch.Tensor], model: nn.Module,
                             param_dtypes: dict[str, torch.dtype], frozen_originals: dict[str, torch.Tensor]
                             ) -> dict[str, torch.Tensor]:
-    """``gather(unit, master_shard)`` returns the unit's full ``[padded]`` fp32 master (collective
-    for sharded units, so every rank must call this)."""
+    """``masters`` gives each unit's fp32 master shard: a list, or ``masters(i)`` fetching it one
+    unit at a time (an offloaded optimizer reads it back from host memory or disk, so only one
+    unit's master is materialized at once). ``gather(unit, master_shard)`` returns the unit's full
+    ``[padded]`` fp32 master (collective for sharded units, so every rank must call this)."""
+    master = masters if callable(masters) else masters.__getitem__
     full_params: dict[str, torch.Tensor] = {}
-    for u, m in zip(units, masters):
+    for i, u in enumerate(units):
+        m = master(i)
         full = m if u.kind == "replicated" else gather(u, m)  # [padded]
         for name, t in u.unflatten(full).items():
             full_params[name] = t.to(dtype=param_dtypes[name], device="cpu").clone()

@@ -22,6 +22,12 @@ Life of a step (``grad_accum_steps`` micro-batches):
 3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
    (stages 1 and 2); hpZ secondary copies are dropped because they are now stale.
 
+Where the state lives: in fp32 without offload the master *is* the parameter (the stage-3 shard,
+or this rank's slice of the stage 0-2 flat buffer), so there is no second fp32 copy (16 / 10 / 7 / 4
+bytes per parameter for stages 0-3 at 4 ranks). ``offload_optimizer=cpu|nvme`` moves masters and
+moments to host memory or swap files and runs AdamW on the CPU; ``offload_param=cpu|nvme`` keeps
+the stage-3 parameter shards there between gathers (``offload.py``, ``swap.py``).
+
 ZeRO-R (``activation_checkpointing=True``, ``ZeroConfig.offload_activations``): each block is
 checkpointed with torch's non-reentrant ``torch.utils.checkpoint`` (at stage 3 the recomputation
 finds the block re-gathered, see ``stage3.py``); every training forward runs under the
@@ -59,9 +65,11 @@ from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
 from . import memory as mem
 from .memory import measure_memory
-from .optimizer import ShardedAdamW
+from .offload import DEFAULT_CPU_KERNEL, ParamStore, make_optimizer
+from .optimizer import KERNELS
 from .partition import FlatUnit, build_units
 from .stage3 import Stage3Hooks
+from .swap import SwapSpace
 
 
 REDUCE_INFLIGHT = 2
@@ -100,7 +108,9 @@ class ZeroEngine:
     Must be created on every rank of an initialised default process group, with the same model
     architecture; rank 0's weights are broadcast so ranks start identical. The model's
     parameters are replaced by views into the engine's buffers (stage 3: empty between uses);
-    use :meth:`consolidated_state_dict` to get plain weights back.
+    use :meth:`consolidated_state_dict` to get plain weights back. ``cpu_adam`` picks the AdamW
+    kernel of an offloaded optimizer (``fused``, ``foreach`` or ``single``; see ``offload.py``:
+    ``single`` is bit-identical to the in-memory step, ``fused`` is the fast default).
 
     ``activation_checkpointing=True`` recomputes each block's activations in backward (the
     engine's blocks: the modules of the model's block ``ModuleList`` that hold trainable
@@ -109,10 +119,12 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,
                  optimizer: OptimizerConfig | None = None, topology: Topology | None = None,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
+        if cpu_adam not in KERNELS:
+            raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
         if not dist.is_initialized():
             raise RuntimeError("ZeroEngine needs torch.distributed initialised (dist.init_process_group) on every rank")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -147,20 +159,35 @@ class ZeroEngine:
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold)
+        self.swap = SwapSpace(cfg.nvme_path, rank, buffers=cfg.swap_buffers, buffer_size=cfg.swap_buffer_size,
+                              pin=self.device.type == "cuda") if cfg.nvme_path is not None else None
+        """The nvme tier's swap files and staging buffers (``swap.py``), or None."""
+        self.param_store = ParamStore(cfg.offload_param, self.units, dtype=self.dtype, device=self.device,
+                                      space=self.swap) if cfg.stage == 3 else None
+        """Stage 3: where the parameter shards live between gathers (``offload.py``), or None."""
+        # fp32 without offload: the master IS the parameter (shard or flat view), no second copy
+        alias = self.dtype == torch.float32 and cfg.offload_optimizer == "none" and cfg.offload_param == "none"
         masters = []
         for u in self.units:
             full = u.flatten_data(torch.float32)  # [padded]
             self.comm.broadcast_(full)
             a, b = u.shard_range()
-            masters.append(full[a:b].clone())  # [S] fp32
             if u.kind == "sharded":
-                u.param_shard = masters[-1].to(self.dtype).clone()
+                shard = full[a:b].clone()  # [S] fp32
+                masters.append(shard)
+                self.param_store.put(u, shard if alias else shard.to(self.dtype))
                 u.release()
             else:
-                u.bind(full.to(self.dtype).clone())
+                flat = full if alias else full.to(self.dtype).clone()
+                u.bind(flat)
+                masters.append(flat[a:b] if alias else full[a:b].clone())  # [S] fp32 (a view of flat if alias)
+            del full
             if self._reduces_when_ready(u):
                 u.grad_shard = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.device)
-        self.optim = ShardedAdamW(masters, self.opt_cfg)
+        self.optim = make_optimizer(masters, self.opt_cfg, cfg, device=self.device, space=self.swap,
+                                    masters_are_params=alias, cpu_adam=cpu_adam)
+        """fp32 masters and Adam moments (``optimizer.py`` / ``offload.py``; ``memory_by_tier()``)."""
+        del masters
         # ZeRO-R (activations.py, buffers.py): checkpointing, where saved activations live, the buffer pool
         self.checkpointing = checkpoint_blocks([blk for blk, _ in self.blocks]) if activation_checkpointing else None
         """Activation checkpointing of the engine's blocks (``activations.BlockCheckpointing``) or None."""
@@ -187,6 +214,10 @@ class ZeroEngine:
         self._last_memory: dict[str, int] | None = None
         self._memory_sources: dict[str, list[object]] = {c: [] for c in mem.CATEGORIES}
         self.track_memory("optimizer", self.optim)
+        if self.param_store is not None and self.param_store.tier != "none":
+            self.track_memory("params", self.param_store)  # owns the offloaded parameter shards
+        if self.swap is not None:
+            self.track_memory("buffers", self.swap)  # the nvme tier's staging buffers (host)
         self.track_memory("buffers", self.buffers)
         self.track_memory("activations", self.activations)
         self._phases: dict[str, mem.MemorySnapshot] = {}
@@ -240,9 +271,10 @@ class ZeroEngine:
         holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
         return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
 
-    shares_fp32_master: bool = False
+    shares_fp32_master: bool = True
     """True when an fp32 run's master weights are the parameter shard itself (no second fp32
-    copy): ``memory.expected_memory(shared_master=...)`` for this engine's predictions."""
+    copy): ``memory.expected_memory(shared_master=...)`` for this engine's predictions. This
+    engine does so whenever neither the optimizer nor the parameters are offloaded."""
 
     def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
         """This rank's memory by tier and category after model creation and, from the last step,
@@ -297,13 +329,18 @@ class ZeroEngine:
         (parameters in their original dtype, on the CPU). Collective."""
         self._check_open()
 
+        def master(i: int) -> torch.Tensor:  # fp32 master i on the engine's device (read back if offloaded)
+            m = torch.empty(self.optim.numels[i], dtype=torch.float32, device=self.device)
+            self.optim.copy_master_to(i, m)
+            return m
+
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
             self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
                                  async_op=False)
             return full
 
-        return consolidated_state_dict(self.units, self.optim.masters, gather, self.model, self.param_dtypes,
+        return consolidated_state_dict(self.units, master, gather, self.model, self.param_dtypes,
                                        self.frozen_originals)
 
     def close(self) -> None:
@@ -323,6 +360,8 @@ class ZeroEngine:
             self.checkpointing.remove()
         for u in self.units:
             u.secondary = u.grad_shard = None
+        if self.swap is not None:
+            self.swap.close()  # deletes this rank's swap files
         self._closed = True
 
     # ------------------------------------------------------------------ gradients
@@ -443,8 +482,12 @@ class ZeroEngine:
                 coef = min(self.cfg.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
                 for g in g32:
                     g.mul_(coef)
-            self.optim.step(g32)
-            self.refresh_params()
+            works: list = []
+            # each unit's parameters are refreshed as soon as its master is updated: with a CPU
+            # optimizer the copy back (async from pinned memory) overlaps the next unit's update
+            self.optim.step(g32, on_updated=lambda i: self._refresh_unit(i, works))
+            for w in works:
+                w.wait()
         for u in self.units:
             if u.grad_shard is not None:
                 u.grad_shard.zero_()
@@ -455,19 +498,26 @@ class ZeroEngine:
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Rebuild compute-dtype parameters from the fp32 masters (after a step or a load)."""
-        works = []
-        for u, m in zip(self.units, self.optim.masters):
-            if u.kind == "replicated":
-                u.flat.copy_(m)
-            elif u.kind == "sharded":
-                u.param_shard.copy_(m)
-                u.secondary = None
-            else:  # stages 1/2: everyone needs every updated shard
-                works.append(self.comm.all_gather(u.flat, m.to(self.dtype), spec=None,
-                                                  bucket=self.cfg.allgather_bucket_size,
-                                                  kind="param_all_gather", async_op=True))
+        works: list = []
+        for i in range(len(self.units)):
+            self._refresh_unit(i, works)
         for w in works:
             w.wait()
+
+    def _refresh_unit(self, i: int, works: list) -> None:
+        """Refresh unit ``i``'s compute parameters from master ``i``; stages 1/2 append the async
+        all-gather to ``works`` (issued in unit order on every rank)."""
+        u = self.units[i]
+        if u.kind == "replicated":
+            self.optim.copy_master_to(i, u.flat)  # nothing to do when the master is the flat (fp32)
+        elif u.kind == "sharded":
+            self.param_store.update(u, self.optim, i)
+            u.secondary = None
+        else:  # stages 1/2: everyone needs every updated shard
+            m = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S] (not a view of u.flat)
+            self.optim.copy_master_to(i, m)
+            works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
+                                              kind="param_all_gather", async_op=True))
 
     # ------------------------------------------------------------------ misc
     def _checkpoint_target(self) -> ckpt.CheckpointTarget:

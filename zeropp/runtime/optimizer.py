@@ -1,61 +1,152 @@
 """Sharded AdamW on fp32 master shards.
 
 Each rank updates only the slice of every flat unit it owns (the whole unit for replicated
-units). The arithmetic is the single-tensor path of ``torch.optim.AdamW`` operation for
-operation, so an update of a flat shard is bit-identical to ``AdamW(foreach=False)`` applied to
-the same elements one parameter at a time; that is what lets the tests demand exact parity.
+units). The default arithmetic (``kernel="single"``) is the single-tensor path of
+``torch.optim.AdamW`` operation for operation, so an update of a flat shard is bit-identical to
+``AdamW(foreach=False)`` applied to the same elements one parameter at a time; that is what lets
+the tests demand exact parity. ``kernel="foreach"`` and ``kernel="fused"`` run torch's own
+multi-tensor and fused AdamW kernels (``torch.optim.adamw.adamw``) on the same state: the fused
+CPU kernel is the fast one the CPU offload uses (see ``offload.py``); it rounds differently
+(about 1 ulp of the update, 1e-8 absolute on unit-scale weights after a step).
+
+Every optimizer-state holder (this class, and ``offload.HostAdamW`` / ``offload.SwappedAdamW``)
+offers the same small interface the engine and the checkpoint use: ``step(grads, on_updated)``, ``lr``,
+``step_count``, ``numels``, ``state_tensor(name, i)``, ``load_state``, ``master_chunks(i)``,
+``copy_master_to(i, dst)``, ``nbytes()`` and ``memory_by_tier()``.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .config import OptimizerConfig
 
+KERNELS = ("single", "foreach", "fused")
+TIERS = ("device", "host", "disk")
 
-class ShardedAdamW:
-    """fp32 master weights, first and second moments, for a list of flat shards."""
 
-    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig) -> None:
-        for m in masters:
-            if m.dtype != torch.float32:
-                raise TypeError(f"master shards must be fp32, got {m.dtype}")
-        self.cfg = cfg
-        self.masters = masters  # each [S] fp32
-        self.exp_avg = [torch.zeros_like(m) for m in masters]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
-        self.step_count = 0
-
-    @torch.no_grad()
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """One AdamW update; ``grads[i]`` is the fp32 gradient of ``masters[i]`` (same shape). The
-        rate is the schedule's ``cfg.lr_at(steps taken so far)``."""
-        lr, (beta1, beta2), eps, wd = self.lr, self.cfg.betas, self.cfg.eps, self.cfg.weight_decay
-        self.step_count += 1
-        step = float(self.step_count)  # torch keeps the step as a float tensor and reads .item()
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
+def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], *, step: int, lr: float, cfg: OptimizerConfig,
+                 kernel: str = "single") -> None:
+    """One AdamW update of ``params`` in place (all fp32, same shapes pairwise); ``step`` is the
+    1-based count including this update. Element-wise: with ``single`` and ``foreach``, updating
+    a tensor in chunks gives the same bits as updating it whole; the ``fused`` CPU kernel rounds
+    its SIMD body and its scalar tail differently, so it does so only for chunks that are whole
+    SIMD blocks (the nvme tier cuts chunks at multiples of ``swap.ALIGN`` elements for that)."""
+    (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
+    if kernel == "single":
+        stepf = float(step)  # torch keeps the step as a float tensor and reads .item()
+        bias_correction1 = 1 - beta1**stepf
+        bias_correction2 = 1 - beta2**stepf
         step_size = lr / bias_correction1
         bias_correction2_sqrt = bias_correction2**0.5
-        for p, g, m, v in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq):
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
             if wd != 0:
                 p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
             p.addcdiv_(m, denom, value=-step_size)
+        return
+    if kernel not in KERNELS:
+        raise ValueError(f"AdamW kernel={kernel!r}; use one of {KERNELS}")
+    from torch.optim.adamw import adamw
+
+    # torch's multi-tensor / fused paths increment the step tensors themselves before using them
+    steps = [torch.tensor(float(step - 1)) for _ in params]
+    adamw(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps, foreach=kernel == "foreach",
+          fused=kernel == "fused", amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps,
+          maximize=False)
+
+
+def tensor_bytes(ts: Sequence[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class ShardedAdamW:
+    """fp32 master weights, first and second moments, for a list of flat shards, all in one tier.
+
+    ``masters_are_params=True`` says the master tensors are the compute parameters themselves
+    (fp32 compute, no offload: ZeRO's "no redundant copy"); they are then not counted as
+    optimizer bytes, because the parameters already count them. ``tier`` names where the tensors
+    live for :meth:`memory_by_tier` (``device`` here; ``host`` for the CPU offload)."""
+
+    STATE = ("masters", "exp_avg", "exp_avg_sq")
+    """Names of the per-shard fp32 state lists (what a checkpoint stores per unit)."""
+
+    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, kernel: str = "single",
+                 masters_are_params: bool = False, tier: str = "device") -> None:
+        for m in masters:
+            if m.dtype != torch.float32:
+                raise TypeError(f"master shards must be fp32, got {m.dtype}")
+        if kernel not in KERNELS:
+            raise ValueError(f"ShardedAdamW kernel={kernel!r}; use one of {KERNELS}")
+        if tier not in TIERS:
+            raise ValueError(f"ShardedAdamW tier={tier!r}; use one of {TIERS}")
+        self.cfg, self.kernel, self.tier = cfg, kernel, tier
+        self.masters_are_params = masters_are_params
+        self.masters = masters  # each [S] fp32
+        self.exp_avg = [torch.zeros_like(m) for m in masters]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
+        """One AdamW update; ``grads[i]`` is the fp32 gradient of ``masters[i]`` (same shape). The
+        rate is the schedule's ``cfg.lr_at(steps taken so far)``. ``on_updated(i)`` is called as
+        soon as shard ``i`` is updated (shard by shard: the same bits as one call over all, the
+        update being element-wise), so the caller can copy it back while the next one updates."""
+        lr = self.lr
+        self.step_count += 1
+        for i, (p, g, m, v) in enumerate(zip(self.masters, grads, self.exp_avg, self.exp_avg_sq)):
+            adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=self.kernel)
+            if on_updated is not None:
+                on_updated(i)
 
     @property
     def lr(self) -> float:
         """The learning rate the next ``step`` uses."""
         return self.cfg.lr_at(self.step_count)
 
-    def nbytes(self) -> int:
-        """Bytes of master weights plus both moments held by this rank."""
-        return sum(t.numel() * t.element_size() for ts in (self.masters, self.exp_avg, self.exp_avg_sq) for t in ts)
+    @property
+    def numels(self) -> list[int]:
+        """Elements of each shard (padded ``[S]``, or the padded unit if replicated)."""
+        return [m.numel() for m in self.masters]
 
-    STATE = ("masters", "exp_avg", "exp_avg_sq")
-    """Names of the per-shard fp32 state lists (what a checkpoint stores per unit)."""
+    def state_tensor(self, name: str, i: int) -> torch.Tensor:
+        """State ``name`` (one of :data:`STATE`) of shard ``i``, readable (a checkpoint saves it)."""
+        return getattr(self, name)[i]
+
+    def master_chunks(self, i: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(lo, hi, master[lo:hi])`` pieces covering master ``i`` (one piece when in memory);
+        a piece is valid until the next one is requested."""
+        yield 0, self.masters[i].numel(), self.masters[i]
+
+    @torch.no_grad()
+    def copy_master_to(self, i: int, dst: torch.Tensor) -> None:
+        """Copy (cast) master ``i`` into ``dst`` (same length, any dtype and device); nothing to do
+        when ``dst`` is the master itself."""
+        for lo, hi, chunk in self.master_chunks(i):
+            d = dst[lo:hi]
+            if d.data_ptr() != chunk.data_ptr() or d.device != chunk.device:
+                # host -> CUDA from pinned memory is asynchronous (ordered before the gather on the
+                # stream; the host side is not written again before the next step's loss sync)
+                d.copy_(chunk, non_blocking=d.is_cuda)
+
+    def nbytes(self) -> int:
+        """Bytes of optimizer state held by this rank, all tiers (masters that are the parameters
+        themselves are counted as parameters, not here)."""
+        return sum(self.memory_by_tier().values())
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """Bytes of master weights (unless they are the parameters) and both moments, per tier."""
+        out = dict.fromkeys(TIERS, 0)
+        out[self.tier] = tensor_bytes(self.exp_avg) + tensor_bytes(self.exp_avg_sq)
+        if not self.masters_are_params:
+            out[self.tier] += tensor_bytes(self.masters)
+        return out
 
     @torch.no_grad()
     def load_state(self, state: dict[str, list[torch.Tensor]], step: int) -> None:
@@ -68,4 +159,5 @@ class ShardedAdamW:
                 a.copy_(b)
         self.step_count = int(step)
 
-
+    def close(self) -> None:
+        """Release resources (nothing for in-memory state)."""

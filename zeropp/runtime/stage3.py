@@ -115,8 +115,9 @@ class Stage3Hooks:
         if u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
             work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, async_op=True)
         else:
-            work = self.comm.all_gather(buf, u.param_shard, spec=self.cfg.weights, bucket=bucket, kind=kind,
-                                        async_op=True)
+            store = u.extra.get("param_store")  # offload: the shard comes from host memory / disk
+            shard = store.fetch(u) if store is not None else u.param_shard
+            work = self.comm.all_gather(buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, async_op=True)
         u.extra["buf"], u.work, u.state = buf, work, "inflight"
 
     def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:

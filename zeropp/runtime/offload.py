@@ -1,0 +1,280 @@
+"""ZeRO-Offload and ZeRO-Infinity: optimizer state and stage-3 parameter shards off the device.
+
+Optimizer state (``zero.offload_optimizer``):
+
+- ``cpu`` -> :class:`HostAdamW`: fp32 masters and both Adam moments in host memory (pinned when
+  the device is CUDA). Each step the fp32 gradient shards are copied to pinned host buffers
+  (non-blocking, all issued before the first wait, so the copies of later units overlap the
+  wait for earlier ones), the update runs on the CPU, and the engine copies the updated masters
+  back into the compute-dtype parameters (non-blocking from pinned memory: the copy-back
+  overlaps the all-gather / next forward issue).
+- ``nvme`` -> :class:`SwappedAdamW`: master, m and v live in one preallocated swap file per rank
+  (``swap.py``); the step streams them through the staging buffers chunk by chunk (read ahead,
+  update, write behind), so host memory stays ``swap_buffers * swap_buffer_size`` fp32 elements.
+
+The CPU AdamW kernel. Measured on this project's 2-core CI machine with
+``python -m experiments.bench_offload`` (4M fp32 elements, two runs, docs/benchmarks.md): torch's
+fused CPU ``AdamW`` kernel (``fused=True``) is the fastest of single-tensor, ``foreach``, fused
+and a ``torch.compile``d single-tensor step (3.8-4.3x ``foreach``; compile 3.2x), so it is the
+default (``DEFAULT_CPU_KERNEL``). It is torch.optim.AdamW's own kernel (max 1.5e-8 from
+``AdamW(foreach=False)`` after 3 steps on unit-scale weights), but it rounds differently from the
+single-tensor arithmetic the in-memory engine uses, so an offloaded run matches the in-memory run
+to a tolerance (tests/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6 relative,
+after 3 steps); with ``cpu_adam="single"`` (``ZeroEngine(..., cpu_adam="single")``) the arithmetic
+is the same and the match is bit-exact. The tests check both. (The compiled step is slower and
+further from torch's numbers, 2.4e-7, since inductor re-associates the update.)
+
+Parameters (``zero.offload_param``, stage 3) -> :class:`ParamStore`: the rank's compute-dtype
+shard of each sharded unit lives on the device (``none``), in host memory (``cpu``) or in a swap
+file (``nvme``); :meth:`ParamStore.fetch` gives the device copy the stage-3 gather sends. The
+gather of a block is issued ``prefetch_depth`` blocks ahead, so the host-to-device copy (and the
+file read) happens that far ahead too.
+
+``memory_by_tier()`` on every holder gives the bytes it keeps on the ``device``, in ``host``
+memory and on ``disk``; "device" is the model's device even when that is the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .config import OptimizerConfig, ZeroConfig
+from .optimizer import KERNELS, TIERS, ShardedAdamW, adamw_update, tensor_bytes
+from .partition import FlatUnit
+from .swap import Segment, SwapSpace
+
+DEFAULT_CPU_KERNEL = "fused"
+"""The CPU AdamW kernel the offloaded optimizer uses unless told otherwise (see module docstring)."""
+
+
+def _host_zeros(n: int, pin: bool) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+
+
+class HostAdamW(ShardedAdamW):
+    """ZeRO-Offload: state in (pinned) host memory, the step on the CPU with ``kernel``."""
+
+    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, device: torch.device,
+                 kernel: str = DEFAULT_CPU_KERNEL) -> None:
+        pin = device.type == "cuda"
+        host = []
+        for m in masters:
+            h = _host_zeros(m.numel(), pin)
+            h.copy_(m)
+            host.append(h)
+        super().__init__(host, cfg, kernel=kernel, tier="host")
+        self.device, self.pin = device, pin
+        # landing buffers for the fp32 gradient shards (pinned on CUDA): ZeRO-Offload's 4Ψ/N of host
+        # gradients. Kept on a CPU device too (one memcpy a step) so that the host holds the same
+        # 16Ψ/N whatever the device, as the formulas (memory.expected_by_tier) say.
+        self.grad_host = [_host_zeros(m.numel(), pin) for m in host]
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
+        """Copy the fp32 gradient shards to the host (all copies issued, then one wait) and update
+        there, shard by shard (``on_updated(i)`` after each: the engine copies it back meanwhile)."""
+        for dst, g in zip(self.grad_host, grads):
+            dst.copy_(g, non_blocking=g.is_cuda)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        grads = self.grad_host
+        super().step(grads, on_updated)
+
+    def memory_by_tier(self) -> dict[str, int]:
+        out = super().memory_by_tier()
+        out["host"] += tensor_bytes(self.grad_host)
+        return out
+
+
+class SwappedAdamW:
+    """ZeRO-Infinity: master, m, v of every shard in this rank's swap file, streamed per step.
+
+    File layout: shard ``i`` occupies ``[off_i, off_i + 12 * S_i)`` bytes, its master, m and v
+    back to back. A step visits the shards in order, chunk by chunk through the staging buffers:
+    each chunk holds the same ``n`` elements of the three (``n = swap_buffer_size // 3``)."""
+
+    STATE = ShardedAdamW.STATE
+
+    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, space: SwapSpace,
+                 kernel: str = DEFAULT_CPU_KERNEL) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"SwappedAdamW kernel={kernel!r}; use one of {KERNELS}")
+        self.cfg, self.kernel, self.space = cfg, kernel, space
+        self._numels = [m.numel() for m in masters]
+        self.file = space.create("optimizer.swp", 12 * sum(self._numels))
+        self._offsets, off = [], 0
+        for n in self._numels:
+            self._offsets.append(off)
+            off += 12 * n
+        self.step_count = 0
+        for i, m in enumerate(masters):
+            space.write_from(self._seg(i, "masters"), m)
+            for name in ("exp_avg", "exp_avg_sq"):
+                self._fill_zero(i, name)
+
+    def _seg(self, i: int, name: str) -> Segment:
+        n = self._numels[i]
+        return Segment(self.file, self._offsets[i] + 4 * n * self.STATE.index(name), n, torch.float32)
+
+    def _fill_zero(self, i: int, name: str) -> None:
+        for (v,) in self.space.stream(self.space.chunks_of([self._seg(i, name)]), read=False, write=True):
+            v.zero_()
+
+    @property
+    def lr(self) -> float:
+        return self.cfg.lr_at(self.step_count)
+
+    @property
+    def numels(self) -> list[int]:
+        return list(self._numels)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
+        """Stream every shard's (master, m, v) through the buffers and update each chunk; then
+        ``on_updated(i)`` for every shard (after the last write-back: the caller reads the file)."""
+        lr = self.lr
+        self.step_count += 1
+        chunks, where = [], []
+        for i in range(len(self._numels)):
+            for c in self.space.chunks_of([self._seg(i, name) for name in self.STATE]):
+                lo = (c[0].offset - self._seg(i, "masters").offset) // 4
+                chunks.append(c)
+                where.append((i, lo, lo + c[0].numel))
+        # the stream drives the loop (zip would stop before resuming it to write the last chunk back)
+        for k, (p, m, v) in enumerate(self.space.stream(chunks, read=True, write=True)):
+            i, lo, hi = where[k]
+            g = grads[i][lo:hi]
+            if g.device.type != "cpu":
+                g = g.to("cpu")
+            adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=self.kernel)
+        if on_updated is not None:
+            for i in range(len(self._numels)):
+                on_updated(i)
+
+    def master_chunks(self, i: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        lo = 0
+        for (v,) in self.space.stream(self.space.chunks_of([self._seg(i, "masters")])):
+            yield lo, lo + v.numel(), v
+            lo += v.numel()
+
+    @torch.no_grad()
+    def copy_master_to(self, i: int, dst: torch.Tensor) -> None:
+        for lo, hi, chunk in self.master_chunks(i):
+            dst[lo:hi].copy_(chunk)  # blocking: the staging buffer is reused right after
+
+    def state_tensor(self, name: str, i: int) -> torch.Tensor:
+        """A fresh host copy of state ``name`` of shard ``i`` (for a checkpoint save: this one
+        shard's state is materialized, not bounded by the staging buffers)."""
+        out = torch.empty(self._numels[i], dtype=torch.float32)
+        self.space.read_into(self._seg(i, name), out)
+        return out
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, list[torch.Tensor]], step: int) -> None:
+        for name in self.STATE:
+            theirs = state[name]
+            if len(theirs) != len(self._numels) or any(t.numel() != n for t, n in zip(theirs, self._numels)):
+                raise ValueError(f"checkpoint optimizer state {name!r} does not match this partitioning")
+        for name in self.STATE:
+            for i, t in enumerate(state[name]):
+                self.space.write_from(self._seg(i, name), t)
+        self.step_count = int(step)
+
+    def nbytes(self) -> int:
+        return sum(self.memory_by_tier().values())
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """The swap file on disk; the staging buffers are the swap space's (counted once, by the engine)."""
+        out = dict.fromkeys(TIERS, 0)
+        out["disk"] = self.file.nbytes
+        return out
+
+    def close(self) -> None:
+        """The files go with the swap space (closed by its owner)."""
+
+
+def make_optimizer(masters: list[torch.Tensor], opt_cfg: OptimizerConfig, cfg: ZeroConfig, *,
+                   device: torch.device, space: SwapSpace | None, masters_are_params: bool,
+                   cpu_adam: str = DEFAULT_CPU_KERNEL) -> ShardedAdamW | SwappedAdamW:
+    """The optimizer-state holder for ``cfg.offload_optimizer`` (masters: fp32 shards on ``device``)."""
+    if cpu_adam not in KERNELS:
+        raise ValueError(f"cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
+    if cfg.offload_optimizer == "cpu":
+        return HostAdamW(masters, opt_cfg, device=device, kernel=cpu_adam)
+    if cfg.offload_optimizer == "nvme":
+        assert space is not None
+        return SwappedAdamW(masters, opt_cfg, space=space, kernel=cpu_adam)
+    return ShardedAdamW(masters, opt_cfg, masters_are_params=masters_are_params)
+
+
+class ParamStore:
+    """Stage 3: where each sharded unit's compute-dtype parameter shard ``[S]`` lives between
+    gathers (``tier``: ``none`` = ``u.param_shard`` on the device, ``cpu`` = ``u.param_shard`` in
+    (pinned) host memory, ``nvme`` = a region of this rank's ``params.swp``, ``u.param_shard`` None)."""
+
+    def __init__(self, tier: str, units: Sequence[FlatUnit], *, dtype: torch.dtype, device: torch.device,
+                 space: SwapSpace | None = None) -> None:
+        if tier not in ("none", "cpu", "nvme"):
+            raise ValueError(f"ParamStore tier={tier!r}; use none, cpu or nvme")
+        self.tier, self.dtype, self.device, self.space = tier, dtype, device, space
+        self.units = [u for u in units if u.kind == "sharded"]
+        self.pin = device.type == "cuda"
+        self._segs: dict[int, Segment] = {}
+        if tier != "none":
+            for u in self.units:
+                u.extra["param_store"] = self  # stage3.Stage3Hooks.gather reads the shard through fetch()
+        if tier == "nvme":
+            assert space is not None
+            item = torch.empty(0, dtype=dtype).element_size()
+            self.file = space.create("params.swp", item * sum(u.shard_numel for u in self.units))
+            off = 0
+            for u in self.units:
+                self._segs[id(u)] = Segment(self.file, off, u.shard_numel, dtype)
+                off += item * u.shard_numel
+
+    def put(self, u: FlatUnit, shard: torch.Tensor) -> None:
+        """Store ``shard`` (``[S]``, any dtype: cast to the compute dtype) as ``u``'s parameters.
+        With tier ``none`` and a shard already of the compute dtype on the device, it is kept as is."""
+        if self.tier == "none":
+            same = shard.dtype == self.dtype and shard.device == self.device
+            u.param_shard = shard if same else shard.to(device=self.device, dtype=self.dtype)
+        elif self.tier == "cpu":
+            h = torch.empty(u.shard_numel, dtype=self.dtype, pin_memory=self.pin)
+            h.copy_(shard)
+            u.param_shard = h
+        else:
+            u.param_shard = None
+            self.space.write_from(self._segs[id(u)], shard)
+
+    def fetch(self, u: FlatUnit) -> torch.Tensor:
+        """``u``'s shard on the device ``[S]``, compute dtype: the all-gather's input."""
+        if self.tier == "none":
+            return u.param_shard
+        if self.tier == "cpu":
+            return u.param_shard.to(self.device, non_blocking=True)  # the same tensor on a CPU device
+        out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
+        self.space.read_into(self._segs[id(u)], out)
+        return out
+
+    @torch.no_grad()
+    def update(self, u: FlatUnit, optim: ShardedAdamW | SwappedAdamW, i: int) -> None:
+        """Refresh ``u``'s shard from optimizer master ``i`` (after a step or a load)."""
+        if self.tier != "nvme":
+            optim.copy_master_to(i, u.param_shard)
+            return
+        seg, item = self._segs[id(u)], torch.empty(0, dtype=self.dtype).element_size()
+        for lo, hi, chunk in optim.master_chunks(i):
+            piece = chunk.to(self.dtype, copy=True)  # at most one staging buffer's worth
+            # written directly: the staging buffers are busy streaming the masters
+            self.space.write_direct(Segment(seg.file, seg.offset + lo * item, hi - lo, self.dtype), piece)
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """Bytes of parameter shards per tier (staging buffers are the swap space's)."""
+        out = dict.fromkeys(TIERS, 0)
+        if self.tier == "nvme":
+            out["disk"] = self.file.nbytes
+        else:
+            out["device" if self.tier == "none" else "host"] = tensor_bytes([u.param_shard for u in self.units])
+        return out

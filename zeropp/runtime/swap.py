@@ -1,0 +1,342 @@
+"""The nvme tier (ZeRO-Infinity): per-rank swap files and a bounded staging pipeline.
+
+A :class:`SwapSpace` owns, for one rank:
+
+- a run-unique directory ``nvme_path/zeropp-swap-r<rank>-<random>/`` holding its files, removed
+  (with the files) by :meth:`SwapSpace.close`;
+- files preallocated at creation with ``os.posix_fallocate``, so a disk too small for the state
+  fails when the engine is built, with the file named, instead of in the middle of a step;
+- ``buffers`` staging buffers of ``buffer_size`` fp32 elements each (pinned when the device is
+  CUDA, so host-device copies can be asynchronous). Every byte that goes to or comes from a file
+  passes through them, so the host memory the tier uses is ``buffers * buffer_size * 4`` bytes
+  whatever the model size;
+- a small ``concurrent.futures`` thread pool doing the reads and writes (``os.preadv`` /
+  ``os.pwrite`` release the GIL, so the disk works while the caller computes).
+
+A whole tensor that already lives in host memory with the segment's dtype (``read_into`` /
+``write_from``) is moved straight between the file and the tensor, in buffer-sized pieces on the
+I/O threads: no staging copy and no extra memory.
+
+:meth:`SwapSpace.stream` is the one pipeline everything uses: given chunks (each a few file
+segments that fit one buffer together) it reads ahead up to ``buffers - 1`` chunks, hands each
+chunk to the caller as tensor views of its buffer, and writes it back behind while the next
+chunks are processed. An ``OSError`` in any read or write (ENOSPC, EIO, ...) is raised as a
+:class:`SwapError` naming the file, the offset and the cause, after every outstanding I/O has
+finished (so no buffer is still being written into). Swap files are scratch space: a checkpoint
+is never written through them, so a failed swap leaves the run's last checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+
+ALIGN = 64
+"""Chunks of more than this many elements are cut at multiples of it (see :meth:`SwapSpace.chunks_of`)."""
+
+
+class SwapError(RuntimeError):
+    """A swap-file operation failed (disk full, I/O error); the message names the file."""
+
+    def __init__(self, message: str, path: str, errno_: int | None) -> None:
+        super().__init__(message)
+        self.path = path
+        """The swap file involved."""
+        self.errno = errno_
+        """The OS error number (``errno.ENOSPC`` for a full disk), when there was one."""
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (loops over short writes). Module-level so tests can
+    inject a failing disk."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _read_at(fd: int, out: memoryview, offset: int) -> None:
+    """Fill ``out`` from ``offset``; a short file is an error (the data was never written)."""
+    while len(out):
+        n = os.preadv(fd, [out], offset)
+        if n == 0:
+            raise OSError(errno.EIO, "unexpected end of swap file")
+        out, offset = out[n:], offset + n
+
+
+def _hint(err: int | None, directory: str) -> str:
+    if err == errno.ENOSPC:
+        return f"the disk holding {directory} is full: free space there or point zero.nvme_path at a larger disk"
+    return f"check the disk holding {directory} (zero.nvme_path)"
+
+
+@dataclass(frozen=True)
+class SwapFile:
+    """One preallocated file of a :class:`SwapSpace`."""
+
+    path: str
+    nbytes: int
+    fd: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``numel`` elements of ``dtype`` at byte ``offset`` of ``file``."""
+
+    file: SwapFile
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class SwapSpace:
+    """Swap files, staging buffers and I/O threads of one rank (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, rank: int, *, buffers: int, buffer_size: int, pin: bool = False,
+                 workers: int = 2) -> None:
+        if buffers < 2:
+            raise ValueError(f"SwapSpace needs at least 2 staging buffers, got {buffers}")
+        if buffer_size < 1:
+            raise ValueError(f"SwapSpace buffer_size must be >= 1 element, got {buffer_size}")
+        self.dir = tempfile.mkdtemp(prefix=f"zeropp-swap-r{rank}-", dir=os.fspath(root))
+        self.buffer_bytes = 4 * buffer_size
+        self.buffers = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"zeropp-swap-r{rank}")
+        self.files: list[SwapFile] = []
+        self.bytes_read = self.bytes_written = 0
+        self.io_s = 0.0
+        """Wall seconds spent inside :meth:`stream` (for the achieved swap bandwidth)."""
+        self._closed = False
+
+    # ------------------------------------------------------------------ files
+    def create(self, name: str, nbytes: int) -> SwapFile:
+        """A new file of ``nbytes`` bytes, preallocated now (a full disk fails here, named)."""
+        path = os.path.join(self.dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise SwapError(f"cannot preallocate swap file {path} ({nbytes} bytes): {exc.strerror or exc}; "
+                            f"{_hint(exc.errno, self.dir)}", path, exc.errno) from exc
+        f = SwapFile(path, nbytes, fd)
+        self.files.append(f)
+        return f
+
+    def disk_bytes(self) -> int:
+        """Bytes of all swap files (what the tier holds on disk)."""
+        return sum(f.nbytes for f in self.files)
+
+    def host_bytes(self) -> int:
+        """Bytes of the staging buffers (all the host memory the tier uses)."""
+        return sum(b.numel() for b in self.buffers)
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """The staging buffers (host); the files' bytes are reported by their owners (the
+        optimizer state and the parameter store), so they are not counted here twice."""
+        return {"device": 0, "host": self.host_bytes(), "disk": 0}
+
+    # ------------------------------------------------------------------ I/O
+    def _io(self, write: bool, seg: Segment, buf: torch.Tensor, at: int) -> None:
+        view = memoryview(buf[at: at + seg.nbytes].numpy())
+        try:
+            if write:
+                _write_at(seg.file.fd, view, seg.offset)
+            else:
+                _read_at(seg.file.fd, view, seg.offset)
+        except OSError as exc:
+            what = "write to" if write else "read from"
+            raise SwapError(f"swap {what} {seg.file.path} failed at byte {seg.offset} ({seg.nbytes} bytes): "
+                            f"[Errno {exc.errno}] {exc.strerror or exc}; {_hint(exc.errno, self.dir)}",
+                            seg.file.path, exc.errno) from exc
+
+    def _submit(self, write: bool, segs: Sequence[Segment], buf: torch.Tensor) -> list[Future]:
+        out, at = [], 0
+        for s in segs:
+            out.append(self.pool.submit(self._io, write, s, buf, at))
+            at += s.nbytes
+        return out
+
+    def stream(self, chunks: Sequence[Sequence[Segment]], *, read: bool = True, write: bool = False
+               ) -> Iterator[list[torch.Tensor]]:
+        """Yield, per chunk, views (``[numel]`` of each segment's dtype) of a staging buffer holding
+        the chunk's segments: read from their files first when ``read``, written back to them
+        after the caller is done with the chunk when ``write``. Reads run up to ``buffers - 1``
+        chunks ahead, writes behind; every I/O has finished when the generator is exhausted or
+        closed. Each chunk's segments must fit one buffer together."""
+        self._check_open()
+        for segs in chunks:
+            need = sum(s.nbytes for s in segs)
+            if need > self.buffer_bytes:
+                raise ValueError(f"a swap chunk of {need} bytes does not fit a {self.buffer_bytes}-byte staging buffer")
+        t0 = time.perf_counter()
+        free = list(range(len(self.buffers)))
+        ahead: deque[tuple[int, list[Future]]] = deque()  # chunks read (or being read), oldest first
+        behind: deque[tuple[int, list[Future]]] = deque()  # buffers being written back
+        nxt = 0
+        err: BaseException | None = None
+
+        def take() -> int:
+            while not free:
+                b, fs = behind.popleft()
+                _wait(fs)
+                free.append(b)
+            return free.pop()
+
+        def fill() -> None:
+            nonlocal nxt
+            while nxt < len(chunks) and len(ahead) < len(self.buffers) - 1:
+                b = take()
+                ahead.append((b, self._submit(False, chunks[nxt], self.buffers[b]) if read else []))
+                if read:
+                    self.bytes_read += sum(s.nbytes for s in chunks[nxt])
+                nxt += 1
+
+        try:
+            for k in range(len(chunks)):
+                fill()
+                b, fs = ahead.popleft()
+                _wait(fs)
+                buf, views, at = self.buffers[b], [], 0
+                for s in chunks[k]:
+                    views.append(buf[at: at + s.nbytes].view(s.dtype))
+                    at += s.nbytes
+                yield views
+                if write:
+                    behind.append((b, self._submit(True, chunks[k], buf)))
+                    self.bytes_written += sum(s.nbytes for s in chunks[k])
+                else:
+                    free.append(b)
+        except BaseException as exc:  # includes GeneratorExit: still drain the I/O below
+            err = exc
+            raise
+        finally:
+            first = None
+            for _b, fs in list(ahead) + list(behind):
+                try:
+                    _wait(fs)
+                except SwapError as exc:
+                    first = first or exc
+            self.io_s += time.perf_counter() - t0
+            if first is not None and err is None:
+                raise first
+
+    def chunks_of(self, segs: Sequence[Segment]) -> list[list[Segment]]:
+        """Cut equally long segments (``numel`` each, e.g. master/m/v of one shard) into chunks
+        that fit one buffer together: chunk ``k`` holds elements ``[k*n, (k+1)*n)`` of every segment."""
+        if not segs:
+            return []
+        numel = segs[0].numel
+        per = sum(torch.empty(0, dtype=s.dtype).element_size() for s in segs)
+        n = max(1, self.buffer_bytes // per)
+        if n >= ALIGN:  # whole SIMD blocks: a vectorized kernel then treats each element as it would unchunked
+            n -= n % ALIGN
+        out = []
+        for lo in range(0, numel, n):
+            hi = min(numel, lo + n)
+            out.append([Segment(s.file, s.offset + lo * (s.nbytes // s.numel), hi - lo, s.dtype) for s in segs])
+        return out
+
+    def _direct(self, write: bool, seg: Segment, t: torch.Tensor) -> bool:
+        """Host tensor of the segment's dtype: move it straight between file and tensor (no
+        staging copy, no extra memory), in buffer-sized pieces on the I/O threads. False if ``t``
+        does not qualify (another device, dtype or layout)."""
+        if t.device.type != "cpu" or t.dtype != seg.dtype or not t.is_contiguous() or t.numel() != seg.numel:
+            return False
+        self._check_open()
+        t0 = time.perf_counter()
+        raw = t.view(torch.uint8) if seg.numel else t
+        fs = []
+        for lo in range(0, seg.nbytes, self.buffer_bytes):
+            n = min(self.buffer_bytes, seg.nbytes - lo)
+            piece = Segment(seg.file, seg.offset + lo, n, torch.uint8)
+            fs.append(self.pool.submit(self._io, write, piece, raw, lo))
+        _wait(fs)
+        if write:
+            self.bytes_written += seg.nbytes
+        else:
+            self.bytes_read += seg.nbytes
+        self.io_s += time.perf_counter() - t0
+        return True
+
+    def read_into(self, seg: Segment, out: torch.Tensor) -> None:
+        """Copy ``seg`` into ``out`` (``[seg.numel]``, any device; cast to ``out.dtype``)."""
+        if self._direct(False, seg, out):
+            return
+        at = 0
+        for (v,) in self.stream(self.chunks_of([seg])):
+            out[at: at + v.numel()].copy_(v)
+            at += v.numel()
+
+    def write_from(self, seg: Segment, src: torch.Tensor) -> None:
+        """Copy ``src`` (``[seg.numel]``, any device and dtype) into ``seg``."""
+        if self._direct(True, seg, src):
+            return
+        at = 0
+        for (v,) in self.stream(self.chunks_of([seg]), read=False, write=True):
+            v.copy_(src[at: at + v.numel()])
+            at += v.numel()
+
+    def write_direct(self, seg: Segment, src: torch.Tensor) -> None:
+        """Write a host tensor (``[seg.numel]`` of ``seg.dtype``, contiguous, CPU) straight to
+        ``seg``, without a staging buffer (for data already in host memory, e.g. a piece of a
+        chunk another :meth:`stream` is handing out). Synchronous."""
+        self._check_open()
+        if src.device.type != "cpu" or src.dtype != seg.dtype or src.numel() != seg.numel:
+            raise ValueError(f"write_direct needs a CPU {seg.dtype} tensor of {seg.numel} elements")
+        t0 = time.perf_counter()
+        _wait([self.pool.submit(self._io, True, seg, src.contiguous().view(torch.uint8), 0)])
+        self.bytes_written += seg.nbytes
+        self.io_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"swap space {self.dir} was closed")
+
+    def close(self) -> None:
+        """Stop the I/O threads, close and delete the files and the directory. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.shutdown(wait=True)
+        for f in self.files:
+            try:
+                os.close(f.fd)
+            except OSError:
+                pass
+        self.files.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.buffers = []
+
+    def __del__(self) -> None:  # a crashed run should not leave its scratch files behind
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _wait(fs: Sequence[Future]) -> None:
+    """Wait for every future, then raise the first failure (so no I/O is left running)."""
+    first = None
+    for f in fs:
+        exc = f.exception()
+        if exc is not None and first is None:
+            first = exc
+    if first is not None:
+        raise first
