@@ -115,9 +115,9 @@ def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_byte
     """ZeRO's model-state bytes per rank as ``{tier: {"params", "grads", "optimizer": bytes}}``.
 
     ``offload_optimizer`` (``cpu``/``nvme``) puts the optimizer's 12Ψ/N (fp32 master + m + v) on
-    that tier, plus ``offload_grad_bytes``·Ψ/N for the fp32 gradient copy the offloaded step reads
-    (counted as optimizer state: it belongs to the offloaded optimizer; 0 when the step reads the
-    device's gradients directly). ``offload_param`` (stage 3) puts the pΨ/N parameter shard there;
+    that tier; ``cpu`` adds ``offload_grad_bytes``·Ψ/N for the fp32 gradient copy the host step
+    reads (counted as optimizer state: it belongs to the offloaded optimizer), while ``nvme``
+    streams the device's gradient shard through the swap buffers and keeps no copy. ``offload_param`` (stage 3) puts the pΨ/N parameter shard there;
     hpZ's secondary copy and the gradient shard stay on the device. ``shared_master`` applies
     only while the optimizer stays with the parameters (no optimizer offload)."""
     _check_offload(stage, offload_optimizer, offload_param)
@@ -130,7 +130,7 @@ def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_byte
     out["device"]["grads"] += flat["grads"]
     opt_tier = tier[offload_optimizer]
     out[opt_tier]["optimizer"] += flat["optimizer"]
-    if offload_optimizer != "none":
+    if offload_optimizer == "cpu":  # nvme streams the device's gradient shard chunk by chunk: no copy
         out[opt_tier]["optimizer"] += offload_grad_bytes * num_params / world_size
     return out
 
