@@ -14,6 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <float.h>
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ZQ_AVX512BF16 1
+#endif
 
 typedef int64_t i64;
 typedef uint16_t half_bits;
@@ -24,22 +29,31 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 // ---- element types: load as fp32 (exact widening), store from fp32 (round to nearest even) ----
 struct F32 {
     typedef float T;
+    static constexpr bool IS_BF16 = false;
     static inline float load(const T* p, i64 i) { return p[i]; }
     static inline T store(float f) { return f; }
+    static inline T store_not_nan(float f) { return f; }
 };
 struct BF16 {
     typedef uint16_t T;
+    static constexpr bool IS_BF16 = true;
     static inline float load(const T* p, i64 i) { return u2f((uint32_t)p[i] << 16); }
     static inline T store(float f) {  // torch's round_to_nearest_even; NaN -> 0x7fc0
         uint32_t u = f2u(f);
         uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
         return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)r;
     }
+    static inline T store_not_nan(float f) {  // the same for a value known not to be NaN
+        uint32_t u = f2u(f);
+        return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
 };
 struct F16 {
     typedef _Float16 T;
+    static constexpr bool IS_BF16 = false;
     static inline float load(const T* p, i64 i) { return (float)p[i]; }
     static inline T store(float f) { return (T)f; }
+    static inline T store_not_nan(float f) { return (T)f; }
 };
 
 // ---- Triton's Philox4x32-10 + uint -> uniform, as reference.philox_uniform ----
@@ -143,6 +157,68 @@ static inline void decode_block(const uint8_t* __restrict codes, float s, i64 gs
     }
 }
 
+// One block of a plain dequantize: o[0:n] = code * sc rounded to S, elements from ``from`` on.
+// NOT_NAN: sc is finite, so no product is NaN (a code is an integer of magnitude <= 127).
+template <class S, int BITS, bool NOT_NAN>
+static inline void dequantize_block(const uint8_t* __restrict cb, float sc, i64 from, i64 n,
+                                    typename S::T* __restrict o) {
+    if (BITS == 8) {
+        const int8_t* c = (const int8_t*)cb;
+        for (i64 i = from; i < n; i++) {
+            const float f = (float)c[i] * sc;
+            o[i] = NOT_NAN ? S::store_not_nan(f) : S::store(f);
+        }
+    } else {
+        for (i64 j = from / 2; j < n / 2; j++) {
+            const uint8_t b = cb[j];
+            const float lo = (float)((int32_t)(b & 15) - 8) * sc, hi = (float)((int32_t)(b >> 4) - 8) * sc;
+            o[2 * j] = NOT_NAN ? S::store_not_nan(lo) : S::store(lo);
+            o[2 * j + 1] = NOT_NAN ? S::store_not_nan(hi) : S::store(hi);
+        }
+        if (n % 2) o[n - 1] = S::store((float)((int32_t)(cb[n / 2] & 15) - 8) * sc);
+    }
+}
+
+#ifdef ZQ_AVX512BF16
+// bf16 output through vcvtneps2bf16 (round to nearest even; it treats denormals as zero). Used
+// only for a finite scale that is 0 or normal: every product is then +-0, normal or +-Inf, where
+// the instruction and torch's rounding agree bit for bit. Returns how many elements it wrote
+// (a multiple of 16); the caller finishes the block.
+template <int BITS>
+static inline i64 dequantize_bf16_avx512(const uint8_t* __restrict cb, float sc, i64 n, uint16_t* __restrict o) {
+    const __m512 s = _mm512_set1_ps(sc);
+    i64 i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i v;
+        if (BITS == 8) {
+            v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cb + i)));
+        } else {  // 8 bytes -> 16 nibbles in element order (low nibble first), minus 8
+            const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(cb + i / 2)));
+            const __m128i b = _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16(15)), _mm_slli_epi16(_mm_srli_epi16(w, 4), 8));
+            v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(8));
+        }
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
+        _mm256_storeu_si256((__m256i*)(o + i), (__m256i)h);
+    }
+    return i;
+}
+#endif
+
+template <class S, int BITS>
+static inline void dequantize_one(const uint8_t* __restrict cb, float sc, i64 n, typename S::T* __restrict o) {
+    const float a = fabsf(sc);
+    if (!(a <= FLT_MAX)) {  // NaN or +-Inf scale
+        dequantize_block<S, BITS, false>(cb, sc, 0, n, o);
+        return;
+    }
+    i64 from = 0;
+#ifdef ZQ_AVX512BF16
+    if (S::IS_BF16 && (a == 0.0f || a >= FLT_MIN))
+        from = dequantize_bf16_avx512<BITS>(cb, sc, n, (uint16_t*)o);
+#endif
+    dequantize_block<S, BITS, true>(cb, sc, from, n, o);
+}
+
 // k stacked inputs (codes [k, rows, *] with strides c_ks / c_rs bytes, scales likewise in floats);
 // SUM: 0 + d_0 + ... + d_{k-1} (the reference's dequantize_sum), else d_0 alone (dequantize).
 template <class S, int BITS, bool SUM>
@@ -155,18 +231,7 @@ static void dequantize_rows(const uint8_t* codes, i64 c_ks, i64 c_rs, const floa
             const i64 n = cols - g * gs < gs ? cols - g * gs : gs;
             typename S::T* __restrict o = out + r * cols + g * gs;
             if (!SUM) {  // one pass: decode, multiply, round to the output dtype
-                const uint8_t* __restrict cb = codes + r * c_rs + g * bpg;
-                const float sc = scales[r * s_rs + g];
-                if (BITS == 8) {
-                    for (i64 i = 0; i < n; i++) o[i] = S::store((float)((const int8_t*)cb)[i] * sc);
-                } else {
-                    for (i64 j = 0; j < n / 2; j++) {
-                        const uint8_t b = cb[j];
-                        o[2 * j] = S::store((float)((int32_t)(b & 15) - 8) * sc);
-                        o[2 * j + 1] = S::store((float)((int32_t)(b >> 4) - 8) * sc);
-                    }
-                    if (n % 2) o[n - 1] = S::store((float)((int32_t)(cb[n / 2] & 15) - 8) * sc);
-                }
+                dequantize_one<S, BITS>(codes + r * c_rs + g * bpg, scales[r * s_rs + g], n, o);
                 continue;
             }
             for (i64 i = 0; i < n; i++) acc[i] = 0.0f;

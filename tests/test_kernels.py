@@ -581,7 +581,9 @@ def test_native_cpu_dequantize_rounds_like_torch_casts(bits):
     g = torch.Generator().manual_seed(bits)
     rows, cols, gs = 3, 333, 16
     groups = -(-cols // gs)
-    special = torch.tensor([1e-40, -3e-39, 1e-45, 3e38, 7e4, 6.6e4, -1.0, -0.0, 0.0, float("nan"), float("inf"), 1.0])
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal: products of a normal scale stay normal
+    special = torch.tensor([1e-40, -3e-39, 1e-45, 3e38, 7e4, 6.6e4, -1.0, -0.0, 0.0, float("nan"), float("inf"), 1.0,
+                            tiny, -tiny, tiny / 2, 2.5e36, float("-inf")])
     scales = torch.randn(2, rows, groups, generator=g) * 10.0 ** torch.randint(-42, 38, (2, rows, groups), generator=g)
     scales.view(-1)[: special.numel()] = special
     rb = groups * gs * bits // 8
