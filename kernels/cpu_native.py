@@ -10,7 +10,7 @@ kernels reached 2-3x the tiled eager path. The C++ here reads each block once fo
 loops gcc vectorises (``vdivps``/``vroundps`` on whole vectors), and the call costs a few
 microseconds of ``ctypes`` instead of a dynamo guard check. Why ``ctypes`` on a plain shared
 library rather than ``torch.utils.cpp_extension``: the source includes no torch or Python
-headers, so it builds in about 2 s instead of a minute, and one build serves every torch
+headers, so it builds in a few seconds instead of a minute or more, and one build serves every torch
 version; tensors are passed as data pointers and strides.
 
 Why it stays bit-identical (``tests/test_kernels.py`` checks it on the awkward cases):
@@ -25,7 +25,10 @@ Why it stays bit-identical (``tests/test_kernels.py`` checks it on the awkward c
   ``+ u`` with the reference's Philox uniform at the same padded-layout offset), clamp, the
   narrowing cast; ``code * scale``; ``0 + d_0 + ... + d_{k-1}``;
 - bf16 / fp16 inputs are widened exactly; outputs are rounded to nearest even as torch's casts
-  do (bf16 NaN becomes a NaN, as in torch, with payload not guaranteed to match bit for bit);
+  do (bf16 NaN becomes a NaN, as in torch, with payload not guaranteed to match bit for bit).
+  On CPUs with AVX512-BF16, a plain dequantize to bf16 rounds with ``vcvtneps2bf16`` only in
+  blocks whose scale is finite and normal or zero: that instruction treats denormals as zero,
+  and such a block's products are +-0, normal or +-Inf, where it agrees with torch's rounding;
 - NaN / Inf / zero-scale blocks follow the reference's rules (scale NaN and codes 0; codes 0).
 
 The build: ``g++`` (or ``$CXX``) with the flags in ``FLAGS`` into a cache directory
