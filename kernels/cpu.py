@@ -1,12 +1,19 @@
-"""The CPU path: the reference's arithmetic, bit-identical to ``reference.py``, two ways.
+"""The CPU path: the reference's arithmetic, bit-identical to ``reference.py``, three ways.
 
-Tensors of at least ``cpu_fused.FUSED_MIN_ELEMS`` elements take the compiled single-pass kernels
-of ``cpu_fused.py`` (the reference's formulation under ``torch.compile``; why it is exact and
-several times faster is said there) on their whole blocks. Smaller tensors, the partial last
-block of each row, and every tensor once compilation has failed in this process (a warning says
-so) take the tiles below, which need no compiler. Measured on one thread of the 2-core dev machine
-(``docs/benchmarks.md``): the compiled kernels are 2-3x faster than the tiles at bucket sizes of
-256 KiB - 16 MiB, 1.1-2.3x at 64 MiB, and 11-17x with stochastic rounding.
+CPU tensors of every size take the native kernels of ``cpu_native.py`` (hand-written C++ built
+at first use: one pass per block, the reference's operations in its order; why it is exact and
+fast is said there). Where they cannot be built or loaded (no C++ compiler; a warning says so
+once), tensors of at least ``cpu_fused.FUSED_MIN_ELEMS`` elements take the compiled single-pass
+kernels of ``cpu_fused.py`` (the reference's formulation under ``torch.compile``) on their whole
+blocks, and smaller tensors, the partial last block of each row, and every tensor once that
+compilation too has failed take the tiles below, which need no compiler. Measured on one thread
+of the 2-core dev machine (``docs/benchmarks.md``): the native kernels are about 4-6x faster than
+the tiles at bucket sizes for quantize and dequantize; the compiled kernels 2-3x.
+
+Fresh outputs (codes and scales of ``quantize``, a dequantized tensor without ``out=``) are
+allocated by ``cpu_native.empty``, which asks for transparent huge pages for large buffers: first
+writes into new memory fault in each page, and on small pages that costs more than the
+quantization itself at 64 MiB.
 
 The tiled path:
 
@@ -41,11 +48,13 @@ import warnings
 
 import torch
 
-from . import cpu_fused
+from . import cpu_fused, cpu_native
 from .layout import (
     QuantizedTensor,
     check_dims,
+    check_float_dtype,
     check_quantize_args,
+    check_quantized_out,
     check_requantize_args,
     codes_dtype,
     num_groups,
@@ -188,6 +197,46 @@ def _write_tiles(q: QuantizedTensor, stacked: bool, out: torch.Tensor) -> torch.
 _fused_failed: str | None = None
 """Why the compiled path was switched off in this process (None while it works)."""
 
+_native_warned = False
+
+
+def native_enabled() -> bool:
+    """Whether CPU tensors take the native kernels (``cpu_native.py``; built at the first call).
+    When they cannot be built or loaded, warns once and returns False: the compiled / tiled paths
+    below then serve, bit-identical but slower."""
+    global _native_warned
+    if cpu_native.available():
+        return True
+    if cpu_native.FAILED is not None and not _native_warned:
+        _native_warned = True
+        warnings.warn(f"zeropp.kernels: the native CPU quantization kernels are unavailable ({cpu_native.FAILED}); "
+                      "using the slower compiled / tiled path for the rest of this process", RuntimeWarning,
+                      stacklevel=3)
+    return False
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is contiguous (the native kernels take any other
+    strides), else a contiguous copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``output_buffer`` with a fresh output allocated as :func:`cpu_native.empty` does."""
+    if out is None:
+        check_float_dtype(dtype, "output")
+        return cpu_native.empty(rows, cols, dtype=dtype)
+    return output_buffer(out, rows, cols, dtype, device)
+
+
+def _quantized_buffers(rows: int, cols: int, bits: int, gs: int, out: QuantizedTensor | None, device: torch.device):
+    """``(codes [rows, row_bytes], scales [rows, g])``: ``out``'s (checked), or new ones."""
+    if out is not None:
+        check_quantized_out(out, rows, cols, bits, gs, device)
+        return out.codes, out.scales
+    return (cpu_native.empty(rows, row_bytes(cols, bits, gs), dtype=codes_dtype(bits)),
+            cpu_native.empty(rows, num_groups(cols, gs), dtype=torch.float32))
+
 
 def fused_enabled(numel: int, dequantize: bool = False) -> bool:
     """Whether a tensor of ``numel`` elements takes the compiled path (see ``cpu_fused.py``);
@@ -261,6 +310,10 @@ def _fused_write(q: QuantizedTensor, stacked: bool, dst: torch.Tensor) -> bool:
 
 
 def _dequantize_into(q: QuantizedTensor, stacked: bool, out: torch.Tensor) -> torch.Tensor:
+    if native_enabled():  # codes [k, rows, row_bytes] / [rows, row_bytes], scales [k, rows, g] / [rows, g]
+        cpu_native.dequantize_into(_last_contiguous(q.codes), _last_contiguous(q.scales), q.bits, q.group_size,
+                                   q.cols, stacked, out)
+        return out
     dst = out.view(q.rows, q.cols)
     k = q.codes.shape[0] if stacked else 1
     if k and q.cols >= q.group_size and fused_enabled(q.rows * q.cols, not stacked) and _fused_write(q, stacked, dst):
@@ -273,7 +326,7 @@ def dequantize_cpu(
 ) -> torch.Tensor:
     """``dequantize_ref`` for CPU tensors, bit for bit (compiled or tiled, see the module docstring)."""
     _, rows = check_dims(q, False, "dequantize")
-    return _dequantize_into(q, False, output_buffer(out, rows, q.cols, dtype, q.codes.device))
+    return _dequantize_into(q, False, _output(out, rows, q.cols, dtype, q.codes.device))
 
 
 def dequantize_sum_cpu(
@@ -281,7 +334,7 @@ def dequantize_sum_cpu(
 ) -> torch.Tensor:
     """``dequantize_sum_ref`` for CPU tensors, bit for bit (no k full-precision copies)."""
     _, rows = check_dims(q, True, "dequantize_sum")
-    return _dequantize_into(q, True, output_buffer(out, rows, q.cols, dtype, q.codes.device))
+    return _dequantize_into(q, True, _output(out, rows, q.cols, dtype, q.codes.device))
 
 
 def _fused_quantize(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int,
@@ -304,18 +357,22 @@ def _fused_quantize(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def quantize_cpu(
-    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0
+    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0,
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
-    """``quantize_ref`` for CPU tensors, bit for bit, several times faster (see the module docstring)."""
+    """``quantize_ref`` for CPU tensors, bit for bit, several times faster (see the module docstring).
+    ``out``: a QuantizedTensor of the result's layout (contiguous) written in place and returned."""
     cols, seed = check_quantize_args(x, bits, group_size, rows, seed)
     if x.device.type != "cpu":
         raise ValueError(f"quantize_cpu takes CPU tensors, got one on {x.device}")
     gs = group_size
+    codes, scales = _quantized_buffers(rows, cols, bits, gs, out, x.device)  # [rows, row_bytes], [rows, groups]
+    x2 = x.reshape(rows, cols)  # a view when x is contiguous
+    if native_enabled():
+        cpu_native.quantize_into(_last_contiguous(x2), bits, gs, stochastic, seed, codes, scales)
+        return out if out is not None else QuantizedTensor.unchecked(codes, scales, cols, bits, gs)
     g = num_groups(cols, gs)
     bpg = gs * bits // 8  # code bytes per block
-    codes = torch.empty(rows, row_bytes(cols, bits, gs), dtype=codes_dtype(bits))  # [rows, row_bytes]
-    scales = torch.empty(rows, g, dtype=torch.float32)  # [rows, groups]
-    x2 = x.reshape(rows, cols)  # a view when x is contiguous
     full = cols // gs  # complete blocks per row, quantized straight from the input
     fused = full and fused_enabled(x.numel()) and _fused_quantize(x2, codes, scales, bits, gs, stochastic, seed)
     if full and not fused:
@@ -326,7 +383,7 @@ def quantize_cpu(
         tail = torch.zeros(rows, 1, gs, dtype=torch.float32)
         tail[:, 0, : cols - full * gs] = x2[:, full * gs :]
         _quantize_blocks(tail, codes[:, full * bpg :].unsqueeze(1), scales[:, full:], bits, stochastic, seed, full, g)
-    return QuantizedTensor(codes, scales, cols, bits, gs)
+    return out if out is not None else QuantizedTensor(codes, scales, cols, bits, gs)
 
 
 def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -352,19 +409,23 @@ def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Ten
 
 
 def dequantize_sum_requantize_cpu(
-    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
+    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0,
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """``dequantize_sum_requantize_ref`` for CPU tensors, bit for bit: each block's fp32 sum (padding
     sums to 0, or NaN in a non-finite block) is re-quantized where it lies, as the fused kernel
-    does, so the full-precision sum never exists as a whole."""
+    does, so the full-precision sum never exists as a whole. ``out`` as for :func:`quantize_cpu`."""
     k, rows, seed = check_requantize_args(q, bits, group_size, seed)
     cols, g = q.cols, num_groups(q.cols, group_size)
-    codes = torch.empty(rows, row_bytes(cols, bits, group_size), dtype=codes_dtype(bits))
-    scales = torch.empty(rows, g, dtype=torch.float32)
+    codes, scales = _quantized_buffers(rows, cols, bits, group_size, out, q.codes.device)
+    if native_enabled():
+        cpu_native.requantize_into(_last_contiguous(q.codes), _last_contiguous(q.scales), q.bits, group_size, cols,
+                                   bits, stochastic, seed, codes, scales)
+        return out if out is not None else QuantizedTensor.unchecked(codes, scales, cols, bits, group_size)
     full = cols // group_size
     if k and full and fused_enabled(rows * q.cols) and _fused_requantize(q, codes, scales, bits, stochastic, seed):
         if g == full:
-            return QuantizedTensor(codes, scales, cols, bits, group_size)
+            return out if out is not None else QuantizedTensor(codes, scales, cols, bits, group_size)
         first, q = full, _tail(q, full)  # the partial last blocks go through the tiles below
     else:
         first = 0
@@ -375,4 +436,4 @@ def dequantize_sum_requantize_cpu(
         offs = _offsets(r0, r1, first + g0, first + g1, g, group_size) if stochastic else None
         _quantize_tile(acc, codes3[r0:r1, g0:g1], scales[r0:r1, first + g0 : first + g1], buf, bits, stochastic, seed,
                        offs)
-    return QuantizedTensor(codes, scales, cols, bits, group_size)
+    return out if out is not None else QuantizedTensor(codes, scales, cols, bits, group_size)

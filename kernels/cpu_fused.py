@@ -1,5 +1,6 @@
 """The reference's arithmetic as single-pass formulations for ``torch.compile`` (inductor's C++
-CPU code generation): the fast CPU path for tensors of at least ``FUSED_MIN_ELEMS`` elements.
+CPU code generation): the CPU path for tensors of at least ``FUSED_MIN_ELEMS`` elements where
+the native kernels (``cpu_native.py``, 2-3x faster again) cannot be built.
 
 Approaches measured on the 2-core dev machine, one thread (``docs/benchmarks.md``): fused eager
 torch ops on cache-sized tiles (``cpu.py``, the path before this one) stay at six to eight passes

@@ -309,28 +309,47 @@ FAST_CASES = (  # (shape, rows, group_size, stochastic); stochastic large shapes
 )
 
 
-@pytest.fixture
-def tiled_path(monkeypatch):
-    """The CPU path's tiles only (kernels/cpu.py), whatever the tensor size: the tile-boundary
-    cases below are about them; the compiled kernels have their own tests further down."""
-    from zeropp.kernels import cpu_fused
+def use_cpu_path(monkeypatch, path: str) -> None:
+    """Route CPU tensors through one CPU path of kernels/cpu.py for this test: "native" (the C++
+    kernels of kernels/cpu_native.py, what ranks run), "compiled" (kernels/cpu_fused.py for every
+    tensor with a whole block, however small) or "tiled" (the tiles only, whatever the size)."""
+    from zeropp.kernels import cpu, cpu_fused, cpu_native
 
-    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 2**62)
+    monkeypatch.setattr(cpu_native, "ENABLED", path == "native")
+    if path == "native" and not cpu_native.available():
+        pytest.skip(f"native CPU kernels unavailable here: {cpu_native.FAILED}")
+    if path == "tiled":
+        monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 2**62)
+    if path == "compiled":
+        monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
+        monkeypatch.setattr(cpu_fused, "DEQUANTIZE_MIN_ELEMS", 0)
+        monkeypatch.setattr(cpu, "_fused_failed", None)
+
+
+@pytest.fixture(params=["tiled", "native"])
+def fast_path(request, monkeypatch):
+    """The tile-boundary cases below, through the tiles and through the native kernels (which
+    take every size, so these awkward shapes reach their partial blocks and padding too)."""
+    use_cpu_path(monkeypatch, request.param)
+    return request.param
+
+
+@pytest.fixture
+def native_path(monkeypatch):
+    use_cpu_path(monkeypatch, "native")
 
 
 @pytest.fixture
 def compiled_path(monkeypatch):
     """The compiled kernels (kernels/cpu_fused.py) for every tensor with a whole block, however small."""
-    from zeropp.kernels import cpu, cpu_fused
+    from zeropp.kernels import cpu
 
-    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
-    monkeypatch.setattr(cpu_fused, "DEQUANTIZE_MIN_ELEMS", 0)
-    monkeypatch.setattr(cpu, "_fused_failed", None)
+    use_cpu_path(monkeypatch, "compiled")
     yield
     assert cpu._fused_failed is None, cpu._fused_failed  # the compiled path really ran
 
 
-@pytest.mark.usefixtures("tiled_path")
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,rows,group_size,stochastic", FAST_CASES, ids=str)
@@ -345,7 +364,7 @@ def test_fast_cpu_quantize_is_bit_identical_to_the_reference(shape, rows, group_
     assert_bit_identical(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9), ref)
 
 
-@pytest.mark.usefixtures("tiled_path")
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fast_cpu_quantize_special_values_and_strides(bits):
     from zeropp.kernels.cpu import quantize_cpu
@@ -359,9 +378,9 @@ def test_fast_cpu_quantize_special_values_and_strides(bits):
     assert_bit_identical(quantize_cpu(t, bits, 16, rows=34), quantize_ref(t, bits, 16, rows=34))
 
 
-@pytest.mark.usefixtures("tiled_path")
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("k", [0, 1, 3])
-@pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (4, 4)])
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (4, 4), (8, 8)])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_fast_cpu_requantize_is_bit_identical_to_the_reference(k, in_bits, out_bits, stochastic):
     from zeropp.kernels.cpu import dequantize_sum_requantize_cpu
@@ -382,7 +401,7 @@ def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
-@pytest.mark.usefixtures("tiled_path")
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("shape,rows,group_size", [((0,), 1, 64), ((7,), 1, 2), ((17, 257), 17, 100),
                                                    ((3, 70001), 3, 512), ((2**17 + 3,), 1, 2), ((5, 300), 5, 40000)],
@@ -391,8 +410,8 @@ def test_fast_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(shape, 
     from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu
     from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref
 
-    qs = [quantize(awkward(shape, torch.float32, seed=i), bits, group_size, rows=rows) for i in range(3)]
-    for k in (0, 1, 3):
+    qs = [quantize(awkward(shape, torch.float32, seed=i), bits, group_size, rows=rows) for i in range(4)]
+    for k in (0, 1, 2, 3, 4):
         s = stack(qs)
         s = QuantizedTensor(s.codes[:k], s.scales[:k], s.cols, s.bits, s.group_size)
         for dtype in DTYPES:
@@ -519,14 +538,138 @@ def test_compiled_cpu_failure_warns_and_falls_back_to_the_tiles(monkeypatch):
     def broken(*args):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
-    monkeypatch.setattr(cpu, "_fused_failed", None)
+    use_cpu_path(monkeypatch, "compiled")  # native kernels off: the compiled path is the one that fails here
     monkeypatch.setattr(cpu_fused, "quantize_fused", broken)
     x = awkward((4, 1000), torch.float32)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         q = cpu.quantize_cpu(x, 8, 100, rows=4)
     assert_bit_identical(q, quantize_ref(x, 8, 100, rows=4))
     assert not cpu.fused_enabled(10**9)  # off for the rest of the process (here: of this test)
+
+
+# ---------------------------------------------------------------------------------------------
+# The native CPU kernels (kernels/cpu_native.py, what CPU ranks run) against the reference, bit
+# for bit, beyond the tile-boundary cases above (which run through them too). One build serves
+# every variant, so the matrix can be full.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("native_path")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_cpu_quantize_is_bit_identical_to_the_reference(dtype, bits):
+    from zeropp.kernels.cpu import quantize_cpu
+    from zeropp.kernels.reference import quantize_ref
+
+    for shape, rows in COMPILED_SHAPES:
+        for gs in (2, 100, 512):
+            x = awkward(shape, dtype, seed=rows + gs)
+            for stochastic, seed in ((False, 0), (True, 9), (True, 2**40 + 3)):  # a seed with a high word
+                if stochastic and math.prod(shape) > 5000 and gs != 100:
+                    continue  # the reference's Philox is slow; one group size covers the big shapes
+                ref = quantize_ref(x, bits, gs, rows=rows, stochastic=stochastic, seed=seed)
+                got = quantize_cpu(x, bits, gs, rows=rows, stochastic=stochastic, seed=seed)
+                assert_bit_identical(got, ref)
+
+
+@pytest.mark.usefixtures("native_path")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_cpu_dequantize_rounds_like_torch_casts(bits):
+    """Arbitrary scales (subnormal, huge enough to overflow bf16 / fp16, negative, -0.0, NaN, Inf)
+    exercise the fp32 products and their rounding to each output dtype."""
+    from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu
+    from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref
+
+    g = torch.Generator().manual_seed(bits)
+    rows, cols, gs = 3, 333, 16
+    groups = -(-cols // gs)
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal: products of a normal scale stay normal
+    special = torch.tensor([1e-40, -3e-39, 1e-45, 3e38, 7e4, 6.6e4, -1.0, -0.0, 0.0, float("nan"), float("inf"), 1.0,
+                            tiny, -tiny, tiny / 2, 2.5e36, float("-inf")])
+    scales = torch.randn(2, rows, groups, generator=g) * 10.0 ** torch.randint(-42, 38, (2, rows, groups), generator=g)
+    scales.view(-1)[: special.numel()] = special
+    rb = groups * gs * bits // 8
+    codes = torch.randint(0, 256, (2, rows, rb), dtype=torch.uint8, generator=g)
+    if bits == 8:
+        codes = codes.view(torch.int8)
+    one = QuantizedTensor(codes[0], scales[0], cols, bits, gs)
+    two = QuantizedTensor(codes, scales, cols, bits, gs)
+    for dtype in DTYPES:
+        assert_same_values(dequantize_cpu(one, dtype=dtype), dequantize_ref(one, dtype=dtype))
+        assert_same_values(dequantize_sum_cpu(two, dtype=dtype), dequantize_sum_ref(two, dtype=dtype))
+
+
+@pytest.mark.usefixtures("native_path")
+def test_native_cpu_takes_strided_and_odd_offset_codes():
+    """Stacked inputs that are views (a [rows, k, *] receive buffer transposed) and INT4 codes at
+    an odd byte offset are read in place."""
+    from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu, dequantize_sum_requantize_cpu
+    from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref, dequantize_sum_requantize_ref
+
+    qs = [quantize(awkward((4, 1000), torch.float32, seed=i), 4, 100, rows=4) for i in range(3)]
+    recv = torch.stack([q.codes for q in qs], dim=1)  # [rows, k, row_bytes]
+    scales = torch.stack([q.scales for q in qs], dim=1)
+    view = QuantizedTensor(recv.transpose(0, 1), scales.transpose(0, 1), 1000, 4, 100)  # [k, rows, *], strided
+    dense = stack(qs)
+    assert not view.codes.is_contiguous()
+    assert_same_values(dequantize_sum_cpu(view), dequantize_sum_ref(dense))
+    assert_bit_identical(dequantize_sum_requantize_cpu(view, 8, 100), dequantize_sum_requantize_ref(dense, 8, 100))
+    buf = torch.empty(1 + qs[0].codes.numel(), dtype=torch.uint8)
+    buf[1:] = qs[0].codes.view(-1)
+    odd = QuantizedTensor(buf[1:].view(qs[0].codes.shape), qs[0].scales, 1000, 4, 100)
+    assert_same_values(dequantize_cpu(odd, dtype=torch.bfloat16), dequantize_ref(qs[0], dtype=torch.bfloat16))
+
+
+@pytest.mark.usefixtures("native_path")
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_native_cpu_writes_quantized_out_in_place(stochastic):
+    from zeropp.kernels.cpu import dequantize_sum_requantize_cpu, quantize_cpu
+    from zeropp.kernels.reference import dequantize_sum_requantize_ref, quantize_ref
+
+    x = awkward((17, 257), torch.bfloat16)
+    ref = quantize_ref(x, 4, 100, rows=17, stochastic=stochastic, seed=3)
+    sb = 4 * ref.scales.numel()
+    send = torch.zeros(sb + ref.codes.numel(), dtype=torch.uint8)  # one message: scales, then codes
+    out = QuantizedTensor(send[sb:].view(ref.codes.shape), send[:sb].view(torch.float32).view(ref.scales.shape),
+                          257, 4, 100)
+    assert quantize_cpu(x, 4, 100, rows=17, stochastic=stochastic, seed=3, out=out) is out
+    assert_bit_identical(out, ref)
+    s = stack([ref, ref])
+    want = dequantize_sum_requantize_ref(s, 4, 100, stochastic=stochastic, seed=5)
+    assert dequantize_sum_requantize_cpu(s, 4, 100, stochastic=stochastic, seed=5, out=out) is out
+    assert_bit_identical(out, want)
+    with pytest.raises(ValueError, match="out does not fit"):
+        quantize_cpu(x, 8, 100, rows=17, out=out)
+
+
+def test_native_cpu_failure_warns_once_and_falls_back(monkeypatch):
+    from zeropp.kernels import cpu, cpu_fused, cpu_native
+    from zeropp.kernels.reference import quantize_ref
+
+    monkeypatch.setattr(cpu_native, "ENABLED", True)
+    monkeypatch.setattr(cpu_native, "_LIB", None)
+    monkeypatch.setattr(cpu_native, "FAILED", "RuntimeError: no C++ compiler found")
+    monkeypatch.setattr(cpu, "_native_warned", False)
+    monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 2**62)  # the tiles, not a compile
+    x = awkward((4, 1000), torch.float32)
+    with pytest.warns(RuntimeWarning, match="native CPU quantization kernels are unavailable.*no C\\+\\+ compiler"):
+        q = cpu.quantize_cpu(x, 8, 100, rows=4)
+    assert_bit_identical(q, quantize_ref(x, 8, 100, rows=4))
+    assert not cpu.native_enabled()  # off for the rest of the process, and no second warning
+
+
+def test_native_cpu_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    """A second build of the same source and flags is the cached library; other flags (or another
+    CPU, compiler or source) get their own file, never a library built for something else."""
+    from zeropp.kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip(f"native CPU kernels unavailable here: {cpu_native.FAILED}")
+    monkeypatch.setenv("ZEROPP_CACHE_DIR", str(tmp_path))
+    first = cpu_native._build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native._build() == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(cpu_native, "FLAGS", [*cpu_native.FLAGS, "-DZQ_TEST_VARIANT"])
+    assert cpu_native._build() != first
+    assert sorted(p.suffix for p in (tmp_path / "cpu_native").iterdir()) == [".so", ".so"]  # no temporaries left
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,3 +683,19 @@ def test_bench_runs_on_cpu(capsys):
     assert "CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels" in text
     assert {r["op"] for r in rows} >= {"copy", "quantize int8 g512", "fused reduce int4 g128 k4"}
     assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
+    # each op also timed through the tiled path, in the same run: speed-up and old share of copy
+    assert "x old" in text and "old of copy" in text
+    assert all(r["vs_old"] > 0 and r["old_fraction"] > 0 for r in rows if r["op"] != "copy")
+
+
+def test_bench_cpu_path_switch_is_scoped():
+    """--cpu-path / --vs-path route the timed calls only; the process's own settings come back."""
+    from zeropp.experiments import bench_kernels
+    from zeropp.kernels import cpu_fused, cpu_native
+
+    saved = cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS
+    with bench_kernels.cpu_path("tiled"):
+        assert not cpu_native.ENABLED and cpu_fused.FUSED_MIN_ELEMS == 2**62
+    with bench_kernels.cpu_path("compiled"):
+        assert not cpu_native.ENABLED and cpu_fused.FUSED_MIN_ELEMS == saved[1]
+    assert (cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS) == saved
