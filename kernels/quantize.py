@@ -287,9 +287,9 @@ def quantize(
         cols = x.shape[-1]
         check_quantized_out(out, rows, cols, bits, group_size, x.device)
         for r, xr in enumerate(_row_views(x)):
-            copy_into(quantize_cpu(xr, bits, group_size), _row_of(out, r))
+            quantize_cpu(xr, bits, group_size, out=_row_of(out, r))
         return out
-    return copy_into(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed), out)
+    return quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed, out=out)
 
 
 ROW_LOOP_MIN_COLS = 1 << 15

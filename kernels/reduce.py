@@ -39,7 +39,7 @@ from .layout import (
     row_stride,
 )
 from .cpu import dequantize_sum_cpu, dequantize_sum_requantize_cpu
-from .quantize import PLAN_CACHE_SIZE, _use_triton, copy_into, quantized_rows
+from .quantize import PLAN_CACHE_SIZE, _use_triton, quantized_rows
 
 
 @jit
@@ -251,4 +251,4 @@ def dequantize_sum_requantize(
     group_size = q.group_size if group_size is None else group_size
     if _use_triton(q.codes, impl):
         return _dequantize_sum_requantize_triton(q, bits, group_size, stochastic=stochastic, seed=seed, out=out)
-    return copy_into(dequantize_sum_requantize_cpu(q, bits, group_size, stochastic=stochastic, seed=seed), out)
+    return dequantize_sum_requantize_cpu(q, bits, group_size, stochastic=stochastic, seed=seed, out=out)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from zeropp.comm import QuantSpec, Topology
-from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
+from zeropp.kernels import dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REL_ROUND = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

@@ -27,7 +27,7 @@ rank per node, or a sub-group of the world, a single quantized all-to-all + dequ
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
