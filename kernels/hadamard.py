@@ -56,10 +56,10 @@ def _hadamard_kernel(
     x_row = (row // x_inner) * x_outer + (row % x_inner) * x_stride
     v = tl.load(x_ptr + x_row + col, mask=(g[:, None] < blocks) & (col < cols), other=0.0).to(tl.float32)
     # stage s: lanes i and i + h (h = 2**s, bit s of i clear) -> (a + b, a - b), as hadamard_ref
+    # (unrolled: s is a constexpr, so the shapes below are compile-time constants)
     for s in tl.static_range(LOG2_BLOCK):
-        h: tl.constexpr = 1 << s
-        pairs: tl.constexpr = BLOCK_GS // (2 * h)
-        v4 = tl.permute(tl.reshape(v, (BLOCK_G, pairs, 2, h)), (0, 1, 3, 2))  # [BG, pairs, h, 2]
+        # [BG, pairs, 2, h] with h = 2**s, pairs = BLOCK_GS / 2h -> [BG, pairs, h, 2]
+        v4 = tl.permute(tl.reshape(v, (BLOCK_G, BLOCK_GS // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(v4)  # [BG, pairs, h] each
         v4 = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))  # [BG, pairs, 2, h]
         v = tl.reshape(v4, (BLOCK_G, BLOCK_GS))

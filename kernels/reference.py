@@ -206,7 +206,8 @@ def rotated_cols(cols: int, block: int) -> int:
 
 def check_hadamard_block(block: int) -> None:
     """A rotation block is a power of two in [2, MAX_HADAMARD_BLOCK]."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1) or block > MAX_HADAMARD_BLOCK:
+    is_int = isinstance(block, int) and not isinstance(block, bool)
+    if not is_int or block < 2 or block & (block - 1) or block > MAX_HADAMARD_BLOCK:
         raise ValueError(
             f"Hadamard block={block!r} must be a power of two between 2 and {MAX_HADAMARD_BLOCK} "
             f"(the Walsh-Hadamard butterflies halve it log2(block) times); e.g. 32, 64 or 128"
@@ -261,8 +262,9 @@ def hadamard_ref(
     ``[rows, out_cols]`` tensor or into ``out`` (contiguous, or a row-strided ``[rows, out_cols]``).
     """
     cols, padded, out_cols = check_hadamard_args(x, block, rows, out_cols)
-    v = torch.zeros(rows, padded, dtype=torch.float32, device=x.device)  # [rows, padded]
+    v = torch.empty(rows, padded, dtype=torch.float32, device=x.device)  # [rows, padded]
     v[:, :cols] = x.reshape(rows, cols)
+    v[:, cols:] = 0.0  # the last block's zero padding
     w = torch.empty_like(v)
     h = 1
     while h < block:

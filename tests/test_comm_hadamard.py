@@ -173,7 +173,19 @@ def test_rotation_is_not_a_no_op_and_errors_at_use() -> None:
 
 # ------------------------------------------------------------------------------ collectives, 4 gloo ranks
 def _gathers(rank: int, W: int, topo: Topology, stats: CommStats) -> None:
-    n = 37
+    for n in (1, 37):
+        _gathers_of(n, rank, W, topo, stats)
+    # the weights' default group size (512 = the block), a row longer than one block
+    n = 600
+    x = rank_input(32, rank, n, torch.bfloat16)
+    out = torch.empty(W * n, dtype=torch.bfloat16)
+    quantized_all_gather(out, x, spec=QuantSpec(bits=4, rotation="hadamard"), topology=topo, stats=stats)
+    want = torch.cat([round_trip(rank_input(32, r, n, torch.bfloat16), 512, 4, 512, dtype=torch.bfloat16).view(-1)
+                      for r in range(W)])
+    assert torch.equal(out, want)
+
+
+def _gathers_of(n: int, rank: int, W: int, topo: Topology, stats: CommStats) -> None:
     xs = [rank_input(31, r, n, torch.float32) for r in range(W)]
     for spec, b in ((had(4, 16), 16), (had(8, 96, 32), 32), (had(4, 16, rounding="stochastic", seed=SEED), 16)):
         for out_dtype in (torch.float32, torch.bfloat16):
@@ -186,18 +198,14 @@ def _gathers(rank: int, W: int, topo: Topology, stats: CommStats) -> None:
                               for r in range(W)])
             assert torch.equal(out, want), ("all-gather", spec.label, out_dtype)
             assert bytes_of(stats, "all_gather") == expected_all_gather_bytes(topo, n, 4, spec.bits, spec.group_size)
-    # the weights' default group size (512 = the block), a row longer than one block
-    n = 600
-    x = rank_input(32, rank, n, torch.bfloat16)
-    out = torch.empty(W * n, dtype=torch.bfloat16)
-    quantized_all_gather(out, x, spec=QuantSpec(bits=4, rotation="hadamard"), topology=topo, stats=stats)
-    want = torch.cat([round_trip(rank_input(32, r, n, torch.bfloat16), 512, 4, 512, dtype=torch.bfloat16).view(-1)
-                      for r in range(W)])
-    assert torch.equal(out, want)
 
 
 def _reduce_scatters(rank: int, W: int, stats: CommStats) -> None:
-    n = 29
+    for n in (1, 29):
+        _reduce_scatters_of(n, rank, W, stats)
+
+
+def _reduce_scatters_of(n: int, rank: int, W: int, stats: CommStats) -> None:
     xs = [rank_input(33, r, W * n, torch.float32) for r in range(W)]
     for gs, block in ((8, None), (16, 4)):
         b = gs if block is None else block
@@ -213,7 +221,7 @@ def _reduce_scatters(rank: int, W: int, stats: CommStats) -> None:
                     quantized_reduce_scatter(out, xs[rank].to(in_dtype), op, spec=spec, topology=topo, stats=stats)
                     # the fp32 sum, rotated back, scaled, then rounded once to the output dtype
                     want = (exact * post if post != 1.0 else exact).to(out_dtype)
-                    assert torch.equal(out, want), ("reduce-scatter", topo, gs, block, op, in_dtype, out_dtype)
+                    assert torch.equal(out, want), ("reduce-scatter", n, topo, gs, block, op, in_dtype, out_dtype)
                     assert bytes_of(stats, "reduce_scatter") == expected_reduce_scatter_bytes(topo, n, 4, 4, 8, gs)
 
 

@@ -290,7 +290,8 @@ class HadamardCodec(Codec):
         """``x`` (``rows`` rows, any row-strided or swizzled view) -> rotated fp32 ``[rows, rotated_cols]``."""
         return hadamard(x, self.block_for(group_size), rows=rows)
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> QuantizedTensor:
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int,
+                 seed: Optional[int]) -> QuantizedTensor:
         cols = x.numel() // rows
         return self._plain(self.inner.quantize(self.rotate(x, group_size, rows), bits, group_size, rows=rows,
                                                seed=seed), cols)
