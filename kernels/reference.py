@@ -15,11 +15,14 @@ import torch
 from .layout import (
     QuantizedTensor,
     check_dims,
+    check_float_dtype,
     check_quantize_args,
     check_requantize_args,
     num_groups,
     output_buffer,
+    output_rows,
     qmax,
+    split_rows,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -185,3 +188,94 @@ def dequantize_sum_requantize_ref(
     # Padding positions sum to exactly 0, so re-quantizing the padded blocks is the same as
     # re-quantizing the unpadded row.
     return _to_quantized(_sum_fp32(q), q.cols, bits, group_size, stochastic, seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blockwise Walsh-Hadamard transform (SDP4Bit's rotation before quantizing).
+# ----------------------------------------------------------------------------------------------
+MAX_HADAMARD_BLOCK = 1 << 14
+"""Largest rotation block: one block is transformed in registers by one Triton program."""
+
+
+def rotated_cols(cols: int, block: int) -> int:
+    """Columns of a rotated row: ``cols`` rounded up to whole blocks (the last one zero padded).
+    When ``block`` divides the quantization group size this never adds a quantization group, so
+    a rotated row takes exactly the bytes of the plain one on the wire."""
+    return -(-cols // block) * block
+
+
+def check_hadamard_block(block: int) -> None:
+    """A rotation block is a power of two in [2, MAX_HADAMARD_BLOCK]."""
+    is_int = isinstance(block, int) and not isinstance(block, bool)
+    if not is_int or block < 2 or block & (block - 1) or block > MAX_HADAMARD_BLOCK:
+        raise ValueError(
+            f"Hadamard block={block!r} must be a power of two between 2 and {MAX_HADAMARD_BLOCK} "
+            f"(the Walsh-Hadamard butterflies halve it log2(block) times); e.g. 32, 64 or 128"
+        )
+
+
+def check_hadamard_args(x: torch.Tensor, block: int, rows: int, out_cols: int | None) -> tuple[int, int, int]:
+    """Checks shared by every implementation of ``hadamard``; returns ``(cols, padded, out_cols)``."""
+    check_hadamard_block(block)
+    check_float_dtype(x.dtype, "input")
+    cols = split_rows(x.numel(), rows)
+    padded = rotated_cols(cols, block)
+    if out_cols is None:
+        out_cols = padded
+    elif isinstance(out_cols, bool) or not isinstance(out_cols, int) or not 0 <= out_cols <= padded:
+        raise ValueError(
+            f"out_cols={out_cols!r} must be an int in [0, {padded}] (rows of {cols} elements padded to "
+            f"whole blocks of {block}); pass out_cols=None to keep the whole rotated row"
+        )
+    return cols, padded, out_cols
+
+
+def hadamard_scale(block: int) -> float:
+    """``1 / sqrt(block)`` rounded once to fp32 (exact for powers of 4), as a Python float that
+    is exactly that fp32 value, so the Triton kernel and the reference multiply by the same number."""
+    return float(torch.tensor(block ** -0.5, dtype=torch.float32))
+
+
+def hadamard_ref(
+    x: torch.Tensor,
+    block: int,
+    *,
+    rows: int = 1,
+    out_cols: int | None = None,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Normalised blockwise Walsh-Hadamard transform of ``rows`` rows: the specification.
+
+    Each row of ``cols = numel / rows`` elements is zero padded to ``rotated_cols(cols, block)``
+    (a whole number of blocks: the last, partial block is completed with zeros *before* the
+    transform, so its rotated values fill the whole block), and every block ``v`` of ``block``
+    (a power of two) elements becomes ``H v * s`` with ``H`` the Sylvester Hadamard matrix and
+    ``s = hadamard_scale(block)``. ``H / sqrt(block)`` is symmetric and orthogonal, so the same
+    call undoes it: transform ``[rows, rotated_cols]`` back and keep ``out_cols = cols``.
+
+    Arithmetic (what the Triton kernel repeats bit for bit): fp32 throughout; stage
+    ``s = 0 .. log2(block) - 1`` pairs the elements ``i`` and ``i + h`` (``h = 2**s``, ``i`` with
+    bit ``s`` clear) and replaces them with ``(a + b, a - b)``; after the last stage each element
+    is multiplied once by ``s``. The result keeps the first ``out_cols`` columns (default: all
+    ``rotated_cols``), is rounded once to ``dtype`` (or ``out``'s dtype) and written to a new
+    ``[rows, out_cols]`` tensor or into ``out`` (contiguous, or a row-strided ``[rows, out_cols]``).
+    """
+    cols, padded, out_cols = check_hadamard_args(x, block, rows, out_cols)
+    v = torch.empty(rows, padded, dtype=torch.float32, device=x.device)  # [rows, padded]
+    v[:, :cols] = x.reshape(rows, cols)
+    v[:, cols:] = 0.0  # the last block's zero padding
+    w = torch.empty_like(v)
+    h = 1
+    while h < block:
+        a = v.view(rows, padded // (2 * h), 2, h)  # [rows, pairs of half-blocks, 2, h]
+        b = w.view(rows, padded // (2 * h), 2, h)
+        torch.add(a[:, :, 0], a[:, :, 1], out=b[:, :, 0])
+        torch.sub(a[:, :, 0], a[:, :, 1], out=b[:, :, 1])
+        v, w = w, v
+        h *= 2
+    v.mul_(torch.tensor(hadamard_scale(block), dtype=torch.float32))
+    dst, _ = output_rows(out, rows, out_cols, dtype, x.device)
+    target = dst if dst.dim() == 2 and tuple(dst.shape) == (rows, out_cols) else dst.view(rows, out_cols)
+    target.copy_(v[:, :out_cols])
+    return dst

@@ -3,7 +3,7 @@
 The collectives and qgZ never call a quantization kernel directly. They ask the codec of the
 spec's scheme to turn a ``[rows, cols]`` float tensor into wire rows and back, to sum stacked
 received rows (the reduce side of qgZ) and to re-quantize such a sum (qgZ's intra-node hop).
-So a new scheme (Hadamard rotation, weight differences, fp8, ...) is a :class:`Codec` plus
+So a new scheme (weight differences, fp8, ...) is a :class:`Codec` plus
 ``register_codec(name, codec, bits=...)``; every collective, the FSDP2/DDP plug-ins and the
 engine can then use ``QuantSpec(scheme=name, ...)`` unchanged.
 
@@ -18,6 +18,10 @@ zero-copy (:class:`WireLayout`): the kernels write codes and scales straight int
 send buffer, and read a received buffer through views, so no pack (``cat``) or unpack
 (``contiguous``) copy is made. A codec that cannot do that keeps the generic pack/unpack path;
 :attr:`Codec.in_place` tells the collectives which kind they hold.
+
+``QuantSpec(rotation="hadamard")`` (SDP4Bit's rotation) is not a scheme of its own: :func:`codec_for`
+wraps the int codec in a :class:`HadamardCodec`, which rotates before encoding and rotates back
+after decoding, with the same wire rows.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from zeropp.kernels import (
     dequantize,
     dequantize_sum,
     dequantize_sum_requantize,
+    hadamard,
     num_groups,
     quantize,
+    rotated_cols,
     row_bytes,
 )
 
-from .spec import QuantSpec, register_scheme, schemes, unregister_scheme
+from .spec import QuantSpec, check_rotation_block, register_scheme, schemes, unregister_scheme
 
 Encoded = Any
 """A codec's in-memory quantized value (``QuantizedTensor`` for ``int``); opaque to collectives."""
@@ -237,7 +243,97 @@ class IntCodec(Codec):
         return send if dst is not None else self.pack(q2)  # [rows, B']
 
 
+class HadamardCodec(Codec):
+    """The int codec in a blockwise Walsh-Hadamard-rotated basis (``QuantSpec.rotation``).
+
+    A row of ``cols`` elements is rotated (``zeropp.kernels.hadamard``: zero padded to whole
+    blocks, ``rotated_cols`` elements, fp32) and those values are quantized; a received row is
+    dequantized in the rotated basis and rotated back (the transform is its own inverse), keeping
+    the first ``cols`` elements. The block divides the group size, so the padded rotated row has
+    the same quantization groups as the plain one: the wire rows, and every byte count, are the
+    int codec's for ``cols``. An encoding is a QuantizedTensor labelled with the *plain* ``cols``
+    (its codes and scales are those of the rotated row, same shapes), so qgZ's error-feedback path
+    can slice and rebuild it like any int encoding.
+
+    Reductions stay in the rotated basis: the rotation is linear, so the sum of rotated
+    dequantized rows is the rotated sum. :meth:`dequantize_sum_requantize` (qgZ between its hops)
+    is therefore the int codec's fused kernel unchanged (sum, then re-quantize, both rotated), and
+    :meth:`dequantize_sum` sums rotated rows in fp32 and rotates back once. Rotating back before
+    the sum and again before re-quantizing would give the same values up to fp32 rounding, at
+    the cost of two extra passes over the data and two more roundings.
+    """
+
+    def __init__(self, inner: IntCodec, block: Optional[int]) -> None:
+        self.inner = inner
+        self.block = block
+        """The rotation block, or None for the call's group size."""
+        self.in_place = inner.in_place
+        self._blocks: dict[int, int] = {}  # group size -> checked block
+
+    def block_for(self, group_size: int) -> int:
+        """The rotation block used with ``group_size`` (checked once per group size)."""
+        b = self._blocks.get(group_size)
+        if b is None:
+            b = self._blocks[group_size] = check_rotation_block(self.block, group_size)
+        return b
+
+    def _rotated(self, q: QuantizedTensor) -> tuple[QuantizedTensor, int]:
+        """``q`` relabelled with its rotated row length (same codes and scales), and the block."""
+        b = self.block_for(q.group_size)
+        return QuantizedTensor.unchecked(q.codes, q.scales, rotated_cols(q.cols, b), q.bits, q.group_size), b
+
+    @staticmethod
+    def _plain(q: QuantizedTensor, cols: int) -> QuantizedTensor:
+        return QuantizedTensor.unchecked(q.codes, q.scales, cols, q.bits, q.group_size)
+
+    def rotate(self, x: torch.Tensor, group_size: int, rows: int) -> torch.Tensor:
+        """``x`` (``rows`` rows, any row-strided or swizzled view) -> rotated fp32 ``[rows, rotated_cols]``."""
+        return hadamard(x, self.block_for(group_size), rows=rows)
+
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int,
+                 seed: Optional[int]) -> QuantizedTensor:
+        cols = x.numel() // rows
+        return self._plain(self.inner.quantize(self.rotate(x, group_size, rows), bits, group_size, rows=rows,
+                                               seed=seed), cols)
+
+    def encode(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> torch.Tensor:
+        """Rotate (reading ``x`` in place), then quantize straight into a new wire buffer."""
+        return self.inner.encode(self.rotate(x, group_size, rows), bits, group_size, rows=rows, seed=seed)
+
+    def dequantize(self, q: QuantizedTensor, *, out: Optional[torch.Tensor] = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantize in the rotated basis (fp32), rotate back into ``out`` / a new ``[rows, cols]``."""
+        rq, b = self._rotated(q)
+        v = self.inner.dequantize(rq)  # [rows, rotated_cols] fp32
+        return hadamard(v, b, rows=v.shape[0], out_cols=q.cols, out=out, dtype=dtype)
+
+    def wire_bytes(self, cols: int, bits: int, group_size: int) -> int:
+        return self.inner.wire_bytes(rotated_cols(cols, self.block_for(group_size)), bits, group_size)
+
+    def pack(self, q: QuantizedTensor) -> torch.Tensor:
+        return self.inner.pack(q)
+
+    def unpack(self, buf: torch.Tensor, cols: int, bits: int, group_size: int) -> QuantizedTensor:
+        ch = rotated_cols(cols, self.block_for(group_size))
+        return self._plain(self.inner.unpack(buf, ch, bits, group_size), cols)
+
+    def dequantize_sum(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
+                       dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Sum the rotated rows in fp32 (the int codec's fused kernel), then rotate back once."""
+        b = self.block_for(group_size)
+        s = self.inner.dequantize_sum(buf, rotated_cols(cols, b), bits, group_size)  # [rows, rotated_cols] fp32
+        return hadamard(s, b, rows=s.shape[0], out_cols=cols, out=out, dtype=dtype)
+
+    def dequantize_sum_requantize(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
+                                  out_bits: int, seed: Optional[int]) -> torch.Tensor:
+        """qgZ between its hops, all in the rotated basis: the int codec's fused kernel."""
+        ch = rotated_cols(cols, self.block_for(group_size))
+        return self.inner.dequantize_sum_requantize(buf, ch, bits, group_size, out_bits=out_bits, seed=seed)
+
+
 _CODECS: dict[str, Codec] = {"int": IntCodec()}
+_ROTATED: dict[Optional[int], HadamardCodec] = {}
+"""``hadamard_block`` -> the Hadamard codec over the int codec (built once per block)."""
 
 
 def register_codec(name: str, codec: Codec, *, bits: tuple[int, ...]) -> None:
@@ -264,7 +360,13 @@ def codecs() -> dict[str, Codec]:
 
 
 def codec_for(spec: QuantSpec) -> Codec:
-    """The codec of ``spec.scheme``; a clear error for a scheme declared without one."""
+    """The codec of ``spec.scheme`` (wrapped in a :class:`HadamardCodec` for
+    ``rotation="hadamard"``); a clear error for a scheme declared without one."""
+    if spec.rotation == "hadamard":  # validated: scheme 'int'
+        codec = _ROTATED.get(spec.hadamard_block)
+        if codec is None:
+            codec = _ROTATED[spec.hadamard_block] = HadamardCodec(_CODECS["int"], spec.hadamard_block)
+        return codec
     codec = _CODECS.get(spec.scheme)
     if spec.scheme not in schemes():  # unregistered after the spec was built
         raise ValueError(f"QuantSpec.scheme={spec.scheme!r} is not registered any more; use one of {sorted(schemes())}")
