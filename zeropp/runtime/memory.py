@@ -32,7 +32,7 @@ hpZ's secondary copy (Ψ·p / hpz_size):
 With bf16 (p = g = 2) the rows are 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N. ``expected_by_tier``
 places those bytes on tiers the way ZeRO-Offload / ZeRO-Infinity (and DeepSpeed's
 ``estimate_zero{2,3}_model_states_mem_needs``) do: ``offload_optimizer`` moves the 12Ψ/N of
-optimizer state, plus the fp32 gradient copy the offloaded step reads (4Ψ/N), to host or disk;
+optimizer state (plus, for `cpu`, the fp32 gradient copy the host step reads, 4Ψ/N) to host or disk;
 ``offload_param`` (stage 3) moves the pΨ/N parameter shard. The compute-dtype gradient shard the
 reduce-scatter lands in stays on the device.
 """
