@@ -103,6 +103,8 @@ class Stage3Hooks:
         self.ran = [0] * len(self.units)  # per block: how many times its forward ran in the current forward
         self.first = [-1] * len(self.units)  # per block: its place in the current forward's run order
         self._runs = 0  # block forwards run so far in the current forward
+        self._last = -1  # the block that ran last in the current forward
+        self.disorder: str | None = None  # the first block that ran after a later one, in the current forward
         self.current: int | None = None  # the block whose forward is running
         self._started = False  # the current training forward reached the model's pre-hook
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
@@ -196,21 +198,21 @@ class Stage3Hooks:
                 raise error
             return
         n = len(self.units)
-        vec = [*self.ran, *self.first, int(error is not None)]
+        vec = [*self.ran, *self.first, int(self.disorder is not None), int(error is not None)]
         t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per entry: max over ranks, and -min
         hi, lo = t[: len(vec)].tolist(), [-v for v in t[len(vec):].tolist()]
-        if hi == lo:
-            return
+        if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
+            return  # the policy's order, and no rank failed
         runs: list = [None] * world
         msg = None
         if error is not None:
             where = f" inside {self.units[self.current].name}" if self.current is not None else ""
             msg = f"{type(error).__name__}{where}: {error}"
-        dist.all_gather_object(runs, (list(self.ran), list(self.first), msg))
+        dist.all_gather_object(runs, (list(self.ran), list(self.first), msg, self.disorder))
         self.current = None
         self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
-        failed = {r: m for r, (_, _, m) in enumerate(runs) if m is not None}
+        failed = {r: m for r, (_, _, m, _) in enumerate(runs) if m is not None}
         if failed:
             what = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
             exc = RuntimeError(
@@ -221,6 +223,14 @@ class Stage3Hooks:
                 f"root unit)")
             raise exc from error
         bad = [i for i in range(n) if hi[i] != lo[i] and lo[i] == 0]
+        if not bad and hi[: 2 * n] == lo[: 2 * n]:  # the same everywhere, but not in the policy's order
+            what = "; ".join(f"rank {r}: {d}" for r, (_, _, _, d) in enumerate(runs) if d is not None)
+            raise RuntimeError(
+                f"ZeRO stage 3 needs the blocks to run in forward in the order the block policy lists them "
+                f"(registration order: {', '.join(u.name for u in self.units)}; a block may run again right after "
+                f"itself): {what}. "
+                f"The gradient of a block run out of order would arrive after its unit was reduced. Register the "
+                f"blocks in forward order, choose other blocks (ZeroEngine(blocks=...)), or use stage 2")
         if not bad:
             what = "; ".join(
                 f"{self.units[i].name} ran {sorted({runs[r][0][i] for r in range(world)})} times at places "
@@ -244,6 +254,7 @@ class Stage3Hooks:
         self.ran = [0] * len(self.units)
         self.first = [-1] * len(self.units)
         self._runs, self.current, self._started = 0, None, True
+        self._last, self.disorder = -1, None
         self._next_fwd = 0
         if self.root is not None:
             self.ensure_ready(self.root, backward=False)
@@ -260,6 +271,9 @@ class Stage3Hooks:
             self.first[i] = self._runs
         self.ran[i] += 1
         self._runs += 1
+        if i < self._last and self.disorder is None:
+            self.disorder = f"{self.units[i].name} ran after {self.units[self._last].name}"
+        self._last = i
         self.current = i
         self._catch_up(i)
         self.ensure_ready(self.units[i], backward=False)
