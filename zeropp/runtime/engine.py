@@ -391,7 +391,7 @@ class ZeroEngine:
         before the optimizer step; the collectives up to here were the same on every rank."""
         if not self._reduce_order:
             return
-        late = torch.tensor([float(len(self._late))], dtype=torch.float64, device=self.device)
+        late = torch.tensor([len(self._late)], dtype=torch.int32, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(late)
         if float(late) == 0:

@@ -339,9 +339,13 @@ def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dty
     kind = {0: "replicated", 1: "sharded_opt", 2: "sharded_opt", 3: "sharded"}[stage]
     shards = 1 if kind == "replicated" else world_size
     srank = 0 if kind == "replicated" else rank
-    block_list = list(block_modules) if block_modules is not None else find_blocks(model, policy)
-    qual = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    block_index = {qual[id(b)]: i for i, b in enumerate(block_list) if id(b) in qual}
+    block_list: list[nn.Module] = []
+    for b in (block_modules if block_modules is not None else find_blocks(model, policy)):
+        if all(b is not c for c in block_list):  # a module listed twice (e.g. reused in a ModuleList) is one block
+            block_list.append(b)
+    index_of = {id(b): i for i, b in enumerate(block_list)}
+    # every qualified name of every block module (a module registered twice has two)
+    block_index = {n: index_of[id(m)] for n, m in model.named_modules(remove_duplicate=False) if id(m) in index_of}
     ROOT = -1
 
     def owner(param_name: str) -> int:

@@ -191,25 +191,27 @@ class Stage3Hooks:
             self._abort_forward()
         self._started = False
         world = self.comm.world_size
-        if world == 1:
+        if world == 1 and error is not None:  # nobody to tell: the model's own error, as without the engine
             self.current = None
-            if error is not None:
-                self.release_all()
-                raise error
-            return
+            self.release_all()
+            raise error
         n = len(self.units)
         vec = [*self.ran, *self.first, int(self.disorder is not None), int(error is not None)]
-        t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per entry: max over ranks, and -min
-        hi, lo = t[: len(vec)].tolist(), [-v for v in t[len(vec):].tolist()]
+        hi = lo = vec
+        if world > 1:
+            t = torch.tensor(vec + [-v for v in vec], dtype=torch.int32, device=self.device)  # [2 * (2n + 2)]
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per entry: max over ranks, and -min
+            hi, lo = t[: len(vec)].tolist(), [-v for v in t[len(vec):].tolist()]
         if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
             return  # the policy's order, and no rank failed
-        runs: list = [None] * world
         msg = None
         if error is not None:
             where = f" inside {self.units[self.current].name}" if self.current is not None else ""
             msg = f"{type(error).__name__}{where}: {error}"
-        dist.all_gather_object(runs, (list(self.ran), list(self.first), msg, self.disorder))
+        mine = (list(self.ran), list(self.first), msg, self.disorder)
+        runs: list = [mine] * world
+        if world > 1:
+            dist.all_gather_object(runs, mine)
         self.current = None
         self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
         failed = {r: m for r, (_, _, m, _) in enumerate(runs) if m is not None}
