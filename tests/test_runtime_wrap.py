@@ -243,6 +243,11 @@ def _misuse_world(rank: int, world: int) -> dict[str, Any]:
                 out[case, stage] = None
             except RuntimeError as e:
                 out[case, stage] = str(e)
+            try:  # evaluation too: the same agreement, the engine still usable after the error
+                eng.eval_loss(*data(9, 0, rank))
+                out[case, stage, "eval"] = None
+            except RuntimeError as e:
+                out[case, stage, "eval"] = str(e)
             finally:
                 eng.close()
     # blocks run in forward in the reverse of the policy's (registration) order; "late": the same with
@@ -273,6 +278,8 @@ def test_a_parameter_used_in_another_block_fails_alike_on_every_rank() -> None:
         assert msg is not None, case
         assert f"raised on rank(s) {ranks}" in msg and "inside block1" in msg, msg
         assert "register it in the block that uses it" in msg, msg
+        assert r[case, 3, "eval"] is not None and f"raised on rank(s) {ranks}" in r[case, 3, "eval"]
+        assert r[case, 2, "eval"] is None
     assert r["order", 2] is None  # stage 2 reduces in one fixed order whatever the forward did
     msg = r["order", 3]
     assert msg is not None and "in the order the block policy lists them" in msg, msg

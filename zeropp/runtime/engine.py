@@ -271,10 +271,17 @@ class ZeroEngine:
         if not batch:
             raise TypeError("eval_loss needs a batch: eval_loss(micro_batch) or eval_loss(*model_args)")
         mb = batch[0] if len(batch) == 1 else tuple(batch)
+        loss, error = 0.0, None
         try:
             loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-        finally:
-            if self.stage3 is not None:
+        except Exception as exc:  # noqa: BLE001 - at stage 3 reported to every rank by check_forward
+            if self.stage3 is None:
+                raise
+            error = exc
+        if self.stage3 is not None:
+            try:
+                self.stage3.check_forward(error)  # as in training: one rank's error raised on every rank
+            finally:
                 self.stage3.release_all()
         return self.comm.sum_scalars([loss])[0] / self.world_size
 
