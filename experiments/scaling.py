@@ -374,10 +374,12 @@ def project(w: Workload, c: Cluster) -> Projection:
                       node_cross_bytes(msgs, c), pairwise_bytes(msgs), uplink_bytes(msgs, c), q)
 
 
-def gpt_units(*, vocab: int, seq_len: int, d_model: int, n_layers: int, mlp_ratio: int = 4) -> tuple[int, ...]:
-    """Communication units of zeropp's GPT: root (embeddings, final norm, head), then each block."""
+def gpt_units(*, vocab: int, seq_len: int, d_model: int, n_layers: int, mlp_ratio: int = 4,
+              tie_embeddings: bool = True) -> tuple[int, ...]:
+    """Communication units of zeropp's GPT: root (embeddings, final norm, head), then each block.
+    With ``tie_embeddings`` (the GPT's default) the head's weight is the token embedding, counted once."""
     d, h = d_model, d_model * mlp_ratio
-    root = vocab * d + seq_len * d + 2 * d + d * vocab + vocab
+    root = vocab * d + seq_len * d + 2 * d + (0 if tie_embeddings else d * vocab) + vocab
     block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
     return (root, *([block] * n_layers))
 
@@ -386,7 +388,7 @@ def paper_workload(*, tokens_per_gpu: int = 1024, achieved_tflops: float = 50.0)
     """The ZeRO++ paper's regime: an 18B GPT (d 6144, 40 layers) in fp16 on V100s, a small batch
     per GPU (where ZeRO-3 is communication bound), compute at ``achieved_tflops`` per GPU with
     activation recomputation (8 flops per parameter per token)."""
-    units = gpt_units(vocab=50304, seq_len=2048, d_model=6144, n_layers=40)
+    units = gpt_units(vocab=50304, seq_len=2048, d_model=6144, n_layers=40, tie_embeddings=False)
     n = sum(units)
     return Workload(units=units, compute_s=8 * n * tokens_per_gpu / (achieved_tflops * 1e12),
                     tokens_per_rank=tokens_per_gpu, stage=3, flops_per_token=6.0 * n)

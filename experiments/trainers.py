@@ -16,6 +16,13 @@ re-gathers the block for the recomputation). The block's ``forward`` is replaced
 than the block wrapped (torch's ``checkpoint_wrapper`` lives in a private module and renames the
 parameters), so parameter names and checkpoints are the same with and without it. FSDP2 shards
 the blocks after that, so its unshard/reshard hooks stay outside the recomputed region.
+
+Tied embeddings (``model.tie_embeddings``, on by default): the GPT's head weight is its token
+embedding, both in the root. ZeroEngine keeps it as one slot of its root unit; FSDP2's
+``fully_shard`` on the root module manages it as one sharded parameter (it is outside every
+block); DDP and the optimizers see it once in ``model.parameters()``. Every trainer calls the model
+and finds the loss the engine's way (``zeropp.runtime.batch``: a tuple micro-batch is
+``model(*mb)``, the loss the output's last element for the GPT).
 """
 
 from __future__ import annotations
@@ -146,9 +153,11 @@ class TorchTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, o.lr_factor)
 
     def _forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from zeropp.runtime.batch import call_model, loss_of
+
+        mb = (idx, targets)
         with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(idx, targets)
-        return loss
+            return loss_of(call_model(self.model, mb), mb)  # as ZeroEngine: model(*mb), loss from the output
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
         n = len(micro_batches)

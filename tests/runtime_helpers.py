@@ -102,7 +102,7 @@ def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: i
 
 
 def parity_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], steps: int,
-                 device: str = "cpu") -> list[dict[str, Any]]:
+                 device: str = "cpu", cfg: GPTConfig = TINY) -> list[dict[str, Any]]:
     """Several engines, one after another, in one world launch (a launch costs seconds)."""
-    res = [train_engine(rank, world, kw, steps=steps, nodes=nodes, device=device) for kw in configs]
+    res = [train_engine(rank, world, kw, steps=steps, nodes=nodes, device=device, cfg=cfg) for kw in configs]
     return res if rank == 0 else [{"losses": r["losses"]} for r in res]

@@ -138,7 +138,7 @@ def _pool_formula(cfg: GPTConfig, *, depth: int, stage: int, world: int = 4) -> 
     inputs [padded] and outputs [S], stage 1 one input; every unit padded to a multiple of ``world``."""
     d, v, t, m = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.mlp_ratio
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (m * d * d + m * d) + (m * d * d + d)
-    root = v * d + t * d + 2 * d + (d * v + v)
+    root = v * d + t * d + 2 * d + (0 if cfg.tie_embeddings else d * v) + v  # a tied head weight is the embedding
     pad = lambda n: -(-n // world) * world  # noqa: E731
     big = max(pad(block), pad(root))
     n = 0

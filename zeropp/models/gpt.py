@@ -5,8 +5,10 @@ transformer blocks live in ``model.blocks`` (a ``ModuleList``): the ZeRO-3 runti
 frees parameters per block, so a block is the natural unit of communication. Everything else
 (embeddings, final norm, head) is the "root" and is small. There is no dropout and no buffer, so
 two runs with the same weights and data are bit-for-bit reproducible, which the exactness tests
-rely on. The head is not tied to the embedding: tied weights would make one parameter live in
-two communication units.
+rely on. As in GPT-2, the output head shares its weight with the token embedding
+(``GPTConfig.tie_embeddings``, on by default): one ``Parameter`` registered as both
+``tok_emb.weight`` and ``head.weight``, so autograd sums both uses into one gradient and the
+ZeRO runtime keeps one shard of it (``zeropp.runtime.partition``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from torch import nn
 BYTE_VOCAB = 256
 
 _PRESETS: dict[str, dict[str, int]] = {
-    # name: width, depth, heads, context; parameter counts are for vocab 256.
-    "tiny": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),  # ~43k params, unit tests
-    "mini": dict(d_model=64, n_layers=2, n_heads=2, seq_len=64),  # ~0.14M params, the runner's default job
-    "small": dict(d_model=128, n_layers=4, n_heads=4, seq_len=64),  # ~0.86M params, CPU sweeps
+    # name: width, depth, heads, context; parameter counts are for vocab 256 with tied embeddings.
+    "tiny": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),  # ~35k params, unit tests
+    "mini": dict(d_model=64, n_layers=2, n_heads=2, seq_len=64),  # ~0.12M params, the runner's default job
+    "small": dict(d_model=128, n_layers=4, n_heads=4, seq_len=64),  # ~0.83M params, CPU sweeps
     "medium": dict(d_model=256, n_layers=4, n_heads=4, seq_len=128),  # ~3.3M params, like background.md
     "large": dict(d_model=512, n_layers=8, n_heads=8, seq_len=256),  # ~25M params, GPU runs
 }
@@ -49,11 +51,16 @@ class GPTConfig:
     """Attention heads; must divide ``d_model``."""
     mlp_ratio: int = 4
     """Hidden width of the MLP as a multiple of ``d_model``."""
+    tie_embeddings: bool = True
+    """Share the output head's weight with the token embedding (GPT-2 does): one ``[vocab, d_model]``
+    parameter under two names, ``tok_emb.weight`` and ``head.weight``. False gives the head its own."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"GPTConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
@@ -61,20 +68,22 @@ class GPTConfig:
             )
 
     @classmethod
-    def preset(cls, name: str, **overrides: int) -> "GPTConfig":
+    def preset(cls, name: str, **overrides: int | bool) -> "GPTConfig":
         """A named size (``tiny``, ``small``, ``medium``, ``large``) with optional overrides."""
         if name not in _PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
-    def with_(self, **changes: int) -> "GPTConfig":
+    def with_(self, **changes: int | bool) -> "GPTConfig":
         return replace(self, **changes)
 
     def num_params(self) -> int:
-        """Exact parameter count (matches ``sum(p.numel() for p in GPT(cfg).parameters())``)."""
+        """Exact parameter count, a tied weight counted once (matches ``sum(p.numel() for p in
+        GPT(cfg).parameters())``, which yields a shared parameter once)."""
         d, h = self.d_model, self.d_model * self.mlp_ratio
         block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
-        return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size + self.vocab_size
+        head = self.vocab_size if self.tie_embeddings else d * self.vocab_size + self.vocab_size  # bias (+ weight)
+        return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + head
 
 
 class CausalSelfAttention(nn.Module):
@@ -120,10 +129,13 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight  # [V, D] both: one Parameter, two names
         self._init_weights()
 
     def _init_weights(self) -> None:
         # GPT-2 style: N(0, 0.02), residual projections scaled down by depth so deep stacks start stable.
+        # named_parameters() yields a tied weight once, under its first name (tok_emb.weight).
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "out.weight")) else 0.02

@@ -4,6 +4,8 @@ Every unit's fp32 master is assembled whole (a replicated unit's is already whol
 is all-gathered by the caller's ``gather``), split into parameters by the unit's layout and cast
 to each parameter's original dtype. Frozen parameters come back unrounded (the originals the
 engine kept when the compute-dtype cast rounds), buffers as they are. Everything lands on the CPU.
+A tied parameter comes back under each of its names (separate tensors with equal values, as
+``load_state_dict`` into the unwrapped, tied model expects).
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ def consolidated_state_dict(units: Sequence[FlatUnit],
         full = m if u.kind == "replicated" else gather(u, m)  # [padded]
         for name, t in u.unflatten(full).items():
             full_params[name] = t.to(dtype=param_dtypes[name], device="cpu").clone()
+    # a tied parameter appears in state_dict under each of its names; the units and frozen_originals
+    # know it by its first name in named_parameters(), so look every name up by the tensor's identity
+    first = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict(keep_vars=True).items():
+        name = first.get(id(v), k)
         if k in full_params:
             out[k] = full_params[k]
-        elif k in frozen_originals:  # a frozen parameter in its original dtype, not the compute copy
-            out[k] = frozen_originals[k].detach().to("cpu").clone()
+        elif name in full_params:
+            out[k] = full_params[name].clone()  # an alias not recorded in the layout: the same values
+        elif name in frozen_originals:  # a frozen parameter in its original dtype, not the compute copy
+            out[k] = frozen_originals[name].detach().to("cpu").clone()
         else:
             out[k] = v.detach().to("cpu").clone()
     return out

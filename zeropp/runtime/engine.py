@@ -47,7 +47,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,8 @@ from . import memory as mem
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, ParamStore, make_optimizer
 from .optimizer import KERNELS
-from .partition import FlatUnit, build_units
+from .batch import LossFn, call_model, loss_of
+from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 
@@ -112,19 +113,36 @@ class ZeroEngine:
     kernel of an offloaded optimizer (``fused``, ``foreach`` or ``single``; see ``offload.py``:
     ``single`` is bit-identical to the in-memory step, ``fused`` is the fast default).
 
+    Any ``nn.Module``: ``blocks`` chooses the blocks (the stage-3 gather units and the stage-2/3
+    reduction units), like FSDP's auto-wrap policy: ``None`` (``model.blocks`` if it is a
+    ``ModuleList``, else the longest ``ModuleList``), a module class or a list of them, or
+    ``callable(qualified_name, module) -> bool``; the outermost matches, in registration order
+    (which should be the forward order). A policy that matches nothing is a ``ValueError`` on
+    every rank, before any collective. Everything outside the blocks is the root unit, and so is a
+    parameter registered in two units (a tied weight: one shard, one gradient, counted once).
+    A micro-batch is passed to the model as ``model(**mb)`` (a dict), ``model(*mb)`` (a tuple,
+    e.g. the GPT's ``(idx, targets)``) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when
+    given, else taken from the output (``zeropp.runtime.batch``).
+
     ``activation_checkpointing=True`` recomputes each block's activations in backward (the
-    engine's blocks: the modules of the model's block ``ModuleList`` that hold trainable
-    parameters); a model without blocks is refused with a ``ValueError`` at construction.
+    engine's blocks that hold trainable parameters); a model without blocks is refused with a
+    ``ValueError`` at construction.
     """
 
     def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,
                  optimizer: OptimizerConfig | None = None, topology: Topology | None = None,
-                 activation_checkpointing: bool = False, cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
+                 activation_checkpointing: bool = False, blocks: BlockPolicy = None,
+                 loss_fn: LossFn | None = None, cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
         if cpu_adam not in KERNELS:
             raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass callable(output, micro_batch) -> loss or None")
+        block_modules = find_blocks(model, blocks)  # a bad policy fails here, alike on every rank, before any collective
+        self.loss_fn = loss_fn
+        """``loss_fn(output, micro_batch) -> loss`` given at construction, or None (loss from the output)."""
         if not dist.is_initialized():
             raise RuntimeError("ZeroEngine needs torch.distributed initialised (dist.init_process_group) on every rank")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -140,8 +158,9 @@ class ZeroEngine:
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.comm = EngineComm(topo, self.comm_stats, self.device)
-        self.param_dtypes: dict[str, torch.dtype] = {n: p.dtype for n, p in model.named_parameters()}
-        """Parameter name -> dtype in the unwrapped model (what ``consolidated_state_dict`` returns)."""
+        self.param_dtypes: dict[str, torch.dtype] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+        """Parameter name (every name of a tied one) -> dtype in the unwrapped model (what
+        ``consolidated_state_dict`` returns)."""
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
         # Frozen parameters are not trained or sharded: rank 0's values are broadcast (ranks start
@@ -158,7 +177,7 @@ class ZeroEngine:
                 p.data = data.to(self.dtype)
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
-            persistence_threshold=cfg.persistence_threshold)
+            persistence_threshold=cfg.persistence_threshold, block_modules=block_modules)
         self.swap = SwapSpace(cfg.nvme_path, rank, buffers=cfg.swap_buffers, buffer_size=cfg.swap_buffer_size,
                               pin=self.device.type == "cuda") if cfg.nvme_path is not None else None
         """The nvme tier's swap files and staging buffers (``swap.py``), or None."""
@@ -209,6 +228,7 @@ class ZeroEngine:
         self._reduce_order = [u for u in order if self._reduces_when_ready(u)]
         self._reduce_pos = {id(u): k for k, u in enumerate(self._reduce_order)}
         self._next_reduce = 0
+        self._late: list[str] = []  # gradients that arrived after their unit was sent (see _check_late_grads)
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
         self._last_memory: dict[str, int] | None = None
@@ -225,8 +245,14 @@ class ZeroEngine:
         self._closed = False
 
     # ------------------------------------------------------------------ public API
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """Forward/backward every ``(idx, targets)`` micro-batch, then clip and step. Collective."""
+    def train_step(self, micro_batches: Sequence[Any]) -> StepResult:
+        """Forward/backward every micro-batch, then clip and step. Collective.
+
+        A micro-batch is whatever the model takes: a dict (``model(**mb)``), a tuple (``model(*mb)``,
+        e.g. ``(idx, targets)``) or one object (``model(mb)``); the loss is ``loss_fn(output, mb)``
+        or found in the output (``zeropp.runtime.batch.loss_of``). At stage 3 an error in one rank's
+        forward (or loss) is raised on every rank, after one small all-reduce, instead of leaving
+        the other ranks waiting in the next collective."""
         self._check_open()
         a = self.cfg.grad_accum_steps
         if len(micro_batches) != a:
@@ -235,22 +261,31 @@ class ZeroEngine:
         self.comm.reset_wait()
         scale = self.scaler.scale
         loss_sum = 0.0
-        for j, (idx, targets) in enumerate(micro_batches):
+        self._late.clear()
+        for j, mb in enumerate(micro_batches):
             for u in self.units:
                 u.grads_ready, u.reduced = 0, False
                 u.extra["ready"] = False
             self._next_reduce = 0
-            with self.activations.saving():
-                _, loss = self.model(idx, targets)
+            loss, error = None, None
+            try:
+                with self.activations.saving():
+                    loss = loss_of(call_model(self.model, mb), mb, self.loss_fn)
+            except Exception as exc:  # noqa: BLE001 - at stage 3 reported to every rank by check_forward
+                if self.stage3 is None:
+                    raise
+                error = exc
             if self.stage3 is not None:
-                self.stage3.check_forward()  # same blocks ran on every rank, else a clear error everywhere
-            if loss is None:
-                raise ValueError("the model returned no loss; call it with targets")
+                # same blocks ran on every rank and no rank failed, else one clear error everywhere
+                self.stage3.check_forward(error)
             if j == a - 1:
                 self._record_phase("forward")  # activations saved for backward are alive now
+            if self.stage3 is not None:
+                self.stage3.before_backward()  # the root, whatever form the output and the loss take
             loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
+        self._check_late_grads()
         grads = self._final_grads()
         res = self._step(grads, loss_sum / a)
         self._record_phase("step")
@@ -258,13 +293,28 @@ class ZeroEngine:
         return res
 
     @torch.no_grad()
-    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        """Loss on a batch without gradients, averaged over ranks. Collective (stage 3 gathers)."""
+    def eval_loss(self, *batch: Any) -> float:
+        """Loss on a batch without gradients, averaged over ranks. Collective (stage 3 gathers).
+
+        ``eval_loss(idx, targets)`` calls ``model(idx, targets)`` as before; one argument is a
+        micro-batch as in :meth:`train_step` (a dict, a tuple or one object)."""
         self._check_open()
-        _, loss = self.model(idx, targets)
+        if not batch:
+            raise TypeError("eval_loss needs a batch: eval_loss(micro_batch) or eval_loss(*model_args)")
+        mb = batch[0] if len(batch) == 1 else tuple(batch)
+        loss, error = 0.0, None
+        try:
+            loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
+        except Exception as exc:  # noqa: BLE001 - at stage 3 reported to every rank by check_forward
+            if self.stage3 is None:
+                raise
+            error = exc
         if self.stage3 is not None:
-            self.stage3.release_all()
-        return self.comm.sum_scalars([float(loss)])[0] / self.world_size
+            try:
+                self.stage3.check_forward(error)  # as in training: one rank's error raised on every rank
+            finally:
+                self.stage3.release_all()
+        return self.comm.sum_scalars([loss])[0] / self.world_size
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
@@ -370,17 +420,44 @@ class ZeroEngine:
 
     def _grad_hook(self, u: FlatUnit):
         def hook(p: torch.Tensor) -> None:
-            if u.reduced:
-                name = u.param_name(p)
-                raise RuntimeError(
-                    f"the gradient of {name} ({u.name}) arrived after {u.name}'s gradient was sent: at stage 3 a "
-                    f"block's parameters must get their gradients before the backward of the block before it "
-                    f"starts (do not use a block's parameters in another block)")
+            if u.reduced:  # recorded, not raised here: raising on this rank only would hang the others
+                self._late.append(f"{u.param_name(p)} ({u.name})")
+                return
             u.grads_ready += 1
             if u.grads_ready == len(u.slots):
                 u.extra["ready"] = True
                 self._issue_ready()
         return hook
+
+    def _check_late_grads(self) -> None:
+        """Stages 2-3, after the last backward: one small all-reduce tells every rank whether any
+        rank got a gradient after its unit's reduce-scatter was sent (stage 3: a block's parameter
+        used in another block's backward, or blocks running in forward in another order than the
+        policy lists them). Such a gradient would be lost, so every rank raises the same error
+        before the optimizer step; the collectives up to here were the same on every rank."""
+        if not self._reduce_order:
+            return
+        late = torch.tensor([len(self._late)], dtype=torch.int32, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(late)
+        if float(late) == 0:
+            return
+        found: list = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(found, sorted(set(self._late)))
+        else:
+            found[0] = sorted(set(self._late))
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            if u.grad_shard is not None:
+                u.grad_shard.zero_()
+        what = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(found) if names)
+        raise RuntimeError(
+            f"gradients arrived after their unit's gradient was sent ({what}); no step was taken. At stage "
+            f"{self.cfg.stage} a block's parameters must get all their gradient during that block's backward: do not "
+            f"use one block's parameters inside another block (register a shared parameter in both: it is then kept "
+            f"in the root unit), and run the blocks in forward in the order the block policy lists them")
 
     def _issue_ready(self) -> None:
         """Send the ready units that are next in the fixed order (the same order on every rank)."""

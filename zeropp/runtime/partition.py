@@ -10,18 +10,35 @@ Parameters are never copied into the module by value: ``bind`` points each ``p.d
 view of the flat buffer and ``release`` points it at an empty tensor, so the module code runs
 unchanged and autograd still sees the same ``Parameter`` objects (whose saved references are
 re-populated before backward by re-binding).
+
+Blocks are chosen by a *policy* (:func:`find_blocks`), like FSDP's auto-wrap policy: module classes
+or a ``callable(name, module) -> bool``; the outermost matching modules become the blocks.
+
+Shared (tied) parameters: one ``Parameter`` registered under several names (GPT-2's token embedding
+and output head) gets one slot, under its first name in ``named_parameters()`` with the other
+names as :attr:`Slot.aliases`, so it has one shard, one gradient (autograd sums every use into
+``p.grad`` once) and one optimizer state. A parameter registered in two units (two blocks, or a
+block and a module outside every block) is placed in the root unit: at stage 3 the root is
+gathered for the whole forward and the whole backward, so every use finds it present, and its
+gradient is reduced after the last use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
 
 
 KINDS = ("replicated", "sharded_opt", "sharded")
+
+BlockPolicy = Union[None, type, Sequence[type], Callable[[str, nn.Module], bool]]
+"""How the blocks (stage-3 gather units, stage-2/3 reduction units) are chosen: ``None`` (the
+default rule: ``model.blocks`` if it is a ``ModuleList``, else the longest ``ModuleList``), a module
+class or a list of them (every instance), or ``callable(qualified_name, module) -> bool``."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,9 @@ class Slot:
     """First element of the parameter in the flat buffer."""
     numel: int
     """Elements of the parameter."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same ``Parameter`` in the unwrapped model (tied weights), e.g.
+    ``("head.weight",)`` for the GPT's ``tok_emb.weight``; they share this slot's values."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,14 +96,16 @@ class UnitLayout:
             off += s.numel
 
     @classmethod
-    def pack(cls, name: str, params: list[tuple[str, tuple[int, ...]]], *, kind: str, num_shards: int) -> "UnitLayout":
-        """Lay ``(name, shape)`` parameters out back to back."""
+    def pack(cls, name: str, params: list[tuple[str, tuple[int, ...]]], *, kind: str, num_shards: int,
+             aliases: dict[str, Sequence[str]] | None = None) -> "UnitLayout":
+        """Lay ``(name, shape)`` parameters out back to back; ``aliases``: name -> its other names."""
         slots, off = [], 0
+        aliases = aliases or {}
         for n, shape in params:
             numel = 1
             for d in shape:
                 numel *= d
-            slots.append(Slot(n, tuple(shape), off, numel))
+            slots.append(Slot(n, tuple(shape), off, numel, tuple(aliases.get(n, ()))))
             off += numel
         return cls(name=name, kind=kind, slots=tuple(slots), num_shards=num_shards)
 
@@ -118,11 +140,13 @@ class UnitLayout:
     def to_dict(self) -> dict:
         """JSON-ready description (checkpoint metadata)."""
         return {"name": self.name, "kind": self.kind, "num_shards": self.num_shards,
-                "params": [[s.name, list(s.shape)] for s in self.slots]}
+                "params": [[s.name, list(s.shape)] for s in self.slots],
+                "aliases": {s.name: list(s.aliases) for s in self.slots if s.aliases}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitLayout":
-        return cls.pack(d["name"], [(n, tuple(sh)) for n, sh in d["params"]], kind=d["kind"], num_shards=d["num_shards"])
+        return cls.pack(d["name"], [(n, tuple(sh)) for n, sh in d["params"]], kind=d["kind"], num_shards=d["num_shards"],
+                        aliases=d.get("aliases"))
 
 
 @dataclass(eq=False)
@@ -148,11 +172,12 @@ class FlatUnit:
 
     @classmethod
     def build(cls, name: str, named: list[tuple[str, nn.Parameter]], *, kind: str, num_shards: int,
-              shard_rank: int, dtype: torch.dtype) -> "FlatUnit":
+              shard_rank: int, dtype: torch.dtype, aliases: dict[str, Sequence[str]] | None = None) -> "FlatUnit":
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"unit {name!r} has parameters on several devices {devices}; move the model to one device")
-        layout = UnitLayout.pack(name, [(n, tuple(p.shape)) for n, p in named], kind=kind, num_shards=num_shards)
+        layout = UnitLayout.pack(name, [(n, tuple(p.shape)) for n, p in named], kind=kind, num_shards=num_shards,
+                                 aliases=aliases)
         return cls(layout=layout, params=[p for _, p in named], shard_rank=shard_rank, dtype=dtype, device=devices.pop())
 
     # the layout's facts, for brevity at the call sites
@@ -235,37 +260,114 @@ class FlatUnit:
 
 
 def unflatten(layout: UnitLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Split a flat buffer (``[numel]`` or longer) of ``layout`` into its parameters (views)."""
-    return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in layout.slots}
+    """Split a flat buffer (``[numel]`` or longer) of ``layout`` into its parameters (views), each
+    under its name and its aliases (a tied weight appears under every name, as in ``state_dict``)."""
+    out = {}
+    for s in layout.slots:
+        v = flat[s.offset : s.offset + s.numel].view(s.shape)
+        for n in (s.name, *s.aliases):
+            out[n] = v
+    return out
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The per-block units: ``model.blocks`` if it is a ``ModuleList``, else the longest ModuleList."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return list(blocks)
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+def _describe(policy: BlockPolicy) -> str:
+    if isinstance(policy, type):
+        return policy.__name__
+    if callable(policy):
+        return getattr(policy, "__qualname__", None) or repr(policy)
+    return "[" + ", ".join(getattr(c, "__name__", repr(c)) for c in policy) + "]"
+
+
+def _matcher(policy: BlockPolicy) -> Callable[[str, nn.Module], bool]:
+    """The policy as ``(name, module) -> bool``; a malformed policy is a ``TypeError`` naming it."""
+    if isinstance(policy, type):
+        policy = (policy,)
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        classes = tuple(policy)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad or not classes:
+            raise TypeError(f"blocks={_describe(policy)}: a block policy list must hold nn.Module subclasses "
+                            f"(not {bad or 'nothing'}); or pass callable(name, module) -> bool, or None")
+        return lambda name, m: isinstance(m, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"blocks={policy!r}: use None, a module class, a list of module classes, or "
+                    f"callable(name, module) -> bool")
+
+
+def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
+    """The per-block units, in registration order (assumed to be forward order).
+
+    ``policy=None``: ``model.blocks`` if it is a ``ModuleList``, else the longest ModuleList (no
+    blocks if there is none: everything is the root). Otherwise, like FSDP's auto-wrap policy, the
+    submodules (the model itself excluded) that the policy matches, outermost only: a match inside
+    another match belongs to the outer block. A policy that matches nothing is a ``ValueError``
+    naming it; it depends only on the model's structure, so every rank raises it alike.
+    """
+    if policy is None:
+        blocks = getattr(model, "blocks", None)
+        if isinstance(blocks, nn.ModuleList):
+            return list(blocks)
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        return list(max(lists, key=len)) if lists else []
+    match = _matcher(policy)
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if not name or any(name.startswith(outer + ".") for outer, _ in found):
+            continue  # the model itself, or inside a block already chosen
+        if match(name, m):
+            found.append((name, m))
+    if not found:
+        raise ValueError(f"the block policy blocks={_describe(policy)} matches no submodule of "
+                         f"{type(model).__name__}; pass the class of its repeated layers (e.g. the transformer "
+                         f"block), a callable(name, module) -> bool that selects them, or blocks=None")
+    return [m for _, m in found]
 
 
 def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dtype: torch.dtype,
-                persistence_threshold: int = 0
+                persistence_threshold: int = 0, policy: BlockPolicy = None,
+                block_modules: Sequence[nn.Module] | None = None
                 ) -> tuple[list[FlatUnit], list[tuple[nn.Module, FlatUnit]], FlatUnit | None, FlatUnit | None]:
     """Partition ``model``'s parameters into units.
 
     Returns ``(all_units, blocks, root_unit, persistent_unit)``; ``blocks`` pairs each block
-    module (that has parameters to shard) with its unit, in forward order. Shared parameters (one tensor under two names) are rejected: they would be
-    reduced twice.
+    module (that has parameters to shard) with its unit, in forward order. The blocks are
+    ``block_modules`` when given, else ``find_blocks(model, policy)``. A parameter registered under
+    several names gets one slot (the other names are its aliases); one registered in two units
+    (two blocks, or a block and a module outside the blocks) goes to the root unit.
     """
     kind = {0: "replicated", 1: "sharded_opt", 2: "sharded_opt", 3: "sharded"}[stage]
     shards = 1 if kind == "replicated" else world_size
     srank = 0 if kind == "replicated" else rank
-    seen: dict[int, str] = {}
+    block_list: list[nn.Module] = []
+    for b in (block_modules if block_modules is not None else find_blocks(model, policy)):
+        if all(b is not c for c in block_list):  # a module listed twice (e.g. reused in a ModuleList) is one block
+            block_list.append(b)
+    index_of = {id(b): i for i, b in enumerate(block_list)}
+    # every qualified name of every block module (a module registered twice has two)
+    block_index = {n: index_of[id(m)] for n, m in model.named_modules(remove_duplicate=False) if id(m) in index_of}
+    ROOT = -1
+
+    def owner(param_name: str) -> int:
+        parts = param_name.split(".")[:-1]
+        for k in range(1, len(parts) + 1):  # outermost prefix first
+            i = block_index.get(".".join(parts[:k]))
+            if i is not None:
+                return i
+        return ROOT
+
+    names: dict[int, str] = {}  # id -> first (canonical) name
+    aliases: dict[str, list[str]] = {}
+    owners: dict[int, set[int]] = {}
+    order: list[nn.Parameter] = []
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ValueError(f"parameters {seen[id(p)]!r} and {name!r} are the same tensor; untie them before wrapping")
-        seen[id(p)] = name
-    names = {id(p): n for n, p in model.named_parameters()}
+        if id(p) in names:
+            aliases[names[id(p)]].append(name)
+        else:
+            names[id(p)], aliases[name] = name, []
+            order.append(p)
+        owners.setdefault(id(p), set()).add(owner(name))
+    home = {id(p): (ROOT if len(owners[id(p)]) > 1 else next(iter(owners[id(p)]))) for p in order}
     persistent: list[tuple[str, nn.Parameter]] = []
 
     def keep(p: nn.Parameter) -> bool:
@@ -276,16 +378,18 @@ def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dty
             return False
         return True
 
+    def unit(name: str, ps: list[nn.Parameter], k: str, n: int, r: int) -> FlatUnit:
+        named = [(names[id(p)], p) for p in ps]
+        return FlatUnit.build(name, named, kind=k, num_shards=n, shard_rank=r, dtype=dtype,
+                              aliases={nm: aliases[nm] for nm, _ in named if aliases[nm]})
+
     blocks: list[tuple[nn.Module, FlatUnit]] = []
-    in_block: set[int] = set()
-    for i, blk in enumerate(find_blocks(model)):
-        named = [(names[id(p)], p) for p in blk.parameters()]
-        in_block.update(id(p) for _, p in named)
-        named = [(n, p) for n, p in named if keep(p)]
-        if named:
-            blocks.append((blk, FlatUnit.build(f"block{i}", named, kind=kind, num_shards=shards, shard_rank=srank, dtype=dtype)))
-    root_named = [(n, p) for n, p in model.named_parameters() if id(p) not in in_block and keep(p)]
-    root = FlatUnit.build("root", root_named, kind=kind, num_shards=shards, shard_rank=srank, dtype=dtype) if root_named else None
-    pers = FlatUnit.build("persistent", persistent, kind="replicated", num_shards=1, shard_rank=0, dtype=dtype) if persistent else None
+    for i, blk in enumerate(block_list):
+        ps = [p for p in order if home[id(p)] == i and keep(p)]
+        if ps:
+            blocks.append((blk, unit(f"block{i}", ps, kind, shards, srank)))
+    root_ps = [p for p in order if home[id(p)] == ROOT and keep(p)]
+    root = unit("root", root_ps, kind, shards, srank) if root_ps else None
+    pers = unit("persistent", [p for _, p in persistent], "replicated", 1, 0) if persistent else None
     units = ([root] if root else []) + [u for _, u in blocks] + ([pers] if pers else [])
     return units, blocks, root, pers

@@ -34,9 +34,17 @@ Blocks a rank skips: the forward gathers are issued in block order whatever the 
 block's pre-hook first issues the gathers of any earlier block not gathered yet in this forward,
 and the end of forward those of the blocks after the last one run), so every rank issues the
 same gathers. In training, :meth:`Stage3Hooks.check_forward` then compares, with one small
-all-reduce, which blocks ran on each rank; if a block ran on some ranks but not others, every
-rank raises a ``RuntimeError`` naming the block and the ranks before any backward collective
-(whose order would otherwise differ between the ranks and hang or mix up buffers).
+all-reduce, which blocks ran on each rank, how often and in which order, and whether the forward
+(or the loss) raised on some rank; if the ranks differ, every rank raises the same
+``RuntimeError`` naming the blocks (or the failing ranks and their errors) before any backward
+collective (whose order would otherwise differ between the ranks and hang or mix up buffers). A
+rank whose forward raised first issues the forward gathers the others issued, so the all-reduce
+pairs up. The usual cause of such an error is a block using a parameter registered in another
+block: only the running block's (and the root's) parameters are present, the others are empty.
+
+Outputs: a block's (and the model's) output may be any nest of tuples, lists, dicts and
+dataclass-like containers that ``torch.utils._pytree`` can flatten; every tensor in it that
+requires grad goes through one :class:`_PreBackward`.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .buffers import BufferPool
@@ -91,7 +100,13 @@ class Stage3Hooks:
         self.pool = pool if pool is not None else BufferPool(dtype, device)
         """Where gather buffers come from and go back to (the engine's constant pool)."""
         self.depth = config.prefetch_depth
-        self.ran = [False] * len(self.units)  # blocks whose forward ran in the current forward
+        self.ran = [0] * len(self.units)  # per block: how many times its forward ran in the current forward
+        self.first = [-1] * len(self.units)  # per block: its place in the current forward's run order
+        self._runs = 0  # block forwards run so far in the current forward
+        self._last = -1  # the block that ran last in the current forward
+        self.disorder: str | None = None  # the first block that ran after a later one, in the current forward
+        self.current: int | None = None  # the block whose forward is running
+        self._started = False  # the current training forward reached the model's pre-hook
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
         m = model
         self.handles = [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
@@ -142,6 +157,7 @@ class Stage3Hooks:
             self.pool.give_back(flat)
 
     def release_all(self) -> None:
+        self._started = False  # (a forward that reaches release_all is over)
         for u in self.all_units:
             if u.kind == "sharded":
                 self.release(u)
@@ -162,21 +178,74 @@ class Stage3Hooks:
             self.gather(self.units[j], backward=False)
         self._next_fwd = max(self._next_fwd, end)
 
-    def check_forward(self) -> None:
-        """Collective (training only): raise on every rank unless every rank ran the same blocks."""
+    def _abort_forward(self) -> None:
+        """This rank's forward raised: issue the forward gathers the other ranks issued (the root's,
+        then every block's, in block order, as a completed forward does), so collectives pair up."""
+        if not self._started:  # raised before the model's pre-hook: nothing was issued this forward
+            self._root_pre(None, ())
+        self._catch_up(len(self.units))
+
+    def check_forward(self, error: BaseException | None = None) -> None:
+        """Collective (training only): raise on every rank unless every rank ran the same blocks,
+        as often and in the same order, and no rank's forward raised (``error``: this rank's)."""
+        if error is not None:
+            self._abort_forward()
+        self._started = False
+        world = self.comm.world_size
+        if world == 1 and error is not None:  # nobody to tell: the model's own error, as without the engine
+            self.current = None
+            self.release_all()
+            raise error
         n = len(self.units)
-        if n == 0 or self.comm.world_size == 1:
-            return
-        ran = torch.tensor([int(x) for x in self.ran], dtype=torch.int32, device=self.device)
-        dist.all_reduce(ran)  # per block: how many ranks ran it
-        bad = [i for i, c in enumerate(ran.tolist()) if c not in (0, self.comm.world_size)]
-        if not bad:
-            return
-        runs: list = [None] * self.comm.world_size
-        dist.all_gather_object(runs, list(self.ran))
+        vec = [*self.ran, *self.first, int(self.disorder is not None), int(error is not None)]
+        hi = lo = vec
+        if world > 1:
+            t = torch.tensor(vec + [-v for v in vec], dtype=torch.int32, device=self.device)  # [2 * (2n + 2)]
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per entry: max over ranks, and -min
+            hi, lo = t[: len(vec)].tolist(), [-v for v in t[len(vec):].tolist()]
+        if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
+            return  # the policy's order, and no rank failed
+        msg = None
+        if error is not None:
+            where = f" inside {self.units[self.current].name}" if self.current is not None else ""
+            msg = f"{type(error).__name__}{where}: {error}"
+        mine = (list(self.ran), list(self.first), msg, self.disorder)
+        runs: list = [mine] * world
+        if world > 1:
+            dist.all_gather_object(runs, mine)
+        self.current = None
         self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
-        what = "; ".join(f"{self.units[i].name} ran on ranks {[r for r in range(len(runs)) if runs[r][i]]} but not on "
-                         f"{[r for r in range(len(runs)) if not runs[r][i]]}" for i in bad)
+        failed = {r: m for r, (_, _, m, _) in enumerate(runs) if m is not None}
+        if failed:
+            what = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+            exc = RuntimeError(
+                f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank runs backward: {what}. "
+                f"At stage 3 only the running block's own parameters and the root's are present (the other blocks' "
+                f"are empty tensors): a parameter registered in one block and used inside another fails like this; "
+                f"register it in the block that uses it (a parameter registered in two blocks is kept whole in the "
+                f"root unit)")
+            raise exc from error
+        bad = [i for i in range(n) if hi[i] != lo[i] and lo[i] == 0]
+        if not bad and hi[: 2 * n] == lo[: 2 * n]:  # the same everywhere, but not in the policy's order
+            what = "; ".join(f"rank {r}: {d}" for r, (_, _, _, d) in enumerate(runs) if d is not None)
+            raise RuntimeError(
+                f"ZeRO stage 3 needs the blocks to run in forward in the order the block policy lists them "
+                f"(registration order: {', '.join(u.name for u in self.units)}; a block may run again right after "
+                f"itself): {what}. "
+                f"The gradient of a block run out of order would arrive after its unit was reduced. Register the "
+                f"blocks in forward order, choose other blocks (ZeroEngine(blocks=...)), or use stage 2")
+        if not bad:
+            what = "; ".join(
+                f"{self.units[i].name} ran {sorted({runs[r][0][i] for r in range(world)})} times at places "
+                f"{[runs[r][1][i] for r in range(world)]} on ranks {list(range(world))}"
+                for i in range(n) if hi[i] != lo[i] or hi[n + i] != lo[n + i])
+            raise RuntimeError(
+                f"ZeRO stage 3 needs every rank to run the same blocks, as often and in the same order, in each "
+                f"forward: {what}. Their gradient reduce-scatters and backward gathers would be issued in different "
+                f"orders on different ranks. Make the forward's block order independent of the rank's data, or use "
+                f"stage 2")
+        what = "; ".join(f"{self.units[i].name} ran on ranks {[r for r in range(len(runs)) if runs[r][0][i]]} but not on "
+                         f"{[r for r in range(len(runs)) if not runs[r][0][i]]}" for i in bad)
         raise RuntimeError(
             f"ZeRO stage 3 needs every rank to run the same blocks in each forward: {what}. Their gradient "
             f"reduce-scatters and backward gathers would be issued in different orders on different ranks. Make "
@@ -184,8 +253,11 @@ class Stage3Hooks:
             f"skipping it), freeze the parameters of blocks that may be skipped (requires_grad=False), or use "
             f"stage 2, which handles rank-dependent unused parameters")
 
-    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self.ran = [False] * len(self.units)
+    def _root_pre(self, module: torch.nn.Module | None, args: Any) -> None:
+        self.ran = [0] * len(self.units)
+        self.first = [-1] * len(self.units)
+        self._runs, self.current, self._started = 0, None, True
+        self._last, self.disorder = -1, None
         self._next_fwd = 0
         if self.root is not None:
             self.ensure_ready(self.root, backward=False)
@@ -198,13 +270,22 @@ class Stage3Hooks:
         return self._post(ROOT, module, args, output)
 
     def _pre(self, i: int, module: torch.nn.Module, args: Any) -> None:
-        self.ran[i] = True
+        if not self.ran[i]:
+            self.first[i] = self._runs
+        self.ran[i] += 1
+        self._runs += 1
+        if i < self._last and self.disorder is None:
+            self.disorder = f"{self.units[i].name} ran after {self.units[self._last].name}"
+        self._last = i
+        self.current = i
         self._catch_up(i)
         self.ensure_ready(self.units[i], backward=False)
         self._next_fwd = max(self._next_fwd, i + 1)
         self._prefetch(range(i + 1, i + 1 + self.depth), backward=False)
 
     def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if i != ROOT:
+            self.current = None
         u = self._unit(i)
         grad = torch.is_grad_enabled()
         if grad and self.cfg.hpz and u.secondary is None:
@@ -215,16 +296,26 @@ class Stage3Hooks:
             return output
         if isinstance(output, torch.Tensor):
             return _PreBackward.apply(self, i, output)[0] if output.requires_grad else output
-        if isinstance(output, tuple):
-            idx = [k for k, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not idx:
-                return output
-            wrapped = _PreBackward.apply(self, i, *(output[k] for k in idx))
-            out = list(output)
-            for k, t in zip(idx, wrapped):
-                out[k] = t
-            return type(output)(out) if type(output) is tuple else output.__class__(*out)
-        raise TypeError(f"stage 3 supports blocks returning a tensor or a tuple of tensors, got {type(output).__name__}")
+        leaves, spec = pytree.tree_flatten(output)
+        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            if i != ROOT and output is not None and not any(isinstance(t, torch.Tensor) for t in leaves):
+                raise TypeError(
+                    f"stage 3 must see the tensors a block returns to re-gather it for backward, but "
+                    f"{self.units[i].name} returned a {type(output).__name__}, which torch.utils._pytree cannot "
+                    f"flatten; return tensors in tuples, lists, dicts or a registered pytree node")
+            return output  # the root: the engine gathers it before backward (before_backward)
+        wrapped = _PreBackward.apply(self, i, *(leaves[k] for k in idx))
+        for k, t in zip(idx, wrapped):
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, spec)
+
+    def before_backward(self) -> None:
+        """Training, just before ``loss.backward()``: gather the root (and prefetch the last blocks),
+        as the model output's :class:`_PreBackward` would; needed when the loss does not flow through
+        an output tensor the forward hook could wrap. Idempotent with that hook."""
+        if self.root is not None:
+            self.pre_backward(ROOT)
 
     def pre_backward(self, i: int) -> None:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
