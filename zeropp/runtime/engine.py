@@ -18,7 +18,9 @@ Life of a step (``grad_accum_steps`` micro-batches):
    let autograd accumulate full gradients locally and reduce once after the last micro-step
    (all-reduce at stage 0, reduce-scatter at stage 1), which is what their memory budget allows.
 2. gradients -> fp32 (unscaled for fp16), global norm over all shards (one scalar all-reduce,
-   shared with the loss), skip on overflow, clip, AdamW on the fp32 master shards.
+   shared with the loss), skip on overflow, clip, AdamW on the fp32 master shards. With
+   ``offload_optimizer=cpu`` each unit's final gradient is copied to its host buffer as soon as
+   it is reduced (``HostAdamW.land_grad``) and all of this runs on those host buffers.
 3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
    (stages 1 and 2); hpZ secondary copies are dropped because they are now stale.
 
@@ -65,7 +67,7 @@ from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
 from . import memory as mem
 from .memory import measure_memory
-from .offload import DEFAULT_CPU_KERNEL, ParamStore, make_optimizer
+from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .batch import LossFn, call_model, loss_of
 from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
@@ -207,6 +209,10 @@ class ZeroEngine:
                                     masters_are_params=alias, cpu_adam=cpu_adam)
         """fp32 masters and Adam moments (``optimizer.py`` / ``offload.py``; ``memory_by_tier()``)."""
         del masters
+        self._land = self.optim.land_grad if isinstance(self.optim, HostAdamW) else None
+        """offload_optimizer=cpu: ``land_grad(i, grad)``, each unit's final gradient to the host as soon as it is reduced."""
+        self._unit_index = {id(u): i for i, u in enumerate(self.units)}
+        self._last_micro = False  # in the last micro-step's backward: reductions finishing now are final
         # ZeRO-R (activations.py, buffers.py): checkpointing, where saved activations live, the buffer pool
         self.checkpointing = checkpoint_blocks([blk for blk, _ in self.blocks]) if activation_checkpointing else None
         """Activation checkpointing of the engine's blocks (``activations.BlockCheckpointing``) or None."""
@@ -283,6 +289,7 @@ class ZeroEngine:
             if self.stage3 is not None:
                 self.stage3.before_backward()  # the root, whatever form the output and the loss take
             loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
+            self._last_micro = j == a - 1
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
         self._check_late_grads()
@@ -502,6 +509,8 @@ class ZeroEngine:
         """Wait for one reduce-scatter, add it into ``u``'s gradient shard, return its buffers to the pool."""
         work.wait()
         u.grad_shard.add_(out)
+        if self._land is not None and self._last_micro:  # final: to the host now, overlapping backward
+            self._land(self._unit_index[id(u)], u.grad_shard)
         self.buffers.give_back(out)
         self.buffers.give_back(u.extra.pop("rs_input", None))
 
@@ -523,7 +532,7 @@ class ZeroEngine:
     def _final_grads(self) -> list[torch.Tensor]:
         """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
         grads = []
-        for u in self.units:
+        for i, u in enumerate(self.units):
             if self._reduces_when_ready(u):
                 grads.append(u.grad_shard)
                 continue
@@ -538,12 +547,16 @@ class ZeroEngine:
                                          kind="grad_reduce_scatter", async_op=False, **self._qgz())
                 self.buffers.give_back(flat)
                 grads.append(out)
+            if self._land is not None:
+                self._land(i, grads[-1])
         return grads
 
     # ------------------------------------------------------------------ optimizer step
     def _step(self, grads: list[torch.Tensor], local_loss: float) -> StepResult:
         scale = self.scaler.scale
-        g32 = [g.float() if g.dtype != torch.float32 else g.clone() for g in grads]
+        # fp32 gradients: with offload_optimizer=cpu the host buffers they landed in (used in place)
+        g32 = (self.optim.landed_grads() if self._land is not None
+               else [g.float() if g.dtype != torch.float32 else g.clone() for g in grads])
         if scale != 1.0:
             for g in g32:
                 g.div_(scale)

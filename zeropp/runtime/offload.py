@@ -3,11 +3,15 @@
 Optimizer state (``zero.offload_optimizer``):
 
 - ``cpu`` -> :class:`HostAdamW`: fp32 masters and both Adam moments in host memory (pinned when
-  the device is CUDA). Each step the fp32 gradient shards are copied to pinned host buffers
-  (non-blocking, all issued before the first wait, so the copies of later units overlap the
-  wait for earlier ones), the update runs on the CPU, and the engine copies the updated masters
-  back into the compute-dtype parameters (non-blocking from pinned memory: the copy-back
-  overlaps the all-gather / next forward issue).
+  the device is CUDA). Each unit's final gradient lands in its host buffer as soon as the engine
+  has it (:meth:`HostAdamW.land_grad`: stages 2-3 when the last micro-step's reduce-scatter of
+  the unit is added into its shard, during backward; stage 1 and replicated units when the
+  reduction after the last micro-step ends), converted to fp32 by the copy (exact) and, on CUDA,
+  non-blocking into pinned memory on the current stream, so it overlaps the rest of backward.
+  The step then waits once (:meth:`HostAdamW.landed_grads`) and unscales, measures the norm,
+  clips and updates on the host buffers: no fp32 gradient copy is made on the device. The engine
+  copies the updated masters back into the compute-dtype parameters (non-blocking from pinned
+  memory: the copy-back overlaps the all-gather / next forward issue).
 - ``nvme`` -> :class:`SwappedAdamW`: master, m and v live in one preallocated swap file per rank
   (``swap.py``); the step streams them through the staging buffers chunk by chunk (read ahead,
   update, write behind), so host memory stays ``swap_buffers * swap_buffer_size`` fp32 elements.
@@ -71,15 +75,54 @@ class HostAdamW(ShardedAdamW):
         # 16Ψ/N whatever the device, as the formulas (memory.expected_by_tier) say.
         self.grad_host = [_host_zeros(m.numel(), pin) for m in host]
 
+        self._landed = [False] * len(host)  # unit i's gradient of this step is in grad_host[i]
+        self._events: list = []  # CUDA: one event after each landing copy, waited by landed_grads
+
+    @torch.no_grad()
+    def land_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Copy unit ``i``'s final reduced gradient (``[S]``, any float dtype, on the device) into
+        its host buffer, converting to fp32 (exact for fp16/bf16/fp32). On CUDA the copy is queued
+        non-blocking on the current stream, so it is ordered after whatever produced ``grad`` there
+        (the add of the reduce-scatter's result) and overlaps the host; an event marks its end."""
+        dst = self.grad_host[i]
+        if grad.numel() != dst.numel():
+            raise ValueError(f"land_grad: unit {i} gradient has {grad.numel()} elements, its buffer {dst.numel()}")
+        if grad.is_cuda:
+            stream = torch.cuda.current_stream(grad.device)
+            grad.record_stream(stream)  # the source is not reused before the copy has read it
+            dst.copy_(grad, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self._events.append(ev)
+        else:
+            dst.copy_(grad)
+        self._landed[i] = True
+
+    def landed_grads(self) -> list[torch.Tensor]:
+        """The fp32 host gradients of this step (``grad_host``, to be unscaled / clipped in place
+        and passed to :meth:`step`), once every landing copy is complete. Every unit must have
+        landed since the last call (a missing one is an engine bug: its buffer holds an old step)."""
+        missing = [i for i, ok in enumerate(self._landed) if not ok]
+        if missing:
+            raise RuntimeError(f"HostAdamW: the gradients of units {missing} were not landed on the host this step")
+        for ev in self._events:  # in issue order: after the first, the rest are (nearly) done
+            ev.synchronize()
+        self._events.clear()
+        self._landed = [False] * len(self._landed)
+        return self.grad_host
+
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
-        """Copy the fp32 gradient shards to the host (all copies issued, then one wait) and update
-        there, shard by shard (``on_updated(i)`` after each: the engine copies it back meanwhile)."""
-        for dst, g in zip(self.grad_host, grads):
-            dst.copy_(g, non_blocking=g.is_cuda)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        grads = self.grad_host
+        """Update on the host, shard by shard (``on_updated(i)`` after each: the engine copies it
+        back meanwhile). ``grads`` is normally :meth:`landed_grads` (used in place); other fp32
+        shards (e.g. on the device) are first copied into the landing buffers (one wait)."""
+        if any(g is not h for g, h in zip(grads, self.grad_host)):
+            for i, g in enumerate(grads):
+                if g is not self.grad_host[i]:
+                    self.land_grad(i, g)
+                else:
+                    self._landed[i] = True
+            grads = self.landed_grads()
         super().step(grads, on_updated)
 
     def memory_by_tier(self) -> dict[str, int]:
