@@ -74,7 +74,6 @@ class HostAdamW(ShardedAdamW):
         # gradients. Kept on a CPU device too (one memcpy a step) so that the host holds the same
         # 16Ψ/N whatever the device, as the formulas (memory.expected_by_tier) say.
         self.grad_host = [_host_zeros(m.numel(), pin) for m in host]
-
         self._landed = [False] * len(host)  # unit i's gradient of this step is in grad_host[i]
         self._events: list = []  # CUDA: one event after each landing copy, waited by landed_grads
 
@@ -105,7 +104,7 @@ class HostAdamW(ShardedAdamW):
         missing = [i for i, ok in enumerate(self._landed) if not ok]
         if missing:
             raise RuntimeError(f"HostAdamW: the gradients of units {missing} were not landed on the host this step")
-        for ev in self._events:  # in issue order: after the first, the rest are (nearly) done
+        for ev in self._events:  # the single wait before the host math (later events: usually done already)
             ev.synchronize()
         self._events.clear()
         self._landed = [False] * len(self._landed)
