@@ -59,12 +59,12 @@ def test_check_runs_its_grid_and_prints_the_error_per_cell(stubbed, capsys) -> N
     WAIT[0] = 0.05  # every job (shaped or not) waits the same: the hybrid prediction is close
     code = bench_cluster.main(["--check"])
     out = capsys.readouterr().out
-    # the grid: 2 rates x 2 modes, one run each, plus one unshaped reference per mode
+    # the grid: 2 rates x 2 modes, two runs each, plus two unshaped references per mode
     shaped = [j for j in stubbed if "cluster=emulated" in j]
     local = [j for j in stubbed if "cluster=local" in j]
     assert sorted({o for j in shaped for o in j if o.startswith("cluster.inter_gbps=")}) == \
         ["cluster.inter_gbps=0.2", "cluster.inter_gbps=1.0"]
-    assert len(shaped) == 4 and len(local) == 2 and all("train.steps=4" in j for j in stubbed)
+    assert len(shaped) == 8 and len(local) == 4 and all("train.steps=4" in j for j in stubbed)
     assert "Scaling model check" in out and "| 0.2 (0.192) | ZeRO-3 |" in out and "| 1 (0.960) | ZeRO++ |" in out
     lines = [ln for ln in out.splitlines() if ln.startswith("| 0.2 (") or ln.startswith("| 1 (")]
     assert len([ln for ln in lines if ln.count("%") == 2]) == 4  # analytic and hybrid error per cell
@@ -84,6 +84,6 @@ def test_check_fails_when_a_cell_is_off() -> None:
 
 def test_check_keeps_explicit_arguments() -> None:
     a = bench_cluster.parse_args(["--check", "--gbps", "0.5", "--steps", "2"])
-    assert a.gbps == [0.5] and a.steps == 2 and a.rounds == 1 and a.warmup == 1
+    assert a.gbps == [0.5] and a.steps == 2 and a.rounds == 2 and a.warmup == 1
     a = bench_cluster.parse_args(["--check"])
     assert a.gbps == [0.2, 1.0] and a.steps == 3
