@@ -196,8 +196,8 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
         out.append(f"| {r['gbps']:g} ({meas}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
                    f"{r['speedup']:.2f}x | {z3['cross_bytes'] / 1e6:.2f} -> {zp['cross_bytes'] / 1e6:.2f} |")
     out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured "
-            "rate, one uplink per node shared by its ranks; quantization at kernel rates timed here, scaled to the "
-            "ranks' core share):", "",
+            "rate, one uplink per node shared by its ranks, gloo's ring wire; quantization at kernel rates timed here "
+            "in one process per rank at once):", "",
             "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank "
             "| predicted | error |",
             "|---|---|---|---|---|---|---|---|---|"]
