@@ -2,6 +2,7 @@
 
     sudo python -m experiments.bench_cluster                       # 2 nodes x 2 ranks, 0.1,0.5,2 Gbit/s
     python -m experiments.bench_cluster --gbps 0.2,1,5 --steps 6 --json out.json
+    sudo python -m experiments.bench_cluster --check               # the scaling model's error, per cell
 
 Every measurement is one runner job (``experiments.run.run_job``, exactly ``python -m
 experiments.run cluster=emulated cluster.inter_gbps=<g> stage=3 quant=none|zeropp ...``): the
@@ -17,6 +18,14 @@ with the *measured* link rate, and prints the relative error.
 Why these defaults: the "medium" GPT (3.3M parameters, fp32 on the wire) with 2 sequences of 128
 per rank keeps compute short enough on a 2-core CPU that ZeRO-3 is communication-bound at the
 lowest rate, which is the regime ZeRO++ targets; as the rate grows both converge to compute time.
+``--check`` runs a small grid (ZeRO-3 and ZeRO++ at 0.2 and 1 Gbit/s, two alternating runs each,
+plus the same jobs unshaped on ``cluster=local``) and prints, per cell, the measured step time
+against (a) the analytic model (compute = measured step - measured wait; link and intra terms at
+the measured link and loopback rates; quantization at kernel rates timed right after the jobs
+in one process per rank at once) and (b) "measured CPU + modelled link": the unshaped runs'
+wait for everything but the link, overlapped with the model's uplink time; with each error,
+and whether every cell of (b) is within +-15% (exit 1 if not).
+
 Needs root (network namespaces); without it, it says so and exits 2. Run directories go to a
 temporary directory, or under ``--out`` to keep them.
 """
@@ -38,8 +47,11 @@ from .cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
 from .config import ConfigError
 from .launcher import RankFailure
 from .run import run_job
-from .scaling import project, quant_work
-from .scaling_check import comm_wait_s, emulator_cluster, link_gbps, measure_quant_rates, workload_from_summary
+from .scaling import GBPS, project, quant_work
+from .scaling_check import (
+    comm_wait_s, emulator_cluster, link_gbps, measure_loopback_gbps, measure_quant_rates, measure_quant_rates_contended,
+    workload_from_summary,
+)
 
 MODES = {"zero3": "none", "zeropp": "zeropp"}
 """Benchmark mode -> the runner's ``quant=`` recipe (both at stage 3)."""
@@ -56,6 +68,13 @@ def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:
             "stage=3", f"quant={MODES[mode]}", f"train.steps={a.warmup + a.steps}",
             f"train.throughput_skip_steps={a.warmup}", f"train.micro_batch_size={a.micro_batch}", "data=random",
             "logger=none", "launcher.progress=false", "launcher.device=cpu", f"launcher.timeout_s={a.timeout}"]
+
+
+def local_overrides(a: argparse.Namespace, mode: str) -> list[str]:
+    """The same job on ``cluster=local`` (no namespaces, no shaped link): ``--check``'s measure of
+    what the step's communication costs the CPU (kernels, copies, per-message overheads, the
+    ranks' contention) when no link limits it."""
+    return ["cluster=local", *job_overrides(a, 1.0, mode)[3:]]
 
 
 def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -76,26 +95,68 @@ def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
             "run_dirs": [s.get("run_dir") for s in summaries]}
 
 
-def predict(m: dict[str, Any], summary: dict[str, Any], gbps: float) -> dict[str, Any]:
+def predict(m: dict[str, Any], summary: dict[str, Any], gbps: float,
+            rates: tuple[tuple[str, int, float], ...] | None = None,
+            local: dict[str, float] | None = None) -> dict[str, Any]:
     """The scaling model's step time and bytes for the measured mode ``m`` (one of its runs'
     ``summary`` gives the workload; compute = the median step minus the median comm wait; one
-    uplink per node shared by the node's ranks; link constants of ``scaling_check.EMULATOR_LINKS``).
+    uplink per node shared by the node's ranks, gloo's ring schedule on the wire; link constants
+    of ``scaling_check.EMULATOR_LINKS``).
 
-    Quantization is charged at rates timed here after the runs (one thread), scaled by the share
-    of a core each rank had (cores / ranks when the ranks outnumber the cores)."""
+    Quantization is charged at ``rates`` (``Workload.quant_rates``; :func:`quant_rates_for` times
+    them with one process per rank at once); None: timed here in one process (one thread) and
+    scaled by the share of a core each rank had (cores / ranks when the ranks outnumber the cores).
+
+    ``local`` (``--check``): ``{"comm_wait_s", "loopback_gbps"}`` of the same job on an unshaped
+    ``cluster=local`` world and this host's measured loopback rate. Then also ``hybrid_step_s``:
+    the CPU side measured, the link modelled. The shaped link drains on its own (tbf) while the
+    ranks' CPUs quantize, copy and compute, and the engine prefetches gathers and keeps
+    reduce-scatters in flight, so the two overlap: the wait is the longer of the unshaped run's
+    wait and the model's uplink time at ``gbps`` (:func:`~experiments.scaling.uplink_bytes`)."""
     topo = summary["config"]["topology"]
-    c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], gbps)
+    links = {"intra_gbps": local["loopback_gbps"]} if local is not None else {}  # measured, not the default
+    c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], gbps, **links)
     w = dataclasses.replace(workload_from_summary(summary), compute_s=m["compute_s"])
-    share = min(1.0, (os.cpu_count() or 1) / c.world)
-    rates = tuple((op, b, g * share) for op, b, g in measure_quant_rates(w, c)) if quant_work(w, c) else ()
-    p = project(dataclasses.replace(w, quant_rates=rates), c)
+    if not quant_work(w, c):
+        rates = ()
+    elif rates is None:
+        share = min(1.0, (os.cpu_count() or 1) / c.world)
+        rates = tuple((op, b, g * share) for op, b, g in measure_quant_rates(w, c))
+    p = project(dataclasses.replace(w, quant_rates=tuple(rates)), c)
     cross = sum(v for k, v in p.pairwise.items() if k.endswith(".cross"))
-    return {"step_s": p.step_s, "comm_s": p.comm_s, "quant_s": p.quant_s, "cross_bytes": cross,
-            "uplink_bytes": p.uplink_bytes, "node_cross_bytes": p.node_cross_bytes, "quant_rates": rates}
+    out = {"step_s": p.step_s, "comm_s": p.comm_s, "quant_s": p.quant_s, "cross_bytes": cross,
+           "uplink_bytes": p.uplink_bytes, "node_cross_bytes": p.node_cross_bytes, "quant_rates": rates}
+    if local is not None:
+        comm = max(local["comm_wait_s"], p.uplink_bytes / (gbps * GBPS))
+        out.update(hybrid_comm_s=comm, hybrid_step_s=w.compute_s + comm, local_comm_wait_s=local["comm_wait_s"],
+                   loopback_gbps=local["loopback_gbps"])
+    return out
+
+
+def quant_rates_for(summary: dict[str, Any]) -> tuple[tuple[str, int, float], ...]:
+    """Kernel rates of a run's quantization ops, timed right after its jobs in one process per
+    rank at once (``scaling_check.measure_quant_rates_contended``): the same host, the same
+    shapes and the same contention as inside the step; () when the run quantizes nothing."""
+    topo = summary["config"]["topology"]
+    c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], 1.0)
+    w = workload_from_summary(summary)
+    return measure_quant_rates_contended(w, c) if quant_work(w, c) else ()
 
 
 def run(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     rows = []
+    rates: dict[str, tuple] = {}  # per mode, timed once after that mode's first jobs
+    local: dict[str, dict[str, float]] = {}
+    if a.check:  # the link-free reference of each mode and the host's loopback rate, once
+        loopback = measure_loopback_gbps(a.nodes * a.ranks_per_node)
+        waits: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for r in range(a.rounds):  # alternating, like the shaped runs; the median wait of each
+            for mode in MODES:
+                ls = run_job(local_overrides(a, mode), root / "local" / f"{mode}-{r}")
+                waits[mode].append(comm_wait_s(ls) or 0.0)
+        local = {mode: {"comm_wait_s": statistics.median(v), "loopback_gbps": loopback} for mode, v in waits.items()}
+        print(f"[check: loopback {loopback:.2f} Gbit/s per rank; unshaped comm wait "
+              + ", ".join(f"{k} {v['comm_wait_s']:.3f} s" for k, v in local.items()) + "]", file=sys.stderr, flush=True)
     for gbps in a.gbps:
         t0 = time.monotonic()
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -105,7 +166,9 @@ def run(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"gbps": gbps}
         for mode, sums in runs.items():
             m = aggregate(mode, sums)
-            m["predicted"] = predict(m, sums[0], m["measured_gbps"] or gbps)
+            if mode not in rates:
+                rates[mode] = quant_rates_for(sums[0])
+            m["predicted"] = predict(m, sums[0], m["measured_gbps"] or gbps, rates[mode], local.get(mode))
             row[mode] = m
         row["measured_gbps"] = row["zero3"]["measured_gbps"]
         row["speedup"] = row["zero3"]["step_s"] / row["zeropp"]["step_s"]
@@ -133,8 +196,8 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
         out.append(f"| {r['gbps']:g} ({meas}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
                    f"{r['speedup']:.2f}x | {z3['cross_bytes'] / 1e6:.2f} -> {zp['cross_bytes'] / 1e6:.2f} |")
     out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured "
-            "rate, one uplink per node shared by its ranks; quantization at kernel rates timed here, scaled to the "
-            "ranks' core share):", "",
+            "rate, one uplink per node shared by its ranks, gloo's ring wire; quantization at kernel rates timed here "
+            "in one process per rank at once):", "",
             "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank "
             "| predicted | error |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -165,6 +228,63 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+CHECK_TOLERANCE = 0.15
+"""``--check`` passes when every cell's predicted step time is within this of the measured one."""
+
+CHECK_GRID = {"gbps": [0.2, 1.0], "rounds": 2, "steps": 3, "warmup": 1}
+"""``--check``'s defaults (each applies unless given on the command line): ZeRO-3 and ZeRO++ at
+two link rates, the median of two alternating runs each (one run reads +-30% on a loaded host)."""
+
+
+def check_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per (link rate, mode): measured step time, the analytic model's prediction and,
+    when the run measured its unshaped reference, the hybrid one (CPU side measured, link
+    modelled), with their relative errors."""
+    cells = []
+    for r in rows:
+        for mode in MODES:
+            m, p = r[mode], r[mode]["predicted"]
+            meas = m["step_s"]
+            err = (lambda x: x / meas - 1 if meas else float("nan"))
+            hybrid = p.get("hybrid_step_s")
+            cells.append({"gbps": r["gbps"], "measured_gbps": r["measured_gbps"], "mode": mode, "measured_s": meas,
+                          "predicted_s": p["step_s"], "error": err(p["step_s"]), "quant_s": p["quant_s"],
+                          "comm_wait_s": m["comm_wait_s"], "predicted_comm_s": p["comm_s"],
+                          "hybrid_s": hybrid, "hybrid_error": None if hybrid is None else err(hybrid),
+                          "local_comm_wait_s": p.get("local_comm_wait_s")})
+    return cells
+
+
+def format_check(cells: list[dict[str, Any]], tolerance: float = CHECK_TOLERANCE) -> tuple[str, bool]:
+    """The ``--check`` table and whether every cell is within ``tolerance``: the hybrid
+    prediction's error where the cells have one, else the analytic model's."""
+    names = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
+    hybrid = all(c["hybrid_s"] is not None for c in cells) and bool(cells)
+    key = "hybrid_error" if hybrid else "error"
+    out = ["| link Gbit/s (measured) | run | measured step s | analytic model s | error | measured comm wait s "
+           "| model comm s | of which quant s |" + (" unshaped comm wait s | measured CPU + modelled link s | error |"
+                                                   if hybrid else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if hybrid else "")]
+    ok = True
+    for c in cells:
+        inside = abs(c[key]) <= tolerance
+        ok &= inside
+        meas = f"{c['measured_gbps']:.3f}" if c["measured_gbps"] else "n/a"
+        line = (f"| {c['gbps']:g} ({meas}) | {names[c['mode']]} | {c['measured_s']:.3f} | {c['predicted_s']:.3f} | "
+                f"{100 * c['error']:+.1f}% | {c['comm_wait_s']:.3f} | {c['predicted_comm_s']:.3f} | "
+                f"{c['quant_s']:.3f} |")
+        if hybrid:
+            line += f" {c['local_comm_wait_s']:.3f} | {c['hybrid_s']:.3f} | {100 * c['hybrid_error']:+.1f}% |"
+        out.append(line + ("" if inside else " outside"))
+    worst = max((abs(c[key]) for c in cells), default=0.0)
+    worst_model = max((abs(c["error"]) for c in cells), default=0.0)
+    what = "measured CPU side + modelled link" if hybrid else "analytic model"
+    out.append(f"\ncheck ({what}): {'PASS' if ok else 'FAIL'} -- every cell within +-{100 * tolerance:.0f}%: "
+               f"{'yes' if ok else 'no'} (worst {100 * worst:.1f}%, {len(cells)} cells)"
+               + (f"; analytic model alone: worst {100 * worst_model:.1f}%" if hybrid else ""))
+    return "\n".join(out), ok
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--gbps", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.5, 2.0],
@@ -180,7 +300,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="per training run, seconds")
     p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write all numbers to this file")
-    a = p.parse_args(argv)
+    p.add_argument("--check", action="store_true",
+                   help="check the scaling model: a small grid (default link rates 0.2,1 Gbit/s, 1 round, 3 steps), "
+                        "predicted vs measured step time per cell, exit 1 unless all are within +-15%%")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(raw)
+    if a.check:  # the grid's defaults, unless given explicitly
+        for name, value in CHECK_GRID.items():
+            if not any(x == f"--{name}" or x.startswith(f"--{name}=") for x in raw):
+                setattr(a, name, value)
     for name in ("nodes", "ranks_per_node", "micro_batch", "steps", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -208,10 +336,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: a benchmark run failed: {e}", file=sys.stderr)
         return 1
     print(format_rows(rows, a))
+    ok = True
+    if a.check:
+        text, ok = format_check(check_cells(rows))
+        print(f"\nScaling model check (load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end):\n")
+        print(text)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -5,34 +5,45 @@ cluster (the model's communication units, the compute time per step per rank, me
 FLOPs) and what does (nodes x ranks per node, intra- and cross-node bandwidth and latency), and
 predicts step time and throughput for ZeRO-3 and ZeRO++.
 
-Messages (per micro-step, per communication unit = the root and each transformer block, padded
-to the world size like the engine's flat units; quantized sizes from
-``zeropp.kernels.quantized_nbytes``):
+Messages (:func:`messages`; exactly what the engine sends and CommStats records, checked per kind
+and link against real engine steps for every quantization preset in tests/test_scaling_bytes.py):
+units (the root and each transformer block) padded to the world size like the engine's flat
+units, cut into bucket chunks (``allgather_bucket`` / ``reduce_bucket``) that are quantized
+separately, with wire sizes from the spec's own codec (``zeropp.comm.codecs``):
 
 * stage 3: forward all-gather over the world (qwZ: quantized shards); backward all-gather over
-  the world, or inside the hpZ group (hpZ); gradient reduce-scatter over the world, or (qgZ) an
-  intra-node all-to-all of the quantized gradient followed by a cross-node all-to-all of each
-  rank's requantized 1/ranks_per_node slice.
+  the world, or (hpZ) of the full-precision secondary partition (``padded / hpz_size``) inside
+  the hpZ group -- as are the forwards of micro-batches 2.. of a step, since the secondary
+  built in the first forward lives until the optimizer step; gradient reduce-scatter over the
+  world, or (qgZ, recorded under the same kind) an intra-node all-to-all of the quantized
+  gradient followed by a cross-node all-to-all of each rank's requantized 1/ranks_per_node slice.
 * stages 1-2: gradient reduce-scatter (qgZ as above) and a parameter all-gather after the step;
-  stage 0: an all-reduce.
+  stage 0: an all-reduce of each whole unit (``2 * bytes // world`` to each peer).
+* control: the loss / norm all-reduce and stage 3's "which blocks ran" check, a few bytes that
+  CommStats deliberately leaves out (:func:`control_messages`, latency only).
 
 Time of one collective over a group spanning ``n`` nodes x ``r`` ranks: ``(g-1)*alpha`` plus the
-link time. Cross-node: every rank sends its *pairwise* bytes to each cross-node peer (all-gather:
-its shard to each; reduce-scatter: each peer's chunk; all-reduce: twice that; qgZ's cross
-all-to-all: one row per other node), and the ``ranks_per_uplink`` ranks that share one uplink
-(NIC) send at once, so the uplink carries ``ranks_per_uplink x`` one rank's cross bytes at
-``cross_gbps``. ``Cluster.nics_per_node`` sets that: by default one NIC per rank (8-GPU nodes
-with 8 NICs; the plain collectives then take exactly a bandwidth-optimal ring's time over a node
-whose aggregate rate is ``cross_gbps``), ``nics_per_node=1`` for the emulator (one shared uplink,
-measured: its counter reads 2 x 19.94 MB per ZeRO-3 step on 2 x 2). Intra-node: ``(g-1)/g`` of the
-buffer per rank at ``B_intra``, beside the cross-node time on GPUs (max) or added on CPU ranks.
+link time. Cross-node: :func:`uplink_call_bytes` over ``cross_gbps``. With ``Cluster.wire=
+"pairwise"`` every rank sends its *pairwise* bytes to each cross-node peer (all-gather: its shard
+to each; reduce-scatter: each peer's chunk; all-reduce: twice that; qgZ's cross all-to-all: one
+row per other node), and the ``ranks_per_uplink`` ranks that share one uplink (NIC) send at once,
+so the uplink carries ``ranks_per_uplink x`` one rank's cross bytes. ``wire="ring"`` is gloo's
+schedule (the emulator): an all-gather runs as a ring in rank order, so one edge leaves each node
+carrying ``g - 1`` chunks, a reduce-scatter as a ring all-reduce (``2 (g - 1)``); all-to-alls are
+pairwise. (The pairwise count on gloo is what overstated ZeRO++'s uplink bytes by 20-24%: its
+all-gathers cross a 2x2 emulator's uplink 3 times per shard, not 4.) ``Cluster.nics_per_node``
+sets the sharing: by default one NIC per rank (8-GPU nodes with 8 NICs; the plain collectives
+then take exactly a bandwidth-optimal ring's time over a node whose aggregate rate is
+``cross_gbps``), ``nics_per_node=1`` for the emulator (one shared uplink). Intra-node: ``(g-1)``
+chunks per rank at ``B_intra``, beside the cross-node time on GPUs (max) or added on CPU ranks.
 Quantize/dequantize kernels (:func:`quant_work`) are charged at measured rates
 (``Workload.quant_rates``, see ``scaling_check.measure_quant_rates``) or ``quant_gbs``.
 Step time = compute + comm + quantization - overlap * min(compute, comm).
 
 Three byte views come out of the same messages: ``pairwise_bytes`` (what this rank hands to each
-peer, by link: zeropp.comm.CommStats' accounting, to check against measured runs),
-``uplink_bytes`` (what one uplink carries: the emulator's tx counter) and ``node_cross_bytes``
+peer, by kind and link: zeropp.comm.CommStats' accounting, exactly), ``uplink_bytes`` (what one
+uplink carries under ``Cluster.wire``: with ``"pairwise"`` the node's ranks' accounted cross-node
+bytes, with ``"ring"`` gloo's wire, what the emulator's tx counter reads) and ``node_cross_bytes``
 (what a bandwidth-optimal schedule must bring into a node: the paper's 3M vs 0.75M).
 
 The ZeRO settings are the library's own: ``Workload.weights`` / ``Workload.grads`` are the
@@ -51,12 +62,16 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable
 
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE, quantized_nbytes
+from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
 if TYPE_CHECKING:
     from zeropp.runtime import ZeroConfig
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+WIRES = ("pairwise", "ring")
+"""Backend schedules of :attr:`Cluster.wire`."""
+BIG_BUCKET = 500_000_000
+"""``ZeroConfig``'s default bucket sizes (elements): no chunking for any unit we model."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +97,12 @@ class Cluster:
     parallel_links: bool = True
     """Intra- and cross-node transfers proceed at once (GPUs: NVLink beside the NICs). False for
     CPU ranks sharing cores (the emulator), where the two add up."""
+    wire: str = "pairwise"
+    """How the backend moves the plain collectives' bytes over the uplinks (:func:`uplink_bytes`):
+    ``"pairwise"`` -- every rank sends each peer its chunk directly (CommStats' convention);
+    ``"ring"`` -- gloo: all-gather as a ring in rank order (one cross edge leaves each node,
+    carrying ``g - 1`` chunks), reduce-scatter and all-reduce as a ring all-reduce (``2 (g - 1)``
+    chunks on that edge); all-to-alls are pairwise under both."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.cross_gbps <= 0 or self.intra_gbps <= 0:
@@ -89,6 +110,8 @@ class Cluster:
         nics = self.nics_per_node
         if nics is not None and (nics < 1 or self.ranks_per_node % nics):
             raise ValueError(f"nics_per_node={nics} must be >= 1 and divide ranks_per_node={self.ranks_per_node}")
+        if self.wire not in WIRES:
+            raise ValueError(f"Cluster.wire={self.wire!r}; use one of {WIRES}")
 
     @property
     def world(self) -> int:
@@ -126,6 +149,11 @@ class Workload:
     grad_accum: int = 1
     """Micro-batches per step (``ZeroConfig.grad_accum_steps``): stage 3 gathers and stage 2-3
     reduce-scatters run once per micro-batch."""
+    allgather_bucket: int = BIG_BUCKET
+    """Elements per all-gather call (``ZeroConfig.allgather_bucket_size``): a larger gather is cut
+    into column chunks of at most this many elements, each quantized with its own scales."""
+    reduce_bucket: int = BIG_BUCKET
+    """Elements per reduce-scatter call (``ZeroConfig.reduce_bucket_size``), likewise."""
     overlap: float = 0.0
     """Fraction of min(compute, comm) hidden by overlap (0: fully serialized)."""
     flops_per_token: float = 0.0
@@ -147,6 +175,8 @@ class Workload:
             ("hpz_size", self.hpz_size is None or self.hpz_size >= 1, "use a positive group size or None (the node)"),
             ("dtype_bytes", self.dtype_bytes in (2, 4), "use 2 (bf16/fp16) or 4 (fp32)"),
             ("grad_accum", self.grad_accum >= 1, "use >= 1"),
+            ("allgather_bucket", self.allgather_bucket >= 1, "use >= 1 element"),
+            ("reduce_bucket", self.reduce_bucket >= 1, "use >= 1 element"),
             ("overlap", 0.0 <= self.overlap <= 1.0, "use a fraction in [0, 1]"),
             ("compute_s", self.compute_s >= 0, "use >= 0"),
             ("quant_gbs", self.quant_gbs > 0, "use a positive rate"),
@@ -160,10 +190,18 @@ class Workload:
                   **kw: Any) -> "Workload":
         """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
         wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
-        ``zero`` (a ``ZeroConfig``, or any object with those attributes); ``kw`` sets the rest."""
+        ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes too when it
+        has them); ``kw`` sets the rest. A ``persistence_threshold`` is refused: the model has no
+        replicated stage-3 unit, so its bytes would be silently wrong."""
+        if getattr(zero, "persistence_threshold", 0):
+            raise ValueError(f"ZeroConfig.persistence_threshold={zero.persistence_threshold} is not modelled (its "
+                             "parameters form an all-reduced unit); project runs with persistence_threshold=0")
+        buckets = {k: getattr(zero, f"{k}_size") for k in ("allgather_bucket", "reduce_bucket")
+                   if getattr(zero, f"{k}_size", None) is not None}
         return cls(units=tuple(units), compute_s=compute_s, tokens_per_rank=tokens_per_rank, stage=zero.stage,
                    weights=zero.weights, grads=zero.grads, hpz=zero.hpz, hpz_size=zero.hpz_size,
-                   dtype_bytes=4 if zero.precision == "fp32" else 2, grad_accum=zero.grad_accum_steps, **kw)
+                   dtype_bytes=4 if zero.precision == "fp32" else 2, grad_accum=zero.grad_accum_steps,
+                   **{**buckets, **kw})
 
     @property
     def weight_group_size(self) -> int:
@@ -187,45 +225,109 @@ class Message:
     """One collective call of a step: ``count`` calls per step of this shape."""
 
     kind: str
+    """CommStats kind the engine records it under."""
     algo: str  # "ring_ag", "ring_rs", "all_reduce", "a2a_intra", "a2a_cross"
     nodes: int  # nodes the group spans
     ranks: int  # group ranks per node
-    chunk_bytes: int  # bytes this rank sends to each peer
+    chunk_bytes: int  # bytes this rank sends to each peer (all-reduce: both halves)
     count: int
 
 
+def _wire_bytes(spec: QuantSpec, cols: int, bits: int, default_gs: int) -> int:
+    """Bytes of one quantized row of ``cols`` elements, from the spec's own codec (what is sent)."""
+    from zeropp.comm.codecs import codec_for
+
+    return codec_for(spec).wire_bytes(cols, bits, spec.group_size or default_gs)
+
+
+def chunk_widths(cols: int, rows: int, bucket: int) -> dict[int, int]:
+    """``{columns: calls}`` of a ``[rows, cols]`` collective cut into buckets of at most ``bucket``
+    elements, as the engine cuts it (``zeropp.runtime.collectives``: equal column chunks, the
+    last one shorter)."""
+    if rows * cols <= bucket:
+        return {cols: 1}
+    c = max(1, bucket // rows)
+    out: dict[int, int] = {c: cols // c}
+    if cols % c:
+        out[cols % c] = 1
+    return out
+
+
 def messages(w: Workload, c: Cluster) -> list[Message]:
-    """Every collective of one step, with exact per-peer chunk sizes (see module doc)."""
+    """Every collective of one step, with exact per-peer chunk sizes, as the engine issues them:
+
+    * units padded to the world size (``shard = ceil(numel / W)``), cut into buckets
+      (:func:`chunk_widths`), each chunk one call with its own quantization scales;
+    * stage 3 with hpZ: the first forward gathers the (quantized) primary shards over the world;
+      every later gather of the step -- the backward ones and the forwards of micro-batches 2..
+      -- reads the full-precision secondary partition (``W * shard / h`` elements) inside the hpZ
+      group, whatever the number of nodes;
+    * qgZ: recorded under the reduce-scatter's kind; hierarchical (nodes > 1 and ranks per node
+      > 1) it is an intra-node all-to-all of N rows per local peer at the intra bits and one
+      requantized row to each other node at the cross bits; otherwise one all-to-all of one row
+      per peer (intra bits inside one node, else the cross bits);
+    * stage 0: one all-reduce of each whole (unpadded) unit, ``2 * bytes // W`` to each peer.
+
+    The loss / norm all-reduce and stage 3's per-step "which blocks ran" check are control
+    messages that CommStats does not count; :func:`control_messages` gives them for the time model."""
     W, R, N = c.world, c.ranks_per_node, c.nodes
     out: list[Message] = []
-    a = w.grad_accum
+    a, db = w.grad_accum, w.dtype_bytes
+    h = w.hpz_size or R
+
+    def gather(kind: str, cols: int, nodes: int, ranks: int, count: int, spec: QuantSpec | None) -> None:
+        for width, calls in chunk_widths(cols, nodes * ranks, w.allgather_bucket).items():
+            b = _wire_bytes(spec, width, spec.bits, DEFAULT_WEIGHT_GROUP_SIZE) if spec else width * db
+            out.append(Message(kind, "ring_ag", nodes, ranks, b, calls * count))
+
     for numel in w.units:
         shard = -(-numel // W)  # elements per rank after padding to the world size
-        plain = shard * w.dtype_bytes
-        wq = quantized_nbytes(1, shard, w.weights.bits, w.weight_group_size) if w.weights else plain
         if w.stage == 3:
-            out.append(Message("fwd_all_gather", "ring_ag", N, R, wq, a))
-            if w.hpz and N > 1:
-                h = w.hpz_size or R
-                sec = -(-numel // h)  # secondary shard of the hpZ group
-                out.append(Message("bwd_all_gather", "ring_ag", 1, h, sec * w.dtype_bytes, a))
+            if w.hpz:
+                sec = W * shard // h  # the secondary partition: [padded / h]
+                gather("fwd_all_gather", shard, N, R, 1, w.weights)
+                if a > 1:
+                    gather("fwd_all_gather", sec, 1, h, a - 1, None)
+                gather("bwd_all_gather", sec, 1, h, a, None)
             else:
-                out.append(Message("bwd_all_gather", "ring_ag", N, R, wq, a))
+                gather("fwd_all_gather", shard, N, R, a, w.weights)
+                gather("bwd_all_gather", shard, N, R, a, w.weights)
         rs_count = a if w.stage >= 2 else 1
         if w.stage == 0:
-            out.append(Message("grad_all_reduce", "all_reduce", N, R, plain, 1))
-        elif w.grads:
-            ib, cb = w.grads.hop_bits
-            gs = w.grad_group_size
-            # intra hop: my full gradient as W rows of `shard`; each local peer gets the N rows it reduces
-            out.append(Message("grad_a2a_intra", "a2a_intra", 1, R, quantized_nbytes(N, shard, ib, gs), rs_count))
-            if N > 1:  # cross hop: one requantized row to each node's same-local-rank peer
-                out.append(Message("grad_a2a_cross", "a2a_cross", N, 1, quantized_nbytes(1, shard, cb, gs), rs_count))
-        else:
-            out.append(Message("grad_reduce_scatter", "ring_rs", N, R, plain, rs_count))
+            out.append(Message("grad_all_reduce", "all_reduce", N, R, 2 * numel * db // W, 1))
+            continue
+        for width, calls in chunk_widths(shard, W, w.reduce_bucket).items():
+            k = calls * rs_count
+            if w.grads:
+                ib, cb = w.grads.hop_bits
+                row_i = _wire_bytes(w.grads, width, ib, DEFAULT_GRAD_GROUP_SIZE)  # one row at the intra bits
+                row_c = _wire_bytes(w.grads, width, cb, DEFAULT_GRAD_GROUP_SIZE)  # one row at the cross bits
+                if N > 1 and R > 1:  # intra hop: each local peer gets the N rows it reduces
+                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, N * row_i, k))
+                    # cross hop: one requantized row to each node's same-local-rank peer
+                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k))
+                elif N == 1:
+                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, row_i, k))
+                else:  # one rank per node: a single all-to-all across nodes
+                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k))
+            else:
+                out.append(Message("grad_reduce_scatter", "ring_rs", N, R, width * db, k))
         if w.stage in (1, 2):
-            out.append(Message("param_all_gather", "ring_ag", N, R, plain, 1))
+            gather("param_all_gather", shard, N, R, 1, None)
     return out
+
+
+def control_messages(w: Workload, c: Cluster) -> int:
+    """Small uncounted all-reduces per step: the loss and squared-norm sum, and at stage 3 the
+    per-forward check that every rank ran the same blocks (one per micro-batch). They cost
+    latency only."""
+    return 1 + (w.grad_accum if w.stage == 3 else 0) if c.world > 1 else 0
+
+
+def control_time(w: Workload, c: Cluster) -> float:
+    """Seconds of the :func:`control_messages` (latency-bound all-reduces of a few scalars)."""
+    scalars = Message("control", "all_reduce", c.nodes, c.ranks_per_node, 16, 1)
+    return control_messages(w, c) * collective_time(scalars, c)
 
 
 def pairwise_bytes(msgs: Iterable[Message]) -> dict[str, float]:
@@ -236,11 +338,10 @@ def pairwise_bytes(msgs: Iterable[Message]) -> dict[str, float]:
             intra_peers, cross_peers = 0, m.nodes - 1
         else:
             intra_peers, cross_peers = m.ranks - 1, (m.nodes - 1) * m.ranks
-        mult = 2 if m.algo == "all_reduce" else 1
         for link, peers in (("intra", intra_peers), ("cross", cross_peers)):
             if peers:
                 key = f"{m.kind}.{link}"
-                out[key] = out.get(key, 0) + mult * peers * m.chunk_bytes * m.count
+                out[key] = out.get(key, 0) + peers * m.chunk_bytes * m.count
     return out
 
 
@@ -255,38 +356,54 @@ def node_cross_bytes(msgs: Iterable[Message], c: Cluster) -> float:
             continue
         if m.algo == "a2a_cross":
             total += c.ranks_per_node * (m.nodes - 1) * m.chunk_bytes * m.count
-        else:
-            full = m.chunk_bytes * m.nodes * m.ranks
-            total += (2 if m.algo == "all_reduce" else 1) * (m.nodes - 1) / m.nodes * full * m.count
+        else:  # an all-reduce's chunk_bytes already holds both halves
+            total += (m.nodes - 1) / m.nodes * m.chunk_bytes * m.nodes * m.ranks * m.count
     return total
 
 
+def uplink_call_bytes(m: Message, c: Cluster) -> int:
+    """Bytes the busiest uplink of a node sends for one call of ``m`` under ``c.wire``:
+
+    * all-to-alls, and every collective under ``"pairwise"``: the ``ranks_per_uplink`` ranks that
+      share the uplink each send their chunk to every cross-node peer;
+    * ``"ring"`` (gloo): the ring in rank order leaves each node over one edge, which carries
+      ``g - 1`` chunks of an all-gather and ``2 (g - 1)`` chunks of a reduce-scatter (a ring
+      all-reduce) or all-reduce (whose ``chunk_bytes`` already hold both halves)."""
+    if m.nodes <= 1:
+        return 0
+    g = m.nodes * m.ranks
+    if m.algo == "a2a_cross":
+        return c.ranks_per_uplink * (m.nodes - 1) * m.chunk_bytes
+    if m.algo == "a2a_intra":
+        return 0
+    if c.wire == "ring":
+        return (2 if m.algo == "ring_rs" else 1) * (g - 1) * m.chunk_bytes
+    return c.ranks_per_uplink * (m.nodes - 1) * m.ranks * m.chunk_bytes
+
+
 def uplink_bytes(msgs: Iterable[Message], c: Cluster) -> float:
-    """Bytes one uplink sends per step: the per-rank pairwise cross-node bytes times the ranks
-    sharing the uplink (what the emulator's uplink counter measures; what the time model charges)."""
-    cross = sum(v for k, v in pairwise_bytes(msgs).items() if k.endswith(".cross"))
-    return c.ranks_per_uplink * cross
+    """Bytes one node uplink sends per step (:func:`uplink_call_bytes` summed; what the emulator's
+    uplink counter measures and what the time model charges). Under ``wire="pairwise"`` this is
+    the per-rank pairwise cross-node bytes (CommStats' accounting) times the ranks sharing it."""
+    return float(sum(uplink_call_bytes(m, c) * m.count for m in msgs))
 
 
 def link_terms(m: Message, c: Cluster) -> tuple[int, float, float]:
     """(latency steps, cross-node seconds, intra-node bytes per rank) of one call: the three
     terms :func:`collective_time` combines (and ``scaling_check.calibrate`` fits constants to).
 
-    Cross-node seconds: this rank's pairwise cross-node bytes (:func:`pairwise_bytes`), times the
-    ranks sharing its uplink (all of them send at once), over the uplink rate."""
-    b_uplink = c.cross_gbps * GBPS
+    Cross-node seconds: :func:`uplink_call_bytes` over the uplink rate (the ranks sharing an
+    uplink send at once)."""
     g = m.nodes * m.ranks
     if g <= 1:
         return 0, 0.0, 0.0
+    t_cross = uplink_call_bytes(m, c) / (c.cross_gbps * GBPS)
+    if m.algo == "a2a_cross":
+        return g - 1, t_cross, 0.0
     if m.algo == "a2a_intra":
         return g - 1, 0.0, (g - 1) * m.chunk_bytes
-    if m.algo == "a2a_cross":
-        return g - 1, c.ranks_per_uplink * (g - 1) * m.chunk_bytes / b_uplink, 0.0
-    k = 2 if m.algo == "all_reduce" else 1
-    cross_peers = (m.nodes - 1) * m.ranks
-    t_cross = k * c.ranks_per_uplink * cross_peers * m.chunk_bytes / b_uplink
-    full = m.chunk_bytes * g
-    return k * (g - 1), t_cross, k * (g - 1) / g * full
+    k = 2 if m.algo == "all_reduce" or (m.algo == "ring_rs" and c.wire == "ring") else 1
+    return k * (g - 1), t_cross, (2 if m.algo == "ring_rs" and c.wire == "ring" else 1) * (g - 1) * m.chunk_bytes
 
 
 def collective_time(m: Message, c: Cluster) -> float:
@@ -306,8 +423,8 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
     """Full-precision input elements each kernel op processes per rank per step, ``{(op, bits): n}``,
     as zeropp.comm runs them (one call per communication unit):
 
-    * qwZ all-gather: quantize my shard, dequantize the gathered ``world`` shards (forward; also
-      backward unless hpZ serves it inside the node);
+    * qwZ all-gather: quantize my shard, dequantize the gathered ``world`` shards (every forward
+      and backward; with hpZ only the first forward of the step, the rest read the secondary);
     * qgZ, hierarchical (nodes > 1 and ranks_per_node > 1): quantize my whole gradient at the
       intra bits, fused dequantize-sum-requantize of the ``world`` received rows, dequantize-sum of
       the ``nodes`` rows from the cross hop; otherwise one quantize and one dequantize-sum of the
@@ -321,7 +438,7 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
         out[(op, bits)] = out.get((op, bits), 0) + n
 
     if w.stage == 3 and w.weights:
-        gathers = w.grad_accum * (1 if w.hpz and N > 1 else 2)
+        gathers = 1 if w.hpz else 2 * w.grad_accum
         add("quantize", w.weights.bits, gathers * S)
         add("dequantize", w.weights.bits, gathers * W * S)
     if w.stage >= 1 and w.grads:
@@ -367,7 +484,7 @@ class Projection:
 def project(w: Workload, c: Cluster) -> Projection:
     msgs = messages(w, c)
     q = quant_time(w, c)
-    comm = sum(collective_time(m, c) * m.count for m in msgs) + q
+    comm = sum(collective_time(m, c) * m.count for m in msgs) + control_time(w, c) + q
     step = w.compute_s + comm - w.overlap * min(w.compute_s, comm)
     tps = w.tokens_per_rank * c.world / step
     return Projection(c, comm, w.compute_s, step, tps, w.flops_per_token * w.tokens_per_rank / step / 1e12,

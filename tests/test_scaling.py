@@ -9,7 +9,8 @@ import pytest
 
 from zeropp.comm.spec import QuantSpec
 from zeropp.experiments.scaling import (
-    GBPS, ZEROPP, Cluster, Workload, collective_time, gpt_units, messages, node_cross_bytes, pairwise_bytes,
+    GBPS, ZEROPP, Cluster, Workload, collective_time, control_time, gpt_units, messages, node_cross_bytes,
+    pairwise_bytes,
     paper_workload, project, quant_time, quant_work, speedup_table, uplink_bytes,
 )
 from zeropp.kernels import quantized_nbytes
@@ -48,8 +49,8 @@ def test_pairwise_bytes_equal_the_formulas() -> None:
     assert "bwd_all_gather.cross" not in b and b["bwd_all_gather.intra"] > 0
     # qgZ INT4: one quantized row per remote node, N rows to each local peer
     b = pairwise_bytes(messages(_w(grads=INT4), c))
-    assert b["grad_a2a_cross.cross"] == sum(quantized_nbytes(1, s, 4, 128) for s in shards)
-    assert b["grad_a2a_intra.intra"] == sum(quantized_nbytes(2, s, 4, 128) for s in shards)
+    assert b["grad_reduce_scatter.cross"] == sum(quantized_nbytes(1, s, 4, 128) for s in shards)
+    assert b["grad_reduce_scatter.intra"] == sum(quantized_nbytes(2, s, 4, 128) for s in shards)
 
 
 def test_cross_node_volume_is_3m_vs_075m() -> None:
@@ -136,7 +137,8 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
     assert quant_time(wr, c) == pytest.approx(expect)
     p = project(wr, c)
     assert p.quant_s == pytest.approx(expect)
-    assert p.comm_s == pytest.approx(sum(collective_time(m, c) * m.count for m in messages(wr, c)) + expect)
+    assert p.comm_s == pytest.approx(sum(collective_time(m, c) * m.count for m in messages(wr, c)) + control_time(wr, c)
+                                    + expect)
 
 
 def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
@@ -159,8 +161,8 @@ def test_spec_group_size_and_hop_bits_set_the_messages() -> None:
     w = _w(grads=QuantSpec(bits=4, intra_bits=8, group_size=256))
     assert (w.weight_group_size, w.grad_group_size) == (512, 256)
     b = pairwise_bytes(messages(w, c))
-    assert b["grad_a2a_intra.intra"] == sum(quantized_nbytes(2, s, 8, 256) for s in shards)
-    assert b["grad_a2a_cross.cross"] == sum(quantized_nbytes(1, s, 4, 256) for s in shards)
+    assert b["grad_reduce_scatter.intra"] == sum(quantized_nbytes(2, s, 8, 256) for s in shards)
+    assert b["grad_reduce_scatter.cross"] == sum(quantized_nbytes(1, s, 4, 256) for s in shards)
     assert quant_work(w, c) == {("quantize", 8): c.world * sum(shards),
                                 ("dequantize_sum_requantize", 8): c.world * sum(shards),
                                 ("dequantize_sum", 4): 2 * sum(shards)}

@@ -1,0 +1,89 @@
+"""``python -m experiments.bench_cluster --check``'s plumbing: the grid it runs, the table it prints
+and its verdict, with the runner jobs and the host measurements stubbed (the real grid needs
+root and network namespaces and minutes; its output is in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zeropp.comm.spec import RECIPES
+from zeropp.experiments import bench_cluster
+from zeropp.experiments.scaling import gpt_units
+
+MODEL = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4}
+
+
+def _summary(overrides: list[str], step: float, wait: float) -> dict:
+    """A summary.json of the runner's layout for one bench job (the fields the bench reads)."""
+    quant = next(o.split("=", 1)[1] for o in overrides if o.startswith("quant="))
+    r = RECIPES[quant]
+    asd = (lambda s: None if s is None else dataclasses.asdict(s))
+    zero = {"stage": 3, "precision": "fp32", "hpz": r.hpz, "hpz_size": None, "grad_accum_steps": 1,
+            "weights": asd(r.weights), "grads": asd(r.grads)}
+    emulated = "cluster=emulated" in overrides
+    gbps = next((float(o.split("=")[1]) for o in overrides if o.startswith("cluster.inter_gbps=")), None)
+    cfg = {"zero": zero, "model": MODEL, "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
+           "train": {"micro_batch_size": 2}, "trainer": {"name": "zeropp"},
+           "cluster": {"name": "emulated" if emulated else "local", "inter_gbps": gbps, "inter_latency_ms": 0.0}}
+    return {"config": cfg, "step_time_s": {"median": step, "mean": step}, "engine_comm_wait_s_per_step": wait,
+            "comm_wait_s_per_step": wait, "engine_comm_bytes_per_step": {"by_link": {"cross": 1e5, "intra": 1e5}},
+            "placement": {"cluster": "emulated", "measured_gbps": 0.96 * gbps} if emulated else None,
+            "model": {"params": sum(gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=2)), "flops_per_token": 1.0},
+            "loss": {"first": 5.6, "final": 5.5}, "run_dir": "x"}
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """No namespaces, no jobs: each job's step = 0.1 s compute + a wait; host rates fixed."""
+    jobs: list[list[str]] = []
+
+    def run_job(overrides: list[str], run_dir) -> dict:
+        jobs.append(list(overrides))
+        return _summary(overrides, 0.1 + WAIT[0], WAIT[0])
+
+    monkeypatch.setattr(bench_cluster, "require_privileges", lambda *a, **k: None)
+    monkeypatch.setattr(bench_cluster, "run_job", run_job)
+    monkeypatch.setattr(bench_cluster, "measure_loopback_gbps", lambda world: 2.0)
+    monkeypatch.setattr(bench_cluster, "measure_quant_rates_contended",
+                        lambda w, c: (("quantize", 4, 1.0), ("quantize", 8, 1.0), ("dequantize", 8, 1.0),
+                                      ("dequantize_sum", 4, 1.0), ("dequantize_sum_requantize", 4, 1.0)))
+    return jobs
+
+
+WAIT = [0.05]
+
+
+def test_check_runs_its_grid_and_prints_the_error_per_cell(stubbed, capsys) -> None:
+    WAIT[0] = 0.05  # every job (shaped or not) waits the same: the hybrid prediction is close
+    code = bench_cluster.main(["--check"])
+    out = capsys.readouterr().out
+    # the grid: 2 rates x 2 modes, two runs each, plus two unshaped references per mode
+    shaped = [j for j in stubbed if "cluster=emulated" in j]
+    local = [j for j in stubbed if "cluster=local" in j]
+    assert sorted({o for j in shaped for o in j if o.startswith("cluster.inter_gbps=")}) == \
+        ["cluster.inter_gbps=0.2", "cluster.inter_gbps=1.0"]
+    assert len(shaped) == 8 and len(local) == 4 and all("train.steps=4" in j for j in stubbed)
+    assert "Scaling model check" in out and "| 0.2 (0.192) | ZeRO-3 |" in out and "| 1 (0.960) | ZeRO++ |" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| 0.2 (") or ln.startswith("| 1 (")]
+    assert len([ln for ln in lines if ln.count("%") == 2]) == 4  # analytic and hybrid error per cell
+    verdict = next(ln for ln in out.splitlines() if ln.startswith("check ("))
+    assert ("PASS" in verdict) == (code == 0) and "analytic model alone" in verdict
+
+
+def test_check_fails_when_a_cell_is_off() -> None:
+    cells = [{"gbps": 1.0, "measured_gbps": 0.96, "mode": "zero3", "measured_s": 1.0, "predicted_s": 1.1,
+              "error": 0.1, "quant_s": 0.0, "comm_wait_s": 0.5, "predicted_comm_s": 0.6, "hybrid_s": None,
+              "hybrid_error": None, "local_comm_wait_s": None}]
+    text, ok = bench_cluster.format_check(cells)
+    assert ok and "PASS" in text and "+10.0%" in text
+    text, ok = bench_cluster.format_check([{**cells[0], "predicted_s": 1.2, "error": 0.2}])
+    assert not ok and "FAIL" in text and "outside" in text
+
+
+def test_check_keeps_explicit_arguments() -> None:
+    a = bench_cluster.parse_args(["--check", "--gbps", "0.5", "--steps", "2"])
+    assert a.gbps == [0.5] and a.steps == 2 and a.rounds == 2 and a.warmup == 1
+    a = bench_cluster.parse_args(["--check"])
+    assert a.gbps == [0.2, 1.0] and a.steps == 3
