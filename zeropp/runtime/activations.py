@@ -23,7 +23,12 @@ Two independent pieces, used by ``ZeroEngine`` and by the torch trainers alike:
   * other tensors (activations) stay on the device, or with ``offload=True`` are copied to host
     memory (pinned when the device is CUDA, so the copies are asynchronous) and brought back
     when backward needs them. A CPU engine copies too (into separate host tensors), so the path
-    and its accounting are the same as on a GPU and are tested on CPU ranks. With activation
+    and its accounting are the same as on a GPU and are tested on CPU ranks. The copy is made per
+    device *storage*, not per saved view: an attention block's SDPA output is saved by SDPA and,
+    as a view, by the following linear, and ``q``/``k``/``v`` are three strided views of one
+    ``qkv`` output; each such storage goes to the host once (see :class:`_StorageCopy` for when
+    a span of the storage is copied and when a view alone is), so the host holds the bytes the
+    device path would hold. With activation
     checkpointing, the only tensors saved inside a block are its inputs (the checkpoint saves
     them through these hooks, everything else is recomputed), so the offloaded set is exactly
     the checkpointed activations plus those of the layers outside the blocks.
@@ -91,6 +96,107 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> BlockCheckpointing:
     return BlockCheckpointing(blocks)
 
 
+_ALIGN = 16
+"""Host spans start and end on multiples of this many bytes (within the storage), so a view of any
+dtype sharing the storage (``view(dtype)``) starts at a whole element of the host copy."""
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of ``t``'s storage that ``t`` touches (torch strides are non-negative)."""
+    size = t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))  # element offset of the last element
+    lo = t.storage_offset() * size
+    return lo, lo + (last + 1) * size
+
+
+class _HostSpan:
+    """Host copy of bytes ``[start, start + host.numel())`` of one device storage, shared by every
+    saved view it covers; ``device`` weakly remembers the last copy brought back, so views
+    unpacked together in backward (``q``, ``k``, ``v`` by SDPA's backward) share one transfer."""
+
+    __slots__ = ("host", "start", "device")
+
+    def __init__(self, host: torch.Tensor, start: int) -> None:
+        self.host = host  # [nbytes] uint8, pinned when the device is CUDA
+        self.start = start
+        self.device: weakref.ref | None = None
+
+
+class _Saved:
+    """One packed saved tensor: either its own compact host copy (``own``) or a strided window
+    (shape, stride, byte offset, dtype) on a shared :class:`_HostSpan`. Mutable, so a view first
+    copied on its own can be redirected to a span covering it (and its copy dropped)."""
+
+    __slots__ = ("shape", "stride", "offset", "dtype", "device", "own", "span")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride = tuple(t.shape), t.stride()
+        self.offset = t.storage_offset() * t.element_size()  # bytes into the device storage
+        self.dtype, self.device = t.dtype, t.device
+        self.own: torch.Tensor | None = None
+        self.span: _HostSpan | None = None
+
+
+class _StorageCopy:
+    """Host copies of the views saved from one device storage at one version, in one forward.
+
+    The rule (decided again at every new view, since what will be saved next is unknown):
+    let ``U`` be the byte span from the lowest to the highest byte any saved view of the storage
+    touches, and ``covered`` the bytes of the distinct saved views. When ``2 * covered >= |U|``
+    the views cover their span reasonably and ``U`` (rounded out to ``_ALIGN`` bytes) is copied
+    once, every view being rebuilt from it in backward; earlier copies (a smaller span, or views
+    copied on their own) are dropped and their views redirected. Otherwise the new view is copied
+    on its own (compactly), so a small view of a huge storage (one column, one row) never costs
+    the storage. The host thus holds at most the storage's bytes, or the views' bytes when they
+    are sparse: never a storage twice, and exactly the device path's count when the saved views
+    cover their storage (an SDPA output saved whole and as a reshaped view; ``q``, ``k``, ``v``).
+    """
+
+    def __init__(self, t: torch.Tensor, holder: torch.Tensor) -> None:
+        self.holder = weakref.ref(holder)  # alive => the storage is, and its address is not reused
+        self.nbytes = t.untyped_storage().nbytes()
+        self.views: dict[tuple, _Saved] = {}
+        self.lo, self.hi, self.covered = self.nbytes, 0, 0
+        self.span: _HostSpan | None = None
+
+    def alive_for(self, t: torch.Tensor) -> bool:
+        h = self.holder()
+        st = t.untyped_storage()
+        return (h is not None and h.untyped_storage().data_ptr() == st.data_ptr()
+                and self.nbytes == st.nbytes())
+
+    def add(self, t: torch.Tensor, pin: bool) -> tuple[_Saved, int]:
+        """The packed handle of view ``t`` and the change in host bytes its saving caused."""
+        key = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        saved = self.views.get(key)
+        if saved is not None:
+            return saved, 0
+        saved = self.views[key] = _Saved(t)
+        lo, hi = _byte_span(t)
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        self.covered += t.numel() * t.element_size()
+        span = self.span
+        if span is not None and span.start <= lo and hi <= span.start + span.host.numel():
+            saved.span = span
+            return saved, 0
+        if 2 * self.covered < self.hi - self.lo:  # sparse: this view alone
+            saved.own = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            saved.own.copy_(t, non_blocking=pin)  # [*t.shape]; pinned: ordered before later use on the stream
+            return saved, saved.own.numel() * saved.own.element_size()
+        start = self.lo // _ALIGN * _ALIGN
+        end = min(self.nbytes, -(-self.hi // _ALIGN) * _ALIGN)
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (end - start,), (1,))
+        host = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
+        host.copy_(src, non_blocking=pin)  # [end - start] bytes of the storage
+        delta = host.numel() - (span.host.numel() if span is not None else 0)
+        self.span = _HostSpan(host, start)
+        for v in self.views.values():  # same storage, same version: the new span holds the same bytes
+            if v.own is not None:
+                delta -= v.own.numel() * v.own.element_size()
+            v.own, v.span = None, self.span
+        return saved, delta
+
+
 class ActivationStore:
     """Where saved activations live (device or pinned host) and how many bytes each tier held.
 
@@ -105,9 +211,11 @@ class ActivationStore:
         self.pin = self.device.type == "cuda"
         self._peak = dict.fromkeys(TIERS, 0)
         self._device_storages: dict[int, int] = {}  # storage pointer -> bytes (this forward)
-        # the same saved tensor twice -> one host copy; the weak reference proves the device tensor is
-        # still alive (else its address may have been reused by another tensor)
-        self._host_copies: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+        # (storage pointer, version) -> its host copies; a view saved again, or another view of the
+        # same storage, reuses them. The version (shared by a tensor and its views) makes a storage
+        # modified in place after a save get fresh copies; the entry's weak reference proves the
+        # storage is still alive (else its address may have been reused by another tensor).
+        self._host_copies: dict[tuple[int, int], _StorageCopy] = {}
         self._host_bytes = 0
 
     # ------------------------------------------------------------------ public
@@ -128,9 +236,10 @@ class ActivationStore:
     def memory_by_tier(self) -> dict[str, int]:
         """Bytes of saved activations per tier (``device``, ``host``, ``disk``) at the end of the
         last forward, which is their peak (nothing saved is freed before backward). Parameters
-        are not counted (they are model states); on the device, a storage shared by several saved
-        tensors counts once. The transient activations of one block's recomputation are not
-        saved tensors and are not counted."""
+        are not counted (they are model states); a storage shared by several saved tensors counts
+        once on the device, and is copied once to the host (its saved span, or only the views
+        when they are a small part of it: :class:`_StorageCopy`). The transient activations of
+        one block's recomputation are not saved tensors and are not counted."""
         return dict(self._peak)
 
     # ------------------------------------------------------------------ hooks
@@ -144,23 +253,21 @@ class ActivationStore:
         if not self.offload:
             self._device_storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             return ("device", t)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, _version(t))
-        hit = self._host_copies.get(key)
-        host = hit[1] if hit is not None and hit[0]() is t else None
-        if host is None:
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
-            host.copy_(t, non_blocking=self.pin)  # [*t.shape]; pinned: ordered before later use on the stream
-            self._host_copies[key] = (weakref.ref(t), host)
-            self._host_bytes += host.numel() * host.element_size()
-        return ("host", host, t.device)
+        with torch.no_grad():
+            key = (t.untyped_storage().data_ptr(), _version(t))
+            entry = self._host_copies.get(key)
+            if entry is None or not entry.alive_for(t):
+                entry = self._host_copies[key] = _StorageCopy(t, base)
+            saved, delta = entry.add(t, self.pin)
+        self._host_bytes += delta
+        return ("host", saved)
 
     def _unpack(self, packed: tuple) -> torch.Tensor:
         kind = packed[0]
         if kind == "device":
             return packed[1]
         if kind == "host":
-            _, host, device = packed
-            return host.to(device, non_blocking=self.pin)
+            return self._from_host(packed[1])
         p = packed[1]
         if p.numel() == 0 and not (kind == "param_view" and 0 in packed[2]):
             raise RuntimeError(
@@ -170,3 +277,23 @@ class ActivationStore:
             return p
         _, _, shape, stride, rel = packed
         return p.detach().as_strided(shape, stride, p.storage_offset() + rel)
+
+    def _from_host(self, saved: _Saved) -> torch.Tensor:
+        """The saved tensor on its device: its own copy moved back, or its window (the saved
+        shape, stride and offset) on the shared span moved back. The window is a view of the
+        moved span, which therefore stays alive, and is reused, while any view rebuilt from it
+        is: views unpacked together cost one transfer."""
+        if saved.own is not None:
+            return saved.own.to(saved.device, non_blocking=self.pin)
+        span = saved.span
+        assert span is not None, "a saved view has neither its own host copy nor a span"
+        buf = span.device() if span.device is not None else None
+        if buf is None:
+            buf = span.host.to(saved.device, non_blocking=self.pin)  # [nbytes] uint8
+            span.device = weakref.ref(buf)
+        size = torch.empty(0, dtype=saved.dtype).element_size()
+        offset = (saved.offset - span.start) // size  # elements into the span (_ALIGN keeps it whole)
+        if buf.numel() % size == 0:
+            return buf.view(saved.dtype).as_strided(saved.shape, saved.stride, offset)
+        out = torch.empty(0, dtype=saved.dtype, device=buf.device)  # a span ending mid-element of this dtype
+        return out.set_(buf.untyped_storage(), offset, saved.shape, saved.stride)
