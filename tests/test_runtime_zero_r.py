@@ -319,13 +319,18 @@ def test_offload_of_strided_views_covering_a_storage_copies_it_once():
     assert torch.equal(got[0], want[0])
 
 
-def test_offload_model_host_bytes_equal_device_bytes():
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_offload_model_host_bytes_equal_device_bytes(device):
     """The GPT (SDPA output saved whole and as the projection's input view; q, k, v): with and
-    without checkpointing the host holds exactly the device path's bytes, gradients exact."""
+    without checkpointing the host (pinned on CUDA) holds exactly the device path's bytes,
+    gradients exact."""
     from zeropp.runtime.activations import ActivationStore, checkpoint_blocks
 
-    model = make_model(TINY)
-    idx, tgt = rank_batches(0, 1, 0)[0]
+    model = make_model(TINY).to(device)
+    idx, tgt = (t.to(device) for t in rank_batches(0, 1, 0)[0])
     _, loss = model(idx, tgt)
     loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -334,7 +339,7 @@ def test_offload_model_host_bytes_equal_device_bytes():
         tiers = []
         for offload in (False, True):
             model.zero_grad(set_to_none=True)
-            store = ActivationStore(torch.device("cpu"), offload=offload)
+            store = ActivationStore(torch.device(device), offload=offload)
             with store.saving():
                 _, loss2 = model(idx, tgt)
             loss2.backward()

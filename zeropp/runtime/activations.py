@@ -172,6 +172,9 @@ class _StorageCopy:
         if saved is not None:
             return saved, 0
         saved = self.views[key] = _Saved(t)
+        if t.numel() == 0:  # no bytes, no span
+            saved.own = torch.empty(t.shape, dtype=t.dtype)
+            return saved, 0
         lo, hi = _byte_span(t)
         self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         self.covered += t.numel() * t.element_size()
