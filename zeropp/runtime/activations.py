@@ -194,6 +194,8 @@ class _StorageCopy:
         delta = host.numel() - (span.host.numel() if span is not None else 0)
         self.span = _HostSpan(host, start)
         for v in self.views.values():  # same storage, same version: the new span holds the same bytes
+            if v.own is not None and v.own.numel() == 0:
+                continue  # an empty view keeps its empty tensor (it has no place in the span)
             if v.own is not None:
                 delta -= v.own.numel() * v.own.element_size()
             v.own, v.span = None, self.span
