@@ -244,16 +244,6 @@ def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
     return impl == "triton"
 
 
-def copy_into(q: QuantizedTensor, out: QuantizedTensor | None) -> QuantizedTensor:
-    """``q`` itself, or copied into the caller's ``out`` (for paths that cannot write in place)."""
-    if out is None:
-        return q
-    check_quantized_out(out, q.rows, q.cols, q.bits, q.group_size, q.codes.device)
-    out.codes.copy_(q.codes)
-    out.scales.copy_(q.scales)
-    return out
-
-
 def quantize(
     x: torch.Tensor,
     bits: int = 8,

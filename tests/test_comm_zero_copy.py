@@ -250,10 +250,10 @@ def _check_world(results: list[dict], W: int, hierarchical: bool) -> None:
 
 
 def _check_cpu_path(results: list[dict], W: int) -> None:
-    """The CPU kernels (``kernels/cpu.py``) return new codes and scales (no ``out=`` yet), which
-    ``kernels.quantize.copy_into`` copies into the send buffer: so on CPU the only copies around
-    the collective are those quantized bytes, once (at most the send buffer's size), and the
-    only allocations the send and receive buffers. No pack ``cat``, no unpack copy, no
+    """The CPU kernels (``kernels/cpu.py``) write codes and scales into the send buffer through
+    ``out=``; this bound is the looser one from before they did (the only copies around the
+    collective at most the send buffer's size of quantized bytes), and the only allocations the
+    send and receive buffers. No pack ``cat``, no unpack copy, no
     full-precision temporary."""
     for res in results:
         for key, rec in res.items():

@@ -259,6 +259,17 @@ class MemorySnapshot:
                 "process": dict(self.process), "peak": self.peak, "peak_source": self.peak_source}
 
 
+def _with_peak(phase: str, tiers: dict[str, dict[str, int]], device: torch.device) -> MemorySnapshot:
+    """The snapshot of ``tiers`` with the process figures and the phase's peak: the CUDA
+    allocator's on GPUs, else the accounted device bytes."""
+    proc = process_stats(device)
+    if "peak_allocated" in proc:
+        peak, src = proc["peak_allocated"], "cuda_allocator"
+    else:
+        peak, src = sum(tiers["device"].values()), "accounting"
+    return MemorySnapshot(phase=phase, tiers=tiers, process=proc, peak=peak, peak_source=src)
+
+
 def flat_snapshot(phase: str, flat: Mapping[str, int], device: torch.device) -> MemorySnapshot:
     """A snapshot from a flat model-state report (``params``/``grads``/``optimizer``[/``hpz_secondary``]),
     all on the device: for trainers without the engine's tiered accounting (DDP, FSDP2)."""
@@ -266,12 +277,7 @@ def flat_snapshot(phase: str, flat: Mapping[str, int], device: torch.device) -> 
     for c in MODEL_STATE:
         tiers["device"][c] = int(flat.get(c, 0))
     tiers["device"]["params"] += int(flat.get("hpz_secondary", 0))
-    proc = process_stats(device)
-    if "peak_allocated" in proc:
-        peak, src = proc["peak_allocated"], "cuda_allocator"
-    else:
-        peak, src = sum(tiers["device"].values()), "accounting"
-    return MemorySnapshot(phase=phase, tiers=tiers, process=proc, peak=peak, peak_source=src)
+    return _with_peak(phase, tiers, device)
 
 
 def snapshot(phase: str, units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]],
@@ -280,9 +286,4 @@ def snapshot(phase: str, units: Iterable[FlatUnit], sources: Mapping[str, Iterab
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     tiers = account(units, sources, device)
-    proc = process_stats(device)
-    if "peak_allocated" in proc:
-        peak, src = proc["peak_allocated"], "cuda_allocator"
-    else:
-        peak, src = sum(tiers["device"].values()), "accounting"
-    return MemorySnapshot(phase=phase, tiers=tiers, process=proc, peak=peak, peak_source=src)
+    return _with_peak(phase, tiers, device)
