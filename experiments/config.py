@@ -299,6 +299,7 @@ class RunConfig:
             parts += [f"qwZ[{z.weights.label}]"] if z.weights else []
             parts += ["hpZ"] if z.hpz else []
             parts += [f"qgZ[{z.grads.label}]"] if z.grads else []
+            parts += [f"qWD[{z.weight_diff.label}]"] if z.weight_diff else []
             head = "+".join(parts)
         else:
             q = [f"w:{z.weights.label}" if z.weights else "", f"g:{z.grads.label}" if z.grads else ""]

@@ -128,7 +128,8 @@ def register() -> None:
     cs.store(name="run_schema", node=run_schema())
     for name, r in RECIPES.items():
         cs.store(group="quant", name=name, package="zero",
-                 node={"weights": _spec_node(r.weights), "grads": _spec_node(r.grads), "hpz": r.hpz})
+                 node={"weights": _spec_node(r.weights), "grads": _spec_node(r.grads),
+                       "weight_diff": _spec_node(r.weight_diff), "hpz": r.hpz})
     for name, sizes in MODEL_PRESETS.items():
         cs.store(group="model", name=name, package="model", node={"kind": "gpt", **sizes})
     # model=hf: every HFConfig field at its default, so the union's GPT defaults of shared keys are replaced

@@ -246,6 +246,9 @@ class QuantRecipe:
     """qgZ: the spec of the gradient reduce-scatters; None = full precision."""
     hpz: bool = False
     """hpZ: keep an intra-node secondary weight partition so backward gathers stay in the node."""
+    weight_diff: Optional[QuantSpec] = None
+    """qWD: the spec of the weight-difference refresh after each step (stages 1-2: the parameter
+    all-gather; stage 3: hpZ's secondary refresh); None = send the weights themselves."""
 
     @classmethod
     def from_name(cls, name: str) -> "QuantRecipe":
@@ -267,12 +270,19 @@ RECIPES: dict[str, QuantRecipe] = {
     "w4g4": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4)),
     "w4g4h": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4, rotation="hadamard")),
     "zeropp": QuantRecipe(weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), hpz=True),
+    "qwd": QuantRecipe(weight_diff=QuantSpec(bits=4)),
+    "sdp4bit": QuantRecipe(weights=QuantSpec(bits=4),
+                           grads=QuantSpec(bits=4, rotation="hadamard", error_feedback=True),
+                           weight_diff=QuantSpec(bits=4), hpz=True),
 }
 """The named recipes (the runner's ``quant=`` options): ``int8``/``int4``/``qwz`` weights only,
 ``qgz`` gradients only (INT4), ``hpz`` hierarchical partitioning only, ``w8g8``/``w8g4``/``w4g4``
 weights + gradients, ``w4g4h`` = ``w4g4`` with both qgZ hops in a Hadamard-rotated basis
 (blocks of 128 = the gradient group size), ``zeropp`` qwZ INT8 + hpZ + qgZ INT4 (the ZeRO++
-paper's setting).
+paper's setting), ``qwd`` INT4 weight differences only (stages 1-2; at stage 3 with
+``zero.hpz=true``), ``sdp4bit`` SDP4Bit's setting at stage 3: INT4 weight differences refreshing
+hpZ's secondary copies (the first gather INT4 qwZ), Hadamard-rotated INT4 gradients with error
+feedback.
 
 ``w4g4h`` rotates the gradients only, where SDP4Bit applies the rotation: gradients are
 heavy-tailed, so spreading their outliers lowers the INT4 error, while weights are close to

@@ -61,6 +61,16 @@ class ZeroConfig:
     hop, ``intra_bits`` for the intra-node hop, ``error_feedback`` keeps each rank's residual;
     None = full precision."""
 
+    weight_diff: QuantSpec | None = None
+    """qWD (SDP4Bit's weight-difference quantization): after each optimizer step, send the quantized
+    difference between the new weights and the weights every rank already holds, instead of the
+    weights. Stages 1-2: the parameter all-gather. Stage 3 (needs ``hpz=True``): hpZ's secondary
+    copies persist across steps and are refreshed by one global all-gather of these differences,
+    so forward and backward gathers stay inside the node. The difference is taken against the
+    weights the ranks hold (not the exact ones), so the rounding error does not accumulate over
+    steps. One-hop gather: ``intra_bits`` and ``error_feedback`` must stay unset. None = off
+    (``zeropp.runtime.weight_diff``)."""
+
     reduce_bucket_size: int = 500_000_000
     """Most elements (of the unsharded buffer) one gradient collective moves; a block larger than
     this is reduced in several column chunks. Blocks are never merged."""
@@ -137,6 +147,7 @@ class ZeroConfig:
                 f"which only a two-hop gradient reduce-scatter uses; a weight gather has one hop and keeps no "
                 f"residual, so leave both unset (intra_bits=None, error_feedback=False)"
             )
+        self._check_weight_diff()
         if self.hpz and self.stage != 3:
             raise ValueError(f"hpZ partitions stage-3 parameters; set stage=3 or hpz=False (got stage={self.stage})")
         if self.hpz_size is not None and not self.hpz:
@@ -164,6 +175,27 @@ class ZeroConfig:
         if self.loss_scale_init <= 0 or self.loss_scale_window < 1:
             raise ValueError("ZeroConfig.loss_scale_init must be > 0 and loss_scale_window >= 1")
         self._check_offload()
+
+    def _check_weight_diff(self) -> None:
+        wd = self.weight_diff
+        _check_spec("weight_diff", wd)
+        if wd is None:
+            return
+        if self.stage == 0:
+            raise ValueError(
+                f"ZeroConfig.weight_diff={wd} (qWD) replaces the parameter all-gather of stages 1-2 and hpZ's refresh "
+                f"at stage 3; stage 0 updates full replicas locally and sends no weights. Set stage>=1 or "
+                f"weight_diff=None")
+        if self.stage == 3 and not self.hpz:
+            raise ValueError(
+                f"ZeroConfig.weight_diff={wd} at stage 3 refreshes hpZ's secondary copies, which hpz=False does not "
+                f"keep; set hpz=True or weight_diff=None")
+        if wd.intra_bits is not None or wd.error_feedback:
+            raise ValueError(
+                f"ZeroConfig.weight_diff={wd!r} sets intra_bits={wd.intra_bits!r} / error_feedback="
+                f"{wd.error_feedback!r}: a weight-difference gather has one hop, and the weights the ranks hold "
+                f"already carry the rounding error into the next difference (feeding it back again would "
+                f"double it); leave both unset (intra_bits=None, error_feedback=False)")
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_param"):
@@ -205,17 +237,17 @@ class ZeroConfig:
 
     @classmethod
     def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> "ZeroConfig":
-        """A config whose ``weights``, ``grads`` and ``hpz`` come from a named recipe
-        (``zeropp.comm.spec.RECIPES``: ``int8``, ``w8g4``, ``zeropp``, ...) or a
-        :class:`QuantRecipe`; ``fields`` set the rest (and must not repeat the recipe's three)."""
+        """A config whose ``weights``, ``grads``, ``weight_diff`` and ``hpz`` come from a named recipe
+        (``zeropp.comm.spec.RECIPES``: ``int8``, ``w8g4``, ``zeropp``, ``sdp4bit``, ...) or a
+        :class:`QuantRecipe`; ``fields`` set the rest (and must not repeat the recipe's four)."""
         r = QuantRecipe.from_name(recipe) if isinstance(recipe, str) else recipe
         if not isinstance(r, QuantRecipe):
             raise ValueError(f"ZeroConfig.from_recipe needs a recipe name or a QuantRecipe, got {type(r).__name__}")
-        clash = sorted(set(fields) & {"weights", "grads", "hpz"})
+        clash = sorted(set(fields) & {"weights", "grads", "weight_diff", "hpz"})
         if clash:
             raise ValueError(f"ZeroConfig.from_recipe: {clash} come from the recipe; pass a different recipe "
                              f"or build ZeroConfig(...) directly")
-        return cls(weights=r.weights, grads=r.grads, hpz=r.hpz, **fields)
+        return cls(weights=r.weights, grads=r.grads, weight_diff=r.weight_diff, hpz=r.hpz, **fields)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,10 @@ Life of a step (``grad_accum_steps`` micro-batches):
    ``offload_optimizer=cpu`` each unit's final gradient is copied to its host buffer as soon as
    it is reduced (``HostAdamW.land_grad``) and all of this runs on those host buffers.
 3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
-   (stages 1 and 2); hpZ secondary copies are dropped because they are now stale.
+   (stages 1 and 2); hpZ secondary copies are dropped because they are now stale. With
+   ``ZeroConfig.weight_diff`` the ranks instead receive quantized differences from the weights
+   they hold: stages 1-2 add them to their replicas, stage 3 to its persistent hpZ secondaries
+   (``weight_diff.py``).
 
 Where the state lives: in fp32 without offload the master *is* the parameter (the stage-3 shard,
 or this rank's slice of the stage 0-2 flat buffer), so there is no second fp32 copy (16 / 10 / 7 / 4
@@ -73,6 +76,7 @@ from .batch import LossFn, call_model, loss_of
 from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
+from .weight_diff import WeightDiff
 
 
 REDUCE_INFLIGHT = 2
@@ -186,8 +190,12 @@ class ZeroEngine:
         self.param_store = ParamStore(cfg.offload_param, self.units, dtype=self.dtype, device=self.device,
                                       space=self.swap) if cfg.stage == 3 else None
         """Stage 3: where the parameter shards live between gathers (``offload.py``), or None."""
-        # fp32 without offload: the master IS the parameter (shard or flat view), no second copy
+        # fp32 without offload: the master IS the parameter (shard or flat view), no second copy;
+        # except stages 1-2 with weight_diff, whose replicas hold approximate weights (weight_diff.py)
         alias = self.dtype == torch.float32 and cfg.offload_optimizer == "none" and cfg.offload_param == "none"
+        alias = alias and not (cfg.weight_diff is not None and cfg.stage in (1, 2))
+        if cfg.weight_diff is not None and cfg.stage in (1, 2):
+            self.shares_fp32_master = False
         masters = []
         for u in self.units:
             full = u.flatten_data(torch.float32)  # [padded]
@@ -222,11 +230,14 @@ class ZeroEngine:
         """The constant pool of gather and reduce-scatter buffers (``buffers.BufferPool``; ``nbytes``)."""
         self.error_feedback = self._make_error_feedback()
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
+        self.weight_diff = (WeightDiff(cfg.weight_diff, self.comm, dtype=self.dtype, device=self.device,
+                                       bucket=cfg.allgather_bucket_size) if cfg.weight_diff is not None else None)
+        """qWD: the weight-difference refresh after each step (``weight_diff.py``), or None."""
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
                             for u in self.units if self._reduces_when_ready(u) for p in u.params]
         self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units, self.comm, config=cfg, dtype=self.dtype,
                                   device=self.device, on_block_backward=self.flush_reductions_before,
-                                  pool=self.buffers) if cfg.stage == 3 else None
+                                  pool=self.buffers, weight_diff=self.weight_diff) if cfg.stage == 3 else None
         self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
         order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
@@ -245,6 +256,8 @@ class ZeroEngine:
         if self.swap is not None:
             self.track_memory("buffers", self.swap)  # the nvme tier's staging buffers (host)
         self.track_memory("buffers", self.buffers)
+        if self.weight_diff is not None:
+            self.track_memory("buffers", self.weight_diff)  # stage 3: the references of the hpZ secondaries
         self.track_memory("activations", self.activations)
         self._phases: dict[str, mem.MemorySnapshot] = {}
         self._record_phase("model_creation")
@@ -581,33 +594,51 @@ class ZeroEngine:
         for u in self.units:
             if u.grad_shard is not None:
                 u.grad_shard.zero_()
-            u.secondary = None  # stale after the step (hpZ)
+            if self.weight_diff is None:
+                u.secondary = None  # stale after the step (hpZ); with weight_diff refreshed in _refresh_unit
         res.comm_wait_s = self.comm.wait_s
         return res
 
     @torch.no_grad()
     def refresh_params(self) -> None:
-        """Rebuild compute-dtype parameters from the fp32 masters (after a step or a load)."""
+        """Rebuild compute-dtype parameters from the fp32 masters (after a load). Exact: with
+        ``weight_diff`` the weights are sent whole (stages 1-2) or the hpZ secondaries and their
+        references are dropped, to be rebuilt by the next training forward (stage 3)."""
         works: list = []
         for i in range(len(self.units)):
-            self._refresh_unit(i, works)
+            self._refresh_unit(i, works, exact=True)
         for w in works:
             w.wait()
 
-    def _refresh_unit(self, i: int, works: list) -> None:
-        """Refresh unit ``i``'s compute parameters from master ``i``; stages 1/2 append the async
-        all-gather to ``works`` (issued in unit order on every rank)."""
+    def _refresh_unit(self, i: int, works: list, exact: bool = False) -> None:
+        """Refresh unit ``i``'s compute parameters from master ``i``; stages 1/2 (and stage 3 with
+        ``weight_diff``) append the async all-gather to ``works`` (issued in unit order on every
+        rank). ``exact=False`` with ``weight_diff``: send quantized weight differences."""
         u = self.units[i]
+        wd = self.weight_diff
         if u.kind == "replicated":
             self.optim.copy_master_to(i, u.flat)  # nothing to do when the master is the flat (fp32)
         elif u.kind == "sharded":
             self.param_store.update(u, self.optim, i)
-            u.secondary = None
+            if wd is not None and not exact and wd.has_secondary(u):
+                works.append(wd.refresh_secondary(u, self._master32(i)))
+            else:
+                u.secondary = None
+                if wd is not None:
+                    wd.drop(u)
+        elif wd is not None and not exact:  # stages 1/2 with weight_diff: quantized differences
+            works.append(wd.refresh_replica(u, self._master32(i)))
         else:  # stages 1/2: everyone needs every updated shard
             m = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S] (not a view of u.flat)
             self.optim.copy_master_to(i, m)
             works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
                                               kind="param_all_gather", async_op=True))
+
+    def _master32(self, i: int) -> torch.Tensor:
+        """A copy of fp32 master ``i`` on the engine's device ([S])."""
+        m = torch.empty(self.optim.numels[i], dtype=torch.float32, device=self.device)
+        self.optim.copy_master_to(i, m)
+        return m
 
     # ------------------------------------------------------------------ misc
     def _checkpoint_target(self) -> ckpt.CheckpointTarget:

@@ -61,6 +61,7 @@ from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
 from .partition import FlatUnit
+from .weight_diff import WeightDiff
 
 ROOT = -1  # hook index of the root unit
 
@@ -91,7 +92,7 @@ class Stage3Hooks:
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
                  all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
                  device: torch.device, on_block_backward: Callable[[FlatUnit], None],
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, weight_diff: "WeightDiff | None" = None) -> None:
         self.units: list[FlatUnit] = [u for _, u in blocks]
         self.root = root
         self.all_units = list(all_units)
@@ -99,6 +100,10 @@ class Stage3Hooks:
         self.on_block_backward = on_block_backward
         self.pool = pool if pool is not None else BufferPool(dtype, device)
         """Where gather buffers come from and go back to (the engine's constant pool)."""
+        self.weight_diff = weight_diff
+        """qWD (``weight_diff.py``): keeps the owner's reference when a secondary is made, and the
+        secondaries then persist across steps (refreshed by the engine), so later forward and
+        backward gathers come from them, inside the node."""
         self.depth = config.prefetch_depth
         self.ran = [0] * len(self.units)  # per block: how many times its forward ran in the current forward
         self.first = [-1] * len(self.units)  # per block: its place in the current forward's run order
@@ -291,6 +296,8 @@ class Stage3Hooks:
         if grad and self.cfg.hpz and u.secondary is None:
             h = self.comm.hpz_size
             u.secondary = u.flat.view(h, -1)[self.comm.hpz_rank].clone()  # [padded / h]
+            if self.weight_diff is not None:
+                self.weight_diff.keep_reference(u)  # [S]: what the holders of this rank's shard got
         self.release(u)
         if not grad:
             return output
