@@ -266,9 +266,25 @@ def test_recipes():
     assert sdp.grads == QuantSpec(bits=4, rotation="hadamard", error_feedback=True)
     cfg = ZeroConfig.from_recipe("sdp4bit", stage=3)
     assert (cfg.weights, cfg.grads, cfg.weight_diff, cfg.hpz) == (sdp.weights, sdp.grads, sdp.weight_diff, True)
-    assert ZeroConfig.from_recipe("qwd", stage=2).weight_diff == W4
+    qwd = ZeroConfig.from_recipe("qwd")  # every recipe is valid at the default stage 3
+    assert (qwd.weights, qwd.grads, qwd.weight_diff, qwd.hpz) == (None, None, W4, True)
     with pytest.raises(ValueError, match="weight_diff"):
         ZeroConfig.from_recipe("sdp4bit", weight_diff=W8)
-    with pytest.raises(ValueError, match="hpz=True"):
-        ZeroConfig.from_recipe("qwd")  # stage 3 by default, and qwd has no hpZ
     assert ZeroConfig.from_recipe(QuantRecipe(weight_diff=W8), stage=1).weight_diff == W8
+
+
+def test_runner_recipes_carry_weight_diff():
+    """``quant=sdp4bit`` / ``quant=qwd`` reach ZeroConfig with their weight_diff, refinable as
+    ``zero.weight_diff.bits=8``; stages 1-2 through ``quant=qwd zero.hpz=false``."""
+    from tests.test_experiments_config import _cfg
+    from zeropp.experiments.config import from_dict
+
+    for name in ("sdp4bit", "qwd", "zeropp"):
+        rc = from_dict(_cfg(f"quant={name}"))
+        r = RECIPES[name]
+        assert (rc.zero.weights, rc.zero.grads, rc.zero.weight_diff, rc.zero.hpz) == (r.weights, r.grads,
+                                                                                      r.weight_diff, r.hpz)
+    rc = from_dict(_cfg("quant=sdp4bit", "zero.weight_diff.bits=8"))
+    assert rc.zero.weight_diff == W8 and "qWD[int8]" in rc.describe()
+    rc = from_dict(_cfg("quant=qwd", "stage=2", "zero.hpz=false"))
+    assert rc.zero.stage == 2 and rc.zero.weight_diff == W4 and not rc.zero.hpz

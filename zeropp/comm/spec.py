@@ -270,7 +270,7 @@ RECIPES: dict[str, QuantRecipe] = {
     "w4g4": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4)),
     "w4g4h": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4, rotation="hadamard")),
     "zeropp": QuantRecipe(weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), hpz=True),
-    "qwd": QuantRecipe(weight_diff=QuantSpec(bits=4)),
+    "qwd": QuantRecipe(weight_diff=QuantSpec(bits=4), hpz=True),
     "sdp4bit": QuantRecipe(weights=QuantSpec(bits=4),
                            grads=QuantSpec(bits=4, rotation="hadamard", error_feedback=True),
                            weight_diff=QuantSpec(bits=4), hpz=True),
@@ -279,8 +279,8 @@ RECIPES: dict[str, QuantRecipe] = {
 ``qgz`` gradients only (INT4), ``hpz`` hierarchical partitioning only, ``w8g8``/``w8g4``/``w4g4``
 weights + gradients, ``w4g4h`` = ``w4g4`` with both qgZ hops in a Hadamard-rotated basis
 (blocks of 128 = the gradient group size), ``zeropp`` qwZ INT8 + hpZ + qgZ INT4 (the ZeRO++
-paper's setting), ``qwd`` INT4 weight differences only (stages 1-2; at stage 3 with
-``zero.hpz=true``), ``sdp4bit`` SDP4Bit's setting at stage 3: INT4 weight differences refreshing
+paper's setting), ``qwd`` INT4 weight differences refreshing hpZ's secondaries, gathers unquantized (stage 3,
+which needs hpZ for them; for stages 1-2 add ``zero.hpz=false``), ``sdp4bit`` SDP4Bit's setting at stage 3: INT4 weight differences refreshing
 hpZ's secondary copies (the first gather INT4 qwZ), Hadamard-rotated INT4 gradients with error
 feedback.
 
