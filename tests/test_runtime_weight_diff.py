@@ -37,6 +37,9 @@ CASES = {
     "qwz4_s3": dict(stage=3, weights=W4),
     "wd4_s3": dict(stage=3, weights=W4, hpz=True, weight_diff=W4),
     "wd8_s3_bf16": dict(stage=3, hpz=True, weight_diff=W8, precision="bf16"),
+    # offloaded masters (and stage-3 parameter shards): the differences come from the host masters
+    "wd4_s2_off": dict(stage=2, weight_diff=W4, offload_optimizer="cpu"),
+    "wd4_s3_off": dict(stage=3, weights=W4, hpz=True, weight_diff=W4, offload_optimizer="cpu", offload_param="cpu"),
 }
 
 
@@ -99,7 +102,8 @@ def _train(rank: int, kw: dict) -> dict:
             snaps.append(_snapshot(eng))
         shards = [u.shard_numel for u in eng.units if u.kind != "replicated"]
         return {"losses": losses, "errors": errors, "snaps": snaps, "comm": eng.comm_stats.snapshot(),
-                "shards": shards, "memory": eng.memory_phases()["step"].tiers["device"]["buffers"]}
+                "shards": shards, "memory": eng.memory_phases()["step"].tiers["device"]["buffers"],
+                "report": eng.memory_report()}
     finally:
         eng.close()
 
@@ -152,20 +156,20 @@ def _stage3_consistent(snaps: list[dict], h: int) -> None:
 
 
 def test_replicas_stay_identical(runs):
-    for name in ("wd8_s2", "wd4_s2", "wd4_s1", "wd8_s2_bf16"):
+    for name in ("wd8_s2", "wd4_s2", "wd4_s1", "wd8_s2_bf16", "wd4_s2_off"):
         for step in range(STEPS):
             flats = [runs[r][name]["snaps"][step]["flat"] for r in range(WORLD)]
             assert flats[0], name
             for r in range(1, WORLD):
                 for a, b in zip(flats[0], flats[r]):
                     assert (a == b).all(), (name, step, r)
-    for name in ("wd4_s3", "wd8_s3_bf16"):
+    for name in ("wd4_s3", "wd8_s3_bf16", "wd4_s3_off"):
         for step in range(STEPS):
             _stage3_consistent([runs[r][name]["snaps"][step] for r in range(WORLD)], h=WORLD // NODES)
 
 
 def test_error_is_bounded_and_beats_requantizing_the_weights(runs):
-    for name in ("wd8_s2", "wd4_s2", "wd4_s1", "wd8_s2_bf16", "wd4_s3", "wd8_s3_bf16"):
+    for name in ("wd8_s2", "wd4_s2", "wd4_s1", "wd8_s2_bf16", "wd4_s3", "wd8_s3_bf16", "wd4_s2_off", "wd4_s3_off"):
         errs = [max(runs[r][name]["errors"][s] for r in range(WORLD)) for s in range(STEPS)]
         # the error of the held weights does not accumulate: the last steps are no worse than the first
         assert max(errs[-2:]) <= 1.5 * max(errs[:2]) + 1e-6, (name, errs)
@@ -196,7 +200,7 @@ def test_bytes_match_the_formula(runs):
     from zeropp.runtime.weight_diff import KIND, WeightDiff
 
     rpn = WORLD // NODES
-    for name in ("wd8_s2", "wd4_s2", "wd4_s1", "wd8_s2_bf16", "wd4_s3", "wd8_s3_bf16"):
+    for name in ("wd8_s2", "wd4_s2", "wd4_s1", "wd8_s2_bf16", "wd4_s3", "wd8_s3_bf16", "wd4_s2_off", "wd4_s3_off"):
         spec = CASES[name]["weight_diff"]
         for rank in range(WORLD):
             r = runs[rank][name]
@@ -224,6 +228,15 @@ def test_stage3_references_are_counted(runs):
     """The references (one [S] compute-dtype copy per sharded unit) are counted under buffers."""
     with_refs = runs[0]["wd4_s3"]["memory"] - runs[0]["qwz4_s3"]["memory"]
     assert with_refs == 4 * sum(runs[0]["wd4_s3"]["shards"]), (with_refs, runs[0]["wd4_s3"]["shards"])
+
+
+def test_stages_1_2_keep_a_separate_fp32_master(runs):
+    """fp32: without weight_diff the master is this rank's slice of the flat buffer; with it the replica
+    holds approximate weights, so the master is a second fp32 copy (4 bytes per shard element more)."""
+    plain, wd = runs[0]["fp_s2"], runs[0]["wd4_s2"]
+    assert wd["report"]["optimizer"] - plain["report"]["optimizer"] == 4 * sum(wd["shards"]), (wd["report"],
+                                                                                              plain["report"])
+    assert wd["report"]["params"] == plain["report"]["params"]
 
 
 def test_checkpoint_with_weight_differences(runs):

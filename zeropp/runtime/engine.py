@@ -28,7 +28,8 @@ Life of a step (``grad_accum_steps`` micro-batches):
    (``weight_diff.py``).
 
 Where the state lives: in fp32 without offload the master *is* the parameter (the stage-3 shard,
-or this rank's slice of the stage 0-2 flat buffer), so there is no second fp32 copy (16 / 10 / 7 / 4
+or this rank's slice of the stage 0-2 flat buffer; not at stages 1-2 with ``weight_diff``, whose
+replicas hold approximate weights), so there is no second fp32 copy (16 / 10 / 7 / 4
 bytes per parameter for stages 0-3 at 4 ranks). ``offload_optimizer=cpu|nvme`` moves masters and
 moments to host memory or swap files and runs AdamW on the CPU; ``offload_param=cpu|nvme`` keeps
 the stage-3 parameter shards there between gathers (``offload.py``, ``swap.py``).
@@ -430,6 +431,8 @@ class ZeroEngine:
             self.checkpointing.remove()
         for u in self.units:
             u.secondary = u.grad_shard = None
+        if self.weight_diff is not None:
+            self.weight_diff.reset()
         if self.swap is not None:
             self.swap.close()  # deletes this rank's swap files
         self._closed = True

@@ -42,6 +42,12 @@ rank whose forward raised first issues the forward gathers the others issued, so
 pairs up. The usual cause of such an error is a block using a parameter registered in another
 block: only the running block's (and the root's) parameters are present, the others are empty.
 
+Weight differences (``ZeroConfig.weight_diff``, ``weight_diff.py``): when the first training
+forward makes a unit's hpZ secondary, this rank's slice of the gathered buffer is kept as the
+reference of its primary shard; the secondaries then persist across steps (the engine refreshes
+them with quantized differences after each step), so every later gather, forward and backward,
+comes from them, inside the node.
+
 Outputs: a block's (and the model's) output may be any nest of tuples, lists, dicts and
 dataclass-like containers that ``torch.utils._pytree`` can flatten; every tensor in it that
 requires grad goes through one :class:`_PreBackward`.

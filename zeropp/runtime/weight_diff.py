@@ -68,6 +68,7 @@ class _Applied:
         self._work.wait()
         self._apply()
         self.done = True
+        self._work = self._apply = None  # type: ignore[assignment]  # drop the receive buffer now
 
 
 class WeightDiff:
