@@ -65,7 +65,7 @@ def predictions(rc: Any) -> list[dict[str, Any]]:
         for opt, par in offload_choices(stage):
             hpz = (z.hpz_size or t.ranks_per_node) if z.hpz and stage == 3 else None
             by = expected_by_tier(stage, psi, n, param_bytes=pbytes, hpz_size=hpz, offload_optimizer=opt,
-                                  offload_param=par, shared_master=ZeroEngine.shares_fp32_master and pbytes == 4)
+                                  offload_param=par, shared_master=z.shares_fp32_master)
             tiers = tier_totals(by)
             swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (opt, par) else 0
             rows.append({"stage": stage, "offload_optimizer": opt, "offload_param": par, "by_tier": by,

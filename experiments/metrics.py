@@ -88,7 +88,7 @@ def expected_model_state(cfg: RunConfig, n_params: int) -> dict[str, dict[str, f
     hpz = (z.hpz_size or t.ranks_per_node) if z.hpz else None
     return expected_by_tier(z.stage, n_params, t.world_size, param_bytes=pbytes, hpz_size=hpz,
                             offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                            shared_master=ZeroEngine.shares_fp32_master and z.precision == "fp32")
+                            shared_master=z.shares_fp32_master)
 
 
 def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],

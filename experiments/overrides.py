@@ -67,7 +67,7 @@ def _check_spec_key(key: str, args: list[str]) -> None:
     from zeropp.comm.spec import RECIPES
 
     parts = key.split(".")
-    if len(parts) < 3 or parts[0] != "zero" or parts[1] not in ("weights", "grads"):
+    if len(parts) < 3 or parts[0] != "zero" or parts[1] not in ("weights", "grads", "weight_diff"):
         return
     if any(a.startswith(("sweep=", "+trainer_job=")) for a in args):
         return  # the sweep chooses quant per job; Hydra reports a job whose recipe leaves the spec null

@@ -235,6 +235,15 @@ class ZeroConfig:
         """The compute/communication dtype."""
         return _DTYPES[self.precision]
 
+    @property
+    def shares_fp32_master(self) -> bool:
+        """True when the fp32 master weights are the parameters themselves (no second fp32 copy,
+        4 bytes per parameter fewer): an fp32 run, except stages 1-2 with ``weight_diff``, whose
+        replicas hold the approximate weights the differences build (``weight_diff.py``). The
+        engine aliases them only without offload; ``memory.expected_by_tier(shared_master=...)``
+        takes this value and applies the offload rules itself."""
+        return self.precision == "fp32" and not (self.weight_diff is not None and self.stage in (1, 2))
+
     @classmethod
     def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> "ZeroConfig":
         """A config whose ``weights``, ``grads``, ``weight_diff`` and ``hpz`` come from a named recipe

@@ -193,10 +193,7 @@ class ZeroEngine:
         """Stage 3: where the parameter shards live between gathers (``offload.py``), or None."""
         # fp32 without offload: the master IS the parameter (shard or flat view), no second copy;
         # except stages 1-2 with weight_diff, whose replicas hold approximate weights (weight_diff.py)
-        alias = self.dtype == torch.float32 and cfg.offload_optimizer == "none" and cfg.offload_param == "none"
-        alias = alias and not (cfg.weight_diff is not None and cfg.stage in (1, 2))
-        if cfg.weight_diff is not None and cfg.stage in (1, 2):
-            self.shares_fp32_master = False
+        alias = cfg.shares_fp32_master and cfg.offload_optimizer == "none" and cfg.offload_param == "none"
         masters = []
         for u in self.units:
             full = u.flatten_data(torch.float32)  # [padded]
@@ -341,11 +338,6 @@ class ZeroEngine:
         """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
         holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
         return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
-
-    shares_fp32_master: bool = True
-    """True when an fp32 run's master weights are the parameter shard itself (no second fp32
-    copy): ``memory.expected_memory(shared_master=...)`` for this engine's predictions. This
-    engine does so whenever neither the optimizer nor the parameters are offloaded."""
 
     def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
         """This rank's memory by tier and category after model creation and, from the last step,
