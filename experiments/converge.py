@@ -101,7 +101,8 @@ class SuiteConfig:
             raise ConfigError("invalid config: schemes is empty; name at least fp and one scheme, e.g. schemes=fp,w4g4")
         dup = sorted({s for s in self.schemes if self.schemes.count(s) > 1})
         if dup:
-            raise ConfigError(f"invalid config: schemes={','.join(self.schemes)} repeats {', '.join(dup)}; name each once")
+            raise ConfigError(f"invalid config: schemes={','.join(self.schemes)} repeats {', '.join(dup)}; "
+                              "name each once")
         for s in self.schemes:
             scheme_overrides(s)  # unknown name / missing recipe
         if BASELINE not in self.schemes:
@@ -227,7 +228,13 @@ def run_suite(cfg: SuiteConfig, *, runner: Runner | None = None,
     ``runner`` defaults to :func:`experiments.run.run_job`; ``on_result`` sees the results so far
     after each run (the CLI rewrites the table then)."""
     if runner is None:
-        from .run import run_job as runner  # noqa: N811 - the default runner
+        from .run import run_job
+
+        runner = run_job
+    runs = cfg.out / "runs"
+    if runs.is_dir() and any(runs.iterdir()):  # a run's metrics.jsonl would be appended to, its curve mixed
+        raise ConfigError(f"invalid config: out={cfg.out} already holds runs ({runs}); choose a new out= "
+                          "(the default is a new time-stamped directory)")
     for s in cfg.schemes:  # the whole config, once per scheme, before the first run
         compose(cfg.run_overrides(s, cfg.seeds[0]))
     results: list[RunResult] = []

@@ -95,7 +95,8 @@ def test_gap_formula_seed_spread_and_failed_run(tmp_path: Path, capsys: pytest.C
     g = [100 * (2.20 / 2.00 - 1), 100 * (2.21 / 2.02 - 1)]
     assert rows["w4g4"]["gap_pct_mean"] == pytest.approx(statistics.fmean(g))
     assert rows["w4g4"]["gap_pct_sd"] == pytest.approx(statistics.stdev(g))
-    noise = max(statistics.stdev(g), 100 * statistics.stdev([2.0, 2.02]) / 2.01, 100 * statistics.stdev([2.2, 2.21]) / 2.01)
+    noise = max(statistics.stdev(g), 100 * statistics.stdev([2.0, 2.02]) / 2.01,
+                100 * statistics.stdev([2.2, 2.21]) / 2.01)
     assert rows["w4g4"]["seed_spread_pct"] == pytest.approx(noise)
     assert rows["w4g4"]["outside_seed_spread"] is True  # ~+9.7% against < 1% of seed noise
     assert rows["w4g4_ef"]["gap_pct_mean"] == pytest.approx(statistics.fmean([0.5, 0.0]))
@@ -140,6 +141,13 @@ def test_bad_inputs_refused_before_any_run(tmp_path: Path, capsys: pytest.Captur
     for w in words:
         assert w in err
     assert not (tmp_path / "x").exists()
+
+
+def test_out_with_runs_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "runs" / "fp" / "seed0").mkdir(parents=True)
+    run, calls = _fake_runner({}, set())
+    assert converge.main(["schemes=fp,w4g4", f"out={tmp_path}", *TINY], runner=run) == 2
+    assert "already holds runs" in capsys.readouterr().err and calls == []
 
 
 def test_missing_recipe_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
