@@ -137,6 +137,11 @@ class TrainConfig:
     """Sequences per rank per micro-batch (``zero.grad_accum_steps`` micro-batches per step)."""
     eval_every: int = 0
     """Evaluate every N steps; 0: only at the end."""
+    eval_batches: int = 1
+    """Held-out micro-batches each rank evaluates per evaluation; the eval loss is their mean over
+    ranks and batches, and every rank reads different ones (rank r takes held-out batches
+    r, r + world, ...), so an evaluation covers ``eval_batches x world x micro_batch_size``
+    sequences. Raise it where eval-loss differences of a percent matter (``experiments.converge``)."""
     log_every: int = 1
     """Write a metrics line every N steps."""
     seed: int = 0
@@ -153,7 +158,7 @@ class TrainConfig:
     re-gathers the block). Every trainer honours it."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "log_every"):
+        for name in ("steps", "micro_batch_size", "log_every", "eval_batches"):
             _pos_int(f"train.{name}", getattr(self, name))
         for name in ("eval_every", "throughput_skip_steps", "checkpoint_every", "seed"):
             _pos_int(f"train.{name}", getattr(self, name), 0)

@@ -70,6 +70,12 @@ def _resume_keys(cfg: RunConfig) -> dict[str, Any]:
                                   "data": dataclasses.asdict(cfg.data), "optim": dataclasses.asdict(cfg.optim)}))
 
 
+def _evaluate(trainer: Any, data: TokenBatches, batches: int, rank: int, world: int) -> float:
+    """Mean held-out loss over ``batches`` rounds; in round k rank r evaluates held-out batch
+    ``k * world + r`` (each ``trainer.eval_loss`` call is collective: the mean over ranks)."""
+    return sum(trainer.eval_loss(*data.eval_batch(k * world + rank)) for k in range(batches)) / batches
+
+
 def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str, dict[str, Any]]:
     """Per-phase, per-tier memory of this rank: the engine's own snapshots (``memory_phases``), or
     for trainers without them the flat report after model creation and after the last step."""
@@ -172,7 +178,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             step_times.append(dt)
             evl = None
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                evl = trainer.eval_loss(*data.eval_batch())
+                evl = _evaluate(trainer, data, t.eval_batches, rank, world)
                 watch.take()
             if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
                 trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
@@ -189,7 +195,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 wb.log(flatten({k: v for k, v in rec.items() if k != "step" and v is not None}), step=step)
             progress.update(step, loss=loss, step_time=dt, tokens_per_s=tps_step / dt if dt > 0 else 0.0)
         progress.close()
-        eval_loss = trainer.eval_loss(*data.eval_batch())
+        eval_loss = _evaluate(trainer, data, t.eval_batches, rank, world)
         watch.take()
     report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
               "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report(),

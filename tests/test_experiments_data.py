@@ -30,3 +30,27 @@ def test_missing_corpus_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(DataError, match="data=random"):
         TokenBatches(DataConfig(kind="text", source="path", path=str(tmp_path / "small.txt")), seq_len=8, batch=1,
                      vocab_size=256, seed=0, rank=0, device=torch.device("cpu"))
+
+
+def test_evaluation_averages_distinct_batches_per_rank_and_round() -> None:
+    """``train.eval_batches``: round k on rank r reads held-out batch k * world + r, and the result
+    is the mean of the (collective) per-round losses."""
+    from zeropp.experiments.worker import _evaluate
+
+    tb = TokenBatches(DataConfig(kind="text", source="python_stdlib", max_bytes=100_000), seq_len=8, batch=2,
+                      vocab_size=256, seed=0, rank=0, device=torch.device("cpu"))
+    seen: list[torch.Tensor] = []
+
+    class Trainer:
+        def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+            seen.append(idx)
+            return float(idx[0, 0])  # a loss that depends on the batch read
+
+    got = _evaluate(Trainer(), tb, 3, rank=1, world=4)
+    want = [tb.eval_batch(i)[0] for i in (1, 5, 9)]
+    assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, want))
+    assert got == pytest.approx(sum(float(w[0, 0]) for w in want) / 3)
+    assert not torch.equal(tb.eval_batch(1)[0], tb.eval_batch(5)[0])
+    from zeropp.experiments.config import TrainConfig
+    with pytest.raises(ValueError, match="train.eval_batches"):
+        TrainConfig(eval_batches=0)
