@@ -192,3 +192,28 @@ def test_bad_tp_input_raises_on_every_rank(case: str, match: str) -> None:
     world = 4 if case == "heads" else 2
     errors = run_world(_bad_world, world, case, timeout=120)
     assert all(match in e for e in errors), errors
+
+
+def _runner_cfg(*overrides: str) -> dict:
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
+
+
+def test_runner_config_validates_tp() -> None:
+    from zeropp.experiments.config import ConfigError, from_dict
+
+    rc = from_dict(_runner_cfg("topology=2x2", "topology.tp=2", "stage=3"))
+    assert rc.topology.tp == 2 and rc.topology.dp_size == 2
+    with pytest.raises(ConfigError, match=r"topology.tp=2 with trainer=fsdp2"):
+        from_dict(_runner_cfg("topology=2x2", "topology.tp=2", "trainer=fsdp2"))
+    with pytest.raises(ConfigError, match=r"tp=4 must divide the GPT's attention heads"):
+        from_dict(_runner_cfg("topology=1x4", "topology.tp=4", "stage=3"))
+    with pytest.raises(ConfigError, match=r"topology.tp=3 must be a positive divisor of ranks_per_node=2"):
+        from_dict(_runner_cfg("topology=2x2", "topology.tp=3"))
+    with pytest.raises(ConfigError, match=r"checkpoints of a tensor-parallel model are not supported"):
+        from_dict(_runner_cfg("topology=2x2", "topology.tp=2", "train.checkpoint_every=5"))
