@@ -12,15 +12,14 @@ norm sums split weights over tp and counts replicated ones once) and the full we
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from tests.distributed import run_world
 from tests.runtime_helpers import TINY, micro_batch, rel_err
-from zeropp.models import GPT, GPTConfig
+from zeropp.models import GPT
 
 STEPS, ACCUM, CLIP, LR, WD = 4, 2, 0.5, 1e-3, 0.01
 BASE = dict(grad_accum_steps=ACCUM, grad_clip=CLIP)
@@ -68,9 +67,11 @@ def _tp_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], 
     dp = topo.dp_index(rank)
     out = []
     for kw in configs:
+        kw = dict(kw)
+        ac = kw.pop("activation_checkpointing", False)  # an engine argument, not a ZeroConfig field
         zc = ZeroConfig(**kw)
         eng = ZeroEngine(parallelize(_model(kind), mesh), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
-                         topology=topo)
+                         topology=topo, activation_checkpointing=ac)
         try:
             res = [eng.train_step([micro_batch(s, j, dp, CFG) for j in range(ACCUM)]) for s in range(steps)]
             w = {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}
@@ -112,7 +113,8 @@ STAGES = [dict(BASE, stage=s) for s in (0, 1, 2, 3)]
 
 def test_gpt_tp2_dp2_matches_single_process_at_every_stage() -> None:
     """2 nodes x 2 ranks, tp=2: each node is one TP group, ZeRO across the two nodes."""
-    configs = STAGES + [dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=300, allgather_bucket_size=500)]
+    configs = STAGES + [dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=300, allgather_bucket_size=500),
+                        dict(BASE, stage=3, activation_checkpointing=True, offload_activations=True)]
     _check(run_world(_tp_world, 4, 2, configs, "gpt", timeout=300), configs, reference("gpt", 2))
 
 
@@ -132,7 +134,7 @@ def test_gpt_tp2_with_qwz_qgz_is_close() -> None:
 
 def test_llama_tp2_matches_single_process() -> None:
     pytest.importorskip("transformers", reason='the hf extra is not installed (pip install -e ".[hf]")')
-    configs = [dict(BASE, stage=s) for s in (0, 3)]
+    configs = STAGES
     _check(run_world(_tp_world, 4, 2, configs, "llama", timeout=300), configs, reference("llama", 2))
 
 

@@ -253,7 +253,7 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> tuple:
-        if _is_dtensor(t):  # tensor parallelism: pack the local part (a parameter's view is re-resolved), rewrap in unpack
+        if _is_dtensor(t):  # tensor parallelism: pack the local part (a parameter alias is re-resolved), rewrap later
             with torch.no_grad():
                 local = t.to_local()
             return ("dtensor", self._pack(local), t.device_mesh, t.placements, t.shape, t.stride())

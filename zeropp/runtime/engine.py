@@ -127,6 +127,13 @@ class ZeroEngine:
     e.g. the GPT's ``(idx, targets)``) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when
     given, else taken from the output (``zeropp.runtime.batch``).
 
+    Tensor parallelism (``topology.tp > 1``): ``model`` must have been split by
+    ``zeropp.runtime.tensor_parallel.parallelize(model, make_mesh(topology))``; the engine then
+    shards, gathers and reduces each rank's TP-local parameters over the data-parallel ranks that
+    share its tp index (``self.world_size`` / ``self.rank`` are that dimension's), the gradient
+    norm is the whole model's, :meth:`consolidated_state_dict` returns full (unsplit) weights, and
+    checkpoints are refused. Tensor-parallel ranks must be given the same micro-batches.
+
     ``activation_checkpointing=True`` recomputes each block's activations in backward (the
     engine's blocks that hold trainable parameters); a model without blocks is refused with a
     ``ValueError`` at construction.
@@ -394,7 +401,8 @@ class ZeroEngine:
     @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank
-        (parameters in their original dtype, on the CPU). Collective."""
+        (parameters in their original dtype, on the CPU). Collective. With ``topology.tp > 1``
+        the split weights are also all-gathered over tp, under the unsplit model's names."""
         self._check_open()
 
         def master(i: int) -> torch.Tensor:  # fp32 master i on the engine's device (read back if offloaded)

@@ -63,7 +63,8 @@ class FromLocal(nn.Module):
     def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size,
                  stride: tuple[int, ...], interleave: int = 1) -> None:
         super().__init__()
-        self.mesh, self.placements, self.shape, self.stride, self.interleave = mesh, placements, shape, stride, interleave
+        self.mesh, self.placements, self.interleave = mesh, placements, interleave
+        self.shape, self.stride = shape, stride  # of the global (DTensor) weight
 
     def forward(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
