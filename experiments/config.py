@@ -256,6 +256,8 @@ class RunConfig:
         if self.trainer.name == "fsdp2_zeropp" and self.zero.weights is None and self.zero.grads is None:
             raise ConfigError("invalid config: trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, "
                               "w8g4, ... or trainer=fsdp2")
+        if t.tp > 1:
+            _check_tp(self)
         if self.data.kind == "text" and self.model.vocab_size < 256:
             raise ConfigError(f"invalid config: model.vocab_size={self.model.vocab_size} with data.kind=text; byte "
                               "tokens need a vocabulary of at least 256 (or use data=random)")
@@ -314,6 +316,26 @@ class RunConfig:
         if isinstance(self.model, HFConfig):
             shape = f"hf-{self.model.hf_config} {shape}"
         return f"{head} {model_name or shape}{prec} {t.nodes}x{t.ranks_per_node}"
+
+
+def _check_tp(rc: RunConfig) -> None:
+    """``topology.tp > 1``: only the zeropp trainer splits models; the model's heads and widths must
+    divide; checkpoints of a split model are not supported (``ZeroEngine.save_checkpoint``)."""
+    tp = rc.topology.tp
+    if rc.trainer.name != "zeropp":
+        raise ConfigError(f"invalid config: topology.tp={tp} with trainer={rc.trainer.name}; tensor parallelism is "
+                          "implemented by trainer=zeropp only (or set topology.tp=1)")
+    from zeropp.models.gpt import check_gpt_tp
+    from zeropp.models.hf import check_hf_tp
+
+    try:
+        (check_hf_tp if isinstance(rc.model, HFConfig) else check_gpt_tp)(rc.model, tp)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    if rc.train.checkpoint_every or rc.resume:
+        raise ConfigError(f"invalid config: topology.tp={tp} with train.checkpoint_every={rc.train.checkpoint_every}, "
+                          f"resume={rc.resume}; checkpoints of a tensor-parallel model are not supported, set "
+                          "train.checkpoint_every=0 and resume=false")
 
 
 def _check_trainer_keys(rc: RunConfig) -> None:

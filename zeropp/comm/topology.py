@@ -11,6 +11,14 @@ Three families of groups (each rank belongs to one group of each):
 - hpz:   ``hpz_size`` consecutive ranks inside a node (hpZ secondary partition; default the
   whole node, a smaller divisor gives MiCS-like sub-node groups).
 
+Tensor parallelism (``tp > 1``): every ``tp`` consecutive ranks of a node form one tensor-parallel
+group (``rank = dp_index * tp + tp_index``, the row-major layout of a ``("dp", "tp")``
+``DeviceMesh``). ZeRO then runs over the data-parallel dimension only, so every group above keeps
+only the ranks with this rank's ``tp_index``: ``dp`` is all of them (ZeRO's "world"), intra the ones
+on this node, hpz the ones inside this rank's ``hpz_size`` block, and cross is unchanged (the ranks
+with this local index already share the tp index). Node membership and byte accounting stay in
+global ranks, so intra- and cross-node traffic is classified as before.
+
 ``dist.new_group`` is collective over the default group: every rank must create every group,
 in the same order, even the groups it is not part of. :meth:`Topology.build` does exactly that
 once per (topology, world) and caches the result, so calling it again (or letting a collective
@@ -35,7 +43,13 @@ class Topology:
     """Ranks on each node; ranks ``n*ranks_per_node ... (n+1)*ranks_per_node - 1`` form node ``n``."""
     hpz_size: Optional[int] = None
     """Size of the hpZ secondary-partition group: ``None`` = the whole node; otherwise a divisor of
-    ``ranks_per_node`` (consecutive ranks inside a node), so hpZ never crosses a node boundary."""
+    ``ranks_per_node`` (consecutive ranks inside a node), so hpZ never crosses a node boundary.
+    With ``tp > 1`` it counts global ranks and must be a multiple of ``tp``; the group is the
+    ``hpz_size / tp`` data-parallel peers inside that block."""
+    tp: int = 1
+    """Tensor-parallel degree: ``tp`` consecutive ranks inside a node split each block's heads and
+    MLP (``zeropp.runtime.tensor_parallel``); ZeRO shards over the other ``world_size / tp``
+    ranks. Must divide ``ranks_per_node`` (tensor parallelism never crosses a node). 1 = off."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "ranks_per_node"):
@@ -49,10 +63,23 @@ class Topology:
                     f"Topology.hpz_size={h!r} must be a positive divisor of ranks_per_node="
                     f"{self.ranks_per_node} (or None for the whole node)"
                 )
+        t = self.tp
+        if not isinstance(t, int) or isinstance(t, bool) or t <= 0 or self.ranks_per_node % t:
+            raise ValueError(
+                f"Topology.tp={t!r} must be a positive divisor of ranks_per_node={self.ranks_per_node} "
+                f"(tensor parallelism stays inside a node); choose one of "
+                f"{[d for d in range(1, self.ranks_per_node + 1) if self.ranks_per_node % d == 0]}"
+            )
+        if t > 1 and self.hpz_group_size % t:
+            raise ValueError(
+                f"Topology.hpz_size={h!r} must be a multiple of tp={t} (an hpZ group holds whole "
+                f"tensor-parallel groups); choose a multiple of {t} that divides {self.ranks_per_node}"
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_world(cls, world_size: int, ranks_per_node: int, hpz_size: Optional[int] = None) -> "Topology":
+    def from_world(cls, world_size: int, ranks_per_node: int, hpz_size: Optional[int] = None,
+                   tp: int = 1) -> "Topology":
         """``world_size`` ranks in nodes of ``ranks_per_node``; a world that does not divide is an error."""
         if not isinstance(world_size, int) or world_size <= 0:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -64,7 +91,7 @@ class Topology:
                 f"choose a ranks_per_node that divides the world (e.g. one of "
                 f"{[d for d in range(1, world_size + 1) if world_size % d == 0]})"
             )
-        return cls(world_size // ranks_per_node, ranks_per_node, hpz_size)
+        return cls(world_size // ranks_per_node, ranks_per_node, hpz_size, tp)
 
     @classmethod
     def single_node(cls, world_size: int) -> "Topology":
@@ -79,6 +106,35 @@ class Topology:
     @property
     def hpz_group_size(self) -> int:
         return self.ranks_per_node if self.hpz_size is None else self.hpz_size
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks ZeRO shards over: ``world_size / tp``."""
+        return self.world_size // self.tp
+
+    def tp_index(self, rank: int) -> int:
+        """``rank``'s position inside its tensor-parallel group (0 when ``tp == 1``)."""
+        self._check_rank(rank)
+        return rank % self.tp
+
+    def dp_index(self, rank: int) -> int:
+        """``rank``'s position among its data-parallel peers (= ``rank`` when ``tp == 1``)."""
+        self._check_rank(rank)
+        return rank // self.tp
+
+    def dp_ranks(self, rank: int) -> list[int]:
+        """Global ranks sharing ``rank``'s tp index, in data-parallel order (ZeRO's world)."""
+        t = self.tp_index(rank)
+        return list(range(t, self.world_size, self.tp))
+
+    def tp_ranks(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s tensor-parallel group (consecutive, inside its node)."""
+        start = self.dp_index(rank) * self.tp
+        return list(range(start, start + self.tp))
+
+    def _same_tp(self, rank: int, ranks: list[int]) -> list[int]:
+        t = rank % self.tp
+        return [r for r in ranks if r % self.tp == t]
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -96,9 +152,9 @@ class Topology:
         return self.node_of(a) == self.node_of(b)
 
     def intra_ranks(self, rank: int) -> list[int]:
-        """Global ranks of ``rank``'s node, in local order."""
+        """Global ranks of ``rank``'s node, in local order (with ``tp > 1``: those sharing its tp index)."""
         n = self.node_of(rank)
-        return list(range(n * self.ranks_per_node, (n + 1) * self.ranks_per_node))
+        return self._same_tp(rank, list(range(n * self.ranks_per_node, (n + 1) * self.ranks_per_node)))
 
     def cross_ranks(self, rank: int) -> list[int]:
         """Global ranks with ``rank``'s local index, one per node, in node order."""
@@ -106,11 +162,12 @@ class Topology:
         return [m * self.ranks_per_node + loc for m in range(self.nodes)]
 
     def hpz_ranks(self, rank: int) -> list[int]:
-        """Global ranks of ``rank``'s hpZ group (consecutive, inside its node)."""
+        """Global ranks of ``rank``'s hpZ group (consecutive, inside its node; with ``tp > 1``
+        those of the block sharing its tp index)."""
         self._check_rank(rank)
         h = self.hpz_group_size
         start = rank // h * h
-        return list(range(start, start + h))
+        return self._same_tp(rank, list(range(start, start + h)))
 
     def check_world(self, world_size: int) -> None:
         """Raise if this topology does not describe a world of ``world_size`` ranks."""
@@ -141,11 +198,13 @@ class Topology:
             # A group of the full world is the world itself: no extra communicator.
             return world if len(ranks) == W else dist.new_group(ranks)
 
-        intra = cross = hpz = None
+        tp = self.tp
+        intra = cross = hpz = dp = None
         for n in range(self.nodes):  # same order on every rank
-            g = make(list(range(n * rpn, (n + 1) * rpn)))
-            if n == self.node_of(rank):
-                intra = g
+            for t in range(tp):
+                g = make([r for r in range(n * rpn, (n + 1) * rpn) if r % tp == t])
+                if n == self.node_of(rank) and t == rank % tp:
+                    intra = g
         for loc in range(rpn):
             g = make([m * rpn + loc for m in range(self.nodes)])
             if loc == self.local_rank(rank):
@@ -155,10 +214,18 @@ class Topology:
             hpz = intra
         else:
             for start in range(0, W, h):
-                g = make(list(range(start, start + h)))
-                if start <= rank < start + h:
-                    hpz = g
-        groups = TopologyGroups(self, world, intra, cross, hpz)
+                for t in range(tp):
+                    g = make([r for r in range(start, start + h) if r % tp == t])
+                    if start <= rank < start + h and t == rank % tp:
+                        hpz = g
+        if tp == 1:
+            dp = world
+        else:
+            for t in range(tp):
+                g = make(list(range(t, W, tp)))
+                if t == rank % tp:
+                    dp = g
+        groups = TopologyGroups(self, world, intra, cross, hpz, dp)
         _GROUPS[self] = groups
         return groups
 
@@ -176,6 +243,9 @@ class TopologyGroups:
     """The ranks with this rank's local index, one per node (group rank = node index)."""
     hpz: dist.ProcessGroup
     """This rank's hpZ secondary-partition group (group rank = index inside it)."""
+    dp: dist.ProcessGroup
+    """ZeRO's world: the ranks sharing this rank's tp index (group rank = dp index); the
+    default group itself when ``tp == 1``."""
 
 
 _GROUPS: dict[Topology, TopologyGroups] = {}

@@ -166,3 +166,58 @@ def byte_batch(data: bytes | torch.Tensor, batch: int, seq_len: int, generator: 
     starts = torch.randint(0, buf.numel() - seq_len - 1, (batch,), generator=generator)
     win = torch.stack([buf[s : s + seq_len + 1] for s in starts.tolist()]).long()  # [B, T+1]
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+# Used by zeropp.runtime.tensor_parallel.parallelize (which makes the mesh and localizes the
+# DTensor weights); kept apart from the model so the plain GPT stays torch-only.
+
+
+def check_gpt_tp(cfg: GPTConfig, tp: int) -> None:
+    """``ValueError`` unless ``tp`` divides the GPT's heads and MLP width (checked before any collective)."""
+    if cfg.n_heads % tp:
+        raise ValueError(f"topology.tp={tp} must divide the GPT's attention heads model.n_heads={cfg.n_heads}; "
+                         f"choose a tp that divides {cfg.n_heads} or more heads")
+    if (cfg.mlp_ratio * cfg.d_model) % tp:
+        raise ValueError(f"topology.tp={tp} must divide the GPT's MLP width mlp_ratio*d_model="
+                         f"{cfg.mlp_ratio * cfg.d_model}")
+
+
+def _tp_attention_forward(self: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
+    """Attention on this rank's heads: ``qkv`` is column-parallel (rows reordered so the local
+    output is ``[q_t | k_t | v_t]``), ``proj`` row-parallel (its plan sums over tp)."""
+    b, t, _ = x.shape  # [B, T, D] replicated over tp
+    qkv = self.qkv(x)  # [B, T, 3 * D/tp] local
+    dl = qkv.shape[-1] // 3
+    heads = self.n_heads // self.tp
+    q, k, v = qkv.split(dl, dim=2)  # each [B, T, D/tp]
+    shape = (b, t, heads, dl // heads)
+    q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))  # [B, H/tp, T, D/H]
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H/tp, T, D/H]
+    return self.proj(y.transpose(1, 2).reshape(b, t, dl))  # [B, T, D]
+
+
+@torch.no_grad()
+def parallelize_gpt(model: GPT, tp_mesh) -> None:
+    """Split every block over the 1-D ``tp_mesh`` with torch's TP plans: ``qkv`` and ``fc``
+    column-parallel, ``proj`` and ``out`` row-parallel (heads and MLP width split; embeddings,
+    norms and head replicated). ``qkv``'s rows are first reordered from ``[q | k | v]`` to
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` so that rank t's row shard holds its heads of all three
+    (recorded as ``_zeropp_tp_interleave`` so full weights can be put back in order)."""
+    import types
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    check_gpt_tp(model.cfg, tp)
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "fc": ColwiseParallel(), "out": RowwiseParallel()}
+    for block in model.blocks:
+        attn = block.attn
+        for name in ("weight", "bias"):
+            p = getattr(attn.qkv, name)
+            p.copy_(p.reshape(3, tp, -1, *p.shape[1:]).transpose(0, 1).reshape(p.shape))  # [3D(, D)] reordered
+        attn.qkv._zeropp_tp_interleave = {"weight": 3, "bias": 3}
+        attn.tp = tp
+        attn.forward = types.MethodType(_tp_attention_forward, attn)
+        parallelize_module(block, tp_mesh, plan)

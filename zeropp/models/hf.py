@@ -236,4 +236,34 @@ def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     return HFCausalLM(hf, cfg)
 
 
+# ---------------------------------------------------------------------------- tensor parallelism
+# Used by zeropp.runtime.tensor_parallel.parallelize (which makes the mesh and localizes the DTensor weights).
+
+
+def check_hf_tp(cfg: HFConfig, tp: int) -> None:
+    """``ValueError`` unless the model has a TP plan (Llama) and ``tp`` divides its heads, key/value
+    heads and MLP width (checked before any collective)."""
+    if cfg.hf_config != "llama":
+        raise ValueError(f"topology.tp={tp} has a plan for hf_config=llama only, not {cfg.hf_config!r} (GPT-2's "
+                         f"fused Conv1D attention is not split); use hf_config=llama or topology.tp=1")
+    for what, n in (("attention heads model.n_heads", cfg.n_heads), ("key/value heads model.n_kv_heads", cfg.kv_heads),
+                    ("MLP width model.intermediate_size", cfg.ffn_size)):
+        if n % tp:
+            raise ValueError(f"topology.tp={tp} must divide the Llama's {what}={n}; choose a tp that divides it")
+
+
+def parallelize_hf(model: HFCausalLM, tp_mesh: Any) -> None:
+    """Split every Llama decoder layer over the 1-D ``tp_mesh`` with torch's TP plans: q/k/v and
+    gate/up projections column-parallel, o and down projections row-parallel (heads, kv heads and
+    MLP width split; the attention infers its local head count from the projection widths)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    check_hf_tp(model.cfg, tp_mesh.size())
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    for layer in model.blocks:
+        parallelize_module(layer, tp_mesh, plan)
+
+
 __all__ = ["HFCausalLM", "HFConfig", "HF_ARCHS", "build_hf_model", "hf_model_config", "require_transformers"]

@@ -214,6 +214,10 @@ class ActivationStore:
         self.offload = offload
         """Copy activations to host memory (``zero.offload_activations``)."""
         self.pin = self.device.type == "cuda"
+        self.storage_params: list[nn.Parameter] = []
+        """Parameters whose saved aliases are found by storage, not by ``_base`` (tensor parallelism:
+        the local tensors of DTensor ops on a split weight are aliases without a view base), so
+        that backward reads them where stage 3 re-gathered the parameter, not the freed buffer."""
         self._peak = dict.fromkeys(TIERS, 0)
         self._device_storages: dict[int, int] = {}  # storage pointer -> bytes (this forward)
         # (storage pointer, version) -> its host copies; a view saved again, or another view of the
@@ -249,7 +253,13 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> tuple:
+        if _is_dtensor(t):  # tensor parallelism: pack the local part (a parameter alias is re-resolved), rewrap later
+            with torch.no_grad():
+                local = t.to_local()
+            return ("dtensor", self._pack(local), t.device_mesh, t.placements, t.shape, t.stride())
         base = _view_base(t)
+        if base is None and self.storage_params:
+            base = self._param_by_storage(t)
         base = t if base is None else base
         if isinstance(base, nn.Parameter):
             if t is base:
@@ -267,10 +277,28 @@ class ActivationStore:
         self._host_bytes += delta
         return ("host", saved)
 
+    def _param_by_storage(self, t: torch.Tensor) -> nn.Parameter | None:
+        """The parameter in :attr:`storage_params` whose elements ``t`` starts inside (same storage), or None."""
+        if t.numel() == 0:
+            return None
+        ptr, off = t.untyped_storage().data_ptr(), t.storage_offset()
+        for p in self.storage_params:
+            if (p.numel() and p.untyped_storage().data_ptr() == ptr
+                    and p.storage_offset() <= off < p.storage_offset() + p.numel()):
+                return p
+        return None
+
     def _unpack(self, packed: tuple) -> torch.Tensor:
         kind = packed[0]
         if kind == "device":
             return packed[1]
+        if kind == "dtensor":
+            from torch.distributed.tensor import DTensor
+
+            _, inner, mesh, placements, shape, stride = packed
+            with torch.no_grad():
+                return DTensor.from_local(self._unpack(inner), mesh, placements, run_check=False, shape=shape,
+                                          stride=stride)
         if kind == "host":
             return self._from_host(packed[1])
         p = packed[1]
@@ -302,3 +330,12 @@ class ActivationStore:
             return buf.view(saved.dtype).as_strided(saved.shape, saved.stride, offset)
         out = torch.empty(0, dtype=saved.dtype, device=buf.device)  # a span ending mid-element of this dtype
         return out.set_(buf.untyped_storage(), offset, saved.shape, saved.stride)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (tensor parallelism), without importing it when unused."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

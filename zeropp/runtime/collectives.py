@@ -85,9 +85,13 @@ class EngineComm:
         self.topology = topology
         self.stats = stats
         self.groups = topology.build()
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.hpz_size = topology.hpz_group_size
+        # ZeRO's world is the data-parallel dimension: the whole default group unless tp > 1
+        self.group: Optional[dist.ProcessGroup] = None if topology.tp == 1 else self.groups.dp
+        """The group ZeRO shards over (None = the default group; ``groups.dp`` when ``topology.tp > 1``)."""
+        me = dist.get_rank()
+        self.world_size = topology.dp_size
+        self.rank = topology.dp_index(me)
+        self.hpz_size = topology.hpz_group_size // topology.tp
         self.hpz_rank = self.rank % self.hpz_size
         self.device = device if device is not None else torch.device("cpu")  # where scalars travel (NCCL: the GPU)
         self.streams = CommStreams(self.device)
@@ -103,7 +107,7 @@ class EngineComm:
         self.streams.reset()
 
     def _group(self, hpz: bool) -> tuple[Optional[dist.ProcessGroup], int]:
-        return (self.groups.hpz, self.hpz_size) if hpz else (None, self.world_size)
+        return (self.groups.hpz, self.hpz_size) if hpz else (self.group, self.world_size)
 
     # ------------------------------------------------------------------ spec -> zeropp.comm
     # ------------------------------------------------------------------ all-gather
@@ -156,7 +160,7 @@ class EngineComm:
                     src = full.view(w, s)[:, a:b].contiguous()
                 extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
                 works.append(self._z.quantized_reduce_scatter(
-                    out[a:b], src, op, None, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
+                    out[a:b], src, op, self.group, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
                     async_op=True, **extra))
             return Pending(self, works, None if quantized else (lambda: out.div_(w)))
 
@@ -184,22 +188,27 @@ class EngineComm:
     def all_reduce_mean(self, t: torch.Tensor, *, kind: str) -> None:
         """In-place average over the world (stage 0 gradients, replicated units)."""
         with self.streams.blocked():
-            self._z.all_reduce(t, dist.ReduceOp.SUM, None, topology=self.topology, stats=self.stats, kind=kind)
+            self._z.all_reduce(t, dist.ReduceOp.SUM, self.group, topology=self.topology, stats=self.stats, kind=kind)
             t.div_(self.world_size)
 
     def sum_scalars(self, values: list[float]) -> list[float]:
-        """Sum a few fp64 scalars over the world (loss, squared norms). Control traffic: a few
-        bytes per step, deliberately not accounted so the byte formulas stay exact."""
+        """Sum a few fp64 scalars over the whole default group, tensor-parallel ranks included (loss,
+        squared norms). Control traffic: a few bytes per step, deliberately not accounted so the
+        byte formulas stay exact."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         with self.streams.blocked():
             dist.all_reduce(t)
         return t.tolist()
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
-        """Initial synchronisation of weights (once, at wrap time; not accounted). ``t`` must be
-        on the engine's device (NCCL cannot broadcast a CPU tensor)."""
+        """Initial synchronisation of weights (once, at wrap time; not accounted) from data-parallel
+        rank ``src`` (with ``tp > 1`` each tensor-parallel rank broadcasts its own part). ``t`` must
+        be on the engine's device (NCCL cannot broadcast a CPU tensor)."""
         self._check_device(t, "broadcast")
-        dist.broadcast(t, src)
+        if self.group is None:
+            dist.broadcast(t, src)
+        else:
+            dist.broadcast(t, dist.get_global_rank(self.group, src), group=self.group)
 
     def _check_device(self, t: torch.Tensor, what: str) -> None:
         if t.device.type != self.device.type:

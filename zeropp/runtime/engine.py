@@ -63,6 +63,7 @@ from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
 from . import checkpoint as ckpt
+from . import tensor_parallel as tpar
 from .activations import ActivationStore, checkpoint_blocks
 from .buffers import BufferPool
 from .collectives import EngineComm
@@ -131,6 +132,13 @@ class ZeroEngine:
     e.g. the GPT's ``(idx, targets)``) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when
     given, else taken from the output (``zeropp.runtime.batch``).
 
+    Tensor parallelism (``topology.tp > 1``): ``model`` must have been split by
+    ``zeropp.runtime.tensor_parallel.parallelize(model, make_mesh(topology))``; the engine then
+    shards, gathers and reduces each rank's TP-local parameters over the data-parallel ranks that
+    share its tp index (``self.world_size`` / ``self.rank`` are that dimension's), the gradient
+    norm is the whole model's, :meth:`consolidated_state_dict` returns full (unsplit) weights, and
+    checkpoints are refused. Tensor-parallel ranks must be given the same micro-batches.
+
     ``activation_checkpointing=True`` recomputes each block's activations in backward (the
     engine's blocks that hold trainable parameters); a model without blocks is refused with a
     ``ValueError`` at construction.
@@ -157,14 +165,17 @@ class ZeroEngine:
         if cfg.hpz_size is not None:
             topo = dataclasses.replace(topo, hpz_size=cfg.hpz_size)
         validate_against_topology(cfg, world, topo.nodes, topo.ranks_per_node)  # before any allocation
+        tpar.check_model_matches(model, topo)  # tp > 1: a model split by tensor_parallel.parallelize
         self.cfg, self.opt_cfg, self.topology = cfg, optimizer or OptimizerConfig(), topo
         self.dtype = cfg.dtype
         self.model = model
-        self.world_size, self.rank = world, rank
         self.comm_stats = CommStats()
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.comm = EngineComm(topo, self.comm_stats, self.device)
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        """ZeRO's world: the data-parallel ranks (all ranks unless ``topology.tp > 1``) and this rank's index there."""
+        self._all_ranks = world  # the default group (tp ranks included): scalar sums, error reports
         self.param_dtypes: dict[str, torch.dtype] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         """Parameter name (every name of a tied one) -> dtype in the unwrapped model (what
         ``consolidated_state_dict`` returns)."""
@@ -183,8 +194,11 @@ class ZeroEngine:
                     self.frozen_originals[name] = data
                 p.data = data.to(self.dtype)
         self.units, self.blocks, self.root, self.persistent = build_units(
-            model, stage=cfg.stage, world_size=world, rank=rank, dtype=self.dtype,
+            model, stage=cfg.stage, world_size=self.world_size, rank=self.rank, dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold, block_modules=block_modules)
+        self._tp_masks = None if topo.tp == 1 else [  # [padded] bool: element of a TP-sharded parameter
+            tpar.tp_sharded_mask(u.params, [(sl.offset, sl.numel) for sl in u.slots], u.padded, self.device)
+            for u in self.units]
         self.swap = SwapSpace(cfg.nvme_path, rank, buffers=cfg.swap_buffers, buffer_size=cfg.swap_buffer_size,
                               pin=self.device.type == "cuda") if cfg.nvme_path is not None else None
         """The nvme tier's swap files and staging buffers (``swap.py``), or None."""
@@ -223,6 +237,8 @@ class ZeroEngine:
         self.checkpointing = checkpoint_blocks([blk for blk, _ in self.blocks]) if activation_checkpointing else None
         """Activation checkpointing of the engine's blocks (``activations.BlockCheckpointing``) or None."""
         self.activations = ActivationStore(self.device, offload=cfg.offload_activations)
+        if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
+            self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
         self.buffers = self._make_buffer_pool()
         """The constant pool of gather and reduce-scatter buffers (``buffers.BufferPool``; ``nbytes``)."""
@@ -332,7 +348,7 @@ class ZeroEngine:
                 self.stage3.check_forward(error)  # as in training: one rank's error raised on every rank
             finally:
                 self.stage3.release_all()
-        return self.comm.sum_scalars([loss])[0] / self.world_size
+        return self.comm.sum_scalars([loss])[0] / self._all_ranks
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
@@ -360,6 +376,7 @@ class ZeroEngine:
         ``torch.distributed.checkpoint``, with ``extra`` (small JSON values, e.g. the runner's step
         and data position) returned by the load. Returns the version directory. Collective."""
         self._check_open()
+        self._refuse_tp("save_checkpoint")
         return ckpt.save(self._checkpoint_target(), path, extra)
 
     @torch.no_grad()
@@ -367,6 +384,7 @@ class ZeroEngine:
         """Load the latest complete checkpoint under ``path``, saved at any world size and stage
         from the same model; returns the ``extra`` it was saved with. Collective."""
         self._check_open()
+        self._refuse_tp("load_checkpoint")
         extra, model_state = ckpt.load(self._checkpoint_target(), path)
         named = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
@@ -389,7 +407,8 @@ class ZeroEngine:
     @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank
-        (parameters in their original dtype, on the CPU). Collective."""
+        (parameters in their original dtype, on the CPU). Collective. With ``topology.tp > 1``
+        the split weights are also all-gathered over tp, under the unsplit model's names."""
         self._check_open()
 
         def master(i: int) -> torch.Tensor:  # fp32 master i on the engine's device (read back if offloaded)
@@ -403,8 +422,9 @@ class ZeroEngine:
                                  async_op=False)
             return full
 
-        return consolidated_state_dict(self.units, master, gather, self.model, self.param_dtypes,
-                                       self.frozen_originals)
+        sd = consolidated_state_dict(self.units, master, gather, self.model, self.param_dtypes,
+                                     self.frozen_originals)
+        return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
 
     def close(self) -> None:
         """Remove all hooks and drop buffers. Local (no collective), safe to call twice."""
@@ -453,12 +473,12 @@ class ZeroEngine:
         if not self._reduce_order:
             return
         late = torch.tensor([len(self._late)], dtype=torch.int32, device=self.device)
-        if self.world_size > 1:
+        if self._all_ranks > 1:
             dist.all_reduce(late)
         if float(late) == 0:
             return
-        found: list = [None] * self.world_size
-        if self.world_size > 1:
+        found: list = [None] * self._all_ranks
+        if self._all_ranks > 1:
             dist.all_gather_object(found, sorted(set(self._late)))
         else:
             found[0] = sorted(set(self._late))
@@ -568,11 +588,14 @@ class ZeroEngine:
         if scale != 1.0:
             for g in g32:
                 g.div_(scale)
-        sq_sharded = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind != "replicated")
-        sq_repl = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind == "replicated")
+        if self._tp_masks is None:
+            sq_sharded = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind != "replicated")
+            sq_repl = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind == "replicated")
+        else:
+            sq_sharded, sq_repl = self._tp_squares(g32), 0.0
         loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])  # one fp64 all-reduce on self.device
         norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
-        res = StepResult(loss=loss_tot / self.world_size, grad_norm=norm, skipped=not math.isfinite(norm),
+        res = StepResult(loss=loss_tot / self._all_ranks, grad_norm=norm, skipped=not math.isfinite(norm),
                          comm_wait_s=0.0, loss_scale=scale, lr=self.optim.lr, memory=dict(self._last_memory or {}))
         self.scaler.update(finite=not res.skipped)
         if not res.skipped:
@@ -593,6 +616,21 @@ class ZeroEngine:
                 u.secondary = None  # stale after the step (hpZ); with weight_diff refreshed in _refresh_unit
         res.comm_wait_s = self.comm.wait_s
         return res
+
+    def _tp_squares(self, g32: list[torch.Tensor]) -> float:
+        """tp > 1: this rank's share of the whole model's squared gradient norm, to be summed over
+        all ranks: a TP-sharded element counts once per tp rank (each holds its own part), a
+        TP-replicated one 1/tp (all tp ranks hold it); a replicated unit (identical on the dp
+        ranks) is further divided by the dp size."""
+        tp, total = self.topology.tp, 0.0
+        for g, u, mask in zip(g32, self.units, self._tp_masks):
+            if u.kind != "replicated":
+                a, b = u.shard_range()
+                mask = mask[a:b]
+            sq = g.pow(2)
+            part = float(sq[mask].sum()) + float(sq[~mask].sum()) / tp
+            total += part / self.world_size if u.kind == "replicated" else part
+        return total
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -685,6 +723,12 @@ class ZeroEngine:
         from zeropp.comm import ErrorFeedback
 
         return ErrorFeedback()
+
+    def _refuse_tp(self, what: str) -> None:
+        if self.topology.tp > 1:
+            raise NotImplementedError(
+                f"ZeroEngine.{what} is not supported with topology.tp={self.topology.tp} (the checkpoint layout is "
+                f"per data-parallel rank of an unsplit model); use consolidated_state_dict() (full weights) instead")
 
     def _check_open(self) -> None:
         if self._closed:
