@@ -41,7 +41,8 @@ def flops_per_token(cfg: RunConfig, n_params: int) -> float:
 
 
 def tokens_per_step(cfg: RunConfig) -> int:
-    return cfg.topology.world_size * cfg.train.micro_batch_size * cfg.zero.grad_accum_steps * cfg.model.seq_len
+    """Tokens of one optimizer step over all ranks (the ranks of a tensor-parallel group share theirs)."""
+    return cfg.topology.dp_size * cfg.train.micro_batch_size * cfg.zero.grad_accum_steps * cfg.model.seq_len
 
 
 class MetricsFile:
@@ -77,7 +78,8 @@ def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, floa
 
 def expected_model_state(cfg: RunConfig, n_params: int) -> dict[str, dict[str, float]] | None:
     """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` for a ZeroEngine run of
-    ``cfg`` (None for the other trainers, whose memory the formulas do not describe)."""
+    ``cfg`` (None for the other trainers, whose memory the formulas do not describe); ``n_params``
+    are the parameters one rank's engine partitions (the TP-local ones under ``topology.tp``)."""
     if cfg.trainer.name != "zeropp":
         return None
     from zeropp.runtime import ZeroEngine
@@ -85,8 +87,9 @@ def expected_model_state(cfg: RunConfig, n_params: int) -> dict[str, dict[str, f
 
     z, t = cfg.zero, cfg.topology
     pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
-    hpz = (z.hpz_size or t.ranks_per_node) if z.hpz else None
-    return expected_by_tier(z.stage, n_params, t.world_size, param_bytes=pbytes, hpz_size=hpz,
+    # with tensor parallelism ZeRO partitions each rank's TP-local parameters over the dp ranks
+    hpz = (z.hpz_size or t.ranks_per_node) // t.tp if z.hpz else None
+    return expected_by_tier(z.stage, n_params, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
                             offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                             shared_master=z.shares_fp32_master)
 
@@ -120,6 +123,7 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "trainer": cfg.trainer.name,
         "zero": dataclasses.asdict(cfg.zero),
         "topology": {"world_size": cfg.topology.world_size, "ranks_per_node": cfg.topology.ranks_per_node,
+                     "tp": cfg.topology.tp,
                      "nodes": cfg.topology.nodes},
         "model": {"name": model_name, "params": n_params, "flops_per_token": fpt},
         "tokens_per_step": tokens_per_step(cfg),
@@ -142,7 +146,7 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
         "memory_by_phase": phases,
         "memory_peak_per_rank": [max((p.get("peak", 0) for p in ph.values()), default=0) for ph in phases],
-        "memory_expected": expected_model_state(cfg, n_params),
+        "memory_expected": expected_model_state(cfg, rank_reports[0].get("state_params") or n_params),
         "loss": {"first": losses[0] if losses else math.nan, "final": losses[-1] if losses else math.nan,
                  "eval": eval_loss, "curve": losses},
         "device": device,

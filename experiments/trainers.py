@@ -113,7 +113,12 @@ class ZeroTrainer:
     def __init__(self, cfg: RunConfig, device: torch.device) -> None:
         from zeropp.runtime import ZeroEngine
 
-        self.engine = ZeroEngine(build_model(cfg, device), config=cfg.zero, optimizer=cfg.optim,
+        model = build_model(cfg, device)
+        if cfg.topology.tp > 1:  # split the blocks over the tp dimension first; ZeRO then works over dp
+            from zeropp.runtime.tensor_parallel import make_mesh, parallelize
+
+            model = parallelize(model, make_mesh(cfg.topology))
+        self.engine = ZeroEngine(model, config=cfg.zero, optimizer=cfg.optim,
                                  topology=cfg.topology, activation_checkpointing=cfg.train.activation_checkpointing)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:

@@ -111,8 +111,10 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
            device: torch.device, backend: str) -> dict[str, Any] | None:
     t = cfg.train
     accum = cfg.zero.grad_accum_steps
+    # the ranks of a tensor-parallel group compute on the same batches: data is split over dp only
+    dp_rank, dp_world = cfg.topology.dp_index(rank), cfg.topology.dp_size
     data = TokenBatches(cfg.data, seq_len=cfg.model.seq_len, batch=t.micro_batch_size,
-                        vocab_size=cfg.model.vocab_size, seed=t.seed, rank=rank, device=device)
+                        vocab_size=cfg.model.vocab_size, seed=t.seed, rank=dp_rank, device=device)
     trainer = build_trainer(cfg, device)
     from zeropp.runtime import memory as mem
 
@@ -178,7 +180,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             step_times.append(dt)
             evl = None
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                evl = _evaluate(trainer, data, t.eval_batches, rank, world)
+                evl = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
                 watch.take()
             if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
                 trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
@@ -195,10 +197,11 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 wb.log(flatten({k: v for k, v in rec.items() if k != "step" and v is not None}), step=step)
             progress.update(step, loss=loss, step_time=dt, tokens_per_s=tps_step / dt if dt > 0 else 0.0)
         progress.close()
-        eval_loss = _evaluate(trainer, data, t.eval_batches, rank, world)
+        eval_loss = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
         watch.take()
     report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
               "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report(),
+              "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
               "memory_phases": _memory_phases(trainer, device, created)}
     gathered: list[Any] = [None] * world if lead else []
     dist.gather_object(report, gathered if lead else None, dst=0)

@@ -222,3 +222,25 @@ def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
     # quantized INT4 gradients move fewer bytes than the same trainer's full-precision twin
     for q, plain in (("fsdp2_zeropp", "fsdp2"), ("ddp_zeropp", "ddp")):
         assert sums[q]["comm_bytes_per_step"]["total"] < 0.6 * sums[plain]["comm_bytes_per_step"]["total"], q
+
+
+def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> None:
+    """``topology.tp=2`` from the command line: 2 nodes x 2 ranks as tp=2 x dp=2 trains on the same
+    data as 2 nodes x 1 rank (the tp pair shares its batches), so the losses agree in fp32, and
+    tokens per step count the dp ranks only."""
+    common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
+    runs = {}
+    for name, topo in (("tp", ["topology=2x2", "topology.tp=2"]), ("dp", ["topology=2x1"])):
+        p = _run([*common, *topo, f"hydra.run.dir={tmp_path / name}"])
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    tp, dp = _losses(tmp_path / "tp"), _losses(tmp_path / "dp")
+    assert sorted(tp) == sorted(dp) == [1, 2, 3, 4]
+    for k in tp:
+        assert abs(tp[k] - dp[k]) <= 1e-4 * abs(dp[k]), (k, tp[k], dp[k])
+    assert abs(runs["tp"]["loss"]["eval"] - runs["dp"]["loss"]["eval"]) <= 1e-4 * runs["dp"]["loss"]["eval"]
+    assert runs["tp"]["tokens_per_step"] == runs["dp"]["tokens_per_step"] == 2 * 4 * 32
+    assert runs["tp"]["topology"]["tp"] == 2 and runs["dp"]["topology"]["tp"] == 1
+    # each rank's engine partitions its TP-local half of the split weights over the dp pair
+    expected = sum(runs["tp"]["memory_expected"]["device"].values())
+    assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
