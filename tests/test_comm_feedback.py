@@ -158,16 +158,17 @@ def _exact_against_reference(rank: int, topo: Topology, stats) -> None:
     from zeropp.comm import quantized_reduce_scatter
 
     W = topo.world_size
-    for n in (1, 7, 37):
-        xs = _calls(60, 3, W, n, torch.float32, constant=False)
+    for n, dtype in ((1, torch.float32), (7, torch.float32), (37, torch.float32), (7, torch.bfloat16),
+                     (7, torch.float16)):
+        xs = _calls(60, 3, W, n, dtype, constant=False)
         spec = QuantSpec(bits=4, intra_bits=8, group_size=GS, error_feedback=True, residual_bits=32)
         ef = ErrorFeedback.for_spec(spec)
-        out = torch.empty(n)
+        out = torch.empty(n, dtype=dtype)
         for call in xs:
             quantized_reduce_scatter(out, call[rank], torch.distributed.ReduceOp.SUM, spec=spec, error_feedback=ef,
                                      feedback_key="b", topology=topo, stats=stats)
         want, r1, r2 = _reference(xs, topo, n, 4, 8, GS, ef=True)
-        assert torch.equal(out, want[rank]), (topo, n)
+        assert torch.equal(out, want[rank].to(dtype)), (topo, n, dtype)
         assert torch.equal(ef.residual("b", W * n, out.device), r1[rank].view(-1)), (topo, n)
         hier = topo.nodes > 1 and topo.ranks_per_node > 1
         assert (("b" + HOP2_SUFFIX) in ef.keys()) == hier  # the flat all-to-all has one hop
@@ -245,6 +246,29 @@ def _plugins_use_both_hops(rank: int, topo: Topology, stats) -> dict:
             "fsdp_bits": rs.error_feedback.residual_bits}
 
 
+def _hadamard_both_hops(rank: int, topo: Topology, stats) -> dict:
+    """A Hadamard spec keeps its hop-2 residual in the rotated basis ([nodes, rotated n]) and
+    still bounds the accumulated error (constant gradients, 8 calls)."""
+    from zeropp.comm import quantized_reduce_scatter
+    from zeropp.kernels import rotated_cols
+
+    W, n, T = topo.world_size, 37, 8
+    xs = _calls(90, T, W, n, torch.float32, constant=True)
+    exact = sum(x.double() for x in xs[0]).view(W, n)[rank] * T
+    errs = {}
+    for ef_on in (False, True):
+        spec = QuantSpec(bits=4, group_size=GS, rotation="hadamard", error_feedback=ef_on)
+        ef = ErrorFeedback.for_spec(spec) if ef_on else None
+        out, acc = torch.empty(n), torch.zeros(n, dtype=torch.float64)
+        for call in xs:
+            quantized_reduce_scatter(out, call[rank], torch.distributed.ReduceOp.SUM, spec=spec, error_feedback=ef,
+                                     feedback_key="h", topology=topo, stats=stats)
+            acc += out.double()
+        errs[ef_on] = float((acc - exact).abs().max())
+    ef.residual("h" + HOP2_SUFFIX, topo.nodes * rotated_cols(n, GS), out.device)  # raises on another layout
+    return errs
+
+
 def _world(rank: int, W: int) -> dict:
     from zeropp.comm import CommStats
 
@@ -255,6 +279,7 @@ def _world(rank: int, W: int) -> dict:
         if name != "4x1":
             out[name] = _accumulated_error(rank, topo, stats)
     out["plugins"] = _plugins_use_both_hops(rank, Topology(2, 2), stats)
+    out["hadamard"] = _hadamard_both_hops(rank, Topology(2, 2), stats)
     return out
 
 
@@ -287,3 +312,9 @@ def test_plugins_keep_residuals_of_both_hops(world) -> None:
         p = res["plugins"]
         assert p["ddp"] == ["bucket0", "bucket0" + HOP2_SUFFIX]
         assert len(p["fsdp"]) == 2 and p["fsdp"][1] == p["fsdp"][0] + HOP2_SUFFIX and p["fsdp_bits"] == 8
+
+
+def test_hadamard_feedback_bounds_the_accumulated_error(world) -> None:
+    for res in world:
+        errs = res["hadamard"]
+        assert errs[True] < errs[False] / 3, errs

@@ -85,7 +85,8 @@ class ErrorFeedback:
         return cls(residual_bits=getattr(spec, "residual_bits", 8))
 
     def residual(self, key: str, numel: int, device: torch.device) -> torch.Tensor:
-        """The fp32 residual of bucket ``key`` ([numel], a new tensor); zeros the first time."""
+        """The fp32 residual of bucket ``key`` ([numel]; zeros the first time). Read-only: at 32
+        bits it is the stored tensor itself."""
         r = self._residuals.get(key)
         if r is None:
             return torch.zeros(numel, dtype=torch.float32, device=device)
@@ -97,7 +98,7 @@ class ErrorFeedback:
             )
         if isinstance(r, QuantizedTensor):
             return dequantize(r, dtype=torch.float32).view(-1).to(device)  # [numel]
-        return r.to(device, copy=True)
+        return r.to(device)
 
     def store(self, key: str, residual: torch.Tensor) -> None:
         """Keep ``residual`` (any shape and float dtype; non-finite elements become 0) for ``key``."""
