@@ -383,14 +383,14 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
             piece = fresh[(i, name)]
             full[: piece.numel()].copy_(piece)
             state[name].append(full)
-    opt.load_state(state, step=int(meta["step"]))
-    t.scaler.load_state_dict(meta["scaler"])
-    if t.feedback is not None:
+    if t.feedback is not None:  # first: its load validates everything before it changes anything
         if feedback:
             n = len(_feedback_prefix(t.rank))
             t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
         else:
             t.feedback.reset()
+    opt.load_state(state, step=int(meta["step"]))
+    t.scaler.load_state_dict(meta["scaler"])
     _restore_stochastic_calls(t, meta)
     return dict(meta.get("extra") or {}), model_state
 
