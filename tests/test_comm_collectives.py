@@ -41,6 +41,7 @@ from zeropp.comm import (
     quantized_reduce_scatter,
     set_topology,
 )
+from zeropp.comm.feedback import HOP2_SUFFIX
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, quantize
 
@@ -136,7 +137,7 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
     return checks
 
 
-EF4 = QuantSpec(bits=4, error_feedback=True)
+EF4 = QuantSpec(bits=4, error_feedback=True, residual_bits=32)  # fp32 residuals: exact checks
 
 
 def _check_reduce_scatter_extras(rank: int, topo: Topology, stats: CommStats) -> None:
@@ -150,13 +151,14 @@ def _check_reduce_scatter_extras(rank: int, topo: Topology, stats: CommStats) ->
     h.wait()
     assert torch.equal(sync_out, async_out)
     # error feedback: 1st call stores r = x - deq(quant(x)); the 2nd call quantizes x2 + r
-    ef = ErrorFeedback()
+    ef = ErrorFeedback.for_spec(EF4)
     out1, out2 = torch.empty(n), torch.empty(n)
     quantized_reduce_scatter(out1, xs[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
     assert torch.equal(out1, simulate_qgz(xs, topo, rank, n, 4, 4, gs)), "error feedback changed the first call"
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(ef.residual("b0", W * n, torch.device("cpu")), res[rank].view(-1))
     x2 = [rank_input(51, r, W * n, torch.float32) for r in range(W)]
+    ef.reset("b0" + HOP2_SUFFIX)  # hop 1 only here; tests/test_comm_feedback.py checks both hops
     quantized_reduce_scatter(out2, x2[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
     comp = [x2[r] + res[r].view(-1) for r in range(W)]
     assert torch.equal(out2, simulate_qgz(comp, topo, rank, n, 4, 4, gs)), "residual not added to the next gradient"
@@ -260,7 +262,7 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
 
 
 def _ef_mismatch(out, big, topo):
-    ef = ErrorFeedback()
+    ef = ErrorFeedback.for_spec(EF4)
     ef.store("b", torch.zeros(3))
     quantized_reduce_scatter(out, big, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b")
 

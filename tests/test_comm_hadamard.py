@@ -264,16 +264,16 @@ def _stochastic_2x2(rank: int, W: int, stats: CommStats) -> None:
 def _error_feedback(rank: int, W: int, stats: CommStats) -> None:
     """The residual is kept in the plain basis: x minus its rotated round trip, per input chunk."""
     n, gs = 29, 16
-    spec = had(4, gs, intra_bits=8, error_feedback=True)
+    spec = had(4, gs, intra_bits=8, error_feedback=True, residual_bits=32)  # fp32: exact
     x = rank_input(35, rank, W * n, torch.float32)
     for topo in (Topology(1, 4), Topology(2, 2)):
-        ef = ErrorFeedback()
+        ef = ErrorFeedback.for_spec(spec)
         out = torch.empty(n)
         quantized_reduce_scatter(out, x, spec=spec, error_feedback=ef, feedback_key="k", topology=topo, stats=stats)
         want = (x.view(W, n) - round_trip(x.view(W, n), gs, 8, gs, rows=W)).view(-1)
         assert torch.equal(ef.residual("k", W * n, x.device), want), topo
         plain = torch.empty(n)
-        quantized_reduce_scatter(plain, x, spec=spec.replace(error_feedback=False), topology=topo, stats=stats)
+        quantized_reduce_scatter(plain, x, spec=spec.replace(error_feedback=False, residual_bits=8), topology=topo, stats=stats)
         assert torch.equal(out, plain)  # the first call's residual is zero
 
 

@@ -41,6 +41,7 @@ from zeropp.comm import (
     reset_stochastic_calls,
     stochastic_seed,
 )
+from zeropp.comm.feedback import HOP2_SUFFIX
 from zeropp.kernels import dequantize, quantize
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -123,7 +124,8 @@ def _reduce_scatter_checks(rank: int, topo: Topology, dev: torch.device, stats: 
     # error feedback: the residual lives on the GPU and is added to the next call's input
     n = 9
     xs = [rank_input(50, r, W * n, torch.float32) for r in range(W)]
-    ef, spec = ErrorFeedback(), QuantSpec(bits=4, error_feedback=True)
+    spec = QuantSpec(bits=4, error_feedback=True, residual_bits=32)  # fp32 residuals: exact checks
+    ef = ErrorFeedback.for_spec(spec)
     out = torch.empty(n, device=dev)
     quantized_reduce_scatter(out, xs[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b",
                              topology=topo, stats=stats)
@@ -132,6 +134,7 @@ def _reduce_scatter_checks(rank: int, topo: Topology, dev: torch.device, stats: 
     x2 = [rank_input(51, q, W * n, torch.float32) for q in range(W)]
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(r.cpu(), res[rank].view(-1))  # in input order, also after qgZ's swizzle
+    ef.reset("b" + HOP2_SUFFIX)  # hop 1 only here; tests/test_comm_feedback.py checks both hops
     quantized_reduce_scatter(out, x2[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b",
                              topology=topo, stats=stats)
     comp = [x2[q] + res[q].view(-1) for q in range(W)]

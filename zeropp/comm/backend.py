@@ -112,7 +112,7 @@ def check_gather_spec(spec: Optional[QuantSpec], name: str = "spec") -> Optional
 def check_reduce_spec(spec: Optional[QuantSpec], error_feedback: Optional[ErrorFeedback],
                       name: str = "spec") -> Optional[QuantSpec]:
     """A reduce-scatter's spec and its error-feedback state must agree: the spec says *whether*
-    residuals are kept, the caller-owned :class:`ErrorFeedback` *holds* them."""
+    residuals are kept (and at which width), the caller-owned :class:`ErrorFeedback` *holds* them."""
     check_spec_type(spec, name)
     if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
         raise TypeError(f"error_feedback must be a zeropp.comm.ErrorFeedback, got {type(error_feedback).__name__}")
@@ -121,6 +121,12 @@ def check_reduce_spec(spec: Optional[QuantSpec], error_feedback: Optional[ErrorF
         raise ValueError(
             f"{name}.error_feedback=True but no error_feedback state was passed; pass "
             f"error_feedback=ErrorFeedback() (owned by the caller, one per model) and a feedback_key per bucket"
+        )
+    if wants and error_feedback.residual_bits != spec.residual_bits:
+        raise ValueError(
+            f"{name}.residual_bits={spec.residual_bits} but the error_feedback state stores "
+            f"{error_feedback.residual_bits}-bit residuals; build it with ErrorFeedback.for_spec({name}) "
+            f"(= ErrorFeedback(residual_bits={spec.residual_bits}))"
         )
     if error_feedback is not None and not wants:
         what = "spec=None (a plain reduce-scatter rounds nothing)" if spec is None else f"{name}.error_feedback=False"

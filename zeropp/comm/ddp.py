@@ -53,13 +53,15 @@ class QuantizedAllReduceState:
     kind: str = "ddp_all_reduce"
     """Name the bytes are recorded under."""
     feedback: Optional[ErrorFeedback] = dataclasses.field(default=None, init=False, repr=False, compare=False)
-    """Residuals of ``grads.error_feedback`` (created here; reset it after loading a checkpoint)."""
+    """Residuals of ``grads.error_feedback`` (created here, at ``grads.residual_bits``). Save
+    ``feedback.state_dict()`` per rank with a checkpoint and ``load_state_dict`` it on resume for
+    an exact continuation, or ``reset()`` it to start the residuals over."""
 
     def __post_init__(self) -> None:
         check_spec_type(self.grads, "grads")
         check_gather_spec(self.gather, "gather")  # fail here, not in the first backward
         if self.grads is not None and self.grads.error_feedback:
-            object.__setattr__(self, "feedback", ErrorFeedback())
+            object.__setattr__(self, "feedback", ErrorFeedback.for_spec(self.grads))
         check_reduce_spec(self.grads, self.feedback, "grads")
         if not isinstance(self.kind, str) or not self.kind:
             raise ValueError(f"QuantizedAllReduceState.kind must be a non-empty string, got {self.kind!r}")

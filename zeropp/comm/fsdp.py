@@ -94,7 +94,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         check_spec_type(spec)
         self.spec = spec
         self.topology, self.stats, self.kind = topology, stats, kind
-        self.error_feedback = ErrorFeedback() if spec is not None and spec.error_feedback else None
+        self.error_feedback = ErrorFeedback.for_spec(spec) if spec is not None and spec.error_feedback else None
         check_reduce_spec(spec, self.error_feedback)
 
     def __call__(

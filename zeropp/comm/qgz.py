@@ -19,6 +19,11 @@ comm worker thread (CPU) or a side stream (CUDA), in call order, so several outs
 reduce-scatters keep the same collective order on every rank and the caller's ``wait()`` only
 waits. Hop 2's bytes are accounted at issue, on the caller's thread.
 
+Error feedback (``feedback.py``) compensates both quantization rounds, each on the rank that
+performs it: step 2 adds this rank's hop-1 residual (input chunk order, the caller's key) to its
+input; step 4 adds its hop-2 residual (``[nodes, n]``, key + ``HOP2_SUFFIX``) to the node sums it
+re-quantizes, which no other rank quantizes. The flat single all-to-all has hop 1 only.
+
 Cross-node bytes per rank: ``(nodes - 1)`` rows at ``bits`` instead of ``rpn * (nodes - 1)``
 full-precision chunks. Two quantization rounds whatever the world size. With one node, one
 rank per node, or a sub-group of the world, a single quantized all-to-all + dequantize-sum.
@@ -34,8 +39,10 @@ import torch.distributed as dist
 
 from . import chain
 from .backend import CommHandle, backend_all_to_all, finish_or_handle
-from .codecs import Codec
-from .feedback import ErrorFeedback
+from zeropp.kernels import rotated_cols
+
+from .codecs import Codec, HadamardCodec
+from .feedback import HOP2_SUFFIX, ErrorFeedback
 from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
 
@@ -139,8 +146,12 @@ def run(
         # runs as soon as hop 1 has landed (chain.py), not in the caller's wait()
         work.wait()
         # [rpn sources, nodes, B1] -> [nodes, B2]: node sums of my-local chunks; row m -> node m
-        send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
-                                                out_bits=plan.bits, seed=seed2)
+        if ef is None:
+            send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
+                                                    out_bits=plan.bits, seed=seed2)
+        else:
+            send2 = _requantize_with_feedback(codec, recv1.view(rpn, nodes, -1), n, plan.intra_bits, plan.bits, gs,
+                                              ef, key + HOP2_SUFFIX, seed2)
         if tuple(send2.shape) != (nodes, B2) or send2.dtype != torch.uint8:
             raise RuntimeError(f"codec {type(codec).__name__} re-quantized to {send2.dtype} {tuple(send2.shape)}; its "
                                f"wire_bytes says uint8 ({nodes}, {B2})")
@@ -187,6 +198,41 @@ def _quantize_for_send(
         r = unswizzle(x.float() - codec.dequantize(q).view(x.shape), *swizzled)
     ef.store(key, r)
     return send
+
+
+def _reduction_basis(codec: Codec, n: int, gs: int) -> tuple[Codec, int]:
+    """The codec whose rows qgZ sums and re-quantizes between its hops, and their length: a
+    Hadamard codec reduces in the rotated basis (its inner int codec over the rotated row, as
+    its fused ``dequantize_sum_requantize`` does), any other codec in its own."""
+    if isinstance(codec, HadamardCodec):
+        return codec.inner, rotated_cols(n, codec.block_for(gs))
+    return codec, n
+
+
+def _requantize_with_feedback(
+    codec: Codec,
+    recv: torch.Tensor,
+    n: int,
+    in_bits: int,
+    out_bits: int,
+    gs: int,
+    ef: ErrorFeedback,
+    key: str,
+    seed: Optional[int],
+) -> torch.Tensor:
+    """Hop 2 with error feedback: received rows ``uint8 [rpn, nodes, B1]`` -> node partial sums
+    ``p`` ([nodes, c] fp32, c = n, or the rotated length for a Hadamard codec), ``p += r2`` (this
+    rank's hop-2 residual under ``key``), re-quantized into wire rows ``[nodes, B2]``; stores
+    ``r2 = p - dq(q(p))``. With a zero residual this is bit for bit the fused
+    ``dequantize_sum_requantize`` (the kernels' reference defines the fused kernel as exactly
+    this sum followed by ``quantize``, same seed)."""
+    base, c = _reduction_basis(codec, n, gs)
+    nodes = recv.shape[1]
+    p = base.dequantize_sum(recv, c, in_bits, gs)  # [nodes, c] fp32, summed over the rpn sources
+    p = p.view(nodes, c).add_(ef.residual(key, nodes * c, p.device).view(nodes, c))
+    send2 = base.encode(p, out_bits, gs, rows=nodes, seed=seed)  # [nodes, B2]
+    ef.store(key, p.sub_(base.dequantize(base.unpack(send2, c, out_bits, gs)).view(nodes, c)))
+    return send2
 
 
 def _all_to_all(

@@ -90,8 +90,14 @@ class QuantSpec:
     None = ``bits``. Meaningless for an all-gather, which has one hop."""
 
     error_feedback: bool = False
-    """Reduce-scatter only: keep each rank's quantization residual and add it to its next
-    gradient (LoCo-style error feedback)."""
+    """Reduce-scatter only: keep the residual of every quantization round this rank performs
+    (qgZ's first hop and its re-quantization of node sums) and add it to the next value of that
+    round (LoCo-style error feedback; ``zeropp.comm.feedback``)."""
+
+    residual_bits: int = 8
+    """With ``error_feedback``: how residuals are stored, 8 (LoCo: INT8 codes and one fp32 scale
+    per 128 elements, about 1 byte per element) or 32 (fp32). Any other value, or 32 without
+    ``error_feedback``, is refused."""
 
     seed: int = 0
     """Base seed of stochastic rounding, an int in [0, 2**63); ignored for ``nearest``."""
@@ -148,6 +154,12 @@ the block is checked against the use's default group size when the collective ru
             raise ValueError(f"QuantSpec.rounding={self.rounding!r}; use one of {ROUNDINGS}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"QuantSpec.error_feedback must be True or False, got {self.error_feedback!r}")
+        if isinstance(self.residual_bits, bool) or self.residual_bits not in (8, 32):
+            raise ValueError(f"QuantSpec.residual_bits={self.residual_bits!r}: error-feedback residuals are stored in "
+                             f"8 bits (INT8 + scales, LoCo) or 32 (fp32); use 8 or 32")
+        if self.residual_bits != 8 and not self.error_feedback:
+            raise ValueError(f"QuantSpec.residual_bits={self.residual_bits} does nothing without error feedback; set "
+                             f"error_feedback=True to keep residuals, or leave residual_bits=8")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"QuantSpec.seed must be an int in [0, 2**63), got {self.seed!r}")
         self._check_rotation()
@@ -200,7 +212,7 @@ the block is checked against the use's default group size when the collective ru
         if self.stochastic:
             s += "+sr"
         if self.error_feedback:
-            s += "+ef"
+            s += "+ef" if self.residual_bits == 8 else f"+ef{self.residual_bits}"
         if self.rotation == "hadamard":
             s += "+had" if self.hadamard_block is None else f"+had{self.hadamard_block}"
         return s

@@ -9,6 +9,12 @@ quantization on this rank; 1: qgZ's re-quantization of the node's partial sums) 
 and ``rank`` the *global* rank. The mix is SplitMix64 applied in a chain and cut to 63 bits, so
 every rank draws different noise, successive calls differ, and a given (seed, rank, call, hop)
 always gives the same rounding.
+
+The base seed comes from the spec (the runner sets it as ``zero.grads.seed`` /
+``zero.weights.seed``, independent of ``train.seed``). The counter is process state: the engine's
+checkpoints save every rank's value and a load restores it (``zeropp/runtime/checkpoint.py``), so a
+resumed run draws the same noise as an uninterrupted one; elsewhere, replay with
+:func:`reset_stochastic_calls`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,17 @@ load writes it back through ``load_state``. A checkpoint therefore loads into an
 Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
 checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
 same units (same model, same ``persistence_threshold`` at stage 3); otherwise the load is refused
-with the differing unit named. qgZ error-feedback residuals are not saved (a load resets them).
+with the differing unit named.
+
+Exact resume of quantized runs: each rank's qgZ error-feedback residuals (``CheckpointTarget.feedback``,
+a ``zeropp.comm.ErrorFeedback``, stored as they are kept: INT8 codes + scales, or fp32) are saved
+under the rank's own keys ``feedback.rank<r>.<bucket>|<field>``, and every rank's stochastic-rounding
+call counter (``zeropp.comm.stochastic``) in ``meta.json``. A load at the same world size, stage and
+topology restores both, so a resumed run draws the same noise and carries the same residuals as an
+uninterrupted one. Residuals are laid out per rank and per topology, so a load that reshards
+(another world size, stage or topology) drops them with a warning (they restart from zero, as at
+the start of a run); the counter is restored whenever the saving ranks agreed on it, else left as
+it is, with a warning.
 
 Atomic commit: a save writes a fresh version directory, waits for every rank, and only then
 rank 0 replaces ``LATEST`` (temporary file + ``os.replace``). A crash anywhere before that leaves
@@ -56,6 +66,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from zeropp.comm import stochastic as sr
 
 from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
@@ -97,6 +109,10 @@ class CheckpointTarget:
     """Replicated tensors saved besides the units: frozen parameters (original dtype), buffers."""
     info: dict[str, str] = field(default_factory=dict)
     """Free text recorded in meta.json (config, topology)."""
+    feedback: Any = None
+    """This rank's qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``: ``state_dict`` /
+    ``load_state_dict`` / ``reset``) or None: saved per rank, restored at the same world size,
+    stage and topology, else dropped with a warning."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -222,6 +238,8 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         opt = t.optimizer
         sd = _unit_tensors(t, mesh, lambda i, n, name: opt.state_tensor(name, i)[:n])  # read back if offloaded
         sd.update({f"model.{k}": v for k, v in t.model_state.items()})
+        if t.feedback is not None:
+            sd.update({f"{_feedback_prefix(t.rank)}{k}": v for k, v in t.feedback.state_dict().items()})
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
         error = f"preparing {d}: {_describe(exc)}"
     _agree(t, error, "save", hint)
@@ -235,11 +253,12 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         mine = {f.name: _crc(f) for f in d.iterdir() if (m := _FILE.match(f.name)) and int(m.group(1)) == t.rank}
     except Exception as exc:  # noqa: BLE001
         mine, error = {}, f"checksumming {d}: {_describe(exc)}"
-    dist.all_gather_object(crcs, mine)
+    dist.all_gather_object(crcs, (mine, sr.stochastic_calls()))
     if t.rank == 0 and error is None:
         try:
             meta = json.loads(meta_text)
-            meta["files"] = {k: v for c in crcs for k, v in c.items()}
+            meta["files"] = {k: v for c, _ in crcs for k, v in c.items()}
+            meta["stochastic_calls"] = [calls for _, calls in crcs]  # per rank
             _write_atomic(d / "meta.json", json.dumps(meta, indent=1))
         except Exception as exc:  # noqa: BLE001
             error = f"writing {d / 'meta.json'}: {_describe(exc)}"
@@ -325,10 +344,11 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     (any world size or stage saved it) and returns ``(extra, model_state)``: the values the saver
     passed and the loaded frozen parameters / buffers, for the engine to put back. On any rank's
     failure every rank raises :class:`CheckpointError` naming it, and nothing has changed."""
-    error, token, d, meta = None, 0, None, None
+    error, token, d, meta, feedback = None, 0, None, None, None
     try:
         d, meta = _check(t, path)
         token = zlib.crc32(d.name.encode()) + 1
+        feedback = _feedback_tensors(t, d, meta)  # this rank's saved residuals, or None to drop them
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
         error = _describe(exc)
     hint = ("No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same "
@@ -345,6 +365,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     sd = _unit_tensors(t, mesh, make)
     model_state = {k: torch.empty_like(v) for k, v in t.model_state.items()}
     sd.update({f"model.{k}": v for k, v in model_state.items()})
+    sd.update(feedback or {})
     try:
         dcp.load(sd, storage_reader=FileSystemReader(d))
     except CheckpointException as exc:
@@ -362,9 +383,59 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
             piece = fresh[(i, name)]
             full[: piece.numel()].copy_(piece)
             state[name].append(full)
+    if t.feedback is not None:  # first: its load validates everything before it changes anything
+        if feedback:
+            n = len(_feedback_prefix(t.rank))
+            t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
+        else:
+            t.feedback.reset()
     opt.load_state(state, step=int(meta["step"]))
     t.scaler.load_state_dict(meta["scaler"])
+    _restore_stochastic_calls(t, meta)
     return dict(meta.get("extra") or {}), model_state
+
+
+def _feedback_prefix(rank: int) -> str:
+    return f"feedback.rank{rank}."
+
+
+def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, torch.Tensor] | None:
+    """Empty tensors for this rank's saved error-feedback entries (from the DCP metadata), or
+    None when there are none to restore: no feedback here, none saved, or a load that reshards
+    (a warning says what is dropped). Local: no collective."""
+    if t.feedback is None:
+        return None
+    md = FileSystemReader(d).read_metadata().state_dict_metadata
+    saved = [k for k in md if k.startswith("feedback.rank")]
+    if not saved:
+        return None
+    here = {"world_size": t.world_size, "stage": t.stage, "topology": t.info.get("topology")}
+    there = {k: meta.get(k) for k in here}
+    if here != there:
+        if t.rank == 0:
+            warnings.warn(f"checkpoint {d.name}: dropping the error-feedback residuals, saved per rank at {there} and "
+                          f"loaded at {here}; they restart from zero (the run is not an exact continuation)",
+                          stacklevel=3)
+        return None
+    prefix = _feedback_prefix(t.rank)
+    return {k: torch.empty(md[k].size, dtype=md[k].properties.dtype, device=t.device)
+            for k in saved if k.startswith(prefix)}
+
+
+def _restore_stochastic_calls(t: CheckpointTarget, meta: dict) -> None:
+    """Set this process's stochastic-rounding call counter to the value the saving run had: the
+    same rank's at the same world size, else the value all saving ranks shared."""
+    calls = meta.get("stochastic_calls")
+    if not calls:
+        return  # saved before counters were recorded
+    if len(calls) == t.world_size:
+        sr.reset_stochastic_calls(int(calls[t.rank]))
+    elif len(set(calls)) == 1:
+        sr.reset_stochastic_calls(int(calls[0]))
+    elif t.rank == 0:
+        warnings.warn(f"checkpoint: the {len(calls)} saving ranks had different stochastic-rounding call counters "
+                      f"{calls}; loading at world size {t.world_size}, the counter is left at "
+                      f"{sr.stochastic_calls()}", stacklevel=3)
 
 
 def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:

@@ -382,7 +382,9 @@ class ZeroEngine:
     @torch.no_grad()
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load the latest complete checkpoint under ``path``, saved at any world size and stage
-        from the same model; returns the ``extra`` it was saved with. Collective."""
+        from the same model; returns the ``extra`` it was saved with. Collective. The qgZ
+        error-feedback residuals and the stochastic-rounding call counter come back too
+        (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
         self._refuse_tp("load_checkpoint")
         extra, model_state = ckpt.load(self._checkpoint_target(), path)
@@ -395,8 +397,6 @@ class ZeroEngine:
                 named[k].data.copy_(v)
             else:
                 buffers[k].copy_(v)
-        if self.error_feedback is not None:
-            self.error_feedback.reset()  # residuals belong to the run that produced them
         for u in self.units:
             u.secondary = None  # hpZ: stale, built from the weights before the load
             if u.grad_shard is not None:
@@ -681,7 +681,8 @@ class ZeroEngine:
         return ckpt.CheckpointTarget(
             layouts=[u.layout for u in self.units], optimizer=self.optim, scaler=self.scaler, rank=self.rank,
             world_size=self.world_size, device=self.device, stage=self.cfg.stage, param_dtypes=self.param_dtypes,
-            model_state=model_state, info={"config": repr(self.cfg), "topology": repr(self.topology)})
+            model_state=model_state, info={"config": repr(self.cfg), "topology": repr(self.topology)},
+            feedback=self.error_feedback)  # restored by the load at the same world / stage / topology, else reset
 
     def _measure_memory(self) -> dict[str, int]:
         return measure_memory(self.units, self.optim.nbytes())
@@ -722,7 +723,7 @@ class ZeroEngine:
             return None
         from zeropp.comm import ErrorFeedback
 
-        return ErrorFeedback()
+        return ErrorFeedback.for_spec(self.cfg.grads)
 
     def _refuse_tp(self, what: str) -> None:
         if self.topology.tp > 1:
