@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -148,8 +149,12 @@ class ZeroTrainer:
 class TorchTrainer:
     """The loop shared by FSDP2 and DDP: accumulate, clip, AdamW step, LR schedule."""
 
-    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, stats: Any = None) -> None:
+    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, stats: Any = None,
+                 feedback: Any = None) -> None:
         self.model, self.cfg, self.autocast, self.stats = model, cfg, autocast, stats
+        self.feedback = feedback
+        """The zeropp plug-in's qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None:
+        saved per rank with each checkpoint, with the stochastic-rounding call counter."""
         self._memory: dict[str, int] = {}
         o = cfg.optim
         self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -216,17 +221,42 @@ class TorchTrainer:
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
-        save_dcp(state, path, extra)
+        save_dcp(state, path, extra, per_rank=self._rank_state())
 
     def load(self, path: Path) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
-        extra = load_dcp(state, path)
+        extra, mine = load_dcp(state, path)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.sched.load_state_dict(state["sched"])
+        self._load_rank_state(mine)
         return extra
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What only this rank holds and an exact resume needs: the stochastic call counter and
+        the plug-in's error-feedback residuals."""
+        from zeropp.comm import stochastic_calls
+
+        return {"world_size": dist.get_world_size(), "stochastic_calls": stochastic_calls(),
+                "feedback": self.feedback.state_dict() if self.feedback is not None else None}
+
+    def _load_rank_state(self, mine: dict[str, Any] | None) -> None:
+        from zeropp.comm import reset_stochastic_calls
+
+        if mine is None:  # a checkpoint from before these were saved
+            return
+        reset_stochastic_calls(int(mine["stochastic_calls"]))
+        if self.feedback is None:
+            return
+        if mine.get("feedback") is None or mine["world_size"] != dist.get_world_size():
+            if dist.get_rank() == 0:
+                print(f"warning: the checkpoint holds no error-feedback residuals for this world of "
+                      f"{dist.get_world_size()} ranks; they restart from zero", file=sys.stderr)
+            self.feedback.reset()
+            return
+        self.feedback.load_state_dict(mine["feedback"])
 
     def close(self) -> None:
         pass
@@ -237,16 +267,20 @@ class _Null:
     def __exit__(self, *a: object) -> None: ...
 
 
-def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any]) -> None:
+def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any],
+             per_rank: dict[str, Any] | None = None) -> None:
     """Collective: ``state`` (a DCP state dict) into a fresh ``path/step-<n>`` directory; ``LATEST``
     moves to it (the engine's checkpoint layout and commit) only after every rank has written, so a
-    crash keeps the previous one."""
+    crash keeps the previous one. ``per_rank``: this rank's own state (``rank-<r>.pt``: residuals
+    and counters that are neither sharded nor replicated, so DCP has no place for them)."""
     import torch.distributed.checkpoint as dcp
     from zeropp.runtime.checkpoint import commit
 
     path = Path(path)
     name = f"step-{int(extra.get('step', 0)):08d}"
     dcp.save(state, checkpoint_id=str(path / name))
+    if per_rank is not None:
+        torch.save(per_rank, path / name / f"rank-{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
         (path / name / "extra.json").write_text(json.dumps(extra))
@@ -254,14 +288,16 @@ def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def load_dcp(state: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place; its extra."""
+def load_dcp(state: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place; returns its
+    extra and this rank's own state (None when the checkpoint has none for this rank)."""
     import torch.distributed.checkpoint as dcp
     from zeropp.runtime.checkpoint import latest
 
     d = latest(path)
     dcp.load(state, checkpoint_id=str(d))
-    return json.loads((d / "extra.json").read_text())
+    mine = d / f"rank-{dist.get_rank()}.pt"
+    return json.loads((d / "extra.json").read_text()), (torch.load(mine) if mine.exists() else None)
 
 
 def _blocks(model: nn.Module, why: str = "trainer=fsdp2 shards them one by one") -> list[nn.Module]:
@@ -296,14 +332,16 @@ def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTra
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-    stats = None
+    stats = feedback = None
     if zeropp_comms:
-        from zeropp.comm import CommStats
+        from zeropp.comm import CommStats, ErrorFeedback
         from zeropp.comm.fsdp import apply_zeropp_comms
 
         stats = CommStats()
-        apply_zeropp_comms(model, weights=z.weights, grads=z.grads, topology=cfg.topology, stats=stats)
-    return TorchTrainer(model, cfg, autocast=False, stats=stats)
+        feedback = ErrorFeedback.for_spec(z.grads) if z.grads is not None and z.grads.error_feedback else None
+        apply_zeropp_comms(model, weights=z.weights, grads=z.grads, topology=cfg.topology, stats=stats,
+                           error_feedback=feedback)
+    return TorchTrainer(model, cfg, autocast=False, stats=stats, feedback=feedback)
 
 
 def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTrainer:
@@ -322,15 +360,16 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
         from zeropp.comm.ddp import QuantizedAllReduceState, quantized_allreduce_hook
 
         stats = CommStats()
-        ddp.register_comm_hook(QuantizedAllReduceState(grads=z.grads, topology=cfg.topology, stats=stats),
-                               quantized_allreduce_hook)
+        state = QuantizedAllReduceState(grads=z.grads, topology=cfg.topology, stats=stats)
+        ddp.register_comm_hook(state, quantized_allreduce_hook)
     else:
         # the stock all-reduce, issued from Python so CommWatch sees its bytes (DDP's default
         # reducer calls the C++ collective directly); same arithmetic as DDP's built-in path
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(None, allreduce_hook)
-    return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", stats=stats)
+    return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", stats=stats,
+                        feedback=state.feedback if zeropp_hook else None)
 
 
 BUILDERS: dict[str, Callable[[RunConfig, torch.device], Trainer]] = {

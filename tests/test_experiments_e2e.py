@@ -165,14 +165,17 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     assert p.returncode != 0 and "no checkpoint" in p.stderr
 
 
-@pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp"])
+@pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp", "fsdp2_zeropp"])
 def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
     """FSDP2 / DDP checkpoints go through torch.distributed.checkpoint too: a stopped and resumed
-    run equals the uninterrupted one in fp32. ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds
-    its gradient buckets after its first iteration, so the resumed run's first step quantizes over
-    the initial bucket layout, where the uninterrupted run used the rebuilt one."""
-    common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}",
-              *(["quant=qgz"] if trainer == "ddp_zeropp" else [])]
+    run equals the uninterrupted one in fp32. fsdp2_zeropp runs INT4 gradients with error feedback
+    and stochastic rounding, so the resume needs the residuals and the call counter each rank saved.
+    ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds its gradient buckets after its first
+    iteration, so the resumed run's first step quantizes over the initial bucket layout, where the
+    uninterrupted run used the rebuilt one."""
+    quant = {"ddp_zeropp": ["quant=qgz"],
+             "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"]}
+    common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert _run([*common, f"hydra.run.dir={ref}"]).returncode == 0
     p = _run([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})

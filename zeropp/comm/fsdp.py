@@ -90,11 +90,18 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
         kind: str = "fsdp_reduce_scatter",
+        error_feedback: Optional[ErrorFeedback] = None,
+        key_prefix: str = "",
     ) -> None:
         check_spec_type(spec)
         self.spec = spec
         self.topology, self.stats, self.kind = topology, stats, kind
-        self.error_feedback = ErrorFeedback.for_spec(spec) if spec is not None and spec.error_feedback else None
+        if error_feedback is None and spec is not None and spec.error_feedback:
+            error_feedback = ErrorFeedback.for_spec(spec)
+        self.error_feedback = error_feedback
+        """The residuals: this instance's own, or a state shared by the modules of one model
+        (``apply_zeropp_comms(error_feedback=...)``, each module's buckets under its ``key_prefix``)."""
+        self.key_prefix = key_prefix
         check_reduce_spec(spec, self.error_feedback)
 
     def __call__(
@@ -107,7 +114,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
     ) -> Optional[dist.Work]:
         return quantized_reduce_scatter(
             output_tensor, input_tensor, op, group, spec=self.spec, error_feedback=self.error_feedback,
-            feedback_key=f"numel{input_tensor.numel()}", topology=self.topology, stats=self.stats,
+            feedback_key=f"{self.key_prefix}numel{input_tensor.numel()}", topology=self.topology, stats=self.stats,
             kind=self.kind, async_op=async_op,
         )
 
@@ -120,12 +127,15 @@ def apply_zeropp_comms(
     recipe: Union[QuantRecipe, str, None] = None,
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
+    error_feedback: Optional[ErrorFeedback] = None,
 ) -> int:
     """Install qwZ (``weights``) / qgZ (``grads``) on every FSDP module of ``model`` (after
     ``fully_shard``); returns how many modules were set. A None spec keeps the plain collective
     (still byte-accounted). ``recipe`` (a :class:`QuantRecipe` or a name in ``RECIPES``) sets both
     instead, so it excludes ``weights`` / ``grads``; a recipe with ``hpz=True`` is refused (use
-    FSDP2's own ``reshard_after_forward=<ranks per node>``)."""
+    FSDP2's own ``reshard_after_forward=<ranks per node>``). ``error_feedback``: one state for all
+    modules (each module's residuals keyed by its qualified name), which the caller can save with a
+    checkpoint (``state_dict()``) and load on resume; None gives each module its own."""
     if recipe is not None:
         if weights is not None or grads is not None:
             raise ValueError(
@@ -146,10 +156,11 @@ def apply_zeropp_comms(
     check_gather_spec(weights, "weights")
     check_spec_type(grads, "grads")
     count = 0
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, FSDPModule):
             m.set_custom_all_gather(QuantizedAllGather(weights, topology=topology, stats=stats))
-            m.set_custom_reduce_scatter(QuantizedReduceScatter(grads, topology=topology, stats=stats))
+            m.set_custom_reduce_scatter(QuantizedReduceScatter(grads, topology=topology, stats=stats,
+                                                               error_feedback=error_feedback, key_prefix=f"{name}:"))
             count += 1
     if count == 0:
         raise ValueError("apply_zeropp_comms found no FSDP module in the model; call fully_shard(...) first")

@@ -270,6 +270,8 @@ class ZeroEngine:
         if self.swap is not None:
             self.track_memory("buffers", self.swap)  # the nvme tier's staging buffers (host)
         self.track_memory("buffers", self.buffers)
+        if self.error_feedback is not None:
+            self.track_memory("buffers", self.error_feedback)  # qgZ residuals (both hops; 8-bit by default)
         if self.weight_diff is not None:
             self.track_memory("buffers", self.weight_diff)  # stage 3: the references of the hpZ secondaries
         self.track_memory("activations", self.activations)
