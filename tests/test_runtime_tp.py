@@ -129,8 +129,19 @@ def test_gpt_tp2_dp2_matches_single_process_at_every_stage() -> None:
 def test_gpt_tp2_on_2x4_matches_single_process() -> None:
     """2 nodes x 4 ranks, tp=2: dp=4 (2 per node), so ZeRO's groups have intra- and cross-node
     members; hpZ's secondary partition is the node's dp ranks."""
+    from zeropp.comm import QuantSpec
+
     configs = [dict(BASE, stage=3), dict(BASE, stage=3, hpz=True), dict(BASE, stage=2)]
-    _check(run_world(_tp_world, 8, 2, configs, "gpt", timeout=400), configs, reference("gpt", 4))
+    zeropp = [dict(BASE, stage=3, hpz=True, weights=QuantSpec(bits=8), grads=QuantSpec(bits=8))]
+    results = run_world(_tp_world, 8, 2, configs + zeropp, "gpt", timeout=400)
+    ref = reference("gpt", 4)
+    _check([r[:3] for r in results], configs, ref)
+    _check([r[3:] for r in results], zeropp, ref, exact=False)
+    # qgZ over the dp ranks is hierarchical: hop 1 sends the node's 2 chunks to the one dp peer in
+    # the node, hop 2 one partial sum across (a single hop would send 1 chunk inside, 2 across)
+    for rank_results in results:
+        rs = rank_results[3]["cross"]["grad_reduce_scatter"]
+        assert rs["cross"] > 0 and rs["intra"] == 2 * rs["cross"], rs
 
 
 def test_gpt_tp2_with_qwz_qgz_is_close() -> None:

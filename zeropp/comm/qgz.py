@@ -87,8 +87,10 @@ class QgzPlan:
 
     @property
     def hierarchical(self) -> bool:
+        """Two hops when the group is the topology's whole data-parallel world (all ranks, or with
+        ``tp > 1`` those sharing a tp index) spread over several nodes with several members each."""
         t = self.topology
-        return self.ranks == list(range(t.world_size)) and t.nodes > 1 and t.ranks_per_node > 1
+        return self.ranks == t.dp_ranks(self.ranks[0]) and t.nodes > 1 and t.ranks_per_node // t.tp > 1
 
     @property
     def single_hop_bits(self) -> int:
@@ -128,7 +130,7 @@ def run(
         return finish_or_handle([work], lambda: _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out),
                                 async_op)
 
-    nodes, rpn = topo.nodes, topo.ranks_per_node
+    nodes, rpn = topo.nodes, topo.ranks_per_node // topo.tp  # the group's members per node
     groups = topo.build()
     me = dist.get_rank()
     # [rpn, nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l. For an in-place codec this
