@@ -187,6 +187,25 @@ def _spec(d: dict | None) -> QuantSpec | None:
     return None if d is None else QuantSpec(**d)
 
 
+def summary_units(summary: dict) -> tuple[int, ...]:
+    """A run's communication units from generic summary fields: zeropp's GPT (``mlp_ratio`` in its
+    model config) exactly by :func:`gpt_units`; any other model (HF GPT-2/Llama, whose config has
+    ``intermediate_size`` instead) as its token embedding (``vocab_size x d_model``) plus
+    ``n_layers`` equal blocks sharing the rest of ``summary["model"]["params"]`` (the remainder of
+    the split goes to the root). Per-unit sizes only shift latency terms; the total is exact."""
+    m = summary["config"]["model"]
+    if "mlp_ratio" in m:
+        return gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"], n_layers=m["n_layers"],
+                         mlp_ratio=m["mlp_ratio"])
+    total = int(summary["model"]["params"])
+    layers = int(m.get("n_layers") or 0)
+    root = min(int(m.get("vocab_size", 0)) * int(m.get("d_model", 0)), total)
+    if layers < 1:
+        return (total,)
+    block = (total - root) // layers
+    return (total - block * layers, *([block] * layers))
+
+
 def workload_from_summary(summary: dict, quant_rates: tuple[tuple[str, int, float], ...] = ()) -> Workload:
     """The Workload of a measured run: its model's units, its ZeRO settings
     (``summary["config"]["zero"]``, i.e. ``asdict(ZeroConfig)``), its own compute time (measured
@@ -196,8 +215,7 @@ def workload_from_summary(summary: dict, quant_rates: tuple[tuple[str, int, floa
     m, z = cfg["model"], cfg["zero"]
     compute = max(summary["step_time_s"]["mean"] - (comm_wait_s(summary) or 0.0), 0.0)
     zero = types.SimpleNamespace(**{**z, "weights": _spec(z.get("weights")), "grads": _spec(z.get("grads"))})
-    units = gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"], n_layers=m["n_layers"],
-                      mlp_ratio=m["mlp_ratio"])
+    units = summary_units(summary)
     return Workload.from_zero(zero, units=units, compute_s=compute,
                               tokens_per_rank=cfg["train"]["micro_batch_size"] * z["grad_accum_steps"] * m["seq_len"],
                               flops_per_token=summary["model"]["flops_per_token"], quant_rates=tuple(quant_rates))

@@ -87,3 +87,36 @@ def test_check_keeps_explicit_arguments() -> None:
     assert a.gbps == [0.5] and a.steps == 2 and a.rounds == 2 and a.warmup == 1
     a = bench_cluster.parse_args(["--check"])
     assert a.gbps == [0.2, 1.0] and a.steps == 3
+
+
+def test_check_prints_max_error_and_honours_tolerance(stubbed, capsys) -> None:
+    cells = [{"gbps": 1.0, "measured_gbps": 0.96, "mode": "zero3", "measured_s": 1.0, "predicted_s": 1.12,
+              "error": 0.12, "quant_s": 0.0, "comm_wait_s": 0.5, "predicted_comm_s": 0.6, "hybrid_s": None,
+              "hybrid_error": None, "local_comm_wait_s": None}]
+    text, ok = bench_cluster.format_check(cells, tolerance=0.10)
+    assert not ok and "max |error|: 12.0% (tolerance 10%)" in text
+    text, ok = bench_cluster.format_check(cells)
+    assert ok and "max |error|: 12.0%" in text
+    assert bench_cluster.parse_args(["--check"]).tolerance == 15.0
+    assert bench_cluster.parse_args(["--check", "--tolerance", "5"]).tolerance == 5.0
+    with pytest.raises(SystemExit):
+        bench_cluster.parse_args(["--check", "--tolerance", "0"])
+    WAIT[0] = 0.05
+    code = bench_cluster.main(["--check", "--tolerance", "1e-9"])
+    out = capsys.readouterr().out
+    verdict = next(ln for ln in out.splitlines() if ln.startswith("check ("))
+    assert "max |error|:" in out and "tolerance 1e-09%" in out and ("PASS" in verdict) == (code == 0)
+
+
+def test_workload_from_summary_takes_hf_summaries() -> None:
+    from zeropp.experiments.scaling_check import summary_units, workload_from_summary
+    s = _summary(["quant=zeropp", "cluster=emulated", "cluster.inter_gbps=1.0"], 0.2, 0.1)
+    gpt = workload_from_summary(s)
+    assert gpt.units == gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=2)
+    hf_model = {"kind": "hf", "vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 3, "n_heads": 2,
+                "intermediate_size": 88}
+    hf = {**s, "config": {**s["config"], "model": hf_model}, "model": {"params": 100_007, "flops_per_token": 1.0}}
+    units = summary_units(hf)
+    assert sum(units) == 100_007 and len(units) == 4 and units[1] == units[2] == units[3]
+    w = workload_from_summary(hf)  # no KeyError on GPT-only fields
+    assert w.units == units and w.tokens_per_rank == 2 * 16
