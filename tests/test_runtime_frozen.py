@@ -2,7 +2,7 @@
 
 - parity: a LoRA GPT (base frozen, adapters trained) and a GPT with frozen parts (the position
   embedding and the whole block 1: a block with frozen parameters only) trained by ZeroEngine at
-  stages 0-3 (stage 3 also with hpZ and a prefetch depth of 2) on a 2x2 gloo world in fp32 match
+  stages 0-3 (stage 3 also with hpZ and a prefetch depth of 2, and with activation checkpointing) on a 2x2 gloo world in fp32 match
   single-process training on the global batch, to the tolerance of ``test_runtime_parity``;
 - stage 3 really shards them: per rank ``ceil(numel / W)`` elements per frozen unit, and the
   frozen gathers' bytes follow the formula (twice per unit per micro-step, ``B * (W - 1)`` each);
@@ -27,7 +27,8 @@ from zeropp.models import GPT
 STEPS, ACCUM, CLIP, LR, WD = 3, 2, 0.5, 1e-3, 0.01
 LORA = TINY.with_(lora_rank=4)
 MODELS = ("lora", "partial")
-CONFIGS = [dict(stage=s) for s in (0, 1, 2, 3)] + [dict(stage=3, hpz=True, prefetch_depth=2)]
+CONFIGS = [dict(stage=s) for s in (0, 1, 2, 3)] + [dict(stage=3, hpz=True, prefetch_depth=2),
+                                                  dict(stage=3, prefetch_depth=0, checkpointing=True)]
 
 
 def build(name: str) -> GPT:
@@ -66,8 +67,9 @@ def _parity_world(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for name in MODELS:
         for k, kw in enumerate(CONFIGS):
-            eng = ZeroEngine(build(name), config=ZeroConfig(grad_accum_steps=ACCUM, grad_clip=CLIP, **kw),
-                             optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=2, ranks_per_node=2))
+            zkw = {a: v for a, v in kw.items() if a != "checkpointing"}
+            eng = ZeroEngine(build(name), config=ZeroConfig(grad_accum_steps=ACCUM, grad_clip=CLIP, **zkw),
+                             activation_checkpointing=kw.get("checkpointing", False), optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=2, ranks_per_node=2))
             try:
                 res = [eng.train_step(rank_batches(s, ACCUM, rank)) for s in range(STEPS)]
                 out[name, k] = {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
