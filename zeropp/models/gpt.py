@@ -54,11 +54,17 @@ class GPTConfig:
     tie_embeddings: bool = True
     """Share the output head's weight with the token embedding (GPT-2 does): one ``[vocab, d_model]``
     parameter under two names, ``tok_emb.weight`` and ``head.weight``. False gives the head its own."""
+    lora_rank: int = 0
+    """LoRA fine-tuning (``zeropp.models.lora``): > 0 gives every linear layer of the blocks (``qkv``,
+    ``proj``, ``fc``, ``out``) a trainable rank-``lora_rank`` adapter (alpha = 2 * rank) and freezes
+    the rest of the model, embeddings and head included; 0 (default) trains everything."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"GPTConfig.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"GPTConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if self.d_model % self.n_heads:
@@ -79,9 +85,10 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Exact parameter count, a tied weight counted once (matches ``sum(p.numel() for p in
-        GPT(cfg).parameters())``, which yields a shared parameter once)."""
+        GPT(cfg).parameters())``, which yields a shared parameter once), LoRA adapters included."""
         d, h = self.d_model, self.d_model * self.mlp_ratio
         block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+        block += self.lora_rank * ((d + 3 * d) + (d + d) + (d + h) + (h + d))  # A [r, in] + B [out, r] per linear
         head = self.vocab_size if self.tie_embeddings else d * self.vocab_size + self.vocab_size  # bias (+ weight)
         return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + head
 
@@ -132,6 +139,10 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight  # [V, D] both: one Parameter, two names
         self._init_weights()
+        if cfg.lora_rank:
+            from .lora import apply_lora
+
+            apply_lora(self, cfg.lora_rank, targets=lambda name, m: name.startswith("blocks."))
 
     def _init_weights(self) -> None:
         # GPT-2 style: N(0, 0.02), residual projections scaled down by depth so deep stacks start stable.

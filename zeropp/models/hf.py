@@ -74,6 +74,10 @@ class HFConfig:
     True). Off by default: the engine keeps one parameter in one communication unit."""
     attn_implementation: str = "sdpa"
     """``transformers`` attention kernel: ``sdpa`` (torch's scaled_dot_product_attention) or ``eager``."""
+    lora_rank: int = 0
+    """LoRA fine-tuning (``zeropp.models.lora.apply_lora``): > 0 gives every linear layer of the decoder
+    layers (GPT-2's ``Conv1D`` projections, Llama's q/k/v/o and MLP projections) a trainable
+    rank-``lora_rank`` adapter (alpha = 2 * rank) and freezes the rest; 0 (default) trains everything."""
     pretrained: str | None = None
     """A LOCAL ``save_pretrained`` directory to load weights from (``local_files_only``; never a hub
     name, nothing is downloaded). Its config.json must have this config's architecture and sizes."""
@@ -86,6 +90,8 @@ class HFConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"HFConfig.{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"HFConfig.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"HFConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
                              "pick d_model as a multiple of n_heads")
@@ -144,14 +150,17 @@ class HFConfig:
         return self.n_kv_heads or self.n_heads
 
     def num_params(self) -> int:
-        """Exact parameter count of the built model (tied embeddings counted once)."""
-        v, t, d, h, n = self.vocab_size, self.seq_len, self.d_model, self.ffn_size, self.n_layers
+        """Exact parameter count of the built model (tied embeddings counted once, LoRA adapters
+        included: ``lora_rank * (in + out)`` per adapted layer)."""
+        v, t, d, h, n, r = self.vocab_size, self.seq_len, self.d_model, self.ffn_size, self.n_layers, self.lora_rank
         head = 0 if self.tie_embeddings else d * v
         if self.hf_config == "gpt2":  # LayerNorms and linear layers with biases, learned positions
             block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+            block += r * ((d + 3 * d) + (d + d) + (d + h) + (h + d))
             return v * d + t * d + n * block + 2 * d + head
         kv = self.kv_heads * (d // self.n_heads)  # llama: RMSNorms, bias-free linears, rotary positions
         block = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * h
+        block += r * (2 * (d + d) + 2 * (d + kv) + 2 * (d + h) + (h + d))  # q, o; k, v; gate, up; down
         return v * d + n * block + d + head
 
 
@@ -233,6 +242,10 @@ def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     else:
         hf = cls.from_pretrained(str(Path(cfg.pretrained).expanduser()), config=conf, local_files_only=True)
     hf = hf.float().train()
+    if cfg.lora_rank:
+        from .lora import apply_lora
+
+        apply_lora(hf, cfg.lora_rank)  # the decoder layers' linear layers; everything else frozen
     return HFCausalLM(hf, cfg)
 
 

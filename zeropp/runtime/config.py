@@ -22,6 +22,8 @@ from zeropp.comm.spec import QuantRecipe, QuantSpec
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("constant", "cosine")
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
+QUANTIZE_FROZEN = ("none", "int8", "int4")
+"""``ZeroConfig.quantize_frozen`` choices: MixZ++'s storage of frozen stage-3 shards."""
 
 
 def _check_spec(name: str, spec: Any) -> None:
@@ -128,9 +130,24 @@ class ZeroConfig:
     back when backward needs them. With activation checkpointing only the blocks' inputs are saved,
     so this moves exactly the checkpointed activations."""
 
+    quantize_frozen: str = "none"
+    """MixZ++ (stage 3 only): how the shards of frozen parameters (``requires_grad=False``, e.g. a
+    LoRA base model) are stored and all-gathered: ``none`` (the compute dtype, all-gathered like the
+    trainable ones, qwZ/hpZ applying), ``int8`` or ``int4`` (quantized ONCE at construction into
+    the int codec's wire format, codes and scales in one byte buffer, all-gathered in that form and
+    dequantized into the gather buffer; never re-quantized, so no hpZ copy or qwZ spec applies).
+    Stages 0-2 keep frozen parameters replicated in the compute dtype, so it must stay ``none``."""
+
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.quantize_frozen not in QUANTIZE_FROZEN:
+            raise ValueError(f"ZeroConfig.quantize_frozen={self.quantize_frozen!r}; use one of {QUANTIZE_FROZEN}")
+        if self.quantize_frozen != "none" and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.quantize_frozen={self.quantize_frozen!r} stores the stage-3 shards of frozen parameters "
+                f"quantized; stage {self.stage} keeps frozen parameters whole on every rank (nothing is gathered), so "
+                f"set stage=3 or quantize_frozen='none'")
         if self.precision not in _DTYPES:
             raise ValueError(f"ZeroConfig.precision must be one of {sorted(_DTYPES)}, got {self.precision!r}")
         _check_spec("weights", self.weights)

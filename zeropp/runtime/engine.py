@@ -70,6 +70,7 @@ from .collectives import EngineComm
 from .consolidate import consolidated_state_dict
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
+from . import frozen as fz
 from . import memory as mem
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
@@ -181,18 +182,33 @@ class ZeroEngine:
         ``consolidated_state_dict`` returns)."""
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-        # Frozen parameters are not trained or sharded: rank 0's values are broadcast (ranks start
-        # identical, as for the trained ones) and cast to the compute dtype. The originals are kept
-        # when the cast rounds, so consolidated_state_dict returns them unrounded, in their dtype.
+        # Frozen parameters (requires_grad=False) are not trained: rank 0's values are broadcast (ranks
+        # start identical, as for the trained ones). Stage 3 shards the floating-point ones in per-block
+        # "frozen" units (frozen.py; stored quantized with quantize_frozen=int8|int4, MixZ++). Otherwise
+        # (stages 0-2, or under the persistence threshold) they stay replicated, cast to the compute
+        # dtype; the originals are kept when the cast rounds, so consolidated_state_dict returns them
+        # unrounded, in their dtype (a sharded frozen unit keeps its own shard of them, see frozen.py).
+        self.frozen = (fz.build_frozen_units(
+            model, block_modules=block_modules, world_size=self.world_size, rank=self.rank, dtype=self.dtype,
+            persistence_threshold=cfg.persistence_threshold,
+            spec=fz.frozen_spec(cfg.quantize_frozen, cfg.weights.group_size if cfg.weights else None))
+            if cfg.stage == 3 else fz.FrozenUnits())
+        """Stage 3: the frozen units (``frozen.FrozenUnits``); empty at stages 0-2."""
+        self.frozen_units: list[FlatUnit] = self.frozen.units
+        sharded_frozen = self.frozen.param_ids()
         self.frozen_originals: dict[str, torch.Tensor] = {}
-        """Frozen parameters whose compute-dtype copy rounds: name -> the unrounded original."""
+        """Replicated frozen parameters whose compute-dtype copy rounds: name -> the unrounded original."""
         for name, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
                 data = p.data.contiguous()
                 self.comm.broadcast_(data)
+                if id(p) in sharded_frozen:
+                    p.data = data  # cut into shards below, in the originals' dtype
+                    continue
                 if data.dtype != self.dtype:
                     self.frozen_originals[name] = data
                 p.data = data.to(self.dtype)
+        fz.shard_frozen_units(self.frozen)
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=self.world_size, rank=self.rank, dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold, block_modules=block_modules)
@@ -249,9 +265,11 @@ class ZeroEngine:
         """qWD: the weight-difference refresh after each step (``weight_diff.py``), or None."""
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
                             for u in self.units if self._reduces_when_ready(u) for p in u.params]
-        self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units, self.comm, config=cfg, dtype=self.dtype,
+        self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units + self.frozen_units, self.comm,
+                                  config=cfg, dtype=self.dtype,
                                   device=self.device, on_block_backward=self.flush_reductions_before,
-                                  pool=self.buffers, weight_diff=self.weight_diff) if cfg.stage == 3 else None
+                                  pool=self.buffers, weight_diff=self.weight_diff,
+                                  frozen=self.frozen) if cfg.stage == 3 else None
         self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
         order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
@@ -389,10 +407,14 @@ class ZeroEngine:
         (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
         self._refuse_tp("load_checkpoint")
-        extra, model_state = ckpt.load(self._checkpoint_target(), path)
+        extra, model_state = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
         named = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
+        frozen_names = {s.name for u in self.frozen_units for s in u.slots}
+        fz.load_values(self.frozen, {k: v for k, v in model_state.items() if k in frozen_names})
         for k, v in model_state.items():
+            if k in frozen_names:
+                continue
             if k in self.frozen_originals:
                 self.frozen_originals[k].copy_(v)
             if k in named:
@@ -424,8 +446,9 @@ class ZeroEngine:
                                  async_op=False)
             return full
 
+        frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
         sd = consolidated_state_dict(self.units, master, gather, self.model, self.param_dtypes,
-                                     self.frozen_originals)
+                                     {**self.frozen_originals, **frozen_values})
         return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
 
     def close(self) -> None:
@@ -443,7 +466,7 @@ class ZeroEngine:
         self._pending.clear()
         if self.checkpointing is not None:
             self.checkpointing.remove()
-        for u in self.units:
+        for u in self.units + self.frozen_units:
             u.secondary = u.grad_shard = None
         if self.weight_diff is not None:
             self.weight_diff.reset()
@@ -676,9 +699,18 @@ class ZeroEngine:
         return m
 
     # ------------------------------------------------------------------ misc
-    def _checkpoint_target(self) -> ckpt.CheckpointTarget:
+    def _checkpoint_target(self, *, gather_frozen: bool = True) -> ckpt.CheckpointTarget:
+        """``gather_frozen``: the sharded frozen parameters' full values (collective); False: empty
+        tensors of their shapes and dtypes (enough for a load)."""
+        sharded_frozen = self.frozen.param_ids()
         model_state = {n: self.frozen_originals.get(n, p.data) for n, p in self.model.named_parameters()
-                       if not p.requires_grad and p.is_floating_point()}
+                       if not p.requires_grad and p.is_floating_point() and id(p) not in sharded_frozen}
+        if gather_frozen:
+            model_state.update(fz.full_values(self.comm, self.frozen, self.param_dtypes,
+                                              bucket=self.cfg.allgather_bucket_size))
+        else:
+            model_state.update({s.name: torch.empty(s.shape, dtype=self.param_dtypes[s.name])
+                                for u in self.frozen_units for s in u.slots})
         model_state.update(dict(self.model.named_buffers()))
         return ckpt.CheckpointTarget(
             layouts=[u.layout for u in self.units], optimizer=self.optim, scaler=self.scaler, rank=self.rank,
@@ -687,14 +719,14 @@ class ZeroEngine:
             feedback=self.error_feedback)  # restored by the load at the same world / stage / topology, else reset
 
     def _measure_memory(self) -> dict[str, int]:
-        return measure_memory(self.units, self.optim.nbytes())
+        return measure_memory(self.units + self.frozen_units, self.optim.nbytes())
 
     def _record_phase(self, phase: str) -> None:
         """Snapshot memory at the end of ``phase`` and start the next phase's peak."""
         sources = self._memory_sources
         if phase != "forward":  # saved activations live from a forward to its backward only
             sources = {**sources, "activations": []}
-        self._phases[phase] = mem.snapshot(phase, self.units, sources, self.device)
+        self._phases[phase] = mem.snapshot(phase, self.units + self.frozen_units, sources, self.device)
         mem.reset_peak(self.device)
 
     def _make_buffer_pool(self) -> BufferPool:
@@ -712,6 +744,10 @@ class ZeroEngine:
                 pool.reserve("gather", 1, self.root.padded)
             if block_units:
                 pool.reserve("gather", self.cfg.prefetch_depth + 1, max(u.padded for u in block_units))
+        if self.frozen.root is not None:  # frozen units are gathered next to their block's (same schedule)
+            pool.reserve("gather", 1, self.frozen.root.padded)
+        if self.frozen.blocks:
+            pool.reserve("gather", self.cfg.prefetch_depth + 1, max(u.padded for _, u in self.frozen.blocks))
         reduced = [u for u in self.units if u.kind != "replicated"]
         if reduced:
             inflight = REDUCE_INFLIGHT if self.cfg.stage >= 2 else 1

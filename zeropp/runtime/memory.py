@@ -46,6 +46,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from . import frozen as fz
 from .partition import FlatUnit
 
 KEYS = ("params", "grads", "optimizer", "hpz_secondary", "total")
@@ -69,10 +70,15 @@ def _nbytes(t) -> int:
 def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str, int]:
     """Bytes held by this rank now in ``units``' buffers plus ``optimizer_bytes`` of optimizer
     state. Call at the end of backward for the step's peak model state (gradients and hpZ copies
-    exist then)."""
+    exist then). Frozen units (stage 3) count their stored shard under ``params``: the quantized
+    wire row with ``quantize_frozen=int8|int4``, else the compute-dtype shard (not the host copy of
+    rounded originals, which :func:`account` puts on the host tier)."""
     params = grads = hpz = 0
     for u in units:
-        params += _nbytes(u.param_shard) if u.kind == "sharded" else _nbytes(u.flat)
+        if u.kind == "frozen":  # stage-3 frozen shard as stored (quantized wire row or compute dtype)
+            params += fz.device_bytes(u)
+        else:
+            params += _nbytes(u.param_shard) if u.kind == "sharded" else _nbytes(u.flat)
         if u.grad_shard is not None:
             grads += _nbytes(u.grad_shard)
         else:  # full gradients held by autograd until the final reduction (stages 0/1, replicated units)
@@ -211,7 +217,10 @@ def account(units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]], dev
 
     store_owns_shards = bool(list(sources.get("params", ())))
     for u in units:
-        if u.kind != "sharded":
+        if u.kind == "frozen":  # stage 3's frozen shard as stored (frozen.py), never offloaded
+            add("params", u.extra.get("wire") if fz.is_quantized(u) else u.param_shard)
+            add("params", u.extra.get("original"))  # host copy of rounded originals
+        elif u.kind != "sharded":
             add("params", u.flat)
         elif not store_owns_shards:
             add("params", u.param_shard)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 
-KINDS = ("replicated", "sharded_opt", "sharded")
+KINDS = ("replicated", "sharded_opt", "sharded", "frozen")
 
 BlockPolicy = Union[None, type, Sequence[type], Callable[[str, nn.Module], bool]]
 """How the blocks (stage-3 gather units, stage-2/3 reduction units) are chosen: ``None`` (the
@@ -70,6 +70,9 @@ class UnitLayout:
       state for this rank's shard; updated shards all-gathered after the step (stages 1 and 2).
     - ``sharded``: only this rank's shard is kept; the full buffer exists between a gather and
       its release (stage 3).
+    - ``frozen``: stage 3's frozen parameters (``requires_grad=False``) of one block or the root:
+      sharded and gathered like ``sharded``, but no gradient, no optimizer state and no
+      reduce-scatter; the shard may be stored quantized (``frozen.py``, MixZ++).
 
     Sharding: the buffer is padded to ``padded = num_shards * shard_numel`` with
     ``shard_numel = ceil(numel / num_shards)``, and shard ``r`` is ``[r * S, (r + 1) * S)``. Without
@@ -78,9 +81,9 @@ class UnitLayout:
     """
 
     name: str
-    """``block<i>``, ``root`` or ``persistent``."""
+    """``block<i>``, ``root`` or ``persistent`` (``block<i>.frozen``, ``root.frozen`` for frozen units)."""
     kind: str
-    """``replicated``, ``sharded_opt`` or ``sharded`` (see above)."""
+    """``replicated``, ``sharded_opt``, ``sharded`` or ``frozen`` (see above)."""
     slots: tuple[Slot, ...]
     """The parameters, in buffer order."""
     num_shards: int
@@ -161,7 +164,7 @@ class FlatUnit:
     device: torch.device = torch.device("cpu")
     # runtime state, owned by the engine
     flat: torch.Tensor | None = None  # [padded] compute dtype, full parameters (when present)
-    param_shard: torch.Tensor | None = None  # [S] compute dtype (stage 3)
+    param_shard: torch.Tensor | None = None  # [S] compute dtype (stage 3; frozen: None when stored quantized)
     grad_shard: torch.Tensor | None = None  # [S] compute dtype, accumulated reduced gradient
     secondary: torch.Tensor | None = None  # [padded / hpz] compute dtype (hpZ)
     state: str = "free"  # free | inflight | ready  (stage 3 gather state)
@@ -334,19 +337,75 @@ def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dty
     module (that has parameters to shard) with its unit, in forward order. The blocks are
     ``block_modules`` when given, else ``find_blocks(model, policy)``. A parameter registered under
     several names gets one slot (the other names are its aliases); one registered in two units
-    (two blocks, or a block and a module outside the blocks) goes to the root unit.
+    (two blocks, or a block and a module outside the blocks) goes to the root unit. Frozen
+    parameters (``requires_grad=False``) are left out: stages 0-2 keep them replicated, stage 3
+    shards them in separate ``frozen`` units (``frozen.build_frozen_units``).
     """
     kind = {0: "replicated", 1: "sharded_opt", 2: "sharded_opt", 3: "sharded"}[stage]
     shards = 1 if kind == "replicated" else world_size
     srank = 0 if kind == "replicated" else rank
+    homes = assign_homes(model, block_modules if block_modules is not None else find_blocks(model, policy))
+    block_list, order, names, home = homes.blocks, homes.order, homes.names, homes.home
+    ROOT = homes.ROOT
+    persistent: list[tuple[str, nn.Parameter]] = []
+
+    def keep(p: nn.Parameter) -> bool:
+        if not p.requires_grad:
+            return False
+        if stage == 3 and p.numel() < persistence_threshold:
+            persistent.append((names[id(p)], p))
+            return False
+        return True
+
+    def unit(name: str, ps: list[nn.Parameter], k: str, n: int, r: int) -> FlatUnit:
+        return homes.unit(name, ps, kind=k, num_shards=n, shard_rank=r, dtype=dtype)
+
+    blocks: list[tuple[nn.Module, FlatUnit]] = []
+    for i, blk in enumerate(block_list):
+        ps = [p for p in order if home[id(p)] == i and keep(p)]
+        if ps:
+            blocks.append((blk, unit(f"block{i}", ps, kind, shards, srank)))
+    root_ps = [p for p in order if home[id(p)] == ROOT and keep(p)]
+    root = unit("root", root_ps, kind, shards, srank) if root_ps else None
+    pers = unit("persistent", [p for _, p in persistent], "replicated", 1, 0) if persistent else None
+    units = ([root] if root else []) + [u for _, u in blocks] + ([pers] if pers else [])
+    return units, blocks, root, pers
+
+
+@dataclass
+class Homes:
+    """Which unit each parameter belongs to (shared by the trainable and the frozen units)."""
+
+    ROOT = -1
+    blocks: list[nn.Module]
+    """The distinct block modules, in order (index = the block number in unit names)."""
+    order: list[nn.Parameter]
+    """Every distinct parameter, in ``named_parameters()`` order."""
+    names: dict[int, str]
+    """``id(p)`` -> its first (canonical) name."""
+    aliases: dict[str, list[str]]
+    """Canonical name -> the parameter's other names."""
+    home: dict[int, int]
+    """``id(p)`` -> its block index, or ``ROOT`` (outside every block, or registered in two units)."""
+
+    def unit(self, name: str, ps: list[nn.Parameter], *, kind: str, num_shards: int, shard_rank: int,
+             dtype: torch.dtype) -> FlatUnit:
+        named = [(self.names[id(p)], p) for p in ps]
+        return FlatUnit.build(name, named, kind=kind, num_shards=num_shards, shard_rank=shard_rank, dtype=dtype,
+                              aliases={nm: self.aliases[nm] for nm, _ in named if self.aliases[nm]})
+
+
+def assign_homes(model: nn.Module, blocks: Sequence[nn.Module]) -> Homes:
+    """Place every parameter of ``model``: in the block whose qualified name prefixes its name,
+    else (or when registered in two units) in the root; tied names become aliases."""
     block_list: list[nn.Module] = []
-    for b in (block_modules if block_modules is not None else find_blocks(model, policy)):
+    for b in blocks:
         if all(b is not c for c in block_list):  # a module listed twice (e.g. reused in a ModuleList) is one block
             block_list.append(b)
     index_of = {id(b): i for i, b in enumerate(block_list)}
     # every qualified name of every block module (a module registered twice has two)
     block_index = {n: index_of[id(m)] for n, m in model.named_modules(remove_duplicate=False) if id(m) in index_of}
-    ROOT = -1
+    ROOT = Homes.ROOT
 
     def owner(param_name: str) -> int:
         parts = param_name.split(".")[:-1]
@@ -368,28 +427,4 @@ def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dty
             order.append(p)
         owners.setdefault(id(p), set()).add(owner(name))
     home = {id(p): (ROOT if len(owners[id(p)]) > 1 else next(iter(owners[id(p)]))) for p in order}
-    persistent: list[tuple[str, nn.Parameter]] = []
-
-    def keep(p: nn.Parameter) -> bool:
-        if not p.requires_grad:
-            return False
-        if stage == 3 and p.numel() < persistence_threshold:
-            persistent.append((names[id(p)], p))
-            return False
-        return True
-
-    def unit(name: str, ps: list[nn.Parameter], k: str, n: int, r: int) -> FlatUnit:
-        named = [(names[id(p)], p) for p in ps]
-        return FlatUnit.build(name, named, kind=k, num_shards=n, shard_rank=r, dtype=dtype,
-                              aliases={nm: aliases[nm] for nm, _ in named if aliases[nm]})
-
-    blocks: list[tuple[nn.Module, FlatUnit]] = []
-    for i, blk in enumerate(block_list):
-        ps = [p for p in order if home[id(p)] == i and keep(p)]
-        if ps:
-            blocks.append((blk, unit(f"block{i}", ps, kind, shards, srank)))
-    root_ps = [p for p in order if home[id(p)] == ROOT and keep(p)]
-    root = unit("root", root_ps, kind, shards, srank) if root_ps else None
-    pers = unit("persistent", [p for _, p in persistent], "replicated", 1, 0) if persistent else None
-    units = ([root] if root else []) + [u for _, u in blocks] + ([pers] if pers else [])
-    return units, blocks, root, pers
+    return Homes(blocks=block_list, order=order, names=names, aliases=aliases, home=home)

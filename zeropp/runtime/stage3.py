@@ -12,7 +12,12 @@ lives in the engine because stage 2 shares it.
 The root unit (embeddings, final norm, head: everything outside the blocks) is used at both
 ends of the network, so it is gathered when the model's forward starts, freed when it returns,
 and gathered again (hpZ: inside the node) when the gradient reaches the model's outputs; it
-stays until its last gradient (the embeddings') is reduced. Every parameter is therefore
+stays until its last gradient (the embeddings') is reduced.
+
+Frozen parameters (``frozen.py``): a block's (or the root's) frozen unit is gathered and freed
+together with its trainable unit, and a block with frozen parameters only is gathered like any
+other block. In backward a block's frozen unit is freed when the backward of the block before it
+starts (it has no gradient to wait for); the root's at the end of backward. Every parameter is therefore
 gathered twice per micro-step, as in ZeRO-3's 3M accounting. Under ``torch.no_grad()`` nothing
 is wrapped and no secondary copy is made, so evaluation needs no gradient bookkeeping.
 
@@ -66,10 +71,12 @@ from torch import nn
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
+from . import frozen as fz
 from .partition import FlatUnit
 from .weight_diff import WeightDiff
 
 ROOT = -1  # hook index of the root unit
+GATHERED = ("sharded", "frozen")  # unit kinds whose full buffer exists only between a gather and its release
 
 
 class _PreBackward(torch.autograd.Function):
@@ -98,8 +105,18 @@ class Stage3Hooks:
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
                  all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
                  device: torch.device, on_block_backward: Callable[[FlatUnit], None],
-                 pool: BufferPool | None = None, weight_diff: "WeightDiff | None" = None) -> None:
-        self.units: list[FlatUnit] = [u for _, u in blocks]
+                 pool: BufferPool | None = None, weight_diff: "WeightDiff | None" = None,
+                 frozen: "fz.FrozenUnits | None" = None) -> None:
+        self.frozen = frozen if frozen is not None else fz.FrozenUnits(order=[blk for blk, _ in blocks])
+        trained = {id(blk): u for blk, u in blocks}
+        frozen_of = {id(blk): u for blk, u in self.frozen.blocks}
+        order = [blk for blk in self.frozen.order if id(blk) in trained or id(blk) in frozen_of]
+        self.groups: list[list[FlatUnit]] = [
+            [u for u in (trained.get(id(blk)), frozen_of.get(id(blk))) if u is not None] for blk in order]
+        """Per hook index (block): the units gathered together, trainable first, then frozen."""
+        self.root_group = [u for u in (root, self.frozen.root) if u is not None]
+        """The root's units (trainable, frozen)."""
+        self.units: list[FlatUnit] = [g[0] for g in self.groups]  # per block: its first unit (names, flushes)
         self.root = root
         self.all_units = list(all_units)
         self.comm, self.cfg, self.dtype, self.device = comm, config, dtype, device
@@ -121,7 +138,7 @@ class Stage3Hooks:
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
         m = model
         self.handles = [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
-        for i, (blk, _) in enumerate(blocks):
+        for i, blk in enumerate(order):
             self.handles.append(blk.register_forward_pre_hook(partial(self._pre, i)))
             self.handles.append(blk.register_forward_hook(partial(self._post, i)))
 
@@ -136,9 +153,11 @@ class Stage3Hooks:
         if u.state != "free":
             return
         buf = self.pool.acquire("gather", u.padded)  # [padded]
-        kind = "bwd_all_gather" if backward else "fwd_all_gather"
+        kind = fz.KIND if u.kind == "frozen" else "bwd_all_gather" if backward else "fwd_all_gather"
         bucket = self.cfg.allgather_bucket_size
-        if u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
+        if fz.is_quantized(u):  # MixZ++: the stored wire rows, gathered as they are, dequantized into buf
+            work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True)
+        elif u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
             work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, async_op=True)
         else:
             store = u.extra.get("param_store")  # offload: the shard comes from host memory / disk
@@ -162,7 +181,7 @@ class Stage3Hooks:
             u.work.wait()
             u.work = None
             self.pool.give_back(u.extra.pop("buf", None))
-        if u.kind == "sharded" and (u.state != "free" or u.flat is not None):
+        if u.kind in GATHERED and (u.state != "free" or u.flat is not None):
             flat = u.flat
             u.release()
             self.pool.give_back(flat)
@@ -170,23 +189,35 @@ class Stage3Hooks:
     def release_all(self) -> None:
         self._started = False  # (a forward that reaches release_all is over)
         for u in self.all_units:
-            if u.kind == "sharded":
+            if u.kind in GATHERED:
                 self.release(u)
 
     # ------------------------------------------------------------------ hooks
     def _prefetch(self, indices: range, *, backward: bool) -> None:
         for j in indices:
             if 0 <= j < len(self.units):
-                self.gather(self.units[j], backward=backward)
+                for u in self.groups[j]:
+                    self.gather(u, backward=backward)
+
+    def _group(self, i: int) -> list[FlatUnit]:
+        return self.root_group if i == ROOT else self.groups[i]
 
     def _unit(self, i: int) -> FlatUnit | None:
-        return self.root if i == ROOT else self.units[i]
+        """Block ``i``'s (or the root's) first unit: the trainable one, else the frozen one."""
+        g = self._group(i)
+        return g[0] if g else None
+
+    def _keep_frozen_secondary(self, u: FlatUnit, grad: bool) -> None:
+        """hpZ for an unquantized frozen unit that is not its block's first unit (see ``_post``)."""
+        if grad and self.cfg.hpz and u.secondary is None and not fz.is_quantized(u):
+            u.secondary = u.flat.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [padded / h]
 
     def _catch_up(self, end: int) -> None:
         """Issue the forward gathers of blocks ``< end`` not issued yet, in block order, so that a
         rank that skips a block still issues the same gathers as the ranks that run it."""
         for j in range(self._next_fwd, end):
-            self.gather(self.units[j], backward=False)
+            for u in self.groups[j]:
+                self.gather(u, backward=False)
         self._next_fwd = max(self._next_fwd, end)
 
     def _abort_forward(self) -> None:
@@ -202,7 +233,7 @@ class Stage3Hooks:
         if error is not None:
             self._abort_forward()
         self._started = False
-        world = self.comm.world_size
+        world = dist.get_world_size()  # every rank (tp peers too): the reports below use the default group
         if world == 1 and error is not None:  # nobody to tell: the model's own error, as without the engine
             self.current = None
             self.release_all()
@@ -261,8 +292,8 @@ class Stage3Hooks:
             f"ZeRO stage 3 needs every rank to run the same blocks in each forward: {what}. Their gradient "
             f"reduce-scatters and backward gathers would be issued in different orders on different ranks. Make "
             f"the forward run every block on every rank (e.g. multiply a block's output by a 0/1 gate instead of "
-            f"skipping it), freeze the parameters of blocks that may be skipped (requires_grad=False), or use "
-            f"stage 2, which handles rank-dependent unused parameters")
+            f"skipping it), or use stage 2, which handles rank-dependent unused parameters (at stage 3 frozen "
+            f"parameters are sharded and gathered too, so freezing a block does not make skipping it safe)")
 
     def _root_pre(self, module: torch.nn.Module | None, args: Any) -> None:
         self.ran = [0] * len(self.units)
@@ -270,13 +301,13 @@ class Stage3Hooks:
         self._runs, self.current, self._started = 0, None, True
         self._last, self.disorder = -1, None
         self._next_fwd = 0
-        if self.root is not None:
-            self.ensure_ready(self.root, backward=False)
+        for u in self.root_group:
+            self.ensure_ready(u, backward=False)
         self._prefetch(range(0, self.depth), backward=False)
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._catch_up(len(self.units))
-        if self.root is None:
+        if not self.root_group:
             return output
         return self._post(ROOT, module, args, output)
 
@@ -290,7 +321,8 @@ class Stage3Hooks:
         self._last = i
         self.current = i
         self._catch_up(i)
-        self.ensure_ready(self.units[i], backward=False)
+        for u in self.groups[i]:
+            self.ensure_ready(u, backward=False)
         self._next_fwd = max(self._next_fwd, i + 1)
         self._prefetch(range(i + 1, i + 1 + self.depth), backward=False)
 
@@ -299,7 +331,10 @@ class Stage3Hooks:
             self.current = None
         u = self._unit(i)
         grad = torch.is_grad_enabled()
-        if grad and self.cfg.hpz and u.secondary is None:
+        for v in self._group(i)[1:]:  # the block's frozen unit, next to its trainable one
+            self._keep_frozen_secondary(v, grad)
+            self.release(v)
+        if grad and self.cfg.hpz and u.secondary is None and not fz.is_quantized(u):
             h = self.comm.hpz_size
             u.secondary = u.flat.view(h, -1)[self.comm.hpz_rank].clone()  # [padded / h]
             if self.weight_diff is not None:
@@ -327,13 +362,18 @@ class Stage3Hooks:
         """Training, just before ``loss.backward()``: gather the root (and prefetch the last blocks),
         as the model output's :class:`_PreBackward` would; needed when the loss does not flow through
         an output tensor the forward hook could wrap. Idempotent with that hook."""
-        if self.root is not None:
+        if self.root_group:
             self.pre_backward(ROOT)
 
     def pre_backward(self, i: int) -> None:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
         if i != ROOT:
             self.on_block_backward(self.units[i])  # blocks after i are done: send what waits
-        self.ensure_ready(self._unit(i), backward=True)
+            for g in self.groups[i + 1:]:  # their frozen units have no gradient to wait for: free them
+                for u in g:
+                    if u.kind == "frozen":
+                        self.release(u)
+        for u in self._group(i):
+            self.ensure_ready(u, backward=True)
         start = len(self.units) - 1 if i == ROOT else i - 1
         self._prefetch(range(start, start - self.depth, -1), backward=True)

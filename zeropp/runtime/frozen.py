@@ -1,0 +1,230 @@
+"""Frozen parameters at stage 3: sharded like the rest, optionally stored quantized (MixZ++).
+
+Why: fine-tuning (LoRA) trains a few adapter weights next to a large frozen base model. Kept
+replicated, the base costs every rank its full size and gets none of ZeRO-3's savings. Here the
+frozen floating-point parameters of each block (and of the root) form one extra flat unit of kind
+``frozen`` (``partition.UnitLayout``): sharded over the world, gathered by the stage-3 hooks
+together with the block's trainable unit (same prefetch and free schedule), but with no gradient,
+no optimizer state and no reduce-scatter.
+
+MixZ++ (``ZeroConfig.quantize_frozen=int8|int4``): frozen weights never change, so each rank
+quantizes its shard ONCE, at construction, straight into the int codec's wire row (codes then
+fp32 scales in one byte buffer, ``zeropp.comm.codecs.WireLayout``) and keeps only that. A gather
+all-gathers those bytes as they are and dequantizes the received rows into the gather buffer:
+nothing is re-quantized, so the values every forward and backward sees are exactly
+``dequantize(quantize(w_shard))`` of each rank's shard, and the bytes on the wire and in memory are
+the wire row's (about 1/2 of bf16 for INT8, 1/4 for INT4 at the default group size of 512).
+Neither qwZ (already quantized) nor hpZ (a secondary copy would be a full-precision copy of what
+is deliberately kept quantized) applies to a quantized frozen unit; without quantization both apply
+as to trainable units. A quantized gather is one message per unit (the bucket size is not
+applied: the wire row was cut once, at construction).
+
+Values returned by ``consolidated_state_dict`` and saved in checkpoints: with ``none`` the exact
+originals (a host copy of this rank's shard in the originals' dtype is kept when the cast to the
+compute dtype rounds); with ``int8``/``int4`` the dequantized values, which is what the model
+computes with. Loading a checkpoint re-quantizes the loaded shard once.
+
+Bytes: gathers are counted in ``CommStats`` under the kind ``frozen_all_gather`` (forward and
+backward alike), per rank ``B`` (the wire row, or ``S`` elements of the compute dtype) to each other
+member, as every all-gather (``zeropp.comm.stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zeropp.comm.backend import backend_all_gather
+from zeropp.comm.codecs import codec_for
+from zeropp.comm.spec import QuantSpec
+from zeropp.comm.stats import group_ranks, peer_bytes, record_sends
+from zeropp.kernels import DEFAULT_WEIGHT_GROUP_SIZE
+
+from .collectives import EngineComm, Pending
+from .partition import FlatUnit, Homes, assign_homes
+
+KIND = "frozen_all_gather"
+"""``CommStats`` kind of every gather of a frozen unit (forward, backward)."""
+BITS = {"none": None, "int8": 8, "int4": 4}
+"""``ZeroConfig.quantize_frozen`` -> code width."""
+
+
+@dataclass
+class FrozenUnits:
+    """The frozen units of one engine (stage 3; empty otherwise)."""
+
+    blocks: list[tuple[nn.Module, FlatUnit]] = field(default_factory=list)
+    """Block module -> its frozen unit, for the blocks that have frozen parameters, in block order."""
+    root: FlatUnit | None = None
+    """Frozen parameters outside the blocks (embeddings, final norm, head), or None."""
+    order: list[nn.Module] = field(default_factory=list)
+    """Every block module in forward order (to merge with the trainable blocks)."""
+    spec: QuantSpec | None = None
+    """How the shards are stored and gathered (None: the compute dtype)."""
+
+    @property
+    def units(self) -> list[FlatUnit]:
+        return ([self.root] if self.root is not None else []) + [u for _, u in self.blocks]
+
+    def param_ids(self) -> set[int]:
+        return {id(p) for u in self.units for p in u.params}
+
+
+def frozen_spec(quantize_frozen: str, group_size: int | None = None) -> QuantSpec | None:
+    """The int codec's spec for ``quantize_frozen`` (``none`` -> None)."""
+    if quantize_frozen not in BITS:
+        raise ValueError(f"quantize_frozen={quantize_frozen!r}; use one of {tuple(BITS)}")
+    bits = BITS[quantize_frozen]
+    return None if bits is None else QuantSpec(bits=bits, group_size=group_size or DEFAULT_WEIGHT_GROUP_SIZE)
+
+
+def build_frozen_units(model: nn.Module, *, block_modules: Sequence[nn.Module], world_size: int, rank: int,
+                       dtype: torch.dtype, persistence_threshold: int = 0,
+                       spec: QuantSpec | None = None) -> FrozenUnits:
+    """One ``frozen`` unit per block (``block<i>.frozen``) and for the root (``root.frozen``) holding
+    the frozen floating-point parameters with at least ``persistence_threshold`` elements (smaller
+    ones stay replicated, as trainable ones under the threshold do). Placement (block, root, tied
+    names) is :func:`partition.assign_homes`'s, the same as for the trainable units."""
+    homes: Homes = assign_homes(model, block_modules)
+
+    def frozen(p: nn.Parameter) -> bool:
+        return not p.requires_grad and p.is_floating_point() and p.numel() >= max(1, persistence_threshold)
+
+    def unit(name: str, ps: list[nn.Parameter]) -> FlatUnit:
+        return homes.unit(name, ps, kind="frozen", num_shards=world_size, shard_rank=rank, dtype=dtype)
+
+    out = FrozenUnits(order=list(homes.blocks), spec=spec)
+    for i, blk in enumerate(homes.blocks):
+        ps = [p for p in homes.order if homes.home[id(p)] == i and frozen(p)]
+        if ps:
+            out.blocks.append((blk, unit(f"block{i}.frozen", ps)))
+    root_ps = [p for p in homes.order if homes.home[id(p)] == Homes.ROOT and frozen(p)]
+    out.root = unit("root.frozen", root_ps) if root_ps else None
+    return out
+
+
+def _wide_dtype(u: FlatUnit) -> torch.dtype:
+    """The widest dtype of the unit's parameters: the originals' shard is kept in it."""
+    out = u.params[0].dtype
+    for p in u.params[1:]:
+        out = torch.promote_types(out, p.dtype)
+    return out
+
+
+@torch.no_grad()
+def store_shard(u: FlatUnit, shard: torch.Tensor, spec: QuantSpec | None) -> None:
+    """Keep this rank's shard ``[S]`` (the originals' values) as the unit stores it: the int wire
+    row ``uint8 [B]`` (quantized once, here) or the compute dtype, plus a host copy of the
+    originals when that cast rounds (so exports are exact)."""
+    u.extra.pop("wire", None)
+    u.extra.pop("original", None)
+    u.param_shard = None
+    u.secondary = None  # hpZ copy of the old values
+    if spec is not None:
+        codec = codec_for(spec)
+        u.extra["wire"] = codec.encode(shard.float(), spec.bits, spec.group_size, rows=1, seed=None).view(-1)  # [B]
+        return
+    u.param_shard = shard.to(u.dtype).clone()  # [S] compute dtype
+    if shard.dtype != u.dtype and not torch.equal(u.param_shard.to(shard.dtype), shard):
+        u.extra["original"] = shard.to("cpu").clone()  # [S] originals' dtype, host memory
+
+
+@torch.no_grad()
+def shard_frozen_units(fu: FrozenUnits) -> None:
+    """Cut every frozen unit to this rank's shard (the parameters hold the full, already broadcast
+    values) and free the full parameters."""
+    for u in fu.units:
+        full = u.flatten_data(_wide_dtype(u))  # [padded] originals' values
+        a, b = u.shard_range()
+        store_shard(u, full[a:b], fu.spec)
+        del full
+        u.release()
+
+
+def is_quantized(u: FlatUnit) -> bool:
+    return u.extra.get("wire") is not None
+
+
+def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: str = KIND,
+                     async_op: bool) -> Pending:
+    """All-gather the stored wire rows of ``u`` as they are and dequantize them into ``out``
+    (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``."""
+    wire = u.extra["wire"]  # [B] uint8
+    W, S, B = comm.world_size, u.shard_numel, wire.numel()
+    codec = codec_for(spec)
+
+    def issue() -> Pending:
+        comm.stats.count_call(kind)
+        recv = torch.empty(W * B, dtype=torch.uint8, device=wire.device)  # [W * B]
+        record_sends(comm.stats, kind, comm.topology, group_ranks(comm.group), peer_bytes("all_gather", B, W))
+        work = backend_all_gather(recv, wire, comm.group, True)  # over the data-parallel ranks
+
+        def finish() -> None:  # [W, B] rows -> [W, S] values, read through views of recv
+            codec.dequantize(codec.unpack(recv.view(W, B), S, spec.bits, spec.group_size), out=out.view(W, S))
+
+        return Pending(comm, [work], finish)
+
+    return comm._launch("all_gather", issue, (wire,), async_op)
+
+
+def gather_bytes(u: FlatUnit, world_size: int, element_size: int) -> int:
+    """Bytes this rank sends in one gather of ``u`` (to all the other members together)."""
+    per_peer = u.extra["wire"].numel() if is_quantized(u) else u.shard_numel * element_size
+    return per_peer * (world_size - 1)
+
+
+@torch.no_grad()
+def full_values(comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch.dtype], *,
+                bucket: int) -> dict[str, torch.Tensor]:
+    """Every frozen unit's full values (collective), ``{canonical name: tensor}`` on the CPU in each
+    parameter's own dtype: the exact originals, or the dequantized values when quantized."""
+    out: dict[str, torch.Tensor] = {}
+    for u in fu.units:
+        if is_quantized(u):
+            full = torch.empty(u.padded, dtype=torch.float32, device=u.device)  # [padded]
+            gather_quantized(comm, u, full, fu.spec, kind="checkpoint", async_op=False)
+        else:
+            shard = u.extra.get("original")
+            shard = shard.to(u.device) if shard is not None else u.param_shard  # [S]
+            full = torch.empty(u.padded, dtype=shard.dtype, device=u.device)  # [padded]
+            comm.all_gather(full, shard, spec=None, bucket=bucket, kind="checkpoint", async_op=False)
+        for s in u.slots:  # canonical names only, as named_parameters() (a tied weight once)
+            t = full[s.offset : s.offset + s.numel].view(s.shape)
+            out[s.name] = t.to(dtype=param_dtypes.get(s.name, t.dtype), device="cpu").clone()
+    return out
+
+
+@torch.no_grad()
+def load_values(fu: FrozenUnits, values: dict[str, torch.Tensor]) -> None:
+    """Replace every frozen unit's shard by this rank's part of ``values`` (full tensors by name, as
+    :func:`full_values` returns; local). Quantized units quantize the new shard once."""
+    for u in fu.units:
+        wide = torch.float32
+        for s in u.slots:
+            wide = torch.promote_types(wide, values[s.name].dtype)
+        full = torch.zeros(u.padded, dtype=wide, device=u.device)  # [padded]
+        for s in u.slots:
+            full[s.offset : s.offset + s.numel].copy_(values[s.name].reshape(-1))
+        a, b = u.shard_range()
+        store_shard(u, full[a:b], fu.spec)
+
+
+def device_bytes(u: FlatUnit) -> int:
+    """Bytes of ``u``'s stored shard on its device (the wire row, or the compute-dtype shard)."""
+    t = u.extra.get("wire") if is_quantized(u) else u.param_shard
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def host_bytes(u: FlatUnit) -> int:
+    """Bytes of the host copy of the originals' shard (kept when the compute-dtype cast rounds)."""
+    t = u.extra.get("original")
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def frozen_bytes(fu: FrozenUnits) -> int:
+    """This rank's frozen-weight bytes on the device (all frozen units' stored shards)."""
+    return sum(device_bytes(u) for u in fu.units)
+
