@@ -140,6 +140,11 @@ class ZeroEngine:
     norm is the whole model's, :meth:`consolidated_state_dict` returns full (unsplit) weights, and
     checkpoints are refused. Tensor-parallel ranks must be given the same micro-batches.
 
+    Frozen parameters (``requires_grad=False``, e.g. a LoRA base model): stages 0-2 keep them
+    replicated in the compute dtype on every rank; stage 3 shards them in per-block ``frozen``
+    units gathered next to the trainable ones (no gradient, no optimizer state), stored quantized
+    once with ``ZeroConfig.quantize_frozen=int8|int4`` (MixZ++, ``frozen.py``; ``self.frozen``).
+
     ``activation_checkpointing=True`` recomputes each block's activations in backward (the
     engine's blocks that hold trainable parameters); a model without blocks is refused with a
     ``ValueError`` at construction.
