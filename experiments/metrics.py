@@ -76,10 +76,12 @@ def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, floa
     return {k: sum(d.get(k, 0) for d in dicts) / max(divisor, 1) for k in keys}
 
 
-def expected_model_state(cfg: RunConfig, n_params: int) -> dict[str, dict[str, float]] | None:
+def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0) -> dict[str, dict[str, float]] | None:
     """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` for a ZeroEngine run of
     ``cfg`` (None for the other trainers, whose memory the formulas do not describe); ``n_params``
-    are the parameters one rank's engine partitions (the TP-local ones under ``topology.tp``)."""
+    are the trained parameters one rank's engine partitions (the TP-local ones under ``topology.tp``);
+    ``frozen_bytes`` the stage-3 frozen shards it stores (their layout's size: compute dtype, or
+    MixZ++'s wire rows), added to the device's params."""
     if cfg.trainer.name != "zeropp":
         return None
     from zeropp.runtime import ZeroEngine
@@ -89,9 +91,11 @@ def expected_model_state(cfg: RunConfig, n_params: int) -> dict[str, dict[str, f
     pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
     # with tensor parallelism ZeRO partitions each rank's TP-local parameters over the dp ranks
     hpz = (z.hpz_size or t.ranks_per_node) // t.tp if z.hpz else None
-    return expected_by_tier(z.stage, n_params, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
-                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                            shared_master=z.shares_fp32_master)
+    out = expected_by_tier(z.stage, n_params, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
+                           offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
+                           shared_master=z.shares_fp32_master)
+    out["device"]["params"] += frozen_bytes
+    return out
 
 
 def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],
@@ -146,7 +150,8 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
         "memory_by_phase": phases,
         "memory_peak_per_rank": [max((p.get("peak", 0) for p in ph.values()), default=0) for ph in phases],
-        "memory_expected": expected_model_state(cfg, rank_reports[0].get("state_params") or n_params),
+        "memory_expected": expected_model_state(cfg, rank_reports[0].get("state_params") or n_params,
+                                                frozen_bytes=rank_reports[0].get("frozen_bytes", 0)),
         "loss": {"first": losses[0] if losses else math.nan, "final": losses[-1] if losses else math.nan,
                  "eval": eval_loss, "curve": losses},
         "device": device,

@@ -76,6 +76,16 @@ def _evaluate(trainer: Any, data: TokenBatches, batches: int, rank: int, world: 
     return sum(trainer.eval_loss(*data.eval_batch(k * world + rank)) for k in range(batches)) / batches
 
 
+def _frozen_bytes(trainer: Any) -> int:
+    """Bytes of the stage-3 frozen shards this rank stores (quantized with ``zero.quantize_frozen``)."""
+    engine = getattr(trainer, "engine", None)
+    if engine is None or not getattr(engine, "frozen_units", None):
+        return 0
+    from zeropp.runtime.frozen import frozen_bytes
+
+    return frozen_bytes(engine.frozen)
+
+
 def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str, dict[str, Any]]:
     """Per-phase, per-tier memory of this rank: the engine's own snapshots (``memory_phases``), or
     for trainers without them the flat report after model creation and after the last step."""
@@ -202,6 +212,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
               "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report(),
               "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
+              "frozen_bytes": _frozen_bytes(trainer),
               "memory_phases": _memory_phases(trainer, device, created)}
     gathered: list[Any] = [None] * world if lead else []
     dist.gather_object(report, gathered if lead else None, dst=0)

@@ -247,3 +247,17 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     # each rank's engine partitions its TP-local half of the split weights over the dp pair
     expected = sum(runs["tp"]["memory_expected"]["device"].values())
     assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
+
+
+def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
+    """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
+    and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
+    wire rows) equals the measured model state of every rank."""
+    p = _run(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
+              f"hydra.run.dir={tmp_path}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    expected = s["memory_expected"]["device"]
+    for rank_mem in s["memory_per_rank"]:
+        assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
+    assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
