@@ -142,14 +142,14 @@ def test_quantized_gradient_mean_does_not_overflow_fp16_when_the_mean_fits():
             assert all(abs(v - 40000.0) <= 40000.0 / (2 * (2 ** (bits - 1) - 1)) for v in vals), (bits, vals[:4])
 
 
-def _frozen_world(rank: int, world: int) -> dict:
+def _frozen_world(rank: int, world: int, stage: int) -> dict:
     from zeropp.comm import Topology
     from zeropp.runtime import ZeroConfig, ZeroEngine
 
     model = make_model(seed=rank)  # ranks build different weights on purpose
     model.pos_emb.weight.requires_grad_(False)
     rank0 = make_model(seed=0).pos_emb.weight.detach().clone()
-    eng = ZeroEngine(model, config=ZeroConfig(stage=3, precision="bf16"), topology=Topology(1, world))
+    eng = ZeroEngine(model, config=ZeroConfig(stage=stage, precision="bf16"), topology=Topology(1, world))
     try:
         sd = eng.consolidated_state_dict()
         return {"compute": model.pos_emb.weight.detach().float().numpy(), "exported": sd["pos_emb.weight"].float().numpy(),
@@ -158,14 +158,20 @@ def _frozen_world(rank: int, world: int) -> dict:
         eng.close()
 
 
-def test_frozen_parameters_start_identical_and_export_unrounded():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_start_identical_and_export_unrounded(stage: int):
     """Frozen parameters were neither broadcast (ranks kept their own values, though trained ones
     start from rank 0's) nor exported in their own dtype (consolidated_state_dict returned the
-    bf16-rounded copy)."""
+    bf16-rounded copy). Stage 2 keeps them replicated (every rank's compute copy is rank 0's,
+    rounded); stage 3 shards them (between gathers the module holds an empty tensor)."""
     from tests.distributed import run_world
 
-    res = run_world(_frozen_world, 2, timeout=60)
+    res = run_world(_frozen_world, 2, stage, timeout=60)
     for r in res:
         assert r["exported_dtype"] == "torch.float32"
         assert (r["exported"] == r["rank0"]).all()  # exactly rank 0's fp32 values
-        assert (r["compute"] == res[0]["compute"]).all()  # the bf16 compute copies agree across ranks
+        if stage == 2:  # the bf16 compute copies are rank 0's values on every rank
+            assert r["compute"].shape == r["rank0"].shape
+            assert (r["compute"] == torch.from_numpy(r["rank0"]).bfloat16().float().numpy()).all()
+        else:
+            assert r["compute"].size == 0
