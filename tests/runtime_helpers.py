@@ -42,12 +42,15 @@ def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
 
 
 def reference_train(steps: int, world: int, accum: int, *, lr: float, wd: float, clip: float | None,
-                    cfg: GPTConfig = TINY, device: str = "cpu") -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+                    cfg: GPTConfig = TINY, device: str = "cpu", model: torch.nn.Module | None = None
+                    ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Single-process training on the same global batch: for each micro index, every rank's
-    micro-batch concatenated; torch.optim.AdamW and clip_grad_norm_, on ``device``. Returns
-    (losses, norms, weights on the CPU)."""
-    model = make_model(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, foreach=False)
+    micro-batch concatenated; torch.optim.AdamW over the trainable parameters and
+    clip_grad_norm_, on ``device``. ``model``: the unwrapped model to train (``forward(idx,
+    targets) -> (logits, loss)``; default ``make_model(cfg)``). Returns (losses, norms, weights on
+    the CPU)."""
+    model = (make_model(cfg) if model is None else model).to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd, foreach=False)
     losses, norms = [], []
     for s in range(steps):
         opt.zero_grad()

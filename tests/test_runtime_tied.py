@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tests.distributed import run_world
-from tests.runtime_helpers import TINY, micro_batch, rank_batches, rel_err
+from tests.runtime_helpers import TINY, rank_batches, reference_train, rel_err
 from zeropp.models import GPT, GPTConfig
 
 STEPS, ACCUM, CLIP, LR, WD = 6, 2, 0.5, 1e-3, 0.01
@@ -42,21 +42,7 @@ def build(name: str) -> GPT:
 
 
 def reference(name: str, world: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    model = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    losses, norms = [], []
-    for s in range(STEPS):
-        opt.zero_grad()
-        tot = 0.0
-        for j in range(ACCUM):
-            parts = [micro_batch(s, j, r) for r in range(world)]
-            _, loss = model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-            (loss / ACCUM).backward()
-            tot += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        losses.append(tot / ACCUM)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_train(STEPS, world, ACCUM, lr=LR, wd=WD, clip=CLIP, model=build(name))
 
 
 def _tied_world(rank: int, world: int) -> dict[str, Any]:

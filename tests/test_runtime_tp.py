@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime_helpers import TINY, micro_batch, rel_err
+from tests.runtime_helpers import TINY, micro_batch, reference_train, rel_err
 from zeropp.models import GPT
 
 STEPS, ACCUM, CLIP, LR, WD = 4, 2, 0.5, 1e-3, 0.01
@@ -39,21 +39,7 @@ def _model(kind: str) -> torch.nn.Module:
 
 def reference(kind: str, dp: int, steps: int = STEPS) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Single-process training on the dp ranks' micro-batches concatenated."""
-    model = _model(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    losses, norms = [], []
-    for s in range(steps):
-        opt.zero_grad()
-        tot = 0.0
-        for j in range(ACCUM):
-            parts = [micro_batch(s, j, r, CFG) for r in range(dp)]
-            _, loss = model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-            (loss / ACCUM).backward()
-            tot += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        losses.append(tot / ACCUM)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_train(steps, dp, ACCUM, lr=LR, wd=WD, clip=CLIP, cfg=CFG, model=_model(kind))
 
 
 def _tp_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], kind: str,
