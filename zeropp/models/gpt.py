@@ -214,7 +214,7 @@ def parallelize_gpt(model: GPT, tp_mesh) -> None:
     column-parallel, ``proj`` and ``out`` row-parallel (heads and MLP width split; embeddings,
     norms and head replicated). ``qkv``'s rows are first reordered from ``[q | k | v]`` to
     ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` so that rank t's row shard holds its heads of all three
-    (recorded as ``_zeropp_tp_interleave`` so full weights can be put back in order)."""
+    (recorded as ``zeropp_tp_interleave`` so full weights can be put back in order)."""
     import types
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -228,7 +228,7 @@ def parallelize_gpt(model: GPT, tp_mesh) -> None:
         for name in ("weight", "bias"):
             p = getattr(attn.qkv, name)
             p.copy_(p.reshape(3, tp, -1, *p.shape[1:]).transpose(0, 1).reshape(p.shape))  # [3D(, D)] reordered
-        attn.qkv._zeropp_tp_interleave = {"weight": 3, "bias": 3}
+        attn.qkv.zeropp_tp_interleave = {"weight": 3, "bias": 3}
         attn.tp = tp
         attn.forward = types.MethodType(_tp_attention_forward, attn)
         parallelize_module(block, tp_mesh, plan)

@@ -135,7 +135,7 @@ class EngineComm:
                     spec=spec))
             return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None)
 
-        return self._launch("all_gather", issue, (shard,), async_op)
+        return self.launch("all_gather", issue, (shard,), async_op)
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, spec: Optional[QuantSpec],
@@ -164,9 +164,9 @@ class EngineComm:
                     async_op=True, **extra))
             return Pending(self, works, None if quantized else (lambda: out.div_(w)))
 
-        return self._launch("reduce_scatter", issue, (full,), async_op)
+        return self.launch("reduce_scatter", issue, (full,), async_op)
 
-    def _launch(self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...],
+    def launch(self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...],
                 async_op: bool) -> Pending:
         """Issue a collective: asynchronously on the ``kind`` side stream when there are streams
         (finished there at once, an event marks its end), else on the current stream/thread;

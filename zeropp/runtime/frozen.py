@@ -167,7 +167,7 @@ def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: Qua
 
         return Pending(comm, [work], finish)
 
-    return comm._launch("all_gather", issue, (wire,), async_op)
+    return comm.launch("all_gather", issue, (wire,), async_op)
 
 
 def gather_bytes(u: FlatUnit, world_size: int, element_size: int) -> int:

@@ -45,7 +45,7 @@ MESH_DIMS = ("dp", "tp")
 
 @dataclasses.dataclass(frozen=True)
 class TPInfo:
-    """How a model was split (recorded on it by :func:`parallelize` as ``model._zeropp_tp``)."""
+    """How a model was split (recorded on it by :func:`parallelize` as ``model.zeropp_tp``)."""
 
     mesh: DeviceMesh
     """The 2-D ``("dp", "tp")`` mesh."""
@@ -111,7 +111,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if getattr(mesh, "mesh_dim_names", None) != MESH_DIMS:
         raise ValueError(f"parallelize needs a mesh with dimensions {MESH_DIMS} (make_mesh), got "
                          f"{getattr(mesh, 'mesh_dim_names', None)}")
-    if getattr(model, "_zeropp_tp", None) is not None:
+    if getattr(model, "zeropp_tp", None) is not None:
         raise ValueError("this model was already split by parallelize(); build a fresh model")
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
@@ -122,7 +122,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         assert isinstance(model, HFCausalLM)
         parallelize_hf(model, tp_mesh)
     _localize(model)
-    model._zeropp_tp = TPInfo(mesh, tp)
+    model.zeropp_tp = TPInfo(mesh, tp)
     return model
 
 
@@ -133,10 +133,9 @@ def _localize(model: nn.Module) -> None:
             if not isinstance(p, DTensor):
                 continue
             local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
-            local._zeropp_tp_sharded = any(isinstance(pl, Shard) for pl in p.placements)
-            del mod._parameters[name]
-            setattr(mod, name, local)
-            interleave = getattr(mod, "_zeropp_tp_interleave", {}).get(name, 1)
+            local.zeropp_tp_sharded = any(isinstance(pl, Shard) for pl in p.placements)
+            setattr(mod, name, local)  # replaces the registered DTensor parameter
+            interleave = getattr(mod, "zeropp_tp_interleave", {}).get(name, 1)
             parametrize.register_parametrization(
                 mod, name, FromLocal(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()), interleave),
                 unsafe=True)
@@ -144,17 +143,17 @@ def _localize(model: nn.Module) -> None:
 
 def tp_info(model: nn.Module) -> Optional[TPInfo]:
     """How ``model`` was split by :func:`parallelize`, or None."""
-    return getattr(model, "_zeropp_tp", None)
+    return getattr(model, "zeropp_tp", None)
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """True for the local part of a weight split over tp (its values differ between tp ranks)."""
-    return bool(getattr(p, "_zeropp_tp_sharded", False))
+    return bool(getattr(p, "zeropp_tp_sharded", False))
 
 
 def is_tp_local(p: torch.Tensor) -> bool:
     """True for a parameter :func:`parallelize` made from a DTensor (split or replicated over tp)."""
-    return hasattr(p, "_zeropp_tp_sharded")
+    return hasattr(p, "zeropp_tp_sharded")
 
 
 def check_model_matches(model: nn.Module, topology: Topology) -> None:
