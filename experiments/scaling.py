@@ -144,6 +144,12 @@ class Workload:
     """hpZ: backward gathers stay inside the hpZ group (``ZeroConfig.hpz``)."""
     hpz_size: int | None = None
     """Ranks of a hpZ group; None = the node (``ZeroConfig.hpz_size``)."""
+    weight_diff: QuantSpec | None = None
+    """qWD (``ZeroConfig.weight_diff``): the parameter refresh after the step sends quantized
+    differences instead of weights. Stages 1-2: it replaces the parameter all-gather. Stage 3 (with
+    hpZ): the secondaries persist, so in the steady state (from the second step on, what this
+    model describes) every forward and backward gather reads the secondary inside the hpZ group
+    and one quantized difference gather over the world per unit replaces qwZ's forward gather."""
     dtype_bytes: int = 2
     """Bytes per element of weights/gradients on the wire when not quantized (bf16/fp16: 2)."""
     grad_accum: int = 1
@@ -173,6 +179,8 @@ class Workload:
             ("hpz", not self.hpz or self.stage == 3, "hpZ partitions stage-3 weights; set stage=3 or hpz=False"),
             ("grads", self.grads is None or self.stage >= 1, "stage 0 all-reduces; set stage>=1 or grads=None"),
             ("hpz_size", self.hpz_size is None or self.hpz_size >= 1, "use a positive group size or None (the node)"),
+            ("weight_diff", self.weight_diff is None or self.stage in (1, 2) or (self.stage == 3 and self.hpz),
+             "weight differences refresh stages 1-2 replicas or stage 3's hpZ secondaries; set stage 1-2, or hpz=True"),
             ("dtype_bytes", self.dtype_bytes in (2, 4), "use 2 (bf16/fp16) or 4 (fp32)"),
             ("grad_accum", self.grad_accum >= 1, "use >= 1"),
             ("allgather_bucket", self.allgather_bucket >= 1, "use >= 1 element"),
@@ -200,6 +208,7 @@ class Workload:
                    if getattr(zero, f"{k}_size", None) is not None}
         return cls(units=tuple(units), compute_s=compute_s, tokens_per_rank=tokens_per_rank, stage=zero.stage,
                    weights=zero.weights, grads=zero.grads, hpz=zero.hpz, hpz_size=zero.hpz_size,
+                   weight_diff=getattr(zero, "weight_diff", None),
                    dtype_bytes=4 if zero.precision == "fp32" else 2, grad_accum=zero.grad_accum_steps,
                    **{**buckets, **kw})
 
@@ -266,7 +275,10 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
       > 1) it is an intra-node all-to-all of N rows per local peer at the intra bits and one
       requantized row to each other node at the cross bits; otherwise one all-to-all of one row
       per peer (intra bits inside one node, else the cross bits);
-    * stage 0: one all-reduce of each whole (unpadded) unit, ``2 * bytes // W`` to each peer.
+    * stage 0: one all-reduce of each whole (unpadded) unit, ``2 * bytes // W`` to each peer;
+    * ``weight_diff`` (qWD), the steady state (a step after the first): stages 1-2 gather the
+      quantized differences instead of the parameters; stage 3 gathers only from the secondary
+      (forward and backward) plus one quantized difference gather over the world per unit.
 
     The loss / norm all-reduce and stage 3's per-step "which blocks ran" check are control
     messages that CommStats does not count; :func:`control_messages` gives them for the time model."""
@@ -283,7 +295,12 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
     for numel in w.units:
         shard = -(-numel // W)  # elements per rank after padding to the world size
         if w.stage == 3:
-            if w.hpz:
+            if w.hpz and w.weight_diff:  # qWD: the secondaries persist; refreshed by differences
+                sec = W * shard // h
+                gather("fwd_all_gather", sec, 1, h, a, None)
+                gather("bwd_all_gather", sec, 1, h, a, None)
+                gather("weight_diff_all_gather", shard, N, R, 1, w.weight_diff)
+            elif w.hpz:
                 sec = W * shard // h  # the secondary partition: [padded / h]
                 gather("fwd_all_gather", shard, N, R, 1, w.weights)
                 if a > 1:
@@ -313,7 +330,10 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
             else:
                 out.append(Message("grad_reduce_scatter", "ring_rs", N, R, width * db, k))
         if w.stage in (1, 2):
-            gather("param_all_gather", shard, N, R, 1, None)
+            if w.weight_diff:
+                gather("weight_diff_all_gather", shard, N, R, 1, w.weight_diff)
+            else:
+                gather("param_all_gather", shard, N, R, 1, None)
     return out
 
 
@@ -425,6 +445,8 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
 
     * qwZ all-gather: quantize my shard, dequantize the gathered ``world`` shards (every forward
       and backward; with hpZ only the first forward of the step, the rest read the secondary);
+    * qWD: quantize my shard's difference, dequantize the world's (once per step; at stage 3 it
+      replaces qwZ's forward gather);
     * qgZ, hierarchical (nodes > 1 and ranks_per_node > 1): quantize my whole gradient at the
       intra bits, fused dequantize-sum-requantize of the ``world`` received rows, dequantize-sum of
       the ``nodes`` rows from the cross hop; otherwise one quantize and one dequantize-sum of the
@@ -437,10 +459,13 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
     def add(op: str, bits: int, n: int) -> None:
         out[(op, bits)] = out.get((op, bits), 0) + n
 
-    if w.stage == 3 and w.weights:
+    if w.stage == 3 and w.weights and not w.weight_diff:
         gathers = 1 if w.hpz else 2 * w.grad_accum
         add("quantize", w.weights.bits, gathers * S)
         add("dequantize", w.weights.bits, gathers * W * S)
+    if w.weight_diff:  # qWD: quantize my shard's difference, dequantize the world's
+        add("quantize", w.weight_diff.bits, S)
+        add("dequantize", w.weight_diff.bits, W * S)
     if w.stage >= 1 and w.grads:
         calls = w.grad_accum if w.stage >= 2 else 1
         ib, cb = w.grads.hop_bits

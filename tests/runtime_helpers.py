@@ -88,9 +88,13 @@ def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: i
     eng = ZeroEngine(make_model(cfg).to(device), config=zc, optimizer=OptimizerConfig(lr=lr, weight_decay=wd),
                      topology=Topology(nodes=nodes, ranks_per_node=world // nodes))
     try:
-        results = [eng.train_step([(i.to(device), t.to(device)) for i, t in rank_batches(s, zc.grad_accum_steps, rank, cfg, text)])
-                   for s in range(steps)]
+        results, per_step = [], []
+        for s in range(steps):
+            results.append(eng.train_step([(i.to(device), t.to(device))
+                                           for i, t in rank_batches(s, zc.grad_accum_steps, rank, cfg, text)]))
+            per_step.append(eng.comm_stats.snapshot())  # cumulative after step s
         out = {
+            "comm_per_step": per_step,
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "skipped": [r.skipped for r in results], "wait": [r.comm_wait_s for r in results],
             "memory": eng.memory_report(), "comm": eng.comm_stats.snapshot(), "num_params": eng.num_params,

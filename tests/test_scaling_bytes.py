@@ -1,7 +1,8 @@
 """The scaling model's bytes are the engine's bytes: one real training step per configuration on
 gloo worlds, CommStats (by kind and link, on every rank) against ``experiments.scaling``'s
 messages, exactly -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
-applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies.
+applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies; with
+weight differences (qWD) the second step's bytes (the steady state the model describes).
 
 One world launch runs many engines one after another (a launch costs seconds), and one world
 hosts several topologies (4 ranks: 1x4, 2x2 and 4x1)."""
@@ -31,6 +32,10 @@ def _recipe_configs() -> list[dict[str, Any]]:
                 continue
             for hpz in sorted({r.hpz, True} if stage == 3 else {False}):
                 kw = dict(stage=stage, weights=r.weights, grads=r.grads, hpz=hpz)
+                if r.weight_diff is not None:
+                    if stage == 0 or (stage == 3 and not hpz):
+                        continue  # qWD refreshes stages 1-2 replicas or stage 3's hpZ secondaries
+                    kw["weight_diff"] = r.weight_diff
                 if kw not in out:
                     out.append(kw)
     return out
@@ -46,20 +51,34 @@ WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
             dict(stage=1, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS),
             dict(stage=2, grads=QuantSpec(bits=4, intra_bits=8, group_size=64)),
             dict(stage=3, weights=QuantSpec(bits=4, group_size=100), hpz=False, grad_accum_steps=2),
-            dict(stage=0, grad_accum_steps=2), dict(stage=1, grad_accum_steps=2)]),
+            dict(stage=0, grad_accum_steps=2), dict(stage=1, grad_accum_steps=2),
+            # qWD at stages 1-2 (quant=qwd zero.hpz=false): the parameter refresh sends differences
+            dict(stage=1, hpz=False, weight_diff=RECIPES["qwd"].weight_diff),
+            dict(stage=2, hpz=False, grads=RECIPES["qgz"].grads, weight_diff=QuantSpec(bits=8, group_size=64),
+                 **SMALL_BUCKETS)]),
         (1, [ZPP, dict(stage=2, grads=RECIPES["qgz"].grads), dict(stage=0)]),  # one node: hpZ and qgZ in the node
         (4, [ZPP, dict(stage=1, grads=RECIPES["w8g4"].grads)])],  # one rank per node: hpZ group of 1
     6: [(3, [ZPP, {**ZPP, "grad_accum_steps": 2}, dict(stage=0), dict(stage=1, grads=RECIPES["qgz"].grads),
-             dict(stage=3, weights=RECIPES["w4g4"].weights, grads=RECIPES["w4g4"].grads, **SMALL_BUCKETS)]),
+             dict(stage=3, weights=RECIPES["w4g4"].weights, grads=RECIPES["w4g4"].grads, **SMALL_BUCKETS),
+             dict(stage=3, weights=RECIPES["sdp4bit"].weights, grads=RECIPES["sdp4bit"].grads, hpz=True,
+                  weight_diff=RECIPES["sdp4bit"].weight_diff, **SMALL_BUCKETS)]),
         (2, [ZPP])],
     8: [(2, [{**ZPP, "hpz_size": 2}, dict(stage=2, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS)])],
 }
 
 
+def _steady(kw: dict[str, Any], rank: int, world: int, nodes: int) -> dict[str, dict[str, int]]:
+    """This rank's CommStats of one step in the steady state: the first step, or with weight
+    differences (whose first step still makes the stage-3 secondaries) the second one."""
+    if kw.get("weight_diff") is None:
+        return train_engine(rank, world, kw, steps=1, nodes=nodes, consolidate=False)["comm"]
+    first, second = train_engine(rank, world, kw, steps=2, nodes=nodes, consolidate=False)["comm_per_step"]
+    return {k: {ln: b - first.get(k, {}).get(ln, 0) for ln, b in links.items()} for k, links in second.items()}
+
+
 def _steps(rank: int, world: int, plan: list[tuple[int, list[dict[str, Any]]]]) -> list[list[dict]]:
-    """One step of each config under each topology; this rank's CommStats snapshots."""
-    return [[train_engine(rank, world, kw, steps=1, nodes=nodes, consolidate=False)["comm"] for kw in cfgs]
-            for nodes, cfgs in plan]
+    """One (steady-state) step of each config under each topology; this rank's CommStats snapshots."""
+    return [[_steady(kw, rank, world, nodes) for kw in cfgs] for nodes, cfgs in plan]
 
 
 def _flat(snap: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -97,7 +116,8 @@ def test_configs_cover_every_recipe_and_stage() -> None:
     cfgs = WORLDS[4][0][1]
     for name, r in RECIPES.items():
         assert any(kw.get("weights") == r.weights and kw.get("grads") == r.grads and kw["hpz"] == r.hpz
-                   for kw in cfgs), name
+                   and kw.get("weight_diff") == r.weight_diff for kw in cfgs), name
+    assert {kw["stage"] for kw in cfgs if kw.get("weight_diff")} == {1, 2, 3}
     assert {kw["stage"] for kw in cfgs} == {0, 1, 2, 3}
     assert any(kw["hpz"] for kw in cfgs) and any(kw["stage"] == 3 and not kw["hpz"] for kw in cfgs)
 
