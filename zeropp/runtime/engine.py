@@ -440,11 +440,6 @@ class ZeroEngine:
         the split weights are also all-gathered over tp, under the unsplit model's names."""
         self._check_open()
 
-        def master(i: int) -> torch.Tensor:  # fp32 master i on the engine's device (read back if offloaded)
-            m = torch.empty(self.optim.numels[i], dtype=torch.float32, device=self.device)
-            self.optim.copy_master_to(i, m)
-            return m
-
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
             self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
@@ -452,7 +447,7 @@ class ZeroEngine:
             return full
 
         frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
-        sd = consolidated_state_dict(self.units, master, gather, self.model, self.param_dtypes,
+        sd = consolidated_state_dict(self.units, self._master_copy, gather, self.model, self.param_dtypes,
                                      {**self.frozen_originals, **frozen_values})
         return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
 
@@ -684,22 +679,21 @@ class ZeroEngine:
         elif u.kind == "sharded":
             self.param_store.update(u, self.optim, i)
             if wd is not None and not exact and wd.has_secondary(u):
-                works.append(wd.refresh_secondary(u, self._master32(i)))
+                works.append(wd.refresh_secondary(u, self._master_copy(i)))
             else:
                 u.secondary = None
                 if wd is not None:
                     wd.drop(u)
         elif wd is not None and not exact:  # stages 1/2 with weight_diff: quantized differences
-            works.append(wd.refresh_replica(u, self._master32(i)))
+            works.append(wd.refresh_replica(u, self._master_copy(i)))
         else:  # stages 1/2: everyone needs every updated shard
-            m = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # [S] (not a view of u.flat)
-            self.optim.copy_master_to(i, m)
+            m = self._master_copy(i, self.dtype)  # [S] (not a view of u.flat)
             works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
                                               kind="param_all_gather", async_op=True))
 
-    def _master32(self, i: int) -> torch.Tensor:
-        """A copy of fp32 master ``i`` on the engine's device ([S])."""
-        m = torch.empty(self.optim.numels[i], dtype=torch.float32, device=self.device)
+    def _master_copy(self, i: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A copy of master ``i`` in ``dtype`` on the engine's device ([S]; read back if offloaded)."""
+        m = torch.empty(self.optim.numels[i], dtype=dtype, device=self.device)
         self.optim.copy_master_to(i, m)
         return m
 

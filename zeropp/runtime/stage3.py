@@ -207,10 +207,15 @@ class Stage3Hooks:
         g = self._group(i)
         return g[0] if g else None
 
-    def _keep_frozen_secondary(self, u: FlatUnit, grad: bool) -> None:
-        """hpZ for an unquantized frozen unit that is not its block's first unit (see ``_post``)."""
-        if grad and self.cfg.hpz and u.secondary is None and not fz.is_quantized(u):
-            u.secondary = u.flat.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [padded / h]
+    def _keep_secondary(self, u: FlatUnit) -> None:
+        """hpZ, after a training forward: keep this rank's slice of the gathered ``u`` for the later
+        gathers of the step (not for a quantized frozen unit: it would be a full-precision copy of
+        what is kept quantized). With weight differences the owner also keeps its reference."""
+        if not self.cfg.hpz or u.secondary is not None or fz.is_quantized(u):
+            return
+        u.secondary = u.flat.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [padded / h]
+        if self.weight_diff is not None and u.kind != "frozen":
+            self.weight_diff.keep_reference(u)  # [S]: what the holders of this rank's shard got
 
     def _catch_up(self, end: int) -> None:
         """Issue the forward gathers of blocks ``< end`` not issued yet, in block order, so that a
@@ -331,15 +336,10 @@ class Stage3Hooks:
             self.current = None
         u = self._unit(i)
         grad = torch.is_grad_enabled()
-        for v in self._group(i)[1:]:  # the block's frozen unit, next to its trainable one
-            self._keep_frozen_secondary(v, grad)
+        for v in self._group(i)[1:] + [u]:  # the block's frozen unit (if any), then its first unit
+            if grad:
+                self._keep_secondary(v)
             self.release(v)
-        if grad and self.cfg.hpz and u.secondary is None and not fz.is_quantized(u):
-            h = self.comm.hpz_size
-            u.secondary = u.flat.view(h, -1)[self.comm.hpz_rank].clone()  # [padded / h]
-            if self.weight_diff is not None:
-                self.weight_diff.keep_reference(u)  # [S]: what the holders of this rank's shard got
-        self.release(u)
         if not grad:
             return output
         if isinstance(output, torch.Tensor):
