@@ -38,7 +38,11 @@ then take exactly a bandwidth-optimal ring's time over a node whose aggregate ra
 chunks per rank at ``B_intra``, beside the cross-node time on GPUs (max) or added on CPU ranks.
 Quantize/dequantize kernels (:func:`quant_work`) are charged at measured rates
 (``Workload.quant_rates``, see ``scaling_check.measure_quant_rates``) or ``quant_gbs``.
-Step time = compute + comm + quantization - overlap * min(compute, comm).
+Step time = compute + comm + quantization - overlap * min(compute, comm). That serial formula
+is what :func:`project` and the cluster tables use; ``experiments/step_schedule.py`` replays the
+engine's issue order on a compute and a link resource instead (prefetched gathers and in-flight
+reduce-scatters overlapping compute), from the same messages, and is what ``bench_cluster
+--check`` judges.
 
 Three byte views come out of the same messages: ``pairwise_bytes`` (what this rank hands to each
 peer, by kind and link: zeropp.comm.CommStats' accounting, exactly), ``uplink_bytes`` (what one
@@ -59,7 +63,7 @@ this module, never the other way round.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
@@ -97,6 +101,11 @@ class Cluster:
     parallel_links: bool = True
     """Intra- and cross-node transfers proceed at once (GPUs: NVLink beside the NICs). False for
     CPU ranks sharing cores (the emulator), where the two add up."""
+    comm_on_compute: bool = False
+    """The ranks' processors do the collectives' per-message work and intra-node copies (CPU ranks
+    under gloo, the emulator), so in the scheduled step (``experiments.step_schedule``) those
+    terms occupy the compute resource; False (GPUs): they run beside compute, only quantization
+    kernels compete with it. The serial :func:`project` does not use it."""
     wire: str = "pairwise"
     """How the backend moves the plain collectives' bytes over the uplinks (:func:`uplink_bytes`):
     ``"pairwise"`` -- every rank sends each peer its chunk directly (CommStats' convention);
@@ -240,6 +249,8 @@ class Message:
     ranks: int  # group ranks per node
     chunk_bytes: int  # bytes this rank sends to each peer (all-reduce: both halves)
     count: int
+    unit: int = -1
+    """Index into ``Workload.units`` of the unit it moves (-1: none, e.g. a control message)."""
 
 
 def _wire_bytes(spec: QuantSpec, cols: int, bits: int, default_gs: int) -> int:
@@ -290,9 +301,9 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
     def gather(kind: str, cols: int, nodes: int, ranks: int, count: int, spec: QuantSpec | None) -> None:
         for width, calls in chunk_widths(cols, nodes * ranks, w.allgather_bucket).items():
             b = _wire_bytes(spec, width, spec.bits, DEFAULT_WEIGHT_GROUP_SIZE) if spec else width * db
-            out.append(Message(kind, "ring_ag", nodes, ranks, b, calls * count))
+            out.append(Message(kind, "ring_ag", nodes, ranks, b, calls * count, ui))
 
-    for numel in w.units:
+    for ui, numel in enumerate(w.units):
         shard = -(-numel // W)  # elements per rank after padding to the world size
         if w.stage == 3:
             if w.hpz and w.weight_diff:  # qWD: the secondaries persist; refreshed by differences
@@ -311,7 +322,7 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
                 gather("bwd_all_gather", shard, N, R, a, w.weights)
         rs_count = a if w.stage >= 2 else 1
         if w.stage == 0:
-            out.append(Message("grad_all_reduce", "all_reduce", N, R, 2 * numel * db // W, 1))
+            out.append(Message("grad_all_reduce", "all_reduce", N, R, 2 * numel * db // W, 1, ui))
             continue
         for width, calls in chunk_widths(shard, W, w.reduce_bucket).items():
             k = calls * rs_count
@@ -320,15 +331,15 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
                 row_i = _wire_bytes(w.grads, width, ib, DEFAULT_GRAD_GROUP_SIZE)  # one row at the intra bits
                 row_c = _wire_bytes(w.grads, width, cb, DEFAULT_GRAD_GROUP_SIZE)  # one row at the cross bits
                 if N > 1 and R > 1:  # intra hop: each local peer gets the N rows it reduces
-                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, N * row_i, k))
+                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, N * row_i, k, ui))
                     # cross hop: one requantized row to each node's same-local-rank peer
-                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k))
+                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k, ui))
                 elif N == 1:
-                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, row_i, k))
+                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, row_i, k, ui))
                 else:  # one rank per node: a single all-to-all across nodes
-                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k))
+                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k, ui))
             else:
-                out.append(Message("grad_reduce_scatter", "ring_rs", N, R, width * db, k))
+                out.append(Message("grad_reduce_scatter", "ring_rs", N, R, width * db, k, ui))
         if w.stage in (1, 2):
             if w.weight_diff:
                 gather("weight_diff_all_gather", shard, N, R, 1, w.weight_diff)
@@ -542,8 +553,11 @@ ZEROPP: dict[str, Any] = {"weights": RECIPES["zeropp"].weights, "grads": RECIPES
 
 
 def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_per_node: int = 8,
-                  max_ranks: int = 384, nics_per_node: int | None = None) -> list[dict[str, float]]:
-    """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth."""
+                  max_ranks: int = 384, nics_per_node: int | None = None,
+                  projector: Callable[[Workload, Cluster], Projection] | None = None) -> list[dict[str, float]]:
+    """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth, projected by
+    ``projector`` (default :func:`project`; ``step_schedule.project_scheduled`` for overlap)."""
+    projector = projector or project
     rows = []
     base = w.with_zero(weights=None, hpz=False, grads=None)
     plus = w.with_zero(**ZEROPP)
@@ -552,7 +566,7 @@ def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_
     for bw in gbps:
         for n in node_counts:
             c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw, nics_per_node=nics_per_node)
-            p0, p1 = project(base, c), project(plus, c)
+            p0, p1 = projector(base, c), projector(plus, c)
             rows.append({"gbps": bw, "nodes": n, "gpus": c.world, "zero3_step_s": p0.step_s,
                          "zeropp_step_s": p1.step_s, "zero3_tflops": p0.tflops_per_rank,
                          "zeropp_tflops": p1.tflops_per_rank, "speedup": p0.step_s / p1.step_s,
@@ -596,11 +610,14 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, projector: Callable[[Workload, Cluster], Projection] | None = None,
+         prog: str = "python -m experiments.scaling") -> None:
+    """The projection table and plot; ``projector`` as in :func:`speedup_table` (the scheduled
+    model's CLI, ``python -m experiments.step_schedule``, passes its own)."""
     import argparse
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC")
     ap.add_argument("--ranks-per-node", type=int, default=8)
     ap.add_argument("--nics-per-node", type=int, default=None,
@@ -609,17 +626,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens-per-gpu", type=int, default=1024)
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
     ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
-    ap.add_argument("--plot", default="outputs/scaling.png", help="where to save the plot ('' to skip)")
+    ap.add_argument("--plot", default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
+                    help="where to save the plot ('' to skip)")
     a = ap.parse_args(argv)
+    if projector is not None and a.overlap:
+        ap.error("--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "
+                 "issue order (leave --overlap out, or use python -m experiments.scaling)")
     w = dataclasses.replace(paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops),
                             overlap=a.overlap)
     nics = a.nics_per_node or a.ranks_per_node
     print(f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
           f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node, "
           f"{nics} NIC(s)/node of the given Gbps, each shared by {a.ranks_per_node // nics} GPU(s); "
-          f"quantization at {w.quant_gbs:g} GB/s")
+          f"quantization at {w.quant_gbs:g} GB/s; "
+          + ("serial step (compute + communication)" if projector is None
+             else "scheduled step (overlap as the engine issues)"))
     rows = speedup_table(w, gbps=a.gbps, ranks_per_node=a.ranks_per_node, max_ranks=a.max_gpus,
-                         nics_per_node=a.nics_per_node)
+                         nics_per_node=a.nics_per_node, projector=projector)
     print(format_table(rows))
     if a.plot:
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)

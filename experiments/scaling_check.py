@@ -29,7 +29,10 @@ from typing import Any, Iterable
 
 from zeropp.comm.spec import QuantSpec
 
-from .scaling import GBPS, Cluster, Workload, gpt_units, link_terms, messages, project, quant_time, quant_work
+from .scaling import (
+    GBPS, Cluster, Workload, control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work,
+)
+from .step_schedule import message_transfer
 
 EMULATOR_LINKS: dict[str, Any] = dict(intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6, nics_per_node=1,
                                       parallel_links=True, wire="ring")
@@ -44,6 +47,27 @@ measured ~2 Gbit/s per rank, adding the two overstated ZeRO-3's step at 1 Gbit/s
 def emulator_cluster(nodes: int, ranks_per_node: int, gbps: float, **kw: Any) -> Cluster:
     """The :class:`Cluster` of an emulated run at link rate ``gbps`` (:data:`EMULATOR_LINKS`, overridable)."""
     return Cluster(nodes=nodes, ranks_per_node=ranks_per_node, cross_gbps=gbps, **{**EMULATOR_LINKS, **kw})
+
+
+def calibrate_cpu_side(w: Workload, nodes: int, ranks_per_node: int, *, wait_s: float,
+                       loopback_gbps: float) -> dict[str, float]:
+    """The CPU-side constants of an emulated run, from the same job's link-free run
+    (``cluster=local``: every byte crosses the loopback, so its communication wait ``wait_s`` is
+    all CPU work). The scheduled model's CPU side of a step (``step_schedule.message_transfer``
+    on a ``comm_on_compute`` cluster: the :data:`EMULATOR_LINKS` latencies plus a copy of every
+    sent byte at the measured ``loopback_gbps``, and the control messages' latency) is scaled by
+    ``scale`` so that it plus the quantization time equals ``wait_s``. Returns ``{"scale",
+    "alpha_cross_s", "alpha_intra_s", "intra_gbps"}``: the scaled constants for
+    :func:`emulator_cluster` (latencies times ``scale``, copy rate over it)."""
+    if wait_s < 0 or loopback_gbps <= 0:
+        raise ValueError(f"need a wait >= 0 s and a loopback rate > 0 Gbit/s, got {wait_s}, {loopback_gbps}")
+    c = emulator_cluster(nodes, ranks_per_node, loopback_gbps, intra_gbps=loopback_gbps, comm_on_compute=True)
+    cpu = sum(message_transfer(m, c).compute_s * m.count for m in messages(w, c))
+    cpu += control_messages(w, c) * c.alpha_cross_s
+    rest = wait_s - quant_time(w, c)
+    scale = max(rest, 0.0) / cpu if cpu > 0 else 0.0
+    return {"scale": scale, "alpha_cross_s": c.alpha_cross_s * scale, "alpha_intra_s": c.alpha_intra_s * scale,
+            "intra_gbps": loopback_gbps / scale if scale > 0 else float("inf")}
 
 
 def measure_quant_rates(w: Workload, c: Cluster, *, repeats: int = 3,

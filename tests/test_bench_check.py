@@ -59,40 +59,51 @@ def test_check_runs_its_grid_and_prints_the_error_per_cell(stubbed, capsys) -> N
     WAIT[0] = 0.05  # every job (shaped or not) waits the same: the hybrid prediction is close
     code = bench_cluster.main(["--check"])
     out = capsys.readouterr().out
-    # the grid: 2 rates x 2 modes, two runs each, plus two unshaped references per mode
+    # the grid: 2 rates x 2 modes, three runs each, plus three unshaped references per mode
     shaped = [j for j in stubbed if "cluster=emulated" in j]
     local = [j for j in stubbed if "cluster=local" in j]
     assert sorted({o for j in shaped for o in j if o.startswith("cluster.inter_gbps=")}) == \
         ["cluster.inter_gbps=0.2", "cluster.inter_gbps=1.0"]
-    assert len(shaped) == 8 and len(local) == 4 and all("train.steps=4" in j for j in stubbed)
+    assert len(shaped) == 12 and len(local) == 6 and all("train.steps=4" in j for j in stubbed)
     assert "Scaling model check" in out and "| 0.2 (0.192) | ZeRO-3 |" in out and "| 1 (0.960) | ZeRO++ |" in out
     lines = [ln for ln in out.splitlines() if ln.startswith("| 0.2 (") or ln.startswith("| 1 (")]
-    assert len([ln for ln in lines if ln.count("%") == 2]) == 4  # analytic and hybrid error per cell
+    assert len([ln for ln in lines if ln.count("%") == 3]) == 4  # scheduled, hybrid and serial error per cell
     verdict = next(ln for ln in out.splitlines() if ln.startswith("check ("))
-    assert ("PASS" in verdict) == (code == 0) and "analytic model alone" in verdict
+    assert ("PASS" in verdict) == (code == 0) and verdict.startswith("check (scheduled model)")
+    assert "serial model: worst" in verdict and "CPU scale" in out
+
+
+def _cell(**kw) -> dict:
+    """One ``--check`` cell with only the serial (analytic) prediction, as without unshaped runs."""
+    cell = {"gbps": 1.0, "measured_gbps": 0.96, "mode": "zero3", "measured_s": 1.0, "comm_wait_s": 0.5,
+            "quant_s": 0.0, "local_comm_wait_s": None, "cpu_scale": None, "analytic_s": 1.1, "analytic_error": 0.1,
+            "hybrid_s": None, "hybrid_error": None, "scheduled_s": None, "scheduled_error": None}
+    return {**cell, **kw}
 
 
 def test_check_fails_when_a_cell_is_off() -> None:
-    cells = [{"gbps": 1.0, "measured_gbps": 0.96, "mode": "zero3", "measured_s": 1.0, "predicted_s": 1.1,
-              "error": 0.1, "quant_s": 0.0, "comm_wait_s": 0.5, "predicted_comm_s": 0.6, "hybrid_s": None,
-              "hybrid_error": None, "local_comm_wait_s": None}]
-    text, ok = bench_cluster.format_check(cells)
-    assert ok and "PASS" in text and "+10.0%" in text
-    text, ok = bench_cluster.format_check([{**cells[0], "predicted_s": 1.2, "error": 0.2}])
+    text, ok = bench_cluster.format_check([_cell()])
+    assert ok and "PASS" in text and "+10.0%" in text and "check (serial model)" in text
+    text, ok = bench_cluster.format_check([_cell(analytic_s=1.2, analytic_error=0.2)])
     assert not ok and "FAIL" in text and "outside" in text
+    # with the unshaped reference the verdict is on the scheduled model, whatever the serial one reads
+    local = dict(local_comm_wait_s=0.1, cpu_scale=1.5, hybrid_s=1.05, hybrid_error=0.05, scheduled_s=0.95,
+                 scheduled_error=-0.05)
+    text, ok = bench_cluster.format_check([_cell(analytic_s=1.3, analytic_error=0.3, **local)])
+    assert ok and "check (scheduled model): PASS" in text and "serial model: worst 30.0%" in text
+    text, ok = bench_cluster.format_check([_cell(**{**local, "scheduled_s": 0.8, "scheduled_error": -0.2})])
+    assert not ok and "outside" in text
 
 
 def test_check_keeps_explicit_arguments() -> None:
     a = bench_cluster.parse_args(["--check", "--gbps", "0.5", "--steps", "2"])
-    assert a.gbps == [0.5] and a.steps == 2 and a.rounds == 2 and a.warmup == 1
+    assert a.gbps == [0.5] and a.steps == 2 and a.rounds == 3 and a.warmup == 1
     a = bench_cluster.parse_args(["--check"])
     assert a.gbps == [0.2, 1.0] and a.steps == 3
 
 
 def test_check_prints_max_error_and_honours_tolerance(stubbed, capsys) -> None:
-    cells = [{"gbps": 1.0, "measured_gbps": 0.96, "mode": "zero3", "measured_s": 1.0, "predicted_s": 1.12,
-              "error": 0.12, "quant_s": 0.0, "comm_wait_s": 0.5, "predicted_comm_s": 0.6, "hybrid_s": None,
-              "hybrid_error": None, "local_comm_wait_s": None}]
+    cells = [_cell(analytic_s=1.12, analytic_error=0.12)]
     text, ok = bench_cluster.format_check(cells, tolerance=0.10)
     assert not ok and "max |error|: 12.0% (tolerance 10%)" in text
     text, ok = bench_cluster.format_check(cells)
