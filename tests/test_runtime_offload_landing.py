@@ -47,22 +47,23 @@ def _train(rank: int, kw: dict, offload: bool) -> dict:
     finally:
         HostAdamW.land_grad = land
 
-    def wrap(name: str):
-        inner = getattr(eng, name)
+    def wrap(owner: object, attr: str, name: str):
+        inner = getattr(owner, attr)
 
         def call(*args, **kwargs):
             log.append((name, kwargs.get("last")))
             return inner(*args, **kwargs)
 
-        setattr(eng, name, call)
+        setattr(owner, attr, call)
 
-    for name in ("_after_backward", "_final_grads", "_step"):
-        wrap(name)
+    for owner, attr, name in ((eng, "_after_backward", "_after_backward"), (eng.reducer, "final_grads", "_final_grads"),
+                              (eng, "_step", "_step")):
+        wrap(owner, attr, name)
     try:
         res = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank)) for s in range(STEPS)]
         return {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
                 "skipped": [r.skipped for r in res], "log": log, "n_units": len(eng.units),
-                "reduced_in_backward": [i for i, u in enumerate(eng.units) if eng._reduces_when_ready(u)],
+                "reduced_in_backward": [i for i, u in enumerate(eng.units) if eng.reducer.reduces_when_ready(u)],
                 "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
     finally:
         eng.close()

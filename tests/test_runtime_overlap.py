@@ -176,13 +176,13 @@ def _instrument(eng: ZeroEngine, log: list) -> None:
         return rs(out, full, **kw)
 
     comm.all_gather, comm.reduce_scatter = all_gather, reduce_scatter
-    final = eng._final_grads
+    final = eng.reducer.final_grads
 
     def final_grads():
         log.append(("final_grads",))
         return final()
 
-    eng._final_grads = final_grads
+    eng.reducer.final_grads = final_grads
     for u in eng.units:
         bind = u.bind
 
@@ -285,7 +285,7 @@ def _schedule(rank: int, world: int, depth: int) -> dict:
             return
         # block i is about to run backward: its predecessor's gather and the reduce-scatter
         # of block i+1 (just finished) should both be in flight
-        pending = {u.name: w.done for w, u, _ in eng._pending}
+        pending = {u.name: w.done for w, u, _ in eng.reducer._pending}
         nxt = units[i + 1].name if i + 1 < len(units) else None
         bwd.append((i, units[i].state, units[i - 1].state if i > 0 else None,
                     None if nxt is None else pending.get(nxt)))

@@ -2,21 +2,11 @@
 
 Life of a step (``grad_accum_steps`` micro-batches):
 
-1. forward + backward of each micro-batch. Stage 3 gathers blocks on demand (``stage3.py``).
-   Stages 2 and 3 reduce-scatter a block's gradient as soon as the last of its parameters has
-   its gradient (post-accumulate-grad hooks), *on every micro-step*, and add the result into a
-   sharded gradient buffer, so full gradients never outlive one block's backward. The
-   reduce-scatters are issued in one fixed order on every rank (blocks last to first, then the
-   root): a unit that is ready early waits for the units before it, and at the end of backward
-   the units that got no (or partial) gradient are sent with zeros for the missing parts. So a
-   parameter or block that is unused on some ranks only still gets the right averaged gradient,
-   instead of the ranks' collectives pairing up out of order. At stage 3 the waiting units are
-   also sent when the backward of the block before them starts (the point where they can get no
-   more gradient), so each reduce-scatter sits at the same place among the backward gathers on
-   every rank. (Stage 3 also requires every rank to run the same blocks in forward; it checks
-   that, see ``stage3.py``.) Stages 0 and 1
-   let autograd accumulate full gradients locally and reduce once after the last micro-step
-   (all-reduce at stage 0, reduce-scatter at stage 1), which is what their memory budget allows.
+1. forward + backward of each micro-batch. Stage 3 gathers blocks on demand (``stage3.py``;
+   it also requires every rank to run the same blocks in forward, and checks that). Stages 2
+   and 3 reduce-scatter a block's gradient as soon as it is complete, on every micro-step, in
+   one fixed order on every rank; stages 0 and 1 reduce once after the last micro-step
+   (``reduction.py``, ``self.reducer``).
 2. gradients -> fp32 (unscaled for fp16), global norm over all shards (one scalar all-reduce,
    shared with the loss), skip on overflow, clip, AdamW on the fp32 master shards. With
    ``offload_optimizer=cpu`` each unit's final gradient is copied to its host buffer as soon as
@@ -77,14 +67,10 @@ from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .batch import LossFn, call_model, loss_of
 from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
+from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .weight_diff import WeightDiff
-
-
-REDUCE_INFLIGHT = 2
-"""Stages 2-3: gradient reduce-scatters in flight at once (each holds one ``[padded]`` input and one
-``[S]`` output buffer of the pool); two lets one unit's reduction overlap the next unit's backward."""
 
 
 @dataclass
@@ -244,7 +230,7 @@ class ZeroEngine:
                 u.bind(flat)
                 masters.append(flat[a:b] if alias else full[a:b].clone())  # [S] fp32 (a view of flat if alias)
             del full
-            if self._reduces_when_ready(u):
+            if reduces_when_ready(cfg.stage, u):
                 u.grad_shard = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.device)
         self.optim = make_optimizer(masters, self.opt_cfg, cfg, device=self.device, space=self.swap,
                                     masters_are_params=alias, cpu_adam=cpu_adam)
@@ -252,8 +238,6 @@ class ZeroEngine:
         del masters
         self._land = self.optim.land_grad if isinstance(self.optim, HostAdamW) else None
         """offload_optimizer=cpu: ``land_grad(i, grad)``, each unit's final gradient to the host as soon as it is reduced."""
-        self._unit_index = {id(u): i for i, u in enumerate(self.units)}
-        self._last_micro = False  # in the last micro-step's backward: reductions finishing now are final
         # ZeRO-R (activations.py, buffers.py): checkpointing, where saved activations live, the buffer pool
         self.checkpointing = checkpoint_blocks([blk for blk, _ in self.blocks]) if activation_checkpointing else None
         """Activation checkpointing of the engine's blocks (``activations.BlockCheckpointing``) or None."""
@@ -263,26 +247,21 @@ class ZeroEngine:
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
         self.buffers = self._make_buffer_pool()
         """The constant pool of gather and reduce-scatter buffers (``buffers.BufferPool``; ``nbytes``)."""
-        self.error_feedback = self._make_error_feedback()
+        self.reducer = GradReducer(
+            self.units, self.blocks, self.root, self.comm, config=cfg, pool=self.buffers, dtype=self.dtype,
+            device=self.device, all_ranks=world, land=self._land,
+            release=(lambda u: self.stage3.release(u)) if cfg.stage == 3 else None)  # self.stage3: built below
+        """The gradient reduction path (``reduction.py``): reduce order, reduce-scatters in flight, qgZ."""
+        self.error_feedback = self.reducer.error_feedback
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
         self.weight_diff = (WeightDiff(cfg.weight_diff, self.comm, dtype=self.dtype, device=self.device,
                                        bucket=cfg.allgather_bucket_size) if cfg.weight_diff is not None else None)
         """qWD: the weight-difference refresh after each step (``weight_diff.py``), or None."""
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
-                            for u in self.units if self._reduces_when_ready(u) for p in u.params]
         self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units + self.frozen_units, self.comm,
                                   config=cfg, dtype=self.dtype,
-                                  device=self.device, on_block_backward=self.flush_reductions_before,
+                                  device=self.device, on_block_backward=self.reducer.flush_reductions_before,
                                   pool=self.buffers, weight_diff=self.weight_diff,
                                   frozen=self.frozen) if cfg.stage == 3 else None
-        self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
-        # the one order in which every rank issues the gradient reduce-scatters (backward order)
-        order = [u for _, u in reversed(self.blocks)] + ([self.root] if self.root is not None else [])
-        order += [u for u in self.units if u not in order]
-        self._reduce_order = [u for u in order if self._reduces_when_ready(u)]
-        self._reduce_pos = {id(u): k for k, u in enumerate(self._reduce_order)}
-        self._next_reduce = 0
-        self._late: list[str] = []  # gradients that arrived after their unit was sent (see _check_late_grads)
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
         self._last_memory: dict[str, int] | None = None
@@ -319,12 +298,9 @@ class ZeroEngine:
         self.comm.reset_wait()
         scale = self.scaler.scale
         loss_sum = 0.0
-        self._late.clear()
+        self.reducer.start_step()
         for j, mb in enumerate(micro_batches):
-            for u in self.units:
-                u.grads_ready, u.reduced = 0, False
-                u.extra["ready"] = False
-            self._next_reduce = 0
+            self.reducer.start_micro_step(last=j == a - 1)
             loss, error = None, None
             try:
                 with self.activations.saving():
@@ -341,11 +317,10 @@ class ZeroEngine:
             if self.stage3 is not None:
                 self.stage3.before_backward()  # the root, whatever form the output and the loss take
             loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
-            self._last_micro = j == a - 1
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
-        self._check_late_grads()
-        grads = self._final_grads()
+        self.reducer.check_late_grads()
+        grads = self.reducer.final_grads()
         res = self._step(grads, loss_sum / a)
         self._record_phase("step")
         res.step_time_s = time.perf_counter() - t0
@@ -455,15 +430,10 @@ class ZeroEngine:
         """Remove all hooks and drop buffers. Local (no collective), safe to call twice."""
         if self._closed:
             return
-        for h in self._grad_hooks:
-            h.remove()
-        self._grad_hooks.clear()
+        self.reducer.close()  # hooks removed, reduce-scatters in flight waited
         if self.stage3 is not None:
             self.stage3.release_all()
             self.stage3.remove()
-        for pending in self._pending:
-            pending[0].wait()
-        self._pending.clear()
         if self.checkpointing is not None:
             self.checkpointing.remove()
         for u in self.units + self.frozen_units:
@@ -475,134 +445,15 @@ class ZeroEngine:
         self._closed = True
 
     # ------------------------------------------------------------------ gradients
-    def _reduces_when_ready(self, u: FlatUnit) -> bool:
-        return self.cfg.stage >= 2 and u.kind != "replicated"
-
-    def _grad_hook(self, u: FlatUnit):
-        def hook(p: torch.Tensor) -> None:
-            if u.reduced:  # recorded, not raised here: raising on this rank only would hang the others
-                self._late.append(f"{u.param_name(p)} ({u.name})")
-                return
-            u.grads_ready += 1
-            if u.grads_ready == len(u.slots):
-                u.extra["ready"] = True
-                self._issue_ready()
-        return hook
-
-    def _check_late_grads(self) -> None:
-        """Stages 2-3, after the last backward: one small all-reduce tells every rank whether any
-        rank got a gradient after its unit's reduce-scatter was sent (stage 3: a block's parameter
-        used in another block's backward, or blocks running in forward in another order than the
-        policy lists them). Such a gradient would be lost, so every rank raises the same error
-        before the optimizer step; the collectives up to here were the same on every rank."""
-        if not self._reduce_order:
-            return
-        late = torch.tensor([len(self._late)], dtype=torch.int32, device=self.device)
-        if self._all_ranks > 1:
-            dist.all_reduce(late)
-        if float(late) == 0:
-            return
-        found: list = [None] * self._all_ranks
-        if self._all_ranks > 1:
-            dist.all_gather_object(found, sorted(set(self._late)))
-        else:
-            found[0] = sorted(set(self._late))
-        for u in self.units:
-            for p in u.params:
-                p.grad = None
-            if u.grad_shard is not None:
-                u.grad_shard.zero_()
-        what = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(found) if names)
-        raise RuntimeError(
-            f"gradients arrived after their unit's gradient was sent ({what}); no step was taken. At stage "
-            f"{self.cfg.stage} a block's parameters must get all their gradient during that block's backward: do not "
-            f"use one block's parameters inside another block (register a shared parameter in both: it is then kept "
-            f"in the root unit), and run the blocks in forward in the order the block policy lists them")
-
-    def _issue_ready(self) -> None:
-        """Send the ready units that are next in the fixed order (the same order on every rank)."""
-        order = self._reduce_order
-        while self._next_reduce < len(order) and order[self._next_reduce].extra.get("ready"):
-            self._reduce_unit(order[self._next_reduce])
-            self._next_reduce += 1
-
-    def flush_reductions_before(self, u: FlatUnit) -> None:
-        """Stage 3, when ``u``'s backward starts: the units before ``u`` in the fixed order (the
-        blocks after it) have had all the gradient they will get in this micro-step, so send the
-        ones still waiting (a parameter unused on this rank only) now, in order. Every rank thus
-        issues each reduce-scatter at the same point relative to the backward gathers."""
-        pos = self._reduce_pos.get(id(u))
-        if pos is None:
-            return
-        order = self._reduce_order
-        while self._next_reduce < pos:
-            self._reduce_unit(order[self._next_reduce])
-            self._next_reduce += 1
-
-    def _qgz(self) -> dict:
-        return dict(spec=self.cfg.grads, error_feedback=self.error_feedback)
-
-    def _reduce_unit(self, u: FlatUnit) -> None:
-        """Stages 2/3: send this micro-step's gradient of ``u`` (async); free ``u`` at stage 3."""
-        if u.reduced:
-            return
-        u.reduced = True
-        while len(self._pending) >= REDUCE_INFLIGHT:  # the pool's reduce slots are all in flight
-            self._finish_reduction(*self._pending.pop(0))
-        flat = u.flatten_grads(out=self.buffers.acquire("grad_flat", u.padded))  # [padded], clears p.grad
-        if self.stage3 is not None and u.kind == "sharded":
-            self.stage3.release(u)
-        out = self.buffers.acquire("grad_shard", u.shard_numel)  # [S]
-        work = self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
-                                        kind="grad_reduce_scatter", async_op=True, **self._qgz())
-        u.extra["rs_input"] = flat  # back to the pool once the reduce-scatter is waited
-        self._pending.append((work, u, out))
-
-    def _finish_reduction(self, work: object, u: FlatUnit, out: torch.Tensor) -> None:
-        """Wait for one reduce-scatter, add it into ``u``'s gradient shard, return its buffers to the pool."""
-        work.wait()
-        u.grad_shard.add_(out)
-        if self._land is not None and self._last_micro:  # final: to the host now, overlapping backward
-            self._land(self._unit_index[id(u)], u.grad_shard)
-        self.buffers.give_back(out)
-        self.buffers.give_back(u.extra.pop("rs_input", None))
-
     def _after_backward(self, last: bool) -> None:
-        # the rest of the fixed order: units some of whose parameters got no gradient this
-        # micro-step (on this rank) are sent with zeros there, so every rank sends every unit
-        for u in self._reduce_order[self._next_reduce:]:
-            self._reduce_unit(u)
-        self._next_reduce = len(self._reduce_order)
-        for pending in self._pending:
-            self._finish_reduction(*pending)
-        self._pending.clear()
+        """After each micro-step's backward: the reductions of stages 2-3 are done (``reduction.py``),
+        stage 3 frees what is still gathered; after the last one, the backward memory is recorded."""
+        self.reducer.finish_backward()
         if self.stage3 is not None:
             self.stage3.release_all()
         if last:
             self._last_memory = self._measure_memory()
             self._record_phase("backward")
-
-    def _final_grads(self) -> list[torch.Tensor]:
-        """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
-        grads = []
-        for i, u in enumerate(self.units):
-            if self._reduces_when_ready(u):
-                grads.append(u.grad_shard)
-                continue
-            pooled = u.kind == "sharded_opt"  # stage 1: a communication buffer; stage 0: the gradient itself
-            flat = u.flatten_grads(out=self.buffers.acquire("grad_flat", u.padded) if pooled else None)  # [padded]
-            if u.kind == "replicated":
-                self.comm.all_reduce_mean(flat, kind="grad_all_reduce")
-                grads.append(flat)
-            else:  # stage 1: one reduce-scatter after the last micro-step
-                out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
-                                         kind="grad_reduce_scatter", async_op=False, **self._qgz())
-                self.buffers.give_back(flat)
-                grads.append(out)
-            if self._land is not None:
-                self._land(i, grads[-1])
-        return grads
 
     # ------------------------------------------------------------------ optimizer step
     def _step(self, grads: list[torch.Tensor], local_loss: float) -> StepResult:
@@ -754,13 +605,6 @@ class ZeroEngine:
             if self.cfg.stage >= 2:
                 pool.reserve("grad_shard", inflight, max(u.shard_numel for u in reduced))
         return pool
-
-    def _make_error_feedback(self) -> object | None:
-        if self.cfg.grads is None or not self.cfg.grads.error_feedback:
-            return None
-        from zeropp.comm import ErrorFeedback
-
-        return ErrorFeedback.for_spec(self.cfg.grads)
 
     def _refuse_tp(self, what: str) -> None:
         if self.topology.tp > 1:

@@ -7,7 +7,7 @@ the block (keeping the hpZ secondary slice first) and wraps the block's output i
 i.e. just before the block's own backward: it gathers the block again (inside the node when hpZ
 holds a secondary copy) and prefetches the blocks that come next in backward order. The
 gradient side (reduce-scatter when the last parameter of a block has its gradient, then free)
-lives in the engine because stage 2 shares it.
+lives in ``reduction.py`` because stage 2 shares it.
 
 The root unit (embeddings, final norm, head: everything outside the blocks) is used at both
 ends of the network, so it is gathered when the model's forward starts, freed when it returns,
