@@ -19,8 +19,9 @@ separately, with wire sizes from the spec's own codec (``zeropp.comm.codecs``):
   gradient followed by a cross-node all-to-all of each rank's requantized 1/ranks_per_node slice.
 * stages 1-2: gradient reduce-scatter (qgZ as above) and a parameter all-gather after the step;
   stage 0: an all-reduce of each whole unit (``2 * bytes // world`` to each peer).
-* control: the loss / norm all-reduce and stage 3's "which blocks ran" check, a few bytes that
-  CommStats deliberately leaves out (:func:`control_messages`, latency only).
+* control: the loss / norm all-reduce and the after-forward check (no rank failed; stage 3: the
+  same blocks ran), a few bytes that CommStats deliberately leaves out (:func:`control_messages`,
+  latency only).
 
 Time of one collective over a group spanning ``n`` nodes x ``r`` ranks: ``(g-1)*alpha`` plus the
 link time. Cross-node: :func:`uplink_call_bytes` over ``cross_gbps``. With ``Cluster.wire=
@@ -291,8 +292,8 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
       quantized differences instead of the parameters; stage 3 gathers only from the secondary
       (forward and backward) plus one quantized difference gather over the world per unit.
 
-    The loss / norm all-reduce and stage 3's per-step "which blocks ran" check are control
-    messages that CommStats does not count; :func:`control_messages` gives them for the time model."""
+    The loss / norm all-reduce and the per-micro-batch after-forward check are control messages
+    that CommStats does not count; :func:`control_messages` gives them for the time model."""
     W, R, N = c.world, c.ranks_per_node, c.nodes
     out: list[Message] = []
     a, db = w.grad_accum, w.dtype_bytes
@@ -349,10 +350,10 @@ def messages(w: Workload, c: Cluster) -> list[Message]:
 
 
 def control_messages(w: Workload, c: Cluster) -> int:
-    """Small uncounted all-reduces per step: the loss and squared-norm sum, and at stage 3 the
-    per-forward check that every rank ran the same blocks (one per micro-batch). They cost
-    latency only."""
-    return 1 + (w.grad_accum if w.stage == 3 else 0) if c.world > 1 else 0
+    """Small uncounted all-reduces per step: the loss and squared-norm sum, and the per-forward
+    check that no rank's forward failed (stage 3: and that every rank ran the same blocks), one
+    per micro-batch. They cost latency only."""
+    return 1 + w.grad_accum if c.world > 1 else 0
 
 
 def control_time(w: Workload, c: Cluster) -> float:

@@ -93,12 +93,20 @@ def test_without_root_the_error_says_why_and_how_to_run_locally(monkeypatch):
 
 @needs_netns
 def test_setup_probe_and_teardown(clusters):
+    with open(netns.SLOW_START_AFTER_IDLE) as f:
+        host_slow_start = f.read().strip()
     c = clusters(2, 1, 0.5, probe_seconds=1.0)
     assert sorted(_ours(c)) == sorted(c.namespaces())
     # within 20% of the configured rate; the upper bound shows the link really is shaped
     assert c.measured_gbps is not None and abs(c.measured_gbps / 0.5 - 1) < 0.2, c.measured_gbps
     s = c.summary()
     assert s["cluster"] == "emulated" and s["inter_gbps"] == 0.5 and s["measured_gbps"] == c.measured_gbps
+    # a fabric: no slow-start restart after idle inside the nodes; the host's own setting untouched
+    for i in range(2):
+        node = subprocess.run([*c.rank_command_prefix(i), "cat", netns.SLOW_START_AFTER_IDLE], capture_output=True, text=True)
+        assert node.stdout.strip() == "0", node
+    with open(netns.SLOW_START_AFTER_IDLE) as f:
+        assert f.read().strip() == host_slow_start
     c.down()
     c.down()  # idempotent
     assert _ours(c) == []

@@ -138,7 +138,7 @@ def test_calibrate_cpu_side_reproduces_the_unshaped_wait(recipe: str) -> None:
     c = emulator_cluster(2, 2, 3.0, comm_on_compute=True,
                          **{k: cal[k] for k in ("alpha_cross_s", "alpha_intra_s", "intra_gbps")})
     cpu = sum(message_transfer(m, c).compute_s * m.count for m in messages(w, c))
-    cpu += (1 + 1) * c.alpha_cross_s  # the loss/norm all-reduce and the stage-3 block check
+    cpu += (1 + 1) * c.alpha_cross_s  # the loss/norm all-reduce and the after-forward check
     assert cpu + quant_time(w, c) == pytest.approx(0.2)
     assert cal["scale"] > 0
     assert calibrate_cpu_side(w, 2, 2, wait_s=0.0, loopback_gbps=3.0)["scale"] == 0.0

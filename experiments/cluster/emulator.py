@@ -10,7 +10,8 @@ Each node's uplink is shaped both ways with tbf (node-side `<p>-up` egress = upl
 `<p>-pI` egress = download), plus netem delay when a latency is asked for (half of it on each of
 the two egress points a packet crosses, so node-to-node one-way latency = inter_latency_ms).
 Kernels without netem (the 2026 dev box's, for one) get a clear error for inter_latency_ms > 0;
-rate shaping needs only tbf.
+rate shaping needs only tbf. TCP's slow-start restart after idle is off inside the node
+namespaces (`netns.keep_tcp_window_when_idle`), as on a datacentre fabric.
 Ranks of node i run inside `<p>-<id>-n<i>` with GLOO_SOCKET_IFNAME=<p>-up: gloo binds the
 node's address, peers on the same node reach it through the namespace's local routing (no
 shaping, like NVLink/PCIe inside a real node) and peers on other nodes through the shaped link.
@@ -203,6 +204,7 @@ class EmulatedCluster:
             self._created.append(ns)
             netns.add_namespace(ns)
             netns.add_uplink(ns, self.interface, sw, port, bridge, f"{self.node_address(i)}/{prefix_len}")
+            netns.keep_tcp_window_when_idle(ns)  # a fabric, not a WAN: no slow start after each compute phase
             netns.shape_egress(ns, self.interface, shaping)
             netns.shape_egress(sw, port, shaping)
 

@@ -12,6 +12,11 @@ fixed. One rule for each, the same in ``train_step`` and ``eval_loss``:
   ``ModelOutput`` is one); an object's ``loss`` attribute; a tuple's or list's last element (the
   GPT's ``(logits, loss)``). It must be a one-element floating tensor; anything else is a
   ``ValueError`` saying what was found and how to pass a ``loss_fn``.
+
+And one rule for a forward that raises on some ranks only (:func:`agree_on_forward`): every rank
+learns it after the forward, with one small all-reduce, and raises the same error, instead of
+the healthy ranks waiting in backward's first collective until the timeout. (Stage 3 does this
+inside its own after-forward check, ``Stage3Hooks.check_forward``.)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -62,3 +68,25 @@ def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor
         raise ValueError(f"{where} is {_describe(loss)}, not a one-element floating loss; return a scalar loss, or "
                          f"pass ZeroEngine(..., loss_fn=callable(output, micro_batch) -> loss)")
     return loss.reshape(())
+
+
+def agree_on_forward(error: BaseException | None, device: torch.device | str) -> None:
+    """Collective over the default group (every rank calls it after its forward and loss, with
+    the exception they raised or None): returns when no rank failed, else raises one
+    ``RuntimeError`` on every rank naming the failed ranks and their errors (chained to this
+    rank's own). One 4-byte all-reduce when nothing failed; one process: ``error`` re-raised."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=device)  # [1]
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    msgs: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, mine)
+    failed = {r: m for r, m in enumerate(msgs) if m is not None}
+    what = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+    raise RuntimeError(f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank goes on to backward "
+                       f"or the next collective: {what}") from error

@@ -65,7 +65,7 @@ from . import memory as mem
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
-from .batch import LossFn, call_model, loss_of
+from .batch import LossFn, agree_on_forward, call_model, loss_of
 from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
@@ -287,7 +287,7 @@ class ZeroEngine:
 
         A micro-batch is whatever the model takes: a dict (``model(**mb)``), a tuple (``model(*mb)``,
         e.g. ``(idx, targets)``) or one object (``model(mb)``); the loss is ``loss_fn(output, mb)``
-        or found in the output (``zeropp.runtime.batch.loss_of``). At stage 3 an error in one rank's
+        or found in the output (``zeropp.runtime.batch.loss_of``). An error in one rank's
         forward (or loss) is raised on every rank, after one small all-reduce, instead of leaving
         the other ranks waiting in the next collective."""
         self._check_open()
@@ -305,13 +305,13 @@ class ZeroEngine:
             try:
                 with self.activations.saving():
                     loss = loss_of(call_model(self.model, mb), mb, self.loss_fn)
-            except Exception as exc:  # noqa: BLE001 - at stage 3 reported to every rank by check_forward
-                if self.stage3 is None:
-                    raise
+            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 error = exc
             if self.stage3 is not None:
                 # same blocks ran on every rank and no rank failed, else one clear error everywhere
                 self.stage3.check_forward(error)
+            else:
+                agree_on_forward(error, self.device)  # no rank goes on to backward's reductions alone
             if j == a - 1:
                 self._record_phase("forward")  # activations saved for backward are alive now
             if self.stage3 is not None:
@@ -339,15 +339,15 @@ class ZeroEngine:
         loss, error = 0.0, None
         try:
             loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-        except Exception as exc:  # noqa: BLE001 - at stage 3 reported to every rank by check_forward
-            if self.stage3 is None:
-                raise
+        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
             error = exc
         if self.stage3 is not None:
             try:
                 self.stage3.check_forward(error)  # as in training: one rank's error raised on every rank
             finally:
                 self.stage3.release_all()
+        else:
+            agree_on_forward(error, self.device)  # before the sum below, which would wait for the failed rank
         return self.comm.sum_scalars([loss])[0] / self._all_ranks
 
     def memory_report(self) -> dict[str, int]:
