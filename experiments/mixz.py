@@ -33,10 +33,12 @@ NODES, RANKS_PER_NODE = 2, 2
 
 
 def _corpus() -> bytes:
-    """Fixed English-ish training text: this package's own sources (deterministic, no download)."""
-    import zeropp.runtime.engine as engine
+    """The runner's default text (this interpreter's standard library, ``experiments.data``): fixed
+    for a Python version, so a figure does not move when this package's own sources change."""
+    from .config import DataConfig
+    from .data import read_corpus
 
-    return Path(engine.__file__).read_bytes()
+    return read_corpus(DataConfig())
 
 
 def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch: int, lr: float) -> list[dict[str, Any]]:
