@@ -57,7 +57,7 @@ def _train(rank: int, kw: dict, offload: bool) -> dict:
         setattr(owner, attr, call)
 
     for owner, attr, name in ((eng, "_after_backward", "_after_backward"), (eng.reducer, "final_grads", "_final_grads"),
-                              (eng, "_step", "_step")):
+                              (eng.update, "step", "_step")):
         wrap(owner, attr, name)
     try:
         res = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank)) for s in range(STEPS)]

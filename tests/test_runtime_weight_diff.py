@@ -53,7 +53,7 @@ def _held_error(eng) -> float:
 
     num = den = 0.0
     for i, u in enumerate(eng.units):
-        m = eng._master_copy(i)
+        m = eng.update.master_copy(i)
         if u.kind == "sharded_opt":
             a, b = u.shard_range()
             held = u.flat[a:b]

@@ -10,7 +10,8 @@ Life of a step (``grad_accum_steps`` micro-batches):
 2. gradients -> fp32 (unscaled for fp16), global norm over all shards (one scalar all-reduce,
    shared with the loss), skip on overflow, clip, AdamW on the fp32 master shards. With
    ``offload_optimizer=cpu`` each unit's final gradient is copied to its host buffer as soon as
-   it is reduced (``HostAdamW.land_grad``) and all of this runs on those host buffers.
+   it is reduced (``HostAdamW.land_grad``) and all of this runs on those host buffers
+   (``update.py``, ``self.update``, for this step and the next).
 3. compute parameters refreshed from the masters: copied (stages 0 and 3) or all-gathered
    (stages 1 and 2); hpZ secondary copies are dropped because they are now stale. With
    ``ZeroConfig.weight_diff`` the ranks instead receive quantized differences from the weights
@@ -39,10 +40,8 @@ are averaged over ranks, so the update equals single-process training on the glo
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -70,32 +69,8 @@ from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
+from .update import ParamUpdate, StepResult
 from .weight_diff import WeightDiff
-
-
-@dataclass
-class StepResult:
-    """What one ``train_step`` did (identical on every rank)."""
-
-    loss: float
-    """Mean loss over the global batch (all micro-batches, all ranks)."""
-    grad_norm: float
-    """Global gradient norm before clipping (nan/inf when the step was skipped)."""
-    skipped: bool
-    """True when the gradient was not finite and no update was made (fp16 overflow)."""
-    comm_wait_s: float = 0.0
-    """Seconds this rank was blocked on communication. CUDA: the compute stream's stalls waiting
-    for the communication streams and synchronous collectives, measured with timing events on the
-    GPU. CPU: host time of waits, synchronous calls and quantization at issue (``streams.py``)."""
-    step_time_s: float = 0.0
-    """Wall time of the whole step on this rank."""
-    loss_scale: float = 1.0
-    """fp16 loss scale used for this step (1.0 otherwise)."""
-    lr: float = 0.0
-    """Learning rate of this step's update (``OptimizerConfig.lr_at(steps taken before it)``); a
-    skipped step makes no update and does not advance the schedule."""
-    memory: dict[str, int] = field(default_factory=dict)
-    """Model-state bytes this rank held during the step (see ``memory_report``)."""
 
 
 class ZeroEngine:
@@ -264,6 +239,11 @@ class ZeroEngine:
                                   frozen=self.frozen) if cfg.stage == 3 else None
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
+        self.update = ParamUpdate(self.units, self.optim, config=cfg, comm=self.comm, scaler=self.scaler,
+                                  param_store=self.param_store, weight_diff=self.weight_diff,
+                                  landed=self._land is not None, tp=topo.tp, tp_masks=self._tp_masks,
+                                  world_size=self.world_size, all_ranks=world, dtype=self.dtype, device=self.device)
+        """Norm, clip, AdamW and the parameter refresh at the end of each step (``update.py``)."""
         self._last_memory: dict[str, int] | None = None
         self._memory_sources: dict[str, list[object]] = {c: [] for c in mem.CATEGORIES}
         self.track_memory("optimizer", self.optim)
@@ -321,7 +301,7 @@ class ZeroEngine:
             self._after_backward(last=j == a - 1)
         self.reducer.check_late_grads()
         grads = self.reducer.final_grads()
-        res = self._step(grads, loss_sum / a)
+        res = self.update.step(grads, loss_sum / a, self._last_memory)
         self._record_phase("step")
         res.step_time_s = time.perf_counter() - t0
         return res
@@ -422,7 +402,7 @@ class ZeroEngine:
             return full
 
         frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
-        sd = consolidated_state_dict(self.units, self._master_copy, gather, self.model, self.param_dtypes,
+        sd = consolidated_state_dict(self.units, self.update.master_copy, gather, self.model, self.param_dtypes,
                                      {**self.frozen_originals, **frozen_values})
         return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
 
@@ -455,98 +435,12 @@ class ZeroEngine:
             self._last_memory = self._measure_memory()
             self._record_phase("backward")
 
-    # ------------------------------------------------------------------ optimizer step
-    def _step(self, grads: list[torch.Tensor], local_loss: float) -> StepResult:
-        scale = self.scaler.scale
-        # fp32 gradients: with offload_optimizer=cpu the host buffers they landed in (used in place)
-        g32 = (self.optim.landed_grads() if self._land is not None
-               else [g.float() if g.dtype != torch.float32 else g.clone() for g in grads])
-        if scale != 1.0:
-            for g in g32:
-                g.div_(scale)
-        if self._tp_masks is None:
-            sq_sharded = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind != "replicated")
-            sq_repl = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind == "replicated")
-        else:
-            sq_sharded, sq_repl = self._tp_squares(g32), 0.0
-        loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])  # one fp64 all-reduce on self.device
-        norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
-        res = StepResult(loss=loss_tot / self._all_ranks, grad_norm=norm, skipped=not math.isfinite(norm),
-                         comm_wait_s=0.0, loss_scale=scale, lr=self.optim.lr, memory=dict(self._last_memory or {}))
-        self.scaler.update(finite=not res.skipped)
-        if not res.skipped:
-            if self.cfg.grad_clip is not None:
-                coef = min(self.cfg.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
-                for g in g32:
-                    g.mul_(coef)
-            works: list = []
-            # each unit's parameters are refreshed as soon as its master is updated: with a CPU
-            # optimizer the copy back (async from pinned memory) overlaps the next unit's update
-            self.optim.step(g32, on_updated=lambda i: self._refresh_unit(i, works))
-            for w in works:
-                w.wait()
-        for u in self.units:
-            if u.grad_shard is not None:
-                u.grad_shard.zero_()
-            if self.weight_diff is None:
-                u.secondary = None  # stale after the step (hpZ); with weight_diff refreshed in _refresh_unit
-        res.comm_wait_s = self.comm.wait_s
-        return res
-
-    def _tp_squares(self, g32: list[torch.Tensor]) -> float:
-        """tp > 1: this rank's share of the whole model's squared gradient norm, to be summed over
-        all ranks: a TP-sharded element counts once per tp rank (each holds its own part), a
-        TP-replicated one 1/tp (all tp ranks hold it); a replicated unit (identical on the dp
-        ranks) is further divided by the dp size."""
-        tp, total = self.topology.tp, 0.0
-        for g, u, mask in zip(g32, self.units, self._tp_masks):
-            if u.kind != "replicated":
-                a, b = u.shard_range()
-                mask = mask[a:b]
-            sq = g.pow(2)
-            part = float(sq[mask].sum()) + float(sq[~mask].sum()) / tp
-            total += part / self.world_size if u.kind == "replicated" else part
-        return total
-
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Rebuild compute-dtype parameters from the fp32 masters (after a load). Exact: with
         ``weight_diff`` the weights are sent whole (stages 1-2) or the hpZ secondaries and their
-        references are dropped, to be rebuilt by the next training forward (stage 3)."""
-        works: list = []
-        for i in range(len(self.units)):
-            self._refresh_unit(i, works, exact=True)
-        for w in works:
-            w.wait()
-
-    def _refresh_unit(self, i: int, works: list, exact: bool = False) -> None:
-        """Refresh unit ``i``'s compute parameters from master ``i``; stages 1/2 (and stage 3 with
-        ``weight_diff``) append the async all-gather to ``works`` (issued in unit order on every
-        rank). ``exact=False`` with ``weight_diff``: send quantized weight differences."""
-        u = self.units[i]
-        wd = self.weight_diff
-        if u.kind == "replicated":
-            self.optim.copy_master_to(i, u.flat)  # nothing to do when the master is the flat (fp32)
-        elif u.kind == "sharded":
-            self.param_store.update(u, self.optim, i)
-            if wd is not None and not exact and wd.has_secondary(u):
-                works.append(wd.refresh_secondary(u, self._master_copy(i)))
-            else:
-                u.secondary = None
-                if wd is not None:
-                    wd.drop(u)
-        elif wd is not None and not exact:  # stages 1/2 with weight_diff: quantized differences
-            works.append(wd.refresh_replica(u, self._master_copy(i)))
-        else:  # stages 1/2: everyone needs every updated shard
-            m = self._master_copy(i, self.dtype)  # [S] (not a view of u.flat)
-            works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
-                                              kind="param_all_gather", async_op=True))
-
-    def _master_copy(self, i: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A copy of master ``i`` in ``dtype`` on the engine's device ([S]; read back if offloaded)."""
-        m = torch.empty(self.optim.numels[i], dtype=dtype, device=self.device)
-        self.optim.copy_master_to(i, m)
-        return m
+        references are dropped, to be rebuilt by the next training forward (stage 3). Collective."""
+        self.update.refresh_all()
 
     # ------------------------------------------------------------------ misc
     def _checkpoint_target(self, *, gather_frozen: bool = True) -> ckpt.CheckpointTarget:
