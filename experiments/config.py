@@ -320,7 +320,7 @@ class RunConfig:
 
 def _check_tp(rc: RunConfig) -> None:
     """``topology.tp > 1``: only the zeropp trainer splits models; the model's heads and widths must
-    divide; checkpoints of a split model are not supported (``ZeroEngine.save_checkpoint``)."""
+    divide (checkpoints of a split model load at the same tp, which ``ZeroEngine.load_checkpoint`` checks)."""
     tp = rc.topology.tp
     if rc.trainer.name != "zeropp":
         raise ConfigError(f"invalid config: topology.tp={tp} with trainer={rc.trainer.name}; tensor parallelism is "
@@ -332,10 +332,6 @@ def _check_tp(rc: RunConfig) -> None:
         (check_hf_tp if isinstance(rc.model, HFConfig) else check_gpt_tp)(rc.model, tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
-    if rc.train.checkpoint_every or rc.resume:
-        raise ConfigError(f"invalid config: topology.tp={tp} with train.checkpoint_every={rc.train.checkpoint_every}, "
-                          f"resume={rc.resume}; checkpoints of a tensor-parallel model are not supported, set "
-                          "train.checkpoint_every=0 and resume=false")
 
 
 def _check_trainer_keys(rc: RunConfig) -> None:

@@ -230,7 +230,8 @@ def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
 def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> None:
     """``topology.tp=2`` from the command line: 2 nodes x 2 ranks as tp=2 x dp=2 trains on the same
     data as 2 nodes x 1 rank (the tp pair shares its batches), so the losses agree in fp32, and
-    tokens per step count the dp ranks only."""
+    tokens per step count the dp ranks only; a tp run stopped and resumed from its checkpoint
+    reaches the uninterrupted tp run's losses."""
     common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
     runs = {}
     for name, topo in (("tp", ["topology=2x2", "topology.tp=2"]), ("dp", ["topology=2x1"])):
@@ -247,6 +248,14 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     # each rank's engine partitions its TP-local half of the split weights over the dp pair
     expected = sum(runs["tp"]["memory_expected"]["device"].values())
     assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
+    # stopped after its step-2 checkpoint and resumed: the tp run carries on exactly
+    cut = tmp_path / "cut"
+    tp_args = [*common, "topology=2x2", "topology.tp=2", "train.checkpoint_every=2", f"hydra.run.dir={cut}"]
+    p = _run(tp_args, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    assert p.returncode != 0 and "injected fault" in p.stderr and (cut / "checkpoints" / "LATEST").exists()
+    p = _run([*tp_args, "resume=true"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _losses(cut) == tp  # exact in fp32
 
 
 def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:

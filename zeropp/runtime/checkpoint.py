@@ -20,6 +20,13 @@ state back as a host tensor (``state_tensor``; read back from the swap file for 
 save materializes the rank's optimizer state in host memory for the duration of the save) and a
 load writes it back through ``load_state``. A checkpoint therefore loads into any offload tier.
 
+Tensor parallelism (``topology.tp > 1``): each tp index holds its own TP-local pieces of the split
+weights, sharded over the data-parallel ranks that share that index, so every key is prefixed
+``tp<t>.`` and the sharded units' DTensors live on the ``dp`` dimension of the engine's
+``("dp", "tp")`` mesh; ``meta.json`` records ``tp`` and the split table
+(``tensor_parallel.split_table``). Such a checkpoint loads at the same ``tp`` and any data-parallel
+size; :func:`export_consolidated` merges the tp pieces into the unsplit model's weights.
+
 Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
 checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
 same units (same model, same ``persistence_threshold`` at stage 3); otherwise the load is refused
@@ -72,6 +79,7 @@ from zeropp.comm import stochastic as sr
 from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout, unflatten
+from .tensor_parallel import merge_pieces
 
 FORMAT = 2
 _FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -99,7 +107,9 @@ class CheckpointTarget:
     scaler: LossScaler
     """The loss scaler whose state is saved and restored."""
     rank: int
+    """This rank's index among the ranks the units are sharded over (the data-parallel ranks)."""
     world_size: int
+    """How many ranks the units are sharded over (the default group's size unless ``tp > 1``)."""
     device: torch.device
     """Where the agreement flags travel (the process group's device)."""
     stage: int
@@ -113,6 +123,24 @@ class CheckpointTarget:
     """This rank's qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``: ``state_dict`` /
     ``load_state_dict`` / ``reset``) or None: saved per rank, restored at the same world size,
     stage and topology, else dropped with a warning."""
+    tp: int = 1
+    """Tensor-parallel degree; with ``tp > 1`` this rank's keys are prefixed ``tp<tp_rank>.``."""
+    tp_rank: int = 0
+    """This rank's tensor-parallel index (0 when ``tp == 1``)."""
+    mesh: DeviceMesh | None = None
+    """The 1-D mesh of the ``world_size`` ranks the units are sharded over (``tp > 1``: the ``dp``
+    dimension of the model's ``("dp", "tp")`` mesh); None: one over the whole default group."""
+    tp_split: dict[str, dict] = field(default_factory=dict)
+    """``tp > 1``: ``tensor_parallel.split_table(model)``, saved for :func:`export_consolidated`."""
+
+    def __post_init__(self) -> None:
+        if self.tp > 1 and self.mesh is None:
+            raise ValueError("CheckpointTarget: tp > 1 needs the data-parallel mesh (mesh=model's mesh['dp'])")
+
+    @property
+    def prefix(self) -> str:
+        """Prefix of this rank's unit and model keys: ``tp<t>.`` with tensor parallelism, else empty."""
+        return f"tp{self.tp_rank}." if self.tp > 1 else ""
 
 
 def _describe(exc: BaseException) -> str:
@@ -134,9 +162,9 @@ def _agree(t: CheckpointTarget, error: str | None, what: str, hint: str, token: 
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     failed, hi, lo = (int(x) for x in flag.tolist())
     if failed:
-        msgs: list = [None] * t.world_size
+        msgs: list = [None] * dist.get_world_size()
         dist.all_gather_object(msgs, error)
-        _raise_failures({r: m for r, m in enumerate(msgs) if m}, t.world_size, what, hint)
+        _raise_failures({r: m for r, m in enumerate(msgs) if m}, len(msgs), what, hint)
     if hi != -lo:
         raise CheckpointError(f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
                               f"changed during the load, or the ranks do not see the same directory). Make every "
@@ -194,7 +222,7 @@ def _crc(f: Path) -> int:
 
 
 def _mesh(t: CheckpointTarget) -> DeviceMesh:
-    return DeviceMesh(t.device.type, list(range(t.world_size)))
+    return t.mesh if t.mesh is not None else DeviceMesh(t.device.type, list(range(t.world_size)))
 
 
 def _unit_tensors(t: CheckpointTarget, mesh: DeviceMesh, make: Callable[[int, int, str], torch.Tensor]
@@ -204,12 +232,13 @@ def _unit_tensors(t: CheckpointTarget, mesh: DeviceMesh, make: Callable[[int, in
     sd: dict[str, Any] = {}
     for i, lay in enumerate(t.layouts):
         for name in ShardedAdamW.STATE:
+            key = f"{t.prefix}units.{lay.name}.{name}"
             if lay.num_shards == 1:
-                sd[f"units.{lay.name}.{name}"] = make(i, lay.numel, name)
+                sd[key] = make(i, lay.numel, name)
                 continue
             a, b = lay.unpadded_range(t.rank)
             local = make(i, b - a, name)  # [b - a]
-            sd[f"units.{lay.name}.{name}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+            sd[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                                 shape=torch.Size([lay.numel]), stride=(1,))
     return sd
 
@@ -219,7 +248,8 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
     :class:`CheckpointError` and ``LATEST`` still names the previous complete checkpoint."""
     root = Path(path)
     step = t.optimizer.step_count
-    obj = [f"ckpt-{step:08d}-{time.time_ns():x}" if t.rank == 0 else None]
+    me, world = dist.get_rank(), dist.get_world_size()  # files, meta.json and LATEST are the default group's
+    obj = [f"ckpt-{step:08d}-{time.time_ns():x}" if me == 0 else None]
     dist.broadcast_object_list(obj, src=0, device=t.device if t.device.type != "cpu" else None)
     tag = obj[0]
     d = root / tag
@@ -233,28 +263,30 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
                 "param_dtypes": {k: str(v).removeprefix("torch.") for k, v in t.param_dtypes.items()},
                 "model_state": {k: str(v.dtype).removeprefix("torch.") for k, v in t.model_state.items()},
                 "extra": extra if extra is not None else {}, **t.info}
+        if t.tp > 1:
+            meta.update(tp=t.tp, tp_split=t.tp_split)
         meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if extra is not JSON
         mesh = _mesh(t)
         opt = t.optimizer
         sd = _unit_tensors(t, mesh, lambda i, n, name: opt.state_tensor(name, i)[:n])  # read back if offloaded
-        sd.update({f"model.{k}": v for k, v in t.model_state.items()})
+        sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
-            sd.update({f"{_feedback_prefix(t.rank)}{k}": v for k, v in t.feedback.state_dict().items()})
+            sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
         error = f"preparing {d}: {_describe(exc)}"
     _agree(t, error, "save", hint)
     try:
         dcp.save(sd, storage_writer=_storage_writer(d))
     except CheckpointException as exc:  # DCP told every rank who failed
-        _raise_failures(_dcp_failures(exc), t.world_size, "save", hint)
+        _raise_failures(_dcp_failures(exc), world, "save", hint)
     error = None
-    crcs: list = [None] * t.world_size
+    crcs: list = [None] * world
     try:
-        mine = {f.name: _crc(f) for f in d.iterdir() if (m := _FILE.match(f.name)) and int(m.group(1)) == t.rank}
+        mine = {f.name: _crc(f) for f in d.iterdir() if (m := _FILE.match(f.name)) and int(m.group(1)) == me}
     except Exception as exc:  # noqa: BLE001
         mine, error = {}, f"checksumming {d}: {_describe(exc)}"
     dist.all_gather_object(crcs, (mine, sr.stochastic_calls()))
-    if t.rank == 0 and error is None:
+    if me == 0 and error is None:
         try:
             meta = json.loads(meta_text)
             meta["files"] = {k: v for c, _ in crcs for k, v in c.items()}
@@ -264,7 +296,7 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
             error = f"writing {d / 'meta.json'}: {_describe(exc)}"
     _agree(t, error, "save", hint)  # every file is on disk before anyone can commit
     error = None
-    if t.rank == 0:
+    if me == 0:
         try:
             _commit(root, tag)
         except Exception as exc:  # noqa: BLE001
@@ -312,6 +344,10 @@ def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
     responsible for (``__<i>_*.distcp`` with ``i % world == rank``). No collective, no state change."""
     d = latest(path)
     meta = read_meta(d)
+    if meta.get("tp", 1) != t.tp:
+        raise ValueError(f"{d} was saved with topology.tp={meta.get('tp', 1)} and this run has tp={t.tp}: a "
+                         f"tensor-parallel checkpoint loads at the same tp (any data-parallel size). Load it with "
+                         f"tp={meta.get('tp', 1)}, or export_consolidated() it to full weights")
     saved = {u["name"]: UnitLayout.from_dict(u) for u in meta["units"]}
     mine = {lay.name: lay for lay in t.layouts}
     if set(saved) != set(mine):
@@ -326,9 +362,10 @@ def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
     if sorted(meta["model_state"]) != sorted(t.model_state):
         raise ValueError(f"{d}: frozen parameters / buffers {sorted(meta['model_state'])} were saved, this model has "
                          f"{sorted(t.model_state)}; freeze the same parameters as the saving run")
+    me, world = dist.get_rank(), dist.get_world_size()
     for fname, crc in sorted(meta["files"].items()):
         m = _FILE.match(fname)
-        if m is None or int(m.group(1)) % t.world_size != t.rank:
+        if m is None or int(m.group(1)) % world != me:
             continue
         f = d / fname
         if not f.is_file():
@@ -364,12 +401,12 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
 
     sd = _unit_tensors(t, mesh, make)
     model_state = {k: torch.empty_like(v) for k, v in t.model_state.items()}
-    sd.update({f"model.{k}": v for k, v in model_state.items()})
+    sd.update({f"{t.prefix}model.{k}": v for k, v in model_state.items()})
     sd.update(feedback or {})
     try:
         dcp.load(sd, storage_reader=FileSystemReader(d))
     except CheckpointException as exc:
-        _raise_failures(_dcp_failures(exc), t.world_size, f"load from {path}", hint)
+        _raise_failures(_dcp_failures(exc), dist.get_world_size(), f"load from {path}", hint)
     opt = t.optimizer
 
     def piece_device(i: int, name: str) -> torch.device:
@@ -385,7 +422,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
             state[name].append(full)
     if t.feedback is not None:  # first: its load validates everything before it changes anything
         if feedback:
-            n = len(_feedback_prefix(t.rank))
+            n = len(_feedback_prefix(dist.get_rank()))
             t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
         else:
             t.feedback.reset()
@@ -396,6 +433,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
 
 
 def _feedback_prefix(rank: int) -> str:
+    """Keys of global rank ``rank``'s error-feedback residuals."""
     return f"feedback.rank{rank}."
 
 
@@ -412,12 +450,12 @@ def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, tor
     here = {"world_size": t.world_size, "stage": t.stage, "topology": t.info.get("topology")}
     there = {k: meta.get(k) for k in here}
     if here != there:
-        if t.rank == 0:
+        if dist.get_rank() == 0:
             warnings.warn(f"checkpoint {d.name}: dropping the error-feedback residuals, saved per rank at {there} and "
                           f"loaded at {here}; they restart from zero (the run is not an exact continuation)",
                           stacklevel=3)
         return None
-    prefix = _feedback_prefix(t.rank)
+    prefix = _feedback_prefix(dist.get_rank())
     return {k: torch.empty(md[k].size, dtype=md[k].properties.dtype, device=t.device)
             for k in saved if k.startswith(prefix)}
 
@@ -428,36 +466,44 @@ def _restore_stochastic_calls(t: CheckpointTarget, meta: dict) -> None:
     calls = meta.get("stochastic_calls")
     if not calls:
         return  # saved before counters were recorded
-    if len(calls) == t.world_size:
-        sr.reset_stochastic_calls(int(calls[t.rank]))
+    me, world = dist.get_rank(), dist.get_world_size()
+    if len(calls) == world:
+        sr.reset_stochastic_calls(int(calls[me]))
     elif len(set(calls)) == 1:
         sr.reset_stochastic_calls(int(calls[0]))
-    elif t.rank == 0:
+    elif me == 0:
         warnings.warn(f"checkpoint: the {len(calls)} saving ranks had different stochastic-rounding call counters "
-                      f"{calls}; loading at world size {t.world_size}, the counter is left at "
+                      f"{calls}; loading at world size {world}, the counter is left at "
                       f"{sr.stochastic_calls()}", stacklevel=3)
 
 
 def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:
     """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
     model's ``state_dict`` (fp32 masters cast to each parameter's dtype, plus frozen parameters and
-    buffers). Runs in one process, no process group needed (DCP reads every piece)."""
+    buffers; a tensor-parallel checkpoint's tp pieces merged into the unsplit weights). Runs in one
+    process, no process group needed (DCP reads every piece)."""
     d = latest(path)
     meta = read_meta(d)
     layouts = [UnitLayout.from_dict(u) for u in meta["units"]]
-    sd: dict[str, Any] = {f"units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts}
-    sd.update({f"model.{k}": torch.empty(0, dtype=getattr(torch, dt)) for k, dt in meta["model_state"].items()})
+    tp = int(meta.get("tp", 1))
+    prefixes = [f"tp{k}." if tp > 1 else "" for k in range(tp)]
     md = FileSystemReader(d).read_metadata().state_dict_metadata
-    for k, dt in meta["model_state"].items():
-        sd[f"model.{k}"] = torch.empty(md[f"model.{k}"].size, dtype=getattr(torch, dt))
+    sd: dict[str, Any] = {}
+    for pre in prefixes:
+        sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
+        sd.update({f"{pre}model.{k}": torch.empty(md[f"{pre}model.{k}"].size, dtype=getattr(torch, dt))
+                   for k, dt in meta["model_state"].items()})
     with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(sd, storage_reader=FileSystemReader(d), no_dist=True)
-    out: dict[str, torch.Tensor] = {}
-    for lay in layouts:
-        for name, v in unflatten(lay, sd[f"units.{lay.name}.masters"]).items():
-            out[name] = v.to(getattr(torch, meta["param_dtypes"][name])).clone()
-    out.update({k: sd[f"model.{k}"] for k in meta["model_state"]})
+    pieces: dict[str, list[torch.Tensor]] = {}  # name -> one tensor per tp index
+    for pre in prefixes:
+        for lay in layouts:
+            for name, v in unflatten(lay, sd[f"{pre}units.{lay.name}.masters"]).items():
+                pieces.setdefault(name, []).append(v.to(getattr(torch, meta["param_dtypes"][name])).clone())
+        for k in meta["model_state"]:
+            pieces.setdefault(k, []).append(sd[f"{pre}model.{k}"])
+    out = merge_pieces(pieces, meta.get("tp_split", {}))
     target = Path(out_file)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     torch.save(out, tmp)

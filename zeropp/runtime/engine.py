@@ -99,7 +99,9 @@ class ZeroEngine:
     shards, gathers and reduces each rank's TP-local parameters over the data-parallel ranks that
     share its tp index (``self.world_size`` / ``self.rank`` are that dimension's), the gradient
     norm is the whole model's, :meth:`consolidated_state_dict` returns full (unsplit) weights, and
-    checkpoints are refused. Tensor-parallel ranks must be given the same micro-batches.
+    checkpoints hold each tp index's pieces (they load at the same tp, any data-parallel size;
+    ``checkpoint.export_consolidated`` merges them). Tensor-parallel ranks must be given the same
+    micro-batches.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA base model): stages 0-2 keep them
     replicated in the compute dtype on every rank; stage 3 shards them in per-block ``frozen``
@@ -356,7 +358,6 @@ class ZeroEngine:
         ``torch.distributed.checkpoint``, with ``extra`` (small JSON values, e.g. the runner's step
         and data position) returned by the load. Returns the version directory. Collective."""
         self._check_open()
-        self._refuse_tp("save_checkpoint")
         return ckpt.save(self._checkpoint_target(), path, extra)
 
     @torch.no_grad()
@@ -366,7 +367,6 @@ class ZeroEngine:
         error-feedback residuals and the stochastic-rounding call counter come back too
         (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
-        self._refuse_tp("load_checkpoint")
         extra, model_state = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
         named = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
@@ -460,7 +460,17 @@ class ZeroEngine:
             layouts=[u.layout for u in self.units], optimizer=self.optim, scaler=self.scaler, rank=self.rank,
             world_size=self.world_size, device=self.device, stage=self.cfg.stage, param_dtypes=self.param_dtypes,
             model_state=model_state, info={"config": repr(self.cfg), "topology": repr(self.topology)},
-            feedback=self.error_feedback)  # restored by the load at the same world / stage / topology, else reset
+            feedback=self.error_feedback,  # restored by the load at the same world / stage / topology, else reset
+            **self._tp_checkpoint_args())
+
+    def _tp_checkpoint_args(self) -> dict[str, Any]:
+        """``topology.tp > 1``: each tp index saves its own TP-local pieces, sharded over the dp
+        dimension of the model's mesh (``checkpoint.py``); nothing extra otherwise."""
+        info = tpar.tp_info(self.model)
+        if info is None:
+            return {}
+        return dict(tp=info.tp, tp_rank=self.topology.tp_index(dist.get_rank()), mesh=info.mesh["dp"],
+                    tp_split=tpar.split_table(self.model))
 
     def _measure_memory(self) -> dict[str, int]:
         return measure_memory(self.units + self.frozen_units, self.optim.nbytes())
@@ -499,12 +509,6 @@ class ZeroEngine:
             if self.cfg.stage >= 2:
                 pool.reserve("grad_shard", inflight, max(u.shard_numel for u in reduced))
         return pool
-
-    def _refuse_tp(self, what: str) -> None:
-        if self.topology.tp > 1:
-            raise NotImplementedError(
-                f"ZeroEngine.{what} is not supported with topology.tp={self.topology.tp} (the checkpoint layout is "
-                f"per data-parallel rank of an unsplit model); use consolidated_state_dict() (full weights) instead")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -28,7 +28,7 @@ TP-replicated ones once (:func:`tp_sharded_mask`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -180,32 +180,71 @@ def tp_sharded_mask(params: list[torch.Tensor], offsets: list[tuple[int, int]], 
     return mask
 
 
+def _split_params(model: nn.Module) -> Iterator[tuple[str, str, FromLocal, torch.Tensor]]:
+    """Every parameter :func:`parallelize` split: ``(local name, unsplit name, its FromLocal, the
+    local tensor)``; the local name is the one ``named_parameters`` gives
+    (``<module>.parametrizations.<name>.original``)."""
+    for prefix, mod in model.named_modules():
+        if not parametrize.is_parametrized(mod):
+            continue
+        for name, plist in mod.parametrizations.items():
+            fl = plist[0]
+            if isinstance(fl, FromLocal):
+                head = f"{prefix}.{name}" if prefix else name
+                local = f"{prefix}.parametrizations.{name}.original" if prefix else f"parametrizations.{name}.original"
+                yield local, head, fl, plist.original
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` (the model's TP-local weights by parameter name, e.g. from the engine's dp
     consolidation) -> full weights under the unsplit model's names. Collective over every tp
     group (all-gathers), the same calls in the same order on every rank."""
     out = dict(state)
-    for prefix, mod in model.named_modules():
-        if not parametrize.is_parametrized(mod):
-            continue
-        for name, plist in mod.parametrizations.items():
-            fl = plist[0]
-            if not isinstance(fl, FromLocal):
-                continue
-            head = f"{prefix}.{name}" if prefix else name
-            key = f"{prefix}.parametrizations.{name}.original" if prefix else f"parametrizations.{name}.original"
-            local = out.pop(key)
-            dev = plist.original.device
-            full = DTensor.from_local(local.to(dev), fl.mesh, fl.placements, run_check=False, shape=fl.shape,
-                                      stride=fl.stride).full_tensor()
-            if fl.interleave > 1:  # rows [tp, parts, n/tp] -> [parts, tp, n/tp] (the original order)
-                k, tp = fl.interleave, fl.mesh.size()
-                rows = full.shape[0]
-                full = full.reshape(tp, k, rows // (k * tp), *full.shape[1:]).transpose(0, 1).reshape(full.shape)
-            out[head] = full.to(local.device, local.dtype)
+    for key, head, fl, original in _split_params(model):
+        local = out.pop(key)
+        full = DTensor.from_local(local.to(original.device), fl.mesh, fl.placements, run_check=False,
+                                  shape=fl.shape, stride=fl.stride).full_tensor()
+        out[head] = _undo_interleave(full, fl.interleave, fl.mesh.size()).to(local.device, local.dtype)
+    return out
+
+
+def _undo_interleave(full: torch.Tensor, interleave: int, tp: int) -> torch.Tensor:
+    """A fused projection's rows ``[tp, parts, n/tp]`` -> ``[parts, tp, n/tp]`` (the original order)."""
+    if interleave == 1:
+        return full
+    rows = full.shape[0]
+    return full.reshape(tp, interleave, rows // (interleave * tp), *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+
+
+def split_table(model: nn.Module) -> dict[str, dict]:
+    """How each TP-local parameter of ``model`` maps back to the unsplit model, as JSON-able values
+    (saved in a checkpoint's ``meta.json``, read by :func:`merge_pieces` without a process group):
+    local name (``...parametrizations.<name>.original``) -> ``{"name": unsplit name, "dim": the split
+    dimension or None for a weight replicated over tp, "interleave": fused parts}``."""
+    table: dict[str, dict] = {}
+    for local, head, fl, _ in _split_params(model):
+        dims = [pl.dim for pl in fl.placements if isinstance(pl, Shard)]
+        table[local] = {"name": head, "dim": dims[0] if dims else None, "interleave": fl.interleave}
+    return table
+
+
+def merge_pieces(pieces: dict[str, list[torch.Tensor]], table: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """The unsplit state dict from every tp rank's local state dict (``pieces``: name -> one tensor
+    per tp index, in tp order) and the model's :func:`split_table`: split weights concatenated along
+    their dimension (fused projections re-ordered), replicated ones taken from tp index 0. Local."""
+    out: dict[str, torch.Tensor] = {}
+    for name, parts in pieces.items():
+        spec = table.get(name)
+        if spec is None:  # not a TP-local parameter (embeddings, norms, buffers): the same on every tp rank
+            out[name] = parts[0]
+        elif spec["dim"] is None:
+            out[spec["name"]] = parts[0]
+        else:
+            out[spec["name"]] = _undo_interleave(torch.cat(parts, dim=spec["dim"]), spec["interleave"], len(parts))
     return out
 
 
 __all__ = ["FromLocal", "MESH_DIMS", "TPInfo", "check_model_matches", "check_tp", "full_state_dict",
-           "is_tp_local", "is_tp_sharded", "make_mesh", "parallelize", "tp_info", "tp_sharded_mask"]
+           "is_tp_local", "is_tp_sharded", "make_mesh", "merge_pieces", "parallelize", "split_table", "tp_info",
+           "tp_sharded_mask"]
