@@ -41,7 +41,8 @@ def _corpus() -> bytes:
     return read_corpus(DataConfig())
 
 
-def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch: int, lr: float) -> list[dict[str, Any]]:
+def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch: int, lr: float,
+          hpz: bool) -> list[dict[str, Any]]:
     import torch
 
     from zeropp.comm import Topology
@@ -54,7 +55,7 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
     out = []
     for mode in MODES:
         torch.manual_seed(0)
-        eng = ZeroEngine(GPT(cfg), config=ZeroConfig(stage=3, precision="bf16", quantize_frozen=mode),
+        eng = ZeroEngine(GPT(cfg), config=ZeroConfig(stage=3, precision="bf16", quantize_frozen=mode, hpz=hpz),
                          optimizer=OptimizerConfig(lr=lr, weight_decay=0.0),
                          topology=Topology(nodes=NODES, ranks_per_node=RANKS_PER_NODE))
         try:
@@ -77,12 +78,13 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
 
 
 def run(preset: str = "small", *, lora_rank: int = 8, steps: int = 10, batch: int = 4, lr: float = 3e-3,
-        timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    """The three runs on a 2x2 gloo world; rank 0's figures (the ranks agree on the loss) with
-    the largest per-rank frozen bytes and cross-node bytes over the ranks."""
+        hpz: bool = False, timeout_s: float = 900.0) -> list[dict[str, Any]]:
+    """The three runs on a 2x2 gloo world (``hpz``: all three with hpZ, so the frozen gathers cross
+    nodes in the first forward only); rank 0's figures (the ranks agree on the loss) with the
+    largest per-rank frozen bytes and cross-node bytes over the ranks."""
     from zeropp.launch import launch_world
 
-    res = launch_world(_rank, NODES * RANKS_PER_NODE, args=(preset, lora_rank, steps, batch, lr),
+    res = launch_world(_rank, NODES * RANKS_PER_NODE, args=(preset, lora_rank, steps, batch, lr, hpz),
                        process_group="gloo", threads=1, timeout_s=timeout_s)
     rows = []
     for k, mode in enumerate(MODES):
@@ -101,10 +103,11 @@ def run(preset: str = "small", *, lora_rank: int = 8, steps: int = 10, batch: in
     return rows
 
 
-def table(rows: list[dict[str, Any]], preset: str, lora_rank: int, steps: int) -> str:
+def table(rows: list[dict[str, Any]], preset: str, lora_rank: int, steps: int, hpz: bool = False) -> str:
     r0 = rows[0]
     lines = [f"GPT {preset} + LoRA rank {lora_rank}: {r0['frozen_params']:,} frozen / {r0['trained_params']:,} trained "
-             f"parameters; stage 3, bf16, {NODES} nodes x {RANKS_PER_NODE} gloo ranks, {steps} steps", "",
+             f"parameters; stage 3{' + hpZ' if hpz else ''}, bf16, {NODES} nodes x {RANKS_PER_NODE} gloo ranks, "
+             f"{steps} steps", "",
              "| frozen weights | frozen bytes / rank | x bf16 | cross-node frozen gather bytes / rank | x bf16 | "
              "all cross-node all-gather bytes / rank | final loss | loss vs bf16 | target |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -125,12 +128,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate of the adapters (default 3e-3)")
+    ap.add_argument("--hpz", action="store_true", help="all three runs with hpZ (frozen gathers stay in the node "
+                    "after the first forward)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     if a.lora_rank < 1 or a.steps < 1 or a.batch < 1:
         ap.error("--lora-rank, --steps and --batch must be >= 1")
-    rows = run(a.preset, lora_rank=a.lora_rank, steps=a.steps, batch=a.batch, lr=a.lr)
-    print(table(rows, a.preset, a.lora_rank, a.steps))
+    rows = run(a.preset, lora_rank=a.lora_rank, steps=a.steps, batch=a.batch, lr=a.lr, hpz=a.hpz)
+    print(table(rows, a.preset, a.lora_rank, a.steps, a.hpz))
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=2))
     return rows

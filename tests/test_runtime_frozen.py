@@ -9,6 +9,7 @@
 - ``quantize_frozen=int8|int4``: the forward equals a reference model whose frozen weights are
   ``dequantize(quantize(shard))`` of each rank's shard, exactly; the per-rank bytes are the wire
   rows'; exports and checkpoints return those dequantized values (exact originals without it);
+- MixZ++ with hpZ: INT8 frozen gathers stay inside the node after the first forward, same losses;
 - bad input: ``quantize_frozen`` at stages 0-2 or an unknown value.
 """
 
@@ -209,6 +210,52 @@ def test_stage3_frozen_shards_quantized_once_exact_forward_and_bytes(tmp_path) -
         full = r["none"]["frozen_bytes"]
         assert r["int8"]["frozen_bytes"] <= 0.55 * full and r["int4"]["frozen_bytes"] <= 0.3 * full
         assert r["ckpt_logits_equal"] and r["ckpt_export_equal"] and r["ckpt_stage1_equal"]
+
+
+def _mixz_hpz_world(rank: int, world: int, path: str) -> dict[str, Any]:
+    """2x2, stage 3, LoRA GPT with INT8 frozen weights, with and without hpZ: losses, frozen-gather
+    bytes of step 1 and of steps 2.., and the frozen units' secondary copies."""
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+    from zeropp.runtime import frozen as fz
+
+    out: dict[str, Any] = {}
+    for hpz in (False, True):
+        eng = ZeroEngine(build("lora"), config=ZeroConfig(stage=3, quantize_frozen="int8", hpz=hpz,
+                                                          grad_accum_steps=ACCUM),
+                         optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=2, ranks_per_node=2))
+        try:
+            losses = [eng.train_step(rank_batches(0, ACCUM, rank)).loss]
+            first = eng.comm_stats.snapshot().get(fz.KIND)
+            eng.comm_stats.reset()
+            losses += [eng.train_step(rank_batches(s, ACCUM, rank)).loss for s in range(1, STEPS)]
+            out[hpz] = {"losses": losses, "first": first, "later": eng.comm_stats.snapshot().get(fz.KIND),
+                        "secondary": [(None if u.secondary is None else (str(u.secondary.dtype), u.secondary.numel()),
+                                       u.extra["wire"].numel()) for u in eng.frozen_units]}
+            if hpz:  # a load re-quantizes the frozen shards: their secondary copies are dropped
+                eng.save_checkpoint(path)
+                eng.load_checkpoint(path)
+                out["after_load"] = [u.secondary for u in eng.frozen_units]
+        finally:
+            eng.close()
+    return out
+
+
+def test_mixz_with_hpz_keeps_frozen_gathers_inside_the_node(tmp_path) -> None:
+    """MixZ++ with hpZ: the first forward gathers each INT8 frozen unit over the world and keeps
+    this rank's slice of the quantized rows; every later gather stays inside the node, with the
+    same values (losses identical to the run without hpZ, which gathers across nodes every time)."""
+    res = run_world(_mixz_hpz_world, 4, str(tmp_path / "ckpt"), timeout=300)
+    for r in res:
+        plain, hier = r[False], r[True]
+        assert hier["losses"] == plain["losses"]  # the same dequantized rows, from the node instead of the world
+        assert plain["later"]["cross"] > 0 and hier["later"]["cross"] == 0 and hier["later"]["intra"] > 0
+        # step 1 without hpZ: forward + backward gather per unit per micro-batch; with hpZ one world gather
+        assert hier["first"]["cross"] * 2 * ACCUM == plain["first"]["cross"], (hier["first"], plain["first"])
+        for sec, wire in hier["secondary"]:
+            assert sec == ("torch.uint8", 2 * wire)  # W / h = 2 ranks' quantized rows, kept quantized
+        assert all(sec is None for sec, _ in plain["secondary"])
+        assert r["after_load"] == [None] * len(hier["secondary"])
 
 
 # ---------------------------------------------------------------------- bad input

@@ -233,7 +233,7 @@ def test_tp_checkpoint_resumes_exactly_reshards_over_dp_and_exports(tmp_path) ->
     """A tp=2 run saved after K steps and loaded into an engine built from other weights continues
     exactly as the uninterrupted run (stage 3 with qwZ + hpZ, and stage 1); the checkpoint loads at
     another data-parallel size, is refused at another tp, and exports to the unsplit model's weights."""
-    from zeropp.runtime.checkpoint import export_consolidated
+    from zeropp.runtime import export_consolidated
 
     path = str(tmp_path / "ckpt")
     results = run_world(_save_resume_world, 4, path, timeout=300)

@@ -1,6 +1,7 @@
 """zeropp.runtime: the ZeRO stage 0-3 engine with the ZeRO++ switches (qwZ, hpZ, qgZ)."""
 
-from .checkpoint import CheckpointError, export_consolidated
+from .checkpoint import CheckpointError
+from .consolidate import export_consolidated
 from .config import OptimizerConfig, ZeroConfig
 from .engine import StepResult, ZeroEngine
 from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler

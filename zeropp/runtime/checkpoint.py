@@ -25,7 +25,7 @@ weights, sharded over the data-parallel ranks that share that index, so every ke
 ``tp<t>.`` and the sharded units' DTensors live on the ``dp`` dimension of the engine's
 ``("dp", "tp")`` mesh; ``meta.json`` records ``tp`` and the split table
 (``tensor_parallel.split_table``). Such a checkpoint loads at the same ``tp`` and any data-parallel
-size; :func:`export_consolidated` merges the tp pieces into the unsplit model's weights.
+size; :func:`zeropp.runtime.consolidate.export_consolidated` merges the tp pieces into the unsplit model's weights.
 
 Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
 checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
@@ -78,8 +78,7 @@ from zeropp.comm import stochastic as sr
 
 from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
-from .partition import UnitLayout, unflatten
-from .tensor_parallel import merge_pieces
+from .partition import UnitLayout
 
 FORMAT = 2
 _FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -131,7 +130,7 @@ class CheckpointTarget:
     """The 1-D mesh of the ``world_size`` ranks the units are sharded over (``tp > 1``: the ``dp``
     dimension of the model's ``("dp", "tp")`` mesh); None: one over the whole default group."""
     tp_split: dict[str, dict] = field(default_factory=dict)
-    """``tp > 1``: ``tensor_parallel.split_table(model)``, saved for :func:`export_consolidated`."""
+    """``tp > 1``: ``tensor_parallel.split_table(model)``, saved for ``consolidate.export_consolidated``."""
 
     def __post_init__(self) -> None:
         if self.tp > 1 and self.mesh is None:
@@ -475,37 +474,3 @@ def _restore_stochastic_calls(t: CheckpointTarget, meta: dict) -> None:
         warnings.warn(f"checkpoint: the {len(calls)} saving ranks had different stochastic-rounding call counters "
                       f"{calls}; loading at world size {world}, the counter is left at "
                       f"{sr.stochastic_calls()}", stacklevel=3)
-
-
-def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:
-    """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
-    model's ``state_dict`` (fp32 masters cast to each parameter's dtype, plus frozen parameters and
-    buffers; a tensor-parallel checkpoint's tp pieces merged into the unsplit weights). Runs in one
-    process, no process group needed (DCP reads every piece)."""
-    d = latest(path)
-    meta = read_meta(d)
-    layouts = [UnitLayout.from_dict(u) for u in meta["units"]]
-    tp = int(meta.get("tp", 1))
-    prefixes = [f"tp{k}." if tp > 1 else "" for k in range(tp)]
-    md = FileSystemReader(d).read_metadata().state_dict_metadata
-    sd: dict[str, Any] = {}
-    for pre in prefixes:
-        sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
-        sd.update({f"{pre}model.{k}": torch.empty(md[f"{pre}model.{k}"].size, dtype=getattr(torch, dt))
-                   for k, dt in meta["model_state"].items()})
-    with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(sd, storage_reader=FileSystemReader(d), no_dist=True)
-    pieces: dict[str, list[torch.Tensor]] = {}  # name -> one tensor per tp index
-    for pre in prefixes:
-        for lay in layouts:
-            for name, v in unflatten(lay, sd[f"{pre}units.{lay.name}.masters"]).items():
-                pieces.setdefault(name, []).append(v.to(getattr(torch, meta["param_dtypes"][name])).clone())
-        for k in meta["model_state"]:
-            pieces.setdefault(k, []).append(sd[f"{pre}model.{k}"])
-    out = merge_pieces(pieces, meta.get("tp_split", {}))
-    target = Path(out_file)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    torch.save(out, tmp)
-    os.replace(tmp, target)
-    return str(target)

@@ -135,7 +135,8 @@ class ZeroConfig:
     LoRA base model) are stored and all-gathered: ``none`` (the compute dtype, all-gathered like the
     trainable ones, qwZ/hpZ applying), ``int8`` or ``int4`` (quantized ONCE at construction into
     the int codec's wire format, codes and scales in one byte buffer, all-gathered in that form and
-    dequantized into the gather buffer; never re-quantized, so no hpZ copy or qwZ spec applies).
+    dequantized into the gather buffer; never re-quantized, so qwZ's spec does not apply; with
+    ``hpz`` the node's share of the gathered rows is kept, still quantized, for every later gather).
     Stages 0-2 keep frozen parameters replicated in the compute dtype, so it must stay ``none``."""
 
     def __post_init__(self) -> None:

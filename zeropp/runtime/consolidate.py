@@ -6,16 +6,26 @@ to each parameter's original dtype. Frozen parameters come back unrounded (the o
 engine kept when the compute-dtype cast rounds), buffers as they are. Everything lands on the CPU.
 A tied parameter comes back under each of its names (separate tensors with equal values, as
 ``load_state_dict`` into the unwrapped, tied model expects).
+
+:func:`export_consolidated` does the same offline, from a checkpoint directory, in one process
+(DCP reads every rank's pieces; no process group).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence, Union
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
-from .partition import FlatUnit
+from .checkpoint import latest, read_meta
+from .partition import FlatUnit, UnitLayout, unflatten
+from .tensor_parallel import merge_pieces
 
 
 @torch.no_grad()
@@ -50,3 +60,37 @@ def consolidated_state_dict(units: Sequence[FlatUnit],
         else:
             out[k] = v.detach().to("cpu").clone()
     return out
+
+
+def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:
+    """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
+    model's ``state_dict`` (fp32 masters cast to each parameter's dtype, plus frozen parameters and
+    buffers; a tensor-parallel checkpoint's tp pieces merged into the unsplit weights). Runs in one
+    process, no process group needed (DCP reads every piece)."""
+    d = latest(path)
+    meta = read_meta(d)
+    layouts = [UnitLayout.from_dict(u) for u in meta["units"]]
+    tp = int(meta.get("tp", 1))
+    prefixes = [f"tp{k}." if tp > 1 else "" for k in range(tp)]
+    md = FileSystemReader(d).read_metadata().state_dict_metadata
+    sd: dict[str, Any] = {}
+    for pre in prefixes:
+        sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
+        sd.update({f"{pre}model.{k}": torch.empty(md[f"{pre}model.{k}"].size, dtype=getattr(torch, dt))
+                   for k, dt in meta["model_state"].items()})
+    with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, storage_reader=FileSystemReader(d), no_dist=True)
+    pieces: dict[str, list[torch.Tensor]] = {}  # name -> one tensor per tp index
+    for pre in prefixes:
+        for lay in layouts:
+            for name, v in unflatten(lay, sd[f"{pre}units.{lay.name}.masters"]).items():
+                pieces.setdefault(name, []).append(v.to(getattr(torch, meta["param_dtypes"][name])).clone())
+        for k in meta["model_state"]:
+            pieces.setdefault(k, []).append(sd[f"{pre}model.{k}"])
+    out = merge_pieces(pieces, meta.get("tp_split", {}))
+    target = Path(out_file)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    torch.save(out, tmp)
+    os.replace(tmp, target)
+    return str(target)

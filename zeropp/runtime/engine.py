@@ -100,7 +100,7 @@ class ZeroEngine:
     share its tp index (``self.world_size`` / ``self.rank`` are that dimension's), the gradient
     norm is the whole model's, :meth:`consolidated_state_dict` returns full (unsplit) weights, and
     checkpoints hold each tp index's pieces (they load at the same tp, any data-parallel size;
-    ``checkpoint.export_consolidated`` merges them). Tensor-parallel ranks must be given the same
+    ``export_consolidated`` merges them). Tensor-parallel ranks must be given the same
     micro-batches.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA base model): stages 0-2 keep them

@@ -14,10 +14,15 @@ all-gathers those bytes as they are and dequantizes the received rows into the g
 nothing is re-quantized, so the values every forward and backward sees are exactly
 ``dequantize(quantize(w_shard))`` of each rank's shard, and the bytes on the wire and in memory are
 the wire row's (about 1/2 of bf16 for INT8, 1/4 for INT4 at the default group size of 512).
-Neither qwZ (already quantized) nor hpZ (a secondary copy would be a full-precision copy of what
-is deliberately kept quantized) applies to a quantized frozen unit; without quantization both apply
-as to trainable units. A quantized gather is one message per unit (the bucket size is not
-applied: the wire row was cut once, at construction).
+qwZ does not apply to a quantized frozen unit (it is already quantized). hpZ does, in quantized
+form: with ``ZeroConfig.hpz`` the first gather of a unit keeps this rank's slice of the gathered
+wire rows (``W / h`` rows of the ``h`` ranks of its hpZ group, still INT8/INT4) as its secondary
+copy, and every later gather, forward and backward, all-gathers those slices inside the node. Frozen
+values never change, so the copy never goes stale: after the first forward no frozen byte crosses
+a node (MixZ++ = quantized frozen weights + hpZ). Without quantization both qwZ and hpZ apply as to
+trainable units, and the full-precision secondary of a frozen unit is likewise kept across steps.
+A quantized gather is one message per unit (the bucket size is not applied: the wire row was cut
+once, at construction). A checkpoint load drops every frozen secondary (:func:`store_shard`).
 
 Values returned by ``consolidated_state_dict`` and saved in checkpoints: with ``none`` the exact
 originals (a host copy of this rank's shard in the originals' dtype is kept when the cast to the
@@ -149,20 +154,29 @@ def is_quantized(u: FlatUnit) -> bool:
 
 
 def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: str = KIND,
-                     async_op: bool) -> Pending:
+                     async_op: bool, hpz: bool = False) -> Pending:
     """All-gather the stored wire rows of ``u`` as they are and dequantize them into ``out``
-    (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``."""
+    (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``.
+    ``hpz``: from the unit's quantized secondary copy inside the hpZ group when it has one, else
+    over the world, keeping this rank's slice of the gathered rows as that copy (module docstring)."""
     wire = u.extra["wire"]  # [B] uint8
     W, S, B = comm.world_size, u.shard_numel, wire.numel()
+    h, k = comm.hpz_size, comm.hpz_rank
     codec = codec_for(spec)
+    if hpz and u.secondary is not None:  # [W / h * B]: rows of hpZ member k's share of the world
+        send, group, g = u.secondary, comm.groups.hpz, h
+    else:
+        send, group, g = wire, comm.group, W
 
     def issue() -> Pending:
         comm.stats.count_call(kind)
-        recv = torch.empty(W * B, dtype=torch.uint8, device=wire.device)  # [W * B]
-        record_sends(comm.stats, kind, comm.topology, group_ranks(comm.group), peer_bytes("all_gather", B, W))
-        work = backend_all_gather(recv, wire, comm.group, True)  # over the data-parallel ranks
+        recv = torch.empty(W * B, dtype=torch.uint8, device=wire.device)  # [W * B]: both ways, rows in rank order
+        record_sends(comm.stats, kind, comm.topology, group_ranks(group), peer_bytes("all_gather", send.numel(), g))
+        work = backend_all_gather(recv, send, group, True)
 
         def finish() -> None:  # [W, B] rows -> [W, S] values, read through views of recv
+            if hpz and u.secondary is None:
+                u.secondary = recv.view(h, -1)[k].clone()  # [W / h * B]: kept quantized, never stale
             codec.dequantize(codec.unpack(recv.view(W, B), S, spec.bits, spec.group_size), out=out.view(W, S))
 
         return Pending(comm, [work], finish)

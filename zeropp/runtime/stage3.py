@@ -156,7 +156,7 @@ class Stage3Hooks:
         kind = fz.KIND if u.kind == "frozen" else "bwd_all_gather" if backward else "fwd_all_gather"
         bucket = self.cfg.allgather_bucket_size
         if fz.is_quantized(u):  # MixZ++: the stored wire rows, gathered as they are, dequantized into buf
-            work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True)
+            work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True, hpz=self.cfg.hpz)
         elif u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
             work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, async_op=True)
         else:
@@ -209,8 +209,8 @@ class Stage3Hooks:
 
     def _keep_secondary(self, u: FlatUnit) -> None:
         """hpZ, after a training forward: keep this rank's slice of the gathered ``u`` for the later
-        gathers of the step (not for a quantized frozen unit: it would be a full-precision copy of
-        what is kept quantized). With weight differences the owner also keeps its reference."""
+        gathers of the step (a quantized frozen unit keeps its slice of the quantized rows itself,
+        in ``frozen.gather_quantized``). With weight differences the owner also keeps its reference."""
         if not self.cfg.hpz or u.secondary is not None or fz.is_quantized(u):
             return
         u.secondary = u.flat.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [padded / h]
