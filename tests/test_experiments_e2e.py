@@ -270,3 +270,9 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
     for rank_mem in s["memory_per_rank"]:
         assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
     assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
+    # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
+    p = _run(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
+              "zero.hpz=true", f"hydra.run.dir={tmp_path / 'hpz'}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "hpz" / "summary.json").read_text())
+    assert s["memory_max_rank_bytes"] == sum(s["memory_expected"]["device"].values())
