@@ -81,8 +81,9 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     ``cfg`` (None for the other trainers, whose memory the formulas do not describe); ``n_params``
     are the trained parameters one rank's engine partitions (the TP-local ones under ``topology.tp``);
     ``frozen_bytes`` the stage-3 frozen shards it stores (their layout's size: compute dtype, or
-    MixZ++'s wire rows), added to the device's params, with hpZ's secondary copy of them (the
-    ``dp_size / hpz_size`` shards of the rank's node share, kept as stored)."""
+    MixZ++'s wire rows), added to the params of ``offload_param``'s tier, and hpZ's secondary copy
+    of them (the ``dp_size / hpz_size`` shards of the rank's node share, kept as stored) to the
+    device's."""
     if cfg.trainer.name != "zeropp":
         return None
     from zeropp.runtime import ZeroEngine
@@ -95,7 +96,8 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     out = expected_by_tier(z.stage, n_params, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                            shared_master=z.shares_fp32_master)
-    out["device"]["params"] += frozen_bytes * (1 + (t.dp_size // hpz if hpz else 0))
+    out[{"none": "device", "cpu": "host", "nvme": "disk"}[z.offload_param]]["params"] += frozen_bytes
+    out["device"]["params"] += frozen_bytes * (t.dp_size // hpz if hpz else 0)
     return out
 
 

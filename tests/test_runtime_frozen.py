@@ -10,6 +10,7 @@
   ``dequantize(quantize(shard))`` of each rank's shard, exactly; the per-rank bytes are the wire
   rows'; exports and checkpoints return those dequantized values (exact originals without it);
 - MixZ++ with hpZ: INT8 frozen gathers stay inside the node after the first forward, same losses;
+- ``offload_param=cpu|nvme`` moves the frozen shards too, with identical losses;
 - bad input: ``quantize_frozen`` at stages 0-2 or an unknown value.
 """
 
@@ -155,7 +156,7 @@ def _mixz_world(rank: int, world: int, path: str) -> dict[str, Any]:
             per_unit = []
             for u in eng.frozen_units:
                 b = u.shard_numel * 4 if bits is None else wire_layout(u.shard_numel, bits, DEFAULT_WEIGHT_GROUP_SIZE).nbytes
-                per_unit.append((u.numel, u.shard_numel, b, fz.device_bytes(u)))
+                per_unit.append((u.numel, u.shard_numel, b, fz.held_bytes(u)))
             mem0 = eng.memory_report()["params"]
             eng.comm_stats.reset()
             eng.train_step([(idx, tgt)])
@@ -256,6 +257,68 @@ def test_mixz_with_hpz_keeps_frozen_gathers_inside_the_node(tmp_path) -> None:
             assert sec == ("torch.uint8", 2 * wire)  # W / h = 2 ranks' quantized rows, kept quantized
         assert all(sec is None for sec, _ in plain["secondary"])
         assert r["after_load"] == [None] * len(hier["secondary"])
+
+
+def _offload_world(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Stage 3, LoRA GPT, frozen weights in fp32 or INT8, kept on the device / in host memory / on
+    nvme (``offload_param``): losses, exported weights, memory by tier, and a checkpoint round trip."""
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+    from zeropp.runtime import frozen as fz
+
+    out: dict[str, Any] = {}
+    for q in ("none", "int8"):
+        for tier in ("none", "cpu", "nvme"):
+            nvme = f"{path}-swap-{q}-{tier}" if tier == "nvme" else None
+            if nvme:
+                import os
+
+                os.makedirs(nvme, exist_ok=True)
+            zc = ZeroConfig(stage=3, quantize_frozen=q, offload_param=tier, nvme_path=nvme, grad_accum_steps=ACCUM)
+            eng = ZeroEngine(build("lora"), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+                             topology=Topology(nodes=world, ranks_per_node=1))
+            try:
+                tiers = eng.memory_phases()["model_creation"].tiers
+                r = {"losses": [eng.train_step(rank_batches(s, ACCUM, rank)).loss for s in range(STEPS)],
+                     "weights": {n: v.numpy() for n, v in eng.consolidated_state_dict().items()},
+                     "frozen_bytes": fz.frozen_bytes(eng.frozen),
+                     "trained_shards": sum(u.shard_numel * 4 for u in eng.units),
+                     "params": {t: tiers[t]["params"] for t in ("device", "host", "disk")},
+                     "held": [fz.held(u) is None for u in eng.frozen_units]}
+                eng.save_checkpoint(f"{path}-{q}-{tier}")
+                eng.load_checkpoint(f"{path}-{q}-{tier}")  # re-stored into the tier
+                r["reloaded"] = {n: v.numpy() for n, v in eng.consolidated_state_dict().items()}
+                r["after_load"] = eng.train_step(rank_batches(STEPS, ACCUM, rank)).loss
+                out[q, tier] = r
+            finally:
+                eng.close()
+    return out
+
+
+def test_frozen_shards_offload_to_host_and_nvme(tmp_path) -> None:
+    """``offload_param=cpu|nvme`` moves the frozen shards (fp32, or MixZ++'s INT8 rows) off the
+    device with the trainable ones: the same losses and weights as on the device, bit for bit, the
+    bytes on the host / disk tier, and a checkpoint load writes them back to that tier."""
+    res = run_world(_offload_world, W2, str(tmp_path / "ckpt"), timeout=400)
+    for r in res:
+        for q in ("none", "int8"):
+            base = r[q, "none"]
+            for tier in ("cpu", "nvme"):
+                d = r[q, tier]
+                assert d["losses"] == base["losses"], (q, tier)
+                assert _same(d["weights"], base["weights"]) and _same(d["reloaded"], base["weights"]), (q, tier)
+                assert d["after_load"] == base["after_load"], (q, tier)
+                moved = base["params"]["device"] - d["params"]["device"]
+                assert moved == d["trained_shards"] + d["frozen_bytes"], (q, tier, d["params"], base["params"])
+            assert r[q, "cpu"]["params"]["host"] == moved
+            disk = r[q, "nvme"]["params"]["disk"]  # the swap file: each frozen region 64-byte aligned
+            assert moved <= disk < moved + 64 * len(r[q, "nvme"]["held"]), (disk, moved)
+            assert all(r[q, "nvme"]["held"]) and not any(r[q, "cpu"]["held"])  # nvme: nothing held in memory
+        assert r["int8", "none"]["frozen_bytes"] < 0.3 * r["none", "none"]["frozen_bytes"]  # fp32 -> INT8 rows
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------------- bad input

@@ -186,9 +186,10 @@ class ZeroEngine:
         self.swap = SwapSpace(cfg.nvme_path, rank, buffers=cfg.swap_buffers, buffer_size=cfg.swap_buffer_size,
                               pin=self.device.type == "cuda") if cfg.nvme_path is not None else None
         """The nvme tier's swap files and staging buffers (``swap.py``), or None."""
-        self.param_store = ParamStore(cfg.offload_param, self.units, dtype=self.dtype, device=self.device,
-                                      space=self.swap) if cfg.stage == 3 else None
+        self.param_store = ParamStore(cfg.offload_param, self.units + self.frozen_units, dtype=self.dtype,
+                                      device=self.device, space=self.swap) if cfg.stage == 3 else None
         """Stage 3: where the parameter shards live between gathers (``offload.py``), or None."""
+        fz.offload_frozen(self.frozen)  # offload_param=cpu|nvme: the frozen shards go there too
         # fp32 without offload: the master IS the parameter (shard or flat view), no second copy;
         # except stages 1-2 with weight_diff, whose replicas hold approximate weights (weight_diff.py)
         alias = cfg.shares_fp32_master and cfg.offload_optimizer == "none" and cfg.offload_param == "none"

@@ -29,6 +29,11 @@ originals (a host copy of this rank's shard in the originals' dtype is kept when
 compute dtype rounds); with ``int8``/``int4`` the dequantized values, which is what the model
 computes with. Loading a checkpoint re-quantizes the loaded shard once.
 
+Offload (``ZeroConfig.offload_param=cpu|nvme``, ZeRO-Infinity): the stored shards -- compute
+dtype or wire row -- live in the engine's ``offload.ParamStore`` like the trainable shards (pinned
+host memory, or a region of the rank's ``params.swp``), and each gather copies the stored bytes to
+the device first (:func:`stored`). hpZ's secondary copy stays on the device, as for trainable units.
+
 Bytes: gathers are counted in ``CommStats`` under the kind ``frozen_all_gather`` (forward and
 backward alike), per rank ``B`` (the wire row, or ``S`` elements of the compute dtype) to each other
 member, as every all-gather (``zeropp.comm.stats``).
@@ -123,18 +128,41 @@ def _wide_dtype(u: FlatUnit) -> torch.dtype:
 def store_shard(u: FlatUnit, shard: torch.Tensor, spec: QuantSpec | None) -> None:
     """Keep this rank's shard ``[S]`` (the originals' values) as the unit stores it: the int wire
     row ``uint8 [B]`` (quantized once, here) or the compute dtype, plus a host copy of the
-    originals when that cast rounds (so exports are exact)."""
+    originals when that cast rounds (so exports are exact); then hand it to the unit's offload
+    store, if it has one."""
     u.extra.pop("wire", None)
     u.extra.pop("original", None)
     u.param_shard = None
     u.secondary = None  # hpZ copy of the old values
     if spec is not None:
         codec = codec_for(spec)
-        u.extra["wire"] = codec.encode(shard.float(), spec.bits, spec.group_size, rows=1, seed=None).view(-1)  # [B]
-        return
-    u.param_shard = shard.to(u.dtype).clone()  # [S] compute dtype
-    if shard.dtype != u.dtype and not torch.equal(u.param_shard.to(shard.dtype), shard):
-        u.extra["original"] = shard.to("cpu").clone()  # [S] originals' dtype, host memory
+        held = codec.encode(shard.float(), spec.bits, spec.group_size, rows=1, seed=None).view(-1)  # [B] uint8
+        u.extra["wire"] = held
+    else:
+        held = u.param_shard = shard.to(u.dtype).clone()  # [S] compute dtype
+        if shard.dtype != u.dtype and not torch.equal(held.to(shard.dtype), shard):
+            u.extra["original"] = shard.to("cpu").clone()  # [S] originals' dtype, host memory
+    u.extra["quantized"] = spec is not None
+    u.extra["stored"] = (held.numel(), held.dtype)
+    if u.extra.get("param_store") is not None:
+        _offload(u, held)
+
+
+def offload_frozen(fu: FrozenUnits) -> None:
+    """``offload_param=cpu|nvme``: move every frozen unit's stored shard into the ``offload.ParamStore``
+    the engine built with the frozen units (it marked them); later loads go there too (:func:`store_shard`)."""
+    for u in fu.units:
+        if u.extra.get("param_store") is not None:
+            _offload(u, held(u))
+
+
+def _offload(u: FlatUnit, t: torch.Tensor) -> None:
+    """Hand the stored shard ``t`` to ``u``'s store: the unit then holds the host copy (cpu) or nothing (nvme)."""
+    moved = u.extra["param_store"].keep(u, t)
+    if is_quantized(u):
+        u.extra["wire"] = moved
+    else:
+        u.param_shard = moved
 
 
 @torch.no_grad()
@@ -150,7 +178,25 @@ def shard_frozen_units(fu: FrozenUnits) -> None:
 
 
 def is_quantized(u: FlatUnit) -> bool:
-    return u.extra.get("wire") is not None
+    return bool(u.extra.get("quantized"))
+
+
+def held(u: FlatUnit) -> torch.Tensor | None:
+    """The tensor holding ``u``'s stored shard in memory (device, or host with ``offload_param=cpu``;
+    None on nvme): the wire row, or the compute-dtype shard."""
+    return u.extra.get("wire") if is_quantized(u) else u.param_shard
+
+
+def stored(u: FlatUnit) -> torch.Tensor:
+    """``u``'s stored shard on its device (read back from host memory or the swap file when offloaded)."""
+    store = u.extra.get("param_store")
+    return store.fetch(u) if store is not None else held(u)
+
+
+def stored_nbytes(u: FlatUnit) -> int:
+    """Bytes of ``u``'s stored shard, on whichever tier it lives."""
+    numel, dtype = u.extra["stored"]
+    return numel * torch.empty(0, dtype=dtype).element_size()
 
 
 def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: str = KIND,
@@ -159,18 +205,17 @@ def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: Qua
     (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``.
     ``hpz``: from the unit's quantized secondary copy inside the hpZ group when it has one, else
     over the world, keeping this rank's slice of the gathered rows as that copy (module docstring)."""
-    wire = u.extra["wire"]  # [B] uint8
-    W, S, B = comm.world_size, u.shard_numel, wire.numel()
+    W, S, B = comm.world_size, u.shard_numel, u.extra["stored"][0]
     h, k = comm.hpz_size, comm.hpz_rank
     codec = codec_for(spec)
     if hpz and u.secondary is not None:  # [W / h * B]: rows of hpZ member k's share of the world
         send, group, g = u.secondary, comm.groups.hpz, h
     else:
-        send, group, g = wire, comm.group, W
+        send, group, g = stored(u), comm.group, W  # [B] uint8 (on the device)
 
     def issue() -> Pending:
         comm.stats.count_call(kind)
-        recv = torch.empty(W * B, dtype=torch.uint8, device=wire.device)  # [W * B]: both ways, rows in rank order
+        recv = torch.empty(W * B, dtype=torch.uint8, device=out.device)  # [W * B]: both ways, rows in rank order
         record_sends(comm.stats, kind, comm.topology, group_ranks(group), peer_bytes("all_gather", send.numel(), g))
         work = backend_all_gather(recv, send, group, True)
 
@@ -181,12 +226,12 @@ def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: Qua
 
         return Pending(comm, [work], finish)
 
-    return comm.launch("all_gather", issue, (wire,), async_op)
+    return comm.launch("all_gather", issue, (send,), async_op)
 
 
 def gather_bytes(u: FlatUnit, world_size: int, element_size: int) -> int:
     """Bytes this rank sends in one gather of ``u`` (to all the other members together)."""
-    per_peer = u.extra["wire"].numel() if is_quantized(u) else u.shard_numel * element_size
+    per_peer = stored_nbytes(u) if is_quantized(u) else u.shard_numel * element_size
     return per_peer * (world_size - 1)
 
 
@@ -202,7 +247,7 @@ def full_values(comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch
             gather_quantized(comm, u, full, fu.spec, kind="checkpoint", async_op=False)
         else:
             shard = u.extra.get("original")
-            shard = shard.to(u.device) if shard is not None else u.param_shard  # [S]
+            shard = shard.to(u.device) if shard is not None else stored(u)  # [S]
             full = torch.empty(u.padded, dtype=shard.dtype, device=u.device)  # [padded]
             comm.all_gather(full, shard, spec=None, bucket=bucket, kind="checkpoint", async_op=False)
         for s in u.slots:  # canonical names only, as named_parameters() (a tied weight once)
@@ -226,9 +271,9 @@ def load_values(fu: FrozenUnits, values: dict[str, torch.Tensor]) -> None:
         store_shard(u, full[a:b], fu.spec)
 
 
-def device_bytes(u: FlatUnit) -> int:
-    """Bytes of ``u``'s stored shard on its device (the wire row, or the compute-dtype shard)."""
-    t = u.extra.get("wire") if is_quantized(u) else u.param_shard
+def held_bytes(u: FlatUnit) -> int:
+    """Bytes of ``u``'s stored shard held in memory (device, or host when offloaded to cpu; 0 on nvme)."""
+    t = held(u)
     return 0 if t is None else t.numel() * t.element_size()
 
 
@@ -239,6 +284,6 @@ def host_bytes(u: FlatUnit) -> int:
 
 
 def frozen_bytes(fu: FrozenUnits) -> int:
-    """This rank's frozen-weight bytes on the device (all frozen units' stored shards)."""
-    return sum(device_bytes(u) for u in fu.units)
+    """This rank's frozen-weight bytes (all frozen units' stored shards, on whichever tier)."""
+    return sum(stored_nbytes(u) for u in fu.units)
 

@@ -76,7 +76,7 @@ def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str,
     params = grads = hpz = 0
     for u in units:
         if u.kind == "frozen":  # stage-3 frozen shard as stored (quantized wire row or compute dtype)
-            params += fz.device_bytes(u)
+            params += fz.held_bytes(u)
         else:
             params += _nbytes(u.param_shard) if u.kind == "sharded" else _nbytes(u.flat)
         if u.grad_shard is not None:
@@ -207,8 +207,9 @@ def account(units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]], dev
     """``{tier: {category: bytes}}`` this rank holds now: the units' parameter (and hpZ) and
     gradient buffers on the tier their tensors live on (the model's device, else host), plus every
     registered source's ``memory_by_tier`` under its category. A source registered under
-    ``params`` (an offloaded parameter store) owns the sharded units' ``param_shard``: it reports
-    them (and any device staging copy) itself, so they are not counted twice here."""
+    ``params`` (an offloaded parameter store) owns the sharded units' ``param_shard`` and the
+    frozen units' stored shards: it reports them (and any device staging copy) itself, so they are
+    not counted twice here."""
     out = {t: {c: 0 for c in CATEGORIES} for t in TIERS}
 
     def add(cat: str, t: torch.Tensor | None) -> None:
@@ -217,8 +218,9 @@ def account(units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]], dev
 
     store_owns_shards = bool(list(sources.get("params", ())))
     for u in units:
-        if u.kind == "frozen":  # stage 3's frozen shard as stored (frozen.py), never offloaded
-            add("params", u.extra.get("wire") if fz.is_quantized(u) else u.param_shard)
+        if u.kind == "frozen":  # stage 3's frozen shard as stored (frozen.py); an offload store reports its own
+            if not store_owns_shards:
+                add("params", fz.held(u))
             add("params", u.extra.get("original"))  # host copy of rounded originals
         elif u.kind != "sharded":
             add("params", u.flat)

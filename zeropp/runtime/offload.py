@@ -29,8 +29,9 @@ is the same and the match is bit-exact. The tests check both. (The compiled step
 further from torch's numbers, 2.4e-7, since inductor re-associates the update.)
 
 Parameters (``zero.offload_param``, stage 3) -> :class:`ParamStore`: the rank's compute-dtype
-shard of each sharded unit lives on the device (``none``), in host memory (``cpu``) or in a swap
-file (``nvme``); :meth:`ParamStore.fetch` gives the device copy the stage-3 gather sends. The
+shard of each sharded unit, and the stored shard of each frozen unit (compute dtype, or MixZ++'s
+quantized wire row; ``frozen.py``), lives on the device (``none``), in host memory (``cpu``) or in
+a swap file (``nvme``); :meth:`ParamStore.fetch` gives the device copy the stage-3 gather sends. The
 gather of a block is issued ``prefetch_depth`` blocks ahead, so the host-to-device copy (and the
 file read) happens that far ahead too.
 
@@ -51,6 +52,10 @@ from .swap import Segment, SwapSpace
 
 DEFAULT_CPU_KERNEL = "fused"
 """The CPU AdamW kernel the offloaded optimizer uses unless told otherwise (see module docstring)."""
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _host_zeros(n: int, pin: bool) -> torch.Tensor:
@@ -254,7 +259,12 @@ def make_optimizer(masters: list[torch.Tensor], opt_cfg: OptimizerConfig, cfg: Z
 class ParamStore:
     """Stage 3: where each sharded unit's compute-dtype parameter shard ``[S]`` lives between
     gathers (``tier``: ``none`` = ``u.param_shard`` on the device, ``cpu`` = ``u.param_shard`` in
-    (pinned) host memory, ``nvme`` = a region of this rank's ``params.swp``, ``u.param_shard`` None)."""
+    (pinned) host memory, ``nvme`` = a region of this rank's ``params.swp``, ``u.param_shard`` None).
+    Frozen units (``frozen.py``) are stored through :meth:`keep` (their shard as ``frozen`` stores it:
+    ``u.extra["stored"]`` gives its size and dtype), after the trainable regions of the file."""
+
+    ALIGN = 64
+    """Byte alignment of each frozen unit's region of the swap file."""
 
     def __init__(self, tier: str, units: Sequence[FlatUnit], *, dtype: torch.dtype, device: torch.device,
                  space: SwapSpace | None = None) -> None:
@@ -262,19 +272,27 @@ class ParamStore:
             raise ValueError(f"ParamStore tier={tier!r}; use none, cpu or nvme")
         self.tier, self.dtype, self.device, self.space = tier, dtype, device, space
         self.units = [u for u in units if u.kind == "sharded"]
+        self.frozen = [u for u in units if u.kind == "frozen"]
         self.pin = device.type == "cuda"
         self._segs: dict[int, Segment] = {}
+        self._host: dict[int, torch.Tensor] = {}  # frozen unit -> its stored shard in host memory (cpu)
         if tier != "none":
-            for u in self.units:
+            for u in self.units + self.frozen:
                 u.extra["param_store"] = self  # stage3.Stage3Hooks.gather reads the shard through fetch()
         if tier == "nvme":
             assert space is not None
-            item = torch.empty(0, dtype=dtype).element_size()
-            self.file = space.create("params.swp", item * sum(u.shard_numel for u in self.units))
+            regions: list[tuple[FlatUnit, int, torch.dtype, int]] = []  # unit, numel, dtype, byte offset
             off = 0
             for u in self.units:
-                self._segs[id(u)] = Segment(self.file, off, u.shard_numel, dtype)
-                off += item * u.shard_numel
+                regions.append((u, u.shard_numel, dtype, off))
+                off += u.shard_numel * _itemsize(dtype)
+            for u in self.frozen:  # after the trainable shards (whose layout stays packed), aligned
+                numel, dt = u.extra["stored"]
+                off = -(-off // self.ALIGN) * self.ALIGN
+                regions.append((u, numel, dt, off))
+                off += numel * _itemsize(dt)
+            self.file = space.create("params.swp", off)
+            self._segs = {id(u): Segment(self.file, at, numel, dt) for u, numel, dt, at in regions}
 
     def put(self, u: FlatUnit, shard: torch.Tensor) -> None:
         """Store ``shard`` (``[S]``, any dtype: cast to the compute dtype) as ``u``'s parameters.
@@ -290,14 +308,30 @@ class ParamStore:
             u.param_shard = None
             self.space.write_from(self._segs[id(u)], shard)
 
+    def keep(self, u: FlatUnit, t: torch.Tensor) -> torch.Tensor | None:
+        """Store frozen unit ``u``'s shard ``t`` (as ``frozen.py`` stores it: compute dtype or wire
+        row) on this tier; returns the host copy the unit then holds (cpu), or None (nvme: written
+        to its region of the swap file)."""
+        if self.tier == "cpu":
+            h = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pin)
+            h.copy_(t)
+            self._host[id(u)] = h
+            return h
+        if self.tier == "nvme":
+            self.space.write_from(self._segs[id(u)], t)
+            return None
+        return t
+
     def fetch(self, u: FlatUnit) -> torch.Tensor:
-        """``u``'s shard on the device ``[S]``, compute dtype: the all-gather's input."""
+        """``u``'s shard on the device: ``[S]`` compute dtype for a sharded unit, a frozen unit's
+        stored shard as it is; the all-gather's input."""
         if self.tier == "none":
             return u.param_shard
-        if self.tier == "cpu":
-            return u.param_shard.to(self.device, non_blocking=True)  # the same tensor on a CPU device
-        out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
-        self.space.read_into(self._segs[id(u)], out)
+        if self.tier == "cpu":  # the same tensor on a CPU device
+            return self._host.get(id(u), u.param_shard).to(self.device, non_blocking=True)
+        seg = self._segs[id(u)]
+        out = torch.empty(seg.numel, dtype=seg.dtype, device=self.device)
+        self.space.read_into(seg, out)
         return out
 
     @torch.no_grad()
@@ -306,17 +340,18 @@ class ParamStore:
         if self.tier != "nvme":
             optim.copy_master_to(i, u.param_shard)
             return
-        seg, item = self._segs[id(u)], torch.empty(0, dtype=self.dtype).element_size()
+        seg, item = self._segs[id(u)], _itemsize(self.dtype)
         for lo, hi, chunk in optim.master_chunks(i):
             piece = chunk.to(self.dtype, copy=True)  # at most one staging buffer's worth
             # written directly: the staging buffers are busy streaming the masters
             self.space.write_direct(Segment(seg.file, seg.offset + lo * item, hi - lo, self.dtype), piece)
 
     def memory_by_tier(self) -> dict[str, int]:
-        """Bytes of parameter shards per tier (staging buffers are the swap space's)."""
+        """Bytes of parameter shards per tier, frozen units' included (staging buffers are the swap space's)."""
         out = dict.fromkeys(TIERS, 0)
         if self.tier == "nvme":
             out["disk"] = self.file.nbytes
         else:
-            out["device" if self.tier == "none" else "host"] = tensor_bytes([u.param_shard for u in self.units])
+            out["device" if self.tier == "none" else "host"] = tensor_bytes(
+                [u.param_shard for u in self.units] + list(self._host.values()))
         return out
