@@ -206,6 +206,9 @@ def test_formula_units():
     assert sum(tier_totals(t).values()) == flat["total"]
     assert expected_memory(1, psi, n, param_bytes=4, shared_master=True)["total"] == 10 * psi
     assert [expected_memory(s, psi, n, param_bytes=4, shared_master=True)["total"] / psi for s in range(4)] == [16, 10, 7, 4]
+    # offloaded parameters: the engine keeps the fp32 master apart from the (host) shard, 12 bytes again
+    assert expected_by_tier(3, psi, n, param_bytes=4, offload_param="cpu", shared_master=True)["device"] == {
+        "params": 0.0, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
     with pytest.raises(ValueError, match="offload_param"):
         expected_by_tier(2, psi, n, offload_param="cpu")
     with pytest.raises(ValueError, match="stage >= 1"):

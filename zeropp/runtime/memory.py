@@ -125,10 +125,12 @@ def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_byte
     reads (counted as optimizer state: it belongs to the offloaded optimizer), while ``nvme``
     streams the device's gradient shard through the swap buffers and keeps no copy. ``offload_param`` (stage 3) puts the pΨ/N parameter shard there;
     hpZ's secondary copy and the gradient shard stay on the device. ``shared_master`` applies
-    only while the optimizer stays with the parameters (no optimizer offload)."""
+    only while the optimizer and the parameters stay together on the device (no offload of either:
+    the engine aliases the master to the parameter shard only then)."""
     _check_offload(stage, offload_optimizer, offload_param)
+    shared = shared_master and offload_optimizer == "none" and offload_param == "none"
     flat = expected_memory(stage, num_params, world_size, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                           hpz_size=hpz_size, shared_master=shared_master and offload_optimizer == "none")
+                           hpz_size=hpz_size, shared_master=shared)
     out = {t: {c: 0.0 for c in MODEL_STATE} for t in TIERS}
     tier = {"none": "device", "cpu": "host", "nvme": "disk"}
     out[tier[offload_param]]["params"] += flat["params"]
