@@ -196,7 +196,7 @@ def stored(u: FlatUnit) -> torch.Tensor:
 def stored_nbytes(u: FlatUnit) -> int:
     """Bytes of ``u``'s stored shard, on whichever tier it lives."""
     numel, dtype = u.extra["stored"]
-    return numel * torch.empty(0, dtype=dtype).element_size()
+    return numel * dtype.itemsize
 
 
 def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: str = KIND,

@@ -54,10 +54,6 @@ DEFAULT_CPU_KERNEL = "fused"
 """The CPU AdamW kernel the offloaded optimizer uses unless told otherwise (see module docstring)."""
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def _host_zeros(n: int, pin: bool) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float32, pin_memory=pin)
 
@@ -285,12 +281,12 @@ class ParamStore:
             off = 0
             for u in self.units:
                 regions.append((u, u.shard_numel, dtype, off))
-                off += u.shard_numel * _itemsize(dtype)
+                off += u.shard_numel * dtype.itemsize
             for u in self.frozen:  # after the trainable shards (whose layout stays packed), aligned
                 numel, dt = u.extra["stored"]
                 off = -(-off // self.ALIGN) * self.ALIGN
                 regions.append((u, numel, dt, off))
-                off += numel * _itemsize(dt)
+                off += numel * dt.itemsize
             self.file = space.create("params.swp", off)
             self._segs = {id(u): Segment(self.file, at, numel, dt) for u, numel, dt, at in regions}
 
@@ -340,7 +336,7 @@ class ParamStore:
         if self.tier != "nvme":
             optim.copy_master_to(i, u.param_shard)
             return
-        seg, item = self._segs[id(u)], _itemsize(self.dtype)
+        seg, item = self._segs[id(u)], self.dtype.itemsize
         for lo, hi, chunk in optim.master_chunks(i):
             piece = chunk.to(self.dtype, copy=True)  # at most one staging buffer's worth
             # written directly: the staging buffers are busy streaming the masters
