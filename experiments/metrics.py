@@ -87,7 +87,7 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     if cfg.trainer.name != "zeropp":
         return None
     from zeropp.runtime import ZeroEngine
-    from zeropp.runtime.memory import expected_by_tier
+    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier
 
     z, t = cfg.zero, cfg.topology
     pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
@@ -96,7 +96,7 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     out = expected_by_tier(z.stage, n_params, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                            shared_master=z.shares_fp32_master)
-    out[{"none": "device", "cpu": "host", "nvme": "disk"}[z.offload_param]]["params"] += frozen_bytes
+    out[OFFLOAD_TIER[z.offload_param]]["params"] += frozen_bytes
     out["device"]["params"] += frozen_bytes * (t.dp_size // hpz if hpz else 0)
     return out
 

@@ -61,6 +61,8 @@ PHASES = ("model_creation", "forward", "backward", "step")
 """When the engine records a snapshot: end of ``__init__``, after the last micro-batch's forward
 and its backward, after the optimizer step (parameters refreshed)."""
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
+OFFLOAD_TIER = {"none": "device", "cpu": "host", "nvme": "disk"}
+"""``offload_optimizer`` / ``offload_param`` value -> the tier that state lives on."""
 
 
 def _nbytes(t) -> int:
@@ -132,7 +134,7 @@ def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_byte
     flat = expected_memory(stage, num_params, world_size, param_bytes=param_bytes, grad_bytes=grad_bytes,
                            hpz_size=hpz_size, shared_master=shared)
     out = {t: {c: 0.0 for c in MODEL_STATE} for t in TIERS}
-    tier = {"none": "device", "cpu": "host", "nvme": "disk"}
+    tier = OFFLOAD_TIER
     out[tier[offload_param]]["params"] += flat["params"]
     out["device"]["params"] += flat["hpz_secondary"]
     out["device"]["grads"] += flat["grads"]
