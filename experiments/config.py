@@ -152,13 +152,20 @@ class TrainConfig:
     """Save a checkpoint every N steps (and at the end); 0: never."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; None: ``<run dir>/checkpoints``. ``resume=true`` loads the latest one here."""
+    keep_checkpoints: int = 2
+    """Good checkpoints kept in ``checkpoint_dir`` (the newest ones); older ones of this run's format
+    are deleted after a save succeeds, nothing else in the directory is touched."""
+    max_skipped_steps: int = 50
+    """fp16 only: this many consecutive steps skipped for overflow (the loss scale could not find a
+    finite gradient) stop the run as diverged. With fp32/bf16 a single non-finite loss or gradient
+    norm stops it."""
     activation_checkpointing: bool = False
     """ZeRO-R: recompute each block's activations in backward instead of keeping them (torch's
     non-reentrant ``torch.utils.checkpoint`` around every block; at stage 3 the recomputation
     re-gathers the block). Every trainer honours it."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "log_every", "eval_batches"):
+        for name in ("steps", "micro_batch_size", "log_every", "eval_batches", "keep_checkpoints", "max_skipped_steps"):
             _pos_int(f"train.{name}", getattr(self, name))
         for name in ("eval_every", "throughput_skip_steps", "checkpoint_every", "seed"):
             _pos_int(f"train.{name}", getattr(self, name), 0)
