@@ -16,6 +16,11 @@ per tier (device, host, disk) and category (params, grads, optimizer, activation
 the phase's peak and the process figures (``zeropp.runtime.memory.MemorySnapshot.to_dict``);
 ``memory_expected`` is ZeRO's formula for the run's config by tier. ``memory.json`` in the run
 directory holds the same per-rank figures on their own (:func:`write_memory_json`).
+
+Outcome: ``status`` is ``"completed"``, or ``"diverged"`` for a run the divergence guard stopped
+(``zeropp.runtime.divergence``); then ``divergence`` holds the step, loss, gradient norm, reason
+and message (non-finite numbers as the strings ``"nan"`` / ``"inf"``), the loss curve ends at
+that step and there is no final eval loss. ``skipped_steps`` counts steps that made no update.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 
 from .config import RunConfig
 
-SUMMARY_KEYS = ("label", "tokens_per_s", "step_time_s", "model_tflops", "comm_bytes_per_step",
+SUMMARY_KEYS = ("label", "status", "tokens_per_s", "step_time_s", "model_tflops", "comm_bytes_per_step",
                 "comm_wait_s_per_step", "memory_per_rank", "loss", "config")
 """Keys every summary.json has (tests and the report rely on them)."""
 
@@ -104,11 +109,14 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
 def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],
                   losses: list[float], eval_loss: float | None, n_params: int, run_dir: str,
                   overrides: list[str], device: str, backend: str, label: str,
-                  model_name: str, first_step: int = 1) -> dict[str, Any]:
+                  model_name: str, first_step: int = 1, divergence: dict[str, Any] | None = None,
+                  skipped_steps: int = 0) -> dict[str, Any]:
     """Aggregate per-rank reports (gathered on rank 0) into the summary.json dict.
 
     Each rank report has ``wire_bytes`` and ``engine_bytes`` (totals over measured steps),
     ``wait_s`` (total), ``measured_steps`` and ``memory`` (model-state bytes by part).
+    ``divergence``: ``DivergenceError.record()`` of a run stopped as diverged (its ``status`` is
+    then ``"diverged"``, else ``"completed"``); ``skipped_steps``: steps that made no update.
     """
     w = max(0, cfg.train.throughput_skip_steps - (first_step - 1))
     measured = step_times[w:] or step_times
@@ -127,6 +135,9 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
     phases = [r.get("memory_phases") or {} for r in rank_reports]
     return {
         "label": label,
+        "status": "diverged" if divergence is not None else "completed",
+        "divergence": divergence,
+        "skipped_steps": skipped_steps,
         "trainer": cfg.trainer.name,
         "zero": dataclasses.asdict(cfg.zero),
         "topology": {"world_size": cfg.topology.world_size, "ranks_per_node": cfg.topology.ranks_per_node,

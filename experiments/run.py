@@ -10,6 +10,11 @@ launches one process per rank (``launcher.py``) or, under torchrun, runs this pr
     python -m experiments.run -m stage=0,1,2,3
     python -m experiments.run sweep=trainers
     torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run stage=3 quant=int8
+
+Exit status: 0 the run completed; 2 an invalid config (nothing started); 3 training diverged
+(a non-finite loss or gradient norm, or ``train.max_skipped_steps`` fp16 overflows in a row: every
+rank stopped at that step, ``summary.json`` says ``"status": "diverged"``, nothing of that step
+was saved); otherwise a rank's failure (its exit code, 1 for an error, 128+N for signal N).
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from zeropp.runtime.divergence import DivergenceError
 
 from . import schema
 from .config import ConfigError, RunConfig, from_omegaconf
@@ -104,19 +112,51 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
                                     device=rc.launcher.device)
                  if rc.cluster.name == "emulated" else local_placement(t.world_size))
     print(f"zeropp: {label} -> {run_dir}", file=sys.stderr, flush=True)
-    placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
-                    ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
-                    grace_s=rc.launcher.grace_s)
+    started = time.time_ns()
+    try:
+        placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
+                        ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
+                        grace_s=rc.launcher.grace_s)
+    except RankFailure:
+        diverged = recorded_divergence(run_dir / "summary.json", started)
+        if diverged is None:
+            raise
+        raise diverged from None  # every rank stopped on purpose: rank 0's message, not the first exit seen
     summary = read_summary(run_dir / "summary.json")
     summary["placement"] = placed  # e.g. the emulated links' configured and measured rates
     write_summary(run_dir / "summary.json", summary)
     return summary
 
 
+class RunDiverged(RankFailure):
+    """A launched run stopped because training diverged: every rank agreed and stopped at the same
+    step (``zeropp.runtime.divergence``). The message is rank 0's, ``exit_code`` is
+    ``DivergenceError.exit_code`` (3) and ``divergence`` the error itself (step, loss, norm). A
+    :class:`RankFailure`, so a sweep that records failed runs records this one too."""
+
+    def __init__(self, divergence: DivergenceError) -> None:
+        super().__init__(str(divergence), rank=0, exit_code=divergence.exit_code)
+        self.divergence = divergence
+
+
+def recorded_divergence(path: Path, since_ns: int) -> RunDiverged | None:
+    """The divergence rank 0 recorded in ``path`` if this launch (started at ``since_ns``) wrote
+    it with ``"status": "diverged"``; None otherwise (no summary, an older run's, or another outcome)."""
+    try:
+        if path.stat().st_mtime_ns < since_ns:
+            return None
+        summary = read_summary(path)
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "diverged" or not isinstance(summary.get("divergence"), dict):
+        return None
+    return RunDiverged(DivergenceError.from_record(summary["divergence"]))
+
+
 def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
     """Compose ``overrides`` like the command line, run the job into ``run_dir``, return its
     summary. For benchmarks and tests that run several jobs from Python; raises ConfigError or
-    RankFailure as the command would."""
+    RankFailure (:class:`RunDiverged` for a diverged run) as the command would."""
     from hydra import compose, initialize_config_module
 
     check_overrides(overrides)
@@ -150,9 +190,10 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
     try:
         summary = execute(from_omegaconf(cfg), info)
-    except (ConfigError, RankFailure) as e:
-        code = 2 if isinstance(e, ConfigError) else (e.exit_code if e.exit_code and e.exit_code > 0 else 1)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
+        code = (2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+        if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
         if in_torchrun() or not info["multirun"]:
             sys.exit(code)
         _record_failure(info, str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end

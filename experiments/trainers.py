@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -51,11 +52,14 @@ class StepOut:
     grad_norm: float | None = None
     """Global gradient norm before clipping, when the trainer computes it."""
     skipped: bool = False
-    """True when the step was skipped (non-finite gradients)."""
+    """True when the step made no update because the gradient norm was not finite (every trainer
+    skips such a step, so the weights stay those of the step before)."""
     comm_wait_s: float | None = None
     """The trainer's own measure of time blocked on communication, when it has one (ZeroEngine)."""
     lr: float | None = None
     """Learning rate used by this step."""
+    loss_scale: float | None = None
+    """fp16 loss scale this step used (ZeroEngine; None when the trainer scales nothing)."""
 
 
 class Trainer(Protocol):
@@ -125,7 +129,7 @@ class ZeroTrainer:
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
         r = self.engine.train_step(micro_batches)
         return StepOut(loss=float(r.loss), grad_norm=float(r.grad_norm), skipped=bool(r.skipped),
-                       comm_wait_s=float(r.comm_wait_s), lr=r.lr)
+                       comm_wait_s=float(r.comm_wait_s), lr=r.lr, loss_scale=float(r.loss_scale))
 
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         return float(self.engine.eval_loss(idx, targets))
@@ -147,7 +151,9 @@ class ZeroTrainer:
 
 
 class TorchTrainer:
-    """The loop shared by FSDP2 and DDP: accumulate, clip, AdamW step, LR schedule."""
+    """The loop shared by FSDP2 and DDP: accumulate, clip, AdamW step, LR schedule (the step is
+    skipped when the gradient norm is not finite). fp32/bf16 only (``config`` refuses fp16 here),
+    so there is no loss scaler and no GradScaler."""
 
     def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, stats: Any = None,
                  feedback: Any = None) -> None:
@@ -186,10 +192,14 @@ class TorchTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
         norm_f = float(_local(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         lr = self.opt.param_groups[0]["lr"]
-        self.opt.step()
+        # as ZeroEngine: a non-finite norm (global, so the same on every rank) makes no update and
+        # does not advance the schedule; the runner's DivergenceGuard then stops the run
+        skipped = not math.isfinite(norm_f)
+        if not skipped:
+            self.opt.step()
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
-        return StepOut(loss=total / n, grad_norm=norm_f, lr=lr)
+        return StepOut(loss=total / n, grad_norm=norm_f, skipped=skipped, lr=lr)
 
     @torch.no_grad()
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:

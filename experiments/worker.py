@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
 from zeropp.launch import select_device
+from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
 from .launcher import device_for_cluster
 from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
@@ -99,8 +100,22 @@ def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str
     return out
 
 
+def _guard(cfg: RunConfig) -> DivergenceGuard:
+    """The run's divergence rule, its advice in the runner's config keys."""
+    if cfg.zero.precision == "fp16":
+        advice = (f"lower zero.loss_scale_init (now {cfg.zero.loss_scale_init:g}) or optim.lr (now {cfg.optim.lr:g}), "
+                  "or train in bf16 (zero.precision=bf16)")
+    else:
+        clip = ("set zero.grad_clip=1.0" if cfg.zero.grad_clip is None
+                else f"clip harder (zero.grad_clip is {cfg.zero.grad_clip:g})")
+        advice = f"lower optim.lr (now {cfg.optim.lr:g}), {clip}, or check the data for bad values"
+    return DivergenceGuard(loss_scaling=cfg.zero.precision == "fp16", max_skipped_steps=cfg.train.max_skipped_steps,
+                           advice=advice, max_skipped_name="train.max_skipped_steps")
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """Train one rank; returns the summary on rank 0 (None elsewhere)."""
+    """Train one rank; returns the summary on rank 0 (None elsewhere). A run that diverges raises
+    :class:`DivergenceError` on every rank, after rank 0 has written its summary."""
     cfg = from_dict(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -157,6 +172,9 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     step_times: list[float] = []
     losses: list[float] = []
     saved: str | None = None
+    saved_step = start if cfg.resume else None  # the newest checkpoint's step, for the divergence message
+    guard = _guard(cfg)
+    diverged: DivergenceError | None = None
     prev_eng = trainer.comm_stats()
     with CommWatch(cfg.topology) as watch:
         dist.barrier()
@@ -181,22 +199,36 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 if eng is not None:
                     eng_tot = eng_tot or {}
                     _add(eng_tot, eng)
-            # global mean loss / wait for the log line; on the process group's device (NCCL: the GPU)
-            red = torch.tensor([out.loss, wait, out.comm_wait_s or 0.0], dtype=torch.float64, device=device)
+            # global mean loss / wait for the log line, and the divergence guard's inputs, on the
+            # process group's device (NCCL: the GPU). The norm is global already; reducing it with the
+            # loss and the skip flag gives every rank bitwise the same inputs, hence the same verdict
+            red = torch.tensor([out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped)],
+                               dtype=torch.float64, device=device)
             dist.all_reduce(red)
-            loss, wait_mean, eng_wait_mean = (float(x) / world for x in red.tolist())
+            loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean = (float(x) / world for x in red.tolist())
             watch.take()  # the line's own all-reduce is not training traffic
             losses.append(loss)
             step_times.append(dt)
+            try:
+                note = guard.check(step, loss, None if out.grad_norm is None else norm_mean, skipped_mean > 0,
+                                   loss_scale=out.loss_scale)
+            except DivergenceError as e:
+                diverged, note = e, None
+                if saved_step is not None:
+                    diverged = e.with_note(f"Nothing of step {step} was saved; the newest checkpoint, of step "
+                                           f"{saved_step}, is in {ckpt}.")
+            if note and lead:
+                print(f"warning: {note}", file=sys.stderr, flush=True)
             evl = None
-            if t.eval_every and step % t.eval_every == 0 and step < t.steps:
+            if diverged is None and t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 evl = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
                 watch.take()
-            if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+            # nothing is saved from a diverged state: the last good checkpoint stays LATEST
+            if diverged is None and t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
                 trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
-                saved = str(ckpt)
+                saved, saved_step = str(ckpt), step
                 watch.take()
-            if lead and (step % t.log_every == 0 or step == t.steps):
+            if lead and (step % t.log_every == 0 or step == t.steps or diverged is not None):
                 rec = {"step": step, "loss": loss, "grad_norm": out.grad_norm, "skipped": out.skipped, "lr": out.lr,
                        "step_time_s": dt, "tokens_per_s": tps_step / dt if dt > 0 else None,
                        "comm_wait_s": wait_mean,
@@ -206,9 +238,13 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 metrics.write(rec)
                 wb.log(flatten({k: v for k, v in rec.items() if k != "step" and v is not None}), step=step)
             progress.update(step, loss=loss, step_time=dt, tokens_per_s=tps_step / dt if dt > 0 else 0.0)
+            if diverged is not None:
+                break
         progress.close()
-        eval_loss = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
+        eval_loss = None if diverged is not None else _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
         watch.take()
+    if diverged is None and lead and (note := guard.final_warning()):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
               "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report(),
               "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
@@ -217,12 +253,27 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     gathered: list[Any] = [None] * world if lead else []
     dist.gather_object(report, gathered if lead else None, dst=0)
     trainer.close()
-    if not lead:
-        return None
+    summary = None
+    if lead:
+        summary = _write_results(cfg, spec, run_dir, gathered, step_times, losses, eval_loss, device, backend, label,
+                                 start, saved, metrics, wb, diverged, guard.skipped_steps)
+    if diverged is not None:
+        dist.barrier()  # no rank leaves (and makes the launcher stop the others) before rank 0 has written
+        raise diverged
+    return summary
+
+
+def _write_results(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, gathered: list[Any], step_times: list[float],
+                   losses: list[float], eval_loss: float | None, device: torch.device, backend: str, label: str,
+                   start: int, saved: str | None, metrics: MetricsFile | None, wb: WandbLogger | None,
+                   diverged: DivergenceError | None, skipped_steps: int) -> dict[str, Any]:
+    """Rank 0: ``summary.json`` and ``memory.json``, the logger's final record, the summary table
+    (not for a diverged run: the runner's one error message says what happened)."""
     summary = build_summary(cfg=cfg, rank_reports=gathered, step_times=step_times, losses=losses,
                             eval_loss=eval_loss, n_params=cfg.model.num_params(), run_dir=str(run_dir),
                             overrides=spec.get("overrides", []), device=str(device), backend=backend,
-                            label=label, model_name=spec.get("model_name", ""), first_step=start + 1)
+                            label=label, model_name=spec.get("model_name", ""), first_step=start + 1,
+                            divergence=None if diverged is None else diverged.record(), skipped_steps=skipped_steps)
     summary["checkpoint"] = saved
     assert metrics is not None and wb is not None
     metrics.close()
@@ -230,18 +281,30 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     write_summary(run_dir / "summary.json", summary)
     write_memory_json(run_dir / "memory.json", summary)
     wb.finish(flatten({k: v for k, v in summary.items()
-                       if k not in ("config", "loss", "memory_per_rank", "memory_by_phase", "memory_expected")}))
-    print_summary(summary)
+                       if k not in ("config", "loss", "memory_per_rank", "memory_by_phase", "memory_expected",
+                                    "divergence")}))
+    if diverged is None:
+        print_summary(summary)
     return summary
 
 
 @record  # a rank's exception goes to torch's error file, which the launcher reads to name the failing rank
 def main(argv: list[str]) -> int:
-    """Entry of a launched rank: ``python -m <pkg>.worker <spec.json>``."""
-    run_rank(json.loads(Path(argv[1]).read_text()))
+    """Entry of a launched rank: ``python -m <pkg>.worker <spec.json>``. A diverged run exits with
+    ``DivergenceError.exit_code`` on every rank, without a traceback: the error goes to torch's
+    error file (for the launcher), and ranks other than 0 print it to their log; rank 0 prints
+    nothing, the runner prints the message once from the summary."""
+    try:
+        run_rank(json.loads(Path(argv[1]).read_text()))
+        code = 0
+    except DivergenceError as e:
+        get_error_handler().record_exception(e)
+        if int(os.environ.get("RANK", "0")) != 0:
+            print(f"error: {e}", file=sys.stderr)
+        code = e.exit_code
     sys.stdout.flush()
     sys.stderr.flush()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
