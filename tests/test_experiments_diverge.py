@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.experiment_helpers import TINY_RUN, checkpoint_steps, run_cli
+from zeropp.experiments.config import from_dict
 from zeropp.experiments.run import RunDiverged, recorded_divergence, run_job
+from zeropp.experiments.trainers import TorchTrainer, build_model
 from zeropp.launch import RankFailure
 from zeropp.runtime.divergence import EXIT_CODE
 
@@ -83,3 +86,24 @@ def test_the_runner_reports_only_a_divergence_this_launch_recorded(tmp_path: Pat
     assert recorded_divergence(f, 0) is None
     os.remove(f)
     assert recorded_divergence(f, 0) is None
+
+
+def test_torch_trainer_makes_no_update_from_a_non_finite_step() -> None:
+    """The DDP/FSDP2 loop without its wrapper (no process group needed): lr=1e30 blows the weights
+    up at step 1, step 2's gradient norm is NaN, and that step changes neither the weights nor the
+    optimizer state nor the LR schedule."""
+    cfg = from_dict({"model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 64, "seq_len": 8},
+                     "data": {"kind": "random"}, "trainer": {"name": "ddp"}, "optim": {"lr": 1e30},
+                     "topology": {"nodes": 1, "ranks_per_node": 1}})
+    trainer = TorchTrainer(build_model(cfg, torch.device("cpu")), cfg, autocast=False)
+    g = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))]
+    first = trainer.train_step(batch)
+    assert not first.skipped and math.isfinite(first.loss) and math.isfinite(first.grad_norm)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    steps_before = [int(s["step"]) for s in trainer.opt.state.values()]
+    second = trainer.train_step(batch)
+    assert second.skipped and not math.isfinite(second.grad_norm) and not math.isfinite(second.loss)
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert [int(s["step"]) for s in trainer.opt.state.values()] == steps_before
+    assert trainer.sched.last_epoch == 1 and all(p.grad is None for p in trainer.model.parameters())
