@@ -6,6 +6,11 @@ this process's index on its host, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). The devic
 ``launcher.device`` and LOCAL_RANK (one GPU per local process); every tensor this module hands to
 a collective lives on that device. The process group is always destroyed, also on error.
 
+Divergence (``zeropp.runtime.divergence.DivergenceGuard``): each step's loss, gradient norm and
+skip flag are all-reduced with the log line's figures, so every rank judges the same numbers and
+stops at the same step, before that step's eval and checkpoint; rank 0 writes the metrics line and
+``summary.json`` (``"status": "diverged"``), then every rank raises ``DivergenceError`` and exits 3.
+
 Fault injection for testing the failure path: ``ZEROPP_INJECT_FAULT=raise@<rank>:<step>`` makes
 that rank raise at that step, ``kill@<rank>:<step>`` makes it SIGKILL itself.
 """
