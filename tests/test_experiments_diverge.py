@@ -46,7 +46,7 @@ def test_zeropp_fp32_divergence_is_one_error_and_saves_nothing(tmp_path: Path) -
     assert errors == [want], p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "rank 1" not in p.stderr
     s = _check_outputs(tmp_path, 2, "non_finite")
-    assert s["divergence"]["loss"] == "nan" and s["divergence"]["grad_norm"] == "nan"
+    assert s["divergence"]["loss"] == "nan" and s["divergence"]["grad_norm"] == "nan" and s["skipped_steps"] == 1
     assert checkpoint_steps(tmp_path / "checkpoints") == (1, [1])
 
 

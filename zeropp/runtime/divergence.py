@@ -105,7 +105,7 @@ class DivergenceGuard:
         self.streak = 0
         """Consecutive skipped steps up to the last one checked."""
         self.skipped_steps = 0
-        """Skipped steps in all (fp16)."""
+        """Steps checked that made no update."""
         self.checked = 0
         """Steps checked."""
 
@@ -119,6 +119,7 @@ class DivergenceGuard:
         one-line warning when an fp16 skip streak reaches half the limit (once per streak), else
         None."""
         self.checked += 1
+        self.skipped_steps += int(skipped)
         finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
         if not self.loss_scaling or not skipped:
             self.streak = 0
@@ -131,7 +132,6 @@ class DivergenceGuard:
                 f"To fix: {self.advice}.",
                 step=step, loss=loss, grad_norm=grad_norm, reason="non_finite", loss_scale=loss_scale)
         self.streak += 1
-        self.skipped_steps += 1
         if self.streak >= self.max_skipped_steps:
             raise DivergenceError(
                 f"training diverged at step {step}: {self.streak} consecutive steps skipped for fp16 overflow "
