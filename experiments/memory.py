@@ -17,6 +17,9 @@ and prints, as markdown tables:
 The short run trains for real (same ranks, device and data as ``experiments.run``), so on a GPU
 it also gives the CUDA allocator's peaks, i.e. the activations and transient buffers the
 formulas leave out.
+
+The classic per-phase study of a user's own module (a plain MLP wrapped by ``ZeroEngine``
+directly, every stage side by side, table and plot) is ``python -m experiments.memory_study``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ when the trainer has one (semantic kinds like ``fwd_all_gather``, ``grad_reduce_
 ``Work.wait()`` (CommWatch); ``engine_comm_wait_s_per_step`` is ZeroEngine's own measure.
 
 Memory: ``memory_per_rank`` is each rank's flat model-state report (end of backward);
-``memory_by_phase`` gives per rank, per phase (model_creation, forward, backward, step), bytes
+``memory_by_phase`` gives per rank, per phase (``zeropp.runtime.memory.PHASES``: model_creation,
+optimizer_creation, forward, backward, step; other trainers: model_creation and step), bytes
 per tier (device, host, disk) and category (params, grads, optimizer, activations, buffers) with
 the phase's peak and the process figures (``zeropp.runtime.memory.MemorySnapshot.to_dict``);
 ``memory_expected`` is ZeRO's formula for the run's config by tier. ``memory.json`` in the run

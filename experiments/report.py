@@ -4,8 +4,8 @@ Reads every ``summary.json`` (and ``metrics.jsonl``) under the directory, in Hyd
 and writes next to them (or to ``--out``): ``report.md`` with one row per run, and
 ``throughput.png`` (tokens/s per configuration), ``comm_bytes.png`` (bytes per step per rank,
 stacked intra- vs cross-node), ``memory.png`` (model-state bytes of each rank),
-``memory_phases.png`` (per run, one bar per phase -- after model creation, forward, backward,
-step -- for the rank with the most device bytes: the device's bytes stacked by category, host and
+``memory_phases.png`` (per run, one bar per phase -- after model creation, optimizer creation,
+forward, backward, step -- for the rank with the most device bytes: the device's bytes stacked by category, host and
 disk bytes on top, hatched, and the phase's peak as a black tick) and ``loss.png`` (training loss
 curves). ``report.md`` also tabulates the per-phase bytes per tier.
 """
@@ -21,6 +21,8 @@ from .console import human_bytes
 from .metrics import read_metrics
 
 PLOTS = ("throughput.png", "comm_bytes.png", "memory.png", "memory_phases.png", "loss.png")
+PHASE_LABELS = {"model_creation": "init", "optimizer_creation": "optim"}
+"""Short bar labels of the phases whose first four letters would not say which they are."""
 PHASE_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "activations": "tab:purple",
                 "buffers": "tab:gray"}
 
@@ -157,7 +159,7 @@ def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
                     label=None if "peak" in labelled else "peak (device)")
             labelled.add("peak")
             top = max(bottom, p["peak"] / 2**20)
-            ax.text(xpos, top, {"model_creation": "init"}.get(phase, phase[:4]), rotation=90, ha="center",
+            ax.text(xpos, top, PHASE_LABELS.get(phase, phase[:4]), rotation=90, ha="center",
                     va="bottom", fontsize=6)
     ax.set(ylabel="MiB per rank", title="Memory by phase and tier (busiest rank)")
     ax.margins(y=0.15)

@@ -1,7 +1,8 @@
 """Memory by phase and by tier (``ZeroEngine.memory_phases``) against ZeRO's formulas.
 
 One 2-node x 2-rank gloo world trains the tiny GPT for one step per configuration and returns
-each engine's snapshots. Checked: the four phases exist; at the end of backward (all model state
+each engine's snapshots. Checked: the five phases exist; model creation holds no optimizer state
+and optimizer creation all of it, on its tier; at the end of backward (all model state
 alive) each tier's params / grads / optimizer bytes are within 5% of ``expected_by_tier``
 (the ZeRO table placed on tiers); the tiers add up to the flat ``memory_report``; registered
 components (activations, buffers) land under their category and tier; the CPU peak is the
@@ -135,10 +136,24 @@ def test_phases_add_up_to_the_flat_report(runs, name):
         for p in ph.values():
             assert p["peak_source"] == "accounting" and p["peak"] == p["tier_totals"]["device"]  # CPU ranks
             assert p["process"]["rss"] > 0 and p["process"]["peak_rss"] >= p["process"]["rss"] * 0.5
-        # after model creation: parameters and optimizer state, no gradients yet
+        # after model creation: the parameters (and the stage 2-3 gradient shards), no optimizer state
         mc = ph["model_creation"]["tiers"]["device"]
-        assert mc["grads"] in (0, b["tiers"]["device"]["grads"]) and mc["params"] > 0 and mc["optimizer"] > 0
-        assert ph["step"]["tiers"]["device"]["optimizer"] == b["tiers"]["device"]["optimizer"]
+        assert mc["grads"] in (0, b["tiers"]["device"]["grads"]) and mc["params"] > 0
+        _check_creation_phases(ph)
+
+
+def _check_creation_phases(ph: dict) -> None:
+    """No optimizer state after model creation; after optimizer creation all of it, on every tier
+    as much as at the end of backward and after the step (the engine allocates it whole, at once),
+    and nothing else changed."""
+    mc, oc, b = (ph[k]["tiers"] for k in ("model_creation", "optimizer_creation", "backward"))
+    opt = sum(b[t]["optimizer"] for t in TIERS)
+    assert opt > 0
+    for t in TIERS:
+        assert mc[t]["optimizer"] == 0, (t, mc)
+        assert oc[t]["optimizer"] == b[t]["optimizer"] == ph["step"]["tiers"][t]["optimizer"], (t, oc, b)
+        rest = [c for c in CATEGORIES if c != "optimizer"]
+        assert [oc[t][c] for c in rest] == [mc[t][c] for c in rest], (t, oc, mc)
 
 
 def test_tracked_components_land_in_their_category_and_tier(runs):
@@ -168,6 +183,7 @@ def test_offload_tiers_match_the_formulas(runs, name):
         pytest.skip(f"offload_param={kw['offload_param']} is accepted by ZeroConfig but this branch's ZeroEngine has no "
                     f"parameter store registered with track_memory('params', ...): runs once parameter offload is merged")
     for rank, r in enumerate(runs):
+        _check_creation_phases(r[name]["phases"])
         got = tier_totals(r[name]["phases"]["backward"]["tiers"])
         want = tier_totals(_want(kw, r[name]["num_params"]))
         for t in TIERS:

@@ -1,5 +1,6 @@
 """zeropp.runtime: the ZeRO stage 0-3 engine with the ZeRO++ switches (qwZ, hpZ, qgZ)."""
 
+from .batch import MicroBatchError, WithTargets
 from .checkpoint import CheckpointError
 from .consolidate import export_consolidated
 from .config import OptimizerConfig, ZeroConfig
@@ -7,9 +8,9 @@ from .engine import StepResult, ZeroEngine
 from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
 from .memory import expected_memory, measure_memory
 from .optimizer import ShardedAdamW
-from .partition import UnitLayout
+from .partition import BlockChoiceWarning, UnitLayout
 from .streams import CommStreams
 
-__all__ = ["CheckpointError", "CommStreams", "DynamicLossScaler", "LossScaler", "OptimizerConfig", "ShardedAdamW", "StaticLossScaler",
-           "StepResult", "UnitLayout", "ZeroConfig", "ZeroEngine", "expected_memory", "export_consolidated",
-           "measure_memory"]
+__all__ = ["BlockChoiceWarning", "CheckpointError", "CommStreams", "DynamicLossScaler", "LossScaler",
+           "MicroBatchError", "OptimizerConfig", "ShardedAdamW", "StaticLossScaler", "StepResult", "UnitLayout",
+           "WithTargets", "ZeroConfig", "ZeroEngine", "expected_memory", "export_consolidated", "measure_memory"]

@@ -5,8 +5,11 @@ fixed. One rule for each, the same in ``train_step`` and ``eval_loss``:
 
 - the call (:func:`call_model`): a micro-batch that is a ``dict`` (any ``Mapping``) is passed as
   keyword arguments, ``model(**mb)``; a ``tuple`` as positional arguments, ``model(*mb)`` (so the
-  GPT's ``(idx, targets)`` works as before); anything else (a tensor, a list, an object) as the
-  one argument, ``model(mb)``.
+  GPT's ``(idx, targets)`` works as before); a :class:`WithTargets` passes only its ``inputs``, by
+  the same rule, and keeps its ``targets`` for the loss; anything else (a tensor, a list, an
+  object) as the one argument, ``model(mb)``. Arguments the model's ``forward`` cannot take are a
+  :class:`MicroBatchError` that shows the call and how to pass targets, instead of the forward's
+  bare ``TypeError`` (which stage 3 would report with a hint about block parameters).
 - the loss (:func:`loss_of`): ``loss_fn(output, mb)`` when the engine was given one; otherwise
   taken from the output: a scalar tensor is the loss; a mapping's ``"loss"`` entry (Hugging Face's
   ``ModelOutput`` is one); an object's ``loss`` attribute; a tuple's or list's last element (the
@@ -21,7 +24,9 @@ inside its own after-forward check, ``Stage3Hooks.check_forward``.)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,13 +37,78 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, micro_batch) -> scalar loss tensor``."""
 
 
+@dataclass(frozen=True)
+class WithTargets:
+    """A micro-batch whose targets the model does not take: the engine calls the model on
+    ``inputs`` alone (a dict, a tuple or one object, by the rule above) and hands the whole
+    micro-batch to ``loss_fn(output, mb)``, which reads ``mb.targets``. For a plain module such as
+    an ``nn.Sequential`` regression::
+
+        engine = ZeroEngine(mlp, loss_fn=lambda out, mb: F.mse_loss(out, mb.targets), ...)
+        engine.train_step([WithTargets(x, y)])
+    """
+
+    inputs: Any
+    """What the model is called on."""
+    targets: Any
+    """What the loss compares the output with; the model never sees it."""
+
+
+class MicroBatchError(TypeError):
+    """The micro-batch does not fit the model's ``forward`` signature."""
+
+
+def _split(mb: Any) -> tuple[tuple, dict, str]:
+    """``(args, kwargs, how)``: the call the rule makes of ``mb`` and a phrase saying why."""
+    inputs, prefix = (mb.inputs, "WithTargets.inputs: ") if isinstance(mb, WithTargets) else (mb, "")
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs), prefix + "a dict micro-batch is passed as keyword arguments, model(**mb)"
+    if isinstance(inputs, tuple):
+        return inputs, {}, prefix + "a tuple micro-batch is unpacked into positional arguments, model(*mb)"
+    return (inputs,), {}, prefix + "a micro-batch that is not a dict or a tuple is the one argument, model(mb)"
+
+
 def call_model(model: nn.Module, mb: Any) -> Any:
-    """``model(**mb)`` for a mapping, ``model(*mb)`` for a tuple, else ``model(mb)``."""
-    if isinstance(mb, Mapping):
-        return model(**mb)
-    if isinstance(mb, tuple):
-        return model(*mb)
-    return model(mb)
+    """``model(**mb)`` for a mapping, ``model(*mb)`` for a tuple, ``model(<inputs by the same rule>)``
+    for a :class:`WithTargets`, else ``model(mb)``. A call that raises ``TypeError`` while its
+    arguments do not bind to ``model.forward``'s signature is re-raised as :class:`MicroBatchError`
+    (the signature is read only after a failure: a working call costs nothing, and a forward
+    pre-hook that supplies arguments is not second-guessed)."""
+    args, kwargs, how = _split(mb)
+    try:
+        return model(*args, **kwargs)
+    except TypeError as exc:
+        msg = _call_mismatch(model, args, kwargs, how)
+        if msg is None:
+            raise
+        raise MicroBatchError(msg) from exc
+
+
+def _call_mismatch(model: nn.Module, args: tuple, kwargs: dict, how: str) -> str | None:
+    """Why ``model(*args, **kwargs)`` does not fit ``model.forward``, or None if it does (or the
+    signature cannot be read)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as why:
+        shown = ", ".join([_short(a) for a in args] + [f"{k}={_short(v)}" for k, v in kwargs.items()])
+        name = type(model).__name__
+        return (f"the engine called the model as {name}({shown}) ({how}), which {name}.forward{sig} does not "
+                f"accept: {why}. If the micro-batch holds the model's inputs and the targets of the loss, pass "
+                f"WithTargets(inputs, targets) micro-batches (zeropp.runtime.WithTargets: the model gets only the "
+                f"inputs) and a loss that reads mb.targets, ZeroEngine(..., loss_fn=callable(output, mb) -> loss), "
+                f"e.g. loss_fn=lambda output, mb: F.mse_loss(output, mb.targets); a model that computes its own "
+                f"loss, like the GPT's forward(idx, targets), takes the tuple as it is")
+    return None
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"<{str(x.dtype).removeprefix('torch.')} {list(x.shape)}>"
+    return f"<{type(x).__name__}>"
 
 
 def _describe(x: Any) -> str:
@@ -70,6 +140,15 @@ def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor
     return loss.reshape(())
 
 
+def per_rank(messages: Mapping[int, str]) -> str:
+    """``rank -> message`` as one line, each distinct message once with its ranks (``rank 1: ...``,
+    ``ranks 0, 2: ...``): a micro-batch every rank gets wrong reads once, not once per rank."""
+    by_msg: dict[str, list[int]] = {}
+    for r, m in sorted(messages.items()):
+        by_msg.setdefault(m, []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items())
+
+
 def agree_on_forward(error: BaseException | None, device: torch.device | str) -> None:
     """Collective over the default group (every rank calls it after its forward and loss, with
     the exception they raised or None): returns when no rank failed, else raises one
@@ -87,6 +166,6 @@ def agree_on_forward(error: BaseException | None, device: torch.device | str) ->
     msgs: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(msgs, mine)
     failed = {r: m for r, m in enumerate(msgs) if m is not None}
-    what = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+    what = per_rank(failed)
     raise RuntimeError(f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank goes on to backward "
                        f"or the next collective: {what}") from error

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -65,7 +66,7 @@ from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .batch import LossFn, agree_on_forward, call_model, loss_of
-from .partition import BlockPolicy, FlatUnit, build_units, find_blocks
+from .partition import BlockChoiceWarning, BlockPolicy, FlatUnit, build_units, find_blocks, one_unit_warning
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
@@ -85,13 +86,17 @@ class ZeroEngine:
 
     Any ``nn.Module``: ``blocks`` chooses the blocks (the stage-3 gather units and the stage-2/3
     reduction units), like FSDP's auto-wrap policy: ``None`` (``model.blocks`` if it is a
-    ``ModuleList``, else the longest ``ModuleList``), a module class or a list of them, or
+    ``ModuleList``, else the longest ``ModuleList``, else each child with parameters of an
+    ``nn.Sequential`` model), a module class or a list of them, or
     ``callable(qualified_name, module) -> bool``; the outermost matches, in registration order
     (which should be the forward order). A policy that matches nothing is a ``ValueError`` on
     every rank, before any collective. Everything outside the blocks is the root unit, and so is a
     parameter registered in two units (a tied weight: one shard, one gradient, counted once).
+    At stage 3 a partition whose one gathered unit holds every trainable parameter warns on rank
+    0 (``BlockChoiceWarning``, naming ``blocks=``): it would gather the whole model at once.
     A micro-batch is passed to the model as ``model(**mb)`` (a dict), ``model(*mb)`` (a tuple,
-    e.g. the GPT's ``(idx, targets)``) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when
+    e.g. the GPT's ``(idx, targets)``), ``model(<inputs>)`` (a ``WithTargets(inputs, targets)``,
+    whose targets only the loss sees) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when
     given, else taken from the output (``zeropp.runtime.batch``).
 
     Tensor parallelism (``topology.tp > 1``): ``model`` must have been split by
@@ -180,6 +185,8 @@ class ZeroEngine:
         self.units, self.blocks, self.root, self.persistent = build_units(
             model, stage=cfg.stage, world_size=self.world_size, rank=self.rank, dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold, block_modules=block_modules)
+        if cfg.stage == 3 and rank == 0 and (msg := one_unit_warning(model, blocks, self.units)):
+            warnings.warn(msg, BlockChoiceWarning, stacklevel=2)  # once, on rank 0: the ranks partition alike
         self._tp_masks = None if topo.tp == 1 else [  # [padded] bool: element of a TP-sharded parameter
             tpar.tp_sharded_mask(u.params, [(sl.offset, sl.numel) for sl in u.slots], u.padded, self.device)
             for u in self.units]
@@ -210,21 +217,31 @@ class ZeroEngine:
             del full
             if reduces_when_ready(cfg.stage, u):
                 u.grad_shard = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.device)
+        self.buffers = self._make_buffer_pool()
+        """The constant pool of gather and reduce-scatter buffers (``buffers.BufferPool``; ``nbytes``)."""
+        self._last_memory: dict[str, int] | None = None
+        self._memory_sources: dict[str, list[object]] = {c: [] for c in mem.CATEGORIES}
+        if self.param_store is not None and self.param_store.tier != "none":
+            self.track_memory("params", self.param_store)  # owns the offloaded parameter shards
+        if self.swap is not None:
+            self.track_memory("buffers", self.swap)  # the nvme tier's staging buffers (host)
+        self.track_memory("buffers", self.buffers)
+        self._phases: dict[str, mem.MemorySnapshot] = {}
+        self._record_phase("model_creation")  # parameters as the stage keeps them; no optimizer state yet
         self.optim = make_optimizer(masters, self.opt_cfg, cfg, device=self.device, space=self.swap,
                                     masters_are_params=alias, cpu_adam=cpu_adam)
         """fp32 masters and Adam moments (``optimizer.py`` / ``offload.py``; ``memory_by_tier()``)."""
         del masters
+        self.track_memory("optimizer", self.optim)
         self._land = self.optim.land_grad if isinstance(self.optim, HostAdamW) else None
         """offload_optimizer=cpu: ``land_grad(i, grad)``, each unit's final gradient to the host as soon as it is reduced."""
-        # ZeRO-R (activations.py, buffers.py): checkpointing, where saved activations live, the buffer pool
+        # ZeRO-R (activations.py, buffers.py): checkpointing, where saved activations live (the buffer pool: above)
         self.checkpointing = checkpoint_blocks([blk for blk, _ in self.blocks]) if activation_checkpointing else None
         """Activation checkpointing of the engine's blocks (``activations.BlockCheckpointing``) or None."""
         self.activations = ActivationStore(self.device, offload=cfg.offload_activations)
         if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
-        self.buffers = self._make_buffer_pool()
-        """The constant pool of gather and reduce-scatter buffers (``buffers.BufferPool``; ``nbytes``)."""
         self.reducer = GradReducer(
             self.units, self.blocks, self.root, self.comm, config=cfg, pool=self.buffers, dtype=self.dtype,
             device=self.device, all_ranks=world, land=self._land,
@@ -247,21 +264,12 @@ class ZeroEngine:
                                   landed=self._land is not None, tp=topo.tp, tp_masks=self._tp_masks,
                                   world_size=self.world_size, all_ranks=world, dtype=self.dtype, device=self.device)
         """Norm, clip, AdamW and the parameter refresh at the end of each step (``update.py``)."""
-        self._last_memory: dict[str, int] | None = None
-        self._memory_sources: dict[str, list[object]] = {c: [] for c in mem.CATEGORIES}
-        self.track_memory("optimizer", self.optim)
-        if self.param_store is not None and self.param_store.tier != "none":
-            self.track_memory("params", self.param_store)  # owns the offloaded parameter shards
-        if self.swap is not None:
-            self.track_memory("buffers", self.swap)  # the nvme tier's staging buffers (host)
-        self.track_memory("buffers", self.buffers)
         if self.error_feedback is not None:
             self.track_memory("buffers", self.error_feedback)  # qgZ residuals (both hops; 8-bit by default)
         if self.weight_diff is not None:
             self.track_memory("buffers", self.weight_diff)  # stage 3: the references of the hpZ secondaries
         self.track_memory("activations", self.activations)
-        self._phases: dict[str, mem.MemorySnapshot] = {}
-        self._record_phase("model_creation")
+        self._record_phase("optimizer_creation")  # + the optimizer state, allocated whole here (see memory.PHASES)
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -269,7 +277,8 @@ class ZeroEngine:
         """Forward/backward every micro-batch, then clip and step. Collective.
 
         A micro-batch is whatever the model takes: a dict (``model(**mb)``), a tuple (``model(*mb)``,
-        e.g. ``(idx, targets)``) or one object (``model(mb)``); the loss is ``loss_fn(output, mb)``
+        e.g. ``(idx, targets)``), a ``WithTargets(inputs, targets)`` (the model gets the inputs) or one
+        object (``model(mb)``); the loss is ``loss_fn(output, mb)``
         or found in the output (``zeropp.runtime.batch.loss_of``). An error in one rank's
         forward (or loss) is raised on every rank, after one small all-reduce, instead of leaving
         the other ranks waiting in the next collective."""
@@ -339,9 +348,10 @@ class ZeroEngine:
         return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
 
     def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
-        """This rank's memory by tier and category after model creation and, from the last step,
-        after its (last micro-batch's) forward, backward and optimizer step, each with the phase's
-        peak (``zeropp.runtime.memory.MemorySnapshot``). Local, cheap."""
+        """This rank's memory by tier and category after model creation and optimizer creation
+        (both inside the constructor) and, from the last step, after its (last micro-batch's)
+        forward, backward and optimizer step, each with the phase's peak
+        (``zeropp.runtime.memory.MemorySnapshot``; what each phase holds: ``memory.PHASES``). Local, cheap."""
         return dict(self._phases)
 
     def track_memory(self, category: str, source: object) -> None:

@@ -8,11 +8,12 @@ Two views of the same bytes:
 * :class:`MemorySnapshot` (``ZeroEngine.memory_phases``) splits a rank's bytes by **tier**
   (``device``: the model's device, ``host``: CPU memory the runtime moved state to, ``disk``:
   swap files under ``nvme_path``) and **category** (params, grads, optimizer, activations,
-  buffers), recorded after model creation, forward, backward and the step, with the peak of the
-  phase. On GPUs the peak and the allocator's view come from ``torch.cuda.memory_stats`` (the
-  peak counter is reset at every phase boundary); on CPU ranks the runtime's own accounting is
-  the figure, next to the process RSS and its lifetime peak (``getrusage``, which cannot be
-  reset: it is the peak so far, not the phase's).
+  buffers), recorded after model creation, optimizer creation, forward, backward and the step
+  (:data:`PHASES` says what each holds), with the peak of the phase. On GPUs the peak and the
+  allocator's view come from ``torch.cuda.memory_stats`` (the peak counter is reset at every
+  phase boundary); on CPU ranks the runtime's own accounting is the figure, next to the process
+  RSS and its lifetime peak (``getrusage``, which cannot be reset: it is the peak so far, not the
+  phase's).
 
 A component that holds state somewhere other than the engine's flat units reports it through
 ``memory_by_tier() -> {"device"|"host"|"disk": bytes}`` (the optimizer-state holder, an
@@ -57,9 +58,23 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 """What the bytes are (hpZ secondary copies count as params)."""
 MODEL_STATE = ("params", "grads", "optimizer")
 """The categories ZeRO's formulas cover."""
-PHASES = ("model_creation", "forward", "backward", "step")
-"""When the engine records a snapshot: end of ``__init__``, after the last micro-batch's forward
-and its backward, after the optimizer step (parameters refreshed)."""
+PHASES = ("model_creation", "optimizer_creation", "forward", "backward", "step")
+"""When the engine records a snapshot, and what it holds then:
+
+- ``model_creation`` (inside ``ZeroEngine.__init__``, before the optimizer): the parameters as
+  the stage keeps them (full compute-dtype replicas at stages 0-2, this rank's 1/N shard at stage
+  3, on ``offload_param``'s tier), the stages 2-3 gradient-shard buffers (allocated up front,
+  zero) and the constant communication buffer pool;
+- ``optimizer_creation`` (end of ``__init__``): plus the whole optimizer state on its tier: the
+  fp32 master (unless it is the parameter itself, fp32 without offload) and Adam's two moments.
+  The engine allocates them here, at once; ``torch.optim.Adam`` allocates its moments lazily at
+  the first ``step()``, so a plain-torch study shows them only in its step phase;
+- ``forward`` (after the last micro-batch's forward): plus the activations saved for backward;
+- ``backward`` (after its backward): the activations are freed and the gradients exist (full
+  ones at stages 0-1, the reduced shard at stages 2-3): all of ZeRO's model state, the moment
+  :func:`expected_by_tier` describes;
+- ``step`` (after the optimizer step, parameters refreshed): the full gradients of stages 0-1
+  are consumed; the stages 2-3 gradient shard stays allocated for the next step."""
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 OFFLOAD_TIER = {"none": "device", "cpu": "host", "nvme": "disk"}
 """``offload_optimizer`` / ``offload_param`` value -> the tier that state lives on."""

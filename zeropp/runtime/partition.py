@@ -37,8 +37,13 @@ KINDS = ("replicated", "sharded_opt", "sharded", "frozen")
 
 BlockPolicy = Union[None, type, Sequence[type], Callable[[str, nn.Module], bool]]
 """How the blocks (stage-3 gather units, stage-2/3 reduction units) are chosen: ``None`` (the
-default rule: ``model.blocks`` if it is a ``ModuleList``, else the longest ``ModuleList``), a module
-class or a list of them (every instance), or ``callable(qualified_name, module) -> bool``."""
+default rule: ``model.blocks`` if it is a ``ModuleList``, else the longest ``ModuleList``, else, for
+an ``nn.Sequential`` model, each child that has parameters), a module class or a list of them
+(every instance), or ``callable(qualified_name, module) -> bool``."""
+
+
+class BlockChoiceWarning(UserWarning):
+    """Stage 3 would gather every trainable parameter as one unit (see :func:`one_unit_warning`)."""
 
 
 @dataclass(frozen=True)
@@ -301,8 +306,10 @@ def _matcher(policy: BlockPolicy) -> Callable[[str, nn.Module], bool]:
 def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
     """The per-block units, in registration order (assumed to be forward order).
 
-    ``policy=None``: ``model.blocks`` if it is a ``ModuleList``, else the longest ModuleList (no
-    blocks if there is none: everything is the root). Otherwise, like FSDP's auto-wrap policy, the
+    ``policy=None``: ``model.blocks`` if it is a ``ModuleList``, else the longest ModuleList, else,
+    when ``model`` is an ``nn.Sequential`` (a plain stack of layers, run in order), each child
+    that has parameters (e.g. each ``Linear`` of an MLP; a parameter-free ``ReLU`` is no block);
+    otherwise no blocks (everything is the root). Otherwise, like FSDP's auto-wrap policy, the
     submodules (the model itself excluded) that the policy matches, outermost only: a match inside
     another match belongs to the outer block. A policy that matches nothing is a ``ValueError``
     naming it; it depends only on the model's structure, so every rank raises it alike.
@@ -312,7 +319,11 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]
         if isinstance(blocks, nn.ModuleList):
             return list(blocks)
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        return list(max(lists, key=len)) if lists else []
+        if lists:
+            return list(max(lists, key=len))
+        if isinstance(model, nn.Sequential):
+            return [m for m in model.children() if next(m.parameters(), None) is not None]
+        return []
     match = _matcher(policy)
     found: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
@@ -325,6 +336,32 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]
                          f"{type(model).__name__}; pass the class of its repeated layers (e.g. the transformer "
                          f"block), a callable(name, module) -> bool that selects them, or blocks=None")
     return [m for _, m in found]
+
+
+def one_unit_warning(model: nn.Module, policy: BlockPolicy, units: Sequence[FlatUnit]) -> str | None:
+    """The warning for a stage-3 partition whose one gathered unit holds every trainable parameter
+    (``units``: what :func:`build_units` returned), else None.
+
+    Stage 3 saves parameter memory only between gathers: with one unit the whole model is gathered
+    for the forward and again for the backward, so the peak holds every parameter, as at stages 0-2.
+    It happens silently with the default rule on a model without ``ModuleList`` or ``Sequential``
+    structure, or with a policy that matches one module; the text names ``blocks=`` to fix it."""
+    gathered = [u for u in units if u.kind == "sharded"]
+    if len(gathered) != 1:
+        return None
+    u = gathered[0]
+    numel = sum(s.numel for s in u.slots)
+    if policy is None:
+        how = (f"the default block rule (blocks=None: model.blocks or the longest nn.ModuleList, or the children of "
+               f"an nn.Sequential model) found {'no blocks' if u.name == 'root' else 'one block'} in "
+               f"{type(model).__name__}")
+    else:
+        how = f"the block policy blocks={_describe(policy)} leaves one unit in {type(model).__name__}"
+    return (f"ZeRO stage 3: {how}, so one unit ({u.name!r}) holds all {numel:,} trainable parameters and is "
+            f"gathered whole for the forward and for the backward: the peak then holds every parameter, as at "
+            f"stages 0-2. Choose the gather units with ZeroEngine(..., blocks=...): a module class or a list of "
+            f"them (e.g. blocks=nn.Linear, or the class of the repeated layer), or callable(qualified_name, module) "
+            f"-> bool")
 
 
 def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dtype: torch.dtype,

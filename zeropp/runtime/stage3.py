@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .batch import MicroBatchError, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -256,25 +257,29 @@ class Stage3Hooks:
         if error is not None:
             where = f" inside {self.units[self.current].name}" if self.current is not None else ""
             msg = f"{type(error).__name__}{where}: {error}"
-        mine = (list(self.ran), list(self.first), msg, self.disorder)
+        # last: whether this rank's error could be a block using another block's parameter (not a
+        # micro-batch the model's forward cannot take, which fails before any block runs)
+        mine = (list(self.ran), list(self.first), msg, self.disorder,
+                error is not None and not isinstance(error, MicroBatchError))
         runs: list = [mine] * world
         if world > 1:
             dist.all_gather_object(runs, mine)
         self.current = None
         self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
-        failed = {r: m for r, (_, _, m, _) in enumerate(runs) if m is not None}
+        failed = {r: run[2] for r, run in enumerate(runs) if run[2] is not None}
         if failed:
-            what = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+            what = per_rank(failed)
+            hint = "" if not any(run[4] for run in runs) else (
+                ". At stage 3 only the running block's own parameters and the root's are present (the other blocks' "
+                "are empty tensors): a parameter registered in one block and used inside another fails like this; "
+                "register it in the block that uses it (a parameter registered in two blocks is kept whole in the "
+                "root unit)")
             exc = RuntimeError(
-                f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank runs backward: {what}. "
-                f"At stage 3 only the running block's own parameters and the root's are present (the other blocks' "
-                f"are empty tensors): a parameter registered in one block and used inside another fails like this; "
-                f"register it in the block that uses it (a parameter registered in two blocks is kept whole in the "
-                f"root unit)")
+                f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank runs backward: {what}{hint}")
             raise exc from error
         bad = [i for i in range(n) if hi[i] != lo[i] and lo[i] == 0]
         if not bad and hi[: 2 * n] == lo[: 2 * n]:  # the same everywhere, but not in the policy's order
-            what = "; ".join(f"rank {r}: {d}" for r, (_, _, _, d) in enumerate(runs) if d is not None)
+            what = "; ".join(f"rank {r}: {run[3]}" for r, run in enumerate(runs) if run[3] is not None)
             raise RuntimeError(
                 f"ZeRO stage 3 needs the blocks to run in forward in the order the block policy lists them "
                 f"(registration order: {', '.join(u.name for u in self.units)}; a block may run again right after "
