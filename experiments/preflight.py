@@ -118,10 +118,11 @@ def check_writable_dir(key: str, path: Path) -> None:
     anonymous temporary file (``O_TMPFILE`` where the filesystem has it, else a named one removed
     at once), since permission bits lie for root and on read-only mounts; nothing is left behind."""
     existing = path.expanduser()
-    while not (existing.exists() or existing.is_symlink()):
-        existing = existing.parent
+    while not (existing.exists() or existing.is_symlink()) and existing.parent != existing:
+        existing = existing.parent  # ends at "/" or "." (which is missing only if the cwd was deleted)
     if not existing.is_dir():
-        raise ConfigError(f"invalid config: {key}={str(path)!r} cannot be created: {existing} is not a directory; "
+        what = "is not a directory" if existing.exists() or existing.is_symlink() else "does not exist"
+        raise ConfigError(f"invalid config: {key}={str(path)!r} cannot be created: {existing} {what}; "
                           f"choose another {key}")
     try:
         with tempfile.TemporaryFile(dir=existing):

@@ -265,11 +265,21 @@ def test_unwritable_run_dir_is_refused_before_hydra_creates_it(tmp_path, monkeyp
     assert code == 2 and f"hydra.run.dir='{target}' cannot be written" in err and "Traceback" not in err, err
 
 
-def test_writable_check_creates_nothing(tmp_path) -> None:
+def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # restored afterwards
     before = sorted(tmp_path.rglob("*"))
     preflight.check_writable_dir("train.checkpoint_dir", tmp_path / "a" / "b")  # nearest existing: tmp_path
     preflight.check_writable_dir("train.checkpoint_dir", tmp_path)
     assert sorted(tmp_path.rglob("*")) == before
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    os.chdir(gone)  # a relative path under a deleted working directory: refused, not looped on
+    try:
+        gone.rmdir()
+        with pytest.raises(ConfigError, match=r"'a/b' cannot be written: \. does not let this process create"):
+            preflight.check_writable_dir("train.checkpoint_dir", Path("a/b"))
+    finally:
+        os.chdir(tmp_path)
     # not saving: the directory is not needed, so not checked
     rc = from_dict(_cfg("train.checkpoint_every=0", f"train.checkpoint_dir={_unwritable_dir(tmp_path)}/ckpt"))
     preflight.check_before_launch(rc, tmp_path, local=False)
