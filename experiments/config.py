@@ -12,12 +12,16 @@ launcher. ``schema.py`` generates the Hydra schema from all of them.
 :func:`from_dict` builds a :class:`RunConfig` from the composed config; every library
 ``__post_init__`` runs there, before any rank starts, and its objection comes back as a
 :class:`ConfigError` naming the key (``zero.grads.bits=3: ...``). Settings that the chosen trainer
-would not use are refused too (:data:`HONORED`): nothing is silently ignored.
+would not use are refused too (:data:`HONORED`), as are data, logger and cluster keys that the
+chosen data source, logger or cluster would not read: nothing is silently ignored. Every float
+setting of every section must be finite (:func:`_check_finite`). What needs this host (the corpus
+file, the checkpoint directory, the rank count and memory) is checked by ``preflight.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,29 +51,61 @@ def _pos_int(key: str, value: Any, minimum: int = 1) -> None:
            f"an integer >= {minimum}")
 
 
+def _unused(key: str, value: Any, default: Any, because: str, fix: str) -> None:
+    """A key the chosen setting does not read must stay at its default (nothing is silently ignored)."""
+    if value != default:
+        raise ConfigError(f"invalid config: {key}={value!r} does nothing with {because}; {fix}")
+
+
+MIN_CORPUS_BYTES = 4096
+"""Fewest corpus bytes a text run accepts (``data.read_corpus`` refuses less)."""
+
+MAX_SECONDS = 1e9
+"""Longest time setting (about 31 years): the process group's timeout becomes a ``datetime.timedelta``,
+which overflows near 8.6e13 s, so a larger value is a slip that would crash every rank."""
+
+SEED_LIMIT = 2**32
+"""``train.seed`` is below this: the data order seeds torch generators with ``seed x 1,000,003 +
+rank``, which must stay a 64-bit integer; 2**32 keeps that true for any world size."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where tokens come from."""
+    """Where tokens come from. A key the chosen kind/source does not read must stay at its default."""
 
     kind: str = "text"
-    """``text`` (a real corpus read as bytes) or ``random`` (uniform tokens)."""
+    """``text`` (a real corpus read as bytes) or ``random`` (uniform tokens; reads no corpus, so
+    ``source``, ``path``, ``max_bytes`` and ``val_fraction`` stay at their defaults)."""
     source: str | None = "python_stdlib"
     """For text: ``python_stdlib`` (this interpreter's own library sources) or ``path``."""
     path: str | None = None
-    """For source=path: a file or a directory read as bytes."""
+    """For source=path (and only there): a file or a directory read as bytes. The runner reads it
+    before any rank starts (``data.check_corpus``)."""
     max_bytes: int = 4_000_000
-    """Read at most this many bytes of corpus."""
+    """For text: read at most this many bytes of corpus (at least :data:`MIN_CORPUS_BYTES`)."""
     val_fraction: float = 0.05
-    """Tail of the corpus held out for evaluation."""
+    """For text: tail of the corpus held out for evaluation, in [0, 0.5). A tail shorter than one
+    sequence (0 included) holds nothing out: evaluation then reads the training part."""
 
     def __post_init__(self) -> None:
         _check(self.kind in ("text", "random"), "data.kind", self.kind, "text, random")
-        if self.kind == "text":
-            _check(self.source in ("python_stdlib", "path"), "data.source", self.source, "python_stdlib, path")
-            if self.source == "path":
-                _check(bool(self.path), "data.path", self.path, "a file or directory (data.source=path)")
-            _pos_int("data.max_bytes", self.max_bytes, 1024)
-        _check(0.0 <= self.val_fraction < 0.5, "data.val_fraction", self.val_fraction, "0 <= x < 0.5")
+        if self.kind == "random":
+            for f in dataclasses.fields(self):
+                if f.name != "kind":
+                    _unused(f"data.{f.name}", getattr(self, f.name), f.default,
+                            "data.kind=random (uniform random tokens, no corpus is read)",
+                            "remove it, or use data=text (data.kind=text) to read a corpus")
+            return
+        _check(self.source in ("python_stdlib", "path"), "data.source", self.source, "python_stdlib, path")
+        if self.source == "path":
+            _check(isinstance(self.path, str) and bool(self.path.strip()), "data.path", self.path,
+                   "a file or directory (data.source=path)")
+        else:
+            _unused("data.path", self.path, None, f"data.source={self.source}",
+                    "add data.source=path to read it, or remove data.path")
+        _pos_int("data.max_bytes", self.max_bytes, MIN_CORPUS_BYTES)
+        _check(isinstance(self.val_fraction, (int, float)) and 0.0 <= self.val_fraction < 0.5, "data.val_fraction",
+               self.val_fraction, "0 <= x < 0.5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,11 +135,21 @@ class LoggerConfig:
     group: str | None = None
     """wandb group; None: the sweep directory's name in multirun."""
     init_timeout_s: float = 60.0
-    """Give up on wandb (with a warning, training goes on) after this long."""
+    """Give up on wandb (with a warning, training goes on) after this many seconds (> 0)."""
 
     def __post_init__(self) -> None:
         _check(self.name in ("wandb", "none"), "logger.name", self.name, "wandb, none (logger=none)")
         _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
+        _check(0 < self.init_timeout_s <= MAX_SECONDS, "logger.init_timeout_s", self.init_timeout_s,
+               f"> 0 and <= {MAX_SECONDS:g} seconds")
+        if self.name == "none":  # no wandb: its settings would be ignored (logger=none sets mode=disabled)
+            if self.mode == "online":
+                raise ConfigError("invalid config: logger.mode='online' does nothing with logger=none (no wandb); "
+                                  "remove it, or use logger=wandb")
+            for f in dataclasses.fields(self):
+                if f.name not in ("name", "mode"):
+                    _unused(f"logger.{f.name}", getattr(self, f.name), f.default, "logger=none (no wandb)",
+                            "remove it, or use logger=wandb")
 
     @property
     def enabled(self) -> bool:
@@ -125,6 +171,11 @@ class ClusterConfig:
         _check(self.name in ("local", "emulated"), "cluster.name", self.name, "local, emulated")
         _check(self.inter_gbps > 0, "cluster.inter_gbps", self.inter_gbps, "a positive rate")
         _check(self.inter_latency_ms >= 0, "cluster.inter_latency_ms", self.inter_latency_ms, ">= 0")
+        if self.name == "local":  # loopback, nothing shaped: the emulator's link settings would be ignored
+            for f in dataclasses.fields(self):
+                if f.name != "name":
+                    _unused(f"cluster.{f.name}", getattr(self, f.name), f.default,
+                            "cluster=local (no shaped links)", "add cluster=emulated, or remove it")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,13 +196,15 @@ class TrainConfig:
     log_every: int = 1
     """Write a metrics line every N steps."""
     seed: int = 0
-    """Seed of the model init and the data order."""
+    """Seed of the model init and the data order, in [0, 2**32) (:data:`SEED_LIMIT`)."""
     throughput_skip_steps: int = 0
     """First steps left out of the throughput and communication averages (compile/warm-up)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (and at the end); 0: never."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go; None: ``<run dir>/checkpoints``. ``resume=true`` loads the latest one here."""
+    """Where checkpoints go; None: ``<run dir>/checkpoints``. ``resume=true`` loads the latest one here.
+    With ``checkpoint_every > 0`` the runner checks, before any rank starts, that it (or its nearest
+    existing parent) is a directory this process can write to."""
     keep_checkpoints: int = 2
     """Good checkpoints kept in ``checkpoint_dir`` (the newest ones); older ones of this run's format
     are deleted after a save succeeds, nothing else in the directory is touched."""
@@ -171,6 +224,9 @@ class TrainConfig:
             _pos_int(f"train.{name}", getattr(self, name), 0)
         _check(self.throughput_skip_steps < self.steps, "train.throughput_skip_steps", self.throughput_skip_steps,
                f"fewer than train.steps={self.steps}")
+        _check(self.seed < SEED_LIMIT, "train.seed", self.seed, "an integer in [0, 2**32)")
+        _check(self.checkpoint_dir is None or (isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip())),
+               "train.checkpoint_dir", self.checkpoint_dir, "a directory path, or null for <run dir>/checkpoints")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,9 +248,10 @@ class LauncherConfig:
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "launcher.device", self.device, "auto, cpu, cuda")
-        _check(self.timeout_s > 0, "launcher.timeout_s", self.timeout_s, "> 0")
-        _check(self.grace_s >= 0, "launcher.grace_s", self.grace_s, ">= 0")
-        _check(self.pg_timeout_s > 0, "launcher.pg_timeout_s", self.pg_timeout_s, "> 0")
+        _check(0 < self.timeout_s <= MAX_SECONDS, "launcher.timeout_s", self.timeout_s, f"> 0 and <= {MAX_SECONDS:g}")
+        _check(0 <= self.grace_s <= MAX_SECONDS, "launcher.grace_s", self.grace_s, f">= 0 and <= {MAX_SECONDS:g}")
+        _check(0 < self.pg_timeout_s <= MAX_SECONDS, "launcher.pg_timeout_s", self.pg_timeout_s,
+               f"> 0 and <= {MAX_SECONDS:g}")
         _pos_int("launcher.threads_per_rank", self.threads_per_rank)
 
 
@@ -360,6 +417,22 @@ def _check_trainer_keys(rc: RunConfig) -> None:
                               "trainer=zeropp" + (" / trainer=fsdp2_zeropp" if f.name == "weights" else ""))
 
 
+def _mentions_float(tp: Any) -> bool:
+    """True when a field annotation holds floats (``float``, ``float | None``, ``tuple[float, ...]``)."""
+    return tp is float or any(_mentions_float(a) for a in typing.get_args(tp))
+
+
+def _check_finite(key: str, tp: Any, value: Any) -> None:
+    """Every float setting of every section is finite: no setting means anything at inf or nan
+    (a rate, a timeout, a learning rate, a loss scale), and where "off" exists it is ``null``.
+    One check for every section, library ones included, so a new float field is covered too."""
+    if not _mentions_float(tp):
+        return
+    for x in value if isinstance(value, tuple) else (value,):
+        if isinstance(x, float) and not math.isfinite(x):
+            raise ConfigError(f"invalid config: {key}={value!r}; allowed: a finite number (inf and nan are not settings)")
+
+
 def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
     """``cls(**values)`` with nested dataclasses and tuples rebuilt; errors name ``key``."""
     hints = typing.get_type_hints(cls)
@@ -376,6 +449,7 @@ def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
         elif isinstance(v, list):
             v = tuple(v)
         kw[name] = v
+        _check_finite(f"{key}.{name}", hints[name], v)
     try:
         return cls(**kw)
     except ConfigError:

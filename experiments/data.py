@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DataConfig
+from .config import MIN_CORPUS_BYTES, DataConfig
 
 
 class DataError(RuntimeError):
@@ -29,7 +29,8 @@ def _files_under(root: Path, pattern: str) -> list[Path]:
 
 
 def read_corpus(data: DataConfig) -> bytes:
-    """The corpus bytes (at most ``data.max_bytes``), or a :class:`DataError` naming the path."""
+    """The corpus bytes (at most ``data.max_bytes``), or a :class:`DataError` naming the path.
+    A file that cannot be read is an error too (the corpus would silently be another one)."""
     if data.source == "python_stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = _files_under(root, "*.py") if root.is_dir() else []
@@ -40,6 +41,9 @@ def read_corpus(data: DataConfig) -> bytes:
             files = [root]
         elif root.is_dir():
             files = _files_under(root, "*")
+        elif root.exists():
+            raise DataError(f"data.path={str(root)!r} is neither a file nor a directory; point data.path at a text "
+                            "file or a folder of them")
         else:
             raise DataError(f"data.path={str(root)!r} does not exist; point data.path at a file or "
                             "directory, or use data=text (Python's own sources) or data=random")
@@ -49,17 +53,41 @@ def read_corpus(data: DataConfig) -> bytes:
     for f in files:
         try:
             b = f.read_bytes()
-        except OSError:
-            continue
+        except OSError as e:
+            if data.source == "python_stdlib":
+                continue  # the interpreter's own tree: an odd unreadable module does not change the corpus' nature
+            raise DataError(f"data.path={where!r}: cannot read {f} ({e.strerror or e}); make it readable or point "
+                            "data.path elsewhere") from None
         chunks.append(b)
         total += len(b)
         if total >= data.max_bytes:
             break
     corpus = b"".join(chunks)[: data.max_bytes]
-    if len(corpus) < 4096:
-        raise DataError(f"found only {len(corpus)} bytes of text in {where}; need at least 4096. "
+    if len(corpus) < MIN_CORPUS_BYTES:
+        if data.source == "path":
+            raise DataError(f"data.path={where!r} holds only {len(corpus)} bytes; need at least {MIN_CORPUS_BYTES}. "
+                            "Point data.path at a larger text file or folder, or use data=random")
+        raise DataError(f"found only {len(corpus)} bytes of text in {where}; need at least {MIN_CORPUS_BYTES}. "
                         "Use data=random or set data.source=path data.path=<a text file or folder>")
     return corpus
+
+
+def _check_length(n: int, data: DataConfig, seq_len: int) -> None:
+    """The training part of an ``n``-byte corpus must hold one window of ``seq_len + 1`` tokens."""
+    if n - int(n * data.val_fraction) < seq_len + 2:
+        where = f"data.path={data.path!r}" if data.source == "path" else "the corpus"
+        raise DataError(f"{where} gives {n} bytes, {n - int(n * data.val_fraction)} after holding out "
+                        f"data.val_fraction={data.val_fraction}: shorter than one training sequence "
+                        f"(model.seq_len={seq_len} + 2); use a larger corpus or data.max_bytes, or a smaller model.seq_len")
+
+
+def check_corpus(data: DataConfig, seq_len: int) -> int:
+    """Read the corpus as the ranks will and check it holds a training sequence; its size in bytes.
+    The runner calls it before any rank starts, so a missing, unreadable or too short
+    ``data.path`` is refused there (reading is cheap: at most ``data.max_bytes``)."""
+    n = len(read_corpus(data))
+    _check_length(n, data, seq_len)
+    return n
 
 
 class TokenBatches:
@@ -77,9 +105,8 @@ class TokenBatches:
         self.val: torch.Tensor | None = None
         if data.kind == "text":
             tokens = torch.frombuffer(bytearray(read_corpus(data)), dtype=torch.uint8).long()
+            _check_length(len(tokens), data, seq_len)
             n_val = int(len(tokens) * data.val_fraction)
-            if len(tokens) - n_val < seq_len + 2:
-                raise DataError(f"corpus of {len(tokens)} bytes is shorter than one sequence ({seq_len})")
             self.train = tokens[: len(tokens) - n_val]
             self.val = tokens[len(tokens) - n_val:] if n_val > seq_len + 1 else self.train
             if int(tokens.max()) >= vocab_size:

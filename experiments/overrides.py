@@ -1,19 +1,32 @@
 """Command-line pre-check: clearer answers than Hydra's for the common slips.
 
-Hydra refuses ``quant=int9`` or ``zero.prefetch_dept=2`` too, but buries the answer under its
-config search path; :func:`check_overrides` runs before Hydra and names the override, the allowed
-values and the closest match, then the runner exits 2 without starting anything. It walks the
-same generated schema Hydra uses (``schema.run_schema``), so it knows every key of every section,
-nested ones (``zero.grads.intra_bits``) included.
+Hydra refuses ``quant=int9``, ``zero.prefetch_dept=2`` or ``train.steps=abc`` too, but buries
+the answer under its config search path or a validation traceback; :func:`check_overrides` runs
+before Hydra and names the override, the allowed values and the closest match, then the runner
+exits 2 without starting anything. It walks the same generated schema Hydra uses
+(``schema.run_schema``), so it knows every key of every section, nested ones
+(``zero.grads.intra_bits``) included, and each key's type: values are parsed by Hydra's own
+override parser (sweeps expanded) and converted by OmegaConf's own typed nodes, exactly as
+composing will, so a value refused here is one Hydra would refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, ValueType
+from hydra.errors import HydraException
+from omegaconf.errors import ValidationError
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from .config import CONF_DIR, ConfigError
+from .preflight import check_writable_dir
 from .schema import group_options as generated_options, run_schema
 
 
@@ -43,10 +56,12 @@ def _sub_schema(tp: type) -> type | None:
     return None
 
 
-def _check_key(key: str) -> None:
-    """Every part of a dotted key must be a field of the schema node above it."""
+def _check_key(key: str) -> Any:
+    """Every part of a dotted key must be a field of the schema node above it; returns the key's
+    schema type."""
     node: type | None = run_schema()
     path: list[str] = []
+    tp: Any = None
     for part in key.split("."):
         if node is None:
             raise ConfigError(f"unknown config key {key!r}: {'.'.join(path)} has no sub-keys")
@@ -58,7 +73,84 @@ def _check_key(key: str) -> None:
             groups = f"; config groups: {', '.join(config_groups())}" if not path else ""
             raise ConfigError(f"unknown config key {key!r}{hint}; keys of {where}: {', '.join(fields)}{groups}")
         path.append(part)
-        node = _sub_schema(fields[part])
+        tp = fields[part]
+        node = _sub_schema(tp)
+    return tp
+
+
+_LEAF_NODES: dict[type, tuple[type, str]] = {
+    int: (IntegerNode, "an integer"), float: (FloatNode, "a number"), bool: (BooleanNode, "true or false"),
+    str: (StringNode, "a string"),
+}
+"""Schema leaf type -> the OmegaConf node that converts a value into it (as composing does) and
+what to call the allowed values."""
+
+
+def _text(value: Any) -> str:
+    """A parsed override value as the user typed it (``null``, ``abc``, ``[0.9,inf]``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_text(v) for v in value) + "]"
+    return str(value)
+
+
+def _check_value(key: str, tp: Any, value: Any, shown: str | None = None) -> None:
+    """One parsed override value must convert to the schema type ``tp`` (OmegaConf's own
+    conversion: ``'3'`` is an integer, ``1.5`` is not); ``shown`` is what the message quotes."""
+    shown = _text(value) if shown is None else shown
+    if isinstance(value, str) and "${" in value:
+        return  # an interpolation: OmegaConf resolves and checks it
+    args = typing.get_args(tp)
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is tuple:  # OmegaConf checks the elements' type; the library their count
+        elems = typing.get_args(tp)
+        if value is None and optional:
+            return
+        if not isinstance(value, list):
+            raise ConfigError(f"invalid config: {key}={shown}: expected a list, e.g. [{','.join('0.9' for _ in elems)}]")
+        for v, e in zip(value, elems):
+            _check_value(key, e, v, shown)
+        return
+    leaf = _LEAF_NODES.get(tp)
+    if leaf is None:
+        return  # a section or an untyped (Any) key: the library's __post_init__ checks it
+    node, what = leaf
+    if value is None:
+        if not optional:
+            raise ConfigError(f"invalid config: {key}=null: expected {what} (this key cannot be null)")
+        return
+    try:
+        node(value=value, is_optional=optional)
+    except ValidationError:
+        raise ConfigError(f"invalid config: {key}={shown}: expected {what}"
+                          + (" or null" if optional else "")) from None
+
+
+def _values(override: Override) -> list[Any]:
+    """The values an override sets: one, or each of a choice / range sweep (an interval sweep is
+    a search space for a sweeper plugin, not values: left to it)."""
+    if override.value_type in (ValueType.CHOICE_SWEEP, ValueType.SIMPLE_CHOICE_SWEEP, ValueType.RANGE_SWEEP):
+        return list(override.sweep_iterator())
+    if override.is_sweep_override():
+        return []
+    return [override.value()]
+
+
+def _check_values(arg: str, tp: Any) -> None:
+    """``arg`` (``key=value``) parsed as Hydra will; each value it sets fits the key's type."""
+    try:
+        (override,) = OverridesParser.create().parse_overrides([arg])
+        values = _values(override)
+    except HydraException:
+        return  # a syntax error: Hydra's own message names it
+    single = not override.is_sweep_override()
+    for v in values:  # a single value is quoted as typed (1e3, not 1000.0); a sweep's element as parsed
+        _check_value(override.key_or_group, tp, v, arg.split("=", 1)[1] if single else None)
 
 
 def _check_spec_key(key: str, args: list[str]) -> None:
@@ -81,10 +173,30 @@ def _check_spec_key(key: str, args: list[str]) -> None:
                               f"refine it ({key}=...)")
 
 
+OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
+"""Hydra creates these before the job starts (a traceback where it cannot): checked here first."""
+
+
+def _check_output_dir(arg: str) -> None:
+    """``hydra.run.dir=<dir>`` / ``hydra.sweep.dir=<dir>``: a directory this process can create
+    files in (or create); an interpolated value is left to Hydra."""
+    try:
+        (override,) = OverridesParser.create().parse_overrides([arg])
+        value = override.value()
+    except HydraException:
+        return
+    if isinstance(value, str) and value and "${" not in value:
+        check_writable_dir(override.key_or_group, Path(value))
+
+
 def check_overrides(args: list[str]) -> None:
-    """Reject a command-line override that names an unknown group option or key."""
+    """Reject a command-line override that names an unknown group option or key, gives a key a
+    value of the wrong type (``train.steps=abc``: an integer is expected), or names an output
+    directory (``hydra.run.dir``) this process cannot write to."""
     groups = config_groups()
     for arg in args:
+        if arg.startswith(OUTPUT_DIR_KEYS) and arg.split("=", 1)[0] in OUTPUT_DIR_KEYS:
+            _check_output_dir(arg)
         if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
@@ -98,5 +210,6 @@ def check_overrides(args: list[str]) -> None:
                     raise ConfigError(f"invalid config: {key}={v!r} is not a {key} option{hint}; "
                                       f"allowed: {', '.join(options)}")
         else:
-            _check_key(key)
+            tp = _check_key(key)
             _check_spec_key(key, args)
+            _check_values(arg, tp)

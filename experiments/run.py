@@ -37,6 +37,7 @@ from .config import ConfigError, RunConfig, from_omegaconf
 from .launcher import RankFailure, emulated_placement, in_torchrun, launch, local_placement, worker_module
 from .metrics import read_summary, write_summary
 from .overrides import check_overrides
+from .preflight import check_before_launch
 
 schema.register()
 
@@ -78,6 +79,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
     rc.check_resume(run_dir)
+    check_before_launch(rc, run_dir, local=not in_torchrun())  # corpus, checkpoint dir, ranks and memory here
     label = rc.describe(info["model_name"])
     spec = {"config": rc.to_dict(), "run_dir": str(run_dir), "name": info["name"], "group": info["group"],
             "overrides": info["overrides"], "label": label, "model_name": info["model_name"]}
@@ -101,13 +103,6 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             write_summary(run_dir / "summary.json", summary)
         return summary
     t = rc.topology
-    if rc.launcher.device == "cuda":  # the ranks would each refuse; say it once, before starting them
-        import torch
-
-        if torch.cuda.device_count() < t.world_size:
-            raise ConfigError(f"invalid config: launcher.device=cuda starts {t.world_size} ranks on this host but it "
-                              f"has {torch.cuda.device_count()} GPU(s); choose a topology of at most that many ranks "
-                              "(topology=1x1), launcher.device=cpu, or torchrun across hosts")
     placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms,
                                     device=rc.launcher.device)
                  if rc.cluster.name == "emulated" else local_placement(t.world_size))

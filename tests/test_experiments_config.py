@@ -162,6 +162,8 @@ def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
                         (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
                         (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
                         (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
+                        (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
+                        (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
                         *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])]
                           if torch.cuda.device_count() < 4 else [])):
         t0 = time.monotonic()

@@ -188,10 +188,14 @@ class ZeroConfig:
                 f"persistence_threshold only applies at stage 3 (params below it are not gathered); "
                 f"set it to 0 for stage {self.stage}"
             )
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"ZeroConfig.grad_clip must be > 0 or None, got {self.grad_clip}")
-        if self.loss_scale_init <= 0 or self.loss_scale_window < 1:
-            raise ValueError("ZeroConfig.loss_scale_init must be > 0 and loss_scale_window >= 1")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ValueError(f"ZeroConfig.grad_clip must be a finite number > 0, or None for no clipping, got "
+                             f"{self.grad_clip}")
+        if not (math.isfinite(self.loss_scale_init) and self.loss_scale_init > 0):
+            raise ValueError(f"ZeroConfig.loss_scale_init must be a finite number > 0 (an infinite scale overflows "
+                             f"every step), got {self.loss_scale_init}")
+        if self.loss_scale_window < 1:
+            raise ValueError(f"ZeroConfig.loss_scale_window must be >= 1, got {self.loss_scale_window}")
         self._check_offload()
 
     def _check_weight_diff(self) -> None:
@@ -304,12 +308,14 @@ class OptimizerConfig:
     """``cosine`` only: the floor of the rate as a fraction of ``lr``, in [0, 1]."""
 
     def __post_init__(self) -> None:
-        if not self.lr >= 0:
-            raise ValueError(f"OptimizerConfig.lr must be >= 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"OptimizerConfig.lr must be a finite number >= 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"OptimizerConfig.betas must be two values in [0, 1), got {self.betas}")
-        if not self.eps > 0 or self.weight_decay < 0:
-            raise ValueError("OptimizerConfig.eps must be > 0 and weight_decay >= 0")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"OptimizerConfig.eps must be a finite number > 0, got {self.eps}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"OptimizerConfig.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         if self.schedule not in SCHEDULES:

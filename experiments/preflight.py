@@ -1,0 +1,146 @@
+"""Checks of this host before any rank starts: what a valid config can still not do here.
+
+``config.RunConfig`` validates settings against each other, anywhere; the runner then calls
+:func:`check_before_launch` on the host that starts the ranks, which looks at that host: the
+corpus ``data.path`` names (read as the ranks will), the checkpoint directory a saving run will
+write to, and, for the local launcher (``cluster=local`` / ``emulated``: every rank on this
+host; not under torchrun, where each host starts its own), whether that many ranks and their
+model states fit this machine. Each refusal is a :class:`config.ConfigError`: ``error: ...``,
+exit 2, nothing started.
+
+Written here rather than taken from a library: the estimate is ZeRO's own formula
+(``zeropp.runtime.memory.expected_by_tier``, the one ``experiments.memory`` prints), and the
+host's size comes from the standard library (``os.sched_getaffinity``, ``os.sysconf``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .config import ConfigError, RunConfig
+from .console import human_bytes
+from .data import DataError, check_corpus
+
+RANKS_PER_CPU = 4
+"""Most CPU ranks the local launcher starts per CPU this process may use: past that the ranks
+only wait for each other (and gloo's timeouts fire), so more is a slip, not an experiment."""
+
+TRAINER_STAGE = {"fsdp2": 3, "fsdp2_zeropp": 3, "ddp": 0, "ddp_zeropp": 0}
+"""The ZeRO stage whose model state a non-zeropp trainer holds (FSDP2 shards everything, DDP
+replicates everything); ``trainer=zeropp`` holds ``stage``'s."""
+
+FROZEN_BYTES = {"int8": 1.0, "int4": 0.5}
+"""Bytes per frozen (LoRA base) parameter stored with ``zero.quantize_frozen``; ``none``: the compute dtype."""
+
+
+def host_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
+    """ZeRO's model-state bytes per rank on each tier (``device``, ``host``, ``disk``) for this run:
+    ``expected_by_tier`` at the trainer's stage for the trainable parameters of this rank's
+    tensor-parallel slice, plus the stored shard of frozen (LoRA base) parameters, which have no
+    gradient or optimizer state."""
+    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, tier_totals
+
+    z, t = rc.zero, rc.topology
+    stage = TRAINER_STAGE.get(rc.trainer.name, z.stage)
+    psi = rc.model.num_params()
+    frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
+    pbytes = z.dtype.itemsize
+    hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
+    by = expected_by_tier(stage, (psi - frozen) / t.tp, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
+                          offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
+                          shared_master=z.shares_fp32_master)
+    out = tier_totals(by)
+    out[OFFLOAD_TIER[z.offload_param]] += (frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes)
+                                           / (t.dp_size if stage == 3 else 1))
+    return out
+
+
+def _ranks_on_cuda(rc: RunConfig, local_ranks: int) -> bool:
+    """Whether the local launcher's ranks get GPUs (``zeropp.launch.select_device``'s choice)."""
+    if rc.launcher.device == "cpu" or rc.cluster.name == "emulated":
+        return False
+    import torch
+
+    return torch.cuda.device_count() >= local_ranks
+
+
+def check_local_ranks(rc: RunConfig) -> None:
+    """The local launcher starts every rank on this host: at most one per GPU for CUDA ranks,
+    :data:`RANKS_PER_CPU` per CPU for CPU ranks, and their model states within physical memory."""
+    t = rc.topology
+    n = t.world_size
+    shape = f"topology.nodes={t.nodes} x topology.ranks_per_node={t.ranks_per_node} = {n} ranks"
+    if rc.launcher.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise ConfigError(f"invalid config: launcher.device=cuda starts {n} ranks on this host but it has "
+                              f"{torch.cuda.device_count()} GPU(s); choose a topology of at most that many ranks "
+                              "(topology=1x1), launcher.device=cpu, or torchrun across hosts")
+    on_cuda = _ranks_on_cuda(rc, n)
+    cpus = host_cpus()
+    if not on_cuda and n > RANKS_PER_CPU * cpus:
+        raise ConfigError(f"invalid config: {shape}, all started on this host as CPU processes, but it has {cpus} "
+                          f"CPU(s); allowed: at most {RANKS_PER_CPU * cpus} local CPU ranks ({RANKS_PER_CPU} per CPU). "
+                          "Choose a smaller topology (topology=2x2), or start each host's ranks with torchrun")
+    tiers = model_state_per_rank(rc)
+    z = rc.zero
+    swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (z.offload_optimizer, z.offload_param) else 0
+    per_rank = tiers["host"] + swap + (0 if on_cuda else max(tiers["device"], 4.0 * rc.model.num_params()))
+    total, phys = per_rank * n, host_memory()
+    if total > phys:
+        what = ("host tier" if on_cuda else "device + host tiers, at least the fp32 model each CPU rank builds whole")
+        raise ConfigError(f"invalid config: model (Ψ = {rc.model.num_params():,} parameters) on {shape} needs about "
+                          f"{human_bytes(total)} of host memory ({human_bytes(per_rank)} of model state per rank: "
+                          f"ZeRO's formula, {what}) but this host has {human_bytes(phys)}; allowed: at most "
+                          f"{human_bytes(phys)}. Choose a smaller model (model=mini), fewer ranks, a higher stage or "
+                          "zero.offload_*=nvme, or torchrun across hosts")
+
+
+def check_writable_dir(key: str, path: Path) -> None:
+    """``path`` is a directory this process can create files in, or can be created: its nearest
+    existing ancestor is a directory that lets this process create files. Tried for real with an
+    anonymous temporary file (``O_TMPFILE`` where the filesystem has it, else a named one removed
+    at once), since permission bits lie for root and on read-only mounts; nothing is left behind."""
+    existing = path.expanduser()
+    while not (existing.exists() or existing.is_symlink()) and existing.parent != existing:
+        existing = existing.parent  # ends at "/" or "." (which is missing only if the cwd was deleted)
+    if not existing.is_dir():
+        what = "is not a directory" if existing.exists() or existing.is_symlink() else "does not exist"
+        raise ConfigError(f"invalid config: {key}={str(path)!r} cannot be created: {existing} {what}; "
+                          f"choose another {key}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
+                          f"process create files ({e.strerror or e}); choose a directory you can write to") from None
+
+
+def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
+    """Every host check before any rank starts; ``local``: this process starts all the ranks
+    (the local launcher), so the rank count and memory are checked too."""
+    if rc.data.kind == "text" and rc.data.source == "path":
+        try:
+            check_corpus(rc.data, rc.model.seq_len)
+        except DataError as e:
+            raise ConfigError(f"invalid config: {e}") from None
+    if rc.train.checkpoint_every > 0:
+        check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
+    if local:
+        check_local_ranks(rc)

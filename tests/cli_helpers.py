@@ -1,0 +1,29 @@
+"""Run the experiment runner's command line in this process: the real ``cli()`` (override
+pre-check, Hydra composition, validation, the runner's pre-launch checks) with ``sys.argv`` set,
+without an interpreter start-up per call. Launching is replaced by an assertion, so a config
+that was wrongly accepted fails the test (exit 1 with that message) instead of starting ranks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(args: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+            capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``python -m zeropp.experiments.run *args hydra.run.dir=run_dir`` in-process: (exit code, stderr)."""
+    import zeropp.experiments.run as run
+
+    def no_launch(**_: object) -> dict:
+        raise AssertionError("the runner accepted this config and would have started ranks")
+
+    monkeypatch.setattr(run, "launch", no_launch)
+    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run.cli()
+    err = capfd.readouterr().err
+    assert not (run_dir / "ranks").exists(), "a rank was started"
+    return int(e.value.code or 0), err
