@@ -14,6 +14,7 @@ launches one process per rank (``launcher.py``) or, under torchrun, runs this pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import schema
+from zeropp.comm import Topology
+from zeropp.comm.topology import LaunchLayout
+
 from .config import ConfigError, RunConfig, from_omegaconf
 from .launcher import RankFailure, emulated_placement, in_torchrun, launch, local_placement, worker_module
 from .metrics import read_summary, write_summary
@@ -66,13 +70,71 @@ def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
     }
 
 
+LAYOUT_KEYS = {"topology": ("nodes", "ranks_per_node"), "topology.nodes": ("nodes",),
+               "topology.ranks_per_node": ("ranks_per_node",)}
+"""Overrides that declare the node layout (``topology=2x2`` both fields); under torchrun the fields
+not declared come from the launcher."""
+
+
+def declared_layout(overrides: list[str]) -> set[str]:
+    """Which of ``topology.nodes`` / ``topology.ranks_per_node`` the command line sets (Hydra's
+    ``key=value``, ``+key=value``, ``++key=value``); ``topology.tp`` alone declares neither."""
+    out: set[str] = set()
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        out.update(LAYOUT_KEYS.get(key, ()))
+    return out
+
+
+def launcher_topology(rc: RunConfig, overrides: list[str], env: dict[str, str] | None = None
+                      ) -> tuple[RunConfig, dict[str, Any]]:
+    """Under torchrun: the run config with the topology the launcher started, and what the summary
+    records about it. ``topology.nodes`` / ``topology.ranks_per_node`` not on the command line
+    come from the launcher (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``); declared ones must agree
+    with it, and the ranks must be numbered node by node. Raises ConfigError otherwise, on every
+    rank alike (placement: on the misplaced rank), before any rank joins a process group."""
+    t = rc.topology
+    try:
+        layout = LaunchLayout.from_env(env)
+    except ValueError as e:
+        raise ConfigError(f"invalid launch: {e}") from None
+    launched = int((os.environ if env is None else env)["WORLD_SIZE"])
+    if layout is None:  # a launcher that names no node layout: only the world size can be checked
+        if launched != rc.world_size:
+            raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
+                              f"topology.ranks_per_node = {t.nodes} x {t.ranks_per_node} = {rc.world_size}; pass "
+                              "topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> multiplying to "
+                              f"{launched}")
+        return rc, {"cluster": "torchrun"}
+    declared = declared_layout(overrides)
+    try:
+        topo = Topology(t.nodes if "nodes" in declared else layout.nodes,
+                        t.ranks_per_node if "ranks_per_node" in declared else layout.ranks_per_node, t.hpz_size, t.tp)
+    except ValueError as e:  # only launcher-derived values can fail here: declared ones were validated
+        raise ConfigError(f"invalid config topology: {str(e).replace('Topology.', 'topology.')} (the layout "
+                          f"torchrun started: {layout.describe()})") from None
+    try:
+        layout.check(topo)
+    except ValueError as e:
+        raise ConfigError(
+            f"invalid config: {e}; drop {' '.join(f'topology.{k}' for k in sorted(declared))} (the launcher's "
+            f"layout is the default) or pass topology.nodes={layout.nodes} topology.ranks_per_node="
+            f"{layout.ranks_per_node}. To pose as several nodes on one host, launch without torchrun: "
+            "python -m experiments.run topology=<nodes>x<ranks per node>") from None
+    info = {"cluster": "torchrun", "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
+            "declared": sorted(f"topology.{k}" for k in declared)}
+    if topo == t:
+        return rc, info
+    try:
+        return dataclasses.replace(rc, topology=topo), info
+    except ConfigError as e:
+        raise ConfigError(f"{e} (with the layout torchrun started: {layout.describe()})") from None
+
+
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
     rc.check_resume(run_dir)
-    label = rc.describe(info["model_name"])
-    spec = {"config": rc.to_dict(), "run_dir": str(run_dir), "name": info["name"], "group": info["group"],
-            "overrides": info["overrides"], "label": label, "model_name": info["model_name"]}
     if in_torchrun():
         from .worker import run_rank
 
@@ -80,18 +142,14 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             raise ConfigError("invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
                               "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
                               "without torchrun")
-        launched = int(os.environ["WORLD_SIZE"])
-        if launched != rc.world_size:  # before this rank joins anything, on every rank
-            raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
-                              f"topology.ranks_per_node = {rc.topology.nodes} x {rc.topology.ranks_per_node} = "
-                              f"{rc.world_size}; pass topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> "
-                              f"multiplying to {launched}")
-
-        summary = run_rank(spec)
+        rc, placed = launcher_topology(rc, info["overrides"])  # before this rank joins anything, on every rank
+        summary = run_rank(_spec(rc, info))
         if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
-            summary["placement"] = {"cluster": "torchrun"}
+            summary["placement"] = placed
             write_summary(run_dir / "summary.json", summary)
         return summary
+    spec = _spec(rc, info)
+    label = spec["label"]
     t = rc.topology
     if rc.launcher.device == "cuda":  # the ranks would each refuse; say it once, before starting them
         import torch
@@ -111,6 +169,13 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     summary["placement"] = placed  # e.g. the emulated links' configured and measured rates
     write_summary(run_dir / "summary.json", summary)
     return summary
+
+
+def _spec(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """What every rank is given: the validated config and where and under what name it runs."""
+    return {"config": rc.to_dict(), "run_dir": info["run_dir"], "name": info["name"], "group": info["group"],
+            "overrides": info["overrides"], "label": rc.describe(info["model_name"]),
+            "model_name": info["model_name"]}
 
 
 def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
