@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tp_helpers import tp_block_bytes
 from zeropp.experiments.metrics import SUMMARY_KEYS
 from zeropp.experiments.report import PLOTS
 
@@ -316,6 +317,14 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     assert abs(runs["tp"]["loss"]["eval"] - runs["dp"]["loss"]["eval"]) <= 1e-4 * runs["dp"]["loss"]["eval"]
     assert runs["tp"]["tokens_per_step"] == runs["dp"]["tokens_per_step"] == 2 * 4 * 32
     assert runs["tp"]["topology"]["tp"] == 2 and runs["dp"]["topology"]["tp"] == 1
+    # every byte counted: the tensor-parallel all-reduces (DTensor's functional collectives) are the
+    # intra-node traffic, 2 blocks x forward + backward of 4 x 32 tokens per rank and step, plus
+    # the few bytes of the engine's scalar all-reduces; the dp run has no intra-node peer
+    block = tp_block_bytes(4, 32, 32, tp=2)
+    want = 2 * (block["forward"] + block["backward"])
+    wire = runs["tp"]["comm_bytes_per_step"]
+    assert want <= wire["by_kind_link"]["all_reduce.intra"] == wire["by_link"]["intra"] < want + 256, wire
+    assert runs["dp"]["comm_bytes_per_step"]["by_link"]["intra"] == 0
     # each rank's engine partitions its TP-local half of the split weights over the dp pair
     expected = sum(runs["tp"]["memory_expected"]["device"].values())
     assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
