@@ -10,6 +10,11 @@ launches one process per rank (``launcher.py``) or, under torchrun, runs this pr
     python -m experiments.run -m stage=0,1,2,3
     python -m experiments.run sweep=trainers
     torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run stage=3 quant=int8
+
+Under torchrun the nodes are torchrun's: ``topology.nodes`` / ``topology.ranks_per_node`` not given
+on the command line are its agents and ``--nproc-per-node`` (the first example runs 1 node x 4), and
+given ones must agree with them (:func:`launcher_topology`); the local launcher instead poses
+``topology=NxR`` (default 2x2) on this one host.
 """
 
 from __future__ import annotations

@@ -269,15 +269,17 @@ def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Pa
     assert a["engine_comm_bytes_per_step"] == b["engine_comm_bytes_per_step"]
 
 
-def test_torchrun_refuses_a_contradicting_topology_and_sweeps() -> None:
+def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) -> None:
     """One torchrun host with 2 ranks cannot be ``topology=2x1`` (two nodes): every rank refuses
     before joining; sweeps under torchrun are refused too."""
     bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "zeropp.experiments.run", "topology=2x1", "logger=none", *FAST],
+                          "-m", "zeropp.experiments.run", "topology=2x1", "logger=none", *FAST,
+                          f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, timeout=180)
     assert bad.returncode != 0, bad.stderr[-2000:]
     assert ("topology says 2 nodes x 1 rank but torchrun started 1 node x 2 local ranks; drop topology.nodes "
             "topology.ranks_per_node") in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
     sweep = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             "-m", "zeropp.experiments.run", "-m", "quant=none,int8"], capture_output=True, text=True,
                            timeout=180)
