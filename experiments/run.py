@@ -12,28 +12,27 @@ launches one process per rank (``launcher.py``) or, under torchrun, runs this pr
     torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run stage=3 quant=int8
 
 Under torchrun the nodes are torchrun's: ``topology.nodes`` / ``topology.ranks_per_node`` not given
-on the command line are its agents and ``--nproc-per-node`` (the first example runs 1 node x 4), and
-given ones must agree with them (:func:`launcher_topology`); the local launcher instead poses
-``topology=NxR`` (default 2x2) on this one host.
+on the command line are its agents and ``--nproc-per-node`` (the last example runs 1 node x 4), and
+given ones must agree with them (:func:`validated`, :func:`check_launch`); the local launcher
+instead poses ``topology=NxR`` (default 2x2) on this one host.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import schema
-from zeropp.comm import Topology
 from zeropp.comm.topology import LaunchLayout
 
+from . import schema
 from .config import ConfigError, RunConfig, from_omegaconf
 from .launcher import RankFailure, emulated_placement, in_torchrun, launch, local_placement, worker_module
 from .metrics import read_summary, write_summary
@@ -91,49 +90,68 @@ def declared_layout(overrides: list[str]) -> set[str]:
     return out
 
 
-def launcher_topology(rc: RunConfig, overrides: list[str], env: dict[str, str] | None = None
-                      ) -> tuple[RunConfig, dict[str, Any]]:
-    """Under torchrun: the run config with the topology the launcher started, and what the summary
-    records about it. ``topology.nodes`` / ``topology.ranks_per_node`` not on the command line
-    come from the launcher (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``); declared ones must agree
-    with it, and the ranks must be numbered node by node. Raises ConfigError otherwise, on every
-    rank alike (placement: on the misplaced rank), before any rank joins a process group."""
-    t = rc.topology
+def _launch_layout(env: Mapping[str, str] | None) -> LaunchLayout | None:
+    """The layout torchrun started (``env``; None: this process's environment when it is a
+    torchrun rank, else no layout)."""
+    if env is None:
+        if not in_torchrun():
+            return None
+        env = os.environ
     try:
-        layout = LaunchLayout.from_env(env)
+        return LaunchLayout.from_env(env)
     except ValueError as e:
         raise ConfigError(f"invalid launch: {e}") from None
-    launched = int((os.environ if env is None else env)["WORLD_SIZE"])
+
+
+def validated(cfg: DictConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> RunConfig:
+    """The composed config validated into a RunConfig (``config.from_omegaconf``). Under torchrun
+    (``env``: its environment, None: this process's) the ``topology.nodes`` /
+    ``topology.ranks_per_node`` not on the command line are the launcher's nodes and local ranks,
+    so every setting is checked against the topology that will run."""
+    layout = _launch_layout(env)
+    fill = {} if layout is None else {k: getattr(layout, k) for k in ("nodes", "ranks_per_node")
+                                      if k not in declared_layout(overrides)}
+    if fill:
+        cfg = copy.deepcopy(cfg)
+        for k, v in fill.items():
+            OmegaConf.update(cfg, f"topology.{k}", v)
+    try:
+        return from_omegaconf(cfg)
+    except ConfigError as e:
+        if not fill:
+            raise
+        assert layout is not None
+        raise ConfigError(f"{e} (with {' '.join(f'topology.{k}={v}' for k, v in fill.items())} from the layout "
+                          f"torchrun started: {layout.describe()})") from None
+
+
+def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Under torchrun, before this rank joins anything: the run's topology must be the layout
+    torchrun started (ranks numbered node by node, checked by ``LaunchLayout.from_env``); a
+    declared one that contradicts it is a ConfigError naming both and the fix, raised on every rank
+    alike. Returns what the summary records about the launch."""
+    t = rc.topology
+    layout = _launch_layout(env)
     if layout is None:  # a launcher that names no node layout: only the world size can be checked
+        launched = int((os.environ if env is None else env)["WORLD_SIZE"])
         if launched != rc.world_size:
             raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
                               f"topology.ranks_per_node = {t.nodes} x {t.ranks_per_node} = {rc.world_size}; pass "
                               "topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> multiplying to "
                               f"{launched}")
-        return rc, {"cluster": "torchrun"}
+        return {"cluster": "torchrun"}
     declared = declared_layout(overrides)
     try:
-        topo = Topology(t.nodes if "nodes" in declared else layout.nodes,
-                        t.ranks_per_node if "ranks_per_node" in declared else layout.ranks_per_node, t.hpz_size, t.tp)
-    except ValueError as e:  # only launcher-derived values can fail here: declared ones were validated
-        raise ConfigError(f"invalid config topology: {str(e).replace('Topology.', 'topology.')} (the layout "
-                          f"torchrun started: {layout.describe()})") from None
-    try:
-        layout.check(topo)
+        layout.check(t)
     except ValueError as e:
+        drop = " ".join(f"topology.{k}" for k in sorted(declared)) or "topology.*"
         raise ConfigError(
-            f"invalid config: {e}; drop {' '.join(f'topology.{k}' for k in sorted(declared))} (the launcher's "
-            f"layout is the default) or pass topology.nodes={layout.nodes} topology.ranks_per_node="
-            f"{layout.ranks_per_node}. To pose as several nodes on one host, launch without torchrun: "
-            "python -m experiments.run topology=<nodes>x<ranks per node>") from None
-    info = {"cluster": "torchrun", "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
+            f"invalid config: {e}; drop {drop} (the launcher's layout is the default) or pass "
+            f"topology.nodes={layout.nodes} topology.ranks_per_node={layout.ranks_per_node}. To pose as several nodes "
+            "on one host, launch without torchrun: python -m experiments.run topology=<nodes>x<ranks per node>"
+        ) from None
+    return {"cluster": "torchrun", "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
             "declared": sorted(f"topology.{k}" for k in declared)}
-    if topo == t:
-        return rc, info
-    try:
-        return dataclasses.replace(rc, topology=topo), info
-    except ConfigError as e:
-        raise ConfigError(f"{e} (with the layout torchrun started: {layout.describe()})") from None
 
 
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
@@ -147,7 +165,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             raise ConfigError("invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
                               "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
                               "without torchrun")
-        rc, placed = launcher_topology(rc, info["overrides"])  # before this rank joins anything, on every rank
+        placed = check_launch(rc, info["overrides"])  # before this rank joins anything, on every rank
         summary = run_rank(_spec(rc, info))
         if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
             summary["placement"] = placed
@@ -194,7 +212,7 @@ def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
     info = {"run_dir": str(run_dir), "overrides": list(overrides), "name": ",".join(overrides) or "defaults",
             "group": None, "multirun": False, "model_name": cfg.hydra.runtime.choices.get("model") or ""}
-    rc = from_omegaconf(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     summary = execute(rc, info)
     assert summary is not None
@@ -219,7 +237,7 @@ def _record_failure(info: dict[str, Any], error: str, exit_code: int) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
     try:
-        summary = execute(from_omegaconf(cfg), info)
+        summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure) as e:
         code = 2 if isinstance(e, ConfigError) else (e.exit_code if e.exit_code and e.exit_code > 0 else 1)
         print(f"error: {e}", file=sys.stderr, flush=True)

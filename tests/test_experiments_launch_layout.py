@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from zeropp.comm import Topology
 from zeropp.comm.topology import LaunchLayout
-from zeropp.experiments.config import ConfigError, from_dict
-from zeropp.experiments.run import declared_layout, launcher_topology, run_job
+from zeropp.experiments.config import ConfigError
+from zeropp.experiments.run import check_launch, declared_layout, run_job, validated
 from zeropp.launch import LAUNCHED_MARK
 
 
@@ -30,11 +30,18 @@ def torchrun_env(nodes: int, per_node: int, node: int, local: int) -> dict[str, 
             "TORCHELASTIC_RUN_ID": "none"}
 
 
-def _rc(*overrides: str):
+def _cfg(*overrides: str):
+    """The composed config of ``python -m experiments.run <overrides>`` (before validation)."""
     import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
-        return from_dict(OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True))
+        return compose("config", overrides=list(overrides))
+
+
+def _launch(env: dict[str, str], *overrides: str):
+    """What the runner does on a torchrun rank with ``env``: validate, then check the launch."""
+    rc = validated(_cfg(*overrides), list(overrides), env)
+    return rc, check_launch(rc, list(overrides), env)
 
 
 def test_layout_from_torchrun_env() -> None:
@@ -78,53 +85,54 @@ def test_declared_layout_reads_the_command_line() -> None:
 
 def test_topology_defaults_to_the_launchers_layout() -> None:
     """No topology on the command line: every rank of 1 agent x 4 runs 1 node x 4 (the runner's
-    own default 2x2 is for the local launcher); 2 agents x 2 run 2 x 2; tp is kept."""
-    rc = _rc("stage=3", "quant=int8")
+    own default 2x2 is for the local launcher); 2 agents x 2 run 2 x 2; tp is kept; settings are
+    validated against that topology (hpZ groups of 4 need nodes of 4)."""
     for local in range(4):
-        got, placed = launcher_topology(rc, [], torchrun_env(1, 4, 0, local))
-        assert got.topology == Topology(1, 4) and got.describe().endswith(" 1x4")
+        rc, placed = _launch(torchrun_env(1, 4, 0, local), "stage=3", "quant=int8")
+        assert rc.topology == Topology(1, 4) and rc.describe().endswith(" 1x4")
         assert placed == {"cluster": "torchrun", "nodes": 1, "ranks_per_node": 4, "declared": []}
-    rc = _rc("stage=3", "quant=zeropp", "topology=1x4", "topology.tp=2", "model=tiny")
-    got, _ = launcher_topology(rc, ["topology.tp=2"], torchrun_env(2, 2, 1, 1))
-    assert got.topology == Topology(2, 2, tp=2)
-    # a declared layout that agrees is kept as it is
-    rc = _rc("topology=2x2")
-    got, placed = launcher_topology(rc, ["topology=2x2"], torchrun_env(2, 2, 0, 1))
-    assert got is rc and placed["declared"] == ["topology.nodes", "topology.ranks_per_node"]
+    rc, _ = _launch(torchrun_env(1, 4, 0, 0), "quant=hpz", "zero.hpz_size=4")  # invalid on the default 2x2
+    assert rc.topology == Topology(1, 4) and rc.zero.hpz_size == 4
+    rc, _ = _launch(torchrun_env(2, 2, 1, 1), "stage=3", "quant=zeropp", "topology.tp=2", "model=tiny")
+    assert rc.topology == Topology(2, 2, tp=2)
+    # a declared layout that agrees is kept
+    rc, placed = _launch(torchrun_env(2, 2, 0, 1), "topology=2x2")
+    assert rc.topology == Topology(2, 2) and placed["declared"] == ["topology.nodes", "topology.ranks_per_node"]
+    # not under torchrun: the config as composed
+    assert validated(_cfg(), [], {}).topology == Topology(2, 2)
 
 
 def test_a_declared_layout_that_contradicts_the_launcher_is_refused() -> None:
     """The reported case: two agents x 2 ranks run with topology.nodes=1 topology.ranks_per_node=4
     counted every byte as intra-node; now every rank refuses, naming both layouts and the fix."""
-    over = ["topology.nodes=1", "topology.ranks_per_node=4"]
-    rc = _rc(*over)
     for node, local in ((0, 0), (1, 1)):
         with pytest.raises(ConfigError) as e:
-            launcher_topology(rc, over, torchrun_env(2, 2, node, local))
+            _launch(torchrun_env(2, 2, node, local), "topology.nodes=1", "topology.ranks_per_node=4")
         assert str(e.value) == (
             "invalid config: topology says 1 node x 4 ranks but torchrun started 2 nodes x 2 local ranks; drop "
             "topology.nodes topology.ranks_per_node (the launcher's layout is the default) or pass topology.nodes=2 "
             "topology.ranks_per_node=2. To pose as several nodes on one host, launch without torchrun: "
             "python -m experiments.run topology=<nodes>x<ranks per node>")
     # one field declared: the other comes from the launcher, and the declared one must agree
-    rc = _rc("topology.nodes=2")
-    assert launcher_topology(rc, ["topology.nodes=2"], torchrun_env(2, 2, 0, 0))[0].topology == Topology(2, 2)
+    assert _launch(torchrun_env(2, 2, 0, 0), "topology.nodes=2")[0].topology == Topology(2, 2)
     with pytest.raises(ConfigError, match=r"topology says 2 nodes x 4 ranks but torchrun started 1 node x 4 local "
                                           r"ranks; drop topology.nodes \("):
-        launcher_topology(rc, ["topology.nodes=2"], torchrun_env(1, 4, 0, 0))
+        _launch(torchrun_env(1, 4, 0, 0), "topology.nodes=2")
 
 
 def test_launcher_layout_errors_name_the_launch() -> None:
-    rc = _rc("topology.tp=2", "model=tiny")
-    with pytest.raises(ConfigError, match=r"topology.tp=2 must be a positive divisor of ranks_per_node=3.*the layout "
-                                          r"torchrun started: 1 node x 3 local ranks"):
-        launcher_topology(rc, ["topology.tp=2"], torchrun_env(1, 3, 0, 0))
+    with pytest.raises(ConfigError, match=r"topology.tp=2 must be a positive divisor of ranks_per_node=3.*with "
+                                          r"topology.nodes=1 topology.ranks_per_node=3 from the layout torchrun "
+                                          r"started: 1 node x 3 local ranks"):
+        _launch(torchrun_env(1, 3, 0, 0), "topology.tp=2", "model=tiny")
     with pytest.raises(ConfigError, match="invalid launch: torchrun placed rank 1 on node 1"):
-        launcher_topology(rc, [], {**torchrun_env(2, 2, 1, 0), "RANK": "1"})
+        _launch({**torchrun_env(2, 2, 1, 0), "RANK": "1"})
     # zero.* checked against the launcher's topology too (hpZ groups of 4 on nodes of 2)
-    rc = _rc("quant=hpz", "zero.hpz_size=4", "topology=1x4")
-    with pytest.raises(ConfigError, match=r"hpz_size.*with the layout torchrun started: 2 nodes x 2 local ranks"):
-        launcher_topology(rc, [], torchrun_env(2, 2, 0, 0))
+    with pytest.raises(ConfigError, match=r"hpz_size.*from the layout torchrun started: 2 nodes x 2 local ranks"):
+        _launch(torchrun_env(2, 2, 0, 0), "quant=hpz", "zero.hpz_size=4")
+    # a launcher that names no layout: the world size is still checked
+    with pytest.raises(ConfigError, match="torchrun started 3 ranks but topology.nodes x topology.ranks_per_node"):
+        _launch({"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"})
 
 
 def test_runner_refuses_before_joining(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
