@@ -257,7 +257,10 @@ def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Pa
         assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
     one = _run([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
-    assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]  # rank 0's only
+    # rank 0 alone summarizes: one agent prints the table, one metrics line per step
+    assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]
+    assert sum("tokens/s" in a.stdout for a in agents) == 1, [a.stdout[-500:] for a in agents]
+    assert len((tmp_path / "tr" / "metrics.jsonl").read_text().splitlines()) == 4
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
     assert a["placement"] == {"cluster": "torchrun", "nodes": 2, "ranks_per_node": 2, "declared": []}, where
     assert a["topology"] == b["topology"] == {"world_size": 4, "ranks_per_node": 2, "tp": 1, "nodes": 2}
