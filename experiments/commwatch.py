@@ -17,6 +17,18 @@ off the ``torch.distributed`` call's arguments):
   ``Work.wait()``. That is the time communication is *not* overlapped with compute.
 
 Nested calls (a collective implemented with another) are counted once, at the outermost call.
+
+**Functional collectives** (``torch.distributed._functional_collectives``, the
+``torch.ops._c10d_functional`` ops that DTensor redistributions and therefore tensor parallelism
+issue) do not pass through those Python functions: they go from the op straight to the backend
+in C++. They are counted, under the same kinds and links, by a ``TorchDispatchMode`` that sees
+every op dispatched on the training thread (and in the autograd work it starts); the time spent
+in them and in ``wait_tensor`` counts as wait. A dispatch mode costs some microseconds per tensor
+op (about 10 us on a CPU, which would distort the step times trainers are compared by), so it is
+on when the topology has ``tp > 1`` (``functional=None``) or when asked for (``functional=True``).
+Without it functional collectives are not counted; with ``tp == 1`` that leaves out only FSDP2's
+gradient-norm all-reduce (``clip_grad_norm_`` on DTensor gradients, a few bytes per step): the
+zeropp engine, DDP and the rest of FSDP2 call ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeropp.comm import CommStats, Topology
 from zeropp.comm.chain import Deferred
@@ -97,13 +110,16 @@ def _kind(name: str) -> str:
 class CommWatch:
     """Patch torch.distributed for this process while active (see module doc).
 
-    ``topology`` (zeropp.comm.Topology) classifies each peer as intra- or cross-node. Use as a
-    context manager; ``take()`` returns and resets the counters (one step's worth); ``stats`` is
-    the underlying CommStats.
+    ``topology`` (zeropp.comm.Topology) classifies each peer as intra- or cross-node.
+    ``functional``: count functional collectives too (module doc); ``None`` = when ``topology.tp > 1``.
+    Use as a context manager, entered and left on the training thread; ``take()`` returns and
+    resets the counters (one step's worth); ``stats`` is the underlying CommStats.
     """
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, functional: bool | None = None) -> None:
         self.topology = topology
+        self.functional = topology.tp > 1 if functional is None else bool(functional)
+        self._mode: _FunctionalCollectives | None = None
         self.stats = CommStats()
         self.wait_s = 0.0
         self._local = threading.local()
@@ -130,6 +146,18 @@ class CommWatch:
         kind = _kind(name)
         record_sends(self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global)))
         self.stats.count_call(kind)
+
+    def _account_functional(self, kind: str, group: Any, per_peer: Callable[[int, int], list[int]]) -> None:
+        """One functional collective over ``group`` (a ProcessGroup or its name): ``per_peer(group
+        size, my group rank)`` gives the bytes to each member."""
+        pg = group if isinstance(group, dist.ProcessGroup) else c10d._resolve_process_group(group)
+        ranks = dist.get_process_group_ranks(pg)
+        me = dist.get_rank()
+        if me not in ranks:
+            return
+        with self._lock:
+            record_sends(self.stats, kind, self.topology, ranks, per_peer(len(ranks), ranks.index(me)))
+            self.stats.count_call(kind)
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -182,9 +210,15 @@ class CommWatch:
         # waiting for a continuation that zeropp's comm worker runs (qgZ's cross-node hop) blocks too
         self._saved.append((Deferred, "wait", Deferred.wait))
         Deferred.wait = self._wrap_wait(Deferred.wait)  # type: ignore[method-assign]
+        if self.functional:
+            self._mode = _FunctionalCollectives(self)
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
         for obj, name, fn in reversed(self._saved):
             setattr(obj, name, fn)
         self._saved.clear()
@@ -199,7 +233,91 @@ class CommWatch:
         return b, w
 
 
+def _functional_rule(op: str, args: tuple, kwargs: dict) -> tuple[str, Callable[[int, int], list[int]]]:
+    """``(kind, per_peer)`` of one functional collective op (``op``: its name without namespace;
+    ``args`` in the op's schema order): ``per_peer(group size, my group rank)`` is what this rank
+    sends to each member, by the zeropp.comm.stats.peer_bytes rules. The input is a tensor, or a
+    tensor list for ``*_coalesced`` (the sum of the per-tensor amounts)."""
+    kind = _FUNCTIONAL_KINDS[op]
+    inp = args[0] if args else kwargs.get("input", kwargs.get("inputs"))
+    tensors = list(inp) if isinstance(inp, (list, tuple)) else [inp]
+    if op == "all_to_all_single":
+        t, in_splits = tensors[0], _arg(args, kwargs, 2, "input_split_sizes")
+        row = _nbytes(t) // max(1, t.shape[0]) if t.dim() else 0
+        splits = [int(x) * row for x in in_splits] if in_splits else None
+        return kind, lambda g, me: peer_bytes(kind, _nbytes(t), g, splits=splits, rank=me)
+    if kind == "broadcast":
+        src = int(_arg(args, kwargs, 1, "src"))  # a group rank
+        return kind, lambda g, me: peer_bytes(kind, _nbytes(tensors[0]), g, rank=me, root=src)
+
+    def per_peer(g: int, me: int) -> list[int]:
+        return [sum(col) for col in zip(*(peer_bytes(kind, _nbytes(t), g, rank=me) for t in tensors))]
+    return kind, per_peer
+
+
+_FUNCTIONAL_KINDS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast", "broadcast_": "broadcast", "shard_dim_alltoall": "all_to_all"}
+"""Functional collective op -> the kind it is counted as. ``shard_dim_alltoall`` (DTensor's
+shard-dim change on GPUs) sends each peer its chunk of the input: an all-to-all."""
+
+_FUNCTIONAL_OPS = {"_c10d_functional": tuple(k for k in _FUNCTIONAL_KINDS if k != "shard_dim_alltoall"),
+                   "_c10d_functional_autograd": ("all_gather_into_tensor", "reduce_scatter_tensor",
+                                                 "all_to_all_single"),
+                   "_dtensor": ("shard_dim_alltoall",)}
+"""The ops counted, by ``torch.ops`` namespace (those a torch version lacks are skipped)."""
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """The dispatch mode of :class:`CommWatch` (module doc). Hand-written because torch's
+    ``CommDebugMode`` counts calls per op but gives neither the bytes nor the group; like it,
+    this mode lets DTensor run first (``NotImplemented``), so it sees the collectives DTensor
+    desugars into rather than the DTensor op."""
+
+    supports_higher_order_operators = True  # passed through (DTensor's RNG wrapper is one)
+
+    def __init__(self, watch: CommWatch) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self.watch, self._dtensor = watch, DTensor
+        self._ops: dict[Any, tuple[str, int]] = {}  # op packet -> (name, index of group_name in its schema)
+        for ns, names in _FUNCTIONAL_OPS.items():
+            for name in names:
+                packet = getattr(getattr(torch.ops, ns), name, None)
+                if packet is not None:
+                    args = packet.default._schema.arguments
+                    self._ops[packet] = (name, next(i for i, a in enumerate(args) if a.name == "group_name"))
+        self._wait = torch.ops._c10d_functional.wait_tensor
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented
+        packet = func._overloadpacket
+        known = self._ops.get(packet)
+        if known is None and packet is not self._wait:
+            return func(*args, **kwargs)
+        if known is not None:
+            name, gi = known
+            with contextlib.suppress(Exception):  # accounting never breaks the collective
+                kind, per_peer = _functional_rule(name, args, kwargs)
+                self.watch._account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
+        t0 = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            if threading.get_ident() == self.watch._thread:  # only the training thread's blocking counts
+                self.watch.wait_s += time.perf_counter() - t0
+
+
 @contextlib.contextmanager
-def watching(topology: Topology) -> Iterator[CommWatch]:
-    with CommWatch(topology) as w:
+def watching(topology: Topology, functional: bool | None = None) -> Iterator[CommWatch]:
+    with CommWatch(topology, functional) as w:
         yield w

@@ -15,22 +15,28 @@ Exit status: 0 the run completed; 2 an invalid config (nothing started); 3 train
 (a non-finite loss or gradient norm, or ``train.max_skipped_steps`` fp16 overflows in a row: every
 rank stopped at that step, ``summary.json`` says ``"status": "diverged"``, nothing of that step
 was saved); otherwise a rank's failure (its exit code, 1 for an error, 128+N for signal N).
+Under torchrun the nodes are torchrun's: ``topology.nodes`` / ``topology.ranks_per_node`` not given
+on the command line are its agents and ``--nproc-per-node`` (the last example runs 1 node x 4), and
+given ones must agree with them (:func:`validated`, :func:`check_launch`); the local launcher
+instead poses ``topology=NxR`` (default 2x2) on this one host.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zeropp.runtime.divergence import DivergenceError
+from zeropp.comm.topology import LaunchLayout
 
 from . import schema
 from .config import ConfigError, RunConfig, from_omegaconf
@@ -75,14 +81,91 @@ def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
     }
 
 
+LAYOUT_KEYS = {"topology": ("nodes", "ranks_per_node"), "topology.nodes": ("nodes",),
+               "topology.ranks_per_node": ("ranks_per_node",)}
+"""Overrides that declare the node layout (``topology=2x2`` both fields); under torchrun the fields
+not declared come from the launcher."""
+
+
+def declared_layout(overrides: list[str]) -> set[str]:
+    """Which of ``topology.nodes`` / ``topology.ranks_per_node`` the command line sets (Hydra's
+    ``key=value``, ``+key=value``, ``++key=value``); ``topology.tp`` alone declares neither."""
+    out: set[str] = set()
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        out.update(LAYOUT_KEYS.get(key, ()))
+    return out
+
+
+def _launch_layout(env: Mapping[str, str] | None) -> LaunchLayout | None:
+    """The layout torchrun started (``env``; None: this process's environment when it is a
+    torchrun rank, else no layout)."""
+    if env is None:
+        if not in_torchrun():
+            return None
+        env = os.environ
+    try:
+        return LaunchLayout.from_env(env)
+    except ValueError as e:
+        raise ConfigError(f"invalid launch: {e}") from None
+
+
+def validated(cfg: DictConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> RunConfig:
+    """The composed config validated into a RunConfig (``config.from_omegaconf``). Under torchrun
+    (``env``: its environment, None: this process's) the ``topology.nodes`` /
+    ``topology.ranks_per_node`` not on the command line are the launcher's nodes and local ranks,
+    so every setting is checked against the topology that will run."""
+    layout = _launch_layout(env)
+    fill = {} if layout is None else {k: getattr(layout, k) for k in ("nodes", "ranks_per_node")
+                                      if k not in declared_layout(overrides)}
+    if fill:
+        cfg = copy.deepcopy(cfg)
+        for k, v in fill.items():
+            OmegaConf.update(cfg, f"topology.{k}", v)
+    try:
+        return from_omegaconf(cfg)
+    except ConfigError as e:
+        if not fill:
+            raise
+        assert layout is not None
+        raise ConfigError(f"{e} (with {' '.join(f'topology.{k}={v}' for k, v in fill.items())} from the layout "
+                          f"torchrun started: {layout.describe()})") from None
+
+
+def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Under torchrun, before this rank joins anything: the run's topology must be the layout
+    torchrun started (ranks numbered node by node, checked by ``LaunchLayout.from_env``); a
+    declared one that contradicts it is a ConfigError naming both and the fix, raised on every rank
+    alike. Returns what the summary records about the launch."""
+    t = rc.topology
+    layout = _launch_layout(env)
+    if layout is None:  # a launcher that names no node layout: only the world size can be checked
+        launched = int((os.environ if env is None else env)["WORLD_SIZE"])
+        if launched != rc.world_size:
+            raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
+                              f"topology.ranks_per_node = {t.nodes} x {t.ranks_per_node} = {rc.world_size}; pass "
+                              "topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> multiplying to "
+                              f"{launched}")
+        return {"cluster": "torchrun"}
+    declared = declared_layout(overrides)
+    try:
+        layout.check(t)
+    except ValueError as e:
+        drop = " ".join(f"topology.{k}" for k in sorted(declared)) or "topology.*"
+        raise ConfigError(
+            f"invalid config: {e}; drop {drop} (the launcher's layout is the default) or pass "
+            f"topology.nodes={layout.nodes} topology.ranks_per_node={layout.ranks_per_node}. To pose as several nodes "
+            "on one host, launch without torchrun: python -m experiments.run topology=<nodes>x<ranks per node>"
+        ) from None
+    return {"cluster": "torchrun", "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
+            "declared": sorted(f"topology.{k}" for k in declared)}
+
+
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
     rc.check_resume(run_dir)
     check_before_launch(rc, run_dir, local=not in_torchrun())  # corpus, checkpoint dir, ranks and memory here
-    label = rc.describe(info["model_name"])
-    spec = {"config": rc.to_dict(), "run_dir": str(run_dir), "name": info["name"], "group": info["group"],
-            "overrides": info["overrides"], "label": label, "model_name": info["model_name"]}
     if in_torchrun():
         from .worker import run_rank
 
@@ -90,18 +173,14 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             raise ConfigError("invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
                               "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
                               "without torchrun")
-        launched = int(os.environ["WORLD_SIZE"])
-        if launched != rc.world_size:  # before this rank joins anything, on every rank
-            raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
-                              f"topology.ranks_per_node = {rc.topology.nodes} x {rc.topology.ranks_per_node} = "
-                              f"{rc.world_size}; pass topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> "
-                              f"multiplying to {launched}")
-
-        summary = run_rank(spec)
+        placed = check_launch(rc, info["overrides"])  # before this rank joins anything, on every rank
+        summary = run_rank(_spec(rc, info))
         if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
-            summary["placement"] = {"cluster": "torchrun"}
+            summary["placement"] = placed
             write_summary(run_dir / "summary.json", summary)
         return summary
+    spec = _spec(rc, info)
+    label = spec["label"]
     t = rc.topology
     placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms,
                                     device=rc.launcher.device)
@@ -148,6 +227,13 @@ def recorded_divergence(path: Path, since_ns: int) -> RunDiverged | None:
     return RunDiverged(DivergenceError.from_record(summary["divergence"]))
 
 
+def _spec(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """What every rank is given: the validated config and where and under what name it runs."""
+    return {"config": rc.to_dict(), "run_dir": info["run_dir"], "name": info["name"], "group": info["group"],
+            "overrides": info["overrides"], "label": rc.describe(info["model_name"]),
+            "model_name": info["model_name"]}
+
+
 def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
     """Compose ``overrides`` like the command line, run the job into ``run_dir``, return its
     summary. For benchmarks and tests that run several jobs from Python; raises ConfigError or
@@ -159,7 +245,7 @@ def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
     info = {"run_dir": str(run_dir), "overrides": list(overrides), "name": ",".join(overrides) or "defaults",
             "group": None, "multirun": False, "model_name": cfg.hydra.runtime.choices.get("model") or ""}
-    rc = from_omegaconf(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     summary = execute(rc, info)
     assert summary is not None
@@ -184,7 +270,7 @@ def _record_failure(info: dict[str, Any], error: str, exit_code: int) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
     try:
-        summary = execute(from_omegaconf(cfg), info)
+        summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
         code = (2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1)
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):

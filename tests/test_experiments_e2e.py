@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tp_helpers import tp_block_bytes
 from zeropp.experiments.metrics import SUMMARY_KEYS
 from zeropp.experiments.report import PLOTS
 
@@ -190,26 +192,101 @@ def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
         assert [got[i] for i in range(1, 5)] == [want[i] for i in range(1, 5)]
 
 
-def test_torchrun_leaves_the_same_summary(tmp_path: Path) -> None:
-    args = ["stage=3", "quant=int8", "logger=none", *FAST]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path / 'tr'}"],
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    one = _run([*args, f"hydra.run.dir={tmp_path / 'one'}"])
+def _netns_unavailable() -> str | None:
+    from zeropp.experiments.cluster import NetnsError, netns
+
+    try:
+        netns.require_privileges("zpp")
+    except NetnsError as e:
+        return str(e)
+    return None
+
+
+def _torchrun_agents(args: list[str], nodes: int, per_node: int, *, timeout: float = 300
+                     ) -> tuple[list[subprocess.CompletedProcess], str]:
+    """Start ``nodes`` torchrun agents of ``per_node`` ranks as separate nodes (c10d rendezvous),
+    each in its own network namespace of an emulated cluster, or all on loopback when namespaces
+    cannot be made here; wait for them. Returns their results and where they ran."""
+    from zeropp.experiments.cluster import EmulatedCluster
+    from zeropp.launch import free_port
+
+    why = _netns_unavailable()
+    cluster = None if why else EmulatedCluster(nodes=nodes, ranks_per_node=per_node, inter_gbps=10.0, probe=False)
+    if why:
+        print(f"two-node torchrun on loopback, not namespaces: {why}")
+    env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
+    procs: list[subprocess.Popen] = []
+    try:
+        if cluster is not None:
+            cluster.up()
+            env["GLOO_SOCKET_IFNAME"] = cluster.interface
+        port = free_port()
+        for n in range(nodes):
+            addr = cluster.node_address(n) if cluster else "127.0.0.1"
+            prefix = ["ip", "netns", "exec", cluster.node_namespace(n)] if cluster else []
+            # --local-addr: every namespace has this host's name, so torchrun must not resolve it
+            cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+                   str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"{cluster.master_addr if cluster else '127.0.0.1'}:{port}", "--rdzv-conf", f"is_host={int(n == 0)}",
+                   "--local-addr", addr, "-m", "zeropp.experiments.run", *args]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done, "namespaces" if cluster else "loopback"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if cluster is not None:
+            cluster.down()
+
+
+def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Path) -> None:
+    """e2e (the expensive one): two torchrun agents x 2 ranks as two nodes, each agent in its own
+    network namespace of the emulated cluster (cross-node traffic crosses its link), no topology
+    given: the node layout comes from torchrun (2 x 2), rank 0 alone writes the summary, and every
+    byte count per step, cross-node ones included, equals the single-launcher ``topology=2x2`` run's
+    for a stage-3 ZeRO++ job (qwZ + hpZ + qgZ: cross vs intra decides what is sent where)."""
+    args = ["stage=3", "quant=zeropp", "logger=none", *FAST, "launcher.pg_timeout_s=60"]
+    agents, where = _torchrun_agents([*args, f"hydra.run.dir={tmp_path / 'tr'}"], 2, 2)
+    for a in agents:
+        assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    one = _run([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
-    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                          "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path / 'bad'}"],
+    # rank 0 alone summarizes: one agent prints the table, one metrics line per step
+    assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]
+    assert sum("tokens/s" in a.stdout for a in agents) == 1, [a.stdout[-500:] for a in agents]
+    assert len((tmp_path / "tr" / "metrics.jsonl").read_text().splitlines()) == 4
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
+    assert a["placement"] == {"cluster": "torchrun", "nodes": 2, "ranks_per_node": 2, "declared": []}, where
+    assert a["topology"] == b["topology"] == {"world_size": 4, "ranks_per_node": 2, "tp": 1, "nodes": 2}
+    assert set(a) == set(b) and a["label"] == b["label"] and a["tokens_per_step"] == b["tokens_per_step"]
+    assert a["loss"]["curve"] == b["loss"]["curve"]  # the same job: same data, same arithmetic
+    wire_a, wire_b = a["comm_bytes_per_step"], b["comm_bytes_per_step"]
+    assert wire_a["by_link"]["cross"] > 0 and wire_a["by_link"]["cross"] == wire_b["by_link"]["cross"]
+    assert wire_a == wire_b
+    assert a["engine_comm_bytes_per_step"] == b["engine_comm_bytes_per_step"]
+
+
+def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) -> None:
+    """One torchrun host with 2 ranks cannot be ``topology=2x1`` (two nodes): every rank refuses
+    before joining; sweeps under torchrun are refused too."""
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "zeropp.experiments.run", "topology=2x1", "logger=none", *FAST,
+                          f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, timeout=180)
-    assert bad.returncode != 0 and "torchrun started 3 ranks" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode != 0, bad.stderr[-2000:]
+    assert ("topology says 2 nodes x 1 rank but torchrun started 1 node x 2 local ranks; drop topology.nodes "
+            "topology.ranks_per_node") in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
     sweep = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             "-m", "zeropp.experiments.run", "-m", "quant=none,int8"], capture_output=True, text=True,
                            timeout=180)
     assert sweep.returncode != 0 and "multirun/sweeps under torchrun are not supported" in sweep.stderr
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
-    assert set(a) == set(b) and a["label"] == b["label"] and a["tokens_per_step"] == b["tokens_per_step"]
-    assert a["loss"]["curve"] == b["loss"]["curve"]  # the same job: same data, same arithmetic
-    assert a["engine_comm_bytes_per_step"] == b["engine_comm_bytes_per_step"]
 
 
 def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
@@ -245,6 +322,14 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     assert abs(runs["tp"]["loss"]["eval"] - runs["dp"]["loss"]["eval"]) <= 1e-4 * runs["dp"]["loss"]["eval"]
     assert runs["tp"]["tokens_per_step"] == runs["dp"]["tokens_per_step"] == 2 * 4 * 32
     assert runs["tp"]["topology"]["tp"] == 2 and runs["dp"]["topology"]["tp"] == 1
+    # every byte counted: the tensor-parallel all-reduces (DTensor's functional collectives) are the
+    # intra-node traffic, 2 blocks x forward + backward of 4 x 32 tokens per rank and step, plus
+    # the few bytes of the engine's scalar all-reduces; the dp run has no intra-node peer
+    block = tp_block_bytes(4, 32, 32, tp=2)
+    want = 2 * (block["forward"] + block["backward"])
+    wire = runs["tp"]["comm_bytes_per_step"]
+    assert want <= wire["by_kind_link"]["all_reduce.intra"] == wire["by_link"]["intra"] < want + 256, wire
+    assert runs["dp"]["comm_bytes_per_step"]["by_link"]["intra"] == 0
     # each rank's engine partitions its TP-local half of the split weights over the dp pair
     expected = sum(runs["tp"]["memory_expected"]["device"].values())
     assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
