@@ -193,7 +193,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 evl = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
                 watch.take()
             if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
+                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)}, keep=t.keep_checkpoints)
                 saved = str(ckpt)
                 watch.take()
             if lead and (step % t.log_every == 0 or step == t.steps):
