@@ -93,7 +93,8 @@ def raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -
     for r, m in sorted(failures.items()):
         by_msg.setdefault(m, []).append(r)
     lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {m}" for m, rs in by_msg.items())
-    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {lines}. {hint}", failures)
+    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {lines}"
+                          + (f". {hint}" if hint else ""), failures)
 
 
 def agree(device: torch.device, error: str | None, what: str, hint: str, token: int = 0) -> None:
@@ -156,7 +157,8 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
         bad = cf.first_nonfinite([*prepared.state.items(), ("rank_state", prepared.rank_state)])
         if bad is not None:
             raise ValueError(f"{bad} holds NaN or inf values: the training state has diverged and a checkpoint of it "
-                             f"would not resume; it was not saved")
+                             f"would not resume; it was not saved. Resume from the last good checkpoint (with a lower "
+                             f"learning rate, or another seed)")
         meta = {"format": cf.FORMAT, "kind": kind, "parent": origin.parent_in(root) if origin else None,
                 **prepared.meta}
         meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if a value is not JSON
@@ -173,13 +175,14 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
             dcp.save(prepared.state, storage_writer=_storage_writer(d))
         except CheckpointException as exc:  # DCP told every rank who failed
             raise_failures(dcp_failures(exc), world, "save", hint)
-        error, mine = None, {}
+        error, mine, doing = None, {}, f"writing {d / cf.rank_file(me)}"
         try:
             if prepared.rank_state is not None:
                 _save_rank_state(d, me, prepared.rank_state)
+            doing = f"checksumming the files rank {me} wrote into {d}"
             mine = cf.written_by(d, me)
         except Exception as exc:  # noqa: BLE001
-            error = f"writing {d / cf.rank_file(me)}: {describe(exc)}"
+            error = f"{doing}: {describe(exc)}"
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (mine, prepared.rank_meta))
         if me == 0 and error is None:
@@ -200,9 +203,13 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
                 _commit(root, name)
             except Exception as exc:  # noqa: BLE001
                 error = f"committing {root / cf.LATEST} -> {name}: {describe(exc)}"
-                if cf.named_by_latest(root) == name:
-                    created = False  # LATEST names it after all: the folder must stay
-        agree(device, error, "save", hint)
+                if cf.named_by_latest(root) == name:  # replaced, then the directory sync failed
+                    created = False  # LATEST names it: the folder must stay
+                    error += (f". {root / cf.LATEST} does name {name} now, but may not survive a crash of the "
+                              f"machine; the older checkpoints were kept. Fix the cause and save again")
+                else:
+                    error += f". {hint}"
+        agree(device, error, "save", "")  # only rank 0 commits: its message says what state it left
     except BaseException:
         if created:
             cf.discard(d)

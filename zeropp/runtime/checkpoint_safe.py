@@ -131,8 +131,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
+            why = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln), str(exc).splitlines()[0])
             raise UnsafeCheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} holds something other than "
-                                        f"plain data ({exc}); refusing to read it") from exc
+                                        f"plain data ({why}); refusing to read it (the file may be crafted to run "
+                                        f"code). Restore the checkpoint from a trusted copy") from exc
         buf = io.BytesIO()
         torch.save(obj, buf)
         buf.seek(0)
