@@ -96,6 +96,20 @@ def test_safe_metadata_matches_torch_and_refuses_paths_out_of_the_folder(tmp_pat
         read_metadata(d, {"__0_0.distcp"})
 
 
+def test_export_consolidated_refuses_crafted_metadata(tmp_path):
+    from zeropp.runtime import export_consolidated
+
+    d = _version(tmp_path)
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps(meta | {"units": [], "model_state": {}, "param_dtypes": {}}))
+    (tmp_path / "LATEST").write_text(A + "\n")
+    marker = tmp_path / "pwned"
+    plant_metadata(d, marker)
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        export_consolidated(tmp_path, tmp_path / "full.pt")
+    assert not marker.exists() and not (tmp_path / "full.pt").exists()
+
+
 def test_non_tensor_values_are_read_weights_only(tmp_path):
     marker = tmp_path / "pwned"
     d = tmp_path / "v"
@@ -184,7 +198,9 @@ def test_retention_removes_only_the_runs_own_older_versions(tmp_path):
     debris.mkdir()
     (root / "LATEST").write_text(D + "\n")
     before = sorted(p.name for p in root.iterdir())
-    assert cf.retire(root, D, keep=2) == []  # C's parent is a symlink: the chain stops there, nothing followed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even an attempt to remove something
+        assert cf.retire(root, D, keep=2) == []  # C's parent is a symlink: the chain stops there, nothing followed
     assert sorted(p.name for p in root.iterdir()) == before and linked.is_dir()
     (root / linked.name).unlink()
     write_version(root, linked.name, parent=B)  # now a real folder of the chain D -> C -> L -> B -> A

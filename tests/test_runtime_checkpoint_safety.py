@@ -24,6 +24,9 @@ from tests.distributed import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 
 
+DEBRIS = "ckpt-00000005-00000000000000ae"
+
+
 def _engine(seed):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
@@ -55,12 +58,17 @@ def _safety_world(rank, world, root, marker):
         (root / "ckpt-epoch-7-other-project").mkdir(parents=True)
         (root / "ckpt-epoch-7-other-project" / "notes.txt").write_text("another project's")
         (root / "README").write_text("not ours")
+        (root / DEBRIS).mkdir()  # what a save killed before its meta.json leaves (or one in progress elsewhere)
+        (root / DEBRIS / "__0_0.distcp").write_bytes(b"half")
     a, b = _engine(0), _engine(1)  # two runs sharing the directory
     names = {}
-    for who, eng, step in (("a", a, 10), ("b", b, 11), ("a", a, 20), ("a", a, 30), ("b", b, 21)):
-        eng.train_step(rank_batches(step, 1, rank, TINY, text=True))
-        names[step] = Path(eng.save_checkpoint(root, extra={"step": step})).name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for eng, step in ((a, 10), (b, 11), (a, 20), (a, 30), (b, 21)):
+            eng.train_step(rank_batches(step, 1, rank, TINY, text=True))
+            names[step] = Path(eng.save_checkpoint(root, extra={"step": step})).name
     out["names"], out["after_saves"] = names, _listing(root)
+    out["debris_warnings"] = [str(w.message) for w in caught if DEBRIS in str(w.message)]
 
     # every failure path of a save: every rank raises, nothing changes in the directory
     before = _listing(root)
@@ -169,10 +177,13 @@ def test_two_runs_share_a_directory_and_keep_their_own_newest(world):
     names, listing = res[0]["names"], res[0]["after_saves"]
     for step, name in names.items():
         assert name.startswith(f"ckpt-{step:08d}-"), (step, name)  # the training step, not the optimizer's count
-    # run a kept 30 and 20 (10 removed), run b kept 11 and 21; the other project's folder and file are untouched
-    assert listing == sorted(["LATEST", "README", "ckpt-epoch-7-other-project", names[11], names[20], names[21],
-                              names[30]]), listing
+    # run a kept 30 and 20 (10 removed), run b kept 11 and 21; the other project's folder and file are untouched,
+    # and so is the debris of an interrupted save (it may be another run's save in progress), with a warning
+    assert listing == sorted(["LATEST", "README", "ckpt-epoch-7-other-project", DEBRIS, names[11], names[20],
+                              names[21], names[30]]), listing
     assert (base / "ckpt" / "ckpt-epoch-7-other-project" / "notes.txt").read_text() == "another project's"
+    assert len(res[0]["debris_warnings"]) == 5 and "interrupted" in res[0]["debris_warnings"][0]
+    assert res[1]["debris_warnings"] == []  # rank 0 looks after the directory
 
 
 def test_failed_saves_change_nothing(world):

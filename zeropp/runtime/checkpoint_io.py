@@ -212,7 +212,11 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
         agree(device, error, "save", "")  # only rank 0 commits: its message says what state it left
     except BaseException:
         if created:
-            cf.discard(d)
+            try:
+                cf.discard(d)
+            except OSError as exc:  # the save's own error matters more; say what is left behind
+                warnings.warn(f"could not remove {d} after the failed save ({describe(exc)}); it is never loaded, "
+                              f"remove it by hand", stacklevel=3)
         raise
     if me == 0:
         cf.retire(root, name, keep)
