@@ -28,7 +28,6 @@ and finds the loss the engine's way (``zeropp.runtime.batch``: a tuple micro-bat
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -69,7 +68,7 @@ class Trainer(Protocol):
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float: ...
     def memory_report(self) -> dict[str, int]: ...
     def comm_stats(self) -> dict[str, int] | None: ...
-    def save(self, path: Path, extra: dict[str, Any]) -> None: ...
+    def save(self, path: Path, extra: dict[str, Any], keep: int) -> None: ...
     def load(self, path: Path) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -140,8 +139,8 @@ class ZeroTrainer:
     def comm_stats(self) -> dict[str, int] | None:
         return _stats_dict(self.engine.comm_stats)
 
-    def save(self, path: Path, extra: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(path, extra=extra)
+    def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
+        self.engine.save_checkpoint(path, extra=extra, keep=keep)
 
     def load(self, path: Path) -> dict[str, Any]:
         return dict(self.engine.load_checkpoint(path) or {})
@@ -167,6 +166,8 @@ class TorchTrainer:
                                      weight_decay=o.weight_decay)
         # the same schedule function as ZeroEngine's, as a multiplier of the peak rate
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, o.lr_factor)
+        self._origin: Any = None
+        """The checkpoint (``checkpoint_io.Origin``) this state was last saved to or loaded from."""
 
     def _forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from zeropp.runtime.batch import call_model, loss_of
@@ -226,23 +227,29 @@ class TorchTrainer:
     def comm_stats(self) -> dict[str, int] | None:
         return _stats_dict(self.stats)
 
-    def save(self, path: Path, extra: dict[str, Any]) -> None:
+    def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
-        save_dcp(state, path, extra, per_rank=self._rank_state())
+        self._origin = save_dcp(state, path, extra, per_rank=self._rank_state(), keep=keep, origin=self._origin,
+                                device=self._device())
 
     def load(self, path: Path) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
-        extra, mine = load_dcp(state, path)
+        extra, mine, origin = load_dcp(state, path, device=self._device())
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.sched.load_state_dict(state["sched"])
         self._load_rank_state(mine)
+        self._origin = origin
         return extra
+
+    def _device(self) -> torch.device:
+        """The process group's device (where the checkpoint agreement flags travel)."""
+        return next(self.model.parameters()).device
 
     def _rank_state(self) -> dict[str, Any]:
         """What only this rank holds and an exact resume needs: the stochastic call counter and
@@ -277,37 +284,52 @@ class _Null:
     def __exit__(self, *a: object) -> None: ...
 
 
-def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any],
-             per_rank: dict[str, Any] | None = None) -> None:
-    """Collective: ``state`` (a DCP state dict) into a fresh ``path/step-<n>`` directory; ``LATEST``
-    moves to it (the engine's checkpoint layout and commit) only after every rank has written, so a
-    crash keeps the previous one. ``per_rank``: this rank's own state (``rank-<r>.pt``: residuals
-    and counters that are neither sharded nor replicated, so DCP has no place for them)."""
-    import torch.distributed.checkpoint as dcp
-    from zeropp.runtime.checkpoint import commit
+def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any], per_rank: dict[str, Any] | None = None, *,
+             keep: int = 2, origin: Any = None, device: torch.device | None = None) -> Any:
+    """Collective: ``state`` (a DCP state dict) as a new ``path/ckpt-<step>-<nonce>`` version in the
+    engine's format (``zeropp.runtime.checkpoint_io``, ``"kind": "torch"``): every file checksummed,
+    ``LATEST`` moved only after every rank has written, NaN/inf values refused, this run's ``keep``
+    newest versions kept (``origin``: the version this state continues, None for a fresh run).
+    ``per_rank``: this rank's own state (``rank-<r>.pt``: residuals and counters that are neither
+    sharded nor replicated, so DCP has no place for them). Returns the new version (an ``Origin``)."""
+    from zeropp.runtime import checkpoint_io as cio
 
-    path = Path(path)
-    name = f"step-{int(extra.get('step', 0)):08d}"
-    dcp.save(state, checkpoint_id=str(path / name))
-    if per_rank is not None:
-        torch.save(per_rank, path / name / f"rank-{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (path / name / "extra.json").write_text(json.dumps(extra))
-        commit(path, name)
-    dist.barrier()
+    step = extra.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint extra['step']={step!r}: the training step must be an int >= 0")
+
+    def prepare() -> cio.Prepared:
+        return cio.Prepared(state=state, meta={"step": step, "world_size": dist.get_world_size(), "extra": extra},
+                            rank_state=per_rank)
+
+    return cio.save_version(path, step=step, kind="torch", prepare=prepare, keep=keep, origin=origin,
+                            device=device if device is not None else torch.device("cpu"))
 
 
-def load_dcp(state: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place; returns its
-    extra and this rank's own state (None when the checkpoint has none for this rank)."""
-    import torch.distributed.checkpoint as dcp
-    from zeropp.runtime.checkpoint import latest
+def load_dcp(state: dict[str, Any], path: Path, *, device: torch.device | None = None
+             ) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
+    """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place, after every
+    rank has verified its share of the files' checksums; nothing in the files can run code.
+    Returns its extra, this rank's own state (None when the checkpoint has none for this rank) and
+    the version loaded (an ``Origin``, for the next save). Failures raise ``CheckpointError`` on
+    every rank, before ``state`` is touched when the files are at fault."""
+    import zlib
 
-    d = latest(path)
-    dcp.load(state, checkpoint_id=str(d))
-    mine = d / f"rank-{dist.get_rank()}.pt"
-    return json.loads((d / "extra.json").read_text()), (torch.load(mine) if mine.exists() else None)
+    from zeropp.runtime import checkpoint_io as cio
+
+    dev = device if device is not None else torch.device("cpu")
+    error, token, d, meta = None, 0, None, None
+    try:
+        d, meta = cio.locate(path, "torch")
+        token = zlib.crc32(d.name.encode()) + 1
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+        error = cio.describe(exc)
+    hint = "Nothing was loaded. Restore or re-create the checkpoint, or resume from another one"
+    cio.agree(dev, error, f"load from {path}", hint, token)
+    assert d is not None and meta is not None
+    cio.read_state(state, d, meta, what=f"load from {path}", hint=hint)
+    mine = cio.read_rank_state(d, meta, dist.get_rank())
+    return dict(meta.get("extra") or {}), mine, cio.Origin(root=str(d.parent.resolve()), name=d.name)
 
 
 def _blocks(model: nn.Module, why: str = "trainer=fsdp2 shards them one by one") -> list[nn.Module]:

@@ -230,7 +230,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 watch.take()
             # nothing is saved from a diverged state: the last good checkpoint stays LATEST
             if diverged is None and t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
+                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)}, keep=t.keep_checkpoints)
                 saved, saved_step = str(ckpt), step
                 watch.take()
             if lead and (step % t.log_every == 0 or step == t.steps or diverged is not None):

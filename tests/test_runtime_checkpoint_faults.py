@@ -42,7 +42,7 @@ def _try(fn):
 
 
 def _faults_world(rank, world, path):
-    from zeropp.runtime import checkpoint
+    from zeropp.runtime import checkpoint_io as checkpoint
 
     out = {}
     a = _engine(0)

@@ -1,9 +1,10 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): atomic, collective-safe, reshardable.
+"""ZeroEngine checkpoints through ``torch.distributed.checkpoint`` (DCP): atomic, collective-safe,
+reshardable, verified, and never running code from the files they read.
 
-Layout under the checkpoint directory ``path``::
-
-    path/LATEST                  name of the newest *complete* checkpoint (one line)
-    path/ckpt-<step>-<nonce>/    DCP files (.metadata, __<rank>_0.distcp), meta.json
+Layout, naming, checksums and retention are ``checkpoint_files.py`` (one ``ckpt-<step>-<nonce>``
+folder per version, ``LATEST`` naming the newest, ``meta.json`` with ``"kind": "engine"``); the
+collective save and load protocol is ``checkpoint_io.py``, the restricted reading of DCP files
+``checkpoint_safe.py``. The torch trainers (``experiments/trainers.py``) use the same three.
 
 What is saved, per flat unit (``partition.UnitLayout``): the fp32 master and both Adam moments
 as 1-D tensors of the unit's *unpadded* length. A sharded unit's are ``Shard(0)`` DTensors over a
@@ -13,7 +14,8 @@ rank ``r`` the range ``[r*S, (r+1)*S)``, so rank ``r``'s shard minus the padding
 empty piece). A replicated unit's are plain tensors, written once (DCP de-duplicates them).
 Frozen parameters (in their original dtype) and buffers are saved replicated as ``model.<name>``.
 ``meta.json`` holds the step count, the loss scaler, the unit layouts, the parameter dtypes, the
-caller's ``extra`` values and a CRC-32 per DCP file.
+caller's ``extra`` values, the ``parent`` version and a CRC-32 of every other file of the folder.
+Format-2 checkpoints (older versions, no checksum of ``.metadata``) still load.
 
 Offloaded optimizer state (``offload.py``) is saved in the same format: the holder hands each
 state back as a host tensor (``state_tensor``; read back from the swap file for the nvme tier, so a
@@ -43,8 +45,10 @@ the start of a run); the counter is restored whenever the saving ranks agreed on
 it is, with a warning.
 
 Atomic commit: a save writes a fresh version directory, waits for every rank, and only then
-rank 0 replaces ``LATEST`` (temporary file + ``os.replace``). A crash anywhere before that leaves
-``LATEST`` naming the previous complete checkpoint; debris is removed by the next successful save.
+rank 0 replaces ``LATEST`` (temporary file + ``os.replace``). A failure anywhere before that leaves
+``LATEST`` naming the previous complete checkpoint and removes the new folder. After the commit,
+the run's versions past the newest ``keep`` are removed (``checkpoint_files.retire``). A save
+whose values hold NaN or inf (a diverged run) is refused before anything is written.
 
 Collective safety: each rank does its local part inside ``try`` and all ranks agree with one small
 all-reduce (on the engine's device) before any step that could block; DCP itself reports a failure
@@ -55,11 +59,7 @@ failed load leaves the engine's state untouched (it loads into fresh tensors, co
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
-import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -68,29 +68,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from zeropp.comm import stochastic as sr
 
+from . import checkpoint_io as cio
+from .checkpoint_files import FORMAT, commit, latest, read_meta
+from .checkpoint_io import CheckpointError, Origin
+from .checkpoint_safe import read_metadata
 from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout
 
-FORMAT = 2
-_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint save or load failed on at least one rank; raised identically on every rank."""
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
-        """Failing global rank -> its error (``"Type: message"``)."""
+__all__ = ["CheckpointError", "CheckpointTarget", "FORMAT", "Origin", "commit", "latest", "load", "read_meta", "save"]
 
 
 @dataclass
@@ -142,84 +133,6 @@ class CheckpointTarget:
         return f"tp{self.tp_rank}." if self.tp > 1 else ""
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -> None:
-    by_msg: dict[str, list[int]] = {}
-    for r, m in sorted(failures.items()):
-        by_msg.setdefault(m, []).append(r)
-    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {m}" for m, rs in by_msg.items())
-    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {lines}. {hint}", failures)
-
-
-def _agree(t: CheckpointTarget, error: str | None, what: str, hint: str, token: int = 0) -> None:
-    """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank,
-    or if the ranks' ``token`` values differ. One 3-element all-reduce when all is well."""
-    flag = torch.tensor([1 if error else 0, token, -token], dtype=torch.int64, device=t.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    failed, hi, lo = (int(x) for x in flag.tolist())
-    if failed:
-        msgs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(msgs, error)
-        _raise_failures({r: m for r, m in enumerate(msgs) if m}, len(msgs), what, hint)
-    if hi != -lo:
-        raise CheckpointError(f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
-                              f"changed during the load, or the ranks do not see the same directory). Make every "
-                              f"rank load the same path, with no save running at the same time", {})
-
-
-def _dcp_failures(exc: CheckpointException) -> dict[int, str]:
-    return {int(r): _describe(pair[0]) for r, pair in exc.failures.items()}
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(target: Path, text: str) -> None:
-    """Write ``text`` to a temporary file and rename it over ``target``: readers see old or new."""
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
-
-
-def _commit(root: Path, tag: str) -> None:
-    """Point LATEST at ``tag`` (the single atomic step that makes a checkpoint visible)."""
-    _write_atomic(root / "LATEST", tag + "\n")
-
-
-def commit(root: str | os.PathLike, tag: str) -> None:
-    """Point ``root/LATEST`` at version directory ``tag``, atomically and durably: for other DCP
-    checkpoints that follow this layout (the runner's FSDP2/DDP trainers). Rank 0 only."""
-    _commit(Path(root), tag)
-
-
-def _storage_writer(d: Path) -> FileSystemWriter:
-    """The DCP writer of one version directory (one file per rank, fsynced)."""
-    return FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
-
-
-def _crc(f: Path) -> int:
-    crc = 0
-    with open(f, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _mesh(t: CheckpointTarget) -> DeviceMesh:
     return t.mesh if t.mesh is not None else DeviceMesh(t.device.type, list(range(t.world_size)))
 
@@ -242,107 +155,42 @@ def _unit_tensors(t: CheckpointTarget, mesh: DeviceMesh, make: Callable[[int, in
     return sd
 
 
-def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None) -> str:
-    """Collective. Returns the version directory written. On any rank's failure every rank raises
-    :class:`CheckpointError` and ``LATEST`` still names the previous complete checkpoint."""
-    root = Path(path)
-    step = t.optimizer.step_count
-    me, world = dist.get_rank(), dist.get_world_size()  # files, meta.json and LATEST are the default group's
-    obj = [f"ckpt-{step:08d}-{time.time_ns():x}" if me == 0 else None]
-    dist.broadcast_object_list(obj, src=0, device=t.device if t.device.type != "cpu" else None)
-    tag = obj[0]
-    d = root / tag
-    hint = (f"Nothing was committed: {root / 'LATEST'} still names the previous checkpoint. Fix the cause "
-            f"(disk space, permissions, path reachable from every rank) and save again")
-    error, meta_text = None, ""
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        meta = {"format": FORMAT, "world_size": t.world_size, "stage": t.stage, "step": step,
+def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None, *, keep: int = 2,
+         origin: Origin | None = None) -> Origin:
+    """Collective. Saves a new version under ``path``, named by the training step it holds
+    (``extra["step"]`` when given, else the optimizer's step count), and keeps this run's ``keep``
+    newest versions (``origin``: the version this state was last saved to or loaded from; None
+    for a fresh run). Returns the new version. On any rank's failure every rank raises
+    :class:`CheckpointError`; ``LATEST`` and the older versions are as they were."""
+    me = dist.get_rank()
+    step = (extra or {}).get("step", t.optimizer.step_count)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint extra['step']={step!r}: the training step must be an int >= 0")
+
+    def prepare() -> cio.Prepared:
+        meta = {"world_size": t.world_size, "stage": t.stage, "step": t.optimizer.step_count,
                 "scaler": t.scaler.state_dict(), "units": [lay.to_dict() for lay in t.layouts],
                 "param_dtypes": {k: str(v).removeprefix("torch.") for k, v in t.param_dtypes.items()},
                 "model_state": {k: str(v.dtype).removeprefix("torch.") for k, v in t.model_state.items()},
                 "extra": extra if extra is not None else {}, **t.info}
         if t.tp > 1:
             meta.update(tp=t.tp, tp_split=t.tp_split)
-        meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if extra is not JSON
-        mesh = _mesh(t)
         opt = t.optimizer
-        sd = _unit_tensors(t, mesh, lambda i, n, name: opt.state_tensor(name, i)[:n])  # read back if offloaded
+        sd = _unit_tensors(t, _mesh(t), lambda i, n, name: opt.state_tensor(name, i)[:n])  # read back if offloaded
         sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
             sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
-        error = f"preparing {d}: {_describe(exc)}"
-    _agree(t, error, "save", hint)
-    try:
-        dcp.save(sd, storage_writer=_storage_writer(d))
-    except CheckpointException as exc:  # DCP told every rank who failed
-        _raise_failures(_dcp_failures(exc), world, "save", hint)
-    error = None
-    crcs: list = [None] * world
-    try:
-        mine = {f.name: _crc(f) for f in d.iterdir() if (m := _FILE.match(f.name)) and int(m.group(1)) == me}
-    except Exception as exc:  # noqa: BLE001
-        mine, error = {}, f"checksumming {d}: {_describe(exc)}"
-    dist.all_gather_object(crcs, (mine, sr.stochastic_calls()))
-    if me == 0 and error is None:
-        try:
-            meta = json.loads(meta_text)
-            meta["files"] = {k: v for c, _ in crcs for k, v in c.items()}
-            meta["stochastic_calls"] = [calls for _, calls in crcs]  # per rank
-            _write_atomic(d / "meta.json", json.dumps(meta, indent=1))
-        except Exception as exc:  # noqa: BLE001
-            error = f"writing {d / 'meta.json'}: {_describe(exc)}"
-    _agree(t, error, "save", hint)  # every file is on disk before anyone can commit
-    error = None
-    if me == 0:
-        try:
-            _commit(root, tag)
-        except Exception as exc:  # noqa: BLE001
-            error = f"committing {root / 'LATEST'} -> {tag}: {_describe(exc)}"
-        else:
-            try:
-                for old in root.glob("ckpt-*"):  # previous versions and debris of crashed saves
-                    if old.name != tag:
-                        shutil.rmtree(old, ignore_errors=True)
-            except OSError:
-                pass  # leftovers are harmless; the next successful save retries
-    _agree(t, error, "save", hint)
-    return str(d)
+        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": sr.stochastic_calls()})
 
-
-def latest(path: str | os.PathLike) -> Path:
-    """The version directory ``LATEST`` names under ``path``."""
-    root = Path(path)
-    f = root / "LATEST"
-    if not f.is_file():
-        raise FileNotFoundError(f"no complete checkpoint under {root} (missing {f})")
-    d = root / f.read_text().strip()
-    if not d.is_dir():
-        raise FileNotFoundError(f"{f} names {d.name}, which does not exist")
-    return d
-
-
-def read_meta(d: Path) -> dict:
-    """The ``meta.json`` of version directory ``d``, checked for this format."""
-    f = d / "meta.json"
-    if not f.is_file():
-        raise FileNotFoundError(f"{f} is missing (not a complete checkpoint of this format)")
-    try:
-        meta = json.loads(f.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{f} cannot be read ({_describe(exc)}): the file is corrupt or truncated") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        fmt = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{f}: checkpoint format {fmt} is not {FORMAT}; re-save it with this version")
-    return meta
+    return cio.save_version(path, step=step, kind="engine", prepare=prepare, keep=keep, origin=origin,
+                            device=t.device)
 
 
 def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
-    """This rank's part of a load: find the version, check it fits, verify the files this rank is
-    responsible for (``__<i>_*.distcp`` with ``i % world == rank``). No collective, no state change."""
-    d = latest(path)
-    meta = read_meta(d)
+    """This rank's part of a load: find the version, verify the files this rank is responsible
+    for and read the DCP metadata safely (``checkpoint_io.locate``), check it fits. No collective,
+    no state change."""
+    d, meta = cio.locate(path, "engine")
     if meta.get("tp", 1) != t.tp:
         raise ValueError(f"{d} was saved with topology.tp={meta.get('tp', 1)} and this run has tp={t.tp}: a "
                          f"tensor-parallel checkpoint loads at the same tp (any data-parallel size). Load it with "
@@ -361,35 +209,27 @@ def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
     if sorted(meta["model_state"]) != sorted(t.model_state):
         raise ValueError(f"{d}: frozen parameters / buffers {sorted(meta['model_state'])} were saved, this model has "
                          f"{sorted(t.model_state)}; freeze the same parameters as the saving run")
-    me, world = dist.get_rank(), dist.get_world_size()
-    for fname, crc in sorted(meta["files"].items()):
-        m = _FILE.match(fname)
-        if m is None or int(m.group(1)) % world != me:
-            continue
-        f = d / fname
-        if not f.is_file():
-            raise FileNotFoundError(f"{f} is missing (removed after the save, or not visible from this rank)")
-        if _crc(f) != crc:
-            raise ValueError(f"{f} fails its checksum: the file is corrupt or truncated")
     return d, meta
 
 
 @torch.no_grad()
-def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], Origin]:
     """Collective. Loads the latest checkpoint under ``path`` into ``t.optimizer`` and ``t.scaler``
-    (any world size or stage saved it) and returns ``(extra, model_state)``: the values the saver
-    passed and the loaded frozen parameters / buffers, for the engine to put back. On any rank's
-    failure every rank raises :class:`CheckpointError` naming it, and nothing has changed."""
+    (any world size or stage saved it) and returns ``(extra, model_state, origin)``: the values the
+    saver passed, the loaded frozen parameters / buffers for the engine to put back, and the version
+    loaded (the ``origin`` of the next save). Every file is verified against its checksum and no
+    code in the checkpoint runs. On any rank's failure every rank raises :class:`CheckpointError`
+    naming it, and nothing has changed."""
     error, token, d, meta, feedback = None, 0, None, None, None
     try:
         d, meta = _check(t, path)
         token = zlib.crc32(d.name.encode()) + 1
         feedback = _feedback_tensors(t, d, meta)  # this rank's saved residuals, or None to drop them
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
-        error = _describe(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+        error = cio.describe(exc)
     hint = ("No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same "
             "model")
-    _agree(t, error, f"load from {path}", hint, token)
+    cio.agree(t.device, error, f"load from {path}", hint, token)
     assert d is not None and meta is not None
     mesh = _mesh(t)
     fresh: dict[tuple[int, str], torch.Tensor] = {}
@@ -402,10 +242,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     model_state = {k: torch.empty_like(v) for k, v in t.model_state.items()}
     sd.update({f"{t.prefix}model.{k}": v for k, v in model_state.items()})
     sd.update(feedback or {})
-    try:
-        dcp.load(sd, storage_reader=FileSystemReader(d))
-    except CheckpointException as exc:
-        _raise_failures(_dcp_failures(exc), dist.get_world_size(), f"load from {path}", hint)
+    cio.read_state(sd, d, meta, what=f"load from {path}", hint=hint)
     opt = t.optimizer
 
     def piece_device(i: int, name: str) -> torch.device:
@@ -428,7 +265,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     opt.load_state(state, step=int(meta["step"]))
     t.scaler.load_state_dict(meta["scaler"])
     _restore_stochastic_calls(t, meta)
-    return dict(meta.get("extra") or {}), model_state
+    return dict(meta.get("extra") or {}), model_state, Origin(root=str(d.parent.resolve()), name=d.name)
 
 
 def _feedback_prefix(rank: int) -> str:
@@ -442,7 +279,7 @@ def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, tor
     (a warning says what is dropped). Local: no collective."""
     if t.feedback is None:
         return None
-    md = FileSystemReader(d).read_metadata().state_dict_metadata
+    md = read_metadata(d, cio.data_files(meta)).state_dict_metadata
     saved = [k for k in md if k.startswith("feedback.rank")]
     if not saved:
         return None

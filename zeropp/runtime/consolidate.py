@@ -21,9 +21,10 @@ from typing import Any, Callable, Sequence, Union
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 
-from .checkpoint import latest, read_meta
+from . import checkpoint_io as cio
+from .checkpoint_files import latest, read_meta, verify
+from .checkpoint_safe import SafeLoadPlanner, read_metadata
 from .partition import FlatUnit, UnitLayout, unflatten
 from .tensor_parallel import merge_pieces
 
@@ -66,13 +67,15 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
     """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
     model's ``state_dict`` (fp32 masters cast to each parameter's dtype, plus frozen parameters and
     buffers; a tensor-parallel checkpoint's tp pieces merged into the unsplit weights). Runs in one
-    process, no process group needed (DCP reads every piece)."""
+    process, no process group needed (DCP reads every piece). Every file is verified against its
+    checksum first, and nothing in the checkpoint can run code."""
     d = latest(path)
-    meta = read_meta(d)
+    meta = read_meta(d, "engine")
+    verify(d, meta, 0, 1)  # one process: it checks every file
     layouts = [UnitLayout.from_dict(u) for u in meta["units"]]
     tp = int(meta.get("tp", 1))
     prefixes = [f"tp{k}." if tp > 1 else "" for k in range(tp)]
-    md = FileSystemReader(d).read_metadata().state_dict_metadata
+    md = read_metadata(d, cio.data_files(meta)).state_dict_metadata
     sd: dict[str, Any] = {}
     for pre in prefixes:
         sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
@@ -80,7 +83,7 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
                    for k, dt in meta["model_state"].items()})
     with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(sd, storage_reader=FileSystemReader(d), no_dist=True)
+        dcp.load(sd, storage_reader=cio.reader(d, meta), planner=SafeLoadPlanner(), no_dist=True)
     pieces: dict[str, list[torch.Tensor]] = {}  # name -> one tensor per tp index
     for pre in prefixes:
         for lay in layouts:

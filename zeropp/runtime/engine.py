@@ -270,6 +270,8 @@ class ZeroEngine:
             self.track_memory("buffers", self.weight_diff)  # stage 3: the references of the hpZ secondaries
         self.track_memory("activations", self.activations)
         self._record_phase("optimizer_creation")  # + the optimizer state, allocated whole here (see memory.PHASES)
+        self._checkpoint_origin: ckpt.Origin | None = None
+        """The checkpoint this state was last saved to or loaded from: the next save's parent."""
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -364,12 +366,16 @@ class ZeroEngine:
         mem.source_tiers(source)  # fails now, naming the object, if it cannot report
         self._memory_sources[category].append(source)
 
-    def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> str:
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None, *, keep: int = 2) -> str:
         """Atomically save this engine's state under directory ``path`` through
         ``torch.distributed.checkpoint``, with ``extra`` (small JSON values, e.g. the runner's step
-        and data position) returned by the load. Returns the version directory. Collective."""
+        and data position) returned by the load, in a folder named by ``extra["step"]`` (else the
+        optimizer's step count). Keeps this run's ``keep`` newest checkpoints there and never
+        touches anything else. Refuses NaN/inf weights. Returns the version directory. Collective."""
         self._check_open()
-        return ckpt.save(self._checkpoint_target(), path, extra)
+        self._checkpoint_origin = ckpt.save(self._checkpoint_target(), path, extra, keep=keep,
+                                            origin=self._checkpoint_origin)
+        return str(self._checkpoint_origin.path)
 
     @torch.no_grad()
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
@@ -378,7 +384,7 @@ class ZeroEngine:
         error-feedback residuals and the stochastic-rounding call counter come back too
         (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
-        extra, model_state = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
+        extra, model_state, origin = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
         named = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         frozen_names = {s.name for u in self.frozen_units for s in u.slots}
@@ -397,6 +403,7 @@ class ZeroEngine:
             if u.grad_shard is not None:
                 u.grad_shard.zero_()
         self.refresh_params()
+        self._checkpoint_origin = origin
         return extra
 
     @torch.no_grad()

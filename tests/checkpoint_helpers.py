@@ -1,0 +1,49 @@
+"""Crafted checkpoint files for the checkpoint safety tests: pickles that run a command when
+unpickled (as an attacker would write them), and meta.json checksums recomputed to match them."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+
+class RunsCommand:
+    """Pickles to ``os.system(command)``: unpickling it runs the command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def touch_command(marker: Path) -> str:
+    return f"touch {marker}"
+
+
+def recompute_checksum(folder: Path, name: str) -> None:
+    """Rewrite ``folder/meta.json`` so that file ``name`` passes its checksum (what an attacker
+    who replaced the file would do: the checksums only catch accidents)."""
+    from zeropp.runtime.checkpoint_files import crc32
+
+    meta_file = folder / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["files"][name] = crc32(folder / name)
+    meta_file.write_text(json.dumps(meta))
+
+
+def plant_metadata(folder: Path, marker: Path) -> None:
+    """Replace ``folder/.metadata`` by a pickle that touches ``marker`` when loaded, checksum recomputed."""
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCommand(touch_command(marker))))
+    recompute_checksum(folder, ".metadata")
+
+
+def write_version(root: Path, name: str, *, parent: str | None, fmt: int = 3) -> Path:
+    """A minimal version folder: one data file and a meta.json naming ``parent`` (for retention tests)."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"data")
+    (d / "meta.json").write_text(json.dumps({"format": fmt, "kind": "engine", "parent": parent, "files": {}}))
+    return d
