@@ -106,7 +106,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     print(f"zeropp: {label} -> {run_dir}", file=sys.stderr, flush=True)
     placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
                     ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
-                    grace_s=rc.launcher.grace_s)
+                    grace_s=rc.launcher.grace_s, heartbeat_s=rc.launcher.heartbeat_s)
     summary = read_summary(run_dir / "summary.json")
     summary["placement"] = placed  # e.g. the emulated links' configured and measured rates
     write_summary(run_dir / "summary.json", summary)

@@ -6,8 +6,17 @@ this process's index on its host, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). The devic
 ``launcher.device`` and LOCAL_RANK (one GPU per local process); every tensor this module hands to
 a collective lives on that device. The process group is always destroyed, also on error.
 
-Fault injection for testing the failure path: ``ZEROPP_INJECT_FAULT=raise@<rank>:<step>`` makes
-that rank raise at that step, ``kill@<rank>:<step>`` makes it SIGKILL itself.
+A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``,
+so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
+removed) instead of dying where it stands. The rank marks its progress with
+``zeropp.launch.heartbeat`` on paths every rank takes; phases that may legitimately be long
+(start-up and model creation, checkpoint load and save, the first step, the end) are announced
+as such (see ``zeropp.watch``).
+
+Fault injection for testing the failure path: ``ZEROPP_INJECT_FAULT=<kind>@<rank>:<step>`` at the
+start of that step on that rank: ``raise`` raises, ``kill`` SIGKILLs the rank, ``stop`` SIGSTOPs
+it (a stopped process), ``hang`` sleeps in the main thread for good (a deadlock; other threads
+run on).
 """
 
 from __future__ import annotations
@@ -24,13 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
-from zeropp.launch import select_device
+from zeropp.launch import heartbeat, select_device
 
 from .launcher import device_for_cluster
 from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
@@ -47,6 +57,12 @@ def _maybe_fault(rank: int, step: int) -> None:
     if int(r) == rank and int(s or 0) == step:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # continued (SIGCONT): carry on as if nothing happened
+        if kind == "hang":
+            while True:
+                time.sleep(3600)
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (ZEROPP_INJECT_FAULT={spec})")
 
 
@@ -99,8 +115,22 @@ def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str
     return out
 
 
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SignalException(f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by "
+                          f"{signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Train one rank; returns the summary on rank 0 (None elsewhere)."""
+    heartbeat("startup", long=True)  # model creation and the rendezvous with slower-starting ranks
+    old_term = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        return _run_rank(spec)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     cfg = from_dict(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -134,6 +164,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     start = 0
     lead = rank == 0
     if cfg.resume:
+        heartbeat("checkpoint_load", long=True)
         extra = trainer.load(ckpt)
         start = int(extra["step"])
         if start >= t.steps:
@@ -146,7 +177,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                   "but will not match an uninterrupted run", file=sys.stderr, flush=True)
         data.skip(start * accum)
     label = spec.get("label") or cfg.describe()
-    metrics = MetricsFile(run_dir / "metrics.jsonl") if lead else None
+    metrics = MetricsFile(run_dir / "metrics.jsonl", first_step=start + 1) if lead else None
     wb = WandbLogger(cfg.logger, run_dir=run_dir, name=spec.get("name") or label, group=spec.get("group"),
                      config=cfg.to_dict() | {"overrides": spec.get("overrides", [])}) if lead else None
     progress = Progress(t.steps, start=start, enabled=lead and cfg.launcher.progress)
@@ -163,6 +194,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
         watch.take()
         for step in range(start + 1, t.steps + 1):
             _maybe_fault(rank, step)
+            heartbeat("train_step", step, long=step == start + 1)  # the first step builds kernels
             batches = [data.next() for _ in range(accum)]
             t0 = time.perf_counter()
             out = trainer.train_step(batches)
@@ -186,13 +218,16 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             dist.all_reduce(red)
             loss, wait_mean, eng_wait_mean = (float(x) / world for x in red.tolist())
             watch.take()  # the line's own all-reduce is not training traffic
+            heartbeat("step_end", step)  # ends the first step's long phase
             losses.append(loss)
             step_times.append(dt)
             evl = None
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
+                heartbeat("eval", step)
                 evl = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
                 watch.take()
             if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+                heartbeat("checkpoint_save", step, long=True)
                 trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)})
                 saved = str(ckpt)
                 watch.take()
@@ -207,6 +242,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 wb.log(flatten({k: v for k, v in rec.items() if k != "step" and v is not None}), step=step)
             progress.update(step, loss=loss, step_time=dt, tokens_per_s=tps_step / dt if dt > 0 else 0.0)
         progress.close()
+        heartbeat("final_eval")
         eval_loss = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
         watch.take()
     report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
@@ -214,6 +250,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
               "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
               "frozen_bytes": _frozen_bytes(trainer),
               "memory_phases": _memory_phases(trainer, device, created)}
+    heartbeat("finish", long=True)  # rank 0 writes the results (and may sync wandb) while the others exit
     gathered: list[Any] = [None] * world if lead else []
     dist.gather_object(report, gathered if lead else None, dst=0)
     trainer.close()
