@@ -187,9 +187,9 @@ class LauncherConfig:
     """Collective timeout of the process group."""
     heartbeat_s: float = 20.0
     """Seconds a rank may be silent (its process stopped, or its main thread making no progress
-    while the other ranks are past that point) before the launcher names it and stops the run; 0
-    turns the watch off (then only ``pg_timeout_s`` and ``timeout_s`` catch a silent rank). Not
-    applied under torchrun, whose agent watches its ranks itself."""
+    while the other ranks are past that point) before the launcher names it and stops the run: at
+    least 1, or 0 to turn the watch off (then only ``pg_timeout_s`` and ``timeout_s`` catch a
+    silent rank). Not applied under torchrun, whose agent watches its ranks itself."""
     threads_per_rank: int = 1
     """torch intra-op threads per CPU rank."""
     progress: bool = True
@@ -200,7 +200,8 @@ class LauncherConfig:
         _check(self.timeout_s > 0, "launcher.timeout_s", self.timeout_s, "> 0")
         _check(self.grace_s >= 0, "launcher.grace_s", self.grace_s, ">= 0")
         _check(self.pg_timeout_s > 0, "launcher.pg_timeout_s", self.pg_timeout_s, "> 0")
-        _check(self.heartbeat_s >= 0, "launcher.heartbeat_s", self.heartbeat_s, ">= 0 (0 turns the watch off)")
+        _check(self.heartbeat_s == 0 or self.heartbeat_s >= 1, "launcher.heartbeat_s", self.heartbeat_s,
+               "0 (the watch off) or >= 1 (seconds; a shorter silence is scheduling noise)")
         _pos_int("launcher.threads_per_rank", self.threads_per_rank)
 
 

@@ -130,21 +130,26 @@ def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[s
     assert os.listdir(nvme) == [planted.name] and os.listdir(planted) == ["params.swp"]
 
 
-def test_a_stopped_rank_is_named_within_the_heartbeat(tmp_path: Path) -> None:
-    """Rank 1 SIGSTOPs itself at step 2; rank 0 waits for it in a collective. The run fails naming
-    rank 1 (not rank 0, whose collective would time out only after pg_timeout_s) within the
-    heartbeat deadline, and every rank is gone (the stopped one continued, then terminated)."""
+@pytest.mark.parametrize("fault, why", [
+    ("stop@1:2", "its process is not running (state T (stopped)): it was stopped (SIGSTOP"),
+    ("hang@1:2", "in _maybe_fault) while ranks [0] went past that point; it is deadlocked"),
+], ids=["stopped", "hung"])
+def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str, why: str) -> None:
+    """At step 2 rank 1 SIGSTOPs itself (the process is stopped) or its main thread hangs (other
+    threads run on); rank 0 waits for it in a collective. The run fails naming rank 1 (not rank 0,
+    whose collective would time out only after pg_timeout_s=120) within the heartbeat deadline,
+    and every rank is gone (the stopped one continued, then terminated)."""
     t0 = time.monotonic()
-    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=2",
-              "launcher.heartbeat_s=5", f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": "stop@1:2"},
+    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=1",
+              "launcher.heartbeat_s=3", f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault},
              timeout=120)
     took = time.monotonic() - t0
     assert p.returncode == 1, p.stderr[-3000:]
     err = p.stderr.split("error: ", 1)[-1]
-    assert err.startswith("rank 1 made no progress for 5 s (last seen: step "), p.stderr[-3000:]
-    assert "its process is not running (state T (stopped))" in err and "stopped all ranks" in err
+    assert err.startswith("rank 1 made no progress for 3 s (last seen: step "), p.stderr[-3000:]
+    assert why in err and err.rstrip().endswith("stopped all ranks"), err
     assert "rank 0" not in err and "Timed out" not in p.stderr
-    assert took < 60  # start-up, two steps, the 5 s deadline, the stop: far from pg_timeout_s=120
+    assert took < 60  # start-up, two steps, the 3 s deadline, the stop: far from pg_timeout_s
     assert _live_procs_mentioning(str(tmp_path)) == []
 
 
