@@ -151,20 +151,23 @@ class _Publisher(threading.Thread):
 
 
 _publisher: _Publisher | None = None
+_unwatched = False  # no watching launcher: heartbeat() returns at once
 _lock = threading.Lock()
 
 
 def start() -> bool:
     """Start publishing this rank's heartbeat if a watching launcher asked for it (idempotent);
     True if it is published."""
-    global _publisher
+    global _publisher, _unwatched
     with _lock:
         if _publisher is None:
             world, tick = os.environ.get(WORLD_DIR_ENV), os.environ.get(TICK_ENV)
             if not (world and tick):
+                _unwatched = True
                 return False
             _publisher = _Publisher(world, _rank(), float(tick))
-            _publisher.publish()
+            with contextlib.suppress(OSError):  # a heartbeat never fails the rank
+                _publisher.publish()
             _publisher.start()
         return True
 
@@ -175,7 +178,7 @@ def heartbeat(phase: str, step: int | None = None, *, long: bool = False) -> Non
     kernel builds, a checkpoint save); until the next call the rank is only checked for being
     alive. Call it on code paths every rank takes in the same order (see the module docstring).
     Does nothing unless a watching launcher started this process."""
-    if _publisher is None and not start():
+    if _publisher is None and (_unwatched or not start()):
         return
     assert _publisher is not None
     _publisher.beat(phase, step, long)
