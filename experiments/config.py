@@ -241,6 +241,11 @@ class LauncherConfig:
     """Seconds between SIGTERM and SIGKILL when stopping ranks."""
     pg_timeout_s: float = 120.0
     """Collective timeout of the process group."""
+    heartbeat_s: float = 20.0
+    """Seconds a rank may be silent (its process stopped, or its main thread making no progress
+    while the other ranks are past that point) before the launcher names it and stops the run: at
+    least 1, or 0 to turn the watch off (then only ``pg_timeout_s`` and ``timeout_s`` catch a
+    silent rank). Not applied under torchrun, whose agent watches its ranks itself."""
     threads_per_rank: int = 1
     """torch intra-op threads per CPU rank."""
     progress: bool = True
@@ -252,6 +257,8 @@ class LauncherConfig:
         _check(0 <= self.grace_s <= MAX_SECONDS, "launcher.grace_s", self.grace_s, f">= 0 and <= {MAX_SECONDS:g}")
         _check(0 < self.pg_timeout_s <= MAX_SECONDS, "launcher.pg_timeout_s", self.pg_timeout_s,
                f"> 0 and <= {MAX_SECONDS:g}")
+        _check(self.heartbeat_s == 0 or 1 <= self.heartbeat_s <= MAX_SECONDS, "launcher.heartbeat_s", self.heartbeat_s,
+               "0 (the watch off) or >= 1 (seconds; a shorter silence is scheduling noise)")
         _pos_int("launcher.threads_per_rank", self.threads_per_rank)
 
 

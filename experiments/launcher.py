@@ -72,16 +72,18 @@ def emulated_placement(world_size: int, ranks_per_node: int, inter_gbps: float, 
 
 def launch(*, module: str, spec: dict, run_dir: Path, world_size: int, ranks_per_node: int,
            placement_cm: contextlib.AbstractContextManager, timeout_s: float, grace_s: float,
-           extra_env: dict[str, str] | None = None) -> dict:
+           heartbeat_s: float = 0.0, extra_env: dict[str, str] | None = None) -> dict:
     """The runner's launch: write ``run_dir/ranks/spec.json``, run ``python -m <module> <spec.json>``
-    on every rank inside the placement, and return the placement's ``info`` for the summary."""
+    on every rank inside the placement, and return the placement's ``info`` for the summary.
+    ``heartbeat_s`` (``launcher.heartbeat_s``; 0: off) names and stops a silent rank (the worker
+    beats through ``zeropp.launch.heartbeat``)."""
     spec_path = run_dir / "ranks" / "spec.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec, indent=1, default=str))
     with placement_cm as placement:
         launch_world(ModuleEntry(module=module, args=(str(spec_path),)), world_size, placement=placement,
                      log_dir=run_dir / "ranks", timeout_s=timeout_s, grace_s=grace_s, extra_env=extra_env,
-                     ranks_per_node=ranks_per_node)
+                     ranks_per_node=ranks_per_node, heartbeat_s=heartbeat_s or None)
         return dict(placement.info)
 
 

@@ -52,19 +52,43 @@ def tokens_per_step(cfg: RunConfig) -> int:
 
 
 class MetricsFile:
-    """Appends one JSON object per line; flushed each line so a crash keeps what was logged."""
+    """Appends one JSON object per line; flushed each line so a crash keeps what was logged.
 
-    def __init__(self, path: Path) -> None:
+    ``first_step``: the first step this run logs (``1``, or the checkpoint's step + 1 when
+    resuming). Lines of an earlier attempt in the same file from that step on are cut off first, so
+    a resumed run keeps the lines up to its checkpoint and every step appears once; so is a last
+    line a crash cut short. The file is truncated in place at the byte offset of the first such
+    line (one ``ftruncate``: no window in which the kept lines are missing).
+    """
+
+    def __init__(self, path: Path, *, first_step: int = 1) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f = path.open("a")  # a resumed run appends to the lines of the run it continues
+        self._f = path.open("ab")
+        self._f.truncate(_kept_bytes(path, first_step))
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self._f.write((json.dumps(record) + "\n").encode())
         self._f.flush()
 
     def close(self) -> None:
         self._f.close()
+
+
+def _kept_bytes(path: Path, first_step: int) -> int:
+    """Bytes of ``path`` before its first line that is not a complete record of a step before
+    ``first_step``."""
+    kept = 0
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                step = json.loads(line)["step"] if line.endswith(b"\n") else None
+            except (ValueError, KeyError, TypeError):
+                step = None
+            if not isinstance(step, int) or step >= first_step:
+                break
+            kept += len(line)
+    return kept
 
 
 def link_totals(bytes_by_key: dict[str, float]) -> dict[str, float]:

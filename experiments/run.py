@@ -190,7 +190,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     try:
         placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
                         ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
-                        grace_s=rc.launcher.grace_s)
+                        grace_s=rc.launcher.grace_s, heartbeat_s=rc.launcher.heartbeat_s)
     except RankFailure:
         diverged = recorded_divergence(run_dir / "summary.json", started)
         if diverged is None:

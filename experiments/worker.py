@@ -11,8 +11,17 @@ skip flag are all-reduced with the log line's figures, so every rank judges the 
 stops at the same step, before that step's eval and checkpoint; rank 0 writes the metrics line and
 ``summary.json`` (``"status": "diverged"``), then every rank raises ``DivergenceError`` and exits 3.
 
-Fault injection for testing the failure path: ``ZEROPP_INJECT_FAULT=raise@<rank>:<step>`` makes
-that rank raise at that step, ``kill@<rank>:<step>`` makes it SIGKILL itself.
+A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``,
+so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
+removed) instead of dying where it stands. The rank marks its progress with
+``zeropp.launch.heartbeat`` on paths every rank takes; phases that may legitimately be long
+(start-up and model creation, checkpoint load and save, the first step, the end) are announced
+as such (see ``zeropp.watch``).
+
+Fault injection for testing the failure path: ``ZEROPP_INJECT_FAULT=<kind>@<rank>:<step>`` at the
+start of that step on that rank: ``raise`` raises, ``kill`` SIGKILLs the rank, ``stop`` SIGSTOPs
+it (a stopped process), ``hang`` sleeps in the main thread for good (a deadlock; other threads
+run on).
 """
 
 from __future__ import annotations
@@ -29,13 +38,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
-from zeropp.launch import select_device
+from zeropp.launch import heartbeat, select_device
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
 from .launcher import device_for_cluster
@@ -53,6 +63,12 @@ def _maybe_fault(rank: int, step: int) -> None:
     if int(r) == rank and int(s or 0) == step:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # continued (SIGCONT): carry on as if nothing happened
+        if kind == "hang":
+            while True:
+                time.sleep(3600)
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (ZEROPP_INJECT_FAULT={spec})")
 
 
@@ -118,9 +134,23 @@ def _guard(cfg: RunConfig) -> DivergenceGuard:
                            advice=advice, max_skipped_name="train.max_skipped_steps")
 
 
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SignalException(f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by "
+                          f"{signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Train one rank; returns the summary on rank 0 (None elsewhere). A run that diverges raises
     :class:`DivergenceError` on every rank, after rank 0 has written its summary."""
+    heartbeat("startup", long=True)  # model creation and the rendezvous with slower-starting ranks
+    old_term = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        return _run_rank(spec)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     cfg = from_dict(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -154,6 +184,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     start = 0
     lead = rank == 0
     if cfg.resume:
+        heartbeat("checkpoint_load", long=True)
         extra = trainer.load(ckpt)
         start = int(extra["step"])
         if start >= t.steps:
@@ -166,7 +197,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                   "but will not match an uninterrupted run", file=sys.stderr, flush=True)
         data.skip(start * accum)
     label = spec.get("label") or cfg.describe()
-    metrics = MetricsFile(run_dir / "metrics.jsonl") if lead else None
+    metrics = MetricsFile(run_dir / "metrics.jsonl", first_step=start + 1) if lead else None
     wb = WandbLogger(cfg.logger, run_dir=run_dir, name=spec.get("name") or label, group=spec.get("group"),
                      config=cfg.to_dict() | {"overrides": spec.get("overrides", [])}) if lead else None
     progress = Progress(t.steps, start=start, enabled=lead and cfg.launcher.progress)
@@ -186,6 +217,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
         watch.take()
         for step in range(start + 1, t.steps + 1):
             _maybe_fault(rank, step)
+            heartbeat("train_step", step, long=step == start + 1)  # the first step builds kernels
             batches = [data.next() for _ in range(accum)]
             t0 = time.perf_counter()
             out = trainer.train_step(batches)
@@ -212,6 +244,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             dist.all_reduce(red)
             loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean = (float(x) / world for x in red.tolist())
             watch.take()  # the line's own all-reduce is not training traffic
+            heartbeat("step_end", step)  # ends the first step's long phase
             losses.append(loss)
             step_times.append(dt)
             try:
@@ -226,10 +259,12 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             evl = None
             if diverged is None and t.eval_every and step % t.eval_every == 0 and step < t.steps:
+                heartbeat("eval", step)
                 evl = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
                 watch.take()
             # nothing is saved from a diverged state: the last good checkpoint stays LATEST
             if diverged is None and t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+                heartbeat("checkpoint_save", step, long=True)
                 trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)}, keep=t.keep_checkpoints)
                 saved, saved_step = str(ckpt), step
                 watch.take()
@@ -246,6 +281,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             if diverged is not None:
                 break
         progress.close()
+        heartbeat("final_eval")
         eval_loss = None if diverged is not None else _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
         watch.take()
     if diverged is None and lead and (note := guard.final_warning()):
@@ -255,6 +291,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
               "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
               "frozen_bytes": _frozen_bytes(trainer),
               "memory_phases": _memory_phases(trainer, device, created)}
+    heartbeat("finish", long=True)  # rank 0 writes the results (and may sync wandb) while the others exit
     gathered: list[Any] = [None] * world if lead else []
     dist.gather_object(report, gathered if lead else None, dst=0)
     trainer.close()

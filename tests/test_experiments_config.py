@@ -95,6 +95,8 @@ def test_every_option_composes() -> None:
     (["quant=int8", "zero.weights.intra_bits=8"], ["zero.weights", "intra_bits"]),
     (["optim.lr=-1"], ["optim.lr", "-1"]),
     (["quant=zeropp", "zero.hpz_size=3"], ["hpz_size", "3"]),
+    (["launcher.heartbeat_s=-1"], ["launcher.heartbeat_s=-1.0", "0 (the watch off) or >= 1"]),
+    (["launcher.heartbeat_s=0.5"], ["launcher.heartbeat_s=0.5", "0 (the watch off) or >= 1"]),
 ])
 def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) -> None:
     with pytest.raises(ConfigError) as e:

@@ -1,5 +1,7 @@
 """The runner end to end, as the researcher types it: a single run, a 2-point multirun and its
-report, logger=none vs wandb offline, and the failure path (a rank that raises / is SIGKILLed).
+report, logger=none vs wandb offline, and the failure path (a rank that raises / is SIGKILLed /
+is SIGSTOPped, Ctrl-C to the runner: the culprit is named, no process and no swap folder of the
+run is left, another run's swap folder is kept).
 
 Each run is a real ``python -m zeropp.experiments.run`` with the real ZeroEngine on a tiny model
 and a few steps, so the whole file stays around a minute on 2 cores.
@@ -63,6 +65,7 @@ def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
     assert s["comm_wait_s_per_step"] >= 0
     assert len(s["memory_per_rank"]) == 4 and all(m["total"] > 0 for m in s["memory_per_rank"])
     assert 0 < s["loss"]["final"] < 6 and len(s["loss"]["curve"]) == 4
+    assert not (tmp_path / "run.log").exists()  # Hydra's job log file would stay empty: not created
     assert s["config"]["zero"]["grads"]["bits"] == 4 and s["topology"]["world_size"] == 4
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["step"] == 4
@@ -98,19 +101,84 @@ def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
         assert (sweep / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def _nvme(tmp_path: Path) -> tuple[list[str], Path, Path]:
+    """ZeRO-Infinity overrides swapping to ``tmp_path/nvme``, which already holds another run's
+    swap folder (same naming, another run id) that must survive this run."""
+    nvme = tmp_path / "nvme"
+    planted = nvme / "zeropp-swap-0123456789ab-r1-keepme"
+    planted.mkdir(parents=True)
+    (planted / "params.swp").write_bytes(b"\0" * 1024)
+    return ["zero.offload_param=nvme", "zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}"], nvme, planted
+
+
 @pytest.mark.parametrize("fault, words", [("raise@1:2", ["rank 1", "injected fault"]),
                                           ("kill@1:2", ["rank 1", "SIGKILL"])])
 def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[str]) -> None:
+    """With the nvme tier: the raising rank removes its swap folder itself; the SIGKILLed one cannot,
+    and neither can its peer stuck in a collective: the launcher removes this run's folders."""
+    nvme_args, nvme, planted = _nvme(tmp_path)
+    run = tmp_path / "run"
     t0 = time.monotonic()
-    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2",
-              f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault}, timeout=120)
+    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2", *nvme_args,
+              f"hydra.run.dir={run}"], env={"ZEROPP_INJECT_FAULT": fault}, timeout=120)
     took = time.monotonic() - t0
     assert p.returncode != 0
     for w in words:
         assert w in p.stderr, p.stderr[-3000:]
     assert took < 90
-    assert not (tmp_path / "summary.json").exists()
-    assert _live_procs_mentioning(str(tmp_path)) == []  # no orphan rank left behind
+    assert not (run / "summary.json").exists()
+    assert _live_procs_mentioning(str(run)) == []  # no orphan rank left behind
+    assert os.listdir(nvme) == [planted.name] and os.listdir(planted) == ["params.swp"]
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("stop@1:2", "its process is not running (state T (stopped)): it was stopped (SIGSTOP"),
+    ("hang@1:2", "in _maybe_fault) while ranks [0] went past that point; it is deadlocked"),
+], ids=["stopped", "hung"])
+def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str, why: str) -> None:
+    """At step 2 rank 1 SIGSTOPs itself (the process is stopped) or its main thread hangs (other
+    threads run on); rank 0 waits for it in a collective. The run fails naming rank 1 (not rank 0,
+    whose collective would time out only after pg_timeout_s=120) within the heartbeat deadline,
+    and every rank is gone (the stopped one continued, then terminated)."""
+    t0 = time.monotonic()
+    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=1",
+              "launcher.heartbeat_s=3", f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault},
+             timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, p.stderr[-3000:]
+    err = p.stderr.split("error: ", 1)[-1]
+    assert err.startswith("rank 1 made no progress for 3 s (last seen: step "), p.stderr[-3000:]
+    assert why in err and err.rstrip().endswith("stopped all ranks"), err
+    assert "rank 0" not in err and "Timed out" not in p.stderr
+    assert took < 60  # start-up, two steps, the 3 s deadline, the stop: far from pg_timeout_s
+    assert _live_procs_mentioning(str(tmp_path)) == []
+
+
+def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> None:
+    """SIGINT to ``python -m experiments.run`` while it trains with the nvme tier: the ranks are
+    stopped, the run's swap folders are gone, another run's is kept."""
+    nvme_args, nvme, planted = _nvme(tmp_path)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.run", "topology=1x2", "logger=none", *FAST,
+                              "train.steps=100000", "launcher.grace_s=2", *nvme_args, f"hydra.run.dir={run}"],
+                             stdout=subprocess.DEVNULL, stderr=err_file, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "metrics.jsonl").exists():  # training: both ranks hold their swap folders
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        assert len(os.listdir(nvme)) == 3
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 128 + signal.SIGINT
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "interrupted by SIGINT; all ranks stopped" in (tmp_path / "stderr").read_text()
+    assert os.listdir(nvme) == [planted.name] and os.listdir(planted) == ["params.swp"]
+    assert _live_procs_mentioning(str(run)) == []
 
 
 def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
@@ -149,6 +217,8 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     p = _run([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"])
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)
+    steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 4, logged before the stop, is not repeated
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     assert [got[i] for i in range(1, 7)] == [want[i] for i in range(1, 7)]  # exact in fp32
     s = json.loads((cut / "summary.json").read_text())

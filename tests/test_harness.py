@@ -21,6 +21,7 @@ from tests.distributed import run_world
 from zeropp import launch as launcher
 from zeropp.experiments.launcher import device_for_cluster, emulated_placement
 from zeropp.launch import LOCAL, ModuleEntry, PlacementError, RankFailure, launch_world, select_device
+from zeropp.watch import WORLD_DIR_ENV
 
 
 def _sum_ranks(rank: int, world: int) -> float:
@@ -37,7 +38,9 @@ def _raise_on_one(rank: int, world: int) -> None:
 
 def _env_and_value(rank: int, world: int, scale: int) -> dict:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", launcher.LAUNCHED_MARK)
-    return {"value": [rank * scale] * (rank + 1), **{k: os.environ.get(k) for k in keys}}
+    launcher.heartbeat("work")  # a function rank may beat too
+    beat = json.loads(Path(os.environ[WORLD_DIR_ENV], f"heartbeat.{rank}").read_text())  # published from the start
+    return {"value": [rank * scale] * (rank + 1), "beat": beat, **{k: os.environ.get(k) for k in keys}}
 
 
 def _kill_one(rank: int, world: int) -> None:
@@ -100,8 +103,9 @@ def test_failing_rank_reports_its_error_without_hanging():
 
 
 def test_function_world_values_and_env_by_rank():
-    out = launch_world(_env_and_value, 3, args=(7,), timeout_s=60)
+    out = launch_world(_env_and_value, 3, args=(7,), timeout_s=60, heartbeat_s=30)
     assert [o["value"] for o in out] == [[0], [7, 7], [14, 14, 14]]
+    assert all(o["beat"]["pid"] > 0 and o["beat"]["tick"] >= 1 for o in out)
     assert [o["RANK"] for o in out] == [o["LOCAL_RANK"] for o in out] == ["0", "1", "2"]
     assert all(o["WORLD_SIZE"] == o["LOCAL_WORLD_SIZE"] == "3" and o["MASTER_ADDR"] == "127.0.0.1" for o in out)
     assert all(o[launcher.LAUNCHED_MARK] is not None for o in out)
@@ -179,7 +183,8 @@ def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Si
     pid_dir.mkdir()
     with open(tmp_path / "stderr", "w") as err_file:
         p = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(pid_dir)], stderr=err_file,
-                             cwd=Path(__file__).resolve().parents[1])
+                             cwd=Path(__file__).resolve().parents[1],
+                             env={**os.environ, "TMPDIR": str(tmp_path)})  # what a SIGKILLed launcher leaves
     try:
         pids = _pids(pid_dir, 2)
         p.send_signal(sig)

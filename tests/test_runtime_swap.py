@@ -60,6 +60,29 @@ def test_files_are_preallocated_and_removed_on_close(tmp_path):
         sp.read_into(Segment(f, 0, 1, torch.float32), torch.empty(1))
 
 
+def test_a_launched_rank_names_and_records_its_folder_and_an_unclosed_space_is_removed(tmp_path, monkeypatch):
+    """Under zeropp's launcher the folder carries the run id and is recorded for the launcher's
+    cleanup before it exists; a space dropped without close() is removed when collected."""
+    import gc
+    import json
+
+    from zeropp import watch
+
+    world, nvme = tmp_path / "world", tmp_path / "nvme"
+    world.mkdir()
+    nvme.mkdir()
+    monkeypatch.setenv(watch.RUN_ID_ENV, "abc123def456")
+    monkeypatch.setenv(watch.WORLD_DIR_ENV, str(world))
+    monkeypatch.setenv("RANK", "2")
+    sp = SwapSpace(nvme, 2, buffers=2, buffer_size=16)
+    sp.create("a.swp", 1000)
+    assert os.path.basename(sp.dir).startswith("zeropp-swap-abc123def456-r2-")
+    assert json.loads((world / "scratch.2").read_text()) == {"root": str(nvme), "prefix": "zeropp-swap-abc123def456-r2-"}
+    del sp
+    gc.collect()
+    assert os.listdir(nvme) == []
+
+
 def test_a_full_disk_during_a_swap_names_the_file(space, monkeypatch):
     import zeropp.runtime.swap as swap
 

@@ -36,7 +36,22 @@ grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's se
 whose error is not a peer's "connection closed" echo, earliest first, with the tail of its
 error: torch's error file (``@record`` / function ranks), else ``<log_dir>/rank<r>.err``, else
 the tail of ``<log_dir>/rank<r>.log``. SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
-handlers, restored afterwards) and the whole-run timeout stop all ranks the same way.
+handlers, restored afterwards) and the whole-run timeout stop all ranks the same way. A stop
+first sends SIGCONT to every rank's group, so a stopped rank handles its SIGTERM too.
+
+Silent ranks (``heartbeat_s``): a rank that is alive but no longer heard from (SIGSTOPped,
+deadlocked, stuck in I/O) would otherwise only surface when a peer's collective times out, blamed
+on that peer. With ``heartbeat_s`` the ranks publish heartbeats (:func:`heartbeat` from the
+worker's main thread, plus a daemon thread proving the process runs) and the watch loop names
+the silent rank within ``heartbeat_s`` and stops the world; the rule, which tells the silent rank
+from the peers waiting for it, is in :mod:`zeropp.watch`.
+
+What a world leaves behind: every world gets a private directory (``mkdtemp`` in ``log_dir``, else
+in the temporary directory; removed at the end) and a random run id, both in the ranks' env
+(:mod:`zeropp.watch`). Scratch directories a rank names with :func:`zeropp.watch.scratch_prefix`
+(the nvme tier's swap files) are removed after the world ends, also those of SIGKILLed ranks;
+only this run's, never another run's in the same directory. A SIGKILLed *launcher* cleans
+nothing (its ranks die by PDEATHSIG; their folders carry the run id in their names).
 
 Logs: rank 0 keeps the terminal; with ``log_dir`` the other ranks write ``<log_dir>/rank<r>.log``
 and torch's error files land under ``<log_dir>/elastic/`` (``DefaultLogsSpecs`` layout
@@ -46,7 +61,8 @@ all ranks share the terminal and the error files live in a temporary directory r
 
 API: :func:`launch_world` (``ModuleEntry`` or function), :class:`Placement` (:data:`LOCAL`; the
 emulated cluster's is built in ``zeropp.experiments.launcher``), :func:`select_device`,
-:func:`free_port`, :func:`in_torchrun`, :data:`LAUNCHED_MARK`; errors :class:`RankFailure`,
+:func:`free_port`, :func:`in_torchrun`, :data:`LAUNCHED_MARK`, :func:`heartbeat` (rank side, from
+:mod:`zeropp.watch`); errors :class:`RankFailure`,
 :class:`PlacementError`. Launch from the main thread: PDEATHSIG fires when the *thread* that
 started a rank exits.
 
@@ -61,17 +77,23 @@ import ctypes
 import dataclasses
 import datetime
 import os
+import secrets
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.elastic.multiprocessing import (DefaultLogsSpecs, PContext, ProcessFailure,
                                                        SignalException, start_processes)
+
+from . import watch
+from .watch import heartbeat
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
@@ -215,6 +237,7 @@ def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | Non
     _prctl_pdeathsig()
     if log:
         _redirect_output(log)
+    watch.start()  # liveness from the start; progress beats are up to fn (zeropp.launch.heartbeat)
     if threads:
         torch.set_num_threads(threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -271,11 +294,12 @@ def _rank_error(rank: int, pid: int, code: int, error_file: str, log_dir: Path |
     return "", float("inf"), False
 
 
-def _kill_groups(pids: Sequence[int]) -> None:
-    """SIGKILL what is left of each rank's process group (grandchildren such as wandb's service)."""
+def _signal_groups(pids: Sequence[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each rank's process group (SIGKILL: what is left of it, grandchildren such
+    as wandb's service; SIGCONT: a stopped rank, so it can handle the SIGTERM that follows)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, sig)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -287,10 +311,12 @@ class _World:
     log_dir: Path | None
     grace_s: float
     ranks_per_node: int | None
+    monitor: watch.HeartbeatMonitor | None = None
 
     def stop(self) -> None:
+        _signal_groups(list(self.pids.values()), signal.SIGCONT)
         self.pc.close(timeout=max(self.grace_s, 0.5))  # type: ignore[arg-type]  # torch annotates int, uses float
-        _kill_groups(list(self.pids.values()))
+        _signal_groups(list(self.pids.values()), signal.SIGKILL)
 
     def failure(self, first: dict[int, int], codes: dict[int, int]) -> RankFailure:
         """Stop everything and build the :class:`RankFailure` naming the root cause among ``first``."""
@@ -311,24 +337,36 @@ class _World:
                            rank=rank, exit_code=code)
 
 
-def _rank_envs(world_size: int, placement: Placement, port: int, extra_env: dict[str, str] | None
-               ) -> dict[int, dict[str, str]]:
+def _rank_envs(world_size: int, placement: Placement, port: int, extra_env: dict[str, str] | None,
+               channel: dict[str, str]) -> dict[int, dict[str, str]]:
     envs = {}
     for r in range(world_size):
         env = dict(extra_env or {})
         if placement.envs:
             env.update(placement.envs[r])
         env.update(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
-                   MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port), **{LAUNCHED_MARK: str(r)})
+                   MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port), **{LAUNCHED_MARK: str(r)}, **channel)
         envs[r] = env
     return envs
+
+
+def _clean_world(world_dir: str, run_id: str) -> None:
+    """Remove the scratch the ranks recorded (:func:`zeropp.watch.remove_scratch`) and the world's
+    directory; what could not be removed is named in a warning."""
+    try:
+        _, problems = watch.remove_scratch(world_dir, run_id)
+    finally:
+        shutil.rmtree(world_dir, ignore_errors=True)
+    for p in problems:
+        warnings.warn(f"run {run_id}: {p}", RuntimeWarning, stacklevel=3)
 
 
 def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, args: tuple = (),
                  placement: Placement = LOCAL, log_dir: Path | None = None, timeout_s: float,
                  grace_s: float = 5.0, extra_env: dict[str, str] | None = None, process_group: str | None = None,
                  pg_timeout_s: float | None = None, threads: int | None = None,
-                 ranks_per_node: int | None = None, poll_s: float = 0.05) -> list[Any]:
+                 ranks_per_node: int | None = None, heartbeat_s: float | None = None,
+                 poll_s: float = 0.05) -> list[Any]:
     """Start ``world_size`` ranks of ``entry`` on this host and wait; return their results by rank.
 
     ``entry``: a :class:`ModuleEntry` (results are ``None``) or a picklable module-level function,
@@ -337,29 +375,50 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
     ``threads``: ``torch.set_num_threads`` first). ``log_dir``: ranks other than 0 write
     ``rank<r>.log`` there (else all ranks keep the terminal). ``timeout_s`` bounds the whole run;
     ``grace_s`` is how long a stopped rank gets between SIGTERM and SIGKILL. ``ranks_per_node``
-    only names a failing rank's node in messages. Raises :class:`RankFailure` (see module doc).
+    only names a failing rank's node in messages. ``heartbeat_s``: name and stop a rank silent for
+    that long (None or 0: off; see :mod:`zeropp.watch`). Raises :class:`RankFailure` (see module doc).
     """
     function = not isinstance(entry, ModuleEntry)
     placement.check(world_size, function=function)
     if world_size < 1:
         raise PlacementError(f"world_size must be >= 1, got {world_size}")
-    port = free_port()
-    envs = _rank_envs(world_size, placement, port, extra_env)
-    logs = {r: str(log_dir / f"rank{r}.log") if log_dir is not None and r > 0 else "" for r in range(world_size)}
+    run_id = secrets.token_hex(6)
     if log_dir is not None:
-        (log_dir / "elastic").mkdir(parents=True, exist_ok=True)
-        for path in filter(None, logs.values()):
-            Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
-    if function:
-        pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
-        ep: Callable | str = _function_rank
-        rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads) for r in range(world_size)}
-    else:
-        assert isinstance(entry, ModuleEntry)
-        ep = sys.executable
-        rank_args = {r: ("-I", "-S", "-c", _BOOT, str(os.getpid()), logs[r],
-                         *(placement.prefixes[r] if placement.prefixes else ()),
-                         sys.executable, "-m", entry.module, *entry.args) for r in range(world_size)}
+        log_dir.mkdir(parents=True, exist_ok=True)
+    # in log_dir, what a SIGKILLed launcher leaves behind stays with its run
+    world_dir = tempfile.mkdtemp(prefix=f"zeropp-world-{run_id}-", dir=log_dir)
+    channel = {watch.WORLD_DIR_ENV: world_dir, watch.RUN_ID_ENV: run_id}
+    if heartbeat_s:
+        channel[watch.TICK_ENV] = str(watch.HeartbeatMonitor.tick_s(heartbeat_s))
+    envs = _rank_envs(world_size, placement, free_port(), extra_env, channel)
+    logs = {r: str(log_dir / f"rank{r}.log") if log_dir is not None and r > 0 else "" for r in range(world_size)}
+    try:
+        if log_dir is not None:
+            (log_dir / "elastic").mkdir(parents=True, exist_ok=True)
+            for path in filter(None, logs.values()):
+                Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
+        if function:
+            pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
+            ep: Callable | str = _function_rank
+            rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads)
+                         for r in range(world_size)}
+        else:
+            assert isinstance(entry, ModuleEntry)
+            ep = sys.executable
+            rank_args = {r: ("-I", "-S", "-c", _BOOT, str(os.getpid()), logs[r],
+                             *(placement.prefixes[r] if placement.prefixes else ()),
+                             sys.executable, "-m", entry.module, *entry.args) for r in range(world_size)}
+        monitor = watch.HeartbeatMonitor(world_dir, heartbeat_s) if heartbeat_s else None
+        return _start_and_watch(ep, rank_args, envs, log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node,
+                                monitor=monitor, timeout_s=timeout_s, poll_s=poll_s)
+    finally:
+        _clean_world(world_dir, run_id)  # every rank is gone: what they left is safe to remove
+
+
+def _start_and_watch(ep: Callable | str, rank_args: dict[int, tuple], envs: dict[int, dict[str, str]], *,
+                     log_dir: Path | None, grace_s: float, ranks_per_node: int | None,
+                     monitor: watch.HeartbeatMonitor | None, timeout_s: float, poll_s: float) -> list[Any]:
+    """Start the ranks under torch's signal handlers, watch them, and stop whatever is left."""
     errors_cm = (contextlib.nullcontext(str(log_dir / "elastic")) if log_dir is not None
                  else tempfile.TemporaryDirectory(prefix="zeropp-ranks-"))
     old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}  # start_processes installs its own
@@ -368,7 +427,8 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
         try:
             pc = start_processes(name="zeropp", entrypoint=ep, args=rank_args, envs=envs,
                                  logs_specs=DefaultLogsSpecs(log_dir=error_root))
-            world = _World(pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node)
+            world = _World(pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node,
+                           monitor=monitor)
             return _watch(world, timeout_s=timeout_s, poll_s=poll_s)
         except SignalException as e:
             raise RankFailure(f"interrupted by {e.sigval.name}; all ranks stopped",
@@ -385,6 +445,7 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
 def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
     """Poll until every rank is done (results by rank) or one fails or the deadline passes (raise)."""
     deadline = time.monotonic() + timeout_s
+    next_beat_check = time.monotonic()
     codes: dict[int, int] = {}
     while True:
         first = {}
@@ -400,6 +461,12 @@ def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
             if result.is_failed():  # torch saw it between our peek and its poll
                 raise world.failure({r: f.exitcode for r, f in result.failures.items()}, codes)
             return [result.return_values.get(r) for r in range(len(world.pids))]
+        if world.monitor is not None and time.monotonic() >= next_beat_check:
+            next_beat_check = time.monotonic() + 0.5
+            verdict = world.monitor.check([r for r in world.pids if r not in codes])
+            if verdict is not None:
+                world.stop()
+                raise RankFailure(verdict.message, rank=verdict.rank)
         if time.monotonic() > deadline:
             running = [r for r in world.pids if r not in codes]
             world.stop()
@@ -409,4 +476,4 @@ def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
 
 
 __all__: Sequence[str] = ("LAUNCHED_MARK", "LOCAL", "ModuleEntry", "Placement", "PlacementError", "RankFailure",
-                          "free_port", "in_torchrun", "launch_world", "select_device")
+                          "free_port", "heartbeat", "in_torchrun", "launch_world", "select_device")

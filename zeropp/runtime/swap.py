@@ -2,8 +2,13 @@
 
 A :class:`SwapSpace` owns, for one rank:
 
-- a run-unique directory ``nvme_path/zeropp-swap-r<rank>-<random>/`` holding its files, removed
-  (with the files) by :meth:`SwapSpace.close`;
+- a run-unique directory ``nvme_path/zeropp-swap-<run id>-r<rank>-<random>/`` holding its files
+  (``zeropp-swap-r<rank>-<random>`` when no zeropp launcher started the rank), removed with the
+  files by :meth:`SwapSpace.close`, else when the space is garbage collected or the interpreter
+  exits (``weakref.finalize``: an exception that unwinds past the engine, a SIGTERM the worker
+  turns into one), else by the launcher after the world ends (a SIGKILLed rank): the name is
+  recorded with it first (:func:`zeropp.watch.scratch_prefix`), and the run id keeps another run's
+  folders in the same ``nvme_path`` out of reach;
 - files preallocated at creation with ``os.posix_fallocate``, so a disk too small for the state
   fails when the engine is built, with the file named, instead of in the middle of a step;
 - ``buffers`` staging buffers of ``buffer_size`` fp32 elements each (pinned when the device is
@@ -33,12 +38,15 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+
+from ..watch import scratch_prefix
 
 
 ALIGN = 64
@@ -111,11 +119,12 @@ class SwapSpace:
             raise ValueError(f"SwapSpace needs at least 2 staging buffers, got {buffers}")
         if buffer_size < 1:
             raise ValueError(f"SwapSpace buffer_size must be >= 1 element, got {buffer_size}")
-        self.dir = tempfile.mkdtemp(prefix=f"zeropp-swap-r{rank}-", dir=os.fspath(root))
+        self.dir = tempfile.mkdtemp(prefix=scratch_prefix(root, "swap", rank), dir=os.fspath(root))
         self.buffer_bytes = 4 * buffer_size
         self.buffers = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"zeropp-swap-r{rank}")
         self.files: list[SwapFile] = []
+        self._release = weakref.finalize(self, _release, self.pool, self.files, self.dir)
         self.bytes_read = self.bytes_written = 0
         self.io_s = 0.0
         """Wall seconds spent inside :meth:`stream` (for the achieved swap bandwidth)."""
@@ -314,21 +323,21 @@ class SwapSpace:
         if self._closed:
             return
         self._closed = True
-        self.pool.shutdown(wait=True)
-        for f in self.files:
-            try:
-                os.close(f.fd)
-            except OSError:
-                pass
-        self.files.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._release()  # runs once; also run if the space is collected or the interpreter exits unclosed
         self.buffers = []
 
-    def __del__(self) -> None:  # a crashed run should not leave its scratch files behind
+
+def _release(pool: ThreadPoolExecutor, files: list[SwapFile], directory: str) -> None:
+    """What :meth:`SwapSpace.close` frees (a function of the parts, not of the space, so that
+    ``weakref.finalize`` can run it after the space is gone)."""
+    pool.shutdown(wait=True)
+    for f in files:
         try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+            os.close(f.fd)
+        except OSError:
             pass
+    files.clear()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _wait(fs: Sequence[Future]) -> None:
