@@ -54,6 +54,15 @@ def test_close_drains_joins_and_the_next_continuation_restarts_the_worker() -> N
     ctx.close()
 
 
+def test_a_continuation_finishing_after_close_still_nests_inline() -> None:
+    ctx = context.CommContext()
+    gate, seen = threading.Event(), []
+    ctx.submit(lambda: (gate.wait(10), seen.append(ctx.in_worker())))
+    threading.Timer(0.2, gate.set).start()
+    assert ctx.close(timeout=30)
+    assert seen == [True] and not ctx.worker_alive  # no second worker was started for it
+
+
 def test_close_is_bounded_and_says_what_it_left() -> None:
     ctx = context.CommContext()
     gate = threading.Event()

@@ -56,6 +56,7 @@ release held buffers before it warns and returns (a continuation can only take l
 collective is stuck waiting for a peer)."""
 
 _POLL_S = 0.001
+_THREAD = threading.local()  # .context: the CommContext whose worker this thread is
 T = TypeVar("T")
 
 
@@ -87,9 +88,9 @@ class CommContext:
             self._queue.put(job)
 
     def in_worker(self) -> bool:
-        """True on this context's worker thread."""
-        t = self._thread
-        return t is not None and threading.current_thread() is t
+        """True on this context's worker thread (also one that is finishing its queue after
+        :meth:`close`, whose continuations must still run their nested ones inline)."""
+        return getattr(_THREAD, "context", None) is self
 
     @property
     def pid(self) -> int:
@@ -115,8 +116,8 @@ class CommContext:
             self._on_destroy = weakref.finalize(dist.group.WORLD, self._stop_worker, CLOSE_TIMEOUT_S)
             self._on_destroy.atexit = False  # interpreter exit is _close_at_exit's job
 
-    @staticmethod
-    def _loop(q: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
+    def _loop(self, q: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
+        _THREAD.context = self
         while True:
             job = q.get()
             if job is None:  # close(): everything queued before has run
