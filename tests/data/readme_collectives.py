@@ -2,10 +2,11 @@
 ``tests/test_comm_lifetime.py`` under torchrun: every rank must print its check and the process
 must then end with exit status 0, every time (no SIGABRT in the interpreter's teardown).
 
-    torchrun --standalone --nproc-per-node 2 tests/data/readme_collectives.py [RANKS_PER_NODE] [--destroy]
+    torchrun --standalone --nproc-per-node 4 tests/data/readme_collectives.py [RANKS_PER_NODE] [--destroy]
 
-RANKS_PER_NODE (default: all ranks on one node) < the world makes qgZ hierarchical (two hops, the
-second on the comm worker thread); ``--destroy`` ends with ``dist.destroy_process_group()``.
+RANKS_PER_NODE defaults to README's 2 (with 4 ranks: 2 nodes of 2, so qgZ is hierarchical and
+its second hop runs on the comm worker thread); ``--destroy`` ends with
+``dist.destroy_process_group()``.
 """
 
 import sys
@@ -18,7 +19,7 @@ from zeropp.comm import (CommStats, ErrorFeedback, QuantSpec, Topology, quantize
 
 dist.init_process_group("gloo")
 W, rank = dist.get_world_size(), dist.get_rank()
-rpn = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else W
+rpn = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 2 if W % 2 == 0 else W
 topo = Topology.from_world(W, ranks_per_node=rpn)
 topo.build(); set_topology(topo)
 stats = CommStats()

@@ -9,24 +9,27 @@ the process with ``terminate called without an active exception`` (SIGABRT), aft
 printed correct results. Two threads can do that:
 
 - the comm worker, while a continuation waits on gloo or runs Python;
-- a gloo worker thread (``ProcessGroupGloo::runLoop``): it drops its reference to a finished
-  collective a moment *after* waking the waiter. When the collective's tensors are temporaries
-  whose Python objects the caller has already freed (the quantized collectives' wire buffers,
-  a ``.view(-1)`` of the output), torch has handed those Python objects to the tensors, so that
-  drop must take the GIL to free them. Right before interpreter exit, that aborts. Torch joins
-  gloo's threads only when a process group object is destroyed, which the user's own references
-  can postpone past interpreter exit, ``destroy_process_group()`` or not.
+- a gloo worker thread (``ProcessGroupGloo::runLoop``): it drops its references to a finished
+  collective's tensors a moment *after* waking the waiter. Since torch 2.10 a tensor's C++
+  object owns its Python object while other C++ references exist, and the release that brings
+  the count back to one hands the Python object back, taking the GIL (and freeing it, if the
+  caller has dropped it: the quantized collectives' wire buffers, a ``.view(-1)`` of the output).
+  Right before interpreter exit, that aborts. Torch joins gloo's threads only when a process
+  group object is destroyed, which the user's own references can postpone past interpreter
+  exit, ``destroy_process_group()`` or not.
 
 So :class:`CommContext`:
 
 - runs continuations on one worker thread (FIFO; see ``chain.py`` for the ordering contract),
   started at first use and restarted after :meth:`~CommContext.close`;
-- keeps a Python reference to every CPU tensor it hands to the backend (:meth:`~CommContext.issue`)
-  until the backend has released it, so gloo's threads never free a Python object: a release
-  shows as the tensor's C++ use count falling back to what it was before the call (torch has no
-  API that waits for gloo's worker threads, hence the count);
+- holds every CPU tensor it hands to the backend (:meth:`~CommContext.issue`) with a Python
+  reference and a C++ one of its own (a DLPack capsule) until the backend has released it, so
+  the backend's release is never the one that reaches the GIL; the context's own release runs
+  on a Python thread. The backend has released a tensor when its C++ use count is back to what
+  it was before the call (torch has no API that waits for gloo's worker threads, hence the
+  count). Held tensors are checked and dropped at the next call and by :meth:`~CommContext.close`;
 - :meth:`~CommContext.close` drains and joins the worker, then waits until the backend released
-  every held buffer. It runs when the default process group the worker started under is
+  every held tensor. It runs when the default process group the worker started under is
   destroyed, and at interpreter exit from an ``atexit`` hook, which Python runs before it starts
   finalizing (and after torch's own hooks were registered, so before them). Each wait is bounded
   (:data:`CLOSE_TIMEOUT_S`); what is left then is named in one warning, never waited on forever.
@@ -47,6 +50,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.utils.dlpack
 
 __all__ = ["CLOSE_TIMEOUT_S", "CommContext", "current"]
 
@@ -65,6 +69,17 @@ def _use_count(t: torch.Tensor) -> int:
     return torch.Tensor._use_count(t)
 
 
+def _pin(t: torch.Tensor) -> Optional[object]:
+    """A C++ reference of ours to ``t`` (a DLPack capsule; None for what DLPack cannot export).
+    Why: torch >= 2.10 lets a tensor's C++ object own its Python object while it has other C++
+    references, and the thread whose release brings the count back to one hands the Python
+    object back, which takes the GIL. With this pin the backend's release never is that one."""
+    try:
+        return torch.utils.dlpack.to_dlpack(t)
+    except (RuntimeError, TypeError, BufferError):
+        return None
+
+
 class CommContext:
     """The comm worker, the CUDA side streams and the backend's held buffers of one process."""
 
@@ -75,7 +90,7 @@ class CommContext:
         self._thread: Optional[threading.Thread] = None
         self._on_destroy: Optional[weakref.finalize] = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._held: list[tuple[torch.Tensor, int]] = []
+        self._held: list[tuple[torch.Tensor, int, Optional[object]]] = []  # tensor, count before, pin
 
     # -------------------------------------------------------------- the comm worker
     def submit(self, job: Callable[[], None]) -> None:
@@ -157,14 +172,15 @@ class CommContext:
 
     # -------------------------------------------------------------- buffers the backend holds
     def issue(self, call: Callable[[], T], tensors: Sequence[torch.Tensor]) -> T:
-        """Run ``call`` (a backend collective on ``tensors``) and keep the CPU ones referenced
-        until the backend has released them (see the module docstring)."""
+        """Run ``call`` (a backend collective on ``tensors``) and keep the CPU ones, with a C++
+        reference of ours, until the backend has released them (see the module docstring)."""
         cpu = [t for t in tensors if t.device.type == "cpu"]
+        pins = [_pin(t) for t in cpu]
         counts = [_use_count(t) for t in cpu]
         result = call()
         with self._lock:
             self._prune()
-            self._held.extend(zip(cpu, counts))
+            self._held.extend(zip(cpu, counts, pins))
         return result
 
     @property
@@ -175,7 +191,8 @@ class CommContext:
             return len(self._held)
 
     def _prune(self) -> None:
-        self._held = [(t, c) for t, c in self._held if _use_count(t) > c]
+        """Drop (on this thread, which holds the GIL) what the backend no longer references."""
+        self._held = [h for h in self._held if _use_count(h[0]) > h[1]]
 
     def _release_held(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
