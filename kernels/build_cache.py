@@ -18,7 +18,8 @@ What happens otherwise:
   files of our own, in our own directory), then loaded;
 - an unsafe directory or file: left untouched; one warning names the path and why, and the
   library is built into a fresh private temporary directory for this process (removed once
-  loaded), so it still works, only without the cache.
+  loaded), so it still works, only without the cache. The same for a cache directory that
+  cannot be created or written (a read-only home, a path through a file).
 
 A build writes a temporary file in the cache directory, fsyncs it, records its hash (written to
 a temporary and fsynced too), renames both into place and fsyncs the directory, so a crash
@@ -47,7 +48,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-__all__ = ["LOCK_TIMEOUT_S", "UnsafeCache", "cached_library", "load_library"]
+__all__ = ["LOCK_TIMEOUT_S", "UnsafeCache", "UnusableCache", "cached_library", "load_library"]
 
 HASH_SUFFIX = ".sha256"
 LOCK_SUFFIX = ".lock"
@@ -57,8 +58,16 @@ LOCK_TIMEOUT_S = 900.0
 _WARNED: set[str] = set()
 
 
-class UnsafeCache(RuntimeError):
+class UnusableCache(RuntimeError):
+    """A cache directory that cannot be used: it cannot be created or written."""
+
+
+class UnsafeCache(UnusableCache):
     """A cache directory or file that others could have written: never loaded from."""
+
+
+def _unwritable(cache: Path, err: OSError) -> UnusableCache:
+    return UnusableCache(f"the cache directory {cache} cannot be created or written ({err.strerror or err})")
 
 
 def _unsafe(st: os.stat_result, what: str) -> Optional[str]:
@@ -74,8 +83,11 @@ def _unsafe(st: os.stat_result, what: str) -> Optional[str]:
 
 def _open_dir(cache: Path) -> int:
     """A descriptor of ``cache`` (created private if missing), checked safe."""
-    os.makedirs(cache, mode=0o700, exist_ok=True)
-    dfd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.makedirs(cache, mode=0o700, exist_ok=True)
+        dfd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise _unwritable(cache, e) from None
     why = _unsafe(os.fstat(dfd), f"the cache directory {cache}")
     if why:
         os.close(dfd)
@@ -139,9 +151,12 @@ def _verified(dfd: int, cache: Path, name: str) -> tuple[Optional[int], str, Opt
 
 
 @contextlib.contextmanager
-def _locked(dfd: int, name: str) -> Iterator[None]:
+def _locked(dfd: int, cache: Path, name: str) -> Iterator[None]:
     """Exclusive ``flock`` on ``<name>.lock`` (released at exit, or by the kernel if we die)."""
-    lfd = os.open(name + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        lfd = os.open(name + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    except OSError as e:
+        raise _unwritable(cache, e) from None
     try:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -160,7 +175,10 @@ def _locked(dfd: int, name: str) -> Iterator[None]:
 
 def _build_in(dfd: int, cache: Path, name: str, build: Callable[[Path], None]) -> tuple[int, str]:
     """Build ``name`` into the cache (see the module docstring); its fd and sha256."""
-    tmp_fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=cache)
+    try:
+        tmp_fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=cache)
+    except OSError as e:
+        raise _unwritable(cache, e) from None
     os.close(tmp_fd)
     tmp_name, hash_tmp = os.path.basename(tmp), None
     try:
@@ -207,8 +225,9 @@ def _warn_once(why: str, cache: Path) -> None:
     if why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"zeropp.kernels: not using the kernel cache: {why}; building a private copy for this process "
-                      f"instead (slower start). Fix: make it yours and private (chmod go-w) or remove it, or point "
-                      f"ZEROPP_CACHE_DIR at a private directory (now {cache})", RuntimeWarning, stacklevel=4)
+                      f"instead (slower start). Fix: make it a directory of yours that only you can write (chmod "
+                      f"go-w), or remove it, or point ZEROPP_CACHE_DIR at one (now {cache})", RuntimeWarning,
+                      stacklevel=5)
 
 
 def _private(name: str, build: Callable[[Path], None], load: Callable[[str], ctypes.CDLL]) -> tuple[ctypes.CDLL, Path]:
@@ -231,31 +250,30 @@ def cached_library(cache: Path, name: str, build: Callable[[Path], None],
     ``build(path)`` when missing, empty, corrupt, hash-mismatched or (with ``load``) failing to
     load. With ``load`` (a ``dlopen``, e.g. ``ctypes.CDLL``), returns the loaded library and the
     file it came from; without, ``(None, path)`` of the checked cached file. An unsafe cache is
-    never read: with ``load``, a private build is loaded instead (one warning); without, raises
-    :class:`UnsafeCache`."""
+    never read, and one that cannot be created or written is not used: with ``load``, a private
+    build is loaded instead (one warning); without, :class:`UnusableCache` is raised."""
     try:
-        dfd = _open_dir(cache)
-    except UnsafeCache as e:
+        return _from_cache(cache, name, build, load)
+    except UnusableCache as e:
         if load is None:
             raise
         _warn_once(str(e), cache)
         return _private(name, build, load)
+
+
+def _from_cache(cache: Path, name: str, build: Callable[[Path], None],
+                load: Optional[Callable[[str], ctypes.CDLL]]) -> tuple[Optional[ctypes.CDLL], Path]:
+    dfd = _open_dir(cache)
     path = cache / name
     try:
-        try:
-            fd, why, digest = _verified(dfd, cache, name)
-        except UnsafeCache as e:
-            if load is None:
-                raise
-            _warn_once(str(e), cache)
-            return _private(name, build, load)
+        fd, why, digest = _verified(dfd, cache, name)
         failed: Optional[str] = None  # the digest of a checked file that did not load
         if fd is not None:
             try:
                 return _dlopen(fd, path, load), path
             except (OSError, AttributeError) as e:  # not a loadable library, or lacks a symbol
                 failed, why = digest, f"failed to load ({e})"
-        with _locked(dfd, name):
+        with _locked(dfd, cache, name):
             fd, _, digest = _verified(dfd, cache, name)  # another process may have built it meanwhile
             if fd is not None and digest == failed:
                 os.close(fd)
@@ -263,7 +281,7 @@ def cached_library(cache: Path, name: str, build: Callable[[Path], None],
             if fd is None:
                 if why.startswith(("does not match", "failed to load")):  # not a crash mid-write: say so
                     warnings.warn(f"zeropp.kernels: the cached library {path} {why}; rebuilding it", RuntimeWarning,
-                                  stacklevel=3)
+                                  stacklevel=4)
                 fd, digest = _build_in(dfd, cache, name, build)
             return _dlopen(fd, path, load), path
     finally:

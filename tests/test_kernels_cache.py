@@ -179,6 +179,26 @@ def test_unsafe_cache_is_refused_untouched_and_built_privately(fault: str, tmp_p
     assert _works(lib, monkeypatch)
 
 
+@pytest.mark.parametrize("fault", ["path through a file", "read-only directory"])
+def test_unwritable_cache_builds_privately(fault: str, tmp_path: Path, real_build: dict,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if fault == "read-only directory":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        cache = tmp_path / "c"
+        cache.mkdir(mode=0o500)
+    else:
+        (tmp_path / "file").write_text("not a directory")
+        cache = tmp_path / "file" / "c"  # e.g. ZEROPP_CACHE_DIR set to a file by mistake
+    calls: list[Path] = []
+    build_cache._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match=f"not using the kernel cache: the cache directory {cache} cannot be "
+                                            "created or written"):
+        lib, _ = build_cache.load_library(cache, "zq_x.so", _copying_build(real_build["bytes"], calls),
+                                          cpu_native._load)
+    assert len(calls) == 1 and cache not in calls[0].parents and _works(lib, monkeypatch)
+
+
 def test_cpu_native_falls_back_loudly_when_the_cache_is_unsafe_and_nothing_builds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No usable cache and no compiler: library() is None with the reason, and cpu.py warns once."""
