@@ -295,13 +295,6 @@ def cli() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     _hydra_main()
-    if in_torchrun() and not _failed:
-        # a torchrun rank ends as the launcher's ranks do (worker.main): skip the interpreter's
-        # teardown, where gloo's threads can abort the process after destroy_process_group
-        # (seen as a SIGABRT of one rank after a complete run)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     if _failed:
         print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)
         for job in _failed:

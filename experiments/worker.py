@@ -350,5 +350,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv)
-    os._exit(code)  # skip interpreter teardown: gloo's threads can abort it after destroy_process_group
+    sys.exit(main(sys.argv))

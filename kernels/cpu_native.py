@@ -32,12 +32,16 @@ Why it stays bit-identical (``tests/test_kernels.py`` checks it on the awkward c
 - NaN / Inf / zero-scale blocks follow the reference's rules (scale NaN and codes 0; codes 0).
 
 The build: ``g++`` (or ``$CXX``) with the flags in ``FLAGS`` into a cache directory
-(``$ZEROPP_CACHE_DIR``, else ``~/.cache/zeropp``), keyed by a hash of the source, the flags,
-the compiler's version and the CPU's feature flags (``-march=native`` code must never run on a
-CPU without those features); written to a temporary file and renamed, so concurrent ranks
-building at once are safe. Later processes load the cached library without compiling. If the
-build or the load fails, :func:`library` returns None once and says why in :data:`FAILED`;
-``cpu.py`` then warns and keeps to the compiled / tiled paths.
+(:func:`cache_dir`: ``$ZEROPP_CACHE_DIR``, else ``$XDG_CACHE_HOME/zeropp``, else
+``~/.cache/zeropp``; then ``cpu_native/``), keyed by a hash of the source, the flags, the
+compiler's version and the CPU's feature flags (``-march=native`` code must never run on a CPU
+without those features). Later processes load the cached library without compiling, but only
+after ``build_cache.py``'s checks: directory and file owned by this user and not writable by
+others, the file's sha256 equal to the one recorded at build. An empty, corrupt or mismatched
+file is rebuilt; an unsafe cache is never loaded (one warning, then a private build). Concurrent
+ranks building at once take a file lock. If the build or the load fails, :func:`library`
+returns None and says why in :data:`FAILED`; ``cpu.py`` then warns once and keeps to the
+compiled / tiled paths.
 """
 
 from __future__ import annotations
@@ -49,11 +53,13 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from . import build_cache
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 
@@ -94,27 +100,40 @@ def _compiler() -> str:
     return cxx
 
 
-def _build() -> Path:
-    """The shared library for this source, flags, compiler and CPU: from the cache, else built."""
+BUILD_TIMEOUT_S = 600.0
+"""The longest one compiler run may take (a hung compiler fails the build instead of the run)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$ZEROPP_CACHE_DIR``, else ``$XDG_CACHE_HOME/zeropp``,
+    else ``~/.cache/zeropp``; then ``cpu_native``."""
+    base = os.environ.get("ZEROPP_CACHE_DIR")
+    if not base:
+        base = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zeropp")
+    return Path(base) / "cpu_native"
+
+
+def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
+    """The library's file name (its cache key) and a function that builds it at a given path."""
     cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
+                             timeout=BUILD_TIMEOUT_S).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_features()]).encode())
-    cache = Path(os.environ.get("ZEROPP_CACHE_DIR") or Path.home() / ".cache" / "zeropp") / "cpu_native"
-    lib = cache / f"zq_{key.hexdigest()[:20]}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+
+    def build(out: Path) -> None:
+        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)  # atomic: a concurrent builder's identical file may win, either is fine
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+
+    return f"zq_{key.hexdigest()[:20]}.so", build
+
+
+def _build() -> Path:
+    """The checked cached library for this source, flags, compiler and CPU, built if needed
+    (not loaded). Raises ``build_cache.UnsafeCache`` where the cache must not be used."""
+    name, build = _name_and_builder()
+    return build_cache.cached_library(cache_dir(), name, build)[1]
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -127,6 +146,19 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.restype = c
 
 
+def _load(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    _bind(lib)
+    return lib
+
+
+def load() -> tuple[ctypes.CDLL, Path]:
+    """Load the kernels (from the cache, else built; see the module docstring) and return them
+    with the file they came from. Raises what went wrong."""
+    name, build = _name_and_builder()
+    return build_cache.load_library(cache_dir(), name, build, _load)
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernels (built at the first call), or None when they are off or unavailable."""
     global _LIB, FAILED
@@ -135,9 +167,7 @@ def library() -> ctypes.CDLL | None:
     with _LOCK:
         if _LIB is None and FAILED is None:
             try:
-                lib = ctypes.CDLL(str(_build()))
-                _bind(lib)
-                _LIB = lib
+                _LIB = load()[0]
             except Exception as err:  # noqa: BLE001 - any failure means: use another path
                 FAILED = f"{type(err).__name__}: {err}"
     return _LIB
@@ -215,5 +245,8 @@ def requantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: in
                               scales_out.stride(0)), "dequantize_sum_requantize")
 
 
-if __name__ == "__main__":  # python -m zeropp.kernels.cpu_native: build (or find) the library
-    print(_build() if library() is not None else f"unavailable: {FAILED}", file=sys.stdout)
+if __name__ == "__main__":  # python -m zeropp.kernels.cpu_native: build (or find) and load the library
+    try:
+        print(load()[1], file=sys.stdout)
+    except Exception as err:  # noqa: BLE001 - report why, as library() would
+        print(f"unavailable: {type(err).__name__}: {err}", file=sys.stdout)

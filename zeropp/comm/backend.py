@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from zeropp.kernels.layout import QUANT_FLOAT_DTYPES
 
+from . import context
 from .feedback import ErrorFeedback
 from .spec import QuantSpec
 
@@ -43,8 +44,10 @@ class CommHandle(dist.Work):
         if not self._done:
             for w in self._works:
                 w.wait()
+            self._works = []  # the backend's work objects (and the tensors they hold) can go now
             if self._finish is not None:
                 self._finish()
+            self._finish = None
             self._done = True
         return True
 
@@ -64,21 +67,30 @@ def finish_or_handle(
 
 
 # ---------------------------------------------------------------------------------- backend
+# Every backend collective of zeropp.comm goes through these, and through context.issue: the
+# backend's own threads may hold the tensors a moment after the call completed, and must never be
+# the ones to free their Python objects (context.py says why).
 def backend_all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
     """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor`` (older)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    return context.current().issue(lambda: fn(out, inp, group=group, async_op=async_op), (out, inp))
 
 
 def backend_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op, group, async_op: bool):
     """``reduce_scatter_single`` (torch >= 2.13) or the deprecated ``reduce_scatter_tensor``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, op=op, group=group, async_op=async_op)
+    return context.current().issue(lambda: fn(out, inp, op=op, group=group, async_op=async_op), (out, inp))
 
 
 def backend_all_to_all(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
     """Equal-split all-to-all: chunk ``i`` of ``inp`` (dim 0) goes to group rank ``i``."""
-    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+    return context.current().issue(lambda: dist.all_to_all_single(out, inp, group=group, async_op=async_op),
+                                   (out, inp))
+
+
+def backend_all_reduce(tensor: torch.Tensor, op, group, async_op: bool):
+    """In-place all-reduce of ``tensor``."""
+    return context.current().issue(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), (tensor,))
 
 
 # ---------------------------------------------------------------------------------- checks

@@ -10,9 +10,11 @@ landed, not when the caller finally calls ``wait()``. :func:`submit` runs such a
   inputs are ready. The caller's ``wait()`` makes its current stream wait on an event recorded
   at the end. The continuation (and the tensors it references) is kept alive until then, so
   the caching allocator cannot hand its buffers to the caller's stream too early.
-- **CPU (gloo)**: on one comm worker thread per process, in submission order (FIFO). Gloo's
-  ``wait()`` blocks that thread, not the caller. The caller's ``wait()`` blocks until the job
-  ran and re-raises what it raised.
+- **CPU (gloo)**: on the comm worker thread of the process's :class:`~.context.CommContext`, in
+  submission order (FIFO). Gloo's ``wait()`` blocks that thread, not the caller. The caller's
+  ``wait()`` blocks until the job ran and re-raises what it raised. The context owns the thread:
+  it is drained and joined when the default process group is destroyed and at interpreter exit
+  (``context.py``), and started again by the next continuation.
 
 Ordering contract: continuations run in the order they were submitted (CPU: one FIFO thread;
 CUDA: submitted inline, in order), so the collectives they issue go out in the same order on
@@ -25,12 +27,12 @@ inline.
 
 from __future__ import annotations
 
-import os
-import queue
 import threading
 from typing import Callable, Optional
 
 import torch
+
+from . import context
 
 __all__ = ["Deferred", "in_worker", "submit", "submit_future"]
 
@@ -89,48 +91,9 @@ class Deferred:
             raise err
 
 
-class _Worker:
-    """One daemon thread per process running continuations in submission order."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: "queue.SimpleQueue[Deferred]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._pid = -1
-
-    def submit(self, job: Deferred) -> None:
-        with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._queue = queue.SimpleQueue()  # a forked child starts with a fresh queue
-                self._thread = threading.Thread(target=self._loop, args=(self._queue,), name="zeropp-comm",
-                                                daemon=True)
-                self._pid = os.getpid()
-                self._thread.start()
-            self._queue.put(job)
-
-    def is_current(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
-
-    @staticmethod
-    def _loop(q: "queue.SimpleQueue[Deferred]") -> None:
-        while True:
-            q.get().run()
-
-
-_WORKER = _Worker()
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def in_worker() -> bool:
     """True on the comm worker thread (a continuation submitted there runs inline)."""
-    return _WORKER.is_current()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    s = _SIDE_STREAMS.get(device)
-    if s is None:
-        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return s
+    return context.current().in_worker()
 
 
 def submit(fn: Callable[[], None], device: torch.device) -> Deferred:
@@ -138,14 +101,15 @@ def submit(fn: Callable[[], None], device: torch.device) -> Deferred:
     work, without blocking the caller; see the module docstring for where it runs."""
     job = Deferred(fn, device)
     if device.type == "cuda":
-        side = _side_stream(device)
+        side = context.current().side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # inputs were produced on the caller's stream
         job.run_on_stream(side)
         return job
-    if in_worker():
+    ctx = context.current()
+    if ctx.in_worker():
         job.run()
         return job
-    _WORKER.submit(job)
+    ctx.submit(job.run)
     return job
 
 
@@ -157,7 +121,7 @@ def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures
     if device.type == "cuda":
         job = submit(fn, device)
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
-        with torch.cuda.stream(_side_stream(device)):
+        with torch.cuda.stream(context.current().side_stream(device)):
             if job.error is not None:
                 fut.set_exception(job.error)
             else:

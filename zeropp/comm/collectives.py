@@ -24,6 +24,7 @@ from .backend import (
     CommHandle,
     ReduceOpLike,
     backend_all_gather,
+    backend_all_reduce,
     backend_reduce_scatter,
     check_contiguous,
     check_float,
@@ -254,7 +255,7 @@ def all_reduce(
     stats.count_call(kind)
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("all_reduce", tensor.numel() * tensor.element_size(), W))
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    work = backend_all_reduce(tensor, op, group, async_op)
     return finish_or_handle([work], None, async_op)
 
 

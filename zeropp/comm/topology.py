@@ -22,7 +22,9 @@ global ranks, so intra- and cross-node traffic is classified as before.
 ``dist.new_group`` is collective over the default group: every rank must create every group,
 in the same order, even the groups it is not part of. :meth:`Topology.build` does exactly that
 once per (topology, world) and caches the result, so calling it again (or letting a collective
-call it) is free and safe.
+call it) is free and safe. The cache holds the groups weakly (torch's registry holds them until
+``destroy_process_group``), so it never keeps a destroyed world's groups, and their backend
+threads, alive.
 
 Where the nodes are real (torchrun across hosts), the launcher knows the layout:
 :meth:`LaunchLayout.from_env` reads it from torchrun's environment (``LOCAL_WORLD_SIZE``,
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from typing import Mapping, Optional
 
 import torch.distributed as dist
@@ -195,7 +198,7 @@ class Topology:
             raise RuntimeError("Topology.build() needs torch.distributed to be initialised first")
         world = dist.group.WORLD
         cached = _GROUPS.get(self)
-        if cached is not None and cached.world is world:
+        if cached is not None and cached.built_in(world):
             return cached
         self.check_world(dist.get_world_size())
         rank = dist.get_rank()
@@ -347,22 +350,57 @@ class LaunchLayout:
                              f"but {self.launcher} started {self.describe()}")
 
 
-@dataclasses.dataclass(frozen=True)
 class TopologyGroups:
-    """The process groups of one rank under a :class:`Topology` (from :meth:`Topology.build`)."""
+    """The process groups of one rank under a :class:`Topology` (from :meth:`Topology.build`).
 
-    topology: Topology
-    world: dist.ProcessGroup
-    """The default group these groups were built in (the cache checks it is still current)."""
-    intra: dist.ProcessGroup
-    """This rank's node (group rank = local index)."""
-    cross: dist.ProcessGroup
-    """The ranks with this rank's local index, one per node (group rank = node index)."""
-    hpz: dist.ProcessGroup
-    """This rank's hpZ secondary-partition group (group rank = index inside it)."""
-    dp: dist.ProcessGroup
-    """ZeRO's world: the ranks sharing this rank's tp index (group rank = dp index); the
-    default group itself when ``tp == 1``."""
+    Holds its groups weakly: torch keeps them until ``destroy_process_group()``, and this object
+    (which :meth:`Topology.build` caches) must not keep a destroyed group, with its backend
+    threads, alive past it. Reading a group after it was destroyed raises; build again after a
+    new ``init_process_group``."""
+
+    _NAMES = ("world", "intra", "cross", "hpz", "dp")
+
+    def __init__(self, topology: Topology, world: dist.ProcessGroup, intra: dist.ProcessGroup,
+                 cross: dist.ProcessGroup, hpz: dist.ProcessGroup, dp: dist.ProcessGroup) -> None:
+        self.topology = topology
+        self._refs = tuple(weakref.ref(g) for g in (world, intra, cross, hpz, dp))
+
+    def _group(self, i: int) -> dist.ProcessGroup:
+        g = self._refs[i]()
+        if g is None:
+            raise RuntimeError(f"the {self._NAMES[i]} group of {self.topology} was destroyed (destroy_process_group); "
+                               "after a new init_process_group, call topology.build() again")
+        return g
+
+    def built_in(self, world: dist.ProcessGroup) -> bool:
+        """Whether these groups were built in the default group ``world`` and all still exist."""
+        return self._refs[0]() is world and all(r() is not None for r in self._refs)
+
+    @property
+    def world(self) -> dist.ProcessGroup:
+        """The default group these groups were built in (the cache checks it is still current)."""
+        return self._group(0)
+
+    @property
+    def intra(self) -> dist.ProcessGroup:
+        """This rank's node (group rank = local index)."""
+        return self._group(1)
+
+    @property
+    def cross(self) -> dist.ProcessGroup:
+        """The ranks with this rank's local index, one per node (group rank = node index)."""
+        return self._group(2)
+
+    @property
+    def hpz(self) -> dist.ProcessGroup:
+        """This rank's hpZ secondary-partition group (group rank = index inside it)."""
+        return self._group(3)
+
+    @property
+    def dp(self) -> dist.ProcessGroup:
+        """ZeRO's world: the ranks sharing this rank's tp index (group rank = dp index); the
+        default group itself when ``tp == 1``."""
+        return self._group(4)
 
 
 _GROUPS: dict[Topology, TopologyGroups] = {}

@@ -1,0 +1,246 @@
+"""The process's communication state, owned by one object with a lifetime: the comm worker
+thread (CPU continuations, ``chain.py``), the CUDA side streams, and the CPU buffers handed to
+the backend that its threads may still hold.
+
+Why a lifetime matters: a process must end with no thread of ours, or of the backend's, about to
+touch Python objects, because once the interpreter is finalizing, CPython makes any thread that
+asks for the GIL exit on the spot, and a thread that exits that way inside a C++ destructor ends
+the process with ``terminate called without an active exception`` (SIGABRT), after a run that
+printed correct results. Two threads can do that:
+
+- the comm worker, while a continuation waits on gloo or runs Python;
+- a gloo worker thread (``ProcessGroupGloo::runLoop``): it drops its references to a finished
+  collective's tensors a moment *after* waking the waiter. Since torch 2.10 a tensor's C++
+  object owns its Python object while other C++ references exist, and the release that brings
+  the count back to one hands the Python object back, taking the GIL (and freeing it, if the
+  caller has dropped it: the quantized collectives' wire buffers, a ``.view(-1)`` of the output).
+  Right before interpreter exit, that aborts. Torch joins gloo's threads only when a process
+  group object is destroyed, which the user's own references can postpone past interpreter
+  exit, ``destroy_process_group()`` or not.
+
+So :class:`CommContext`:
+
+- runs continuations on one worker thread (FIFO; see ``chain.py`` for the ordering contract),
+  started at first use and restarted after :meth:`~CommContext.close`;
+- holds every CPU tensor it hands to the backend (:meth:`~CommContext.issue`) with a Python
+  reference and a C++ one of its own (a DLPack capsule) until the backend has released it, so
+  the backend's release is never the one that reaches the GIL; the context's own release runs
+  on a Python thread. The backend has released a tensor when its C++ use count is back to what
+  it was before the call (torch has no API that waits for gloo's worker threads, hence the
+  count). Held tensors are checked and dropped at the next call and by :meth:`~CommContext.close`;
+- :meth:`~CommContext.close` drains and joins the worker, then waits until the backend released
+  every held tensor. It runs when the default process group the worker started under is
+  destroyed, and at interpreter exit from an ``atexit`` hook, which Python runs before it starts
+  finalizing (and after torch's own hooks were registered, so before them). Each wait is bounded
+  (:data:`CLOSE_TIMEOUT_S`); what is left then is named in one warning, never waited on forever.
+
+One context per process (:func:`current`); a forked child gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.utils.dlpack
+
+__all__ = ["CLOSE_TIMEOUT_S", "CommContext", "current"]
+
+CLOSE_TIMEOUT_S = 30.0
+"""How long :meth:`CommContext.close` waits for queued continuations and for the backend to
+release held buffers before it warns and returns (a continuation can only take longer when a
+collective is stuck waiting for a peer)."""
+
+_POLL_S = 0.001
+_THREAD = threading.local()  # .context: the CommContext whose worker this thread is
+T = TypeVar("T")
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s C++ tensor (the Python object's one, views', the backend's)."""
+    return torch.Tensor._use_count(t)
+
+
+def _pin(t: torch.Tensor) -> Optional[object]:
+    """A C++ reference of ours to ``t`` (a DLPack capsule; None for what DLPack cannot export).
+    Why: torch >= 2.10 lets a tensor's C++ object own its Python object while it has other C++
+    references, and the thread whose release brings the count back to one hands the Python
+    object back, which takes the GIL. With this pin the backend's release never is that one."""
+    try:
+        return torch.utils.dlpack.to_dlpack(t)
+    except (RuntimeError, TypeError, BufferError):
+        return None
+
+
+class CommContext:
+    """The comm worker, the CUDA side streams and the backend's held buffers of one process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # a finalizer may close() while this thread holds it
+        self._pid = os.getpid()
+        self._queue: Optional["queue.SimpleQueue[Optional[Callable[[], None]]]"] = None
+        self._thread: Optional[threading.Thread] = None
+        self._on_destroy: Optional[weakref.finalize] = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._held: list[tuple[torch.Tensor, int, Optional[object]]] = []  # tensor, count before, pin
+
+    # -------------------------------------------------------------- the comm worker
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` on the worker thread (started now if it is not running). ``job`` must
+        not raise (``chain.Deferred.run`` keeps its exception for ``wait()``)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._start()
+            assert self._queue is not None
+            self._queue.put(job)
+
+    def in_worker(self) -> bool:
+        """True on this context's worker thread (also one that is finishing its queue after
+        :meth:`close`, whose continuations must still run their nested ones inline)."""
+        return getattr(_THREAD, "context", None) is self
+
+    @property
+    def pid(self) -> int:
+        """The process this context belongs to (a forked child's copy is not its own)."""
+        return self._pid
+
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the worker thread is running (it starts at the first continuation)."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def _start(self) -> None:
+        q: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self._queue = q
+        self._thread = threading.Thread(target=self._loop, args=(q,), name="zeropp-comm", daemon=True)
+        self._thread.start()
+        if self._on_destroy is not None:
+            self._on_destroy.detach()
+            self._on_destroy = None
+        if dist.is_available() and dist.is_initialized():
+            # the continuations use this default group's groups: when torch destroys it, stop
+            self._on_destroy = weakref.finalize(dist.group.WORLD, self._stop_worker, CLOSE_TIMEOUT_S)
+            self._on_destroy.atexit = False  # interpreter exit is _close_at_exit's job
+
+    def _loop(self, q: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
+        _THREAD.context = self
+        while True:
+            job = q.get()
+            if job is None:  # close(): everything queued before has run
+                return
+            job()
+
+    def _stop_worker(self, timeout: float) -> bool:
+        """Let the worker finish what is queued, then join it (for at most ``timeout`` s)."""
+        with self._lock:
+            thread, q = self._thread, self._queue
+            self._thread = self._queue = None
+            if self._on_destroy is not None:
+                self._on_destroy.detach()
+                self._on_destroy = None
+        if thread is None or q is None:
+            return True
+        q.put(None)
+        if thread is threading.current_thread():
+            return True  # closed from a continuation: it ends after this job
+        thread.join(timeout)
+        if thread.is_alive():
+            warnings.warn(f"zeropp.comm: the comm worker did not finish its queued continuations within {timeout:.0f} s "
+                          "(a collective still waiting for its peers?); it is left running and the process may abort "
+                          "at exit. Wait every async handle before destroying the process group or exiting.",
+                          RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    # -------------------------------------------------------------- CUDA side streams
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This context's side stream of a CUDA ``device`` (created at first use)."""
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = torch.cuda.Stream(device)
+            return s
+
+    # -------------------------------------------------------------- buffers the backend holds
+    def issue(self, call: Callable[[], T], tensors: Sequence[torch.Tensor]) -> T:
+        """Run ``call`` (a backend collective on ``tensors``) and keep the CPU ones, with a C++
+        reference of ours, until the backend has released them (see the module docstring)."""
+        cpu = [t for t in tensors if t.device.type == "cpu"]
+        pins = [_pin(t) for t in cpu]
+        counts = [_use_count(t) for t in cpu]
+        result = call()
+        with self._lock:
+            self._prune()
+            self._held.extend(zip(cpu, counts, pins))
+        return result
+
+    @property
+    def held(self) -> int:
+        """How many tensors handed to the backend it may still hold (after a prune)."""
+        with self._lock:
+            self._prune()
+            return len(self._held)
+
+    def _prune(self) -> None:
+        """Drop (on this thread, which holds the GIL) what the backend no longer references."""
+        self._held = [h for h in self._held if _use_count(h[0]) > h[1]]
+
+    def _release_held(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._prune()
+                left = len(self._held)
+            if not left:
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)  # the backend's threads drop them microseconds after the wait
+        warnings.warn(f"zeropp.comm: {left} tensor(s) handed to the backend are still referenced after {timeout:.0f} s "
+                      "(an async handle never waited, or a view of a collective's buffer kept alive); they stay "
+                      "referenced by this process.", RuntimeWarning, stacklevel=3)
+        return False
+
+    # -------------------------------------------------------------- lifetime
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Drain and join the comm worker, then wait until the backend released every buffer it
+        was handed; each for at most ``timeout`` s (a warning names what was left). Idempotent;
+        the context stays usable (the next continuation starts a new worker). True if clean."""
+        if os.getpid() != self._pid:
+            return True  # a forked child's copy: its worker thread and buffers are the parent's
+        ok = self._stop_worker(timeout)
+        return self._release_held(timeout) and ok
+
+
+_CURRENT: Optional[CommContext] = None
+_CURRENT_LOCK = threading.Lock()
+
+
+def current() -> CommContext:
+    """This process's communication context (a fresh one in a forked child)."""
+    global _CURRENT
+    ctx = _CURRENT
+    if ctx is not None and ctx.pid == os.getpid():
+        return ctx
+    with _CURRENT_LOCK:
+        if _CURRENT is None or _CURRENT.pid != os.getpid():
+            _CURRENT = CommContext()
+        return _CURRENT
+
+
+def _close_at_exit() -> None:
+    ctx = _CURRENT
+    if ctx is not None:
+        ctx.close()
+
+
+atexit.register(_close_at_exit)
