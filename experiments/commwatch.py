@@ -123,7 +123,7 @@ class CommWatch:
         self.stats = CommStats()
         self.wait_s = 0.0
         self._local = threading.local()
-        self._thread = threading.get_ident()
+        self.training_thread = threading.get_ident()  # only this thread's blocking counts as wait (set on entry)
         self._lock = threading.Lock()  # zeropp's comm worker thread issues collectives too
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -147,10 +147,10 @@ class CommWatch:
         record_sends(self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global)))
         self.stats.count_call(kind)
 
-    def _account_functional(self, kind: str, group: Any, per_peer: Callable[[int, int], list[int]]) -> None:
+    def account_functional(self, kind: str, group: Any, per_peer: Callable[[int, int], list[int]]) -> None:
         """One functional collective over ``group`` (a ProcessGroup or its name): ``per_peer(group
         size, my group rank)`` gives the bytes to each member."""
-        pg = group if isinstance(group, dist.ProcessGroup) else c10d._resolve_process_group(group)
+        pg = group if isinstance(group, dist.ProcessGroup) else torch.distributed.distributed_c10d._resolve_process_group(group)
         ranks = dist.get_process_group_ranks(pg)
         me = dist.get_rank()
         if me not in ranks:
@@ -171,7 +171,7 @@ class CommWatch:
                     self._account(name, args, kwargs)
                 return fn(*args, **kwargs)
             finally:
-                if threading.get_ident() == self._thread:  # only the training thread's blocking counts
+                if threading.get_ident() == self.training_thread:  # only the training thread's blocking counts
                     self.wait_s += time.perf_counter() - t0
                 self._local.depth = 0
         return wrapper
@@ -179,7 +179,7 @@ class CommWatch:
     def _wrap_wait(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(self._local, "depth", 0) or threading.get_ident() != self._thread:
+            if getattr(self._local, "depth", 0) or threading.get_ident() != self.training_thread:
                 return fn(work, *args, **kwargs)
             self._local.depth = 1
             t0 = time.perf_counter()
@@ -192,7 +192,7 @@ class CommWatch:
 
     # -- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> "CommWatch":
-        self._thread = threading.get_ident()
+        self.training_thread = threading.get_ident()  # only this thread's blocking counts as wait (set on entry)
         wrappers: dict[str, Callable] = {}
         for name in _WRAPPED:
             fn = getattr(c10d, name, None)
@@ -290,7 +290,7 @@ class _FunctionalCollectives(TorchDispatchMode):
             for name in names:
                 packet = getattr(getattr(torch.ops, ns), name, None)
                 if packet is not None:
-                    args = packet.default._schema.arguments
+                    args = torch._C._get_schema(f"{ns}::{name}", "").arguments
                     self._ops[packet] = (name, next(i for i, a in enumerate(args) if a.name == "group_name"))
         self._wait = torch.ops._c10d_functional.wait_tensor
 
@@ -300,7 +300,7 @@ class _FunctionalCollectives(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, self._dtensor) for t in types):
             return NotImplemented
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         known = self._ops.get(packet)
         if known is None and packet is not self._wait:
             return func(*args, **kwargs)
@@ -308,12 +308,12 @@ class _FunctionalCollectives(TorchDispatchMode):
             name, gi = known
             with contextlib.suppress(Exception):  # accounting never breaks the collective
                 kind, per_peer = _functional_rule(name, args, kwargs)
-                self.watch._account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
+                self.watch.account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
         t0 = time.perf_counter()
         try:
             return func(*args, **kwargs)
         finally:
-            if threading.get_ident() == self.watch._thread:  # only the training thread's blocking counts
+            if threading.get_ident() == self.watch.training_thread:  # only the training thread's blocking counts
                 self.watch.wait_s += time.perf_counter() - t0
 
 
