@@ -384,8 +384,8 @@ class _FakeKernel:
 class _FakeCudaTensor:
     is_cuda = True
 
-    def __init__(self, ptr):
-        self.ptr, self.device = ptr, torch.device("cuda", 0)
+    def __init__(self, ptr, dtype=torch.float32):
+        self.ptr, self.device, self.dtype = ptr, torch.device("cuda", 0), dtype
 
     def data_ptr(self):
         return self.ptr
@@ -410,8 +410,12 @@ def test_launch_plan_binds_once_per_specialisation(monkeypatch):
              ((a, b), 2**40 + 16), ((a, b), 48)]
     for tensors, seed in calls:
         plan(tensors, (seed,))
+    # a plan may serve inputs of several dtypes (the Hadamard plan does): each gets its own binding
+    a_bf16 = _FakeCudaTensor(4096, torch.bfloat16)
+    for tensors, seed in (((a_bf16, b), 5), ((a_bf16, b), 5), ((a, b), 5)):
+        plan(tensors, (seed,))
     kinds = [entry[0] for entry in kern.log]
-    assert kinds == ["jit", "direct", "jit", "direct", "jit", "jit", "jit", "direct", "direct"]
+    assert kinds == ["jit", "direct", "jit", "direct", "jit", "jit", "jit", "direct", "direct", "jit", "direct", "direct"]
     consts = (cfg.block_g, 9, cfg.block_gs)  # in the kernel's parameter order
     assert kern.log[1] == ("direct", cfg.grid, 1234, (a, b, 5, 5, *consts))
     jit_meta = kern.log[0][3]

@@ -43,7 +43,7 @@ def test_lr_at_follows_the_formula(warmup, schedule, decay, floor):
     (dict(schedule="cosine", decay_steps=5, min_lr_ratio=-0.1), "min_lr_ratio must be in"),
     (dict(schedule="linear"), "schedule='linear'"),
     (dict(decay_steps=10), "does nothing with schedule='constant'"),
-    (dict(lr=-1.0), "lr must be >= 0"),
+    (dict(lr=-1.0), "lr must be a finite number >= 0"),
 ])
 def test_bad_schedules_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -24,7 +24,7 @@ from zeropp.runtime.partition import build_units
     (dict(stage=3, weights=dict(bits=8, intra_bits=4)), "intra_bits=4.*one hop"),
     (dict(stage=2, persistence_threshold=10), "only applies at stage 3"),
     (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
-    (dict(grad_clip=0.0), "grad_clip must be > 0"),
+    (dict(grad_clip=0.0), "grad_clip must be a finite number > 0"),
     (dict(prefetch_depth=-1), "prefetch_depth must be >= 0"),
     (dict(stage=3, grads=dict(bits=4, group_size=127)), "group_size=127 is odd"),
     (dict(stage=3, weights=dict(bits=8, group_size=0)), "group_size must be a positive int"),
