@@ -3,13 +3,7 @@
 # and the doctor when present. Logs land in $OUT (or ./gpu-proof-out). Needs the wheels that the
 # image lacks (hydra-core, omegaconf, antlr4) in .whl/ when they are not installed.
 set -uo pipefail
-OUT=${OUT:-gpu-proof-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 WANDB_MODE=offline WANDB_SILENT=true
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+. "$(dirname "$0")/gpu_env.sh"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/versions.txt"
 T_TESTS=${T_TESTS:-300}; T_KERN=${T_KERN:-90}; T_GPU=${T_GPU:-150}

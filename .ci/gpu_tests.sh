@@ -3,13 +3,7 @@
 # compile many Triton variants), then the runtime and runner modules one at a time. Args: extra
 # pytest args for both passes. Logs in $OUT.
 set -uo pipefail
-OUT=${OUT:-gpu-proof-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 WANDB_MODE=offline WANDB_SILENT=true
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+. "$(dirname "$0")/gpu_env.sh"
 KERNEL_MODULES="tests/test_kernels_cuda.py tests/test_kernels_hadamard_cuda.py tests/test_comm_zero_copy.py"
 timeout ${T_KERNELS:-200} python3 -m pytest -m cuda -q -rfEs -n ${XDIST:-8} -p no:cacheprovider $KERNEL_MODULES "$@" >"$OUT/cuda_kernels.log" 2>&1; echo "kernels pass rc=$?" >>"$OUT/cuda_kernels.log"
 ignores=""; for m in $KERNEL_MODULES; do ignores="$ignores --ignore=$m"; done
