@@ -213,6 +213,35 @@ def test_remove_scratch_removes_only_this_runs_directories(tmp_path: Path):
     assert len(problems) == 3 and all("refused to clean" in p for p in problems)
 
 
+
+def test_remove_scratch_reports_a_root_it_cannot_list_and_goes_on(tmp_path: Path):
+    world, root, afile = tmp_path / "world", tmp_path / "nvme", tmp_path / "afile"
+    world.mkdir()
+    (root / "zeropp-swap-abc123def456-r1-q").mkdir(parents=True)
+    afile.write_text("mine")
+    _record(world, 0, afile, "zeropp-swap-abc123def456-r0-")  # the root is a file now: cannot be listed
+    _record(world, 1, root, "zeropp-swap-abc123def456-r1-")
+    removed, problems = remove_scratch(world, "abc123def456")
+    assert removed == [str(root / "zeropp-swap-abc123def456-r1-q")]
+    assert len(problems) == 1 and problems[0].startswith(f"could not look for zeropp-swap-abc123def456-r0-* in {afile}")
+    assert afile.read_text() == "mine"
+
+
+def _record_unlistable_scratch_then_fail(rank: int, world: int, afile: str) -> None:
+    watch.scratch_prefix(afile, "swap", rank)  # recorded; by the end of the world its root is not a directory
+    raise RuntimeError("the rank's own error")
+
+
+def test_a_cleanup_problem_never_hides_the_ranks_error(tmp_path: Path):
+    from zeropp.launch import RankFailure, launch_world
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.warns(RuntimeWarning, match="could not look for zeropp-swap-"):
+        with pytest.raises(RankFailure, match="the rank's own error"):
+            launch_world(_record_unlistable_scratch_then_fail, 1, args=(str(afile),), timeout_s=60, grace_s=1.0)
+    assert afile.read_text() == "mine"
+
 def test_the_default_deadline_names_a_stopped_rank_within_30_s():
     from zeropp.experiments.config import LauncherConfig
 

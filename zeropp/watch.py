@@ -323,11 +323,18 @@ class HeartbeatMonitor:
 def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], list[str]]:
     """Remove every directory recorded by :func:`scratch_prefix` in ``world_dir`` for run ``rid``;
     ``(removed, problems)``. Records whose prefix lacks the run id (or is a path) are refused and
-    named in ``problems``, as are directories that could not be removed."""
+    named in ``problems``, as are roots that could not be listed and directories that could not be
+    removed: it never raises, since the launcher calls it while a rank's failure may be on its way
+    to the user."""
     removed: list[str] = []
     problems: list[str] = []
     for rec_file in sorted(Path(world_dir).glob("scratch.*")):
-        for line in rec_file.read_text(errors="replace").splitlines():
+        try:
+            lines = rec_file.read_text(errors="replace").splitlines()
+        except OSError as e:
+            problems.append(f"could not read {rec_file}: {e}")
+            continue
+        for line in lines:
             try:
                 rec = json.loads(line)
                 root, prefix = str(rec["root"]), str(rec["prefix"])
@@ -337,14 +344,20 @@ def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], l
                 problems.append(f"{rec_file.name}: refused to clean {root!r} / {prefix!r}: not a scratch "
                                 f"name of run {rid}")
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                for entry in os.scandir(root):
-                    if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
-                        try:
-                            shutil.rmtree(entry.path)
-                            removed.append(entry.path)
-                        except OSError as e:
-                            problems.append(f"could not remove {entry.path}: {e}")
+            try:
+                entries = list(os.scandir(root))
+            except FileNotFoundError:
+                continue  # the root went away, and its scratch with it
+            except OSError as e:  # not a directory any more, or no longer ours to list
+                problems.append(f"could not look for {prefix}* in {root}: {e}")
+                continue
+            for entry in entries:
+                if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
+                    try:
+                        shutil.rmtree(entry.path)
+                        removed.append(entry.path)
+                    except OSError as e:
+                        problems.append(f"could not remove {entry.path}: {e}")
     return removed, problems
 
 
