@@ -1,5 +1,6 @@
-"""Crafted checkpoint files for the checkpoint safety tests: pickles that run a command when
-unpickled (as an attacker would write them), and meta.json checksums recomputed to match them."""
+"""Shared pieces of the checkpoint tests: crafted checkpoint files (pickles that run a command
+when unpickled, as an attacker would write them, and meta.json checksums recomputed to match
+them) and :func:`checkpoint_error`, which a rank function uses to return a collective failure."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import pickle
 from pathlib import Path
+from typing import Any, Callable
 
 
 class RunsCommand:
@@ -47,3 +49,15 @@ def write_version(root: Path, name: str, *, parent: str | None, fmt: int = 3) ->
     (d / "__0_0.distcp").write_bytes(b"data")
     (d / "meta.json").write_text(json.dumps({"format": fmt, "kind": "engine", "parent": parent, "files": {}}))
     return d
+
+
+def checkpoint_error(fn: Callable[[], Any]) -> dict | None:
+    """Run ``fn`` on this rank; the ``CheckpointError`` it raised as ``{"msg", "failures"}`` (picklable,
+    for a rank function's result), or None when it did not raise."""
+    from zeropp.runtime import CheckpointError
+
+    try:
+        fn()
+    except CheckpointError as e:
+        return {"msg": str(e), "failures": sorted(e.failures)}
+    return None

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
+from tests.checkpoint_helpers import checkpoint_error
 from tests.distributed import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 
@@ -31,16 +32,6 @@ def _step(eng, rank, s):
     return eng.train_step(rank_batches(s, 1, rank, TINY, text=True)).loss
 
 
-def _try(fn):
-    from zeropp.runtime import CheckpointError
-
-    try:
-        fn()
-    except CheckpointError as e:
-        return {"msg": str(e), "failures": sorted(e.failures)}
-    return None
-
-
 def _faults_world(rank, world, path):
     from zeropp.runtime import checkpoint_io as checkpoint
 
@@ -57,7 +48,7 @@ def _faults_world(rank, world, path):
     if rank == 1:
         checkpoint._storage_writer = DiskFullWriter
     try:
-        out["save_fail"] = _try(lambda: a.save_checkpoint(path))
+        out["save_fail"] = checkpoint_error(lambda: a.save_checkpoint(path))
     finally:
         checkpoint._storage_writer = real_writer
     # 2. a commit that fails (rank 0 only commits): every rank raises, naming rank 0
@@ -68,7 +59,7 @@ def _faults_world(rank, world, path):
 
     checkpoint._commit = read_only
     try:
-        out["commit_fail"] = _try(lambda: a.save_checkpoint(path))
+        out["commit_fail"] = checkpoint_error(lambda: a.save_checkpoint(path))
     finally:
         checkpoint._commit = real_commit
     out["latest_unchanged"] = (Path(path) / "LATEST").read_text().strip() == good
@@ -88,12 +79,12 @@ def _faults_world(rank, world, path):
     if rank == 1:
         shard.write_bytes(b"\x00garbage, not a zip archive")
     dist.barrier()
-    out["load_corrupt"] = _try(lambda: c.load_checkpoint(path))
+    out["load_corrupt"] = checkpoint_error(lambda: c.load_checkpoint(path))
     dist.barrier()
     if rank == 1:
         shard.unlink()
     dist.barrier()
-    out["load_missing"] = _try(lambda: c.load_checkpoint(path))
+    out["load_missing"] = checkpoint_error(lambda: c.load_checkpoint(path))
     out["state_untouched"] = all(torch.equal(x, y) for x, y in zip(before, c.optim.masters))
     out["usable_after"] = _step(c, rank, 0) > 0  # collectives still line up after the failures
     c.close()

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.checkpoint_helpers import plant_metadata
+from tests.checkpoint_helpers import checkpoint_error, plant_metadata
 from tests.distributed import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 
@@ -38,16 +38,6 @@ def _engine(seed):
 def _listing(root: Path) -> list[str]:
     dist.barrier()  # every rank is past the previous step before rank 0 looks
     return sorted(p.name for p in root.iterdir())
-
-
-def _save_error(fn):
-    from zeropp.runtime import CheckpointError
-
-    try:
-        fn()
-    except CheckpointError as e:
-        return {"msg": str(e), "failures": sorted(e.failures)}
-    return None
 
 
 def _safety_world(rank, world, root, marker):
@@ -76,7 +66,7 @@ def _safety_world(rank, world, root, marker):
     if rank == 1:
         kept = master[0].item()
         master[0] = float("nan")  # a diverged run (rank 1's shard only)
-    out["nan"] = _save_error(lambda: a.save_checkpoint(root, extra={"step": 40}))
+    out["nan"] = checkpoint_error(lambda: a.save_checkpoint(root, extra={"step": 40}))
     if rank == 1:
         master[0] = kept
     out["nan_listing"] = _listing(root)
@@ -95,13 +85,13 @@ def _safety_world(rank, world, root, marker):
         if rank == r_fail:
             setattr(checkpoint_files, "written_by" if where == "checksum" else "write_atomic", disk_full)
         try:
-            out["failures"][where] = _save_error(lambda: a.save_checkpoint(root, extra={"step": 40}))
+            out["failures"][where] = checkpoint_error(lambda: a.save_checkpoint(root, extra={"step": 40}))
         finally:
             checkpoint_files.written_by, checkpoint_files.write_atomic = real_written, real_atomic
         out["failures"][where]["listing"] = _listing(root)
     checkpoint_io._commit = commit_then_fail
     try:
-        out["late_commit"] = _save_error(lambda: a.save_checkpoint(root, extra={"step": 40}))
+        out["late_commit"] = checkpoint_error(lambda: a.save_checkpoint(root, extra={"step": 40}))
     finally:
         checkpoint_io._commit = real_commit
     out["late_listing"] = _listing(root)
@@ -132,14 +122,14 @@ def _safety_world(rank, world, root, marker):
     c.close()
     c = _engine(7)
     untouched = [m.clone() for m in c.optim.masters]
-    out["crafted"] = _save_error(lambda: c.load_checkpoint(root))
+    out["crafted"] = checkpoint_error(lambda: c.load_checkpoint(root))
     out["crafted_state_untouched"] = all(torch.equal(x, y) for x, y in zip(untouched, c.optim.masters))
     latest = (root / "LATEST").read_text()
     dist.barrier()
     if rank == 0:
         (root / "LATEST").write_text("../../elsewhere\n")
     dist.barrier()
-    out["outside"] = _save_error(lambda: c.load_checkpoint(root))
+    out["outside"] = checkpoint_error(lambda: c.load_checkpoint(root))
     dist.barrier()
     if rank == 0:
         (root / "LATEST").write_text(latest)  # the runner test resumes from the crafted one
@@ -158,9 +148,9 @@ def _safety_world(rank, world, root, marker):
     state = {"w": torch.zeros(4), "sched": {"last_epoch": 0}}
     extra, mine, _ = load_dcp(state, root2)
     out["torch_loaded"] = (extra, mine, state["w"].tolist(), state["sched"])
-    out["torch_nan"] = _save_error(lambda: save_dcp({"w": torch.tensor([1.0, float("inf")])}, root2, {"step": 4}))
+    out["torch_nan"] = checkpoint_error(lambda: save_dcp({"w": torch.tensor([1.0, float("inf")])}, root2, {"step": 4}))
     out["torch_nan_listing"] = _listing(root2)
-    out["torch_from_engine"] = _save_error(lambda: load_dcp({"w": torch.zeros(4)}, root))
+    out["torch_from_engine"] = checkpoint_error(lambda: load_dcp({"w": torch.zeros(4)}, root))
     return out
 
 
