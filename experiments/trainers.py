@@ -313,15 +313,13 @@ def load_dcp(state: dict[str, Any], path: Path, *, device: torch.device | None =
     Returns its extra, this rank's own state (None when the checkpoint has none for this rank) and
     the version loaded (an ``Origin``, for the next save). Failures raise ``CheckpointError`` on
     every rank, before ``state`` is touched when the files are at fault."""
-    import zlib
-
     from zeropp.runtime import checkpoint_io as cio
 
     dev = device if device is not None else torch.device("cpu")
     error, token, d, meta = None, 0, None, None
     try:
         d, meta = cio.locate(path, "torch")
-        token = zlib.crc32(d.name.encode()) + 1
+        token = cio.Origin.of(d).token
     except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
         error = cio.describe(exc)
     hint = "Nothing was loaded. Restore or re-create the checkpoint, or resume from another one"
@@ -329,7 +327,7 @@ def load_dcp(state: dict[str, Any], path: Path, *, device: torch.device | None =
     assert d is not None and meta is not None
     cio.read_state(state, d, meta, what=f"load from {path}", hint=hint)
     mine = cio.read_rank_state(d, meta, dist.get_rank())
-    return dict(meta.get("extra") or {}), mine, cio.Origin(root=str(d.parent.resolve()), name=d.name)
+    return dict(meta.get("extra") or {}), mine, cio.Origin.of(d)
 
 
 def _blocks(model: nn.Module, why: str = "trainer=fsdp2 shards them one by one") -> list[nn.Module]:

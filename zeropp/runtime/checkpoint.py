@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -223,7 +222,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     error, token, d, meta, feedback = None, 0, None, None, None
     try:
         d, meta = _check(t, path)
-        token = zlib.crc32(d.name.encode()) + 1
+        token = Origin.of(d).token
         feedback = _feedback_tensors(t, d, meta)  # this rank's saved residuals, or None to drop them
     except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
         error = cio.describe(exc)
@@ -265,7 +264,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     opt.load_state(state, step=int(meta["step"]))
     t.scaler.load_state_dict(meta["scaler"])
     _restore_stochastic_calls(t, meta)
-    return dict(meta.get("extra") or {}), model_state, Origin(root=str(d.parent.resolve()), name=d.name)
+    return dict(meta.get("extra") or {}), model_state, Origin.of(d)
 
 
 def _feedback_prefix(rank: int) -> str:

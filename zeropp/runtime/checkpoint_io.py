@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checkpoint_files as cf
+from .batch import per_rank
 from .checkpoint_safe import METADATA, SafeLoadPlanner, SafeReader, read_metadata
 
 
@@ -69,6 +71,17 @@ class Origin:
         """This version's name if it lives in ``root``, else None (a save elsewhere starts a chain)."""
         return self.name if Path(self.root) == root.resolve() else None
 
+    @classmethod
+    def of(cls, d: Path) -> "Origin":
+        """The version in folder ``d``."""
+        return cls(root=str(d.parent.resolve()), name=d.name)
+
+    @property
+    def token(self) -> int:
+        """A non-zero number naming this version, for :func:`agree`: equal on the ranks that found
+        the same version, so a load refuses ranks that read different ones."""
+        return zlib.crc32(self.name.encode()) + 1
+
 
 @dataclass(kw_only=True)
 class Prepared:
@@ -89,11 +102,8 @@ def describe(exc: BaseException) -> str:
 
 
 def raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -> None:
-    by_msg: dict[str, list[int]] = {}
-    for r, m in sorted(failures.items()):
-        by_msg.setdefault(m, []).append(r)
-    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {m}" for m, rs in by_msg.items())
-    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {lines}"
+    """Raise the :class:`CheckpointError` of ``failures`` (rank -> error), each distinct error once."""
+    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {per_rank(failures)}"
                           + (f". {hint}" if hint else ""), failures)
 
 
@@ -225,7 +235,7 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
             warnings.warn(f"checkpoint directory {root} holds {left}: folders of saves that were interrupted (no "
                           f"meta.json), or being written by another run right now. They are never loaded; remove "
                           f"them by hand once no other run saves there", stacklevel=3)
-    return Origin(root=str(root.resolve()), name=name)
+    return Origin.of(d)
 
 
 def locate(root: str | os.PathLike, kind: str) -> tuple[Path, dict]:
