@@ -35,8 +35,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from zeropp.comm.layout import LaunchLayout
 from zeropp.runtime.divergence import DivergenceError
-from zeropp.comm.topology import LaunchLayout
 
 from . import schema
 from .config import ConfigError, RunConfig, from_omegaconf

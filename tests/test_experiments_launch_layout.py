@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from zeropp.comm import Topology
-from zeropp.comm.topology import LaunchLayout
+from zeropp.comm.layout import LaunchLayout
 from zeropp.experiments.config import ConfigError
 from zeropp.experiments.run import check_launch, declared_layout, run_job, validated
 from zeropp.launch import LAUNCHED_MARK

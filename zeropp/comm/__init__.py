@@ -10,6 +10,7 @@ from .backend import CommHandle
 from .codecs import Codec, IntCodec, codec_for, register_codec, unregister_codec
 from .collectives import all_reduce, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 from .feedback import ErrorFeedback
+from .layout import LaunchLayout
 from .spec import RECIPES, QuantRecipe, QuantSpec, register_scheme, schemes
 from .stats import CommStats, get_comm_stats
 from .stochastic import reset_stochastic_calls, stochastic_calls, stochastic_seed
@@ -22,6 +23,7 @@ __all__ = [
     "CommStats",
     "ErrorFeedback",
     "IntCodec",
+    "LaunchLayout",
     "QuantRecipe",
     "QuantSpec",
     "ReduceOp",
