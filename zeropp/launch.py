@@ -32,10 +32,8 @@ leaves the child for torch to reap), so the launcher knows which rank died *firs
 ``PContext.wait(0)`` collects torch's ``RunProcsResult``. On a failure every rank is closed with
 ``PContext.close(timeout=grace_s)`` (SIGTERM to each rank's process group, SIGKILL after the
 grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's service) go too.
-:class:`RankFailure` names the root cause: among the ranks that failed before the close, one
-whose error is not a peer's "connection closed" echo, earliest first, with the tail of its
-error: torch's error file (``@record`` / function ranks), else ``<log_dir>/rank<r>.err``, else
-the tail of ``<log_dir>/rank<r>.log``. SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
+:class:`RankFailure` names the root cause, with the tail of its error (how it is chosen, and
+where the error text comes from: :mod:`zeropp.rank_failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
 handlers, restored afterwards) and the whole-run timeout stop all ranks the same way. A stop
 first sends SIGCONT to every rank's group, so a stopped rank handles its SIGTERM too.
 
@@ -62,7 +60,7 @@ all ranks share the terminal and the error files live in a temporary directory r
 API: :func:`launch_world` (``ModuleEntry`` or function), :class:`Placement` (:data:`LOCAL`; the
 emulated cluster's is built in ``zeropp.experiments.launcher``), :func:`select_device`,
 :func:`free_port`, :func:`in_torchrun`, :data:`LAUNCHED_MARK`, :func:`heartbeat` (rank side, from
-:mod:`zeropp.watch`); errors :class:`RankFailure`,
+:mod:`zeropp.watch`); errors :class:`RankFailure` (from :mod:`zeropp.rank_failure`),
 :class:`PlacementError`. Launch from the main thread: PDEATHSIG fires when the *thread* that
 started a rank exits.
 
@@ -77,30 +75,25 @@ import ctypes
 import dataclasses
 import datetime
 import os
-import secrets
-import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.distributed.elastic.multiprocessing import (DefaultLogsSpecs, PContext, ProcessFailure,
-                                                       SignalException, start_processes)
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, SignalException, start_processes
 
 from . import watch
+from .rank_failure import RankFailure, exit_status, root_cause
 from .watch import heartbeat
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
 """Set in ranks this launcher starts, so a rank never mistakes itself for a torchrun rank that should spawn."""
 
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-                "Timed out waiting", "ECONNRESET", "connectFullMesh")
 _TORCH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # start_processes' handlers
 _PR_SET_PDEATHSIG = 1
 _BOOT = """import ctypes, os, signal, sys
@@ -113,15 +106,6 @@ if sys.argv[2]:
 os.execvp(sys.argv[3], sys.argv[3:])
 """
 """Run by ``python -I -S -c`` as every module rank's first image (see the module docstring)."""
-
-
-class RankFailure(RuntimeError):
-    """A rank failed, the run timed out or was interrupted, or the placement cannot run the job."""
-
-    def __init__(self, message: str, rank: int | None = None, exit_code: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exit_code = exit_code
 
 
 class PlacementError(RankFailure):
@@ -253,47 +237,6 @@ def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | Non
         dist.destroy_process_group()
 
 
-def _exit_status(pid: int) -> int | None:
-    """Exit code of child ``pid`` if it has exited (``-signal`` if killed), without reaping it."""
-    try:
-        st = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # already reaped by torch: its RunProcsResult reports it
-        return None
-    if st is None:
-        return None
-    return -st.si_status if st.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else st.si_status
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _tail(path: Path, lines: int) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
-    return ""
-
-
-def _rank_error(rank: int, pid: int, code: int, error_file: str, log_dir: Path | None
-                ) -> tuple[str, float, bool]:
-    """(error text, time it was written, whether the rank recorded it as an error) of a rank;
-    ``("", inf, False)`` when it left nothing."""
-    if os.path.isfile(error_file):
-        with contextlib.suppress(Exception):  # a half-written file: fall through to the logs
-            msg = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=error_file).message
-            text = msg.get("extraInfo", {}).get("py_callstack") or msg.get("message") if isinstance(msg, dict) else msg
-            return "\n".join(str(text).rstrip().splitlines()[-60:]), os.stat(error_file).st_mtime, True
-    for name, lines in ((f"rank{rank}.err", 60), (f"rank{rank}.log", 30)):
-        path = (log_dir / name) if log_dir else None
-        if path and (text := _tail(path, lines)):
-            return text, path.stat().st_mtime, name.endswith(".err")
-    return "", float("inf"), False
-
-
 def _signal_groups(pids: Sequence[int], sig: signal.Signals) -> None:
     """Send ``sig`` to each rank's process group (SIGKILL: what is left of it, grandchildren such
     as wandb's service; SIGCONT: a stopped rank, so it can handle the SIGTERM that follows)."""
@@ -322,19 +265,8 @@ class _World:
         """Stop everything and build the :class:`RankFailure` naming the root cause among ``first``."""
         t_stop = time.time()
         self.stop()
-        errors = {r: _rank_error(r, self.pids[r], codes.get(r, first.get(r, 1)), self.pc.error_files[r],
-                                 self.log_dir) for r in self.pids}
-        # candidates: the ranks seen dead first, and any rank that recorded an error before our stop;
-        # preferred: not a peer's echo, seen first, not a SIGTERM (ours), error written earliest
-        pool = set(first) | {r for r, (_, t, recorded) in errors.items() if recorded and t < t_stop}
-        rank = min(pool, key=lambda r: (any(e in errors[r][0] for e in _PEER_ERRORS), r not in first,
-                                        first.get(r) == -signal.SIGTERM, errors[r][1], r))
-        code = first.get(rank, codes.get(rank, 1))
-        node = f" (node {rank // self.ranks_per_node})" if self.ranks_per_node else ""
-        others = [r for r in self.pids if r != rank]
-        return RankFailure(f"rank {rank}{node} {_describe_exit(code)}; stopped ranks {others}.\n"
-                           f"--- rank {rank} error ---\n{errors[rank][0] or '(no error recorded; see its output)'}",
-                           rank=rank, exit_code=code)
+        return root_cause(first, codes, pids=self.pids, error_files=self.pc.error_files, log_dir=self.log_dir,
+                          stopped_at=t_stop, ranks_per_node=self.ranks_per_node)
 
 
 def _rank_envs(world_size: int, placement: Placement, port: int, extra_env: dict[str, str] | None,
@@ -348,17 +280,6 @@ def _rank_envs(world_size: int, placement: Placement, port: int, extra_env: dict
                    MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port), **{LAUNCHED_MARK: str(r)}, **channel)
         envs[r] = env
     return envs
-
-
-def _clean_world(world_dir: str, run_id: str) -> None:
-    """Remove the scratch the ranks recorded (:func:`zeropp.watch.remove_scratch`) and the world's
-    directory; what could not be removed is named in a warning."""
-    try:
-        _, problems = watch.remove_scratch(world_dir, run_id)
-    finally:
-        shutil.rmtree(world_dir, ignore_errors=True)
-    for p in problems:
-        warnings.warn(f"run {run_id}: {p}", RuntimeWarning, stacklevel=3)
 
 
 def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, args: tuple = (),
@@ -382,14 +303,10 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
     placement.check(world_size, function=function)
     if world_size < 1:
         raise PlacementError(f"world_size must be >= 1, got {world_size}")
-    run_id = secrets.token_hex(6)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     # in log_dir, what a SIGKILLed launcher leaves behind stays with its run
-    world_dir = tempfile.mkdtemp(prefix=f"zeropp-world-{run_id}-", dir=log_dir)
-    channel = {watch.WORLD_DIR_ENV: world_dir, watch.RUN_ID_ENV: run_id}
-    if heartbeat_s:
-        channel[watch.TICK_ENV] = str(watch.HeartbeatMonitor.tick_s(heartbeat_s))
+    world_dir, run_id, channel = watch.open_world(log_dir, heartbeat_s)
     envs = _rank_envs(world_size, placement, free_port(), extra_env, channel)
     logs = {r: str(log_dir / f"rank{r}.log") if log_dir is not None and r > 0 else "" for r in range(world_size)}
     try:
@@ -412,7 +329,7 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
         return _start_and_watch(ep, rank_args, envs, log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node,
                                 monitor=monitor, timeout_s=timeout_s, poll_s=poll_s)
     finally:
-        _clean_world(world_dir, run_id)  # every rank is gone: what they left is safe to remove
+        watch.close_world(world_dir, run_id)  # every rank is gone: what they left is safe to remove
 
 
 def _start_and_watch(ep: Callable | str, rank_args: dict[int, tuple], envs: dict[int, dict[str, str]], *,
@@ -450,7 +367,7 @@ def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
     while True:
         first = {}
         for r, pid in world.pids.items():
-            if r not in codes and (c := _exit_status(pid)) is not None:
+            if r not in codes and (c := exit_status(pid)) is not None:
                 codes[r] = c
                 if c != 0:
                     first[r] = c

@@ -2,7 +2,7 @@
 
 :func:`zeropp.launch.launch_world` gives every rank a private *world directory* (env
 :data:`WORLD_DIR_ENV`, a fresh ``mkdtemp`` of the launcher, removed when the world ends) and a run id
-(:data:`RUN_ID_ENV`, random). Through that directory a rank publishes two things, both plain JSON
+(:data:`RUN_ID_ENV`, random): :func:`open_world` makes both, :func:`close_world` cleans up. Through that directory a rank publishes two things, both plain JSON
 files (data, never code), and the launcher reads them. Under ``torchrun`` (or any other
 launcher) neither variable is set: :func:`heartbeat` does nothing and scratch names carry no run id;
 the torchrun agent has its own health check, and nothing of ours watches those ranks.
@@ -63,10 +63,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -320,6 +323,30 @@ class HeartbeatMonitor:
         return judge(views, self.deadline_s, all_seen=len(views) == len(running))
 
 
+def open_world(parent: str | os.PathLike | None, heartbeat_s: float | None) -> tuple[str, str, dict[str, str]]:
+    """A new world: its private directory (``mkdtemp`` in ``parent``, else the temporary
+    directory), a random run id, and the environment that gives both to its ranks (and the
+    heartbeat tick when ``heartbeat_s`` is set: the ranks then publish). :func:`close_world` ends it."""
+    rid = secrets.token_hex(6)
+    world_dir = tempfile.mkdtemp(prefix=f"zeropp-world-{rid}-", dir=parent)
+    env = {WORLD_DIR_ENV: world_dir, RUN_ID_ENV: rid}
+    if heartbeat_s:
+        env[TICK_ENV] = str(HeartbeatMonitor.tick_s(heartbeat_s))
+    return world_dir, rid, env
+
+
+def close_world(world_dir: str, rid: str) -> None:
+    """After every rank of the world is gone: remove the scratch they recorded
+    (:func:`remove_scratch`) and the world's directory; what could not be removed is named in a
+    warning (never an error: the world's own outcome is what the caller reports)."""
+    try:
+        _, problems = remove_scratch(world_dir, rid)
+    finally:
+        shutil.rmtree(world_dir, ignore_errors=True)
+    for p in problems:
+        warnings.warn(f"run {rid}: {p}", RuntimeWarning, stacklevel=3)
+
+
 def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], list[str]]:
     """Remove every directory recorded by :func:`scratch_prefix` in ``world_dir`` for run ``rid``;
     ``(removed, problems)``. Records whose prefix lacks the run id (or is a path) are refused and
@@ -362,4 +389,5 @@ def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], l
 
 
 __all__: Sequence[str] = ("HeartbeatMonitor", "RUN_ID_ENV", "RankView", "TICK_ENV", "Verdict", "WORLD_DIR_ENV",
-                          "heartbeat", "judge", "remove_scratch", "run_id", "scratch_prefix", "start")
+                          "close_world", "heartbeat", "judge", "open_world", "remove_scratch", "run_id",
+                          "scratch_prefix", "start")
