@@ -6,8 +6,10 @@ with the stage as the top-level ``stage`` key), the optimizer and its LR schedul
 ``model=hf``, ``zeropp.models.HFConfig`` (``model.*``; ``model.kind`` picks, :data:`MODEL_KINDS`),
 the world shape ``zeropp.comm.Topology`` (``topology.*``); quantization is
 ``zeropp.comm.spec.QuantSpec`` values (``zero.weights.*``, ``zero.grads.*``). Only what no library
-object holds is declared here: data, trainer, logger, cluster, the training loop and the
-launcher. ``schema.py`` generates the Hydra schema from all of them.
+object holds is the harness's own: data, trainer, logger, cluster, the training loop and the
+launcher, declared in ``sections.py`` (with :class:`ConfigError`; all re-exported here). This
+module puts them together (:class:`RunConfig`) and checks them across sections. ``schema.py``
+generates the Hydra schema from all of them.
 
 :func:`from_dict` builds a :class:`RunConfig` from the composed config; every library
 ``__post_init__`` runs there, before any rank starts, and its objection comes back as a
@@ -31,236 +33,16 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
+from .sections import (MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, TRAINERS, ClusterConfig, ConfigError, DataConfig,
+                       LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig, check)
+
+__all__ = ["CONF_DIR", "EXCLUDED", "HONORED", "MAX_SECONDS", "MIN_CORPUS_BYTES", "MODEL_KINDS", "SECTION_CLASSES",
+           "SEED_LIMIT", "TOP_LEVEL_FROM", "TRAINERS", "ClusterConfig", "ConfigError", "DataConfig", "LauncherConfig",
+           "LoggerConfig", "RunConfig", "TrainConfig", "TrainerConfig", "build_model_config", "from_dict",
+           "from_omegaconf", "model_field_defaults"]
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The YAML part of the config tree: repo ``conf/`` (installed as ``zeropp.conf``)."""
-
-TRAINERS = ("zeropp", "fsdp2", "fsdp2_zeropp", "ddp", "ddp_zeropp")
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the key and what is allowed."""
-
-
-def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"invalid config: {key}={value!r}; allowed: {allowed}")
-
-
-def _pos_int(key: str, value: Any, minimum: int = 1) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
-           f"an integer >= {minimum}")
-
-
-def _unused(key: str, value: Any, default: Any, because: str, fix: str) -> None:
-    """A key the chosen setting does not read must stay at its default (nothing is silently ignored)."""
-    if value != default:
-        raise ConfigError(f"invalid config: {key}={value!r} does nothing with {because}; {fix}")
-
-
-MIN_CORPUS_BYTES = 4096
-"""Fewest corpus bytes a text run accepts (``data.read_corpus`` refuses less)."""
-
-MAX_SECONDS = 1e9
-"""Longest time setting (about 31 years): the process group's timeout becomes a ``datetime.timedelta``,
-which overflows near 8.6e13 s, so a larger value is a slip that would crash every rank."""
-
-SEED_LIMIT = 2**32
-"""``train.seed`` is below this: the data order seeds torch generators with ``seed x 1,000,003 +
-rank``, which must stay a 64-bit integer; 2**32 keeps that true for any world size."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Where tokens come from. A key the chosen kind/source does not read must stay at its default."""
-
-    kind: str = "text"
-    """``text`` (a real corpus read as bytes) or ``random`` (uniform tokens; reads no corpus, so
-    ``source``, ``path``, ``max_bytes`` and ``val_fraction`` stay at their defaults)."""
-    source: str | None = "python_stdlib"
-    """For text: ``python_stdlib`` (this interpreter's own library sources) or ``path``."""
-    path: str | None = None
-    """For source=path (and only there): a file or a directory read as bytes. The runner reads it
-    before any rank starts (``data.check_corpus``)."""
-    max_bytes: int = 4_000_000
-    """For text: read at most this many bytes of corpus (at least :data:`MIN_CORPUS_BYTES`)."""
-    val_fraction: float = 0.05
-    """For text: tail of the corpus held out for evaluation, in [0, 0.5). A tail shorter than one
-    sequence (0 included) holds nothing out: evaluation then reads the training part."""
-
-    def __post_init__(self) -> None:
-        _check(self.kind in ("text", "random"), "data.kind", self.kind, "text, random")
-        if self.kind == "random":
-            for f in dataclasses.fields(self):
-                if f.name != "kind":
-                    _unused(f"data.{f.name}", getattr(self, f.name), f.default,
-                            "data.kind=random (uniform random tokens, no corpus is read)",
-                            "remove it, or use data=text (data.kind=text) to read a corpus")
-            return
-        _check(self.source in ("python_stdlib", "path"), "data.source", self.source, "python_stdlib, path")
-        if self.source == "path":
-            _check(isinstance(self.path, str) and bool(self.path.strip()), "data.path", self.path,
-                   "a file or directory (data.source=path)")
-        else:
-            _unused("data.path", self.path, None, f"data.source={self.source}",
-                    "add data.source=path to read it, or remove data.path")
-        _pos_int("data.max_bytes", self.max_bytes, MIN_CORPUS_BYTES)
-        _check(isinstance(self.val_fraction, (int, float)) and 0.0 <= self.val_fraction < 0.5, "data.val_fraction",
-               self.val_fraction, "0 <= x < 0.5")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """Which training stack runs the model."""
-
-    name: str = "zeropp"
-    """zeropp (ZeroEngine), fsdp2, fsdp2_zeropp (FSDP2 + zeropp collectives), ddp, ddp_zeropp
-    (DDP + zeropp's quantized all-reduce hook)."""
-
-    def __post_init__(self) -> None:
-        _check(self.name in TRAINERS, "trainer", self.name, ", ".join(TRAINERS))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoggerConfig:
-    """wandb settings (metrics.jsonl and summary.json are always written)."""
-
-    name: str = "wandb"
-    """``wandb`` or ``none``."""
-    mode: str = "offline"
-    """offline (default, no network), online, disabled."""
-    project: str = "zeropp"
-    """wandb project."""
-    entity: str | None = None
-    """wandb entity (team/user); None for the default."""
-    group: str | None = None
-    """wandb group; None: the sweep directory's name in multirun."""
-    init_timeout_s: float = 60.0
-    """Give up on wandb (with a warning, training goes on) after this many seconds (> 0)."""
-
-    def __post_init__(self) -> None:
-        _check(self.name in ("wandb", "none"), "logger.name", self.name, "wandb, none (logger=none)")
-        _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
-        _check(0 < self.init_timeout_s <= MAX_SECONDS, "logger.init_timeout_s", self.init_timeout_s,
-               f"> 0 and <= {MAX_SECONDS:g} seconds")
-        if self.name == "none":  # no wandb: its settings would be ignored (logger=none sets mode=disabled)
-            if self.mode == "online":
-                raise ConfigError("invalid config: logger.mode='online' does nothing with logger=none (no wandb); "
-                                  "remove it, or use logger=wandb")
-            for f in dataclasses.fields(self):
-                if f.name not in ("name", "mode"):
-                    _unused(f"logger.{f.name}", getattr(self, f.name), f.default, "logger=none (no wandb)",
-                            "remove it, or use logger=wandb")
-
-    @property
-    def enabled(self) -> bool:
-        return self.name == "wandb" and self.mode != "disabled"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ClusterConfig:
-    """Where the ranks run: this machine (``local``) or the namespace emulator (``emulated``)."""
-
-    name: str = "local"
-    """local or emulated."""
-    inter_gbps: float = 1.0
-    """emulated: shaped rate of each node's uplink, Gbit/s."""
-    inter_latency_ms: float = 0.0
-    """emulated: added one-way latency of the cross-node link."""
-
-    def __post_init__(self) -> None:
-        _check(self.name in ("local", "emulated"), "cluster.name", self.name, "local, emulated")
-        _check(self.inter_gbps > 0, "cluster.inter_gbps", self.inter_gbps, "a positive rate")
-        _check(self.inter_latency_ms >= 0, "cluster.inter_latency_ms", self.inter_latency_ms, ">= 0")
-        if self.name == "local":  # loopback, nothing shaped: the emulator's link settings would be ignored
-            for f in dataclasses.fields(self):
-                if f.name != "name":
-                    _unused(f"cluster.{f.name}", getattr(self, f.name), f.default,
-                            "cluster=local (no shaped links)", "add cluster=emulated, or remove it")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """The training loop (what no library object holds)."""
-
-    steps: int = 30
-    """Optimizer steps of the whole run (a resumed run continues up to this many)."""
-    micro_batch_size: int = 8
-    """Sequences per rank per micro-batch (``zero.grad_accum_steps`` micro-batches per step)."""
-    eval_every: int = 0
-    """Evaluate every N steps; 0: only at the end."""
-    eval_batches: int = 1
-    """Held-out micro-batches each rank evaluates per evaluation; the eval loss is their mean over
-    ranks and batches, and every rank reads different ones (rank r takes held-out batches
-    r, r + world, ...), so an evaluation covers ``eval_batches x world x micro_batch_size``
-    sequences. Raise it where eval-loss differences of a percent matter (``experiments.converge``)."""
-    log_every: int = 1
-    """Write a metrics line every N steps."""
-    seed: int = 0
-    """Seed of the model init and the data order, in [0, 2**32) (:data:`SEED_LIMIT`)."""
-    throughput_skip_steps: int = 0
-    """First steps left out of the throughput and communication averages (compile/warm-up)."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every N steps (and at the end); 0: never."""
-    checkpoint_dir: str | None = None
-    """Where checkpoints go; None: ``<run dir>/checkpoints``. ``resume=true`` loads the latest one here.
-    With ``checkpoint_every > 0`` the runner checks, before any rank starts, that it (or its nearest
-    existing parent) is a directory this process can write to."""
-    keep_checkpoints: int = 2
-    """Good checkpoints kept in ``checkpoint_dir`` (the newest ones); older ones of this run's format
-    are deleted after a save succeeds, nothing else in the directory is touched."""
-    max_skipped_steps: int = 50
-    """fp16 only: this many consecutive steps skipped for overflow (the loss scale could not find a
-    finite gradient) stop the run as diverged. With fp32/bf16 a single non-finite loss or gradient
-    norm stops it."""
-    activation_checkpointing: bool = False
-    """ZeRO-R: recompute each block's activations in backward instead of keeping them (torch's
-    non-reentrant ``torch.utils.checkpoint`` around every block; at stage 3 the recomputation
-    re-gathers the block). Every trainer honours it."""
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "log_every", "eval_batches", "keep_checkpoints", "max_skipped_steps"):
-            _pos_int(f"train.{name}", getattr(self, name))
-        for name in ("eval_every", "throughput_skip_steps", "checkpoint_every", "seed"):
-            _pos_int(f"train.{name}", getattr(self, name), 0)
-        _check(self.throughput_skip_steps < self.steps, "train.throughput_skip_steps", self.throughput_skip_steps,
-               f"fewer than train.steps={self.steps}")
-        _check(self.seed < SEED_LIMIT, "train.seed", self.seed, "an integer in [0, 2**32)")
-        _check(self.checkpoint_dir is None or (isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip())),
-               "train.checkpoint_dir", self.checkpoint_dir, "a directory path, or null for <run dir>/checkpoints")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LauncherConfig:
-    """How ranks are started and watched."""
-
-    device: str = "auto"
-    """auto (CUDA with NCCL when this host has a GPU per local rank, else CPU with gloo), cpu, cuda."""
-    timeout_s: float = 900.0
-    """Whole-run limit; ranks are stopped and the run fails past it."""
-    grace_s: float = 5.0
-    """Seconds between SIGTERM and SIGKILL when stopping ranks."""
-    pg_timeout_s: float = 120.0
-    """Collective timeout of the process group."""
-    heartbeat_s: float = 20.0
-    """Seconds a rank may be silent (its process stopped, or its main thread making no progress
-    while the other ranks are past that point) before the launcher names it and stops the run: at
-    least 1, or 0 to turn the watch off (then only ``pg_timeout_s`` and ``timeout_s`` catch a
-    silent rank). Not applied under torchrun, whose agent watches its ranks itself."""
-    threads_per_rank: int = 1
-    """torch intra-op threads per CPU rank."""
-    progress: bool = True
-    """Progress bar on rank 0."""
-
-    def __post_init__(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda"), "launcher.device", self.device, "auto, cpu, cuda")
-        _check(0 < self.timeout_s <= MAX_SECONDS, "launcher.timeout_s", self.timeout_s, f"> 0 and <= {MAX_SECONDS:g}")
-        _check(0 <= self.grace_s <= MAX_SECONDS, "launcher.grace_s", self.grace_s, f">= 0 and <= {MAX_SECONDS:g}")
-        _check(0 < self.pg_timeout_s <= MAX_SECONDS, "launcher.pg_timeout_s", self.pg_timeout_s,
-               f"> 0 and <= {MAX_SECONDS:g}")
-        _check(self.heartbeat_s == 0 or 1 <= self.heartbeat_s <= MAX_SECONDS, "launcher.heartbeat_s", self.heartbeat_s,
-               "0 (the watch off) or >= 1 (seconds; a shorter silence is scheduling noise)")
-        _pos_int("launcher.threads_per_rank", self.threads_per_rank)
-
 
 MODEL_KINDS: dict[str, type] = {"gpt": GPTConfig, "hf": HFConfig}
 """``model.kind`` -> the library class that declares and validates that model's settings: ``gpt``
@@ -482,7 +264,7 @@ def build_model_config(values: Mapping[str, Any]) -> GPTConfig | HFConfig:
     only another kind has must be left at its default (nothing is silently ignored)."""
     values = dict(values)
     kind = values.pop("kind", "gpt")
-    _check(kind in MODEL_KINDS, "model.kind", kind, ", ".join(MODEL_KINDS) + " (model=<GPT preset> or model=hf)")
+    check(kind in MODEL_KINDS, "model.kind", kind, ", ".join(MODEL_KINDS) + " (model=<GPT preset> or model=hf)")
     cls = MODEL_KINDS[kind]
     own = {f.name for f in dataclasses.fields(cls) if f.init}
     defaults = model_field_defaults()

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError
+from .sections import ConfigError, check, pos_int
 from .console import human_bytes
 
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -92,15 +92,10 @@ class StudyConfig:
 
     def __post_init__(self) -> None:
         for key in ("width", "layers", "batch", "world"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"invalid config: {key}={v!r}; allowed: an integer >= 1")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"invalid config: precision={self.precision!r}; allowed: fp32 or bf16")
-        if not 0 <= self.tolerance < 1:
-            raise ConfigError(f"invalid config: tolerance={self.tolerance!r}; allowed: a fraction in [0, 1)")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"invalid config: timeout_s={self.timeout_s!r}; allowed: seconds > 0")
+            pos_int(key, getattr(self, key))
+        check(self.precision in ("fp32", "bf16"), "precision", self.precision, "fp32 or bf16")
+        check(0 <= self.tolerance < 1, "tolerance", self.tolerance, "a fraction in [0, 1)")
+        check(self.timeout_s > 0, "timeout_s", self.timeout_s, "seconds > 0")
 
     @property
     def num_params(self) -> int:
