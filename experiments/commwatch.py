@@ -17,6 +17,8 @@ off the ``torch.distributed`` call's arguments):
   ``Work.wait()``. That is the time communication is *not* overlapped with compute.
 
 Nested calls (a collective implemented with another) are counted once, at the outermost call.
+Counting never breaks a collective: one whose bytes cannot be read off its arguments still runs,
+and the first such call of each op is named in a warning (``CommWatch.uncounted``).
 
 **Functional collectives** (``torch.distributed._functional_collectives``, the
 ``torch.ops._c10d_functional`` ops that DTensor redistributions and therefore tensor parallelism
@@ -37,6 +39,7 @@ import contextlib
 import functools
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -126,6 +129,8 @@ class CommWatch:
         self.training_thread = threading.get_ident()  # only this thread's blocking counts as wait (set on entry)
         self._lock = threading.Lock()  # zeropp's comm worker thread issues collectives too
         self._saved: list[tuple[Any, str, Any]] = []
+        self.uncounted: dict[str, str] = {}
+        """Collectives whose bytes could not be counted (op name -> the error), each warned about once."""
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _account(self, name: str, args: tuple, kwargs: dict) -> None:
@@ -147,6 +152,15 @@ class CommWatch:
         record_sends(self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global)))
         self.stats.count_call(kind)
 
+    def uncounted_call(self, name: str, exc: BaseException) -> None:
+        """A collective ``name`` whose accounting raised ``exc``: the collective still runs (counting
+        never breaks it), but the run's byte figures miss it, so the first time per op says so."""
+        if name in self.uncounted:
+            return
+        self.uncounted[name] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"CommWatch could not count {name} ({self.uncounted[name]}): the collective runs, but this "
+                      "run's comm_bytes figures miss its bytes", RuntimeWarning, stacklevel=3)
+
     def account_functional(self, kind: str, group: Any, per_peer: Callable[[int, int], list[int]]) -> None:
         """One functional collective over ``group`` (a ProcessGroup or its name): ``per_peer(group
         size, my group rank)`` gives the bytes to each member."""
@@ -167,8 +181,11 @@ class CommWatch:
             self._local.depth = 1
             t0 = time.perf_counter()
             try:
-                with contextlib.suppress(Exception), self._lock:
-                    self._account(name, args, kwargs)
+                try:
+                    with self._lock:
+                        self._account(name, args, kwargs)
+                except Exception as e:  # noqa: BLE001 - counting never breaks the collective
+                    self.uncounted_call(name, e)
                 return fn(*args, **kwargs)
             finally:
                 if threading.get_ident() == self.training_thread:  # only the training thread's blocking counts
@@ -306,9 +323,11 @@ class _FunctionalCollectives(TorchDispatchMode):
             return func(*args, **kwargs)
         if known is not None:
             name, gi = known
-            with contextlib.suppress(Exception):  # accounting never breaks the collective
+            try:
                 kind, per_peer = _functional_rule(name, args, kwargs)
                 self.watch.account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
+            except Exception as e:  # noqa: BLE001 - counting never breaks the collective
+                self.watch.uncounted_call(name, e)
         t0 = time.perf_counter()
         try:
             return func(*args, **kwargs)

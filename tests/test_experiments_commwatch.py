@@ -12,6 +12,7 @@ One 2-rank gloo world (run once for the module) measures:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -24,10 +25,15 @@ from tests.tp_helpers import tp_block_bytes
 B = 3  # sequences in the block's input
 
 
+def _broken_rule(op: str, args: tuple, kwargs: dict) -> Any:
+    raise KeyError(f"no rule for {op}")
+
+
 def _world(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from experiments import commwatch
     from experiments.commwatch import CommWatch
     from zeropp.comm import Topology
     from zeropp.models import GPT
@@ -66,6 +72,19 @@ def _world(rank: int, world: int) -> dict[str, Any]:
     with CommWatch(Topology(2, 1)) as w:  # tp == 1: the dispatch mode is off by default
         done(funcol.all_reduce(a, "sum", sub))
         out["off"] = (w.functional, w.take()[0])
+    with CommWatch(Topology(2, 1), functional=True) as w, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rule = commwatch._functional_rule
+        commwatch._functional_rule = _broken_rule  # a collective the mode cannot read: counted as nothing, named once
+        try:
+            results = [done(funcol.all_reduce(a, "sum", sub)) for _ in range(2)]
+        finally:
+            commwatch._functional_rule = rule
+        counted = w.take()[0]
+    want = a.clone()
+    dist.all_reduce(want, group=sub)
+    out["uncounted"] = (counted, dict(w.uncounted), [str(c.message) for c in caught],
+                        all(torch.equal(x, want) for x in results))
 
     topo = Topology(1, 2, tp=2)
     torch.manual_seed(0)
@@ -106,6 +125,32 @@ def test_functional_collectives_are_counted_only_with_the_mode(world) -> None:
     for r in world:
         assert r["off"] == (False, {})  # tp == 1 and not asked for: off, nothing counted
         assert r["tp_functional"] is True  # tp > 1: on
+
+
+def test_a_functional_collective_it_cannot_count_runs_and_is_named_once(world) -> None:
+    for r in world:
+        counted, uncounted, messages, same = r["uncounted"]
+        assert counted == {} and same, r["uncounted"]  # nothing counted; both all-reduces gave the right sum
+        assert uncounted == {"all_reduce": "KeyError: 'no rule for all_reduce'"}
+        assert [m for m in messages if "CommWatch could not count" in m] == [
+            "CommWatch could not count all_reduce (KeyError: 'no rule for all_reduce'): the collective runs, but "
+            "this run's comm_bytes figures miss its bytes"]
+
+
+def test_a_torch_distributed_call_it_cannot_count_runs_and_is_named_once() -> None:
+    """No process group here, so the group's ranks cannot be read: the wrapped call still runs."""
+    from experiments.commwatch import CommWatch
+    from zeropp.comm import Topology
+
+    w = CommWatch(Topology(1, 1))
+    calls: list[tuple] = []
+    wrapped = w._wrap("all_reduce", lambda *a, **k: calls.append(a) or "done")
+    with pytest.warns(RuntimeWarning, match=r"CommWatch could not count all_reduce \(.*\): the collective runs"):
+        assert wrapped(torch.ones(2)) == "done"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per op: the second call is quiet
+        assert wrapped(torch.ones(2)) == "done"
+    assert len(calls) == 2 and w.take()[0] == {} and list(w.uncounted) == ["all_reduce"]
 
 
 def test_tp_block_bytes_match_the_tensor_parallel_formula(world) -> None:
