@@ -6,6 +6,7 @@ test_experiments_e2e.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -42,7 +43,12 @@ def test_a_stopped_process_is_named_whatever_the_others_do():
     v = judge([_v(0, silent=25, long=True), _v(1, silent=22)], D)
     assert v is not None and v.rank == 0
     state = RankView(rank=3, silent_s=30, idle_s=30, beats=1, state="T (stopped)")
-    assert "its process is not running (state T (stopped))" in judge([state], D).message  # type: ignore[union-attr]
+    assert "its process is not running (state T (stopped)): it was stopped" in judge([state], D).message  # type: ignore[union-attr]
+    # a process that runs but whose heartbeat thread cannot publish is not called stopped
+    alive = dataclasses.replace(state, state="S (sleeping)")
+    msg = judge([alive], D).message  # type: ignore[union-attr]
+    assert "its process is alive (state S (sleeping)) but its heartbeat thread is silent" in msg, msg
+    assert "not running" not in msg and "SIGSTOP" not in msg and msg.endswith("; stopped all ranks"), msg
 
 
 def test_the_rank_behind_the_waiting_ones_is_named():
@@ -241,6 +247,27 @@ def test_a_cleanup_problem_never_hides_the_ranks_error(tmp_path: Path):
         with pytest.raises(RankFailure, match="the rank's own error"):
             launch_world(_record_unlistable_scratch_then_fail, 1, args=(str(afile),), timeout_s=60, grace_s=1.0)
     assert afile.read_text() == "mine"
+
+
+def _hold_the_interpreter_lock(rank: int, world: int) -> None:
+    import ctypes
+    import time
+
+    watch.heartbeat("work")
+    time.sleep(0.5)  # the beat is published
+    ctypes.PyDLL(None).sleep(30)  # libc sleep(3) through PyDLL: a native call that keeps the GIL
+
+
+def test_a_native_call_holding_the_interpreter_lock_is_not_called_stopped():
+    """The heartbeat thread of a running process goes silent when a native call keeps the GIL:
+    the rank is named, with its real state (sleeping, not stopped)."""
+    from zeropp.launch import RankFailure, launch_world
+
+    with pytest.raises(RankFailure) as e:
+        launch_world(_hold_the_interpreter_lock, 1, timeout_s=60, grace_s=1.0, heartbeat_s=2)
+    msg = str(e.value)
+    assert msg.startswith("rank 0 made no progress for 2 s (last seen: phase work"), msg
+    assert "its process is alive (state S (sleeping)) but its heartbeat thread is silent" in msg, msg
 
 def test_the_default_deadline_names_a_stopped_rank_within_30_s():
     from zeropp.experiments.config import LauncherConfig

@@ -27,7 +27,9 @@ saw, so no clocks are compared across processes):
 
 1. *stopped*: a rank whose tick has not changed for ``deadline_s`` is named, whatever the others
    do (its process is stopped or frozen: only that stops every thread). This holds through long
-   phases too.
+   phases too. The message says which, from the process state in ``/proc``: stopped (``T``), or
+   alive with a silent heartbeat thread (a native call holding the interpreter lock, or a
+   heartbeat file that cannot be written).
 2. *stuck*: otherwise, a rank whose beats have not changed for ``deadline_s`` is named when it is
    *behind*: it has the fewest beats, and at least one other running rank has more (it went past
    the point where this one stopped, and now waits for it in a collective, or carries on). Beats
@@ -232,10 +234,15 @@ def judge(views: Sequence[RankView], deadline_s: float, *, all_seen: bool = True
     stopped = [v for v in views if v.silent_s > deadline_s]
     if stopped:
         v = max(stopped, key=lambda v: (v.silent_s, -v.rank))
-        state = f"is not running (state {v.state})" if v.state else "stopped responding"
+        if v.state and v.state[0] not in "Tt":  # running or sleeping: only the heartbeat thread is silent
+            why = (f"its process is alive (state {v.state}) but its heartbeat thread is silent: a native call holds "
+                   "Python's interpreter lock that long, or the heartbeat file cannot be written (a full disk under "
+                   "the run directory?)")
+        else:
+            state = f"is not running (state {v.state})" if v.state else "stopped responding"
+            why = f"its process {state}: it was stopped (SIGSTOP, Ctrl-Z, a debugger) or is frozen"
         return Verdict(v.rank, f"rank {v.rank} made no progress for {v.silent_s:.0f} s (last seen: {v.last_seen()}); "
-                               f"its process {state}: it was stopped (SIGSTOP, Ctrl-Z, a debugger) or is frozen; "
-                               "stopped all ranks")
+                               f"{why}; stopped all ranks")
     if not all_seen or len(views) < 2:
         return None
     lo = min(v.beats for v in views)
