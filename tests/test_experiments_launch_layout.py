@@ -69,8 +69,13 @@ def test_layout_from_torchrun_env() -> None:
                                                  "contiguous ranks"]),
     ({**torchrun_env(1, 2, 0, 0), "LOCAL_WORLD_SIZE": "two"}, ["LOCAL_WORLD_SIZE='two'", "integer"]),
     ({**torchrun_env(2, 2, 0, 0), "GROUP_RANK": "2"}, ["node=2", "[0, 2)"]),
+    # more ranks per node, or more nodes, than ranks in the job
+    ({**torchrun_env(1, 4, 0, 0), "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE=8 is more than WORLD_SIZE=4"]),
+    ({**torchrun_env(2, 2, 0, 0), "GROUP_WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": None},
+     ["GROUP_WORLD_SIZE=8 is more than WORLD_SIZE=4"]),
 ])
-def test_layout_env_that_a_topology_cannot_describe(env: dict[str, str], words: list[str]) -> None:
+def test_layout_env_that_a_topology_cannot_describe(env: dict[str, str | None], words: list[str]) -> None:
+    env = {k: v for k, v in env.items() if v is not None}
     with pytest.raises(ValueError) as e:
         LaunchLayout.from_env(env)
     assert all(w in str(e.value) for w in words), str(e.value)

@@ -94,6 +94,11 @@ class LaunchLayout:
                                  "LOCAL_WORLD_SIZE / GROUP_WORLD_SIZE must set RANK, WORLD_SIZE and LOCAL_RANK)")
         assert world is not None and rank is not None and local_rank is not None
         local_world, groups = read("LOCAL_WORLD_SIZE", 1), read("GROUP_WORLD_SIZE", 1)
+        for name, v in (("LOCAL_WORLD_SIZE", local_world), ("GROUP_WORLD_SIZE", groups)):
+            if v is not None and v > world:
+                raise ValueError(f"{launcher} environment: {name}={v} is more than WORLD_SIZE={world} (the ranks of "
+                                 "the whole job): the variables contradict each other; start the job with its "
+                                 "launcher's own tools (torchrun --nnodes / --nproc-per-node)")
         if local_world is None:
             assert groups is not None
             local_world = world // groups
