@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .sections import ConfigError, check, pos_int
 from .console import human_bytes
+from .preflight import check_writable_dir
+from .sections import ConfigError, check, pos_int
 
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("stage 0 (replicated)", {"stage": 0}),
@@ -300,14 +300,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    """Create ``out`` (refused, before any rank starts, if that fails or it is not writable)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"invalid config: out={str(out)!r} cannot be created ({e.strerror}); choose a "
-                          f"directory you can write to") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ConfigError(f"invalid config: out={str(out)!r} is not writable; choose a directory you can write to")
+    """Create ``out``, after the runner's own check (``preflight.check_writable_dir``: refused,
+    before any rank starts, where it cannot be created or written)."""
+    check_writable_dir("out", out)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
