@@ -26,13 +26,9 @@ def run_cli(args: list[str], *, torchrun_ranks: int | None = None,
 
 def checkpoint_steps(root: Path) -> tuple[int | None, list[int]]:
     """(step of the checkpoint ``root/LATEST`` names, steps of every checkpoint directory under
-    ``root``), read from each one's own record: ZeroEngine's ``meta.json`` or the torch trainers'
-    ``extra.json``."""
+    ``root``), read from each one's own record, its ``meta.json`` (both trainer families)."""
     def step(d: Path) -> int:
-        for name in ("meta.json", "extra.json"):
-            if (d / name).is_file():
-                return int(json.loads((d / name).read_text())["step"])
-        raise AssertionError(f"{d} holds neither meta.json nor extra.json")
+        return int(json.loads((d / "meta.json").read_text())["step"])
 
     latest = root / "LATEST"
     named = step(root / latest.read_text().strip()) if latest.is_file() else None

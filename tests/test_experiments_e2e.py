@@ -20,18 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.experiment_helpers import run_cli
 from tests.tp_helpers import tp_block_bytes
 from zeropp.experiments.metrics import SUMMARY_KEYS
 from zeropp.experiments.report import PLOTS
 
 FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
-
-
-def _run(args: list[str], *, env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
-    e.update(WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=e)
 
 
 def _live_procs_mentioning(text: str) -> list[int]:
@@ -50,7 +44,7 @@ def _live_procs_mentioning(text: str) -> list[int]:
 
 
 def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
-    p = _run(["stage=3", "quant=zeropp", *FAST, f"hydra.run.dir={tmp_path}"])
+    p = run_cli(["stage=3", "quant=zeropp", *FAST, f"hydra.run.dir={tmp_path}"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "tokens/s" in p.stdout and "ZeRO-3+qwZ[int8]+hpZ+qgZ[int4]" in p.stdout  # the summary table
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -83,7 +77,7 @@ def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
 
 def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    p = _run(["-m", "quant=none,int8", "topology=1x2", "logger=none", *FAST, f"hydra.sweep.dir={sweep}"])
+    p = run_cli(["-m", "quant=none,int8", "topology=1x2", "logger=none", *FAST, f"hydra.sweep.dir={sweep}"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sums = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["label"].split()[0] for s in sums] == ["ZeRO-3", "ZeRO-3+qwZ[int8]"]
@@ -119,7 +113,7 @@ def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[s
     nvme_args, nvme, planted = _nvme(tmp_path)
     run = tmp_path / "run"
     t0 = time.monotonic()
-    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2", *nvme_args,
+    p = run_cli(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2", *nvme_args,
               f"hydra.run.dir={run}"], env={"ZEROPP_INJECT_FAULT": fault}, timeout=120)
     took = time.monotonic() - t0
     assert p.returncode != 0
@@ -141,7 +135,7 @@ def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str,
     whose collective would time out only after pg_timeout_s=120) within the heartbeat deadline,
     and every rank is gone (the stopped one continued, then terminated)."""
     t0 = time.monotonic()
-    p = _run(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=1",
+    p = run_cli(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=1",
               "launcher.heartbeat_s=3", f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault},
              timeout=120)
     took = time.monotonic() - t0
@@ -185,7 +179,7 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
     """Job 0 is an invalid config; job 1 still runs; the command exits non-zero naming job 0, which
     leaves failed.json, and the report lists it."""
     sweep = tmp_path / "sweep"
-    p = _run(["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"])
+    p = run_cli(["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"])
     assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
     assert "1 multirun job(s) failed" in p.stderr and "zero.hpz_size=3" in p.stderr
     failed = json.loads((sweep / "0" / "failed.json").read_text())
@@ -208,13 +202,13 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     world size it carries on from the same weights."""
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=6", "stage=3", "quant=none"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    p = _run([*common, f"hydra.run.dir={ref}"])
+    p = run_cli([*common, f"hydra.run.dir={ref}"])
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _run([*common, "train.checkpoint_every=3", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@0:5"})
+    p = run_cli([*common, "train.checkpoint_every=3", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@0:5"})
     assert p.returncode != 0 and "injected fault" in p.stderr
     assert (cut / "checkpoints" / "LATEST").exists()
     shutil.copytree(cut / "checkpoints", tmp_path / "at3")  # the step-3 checkpoint, for the resharded resume
-    p = _run([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"])
+    p = run_cli([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"])
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
@@ -225,15 +219,15 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     assert s["first_step"] == 4 and s["steps"] == 3
     # resumed on 4 ranks from the 2-rank checkpoint: the same weights carry on (different data per rank)
     wide = tmp_path / "wide"
-    p = _run(["topology=1x4", "logger=none", *FAST, "train.steps=6", "stage=1", "resume=true",
+    p = run_cli(["topology=1x4", "logger=none", *FAST, "train.steps=6", "stage=1", "resume=true",
               f"train.checkpoint_dir={tmp_path / 'at3'}", f"hydra.run.dir={wide}"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
     assert "changed settings" not in p.stderr  # world size and stage may change: the checkpoint reshards
-    p = _run([*common, "train.seed=1", "resume=true", f"train.checkpoint_dir={tmp_path / 'at3'}",
+    p = run_cli([*common, "train.seed=1", "resume=true", f"train.checkpoint_dir={tmp_path / 'at3'}",
               f"hydra.run.dir={tmp_path / 'reseeded'}"])
     assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
-    p = _run([*common, "resume=true", f"hydra.run.dir={tmp_path / 'none'}"])
+    p = run_cli([*common, "resume=true", f"hydra.run.dir={tmp_path / 'none'}"])
     assert p.returncode != 0 and "no checkpoint" in p.stderr
 
 
@@ -249,10 +243,10 @@ def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
              "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"]}
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    assert _run([*common, f"hydra.run.dir={ref}"]).returncode == 0
-    p = _run([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    assert run_cli([*common, f"hydra.run.dir={ref}"]).returncode == 0
+    p = run_cli([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
     assert p.returncode != 0 and "injected fault" in p.stderr
-    p = _run([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"])
+    p = run_cli([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"])
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)
     if trainer == "ddp_zeropp":
@@ -325,7 +319,7 @@ def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Pa
     agents, where = _torchrun_agents([*args, f"hydra.run.dir={tmp_path / 'tr'}"], 2, 2)
     for a in agents:
         assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    one = _run([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"])
+    one = run_cli([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
     # rank 0 alone summarizes: one agent prints the table, one metrics line per step
     assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]
@@ -361,7 +355,7 @@ def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) ->
 
 def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    p = _run(["sweep=trainers", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], timeout=400)
+    p = run_cli(["sweep=trainers", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sums = {s["trainer"]: s for s in (json.loads(f.read_text()) for f in sweep.glob("*/summary.json"))}
     assert sorted(sums) == ["ddp", "ddp_zeropp", "fsdp2", "fsdp2_zeropp", "zeropp"]
@@ -382,7 +376,7 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
     runs = {}
     for name, topo in (("tp", ["topology=2x2", "topology.tp=2"]), ("dp", ["topology=2x1"])):
-        p = _run([*common, *topo, f"hydra.run.dir={tmp_path / name}"])
+        p = run_cli([*common, *topo, f"hydra.run.dir={tmp_path / name}"])
         assert p.returncode == 0, p.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
     tp, dp = _losses(tmp_path / "tp"), _losses(tmp_path / "dp")
@@ -406,9 +400,9 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     # stopped after its step-2 checkpoint and resumed: the tp run carries on exactly
     cut = tmp_path / "cut"
     tp_args = [*common, "topology=2x2", "topology.tp=2", "train.checkpoint_every=2", f"hydra.run.dir={cut}"]
-    p = _run(tp_args, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    p = run_cli(tp_args, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
     assert p.returncode != 0 and "injected fault" in p.stderr and (cut / "checkpoints" / "LATEST").exists()
-    p = _run([*tp_args, "resume=true"])
+    p = run_cli([*tp_args, "resume=true"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert _losses(cut) == tp  # exact in fp32
 
@@ -417,7 +411,7 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
     """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
     and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
     wire rows) equals the measured model state of every rank."""
-    p = _run(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
+    p = run_cli(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
               f"hydra.run.dir={tmp_path}"])
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -426,7 +420,7 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
         assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
     assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
     # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
-    p = _run(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
+    p = run_cli(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
               "zero.hpz=true", f"hydra.run.dir={tmp_path / 'hpz'}"])
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "hpz" / "summary.json").read_text())
