@@ -60,6 +60,12 @@ def test_files_are_preallocated_and_removed_on_close(tmp_path):
         sp.read_into(Segment(f, 0, 1, torch.float32), torch.empty(1))
 
 
+
+def test_a_space_whose_buffers_cannot_be_allocated_leaves_no_folder(tmp_path):
+    with pytest.raises(RuntimeError, match="allocate"):
+        SwapSpace(tmp_path, 0, buffers=2, buffer_size=2**60)  # 4 EiB staging buffers: the allocator refuses
+    assert os.listdir(tmp_path) == []
+
 def test_a_launched_rank_names_and_records_its_folder_and_an_unclosed_space_is_removed(tmp_path, monkeypatch):
     """Under zeropp's launcher the folder carries the run id and is recorded for the launcher's
     cleanup before it exists; a space dropped without close() is removed when collected."""

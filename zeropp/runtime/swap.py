@@ -119,12 +119,17 @@ class SwapSpace:
             raise ValueError(f"SwapSpace needs at least 2 staging buffers, got {buffers}")
         if buffer_size < 1:
             raise ValueError(f"SwapSpace buffer_size must be >= 1 element, got {buffer_size}")
-        self.dir = tempfile.mkdtemp(prefix=scratch_prefix(root, "swap", rank), dir=os.fspath(root))
-        self.buffer_bytes = 4 * buffer_size
-        self.buffers = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"zeropp-swap-r{rank}")
         self.files: list[SwapFile] = []
+        self.dir = tempfile.mkdtemp(prefix=scratch_prefix(root, "swap", rank), dir=os.fspath(root))
+        # before anything else can fail: a constructor that raises leaves no folder behind either
         self._release = weakref.finalize(self, _release, self.pool, self.files, self.dir)
+        self.buffer_bytes = 4 * buffer_size
+        try:
+            self.buffers = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
+        except BaseException:
+            self._release()
+            raise
         self.bytes_read = self.bytes_written = 0
         self.io_s = 0.0
         """Wall seconds spent inside :meth:`stream` (for the achieved swap bandwidth)."""
