@@ -184,21 +184,24 @@ def _build_in(dfd: int, cache: Path, name: str, build: Callable[[Path], None]) -
     try:
         build(Path(tmp))
         fd = _open_checked(dfd, tmp_name, f"the build output {tmp}")
-        if os.fstat(fd).st_size == 0:
-            os.close(fd)
-            raise RuntimeError(f"the build of {name} wrote an empty file")
-        os.fchmod(fd, 0o555)  # whatever the umask: nobody else may write it
-        os.fsync(fd)
-        digest = _sha256(fd)
-        hfd, hash_tmp = tempfile.mkstemp(prefix=f".{name}{HASH_SUFFIX}.", suffix=".tmp", dir=cache)
-        with os.fdopen(hfd, "w") as f:
-            f.write(digest + "\n")
-            f.flush()
-            os.fchmod(f.fileno(), 0o444)
-            os.fsync(f.fileno())
-        os.replace(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.replace(os.path.basename(hash_tmp), name + HASH_SUFFIX, src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.fsync(dfd)
+        try:
+            if os.fstat(fd).st_size == 0:
+                raise RuntimeError(f"the build of {name} wrote an empty file")
+            os.fchmod(fd, 0o555)  # whatever the umask: nobody else may write it
+            os.fsync(fd)
+            digest = _sha256(fd)
+            hfd, hash_tmp = tempfile.mkstemp(prefix=f".{name}{HASH_SUFFIX}.", suffix=".tmp", dir=cache)
+            with os.fdopen(hfd, "w") as f:
+                f.write(digest + "\n")
+                f.flush()
+                os.fchmod(f.fileno(), 0o444)
+                os.fsync(f.fileno())
+            os.replace(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.replace(os.path.basename(hash_tmp), name + HASH_SUFFIX, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        except BaseException:
+            os.close(fd)  # the caller gets no descriptor of a build that failed
+            raise
         return fd, digest
     finally:
         for leftover in (tmp, hash_tmp):
