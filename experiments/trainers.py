@@ -30,12 +30,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from zeropp.runtime import ZeroConfig
 
@@ -236,7 +238,10 @@ class TorchTrainer:
                                 device=self._device())
 
     def load(self, path: Path) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_state_dict,
+            set_state_dict,
+        )
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
@@ -362,6 +367,11 @@ def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTra
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    # torch >= 2.13 warns when a wrapped module returns a view (the root's logits: nn.Linear
+    # reshapes its 3-d output), because an in-place op on it would skip FSDP2's pre-backward hook.
+    # This trainer never modifies the outputs in place (loss.backward(), the logits are unused).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                            category=UserWarning)
     stats = feedback = None
     if zeropp_comms:
         from zeropp.comm import CommStats, ErrorFeedback
@@ -395,7 +405,9 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
     else:
         # the stock all-reduce, issued from Python so CommWatch sees its bytes (DDP's default
         # reducer calls the C++ collective directly); same arithmetic as DDP's built-in path
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         ddp.register_comm_hook(None, allreduce_hook)
     return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", stats=stats,

@@ -41,15 +41,22 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from zeropp.comm.objects import all_gather_json
+from zeropp.launch import heartbeat, select_device
+from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
+
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
-from zeropp.launch import heartbeat, select_device
-from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
-
 from .launcher import device_for_cluster
-from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
+from .metrics import (
+    MetricsFile,
+    build_summary,
+    tokens_per_step,
+    write_memory_json,
+    write_summary,
+)
 from .trainers import build_trainer
 from .wandb_log import WandbLogger, flatten
 
@@ -292,8 +299,9 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
               "frozen_bytes": _frozen_bytes(trainer),
               "memory_phases": _memory_phases(trainer, device, created)}
     heartbeat("finish", long=True)  # rank 0 writes the results (and may sync wandb) while the others exit
-    gathered: list[Any] = [None] * world if lead else []
-    dist.gather_object(report, gathered if lead else None, dst=0)
+    # through the comm context, not dist.gather_object: for ranks other than 0 this is the last
+    # collective before exit (zeropp.comm.objects says why that matters)
+    gathered = all_gather_json(report, device=device if device.type == "cuda" else None)
     trainer.close()
     summary = None
     if lead:

@@ -28,15 +28,19 @@ import json
 import os
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+
+from zeropp.comm.backend import backend_all_reduce
+from zeropp.comm.objects import all_gather_json
 
 from . import checkpoint_files as cf
 from .batch import per_rank
@@ -72,7 +76,7 @@ class Origin:
         return self.name if Path(self.root) == root.resolve() else None
 
     @classmethod
-    def of(cls, d: Path) -> "Origin":
+    def of(cls, d: Path) -> Origin:
         """The version in folder ``d``."""
         return cls(root=str(d.parent.resolve()), name=d.name)
 
@@ -111,11 +115,11 @@ def agree(device: torch.device, error: str | None, what: str, hint: str, token: 
     """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank,
     or if the ranks' ``token`` values differ. One 3-element all-reduce when all is well."""
     flag = torch.tensor([1 if error else 0, token, -token], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    # through the comm context: this is a save's last collective, maybe the process's last one
+    backend_all_reduce(flag, dist.ReduceOp.MAX, None, async_op=False)
     failed, hi, lo = (int(x) for x in flag.tolist())
     if failed:
-        msgs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(msgs, error)
+        msgs = all_gather_json(error, device=device)
         raise_failures({r: m for r, m in enumerate(msgs) if m}, len(msgs), what, hint)
     if hi != -lo:
         raise CheckpointError(f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
@@ -193,8 +197,7 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
             mine = cf.written_by(d, me)
         except Exception as exc:  # noqa: BLE001
             error = f"{doing}: {describe(exc)}"
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, (mine, prepared.rank_meta))
+        gathered = all_gather_json([mine, prepared.rank_meta], device=device)
         if me == 0 and error is None:
             try:
                 meta = json.loads(meta_text)
