@@ -181,3 +181,13 @@ def _copy_through_a_continuation(early: bool) -> torch.Tensor:
 def test_the_debug_mode_shows_a_buffer_released_at_issue(debug_ctx) -> None:
     assert _copy_through_a_continuation(early=False).tolist() == list(map(float, range(8)))
     assert _copy_through_a_continuation(early=True).isnan().all()
+
+
+def test_the_runner_refuses_a_bad_value_before_any_rank_starts(tmp_path) -> None:
+    from tests.experiment_helpers import run_cli
+
+    p = run_cli(["quant=qgz", "model=tiny", "train.steps=1", "logger=none", "launcher.progress=false",
+                 f"hydra.run.dir={tmp_path / 'run'}"], env={context.DEBUG_ENV: "yes"}, timeout=120)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "error: invalid environment: ZEROPP_DEBUG_STREAMS='yes' is not a valid setting" in p.stdout + p.stderr
+    assert not (tmp_path / "run" / "ranks").exists()  # nothing started
