@@ -19,6 +19,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from zeropp.comm import context
+
 from .config import ConfigError, RunConfig
 from .console import human_bytes
 from .data import DataError, check_corpus
@@ -135,6 +137,10 @@ def check_writable_dir(key: str, path: Path) -> None:
 def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
     """Every host check before any rank starts; ``local``: this process starts all the ranks
     (the local launcher), so the rank count and memory are checked too."""
+    try:
+        context.debug_streams_from_env()  # each rank reads it again: refuse a typo before any starts
+    except ValueError as e:
+        raise ConfigError(f"invalid environment: {e}") from None
     if rc.data.kind == "text" and rc.data.source == "path":
         try:
             check_corpus(rc.data, rc.model.seq_len)

@@ -5,6 +5,10 @@ References: the synchronous calls (whose results ``test_comm_collectives`` check
 against the kernels), and their byte accounting, which the asynchronous calls must reproduce
 exactly. The continuation machinery (``zeropp.comm.chain``) is checked on its own first: FIFO
 order, errors re-raised in ``wait()``, inline nesting on the worker.
+
+The 2x2 world runs in the streams debug mode (``ZEROPP_DEBUG_STREAMS=1``, set by the launcher):
+its checks pass there too, and ``tests/streams_helpers.py`` adds the mode's own checks (results
+unchanged by the mode; early releases turned into wrong results). The 3x2 world runs without.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 import zeropp.comm.qgz as qgz_mod
 from tests.comm_helpers import rank_input
 from tests.distributed import run_world
+from tests.streams_helpers import DEBUG_ENV, FakeBucket, debug_checks
 from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology, quantized_reduce_scatter
 from zeropp.comm import chain
 from zeropp.comm.collectives import quantized_all_reduce
@@ -89,7 +94,7 @@ def _count_issued(groups: list) -> None:
     qgz_mod.backend_all_to_all = counting
 
 
-def _outstanding(rank: int, world: int, nodes: int, rpn: int) -> dict:
+def _outstanding(rank: int, world: int, nodes: int, rpn: int, debug: bool) -> dict:
     topo = Topology(nodes, rpn)
     cross = topo.build().cross
     issued: list = []
@@ -135,13 +140,18 @@ def _outstanding(rank: int, world: int, nodes: int, rpn: int) -> dict:
         for b in range(2):
             assert torch.equal(ef_a.residual(f"b{b}", world * n, CPU), ef_s.residual(f"b{b}", world * n, CPU))
     res["ddp_future_pending"] = _ddp_future(rank, world, nodes, rpn)  # same launch: a launch costs seconds
+    if debug:
+        res["streams"] = debug_checks(rank, world)
     return res
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (3, 2)], ids=["2x2", "3x2"])
 def world(request) -> tuple[tuple[int, int], list[dict]]:
+    """The 2x2 world runs in the streams debug mode (``tests/streams_helpers.py``), the 3x2 one without."""
     nodes, rpn = request.param
-    return request.param, run_world(_outstanding, nodes * rpn, nodes, rpn, timeout=240)
+    debug = request.param == (2, 2)
+    return request.param, run_world(_outstanding, nodes * rpn, nodes, rpn, debug, timeout=240,
+                                    env=DEBUG_ENV if debug else None)
 
 
 def test_outstanding_reduce_scatters_issue_hop2_before_wait(world) -> None:
@@ -151,19 +161,6 @@ def test_outstanding_reduce_scatters_issue_hop2_before_wait(world) -> None:
 
 
 # ------------------------------------------------------------------ DDP hook
-class _Bucket:
-    """The two methods of ``dist.GradBucket`` the hook uses."""
-
-    def __init__(self, buf: torch.Tensor, index: int) -> None:
-        self._buf, self._index = buf, index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buf
-
-    def index(self) -> int:
-        return self._index
-
-
 def _ddp_future(rank: int, world: int, nodes: int, rpn: int) -> bool:
     topo = Topology(nodes, rpn)
     state = QuantizedAllReduceState(grads=QuantSpec(bits=4), topology=topo, stats=CommStats())
@@ -174,7 +171,7 @@ def _ddp_future(rank: int, world: int, nodes: int, rpn: int) -> bool:
     gate = threading.Event()
     blocker = chain.submit(lambda: gate.wait(30), CPU)  # holds the comm worker
     bufs = [g.clone() for g in grads]
-    futs = [quantized_allreduce_hook(state, _Bucket(b, k)) for k, b in enumerate(bufs)]
+    futs = [quantized_allreduce_hook(state, FakeBucket(b, k)) for k, b in enumerate(bufs)]
     pending = not any(f.done() for f in futs)  # the hook returned before its collectives ran
     gate.set()
     blocker.wait()
@@ -186,3 +183,23 @@ def _ddp_future(rank: int, world: int, nodes: int, rpn: int) -> bool:
 def test_ddp_hook_returns_a_pending_future(world) -> None:
     _, res = world
     assert all(r["ddp_future_pending"] for r in res)
+
+
+# ------------------------------------------------------------------ the streams debug mode (2x2 world)
+def _debug(world) -> list[dict]:
+    shape, res = world
+    if "streams" not in res[0]:
+        pytest.skip(f"the streams debug mode runs in the 2x2 world only, this one is {shape[0]}x{shape[1]}")
+    return [r["streams"] for r in res]
+
+
+def test_debug_mode_reaches_the_ranks_and_changes_no_result(world) -> None:
+    for r in _debug(world):
+        assert r["debug_on"]
+        assert all(r["fixed"].values()), r["fixed"]
+
+
+def test_debug_mode_turns_an_early_release_into_a_wrong_result(world) -> None:
+    for r in _debug(world):
+        assert not any(r["hop1_early"].values()), r["hop1_early"]  # every case runs hierarchical qgZ
+        assert r["pool_early"] == {"engine": False}, r["pool_early"]

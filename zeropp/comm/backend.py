@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from zeropp.kernels.layout import QUANT_FLOAT_DTYPES
 
-from . import context
+from . import context, lifetime
 from .feedback import ErrorFeedback
+from .lifetime import Buffers
 from .spec import QuantSpec
 
 ReduceOpLike = Union[dist.ReduceOp, "dist.ReduceOp.RedOpType"]
@@ -32,23 +33,36 @@ class CommHandle(dist.Work):
     Later hops of a multi-hop collective (qgZ) do not wait for ``wait()``: they run as a
     continuation (``chain.py``) as soon as the first hop lands, in call order; ``finish`` then
     only waits for that continuation. Handles may be waited in any order.
+
+    ``buffers`` (``lifetime.Buffers``): the wire and receive buffers the works and ``finish``
+    use. They are released at the end of ``wait()``, on the stream it is called on (CUDA:
+    ``record_stream`` there, so a ``wait()`` on another stream than the issuer's is safe too).
     """
 
-    def __init__(self, works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]] = None,
+                 buffers: Optional[Buffers] = None) -> None:
         super().__init__()
         self._works = [w for w in works if w is not None]
         self._finish = finish
+        self._buffers = buffers
         self._done = False
 
     def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - signature of dist.Work.wait
         if not self._done:
-            for w in self._works:
-                w.wait()
-            self._works = []  # the backend's work objects (and the tensors they hold) can go now
-            if self._finish is not None:
-                self._finish()
-            self._finish = None
-            self._done = True
+            try:
+                for w in self._works:
+                    w.wait()
+                self._works = []  # the backend's work objects (and the tensors they hold) can go now
+                lifetime.completed()
+                if self._finish is not None:
+                    self._finish()
+                self._finish = None
+                self._done = True
+            finally:
+                if self._done or not self._works:  # a failed backend wait keeps them: it may still use them
+                    buffers, self._buffers = self._buffers, None
+                    if buffers is not None:
+                        buffers.release()
         return True
 
     def is_completed(self) -> bool:
@@ -56,10 +70,12 @@ class CommHandle(dist.Work):
 
 
 def finish_or_handle(
-    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]], async_op: bool
+    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]], async_op: bool,
+    buffers: Optional[Buffers] = None,
 ) -> Optional[CommHandle]:
-    """``async_op``: return a handle that finishes on ``wait()``; otherwise finish now, return None."""
-    h = CommHandle(works, finish)
+    """``async_op``: return a handle that finishes on ``wait()``; otherwise finish now, return None.
+    ``buffers``: the collective's own buffers, released when it finished (:class:`CommHandle`)."""
+    h = CommHandle(works, finish, buffers)
     if async_op:
         return h
     h.wait()

@@ -7,9 +7,8 @@ landed, not when the caller finally calls ``wait()``. :func:`submit` runs such a
 - **CUDA**: now, on this module's side stream of the device, which first waits for the
   caller's current stream. NCCL's ``Work.wait()`` only orders streams, so nothing blocks the
   host: the continuation's kernels and collectives are enqueued at once and run when their
-  inputs are ready. The caller's ``wait()`` makes its current stream wait on an event recorded
-  at the end. The continuation (and the tensors it references) is kept alive until then, so
-  the caching allocator cannot hand its buffers to the caller's stream too early.
+  inputs are ready. The caller's ``wait()``, on whatever stream it is called, makes that
+  stream wait on an event recorded at the end.
 - **CPU (gloo)**: on the comm worker thread of the process's :class:`~.context.CommContext`, in
   submission order (FIFO). Gloo's ``wait()`` blocks that thread, not the caller. The caller's
   ``wait()`` blocks until the job ran and re-raises what it raised. The context owns the thread:
@@ -23,6 +22,19 @@ used inside continuations (qgZ: the topology's cross-node group) must not be use
 caller's thread while continuations are outstanding. A continuation that submits another one
 (the DDP hook's all-reduce, which runs whole on the worker, calling a synchronous qgZ) runs it
 inline.
+
+Buffers (``lifetime.py``): a continuation usually reads buffers the caller allocated on *its*
+stream (qgZ: hop 1's send and receive rows). The caller's references are gone when it returns,
+and the collective that used them keeps them only until its ``wait()``, which runs inside the
+continuation. So :func:`submit` takes them (``buffers=``) and releases them right after the
+continuation, on its side stream (CUDA: ``record_stream`` there, so the caching allocator hands
+them to the caller's stream only after the side stream has passed the continuation, whatever
+stream the caller later waits on) or on the comm worker (CPU). The continuation itself (and the
+caller's tensors it references) stays alive until the caller's ``wait()``.
+
+Debug mode (``ZEROPP_DEBUG_STREAMS=1``): continuations run late, the worker waiting for the
+caller to move on (``context.py``) and, on CUDA, the side stream first spinning for
+:data:`DEBUG_SPIN_CYCLES`, so a buffer released before its continuation used it is read poisoned.
 """
 
 from __future__ import annotations
@@ -32,24 +44,30 @@ from typing import Callable, Optional
 
 import torch
 
-from . import context
+from . import context, lifetime
+from .lifetime import Buffers
 
-__all__ = ["Deferred", "in_worker", "submit", "submit_future"]
+__all__ = ["DEBUG_SPIN_CYCLES", "Deferred", "in_worker", "submit", "submit_future"]
+
+DEBUG_SPIN_CYCLES = 5_000_000
+"""Debug mode, CUDA: GPU clock cycles the side stream spins before each continuation (a few ms)."""
 
 
 class Deferred:
     """The outcome of one submitted continuation; :meth:`wait` once it is needed."""
 
-    def __init__(self, fn: Callable[[], None], device: torch.device) -> None:
+    def __init__(self, fn: Callable[[], None], device: torch.device, buffers: Optional[Buffers] = None) -> None:
         self._fn: Optional[Callable[[], None]] = fn
         self._device = device
+        self._buffers = buffers  # the caller's buffers the continuation uses, released after it
         self._event: Optional[torch.cuda.Event] = None  # CUDA: end of the continuation on the side stream
         self._done = threading.Event()  # CPU: the worker has run it
         self._error: Optional[BaseException] = None
         self._keep: Optional[Callable[[], None]] = None  # CUDA: the continuation, alive until wait()
 
     def run(self) -> None:
-        """Run the continuation (on the worker or inline), keeping its exception for wait()."""
+        """Run the continuation (on the worker or inline), keeping its exception for wait(), then
+        release its buffers here: on the side stream (CUDA), on the worker (CPU)."""
         fn, self._fn = self._fn, None
         try:
             if fn is not None:
@@ -57,13 +75,21 @@ class Deferred:
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's wait()
             self._error = e
         finally:
-            self._done.set()
+            buffers, self._buffers = self._buffers, None
+            try:
+                if buffers is not None:
+                    buffers.release()
+            finally:
+                self._done.set()
 
     def run_on_stream(self, stream: torch.cuda.Stream) -> None:
-        """CUDA: run the continuation now with ``stream`` current, record the end event there, and
-        keep the continuation (with the tensors it references) alive until :meth:`wait`."""
+        """CUDA: run the continuation now with ``stream`` current (debug mode: after a spin there),
+        record the end event there, and keep the continuation (with the caller's tensors it
+        references) alive until :meth:`wait`."""
         self._keep = self._fn
         with torch.cuda.stream(stream):
+            if lifetime.debug_enabled():
+                torch.cuda._sleep(DEBUG_SPIN_CYCLES)  # the side stream lags: early releases get read poisoned
             self.run()
             self._event = torch.cuda.Event()
             self._event.record(stream)
@@ -79,13 +105,16 @@ class Deferred:
 
     def wait(self) -> None:
         """CPU: block until the continuation ran, re-raise its error. CUDA: make the current
-        stream wait for its end (no host wait), then drop the references it kept alive."""
+        stream (any stream) wait for its end (no host wait), then drop the references it kept
+        alive; its own buffers were released on the side stream, so no stream reuses them early."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
             self._event = None
             self._keep = None
         else:
+            context.current().moved_on()  # debug mode: a late continuation may start now
             self._done.wait()
+            lifetime.completed()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
@@ -96,10 +125,12 @@ def in_worker() -> bool:
     return context.current().in_worker()
 
 
-def submit(fn: Callable[[], None], device: torch.device) -> Deferred:
+def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffers] = None) -> Deferred:
     """Run ``fn`` (which may wait on works and issue collectives) after the caller's current
-    work, without blocking the caller; see the module docstring for where it runs."""
-    job = Deferred(fn, device)
+    work, without blocking the caller; see the module docstring for where it runs. ``buffers``:
+    the caller's buffers that ``fn`` (or the work it waits on) still uses; they are released
+    right after ``fn`` ran, where it ran."""
+    job = Deferred(fn, device, buffers)
     if device.type == "cuda":
         side = context.current().side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))  # inputs were produced on the caller's stream
@@ -119,7 +150,7 @@ def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures
     ``wait()`` / ``then()`` make the consumer's stream wait for the side stream."""
     device = result.device
     if device.type == "cuda":
-        job = submit(fn, device)
+        job = submit(fn, device, Buffers(borrowed=(result,)))  # written on the side stream
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
         with torch.cuda.stream(context.current().side_stream(device)):
             if job.error is not None:

@@ -8,6 +8,10 @@ accounting convention is in ``stats.py``; the stochastic-rounding seed rule in `
 
 Device rule: everything handed to the backend (packed rows, receive buffers, temporaries) is
 allocated on the input's device, which under NCCL is the process group's device.
+
+Lifetime rule (``lifetime.py``): those buffers belong to the call's handle (or continuation) and
+are released when it finished, on the stream that finished it, never while the backend or the
+post-processing may still use them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .backend import (
 )
 from .codecs import codec_for
 from .feedback import ErrorFeedback
+from .lifetime import Buffers
 from .spec import QuantSpec
 from .stats import CommStats, get_comm_stats, group_ranks, peer_bytes, record_sends
 from .topology import Topology, resolve_topology
@@ -105,8 +110,10 @@ def quantized_all_gather(
             work = backend_all_gather(output_tensor.view(-1), inp, group, async_op)
             return finish_or_handle([work], None, async_op)
         tmp = torch.empty(W * n, dtype=inp.dtype, device=inp.device)
-        work = backend_all_gather(tmp, inp.contiguous(), group, async_op)
-        return finish_or_handle([work], lambda: output_tensor.view(-1).copy_(tmp), async_op)
+        src = inp.contiguous()
+        work = backend_all_gather(tmp, src, group, async_op)
+        return finish_or_handle([work], lambda: output_tensor.view(-1).copy_(tmp), async_op,
+                                Buffers(tmp, src, protect=(input_tensor, output_tensor)))
 
     codec = codec_for(spec)
     bits = spec.bits
@@ -126,7 +133,7 @@ def quantized_all_gather(
         # [W, B] received rows, read through views, dequantized straight into output ([W, n])
         codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
 
-    return finish_or_handle([work], finish, async_op)
+    return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)))
 
 
 def quantized_reduce_scatter(
@@ -233,7 +240,7 @@ def _plain_reduce_scatter(
     dst = out.view(-1) if direct else torch.empty(out.numel(), dtype=src.dtype, device=src.device)
     work = backend_reduce_scatter(dst, src, op, group, async_op)
     finish = None if direct else (lambda: out.view(-1).copy_(dst))
-    return finish_or_handle([work], finish, async_op)
+    return finish_or_handle([work], finish, async_op, Buffers(src, dst, protect=(inp, out)))
 
 
 def all_reduce(
@@ -294,6 +301,7 @@ def quantized_all_reduce(
     quantized_all_gather(flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind)
     if not direct:
         tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
+    Buffers(chunk, flat, protect=(tensor,)).release()  # both calls were synchronous: done with them here
     return tensor
 
 

@@ -35,6 +35,15 @@ So :class:`CommContext`:
   (:data:`CLOSE_TIMEOUT_S`); what is left then is named in one warning, never waited on forever.
 
 One context per process (:func:`current`); a forked child gets a fresh one.
+
+Debug mode (:data:`DEBUG_ENV` ``=1``, read once per process, when its context is created at
+the first communication call, so it reaches every rank through its environment, also one set
+by the launcher after the rank imported zeropp): the context's ``debug_streams`` is on, which
+``lifetime.py`` reads to poison released buffers, and the comm worker runs each continuation
+*late*: only after the caller has moved on (its next submission, a ``Deferred.wait()``, or
+:meth:`~CommContext.close`), or after :attr:`~CommContext.late_s` at most, so no peer waits
+forever for a continuation nobody prompts. A buffer the caller released at issue is then
+already poisoned when the continuation reads it (``lifetime.py`` says why that matters).
 """
 
 from __future__ import annotations
@@ -52,12 +61,31 @@ import torch
 import torch.distributed as dist
 import torch.utils.dlpack
 
-__all__ = ["CLOSE_TIMEOUT_S", "CommContext", "current"]
+__all__ = ["CLOSE_TIMEOUT_S", "DEBUG_ENV", "DEBUG_LATE_S", "CommContext", "current", "debug_streams_from_env"]
 
 CLOSE_TIMEOUT_S = 30.0
 """How long :meth:`CommContext.close` waits for queued continuations and for the backend to
 release held buffers before it warns and returns (a continuation can only take longer when a
 collective is stuck waiting for a peer)."""
+
+DEBUG_ENV = "ZEROPP_DEBUG_STREAMS"
+"""Environment variable of the streams debug mode: ``1`` on, ``0`` or unset off."""
+
+DEBUG_LATE_S = 0.2
+"""Debug mode: the longest a continuation waits for the caller to move on before it runs anyway."""
+
+
+def debug_streams_from_env(environ: Optional[dict] = None) -> bool:
+    """Parse :data:`DEBUG_ENV` (``os.environ`` by default); any value but ``1``, ``0`` or empty
+    is refused, so a typo cannot silently leave the mode off."""
+    raw = (os.environ if environ is None else environ).get(DEBUG_ENV, "")
+    value = raw.strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{DEBUG_ENV}={raw!r} is not a valid setting; set {DEBUG_ENV}=1 to poison released "
+                     f"communication buffers and run continuations late (debug mode), or 0 / unset it for normal runs")
 
 _POLL_S = 0.001
 _THREAD = threading.local()  # .context: the CommContext whose worker this thread is
@@ -83,10 +111,17 @@ def _pin(t: torch.Tensor) -> Optional[object]:
 class CommContext:
     """The comm worker, the CUDA side streams and the backend's held buffers of one process."""
 
-    def __init__(self) -> None:
+    def __init__(self, debug_streams: Optional[bool] = None) -> None:
         self._lock = threading.RLock()  # a finalizer may close() while this thread holds it
         self._pid = os.getpid()
-        self._queue: Optional["queue.SimpleQueue[Optional[Callable[[], None]]]"] = None
+        self.debug_streams = debug_streams_from_env() if debug_streams is None else bool(debug_streams)
+        """Streams debug mode (``lifetime.py``): poison released buffers, run continuations late
+        (None at construction: :data:`DEBUG_ENV` decides)."""
+        self.late_s = DEBUG_LATE_S
+        """Debug mode: the longest a continuation waits for the caller to move on (seconds)."""
+        self._moved_on = threading.Condition(threading.Lock())
+        self._caller_events = 0  # submissions, waits and closes so far (debug mode's late start)
+        self._queue: Optional["queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]"] = None
         self._thread: Optional[threading.Thread] = None
         self._on_destroy: Optional[weakref.finalize] = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -95,12 +130,26 @@ class CommContext:
     # -------------------------------------------------------------- the comm worker
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job`` on the worker thread (started now if it is not running). ``job`` must
-        not raise (``chain.Deferred.run`` keeps its exception for ``wait()``)."""
+        not raise (``chain.Deferred.run`` keeps its exception for ``wait()``). In debug mode it
+        runs only after the caller's next event (:meth:`moved_on`) or :attr:`late_s`."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._start()
             assert self._queue is not None
-            self._queue.put(job)
+            self._queue.put((job, self.moved_on()))
+
+    def moved_on(self) -> int:
+        """The caller's thread went past a submission or a wait: continuations queued before
+        may start (debug mode). Returns the event's number."""
+        with self._moved_on:
+            self._caller_events += 1
+            self._moved_on.notify_all()
+            return self._caller_events
+
+    def _wait_until_moved_on(self, since: int) -> None:
+        """Debug mode: wait (at most :attr:`late_s`) for a caller event after event ``since``."""
+        with self._moved_on:
+            self._moved_on.wait_for(lambda: self._caller_events > since, self.late_s)
 
     def in_worker(self) -> bool:
         """True on this context's worker thread (also one that is finishing its queue after
@@ -119,7 +168,7 @@ class CommContext:
         return t is not None and t.is_alive()
 
     def _start(self) -> None:
-        q: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        q: "queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]" = queue.SimpleQueue()
         self._queue = q
         self._thread = threading.Thread(target=self._loop, args=(q,), name="zeropp-comm", daemon=True)
         self._thread.start()
@@ -131,12 +180,15 @@ class CommContext:
             self._on_destroy = weakref.finalize(dist.group.WORLD, self._stop_worker, CLOSE_TIMEOUT_S)
             self._on_destroy.atexit = False  # interpreter exit is _close_at_exit's job
 
-    def _loop(self, q: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
+    def _loop(self, q: "queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]") -> None:
         _THREAD.context = self
         while True:
-            job = q.get()
-            if job is None:  # close(): everything queued before has run
+            item = q.get()
+            if item is None:  # close(): everything queued before has run
                 return
+            job, since = item
+            if self.debug_streams:
+                self._wait_until_moved_on(since)
             job()
 
     def _stop_worker(self, timeout: float) -> bool:
@@ -149,6 +201,7 @@ class CommContext:
                 self._on_destroy = None
         if thread is None or q is None:
             return True
+        self.moved_on()  # debug mode: queued continuations need not wait for the caller any more
         q.put(None)
         if thread is threading.current_thread():
             return True  # closed from a continuation: it ends after this job

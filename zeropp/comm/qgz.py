@@ -19,6 +19,15 @@ comm worker thread (CPU) or a side stream (CUDA), in call order, so several outs
 reduce-scatters keep the same collective order on every rank and the caller's ``wait()`` only
 waits. Hop 2's bytes are accounted at issue, on the caller's thread.
 
+Buffer lifetimes (``lifetime.py``): hop 1's send and receive rows are allocated on the caller's
+stream but last used on the continuation's (its ``wait()`` on hop 1, its re-quantization), so
+the continuation owns them (``chain.submit(buffers=)``) and releases them after it ran, on its
+side stream (CUDA: ``record_stream`` there; NCCL itself keeps them only until that ``wait()``):
+the caller's next allocation (the next chunk's rows, the next outstanding call) cannot get
+their memory while the intra-node all-to-all or the re-quantization still reads it. Hop 2's
+rows live and die on the side stream; the output, written there, is marked as used by it. The
+single-hop path's rows are released by the handle's ``wait()`` (``backend.CommHandle``).
+
 Error feedback (``feedback.py``) compensates both quantization rounds, each on the rank that
 performs it: step 2 adds this rank's hop-1 residual (input chunk order, the caller's key) to its
 input; step 4 adds its hop-2 residual (``[nodes, n]``, key + ``HOP2_SUFFIX``) to the node sums it
@@ -37,8 +46,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import chain
+from . import chain, lifetime
 from .backend import CommHandle, backend_all_to_all, finish_or_handle
+from .lifetime import Buffers
 from zeropp.kernels import rotated_cols
 
 from .codecs import Codec, HadamardCodec
@@ -128,7 +138,7 @@ def run(
         send = _quantize_for_send(codec, x, bits, gs, ef, key, seed=seed1)  # [W, B]
         recv, work = _all_to_all(send, plan.ranks, group, topo, stats, kind, async_op)
         return finish_or_handle([work], lambda: _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out),
-                                async_op)
+                                async_op, Buffers(send, recv, protect=(inp, out)))
 
     nodes, rpn = topo.nodes, topo.ranks_per_node // topo.tp  # the group's members per node
     groups = topo.build()
@@ -144,9 +154,13 @@ def run(
     cross = topo.cross_ranks(me)
     record_sends(stats, kind, topo, cross, peer_bytes("all_to_all", nodes * B2, len(cross)))
 
+    # hop 1's rows: the continuation's to release (after it ran, on its stream); `out` is written there
+    hold = Buffers(send1, recv1, protect=(inp, out), borrowed=(out,))
+
     def hop2() -> None:
         # runs as soon as hop 1 has landed (chain.py), not in the caller's wait()
         work.wait()
+        lifetime.completed()
         # [rpn sources, nodes, B1] -> [nodes, B2]: node sums of my-local chunks; row m -> node m
         if ef is None:
             send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
@@ -158,10 +172,11 @@ def run(
             raise RuntimeError(f"codec {type(codec).__name__} re-quantized to {send2.dtype} {tuple(send2.shape)}; its "
                                f"wire_bytes says uint8 ({nodes}, {B2})")
         recv2 = torch.empty_like(send2)  # [nodes, B2]
+        hold.add(send2, recv2)
         backend_all_to_all(recv2, send2, groups.cross, False)
         _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
-    later = chain.submit(hop2, out.device)
+    later = chain.submit(hop2, out.device, buffers=hold)
     return finish_or_handle([], later.wait, async_op)
 
 

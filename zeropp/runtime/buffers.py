@@ -11,14 +11,28 @@ a ``[numel]`` view of the smallest free slot that fits; :meth:`give_back` return
 is preallocated for what the engine needs at once (see ``ZeroEngine``); if a rare pattern (a
 block all ranks skip, whose gather stays in flight) needs more, a slot is added and counted in
 :attr:`allocations`, so after the first step the count stays constant: a test checks exactly
-that. Reusing a slot is safe on CUDA because every collective is issued after the compute
-stream's work so far (``streams.py``) and a slot is given back only after its collective was
-waited.
+that.
+
+Reuse across streams: a slot is never freed to the caching allocator, so ``record_stream`` does
+not apply; what makes reuse safe on CUDA is the order of the engine's calls: a slot is given
+back only after the collective that reads or writes it was waited on the compute stream
+(``Pending.wait``: the compute stream waits for the side stream's event), and every collective
+that gets it next is issued after the compute stream's work so far (``streams.py``: the side
+stream first waits for the compute stream). A slot given back before that wait could be handed
+to the next collective while the first one still writes it.
+
+Free slots are handed out smallest first and, among equal ones, the most recently given back
+first (LIFO): a slot given back too early is the one reused next. In the streams debug mode
+(``zeropp.comm.lifetime``) a given-back slot is poisoned (NaN), and on CPU poisoned again at
+every completion point until it is handed out again, so such an early give-back shows up as a
+wrong gradient or parameter instead of going unnoticed.
 """
 
 from __future__ import annotations
 
 import torch
+
+from zeropp.comm import lifetime
 
 
 class BufferPool:
@@ -51,11 +65,15 @@ class BufferPool:
     def acquire(self, role: str, numel: int) -> torch.Tensor:
         """A ``[numel]`` view of a free slot of ``role`` (contents undefined); a new slot if none fits."""
         slots, free = self._slots.setdefault(role, []), self._free.setdefault(role, [])
-        fits = [k for k in free if slots[k].numel() >= numel]
-        k = min(fits, key=lambda j: slots[j].numel()) if fits else self._new_slot(role, numel)
-        free.remove(k)
+        fits = [pos for pos, k in enumerate(free) if slots[k].numel() >= numel]  # positions in the free list
+        if fits:  # smallest slot; among equal ones the last given back (LIFO)
+            k = free.pop(min(fits, key=lambda pos: (slots[free[pos]].numel(), -pos)))
+        else:
+            k = self._new_slot(role, numel)
+            free.remove(k)
         buf = slots[k][:numel]
         self._owner[buf.untyped_storage().data_ptr()] = (role, k)
+        lifetime.reclaim(buf)
         return buf
 
     def give_back(self, buf: torch.Tensor | None) -> None:
@@ -66,6 +84,7 @@ class BufferPool:
         if owner is not None:
             role, k = owner
             self._free[role].append(k)
+            lifetime.retire(self._slots[role][k])  # debug mode: poisoned until handed out again
 
     @property
     def in_use(self) -> int:

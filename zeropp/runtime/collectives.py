@@ -13,6 +13,12 @@ Everything the engine sends goes through :class:`EngineComm`, which
   with events on CUDA, host time on CPU; see ``streams.py``), which the runner reports as
   exposed communication.
 
+Buffer lifetimes (``zeropp.comm.lifetime``): a chunk's contiguous temporary (the input copy of
+a plain reduce-scatter chunk, the output of a plain all-gather chunk) belongs to the
+:class:`Pending` and is released by :meth:`Pending.complete`, after the chunk's handles were
+waited and its copy-out ran, on the stream that completed it (the side stream with streams);
+the handles release their own wire buffers the same way.
+
 Averaging: a plain reduce-scatter or all-reduce is a backend SUM followed by a local divide (no
 dependence on a backend's AVG; gloo's has had bugs). A quantized reduce-scatter averages itself:
 it sums in fp32 and scales by 1/W *before* the single rounding into the compute dtype, whereas a
@@ -28,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.comm.codecs import codec_for
+from zeropp.comm.lifetime import Buffers
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
@@ -44,8 +51,9 @@ class Pending:
     """
 
     def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None, *,
-                 event: object = None) -> None:
+                 event: object = None, buffers: Optional[Buffers] = None) -> None:
         self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
+        self._buffers = buffers  # the chunks' temporaries, released by complete()
 
     def wait(self) -> None:
         if self.done:
@@ -65,6 +73,9 @@ class Pending:
         if self._finish is not None:
             self._finish()
         self._works, self._finish = [], None
+        buffers, self._buffers = self._buffers, None
+        if buffers is not None:
+            buffers.release()
 
 
 def _chunks(cols: int, rows: int, bucket: int) -> list[tuple[int, int]]:
@@ -121,6 +132,7 @@ class EngineComm:
         def issue() -> Pending:
             works: list = []
             finishes: list[Callable[[], None]] = []
+            temps = Buffers()
             for a, b in _chunks(s, g, bucket):
                 whole = (a, b) == (0, s)
                 if whole:
@@ -129,11 +141,12 @@ class EngineComm:
                     dst = out.view(g, s)[:, a:b]  # [g, b - a] row-strided view
                 else:  # the backend all-gather needs a contiguous output
                     dst = torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
+                    temps.add(dst)
                     finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
                 works.append(self._z.quantized_all_gather(
                     dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
                     spec=spec))
-            return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None)
+            return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None, buffers=temps)
 
         return self.launch("all_gather", issue, (shard,), async_op)
 
@@ -151,6 +164,7 @@ class EngineComm:
 
         def issue() -> Pending:
             works: list = []
+            temps = Buffers()
             for a, b in _chunks(s, w, bucket):
                 if (a, b) == (0, s):
                     src = full
@@ -158,11 +172,12 @@ class EngineComm:
                     src = full.view(w, s)[:, a:b]
                 else:  # the backend reduce-scatter needs a contiguous input
                     src = full.view(w, s)[:, a:b].contiguous()
+                    temps.add(src)
                 extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
                 works.append(self._z.quantized_reduce_scatter(
                     out[a:b], src, op, self.group, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
                     async_op=True, **extra))
-            return Pending(self, works, None if quantized else (lambda: out.div_(w)))
+            return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps)
 
         return self.launch("reduce_scatter", issue, (full,), async_op)
 
