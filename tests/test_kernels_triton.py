@@ -16,12 +16,14 @@ import sys
 import pytest
 import torch
 
+from tests.triton_helpers import interpreted
 from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
 from zeropp.kernels._triton import HAS_TRITON
 from zeropp.kernels.reference import philox_uniform
 
 pytestmark = [
     pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+    interpreted,
     pytest.mark.usefixtures("one_torch_thread"),
 ]
 
