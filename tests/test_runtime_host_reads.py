@@ -109,37 +109,23 @@ def test_the_counter_sees_library_reads_and_only_those():
     assert torch.Tensor.__dict__.get("tolist") is before and float(t[2]) == 2.0
 
 
-def _cuda_engine(stage: int):
-    import os
-
-    import torch.distributed as dist
-
-    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    cfg = ZeroConfig(stage=stage, grad_accum_steps=2, grad_clip=1.0)
-    return ZeroEngine(make_model().cuda(), config=cfg, optimizer=OptimizerConfig(lr=1e-3))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("stage", [0, 3])
-def test_on_cuda_the_library_synchronizes_once_per_step(stage):
-    """``torch.cuda.set_sync_debug_mode("warn")``: the CUDA runtime reports every synchronizing
-    call with the Python line that made it. Those made by library code during a step: one, the
-    read in ``update.py``. (The comm-wait timing, ``streams.CommStreams.blocked_s``, waits for the
-    step's last timing event when ``StepResult.comm_wait_s`` is filled in, at the very end of the
-    step; it is a measurement, not on the path between forward and backward, and not counted.)"""
+def _cuda_syncs(rank: int, world: int, store_path: str, stage: int) -> list[tuple[str, int]]:
+    """One NCCL rank on GPU 0 (run_world starts a gloo world; swapped as in test_runtime_cuda.py):
+    the synchronizing calls library code makes during a step after the first, as the CUDA
+    runtime reports them (``set_sync_debug_mode("warn")``), by file and line."""
     import torch.distributed as dist
 
     from tests.host_reads import ROOTS
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    eng = _cuda_engine(stage)
+    dist.destroy_process_group()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    cfg = ZeroConfig(stage=stage, grad_accum_steps=2, grad_clip=1.0)
+    eng = ZeroEngine(make_model().cuda(), config=cfg, optimizer=OptimizerConfig(lr=1e-3))
     try:
-        batches = [(i.cuda(), t.cuda()) for i, t in rank_batches(0, 2, 0)]
+        batches = [(i.cuda(), t.cuda()) for i, t in rank_batches(0, 2, rank)]
         eng.train_step(batches)  # the first step builds what later steps reuse
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -149,12 +135,23 @@ def test_on_cuda_the_library_synchronizes_once_per_step(stage):
                 eng.train_step(batches)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        ours = [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)
+        return [(str(w.filename), w.lineno) for w in caught if "synchroniz" in str(w.message)
                 and str(w.filename).startswith(ROOTS) and not str(w.filename).endswith("streams.py")]
-        assert len(ours) == 1 and ours[0][0].endswith("update.py"), ours
     finally:
         eng.close()
-        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_on_cuda_the_library_synchronizes_once_per_step(stage, tmp_path):
+    """The CUDA runtime reports every synchronizing call with the Python line that made it. Those
+    made by library code during a step: one, the read in ``update.py``. (The comm-wait timing,
+    ``streams.CommStreams.blocked_s``, waits for the step's last timing event when
+    ``StepResult.comm_wait_s`` is filled in, at the very end of the step; it is a measurement, not
+    on the path between forward and backward, and not counted.)"""
+    (syncs,) = run_world(_cuda_syncs, 1, str(tmp_path / "store"), stage, timeout=300)
+    assert len(syncs) == 1 and syncs[0][0].endswith("update.py"), syncs
 
 
 @pytest.mark.cuda
