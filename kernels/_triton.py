@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .layout import MAX_GROUP_SIZE, check_group_size
+
 try:  # pragma: no cover - exercised implicitly on every platform that has triton
     import triton
     import triton.language as tl
@@ -47,8 +49,9 @@ TILE_ELEMS = 4096
 """Elements per program (BLOCK_G * BLOCK_GS) for small groups: 16 KiB of fp32 in flight per
 program, enough for full-bandwidth loads on H100-class GPUs without register spills."""
 
-MAX_BLOCK_GS = 1 << 20
-"""Triton's largest tensor (TRITON_MAX_TENSOR_NUMEL): one block must fit in one tile."""
+MAX_BLOCK_GS = MAX_GROUP_SIZE
+"""Largest block lanes per program: ``layout.MAX_GROUP_SIZE`` (a power of two, so the padded block
+of the largest group fits), far below Triton's largest tensor (TRITON_MAX_TENSOR_NUMEL = 2**20)."""
 
 LAUNCH_OPTS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 """Compile options that make GPU results match the torch reference bit for bit: keep mul and add
@@ -196,11 +199,8 @@ class TileConfig:
         if not HAS_TRITON:
             raise RuntimeError("impl='triton' needs the triton package (Linux only); use impl='torch'")
         self.block_gs = triton.next_power_of_2(group_size)
-        if self.block_gs > MAX_BLOCK_GS:
-            raise ValueError(
-                f"group_size={group_size} exceeds the Triton kernels' largest block ({MAX_BLOCK_GS} "
-                f"elements); use a smaller group size or impl='torch'"
-            )
+        if self.block_gs > MAX_BLOCK_GS:  # the plans check first; a direct caller gets the same message
+            check_group_size(group_size, 8)
         total = rows * groups * self.block_gs
         tile = TILE_ELEMS // 2 if total < SMALL_ELEMS else 2 * TILE_ELEMS if total >= LARGE_ELEMS else TILE_ELEMS
         self.block_g = min(max(1, tile // self.block_gs), triton.next_power_of_2(max(groups, 1)))

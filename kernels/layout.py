@@ -38,6 +38,14 @@ DEFAULT_WEIGHT_GROUP_SIZE = 512
 DEFAULT_GRAD_GROUP_SIZE = 128
 """Default block size for gradients (qgZ): small blocks keep INT4 error local (SDP4Bit uses 128)."""
 
+MAX_GROUP_SIZE = 1 << 14
+"""Largest block (elements) every implementation takes. One block is one Triton program's tile,
+held in registers: at 16384 elements and 8 warps that is 64 fp32 values per thread (with the
+stochastic path's uniforms beside them), within the 255-register budget, as for the Hadamard
+rotation's largest block (``reference.MAX_HADAMARD_BLOCK``). A 2**16 tile would need 16 warps
+x 128 values plus the uniforms: register spills and a compile that takes minutes. The CPU path
+and the torch reference refuse the same sizes, so a setting that works on CPU works on a GPU."""
+
 QUANT_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Floating dtypes accepted as input and produced as output."""
 
@@ -59,6 +67,13 @@ def check_bits(bits: int) -> None:
 def check_group_size(group_size: int, bits: int) -> None:
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if group_size > MAX_GROUP_SIZE:
+        raise ValueError(
+            f"group_size={group_size} is larger than the quantization kernels' largest block, "
+            f"{MAX_GROUP_SIZE} elements (one block is one GPU program's tile, held in registers); use "
+            f"group_size <= {MAX_GROUP_SIZE} (the defaults are {DEFAULT_WEIGHT_GROUP_SIZE} for weights and "
+            f"{DEFAULT_GRAD_GROUP_SIZE} for gradients)"
+        )
     if bits == 4 and group_size % 2:
         raise ValueError(
             f"group_size={group_size} is odd; INT4 packs two codes per byte, so use an even group size"

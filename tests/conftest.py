@@ -1,12 +1,19 @@
 """Test-wide setup.
 
-On CPU, Triton kernels run under ``TRITON_INTERPRET=1`` (set before triton is first imported) so
-they can be checked against their torch references. A GPU session (``pytest -m cuda``) must run the
-compiled kernels instead, so the interpreter is left off when the selection asks for the ``cuda``
-tests; those skip themselves where CUDA is absent.
+Triton kernels on CPU tensors run under ``TRITON_INTERPRET=1``, which must be set before triton is
+first imported, so that they can be checked against their torch references on a machine without
+a GPU. The interpreter replaces the compiled kernels in the whole process, so it is turned on
+only where it is needed (:func:`triton_interpreter`): never where a CUDA device is present (a
+plain ``pytest`` there runs the ``cuda`` tests on the compiled kernels, and the interpreter-only
+tests skip, see ``tests/triton_helpers.py``), and never when the selection asks for the ``cuda``
+tests (``pytest -m cuda``), whatever the environment says.
 """
 
+from __future__ import annotations
+
+import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -14,12 +21,52 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+INTERPRET = "TRITON_INTERPRET"
+
+
+def selects_cuda(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` is a GPU session: it selects some test marked ``cuda`` and no test
+    without that mark, whatever other marks the tests carry (``-m cuda``, ``-m "cuda and not
+    slow"``). Every combination of the expression's other marks is tried with pytest's own
+    parser of ``-m``; an expression it cannot parse is left to pytest to report (False here)."""
+    if not markexpr.strip():
+        return False
+    from _pytest.mark.expression import Expression  # pytest's parser of -m (stable since pytest 6)
+
+    names = sorted(set(re.findall(r"[\w.+-]+", markexpr)) - {"and", "or", "not", "cuda"})[:10]
+    try:
+        expr = Expression.compile(markexpr)
+
+        def selected(cuda: bool, marks: tuple[bool, ...]) -> bool:
+            on = {n for n, m in zip(names, marks) if m} | ({"cuda"} if cuda else set())
+            return expr.evaluate(lambda name, **_: name in on)
+
+        combos = list(itertools.product((False, True), repeat=len(names)))
+        return any(selected(True, c) for c in combos) and not any(selected(False, c) for c in combos)
+    except Exception:  # noqa: BLE001 - a malformed -m is pytest's to report, with its own message
+        return False
+
+
+def triton_interpreter(markexpr: str, cuda_available: bool, env: str | None) -> str | None:
+    """The value ``TRITON_INTERPRET`` must have for this session (None: unset).
+
+    ``pytest -m cuda`` (:func:`selects_cuda`): None, even if the caller exported it (the cuda tier
+    exists to run the compiled kernels). A machine with a CUDA device: the caller's own setting,
+    else None. A machine without one: the caller's setting, else ``"1"``."""
+    if selects_cuda(markexpr):
+        return None
+    if cuda_available:
+        return env
+    return env if env is not None else "1"
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    markexpr = (config.getoption("markexpr", default="") or "").replace(" ", "")
-    gpu_run = "cuda" in markexpr and "notcuda" not in markexpr
-    if not gpu_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    want = triton_interpreter(config.getoption("markexpr", default="") or "", torch.cuda.is_available(),
+                              os.environ.get(INTERPRET))
+    if want is None:
+        os.environ.pop(INTERPRET, None)
+    else:
+        os.environ[INTERPRET] = want
 
 
 @pytest.fixture(scope="module")

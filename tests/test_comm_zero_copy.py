@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed import run_world
+from tests.triton_helpers import interpreted
 from zeropp.comm.codecs import Codec, IntCodec, wire_layout
 from zeropp.kernels import QuantizedTensor, dequantize, quantize
 from zeropp.kernels.reference import dequantize_ref, quantize_ref
@@ -67,6 +68,7 @@ def test_int_encode_in_place_matches_pack(rows, cols, dtype, bits, seed) -> None
             assert torch.equal(got, dequantize_ref(ref, dtype=out_dtype).view(rows, cols))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", [None, 99])
 def test_swizzled_view_quantizes_like_the_swizzled_copy(dtype, seed) -> None:
@@ -89,7 +91,7 @@ def test_swizzled_view_quantizes_like_the_swizzled_copy(dtype, seed) -> None:
         assert torch.equal(buf, want)
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=interpreted), "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_writes_row_strided_columns_in_place(impl, dtype) -> None:
     """Received rows dequantized straight into columns ``[a:b]`` of a ``[W, S]`` buffer (the
@@ -109,7 +111,7 @@ def test_dequantize_writes_row_strided_columns_in_place(impl, dtype) -> None:
         assert (full[:, :a] == 7).all() and (full[:, b:] == 7).all()
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=interpreted), "torch"])
 def test_quantize_reads_row_strided_columns_in_place(impl) -> None:
     """Columns of a wider buffer (the engine's bucketed reduce-scatter input), rows long enough
     for the CPU path's row-by-row reading, quantized into a wire buffer: the reference's bytes."""
@@ -269,10 +271,12 @@ def test_cpu_path_makes_no_full_size_copies_world_2() -> None:
     _check_cpu_path(run_world(_zero_copy_world, 2, 1, False, timeout=300.0), 2)
 
 
+@interpreted
 def test_no_copies_around_collectives_world_2() -> None:
     _check_world(run_world(_zero_copy_world, 2, 1, timeout=300.0), 2, False)
 
 
+@interpreted
 def test_no_copies_around_hierarchical_qgz_2x2() -> None:
     _check_world(run_world(_zero_copy_world, 4, 2, timeout=300.0), 4, True)
 

@@ -200,3 +200,12 @@ def test_help_lists_library_keys() -> None:
     assert p.returncode == 0, p.stderr
     for key in ("persistence_threshold", "loss_scale_window", "betas", "warmup_steps", "trainer_job"):
         assert key in p.stdout, key
+
+
+def test_a_group_size_beyond_the_kernels_largest_block_is_a_config_error() -> None:
+    """The bound of ``kernels.layout.MAX_GROUP_SIZE`` (one block per GPU program) is met before any
+    rank starts, naming the key and the largest allowed; the largest itself is accepted."""
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg("quant=int8", "zero.weights.group_size=32768"))
+    assert "zero.weights" in str(e.value) and "group_size <= 16384" in str(e.value), str(e.value)
+    assert from_dict(_cfg("quant=int8", "zero.weights.group_size=16384")).zero.weights.group_size == 16384

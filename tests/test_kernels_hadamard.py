@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.test_kernels_triton import assert_same_bits
+from tests.triton_helpers import interpreted
 from zeropp.kernels import MAX_HADAMARD_BLOCK, dequantize, hadamard, quantize, rotated_cols
 from zeropp.kernels._triton import HAS_TRITON
 from zeropp.kernels.hadamard import hadamard_plan
@@ -49,6 +50,7 @@ def sylvester(block: int) -> torch.Tensor:
 
 
 @needs_triton
+@interpreted
 @pytest.mark.parametrize("shape, rows", SHAPES)
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -67,6 +69,7 @@ def test_triton_matches_reference_bit_for_bit(shape, rows, block, dtype) -> None
 
 
 @needs_triton
+@interpreted
 def test_triton_reads_views_and_writes_row_strided_out_bit_for_bit() -> None:
     """The codec hands the kernel qgZ's swizzled view ([rpn, nodes, n] of a [nodes, rpn, n]
     tensor) and row-strided outputs (columns of a gathered buffer); both are read / written in place."""
@@ -84,6 +87,7 @@ def test_triton_reads_views_and_writes_row_strided_out_bit_for_bit() -> None:
 
 
 @needs_triton
+@interpreted
 def test_non_finite_blocks_spread_nan_inside_their_block_only() -> None:
     x = data((64,), torch.float32, seed=3)
     x[3], x[20], x[40] = float("nan"), float("inf"), float("-inf")
@@ -179,6 +183,7 @@ def test_empty_rows() -> None:
 
 
 @needs_triton
+@interpreted
 def test_launch_plans_are_cached_per_shape() -> None:
     """Host path: the tile, grid and checks of a launch are worked out once per shape."""
     x = data((3, 40), torch.float32)

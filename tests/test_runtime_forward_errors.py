@@ -71,7 +71,7 @@ def test_one_ranks_forward_error_is_raised_on_every_rank_at_stages_0_to_2() -> N
 def test_one_process_reraises_the_models_own_error() -> None:
     err = ValueError("x")
     try:
-        agree_on_forward(err, "cpu")
+        agree_on_forward(err)
     except ValueError as e:
         assert e is err
-    agree_on_forward(None, "cpu")
+    agree_on_forward(None)

@@ -61,6 +61,51 @@ def test_files_are_preallocated_and_removed_on_close(tmp_path):
 
 
 
+class _LateFence:
+    """A copy out of a staging buffer that happens only when it is waited for: what a CUDA
+    ``non_blocking`` copy from a pinned buffer is to the host (the GPU reads the buffer later)."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst, self.src, self.done = dst, src, False
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.dst.copy_(self.src)
+            self.done = True
+
+
+class _LateCopies:
+    """``SwapSpace._read_staged``'s copier, with every copy left in flight until its fence is waited for."""
+
+    def __init__(self) -> None:
+        self.fences: list[_LateFence] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> _LateFence:
+        self.fences.append(_LateFence(dst, src))
+        return self.fences[-1]
+
+    def finish(self, out: torch.Tensor) -> None:
+        pass  # as on CUDA: the last copies are still running when the read returns
+
+
+def test_a_staging_buffer_is_refilled_only_after_the_copy_out_of_it(tmp_path):
+    """The asynchronous fetch (``read_to`` on CUDA) leaves each chunk's copy running; the next
+    disk read into that buffer must wait for it, and closing the space waits for the last ones.
+    With copies that read their buffer only when waited for, the result is still the segment
+    bit for bit (a buffer refilled too early would hand over the next chunk's values); on CPU
+    ``read_to`` gives the same values through the same loop."""
+    sp = SwapSpace(tmp_path, 0, buffers=2, buffer_size=5)
+    src = torch.randn(53)
+    seg = Segment(sp.create("p.swp", src.numel() * 4), 0, src.numel(), torch.float32)
+    sp.write_from(seg, src)
+    out, late = torch.full((53,), float("nan")), _LateCopies()
+    sp._read_staged(seg, out, late)
+    assert len(late.fences) == 11 and not late.fences[-1].done  # 53 elements in chunks of 5, the last in flight
+    assert torch.equal(sp.read_to(seg, "cpu"), src)  # a new read first waits for the buffer it takes
+    sp.close()  # waits for every copy still reading a buffer
+    assert all(f.done for f in late.fences) and torch.equal(out, src)
+
+
 def test_a_space_whose_buffers_cannot_be_allocated_leaves_no_folder(tmp_path):
     with pytest.raises(RuntimeError, match="allocate"):
         SwapSpace(tmp_path, 0, buffers=2, buffer_size=2**60)  # 4 EiB staging buffers: the allocator refuses

@@ -31,6 +31,9 @@ Walsh-Hadamard-rotated basis (SDP4Bit) and rotate back after dequantizing; see
 MAX_HADAMARD_BLOCK = 1 << 14
 """Largest rotation block (``zeropp.kernels.MAX_HADAMARD_BLOCK``; a test keeps the two equal)."""
 
+MAX_GROUP_SIZE = 1 << 14
+"""Largest quantization block (``zeropp.kernels.layout.MAX_GROUP_SIZE``; a test keeps the two equal)."""
+
 _SCHEME_BITS: dict[str, tuple[int, ...]] = {"int": (8, 4)}
 """Registered schemes -> the code widths their kernels implement. ``int`` is ZeRO++'s block-wise
 symmetric integer quantization (one fp32 scale per group, ``absmax / qmax``)."""
@@ -146,6 +149,10 @@ the block is checked against the use's default group size when the collective ru
         if gs is not None:
             if not _is_int(gs) or gs < 1:
                 raise ValueError(f"QuantSpec.group_size must be a positive int or None, got {gs!r}")
+            if gs > MAX_GROUP_SIZE:
+                raise ValueError(f"QuantSpec.group_size={gs} is larger than the quantization kernels' largest block, "
+                                 f"{MAX_GROUP_SIZE} elements (one block is one GPU program's tile); use QuantSpec.group_size "
+                                 f"<= {MAX_GROUP_SIZE}")
             if gs % 2 and 4 in (self.bits, self.intra_bits):
                 raise ValueError(
                     f"QuantSpec.group_size={gs} is odd; INT4 packs two codes per byte, so use an even size"

@@ -20,6 +20,13 @@ And one rule for a forward that raises on some ranks only (:func:`agree_on_forwa
 learns it after the forward, with one small all-reduce, and raises the same error, instead of
 the healthy ranks waiting in backward's first collective until the timeout. (Stage 3 does this
 inside its own after-forward check, ``Stage3Hooks.check_forward``.)
+
+That check must stay per micro-step (backward's collectives may not start on any rank while
+another rank's forward failed), but what it exchanges is known on the host (an exception, block
+counters), so it travels on the host: :func:`control_group` gives a gloo group when the default
+group cannot carry CPU tensors (NCCL), and :func:`host_max` all-reduces plain ints there. A
+device all-reduce would make every micro-step wait for the GPU to finish the forward before the
+host could queue the backward.
 """
 
 from __future__ import annotations
@@ -149,22 +156,45 @@ def per_rank(messages: Mapping[int, str]) -> str:
     return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items())
 
 
-def agree_on_forward(error: BaseException | None, device: torch.device | str) -> None:
-    """Collective over the default group (every rank calls it after its forward and loss, with
-    the exception they raised or None): returns when no rank failed, else raises one
+def control_group(backend: str | None = None) -> dist.ProcessGroup | None:
+    """Collective (every rank of the default group calls it, e.g. when an engine is built): the
+    group the per-micro-step host checks use (:func:`host_max`). None (the default group) when it
+    already carries CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` default) or there is one rank;
+    else (NCCL) a new gloo group over every rank, which the caller destroys when done
+    (``dist.destroy_process_group(group)``). ``backend``: the default group's, read from it when
+    None. Why a second group: an NCCL all-reduce read back on the host waits for every kernel
+    queued before it, so a per-micro-step check there would stop the host at each forward."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if "gloo" in str(backend if backend is not None else dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def host_max(values: list[int], group: dist.ProcessGroup | None = None) -> list[int]:
+    """Collective over ``group`` (None: the default group, which must carry CPU tensors): the
+    element-wise max of ``values`` (host ints, the same length on every rank) over the ranks. A
+    CPU all-reduce: reading it back waits for the other ranks' hosts, never for a GPU."""
+    t = torch.tensor(values, dtype=torch.int64)  # [n] on the host
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def agree_on_forward(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+    """Collective over the default group's ranks (every rank calls it after its forward and loss,
+    with the exception they raised or None): returns when no rank failed, else raises one
     ``RuntimeError`` on every rank naming the failed ranks and their errors (chained to this
-    rank's own). One 4-byte all-reduce when nothing failed; one process: ``error`` re-raised."""
+    rank's own). One 8-byte host all-reduce on ``group`` (:func:`control_group`) when nothing
+    failed; one process: ``error`` re-raised."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=device)  # [1]
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not int(flag.item()):
+    if not host_max([int(error is not None)], group)[0]:
         return
     mine = None if error is None else f"{type(error).__name__}: {error}"
     msgs: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(msgs, mine)
+    dist.all_gather_object(msgs, mine, group=group)
     failed = {r: m for r, m in enumerate(msgs) if m is not None}
     what = per_rank(failed)
     raise RuntimeError(f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank goes on to backward "

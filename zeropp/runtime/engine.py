@@ -35,6 +35,12 @@ Gathers and reduce-scatters draw their buffers from one constant pool (``self.bu
 
 The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
 are averaged over ranks, so the update equals single-process training on the global batch.
+
+Host reads: a step reads one device value back, the all-reduced ``[loss, squared norms]`` that
+decides skip and clip (``update.py``), so the host can queue the step's forwards and backwards
+ahead of the GPU. The per-micro-step checks every rank must pass before backward (a forward that
+raised on some rank, stage 3's blocks-ran check, stage 2-3's late gradients) exchange host values
+on a host group (``batch.control_group``: gloo next to NCCL), which never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from . import memory as mem
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
-from .batch import LossFn, agree_on_forward, call_model, loss_of
+from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
 from .partition import BlockChoiceWarning, BlockPolicy, FlatUnit, build_units, find_blocks, one_unit_warning
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
@@ -242,10 +248,14 @@ class ZeroEngine:
         if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
+        self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
+        """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
+        NCCL, else None for the default group)."""
         self.reducer = GradReducer(
             self.units, self.blocks, self.root, self.comm, config=cfg, pool=self.buffers, dtype=self.dtype,
             device=self.device, all_ranks=world, land=self._land,
-            release=(lambda u: self.stage3.release(u)) if cfg.stage == 3 else None)  # self.stage3: built below
+            release=(lambda u: self.stage3.release(u)) if cfg.stage == 3 else None,  # self.stage3: built below
+            control=self._control)
         """The gradient reduction path (``reduction.py``): reduce order, reduce-scatters in flight, qgZ."""
         self.error_feedback = self.reducer.error_feedback
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
@@ -256,7 +266,7 @@ class ZeroEngine:
                                   config=cfg, dtype=self.dtype,
                                   device=self.device, on_block_backward=self.reducer.flush_reductions_before,
                                   pool=self.buffers, weight_diff=self.weight_diff,
-                                  frozen=self.frozen) if cfg.stage == 3 else None
+                                  frozen=self.frozen, control=self._control) if cfg.stage == 3 else None
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
         self.update = ParamUpdate(self.units, self.optim, config=cfg, comm=self.comm, scaler=self.scaler,
@@ -291,7 +301,7 @@ class ZeroEngine:
         t0 = time.perf_counter()
         self.comm.reset_wait()
         scale = self.scaler.scale
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, with the norm (update.py)
         self.reducer.start_step()
         for j, mb in enumerate(micro_batches):
             self.reducer.start_micro_step(last=j == a - 1)
@@ -305,12 +315,12 @@ class ZeroEngine:
                 # same blocks ran on every rank and no rank failed, else one clear error everywhere
                 self.stage3.check_forward(error)
             else:
-                agree_on_forward(error, self.device)  # no rank goes on to backward's reductions alone
+                agree_on_forward(error, self._control)  # no rank goes on to backward's reductions alone
             if j == a - 1:
                 self._record_phase("forward")  # activations saved for backward are alive now
             if self.stage3 is not None:
                 self.stage3.before_backward()  # the root, whatever form the output and the loss take
-            loss_sum += float(loss.detach())  # host scalar: summed over ranks on the engine's device
+            loss_sum += loss.detach().to(device=self.device, dtype=torch.float64)  # stays on the device
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
         self.reducer.check_late_grads()
@@ -341,7 +351,7 @@ class ZeroEngine:
             finally:
                 self.stage3.release_all()
         else:
-            agree_on_forward(error, self.device)  # before the sum below, which would wait for the failed rank
+            agree_on_forward(error, self._control)  # before the sum below, which would wait for the failed rank
         return self.comm.sum_scalars([loss])[0] / self._all_ranks
 
     def memory_report(self) -> dict[str, int]:
@@ -440,6 +450,9 @@ class ZeroEngine:
             self.weight_diff.reset()
         if self.swap is not None:
             self.swap.close()  # deletes this rank's swap files
+        if self._control is not None and dist.is_initialized():  # (the default group's end destroyed it already)
+            dist.destroy_process_group(self._control)
+        self._control = None
         self._closed = True
 
     # ------------------------------------------------------------------ gradients

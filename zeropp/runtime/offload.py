@@ -325,10 +325,8 @@ class ParamStore:
             return u.param_shard
         if self.tier == "cpu":  # the same tensor on a CPU device
             return self._host.get(id(u), u.param_shard).to(self.device, non_blocking=True)
-        seg = self._segs[id(u)]
-        out = torch.empty(seg.numel, dtype=seg.dtype, device=self.device)
-        self.space.read_into(seg, out)
-        return out
+        # nvme: staged through pinned buffers with asynchronous copies that overlap compute (swap.read_to)
+        return self.space.read_to(self._segs[id(u)], self.device)
 
     @torch.no_grad()
     def update(self, u: FlatUnit, optim: ShardedAdamW | SwappedAdamW, i: int) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .batch import host_max
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -78,8 +79,11 @@ class GradReducer:
                  root: FlatUnit | None, comm: EngineComm, *, config: ZeroConfig, pool: BufferPool,
                  dtype: torch.dtype, device: torch.device, all_ranks: int,
                  land: Callable[[int, torch.Tensor], None] | None = None,
-                 release: Callable[[FlatUnit], None] | None = None) -> None:
+                 release: Callable[[FlatUnit], None] | None = None,
+                 control: dist.ProcessGroup | None = None) -> None:
         self.units = list(units)
+        self.control = control
+        """The group of :meth:`check_late_grads`' host exchange (``batch.control_group``; None: the default group)."""
         self.cfg, self.comm, self.pool = config, comm, pool
         self.dtype, self.device, self.all_ranks = dtype, device, all_ranks
         self.land, self.release = land, release
@@ -129,21 +133,21 @@ class GradReducer:
         return hook
 
     def check_late_grads(self) -> None:
-        """Stages 2-3, after the last backward: one small all-reduce tells every rank whether any
+        """Stages 2-3, after the last backward: one small host all-reduce tells every rank whether any
         rank got a gradient after its unit's reduce-scatter was sent (stage 3: a block's parameter
         used in another block's backward, or blocks running in forward in another order than the
         policy lists them). Such a gradient would be lost, so every rank raises the same error
         before the optimizer step; the collectives up to here were the same on every rank."""
         if not self.reduce_order:
             return
-        late = torch.tensor([len(self._late)], dtype=torch.int32, device=self.device)
-        if self.all_ranks > 1:
-            dist.all_reduce(late)
-        if float(late) == 0:
+        late = len(self._late)
+        if self.all_ranks > 1:  # a host count on the host group: no wait for the GPU's backward
+            late = host_max([late], self.control)[0]
+        if late == 0:
             return
         found: list = [None] * self.all_ranks
         if self.all_ranks > 1:
-            dist.all_gather_object(found, sorted(set(self._late)))
+            dist.all_gather_object(found, sorted(set(self._late)), group=self.control)
         else:
             found[0] = sorted(set(self._late))
         for u in self.units:

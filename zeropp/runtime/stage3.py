@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .batch import MicroBatchError, per_rank
+from .batch import MicroBatchError, host_max, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -98,16 +98,17 @@ class Stage3Hooks:
     """Installs and runs the gather/free hooks of one engine.
 
     It gets what it uses and nothing more: the model and its block units, the communication door,
-    the config (prefetch depth, bucket size, qwZ spec, hpZ), the compute dtype and device, and
+    the config (prefetch depth, bucket size, qwZ spec, hpZ), the compute dtype and device,
     ``on_block_backward(unit)``, which the engine uses to send the gradient reduce-scatters that
-    must precede that block's backward gathers.
+    must precede that block's backward gathers, and ``control``, the host group of the
+    after-forward check (``batch.control_group``).
     """
 
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
                  all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
                  device: torch.device, on_block_backward: Callable[[FlatUnit], None],
                  pool: BufferPool | None = None, weight_diff: "WeightDiff | None" = None,
-                 frozen: "fz.FrozenUnits | None" = None) -> None:
+                 frozen: "fz.FrozenUnits | None" = None, control: dist.ProcessGroup | None = None) -> None:
         self.frozen = frozen if frozen is not None else fz.FrozenUnits(order=[blk for blk, _ in blocks])
         trained = {id(blk): u for blk, u in blocks}
         frozen_of = {id(blk): u for blk, u in self.frozen.blocks}
@@ -128,6 +129,8 @@ class Stage3Hooks:
         """qWD (``weight_diff.py``): keeps the owner's reference when a secondary is made, and the
         secondaries then persist across steps (refreshed by the engine), so later forward and
         backward gathers come from them, inside the node."""
+        self.control = control
+        """The group of :meth:`check_forward`'s host exchange (``batch.control_group``; None: the default group)."""
         self.depth = config.prefetch_depth
         self.ran = [0] * len(self.units)  # per block: how many times its forward ran in the current forward
         self.first = [-1] * len(self.units)  # per block: its place in the current forward's run order
@@ -247,10 +250,9 @@ class Stage3Hooks:
         n = len(self.units)
         vec = [*self.ran, *self.first, int(self.disorder is not None), int(error is not None)]
         hi = lo = vec
-        if world > 1:
-            t = torch.tensor(vec + [-v for v in vec], dtype=torch.int32, device=self.device)  # [2 * (2n + 2)]
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per entry: max over ranks, and -min
-            hi, lo = t[: len(vec)].tolist(), [-v for v in t[len(vec):].tolist()]
+        if world > 1:  # host ints on the host group: the host does not wait for the GPU's forward
+            both = host_max(vec + [-v for v in vec], self.control)  # per entry: max over ranks, and -min
+            hi, lo = both[: len(vec)], [-v for v in both[len(vec):]]
         if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
             return  # the policy's order, and no rank failed
         msg = None
@@ -263,7 +265,7 @@ class Stage3Hooks:
                 error is not None and not isinstance(error, MicroBatchError))
         runs: list = [mine] * world
         if world > 1:
-            dist.all_gather_object(runs, mine)
+            dist.all_gather_object(runs, mine, group=self.control)
         self.current = None
         self.release_all()  # every rank issued the same gathers: waiting on them cannot hang
         failed = {r: run[2] for r, run in enumerate(runs) if run[2] is not None}

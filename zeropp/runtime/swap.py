@@ -14,7 +14,11 @@ A :class:`SwapSpace` owns, for one rank:
 - ``buffers`` staging buffers of ``buffer_size`` fp32 elements each (pinned when the device is
   CUDA, so host-device copies can be asynchronous). Every byte that goes to or comes from a file
   passes through them, so the host memory the tier uses is ``buffers * buffer_size * 4`` bytes
-  whatever the model size;
+  whatever the model size. :meth:`SwapSpace.read_to` (the parameter fetch inside stage 3's
+  prefetch hooks) copies each chunk to the GPU with ``non_blocking=True`` on a copy stream and
+  fences the buffer with a CUDA event: the next disk read into that buffer waits for that copy
+  only, never for the compute stream, so nvme prefetch overlaps compute instead of stopping the
+  host at every chunk;
 - a small ``concurrent.futures`` thread pool doing the reads and writes (``os.preadv`` /
   ``os.pwrite`` release the GIL, so the disk works while the caller computes).
 
@@ -42,7 +46,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -130,6 +134,10 @@ class SwapSpace:
         except BaseException:
             self._release()
             raise
+        self.pinned = pin
+        """Staging buffers in page-locked memory (CUDA): copies out of them can be asynchronous."""
+        self._fences: list = [None] * buffers  # per buffer: the event of an async copy out of it, or None
+        self._copy_streams: dict[int, torch.cuda.Stream] = {}  # CUDA device index -> read_to's copy stream
         self.bytes_read = self.bytes_written = 0
         self.io_s = 0.0
         """Wall seconds spent inside :meth:`stream` (for the achieved swap bandwidth)."""
@@ -192,7 +200,20 @@ class SwapSpace:
         the chunk's segments: read from their files first when ``read``, written back to them
         after the caller is done with the chunk when ``write``. Reads run up to ``buffers - 1``
         chunks ahead, writes behind; every I/O has finished when the generator is exhausted or
-        closed. Each chunk's segments must fit one buffer together."""
+        closed. Each chunk's segments must fit one buffer together. The caller must be done
+        reading a chunk's views when it asks for the next (copies out of them complete, as a
+        blocking ``copy_`` is); :meth:`read_to` is the asynchronous alternative."""
+        gen = self._stream(chunks, read=read, write=write)
+        try:
+            for _b, views in gen:
+                yield views
+        finally:
+            gen.close()  # drains the outstanding I/O now, also when the caller stops early
+
+    def _stream(self, chunks: Sequence[Sequence[Segment]], *, read: bool, write: bool
+                ) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """:meth:`stream`, yielding ``(buffer index, views)``: a caller that copies out of the views
+        asynchronously sets ``self._fences[index]``, which is waited for before the buffer is reused."""
         self._check_open()
         for segs in chunks:
             need = sum(s.nbytes for s in segs)
@@ -210,7 +231,9 @@ class SwapSpace:
                 b, fs = behind.popleft()
                 _wait(fs)
                 free.append(b)
-            return free.pop()
+            b = free.pop()
+            self._wait_fence(b)  # an asynchronous copy out of it (read_to) has finished
+            return b
 
         def fill() -> None:
             nonlocal nxt
@@ -230,7 +253,7 @@ class SwapSpace:
                 for s in chunks[k]:
                     views.append(buf[at: at + s.nbytes].view(s.dtype))
                     at += s.nbytes
-                yield views
+                yield b, views
                 if write:
                     behind.append((b, self._submit(True, chunks[k], buf)))
                     self.bytes_written += sum(s.nbytes for s in chunks[k])
@@ -289,13 +312,62 @@ class SwapSpace:
         return True
 
     def read_into(self, seg: Segment, out: torch.Tensor) -> None:
-        """Copy ``seg`` into ``out`` (``[seg.numel]``, any device; cast to ``out.dtype``)."""
+        """Copy ``seg`` into ``out`` (``[seg.numel]``, any device; cast to ``out.dtype``). CUDA
+        ``out``: each chunk is copied from its pinned staging buffer with ``non_blocking=True`` on
+        the current stream, so the host waits only when it reuses a buffer whose copy the stream has
+        not reached yet (see :meth:`read_to`, which does not wait for the stream's other work)."""
         if self._direct(False, seg, out):
             return
+        if out.is_cuda and self.pinned:
+            self._read_staged(seg, out, _CudaCopies(torch.cuda.current_stream(out.device), side=False))
+        else:
+            self._read_staged(seg, out, HOST_COPIES)
+
+    def read_to(self, seg: Segment, device: torch.device | str) -> torch.Tensor:
+        """``seg`` as a new ``[seg.numel]`` tensor of its dtype on ``device`` (an offloaded
+        parameter shard on its way to a gather). CUDA: the tensor is filled on this space's copy
+        stream, each chunk with a ``non_blocking=True`` copy from its pinned staging buffer, and
+        an event per buffer lets the next disk read into that buffer start as soon as the copy out
+        of it is done -- never waiting for the compute stream, whose kernels the copies overlap;
+        the current stream waits for the last copy on the device, before anything queued on it
+        later (the gather) reads the tensor. Elsewhere: :meth:`read_into` a new tensor (the same
+        staging loop, copies that complete at once)."""
+        device = torch.device(device)
+        if device.type != "cuda" or not self.pinned:
+            out = torch.empty(seg.numel, dtype=seg.dtype, device=device)
+            self.read_into(seg, out)
+            return out
+        copies = _CudaCopies(self._copy_stream(device), side=True)
+        with torch.cuda.stream(copies.stream):  # allocated where it is written: no wait for the compute stream
+            out = torch.empty(seg.numel, dtype=seg.dtype, device=device)
+        self._read_staged(seg, out, copies)
+        return out
+
+    def _read_staged(self, seg: Segment, out: torch.Tensor, copies: "_Copies") -> None:
+        """Fill ``out`` from ``seg`` through the staging buffers with ``copies`` (the one loop of
+        both :meth:`read_into` and :meth:`read_to`): each chunk's copy leaves a fence on its
+        buffer, waited for before that buffer takes the next read."""
         at = 0
-        for (v,) in self.stream(self.chunks_of([seg])):
-            out[at: at + v.numel()].copy_(v)
-            at += v.numel()
+        gen = self._stream(self.chunks_of([seg]), read=True, write=False)
+        try:
+            for b, (v,) in gen:
+                self._fences[b] = copies.copy(out[at: at + v.numel()], v)
+                at += v.numel()
+        finally:
+            gen.close()
+        copies.finish(out)
+
+    def _wait_fence(self, b: int) -> None:
+        fence, self._fences[b] = self._fences[b], None
+        if fence is not None:
+            fence.synchronize()
+
+    def _copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """This space's stream for host-to-device copies on ``device`` (created on first use)."""
+        key = torch.cuda.current_device() if device.index is None else device.index
+        if key not in self._copy_streams:
+            self._copy_streams[key] = torch.cuda.Stream(device=key)
+        return self._copy_streams[key]
 
     def write_from(self, seg: Segment, src: torch.Tensor) -> None:
         """Copy ``src`` (``[seg.numel]``, any device and dtype) into ``seg``."""
@@ -328,6 +400,8 @@ class SwapSpace:
         if self._closed:
             return
         self._closed = True
+        for b in range(len(self._fences)):
+            self._wait_fence(b)  # no copy still reads a buffer about to be freed
         self._release()  # runs once; also run if the space is collected or the interpreter exits unclosed
         self.buffers = []
 
@@ -343,6 +417,54 @@ def _release(pool: ThreadPoolExecutor, files: list[SwapFile], directory: str) ->
             pass
     files.clear()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Copies(Protocol):
+    """How :meth:`SwapSpace._read_staged` copies a chunk out of a staging buffer."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy ``src`` (a staging-buffer view) into ``dst``; returns None when done, else a fence
+        whose ``synchronize()`` returns once ``src`` has been read."""
+        ...
+
+    def finish(self, out: torch.Tensor) -> None:
+        """After the last chunk: make ``out`` safe to use where the caller works."""
+        ...
+
+
+class _HostCopies:
+    """Blocking copies (the destination on the CPU, or unpinned buffers): nothing to fence."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def finish(self, out: torch.Tensor) -> None:
+        pass
+
+
+HOST_COPIES = _HostCopies()
+
+
+class _CudaCopies:
+    """``non_blocking=True`` copies from pinned buffers on ``stream``, an event after each. With
+    ``side`` (``stream`` is not the current stream) :meth:`finish` makes the current stream wait
+    for the copies on the device and records the result's use there for the caching allocator."""
+
+    def __init__(self, stream: "torch.cuda.Stream", *, side: bool) -> None:
+        self.stream, self.side = stream, side
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def finish(self, out: torch.Tensor) -> None:
+        if self.side:
+            current = torch.cuda.current_stream(out.device)
+            current.wait_stream(self.stream)
+            out.record_stream(current)
 
 
 def _wait(fs: Sequence[Future]) -> None:

@@ -12,7 +12,12 @@ What a step does, identically on every rank:
    place), unscaled for fp16;
 2. the global squared norm: one fp64 all-reduce over the default group, shared with the loss
    (sharded units summed over ranks, a replicated unit counted once; with tensor parallelism
-   each element weighted so that it counts once over the whole model);
+   each element weighted so that it counts once over the whole model). The loss and the squares
+   stay on the device until this all-reduce, and its result is the one value of the step the
+   host reads back (:meth:`ParamUpdate.read_totals`): reading a device value waits for every
+   kernel queued before it, so one read per step lets the host queue a whole forward and
+   backward ahead of the GPU. The read cannot go later: whether to step (3.) and the clip
+   coefficient are decided on the host;
 3. a non-finite norm skips the update (fp16 overflow) and tells the loss scaler; else clip as
    ``torch.nn.utils.clip_grad_norm_`` does and run AdamW on the masters, refreshing each unit's
    compute parameters as soon as its master is updated (with a CPU optimizer the copy back
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -80,23 +86,20 @@ class ParamUpdate:
         self.units, self.optim, self.cfg, self.comm, self.scaler = list(units), optim, config, comm, scaler
         self.param_store, self.weight_diff, self.landed = param_store, weight_diff, landed
         self.tp, self.tp_masks = tp, tp_masks
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}  # (unit, device) -> the mask of what this rank holds
         self.world_size, self.all_ranks, self.dtype, self.device = world_size, all_ranks, dtype, device
 
-    def step(self, grads: list[torch.Tensor], local_loss: float, memory: dict[str, int] | None) -> StepResult:
+    def step(self, grads: list[torch.Tensor], local_loss: torch.Tensor, memory: dict[str, int] | None) -> StepResult:
         """Collective. ``grads``: per unit, this rank's reduced gradient in the compute dtype
-        (``[S]`` shard or ``[padded]`` flat); ``local_loss``: this rank's mean micro-batch loss."""
+        (``[S]`` shard or ``[padded]`` flat); ``local_loss``: this rank's mean micro-batch loss, a
+        0-dim fp64 tensor on the engine's device (not read here: see :meth:`read_totals`)."""
         scale = self.scaler.scale
         g32 = (self.optim.landed_grads() if self.landed
                else [g.float() if g.dtype != torch.float32 else g.clone() for g in grads])
         if scale != 1.0:
             for g in g32:
                 g.div_(scale)
-        if self.tp_masks is None:
-            sq_sharded = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind != "replicated")
-            sq_repl = sum(float(g.pow(2).sum()) for g, u in zip(g32, self.units) if u.kind == "replicated")
-        else:
-            sq_sharded, sq_repl = self._tp_squares(g32), 0.0
-        loss_tot, sq_tot = self.comm.sum_scalars([local_loss, sq_sharded])  # one fp64 all-reduce on the device
+        loss_tot, sq_tot, sq_repl = self.read_totals(local_loss, g32)
         norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
         res = StepResult(loss=loss_tot / self.all_ranks, grad_norm=norm, skipped=not math.isfinite(norm),
                          comm_wait_s=0.0, loss_scale=scale, lr=self.optim.lr, memory=dict(memory or {}))
@@ -117,6 +120,34 @@ class ParamUpdate:
                 u.secondary = None  # stale after the step (hpZ); with weight_diff refreshed in _refresh_unit
         res.comm_wait_s = self.comm.wait_s
         return res
+
+    def read_totals(self, local_loss: torch.Tensor, g32: list[torch.Tensor]) -> tuple[float, float, float]:
+        """``(loss summed over all ranks, squared norm of the sharded units summed over all ranks,
+        squared norm of the replicated units)``: the squares are summed on the device where the
+        gradients are (fp32 per unit, accumulated in fp64 in unit order, as Python floats were),
+        the first two all-reduced together with the loss, and the three read back at once -- the
+        step's only device-to-host read. Collective."""
+        dev = local_loss.device
+        where = g32[0].device if g32 else dev  # the engine's device, or the host with a CPU optimizer
+        sq_sharded = torch.zeros((), dtype=torch.float64, device=where)
+        sq_repl = torch.zeros((), dtype=torch.float64, device=where)
+        if self.tp_masks is None:
+            for g, u in zip(g32, self.units):
+                sq = g.pow(2).sum().double()
+                if u.kind == "replicated":
+                    sq_repl += sq
+                else:
+                    sq_sharded += sq
+        else:
+            sq_sharded = self._tp_squares(g32)
+        # host sums (CPU optimizer) join the loss on the device without a wait: non_blocking from host memory
+        vec = torch.stack([local_loss.to(torch.float64), sq_sharded.to(dev, non_blocking=True),
+                           sq_repl.to(dev, non_blocking=True)])  # [3] fp64 on the device
+        if self.all_ranks > 1:
+            with self.comm.streams.blocked():  # control traffic: not in the byte accounting
+                dist.all_reduce(vec[:2])  # loss and sharded squares summed; the replicated ones counted once
+        loss_tot, sq_tot, sq_r = vec.tolist()  # the one read: waits for the GPU to finish the backward
+        return loss_tot, sq_tot, sq_r
 
     @torch.no_grad()
     def refresh_all(self) -> None:
@@ -156,17 +187,28 @@ class ParamUpdate:
             works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
                                               kind="param_all_gather", async_op=True))
 
-    def _tp_squares(self, g32: list[torch.Tensor]) -> float:
-        """tp > 1: this rank's share of the whole model's squared gradient norm, to be summed over
-        all ranks: a TP-sharded element counts once per tp rank (each holds its own part), a
-        TP-replicated one 1/tp (all tp ranks hold it); a replicated unit (identical on the dp
-        ranks) is further divided by the dp size."""
-        total = 0.0
-        for g, u, mask in zip(g32, self.units, self.tp_masks):  # mask: [padded] bool
+    def _tp_squares(self, g32: list[torch.Tensor]) -> torch.Tensor:
+        """tp > 1: this rank's share of the whole model's squared gradient norm (0-dim fp64 where
+        the gradients are), to be summed over all ranks: a TP-sharded element counts once per tp
+        rank (each holds its own part), a TP-replicated one 1/tp (all tp ranks hold it); a
+        replicated unit (identical on the dp ranks) is further divided by the dp size. Masked
+        with ``torch.where`` (boolean indexing would read the selected count back to the host)."""
+        total = torch.zeros((), dtype=torch.float64, device=g32[0].device)
+        for i, (g, u) in enumerate(zip(g32, self.units)):
+            mask = self._tp_mask(i, g.device)  # [S] or [padded] bool
+            sq = g.pow(2)
+            part = torch.where(mask, sq, 0.0).sum().double() + torch.where(mask, 0.0, sq).sum().double() / self.tp
+            total += part / self.world_size if u.kind == "replicated" else part
+        return total
+
+    def _tp_mask(self, i: int, device: torch.device) -> torch.Tensor:
+        """Unit ``i``'s TP-sharded mask over what this rank holds of it (its shard, or the whole
+        replicated unit) on ``device``; copied there once (a CPU optimizer's gradients are on the host)."""
+        key = (i, str(device))
+        if key not in self._masks:
+            u, mask = self.units[i], self.tp_masks[i]  # [padded] bool
             if u.kind != "replicated":
                 a, b = u.shard_range()
                 mask = mask[a:b]  # [S]
-            sq = g.pow(2)
-            part = float(sq[mask].sum()) + float(sq[~mask].sum()) / self.tp
-            total += part / self.world_size if u.kind == "replicated" else part
-        return total
+            self._masks[key] = mask.to(device)
+        return self._masks[key]

@@ -1,5 +1,6 @@
 """Host enqueue cost of one quantize / dequantize call on CUDA (no sync between calls), against
-torch's own copy, plus a cProfile of the quantize host path. Run on a GPU machine."""
+torch's own copy, plus a cProfile of the quantize host path. Run on a GPU machine (part of
+scripts/gpu_check.sh)."""
 import cProfile
 import pstats
 import time

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The GPU acceptance in one command, on one CUDA machine, in under 10 minutes:
+#   the cuda test tier (kernel modules in parallel when pytest-xdist is installed, then the rest),
+#   python -m experiments.bench_kernels, python -m experiments.bench_gpu, the host cost of one
+#   kernel launch (scripts/gpu_probe_host.py) and python -m zeropp.doctor when it exists.
+# Writes one markdown report: device, driver, torch / CUDA / NCCL / Triton versions, date, the
+# test outcome and the benchmark tables; the full logs go next to it.
+#
+#   bash scripts/gpu_check.sh [REPORT]      (default: $OUT/gpu_check.md, OUT=gpu-check-out)
+#
+# Without a CUDA device it prints one line saying why and exits 0, writing nothing (a PYTHON that
+# cannot import torch is an error, exit 1). Exit status
+# otherwise: 0 when every part passed, 1 when one failed or ran out of time (the report says which).
+# Environment: PYTHON (default python3); OUT; GPU_CHECK_BUDGET_S (default 570, the whole check's
+# seconds; each part also has its own cap); XDIST (workers of the kernel pass, default 8);
+# PYTEST_ARGS (added to both test passes). Wheels the machine lacks (hydra-core, omegaconf,
+# antlr4) can be put in .whl/: they are installed into a temporary folder, offline.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+
+# ---- no GPU: one line, exit 0, nothing written (a Python without torch is an error: exit 1)
+reason=$("$PY" -c '
+import sys
+try:
+    import torch
+except Exception as e:
+    print(f"gpu_check: error: {sys.executable} cannot import torch ({type(e).__name__}: {e}); set PYTHON")
+    sys.exit(3)
+if not torch.cuda.is_available():
+    print(f"no CUDA device visible to torch {torch.__version__} (torch.cuda.is_available() is False)")
+') || { echo "${reason:-gpu_check: error: $PY cannot be run; set PYTHON to the Python with torch}" >&2; exit 1; }
+if [ -n "$reason" ]; then
+  echo "gpu_check: skipped: $reason"
+  exit 0
+fi
+
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT" || exit 1
+REPORT=${1:-$OUT/gpu_check.md}
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-570}))
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline WANDB_SILENT=true
+unset TRITON_INTERPRET  # the compiled kernels, never the interpreter (tests/conftest.py does the same)
+
+# ---- the packages the image lacks, and this checkout importable as zeropp
+if ls .whl/*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+    >"$OUT/install.log" 2>&1 || { echo "gpu_check: installing .whl/ failed, see $OUT/install.log"; exit 1; }
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
+here=$(pwd -P)
+if ! "$PY" -c "import sys, zeropp; sys.exit(not zeropp.__file__.startswith('$here/'))" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/install.log" 2>&1 \
+    || { echo "gpu_check: installing this checkout failed, see $OUT/install.log"; exit 1; }
+fi
+
+# ---- one part: run it under the smaller of its cap and the time left; record its status
+failed=()
+run_part() {  # name cap command...
+  local name=$1 cap=$2 left rc
+  shift 2
+  left=$((DEADLINE - SECONDS))
+  if [ "$left" -le 5 ]; then
+    echo "not run: the check's time budget is spent" >"$OUT/$name.log"
+    failed+=("$name (not run: out of time)")
+    return
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  timeout "$cap" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name: rc=$rc (${cap}s cap)" >>"$OUT/parts.txt"
+  if [ "$rc" -eq 124 ]; then failed+=("$name (timed out after ${cap}s)")
+  elif [ "$rc" -ne 0 ]; then failed+=("$name (exit $rc)"); fi
+}
+has() { "$PY" -c "import $1" 2>/dev/null; }
+
+: >"$OUT/parts.txt"
+KERNEL_MODULES=(tests/test_kernels_cuda.py tests/test_kernels_hadamard_cuda.py tests/test_comm_zero_copy.py)
+pytest_opts=(-m cuda -q -rfEs -p no:cacheprovider)
+has pytest_timeout && pytest_opts+=(--timeout=150)
+xdist=()
+has xdist && xdist=(-n "${XDIST:-8}")
+ignores=()
+for m in "${KERNEL_MODULES[@]}"; do ignores+=(--ignore="$m"); done
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+run_part cuda_kernels 150 "$PY" -m pytest "${pytest_opts[@]}" "${xdist[@]}" "${KERNEL_MODULES[@]}" ${PYTEST_ARGS:-}
+# shellcheck disable=SC2086
+run_part cuda_tests 240 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ignores[@]}" ${PYTEST_ARGS:-}
+run_part bench_kernels 60 "$PY" -m experiments.bench_kernels --max-mib 256
+run_part bench_gpu 120 "$PY" -m experiments.bench_gpu --steps 10 --warmup 3
+run_part probe_host 30 "$PY" scripts/gpu_probe_host.py
+if has zeropp.doctor; then run_part doctor 45 "$PY" -m zeropp.doctor; fi
+
+# ---- the report
+tests_line() { grep -E "([0-9]+ (passed|failed|error|errors|skipped))|no tests ran" "$OUT/$1.log" | tail -1; }
+{
+  echo "# GPU check"
+  echo
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- device (name, memory, driver): $(nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv,noheader 2>/dev/null | head -1); $(nvidia-smi -L 2>/dev/null | wc -l) visible"
+  "$PY" -c '
+import sys, torch, triton
+v = torch.cuda.nccl.version()
+nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+print(f"- python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl}), "
+      f"Triton {triton.__version__}")' 2>&1
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+  echo "- verdict: $([ ${#failed[@]} -eq 0 ] && echo "every part passed" || echo "FAILED: ${failed[*]}")"
+  echo "- total: ${SECONDS}s; logs in $OUT/"
+  echo
+  echo "## Tests (pytest -m cuda)"
+  echo
+  for part in cuda_kernels cuda_tests; do
+    echo "- $part: $(tests_line "$part" || echo "no summary, see $OUT/$part.log")"
+  done
+  grep -hE "^(FAILED|ERROR) " "$OUT/cuda_kernels.log" "$OUT/cuda_tests.log" 2>/dev/null | cut -c1-300 | sed 's/^/  - /'
+  for part in bench_kernels bench_gpu; do
+    echo
+    echo "## $part"
+    echo
+    cat "$OUT/$part.log"
+  done
+  for part in probe_host doctor; do
+    [ -f "$OUT/$part.log" ] || continue
+    printf '\n## %s\n\n```\n' "$part"
+    cat "$OUT/$part.log"
+    printf '```\n'
+  done
+} >"$REPORT"
+echo "gpu_check: $([ ${#failed[@]} -eq 0 ] && echo passed || echo "FAILED: ${failed[*]}"); report: $REPORT"
+[ ${#failed[@]} -eq 0 ]
