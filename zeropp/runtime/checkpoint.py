@@ -17,10 +17,18 @@ Frozen parameters (in their original dtype) and buffers are saved replicated as 
 caller's ``extra`` values, the ``parent`` version and a CRC-32 of every other file of the folder.
 Format-2 checkpoints (older versions, no checksum of ``.metadata``) still load.
 
-Offloaded optimizer state (``offload.py``) is saved in the same format: the holder hands each
-state back as a host tensor (``state_tensor``; read back from the swap file for the nvme tier, so a
-save materializes the rank's optimizer state in host memory for the duration of the save) and a
-load writes it back through ``load_state``. A checkpoint therefore loads into any offload tier.
+Where the state lives during a save or load: every piece stays in its own tier and moves one at a
+time. In-memory state (device, or the pinned host memory of ``offload_optimizer=cpu``) enters the
+DCP state dict as views of the live tensors, a sharded unit's as a ``Shard(0)`` DTensor on a mesh
+of the *tensor's* device type (``DeviceMesh.from_group`` over the same ranks, no new group: DCP
+only reads a rank's coordinate from it), so host state is never moved to the GPU (``from_local``
+would move it to a CUDA mesh's device). A save writes each piece from where it lives, or from a
+host copy freed once written; a load copies each piece read from the file into the live tensor,
+in place. State in a swap file (``offload_optimizer=nvme``) enters as placeholders: a save reads
+each piece from the file as DCP writes it, a load writes each piece to the file as DCP reads it
+(``checkpoint_stream.py``). So the transient host memory of a save is about one piece (one state of
+one unit), that of a load about three (the file's chunk, its decoded tensor, the buffer for the
+swap file), whatever the tier and the state's size. A checkpoint loads into any tier.
 
 Tensor parallelism (``topology.tp > 1``): each tp index holds its own TP-local pieces of the split
 weights, sharded over the data-parallel ranks that share that index, so every key is prefixed
@@ -53,8 +61,12 @@ whose values hold NaN or inf (a diverged run) is refused before anything is writ
 Collective safety: each rank does its local part inside ``try`` and all ranks agree with one small
 all-reduce (on the engine's device) before any step that could block; DCP itself reports a failure
 during its collective phases to every rank. Either way *every* rank raises
-:class:`CheckpointError` naming the failing rank(s), a failed save never moves ``LATEST``, and a
-failed load leaves the engine's state untouched (it loads into fresh tensors, copied in at the end).
+:class:`CheckpointError` naming the failing rank(s), and a failed save never moves ``LATEST``.
+A load checks everything it can first (layouts, checksums, the metadata): a failure there changes
+nothing. A failure while DCP reads the data (a file that vanished or cannot be read mid-load) may
+have replaced part of the optimizer state, since it loads in place: the ranks agree on whether any
+of them received data and, if so, the error says so and the optimizer refuses to train, save or
+export (``StateGuard.invalidate``) until a load succeeds; a mix of two states is never used.
 """
 
 from __future__ import annotations
@@ -93,8 +105,9 @@ class CheckpointTarget:
     """The engine's flat units, in the order of ``optimizer``'s lists."""
     optimizer: ShardedAdamW
     """Holds this rank's master shards and Adam moments (padded ``[S]``, or ``[numel]`` if replicated),
-    in memory or offloaded (``offload.SwappedAdamW`` has the same interface): read through
-    ``state_tensor(name, i)``, written through ``load_state``, sized by ``numels``."""
+    in memory or offloaded (``offload.SwappedAdamW`` has the same interface): read and written
+    piece by piece through ``read_range`` / ``write_range`` (in place when ``in_memory``), sized by
+    ``numels``; ``loaded`` / ``invalidate`` after a load."""
     scaler: LossScaler
     """The loss scaler whose state is saved and restored."""
     rank: int
@@ -264,7 +277,8 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     saver passed, the loaded frozen parameters / buffers for the engine to put back, and the version
     loaded (the ``origin`` of the next save). Every file is verified against its checksum and no
     code in the checkpoint runs. On any rank's failure every rank raises :class:`CheckpointError`
-    naming it, and nothing has changed."""
+    naming it; nothing has changed unless the error says the optimizer state was partly replaced
+    (a read that failed mid-way: the optimizer then refuses to be used until a load succeeds)."""
     error, token, d, meta, feedback = None, 0, None, None, None
     try:
         d, meta = _check(t, path)

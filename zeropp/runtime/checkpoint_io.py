@@ -142,8 +142,8 @@ def dcp_failures(exc: CheckpointException) -> dict[int, str]:
 
 
 def _storage_writer(d: Path) -> FileSystemWriter:
-    """The DCP writer of one version folder (one file per rank, fsynced)."""
-    return FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
+    """The DCP writer of one version folder (``checkpoint_stream.storage_writer``)."""
+    return cs.storage_writer(d)
 
 
 def _commit(root: Path, name: str) -> None:
@@ -178,7 +178,8 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least the newest checkpoint (an int >= 1)")
         prepared = prepare()
-        bad = cf.first_nonfinite([*prepared.state.items(), ("rank_state", prepared.rank_state)])
+        bad = cf.first_nonfinite([*((k, v) for k, v in prepared.state.items() if k not in prepared.sources),
+                                  ("rank_state", prepared.rank_state)])  # sources: checked as they are written
         if bad is not None:
             raise cs.diverged(bad)
         meta = {"format": cf.FORMAT, "kind": kind, "parent": origin.parent_in(root) if origin else None,

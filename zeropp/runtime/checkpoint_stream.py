@@ -23,16 +23,19 @@ extension points (``resolve_data``, ``resolve_tensor``, ``commit_tensor``), noth
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Collection, Mapping
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from .checkpoint_safe import SafeLoadPlanner
 
 Source = Callable[[], torch.Tensor]
-"""Produces one key's local tensor (a fresh host tensor) when DCP writes it."""
+"""Produces one key's local tensor when DCP writes it: a fresh host tensor nobody else holds, with
+a resizable storage (not one handed to numpy), which the save frees once written."""
 Sink = Callable[[int, torch.Tensor], None]
 """``sink(offset, piece)`` stores a filled piece at element ``offset`` of one key's local tensor."""
 
@@ -44,6 +47,16 @@ def placeholder(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype).expand(numel)
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or inf, with no temporary of its size (``torch.isfinite`` makes
+    three: this runs on a piece whose memory the save bounds). Min and max propagate NaN, and are
+    finite exactly when every element is."""
+    if not t.is_floating_point() or not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def diverged(name: str) -> ValueError:
     """The error of a save whose value ``name`` holds NaN or inf."""
     return ValueError(f"{name} holds NaN or inf values: the training state has diverged and a checkpoint of it would "
@@ -52,22 +65,54 @@ def diverged(name: str) -> ValueError:
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, except that the tensor of a key in ``sources`` is produced by
-    ``sources[key]()`` when it is written (and checked finite then: a placeholder holds nothing to
-    check before the save)."""
+    """DCP's default save planner, except that the host copy of each tensor it writes lives only
+    until the next one is produced, so a rank's save holds one tensor's host copy at a time:
+
+    - the tensor of a key in ``sources`` is produced by ``sources[key]()`` (a fresh host tensor)
+      when it is written, and checked finite then (a placeholder holds nothing to check before);
+    - a tensor DCP would copy to write it (on a device, or a view of a larger storage, such as a
+      shard's unpadded piece) is copied here instead.
+
+    Either copy is freed (its storage resized to zero) when the next tensor is produced: DCP's
+    writer keeps a reference to every tensor it wrote until the rank's file is closed (torch 2.13,
+    ``_write_files_from_queue``), which would otherwise hold the rank's whole optimizer state in
+    host memory. Valid only with a writer that writes each tensor before it asks for the next:
+    :func:`storage_writer`'s (no copy-ahead)."""
 
     def __init__(self, sources: Mapping[str, Source]) -> None:
         super().__init__()
         self.sources = dict(sources)
+        self._copy: torch.Tensor | None = None
+        """The last tensor produced here (freed when the next one is)."""
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         source = self.sources.get(write_item.index.fqn)
         if source is None:
-            return super().resolve_data(write_item)
-        t = source()
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            raise diverged(write_item.index.fqn)
+            t = super().resolve_data(write_item)
+            if not isinstance(t, torch.Tensor) or (t.device.type == "cpu"
+                                                   and t.untyped_storage().nbytes() == t.nbytes):
+                return t  # written from where it lives: no copy
+            self._release()
+            t = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
+        else:
+            self._release()
+            t = source()
+            if not finite(t):
+                raise diverged(write_item.index.fqn)
+        self._copy = t
         return t
+
+    def _release(self) -> None:
+        if self._copy is not None:
+            self._copy.untyped_storage().resize_(0)
+            self._copy = None
+
+
+def storage_writer(d: str | os.PathLike) -> FileSystemWriter:
+    """The DCP writer of one version folder: one file per rank, fsynced, and no copy-ahead
+    (``per_thread_copy_ahead=0``: on a CUDA machine DCP would otherwise resolve several tensors
+    before writing the first, which :class:`StreamingSavePlanner` would free too early)."""
+    return FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
 
 
 class InPlaceLoadPlanner(SafeLoadPlanner):

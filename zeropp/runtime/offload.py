@@ -180,6 +180,7 @@ class SwappedAdamW(StateGuard):
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
         """Stream every shard's (master, m, v) through the buffers and update each chunk; then
         ``on_updated(i)`` for every shard (after the last write-back: the caller reads the file)."""
+        self.check_valid()
         lr = self.lr
         self.step_count += 1
         chunks, where = [], []
@@ -216,10 +217,14 @@ class SwappedAdamW(StateGuard):
         return self.read_range(name, i, 0, self._numels[i])
 
     def read_range(self, name: str, i: int, lo: int, hi: int) -> torch.Tensor:
-        """A fresh host copy of elements ``[lo, hi)`` of state ``name`` of shard ``i``, read straight
-        from the swap file into it (no staging copy)."""
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        self.space.read_into(self._piece(name, i, lo, hi - lo), out)
+        """A fresh host copy of elements ``[lo, hi)`` of state ``name`` of shard ``i``, read through
+        the staging buffers: not straight into it (``SwapSpace.read_into``'s direct read hands its
+        memory to numpy, which makes its storage unresizable), so that a checkpoint save can free
+        it (``checkpoint_stream.StreamingSavePlanner``) while DCP still holds a reference."""
+        out, at = torch.empty(hi - lo, dtype=torch.float32), 0
+        for (v,) in self.space.stream(self.space.chunks_of([self._piece(name, i, lo, hi - lo)])):
+            out[at: at + v.numel()].copy_(v)
+            at += v.numel()
         return out
 
     @torch.no_grad()
