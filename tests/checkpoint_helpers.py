@@ -61,3 +61,23 @@ def checkpoint_error(fn: Callable[[], Any]) -> dict | None:
     except CheckpointError as e:
         return {"msg": str(e), "failures": sorted(e.failures)}
     return None
+
+
+def peak_host_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` and return ``(its result, the peak of the host bytes allocated during it)``:
+    torch's CPU allocator as the profiler records it (``profile_memory``; every tensor's memory,
+    counted from zero when ``fn`` starts, frees of older tensors included). Python objects (file
+    reads into ``bytes``) are not counted."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    with tempfile.TemporaryDirectory() as d:
+        trace = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return result, max([0, *totals])

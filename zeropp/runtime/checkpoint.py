@@ -17,10 +17,18 @@ Frozen parameters (in their original dtype) and buffers are saved replicated as 
 caller's ``extra`` values, the ``parent`` version and a CRC-32 of every other file of the folder.
 Format-2 checkpoints (older versions, no checksum of ``.metadata``) still load.
 
-Offloaded optimizer state (``offload.py``) is saved in the same format: the holder hands each
-state back as a host tensor (``state_tensor``; read back from the swap file for the nvme tier, so a
-save materializes the rank's optimizer state in host memory for the duration of the save) and a
-load writes it back through ``load_state``. A checkpoint therefore loads into any offload tier.
+Where the state lives during a save or load: every piece stays in its own tier and moves one at a
+time. In-memory state (device, or the pinned host memory of ``offload_optimizer=cpu``) enters the
+DCP state dict as views of the live tensors, a sharded unit's as a ``Shard(0)`` DTensor on a mesh
+of the *tensor's* device type (``DeviceMesh.from_group`` over the same ranks, no new group: DCP
+only reads a rank's coordinate from it), so host state is never moved to the GPU (``from_local``
+would move it to a CUDA mesh's device). A save writes each piece from where it lives, or from a
+host copy freed once written; a load copies each piece read from the file into the live tensor,
+in place. State in a swap file (``offload_optimizer=nvme``) enters as placeholders: a save reads
+each piece from the file as DCP writes it, a load writes each piece to the file as DCP reads it
+(``checkpoint_stream.py``). So the transient host memory of a save is about one piece (one state of
+one unit), that of a load about three (the file's chunk, its decoded tensor, the buffer for the
+swap file), whatever the tier and the state's size. A checkpoint loads into any tier.
 
 Tensor parallelism (``topology.tp > 1``): each tp index holds its own TP-local pieces of the split
 weights, sharded over the data-parallel ranks that share that index, so every key is prefixed
@@ -53,8 +61,12 @@ whose values hold NaN or inf (a diverged run) is refused before anything is writ
 Collective safety: each rank does its local part inside ``try`` and all ranks agree with one small
 all-reduce (on the engine's device) before any step that could block; DCP itself reports a failure
 during its collective phases to every rank. Either way *every* rank raises
-:class:`CheckpointError` naming the failing rank(s), a failed save never moves ``LATEST``, and a
-failed load leaves the engine's state untouched (it loads into fresh tensors, copied in at the end).
+:class:`CheckpointError` naming the failing rank(s), and a failed save never moves ``LATEST``.
+A load checks everything it can first (layouts, checksums, the metadata): a failure there changes
+nothing. A failure while DCP reads the data (a file that vanished or cannot be read mid-load) may
+have replaced part of the optimizer state, since it loads in place: the ranks agree on whether any
+of them received data and, if so, the error says so and the optimizer refuses to train, save or
+export (``StateGuard.invalidate``) until a load succeeds; a mix of two states is never used.
 """
 
 from __future__ import annotations
@@ -62,8 +74,9 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,6 +86,7 @@ from torch.distributed.tensor import DTensor, Shard
 from zeropp.comm import stochastic as sr
 
 from . import checkpoint_io as cio
+from . import checkpoint_stream as cs
 from .checkpoint_files import FORMAT, commit, latest, read_meta
 from .checkpoint_io import CheckpointError, Origin
 from .checkpoint_safe import read_metadata
@@ -91,8 +105,9 @@ class CheckpointTarget:
     """The engine's flat units, in the order of ``optimizer``'s lists."""
     optimizer: ShardedAdamW
     """Holds this rank's master shards and Adam moments (padded ``[S]``, or ``[numel]`` if replicated),
-    in memory or offloaded (``offload.SwappedAdamW`` has the same interface): read through
-    ``state_tensor(name, i)``, written through ``load_state``, sized by ``numels``."""
+    in memory or offloaded (``offload.SwappedAdamW`` has the same interface): read and written
+    piece by piece through ``read_range`` / ``write_range`` (in place when ``in_memory``), sized by
+    ``numels``; ``loaded`` / ``invalidate`` after a load."""
     scaler: LossScaler
     """The loss scaler whose state is saved and restored."""
     rank: int
@@ -132,26 +147,67 @@ class CheckpointTarget:
         return f"tp{self.tp_rank}." if self.tp > 1 else ""
 
 
-def _mesh(t: CheckpointTarget) -> DeviceMesh:
-    return t.mesh if t.mesh is not None else DeviceMesh(t.device.type, list(range(t.world_size)))
+@dataclass(frozen=True)
+class _Piece:
+    """This rank's piece of one state of one unit, as the checkpoint holds it."""
+
+    key: str
+    """The DCP key: ``[tp<t>.]units.<unit>.<state>``."""
+    i: int
+    """The unit's index in the optimizer's lists."""
+    name: str
+    """The state (one of ``ShardedAdamW.STATE``)."""
+    layout: UnitLayout
+    n: int
+    """Elements of the piece: the unit's unpadded range of this rank (the whole unit if replicated);
+    the optimizer's ``[S]`` holds it at ``[0, n)``, then padding."""
 
 
-def _unit_tensors(t: CheckpointTarget, mesh: DeviceMesh, make: Callable[[int, int, str], torch.Tensor]
-                  ) -> dict[str, Any]:
-    """The DCP state dict of the units: ``make(i, length, name)`` gives the local tensor of unit
-    ``i``'s state ``name`` (its unpadded local piece); sharded units become ``Shard(0)`` DTensors."""
-    sd: dict[str, Any] = {}
+def _pieces(t: CheckpointTarget) -> list[_Piece]:
+    out = []
     for i, lay in enumerate(t.layouts):
-        for name in ShardedAdamW.STATE:
-            key = f"{t.prefix}units.{lay.name}.{name}"
-            if lay.num_shards == 1:
-                sd[key] = make(i, lay.numel, name)
-                continue
-            a, b = lay.unpadded_range(t.rank)
-            local = make(i, b - a, name)  # [b - a]
-            sd[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                                shape=torch.Size([lay.numel]), stride=(1,))
-    return sd
+        a, b = (0, lay.numel) if lay.num_shards == 1 else lay.unpadded_range(t.rank)
+        out.extend(_Piece(f"{t.prefix}units.{lay.name}.{name}", i, name, lay, b - a) for name in ShardedAdamW.STATE)
+    return out
+
+
+class _Meshes:
+    """The 1-D mesh of the ``world_size`` ranks the units are sharded over, per device type.
+
+    A ``Shard(0)`` DTensor must be on a mesh of its local tensor's own device type:
+    ``DTensor.from_local`` moves a tensor to its mesh's device, so host-tier state on a CUDA mesh
+    would go to the GPU whole. Each mesh is built from the existing group (``DeviceMesh.from_group``:
+    no new process group, no collective), also for ``cpu`` on an NCCL group: DCP never communicates
+    over a DTensor's mesh, it only reads the rank's coordinate to place the rank's piece (its own
+    coordination uses the default group)."""
+
+    def __init__(self, t: CheckpointTarget) -> None:
+        self.given = t.mesh
+        self.group = t.mesh.get_group() if t.mesh is not None else dist.group.WORLD
+        self.meshes: dict[str, DeviceMesh] = {}
+
+    def __call__(self, device_type: str) -> DeviceMesh:
+        if self.given is not None and self.given.device_type == device_type:
+            return self.given
+        if device_type not in self.meshes:
+            self.meshes[device_type] = DeviceMesh.from_group(self.group, device_type)
+        return self.meshes[device_type]
+
+
+def _unit_state(t: CheckpointTarget) -> tuple[dict[str, Any], list[_Piece]]:
+    """The DCP state dict of the units and their pieces. In-memory state enters as views of the
+    live tensors (no copy; a load fills them in place); state in a file as placeholders, whose data
+    ``checkpoint_stream``'s planners move one piece at a time. Sharded units' become ``Shard(0)``
+    DTensors on a mesh of their own device type, replicated units' stay plain tensors."""
+    opt, meshes, sd = t.optimizer, _Meshes(t), {}
+    pieces = _pieces(t)
+    for p in pieces:
+        local = opt.read_range(p.name, p.i, 0, p.n) if opt.in_memory else cs.placeholder(p.n)  # [n]
+        if p.layout.num_shards > 1:
+            local = DTensor.from_local(local, meshes(local.device.type), [Shard(0)], run_check=False,
+                                       shape=torch.Size([p.layout.numel]), stride=(1,))
+        sd[p.key] = local
+    return sd, pieces
 
 
 def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None, *, keep: int = 2,
@@ -175,11 +231,14 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         if t.tp > 1:
             meta.update(tp=t.tp, tp_split=t.tp_split)
         opt = t.optimizer
-        sd = _unit_tensors(t, _mesh(t), lambda i, n, name: opt.state_tensor(name, i)[:n])  # read back if offloaded
+        opt.check_valid()  # a failed load's mix of two states is never saved
+        sd, pieces = _unit_state(t)
+        sources = {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
         sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
             sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
-        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": sr.stochastic_calls()})
+        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": sr.stochastic_calls()},
+                            sources=sources)
 
     return cio.save_version(path, step=step, kind="engine", prepare=prepare, keep=keep, origin=origin,
                             device=t.device)
@@ -218,7 +277,8 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
     saver passed, the loaded frozen parameters / buffers for the engine to put back, and the version
     loaded (the ``origin`` of the next save). Every file is verified against its checksum and no
     code in the checkpoint runs. On any rank's failure every rank raises :class:`CheckpointError`
-    naming it, and nothing has changed."""
+    naming it; nothing has changed unless the error says the optimizer state was partly replaced
+    (a read that failed mid-way: the optimizer then refuses to be used until a load succeeds)."""
     error, token, d, meta, feedback = None, 0, None, None, None
     try:
         d, meta = _check(t, path)
@@ -230,38 +290,49 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
             "model")
     cio.agree(t.device, error, f"load from {path}", hint, token)
     assert d is not None and meta is not None
-    mesh = _mesh(t)
-    fresh: dict[tuple[int, str], torch.Tensor] = {}
-
-    def make(i: int, n: int, name: str) -> torch.Tensor:
-        fresh[(i, name)] = torch.zeros(n, dtype=torch.float32, device=t.device)
-        return fresh[(i, name)]
-
-    sd = _unit_tensors(t, mesh, make)
+    opt = t.optimizer
+    sd, pieces = _unit_state(t)
+    sinks = {} if opt.in_memory else {p.key: partial(opt.write_range, p.name, p.i) for p in pieces}
     model_state = {k: torch.empty_like(v) for k, v in t.model_state.items()}
     sd.update({f"{t.prefix}model.{k}": v for k, v in model_state.items()})
     sd.update(feedback or {})
-    cio.read_state(sd, d, meta, what=f"load from {path}", hint=hint)
-    opt = t.optimizer
+    planner = cs.InPlaceLoadPlanner(sinks, live=[p.key for p in pieces])
+    what = f"load from {path}"
 
-    def piece_device(i: int, name: str) -> torch.device:
-        return fresh[(i, name)].device
+    def torn(ranks: list[int]) -> str:
+        """Mark the optimizer unusable (the state of ``ranks`` was partly replaced); the error's hint."""
+        opt.invalidate(f"the checkpoint load from {path} failed after it had replaced part of the optimizer state "
+                       f"of rank(s) {ranks}: this engine holds a mix of two states and refuses to train, save or "
+                       f"export until a load succeeds. Fix the cause and load a checkpoint again")
+        return (f"The optimizer state of rank(s) {ranks} was partly replaced: this engine refuses to train, save or "
+                f"export until a load succeeds. Fix the cause and load this checkpoint again, or an older one")
 
-    state: dict[str, list[torch.Tensor]] = {}
-    for name in ShardedAdamW.STATE:
-        state[name] = []
-        for i, numel in enumerate(opt.numels):
-            full = torch.zeros(numel, dtype=torch.float32, device=piece_device(i, name))  # padded [S]: padding stays zero
-            piece = fresh[(i, name)]
-            full[: piece.numel()].copy_(piece)
-            state[name].append(full)
-    if t.feedback is not None:  # first: its load validates everything before it changes anything
-        if feedback:
-            n = len(_feedback_prefix(dist.get_rank()))
-            t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
-        else:
-            t.feedback.reset()
-    opt.load_state(state, step=int(meta["step"]))
+    try:
+        cio.read_state(sd, d, meta, what=what, hint=hint, planner=planner)
+    except CheckpointError as exc:  # raised on every rank: agree on whether a rank's state was written
+        written = cio.ranks_where(t.device, planner.touched)
+        if not written:
+            raise
+        cio.raise_failures(exc.failures, dist.get_world_size(), what, torn(written))
+    error = None
+    try:
+        for p in pieces:  # the padding of a shard stays zero, whatever the engine held before
+            pad = opt.numels[p.i] - p.n
+            if pad:
+                opt.write_range(p.name, p.i, p.n, torch.zeros(pad, dtype=torch.float32))
+        if t.feedback is not None:  # validates everything before it changes anything
+            if feedback:
+                n = len(_feedback_prefix(dist.get_rank()))
+                t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
+            else:
+                t.feedback.reset()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+        error = cio.describe(exc)
+    try:
+        cio.agree(t.device, error, what, "")
+    except CheckpointError as exc:
+        cio.raise_failures(exc.failures, dist.get_world_size(), what, torn(list(range(dist.get_world_size()))))
+    opt.loaded(step=int(meta["step"]))
     t.scaler.load_state_dict(meta["scaler"])
     _restore_stochastic_calls(t, meta)
     return dict(meta.get("extra") or {}), model_state, Origin.of(d)

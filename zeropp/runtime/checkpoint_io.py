@@ -6,9 +6,10 @@ A save (:func:`save_version`), on every rank of the default group:
    (``prepare``) and checks that every floating-point value is finite; rank 0 creates the folder.
    One agreement: any rank's failure (a non-JSON value, NaN/inf weights of a diverged run, an
    unwritable directory) raises :class:`CheckpointError` on every rank before anything is written.
-2. DCP writes the state (one file per rank, fsynced); each rank writes its own ``rank-<r>.pt``
-   if it has one and checksums the files it wrote; rank 0 writes ``meta.json`` with all
-   checksums and the ``parent`` version. Agreement.
+2. DCP writes the state (one file per rank, fsynced; the tensors of ``Prepared.sources`` are
+   produced one at a time as they are written, and checked finite then: ``checkpoint_stream.py``);
+   each rank writes its own ``rank-<r>.pt`` if it has one and checksums the files it wrote; rank 0
+   writes ``meta.json`` with all checksums and the ``parent`` version. Agreement.
 3. rank 0 points ``LATEST`` at the folder (the one atomic step that makes it visible). Agreement.
 4. rank 0 removes the versions of this run past the newest ``keep`` (``checkpoint_files.retire``).
 
@@ -43,6 +44,7 @@ from zeropp.comm.backend import backend_all_reduce
 from zeropp.comm.objects import all_gather_json
 
 from . import checkpoint_files as cf
+from . import checkpoint_stream as cs
 from .batch import per_rank
 from .checkpoint_safe import METADATA, SafeLoadPlanner, SafeReader, read_metadata
 
@@ -99,6 +101,10 @@ class Prepared:
     """Small JSON values of this rank; ``meta.json`` gets, per key, the list over ranks."""
     rank_state: Any = None
     """This rank's own state (plain containers and tensors), saved as ``rank-<r>.pt``; None: none."""
+    sources: dict[str, cs.Source] = field(default_factory=dict)
+    """Keys of ``state`` holding a ``checkpoint_stream.placeholder``, each with the function that
+    produces its tensor when DCP writes it (state kept in a file is read one piece at a time); its
+    values are checked finite then."""
 
 
 def describe(exc: BaseException) -> str:
@@ -127,13 +133,21 @@ def agree(device: torch.device, error: str | None, what: str, hint: str, token: 
                               f"rank load the same path, with no save running at the same time", {})
 
 
+def ranks_where(device: torch.device, flag: bool) -> list[int]:
+    """Collective over the default group: the ranks whose ``flag`` is True (one all-reduce)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    flags[dist.get_rank()] = int(flag)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
 def dcp_failures(exc: CheckpointException) -> dict[int, str]:
     return {int(r): describe(pair[0]) for r, pair in exc.failures.items()}
 
 
 def _storage_writer(d: Path) -> FileSystemWriter:
-    """The DCP writer of one version folder (one file per rank, fsynced)."""
-    return FileSystemWriter(d, single_file_per_rank=True, sync_files=True, thread_count=1)
+    """The DCP writer of one version folder (``checkpoint_stream.storage_writer``)."""
+    return cs.storage_writer(d)
 
 
 def _commit(root: Path, name: str) -> None:
@@ -168,11 +182,10 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least the newest checkpoint (an int >= 1)")
         prepared = prepare()
-        bad = cf.first_nonfinite([*prepared.state.items(), ("rank_state", prepared.rank_state)])
+        bad = cf.first_nonfinite([*((k, v) for k, v in prepared.state.items() if k not in prepared.sources),
+                                  ("rank_state", prepared.rank_state)])  # sources: checked as they are written
         if bad is not None:
-            raise ValueError(f"{bad} holds NaN or inf values: the training state has diverged and a checkpoint of it "
-                             f"would not resume; it was not saved. Resume from the last good checkpoint (with a lower "
-                             f"learning rate, or another seed)")
+            raise cs.diverged(bad)
         meta = {"format": cf.FORMAT, "kind": kind, "parent": origin.parent_in(root) if origin else None,
                 **prepared.meta}
         meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if a value is not JSON
@@ -186,7 +199,8 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
         agree(device, error, "save", hint)
         assert prepared is not None
         try:
-            dcp.save(prepared.state, storage_writer=_storage_writer(d))
+            dcp.save(prepared.state, storage_writer=_storage_writer(d),
+                     planner=cs.StreamingSavePlanner(prepared.sources))
         except CheckpointException as exc:  # DCP told every rank who failed
             raise_failures(dcp_failures(exc), world, "save", hint)
         error, mine, doing = None, {}, f"writing {d / cf.rank_file(me)}"
@@ -265,11 +279,13 @@ def reader(d: Path, meta: dict) -> SafeReader:
     return SafeReader(d, data_files(meta))
 
 
-def read_state(state: dict[str, Any], d: Path, meta: dict, *, what: str, hint: str, no_dist: bool = False) -> None:
+def read_state(state: dict[str, Any], d: Path, meta: dict, *, what: str, hint: str, no_dist: bool = False,
+               planner: SafeLoadPlanner | None = None) -> None:
     """Load version ``d`` into the DCP state dict ``state`` in place (collective unless ``no_dist``),
-    reading non-tensor values with ``weights_only=True``; a failure raises :class:`CheckpointError`."""
+    reading non-tensor values with ``weights_only=True`` (``planner``: a ``SafeLoadPlanner``, by
+    default a new one); a failure raises :class:`CheckpointError`."""
     try:
-        dcp.load(state, storage_reader=reader(d, meta), planner=SafeLoadPlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader(d, meta), planner=planner or SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as exc:
         raise_failures(dcp_failures(exc), 1 if no_dist else dist.get_world_size(), what, hint)
 

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import OptimizerConfig, ZeroConfig
-from .optimizer import KERNELS, TIERS, ShardedAdamW, adamw_update, tensor_bytes
+from .optimizer import KERNELS, TIERS, ShardedAdamW, StateGuard, adamw_update, tensor_bytes
 from .partition import FlatUnit
 from .swap import Segment, SwapSpace
 
@@ -131,7 +131,7 @@ class HostAdamW(ShardedAdamW):
         return out
 
 
-class SwappedAdamW:
+class SwappedAdamW(StateGuard):
     """ZeRO-Infinity: master, m, v of every shard in this rank's swap file, streamed per step.
 
     File layout: shard ``i`` occupies ``[off_i, off_i + 12 * S_i)`` bytes, its master, m and v
@@ -139,6 +139,9 @@ class SwappedAdamW:
     each chunk holds the same ``n`` elements of the three (``n = swap_buffer_size // 3``)."""
 
     STATE = ShardedAdamW.STATE
+    in_memory = False
+    """The state lives in the swap file: :meth:`read_range` reads a fresh host copy of one piece,
+    :meth:`write_range` writes one (a checkpoint moves it piece by piece, never whole)."""
 
     def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, space: SwapSpace,
                  kernel: str = DEFAULT_CPU_KERNEL) -> None:
@@ -177,6 +180,7 @@ class SwappedAdamW:
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
         """Stream every shard's (master, m, v) through the buffers and update each chunk; then
         ``on_updated(i)`` for every shard (after the last write-back: the caller reads the file)."""
+        self.check_valid()
         lr = self.lr
         self.step_count += 1
         chunks, where = [], []
@@ -197,6 +201,7 @@ class SwappedAdamW:
                 on_updated(i)
 
     def master_chunks(self, i: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        self.check_valid()
         lo = 0
         for (v,) in self.space.stream(self.space.chunks_of([self._seg(i, "masters")])):
             yield lo, lo + v.numel(), v
@@ -208,22 +213,31 @@ class SwappedAdamW:
             dst[lo:hi].copy_(chunk)  # blocking: the staging buffer is reused right after
 
     def state_tensor(self, name: str, i: int) -> torch.Tensor:
-        """A fresh host copy of state ``name`` of shard ``i`` (for a checkpoint save: this one
-        shard's state is materialized, not bounded by the staging buffers)."""
-        out = torch.empty(self._numels[i], dtype=torch.float32)
-        self.space.read_into(self._seg(i, name), out)
+        """A fresh host copy of state ``name`` of shard ``i``."""
+        return self.read_range(name, i, 0, self._numels[i])
+
+    def read_range(self, name: str, i: int, lo: int, hi: int) -> torch.Tensor:
+        """A fresh host copy of elements ``[lo, hi)`` of state ``name`` of shard ``i``, read through
+        the staging buffers: not straight into it (``SwapSpace.read_into``'s direct read hands its
+        memory to numpy, which makes its storage unresizable), so that a checkpoint save can free
+        it (``checkpoint_stream.StreamingSavePlanner``) while DCP still holds a reference."""
+        out, at = torch.empty(hi - lo, dtype=torch.float32), 0
+        for (v,) in self.space.stream(self.space.chunks_of([self._piece(name, i, lo, hi - lo)])):
+            out[at: at + v.numel()].copy_(v)
+            at += v.numel()
         return out
 
     @torch.no_grad()
-    def load_state(self, state: dict[str, list[torch.Tensor]], step: int) -> None:
-        for name in self.STATE:
-            theirs = state[name]
-            if len(theirs) != len(self._numels) or any(t.numel() != n for t, n in zip(theirs, self._numels)):
-                raise ValueError(f"checkpoint optimizer state {name!r} does not match this partitioning")
-        for name in self.STATE:
-            for i, t in enumerate(state[name]):
-                self.space.write_from(self._seg(i, name), t)
-        self.step_count = int(step)
+    def write_range(self, name: str, i: int, lo: int, src: torch.Tensor) -> None:
+        """Write ``src`` (1-D, any device and float dtype) into elements ``[lo, lo + len(src))`` of
+        state ``name`` of shard ``i`` (straight from a host fp32 tensor, else staged)."""
+        self.space.write_from(self._piece(name, i, lo, src.numel()), src)
+
+    def _piece(self, name: str, i: int, lo: int, n: int) -> Segment:
+        seg = self._seg(i, name)
+        if lo < 0 or n < 0 or lo + n > seg.numel:
+            raise ValueError(f"elements [{lo}, {lo + n}) are outside state {name!r} of shard {i} ({seg.numel} elements)")
+        return Segment(seg.file, seg.offset + 4 * lo, n, torch.float32)
 
     def nbytes(self) -> int:
         return sum(self.memory_by_tier().values())

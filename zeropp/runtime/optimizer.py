@@ -11,8 +11,10 @@ CPU kernel is the fast one the CPU offload uses (see ``offload.py``); it rounds 
 
 Every optimizer-state holder (this class, and ``offload.HostAdamW`` / ``offload.SwappedAdamW``)
 offers the same small interface the engine and the checkpoint use: ``step(grads, on_updated)``, ``lr``,
-``step_count``, ``numels``, ``state_tensor(name, i)``, ``load_state``, ``master_chunks(i)``,
-``copy_master_to(i, dst)``, ``nbytes()`` and ``memory_by_tier()``.
+``step_count``, ``numels``, ``state_tensor(name, i)``, ``master_chunks(i)``, ``copy_master_to(i, dst)``,
+``nbytes()`` and ``memory_by_tier()``; and, for checkpoints, ``in_memory``, ``read_range`` /
+``write_range`` (one piece of one state: a checkpoint moves the state piece by piece, in its own
+tier), ``loaded(step)`` and ``invalidate(reason)`` (see :meth:`ShardedAdamW.invalidate`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,33 @@ def tensor_bytes(ts: Sequence[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-class ShardedAdamW:
+class StateGuard:
+    """The mark a checkpoint load leaves on an optimizer-state holder when it failed after it had
+    replaced part of the state (a checkpoint loads in place, piece by piece, so that its transient
+    memory is one piece, not a second copy of the state: ``checkpoint.py``)."""
+
+    invalid: str | None = None
+    """Why the state may not be used, or None."""
+    step_count: int
+
+    def invalidate(self, reason: str) -> None:
+        """Mark the state unusable: a checkpoint load failed after it had replaced part of it. Until
+        :meth:`loaded`, :meth:`step` and :meth:`master_chunks` (so the parameter refresh and the
+        consolidated export) raise ``RuntimeError(reason)``: a mix of two states never trains."""
+        self.invalid = reason
+
+    def loaded(self, step: int) -> None:
+        """A checkpoint load wrote every state: set the step count and clear :meth:`invalidate`'s mark."""
+        self.step_count = int(step)
+        self.invalid = None
+
+    def check_valid(self) -> None:
+        """Raise ``RuntimeError`` if :meth:`invalidate` marked the state unusable."""
+        if self.invalid is not None:
+            raise RuntimeError(self.invalid)
+
+
+class ShardedAdamW(StateGuard):
     """fp32 master weights, first and second moments, for a list of flat shards, all in one tier.
 
     ``masters_are_params=True`` says the master tensors are the compute parameters themselves
@@ -75,6 +103,9 @@ class ShardedAdamW:
 
     STATE = ("masters", "exp_avg", "exp_avg_sq")
     """Names of the per-shard fp32 state lists (what a checkpoint stores per unit)."""
+    in_memory = True
+    """The state lives in tensors (device or host memory): :meth:`read_range` is a view of the live
+    state, so a checkpoint saves from it and loads into it in place, with no copy."""
 
     def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, kernel: str = "single",
                  masters_are_params: bool = False, tier: str = "device") -> None:
@@ -98,6 +129,7 @@ class ShardedAdamW:
         rate is the schedule's ``cfg.lr_at(steps taken so far)``. ``on_updated(i)`` is called as
         soon as shard ``i`` is updated (shard by shard: the same bits as one call over all, the
         update being element-wise), so the caller can copy it back while the next one updates."""
+        self.check_valid()
         lr = self.lr
         self.step_count += 1
         for i, (p, g, m, v) in enumerate(zip(self.masters, grads, self.exp_avg, self.exp_avg_sq)):
@@ -122,6 +154,7 @@ class ShardedAdamW:
     def master_chunks(self, i: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(lo, hi, master[lo:hi])`` pieces covering master ``i`` (one piece when in memory);
         a piece is valid until the next one is requested."""
+        self.check_valid()
         yield 0, self.masters[i].numel(), self.masters[i]
 
     @torch.no_grad()
@@ -148,16 +181,16 @@ class ShardedAdamW:
             out[self.tier] += tensor_bytes(self.masters)
         return out
 
+    def read_range(self, name: str, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of state ``name`` of shard ``i``: a view of the live tensor."""
+        return getattr(self, name)[i][lo:hi]
+
     @torch.no_grad()
-    def load_state(self, state: dict[str, list[torch.Tensor]], step: int) -> None:
-        """Copy ``state[name][i]`` into each list of :data:`STATE` (same shapes) and set the step count."""
-        for name in self.STATE:
-            mine, theirs = getattr(self, name), state[name]
-            if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
-                raise ValueError(f"checkpoint optimizer state {name!r} does not match this partitioning")
-            for a, b in zip(mine, theirs):
-                a.copy_(b)
-        self.step_count = int(step)
+    def write_range(self, name: str, i: int, lo: int, src: torch.Tensor) -> None:
+        """Copy ``src`` (1-D, any device) into elements ``[lo, lo + len(src))`` of state ``name`` of shard ``i``."""
+        dst = getattr(self, name)[i][lo: lo + src.numel()]
+        if dst.data_ptr() != src.data_ptr() or dst.device != src.device:
+            dst.copy_(src)
 
     def close(self) -> None:
         """Release resources (nothing for in-memory state)."""
