@@ -45,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from zeropp.runtime.plan_kinds import Phase
+
 from .scaling import (
     GBPS, Cluster, Message, Projection, Workload, collective_time, control_time, link_terms, messages,
     node_cross_bytes, pairwise_bytes, quant_time, uplink_bytes,
@@ -53,9 +55,6 @@ from .scaling import (
 FORWARD_SHARE = 1.0 / 3.0
 """Share of a step's compute spent in forward (backward is about twice the forward's FLOPs)."""
 
-PHASES = {"fwd_all_gather": "fwd", "bwd_all_gather": "bwd", "grad_reduce_scatter": "reduce",
-          "grad_all_reduce": "reduce", "param_all_gather": "post", "weight_diff_all_gather": "post"}
-"""CommStats kind of a message -> the point of the step where the engine issues it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +107,16 @@ def message_transfer(m: Message, c: Cluster) -> Transfer:
 
 def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
     """Per-unit costs of one micro-batch (root first): ``compute_s`` split by :data:`FORWARD_SHARE`
-    and by elements; each message of :func:`~experiments.scaling.messages` under its unit and phase
-    (a message of ``count`` calls per step costs ``count / grad_accum`` per micro-batch, except the
+    and by elements; each message of :func:`~experiments.scaling.messages` under its unit and the
+    phase the communication plan (``zeropp.runtime.plan``) issues it in (a message of ``count`` calls per step costs ``count / grad_accum`` per micro-batch, except the
     post-step ones and stages 0-1's reduction, which are per step); quantization per unit and
     phase from :func:`~experiments.scaling.quant_time`."""
     a = w.grad_accum
     total = sum(w.units)
     by: dict[tuple[int, str], Transfer] = defaultdict(Transfer)
     for m in messages(w, c):
-        phase = PHASES[m.kind]
-        once = phase == "post" or (phase == "reduce" and w.stage < 2)  # per step, not per micro-batch
+        phase = m.phase
+        once = phase == Phase.POST or (phase == Phase.REDUCE and w.stage < 2)  # per step, not per micro-batch
         by[(m.unit, phase)] += message_transfer(m, c) * (m.count if once else m.count / a)
     out = []
     for i, n in enumerate(w.units):
@@ -131,8 +130,8 @@ def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
         share = n / total
         out.append(UnitCosts(
             fwd_s=w.compute_s * FORWARD_SHARE * share / a, bwd_s=w.compute_s * (1 - FORWARD_SHARE) * share / a,
-            fwd=by[(i, "fwd")] + Transfer(fwd_q), bwd=by[(i, "bwd")] + Transfer(bwd_q),
-            reduce=by[(i, "reduce")] + Transfer(red_q), post=by[(i, "post")] + Transfer(q_diff)))
+            fwd=by[(i, Phase.FWD)] + Transfer(fwd_q), bwd=by[(i, Phase.BWD)] + Transfer(bwd_q),
+            reduce=by[(i, Phase.REDUCE)] + Transfer(red_q), post=by[(i, Phase.POST)] + Transfer(q_diff)))
     return out
 
 
