@@ -41,7 +41,7 @@ group; every other setting sends the same in every step. The rules (what the eng
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.spec import QuantSpec
@@ -49,6 +49,11 @@ from zeropp.comm.topology import Topology
 
 from .config import ZeroConfig
 from .plan_kinds import Algo, CommKind, Group, Link, Phase, chunk_ranges, group_size_of
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .partition import BlockPolicy
 
 CONTROL_BYTES = 16
 """Bytes of a control all-reduce (two fp64 scalars)."""
@@ -372,3 +377,19 @@ def build_plan(units: Sequence[PlanUnit] | Iterable[int], zero: ZeroConfig, topo
     return CommPlan(units=us, compute=tuple(b.compute), collectives=tuple(b.out), stage=zero.stage,
                     micro_batches=zero.grad_accum_steps, prefetch_depth=zero.prefetch_depth, world=b.W, nodes=b.N,
                     ranks_per_node=b.R, hpz_size=b.h, dtype_bytes=b.db)
+
+
+def plan_units(model: "nn.Module", blocks: "BlockPolicy" = None) -> tuple[PlanUnit, ...]:
+    """The units the engine would build for ``model`` (root first, then each block of
+    ``partition.find_blocks(model, blocks)``), as element counts: trainable floating-point
+    parameters, and frozen ones (``requires_grad=False``) separately. Reads shapes only, so ``model``
+    may live on the meta device; a model already split by tensor parallelism gives TP-local counts."""
+    from .partition import Homes, assign_homes, find_blocks
+
+    homes = assign_homes(model, find_blocks(model, blocks))
+    counts = {i: [0, 0] for i in [Homes.ROOT, *range(len(homes.blocks))]}
+    for p in homes.order:
+        if p.is_floating_point():
+            counts[homes.home[id(p)]][0 if p.requires_grad else 1] += p.numel()
+    names = {Homes.ROOT: "root", **{i: f"block{i}" for i in range(len(homes.blocks))}}
+    return tuple(PlanUnit(name=names[i], numel=n, frozen=f) for i, (n, f) in counts.items())
