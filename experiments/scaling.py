@@ -67,7 +67,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+from zeropp.runtime.plan import CONTROL_BYTES, CommPlan, build_plan
+from zeropp.runtime.plan_kinds import CommKind, chunk_ranges, group_size_of
 
 if TYPE_CHECKING:
     from zeropp.runtime import ZeroConfig
@@ -225,14 +226,12 @@ class Workload:
     @property
     def weight_group_size(self) -> int:
         """Elements per scale of the weight gathers: the spec's, else the kernels' default."""
-        gs = self.weights.group_size if self.weights else None
-        return gs or DEFAULT_WEIGHT_GROUP_SIZE
+        return group_size_of(self.weights or QuantSpec(bits=8), weights=True)
 
     @property
     def grad_group_size(self) -> int:
         """Elements per scale of the gradient reduce-scatters: the spec's, else the kernels' default."""
-        gs = self.grads.group_size if self.grads else None
-        return gs or DEFAULT_GRAD_GROUP_SIZE
+        return group_size_of(self.grads or QuantSpec(bits=8), weights=False)
 
     def with_zero(self, **kw: object) -> "Workload":
         """A copy with other ZeRO settings (e.g. ``**ZEROPP``), validated."""
@@ -241,124 +240,76 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """One collective call of a step: ``count`` calls per step of this shape."""
+    """One collective call of a step: ``count`` calls per step of this shape (the time model's
+    view of :class:`zeropp.runtime.plan.Collective`, identical calls merged)."""
 
     kind: str
-    """CommStats kind the engine records it under."""
-    algo: str  # "ring_ag", "ring_rs", "all_reduce", "a2a_intra", "a2a_cross"
+    """CommStats kind the engine records it under (a ``CommKind``)."""
+    algo: str  # "ring_ag", "ring_rs", "all_reduce", "a2a_intra", "a2a_cross" (an ``Algo``)
     nodes: int  # nodes the group spans
     ranks: int  # group ranks per node
     chunk_bytes: int  # bytes this rank sends to each peer (all-reduce: both halves)
     count: int
     unit: int = -1
     """Index into ``Workload.units`` of the unit it moves (-1: none, e.g. a control message)."""
-
-
-def _wire_bytes(spec: QuantSpec, cols: int, bits: int, default_gs: int) -> int:
-    """Bytes of one quantized row of ``cols`` elements, from the spec's own codec (what is sent)."""
-    from zeropp.comm.codecs import codec_for
-
-    return codec_for(spec).wire_bytes(cols, bits, spec.group_size or default_gs)
+    phase: str = ""
+    """Where the engine issues it (a ``zeropp.runtime.plan_kinds.Phase``: fwd, bwd, reduce, post)."""
 
 
 def chunk_widths(cols: int, rows: int, bucket: int) -> dict[int, int]:
     """``{columns: calls}`` of a ``[rows, cols]`` collective cut into buckets of at most ``bucket``
-    elements, as the engine cuts it (``zeropp.runtime.collectives``: equal column chunks, the
-    last one shorter)."""
-    if rows * cols <= bucket:
-        return {cols: 1}
-    c = max(1, bucket // rows)
-    out: dict[int, int] = {c: cols // c}
-    if cols % c:
-        out[cols % c] = 1
+    elements: the engine's rule, ``zeropp.runtime.plan_kinds.chunk_ranges``, counted by width."""
+    out: dict[int, int] = {}
+    for a, b in chunk_ranges(cols, rows, bucket):
+        out[b - a] = out.get(b - a, 0) + 1
     return out
+
+
+def plan_for(w: Workload, c: Cluster) -> CommPlan:
+    """The communication plan (``zeropp.runtime.plan``) of one step of ``w`` on ``c``: the ZeroConfig
+    and Topology the workload describes (``dtype_bytes`` 2 plans bf16 on the wire, 4 fp32)."""
+    from zeropp.comm.topology import Topology
+    from zeropp.runtime import ZeroConfig
+
+    zero = ZeroConfig(stage=w.stage, weights=w.weights, grads=w.grads, hpz=w.hpz,
+                      hpz_size=w.hpz_size if w.hpz else None, weight_diff=w.weight_diff,
+                      precision="fp32" if w.dtype_bytes == 4 else "bf16", grad_accum_steps=w.grad_accum,
+                      allgather_bucket_size=w.allgather_bucket, reduce_bucket_size=w.reduce_bucket)
+    return build_plan(w.units, zero, Topology(nodes=c.nodes, ranks_per_node=c.ranks_per_node))
+
+
+def plan_messages(plan: CommPlan) -> list[Message]:
+    """The counted collectives of ``plan`` as :class:`Message` s, identical calls (same kind,
+    algorithm, group shape, bytes, unit and phase) merged into one with their ``count``, in the
+    order of their first call."""
+    merged: dict[tuple, int] = {}
+    for m in plan.collectives:
+        if m.counted:
+            key = (m.kind, m.algo, m.nodes, m.ranks, m.peer_bytes, m.unit, m.phase)
+            merged[key] = merged.get(key, 0) + 1
+    return [Message(kind, algo, nodes, ranks, b, count, unit, phase)
+            for (kind, algo, nodes, ranks, b, unit, phase), count in merged.items()]
 
 
 def messages(w: Workload, c: Cluster) -> list[Message]:
     """Every collective of one step, with exact per-peer chunk sizes, as the engine issues them:
-
-    * units padded to the world size (``shard = ceil(numel / W)``), cut into buckets
-      (:func:`chunk_widths`), each chunk one call with its own quantization scales;
-    * stage 3 with hpZ: the first forward gathers the (quantized) primary shards over the world;
-      every later gather of the step -- the backward ones and the forwards of micro-batches 2..
-      -- reads the full-precision secondary partition (``W * shard / h`` elements) inside the hpZ
-      group, whatever the number of nodes;
-    * qgZ: recorded under the reduce-scatter's kind; hierarchical (nodes > 1 and ranks per node
-      > 1) it is an intra-node all-to-all of N rows per local peer at the intra bits and one
-      requantized row to each other node at the cross bits; otherwise one all-to-all of one row
-      per peer (intra bits inside one node, else the cross bits);
-    * stage 0: one all-reduce of each whole (unpadded) unit, ``2 * bytes // W`` to each peer;
-    * ``weight_diff`` (qWD), the steady state (a step after the first): stages 1-2 gather the
-      quantized differences instead of the parameters; stage 3 gathers only from the secondary
-      (forward and backward) plus one quantized difference gather over the world per unit.
-
-    The loss / norm all-reduce and the per-micro-batch after-forward check are control messages
-    that CommStats does not count; :func:`control_messages` gives them for the time model."""
-    W, R, N = c.world, c.ranks_per_node, c.nodes
-    out: list[Message] = []
-    a, db = w.grad_accum, w.dtype_bytes
-    h = w.hpz_size or R
-
-    def gather(kind: str, cols: int, nodes: int, ranks: int, count: int, spec: QuantSpec | None) -> None:
-        for width, calls in chunk_widths(cols, nodes * ranks, w.allgather_bucket).items():
-            b = _wire_bytes(spec, width, spec.bits, DEFAULT_WEIGHT_GROUP_SIZE) if spec else width * db
-            out.append(Message(kind, "ring_ag", nodes, ranks, b, calls * count, ui))
-
-    for ui, numel in enumerate(w.units):
-        shard = -(-numel // W)  # elements per rank after padding to the world size
-        if w.stage == 3:
-            if w.hpz and w.weight_diff:  # qWD: the secondaries persist; refreshed by differences
-                sec = W * shard // h
-                gather("fwd_all_gather", sec, 1, h, a, None)
-                gather("bwd_all_gather", sec, 1, h, a, None)
-                gather("weight_diff_all_gather", shard, N, R, 1, w.weight_diff)
-            elif w.hpz:
-                sec = W * shard // h  # the secondary partition: [padded / h]
-                gather("fwd_all_gather", shard, N, R, 1, w.weights)
-                if a > 1:
-                    gather("fwd_all_gather", sec, 1, h, a - 1, None)
-                gather("bwd_all_gather", sec, 1, h, a, None)
-            else:
-                gather("fwd_all_gather", shard, N, R, a, w.weights)
-                gather("bwd_all_gather", shard, N, R, a, w.weights)
-        rs_count = a if w.stage >= 2 else 1
-        if w.stage == 0:
-            out.append(Message("grad_all_reduce", "all_reduce", N, R, 2 * numel * db // W, 1, ui))
-            continue
-        for width, calls in chunk_widths(shard, W, w.reduce_bucket).items():
-            k = calls * rs_count
-            if w.grads:
-                ib, cb = w.grads.hop_bits
-                row_i = _wire_bytes(w.grads, width, ib, DEFAULT_GRAD_GROUP_SIZE)  # one row at the intra bits
-                row_c = _wire_bytes(w.grads, width, cb, DEFAULT_GRAD_GROUP_SIZE)  # one row at the cross bits
-                if N > 1 and R > 1:  # intra hop: each local peer gets the N rows it reduces
-                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, N * row_i, k, ui))
-                    # cross hop: one requantized row to each node's same-local-rank peer
-                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k, ui))
-                elif N == 1:
-                    out.append(Message("grad_reduce_scatter", "a2a_intra", 1, R, row_i, k, ui))
-                else:  # one rank per node: a single all-to-all across nodes
-                    out.append(Message("grad_reduce_scatter", "a2a_cross", N, 1, row_c, k, ui))
-            else:
-                out.append(Message("grad_reduce_scatter", "ring_rs", N, R, width * db, k, ui))
-        if w.stage in (1, 2):
-            if w.weight_diff:
-                gather("weight_diff_all_gather", shard, N, R, 1, w.weight_diff)
-            else:
-                gather("param_all_gather", shard, N, R, 1, None)
-    return out
+    the counted collectives of :func:`plan_for` (``zeropp.runtime.plan`` says what they are), merged
+    by :func:`plan_messages`. The loss / norm all-reduce and the per-micro-batch after-forward
+    check are control messages that CommStats does not count; :func:`control_messages` gives them
+    for the time model."""
+    return plan_messages(plan_for(w, c))
 
 
 def control_messages(w: Workload, c: Cluster) -> int:
     """Small uncounted all-reduces per step: the loss and squared-norm sum, and the per-forward
     check that no rank's forward failed (stage 3: and that every rank ran the same blocks), one
     per micro-batch. They cost latency only."""
-    return 1 + w.grad_accum if c.world > 1 else 0
+    return sum(1 for m in plan_for(w, c).collectives if m.kind == CommKind.CONTROL)
 
 
 def control_time(w: Workload, c: Cluster) -> float:
     """Seconds of the :func:`control_messages` (latency-bound all-reduces of a few scalars)."""
-    scalars = Message("control", "all_reduce", c.nodes, c.ranks_per_node, 16, 1)
+    scalars = Message(CommKind.CONTROL, "all_reduce", c.nodes, c.ranks_per_node, CONTROL_BYTES, 1)
     return control_messages(w, c) * collective_time(scalars, c)
 
 

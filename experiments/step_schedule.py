@@ -45,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from zeropp.runtime.plan_kinds import Phase
+
 from .scaling import (
     GBPS, Cluster, Message, Projection, Workload, collective_time, control_time, link_terms, messages,
     node_cross_bytes, pairwise_bytes, quant_time, uplink_bytes,
@@ -53,9 +55,6 @@ from .scaling import (
 FORWARD_SHARE = 1.0 / 3.0
 """Share of a step's compute spent in forward (backward is about twice the forward's FLOPs)."""
 
-PHASES = {"fwd_all_gather": "fwd", "bwd_all_gather": "bwd", "grad_reduce_scatter": "reduce",
-          "grad_all_reduce": "reduce", "param_all_gather": "post", "weight_diff_all_gather": "post"}
-"""CommStats kind of a message -> the point of the step where the engine issues it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +107,16 @@ def message_transfer(m: Message, c: Cluster) -> Transfer:
 
 def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
     """Per-unit costs of one micro-batch (root first): ``compute_s`` split by :data:`FORWARD_SHARE`
-    and by elements; each message of :func:`~experiments.scaling.messages` under its unit and phase
-    (a message of ``count`` calls per step costs ``count / grad_accum`` per micro-batch, except the
+    and by elements; each message of :func:`~experiments.scaling.messages` under its unit and the
+    phase the communication plan (``zeropp.runtime.plan``) issues it in (a message of ``count`` calls per step costs ``count / grad_accum`` per micro-batch, except the
     post-step ones and stages 0-1's reduction, which are per step); quantization per unit and
     phase from :func:`~experiments.scaling.quant_time`."""
     a = w.grad_accum
     total = sum(w.units)
     by: dict[tuple[int, str], Transfer] = defaultdict(Transfer)
     for m in messages(w, c):
-        phase = PHASES[m.kind]
-        once = phase == "post" or (phase == "reduce" and w.stage < 2)  # per step, not per micro-batch
+        phase = m.phase
+        once = phase == Phase.POST or (phase == Phase.REDUCE and w.stage < 2)  # per step, not per micro-batch
         by[(m.unit, phase)] += message_transfer(m, c) * (m.count if once else m.count / a)
     out = []
     for i, n in enumerate(w.units):
@@ -131,91 +130,129 @@ def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
         share = n / total
         out.append(UnitCosts(
             fwd_s=w.compute_s * FORWARD_SHARE * share / a, bwd_s=w.compute_s * (1 - FORWARD_SHARE) * share / a,
-            fwd=by[(i, "fwd")] + Transfer(fwd_q), bwd=by[(i, "bwd")] + Transfer(bwd_q),
-            reduce=by[(i, "reduce")] + Transfer(red_q), post=by[(i, "post")] + Transfer(q_diff)))
+            fwd=by[(i, Phase.FWD)] + Transfer(fwd_q), bwd=by[(i, Phase.BWD)] + Transfer(bwd_q),
+            reduce=by[(i, Phase.REDUCE)] + Transfer(red_q), post=by[(i, Phase.POST)] + Transfer(q_diff)))
     return out
 
 
-class _Timeline:
-    """The two resources' clocks; :meth:`issue` returns when a transfer is done."""
+Tag = tuple[int, str, int]
+"""(unit index, phase, micro-batch; -1: once per step) of a traced interval."""
 
-    def __init__(self) -> None:
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """One traced piece of a scheduled step (:func:`scheduled_step_s` with ``trace``)."""
+
+    lane: str
+    """``compute`` (the unit's forward/backward), ``comm_compute`` (CPU ranks' collective work on the
+    compute resource), ``quantization`` or ``link``."""
+    start_s: float
+    end_s: float
+    tag: Tag
+
+
+class _Timeline:
+    """The two resources' clocks; :meth:`issue` returns when a transfer is done. With ``trace`` every
+    nonzero interval is appended to it."""
+
+    def __init__(self, trace: list[Interval] | None = None) -> None:
         self.compute = 0.0
         self.link = 0.0
+        self.trace = trace
 
-    def issue(self, t: Transfer) -> float:
+    def _note(self, lane: str, start: float, end: float, tag: Tag | None) -> None:
+        if self.trace is not None and tag is not None and end > start:
+            self.trace.append(Interval(lane, start, end, tag))
+
+    def issue(self, t: Transfer, tag: Tag | None = None) -> float:
+        self._note("quantization", self.compute, self.compute + t.quant_s, tag)
         self.compute += t.quant_s  # quantize first: the transfer sends its output
         start = self.compute
         self.compute += t.compute_s  # (CPU ranks) latency and copies, while the link moves the bytes
+        self._note("comm_compute", start, self.compute, tag)
         link_end = max(self.link, start) + t.link_s if t.link_s else start
+        self._note("link", link_end - t.link_s, link_end, tag)
         self.link = max(self.link, link_end)
         return max(self.compute, link_end)
 
     def wait(self, done: float) -> None:
         self.compute = max(self.compute, done)
 
-    def run(self, seconds: float) -> None:
+    def run(self, seconds: float, tag: Tag | None = None) -> None:
+        self._note("compute", self.compute, self.compute + seconds, tag)
         self.compute += seconds
 
 
 def _gathered(tl: _Timeline, first: Transfer, blocks: list[tuple[Transfer, float]], prefetch: int, *,
-              after_first: float, reduces: list[Transfer] | None = None, out: list[float] | None = None) -> None:
+              after_first: float, reduces: list[Transfer] | None = None, out: list[float] | None = None,
+              tags: tuple[Tag, list[int]] | None = None) -> None:
     """One pass of stage 3 (forward, or backward with ``reduces``): the root's gather and wait,
     ``after_first`` seconds of the root's compute, then per block (gather, compute) in this
     order: wait its gather (issuing it now if no prefetch did), issue the next ``prefetch``
-    blocks' gathers, compute, and issue its reduce-scatter (``reduces[k]``, done times to ``out``)."""
+    blocks' gathers, compute, and issue its reduce-scatter (``reduces[k]``, done times to ``out``).
+    ``tags``: the root's tag and the blocks' unit indices, for a traced timeline."""
     done: dict[int, float] = {}
+    root_tag, units = tags if tags is not None else (None, [])
+
+    def tag(k: int, phase: str | None = None) -> Tag | None:
+        return None if root_tag is None else (units[k], phase or root_tag[1], root_tag[2])
 
     def issue(k: int) -> None:
         if k < len(blocks) and k not in done:
-            done[k] = tl.issue(blocks[k][0])
+            done[k] = tl.issue(blocks[k][0], tag(k))
 
-    tl.wait(tl.issue(first))
+    tl.wait(tl.issue(first, root_tag))
     for k in range(max(prefetch, 0)):
         issue(k)
-    tl.run(after_first)
+    tl.run(after_first, root_tag)
     for k, (_, seconds) in enumerate(blocks):
         issue(k)
         tl.wait(done[k])
         for j in range(k + 1, k + 1 + max(prefetch, 0)):
             issue(j)
-        tl.run(seconds)
+        tl.run(seconds, tag(k))
         if reduces is not None and out is not None:
-            out.append(tl.issue(reduces[k]))
+            out.append(tl.issue(reduces[k], tag(k, Phase.REDUCE)))
 
 
 def scheduled_step_s(units: list[UnitCosts], *, stage: int, micro_batches: int = 1, prefetch: int = 1,
-                     control_s: float = 0.0) -> float:
+                     control_s: float = 0.0, trace: list[Interval] | None = None) -> float:
     """Step time of ``units`` (root first, then the blocks in forward order) under the engine's
     issue order (module doc); ``prefetch``: stage 3's ``prefetch_depth``; ``control_s``: the
-    uncounted scalar all-reduces, charged at the end."""
+    uncounted scalar all-reduces, charged at the end; ``trace``: gets every interval of the step
+    (:class:`Interval`, tagged with unit, phase and micro-batch), for a timeline."""
     if not units:
         raise ValueError("no units")
     root, blocks = units[0], units[1:]
-    tl = _Timeline()
+    fwd_order, bwd_order = list(range(1, len(units))), list(range(len(units) - 1, 0, -1))
+    tl = _Timeline(trace)
     for mb in range(micro_batches):
         last = mb == micro_batches - 1
         reduces = []
         if stage == 3:  # gathers: wait for this block's, then issue the next ``prefetch`` blocks'
-            _gathered(tl, root.fwd, [(b.fwd, b.fwd_s) for b in blocks], prefetch, after_first=0.0)
-            tl.run(root.fwd_s)
+            _gathered(tl, root.fwd, [(b.fwd, b.fwd_s) for b in blocks], prefetch, after_first=0.0,
+                      tags=((0, Phase.FWD, mb), fwd_order))
+            tl.run(root.fwd_s, (0, Phase.FWD, mb))
             _gathered(tl, root.bwd, [(b.bwd, b.bwd_s) for b in reversed(blocks)], prefetch, after_first=root.bwd_s,
-                      reduces=[b.reduce for b in reversed(blocks)] if stage >= 2 else None, out=reduces)
+                      reduces=[b.reduce for b in reversed(blocks)] if stage >= 2 else None, out=reduces,
+                      tags=((0, Phase.BWD, mb), bwd_order))
         else:
-            tl.run(sum(u.fwd_s for u in units) + root.bwd_s)
-            for b in reversed(blocks):
-                tl.run(b.bwd_s)
+            for i, u in [*zip(fwd_order, blocks), (0, root)]:
+                tl.run(u.fwd_s, (i, Phase.FWD, mb))
+            tl.run(root.bwd_s, (0, Phase.BWD, mb))
+            for i, b in zip(bwd_order, reversed(blocks)):
+                tl.run(b.bwd_s, (i, Phase.BWD, mb))
                 if stage == 2:
-                    reduces.append(tl.issue(b.reduce))
+                    reduces.append(tl.issue(b.reduce, (i, Phase.REDUCE, mb)))
         if stage >= 2:
-            reduces.append(tl.issue(root.reduce))
+            reduces.append(tl.issue(root.reduce, (0, Phase.REDUCE, mb)))
         elif last:  # stages 0-1: every unit once, after the last backward, in backward order
-            reduces += [tl.issue(u.reduce) for u in [*reversed(blocks), root]]
+            reduces += [tl.issue(units[i].reduce, (i, Phase.REDUCE, -1)) for i in [*bwd_order, 0]]
         for d in reduces:
             tl.wait(d)
-    for d in [tl.issue(u.post) for u in units]:
+    for d in [tl.issue(u.post, (i, Phase.POST, -1)) for i, u in enumerate(units)]:
         tl.wait(d)
-    tl.run(control_s)
+    tl.run(control_s, (-1, Phase.CONTROL, -1))
     return tl.compute
 
 

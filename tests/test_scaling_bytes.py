@@ -1,11 +1,10 @@
-"""The scaling model's bytes are the engine's bytes: one real training step per configuration on
-gloo worlds, CommStats (by kind and link, on every rank) against ``experiments.scaling``'s
-messages, exactly -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
-applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies; with
-weight differences (qWD) the second step's bytes (the steady state the model describes).
-
-One world launch runs many engines one after another (a launch costs seconds), and one world
-hosts several topologies (4 ranks: 1x4, 2x2 and 4x1)."""
+"""The scaling model's bytes are the engine's bytes. ``experiments.scaling``'s messages are the
+communication plan's (``zeropp.runtime.plan``), checked here for every configuration of
+``plan_helpers.WORLDS`` -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
+applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies, qWD's steady
+state -- and the plan is checked against the engine's CommStats for the same set in one process
+(``tests/test_runtime_plan.py``). End to end, one real 4-rank gloo world (2x2 and 1x4, and tp=2)
+compares CommStats on every rank, and each node's uplink, with the model."""
 
 from __future__ import annotations
 
@@ -13,58 +12,28 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed import run_world
-from tests.runtime_helpers import TINY, train_engine
+from tests.plan_helpers import SMALL_BUCKETS, WORLDS, ZPP
+from tests.runtime_helpers import TINY, rank_batches, train_engine
 from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.models import GPT
 from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
 
 UNITS = gpt_units(vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers,
                   mlp_ratio=TINY.mlp_ratio)
 
 
-def _recipe_configs() -> list[dict[str, Any]]:
-    """Every recipe at every stage it is valid for, and hpZ on/off where weights are sharded."""
-    out: list[dict[str, Any]] = []
-    for r in RECIPES.values():
-        for stage in (0, 1, 2, 3):
-            if (r.weights or r.hpz) and stage != 3 or r.grads and stage == 0:
-                continue
-            for hpz in sorted({r.hpz, True} if stage == 3 else {False}):
-                kw = dict(stage=stage, weights=r.weights, grads=r.grads, hpz=hpz)
-                if r.weight_diff is not None:
-                    if stage == 0 or (stage == 3 and not hpz):
-                        continue  # qWD refreshes stages 1-2 replicas or stage 3's hpZ secondaries
-                    kw["weight_diff"] = r.weight_diff
-                if kw not in out:
-                    out.append(kw)
-    return out
-
-
-ZPP = dict(stage=3, weights=RECIPES["zeropp"].weights, grads=RECIPES["zeropp"].grads, hpz=True)
-SMALL_BUCKETS = dict(allgather_bucket_size=1000, reduce_bucket_size=3001)  # several chunks per unit, ragged last
-
-# (nodes, configs) per world size: every (topology, config) pair is checked on every rank
-WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
-    4: [(2, _recipe_configs() + [
-            {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2},
-            dict(stage=1, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS),
-            dict(stage=2, grads=QuantSpec(bits=4, intra_bits=8, group_size=64)),
-            dict(stage=3, weights=QuantSpec(bits=4, group_size=100), hpz=False, grad_accum_steps=2),
-            dict(stage=0, grad_accum_steps=2), dict(stage=1, grad_accum_steps=2),
-            # qWD at stages 1-2 (quant=qwd zero.hpz=false): the parameter refresh sends differences
-            dict(stage=1, hpz=False, weight_diff=RECIPES["qwd"].weight_diff),
-            dict(stage=2, hpz=False, grads=RECIPES["qgz"].grads, weight_diff=QuantSpec(bits=8, group_size=64),
-                 **SMALL_BUCKETS)]),
-        (1, [ZPP, dict(stage=2, grads=RECIPES["qgz"].grads), dict(stage=0)]),  # one node: hpZ and qgZ in the node
-        (4, [ZPP, dict(stage=1, grads=RECIPES["w8g4"].grads)])],  # one rank per node: hpZ group of 1
-    6: [(3, [ZPP, {**ZPP, "grad_accum_steps": 2}, dict(stage=0), dict(stage=1, grads=RECIPES["qgz"].grads),
-             dict(stage=3, weights=RECIPES["w4g4"].weights, grads=RECIPES["w4g4"].grads, **SMALL_BUCKETS),
-             dict(stage=3, weights=RECIPES["sdp4bit"].weights, grads=RECIPES["sdp4bit"].grads, hpz=True,
-                  weight_diff=RECIPES["sdp4bit"].weight_diff, **SMALL_BUCKETS)]),
-        (2, [ZPP])],
-    8: [(2, [{**ZPP, "hpz_size": 2}, dict(stage=2, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS)])],
-}
+E2E: list[tuple[int, list[dict[str, Any]]]] = [
+    (2, [{**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2}, dict(stage=0),
+         dict(stage=2, hpz=False, grads=RECIPES["qgz"].grads, weight_diff=QuantSpec(bits=8, group_size=64),
+              **SMALL_BUCKETS)]),
+    (1, [ZPP])]
+"""(nodes, configs) of the 4-rank gloo world: the end-to-end check of the byte model (every recipe,
+stage and topology of ``plan_helpers.WORLDS`` is checked in one process, ``tests/test_runtime_plan.py``)."""
+TP_CONFIGS = [ZPP, dict(stage=2, grads=RECIPES["qgz"].grads, reduce_bucket_size=999), dict(stage=1)]
+"""Tensor parallelism (tp=2 on 2x2): ZeRO over the data-parallel ranks, with the units' TP-local sizes."""
 
 
 def _steady(kw: dict[str, Any], rank: int, world: int, nodes: int) -> dict[str, dict[str, int]]:
@@ -76,9 +45,30 @@ def _steady(kw: dict[str, Any], rank: int, world: int, nodes: int) -> dict[str, 
     return {k: {ln: b - first.get(k, {}).get(ln, 0) for ln, b in links.items()} for k, links in second.items()}
 
 
-def _steps(rank: int, world: int, plan: list[tuple[int, list[dict[str, Any]]]]) -> list[list[dict]]:
-    """One (steady-state) step of each config under each topology; this rank's CommStats snapshots."""
-    return [[_steady(kw, rank, world, nodes) for kw in cfgs] for nodes, cfgs in plan]
+def _tp_step(rank: int, world: int, kw: dict[str, Any]) -> tuple[tuple, dict[str, dict[str, int]]]:
+    """One step of a tp=2 engine on 2x2: the TP-local units (``plan_units``) and this rank's CommStats."""
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+    from zeropp.runtime.plan import plan_units
+    from zeropp.runtime.tensor_parallel import make_mesh, parallelize
+
+    topo = Topology(nodes=2, ranks_per_node=world // 2, tp=2)
+    torch.manual_seed(0)
+    m = parallelize(GPT(TINY), make_mesh(topo))
+    units = plan_units(m)
+    eng = ZeroEngine(m, config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=1e-3), topology=topo)
+    try:
+        eng.train_step(rank_batches(0, ZeroConfig(**kw).grad_accum_steps, topo.dp_index(rank), TINY))
+        return units, eng.comm_stats.snapshot()
+    finally:
+        eng.close()
+
+
+def _steps(rank: int, world: int, plan: list[tuple[int, list[dict[str, Any]]]]) -> list[list[Any]]:
+    """One (steady-state) step of each config under each topology, then of each tensor-parallel
+    config; this rank's CommStats snapshots."""
+    return [*([_steady(kw, rank, world, nodes) for kw in cfgs] for nodes, cfgs in plan),
+            [_tp_step(rank, world, kw) for kw in TP_CONFIGS]]
 
 
 def _flat(snap: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -93,10 +83,21 @@ def _predicted(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, floa
     return pairwise_bytes(messages(w, c)), c, w
 
 
-@pytest.mark.parametrize("world", sorted(WORLDS))
-def test_predicted_bytes_equal_commstats(world: int) -> None:
-    plan = WORLDS[world]
+def test_predicted_bytes_equal_commstats() -> None:
+    """On a real 4-rank gloo world: the byte model (and so the plan it reads) is what the engine
+    sends, per kind and link on every rank and per node uplink; with tp=2 the plan of the TP-local
+    units is."""
+    from zeropp.comm import Topology
+    from zeropp.runtime import ZeroConfig
+    from zeropp.runtime.plan import build_plan
+
+    world, plan = 4, E2E
     per_rank = run_world(_steps, world, plan, timeout=300)
+    for i, kw in enumerate(TP_CONFIGS):
+        for rank in range(world):
+            units, snap = per_rank[rank][len(plan)][i]
+            tp_plan = build_plan(units, ZeroConfig(**kw), Topology(nodes=2, ranks_per_node=2, tp=2))
+            assert _flat(snap) == tp_plan.bytes_by_kind(), f"tp=2 rank {rank} {kw}"
     for t, (nodes, cfgs) in enumerate(plan):
         rpn = world // nodes
         for i, kw in enumerate(cfgs):
@@ -111,8 +112,26 @@ def test_predicted_bytes_equal_commstats(world: int) -> None:
                 assert sent == uplink_bytes(messages(w, c), c), f"node {node}, {where}"
 
 
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_model_bytes_are_the_plans(world: int) -> None:
+    """Per kind and link, the byte model's pairwise bytes are the plan's; a node's uplink (one NIC,
+    pairwise wire) carries its ranks' cross-node bytes."""
+    from zeropp.comm import Topology
+    from zeropp.runtime import ZeroConfig
+    from zeropp.runtime.plan import build_plan
+
+    for nodes, cfgs in WORLDS[world]:
+        rpn = world // nodes
+        for kw in cfgs:
+            pred, c, w = _predicted(kw, nodes, rpn)
+            plan = build_plan(UNITS, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=rpn))
+            assert pred == plan.bytes_by_kind(), (nodes, kw)
+            cross = sum(b for k, b in pred.items() if k.endswith(".cross"))
+            assert uplink_bytes(messages(w, c), c) == rpn * cross, (nodes, kw)
+
+
 def test_configs_cover_every_recipe_and_stage() -> None:
-    """The parametrised set really holds every preset (and hpZ both ways at stage 3)."""
+    """The checked set (``plan_helpers.WORLDS``) really holds every preset (and hpZ both ways at stage 3)."""
     cfgs = WORLDS[4][0][1]
     for name, r in RECIPES.items():
         assert any(kw.get("weights") == r.weights and kw.get("grads") == r.grads and kw["hpz"] == r.hpz

@@ -1,0 +1,43 @@
+"""``python -m experiments.plan``: the printed plan, the timeline PNG and the Chrome trace agree with
+the communication plan; bad inputs exit 2 naming the key. Timing is not asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.plan import LANES, load_config, main, model_units
+from zeropp.comm import Topology
+from zeropp.runtime.plan import build_plan
+from zeropp.runtime.plan_kinds import CommKind
+
+
+def test_tiny_writes_a_png_and_a_trace_whose_bytes_are_the_plans(tmp_path, capsys) -> None:
+    args = ["model=tiny", "quant=zeropp", "topology=2x2", "zero.allgather_bucket_size=1000"]
+    assert main([*args, "--nodes", "2,4", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "plan_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "plan_trace.json").read_text())
+    rc = load_config(args)
+    units = model_units(rc)
+    printed = capsys.readouterr().out
+    for pid, nodes in enumerate((2, 4)):
+        plan = build_plan(units, rc.zero, Topology(nodes=nodes, ranks_per_node=2))
+        comm = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid
+                and LANES[e["tid"]].endswith("link")]
+        assert {e["name"].split("[")[0] for e in comm} <= {k.value for k in CommKind}
+        assert len(comm) == len(plan.collectives)
+        assert sum(e["args"]["bytes"] for e in comm) == plan.total_bytes()
+        assert any(e["name"] == "fwd_all_gather[1]" for e in comm)  # several buckets per unit
+        assert f"{plan.total_bytes() - sum(v for k, v in plan.bytes_by_kind().items() if k.endswith('cross')):,d}" \
+            in printed
+
+
+@pytest.mark.parametrize("argv,key", [(["model=tiny", "--nodes", "0"], "--nodes"),
+                                      (["model=tiny", "plan.colour=red"], "plan.colour"),
+                                      (["model=tiny", "trainer=ddp"], "trainer=ddp"),
+                                      (["model=tiny", "zero.stage=7"], "stage")])
+def test_bad_inputs_exit_2_naming_the_key(argv: list[str], key: str, tmp_path, capsys) -> None:
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and key in err

@@ -1,0 +1,154 @@
+"""The vocabulary of a step's communication: kinds, groups, links, algorithms, and the bucketing rule.
+
+Why one module: the engine records its collectives under kind strings (``CommStats`` keys, which
+also name the runner's summary fields and wandb keys), the byte and time models name the same
+kinds, and the engine and the models each cut a large collective into bucket chunks. Declaring
+each spelling and the chunking rule once here lets :mod:`zeropp.runtime.plan` (the one declaration
+of a step's communication) and everything that reads it agree by construction.
+
+Every enum is a ``str`` enum whose values are today's strings, so a member compares equal to, hashes
+like and formats as the string it replaces: nothing changes on the wire, in ``CommStats`` snapshots,
+in summaries or in wandb keys.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from zeropp.comm.spec import QuantSpec
+from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+
+
+class _StrEnum(str, enum.Enum):
+    """A str enum that prints and formats as its value (``enum.StrEnum`` needs Python 3.11)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class CommKind(_StrEnum):
+    """What a collective is for: the ``kind`` it is recorded under in ``zeropp.comm.CommStats``."""
+
+    FWD_ALL_GATHER = "fwd_all_gather"
+    """Stage 3: a unit's parameters gathered before its forward (qwZ quantizes it)."""
+    BWD_ALL_GATHER = "bwd_all_gather"
+    """Stage 3: a unit's parameters gathered again before its backward (hpZ: inside the group)."""
+    FROZEN_ALL_GATHER = "frozen_all_gather"
+    """Stage 3: a frozen unit's gather, forward and backward alike (MixZ++: its stored wire rows)."""
+    GRAD_REDUCE_SCATTER = "grad_reduce_scatter"
+    """Stages 1-3: gradient reduce-scatter (qgZ: both all-to-all hops are recorded under it)."""
+    GRAD_ALL_REDUCE = "grad_all_reduce"
+    """Stage 0 (and replicated stage-3 units): gradient all-reduce."""
+    PARAM_ALL_GATHER = "param_all_gather"
+    """Stages 1-2: the updated parameter shards gathered after the optimizer step."""
+    WEIGHT_DIFF_ALL_GATHER = "weight_diff_all_gather"
+    """qWD: the quantized weight differences gathered after the optimizer step."""
+    CHECKPOINT = "checkpoint"
+    """Gathers of a checkpoint save or a consolidated state dict (not part of a training step)."""
+    CONTROL = "control"
+    """Loss / norm sums and the after-forward agreement: a few scalars, not counted by CommStats."""
+    DDP_ALL_REDUCE = "ddp_all_reduce"
+    """``zeropp.comm.ddp``'s communication hook (the DDP trainers)."""
+    FSDP_ALL_GATHER = "fsdp_all_gather"
+    """``zeropp.comm.fsdp``'s FSDP2 all-gather hook."""
+    FSDP_REDUCE_SCATTER = "fsdp_reduce_scatter"
+    """``zeropp.comm.fsdp``'s FSDP2 reduce-scatter hook."""
+    ALL_GATHER = "all_gather"
+    """A plain ``torch.distributed`` all-gather (``experiments.commwatch``; ``zeropp.comm``'s default)."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """A plain reduce-scatter (as above)."""
+    ALL_REDUCE = "all_reduce"
+    """A plain all-reduce (as above; tensor parallelism's activation sums)."""
+    ALL_TO_ALL = "all_to_all"
+    """A plain all-to-all (as above)."""
+    BROADCAST = "broadcast"
+    """A plain broadcast (as above; the engine's initial weight sync)."""
+    SCATTER = "scatter"
+    """A plain scatter (as above)."""
+    REDUCE = "reduce"
+    """A plain reduce (as above)."""
+    GATHER = "gather"
+    """A plain gather (as above)."""
+
+
+STEP_KINDS = (CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, CommKind.FROZEN_ALL_GATHER,
+              CommKind.GRAD_REDUCE_SCATTER, CommKind.GRAD_ALL_REDUCE, CommKind.PARAM_ALL_GATHER,
+              CommKind.WEIGHT_DIFF_ALL_GATHER, CommKind.CONTROL)
+"""The kinds a ZeroEngine training step issues (what a :class:`~zeropp.runtime.plan.CommPlan` holds)."""
+
+
+class Group(_StrEnum):
+    """The process group a collective runs over (``zeropp.comm.topology``'s families)."""
+
+    WORLD = "world"
+    """ZeRO's data-parallel world (the default group, or the dp group when ``tp > 1``)."""
+    INTRA = "intra"
+    """The (data-parallel) ranks of one node: qgZ's first hop."""
+    CROSS = "cross"
+    """One rank per node, same local index: qgZ's second hop."""
+    HPZ = "hpz"
+    """hpZ's secondary-partition group inside a node."""
+    TP = "tp"
+    """The tensor-parallel ranks of a node."""
+    DEFAULT = "default"
+    """Every rank, tensor-parallel ones included (the control scalars)."""
+
+
+class Link(_StrEnum):
+    """A link class: ``CommStats`` splits a rank's sent bytes into these."""
+
+    INTRA = "intra"
+    CROSS = "cross"
+
+
+class Algo(_StrEnum):
+    """How a collective moves its bytes (what the time model charges)."""
+
+    RING_AG = "ring_ag"
+    """All-gather: this rank's chunk to every other member."""
+    RING_RS = "ring_rs"
+    """Reduce-scatter: each member's chunk to it."""
+    ALL_REDUCE = "all_reduce"
+    """All-reduce: ``2 / g`` of the buffer to each member (both halves in one chunk)."""
+    A2A_INTRA = "a2a_intra"
+    """qgZ's intra-node all-to-all."""
+    A2A_CROSS = "a2a_cross"
+    """qgZ's cross-node all-to-all (one rank per node)."""
+
+
+class Phase(_StrEnum):
+    """Where in a step a collective is issued."""
+
+    FWD = "fwd"
+    """Before a unit's forward (stage-3 gathers)."""
+    BWD = "bwd"
+    """Before a unit's backward (stage-3 gathers)."""
+    REDUCE = "reduce"
+    """After a unit's backward (stages 2-3), or after the last backward (stages 0-1)."""
+    POST = "post"
+    """After the optimizer step (parameter refresh)."""
+    CONTROL = "control"
+    """The uncounted scalar all-reduces."""
+
+
+def chunk_ranges(cols: int, rows: int, bucket: int) -> list[tuple[int, int]]:
+    """Column ranges ``[a, b)`` of a ``[rows, cols]`` collective cut so that each chunk moves at most
+    ``bucket`` elements: the whole buffer when it fits, else equal chunks of ``max(1, bucket // rows)``
+    columns, the last one shorter. Each chunk is one call, quantized with its own scales. (A bucket
+    smaller than a row still sends one column per call rather than refusing.)"""
+    if cols < 0 or rows < 1 or bucket < 1:
+        raise ValueError(f"chunk_ranges(cols={cols}, rows={rows}, bucket={bucket}): need cols >= 0, rows >= 1, "
+                         f"bucket >= 1")
+    if rows * cols <= bucket:
+        return [(0, cols)]
+    c = max(1, bucket // rows)
+    return [(a, min(a + c, cols)) for a in range(0, cols, c)]
+
+
+def group_size_of(spec: QuantSpec, *, weights: bool) -> int:
+    """Elements per quantization scale of ``spec``: its own ``group_size``, else the kernels' default
+    for weights (qwZ, qWD, MixZ++) or for gradients (qgZ)."""
+    return spec.group_size or (DEFAULT_WEIGHT_GROUP_SIZE if weights else DEFAULT_GRAD_GROUP_SIZE)
