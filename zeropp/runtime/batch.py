@@ -159,14 +159,15 @@ def per_rank(messages: Mapping[int, str]) -> str:
 def control_group(backend: str | None = None) -> dist.ProcessGroup | None:
     """Collective (every rank of the default group calls it, e.g. when an engine is built): the
     group the per-micro-step host checks use (:func:`host_max`). None (the default group) when it
-    already carries CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` default) or there is one rank;
-    else (NCCL) a new gloo group over every rank, which the caller destroys when done
+    already carries CPU tensors (gloo, a ``cpu:gloo,cuda:nccl`` default, any backend but NCCL) or
+    there is one rank; else (NCCL) a new gloo group over every rank, which the caller destroys when done
     (``dist.destroy_process_group(group)``). ``backend``: the default group's, read from it when
     None. Why a second group: an NCCL all-reduce read back on the host waits for every kernel
     queued before it, so a per-micro-step check there would stop the host at each forward."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    if "gloo" in str(backend if backend is not None else dist.get_backend()):
+    name = str(backend if backend is not None else dist.get_backend())
+    if "gloo" in name or "nccl" not in name:  # gloo, cpu:gloo,cuda:nccl, or another CPU-capable backend
         return None
     return dist.new_group(backend="gloo")
 
