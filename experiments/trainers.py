@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp.comm.backend import backend_all_reduce
 from zeropp.runtime import ZeroConfig
 
 from .config import RunConfig
@@ -210,7 +211,9 @@ class TorchTrainer:
         self.model.eval()
         try:
             loss = self._forward(idx, targets).detach().float().reshape(1)
-            dist.all_reduce(loss)  # the mean over ranks, as ZeroEngine.eval_loss
+            # the mean over ranks, as ZeroEngine.eval_loss; through the comm context, as the
+            # run's last collectives come right after (zeropp.comm.objects says why)
+            backend_all_reduce(loss, dist.ReduceOp.SUM, None, async_op=False)
             return float(loss) / dist.get_world_size()
         finally:
             self.model.train(was)

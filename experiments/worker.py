@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from zeropp.comm.backend import backend_all_reduce
 from zeropp.comm.objects import all_gather_json
 from zeropp.launch import heartbeat, select_device
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
@@ -248,7 +249,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             # loss and the skip flag gives every rank bitwise the same inputs, hence the same verdict
             red = torch.tensor([out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped)],
                                dtype=torch.float64, device=device)
-            dist.all_reduce(red)
+            backend_all_reduce(red, dist.ReduceOp.SUM, None, async_op=False)  # held by the comm context
             loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean = (float(x) / world for x in red.tolist())
             watch.take()  # the line's own all-reduce is not training traffic
             heartbeat("step_end", step)  # ends the first step's long phase

@@ -201,3 +201,43 @@ def test_readme_script_under_torchrun_exits_cleanly_every_time() -> None:
         if p.returncode != 0 or not ok or "terminate called" in p.stderr:
             failed.append(f"run {i}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}")
     assert not failed, f"{len(failed)} of {runs} runs failed:\n" + "\n".join(failed)
+
+
+# ------------------------------------------------------------------ backend threads at exit
+def _named_thread(name: str, busy: threading.Event, stop: threading.Event) -> threading.Thread:
+    """A thread that gives itself the Linux name ``name`` (as gloo's workers are named), then
+    spins while ``busy`` is set and sleeps otherwise, until ``stop``."""
+    import ctypes
+
+    def run() -> None:
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+        while not stop.is_set():
+            if busy.is_set():
+                sum(range(1000))  # runnable: state R
+            else:
+                stop.wait(0.05)  # asleep: state S
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread states from Linux /proc")
+def test_exit_waits_for_backend_threads_to_go_idle_and_gives_up_in_bounded_time(monkeypatch) -> None:
+    monkeypatch.setattr(context, "_BACKEND_THREADS", frozenset({"zpp_test_gloo"}))
+    busy, stop = threading.Event(), threading.Event()
+    busy.set()
+    t = _named_thread("zpp_test_gloo", busy, stop)
+    try:
+        time.sleep(0.1)
+        start = time.monotonic()
+        assert not context._backend_threads_settle(timeout=0.3)  # a thread still running: bounded wait
+        assert 0.3 <= time.monotonic() - start < 2.0
+        threading.Timer(0.2, busy.clear).start()
+        start = time.monotonic()
+        assert context._backend_threads_settle(timeout=5.0)  # settles once it sleeps
+        assert 0.15 <= time.monotonic() - start < 4.0
+    finally:
+        stop.set()
+        t.join(5)
+    assert context._backend_threads_settle(timeout=0.1)  # none left: at once

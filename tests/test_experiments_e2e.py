@@ -243,9 +243,10 @@ def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
              "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"]}
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    assert run_cli([*common, f"hydra.run.dir={ref}"]).returncode == 0
+    p = run_cli([*common, f"hydra.run.dir={ref}"])
+    assert p.returncode == 0, p.stderr[-3000:]
     p = run_cli([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
-    assert p.returncode != 0 and "injected fault" in p.stderr
+    assert p.returncode != 0 and "injected fault" in p.stderr, p.stderr[-3000:]
     p = run_cli([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"])
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)

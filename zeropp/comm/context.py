@@ -290,10 +290,57 @@ def current() -> CommContext:
         return _CURRENT
 
 
+SETTLE_TIMEOUT_S = 2.0
+"""How long interpreter exit waits for the backend's worker threads to go idle (best effort)."""
+
+_BACKEND_THREADS = frozenset({"pt_gloo_runloop"})  # gloo's per-group worker threads, as Linux names them
+
+
+def _backend_threads_settle(timeout: float = SETTLE_TIMEOUT_S, interval: float = 0.005) -> bool:
+    """Wait, at most ``timeout`` s, until every gloo worker thread of this process was asleep on
+    two samples in a row, ``interval`` apart, while this thread held no GIL (it sleeps between
+    samples). True when they settled (or there are none, or this is not Linux).
+
+    Why: :meth:`CommContext.issue` covers the tensors zeropp hands to the backend, but not those
+    torch's own collectives create and drop (``all_gather_object``'s temporaries, DTensor's
+    functional collectives in FSDP2's gradient clipping, DCP's planning exchanges). A gloo thread
+    that is still about to release one when the interpreter starts finalizing aborts the process
+    (the module docstring says why). Those threads outlive ``destroy_process_group()`` while
+    something in C++ still references their group (``fully_shard`` does), so they cannot be
+    joined from here; torch has no API to wait for them, hence reading each thread's scheduler
+    state from ``/proc`` (a thread waiting for the GIL gets it while this one sleeps, then goes
+    back to sleeping on its work queue)."""
+    task = f"/proc/{os.getpid()}/task"
+    deadline = time.monotonic() + timeout
+    calm = 0
+    while True:
+        try:
+            tids = os.listdir(task)
+        except OSError:
+            return True
+        states = []
+        for tid in tids:
+            try:
+                with open(f"{task}/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # the thread ended
+            if stat[stat.index("(") + 1 : stat.rindex(")")] in _BACKEND_THREADS:
+                states.append(stat[stat.rindex(")") + 2])
+        calm = calm + 1 if all(st == "S" for st in states) else 0
+        if calm >= 2 or not states:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
 def _close_at_exit() -> None:
     ctx = _CURRENT
     if ctx is not None:
         ctx.close()
+    if dist.is_available():
+        _backend_threads_settle()
 
 
 atexit.register(_close_at_exit)
