@@ -255,10 +255,13 @@ def _build_in_process(cache: str, log: str) -> str:
 
 
 def test_concurrent_builders_build_once(tmp_path: Path) -> None:
-    """Four processes starting at once on an empty cache: one builds, all get the same file."""
+    """Four processes starting at once on an empty cache: one builds, all get the same file.
+    Spawned, not forked: a fork of the test process (which by now has threads of its own, gloo's
+    and torch's) can copy a lock some other thread holds, and the child then waits forever; the
+    result's timeout turns any other hang into a failure."""
     log = tmp_path / "builds"
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        paths = pool.starmap(_build_in_process, [(str(tmp_path / "c"), str(log))] * 4)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        paths = pool.starmap_async(_build_in_process, [(str(tmp_path / "c"), str(log))] * 4).get(timeout=120)
     assert len(set(paths)) == 1 and len(log.read_text().split()) == 1
     data = Path(paths[0]).read_bytes()
     assert (tmp_path / "c" / "zq_x.so.sha256").read_text().strip() == _sha(data)
