@@ -113,3 +113,14 @@ def parity_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]
     """Several engines, one after another, in one world launch (a launch costs seconds)."""
     res = [train_engine(rank, world, kw, steps=steps, nodes=nodes, device=device, cfg=cfg) for kw in configs]
     return res if rank == 0 else [{"losses": r["losses"]} for r in res]
+
+
+def nccl_world(rank: int, world: int, store_path: str) -> None:
+    """In a ``run_world`` rank (gloo world already up): replace it with an NCCL world on GPU
+    ``rank``, through a file store at ``store_path`` (the cuda tests' multi-GPU setup)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))

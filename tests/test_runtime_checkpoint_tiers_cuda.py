@@ -28,16 +28,23 @@ MARGIN = 1 << 20
 CONFIGS = {"memory": {}, "cpu": dict(offload_optimizer="cpu"), "nvme": dict(offload_optimizer="nvme")}
 
 
+def _peak(fn, *args) -> tuple[int, int]:
+    """(GPU bytes allocated before ``fn(*args)``, peak bytes allocated while it ran)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(*args)
+    torch.cuda.synchronize()
+    return before, torch.cuda.max_memory_allocated()
+
+
 def _world(rank, world, store_path, root):
     import torch.distributed as dist
 
-    from tests.runtime_helpers import make_model, rank_batches
+    from tests.runtime_helpers import make_model, nccl_world, rank_batches
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    dist.destroy_process_group()
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    nccl_world(rank, world, store_path)
     out = {}
     for name, kw in CONFIGS.items():
         nvme = os.path.join(root, f"swap{rank}")
@@ -54,19 +61,9 @@ def _world(rank, world, store_path, root):
         ck = os.path.join(root, f"ck_{name}")
         saved = {(n, i): eng.optim.read_range(n, i, 0, eng.optim.numels[i]).clone()
                  for n in eng.optim.STATE for i in range(len(eng.optim.numels))}
-        torch.cuda.synchronize()
-        r["before"] = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        eng.save_checkpoint(ck)
-        torch.cuda.synchronize()
-        r["save_peak"] = torch.cuda.max_memory_allocated()
+        r["before"], r["save_peak"] = _peak(eng.save_checkpoint, ck)
         eng.train_step(batches[2])
-        torch.cuda.synchronize()
-        r["before_load"] = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        eng.load_checkpoint(ck)
-        torch.cuda.synchronize()
-        r["load_peak"] = torch.cuda.max_memory_allocated()
+        r["before_load"], r["load_peak"] = _peak(eng.load_checkpoint, ck)
         r["exact"] = all(torch.equal(saved[(n, i)], eng.optim.read_range(n, i, 0, eng.optim.numels[i]))
                          for n, i in saved)
         eng.close()

@@ -27,15 +27,10 @@ CONFIGS = {
 
 
 def _world(rank, world, store_path, nvme):
-    import torch.distributed as dist
-
-    from tests.runtime_helpers import make_model, rank_batches
+    from tests.runtime_helpers import make_model, nccl_world, rank_batches
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    dist.destroy_process_group()
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    nccl_world(rank, world, store_path)
     out = {}
     for name, kw in CONFIGS.items():
         if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_param")):
