@@ -302,7 +302,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     heartbeat("finish", long=True)  # rank 0 writes the results (and may sync wandb) while the others exit
     # through the comm context, not dist.gather_object: for ranks other than 0 this is the last
     # collective before exit (zeropp.comm.objects says why that matters)
-    gathered = all_gather_json(report, device=device if device.type == "cuda" else None)
+    gathered = all_gather_json(report, device=device)
     trainer.close()
     summary = None
     if lead:

@@ -288,7 +288,8 @@ def test_no_copies_around_hierarchical_qgz_2x2() -> None:
 def _engine_buckets(rank: int, W: int) -> dict:
     from zeropp.comm import QuantSpec, Topology, quantized_all_gather, quantized_reduce_scatter
     from zeropp.comm.stats import CommStats
-    from zeropp.runtime.collectives import EngineComm, _chunks
+    from zeropp.runtime.collectives import EngineComm
+    from zeropp.runtime.plan_kinds import chunk_ranges
 
     topo = Topology.single_node(W)
     comm = EngineComm(topo, CommStats())
@@ -302,11 +303,11 @@ def _engine_buckets(rank: int, W: int) -> dict:
         ptr = out.data_ptr()
         comm.all_gather(out, shard, spec=spec, bucket=bucket, kind="ag", async_op=False)
         old = torch.empty(W * S, dtype=dtype)  # the old path: each chunk through a contiguous temporary
-        for a, b in _chunks(S, W, bucket):
+        for a, b in chunk_ranges(S, W, bucket):
             tmp = torch.empty(W * (b - a), dtype=dtype)
             quantized_all_gather(tmp, shard[a:b], spec=spec, topology=topo)
             old.view(W, S)[:, a:b].copy_(tmp.view(W, b - a))
-        res[f"ag_{dtype}"] = (out.data_ptr() == ptr, torch.equal(out, old), len(_chunks(S, W, bucket)))
+        res[f"ag_{dtype}"] = (out.data_ptr() == ptr, torch.equal(out, old), len(chunk_ranges(S, W, bucket)))
 
         full = torch.randn(W * S, generator=gen).to(dtype)
         before = full.clone()
@@ -314,7 +315,7 @@ def _engine_buckets(rank: int, W: int) -> dict:
         comm.reduce_scatter(red, full, spec=QuantSpec(bits=8, intra_bits=4, group_size=128), bucket=bucket, kind="rs",
                             async_op=False)
         old_red = torch.empty(S, dtype=dtype)
-        for a, b in _chunks(S, W, bucket):  # the old path: a contiguous copy of each chunk's columns
+        for a, b in chunk_ranges(S, W, bucket):  # the old path: a contiguous copy of each chunk's columns
             quantized_reduce_scatter(old_red[a:b], full.view(W, S)[:, a:b].contiguous(), torch.distributed.ReduceOp.AVG,
                                      spec=QuantSpec(bits=8, intra_bits=4, group_size=128), topology=topo)
         res[f"rs_{dtype}"] = (torch.equal(red, old_red), torch.equal(full, before))

@@ -112,13 +112,13 @@ def test_kinds_are_the_strings_the_code_records() -> None:
     (1, 1, 1), (1, 4, 1), (7, 1, 3), (7, 3, 20), (7, 3, 21), (17, 257, 257 * 5), (17, 257, 257 * 5 + 256),
     (17, 257, 100), (257, 17, 4369), (257, 17, 4368), (5, 4, 10 ** 9), (0, 4, 10), (1000, 6, 3001)])
 def test_chunk_ranges_are_the_engines_and_the_models(cols: int, rows: int, bucket: int) -> None:
-    """The one bucketing rule equals the engine's (``runtime.collectives._chunks``) and the byte model's
-    ``chunk_widths`` on awkward sizes, and its chunks tile the columns within the bucket."""
+    """The one bucketing rule is the engine's (``runtime.collectives`` calls it) and equals the byte
+    model's ``chunk_widths`` on awkward sizes, and its chunks tile the columns within the bucket."""
     from experiments.scaling import chunk_widths
-    from zeropp.runtime.collectives import _chunks
+    from zeropp.runtime import collectives
 
     got = chunk_ranges(cols, rows, bucket)
-    assert got == _chunks(cols, rows, bucket)
+    assert collectives.chunk_ranges is chunk_ranges
     widths: dict[int, int] = {}
     for a, b in got:
         widths[b - a] = widths.get(b - a, 0) + 1

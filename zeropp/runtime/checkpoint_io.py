@@ -137,7 +137,7 @@ def ranks_where(device: torch.device, flag: bool) -> list[int]:
     """Collective over the default group: the ranks whose ``flag`` is True (one all-reduce)."""
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
     flags[dist.get_rank()] = int(flag)
-    dist.all_reduce(flags)
+    backend_all_reduce(flags, dist.ReduceOp.SUM, None, async_op=False)  # held by the comm context, as agree's
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 

@@ -39,6 +39,7 @@ from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
+from .plan_kinds import chunk_ranges
 from .streams import CommStreams
 
 
@@ -76,14 +77,6 @@ class Pending:
         buffers, self._buffers = self._buffers, None
         if buffers is not None:
             buffers.release()
-
-
-def _chunks(cols: int, rows: int, bucket: int) -> list[tuple[int, int]]:
-    """Column ranges of a ``[rows, cols]`` buffer so that each chunk has at most ``bucket`` elements."""
-    if rows * cols <= bucket:
-        return [(0, cols)]
-    c = max(1, bucket // rows)
-    return [(a, min(a + c, cols)) for a in range(0, cols, c)]
 
 
 class EngineComm:
@@ -133,7 +126,7 @@ class EngineComm:
             works: list = []
             finishes: list[Callable[[], None]] = []
             temps = Buffers()
-            for a, b in _chunks(s, g, bucket):
+            for a, b in chunk_ranges(s, g, bucket):
                 whole = (a, b) == (0, s)
                 if whole:
                     dst = out
@@ -165,7 +158,7 @@ class EngineComm:
         def issue() -> Pending:
             works: list = []
             temps = Buffers()
-            for a, b in _chunks(s, w, bucket):
+            for a, b in chunk_ranges(s, w, bucket):
                 if (a, b) == (0, s):
                     src = full
                 elif quantized and codec_for(spec).in_place:  # [w, b - a] view, quantized in place (no copy)
