@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from zeropp import watch
 from zeropp.comm.backend import backend_all_reduce
 from zeropp.comm.objects import all_gather_json
 from zeropp.launch import heartbeat, select_device
@@ -72,6 +73,7 @@ def _maybe_fault(rank: int, step: int) -> None:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "stop":
+            watch.flush()  # the launcher's "last seen" is this rank's last beat, however loaded the machine
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # continued (SIGCONT): carry on as if nothing happened
         if kind == "hang":
@@ -143,6 +145,10 @@ def _guard(cfg: RunConfig) -> DivergenceGuard:
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    """Turn the launcher's SIGTERM into an exception once; a repeated SIGTERM (the launcher signals
+    a stopped rank before continuing it, and torch's process context signals again) is ignored, so
+    the first exception's ``finally`` blocks (destroying the process group) run to the end."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SignalException(f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by "
                           f"{signal.Signals(signum).name}", sigval=signal.Signals(signum))
 

@@ -36,6 +36,29 @@ def _raise_on_one(rank: int, world: int) -> None:
     dist.barrier()  # rank 0 would wait here forever without the harness's kill
 
 
+def _stop_one_then_fail(rank: int, world: int, log: str) -> None:
+    """Rank 1 stops itself (SIGSTOP); rank 0 then fails, so the launcher stops the world. Rank 1
+    logs its SIGTERM and, if it ever runs on past the stop, that it did."""
+    path = Path(log)
+    if rank == 1:
+        def on_term(signum: int, frame: object) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process context signals again
+            with path.open("a") as f:
+                f.write("term\n")
+            sys.exit(1)
+
+        signal.signal(signal.SIGTERM, on_term)
+        path.write_text("")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        with path.open("a") as f:
+            f.write("ran on\n")  # where a peer's collective would be issued
+        return
+    while not path.exists():
+        time.sleep(0.01)
+    time.sleep(0.5)  # rank 1 is stopped by now
+    raise ValueError("boom on rank 0")
+
+
 def _env_and_value(rank: int, world: int, scale: int) -> dict:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", launcher.LAUNCHED_MARK)
     launcher.heartbeat("work")  # a function rank may beat too
@@ -120,6 +143,32 @@ def test_raising_rank_is_named_with_its_traceback():
     assert msg.startswith("rank 1 ") and "ValueError: boom on rank 1" in msg
     assert "Traceback" in msg and "_raise_on_one" in msg  # the rank's own traceback, not a peer's echo
     assert time.monotonic() - t0 < 30
+
+
+def test_a_stopped_rank_handles_its_sigterm_before_running_on(tmp_path: Path):
+    """Stopping the world signals a stopped rank before continuing it: it never runs on (into a
+    collective whose peer is gone) before its SIGTERM handler."""
+    log = tmp_path / "rank1.log"
+    with pytest.raises(RankFailure, match="boom on rank 0"):
+        launch_world(_stop_one_then_fail, 2, args=(str(log),), timeout_s=60, grace_s=2)
+    assert log.read_text().splitlines() == ["term"]
+
+
+def test_stop_signals_every_rank_before_continuing_any(monkeypatch):
+    """The order itself (the world test above may pass by luck of scheduling with either order):
+    SIGTERM to each rank, then SIGCONT to each group, then torch's close, then SIGKILL."""
+    sent: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(launcher.os, "kill", lambda pid, sig: sent.append(("kill", pid, sig)))
+    monkeypatch.setattr(launcher.os, "killpg", lambda pid, sig: sent.append(("killpg", pid, sig)))
+
+    class _Context:
+        def close(self, timeout: float) -> None:
+            sent.append(("close", 0, 0))
+
+    launcher._World(pc=_Context(), pids={0: 11, 1: 12}, log_dir=None, grace_s=1.0, ranks_per_node=None).stop()
+    assert sent == [("kill", 11, signal.SIGTERM), ("kill", 12, signal.SIGTERM), ("killpg", 11, signal.SIGCONT),
+                    ("killpg", 12, signal.SIGCONT), ("close", 0, 0), ("killpg", 11, signal.SIGKILL),
+                    ("killpg", 12, signal.SIGKILL)]
 
 
 def test_killed_rank_is_named():

@@ -275,3 +275,24 @@ def test_the_default_deadline_names_a_stopped_rank_within_30_s():
     deadline = LauncherConfig().heartbeat_s
     # silent for the deadline, plus at most one tick before it went silent and one launcher poll
     assert deadline + HeartbeatMonitor.tick_s(deadline) + 0.5 < 30
+
+
+def test_flush_publishes_the_last_beat_even_when_the_daemon_has_not_run(tmp_path: Path, monkeypatch):
+    """A beat is published by the daemon when it gets the CPU; ``flush`` publishes it from the
+    caller at once (what a rank does before stopping itself), with ticks that keep increasing."""
+    pub = watch._Publisher(str(tmp_path), 1, tick_s=1.0)  # never started: a daemon starved of the CPU
+    monkeypatch.setattr(watch, "_publisher", pub)
+    pub.publish()
+    watch.heartbeat("train_step", 3)
+    before = json.loads((tmp_path / "heartbeat.1").read_text())
+    assert (before["beats"], before["phase"], before["step"]) == (0, "start", None)  # not yet published
+    watch.flush()
+    rec = json.loads((tmp_path / "heartbeat.1").read_text())
+    assert (rec["beats"], rec["phase"], rec["step"], rec["tick"]) == (1, "train_step", 3, before["tick"] + 1)
+    assert rec["where"].endswith("in test_flush_publishes_the_last_beat_even_when_the_daemon_has_not_run")
+
+
+def test_flush_without_a_watching_launcher_does_nothing(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(watch, "_publisher", None)
+    watch.flush()
+    assert list(tmp_path.iterdir()) == []

@@ -35,7 +35,8 @@ grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's se
 :class:`RankFailure` names the root cause, with the tail of its error (how it is chosen, and
 where the error text comes from: :mod:`zeropp.rank_failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
 handlers, restored afterwards) and the whole-run timeout stop all ranks the same way. A stop
-first sends SIGCONT to every rank's group, so a stopped rank handles its SIGTERM too.
+first sends SIGTERM to every rank and then SIGCONT to its group, so a stopped rank handles its
+SIGTERM as soon as it continues.
 
 Silent ranks (``heartbeat_s``): a rank that is alive but no longer heard from (SIGSTOPped,
 deadlocked, stuck in I/O) would otherwise only surface when a peer's collective times out, blamed
@@ -239,7 +240,7 @@ def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | Non
 
 def _signal_groups(pids: Sequence[int], sig: signal.Signals) -> None:
     """Send ``sig`` to each rank's process group (SIGKILL: what is left of it, grandchildren such
-    as wandb's service; SIGCONT: a stopped rank, so it can handle the SIGTERM that follows)."""
+    as wandb's service; SIGCONT: a stopped rank, so it handles the SIGTERM already sent)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, sig)
@@ -257,6 +258,11 @@ class _World:
     monitor: watch.HeartbeatMonitor | None = None
 
     def stop(self) -> None:
+        # SIGTERM before SIGCONT: a stopped rank then handles its SIGTERM first when it continues,
+        # instead of running on into a collective whose peer is already gone.
+        for pid in self.pids.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
         _signal_groups(list(self.pids.values()), signal.SIGCONT)
         self.pc.close(timeout=max(self.grace_s, 0.5))  # type: ignore[arg-type]  # torch annotates int, uses float
         _signal_groups(list(self.pids.values()), signal.SIGKILL)

@@ -122,6 +122,7 @@ class _Publisher(threading.Thread):
         self.tick_s = tick_s
         self.wake = threading.Event()
         self.ticks = 0
+        self.lock = threading.Lock()  # the daemon and flush() may publish at the same time
         self.state: tuple[int, str, int | None, bool, int | None] = (0, "start", None, False, None)
         """(beats, phase, step, long, id of the beating thread), replaced whole by each beat."""
 
@@ -131,20 +132,23 @@ class _Publisher(threading.Thread):
 
     def _where(self, ident: int | None) -> str:
         frame = sys._current_frames().get(ident) if ident is not None else None  # noqa: SLF001 - documented API
+        while frame is not None and frame.f_code.co_filename == __file__:  # flush() from the beating thread
+            frame = frame.f_back
         if frame is None:
             return ""
         code = frame.f_code
         return f"{'/'.join(Path(code.co_filename).parts[-2:])}:{frame.f_lineno} in {code.co_name}"
 
     def publish(self) -> None:
-        beats, phase, step, long, ident = self.state
-        self.ticks += 1
-        record = {"pid": os.getpid(), "tick": self.ticks, "beats": beats, "phase": phase, "step": step,
-                  "long": long, "where": self._where(ident)}
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps(record))
-        os.replace(tmp, self.path)  # the launcher reads the old record or the new one, never half
+        with self.lock:
+            beats, phase, step, long, ident = self.state
+            self.ticks += 1
+            record = {"pid": os.getpid(), "tick": self.ticks, "beats": beats, "phase": phase, "step": step,
+                      "long": long, "where": self._where(ident)}
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(json.dumps(record))
+            os.replace(tmp, self.path)  # the launcher reads the old record or the new one, never half
 
     def run(self) -> None:
         while True:
@@ -187,6 +191,16 @@ def heartbeat(phase: str, step: int | None = None, *, long: bool = False) -> Non
         return
     assert _publisher is not None
     _publisher.beat(phase, step, long)
+
+
+def flush() -> None:
+    """Publish this rank's latest beat now, from the calling thread. The daemon publishes a beat
+    within :data:`MIN_PUBLISH_S` when it gets the CPU, which a loaded machine may delay past the
+    rank's next action; call this before an action that stops every thread (a self-inflicted
+    SIGSTOP, ``os.abort``), so the launcher's "last seen" is that beat. Does nothing unwatched."""
+    if _publisher is not None:
+        with contextlib.suppress(OSError):  # a heartbeat never fails the rank
+            _publisher.publish()
 
 
 # ---------------------------------------------------------------------------------- launcher side
@@ -395,6 +409,20 @@ def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], l
     return removed, problems
 
 
-__all__: Sequence[str] = ("HeartbeatMonitor", "RUN_ID_ENV", "RankView", "TICK_ENV", "Verdict", "WORLD_DIR_ENV",
-                          "close_world", "heartbeat", "judge", "open_world", "remove_scratch", "run_id",
-                          "scratch_prefix", "start")
+__all__: Sequence[str] = (
+    "RUN_ID_ENV",
+    "TICK_ENV",
+    "WORLD_DIR_ENV",
+    "HeartbeatMonitor",
+    "RankView",
+    "Verdict",
+    "close_world",
+    "flush",
+    "heartbeat",
+    "judge",
+    "open_world",
+    "remove_scratch",
+    "run_id",
+    "scratch_prefix",
+    "start",
+)
