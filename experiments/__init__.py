@@ -1,4 +1,5 @@
-"""zeropp.experiments: what the researcher runs (issue 5; the cluster emulator is issue 6).
+"""zeropp.experiments: what the researcher runs: the runner, benchmarks, studies and the
+cluster emulator.
 
 ``run`` (Hydra app) -> ``config`` (validated dataclasses) -> ``launcher`` (one process per rank,
 failure handling, torchrun) -> ``worker`` (one rank: ``data``, ``trainers``, ``commwatch``,

@@ -1,4 +1,4 @@
-"""ZeRO-3 vs ZeRO++ on an emulated cluster at several cross-node bandwidths (issue 6).
+"""ZeRO-3 vs ZeRO++ on an emulated cluster at several cross-node bandwidths.
 
     sudo python -m experiments.bench_cluster                       # 2 nodes x 2 ranks, 0.1,0.5,2 Gbit/s
     python -m experiments.bench_cluster --gbps 0.2,1,5 --steps 6 --json out.json

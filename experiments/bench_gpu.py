@@ -13,8 +13,8 @@ runtime's own overhead (hooks, gathers, frees, quantization), before any network
 Step time: the median of the measured steps after ``--warmup`` (``train.throughput_skip_steps``);
 the ratio is to our stage 0. Memory: model-state bytes of the largest rank from the summary
 (``memory_max_rank_bytes``: parameters, gradients, optimizer state at the end of backward);
-activations and allocator peaks are not in the summary. The default model is the one issue 11
-measured: GPT 12 layers x 1024 wide (~150M parameters), 8 sequences of 512 tokens, bf16.
+activations and allocator peaks are not in the summary. The default model:
+GPT 12 layers x 1024 wide (~150M parameters), 8 sequences of 512 tokens, bf16.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ the plain torch formulation of the same op, all measured in the same run.
     python -m experiments.bench_kernels                 # GPU: Triton kernels, 64 KiB .. 1 GiB
     python -m experiments.bench_kernels                 # CPU: the CPU path (kernels/cpu.py), 64 KiB .. 64 MiB
     python -m experiments.bench_kernels --max-mib 256   # larger sizes
-    python -m experiments.bench_kernels --cpu-path tiled   # CPU: only the tiled path (the one before issue 11)
+    python -m experiments.bench_kernels --cpu-path tiled   # CPU: only the tiled path (the pre-native baseline)
     python -m experiments.bench_kernels --vs-path none     # CPU: skip the paired old-path timing
 
 On CPU each op is also timed through an older CPU path in the same run (``--vs-path``, default
-the tiled path that was the whole CPU path before issue 11): the two are timed in alternation,
+the tiled path, the plain-torch baseline the native kernels replaced): the two are timed in alternation,
 call by call, and "x old" is the median of the per-pair ratios (old time / ours), which a shared
 machine's load changes affect far less than two separate runs. Both run against the same copy
 timing, so the ratio of the shares of copy bandwidth ("of copy" / "old of copy") equals "x old".
@@ -81,8 +81,8 @@ def _timer(device: torch.device, warmup: int, iters: int) -> Callable[[Callable[
 CPU_PATHS = ("auto", "native", "compiled", "tiled")
 """CPU paths: auto = what ranks run (the native kernels, else the compiled / tiled paths);
 native = the native kernels (``kernels/cpu_native.py``); compiled = ``torch.compile``'d kernels of
-``kernels/cpu_fused.py`` from their size thresholds, tiles below (the path of the first issue 11
-change); tiled = the cache-sized tiles only (the CPU path before issue 11)."""
+``kernels/cpu_fused.py`` from their size thresholds, tiles below (the compiled
+baseline); tiled = the cache-sized tiles only (the plain-torch baseline)."""
 
 
 @contextlib.contextmanager
@@ -311,7 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-path", default="auto", choices=CPU_PATHS,
                    help="CPU: the path to time: auto = what ranks run (native kernels where they build); native; "
                         "compiled = torch.compile'd kernels (kernels/cpu_fused.py); tiled = the tiles only "
-                        "(the CPU path before issue 11)")
+                        "(the plain-torch baseline)")
     p.add_argument("--vs-path", default="tiled", choices=(*CPU_PATHS, "none"),
                    help="CPU: also time each op through this path, in alternation with --cpu-path, and print "
                         "the speed-up (none: skip)")

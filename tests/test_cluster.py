@@ -1,4 +1,4 @@
-"""Cluster emulator (issue 6): namespaces up and down, shaped link rate, stale cleanup, signals,
+"""Cluster emulator: namespaces up and down, shaped link rate, stale cleanup, signals,
 and gloo/training across emulated nodes.
 
 Tests that build namespaces need root and a kernel/container that allows `ip netns add`; they

@@ -1,4 +1,4 @@
-"""The quantized collectives make no copies around the collective itself (issue 11, item 2).
+"""The quantized collectives make no copies around the collective itself.
 
 What is proven, and how:
 

@@ -10,7 +10,7 @@ zero (the key bias, by softmax invariance) gets rounding noise as gradient, and 
 noise into a step of about ``lr`` whose sign the rounding decides; so each weight is only bounded
 by ``2 * LR * STEPS``.
 Memory: fp32 model state per parameter at 4 ranks is 16 / 10 / 7 / 4 bytes for stages 0-3 (the
-master is the parameter, issue 12 item 5), and each offload tier holds the ZeRO-Offload /
+fp32 master is the parameter shard itself, no second copy), and each offload tier holds the ZeRO-Offload /
 ZeRO-Infinity share of the state (within 5%).
 """
 

@@ -119,7 +119,7 @@ def test_memory_report_matches_the_zero_table(runs):
         for key, w in want.items():
             assert abs(got[key] - w) <= 0.05 * w, (name, key, got, want)
     # fp32 compute: 4-byte parameters and gradients; the fp32 master IS the parameter shard (no
-    # second copy), so the optimizer holds only m and v: 8 bytes instead of 12 (issue 12, item 5)
+    # second copy), so the optimizer holds only m and v: 8 bytes instead of 12
     for name, hpz in (("base", None), ("hpz1", 1)):
         got = runs[name]["memory"]
         want = expected_memory(3, runs[name]["num_params"], 4, param_bytes=4, hpz_size=hpz)

@@ -1,4 +1,4 @@
-"""Cluster emulator (issue 6): one network namespace per node, a shaped bridge between them.
+"""Cluster emulator: one network namespace per node, a shaped bridge between them.
 
 Public API::
 
