@@ -259,9 +259,19 @@ def check_table(result: dict[str, Any]) -> Any:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """One panel per configuration, one stacked bar per phase (the busiest rank): device bytes by
-    category in colour, host bytes by category hatched on top, ZeRO's formula (model state, all
-    tiers) as a dashed line."""
+    """Draw :func:`figure` into ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(result: dict[str, Any]) -> Any:
+    """The study's figure (the caller closes it): one panel per configuration (the runs grouped),
+    one stacked bar per phase (side by side, the busiest rank): device bytes by category in colour,
+    host bytes by category hatched on top, ZeRO's formula (model state, all tiers) as a dashed line.
+    The legend, in stacking order, sits under the panels (constrained layout), never over a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,8 +279,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     from zeropp.runtime.memory import tier_totals
 
     runs = result["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 4.6), sharey=True, squeeze=False)
-    labelled: set[str] = set()
+    fig, axes = plt.subplots(1, len(runs), figsize=(2.9 * len(runs), 4.4), sharey=True, squeeze=False,
+                             layout="constrained")
+    handles: dict[str, Any] = {}
     for ax, run in zip(axes[0], runs):
         phases = list(run["ranks"][0])
         for x, phase in enumerate(phases):
@@ -280,23 +291,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 for cat, color in CATEGORY_COLORS.items():
                     v = snap["tiers"][tier][cat] / 2**20
                     if v:
-                        key = f"{tier} {cat}"
-                        ax.bar(x, v, bottom=bottom, color=color, hatch=hatch, edgecolor="black" if hatch else color,
-                               alpha=0.55 if hatch else 1.0, label=None if key in labelled else key, width=0.7)
-                        labelled.add(key)
+                        bars = ax.bar(x, v, bottom=bottom, color=color, hatch=hatch,
+                                      edgecolor="black" if hatch else color, alpha=0.55 if hatch else 1.0, width=0.7)
+                        handles.setdefault(f"{tier} {cat}", bars)
                         bottom += v
         want = sum(tier_totals(run["predicted"]).values()) / 2**20
-        ax.axhline(want, color="black", ls="--", lw=1, label=None if "formula" in labelled else "ZeRO formula: params + grads + optimizer, all tiers")
-        labelled.add("formula")
+        handles.setdefault("ZeRO formula (params + grads + optimizer, all tiers)",
+                           ax.axhline(want, color="black", ls="--", lw=1))
         ax.set_xticks(range(len(phases)), [p.replace("_", "\n") for p in phases], fontsize=7)
         ax.set_title(f"{run['label']}\n{'matches the formula' if run['matches'] else run['check']}", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
     axes[0][0].set_ylabel("MiB per rank")
-    fig.legend(loc="lower center", ncol=6, fontsize=7, frameon=False)
+    order = [f"{t} {c}" for t in ("device", "host") for c in CATEGORY_COLORS if f"{t} {c}" in handles]
+    order += [k for k in handles if k not in order]
+    fig.legend([handles[k] for k in order], order, loc="outside lower center", ncol=len(order), fontsize=7,
+               frameon=False)
     fig.suptitle(f"{result['config']['layers']}-layer MLP, Ψ = {result['num_params']:,}, "
-                 f"{result['config']['precision']}, {result['config']['world']} ranks: memory per rank by phase")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+                 f"{result['config']['precision']}, {result['config']['world']} ranks: memory per rank after each "
+                 "phase (the rank with the most device bytes)", fontsize=10)
+    return fig
 
 
 def _prepare_out(out: Path) -> None:

@@ -33,3 +33,41 @@ def checkpoint_steps(root: Path) -> tuple[int | None, list[int]]:
     latest = root / "LATEST"
     named = step(root / latest.read_text().strip()) if latest.is_file() else None
     return named, sorted(step(d) for d in root.iterdir() if d.is_dir())
+
+
+def composed_summary(overrides: list[str]) -> dict:
+    """The part of a ``summary.json`` that names a run (``config``, ``model.name``, ``overrides``),
+    as the runner would write it for ``overrides``: composed by Hydra and validated, no rank started."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from zeropp.experiments.run import validated
+
+    with initialize_config_module("zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
+    return {"config": rc.to_dict(), "model": {"name": cfg.hydra.runtime.choices.get("model") or ""},
+            "overrides": list(overrides), "trainer": rc.trainer.name}
+
+
+def composed_sweep(*axes: list[str]) -> list[dict]:
+    """:func:`composed_summary` of every job of a multirun, in Hydra's order (the last axis varies
+    fastest): ``composed_sweep(["stage=1", "stage=3"], ["quant=none", "quant=int8"])``."""
+    import itertools
+
+    return [composed_summary(list(job)) for job in itertools.product(*axes)]
+
+
+def legends_over_data(fig) -> list[str]:
+    """The texts of ``fig``'s legends (figure and axes ones) whose box overlaps a visible axes' box
+    once drawn: a legend there covers data. Empty when every legend sits outside every axes."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    boxes = [ax.get_window_extent(r) for ax in fig.axes if ax.get_visible()]
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    bad = []
+    for leg in legends:
+        b = leg.get_window_extent(r)
+        if any(b.x0 < a.x1 and a.x0 < b.x1 and b.y0 < a.y1 and a.y0 < b.y1 for a in boxes):
+            bad.append(", ".join(t.get_text() for t in leg.get_texts()))
+    return bad

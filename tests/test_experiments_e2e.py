@@ -89,7 +89,10 @@ def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     md = (sweep / "report.md").read_text()
-    assert "| quant=none" in md and "| quant=int8" in md and "tokens/s" in md
+    assert "tokens/s" in md and "All runs: fp32, tiny model, 1x2 ranks." in md  # said once, not per run
+    # runs named by what sets them apart, in words, not by their override strings
+    assert "| ZeRO-3 | ZeRO-3 tiny 1x2 |" in md and "| ZeRO++ (qwZ INT8) | ZeRO-3+qwZ[int8] tiny 1x2 |" in md
+    assert "quant=" not in md
     for name in PLOTS:
         assert (sweep / name).stat().st_size > 1000
         assert (sweep / name).read_bytes()[:4] == b"\x89PNG"

@@ -74,7 +74,8 @@ def test_report_draws_per_phase_bars(measured, tmp_path):
     _, run_dir = measured
     path = write_report(run_dir, tmp_path)
     md = path.read_text()
-    assert "Memory by phase" in md and "| backward |" in md
+    assert "Memory by phase" in md and "| ZeRO-2 | backward |" in md and "| ZeRO-2 | model creation |" in md
+    assert "All runs: ZeRO-2, fp32, mini model, 2x2 ranks." in md
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 

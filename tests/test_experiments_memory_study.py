@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from tests.experiment_helpers import legends_over_data
 from zeropp.experiments import memory_study as ms
 from zeropp.runtime.memory import MODEL_STATE, TIERS, tier_totals
 
@@ -76,6 +77,17 @@ def test_table_plot_and_json_are_written(study) -> None:
     assert printed.count("matches the formula") == len(ms.CONFIGS), printed
     assert "optimizer_creation" in printed and "8Ψ + 8Ψ/N" in printed and "ZeRO-3 + CPU offload" in printed
     assert (out / "memory_study.png").read_bytes()[:4] == b"\x89PNG"
+    import matplotlib.pyplot as plt
+
+    fig = ms.figure(result)  # the PNG's figure: its legend under the panels, never over a bar
+    try:
+        assert len(fig.legends) == 1 and legends_over_data(fig) == []
+        assert [ax.get_title().split("\n")[0] for ax in fig.axes] == [label for label, _ in ms.CONFIGS]
+        assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
+            "model\ncreation", "optimizer\ncreation", "forward", "backward", "step"]
+        assert fig.axes[0].get_ylabel() == "MiB per rank"
+    finally:
+        plt.close(fig)
     assert json.loads((out / "memory_study.json").read_text()) == json.loads(json.dumps(result))
 
 
