@@ -96,6 +96,11 @@ def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     return draw_all(runs, names.labels, names.common, out, phase_rows)
 
 
+def _relative(path: str, root: Path) -> str:
+    p, r = Path(path).resolve(), Path(root).resolve()
+    return str(p.relative_to(r)) if p.is_relative_to(r) and p != r else str(p.name or p)
+
+
 def write_report(root: Path, out: Path | None = None) -> Path:
     """Write report.md and the plots; returns the report path."""
     runs = load_runs(root)
@@ -113,6 +118,9 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     if any(phase_rows(s) for s in runs):
         md += ["Memory by phase (per run and phase, the rank with the most device bytes; peak: CUDA allocator on "
                "GPUs, the runtime's accounted device bytes on CPU ranks):", "", phase_markdown(runs), ""]
+    md += ["Runs: directory and the overrides that made each:", ""] + [
+        f"- {name}: `{_relative(s['_dir'], root)}`, `{' '.join(s.get('overrides') or []) or '(defaults)'}`"
+        for s, name in zip(runs, run_labels(runs))] + [""]
     if failed:
         md += ["Failed jobs:", ""] + [f"- `{' '.join(j['overrides'])}`: {j['error'].splitlines()[0]}" for j in failed] + [""]
     md += [f"![{p.stem}]({p.name})" for p in written]

@@ -92,7 +92,9 @@ def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
     assert "tokens/s" in md and "All runs: fp32, tiny model, 1x2 ranks." in md  # said once, not per run
     # runs named by what sets them apart, in words, not by their override strings
     assert "| ZeRO-3 | ZeRO-3 tiny 1x2 |" in md and "| ZeRO++ (qwZ INT8) | ZeRO-3+qwZ[int8] tiny 1x2 |" in md
-    assert "quant=" not in md
+    table = md.split("\n\n")[2]
+    assert table.startswith("| run |") and "quant=" not in table
+    assert "- ZeRO-3: `0`, `quant=none topology=1x2" in md and "- ZeRO++ (qwZ INT8): `1`, `quant=int8 " in md
     for name in PLOTS:
         assert (sweep / name).stat().st_size > 1000
         assert (sweep / name).read_bytes()[:4] == b"\x89PNG"
