@@ -107,7 +107,7 @@ def model_state(ax: Any, runs: Sequence[dict[str, Any]], labels: Sequence[str]) 
             ax.barh(y, v, left=left, color=color, height=0.6, label=STATE_WORDS[cat])
             left = [a + b for a, b in zip(left, v)]
     _annotate(ax, y, left, [f"{x:,.1f}" for x in left])
-    ax.set_xlabel(f"{unit} of model state on the rank holding most")
+    ax.set_xlabel(f"{unit} of model state on the rank holding most (all tiers: device, host, disk)")
     ax.figure.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
 
 
