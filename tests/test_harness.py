@@ -160,15 +160,23 @@ def test_stop_signals_every_rank_before_continuing_any(monkeypatch):
     sent: list[tuple[str, int, int]] = []
     monkeypatch.setattr(launcher.os, "kill", lambda pid, sig: sent.append(("kill", pid, sig)))
     monkeypatch.setattr(launcher.os, "killpg", lambda pid, sig: sent.append(("killpg", pid, sig)))
+    monkeypatch.setattr(launcher, "_unreaped", lambda pid: pid != 13)  # 13: reaped, its number may be reused
 
     class _Context:
         def close(self, timeout: float) -> None:
             sent.append(("close", 0, 0))
 
-    launcher._World(pc=_Context(), pids={0: 11, 1: 12}, log_dir=None, grace_s=1.0, ranks_per_node=None).stop()
-    assert sent == [("kill", 11, signal.SIGTERM), ("kill", 12, signal.SIGTERM), ("killpg", 11, signal.SIGCONT),
-                    ("killpg", 12, signal.SIGCONT), ("close", 0, 0), ("killpg", 11, signal.SIGKILL),
-                    ("killpg", 12, signal.SIGKILL)]
+    launcher._World(pc=_Context(), pids={0: 11, 1: 12, 2: 13}, log_dir=None, grace_s=1.0, ranks_per_node=None).stop()
+    assert sent == [("kill", 11, signal.SIGTERM), ("kill", 12, signal.SIGTERM),
+                    *[("killpg", p, signal.SIGCONT) for p in (11, 12, 13)], ("close", 0, 0),
+                    *[("killpg", p, signal.SIGKILL) for p in (11, 12, 13)]]
+
+
+def test_a_reaped_pid_is_not_ours_to_signal():
+    child = subprocess.Popen(["true"])
+    assert launcher._unreaped(child.pid)  # exited or not, it is ours until reaped
+    child.wait()
+    assert not launcher._unreaped(child.pid)
 
 
 def test_killed_rank_is_named():

@@ -238,6 +238,16 @@ def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | Non
         dist.destroy_process_group()
 
 
+def _unreaped(pid: int) -> bool:
+    """``pid`` is still our child (running, or exited but not yet reaped): its number cannot have
+    been reused, so signalling it cannot reach a stranger."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
 def _signal_groups(pids: Sequence[int], sig: signal.Signals) -> None:
     """Send ``sig`` to each rank's process group (SIGKILL: what is left of it, grandchildren such
     as wandb's service; SIGCONT: a stopped rank, so it handles the SIGTERM already sent)."""
@@ -261,8 +271,9 @@ class _World:
         # SIGTERM before SIGCONT: a stopped rank then handles its SIGTERM first when it continues,
         # instead of running on into a collective whose peer is already gone.
         for pid in self.pids.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
+            if _unreaped(pid):  # a reaped rank's pid may already name another process
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
         _signal_groups(list(self.pids.values()), signal.SIGCONT)
         self.pc.close(timeout=max(self.grace_s, 0.5))  # type: ignore[arg-type]  # torch annotates int, uses float
         _signal_groups(list(self.pids.values()), signal.SIGKILL)
