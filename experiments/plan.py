@@ -1,5 +1,8 @@
 """``python -m experiments.plan [overrides] [--nodes 4,32,384] [--out DIR]``: see a step's communication.
 
+(``python -m experiments.plan <run dir>``: a profiled step of that run beside its projection,
+``plan_measured.py``.)
+
 Why: the communication plan (``zeropp.runtime.plan``) says what one ZeroEngine step sends; this
 prints it for a runner config (the same Hydra keys and checks as ``python -m experiments.run``:
 ``model=``, ``quant=``, ``topology=``, ``zero.*``, ``cluster.inter_gbps=`` with ``cluster=emulated``)
@@ -81,13 +84,18 @@ def load_config(overrides: list[str]) -> RunConfig:
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
     rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
+    check_plannable(rc)
+    return rc
+
+
+def check_plannable(rc: RunConfig) -> None:
+    """ConfigError unless the plan can describe ``rc``'s step (trainer=zeropp, no tensor parallelism)."""
     if rc.trainer.name != "zeropp":
         raise ConfigError(f"invalid config: trainer={rc.trainer.name}; the plan describes ZeroEngine's step, so use "
                           f"trainer=zeropp")
     if rc.topology.tp > 1:
         raise ConfigError(f"invalid config: topology.tp={rc.topology.tp}; the TP-local unit sizes need the split "
                           f"model, which this command does not build; plan with topology.tp=1")
-    return rc
 
 
 def model_units(rc: RunConfig) -> tuple:
@@ -241,11 +249,17 @@ def plot(projections: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the plan, write the PNG and the trace; 2 with ``error: ...`` on a bad input."""
+    """Print the plan, write the PNG and the trace; 2 with ``error: ...`` on a bad input. Given a
+    run directory first, put its profiled step beside the projection (``plan_measured.py``)."""
     from .preflight import check_writable_dir
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        from .plan_measured import main as side_by_side
+
+        return side_by_side(argv)
     try:
-        a, overrides = _args(list(sys.argv[1:] if argv is None else argv))
+        a, overrides = _args(argv)
         rc = load_config(overrides)
         counts = _node_counts(a.nodes, rc.topology.nodes)
         out = Path(a.out)

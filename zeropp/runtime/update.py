@@ -37,6 +37,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from zeropp.comm.kinds import CommKind
+
 from .collectives import EngineComm
 from .config import ZeroConfig
 from .loss_scale import LossScaler
@@ -185,7 +187,7 @@ class ParamUpdate:
         else:  # stages 1/2: everyone needs every updated shard
             m = self.master_copy(i, self.dtype)  # [S] (not a view of u.flat)
             works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
-                                              kind="param_all_gather", async_op=True))
+                                              kind=CommKind.PARAM_ALL_GATHER, unit=u.name, async_op=True))
 
     def _tp_squares(self, g32: list[torch.Tensor]) -> torch.Tensor:
         """tp > 1: this rank's share of the whole model's squared gradient norm (0-dim fp64 where
