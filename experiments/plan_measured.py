@@ -68,7 +68,7 @@ def find_trace(run_dir: Path, rank: int, step: int | None) -> Path:
 def load_run(run_dir: Path) -> Any:
     """The run's validated config, from its ``summary.json``."""
     from .config import from_dict
-    from .plan import check_plannable
+    from .plan_draw import check_plannable
 
     path = run_dir / "summary.json"
     if not run_dir.is_dir():
@@ -114,7 +114,7 @@ def table(p: dict[str, Any], spans: list[Span], step_s: float) -> str:
 
 def chrome_trace(p: dict[str, Any], spans: list[Span], step: int, rank: int) -> dict[str, Any]:
     """Projected (pid 0, ``experiments.plan``'s lanes) and measured (pid 1) as one Chrome trace, µs."""
-    from .plan import chrome_trace as projected
+    from .plan_draw import chrome_trace as projected
 
     evs = projected([p])["traceEvents"]
     evs[0]["args"]["name"] = f"projected ({p['nodes']} nodes)"
@@ -134,7 +134,7 @@ def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plan import LANES
+    from .plan_draw import LANES
 
     kinds = sorted({e.get("kind", "compute") for e in p["events"]} | {s.parsed.kind for s in spans})
     colour = {k: f"C{i % 10}" for i, k in enumerate(kinds)}
@@ -166,7 +166,7 @@ def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: i
 
 def main(argv: list[str]) -> int:
     """Print the table, write the PNG and the trace; 2 with ``error: ...`` on a bad input."""
-    from .plan import model_units, project
+    from .plan_draw import model_units, project
     from .preflight import check_writable_dir
 
     try:

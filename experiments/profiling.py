@@ -16,10 +16,11 @@ to the step's start: what ``python -m experiments.plan <run dir>`` draws beside 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -87,26 +88,15 @@ class StepProfiler:
             prof, self._prof = self._prof, None
             prof.stop()  # saves a step still recording (the last one)
 
-    def step(self, n: int) -> "_Step":
-        """Context of training step ``n``: its range; on exit the profiler moves to the next step
-        (saving ``n``'s trace when ``n`` is recorded)."""
-        return _Step(self, n)
-
-
-class _Step:
-    def __init__(self, owner: StepProfiler, n: int) -> None:
-        self.owner, self.n = owner, n
-        self.span = ranges.span(step_name(n))
-
-    def __enter__(self) -> None:
-        self.owner._current = self.n  # the step a trace saved from here on holds
-        self.span.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.span.__exit__(*exc)
-        o = self.owner
-        if o._prof is not None and exc[0] is None:
-            o._prof.step()
+    @contextlib.contextmanager
+    def step(self, n: int) -> Iterator[None]:
+        """Context of training step ``n``: its range; on a normal exit the profiler moves to the next
+        step (saving ``n``'s trace when ``n`` is recorded)."""
+        self._current = n  # the step a trace saved from here on holds
+        with ranges.span(step_name(n)):
+            yield
+        if self._prof is not None:
+            self._prof.step()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

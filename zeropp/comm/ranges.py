@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 from typing import ContextManager, Optional
 
-import torch.autograd.profiler as _profiler
+import torch
 
 __all__ = ["HOPS", "PARTS", "PREFIX", "RangeName", "call_name", "enabled", "parse", "span", "wait_name"]
 
@@ -53,7 +53,7 @@ STEP = "step"
 def enabled() -> bool:
     """True while a torch profiler records (torch sets this module-level flag on its start and
     clears it on its stop; a scheduled profiler sets it only in its recording steps)."""
-    return bool(_profiler._is_profiler_enabled)
+    return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 def call_name(kind: str, unit: Optional[str] = None, bucket: Optional[int] = None, hop: Optional[str] = None) -> str:
@@ -79,7 +79,7 @@ def span(name: Optional[str], part: Optional[str] = None) -> ContextManager[obje
     else (or with ``name`` None) a no-op."""
     if name is None or not enabled():
         return contextlib.nullcontext()
-    return _profiler.record_function(name if part is None else f"{name}/{part}")
+    return torch.autograd.profiler.record_function(name if part is None else f"{name}/{part}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
