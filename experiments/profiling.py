@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -96,7 +97,9 @@ class StepProfiler:
         with ranges.span(step_name(n)):
             yield
         if self._prof is not None:
-            self._prof.step()
+            with warnings.catch_warnings():  # each step's trace is exported as it ends: nothing to keep
+                warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
+                self._prof.step()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -162,3 +162,20 @@ def test_profile_steps_from_the_command_line() -> None:
     assert rc.train.profile_steps == (4, 2) and rc.train.profiled_steps == (2, 4)
     assert TrainConfig(steps=6, profile=True).profiled_steps == (6,) and TrainConfig(steps=6).profiled_steps == ()
 
+
+
+def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
+    """Steps 3, 4 and 6 of a loop resumed after step 1: one trace each, holding that step only;
+    steps before the resumed start are not recorded."""
+    from experiments.profiling import StepProfiler, trace_path
+
+    with StepProfiler((1, 3, 4, 6), start=1, run_dir=tmp_path, rank=0, device=torch.device("cpu")) as prof:
+        for n in range(2, 7):
+            with prof.step(n):
+                torch.ones(64).sum()
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
+        "rank0_step3.json", "rank0_step4.json", "rank0_step6.json"]
+    for n in (3, 4, 6):
+        steps = {ranges.parse(e["name"]).step for e in json.loads(trace_path(tmp_path, 0, n).read_text())["traceEvents"]
+                 if str(e.get("name", "")).startswith("zeropp/step/")}
+        assert steps == {n}

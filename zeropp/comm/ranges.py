@@ -5,20 +5,17 @@ wait of the engine) runs inside a ``torch.profiler.record_function`` range while
 records, so a trace (Perfetto, ``chrome://tracing``) shows where a step's time goes, named after
 the communication plan's entries (``zeropp.runtime.plan.CommPlan.range_name``):
 
-=========================================  ==========================================================
-``zeropp/<kind>/<unit>/b<bucket>``         one call of a collective: bucket chunk ``<bucket>`` of
-                                           ``<unit>``'s (``root``, ``block3``, ``block3.frozen``)
-                                           collective of kind ``<kind>`` (a ``CommKind`` value)
-``.../b<bucket>/intra``, ``.../cross``     a quantized reduce-scatter's hop (qgZ: intra-node
-                                           all-to-all, cross-node all-to-all; a single hop is
-                                           ``intra`` inside one node, else ``cross``)
-``<call>/quantize``, ``<call>/dequantize`` the call's quantization / dequantization
-``zeropp/<kind>/<unit>/wait``              the engine blocked on ``<unit>``'s collective (all buckets)
-``zeropp/<kind>``                          a call that names no unit (a user's call, the DDP / FSDP
-                                           hooks); its hops and parts are suffixed the same way
-``zeropp/control``                         the engine's few-scalar all-reduces (loss, agreement)
-``zeropp/step/<n>``                        one training step of the runner
-=========================================  ==========================================================
+* ``zeropp/<kind>/<unit>/b<bucket>``: one call of a collective, bucket chunk ``<bucket>`` of
+  ``<unit>``'s (``root``, ``block3``, ``block3.frozen``) collective of kind ``<kind>`` (a
+  ``CommKind`` value);
+* ``.../b<bucket>/intra``, ``.../b<bucket>/cross``: a quantized reduce-scatter's hop (qgZ's
+  intra-node and cross-node all-to-all; a single hop is ``intra`` inside one node, else ``cross``);
+* ``<call>/quantize``, ``<call>/dequantize``: the call's quantization and dequantization;
+* ``zeropp/<kind>/<unit>/wait``: the engine blocked on ``<unit>``'s collective (all its buckets);
+* ``zeropp/<kind>``: a call that names no unit (a user's call, the DDP / FSDP hooks), its hops and
+  parts suffixed the same way;
+* ``zeropp/control``: the engine's few-scalar all-reduces (loss, agreement checks);
+* ``zeropp/step/<n>``: one training step of the runner (``experiments.profiling``).
 
 Ranges of asynchronous work sit on the thread that runs it: a qgZ cross hop on CPU runs on the
 comm worker thread, so a profiler must record all threads (the runner sets
