@@ -40,6 +40,7 @@ def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capsys
         assert step == 3 and step_s > 0
         calls = collections.Counter(s.name for s in spans if s.parsed.part is None and s.parsed.kind != CommKind.CONTROL)
         assert calls == planned, f"rank {rank}"
+        assert any(s.parsed.kind == CommKind.CONTROL for s in spans)
         assert {s.parsed.part for s in spans} >= {"quantize", "dequantize", "wait"}
 
     out = tmp_path / "side"

@@ -255,7 +255,8 @@ def full_values(comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch
             shard = u.extra.get("original")
             shard = shard.to(u.device) if shard is not None else stored(u)  # [S]
             full = torch.empty(u.padded, dtype=shard.dtype, device=u.device)  # [padded]
-            comm.all_gather(full, shard, spec=None, bucket=bucket, kind=CommKind.CHECKPOINT, unit=u.name, async_op=False)
+            comm.all_gather(full, shard, spec=None, bucket=bucket, kind=CommKind.CHECKPOINT, unit=u.name,
+                            async_op=False)
         for s in u.slots:  # canonical names only, as named_parameters() (a tied weight once)
             t = full[s.offset : s.offset + s.numel].view(s.shape)
             out[s.name] = t.to(dtype=param_dtypes.get(s.name, t.dtype), device="cpu").clone()
