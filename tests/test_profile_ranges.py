@@ -182,3 +182,15 @@ def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
         steps = {ranges.parse(e["name"]).step for e in json.loads(trace_path(tmp_path, 0, n).read_text())["traceEvents"]
                  if str(e.get("name", "")).startswith("zeropp/step/")}
         assert steps == {n}
+
+
+def test_side_by_side_refuses_a_run_without_its_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``experiments.plan <run dir>`` needs the finished run's summary.json: missing or unreadable,
+    it exits 2 saying so, before reading any trace."""
+    from experiments.plan import main
+
+    assert main([str(tmp_path)]) == 2
+    assert "no summary.json in" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text('{"config": ')
+    assert main([str(tmp_path)]) == 2
+    assert "holds no readable run config" in capsys.readouterr().err
