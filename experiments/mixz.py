@@ -46,6 +46,7 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
     import torch
 
     from zeropp.comm import Topology
+    from zeropp.comm.kinds import CommKind
     from zeropp.models import GPT, GPTConfig, byte_batch
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
     from zeropp.runtime import frozen as fz
@@ -64,7 +65,7 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
                 g = torch.Generator().manual_seed(1000 * s + rank)
                 losses.append(eng.train_step([byte_batch(data, batch, cfg.seq_len, g)]).loss)
             snap = eng.comm_stats.snapshot()
-            gathers = ("fwd_all_gather", "bwd_all_gather", fz.KIND)
+            gathers = (CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, fz.KIND)
             out.append({
                 "mode": mode, "frozen_bytes": fz.frozen_bytes(eng.frozen),
                 "frozen_params": sum(u.numel for u in eng.frozen_units), "trained_params": eng.num_params,

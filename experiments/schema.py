@@ -51,7 +51,10 @@ def _schema_type(tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         return schema_of(tp)
     if origin is tuple:
-        return typing.Tuple[tuple(_schema_type(a) for a in typing.get_args(tp))]  # type: ignore[misc]
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list on the command line, [3,4]
+            return typing.List[_schema_type(args[0])]  # type: ignore[misc]
+        return typing.Tuple[tuple(_schema_type(a) for a in args)]  # type: ignore[misc]
     if tp in (int, float, bool, str):
         return tp
     return Any

@@ -201,6 +201,15 @@ class TrainConfig:
     """ZeRO-R: recompute each block's activations in backward instead of keeping them (torch's
     non-reentrant ``torch.utils.checkpoint`` around every block; at stage 3 the recomputation
     re-gathers the block). Every trainer honours it."""
+    profile: bool = False
+    """Record ``train.profile_steps`` with ``torch.profiler`` (CPU activities, and CUDA ones on a GPU;
+    every thread, so the comm worker's qgZ hops too) and write one Chrome trace per rank and step,
+    ``<run dir>/profile/rank<r>_step<n>.json`` (Perfetto opens it; zeropp's collectives are named
+    ranges, ``zeropp.comm.ranges``). ``python -m experiments.plan <run dir>`` puts a profiled step
+    beside its projection."""
+    profile_steps: tuple[int, ...] = ()
+    """Steps to profile (1-based, within ``1..train.steps``), e.g. ``[3,4]``; empty: the last step.
+    Each is recorded after one unrecorded warm-up step of the profiler. Needs ``train.profile=true``."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "log_every", "eval_batches", "keep_checkpoints", "max_skipped_steps"):
@@ -212,6 +221,27 @@ class TrainConfig:
         check(self.seed < SEED_LIMIT, "train.seed", self.seed, "an integer in [0, 2**32)")
         check(self.checkpoint_dir is None or (isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip())),
               "train.checkpoint_dir", self.checkpoint_dir, "a directory path, or null for <run dir>/checkpoints")
+        self._check_profile()
+
+    def _check_profile(self) -> None:
+        steps = self.profile_steps
+        if isinstance(steps, list):  # as OmegaConf hands it over
+            object.__setattr__(self, "profile_steps", steps := tuple(steps))
+        check(isinstance(self.profile, bool), "train.profile", self.profile, "true, false")
+        check(isinstance(steps, tuple) and all(isinstance(s, int) and not isinstance(s, bool) for s in steps),
+              "train.profile_steps", steps, "a list of step numbers, e.g. [3,4]")
+        if not self.profile:
+            unused("train.profile_steps", list(steps), [], "train.profile=false",
+                   "set train.profile=true to profile those steps, or remove train.profile_steps")
+        check(all(1 <= s <= self.steps for s in steps) and len(set(steps)) == len(steps), "train.profile_steps",
+              list(steps), f"distinct steps within the run, each in 1..train.steps={self.steps}")
+
+    @property
+    def profiled_steps(self) -> tuple[int, ...]:
+        """The steps ``train.profile`` records, in order (``profile_steps``, or the last step)."""
+        if not self.profile:
+            return ()
+        return tuple(sorted(self.profile_steps)) or (self.steps,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -59,6 +59,7 @@ from .metrics import (
     write_memory_json,
     write_summary,
 )
+from .profiling import StepProfiler
 from .trainers import build_trainer
 from .wandb_log import WandbLogger, flatten
 
@@ -226,7 +227,12 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     guard = _guard(cfg)
     diverged: DivergenceError | None = None
     prev_eng = trainer.comm_stats()
-    with CommWatch(cfg.topology) as watch:
+    skipped = [s for s in t.profiled_steps if s <= start]
+    if skipped and lead:
+        print(f"warning: train.profile_steps {skipped} come before step {start + 1}, where this resumed run starts; "
+              "they are not profiled", file=sys.stderr, flush=True)
+    prof = StepProfiler(t.profiled_steps, start=start, run_dir=run_dir, rank=rank, device=device)
+    with CommWatch(cfg.topology) as watch, prof:
         dist.barrier()
         watch.take()
         for step in range(start + 1, t.steps + 1):
@@ -234,10 +240,11 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             heartbeat("train_step", step, long=step == start + 1)  # the first step builds kernels
             batches = [data.next() for _ in range(accum)]
             t0 = time.perf_counter()
-            out = trainer.train_step(batches)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
+            with prof.step(step):
+                out = trainer.train_step(batches)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0  # before the profiler saves a recorded step's trace
             wire, wait = watch.take()
             eng_now = trainer.comm_stats()
             eng = _delta(eng_now, prev_eng)

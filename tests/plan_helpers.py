@@ -120,3 +120,33 @@ WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
 }
 """(nodes, configs) per world size: the recipes, stages, hpZ, qWD, buckets, accumulation and awkward
 topologies (one node, one rank per node, three nodes, sub-node hpZ groups) whose bytes are checked."""
+
+
+def profiled_step_ranges(zero_kwargs: dict[str, Any], *, rank: int, world: int, nodes: int,
+                         trace: "Any", model: Callable[[], nn.Module] = tiny_gpt,
+                         cfg: GPTConfig = TINY) -> tuple[PlanUnit, ...]:
+    """The model's units; this rank's second training step (the steady state) on a fake world of
+    ``nodes`` nodes is recorded by the runner's profiler (``experiments.profiling.StepProfiler``)
+    into the Chrome trace file ``trace`` (the first step runs unrecorded)."""
+    from pathlib import Path
+
+    from experiments.profiling import StepProfiler, trace_path
+    from zeropp.comm import Topology
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+
+    zc = ZeroConfig(**zero_kwargs)
+    topo = Topology(nodes=nodes, ranks_per_node=world // nodes)
+    run_dir = Path(trace).parent
+    with fake_world(rank, world):
+        m = model()
+        units = plan_units(m)
+        eng = ZeroEngine(m, config=zc, optimizer=OptimizerConfig(lr=1e-3), topology=topo)
+        try:
+            with StepProfiler((2,), start=0, run_dir=run_dir, rank=rank, device=torch.device("cpu")) as prof:
+                for s in (1, 2):
+                    with prof.step(s):
+                        eng.train_step(rank_batches(s - 1, zc.grad_accum_steps, topo.dp_index(rank), cfg))
+        finally:
+            eng.close()
+    trace_path(run_dir, rank, 2).rename(trace)
+    return units

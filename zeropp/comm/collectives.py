@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-from . import qgz, stochastic as sr
+from . import qgz, ranges, stochastic as sr
 from .backend import (
     CommHandle,
     ReduceOpLike,
@@ -40,6 +40,7 @@ from .backend import (
 )
 from .codecs import codec_for
 from .feedback import ErrorFeedback
+from .kinds import CommKind
 from .lifetime import Buffers
 from .spec import QuantSpec
 from .stats import CommStats, get_comm_stats, group_ranks, peer_bytes, record_sends
@@ -56,8 +57,9 @@ def quantized_all_gather(
     spec: Optional[QuantSpec] = None,
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
-    kind: str = "all_gather",
+    kind: str = CommKind.ALL_GATHER,
     async_op: bool = False,
+    name: Optional[str] = None,
 ) -> Optional[CommHandle]:
     """qwZ: gather every member's shard into ``output_tensor`` ([W * n], member order).
 
@@ -78,7 +80,19 @@ def quantized_all_gather(
     next index of a per-process counter and quantizes with the kernel seed
     ``stochastic_seed(spec.seed, global rank, call index, 0)`` (``zeropp.comm.stochastic``):
     different noise on every rank and every call, reproducible for a given (seed, rank, call).
+
+    ``name``: the call's profiler range (``ranges.py``; None: ``zeropp/<kind>``), with its
+    ``/quantize`` and ``/dequantize`` parts.
     """
+    name = _range(name, kind)
+    with ranges.span(name):
+        return _all_gather(output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name)
+
+
+def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
+                spec: Optional[QuantSpec], topology: Optional[Topology], stats: Optional[CommStats], kind: str,
+                async_op: bool, name: Optional[str]) -> Optional[CommHandle]:
+    """:func:`quantized_all_gather` inside its range."""
     check_gather_spec(spec)
     topo = resolve_topology(topology)
     ranks = group_ranks(group)
@@ -118,7 +132,8 @@ def quantized_all_gather(
     codec = codec_for(spec)
     bits = spec.bits
     gs = DEFAULT_WEIGHT_GROUP_SIZE if spec.group_size is None else spec.group_size
-    send = codec.encode(input_tensor.reshape(-1), bits, gs, rows=1, seed=kseed).view(-1)  # [B]; reads input first
+    with ranges.span(name, "quantize"):
+        send = codec.encode(input_tensor.reshape(-1), bits, gs, rows=1, seed=kseed).view(-1)  # [B]; reads input first
     if not codec.in_place and not output_tensor.is_contiguous():
         raise ValueError(f"codec {spec.scheme!r} writes only contiguous outputs; pass a contiguous all-gather output")
     B = codec.wire_bytes(n, bits, gs)
@@ -131,7 +146,8 @@ def quantized_all_gather(
 
     def finish() -> None:
         # [W, B] received rows, read through views, dequantized straight into output ([W, n])
-        codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
+        with ranges.span(name, "dequantize"):
+            codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
 
     return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)))
 
@@ -147,8 +163,9 @@ def quantized_reduce_scatter(
     feedback_key: str = "default",
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
-    kind: str = "reduce_scatter",
+    kind: str = CommKind.REDUCE_SCATTER,
     async_op: bool = False,
+    name: Optional[str] = None,
 ) -> Optional[CommHandle]:
     """qgZ: reduce ``input_tensor`` ([W * n], W chunks) over the group; member ``j`` gets chunk ``j``
     (summed, or averaged over all W members for AVG; PREMUL_SUM(f) sums ``f * x``) in
@@ -175,8 +192,12 @@ def quantized_reduce_scatter(
     buffers are reduced through views, and the sum is written into ``output_tensor``.
     Quantized, the input may also be a row-strided ``[W, n]`` view (columns of a ``[W, S]``
     buffer), read in place.
+
+    ``name``: the call's profiler range (``ranges.py``; None: ``zeropp/<kind>``); a quantized call
+    names its hops ``<name>/intra`` and ``<name>/cross`` instead, each with its parts.
     """
     check_reduce_spec(spec, error_feedback)
+    name = _range(name, kind)
     topo = resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "reduce-scatter")
@@ -196,7 +217,9 @@ def quantized_reduce_scatter(
         stats.count_call(kind)
         if n == 0:
             return finish_or_handle([], None, async_op)
-        return _plain_reduce_scatter(output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats, kind, async_op)
+        with ranges.span(name):
+            return _plain_reduce_scatter(output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats, kind,
+                                         async_op)
     if op_name not in ("sum", "avg", "premul_sum"):
         raise ValueError(f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None")
     check_float(input_tensor, "reduce-scatter input")
@@ -214,7 +237,7 @@ def quantized_reduce_scatter(
     gs = DEFAULT_GRAD_GROUP_SIZE if spec.group_size is None else spec.group_size
     plan = qgz.QgzPlan(topo, ranks, n, bits, intra_bits, gs, codec)
     return qgz.run(plan, output_tensor, input_tensor, post_scale, group, error_feedback, feedback_key, stats, kind,
-                   async_op, seeds)
+                   async_op, seeds, name)
 
 
 def _plain_reduce_scatter(
@@ -250,11 +273,13 @@ def all_reduce(
     *,
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
-    kind: str = "all_reduce",
+    kind: str = CommKind.ALL_REDUCE,
     async_op: bool = False,
+    name: Optional[str] = None,
 ) -> Optional[CommHandle]:
     """Plain backend all-reduce (ZeRO stages 0-2), accounted as reduce-scatter + all-gather:
-    ``2 * nbytes / W`` to each other member (see ``stats.py``)."""
+    ``2 * nbytes / W`` to each other member (see ``stats.py``). ``name``: its profiler range
+    (``ranges.py``; None: ``zeropp/<kind>``)."""
     topo = resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
@@ -262,7 +287,8 @@ def all_reduce(
     stats.count_call(kind)
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("all_reduce", tensor.numel() * tensor.element_size(), W))
-    work = backend_all_reduce(tensor, op, group, async_op)
+    with ranges.span(_range(name, kind)):
+        work = backend_all_reduce(tensor, op, group, async_op)
     return finish_or_handle([work], None, async_op)
 
 
@@ -277,7 +303,7 @@ def quantized_all_reduce(
     feedback_key: str = "default",
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
-    kind: str = "all_reduce",
+    kind: str = CommKind.ALL_REDUCE,
 ) -> torch.Tensor:
     """In-place all-reduce of any-size ``tensor`` as a reduce-scatter of the zero-padded flat
     tensor (quantized by ``spec``; error feedback as in :func:`quantized_reduce_scatter`)
@@ -315,6 +341,12 @@ def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what
     hint = f" or, quantized, a [{W}, {n}] view with contiguous rows" if spec is not None else ""
     raise ValueError(f"{what} must be contiguous{hint} (got shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
                      "pass t.contiguous()")
+
+
+def _range(name: Optional[str], kind: str) -> Optional[str]:
+    """A call's range name: ``name``, else ``zeropp/<kind>`` while a profiler records (else None:
+    no name is built)."""
+    return name if name is not None or not ranges.enabled() else ranges.call_name(kind)
 
 
 def _default_stats() -> CommStats:

@@ -29,6 +29,7 @@ from .chain import submit_future
 from .backend import check_gather_spec, check_reduce_spec, check_spec_type
 from .collectives import quantized_all_reduce
 from .feedback import ErrorFeedback
+from .kinds import CommKind
 from .spec import QuantSpec
 from .stats import CommStats
 from .topology import Topology
@@ -50,7 +51,7 @@ class QuantizedAllReduceState:
     """Topology for routing and accounting (None = the process-wide default)."""
     stats: Optional[CommStats] = None
     """Where bytes are recorded (None = the process-wide CommStats)."""
-    kind: str = "ddp_all_reduce"
+    kind: str = CommKind.DDP_ALL_REDUCE
     """Name the bytes are recorded under."""
     feedback: Optional[ErrorFeedback] = dataclasses.field(default=None, init=False, repr=False, compare=False)
     """Residuals of ``grads.error_feedback`` (created here, at ``grads.residual_bits``). Save

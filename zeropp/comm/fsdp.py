@@ -39,6 +39,7 @@ from zeropp.kernels.layout import QUANT_FLOAT_DTYPES
 from .backend import ReduceOpLike, check_gather_spec, check_reduce_spec, check_spec_type
 from .collectives import quantized_all_gather, quantized_reduce_scatter
 from .feedback import ErrorFeedback
+from .kinds import CommKind
 from .spec import QuantRecipe, QuantSpec
 from .stats import CommStats
 from .topology import Topology
@@ -61,7 +62,7 @@ class QuantizedAllGather(_Alloc, AllGather):
         *,
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
-        kind: str = "fsdp_all_gather",
+        kind: str = CommKind.FSDP_ALL_GATHER,
     ) -> None:
         self.spec = check_gather_spec(spec)  # fail here, not in the first forward
         self.topology, self.stats, self.kind = topology, stats, kind
@@ -89,7 +90,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         *,
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
-        kind: str = "fsdp_reduce_scatter",
+        kind: str = CommKind.FSDP_REDUCE_SCATTER,
         error_feedback: Optional[ErrorFeedback] = None,
         key_prefix: str = "",
     ) -> None:

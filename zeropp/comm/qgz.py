@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import chain, lifetime
+from . import chain, lifetime, ranges
 from .backend import CommHandle, backend_all_to_all, finish_or_handle
 from .lifetime import Buffers
 from zeropp.kernels import rotated_cols
@@ -103,10 +103,14 @@ class QgzPlan:
         return self.ranks == t.dp_ranks(self.ranks[0]) and t.nodes > 1 and t.ranks_per_node // t.tp > 1
 
     @property
-    def single_hop_bits(self) -> int:
+    def one_node(self) -> bool:
+        """All members on one node."""
         t = self.topology
-        one_node = len({t.node_of(r) for r in self.ranks}) == 1
-        return self.intra_bits if one_node else self.bits
+        return len({t.node_of(r) for r in self.ranks}) == 1
+
+    @property
+    def single_hop_bits(self) -> int:
+        return self.intra_bits if self.one_node else self.bits
 
 
 def run(
@@ -121,10 +125,13 @@ def run(
     kind: str,
     async_op: bool,
     seeds: Optional[tuple[int, int]] = None,
+    name: Optional[str] = None,
 ) -> Optional[CommHandle]:
     """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``). ``seeds``:
     kernel seeds of the first quantization and of the re-quantization for stochastic rounding
-    (None = round to nearest)."""
+    (None = round to nearest). ``name``: the call's profiler range (``ranges.py``); each hop runs
+    in ``<name>/intra`` or ``<name>/cross`` (a single hop: ``intra`` inside one node), with its
+    ``/quantize`` and ``/dequantize`` parts."""
     W, n, gs, codec = len(plan.ranks), plan.n, plan.group_size, plan.codec
     topo = plan.topology
     x = inp.view(W, n)  # [W, n] chunk j for member j (a row-strided view is read in place)
@@ -135,10 +142,17 @@ def run(
     seed1, seed2 = (None, None) if seeds is None else seeds
     if not plan.hierarchical:  # one quantized all-to-all over the group, then dequantize-sum
         bits = plan.single_hop_bits
-        send = _quantize_for_send(codec, x, bits, gs, ef, key, seed=seed1)  # [W, B]
-        recv, work = _all_to_all(send, plan.ranks, group, topo, stats, kind, async_op)
-        return finish_or_handle([work], lambda: _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out),
-                                async_op, Buffers(send, recv, protect=(inp, out)))
+        hop = None if name is None else f"{name}/{'intra' if plan.one_node else 'cross'}"
+        with ranges.span(hop):
+            with ranges.span(hop, "quantize"):
+                send = _quantize_for_send(codec, x, bits, gs, ef, key, seed=seed1)  # [W, B]
+            recv, work = _all_to_all(send, plan.ranks, group, topo, stats, kind, async_op)
+
+        def finish() -> None:
+            with ranges.span(hop, "dequantize"):
+                _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out)
+
+        return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(inp, out)))
 
     nodes, rpn = topo.nodes, topo.ranks_per_node // topo.tp  # the group's members per node
     groups = topo.build()
@@ -146,9 +160,12 @@ def run(
     # [rpn, nodes, n]: rows l*nodes .. (l+1)*nodes go to local peer l. For an in-place codec this
     # stays a view: the quantization reads x in swizzled order and writes each row straight
     # into its slot of the send buffer, so no swizzled copy of x is made.
-    xs = swizzled_view(x, nodes, rpn) if codec.in_place else swizzle(x, nodes, rpn)
-    send1 = _quantize_for_send(codec, xs, plan.intra_bits, gs, ef, key, (nodes, rpn), seed=seed1)  # [W, B1]
-    recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, True)
+    at_intra, at_cross = (None, None) if name is None else (f"{name}/intra", f"{name}/cross")  # hops' ranges
+    with ranges.span(at_intra):
+        xs = swizzled_view(x, nodes, rpn) if codec.in_place else swizzle(x, nodes, rpn)
+        with ranges.span(at_intra, "quantize"):
+            send1 = _quantize_for_send(codec, xs, plan.intra_bits, gs, ef, key, (nodes, rpn), seed=seed1)  # [W, B1]
+        recv1, work = _all_to_all(send1, topo.intra_ranks(me), groups.intra, topo, stats, kind, True)
     # hop 2's size is known now: account it here, on the caller's thread, in issue order
     B2 = codec.wire_bytes(n, plan.bits, gs)
     cross = topo.cross_ranks(me)
@@ -161,20 +178,26 @@ def run(
         # runs as soon as hop 1 has landed (chain.py), not in the caller's wait()
         work.wait()
         lifetime.completed()
+        with ranges.span(at_cross):
+            _hop2()
+
+    def _hop2() -> None:
         # [rpn sources, nodes, B1] -> [nodes, B2]: node sums of my-local chunks; row m -> node m
-        if ef is None:
-            send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
-                                                    out_bits=plan.bits, seed=seed2)
-        else:
-            send2 = _requantize_with_feedback(codec, recv1.view(rpn, nodes, -1), n, plan.intra_bits, plan.bits, gs,
-                                              ef, key + HOP2_SUFFIX, seed2)
+        with ranges.span(at_cross, "quantize"):  # hop 1's dequantize-sum fused with hop 2's quantization
+            if ef is None:
+                send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
+                                                        out_bits=plan.bits, seed=seed2)
+            else:
+                send2 = _requantize_with_feedback(codec, recv1.view(rpn, nodes, -1), n, plan.intra_bits, plan.bits,
+                                                  gs, ef, key + HOP2_SUFFIX, seed2)
         if tuple(send2.shape) != (nodes, B2) or send2.dtype != torch.uint8:
             raise RuntimeError(f"codec {type(codec).__name__} re-quantized to {send2.dtype} {tuple(send2.shape)}; its "
                                f"wire_bytes says uint8 ({nodes}, {B2})")
         recv2 = torch.empty_like(send2)  # [nodes, B2]
         hold.add(send2, recv2)
         backend_all_to_all(recv2, send2, groups.cross, False)
-        _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
+        with ranges.span(at_cross, "dequantize"):
+            _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
     later = chain.submit(hop2, out.device, buffers=hold)
     return finish_or_handle([], later.wait, async_op)

@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp.comm import ranges
+from zeropp.comm.kinds import CommKind
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, micro_batch) -> scalar loss tensor``."""
 
@@ -172,12 +175,17 @@ def control_group(backend: str | None = None) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
+CONTROL_RANGE = ranges.call_name(CommKind.CONTROL)
+"""The profiler range of the engine's control all-reduces (``zeropp/control``)."""
+
+
 def host_max(values: list[int], group: dist.ProcessGroup | None = None) -> list[int]:
     """Collective over ``group`` (None: the default group, which must carry CPU tensors): the
     element-wise max of ``values`` (host ints, the same length on every rank) over the ranks. A
     CPU all-reduce: reading it back waits for the other ranks' hosts, never for a GPU."""
     t = torch.tensor(values, dtype=torch.int64)  # [n] on the host
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    with ranges.span(CONTROL_RANGE):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 

@@ -19,6 +19,11 @@ a plain reduce-scatter chunk, the output of a plain all-gather chunk) belongs to
 waited and its copy-out ran, on the stream that completed it (the side stream with streams);
 the handles release their own wire buffers the same way.
 
+Profiler ranges (``zeropp.comm.ranges``): while a profiler records, chunk ``k`` of unit ``u``'s
+collective of kind ``K`` is the range ``zeropp/K/u/bk`` (the plan's entry,
+``zeropp.runtime.plan.CommPlan.range_name``; a quantized reduce-scatter's hops suffix it), and
+waiting for the whole collective ``zeropp/K/u/wait``.
+
 Averaging: a plain reduce-scatter or all-reduce is a backend SUM followed by a local divide (no
 dependence on a backend's AVG; gloo's has had bugs). A quantized reduce-scatter averages itself:
 it sums in fp32 and scales by 1/W *before* the single rounding into the compute dtype, whereas a
@@ -33,12 +38,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from zeropp.comm import ranges
 from zeropp.comm.codecs import codec_for
+from zeropp.comm.kinds import CommKind
 from zeropp.comm.lifetime import Buffers
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
+from .batch import CONTROL_RANGE
 from .plan_kinds import chunk_ranges
 from .streams import CommStreams
 
@@ -52,18 +60,22 @@ class Pending:
     """
 
     def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None, *,
-                 event: object = None, buffers: Optional[Buffers] = None) -> None:
+                 event: object = None, buffers: Optional[Buffers] = None, what: tuple[str, str] = ("", "")) -> None:
         self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
         self._buffers = buffers  # the chunks' temporaries, released by complete()
+        self.what = what
+        """``(kind, unit)`` of the collective: its wait's profiler range (module doc)."""
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._event is not None:
-            self._comm.streams.wait(self._event)  # timed inside
-        else:
-            with self._comm.streams.blocked():
-                self.complete()
+        kind, unit = self.what
+        with ranges.span(ranges.wait_name(kind, unit) if kind and ranges.enabled() else None):
+            if self._event is not None:
+                self._comm.streams.wait(self._event)  # timed inside
+            else:
+                with self._comm.streams.blocked():
+                    self.complete()
         self.done = True
 
     def complete(self) -> None:
@@ -116,9 +128,10 @@ class EngineComm:
     # ------------------------------------------------------------------ spec -> zeropp.comm
     # ------------------------------------------------------------------ all-gather
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, spec: Optional[QuantSpec], hpz: bool = False,
-                   bucket: int, kind: str, async_op: bool) -> Pending:
+                   bucket: int, kind: CommKind, unit: str = "", async_op: bool) -> Pending:
         """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order), quantized as
-        ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule)."""
+        ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule).
+        ``unit``: the unit's name, for the profiler ranges (module doc; "": none)."""
         group, g = self._group(hpz)
         s = shard.numel()
 
@@ -126,7 +139,8 @@ class EngineComm:
             works: list = []
             finishes: list[Callable[[], None]] = []
             temps = Buffers()
-            for a, b in chunk_ranges(s, g, bucket):
+            named = ranges.enabled()
+            for k, (a, b) in enumerate(chunk_ranges(s, g, bucket)):
                 whole = (a, b) == (0, s)
                 if whole:
                     dst = out
@@ -138,18 +152,20 @@ class EngineComm:
                     finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
                 works.append(self._z.quantized_all_gather(
                     dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
-                    spec=spec))
-            return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None, buffers=temps)
+                    spec=spec, name=ranges.call_name(kind, unit, k) if named else None))
+            return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None, buffers=temps,
+                           what=(kind, unit))
 
         return self.launch("all_gather", issue, (shard,), async_op)
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, spec: Optional[QuantSpec],
-                       error_feedback: object = None, key: str = "", bucket: int, kind: str,
+                       error_feedback: object = None, key: str = "", bucket: int, kind: CommKind, unit: str = "",
                        async_op: bool) -> Pending:
         """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S]),
         quantized as ``spec`` says (None = full precision). ``error_feedback`` (a
-        ``zeropp.comm.ErrorFeedback``, when ``spec.error_feedback``) keeps residuals under ``key``."""
+        ``zeropp.comm.ErrorFeedback``, when ``spec.error_feedback``) keeps residuals under ``key``.
+        ``unit``: the unit's name, for the profiler ranges (module doc; "": none)."""
         w = self.world_size
         s = out.numel()
         quantized = spec is not None
@@ -158,7 +174,8 @@ class EngineComm:
         def issue() -> Pending:
             works: list = []
             temps = Buffers()
-            for a, b in chunk_ranges(s, w, bucket):
+            named = ranges.enabled()
+            for k, (a, b) in enumerate(chunk_ranges(s, w, bucket)):
                 if (a, b) == (0, s):
                     src = full
                 elif quantized and codec_for(spec).in_place:  # [w, b - a] view, quantized in place (no copy)
@@ -169,8 +186,9 @@ class EngineComm:
                 extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
                 works.append(self._z.quantized_reduce_scatter(
                     out[a:b], src, op, self.group, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
-                    async_op=True, **extra))
-            return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps)
+                    async_op=True, name=ranges.call_name(kind, unit, k) if named else None, **extra))
+            return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps,
+                           what=(kind, unit))
 
         return self.launch("reduce_scatter", issue, (full,), async_op)
 
@@ -193,10 +211,12 @@ class EngineComm:
         return p
 
     # ------------------------------------------------------------------ all-reduce / misc
-    def all_reduce_mean(self, t: torch.Tensor, *, kind: str) -> None:
-        """In-place average over the world (stage 0 gradients, replicated units)."""
+    def all_reduce_mean(self, t: torch.Tensor, *, kind: CommKind, unit: str = "") -> None:
+        """In-place average over the world (stage 0 gradients, replicated units); ``unit``: the
+        unit's name, for the profiler range (module doc)."""
         with self.streams.blocked():
-            self._z.all_reduce(t, dist.ReduceOp.SUM, self.group, topology=self.topology, stats=self.stats, kind=kind)
+            self._z.all_reduce(t, dist.ReduceOp.SUM, self.group, topology=self.topology, stats=self.stats, kind=kind,
+                               name=ranges.call_name(kind, unit, 0) if ranges.enabled() else None)
             t.div_(self.world_size)
 
     def sum_scalars(self, values: list[float]) -> list[float]:
@@ -204,7 +224,7 @@ class EngineComm:
         squared norms). Control traffic: a few bytes per step, deliberately not accounted so the
         byte formulas stay exact."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        with self.streams.blocked():
+        with self.streams.blocked(), ranges.span(CONTROL_RANGE):
             dist.all_reduce(t)
         return t.tolist()
 

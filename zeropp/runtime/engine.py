@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp.comm.kinds import CommKind
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
@@ -425,8 +426,8 @@ class ZeroEngine:
 
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
-            self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind="checkpoint",
-                                 async_op=False)
+            self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind=CommKind.CHECKPOINT,
+                                 unit=u.name, async_op=False)
             return full
 
         frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)

@@ -48,7 +48,9 @@ import torch
 from torch import nn
 
 from zeropp.comm.backend import backend_all_gather
+from zeropp.comm import ranges
 from zeropp.comm.codecs import codec_for
+from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import group_ranks, peer_bytes, record_sends
 from zeropp.kernels import DEFAULT_WEIGHT_GROUP_SIZE
@@ -56,7 +58,7 @@ from zeropp.kernels import DEFAULT_WEIGHT_GROUP_SIZE
 from .collectives import EngineComm, Pending
 from .partition import FlatUnit, Homes, assign_homes
 
-KIND = "frozen_all_gather"
+KIND = CommKind.FROZEN_ALL_GATHER
 """``CommStats`` kind of every gather of a frozen unit (forward, backward)."""
 BITS = {"none": None, "int8": 8, "int4": 4}
 """``ZeroConfig.quantize_frozen`` -> code width."""
@@ -199,7 +201,7 @@ def stored_nbytes(u: FlatUnit) -> int:
     return numel * dtype.itemsize
 
 
-def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: str = KIND,
+def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: CommKind = KIND,
                      async_op: bool, hpz: bool = False) -> Pending:
     """All-gather the stored wire rows of ``u`` as they are and dequantize them into ``out``
     (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``.
@@ -213,18 +215,22 @@ def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: Qua
     else:
         send, group, g = stored(u), comm.group, W  # [B] uint8 (on the device)
 
+    name = ranges.call_name(kind, u.name, 0) if ranges.enabled() else None  # one call, never cut into buckets
+
     def issue() -> Pending:
         comm.stats.count_call(kind)
         recv = torch.empty(W * B, dtype=torch.uint8, device=out.device)  # [W * B]: both ways, rows in rank order
         record_sends(comm.stats, kind, comm.topology, group_ranks(group), peer_bytes("all_gather", send.numel(), g))
-        work = backend_all_gather(recv, send, group, True)
+        with ranges.span(name):
+            work = backend_all_gather(recv, send, group, True)
 
         def finish() -> None:  # [W, B] rows -> [W, S] values, read through views of recv
             if hpz and u.secondary is None:
                 u.secondary = recv.view(h, -1)[k].clone()  # [W / h * B]: kept quantized, never stale
-            codec.dequantize(codec.unpack(recv.view(W, B), S, spec.bits, spec.group_size), out=out.view(W, S))
+            with ranges.span(name, "dequantize"):
+                codec.dequantize(codec.unpack(recv.view(W, B), S, spec.bits, spec.group_size), out=out.view(W, S))
 
-        return Pending(comm, [work], finish)
+        return Pending(comm, [work], finish, what=(kind, u.name))
 
     return comm.launch("all_gather", issue, (send,), async_op)
 
@@ -244,12 +250,13 @@ def full_values(comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch
     for u in fu.units:
         if is_quantized(u):
             full = torch.empty(u.padded, dtype=torch.float32, device=u.device)  # [padded]
-            gather_quantized(comm, u, full, fu.spec, kind="checkpoint", async_op=False)
+            gather_quantized(comm, u, full, fu.spec, kind=CommKind.CHECKPOINT, async_op=False)
         else:
             shard = u.extra.get("original")
             shard = shard.to(u.device) if shard is not None else stored(u)  # [S]
             full = torch.empty(u.padded, dtype=shard.dtype, device=u.device)  # [padded]
-            comm.all_gather(full, shard, spec=None, bucket=bucket, kind="checkpoint", async_op=False)
+            comm.all_gather(full, shard, spec=None, bucket=bucket, kind=CommKind.CHECKPOINT, unit=u.name,
+                            async_op=False)
         for s in u.slots:  # canonical names only, as named_parameters() (a tied weight once)
             t = full[s.offset : s.offset + s.numel].view(s.shape)
             out[s.name] = t.to(dtype=param_dtypes.get(s.name, t.dtype), device="cpu").clone()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from zeropp.comm import ranges
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.topology import Topology
@@ -177,6 +178,16 @@ class CommPlan:
                         key = f"{c.kind}.{link}"
                         out[key] = out.get(key, 0) + b
         return out
+
+    def range_name(self, c: Collective) -> str:
+        """The profiler range the engine runs ``c`` in (``zeropp.comm.ranges``):
+        ``zeropp/<kind>/<unit>/b<bucket>`` (a frozen part's unit ``<unit>.frozen``), a qgZ hop
+        suffixed ``/intra`` or ``/cross``, a control all-reduce ``zeropp/control``."""
+        if c.kind == CommKind.CONTROL:
+            return ranges.call_name(c.kind)
+        unit = self.units[c.unit].name + (".frozen" if c.frozen else "")
+        hop = {Algo.A2A_INTRA: "intra", Algo.A2A_CROSS: "cross"}.get(c.algo)
+        return ranges.call_name(c.kind, unit, c.bucket, hop)
 
     def total_bytes(self) -> int:
         """Counted bytes this rank sends per step, every kind and link."""

@@ -13,65 +13,9 @@ in summaries or in wandb keys.
 
 from __future__ import annotations
 
-import enum
-
+from zeropp.comm.kinds import CommKind, StrEnum as _StrEnum
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
-
-
-class _StrEnum(str, enum.Enum):
-    """A str enum that prints and formats as its value (``enum.StrEnum`` needs Python 3.11)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class CommKind(_StrEnum):
-    """What a collective is for: the ``kind`` it is recorded under in ``zeropp.comm.CommStats``."""
-
-    FWD_ALL_GATHER = "fwd_all_gather"
-    """Stage 3: a unit's parameters gathered before its forward (qwZ quantizes it)."""
-    BWD_ALL_GATHER = "bwd_all_gather"
-    """Stage 3: a unit's parameters gathered again before its backward (hpZ: inside the group)."""
-    FROZEN_ALL_GATHER = "frozen_all_gather"
-    """Stage 3: a frozen unit's gather, forward and backward alike (MixZ++: its stored wire rows)."""
-    GRAD_REDUCE_SCATTER = "grad_reduce_scatter"
-    """Stages 1-3: gradient reduce-scatter (qgZ: both all-to-all hops are recorded under it)."""
-    GRAD_ALL_REDUCE = "grad_all_reduce"
-    """Stage 0 (and replicated stage-3 units): gradient all-reduce."""
-    PARAM_ALL_GATHER = "param_all_gather"
-    """Stages 1-2: the updated parameter shards gathered after the optimizer step."""
-    WEIGHT_DIFF_ALL_GATHER = "weight_diff_all_gather"
-    """qWD: the quantized weight differences gathered after the optimizer step."""
-    CHECKPOINT = "checkpoint"
-    """Gathers of a checkpoint save or a consolidated state dict (not part of a training step)."""
-    CONTROL = "control"
-    """Loss / norm sums and the after-forward agreement: a few scalars, not counted by CommStats."""
-    DDP_ALL_REDUCE = "ddp_all_reduce"
-    """``zeropp.comm.ddp``'s communication hook (the DDP trainers)."""
-    FSDP_ALL_GATHER = "fsdp_all_gather"
-    """``zeropp.comm.fsdp``'s FSDP2 all-gather hook."""
-    FSDP_REDUCE_SCATTER = "fsdp_reduce_scatter"
-    """``zeropp.comm.fsdp``'s FSDP2 reduce-scatter hook."""
-    ALL_GATHER = "all_gather"
-    """A plain ``torch.distributed`` all-gather (``experiments.commwatch``; ``zeropp.comm``'s default)."""
-    REDUCE_SCATTER = "reduce_scatter"
-    """A plain reduce-scatter (as above)."""
-    ALL_REDUCE = "all_reduce"
-    """A plain all-reduce (as above; tensor parallelism's activation sums)."""
-    ALL_TO_ALL = "all_to_all"
-    """A plain all-to-all (as above)."""
-    BROADCAST = "broadcast"
-    """A plain broadcast (as above; the engine's initial weight sync)."""
-    SCATTER = "scatter"
-    """A plain scatter (as above)."""
-    REDUCE = "reduce"
-    """A plain reduce (as above)."""
-    GATHER = "gather"
-    """A plain gather (as above)."""
 
 
 STEP_KINDS = (CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, CommKind.FROZEN_ALL_GATHER,

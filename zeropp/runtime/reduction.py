@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp.comm.kinds import CommKind
+
 from .batch import host_max
 from .buffers import BufferPool
 from .collectives import EngineComm
@@ -198,7 +200,7 @@ class GradReducer:
             self.release(u)
         out = self.pool.acquire("grad_shard", u.shard_numel)  # [S]
         work = self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
-                                        kind="grad_reduce_scatter", async_op=True, **self._qgz())
+                                        kind=CommKind.GRAD_REDUCE_SCATTER, unit=u.name, async_op=True, **self._qgz())
         u.extra["rs_input"] = flat  # back to the pool once the reduce-scatter is waited
         self._pending.append((work, u, out))
 
@@ -233,12 +235,12 @@ class GradReducer:
             pooled = u.kind == "sharded_opt"  # stage 1: a communication buffer; stage 0: the gradient itself
             flat = u.flatten_grads(out=self.pool.acquire("grad_flat", u.padded) if pooled else None)  # [padded]
             if u.kind == "replicated":
-                self.comm.all_reduce_mean(flat, kind="grad_all_reduce")
+                self.comm.all_reduce_mean(flat, kind=CommKind.GRAD_ALL_REDUCE, unit=u.name)
                 grads.append(flat)
             else:  # stage 1: one reduce-scatter after the last micro-step
                 out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
                 self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
-                                         kind="grad_reduce_scatter", async_op=False, **self._qgz())
+                                         kind=CommKind.GRAD_REDUCE_SCATTER, unit=u.name, async_op=False, **self._qgz())
                 self.pool.give_back(flat)
                 grads.append(out)
             if self.land is not None:

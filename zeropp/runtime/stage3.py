@@ -68,6 +68,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from zeropp.comm.kinds import CommKind
+
 from .batch import MicroBatchError, host_max, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
@@ -157,16 +159,18 @@ class Stage3Hooks:
         if u.state != "free":
             return
         buf = self.pool.acquire("gather", u.padded)  # [padded]
-        kind = fz.KIND if u.kind == "frozen" else "bwd_all_gather" if backward else "fwd_all_gather"
+        kind = fz.KIND if u.kind == "frozen" else CommKind.BWD_ALL_GATHER if backward else CommKind.FWD_ALL_GATHER
         bucket = self.cfg.allgather_bucket_size
         if fz.is_quantized(u):  # MixZ++: the stored wire rows, gathered as they are, dequantized into buf
             work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True, hpz=self.cfg.hpz)
         elif u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
-            work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, async_op=True)
+            work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, unit=u.name,
+                                        async_op=True)
         else:
             store = u.extra.get("param_store")  # offload: the shard comes from host memory / disk
             shard = store.fetch(u) if store is not None else u.param_shard
-            work = self.comm.all_gather(buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, async_op=True)
+            work = self.comm.all_gather(buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, unit=u.name,
+                                        async_op=True)
         u.extra["buf"], u.work, u.state = buf, work, "inflight"
 
     def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:

@@ -37,6 +37,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from zeropp.comm import ranges
+from zeropp.comm.kinds import CommKind
+
+from .batch import CONTROL_RANGE
 from .collectives import EngineComm
 from .config import ZeroConfig
 from .loss_scale import LossScaler
@@ -144,7 +148,7 @@ class ParamUpdate:
         vec = torch.stack([local_loss.to(torch.float64), sq_sharded.to(dev, non_blocking=True),
                            sq_repl.to(dev, non_blocking=True)])  # [3] fp64 on the device
         if self.all_ranks > 1:
-            with self.comm.streams.blocked():  # control traffic: not in the byte accounting
+            with self.comm.streams.blocked(), ranges.span(CONTROL_RANGE):  # control traffic: not in the byte accounting
                 dist.all_reduce(vec[:2])  # loss and sharded squares summed; the replicated ones counted once
         loss_tot, sq_tot, sq_r = vec.tolist()  # the one read: waits for the GPU to finish the backward
         return loss_tot, sq_tot, sq_r
@@ -185,7 +189,7 @@ class ParamUpdate:
         else:  # stages 1/2: everyone needs every updated shard
             m = self.master_copy(i, self.dtype)  # [S] (not a view of u.flat)
             works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
-                                              kind="param_all_gather", async_op=True))
+                                              kind=CommKind.PARAM_ALL_GATHER, unit=u.name, async_op=True))
 
     def _tp_squares(self, g32: list[torch.Tensor]) -> torch.Tensor:
         """tp > 1: this rank's share of the whole model's squared gradient norm (0-dim fp64 where

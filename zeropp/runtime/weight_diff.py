@@ -47,12 +47,13 @@ from typing import Callable
 
 import torch
 
+from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
 
 from .collectives import EngineComm, Pending
 from .partition import FlatUnit
 
-KIND = "weight_diff_all_gather"
+KIND = CommKind.WEIGHT_DIFF_ALL_GATHER
 """``CommStats`` kind of the quantized-difference all-gathers."""
 
 
@@ -116,7 +117,7 @@ class WeightDiff:
         def apply(buf: torch.Tensor) -> None:
             u.flat.add_(buf.to(u.flat.dtype))  # [padded]
 
-        return self._issue(diff, u.padded, apply)
+        return self._issue(diff, u, apply)
 
     def refresh_secondary(self, u: FlatUnit, master: torch.Tensor) -> _Applied:
         """Stage 3: send ``q(master - reference)`` to every rank; on :meth:`_Applied.wait` each rank
@@ -131,7 +132,7 @@ class WeightDiff:
             u.secondary.add_(buf.view(h, -1)[k].to(u.secondary.dtype))  # [padded / h]
             ref.add_(buf[a:b].to(ref.dtype))  # [S]
 
-        return self._issue(diff, u.padded, apply)
+        return self._issue(diff, u, apply)
 
     def has_secondary(self, u: FlatUnit) -> bool:
         """True when ``u``'s secondary and reference both exist (made in a training forward)."""
@@ -143,10 +144,10 @@ class WeightDiff:
             self._inflight.wait()
             self._inflight = None
 
-    def _issue(self, diff: torch.Tensor, padded: int, apply: Callable[[torch.Tensor], None]) -> _Applied:
+    def _issue(self, diff: torch.Tensor, u: FlatUnit, apply: Callable[[torch.Tensor], None]) -> _Applied:
         self.finish()
-        buf = torch.empty(padded, dtype=torch.float32, device=diff.device)  # [padded] dequantized differences
-        work = self.comm.all_gather(buf, diff, spec=self.spec, bucket=self.bucket, kind=KIND, async_op=True)
+        buf = torch.empty(u.padded, dtype=torch.float32, device=diff.device)  # [padded] dequantized differences
+        work = self.comm.all_gather(buf, diff, spec=self.spec, bucket=self.bucket, kind=KIND, unit=u.name, async_op=True)
         self._inflight = _Applied(work, lambda: apply(buf))
         return self._inflight
 
