@@ -226,7 +226,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     guard = _guard(cfg)
     diverged: DivergenceError | None = None
     prev_eng = trainer.comm_stats()
-    with CommWatch(cfg.topology) as watch:
+    with CommWatch(cfg.topology, sessions=[trainer.comm_session()]) as watch:
         dist.barrier()
         watch.take()
         for step in range(start + 1, t.steps + 1):

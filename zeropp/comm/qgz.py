@@ -41,7 +41,7 @@ rank per node, or a sub-group of the world, a single quantized all-to-all + dequ
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from .codecs import Codec, HadamardCodec
 from .feedback import HOP2_SUFFIX, ErrorFeedback
 from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .session import CommSession
 
 __all__ = ["ErrorFeedback", "QgzPlan", "run", "swizzle", "swizzled_view", "unswizzle"]
 
@@ -121,10 +124,13 @@ def run(
     kind: str,
     async_op: bool,
     seeds: Optional[tuple[int, int]] = None,
+    *,
+    session: Optional["CommSession"] = None,
 ) -> Optional[CommHandle]:
     """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``). ``seeds``:
     kernel seeds of the first quantization and of the re-quantization for stochastic rounding
-    (None = round to nearest)."""
+    (None = round to nearest). ``session``: whose side stream runs hop 2 and whose wait hooks
+    the handle's wait runs in (None: the default session)."""
     W, n, gs, codec = len(plan.ranks), plan.n, plan.group_size, plan.codec
     topo = plan.topology
     x = inp.view(W, n)  # [W, n] chunk j for member j (a row-strided view is read in place)
@@ -138,7 +144,7 @@ def run(
         send = _quantize_for_send(codec, x, bits, gs, ef, key, seed=seed1)  # [W, B]
         recv, work = _all_to_all(send, plan.ranks, group, topo, stats, kind, async_op)
         return finish_or_handle([work], lambda: _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out),
-                                async_op, Buffers(send, recv, protect=(inp, out)))
+                                async_op, Buffers(send, recv, protect=(inp, out)), session=session, kind=kind)
 
     nodes, rpn = topo.nodes, topo.ranks_per_node // topo.tp  # the group's members per node
     groups = topo.build()
@@ -176,8 +182,8 @@ def run(
         backend_all_to_all(recv2, send2, groups.cross, False)
         _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
-    later = chain.submit(hop2, out.device, buffers=hold)
-    return finish_or_handle([], later.wait, async_op)
+    later = chain.submit(hop2, out.device, buffers=hold, session=session)
+    return finish_or_handle([], later.wait, async_op, session=session, kind=kind)
 
 
 def _quantize_for_send(
