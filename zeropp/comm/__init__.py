@@ -7,6 +7,7 @@ and, through the plug-ins in ``zeropp.comm.fsdp`` / ``zeropp.comm.ddp``, by stoc
 from torch.distributed import ReduceOp
 
 from .backend import CommHandle
+from .choices import Rotation, Rounding, StrChoice
 from .codecs import Codec, IntCodec, codec_for, register_codec, unregister_codec
 from .collectives import all_reduce, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 from .feedback import ErrorFeedback
@@ -29,6 +30,9 @@ __all__ = [
     "QuantRecipe",
     "QuantSpec",
     "ReduceOp",
+    "Rotation",
+    "Rounding",
+    "StrChoice",
     "Topology",
     "TopologyGroups",
     "all_reduce",

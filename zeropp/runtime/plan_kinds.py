@@ -13,20 +13,9 @@ in summaries or in wandb keys.
 
 from __future__ import annotations
 
-import enum
-
+from zeropp.comm.choices import StrChoice as _StrEnum  # prints, formats and repr's as its value
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
-
-
-class _StrEnum(str, enum.Enum):
-    """A str enum that prints and formats as its value (``enum.StrEnum`` needs Python 3.11)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
 
 
 class CommKind(_StrEnum):
