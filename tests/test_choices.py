@@ -1,4 +1,5 @@
-"""Fixed-choice settings are ``str`` enums declared once (``zeropp.comm.choices``, ``zeropp.runtime.choices``).
+"""Fixed-choice settings are ``str`` enums declared once (``zeropp.comm.choices``, ``zeropp.runtime.choices``,
+the harness's in ``experiments/sections.py``).
 
 * a bad value is refused while Hydra composes (OmegaConf's enum node, the reference) and, first,
   by the runner's pre-check with one line naming the key, the valid values and the closest one;
@@ -22,6 +23,7 @@ from omegaconf.errors import ValidationError
 from tests.cli_helpers import run_cli
 from zeropp.comm import QuantSpec, Rotation, Rounding
 from zeropp.experiments.config import ConfigError, from_dict
+from zeropp.experiments.sections import LauncherDevice, LoggerMode
 from zeropp.experiments.overrides import check_overrides
 from zeropp.runtime import MemoryTier, OffloadTier, OptimizerConfig, Precision, QuantizeFrozen, Schedule, ZeroConfig
 
@@ -42,6 +44,8 @@ BAD = [
     ([], "optim.schedule=linear", Schedule, None),
     (["quant=int8"], "zero.weights.rounding=stochastc", Rounding, "stochastic"),
     (["quant=qgz"], "zero.grads.rotation=hadamad", Rotation, "hadamard"),
+    ([], "launcher.device=gpu", LauncherDevice, None),
+    ([], "logger.mode=onlin", LoggerMode, "online"),
 ]
 
 
