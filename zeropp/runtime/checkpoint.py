@@ -45,7 +45,7 @@ with the differing unit named.
 Exact resume of quantized runs: each rank's qgZ error-feedback residuals (``CheckpointTarget.feedback``,
 a ``zeropp.comm.ErrorFeedback``, stored as they are kept: INT8 codes + scales, or fp32) are saved
 under the rank's own keys ``feedback.rank<r>.<bucket>|<field>``, and every rank's stochastic-rounding
-call counter (``zeropp.comm.stochastic``) in ``meta.json``. A load at the same world size, stage and
+call counter (the engine's communication session's, ``zeropp.comm.stochastic``) in ``meta.json``. A load at the same world size, stage and
 topology restores both, so a resumed run draws the same noise and carries the same residuals as an
 uninterrupted one. Residuals are laid out per rank and per topology, so a load that reshards
 (another world size, stage or topology) drops them with a warning (they restart from zero, as at
