@@ -1,8 +1,9 @@
 """Measure communication from outside any trainer: bytes per link class and time blocked on it.
 
 Every trainer (zeropp's engine, FSDP2, DDP, plug-ins) ends up in ``torch.distributed``'s
-collectives. :class:`CommWatch` wraps those functions and ``Work.wait`` in this process, and
-records, per collective kind and link class (``intra`` / ``cross`` node, from the run's topology),
+collectives. :class:`CommWatch` wraps those functions and ``Work.wait`` in this process (torch
+offers no hook on its own collectives' calls and waits; the stock FSDP2 / DDP trainers issue theirs
+there), and records, per collective kind and link class (``intra`` / ``cross`` node, from the run's topology),
 into a ``zeropp.comm.CommStats`` through ``zeropp.comm.stats.record_sends`` (zeropp owns the
 accounting convention and the node classification; this module only reads the message sizes
 off the ``torch.distributed`` call's arguments):
@@ -14,7 +15,10 @@ off the ``torch.distributed`` call's arguments):
   equal terms; zeropp's own ``CommStats`` adds semantic kinds (forward vs backward all-gather)
   where a trainer has it.
 * **wait seconds**: wall time the training thread spends inside a blocking collective or a
-  ``Work.wait()``. That is the time communication is *not* overlapped with compute.
+  ``Work.wait()``. That is the time communication is *not* overlapped with compute. A wait on a
+  zeropp handle (a qgZ continuation's cross-node hop and the local dequantize included) is timed
+  through the wait hook of the trainer's ``zeropp.comm.CommSession`` (``sessions=``), not by
+  patching zeropp's classes; the backend waits nested in it count once, as part of it.
 
 Nested calls (a collective implemented with another) are counted once, at the outermost call.
 Counting never breaks a collective: one whose bytes cannot be read off its arguments still runs,
@@ -47,8 +51,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zeropp.comm import CommStats, Topology
-from zeropp.comm.chain import Deferred
+from zeropp.comm import CommSession, CommStats, Topology
 from zeropp.comm.stats import peer_bytes, record_sends
 
 _WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "reduce_scatter_tensor",
@@ -115,13 +118,21 @@ class CommWatch:
 
     ``topology`` (zeropp.comm.Topology) classifies each peer as intra- or cross-node.
     ``functional``: count functional collectives too (module doc); ``None`` = when ``topology.tp > 1``.
+    ``sessions``: the zeropp communication sessions (``zeropp.comm.CommSession``: the engine's, a
+    plug-in's) whose handle waits count as wait, through their wait hooks, while active.
     Use as a context manager, entered and left on the training thread; ``take()`` returns and
     resets the counters (one step's worth); ``stats`` is the underlying CommStats.
     """
 
-    def __init__(self, topology: Topology, functional: bool | None = None) -> None:
+    def __init__(self, topology: Topology, functional: bool | None = None,
+                 sessions: "tuple[CommSession, ...] | list[CommSession]" = ()) -> None:
         self.topology = topology
         self.functional = topology.tp > 1 if functional is None else bool(functional)
+        self.sessions = [s for s in sessions if s is not None]
+        for s in self.sessions:
+            if not isinstance(s, CommSession):
+                raise TypeError(f"CommWatch sessions must be zeropp.comm.CommSession objects, got {type(s).__name__}")
+        self._hooks: list[Any] = []
         self._mode: _FunctionalCollectives | None = None
         self.stats = CommStats()
         self.wait_s = 0.0
@@ -193,18 +204,26 @@ class CommWatch:
                 self._local.depth = 0
         return wrapper
 
+    @contextlib.contextmanager
+    def timing_wait(self, kind: str = "") -> Iterator[None]:  # noqa: ARG002 - the session hook's signature
+        """Count what runs inside as wait, when on the training thread and not nested in another
+        counted wait or collective (a session's wait hook, and ``Work.wait``'s wrapper)."""
+        if getattr(self._local, "depth", 0) or threading.get_ident() != self.training_thread:
+            yield
+            return
+        self._local.depth = 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - t0
+            self._local.depth = 0
+
     def _wrap_wait(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(self._local, "depth", 0) or threading.get_ident() != self.training_thread:
+            with self.timing_wait():
                 return fn(work, *args, **kwargs)
-            self._local.depth = 1
-            t0 = time.perf_counter()
-            try:
-                return fn(work, *args, **kwargs)
-            finally:
-                self.wait_s += time.perf_counter() - t0
-                self._local.depth = 0
         return wait
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -224,9 +243,8 @@ class CommWatch:
         if work is not None:
             self._saved.append((work, "wait", work.wait))
             work.wait = self._wrap_wait(work.wait)
-        # waiting for a continuation that zeropp's comm worker runs (qgZ's cross-node hop) blocks too
-        self._saved.append((Deferred, "wait", Deferred.wait))
-        Deferred.wait = self._wrap_wait(Deferred.wait)  # type: ignore[method-assign]
+        # a zeropp handle's wait (qgZ's cross-node hop on the comm worker included): the sessions' hook
+        self._hooks = [s.add_wait_hook(self.timing_wait) for s in self.sessions]
         if self.functional:
             self._mode = _FunctionalCollectives(self)
             self._mode.__enter__()
@@ -239,6 +257,9 @@ class CommWatch:
         for obj, name, fn in reversed(self._saved):
             setattr(obj, name, fn)
         self._saved.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def take(self) -> tuple[dict[str, int], float]:
         """``({"<kind>.<link>": bytes}, wait_seconds)`` since the last call; resets both."""
@@ -337,6 +358,7 @@ class _FunctionalCollectives(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def watching(topology: Topology, functional: bool | None = None) -> Iterator[CommWatch]:
-    with CommWatch(topology, functional) as w:
+def watching(topology: Topology, functional: bool | None = None,
+             sessions: "tuple[CommSession, ...] | list[CommSession]" = ()) -> Iterator[CommWatch]:
+    with CommWatch(topology, functional, sessions) as w:
         yield w

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from zeropp.comm import Topology
+from zeropp.comm.choices import plain
 from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
@@ -147,9 +148,10 @@ class RunConfig:
         return next(k for k, c in MODEL_KINDS.items() if isinstance(self.model, c))
 
     def to_dict(self) -> dict[str, Any]:
+        """Every setting as plain JSON/YAML values (fixed choices as their ``str``, not enum members)."""
         d = dataclasses.asdict(self)
         d["model"] = {"kind": self.model_kind, **d["model"]}  # from_dict(to_dict()) rebuilds the same kind
-        return d
+        return plain(d)
 
     def describe(self, model_name: str | None = None) -> str:
         """A short label: trainer and ZeRO switches, model, precision, topology."""

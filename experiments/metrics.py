@@ -33,6 +33,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from zeropp.comm.choices import plain
+
 from .config import RunConfig
 
 SUMMARY_KEYS = ("label", "status", "tokens_per_s", "step_time_s", "model_tflops", "comm_bytes_per_step",
@@ -164,7 +166,7 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "divergence": divergence,
         "skipped_steps": skipped_steps,
         "trainer": cfg.trainer.name,
-        "zero": dataclasses.asdict(cfg.zero),
+        "zero": plain(dataclasses.asdict(cfg.zero)),  # fixed choices as plain strings
         "topology": {"world_size": cfg.topology.world_size, "ranks_per_node": cfg.topology.ranks_per_node,
                      "tp": cfg.topology.tp,
                      "nodes": cfg.topology.nodes},

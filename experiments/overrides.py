@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import types
 import typing
 from pathlib import Path
@@ -23,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, ValueType
 from hydra.errors import HydraException
 from omegaconf.errors import ValidationError
-from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
 from .config import CONF_DIR, ConfigError
 from .preflight import check_writable_dir
@@ -116,6 +117,9 @@ def _check_value(key: str, tp: Any, value: Any, shown: str | None = None) -> Non
         for v, e in zip(value, elems):
             _check_value(key, e, v, shown)
         return
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a fixed choice (zeropp.comm.choices)
+        _check_choice(key, tp, value, shown, optional)
+        return
     leaf = _LEAF_NODES.get(tp)
     if leaf is None:
         return  # a section or an untyped (Any) key: the library's __post_init__ checks it
@@ -129,6 +133,20 @@ def _check_value(key: str, tp: Any, value: Any, shown: str | None = None) -> Non
     except ValidationError:
         raise ConfigError(f"invalid config: {key}={shown}: expected {what}"
                           + (" or null" if optional else "")) from None
+
+
+def _check_choice(key: str, tp: type[enum.Enum], value: Any, shown: str, optional: bool) -> None:
+    """A fixed-choice key: the value must be one of the enum's (OmegaConf's ``EnumNode``, as composing
+    converts it), else an error naming the key, the valid values and the closest one."""
+    if value is None and optional:
+        return
+    try:
+        EnumNode(enum_type=tp, value=value, is_optional=optional)
+    except ValidationError:
+        valid = list(tp.__members__)
+        near = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f" (did you mean {key}={near[0]}?)" if near else ""
+        raise ConfigError(f"invalid config: {key}={shown}{hint}; allowed: {', '.join(valid)}") from None
 
 
 def _values(override: Override) -> list[Any]:

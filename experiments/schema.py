@@ -6,8 +6,10 @@ Why generated: every setting is declared once, in the frozen dataclasses that va
 ``config.py``). :func:`schema_of` turns each into a plain (mutable) dataclass with the same field
 names, types and defaults, which Hydra uses as a structured config: an unknown key or a value of
 the wrong type is refused by OmegaConf while composing, and the values are then handed to the
-library classes, whose ``__post_init__`` checks the rest. Adding a field to ``ZeroConfig`` makes
-it a command-line override with no edit here.
+library classes, whose ``__post_init__`` checks the rest. A fixed-choice field (a ``str`` enum,
+``zeropp.comm.choices``: ``zero.precision``, ``zero.offload_param``, ``zero.grads.rounding``...)
+keeps its enum type, so OmegaConf refuses any other value while composing and names the valid
+ones. Adding a field to ``ZeroConfig`` makes it a command-line override with no edit here.
 
 The config groups whose options are library objects are generated too: ``quant=`` from
 ``zeropp.comm.spec.RECIPES``, ``model=`` from ``zeropp.models.gpt.PRESETS`` plus ``hf`` (a Hugging
@@ -24,6 +26,7 @@ builds the chosen class and refuses keys of another kind that were changed.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -56,6 +59,8 @@ def _schema_type(tp: Any) -> Any:
             return typing.List[_schema_type(args[0])]  # type: ignore[misc]
         return typing.Tuple[tuple(_schema_type(a) for a in args)]  # type: ignore[misc]
     if tp in (int, float, bool, str):
+        return tp
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a fixed choice: OmegaConf refuses other values
         return tp
     return Any
 

@@ -14,10 +14,68 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["MAX_SECONDS", "MIN_CORPUS_BYTES", "SEED_LIMIT", "TRAINERS", "ClusterConfig", "ConfigError", "DataConfig",
-           "LauncherConfig", "LoggerConfig", "TrainConfig", "TrainerConfig", "check", "pos_int", "unused"]
+from zeropp.comm.choices import StrChoice
 
-TRAINERS = ("zeropp", "fsdp2", "fsdp2_zeropp", "ddp", "ddp_zeropp")
+__all__ = ["MAX_SECONDS", "MIN_CORPUS_BYTES", "SEED_LIMIT", "TRAINERS", "ClusterConfig", "ClusterName", "ConfigError",
+           "DataConfig", "DataKind", "DataSource", "LauncherConfig", "LauncherDevice", "LoggerConfig", "LoggerMode",
+           "LoggerName", "TrainConfig", "TrainerConfig", "TrainerName", "check", "choice", "pos_int", "unused"]
+
+
+class TrainerName(StrChoice):
+    """``trainer=``: which training stack runs the model."""
+
+    zeropp = "zeropp"
+    fsdp2 = "fsdp2"
+    fsdp2_zeropp = "fsdp2_zeropp"
+    ddp = "ddp"
+    ddp_zeropp = "ddp_zeropp"
+
+
+class DataKind(StrChoice):
+    """``data.kind``."""
+
+    text = "text"
+    random = "random"
+
+
+class DataSource(StrChoice):
+    """``data.source`` (text only)."""
+
+    python_stdlib = "python_stdlib"
+    path = "path"
+
+
+class LoggerName(StrChoice):
+    """``logger.name``."""
+
+    wandb = "wandb"
+    none = "none"
+
+
+class LoggerMode(StrChoice):
+    """``logger.mode`` (wandb's)."""
+
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class ClusterName(StrChoice):
+    """``cluster.name``."""
+
+    local = "local"
+    emulated = "emulated"
+
+
+class LauncherDevice(StrChoice):
+    """``launcher.device``."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+TRAINERS = TrainerName.values()
 
 
 class ConfigError(ValueError):
@@ -28,6 +86,15 @@ def check(cond: bool, key: str, value: Any, allowed: str) -> None:
     """Raise :class:`ConfigError` ``invalid config: key=value; allowed: ...`` unless ``cond``."""
     if not cond:
         raise ConfigError(f"invalid config: {key}={value!r}; allowed: {allowed}")
+
+
+def choice(obj: Any, name: str, choices: type[StrChoice], key: str, allowed: str | None = None) -> None:
+    """Field ``name`` of frozen ``obj`` must be one of ``choices`` (a member or its string), else
+    :class:`ConfigError` as :func:`check` words it; it is stored as the member."""
+    value = getattr(obj, name)
+    ok = isinstance(value, str) and value in choices.values()
+    check(ok, key, value, allowed if allowed is not None else ", ".join(choices.values()))
+    object.__setattr__(obj, name, choices(value))
 
 
 def pos_int(key: str, value: Any, minimum: int = 1) -> None:
@@ -58,10 +125,10 @@ rank``, which must stay a 64-bit integer; 2**32 keeps that true for any world si
 class DataConfig:
     """Where tokens come from. A key the chosen kind/source does not read must stay at its default."""
 
-    kind: str = "text"
+    kind: DataKind = DataKind.text
     """``text`` (a real corpus read as bytes) or ``random`` (uniform tokens; reads no corpus, so
     ``source``, ``path``, ``max_bytes`` and ``val_fraction`` stay at their defaults)."""
-    source: str | None = "python_stdlib"
+    source: DataSource | None = DataSource.python_stdlib
     """For text: ``python_stdlib`` (this interpreter's own library sources) or ``path``."""
     path: str | None = None
     """For source=path (and only there): a file or a directory read as bytes. The runner reads it
@@ -73,7 +140,7 @@ class DataConfig:
     sequence (0 included) holds nothing out: evaluation then reads the training part."""
 
     def __post_init__(self) -> None:
-        check(self.kind in ("text", "random"), "data.kind", self.kind, "text, random")
+        choice(self, "kind", DataKind, "data.kind")
         if self.kind == "random":
             for f in dataclasses.fields(self):
                 if f.name != "kind":
@@ -81,7 +148,7 @@ class DataConfig:
                            "data.kind=random (uniform random tokens, no corpus is read)",
                             "remove it, or use data=text (data.kind=text) to read a corpus")
             return
-        check(self.source in ("python_stdlib", "path"), "data.source", self.source, "python_stdlib, path")
+        choice(self, "source", DataSource, "data.source")
         if self.source == "path":
             check(isinstance(self.path, str) and bool(self.path.strip()), "data.path", self.path,
                   "a file or directory (data.source=path)")
@@ -97,21 +164,21 @@ class DataConfig:
 class TrainerConfig:
     """Which training stack runs the model."""
 
-    name: str = "zeropp"
+    name: TrainerName = TrainerName.zeropp
     """zeropp (ZeroEngine), fsdp2, fsdp2_zeropp (FSDP2 + zeropp collectives), ddp, ddp_zeropp
     (DDP + zeropp's quantized all-reduce hook)."""
 
     def __post_init__(self) -> None:
-        check(self.name in TRAINERS, "trainer", self.name, ", ".join(TRAINERS))
+        choice(self, "name", TrainerName, "trainer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggerConfig:
     """wandb settings (metrics.jsonl and summary.json are always written)."""
 
-    name: str = "wandb"
+    name: LoggerName = LoggerName.wandb
     """``wandb`` or ``none``."""
-    mode: str = "offline"
+    mode: LoggerMode = LoggerMode.offline
     """offline (default, no network), online, disabled."""
     project: str = "zeropp"
     """wandb project."""
@@ -123,8 +190,8 @@ class LoggerConfig:
     """Give up on wandb (with a warning, training goes on) after this many seconds (> 0)."""
 
     def __post_init__(self) -> None:
-        check(self.name in ("wandb", "none"), "logger.name", self.name, "wandb, none (logger=none)")
-        check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
+        choice(self, "name", LoggerName, "logger.name", "wandb, none (logger=none)")
+        choice(self, "mode", LoggerMode, "logger.mode")
         check(0 < self.init_timeout_s <= MAX_SECONDS, "logger.init_timeout_s", self.init_timeout_s,
               f"> 0 and <= {MAX_SECONDS:g} seconds")
         if self.name == "none":  # no wandb: its settings would be ignored (logger=none sets mode=disabled)
@@ -145,7 +212,7 @@ class LoggerConfig:
 class ClusterConfig:
     """Where the ranks run: this machine (``local``) or the namespace emulator (``emulated``)."""
 
-    name: str = "local"
+    name: ClusterName = ClusterName.local
     """local or emulated."""
     inter_gbps: float = 1.0
     """emulated: shaped rate of each node's uplink, Gbit/s."""
@@ -153,7 +220,7 @@ class ClusterConfig:
     """emulated: added one-way latency of the cross-node link."""
 
     def __post_init__(self) -> None:
-        check(self.name in ("local", "emulated"), "cluster.name", self.name, "local, emulated")
+        choice(self, "name", ClusterName, "cluster.name")
         check(self.inter_gbps > 0, "cluster.inter_gbps", self.inter_gbps, "a positive rate")
         check(self.inter_latency_ms >= 0, "cluster.inter_latency_ms", self.inter_latency_ms, ">= 0")
         if self.name == "local":  # loopback, nothing shaped: the emulator's link settings would be ignored
@@ -248,7 +315,7 @@ class TrainConfig:
 class LauncherConfig:
     """How ranks are started and watched."""
 
-    device: str = "auto"
+    device: LauncherDevice = LauncherDevice.auto
     """auto (CUDA with NCCL when this host has a GPU per local rank, else CPU with gloo), cpu, cuda."""
     timeout_s: float = 900.0
     """Whole-run limit; ranks are stopped and the run fails past it."""
@@ -267,7 +334,7 @@ class LauncherConfig:
     """Progress bar on rank 0."""
 
     def __post_init__(self) -> None:
-        check(self.device in ("auto", "cpu", "cuda"), "launcher.device", self.device, "auto, cpu, cuda")
+        choice(self, "device", LauncherDevice, "launcher.device")
         check(0 < self.timeout_s <= MAX_SECONDS, "launcher.timeout_s", self.timeout_s, f"> 0 and <= {MAX_SECONDS:g}")
         check(0 <= self.grace_s <= MAX_SECONDS, "launcher.grace_s", self.grace_s, f">= 0 and <= {MAX_SECONDS:g}")
         check(0 < self.pg_timeout_s <= MAX_SECONDS, "launcher.pg_timeout_s", self.pg_timeout_s,

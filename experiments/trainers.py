@@ -71,6 +71,7 @@ class Trainer(Protocol):
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float: ...
     def memory_report(self) -> dict[str, int]: ...
     def comm_stats(self) -> dict[str, int] | None: ...
+    def comm_session(self) -> Any: ...
     def save(self, path: Path, extra: dict[str, Any], keep: int) -> None: ...
     def load(self, path: Path) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -142,6 +143,10 @@ class ZeroTrainer:
     def comm_stats(self) -> dict[str, int] | None:
         return _stats_dict(self.engine.comm_stats)
 
+    def comm_session(self) -> Any:
+        """The engine's ``zeropp.comm.CommSession`` (CommWatch times its waits through its hooks)."""
+        return self.engine.comm_session
+
     def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
         self.engine.save_checkpoint(path, extra=extra, keep=keep)
 
@@ -157,9 +162,13 @@ class TorchTrainer:
     skipped when the gradient norm is not finite). fp32/bf16 only (``config`` refuses fp16 here),
     so there is no loss scaler and no GradScaler."""
 
-    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, stats: Any = None,
+    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, session: Any = None,
                  feedback: Any = None) -> None:
-        self.model, self.cfg, self.autocast, self.stats = model, cfg, autocast, stats
+        self.model, self.cfg, self.autocast = model, cfg, autocast
+        self.session = session
+        """The zeropp plug-in's ``zeropp.comm.CommSession`` (its stats, stochastic-rounding counter and
+        wait hooks), or None for the stock FSDP2 / DDP collectives."""
+        self.stats = session.stats if session is not None else None
         self.feedback = feedback
         """The zeropp plug-in's qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None:
         saved per rank with each checkpoint, with the stochastic-rounding call counter."""
@@ -232,6 +241,9 @@ class TorchTrainer:
     def comm_stats(self) -> dict[str, int] | None:
         return _stats_dict(self.stats)
 
+    def comm_session(self) -> Any:
+        return self.session
+
     def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -260,19 +272,17 @@ class TorchTrainer:
         return next(self.model.parameters()).device
 
     def _rank_state(self) -> dict[str, Any]:
-        """What only this rank holds and an exact resume needs: the stochastic call counter and
-        the plug-in's error-feedback residuals."""
-        from zeropp.comm import stochastic_calls
-
-        return {"world_size": dist.get_world_size(), "stochastic_calls": stochastic_calls(),
+        """What only this rank holds and an exact resume needs: the plug-in's stochastic call counter
+        and its error-feedback residuals."""
+        calls = self.session.stochastic.value if self.session is not None else 0
+        return {"world_size": dist.get_world_size(), "stochastic_calls": calls,
                 "feedback": self.feedback.state_dict() if self.feedback is not None else None}
 
     def _load_rank_state(self, mine: dict[str, Any] | None) -> None:
-        from zeropp.comm import reset_stochastic_calls
-
         if mine is None:  # a checkpoint from before these were saved
             return
-        reset_stochastic_calls(int(mine["stochastic_calls"]))
+        if self.session is not None:
+            self.session.stochastic.reset(int(mine["stochastic_calls"]))
         if self.feedback is None:
             return
         if mine.get("feedback") is None or mine["world_size"] != dist.get_world_size():
@@ -375,16 +385,15 @@ def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTra
     # This trainer never modifies the outputs in place (loss.backward(), the logits are unused).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
                             category=UserWarning)
-    stats = feedback = None
+    session = feedback = None
     if zeropp_comms:
-        from zeropp.comm import CommStats, ErrorFeedback
+        from zeropp.comm import CommSession, ErrorFeedback
         from zeropp.comm.fsdp import apply_zeropp_comms
 
-        stats = CommStats()
+        session = CommSession(cfg.topology)
         feedback = ErrorFeedback.for_spec(z.grads) if z.grads is not None and z.grads.error_feedback else None
-        apply_zeropp_comms(model, weights=z.weights, grads=z.grads, topology=cfg.topology, stats=stats,
-                           error_feedback=feedback)
-    return TorchTrainer(model, cfg, autocast=False, stats=stats, feedback=feedback)
+        apply_zeropp_comms(model, weights=z.weights, grads=z.grads, session=session, error_feedback=feedback)
+    return TorchTrainer(model, cfg, autocast=False, session=session, feedback=feedback)
 
 
 def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTrainer:
@@ -397,13 +406,13 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
     bucket = {} if z.reduce_bucket_size == ZeroConfig().reduce_bucket_size else {
         "bucket_cap_mb": z.reduce_bucket_size * 4 / 2**20}
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **bucket)
-    stats = None
+    session = None
     if zeropp_hook:
-        from zeropp.comm import CommStats
+        from zeropp.comm import CommSession
         from zeropp.comm.ddp import QuantizedAllReduceState, quantized_allreduce_hook
 
-        stats = CommStats()
-        state = QuantizedAllReduceState(grads=z.grads, topology=cfg.topology, stats=stats)
+        session = CommSession(cfg.topology)
+        state = QuantizedAllReduceState(grads=z.grads, session=session)
         ddp.register_comm_hook(state, quantized_allreduce_hook)
     else:
         # the stock all-reduce, issued from Python so CommWatch sees its bytes (DDP's default
@@ -413,7 +422,7 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
         )
 
         ddp.register_comm_hook(None, allreduce_hook)
-    return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", stats=stats,
+    return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", session=session,
                         feedback=state.feedback if zeropp_hook else None)
 
 

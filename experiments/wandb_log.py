@@ -34,7 +34,7 @@ class WandbLogger:
             import wandb
 
             self.run = wandb.init(
-                mode=settings.mode, dir=str(run_dir), project=settings.project, entity=settings.entity,
+                mode=str(settings.mode), dir=str(run_dir), project=settings.project, entity=settings.entity,
                 group=settings.group or group, name=name, config=config, tags=tags,
                 settings=wandb.Settings(init_timeout=settings.init_timeout_s, console="off", silent=True,
                                         disable_git=True, save_code=False, x_disable_stats=True),

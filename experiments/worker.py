@@ -232,7 +232,7 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
         print(f"warning: train.profile_steps {skipped} come before step {start + 1}, where this resumed run starts; "
               "they are not profiled", file=sys.stderr, flush=True)
     prof = StepProfiler(t.profiled_steps, start=start, run_dir=run_dir, rank=rank, device=device)
-    with CommWatch(cfg.topology) as watch, prof:
+    with CommWatch(cfg.topology, sessions=[trainer.comm_session()]) as watch, prof:
         dist.barrier()
         watch.take()
         for step in range(start + 1, t.steps + 1):

@@ -99,6 +99,7 @@ def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: i
             "skipped": [r.skipped for r in results], "wait": [r.comm_wait_s for r in results],
             "memory": eng.memory_report(), "comm": eng.comm_stats.snapshot(), "num_params": eng.num_params,
             "scales": [r.loss_scale for r in results], "calls": eng.comm_stats.calls(),
+            "stochastic_calls": eng.comm_session.stochastic.value,
         }
         if consolidate:
             # numpy, not tensors: torch's queue would share tensors by fd, which dies with the process

@@ -45,10 +45,10 @@ def hop1_released_at_issue() -> Iterator[None]:
     """The bug: a continuation does not own the buffers handed to it (released at issue)."""
     real = chain.submit
 
-    def early(fn, device, buffers=None):
+    def early(fn, device, buffers=None, **kwargs):
         if buffers is not None:
             buffers.release()
-        return real(fn, device)
+        return real(fn, device, **kwargs)
 
     chain.submit = early
     try:

@@ -161,21 +161,26 @@ def _bad_seed(rank, W, topo, stats):
 
 
 def _plugins(rank, W, topo, stats):
-    """The FSDP2 plug-ins pass the spec's rounding/seed through: same result as the direct call at that index."""
+    """The FSDP2 plug-ins pass the spec's rounding/seed through, drawing the index from their own
+    session's counter: same result as the direct (default-session) call at that index."""
+    from zeropp.comm import CommSession
     from zeropp.comm.fsdp import QuantizedAllGather, QuantizedReduceScatter
 
     x = rank_input(5, rank, 2 * W * 64, torch.float32)
+    session = CommSession(topo, stats=stats)
+    session.stochastic.reset(3)  # not where the default counter is
     for plug, direct, out_n in (
-        (lambda o: QuantizedAllGather(sr_spec(8, 128), topology=topo, stats=stats)(o, x[:128], None),
+        (lambda o: QuantizedAllGather(sr_spec(8, 128), session=session)(o, x[:128], None),
          lambda o: quantized_all_gather(o, x[:128], spec=sr_spec(8, 128), topology=topo, stats=stats), W * 128),
-        (lambda o: QuantizedReduceScatter(sr_spec(4), topology=topo, stats=stats)(
+        (lambda o: QuantizedReduceScatter(sr_spec(4), session=session)(
             o, x, None, torch.distributed.ReduceOp.AVG),
          lambda o: quantized_reduce_scatter(o, x, spec=sr_spec(4), topology=topo, stats=stats),
          x.numel() // W),
     ):
-        start = stochastic_calls()
+        start, default = session.stochastic.value, stochastic_calls()
         a, b = torch.empty(out_n), torch.empty(out_n)
         plug(a)
+        assert session.stochastic.value == start + 1 and stochastic_calls() == default  # the plug-in's own counter
         reset_stochastic_calls(start)
         direct(b)
         assert torch.equal(a, b) and stochastic_calls() == start + 1

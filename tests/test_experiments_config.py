@@ -87,7 +87,6 @@ def test_every_option_composes() -> None:
     (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
     (["quant=int8", "zero.weights.bits=3"], ["zero.weights", "bits=3", "(8, 4)"]),
     (["train.steps=0"], ["train.steps=0", ">= 1"]),
-    (["zero.precision=fp8"], ["zero", "precision", "fp8"]),
     (["model.n_heads=3"], ["model", "n_heads=3", "d_model"]),
     (["zero.reduce_bucket_size=-1"], ["zero.reduce_bucket_size", "-1"]),
     (["topology.nodes=0"], ["topology.nodes", "positive"]),

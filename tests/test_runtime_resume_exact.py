@@ -2,8 +2,8 @@
 
 2x2 gloo world, stage 3 (INT4 weights + INT4 gradients, both stochastic, error feedback on both
 qgZ hops with 8-bit residuals: ``w4g4`` + EF + SR) and stage 2 (INT4 stochastic gradients + EF):
-N steps straight vs k steps, save, a fresh engine built from *other* weights in a process whose
-stochastic call counter moved on, load, N - k steps. Losses, weights, residuals and the counter
+N steps straight vs k steps, save, a fresh engine built from *other* weights whose stochastic
+call counter (its communication session's) moved on, load, N - k steps. Losses, weights, residuals and the counter
 must be identical. Two controls show the test would see a difference: resuming without the
 residuals, or with another counter, changes the losses. A load at another world size drops the
 residuals with a warning (they are laid out per rank) and keeps training.
@@ -44,11 +44,9 @@ def _train(eng, rank: int, steps) -> list[float]:
 
 def _state(eng) -> dict:
     """Weights and residuals as numpy (a tensor would be shared by fd across the result queue)."""
-    from zeropp.comm import stochastic_calls
-
     return {"weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
             "feedback": {k: v.clone().numpy() for k, v in eng.error_feedback.state_dict().items()},
-            "calls": stochastic_calls()}
+            "calls": eng.comm_session.stochastic.value}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -61,26 +59,22 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _resume_world(rank: int, world: int, path: str) -> dict:
-    from zeropp.comm import reset_stochastic_calls
-
     out: dict = {}
     for stage in (3, 2):
         ckpt = f"{path}-s{stage}"
-        reset_stochastic_calls(0)
         ref = _engine(stage, 0)
         ref_losses = _train(ref, rank, range(N))
         ref_state = _state(ref)
         ref.close()
 
-        reset_stochastic_calls(0)
         a = _engine(stage, 0)
         first = _train(a, rank, range(K))
         hop2 = [k for k in a.error_feedback.keys() if k.endswith("@hop2")]
         a.save_checkpoint(ckpt)
         a.close()
 
-        reset_stochastic_calls(12345)  # a new process: its counter is wherever it is
-        b = _engine(stage, 5)  # and other weights: everything must come from the checkpoint
+        b = _engine(stage, 5)  # other weights: everything must come from the checkpoint
+        b.comm_session.stochastic.reset(12345)  # and a counter that moved on
         b.load_checkpoint(ckpt)
         resumed = first + _train(b, rank, range(K, N))
         same = _same(_state(b), ref_state)
@@ -88,15 +82,12 @@ def _resume_world(rank: int, world: int, path: str) -> dict:
 
         controls = {}
         for what in ("no_residuals", "other_counter"):
-            reset_stochastic_calls(0)
             c = _engine(stage, 5)
             c.load_checkpoint(ckpt)
             if what == "no_residuals":
                 c.error_feedback.reset()
             else:
-                from zeropp.comm import stochastic_calls
-
-                reset_stochastic_calls(stochastic_calls() + 1)
+                c.comm_session.stochastic.reset(c.comm_session.stochastic.value + 1)
             controls[what] = first + _train(c, rank, range(K, N))
             c.close()
         fields = sorted({k.rpartition("|")[2] for k in ref_state["feedback"]})
@@ -107,15 +98,13 @@ def _resume_world(rank: int, world: int, path: str) -> dict:
 
 def _reshard_world(rank: int, world: int, path: str) -> dict:
     """Load the 2x2 stage-3 checkpoint on 2 ranks: residuals dropped (warned), counter restored."""
-    from zeropp.comm import reset_stochastic_calls, stochastic_calls
-
-    reset_stochastic_calls(999)
     eng = _engine(3, 5, nodes=1, rpn=2)
+    eng.comm_session.stochastic.reset(999)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng.load_checkpoint(f"{path}-s3")
     out = {"warnings": [str(w.message) for w in caught if "error-feedback" in str(w.message)],
-           "keys_after_load": eng.error_feedback.keys(), "calls": stochastic_calls()}
+           "keys_after_load": eng.error_feedback.keys(), "calls": eng.comm_session.stochastic.value}
     out["losses"] = _train(eng, rank, range(K, N))
     eng.close()
     return out

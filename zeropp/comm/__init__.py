@@ -7,10 +7,12 @@ and, through the plug-ins in ``zeropp.comm.fsdp`` / ``zeropp.comm.ddp``, by stoc
 from torch.distributed import ReduceOp
 
 from .backend import CommHandle
+from .choices import Rotation, Rounding, StrChoice
 from .codecs import Codec, IntCodec, codec_for, register_codec, unregister_codec
 from .collectives import all_reduce, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 from .feedback import ErrorFeedback
 from .layout import LaunchLayout
+from .session import CommSession, default_session
 from .spec import RECIPES, QuantRecipe, QuantSpec, register_scheme, schemes
 from .stats import CommStats, get_comm_stats
 from .stochastic import reset_stochastic_calls, stochastic_calls, stochastic_seed
@@ -20,6 +22,7 @@ __all__ = [
     "RECIPES",
     "Codec",
     "CommHandle",
+    "CommSession",
     "CommStats",
     "ErrorFeedback",
     "IntCodec",
@@ -27,10 +30,14 @@ __all__ = [
     "QuantRecipe",
     "QuantSpec",
     "ReduceOp",
+    "Rotation",
+    "Rounding",
+    "StrChoice",
     "Topology",
     "TopologyGroups",
     "all_reduce",
     "codec_for",
+    "default_session",
     "get_comm_stats",
     "get_topology",
     "quantized_all_gather",

@@ -7,7 +7,7 @@ is sent: no rank is left waiting in a collective that its peers never entered.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from . import context, lifetime
 from .feedback import ErrorFeedback
 from .lifetime import Buffers
 from .spec import QuantSpec
+
+if TYPE_CHECKING:
+    from .session import CommSession
 
 ReduceOpLike = Union[dist.ReduceOp, "dist.ReduceOp.RedOpType"]
 """``ReduceOp.SUM`` / ``AVG`` (enum values) or a ``ReduceOp`` object such as ``PREMUL_SUM(f)``."""
@@ -37,17 +40,31 @@ class CommHandle(dist.Work):
     ``buffers`` (``lifetime.Buffers``): the wire and receive buffers the works and ``finish``
     use. They are released at the end of ``wait()``, on the stream it is called on (CUDA:
     ``record_stream`` there, so a ``wait()`` on another stream than the issuer's is safe too).
+
+    ``session`` / ``kind``: the wait runs inside the session's wait hooks
+    (``session.CommSession.waiting(kind)``), which is how waits are timed from outside.
     """
 
     def __init__(self, works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]] = None,
-                 buffers: Optional[Buffers] = None) -> None:
+                 buffers: Optional[Buffers] = None, *, session: Optional["CommSession"] = None,
+                 kind: str = "") -> None:
         super().__init__()
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._buffers = buffers
         self._done = False
+        self._session, self._kind = session, kind
 
     def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - signature of dist.Work.wait
+        if not self._done:
+            if self._session is None:
+                self._wait()
+            else:
+                with self._session.waiting(self._kind):
+                    self._wait()
+        return True
+
+    def _wait(self) -> None:
         if not self._done:
             try:
                 for w in self._works:
@@ -63,7 +80,6 @@ class CommHandle(dist.Work):
                     buffers, self._buffers = self._buffers, None
                     if buffers is not None:
                         buffers.release()
-        return True
 
     def is_completed(self) -> bool:
         return self._done
@@ -71,11 +87,12 @@ class CommHandle(dist.Work):
 
 def finish_or_handle(
     works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]], async_op: bool,
-    buffers: Optional[Buffers] = None,
+    buffers: Optional[Buffers] = None, *, session: Optional["CommSession"] = None, kind: str = "",
 ) -> Optional[CommHandle]:
     """``async_op``: return a handle that finishes on ``wait()``; otherwise finish now, return None.
-    ``buffers``: the collective's own buffers, released when it finished (:class:`CommHandle`)."""
-    h = CommHandle(works, finish, buffers)
+    ``buffers``: the collective's own buffers, released when it finished (:class:`CommHandle`).
+    ``session`` / ``kind``: whose wait hooks the wait (now or later) runs in."""
+    h = CommHandle(works, finish, buffers, session=session, kind=kind)
     if async_op:
         return h
     h.wait()

@@ -4,8 +4,9 @@ A multi-hop collective (qgZ's cross-node all-to-all after the intra-node one; th
 all-gather after its reduce-scatter) must start its next hop as soon as the previous one has
 landed, not when the caller finally calls ``wait()``. :func:`submit` runs such a continuation:
 
-- **CUDA**: now, on this module's side stream of the device, which first waits for the
-  caller's current stream. NCCL's ``Work.wait()`` only orders streams, so nothing blocks the
+- **CUDA**: now, on the side stream of the device of the caller's communication session
+  (``session.CommSession.side_stream``; the process context's for the default session), which
+  first waits for the caller's current stream. NCCL's ``Work.wait()`` only orders streams, so nothing blocks the
   host: the continuation's kernels and collectives are enqueued at once and run when their
   inputs are ready. The caller's ``wait()``, on whatever stream it is called, makes that
   stream wait on an event recorded at the end.
@@ -40,12 +41,15 @@ caller to move on (``context.py``) and, on CUDA, the side stream first spinning 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from . import context, lifetime
 from .lifetime import Buffers
+
+if TYPE_CHECKING:
+    from .session import CommSession
 
 __all__ = ["DEBUG_SPIN_CYCLES", "Deferred", "in_worker", "submit", "submit_future"]
 
@@ -125,14 +129,20 @@ def in_worker() -> bool:
     return context.current().in_worker()
 
 
-def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffers] = None) -> Deferred:
+def _side_stream(session: Optional["CommSession"], device: torch.device) -> torch.cuda.Stream:
+    return session.side_stream(device) if session is not None else context.current().side_stream(device)
+
+
+def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffers] = None, *,
+           session: Optional["CommSession"] = None) -> Deferred:
     """Run ``fn`` (which may wait on works and issue collectives) after the caller's current
     work, without blocking the caller; see the module docstring for where it runs. ``buffers``:
     the caller's buffers that ``fn`` (or the work it waits on) still uses; they are released
-    right after ``fn`` ran, where it ran."""
+    right after ``fn`` ran, where it ran. ``session``: whose CUDA side stream it runs on (None:
+    the default session's, the process context's)."""
     job = Deferred(fn, device, buffers)
     if device.type == "cuda":
-        side = context.current().side_stream(device)
+        side = _side_stream(session, device)
         side.wait_stream(torch.cuda.current_stream(device))  # inputs were produced on the caller's stream
         job.run_on_stream(side)
         return job
@@ -144,15 +154,16 @@ def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffe
     return job
 
 
-def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures.Future:
+def submit_future(fn: Callable[[], None], result: torch.Tensor, *,
+                  session: Optional["CommSession"] = None) -> torch.futures.Future:
     """Run ``fn`` as :func:`submit` does and return a ``torch.futures.Future`` holding ``result``
     once it finished (the form DDP comm hooks return). On CUDA the future is device-aware: its
-    ``wait()`` / ``then()`` make the consumer's stream wait for the side stream."""
+    ``wait()`` / ``then()`` make the consumer's stream wait for the side stream (``session``'s)."""
     device = result.device
     if device.type == "cuda":
-        job = submit(fn, device, Buffers(borrowed=(result,)))  # written on the side stream
+        job = submit(fn, device, Buffers(borrowed=(result,)), session=session)  # written on the side stream
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
-        with torch.cuda.stream(context.current().side_stream(device)):
+        with torch.cuda.stream(_side_stream(session, device)):
             if job.error is not None:
                 fut.set_exception(job.error)
             else:
@@ -168,5 +179,5 @@ def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures
             return
         fut.set_result(result)
 
-    submit(run_and_complete, device)
+    submit(run_and_complete, device, session=session)
     return fut

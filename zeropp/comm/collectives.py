@@ -12,6 +12,12 @@ allocated on the input's device, which under NCCL is the process group's device.
 Lifetime rule (``lifetime.py``): those buffers belong to the call's handle (or continuation) and
 are released when it finished, on the stream that finished it, never while the backend or the
 post-processing may still use them.
+
+Session rule (``session.py``): ``session=`` names the engine's or plug-in's
+:class:`~.session.CommSession`, whose topology, stats, stochastic-rounding counter, side streams
+and wait hooks the call uses; without it the call uses the default session (the process-wide
+convenience for plain calls). ``topology=`` / ``stats=``, when given, take precedence over the
+session's for that call.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
 from . import qgz, ranges, stochastic as sr
+from .session import CommSession, resolve as resolve_session
 from .backend import (
     CommHandle,
     ReduceOpLike,
@@ -43,8 +50,8 @@ from .feedback import ErrorFeedback
 from .kinds import CommKind
 from .lifetime import Buffers
 from .spec import QuantSpec
-from .stats import CommStats, get_comm_stats, group_ranks, peer_bytes, record_sends
-from .topology import Topology, resolve_topology
+from .stats import CommStats, group_ranks, peer_bytes, record_sends
+from .topology import Topology
 
 ReduceOp = dist.ReduceOp
 
@@ -60,6 +67,7 @@ def quantized_all_gather(
     kind: str = CommKind.ALL_GATHER,
     async_op: bool = False,
     name: Optional[str] = None,
+    session: Optional[CommSession] = None,
 ) -> Optional[CommHandle]:
     """qwZ: gather every member's shard into ``output_tensor`` ([W * n], member order).
 
@@ -77,7 +85,7 @@ def quantized_all_gather(
     buffer, as the engine's bucketed gathers pass), which is written in place.
 
     ``spec.rounding="stochastic"`` rounds stochastically (unbiased). Each such call takes the
-    next index of a per-process counter and quantizes with the kernel seed
+    next index of its session's counter and quantizes with the kernel seed
     ``stochastic_seed(spec.seed, global rank, call index, 0)`` (``zeropp.comm.stochastic``):
     different noise on every rank and every call, reproducible for a given (seed, rank, call).
 
@@ -86,15 +94,16 @@ def quantized_all_gather(
     """
     name = _range(name, kind)
     with ranges.span(name):
-        return _all_gather(output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name)
+        return _all_gather(output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name, session)
 
 
 def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
                 spec: Optional[QuantSpec], topology: Optional[Topology], stats: Optional[CommStats], kind: str,
-                async_op: bool, name: Optional[str]) -> Optional[CommHandle]:
+                async_op: bool, name: Optional[str], session: Optional[CommSession]) -> Optional[CommHandle]:
     """:func:`quantized_all_gather` inside its range."""
     check_gather_spec(spec)
-    topo = resolve_topology(topology)
+    sess = resolve_session(session)
+    topo = sess.resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "all-gather")
     W, n = len(ranks), input_tensor.numel()
@@ -109,25 +118,25 @@ def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: 
     if spec is not None:
         check_float(input_tensor, "all-gather input")
         check_float(output_tensor, "all-gather output")
-    stats = stats if stats is not None else _default_stats()
+    stats = stats if stats is not None else sess.stats
     stats.count_call(kind)
     kseed = None
     if spec is not None and spec.stochastic:
-        kseed = sr.stochastic_seed(spec.seed, dist.get_rank(), sr.next_call())
+        kseed = sr.stochastic_seed(spec.seed, dist.get_rank(), sess.stochastic.take())
     if n == 0:
-        return finish_or_handle([], None, async_op)
+        return finish_or_handle([], None, async_op, session=sess, kind=kind)
 
     if spec is None:
         inp = input_tensor.reshape(-1)
         record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", inp.numel() * inp.element_size(), len(ranks)))
         if output_tensor.dtype == inp.dtype:
             work = backend_all_gather(output_tensor.view(-1), inp, group, async_op)
-            return finish_or_handle([work], None, async_op)
+            return finish_or_handle([work], None, async_op, session=sess, kind=kind)
         tmp = torch.empty(W * n, dtype=inp.dtype, device=inp.device)
         src = inp.contiguous()
         work = backend_all_gather(tmp, src, group, async_op)
         return finish_or_handle([work], lambda: output_tensor.view(-1).copy_(tmp), async_op,
-                                Buffers(tmp, src, protect=(input_tensor, output_tensor)))
+                                Buffers(tmp, src, protect=(input_tensor, output_tensor)), session=sess, kind=kind)
 
     codec = codec_for(spec)
     bits = spec.bits
@@ -149,7 +158,8 @@ def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: 
         with ranges.span(name, "dequantize"):
             codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
 
-    return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)))
+    return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)),
+                            session=sess, kind=kind)
 
 
 def quantized_reduce_scatter(
@@ -166,6 +176,7 @@ def quantized_reduce_scatter(
     kind: str = CommKind.REDUCE_SCATTER,
     async_op: bool = False,
     name: Optional[str] = None,
+    session: Optional[CommSession] = None,
 ) -> Optional[CommHandle]:
     """qgZ: reduce ``input_tensor`` ([W * n], W chunks) over the group; member ``j`` gets chunk ``j``
     (summed, or averaged over all W members for AVG; PREMUL_SUM(f) sums ``f * x``) in
@@ -182,8 +193,8 @@ def quantized_reduce_scatter(
     ``error_feedback``, with one ``feedback_key`` per gradient bucket (see ``feedback.py``); one
     without the other is a ValueError.
 
-    ``spec.rounding="stochastic"``: the call takes the next index of the per-process counter
-    shared with :func:`quantized_all_gather`; this rank's first quantization uses the kernel seed
+    ``spec.rounding="stochastic"``: the call takes the next index of its session's counter
+    (shared with its :func:`quantized_all_gather` calls); this rank's first quantization uses the kernel seed
     ``stochastic_seed(spec.seed, global rank, call index, 0)``, the hierarchical re-quantization
     ``stochastic_seed(..., 1)`` (``zeropp.comm.stochastic``).
 
@@ -198,7 +209,8 @@ def quantized_reduce_scatter(
     """
     check_reduce_spec(spec, error_feedback)
     name = _range(name, kind)
-    topo = resolve_topology(topology)
+    sess = resolve_session(session)
+    topo = sess.resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "reduce-scatter")
     W, n = len(ranks), output_tensor.numel()
@@ -212,14 +224,14 @@ def quantized_reduce_scatter(
     if output_tensor.device != input_tensor.device:
         raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
     op_name, factor = parse_op(op)
-    stats = stats if stats is not None else _default_stats()
+    stats = stats if stats is not None else sess.stats
     if spec is None:
         stats.count_call(kind)
         if n == 0:
-            return finish_or_handle([], None, async_op)
+            return finish_or_handle([], None, async_op, session=sess, kind=kind)
         with ranges.span(name):
-            return _plain_reduce_scatter(output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats, kind,
-                                         async_op)
+            return _plain_reduce_scatter(output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats,
+                                         kind, async_op, sess)
     if op_name not in ("sum", "avg", "premul_sum"):
         raise ValueError(f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None")
     check_float(input_tensor, "reduce-scatter input")
@@ -228,16 +240,16 @@ def quantized_reduce_scatter(
     stats.count_call(kind)
     seeds = None
     if spec.stochastic:
-        me, call = dist.get_rank(), sr.next_call()
+        me, call = dist.get_rank(), sess.stochastic.take()
         seeds = (sr.stochastic_seed(spec.seed, me, call, 0), sr.stochastic_seed(spec.seed, me, call, 1))
     if n == 0:
-        return finish_or_handle([], None, async_op)
+        return finish_or_handle([], None, async_op, session=sess, kind=kind)
     post_scale = factor / W if op_name == "avg" else factor
     intra_bits, bits = spec.hop_bits
     gs = DEFAULT_GRAD_GROUP_SIZE if spec.group_size is None else spec.group_size
     plan = qgz.QgzPlan(topo, ranks, n, bits, intra_bits, gs, codec)
     return qgz.run(plan, output_tensor, input_tensor, post_scale, group, error_feedback, feedback_key, stats, kind,
-                   async_op, seeds, name)
+                   async_op, seeds, name, session=sess)
 
 
 def _plain_reduce_scatter(
@@ -252,6 +264,7 @@ def _plain_reduce_scatter(
     stats: CommStats,
     kind: str,
     async_op: bool,
+    session: CommSession,
 ) -> Optional[CommHandle]:
     """Backend reduce-scatter; converts dtypes through a temporary and emulates PREMUL_SUM on gloo."""
     W = len(ranks)
@@ -263,7 +276,8 @@ def _plain_reduce_scatter(
     dst = out.view(-1) if direct else torch.empty(out.numel(), dtype=src.dtype, device=src.device)
     work = backend_reduce_scatter(dst, src, op, group, async_op)
     finish = None if direct else (lambda: out.view(-1).copy_(dst))
-    return finish_or_handle([work], finish, async_op, Buffers(src, dst, protect=(inp, out)))
+    return finish_or_handle([work], finish, async_op, Buffers(src, dst, protect=(inp, out)), session=session,
+                            kind=kind)
 
 
 def all_reduce(
@@ -276,20 +290,22 @@ def all_reduce(
     kind: str = CommKind.ALL_REDUCE,
     async_op: bool = False,
     name: Optional[str] = None,
+    session: Optional[CommSession] = None,
 ) -> Optional[CommHandle]:
     """Plain backend all-reduce (ZeRO stages 0-2), accounted as reduce-scatter + all-gather:
     ``2 * nbytes / W`` to each other member (see ``stats.py``). ``name``: its profiler range
     (``ranges.py``; None: ``zeropp/<kind>``)."""
-    topo = resolve_topology(topology)
+    sess = resolve_session(session)
+    topo = sess.resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
-    stats = stats if stats is not None else _default_stats()
+    stats = stats if stats is not None else sess.stats
     stats.count_call(kind)
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("all_reduce", tensor.numel() * tensor.element_size(), W))
     with ranges.span(_range(name, kind)):
         work = backend_all_reduce(tensor, op, group, async_op)
-    return finish_or_handle([work], None, async_op)
+    return finish_or_handle([work], None, async_op, session=sess, kind=kind)
 
 
 def quantized_all_reduce(
@@ -304,6 +320,7 @@ def quantized_all_reduce(
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
     kind: str = CommKind.ALL_REDUCE,
+    session: Optional[CommSession] = None,
 ) -> torch.Tensor:
     """In-place all-reduce of any-size ``tensor`` as a reduce-scatter of the zero-padded flat
     tensor (quantized by ``spec``; error feedback as in :func:`quantized_reduce_scatter`)
@@ -323,8 +340,9 @@ def quantized_all_reduce(
         flat[:numel] = tensor.reshape(-1)
     chunk = torch.empty(n, dtype=tensor.dtype, device=tensor.device)  # [n], my reduced chunk
     quantized_reduce_scatter(chunk, flat, op, group, spec=spec, error_feedback=error_feedback,
-                             feedback_key=feedback_key, topology=topology, stats=stats, kind=kind)
-    quantized_all_gather(flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind)
+                             feedback_key=feedback_key, topology=topology, stats=stats, kind=kind, session=session)
+    quantized_all_gather(flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind,
+                         session=session)
     if not direct:
         tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     Buffers(chunk, flat, protect=(tensor,)).release()  # both calls were synchronous: done with them here
@@ -347,7 +365,3 @@ def _range(name: Optional[str], kind: str) -> Optional[str]:
     """A call's range name: ``name``, else ``zeropp/<kind>`` while a profiler records (else None:
     no name is built)."""
     return name if name is not None or not ranges.enabled() else ranges.call_name(kind)
-
-
-def _default_stats() -> CommStats:
-    return get_comm_stats()

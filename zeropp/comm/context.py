@@ -1,6 +1,8 @@
 """The process's communication state, owned by one object with a lifetime: the comm worker
-thread (CPU continuations, ``chain.py``), the CUDA side streams, and the CPU buffers handed to
-the backend that its threads may still hold.
+thread (CPU continuations, ``chain.py``), the CUDA side streams of the default session's
+continuations, and the CPU buffers handed to the backend that its threads may still hold.
+What belongs to one engine or plug-in (topology and groups, byte counts, the stochastic-rounding
+counter, its own side streams, wait hooks) is its ``session.CommSession``, not this.
 
 Why a lifetime matters: a process must end with no thread of ours, or of the backend's, about to
 touch Python objects, because once the interpreter is finalizing, CPython makes any thread that

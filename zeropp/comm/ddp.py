@@ -29,7 +29,9 @@ from .chain import submit_future
 from .backend import check_gather_spec, check_reduce_spec, check_spec_type
 from .collectives import quantized_all_reduce
 from .feedback import ErrorFeedback
+from .fsdp import make_session
 from .kinds import CommKind
+from .session import CommSession
 from .spec import QuantSpec
 from .stats import CommStats
 from .topology import Topology
@@ -48,9 +50,12 @@ class QuantizedAllReduceState:
     group: Optional[dist.ProcessGroup] = None
     """Process group of the DDP model (None = the default group)."""
     topology: Optional[Topology] = None
-    """Topology for routing and accounting (None = the process-wide default)."""
+    """Topology for routing and accounting (None = the process-wide default); only without ``session``."""
     stats: Optional[CommStats] = None
-    """Where bytes are recorded (None = the process-wide CommStats)."""
+    """Where bytes are recorded (None = the session's own CommStats); only without ``session``."""
+    session: Optional[CommSession] = None
+    """The hook's communication state: stats, stochastic-rounding counter, side streams, wait hooks
+    (None: a new :class:`CommSession` over ``topology`` / ``stats``, this state's own)."""
     kind: str = CommKind.DDP_ALL_REDUCE
     """Name the bytes are recorded under."""
     feedback: Optional[ErrorFeedback] = dataclasses.field(default=None, init=False, repr=False, compare=False)
@@ -64,6 +69,8 @@ class QuantizedAllReduceState:
         if self.grads is not None and self.grads.error_feedback:
             object.__setattr__(self, "feedback", ErrorFeedback.for_spec(self.grads))
         check_reduce_spec(self.grads, self.feedback, "grads")
+        object.__setattr__(self, "session", make_session(self.session, self.topology, self.stats,
+                                                         "QuantizedAllReduceState"))
         if not isinstance(self.kind, str) or not self.kind:
             raise ValueError(f"QuantizedAllReduceState.kind must be a non-empty string, got {self.kind!r}")
 
@@ -80,8 +87,7 @@ def quantized_allreduce_hook(
     def reduce() -> None:
         quantized_all_reduce(
             buf, dist.ReduceOp.AVG, state.group, spec=state.grads, gather_spec=state.gather,
-            error_feedback=state.feedback, feedback_key=key, topology=state.topology, stats=state.stats,
-            kind=state.kind,
+            error_feedback=state.feedback, feedback_key=key, kind=state.kind, session=state.session,
         )
 
-    return submit_future(reduce, buf)
+    return submit_future(reduce, buf, session=state.session)

@@ -20,6 +20,11 @@ Usage::
     apply_zeropp_comms(model, weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), topology=Topology(2, 2))
     # or a named recipe: apply_zeropp_comms(model, recipe="w8g4", topology=Topology(2, 2))
 
+Communication state: the modules of one ``apply_zeropp_comms`` call share one
+:class:`~.session.CommSession` (its topology, stats, stochastic-rounding counter and side
+streams), given as ``session=`` or created for that call, so a second model in the process (or
+a ZeroEngine beside it) never shares its counters by accident.
+
 hpZ is not a collective here: FSDP2's own secondary partition is
 ``fully_shard(..., reshard_after_forward=<ranks per node>)``, so a recipe with ``hpz=True`` is
 refused rather than silently dropped.
@@ -40,9 +45,24 @@ from .backend import ReduceOpLike, check_gather_spec, check_reduce_spec, check_s
 from .collectives import quantized_all_gather, quantized_reduce_scatter
 from .feedback import ErrorFeedback
 from .kinds import CommKind
+from .session import CommSession
 from .spec import QuantRecipe, QuantSpec
 from .stats import CommStats
 from .topology import Topology
+
+
+def make_session(session: Optional[CommSession], topology: Optional[Topology], stats: Optional[CommStats],
+                 owner: str) -> CommSession:
+    """``session`` as given, or a new one over ``topology`` / ``stats``; a session together with a
+    topology or stats other than its own is ambiguous, hence refused."""
+    if session is None:
+        return CommSession(topology, stats=stats)
+    if not isinstance(session, CommSession):
+        raise TypeError(f"{owner}: session must be a zeropp.comm.CommSession or None, got {type(session).__name__}")
+    if (topology is not None and topology != session.topology) or (stats is not None and stats is not session.stats):
+        raise ValueError(f"{owner}: pass either session= or topology=/stats=, not both (the session holds its own "
+                         f"topology and stats: CommSession(topology, stats=stats))")
+    return session
 
 
 class _Alloc:
@@ -54,7 +74,8 @@ class _Alloc:
 
 class QuantizedAllGather(_Alloc, AllGather):
     """qwZ for FSDP2: each rank's flat shard quantized by ``spec`` (None = plain, accounted);
-    stochastic rounding and its seed as in ``quantized_all_gather``."""
+    stochastic rounding and its seed as in ``quantized_all_gather``. ``session``: the
+    communication state (else a new session over ``topology`` / ``stats``)."""
 
     def __init__(
         self,
@@ -63,18 +84,18 @@ class QuantizedAllGather(_Alloc, AllGather):
         topology: Optional[Topology] = None,
         stats: Optional[CommStats] = None,
         kind: str = CommKind.FSDP_ALL_GATHER,
+        session: Optional[CommSession] = None,
     ) -> None:
         self.spec = check_gather_spec(spec)  # fail here, not in the first forward
-        self.topology, self.stats, self.kind = topology, stats, kind
+        self.session = make_session(session, topology, stats, "QuantizedAllGather")
+        self.kind = kind
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Optional[dist.Work]:
         spec = self.spec if input_tensor.dtype in QUANT_FLOAT_DTYPES else None  # raw bytes: never quantize
-        return quantized_all_gather(
-            output_tensor, input_tensor, group, spec=spec,
-            topology=self.topology, stats=self.stats, kind=self.kind, async_op=async_op,
-        )
+        return quantized_all_gather(output_tensor, input_tensor, group, spec=spec, kind=self.kind, async_op=async_op,
+                                    session=self.session)
 
 
 class QuantizedReduceScatter(_Alloc, ReduceScatter):
@@ -82,7 +103,8 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
 
     ``spec.error_feedback=True`` keeps this module's residual in an :class:`ErrorFeedback` the
     instance owns (one instance per FSDP module, which :func:`apply_zeropp_comms` ensures; the
-    bucket is keyed by its size so a changed layout starts a fresh residual instead of failing)."""
+    bucket is keyed by its size so a changed layout starts a fresh residual instead of failing).
+    ``session``: the communication state (else a new session over ``topology`` / ``stats``)."""
 
     def __init__(
         self,
@@ -93,10 +115,12 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         kind: str = CommKind.FSDP_REDUCE_SCATTER,
         error_feedback: Optional[ErrorFeedback] = None,
         key_prefix: str = "",
+        session: Optional[CommSession] = None,
     ) -> None:
         check_spec_type(spec)
         self.spec = spec
-        self.topology, self.stats, self.kind = topology, stats, kind
+        self.session = make_session(session, topology, stats, "QuantizedReduceScatter")
+        self.kind = kind
         if error_feedback is None and spec is not None and spec.error_feedback:
             error_feedback = ErrorFeedback.for_spec(spec)
         self.error_feedback = error_feedback
@@ -115,8 +139,8 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
     ) -> Optional[dist.Work]:
         return quantized_reduce_scatter(
             output_tensor, input_tensor, op, group, spec=self.spec, error_feedback=self.error_feedback,
-            feedback_key=f"{self.key_prefix}numel{input_tensor.numel()}", topology=self.topology, stats=self.stats,
-            kind=self.kind, async_op=async_op,
+            feedback_key=f"{self.key_prefix}numel{input_tensor.numel()}", kind=self.kind, async_op=async_op,
+            session=self.session,
         )
 
 
@@ -129,6 +153,7 @@ def apply_zeropp_comms(
     topology: Optional[Topology] = None,
     stats: Optional[CommStats] = None,
     error_feedback: Optional[ErrorFeedback] = None,
+    session: Optional[CommSession] = None,
 ) -> int:
     """Install qwZ (``weights``) / qgZ (``grads``) on every FSDP module of ``model`` (after
     ``fully_shard``); returns how many modules were set. A None spec keeps the plain collective
@@ -136,7 +161,10 @@ def apply_zeropp_comms(
     instead, so it excludes ``weights`` / ``grads``; a recipe with ``hpz=True`` is refused (use
     FSDP2's own ``reshard_after_forward=<ranks per node>``). ``error_feedback``: one state for all
     modules (each module's residuals keyed by its qualified name), which the caller can save with a
-    checkpoint (``state_dict()``) and load on resume; None gives each module its own."""
+    checkpoint (``state_dict()``) and load on resume; None gives each module its own.
+    ``session``: the :class:`CommSession` all modules use (its stats, stochastic-rounding counter,
+    wait hooks); None creates one over ``topology`` / ``stats`` for this model (pass one to read its
+    counter for a checkpoint, or to time its waits)."""
     if recipe is not None:
         if weights is not None or grads is not None:
             raise ValueError(
@@ -156,12 +184,13 @@ def apply_zeropp_comms(
         weights, grads = recipe.weights, recipe.grads
     check_gather_spec(weights, "weights")
     check_spec_type(grads, "grads")
+    session = make_session(session, topology, stats, "apply_zeropp_comms")
     count = 0
     for name, m in model.named_modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(QuantizedAllGather(weights, topology=topology, stats=stats))
-            m.set_custom_reduce_scatter(QuantizedReduceScatter(grads, topology=topology, stats=stats,
-                                                               error_feedback=error_feedback, key_prefix=f"{name}:"))
+            m.set_custom_all_gather(QuantizedAllGather(weights, session=session))
+            m.set_custom_reduce_scatter(QuantizedReduceScatter(grads, session=session, error_feedback=error_feedback,
+                                                               key_prefix=f"{name}:"))
             count += 1
     if count == 0:
         raise ValueError("apply_zeropp_comms found no FSDP module in the model; call fully_shard(...) first")

@@ -13,22 +13,12 @@ or wandb keys.
 
 from __future__ import annotations
 
-import enum
+from zeropp.comm.choices import StrChoice
 
-__all__ = ["CommKind", "StrEnum"]
-
-
-class StrEnum(str, enum.Enum):
-    """A str enum that prints and formats as its value (``enum.StrEnum`` needs Python 3.11)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
+__all__ = ["CommKind"]
 
 
-class CommKind(StrEnum):
+class CommKind(StrChoice):
     """What a collective is for: the ``kind`` it is recorded under in ``zeropp.comm.CommStats``."""
 
     FWD_ALL_GATHER = "fwd_all_gather"

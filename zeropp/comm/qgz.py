@@ -41,7 +41,7 @@ rank per node, or a sub-group of the world, a single quantized all-to-all + dequ
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from .codecs import Codec, HadamardCodec
 from .feedback import HOP2_SUFFIX, ErrorFeedback
 from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .session import CommSession
 
 __all__ = ["ErrorFeedback", "QgzPlan", "run", "swizzle", "swizzled_view", "unswizzle"]
 
@@ -126,12 +129,15 @@ def run(
     async_op: bool,
     seeds: Optional[tuple[int, int]] = None,
     name: Optional[str] = None,
+    *,
+    session: Optional["CommSession"] = None,
 ) -> Optional[CommHandle]:
     """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``). ``seeds``:
     kernel seeds of the first quantization and of the re-quantization for stochastic rounding
     (None = round to nearest). ``name``: the call's profiler range (``ranges.py``); each hop runs
     in ``<name>/intra`` or ``<name>/cross`` (a single hop: ``intra`` inside one node), with its
-    ``/quantize`` and ``/dequantize`` parts."""
+    ``/quantize`` and ``/dequantize`` parts. ``session``: whose side stream runs hop 2 and whose
+    wait hooks the handle's wait runs in (None: the default session)."""
     W, n, gs, codec = len(plan.ranks), plan.n, plan.group_size, plan.codec
     topo = plan.topology
     x = inp.view(W, n)  # [W, n] chunk j for member j (a row-strided view is read in place)
@@ -152,7 +158,8 @@ def run(
             with ranges.span(hop, "dequantize"):
                 _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out)
 
-        return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(inp, out)))
+        return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(inp, out)),
+                                session=session, kind=kind)
 
     nodes, rpn = topo.nodes, topo.ranks_per_node // topo.tp  # the group's members per node
     groups = topo.build()
@@ -199,8 +206,8 @@ def run(
         with ranges.span(at_cross, "dequantize"):
             _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
-    later = chain.submit(hop2, out.device, buffers=hold)
-    return finish_or_handle([], later.wait, async_op)
+    later = chain.submit(hop2, out.device, buffers=hold, session=session)
+    return finish_or_handle([], later.wait, async_op, session=session, kind=kind)
 
 
 def _quantize_for_send(

@@ -19,14 +19,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-ROUNDINGS = ("nearest", "stochastic")
-"""``nearest``: round to the nearest code (deterministic). ``stochastic``: round up with probability
-equal to the fractional part (unbiased; QSDP's weight quantizer)."""
+from .choices import Rotation, Rounding
 
-ROTATIONS = ("none", "hadamard")
+ROUNDINGS = Rounding.values()
+"""``nearest``: round to the nearest code (deterministic). ``stochastic``: round up with probability
+equal to the fractional part (unbiased; QSDP's weight quantizer). See :class:`~.choices.Rounding`."""
+
+ROTATIONS = Rotation.values()
 """``none``: quantize the values as they are. ``hadamard``: quantize them in a blockwise
 Walsh-Hadamard-rotated basis (SDP4Bit) and rotate back after dequantizing; see
-``QuantSpec.rotation``."""
+``QuantSpec.rotation`` and :class:`~.choices.Rotation`."""
 
 MAX_HADAMARD_BLOCK = 1 << 14
 """Largest rotation block (``zeropp.kernels.MAX_HADAMARD_BLOCK``; a test keeps the two equal)."""
@@ -84,8 +86,9 @@ class QuantSpec:
     """Elements per fp32 scale; None = the kernel default for the use (512 for weights, 128 for
     gradients). Any positive size works (rows are padded); INT4 needs an even size."""
 
-    rounding: str = "nearest"
-    """``nearest`` or ``stochastic`` (unbiased; every rank and call draws different, reproducible
+    rounding: Rounding = Rounding.nearest
+    """``nearest`` or ``stochastic`` (a :class:`~.choices.Rounding`; a plain string is accepted and
+    stored as its member) (unbiased; every rank and call draws different, reproducible
     noise from ``seed``)."""
 
     intra_bits: Optional[int] = None
@@ -108,8 +111,9 @@ class QuantSpec:
     scheme: str = "int"
     """Registered quantization scheme (:func:`schemes`); ``int`` = block-wise symmetric integer."""
 
-    rotation: str = "none"
-    """``hadamard``: rotate each block of ``hadamard_block`` elements by the normalised
+    rotation: Rotation = Rotation.none
+    """``none`` or ``hadamard`` (a :class:`~.choices.Rotation`; a plain string is accepted and stored
+    as its member). ``hadamard``: rotate each block of ``hadamard_block`` elements by the normalised
     Walsh-Hadamard matrix before quantizing and rotate back after dequantizing (SDP4Bit). The
     rotation spreads an outlier over its block, so the block's scale no longer flattens its
     neighbours to zero. Used by qwZ and by both qgZ hops (qgZ sums and re-quantizes in the
@@ -157,8 +161,9 @@ the block is checked against the use's default group size when the collective ru
                 raise ValueError(
                     f"QuantSpec.group_size={gs} is odd; INT4 packs two codes per byte, so use an even size"
                 )
-        if self.rounding not in ROUNDINGS:
+        if not isinstance(self.rounding, str) or self.rounding not in ROUNDINGS:
             raise ValueError(f"QuantSpec.rounding={self.rounding!r}; use one of {ROUNDINGS}")
+        object.__setattr__(self, "rounding", Rounding(self.rounding))
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"QuantSpec.error_feedback must be True or False, got {self.error_feedback!r}")
         if isinstance(self.residual_bits, bool) or self.residual_bits not in (8, 32):
@@ -172,8 +177,9 @@ the block is checked against the use's default group size when the collective ru
         self._check_rotation()
 
     def _check_rotation(self) -> None:
-        if self.rotation not in ROTATIONS:
+        if not isinstance(self.rotation, str) or self.rotation not in ROTATIONS:
             raise ValueError(f"QuantSpec.rotation={self.rotation!r}; use one of {ROTATIONS}")
+        object.__setattr__(self, "rotation", Rotation(self.rotation))
         hb = self.hadamard_block
         if self.rotation == "none":
             if hb is not None:

@@ -98,7 +98,8 @@ _DEFAULT_STATS = CommStats()
 
 
 def get_comm_stats() -> CommStats:
-    """The process-wide CommStats that collectives record into when given no ``stats``."""
+    """The default session's CommStats (``session.default_session``): what plain collective calls
+    made without ``session=`` or ``stats=`` record into. An engine or plug-in records into its own."""
     return _DEFAULT_STATS
 
 

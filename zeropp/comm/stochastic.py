@@ -11,20 +11,23 @@ every rank draws different noise, successive calls differ, and a given (seed, ra
 always gives the same rounding.
 
 The base seed comes from the spec (the runner sets it as ``zero.grads.seed`` /
-``zero.weights.seed``, independent of ``train.seed``). The counter is process state: the engine's
-checkpoints save every rank's value and a load restores it (``zeropp/runtime/checkpoint.py``), so a
-resumed run draws the same noise as an uninterrupted one; elsewhere, replay with
-:func:`reset_stochastic_calls`.
+``zero.weights.seed``, independent of ``train.seed``). The counter is a :class:`StochasticCounter`
+owned by the call's communication session (``zeropp.comm.session.CommSession``): an engine or a
+plug-in has its own, starting at 0, so two engines in one process never draw each other's
+indices. The engine's checkpoints save every rank's value and a load restores it
+(``zeropp/runtime/checkpoint.py``), so a resumed run draws the same noise as an uninterrupted one.
+The module-level :func:`stochastic_calls` / :func:`reset_stochastic_calls` read and set the
+counter of the default session, the one plain collective calls made without a ``session`` use.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Optional
 
 _M64 = (1 << 64) - 1
 _SEED_LIMIT = 1 << 63
-_calls = 0
 
 
 def _splitmix64(x: int) -> int:
@@ -55,22 +58,48 @@ def stochastic_seed(seed: Optional[int], rank: int, call: int, hop: int = 0) -> 
     return h & (_SEED_LIMIT - 1)
 
 
+class StochasticCounter:
+    """The call index of the seed rule: how many stochastic collective calls its owner issued.
+    Thread-safe (the comm worker issues the DDP hook's calls)."""
+
+    def __init__(self, value: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+        self.reset(value)
+
+    @property
+    def value(self) -> int:
+        """How many stochastic calls were taken (= the next call's index)."""
+        return self._value
+
+    def reset(self, value: int = 0) -> None:
+        """Set the counter (e.g. to replay a run from a known point, or on a checkpoint load)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"the stochastic call counter must be an int >= 0, got {value!r}")
+        with self._lock:
+            self._value = value
+
+    def take(self) -> int:
+        """Take the next call index (the collectives call this once per stochastic call)."""
+        with self._lock:
+            call = self._value
+            self._value += 1
+            return call
+
+    def __repr__(self) -> str:
+        return f"StochasticCounter({self._value})"
+
+
+DEFAULT_COUNTER = StochasticCounter()
+"""The default session's counter: that of plain collective calls made without a ``session``."""
+
+
 def stochastic_calls() -> int:
-    """How many stochastic collective calls this process has issued (= the next call's index)."""
-    return _calls
+    """Stochastic calls made through the default session (= its next call's index); an engine's or
+    a plug-in's own count is ``session.stochastic.value``."""
+    return DEFAULT_COUNTER.value
 
 
 def reset_stochastic_calls(value: int = 0) -> None:
-    """Set this process's call counter (e.g. to replay a run from a known point)."""
-    global _calls
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"the stochastic call counter must be an int >= 0, got {value!r}")
-    _calls = value
-
-
-def next_call() -> int:
-    """Take the next call index (internal: the collectives call this once per stochastic call)."""
-    global _calls
-    call = _calls
-    _calls += 1
-    return call
+    """Set the default session's call counter (plain calls without a ``session``)."""
+    DEFAULT_COUNTER.reset(value)

@@ -295,7 +295,8 @@ _DEFAULT: Optional[Topology] = None
 
 
 def set_topology(topology: Optional[Topology]) -> None:
-    """Make ``topology`` the process-wide default used by collectives called without one."""
+    """Make ``topology`` the process-wide default used by collectives called without one (and by
+    sessions created without one, ``session.CommSession``)."""
     global _DEFAULT
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"set_topology expects a Topology or None, got {type(topology).__name__}")

@@ -2,6 +2,7 @@
 
 from .batch import MicroBatchError, WithTargets
 from .checkpoint import CheckpointError
+from .choices import MemoryTier, OffloadTier, Precision, QuantizeFrozen, Schedule
 from .consolidate import export_consolidated
 from .config import OptimizerConfig, ZeroConfig
 from .engine import StepResult, ZeroEngine
@@ -12,5 +13,6 @@ from .partition import BlockChoiceWarning, UnitLayout
 from .streams import CommStreams
 
 __all__ = ["BlockChoiceWarning", "CheckpointError", "CommStreams", "DynamicLossScaler", "LossScaler",
-           "MicroBatchError", "OptimizerConfig", "ShardedAdamW", "StaticLossScaler", "StepResult", "UnitLayout",
+           "MemoryTier", "MicroBatchError", "OffloadTier", "OptimizerConfig", "Precision", "QuantizeFrozen",
+           "Schedule", "ShardedAdamW", "StaticLossScaler", "StepResult", "UnitLayout",
            "WithTargets", "ZeroConfig", "ZeroEngine", "expected_memory", "export_consolidated", "measure_memory"]

@@ -47,7 +47,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-TIERS = ("device", "host", "disk")
+from .choices import MemoryTier
+
+TIERS = MemoryTier.values()
 
 
 def _view_base(t: torch.Tensor) -> torch.Tensor | None:

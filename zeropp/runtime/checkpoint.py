@@ -45,7 +45,7 @@ with the differing unit named.
 Exact resume of quantized runs: each rank's qgZ error-feedback residuals (``CheckpointTarget.feedback``,
 a ``zeropp.comm.ErrorFeedback``, stored as they are kept: INT8 codes + scales, or fp32) are saved
 under the rank's own keys ``feedback.rank<r>.<bucket>|<field>``, and every rank's stochastic-rounding
-call counter (``zeropp.comm.stochastic``) in ``meta.json``. A load at the same world size, stage and
+call counter (the engine's communication session's, ``zeropp.comm.stochastic``) in ``meta.json``. A load at the same world size, stage and
 topology restores both, so a resumed run draws the same noise and carries the same residuals as an
 uninterrupted one. Residuals are laid out per rank and per topology, so a load that reshards
 (another world size, stage or topology) drops them with a warning (they restart from zero, as at
@@ -136,6 +136,9 @@ class CheckpointTarget:
     dimension of the model's ``("dp", "tp")`` mesh); None: one over the whole default group."""
     tp_split: dict[str, dict] = field(default_factory=dict)
     """``tp > 1``: ``tensor_parallel.split_table(model)``, saved for ``consolidate.export_consolidated``."""
+    stochastic: sr.StochasticCounter = field(default_factory=lambda: sr.DEFAULT_COUNTER)
+    """The stochastic-rounding call counter saved and restored (the engine's session's; the
+    default session's when not given)."""
 
     def __post_init__(self) -> None:
         if self.tp > 1 and self.mesh is None:
@@ -237,7 +240,7 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
             sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
-        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": sr.stochastic_calls()},
+        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": t.stochastic.value},
                             sources=sources)
 
     return cio.save_version(path, step=step, kind="engine", prepare=prepare, keep=keep, origin=origin,
@@ -367,17 +370,17 @@ def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, tor
 
 
 def _restore_stochastic_calls(t: CheckpointTarget, meta: dict) -> None:
-    """Set this process's stochastic-rounding call counter to the value the saving run had: the
+    """Set the target's stochastic-rounding call counter to the value the saving run had: the
     same rank's at the same world size, else the value all saving ranks shared."""
     calls = meta.get("stochastic_calls")
     if not calls:
         return  # saved before counters were recorded
     me, world = dist.get_rank(), dist.get_world_size()
     if len(calls) == world:
-        sr.reset_stochastic_calls(int(calls[me]))
+        t.stochastic.reset(int(calls[me]))
     elif len(set(calls)) == 1:
-        sr.reset_stochastic_calls(int(calls[0]))
+        t.stochastic.reset(int(calls[0]))
     elif me == 0:
         warnings.warn(f"checkpoint: the {len(calls)} saving ranks had different stochastic-rounding call counters "
                       f"{calls}; loading at world size {world}, the counter is left at "
-                      f"{sr.stochastic_calls()}", stacklevel=3)
+                      f"{t.stochastic.value}", stacklevel=3)

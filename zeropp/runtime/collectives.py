@@ -2,6 +2,9 @@
 
 Everything the engine sends goes through :class:`EngineComm`, which
 
+- owns the engine's communication session (``zeropp.comm.CommSession``: topology and groups,
+  ``CommStats``, the stochastic-rounding counter, side streams of continuations, wait hooks),
+  so two engines in one process share none of it,
 - routes to ``zeropp.comm`` (quantized or plain, with byte accounting by link),
 - splits a collective larger than the bucket size into column chunks (each rank's shard is
   cut at the same offsets, so chunk ``k`` of the full buffer is ``[G, c]`` columns of the
@@ -42,6 +45,7 @@ from zeropp.comm import ranges
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.lifetime import Buffers
+from zeropp.comm.session import CommSession
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
@@ -100,7 +104,9 @@ class EngineComm:
         self._z = zcomm
         self.topology = topology
         self.stats = stats
-        self.groups = topology.build()
+        self.session = CommSession(topology, stats=stats)
+        """This engine's communication state: every collective below passes it (``zeropp.comm.session``)."""
+        self.groups = self.session.groups()
         # ZeRO's world is the data-parallel dimension: the whole default group unless tp > 1
         self.group: Optional[dist.ProcessGroup] = None if topology.tp == 1 else self.groups.dp
         """The group ZeRO shards over (None = the default group; ``groups.dp`` when ``topology.tp > 1``)."""
@@ -151,8 +157,8 @@ class EngineComm:
                     temps.add(dst)
                     finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
                 works.append(self._z.quantized_all_gather(
-                    dst, shard[a:b], group, topology=self.topology, stats=self.stats, kind=kind, async_op=True,
-                    spec=spec, name=ranges.call_name(kind, unit, k) if named else None))
+                    dst, shard[a:b], group, kind=kind, async_op=True, spec=spec, session=self.session,
+                    name=ranges.call_name(kind, unit, k) if named else None))
             return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None, buffers=temps,
                            what=(kind, unit))
 
@@ -185,8 +191,8 @@ class EngineComm:
                     temps.add(src)
                 extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
                 works.append(self._z.quantized_reduce_scatter(
-                    out[a:b], src, op, self.group, spec=spec, topology=self.topology, stats=self.stats, kind=kind,
-                    async_op=True, name=ranges.call_name(kind, unit, k) if named else None, **extra))
+                    out[a:b], src, op, self.group, spec=spec, kind=kind, async_op=True, session=self.session,
+                    name=ranges.call_name(kind, unit, k) if named else None, **extra))
             return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps,
                            what=(kind, unit))
 
@@ -215,7 +221,7 @@ class EngineComm:
         """In-place average over the world (stage 0 gradients, replicated units); ``unit``: the
         unit's name, for the profiler range (module doc)."""
         with self.streams.blocked():
-            self._z.all_reduce(t, dist.ReduceOp.SUM, self.group, topology=self.topology, stats=self.stats, kind=kind,
+            self._z.all_reduce(t, dist.ReduceOp.SUM, self.group, kind=kind, session=self.session,
                                name=ranges.call_name(kind, unit, 0) if ranges.enabled() else None)
             t.div_(self.world_size)
 

@@ -19,11 +19,22 @@ import torch
 
 from zeropp.comm.spec import QuantRecipe, QuantSpec
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SCHEDULES = ("constant", "cosine")
-OFFLOAD_TIERS = ("none", "cpu", "nvme")
-QUANTIZE_FROZEN = ("none", "int8", "int4")
+from .choices import OffloadTier, Precision, QuantizeFrozen, Schedule
+
+_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+SCHEDULES = Schedule.values()
+OFFLOAD_TIERS = OffloadTier.values()
+QUANTIZE_FROZEN = QuantizeFrozen.values()
 """``ZeroConfig.quantize_frozen`` choices: MixZ++'s storage of frozen stage-3 shards."""
+
+
+def _choice(obj: object, name: str, choice: type, message: str) -> None:
+    """Store field ``name`` of frozen ``obj`` as its ``choice`` member (a plain string is accepted);
+    ValueError ``message`` (formatted with the value) when it is none of the choices."""
+    value = getattr(obj, name)
+    if not isinstance(value, str) or value not in choice.values():
+        raise ValueError(message.format(value=value))
+    object.__setattr__(obj, name, choice(value))
 
 
 def _check_spec(name: str, spec: Any) -> None:
@@ -43,9 +54,10 @@ class ZeroConfig:
     (reduce-scattered per block as soon as its backward is done), 3 + parameters (gathered per
     block just before its forward and backward, freed right after)."""
 
-    precision: str = "fp32"
-    """Compute and communication dtype: ``fp32`` (exactness checks), ``bf16``, or ``fp16`` (with
-    dynamic loss scaling). Master weights and Adam states are always fp32."""
+    precision: Precision = Precision.fp32
+    """Compute and communication dtype (a :class:`~.choices.Precision`; a plain string is stored as
+    its member): ``fp32`` (exactness checks), ``bf16``, or ``fp16`` (with dynamic loss scaling).
+    Master weights and Adam states are always fp32."""
 
     weights: QuantSpec | None = None
     """qwZ: how the stage-3 parameter all-gathers (forward and backward) are quantized; None = full
@@ -100,15 +112,15 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     """fp16 only: good steps before the loss scale doubles (it halves on every overflow)."""
 
-    offload_optimizer: str = "none"
-    """ZeRO-Offload / ZeRO-Infinity: where the fp32 master shards and the Adam moments live and
+    offload_optimizer: OffloadTier = OffloadTier.none
+    """ZeRO-Offload / ZeRO-Infinity (a :class:`~.choices.OffloadTier`): where the fp32 master shards and the Adam moments live and
     where the optimizer step runs: ``none`` (the model's device), ``cpu`` (pinned host memory, the
     step on the CPU, gradient shards copied down as their reductions finish, updated shards copied
     back), ``nvme`` (files under ``nvme_path``, streamed through the bounded host buffers below).
     Stages 1-3 (stage 0 has no optimizer shard to move)."""
 
-    offload_param: str = "none"
-    """Stage 3: where each rank's parameter shards live between gathers: ``none`` (the model's
+    offload_param: OffloadTier = OffloadTier.none
+    """Stage 3 (a :class:`~.choices.OffloadTier`): where each rank's parameter shards live between gathers: ``none`` (the model's
     device), ``cpu`` (pinned host memory, copied to the device ahead of each gather, honouring
     ``prefetch_depth``), ``nvme`` (files under ``nvme_path``)."""
 
@@ -130,8 +142,8 @@ class ZeroConfig:
     back when backward needs them. With activation checkpointing only the blocks' inputs are saved,
     so this moves exactly the checkpointed activations."""
 
-    quantize_frozen: str = "none"
-    """MixZ++ (stage 3 only): how the shards of frozen parameters (``requires_grad=False``, e.g. a
+    quantize_frozen: QuantizeFrozen = QuantizeFrozen.none
+    """MixZ++ (stage 3 only; a :class:`~.choices.QuantizeFrozen`): how the shards of frozen parameters (``requires_grad=False``, e.g. a
     LoRA base model) are stored and all-gathered: ``none`` (the compute dtype, all-gathered like the
     trainable ones, qwZ/hpZ applying), ``int8`` or ``int4`` (quantized ONCE at construction into
     the int codec's wire format, codes and scales in one byte buffer, all-gathered in that form and
@@ -142,15 +154,15 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.quantize_frozen not in QUANTIZE_FROZEN:
-            raise ValueError(f"ZeroConfig.quantize_frozen={self.quantize_frozen!r}; use one of {QUANTIZE_FROZEN}")
+        _choice(self, "quantize_frozen", QuantizeFrozen,
+                "ZeroConfig.quantize_frozen={value!r}; use one of " + str(QUANTIZE_FROZEN))
         if self.quantize_frozen != "none" and self.stage != 3:
             raise ValueError(
                 f"ZeroConfig.quantize_frozen={self.quantize_frozen!r} stores the stage-3 shards of frozen parameters "
                 f"quantized; stage {self.stage} keeps frozen parameters whole on every rank (nothing is gathered), so "
                 f"set stage=3 or quantize_frozen='none'")
-        if self.precision not in _DTYPES:
-            raise ValueError(f"ZeroConfig.precision must be one of {sorted(_DTYPES)}, got {self.precision!r}")
+        _choice(self, "precision", Precision,
+                "ZeroConfig.precision must be one of " + str(sorted(Precision.values())) + ", got {value!r}")
         _check_spec("weights", self.weights)
         _check_spec("grads", self.grads)
         w, g = self.weights, self.grads
@@ -221,8 +233,7 @@ class ZeroConfig:
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_param"):
-            if getattr(self, name) not in OFFLOAD_TIERS:
-                raise ValueError(f"ZeroConfig.{name} must be one of {OFFLOAD_TIERS}, got {getattr(self, name)!r}")
+            _choice(self, name, OffloadTier, f"ZeroConfig.{name} must be one of {OFFLOAD_TIERS}, got {{value!r}}")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError(
                 f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} needs stage >= 1: stage 0 keeps a full "
@@ -298,7 +309,7 @@ class OptimizerConfig:
     """Linear warmup: the optimizer step taken after ``k < warmup_steps`` steps uses
     ``lr * (k + 1) / warmup_steps`` (so the first step uses ``lr / warmup_steps`` and step
     ``warmup_steps - 1`` the full ``lr``). 0 = no warmup."""
-    schedule: str = "constant"
+    schedule: Schedule = Schedule.constant
     """After the warmup: ``constant`` (stay at ``lr``) or ``cosine`` (half a cosine from ``lr`` down
     to ``lr * min_lr_ratio`` at ``decay_steps``, then stay there)."""
     decay_steps: int | None = None
@@ -318,8 +329,7 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; use one of {SCHEDULES}")
+        _choice(self, "schedule", Schedule, "OptimizerConfig.schedule={value!r}; use one of " + str(SCHEDULES))
         if self.decay_steps is not None and (not isinstance(self.decay_steps, int) or self.decay_steps < 0):
             raise ValueError(f"OptimizerConfig.decay_steps must be an int >= 0 or None, got {self.decay_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -154,6 +154,10 @@ class ZeroEngine:
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.comm = EngineComm(topo, self.comm_stats, self.device)
+        self.comm_session = self.comm.session
+        """This engine's communication state (``zeropp.comm.CommSession``): its ``stats`` are
+        :attr:`comm_stats`, its ``stochastic`` counter the seed rule's call index (saved with
+        checkpoints), ``add_wait_hook`` times its waits. Never shared with another engine."""
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         """ZeRO's world: the data-parallel ranks (all ranks unless ``topology.tp > 1``) and this rank's index there."""
         self._all_ranks = world  # the default group (tp ranks included): scalar sums, error reports
@@ -392,7 +396,7 @@ class ZeroEngine:
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load the latest complete checkpoint under ``path``, saved at any world size and stage
         from the same model; returns the ``extra`` it was saved with. Collective. The qgZ
-        error-feedback residuals and the stochastic-rounding call counter come back too
+        error-feedback residuals and this engine's stochastic-rounding call counter come back too
         (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
         extra, model_state, origin = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
@@ -493,6 +497,7 @@ class ZeroEngine:
             world_size=self.world_size, device=self.device, stage=self.cfg.stage, param_dtypes=self.param_dtypes,
             model_state=model_state, info={"config": repr(self.cfg), "topology": repr(self.topology)},
             feedback=self.error_feedback,  # restored by the load at the same world / stage / topology, else reset
+            stochastic=self.comm_session.stochastic,
             **self._tp_checkpoint_args())
 
     def _tp_checkpoint_args(self) -> dict[str, Any]:

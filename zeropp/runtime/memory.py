@@ -48,11 +48,12 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from . import frozen as fz
+from .choices import MemoryTier, OffloadTier
 from .partition import FlatUnit
 
 KEYS = ("params", "grads", "optimizer", "hpz_secondary", "total")
 """Keys of the flat model-state report (``ZeroEngine.memory_report``)."""
-TIERS = ("device", "host", "disk")
+TIERS = MemoryTier.values()
 """Where bytes live: the model's device, host (CPU) memory, swap files on disk."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 """What the bytes are (hpZ secondary copies count as params)."""
@@ -75,8 +76,8 @@ PHASES = ("model_creation", "optimizer_creation", "forward", "backward", "step")
   :func:`expected_by_tier` describes;
 - ``step`` (after the optimizer step, parameters refreshed): the full gradients of stages 0-1
   are consumed; the stages 2-3 gradient shard stays allocated for the next step."""
-OFFLOAD_CHOICES = ("none", "cpu", "nvme")
-OFFLOAD_TIER = {"none": "device", "cpu": "host", "nvme": "disk"}
+OFFLOAD_CHOICES = OffloadTier.values()
+OFFLOAD_TIER = {t.value: t.memory_tier.value for t in OffloadTier}
 """``offload_optimizer`` / ``offload_param`` value -> the tier that state lives on."""
 
 

@@ -45,6 +45,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .choices import OffloadTier
 from .config import OptimizerConfig, ZeroConfig
 from .optimizer import KERNELS, TIERS, ShardedAdamW, StateGuard, adamw_update, tensor_bytes
 from .partition import FlatUnit
@@ -278,8 +279,8 @@ class ParamStore:
 
     def __init__(self, tier: str, units: Sequence[FlatUnit], *, dtype: torch.dtype, device: torch.device,
                  space: SwapSpace | None = None) -> None:
-        if tier not in ("none", "cpu", "nvme"):
-            raise ValueError(f"ParamStore tier={tier!r}; use none, cpu or nvme")
+        if tier not in OffloadTier.values():
+            raise ValueError(f"ParamStore tier={tier!r}; use one of {', '.join(OffloadTier.values())}")
         self.tier, self.dtype, self.device, self.space = tier, dtype, device, space
         self.units = [u for u in units if u.kind == "sharded"]
         self.frozen = [u for u in units if u.kind == "frozen"]

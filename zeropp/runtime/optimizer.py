@@ -23,10 +23,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .choices import MemoryTier
 from .config import OptimizerConfig
 
 KERNELS = ("single", "foreach", "fused")
-TIERS = ("device", "host", "disk")
+TIERS = MemoryTier.values()
 
 
 def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],

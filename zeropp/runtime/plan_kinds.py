@@ -13,7 +13,8 @@ in summaries or in wandb keys.
 
 from __future__ import annotations
 
-from zeropp.comm.kinds import CommKind, StrEnum as _StrEnum
+from zeropp.comm.choices import StrChoice as _StrEnum  # prints, formats and repr's as its value
+from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
