@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.comm_helpers import bytes_of, expected_all_gather_bytes, expected_reduce_scatter_bytes, rank_input
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
     ReduceOp,

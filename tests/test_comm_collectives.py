@@ -29,7 +29,7 @@ from tests.comm_helpers import (
     spec_of,
     wire,
 )
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
     ErrorFeedback,

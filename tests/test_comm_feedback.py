@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.comm_helpers import DTYPES, rank_input
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import ErrorFeedback, QuantSpec, Topology
 from zeropp.comm.backend import check_reduce_spec
 from zeropp.comm.feedback import HOP2_SUFFIX

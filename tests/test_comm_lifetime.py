@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import Topology, chain, context
 from zeropp.comm.backend import backend_all_gather, backend_all_reduce, backend_all_to_all, backend_reduce_scatter
 

@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import context
 from zeropp.comm.objects import all_gather_json
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import zeropp.comm.qgz as qgz_mod
 from tests.comm_helpers import rank_input
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.streams_helpers import DEBUG_ENV, FakeBucket, debug_checks
 from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology, quantized_reduce_scatter
 from zeropp.comm import chain

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import CommStats, QuantSpec, Topology
 
 STEPS, BATCH, DIN, DOUT, LR = 5, 8, 16, 8, 1e-2

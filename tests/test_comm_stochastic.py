@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.comm_helpers import _stack, rank_input
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
     Topology,

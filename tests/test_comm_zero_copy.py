@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.triton_helpers import interpreted
 from zeropp.comm.codecs import Codec, IntCodec, wire_layout
 from zeropp.kernels import QuantizedTensor, dequantize, quantize

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY
 from tests.tp_helpers import tp_block_bytes
 

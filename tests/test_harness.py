@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp import launch as launcher
 from zeropp.experiments.launcher import device_for_cluster, emulated_placement
 from zeropp.launch import LOCAL, ModuleEntry, PlacementError, RankFailure, launch_world, select_device

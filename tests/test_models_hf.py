@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import micro_batch, rel_err
 from zeropp.models import HFConfig, build_hf_model
 from zeropp.models.hf import hf_model_config

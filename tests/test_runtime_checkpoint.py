@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches, text_batch
 
 STEPS, SPLIT = 6, 3

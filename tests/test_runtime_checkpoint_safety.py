@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.checkpoint_helpers import checkpoint_error, plant_metadata
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 
 

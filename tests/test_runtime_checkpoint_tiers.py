@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.checkpoint_helpers import checkpoint_error, peak_host_bytes
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
 from zeropp.models import GPTConfig
 

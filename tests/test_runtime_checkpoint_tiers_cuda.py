@@ -16,7 +16,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from zeropp.models import GPTConfig
 
 pytestmark = [pytest.mark.cuda,

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import parity_world
 from tests.test_runtime_parity import LR, STAGES, STEPS, check_parity
 

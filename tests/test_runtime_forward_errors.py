@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch
 from zeropp.models import GPT
 from zeropp.runtime.batch import agree_on_forward

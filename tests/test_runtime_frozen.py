@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch, rank_batches, reference_train, rel_err
 from zeropp.models import GPT
 

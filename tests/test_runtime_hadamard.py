@@ -12,7 +12,7 @@ runs move the same bytes.
 
 import pytest
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import train_engine
 from zeropp.comm.spec import RECIPES
 

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.host_reads import HostRead, host_reads
 from tests.runtime_helpers import make_model, rank_batches
 from zeropp.comm.spec import QuantSpec

@@ -20,7 +20,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
 from zeropp.runtime.memory import (CATEGORIES, MODEL_STATE, PHASES, TIERS, MemorySnapshot, account, expected_by_tier,
                                    expected_memory, offload_choices, source_tiers, tier_totals)

@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches, rel_err
 from zeropp.comm.spec import QuantSpec
 

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

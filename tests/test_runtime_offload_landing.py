@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
 
 STEPS, ACCUM = 3, 2

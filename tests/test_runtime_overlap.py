@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
 from zeropp.comm import QuantSpec, Topology
 from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -19,7 +19,7 @@ covered by ``test_runtime_tied``.
 
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, parity_world, reference_train, rel_err
 
 STEPS, ACCUM, CLIP, LR, WD = 10, 2, 0.5, 1e-3, 0.01

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import rel_err
 from zeropp.runtime import BlockChoiceWarning, MicroBatchError, WithTargets
 from zeropp.runtime.batch import call_model, per_rank

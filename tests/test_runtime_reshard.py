@@ -7,7 +7,7 @@ ranks), so runs at world 2 and 4 compute the same function up to fp32 rounding."
 
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, micro_batch
 from zeropp.models import GPTConfig
 

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 
 N, K = 5, 2

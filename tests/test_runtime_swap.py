@@ -17,7 +17,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
 from zeropp.runtime import OptimizerConfig, ShardedAdamW
 from zeropp.runtime.offload import SwappedAdamW

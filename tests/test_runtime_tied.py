@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, rank_batches, reference_train, rel_err
 from zeropp.models import GPT, GPTConfig
 

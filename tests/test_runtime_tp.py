@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch, reference_train, rel_err
 from zeropp.models import GPT
 

@@ -135,7 +135,7 @@ def _fp16_mean_world(rank: int, world: int) -> dict:
 def test_quantized_gradient_mean_does_not_overflow_fp16_when_the_mean_fits():
     """The mean of two ranks' 40000 is 40000, well inside fp16; their sum (80000) is not. The
     engine's quantized reduce-scatter used to round the fp32 sum into fp16 (inf) and divide after."""
-    from tests.distributed import run_world
+    from tests.worlds import run_world
 
     for res in run_world(_fp16_mean_world, 2, timeout=60):
         for bits, vals in res.items():
@@ -164,7 +164,7 @@ def test_frozen_parameters_start_identical_and_export_unrounded(stage: int):
     start from rank 0's) nor exported in their own dtype (consolidated_state_dict returned the
     bf16-rounded copy). Stage 2 keeps them replicated (every rank's compute copy is rank 0's,
     rounded); stage 3 shards them (between gathers the module holds an empty tensor)."""
-    from tests.distributed import run_world
+    from tests.worlds import run_world
 
     res = run_world(_frozen_world, 2, stage, timeout=60)
     for r in res:

@@ -9,7 +9,7 @@ detects it after forward and raises a clear error on every rank, without hanging
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch, rank_batches, rel_err
 from zeropp.models import GPT
 from zeropp.models.gpt import Block

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, rank_batches
 from zeropp.comm.spec import RECIPES, QuantRecipe, QuantSpec
 from zeropp.runtime import ZeroConfig

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import rel_err
 from zeropp.runtime.partition import build_units, find_blocks
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 from zeropp.comm.spec import QuantSpec
 from zeropp.models import GPTConfig

@@ -9,7 +9,7 @@ backward gather, so it must be bit-exact.
 
 import pytest
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.runtime_helpers import TINY, train_engine
 from zeropp.comm.spec import QuantSpec
 from zeropp.runtime import expected_memory

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.worlds import run_world
 from tests.plan_helpers import SMALL_BUCKETS, WORLDS, ZPP
 from tests.runtime_helpers import TINY, rank_batches, train_engine
 from zeropp.comm.spec import RECIPES, QuantSpec
