@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from tests.cli_helpers import run_cli
 from zeropp.comm import Topology
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.experiments.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
@@ -158,23 +159,49 @@ def test_command_line_precheck() -> None:
         check_overrides(["quant=int8", "zero.grads.intra_bits=8"])
 
 
-def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
-    for args, words in ((["quant=int9"], ["quant", "allowed", "int8"]),
-                        (["stage=5"], ["stage", "5"]),
-                        (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
-                        (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
-                        (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
-                        (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
-                        (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
-                        *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])]
-                          if torch.cuda.device_count() < 4 else [])):
+CLI_ERRORS: list[tuple[list[str], list[str]]] = [
+    (["quant=int9"], ["quant", "allowed", "int8"]),
+    (["stage=5"], ["stage", "5"]),
+    (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
+    (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
+    (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
+    (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
+    (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
+    *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
+]
+"""Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
+validation, pre-launch checks) and the words their one error line must contain."""
+
+
+def test_cli_errors_exit_2_naming_the_key_without_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """Each of :data:`CLI_ERRORS` through the runner's own ``cli()`` (in this process, launching
+    replaced by an assertion): exit 2, the words in the error, fast, and no rank started."""
+    for i, (args, words) in enumerate(CLI_ERRORS):
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path}"],
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 2, p.stderr
-        assert all(w in p.stderr for w in words), p.stderr
+        code, err = run_cli(args, tmp_path / str(i), monkeypatch, capfd)
+        assert code == 2, (args, err)
+        assert all(w in err for w in words), (args, err)
         assert time.monotonic() - t0 < 30
-        assert not (tmp_path / "ranks").exists()  # nothing was started
+
+
+def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
+    """The real process, as a user runs it: a bad value found only after composition (the corpus
+    path) exits 2 within 30 s, names it, and starts nothing."""
+    args, words = CLI_ERRORS[6]
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert all(w in p.stderr for w in words), p.stderr
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "ranks").exists()  # nothing was started
+
+
+def test_resume_without_a_checkpoint_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """``resume=true`` where no checkpoint was written: exit 2 naming the folder, no rank started."""
+    code, err = run_cli(["resume=true", "logger=none", "model=tiny"], tmp_path / "run", monkeypatch, capfd)
+    assert code == 2, err
+    assert "resume=true but there is no checkpoint under" in err and str(tmp_path / "run") in err, err
 
 
 def test_omegaconf_entry_and_roundtrip() -> None:
