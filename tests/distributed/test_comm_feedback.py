@@ -5,6 +5,9 @@ References: the kernels composed by hand (the same quantize / dequantize_sum cal
 with every rank's residuals tracked for both hops), and the telescoping identity of error
 feedback: over T calls the outputs add up to the exact sums minus the residuals left after the
 last call, ``sum_t out_t[j] = sum_t sum_r x_t,r[j] - sum_r r1_r[j] - sum_a r2_a[row of j]``.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_comm_feedback.py``.
 """
 
 from __future__ import annotations

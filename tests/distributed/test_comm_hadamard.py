@@ -4,6 +4,9 @@ Every result is compared bit for bit with a composition of the kernels' torch re
 functions in the documented order: rotate (``hadamard_ref``, rows zero padded to whole blocks),
 quantize, (qgZ: sum and re-quantize in the rotated basis), dequantize-sum, rotate back keeping
 the original length, scale. The bytes on the wire must be exactly the unrotated int codec's.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_comm_hadamard.py``.
 """
 
 from __future__ import annotations

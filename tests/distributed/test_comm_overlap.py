@@ -9,6 +9,8 @@ order, errors re-raised in ``wait()``, inline nesting on the worker.
 The 2x2 world runs in the streams debug mode (``ZEROPP_DEBUG_STREAMS=1``, set by the launcher):
 its checks pass there too, and ``tests/streams_helpers.py`` adds the mode's own checks (results
 unchanged by the mode; early releases turned into wrong results). The 3x2 world runs without.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_comm_overlap.py``.
 """
 
 from __future__ import annotations

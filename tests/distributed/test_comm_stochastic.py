@@ -5,6 +5,9 @@ bias; noise differs across calls and ranks and replays after resetting the call 
 
 One 2-rank world (single-hop paths) and one 2x2 world (hierarchical qgZ, whose re-quantization
 is hop 1). Everything is seeded, so every assertion is deterministic.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_comm_stochastic.py``.
 """
 
 from __future__ import annotations

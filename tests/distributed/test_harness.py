@@ -1,6 +1,9 @@
 """The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world over it: results come back
 by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
-the launcher leaves no process behind, and select_device places one GPU per local process."""
+the launcher leaves no process behind, and select_device places one GPU per local process.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_harness.py``.
+"""
 
 from __future__ import annotations
 

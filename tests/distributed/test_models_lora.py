@@ -1,5 +1,8 @@
 """LoRA adapters (``zeropp.models.lora``) against plain torch: the formula, zero-init, what is
-frozen, the GPT's ``lora_rank``, Hugging Face-style ``Conv1D`` and the errors."""
+frozen, the GPT's ``lora_rank``, Hugging Face-style ``Conv1D`` and the errors.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_models_lora.py``.
+"""
 
 from __future__ import annotations
 

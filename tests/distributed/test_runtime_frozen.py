@@ -12,6 +12,9 @@
 - MixZ++ with hpZ: INT8 frozen gathers stay inside the node after the first forward, same losses;
 - ``offload_param=cpu|nvme`` moves the frozen shards too, with identical losses;
 - bad input: ``quantize_frozen`` at stages 0-2 or an unknown value.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_runtime_frozen.py``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ accounted device total and the RSS figures are there.
 Offload rows run when the engine has the offload pieces (an optimizer-state holder with
 ``memory_by_tier``, a parameter store registered with ``track_memory("params", ...)``); where
 ``ZeroEngine`` accepts the option but has no such piece yet, they skip saying so.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_runtime_memory_phases.py``, ``tests/gpu/test_runtime_memory_phases.py``.
 """
 
 from __future__ import annotations

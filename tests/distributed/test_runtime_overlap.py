@@ -10,6 +10,9 @@ its reduce-scatter's event, and ``comm_wait_s`` equal to the sum of the timed wa
 schedule tests check on the CPU path that stage 3 issues the next block's gather before the
 current block computes (forward and backward) and that a block's reduce-scatter is still
 outstanding while the backward of the block before it runs.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_runtime_overlap.py``.
 """
 
 from __future__ import annotations

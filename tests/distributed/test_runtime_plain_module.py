@@ -14,6 +14,9 @@ the clear message (stages 0 and 3, no stage-3 hint about block parameters) and l
 usable; ``WithTargets`` training equals single-process ``torch.optim.AdamW`` on the global batch;
 ``model_creation`` holds no optimizer state and ``optimizer_creation`` holds all of it (8Ψ/N in
 fp32, the master being the parameter).
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_runtime_plain_module.py``.
 """
 
 from __future__ import annotations

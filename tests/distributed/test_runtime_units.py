@@ -1,4 +1,8 @@
-"""Single-process pieces of the runtime: config validation, partitioning, the sharded AdamW."""
+"""Single-process pieces of the runtime: config validation, partitioning, the sharded AdamW.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_runtime_units.py``.
+"""
 
 import pytest
 import torch

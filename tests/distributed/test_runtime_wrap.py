@@ -17,6 +17,8 @@ a block policy that matches nothing; at stage 3 a block that uses another block'
 every rank, and on one rank only: the case that used to leave the other ranks waiting); blocks
 that run in another order than the policy lists them (their gradients would arrive after the
 unit was reduced), caught after forward, and the backstop after backward for such late gradients.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_runtime_wrap.py``.
 """
 
 from __future__ import annotations

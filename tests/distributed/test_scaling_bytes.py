@@ -4,7 +4,11 @@ communication plan's (``zeropp.runtime.plan``), checked here for every configura
 applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies, qWD's steady
 state -- and the plan is checked against the engine's CommStats for the same set in one process
 (``tests/test_runtime_plan.py``). End to end, one real 4-rank gloo world (2x2 and 1x4, and tp=2)
-compares CommStats on every rank, and each node's uplink, with the model."""
+compares CommStats on every rank, and each node's uplink, with the model.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_scaling_bytes.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The rank <-> launcher channel (zeropp/watch.py) without processes: the silent-rank rule on fake
-heartbeats, the monitor reading heartbeat files on a fake clock, and the removal of recorded
-scratch directories (only this run's; a crafted record cannot make it delete anything else).
-The same paths with real ranks (SIGSTOP, a hung main thread, SIGKILL) are in test_harness.py and
-test_experiments_e2e.py."""
+"""The rank <-> launcher channel (zeropp/watch.py) with real ranks: a rank's error is never hidden
+by a scratch directory the launcher cannot clean up, and a rank in a native call that holds the
+interpreter lock is not called stopped.
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_watch.py``.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +12,6 @@ from pathlib import Path
 import pytest
 
 from zeropp import watch
-
-
-# ---------------------------------------------------------------- the rule
-
-
-# ---------------------------------------------------------------- the monitor on files
 
 
 # ---------------------------------------------------------------- scratch

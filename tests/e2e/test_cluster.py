@@ -4,6 +4,8 @@ and gloo/training across emulated nodes.
 Tests that build namespaces need root and a kernel/container that allows `ip netns add`; they
 skip with the reason otherwise. Every cluster a test builds is torn down by a finalizer, and the
 last check asserts nothing with this process's id is left behind.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_cluster.py``.
 """
 
 from __future__ import annotations
@@ -62,9 +64,6 @@ def _wait_for(pred, timeout: float = 30.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
-
-
-# ---------------------------------------------------------------- no privileges needed
 
 
 # ---------------------------------------------------------------- namespaces

@@ -16,6 +16,8 @@ The checks, cheapest first:
   chunked hierarchical qgZ, the DDP hook and a stage-3 ZeRO++ engine step give the results of the
   run without the mode; with qgZ's hop-1 rows released at issue, or the engine's reduce-scatter
   output handed back to the pool before its wait, the same runs give wrong results.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_comm_streams.py``.
 """
 
 from __future__ import annotations

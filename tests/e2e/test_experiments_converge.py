@@ -1,6 +1,10 @@
 """The convergence suite (experiments/converge.py): a real tiny suite whose table must equal its
 runs' summary.json values, the gap formula and the seed-spread rule against hand-computed numbers
-(a stand-in runner), a failed run that is reported while the suite goes on, and bad inputs."""
+(a stand-in runner), a failed run that is reported while the suite goes on, and bad inputs.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_experiments_converge.py``.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,11 @@ sees one message and exit status 3, ``summary.json`` says ``"status": "diverged"
 line of that step is written, and no checkpoint of it exists (``train.checkpoint_every=1``: step
 1 saves, step 2 diverges). One run per trainer family on the tiny model with 2 ranks:
 ``optim.lr=1e30`` makes the weights ~1e30 after step 1, so step 2's loss is NaN; fp16 with
-``zero.loss_scale_init=1e30`` overflows on every step, under torchrun."""
+``zero.loss_scale_init=1e30`` overflows on every step, under torchrun.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_experiments_diverge.py``.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 composes at every stage and quant preset, each model key is declared once (in ``HFConfig``), keys
 of the other model kind are refused by name, and real runs from the command line train GPT-2 and
 Llama (Llama from a local pretrained directory). Without the ``hf`` extra the runs skip with that
-reason, and the runner's own refusal is tested by hiding ``transformers``."""
+reason, and the runner's own refusal is tested by hiding ``transformers``.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_experiments_hf.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """``python -m experiments.memory``, ``memory.json``, the summary's per-phase memory and the
-report's per-phase bars, on one short real run (model=mini, 2 steps, 2x2 gloo ranks)."""
+report's per-phase bars, on one short real run (model=mini, 2 steps, 2x2 gloo ranks).
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_experiments_memory.py``.
+"""
 
 from __future__ import annotations
 

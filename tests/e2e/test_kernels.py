@@ -3,6 +3,8 @@ input checks, the CPU dispatch, and a smoke run of the kernel benchmark.
 
 The Triton kernels are compared with this reference bit for bit in test_kernels_triton.py; the
 properties checked here therefore hold for both.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_kernels.py``.
 """
 
 from __future__ import annotations

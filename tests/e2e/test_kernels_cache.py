@@ -4,6 +4,9 @@ it should: the faults a user meets, provoked for real in a temporary cache direc
 A "planted" library is a real shared object whose constructor writes a marker file when it is
 ``dlopen``-ed, so "not loaded" is proven by the marker's absence, not assumed. One real build of
 the kernels (the compiler, ~5 s) serves the whole file; the other rebuilds copy its bytes.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_kernels_cache.py``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ plain quantization.
 Padding rule under test: a row of ``cols`` elements is zero padded to ``rotated_cols(cols, block)``
 (whole blocks) before the transform; the forward result keeps all of them, the inverse keeps
 ``out_cols=cols``.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_kernels_hadamard.py``.
 """
 
 from __future__ import annotations

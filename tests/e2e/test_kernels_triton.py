@@ -5,6 +5,9 @@ The interpreter costs about 1 s per million elements per kernel, so the 2**20 + 
 to two; everything else is small but chosen to hit every masking path: sizes smaller than one
 block, group sizes that do not divide the row, non-power-of-two group sizes, several tiles per
 row, several rows, NaN/Inf/zero blocks, and all dtype/bit-width combinations.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_kernels_triton.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real
-run of the smallest configuration on CPU (two rows, world 1)."""
+run of the smallest configuration on CPU (two rows, world 1).
+
+Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_bench_gpu.py``.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ and gloo/training across emulated nodes.
 Tests that build namespaces need root and a kernel/container that allows `ip netns add`; they
 skip with the reason otherwise. Every cluster a test builds is torn down by a finalizer, and the
 last check asserts nothing with this process's id is left behind.
+
+Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_cluster.py``.
 """
 
 from __future__ import annotations
@@ -36,11 +38,5 @@ def test_without_root_the_error_says_why_and_how_to_run_locally(monkeypatch):
     with pytest.raises(ClusterPrivilegeError, match="root") as e:
         EmulatedCluster(2, 2, 1.0).up()
     assert "cluster=local" in str(e.value)
-
-
-# ---------------------------------------------------------------- namespaces
-
-
-# ---------------------------------------------------------------- ranks across emulated nodes
 
 

@@ -6,6 +6,9 @@ quantizer (Hadamard rotation, weight differences). It implements only the requir
 so qgZ's sums and its hierarchical re-quantization run through the generic ``Codec`` reductions.
 Each collective's result must equal the toy scheme's own reference (built from the kernels with
 the documented arithmetic order), bit for bit, and differ from the ``int`` result.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_comm_codecs.py``.
 """
 
 from __future__ import annotations

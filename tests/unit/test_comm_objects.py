@@ -1,7 +1,11 @@
 """JSON records between ranks (``zeropp/comm/objects.py``): the reference is each rank's own
 object, as ``json`` reads it back; and every tensor the exchange hands to the backend goes through
 the comm context, so no gloo thread frees one of its Python objects (the runner's last collective
-before a rank exits; a free there during interpreter exit aborts the process)."""
+before a rank exits; a free there during interpreter exit aborts the process).
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_comm_objects.py``.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ What is proven, and how:
   receive wire buffers (one allocation each, codes and scales included), the collective, and
   views: no ``copy_``, ``cat``, ``clone`` or ``contiguous`` copy, in particular no swizzled copy
   of the gradient in the hierarchical qgZ.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_comm_zero_copy.py``, ``tests/gpu/test_comm_zero_copy.py``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ One 2-rank gloo world (run once for the module) measures:
 * forward and backward of one tensor-parallel GPT block (``Topology(1, 2, tp=2)``, torch's TP
   plans through ``zeropp.runtime.tensor_parallel.parallelize``) against the analytic TP formula
   (``tests.tp_helpers.tp_block_bytes``).
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_experiments_commwatch.py``.
 """
 
 from __future__ import annotations

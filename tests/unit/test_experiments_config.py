@@ -1,5 +1,9 @@
 """Config: every library setting is an override, each declared once, and every bad input is one
-clear error that names the key, before any rank starts."""
+clear error that names the key, before any rank starts.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_experiments_config.py``.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ equals ZeRO's formula computed here by hand, for stage 0, ZeRO-1/2/3 and ZeRO-3 
 the phases hold what ``zeropp.runtime.memory.PHASES`` says; the table, the PNG and the JSON are
 written. Without processes: a measurement that differs from the formula is reported and exits 1,
 the formula texts for bf16, and bad options refused (exit 2) before any rank starts.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_experiments_memory_study.py``.
 """
 
 from __future__ import annotations

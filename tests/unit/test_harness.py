@@ -1,6 +1,10 @@
 """The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world over it: results come back
 by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
-the launcher leaves no process behind, and select_device places one GPU per local process."""
+the launcher leaves no process behind, and select_device places one GPU per local process.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_harness.py``.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,6 @@ import torch
 from zeropp import launch as launcher
 from zeropp.experiments.launcher import device_for_cluster, emulated_placement
 from zeropp.launch import PlacementError, select_device
-
-
-# ---------------------------------------------------------------- run_world (the tests' wrapper)
 
 
 # ---------------------------------------------------------------- launch_world: functions
@@ -35,9 +36,6 @@ def test_stop_signals_every_rank_before_continuing_any(monkeypatch):
     assert sent == [("kill", 11, signal.SIGTERM), ("kill", 12, signal.SIGTERM), ("killpg", 11, signal.SIGCONT),
                     ("killpg", 12, signal.SIGCONT), ("close", 0, 0), ("killpg", 11, signal.SIGKILL),
                     ("killpg", 12, signal.SIGKILL)]
-
-
-# ---------------------------------------------------------------- launch_world: modules
 
 
 # ---------------------------------------------------------------- devices and placements

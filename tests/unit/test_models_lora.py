@@ -1,5 +1,9 @@
 """LoRA adapters (``zeropp.models.lora``) against plain torch: the formula, zero-init, what is
-frozen, the GPT's ``lora_rank``, Hugging Face-style ``Conv1D`` and the errors."""
+frozen, the GPT's ``lora_rank``, Hugging Face-style ``Conv1D`` and the errors.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_models_lora.py``.
+"""
 
 from __future__ import annotations
 

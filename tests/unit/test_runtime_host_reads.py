@@ -8,6 +8,9 @@ every rank must pass between forward and backward exchange host ints on a host g
 (``batch.host_max``), never device values. Counted here on CPU with ``tests/host_reads.py`` (every
 read library code makes), so a new read on the hot path fails without a GPU; ``cuda`` tests count
 the synchronizations the CUDA runtime itself reports.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_host_reads.py``, ``tests/gpu/test_runtime_host_reads.py``.
 """
 
 from __future__ import annotations

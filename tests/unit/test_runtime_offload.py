@@ -12,6 +12,9 @@ by ``2 * LR * STEPS``.
 Memory: fp32 model state per parameter at 4 ranks is 16 / 10 / 7 / 4 bytes for stages 0-3 (the
 master is the parameter, issue 12 item 5), and each offload tier holds the ZeRO-Offload /
 ZeRO-Infinity share of the state (within 5%).
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_offload.py``.
 """
 
 from __future__ import annotations

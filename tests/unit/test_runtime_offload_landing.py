@@ -8,6 +8,9 @@ skips) too. The order of the landing copies is checked by instrumenting the engi
 every unit lands during the last micro-step's backward (at least one inside autograd's backward
 itself, before the engine's end-of-backward flush), none in earlier micro-steps; at stage 1 they
 land as the after-backward reduce-scatters end; always each unit once, before the step.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_offload_landing.py``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ References: a plain tensor round trip (what is written reads back bit for bit), 
 ``ShardedAdamW`` (the streamed step must give the same bits), the uninterrupted run (a checkpoint
 saved with offloaded state resumes into any tier with the same losses), and the ZeRO-Infinity
 claim that host memory does not grow with the model (measured RSS).
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_swap.py``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ the tolerance of ``test_runtime_parity``:
 
 Then: a checkpoint of a tied model saved at stage 3 on 2 ranks resumes exactly at stage 1, and
 its ``export_consolidated`` file loads (strictly) into the unwrapped, tied GPT.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_tied.py``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ reference trains the unsplit model on the dp ranks' batches concatenated (``refe
 norm sums split weights over tp and counts replicated ones once) and the full weights
 (``consolidated_state_dict`` all-gathers over dp and tp) are compared within the tolerances of
 ``test_runtime_parity``. Worlds of 8 ranks are slow on a small CPU, so there are few of them.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_tp.py``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ What is checked, against what:
   only cross-node weight traffic after the first forward is the difference gather;
 - bad settings are refused with errors naming the setting;
 - a checkpoint saved with weight differences loads: replicas restart exact, training goes on.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_weight_diff.py``.
 """
 
 from __future__ import annotations

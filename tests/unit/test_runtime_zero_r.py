@@ -5,6 +5,9 @@ on the same inputs and the re-gathered block holds the same values (hpZ: the sam
 copy; qwZ: the same deterministic quantization of the same shard), so losses and final weights
 must be *equal*, not close, at every stage and with hpZ, qwZ and qgZ. Offloading copies saved
 activations to the host and back, bit for bit, so it is exact too.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_zero_r.py``, ``tests/gpu/test_runtime_zero_r.py``.
 """
 
 from __future__ import annotations

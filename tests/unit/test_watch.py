@@ -2,7 +2,11 @@
 heartbeats, the monitor reading heartbeat files on a fake clock, and the removal of recorded
 scratch directories (only this run's; a crafted record cannot make it delete anything else).
 The same paths with real ranks (SIGSTOP, a hung main thread, SIGKILL) are in test_harness.py and
-test_experiments_e2e.py."""
+test_experiments_e2e.py.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_watch.py``.
+"""
 
 from __future__ import annotations
 
