@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import zeropp.comm.qgz as qgz_mod
 from tests.comm_helpers import rank_input
-from tests.worlds import run_world
 from tests.streams_helpers import DEBUG_ENV, FakeBucket, debug_checks
+from tests.worlds import run_world
 from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology, quantized_reduce_scatter
 from zeropp.comm import chain
 from zeropp.comm.collectives import quantized_all_reduce

@@ -29,8 +29,8 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.worlds import run_world
 from tests.triton_helpers import interpreted
+from tests.worlds import run_world
 from zeropp.comm.codecs import wire_layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY
 from tests.tp_helpers import tp_block_bytes
+from tests.worlds import run_world
 
 B = 3  # sequences in the block's input
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.worlds import run_world
 from tests.runtime_helpers import micro_batch, rel_err
+from tests.worlds import run_world
 from zeropp.models import HFConfig, build_hf_model
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'

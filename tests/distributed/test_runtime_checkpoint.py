@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches, text_batch
+from tests.worlds import run_world
 
 STEPS, SPLIT = 6, 3
 

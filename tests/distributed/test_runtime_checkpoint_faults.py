@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.checkpoint_helpers import checkpoint_error
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
+from tests.worlds import run_world
 
 
 def _engine(seed):

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tests.checkpoint_helpers import checkpoint_error, peak_host_bytes
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 from zeropp.models import GPTConfig
 
 MODEL = GPTConfig(d_model=64, n_layers=8, n_heads=2, seq_len=8)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch
+from tests.worlds import run_world
 from zeropp.models import GPT
 
 

@@ -12,8 +12,8 @@ runs move the same bytes.
 
 import pytest
 
-from tests.worlds import run_world
 from tests.runtime_helpers import train_engine
+from tests.worlds import run_world
 from zeropp.comm.spec import RECIPES
 
 STEPS, LR = 8, 1e-2

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 
 
-from tests.worlds import run_world
 from tests.host_reads import HostRead, host_reads
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
 
 ONE_READ = HostRead("zeropp/runtime/update.py:read_totals", "tolist", "cpu")

@@ -22,8 +22,8 @@ import tempfile
 
 import pytest
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 from zeropp.runtime.memory import (CATEGORIES, MODEL_STATE, PHASES, TIERS, expected_by_tier,
                                    offload_choices, tier_totals)
 

@@ -24,8 +24,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches, rel_err
+from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
 
 STEPS, LR = 3, 1e-2

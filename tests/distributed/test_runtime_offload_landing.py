@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 
 STEPS, ACCUM = 3, 2
 F32 = dict(precision="fp32", grad_accum_steps=ACCUM)

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 from zeropp.comm import QuantSpec, Topology
 from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 from zeropp.runtime.streams import CommStreams

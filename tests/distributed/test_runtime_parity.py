@@ -19,8 +19,8 @@ covered by ``test_runtime_tied``.
 
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, parity_world, reference_train, rel_err
+from tests.worlds import run_world
 
 STEPS, ACCUM, CLIP, LR, WD = 10, 2, 0.5, 1e-3, 0.01
 

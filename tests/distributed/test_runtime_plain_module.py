@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.worlds import run_world
 from tests.runtime_helpers import rel_err
+from tests.worlds import run_world
 from zeropp.runtime import BlockChoiceWarning, WithTargets
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -7,8 +7,8 @@ ranks), so runs at world 2 and 4 compute the same function up to fp32 rounding."
 
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, micro_batch
+from tests.worlds import run_world
 from zeropp.models import GPTConfig
 
 STEPS, SPLIT, GLOBAL, TOL = 6, 3, 4, 1e-5

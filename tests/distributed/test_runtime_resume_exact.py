@@ -15,8 +15,8 @@ import warnings
 
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
+from tests.worlds import run_world
 
 N, K = 5, 2
 

@@ -18,8 +18,8 @@ import tempfile
 
 import pytest
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 from zeropp.runtime import OptimizerConfig
 from zeropp.runtime.swap import SwapError, SwapSpace
 

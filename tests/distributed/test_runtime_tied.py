@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, rank_batches, reference_train, rel_err
+from tests.worlds import run_world
 from zeropp.models import GPT
 
 STEPS, ACCUM, CLIP, LR, WD = 6, 2, 0.5, 1e-3, 0.01

@@ -14,13 +14,15 @@ Here: the gloo-world checks of this topic; its other tiers' checks are in ``test
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch, reference_train, rel_err
+from tests.worlds import run_world
+from zeropp.comm import QuantSpec
 from zeropp.models import GPT
 
 STEPS, ACCUM, CLIP, LR, WD = 4, 2, 0.5, 1e-3, 0.01
@@ -103,12 +105,30 @@ def _zero_bytes(r: dict[str, Any], link: str) -> int:
     return sum(v[link] for v in r["cross"].values())
 
 
-def test_gpt_tp2_dp2_matches_single_process_at_every_stage() -> None:
+TP2_DP2 = STAGES + [dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=300, allgather_bucket_size=500),
+                    dict(BASE, stage=3, activation_checkpointing=True, offload_activations=True)]
+QWZ_QGZ = [dict(BASE, stage=3), dict(BASE, stage=3, weights=QuantSpec(bits=8), grads=QuantSpec(bits=8))]
+BAD = {"heads": "tp=4 must divide the GPT's attention heads", "unsplit": "the model is not split"}
+
+
+def _world_2x2(rank: int, world: int, gpt: list[dict[str, Any]], llama: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything the 2-node x 2-rank tests check, in one world (a world start costs seconds of
+    interpreter and torch start-up per rank): the GPT and Llama trainings, then the bad inputs."""
+    return {"gpt": _tp_world(rank, world, 2, gpt, "gpt"),
+            "llama": _tp_world(rank, world, 2, llama, "llama") if llama else [],
+            "bad": {case: _bad_world(rank, world, case) for case in BAD}}
+
+
+@pytest.fixture(scope="module")
+def world_2x2() -> list[dict[str, Any]]:
+    llama = STAGES if importlib.util.find_spec("transformers") is not None else []
+    return run_world(_world_2x2, 4, TP2_DP2 + QWZ_QGZ, llama, timeout=600)
+
+
+def test_gpt_tp2_dp2_matches_single_process_at_every_stage(world_2x2) -> None:
     """2 nodes x 2 ranks, tp=2: each node is one TP group, ZeRO across the two nodes."""
-    configs = STAGES + [dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=300, allgather_bucket_size=500),
-                        dict(BASE, stage=3, activation_checkpointing=True, offload_activations=True)]
-    results = run_world(_tp_world, 4, 2, configs, "gpt", timeout=300)
-    _check(results, configs, reference("gpt", 2))
+    results = [r["gpt"][:len(TP2_DP2)] for r in world_2x2]
+    _check(results, TP2_DP2, reference("gpt", 2))
     for rank_results in results:  # ZeRO talks to the other node's rank with the same tp index only
         for r in rank_results:
             assert _zero_bytes(r, "intra") == 0 and _zero_bytes(r, "cross") > 0, r["cross"]
@@ -117,8 +137,6 @@ def test_gpt_tp2_dp2_matches_single_process_at_every_stage() -> None:
 def test_gpt_tp2_on_2x4_matches_single_process() -> None:
     """2 nodes x 4 ranks, tp=2: dp=4 (2 per node), so ZeRO's groups have intra- and cross-node
     members; hpZ's secondary partition is the node's dp ranks."""
-    from zeropp.comm import QuantSpec
-
     configs = [dict(BASE, stage=3), dict(BASE, stage=3, hpz=True), dict(BASE, stage=2)]
     zeropp = [dict(BASE, stage=3, hpz=True, weights=QuantSpec(bits=8), grads=QuantSpec(bits=8))]
     results = run_world(_tp_world, 8, 2, configs + zeropp, "gpt", timeout=400)
@@ -132,22 +150,18 @@ def test_gpt_tp2_on_2x4_matches_single_process() -> None:
         assert rs["cross"] > 0 and rs["intra"] == 2 * rs["cross"], rs
 
 
-def test_gpt_tp2_with_qwz_qgz_is_close() -> None:
-    from zeropp.comm import QuantSpec
-
-    configs = [dict(BASE, stage=3), dict(BASE, stage=3, weights=QuantSpec(bits=8), grads=QuantSpec(bits=8))]
-    results = run_world(_tp_world, 4, 2, configs, "gpt", timeout=300)
+def test_gpt_tp2_with_qwz_qgz_is_close(world_2x2) -> None:
+    results = [r["gpt"][len(TP2_DP2):] for r in world_2x2]
     ref = reference("gpt", 2)
-    _check(results, configs[:1], ref)
-    _check([r[1:] for r in results], configs[1:], ref, exact=False)
+    _check(results, QWZ_QGZ[:1], ref)
+    _check([r[1:] for r in results], QWZ_QGZ[1:], ref, exact=False)
     plain, quant = results[0]  # qwZ + qgZ in int8 over dp: about a quarter of the fp32 cross-node bytes
     assert _zero_bytes(quant, "cross") < 0.35 * _zero_bytes(plain, "cross"), (plain["cross"], quant["cross"])
 
 
-def test_llama_tp2_matches_single_process() -> None:
+def test_llama_tp2_matches_single_process(world_2x2) -> None:
     pytest.importorskip("transformers", reason='the hf extra is not installed (pip install -e ".[hf]")')
-    configs = STAGES
-    _check(run_world(_tp_world, 4, 2, configs, "llama", timeout=300), configs, reference("llama", 2))
+    _check([r["llama"] for r in world_2x2], STAGES, reference("llama", 2))
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -270,13 +284,9 @@ def _bad_world(rank: int, world: int, case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case,match", [
-    ("heads", "tp=4 must divide the GPT's attention heads"),
-    ("unsplit", "the model is not split"),
-])
-def test_bad_tp_input_raises_on_every_rank(case: str, match: str) -> None:
-    world = 4 if case == "heads" else 2
-    errors = run_world(_bad_world, world, case, timeout=120)
-    assert all(match in e for e in errors), errors
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_tp_input_raises_on_every_rank(world_2x2, case: str) -> None:
+    errors = [r["bad"][case] for r in world_2x2]
+    assert len(errors) == 4 and all(BAD[case] in e for e in errors), errors
 
 

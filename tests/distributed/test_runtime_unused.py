@@ -9,8 +9,8 @@ detects it after forward and raises a clear error on every rank, without hanging
 import torch
 import torch.distributed as dist
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, micro_batch, rank_batches, rel_err
+from tests.worlds import run_world
 from zeropp.models import GPT
 from zeropp.models.gpt import Block
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, rank_batches
+from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
 from zeropp.runtime import ZeroConfig
 

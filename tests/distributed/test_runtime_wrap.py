@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.worlds import run_world
 from tests.runtime_helpers import rel_err
+from tests.worlds import run_world
 
 D_IN, D, D_OUT, N_LAYERS, B = 7, 17, 5, 3, 3
 STEPS, ACCUM, CLIP, LR, WD = 5, 2, 0.05, 1e-2, 0.01

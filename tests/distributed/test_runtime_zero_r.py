@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from torch import nn
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
+from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
 from zeropp.models import GPTConfig
 

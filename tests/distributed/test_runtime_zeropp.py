@@ -9,8 +9,8 @@ backward gather, so it must be bit-exact.
 
 import pytest
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY, train_engine
+from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
 from zeropp.runtime import expected_memory
 

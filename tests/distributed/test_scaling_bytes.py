@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from tests.worlds import run_world
 from tests.plan_helpers import SMALL_BUCKETS, ZPP
 from tests.runtime_helpers import TINY, rank_batches, train_engine
+from tests.worlds import run_world
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.models import GPT
 from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes

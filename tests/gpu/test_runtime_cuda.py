@@ -9,9 +9,9 @@ import tempfile
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import parity_world
 from tests.distributed.test_runtime_parity import LR, STAGES, STEPS, check_parity
+from tests.worlds import run_world
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

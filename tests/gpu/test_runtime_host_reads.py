@@ -20,8 +20,8 @@ import warnings
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 
 """The step's one read: the all-reduced [loss, squared norms]."""
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import TINY
+from tests.worlds import run_world
 
 B = 3  # sequences in the block's input
 
