@@ -30,7 +30,7 @@ GPT2 = HFConfig(hf_config="gpt2", d_model=32, n_layers=2, n_heads=2, seq_len=16)
 LLAMA = HFConfig(hf_config="llama", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48, seq_len=16)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tf() -> Any:
     return pytest.importorskip("transformers", reason=REASON)
 
@@ -39,14 +39,14 @@ def _batches(step: int, rank: int, cfg: HFConfig) -> list[tuple[torch.Tensor, to
     return [micro_batch(step, j, rank, cfg) for j in range(ACCUM)]  # type: ignore[arg-type]
 
 
-def _engine_world(rank: int, world: int, nodes: int, models: list[HFConfig],
-                  clip: float = CLIP) -> list[list[dict[str, Any]]]:
-    """Every model at every stage, one after another, in one world launch (a launch costs seconds)."""
+def _engine_world(rank: int, world: int, nodes: int, runs: list[tuple[HFConfig, float]]) -> list[list[dict[str, Any]]]:
+    """Every (model, gradient clip) at every stage, one after another, in one world launch (a
+    launch costs seconds: each rank imports transformers)."""
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     out = []
-    for cfg in models:
+    for cfg, clip in runs:
         per_stage = []
         for kw in STAGES:
             eng = ZeroEngine(build_hf_model(cfg, seed=0), config=ZeroConfig(**{**kw, "grad_clip": clip}),
@@ -113,27 +113,54 @@ def _check(results: list[Any], models: list[HFConfig], world: int, clip: float =
             assert worst <= 2e-4, (where, worst)
 
 
-def test_hf_gpt2_and_llama_stages_match_single_process_2x2(tf: Any) -> None:
-    models = [GPT2, LLAMA]
-    _check(run_world(_engine_world, 4, 2, models, timeout=300), models, 4)
+TIED = [GPT2.with_(tie_embeddings=True), LLAMA.with_(tie_embeddings=True)]
+LORA = [GPT2.with_(lora_rank=4), LLAMA.with_(lora_rank=4)]
+LORA_CLIP = 0.05  # adapter gradients are small (B starts at zero): clip below their norm
 
 
-def test_hf_tied_embeddings_stages_match_single_process_2x2(tf: Any) -> None:
-    """GPT-2 as transformers builds it by default: the output layer is the token embedding."""
+def _tied_refused() -> str | None:
+    """Why the engine's partitioning refuses the tied models (None: it shares the tied tensor)."""
     from zeropp.runtime.partition import build_units
 
-    tied = [GPT2.with_(tie_embeddings=True), LLAMA.with_(tie_embeddings=True)]
-    model = build_hf_model(tied[0], seed=0)
+    model = build_hf_model(TIED[0], seed=0)
     assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
-    try:  # the engine's partitioning refuses ties where they are not supported yet
+    try:
         build_units(model, stage=3, world_size=2, rank=0, dtype=torch.float32)
     except ValueError as e:
         if "same tensor" in str(e):
-            pytest.skip(f"this engine refuses tied weights ({e}); HFConfig.tie_embeddings=False until it shares them")
+            return f"this engine refuses tied weights ({e}); HFConfig.tie_embeddings=False until it shares them"
         raise
     except TypeError:
-        pass  # a newer build_units signature: the world below is the judge
-    _check(run_world(_engine_world, 4, 2, tied, timeout=300), tied, 4)
+        pass  # a newer build_units signature: the world is the judge
+    return None
+
+
+@pytest.fixture(scope="module")
+def world_2x2(tf: Any) -> dict[str, list[Any]]:
+    """One 2-node x 2-rank world trains every model of this file (plain, tied unless the engine
+    refuses ties, LoRA): results by group, then rank, then model."""
+    groups = {"plain": ([GPT2, LLAMA], CLIP), "lora": (LORA, LORA_CLIP)}
+    if _tied_refused() is None:
+        groups["tied"] = (TIED, CLIP)
+    results = run_world(_engine_world, 4, 2, [(cfg, clip) for models, clip in groups.values() for cfg in models],
+                        timeout=600)
+    out, i = {}, 0
+    for name, (models, _) in groups.items():
+        out[name] = [r[i:i + len(models)] for r in results]
+        i += len(models)
+    return out
+
+
+def test_hf_gpt2_and_llama_stages_match_single_process_2x2(world_2x2: dict[str, list[Any]]) -> None:
+    _check(world_2x2["plain"], [GPT2, LLAMA], 4)
+
+
+def test_hf_tied_embeddings_stages_match_single_process_2x2(world_2x2: dict[str, list[Any]]) -> None:
+    """GPT-2 as transformers builds it by default: the output layer is the token embedding."""
+    refused = _tied_refused()
+    if refused is not None:
+        pytest.skip(refused)
+    _check(world_2x2["tied"], TIED, 4)
 
 
 def test_transformers_is_imported_only_when_a_model_is_built() -> None:
@@ -146,12 +173,10 @@ def test_transformers_is_imported_only_when_a_model_is_built() -> None:
     assert p.returncode == 0, p.stderr[-2000:]
 
 
-def test_hf_lora_stages_match_single_process_2x2(tf: Any) -> None:
+def test_hf_lora_stages_match_single_process_2x2(world_2x2: dict[str, list[Any]]) -> None:
     """LoRA on GPT-2's ``Conv1D`` and Llama's ``Linear`` layers: frozen base (sharded at stage 3),
     trained adapters, parity at every stage with the unwrapped model (frozen weights unchanged)."""
-    models = [GPT2.with_(lora_rank=4), LLAMA.with_(lora_rank=4)]
-    for cfg in models:
+    for cfg in LORA:
         m = build_hf_model(cfg, seed=0)
         assert 0 < sum(p.numel() for p in m.parameters() if p.requires_grad) < sum(p.numel() for p in m.parameters())
-    clip = 0.05  # adapter gradients are small (B starts at zero): clip below their norm
-    _check(run_world(_engine_world, 4, 2, models, clip, timeout=300), models, 4, clip)
+    _check(world_2x2["lora"], LORA, 4, LORA_CLIP)
