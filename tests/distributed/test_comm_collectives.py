@@ -158,7 +158,7 @@ def _check_reduce_scatter_extras(rank: int, topo: Topology, stats: CommStats) ->
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(ef.residual("b0", W * n, torch.device("cpu")), res[rank].view(-1))
     x2 = [rank_input(51, r, W * n, torch.float32) for r in range(W)]
-    ef.reset("b0" + HOP2_SUFFIX)  # hop 1 only here; tests/test_comm_feedback.py checks both hops
+    ef.reset("b0" + HOP2_SUFFIX)  # hop 1 only here; tests/distributed/test_comm_feedback.py checks both hops
     quantized_reduce_scatter(out2, x2[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
     comp = [x2[r] + res[r].view(-1) for r in range(W)]
     assert torch.equal(out2, simulate_qgz(comp, topo, rank, n, 4, 4, gs)), "residual not added to the next gradient"

@@ -4,7 +4,7 @@ extra are clear errors.
 
 Needs the optional extra (``pip install -e ".[hf]"``); without it the tests that build a model
 skip with that reason, and the ones about configs and the missing-extra message still run.
-The parity check is the one of tests/test_runtime_parity.py (same tolerances), on tiny models with
+The parity check is the one of tests/distributed/test_runtime_parity.py (same tolerances), on tiny models with
 awkward sizes (Llama: grouped-query attention 4 heads / 2 key-value heads, MLP width 48).
 
 Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_models_hf.py``.

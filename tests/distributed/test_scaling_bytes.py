@@ -3,7 +3,7 @@ communication plan's (``zeropp.runtime.plan``), checked here for every configura
 ``plan_helpers.WORLDS`` -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
 applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies, qWD's steady
 state -- and the plan is checked against the engine's CommStats for the same set in one process
-(``tests/test_runtime_plan.py``). End to end, one real 4-rank gloo world (2x2 and 1x4, and tp=2)
+(``tests/unit/test_runtime_plan.py``). End to end, one real 4-rank gloo world (2x2 and 1x4, and tp=2)
 compares CommStats on every rank, and each node's uplink, with the model.
 
 Here: the gloo-world checks of this topic; its other tiers' checks are in
@@ -33,7 +33,7 @@ E2E: list[tuple[int, list[dict[str, Any]]]] = [
               **SMALL_BUCKETS)]),
     (1, [ZPP])]
 """(nodes, configs) of the 4-rank gloo world: the end-to-end check of the byte model (every recipe,
-stage and topology of ``plan_helpers.WORLDS`` is checked in one process, ``tests/test_runtime_plan.py``)."""
+stage and topology of ``plan_helpers.WORLDS`` is checked in one process, ``tests/unit/test_runtime_plan.py``)."""
 TP_CONFIGS = [ZPP, dict(stage=2, grads=RECIPES["qgz"].grads, reduce_bucket_size=999), dict(stage=1)]
 """Tensor parallelism (tp=2 on 2x2): ZeRO over the data-parallel ranks, with the units' TP-local sizes."""
 

@@ -227,7 +227,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     p = run_cli([*common, "train.seed=1", "resume=true", f"train.checkpoint_dir={tmp_path / 'at3'}",
               f"hydra.run.dir={tmp_path / 'reseeded'}"])
     assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
-    # resume=true where there is no checkpoint: tests/test_experiments_config.py (refused before any rank)
+    # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
 
 
 @pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp", "fsdp2_zeropp"])

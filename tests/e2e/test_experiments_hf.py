@@ -24,7 +24,7 @@ from zeropp.models import HFConfig
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
 TINY = ["model.d_model=32", "model.seq_len=32", "model.n_layers=2"]
 FAST = ["train.steps=2", "train.micro_batch_size=4", "data.max_bytes=200000", "logger=none"]
-# two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/test_models_hf.py
+# two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/distributed/test_models_hf.py
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

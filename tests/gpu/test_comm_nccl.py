@@ -134,7 +134,7 @@ def _reduce_scatter_checks(rank: int, topo: Topology, dev: torch.device, stats: 
     x2 = [rank_input(51, q, W * n, torch.float32) for q in range(W)]
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(r.cpu(), res[rank].view(-1))  # in input order, also after qgZ's swizzle
-    ef.reset("b" + HOP2_SUFFIX)  # hop 1 only here; tests/test_comm_feedback.py checks both hops
+    ef.reset("b" + HOP2_SUFFIX)  # hop 1 only here; tests/distributed/test_comm_feedback.py checks both hops
     quantized_reduce_scatter(out, x2[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b",
                              topology=topo, stats=stats)
     comp = [x2[q] + res[q].view(-1) for q in range(W)]

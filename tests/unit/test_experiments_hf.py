@@ -25,7 +25,7 @@ from zeropp.models import GPTConfig, HFConfig
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
 TINY = ["model.d_model=32", "model.seq_len=32", "model.n_layers=2"]
-# two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/test_models_hf.py
+# two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/distributed/test_models_hf.py
 
 
 def test_model_hf_is_an_option_and_its_keys_come_from_hfconfig() -> None:

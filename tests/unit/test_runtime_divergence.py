@@ -1,7 +1,7 @@
 """zeropp.runtime.divergence: the rule that stops a diverged run (unit level, no process group).
 
 The end-to-end behaviour (every rank stops, exit status, summary, no checkpoint of the diverged
-step) is in ``tests/test_experiments_diverge.py``.
+step) is in ``tests/{unit,e2e}/test_experiments_diverge.py``.
 """
 
 from __future__ import annotations

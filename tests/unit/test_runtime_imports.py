@@ -1,6 +1,6 @@
 """Structure of zeropp.runtime, read from the source with ``ast``: no module imports the engine
 except the package ``__init__`` (imports under ``TYPE_CHECKING`` and inside functions count too).
-Import cycles and private reach-ins are checked package-wide in tests/test_imports.py."""
+Import cycles and private reach-ins are checked package-wide in tests/unit/test_imports.py."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_nothing_imports_the_engine():
-    """The engine uses its collaborators; none of them uses the engine (cycles: tests/test_imports.py)."""
+    """The engine uses its collaborators; none of them uses the engine (cycles: tests/unit/test_imports.py)."""
     for pkg in PACKAGES:
         mods = _modules(pkg)
         graph = {m: _imports(pkg, mods, m) for m in mods if m != "__init__"}

@@ -4,7 +4,7 @@
   run as one rank of a fake world (``tests/plan_helpers.py``) for every quantization recipe at every
   stage, hpZ on and off, qWD, bucket chunking, accumulation, awkward topologies, MixZ++ (frozen
   units, stored quantized or not, with and without hpZ); tensor parallelism, whose DTensor plans
-  do not run on the fake backend, is checked on a gloo world (``tests/test_scaling_bytes.py``);
+  do not run on the fake backend, is checked on a gloo world (``tests/distributed/test_scaling_bytes.py``);
 * its kinds are the strings the code records, its bucketing is the engine's;
 * its issue order and dependencies follow the engine's prefetch; it plans an 18.8B GPT from shapes
   on the meta device in well under a second.
