@@ -1,8 +1,9 @@
 """Test-wide setup.
 
 The tests live in four tiers, one folder each, cheapest first (``testpaths`` in pyproject.toml):
-``unit/`` (one process), ``distributed/`` (gloo worlds of local processes), ``e2e/`` (the runner's
-command line, sweeps, torchrun, the emulated cluster) and ``gpu/`` (the ``cuda`` tests). Each test
+``unit/`` (one process, no child process), ``distributed/`` (gloo worlds of local processes),
+``e2e/`` (programs in child processes: the runner's command line, sweeps, torchrun, the emulated
+cluster, benchmarks, native kernel builds) and ``gpu/`` (the ``cuda`` tests). Each test
 carries its folder's marker (:func:`pytest_collection_modifyitems`), so ``pytest -m "not e2e"``
 works as well as ``pytest tests/unit``; every test of ``gpu/``, and only those, is marked ``cuda``.
 
