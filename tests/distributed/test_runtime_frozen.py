@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from tests.runtime_helpers import TINY, micro_batch, rank_batches, reference_train, rel_err
@@ -73,9 +74,9 @@ def _parity_world(rank: int, world: int) -> dict[Any, Any]:
     return out if rank == 0 else {k: {"losses": v["losses"]} for k, v in out.items()}
 
 
-def test_frozen_and_lora_match_single_process_at_every_stage_2x2() -> None:
+def test_frozen_and_lora_match_single_process_at_every_stage_2x2(worlds: dict[str, list[Any]]) -> None:
     world = 4
-    res = run_world(_parity_world, world, timeout=400)
+    res = worlds["parity"]
     for name in MODELS:
         ref_losses, ref_norms, ref_w = reference(name, world)
         model = build(name)
@@ -192,8 +193,8 @@ def _mixz_world(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
-def test_stage3_frozen_shards_quantized_once_exact_forward_and_bytes(tmp_path) -> None:
-    res = run_world(_mixz_world, W2, str(tmp_path / "ckpt"), timeout=300)
+def test_stage3_frozen_shards_quantized_once_exact_forward_and_bytes(worlds: dict[str, list[Any]]) -> None:
+    res = worlds["mixz"]
     for r in res:
         for q in ("none", "int8", "int4"):
             d = r[q]
@@ -244,11 +245,11 @@ def _mixz_hpz_world(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
-def test_mixz_with_hpz_keeps_frozen_gathers_inside_the_node(tmp_path) -> None:
+def test_mixz_with_hpz_keeps_frozen_gathers_inside_the_node(worlds: dict[str, list[Any]]) -> None:
     """MixZ++ with hpZ: the first forward gathers each INT8 frozen unit over the world and keeps
     this rank's slice of the quantized rows; every later gather stays inside the node, with the
     same values (losses identical to the run without hpZ, which gathers across nodes every time)."""
-    res = run_world(_mixz_hpz_world, 4, str(tmp_path / "ckpt"), timeout=300)
+    res = worlds["mixz_hpz"]
     for r in res:
         plain, hier = r[False], r[True]
         assert hier["losses"] == plain["losses"]  # the same dequantized rows, from the node instead of the world
@@ -297,11 +298,11 @@ def _offload_world(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
-def test_frozen_shards_offload_to_host_and_nvme(tmp_path) -> None:
+def test_frozen_shards_offload_to_host_and_nvme(worlds: dict[str, list[Any]]) -> None:
     """``offload_param=cpu|nvme`` moves the frozen shards (fp32, or MixZ++'s INT8 rows) off the
     device with the trainable ones: the same losses and weights as on the device, bit for bit, the
     bytes on the host / disk tier, and a checkpoint load writes them back to that tier."""
-    res = run_world(_offload_world, W2, str(tmp_path / "ckpt"), timeout=400)
+    res = worlds["offload"]
     for r in res:
         for q in ("none", "int8"):
             base = r[q, "none"]
@@ -323,3 +324,23 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def _four_ranks(rank: int, world: int, path: str) -> dict[str, Any]:
+    return {"parity": _parity_world(rank, world), "mixz_hpz": _mixz_hpz_world(rank, world, path)}
+
+
+def _two_ranks(rank: int, world: int, mixz_path: str, offload_path: str) -> dict[str, Any]:
+    return {"mixz": _mixz_world(rank, world, mixz_path), "offload": _offload_world(rank, world, offload_path)}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The four checks' worlds as two launches, one of 4 ranks (parity, MixZ++ with hpZ) and one of
+    ``W2`` (MixZ++, offload), each check in its own folder: results by check, then rank (a world
+    start costs seconds of interpreter and torch start-up per rank)."""
+    root = tmp_path_factory.mktemp("frozen")
+    dirs = {name: root / name for name in ("mixz_hpz", "mixz", "offload")}
+    for d in dirs.values():
+        d.mkdir()
+    four = run_world(_four_ranks, 4, str(dirs["mixz_hpz"] / "ckpt"), timeout=700)
+    two = run_world(_two_ranks, W2, str(dirs["mixz"] / "ckpt"), str(dirs["offload"] / "ckpt"), timeout=700)
+    return {name: [r[name] for r in res] for res in (four, two) for name in res[0]}
