@@ -1,9 +1,5 @@
 """LoRA adapters (``zeropp.models.lora``) against plain torch: the formula, zero-init, what is
-frozen, the GPT's ``lora_rank``, Hugging Face-style ``Conv1D`` and the errors.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
-``tests/distributed/test_models_lora.py``.
-"""
+frozen, the GPT's ``lora_rank``, Hugging Face-style ``Conv1D`` and the errors."""
 
 from __future__ import annotations
 
@@ -44,6 +40,27 @@ def test_lora_gradients_reach_only_the_adapters() -> None:
     m(torch.randn(3, 7)).square().sum().backward()
     assert m.weight.grad is None and m.bias.grad is None
     assert m.lora_a.grad is not None and m.lora_b.grad is not None
+
+
+def test_transposed_conv1d_layer_like_gpt2() -> None:
+    class Conv1D(nn.Module):  # transformers' GPT-2 layer: weight [in, out], y = x @ W + b
+        def __init__(self, nf: int, nx: int) -> None:
+            super().__init__()
+            self.nf = nf
+            self.weight = nn.Parameter(torch.randn(nx, nf))
+            self.bias = nn.Parameter(torch.randn(nf))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight + self.bias
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([Conv1D(17, 7)]))
+    x = torch.randn(4, 7)
+    plain = model[0][0](x)
+    apply_lora(model, 3)
+    layer = model[0][0]
+    assert isinstance(layer, LoRALinear) and layer.transposed and (layer.in_features, layer.out_features) == (7, 17)
+    torch.testing.assert_close(layer(x), plain)
 
 
 def test_gpt_lora_rank_freezes_the_base_and_counts_parameters() -> None:
