@@ -1,8 +1,7 @@
 """``python -m experiments.memory``, ``memory.json``, the summary's per-phase memory and the
 report's per-phase bars, on one short real run (model=mini, 2 steps, 2x2 gloo ranks).
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
-``tests/unit/test_experiments_memory.py``.
+Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_experiments_memory.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import pytest
 
 from zeropp.experiments import memory as memcmd
 from zeropp.experiments.console import summary_rows
+from zeropp.experiments.report import PLOTS, write_report
 from zeropp.runtime.memory import MODEL_STATE, PHASES, TIERS, tier_totals
 
 FAST = ["model=mini", "topology=2x2", "train.micro_batch_size=2", "data.max_bytes=200000"]
@@ -44,6 +44,15 @@ def test_short_run_measures_every_phase_and_tier_within_5_percent(measured, caps
     rows = dict(summary_rows(summary))
     assert "memory by phase" in rows and any(k.strip().startswith("backward") for k in rows)
     assert "ZeRO formula / rank" in {k.strip() for k in rows}
+
+
+def test_report_draws_per_phase_bars(measured, tmp_path):
+    _, run_dir = measured
+    path = write_report(run_dir, tmp_path)
+    md = path.read_text()
+    assert "Memory by phase" in md and "| backward |" in md
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_command_line_entry(tmp_path):

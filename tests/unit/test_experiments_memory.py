@@ -1,8 +1,7 @@
 """``python -m experiments.memory``, ``memory.json``, the summary's per-phase memory and the
 report's per-phase bars, on one short real run (model=mini, 2 steps, 2x2 gloo ranks).
 
-Here: the one-process checks of this topic; its other tiers' checks are in
-``tests/e2e/test_experiments_memory.py``.
+Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_experiments_memory.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from zeropp.experiments import memory as memcmd
-from zeropp.experiments.report import PLOTS, write_report
 from zeropp.runtime.memory import expected_by_tier, tier_totals
 
 FAST = ["model=mini", "topology=2x2", "train.micro_batch_size=2", "data.max_bytes=200000"]
@@ -42,21 +40,6 @@ def test_bad_override_is_refused_before_anything_runs(capsys):
     with pytest.raises(SystemExit) as e:
         memcmd.main(["--predict-only", "precision=bf16"])
     assert e.value.code == 2 and "precision" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("memrun")
-    return memcmd.main([*FAST, "stage=2", "--run-dir", str(run_dir)]), run_dir
-
-
-def test_report_draws_per_phase_bars(measured, tmp_path):
-    _, run_dir = measured
-    path = write_report(run_dir, tmp_path)
-    md = path.read_text()
-    assert "Memory by phase" in md and "| backward |" in md
-    for name in PLOTS:
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_trainers_without_phases_get_flat_snapshots():
