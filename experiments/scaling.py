@@ -6,7 +6,7 @@ FLOPs) and what does (nodes x ranks per node, intra- and cross-node bandwidth an
 predicts step time and throughput for ZeRO-3 and ZeRO++.
 
 Messages (:func:`messages`; exactly what the engine sends and CommStats records, checked per kind
-and link against real engine steps for every quantization preset in tests/test_scaling_bytes.py):
+and link against real engine steps for every quantization preset in tests/{unit,distributed}/test_scaling_bytes.py):
 units (the root and each transformer block) padded to the world size like the engine's flat
 units, cut into bucket chunks (``allgather_bucket`` / ``reduce_bucket``) that are quantized
 separately, with wire sizes from the spec's own codec (``zeropp.comm.codecs``):

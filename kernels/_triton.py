@@ -217,7 +217,7 @@ DIRECT_LAUNCH = knobs is not None and os.environ.get("ZEROPP_TRITON_DIRECT_LAUNC
 """Launch compiled kernels through their bound launcher (``LaunchPlan``) instead of
 ``kernel[grid](...)`` on every call: on an H100 (torch 2.11, Triton 3.6) it cut the host cost of one
 quantize from 30 to 22 us. On by default since its specialisation key was checked against Triton's
-own on that GPU (``tests/test_kernels_cuda.py::test_bound_launches_on_cuda_bit_exact``);
+own on that GPU (``tests/gpu/test_kernels_cuda.py::test_bound_launches_on_cuda_bit_exact``);
 ``ZEROPP_TRITON_DIRECT_LAUNCH=0`` goes back to Triton's own launch path (a key that missed a
 specialisation would launch a kernel compiled for other alignments)."""
 

@@ -34,7 +34,7 @@ that cannot change a result:
 
 The division stays an IEEE division (never a multiplication by the reciprocal) and stochastic
 rounding uses the reference's Philox uniforms at the same padded offsets, so every code and scale
-is bit-identical to ``quantize_ref`` (``tests/test_kernels.py`` checks it on the awkward cases).
+is bit-identical to ``quantize_ref`` (``tests/{unit,e2e}/test_kernels.py`` checks it on the awkward cases).
 
 Dequantize, dequantize-sum and the fused dequantize-sum-requantize walk the same tiles: each
 tile's ``code * scale`` products are added in index order onto zeros (the reference's order) in a

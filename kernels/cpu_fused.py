@@ -17,7 +17,7 @@ operator dispatch per pass and tile. Inductor emits one vectorised loop per bloc
 reduction and the code computation read each block while it is still in L1, nothing but the
 codes and scales is written, and bf16/fp16 inputs are widened in registers.
 
-Why it stays bit-identical to ``reference.py`` (``tests/test_kernels.py`` checks it on the awkward
+Why it stays bit-identical to ``reference.py`` (``tests/{unit,e2e}/test_kernels.py`` checks it on the awkward
 cases, through both this path and the tiled one):
 
 - inductor compiles its C++ with ``-ffp-contract=off`` (no fused multiply-adds) and without

@@ -13,7 +13,7 @@ library rather than ``torch.utils.cpp_extension``: the source includes no torch 
 headers, so it builds in a few seconds instead of a minute or more, and one build serves every torch
 version; tensors are passed as data pointers and strides.
 
-Why it stays bit-identical (``tests/test_kernels.py`` checks it on the awkward cases):
+Why it stays bit-identical (``tests/{unit,e2e}/test_kernels.py`` checks it on the awkward cases):
 
 - compiled with ``-O3 -march=native -ffp-contract=off -fno-trapping-math`` and no value-changing
   ``-ffast-math`` family flag: no fused multiply-adds, divisions stay IEEE divisions (gcc never

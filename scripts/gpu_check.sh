@@ -76,7 +76,7 @@ run_part() {  # name cap command...
 has() { "$PY" -c "import $1" 2>/dev/null; }
 
 : >"$OUT/parts.txt"
-KERNEL_MODULES=(tests/test_kernels_cuda.py tests/test_kernels_hadamard_cuda.py tests/test_comm_zero_copy.py)
+KERNEL_MODULES=(tests/gpu/test_kernels_cuda.py tests/gpu/test_kernels_hadamard_cuda.py tests/gpu/test_comm_zero_copy.py)
 pytest_opts=(-m cuda -q -rfEs -p no:cacheprovider)
 has pytest_timeout && pytest_opts+=(--timeout=150)
 xdist=()

@@ -1,5 +1,12 @@
 """Test-wide setup.
 
+The tests live in four tiers, one folder each, cheapest first (``testpaths`` in pyproject.toml):
+``unit/`` (one process, no child process), ``distributed/`` (gloo worlds of local processes),
+``e2e/`` (programs in child processes: the runner's command line, sweeps, torchrun, the emulated
+cluster, benchmarks, native kernel builds) and ``gpu/`` (the ``cuda`` tests). Each test
+carries its folder's marker (:func:`pytest_collection_modifyitems`), so ``pytest -m "not e2e"``
+works as well as ``pytest tests/unit``; every test of ``gpu/``, and only those, is marked ``cuda``.
+
 Triton kernels on CPU tensors run under ``TRITON_INTERPRET=1``, which must be set before triton is
 first imported, so that they can be checked against their torch references on a machine without
 a GPU. The interpreter replaces the compiled kernels in the whole process, so it is turned on
@@ -14,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +30,51 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 INTERPRET = "TRITON_INTERPRET"
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "distributed", "e2e", "gpu")
+"""The tier folders under ``tests/``, cheapest first; each is also the marker of its tests."""
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier folder ``path`` lies in (None: outside every tier, e.g. a helper module)."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def untiered_test_files(root: Path = TESTS) -> list[str]:
+    """Test modules directly in ``tests/`` (outside every tier): ``testpaths`` would not collect
+    them, so they are refused rather than silently skipped."""
+    return sorted(p.name for p in root.glob("test_*.py"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    stray = untiered_test_files()
+    if stray:
+        raise pytest.UsageError(f"{', '.join('tests/' + n for n in stray)}: a test module outside the tiers is "
+                                f"never collected by `pytest`; move it into tests/{{{','.join(TIERS)}}}/ "
+                                "(unit: one process; distributed: run_world/launch_world; e2e: the runner's "
+                                "command line, torchrun, the cluster; gpu: needs CUDA)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier folder, and ``cuda`` on every test of ``gpu/``; a ``cuda`` test
+    elsewhere is refused, so that ``pytest -m cuda`` is exactly the GPU tier."""
+    misplaced = []
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(tier)
+        if tier == "gpu":
+            item.add_marker("cuda")
+        elif item.get_closest_marker("cuda") is not None:
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"marked cuda outside tests/gpu/ (move them there, so that `pytest -m cuda` "
+                                f"selects the GPU tier and nothing else): {', '.join(misplaced[:5])}"
+                                + (f" and {len(misplaced) - 5} more" if len(misplaced) > 5 else ""))
 
 
 def selects_cuda(markexpr: str) -> bool:

@@ -5,7 +5,7 @@ larger world, but launching gloo worlds costs seconds each. torch's ``fake`` bac
 (``torch.testing._internal.distributed.fake_pg``, what torch's own tests and dry runs use) lets one
 process be rank ``r`` of ``W``: every collective returns at once without moving data. The values
 computed are meaningless, but every collective the engine issues, with its sizes, goes through
-``zeropp.comm``'s accounting exactly as on a real world (``tests/test_scaling_bytes.py`` keeps a
+``zeropp.comm``'s accounting exactly as on a real world (``tests/distributed/test_scaling_bytes.py`` keeps a
 real gloo world as the end-to-end check), so ``CommStats`` records the bytes the engine sends.
 """
 

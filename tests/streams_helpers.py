@@ -1,7 +1,7 @@
 """The streams debug mode (``ZEROPP_DEBUG_STREAMS=1``) on a gloo world: representative runs,
 compared with the same runs outside the mode, and the two early releases it must expose.
 
-Called from inside a rank (``tests/test_comm_overlap.py`` runs it in its 2x2 world, launched
+Called from inside a rank (``tests/distributed/test_comm_overlap.py`` runs it in its 2x2 world, launched
 with :data:`DEBUG_ENV`, so it costs no launch of its own). :func:`debug_checks` returns, per
 case, whether the result equals the run without the mode:
 

@@ -1,7 +1,7 @@
 """The one way ranks are started on one host: torch's elastic multiprocessing, watched.
 
 Used by the runner (``python -m experiments.run``, through ``zeropp.experiments.launcher``), the
-benchmarks, and the tests (``tests/distributed.py::run_world``); it lives in the library, not the
+benchmarks, and the tests (``tests/worlds.py::run_world``); it lives in the library, not the
 harness, because the library's own tests and any trainer importing zeropp start worlds with it::
 
     launch_world(ModuleEntry(module="zeropp.experiments.worker", args=(spec,)), 4,

@@ -1,5 +1,5 @@
 """A user's script of the shape of README's "import the quantized collectives" example, run by
-``tests/test_comm_lifetime.py`` under torchrun: every rank must print its check and the process
+``tests/e2e/test_comm_lifetime.py`` under torchrun: every rank must print its check and the process
 must then end with exit status 0, every time (no SIGABRT in the interpreter's teardown).
 
     torchrun --standalone --nproc-per-node 4 tests/data/readme_collectives.py [RANKS_PER_NODE] [--destroy]

@@ -21,7 +21,7 @@ the state dict as views of the live state; DCP reads them and loads into them in
 
 Hand-written because DCP has no streaming source or sink of its own: these are its planner
 extension points (``resolve_data``, ``resolve_tensor``, ``commit_tensor``) and a writer option
-(:func:`storage_writer`), nothing else changed. Measured on CPU (tests/test_runtime_checkpoint_tiers.py):
+(:func:`storage_writer`), nothing else changed. Measured on CPU (tests/distributed/test_runtime_checkpoint_tiers.py):
 a save's transient host memory is one piece (DTensor's planning index of a sharded piece, int64,
 is twice its bytes), a load's three pieces (the file's record, its decoded tensor, the sink's buffer).
 """

@@ -23,7 +23,7 @@ and a ``torch.compile``d single-tensor step (3.8-4.3x ``foreach``; compile 3.2x)
 default (``DEFAULT_CPU_KERNEL``). It is torch.optim.AdamW's own kernel (max 1.5e-8 from
 ``AdamW(foreach=False)`` after 3 steps on unit-scale weights), but it rounds differently from the
 single-tensor arithmetic the in-memory engine uses, so an offloaded run matches the in-memory run
-to a tolerance (tests/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6 relative,
+to a tolerance (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6 relative,
 after 3 steps); with ``cpu_adam="single"`` (``ZeroEngine(..., cpu_adam="single")``) the arithmetic
 is the same and the match is bit-exact. The tests check both. (The compiled step is slower and
 further from torch's numbers, 2.4e-7, since inductor re-associates the update.)

@@ -23,7 +23,7 @@ are no streams: everything above degrades to no-ops and blocked time is host wal
 waits, synchronous calls and quantization at issue (which runs on the training thread).
 
 The stream operations go through a small :class:`StreamAPI` so the ordering can be checked on
-CPU with a recording fake (``tests/test_runtime_overlap.py``).
+CPU with a recording fake (``tests/{unit,distributed}/test_runtime_overlap.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""A process that used the collectives ends cleanly (``zeropp/comm/context.py``).
+
+The fault users met: a torchrun script of README's shape printed correct results, then one rank
+died of SIGABRT ("terminate called without an active exception"): 9 of 20 runs of
+``tests/data/readme_collectives.py`` on 4 ranks (8 of 20 with ``destroy_process_group()``), because a gloo worker thread freed the Python object of a collective's temporary buffer
+while the interpreter was finalizing. The checks, cheapest first:
+
+- the comm context on its own: close() drains and joins the worker (bounded, with a warning),
+  the next continuation starts a new one, and buffers the backend still references are held;
+- on a gloo world: no Python object handed to the backend through zeropp is ever freed by a gloo
+  thread (a weakref finalizer records the freeing thread; raw ``torch.distributed`` calls are the
+  reference that shows such frees happen), and destroy_process_group then a new
+  init_process_group stops the worker and starts a fresh one that serves the new world;
+- the user's script itself (``tests/data/readme_collectives.py``, 4 ranks as 2 nodes of 2) under
+  torchrun, several times, every other run ending with ``destroy_process_group()``: every run
+  exits 0. ``ZEROPP_TORCHRUN_RUNS`` sets how many (default 5; the acceptance bar is 20).
+
+Here: the gloo-world checks of this topic; its other tiers' checks are in
+``tests/unit/test_comm_lifetime.py``, ``tests/e2e/test_comm_lifetime.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.worlds import run_world
+from zeropp.comm import Topology, chain, context
+from zeropp.comm.backend import backend_all_gather, backend_all_reduce, backend_all_to_all, backend_reduce_scatter
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------ on a gloo world
+CALLS = {
+    "all_to_all": lambda out, inp, raw: (dist.all_to_all_single(out, inp) if raw
+                                         else backend_all_to_all(out, inp, None, False)),
+    "all_gather": lambda out, inp, raw: (dist.all_gather_single(out, inp[:4]) if raw
+                                         else backend_all_gather(out, inp[:4], None, False)),
+    "reduce_scatter": lambda out, inp, raw: (dist.reduce_scatter_single(out[:4], inp) if raw
+                                             else backend_reduce_scatter(out[:4], inp, dist.ReduceOp.SUM, None, False)),
+    "all_reduce": lambda out, inp, raw: (dist.all_reduce(out) if raw
+                                         else backend_all_reduce(out, dist.ReduceOp.SUM, None, False)),
+}
+
+
+def _freeing_threads(rank: int, world: int, iters: int) -> dict:
+    """For raw torch.distributed calls and zeropp's backend calls on fresh temporaries dropped
+    right after the call: how many of their Python objects were freed off the main thread."""
+    main = threading.get_native_id()
+    res = {}
+    for raw in (True, False):
+        for name, call in CALLS.items():
+            freed: list[int] = []
+            for i in range(iters):
+                inp = torch.full((4 * world,), float(i))
+                out = torch.empty(4 * world)
+                weakref.finalize(inp, lambda f=freed: f.append(threading.get_native_id()))
+                weakref.finalize(out, lambda f=freed: f.append(threading.get_native_id()))
+                call(out, inp, raw)
+                del inp, out
+            assert context.current().close(timeout=30)
+            deadline = time.monotonic() + 10
+            while len(freed) < 2 * iters and time.monotonic() < deadline:
+                time.sleep(0.01)
+            res[("raw" if raw else "zeropp", name)] = (sum(t != main for t in freed), len(freed))
+    return res
+
+
+def test_backend_threads_never_free_python_objects_of_zeropp_calls() -> None:
+    results = run_world(_freeing_threads, 2, 100)
+    for res in results:
+        for name in CALLS:
+            off_main, total = res[("zeropp", name)]
+            assert total == 200 and off_main == 0, (name, res)
+    raw_off_main = sum(r[("raw", n)][0] for r in results for n in CALLS)
+    print(f"reference: raw torch.distributed calls had {raw_off_main} of {2 * 200 * len(CALLS)} Python objects "
+          "freed on gloo's threads")
+
+
+def _restart(rank: int, world: int, store: str) -> dict:
+    ctx = context.current()
+    topo = Topology(world, 1)
+    old_groups = topo.build()
+    t = torch.full((3,), float(rank + 1))
+    chain.submit(lambda: backend_all_reduce(t, dist.ReduceOp.SUM, old_groups.cross, False), CPU).wait()
+    first_sum = t.tolist()
+    worker = ctx._thread
+    alive_before = worker is not None and worker.is_alive()
+    dist.destroy_process_group()  # torch drops the world: the worker is drained and joined
+    stopped = worker is not None and not worker.is_alive() and not ctx.worker_alive
+    try:
+        old_groups.cross
+        stale = "no error"
+    except RuntimeError as e:
+        stale = str(e)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    groups = topo.build()  # rebuilt in the new world, not the stale cache
+    u = torch.full((3,), 10.0 * (rank + 1))
+    handle = chain.submit(lambda: backend_all_reduce(u, dist.ReduceOp.SUM, groups.cross, False), CPU)
+    handle.wait()
+    return {"first": first_sum, "alive_before": alive_before, "stopped": stopped, "stale": stale,
+            "second": u.tolist(), "new_worker": ctx._thread is not worker and ctx.worker_alive,
+            "rebuilt": groups is not old_groups}
+
+
+def test_destroy_then_init_again_restarts_the_worker(tmp_path: Path) -> None:
+    for r in run_world(_restart, 2, str(tmp_path / "store")):
+        assert r["first"] == [3.0] * 3 and r["second"] == [30.0] * 3, r
+        assert r["alive_before"] and r["stopped"] and r["new_worker"] and r["rebuilt"], r
+        assert "was destroyed (destroy_process_group)" in r["stale"] and "build() again" in r["stale"], r
+
+

@@ -1,0 +1,22 @@
+"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real
+run of the smallest configuration on CPU (two rows, world 1).
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_bench_gpu.py``.
+"""
+
+from __future__ import annotations
+
+
+
+from zeropp.experiments import bench_gpu
+
+CPU_TINY = ["--device", "cpu", "--preset", "tiny", "--d-model", "0", "--n-layers", "0", "--n-heads", "0",
+            "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1"]
+
+
+def test_real_cpu_run_of_the_smallest_configuration(capsys):
+    rows = bench_gpu.main([*CPU_TINY, "--jobs", "stage0,zeropp"])
+    assert set(rows) == {"stage0", "zeropp"} and all("error" not in r for r in rows.values())
+    assert all(r["step_s"] > 0 and r["memory_bytes"] > 0 for r in rows.values())
+    table = capsys.readouterr().out
+    assert "zeropp stage 0" in table and "stage 3 + ZeRO++" in table

@@ -1,0 +1,52 @@
+"""Config: every library setting is an override, each declared once, and every bad input is one
+clear error that names the key, before any rank starts.
+
+Here: the end-to-end checks of this topic; its other tiers' checks are in
+``tests/unit/test_experiments_config.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+
+
+
+CLI_ERRORS: list[tuple[list[str], list[str]]] = [
+    (["quant=int9"], ["quant", "allowed", "int8"]),
+    (["stage=5"], ["stage", "5"]),
+    (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
+    (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
+    (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
+    (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
+    (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
+    *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
+]
+"""Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
+validation, pre-launch checks) and the words their one error line must contain."""
+
+
+def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
+    """The real process, as a user runs it: a bad value found only after composition (the corpus
+    path) exits 2 within 30 s, names it, and starts nothing."""
+    args, words = CLI_ERRORS[6]
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert all(w in p.stderr for w in words), p.stderr
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "ranks").exists()  # nothing was started
+
+
+def test_help_lists_library_keys() -> None:
+    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    for key in ("persistence_threshold", "loss_scale_window", "betas", "warmup_steps", "trainer_job"):
+        assert key in p.stdout, key
+
+

@@ -1,0 +1,432 @@
+"""The runner end to end, as the researcher types it: a single run, a 2-point multirun and its
+report, logger=none vs wandb offline, and the failure path (a rank that raises / is SIGKILLed /
+is SIGSTOPped, Ctrl-C to the runner: the culprit is named, no process and no swap folder of the
+run is left, another run's swap folder is kept).
+
+Each run is a real ``python -m zeropp.experiments.run`` with the real ZeroEngine on a tiny model
+and a few steps, so the whole file stays around a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.experiment_helpers import run_cli
+from tests.tp_helpers import tp_block_bytes
+from zeropp.experiments.metrics import SUMMARY_KEYS
+from zeropp.experiments.report import PLOTS
+
+FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
+
+
+def _live_procs_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (the run dir is in every rank's argv)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = [ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:")]
+            except OSError:
+                continue
+            if text in cmd and not (state and "Z" in state[0]):
+                out.append(int(d.name))
+    return out
+
+
+def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
+    p = run_cli(["stage=3", "quant=zeropp", *FAST, f"hydra.run.dir={tmp_path}"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "tokens/s" in p.stdout and "ZeRO-3+qwZ[int8]+hpZ+qgZ[int4]" in p.stdout  # the summary table
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for k in SUMMARY_KEYS:
+        assert k in s, k
+    assert s["tokens_per_s"] > 0 and s["model_tflops"] > 0 and s["step_time_s"]["mean"] > 0
+    assert s["tokens_per_step"] == 4 * 4 * 32
+    by = s["comm_bytes_per_step"]["by_link"]
+    assert by["intra"] > 0 and by["cross"] > 0  # 2 emulated nodes x 2
+    eng = s["engine_comm_bytes_per_step"]["by_kind_link"]
+    assert "bwd_all_gather.cross" not in eng or eng["bwd_all_gather.cross"] == 0  # hpZ keeps it in the node
+    assert s["comm_wait_s_per_step"] >= 0
+    assert len(s["memory_per_rank"]) == 4 and all(m["total"] > 0 for m in s["memory_per_rank"])
+    assert 0 < s["loss"]["final"] < 6 and len(s["loss"]["curve"]) == 4
+    assert not (tmp_path / "run.log").exists()  # Hydra's job log file would stay empty: not created
+    assert s["config"]["zero"]["grads"]["bits"] == 4 and s["topology"]["world_size"] == 4
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[-1])["step"] == 4
+    # both byte views agree (CommWatch sees only the engine's traffic plus two scalar all-reduces) ...
+    wire = s["comm_bytes_per_step"]["by_link"]
+    assert abs(wire["cross"] - s["engine_comm_bytes_per_step"]["by_link"]["cross"]) < 256
+    # ... and the cost model's exact message sizes equal what the run measured
+    from zeropp.experiments.scaling_check import compare_measured
+
+    (row,) = compare_measured([s], cross_gbps=10.0)
+    assert row["bytes_error"] == 0 and row["intra_bytes_error"] == 0, row
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and s["wandb_dir"]
+
+
+def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    p = run_cli(["-m", "quant=none,int8", "topology=1x2", "logger=none", *FAST, f"hydra.sweep.dir={sweep}"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    sums = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["label"].split()[0] for s in sums] == ["ZeRO-3", "ZeRO-3+qwZ[int8]"]
+    # INT8 weights: the all-gathers move about a quarter of the fp32 bytes
+    ag = [sum(v for k, v in s["engine_comm_bytes_per_step"]["by_kind_link"].items() if "all_gather" in k) for s in sums]
+    assert 0.2 < ag[1] / ag[0] < 0.35
+    assert not any((sweep / str(i) / "wandb").exists() for i in (0, 1))  # logger=none
+    r = subprocess.run([sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    md = (sweep / "report.md").read_text()
+    assert "tokens/s" in md and "All runs: fp32, tiny model, 1x2 ranks." in md  # said once, not per run
+    # runs named by what sets them apart, in words, not by their override strings
+    assert "| ZeRO-3 | ZeRO-3 tiny 1x2 |" in md and "| ZeRO++ (qwZ INT8) | ZeRO-3+qwZ[int8] tiny 1x2 |" in md
+    table = md.split("\n\n")[2]
+    assert table.startswith("| run |") and "quant=" not in table
+    assert "- ZeRO-3: `0`, `quant=none topology=1x2" in md and "- ZeRO++ (qwZ INT8): `1`, `quant=int8 " in md
+    for name in PLOTS:
+        assert (sweep / name).stat().st_size > 1000
+        assert (sweep / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def _nvme(tmp_path: Path) -> tuple[list[str], Path, Path]:
+    """ZeRO-Infinity overrides swapping to ``tmp_path/nvme``, which already holds another run's
+    swap folder (same naming, another run id) that must survive this run."""
+    nvme = tmp_path / "nvme"
+    planted = nvme / "zeropp-swap-0123456789ab-r1-keepme"
+    planted.mkdir(parents=True)
+    (planted / "params.swp").write_bytes(b"\0" * 1024)
+    return ["zero.offload_param=nvme", "zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}"], nvme, planted
+
+
+@pytest.mark.parametrize("fault, words", [("raise@1:2", ["rank 1", "injected fault"]),
+                                          ("kill@1:2", ["rank 1", "SIGKILL"])])
+def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[str]) -> None:
+    """With the nvme tier: the raising rank removes its swap folder itself; the SIGKILLed one cannot,
+    and neither can its peer stuck in a collective: the launcher removes this run's folders."""
+    nvme_args, nvme, planted = _nvme(tmp_path)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    p = run_cli(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2", *nvme_args,
+              f"hydra.run.dir={run}"], env={"ZEROPP_INJECT_FAULT": fault}, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode != 0
+    for w in words:
+        assert w in p.stderr, p.stderr[-3000:]
+    assert took < 90
+    assert not (run / "summary.json").exists()
+    assert _live_procs_mentioning(str(run)) == []  # no orphan rank left behind
+    assert os.listdir(nvme) == [planted.name] and os.listdir(planted) == ["params.swp"]
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("stop@1:2", "its process is not running (state T (stopped)): it was stopped (SIGSTOP"),
+    ("hang@1:2", "in _maybe_fault) while ranks [0] went past that point; it is deadlocked"),
+], ids=["stopped", "hung"])
+def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str, why: str) -> None:
+    """At step 2 rank 1 SIGSTOPs itself (the process is stopped) or its main thread hangs (other
+    threads run on); rank 0 waits for it in a collective. The run fails naming rank 1 (not rank 0,
+    whose collective would time out only after pg_timeout_s=120) within the heartbeat deadline,
+    and every rank is gone (the stopped one continued, then terminated)."""
+    t0 = time.monotonic()
+    p = run_cli(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=1",
+              "launcher.heartbeat_s=3", f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault},
+             timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, p.stderr[-3000:]
+    err = p.stderr.rsplit("\nerror: ", 1)[-1]  # the runner's own line, after what the ranks printed
+    assert err.startswith("rank 1 made no progress for 3 s (last seen: step "), p.stderr[-3000:]
+    assert why in err and err.rstrip().endswith("stopped all ranks"), err
+    assert "rank 0" not in err and "Timed out" not in p.stderr
+    assert took < 60  # start-up, two steps, the 3 s deadline, the stop: far from pg_timeout_s
+    assert _live_procs_mentioning(str(tmp_path)) == []
+
+
+def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> None:
+    """SIGINT to ``python -m experiments.run`` while it trains with the nvme tier: the ranks are
+    stopped, the run's swap folders are gone, another run's is kept."""
+    nvme_args, nvme, planted = _nvme(tmp_path)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.run", "topology=1x2", "logger=none", *FAST,
+                              "train.steps=100000", "launcher.grace_s=2", *nvme_args, f"hydra.run.dir={run}"],
+                             stdout=subprocess.DEVNULL, stderr=err_file, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "metrics.jsonl").exists():  # training: both ranks hold their swap folders
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        assert len(os.listdir(nvme)) == 3
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 128 + signal.SIGINT
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "interrupted by SIGINT; all ranks stopped" in (tmp_path / "stderr").read_text()
+    assert os.listdir(nvme) == [planted.name] and os.listdir(planted) == ["params.swp"]
+    assert _live_procs_mentioning(str(run)) == []
+
+
+def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """Job 0 is an invalid config; job 1 still runs; the command exits non-zero naming job 0, which
+    leaves failed.json, and the report lists it."""
+    sweep = tmp_path / "sweep"
+    p = run_cli(["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"])
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "1 multirun job(s) failed" in p.stderr and "zero.hpz_size=3" in p.stderr
+    failed = json.loads((sweep / "0" / "failed.json").read_text())
+    assert "hpz_size" in failed["error"] and failed["exit_code"] == 2
+    assert (sweep / "1" / "summary.json").exists()
+    r = subprocess.run([sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    md = (sweep / "report.md").read_text()
+    assert "1 failed" in md and "zero.hpz_size=3" in md
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
+    """fp32: a run killed after its step-3 checkpoint and resumed with resume=true reaches the same
+    losses as a run that never stopped (same data, LR schedule, optimizer state); resumed at another
+    world size it carries on from the same weights."""
+    common = ["topology=1x2", "logger=none", *FAST, "train.steps=6", "stage=3", "quant=none"]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    p = run_cli([*common, f"hydra.run.dir={ref}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_cli([*common, "train.checkpoint_every=3", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@0:5"})
+    assert p.returncode != 0 and "injected fault" in p.stderr
+    assert (cut / "checkpoints" / "LATEST").exists()
+    shutil.copytree(cut / "checkpoints", tmp_path / "at3")  # the step-3 checkpoint, for the resharded resume
+    p = run_cli([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    want, got = _losses(ref), _losses(cut)
+    steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 4, logged before the stop, is not repeated
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    assert [got[i] for i in range(1, 7)] == [want[i] for i in range(1, 7)]  # exact in fp32
+    s = json.loads((cut / "summary.json").read_text())
+    assert s["first_step"] == 4 and s["steps"] == 3
+    # resumed on 4 ranks from the 2-rank checkpoint: the same weights carry on (different data per rank)
+    wide = tmp_path / "wide"
+    p = run_cli(["topology=1x4", "logger=none", *FAST, "train.steps=6", "stage=1", "resume=true",
+              f"train.checkpoint_dir={tmp_path / 'at3'}", f"hydra.run.dir={wide}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
+    assert "changed settings" not in p.stderr  # world size and stage may change: the checkpoint reshards
+    p = run_cli([*common, "train.seed=1", "resume=true", f"train.checkpoint_dir={tmp_path / 'at3'}",
+              f"hydra.run.dir={tmp_path / 'reseeded'}"])
+    assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
+    # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
+
+
+@pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp", "fsdp2_zeropp"])
+def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
+    """FSDP2 / DDP checkpoints go through torch.distributed.checkpoint too: a stopped and resumed
+    run equals the uninterrupted one in fp32. fsdp2_zeropp runs INT4 gradients with error feedback
+    and stochastic rounding, so the resume needs the residuals and the call counter each rank saved.
+    ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds its gradient buckets after its first
+    iteration, so the resumed run's first step quantizes over the initial bucket layout, where the
+    uninterrupted run used the rebuilt one."""
+    quant = {"ddp_zeropp": ["quant=qgz"],
+             "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"]}
+    common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    p = run_cli([*common, f"hydra.run.dir={ref}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_cli([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    assert p.returncode != 0 and "injected fault" in p.stderr, p.stderr[-3000:]
+    p = run_cli([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    want, got = _losses(ref), _losses(cut)
+    if trainer == "ddp_zeropp":
+        assert [got[i] for i in range(1, 4)] == [want[i] for i in range(1, 4)]
+        assert got[4] == pytest.approx(want[4], rel=1e-3)
+    else:
+        assert [got[i] for i in range(1, 5)] == [want[i] for i in range(1, 5)]
+
+
+def _netns_unavailable() -> str | None:
+    from zeropp.experiments.cluster import NetnsError, netns
+
+    try:
+        netns.require_privileges("zpp")
+    except NetnsError as e:
+        return str(e)
+    return None
+
+
+def _torchrun_agents(args: list[str], nodes: int, per_node: int, *, timeout: float = 300
+                     ) -> tuple[list[subprocess.CompletedProcess], str]:
+    """Start ``nodes`` torchrun agents of ``per_node`` ranks as separate nodes (c10d rendezvous),
+    each in its own network namespace of an emulated cluster, or all on loopback when namespaces
+    cannot be made here; wait for them. Returns their results and where they ran."""
+    from zeropp.experiments.cluster import EmulatedCluster
+    from zeropp.launch import free_port
+
+    why = _netns_unavailable()
+    cluster = None if why else EmulatedCluster(nodes=nodes, ranks_per_node=per_node, inter_gbps=10.0, probe=False)
+    if why:
+        print(f"two-node torchrun on loopback, not namespaces: {why}")
+    env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
+    procs: list[subprocess.Popen] = []
+    try:
+        if cluster is not None:
+            cluster.up()
+            env["GLOO_SOCKET_IFNAME"] = cluster.interface
+        port = free_port()
+        for n in range(nodes):
+            addr = cluster.node_address(n) if cluster else "127.0.0.1"
+            prefix = ["ip", "netns", "exec", cluster.node_namespace(n)] if cluster else []
+            # --local-addr: every namespace has this host's name, so torchrun must not resolve it
+            cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+                   str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"{cluster.master_addr if cluster else '127.0.0.1'}:{port}", "--rdzv-conf", f"is_host={int(n == 0)}",
+                   "--local-addr", addr, "-m", "zeropp.experiments.run", *args]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done, "namespaces" if cluster else "loopback"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if cluster is not None:
+            cluster.down()
+
+
+def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Path) -> None:
+    """e2e (the expensive one): two torchrun agents x 2 ranks as two nodes, each agent in its own
+    network namespace of the emulated cluster (cross-node traffic crosses its link), no topology
+    given: the node layout comes from torchrun (2 x 2), rank 0 alone writes the summary, and every
+    byte count per step, cross-node ones included, equals the single-launcher ``topology=2x2`` run's
+    for a stage-3 ZeRO++ job (qwZ + hpZ + qgZ: cross vs intra decides what is sent where)."""
+    args = ["stage=3", "quant=zeropp", "logger=none", *FAST, "launcher.pg_timeout_s=60"]
+    agents, where = _torchrun_agents([*args, f"hydra.run.dir={tmp_path / 'tr'}"], 2, 2)
+    for a in agents:
+        assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    one = run_cli([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    # rank 0 alone summarizes: one agent prints the table, one metrics line per step
+    assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]
+    assert sum("tokens/s" in a.stdout for a in agents) == 1, [a.stdout[-500:] for a in agents]
+    assert len((tmp_path / "tr" / "metrics.jsonl").read_text().splitlines()) == 4
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
+    assert a["placement"] == {"cluster": "torchrun", "nodes": 2, "ranks_per_node": 2, "declared": []}, where
+    assert a["topology"] == b["topology"] == {"world_size": 4, "ranks_per_node": 2, "tp": 1, "nodes": 2}
+    assert set(a) == set(b) and a["label"] == b["label"] and a["tokens_per_step"] == b["tokens_per_step"]
+    assert a["loss"]["curve"] == b["loss"]["curve"]  # the same job: same data, same arithmetic
+    wire_a, wire_b = a["comm_bytes_per_step"], b["comm_bytes_per_step"]
+    assert wire_a["by_link"]["cross"] > 0 and wire_a["by_link"]["cross"] == wire_b["by_link"]["cross"]
+    assert wire_a == wire_b
+    assert a["engine_comm_bytes_per_step"] == b["engine_comm_bytes_per_step"]
+
+
+def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) -> None:
+    """One torchrun host with 2 ranks cannot be ``topology=2x1`` (two nodes): every rank refuses
+    before joining; sweeps under torchrun are refused too."""
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "zeropp.experiments.run", "topology=2x1", "logger=none", *FAST,
+                          f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0, bad.stderr[-2000:]
+    assert ("topology says 2 nodes x 1 rank but torchrun started 1 node x 2 local ranks; drop topology.nodes "
+            "topology.ranks_per_node") in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    sweep = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "zeropp.experiments.run", "-m", "quant=none,int8"], capture_output=True, text=True,
+                           timeout=180)
+    assert sweep.returncode != 0 and "multirun/sweeps under torchrun are not supported" in sweep.stderr
+
+
+def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    p = run_cli(["sweep=trainers", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    sums = {s["trainer"]: s for s in (json.loads(f.read_text()) for f in sweep.glob("*/summary.json"))}
+    assert sorted(sums) == ["ddp", "ddp_zeropp", "fsdp2", "fsdp2_zeropp", "zeropp"]
+    for name in ("zeropp", "fsdp2_zeropp", "ddp_zeropp"):
+        z = sums[name]["config"]["zero"]
+        assert z["grads"]["bits"] == 4, name  # quantized as promised
+        assert (z["weights"] or {}).get("bits") == (None if name == "ddp_zeropp" else 8), name
+    # quantized INT4 gradients move fewer bytes than the same trainer's full-precision twin
+    for q, plain in (("fsdp2_zeropp", "fsdp2"), ("ddp_zeropp", "ddp")):
+        assert sums[q]["comm_bytes_per_step"]["total"] < 0.6 * sums[plain]["comm_bytes_per_step"]["total"], q
+
+
+def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> None:
+    """``topology.tp=2`` from the command line: 2 nodes x 2 ranks as tp=2 x dp=2 trains on the same
+    data as 2 nodes x 1 rank (the tp pair shares its batches), so the losses agree in fp32, and
+    tokens per step count the dp ranks only; a tp run stopped and resumed from its checkpoint
+    reaches the uninterrupted tp run's losses."""
+    common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
+    runs = {}
+    for name, topo in (("tp", ["topology=2x2", "topology.tp=2"]), ("dp", ["topology=2x1"])):
+        p = run_cli([*common, *topo, f"hydra.run.dir={tmp_path / name}"])
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    tp, dp = _losses(tmp_path / "tp"), _losses(tmp_path / "dp")
+    assert sorted(tp) == sorted(dp) == [1, 2, 3, 4]
+    for k in tp:
+        assert abs(tp[k] - dp[k]) <= 1e-4 * abs(dp[k]), (k, tp[k], dp[k])
+    assert abs(runs["tp"]["loss"]["eval"] - runs["dp"]["loss"]["eval"]) <= 1e-4 * runs["dp"]["loss"]["eval"]
+    assert runs["tp"]["tokens_per_step"] == runs["dp"]["tokens_per_step"] == 2 * 4 * 32
+    assert runs["tp"]["topology"]["tp"] == 2 and runs["dp"]["topology"]["tp"] == 1
+    # every byte counted: the tensor-parallel all-reduces (DTensor's functional collectives) are the
+    # intra-node traffic, 2 blocks x forward + backward of 4 x 32 tokens per rank and step, plus
+    # the few bytes of the engine's scalar all-reduces; the dp run has no intra-node peer
+    block = tp_block_bytes(4, 32, 32, tp=2)
+    want = 2 * (block["forward"] + block["backward"])
+    wire = runs["tp"]["comm_bytes_per_step"]
+    assert want <= wire["by_kind_link"]["all_reduce.intra"] == wire["by_link"]["intra"] < want + 256, wire
+    assert runs["dp"]["comm_bytes_per_step"]["by_link"]["intra"] == 0
+    # each rank's engine partitions its TP-local half of the split weights over the dp pair
+    expected = sum(runs["tp"]["memory_expected"]["device"].values())
+    assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
+    # stopped after its step-2 checkpoint and resumed: the tp run carries on exactly
+    cut = tmp_path / "cut"
+    tp_args = [*common, "topology=2x2", "topology.tp=2", "train.checkpoint_every=2", f"hydra.run.dir={cut}"]
+    p = run_cli(tp_args, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    assert p.returncode != 0 and "injected fault" in p.stderr and (cut / "checkpoints" / "LATEST").exists()
+    p = run_cli([*tp_args, "resume=true"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _losses(cut) == tp  # exact in fp32
+
+
+def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
+    """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
+    and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
+    wire rows) equals the measured model state of every rank."""
+    p = run_cli(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
+              f"hydra.run.dir={tmp_path}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    expected = s["memory_expected"]["device"]
+    for rank_mem in s["memory_per_rank"]:
+        assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
+    assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
+    # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
+    p = run_cli(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
+              "zero.hpz=true", f"hydra.run.dir={tmp_path / 'hpz'}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "hpz" / "summary.json").read_text())
+    assert s["memory_max_rank_bytes"] == sum(s["memory_expected"]["device"].values())

@@ -1,0 +1,52 @@
+"""ZeRO-R: activation checkpointing, activation offload and the constant buffer pool.
+
+Reference: the same engine without the feature. In fp32 the recomputation runs the same kernels
+on the same inputs and the re-gathered block holds the same values (hpZ: the same secondary
+copy; qwZ: the same deterministic quantization of the same shard), so losses and final weights
+must be *equal*, not close, at every stage and with hpZ, qwZ and qgZ. Offloading copies saved
+activations to the host and back, bit for bit, so it is exact too.
+
+Here: the CUDA checks of this topic; its other tiers' checks are in ``tests/unit/test_runtime_zero_r.py``,
+``tests/distributed/test_runtime_zero_r.py``.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from tests.unit.test_runtime_zero_r import check_offload_model_host_bytes
+from tests.runtime_helpers import TINY, make_model, rank_batches
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_to_pinned_host_on_cuda_is_exact():
+    from zeropp.runtime.activations import ActivationStore, checkpoint_blocks
+
+    torch.manual_seed(0)
+    model = make_model(TINY).cuda()
+    idx, tgt = (t.cuda() for t in rank_batches(0, 1, 0)[0])
+    _, loss = model(idx, tgt)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for ckpt in (False, True):
+        model.zero_grad(set_to_none=True)
+        handle = checkpoint_blocks(list(model.blocks)) if ckpt else None
+        store = ActivationStore(torch.device("cuda"), offload=True)
+        with store.saving():
+            _, loss2 = model(idx, tgt)
+        tiers = store.memory_by_tier()
+        assert tiers["host"] > 0 and tiers["device"] == 0, tiers
+        loss2.backward()
+        assert torch.equal(loss, loss2)
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, ref[n]), n
+        if handle is not None:
+            handle.remove()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_model_host_bytes_equal_device_bytes_on_cuda():
+    check_offload_model_host_bytes("cuda")

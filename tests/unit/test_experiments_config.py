@@ -1,0 +1,218 @@
+"""Config: every library setting is an override, each declared once, and every bad input is one
+clear error that names the key, before any rank starts.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_experiments_config.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from tests.cli_helpers import run_cli
+from zeropp.comm import Topology
+from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.experiments.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
+from zeropp.experiments.overrides import check_overrides, group_options
+from zeropp.experiments.schema import run_schema
+from zeropp.models import GPTConfig, HFConfig
+from zeropp.runtime import OptimizerConfig, ZeroConfig
+
+
+def _cfg(*overrides: str) -> dict:
+    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
+
+
+def test_defaults_are_the_main_job() -> None:
+    rc = from_dict(_cfg("stage=3", "quant=int8"))
+    assert rc.zero == ZeroConfig(stage=3, weights=QuantSpec(bits=8), grad_clip=1.0)
+    assert (rc.topology.nodes, rc.topology.ranks_per_node, rc.world_size) == (2, 2, 4)
+    assert rc.model == GPTConfig.preset("mini")
+    assert rc.trainer.name == "zeropp" and rc.data.kind == "text" and rc.logger.mode == "offline"
+    assert rc.optim.schedule == "cosine" and rc.optim.decay_steps == rc.train.steps  # the schedule spans the run
+    rc = from_dict(_cfg("quant=zeropp"))
+    assert (rc.zero.weights, rc.zero.hpz, rc.zero.grads) == (QuantSpec(bits=8), True, QuantSpec(bits=4))
+
+
+def test_schema_is_generated_from_the_library() -> None:
+    """Every field of every library config is a key, with the library's default (each declared once)."""
+    schema = run_schema()
+    for section, cls in SECTION_CLASSES.items():
+        node = getattr(schema(), section)
+        for f in dataclasses.fields(cls):
+            if (section, f.name) in (("zero", "stage"), ("topology", "hpz_size")):
+                assert not hasattr(node, f.name)  # set through `stage` / zero.hpz_size instead
+                continue
+            assert hasattr(node, f.name), f"{section}.{f.name}"
+    assert dataclasses.fields(ZeroConfig)  # sanity
+    for key in ("zero.persistence_threshold=64", "zero.loss_scale_init=1024", "optim.betas=[0.8,0.95]",
+                "optim.eps=1e-6", "zero.grads.seed=7", "zero.weights.rounding=stochastic"):
+        check_overrides(["quant=w8g4", key])
+    rc = from_dict(_cfg("quant=w8g4", "zero.persistence_threshold=64", "optim.betas=[0.8,0.95]", "optim.eps=1e-6",
+                        "zero.grads.seed=7", "zero.grads.intra_bits=8", "zero.weights.rounding=stochastic",
+                        "zero.precision=fp16", "zero.loss_scale_init=1024"))
+    assert rc.zero.persistence_threshold == 64 and rc.optim.betas == (0.8, 0.95) and rc.optim.eps == 1e-6
+    assert rc.zero.grads == QuantSpec(bits=4, intra_bits=8, seed=7)
+    assert rc.zero.weights == QuantSpec(bits=8, rounding="stochastic") and rc.zero.loss_scale_init == 1024
+
+
+def test_generated_groups_are_the_library_presets() -> None:
+    assert group_options("quant") == sorted(RECIPES)
+    for name, recipe in RECIPES.items():
+        rc = from_dict(_cfg(f"quant={name}"))
+        assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (recipe.weights, recipe.grads, recipe.hpz)
+    assert "hf" in group_options("model")
+    for name in (n for n in group_options("model") if n != "hf"):
+        assert from_dict(_cfg(f"model={name}")).model == GPTConfig.preset(name)
+    assert from_dict(_cfg("model=hf")).model == HFConfig()
+    rc = from_dict(_cfg("topology=4x2"))
+    assert rc.topology == Topology(nodes=4, ranks_per_node=2)
+
+
+def test_every_option_composes() -> None:
+    extra = {"ddp_zeropp": ["quant=qgz"], "fsdp2_zeropp": ["quant=w8g4"]}
+    for group in ("quant", "model", "data", "topology", "trainer", "logger", "cluster"):
+        for opt in group_options(group):
+            from_dict(_cfg(f"{group}={opt}", *(extra.get(opt, []) if group == "trainer" else [])))
+
+
+@pytest.mark.parametrize("override, words", [
+    (["stage=5"], ["stage must be", "5"]),
+    (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
+    (["quant=int8", "zero.weights.bits=3"], ["zero.weights", "bits=3", "(8, 4)"]),
+    (["train.steps=0"], ["train.steps=0", ">= 1"]),
+    (["model.n_heads=3"], ["model", "n_heads=3", "d_model"]),
+    (["zero.reduce_bucket_size=-1"], ["zero.reduce_bucket_size", "-1"]),
+    (["topology.nodes=0"], ["topology.nodes", "positive"]),
+    (["quant=int8", "stage=2"], ["stage", "qwZ"]),
+    (["quant=int8", "zero.weights.intra_bits=8"], ["zero.weights", "intra_bits"]),
+    (["optim.lr=-1"], ["optim.lr", "-1"]),
+    (["quant=zeropp", "zero.hpz_size=3"], ["hpz_size", "3"]),
+    (["launcher.heartbeat_s=-1"], ["launcher.heartbeat_s=-1.0", "0 (the watch off) or >= 1"]),
+    (["launcher.heartbeat_s=0.5"], ["launcher.heartbeat_s=0.5", "0 (the watch off) or >= 1"]),
+])
+def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg(*override))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("trainer, override", [
+    ("fsdp2", "zero.prefetch_depth=2"), ("fsdp2", "quant=int8"), ("fsdp2", "stage=2"),
+    ("fsdp2_zeropp", "zero.allgather_bucket_size=1000"), ("ddp", "quant=qgz"), ("ddp_zeropp", "zero.allgather_bucket_size=10"),
+    ("ddp", "zero.persistence_threshold=10"), ("fsdp2", "zero.precision=fp16"),
+])
+def test_a_key_the_trainer_does_not_use_is_an_error(trainer: str, override: str) -> None:
+    extra = ["quant=qgz"] if trainer == "ddp_zeropp" else ["quant=w8g4"] if trainer == "fsdp2_zeropp" else []
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg(f"trainer={trainer}", *extra, override))
+    assert trainer in str(e.value) or "fp16" in str(e.value)
+
+
+def test_honored_table_names_real_fields() -> None:
+    names = {f.name for f in dataclasses.fields(ZeroConfig)}
+    for used in HONORED.values():
+        assert used is None or used <= names
+
+
+def test_trainer_specific_requirements() -> None:
+    with pytest.raises(ConfigError, match="ddp_zeropp needs zero.grads"):
+        from_dict(_cfg("trainer=ddp_zeropp"))
+    with pytest.raises(ConfigError, match="fsdp2_zeropp with nothing quantized"):
+        from_dict(_cfg("trainer=fsdp2_zeropp"))
+    rc = from_dict(_cfg("trainer=fsdp2", "quant=hpz"))  # hpZ = FSDP2's reshard_after_forward
+    assert rc.zero.hpz
+
+
+def test_bad_topology() -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg("topology.nodes=2", "topology.ranks_per_node=0"))
+    assert "topology.ranks_per_node" in str(e.value)
+
+
+def test_command_line_precheck() -> None:
+    with pytest.raises(ConfigError) as e:
+        check_overrides(["quant=int3"])
+    assert "quant='int3'" in str(e.value) and "int8" in str(e.value) and "zeropp" in str(e.value)
+    with pytest.raises(ConfigError, match="int9"):
+        check_overrides(["-m", "quant=none,int9"])
+    with pytest.raises(ConfigError, match="did you mean quant"):
+        check_overrides(["quantt=int8"])
+    with pytest.raises(ConfigError, match=r"train\.stepz.*did you mean train\.steps"):
+        check_overrides(["train.stepz=3"])
+    with pytest.raises(ConfigError, match=r"zero\.grads\.intra_bitz.*did you mean zero\.grads\.intra_bits"):
+        check_overrides(["zero.grads.intra_bitz=8"])
+    check_overrides(["stage=3", "quant=w8g4", "train.steps=3", "hydra.run.dir=x", "+foo=1", "zero.grads.bits=8"])
+    # a spec field on a recipe that leaves that spec null: say which recipes have it
+    with pytest.raises(ConfigError, match=r"zero\.weights\.bits.*quant=none quantizes no weights.*int8"):
+        check_overrides(["zero.weights.bits=8"])
+    with pytest.raises(ConfigError, match=r"quant=int8 quantizes no grads.*w8g4"):
+        check_overrides(["quant=int8", "zero.grads.intra_bits=8"])
+
+
+CLI_ERRORS: list[tuple[list[str], list[str]]] = [
+    (["quant=int9"], ["quant", "allowed", "int8"]),
+    (["stage=5"], ["stage", "5"]),
+    (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
+    (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
+    (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
+    (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
+    (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
+    *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
+]
+"""Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
+validation, pre-launch checks) and the words their one error line must contain."""
+
+
+def test_cli_errors_exit_2_naming_the_key_without_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """Each of :data:`CLI_ERRORS` through the runner's own ``cli()`` (in this process, launching
+    replaced by an assertion): exit 2, the words in the error, fast, and no rank started."""
+    for i, (args, words) in enumerate(CLI_ERRORS):
+        t0 = time.monotonic()
+        code, err = run_cli(args, tmp_path / str(i), monkeypatch, capfd)
+        assert code == 2, (args, err)
+        assert all(w in err for w in words), (args, err)
+        assert time.monotonic() - t0 < 30
+
+
+def test_resume_without_a_checkpoint_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """``resume=true`` where no checkpoint was written: exit 2 naming the folder, no rank started."""
+    code, err = run_cli(["resume=true", "logger=none", "model=tiny"], tmp_path / "run", monkeypatch, capfd)
+    assert code == 2, err
+    assert "resume=true but there is no checkpoint under" in err and str(tmp_path / "run") in err, err
+
+
+def test_omegaconf_entry_and_roundtrip() -> None:
+    import zeropp.experiments.run  # noqa: F401
+
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        rc = from_omegaconf(compose("config", overrides=["trainer=fsdp2"]))
+    assert rc.trainer.name == "fsdp2"
+    rc = from_dict(_cfg("quant=zeropp", "zero.grads.rounding=stochastic"))
+    assert from_dict(rc.to_dict()) == rc  # what the ranks receive is what was validated
+
+
+def test_optimizer_schedule_keys() -> None:
+    rc = from_dict(_cfg("optim.schedule=constant", "optim.warmup_steps=0"))
+    assert rc.optim == OptimizerConfig(lr=3e-3, weight_decay=0.0, schedule="constant", warmup_steps=0)
+    with pytest.raises(ConfigError, match="warmup"):
+        from_dict(_cfg("optim.warmup_steps=100", "train.steps=10"))
+
+
+def test_a_group_size_beyond_the_kernels_largest_block_is_a_config_error() -> None:
+    """The bound of ``kernels.layout.MAX_GROUP_SIZE`` (one block per GPU program) is met before any
+    rank starts, naming the key and the largest allowed; the largest itself is accepted."""
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg("quant=int8", "zero.weights.group_size=32768"))
+    assert "zero.weights" in str(e.value) and "group_size <= 16384" in str(e.value), str(e.value)
+    assert from_dict(_cfg("quant=int8", "zero.weights.group_size=16384")).zero.weights.group_size == 16384

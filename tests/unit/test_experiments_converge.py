@@ -1,0 +1,132 @@
+"""The convergence suite (experiments/converge.py): a real tiny suite whose table must equal its
+runs' summary.json values, the gap formula and the seed-spread rule against hand-computed numbers
+(a stand-in runner), a failed run that is reported while the suite goes on, and bad inputs.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_experiments_converge.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from experiments import converge
+from experiments.config import ConfigError
+
+TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
+
+
+def _fake_runner(evals: dict[tuple[str, int], float], fail: set[tuple[str, int]]):
+    """A runner that writes a metrics.jsonl and returns a summary with the given eval loss."""
+    calls: list[list[str]] = []
+
+    def run(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+        calls.append(overrides)
+        scheme = {"quant=none": "fp", "quant=w4g4": "w4g4", "quant=int8": "int8"}[
+            next(o for o in overrides if o.startswith("quant="))]
+        if "zero.grads.error_feedback=true" in overrides:
+            scheme = "w4g4_ef"
+        seed = int(next(o for o in overrides if o.startswith("train.seed=")).split("=")[1])
+        if (scheme, seed) in fail:
+            raise RuntimeError(f"rank 1 died ({scheme} {seed})")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lines = [{"step": s, "loss": 5.0 - s - seed, "eval_loss": 4.0 if s == 2 else None} for s in (1, 2, 3)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return {"loss": {"final": 3.0 - seed, "eval": evals[(scheme, seed)]}, "tokens_per_s": 100.0 + seed,
+                "tokens_per_step": 64, "steps": 3, "first_step": 1, "model": {"name": "tiny", "params": 1}}
+
+    return run, calls
+
+
+def test_gap_formula_seed_spread_and_failed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    evals = {("fp", 0): 2.00, ("fp", 1): 2.02, ("w4g4", 0): 2.20, ("w4g4", 1): 2.21,
+             ("w4g4_ef", 0): 2.01, ("w4g4_ef", 1): 2.02, ("int8", 0): 2.1}
+    run, calls = _fake_runner(evals, fail={("int8", 1)})
+    out = tmp_path / "c"
+    rc = converge.main(["schemes=fp,w4g4,w4g4_ef,int8", "seeds=0,1", f"out={out}", *TINY], runner=run)
+    assert rc == 1  # one failed run: reported, the others ran, non-zero at the end
+    assert len(calls) == 8
+    assert "int8 seed 1" in capsys.readouterr().err
+    doc = json.loads((out / "converge.json").read_text())
+    rows = {r["scheme"]: r for r in doc["rows"]}
+    g = [100 * (2.20 / 2.00 - 1), 100 * (2.21 / 2.02 - 1)]
+    assert rows["w4g4"]["gap_pct_mean"] == pytest.approx(statistics.fmean(g))
+    assert rows["w4g4"]["gap_pct_sd"] == pytest.approx(statistics.stdev(g))
+    noise = max(statistics.stdev(g), 100 * statistics.stdev([2.0, 2.02]) / 2.01,
+                100 * statistics.stdev([2.2, 2.21]) / 2.01)
+    assert rows["w4g4"]["seed_spread_pct"] == pytest.approx(noise)
+    assert rows["w4g4"]["outside_seed_spread"] is True  # ~+9.7% against < 1% of seed noise
+    assert rows["w4g4_ef"]["gap_pct_mean"] == pytest.approx(statistics.fmean([0.5, 0.0]))
+    assert rows["w4g4_ef"]["outside_seed_spread"] is False  # 0.25% inside fp's 0.7% seed sd
+    assert rows["w4g4_ef"]["overrides"] == ["quant=w4g4", "zero.grads.error_feedback=true"]
+    assert rows["int8"]["seeds"] == [0] and rows["int8"]["failed_seeds"] == [1]
+    assert rows["int8"]["gap_pct_mean"] == pytest.approx(5.0) and rows["int8"]["gap_pct_sd"] is None
+    assert rows["int8"]["outside_seed_spread"] is None  # one seed: no spread to compare with
+    assert rows["fp"]["train_loss_final_mean"] == pytest.approx(2.5)
+    assert [r["error"] is not None for r in doc["runs"]].count(True) == 1
+    md = (out / "converge.md").read_text()
+    assert "Failed runs:" in md and "rank 1 died (int8 1)" in md and "1 (1 failed)" in md
+    assert md.count("outside seed spread") == 2  # the w4g4 row and the footnote
+    assert "+9.7" in md
+    assert (out / "loss.png").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["schemes=fp,w9g9"], ["unknown scheme 'w9g9'", "w4g4_ef"]),
+    (["seeds=1"], ["seeds", "at least 2"]),
+    (["seeds=0"], ["seeds=0"]),
+    (["seeds=3,3"], ["distinct"]),
+    (["seeds=a,b"], ["seeds='a,b'"]),
+    (["schemes=w4g4,w4g4h"], ["lacks fp"]),
+    (["schemes=fp,fp"], ["repeats fp"]),
+    (["quant=int8"], ["'quant=int8'", "schemes="]),
+    (["train.seed=4"], ["seeds="]),
+    (["--multirun"], ["key=value"]),
+    (["model=gigantic"], ["model='gigantic'"]),
+    (["train.stepz=3"], ["train.stepz"]),
+    (["zero.grads.bits=3"], ["zero.grads"]),
+])
+def test_bad_inputs_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           args: list[str], words: list[str]) -> None:
+    def never(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+        raise AssertionError("no run may start on a bad setting")
+
+    schemes = [] if any(a.startswith("schemes=") for a in args) else ["schemes=fp,w4g4"]  # sdp4bit may not exist
+    assert converge.main([*schemes, *args, f"out={tmp_path / 'x'}"], runner=never) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    for w in words:
+        assert w in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_out_with_runs_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "runs" / "fp" / "seed0").mkdir(parents=True)
+    run, calls = _fake_runner({}, set())
+    assert converge.main(["schemes=fp,w4g4", f"out={tmp_path}", *TINY], runner=run) == 2
+    assert "already holds runs" in capsys.readouterr().err and calls == []
+
+
+def test_missing_recipe_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheme whose quant recipe this checkout lacks (sdp4bit until it lands) is refused by name."""
+    assert "sdp4bit" in converge.DEFAULT_SCHEMES and converge.SCHEMES["sdp4bit"] == ("quant=sdp4bit",)
+    monkeypatch.setitem(converge.SCHEMES, "w3g3", ("quant=w3g3",))
+    with pytest.raises(ConfigError, match=r"scheme 'w3g3' needs the quant recipe 'w3g3'.*RECIPES"):
+        converge.SuiteConfig(schemes=("fp", "w3g3"))
+    if "sdp4bit" not in converge.RECIPES:
+        with pytest.raises(ConfigError, match="scheme 'sdp4bit' needs the quant recipe 'sdp4bit'"):
+            converge.SuiteConfig.from_args([])
+
+
+def test_defaults_and_override_merge() -> None:
+    cfg = converge.SuiteConfig.from_args(["schemes=fp,w4g4", "seeds=3", "model=medium", "optim.lr=1e-3"], now="t")
+    assert cfg.seeds == (0, 1, 2) and cfg.out == Path("outputs/converge/t")
+    assert "model=small" not in cfg.overrides and "model=medium" in cfg.overrides
+    assert "topology=2x2" in cfg.overrides and "data=text" in cfg.overrides
+    assert cfg.run_overrides("w4g4", 2)[-2:] == ["quant=w4g4", "train.seed=2"]
+    assert converge.scheme_overrides("int8") == ("quant=int8",)  # any recipe is a scheme

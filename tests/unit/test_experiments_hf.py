@@ -1,0 +1,97 @@
+"""The runner with Hugging Face models: ``model=hf model.hf_config=gpt2|llama`` (plus size keys)
+composes at every stage and quant preset, each model key is declared once (in ``HFConfig``), keys
+of the other model kind are refused by name, and real runs from the command line train GPT-2 and
+Llama (Llama from a local pretrained directory). Without the ``hf`` extra the runs skip with that
+reason, and the runner's own refusal is tested by hiding ``transformers``.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_experiments_hf.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from tests.unit.test_experiments_config import _cfg
+from zeropp.comm.spec import RECIPES
+from zeropp.experiments.config import MODEL_KINDS, ConfigError, from_dict, from_omegaconf
+from zeropp.experiments.overrides import check_overrides, group_options
+from zeropp.experiments.schema import model_schema
+from zeropp.models import GPTConfig, HFConfig
+
+REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
+TINY = ["model.d_model=32", "model.seq_len=32", "model.n_layers=2"]
+# two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/distributed/test_models_hf.py
+
+
+def test_model_hf_is_an_option_and_its_keys_come_from_hfconfig() -> None:
+    assert "hf" in group_options("model")
+    fields = {f.name for f in dataclasses.fields(model_schema())}
+    for cls in MODEL_KINDS.values():  # every field of every kind is a key, declared once in the library
+        assert {f.name for f in dataclasses.fields(cls)} <= fields
+    assert from_dict(_cfg("model=hf")).model == HFConfig()
+    rc = from_dict(_cfg("model=hf", "model.hf_config=llama", "model.n_kv_heads=1", *TINY, "model.intermediate_size=40"))
+    assert rc.model == HFConfig(hf_config="llama", n_kv_heads=1, d_model=32, seq_len=32, intermediate_size=40)
+    assert from_dict(rc.to_dict()) == rc  # what the ranks rebuild from the spec
+    assert "hf-llama d32xL2" in rc.describe()
+    assert from_dict(_cfg("model=mini")).model == GPTConfig.preset("mini")
+    check_overrides(["model=hf", "model.hf_config=llama", "model.n_kv_heads=2", "model.pretrained=/x"])
+
+
+def test_every_stage_and_quant_preset_composes() -> None:
+    """Every quant preset at stage 3 (qwZ and hpZ are stage-3 features), stages 0-2 unquantized
+    and stages 1-2 with qgZ (stage 0 all-reduces), alternating GPT-2 and Llama (composing costs ~0.2 s each)."""
+    combos = [(q, 3) for q in RECIPES] + [("none", 0)] + [(q, s) for s in (1, 2) for q in ("none", "qgz")]
+    for k, (quant, stage) in enumerate(combos):
+        arch = ("gpt2", "llama")[k % 2]
+        rc = from_dict(_cfg("model=hf", f"model.hf_config={arch}", f"quant={quant}", f"stage={stage}"))
+        assert isinstance(rc.model, HFConfig) and rc.model.hf_config == arch and rc.zero.stage == stage
+        assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (RECIPES[quant].weights, RECIPES[quant].grads,
+                                                                RECIPES[quant].hpz)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["model=hf", "model.mlp_ratio=2"], "model.mlp_ratio=2 does nothing with model.kind=hf"),
+    (["model=mini", "model.hf_config=llama"], "model.hf_config='llama' does nothing with model.kind=gpt"),
+    (["model.n_kv_heads=2"], "model.n_kv_heads=2 does nothing with model.kind=gpt"),
+    (["model=hf", "model.n_kv_heads=2"], "model.n_kv_heads=2 applies to hf_config=llama only"),
+    (["model=hf", "model.hf_config=bert"], "model.hf_config='bert' is not supported"),
+    (["model=hf", "model.n_heads=3"], "n_heads=3 must divide d_model=64"),
+    (["model=hf", "model.pretrained=/no/such/dir"], "model.pretrained='/no/such/dir' does not exist"),
+    (["model.kind=bert"], "model.kind='bert'; allowed: gpt, hf"),
+])
+def test_bad_model_settings_name_the_key(args: list[str], words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        from_dict(_cfg(*args))
+
+
+def test_runner_refuses_model_hf_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hydra import compose, initialize_config_module
+
+    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["model=hf"])
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r'model=hf needs the Hugging Face extra.*pip install -e "\.\[hf\]"'):
+        from_omegaconf(cfg)
+    from_dict(_cfg("model=hf"))  # composing and validating need no transformers
+
+
+@pytest.mark.parametrize("trainer", ["zeropp", "fsdp2", "ddp"])
+def test_trainers_build_the_hf_model(trainer: str) -> None:
+    pytest.importorskip("transformers", reason=REASON)
+    from zeropp.experiments.trainers import build_model
+    from zeropp.models import build_hf_model
+
+    rc = from_dict(_cfg("model=hf", "model.hf_config=llama", *TINY, f"trainer={trainer}", "train.seed=5"))
+    model = build_model(rc, torch.device("cpu"))
+    ref = build_hf_model(rc.model, seed=5)
+    assert type(model) is type(ref) and len(model.blocks) == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))  # seeded like every rank
+
+

@@ -1,0 +1,299 @@
+"""Every bad input is refused before any rank starts: one ``error: ...`` line naming the key, the
+value and what is allowed, exit 2. Each fault is provoked for real (a missing or unreadable
+corpus, an unwritable directory, a topology too big for this host) through the runner's own
+command line, run in-process (``cli_helpers.run_cli``) so no rank or interpreter starts.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_experiments_inputs.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from zeropp.experiments import preflight
+from zeropp.experiments.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
+from zeropp.experiments.console import human_bytes
+from zeropp.experiments.overrides import check_overrides
+from zeropp.runtime import OptimizerConfig, ZeroConfig
+
+from tests.cli_helpers import run_cli
+
+ROOT = os.geteuid() == 0
+
+
+def _cfg(*overrides: str) -> dict:
+    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capfd):
+    """``cli(*args)`` -> the runner's stderr, after checking it exited 2 with one ``error:`` line."""
+    def call(*args: str) -> str:
+        code, err = run_cli(list(args), tmp_path / "run", monkeypatch, capfd)
+        assert code == 2, err
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        return lines[0]
+    return call
+
+
+# ------------------------------------------------------------------ keys the data source would ignore
+@pytest.mark.parametrize("args, words", [
+    (["data.path=/nonexistent"], ["data.path='/nonexistent'", "data.source=python_stdlib", "add data.source=path"]),
+    (["data=random", "data.path=/tmp"], ["data.path='/tmp'", "data.kind=random", "data=text"]),
+    (["data=random", "data.max_bytes=100000"], ["data.max_bytes=100000", "data.kind=random"]),
+    (["data=random", "data.val_fraction=0.1"], ["data.val_fraction=0.1", "data.kind=random"]),
+    (["data=licenses", "data.kind=random"], ["data.source='path'", "data.kind=random"]),
+    (["data.max_bytes=2000"], ["data.max_bytes=2000", ">= 4096"]),
+])
+def test_a_data_key_the_source_ignores_is_refused(cli, args: list[str], words: list[str]) -> None:
+    line = cli(*args)
+    assert all(w in line for w in words), line
+
+
+def test_data_keys_at_their_defaults_are_accepted() -> None:
+    assert from_dict(_cfg("data=random")).data == DataConfig(kind="random")
+    assert from_dict(_cfg("data.kind=random")).data.kind == "random"  # the text defaults are not "set"
+    assert from_dict(_cfg("data.source=path", "data.path=/x")).data.path == "/x"  # existence: checked by the runner
+
+
+# ------------------------------------------------------------------ the corpus, read before the ranks
+def test_missing_corpus_path_is_refused_before_ranks(cli) -> None:
+    line = cli("data.source=path", "data.path=/nonexistent")
+    assert "data.path='/nonexistent' does not exist" in line, line
+
+
+def test_short_or_unreadable_corpus_is_refused_before_ranks(cli, tmp_path) -> None:
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"x" * 100)
+    assert "data.path=" in (line := cli("data.source=path", f"data.path={small}")) and "100 bytes" in line, line
+    one_seq = tmp_path / "one.txt"
+    one_seq.write_bytes(b"y" * 5000)  # enough bytes, but not one window of model.seq_len=8000
+    line = cli("data.source=path", f"data.path={one_seq}", "model.seq_len=8000")
+    assert "model.seq_len=8000" in line and "shorter than one training sequence" in line, line
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # reading it would block forever
+    assert "neither a file nor a directory" in cli("data.source=path", f"data.path={fifo}")
+    if ROOT:  # permission bits do not stop root; a file the kernel refuses to read does
+        unreadable = "/proc/self/mem"
+    else:
+        unreadable = tmp_path / "secret.txt"
+        unreadable.write_bytes(b"z" * 10_000)
+        unreadable.chmod(0)
+    line = cli("data.source=path", f"data.path={unreadable}")
+    assert "cannot read" in line and str(unreadable) in line, line
+
+
+# ------------------------------------------------------------------ values of the wrong type
+@pytest.mark.parametrize("arg, message", [
+    ("train.steps=abc", "train.steps=abc: expected an integer"),
+    ("train.seed=1.5", "train.seed=1.5: expected an integer"),
+    ("train.steps=1e3", "train.steps=1e3: expected an integer"),
+    ("stage=three", "stage=three: expected an integer"),
+    ("resume=maybe", "resume=maybe: expected true or false"),
+    ("optim.lr=fast", "optim.lr=fast: expected a number"),
+    ("optim.betas=0.9", "optim.betas=0.9: expected a list"),
+    ("optim.betas=[0.9,abc]", "optim.betas=[0.9,abc]: expected a number"),
+    ("zero.grad_clip=big", "zero.grad_clip=big: expected a number or null"),
+    ("train.steps=null", "train.steps=null: expected an integer (this key cannot be null)"),
+])
+def test_wrong_type_is_one_clear_line(arg: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_overrides([arg])
+    assert message in str(e.value), str(e.value)
+    with pytest.raises((HydraException, ValidationError)):  # the reference: Hydra refuses it too
+        _cfg(arg)
+
+
+@pytest.mark.parametrize("arg", ["train.steps='3'", "train.steps=int(3.0)", "optim.lr=1", "zero.grad_clip=null",
+                                 "optim.betas=[0.8,0.95]", "train.checkpoint_dir=null", "resume=true"])
+def test_values_hydra_accepts_pass_the_precheck(arg: str) -> None:
+    check_overrides([arg])
+    _cfg(arg)  # the reference: Hydra composes it
+
+
+def test_sweep_values_are_each_checked() -> None:
+    with pytest.raises(ConfigError, match=r"train\.steps=x: expected an integer"):
+        check_overrides(["-m", "train.steps=1,2,x"])
+    check_overrides(["-m", "train.steps=range(1,4)", "train.seed=1,2"])
+
+
+def test_wrong_type_on_the_command_line_exits_2(cli) -> None:
+    assert "train.steps=abc: expected an integer" in cli("train.steps=abc")
+    assert "train.seed=1.5: expected an integer" in cli("train.seed=1.5")
+
+
+# ------------------------------------------------------------------ inf and nan
+def _float_keys() -> list[tuple[str, str]]:
+    """Every float key of every section (``key``, the value that sets it to inf)."""
+    out = []
+    for section, cls in {**SECTION_CLASSES, "model": MODEL_KINDS["hf"]}.items():
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if typing.get_origin(tp) is tuple and float in typing.get_args(tp):
+                out.append((f"{section}.{f.name}", "[0.9,{}]"))
+            elif tp is float or float in typing.get_args(tp):
+                out.append((f"{section}.{f.name}", "{}"))
+    return out
+
+
+FLOAT_KEYS = _float_keys()
+
+
+def test_the_float_keys_are_found() -> None:
+    keys = {k for k, _ in FLOAT_KEYS}
+    assert {"optim.lr", "optim.betas", "zero.loss_scale_init", "zero.grad_clip", "cluster.inter_gbps",
+            "launcher.timeout_s", "logger.init_timeout_s", "data.val_fraction"} <= keys, keys
+
+
+@pytest.mark.parametrize("key, form", FLOAT_KEYS)
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_every_float_key_refuses_non_finite(key: str, form: str, bad: str) -> None:
+    context = {"cluster": ["cluster=emulated"], "zero": ["zero.precision=fp16"]}.get(key.split(".")[0], [])
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg(*context, f"{key}={form.format(bad)}"))
+    assert f"{key}=" in str(e.value) and "finite" in str(e.value), str(e.value)
+
+
+def test_library_configs_refuse_non_finite() -> None:
+    for kw in ({"lr": math.inf}, {"eps": math.inf}, {"weight_decay": math.nan}, {"lr": math.nan}):
+        with pytest.raises(ValueError, match="finite"):
+            OptimizerConfig(**kw)
+    for kw in ({"loss_scale_init": math.inf}, {"grad_clip": math.inf}, {"grad_clip": math.nan}):
+        with pytest.raises(ValueError, match="finite"):
+            ZeroConfig(**kw)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["cluster=emulated", "cluster.inter_gbps=inf"], "cluster.inter_gbps=inf"),
+    (["optim.lr=inf"], "optim.lr=inf"),
+    (["zero.precision=fp16", "zero.loss_scale_init=inf"], "zero.loss_scale_init=inf"),
+    (["optim.lr=nan"], "optim.lr=nan"),
+])
+def test_non_finite_on_the_command_line_exits_2(cli, args: list[str], key: str) -> None:
+    line = cli(*args)
+    assert key in line and "finite" in line, line
+
+
+# ------------------------------------------------------------------ this host's size
+def test_more_local_ranks_than_the_host_can_run(cli) -> None:
+    line = cli("topology.nodes=1000")
+    bound = preflight.RANKS_PER_CPU * preflight.host_cpus()
+    assert "topology.nodes=1000" in line and "2000 ranks" in line and f"at most {bound} local CPU ranks" in line, line
+
+
+def test_local_rank_bound_is_exact() -> None:
+    n = preflight.RANKS_PER_CPU * preflight.host_cpus()
+    preflight.check_local_ranks(from_dict(_cfg("model=tiny", f"topology.nodes={n}", "topology.ranks_per_node=1")))
+    with pytest.raises(ConfigError, match=f"{n + 1} ranks"):
+        preflight.check_local_ranks(from_dict(_cfg("model=tiny", f"topology.nodes={n + 1}",
+                                                   "topology.ranks_per_node=1", "launcher.device=cpu")))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["stage=0"], ["stage=1"], ["stage=2"], ["stage=3"], ["stage=3", "quant=zeropp"], ["stage=2", "zero.precision=bf16"],
+    ["stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"], ["stage=1", "zero.offload_optimizer=cpu"],
+])
+def test_memory_estimate_is_the_formula_of_experiments_memory(overrides: list[str]) -> None:
+    from zeropp.experiments.memory import predictions
+
+    rc = from_dict(_cfg("model=small", *overrides))
+    chosen = next(r for r in predictions(rc) if r["chosen"])  # the reference: what experiments.memory prints
+    got = preflight.model_state_per_rank(rc)
+    assert got == pytest.approx(chosen["tiers"]), (got, chosen["tiers"])
+
+
+def test_memory_estimate_of_other_trainers_and_lora() -> None:
+    from zeropp.experiments.memory import predictions
+    from zeropp.models import GPT
+
+    ddp = from_dict(_cfg("model=small", "trainer=ddp"))  # DDP holds stage 0's replicas
+    ref = next(r for r in predictions(from_dict(_cfg("model=small", "stage=0"))) if r["chosen"])
+    assert preflight.model_state_per_rank(ddp) == pytest.approx(ref["tiers"])
+    rc = from_dict(_cfg("model=tiny", "model.lora_rank=4", "stage=3"))
+    frozen = sum(p.numel() for p in GPT(rc.model).parameters() if not p.requires_grad)  # the real model's frozen base
+    assert rc.model.with_(lora_rank=0).num_params() == frozen
+    full = preflight.model_state_per_rank(from_dict(_cfg("model=tiny", "stage=3")))
+    assert preflight.model_state_per_rank(rc)["device"] < full["device"]  # no optimizer state for the frozen base
+
+
+def test_model_states_beyond_host_memory(cli) -> None:
+    big = ["model.d_model=16384", "model.n_layers=64", "model.n_heads=16", "launcher.device=cpu"]
+    rc = from_dict(_cfg(*big))
+    per_rank = max(preflight.model_state_per_rank(rc)["device"], 4.0 * rc.model.num_params())
+    assert per_rank * 4 > preflight.host_memory()  # the premise: 2x2 CPU ranks of it cannot fit
+    line = cli(*big)
+    assert human_bytes(per_rank * 4) in line and human_bytes(preflight.host_memory()) in line, line
+    assert f"{rc.model.num_params():,}" in line and "host memory" in line, line
+
+
+# ------------------------------------------------------------------ the checkpoint directory
+def _unwritable_dir(tmp_path):
+    """A directory this process really cannot create files in (root ignores permission bits)."""
+    if ROOT:
+        return "/proc"
+    d = tmp_path / "readonly"
+    d.mkdir()
+    d.chmod(0o500)
+    return d
+
+
+def test_unwritable_checkpoint_dir_is_refused_before_ranks(cli, tmp_path) -> None:
+    target = f"{_unwritable_dir(tmp_path)}/ckpt"
+    line = cli("train.checkpoint_every=5", f"train.checkpoint_dir={target}")
+    assert f"train.checkpoint_dir='{target}' cannot be written" in line, line
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    line = cli("train.checkpoint_every=5", f"train.checkpoint_dir={afile}/ckpt")
+    assert "is not a directory" in line and str(afile) in line, line
+    assert afile.read_text() == "mine"
+
+
+def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # restored afterwards
+    before = sorted(tmp_path.rglob("*"))
+    preflight.check_writable_dir("train.checkpoint_dir", tmp_path / "a" / "b")  # nearest existing: tmp_path
+    preflight.check_writable_dir("train.checkpoint_dir", tmp_path)
+    assert sorted(tmp_path.rglob("*")) == before
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    os.chdir(gone)  # a relative path under a deleted working directory: refused, not looped on
+    try:
+        gone.rmdir()
+        with pytest.raises(ConfigError, match=r"'a/b' cannot be written: \. does not let this process create"):
+            preflight.check_writable_dir("train.checkpoint_dir", Path("a/b"))
+    finally:
+        os.chdir(tmp_path)
+    # not saving: the directory is not needed, so not checked
+    rc = from_dict(_cfg("train.checkpoint_every=0", f"train.checkpoint_dir={_unwritable_dir(tmp_path)}/ckpt"))
+    preflight.check_before_launch(rc, tmp_path, local=False)
+
+
+# ------------------------------------------------------------------ the rest of the audit
+@pytest.mark.parametrize("args, words", [
+    (["cluster.inter_gbps=3"], ["cluster.inter_gbps=3.0", "cluster=local", "add cluster=emulated"]),
+    (["cluster.inter_latency_ms=5"], ["cluster.inter_latency_ms=5.0", "cluster=local"]),
+    (["logger=none", "logger.mode=online"], ["logger.mode='online'", "logger=none"]),
+    (["logger=none", "logger.entity=me"], ["logger.entity='me'", "logger=none"]),
+    (["logger.init_timeout_s=0"], ["logger.init_timeout_s=0.0", "> 0"]),
+    (["train.seed=4294967296"], ["train.seed=4294967296", "[0, 2**32)"]),
+    (["train.checkpoint_dir="], ["train.checkpoint_dir=''", "null"]),
+    (["launcher.pg_timeout_s=1e15"], ["launcher.pg_timeout_s=1000000000000000.0", "<= 1e+09"]),
+])
+def test_audit_refusals(cli, args: list[str], words: list[str]) -> None:
+    line = cli(*args)
+    assert all(w in line for w in words), line

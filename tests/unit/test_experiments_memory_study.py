@@ -1,0 +1,48 @@
+"""``python -m experiments.memory_study``: the per-phase memory study of a plain MLP, at a tiny size.
+
+One 4-rank run (width 8, 3 layers: Ψ = 216, so every unit splits evenly over N = 4 and the
+formula holds to the byte) through ``main``: every rank's model state at the end of backward
+equals ZeRO's formula computed here by hand, for stage 0, ZeRO-1/2/3 and ZeRO-3 with CPU offload;
+the phases hold what ``zeropp.runtime.memory.PHASES`` says; the table, the PNG and the JSON are
+written. Without processes: a measurement that differs from the formula is reported and exits 1,
+the formula texts for bf16, and bad options refused (exit 2) before any rank starts.
+
+Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_experiments_memory_study.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropp.experiments import memory_study as ms
+
+
+def test_bf16_formulas_are_the_papers() -> None:
+    cfg = ms.StudyConfig(precision="bf16")
+    texts = [(ms.formula_text(cfg, z, "device"), ms.formula_text(cfg, z, "host")) for _, z in ms.CONFIGS]
+    # 2-byte weights and gradients + 12 bytes of fp32 master, m, v; offload: 2Ψ/N params + 12Ψ/N + 4Ψ/N fp32 grads
+    assert texts == [("16Ψ", "0"), ("4Ψ + 12Ψ/N", "0"), ("2Ψ + 14Ψ/N", "0"), ("16Ψ/N", "0"), ("2Ψ/N", "18Ψ/N")]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--width", "0"], "width=0"),
+    (["--precision", "fp16"], "precision='fp16'"),
+    (["--tolerance", "1.5"], "tolerance=1.5"),
+])
+def test_bad_options_are_refused_before_any_rank_starts(argv, says, monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as e:
+        ms.main([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: invalid config: ") and says in err, err
+
+
+def test_an_out_dir_that_cannot_be_created_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit) as e:
+        ms.main(["--out", str(blocker / "study")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot be created" in err and "a_file/study" in err, err
+    assert blocker.read_text() == "not a directory"  # untouched

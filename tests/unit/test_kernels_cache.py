@@ -1,0 +1,67 @@
+"""The native kernels' build cache (``kernels/build_cache.py``) trusts a cached library only when
+it should: the faults a user meets, provoked for real in a temporary cache directory.
+
+A "planted" library is a real shared object whose constructor writes a marker file when it is
+``dlopen``-ed, so "not loaded" is proven by the marker's absence, not assumed. One real build of
+the kernels (the compiler, ~5 s) serves the whole file; the other rebuilds copy its bytes.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_kernels_cache.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from zeropp.kernels import build_cache, cpu_native
+
+
+def test_cpu_native_falls_back_loudly_when_the_cache_is_unsafe_and_nothing_builds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No usable cache and no compiler: library() is None with the reason, and cpu.py warns once."""
+    from zeropp.kernels import cpu
+
+    cache_root = tmp_path / "root"
+    (cache_root / "cpu_native").mkdir(parents=True)
+    (cache_root / "cpu_native").chmod(0o777)
+    monkeypatch.setenv("ZEROPP_CACHE_DIR", str(cache_root))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    (tmp_path / "no-such-compiler").write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake 1 && exit 0\nexit 1\n")
+    (tmp_path / "no-such-compiler").chmod(0o755)
+    for attr, value in (("ENABLED", True), ("_LIB", None), ("FAILED", None)):
+        monkeypatch.setattr(cpu_native, attr, value)
+    monkeypatch.setattr(cpu, "_native_warned", False)
+    build_cache._WARNED.clear()
+    with pytest.warns(RuntimeWarning) as rec:
+        assert not cpu.native_enabled()
+    text = [str(w.message) for w in rec]
+    assert any("not using the kernel cache" in t and "writable by group and others" in t for t in text), text
+    assert any("native CPU quantization kernels are unavailable" in t and "failed" in t for t in text), text
+    assert cpu_native.FAILED is not None and "no-such-compiler failed" in cpu_native.FAILED
+
+
+# ------------------------------------------------------------------ how it is written
+def test_build_fsyncs_file_and_directory_around_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        import stat as st
+        events.append("fsync dir" if st.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst, **kw) -> None:
+        events.append(f"replace {dst}")
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(build_cache.os, "fsync", fsync)
+    monkeypatch.setattr(build_cache.os, "replace", replace)
+    build_cache.cached_library(tmp_path / "c", "zq_x.so", lambda out: out.write_bytes(b"lib bytes"))
+    assert events == ["fsync file", "fsync file", "replace zq_x.so", "replace zq_x.so.sha256", "fsync dir"]
+    assert oct((tmp_path / "c" / "zq_x.so").stat().st_mode & 0o777) == oct(0o555)
+    assert oct((tmp_path / "c").stat().st_mode & 0o777) == oct(0o700)  # created private
+
+

@@ -1,0 +1,115 @@
+"""Hugging Face GPT-2 and Llama through the engine: ZeRO stages 0-3 in fp32 train exactly like the
+unwrapped ``transformers`` model in one process; local checkpoints load; bad settings and a missing
+extra are clear errors.
+
+Needs the optional extra (``pip install -e ".[hf]"``); without it the tests that build a model
+skip with that reason, and the ones about configs and the missing-extra message still run.
+The parity check is the one of tests/distributed/test_runtime_parity.py (same tolerances), on tiny models with
+awkward sizes (Llama: grouped-query attention 4 heads / 2 key-value heads, MLP width 48).
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_models_hf.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.runtime_helpers import micro_batch
+from zeropp.models import HFConfig, build_hf_model
+from zeropp.models.hf import hf_model_config
+
+REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
+GPT2 = HFConfig(hf_config="gpt2", d_model=32, n_layers=2, n_heads=2, seq_len=16)
+LLAMA = HFConfig(hf_config="llama", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48, seq_len=16)
+
+
+@pytest.fixture
+def tf() -> Any:
+    return pytest.importorskip("transformers", reason=REASON)
+
+
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA, GPT2.with_(tie_embeddings=True), LLAMA.with_(n_kv_heads=None, d_model=24),
+                                 GPT2.with_(attn_implementation="eager", n_layers=1, intermediate_size=17)],
+                         ids=["gpt2", "llama", "gpt2-tied", "llama-mha", "gpt2-eager"])
+def test_shape_blocks_and_param_count(tf: Any, cfg: HFConfig) -> None:
+    model = build_hf_model(cfg, seed=0)
+    assert model.hf.config._attn_implementation == cfg.attn_implementation
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == cfg.n_layers
+    assert not any("blocks" in n for n, _ in model.named_parameters())  # blocks are not registered twice
+    idx, tgt = micro_batch(0, 0, 0, cfg)  # type: ignore[arg-type]
+    logits, loss = model(idx[:, :7], tgt[:, :7])  # a short window (7 of 16)
+    assert logits.shape == (idx.size(0), 7, cfg.vocab_size) and logits.dtype == torch.float32
+    ref = F.cross_entropy(model.hf(input_ids=idx[:, :7]).logits.reshape(-1, cfg.vocab_size), tgt[:, :7].reshape(-1))
+    assert torch.equal(loss, ref)  # targets are the next tokens already: no second shift
+    assert model(idx)[1] is None
+    with pytest.raises(ValueError, match="seq_len=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    same = build_hf_model(cfg, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))  # seeded
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), build_hf_model(cfg, seed=1).parameters()))
+
+
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_pretrained_local_directory_round_trip(tf: Any, tmp_path: Any, cfg: HFConfig) -> None:
+    """Weights, and the checkpoint's own settings that HFConfig does not hold (norm epsilon), load;
+    dropout is switched off."""
+    conf = hf_model_config(cfg)
+    eps, drop = {"gpt2": ("layer_norm_epsilon", "resid_pdrop"),
+                 "llama": ("rms_norm_eps", "attention_dropout")}[cfg.hf_config]
+    setattr(conf, eps, 1e-3)
+    setattr(conf, drop, 0.1)
+    torch.manual_seed(3)
+    hf = type(build_hf_model(cfg).hf)(conf)
+    hf.save_pretrained(tmp_path)
+    hf.eval()  # the reference without its dropout
+    loaded = build_hf_model(cfg.with_(pretrained=str(tmp_path)), seed=0)  # the seed must not matter
+    assert getattr(loaded.hf.config, eps) == 1e-3 and getattr(loaded.hf.config, drop) == 0.0
+    assert loaded.training and loaded.hf.config.use_cache is False
+    a, b = hf.state_dict(), loaded.hf.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    idx, tgt = micro_batch(0, 0, 0, cfg)  # type: ignore[arg-type]
+    assert torch.equal(hf(input_ids=idx).logits, loaded(idx, tgt)[0])
+    with pytest.raises(ValueError, match=r"does not match this config; the checkpoint has d_model=32"):
+        cfg.with_(pretrained=str(tmp_path), d_model=64)
+    other = "llama" if cfg.hf_config == "gpt2" else "gpt2"
+    with pytest.raises(ValueError, match=f"holds a '{cfg.hf_config}' model but hf_config='{other}'"):
+        HFConfig(hf_config=other, pretrained=str(tmp_path))
+
+
+def test_pretrained_missing_directory_is_a_clear_error(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"HFConfig.pretrained=.*does not exist; give a local directory"):
+        HFConfig(pretrained=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        HFConfig(pretrained=str(tmp_path))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(hf_config="bert"), "hf_config='bert' is not supported; choose one of gpt2, llama"),
+    (dict(n_layers=0), "HFConfig.n_layers must be an integer >= 1, got 0"),
+    (dict(d_model=30, n_heads=4), "n_heads=4 must divide d_model=30"),
+    (dict(n_kv_heads=1), "n_kv_heads=1 applies to hf_config=llama only"),
+    (dict(hf_config="llama", n_heads=4, n_kv_heads=3), "n_kv_heads=3 must divide n_heads=4"),
+    (dict(hf_config="llama", d_model=12, n_heads=4), "head size d_model / n_heads = 3 must be even"),
+    (dict(intermediate_size=0), "HFConfig.intermediate_size must be an integer >= 1"),
+    (dict(attn_implementation="flash"), "choose sdpa or eager"),
+])
+def test_bad_settings_name_the_field(kw: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        HFConfig(**kw)
+
+
+def test_missing_extra_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    cfg = HFConfig(hf_config="llama")  # the config needs no transformers
+    assert cfg.num_params() > 0
+    with pytest.raises(ImportError, match=r'need the optional extra: pip install -e "\.\[hf\]"'):
+        build_hf_model(cfg)
+
+

@@ -1,0 +1,103 @@
+"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem)
+and experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/e2e/test_runtime_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import pytest
+
+from zeropp.experiments import bench_cluster
+from zeropp.experiments.bench_fsdp import job_overrides, parse_args
+from zeropp.experiments.overrides import check_overrides
+
+
+def test_bench_fsdp_jobs_differ_only_in_the_trainer() -> None:
+    """Identical overrides except what only our trainer has; every key exists in the runner's schema."""
+    a = parse_args(["--quant", "zeropp", "--nodes", "2"])
+    ours, fsdp = job_overrides(a, "ours"), job_overrides(a, "fsdp2")
+    assert set(ours) - set(fsdp) == {"trainer=zeropp", "stage=3", "quant=zeropp", "zero.prefetch_depth=1"}
+    assert set(fsdp) - set(ours) == {"trainer=fsdp2"}
+    assert "topology.ranks_per_node=2" in fsdp and "zero.precision=fp32" in fsdp
+    check_overrides(ours)
+    check_overrides(fsdp)
+
+
+@pytest.mark.parametrize("argv", [["--nodes", "3"], ["--steps", "0"], ["--quant", "int3"]])
+def test_bench_fsdp_refuses_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+
+
+def _cluster_summary(quant: str, step: float, wait: float, cross: float) -> dict:
+    """A summary.json as the runner writes it for a bench_cluster job (the fields the bench reads)."""
+    spec = {"bits": 8, "group_size": None, "rounding": "nearest", "intra_bits": None, "error_feedback": False,
+            "seed": 0, "scheme": "int"}
+    zero = {"stage": 3, "precision": "fp32", "hpz": quant == "zeropp", "hpz_size": None, "grad_accum_steps": 1,
+            "weights": spec if quant == "zeropp" else None,
+            "grads": {**spec, "bits": 4} if quant == "zeropp" else None}
+    cfg = {"zero": zero, "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2,
+                                   "mlp_ratio": 4},
+           "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None}, "train": {"micro_batch_size": 2},
+           "trainer": {"name": "zeropp"}, "cluster": {"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0}}
+    return {"config": cfg, "step_time_s": {"median": step, "mean": step}, "engine_comm_wait_s_per_step": wait,
+            "comm_wait_s_per_step": wait, "engine_comm_bytes_per_step": {"by_link": {"cross": cross, "intra": 1.0}},
+            "placement": {"cluster": "emulated", "measured_gbps": 0.9},
+            "model": {"params": 30_000, "flops_per_token": 1.0},
+            "loss": {"first": 5.6, "final": 5.5}, "run_dir": "x"}
+
+
+def test_bench_cluster_reads_the_summaries() -> None:
+    """Medians over rounds, compute = step - wait, the projection at the measured rate, the table."""
+    a = bench_cluster.parse_args(["--gbps", "1", "--rounds", "3", "--preset", "tiny"])
+    assert "cluster.inter_gbps=1.0" in bench_cluster.job_overrides(a, 1.0, "zeropp")
+    for mode in bench_cluster.MODES:
+        check_overrides(bench_cluster.job_overrides(a, 1.0, mode))
+    rows = []
+    row: dict = {"gbps": 1.0}
+    for mode, quant, steps in (("zero3", "none", (0.5, 0.7, 0.6)), ("zeropp", "zeropp", (0.3, 0.2, 0.4))):
+        sums = [_cluster_summary(quant, s, 0.1, 2e5) for s in steps]
+        sums[0][bench_cluster.UPLINK_KEY] = 4e5 if mode == "zero3" else None  # recorded by some runs only
+        m = bench_cluster.aggregate(mode, sums)
+        assert m["step_s"] == statistics.median(steps) and m["compute_s"] == pytest.approx(m["step_s"] - 0.1)
+        assert m["measured_gbps"] == 0.9 and m["cross_bytes"] == 2e5
+        assert m["uplink_bytes"] == (4e5 if mode == "zero3" else None)
+        m["predicted"] = p = bench_cluster.predict(m, sums[0], m["measured_gbps"])
+        assert p["step_s"] > m["compute_s"] and math.isfinite(p["step_s"]) and p["cross_bytes"] > 0
+        assert (p["quant_s"] > 0) == (quant == "zeropp")
+        row[mode] = m
+    row.update(measured_gbps=0.9, speedup=row["zero3"]["step_s"] / row["zeropp"]["step_s"])
+    rows.append(row)
+    text = bench_cluster.format_rows(rows, a)
+    assert "| 1 (0.900) | 0.600 | 0.300 | 2.00x |" in text and "predicted vs measured speedup" in text
+    uplink = [line for line in text.splitlines() if line.startswith("| 1 | ZeRO") and "0.40 |" in line]
+    assert len(uplink) == 1 and uplink[0].startswith("| 1 | ZeRO-3 | 0.40 |")
+
+
+def test_bench_cluster_refuses_bad_arguments() -> None:
+    for argv in (["--rounds", "0"], ["--gbps", "0,1"]):
+        with pytest.raises(SystemExit):
+            bench_cluster.parse_args(argv)
+    assert isinstance(bench_cluster.parse_args([]), argparse.Namespace)
+
+
+def test_bench_fsdp_reads_both_summaries(monkeypatch, capsys) -> None:
+    from zeropp.experiments import bench_fsdp
+
+    def fake_job(overrides: list[str], run_dir) -> dict:
+        ours = "trainer=zeropp" in overrides
+        return {"step_time_s": {"median": 0.2 if ours else 0.4}, "memory_max_rank_bytes": 3 << 20 if ours else 4 << 20,
+                "loss": {"curve": [5.5, 5.4]}, "tokens_per_s": 1.0, "device": "cpu", "run_dir": str(run_dir)}
+
+    monkeypatch.setattr(bench_fsdp, "run_job", fake_job)
+    out = bench_fsdp.main([])
+    assert out["time_ratio"] == 0.5 and out["memory_ratio"] == 0.75
+    text = capsys.readouterr().out
+    assert "4 ranks (1 node(s), cpu)" in text and "GPT small" in text and "0.75" in text

@@ -1,0 +1,142 @@
+"""Wrapping any ``nn.Module``: block policies, any micro-batch and output form, and the errors.
+
+A toy regression model that is not the GPT (no ``blocks`` ModuleList, awkward sizes 7 -> 17 -> 5,
+blocks returning dicts) is trained by ZeroEngine at stages 0-3 on 2 gloo ranks and compared with
+single-process training on the global batch (``torch.optim.AdamW`` + ``clip_grad_norm_``), to the
+tolerance of ``test_runtime_parity``, in three forms:
+
+- ``dict``: dict micro-batches (``model(**mb)``), the model returns ``{"pred": ...}`` and the loss is
+  the trainer's ``loss_fn(output, mb)``; blocks chosen by class list;
+- ``attr``: dict micro-batches, the model returns a plain dataclass with a ``loss`` attribute (which
+  ``torch.utils._pytree`` cannot flatten: stage 3 gathers the root before backward itself); blocks
+  chosen by a ``callable(name, module)``;
+- ``scalar``: tuple micro-batches (``model(*mb)``), the model returns the scalar loss; blocks by one class.
+
+Errors, each raised identically on every rank, with the world still usable afterwards (no hang):
+a block policy that matches nothing; at stage 3 a block that uses another block's parameter (on
+every rank, and on one rank only: the case that used to leave the other ranks waiting); blocks
+that run in another order than the policy lists them (their gradients would arrive after the
+unit was reduced), caught after forward, and the backstop after backward for such late gradients.
+
+Here: the one-process checks of this topic; its other tiers' checks are in
+``tests/distributed/test_runtime_wrap.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeropp.runtime.partition import build_units, find_blocks
+
+D_IN, D, D_OUT, N_LAYERS, B = 7, 17, 5, 3, 3
+
+
+class ResBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.lin = nn.Linear(D, D)
+        self.borrow: list[nn.Module] = []  # not registered: another block's layer used here (error tests)
+
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:  # [B, D] -> {"h": [B, D]}
+        y = self.lin(self.norm(h))
+        for other in self.borrow:
+            y = y + F.linear(h, other.weight)
+        return {"h": h + torch.tanh(y)}
+
+
+@dataclasses.dataclass
+class Out:
+    pred: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class Toy(nn.Module):
+    """``x [B, 7] -> pred [B, 5]`` through 3 residual blocks registered as ``l0, l1, l2``."""
+
+    def __init__(self, form: str = "dict", order: tuple[int, ...] = (0, 1, 2)) -> None:
+        super().__init__()
+        self.form, self.order = form, order
+        self.inp = nn.Linear(D_IN, D)
+        for i in range(N_LAYERS):
+            self.add_module(f"l{i}", ResBlock())
+        self.out = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        h = self.inp(x)  # [B, D]
+        for i in self.order:
+            h = getattr(self, f"l{i}")(h)["h"]
+        pred = self.out(h)  # [B, 5]
+        if self.form == "dict":
+            return {"pred": pred}
+        loss = None if y is None else F.mse_loss(pred, y)
+        return Out(pred, loss) if self.form == "attr" else loss
+
+
+def mse_of(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(out["pred"], mb["y"])
+
+
+def make_toy(form: str = "dict", **kw: Any) -> Toy:
+    torch.manual_seed(0)
+    return Toy(form, **kw)
+
+
+def data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + 101 * micro + rank)
+    x = torch.randn(B, D_IN, generator=g)
+    return x, torch.sin(x[:, :D_OUT] * 3) + 0.1 * torch.randn(B, D_OUT, generator=g)
+
+
+def test_block_policies_choose_the_outermost_matches() -> None:
+    m = make_toy()
+    assert find_blocks(m) == []  # the default rule: no ModuleList, everything is the root
+    assert find_blocks(m, ResBlock) == [m.l0, m.l1, m.l2]
+    # a Linear inside a ResBlock belongs to that block; the top-level Linears are blocks of their own
+    assert find_blocks(m, [ResBlock, nn.Linear]) == [m.inp, m.l0, m.l1, m.l2, m.out]
+    assert find_blocks(m, lambda name, mod: name.startswith("l")) == [m.l0, m.l1, m.l2]
+    units, blocks, root, _ = build_units(m, stage=3, world_size=2, rank=0, dtype=torch.float32, policy=[ResBlock])
+    assert [u.name for _, u in blocks] == ["block0", "block1", "block2"]
+    assert [s.name for s in root.slots] == ["inp.weight", "inp.bias", "out.weight", "out.bias"]
+    # one block object listed twice (weights reused at two depths) is one unit, its second names aliases
+    a, b = ResBlock(), ResBlock()
+    reuse = nn.Module()
+    reuse.blocks = nn.ModuleList([a, b, a])
+    _, blocks, root, _ = build_units(reuse, stage=3, world_size=2, rank=0, dtype=torch.float32)
+    assert [blk for blk, _ in blocks] == [a, b] and root is None
+    assert blocks[0][1].slots[0].name == "blocks.0.norm.weight" and blocks[0][1].slots[0].aliases == ("blocks.2.norm.weight",)
+    # a module registered in two blocks: its parameters go to the root unit
+    m2 = make_toy()
+    m2.l1.extra = m2.l0.lin
+    _, blocks, root, _ = build_units(m2, stage=3, world_size=2, rank=0, dtype=torch.float32, policy=ResBlock)
+    assert [s.name for s in root.slots] == ["inp.weight", "inp.bias", "l0.lin.weight", "l0.lin.bias", "out.weight", "out.bias"]
+    assert root.slots[2].aliases == ("l1.extra.weight",)
+    assert [s.name for s in blocks[0][1].slots] == ["l0.norm.weight", "l0.norm.bias"]
+    with pytest.raises(TypeError, match="nn.Module subclasses"):
+        find_blocks(m, ["l0"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="callable"):
+        find_blocks(m, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"blocks=\[GRU\] matches no submodule of Toy"):
+        find_blocks(m, [nn.GRU])
+
+
+def test_loss_errors_name_what_was_found() -> None:
+    from zeropp.runtime.batch import call_model, loss_of
+
+    m = make_toy("dict")
+    x, y = data(0, 0, 0)
+    with torch.no_grad():
+        out = call_model(m, {"x": x, "y": y})
+    with pytest.raises(ValueError, match=r"no loss in the model's output\['loss'\].*loss_fn"):
+        loss_of(out, {"x": x})
+    with pytest.raises(ValueError, match=r"tensor of shape \[3, 5\], not a one-element"):
+        loss_of(out["pred"], x)
+    assert float(loss_of(out, {"y": y}, mse_of)) == pytest.approx(float(F.mse_loss(out["pred"], y)))
+    assert loss_of(Out(out["pred"], torch.tensor(2.0)), None).item() == 2.0
+    assert loss_of((out["pred"], torch.tensor([3.0])), None).shape == ()

@@ -1,0 +1,81 @@
+"""The test tiers (``tests/conftest.py``, ``testpaths`` in pyproject.toml): each test is marked with
+its folder, only ``tests/gpu/`` holds ``cuda`` tests, the tiers run cheapest first, and the paths
+other tools name (``scripts/gpu_check.sh``) exist."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import conftest
+from tests.conftest import TESTS, TIERS, tier_of, untiered_test_files
+
+ROOT = TESTS.parent
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 has no tomllib
+    tomllib = pytest.importorskip("tomli")
+
+
+def test_tier_of_reads_the_folder_under_tests() -> None:
+    for tier in TIERS:
+        assert tier_of(TESTS / tier / "test_x.py") == tier
+    assert tier_of(TESTS / "worlds.py") is None  # a helper module: no tier
+    assert tier_of(TESTS / "data" / "readme_collectives.py") is None
+    assert tier_of(ROOT / "zeropp" / "launch.py") is None  # outside tests/
+    assert tier_of(TESTS / "unit") is None  # the folder itself is not a test module in it
+
+
+def test_every_test_module_is_in_a_tier(tmp_path: Path) -> None:
+    assert untiered_test_files() == []  # this checkout
+    (tmp_path / "test_stray.py").write_text("")
+    (tmp_path / "stray_helpers.py").write_text("")
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_placed.py").write_text("")
+    assert untiered_test_files(tmp_path) == ["test_stray.py"]
+    for tier in TIERS:
+        assert (TESTS / tier / "__init__.py").is_file(), tier  # importable: spawned ranks unpickle by module name
+
+
+class _Item:
+    """The part of a pytest Item the collection hook uses."""
+
+    def __init__(self, path: Path, *marks: str) -> None:
+        self.path, self.nodeid, self.marks = path, str(path.relative_to(ROOT)) + "::test_x", set(marks)
+
+    def add_marker(self, name: str) -> None:
+        self.marks.add(name)
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return name if name in self.marks else None
+
+
+def test_each_test_gets_its_folder_marker_and_gpu_tests_are_cuda() -> None:
+    items = [_Item(TESTS / t / "test_x.py") for t in TIERS]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [sorted(i.marks) for i in items] == [["unit"], ["distributed"], ["e2e"], ["cuda", "gpu"]]
+
+
+def test_a_cuda_test_outside_the_gpu_tier_is_refused() -> None:
+    items = [_Item(TESTS / "gpu" / "test_a.py", "cuda"), _Item(TESTS / "distributed" / "test_b.py", "cuda")]
+    with pytest.raises(pytest.UsageError, match=r"marked cuda outside tests/gpu/.*tests/distributed/test_b.py::test_x"):
+        conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+
+
+def test_testpaths_run_the_tiers_cheapest_first_and_markers_are_registered() -> None:
+    opts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert opts["testpaths"] == [f"tests/{t}" for t in TIERS]
+    registered = {m.split(":")[0] for m in opts["markers"]}
+    assert registered >= {*TIERS, "cuda"}
+
+
+def test_the_gpu_check_names_modules_that_exist() -> None:
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    (line,) = re.findall(r"^KERNEL_MODULES=\((.*)\)$", script, flags=re.M)
+    for module in line.split():
+        assert (ROOT / module).is_file(), module
+        assert tier_of(ROOT / module) == "gpu", module
