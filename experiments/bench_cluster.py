@@ -58,8 +58,14 @@ from .launcher import RankFailure
 from .run import run_job
 from .scaling import GBPS, project, quant_work
 from .scaling_check import (
-    calibrate_cpu_side, comm_wait_s, emulator_cluster, link_gbps, measure_loopback_gbps, measure_quant_rates,
-    measure_quant_rates_contended, workload_from_summary,
+    calibrate_cpu_side,
+    comm_wait_s,
+    emulator_cluster,
+    link_gbps,
+    measure_loopback_gbps,
+    measure_quant_rates,
+    measure_quant_rates_contended,
+    workload_from_summary,
 )
 from .step_schedule import project_scheduled
 

@@ -143,7 +143,7 @@ class CommWatch:
             group = args[idx] if len(args) > idx and not isinstance(args[idx], (bool, int)) else None
         try:
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        except Exception:  # noqa: BLE001 - an exotic group: count it as world
+        except Exception:
             ranks = list(range(dist.get_world_size()))
         me_global = dist.get_rank()
         if me_global not in ranks:
@@ -184,7 +184,7 @@ class CommWatch:
                 try:
                     with self._lock:
                         self._account(name, args, kwargs)
-                except Exception as e:  # noqa: BLE001 - counting never breaks the collective
+                except Exception as e:
                     self.uncounted_call(name, e)
                 return fn(*args, **kwargs)
             finally:
@@ -208,7 +208,7 @@ class CommWatch:
         return wait
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> "CommWatch":
+    def __enter__(self) -> CommWatch:
         self.training_thread = threading.get_ident()  # only this thread's blocking counts as wait (set on entry)
         wrappers: dict[str, Callable] = {}
         for name in _WRAPPED:
@@ -326,7 +326,7 @@ class _FunctionalCollectives(TorchDispatchMode):
             try:
                 kind, per_peer = _functional_rule(name, args, kwargs)
                 self.watch.account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
-            except Exception as e:  # noqa: BLE001 - counting never breaks the collective
+            except Exception as e:
                 self.watch.uncounted_call(name, e)
         t0 = time.perf_counter()
         try:

@@ -243,6 +243,7 @@ def phase_table(result: dict[str, Any]) -> Any:
 def check_table(result: dict[str, Any]) -> Any:
     """The rich table of the model state at the end of backward against ZeRO's formula."""
     from rich.table import Table
+
     from zeropp.runtime.memory import MODEL_STATE, tier_totals
 
     t = Table(title="Model state (params + grads + optimizer) at the end of backward vs ZeRO's formula, per rank")
@@ -276,6 +277,7 @@ def figure(result: dict[str, Any]) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from zeropp.runtime.memory import tier_totals
 
     runs = result["runs"]

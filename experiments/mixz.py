@@ -87,7 +87,7 @@ def run(preset: str = "small", *, lora_rank: int = 8, steps: int = 10, batch: in
     res = launch_world(_rank, NODES * RANKS_PER_NODE, args=(preset, lora_rank, steps, batch, lr, hpz),
                        process_group="gloo", threads=1, timeout_s=timeout_s)
     rows = []
-    for k, mode in enumerate(MODES):
+    for k, _mode in enumerate(MODES):
         row = dict(res[0][k])
         for key in ("frozen_bytes", "frozen_cross", "gather_cross", "params_bytes"):
             row[key] = max(r[k][key] for r in res)

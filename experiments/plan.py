@@ -23,7 +23,6 @@ uplink per node). Bad inputs exit 2 with ``error: ...`` naming the key.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path

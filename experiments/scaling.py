@@ -205,8 +205,8 @@ class Workload:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
     @classmethod
-    def from_zero(cls, zero: "ZeroConfig | Any", *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
-                  **kw: Any) -> "Workload":
+    def from_zero(cls, zero: ZeroConfig | Any, *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
+                  **kw: Any) -> Workload:
         """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
         wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
         ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes too when it
@@ -233,7 +233,7 @@ class Workload:
         """Elements per scale of the gradient reduce-scatters: the spec's, else the kernels' default."""
         return group_size_of(self.grads or QuantSpec(bits=8), weights=False)
 
-    def with_zero(self, **kw: object) -> "Workload":
+    def with_zero(self, **kw: object) -> Workload:
         """A copy with other ZeRO settings (e.g. ``**ZEROPP``), validated."""
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
 

@@ -30,7 +30,16 @@ from typing import Any, Iterable
 from zeropp.comm.spec import QuantSpec
 
 from .scaling import (
-    GBPS, Cluster, Workload, control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work,
+    GBPS,
+    Cluster,
+    Workload,
+    control_messages,
+    gpt_units,
+    link_terms,
+    messages,
+    project,
+    quant_time,
+    quant_work,
 )
 from .step_schedule import message_transfer
 

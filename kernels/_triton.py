@@ -117,7 +117,7 @@ def to_out_dtype(val, OUT_DTYPE: tl.constexpr):
     interpreter's truncates, and the tests compare interpreter output with torch bit for bit.
     After the integer rounding the low 16 bits are zero, so the final cast is exact everywhere.
     """
-    if OUT_DTYPE == tl.bfloat16:
+    if tl.bfloat16 == OUT_DTYPE:
         bits = val.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
         val = tl.where(val == val, bits.to(tl.float32, bitcast=True), val)  # NaN passes untouched

@@ -252,7 +252,7 @@ def _run_fused(fn, *args) -> bool:
     try:
         fn(*args)
         return True
-    except Exception as err:  # noqa: BLE001 - any compile failure means: use the tiled path
+    except Exception as err:
         _fused_failed = f"{type(err).__name__}: {err}"
         warnings.warn(f"zeropp.kernels: the compiled CPU quantization path failed ({_fused_failed}); "
                       "using the slower tiled path for the rest of this process", RuntimeWarning, stacklevel=3)

@@ -80,7 +80,7 @@ def recipe_configs() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for r in RECIPES.values():
         for stage in (0, 1, 2, 3):
-            if (r.weights or r.hpz) and stage != 3 or r.grads and stage == 0:
+            if ((r.weights or r.hpz) and stage != 3) or (r.grads and stage == 0):
                 continue
             for hpz in sorted({r.hpz, True} if stage == 3 else {False}):
                 kw = dict(stage=stage, weights=r.weights, grads=r.grads, hpz=hpz)

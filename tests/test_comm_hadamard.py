@@ -27,7 +27,7 @@ from zeropp.comm import (
 from zeropp.comm.codecs import HadamardCodec, IntCodec, codec_for
 from zeropp.comm.qgz import swizzle
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.kernels import QuantizedTensor, rotated_cols
+from zeropp.kernels import QuantizedTensor
 from zeropp.kernels.reference import (
     dequantize_ref,
     dequantize_sum_ref,

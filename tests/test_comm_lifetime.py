@@ -91,7 +91,7 @@ def test_buffers_still_referenced_by_the_backend_are_held_until_released() -> No
     ctx = context.CommContext()
     backend_refs: list[torch.Tensor] = []
     t = torch.zeros(4)
-    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])
+    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])  # noqa: F821 (called here, before `del t`)
     freed = []
     weakref.finalize(t, freed.append, "t")
     del t
@@ -164,7 +164,7 @@ def _restart(rank: int, world: int, store: str) -> dict:
     dist.destroy_process_group()  # torch drops the world: the worker is drained and joined
     stopped = worker is not None and not worker.is_alive() and not ctx.worker_alive
     try:
-        old_groups.cross
+        _ = old_groups.cross
         stale = "no error"
     except RuntimeError as e:
         stale = str(e)

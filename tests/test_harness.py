@@ -291,9 +291,8 @@ def test_emulated_cluster_refuses_cuda_before_building_anything():
     assert device_for_cluster("auto", "emulated") == "cpu" and device_for_cluster("cpu", "emulated") == "cpu"
     with pytest.raises(PlacementError, match="bypass the shaped links.*cluster=local"):
         device_for_cluster("cuda", "emulated")
-    with pytest.raises(PlacementError, match="NCCL"):
-        with emulated_placement(4, 2, 1.0, 0.0, device="cuda"):
-            pass
+    with pytest.raises(PlacementError, match="NCCL"), emulated_placement(4, 2, 1.0, 0.0, device="cuda"):
+        pass
 
 
 def test_function_world_refuses_a_command_prefix():

@@ -256,7 +256,8 @@ def test_every_implementation_takes_the_largest_block_and_refuses_a_larger_one_a
     (their tile config too), a QuantizedTensor and the QuantSpec a config builds: a group size
     that works on CPU works on a GPU, and one that is too large fails everywhere with one message
     naming the largest allowed. The largest itself quantizes the same bits on every path."""
-    from zeropp.comm.spec import MAX_GROUP_SIZE as SPEC_MAX, QuantSpec
+    from zeropp.comm.spec import MAX_GROUP_SIZE as SPEC_MAX
+    from zeropp.comm.spec import QuantSpec
     from zeropp.kernels._triton import HAS_TRITON, TileConfig
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.layout import MAX_GROUP_SIZE
@@ -736,5 +737,5 @@ def test_bench_cpu_path_switch_is_scoped():
     with bench_kernels.cpu_path("tiled"):
         assert not cpu_native.ENABLED and cpu_fused.FUSED_MIN_ELEMS == 2**62
     with bench_kernels.cpu_path("compiled"):
-        assert not cpu_native.ENABLED and cpu_fused.FUSED_MIN_ELEMS == saved[1]
-    assert (cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS) == saved
+        assert not cpu_native.ENABLED and saved[1] == cpu_fused.FUSED_MIN_ELEMS
+    assert saved == (cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import ClassVar
 
 import pytest
 import torch
@@ -371,7 +372,7 @@ class _FakeCompiled:
 
 
 class _FakeKernel:
-    arg_names = ["a_ptr", "b_ptr", "n", "seed", "BLOCK_G", "X", "BLOCK_GS"]
+    arg_names: ClassVar[list[str]] = ["a_ptr", "b_ptr", "n", "seed", "BLOCK_G", "X", "BLOCK_GS"]
 
     def __init__(self):
         self.log = []

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.distributed import run_world

@@ -23,7 +23,6 @@ from tests.checkpoint_helpers import checkpoint_error, plant_metadata
 from tests.distributed import run_world
 from tests.runtime_helpers import TINY, make_model, rank_batches
 
-
 DEBRIS = "ckpt-00000005-00000000000000ae"
 
 

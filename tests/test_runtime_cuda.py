@@ -26,8 +26,8 @@ def _nccl_world(rank, world, store_path, configs, steps, ckpt_dir):
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     out = parity_world(rank, world, 1, configs, steps, device=f"cuda:{rank}")
-    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
     from tests.runtime_helpers import make_model, rank_batches
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     eng = ZeroEngine(make_model().cuda(), config=ZeroConfig(stage=3), optimizer=OptimizerConfig(lr=LR))
     batches = [(i.cuda(), t.cuda()) for i, t in rank_batches(0, 1, rank)]

@@ -22,8 +22,19 @@ import torch
 
 from tests.distributed import run_world
 from tests.runtime_helpers import make_model, rank_batches
-from zeropp.runtime.memory import (CATEGORIES, MODEL_STATE, PHASES, TIERS, MemorySnapshot, account, expected_by_tier,
-                                   expected_memory, offload_choices, source_tiers, tier_totals)
+from zeropp.runtime.memory import (
+    CATEGORIES,
+    MODEL_STATE,
+    PHASES,
+    TIERS,
+    MemorySnapshot,
+    account,
+    expected_by_tier,
+    expected_memory,
+    offload_choices,
+    source_tiers,
+    tier_totals,
+)
 
 WORLD, NODES, TOL = 4, 2, 0.05
 CASES = {

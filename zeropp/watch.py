@@ -131,7 +131,7 @@ class _Publisher(threading.Thread):
         self.wake.set()
 
     def _where(self, ident: int | None) -> str:
-        frame = sys._current_frames().get(ident) if ident is not None else None  # noqa: SLF001 - documented API
+        frame = sys._current_frames().get(ident) if ident is not None else None
         while frame is not None and frame.f_code.co_filename == __file__:  # flush() from the beating thread
             frame = frame.f_back
         if frame is None:

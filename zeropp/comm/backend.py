@@ -47,7 +47,7 @@ class CommHandle(dist.Work):
         self._buffers = buffers
         self._done = False
 
-    def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - signature of dist.Work.wait
+    def wait(self, timeout: object = None) -> bool:
         if not self._done:
             try:
                 for w in self._works:

@@ -72,7 +72,7 @@ class Deferred:
         try:
             if fn is not None:
                 fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's wait()
+        except BaseException as e:
             self._error = e
         finally:
             buffers, self._buffers = self._buffers, None
@@ -163,7 +163,7 @@ def submit_future(fn: Callable[[], None], result: torch.Tensor) -> torch.futures
     def run_and_complete() -> None:
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
+        except BaseException as e:
             fut.set_exception(e)
             return
         fut.set_result(result)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-from . import qgz, stochastic as sr
+from . import qgz
+from . import stochastic as sr
 from .backend import (
     CommHandle,
     ReduceOpLike,

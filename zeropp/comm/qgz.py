@@ -46,13 +46,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import chain, lifetime
-from .backend import CommHandle, backend_all_to_all, finish_or_handle
-from .lifetime import Buffers
 from zeropp.kernels import rotated_cols
 
+from . import chain, lifetime
+from .backend import CommHandle, backend_all_to_all, finish_or_handle
 from .codecs import Codec, HadamardCodec
 from .feedback import HOP2_SUFFIX, ErrorFeedback
+from .lifetime import Buffers
 from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
 

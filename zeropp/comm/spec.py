@@ -205,7 +205,7 @@ the block is checked against the use's default group size when the collective ru
         """(intra-node hop bits, cross-node hop bits) of a hierarchical reduce-scatter."""
         return (self.bits if self.intra_bits is None else self.intra_bits, self.bits)
 
-    def replace(self, **changes: object) -> "QuantSpec":
+    def replace(self, **changes: object) -> QuantSpec:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -270,7 +270,7 @@ class QuantRecipe:
     all-gather; stage 3: hpZ's secondary refresh); None = send the weights themselves."""
 
     @classmethod
-    def from_name(cls, name: str) -> "QuantRecipe":
+    def from_name(cls, name: str) -> QuantRecipe:
         """The recipe called ``name`` in :data:`RECIPES`."""
         if name not in RECIPES:
             raise ValueError(f"unknown quantization recipe {name!r}; choose one of {sorted(RECIPES)}")

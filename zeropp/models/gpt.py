@@ -74,13 +74,13 @@ class GPTConfig:
             )
 
     @classmethod
-    def preset(cls, name: str, **overrides: int | bool) -> "GPTConfig":
+    def preset(cls, name: str, **overrides: int | bool) -> GPTConfig:
         """A named size (``tiny``, ``small``, ``medium``, ``large``) with optional overrides."""
         if name not in _PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
-    def with_(self, **changes: int | bool) -> "GPTConfig":
+    def with_(self, **changes: int | bool) -> GPTConfig:
         return replace(self, **changes)
 
     def num_params(self) -> int:
@@ -155,7 +155,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, t = idx.shape  # [B, T] int64 byte ids
+        _b, t = idx.shape  # [B, T] int64 byte ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)

@@ -136,7 +136,7 @@ class HFConfig:
             raise ValueError(f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
                              f"{', '.join(wrong)}: set these (model.<name>=... in the runner)")
 
-    def with_(self, **changes: Any) -> "HFConfig":
+    def with_(self, **changes: Any) -> HFConfig:
         return replace(self, **changes)
 
     @property
@@ -218,7 +218,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, idx: torch.Tensor,
                 targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, t = idx.shape  # [B, T] int64 token ids
+        _b, t = idx.shape  # [B, T] int64 token ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds HFConfig.seq_len={self.cfg.seq_len}")
         logits = self.hf(input_ids=idx, use_cache=False).logits  # [B, T, V]
@@ -279,4 +279,4 @@ def parallelize_hf(model: HFCausalLM, tp_mesh: Any) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
-__all__ = ["HFCausalLM", "HFConfig", "HF_ARCHS", "build_hf_model", "hf_model_config", "require_transformers"]
+__all__ = ["HF_ARCHS", "HFCausalLM", "HFConfig", "build_hf_model", "hf_model_config", "require_transformers"]

@@ -98,7 +98,7 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, targe
               if n and not isinstance(m, LoRALinear) and (isinstance(m, nn.Linear) or _is_conv1d(m)) and match(n, m)]
     if not chosen:
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)]
-        what = (f"it has no nn.Linear (or Conv1D) layer at all" if not linear else
+        what = ("it has no nn.Linear (or Conv1D) layer at all" if not linear else
                 f"targets={targets!r} matches none of its linear layers {linear[:8]}")
         raise ValueError(f"LoRA (rank {rank}) needs linear layers to adapt, but {type(model).__name__}: {what}; "
                          f"use lora_rank=0 for this model, or pass targets naming its linear layers")

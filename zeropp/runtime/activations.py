@@ -114,7 +114,7 @@ class _HostSpan:
     saved view it covers; ``device`` weakly remembers the last copy brought back, so views
     unpacked together in backward (``q``, ``k``, ``v`` by SDPA's backward) share one transfer."""
 
-    __slots__ = ("host", "start", "device")
+    __slots__ = ("device", "host", "start")
 
     def __init__(self, host: torch.Tensor, start: int) -> None:
         self.host = host  # [nbytes] uint8, pinned when the device is CUDA
@@ -127,7 +127,7 @@ class _Saved:
     (shape, stride, byte offset, dtype) on a shared :class:`_HostSpan`. Mutable, so a view first
     copied on its own can be redirected to a span covering it (and its copy dropped)."""
 
-    __slots__ = ("shape", "stride", "offset", "dtype", "device", "own", "span")
+    __slots__ = ("device", "dtype", "offset", "own", "shape", "span", "stride")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.shape, self.stride = tuple(t.shape), t.stride()

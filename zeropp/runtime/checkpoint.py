@@ -94,7 +94,7 @@ from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout
 
-__all__ = ["CheckpointError", "CheckpointTarget", "FORMAT", "Origin", "commit", "latest", "load", "read_meta", "save"]
+__all__ = ["FORMAT", "CheckpointError", "CheckpointTarget", "Origin", "commit", "latest", "load", "read_meta", "save"]
 
 
 @dataclass
@@ -284,7 +284,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
         d, meta = _check(t, path)
         token = Origin.of(d).token
         feedback = _feedback_tensors(t, d, meta)  # this rank's saved residuals, or None to drop them
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+    except Exception as exc:
         error = cio.describe(exc)
     hint = ("No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same "
             "model")
@@ -326,7 +326,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
                 t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
             else:
                 t.feedback.reset()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+    except Exception as exc:
         error = cio.describe(exc)
     try:
         cio.agree(t.device, error, what, "")

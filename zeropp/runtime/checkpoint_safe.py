@@ -87,7 +87,7 @@ def read_metadata(folder: str | os.PathLike, files: Collection[str] | None = Non
             md = _MetadataUnpickler(f, src).load()
         except UnsafeCheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any malformed pickle is a corrupt file
+        except Exception as exc:
             raise ValueError(f"{src} cannot be read ({type(exc).__name__}: {exc}): the file is corrupt") from exc
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise UnsafeCheckpointError(f"{src} does not hold checkpoint metadata (it holds {type(md).__name__})")

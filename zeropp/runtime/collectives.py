@@ -51,7 +51,7 @@ class Pending:
     and ``event`` marks its end; :meth:`wait` makes the compute stream wait for it.
     """
 
-    def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None, *,
+    def __init__(self, comm: EngineComm, works: list, finish: Optional[Callable[[], None]] = None, *,
                  event: object = None, buffers: Optional[Buffers] = None) -> None:
         self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
         self._buffers = buffers  # the chunks' temporaries, released by complete()

@@ -267,7 +267,7 @@ class ZeroConfig:
         return self.precision == "fp32" and not (self.weight_diff is not None and self.stage in (1, 2))
 
     @classmethod
-    def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> "ZeroConfig":
+    def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> ZeroConfig:
         """A config whose ``weights``, ``grads``, ``weight_diff`` and ``hpz`` come from a named recipe
         (``zeropp.comm.spec.RECIPES``: ``int8``, ``w8g4``, ``zeropp``, ``sdp4bit``, ...) or a
         :class:`QuantRecipe`; ``fields`` set the rest (and must not repeat the recipe's four)."""

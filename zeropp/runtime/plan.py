@@ -379,7 +379,7 @@ def build_plan(units: Sequence[PlanUnit] | Iterable[int], zero: ZeroConfig, topo
                     ranks_per_node=b.R, hpz_size=b.h, dtype_bytes=b.db)
 
 
-def plan_units(model: "nn.Module", blocks: "BlockPolicy" = None) -> tuple[PlanUnit, ...]:
+def plan_units(model: nn.Module, blocks: BlockPolicy = None) -> tuple[PlanUnit, ...]:
     """The units the engine would build for ``model`` (root first, then each block of
     ``partition.find_blocks(model, blocks)``), as element counts: trainable floating-point
     parameters, and frozen ones (``requires_grad=False``) separately. Reads shapes only, so ``model``

@@ -245,6 +245,19 @@ def merge_pieces(pieces: dict[str, list[torch.Tensor]], table: dict[str, dict]) 
     return out
 
 
-__all__ = ["FromLocal", "MESH_DIMS", "TPInfo", "check_model_matches", "check_tp", "full_state_dict",
-           "is_tp_local", "is_tp_sharded", "make_mesh", "merge_pieces", "parallelize", "split_table", "tp_info",
-           "tp_sharded_mask"]
+__all__ = [
+    "MESH_DIMS",
+    "FromLocal",
+    "TPInfo",
+    "check_model_matches",
+    "check_tp",
+    "full_state_dict",
+    "is_tp_local",
+    "is_tp_sharded",
+    "make_mesh",
+    "merge_pieces",
+    "parallelize",
+    "split_table",
+    "tp_info",
+    "tp_sharded_mask",
+]
