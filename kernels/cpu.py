@@ -88,6 +88,7 @@ def _quantize_tile(
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
     torch.div(v, safe, out=t)
     if stochastic:
+        assert offsets is not None, "stochastic rounding needs the padded-layout offsets"
         t.add_(philox_uniform(seed, offsets))
     else:
         t.add_(0.5)
