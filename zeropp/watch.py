@@ -320,8 +320,8 @@ class HeartbeatMonitor:
         """Read the running ranks' heartbeats; the verdict, if one of them is silent."""
         now = self.clock()
         if now - self._last > self.deadline_s / 2:  # we were not watching: do not judge that span
-            for s in self.seen.values():
-                s.t_tick = s.t_beat = now
+            for seen in self.seen.values():
+                seen.t_tick = seen.t_beat = now
         self._last = now
         views = []
         for r in running:

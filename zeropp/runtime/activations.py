@@ -41,10 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeGuard, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 TIERS = ("device", "host", "disk")
@@ -52,12 +55,13 @@ TIERS = ("device", "host", "disk")
 
 def _view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (torch's ``Tensor._base``), None when ``t`` is not a view."""
-    return torch.Tensor._base.__get__(t)
+    # torch's stub declares _base / _version as plain attributes; they are C getset descriptors.
+    return cast(Any, torch.Tensor._base).__get__(t)
 
 
 def _version(t: torch.Tensor) -> int:
     """Torch's in-place modification counter of ``t`` (``Tensor._version``)."""
-    return torch.Tensor._version.__get__(t)
+    return cast(Any, torch.Tensor._version).__get__(t)
 
 
 class BlockCheckpointing:
@@ -106,7 +110,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     size = t.element_size()
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))  # element offset of the last element
     lo = t.storage_offset() * size
-    return lo, lo + (last + 1) * size
+    return int(lo), int(lo + (last + 1) * size)  # int() narrows torch's int | SymInt
 
 
 class _HostSpan:
@@ -332,7 +336,7 @@ class ActivationStore:
         return out.set_(buf.untyped_storage(), offset, saved.shape, saved.stride)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     """A ``torch.distributed.tensor.DTensor`` (tensor parallelism), without importing it when unused."""
     if type(t) is torch.Tensor or type(t) is nn.Parameter:
         return False

@@ -76,7 +76,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ from . import checkpoint_io as cio
 from . import checkpoint_stream as cs
 from .checkpoint_files import FORMAT, commit, latest, read_meta
 from .checkpoint_io import CheckpointError, Origin
-from .checkpoint_safe import read_metadata
+from .checkpoint_safe import read_metadata, tensor_entry
 from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout
@@ -164,7 +164,7 @@ class _Piece:
 
 
 def _pieces(t: CheckpointTarget) -> list[_Piece]:
-    out = []
+    out: list[_Piece] = []
     for i, lay in enumerate(t.layouts):
         a, b = (0, lay.numel) if lay.num_shards == 1 else lay.unpadded_range(t.rank)
         out.extend(_Piece(f"{t.prefix}units.{lay.name}.{name}", i, name, lay, b - a) for name in ShardedAdamW.STATE)
@@ -183,7 +183,9 @@ class _Meshes:
 
     def __init__(self, t: CheckpointTarget) -> None:
         self.given = t.mesh
-        self.group = t.mesh.get_group() if t.mesh is not None else dist.group.WORLD
+        group = t.mesh.get_group() if t.mesh is not None else dist.group.WORLD
+        assert group is not None, "a checkpoint is saved or loaded in an initialized process group"
+        self.group = group
         self.meshes: dict[str, DeviceMesh] = {}
 
     def __call__(self, device_type: str) -> DeviceMesh:
@@ -233,7 +235,7 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         opt = t.optimizer
         opt.check_valid()  # a failed load's mix of two states is never saved
         sd, pieces = _unit_state(t)
-        sources = {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
+        sources: dict[str, Callable[[], torch.Tensor]] = {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
         sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
             sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
@@ -362,7 +364,7 @@ def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, tor
                           stacklevel=3)
         return None
     prefix = _feedback_prefix(dist.get_rank())
-    return {k: torch.empty(md[k].size, dtype=md[k].properties.dtype, device=t.device)
+    return {k: torch.empty(tensor_entry(md, k).size, dtype=tensor_entry(md, k).properties.dtype, device=t.device)
             for k in saved if k.startswith(prefix)}
 
 

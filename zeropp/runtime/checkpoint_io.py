@@ -173,7 +173,8 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
     me, world = dist.get_rank(), dist.get_world_size()
     obj = [cf.version_name(step) if me == 0 else None]
     dist.broadcast_object_list(obj, src=0, device=device if device.type != "cpu" else None)
-    name: str = obj[0]
+    name = obj[0]
+    assert name is not None, "rank 0's broadcast fills the name"
     d = root / name
     hint = (f"Nothing was committed: {root / cf.LATEST} and the older checkpoints are as they were. Fix the cause "
             f"and save again")

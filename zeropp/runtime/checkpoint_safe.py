@@ -25,12 +25,17 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 METADATA = ".metadata"
 """The name DCP gives a checkpoint's (global) metadata file."""
@@ -103,6 +108,18 @@ def read_metadata(folder: str | os.PathLike, files: Collection[str] | None = Non
     if md.storage_meta is None:
         md.storage_meta = StorageMeta()
     return md
+
+
+def tensor_entry(entries: Mapping[str, TensorStorageMetadata | BytesStorageMetadata], key: str
+                 ) -> TensorStorageMetadata:
+    """The record of tensor ``key`` in ``entries`` (a checkpoint's ``Metadata.state_dict_metadata``):
+    its size and dtype. A record under that name that holds bytes (another writer's checkpoint, or a
+    crafted one) is a ValueError rather than an AttributeError later."""
+    entry = entries[key]
+    if not isinstance(entry, TensorStorageMetadata):
+        raise ValueError(f"checkpoint entry {key!r} holds {type(entry).__name__}, not a tensor: the checkpoint was "
+                         f"not written by this trainer")
+    return entry
 
 
 class SafeReader(FileSystemReader):

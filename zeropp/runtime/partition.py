@@ -282,6 +282,8 @@ def _describe(policy: BlockPolicy) -> str:
         return policy.__name__
     if callable(policy):
         return getattr(policy, "__qualname__", None) or repr(policy)
+    if policy is None:
+        return "None"
     return "[" + ", ".join(getattr(c, "__name__", repr(c)) for c in policy) + "]"
 
 
@@ -319,7 +321,8 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]
             return list(blocks)
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         if lists:
-            return list(max(lists, key=len))
+            longest: nn.ModuleList = max(lists, key=len)
+            return list(longest)
         if isinstance(model, nn.Sequential):
             return [m for m in model.children() if next(m.parameters(), None) is not None]
         return []

@@ -46,7 +46,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Generator, Iterator, Protocol, Sequence
 
 import torch
 
@@ -174,7 +174,7 @@ class SwapSpace:
 
     # ------------------------------------------------------------------ I/O
     def _io(self, write: bool, seg: Segment, buf: torch.Tensor, at: int) -> None:
-        view = memoryview(buf[at: at + seg.nbytes].numpy())
+        view = buf[at: at + seg.nbytes].numpy().data  # a memoryview of the staging bytes
         try:
             if write:
                 _write_at(seg.file.fd, view, seg.offset)
@@ -210,7 +210,7 @@ class SwapSpace:
             gen.close()  # drains the outstanding I/O now, also when the caller stops early
 
     def _stream(self, chunks: Sequence[Sequence[Segment]], *, read: bool, write: bool
-                ) -> Iterator[tuple[int, list[torch.Tensor]]]:
+                ) -> Generator[tuple[int, list[torch.Tensor]], None, None]:
         """:meth:`stream`, yielding ``(buffer index, views)``: a caller that copies out of the views
         asynchronously sets ``self._fences[index]``, which is waited for before the buffer is reused."""
         self._check_open()
