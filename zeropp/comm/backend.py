@@ -70,7 +70,7 @@ class CommHandle(dist.Work):
 
 
 def finish_or_handle(
-    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]], async_op: bool,
+    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], object]], async_op: bool,
     buffers: Optional[Buffers] = None,
 ) -> Optional[CommHandle]:
     """``async_op``: return a handle that finishes on ``wait()``; otherwise finish now, return None.

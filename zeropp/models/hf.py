@@ -269,10 +269,10 @@ def parallelize_hf(model: HFCausalLM, tp_mesh: Any) -> None:
     """Split every Llama decoder layer over the 1-D ``tp_mesh`` with torch's TP plans: q/k/v and
     gate/up projections column-parallel, o and down projections row-parallel (heads, kv heads and
     MLP width split; the attention infers its local head count from the projection widths)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
     check_hf_tp(model.cfg, tp_mesh.size())
-    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan: dict[str, ParallelStyle] = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
     plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
     for layer in model.blocks:

@@ -38,11 +38,12 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, *, transposed: bool = False) -> None:
         nn.Module.__init__(self)  # not nn.Linear.__init__: the base's parameters are reused, not re-created
-        w = base.weight
+        w, bias = base.weight, base.bias
+        assert isinstance(w, nn.Parameter) and (bias is None or isinstance(bias, nn.Parameter)), "a Linear or Conv1D"
         self.transposed = transposed
         self.in_features, self.out_features = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
         self.weight = w  # [out, in] ([in, out] if transposed), frozen
-        self.bias = base.bias  # [out] or None, frozen
+        self.bias = bias  # [out] or None, frozen
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)

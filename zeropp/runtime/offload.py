@@ -316,7 +316,12 @@ class ParamStore:
             u.param_shard = h
         else:
             u.param_shard = None
-            self.space.write_from(self._segs[id(u)], shard)
+            self._swap().write_from(self._segs[id(u)], shard)
+
+    def _swap(self) -> SwapSpace:
+        """The swap space of the nvme tier (the constructor requires one there)."""
+        assert self.space is not None, "only the nvme tier stores parameters in a swap space"
+        return self.space
 
     def keep(self, u: FlatUnit, t: torch.Tensor) -> torch.Tensor | None:
         """Store frozen unit ``u``'s shard ``t`` (as ``frozen.py`` stores it: compute dtype or wire
@@ -328,7 +333,7 @@ class ParamStore:
             self._host[id(u)] = h
             return h
         if self.tier == "nvme":
-            self.space.write_from(self._segs[id(u)], t)
+            self._swap().write_from(self._segs[id(u)], t)
             return None
         return t
 
@@ -336,23 +341,27 @@ class ParamStore:
         """``u``'s shard on the device: ``[S]`` compute dtype for a sharded unit, a frozen unit's
         stored shard as it is; the all-gather's input."""
         if self.tier == "none":
+            assert u.param_shard is not None, "the none tier keeps the shard on the unit"
             return u.param_shard
         if self.tier == "cpu":  # the same tensor on a CPU device
-            return self._host.get(id(u), u.param_shard).to(self.device, non_blocking=True)
+            h = self._host.get(id(u), u.param_shard)
+            assert h is not None, "the cpu tier keeps the shard on the unit or in its host copies"
+            return h.to(self.device, non_blocking=True)
         # nvme: staged through pinned buffers with asynchronous copies that overlap compute (swap.read_to)
-        return self.space.read_to(self._segs[id(u)], self.device)
+        return self._swap().read_to(self._segs[id(u)], self.device)
 
     @torch.no_grad()
     def update(self, u: FlatUnit, optim: ShardedAdamW | SwappedAdamW, i: int) -> None:
         """Refresh ``u``'s shard from optimizer master ``i`` (after a step or a load)."""
         if self.tier != "nvme":
+            assert u.param_shard is not None, "the none and cpu tiers keep the shard on the unit"
             optim.copy_master_to(i, u.param_shard)
             return
         seg, item = self._segs[id(u)], self.dtype.itemsize
         for lo, hi, chunk in optim.master_chunks(i):
             piece = chunk.to(self.dtype, copy=True)  # at most one staging buffer's worth
             # written directly: the staging buffers are busy streaming the masters
-            self.space.write_direct(Segment(seg.file, seg.offset + lo * item, hi - lo, self.dtype), piece)
+            self._swap().write_direct(Segment(seg.file, seg.offset + lo * item, hi - lo, self.dtype), piece)
 
     def memory_by_tier(self) -> dict[str, int]:
         """Bytes of parameter shards per tier, frozen units' included (staging buffers are the swap space's)."""
