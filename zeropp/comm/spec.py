@@ -19,6 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+# The kernels' bounds, checked when a spec is built (the largest quantization block and the largest
+# rotation block: one block is one GPU program's tile).
+from zeropp.kernels.layout import MAX_GROUP_SIZE
+from zeropp.kernels.reference import MAX_HADAMARD_BLOCK
+
 ROUNDINGS = ("nearest", "stochastic")
 """``nearest``: round to the nearest code (deterministic). ``stochastic``: round up with probability
 equal to the fractional part (unbiased; QSDP's weight quantizer)."""
@@ -27,12 +32,6 @@ ROTATIONS = ("none", "hadamard")
 """``none``: quantize the values as they are. ``hadamard``: quantize them in a blockwise
 Walsh-Hadamard-rotated basis (SDP4Bit) and rotate back after dequantizing; see
 ``QuantSpec.rotation``."""
-
-MAX_HADAMARD_BLOCK = 1 << 14
-"""Largest rotation block (``zeropp.kernels.MAX_HADAMARD_BLOCK``; a test keeps the two equal)."""
-
-MAX_GROUP_SIZE = 1 << 14
-"""Largest quantization block (``zeropp.kernels.layout.MAX_GROUP_SIZE``; a test keeps the two equal)."""
 
 _SCHEME_BITS: dict[str, tuple[int, ...]] = {"int": (8, 4)}
 """Registered schemes -> the code widths their kernels implement. ``int`` is ZeRO++'s block-wise
