@@ -70,6 +70,8 @@ from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.runtime.plan import CONTROL_BYTES, CommPlan, build_plan
 from zeropp.runtime.plan_kinds import CommKind, chunk_ranges, group_size_of
 
+from .text_table import Column, number, text_table
+
 if TYPE_CHECKING:
     from zeropp.runtime import ZeroConfig
 
@@ -526,15 +528,22 @@ def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_
     return rows
 
 
+PROJECTION_COLUMNS = (
+    Column(title="NIC Gbps", width=8, cell=number("gbps", ".0f")),
+    Column(title="GPUs", width=5, cell=number("gpus", "d")),
+    Column(title="ZeRO-3 s", width=9, cell=number("zero3_step_s", ".2f")),
+    Column(title="ZeRO++ s", width=9, cell=number("zeropp_step_s", ".2f")),
+    Column(title="ZeRO-3 TF", width=9, cell=number("zero3_tflops", ".1f")),
+    Column(title="ZeRO++ TF", width=9, cell=number("zeropp_tflops", ".1f")),
+    Column(title="x-node GB/node (3 -> ++)", width=25,
+           cell=lambda r: f"{r['zero3_cross_gb']:.1f} -> {r['zeropp_cross_gb']:>8.1f}"),
+    Column(title="speedup", width=8, cell=number("speedup", ".2f", suffix="x")),
+)
+"""The columns of :func:`format_table` (the rows of :func:`speedup_table`)."""
+
+
 def format_table(rows: list[dict[str, float]]) -> str:
-    head = (f"{'NIC Gbps':>8} {'GPUs':>5} {'ZeRO-3 s':>9} {'ZeRO++ s':>9} {'ZeRO-3 TF':>9} {'ZeRO++ TF':>9} "
-            f"{'x-node GB/node (3 -> ++)':>25} {'speedup':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['gbps']:>8.0f} {r['gpus']:>5d} {r['zero3_step_s']:>9.2f} {r['zeropp_step_s']:>9.2f} "
-                     f"{r['zero3_tflops']:>9.1f} {r['zeropp_tflops']:>9.1f} "
-                     f"{r['zero3_cross_gb']:>12.1f} -> {r['zeropp_cross_gb']:>8.1f} {r['speedup']:>8.2f}x")
-    return "\n".join(lines)
+    return text_table(PROJECTION_COLUMNS, rows)
 
 
 def plot(rows: list[dict[str, float]], path: str) -> None:
