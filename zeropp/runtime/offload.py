@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import OptimizerConfig, ZeroConfig
-from .optimizer import KERNELS, TIERS, ShardedAdamW, StateGuard, adamw_update, tensor_bytes
+from .optimizer import KERNELS, TIERS, AdamWShards, ShardedAdamW, adamw_update, tensor_bytes
 from .partition import FlatUnit
 from .swap import Segment, SwapSpace
 
@@ -131,7 +131,7 @@ class HostAdamW(ShardedAdamW):
         return out
 
 
-class SwappedAdamW(StateGuard):
+class SwappedAdamW(AdamWShards):
     """ZeRO-Infinity: master, m, v of every shard in this rank's swap file, streamed per step.
 
     File layout: shard ``i`` occupies ``[off_i, off_i + 12 * S_i)`` bytes, its master, m and v
@@ -145,16 +145,13 @@ class SwappedAdamW(StateGuard):
 
     def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, space: SwapSpace,
                  kernel: str = DEFAULT_CPU_KERNEL) -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"SwappedAdamW kernel={kernel!r}; use one of {KERNELS}")
-        self.cfg, self.kernel, self.space = cfg, kernel, space
-        self._numels = [m.numel() for m in masters]
+        super().__init__([m.numel() for m in masters], cfg, kernel)
+        self.space = space
         self.file = space.create("optimizer.swp", 12 * sum(self._numels))
         self._offsets, off = [], 0
         for n in self._numels:
             self._offsets.append(off)
             off += 12 * n
-        self.step_count = 0
         for i, m in enumerate(masters):
             space.write_from(self._seg(i, "masters"), m)
             for name in ("exp_avg", "exp_avg_sq"):
@@ -167,14 +164,6 @@ class SwappedAdamW(StateGuard):
     def _fill_zero(self, i: int, name: str) -> None:
         for (v,) in self.space.stream(self.space.chunks_of([self._seg(i, name)]), read=False, write=True):
             v.zero_()
-
-    @property
-    def lr(self) -> float:
-        return self.cfg.lr_at(self.step_count)
-
-    @property
-    def numels(self) -> list[int]:
-        return list(self._numels)
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
