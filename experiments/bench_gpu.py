@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None,
     ``run_job`` defaults to the runner's (tests pass a fake one)."""
     a = parse_args(argv)
     if run_job is None:
-        from .run import run_job
+        from .run import run_job as runner_job
+
+        run_job = runner_job
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:
         rows = run_all(a, Path(a.out or tmp), run_job)
     print(format_table(rows, a))

@@ -318,7 +318,8 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
 
     rows, ys = [], []
     for i, s in enumerate(summaries):
-        if not _is_zeropp(s) or comm_wait_s(s) is None:
+        wait_s = comm_wait_s(s)
+        if not _is_zeropp(s) or wait_s is None:
             continue
         c = _measured_cluster(s, cross_gbps, 1.0, 0.0)
         w = workload_from_summary(s, rates[i])
@@ -327,7 +328,7 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
             st, tx, ib = link_terms(m, c)
             steps, cross_s, intra_b = steps + st * m.count, cross_s + tx * m.count, intra_b + ib * m.count
         rows.append([steps, intra_b])
-        ys.append(comm_wait_s(s) - cross_s - quant_time(w, c))
+        ys.append(wait_s - cross_s - quant_time(w, c))
     if not rows:
         raise ValueError("no trainer=zeropp run with a measured communication wait to calibrate on")
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
