@@ -52,14 +52,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .bench_args import check_run_lengths
 from .cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
 from .config import ConfigError
 from .launcher import RankFailure
 from .run import run_job
 from .scaling import GBPS, project, quant_work
 from .scaling_check import (
-    calibrate_cpu_side, comm_wait_s, emulator_cluster, link_gbps, measure_loopback_gbps, measure_quant_rates,
-    measure_quant_rates_contended, workload_from_summary,
+    calibrate_cpu_side,
+    comm_wait_s,
+    emulator_cluster,
+    link_gbps,
+    measure_loopback_gbps,
+    measure_quant_rates,
+    measure_quant_rates_contended,
+    workload_from_summary,
 )
 from .step_schedule import project_scheduled
 
@@ -337,13 +344,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for name, value in CHECK_GRID.items():
             if not any(x == f"--{name}" or x.startswith(f"--{name}=") for x in raw):
                 setattr(a, name, value)
-    for name in ("nodes", "ranks_per_node", "micro_batch", "steps", "rounds"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    check_run_lengths(p, a, ("nodes", "ranks_per_node", "micro_batch", "steps", "rounds"))
     if not a.tolerance > 0:
         p.error(f"--tolerance must be a percentage > 0, got {a.tolerance}")
-    if a.warmup < 0 or not all(g > 0 for g in a.gbps):
-        p.error("--warmup must be >= 0 and every --gbps rate > 0")
+    if not all(g > 0 for g in a.gbps):
+        p.error(f"every --gbps rate must be > 0, got {a.gbps}")
     return a
 
 

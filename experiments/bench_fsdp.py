@@ -29,6 +29,7 @@ from typing import Any
 
 from zeropp.comm.spec import RECIPES
 
+from .bench_args import check_run_lengths
 from .config import ConfigError
 from .launcher import RankFailure
 from .run import run_job
@@ -100,11 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.nodes < 1 or a.world % a.nodes:
         p.error(f"--nodes {a.nodes} must divide --world {a.world}")
-    for name in ("steps", "batch", "seq"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    check_run_lengths(p, a, ("steps", "batch", "seq"))
     return a
 
 

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .bench_args import check_run_lengths, require_at_least
+
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
     "fsdp2": ("FSDP2", ["trainer=fsdp2"]),
@@ -122,16 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [j for j in a.jobs if j not in JOBS]
     if unknown or not a.jobs:
         p.error(f"--jobs {','.join(unknown) or '(empty)'}: choose from {', '.join(JOBS)}")
+    require_at_least(p, a, ("d_model", "n_layers", "n_heads"), 0)
     for name in ("d_model", "n_layers", "n_heads"):
-        value = getattr(a, name)
-        if value < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        setattr(a, name, value or None)  # 0: keep the preset's
-    for name in ("steps", "batch", "seq"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
+        setattr(a, name, getattr(a, name) or None)  # 0: keep the preset's
+    check_run_lengths(p, a, ("steps", "batch", "seq"))
     return a
 
 
@@ -141,7 +137,9 @@ def main(argv: list[str] | None = None,
     ``run_job`` defaults to the runner's (tests pass a fake one)."""
     a = parse_args(argv)
     if run_job is None:
-        from .run import run_job
+        from .run import run_job as runner_job
+
+        run_job = runner_job
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:
         rows = run_all(a, Path(a.out or tmp), run_job)
     print(format_table(rows, a))

@@ -125,7 +125,7 @@ class CommWatch:
     """
 
     def __init__(self, topology: Topology, functional: bool | None = None,
-                 sessions: "tuple[CommSession, ...] | list[CommSession]" = ()) -> None:
+                 sessions: tuple[CommSession, ...] | list[CommSession] = ()) -> None:
         self.topology = topology
         self.functional = topology.tp > 1 if functional is None else bool(functional)
         self.sessions = [s for s in sessions if s is not None]
@@ -154,7 +154,7 @@ class CommWatch:
             group = args[idx] if len(args) > idx and not isinstance(args[idx], (bool, int)) else None
         try:
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        except Exception:  # noqa: BLE001 - an exotic group: count it as world
+        except Exception:
             ranks = list(range(dist.get_world_size()))
         me_global = dist.get_rank()
         if me_global not in ranks:
@@ -195,7 +195,7 @@ class CommWatch:
                 try:
                     with self._lock:
                         self._account(name, args, kwargs)
-                except Exception as e:  # noqa: BLE001 - counting never breaks the collective
+                except Exception as e:
                     self.uncounted_call(name, e)
                 return fn(*args, **kwargs)
             finally:
@@ -205,7 +205,7 @@ class CommWatch:
         return wrapper
 
     @contextlib.contextmanager
-    def timing_wait(self, kind: str = "") -> Iterator[None]:  # noqa: ARG002 - the session hook's signature
+    def timing_wait(self, kind: str = "") -> Iterator[None]:
         """Count what runs inside as wait, when on the training thread and not nested in another
         counted wait or collective (a session's wait hook, and ``Work.wait``'s wrapper)."""
         if getattr(self._local, "depth", 0) or threading.get_ident() != self.training_thread:
@@ -227,7 +227,7 @@ class CommWatch:
         return wait
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> "CommWatch":
+    def __enter__(self) -> CommWatch:
         self.training_thread = threading.get_ident()  # only this thread's blocking counts as wait (set on entry)
         wrappers: dict[str, Callable] = {}
         for name in _WRAPPED:
@@ -347,7 +347,7 @@ class _FunctionalCollectives(TorchDispatchMode):
             try:
                 kind, per_peer = _functional_rule(name, args, kwargs)
                 self.watch.account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
-            except Exception as e:  # noqa: BLE001 - counting never breaks the collective
+            except Exception as e:
                 self.watch.uncounted_call(name, e)
         t0 = time.perf_counter()
         try:
@@ -359,6 +359,6 @@ class _FunctionalCollectives(TorchDispatchMode):
 
 @contextlib.contextmanager
 def watching(topology: Topology, functional: bool | None = None,
-             sessions: "tuple[CommSession, ...] | list[CommSession]" = ()) -> Iterator[CommWatch]:
+             sessions: tuple[CommSession, ...] | list[CommSession] = ()) -> Iterator[CommWatch]:
     with CommWatch(topology, functional, sessions) as w:
         yield w

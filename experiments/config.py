@@ -34,8 +34,20 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
-from .sections import (MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, TRAINERS, ClusterConfig, ConfigError, DataConfig,
-                       LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig, check)
+from .sections import (
+    MAX_SECONDS,
+    MIN_CORPUS_BYTES,
+    SEED_LIMIT,
+    TRAINERS,
+    ClusterConfig,
+    ConfigError,
+    DataConfig,
+    LauncherConfig,
+    LoggerConfig,
+    TrainConfig,
+    TrainerConfig,
+    check,
+)
 
 __all__ = ["CONF_DIR", "EXCLUDED", "HONORED", "MAX_SECONDS", "MIN_CORPUS_BYTES", "MODEL_KINDS", "SECTION_CLASSES",
            "SEED_LIMIT", "TOP_LEVEL_FROM", "TRAINERS", "ClusterConfig", "ConfigError", "DataConfig", "LauncherConfig",

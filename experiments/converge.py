@@ -195,7 +195,8 @@ def _recipe_exists(scheme: str) -> bool:
 
 def compose(overrides: Sequence[str]) -> RunConfig:
     """The validated config of one run, composed as ``run_job`` does, without starting it."""
-    from hydra import compose as hydra_compose, initialize_config_module
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
     from . import schema
@@ -247,7 +248,7 @@ def run_suite(cfg: SuiteConfig, *, runner: Runner | None = None,
             try:
                 res = RunResult(scheme=scheme, seed=seed, run_dir=run_dir,
                                 summary=runner(cfg.run_overrides(scheme, seed), run_dir))
-            except Exception as e:  # noqa: BLE001 - any failure of one run is recorded; the suite goes on
+            except Exception as e:
                 msg = f"{type(e).__name__}: {e}".strip()
                 print(f"converge: {scheme} seed {seed} FAILED: {msg.splitlines()[0]}", file=sys.stderr, flush=True)
                 if not isinstance(e, ConfigError):

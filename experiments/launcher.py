@@ -17,6 +17,7 @@ from zeropp.launch import LOCAL, ModuleEntry, Placement, PlacementError, RankFai
 
 from .cluster import EmulatedCluster, NetnsError
 
+
 def worker_module(package: str | None) -> str:
     """``experiments.worker`` when run from the repo root, ``zeropp.experiments.worker`` otherwise."""
     return f"{package or 'zeropp.experiments'}.worker"
@@ -46,7 +47,7 @@ def cluster_placement(cluster: EmulatedCluster) -> Placement:
 
 
 @contextlib.contextmanager
-def local_placement(world_size: int) -> Iterator[Placement]:  # noqa: ARG001 - same shape as emulated_placement
+def local_placement(world_size: int) -> Iterator[Placement]:
     """``cluster=local``: a context manager (like :func:`emulated_placement`) giving :data:`LOCAL`."""
     yield LOCAL
 
@@ -87,5 +88,14 @@ def launch(*, module: str, spec: dict, run_dir: Path, world_size: int, ranks_per
         return dict(placement.info)
 
 
-__all__: Sequence[str] = ("RankFailure", "PlacementError", "cluster_placement", "device_for_cluster",
-                          "emulated_placement", "in_torchrun", "launch", "local_placement", "worker_module")
+__all__: Sequence[str] = (
+    "PlacementError",
+    "RankFailure",
+    "cluster_placement",
+    "device_for_cluster",
+    "emulated_placement",
+    "in_torchrun",
+    "launch",
+    "local_placement",
+    "worker_module",
+)

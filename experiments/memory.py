@@ -57,7 +57,6 @@ def _compose(overrides: list[str]) -> tuple[Any, str]:
 
 def predictions(rc: Any) -> list[dict[str, Any]]:
     """One row per stage x (offload_optimizer, offload_param): the formula's bytes per tier."""
-    from zeropp.runtime import ZeroEngine
     from zeropp.runtime.memory import expected_by_tier, offload_choices, tier_totals
 
     z, t = rc.zero, rc.topology

@@ -121,7 +121,7 @@ def mse(output: torch.Tensor, mb: Any) -> torch.Tensor:
 def study_rank(rank: int, world: int, cfg: StudyConfig) -> list[dict[str, Any]]:
     """One rank of the study (inside a gloo world): every configuration in turn, one step each;
     returns per configuration its units and ``{phase: MemorySnapshot.to_dict()}``."""
-    from zeropp.runtime import OptimizerConfig, WithTargets, ZeroConfig, ZeroEngine
+    from zeropp.runtime import OptimizerConfig, Precision, WithTargets, ZeroConfig, ZeroEngine
 
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(1000 + rank)
@@ -130,7 +130,7 @@ def study_rank(rank: int, world: int, cfg: StudyConfig) -> list[dict[str, Any]]:
     out = []
     for label, zero in CONFIGS:
         torch.manual_seed(0)
-        engine = ZeroEngine(make_mlp(cfg.width, cfg.layers), config=ZeroConfig(precision=cfg.precision, **zero),
+        engine = ZeroEngine(make_mlp(cfg.width, cfg.layers), config=ZeroConfig(precision=Precision(cfg.precision), **zero),
                             optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0), loss_fn=mse)
         try:
             engine.train_step([WithTargets(x, y)])
@@ -145,10 +145,10 @@ def study_rank(rank: int, world: int, cfg: StudyConfig) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- the formula
 def predicted(cfg: StudyConfig, zero: dict[str, Any], num_params: int, world: int) -> dict[str, dict[str, float]]:
     """ZeRO's model-state bytes per rank ``{tier: {category: bytes}}`` for one configuration."""
-    from zeropp.runtime import ZeroConfig
+    from zeropp.runtime import Precision, ZeroConfig
     from zeropp.runtime.memory import expected_by_tier
 
-    z = ZeroConfig(precision=cfg.precision, **zero)
+    z = ZeroConfig(precision=Precision(cfg.precision), **zero)
     return expected_by_tier(z.stage, num_params, world, param_bytes=z.dtype.itemsize,
                             offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                             shared_master=z.shares_fp32_master)
@@ -243,6 +243,7 @@ def phase_table(result: dict[str, Any]) -> Any:
 def check_table(result: dict[str, Any]) -> Any:
     """The rich table of the model state at the end of backward against ZeRO's formula."""
     from rich.table import Table
+
     from zeropp.runtime.memory import MODEL_STATE, tier_totals
 
     t = Table(title="Model state (params + grads + optimizer) at the end of backward vs ZeRO's formula, per rank")
@@ -276,6 +277,7 @@ def figure(result: dict[str, Any]) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from zeropp.runtime.memory import tier_totals
 
     runs = result["runs"]

@@ -118,7 +118,6 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     device's."""
     if cfg.trainer.name != "zeropp":
         return None
-    from zeropp.runtime import ZeroEngine
     from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier
 
     z, t = cfg.zero, cfg.topology

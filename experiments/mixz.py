@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
     from zeropp.comm import Topology
     from zeropp.comm.kinds import CommKind
     from zeropp.models import GPT, GPTConfig, byte_batch
-    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
+    from zeropp.runtime import OptimizerConfig, Precision, QuantizeFrozen, ZeroConfig, ZeroEngine
     from zeropp.runtime import frozen as fz
 
     cfg = GPTConfig.preset(preset, lora_rank=lora_rank)
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
     out = []
     for mode in MODES:
         torch.manual_seed(0)
-        eng = ZeroEngine(GPT(cfg), config=ZeroConfig(stage=3, precision="bf16", quantize_frozen=mode, hpz=hpz),
+        eng = ZeroEngine(GPT(cfg), config=ZeroConfig(stage=3, precision=Precision.bf16, quantize_frozen=QuantizeFrozen(mode), hpz=hpz),
                          optimizer=OptimizerConfig(lr=lr, weight_decay=0.0),
                          topology=Topology(nodes=NODES, ranks_per_node=RANKS_PER_NODE))
         try:
@@ -88,7 +88,7 @@ def run(preset: str = "small", *, lora_rank: int = 8, steps: int = 10, batch: in
     res = launch_world(_rank, NODES * RANKS_PER_NODE, args=(preset, lora_rank, steps, batch, lr, hpz),
                        process_group="gloo", threads=1, timeout_s=timeout_s)
     rows = []
-    for k, mode in enumerate(MODES):
+    for k, _mode in enumerate(MODES):
         row = dict(res[0][k])
         for key in ("frozen_bytes", "frozen_cross", "gather_cross", "params_bytes"):
             row[key] = max(r[k][key] for r in res)

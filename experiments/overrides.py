@@ -28,7 +28,8 @@ from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, Strin
 
 from .config import CONF_DIR, ConfigError
 from .preflight import check_writable_dir
-from .schema import group_options as generated_options, run_schema
+from .schema import group_options as generated_options
+from .schema import run_schema
 
 
 def group_options(group: str) -> list[str]:

@@ -79,7 +79,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(path))
         self.written.append(path)
 
-    def __enter__(self) -> "StepProfiler":
+    def __enter__(self) -> StepProfiler:
         if self._prof is not None:
             self._prof.start()
         return self
@@ -129,12 +129,12 @@ def read_step(path: Path, step: Optional[int] = None) -> tuple[int, float, list[
         raise ValueError(f"{path} is not a readable Chrome trace with traceEvents ({type(e).__name__}: {e}); "
                          f"profile the run with train.profile=true") from None
     spans: list[tuple[dict[str, Any], ranges.RangeName]] = []
-    for e in events:
-        if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("name"), str):
-            p = ranges.parse(e["name"])
+    for ev in events:
+        if isinstance(ev, dict) and ev.get("ph") == "X" and isinstance(ev.get("name"), str):
+            p = ranges.parse(ev["name"])
             if p is not None:
-                spans.append((e, p))
-    steps = {p.step: e for e, p in spans if p.kind == ranges.STEP}
+                spans.append((ev, p))
+    steps = {p.step: ev for ev, p in spans if p.kind == ranges.STEP and p.step is not None}
     if not steps:
         raise ValueError(f"{path} has no zeropp/step/<n> range; it was not written by train.profile=true")
     if step is None:

@@ -67,8 +67,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.runtime.choices import Precision
 from zeropp.runtime.plan import CONTROL_BYTES, CommPlan, build_plan
 from zeropp.runtime.plan_kinds import CommKind, chunk_ranges, group_size_of
+
+from .text_table import Column, number, text_table
 
 if TYPE_CHECKING:
     from zeropp.runtime import ZeroConfig
@@ -205,8 +208,8 @@ class Workload:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
     @classmethod
-    def from_zero(cls, zero: "ZeroConfig | Any", *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
-                  **kw: Any) -> "Workload":
+    def from_zero(cls, zero: ZeroConfig | Any, *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
+                  **kw: Any) -> Workload:
         """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
         wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
         ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes too when it
@@ -233,7 +236,7 @@ class Workload:
         """Elements per scale of the gradient reduce-scatters: the spec's, else the kernels' default."""
         return group_size_of(self.grads or QuantSpec(bits=8), weights=False)
 
-    def with_zero(self, **kw: object) -> "Workload":
+    def with_zero(self, **kw: object) -> Workload:
         """A copy with other ZeRO settings (e.g. ``**ZEROPP``), validated."""
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
 
@@ -273,7 +276,7 @@ def plan_for(w: Workload, c: Cluster) -> CommPlan:
 
     zero = ZeroConfig(stage=w.stage, weights=w.weights, grads=w.grads, hpz=w.hpz,
                       hpz_size=w.hpz_size if w.hpz else None, weight_diff=w.weight_diff,
-                      precision="fp32" if w.dtype_bytes == 4 else "bf16", grad_accum_steps=w.grad_accum,
+                      precision=Precision.fp32 if w.dtype_bytes == 4 else Precision.bf16, grad_accum_steps=w.grad_accum,
                       allgather_bucket_size=w.allgather_bucket, reduce_bucket_size=w.reduce_bucket)
     return build_plan(w.units, zero, Topology(nodes=c.nodes, ranks_per_node=c.ranks_per_node))
 
@@ -526,15 +529,22 @@ def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_
     return rows
 
 
+PROJECTION_COLUMNS = (
+    Column(title="NIC Gbps", width=8, cell=number("gbps", ".0f")),
+    Column(title="GPUs", width=5, cell=number("gpus", "d")),
+    Column(title="ZeRO-3 s", width=9, cell=number("zero3_step_s", ".2f")),
+    Column(title="ZeRO++ s", width=9, cell=number("zeropp_step_s", ".2f")),
+    Column(title="ZeRO-3 TF", width=9, cell=number("zero3_tflops", ".1f")),
+    Column(title="ZeRO++ TF", width=9, cell=number("zeropp_tflops", ".1f")),
+    Column(title="x-node GB/node (3 -> ++)", width=25,
+           cell=lambda r: f"{r['zero3_cross_gb']:.1f} -> {r['zeropp_cross_gb']:>8.1f}"),
+    Column(title="speedup", width=8, cell=number("speedup", ".2f", suffix="x")),
+)
+"""The columns of :func:`format_table` (the rows of :func:`speedup_table`)."""
+
+
 def format_table(rows: list[dict[str, float]]) -> str:
-    head = (f"{'NIC Gbps':>8} {'GPUs':>5} {'ZeRO-3 s':>9} {'ZeRO++ s':>9} {'ZeRO-3 TF':>9} {'ZeRO++ TF':>9} "
-            f"{'x-node GB/node (3 -> ++)':>25} {'speedup':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['gbps']:>8.0f} {r['gpus']:>5d} {r['zero3_step_s']:>9.2f} {r['zeropp_step_s']:>9.2f} "
-                     f"{r['zero3_tflops']:>9.1f} {r['zeropp_tflops']:>9.1f} "
-                     f"{r['zero3_cross_gb']:>12.1f} -> {r['zeropp_cross_gb']:>8.1f} {r['speedup']:>8.2f}x")
-    return "\n".join(lines)
+    return text_table(PROJECTION_COLUMNS, rows)
 
 
 def plot(rows: list[dict[str, float]], path: str) -> None:

@@ -30,9 +30,19 @@ from typing import Any, Iterable
 from zeropp.comm.spec import QuantSpec
 
 from .scaling import (
-    GBPS, Cluster, Workload, control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work,
+    GBPS,
+    Cluster,
+    Workload,
+    control_messages,
+    gpt_units,
+    link_terms,
+    messages,
+    project,
+    quant_time,
+    quant_work,
 )
 from .step_schedule import message_transfer
+from .text_table import Column, number, text_table
 
 EMULATOR_LINKS: dict[str, Any] = dict(intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6, nics_per_node=1,
                                       parallel_links=True, wire="ring")
@@ -308,7 +318,8 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
 
     rows, ys = [], []
     for i, s in enumerate(summaries):
-        if not _is_zeropp(s) or comm_wait_s(s) is None:
+        wait_s = comm_wait_s(s)
+        if not _is_zeropp(s) or wait_s is None:
             continue
         c = _measured_cluster(s, cross_gbps, 1.0, 0.0)
         w = workload_from_summary(s, rates[i])
@@ -317,7 +328,7 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
             st, tx, ib = link_terms(m, c)
             steps, cross_s, intra_b = steps + st * m.count, cross_s + tx * m.count, intra_b + ib * m.count
         rows.append([steps, intra_b])
-        ys.append(comm_wait_s(s) - cross_s - quant_time(w, c))
+        ys.append(wait_s - cross_s - quant_time(w, c))
     if not rows:
         raise ValueError("no trainer=zeropp run with a measured communication wait to calibrate on")
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys, dtype=float), rcond=None)
@@ -369,15 +380,21 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
     return rows
 
 
+COMPARISON_COLUMNS = (
+    Column(title="run", width=34, left=True, cell=lambda r: r["label"][:34]),
+    Column(title="meas s", width=8, cell=number("measured_step_s", ".3f")),
+    Column(title="pred s", width=8, cell=number("predicted_step_s", ".3f")),
+    Column(title="err", width=7, cell=number("step_error", ".0f", scale=100, suffix="%")),
+    Column(title="quant s", width=8, cell=number("predicted_quant_s", ".3f")),
+    Column(title="meas x-B", width=10, cell=number("measured_cross_bytes", ".0f")),
+    Column(title="pred x-B", width=10, cell=number("predicted_cross_bytes", ".0f")),
+    Column(title="err", width=7, cell=number("bytes_error", ".1f", scale=100, suffix="%")),
+)
+"""The columns of :func:`format_comparison` (the rows of :func:`compare_measured`)."""
+
+
 def format_comparison(rows: list[dict]) -> str:
-    head = (f"{'run':<34} {'meas s':>8} {'pred s':>8} {'err':>7} {'quant s':>8} {'meas x-B':>10} {'pred x-B':>10} "
-            f"{'err':>7}")
-    out = [head, "-" * len(head)]
-    for r in rows:
-        out.append(f"{r['label'][:34]:<34} {r['measured_step_s']:>8.3f} {r['predicted_step_s']:>8.3f} "
-                   f"{100 * r['step_error']:>6.0f}% {r['predicted_quant_s']:>8.3f} {r['measured_cross_bytes']:>10.0f} "
-                   f"{r['predicted_cross_bytes']:>10.0f} {100 * r['bytes_error']:>6.1f}%")
-    return "\n".join(out)
+    return text_table(COMPARISON_COLUMNS, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,7 +65,7 @@ def _schema_type(tp: Any) -> Any:
     return Any
 
 
-@functools.lru_cache(maxsize=None)  # one schema class per (class, exclusions): OmegaConf compares them
+@functools.cache  # one schema class per (class, exclusions): OmegaConf compares them
 def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
     """A mutable dataclass mirroring ``cls``'s fields (names, types, defaults), minus ``exclude``."""
     hints = typing.get_type_hints(cls)
@@ -89,7 +89,7 @@ def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_schema() -> type:
     """The ``model`` section: ``kind`` (default ``gpt``) and every field of every model kind, typed
     and defaulted as the library declares it (the first kind declaring a name gives its default)."""

@@ -48,8 +48,19 @@ from collections import defaultdict
 from zeropp.runtime.plan_kinds import Phase
 
 from .scaling import (
-    GBPS, Cluster, Message, Projection, Workload, collective_time, control_time, link_terms, messages,
-    node_cross_bytes, pairwise_bytes, quant_time, uplink_bytes,
+    GBPS,
+    Cluster,
+    Message,
+    Projection,
+    Workload,
+    collective_time,
+    control_time,
+    link_terms,
+    messages,
+    node_cross_bytes,
+    pairwise_bytes,
+    quant_time,
+    uplink_bytes,
 )
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -68,10 +79,10 @@ class Transfer:
     link_s: float = 0.0
     """Seconds on the link resource."""
 
-    def __add__(self, o: "Transfer") -> "Transfer":
+    def __add__(self, o: Transfer) -> Transfer:
         return Transfer(self.quant_s + o.quant_s, self.compute_s + o.compute_s, self.link_s + o.link_s)
 
-    def __mul__(self, k: float) -> "Transfer":
+    def __mul__(self, k: float) -> Transfer:
         return Transfer(self.quant_s * k, self.compute_s * k, self.link_s * k)
 
 

@@ -338,7 +338,7 @@ def load_dcp(state: dict[str, Any], path: Path, *, device: torch.device | None =
     try:
         d, meta = cio.locate(path, "torch")
         token = cio.Origin.of(d).token
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+    except Exception as exc:
         error = cio.describe(exc)
     hint = "Nothing was loaded. Restore or re-create the checkpoint, or resume from another one"
     cio.agree(dev, error, f"load from {path}", hint, token)

@@ -41,7 +41,7 @@ class WandbLogger:
                 reinit="finish_previous",
             )
             self.dir = str(Path(self.run.dir).parent)
-        except Exception as e:  # noqa: BLE001 - logging must never break training
+        except Exception as e:
             log.warning("warning: wandb disabled for this run (training goes on): %s: %s", type(e).__name__, e)
             self.run = None
 
@@ -50,7 +50,7 @@ class WandbLogger:
             return
         try:
             self.run.log(data, step=step)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("warning: wandb logging stopped: %s", e)
             self.run = None
 
@@ -61,7 +61,7 @@ class WandbLogger:
             for k, v in (summary or {}).items():
                 self.run.summary[k] = v
             self.run.finish()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("warning: wandb finish failed: %s", e)
         self.run = None
 

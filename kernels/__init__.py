@@ -5,6 +5,7 @@ This floor knows nothing of process groups. Installed, it is importable only as
 ``zeropp.kernels`` (never as a top-level ``kernels``).
 """
 
+from .hadamard import MAX_HADAMARD_BLOCK, hadamard, rotated_cols
 from .layout import (
     DEFAULT_GRAD_GROUP_SIZE,
     DEFAULT_WEIGHT_GROUP_SIZE,
@@ -14,7 +15,6 @@ from .layout import (
     quantized_nbytes,
     row_bytes,
 )
-from .hadamard import MAX_HADAMARD_BLOCK, hadamard, rotated_cols
 from .quantize import dequantize, quantize
 from .reduce import dequantize_sum, dequantize_sum_requantize
 

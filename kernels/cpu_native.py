@@ -168,7 +168,7 @@ def library() -> ctypes.CDLL | None:
         if _LIB is None and FAILED is None:
             try:
                 _LIB = load()[0]
-            except Exception as err:  # noqa: BLE001 - any failure means: use another path
+            except Exception as err:
                 FAILED = f"{type(err).__name__}: {err}"
     return _LIB
 
@@ -218,6 +218,7 @@ def quantize_into(x2: torch.Tensor, bits: int, gs: int, stochastic: bool, seed: 
                   scales: torch.Tensor) -> None:
     """x2 [rows, cols] (fp32/bf16/fp16, rows may be strided) -> codes [rows, row_bytes], scales [rows, g]."""
     rows, cols = x2.shape
+    assert _LIB is not None, "callers load the library first"
     _check(_LIB.zq_quantize(x2.data_ptr(), x2.stride(0), _DTYPES[x2.dtype], rows, cols, gs, bits, int(stochastic),
                             seed, codes.data_ptr(), codes.stride(0), scales.data_ptr(), scales.stride(0)), "quantize")
 
@@ -231,6 +232,7 @@ def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: in
         k, (rows, _), c_ks, s_ks = 1, codes.shape, 0, 0
     else:
         (k, rows, _), c_ks, s_ks = codes.shape, codes.stride(0), scales.stride(0)
+    assert _LIB is not None, "callers load the library first"
     _check(_LIB.zq_dequantize(codes.data_ptr(), c_ks, codes.stride(-2), scales.data_ptr(), s_ks, scales.stride(-2), k,
                               rows, cols, gs, bits, int(summed), out.data_ptr(), _DTYPES[out.dtype]), "dequantize")
 
@@ -239,6 +241,7 @@ def requantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: in
                     stochastic: bool, seed: int, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
     """Stacked [k, rows, *] -> the blocks' fp32 sums re-quantized into codes_out / scales_out [rows, *]."""
     k, rows, _ = codes.shape
+    assert _LIB is not None, "callers load the library first"
     _check(_LIB.zq_requantize(codes.data_ptr(), codes.stride(0), codes.stride(1), scales.data_ptr(),
                               scales.stride(0), scales.stride(1), k, rows, cols, gs, bits, out_bits, int(stochastic),
                               seed, codes_out.data_ptr(), codes_out.stride(0), scales_out.data_ptr(),
@@ -248,5 +251,5 @@ def requantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: in
 if __name__ == "__main__":  # python -m zeropp.kernels.cpu_native: build (or find) and load the library
     try:
         print(load()[1], file=sys.stdout)
-    except Exception as err:  # noqa: BLE001 - report why, as library() would
+    except Exception as err:
         print(f"unavailable: {type(err).__name__}: {err}", file=sys.stdout)

@@ -52,7 +52,7 @@ def _hadamard_kernel(
     BLOCK_G: tl.constexpr,  # blocks per program
     BLOCK_GS: tl.constexpr,
 ):
-    row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
+    row, g, _j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     x_row = (row // x_inner) * x_outer + (row % x_inner) * x_stride
     v = tl.load(x_ptr + x_row + col, mask=(g[:, None] < blocks) & (col < cols), other=0.0).to(tl.float32)
     # stage s: lanes i and i + h (h = 2**s, bit s of i clear) -> (a + b, a - b), as hadamard_ref

@@ -292,7 +292,7 @@ def row_stride(t: torch.Tensor) -> int | None:
     if not lead:
         return m
     stride = lead[-1][1]
-    for (size_hi, st_hi), (size_lo, st_lo) in zip(lead[:-1], lead[1:]):
+    for (_size_hi, st_hi), (size_lo, st_lo) in zip(lead[:-1], lead[1:]):
         if st_hi != st_lo * size_lo:
             return None
     if stride < m:

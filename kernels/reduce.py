@@ -18,13 +18,14 @@ from ._triton import (
     TileConfig,
     check_launchable,
     jit,
-    tile_load_codes,
     tile_coords,
+    tile_load_codes,
     tile_quantize,
     tile_store_codes,
     tl,
     to_out_dtype,
 )
+from .cpu import dequantize_sum_cpu, dequantize_sum_requantize_cpu
 from .layout import (
     QuantizedTensor,
     check_dims,
@@ -38,7 +39,6 @@ from .layout import (
     row_bytes,
     row_stride,
 )
-from .cpu import dequantize_sum_cpu, dequantize_sum_requantize_cpu
 from .quantize import PLAN_CACHE_SIZE, _use_triton, quantized_rows
 
 
@@ -117,7 +117,7 @@ def _dequantize_sum_requantize_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_GS: tl.constexpr,
 ):
-    row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
+    row, g, _j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     acc = _tile_sum(  # [BG, BGS] fp32, never written to memory
         codes_ptr, scales_ptr, k, rows, row, g, groups, codes_stride, scales_stride, GROUP_SIZE, IN_BITS, BLOCK_G,
         BLOCK_GS,

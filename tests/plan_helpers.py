@@ -80,7 +80,7 @@ def recipe_configs() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for r in RECIPES.values():
         for stage in (0, 1, 2, 3):
-            if (r.weights or r.hpz) and stage != 3 or r.grads and stage == 0:
+            if ((r.weights or r.hpz) and stage != 3) or (r.grads and stage == 0):
                 continue
             for hpz in sorted({r.hpz, True} if stage == 3 else {False}):
                 kw = dict(stage=stage, weights=r.weights, grads=r.grads, hpz=hpz)
@@ -123,7 +123,7 @@ topologies (one node, one rank per node, three nodes, sub-node hpZ groups) whose
 
 
 def profiled_step_ranges(zero_kwargs: dict[str, Any], *, rank: int, world: int, nodes: int,
-                         trace: "Any", model: Callable[[], nn.Module] = tiny_gpt,
+                         trace: Any, model: Callable[[], nn.Module] = tiny_gpt,
                          cfg: GPTConfig = TINY) -> tuple[PlanUnit, ...]:
     """The model's units; this rank's second training step (the steady state) on a fake world of
     ``nodes`` nodes is recorded by the runner's profiler (``experiments.profiling.StepProfiler``)

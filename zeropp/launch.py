@@ -334,6 +334,7 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
         if function:
             pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
             ep: Callable | str = _function_rank
+            rank_args: dict[int, tuple]
             rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads)
                          for r in range(world_size)}
         else:

@@ -131,7 +131,7 @@ class _Publisher(threading.Thread):
         self.wake.set()
 
     def _where(self, ident: int | None) -> str:
-        frame = sys._current_frames().get(ident) if ident is not None else None  # noqa: SLF001 - documented API
+        frame = sys._current_frames().get(ident) if ident is not None else None
         while frame is not None and frame.f_code.co_filename == __file__:  # flush() from the beating thread
             frame = frame.f_back
         if frame is None:
@@ -320,8 +320,8 @@ class HeartbeatMonitor:
         """Read the running ranks' heartbeats; the verdict, if one of them is silent."""
         now = self.clock()
         if now - self._last > self.deadline_s / 2:  # we were not watching: do not judge that span
-            for s in self.seen.values():
-                s.t_tick = s.t_beat = now
+            for seen in self.seen.values():
+                seen.t_tick = seen.t_beat = now
         self._last = now
         views = []
         for r in running:

@@ -162,14 +162,14 @@ class EmulatedCluster:
             raise ValueError(f"node {node} outside cluster of {self.spec.nodes} nodes")
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         self.up()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.down()
 
-    def up(self) -> "EmulatedCluster":
+    def up(self) -> EmulatedCluster:
         """Check privileges, clean stale namespaces, build, shape, probe. Tears down on any failure."""
         s = self.spec
         netns.require_privileges(s.prefix)
@@ -238,7 +238,7 @@ class EmulatedCluster:
             for ns in sorted(self._created, key=lambda n: n.endswith("-sw")):
                 try:
                     netns.delete_namespace(ns)
-                except Exception as e:  # noqa: BLE001 - keep going; report what is left
+                except Exception as e:
                     print(f"[zeropp.cluster] could not delete namespace {ns}: {e}", file=sys.stderr)
             self._created.clear()
             self._restore_handlers()

@@ -273,7 +273,7 @@ class Shaping:
     delay_ms: float = 0.0
 
     @classmethod
-    def for_rate(cls, gbps: float, delay_ms: float = 0.0) -> "Shaping":
+    def for_rate(cls, gbps: float, delay_ms: float = 0.0) -> Shaping:
         rate_bit = int(gbps * 1e9)
         byte_rate = rate_bit / 8
         return cls(rate_bit, max(64 * 1024, int(byte_rate * 5e-3)), max(1 << 20, int(byte_rate * 0.05), 2 * int(byte_rate * 5e-3)), delay_ms)

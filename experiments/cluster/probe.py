@@ -130,13 +130,15 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
     """First stdout line of `proc`, failing (not hanging) if it exits or stays silent."""
     import selectors
 
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None, "the server is started with stdout and stderr piped"
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(stdout, selectors.EVENT_READ)
     if not sel.select(timeout):
         raise RuntimeError(f"probe server printed nothing within {timeout:.0f}s")
-    line = proc.stdout.readline()
+    line = stdout.readline()
     if not line:
-        raise RuntimeError(f"probe server exited early: {proc.stderr.read().strip()[-2000:]}")
+        raise RuntimeError(f"probe server exited early: {stderr.read().strip()[-2000:]}")
     return line
 
 

@@ -14,8 +14,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zeropp.comm import (CommStats, ErrorFeedback, QuantSpec, Topology, quantized_all_gather,
-                         quantized_reduce_scatter, set_topology)
+from zeropp.comm import (
+    CommStats,
+    ErrorFeedback,
+    QuantSpec,
+    Topology,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+    set_topology,
+)
 
 dist.init_process_group("gloo")
 W, rank = dist.get_world_size(), dist.get_rank()

@@ -95,7 +95,7 @@ def _restart(rank: int, world: int, store: str) -> dict:
     dist.destroy_process_group()  # torch drops the world: the worker is drained and joined
     stopped = worker is not None and not worker.is_alive() and not ctx.worker_alive
     try:
-        old_groups.cross
+        _ = old_groups.cross
         stale = "no error"
     except RuntimeError as e:
         stale = str(e)

@@ -26,8 +26,7 @@ import zeropp.comm.qgz as qgz_mod
 from tests.comm_helpers import rank_input
 from tests.streams_helpers import DEBUG_ENV, FakeBucket, debug_checks
 from tests.worlds import run_world
-from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology, quantized_reduce_scatter
-from zeropp.comm import chain
+from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology, chain, quantized_reduce_scatter
 from zeropp.comm.collectives import quantized_all_reduce
 from zeropp.comm.ddp import QuantizedAllReduceState, quantized_allreduce_hook
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worlds import run_world
 from tests.runtime_helpers import make_model, rank_batches
+from tests.worlds import run_world
 
 STEPS = 3
 KINDS = ("fwd_all_gather", "bwd_all_gather", "grad_reduce_scatter")

@@ -27,8 +27,8 @@ from zeropp.comm import (
     stochastic_calls,
     stochastic_seed,
 )
-from zeropp.comm.spec import QuantSpec
 from zeropp.comm.qgz import swizzle
+from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize
 
 SEED = 1234
@@ -93,7 +93,7 @@ def _unbiased(rank, W, topo, stats):
             x, mask = _crafted(n, gs, bits)  # same shard on every rank
             exact, m = x.repeat(W), mask.repeat(W)
 
-            def call(stochastic, x=x, bits=bits):
+            def call(stochastic, x=x, bits=bits, n=n, gs=gs):
                 out = torch.empty(W * n)
                 quantized_all_gather(out, x, spec=sr_spec(bits, gs, stochastic=stochastic), topology=topo, stats=stats)
                 return out
@@ -101,7 +101,7 @@ def _unbiased(rank, W, topo, stats):
             x, mask = _crafted(W * n, gs, bits)  # every rank sends the same [W, n]: AVG = x's chunk
             exact, m = x.view(W, n)[rank], mask.view(W, n)[rank]
 
-            def call(stochastic, x=x, bits=bits):
+            def call(stochastic, x=x, bits=bits, n=n, gs=gs):
                 out = torch.empty(n)
                 quantized_reduce_scatter(out, x, spec=sr_spec(bits, gs, stochastic=stochastic), topology=topo,
                                          stats=stats)

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.runtime_helpers import TINY, make_model, rank_batches, text_batch

@@ -23,7 +23,6 @@ from tests.checkpoint_helpers import checkpoint_error, plant_metadata
 from tests.runtime_helpers import TINY, make_model, rank_batches
 from tests.worlds import run_world
 
-
 DEBRIS = "ckpt-00000005-00000000000000ae"
 
 

@@ -67,7 +67,7 @@ class _Spy:
                 mesh = v.device_mesh.device_type if isinstance(v, DTensor) else None
                 self.seen.append((k, local.device.type, mesh, local.untyped_storage().data_ptr()))
 
-    def __enter__(self) -> "_Spy":
+    def __enter__(self) -> _Spy:
         save, load = self.real
         self.dcp.save = lambda state, **kw: (self._record(state), save(state, **kw))[1]
         self.dcp.load = lambda state, **kw: (self._record(state), load(state, **kw))[1]

@@ -15,8 +15,6 @@ Here: the gloo-world checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
-
 from tests.host_reads import HostRead, host_reads
 from tests.runtime_helpers import make_model, rank_batches
 from tests.worlds import run_world

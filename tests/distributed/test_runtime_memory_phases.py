@@ -24,8 +24,7 @@ import pytest
 
 from tests.runtime_helpers import make_model, rank_batches
 from tests.worlds import run_world
-from zeropp.runtime.memory import (CATEGORIES, MODEL_STATE, PHASES, TIERS, expected_by_tier,
-                                   offload_choices, tier_totals)
+from zeropp.runtime.memory import CATEGORIES, MODEL_STATE, PHASES, TIERS, expected_by_tier, offload_choices, tier_totals
 
 WORLD, NODES, TOL = 4, 2, 0.05
 CASES = {

@@ -102,7 +102,7 @@ def runs():
 
 
 def test_offload_matches_the_in_memory_run(runs):
-    for name, (ref, kw, adam) in RUNS.items():
+    for name, (ref, _kw, adam) in RUNS.items():
         if ref is None:
             continue
         got, want = runs[name], runs[ref]

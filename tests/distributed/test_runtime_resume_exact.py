@@ -69,7 +69,7 @@ def _resume_world(rank: int, world: int, path: str) -> dict:
 
         a = _engine(stage, 0)
         first = _train(a, rank, range(K))
-        hop2 = [k for k in a.error_feedback.keys() if k.endswith("@hop2")]
+        hop2 = [k for k in a.error_feedback.keys() if k.endswith("@hop2")]  # noqa: SIM118 (not a mapping)
         a.save_checkpoint(ckpt)
         a.close()
 

@@ -45,7 +45,7 @@ class SkipGPT(GPT):
     def forward(self, idx, targets=None, skip=None):
         if skip is None:
             skip = dist.is_initialized() and dist.get_rank() == SKIP_RANK
-        b, t = idx.shape
+        _b, t = idx.shape
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(t))
         for i, block in enumerate(self.blocks):
             if i == SKIP_BLOCK:

@@ -83,9 +83,9 @@ def _snapshot(eng) -> dict:
 
 
 def _engine(kw: dict):
+    from tests.runtime_helpers import make_model
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroEngine
-    from tests.runtime_helpers import make_model
 
     return ZeroEngine(make_model(CFG), config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=LR, weight_decay=0.01),
                       topology=Topology(nodes=NODES, ranks_per_node=WORLD // NODES))

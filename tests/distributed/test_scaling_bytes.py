@@ -20,8 +20,8 @@ from tests.plan_helpers import SMALL_BUCKETS, ZPP
 from tests.runtime_helpers import TINY, rank_batches, train_engine
 from tests.worlds import run_world
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.models import GPT
 from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
+from zeropp.models import GPT
 
 UNITS = gpt_units(vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers,
                   mlp_ratio=TINY.mlp_ratio)

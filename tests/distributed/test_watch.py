@@ -13,7 +13,6 @@ import pytest
 
 from zeropp import watch
 
-
 # ---------------------------------------------------------------- scratch
 
 
@@ -27,9 +26,9 @@ def test_a_cleanup_problem_never_hides_the_ranks_error(tmp_path: Path):
 
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    with pytest.warns(RuntimeWarning, match="could not look for zeropp-swap-"):
-        with pytest.raises(RankFailure, match="the rank's own error"):
-            launch_world(_record_unlistable_scratch_then_fail, 1, args=(str(afile),), timeout_s=60, grace_s=1.0)
+    with (pytest.warns(RuntimeWarning, match="could not look for zeropp-swap-"),
+          pytest.raises(RankFailure, match="the rank's own error")):
+        launch_world(_record_unlistable_scratch_then_fail, 1, args=(str(afile),), timeout_s=60, grace_s=1.0)
     assert afile.read_text() == "mine"
 
 

@@ -6,8 +6,6 @@ Here: the end-to-end checks of this topic; its other tiers' checks are in ``test
 
 from __future__ import annotations
 
-
-
 from zeropp.experiments import bench_gpu
 
 CPU_TINY = ["--device", "cpu", "--preset", "tiny", "--d-model", "0", "--n-layers", "0", "--n-heads", "0",

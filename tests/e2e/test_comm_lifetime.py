@@ -26,8 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-
 SCRIPT = Path(__file__).parents[1] / "data" / "readme_collectives.py"
 
 

@@ -22,8 +22,6 @@ Here: the end-to-end checks of this topic; its other tiers' checks are in ``test
 
 from __future__ import annotations
 
-
-
 from zeropp.comm import context
 
 

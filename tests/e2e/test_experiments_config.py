@@ -13,8 +13,6 @@ import time
 
 import torch
 
-
-
 CLI_ERRORS: list[tuple[list[str], list[str]]] = [
     (["quant=int9"], ["quant", "allowed", "int8"]),
     (["stage=5"], ["stage", "5"]),

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
-
 from tests.cli_helpers import run_cli
 
 ROOT = os.geteuid() == 0

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.plan import load_config, main as plan_main, model_units
+from experiments.plan import load_config, model_units
+from experiments.plan import main as plan_main
 from experiments.plan_measured import MEASURED_LANES
 from experiments.profiling import read_step, trace_path
 from tests.experiment_helpers import run_cli

@@ -44,7 +44,8 @@ def test_every_implementation_takes_the_largest_block_and_refuses_a_larger_one_a
     (their tile config too), a QuantizedTensor and the QuantSpec a config builds: a group size
     that works on CPU works on a GPU, and one that is too large fails everywhere with one message
     naming the largest allowed. The largest itself quantizes the same bits on every path."""
-    from zeropp.comm.spec import MAX_GROUP_SIZE as SPEC_MAX, QuantSpec
+    from zeropp.comm.spec import MAX_GROUP_SIZE as SPEC_MAX
+    from zeropp.comm.spec import QuantSpec
     from zeropp.kernels._triton import HAS_TRITON, TileConfig
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.layout import MAX_GROUP_SIZE

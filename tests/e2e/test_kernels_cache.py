@@ -172,7 +172,7 @@ def test_unsafe_cache_is_refused_untouched_and_built_privately(fault: str, tmp_p
     before = sorted((p.name, p.lstat().st_mtime_ns, p.lstat().st_mode) for p in cache.iterdir())
     build_cache._WARNED.clear()
     with pytest.warns(RuntimeWarning, match=f"not using the kernel cache: .*{expect}") as rec:
-        lib, path = build_cache.load_library(cache, "zq_x.so", _copying_build(real_build["bytes"], calls),
+        lib, _path = build_cache.load_library(cache, "zq_x.so", _copying_build(real_build["bytes"], calls),
                                              cpu_native._load)
     msg = str(rec[0].message)
     assert str(cache) in msg and "ZEROPP_CACHE_DIR" in msg

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 
-
 from zeropp.experiments import ring_probe
 
 

@@ -7,7 +7,6 @@ Here: the end-to-end checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import pytest
 
 from zeropp.experiments import bench_cluster

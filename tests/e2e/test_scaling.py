@@ -6,9 +6,6 @@ Here: the end-to-end checks of this topic; its other tiers' checks are in ``test
 from __future__ import annotations
 
 
-
-
-
 def test_scaling_does_not_import_its_check() -> None:
     """scaling_check imports scaling, never the other way round (no import cycle)."""
     import subprocess

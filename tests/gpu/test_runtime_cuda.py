@@ -9,8 +9,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.runtime_helpers import parity_world
 from tests.distributed.test_runtime_parity import LR, STAGES, STEPS, check_parity
+from tests.runtime_helpers import parity_world
 from tests.worlds import run_world
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -26,8 +26,8 @@ def _nccl_world(rank, world, store_path, configs, steps, ckpt_dir):
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     out = parity_world(rank, world, 1, configs, steps, device=f"cuda:{rank}")
-    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
     from tests.runtime_helpers import make_model, rank_batches
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     eng = ZeroEngine(make_model().cuda(), config=ZeroConfig(stage=3), optimizer=OptimizerConfig(lr=LR))
     batches = [(i.cuda(), t.cuda()) for i, t in rank_batches(0, 1, rank)]

@@ -18,10 +18,8 @@ Here: the CUDA checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 
 
 class _Pool:

@@ -43,7 +43,7 @@ def _world(rank, world, store_path, nvme):
                      "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
         if name.endswith(("_cpu", "_nvme")):  # checkpoint of host / disk state on a CUDA mesh, and back
             ck = os.path.join(nvme, f"ck_{name}")
-            batch = [(i.cuda(), t.cuda()) for i, t in rank_batches(9, 1, rank)][0]
+            batch = next((i.cuda(), t.cuda()) for i, t in rank_batches(9, 1, rank))
             eng.save_checkpoint(ck)
             before = eng.eval_loss(*batch)
             eng.train_step([batch])

@@ -12,12 +12,11 @@ Here: the CUDA checks of this topic; its other tiers' checks are in ``tests/unit
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.unit.test_runtime_zero_r import check_offload_model_host_bytes
 from tests.runtime_helpers import TINY, make_model, rank_batches
+from tests.unit.test_runtime_zero_r import check_offload_model_host_bytes
 
 
 @pytest.mark.cuda

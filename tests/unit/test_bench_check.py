@@ -19,7 +19,10 @@ def _summary(overrides: list[str], step: float, wait: float) -> dict:
     """A summary.json of the runner's layout for one bench job (the fields the bench reads)."""
     quant = next(o.split("=", 1)[1] for o in overrides if o.startswith("quant="))
     r = RECIPES[quant]
-    asd = (lambda s: None if s is None else dataclasses.asdict(s))
+
+    def asd(s):
+        return None if s is None else dataclasses.asdict(s)
+
     zero = {"stage": 3, "precision": "fp32", "hpz": r.hpz, "hpz_size": None, "grad_accum_steps": 1,
             "weights": asd(r.weights), "grads": asd(r.grads)}
     emulated = "cluster=emulated" in overrides

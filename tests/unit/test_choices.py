@@ -23,8 +23,8 @@ from omegaconf.errors import ValidationError
 from tests.cli_helpers import run_cli
 from zeropp.comm import QuantSpec, Rotation, Rounding
 from zeropp.experiments.config import ConfigError, from_dict
-from zeropp.experiments.sections import LauncherDevice, LoggerMode
 from zeropp.experiments.overrides import check_overrides
+from zeropp.experiments.sections import LauncherDevice, LoggerMode
 from zeropp.runtime import MemoryTier, OffloadTier, OptimizerConfig, Precision, QuantizeFrozen, Schedule, ZeroConfig
 
 

@@ -10,11 +10,9 @@ Here: the one-process checks of this topic; its other tiers' checks are in ``tes
 
 from __future__ import annotations
 
-
 import pytest
 
 from zeropp.experiments.cluster import ClusterPrivilegeError, EmulatedCluster, netns
-
 
 # ---------------------------------------------------------------- no privileges needed
 

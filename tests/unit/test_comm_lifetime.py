@@ -85,7 +85,7 @@ def test_buffers_still_referenced_by_the_backend_are_held_until_released() -> No
     ctx = context.CommContext()
     backend_refs: list[torch.Tensor] = []
     t = torch.zeros(4)
-    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])
+    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])  # noqa: F821 (called here, before `del t`)
     freed = []
     weakref.finalize(t, freed.append, "t")
     del t

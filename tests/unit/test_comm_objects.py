@@ -9,7 +9,6 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import pytest
 import torch.distributed as dist
 

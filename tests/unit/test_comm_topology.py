@@ -16,7 +16,7 @@ from zeropp.comm.qgz import swizzle, unswizzle
 def test_groups_partition_the_world(nodes: int, rpn: int, hpz) -> None:
     t = Topology(nodes, rpn, hpz)
     W = t.world_size
-    assert W == nodes * rpn and t.hpz_group_size == (rpn if hpz is None else hpz)
+    assert nodes * rpn == W and t.hpz_group_size == (rpn if hpz is None else hpz)
     for family in (t.intra_ranks, t.cross_ranks, t.hpz_ranks):
         groups = {tuple(family(r)) for r in range(W)}
         # every rank is in exactly one group of the family, and in its own

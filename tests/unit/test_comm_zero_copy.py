@@ -98,7 +98,7 @@ def test_dequantize_writes_row_strided_columns_in_place(impl, dtype) -> None:
     x = torch.randn(W, b - a)
     for bits in (8, 4):
         lay = wire_layout(b - a, bits, gs)
-        buf, q = lay.empty(W, x.device)
+        _buf, q = lay.empty(W, x.device)
         quantize(x, bits, gs, rows=W, out=q, impl=impl)
         full = torch.full((W, S), 7.0, dtype=dtype)
         ptr = full.data_ptr()

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_commands import ROOT, Block, all_blocks, blocks, check_command, check_python, commands, module_exists
 from zeropp.experiments.config import ConfigError
-from tests.docs_commands import (ROOT, Block, all_blocks, blocks, check_command, check_python, commands,
-                                 module_exists)
 
 SHELL = ("bash", "sh", "shell", "console")
 

@@ -21,13 +21,12 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
+from tests.cli_helpers import run_cli
 from zeropp.experiments import preflight
 from zeropp.experiments.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
 from zeropp.experiments.console import human_bytes
 from zeropp.experiments.overrides import check_overrides
 from zeropp.runtime import OptimizerConfig, ZeroConfig
-
-from tests.cli_helpers import run_cli
 
 ROOT = os.geteuid() == 0
 

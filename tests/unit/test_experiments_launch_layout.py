@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from zeropp.comm import Topology
 from zeropp.comm.layout import LaunchLayout

@@ -18,7 +18,6 @@ from zeropp import launch as launcher
 from zeropp.experiments.launcher import device_for_cluster, emulated_placement
 from zeropp.launch import PlacementError, select_device
 
-
 # ---------------------------------------------------------------- launch_world: functions
 
 
@@ -76,8 +75,7 @@ def test_emulated_cluster_refuses_cuda_before_building_anything():
     assert device_for_cluster("auto", "emulated") == "cpu" and device_for_cluster("cpu", "emulated") == "cpu"
     with pytest.raises(PlacementError, match="bypass the shaped links.*cluster=local"):
         device_for_cluster("cuda", "emulated")
-    with pytest.raises(PlacementError, match="NCCL"):
-        with emulated_placement(4, 2, 1.0, 0.0, device="cuda"):
-            pass
+    with pytest.raises(PlacementError, match="NCCL"), emulated_placement(4, 2, 1.0, 0.0, device="cuda"):
+        pass
 
 

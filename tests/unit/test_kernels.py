@@ -581,5 +581,5 @@ def test_bench_cpu_path_switch_is_scoped():
     with bench_kernels.cpu_path("tiled"):
         assert not cpu_native.ENABLED and cpu_fused.FUSED_MIN_ELEMS == 2**62
     with bench_kernels.cpu_path("compiled"):
-        assert not cpu_native.ENABLED and cpu_fused.FUSED_MIN_ELEMS == saved[1]
-    assert (cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS) == saved
+        assert not cpu_native.ENABLED and saved[1] == cpu_fused.FUSED_MIN_ELEMS
+    assert saved == (cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS)

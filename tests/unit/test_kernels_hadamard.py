@@ -18,8 +18,8 @@ import math
 import pytest
 import torch
 
-from tests.unit.test_kernels_triton import assert_same_bits
 from tests.triton_helpers import interpreted
+from tests.unit.test_kernels_triton import assert_same_bits
 from zeropp.kernels import MAX_HADAMARD_BLOCK, dequantize, hadamard, quantize, rotated_cols
 from zeropp.kernels._triton import HAS_TRITON
 from zeropp.kernels.hadamard import hadamard_plan
@@ -194,9 +194,12 @@ def test_launch_plans_are_cached_per_shape() -> None:
     assert after.hits == before.hits + 1 and after.misses == before.misses
 
 
-def test_spec_and_kernels_agree_on_the_largest_block() -> None:
-    from zeropp.comm import spec
+def test_spec_accepts_the_kernels_largest_block_and_refuses_the_next() -> None:
+    from zeropp.comm.spec import QuantSpec
 
-    assert spec.MAX_HADAMARD_BLOCK == MAX_HADAMARD_BLOCK
+    spec = QuantSpec(bits=8, group_size=MAX_HADAMARD_BLOCK, rotation="hadamard", hadamard_block=MAX_HADAMARD_BLOCK)
+    assert spec.hadamard_block == MAX_HADAMARD_BLOCK
+    with pytest.raises(ValueError, match=f"must be a power of two in \\[2, {MAX_HADAMARD_BLOCK}\\]"):
+        QuantSpec(bits=8, rotation="hadamard", hadamard_block=2 * MAX_HADAMARD_BLOCK)
 
 

@@ -12,6 +12,7 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
+from typing import ClassVar
 
 import pytest
 import torch
@@ -356,7 +357,7 @@ class _FakeCompiled:
 
 
 class _FakeKernel:
-    arg_names = ["a_ptr", "b_ptr", "n", "seed", "BLOCK_G", "X", "BLOCK_GS"]
+    arg_names: ClassVar[list[str]] = ["a_ptr", "b_ptr", "n", "seed", "BLOCK_G", "X", "BLOCK_GS"]
 
     def __init__(self):
         self.log = []

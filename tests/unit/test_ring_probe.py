@@ -6,7 +6,6 @@ Here: the one-process checks of this topic; its other tiers' checks are in ``tes
 
 from __future__ import annotations
 
-
 import pytest
 
 from zeropp.experiments import ring_probe

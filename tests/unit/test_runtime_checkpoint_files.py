@@ -19,7 +19,13 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from tests.checkpoint_helpers import RunsCommand, plant_metadata, recompute_checksum, touch_command, write_version
 from zeropp.runtime import checkpoint_files as cf
 from zeropp.runtime import checkpoint_io as cio
-from zeropp.runtime.checkpoint_safe import SafeLoadPlanner, SafeReader, UnsafeCheckpointError, read_metadata
+from zeropp.runtime.checkpoint_safe import (
+    SafeLoadPlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+    read_metadata,
+    tensor_entry,
+)
 
 A, B, C, D = (f"ckpt-{s:08d}-{s:016x}" for s in (1, 2, 3, 4))
 
@@ -128,6 +134,17 @@ def test_non_tensor_values_are_read_weights_only(tmp_path):
     state = {"w": torch.zeros(2), "sched": {"last_epoch": 0, "lrs": None, "fn": None}}  # the keys to load
     _dcp_load(state, SafeReader(ok), SafeLoadPlanner())
     assert state["sched"] == {"last_epoch": 3, "lrs": [0.1, (0.9, 0.95)], "fn": None} and torch.equal(state["w"], torch.ones(2))
+
+
+def test_tensor_entry_refuses_a_record_that_holds_bytes(tmp_path):
+    """A checkpoint whose entry under a tensor's name holds a pickled value (another writer's file)."""
+    d = tmp_path / "v"
+    _dcp_save(d, {"w": torch.ones(2, 3, dtype=torch.bfloat16), "sched": "cosine"})
+    md = read_metadata(d).state_dict_metadata
+    w = tensor_entry(md, "w")
+    assert tuple(w.size) == (2, 3) and w.properties.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="'sched' holds BytesStorageMetadata, not a tensor"):
+        tensor_entry(md, "sched")
 
 
 def test_rank_state_is_loaded_weights_only(tmp_path):

@@ -8,8 +8,6 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
-
 from zeropp.runtime.batch import agree_on_forward
 
 

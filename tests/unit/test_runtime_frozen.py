@@ -19,9 +19,7 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import pytest
-
 
 
 # ---------------------------------------------------------------------- bad input

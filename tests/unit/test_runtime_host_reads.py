@@ -15,7 +15,6 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import torch
 
 from tests.host_reads import HostRead, host_reads

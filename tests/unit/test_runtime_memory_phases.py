@@ -18,12 +18,20 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from zeropp.runtime.memory import (CATEGORIES, TIERS, MemorySnapshot, account, expected_by_tier,
-                                   expected_memory, offload_choices, source_tiers, tier_totals)
+from zeropp.runtime.memory import (
+    CATEGORIES,
+    TIERS,
+    MemorySnapshot,
+    account,
+    expected_by_tier,
+    expected_memory,
+    offload_choices,
+    source_tiers,
+    tier_totals,
+)
 
 
 class _Fake:

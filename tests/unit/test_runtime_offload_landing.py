@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 
 
-
 def test_nvme_path_that_is_not_writable_is_refused(tmp_path, monkeypatch):
     import os
 

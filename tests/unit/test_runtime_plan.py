@@ -67,7 +67,7 @@ def _id(case: tuple) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_plan_bytes_equal_engine_commstats(case: tuple) -> None:
     """Per kind and link, on the first and the last rank: the plan's bytes are the engine's."""
-    name, world, nodes, tp, model, kw = case
+    _name, world, nodes, tp, model, kw = case
     for rank in (0, world - 1):
         units, measured = steady_step_bytes(kw, rank=rank, world=world, nodes=nodes, tp=tp,
                                             **({"model": model} if model else {}))
@@ -79,7 +79,7 @@ def test_plan_bytes_equal_engine_commstats(case: tuple) -> None:
 def test_mixz_cases_move_frozen_units() -> None:
     """The MixZ++ cases exercise frozen gathers: stored quantized and not, over the world and the node."""
     seen = set()
-    for name, world, nodes, tp, model, kw in CASES:
+    for _name, world, nodes, _tp, model, kw in CASES:
         if model is not None and kw["stage"] == 3:
             plan = build_plan(plan_units(model()), ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=world // nodes))
             for c in plan.collectives:

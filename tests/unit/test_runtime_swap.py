@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from zeropp.runtime import OptimizerConfig, ShardedAdamW
-from zeropp.runtime.offload import SwappedAdamW
+from zeropp.runtime.offload import HostAdamW, SwappedAdamW
 from zeropp.runtime.swap import Segment, SwapError, SwapSpace
 
 
@@ -171,3 +171,29 @@ def test_streamed_adamw_is_the_in_memory_update(tmp_path, kernel):
         sp.close()
 
 
+def test_both_adamw_holders_share_kernel_check_lr_and_numels(tmp_path):
+    """ShardedAdamW and SwappedAdamW (and the host tier's HostAdamW) take the kernel check, the
+    scheduled rate and the shard sizes from one base: same answers, each error names its class."""
+    cfg = OptimizerConfig(lr=1e-2, warmup_steps=2)
+    ms = [torch.ones(n) for n in (3, 5)]
+    sp = SwapSpace(tmp_path, 0, buffers=2, buffer_size=256)
+    try:
+        for cls, kw in ((ShardedAdamW, {}), (SwappedAdamW, {"space": sp}), (HostAdamW, {"device": torch.device("cpu")})):
+            with pytest.raises(ValueError, match=f"{cls.__name__} kernel='avx'; use one of"):
+                cls([m.clone() for m in ms], cfg, kernel="avx", **kw)
+        ref = ShardedAdamW([m.clone() for m in ms], cfg)
+        swapped = SwappedAdamW([m.clone() for m in ms], cfg, space=sp)
+        for opt in (ref, swapped):
+            sizes = opt.numels
+            sizes.append(9)  # a copy: the holder's sizes stay
+            assert opt.numels == [3, 5]
+        rates = []
+        for _ in range(3):
+            assert ref.lr == swapped.lr
+            rates.append(ref.lr)
+            grads = [torch.ones(n) for n in (3, 5)]
+            ref.step(grads)
+            swapped.step(grads)
+        assert rates == [cfg.lr_at(0), cfg.lr_at(1), cfg.lr_at(2)] and rates[0] < rates[2]
+    finally:
+        sp.close()

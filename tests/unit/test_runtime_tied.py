@@ -19,7 +19,6 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import torch
 
 from tests.runtime_helpers import TINY

@@ -101,7 +101,7 @@ def test_block_policies_choose_the_outermost_matches() -> None:
     # a Linear inside a ResBlock belongs to that block; the top-level Linears are blocks of their own
     assert find_blocks(m, [ResBlock, nn.Linear]) == [m.inp, m.l0, m.l1, m.l2, m.out]
     assert find_blocks(m, lambda name, mod: name.startswith("l")) == [m.l0, m.l1, m.l2]
-    units, blocks, root, _ = build_units(m, stage=3, world_size=2, rank=0, dtype=torch.float32, policy=[ResBlock])
+    _units, blocks, root, _ = build_units(m, stage=3, world_size=2, rank=0, dtype=torch.float32, policy=[ResBlock])
     assert [u.name for _, u in blocks] == ["block0", "block1", "block2"]
     assert [s.name for s in root.slots] == ["inp.weight", "inp.bias", "out.weight", "out.bias"]
     # one block object listed twice (weights reused at two depths) is one unit, its second names aliases

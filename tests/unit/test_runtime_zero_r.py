@@ -12,7 +12,6 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch

@@ -12,9 +12,22 @@ import pytest
 
 from zeropp.comm.spec import QuantSpec
 from zeropp.experiments.scaling import (
-    GBPS, ZEROPP, Cluster, Workload, collective_time, control_time, gpt_units, messages, node_cross_bytes,
+    GBPS,
+    ZEROPP,
+    Cluster,
+    Workload,
+    collective_time,
+    control_time,
+    gpt_units,
+    messages,
+    node_cross_bytes,
     pairwise_bytes,
-    paper_workload, project, quant_time, quant_work, speedup_table, uplink_bytes,
+    paper_workload,
+    project,
+    quant_time,
+    quant_work,
+    speedup_table,
+    uplink_bytes,
 )
 from zeropp.kernels import quantized_nbytes
 

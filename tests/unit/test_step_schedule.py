@@ -10,11 +10,23 @@ import pytest
 
 from zeropp.comm.spec import RECIPES
 from zeropp.experiments.scaling import (
-    Cluster, Workload, collective_time, control_time, gpt_units, messages, project, quant_time,
+    Cluster,
+    Workload,
+    collective_time,
+    control_time,
+    gpt_units,
+    messages,
+    project,
+    quant_time,
 )
 from zeropp.experiments.scaling_check import calibrate_cpu_side, emulator_cluster
 from zeropp.experiments.step_schedule import (
-    Transfer, UnitCosts, message_transfer, project_scheduled, scheduled_step_s, unit_costs,
+    Transfer,
+    UnitCosts,
+    message_transfer,
+    project_scheduled,
+    scheduled_step_s,
+    unit_costs,
 )
 
 UNITS = gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=3)
@@ -74,7 +86,7 @@ def _cases():
     for stage in (0, 1, 2, 3):
         for recipe in ("none", "zeropp", "qwd", "sdp4bit", "qgz"):
             r = RECIPES[recipe]
-            if stage < 3 and (r.hpz or r.weights) or stage == 0 and (r.grads or r.weight_diff):
+            if (stage < 3 and (r.hpz or r.weights)) or (stage == 0 and (r.grads or r.weight_diff)):
                 continue
             if r.weight_diff and stage == 3 and not r.hpz:
                 continue

@@ -5,7 +5,7 @@ other tools name (``scripts/gpu_check.sh``) exist."""
 from __future__ import annotations
 
 import re
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,11 +14,6 @@ from tests import conftest
 from tests.conftest import TESTS, TIERS, tier_of, untiered_test_files
 
 ROOT = TESTS.parent
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 has no tomllib
-    tomllib = pytest.importorskip("tomli")
 
 
 def test_tier_of_reads_the_folder_under_tests() -> None:

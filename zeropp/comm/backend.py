@@ -46,7 +46,7 @@ class CommHandle(dist.Work):
     """
 
     def __init__(self, works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]] = None,
-                 buffers: Optional[Buffers] = None, *, session: Optional["CommSession"] = None,
+                 buffers: Optional[Buffers] = None, *, session: Optional[CommSession] = None,
                  kind: str = "") -> None:
         super().__init__()
         self._works = [w for w in works if w is not None]
@@ -55,7 +55,7 @@ class CommHandle(dist.Work):
         self._done = False
         self._session, self._kind = session, kind
 
-    def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - signature of dist.Work.wait
+    def wait(self, timeout: object = None) -> bool:
         if not self._done:
             if self._session is None:
                 self._wait()
@@ -86,8 +86,8 @@ class CommHandle(dist.Work):
 
 
 def finish_or_handle(
-    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]], async_op: bool,
-    buffers: Optional[Buffers] = None, *, session: Optional["CommSession"] = None, kind: str = "",
+    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], object]], async_op: bool,
+    buffers: Optional[Buffers] = None, *, session: Optional[CommSession] = None, kind: str = "",
 ) -> Optional[CommHandle]:
     """``async_op``: return a handle that finishes on ``wait()``; otherwise finish now, return None.
     ``buffers``: the collective's own buffers, released when it finished (:class:`CommHandle`).

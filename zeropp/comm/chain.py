@@ -76,7 +76,7 @@ class Deferred:
         try:
             if fn is not None:
                 fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's wait()
+        except BaseException as e:
             self._error = e
         finally:
             buffers, self._buffers = self._buffers, None
@@ -129,12 +129,12 @@ def in_worker() -> bool:
     return context.current().in_worker()
 
 
-def _side_stream(session: Optional["CommSession"], device: torch.device) -> torch.cuda.Stream:
+def _side_stream(session: Optional[CommSession], device: torch.device) -> torch.cuda.Stream:
     return session.side_stream(device) if session is not None else context.current().side_stream(device)
 
 
 def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffers] = None, *,
-           session: Optional["CommSession"] = None) -> Deferred:
+           session: Optional[CommSession] = None) -> Deferred:
     """Run ``fn`` (which may wait on works and issue collectives) after the caller's current
     work, without blocking the caller; see the module docstring for where it runs. ``buffers``:
     the caller's buffers that ``fn`` (or the work it waits on) still uses; they are released
@@ -155,7 +155,7 @@ def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffe
 
 
 def submit_future(fn: Callable[[], None], result: torch.Tensor, *,
-                  session: Optional["CommSession"] = None) -> torch.futures.Future:
+                  session: Optional[CommSession] = None) -> torch.futures.Future:
     """Run ``fn`` as :func:`submit` does and return a ``torch.futures.Future`` holding ``result``
     once it finished (the form DDP comm hooks return). On CUDA the future is device-aware: its
     ``wait()`` / ``then()`` make the consumer's stream wait for the side stream (``session``'s)."""
@@ -174,7 +174,7 @@ def submit_future(fn: Callable[[], None], result: torch.Tensor, *,
     def run_and_complete() -> None:
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
+        except BaseException as e:
             fut.set_exception(e)
             return
         fut.set_result(result)

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-from . import qgz, ranges, stochastic as sr
-from .session import CommSession, resolve as resolve_session
+from . import qgz, ranges
+from . import stochastic as sr
 from .backend import (
     CommHandle,
     ReduceOpLike,
@@ -49,6 +49,8 @@ from .codecs import codec_for
 from .feedback import ErrorFeedback
 from .kinds import CommKind
 from .lifetime import Buffers
+from .session import CommSession
+from .session import resolve as resolve_session
 from .spec import QuantSpec
 from .stats import CommStats, group_ranks, peer_bytes, record_sends
 from .topology import Topology

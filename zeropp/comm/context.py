@@ -123,7 +123,7 @@ class CommContext:
         """Debug mode: the longest a continuation waits for the caller to move on (seconds)."""
         self._moved_on = threading.Condition(threading.Lock())
         self._caller_events = 0  # submissions, waits and closes so far (debug mode's late start)
-        self._queue: Optional["queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]"] = None
+        self._queue: Optional[queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]] = None
         self._thread: Optional[threading.Thread] = None
         self._on_destroy: Optional[weakref.finalize] = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -170,7 +170,7 @@ class CommContext:
         return t is not None and t.is_alive()
 
     def _start(self) -> None:
-        q: "queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]" = queue.SimpleQueue()
+        q: queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]] = queue.SimpleQueue()
         self._queue = q
         self._thread = threading.Thread(target=self._loop, args=(q,), name="zeropp-comm", daemon=True)
         self._thread.start()
@@ -182,7 +182,7 @@ class CommContext:
             self._on_destroy = weakref.finalize(dist.group.WORLD, self._stop_worker, CLOSE_TIMEOUT_S)
             self._on_destroy.atexit = False  # interpreter exit is _close_at_exit's job
 
-    def _loop(self, q: "queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]") -> None:
+    def _loop(self, q: queue.SimpleQueue[Optional[tuple[Callable[[], None], int]]]) -> None:
         _THREAD.context = self
         while True:
             item = q.get()

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .chain import submit_future
 from .backend import check_gather_spec, check_reduce_spec, check_spec_type
+from .chain import submit_future
 from .collectives import quantized_all_reduce
 from .feedback import ErrorFeedback
 from .fsdp import make_session

@@ -80,7 +80,7 @@ class ErrorFeedback:
         self._residuals: dict[str, _Stored] = {}
 
     @classmethod
-    def for_spec(cls, spec: object) -> "ErrorFeedback":
+    def for_spec(cls, spec: object) -> ErrorFeedback:
         """The state for reduce-scatters quantized by ``spec`` (its ``residual_bits``)."""
         return cls(residual_bits=getattr(spec, "residual_bits", 8))
 
@@ -177,4 +177,4 @@ def _convert(r: _Stored, bits: int, group_size: int) -> _Stored:
     return r if bits == 32 else quantize(r, 8, group_size, rows=1)
 
 
-__all__ = ["ErrorFeedback", "HOP2_SUFFIX", "RESIDUAL_BITS", "check_residual_bits"]
+__all__ = ["HOP2_SUFFIX", "RESIDUAL_BITS", "ErrorFeedback", "check_residual_bits"]

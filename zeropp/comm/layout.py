@@ -63,7 +63,7 @@ class LaunchLayout:
                 f"rank{'s' if self.ranks_per_node != 1 else ''}")
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None, launcher: str = "torchrun") -> Optional["LaunchLayout"]:
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, launcher: str = "torchrun") -> Optional[LaunchLayout]:
         """The layout ``env`` (default ``os.environ``) describes, or ``None`` when it names none
         (neither ``LOCAL_WORLD_SIZE`` nor ``GROUP_WORLD_SIZE`` is set).
 

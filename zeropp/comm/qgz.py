@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from . import chain, lifetime, ranges
-from .backend import CommHandle, backend_all_to_all, finish_or_handle
-from .lifetime import Buffers
 from zeropp.kernels import rotated_cols
 
+from . import chain, lifetime, ranges
+from .backend import CommHandle, backend_all_to_all, finish_or_handle
 from .codecs import Codec, HadamardCodec
 from .feedback import HOP2_SUFFIX, ErrorFeedback
+from .lifetime import Buffers
 from .stats import CommStats, peer_bytes, record_sends
 from .topology import Topology
 
@@ -130,7 +130,7 @@ def run(
     seeds: Optional[tuple[int, int]] = None,
     name: Optional[str] = None,
     *,
-    session: Optional["CommSession"] = None,
+    session: Optional[CommSession] = None,
 ) -> Optional[CommHandle]:
     """Run ``plan`` (arguments already validated by ``quantized_reduce_scatter``). ``seeds``:
     kernel seeds of the first quantization and of the re-quantization for stochastic rounding

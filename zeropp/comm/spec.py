@@ -19,6 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+# The kernels' bounds, checked when a spec is built (the largest quantization block and the largest
+# rotation block: one block is one GPU program's tile).
+from zeropp.kernels.layout import MAX_GROUP_SIZE
+from zeropp.kernels.reference import MAX_HADAMARD_BLOCK
+
 from .choices import Rotation, Rounding
 
 ROUNDINGS = Rounding.values()
@@ -29,12 +34,6 @@ ROTATIONS = Rotation.values()
 """``none``: quantize the values as they are. ``hadamard``: quantize them in a blockwise
 Walsh-Hadamard-rotated basis (SDP4Bit) and rotate back after dequantizing; see
 ``QuantSpec.rotation`` and :class:`~.choices.Rotation`."""
-
-MAX_HADAMARD_BLOCK = 1 << 14
-"""Largest rotation block (``zeropp.kernels.MAX_HADAMARD_BLOCK``; a test keeps the two equal)."""
-
-MAX_GROUP_SIZE = 1 << 14
-"""Largest quantization block (``zeropp.kernels.layout.MAX_GROUP_SIZE``; a test keeps the two equal)."""
 
 _SCHEME_BITS: dict[str, tuple[int, ...]] = {"int": (8, 4)}
 """Registered schemes -> the code widths their kernels implement. ``int`` is ZeRO++'s block-wise
@@ -211,7 +210,7 @@ the block is checked against the use's default group size when the collective ru
         """(intra-node hop bits, cross-node hop bits) of a hierarchical reduce-scatter."""
         return (self.bits if self.intra_bits is None else self.intra_bits, self.bits)
 
-    def replace(self, **changes: object) -> "QuantSpec":
+    def replace(self, **changes: object) -> QuantSpec:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -276,7 +275,7 @@ class QuantRecipe:
     all-gather; stage 3: hpZ's secondary refresh); None = send the weights themselves."""
 
     @classmethod
-    def from_name(cls, name: str) -> "QuantRecipe":
+    def from_name(cls, name: str) -> QuantRecipe:
         """The recipe called ``name`` in :data:`RECIPES`."""
         if name not in RECIPES:
             raise ValueError(f"unknown quantization recipe {name!r}; choose one of {sorted(RECIPES)}")
@@ -293,11 +292,11 @@ RECIPES: dict[str, QuantRecipe] = {
     "w8g8": QuantRecipe(weights=QuantSpec(bits=8), grads=QuantSpec(bits=8)),
     "w8g4": QuantRecipe(weights=QuantSpec(bits=8), grads=QuantSpec(bits=4)),
     "w4g4": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4)),
-    "w4g4h": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4, rotation="hadamard")),
+    "w4g4h": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4, rotation=Rotation.hadamard)),
     "zeropp": QuantRecipe(weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), hpz=True),
     "qwd": QuantRecipe(weight_diff=QuantSpec(bits=4), hpz=True),
     "sdp4bit": QuantRecipe(weights=QuantSpec(bits=4),
-                           grads=QuantSpec(bits=4, rotation="hadamard", error_feedback=True),
+                           grads=QuantSpec(bits=4, rotation=Rotation.hadamard, error_feedback=True),
                            weight_diff=QuantSpec(bits=4), hpz=True),
 }
 """The named recipes (the runner's ``quant=`` options): ``int8``/``int4``/``qwz`` weights only,

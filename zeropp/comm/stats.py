@@ -79,7 +79,7 @@ class CommStats:
             self._bytes.clear()
             self._calls.clear()
 
-    def merge(self, other: "CommStats") -> None:
+    def merge(self, other: CommStats) -> None:
         """Add another CommStats' counts into this one."""
         snap, calls = other.snapshot(), other.calls()
         for k, links in snap.items():

@@ -86,7 +86,7 @@ class Topology:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_world(cls, world_size: int, ranks_per_node: int, hpz_size: Optional[int] = None,
-                   tp: int = 1) -> "Topology":
+                   tp: int = 1) -> Topology:
         """``world_size`` ranks in nodes of ``ranks_per_node``; a world that does not divide is an error."""
         if not isinstance(world_size, int) or world_size <= 0:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -101,7 +101,7 @@ class Topology:
         return cls(world_size // ranks_per_node, ranks_per_node, hpz_size, tp)
 
     @classmethod
-    def single_node(cls, world_size: int) -> "Topology":
+    def single_node(cls, world_size: int) -> Topology:
         """Everything on one node: the default when no topology was given."""
         return cls(1, world_size)
 
@@ -185,7 +185,7 @@ class Topology:
             )
 
     # ------------------------------------------------------------------ process groups
-    def build(self) -> "TopologyGroups":
+    def build(self) -> TopologyGroups:
         """Create (once per world; cached) this rank's intra, cross and hpZ groups.
 
         Collective over the default group the first time: every rank must call it. Raises on

@@ -74,14 +74,14 @@ class GPTConfig:
             )
 
     @classmethod
-    def preset(cls, name: str, **overrides: int | bool) -> "GPTConfig":
+    def preset(cls, name: str, **overrides: int | bool) -> GPTConfig:
         """A named size (``tiny``, ``small``, ``medium``, ``large``) with optional overrides."""
         if name not in _PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(_PRESETS)}")
-        return cls(**{**_PRESETS[name], **overrides})
+        return cls(**{**_PRESETS[name], **overrides})  # type: ignore[arg-type]  # mypy types ** of a dict by its value union
 
-    def with_(self, **changes: int | bool) -> "GPTConfig":
-        return replace(self, **changes)
+    def with_(self, **changes: int | bool) -> GPTConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]  # mypy types ** of a dict by its value union
 
     def num_params(self) -> int:
         """Exact parameter count, a tied weight counted once (matches ``sum(p.numel() for p in
@@ -94,6 +94,9 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    tp: int
+    """Tensor-parallel degree, set by :func:`parallelize_gpt` (read by its forward)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -155,7 +158,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, t = idx.shape  # [B, T] int64 byte ids
+        _b, t = idx.shape  # [B, T] int64 byte ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
@@ -224,11 +227,13 @@ def parallelize_gpt(model: GPT, tp_mesh) -> None:
     plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
             "fc": ColwiseParallel(), "out": RowwiseParallel()}
     for block in model.blocks:
+        assert isinstance(block, Block)
         attn = block.attn
         for name in ("weight", "bias"):
             p = getattr(attn.qkv, name)
             p.copy_(p.reshape(3, tp, -1, *p.shape[1:]).transpose(0, 1).reshape(p.shape))  # [3D(, D)] reordered
-        attn.qkv.zeropp_tp_interleave = {"weight": 3, "bias": 3}
+        # a plain attribute: torch's stub types Module.__setattr__ for tensors and modules only
+        attn.qkv.zeropp_tp_interleave = {"weight": 3, "bias": 3}  # type: ignore[assignment]
         attn.tp = tp
-        attn.forward = types.MethodType(_tp_attention_forward, attn)
+        attn.forward = types.MethodType(_tp_attention_forward, attn)  # type: ignore[method-assign]  # this instance's TP forward
         parallelize_module(block, tp_mesh, plan)

@@ -136,7 +136,7 @@ class HFConfig:
             raise ValueError(f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
                              f"{', '.join(wrong)}: set these (model.<name>=... in the runner)")
 
-    def with_(self, **changes: Any) -> "HFConfig":
+    def with_(self, **changes: Any) -> HFConfig:
         return replace(self, **changes)
 
     @property
@@ -218,7 +218,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, idx: torch.Tensor,
                 targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, t = idx.shape  # [B, T] int64 token ids
+        _b, t = idx.shape  # [B, T] int64 token ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds HFConfig.seq_len={self.cfg.seq_len}")
         logits = self.hf(input_ids=idx, use_cache=False).logits  # [B, T, V]
@@ -269,14 +269,14 @@ def parallelize_hf(model: HFCausalLM, tp_mesh: Any) -> None:
     """Split every Llama decoder layer over the 1-D ``tp_mesh`` with torch's TP plans: q/k/v and
     gate/up projections column-parallel, o and down projections row-parallel (heads, kv heads and
     MLP width split; the attention infers its local head count from the projection widths)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
     check_hf_tp(model.cfg, tp_mesh.size())
-    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan: dict[str, ParallelStyle] = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
     plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
     for layer in model.blocks:
         parallelize_module(layer, tp_mesh, plan)
 
 
-__all__ = ["HFCausalLM", "HFConfig", "HF_ARCHS", "build_hf_model", "hf_model_config", "require_transformers"]
+__all__ = ["HF_ARCHS", "HFCausalLM", "HFConfig", "build_hf_model", "hf_model_config", "require_transformers"]

@@ -38,11 +38,12 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, *, transposed: bool = False) -> None:
         nn.Module.__init__(self)  # not nn.Linear.__init__: the base's parameters are reused, not re-created
-        w = base.weight
+        w, bias = base.weight, base.bias
+        assert isinstance(w, nn.Parameter) and (bias is None or isinstance(bias, nn.Parameter)), "a Linear or Conv1D"
         self.transposed = transposed
         self.in_features, self.out_features = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
         self.weight = w  # [out, in] ([in, out] if transposed), frozen
-        self.bias = base.bias  # [out] or None, frozen
+        self.bias = bias  # [out] or None, frozen
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -98,7 +99,7 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, targe
               if n and not isinstance(m, LoRALinear) and (isinstance(m, nn.Linear) or _is_conv1d(m)) and match(n, m)]
     if not chosen:
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)]
-        what = (f"it has no nn.Linear (or Conv1D) layer at all" if not linear else
+        what = ("it has no nn.Linear (or Conv1D) layer at all" if not linear else
                 f"targets={targets!r} matches none of its linear layers {linear[:8]}")
         raise ValueError(f"LoRA (rank {rank}) needs linear layers to adapt, but {type(model).__name__}: {what}; "
                          f"use lora_rank=0 for this model, or pass targets naming its linear layers")

@@ -3,8 +3,8 @@
 from .batch import MicroBatchError, WithTargets
 from .checkpoint import CheckpointError
 from .choices import MemoryTier, OffloadTier, Precision, QuantizeFrozen, Schedule
-from .consolidate import export_consolidated
 from .config import OptimizerConfig, ZeroConfig
+from .consolidate import export_consolidated
 from .engine import StepResult, ZeroEngine
 from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
 from .memory import expected_memory, measure_memory

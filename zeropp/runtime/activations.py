@@ -41,10 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeGuard, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from .choices import MemoryTier
@@ -54,12 +57,13 @@ TIERS = MemoryTier.values()
 
 def _view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (torch's ``Tensor._base``), None when ``t`` is not a view."""
-    return torch.Tensor._base.__get__(t)
+    # torch's stub declares _base / _version as plain attributes; they are C getset descriptors.
+    return cast(Any, torch.Tensor._base).__get__(t)
 
 
 def _version(t: torch.Tensor) -> int:
     """Torch's in-place modification counter of ``t`` (``Tensor._version``)."""
-    return torch.Tensor._version.__get__(t)
+    return cast(Any, torch.Tensor._version).__get__(t)
 
 
 class BlockCheckpointing:
@@ -108,7 +112,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     size = t.element_size()
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))  # element offset of the last element
     lo = t.storage_offset() * size
-    return lo, lo + (last + 1) * size
+    return int(lo), int(lo + (last + 1) * size)  # int() narrows torch's int | SymInt
 
 
 class _HostSpan:
@@ -116,7 +120,7 @@ class _HostSpan:
     saved view it covers; ``device`` weakly remembers the last copy brought back, so views
     unpacked together in backward (``q``, ``k``, ``v`` by SDPA's backward) share one transfer."""
 
-    __slots__ = ("host", "start", "device")
+    __slots__ = ("device", "host", "start")
 
     def __init__(self, host: torch.Tensor, start: int) -> None:
         self.host = host  # [nbytes] uint8, pinned when the device is CUDA
@@ -129,7 +133,7 @@ class _Saved:
     (shape, stride, byte offset, dtype) on a shared :class:`_HostSpan`. Mutable, so a view first
     copied on its own can be redirected to a span covering it (and its copy dropped)."""
 
-    __slots__ = ("shape", "stride", "offset", "dtype", "device", "own", "span")
+    __slots__ = ("device", "dtype", "offset", "own", "shape", "span", "stride")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.shape, self.stride = tuple(t.shape), t.stride()
@@ -334,7 +338,7 @@ class ActivationStore:
         return out.set_(buf.untyped_storage(), offset, saved.shape, saved.stride)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     """A ``torch.distributed.tensor.DTensor`` (tensor parallelism), without importing it when unused."""
     if type(t) is torch.Tensor or type(t) is nn.Parameter:
         return False

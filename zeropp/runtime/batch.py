@@ -129,6 +129,7 @@ def _describe(x: Any) -> str:
 
 def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
     """The scalar loss of one micro-batch (see the module docstring for the rule)."""
+    loss: object  # whatever the model or loss_fn returned; checked below
     if loss_fn is not None:
         loss, where = loss_fn(output, mb), "loss_fn(output, micro_batch)"
     elif isinstance(output, torch.Tensor):

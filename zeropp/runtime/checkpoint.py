@@ -76,7 +76,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,12 +89,12 @@ from . import checkpoint_io as cio
 from . import checkpoint_stream as cs
 from .checkpoint_files import FORMAT, commit, latest, read_meta
 from .checkpoint_io import CheckpointError, Origin
-from .checkpoint_safe import read_metadata
+from .checkpoint_safe import read_metadata, tensor_entry
 from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout
 
-__all__ = ["CheckpointError", "CheckpointTarget", "FORMAT", "Origin", "commit", "latest", "load", "read_meta", "save"]
+__all__ = ["FORMAT", "CheckpointError", "CheckpointTarget", "Origin", "commit", "latest", "load", "read_meta", "save"]
 
 
 @dataclass
@@ -167,7 +167,7 @@ class _Piece:
 
 
 def _pieces(t: CheckpointTarget) -> list[_Piece]:
-    out = []
+    out: list[_Piece] = []
     for i, lay in enumerate(t.layouts):
         a, b = (0, lay.numel) if lay.num_shards == 1 else lay.unpadded_range(t.rank)
         out.extend(_Piece(f"{t.prefix}units.{lay.name}.{name}", i, name, lay, b - a) for name in ShardedAdamW.STATE)
@@ -186,7 +186,9 @@ class _Meshes:
 
     def __init__(self, t: CheckpointTarget) -> None:
         self.given = t.mesh
-        self.group = t.mesh.get_group() if t.mesh is not None else dist.group.WORLD
+        group = t.mesh.get_group() if t.mesh is not None else dist.group.WORLD
+        assert group is not None, "a checkpoint is saved or loaded in an initialized process group"
+        self.group = group
         self.meshes: dict[str, DeviceMesh] = {}
 
     def __call__(self, device_type: str) -> DeviceMesh:
@@ -236,7 +238,7 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         opt = t.optimizer
         opt.check_valid()  # a failed load's mix of two states is never saved
         sd, pieces = _unit_state(t)
-        sources = {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
+        sources: dict[str, Callable[[], torch.Tensor]] = {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
         sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
             sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
@@ -287,7 +289,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
         d, meta = _check(t, path)
         token = Origin.of(d).token
         feedback = _feedback_tensors(t, d, meta)  # this rank's saved residuals, or None to drop them
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+    except Exception as exc:
         error = cio.describe(exc)
     hint = ("No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same "
             "model")
@@ -329,7 +331,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
                 t.feedback.load_state_dict({k[n:]: v for k, v in feedback.items()})
             else:
                 t.feedback.reset()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+    except Exception as exc:
         error = cio.describe(exc)
     try:
         cio.agree(t.device, error, what, "")
@@ -365,7 +367,7 @@ def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, tor
                           stacklevel=3)
         return None
     prefix = _feedback_prefix(dist.get_rank())
-    return {k: torch.empty(md[k].size, dtype=md[k].properties.dtype, device=t.device)
+    return {k: torch.empty(tensor_entry(md, k).size, dtype=tensor_entry(md, k).properties.dtype, device=t.device)
             for k in saved if k.startswith(prefix)}
 
 

@@ -173,7 +173,8 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
     me, world = dist.get_rank(), dist.get_world_size()
     obj = [cf.version_name(step) if me == 0 else None]
     dist.broadcast_object_list(obj, src=0, device=device if device.type != "cpu" else None)
-    name: str = obj[0]
+    name = obj[0]
+    assert name is not None, "rank 0's broadcast fills the name"
     d = root / name
     hint = (f"Nothing was committed: {root / cf.LATEST} and the older checkpoints are as they were. Fix the cause "
             f"and save again")
@@ -193,7 +194,7 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
             root.mkdir(parents=True, exist_ok=True)
             d.mkdir()  # a fresh name: never write into a folder this save did not create
             created = True
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+    except Exception as exc:
         error = f"preparing {d}: {describe(exc)}"
     try:
         agree(device, error, "save", hint)
@@ -209,7 +210,7 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
                 _save_rank_state(d, me, prepared.rank_state)
             doing = f"checksumming the files rank {me} wrote into {d}"
             mine = cf.written_by(d, me)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             error = f"{doing}: {describe(exc)}"
         gathered = all_gather_json([mine, prepared.rank_meta], device=device)
         if me == 0 and error is None:
@@ -221,14 +222,14 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
                 if METADATA not in meta["files"]:
                     raise FileNotFoundError(f"DCP wrote no {METADATA} into {d}")
                 cf.write_atomic(d / cf.META, json.dumps(meta, indent=1))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 error = f"writing {d / cf.META}: {describe(exc)}"
         agree(device, error, "save", hint)  # every file is on disk before anyone can commit
         error = None
         if me == 0:
             try:
                 _commit(root, name)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 error = f"committing {root / cf.LATEST} -> {name}: {describe(exc)}"
                 if cf.named_by_latest(root) == name:  # replaced, then the directory sync failed
                     created = False  # LATEST names it: the folder must stay

@@ -25,12 +25,17 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 METADATA = ".metadata"
 """The name DCP gives a checkpoint's (global) metadata file."""
@@ -87,7 +92,7 @@ def read_metadata(folder: str | os.PathLike, files: Collection[str] | None = Non
             md = _MetadataUnpickler(f, src).load()
         except UnsafeCheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any malformed pickle is a corrupt file
+        except Exception as exc:
             raise ValueError(f"{src} cannot be read ({type(exc).__name__}: {exc}): the file is corrupt") from exc
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise UnsafeCheckpointError(f"{src} does not hold checkpoint metadata (it holds {type(md).__name__})")
@@ -103,6 +108,18 @@ def read_metadata(folder: str | os.PathLike, files: Collection[str] | None = Non
     if md.storage_meta is None:
         md.storage_meta = StorageMeta()
     return md
+
+
+def tensor_entry(entries: Mapping[str, TensorStorageMetadata | BytesStorageMetadata], key: str
+                 ) -> TensorStorageMetadata:
+    """The record of tensor ``key`` in ``entries`` (a checkpoint's ``Metadata.state_dict_metadata``):
+    its size and dtype. A record under that name that holds bytes (another writer's checkpoint, or a
+    crafted one) is a ValueError rather than an AttributeError later."""
+    entry = entries[key]
+    if not isinstance(entry, TensorStorageMetadata):
+        raise ValueError(f"checkpoint entry {key!r} holds {type(entry).__name__}, not a tensor: the checkpoint was "
+                         f"not written by this trainer")
+    return entry
 
 
 class SafeReader(FileSystemReader):

@@ -63,7 +63,7 @@ class Pending:
     and ``event`` marks its end; :meth:`wait` makes the compute stream wait for it.
     """
 
-    def __init__(self, comm: "EngineComm", works: list, finish: Optional[Callable[[], None]] = None, *,
+    def __init__(self, comm: EngineComm, works: list, finish: Optional[Callable[[], object]] = None, *,
                  event: object = None, buffers: Optional[Buffers] = None, what: tuple[str, str] = ("", "")) -> None:
         self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
         self._buffers = buffers  # the chunks' temporaries, released by complete()
@@ -143,7 +143,7 @@ class EngineComm:
 
         def issue() -> Pending:
             works: list = []
-            finishes: list[Callable[[], None]] = []
+            finishes: list[Callable[[], object]] = []
             temps = Buffers()
             named = ranges.enabled()
             for k, (a, b) in enumerate(chunk_ranges(s, g, bucket)):
@@ -155,7 +155,11 @@ class EngineComm:
                 else:  # the backend all-gather needs a contiguous output
                     dst = torch.empty(g * (b - a), dtype=out.dtype, device=out.device)
                     temps.add(dst)
-                    finishes.append(lambda dst=dst, a=a, b=b: out.view(g, s)[:, a:b].copy_(dst.view(g, b - a)))
+
+                    def copy_back(dst: torch.Tensor = dst, a: int = a, b: int = b) -> None:
+                        out.view(g, s)[:, a:b].copy_(dst.view(g, b - a))
+
+                    finishes.append(copy_back)
                 works.append(self._z.quantized_all_gather(
                     dst, shard[a:b], group, kind=kind, async_op=True, spec=spec, session=self.session,
                     name=ranges.call_name(kind, unit, k) if named else None))
@@ -184,7 +188,7 @@ class EngineComm:
             for k, (a, b) in enumerate(chunk_ranges(s, w, bucket)):
                 if (a, b) == (0, s):
                     src = full
-                elif quantized and codec_for(spec).in_place:  # [w, b - a] view, quantized in place (no copy)
+                elif spec is not None and codec_for(spec).in_place:  # [w, b - a] view, quantized in place (no copy)
                     src = full.view(w, s)[:, a:b]
                 else:  # the backend reduce-scatter needs a contiguous input
                     src = full.view(w, s)[:, a:b].contiguous()

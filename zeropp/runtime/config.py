@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zeropp.comm.choices import StrChoice
 from zeropp.comm.spec import QuantRecipe, QuantSpec
 
 from .choices import OffloadTier, Precision, QuantizeFrozen, Schedule
@@ -28,7 +29,7 @@ QUANTIZE_FROZEN = QuantizeFrozen.values()
 """``ZeroConfig.quantize_frozen`` choices: MixZ++'s storage of frozen stage-3 shards."""
 
 
-def _choice(obj: object, name: str, choice: type, message: str) -> None:
+def _choice(obj: object, name: str, choice: type[StrChoice], message: str) -> None:
     """Store field ``name`` of frozen ``obj`` as its ``choice`` member (a plain string is accepted);
     ValueError ``message`` (formatted with the value) when it is none of the choices."""
     value = getattr(obj, name)
@@ -278,7 +279,7 @@ class ZeroConfig:
         return self.precision == "fp32" and not (self.weight_diff is not None and self.stage in (1, 2))
 
     @classmethod
-    def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> "ZeroConfig":
+    def from_recipe(cls, recipe: str | QuantRecipe, **fields: Any) -> ZeroConfig:
         """A config whose ``weights``, ``grads``, ``weight_diff`` and ``hpz`` come from a named recipe
         (``zeropp.comm.spec.RECIPES``: ``int8``, ``w8g4``, ``zeropp``, ``sdp4bit``, ...) or a
         :class:`QuantRecipe`; ``fields`` set the rest (and must not repeat the recipe's four)."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import checkpoint_io as cio
 from .checkpoint_files import latest, read_meta, verify
-from .checkpoint_safe import SafeLoadPlanner, read_metadata
+from .checkpoint_safe import SafeLoadPlanner, read_metadata, tensor_entry
 from .partition import FlatUnit, UnitLayout, unflatten
 from .tensor_parallel import merge_pieces
 
@@ -79,7 +79,7 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
     sd: dict[str, Any] = {}
     for pre in prefixes:
         sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
-        sd.update({f"{pre}model.{k}": torch.empty(md[f"{pre}model.{k}"].size, dtype=getattr(torch, dt))
+        sd.update({f"{pre}model.{k}": torch.empty(tensor_entry(md, f"{pre}model.{k}").size, dtype=getattr(torch, dt))
                    for k, dt in meta["model_state"].items()})
     with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
         warnings.simplefilter("ignore", UserWarning)

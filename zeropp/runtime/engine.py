@@ -60,19 +60,19 @@ from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
 from . import checkpoint as ckpt
-from . import tensor_parallel as tpar
-from .activations import ActivationStore, checkpoint_blocks
-from .buffers import BufferPool
-from .collectives import EngineComm
-from .consolidate import consolidated_state_dict
-from .config import OptimizerConfig, ZeroConfig, validate_against_topology
-from .loss_scale import make_loss_scaler
 from . import frozen as fz
 from . import memory as mem
+from . import tensor_parallel as tpar
+from .activations import ActivationStore, checkpoint_blocks
+from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
+from .buffers import BufferPool
+from .collectives import EngineComm
+from .config import OptimizerConfig, ZeroConfig, validate_against_topology
+from .consolidate import consolidated_state_dict
+from .loss_scale import make_loss_scaler
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
-from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
 from .partition import BlockChoiceWarning, BlockPolicy, FlatUnit, build_units, find_blocks, one_unit_warning
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
@@ -314,7 +314,7 @@ class ZeroEngine:
             try:
                 with self.activations.saving():
                     loss = loss_of(call_model(self.model, mb), mb, self.loss_fn)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            except Exception as exc:
                 error = exc
             if self.stage3 is not None:
                 # same blocks ran on every rank and no rank failed, else one clear error everywhere
@@ -348,7 +348,7 @@ class ZeroEngine:
         loss, error = 0.0, None
         try:
             loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+        except Exception as exc:
             error = exc
         if self.stage3 is not None:
             try:

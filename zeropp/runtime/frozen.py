@@ -47,8 +47,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from zeropp.comm.backend import backend_all_gather
 from zeropp.comm import ranges
+from zeropp.comm.backend import backend_all_gather
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec

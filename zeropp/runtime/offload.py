@@ -47,7 +47,7 @@ import torch
 
 from .choices import OffloadTier
 from .config import OptimizerConfig, ZeroConfig
-from .optimizer import KERNELS, TIERS, ShardedAdamW, StateGuard, adamw_update, tensor_bytes
+from .optimizer import KERNELS, TIERS, AdamWShards, ShardedAdamW, adamw_update, tensor_bytes
 from .partition import FlatUnit
 from .swap import Segment, SwapSpace
 
@@ -132,7 +132,7 @@ class HostAdamW(ShardedAdamW):
         return out
 
 
-class SwappedAdamW(StateGuard):
+class SwappedAdamW(AdamWShards):
     """ZeRO-Infinity: master, m, v of every shard in this rank's swap file, streamed per step.
 
     File layout: shard ``i`` occupies ``[off_i, off_i + 12 * S_i)`` bytes, its master, m and v
@@ -146,16 +146,13 @@ class SwappedAdamW(StateGuard):
 
     def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, space: SwapSpace,
                  kernel: str = DEFAULT_CPU_KERNEL) -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"SwappedAdamW kernel={kernel!r}; use one of {KERNELS}")
-        self.cfg, self.kernel, self.space = cfg, kernel, space
-        self._numels = [m.numel() for m in masters]
+        super().__init__([m.numel() for m in masters], cfg, kernel)
+        self.space = space
         self.file = space.create("optimizer.swp", 12 * sum(self._numels))
         self._offsets, off = [], 0
         for n in self._numels:
             self._offsets.append(off)
             off += 12 * n
-        self.step_count = 0
         for i, m in enumerate(masters):
             space.write_from(self._seg(i, "masters"), m)
             for name in ("exp_avg", "exp_avg_sq"):
@@ -168,14 +165,6 @@ class SwappedAdamW(StateGuard):
     def _fill_zero(self, i: int, name: str) -> None:
         for (v,) in self.space.stream(self.space.chunks_of([self._seg(i, name)]), read=False, write=True):
             v.zero_()
-
-    @property
-    def lr(self) -> float:
-        return self.cfg.lr_at(self.step_count)
-
-    @property
-    def numels(self) -> list[int]:
-        return list(self._numels)
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
@@ -317,7 +306,12 @@ class ParamStore:
             u.param_shard = h
         else:
             u.param_shard = None
-            self.space.write_from(self._segs[id(u)], shard)
+            self._swap().write_from(self._segs[id(u)], shard)
+
+    def _swap(self) -> SwapSpace:
+        """The swap space of the nvme tier (the constructor requires one there)."""
+        assert self.space is not None, "only the nvme tier stores parameters in a swap space"
+        return self.space
 
     def keep(self, u: FlatUnit, t: torch.Tensor) -> torch.Tensor | None:
         """Store frozen unit ``u``'s shard ``t`` (as ``frozen.py`` stores it: compute dtype or wire
@@ -329,7 +323,7 @@ class ParamStore:
             self._host[id(u)] = h
             return h
         if self.tier == "nvme":
-            self.space.write_from(self._segs[id(u)], t)
+            self._swap().write_from(self._segs[id(u)], t)
             return None
         return t
 
@@ -337,23 +331,27 @@ class ParamStore:
         """``u``'s shard on the device: ``[S]`` compute dtype for a sharded unit, a frozen unit's
         stored shard as it is; the all-gather's input."""
         if self.tier == "none":
+            assert u.param_shard is not None, "the none tier keeps the shard on the unit"
             return u.param_shard
         if self.tier == "cpu":  # the same tensor on a CPU device
-            return self._host.get(id(u), u.param_shard).to(self.device, non_blocking=True)
+            h = self._host.get(id(u), u.param_shard)
+            assert h is not None, "the cpu tier keeps the shard on the unit or in its host copies"
+            return h.to(self.device, non_blocking=True)
         # nvme: staged through pinned buffers with asynchronous copies that overlap compute (swap.read_to)
-        return self.space.read_to(self._segs[id(u)], self.device)
+        return self._swap().read_to(self._segs[id(u)], self.device)
 
     @torch.no_grad()
     def update(self, u: FlatUnit, optim: ShardedAdamW | SwappedAdamW, i: int) -> None:
         """Refresh ``u``'s shard from optimizer master ``i`` (after a step or a load)."""
         if self.tier != "nvme":
+            assert u.param_shard is not None, "the none and cpu tiers keep the shard on the unit"
             optim.copy_master_to(i, u.param_shard)
             return
         seg, item = self._segs[id(u)], self.dtype.itemsize
         for lo, hi, chunk in optim.master_chunks(i):
             piece = chunk.to(self.dtype, copy=True)  # at most one staging buffer's worth
             # written directly: the staging buffers are busy streaming the masters
-            self.space.write_direct(Segment(seg.file, seg.offset + lo * item, hi - lo, self.dtype), piece)
+            self._swap().write_direct(Segment(seg.file, seg.offset + lo * item, hi - lo, self.dtype), piece)
 
     def memory_by_tier(self) -> dict[str, int]:
         """Bytes of parameter shards per tier, frozen units' included (staging buffers are the swap space's)."""

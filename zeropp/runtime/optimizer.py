@@ -94,7 +94,29 @@ class StateGuard:
             raise RuntimeError(self.invalid)
 
 
-class ShardedAdamW(StateGuard):
+class AdamWShards(StateGuard):
+    """What every AdamW state holder shares, wherever its tensors live: the config, the update
+    kernel, the step count and each shard's element count, and from them the learning rate."""
+
+    def __init__(self, numels: Sequence[int], cfg: OptimizerConfig, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"{type(self).__name__} kernel={kernel!r}; use one of {KERNELS}")
+        self.cfg, self.kernel = cfg, kernel
+        self._numels = list(numels)
+        self.step_count = 0
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next ``step`` uses."""
+        return self.cfg.lr_at(self.step_count)
+
+    @property
+    def numels(self) -> list[int]:
+        """Elements of each shard (padded ``[S]``, or the padded unit if replicated)."""
+        return list(self._numels)
+
+
+class ShardedAdamW(AdamWShards):
     """fp32 master weights, first and second moments, for a list of flat shards, all in one tier.
 
     ``masters_are_params=True`` says the master tensors are the compute parameters themselves
@@ -113,16 +135,14 @@ class ShardedAdamW(StateGuard):
         for m in masters:
             if m.dtype != torch.float32:
                 raise TypeError(f"master shards must be fp32, got {m.dtype}")
-        if kernel not in KERNELS:
-            raise ValueError(f"ShardedAdamW kernel={kernel!r}; use one of {KERNELS}")
+        super().__init__([m.numel() for m in masters], cfg, kernel)
         if tier not in TIERS:
             raise ValueError(f"ShardedAdamW tier={tier!r}; use one of {TIERS}")
-        self.cfg, self.kernel, self.tier = cfg, kernel, tier
+        self.tier = tier
         self.masters_are_params = masters_are_params
         self.masters = masters  # each [S] fp32
         self.exp_avg = [torch.zeros_like(m) for m in masters]
         self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
-        self.step_count = 0
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], on_updated: Callable[[int], None] | None = None) -> None:
@@ -137,16 +157,6 @@ class ShardedAdamW(StateGuard):
             adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=self.kernel)
             if on_updated is not None:
                 on_updated(i)
-
-    @property
-    def lr(self) -> float:
-        """The learning rate the next ``step`` uses."""
-        return self.cfg.lr_at(self.step_count)
-
-    @property
-    def numels(self) -> list[int]:
-        """Elements of each shard (padded ``[S]``, or the padded unit if replicated)."""
-        return [m.numel() for m in self.masters]
 
     def state_tensor(self, name: str, i: int) -> torch.Tensor:
         """State ``name`` (one of :data:`STATE`) of shard ``i``, readable (a checkpoint saves it)."""

@@ -32,7 +32,6 @@ from typing import Callable, Sequence, Union
 import torch
 from torch import nn
 
-
 KINDS = ("replicated", "sharded_opt", "sharded", "frozen")
 
 BlockPolicy = Union[None, type, Sequence[type], Callable[[str, nn.Module], bool]]
@@ -105,7 +104,7 @@ class UnitLayout:
 
     @classmethod
     def pack(cls, name: str, params: list[tuple[str, tuple[int, ...]]], *, kind: str, num_shards: int,
-             aliases: dict[str, Sequence[str]] | None = None) -> "UnitLayout":
+             aliases: dict[str, Sequence[str]] | None = None) -> UnitLayout:
         """Lay ``(name, shape)`` parameters out back to back; ``aliases``: name -> its other names."""
         slots, off = [], 0
         aliases = aliases or {}
@@ -152,7 +151,7 @@ class UnitLayout:
                 "aliases": {s.name: list(s.aliases) for s in self.slots if s.aliases}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "UnitLayout":
+    def from_dict(cls, d: dict) -> UnitLayout:
         return cls.pack(d["name"], [(n, tuple(sh)) for n, sh in d["params"]], kind=d["kind"], num_shards=d["num_shards"],
                         aliases=d.get("aliases"))
 
@@ -180,7 +179,7 @@ class FlatUnit:
 
     @classmethod
     def build(cls, name: str, named: list[tuple[str, nn.Parameter]], *, kind: str, num_shards: int,
-              shard_rank: int, dtype: torch.dtype, aliases: dict[str, Sequence[str]] | None = None) -> "FlatUnit":
+              shard_rank: int, dtype: torch.dtype, aliases: dict[str, Sequence[str]] | None = None) -> FlatUnit:
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"unit {name!r} has parameters on several devices {devices}; move the model to one device")
@@ -283,6 +282,8 @@ def _describe(policy: BlockPolicy) -> str:
         return policy.__name__
     if callable(policy):
         return getattr(policy, "__qualname__", None) or repr(policy)
+    if policy is None:
+        return "None"
     return "[" + ", ".join(getattr(c, "__name__", repr(c)) for c in policy) + "]"
 
 
@@ -320,7 +321,8 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]
             return list(blocks)
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         if lists:
-            return list(max(lists, key=len))
+            longest: nn.ModuleList = max(lists, key=len)
+            return list(longest)
         if isinstance(model, nn.Sequential):
             return [m for m in model.children() if next(m.parameters(), None) is not None]
         return []

@@ -238,6 +238,7 @@ class _Builder:
                       needed_by=needed)
         first_fwd = phase == Phase.FWD and mb == 0
         from_secondary = cfg.hpz and (frozen or cfg.weight_diff is not None or not first_fwd)
+        spec: QuantSpec | None
         if frozen and self.frozen_spec is not None:  # MixZ++: the stored wire row, one call, never re-cut
             b = _wire(self.frozen_spec, s, None, self.db, weights=True)
             spec, bits = self.frozen_spec, self.frozen_spec.bits
@@ -373,7 +374,7 @@ class _Builder:
         self.gather(CommKind.FROZEN_ALL_GATHER, phase, mb, ui, frozen=True, issued=issued, needed=needed)
 
 
-def build_plan(units: Sequence[PlanUnit] | Iterable[int], zero: ZeroConfig, topology: Topology) -> CommPlan:
+def build_plan(units: Iterable[PlanUnit | int], zero: ZeroConfig, topology: Topology) -> CommPlan:
     """The plan of one steady-state training step of ``units`` (root first, then the blocks in forward
     order; bare element counts mean trainable units without frozen parts) under ``zero`` on
     ``topology``. Pure: no process group, no tensors."""
@@ -390,7 +391,7 @@ def build_plan(units: Sequence[PlanUnit] | Iterable[int], zero: ZeroConfig, topo
                     ranks_per_node=b.R, hpz_size=b.h, dtype_bytes=b.db)
 
 
-def plan_units(model: "nn.Module", blocks: "BlockPolicy" = None) -> tuple[PlanUnit, ...]:
+def plan_units(model: nn.Module, blocks: BlockPolicy = None) -> tuple[PlanUnit, ...]:
     """The units the engine would build for ``model`` (root first, then each block of
     ``partition.find_blocks(model, blocks)``), as element counts: trainable floating-point
     parameters, and frozen ones (``requires_grad=False``) separately. Reads shapes only, so ``model``

@@ -18,7 +18,6 @@ from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-
 STEP_KINDS = (CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, CommKind.FROZEN_ALL_GATHER,
               CommKind.GRAD_REDUCE_SCATTER, CommKind.GRAD_ALL_REDUCE, CommKind.PARAM_ALL_GATHER,
               CommKind.WEIGHT_DIFF_ALL_GATHER, CommKind.CONTROL)

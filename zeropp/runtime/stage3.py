@@ -70,11 +70,11 @@ from torch import nn
 
 from zeropp.comm.kinds import CommKind
 
+from . import frozen as fz
 from .batch import MicroBatchError, host_max, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
-from . import frozen as fz
 from .partition import FlatUnit
 from .weight_diff import WeightDiff
 
@@ -86,7 +86,7 @@ class _PreBackward(torch.autograd.Function):
     """Identity in forward; in backward, tells the engine block ``index`` is about to run backward."""
 
     @staticmethod
-    def forward(ctx: Any, hooks: "Stage3Hooks", index: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hooks: Stage3Hooks, index: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.index = hooks, index
         return tuple(x.view_as(x) for x in xs)
 
@@ -109,8 +109,8 @@ class Stage3Hooks:
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
                  all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
                  device: torch.device, on_block_backward: Callable[[FlatUnit], None],
-                 pool: BufferPool | None = None, weight_diff: "WeightDiff | None" = None,
-                 frozen: "fz.FrozenUnits | None" = None, control: dist.ProcessGroup | None = None) -> None:
+                 pool: BufferPool | None = None, weight_diff: WeightDiff | None = None,
+                 frozen: fz.FrozenUnits | None = None, control: dist.ProcessGroup | None = None) -> None:
         self.frozen = frozen if frozen is not None else fz.FrozenUnits(order=[blk for blk, _ in blocks])
         trained = {id(blk): u for blk, u in blocks}
         frozen_of = {id(blk): u for blk, u in self.frozen.blocks}

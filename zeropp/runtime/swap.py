@@ -46,12 +46,11 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Generator, Iterator, Protocol, Sequence
 
 import torch
 
 from ..watch import scratch_prefix
-
 
 ALIGN = 64
 """Chunks of more than this many elements are cut at multiples of it (see :meth:`SwapSpace.chunks_of`)."""
@@ -175,7 +174,7 @@ class SwapSpace:
 
     # ------------------------------------------------------------------ I/O
     def _io(self, write: bool, seg: Segment, buf: torch.Tensor, at: int) -> None:
-        view = memoryview(buf[at: at + seg.nbytes].numpy())
+        view = buf[at: at + seg.nbytes].numpy().data  # a memoryview of the staging bytes
         try:
             if write:
                 _write_at(seg.file.fd, view, seg.offset)
@@ -211,7 +210,7 @@ class SwapSpace:
             gen.close()  # drains the outstanding I/O now, also when the caller stops early
 
     def _stream(self, chunks: Sequence[Sequence[Segment]], *, read: bool, write: bool
-                ) -> Iterator[tuple[int, list[torch.Tensor]]]:
+                ) -> Generator[tuple[int, list[torch.Tensor]], None, None]:
         """:meth:`stream`, yielding ``(buffer index, views)``: a caller that copies out of the views
         asynchronously sets ``self._fences[index]``, which is waited for before the buffer is reused."""
         self._check_open()
@@ -343,7 +342,7 @@ class SwapSpace:
         self._read_staged(seg, out, copies)
         return out
 
-    def _read_staged(self, seg: Segment, out: torch.Tensor, copies: "_Copies") -> None:
+    def _read_staged(self, seg: Segment, out: torch.Tensor, copies: _Copies) -> None:
         """Fill ``out`` from ``seg`` through the staging buffers with ``copies`` (the one loop of
         both :meth:`read_into` and :meth:`read_to`): each chunk's copy leaves a fence on its
         buffer, waited for before that buffer takes the next read."""
@@ -362,7 +361,7 @@ class SwapSpace:
         if fence is not None:
             fence.synchronize()
 
-    def _copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
+    def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This space's stream for host-to-device copies on ``device`` (created on first use)."""
         key = torch.cuda.current_device() if device.index is None else device.index
         if key not in self._copy_streams:
@@ -450,10 +449,10 @@ class _CudaCopies:
     ``side`` (``stream`` is not the current stream) :meth:`finish` makes the current stream wait
     for the copies on the device and records the result's use there for the caching allocator."""
 
-    def __init__(self, stream: "torch.cuda.Stream", *, side: bool) -> None:
+    def __init__(self, stream: torch.cuda.Stream, *, side: bool) -> None:
         self.stream, self.side = stream, side
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()

@@ -122,7 +122,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         assert isinstance(model, HFCausalLM)
         parallelize_hf(model, tp_mesh)
     _localize(model)
-    model.zeropp_tp = TPInfo(mesh, tp)
+    model.zeropp_tp = TPInfo(mesh, tp)  # type: ignore[assignment]  # a plain attribute (torch's stub: tensors/modules)
     return model
 
 
@@ -133,7 +133,8 @@ def _localize(model: nn.Module) -> None:
             if not isinstance(p, DTensor):
                 continue
             local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
-            local.zeropp_tp_sharded = any(isinstance(pl, Shard) for pl in p.placements)
+            local.zeropp_tp_sharded = any(  # type: ignore[attr-defined]  # a marker read by is_tp_sharded
+                isinstance(pl, Shard) for pl in p.placements)
             setattr(mod, name, local)  # replaces the registered DTensor parameter
             interleave = getattr(mod, "zeropp_tp_interleave", {}).get(name, 1)
             parametrize.register_parametrization(
@@ -245,6 +246,19 @@ def merge_pieces(pieces: dict[str, list[torch.Tensor]], table: dict[str, dict]) 
     return out
 
 
-__all__ = ["FromLocal", "MESH_DIMS", "TPInfo", "check_model_matches", "check_tp", "full_state_dict",
-           "is_tp_local", "is_tp_sharded", "make_mesh", "merge_pieces", "parallelize", "split_table", "tp_info",
-           "tp_sharded_mask"]
+__all__ = [
+    "MESH_DIMS",
+    "FromLocal",
+    "TPInfo",
+    "check_model_matches",
+    "check_tp",
+    "full_state_dict",
+    "is_tp_local",
+    "is_tp_sharded",
+    "make_mesh",
+    "merge_pieces",
+    "parallelize",
+    "split_table",
+    "tp_info",
+    "tp_sharded_mask",
+]
