@@ -80,11 +80,24 @@ headers included), compared with the projection's ``uplink_bytes`` when a run re
 
 def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:
     """The runner overrides of one measurement (identical for both modes but ``quant=``)."""
-    return ["cluster=emulated", f"cluster.inter_gbps={gbps}", f"cluster.inter_latency_ms={a.latency_ms}",
-            f"topology.nodes={a.nodes}", f"topology.ranks_per_node={a.ranks_per_node}", f"model={a.preset}",
-            "stage=3", f"quant={MODES[mode]}", f"train.steps={a.warmup + a.steps}",
-            f"train.throughput_skip_steps={a.warmup}", f"train.micro_batch_size={a.micro_batch}", "data=random",
-            "logger=none", "launcher.progress=false", "launcher.device=cpu", f"launcher.timeout_s={a.timeout}"]
+    return [
+        "cluster=emulated",
+        f"cluster.inter_gbps={gbps}",
+        f"cluster.inter_latency_ms={a.latency_ms}",
+        f"topology.nodes={a.nodes}",
+        f"topology.ranks_per_node={a.ranks_per_node}",
+        f"model={a.preset}",
+        "stage=3",
+        f"quant={MODES[mode]}",
+        f"train.steps={a.warmup + a.steps}",
+        f"train.throughput_skip_steps={a.warmup}",
+        f"train.micro_batch_size={a.micro_batch}",
+        "data=random",
+        "logger=none",
+        "launcher.progress=false",
+        "launcher.device=cpu",
+        f"launcher.timeout_s={a.timeout}",
+    ]
 
 
 def local_overrides(a: argparse.Namespace, mode: str) -> list[str]:
@@ -102,19 +115,31 @@ def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     by_link = [(s["engine_comm_bytes_per_step"] or s["comm_bytes_per_step"])["by_link"] for s in summaries]
     rates = [g for s in summaries if (g := link_gbps(s)) is not None]
     uplink = [u for s in summaries if (u := s.get(UPLINK_KEY)) is not None]
-    return {"mode": mode, "step_s": step, "comm_wait_s": wait, "compute_s": max(step - wait, 0.0),
-            "step_s_all": steps, "measured_gbps": statistics.median(rates) if rates else None,
-            "cross_bytes": statistics.mean(b["cross"] for b in by_link),
-            "intra_bytes": statistics.mean(b["intra"] for b in by_link),
-            "uplink_bytes": statistics.median(uplink) if uplink else None,
-            "loss_first": summaries[0]["loss"]["first"], "loss_last": summaries[0]["loss"]["final"],
-            "params": summaries[0]["model"]["params"], "seq_len": summaries[0]["config"]["model"]["seq_len"],
-            "run_dirs": [s.get("run_dir") for s in summaries]}
+    return {
+        "mode": mode,
+        "step_s": step,
+        "comm_wait_s": wait,
+        "compute_s": max(step - wait, 0.0),
+        "step_s_all": steps,
+        "measured_gbps": statistics.median(rates) if rates else None,
+        "cross_bytes": statistics.mean(b["cross"] for b in by_link),
+        "intra_bytes": statistics.mean(b["intra"] for b in by_link),
+        "uplink_bytes": statistics.median(uplink) if uplink else None,
+        "loss_first": summaries[0]["loss"]["first"],
+        "loss_last": summaries[0]["loss"]["final"],
+        "params": summaries[0]["model"]["params"],
+        "seq_len": summaries[0]["config"]["model"]["seq_len"],
+        "run_dirs": [s.get("run_dir") for s in summaries],
+    }
 
 
-def predict(m: dict[str, Any], summary: dict[str, Any], gbps: float,
-            rates: tuple[tuple[str, int, float], ...] | None = None,
-            local: dict[str, float] | None = None) -> dict[str, Any]:
+def predict(
+    m: dict[str, Any],
+    summary: dict[str, Any],
+    gbps: float,
+    rates: tuple[tuple[str, int, float], ...] | None = None,
+    local: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """The scaling model's step time and bytes for the measured mode ``m`` (one of its runs'
     ``summary`` gives the workload; compute = the median step minus the median comm wait; one
     uplink per node shared by the node's ranks, gloo's ring schedule on the wire; link constants
@@ -145,17 +170,34 @@ def predict(m: dict[str, Any], summary: dict[str, Any], gbps: float,
         rates = tuple((op, b, g * share) for op, b, g in measure_quant_rates(w, c))
     p = project(dataclasses.replace(w, quant_rates=tuple(rates)), c)
     cross = sum(v for k, v in p.pairwise.items() if k.endswith(".cross"))
-    out = {"step_s": p.step_s, "comm_s": p.comm_s, "quant_s": p.quant_s, "cross_bytes": cross,
-           "uplink_bytes": p.uplink_bytes, "node_cross_bytes": p.node_cross_bytes, "quant_rates": rates}
+    out = {
+        "step_s": p.step_s,
+        "comm_s": p.comm_s,
+        "quant_s": p.quant_s,
+        "cross_bytes": cross,
+        "uplink_bytes": p.uplink_bytes,
+        "node_cross_bytes": p.node_cross_bytes,
+        "quant_rates": rates,
+    }
     if local is not None:
         comm = max(local["comm_wait_s"], p.uplink_bytes / (gbps * GBPS))
-        out.update(hybrid_comm_s=comm, hybrid_step_s=w.compute_s + comm, local_comm_wait_s=local["comm_wait_s"],
-                   loopback_gbps=local["loopback_gbps"])
+        out.update(
+            hybrid_comm_s=comm,
+            hybrid_step_s=w.compute_s + comm,
+            local_comm_wait_s=local["comm_wait_s"],
+            loopback_gbps=local["loopback_gbps"],
+        )
         wq = dataclasses.replace(w, quant_rates=tuple(rates))
-        cal = calibrate_cpu_side(wq, topo["nodes"], topo["ranks_per_node"], wait_s=local["comm_wait_s"],
-                                 loopback_gbps=local["loopback_gbps"])
-        cs = emulator_cluster(topo["nodes"], topo["ranks_per_node"], gbps, comm_on_compute=True,
-                              **{k: cal[k] for k in ("alpha_cross_s", "alpha_intra_s", "intra_gbps")})
+        cal = calibrate_cpu_side(
+            wq, topo["nodes"], topo["ranks_per_node"], wait_s=local["comm_wait_s"], loopback_gbps=local["loopback_gbps"]
+        )
+        cs = emulator_cluster(
+            topo["nodes"],
+            topo["ranks_per_node"],
+            gbps,
+            comm_on_compute=True,
+            **{k: cal[k] for k in ("alpha_cross_s", "alpha_intra_s", "intra_gbps")},
+        )
         ps = project_scheduled(wq, cs, prefetch=summary["config"]["zero"].get("prefetch_depth", 1))
         out.update(scheduled_step_s=ps.step_s, cpu_scale=cal["scale"])
     return out
@@ -183,8 +225,13 @@ def run(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
                 ls = run_job(local_overrides(a, mode), root / "local" / f"{mode}-{r}")
                 waits[mode].append(comm_wait_s(ls) or 0.0)
         local = {mode: {"comm_wait_s": statistics.median(v), "loopback_gbps": loopback} for mode, v in waits.items()}
-        print(f"[check: loopback {loopback:.2f} Gbit/s per rank; unshaped comm wait "
-              + ", ".join(f"{k} {v['comm_wait_s']:.3f} s" for k, v in local.items()) + "]", file=sys.stderr, flush=True)
+        print(
+            f"[check: loopback {loopback:.2f} Gbit/s per rank; unshaped comm wait "
+            + ", ".join(f"{k} {v['comm_wait_s']:.3f} s" for k, v in local.items())
+            + "]",
+            file=sys.stderr,
+            flush=True,
+        )
     for gbps in a.gbps:
         t0 = time.monotonic()
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -212,35 +259,54 @@ def _pct(pred: float, meas: float) -> str:
 
 def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     m0 = rows[0]["zero3"]
-    out = [f"{a.nodes} nodes x {a.ranks_per_node} ranks, GPT '{a.preset}' ({m0['params'] / 1e6:.2f}M params, fp32), "
-           f"{a.micro_batch}x{m0['seq_len']} tokens/rank/step; median over {a.rounds} alternating runs of each run's "
-           f"median step time ({a.steps} steps after {a.warmup} warm-up)",
-           "",
-           "| link Gbit/s (measured) | ZeRO-3 step s | ZeRO++ step s | speedup | x-node MB/rank/step (3 -> ++) |",
-           "|---|---|---|---|---|"]
+    out = [
+        f"{a.nodes} nodes x {a.ranks_per_node} ranks, GPT '{a.preset}' ({m0['params'] / 1e6:.2f}M params, fp32), "
+        f"{a.micro_batch}x{m0['seq_len']} tokens/rank/step; median over {a.rounds} alternating runs of each run's "
+        f"median step time ({a.steps} steps after {a.warmup} warm-up)",
+        "",
+        "| link Gbit/s (measured) | ZeRO-3 step s | ZeRO++ step s | speedup | x-node MB/rank/step (3 -> ++) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         z3, zp = r["zero3"], r["zeropp"]
         meas = f"{r['measured_gbps']:.3f}" if r["measured_gbps"] else "n/a"
-        out.append(f"| {r['gbps']:g} ({meas}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
-                   f"{r['speedup']:.2f}x | {z3['cross_bytes'] / 1e6:.2f} -> {zp['cross_bytes'] / 1e6:.2f} |")
-    out += ["", "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured "
-            "rate, one uplink per node shared by its ranks, gloo's ring wire; quantization at kernel rates timed here "
-            "in one process per rank at once):", "",
-            "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank "
-            "| predicted | error |",
-            "|---|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['gbps']:g} ({meas}) | {z3['step_s']:.3f} | {zp['step_s']:.3f} | "
+            f"{r['speedup']:.2f}x | {z3['cross_bytes'] / 1e6:.2f} -> {zp['cross_bytes'] / 1e6:.2f} |"
+        )
+    out += [
+        "",
+        "Scaling projection vs measurement (compute = measured step - measured comm wait; link = measured "
+        "rate, one uplink per node shared by its ranks, gloo's ring wire; quantization at kernel rates timed here "
+        "in one process per rank at once):",
+        "",
+        "| link Gbit/s | run | measured s | projection s | error | of which quant s | measured x-node MB/rank "
+        "| predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++")):
             m, p = r[mode], r[mode]["predicted"]
-            out.append(f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | "
-                       f"{_pct(p['step_s'], m['step_s'])} | {p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | "
-                       f"{p['cross_bytes'] / 1e6:.2f} | {_pct(p['cross_bytes'], m['cross_bytes'])} |")
-    up = [(r, mode, name) for r in rows for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
-          if r[mode]["uplink_bytes"] is not None]
+            out.append(
+                f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | "
+                f"{_pct(p['step_s'], m['step_s'])} | {p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | "
+                f"{p['cross_bytes'] / 1e6:.2f} | {_pct(p['cross_bytes'], m['cross_bytes'])} |"
+            )
+    up = [
+        (r, mode, name)
+        for r in rows
+        for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
+        if r[mode]["uplink_bytes"] is not None
+    ]
     if up:
-        out += ["", "Bytes one node's uplink sent per step (kernel tx counter, headers included) vs the projection's "
-                "uplink_bytes (ranks sharing the uplink x pairwise cross bytes per rank):", "",
-                "| link Gbit/s | run | measured uplink MB | predicted MB | error |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            "Bytes one node's uplink sent per step (kernel tx counter, headers included) vs the projection's "
+            "uplink_bytes (ranks sharing the uplink x pairwise cross bytes per rank):",
+            "",
+            "| link Gbit/s | run | measured uplink MB | predicted MB | error |",
+            "|---|---|---|---|---|",
+        ]
         for r, mode, name in up:
             m, p = r[mode]["uplink_bytes"], r[mode]["predicted"]["uplink_bytes"]
             out.append(f"| {r['gbps']:g} | {name} | {m / 1e6:.2f} | {p / 1e6:.2f} | {_pct(p, m)} |")
@@ -248,11 +314,15 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
         out.append(f"\n(no uplink counter comparison: the runs' summaries have no {UPLINK_KEY!r})")
     rates = rows[0]["zeropp"]["predicted"]["quant_rates"]
     if rates:
-        out.append("\nZeRO++ quantization ops as charged (GB/s of fp32 input): "
-                   + ", ".join(f"{op} int{b} {g:.3f}" for op, b, g in rates))
+        out.append(
+            "\nZeRO++ quantization ops as charged (GB/s of fp32 input): "
+            + ", ".join(f"{op} int{b} {g:.3f}" for op, b, g in rates)
+        )
     sp = [(r["zero3"]["predicted"]["step_s"] / r["zeropp"]["predicted"]["step_s"], r["speedup"]) for r in rows]
-    out.append("\npredicted vs measured speedup: " + ", ".join(
-        f"{r['gbps']:g} Gbit/s {p:.2f}x vs {m:.2f}x" for r, (p, m) in zip(rows, sp)))
+    out.append(
+        "\npredicted vs measured speedup: "
+        + ", ".join(f"{r['gbps']:g} Gbit/s {p:.2f}x vs {m:.2f}x" for r, (p, m) in zip(rows, sp))
+    )
     return "\n".join(out)
 
 
@@ -278,11 +348,21 @@ def check_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for mode in MODES:
             m, p = r[mode], r[mode]["predicted"]
             meas = m["step_s"]
-            cell = {"gbps": r["gbps"], "measured_gbps": r["measured_gbps"], "mode": mode, "measured_s": meas,
-                    "comm_wait_s": m["comm_wait_s"], "quant_s": p["quant_s"],
-                    "local_comm_wait_s": p.get("local_comm_wait_s"), "cpu_scale": p.get("cpu_scale")}
-            for name, pred in (("analytic", p["step_s"]), ("hybrid", p.get("hybrid_step_s")),
-                               ("scheduled", p.get("scheduled_step_s"))):
+            cell = {
+                "gbps": r["gbps"],
+                "measured_gbps": r["measured_gbps"],
+                "mode": mode,
+                "measured_s": meas,
+                "comm_wait_s": m["comm_wait_s"],
+                "quant_s": p["quant_s"],
+                "local_comm_wait_s": p.get("local_comm_wait_s"),
+                "cpu_scale": p.get("cpu_scale"),
+            }
+            for name, pred in (
+                ("analytic", p["step_s"]),
+                ("hybrid", p.get("hybrid_step_s")),
+                ("scheduled", p.get("scheduled_step_s")),
+            ):
                 cell[f"{name}_s"] = pred
                 cell[f"{name}_error"] = None if pred is None else (pred / meas - 1 if meas else float("nan"))
             cells.append(cell)
@@ -296,10 +376,12 @@ def format_check(cells: list[dict[str, Any]], tolerance: float = CHECK_TOLERANCE
     shown = [k for k in PREDICTIONS if cells and all(c[f"{k}_s"] is not None for c in cells)]
     key = shown[0] if shown else "analytic"
     local = "scheduled" in shown
-    out = ["| link Gbit/s (measured) | run | measured step s | measured comm wait s |"
-           + (" unshaped comm wait s | CPU scale |" if local else "")
-           + "".join(f" {PREDICTIONS[k]} s | error |" for k in shown),
-           "|---|---|---|---|" + ("---|---|" if local else "") + "---|---|" * len(shown)]
+    out = [
+        "| link Gbit/s (measured) | run | measured step s | measured comm wait s |"
+        + (" unshaped comm wait s | CPU scale |" if local else "")
+        + "".join(f" {PREDICTIONS[k]} s | error |" for k in shown),
+        "|---|---|---|---|" + ("---|---|" if local else "") + "---|---|" * len(shown),
+    ]
     ok = True
     for c in cells:
         inside = abs(c[f"{key}_error"]) <= tolerance
@@ -311,17 +393,23 @@ def format_check(cells: list[dict[str, Any]], tolerance: float = CHECK_TOLERANCE
         line += "".join(f" {c[f'{k}_s']:.3f} | {100 * c[f'{k}_error']:+.1f}% |" for k in shown)
         out.append(line + ("" if inside else " outside"))
     worst = {k: max((abs(c[f"{k}_error"]) for c in cells), default=0.0) for k in shown}
-    out.append(f"\ncheck ({PREDICTIONS[key]}): {'PASS' if ok else 'FAIL'} -- every cell within "
-               f"+-{100 * tolerance:.0f}%: {'yes' if ok else 'no'} (worst {100 * worst.get(key, 0.0):.1f}%, "
-               f"{len(cells)} cells)" + "".join(f"; {PREDICTIONS[k]}: worst {100 * worst[k]:.1f}%" for k in shown[1:]))
+    out.append(
+        f"\ncheck ({PREDICTIONS[key]}): {'PASS' if ok else 'FAIL'} -- every cell within "
+        f"+-{100 * tolerance:.0f}%: {'yes' if ok else 'no'} (worst {100 * worst.get(key, 0.0):.1f}%, "
+        f"{len(cells)} cells)" + "".join(f"; {PREDICTIONS[k]}: worst {100 * worst[k]:.1f}%" for k in shown[1:])
+    )
     out.append(f"max |error|: {100 * worst.get(key, 0.0):.1f}% (tolerance {100 * tolerance:g}%)")
     return "\n".join(out), ok
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_cluster", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gbps", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.5, 2.0],
-                   help="comma-separated cross-node rates, Gbit/s (default 0.1,0.5,2)")
+    p.add_argument(
+        "--gbps",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.1, 0.5, 2.0],
+        help="comma-separated cross-node rates, Gbit/s (default 0.1,0.5,2)",
+    )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--latency-ms", type=float, default=0.0, help="one-way cross-node latency (needs netem)")
@@ -333,11 +421,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="per training run, seconds")
     p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write all numbers to this file")
-    p.add_argument("--check", action="store_true",
-                   help="check the scaling model: a small grid (default link rates 0.2,1 Gbit/s, 3 rounds, 3 steps), "
-                        "predicted vs measured step time per cell, exit 1 unless all are within --tolerance")
-    p.add_argument("--tolerance", type=float, default=100 * CHECK_TOLERANCE,
-                   help="--check's pass bound on every cell's |step-time error|, percent (default %(default)g)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the scaling model: a small grid (default link rates 0.2,1 Gbit/s, 3 rounds, 3 steps), "
+        "predicted vs measured step time per cell, exit 1 unless all are within --tolerance",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=100 * CHECK_TOLERANCE,
+        help="--check's pass bound on every cell's |step-time error|, percent (default %(default)g)",
+    )
     raw = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(raw)
     if a.check:  # the grid's defaults, unless given explicitly
@@ -357,9 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         require_privileges()
     except (ClusterPrivilegeError, NetnsError) as e:
-        print(f"error: {e}\n(this benchmark exists to cross a shaped link, so it needs the emulator; an unshaped "
-              "comparison: python -m experiments.run cluster=local stage=3 quant=none, then quant=zeropp)",
-              file=sys.stderr)
+        print(
+            f"error: {e}\n(this benchmark exists to cross a shaped link, so it needs the emulator; an unshaped "
+            "comparison: python -m experiments.run cluster=local stage=3 quant=none, then quant=zeropp)",
+            file=sys.stderr,
+        )
         return 2
     try:
         with tempfile.TemporaryDirectory(prefix="bench_cluster-") as tmp:

@@ -51,21 +51,36 @@ def job_overrides(a: argparse.Namespace, key: str) -> list[str]:
     for name in ("d_model", "n_layers", "n_heads"):
         if getattr(a, name) is not None:
             model.append(f"model.{name}={getattr(a, name)}")
-    return [*JOBS[key][1], "topology=1x1", *model, f"train.micro_batch_size={a.batch}",
-            f"train.steps={a.warmup + a.steps}", f"train.throughput_skip_steps={a.warmup}",
-            f"zero.precision={a.precision}", "data=random", "logger=none", "launcher.progress=false",
-            f"launcher.device={a.device}", f"launcher.timeout_s={a.timeout}"]
+    return [
+        *JOBS[key][1],
+        "topology=1x1",
+        *model,
+        f"train.micro_batch_size={a.batch}",
+        f"train.steps={a.warmup + a.steps}",
+        f"train.throughput_skip_steps={a.warmup}",
+        f"zero.precision={a.precision}",
+        "data=random",
+        "logger=none",
+        "launcher.progress=false",
+        f"launcher.device={a.device}",
+        f"launcher.timeout_s={a.timeout}",
+    ]
 
 
 def result(summary: dict[str, Any]) -> dict[str, Any]:
     """What a row reads from one run's summary."""
-    return {"step_s": summary["step_time_s"]["median"], "memory_bytes": summary["memory_max_rank_bytes"],
-            "tokens_per_s": summary["tokens_per_s"], "params": summary.get("model", {}).get("params"),
-            "device": summary.get("device")}
+    return {
+        "step_s": summary["step_time_s"]["median"],
+        "memory_bytes": summary["memory_max_rank_bytes"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "params": summary.get("model", {}).get("params"),
+        "device": summary.get("device"),
+    }
 
 
-def run_all(a: argparse.Namespace, root: Path,
-            run_job: Callable[[list[str], Path], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def run_all(
+    a: argparse.Namespace, root: Path, run_job: Callable[[list[str], Path], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """Run the selected rows in order; a row that fails records its error and the rest still run."""
     from .config import ConfigError
     from .launcher import RankFailure
@@ -86,26 +101,35 @@ def format_table(rows: dict[str, dict[str, Any]], a: argparse.Namespace) -> str:
     ok = [r for r in rows.values() if "error" not in r]
     device = ok[0]["device"] if ok else a.device
     params = ok[0]["params"] if ok else None
-    size = (f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.1f}k") + " parameters" if params else \
-        "parameters unknown"
+    size = (
+        (f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.1f}k") + " parameters"
+        if params
+        else "parameters unknown"
+    )
     shape = "".join(f", {n}={getattr(a, n)}" for n in ("d_model", "n_layers", "n_heads") if getattr(a, n) is not None)
-    lines = [f"GPT {a.preset}{shape} ({size}), seq {a.seq}, batch {a.batch}, {a.precision}, world 1 on {device}; "
-             f"median of {a.steps} steps after {a.warmup} warm-up",
-             f"{'':24}{'ms/step':>10}{'/ stage 0':>11}{'state MiB':>11}{'tokens/s':>12}"]
+    lines = [
+        f"GPT {a.preset}{shape} ({size}), seq {a.seq}, batch {a.batch}, {a.precision}, world 1 on {device}; "
+        f"median of {a.steps} steps after {a.warmup} warm-up",
+        f"{'':24}{'ms/step':>10}{'/ stage 0':>11}{'state MiB':>11}{'tokens/s':>12}",
+    ]
     for key, r in rows.items():
         label = JOBS[key][0]
         if "error" in r:
             lines.append(f"{label:24}  failed: {r['error'].splitlines()[0][:100]}")
             continue
         ratio = f"{r['step_s'] / base:11.2f}" if base and not math.isnan(base) else f"{'-':>11}"
-        lines.append(f"{label:24}{r['step_s'] * 1e3:10.2f}{ratio}{r['memory_bytes'] / 2**20:11.1f}"
-                     f"{r['tokens_per_s']:12.0f}")
+        lines.append(
+            f"{label:24}{r['step_s'] * 1e3:10.2f}{ratio}{r['memory_bytes'] / 2**20:11.1f}{r['tokens_per_s']:12.0f}"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_gpu", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench_gpu",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated rows, from {', '.join(JOBS)}")
     p.add_argument("--preset", default="large", help="zeropp.models GPT preset (the runner's model=)")
     p.add_argument("--d-model", dest="d_model", type=int, default=1024, help="model width (0: the preset's)")
@@ -131,8 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None,
-         run_job: Callable[[list[str], Path], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+def main(
+    argv: list[str] | None = None, run_job: Callable[[list[str], Path], dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
     """Run and print the table; returns the rows (key -> result or ``{"error": ...}``).
     ``run_job`` defaults to the runner's (tests pass a fake one)."""
     a = parse_args(argv)

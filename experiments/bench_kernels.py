@@ -209,8 +209,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
     paired = device.type == "cpu" and args.vs_path != "none"
 
-    def record(op: str, size: int, nbytes: int, fn: Callable[[], object] | None,
-               baseline: Callable[[], object] | None = None, seconds: float | None = None) -> None:
+    def record(
+        op: str,
+        size: int,
+        nbytes: int,
+        fn: Callable[[], object] | None,
+        baseline: Callable[[], object] | None = None,
+        seconds: float | None = None,
+    ) -> None:
         """One row: ``fn`` timed (through ``--cpu-path``, paired with ``--vs-path`` on CPU)."""
         old_seconds = vs_old = None
         if fn is not None and paired:
@@ -221,9 +227,19 @@ def bench(args: argparse.Namespace) -> list[dict]:
         gbps = nbytes / seconds / 1e9
         copy_s = copy_seconds(nbytes)
         vs = timeit(baseline) / seconds if baseline is not None and not args.no_compile else None
-        rows.append(dict(op=op, size=size, bytes=nbytes, seconds=seconds, gbps=gbps, fraction=copy_s / seconds,
-                         vs_compile=vs, old_fraction=None if old_seconds is None else copy_s / old_seconds,
-                         vs_old=vs_old))
+        rows.append(
+            dict(
+                op=op,
+                size=size,
+                bytes=nbytes,
+                seconds=seconds,
+                gbps=gbps,
+                fraction=copy_s / seconds,
+                vs_compile=vs,
+                old_fraction=None if old_seconds is None else copy_s / old_seconds,
+                vs_old=vs_old,
+            )
+        )
 
     k = args.k
     for size in _sizes(args.min_kib, args.max_mib):
@@ -235,29 +251,51 @@ def bench(args: argparse.Namespace) -> list[dict]:
             xb = torch.nn.functional.pad(x, (0, nb * gs - n)).view(nb, gs)  # [blocks, gs] for the baseline
             qb = quantized_nbytes(1, n, bits, gs)  # codes + scales of one tensor
             q = quantize(x, bits, gs)
-            record(f"quantize int{bits} g{gs}", size, n * esize + qb, lambda: quantize(x, bits, gs),
-                   compiled(f"q{bits}", _plain_quantize, xb, dims=(0,), bits=bits))
+            record(
+                f"quantize int{bits} g{gs}",
+                size,
+                n * esize + qb,
+                lambda: quantize(x, bits, gs),
+                compiled(f"q{bits}", _plain_quantize, xb, dims=(0,), bits=bits),
+            )
             out = torch.empty(n, dtype=dtype, device=device)
             cb, sb = q.codes.view(nb, -1), q.scales.view(nb)
-            record(f"dequantize int{bits} g{gs}", size, qb + n * esize, lambda: dequantize(q, out=out),
-                   compiled(f"dq{bits}", _plain_dequantize, cb, sb, dims=(0, 0), bits=bits, dtype=dtype))
+            record(
+                f"dequantize int{bits} g{gs}",
+                size,
+                qb + n * esize,
+                lambda: dequantize(q, out=out),
+                compiled(f"dq{bits}", _plain_dequantize, cb, sb, dims=(0, 0), bits=bits, dtype=dtype),
+            )
             if bits == 4:  # stochastic rounding adds Philox work, not bytes
-                record("quantize int4 g128 stochastic", size, n * esize + qb,
-                       lambda: quantize(x, 4, 128, stochastic=True, seed=1),
-                       compiled("q4s", _plain_quantize, xb, dims=(0,), bits=4, stochastic=True))
+                record(
+                    "quantize int4 g128 stochastic",
+                    size,
+                    n * esize + qb,
+                    lambda: quantize(x, 4, 128, stochastic=True, seed=1),
+                    compiled("q4s", _plain_quantize, xb, dims=(0,), bits=4, stochastic=True),
+                )
         gs = 128
         nb = -(-n // gs)
         qs = [quantize(torch.randn(n, device=device), 4, gs) for _ in range(k)]
         stacked = QuantizedTensor(torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), n, 4, gs)
         cb, sb = stacked.codes.view(k, nb, -1), stacked.scales.view(k, nb)
         qb = quantized_nbytes(1, n, 4, gs)
-        record(f"fused reduce int4 g{gs} k{k}", size, (k + 1) * qb,
-               lambda: dequantize_sum_requantize(stacked, 4),
-               compiled("reduce", _plain_reduce, cb, sb, dims=(1, 1), bits=4))
+        record(
+            f"fused reduce int4 g{gs} k{k}",
+            size,
+            (k + 1) * qb,
+            lambda: dequantize_sum_requantize(stacked, 4),
+            compiled("reduce", _plain_reduce, cb, sb, dims=(1, 1), bits=4),
+        )
         out = torch.empty(n, dtype=dtype, device=device)
-        record(f"dequantize_sum int4 g{gs} k{k}", size, k * qb + n * esize,
-               lambda: dequantize_sum(stacked, out=out),
-               compiled("dsum", _plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype))
+        record(
+            f"dequantize_sum int4 g{gs} k{k}",
+            size,
+            k * qb + n * esize,
+            lambda: dequantize_sum(stacked, out=out),
+            compiled("dsum", _plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
+        )
         del x, q, qs, stacked, out, xb, cb, sb
     return rows
 
@@ -267,30 +305,42 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(dev)} - Triton kernels")
     else:
-        path = {"auto": "the native kernels (kernels/cpu_native.py) where they build, else the compiled / tiled paths",
-                "native": "the native kernels (kernels/cpu_native.py)",
-                "compiled": "compiled kernels (kernels/cpu_fused.py) from "
-                            f"{cpu_fused.FUSED_MIN_ELEMS} elements ({cpu_fused.DEQUANTIZE_MIN_ELEMS} for dequantize), "
-                            "tiles below",
-                "tiled": "tiles only"}[args.cpu_path]
-        print("CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels "
-              f"({torch.get_num_threads()} thread(s); {path})")
-    print(f"input dtype {args.dtype}; bytes moved = bytes read + bytes written (codes, fp32 scales, "
-          f"full-precision data), each once; copy = dst.copy_(src) moving the same bytes, same run; "
-          f"vs compile = time of torch.compile'd plain torch / ours (> 1: ours faster)")
+        path = {
+            "auto": "the native kernels (kernels/cpu_native.py) where they build, else the compiled / tiled paths",
+            "native": "the native kernels (kernels/cpu_native.py)",
+            "compiled": "compiled kernels (kernels/cpu_fused.py) from "
+            f"{cpu_fused.FUSED_MIN_ELEMS} elements ({cpu_fused.DEQUANTIZE_MIN_ELEMS} for dequantize), "
+            "tiles below",
+            "tiled": "tiles only",
+        }[args.cpu_path]
+        print(
+            "CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels "
+            f"({torch.get_num_threads()} thread(s); {path})"
+        )
+    print(
+        f"input dtype {args.dtype}; bytes moved = bytes read + bytes written (codes, fp32 scales, "
+        f"full-precision data), each once; copy = dst.copy_(src) moving the same bytes, same run; "
+        f"vs compile = time of torch.compile'd plain torch / ours (> 1: ours faster)"
+    )
     old = any(r["vs_old"] is not None for r in rows)
     if old:
-        print(f"old = the CPU path '{args.vs_path}', timed call by call in alternation with ours; x old = median of "
-              "the per-pair time ratios old / ours (= the ratio of the shares of copy bandwidth)")
+        print(
+            f"old = the CPU path '{args.vs_path}', timed call by call in alternation with ours; x old = median of "
+            "the per-pair time ratios old / ours (= the ratio of the shares of copy bandwidth)"
+        )
     extra = f" {'old of copy':>11} | {'x old':>6} |" if old else ""
-    head = (f"| {'op':<30} | {'size':>9} | {'bytes moved':>13} | {'time (us)':>10} | {'GB/s':>8} | {'of copy':>7} "
-            f"| {'vs compile':>10} |{extra}")
+    head = (
+        f"| {'op':<30} | {'size':>9} | {'bytes moved':>13} | {'time (us)':>10} | {'GB/s':>8} | {'of copy':>7} "
+        f"| {'vs compile':>10} |{extra}"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
         vs = "" if r["vs_compile"] is None else f"{r['vs_compile']:.2f}x"
-        line = (f"| {r['op']:<30} | {_fmt_bytes(r['size']):>9} | {r['bytes']:>13,} | {r['seconds'] * 1e6:>10.1f} | "
-                f"{r['gbps']:>8.2f} | {r['fraction']:>6.0%} | {vs:>10} |")
+        line = (
+            f"| {r['op']:<30} | {_fmt_bytes(r['size']):>9} | {r['bytes']:>13,} | {r['seconds'] * 1e6:>10.1f} | "
+            f"{r['gbps']:>8.2f} | {r['fraction']:>6.0%} | {vs:>10} |"
+        )
         if old:
             of = "" if r["old_fraction"] is None else f"{r['old_fraction']:.1%}"
             x = "" if r["vs_old"] is None else f"{r['vs_old']:.1f}x"
@@ -298,8 +348,7 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
         print(line)
     big = [r["fraction"] for r in rows if r["op"] != "copy" and r["size"] >= 64 << 20]
     if dev.type == "cuda" and big:
-        print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} "
-              f"(target {TARGET_FRACTION:.0%})")
+        print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} (target {TARGET_FRACTION:.0%})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -308,18 +357,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--min-kib", type=float, default=64.0, help="smallest input size (KiB)")
     p.add_argument("--max-mib", type=float, default=None, help="largest input size (MiB); 1024 GPU, 64 CPU")
-    p.add_argument("--cpu-path", default="auto", choices=CPU_PATHS,
-                   help="CPU: the path to time: auto = what ranks run (native kernels where they build); native; "
-                        "compiled = torch.compile'd kernels (kernels/cpu_fused.py); tiled = the tiles only "
-                        "(the plain-torch baseline)")
-    p.add_argument("--vs-path", default="tiled", choices=(*CPU_PATHS, "none"),
-                   help="CPU: also time each op through this path, in alternation with --cpu-path, and print "
-                        "the speed-up (none: skip)")
+    p.add_argument(
+        "--cpu-path",
+        default="auto",
+        choices=CPU_PATHS,
+        help="CPU: the path to time: auto = what ranks run (native kernels where they build); native; "
+        "compiled = torch.compile'd kernels (kernels/cpu_fused.py); tiled = the tiles only "
+        "(the plain-torch baseline)",
+    )
+    p.add_argument(
+        "--vs-path",
+        default="tiled",
+        choices=(*CPU_PATHS, "none"),
+        help="CPU: also time each op through this path, in alternation with --cpu-path, and print "
+        "the speed-up (none: skip)",
+    )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline column")
     p.add_argument("--k", type=int, default=4, help="inputs summed by the reductions (ranks per node)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU intra-op threads (1: on a shared machine a multi-threaded region waits for "
-                        "its slowest, possibly descheduled, thread, which makes timings noise)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU intra-op threads (1: on a shared machine a multi-threaded region waits for "
+        "its slowest, possibly descheduled, thread, which makes timings noise)",
+    )
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     args = p.parse_args(argv)

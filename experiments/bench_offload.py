@@ -71,15 +71,17 @@ def bench_adam(n: int, repeat: int) -> list[dict[str, Any]]:
     """Median seconds per AdamW step of ``n`` elements for each kernel, with its max |diff|."""
     ref_p, g, _, _ = _state(n)
     ref = torch.nn.Parameter(ref_p.clone())
-    opt = torch.optim.AdamW([ref], lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay,
-                            foreach=False)
+    opt = torch.optim.AdamW(
+        [ref], lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, foreach=False
+    )
     for _ in range(3):
         ref.grad = g.clone()
         opt.step()
     compiled = _compiled_step()
     runners: dict[str, Callable[..., None]] = {
         k: (lambda k: lambda p, g, m, v, s, lr: adamw_update([p], [g], [m], [v], step=s, lr=lr, cfg=CFG, kernel=k))(k)
-        for k in ("single", "foreach", "fused")}
+        for k in ("single", "foreach", "fused")
+    }
     runners["compile"] = compiled
     rows = []
     for name, fn in runners.items():
@@ -152,28 +154,45 @@ def bench_swap(directory: str, mib: int, buffers: int, buffer_size: int, adam_nu
         sp.close()
     pw, pr = _plain_io(os.path.join(directory, f".bench_offload_plain_{os.getpid()}"), nbytes)
     gb = nbytes / 1e9
-    return {"bytes": nbytes, "swap_write_gbps": gb / tw, "swap_read_gbps": gb / tr, "disk_write_gbps": gb / pw,
-            "disk_read_gbps": gb / pr, "write_ratio": pw / tw, "read_ratio": pr / tr,
-            "swapped_adam_step_s": ta, "swapped_adam_gbps": 24 * adam_numel / ta / 1e9,
-            "staging_bytes": buffers * buffer_size * 4}
+    return {
+        "bytes": nbytes,
+        "swap_write_gbps": gb / tw,
+        "swap_read_gbps": gb / tr,
+        "disk_write_gbps": gb / pw,
+        "disk_read_gbps": gb / pr,
+        "write_ratio": pw / tw,
+        "read_ratio": pr / tr,
+        "swapped_adam_step_s": ta,
+        "swapped_adam_gbps": 24 * adam_numel / ta / 1e9,
+        "staging_bytes": buffers * buffer_size * 4,
+    }
 
 
 def format_report(adam: list[dict[str, Any]], swap: dict[str, Any], a: argparse.Namespace) -> str:
-    lines = [f"CPU AdamW, {a.numel} fp32 elements, {torch.get_num_threads()} threads, median of {a.repeat}:",
-             "| kernel | ms/step | Gelem/s | vs foreach | max abs diff vs torch AdamW(foreach=False) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"CPU AdamW, {a.numel} fp32 elements, {torch.get_num_threads()} threads, median of {a.repeat}:",
+        "| kernel | ms/step | Gelem/s | vs foreach | max abs diff vs torch AdamW(foreach=False) |",
+        "|---|---|---|---|---|",
+    ]
     for r in adam:
-        lines.append(f"| {r['kernel']} | {r['seconds'] * 1e3:.2f} | {r['gelem_per_s']:.3f} | {r['vs_foreach']:.2f}x "
-                     f"| {r['max_abs_diff']:.3g} |")
+        lines.append(
+            f"| {r['kernel']} | {r['seconds'] * 1e3:.2f} | {r['gelem_per_s']:.3f} | {r['vs_foreach']:.2f}x "
+            f"| {r['max_abs_diff']:.3g} |"
+        )
     s = swap
-    lines += ["", f"Swap vs plain sequential I/O, {s['bytes'] >> 20} MiB in {a.dir} "
-                  f"(staging {s['staging_bytes'] >> 20} MiB = {a.buffers} x {a.buffer_size} fp32):",
-              "| | swap GB/s | plain GB/s | swap / plain |", "|---|---|---|---|",
-              f"| write (+fsync) | {s['swap_write_gbps']:.2f} | {s['disk_write_gbps']:.2f} | {s['write_ratio']:.2f} |",
-              f"| read (page cache not dropped) | {s['swap_read_gbps']:.2f} | {s['disk_read_gbps']:.2f} "
-              f"| {s['read_ratio']:.2f} |",
-              "", f"SwappedAdamW step, {a.numel} elements (master+m+v read and written): "
-                  f"{s['swapped_adam_step_s'] * 1e3:.1f} ms, {s['swapped_adam_gbps']:.2f} GB/s of swap traffic"]
+    lines += [
+        "",
+        f"Swap vs plain sequential I/O, {s['bytes'] >> 20} MiB in {a.dir} "
+        f"(staging {s['staging_bytes'] >> 20} MiB = {a.buffers} x {a.buffer_size} fp32):",
+        "| | swap GB/s | plain GB/s | swap / plain |",
+        "|---|---|---|---|",
+        f"| write (+fsync) | {s['swap_write_gbps']:.2f} | {s['disk_write_gbps']:.2f} | {s['write_ratio']:.2f} |",
+        f"| read (page cache not dropped) | {s['swap_read_gbps']:.2f} | {s['disk_read_gbps']:.2f} "
+        f"| {s['read_ratio']:.2f} |",
+        "",
+        f"SwappedAdamW step, {a.numel} elements (master+m+v read and written): "
+        f"{s['swapped_adam_step_s'] * 1e3:.1f} ms, {s['swapped_adam_gbps']:.2f} GB/s of swap traffic",
+    ]
     return "\n".join(lines)
 
 

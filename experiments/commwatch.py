@@ -54,9 +54,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zeropp.comm import CommSession, CommStats, Topology
 from zeropp.comm.stats import peer_bytes, record_sends
 
-_WRAPPED = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather", "reduce_scatter_tensor",
-            "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "all_reduce",
-            "all_to_all_single", "all_to_all", "broadcast", "reduce", "gather", "scatter")
+_WRAPPED = (
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "all_gather",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+)
 
 
 def _nbytes(t: Any) -> int:
@@ -101,7 +115,13 @@ def _peer_bytes(name: str, args: tuple, kwargs: dict, ranks: list[int], me: int)
         splits = [_nbytes(t) for t in (_arg(args, kwargs, 1, "input_tensor_list") or [])]
     elif name in ("broadcast", "scatter", "reduce", "gather"):
         nbytes = _nbytes(_arg(args, kwargs, 0, "tensor"))
-        src = _arg(args, kwargs, 1 if name in ("broadcast", "reduce") else 2, "dst" if name in ("reduce", "gather") else "src", 0)
+        src = _arg(
+            args,
+            kwargs,
+            1 if name in ("broadcast", "reduce") else 2,
+            "dst" if name in ("reduce", "gather") else "src",
+            0,
+        )
         if src not in ranks:
             return [0] * g
         root = ranks.index(src)
@@ -109,8 +129,9 @@ def _peer_bytes(name: str, args: tuple, kwargs: dict, ranks: list[int], me: int)
 
 
 def _kind(name: str) -> str:
-    return (name.lstrip("_").replace("_into_tensor", "").replace("_base", "").replace("_tensor", "")
-            .replace("_single", ""))
+    return (
+        name.lstrip("_").replace("_into_tensor", "").replace("_base", "").replace("_tensor", "").replace("_single", "")
+    )
 
 
 class CommWatch:
@@ -124,8 +145,12 @@ class CommWatch:
     resets the counters (one step's worth); ``stats`` is the underlying CommStats.
     """
 
-    def __init__(self, topology: Topology, functional: bool | None = None,
-                 sessions: tuple[CommSession, ...] | list[CommSession] = ()) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        functional: bool | None = None,
+        sessions: tuple[CommSession, ...] | list[CommSession] = (),
+    ) -> None:
         self.topology = topology
         self.functional = topology.tp > 1 if functional is None else bool(functional)
         self.sessions = [s for s in sessions if s is not None]
@@ -147,10 +172,23 @@ class CommWatch:
     def _account(self, name: str, args: tuple, kwargs: dict) -> None:
         group = kwargs.get("group")
         if group is None:
-            idx = {"all_gather_into_tensor": 2, "all_gather_single": 2, "_all_gather_base": 2, "all_gather": 2,
-                   "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "_reduce_scatter_base": 3,
-                   "reduce_scatter": 3, "all_reduce": 2, "all_to_all_single": 4, "all_to_all": 2,
-                   "broadcast": 2, "reduce": 3, "gather": 3, "scatter": 3}[name]
+            idx = {
+                "all_gather_into_tensor": 2,
+                "all_gather_single": 2,
+                "_all_gather_base": 2,
+                "all_gather": 2,
+                "reduce_scatter_tensor": 3,
+                "reduce_scatter_single": 3,
+                "_reduce_scatter_base": 3,
+                "reduce_scatter": 3,
+                "all_reduce": 2,
+                "all_to_all_single": 4,
+                "all_to_all": 2,
+                "broadcast": 2,
+                "reduce": 3,
+                "gather": 3,
+                "scatter": 3,
+            }[name]
             group = args[idx] if len(args) > idx and not isinstance(args[idx], (bool, int)) else None
         try:
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -160,7 +198,9 @@ class CommWatch:
         if me_global not in ranks:
             return
         kind = _kind(name)
-        record_sends(self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global)))
+        record_sends(
+            self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global))
+        )
         self.stats.count_call(kind)
 
     def uncounted_call(self, name: str, exc: BaseException) -> None:
@@ -169,13 +209,21 @@ class CommWatch:
         if name in self.uncounted:
             return
         self.uncounted[name] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"CommWatch could not count {name} ({self.uncounted[name]}): the collective runs, but this "
-                      "run's comm_bytes figures miss its bytes", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"CommWatch could not count {name} ({self.uncounted[name]}): the collective runs, but this "
+            "run's comm_bytes figures miss its bytes",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def account_functional(self, kind: str, group: Any, per_peer: Callable[[int, int], list[int]]) -> None:
         """One functional collective over ``group`` (a ProcessGroup or its name): ``per_peer(group
         size, my group rank)`` gives the bytes to each member."""
-        pg = group if isinstance(group, dist.ProcessGroup) else torch.distributed.distributed_c10d._resolve_process_group(group)
+        pg = (
+            group
+            if isinstance(group, dist.ProcessGroup)
+            else torch.distributed.distributed_c10d._resolve_process_group(group)
+        )
         ranks = dist.get_process_group_ranks(pg)
         me = dist.get_rank()
         if me not in ranks:
@@ -202,6 +250,7 @@ class CommWatch:
                 if threading.get_ident() == self.training_thread:  # only the training thread's blocking counts
                     self.wait_s += time.perf_counter() - t0
                 self._local.depth = 0
+
         return wrapper
 
     @contextlib.contextmanager
@@ -224,6 +273,7 @@ class CommWatch:
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             with self.timing_wait():
                 return fn(work, *args, **kwargs)
+
         return wait
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -290,23 +340,34 @@ def _functional_rule(op: str, args: tuple, kwargs: dict) -> tuple[str, Callable[
 
     def per_peer(g: int, me: int) -> list[int]:
         return [sum(col) for col in zip(*(peer_bytes(kind, _nbytes(t), g, rank=me) for t in tensors))]
+
     return kind, per_peer
 
 
 _FUNCTIONAL_KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast", "broadcast_": "broadcast", "shard_dim_alltoall": "all_to_all"}
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+    "shard_dim_alltoall": "all_to_all",
+}
 """Functional collective op -> the kind it is counted as. ``shard_dim_alltoall`` (DTensor's
 shard-dim change on GPUs) sends each peer its chunk of the input: an all-to-all."""
 
-_FUNCTIONAL_OPS = {"_c10d_functional": tuple(k for k in _FUNCTIONAL_KINDS if k != "shard_dim_alltoall"),
-                   "_c10d_functional_autograd": ("all_gather_into_tensor", "reduce_scatter_tensor",
-                                                 "all_to_all_single"),
-                   "_dtensor": ("shard_dim_alltoall",)}
+_FUNCTIONAL_OPS = {
+    "_c10d_functional": tuple(k for k in _FUNCTIONAL_KINDS if k != "shard_dim_alltoall"),
+    "_c10d_functional_autograd": ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"),
+    "_dtensor": ("shard_dim_alltoall",),
+}
 """The ops counted, by ``torch.ops`` namespace (those a torch version lacks are skipped)."""
 
 
@@ -358,7 +419,8 @@ class _FunctionalCollectives(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def watching(topology: Topology, functional: bool | None = None,
-             sessions: tuple[CommSession, ...] | list[CommSession] = ()) -> Iterator[CommWatch]:
+def watching(
+    topology: Topology, functional: bool | None = None, sessions: tuple[CommSession, ...] | list[CommSession] = ()
+) -> Iterator[CommWatch]:
     with CommWatch(topology, functional, sessions) as w:
         yield w

@@ -49,10 +49,30 @@ from .sections import (
     check,
 )
 
-__all__ = ["CONF_DIR", "EXCLUDED", "HONORED", "MAX_SECONDS", "MIN_CORPUS_BYTES", "MODEL_KINDS", "SECTION_CLASSES",
-           "SEED_LIMIT", "TOP_LEVEL_FROM", "TRAINERS", "ClusterConfig", "ConfigError", "DataConfig", "LauncherConfig",
-           "LoggerConfig", "RunConfig", "TrainConfig", "TrainerConfig", "build_model_config", "from_dict",
-           "from_omegaconf", "model_field_defaults"]
+__all__ = [
+    "CONF_DIR",
+    "EXCLUDED",
+    "HONORED",
+    "MAX_SECONDS",
+    "MIN_CORPUS_BYTES",
+    "MODEL_KINDS",
+    "SECTION_CLASSES",
+    "SEED_LIMIT",
+    "TOP_LEVEL_FROM",
+    "TRAINERS",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "LauncherConfig",
+    "LoggerConfig",
+    "RunConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "build_model_config",
+    "from_dict",
+    "from_omegaconf",
+    "model_field_defaults",
+]
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The YAML part of the config tree: repo ``conf/`` (installed as ``zeropp.conf``)."""
@@ -64,9 +84,16 @@ MODEL_KINDS: dict[str, type] = {"gpt": GPTConfig, "hf": HFConfig}
 the other kind set away from its default is refused (:func:`build_model_config`)."""
 
 SECTION_CLASSES: dict[str, type] = {
-    "zero": ZeroConfig, "optim": OptimizerConfig, "model": GPTConfig, "topology": Topology,
-    "data": DataConfig, "trainer": TrainerConfig, "logger": LoggerConfig, "cluster": ClusterConfig,
-    "train": TrainConfig, "launcher": LauncherConfig,
+    "zero": ZeroConfig,
+    "optim": OptimizerConfig,
+    "model": GPTConfig,
+    "topology": Topology,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+    "launcher": LauncherConfig,
 }
 """Config section -> the class that declares and validates it (``model``: the default kind; every
 kind is in :data:`MODEL_KINDS`)."""
@@ -114,19 +141,27 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"invalid config (zero.* against topology.*): {e}") from None
         if self.zero.precision == "fp16" and self.trainer.name != "zeropp":
-            raise ConfigError(f"invalid config: zero.precision=fp16 with trainer={self.trainer.name}; allowed: "
-                              "fp32, bf16 (fp16 loss scaling is implemented by trainer=zeropp)")
+            raise ConfigError(
+                f"invalid config: zero.precision=fp16 with trainer={self.trainer.name}; allowed: "
+                "fp32, bf16 (fp16 loss scaling is implemented by trainer=zeropp)"
+            )
         if self.trainer.name == "ddp_zeropp" and self.zero.grads is None:
-            raise ConfigError("invalid config: trainer=ddp_zeropp needs zero.grads (its hook quantizes the "
-                              "gradient all-reduce); e.g. quant=qgz")
+            raise ConfigError(
+                "invalid config: trainer=ddp_zeropp needs zero.grads (its hook quantizes the "
+                "gradient all-reduce); e.g. quant=qgz"
+            )
         if self.trainer.name == "fsdp2_zeropp" and self.zero.weights is None and self.zero.grads is None:
-            raise ConfigError("invalid config: trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, "
-                              "w8g4, ... or trainer=fsdp2")
+            raise ConfigError(
+                "invalid config: trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, "
+                "w8g4, ... or trainer=fsdp2"
+            )
         if t.tp > 1:
             _check_tp(self)
         if self.data.kind == "text" and self.model.vocab_size < 256:
-            raise ConfigError(f"invalid config: model.vocab_size={self.model.vocab_size} with data.kind=text; byte "
-                              "tokens need a vocabulary of at least 256 (or use data=random)")
+            raise ConfigError(
+                f"invalid config: model.vocab_size={self.model.vocab_size} with data.kind=text; byte "
+                "tokens need a vocabulary of at least 256 (or use data=random)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -140,9 +175,11 @@ class RunConfig:
         """With ``resume=true``, a checkpoint must be there (checked before any rank starts)."""
         ckpt = self.checkpoint_dir(run_dir)
         if self.resume and not (ckpt / "LATEST").is_file():
-            raise ConfigError(f"invalid config: resume=true but there is no checkpoint under {ckpt} (no LATEST file); "
-                              "resume in the directory of a run saved with train.checkpoint_every=N "
-                              "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints")
+            raise ConfigError(
+                f"invalid config: resume=true but there is no checkpoint under {ckpt} (no LATEST file); "
+                "resume in the directory of a run saved with train.checkpoint_every=N "
+                "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints"
+            )
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -151,8 +188,10 @@ class RunConfig:
             import importlib.util
 
             if importlib.util.find_spec("transformers") is None:
-                raise ConfigError('invalid config: model=hf needs the Hugging Face extra, which is not installed: '
-                                  'pip install -e ".[hf]" (or choose a GPT preset: model=mini, ...)')
+                raise ConfigError(
+                    "invalid config: model=hf needs the Hugging Face extra, which is not installed: "
+                    'pip install -e ".[hf]" (or choose a GPT preset: model=mini, ...)'
+                )
 
     @property
     def model_kind(self) -> str:
@@ -190,8 +229,10 @@ def _check_tp(rc: RunConfig) -> None:
     divide (checkpoints of a split model load at the same tp, which ``ZeroEngine.load_checkpoint`` checks)."""
     tp = rc.topology.tp
     if rc.trainer.name != "zeropp":
-        raise ConfigError(f"invalid config: topology.tp={tp} with trainer={rc.trainer.name}; tensor parallelism is "
-                          "implemented by trainer=zeropp only (or set topology.tp=1)")
+        raise ConfigError(
+            f"invalid config: topology.tp={tp} with trainer={rc.trainer.name}; tensor parallelism is "
+            "implemented by trainer=zeropp only (or set topology.tp=1)"
+        )
     from zeropp.models.gpt import check_gpt_tp
     from zeropp.models.hf import check_hf_tp
 
@@ -208,16 +249,20 @@ def _check_trainer_keys(rc: RunConfig) -> None:
         return
     default = ZeroConfig()
     if rc.zero.stage != default.stage:
-        raise ConfigError(f"invalid config: stage={rc.zero.stage} does nothing with trainer={name} "
-                          f"({'FSDP2 is always ZeRO-3' if name.startswith('fsdp2') else 'DDP replicates everything'}); "
-                          "stages 0-2 are trainer=zeropp")
+        raise ConfigError(
+            f"invalid config: stage={rc.zero.stage} does nothing with trainer={name} "
+            f"({'FSDP2 is always ZeRO-3' if name.startswith('fsdp2') else 'DDP replicates everything'}); "
+            "stages 0-2 are trainer=zeropp"
+        )
     for f in dataclasses.fields(ZeroConfig):
         if f.name == "stage" or f.name in honored:
             continue
         if getattr(rc.zero, f.name) != getattr(default, f.name):
-            raise ConfigError(f"invalid config: zero.{f.name}={getattr(rc.zero, f.name)!r} does nothing with "
-                              f"trainer={name}; it uses only zero.{{{', '.join(sorted(honored))}}}. Remove it, or use "
-                              "trainer=zeropp" + (" / trainer=fsdp2_zeropp" if f.name == "weights" else ""))
+            raise ConfigError(
+                f"invalid config: zero.{f.name}={getattr(rc.zero, f.name)!r} does nothing with "
+                f"trainer={name}; it uses only zero.{{{', '.join(sorted(honored))}}}. Remove it, or use "
+                "trainer=zeropp" + (" / trainer=fsdp2_zeropp" if f.name == "weights" else "")
+            )
 
 
 def _mentions_float(tp: Any) -> bool:
@@ -233,7 +278,9 @@ def _check_finite(key: str, tp: Any, value: Any) -> None:
         return
     for x in value if isinstance(value, tuple) else (value,):
         if isinstance(x, float) and not math.isfinite(x):
-            raise ConfigError(f"invalid config: {key}={value!r}; allowed: a finite number (inf and nan are not settings)")
+            raise ConfigError(
+                f"invalid config: {key}={value!r}; allowed: a finite number (inf and nan are not settings)"
+            )
 
 
 def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
@@ -286,13 +333,17 @@ def build_model_config(values: Mapping[str, Any]) -> GPTConfig | HFConfig:
         if name in own:
             continue
         if name not in defaults:
-            raise ConfigError(f"unknown config key model.{name}; allowed keys of model (model.kind={kind}): "
-                              f"kind, {', '.join(sorted(own))}")
+            raise ConfigError(
+                f"unknown config key model.{name}; allowed keys of model (model.kind={kind}): "
+                f"kind, {', '.join(sorted(own))}"
+            )
         if v != defaults[name]:
             other = [k for k, c in MODEL_KINDS.items() if name in {f.name for f in dataclasses.fields(c)}]
-            raise ConfigError(f"invalid config: model.{name}={v!r} does nothing with model.kind={kind} "
-                              f"({cls.__name__}); it is a setting of model.kind={'/'.join(other)}. Remove it, or "
-                              f"choose {'model=hf' if 'hf' in other else 'a GPT preset (model=mini, ...)'}")
+            raise ConfigError(
+                f"invalid config: model.{name}={v!r} does nothing with model.kind={kind} "
+                f"({cls.__name__}); it is a setting of model.kind={'/'.join(other)}. Remove it, or "
+                f"choose {'model=hf' if 'hf' in other else 'a GPT preset (model=mini, ...)'}"
+            )
     return _build(cls, {k: v for k, v in values.items() if k in own}, "model")
 
 

@@ -38,8 +38,14 @@ class Progress:
         self.start = start
         self._bar: RichProgress | None = None
         if self.live:
-            self._bar = RichProgress(BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                                     TimeRemainingColumn(), console=self.console, transient=False)
+            self._bar = RichProgress(
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
             self._bar.start()
 
@@ -77,20 +83,32 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         ("step time", f"{s['step_time_s']['mean'] * 1e3:.1f} ms (median {s['step_time_s']['median'] * 1e3:.1f})"),
         ("model TFLOP/s", f"{s['model_tflops']:.4f} ({s['model_tflops_per_rank']:.4f} per rank)"),
-        ("wire bytes / step / rank", f"{human_bytes(comm['total'])}: intra {human_bytes(comm['by_link']['intra'])}, "
-                                     f"cross {human_bytes(comm['by_link']['cross'])} (all torch.distributed calls)"),
+        (
+            "wire bytes / step / rank",
+            f"{human_bytes(comm['total'])}: intra {human_bytes(comm['by_link']['intra'])}, "
+            f"cross {human_bytes(comm['by_link']['cross'])} (all torch.distributed calls)",
+        ),
     ]
     rows += [(f"  {k}", human_bytes(v)) for k, v in sorted(comm["by_kind_link"].items())]
     eng = s.get("engine_comm_bytes_per_step")
     if eng:
-        rows.append(("zeropp kinds / step / rank",
-                     f"{human_bytes(eng['total'])}: intra {human_bytes(eng['by_link']['intra'])}, "
-                     f"cross {human_bytes(eng['by_link']['cross'])} (zeropp CommStats, by purpose)"))
+        rows.append(
+            (
+                "zeropp kinds / step / rank",
+                f"{human_bytes(eng['total'])}: intra {human_bytes(eng['by_link']['intra'])}, "
+                f"cross {human_bytes(eng['by_link']['cross'])} (zeropp CommStats, by purpose)",
+            )
+        )
         rows += [(f"  {k}", human_bytes(v)) for k, v in sorted(eng["by_kind_link"].items())]
     frac = s.get("comm_wait_fraction")
-    rows.append(("comm wait / step", f"{s['comm_wait_s_per_step'] * 1e3:.1f} ms"
-                 + (f" ({100 * frac:.0f}% of step)" if isinstance(frac, float) and frac == frac else "")
-                 + " (blocked in torch.distributed)"))
+    rows.append(
+        (
+            "comm wait / step",
+            f"{s['comm_wait_s_per_step'] * 1e3:.1f} ms"
+            + (f" ({100 * frac:.0f}% of step)" if isinstance(frac, float) and frac == frac else "")
+            + " (blocked in torch.distributed)",
+        )
+    )
     ew = s.get("engine_comm_wait_s_per_step")
     if ew is not None:
         rows.append(("engine comm wait / step", f"{ew * 1e3:.1f} ms (engine: waits + quantize)"))
@@ -98,7 +116,9 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows += memory_rows(s)
     loss = s["loss"]
     ev = loss.get("eval")
-    rows.append(("loss", f"{loss['first']:.3f} -> {loss['final']:.3f}" + (f" (eval {ev:.3f})" if ev is not None else "")))
+    rows.append(
+        ("loss", f"{loss['first']:.3f} -> {loss['final']:.3f}" + (f" (eval {ev:.3f})" if ev is not None else ""))
+    )
     if s.get("checkpoint"):
         rows.append(("checkpoint", s["checkpoint"]))
     rows.append(("outputs", s["run_dir"]))
@@ -114,8 +134,12 @@ def memory_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     phases = [ph for ph in s.get("memory_by_phase") or [] if ph]
     if not phases:
         return []
-    rows: list[tuple[str, str]] = [("memory by phase", "per tier, the rank with the most device bytes "
-                                    "(p params, g grads, o optimizer, a activations, b buffers)")]
+    rows: list[tuple[str, str]] = [
+        (
+            "memory by phase",
+            "per tier, the rank with the most device bytes (p params, g grads, o optimizer, a activations, b buffers)",
+        )
+    ]
     for name in phases[0]:
         snaps = [(r, ph[name]) for r, ph in enumerate(phases) if name in ph]
         r, top = max(snaps, key=lambda x: x[1]["tier_totals"]["device"])
@@ -124,13 +148,23 @@ def memory_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         tt = top["tier_totals"]
         peak = max(p["peak"] for _, p in snaps)
         rss = max(p.get("process", {}).get("rss", 0) for _, p in snaps)
-        rows.append((f"  {name} (rank {r})", f"device {human_bytes(tt['device'])} [{split}] | host "
-                     f"{human_bytes(tt['host'])} | disk {human_bytes(tt['disk'])} | peak {human_bytes(peak)} "
-                     f"({top['peak_source']}) | rss {human_bytes(rss)}"))
+        rows.append(
+            (
+                f"  {name} (rank {r})",
+                f"device {human_bytes(tt['device'])} [{split}] | host "
+                f"{human_bytes(tt['host'])} | disk {human_bytes(tt['disk'])} | peak {human_bytes(peak)} "
+                f"({top['peak_source']}) | rss {human_bytes(rss)}",
+            )
+        )
     exp = s.get("memory_expected")
     if exp:
-        rows.append(("  ZeRO formula / rank", " | ".join(f"{t} {human_bytes(sum(c.values()))}" for t, c in exp.items())
-                     + " (params + grads + optimizer)"))
+        rows.append(
+            (
+                "  ZeRO formula / rank",
+                " | ".join(f"{t} {human_bytes(sum(c.values()))}" for t, c in exp.items())
+                + " (params + grads + optimizer)",
+            )
+        )
     return rows
 
 

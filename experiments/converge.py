@@ -66,8 +66,15 @@ DEFAULT_SCHEMES: tuple[str, ...] = tuple(SCHEMES)
 DEFAULT_SEEDS: tuple[int, ...] = (0, 1)
 
 SUITE_DEFAULTS: tuple[str, ...] = (
-    "model=small", "topology=2x2", "data=text", "train.steps=400", "train.micro_batch_size=8",
-    "train.eval_every=50", "train.eval_batches=8", "logger=none", "launcher.progress=false",
+    "model=small",
+    "topology=2x2",
+    "data=text",
+    "train.steps=400",
+    "train.micro_batch_size=8",
+    "train.eval_every=50",
+    "train.eval_batches=8",
+    "logger=none",
+    "launcher.progress=false",
 )
 """Runner overrides of the default suite: GPT ``small`` (0.83M params), 4 gloo ranks as 2 nodes
 x 2, 400 steps of 4 x 8 x 64 tokens (0.82M tokens per run, ~100 s each on 2 CPU cores). Each
@@ -103,16 +110,21 @@ class SuiteConfig:
             raise ConfigError("invalid config: schemes is empty; name at least fp and one scheme, e.g. schemes=fp,w4g4")
         dup = sorted({s for s in self.schemes if self.schemes.count(s) > 1})
         if dup:
-            raise ConfigError(f"invalid config: schemes={','.join(self.schemes)} repeats {', '.join(dup)}; "
-                              "name each once")
+            raise ConfigError(
+                f"invalid config: schemes={','.join(self.schemes)} repeats {', '.join(dup)}; name each once"
+            )
         for s in self.schemes:
             scheme_overrides(s)  # unknown name / missing recipe
         if BASELINE not in self.schemes:
-            raise ConfigError(f"invalid config: schemes={','.join(self.schemes)} lacks {BASELINE}; the gaps are "
-                              f"measured against it, add it (schemes={BASELINE},{','.join(self.schemes)})")
+            raise ConfigError(
+                f"invalid config: schemes={','.join(self.schemes)} lacks {BASELINE}; the gaps are "
+                f"measured against it, add it (schemes={BASELINE},{','.join(self.schemes)})"
+            )
         if len(self.seeds) < 2:
-            raise ConfigError(f"invalid config: seeds={','.join(map(str, self.seeds))} gives {len(self.seeds)} seed; "
-                              "the spread across seeds needs at least 2 (seeds=2, or a list seeds=0,1)")
+            raise ConfigError(
+                f"invalid config: seeds={','.join(map(str, self.seeds))} gives {len(self.seeds)} seed; "
+                "the spread across seeds needs at least 2 (seeds=2, or a list seeds=0,1)"
+            )
         if len(set(self.seeds)) != len(self.seeds) or any(s < 0 for s in self.seeds):
             raise ConfigError(f"invalid config: seeds={','.join(map(str, self.seeds))}; give distinct seeds >= 0")
         for o in self.overrides:
@@ -129,8 +141,10 @@ class SuiteConfig:
         extra: list[str] = []
         for a in argv:
             if "=" not in a or a.startswith("-"):
-                raise ConfigError(f"invalid argument {a!r}: the suite takes key=value arguments only "
-                                  f"(its keys {', '.join(SUITE_KEYS)}, or any runner override); see --help")
+                raise ConfigError(
+                    f"invalid argument {a!r}: the suite takes key=value arguments only "
+                    f"(its keys {', '.join(SUITE_KEYS)}, or any runner override); see --help"
+                )
             key, value = a.split("=", 1)
             if key == "schemes":
                 kw["schemes"] = tuple(s.strip() for s in value.split(",") if s.strip())
@@ -158,12 +172,15 @@ def _parse_seeds(value: str) -> tuple[int, ...]:
     try:
         parts = [int(p) for p in value.split(",") if p.strip()]
     except ValueError:
-        raise ConfigError(f"invalid config: seeds={value!r}; give a count (seeds=2) or a list of integers "
-                          "(seeds=0,1,5)") from None
+        raise ConfigError(
+            f"invalid config: seeds={value!r}; give a count (seeds=2) or a list of integers (seeds=0,1,5)"
+        ) from None
     if len(parts) == 1 and "," not in value:
         if parts[0] < 2:
-            raise ConfigError(f"invalid config: seeds={value}; the spread across seeds needs at least 2 "
-                              "(a count seeds=2, or a list seeds=0,1)")
+            raise ConfigError(
+                f"invalid config: seeds={value}; the spread across seeds needs at least 2 "
+                "(a count seeds=2, or a list seeds=0,1)"
+            )
         return tuple(range(parts[0]))
     return tuple(parts)
 
@@ -179,13 +196,17 @@ def scheme_overrides(name: str) -> tuple[str, ...]:
     or its ``quant=`` recipe is missing from this checkout's ``RECIPES``."""
     ov = SCHEMES.get(name) or ((f"quant={name}",) if name in RECIPES else None)
     if ov is None:
-        raise ConfigError(f"invalid config: unknown scheme {name!r}; schemes: {', '.join(SCHEMES)}, or any quant= "
-                          f"recipe ({', '.join(sorted(RECIPES))})")
+        raise ConfigError(
+            f"invalid config: unknown scheme {name!r}; schemes: {', '.join(SCHEMES)}, or any quant= "
+            f"recipe ({', '.join(sorted(RECIPES))})"
+        )
     recipe = next(o.split("=", 1)[1] for o in ov if o.startswith("quant="))
     if recipe not in RECIPES:
-        raise ConfigError(f"invalid config: scheme {name!r} needs the quant recipe {recipe!r}, which this checkout "
-                          f"does not have (zeropp.comm.spec.RECIPES: {', '.join(sorted(RECIPES))}); leave it out, "
-                          f"e.g. schemes={','.join(s for s in SCHEMES if s != name and _recipe_exists(s))}")
+        raise ConfigError(
+            f"invalid config: scheme {name!r} needs the quant recipe {recipe!r}, which this checkout "
+            f"does not have (zeropp.comm.spec.RECIPES: {', '.join(sorted(RECIPES))}); leave it out, "
+            f"e.g. schemes={','.join(s for s in SCHEMES if s != name and _recipe_exists(s))}"
+        )
     return ov
 
 
@@ -224,8 +245,9 @@ class RunResult:
     """Why it failed (None when it finished)."""
 
 
-def run_suite(cfg: SuiteConfig, *, runner: Runner | None = None,
-              on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:
+def run_suite(
+    cfg: SuiteConfig, *, runner: Runner | None = None, on_result: Callable[[list[RunResult]], None] | None = None
+) -> list[RunResult]:
     """Run every (seed, scheme) pair, schemes interleaved within a seed so that a drift of the
     host's load touches all schemes alike. A failed run is recorded and the rest go on.
     ``runner`` defaults to :func:`experiments.run.run_job`; ``on_result`` sees the results so far
@@ -236,8 +258,10 @@ def run_suite(cfg: SuiteConfig, *, runner: Runner | None = None,
         runner = run_job
     runs = cfg.out / "runs"
     if runs.is_dir() and any(runs.iterdir()):  # a run's metrics.jsonl would be appended to, its curve mixed
-        raise ConfigError(f"invalid config: out={cfg.out} already holds runs ({runs}); choose a new out= "
-                          "(the default is a new time-stamped directory)")
+        raise ConfigError(
+            f"invalid config: out={cfg.out} already holds runs ({runs}); choose a new out= "
+            "(the default is a new time-stamped directory)"
+        )
     for s in cfg.schemes:  # the whole config, once per scheme, before the first run
         compose(cfg.run_overrides(s, cfg.seeds[0]))
     results: list[RunResult] = []
@@ -246,8 +270,9 @@ def run_suite(cfg: SuiteConfig, *, runner: Runner | None = None,
             run_dir = cfg.out / "runs" / scheme / f"seed{seed}"
             print(f"converge: {scheme} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
             try:
-                res = RunResult(scheme=scheme, seed=seed, run_dir=run_dir,
-                                summary=runner(cfg.run_overrides(scheme, seed), run_dir))
+                res = RunResult(
+                    scheme=scheme, seed=seed, run_dir=run_dir, summary=runner(cfg.run_overrides(scheme, seed), run_dir)
+                )
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}".strip()
                 print(f"converge: {scheme} seed {seed} FAILED: {msg.splitlines()[0]}", file=sys.stderr, flush=True)
@@ -281,21 +306,36 @@ def aggregate(cfg: SuiteConfig, results: Sequence[RunResult]) -> list[dict[str, 
         gaps = {seed: 100.0 * (s["loss"]["eval"] / fp_eval[seed] - 1.0) for seed, s in runs.items() if seed in fp_eval}
         gap, gap_sd = _mean(list(gaps.values())), _sd(list(gaps.values()))
         ev_sd = _sd(evals)
-        noise = [x for x in (gap_sd, None if fp_sd is None or not fp_mean else 100.0 * fp_sd / fp_mean,
-                             None if ev_sd is None or not fp_mean else 100.0 * ev_sd / fp_mean) if x is not None]
+        noise = [
+            x
+            for x in (
+                gap_sd,
+                None if fp_sd is None or not fp_mean else 100.0 * fp_sd / fp_mean,
+                None if ev_sd is None or not fp_mean else 100.0 * ev_sd / fp_mean,
+            )
+            if x is not None
+        ]
         outside = None if gap is None or len(noise) < 3 else abs(gap) > max(noise)
-        rows.append({
-            "scheme": scheme, "overrides": list(scheme_overrides(scheme)),
-            "seeds": sorted(runs), "failed_seeds": [r.seed for r in results if r.scheme == scheme and r.error],
-            "train_loss_final_mean": _mean(finals), "train_loss_final_sd": _sd(finals),
-            "eval_loss_mean": _mean(evals), "eval_loss_sd": ev_sd,
-            "gap_pct_mean": gap, "gap_pct_sd": gap_sd, "gap_pct_per_seed": gaps,
-            "seed_spread_pct": max(noise) if noise else None,
-            "outside_seed_spread": False if scheme == BASELINE else outside,
-            "tokens_per_s_mean": _mean([s["tokens_per_s"] for s in runs.values()]),
-            "eval_loss_per_seed": {seed: s["loss"]["eval"] for seed, s in runs.items()},
-            "train_loss_final_per_seed": {seed: s["loss"]["final"] for seed, s in runs.items()},
-        })
+        rows.append(
+            {
+                "scheme": scheme,
+                "overrides": list(scheme_overrides(scheme)),
+                "seeds": sorted(runs),
+                "failed_seeds": [r.seed for r in results if r.scheme == scheme and r.error],
+                "train_loss_final_mean": _mean(finals),
+                "train_loss_final_sd": _sd(finals),
+                "eval_loss_mean": _mean(evals),
+                "eval_loss_sd": ev_sd,
+                "gap_pct_mean": gap,
+                "gap_pct_sd": gap_sd,
+                "gap_pct_per_seed": gaps,
+                "seed_spread_pct": max(noise) if noise else None,
+                "outside_seed_spread": False if scheme == BASELINE else outside,
+                "tokens_per_s_mean": _mean([s["tokens_per_s"] for s in runs.values()]),
+                "eval_loss_per_seed": {seed: s["loss"]["eval"] for seed, s in runs.items()},
+                "train_loss_final_per_seed": {seed: s["loss"]["final"] for seed, s in runs.items()},
+            }
+        )
     return rows
 
 
@@ -308,37 +348,63 @@ def _pm(m: float | None, sd: float | None, fmt: str, sign: str = "") -> str:
 def markdown(cfg: SuiteConfig, rows: list[dict[str, Any]], results: Sequence[RunResult]) -> str:
     """The table, with the setting above it and the failed runs below it."""
     first = next((r.summary for r in results if r.summary), None)
-    lines = [f"Convergence suite: {len(cfg.seeds)} seeds ({', '.join(map(str, cfg.seeds))}), overrides `"
-             + " ".join(cfg.overrides) + "`"]
+    lines = [
+        f"Convergence suite: {len(cfg.seeds)} seeds ({', '.join(map(str, cfg.seeds))}), overrides `"
+        + " ".join(cfg.overrides)
+        + "`"
+    ]
     if first is not None:
-        lines[0] += (f"; {first['steps']} steps x {first['tokens_per_step']:,} tokens = "
-                     f"{first['steps'] * first['tokens_per_step']:,} tokens per run, model "
-                     f"{first['model']['name'] or 'custom'} ({first['model']['params']:,} params)")
-    lines += ["", "| scheme | overrides | seeds | final train loss | eval loss | gap to fp (eval) | tokens/s | |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines[0] += (
+            f"; {first['steps']} steps x {first['tokens_per_step']:,} tokens = "
+            f"{first['steps'] * first['tokens_per_step']:,} tokens per run, model "
+            f"{first['model']['name'] or 'custom'} ({first['model']['params']:,} params)"
+        )
+    lines += [
+        "",
+        "| scheme | overrides | seeds | final train loss | eval loss | gap to fp (eval) | tokens/s | |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         note = "outside seed spread" if r["outside_seed_spread"] else ""
         gap = "baseline" if r["scheme"] == BASELINE else _pm(r["gap_pct_mean"], r["gap_pct_sd"], ".2f", "+")
         gap += "%" if r["gap_pct_mean"] is not None and r["scheme"] != BASELINE else ""
         tps = "n/a" if r["tokens_per_s_mean"] is None else f"{r['tokens_per_s_mean']:,.0f}"
         failed = f" ({len(r['failed_seeds'])} failed)" if r["failed_seeds"] else ""
-        lines.append(f"| {r['scheme']} | `{' '.join(r['overrides'])}` | {len(r['seeds'])}{failed} | "
-                     f"{_pm(r['train_loss_final_mean'], r['train_loss_final_sd'], '.4f')} | "
-                     f"{_pm(r['eval_loss_mean'], r['eval_loss_sd'], '.4f')} | {gap} | {tps} | {note} |")
-    lines += ["", "Mean ± standard deviation across seeds. Gap: per seed 100 x (eval / fp eval of the same seed - 1), "
-              "mean ± sd; \"outside seed spread\" when |gap| exceeds the sd of the per-seed gaps and the seed sd of "
-              "fp's and the scheme's eval loss (in % of fp's mean). Tokens/s: mean over seeds (all runs share the "
-              "host, so it is noisy on CPU)."]
+        lines.append(
+            f"| {r['scheme']} | `{' '.join(r['overrides'])}` | {len(r['seeds'])}{failed} | "
+            f"{_pm(r['train_loss_final_mean'], r['train_loss_final_sd'], '.4f')} | "
+            f"{_pm(r['eval_loss_mean'], r['eval_loss_sd'], '.4f')} | {gap} | {tps} | {note} |"
+        )
+    lines += [
+        "",
+        "Mean ± standard deviation across seeds. Gap: per seed 100 x (eval / fp eval of the same seed - 1), "
+        'mean ± sd; "outside seed spread" when |gap| exceeds the sd of the per-seed gaps and the seed sd of '
+        "fp's and the scheme's eval loss (in % of fp's mean). Tokens/s: mean over seeds (all runs share the "
+        "host, so it is noisy on CPU).",
+    ]
     failed = [r for r in results if r.error]
     if failed:
-        lines += ["", "Failed runs:", ""] + [f"- {r.scheme} seed {r.seed} (`{r.run_dir}`): {r.error.splitlines()[0]}"
-                                             for r in failed if r.error]
+        lines += ["", "Failed runs:", ""] + [
+            f"- {r.scheme} seed {r.seed} (`{r.run_dir}`): {r.error.splitlines()[0]}" for r in failed if r.error
+        ]
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ("scheme", "overrides", "n_seeds", "failed_seeds", "train_loss_final_mean", "train_loss_final_sd",
-              "eval_loss_mean", "eval_loss_sd", "gap_pct_mean", "gap_pct_sd", "seed_spread_pct",
-              "outside_seed_spread", "tokens_per_s_mean")
+CSV_FIELDS = (
+    "scheme",
+    "overrides",
+    "n_seeds",
+    "failed_seeds",
+    "train_loss_final_mean",
+    "train_loss_final_sd",
+    "eval_loss_mean",
+    "eval_loss_sd",
+    "gap_pct_mean",
+    "gap_pct_sd",
+    "seed_spread_pct",
+    "outside_seed_spread",
+    "tokens_per_s_mean",
+)
 
 
 def _moving_mean(ys: list[float], w: int) -> list[float]:
@@ -382,8 +448,14 @@ def plot(cfg: SuiteConfig, results: Sequence[RunResult], path: Path) -> Path:
                 continue
             ys = [[c[s] for c in curves] for s in steps]
             x = [s * tps for s in steps]
-            ax.plot(x, [statistics.fmean(y) for y in ys], color=color, label=f"{scheme} ({len(runs)} seeds)",
-                    marker="o" if ax is ax_e else None, ms=3)
+            ax.plot(
+                x,
+                [statistics.fmean(y) for y in ys],
+                color=color,
+                label=f"{scheme} ({len(runs)} seeds)",
+                marker="o" if ax is ax_e else None,
+                ms=3,
+            )
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.2, lw=0)
     ax_t.set(xlabel="tokens", ylabel="training loss", title=f"Training loss (moving mean over {window} steps)")
     ax_e.set(xlabel="tokens", ylabel="eval loss", title="Eval loss (held-out text)")
@@ -414,16 +486,26 @@ def write_outputs(cfg: SuiteConfig, results: Sequence[RunResult], *, with_plot: 
     rows = aggregate(cfg, results)
     paths = {"md": cfg.out / "converge.md", "json": cfg.out / "converge.json", "csv": cfg.out / "converge.csv"}
     paths["md"].write_text(markdown(cfg, rows, results))
-    doc = {"schemes": list(cfg.schemes), "seeds": list(cfg.seeds), "overrides": list(cfg.overrides), "rows": rows,
-           "runs": [{"scheme": r.scheme, "seed": r.seed, "run_dir": str(r.run_dir), "error": r.error} for r in results]}
+    doc = {
+        "schemes": list(cfg.schemes),
+        "seeds": list(cfg.seeds),
+        "overrides": list(cfg.overrides),
+        "rows": rows,
+        "runs": [{"scheme": r.scheme, "seed": r.seed, "run_dir": str(r.run_dir), "error": r.error} for r in results],
+    }
     paths["json"].write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
     with paths["csv"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k) for k in CSV_FIELDS} | {"overrides": " ".join(r["overrides"]),
-                                                           "n_seeds": len(r["seeds"]),
-                                                           "failed_seeds": " ".join(map(str, r["failed_seeds"]))})
+            w.writerow(
+                {k: r.get(k) for k in CSV_FIELDS}
+                | {
+                    "overrides": " ".join(r["overrides"]),
+                    "n_seeds": len(r["seeds"]),
+                    "failed_seeds": " ".join(map(str, r["failed_seeds"])),
+                }
+            )
     if with_plot and any(r.summary for r in results):
         paths["png"] = plot(cfg, results, cfg.out / "loss.png")
     return paths
@@ -446,8 +528,11 @@ def main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> 
     print("converge: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     failed = [r for r in results if r.error]
     if failed:
-        print(f"error: {len(failed)} of {len(results)} runs failed: "
-              + ", ".join(f"{r.scheme} seed {r.seed}" for r in failed), file=sys.stderr)
+        print(
+            f"error: {len(failed)} of {len(results)} runs failed: "
+            + ", ".join(f"{r.scheme} seed {r.seed}" for r in failed),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -42,11 +42,15 @@ def read_corpus(data: DataConfig) -> bytes:
         elif root.is_dir():
             files = _files_under(root, "*")
         elif root.exists():
-            raise DataError(f"data.path={str(root)!r} is neither a file nor a directory; point data.path at a text "
-                            "file or a folder of them")
+            raise DataError(
+                f"data.path={str(root)!r} is neither a file nor a directory; point data.path at a text "
+                "file or a folder of them"
+            )
         else:
-            raise DataError(f"data.path={str(root)!r} does not exist; point data.path at a file or "
-                            "directory, or use data=text (Python's own sources) or data=random")
+            raise DataError(
+                f"data.path={str(root)!r} does not exist; point data.path at a file or "
+                "directory, or use data=text (Python's own sources) or data=random"
+            )
         where = str(root)
     chunks: list[bytes] = []
     total = 0
@@ -56,8 +60,10 @@ def read_corpus(data: DataConfig) -> bytes:
         except OSError as e:
             if data.source == "python_stdlib":
                 continue  # the interpreter's own tree: an odd unreadable module does not change the corpus' nature
-            raise DataError(f"data.path={where!r}: cannot read {f} ({e.strerror or e}); make it readable or point "
-                            "data.path elsewhere") from None
+            raise DataError(
+                f"data.path={where!r}: cannot read {f} ({e.strerror or e}); make it readable or point "
+                "data.path elsewhere"
+            ) from None
         chunks.append(b)
         total += len(b)
         if total >= data.max_bytes:
@@ -65,10 +71,14 @@ def read_corpus(data: DataConfig) -> bytes:
     corpus = b"".join(chunks)[: data.max_bytes]
     if len(corpus) < MIN_CORPUS_BYTES:
         if data.source == "path":
-            raise DataError(f"data.path={where!r} holds only {len(corpus)} bytes; need at least {MIN_CORPUS_BYTES}. "
-                            "Point data.path at a larger text file or folder, or use data=random")
-        raise DataError(f"found only {len(corpus)} bytes of text in {where}; need at least {MIN_CORPUS_BYTES}. "
-                        "Use data=random or set data.source=path data.path=<a text file or folder>")
+            raise DataError(
+                f"data.path={where!r} holds only {len(corpus)} bytes; need at least {MIN_CORPUS_BYTES}. "
+                "Point data.path at a larger text file or folder, or use data=random"
+            )
+        raise DataError(
+            f"found only {len(corpus)} bytes of text in {where}; need at least {MIN_CORPUS_BYTES}. "
+            "Use data=random or set data.source=path data.path=<a text file or folder>"
+        )
     return corpus
 
 
@@ -76,9 +86,11 @@ def _check_length(n: int, data: DataConfig, seq_len: int) -> None:
     """The training part of an ``n``-byte corpus must hold one window of ``seq_len + 1`` tokens."""
     if n - int(n * data.val_fraction) < seq_len + 2:
         where = f"data.path={data.path!r}" if data.source == "path" else "the corpus"
-        raise DataError(f"{where} gives {n} bytes, {n - int(n * data.val_fraction)} after holding out "
-                        f"data.val_fraction={data.val_fraction}: shorter than one training sequence "
-                        f"(model.seq_len={seq_len} + 2); use a larger corpus or data.max_bytes, or a smaller model.seq_len")
+        raise DataError(
+            f"{where} gives {n} bytes, {n - int(n * data.val_fraction)} after holding out "
+            f"data.val_fraction={data.val_fraction}: shorter than one training sequence "
+            f"(model.seq_len={seq_len} + 2); use a larger corpus or data.max_bytes, or a smaller model.seq_len"
+        )
 
 
 def check_corpus(data: DataConfig, seq_len: int) -> int:
@@ -93,8 +105,9 @@ def check_corpus(data: DataConfig, seq_len: int) -> int:
 class TokenBatches:
     """Draws ``(idx, targets)`` micro-batches of shape ``[batch, seq_len]`` for one rank."""
 
-    def __init__(self, data: DataConfig, *, seq_len: int, batch: int, vocab_size: int, seed: int,
-                 rank: int, device: torch.device) -> None:
+    def __init__(
+        self, data: DataConfig, *, seq_len: int, batch: int, vocab_size: int, seed: int, rank: int, device: torch.device
+    ) -> None:
         self.data = data
         self.seq_len = seq_len
         self.batch = batch
@@ -108,7 +121,7 @@ class TokenBatches:
             _check_length(len(tokens), data, seq_len)
             n_val = int(len(tokens) * data.val_fraction)
             self.train = tokens[: len(tokens) - n_val]
-            self.val = tokens[len(tokens) - n_val:] if n_val > seq_len + 1 else self.train
+            self.val = tokens[len(tokens) - n_val :] if n_val > seq_len + 1 else self.train
             if int(tokens.max()) >= vocab_size:
                 raise DataError(f"corpus has byte values >= model vocab_size={vocab_size}")
 
@@ -121,7 +134,7 @@ class TokenBatches:
             x = torch.randint(0, self.vocab_size, (self.batch, self.seq_len + 1), generator=gen)
         else:
             starts = torch.randint(0, len(source) - self.seq_len - 1, (self.batch,), generator=gen)
-            x = torch.stack([source[s: s + self.seq_len + 1] for s in starts.tolist()])
+            x = torch.stack([source[s : s + self.seq_len + 1] for s in starts.tolist()])
         x = x.to(self.device)
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 

@@ -28,8 +28,18 @@ TRAINER_WORDS = {"fsdp2": "FSDP2", "fsdp2_zeropp": "FSDP2", "ddp": "DDP", "ddp_z
 """Trainers other than ``zeropp``, by the name of the torch API they wrap."""
 TIER_WORDS = {"cpu": "CPU", "nvme": "NVMe"}
 """Offload tiers (``zero.offload_optimizer`` / ``zero.offload_param``) as written in prose."""
-QUIET_KEYS = ("logger.", "launcher.progress", "launcher.heartbeat_s", "launcher.grace_s", "launcher.timeout_s",
-              "launcher.pg_timeout_s", "train.log_every", "train.checkpoint_dir", "train.keep_checkpoints", "resume")
+QUIET_KEYS = (
+    "logger.",
+    "launcher.progress",
+    "launcher.heartbeat_s",
+    "launcher.grace_s",
+    "launcher.timeout_s",
+    "launcher.pg_timeout_s",
+    "train.log_every",
+    "train.checkpoint_dir",
+    "train.keep_checkpoints",
+    "resume",
+)
 """Config keys (or prefixes) that do not change what a run measures: never used to tell runs apart."""
 ALIASES = {"stage": "zero.stage"}
 """Top-level override keys and the config key they set."""
@@ -69,7 +79,7 @@ def _spec(d: Any) -> str:
         spec = QuantSpec(**d)
     except (TypeError, ValueError):
         return "custom"
-    return spec.scheme.upper() + spec.label[len(spec.scheme):]
+    return spec.scheme.upper() + spec.label[len(spec.scheme) :]
 
 
 def _plain_bits(d: Any) -> int | None:
@@ -143,9 +153,12 @@ def _facets(summary: Mapping[str, Any]) -> dict[str, str]:
     shape = f"{topo.get('nodes', '?')}x{topo.get('ranks_per_node', '?')} ranks"
     if (topo.get("tp") or 1) > 1:
         shape += f", TP {topo['tp']}"
-    return {"method": method_words((c.get("trainer") or {}).get("name", summary.get("trainer", "zeropp")), zero),
-            "precision": str(zero.get("precision", "fp32")), "model": f"{name} model" if name else "",
-            "topology": shape}
+    return {
+        "method": method_words((c.get("trainer") or {}).get("name", summary.get("trainer", "zeropp")), zero),
+        "precision": str(zero.get("precision", "fp32")),
+        "model": f"{name} model" if name else "",
+        "topology": shape,
+    }
 
 
 def _quiet(key: str) -> bool:
@@ -177,8 +190,11 @@ def label_runs(summaries: Sequence[Mapping[str, Any]]) -> RunLabels:
     facets = [_facets(s) for s in summaries]
     differ = [f for f in ("method", "precision", "model", "topology") if len({x[f] for x in facets}) > 1]
     parts = [[x[f] for f in differ if x[f]] for x in facets]
-    common = [facets[0][f] for f in ("method", "precision", "model", "topology")
-              if f not in differ and facets and facets[0][f]]
+    common = [
+        facets[0][f]
+        for f in ("method", "precision", "model", "topology")
+        if f not in differ and facets and facets[0][f]
+    ]
     flat = [flatten(s.get("config") or {}) for s in summaries]
     keys = list(dict.fromkeys([k for s in summaries for k in _override_keys(s)] + [k for f in flat for k in f]))
     for k in keys:

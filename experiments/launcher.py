@@ -33,17 +33,24 @@ def device_for_cluster(want: str, cluster: str) -> str:
     if cluster != "emulated":
         return want
     if want == "cuda":
-        raise PlacementError("cluster=emulated cannot run launcher.device=cuda: NCCL would carry the traffic over "
-                             "GPU peer-to-peer / shared memory and bypass the shaped links, so the measured link "
-                             "would be false. Use cluster=local for GPU runs, or launcher.device=cpu to emulate.")
+        raise PlacementError(
+            "cluster=emulated cannot run launcher.device=cuda: NCCL would carry the traffic over "
+            "GPU peer-to-peer / shared memory and bypass the shaped links, so the measured link "
+            "would be false. Use cluster=local for GPU runs, or launcher.device=cpu to emulate."
+        )
     return "cpu"
+
 
 def cluster_placement(cluster: EmulatedCluster) -> Placement:
     """The placement of an emulated cluster that is up: each rank in its node's namespace."""
     n = cluster.world_size
     envs = tuple(cluster.rank_env(r, 0) for r in range(n))  # the launcher overrides the torchrun vars
-    return Placement(master_addr=str(cluster.master_addr), envs=envs, info=cluster.summary(),
-                     prefixes=tuple(tuple(cluster.rank_command_prefix(r)) for r in range(n)))
+    return Placement(
+        master_addr=str(cluster.master_addr),
+        envs=envs,
+        info=cluster.summary(),
+        prefixes=tuple(tuple(cluster.rank_command_prefix(r)) for r in range(n)),
+    )
 
 
 @contextlib.contextmanager
@@ -53,16 +60,21 @@ def local_placement(world_size: int) -> Iterator[Placement]:
 
 
 @contextlib.contextmanager
-def emulated_placement(world_size: int, ranks_per_node: int, inter_gbps: float, inter_latency_ms: float,
-                       *, device: str = "cpu") -> Iterator[Placement]:
+def emulated_placement(
+    world_size: int, ranks_per_node: int, inter_gbps: float, inter_latency_ms: float, *, device: str = "cpu"
+) -> Iterator[Placement]:
     """``cluster=emulated``: build the namespaces (experiments/cluster), yield their placement, tear down.
 
     ``device`` is the requested ``launcher.device``; ``cuda`` is refused (:func:`device_for_cluster`).
     """
     device_for_cluster(device, "emulated")
     try:
-        cluster = EmulatedCluster(nodes=world_size // ranks_per_node, ranks_per_node=ranks_per_node,
-                                  inter_gbps=inter_gbps, inter_latency_ms=inter_latency_ms)
+        cluster = EmulatedCluster(
+            nodes=world_size // ranks_per_node,
+            ranks_per_node=ranks_per_node,
+            inter_gbps=inter_gbps,
+            inter_latency_ms=inter_latency_ms,
+        )
         cluster.__enter__()
     except (NetnsError, ValueError) as e:  # the messages already say how to run with cluster=local
         raise PlacementError(f"cluster=emulated cannot build its namespaces: {e}") from e
@@ -71,9 +83,20 @@ def emulated_placement(world_size: int, ranks_per_node: int, inter_gbps: float, 
     finally:
         cluster.__exit__(None, None, None)
 
-def launch(*, module: str, spec: dict, run_dir: Path, world_size: int, ranks_per_node: int,
-           placement_cm: contextlib.AbstractContextManager, timeout_s: float, grace_s: float,
-           heartbeat_s: float = 0.0, extra_env: dict[str, str] | None = None) -> dict:
+
+def launch(
+    *,
+    module: str,
+    spec: dict,
+    run_dir: Path,
+    world_size: int,
+    ranks_per_node: int,
+    placement_cm: contextlib.AbstractContextManager,
+    timeout_s: float,
+    grace_s: float,
+    heartbeat_s: float = 0.0,
+    extra_env: dict[str, str] | None = None,
+) -> dict:
     """The runner's launch: write ``run_dir/ranks/spec.json``, run ``python -m <module> <spec.json>``
     on every rank inside the placement, and return the placement's ``info`` for the summary.
     ``heartbeat_s`` (``launcher.heartbeat_s``; 0: off) names and stops a silent rank (the worker
@@ -82,9 +105,17 @@ def launch(*, module: str, spec: dict, run_dir: Path, world_size: int, ranks_per
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec, indent=1, default=str))
     with placement_cm as placement:
-        launch_world(ModuleEntry(module=module, args=(str(spec_path),)), world_size, placement=placement,
-                     log_dir=run_dir / "ranks", timeout_s=timeout_s, grace_s=grace_s, extra_env=extra_env,
-                     ranks_per_node=ranks_per_node, heartbeat_s=heartbeat_s or None)
+        launch_world(
+            ModuleEntry(module=module, args=(str(spec_path),)),
+            world_size,
+            placement=placement,
+            log_dir=run_dir / "ranks",
+            timeout_s=timeout_s,
+            grace_s=grace_s,
+            extra_env=extra_env,
+            ranks_per_node=ranks_per_node,
+            heartbeat_s=heartbeat_s or None,
+        )
         return dict(placement.info)
 
 

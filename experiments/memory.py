@@ -66,31 +66,53 @@ def predictions(rc: Any) -> list[dict[str, Any]]:
     for stage in range(4):
         for opt, par in offload_choices(stage):
             hpz = (z.hpz_size or t.ranks_per_node) if z.hpz and stage == 3 else None
-            by = expected_by_tier(stage, psi, n, param_bytes=pbytes, hpz_size=hpz, offload_optimizer=opt,
-                                  offload_param=par, shared_master=z.shares_fp32_master)
+            by = expected_by_tier(
+                stage,
+                psi,
+                n,
+                param_bytes=pbytes,
+                hpz_size=hpz,
+                offload_optimizer=opt,
+                offload_param=par,
+                shared_master=z.shares_fp32_master,
+            )
             tiers = tier_totals(by)
             swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (opt, par) else 0
-            rows.append({"stage": stage, "offload_optimizer": opt, "offload_param": par, "by_tier": by,
-                         "tiers": tiers, "swap_buffers_host": swap,
-                         "chosen": (stage, opt, par) == (z.stage, z.offload_optimizer, z.offload_param)})
+            rows.append(
+                {
+                    "stage": stage,
+                    "offload_optimizer": opt,
+                    "offload_param": par,
+                    "by_tier": by,
+                    "tiers": tiers,
+                    "swap_buffers_host": swap,
+                    "chosen": (stage, opt, par) == (z.stage, z.offload_optimizer, z.offload_param),
+                }
+            )
     return rows
 
 
 def predicted_table(rc: Any, rows: list[dict[str, Any]], model_name: str) -> str:
     z, t = rc.zero, rc.topology
     psi = rc.model.num_params()
-    lines = [f"Predicted model state per rank: model={model_name or '?'} (Ψ = {psi:,} parameters), "
-             f"{t.nodes}x{t.ranks_per_node} = {t.world_size} ranks, precision={z.precision}"
-             + (", hpZ" if z.hpz else "") + " (* = the chosen config)", "",
-             "| stage | offload_optimizer | offload_param | device | host | disk | total | + host swap buffers |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Predicted model state per rank: model={model_name or '?'} (Ψ = {psi:,} parameters), "
+        f"{t.nodes}x{t.ranks_per_node} = {t.world_size} ranks, precision={z.precision}"
+        + (", hpZ" if z.hpz else "")
+        + " (* = the chosen config)",
+        "",
+        "| stage | offload_optimizer | offload_param | device | host | disk | total | + host swap buffers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         tt = r["tiers"]
         mark = "*" if r["chosen"] else ""
         swap = human_bytes(r["swap_buffers_host"]) if r["swap_buffers_host"] else ""
-        lines.append(f"| {mark}{r['stage']} | {r['offload_optimizer']} | {r['offload_param']} | "
-                     f"{human_bytes(tt['device'])} | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | "
-                     f"{human_bytes(sum(tt.values()))} | {swap} |")
+        lines.append(
+            f"| {mark}{r['stage']} | {r['offload_optimizer']} | {r['offload_param']} | "
+            f"{human_bytes(tt['device'])} | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | "
+            f"{human_bytes(sum(tt.values()))} | {swap} |"
+        )
     return "\n".join(lines)
 
 
@@ -105,23 +127,38 @@ def measured_table(doc: dict[str, Any], predicted: dict[str, Any] | None) -> str
     from zeropp.runtime.memory import MODEL_STATE, TIERS
 
     ranks = doc["ranks"]
-    lines = [f"Measured: {doc.get('label')} ({len(ranks)} ranks; per phase the rank with the most device bytes)", "",
-             "| phase | rank | device | params | grads | optimizer | activations | buffers | host | disk | peak | rss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Measured: {doc.get('label')} ({len(ranks)} ranks; per phase the rank with the most device bytes)",
+        "",
+        "| phase | rank | device | params | grads | optimizer | activations | buffers | host | disk | peak | rss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for phase in ranks[0]["phases"]:
-        r, p = max(((x["rank"], x["phases"][phase]) for x in ranks if phase in x["phases"]),
-                   key=lambda rp: rp[1]["tier_totals"]["device"])
+        r, p = max(
+            ((x["rank"], x["phases"][phase]) for x in ranks if phase in x["phases"]),
+            key=lambda rp: rp[1]["tier_totals"]["device"],
+        )
         d, tt = p["tiers"]["device"], p["tier_totals"]
-        lines.append(f"| {phase} | {r} | {human_bytes(tt['device'])} | "
-                     + " | ".join(human_bytes(d[c]) for c in ("params", "grads", "optimizer", "activations", "buffers"))
-                     + f" | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | {human_bytes(p['peak'])} "
-                     f"({p['peak_source']}) | {human_bytes(p['process'].get('rss', 0))} |")
+        lines.append(
+            f"| {phase} | {r} | {human_bytes(tt['device'])} | "
+            + " | ".join(human_bytes(d[c]) for c in ("params", "grads", "optimizer", "activations", "buffers"))
+            + f" | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | {human_bytes(p['peak'])} "
+            f"({p['peak_source']}) | {human_bytes(p['process'].get('rss', 0))} |"
+        )
     if predicted is not None:
-        lines += ["", "Model state (params + grads + optimizer) at the end of backward vs the formula, max over ranks:", "",
-                  "| tier | measured | predicted | measured / predicted |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Model state (params + grads + optimizer) at the end of backward vs the formula, max over ranks:",
+            "",
+            "| tier | measured | predicted | measured / predicted |",
+            "|---|---|---|---|",
+        ]
         for t in TIERS:
-            got = max(sum(x["phases"]["backward"]["tiers"][t][c] for c in MODEL_STATE)
-                      for x in ranks if "backward" in x["phases"])
+            got = max(
+                sum(x["phases"]["backward"]["tiers"][t][c] for c in MODEL_STATE)
+                for x in ranks
+                if "backward" in x["phases"]
+            )
             want = predicted["tiers"][t]
             ratio = f"{got / want:.3f}" if want else ("-" if got == 0 else "inf")
             lines.append(f"| {t} | {human_bytes(got)} | {human_bytes(want)} | {ratio} |")
@@ -132,8 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Print the tables; returns ``{"predicted": rows, "measured": memory.json or None, "run_dir"}``."""
     ap = argparse.ArgumentParser(prog="python -m experiments.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--predict-only", action="store_true", help="print the formulas only; run nothing")
-    ap.add_argument("--run-dir", type=Path, default=None,
-                    help="where the short run writes (default: a new temporary directory)")
+    ap.add_argument(
+        "--run-dir", type=Path, default=None, help="where the short run writes (default: a new temporary directory)"
+    )
     a, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:

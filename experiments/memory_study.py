@@ -63,8 +63,13 @@ CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
 """The study's configurations: label and ``ZeroConfig`` fields."""
 SHOWN_TIERS = ("device", "host")
 """Tiers the tables show (nothing here swaps to disk)."""
-CATEGORY_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
-                   "activations": "tab:purple", "buffers": "tab:gray"}
+CATEGORY_COLORS = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "activations": "tab:purple",
+    "buffers": "tab:gray",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,12 +135,21 @@ def study_rank(rank: int, world: int, cfg: StudyConfig) -> list[dict[str, Any]]:
     out = []
     for label, zero in CONFIGS:
         torch.manual_seed(0)
-        engine = ZeroEngine(make_mlp(cfg.width, cfg.layers), config=ZeroConfig(precision=Precision(cfg.precision), **zero),
-                            optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0), loss_fn=mse)
+        engine = ZeroEngine(
+            make_mlp(cfg.width, cfg.layers),
+            config=ZeroConfig(precision=Precision(cfg.precision), **zero),
+            optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
+            loss_fn=mse,
+        )
         try:
             engine.train_step([WithTargets(x, y)])
-            out.append({"label": label, "units": len(engine.units),
-                        "phases": {k: v.to_dict() for k, v in engine.memory_phases().items()}})
+            out.append(
+                {
+                    "label": label,
+                    "units": len(engine.units),
+                    "phases": {k: v.to_dict() for k, v in engine.memory_phases().items()},
+                }
+            )
         finally:
             engine.close()
         del engine
@@ -149,9 +163,15 @@ def predicted(cfg: StudyConfig, zero: dict[str, Any], num_params: int, world: in
     from zeropp.runtime.memory import expected_by_tier
 
     z = ZeroConfig(precision=Precision(cfg.precision), **zero)
-    return expected_by_tier(z.stage, num_params, world, param_bytes=z.dtype.itemsize,
-                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                            shared_master=z.shares_fp32_master)
+    return expected_by_tier(
+        z.stage,
+        num_params,
+        world,
+        param_bytes=z.dtype.itemsize,
+        offload_optimizer=z.offload_optimizer,
+        offload_param=z.offload_param,
+        shared_master=z.shares_fp32_master,
+    )
 
 
 def formula_text(cfg: StudyConfig, zero: dict[str, Any], tier: str) -> str:
@@ -186,8 +206,9 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
     """Launch ``cfg.world`` gloo ranks of :func:`study_rank` and :func:`summarize` them."""
     from zeropp.launch import launch_world
 
-    per_rank = launch_world(study_rank, cfg.world, args=(cfg,), process_group="gloo", threads=1,
-                            timeout_s=cfg.timeout_s)
+    per_rank = launch_world(
+        study_rank, cfg.world, args=(cfg,), process_group="gloo", threads=1, timeout_s=cfg.timeout_s
+    )
     return summarize(cfg, per_rank)
 
 
@@ -209,11 +230,23 @@ def summarize(cfg: StudyConfig, per_rank: list[list[dict[str, Any]]]) -> dict[st
             good, why = verdict(got, tier_totals(want), cfg.tolerance)
             if not good and ok:
                 ok, text = False, f"rank {rank} {why}"
-        runs.append({"label": label, "zero": zero, "units": per_rank[0][i]["units"], "ranks": ranks,
-                     "predicted": want, "formula": {t: formula_text(cfg, zero, t) for t in SHOWN_TIERS},
-                     "matches": ok, "check": text})
-    return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
-            "num_params": psi, "runs": runs}
+        runs.append(
+            {
+                "label": label,
+                "zero": zero,
+                "units": per_rank[0][i]["units"],
+                "ranks": ranks,
+                "predicted": want,
+                "formula": {t: formula_text(cfg, zero, t) for t in SHOWN_TIERS},
+                "matches": ok,
+                "check": text,
+            }
+        )
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
+        "num_params": psi,
+        "runs": runs,
+    }
 
 
 def busiest(run: dict[str, Any], phase: str) -> tuple[int, dict[str, Any]]:
@@ -225,17 +258,24 @@ def phase_table(result: dict[str, Any]) -> Any:
     """The rich table of every configuration's phases (the busiest rank's bytes)."""
     from rich.table import Table
 
-    t = Table(title=f"Memory per rank after each phase: {result['config']['layers']}-layer MLP, "
-                    f"Ψ = {result['num_params']:,}, {result['config']['precision']}, N = {result['config']['world']} "
-                    f"ranks (the rank with the most device bytes)")
+    t = Table(
+        title=f"Memory per rank after each phase: {result['config']['layers']}-layer MLP, "
+        f"Ψ = {result['num_params']:,}, {result['config']['precision']}, N = {result['config']['world']} "
+        f"ranks (the rank with the most device bytes)"
+    )
     for col in ("config", "phase", "params", "grads", "optimizer", "activations", "buffers", "device", "host"):
         t.add_column(col, justify="left" if col in ("config", "phase") else "right")
     for run in result["runs"]:
         for j, phase in enumerate(run["ranks"][0]):
             _, snap = busiest(run, phase)
             dev = snap["tiers"]["device"]
-            t.add_row(run["label"] if j == 0 else "", phase, *(human_bytes(dev[c]) for c in CATEGORY_COLORS),
-                      human_bytes(snap["tier_totals"]["device"]), human_bytes(snap["tier_totals"]["host"]))
+            t.add_row(
+                run["label"] if j == 0 else "",
+                phase,
+                *(human_bytes(dev[c]) for c in CATEGORY_COLORS),
+                human_bytes(snap["tier_totals"]["device"]),
+                human_bytes(snap["tier_totals"]["host"]),
+            )
         t.add_section()
     return t
 
@@ -252,10 +292,16 @@ def check_table(result: dict[str, Any]) -> Any:
     for run in result["runs"]:
         _, snap = busiest(run, "backward")
         got, want = tier_totals(snap["tiers"], MODEL_STATE), tier_totals(run["predicted"])
-        t.add_row(run["label"], str(run["units"]),
-                  f"{run['formula']['device']} = {human_bytes(want['device'])}", human_bytes(got["device"]),
-                  f"{run['formula']['host']} = {human_bytes(want['host'])}", human_bytes(got["host"]),
-                  run["check"], style=None if run["matches"] else "bold red")
+        t.add_row(
+            run["label"],
+            str(run["units"]),
+            f"{run['formula']['device']} = {human_bytes(want['device'])}",
+            human_bytes(got["device"]),
+            f"{run['formula']['host']} = {human_bytes(want['host'])}",
+            human_bytes(got["host"]),
+            run["check"],
+            style=None if run["matches"] else "bold red",
+        )
     return t
 
 
@@ -281,8 +327,9 @@ def figure(result: dict[str, Any]) -> Any:
     from zeropp.runtime.memory import tier_totals
 
     runs = result["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(2.9 * len(runs), 4.4), sharey=True, squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(2.9 * len(runs), 4.4), sharey=True, squeeze=False, layout="constrained"
+    )
     handles: dict[str, Any] = {}
     for ax, run in zip(axes[0], runs):
         phases = list(run["ranks"][0])
@@ -293,13 +340,22 @@ def figure(result: dict[str, Any]) -> Any:
                 for cat, color in CATEGORY_COLORS.items():
                     v = snap["tiers"][tier][cat] / 2**20
                     if v:
-                        bars = ax.bar(x, v, bottom=bottom, color=color, hatch=hatch,
-                                      edgecolor="black" if hatch else color, alpha=0.55 if hatch else 1.0, width=0.7)
+                        bars = ax.bar(
+                            x,
+                            v,
+                            bottom=bottom,
+                            color=color,
+                            hatch=hatch,
+                            edgecolor="black" if hatch else color,
+                            alpha=0.55 if hatch else 1.0,
+                            width=0.7,
+                        )
                         handles.setdefault(f"{tier} {cat}", bars)
                         bottom += v
         want = sum(tier_totals(run["predicted"]).values()) / 2**20
-        handles.setdefault("ZeRO formula (params + grads + optimizer, all tiers)",
-                           ax.axhline(want, color="black", ls="--", lw=1))
+        handles.setdefault(
+            "ZeRO formula (params + grads + optimizer, all tiers)", ax.axhline(want, color="black", ls="--", lw=1)
+        )
         ax.set_xticks(range(len(phases)), [p.replace("_", "\n") for p in phases], fontsize=7)
         ax.set_title(f"{run['label']}\n{'matches the formula' if run['matches'] else run['check']}", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
@@ -307,11 +363,15 @@ def figure(result: dict[str, Any]) -> Any:
     axes[0][0].set_ylabel("MiB per rank")
     order = [f"{t} {c}" for t in ("device", "host") for c in CATEGORY_COLORS if f"{t} {c}" in handles]
     order += [k for k in handles if k not in order]
-    fig.legend([handles[k] for k in order], order, loc="outside lower center", ncol=len(order), fontsize=7,
-               frameon=False)
-    fig.suptitle(f"{result['config']['layers']}-layer MLP, Ψ = {result['num_params']:,}, "
-                 f"{result['config']['precision']}, {result['config']['world']} ranks: memory per rank after each "
-                 "phase (the rank with the most device bytes)", fontsize=10)
+    fig.legend(
+        [handles[k] for k in order], order, loc="outside lower center", ncol=len(order), fontsize=7, frameon=False
+    )
+    fig.suptitle(
+        f"{result['config']['layers']}-layer MLP, Ψ = {result['num_params']:,}, "
+        f"{result['config']['precision']}, {result['config']['world']} ranks: memory per rank after each "
+        "phase (the rank with the most device bytes)",
+        fontsize=10,
+    )
     return fig
 
 
@@ -336,13 +396,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=d.batch, help=f"rows per rank (default {d.batch})")
     ap.add_argument("--world", type=int, default=d.world, help=f"gloo CPU ranks (default {d.world})")
     ap.add_argument("--precision", default=d.precision, help="fp32 (default) or bf16")
-    ap.add_argument("--tolerance", type=float, default=d.tolerance,
-                    help=f"relative difference still called a match (default {d.tolerance})")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=d.tolerance,
+        help=f"relative difference still called a match (default {d.tolerance})",
+    )
     ap.add_argument("--out", type=Path, default=d.out, help=f"output directory (default ./{d.out})")
     a = ap.parse_args(argv)
     try:
-        cfg = StudyConfig(width=a.width, layers=a.layers, batch=a.batch, world=a.world, precision=a.precision,
-                          tolerance=a.tolerance, out=a.out)
+        cfg = StudyConfig(
+            width=a.width,
+            layers=a.layers,
+            batch=a.batch,
+            world=a.world,
+            precision=a.precision,
+            tolerance=a.tolerance,
+            out=a.out,
+        )
         _prepare_out(cfg.out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

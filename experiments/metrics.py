@@ -37,8 +37,18 @@ from zeropp.comm.choices import plain
 
 from .config import RunConfig
 
-SUMMARY_KEYS = ("label", "status", "tokens_per_s", "step_time_s", "model_tflops", "comm_bytes_per_step",
-                "comm_wait_s_per_step", "memory_per_rank", "loss", "config")
+SUMMARY_KEYS = (
+    "label",
+    "status",
+    "tokens_per_s",
+    "step_time_s",
+    "model_tflops",
+    "comm_bytes_per_step",
+    "comm_wait_s_per_step",
+    "memory_per_rank",
+    "loss",
+    "config",
+)
 """Keys every summary.json has (tests and the report rely on them)."""
 
 
@@ -124,19 +134,39 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
     # with tensor parallelism ZeRO partitions each rank's TP-local parameters over the dp ranks
     hpz = (z.hpz_size or t.ranks_per_node) // t.tp if z.hpz else None
-    out = expected_by_tier(z.stage, n_params, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
-                           offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                           shared_master=z.shares_fp32_master)
+    out = expected_by_tier(
+        z.stage,
+        n_params,
+        t.dp_size,
+        param_bytes=pbytes,
+        hpz_size=hpz,
+        offload_optimizer=z.offload_optimizer,
+        offload_param=z.offload_param,
+        shared_master=z.shares_fp32_master,
+    )
     out[OFFLOAD_TIER[z.offload_param]]["params"] += frozen_bytes
     out["device"]["params"] += frozen_bytes * (t.dp_size // hpz if hpz else 0)
     return out
 
 
-def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_times: list[float],
-                  losses: list[float], eval_loss: float | None, n_params: int, run_dir: str,
-                  overrides: list[str], device: str, backend: str, label: str,
-                  model_name: str, first_step: int = 1, divergence: dict[str, Any] | None = None,
-                  skipped_steps: int = 0) -> dict[str, Any]:
+def build_summary(
+    *,
+    cfg: RunConfig,
+    rank_reports: list[dict[str, Any]],
+    step_times: list[float],
+    losses: list[float],
+    eval_loss: float | None,
+    n_params: int,
+    run_dir: str,
+    overrides: list[str],
+    device: str,
+    backend: str,
+    label: str,
+    model_name: str,
+    first_step: int = 1,
+    divergence: dict[str, Any] | None = None,
+    skipped_steps: int = 0,
+) -> dict[str, Any]:
     """Aggregate per-rank reports (gathered on rank 0) into the summary.json dict.
 
     Each rank report has ``wire_bytes`` and ``engine_bytes`` (totals over measured steps),
@@ -166,23 +196,35 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "skipped_steps": skipped_steps,
         "trainer": cfg.trainer.name,
         "zero": plain(dataclasses.asdict(cfg.zero)),  # fixed choices as plain strings
-        "topology": {"world_size": cfg.topology.world_size, "ranks_per_node": cfg.topology.ranks_per_node,
-                     "tp": cfg.topology.tp,
-                     "nodes": cfg.topology.nodes},
+        "topology": {
+            "world_size": cfg.topology.world_size,
+            "ranks_per_node": cfg.topology.ranks_per_node,
+            "tp": cfg.topology.tp,
+            "nodes": cfg.topology.nodes,
+        },
         "model": {"name": model_name, "params": n_params, "flops_per_token": fpt},
         "tokens_per_step": tokens_per_step(cfg),
         "steps": len(step_times),
         "first_step": first_step,
         "measured_steps": len(measured),
         "tokens_per_s": tps,
-        "step_time_s": {"mean": step_mean, "median": statistics.median(measured) if measured else math.nan,
-                        "min": min(measured, default=math.nan), "max": max(measured, default=math.nan)},
+        "step_time_s": {
+            "mean": step_mean,
+            "median": statistics.median(measured) if measured else math.nan,
+            "min": min(measured, default=math.nan),
+            "max": max(measured, default=math.nan),
+        },
         "model_tflops": tps * fpt / 1e12,
         "model_tflops_per_rank": tps * fpt / 1e12 / world,
-        "comm_bytes_per_step": {"by_kind_link": wire, "by_link": link_totals(wire),
-                                "total": sum(wire.values()), "source": "torch.distributed (wire bytes)"},
-        "engine_comm_bytes_per_step": None if engine_mean is None else {
-            "by_kind_link": engine_mean, "by_link": link_totals(engine_mean), "total": sum(engine_mean.values())},
+        "comm_bytes_per_step": {
+            "by_kind_link": wire,
+            "by_link": link_totals(wire),
+            "total": sum(wire.values()),
+            "source": "torch.distributed (wire bytes)",
+        },
+        "engine_comm_bytes_per_step": None
+        if engine_mean is None
+        else {"by_kind_link": engine_mean, "by_link": link_totals(engine_mean), "total": sum(engine_mean.values())},
         "comm_wait_s_per_step": wait,
         "engine_comm_wait_s_per_step": eng_wait if engine_mean is not None else None,
         "comm_wait_fraction": wait / step_mean if step_mean and step_mean > 0 else math.nan,
@@ -190,10 +232,15 @@ def build_summary(*, cfg: RunConfig, rank_reports: list[dict[str, Any]], step_ti
         "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
         "memory_by_phase": phases,
         "memory_peak_per_rank": [max((p.get("peak", 0) for p in ph.values()), default=0) for ph in phases],
-        "memory_expected": expected_model_state(cfg, rank_reports[0].get("state_params") or n_params,
-                                                frozen_bytes=rank_reports[0].get("frozen_bytes", 0)),
-        "loss": {"first": losses[0] if losses else math.nan, "final": losses[-1] if losses else math.nan,
-                 "eval": eval_loss, "curve": losses},
+        "memory_expected": expected_model_state(
+            cfg, rank_reports[0].get("state_params") or n_params, frozen_bytes=rank_reports[0].get("frozen_bytes", 0)
+        ),
+        "loss": {
+            "first": losses[0] if losses else math.nan,
+            "final": losses[-1] if losses else math.nan,
+            "eval": eval_loss,
+            "curve": losses,
+        },
         "device": device,
         "backend": backend,
         "run_dir": run_dir,
@@ -221,12 +268,26 @@ def write_memory_json(path: Path, summary: dict[str, Any]) -> None:
     ranks = []
     for r, ph in enumerate(summary.get("memory_by_phase") or []):
         rss = [p.get("process", {}).get("peak_rss", 0) for p in ph.values()]
-        ranks.append({"rank": r, "phases": ph, "peak": summary["memory_peak_per_rank"][r],
-                      "peak_rss": max(rss, default=0), "model_state": summary["memory_per_rank"][r]})
-    doc = {"label": summary.get("label"), "model": summary.get("model"), "topology": summary.get("topology"),
-           "zero": {k: summary.get("zero", {}).get(k) for k in ("stage", "precision", "hpz", "offload_optimizer",
-                                                               "offload_param")},
-           "expected": summary.get("memory_expected"), "ranks": ranks}
+        ranks.append(
+            {
+                "rank": r,
+                "phases": ph,
+                "peak": summary["memory_peak_per_rank"][r],
+                "peak_rss": max(rss, default=0),
+                "model_state": summary["memory_per_rank"][r],
+            }
+        )
+    doc = {
+        "label": summary.get("label"),
+        "model": summary.get("model"),
+        "topology": summary.get("topology"),
+        "zero": {
+            k: summary.get("zero", {}).get(k)
+            for k in ("stage", "precision", "hpz", "offload_optimizer", "offload_param")
+        },
+        "expected": summary.get("memory_expected"),
+        "ranks": ranks,
+    }
     write_summary(path, doc)
 
 

@@ -41,8 +41,9 @@ def _corpus() -> bytes:
     return read_corpus(DataConfig())
 
 
-def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch: int, lr: float,
-          hpz: bool) -> list[dict[str, Any]]:
+def _rank(
+    rank: int, world: int, preset: str, lora_rank: int, steps: int, batch: int, lr: float, hpz: bool
+) -> list[dict[str, Any]]:
     import torch
 
     from zeropp.comm import Topology
@@ -56,9 +57,12 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
     out = []
     for mode in MODES:
         torch.manual_seed(0)
-        eng = ZeroEngine(GPT(cfg), config=ZeroConfig(stage=3, precision=Precision.bf16, quantize_frozen=QuantizeFrozen(mode), hpz=hpz),
-                         optimizer=OptimizerConfig(lr=lr, weight_decay=0.0),
-                         topology=Topology(nodes=NODES, ranks_per_node=RANKS_PER_NODE))
+        eng = ZeroEngine(
+            GPT(cfg),
+            config=ZeroConfig(stage=3, precision=Precision.bf16, quantize_frozen=QuantizeFrozen(mode), hpz=hpz),
+            optimizer=OptimizerConfig(lr=lr, weight_decay=0.0),
+            topology=Topology(nodes=NODES, ranks_per_node=RANKS_PER_NODE),
+        )
         try:
             losses = []
             for s in range(steps):
@@ -66,27 +70,47 @@ def _rank(rank: int, world: int, preset: str, lora_rank: int, steps: int, batch:
                 losses.append(eng.train_step([byte_batch(data, batch, cfg.seq_len, g)]).loss)
             snap = eng.comm_stats.snapshot()
             gathers = (CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, fz.KIND)
-            out.append({
-                "mode": mode, "frozen_bytes": fz.frozen_bytes(eng.frozen),
-                "frozen_params": sum(u.numel for u in eng.frozen_units), "trained_params": eng.num_params,
-                "frozen_cross": snap.get(fz.KIND, {}).get("cross", 0),
-                "gather_cross": sum(snap.get(k, {}).get("cross", 0) for k in gathers),
-                "params_bytes": eng.memory_report()["params"], "losses": losses, "loss": losses[-1],
-            })
+            out.append(
+                {
+                    "mode": mode,
+                    "frozen_bytes": fz.frozen_bytes(eng.frozen),
+                    "frozen_params": sum(u.numel for u in eng.frozen_units),
+                    "trained_params": eng.num_params,
+                    "frozen_cross": snap.get(fz.KIND, {}).get("cross", 0),
+                    "gather_cross": sum(snap.get(k, {}).get("cross", 0) for k in gathers),
+                    "params_bytes": eng.memory_report()["params"],
+                    "losses": losses,
+                    "loss": losses[-1],
+                }
+            )
         finally:
             eng.close()
     return out
 
 
-def run(preset: str = "small", *, lora_rank: int = 8, steps: int = 10, batch: int = 4, lr: float = 3e-3,
-        hpz: bool = False, timeout_s: float = 900.0) -> list[dict[str, Any]]:
+def run(
+    preset: str = "small",
+    *,
+    lora_rank: int = 8,
+    steps: int = 10,
+    batch: int = 4,
+    lr: float = 3e-3,
+    hpz: bool = False,
+    timeout_s: float = 900.0,
+) -> list[dict[str, Any]]:
     """The three runs on a 2x2 gloo world (``hpz``: all three with hpZ, so the frozen gathers cross
     nodes in the first forward only); rank 0's figures (the ranks agree on the loss) with the
     largest per-rank frozen bytes and cross-node bytes over the ranks."""
     from zeropp.launch import launch_world
 
-    res = launch_world(_rank, NODES * RANKS_PER_NODE, args=(preset, lora_rank, steps, batch, lr, hpz),
-                       process_group="gloo", threads=1, timeout_s=timeout_s)
+    res = launch_world(
+        _rank,
+        NODES * RANKS_PER_NODE,
+        args=(preset, lora_rank, steps, batch, lr, hpz),
+        process_group="gloo",
+        threads=1,
+        timeout_s=timeout_s,
+    )
     rows = []
     for k, _mode in enumerate(MODES):
         row = dict(res[0][k])
@@ -99,26 +123,35 @@ def run(preset: str = "small", *, lora_rank: int = 8, steps: int = 10, batch: in
         row["cross_ratio"] = row["frozen_cross"] / base["frozen_cross"]
         row["loss_rel"] = abs(row["loss"] - base["loss"]) / abs(base["loss"])
         limit = TARGETS.get(row["mode"])
-        row["pass"] = limit is None or (row["frozen_ratio"] <= limit and row["cross_ratio"] <= limit
-                                        and row["loss_rel"] <= LOSS_TOL)
+        row["pass"] = limit is None or (
+            row["frozen_ratio"] <= limit and row["cross_ratio"] <= limit and row["loss_rel"] <= LOSS_TOL
+        )
     return rows
 
 
 def table(rows: list[dict[str, Any]], preset: str, lora_rank: int, steps: int, hpz: bool = False) -> str:
     r0 = rows[0]
-    lines = [f"GPT {preset} + LoRA rank {lora_rank}: {r0['frozen_params']:,} frozen / {r0['trained_params']:,} trained "
-             f"parameters; stage 3{' + hpZ' if hpz else ''}, bf16, {NODES} nodes x {RANKS_PER_NODE} gloo ranks, "
-             f"{steps} steps", "",
-             "| frozen weights | frozen bytes / rank | x bf16 | cross-node frozen gather bytes / rank | x bf16 | "
-             "all cross-node all-gather bytes / rank | final loss | loss vs bf16 | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GPT {preset} + LoRA rank {lora_rank}: {r0['frozen_params']:,} frozen / {r0['trained_params']:,} trained "
+        f"parameters; stage 3{' + hpZ' if hpz else ''}, bf16, {NODES} nodes x {RANKS_PER_NODE} gloo ranks, "
+        f"{steps} steps",
+        "",
+        "| frozen weights | frozen bytes / rank | x bf16 | cross-node frozen gather bytes / rank | x bf16 | "
+        "all cross-node all-gather bytes / rank | final loss | loss vs bf16 | target |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         label = "bf16" if r["mode"] == "none" else r["mode"].upper()
-        target = "-" if r["mode"] not in TARGETS else (
-            f"<= {TARGETS[r['mode']]}x, loss 1%: {'PASS' if r['pass'] else 'FAIL'}")
-        lines.append(f"| {label} | {human_bytes(r['frozen_bytes'])} | {r['frozen_ratio']:.3f} | "
-                     f"{human_bytes(r['frozen_cross'])} | {r['cross_ratio']:.3f} | {human_bytes(r['gather_cross'])} | "
-                     f"{r['loss']:.4f} | {100 * (r['loss'] - rows[0]['loss']) / rows[0]['loss']:+.2f}% | {target} |")
+        target = (
+            "-"
+            if r["mode"] not in TARGETS
+            else (f"<= {TARGETS[r['mode']]}x, loss 1%: {'PASS' if r['pass'] else 'FAIL'}")
+        )
+        lines.append(
+            f"| {label} | {human_bytes(r['frozen_bytes'])} | {r['frozen_ratio']:.3f} | "
+            f"{human_bytes(r['frozen_cross'])} | {r['cross_ratio']:.3f} | {human_bytes(r['gather_cross'])} | "
+            f"{r['loss']:.4f} | {100 * (r['loss'] - rows[0]['loss']) / rows[0]['loss']:+.2f}% | {target} |"
+        )
     return "\n".join(lines)
 
 
@@ -129,8 +162,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate of the adapters (default 3e-3)")
-    ap.add_argument("--hpz", action="store_true", help="all three runs with hpZ (frozen gathers stay in the node "
-                    "after the first forward)")
+    ap.add_argument(
+        "--hpz",
+        action="store_true",
+        help="all three runs with hpZ (frozen gathers stay in the node after the first forward)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     if a.lora_rank < 1 or a.steps < 1 or a.batch < 1:

@@ -81,7 +81,9 @@ def _check_key(key: str) -> Any:
 
 
 _LEAF_NODES: dict[type, tuple[type, str]] = {
-    int: (IntegerNode, "an integer"), float: (FloatNode, "a number"), bool: (BooleanNode, "true or false"),
+    int: (IntegerNode, "an integer"),
+    float: (FloatNode, "a number"),
+    bool: (BooleanNode, "true or false"),
     str: (StringNode, "a string"),
 }
 """Schema leaf type -> the OmegaConf node that converts a value into it (as composing does) and
@@ -114,7 +116,9 @@ def _check_value(key: str, tp: Any, value: Any, shown: str | None = None) -> Non
         if value is None and optional:
             return
         if not isinstance(value, list):
-            raise ConfigError(f"invalid config: {key}={shown}: expected a list, e.g. [{','.join('0.9' for _ in elems)}]")
+            raise ConfigError(
+                f"invalid config: {key}={shown}: expected a list, e.g. [{','.join('0.9' for _ in elems)}]"
+            )
         for v, e in zip(value, elems):
             _check_value(key, e, v, shown)
         return
@@ -132,8 +136,9 @@ def _check_value(key: str, tp: Any, value: Any, shown: str | None = None) -> Non
     try:
         node(value=value, is_optional=optional)
     except ValidationError:
-        raise ConfigError(f"invalid config: {key}={shown}: expected {what}"
-                          + (" or null" if optional else "")) from None
+        raise ConfigError(
+            f"invalid config: {key}={shown}: expected {what}" + (" or null" if optional else "")
+        ) from None
 
 
 def _check_choice(key: str, tp: type[enum.Enum], value: Any, shown: str, optional: bool) -> None:
@@ -183,13 +188,15 @@ def _check_spec_key(key: str, args: list[str]) -> None:
     if any(a.startswith(("sweep=", "+trainer_job=")) for a in args):
         return  # the sweep chooses quant per job; Hydra reports a job whose recipe leaves the spec null
     chosen = [a.split("=", 1)[1] for a in args if a.startswith("quant=")]
-    for name in (chosen[-1].split(",") if chosen else ["none"]):
+    for name in chosen[-1].split(",") if chosen else ["none"]:
         name = name.strip().strip("'\"")
         if name in RECIPES and getattr(RECIPES[name], parts[1]) is None:
             with_it = sorted(n for n, r in RECIPES.items() if getattr(r, parts[1]) is not None)
-            raise ConfigError(f"invalid config: {key} refines the {parts[1]} spec, but quant={name} quantizes no "
-                              f"{parts[1]}; first choose a recipe that does (quant={' / '.join(with_it)}), then "
-                              f"refine it ({key}=...)")
+            raise ConfigError(
+                f"invalid config: {key} refines the {parts[1]} spec, but quant={name} quantizes no "
+                f"{parts[1]}; first choose a recipe that does (quant={' / '.join(with_it)}), then "
+                f"refine it ({key}=...)"
+            )
 
 
 OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
@@ -226,8 +233,9 @@ def check_overrides(args: list[str]) -> None:
                 if v and v != "null" and v not in options and not v.startswith(("range(", "choice(", "glob(")):
                     near = difflib.get_close_matches(v, options, n=1)
                     hint = f" (did you mean {key}={near[0]}?)" if near else ""
-                    raise ConfigError(f"invalid config: {key}={v!r} is not a {key} option{hint}; "
-                                      f"allowed: {', '.join(options)}")
+                    raise ConfigError(
+                        f"invalid config: {key}={v!r} is not a {key} option{hint}; allowed: {', '.join(options)}"
+                    )
         else:
             tp = _check_key(key)
             _check_spec_key(key, args)

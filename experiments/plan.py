@@ -34,8 +34,7 @@ from typing import Any
 from .config import ConfigError, RunConfig
 from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
 
-__all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "model_units", "plot", "project",
-           "table"]
+__all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "model_units", "plot", "project", "table"]
 
 
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -99,8 +98,11 @@ def table(p: dict[str, Any]) -> str:
                     r[1] += b
     c = p["cluster"]
     head = f"{'kind':<24} {'link':<6} {'calls':>7} {'bytes/rank':>14}"
-    lines = [f"{p['nodes']} node(s) x {c.ranks_per_node} ranks: projected step {p['step_s'] * 1e3:.2f} ms", head,
-             "-" * len(head)]
+    lines = [
+        f"{p['nodes']} node(s) x {c.ranks_per_node} ranks: projected step {p['step_s'] * 1e3:.2f} ms",
+        head,
+        "-" * len(head),
+    ]
     for (kind, link), (calls, b) in sorted(rows.items()):
         lines.append(f"{kind:<24} {link:<6} {calls:>7d} {b:>14,d}")
     for link in ("intra", "cross"):

@@ -22,15 +22,17 @@ LANES = ("compute", "quantization", "intra link", "cross link")
 ``compute`` with the collective's name)."""
 
 
-
 def check_plannable(rc: RunConfig) -> None:
     """ConfigError unless the plan can describe ``rc``'s step (trainer=zeropp, no tensor parallelism)."""
     if rc.trainer.name != "zeropp":
-        raise ConfigError(f"invalid config: trainer={rc.trainer.name}; the plan describes ZeroEngine's step, so use "
-                          f"trainer=zeropp")
+        raise ConfigError(
+            f"invalid config: trainer={rc.trainer.name}; the plan describes ZeroEngine's step, so use trainer=zeropp"
+        )
     if rc.topology.tp > 1:
-        raise ConfigError(f"invalid config: topology.tp={rc.topology.tp}; the TP-local unit sizes need the split "
-                          f"model, which this command does not build; plan with topology.tp=1")
+        raise ConfigError(
+            f"invalid config: topology.tp={rc.topology.tp}; the TP-local unit sizes need the split "
+            f"model, which this command does not build; plan with topology.tp=1"
+        )
 
 
 def model_units(rc: RunConfig) -> tuple:
@@ -45,8 +47,10 @@ def model_units(rc: RunConfig) -> tuple:
         model = build_model(rc, torch.device("meta"))
     units = plan_units(model)
     if any(u.frozen for u in units) or not all(u.numel for u in units):
-        raise ConfigError("invalid config: the model has frozen parameters (model.lora_rank); the step's timeline "
-                          "models trainable units only; plan with model.lora_rank=0")
+        raise ConfigError(
+            "invalid config: the model has frozen parameters (model.lora_rank); the step's timeline "
+            "models trainable units only; plan with model.lora_rank=0"
+        )
     return units
 
 
@@ -69,13 +73,24 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
     numels = tuple(u.numel for u in units)
     tokens = rc.train.micro_batch_size * rc.model.seq_len * rc.zero.grad_accum_steps
     emulated = rc.cluster.name == "emulated"
-    c = Cluster(nodes=nodes, ranks_per_node=t.ranks_per_node, cross_gbps=rc.cluster.inter_gbps if emulated else a.gbps,
-                nics_per_node=1 if emulated else None)
-    w = Workload.from_zero(rc.zero, units=numels, compute_s=6.0 * sum(numels) * tokens / (a.tflops * 1e12),
-                           tokens_per_rank=tokens)
+    c = Cluster(
+        nodes=nodes,
+        ranks_per_node=t.ranks_per_node,
+        cross_gbps=rc.cluster.inter_gbps if emulated else a.gbps,
+        nics_per_node=1 if emulated else None,
+    )
+    w = Workload.from_zero(
+        rc.zero, units=numels, compute_s=6.0 * sum(numels) * tokens / (a.tflops * 1e12), tokens_per_rank=tokens
+    )
     trace: list[Interval] = []
-    step = scheduled_step_s(unit_costs(w, c), stage=w.stage, micro_batches=w.grad_accum,
-                            prefetch=rc.zero.prefetch_depth, control_s=control_time(w, c), trace=trace)
+    step = scheduled_step_s(
+        unit_costs(w, c),
+        stage=w.stage,
+        micro_batches=w.grad_accum,
+        prefetch=rc.zero.prefetch_depth,
+        control_s=control_time(w, c),
+        trace=trace,
+    )
     return {"nodes": nodes, "plan": plan, "cluster": c, "step_s": step, "events": events(plan, trace, c)}
 
 
@@ -97,8 +112,17 @@ def events(plan: Any, trace: list, c: Any) -> list[dict[str, Any]]:
         what = f"{phase} {names[unit]}" if unit >= 0 else str(phase)
         if iv.lane != "link":
             lane = "quantization" if iv.lane == "quantization" else "compute"
-            out.append(dict(lane=lane, name=what, start_s=iv.start_s, dur_s=iv.end_s - iv.start_s, bytes=0,
-                            unit=unit, micro_batch=mb))
+            out.append(
+                dict(
+                    lane=lane,
+                    name=what,
+                    start_s=iv.start_s,
+                    dur_s=iv.end_s - iv.start_s,
+                    bytes=0,
+                    unit=unit,
+                    micro_batch=mb,
+                )
+            )
             continue
         cols = [x for x in by_tag.get(iv.tag, []) if id(x) not in placed]
         times = [message_transfer(Message(x.kind, x.algo, x.nodes, x.ranks, x.peer_bytes, 1), c).link_s for x in cols]
@@ -115,10 +139,19 @@ def events(plan: Any, trace: list, c: Any) -> list[dict[str, Any]]:
 
 
 def _comm_event(x: Any, names: list[str], start: float, dur: float) -> dict[str, Any]:
-    return dict(lane="cross link" if x.nodes > 1 else "intra link", name=f"{x.kind}[{x.bucket}]", kind=str(x.kind),
-                start_s=start, dur_s=dur, bytes=sum(x.link_bytes().values()) if x.counted else 0,
-                unit=x.unit, unit_name=names[x.unit] if x.unit >= 0 else "", micro_batch=x.micro_batch,
-                bits=x.bits, group=str(x.group))
+    return dict(
+        lane="cross link" if x.nodes > 1 else "intra link",
+        name=f"{x.kind}[{x.bucket}]",
+        kind=str(x.kind),
+        start_s=start,
+        dur_s=dur,
+        bytes=sum(x.link_bytes().values()) if x.counted else 0,
+        unit=x.unit,
+        unit_name=names[x.unit] if x.unit >= 0 else "",
+        micro_batch=x.micro_batch,
+        bits=x.bits,
+        group=str(x.group),
+    )
 
 
 def chrome_trace(projections: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,8 +163,18 @@ def chrome_trace(projections: list[dict[str, Any]]) -> dict[str, Any]:
             evs.append(dict(ph="M", name="thread_name", pid=pid, tid=tid, args=dict(name=lane)))
         for e in p["events"]:
             args = {k: v for k, v in e.items() if k not in ("lane", "name", "start_s", "dur_s")}
-            evs.append(dict(ph="X", name=e["name"], cat=e.get("kind", "compute"), pid=pid, tid=LANES.index(e["lane"]),
-                            ts=e["start_s"] * 1e6, dur=e["dur_s"] * 1e6, args=args))
+            evs.append(
+                dict(
+                    ph="X",
+                    name=e["name"],
+                    cat=e.get("kind", "compute"),
+                    pid=pid,
+                    tid=LANES.index(e["lane"]),
+                    ts=e["start_s"] * 1e6,
+                    dur=e["dur_s"] * 1e6,
+                    args=args,
+                )
+            )
     return {"traceEvents": evs, "displayTimeUnit": "ms"}
 
 
@@ -149,11 +192,17 @@ def plot(projections: list[dict[str, Any]], path: Path) -> None:
         for e in p["events"]:
             if e["dur_s"] > 0:
                 y = len(LANES) - 1 - LANES.index(e["lane"])
-                ax.broken_barh([(e["start_s"] * 1e3, e["dur_s"] * 1e3)], (y - 0.4, 0.8),
-                               color=colour[e.get("kind", "compute")], linewidth=0)
+                ax.broken_barh(
+                    [(e["start_s"] * 1e3, e["dur_s"] * 1e3)],
+                    (y - 0.4, 0.8),
+                    color=colour[e.get("kind", "compute")],
+                    linewidth=0,
+                )
         ax.set_yticks(range(len(LANES)), list(reversed(LANES)))
         ax.set_xlim(0, p["step_s"] * 1e3)
-        ax.set_title(f"{p['nodes']} nodes x {p['cluster'].ranks_per_node} ranks: {p['step_s'] * 1e3:.1f} ms", fontsize=9)
+        ax.set_title(
+            f"{p['nodes']} nodes x {p['cluster'].ranks_per_node} ranks: {p['step_s'] * 1e3:.1f} ms", fontsize=9
+        )
         ax.set_xlabel("time in the step (ms)")
     handles = [matplotlib.patches.Patch(color=colour[k], label=k) for k in kinds]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)

@@ -55,14 +55,18 @@ def find_trace(run_dir: Path, rank: int, step: int | None) -> Path:
         path = trace_path(run_dir, rank, step)
         if path.is_file():
             return path
-    found = sorted((run_dir / PROFILE_DIR).glob(f"rank{rank}_step*.json"),
-                   key=lambda p: int(p.stem.rpartition("step")[2]) if p.stem.rpartition("step")[2].isdigit() else -1)
+    found = sorted(
+        (run_dir / PROFILE_DIR).glob(f"rank{rank}_step*.json"),
+        key=lambda p: int(p.stem.rpartition("step")[2]) if p.stem.rpartition("step")[2].isdigit() else -1,
+    )
     if step is None and found:
         return found[-1]
     have = ", ".join(p.name for p in found) or "none"
-    raise ConfigError(f"no trace of rank {rank}{'' if step is None else f', step {step}'} in {run_dir / PROFILE_DIR} "
-                      f"(traces there: {have}); run with train.profile=true train.profile_steps=[N], or pick --step / "
-                      f"--rank among those")
+    raise ConfigError(
+        f"no trace of rank {rank}{'' if step is None else f', step {step}'} in {run_dir / PROFILE_DIR} "
+        f"(traces there: {have}); run with train.profile=true train.profile_steps=[N], or pick --step / "
+        f"--rank among those"
+    )
 
 
 def load_run(run_dir: Path) -> Any:
@@ -72,12 +76,16 @@ def load_run(run_dir: Path) -> Any:
 
     path = run_dir / "summary.json"
     if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir} is not a directory; give the run directory of python -m experiments.run "
-                          f"(or overrides key=value for a plan without a run)")
+        raise ConfigError(
+            f"{run_dir} is not a directory; give the run directory of python -m experiments.run "
+            f"(or overrides key=value for a plan without a run)"
+        )
     try:
         rc = from_dict(json.loads(path.read_text())["config"])
     except FileNotFoundError:
-        raise ConfigError(f"no summary.json in {run_dir}: the run did not finish; profile a run that completes") from None
+        raise ConfigError(
+            f"no summary.json in {run_dir}: the run did not finish; profile a run that completes"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path} holds no readable run config ({type(e).__name__}: {e})") from None
     check_plannable(rc)
@@ -122,8 +130,17 @@ def chrome_trace(p: dict[str, Any], spans: list[Span], step: int, rank: int) -> 
     for tid, lane in enumerate(MEASURED_LANES):
         evs.append(dict(ph="M", name="thread_name", pid=1, tid=tid, args=dict(name=lane)))
     for s in spans:
-        evs.append(dict(ph="X", name=s.name, cat=s.parsed.kind, pid=1, tid=MEASURED_LANES.index(lane_of(s)),
-                        ts=s.start_s * 1e6, dur=s.dur_s * 1e6))
+        evs.append(
+            dict(
+                ph="X",
+                name=s.name,
+                cat=s.parsed.kind,
+                pid=1,
+                tid=MEASURED_LANES.index(lane_of(s)),
+                ts=s.start_s * 1e6,
+                dur=s.dur_s * 1e6,
+            )
+        )
     return {"traceEvents": evs, "displayTimeUnit": "ms"}
 
 
@@ -142,17 +159,23 @@ def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: i
     for e in p["events"]:
         if e["dur_s"] > 0:
             y = len(LANES) - 1 - LANES.index(e["lane"])
-            top.broken_barh([(e["start_s"] * 1e3, e["dur_s"] * 1e3)], (y - 0.4, 0.8),
-                            color=colour[e.get("kind", "compute")], linewidth=0)
+            top.broken_barh(
+                [(e["start_s"] * 1e3, e["dur_s"] * 1e3)],
+                (y - 0.4, 0.8),
+                color=colour[e.get("kind", "compute")],
+                linewidth=0,
+            )
     top.set_yticks(range(len(LANES)), list(reversed(LANES)))
     top.set_xlim(0, p["step_s"] * 1e3)
     top.set_xlabel("time in the step (ms)")
-    top.set_title(f"projected: {p['nodes']} nodes x {p['cluster'].ranks_per_node} ranks, {p['step_s'] * 1e3:.1f} ms",
-                  fontsize=9)
+    top.set_title(
+        f"projected: {p['nodes']} nodes x {p['cluster'].ranks_per_node} ranks, {p['step_s'] * 1e3:.1f} ms", fontsize=9
+    )
     for s in spans:
         y = len(MEASURED_LANES) - 1 - MEASURED_LANES.index(lane_of(s))
-        bottom.broken_barh([(s.start_s * 1e3, max(s.dur_s * 1e3, 1e-3))], (y - 0.4, 0.8),
-                           color=colour[s.parsed.kind], linewidth=0)
+        bottom.broken_barh(
+            [(s.start_s * 1e3, max(s.dur_s * 1e3, 1e-3))], (y - 0.4, 0.8), color=colour[s.parsed.kind], linewidth=0
+        )
     bottom.set_yticks(range(len(MEASURED_LANES)), list(reversed(MEASURED_LANES)))
     bottom.set_title(f"measured: rank {rank}, step {step}, {step_s * 1e3:.1f} ms", fontsize=9)
     bottom.set_xlabel("time in the step (ms)")
@@ -189,5 +212,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plot(p, spans, step_s, step, a.rank, out / "step_vs_plan.png")
     (out / "step_vs_plan.json").write_text(json.dumps(chrome_trace(p, spans, step, a.rank)))
-    print(f"\nside by side: {out / 'step_vs_plan.png'}\ntrace (Perfetto / chrome://tracing): {out / 'step_vs_plan.json'}")
+    print(
+        f"\nside by side: {out / 'step_vs_plan.png'}\ntrace (Perfetto / chrome://tracing): {out / 'step_vs_plan.json'}"
+    )
     return 0

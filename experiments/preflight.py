@@ -63,12 +63,20 @@ def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
     frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
     pbytes = z.dtype.itemsize
     hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
-    by = expected_by_tier(stage, (psi - frozen) / t.tp, t.dp_size, param_bytes=pbytes, hpz_size=hpz,
-                          offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                          shared_master=z.shares_fp32_master)
+    by = expected_by_tier(
+        stage,
+        (psi - frozen) / t.tp,
+        t.dp_size,
+        param_bytes=pbytes,
+        hpz_size=hpz,
+        offload_optimizer=z.offload_optimizer,
+        offload_param=z.offload_param,
+        shared_master=z.shares_fp32_master,
+    )
     out = tier_totals(by)
-    out[OFFLOAD_TIER[z.offload_param]] += (frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes)
-                                           / (t.dp_size if stage == 3 else 1))
+    out[OFFLOAD_TIER[z.offload_param]] += (
+        frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes) / (t.dp_size if stage == 3 else 1)
+    )
     return out
 
 
@@ -91,27 +99,33 @@ def check_local_ranks(rc: RunConfig) -> None:
         import torch
 
         if torch.cuda.device_count() < n:
-            raise ConfigError(f"invalid config: launcher.device=cuda starts {n} ranks on this host but it has "
-                              f"{torch.cuda.device_count()} GPU(s); choose a topology of at most that many ranks "
-                              "(topology=1x1), launcher.device=cpu, or torchrun across hosts")
+            raise ConfigError(
+                f"invalid config: launcher.device=cuda starts {n} ranks on this host but it has "
+                f"{torch.cuda.device_count()} GPU(s); choose a topology of at most that many ranks "
+                "(topology=1x1), launcher.device=cpu, or torchrun across hosts"
+            )
     on_cuda = _ranks_on_cuda(rc, n)
     cpus = host_cpus()
     if not on_cuda and n > RANKS_PER_CPU * cpus:
-        raise ConfigError(f"invalid config: {shape}, all started on this host as CPU processes, but it has {cpus} "
-                          f"CPU(s); allowed: at most {RANKS_PER_CPU * cpus} local CPU ranks ({RANKS_PER_CPU} per CPU). "
-                          "Choose a smaller topology (topology=2x2), or start each host's ranks with torchrun")
+        raise ConfigError(
+            f"invalid config: {shape}, all started on this host as CPU processes, but it has {cpus} "
+            f"CPU(s); allowed: at most {RANKS_PER_CPU * cpus} local CPU ranks ({RANKS_PER_CPU} per CPU). "
+            "Choose a smaller topology (topology=2x2), or start each host's ranks with torchrun"
+        )
     tiers = model_state_per_rank(rc)
     z = rc.zero
     swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (z.offload_optimizer, z.offload_param) else 0
     per_rank = tiers["host"] + swap + (0 if on_cuda else max(tiers["device"], 4.0 * rc.model.num_params()))
     total, phys = per_rank * n, host_memory()
     if total > phys:
-        what = ("host tier" if on_cuda else "device + host tiers, at least the fp32 model each CPU rank builds whole")
-        raise ConfigError(f"invalid config: model (Ψ = {rc.model.num_params():,} parameters) on {shape} needs about "
-                          f"{human_bytes(total)} of host memory ({human_bytes(per_rank)} of model state per rank: "
-                          f"ZeRO's formula, {what}) but this host has {human_bytes(phys)}; allowed: at most "
-                          f"{human_bytes(phys)}. Choose a smaller model (model=mini), fewer ranks, a higher stage or "
-                          "zero.offload_*=nvme, or torchrun across hosts")
+        what = "host tier" if on_cuda else "device + host tiers, at least the fp32 model each CPU rank builds whole"
+        raise ConfigError(
+            f"invalid config: model (Ψ = {rc.model.num_params():,} parameters) on {shape} needs about "
+            f"{human_bytes(total)} of host memory ({human_bytes(per_rank)} of model state per rank: "
+            f"ZeRO's formula, {what}) but this host has {human_bytes(phys)}; allowed: at most "
+            f"{human_bytes(phys)}. Choose a smaller model (model=mini), fewer ranks, a higher stage or "
+            "zero.offload_*=nvme, or torchrun across hosts"
+        )
 
 
 def check_writable_dir(key: str, path: Path) -> None:
@@ -124,14 +138,17 @@ def check_writable_dir(key: str, path: Path) -> None:
         existing = existing.parent  # ends at "/" or "." (which is missing only if the cwd was deleted)
     if not existing.is_dir():
         what = "is not a directory" if existing.exists() or existing.is_symlink() else "does not exist"
-        raise ConfigError(f"invalid config: {key}={str(path)!r} cannot be created: {existing} {what}; "
-                          f"choose another {key}")
+        raise ConfigError(
+            f"invalid config: {key}={str(path)!r} cannot be created: {existing} {what}; choose another {key}"
+        )
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise ConfigError(f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
-                          f"process create files ({e.strerror or e}); choose a directory you can write to") from None
+        raise ConfigError(
+            f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
+            f"process create files ({e.strerror or e}); choose a directory you can write to"
+        ) from None
 
 
 def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:

@@ -60,9 +60,12 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self._prof = torch.profiler.profile(
-            activities=activities, schedule=self._action, on_trace_ready=self._save,
+            activities=activities,
+            schedule=self._action,
+            on_trace_ready=self._save,
             # torch records only the starting thread's ranges unless told to record every thread
-            experimental_config=_ExperimentalConfig(profile_all_threads=True))
+            experimental_config=_ExperimentalConfig(profile_all_threads=True),
+        )
 
     def _action(self, k: int) -> Any:
         """The profiler's schedule: ``k`` counts its steps from 0 = training step ``start + 1``."""
@@ -126,8 +129,10 @@ def read_step(path: Path, step: Optional[int] = None) -> tuple[int, float, list[
         doc = json.loads(Path(path).read_text())
         events = doc["traceEvents"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a readable Chrome trace with traceEvents ({type(e).__name__}: {e}); "
-                         f"profile the run with train.profile=true") from None
+        raise ValueError(
+            f"{path} is not a readable Chrome trace with traceEvents ({type(e).__name__}: {e}); "
+            f"profile the run with train.profile=true"
+        ) from None
     spans: list[tuple[dict[str, Any], ranges.RangeName]] = []
     for ev in events:
         if isinstance(ev, dict) and ev.get("ph") == "X" and isinstance(ev.get("name"), str):
@@ -143,9 +148,18 @@ def read_step(path: Path, step: Optional[int] = None) -> tuple[int, float, list[
         raise ValueError(f"{path} holds steps {sorted(steps)}, not step {step}; choose one of those")
     st = steps[step]
     t0, t1 = float(st["ts"]), float(st["ts"]) + float(st["dur"])
-    out = [Span(name=e["name"], parsed=p, start_s=(float(e["ts"]) - t0) / 1e6, dur_s=float(e["dur"]) / 1e6,
-                tid=e.get("tid"), main=e.get("tid") == st.get("tid"))
-           for e, p in spans if p.kind != ranges.STEP and t0 <= float(e["ts"]) <= t1]
+    out = [
+        Span(
+            name=e["name"],
+            parsed=p,
+            start_s=(float(e["ts"]) - t0) / 1e6,
+            dur_s=float(e["dur"]) / 1e6,
+            tid=e.get("tid"),
+            main=e.get("tid") == st.get("tid"),
+        )
+        for e, p in spans
+        if p.kind != ranges.STEP and t0 <= float(e["ts"]) <= t1
+    ]
     return step, (t1 - t0) / 1e6, sorted(out, key=lambda s: s.start_s)
 
 

@@ -51,8 +51,10 @@ def run_labels(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(runs: list[dict[str, Any]]) -> str:
-    head = ("| run | config | tokens/s | step (ms) | TFLOP/s | comm/step intra | comm/step cross | "
-            "comm wait (ms) | model state/rank (max) | loss final | eval loss |")
+    head = (
+        "| run | config | tokens/s | step (ms) | TFLOP/s | comm/step intra | comm/step cross | "
+        "comm wait (ms) | model state/rank (max) | loss final | eval loss |"
+    )
     lines = [head, "|" + "|".join(["---"] * 11) + "|"]
     for s, name in zip(runs, run_labels(runs)):
         c = s["comm_bytes_per_step"]["by_link"]
@@ -61,7 +63,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"| {name} | {s['label']} | {s['tokens_per_s']:,.0f} | {1e3 * s['step_time_s']['mean']:.1f} | "
             f"{s['model_tflops']:.4f} | {human_bytes(c['intra'])} | {human_bytes(c['cross'])} | "
             f"{1e3 * s['comm_wait_s_per_step']:.1f} | {human_bytes(s['memory_max_rank_bytes'])} | "
-            f"{s['loss']['final']:.3f} | {'' if ev is None else f'{ev:.3f}'} |")
+            f"{s['loss']['final']:.3f} | {'' if ev is None else f'{ev:.3f}'} |"
+        )
     return "\n".join(lines)
 
 
@@ -70,21 +73,26 @@ def phase_rows(s: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
     ranks = [ph for ph in s.get("memory_by_phase") or [] if ph]
     out = []
     for phase in ranks[0] if ranks else []:
-        r, snap = max(((r, ph[phase]) for r, ph in enumerate(ranks) if phase in ph),
-                      key=lambda x: x[1]["tier_totals"]["device"])
+        r, snap = max(
+            ((r, ph[phase]) for r, ph in enumerate(ranks) if phase in ph), key=lambda x: x[1]["tier_totals"]["device"]
+        )
         out.append((phase, r, snap))
     return out
 
 
 def phase_markdown(runs: list[dict[str, Any]]) -> str:
-    lines = ["| run | phase | rank | device | params | grads | optimizer | activations | buffers | host | disk | peak |",
-             "|" + "|".join(["---"] * 12) + "|"]
+    lines = [
+        "| run | phase | rank | device | params | grads | optimizer | activations | buffers | host | disk | peak |",
+        "|" + "|".join(["---"] * 12) + "|",
+    ]
     for s, name in zip(runs, run_labels(runs)):
         for phase, r, p in phase_rows(s):
             d, tt = p["tiers"]["device"], p["tier_totals"]
-            lines.append(f"| {name} | {phase.replace('_', ' ')} | {r} | {human_bytes(tt['device'])} | "
-                         + " | ".join(human_bytes(d.get(c, 0)) for c in PHASE_COLUMNS)
-                         + f" | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | {human_bytes(p['peak'])} |")
+            lines.append(
+                f"| {name} | {phase.replace('_', ' ')} | {r} | {human_bytes(tt['device'])} | "
+                + " | ".join(human_bytes(d.get(c, 0)) for c in PHASE_COLUMNS)
+                + f" | {human_bytes(tt['host'])} | {human_bytes(tt['disk'])} | {human_bytes(p['peak'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -111,18 +119,39 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     written = plots(runs, out)
     failed = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("failed.json"), key=_job_key)]
     common = label_runs(runs).common
-    md = [f"# Sweep report: {Path(root).resolve().name}", "",
-          f"{len(runs)} runs" + (f", {len(failed)} failed (not in the table or plots)" if failed else "") + "."
-          + (f" All runs: {common}." if common else ""), "",
-          markdown(runs), ""]
+    md = [
+        f"# Sweep report: {Path(root).resolve().name}",
+        "",
+        f"{len(runs)} runs"
+        + (f", {len(failed)} failed (not in the table or plots)" if failed else "")
+        + "."
+        + (f" All runs: {common}." if common else ""),
+        "",
+        markdown(runs),
+        "",
+    ]
     if any(phase_rows(s) for s in runs):
-        md += ["Memory by phase (per run and phase, the rank with the most device bytes; peak: CUDA allocator on "
-               "GPUs, the runtime's accounted device bytes on CPU ranks):", "", phase_markdown(runs), ""]
-    md += ["Runs: directory and the overrides that made each:", ""] + [
-        f"- {name}: `{_relative(s['_dir'], root)}`, `{' '.join(s.get('overrides') or []) or '(defaults)'}`"
-        for s, name in zip(runs, run_labels(runs))] + [""]
+        md += [
+            "Memory by phase (per run and phase, the rank with the most device bytes; peak: CUDA allocator on "
+            "GPUs, the runtime's accounted device bytes on CPU ranks):",
+            "",
+            phase_markdown(runs),
+            "",
+        ]
+    md += (
+        ["Runs: directory and the overrides that made each:", ""]
+        + [
+            f"- {name}: `{_relative(s['_dir'], root)}`, `{' '.join(s.get('overrides') or []) or '(defaults)'}`"
+            for s, name in zip(runs, run_labels(runs))
+        ]
+        + [""]
+    )
     if failed:
-        md += ["Failed jobs:", ""] + [f"- `{' '.join(j['overrides'])}`: {j['error'].splitlines()[0]}" for j in failed] + [""]
+        md += (
+            ["Failed jobs:", ""]
+            + [f"- `{' '.join(j['overrides'])}`: {j['error'].splitlines()[0]}" for j in failed]
+            + [""]
+        )
     md += [f"![{p.stem}]({p.name})" for p in written]
     path = out / "report.md"
     path.write_text("\n".join(md) + "\n")

@@ -22,14 +22,20 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 PLOTS = ("throughput.png", "comm_bytes.png", "memory.png", "memory_phases.png", "loss.png")
-TIER_STYLE = {"device": {"color": "tab:blue"},
-              "host": {"color": "tab:orange", "hatch": "//", "edgecolor": "white"},
-              "disk": {"color": "tab:gray", "hatch": "xx", "edgecolor": "white"}}
+TIER_STYLE = {
+    "device": {"color": "tab:blue"},
+    "host": {"color": "tab:orange", "hatch": "//", "edgecolor": "white"},
+    "disk": {"color": "tab:gray", "hatch": "xx", "edgecolor": "white"},
+}
 """How each memory tier is drawn in ``memory_phases.png``."""
 STATE_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "hpz_secondary": "tab:purple"}
 """Model-state categories of ``memory.png`` (``summary.json``'s ``memory_per_rank``)."""
-STATE_WORDS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-               "hpz_secondary": "hpZ secondary copy"}
+STATE_WORDS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "hpz_secondary": "hpZ secondary copy",
+}
 DPI = 110
 
 
@@ -88,8 +94,7 @@ def comm_bytes(ax: Any, runs: Sequence[dict[str, Any]], labels: Sequence[str]) -
     total = [a + b for a, b in zip(intra, cross)]
     div, unit = byte_unit(max(total, default=0))
     ax.barh(y, [a / div for a in intra], color="tab:green", height=0.6, label="intra-node")
-    ax.barh(y, [b / div for b in cross], left=[a / div for a in intra], color="tab:red", height=0.6,
-            label="cross-node")
+    ax.barh(y, [b / div for b in cross], left=[a / div for a in intra], color="tab:red", height=0.6, label="cross-node")
     _annotate(ax, y, [t / div for t in total], [f"{t / div:,.1f}" for t in total])
     ax.set_xlabel(f"{unit} sent per step per rank")
     ax.figure.legend(loc="outside lower center", ncol=2, fontsize=8, frameon=False)
@@ -97,8 +102,7 @@ def comm_bytes(ax: Any, runs: Sequence[dict[str, Any]], labels: Sequence[str]) -
 
 def model_state(ax: Any, runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> None:
     y = _runs_axis(ax, labels)
-    busiest = [max(s["memory_per_rank"], key=lambda m: m.get("total", 0)) if s["memory_per_rank"] else {}
-               for s in runs]
+    busiest = [max(s["memory_per_rank"], key=lambda m: m.get("total", 0)) if s["memory_per_rank"] else {} for s in runs]
     div, unit = byte_unit(max((m.get("total", 0) for m in busiest), default=0))
     left = [0.0] * len(runs)
     for cat, color in STATE_COLORS.items():
@@ -111,8 +115,12 @@ def model_state(ax: Any, runs: Sequence[dict[str, Any]], labels: Sequence[str]) 
     ax.figure.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
 
 
-def memory_phases(runs: Sequence[dict[str, Any]], labels: Sequence[str], common: str,
-                  rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]]) -> Any:
+def memory_phases(
+    runs: Sequence[dict[str, Any]],
+    labels: Sequence[str],
+    common: str,
+    rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]],
+) -> Any:
     """The small multiples of ``memory_phases.png`` (``rows``: report.phase_rows)."""
     import matplotlib.pyplot as plt
 
@@ -123,12 +131,27 @@ def memory_phases(runs: Sequence[dict[str, Any]], labels: Sequence[str], common:
     phases = [ph for ph in PHASES if ph in seen] + sorted(seen - set(PHASES))  # in the order they happen
     nrows = -(-len(runs) // 4)
     cols = -(-len(runs) // nrows)
-    fig, axes = plt.subplots(nrows, cols, figsize=(0.55 * max(len(phases), 2) * cols + 1.2, 2.4 * nrows + 1.2),
-                             sharey=True, sharex=True, squeeze=False, layout="constrained")
-    fig.suptitle("Memory of a rank after each phase of a step, by tier" + (f"\nall runs: {common}" if common else ""),
-                 fontsize=10)
-    largest = max((max(p["tier_totals"]["device"] + p["tier_totals"]["host"] + p["tier_totals"]["disk"], p["peak"])
-                   for r in per_run for _, _, p in r), default=0)
+    fig, axes = plt.subplots(
+        nrows,
+        cols,
+        figsize=(0.55 * max(len(phases), 2) * cols + 1.2, 2.4 * nrows + 1.2),
+        sharey=True,
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
+    )
+    fig.suptitle(
+        "Memory of a rank after each phase of a step, by tier" + (f"\nall runs: {common}" if common else ""),
+        fontsize=10,
+    )
+    largest = max(
+        (
+            max(p["tier_totals"]["device"] + p["tier_totals"]["host"] + p["tier_totals"]["disk"], p["peak"])
+            for r in per_run
+            for _, _, p in r
+        ),
+        default=0,
+    )
     div, unit = byte_unit(largest)
     drawn: set[str] = set()  # legend entries given a handle already
     for k, ax in enumerate(axes.flat):
@@ -150,8 +173,13 @@ def memory_phases(runs: Sequence[dict[str, Any]], labels: Sequence[str], common:
                     ax.bar(x, v, bottom=bottom, width=0.7, label=tier if tier not in drawn else None, **style)
                     drawn.add(tier)
                     bottom += v
-            ax.plot([x - 0.35, x + 0.35], [p["peak"] / div] * 2, color="black", lw=2,
-                    label="device peak" if "peak" not in drawn else None)
+            ax.plot(
+                [x - 0.35, x + 0.35],
+                [p["peak"] / div] * 2,
+                color="black",
+                lw=2,
+                label="device peak" if "peak" not in drawn else None,
+            )
             drawn.add("peak")
         ax.set_title(textwrap.fill(labels[k], 34), fontsize=8)
         ax.set_xticks(range(len(phases)), [phase_words(p) for p in phases], fontsize=6.5)
@@ -160,8 +188,9 @@ def memory_phases(runs: Sequence[dict[str, Any]], labels: Sequence[str], common:
         if k % cols == 0:
             ax.set_ylabel(f"{unit} per rank", fontsize=8)
     if not phases:
-        axes.flat[0].text(0.5, 0.5, "no per-phase memory in these summaries", transform=axes.flat[0].transAxes,
-                          ha="center")
+        axes.flat[0].text(
+            0.5, 0.5, "no per-phase memory in these summaries", transform=axes.flat[0].transAxes, ha="center"
+        )
     handles: dict[str, Any] = {}
     for a in axes.flat:
         for h, name in zip(*a.get_legend_handles_labels()):
@@ -178,17 +207,33 @@ def loss(ax: Any, runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> None
     markers, dashes = "osD^vxP*<>", ("-", "--", ":", "-.")
     for i, (s, name) in enumerate(zip(runs, labels)):
         m = s["_metrics"]
-        steps, values = (([r["step"] for r in m], [r["loss"] for r in m]) if m
-                         else (list(range(1, len(s["loss"]["curve"]) + 1)), s["loss"]["curve"]))
-        ax.plot(steps, values, label=name, lw=1.3, ls=dashes[i % len(dashes)], marker=markers[i % len(markers)],
-                markersize=4, markevery=max(1, len(steps) // 12), fillstyle="none")
+        steps, values = (
+            ([r["step"] for r in m], [r["loss"] for r in m])
+            if m
+            else (list(range(1, len(s["loss"]["curve"]) + 1)), s["loss"]["curve"])
+        )
+        ax.plot(
+            steps,
+            values,
+            label=name,
+            lw=1.3,
+            ls=dashes[i % len(dashes)],
+            marker=markers[i % len(markers)],
+            markersize=4,
+            markevery=max(1, len(steps) // 12),
+            fillstyle="none",
+        )
     ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats per token)")
     ax.grid(alpha=0.3)
     ax.figure.legend(loc="outside right upper", fontsize=7, frameon=False)
 
 
-def figures(runs: Sequence[dict[str, Any]], labels: Sequence[str], common: str,
-            rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]]) -> dict[str, Any]:
+def figures(
+    runs: Sequence[dict[str, Any]],
+    labels: Sequence[str],
+    common: str,
+    rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]],
+) -> dict[str, Any]:
     """Every figure of :data:`PLOTS`, by file name (``rows``: report.phase_rows); the caller closes them."""
     import matplotlib
 
@@ -197,9 +242,10 @@ def figures(runs: Sequence[dict[str, Any]], labels: Sequence[str], common: str,
 
     figs = {}
     for name, question, draw in (
-            ("throughput.png", "Throughput: which configuration trains fastest?", throughput),
-            ("comm_bytes.png", "Communication: bytes each rank sends per step, by link", comm_bytes),
-            ("memory.png", "Model state per rank: what each configuration keeps", model_state)):
+        ("throughput.png", "Throughput: which configuration trains fastest?", throughput),
+        ("comm_bytes.png", "Communication: bytes each rank sends per step, by link", comm_bytes),
+        ("memory.png", "Model state per rank: what each configuration keeps", model_state),
+    ):
         fig, ax = _figure(len(runs), question, common)
         draw(ax, runs, labels)
         figs[name] = fig
@@ -213,8 +259,13 @@ def figures(runs: Sequence[dict[str, Any]], labels: Sequence[str], common: str,
     return figs
 
 
-def draw_all(runs: Sequence[dict[str, Any]], labels: Sequence[str], common: str, out: Path,
-             rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]]) -> list[Path]:
+def draw_all(
+    runs: Sequence[dict[str, Any]],
+    labels: Sequence[str],
+    common: str,
+    out: Path,
+    rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]],
+) -> list[Path]:
     """Write :data:`PLOTS` into ``out``; returns their paths."""
     import matplotlib.pyplot as plt
 

@@ -66,8 +66,9 @@ def _rank_main(nbytes: int, repeats: int) -> None:
         dist.destroy_process_group()
 
 
-def measure_ring_gbps(nodes: int, ranks_per_node: int, gbps: float, *, nbytes: int = 1 << 20, repeats: int = 5,
-                      timeout_s: float = 120.0) -> float:
+def measure_ring_gbps(
+    nodes: int, ranks_per_node: int, gbps: float, *, nbytes: int = 1 << 20, repeats: int = 5, timeout_s: float = 120.0
+) -> float:
     """Uplink Gbit/s of gloo ring all-gathers of ``nbytes`` per rank over a fresh ``nodes x
     ranks_per_node`` emulated cluster shaped at ``gbps`` (median of ``repeats``): each node's
     uplink carries ``(world - 1) * nbytes`` per all-gather. Needs root, like ``cluster=emulated``;
@@ -79,10 +80,16 @@ def measure_ring_gbps(nodes: int, ranks_per_node: int, gbps: float, *, nbytes: i
     world = nodes * ranks_per_node
     with EmulatedCluster(nodes, ranks_per_node, gbps, probe=False) as c:
         port = _free_port()
-        procs = [subprocess.Popen(
-            [*c.rank_command_prefix(r), *_SELF, "--rank-main", "--nbytes", str(nbytes), "--repeats", str(repeats)],
-            env={**os.environ, **c.rank_env(r, port)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [*c.rank_command_prefix(r), *_SELF, "--rank-main", "--nbytes", str(nbytes), "--repeats", str(repeats)],
+                env={**os.environ, **c.rank_env(r, port)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
         try:
             deadline = time.monotonic() + timeout_s
             outs = []
@@ -92,8 +99,10 @@ def measure_ring_gbps(nodes: int, ranks_per_node: int, gbps: float, *, nbytes: i
                     raise RuntimeError(f"ring probe rank {r} failed (exit {p.returncode}): {err.strip()[-1500:]}")
                 outs.append(out)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"ring probe did not finish within {timeout_s:.0f}s (a rank hung); raise timeout_s "
-                               f"or check the emulated cluster with `python -m experiments.cluster up`") from None
+            raise RuntimeError(
+                f"ring probe did not finish within {timeout_s:.0f}s (a rank hung); raise timeout_s "
+                f"or check the emulated cluster with `python -m experiments.cluster up`"
+            ) from None
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -121,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         with EmulatedCluster(a.nodes, a.ranks_per_node, g) as c:
             tcp = c.measured_gbps
         ring = measure_ring_gbps(a.nodes, a.ranks_per_node, g, nbytes=a.nbytes, repeats=a.repeats)
-        print(f"{g:g} Gbit/s shaped: TCP probe {tcp:.3f}, gloo ring all-gather {ring:.3f} Gbit/s "
-              f"({ring / tcp:.3f} of the probe)")
+        print(
+            f"{g:g} Gbit/s shaped: TCP probe {tcp:.3f}, gloo ring all-gather {ring:.3f} Gbit/s "
+            f"({ring / tcp:.3f} of the probe)"
+        )
 
 
 if __name__ == "__main__":

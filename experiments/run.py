@@ -81,8 +81,11 @@ def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
     }
 
 
-LAYOUT_KEYS = {"topology": ("nodes", "ranks_per_node"), "topology.nodes": ("nodes",),
-               "topology.ranks_per_node": ("ranks_per_node",)}
+LAYOUT_KEYS = {
+    "topology": ("nodes", "ranks_per_node"),
+    "topology.nodes": ("nodes",),
+    "topology.ranks_per_node": ("ranks_per_node",),
+}
 """Overrides that declare the node layout (``topology=2x2`` both fields); under torchrun the fields
 not declared come from the launcher."""
 
@@ -116,8 +119,11 @@ def validated(cfg: DictConfig, overrides: list[str], env: Mapping[str, str] | No
     ``topology.ranks_per_node`` not on the command line are the launcher's nodes and local ranks,
     so every setting is checked against the topology that will run."""
     layout = _launch_layout(env)
-    fill = {} if layout is None else {k: getattr(layout, k) for k in ("nodes", "ranks_per_node")
-                                      if k not in declared_layout(overrides)}
+    fill = (
+        {}
+        if layout is None
+        else {k: getattr(layout, k) for k in ("nodes", "ranks_per_node") if k not in declared_layout(overrides)}
+    )
     if fill:
         cfg = copy.deepcopy(cfg)
         for k, v in fill.items():
@@ -128,8 +134,10 @@ def validated(cfg: DictConfig, overrides: list[str], env: Mapping[str, str] | No
         if not fill:
             raise
         assert layout is not None
-        raise ConfigError(f"{e} (with {' '.join(f'topology.{k}={v}' for k, v in fill.items())} from the layout "
-                          f"torchrun started: {layout.describe()})") from None
+        raise ConfigError(
+            f"{e} (with {' '.join(f'topology.{k}={v}' for k, v in fill.items())} from the layout "
+            f"torchrun started: {layout.describe()})"
+        ) from None
 
 
 def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -142,10 +150,12 @@ def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | N
     if layout is None:  # a launcher that names no node layout: only the world size can be checked
         launched = int((os.environ if env is None else env)["WORLD_SIZE"])
         if launched != rc.world_size:
-            raise ConfigError(f"invalid config: torchrun started {launched} ranks but topology.nodes x "
-                              f"topology.ranks_per_node = {t.nodes} x {t.ranks_per_node} = {rc.world_size}; pass "
-                              "topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> multiplying to "
-                              f"{launched}")
+            raise ConfigError(
+                f"invalid config: torchrun started {launched} ranks but topology.nodes x "
+                f"topology.ranks_per_node = {t.nodes} x {t.ranks_per_node} = {rc.world_size}; pass "
+                "topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> multiplying to "
+                f"{launched}"
+            )
         return {"cluster": "torchrun"}
     declared = declared_layout(overrides)
     try:
@@ -157,8 +167,12 @@ def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | N
             f"topology.nodes={layout.nodes} topology.ranks_per_node={layout.ranks_per_node}. To pose as several nodes "
             "on one host, launch without torchrun: python -m experiments.run topology=<nodes>x<ranks per node>"
         ) from None
-    return {"cluster": "torchrun", "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
-            "declared": sorted(f"topology.{k}" for k in declared)}
+    return {
+        "cluster": "torchrun",
+        "nodes": layout.nodes,
+        "ranks_per_node": layout.ranks_per_node,
+        "declared": sorted(f"topology.{k}" for k in declared),
+    }
 
 
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
@@ -170,9 +184,11 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
         from .worker import run_rank
 
         if rc.cluster.name == "emulated":
-            raise ConfigError("invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
-                              "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
-                              "without torchrun")
+            raise ConfigError(
+                "invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
+                "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
+                "without torchrun"
+            )
         placed = check_launch(rc, info["overrides"])  # before this rank joins anything, on every rank
         summary = run_rank(_spec(rc, info))
         if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
@@ -182,15 +198,31 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     spec = _spec(rc, info)
     label = spec["label"]
     t = rc.topology
-    placement = (emulated_placement(t.world_size, t.ranks_per_node, rc.cluster.inter_gbps, rc.cluster.inter_latency_ms,
-                                    device=rc.launcher.device)
-                 if rc.cluster.name == "emulated" else local_placement(t.world_size))
+    placement = (
+        emulated_placement(
+            t.world_size,
+            t.ranks_per_node,
+            rc.cluster.inter_gbps,
+            rc.cluster.inter_latency_ms,
+            device=rc.launcher.device,
+        )
+        if rc.cluster.name == "emulated"
+        else local_placement(t.world_size)
+    )
     print(f"zeropp: {label} -> {run_dir}", file=sys.stderr, flush=True)
     started = time.time_ns()
     try:
-        placed = launch(module=worker_module(__package__), spec=spec, run_dir=run_dir, world_size=t.world_size,
-                        ranks_per_node=t.ranks_per_node, placement_cm=placement, timeout_s=rc.launcher.timeout_s,
-                        grace_s=rc.launcher.grace_s, heartbeat_s=rc.launcher.heartbeat_s)
+        placed = launch(
+            module=worker_module(__package__),
+            spec=spec,
+            run_dir=run_dir,
+            world_size=t.world_size,
+            ranks_per_node=t.ranks_per_node,
+            placement_cm=placement,
+            timeout_s=rc.launcher.timeout_s,
+            grace_s=rc.launcher.grace_s,
+            heartbeat_s=rc.launcher.heartbeat_s,
+        )
     except RankFailure:
         diverged = recorded_divergence(run_dir / "summary.json", started)
         if diverged is None:
@@ -229,9 +261,15 @@ def recorded_divergence(path: Path, since_ns: int) -> RunDiverged | None:
 
 def _spec(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any]:
     """What every rank is given: the validated config and where and under what name it runs."""
-    return {"config": rc.to_dict(), "run_dir": info["run_dir"], "name": info["name"], "group": info["group"],
-            "overrides": info["overrides"], "label": rc.describe(info["model_name"]),
-            "model_name": info["model_name"]}
+    return {
+        "config": rc.to_dict(),
+        "run_dir": info["run_dir"],
+        "name": info["name"],
+        "group": info["group"],
+        "overrides": info["overrides"],
+        "label": rc.describe(info["model_name"]),
+        "model_name": info["model_name"],
+    }
 
 
 def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
@@ -243,8 +281,14 @@ def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
     check_overrides(overrides)
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    info = {"run_dir": str(run_dir), "overrides": list(overrides), "name": ",".join(overrides) or "defaults",
-            "group": None, "multirun": False, "model_name": cfg.hydra.runtime.choices.get("model") or ""}
+    info = {
+        "run_dir": str(run_dir),
+        "overrides": list(overrides),
+        "name": ",".join(overrides) or "defaults",
+        "group": None,
+        "multirun": False,
+        "model_name": cfg.hydra.runtime.choices.get("model") or "",
+    }
     rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     summary = execute(rc, info)
@@ -272,7 +316,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
-        code = (2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+        code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
         if in_torchrun() or not info["multirun"]:
@@ -285,9 +329,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 @record  # under torchrun: a rank's exception goes to torch's error file
 def cli() -> None:
     if in_torchrun() and any(a in ("-m", "--multirun") or a.startswith("sweep=") for a in sys.argv[1:]):
-        print("error: multirun/sweeps under torchrun are not supported (every job would re-join the same "
-              "rendezvous); run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally",
-              file=sys.stderr)
+        print(
+            "error: multirun/sweeps under torchrun are not supported (every job would re-join the same "
+            "rendezvous); run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         check_overrides(sys.argv[1:])

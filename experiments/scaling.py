@@ -193,8 +193,11 @@ class Workload:
             ("hpz", not self.hpz or self.stage == 3, "hpZ partitions stage-3 weights; set stage=3 or hpz=False"),
             ("grads", self.grads is None or self.stage >= 1, "stage 0 all-reduces; set stage>=1 or grads=None"),
             ("hpz_size", self.hpz_size is None or self.hpz_size >= 1, "use a positive group size or None (the node)"),
-            ("weight_diff", self.weight_diff is None or self.stage in (1, 2) or (self.stage == 3 and self.hpz),
-             "weight differences refresh stages 1-2 replicas or stage 3's hpZ secondaries; set stage 1-2, or hpz=True"),
+            (
+                "weight_diff",
+                self.weight_diff is None or self.stage in (1, 2) or (self.stage == 3 and self.hpz),
+                "weight differences refresh stages 1-2 replicas or stage 3's hpZ secondaries; set stage 1-2, or hpz=True",
+            ),
             ("dtype_bytes", self.dtype_bytes in (2, 4), "use 2 (bf16/fp16) or 4 (fp32)"),
             ("grad_accum", self.grad_accum >= 1, "use >= 1"),
             ("allgather_bucket", self.allgather_bucket >= 1, "use >= 1 element"),
@@ -208,23 +211,38 @@ class Workload:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
     @classmethod
-    def from_zero(cls, zero: ZeroConfig | Any, *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int,
-                  **kw: Any) -> Workload:
+    def from_zero(
+        cls, zero: ZeroConfig | Any, *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int, **kw: Any
+    ) -> Workload:
         """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
         wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
         ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes too when it
         has them); ``kw`` sets the rest. A ``persistence_threshold`` is refused: the model has no
         replicated stage-3 unit, so its bytes would be silently wrong."""
         if getattr(zero, "persistence_threshold", 0):
-            raise ValueError(f"ZeroConfig.persistence_threshold={zero.persistence_threshold} is not modelled (its "
-                             "parameters form an all-reduced unit); project runs with persistence_threshold=0")
-        buckets = {k: getattr(zero, f"{k}_size") for k in ("allgather_bucket", "reduce_bucket")
-                   if getattr(zero, f"{k}_size", None) is not None}
-        return cls(units=tuple(units), compute_s=compute_s, tokens_per_rank=tokens_per_rank, stage=zero.stage,
-                   weights=zero.weights, grads=zero.grads, hpz=zero.hpz, hpz_size=zero.hpz_size,
-                   weight_diff=getattr(zero, "weight_diff", None),
-                   dtype_bytes=4 if zero.precision == "fp32" else 2, grad_accum=zero.grad_accum_steps,
-                   **{**buckets, **kw})
+            raise ValueError(
+                f"ZeroConfig.persistence_threshold={zero.persistence_threshold} is not modelled (its "
+                "parameters form an all-reduced unit); project runs with persistence_threshold=0"
+            )
+        buckets = {
+            k: getattr(zero, f"{k}_size")
+            for k in ("allgather_bucket", "reduce_bucket")
+            if getattr(zero, f"{k}_size", None) is not None
+        }
+        return cls(
+            units=tuple(units),
+            compute_s=compute_s,
+            tokens_per_rank=tokens_per_rank,
+            stage=zero.stage,
+            weights=zero.weights,
+            grads=zero.grads,
+            hpz=zero.hpz,
+            hpz_size=zero.hpz_size,
+            weight_diff=getattr(zero, "weight_diff", None),
+            dtype_bytes=4 if zero.precision == "fp32" else 2,
+            grad_accum=zero.grad_accum_steps,
+            **{**buckets, **kw},
+        )
 
     @property
     def weight_group_size(self) -> int:
@@ -274,10 +292,18 @@ def plan_for(w: Workload, c: Cluster) -> CommPlan:
     from zeropp.comm.topology import Topology
     from zeropp.runtime import ZeroConfig
 
-    zero = ZeroConfig(stage=w.stage, weights=w.weights, grads=w.grads, hpz=w.hpz,
-                      hpz_size=w.hpz_size if w.hpz else None, weight_diff=w.weight_diff,
-                      precision=Precision.fp32 if w.dtype_bytes == 4 else Precision.bf16, grad_accum_steps=w.grad_accum,
-                      allgather_bucket_size=w.allgather_bucket, reduce_bucket_size=w.reduce_bucket)
+    zero = ZeroConfig(
+        stage=w.stage,
+        weights=w.weights,
+        grads=w.grads,
+        hpz=w.hpz,
+        hpz_size=w.hpz_size if w.hpz else None,
+        weight_diff=w.weight_diff,
+        precision=Precision.fp32 if w.dtype_bytes == 4 else Precision.bf16,
+        grad_accum_steps=w.grad_accum,
+        allgather_bucket_size=w.allgather_bucket,
+        reduce_bucket_size=w.reduce_bucket,
+    )
     return build_plan(w.units, zero, Topology(nodes=c.nodes, ranks_per_node=c.ranks_per_node))
 
 
@@ -290,8 +316,10 @@ def plan_messages(plan: CommPlan) -> list[Message]:
         if m.counted:
             key = (m.kind, m.algo, m.nodes, m.ranks, m.peer_bytes, m.unit, m.phase)
             merged[key] = merged.get(key, 0) + 1
-    return [Message(kind, algo, nodes, ranks, b, count, unit, phase)
-            for (kind, algo, nodes, ranks, b, unit, phase), count in merged.items()]
+    return [
+        Message(kind, algo, nodes, ranks, b, count, unit, phase)
+        for (kind, algo, nodes, ranks, b, unit, phase), count in merged.items()
+    ]
 
 
 def messages(w: Workload, c: Cluster) -> list[Message]:
@@ -478,12 +506,23 @@ def project(w: Workload, c: Cluster) -> Projection:
     comm = sum(collective_time(m, c) * m.count for m in msgs) + control_time(w, c) + q
     step = w.compute_s + comm - w.overlap * min(w.compute_s, comm)
     tps = w.tokens_per_rank * c.world / step
-    return Projection(c, comm, w.compute_s, step, tps, w.flops_per_token * w.tokens_per_rank / step / 1e12,
-                      node_cross_bytes(msgs, c), pairwise_bytes(msgs), uplink_bytes(msgs, c), q)
+    return Projection(
+        c,
+        comm,
+        w.compute_s,
+        step,
+        tps,
+        w.flops_per_token * w.tokens_per_rank / step / 1e12,
+        node_cross_bytes(msgs, c),
+        pairwise_bytes(msgs),
+        uplink_bytes(msgs, c),
+        q,
+    )
 
 
-def gpt_units(*, vocab: int, seq_len: int, d_model: int, n_layers: int, mlp_ratio: int = 4,
-              tie_embeddings: bool = True) -> tuple[int, ...]:
+def gpt_units(
+    *, vocab: int, seq_len: int, d_model: int, n_layers: int, mlp_ratio: int = 4, tie_embeddings: bool = True
+) -> tuple[int, ...]:
     """Communication units of zeropp's GPT: root (embeddings, final norm, head), then each block.
     With ``tie_embeddings`` (the GPT's default) the head's weight is the token embedding, counted once."""
     d, h = d_model, d_model * mlp_ratio
@@ -498,34 +537,59 @@ def paper_workload(*, tokens_per_gpu: int = 1024, achieved_tflops: float = 50.0)
     activation recomputation (8 flops per parameter per token)."""
     units = gpt_units(vocab=50304, seq_len=2048, d_model=6144, n_layers=40, tie_embeddings=False)
     n = sum(units)
-    return Workload(units=units, compute_s=8 * n * tokens_per_gpu / (achieved_tflops * 1e12),
-                    tokens_per_rank=tokens_per_gpu, stage=3, flops_per_token=6.0 * n)
+    return Workload(
+        units=units,
+        compute_s=8 * n * tokens_per_gpu / (achieved_tflops * 1e12),
+        tokens_per_rank=tokens_per_gpu,
+        stage=3,
+        flops_per_token=6.0 * n,
+    )
 
 
-ZEROPP: dict[str, Any] = {"weights": RECIPES["zeropp"].weights, "grads": RECIPES["zeropp"].grads,
-                          "hpz": RECIPES["zeropp"].hpz}
+ZEROPP: dict[str, Any] = {
+    "weights": RECIPES["zeropp"].weights,
+    "grads": RECIPES["zeropp"].grads,
+    "hpz": RECIPES["zeropp"].hpz,
+}
 """The full ZeRO++ switches (the ``zeropp`` recipe: qwZ INT8, hpZ, qgZ INT4), for :meth:`Workload.with_zero`."""
 
 
-def speedup_table(w: Workload, *, gbps: Iterable[float] = (100.0, 400.0), ranks_per_node: int = 8,
-                  max_ranks: int = 384, nics_per_node: int | None = None,
-                  projector: Callable[[Workload, Cluster], Projection] | None = None) -> list[dict[str, float]]:
+def speedup_table(
+    w: Workload,
+    *,
+    gbps: Iterable[float] = (100.0, 400.0),
+    ranks_per_node: int = 8,
+    max_ranks: int = 384,
+    nics_per_node: int | None = None,
+    projector: Callable[[Workload, Cluster], Projection] | None = None,
+) -> list[dict[str, float]]:
     """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth, projected by
     ``projector`` (default :func:`project`; ``step_schedule.project_scheduled`` for overlap)."""
     projector = projector or project
     rows = []
     base = w.with_zero(weights=None, hpz=False, grads=None)
     plus = w.with_zero(**ZEROPP)
-    node_counts = sorted({n for n in (1, 2, 4, 8, 16, 24, 32, 48) if n * ranks_per_node <= max_ranks}
-                         | {max_ranks // ranks_per_node})
+    node_counts = sorted(
+        {n for n in (1, 2, 4, 8, 16, 24, 32, 48) if n * ranks_per_node <= max_ranks} | {max_ranks // ranks_per_node}
+    )
     for bw in gbps:
         for n in node_counts:
             c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw, nics_per_node=nics_per_node)
             p0, p1 = projector(base, c), projector(plus, c)
-            rows.append({"gbps": bw, "nodes": n, "gpus": c.world, "zero3_step_s": p0.step_s,
-                         "zeropp_step_s": p1.step_s, "zero3_tflops": p0.tflops_per_rank,
-                         "zeropp_tflops": p1.tflops_per_rank, "speedup": p0.step_s / p1.step_s,
-                         "zero3_cross_gb": p0.node_cross_bytes / 1e9, "zeropp_cross_gb": p1.node_cross_bytes / 1e9})
+            rows.append(
+                {
+                    "gbps": bw,
+                    "nodes": n,
+                    "gpus": c.world,
+                    "zero3_step_s": p0.step_s,
+                    "zeropp_step_s": p1.step_s,
+                    "zero3_tflops": p0.tflops_per_rank,
+                    "zeropp_tflops": p1.tflops_per_rank,
+                    "speedup": p0.step_s / p1.step_s,
+                    "zero3_cross_gb": p0.node_cross_bytes / 1e9,
+                    "zeropp_cross_gb": p1.node_cross_bytes / 1e9,
+                }
+            )
     return rows
 
 
@@ -536,8 +600,11 @@ PROJECTION_COLUMNS = (
     Column(title="ZeRO++ s", width=9, cell=number("zeropp_step_s", ".2f")),
     Column(title="ZeRO-3 TF", width=9, cell=number("zero3_tflops", ".1f")),
     Column(title="ZeRO++ TF", width=9, cell=number("zeropp_tflops", ".1f")),
-    Column(title="x-node GB/node (3 -> ++)", width=25,
-           cell=lambda r: f"{r['zero3_cross_gb']:.1f} -> {r['zeropp_cross_gb']:>8.1f}"),
+    Column(
+        title="x-node GB/node (3 -> ++)",
+        width=25,
+        cell=lambda r: f"{r['zero3_cross_gb']:.1f} -> {r['zeropp_cross_gb']:>8.1f}",
+    ),
     Column(title="speedup", width=8, cell=number("speedup", ".2f", suffix="x")),
 )
 """The columns of :func:`format_table` (the rows of :func:`speedup_table`)."""
@@ -572,8 +639,12 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None, *, projector: Callable[[Workload, Cluster], Projection] | None = None,
-         prog: str = "python -m experiments.scaling") -> None:
+def main(
+    argv: list[str] | None = None,
+    *,
+    projector: Callable[[Workload, Cluster], Projection] | None = None,
+    prog: str = "python -m experiments.scaling",
+) -> None:
     """The projection table and plot; ``projector`` as in :func:`speedup_table` (the scheduled
     model's CLI, ``python -m experiments.step_schedule``, passes its own)."""
     import argparse
@@ -582,29 +653,50 @@ def main(argv: list[str] | None = None, *, projector: Callable[[Workload, Cluste
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC")
     ap.add_argument("--ranks-per-node", type=int, default=8)
-    ap.add_argument("--nics-per-node", type=int, default=None,
-                    help="cross-node NICs per node, each shared by ranks-per-node/nics ranks (default: one per GPU)")
+    ap.add_argument(
+        "--nics-per-node",
+        type=int,
+        default=None,
+        help="cross-node NICs per node, each shared by ranks-per-node/nics ranks (default: one per GPU)",
+    )
     ap.add_argument("--max-gpus", type=int, default=384)
     ap.add_argument("--tokens-per-gpu", type=int, default=1024)
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
     ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
-    ap.add_argument("--plot", default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
-                    help="where to save the plot ('' to skip)")
+    ap.add_argument(
+        "--plot",
+        default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
+        help="where to save the plot ('' to skip)",
+    )
     a = ap.parse_args(argv)
     if projector is not None and a.overlap:
-        ap.error("--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "
-                 "issue order (leave --overlap out, or use python -m experiments.scaling)")
-    w = dataclasses.replace(paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops),
-                            overlap=a.overlap)
+        ap.error(
+            "--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "
+            "issue order (leave --overlap out, or use python -m experiments.scaling)"
+        )
+    w = dataclasses.replace(
+        paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops), overlap=a.overlap
+    )
     nics = a.nics_per_node or a.ranks_per_node
-    print(f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
-          f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node, "
-          f"{nics} NIC(s)/node of the given Gbps, each shared by {a.ranks_per_node // nics} GPU(s); "
-          f"quantization at {w.quant_gbs:g} GB/s; "
-          + ("serial step (compute + communication)" if projector is None
-             else "scheduled step (overlap as the engine issues)"))
-    rows = speedup_table(w, gbps=a.gbps, ranks_per_node=a.ranks_per_node, max_ranks=a.max_gpus,
-                         nics_per_node=a.nics_per_node, projector=projector)
+    print(
+        f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
+        f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node, "
+        f"{nics} NIC(s)/node of the given Gbps, each shared by {a.ranks_per_node // nics} GPU(s); "
+        f"quantization at {w.quant_gbs:g} GB/s; "
+        + (
+            "serial step (compute + communication)"
+            if projector is None
+            else "scheduled step (overlap as the engine issues)"
+        )
+    )
+    rows = speedup_table(
+        w,
+        gbps=a.gbps,
+        ranks_per_node=a.ranks_per_node,
+        max_ranks=a.max_gpus,
+        nics_per_node=a.nics_per_node,
+        projector=projector,
+    )
     print(format_table(rows))
     if a.plot:
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)

@@ -44,8 +44,9 @@ from .scaling import (
 from .step_schedule import message_transfer
 from .text_table import Column, number, text_table
 
-EMULATOR_LINKS: dict[str, Any] = dict(intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6, nics_per_node=1,
-                                      parallel_links=True, wire="ring")
+EMULATOR_LINKS: dict[str, Any] = dict(
+    intra_gbps=20.0, alpha_cross_s=100e-6, alpha_intra_s=50e-6, nics_per_node=1, parallel_links=True, wire="ring"
+)
 """Link constants of an emulated (CPU, gloo) cluster: loopback rate and per-message overheads
 (uncalibrated defaults; ``bench_cluster --check`` measures the loopback rate), one shared uplink
 per node, and gloo's ring schedule for all-gathers and reduce-scatters on the wire
@@ -59,8 +60,9 @@ def emulator_cluster(nodes: int, ranks_per_node: int, gbps: float, **kw: Any) ->
     return Cluster(nodes=nodes, ranks_per_node=ranks_per_node, cross_gbps=gbps, **{**EMULATOR_LINKS, **kw})
 
 
-def calibrate_cpu_side(w: Workload, nodes: int, ranks_per_node: int, *, wait_s: float,
-                       loopback_gbps: float) -> dict[str, float]:
+def calibrate_cpu_side(
+    w: Workload, nodes: int, ranks_per_node: int, *, wait_s: float, loopback_gbps: float
+) -> dict[str, float]:
     """The CPU-side constants of an emulated run, from the same job's link-free run
     (``cluster=local``: every byte crosses the loopback, so its communication wait ``wait_s`` is
     all CPU work). The scheduled model's CPU side of a step (``step_schedule.message_transfer``
@@ -76,12 +78,17 @@ def calibrate_cpu_side(w: Workload, nodes: int, ranks_per_node: int, *, wait_s: 
     cpu += control_messages(w, c) * c.alpha_cross_s
     rest = wait_s - quant_time(w, c)
     scale = max(rest, 0.0) / cpu if cpu > 0 else 0.0
-    return {"scale": scale, "alpha_cross_s": c.alpha_cross_s * scale, "alpha_intra_s": c.alpha_intra_s * scale,
-            "intra_gbps": loopback_gbps / scale if scale > 0 else float("inf")}
+    return {
+        "scale": scale,
+        "alpha_cross_s": c.alpha_cross_s * scale,
+        "alpha_intra_s": c.alpha_intra_s * scale,
+        "intra_gbps": loopback_gbps / scale if scale > 0 else float("inf"),
+    }
 
 
-def measure_quant_rates(w: Workload, c: Cluster, *, repeats: int = 3,
-                        threads: int | None = 1) -> tuple[tuple[str, int, float], ...]:
+def measure_quant_rates(
+    w: Workload, c: Cluster, *, repeats: int = 3, threads: int | None = 1
+) -> tuple[tuple[str, int, float], ...]:
     """Throughput of each quantize/dequantize op a step of ``w`` on ``c`` runs, timed on this
     machine with zeropp.kernels at exactly the per-rank shapes zeropp.comm uses (one call per
     communication unit, median of ``repeats``), as ``Workload.quant_rates``: ``(op, bits, GB/s
@@ -106,8 +113,9 @@ def _rates_worker(args: tuple) -> tuple[tuple[str, int, float], ...]:
     return measure_quant_rates(w, c, repeats=repeats)
 
 
-def measure_quant_rates_contended(w: Workload, c: Cluster, *, procs: int | None = None,
-                                  repeats: int = 3) -> tuple[tuple[str, int, float], ...]:
+def measure_quant_rates_contended(
+    w: Workload, c: Cluster, *, procs: int | None = None, repeats: int = 3
+) -> tuple[tuple[str, int, float], ...]:
     """:func:`measure_quant_rates` in ``procs`` processes at once (default: the world size, one
     per rank, one thread each), median rate per op: the kernels as the run's ranks ran them,
     sharing this host's cores with each other and with whatever else loads it at the time. On
@@ -152,8 +160,11 @@ def measure_loopback_gbps(world: int, *, nbytes: int = 1 << 20, repeats: int = 5
     through the kernel's TCP loopback that an emulated node's ranks make, under this host's load."""
     from zeropp.launch import launch_world
 
-    t = max(launch_world(_loopback_rank, world, args=(nbytes, repeats), process_group="gloo", threads=1,
-                         timeout_s=timeout_s))
+    t = max(
+        launch_world(
+            _loopback_rank, world, args=(nbytes, repeats), process_group="gloo", threads=1, timeout_s=timeout_s
+        )
+    )
     return (world - 1) * nbytes / max(t, 1e-9) / GBPS
 
 
@@ -185,16 +196,19 @@ def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, i
             gs, (ib, b) = w.grad_group_size, w.grads.hop_bits
             if N > 1 and R > 1:
                 calls.setdefault(("quantize", ib), []).append(
-                    (lambda x=rand(W * n), ib=ib, gs=gs: quantize(x, ib, gs, rows=W), W * n))
+                    (lambda x=rand(W * n), ib=ib, gs=gs: quantize(x, ib, gs, rows=W), W * n)
+                )
                 qi = stacked(rand(W * n), R, N, ib, gs, n)
                 calls.setdefault(("dequantize_sum_requantize", ib), []).append(
-                    (lambda q=qi, b=b, gs=gs: dequantize_sum_requantize(q, b, gs), W * n))
+                    (lambda q=qi, b=b, gs=gs: dequantize_sum_requantize(q, b, gs), W * n)
+                )
                 qc = stacked(rand(N * n), N, 1, b, gs, n)
                 calls.setdefault(("dequantize_sum", b), []).append((lambda q=qc: dequantize_sum(q), N * n))
             else:
                 sb = ib if N == 1 else b
                 calls.setdefault(("quantize", sb), []).append(
-                    (lambda x=rand(W * n), sb=sb, gs=gs: quantize(x, sb, gs, rows=W), W * n))
+                    (lambda x=rand(W * n), sb=sb, gs=gs: quantize(x, sb, gs, rows=W), W * n)
+                )
                 qs = stacked(rand(W * n), W, 1, sb, gs, n)
                 calls.setdefault(("dequantize_sum", sb), []).append((lambda q=qs: dequantize_sum(q), W * n))
     out = []
@@ -229,8 +243,13 @@ def summary_units(summary: dict) -> tuple[int, ...]:
     the split goes to the root). Per-unit sizes only shift latency terms; the total is exact."""
     m = summary["config"]["model"]
     if "mlp_ratio" in m:
-        return gpt_units(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"], n_layers=m["n_layers"],
-                         mlp_ratio=m["mlp_ratio"])
+        return gpt_units(
+            vocab=m["vocab_size"],
+            seq_len=m["seq_len"],
+            d_model=m["d_model"],
+            n_layers=m["n_layers"],
+            mlp_ratio=m["mlp_ratio"],
+        )
     total = int(summary["model"]["params"])
     layers = int(m.get("n_layers") or 0)
     root = min(int(m.get("vocab_size", 0)) * int(m.get("d_model", 0)), total)
@@ -250,9 +269,14 @@ def workload_from_summary(summary: dict, quant_rates: tuple[tuple[str, int, floa
     compute = max(summary["step_time_s"]["mean"] - (comm_wait_s(summary) or 0.0), 0.0)
     zero = types.SimpleNamespace(**{**z, "weights": _spec(z.get("weights")), "grads": _spec(z.get("grads"))})
     units = summary_units(summary)
-    return Workload.from_zero(zero, units=units, compute_s=compute,
-                              tokens_per_rank=cfg["train"]["micro_batch_size"] * z["grad_accum_steps"] * m["seq_len"],
-                              flops_per_token=summary["model"]["flops_per_token"], quant_rates=tuple(quant_rates))
+    return Workload.from_zero(
+        zero,
+        units=units,
+        compute_s=compute,
+        tokens_per_rank=cfg["train"]["micro_batch_size"] * z["grad_accum_steps"] * m["seq_len"],
+        flops_per_token=summary["model"]["flops_per_token"],
+        quant_rates=tuple(quant_rates),
+    )
 
 
 def _is_zeropp(summary: dict) -> bool:
@@ -273,15 +297,19 @@ def _measured_cluster(s: dict, cross_gbps: float | None, intra_gbps: float, alph
     cfg = s["config"]
     bw = cross_gbps if cross_gbps is not None else link_gbps(s)
     if bw is None:
-        raise ValueError(f"run {s.get('run_dir')} is cluster=local: give its cross-node rate (cross_gbps, "
-                         "--cross-gbps on the command line)")
+        raise ValueError(
+            f"run {s.get('run_dir')} is cluster=local: give its cross-node rate (cross_gbps, "
+            "--cross-gbps on the command line)"
+        )
     topo = cfg["topology"]
-    return emulator_cluster(topo["nodes"], topo["ranks_per_node"], bw, intra_gbps=intra_gbps, alpha_cross_s=alpha_s,
-                            alpha_intra_s=alpha_s)
+    return emulator_cluster(
+        topo["nodes"], topo["ranks_per_node"], bw, intra_gbps=intra_gbps, alpha_cross_s=alpha_s, alpha_intra_s=alpha_s
+    )
 
 
-def _rates_for(summaries: list[dict], cross_gbps: float | None,
-               quant_rates: tuple[tuple[str, int, float], ...] | None) -> dict[int, tuple]:
+def _rates_for(
+    summaries: list[dict], cross_gbps: float | None, quant_rates: tuple[tuple[str, int, float], ...] | None
+) -> dict[int, tuple]:
     """Quantization rates per run (index): the given ones, else measured here once per shape."""
     out: dict[int, tuple] = {}
     cache: dict[tuple, tuple] = {}
@@ -302,8 +330,12 @@ def _rates_for(summaries: list[dict], cross_gbps: float | None,
     return out
 
 
-def calibrate(summaries: Iterable[dict], *, cross_gbps: float | None = None,
-              quant_rates: tuple[tuple[str, int, float], ...] | None = None) -> dict[str, float]:
+def calibrate(
+    summaries: Iterable[dict],
+    *,
+    cross_gbps: float | None = None,
+    quant_rates: tuple[tuple[str, int, float], ...] | None = None,
+) -> dict[str, float]:
     """Fit the two constants a CPU run cannot know in advance: the per-message-step latency (gloo
     and scheduling overhead) and the intra-node (loopback) rate, by least squares on the measured
     communication wait minus the charged link and quantization time, with the cross-node rate
@@ -336,9 +368,15 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
     return {"alpha_s": alpha, "intra_gbps": 1.0 / inv_bw / GBPS}
 
 
-def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = None, intra_gbps: float = 20.0,
-                     alpha_s: float = 100e-6, calibrated: bool = False,
-                     quant_rates: tuple[tuple[str, int, float], ...] | None = None) -> list[dict]:
+def compare_measured(
+    summaries: Iterable[dict],
+    *,
+    cross_gbps: float | None = None,
+    intra_gbps: float = 20.0,
+    alpha_s: float = 100e-6,
+    calibrated: bool = False,
+    quant_rates: tuple[tuple[str, int, float], ...] | None = None,
+) -> list[dict]:
     """Predicted vs measured step time and bytes for each run (trainer=zeropp runs only).
 
     ``cross_gbps`` defaults to the emulator's measured (else configured) link rate recorded in the
@@ -367,16 +405,27 @@ def compare_measured(summaries: Iterable[dict], *, cross_gbps: float | None = No
         meas_cross, meas_intra = eng["by_link"]["cross"], eng["by_link"]["intra"]
         pred_cross = sum(v for k, v in p.pairwise.items() if k.endswith(".cross"))
         pred_intra = sum(v for k, v in p.pairwise.items() if k.endswith(".intra"))
-        rows.append({
-            "label": s["label"], "run_dir": s.get("run_dir"), "cross_gbps": c.cross_gbps, "alpha_s": alpha_s,
-            "intra_gbps": intra_gbps, "measured_step_s": measured_step, "predicted_step_s": p.step_s,
-            "step_error": p.step_s / measured_step - 1 if measured_step else math.nan,
-            "measured_comm_s": comm_wait_s(s), "predicted_comm_s": p.comm_s, "predicted_quant_s": p.quant_s,
-            "measured_cross_bytes": meas_cross, "predicted_cross_bytes": pred_cross,
-            "bytes_error": pred_cross / meas_cross - 1 if meas_cross else math.nan,
-            "measured_intra_bytes": meas_intra, "predicted_intra_bytes": pred_intra,
-            "intra_bytes_error": pred_intra / meas_intra - 1 if meas_intra else math.nan,
-        })
+        rows.append(
+            {
+                "label": s["label"],
+                "run_dir": s.get("run_dir"),
+                "cross_gbps": c.cross_gbps,
+                "alpha_s": alpha_s,
+                "intra_gbps": intra_gbps,
+                "measured_step_s": measured_step,
+                "predicted_step_s": p.step_s,
+                "step_error": p.step_s / measured_step - 1 if measured_step else math.nan,
+                "measured_comm_s": comm_wait_s(s),
+                "predicted_comm_s": p.comm_s,
+                "predicted_quant_s": p.quant_s,
+                "measured_cross_bytes": meas_cross,
+                "predicted_cross_bytes": pred_cross,
+                "bytes_error": pred_cross / meas_cross - 1 if meas_cross else math.nan,
+                "measured_intra_bytes": meas_intra,
+                "predicted_intra_bytes": pred_intra,
+                "intra_bytes_error": pred_intra / meas_intra - 1 if meas_intra else math.nan,
+            }
+        )
     return rows
 
 
@@ -413,13 +462,20 @@ def main(argv: list[str] | None = None) -> None:
     if not paths:
         raise SystemExit(f"error: no summary.json under {a.runs}")
     try:
-        rows = compare_measured([json.loads(p.read_text()) for p in paths], cross_gbps=a.cross_gbps,
-                                intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate)
+        rows = compare_measured(
+            [json.loads(p.read_text()) for p in paths],
+            cross_gbps=a.cross_gbps,
+            intra_gbps=a.intra_gbps,
+            alpha_s=a.alpha,
+            calibrated=a.calibrate,
+        )
     except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
         raise SystemExit(f"error: {e}") from None
     if rows:
-        print(f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
-              f"{1e6 * rows[0]['alpha_s']:.0f} us per message step")
+        print(
+            f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
+            f"{1e6 * rows[0]['alpha_s']:.0f} us per message step"
+        )
     print(format_comparison(rows))
 
 

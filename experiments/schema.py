@@ -44,6 +44,7 @@ from .config import EXCLUDED, MODEL_KINDS, SECTION_CLASSES, TRAINERS
 TOPOLOGIES = ("1x1", "1x2", "1x4", "2x1", "2x2", "2x4", "4x1", "4x2", "3x2")
 """``topology=`` options (nodes x ranks per node); any other shape: ``topology.nodes=N topology.ranks_per_node=R``."""
 
+
 def _schema_type(tp: Any) -> Any:
     """The OmegaConf-compatible annotation of a library field type."""
     origin = typing.get_origin(tp)
@@ -78,8 +79,17 @@ def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
             default = f.default
             if dataclasses.is_dataclass(default):  # a dataclass instance default: rebuild per instance
                 sub = schema_of(type(default))
-                fields.append((f.name, tp, dataclasses.field(default_factory=lambda s=sub, d=default: s(
-                    **{k.name: getattr(d, k.name) for k in dataclasses.fields(s)}))))
+                fields.append(
+                    (
+                        f.name,
+                        tp,
+                        dataclasses.field(
+                            default_factory=lambda s=sub, d=default: s(
+                                **{k.name: getattr(d, k.name) for k in dataclasses.fields(s)}
+                            )
+                        ),
+                    )
+                )
             else:
                 fields.append((f.name, tp, dataclasses.field(default=default)))
         elif f.default_factory is not dataclasses.MISSING:
@@ -101,8 +111,10 @@ def model_schema() -> type:
         for f in dataclasses.fields(sub):
             if f.name in seen:
                 if seen[f.name] != hints[f.name]:
-                    raise TypeError(f"model.{f.name} has type {seen[f.name]} in one model kind and {hints[f.name]} "
-                                    f"in {cls.__name__}; shared model keys must mean the same")
+                    raise TypeError(
+                        f"model.{f.name} has type {seen[f.name]} in one model kind and {hints[f.name]} "
+                        f"in {cls.__name__}; shared model keys must mean the same"
+                    )
                 continue
             seen[f.name] = hints[f.name]
             fields.append((f.name, hints[f.name], dataclasses.field(default=f.default)))
@@ -135,9 +147,17 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=run_schema())
     for name, r in RECIPES.items():
-        cs.store(group="quant", name=name, package="zero",
-                 node={"weights": _spec_node(r.weights), "grads": _spec_node(r.grads),
-                       "weight_diff": _spec_node(r.weight_diff), "hpz": r.hpz})
+        cs.store(
+            group="quant",
+            name=name,
+            package="zero",
+            node={
+                "weights": _spec_node(r.weights),
+                "grads": _spec_node(r.grads),
+                "weight_diff": _spec_node(r.weight_diff),
+                "hpz": r.hpz,
+            },
+        )
     for name, sizes in MODEL_PRESETS.items():
         cs.store(group="model", name=name, package="model", node={"kind": "gpt", **sizes})
     # model=hf: every HFConfig field at its default, so the union's GPT defaults of shared keys are replaced
@@ -151,8 +171,12 @@ def register() -> None:
 
 def group_options() -> dict[str, list[str]]:
     """Generated group -> option names (for the command-line pre-check and ``--help``)."""
-    return {"quant": sorted(RECIPES), "model": [*MODEL_PRESETS, "hf"], "topology": list(TOPOLOGIES),
-            "trainer": list(TRAINERS)}
+    return {
+        "quant": sorted(RECIPES),
+        "model": [*MODEL_PRESETS, "hf"],
+        "topology": list(TOPOLOGIES),
+        "trainer": list(TRAINERS),
+    }
 
 
 __all__ = ["TOPOLOGIES", "group_options", "model_schema", "register", "run_schema", "schema_of"]

@@ -16,9 +16,30 @@ from typing import Any
 
 from zeropp.comm.choices import StrChoice
 
-__all__ = ["MAX_SECONDS", "MIN_CORPUS_BYTES", "SEED_LIMIT", "TRAINERS", "ClusterConfig", "ClusterName", "ConfigError",
-           "DataConfig", "DataKind", "DataSource", "LauncherConfig", "LauncherDevice", "LoggerConfig", "LoggerMode",
-           "LoggerName", "TrainConfig", "TrainerConfig", "TrainerName", "check", "choice", "pos_int", "unused"]
+__all__ = [
+    "MAX_SECONDS",
+    "MIN_CORPUS_BYTES",
+    "SEED_LIMIT",
+    "TRAINERS",
+    "ClusterConfig",
+    "ClusterName",
+    "ConfigError",
+    "DataConfig",
+    "DataKind",
+    "DataSource",
+    "LauncherConfig",
+    "LauncherDevice",
+    "LoggerConfig",
+    "LoggerMode",
+    "LoggerName",
+    "TrainConfig",
+    "TrainerConfig",
+    "TrainerName",
+    "check",
+    "choice",
+    "pos_int",
+    "unused",
+]
 
 
 class TrainerName(StrChoice):
@@ -99,8 +120,12 @@ def choice(obj: Any, name: str, choices: type[StrChoice], key: str, allowed: str
 
 def pos_int(key: str, value: Any, minimum: int = 1) -> None:
     """``value`` is an int (not a bool) >= ``minimum``, else :class:`ConfigError`."""
-    check(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
-          f"an integer >= {minimum}")
+    check(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        key,
+        value,
+        f"an integer >= {minimum}",
+    )
 
 
 def unused(key: str, value: Any, default: Any, because: str, fix: str) -> None:
@@ -144,20 +169,37 @@ class DataConfig:
         if self.kind == "random":
             for f in dataclasses.fields(self):
                 if f.name != "kind":
-                    unused(f"data.{f.name}", getattr(self, f.name), f.default,
-                           "data.kind=random (uniform random tokens, no corpus is read)",
-                            "remove it, or use data=text (data.kind=text) to read a corpus")
+                    unused(
+                        f"data.{f.name}",
+                        getattr(self, f.name),
+                        f.default,
+                        "data.kind=random (uniform random tokens, no corpus is read)",
+                        "remove it, or use data=text (data.kind=text) to read a corpus",
+                    )
             return
         choice(self, "source", DataSource, "data.source")
         if self.source == "path":
-            check(isinstance(self.path, str) and bool(self.path.strip()), "data.path", self.path,
-                  "a file or directory (data.source=path)")
+            check(
+                isinstance(self.path, str) and bool(self.path.strip()),
+                "data.path",
+                self.path,
+                "a file or directory (data.source=path)",
+            )
         else:
-            unused("data.path", self.path, None, f"data.source={self.source}",
-                   "add data.source=path to read it, or remove data.path")
+            unused(
+                "data.path",
+                self.path,
+                None,
+                f"data.source={self.source}",
+                "add data.source=path to read it, or remove data.path",
+            )
         pos_int("data.max_bytes", self.max_bytes, MIN_CORPUS_BYTES)
-        check(isinstance(self.val_fraction, (int, float)) and 0.0 <= self.val_fraction < 0.5, "data.val_fraction",
-              self.val_fraction, "0 <= x < 0.5")
+        check(
+            isinstance(self.val_fraction, (int, float)) and 0.0 <= self.val_fraction < 0.5,
+            "data.val_fraction",
+            self.val_fraction,
+            "0 <= x < 0.5",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,16 +234,27 @@ class LoggerConfig:
     def __post_init__(self) -> None:
         choice(self, "name", LoggerName, "logger.name", "wandb, none (logger=none)")
         choice(self, "mode", LoggerMode, "logger.mode")
-        check(0 < self.init_timeout_s <= MAX_SECONDS, "logger.init_timeout_s", self.init_timeout_s,
-              f"> 0 and <= {MAX_SECONDS:g} seconds")
+        check(
+            0 < self.init_timeout_s <= MAX_SECONDS,
+            "logger.init_timeout_s",
+            self.init_timeout_s,
+            f"> 0 and <= {MAX_SECONDS:g} seconds",
+        )
         if self.name == "none":  # no wandb: its settings would be ignored (logger=none sets mode=disabled)
             if self.mode == "online":
-                raise ConfigError("invalid config: logger.mode='online' does nothing with logger=none (no wandb); "
-                                  "remove it, or use logger=wandb")
+                raise ConfigError(
+                    "invalid config: logger.mode='online' does nothing with logger=none (no wandb); "
+                    "remove it, or use logger=wandb"
+                )
             for f in dataclasses.fields(self):
                 if f.name not in ("name", "mode"):
-                    unused(f"logger.{f.name}", getattr(self, f.name), f.default, "logger=none (no wandb)",
-                           "remove it, or use logger=wandb")
+                    unused(
+                        f"logger.{f.name}",
+                        getattr(self, f.name),
+                        f.default,
+                        "logger=none (no wandb)",
+                        "remove it, or use logger=wandb",
+                    )
 
     @property
     def enabled(self) -> bool:
@@ -226,8 +279,13 @@ class ClusterConfig:
         if self.name == "local":  # loopback, nothing shaped: the emulator's link settings would be ignored
             for f in dataclasses.fields(self):
                 if f.name != "name":
-                    unused(f"cluster.{f.name}", getattr(self, f.name), f.default,
-                           "cluster=local (no shaped links)", "add cluster=emulated, or remove it")
+                    unused(
+                        f"cluster.{f.name}",
+                        getattr(self, f.name),
+                        f.default,
+                        "cluster=local (no shaped links)",
+                        "add cluster=emulated, or remove it",
+                    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,11 +341,19 @@ class TrainConfig:
             pos_int(f"train.{name}", getattr(self, name))
         for name in ("eval_every", "throughput_skip_steps", "checkpoint_every", "seed"):
             pos_int(f"train.{name}", getattr(self, name), 0)
-        check(self.throughput_skip_steps < self.steps, "train.throughput_skip_steps", self.throughput_skip_steps,
-              f"fewer than train.steps={self.steps}")
+        check(
+            self.throughput_skip_steps < self.steps,
+            "train.throughput_skip_steps",
+            self.throughput_skip_steps,
+            f"fewer than train.steps={self.steps}",
+        )
         check(self.seed < SEED_LIMIT, "train.seed", self.seed, "an integer in [0, 2**32)")
-        check(self.checkpoint_dir is None or (isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip())),
-              "train.checkpoint_dir", self.checkpoint_dir, "a directory path, or null for <run dir>/checkpoints")
+        check(
+            self.checkpoint_dir is None or (isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip())),
+            "train.checkpoint_dir",
+            self.checkpoint_dir,
+            "a directory path, or null for <run dir>/checkpoints",
+        )
         self._check_profile()
 
     def _check_profile(self) -> None:
@@ -295,13 +361,26 @@ class TrainConfig:
         if isinstance(steps, list):  # as OmegaConf hands it over
             object.__setattr__(self, "profile_steps", steps := tuple(steps))
         check(isinstance(self.profile, bool), "train.profile", self.profile, "true, false")
-        check(isinstance(steps, tuple) and all(isinstance(s, int) and not isinstance(s, bool) for s in steps),
-              "train.profile_steps", steps, "a list of step numbers, e.g. [3,4]")
+        check(
+            isinstance(steps, tuple) and all(isinstance(s, int) and not isinstance(s, bool) for s in steps),
+            "train.profile_steps",
+            steps,
+            "a list of step numbers, e.g. [3,4]",
+        )
         if not self.profile:
-            unused("train.profile_steps", list(steps), [], "train.profile=false",
-                   "set train.profile=true to profile those steps, or remove train.profile_steps")
-        check(all(1 <= s <= self.steps for s in steps) and len(set(steps)) == len(steps), "train.profile_steps",
-              list(steps), f"distinct steps within the run, each in 1..train.steps={self.steps}")
+            unused(
+                "train.profile_steps",
+                list(steps),
+                [],
+                "train.profile=false",
+                "set train.profile=true to profile those steps, or remove train.profile_steps",
+            )
+        check(
+            all(1 <= s <= self.steps for s in steps) and len(set(steps)) == len(steps),
+            "train.profile_steps",
+            list(steps),
+            f"distinct steps within the run, each in 1..train.steps={self.steps}",
+        )
 
     @property
     def profiled_steps(self) -> tuple[int, ...]:
@@ -337,8 +416,16 @@ class LauncherConfig:
         choice(self, "device", LauncherDevice, "launcher.device")
         check(0 < self.timeout_s <= MAX_SECONDS, "launcher.timeout_s", self.timeout_s, f"> 0 and <= {MAX_SECONDS:g}")
         check(0 <= self.grace_s <= MAX_SECONDS, "launcher.grace_s", self.grace_s, f">= 0 and <= {MAX_SECONDS:g}")
-        check(0 < self.pg_timeout_s <= MAX_SECONDS, "launcher.pg_timeout_s", self.pg_timeout_s,
-              f"> 0 and <= {MAX_SECONDS:g}")
-        check(self.heartbeat_s == 0 or 1 <= self.heartbeat_s <= MAX_SECONDS, "launcher.heartbeat_s", self.heartbeat_s,
-              "0 (the watch off) or >= 1 (seconds; a shorter silence is scheduling noise)")
+        check(
+            0 < self.pg_timeout_s <= MAX_SECONDS,
+            "launcher.pg_timeout_s",
+            self.pg_timeout_s,
+            f"> 0 and <= {MAX_SECONDS:g}",
+        )
+        check(
+            self.heartbeat_s == 0 or 1 <= self.heartbeat_s <= MAX_SECONDS,
+            "launcher.heartbeat_s",
+            self.heartbeat_s,
+            "0 (the watch off) or >= 1 (seconds; a shorter silence is scheduling noise)",
+        )
         pos_int("launcher.threads_per_rank", self.threads_per_rank)

@@ -67,7 +67,6 @@ FORWARD_SHARE = 1.0 / 3.0
 """Share of a step's compute spent in forward (backward is about twice the forward's FLOPs)."""
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """The cost of one unit's collectives at one point of a micro-batch."""
@@ -139,10 +138,16 @@ def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
         fwd_q, bwd_q = (q_qwz / a, 0.0) if w.hpz else (q_qwz / (2 * a), q_qwz / (2 * a))
         red_q = q_grads / a if w.stage >= 2 else q_grads
         share = n / total
-        out.append(UnitCosts(
-            fwd_s=w.compute_s * FORWARD_SHARE * share / a, bwd_s=w.compute_s * (1 - FORWARD_SHARE) * share / a,
-            fwd=by[(i, Phase.FWD)] + Transfer(fwd_q), bwd=by[(i, Phase.BWD)] + Transfer(bwd_q),
-            reduce=by[(i, Phase.REDUCE)] + Transfer(red_q), post=by[(i, Phase.POST)] + Transfer(q_diff)))
+        out.append(
+            UnitCosts(
+                fwd_s=w.compute_s * FORWARD_SHARE * share / a,
+                bwd_s=w.compute_s * (1 - FORWARD_SHARE) * share / a,
+                fwd=by[(i, Phase.FWD)] + Transfer(fwd_q),
+                bwd=by[(i, Phase.BWD)] + Transfer(bwd_q),
+                reduce=by[(i, Phase.REDUCE)] + Transfer(red_q),
+                post=by[(i, Phase.POST)] + Transfer(q_diff),
+            )
+        )
     return out
 
 
@@ -194,9 +199,17 @@ class _Timeline:
         self.compute += seconds
 
 
-def _gathered(tl: _Timeline, first: Transfer, blocks: list[tuple[Transfer, float]], prefetch: int, *,
-              after_first: float, reduces: list[Transfer] | None = None, out: list[float] | None = None,
-              tags: tuple[Tag, list[int]] | None = None) -> None:
+def _gathered(
+    tl: _Timeline,
+    first: Transfer,
+    blocks: list[tuple[Transfer, float]],
+    prefetch: int,
+    *,
+    after_first: float,
+    reduces: list[Transfer] | None = None,
+    out: list[float] | None = None,
+    tags: tuple[Tag, list[int]] | None = None,
+) -> None:
     """One pass of stage 3 (forward, or backward with ``reduces``): the root's gather and wait,
     ``after_first`` seconds of the root's compute, then per block (gather, compute) in this
     order: wait its gather (issuing it now if no prefetch did), issue the next ``prefetch``
@@ -226,8 +239,15 @@ def _gathered(tl: _Timeline, first: Transfer, blocks: list[tuple[Transfer, float
             out.append(tl.issue(reduces[k], tag(k, Phase.REDUCE)))
 
 
-def scheduled_step_s(units: list[UnitCosts], *, stage: int, micro_batches: int = 1, prefetch: int = 1,
-                     control_s: float = 0.0, trace: list[Interval] | None = None) -> float:
+def scheduled_step_s(
+    units: list[UnitCosts],
+    *,
+    stage: int,
+    micro_batches: int = 1,
+    prefetch: int = 1,
+    control_s: float = 0.0,
+    trace: list[Interval] | None = None,
+) -> float:
     """Step time of ``units`` (root first, then the blocks in forward order) under the engine's
     issue order (module doc); ``prefetch``: stage 3's ``prefetch_depth``; ``control_s``: the
     uncounted scalar all-reduces, charged at the end; ``trace``: gets every interval of the step
@@ -241,12 +261,25 @@ def scheduled_step_s(units: list[UnitCosts], *, stage: int, micro_batches: int =
         last = mb == micro_batches - 1
         reduces = []
         if stage == 3:  # gathers: wait for this block's, then issue the next ``prefetch`` blocks'
-            _gathered(tl, root.fwd, [(b.fwd, b.fwd_s) for b in blocks], prefetch, after_first=0.0,
-                      tags=((0, Phase.FWD, mb), fwd_order))
+            _gathered(
+                tl,
+                root.fwd,
+                [(b.fwd, b.fwd_s) for b in blocks],
+                prefetch,
+                after_first=0.0,
+                tags=((0, Phase.FWD, mb), fwd_order),
+            )
             tl.run(root.fwd_s, (0, Phase.FWD, mb))
-            _gathered(tl, root.bwd, [(b.bwd, b.bwd_s) for b in reversed(blocks)], prefetch, after_first=root.bwd_s,
-                      reduces=[b.reduce for b in reversed(blocks)] if stage >= 2 else None, out=reduces,
-                      tags=((0, Phase.BWD, mb), bwd_order))
+            _gathered(
+                tl,
+                root.bwd,
+                [(b.bwd, b.bwd_s) for b in reversed(blocks)],
+                prefetch,
+                after_first=root.bwd_s,
+                reduces=[b.reduce for b in reversed(blocks)] if stage >= 2 else None,
+                out=reduces,
+                tags=((0, Phase.BWD, mb), bwd_order),
+            )
         else:
             for i, u in [*zip(fwd_order, blocks), (0, root)]:
                 tl.run(u.fwd_s, (i, Phase.FWD, mb))
@@ -272,11 +305,21 @@ def project_scheduled(w: Workload, c: Cluster, *, prefetch: int = 1) -> Projecti
     the serial formula (``w.overlap`` is not used); ``comm_s`` is then the step's time beyond
     ``compute_s`` (what the ranks wait for, quantization included)."""
     msgs = messages(w, c)
-    step = scheduled_step_s(unit_costs(w, c), stage=w.stage, micro_batches=w.grad_accum, prefetch=prefetch,
-                            control_s=control_time(w, c))
-    return Projection(c, step - w.compute_s, w.compute_s, step, w.tokens_per_rank * c.world / step,
-                      w.flops_per_token * w.tokens_per_rank / step / 1e12, node_cross_bytes(msgs, c),
-                      pairwise_bytes(msgs), uplink_bytes(msgs, c), quant_time(w, c))
+    step = scheduled_step_s(
+        unit_costs(w, c), stage=w.stage, micro_batches=w.grad_accum, prefetch=prefetch, control_s=control_time(w, c)
+    )
+    return Projection(
+        c,
+        step - w.compute_s,
+        w.compute_s,
+        step,
+        w.tokens_per_rank * c.world / step,
+        w.flops_per_token * w.tokens_per_rank / step / 1e12,
+        node_cross_bytes(msgs, c),
+        pairwise_bytes(msgs),
+        uplink_bytes(msgs, c),
+        quant_time(w, c),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -126,13 +126,24 @@ class ZeroTrainer:
             from zeropp.runtime.tensor_parallel import make_mesh, parallelize
 
             model = parallelize(model, make_mesh(cfg.topology))
-        self.engine = ZeroEngine(model, config=cfg.zero, optimizer=cfg.optim,
-                                 topology=cfg.topology, activation_checkpointing=cfg.train.activation_checkpointing)
+        self.engine = ZeroEngine(
+            model,
+            config=cfg.zero,
+            optimizer=cfg.optim,
+            topology=cfg.topology,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+        )
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
         r = self.engine.train_step(micro_batches)
-        return StepOut(loss=float(r.loss), grad_norm=float(r.grad_norm), skipped=bool(r.skipped),
-                       comm_wait_s=float(r.comm_wait_s), lr=r.lr, loss_scale=float(r.loss_scale))
+        return StepOut(
+            loss=float(r.loss),
+            grad_norm=float(r.grad_norm),
+            skipped=bool(r.skipped),
+            comm_wait_s=float(r.comm_wait_s),
+            lr=r.lr,
+            loss_scale=float(r.loss_scale),
+        )
 
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         return float(self.engine.eval_loss(idx, targets))
@@ -162,8 +173,9 @@ class TorchTrainer:
     skipped when the gradient norm is not finite). fp32/bf16 only (``config`` refuses fp16 here),
     so there is no loss scaler and no GradScaler."""
 
-    def __init__(self, model: nn.Module, cfg: RunConfig, *, autocast: bool, session: Any = None,
-                 feedback: Any = None) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: RunConfig, *, autocast: bool, session: Any = None, feedback: Any = None
+    ) -> None:
         self.model, self.cfg, self.autocast = model, cfg, autocast
         self.session = session
         """The zeropp plug-in's ``zeropp.comm.CommSession`` (its stats, stochastic-rounding counter and
@@ -174,8 +186,7 @@ class TorchTrainer:
         saved per rank with each checkpoint, with the stochastic-rounding call counter."""
         self._memory: dict[str, int] = {}
         o = cfg.optim
-        self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                     weight_decay=o.weight_decay)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         # the same schedule function as ZeroEngine's, as a multiplier of the peak rate
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, o.lr_factor)
         self._origin: Any = None
@@ -249,14 +260,12 @@ class TorchTrainer:
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
-        self._origin = save_dcp(state, path, extra, per_rank=self._rank_state(), keep=keep, origin=self._origin,
-                                device=self._device())
+        self._origin = save_dcp(
+            state, path, extra, per_rank=self._rank_state(), keep=keep, origin=self._origin, device=self._device()
+        )
 
     def load(self, path: Path) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            get_state_dict,
-            set_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict()}
@@ -275,8 +284,11 @@ class TorchTrainer:
         """What only this rank holds and an exact resume needs: the plug-in's stochastic call counter
         and its error-feedback residuals."""
         calls = self.session.stochastic.value if self.session is not None else 0
-        return {"world_size": dist.get_world_size(), "stochastic_calls": calls,
-                "feedback": self.feedback.state_dict() if self.feedback is not None else None}
+        return {
+            "world_size": dist.get_world_size(),
+            "stochastic_calls": calls,
+            "feedback": self.feedback.state_dict() if self.feedback is not None else None,
+        }
 
     def _load_rank_state(self, mine: dict[str, Any] | None) -> None:
         if mine is None:  # a checkpoint from before these were saved
@@ -287,8 +299,11 @@ class TorchTrainer:
             return
         if mine.get("feedback") is None or mine["world_size"] != dist.get_world_size():
             if dist.get_rank() == 0:
-                print(f"warning: the checkpoint holds no error-feedback residuals for this world of "
-                      f"{dist.get_world_size()} ranks; they restart from zero", file=sys.stderr)
+                print(
+                    f"warning: the checkpoint holds no error-feedback residuals for this world of "
+                    f"{dist.get_world_size()} ranks; they restart from zero",
+                    file=sys.stderr,
+                )
             self.feedback.reset()
             return
         self.feedback.load_state_dict(mine["feedback"])
@@ -302,8 +317,16 @@ class _Null:
     def __exit__(self, *a: object) -> None: ...
 
 
-def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any], per_rank: dict[str, Any] | None = None, *,
-             keep: int = 2, origin: Any = None, device: torch.device | None = None) -> Any:
+def save_dcp(
+    state: dict[str, Any],
+    path: Path,
+    extra: dict[str, Any],
+    per_rank: dict[str, Any] | None = None,
+    *,
+    keep: int = 2,
+    origin: Any = None,
+    device: torch.device | None = None,
+) -> Any:
     """Collective: ``state`` (a DCP state dict) as a new ``path/ckpt-<step>-<nonce>`` version in the
     engine's format (``zeropp.runtime.checkpoint_io``, ``"kind": "torch"``): every file checksummed,
     ``LATEST`` moved only after every rank has written, NaN/inf values refused, this run's ``keep``
@@ -317,15 +340,24 @@ def save_dcp(state: dict[str, Any], path: Path, extra: dict[str, Any], per_rank:
         raise ValueError(f"checkpoint extra['step']={step!r}: the training step must be an int >= 0")
 
     def prepare() -> cio.Prepared:
-        return cio.Prepared(state=state, meta={"step": step, "world_size": dist.get_world_size(), "extra": extra},
-                            rank_state=per_rank)
+        return cio.Prepared(
+            state=state, meta={"step": step, "world_size": dist.get_world_size(), "extra": extra}, rank_state=per_rank
+        )
 
-    return cio.save_version(path, step=step, kind="torch", prepare=prepare, keep=keep, origin=origin,
-                            device=device if device is not None else torch.device("cpu"))
+    return cio.save_version(
+        path,
+        step=step,
+        kind="torch",
+        prepare=prepare,
+        keep=keep,
+        origin=origin,
+        device=device if device is not None else torch.device("cpu"),
+    )
 
 
-def load_dcp(state: dict[str, Any], path: Path, *, device: torch.device | None = None
-             ) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
+def load_dcp(
+    state: dict[str, Any], path: Path, *, device: torch.device | None = None
+) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
     """Collective: load the checkpoint ``path/LATEST`` names into ``state`` in place, after every
     rank has verified its share of the files' checksums; nothing in the files can run code.
     Returns its extra, this rank's own state (None when the checkpoint has none for this rank) and
@@ -373,8 +405,11 @@ def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTra
     z = cfg.zero
     # the ranks' own device: without a mesh FSDP2 picks the host's accelerator, also for CPU/gloo ranks
     mesh = init_device_mesh(device.type, (cfg.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if z.precision == "bf16" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if z.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     # hpZ in FSDP2's own terms: after forward, keep the parameters sharded over the hpZ group only
     raf: bool | int = (z.hpz_size or cfg.topology.ranks_per_node) if z.hpz else True
     for block in _blocks(model):
@@ -383,8 +418,9 @@ def _fsdp2(cfg: RunConfig, device: torch.device, zeropp_comms: bool) -> TorchTra
     # torch >= 2.13 warns when a wrapped module returns a view (the root's logits: nn.Linear
     # reshapes its 3-d output), because an in-place op on it would skip FSDP2's pre-backward hook.
     # This trainer never modifies the outputs in place (loss.backward(), the logits are unused).
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
-                            category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning
+    )
     session = feedback = None
     if zeropp_comms:
         from zeropp.comm import CommSession, ErrorFeedback
@@ -403,8 +439,11 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
     _maybe_checkpoint(model, cfg)
     z = cfg.zero
     # zero.reduce_bucket_size, when set, caps DDP's buckets (fp32 gradients); else DDP's own default
-    bucket = {} if z.reduce_bucket_size == ZeroConfig().reduce_bucket_size else {
-        "bucket_cap_mb": z.reduce_bucket_size * 4 / 2**20}
+    bucket = (
+        {}
+        if z.reduce_bucket_size == ZeroConfig().reduce_bucket_size
+        else {"bucket_cap_mb": z.reduce_bucket_size * 4 / 2**20}
+    )
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **bucket)
     session = None
     if zeropp_hook:
@@ -417,13 +456,12 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
     else:
         # the stock all-reduce, issued from Python so CommWatch sees its bytes (DDP's default
         # reducer calls the C++ collective directly); same arithmetic as DDP's built-in path
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-            allreduce_hook,
-        )
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(None, allreduce_hook)
-    return TorchTrainer(ddp, cfg, autocast=z.precision == "bf16", session=session,
-                        feedback=state.feedback if zeropp_hook else None)
+    return TorchTrainer(
+        ddp, cfg, autocast=z.precision == "bf16", session=session, feedback=state.feedback if zeropp_hook else None
+    )
 
 
 BUILDERS: dict[str, Callable[[RunConfig, torch.device], Trainer]] = {

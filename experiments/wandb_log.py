@@ -21,8 +21,16 @@ log = logging.getLogger(__name__)
 class WandbLogger:
     """A thin, failure-proof wrapper around a wandb run (no-op when disabled)."""
 
-    def __init__(self, settings: LoggerConfig, *, run_dir: Path, name: str, group: str | None,
-                 config: dict[str, Any], tags: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: LoggerConfig,
+        *,
+        run_dir: Path,
+        name: str,
+        group: str | None,
+        config: dict[str, Any],
+        tags: list[str] | None = None,
+    ) -> None:
         self.run: Any = None
         self.dir: str | None = None
         if not settings.enabled:
@@ -34,10 +42,22 @@ class WandbLogger:
             import wandb
 
             self.run = wandb.init(
-                mode=str(settings.mode), dir=str(run_dir), project=settings.project, entity=settings.entity,
-                group=settings.group or group, name=name, config=config, tags=tags,
-                settings=wandb.Settings(init_timeout=settings.init_timeout_s, console="off", silent=True,
-                                        disable_git=True, save_code=False, x_disable_stats=True),
+                mode=str(settings.mode),
+                dir=str(run_dir),
+                project=settings.project,
+                entity=settings.entity,
+                group=settings.group or group,
+                name=name,
+                config=config,
+                tags=tags,
+                settings=wandb.Settings(
+                    init_timeout=settings.init_timeout_s,
+                    console="off",
+                    silent=True,
+                    disable_git=True,
+                    save_code=False,
+                    x_disable_stats=True,
+                ),
                 reinit="finish_previous",
             )
             self.dir = str(Path(self.run.dir).parent)

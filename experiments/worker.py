@@ -52,13 +52,7 @@ from .config import RunConfig, from_dict
 from .console import Progress, print_summary
 from .data import TokenBatches
 from .launcher import device_for_cluster
-from .metrics import (
-    MetricsFile,
-    build_summary,
-    tokens_per_step,
-    write_memory_json,
-    write_summary,
-)
+from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
 from .profiling import StepProfiler
 from .trainers import build_trainer
 from .wandb_log import WandbLogger, flatten
@@ -98,9 +92,18 @@ def _add(acc: dict[str, float], d: dict[str, int] | None) -> None:
 def _resume_keys(cfg: RunConfig) -> dict[str, Any]:
     """The settings a resumed run must keep to continue exactly as an uninterrupted one (the world
     size and stage may change: the checkpoint reshards)."""
-    return json.loads(json.dumps({"train.seed": cfg.train.seed, "train.micro_batch_size": cfg.train.micro_batch_size,
-                                  "train.steps": cfg.train.steps, "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
-                                  "data": dataclasses.asdict(cfg.data), "optim": dataclasses.asdict(cfg.optim)}))
+    return json.loads(
+        json.dumps(
+            {
+                "train.seed": cfg.train.seed,
+                "train.micro_batch_size": cfg.train.micro_batch_size,
+                "train.steps": cfg.train.steps,
+                "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
+                "data": dataclasses.asdict(cfg.data),
+                "optim": dataclasses.asdict(cfg.optim),
+            }
+        )
+    )
 
 
 def _evaluate(trainer: Any, data: TokenBatches, batches: int, rank: int, world: int) -> float:
@@ -135,14 +138,23 @@ def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str
 def _guard(cfg: RunConfig) -> DivergenceGuard:
     """The run's divergence rule, its advice in the runner's config keys."""
     if cfg.zero.precision == "fp16":
-        advice = (f"lower zero.loss_scale_init (now {cfg.zero.loss_scale_init:g}) or optim.lr (now {cfg.optim.lr:g}), "
-                  "or train in bf16 (zero.precision=bf16)")
+        advice = (
+            f"lower zero.loss_scale_init (now {cfg.zero.loss_scale_init:g}) or optim.lr (now {cfg.optim.lr:g}), "
+            "or train in bf16 (zero.precision=bf16)"
+        )
     else:
-        clip = ("set zero.grad_clip=1.0" if cfg.zero.grad_clip is None
-                else f"clip harder (zero.grad_clip is {cfg.zero.grad_clip:g})")
+        clip = (
+            "set zero.grad_clip=1.0"
+            if cfg.zero.grad_clip is None
+            else f"clip harder (zero.grad_clip is {cfg.zero.grad_clip:g})"
+        )
         advice = f"lower optim.lr (now {cfg.optim.lr:g}), {clip}, or check the data for bad values"
-    return DivergenceGuard(loss_scaling=cfg.zero.precision == "fp16", max_skipped_steps=cfg.train.max_skipped_steps,
-                           advice=advice, max_skipped_name="train.max_skipped_steps")
+    return DivergenceGuard(
+        loss_scaling=cfg.zero.precision == "fp16",
+        max_skipped_steps=cfg.train.max_skipped_steps,
+        advice=advice,
+        max_skipped_name="train.max_skipped_steps",
+    )
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
@@ -150,8 +162,10 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     a stopped rank before continuing it, and torch's process context signals again) is ignored, so
     the first exception's ``finally`` blocks (destroying the process group) run to the end."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SignalException(f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by "
-                          f"{signal.Signals(signum).name}", sigval=signal.Signals(signum))
+    raise SignalException(
+        f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by {signal.Signals(signum).name}",
+        sigval=signal.Signals(signum),
+    )
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -173,28 +187,43 @@ def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     device, backend = select_device(device_for_cluster(cfg.launcher.device, cfg.cluster.name), local_rank, local_world)
     if device.type == "cpu":
         torch.set_num_threads(cfg.launcher.threads_per_rank)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.launcher.pg_timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=cfg.launcher.pg_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         return _train(cfg, spec, Path(spec["run_dir"]), rank, world, device, backend)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world: int,
-           device: torch.device, backend: str) -> dict[str, Any] | None:
+def _train(
+    cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world: int, device: torch.device, backend: str
+) -> dict[str, Any] | None:
     t = cfg.train
     accum = cfg.zero.grad_accum_steps
     # the ranks of a tensor-parallel group compute on the same batches: data is split over dp only
     dp_rank, dp_world = cfg.topology.dp_index(rank), cfg.topology.dp_size
-    data = TokenBatches(cfg.data, seq_len=cfg.model.seq_len, batch=t.micro_batch_size,
-                        vocab_size=cfg.model.vocab_size, seed=t.seed, rank=dp_rank, device=device)
+    data = TokenBatches(
+        cfg.data,
+        seq_len=cfg.model.seq_len,
+        batch=t.micro_batch_size,
+        vocab_size=cfg.model.vocab_size,
+        seed=t.seed,
+        rank=dp_rank,
+        device=device,
+    )
     trainer = build_trainer(cfg, device)
     from zeropp.runtime import memory as mem
 
-    created = None if hasattr(getattr(trainer, "engine", None), "memory_phases") else \
-        mem.flat_snapshot("model_creation", trainer.memory_report(), device)
+    created = (
+        None
+        if hasattr(getattr(trainer, "engine", None), "memory_phases")
+        else mem.flat_snapshot("model_creation", trainer.memory_report(), device)
+    )
     ckpt = cfg.checkpoint_dir(run_dir)
     start = 0
     lead = rank == 0
@@ -203,18 +232,33 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
         extra = trainer.load(ckpt)
         start = int(extra["step"])
         if start >= t.steps:
-            raise RuntimeError(f"the checkpoint in {ckpt} is at step {start} and train.steps={t.steps}: this run "
-                               "already finished; to train further raise train.steps (the default LR schedule "
-                               "spans train.steps, so it changes too)")
+            raise RuntimeError(
+                f"the checkpoint in {ckpt} is at step {start} and train.steps={t.steps}: this run "
+                "already finished; to train further raise train.steps (the default LR schedule "
+                "spans train.steps, so it changes too)"
+            )
         changed = sorted(k for k, v in _resume_keys(cfg).items() if extra.get("run", {}).get(k, v) != v)
         if changed and lead:
-            print(f"warning: resumed with changed settings {changed}: training continues from the checkpoint "
-                  "but will not match an uninterrupted run", file=sys.stderr, flush=True)
+            print(
+                f"warning: resumed with changed settings {changed}: training continues from the checkpoint "
+                "but will not match an uninterrupted run",
+                file=sys.stderr,
+                flush=True,
+            )
         data.skip(start * accum)
     label = spec.get("label") or cfg.describe()
     metrics = MetricsFile(run_dir / "metrics.jsonl", first_step=start + 1) if lead else None
-    wb = WandbLogger(cfg.logger, run_dir=run_dir, name=spec.get("name") or label, group=spec.get("group"),
-                     config=cfg.to_dict() | {"overrides": spec.get("overrides", [])}) if lead else None
+    wb = (
+        WandbLogger(
+            cfg.logger,
+            run_dir=run_dir,
+            name=spec.get("name") or label,
+            group=spec.get("group"),
+            config=cfg.to_dict() | {"overrides": spec.get("overrides", [])},
+        )
+        if lead
+        else None
+    )
     progress = Progress(t.steps, start=start, enabled=lead and cfg.launcher.progress)
     tps_step = tokens_per_step(cfg)
     wire_tot: dict[str, float] = {}
@@ -229,8 +273,12 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     prev_eng = trainer.comm_stats()
     skipped = [s for s in t.profiled_steps if s <= start]
     if skipped and lead:
-        print(f"warning: train.profile_steps {skipped} come before step {start + 1}, where this resumed run starts; "
-              "they are not profiled", file=sys.stderr, flush=True)
+        print(
+            f"warning: train.profile_steps {skipped} come before step {start + 1}, where this resumed run starts; "
+            "they are not profiled",
+            file=sys.stderr,
+            flush=True,
+        )
     prof = StepProfiler(t.profiled_steps, start=start, run_dir=run_dir, rank=rank, device=device)
     with CommWatch(cfg.topology, sessions=[trainer.comm_session()]) as watch, prof:
         dist.barrier()
@@ -260,8 +308,11 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             # global mean loss / wait for the log line, and the divergence guard's inputs, on the
             # process group's device (NCCL: the GPU). The norm is global already; reducing it with the
             # loss and the skip flag gives every rank bitwise the same inputs, hence the same verdict
-            red = torch.tensor([out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped)],
-                               dtype=torch.float64, device=device)
+            red = torch.tensor(
+                [out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped)],
+                dtype=torch.float64,
+                device=device,
+            )
             backend_all_reduce(red, dist.ReduceOp.SUM, None, async_op=False)  # held by the comm context
             loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean = (float(x) / world for x in red.tolist())
             watch.take()  # the line's own all-reduce is not training traffic
@@ -269,13 +320,19 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
             losses.append(loss)
             step_times.append(dt)
             try:
-                note = guard.check(step, loss, None if out.grad_norm is None else norm_mean, skipped_mean > 0,
-                                   loss_scale=out.loss_scale)
+                note = guard.check(
+                    step,
+                    loss,
+                    None if out.grad_norm is None else norm_mean,
+                    skipped_mean > 0,
+                    loss_scale=out.loss_scale,
+                )
             except DivergenceError as e:
                 diverged, note = e, None
                 if saved_step is not None:
-                    diverged = e.with_note(f"Nothing of step {step} was saved; the newest checkpoint, of step "
-                                           f"{saved_step}, is in {ckpt}.")
+                    diverged = e.with_note(
+                        f"Nothing of step {step} was saved; the newest checkpoint, of step {saved_step}, is in {ckpt}."
+                    )
             if note and lead:
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             evl = None
@@ -290,11 +347,20 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
                 saved, saved_step = str(ckpt), step
                 watch.take()
             if lead and (step % t.log_every == 0 or step == t.steps or diverged is not None):
-                rec = {"step": step, "loss": loss, "grad_norm": out.grad_norm, "skipped": out.skipped, "lr": out.lr,
-                       "step_time_s": dt, "tokens_per_s": tps_step / dt if dt > 0 else None,
-                       "comm_wait_s": wait_mean,
-                       "engine_comm_wait_s": eng_wait_mean if out.comm_wait_s is not None else None,
-                       "comm_bytes": wire, "engine_comm_bytes": eng, "eval_loss": evl}
+                rec = {
+                    "step": step,
+                    "loss": loss,
+                    "grad_norm": out.grad_norm,
+                    "skipped": out.skipped,
+                    "lr": out.lr,
+                    "step_time_s": dt,
+                    "tokens_per_s": tps_step / dt if dt > 0 else None,
+                    "comm_wait_s": wait_mean,
+                    "engine_comm_wait_s": eng_wait_mean if out.comm_wait_s is not None else None,
+                    "comm_bytes": wire,
+                    "engine_comm_bytes": eng,
+                    "eval_loss": evl,
+                }
                 assert metrics is not None and wb is not None
                 metrics.write(rec)
                 wb.log(flatten({k: v for k, v in rec.items() if k != "step" and v is not None}), step=step)
@@ -307,11 +373,18 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
         watch.take()
     if diverged is None and lead and (note := guard.final_warning()):
         print(f"warning: {note}", file=sys.stderr, flush=True)
-    report = {"rank": rank, "wire_bytes": wire_tot, "engine_bytes": eng_tot, "wait_s": wait_tot,
-              "engine_wait_s": eng_wait_tot, "measured_steps": measured, "memory": trainer.memory_report(),
-              "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
-              "frozen_bytes": _frozen_bytes(trainer),
-              "memory_phases": _memory_phases(trainer, device, created)}
+    report = {
+        "rank": rank,
+        "wire_bytes": wire_tot,
+        "engine_bytes": eng_tot,
+        "wait_s": wait_tot,
+        "engine_wait_s": eng_wait_tot,
+        "measured_steps": measured,
+        "memory": trainer.memory_report(),
+        "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
+        "frozen_bytes": _frozen_bytes(trainer),
+        "memory_phases": _memory_phases(trainer, device, created),
+    }
     heartbeat("finish", long=True)  # rank 0 writes the results (and may sync wandb) while the others exit
     # through the comm context, not dist.gather_object: for ranks other than 0 this is the last
     # collective before exit (zeropp.comm.objects says why that matters)
@@ -319,34 +392,82 @@ def _train(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world
     trainer.close()
     summary = None
     if lead:
-        summary = _write_results(cfg, spec, run_dir, gathered, step_times, losses, eval_loss, device, backend, label,
-                                 start, saved, metrics, wb, diverged, guard.skipped_steps)
+        summary = _write_results(
+            cfg,
+            spec,
+            run_dir,
+            gathered,
+            step_times,
+            losses,
+            eval_loss,
+            device,
+            backend,
+            label,
+            start,
+            saved,
+            metrics,
+            wb,
+            diverged,
+            guard.skipped_steps,
+        )
     if diverged is not None:
         dist.barrier()  # no rank leaves (and makes the launcher stop the others) before rank 0 has written
         raise diverged
     return summary
 
 
-def _write_results(cfg: RunConfig, spec: dict[str, Any], run_dir: Path, gathered: list[Any], step_times: list[float],
-                   losses: list[float], eval_loss: float | None, device: torch.device, backend: str, label: str,
-                   start: int, saved: str | None, metrics: MetricsFile | None, wb: WandbLogger | None,
-                   diverged: DivergenceError | None, skipped_steps: int) -> dict[str, Any]:
+def _write_results(
+    cfg: RunConfig,
+    spec: dict[str, Any],
+    run_dir: Path,
+    gathered: list[Any],
+    step_times: list[float],
+    losses: list[float],
+    eval_loss: float | None,
+    device: torch.device,
+    backend: str,
+    label: str,
+    start: int,
+    saved: str | None,
+    metrics: MetricsFile | None,
+    wb: WandbLogger | None,
+    diverged: DivergenceError | None,
+    skipped_steps: int,
+) -> dict[str, Any]:
     """Rank 0: ``summary.json`` and ``memory.json``, the logger's final record, the summary table
     (not for a diverged run: the runner's one error message says what happened)."""
-    summary = build_summary(cfg=cfg, rank_reports=gathered, step_times=step_times, losses=losses,
-                            eval_loss=eval_loss, n_params=cfg.model.num_params(), run_dir=str(run_dir),
-                            overrides=spec.get("overrides", []), device=str(device), backend=backend,
-                            label=label, model_name=spec.get("model_name", ""), first_step=start + 1,
-                            divergence=None if diverged is None else diverged.record(), skipped_steps=skipped_steps)
+    summary = build_summary(
+        cfg=cfg,
+        rank_reports=gathered,
+        step_times=step_times,
+        losses=losses,
+        eval_loss=eval_loss,
+        n_params=cfg.model.num_params(),
+        run_dir=str(run_dir),
+        overrides=spec.get("overrides", []),
+        device=str(device),
+        backend=backend,
+        label=label,
+        model_name=spec.get("model_name", ""),
+        first_step=start + 1,
+        divergence=None if diverged is None else diverged.record(),
+        skipped_steps=skipped_steps,
+    )
     summary["checkpoint"] = saved
     assert metrics is not None and wb is not None
     metrics.close()
     summary["wandb_dir"] = wb.dir
     write_summary(run_dir / "summary.json", summary)
     write_memory_json(run_dir / "memory.json", summary)
-    wb.finish(flatten({k: v for k, v in summary.items()
-                       if k not in ("config", "loss", "memory_per_rank", "memory_by_phase", "memory_expected",
-                                    "divergence")}))
+    wb.finish(
+        flatten(
+            {
+                k: v
+                for k, v in summary.items()
+                if k not in ("config", "loss", "memory_per_rank", "memory_by_phase", "memory_expected", "divergence")
+            }
+        )
+    )
     if diverged is None:
         print_summary(summary)
     return summary

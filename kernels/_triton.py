@@ -270,9 +270,18 @@ class LaunchPlan:
             args = (*tensors, *self.ints, *scalars, *self.const_values)
             stream = current_stream(dev)
             hooks = knobs.runtime
-            compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                         compiled.launch_metadata((self.grid,), stream, *args),
-                         hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+            compiled.run(
+                self.grid,
+                1,
+                1,
+                stream,
+                compiled.function,
+                compiled.packed_metadata,
+                compiled.launch_metadata((self.grid,), stream, *args),
+                hooks.launch_enter_hook,
+                hooks.launch_exit_hook,
+                *args,
+            )
             return
         with on_device(t0):
             compiled = self.kernel[(self.grid,)](*tensors, *self.ints, *scalars, **self.meta)

@@ -165,8 +165,10 @@ def _locked(dfd: int, cache: Path, name: str) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process has been building {name} for {LOCK_TIMEOUT_S:.0f} s "
-                                       f"(it holds {name + LOCK_SUFFIX}); stop it or remove the cache entry") from None
+                    raise TimeoutError(
+                        f"another process has been building {name} for {LOCK_TIMEOUT_S:.0f} s "
+                        f"(it holds {name + LOCK_SUFFIX}); stop it or remove the cache entry"
+                    ) from None
                 time.sleep(0.05)
         yield
     finally:
@@ -227,10 +229,13 @@ def _dlopen(fd: int, path: Path, load: Optional[Callable[[str], ctypes.CDLL]]) -
 def _warn_once(why: str, cache: Path) -> None:
     if why not in _WARNED:
         _WARNED.add(why)
-        warnings.warn(f"zeropp.kernels: not using the kernel cache: {why}; building a private copy for this process "
-                      f"instead (slower start). Fix: make it a directory of yours that only you can write (chmod "
-                      f"go-w), or remove it, or point ZEROPP_CACHE_DIR at one (now {cache})", RuntimeWarning,
-                      stacklevel=5)
+        warnings.warn(
+            f"zeropp.kernels: not using the kernel cache: {why}; building a private copy for this process "
+            f"instead (slower start). Fix: make it a directory of yours that only you can write (chmod "
+            f"go-w), or remove it, or point ZEROPP_CACHE_DIR at one (now {cache})",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
 
 def _private(name: str, build: Callable[[Path], None], load: Callable[[str], ctypes.CDLL]) -> tuple[ctypes.CDLL, Path]:
@@ -247,8 +252,9 @@ def _private(name: str, build: Callable[[Path], None], load: Callable[[str], cty
         shutil.rmtree(d, ignore_errors=True)
 
 
-def cached_library(cache: Path, name: str, build: Callable[[Path], None],
-                   load: Optional[Callable[[str], ctypes.CDLL]] = None) -> tuple[Optional[ctypes.CDLL], Path]:
+def cached_library(
+    cache: Path, name: str, build: Callable[[Path], None], load: Optional[Callable[[str], ctypes.CDLL]] = None
+) -> tuple[Optional[ctypes.CDLL], Path]:
     """The library ``name`` of the cache directory ``cache``, checked, or built there by
     ``build(path)`` when missing, empty, corrupt, hash-mismatched or (with ``load``) failing to
     load. With ``load`` (a ``dlopen``, e.g. ``ctypes.CDLL``), returns the loaded library and the
@@ -264,8 +270,9 @@ def cached_library(cache: Path, name: str, build: Callable[[Path], None],
         return _private(name, build, load)
 
 
-def _from_cache(cache: Path, name: str, build: Callable[[Path], None],
-                load: Optional[Callable[[str], ctypes.CDLL]]) -> tuple[Optional[ctypes.CDLL], Path]:
+def _from_cache(
+    cache: Path, name: str, build: Callable[[Path], None], load: Optional[Callable[[str], ctypes.CDLL]]
+) -> tuple[Optional[ctypes.CDLL], Path]:
     dfd = _open_dir(cache)
     path = cache / name
     try:
@@ -283,16 +290,18 @@ def _from_cache(cache: Path, name: str, build: Callable[[Path], None],
                 fd = None
             if fd is None:
                 if why.startswith(("does not match", "failed to load")):  # not a crash mid-write: say so
-                    warnings.warn(f"zeropp.kernels: the cached library {path} {why}; rebuilding it", RuntimeWarning,
-                                  stacklevel=4)
+                    warnings.warn(
+                        f"zeropp.kernels: the cached library {path} {why}; rebuilding it", RuntimeWarning, stacklevel=4
+                    )
                 fd, digest = _build_in(dfd, cache, name, build)
             return _dlopen(fd, path, load), path
     finally:
         os.close(dfd)
 
 
-def load_library(cache: Path, name: str, build: Callable[[Path], None],
-                 load: Callable[[str], ctypes.CDLL] = ctypes.CDLL) -> tuple[ctypes.CDLL, Path]:
+def load_library(
+    cache: Path, name: str, build: Callable[[Path], None], load: Callable[[str], ctypes.CDLL] = ctypes.CDLL
+) -> tuple[ctypes.CDLL, Path]:
     """:func:`cached_library` with a loader: the loaded library and the file it came from."""
     lib, path = cached_library(cache, name, build, load)
     assert lib is not None

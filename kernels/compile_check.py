@@ -39,8 +39,11 @@ def _compile_ptx(fn, ptrs: dict[str, str], consts: dict[str, int | float], arch:
     cfg = TileConfig(int(consts["GROUP_SIZE"]), *_GROUPS_ROWS[size])
     consts = dict(consts, BLOCK_G=cfg.block_g, BLOCK_GS=cfg.block_gs)
     sig = {name: ptrs.get(name, "i32") for name in fn.arg_names}
-    div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name not in consts and name not in ("k", "seed", "tiles_per_row")}
+    div16 = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name not in consts and name not in ("k", "seed", "tiles_per_row")
+    }
     sig.update({name: "constexpr" for name in consts})
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div16)
     opts = dict(LAUNCH_OPTS, num_warps=cfg.num_warps)
@@ -57,19 +60,32 @@ def _variants(full: bool):
     dtypes = ("fp32", "bf16", "fp16") if full else ("bf16",)
     for dt, bits, st in itertools.product(dtypes, (8, 4), (False, True) if full else (True,)):
         gs = 100 if bits == 4 else 512  # a non-power-of-two and a power-of-two group
-        yield (f"quantize {dt} int{bits} g{gs} stochastic={st}", qm._quantize_kernel,
-               {"x_ptr": "*" + dt, "codes_ptr": codes[bits], "scales_ptr": f32},
-               dict(GROUP_SIZE=gs, BITS=bits, QMAX=2 ** (bits - 1) - 1, STOCHASTIC=st))
-        yield (f"dequantize int{bits} -> {dt}", qm._dequantize_kernel,
-               {"codes_ptr": codes[bits], "scales_ptr": f32, "out_ptr": "*" + dt}, dict(GROUP_SIZE=128, BITS=bits))
-        yield (f"dequantize_sum int{bits} -> {dt}", rm._dequantize_sum_kernel,
-               {"codes_ptr": codes[bits], "scales_ptr": f32, "out_ptr": "*" + dt}, dict(GROUP_SIZE=128, BITS=bits))
+        yield (
+            f"quantize {dt} int{bits} g{gs} stochastic={st}",
+            qm._quantize_kernel,
+            {"x_ptr": "*" + dt, "codes_ptr": codes[bits], "scales_ptr": f32},
+            dict(GROUP_SIZE=gs, BITS=bits, QMAX=2 ** (bits - 1) - 1, STOCHASTIC=st),
+        )
+        yield (
+            f"dequantize int{bits} -> {dt}",
+            qm._dequantize_kernel,
+            {"codes_ptr": codes[bits], "scales_ptr": f32, "out_ptr": "*" + dt},
+            dict(GROUP_SIZE=128, BITS=bits),
+        )
+        yield (
+            f"dequantize_sum int{bits} -> {dt}",
+            rm._dequantize_sum_kernel,
+            {"codes_ptr": codes[bits], "scales_ptr": f32, "out_ptr": "*" + dt},
+            dict(GROUP_SIZE=128, BITS=bits),
+        )
     for ib, ob in ((4, 4), (8, 4), (4, 8)) if full else ((4, 8),):
         for st in (False, True):
-            yield (f"dequantize_sum_requantize int{ib} -> int{ob} stochastic={st}",
-                   rm._dequantize_sum_requantize_kernel,
-                   {"codes_ptr": codes[ib], "scales_ptr": f32, "out_codes_ptr": codes[ob], "out_scales_ptr": f32},
-                   dict(GROUP_SIZE=128, IN_BITS=ib, OUT_BITS=ob, QMAX=2 ** (ob - 1) - 1, STOCHASTIC=st))
+            yield (
+                f"dequantize_sum_requantize int{ib} -> int{ob} stochastic={st}",
+                rm._dequantize_sum_requantize_kernel,
+                {"codes_ptr": codes[ib], "scales_ptr": f32, "out_codes_ptr": codes[ob], "out_scales_ptr": f32},
+                dict(GROUP_SIZE=128, IN_BITS=ib, OUT_BITS=ob, QMAX=2 ** (ob - 1) - 1, STOCHASTIC=st),
+            )
 
 
 def check(arch: int = 90, full: bool = False) -> list[str]:

@@ -132,8 +132,14 @@ def _offsets(r0: int, r1: int, g0: int, g1: int, groups_per_row: int, gs: int) -
 
 
 def _quantize_blocks(
-    v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, stochastic: bool, seed: int,
-    first_group: int = 0, groups_per_row: int | None = None,
+    v: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    stochastic: bool,
+    seed: int,
+    first_group: int = 0,
+    groups_per_row: int | None = None,
 ) -> None:
     """Quantize ``v`` ([rows, g, gs], complete blocks) into ``codes`` ([rows, g, gs*bits/8]) and
     ``scales`` ([rows, g]) tile by tile. ``first_group`` / ``groups_per_row`` place these blocks
@@ -210,9 +216,12 @@ def native_enabled() -> bool:
         return True
     if cpu_native.FAILED is not None and not _native_warned:
         _native_warned = True
-        warnings.warn(f"zeropp.kernels: the native CPU quantization kernels are unavailable ({cpu_native.FAILED}); "
-                      "using the slower compiled / tiled path for the rest of this process", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"zeropp.kernels: the native CPU quantization kernels are unavailable ({cpu_native.FAILED}); "
+            "using the slower compiled / tiled path for the rest of this process",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return False
 
 
@@ -235,8 +244,10 @@ def _quantized_buffers(rows: int, cols: int, bits: int, gs: int, out: QuantizedT
     if out is not None:
         check_quantized_out(out, rows, cols, bits, gs, device)
         return out.codes, out.scales
-    return (cpu_native.empty(rows, row_bytes(cols, bits, gs), dtype=codes_dtype(bits)),
-            cpu_native.empty(rows, num_groups(cols, gs), dtype=torch.float32))
+    return (
+        cpu_native.empty(rows, row_bytes(cols, bits, gs), dtype=codes_dtype(bits)),
+        cpu_native.empty(rows, num_groups(cols, gs), dtype=torch.float32),
+    )
 
 
 def fused_enabled(numel: int, dequantize: bool = False) -> bool:
@@ -255,8 +266,12 @@ def _run_fused(fn, *args) -> bool:
         return True
     except Exception as err:
         _fused_failed = f"{type(err).__name__}: {err}"
-        warnings.warn(f"zeropp.kernels: the compiled CPU quantization path failed ({_fused_failed}); "
-                      "using the slower tiled path for the rest of this process", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"zeropp.kernels: the compiled CPU quantization path failed ({_fused_failed}); "
+            "using the slower tiled path for the rest of this process",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
 
 
@@ -277,8 +292,9 @@ def _row_blocks(rows: int, g: int, full: int) -> list[tuple[int | None, int]]:
 def _tail(q: QuantizedTensor, full: int) -> QuantizedTensor:
     """The partial last block of each row of ``q`` (stacked or not) as its own QuantizedTensor."""
     bpg = q.group_size * q.bits // 8
-    return QuantizedTensor(q.codes[..., full * bpg :], q.scales[..., full:], q.cols - full * q.group_size,
-                           q.bits, q.group_size)
+    return QuantizedTensor(
+        q.codes[..., full * bpg :], q.scales[..., full:], q.cols - full * q.group_size, q.bits, q.group_size
+    )
 
 
 def _fused_write(q: QuantizedTensor, stacked: bool, dst: torch.Tensor) -> bool:
@@ -298,8 +314,11 @@ def _fused_write(q: QuantizedTensor, stacked: bool, dst: torch.Tensor) -> bool:
         else:
             c = codes[:, r, : n * bpg].reshape(k, n, bpg).contiguous()
             s, o = scales[:, r, :n].contiguous(), dst[r, : n * gs].view(n, gs)
-        ok = (_run_fused(cpu_fused.dequantize_sum_fused, c, s, bits, o) if stacked
-              else _run_fused(cpu_fused.dequantize_fused, c[0], s[0], bits, o))
+        ok = (
+            _run_fused(cpu_fused.dequantize_sum_fused, c, s, bits, o)
+            if stacked
+            else _run_fused(cpu_fused.dequantize_fused, c[0], s[0], bits, o)
+        )
         if not ok:
             return False
     if g > full:  # the partial last blocks, tiled, through a small buffer (their columns are strided)
@@ -312,8 +331,9 @@ def _fused_write(q: QuantizedTensor, stacked: bool, dst: torch.Tensor) -> bool:
 
 def _dequantize_into(q: QuantizedTensor, stacked: bool, out: torch.Tensor) -> torch.Tensor:
     if native_enabled():  # codes [k, rows, row_bytes] / [rows, row_bytes], scales [k, rows, g] / [rows, g]
-        cpu_native.dequantize_into(_last_contiguous(q.codes), _last_contiguous(q.scales), q.bits, q.group_size,
-                                   q.cols, stacked, out)
+        cpu_native.dequantize_into(
+            _last_contiguous(q.codes), _last_contiguous(q.scales), q.bits, q.group_size, q.cols, stacked, out
+        )
         return out
     dst = out.view(q.rows, q.cols)
     k = q.codes.shape[0] if stacked else 1
@@ -338,8 +358,9 @@ def dequantize_sum_cpu(
     return _dequantize_into(q, True, _output(out, rows, q.cols, dtype, q.codes.device))
 
 
-def _fused_quantize(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int,
-                    stochastic: bool, seed: int) -> bool:
+def _fused_quantize(
+    x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int, stochastic: bool, seed: int
+) -> bool:
     """Whole blocks of x2 [rows, cols] into codes / scales by the compiled kernel (False: path off)."""
     rows, cols = x2.shape
     g, full, bpg = scales.shape[1], cols // gs, gs * bits // 8
@@ -358,7 +379,13 @@ def _fused_quantize(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def quantize_cpu(
-    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0,
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    *,
+    rows: int = 1,
+    stochastic: bool = False,
+    seed: int = 0,
     out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """``quantize_ref`` for CPU tensors, bit for bit, several times faster (see the module docstring).
@@ -378,8 +405,9 @@ def quantize_cpu(
     fused = full and fused_enabled(x.numel()) and _fused_quantize(x2, codes, scales, bits, gs, stochastic, seed)
     if full and not fused:
         v = x2[:, : full * gs].unflatten(1, (full, gs))  # [rows, full, gs] view
-        _quantize_blocks(v, codes[:, : full * bpg].unflatten(1, (full, bpg)), scales[:, :full], bits, stochastic,
-                         seed, 0, g)
+        _quantize_blocks(
+            v, codes[:, : full * bpg].unflatten(1, (full, bpg)), scales[:, :full], bits, stochastic, seed, 0, g
+        )
     if g > full:  # the partial last block of each row, zero padded
         tail = torch.zeros(rows, 1, gs, dtype=torch.float32)
         tail[:, 0, : cols - full * gs] = x2[:, full * gs :]
@@ -387,8 +415,9 @@ def quantize_cpu(
     return out if out is not None else QuantizedTensor(codes, scales, cols, bits, gs)
 
 
-def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
-                      stochastic: bool, seed: int) -> bool:
+def _fused_requantize(
+    q: QuantizedTensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, stochastic: bool, seed: int
+) -> bool:
     """The whole blocks' sums of stacked ``q`` re-quantized by the compiled kernel (False: path off)."""
     k, rows, g = q.scales.shape
     gs, full = q.group_size, q.cols // q.group_size
@@ -398,8 +427,13 @@ def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Ten
         return False
     for r, n in units:
         if r is None:
-            c, s, co, so, base = (q.codes.reshape(k, n, ibpg), q.scales.reshape(k, n), codes.view(n, obpg),
-                                  scales.view(n), 0)
+            c, s, co, so, base = (
+                q.codes.reshape(k, n, ibpg),
+                q.scales.reshape(k, n),
+                codes.view(n, obpg),
+                scales.view(n),
+                0,
+            )
         else:
             c = q.codes[:, r, : n * ibpg].reshape(k, n, ibpg).contiguous()
             s, co, so = q.scales[:, r, :n].contiguous(), codes[r, : n * obpg].view(n, obpg), scales[r, :n]
@@ -410,7 +444,12 @@ def _fused_requantize(q: QuantizedTensor, codes: torch.Tensor, scales: torch.Ten
 
 
 def dequantize_sum_requantize_cpu(
-    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0,
+    q: QuantizedTensor,
+    bits: int,
+    group_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
     out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """``dequantize_sum_requantize_ref`` for CPU tensors, bit for bit: each block's fp32 sum (padding
@@ -420,8 +459,18 @@ def dequantize_sum_requantize_cpu(
     cols, g = q.cols, num_groups(q.cols, group_size)
     codes, scales = _quantized_buffers(rows, cols, bits, group_size, out, q.codes.device)
     if native_enabled():
-        cpu_native.requantize_into(_last_contiguous(q.codes), _last_contiguous(q.scales), q.bits, group_size, cols,
-                                   bits, stochastic, seed, codes, scales)
+        cpu_native.requantize_into(
+            _last_contiguous(q.codes),
+            _last_contiguous(q.scales),
+            q.bits,
+            group_size,
+            cols,
+            bits,
+            stochastic,
+            seed,
+            codes,
+            scales,
+        )
         return out if out is not None else QuantizedTensor.unchecked(codes, scales, cols, bits, group_size)
     full = cols // group_size
     if k and full and fused_enabled(rows * q.cols) and _fused_requantize(q, codes, scales, bits, stochastic, seed):
@@ -435,6 +484,7 @@ def dequantize_sum_requantize_cpu(
     buf = _scratch(rows, G, group_size)
     for r0, r1, g0, g1, acc in _summed_tiles(q, True):
         offs = _offsets(r0, r1, first + g0, first + g1, g, group_size) if stochastic else None
-        _quantize_tile(acc, codes3[r0:r1, g0:g1], scales[r0:r1, first + g0 : first + g1], buf, bits, stochastic, seed,
-                       offs)
+        _quantize_tile(
+            acc, codes3[r0:r1, g0:g1], scales[r0:r1, first + g0 : first + g1], buf, bits, stochastic, seed, offs
+        )
     return out if out is not None else QuantizedTensor(codes, scales, cols, bits, group_size)

@@ -140,8 +140,9 @@ def _dequantize_sum_graph(codes, scales, out, *, bits, wide):
 
 def _requantize_graph(codes, scales, codes_out, scales_out, seed, base, *, bits, wide, out_bits, stochastic):
     """Stacked [k, n, *] -> the fp32 sum re-quantized with ``out_bits`` in the same blocks."""
-    _quantize_blocks(_sum_blocks(codes, scales, bits, wide), codes_out, scales_out, seed, base,
-                     bits=out_bits, stochastic=stochastic)
+    _quantize_blocks(
+        _sum_blocks(codes, scales, bits, wide), codes_out, scales_out, seed, base, bits=out_bits, stochastic=stochastic
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +159,7 @@ def _variant(fn: Callable, key: tuple, **consts) -> Callable:
     with _LOCK:
         compiled = _COMPILED.get(key)
         if compiled is None:
+
             def call(*args):
                 return fn(*args, **consts)
 
@@ -185,12 +187,17 @@ def _int64(value: int) -> torch.Tensor:
 
 def _wide(codes: torch.Tensor, bits: int) -> bool:
     """Whether INT4 codes can be read as int16 pairs: even byte counts, offset and strides."""
-    return bits == 4 and codes.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in codes.stride()[:-1]) \
+    return (
+        bits == 4
+        and codes.storage_offset() % 2 == 0
+        and all(st % 2 == 0 for st in codes.stride()[:-1])
         and codes.shape[-1] % 2 == 0
+    )
 
 
-def quantize_fused(v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, stochastic: bool,
-                   seed: int, base: int) -> None:
+def quantize_fused(
+    v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, stochastic: bool, seed: int, base: int
+) -> None:
     """Blocks v [n, gs] -> codes [n, bpg], scales [n] in place, bit-identical to ``quantize_ref``."""
     fn = _variant(_quantize_blocks, ("q", v.dtype, bits, v.shape[1], stochastic), bits=bits, stochastic=stochastic)
     _dynamic_blocks(0, v, codes, scales)
@@ -208,19 +215,35 @@ def dequantize_fused(codes: torch.Tensor, scales: torch.Tensor, bits: int, out: 
 def dequantize_sum_fused(codes: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """Stacked codes [k, n, bpg], scales [k, n] -> their ordered sum into ``out`` [n, gs], in place."""
     wide = _wide(codes, bits)
-    fn = _variant(_dequantize_sum_graph, ("ds", out.dtype, bits, codes.shape[2], codes.shape[0], wide), bits=bits,
-                  wide=wide)
+    fn = _variant(
+        _dequantize_sum_graph, ("ds", out.dtype, bits, codes.shape[2], codes.shape[0], wide), bits=bits, wide=wide
+    )
     _dynamic_blocks(1, codes, scales)
     _dynamic_blocks(0, out)
     fn(codes, scales, out)
 
 
-def requantize_fused(codes: torch.Tensor, scales: torch.Tensor, bits: int, codes_out: torch.Tensor,
-                     scales_out: torch.Tensor, out_bits: int, stochastic: bool, seed: int, base: int) -> None:
+def requantize_fused(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    codes_out: torch.Tensor,
+    scales_out: torch.Tensor,
+    out_bits: int,
+    stochastic: bool,
+    seed: int,
+    base: int,
+) -> None:
     """Stacked [k, n, *] -> the sum re-quantized with ``out_bits`` into codes_out [n, *], scales_out [n]."""
     wide = _wide(codes, bits)
-    fn = _variant(_requantize_graph, ("rq", bits, codes.shape[2], out_bits, stochastic, codes.shape[0], wide),
-                  bits=bits, wide=wide, out_bits=out_bits, stochastic=stochastic)
+    fn = _variant(
+        _requantize_graph,
+        ("rq", bits, codes.shape[2], out_bits, stochastic, codes.shape[0], wide),
+        bits=bits,
+        wide=wide,
+        out_bits=out_bits,
+        stochastic=stochastic,
+    )
     _dynamic_blocks(1, codes, scales)
     _dynamic_blocks(0, codes_out, scales_out)
     fn(codes, scales, codes_out, scales_out, _int64(seed), _int64(base))

@@ -67,8 +67,7 @@ ENABLED = os.environ.get("ZEROPP_CPU_NATIVE", "1") != "0"
 """Whether CPU tensors take these kernels (``ZEROPP_CPU_NATIVE=0`` turns them off, for comparing
 paths; tests switch it per test)."""
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math",
-         "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-std=c++17"]
 """Compiler flags. ``-ffp-contract=off``: no FMA contraction (bit-exactness). On x86-64, 512-bit
 vectors are preferred where the CPU has them (gcc otherwise keeps to 256 bits on AVX-512 CPUs)."""
 if platform.machine() in ("x86_64", "AMD64"):
@@ -116,13 +115,15 @@ def cache_dir() -> Path:
 def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
     """The library's file name (its cache key) and a function that builds it at a given path."""
     cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
-                             timeout=BUILD_TIMEOUT_S).stdout
+    version = subprocess.run(
+        [cxx, "--version"], capture_output=True, text=True, check=True, timeout=BUILD_TIMEOUT_S
+    ).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_features()]).encode())
 
     def build(out: Path) -> None:
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
-                             timeout=BUILD_TIMEOUT_S)
+        res = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
         if res.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
 
@@ -214,17 +215,35 @@ def _check(rc: int, what: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Calls. Tensors are CPU, last dimension contiguous; the callers (cpu.py) check the arguments.
 # ----------------------------------------------------------------------------------------------
-def quantize_into(x2: torch.Tensor, bits: int, gs: int, stochastic: bool, seed: int, codes: torch.Tensor,
-                  scales: torch.Tensor) -> None:
+def quantize_into(
+    x2: torch.Tensor, bits: int, gs: int, stochastic: bool, seed: int, codes: torch.Tensor, scales: torch.Tensor
+) -> None:
     """x2 [rows, cols] (fp32/bf16/fp16, rows may be strided) -> codes [rows, row_bytes], scales [rows, g]."""
     rows, cols = x2.shape
     assert _LIB is not None, "callers load the library first"
-    _check(_LIB.zq_quantize(x2.data_ptr(), x2.stride(0), _DTYPES[x2.dtype], rows, cols, gs, bits, int(stochastic),
-                            seed, codes.data_ptr(), codes.stride(0), scales.data_ptr(), scales.stride(0)), "quantize")
+    _check(
+        _LIB.zq_quantize(
+            x2.data_ptr(),
+            x2.stride(0),
+            _DTYPES[x2.dtype],
+            rows,
+            cols,
+            gs,
+            bits,
+            int(stochastic),
+            seed,
+            codes.data_ptr(),
+            codes.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+        ),
+        "quantize",
+    )
 
 
-def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int, cols: int, summed: bool,
-                    out: torch.Tensor) -> None:
+def dequantize_into(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int, cols: int, summed: bool, out: torch.Tensor
+) -> None:
     """codes [rows, row_bytes] and scales [rows, g] (or stacked [k, rows, *] with ``summed``) ->
     ``out`` (contiguous, rows * cols elements, any float dtype): input 0 dequantized, or the sum
     over k."""
@@ -233,19 +252,65 @@ def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: in
     else:
         (k, rows, _), c_ks, s_ks = codes.shape, codes.stride(0), scales.stride(0)
     assert _LIB is not None, "callers load the library first"
-    _check(_LIB.zq_dequantize(codes.data_ptr(), c_ks, codes.stride(-2), scales.data_ptr(), s_ks, scales.stride(-2), k,
-                              rows, cols, gs, bits, int(summed), out.data_ptr(), _DTYPES[out.dtype]), "dequantize")
+    _check(
+        _LIB.zq_dequantize(
+            codes.data_ptr(),
+            c_ks,
+            codes.stride(-2),
+            scales.data_ptr(),
+            s_ks,
+            scales.stride(-2),
+            k,
+            rows,
+            cols,
+            gs,
+            bits,
+            int(summed),
+            out.data_ptr(),
+            _DTYPES[out.dtype],
+        ),
+        "dequantize",
+    )
 
 
-def requantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, gs: int, cols: int, out_bits: int,
-                    stochastic: bool, seed: int, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+def requantize_into(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    gs: int,
+    cols: int,
+    out_bits: int,
+    stochastic: bool,
+    seed: int,
+    codes_out: torch.Tensor,
+    scales_out: torch.Tensor,
+) -> None:
     """Stacked [k, rows, *] -> the blocks' fp32 sums re-quantized into codes_out / scales_out [rows, *]."""
     k, rows, _ = codes.shape
     assert _LIB is not None, "callers load the library first"
-    _check(_LIB.zq_requantize(codes.data_ptr(), codes.stride(0), codes.stride(1), scales.data_ptr(),
-                              scales.stride(0), scales.stride(1), k, rows, cols, gs, bits, out_bits, int(stochastic),
-                              seed, codes_out.data_ptr(), codes_out.stride(0), scales_out.data_ptr(),
-                              scales_out.stride(0)), "dequantize_sum_requantize")
+    _check(
+        _LIB.zq_requantize(
+            codes.data_ptr(),
+            codes.stride(0),
+            codes.stride(1),
+            scales.data_ptr(),
+            scales.stride(0),
+            scales.stride(1),
+            k,
+            rows,
+            cols,
+            gs,
+            bits,
+            out_bits,
+            int(stochastic),
+            seed,
+            codes_out.data_ptr(),
+            codes_out.stride(0),
+            scales_out.data_ptr(),
+            scales_out.stride(0),
+        ),
+        "dequantize_sum_requantize",
+    )
 
 
 if __name__ == "__main__":  # python -m zeropp.kernels.cpu_native: build (or find) and load the library

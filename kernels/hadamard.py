@@ -79,7 +79,9 @@ class HadamardPlan:
         if rows * blocks and out_cols:
             cfg = TileConfig(block, blocks, rows)
             self.launch = LaunchPlan(
-                _hadamard_kernel, cfg, (cols, out_cols, blocks, *strides, cfg.tiles_per_row),
+                _hadamard_kernel,
+                cfg,
+                (cols, out_cols, blocks, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=block, LOG2_BLOCK=block.bit_length() - 1, SCALE=hadamard_scale(block)),
             )
 

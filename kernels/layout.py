@@ -75,9 +75,7 @@ def check_group_size(group_size: int, bits: int) -> None:
             f"{DEFAULT_GRAD_GROUP_SIZE} for gradients)"
         )
     if bits == 4 and group_size % 2:
-        raise ValueError(
-            f"group_size={group_size} is odd; INT4 packs two codes per byte, so use an even group size"
-        )
+        raise ValueError(f"group_size={group_size} is odd; INT4 packs two codes per byte, so use an even group size")
 
 
 def check_seed(seed: int) -> int:
@@ -149,11 +147,19 @@ class QuantizedTensor:
             raise ValueError(f"INT{self.bits} codes must be {want}, got {self.codes.dtype}")
 
     @classmethod
-    def unchecked(cls, codes: torch.Tensor, scales: torch.Tensor, cols: int, bits: int, group_size: int) -> QuantizedTensor:
+    def unchecked(
+        cls, codes: torch.Tensor, scales: torch.Tensor, cols: int, bits: int, group_size: int
+    ) -> QuantizedTensor:
         """Build without ``__post_init__``'s checks (about 2 us per call): only for launchers that
         allocated ``codes`` and ``scales`` themselves from a layout they already checked."""
         q = object.__new__(cls)
-        for name, value in (("codes", codes), ("scales", scales), ("cols", cols), ("bits", bits), ("group_size", group_size)):
+        for name, value in (
+            ("codes", codes),
+            ("scales", scales),
+            ("cols", cols),
+            ("bits", bits),
+            ("group_size", group_size),
+        ):
             object.__setattr__(q, name, value)
         return q
 

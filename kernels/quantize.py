@@ -119,8 +119,16 @@ class QuantizePlan:
     strides). ``strides`` is ``(x_inner, x_outer, x_stride, codes_stride, scales_stride)`` (see the
     kernel), None for contiguous input and output."""
 
-    def __init__(self, numel: int, rows: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool,
-                 strides: tuple[int, int, int, int, int] | None = None):
+    def __init__(
+        self,
+        numel: int,
+        rows: int,
+        dtype: torch.dtype,
+        bits: int,
+        group_size: int,
+        stochastic: bool,
+        strides: tuple[int, int, int, int, int] | None = None,
+    ):
         check_bits(bits)  # the checks of check_quantize_args that depend on the key only
         check_group_size(group_size, bits)
         check_float_dtype(dtype, "input")
@@ -135,14 +143,23 @@ class QuantizePlan:
         if rows * self.groups:
             cfg = TileConfig(group_size, self.groups, rows)
             self.launch = LaunchPlan(
-                _quantize_kernel, cfg, (self.cols, self.groups, *strides, cfg.tiles_per_row),
+                _quantize_kernel,
+                cfg,
+                (self.cols, self.groups, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=group_size, BITS=bits, QMAX=qmax(bits), STOCHASTIC=stochastic),
             )
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def quantize_plan(numel: int, rows: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool,
-                  strides: tuple[int, int, int, int, int] | None = None) -> QuantizePlan:
+def quantize_plan(
+    numel: int,
+    rows: int,
+    dtype: torch.dtype,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    strides: tuple[int, int, int, int, int] | None = None,
+) -> QuantizePlan:
     return QuantizePlan(numel, rows, dtype, bits, group_size, stochastic, strides)
 
 
@@ -150,8 +167,15 @@ class DequantizePlan:
     """Launch of ``dequantize`` for one (rows, cols, bits, group size, output dtype, strides);
     ``strides`` is ``(codes_stride, scales_stride, out_stride)``, None when all are contiguous."""
 
-    def __init__(self, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype,
-                 strides: tuple[int, int, int] | None = None):
+    def __init__(
+        self,
+        rows: int,
+        cols: int,
+        bits: int,
+        group_size: int,
+        out_dtype: torch.dtype,
+        strides: tuple[int, int, int] | None = None,
+    ):
         check_float_dtype(out_dtype, "out")
         groups = num_groups(cols, group_size)
         if strides is None:
@@ -160,14 +184,22 @@ class DequantizePlan:
         if rows * groups:
             cfg = TileConfig(group_size, groups, rows)
             self.launch = LaunchPlan(
-                _dequantize_kernel, cfg, (cols, groups, *strides, cfg.tiles_per_row),
+                _dequantize_kernel,
+                cfg,
+                (cols, groups, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=group_size, BITS=bits),
             )
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def dequantize_plan(rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype,
-                    strides: tuple[int, int, int] | None = None) -> DequantizePlan:
+def dequantize_plan(
+    rows: int,
+    cols: int,
+    bits: int,
+    group_size: int,
+    out_dtype: torch.dtype,
+    strides: tuple[int, int, int] | None = None,
+) -> DequantizePlan:
     return DequantizePlan(rows, cols, bits, group_size, out_dtype, strides)
 
 
@@ -187,7 +219,13 @@ def quantized_rows(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, int,
 
 
 def _quantize_triton(
-    x: torch.Tensor, bits: int, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0,
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    *,
+    rows: int = 1,
+    stochastic: bool = False,
+    seed: int = 0,
     out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """Triton twin of ``quantize_ref`` (same checks, same result bit for bit), into ``out`` if given.
@@ -202,9 +240,15 @@ def _quantize_triton(
     if geo is None:
         x, geo = x.contiguous(), (rows, 0, cols)  # a layout the kernel cannot index: copy once
     if out is None:
-        plan = quantize_plan(x.numel(), rows, x.dtype, bits, group_size, bool(stochastic),
-                             None if geo == (rows, 0, cols) else (*geo, row_bytes(cols, bits, group_size),
-                                                                  num_groups(cols, group_size)))
+        plan = quantize_plan(
+            x.numel(),
+            rows,
+            x.dtype,
+            bits,
+            group_size,
+            bool(stochastic),
+            None if geo == (rows, 0, cols) else (*geo, row_bytes(cols, bits, group_size), num_groups(cols, group_size)),
+        )
         codes = torch.empty(rows, plan.row_bytes, dtype=plan.codes_dtype, device=x.device)  # [rows, row_bytes]
         scales = torch.empty(rows, plan.groups, dtype=torch.float32, device=x.device)  # [rows, groups]
         out = QuantizedTensor.unchecked(codes, scales, plan.cols, bits, group_size)
@@ -270,8 +314,14 @@ def quantize(
     group_size = DEFAULT_WEIGHT_GROUP_SIZE if group_size is None else group_size
     if _use_triton(x, impl):
         return _quantize_triton(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed, out=out)
-    if (out is not None and not stochastic and not x.is_contiguous() and x.dim() >= 2 and rows == _lead(x)
-            and x.shape[-1] >= ROW_LOOP_MIN_COLS):
+    if (
+        out is not None
+        and not stochastic
+        and not x.is_contiguous()
+        and x.dim() >= 2
+        and rows == _lead(x)
+        and x.shape[-1] >= ROW_LOOP_MIN_COLS
+    ):
         # round to nearest is row-independent: quantize row views one by one instead of letting
         # the CPU path gather a contiguous copy of a strided (e.g. swizzled) input
         cols = x.shape[-1]
@@ -305,14 +355,8 @@ def _row_of(q: QuantizedTensor, r: int) -> QuantizedTensor:
     return QuantizedTensor.unchecked(q.codes[r : r + 1], q.scales[r : r + 1], q.cols, q.bits, q.group_size)
 
 
-
-
 def dequantize(
-    q: QuantizedTensor,
-    *,
-    out: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-    impl: str | None = None,
+    q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32, impl: str | None = None
 ) -> torch.Tensor:
     """QuantizedTensor -> ``[rows, cols]`` in ``dtype``, or written into ``out`` (contiguous with
     ``rows*cols`` elements, or a row-strided ``[rows, cols]`` view such as columns of a larger

@@ -88,8 +88,9 @@ def _dequantize_sum_kernel(
     BLOCK_GS: tl.constexpr,
 ):
     row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
-    acc = _tile_sum(codes_ptr, scales_ptr, k, rows, row, g, groups, codes_stride, scales_stride, GROUP_SIZE, BITS,
-                    BLOCK_G, BLOCK_GS)
+    acc = _tile_sum(
+        codes_ptr, scales_ptr, k, rows, row, g, groups, codes_stride, scales_stride, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS
+    )
     mask = (j[None, :] < GROUP_SIZE) & (col < cols)
     tl.store(out_ptr + row * out_stride + col, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=mask)
 
@@ -119,7 +120,18 @@ def _dequantize_sum_requantize_kernel(
 ):
     row, g, _j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     acc = _tile_sum(  # [BG, BGS] fp32, never written to memory
-        codes_ptr, scales_ptr, k, rows, row, g, groups, codes_stride, scales_stride, GROUP_SIZE, IN_BITS, BLOCK_G,
+        codes_ptr,
+        scales_ptr,
+        k,
+        rows,
+        row,
+        g,
+        groups,
+        codes_stride,
+        scales_stride,
+        GROUP_SIZE,
+        IN_BITS,
+        BLOCK_G,
         BLOCK_GS,
     )
     offs = row * groups * GROUP_SIZE + col  # [BG, BGS] int64 index into [rows, groups*GROUP_SIZE]
@@ -132,8 +144,16 @@ class DequantizeSumPlan:
     """Launch of ``dequantize_sum`` for one (k, rows, cols, bits, group size, output dtype,
     strides); ``strides`` = ``(codes_stride, scales_stride, out_stride)``, None if contiguous."""
 
-    def __init__(self, k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype,
-                 strides: tuple[int, int, int] | None = None):
+    def __init__(
+        self,
+        k: int,
+        rows: int,
+        cols: int,
+        bits: int,
+        group_size: int,
+        out_dtype: torch.dtype,
+        strides: tuple[int, int, int] | None = None,
+    ):
         check_float_dtype(out_dtype, "out")
         groups = num_groups(cols, group_size)
         if strides is None:
@@ -142,14 +162,23 @@ class DequantizeSumPlan:
         if k and rows * groups:
             cfg = TileConfig(group_size, groups, rows)
             self.launch = LaunchPlan(
-                _dequantize_sum_kernel, cfg, (k, rows, cols, groups, *strides, cfg.tiles_per_row),
+                _dequantize_sum_kernel,
+                cfg,
+                (k, rows, cols, groups, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=group_size, BITS=bits),
             )
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def dequantize_sum_plan(k: int, rows: int, cols: int, bits: int, group_size: int, out_dtype: torch.dtype,
-                        strides: tuple[int, int, int] | None = None):
+def dequantize_sum_plan(
+    k: int,
+    rows: int,
+    cols: int,
+    bits: int,
+    group_size: int,
+    out_dtype: torch.dtype,
+    strides: tuple[int, int, int] | None = None,
+):
     return DequantizeSumPlan(k, rows, cols, bits, group_size, out_dtype, strides)
 
 
@@ -158,8 +187,17 @@ class RequantizePlan:
     output bits, group size, rounding, strides); ``strides`` = ``(codes_stride, scales_stride,
     out_codes_stride, out_scales_stride)``, None if all are contiguous."""
 
-    def __init__(self, k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool,
-                 strides: tuple[int, int, int, int] | None = None):
+    def __init__(
+        self,
+        k: int,
+        rows: int,
+        cols: int,
+        in_bits: int,
+        bits: int,
+        group_size: int,
+        stochastic: bool,
+        strides: tuple[int, int, int, int] | None = None,
+    ):
         self.groups = num_groups(cols, group_size)
         self.row_bytes = row_bytes(cols, bits, group_size)
         self.codes_dtype = codes_dtype(bits)
@@ -169,14 +207,24 @@ class RequantizePlan:
         if rows * self.groups:
             cfg = TileConfig(group_size, self.groups, rows)
             self.launch = LaunchPlan(
-                _dequantize_sum_requantize_kernel, cfg, (k, rows, self.groups, *strides, cfg.tiles_per_row),
+                _dequantize_sum_requantize_kernel,
+                cfg,
+                (k, rows, self.groups, *strides, cfg.tiles_per_row),
                 dict(GROUP_SIZE=group_size, IN_BITS=in_bits, OUT_BITS=bits, QMAX=qmax(bits), STOCHASTIC=stochastic),
             )
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def requantize_plan(k: int, rows: int, cols: int, in_bits: int, bits: int, group_size: int, stochastic: bool,
-                    strides: tuple[int, int, int, int] | None = None):
+def requantize_plan(
+    k: int,
+    rows: int,
+    cols: int,
+    in_bits: int,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    strides: tuple[int, int, int, int] | None = None,
+):
     return RequantizePlan(k, rows, cols, in_bits, bits, group_size, stochastic, strides)
 
 
@@ -198,7 +246,12 @@ def _dequantize_sum_triton(
 
 
 def _dequantize_sum_requantize_triton(
-    q: QuantizedTensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0,
+    q: QuantizedTensor,
+    bits: int,
+    group_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
     out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """Triton twin of ``dequantize_sum_requantize_ref``: one pass, sum kept in registers; reads
@@ -212,7 +265,9 @@ def _dequantize_sum_requantize_triton(
         out = QuantizedTensor.unchecked(
             torch.empty(rows, rb, dtype=codes_dtype(bits), device=codes.device),  # [rows, out_row_bytes]
             torch.empty(rows, g, dtype=torch.float32, device=codes.device),  # [rows, groups]
-            q.cols, bits, group_size,
+            q.cols,
+            bits,
+            group_size,
         )
     else:
         check_quantized_out(out, rows, q.cols, bits, group_size, codes.device)
@@ -224,11 +279,7 @@ def _dequantize_sum_requantize_triton(
 
 
 def dequantize_sum(
-    q: QuantizedTensor,
-    *,
-    out: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-    impl: str | None = None,
+    q: QuantizedTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32, impl: str | None = None
 ) -> torch.Tensor:
     """Stacked ``[k, rows, *]`` -> fp32-accumulated sum over k as ``[rows, cols]`` (or into ``out``)."""
     if _use_triton(q.codes, impl):

@@ -75,9 +75,7 @@ def _pad_rows(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
     return out.view(rows, g, group_size)
 
 
-def _quantize_blocks(
-    v: torch.Tensor, bits: int, stochastic: bool, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks(v: torch.Tensor, bits: int, stochastic: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """v: [rows, groups, group_size] fp32 -> (codes int32 same shape, scales [rows, groups] fp32)."""
     q = qmax(bits)
     finite = torch.isfinite(v).all(dim=-1)  # [rows, groups]
@@ -130,9 +128,7 @@ def _to_quantized(
     return QuantizedTensor(_pack(codes.view(rows, -1), bits), scales, cols, bits, group_size)
 
 
-def _write_out(
-    full: torch.Tensor, cols: int, out: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
+def _write_out(full: torch.Tensor, cols: int, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """[rows, groups, group_size] fp32 -> [rows, cols] in ``dtype``, into ``out`` if given."""
     rows = full.shape[0]
     dst = output_buffer(out, rows, cols, dtype, full.device)
@@ -233,7 +229,7 @@ def check_hadamard_args(x: torch.Tensor, block: int, rows: int, out_cols: int | 
 def hadamard_scale(block: int) -> float:
     """``1 / sqrt(block)`` rounded once to fp32 (exact for powers of 4), as a Python float that
     is exactly that fp32 value, so the Triton kernel and the reference multiply by the same number."""
-    return float(torch.tensor(block ** -0.5, dtype=torch.float32))
+    return float(torch.tensor(block**-0.5, dtype=torch.float32))
 
 
 def hadamard_ref(

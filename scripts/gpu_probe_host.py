@@ -1,6 +1,7 @@
 """Host enqueue cost of one quantize / dequantize call on CUDA (no sync between calls), against
 torch's own copy, plus a cProfile of the quantize host path. Run on a GPU machine (part of
 scripts/gpu_check.sh)."""
+
 import cProfile
 import pstats
 import time
@@ -41,6 +42,9 @@ pstats.Stats(pr).sort_stats("tottime").print_stats(18)
 
 from triton.testing import do_bench  # noqa: E402
 
-for name, fn in (("copy_", lambda: y.copy_(x)), ("quantize int8", lambda: quantize(x, 8, 512)),
-                 ("quantize int4 stochastic", lambda: quantize(x, 4, 128, stochastic=True, seed=3))):
+for name, fn in (
+    ("copy_", lambda: y.copy_(x)),
+    ("quantize int8", lambda: quantize(x, 8, 512)),
+    ("quantize int4 stochastic", lambda: quantize(x, 4, 128, stochastic=True, seed=3)),
+):
     print(f"{name:26s} device us/call (do_bench median) {1e3 * do_bench(fn, return_mode='median'):.1f}")

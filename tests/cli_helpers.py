@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 
-def run_cli(args: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch,
-            capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def run_cli(
+    args: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
     """``python -m zeropp.experiments.run *args hydra.run.dir=run_dir`` in-process: (exit code, stderr)."""
     import zeropp.experiments.run as run
 

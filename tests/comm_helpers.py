@@ -50,7 +50,9 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def simulate_qgz(inputs: list[torch.Tensor], topo: Topology, j: int, n: int, bits: int, intra_bits: int, gs: int) -> torch.Tensor:
+def simulate_qgz(
+    inputs: list[torch.Tensor], topo: Topology, j: int, n: int, bits: int, intra_bits: int, gs: int
+) -> torch.Tensor:
     """Bit-exact expected SUM of chunk ``j`` by the hierarchical algorithm, built from the kernels:
     each rank quantizes its chunk, each node sums its ranks' chunks in local order and
     re-quantizes, the node sums are dequantized and summed in node order. fp32 [n]."""
@@ -71,11 +73,17 @@ def _stack(qs):
     from zeropp.kernels import QuantizedTensor
 
     return QuantizedTensor(
-        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), qs[0].cols, qs[0].bits, qs[0].group_size
+        torch.stack([q.codes for q in qs]),
+        torch.stack([q.scales for q in qs]),
+        qs[0].cols,
+        qs[0].bits,
+        qs[0].group_size,
     )
 
 
-def qgz_error_bound(inputs: list[torch.Tensor], topo: Topology, j: int, n: int, bits: int, intra_bits: int, gs: int) -> torch.Tensor:
+def qgz_error_bound(
+    inputs: list[torch.Tensor], topo: Topology, j: int, n: int, bits: int, intra_bits: int, gs: int
+) -> torch.Tensor:
     """Per-element bound on |qgZ SUM - exact SUM| for chunk ``j``, from the block scales:
     each first-hop quantization errs by at most half a step, ``A_r / (2 qmax)`` (A_r = the block's
     absmax on rank r); a node's partial sum has absmax <= sum_r A_r (1 + 1/(2 qmax1)) and its
@@ -101,7 +109,9 @@ def expected_all_gather_bytes(topo: Topology, n: int, elem_bytes: int, bits=None
     return {"intra": (topo.ranks_per_node - 1) * msg, "cross": (topo.world_size - topo.ranks_per_node) * msg}
 
 
-def expected_reduce_scatter_bytes(topo: Topology, n: int, elem_bytes: int, bits=None, intra_bits=None, gs: int = 128) -> dict[str, int]:
+def expected_reduce_scatter_bytes(
+    topo: Topology, n: int, elem_bytes: int, bits=None, intra_bits=None, gs: int = 128
+) -> dict[str, int]:
     """World reduce-scatter. Plain: one chunk to every other rank. qgZ: hop 1 sends ``nodes`` rows
     to each of the rpn-1 node peers; hop 2 one row to each of the nodes-1 remote peers."""
     W, rpn, nodes = topo.world_size, topo.ranks_per_node, topo.nodes

@@ -53,10 +53,12 @@ def untiered_test_files(root: Path = TESTS) -> list[str]:
 def pytest_sessionstart(session: pytest.Session) -> None:
     stray = untiered_test_files()
     if stray:
-        raise pytest.UsageError(f"{', '.join('tests/' + n for n in stray)}: a test module outside the tiers is "
-                                f"never collected by `pytest`; move it into tests/{{{','.join(TIERS)}}}/ "
-                                "(unit: one process; distributed: run_world/launch_world; e2e: the runner's "
-                                "command line, torchrun, the cluster; gpu: needs CUDA)")
+        raise pytest.UsageError(
+            f"{', '.join('tests/' + n for n in stray)}: a test module outside the tiers is "
+            f"never collected by `pytest`; move it into tests/{{{','.join(TIERS)}}}/ "
+            "(unit: one process; distributed: run_world/launch_world; e2e: the runner's "
+            "command line, torchrun, the cluster; gpu: needs CUDA)"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,9 +74,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif item.get_closest_marker("cuda") is not None:
             misplaced.append(item.nodeid)
     if misplaced:
-        raise pytest.UsageError(f"marked cuda outside tests/gpu/ (move them there, so that `pytest -m cuda` "
-                                f"selects the GPU tier and nothing else): {', '.join(misplaced[:5])}"
-                                + (f" and {len(misplaced) - 5} more" if len(misplaced) > 5 else ""))
+        raise pytest.UsageError(
+            f"marked cuda outside tests/gpu/ (move them there, so that `pytest -m cuda` "
+            f"selects the GPU tier and nothing else): {', '.join(misplaced[:5])}"
+            + (f" and {len(misplaced) - 5} more" if len(misplaced) > 5 else "")
+        )
 
 
 def selects_cuda(markexpr: str) -> bool:
@@ -114,8 +118,9 @@ def triton_interpreter(markexpr: str, cuda_available: bool, env: str | None) -> 
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    want = triton_interpreter(config.getoption("markexpr", default="") or "", torch.cuda.is_available(),
-                              os.environ.get(INTERPRET))
+    want = triton_interpreter(
+        config.getoption("markexpr", default="") or "", torch.cuda.is_available(), os.environ.get(INTERPRET)
+    )
     if want is None:
         os.environ.pop(INTERPRET, None)
     else:

@@ -88,7 +88,7 @@ def blocks(path: Path) -> list[Block]:
         end = next((k for k in range(i + 1, len(lines)) if lines[k].strip() == "```"), None)
         if end is None:
             raise ValueError(f"{path.name}:{i + 1}: the fence opened here is never closed")
-        out.append(Block(path=path, line=i + 1, lang=m.group(2), text="\n".join(lines[i + 1:end]), mark=mark))
+        out.append(Block(path=path, line=i + 1, lang=m.group(2), text="\n".join(lines[i + 1 : end]), mark=mark))
         i = end + 1
     return out
 
@@ -118,6 +118,7 @@ def commands(block: Block) -> list[list[str]]:
 
 
 # --- modules -------------------------------------------------------------------------------------
+
 
 def module_exists(name: str) -> bool:
     """Whether ``python -m name`` finds a module: ``experiments.*`` / ``kernels.*`` as files under
@@ -269,8 +270,10 @@ def _check_argparse(module: str, args: list[str]) -> None:
             if extras:
                 check_runner_overrides(extras)
             return
-    raise AssertionError(f"python -m {module}: main() returned without parsing its arguments with argparse; "
-                         "give tests/docs_commands.py a checker for it")
+    raise AssertionError(
+        f"python -m {module}: main() returned without parsing its arguments with argparse; "
+        "give tests/docs_commands.py a checker for it"
+    )
 
 
 def check_module_args(module: str, args: list[str]) -> None:
@@ -305,7 +308,7 @@ def check_command(words: list[str]) -> None:
         if "-m" not in words:
             raise ValueError(f"{prog} without -m: the docs run modules, not files ({' '.join(words)})")
         i = words.index("-m")
-        module, args = words[i + 1], words[i + 2:]
+        module, args = words[i + 1], words[i + 2 :]
         if not module_exists(module):
             raise ModuleNotFoundError(f"python -m {module}: no such module")
         check_module_args(module, args)
@@ -314,6 +317,7 @@ def check_command(words: list[str]) -> None:
 
 
 # --- python blocks ----------------------------------------------------------------------------
+
 
 def check_imports(tree: ast.AST) -> None:
     """Every ``zeropp`` / ``torch`` import of ``tree`` names a module and attributes that exist."""

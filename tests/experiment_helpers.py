@@ -13,20 +13,27 @@ TINY_RUN = ["model=tiny", "model.seq_len=32", "train.micro_batch_size=4", "data.
 """Overrides of a run that takes seconds: the tiny GPT on a slice of the text corpus, no logger."""
 
 
-def run_cli(args: list[str], *, torchrun_ranks: int | None = None,
-            env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, torchrun_ranks: int | None = None, env: dict[str, str] | None = None, timeout: float = 150
+) -> subprocess.CompletedProcess:
     """``python -m zeropp.experiments.run <args>`` (or under ``torchrun --nproc-per-node <n>``),
     output captured, wandb offline, no injected fault inherited from the test's environment."""
     e = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
     e.update(WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
-    pre = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun_ranks),
-            "-m"] if torchrun_ranks else [sys.executable, "-m"])
-    return subprocess.run([*pre, "zeropp.experiments.run", *args], capture_output=True, text=True, timeout=timeout, env=e, check=False)
+    pre = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun_ranks), "-m"]
+        if torchrun_ranks
+        else [sys.executable, "-m"]
+    )
+    return subprocess.run(
+        [*pre, "zeropp.experiments.run", *args], capture_output=True, text=True, timeout=timeout, env=e, check=False
+    )
 
 
 def checkpoint_steps(root: Path) -> tuple[int | None, list[int]]:
     """(step of the checkpoint ``root/LATEST`` names, steps of every checkpoint directory under
     ``root``), read from each one's own record, its ``meta.json`` (both trainer families)."""
+
     def step(d: Path) -> int:
         return int(json.loads((d / "meta.json").read_text())["step"])
 
@@ -46,8 +53,12 @@ def composed_summary(overrides: list[str]) -> dict:
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
     rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
-    return {"config": rc.to_dict(), "model": {"name": cfg.hydra.runtime.choices.get("model") or ""},
-            "overrides": list(overrides), "trainer": rc.trainer.name}
+    return {
+        "config": rc.to_dict(),
+        "model": {"name": cfg.hydra.runtime.choices.get("model") or ""},
+        "overrides": list(overrides),
+        "trainer": rc.trainer.name,
+    }
 
 
 def composed_sweep(*axes: list[str]) -> list[dict]:

@@ -41,9 +41,16 @@ def tiny_gpt(cfg: GPTConfig = TINY) -> GPT:
     return GPT(cfg)
 
 
-def steady_step_bytes(zero_kwargs: dict[str, Any], *, rank: int, world: int, nodes: int, tp: int = 1,
-                      model: Callable[[], nn.Module] = tiny_gpt,
-                      cfg: GPTConfig = TINY) -> tuple[tuple[PlanUnit, ...], dict[str, int]]:
+def steady_step_bytes(
+    zero_kwargs: dict[str, Any],
+    *,
+    rank: int,
+    world: int,
+    nodes: int,
+    tp: int = 1,
+    model: Callable[[], nn.Module] = tiny_gpt,
+    cfg: GPTConfig = TINY,
+) -> tuple[tuple[PlanUnit, ...], dict[str, int]]:
     """``(units, bytes)``: the model's units (``plan_units``, TP-local when ``tp > 1``) and the
     ``{"<kind>.<link>": bytes}`` this rank's engine records in its second training step (the steady
     state a plan describes: qWD and frozen hpZ secondaries exist from the first step on), on a fake
@@ -70,8 +77,12 @@ def steady_step_bytes(zero_kwargs: dict[str, Any], *, rank: int, world: int, nod
         finally:
             eng.close()
     first, second = snaps
-    return units, {f"{k}.{ln}": b - first.get(k, {}).get(ln, 0) for k, links in second.items() for ln, b in links.items()
-            if b - first.get(k, {}).get(ln, 0)}
+    return units, {
+        f"{k}.{ln}": b - first.get(k, {}).get(ln, 0)
+        for k, links in second.items()
+        for ln, b in links.items()
+        if b - first.get(k, {}).get(ln, 0)
+    }
 
 
 def recipe_configs() -> list[dict[str, Any]]:
@@ -99,32 +110,68 @@ SMALL_BUCKETS = dict(allgather_bucket_size=1000, reduce_bucket_size=3001)
 """Several chunks per unit of the tiny GPT, the last one ragged."""
 
 WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
-    4: [(2, recipe_configs() + [
-            {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2},
-            dict(stage=1, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS),
-            dict(stage=2, grads=QuantSpec(bits=4, intra_bits=8, group_size=64)),
-            dict(stage=3, weights=QuantSpec(bits=4, group_size=100), hpz=False, grad_accum_steps=2),
-            dict(stage=0, grad_accum_steps=2), dict(stage=1, grad_accum_steps=2),
-            # qWD at stages 1-2 (quant=qwd zero.hpz=false): the parameter refresh sends differences
-            dict(stage=1, hpz=False, weight_diff=RECIPES["qwd"].weight_diff),
-            dict(stage=2, hpz=False, grads=RECIPES["qgz"].grads, weight_diff=QuantSpec(bits=8, group_size=64),
-                 **SMALL_BUCKETS)]),
+    4: [
+        (
+            2,
+            recipe_configs()
+            + [
+                {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2},
+                dict(stage=1, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS),
+                dict(stage=2, grads=QuantSpec(bits=4, intra_bits=8, group_size=64)),
+                dict(stage=3, weights=QuantSpec(bits=4, group_size=100), hpz=False, grad_accum_steps=2),
+                dict(stage=0, grad_accum_steps=2),
+                dict(stage=1, grad_accum_steps=2),
+                # qWD at stages 1-2 (quant=qwd zero.hpz=false): the parameter refresh sends differences
+                dict(stage=1, hpz=False, weight_diff=RECIPES["qwd"].weight_diff),
+                dict(
+                    stage=2,
+                    hpz=False,
+                    grads=RECIPES["qgz"].grads,
+                    weight_diff=QuantSpec(bits=8, group_size=64),
+                    **SMALL_BUCKETS,
+                ),
+            ],
+        ),
         (1, [ZPP, dict(stage=2, grads=RECIPES["qgz"].grads), dict(stage=0)]),  # one node: hpZ and qgZ in the node
-        (4, [ZPP, dict(stage=1, grads=RECIPES["w8g4"].grads)])],  # one rank per node: hpZ group of 1
-    6: [(3, [ZPP, {**ZPP, "grad_accum_steps": 2}, dict(stage=0), dict(stage=1, grads=RECIPES["qgz"].grads),
-             dict(stage=3, weights=RECIPES["w4g4"].weights, grads=RECIPES["w4g4"].grads, **SMALL_BUCKETS),
-             dict(stage=3, weights=RECIPES["sdp4bit"].weights, grads=RECIPES["sdp4bit"].grads, hpz=True,
-                  weight_diff=RECIPES["sdp4bit"].weight_diff, **SMALL_BUCKETS)]),
-        (2, [ZPP])],
+        (4, [ZPP, dict(stage=1, grads=RECIPES["w8g4"].grads)]),
+    ],  # one rank per node: hpZ group of 1
+    6: [
+        (
+            3,
+            [
+                ZPP,
+                {**ZPP, "grad_accum_steps": 2},
+                dict(stage=0),
+                dict(stage=1, grads=RECIPES["qgz"].grads),
+                dict(stage=3, weights=RECIPES["w4g4"].weights, grads=RECIPES["w4g4"].grads, **SMALL_BUCKETS),
+                dict(
+                    stage=3,
+                    weights=RECIPES["sdp4bit"].weights,
+                    grads=RECIPES["sdp4bit"].grads,
+                    hpz=True,
+                    weight_diff=RECIPES["sdp4bit"].weight_diff,
+                    **SMALL_BUCKETS,
+                ),
+            ],
+        ),
+        (2, [ZPP]),
+    ],
     8: [(2, [{**ZPP, "hpz_size": 2}, dict(stage=2, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS)])],
 }
 """(nodes, configs) per world size: the recipes, stages, hpZ, qWD, buckets, accumulation and awkward
 topologies (one node, one rank per node, three nodes, sub-node hpZ groups) whose bytes are checked."""
 
 
-def profiled_step_ranges(zero_kwargs: dict[str, Any], *, rank: int, world: int, nodes: int,
-                         trace: Any, model: Callable[[], nn.Module] = tiny_gpt,
-                         cfg: GPTConfig = TINY) -> tuple[PlanUnit, ...]:
+def profiled_step_ranges(
+    zero_kwargs: dict[str, Any],
+    *,
+    rank: int,
+    world: int,
+    nodes: int,
+    trace: Any,
+    model: Callable[[], nn.Module] = tiny_gpt,
+    cfg: GPTConfig = TINY,
+) -> tuple[PlanUnit, ...]:
     """The model's units; this rank's second training step (the steady state) on a fake world of
     ``nodes`` nodes is recorded by the runner's profiler (``experiments.profiling.StepProfiler``)
     into the Chrome trace file ``trace`` (the first step runs unrecorded)."""

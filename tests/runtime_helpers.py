@@ -14,24 +14,32 @@ TINY = GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
 MICRO_B = 2  # sequences per rank per micro-batch
 
 
-def micro_batch(step: int, micro: int, rank: int, cfg: GPTConfig = TINY, batch: int = MICRO_B) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch(
+    step: int, micro: int, rank: int, cfg: GPTConfig = TINY, batch: int = MICRO_B
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch rank ``rank`` sees at (step, micro): random bytes, reproducible anywhere."""
     g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)  # [B, T+1]
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-CORPUS = (b"ZeRO++ cuts cross-node traffic four times: quantized weights, hierarchical partitions, "
-          b"quantized gradients. The quick brown fox jumps over the lazy dog. ") * 8
+CORPUS = (
+    b"ZeRO++ cuts cross-node traffic four times: quantized weights, hierarchical partitions, "
+    b"quantized gradients. The quick brown fox jumps over the lazy dog. "
+) * 8
 
 
-def text_batch(step: int, micro: int, rank: int, cfg: GPTConfig = TINY, batch: int = MICRO_B) -> tuple[torch.Tensor, torch.Tensor]:
+def text_batch(
+    step: int, micro: int, rank: int, cfg: GPTConfig = TINY, batch: int = MICRO_B
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`micro_batch` but windows of a fixed English text, so the loss can fall."""
     g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
     return byte_batch(CORPUS, batch, cfg.seq_len, g)
 
 
-def rank_batches(step: int, accum: int, rank: int, cfg: GPTConfig = TINY, text: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rank_batches(
+    step: int, accum: int, rank: int, cfg: GPTConfig = TINY, text: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     fn = text_batch if text else micro_batch
     return [fn(step, j, rank, cfg) for j in range(accum)]
 
@@ -41,9 +49,18 @@ def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
-def reference_train(steps: int, world: int, accum: int, *, lr: float, wd: float, clip: float | None,
-                    cfg: GPTConfig = TINY, device: str = "cpu", model: torch.nn.Module | None = None
-                    ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_train(
+    steps: int,
+    world: int,
+    accum: int,
+    *,
+    lr: float,
+    wd: float,
+    clip: float | None,
+    cfg: GPTConfig = TINY,
+    device: str = "cpu",
+    model: torch.nn.Module | None = None,
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Single-process training on the same global batch: for each micro index, every rank's
     micro-batch concatenated; torch.optim.AdamW over the trainable parameters and
     clip_grad_norm_, on ``device``. ``model``: the unwrapped model to train (``forward(idx,
@@ -76,29 +93,52 @@ def rel_err(a: Any, b: Any) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: int, nodes: int, lr: float = 1e-3,
-                 wd: float = 0.01, cfg: GPTConfig = TINY, consolidate: bool = True, text: bool = False,
-                 device: str = "cpu") -> dict[str, Any]:
+def train_engine(
+    rank: int,
+    world: int,
+    zero_kwargs: dict[str, Any],
+    *,
+    steps: int,
+    nodes: int,
+    lr: float = 1e-3,
+    wd: float = 0.01,
+    cfg: GPTConfig = TINY,
+    consolidate: bool = True,
+    text: bool = False,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Train one engine for ``steps`` steps inside a world, model and batches on ``device``;
     returns losses, norms, comm, memory, weights."""
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     zc = ZeroConfig(**zero_kwargs)
-    eng = ZeroEngine(make_model(cfg).to(device), config=zc, optimizer=OptimizerConfig(lr=lr, weight_decay=wd),
-                     topology=Topology(nodes=nodes, ranks_per_node=world // nodes))
+    eng = ZeroEngine(
+        make_model(cfg).to(device),
+        config=zc,
+        optimizer=OptimizerConfig(lr=lr, weight_decay=wd),
+        topology=Topology(nodes=nodes, ranks_per_node=world // nodes),
+    )
     try:
         results, per_step = [], []
         for s in range(steps):
-            results.append(eng.train_step([(i.to(device), t.to(device))
-                                           for i, t in rank_batches(s, zc.grad_accum_steps, rank, cfg, text)]))
+            results.append(
+                eng.train_step(
+                    [(i.to(device), t.to(device)) for i, t in rank_batches(s, zc.grad_accum_steps, rank, cfg, text)]
+                )
+            )
             per_step.append(eng.comm_stats.snapshot())  # cumulative after step s
         out = {
             "comm_per_step": per_step,
-            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "skipped": [r.skipped for r in results], "wait": [r.comm_wait_s for r in results],
-            "memory": eng.memory_report(), "comm": eng.comm_stats.snapshot(), "num_params": eng.num_params,
-            "scales": [r.loss_scale for r in results], "calls": eng.comm_stats.calls(),
+            "losses": [r.loss for r in results],
+            "norms": [r.grad_norm for r in results],
+            "skipped": [r.skipped for r in results],
+            "wait": [r.comm_wait_s for r in results],
+            "memory": eng.memory_report(),
+            "comm": eng.comm_stats.snapshot(),
+            "num_params": eng.num_params,
+            "scales": [r.loss_scale for r in results],
+            "calls": eng.comm_stats.calls(),
             "stochastic_calls": eng.comm_session.stochastic.value,
         }
         if consolidate:
@@ -109,8 +149,15 @@ def train_engine(rank: int, world: int, zero_kwargs: dict[str, Any], *, steps: i
         eng.close()
 
 
-def parity_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], steps: int,
-                 device: str = "cpu", cfg: GPTConfig = TINY) -> list[dict[str, Any]]:
+def parity_world(
+    rank: int,
+    world: int,
+    nodes: int,
+    configs: list[dict[str, Any]],
+    steps: int,
+    device: str = "cpu",
+    cfg: GPTConfig = TINY,
+) -> list[dict[str, Any]]:
     """Several engines, one after another, in one world launch (a launch costs seconds)."""
     res = [train_engine(rank, world, kw, steps=steps, nodes=nodes, device=device, cfg=cfg) for kw in configs]
     return res if rank == 0 else [{"losses": r["losses"]} for r in res]
@@ -123,5 +170,10 @@ def nccl_world(rank: int, world: int, store_path: str) -> None:
 
     dist.destroy_process_group()
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )

@@ -98,8 +98,10 @@ def scenarios(rank: int, world: int, only_engine: bool = False) -> dict[str, lis
         sizes = [1, 7, 257]
         xs = [rank_input(60, rank, world * n, torch.float32) for n in sizes]
         outs = [torch.empty(n) for n in sizes]
-        hs = [quantized_reduce_scatter(o, x, spec=spec, topology=topo, stats=CommStats(), async_op=True)
-              for o, x in zip(outs, xs)]
+        hs = [
+            quantized_reduce_scatter(o, x, spec=spec, topology=topo, stats=CommStats(), async_op=True)
+            for o, x in zip(outs, xs)
+        ]
         for h in reversed(hs):
             h.wait()
         res["qgz_async"] = outs

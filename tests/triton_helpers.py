@@ -15,7 +15,7 @@ import pytest
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1; conftest.py sets it only "
-           "where no CUDA device is present (there the cuda tests run the compiled kernels)",
+    "where no CUDA device is present (there the cuda tests run the compiled kernels)",
 )
 """Skip unless the Triton interpreter is on (read when the test module is imported, after
 ``conftest.pytest_configure`` has decided)."""

@@ -18,13 +18,15 @@ from typing import Any, Callable
 from zeropp.launch import RankFailure, launch_world
 
 
-def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None) -> list[Any]:
+def run_world(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
     ``env``: extra environment of every rank (set by the launcher before ``fn`` runs)."""
     try:
-        return launch_world(fn, world_size, args=args, process_group="gloo", threads=1, timeout_s=timeout,
-                            grace_s=2.0, extra_env=env)
+        return launch_world(
+            fn, world_size, args=args, process_group="gloo", threads=1, timeout_s=timeout, grace_s=2.0, extra_env=env
+        )
     except RankFailure as e:
         if e.exit_code == 128 + signal.SIGINT:  # Ctrl-C: the ranks are stopped; let pytest stop too
             raise KeyboardInterrupt from None

@@ -130,6 +130,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # ---------------------------------------------------------------------------------- devices
 
+
 def select_device(want: str, local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
     """This rank's device and process-group backend: ``(cuda:<local_rank>, "nccl")`` or ``(cpu, "gloo")``.
 
@@ -143,15 +144,19 @@ def select_device(want: str, local_rank: int, local_world_size: int) -> tuple[to
         raise ValueError(f"LOCAL_RANK={local_rank} outside LOCAL_WORLD_SIZE={local_world_size}")
     gpus = torch.cuda.device_count() if want != "cpu" else 0
     if want == "cuda" and gpus < local_world_size:
-        raise RuntimeError(f"launcher.device=cuda needs one GPU per process on this host: {local_world_size} "
-                           f"local process(es) but torch.cuda.device_count()={gpus}; use launcher.device=cpu "
-                           f"(or auto), or start at most {gpus} process(es) per host")
+        raise RuntimeError(
+            f"launcher.device=cuda needs one GPU per process on this host: {local_world_size} "
+            f"local process(es) but torch.cuda.device_count()={gpus}; use launcher.device=cpu "
+            f"(or auto), or start at most {gpus} process(es) per host"
+        )
     if want == "cpu" or gpus < local_world_size:
         return torch.device("cpu"), "gloo"
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank), "nccl"
 
+
 # ---------------------------------------------------------------------------------- placements
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement:
@@ -178,8 +183,10 @@ class Placement:
             if per_rank and len(per_rank) != world_size:
                 raise PlacementError(f"placement has {name} for {len(per_rank)} ranks, world_size={world_size}")
         if function and any(self.prefixes):
-            raise PlacementError("a function world cannot run behind a command prefix (e.g. emulated "
-                                 "namespaces); start a module entrypoint (ModuleEntry) instead")
+            raise PlacementError(
+                "a function world cannot run behind a command prefix (e.g. emulated "
+                "namespaces); start a module entrypoint (ModuleEntry) instead"
+            )
 
 
 LOCAL = Placement(master_addr="127.0.0.1", info={"cluster": "local"})
@@ -210,8 +217,9 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
-def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | None, pg_timeout_s: float,
-                   threads: int | None) -> Any:
+def _function_rank(
+    fn: Callable, args: tuple, log: str, process_group: str | None, pg_timeout_s: float, threads: int | None
+) -> Any:
     """Entrypoint of a function rank (runs in the spawned child; torch's ``_wrap`` applies ``@record``).
 
     Gives the rank what the bootstrap gives a module rank (own process group for the final SIGKILL
@@ -230,8 +238,9 @@ def _function_rank(fn: Callable, args: tuple, log: str, process_group: str | Non
         return fn(rank, world, *args)
     import torch.distributed as dist
 
-    dist.init_process_group(process_group, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        process_group, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
+    )
     try:
         return fn(rank, world, *args)
     finally:
@@ -282,29 +291,56 @@ class _World:
         """Stop everything and build the :class:`RankFailure` naming the root cause among ``first``."""
         t_stop = time.time()
         self.stop()
-        return root_cause(first, codes, pids=self.pids, error_files=self.pc.error_files, log_dir=self.log_dir,
-                          stopped_at=t_stop, ranks_per_node=self.ranks_per_node)
+        return root_cause(
+            first,
+            codes,
+            pids=self.pids,
+            error_files=self.pc.error_files,
+            log_dir=self.log_dir,
+            stopped_at=t_stop,
+            ranks_per_node=self.ranks_per_node,
+        )
 
 
-def _rank_envs(world_size: int, placement: Placement, port: int, extra_env: dict[str, str] | None,
-               channel: dict[str, str]) -> dict[int, dict[str, str]]:
+def _rank_envs(
+    world_size: int, placement: Placement, port: int, extra_env: dict[str, str] | None, channel: dict[str, str]
+) -> dict[int, dict[str, str]]:
     envs = {}
     for r in range(world_size):
         env = dict(extra_env or {})
         if placement.envs:
             env.update(placement.envs[r])
-        env.update(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
-                   MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port), **{LAUNCHED_MARK: str(r)}, **channel)
+        env.update(
+            RANK=str(r),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR=placement.master_addr,
+            MASTER_PORT=str(port),
+            **{LAUNCHED_MARK: str(r)},
+            **channel,
+        )
         envs[r] = env
     return envs
 
 
-def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, args: tuple = (),
-                 placement: Placement = LOCAL, log_dir: Path | None = None, timeout_s: float,
-                 grace_s: float = 5.0, extra_env: dict[str, str] | None = None, process_group: str | None = None,
-                 pg_timeout_s: float | None = None, threads: int | None = None,
-                 ranks_per_node: int | None = None, heartbeat_s: float | None = None,
-                 poll_s: float = 0.05) -> list[Any]:
+def launch_world(
+    entry: ModuleEntry | Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    placement: Placement = LOCAL,
+    log_dir: Path | None = None,
+    timeout_s: float,
+    grace_s: float = 5.0,
+    extra_env: dict[str, str] | None = None,
+    process_group: str | None = None,
+    pg_timeout_s: float | None = None,
+    threads: int | None = None,
+    ranks_per_node: int | None = None,
+    heartbeat_s: float | None = None,
+    poll_s: float = 0.05,
+) -> list[Any]:
     """Start ``world_size`` ranks of ``entry`` on this host and wait; return their results by rank.
 
     ``entry``: a :class:`ModuleEntry` (results are ``None``) or a picklable module-level function,
@@ -335,39 +371,77 @@ def launch_world(entry: ModuleEntry | Callable[..., Any], world_size: int, *, ar
             pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
             ep: Callable | str = _function_rank
             rank_args: dict[int, tuple]
-            rank_args = {r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads)
-                         for r in range(world_size)}
+            rank_args = {
+                r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads) for r in range(world_size)
+            }
         else:
             assert isinstance(entry, ModuleEntry)
             ep = sys.executable
-            rank_args = {r: ("-I", "-S", "-c", _BOOT, str(os.getpid()), logs[r],
-                             *(placement.prefixes[r] if placement.prefixes else ()),
-                             sys.executable, "-m", entry.module, *entry.args) for r in range(world_size)}
+            rank_args = {
+                r: (
+                    "-I",
+                    "-S",
+                    "-c",
+                    _BOOT,
+                    str(os.getpid()),
+                    logs[r],
+                    *(placement.prefixes[r] if placement.prefixes else ()),
+                    sys.executable,
+                    "-m",
+                    entry.module,
+                    *entry.args,
+                )
+                for r in range(world_size)
+            }
         monitor = watch.HeartbeatMonitor(world_dir, heartbeat_s) if heartbeat_s else None
-        return _start_and_watch(ep, rank_args, envs, log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node,
-                                monitor=monitor, timeout_s=timeout_s, poll_s=poll_s)
+        return _start_and_watch(
+            ep,
+            rank_args,
+            envs,
+            log_dir=log_dir,
+            grace_s=grace_s,
+            ranks_per_node=ranks_per_node,
+            monitor=monitor,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+        )
     finally:
         watch.close_world(world_dir, run_id)  # every rank is gone: what they left is safe to remove
 
 
-def _start_and_watch(ep: Callable | str, rank_args: dict[int, tuple], envs: dict[int, dict[str, str]], *,
-                     log_dir: Path | None, grace_s: float, ranks_per_node: int | None,
-                     monitor: watch.HeartbeatMonitor | None, timeout_s: float, poll_s: float) -> list[Any]:
+def _start_and_watch(
+    ep: Callable | str,
+    rank_args: dict[int, tuple],
+    envs: dict[int, dict[str, str]],
+    *,
+    log_dir: Path | None,
+    grace_s: float,
+    ranks_per_node: int | None,
+    monitor: watch.HeartbeatMonitor | None,
+    timeout_s: float,
+    poll_s: float,
+) -> list[Any]:
     """Start the ranks under torch's signal handlers, watch them, and stop whatever is left."""
-    errors_cm = (contextlib.nullcontext(str(log_dir / "elastic")) if log_dir is not None
-                 else tempfile.TemporaryDirectory(prefix="zeropp-ranks-"))
+    errors_cm = (
+        contextlib.nullcontext(str(log_dir / "elastic"))
+        if log_dir is not None
+        else tempfile.TemporaryDirectory(prefix="zeropp-ranks-")
+    )
     old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}  # start_processes installs its own
     world: _World | None = None
     with errors_cm as error_root:
         try:
-            pc = start_processes(name="zeropp", entrypoint=ep, args=rank_args, envs=envs,
-                                 logs_specs=DefaultLogsSpecs(log_dir=error_root))
-            world = _World(pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node,
-                           monitor=monitor)
+            pc = start_processes(
+                name="zeropp", entrypoint=ep, args=rank_args, envs=envs, logs_specs=DefaultLogsSpecs(log_dir=error_root)
+            )
+            world = _World(
+                pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node, monitor=monitor
+            )
             return _watch(world, timeout_s=timeout_s, poll_s=poll_s)
         except SignalException as e:
-            raise RankFailure(f"interrupted by {e.sigval.name}; all ranks stopped",
-                              exit_code=128 + int(e.sigval)) from None
+            raise RankFailure(
+                f"interrupted by {e.sigval.name}; all ranks stopped", exit_code=128 + int(e.sigval)
+            ) from None
         finally:
             try:
                 if world is not None:
@@ -405,10 +479,22 @@ def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
         if time.monotonic() > deadline:
             running = [r for r in world.pids if r not in codes]
             world.stop()
-            raise RankFailure(f"run exceeded its timeout of {timeout_s:g}s; all ranks stopped "
-                              f"(still running were {running})")
+            raise RankFailure(
+                f"run exceeded its timeout of {timeout_s:g}s; all ranks stopped (still running were {running})"
+            )
         time.sleep(poll_s)
 
 
-__all__: Sequence[str] = ("LAUNCHED_MARK", "LOCAL", "ModuleEntry", "Placement", "PlacementError", "RankFailure",
-                          "free_port", "heartbeat", "in_torchrun", "launch_world", "select_device")
+__all__: Sequence[str] = (
+    "LAUNCHED_MARK",
+    "LOCAL",
+    "ModuleEntry",
+    "Placement",
+    "PlacementError",
+    "RankFailure",
+    "free_port",
+    "heartbeat",
+    "in_torchrun",
+    "launch_world",
+    "select_device",
+)

@@ -24,8 +24,15 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 
 __all__: Sequence[str] = ("PEER_ERRORS", "RankFailure", "describe_exit", "exit_status", "rank_error", "root_cause")
 
-PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-               "Timed out waiting", "ECONNRESET", "connectFullMesh")
+PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket closed",
+    "Timed out waiting",
+    "ECONNRESET",
+    "connectFullMesh",
+)
 """Errors a rank meets because a *peer* failed: such a rank is blamed only if no other one is."""
 
 
@@ -79,9 +86,16 @@ def rank_error(rank: int, pid: int, code: int, error_file: str, log_dir: Path | 
     return "", float("inf"), False
 
 
-def root_cause(first: Mapping[int, int], codes: Mapping[int, int], *, pids: Mapping[int, int],
-               error_files: Mapping[int, str], log_dir: Path | None, stopped_at: float,
-               ranks_per_node: int | None) -> RankFailure:
+def root_cause(
+    first: Mapping[int, int],
+    codes: Mapping[int, int],
+    *,
+    pids: Mapping[int, int],
+    error_files: Mapping[int, str],
+    log_dir: Path | None,
+    stopped_at: float,
+    ranks_per_node: int | None,
+) -> RankFailure:
     """The :class:`RankFailure` naming the root cause (module docstring) of a stopped world.
 
     ``first``: the ranks seen dead with a non-zero status before the stop, with it; ``codes``: every
@@ -90,11 +104,22 @@ def root_cause(first: Mapping[int, int], codes: Mapping[int, int], *, pids: Mapp
     ``ranks_per_node`` only names the rank's node in the message."""
     errors = {r: rank_error(r, pids[r], codes.get(r, first.get(r, 1)), error_files[r], log_dir) for r in pids}
     pool = set(first) | {r for r, (_, t, recorded) in errors.items() if recorded and t < stopped_at}
-    rank = min(pool, key=lambda r: (any(e in errors[r][0] for e in PEER_ERRORS), r not in first,
-                                    first.get(r) == -signal.SIGTERM, errors[r][1], r))
+    rank = min(
+        pool,
+        key=lambda r: (
+            any(e in errors[r][0] for e in PEER_ERRORS),
+            r not in first,
+            first.get(r) == -signal.SIGTERM,
+            errors[r][1],
+            r,
+        ),
+    )
     code = first.get(rank, codes.get(rank, 1))
     node = f" (node {rank // ranks_per_node})" if ranks_per_node else ""
     others = [r for r in pids if r != rank]
-    return RankFailure(f"rank {rank}{node} {describe_exit(code)}; stopped ranks {others}.\n"
-                       f"--- rank {rank} error ---\n{errors[rank][0] or '(no error recorded; see its output)'}",
-                       rank=rank, exit_code=code)
+    return RankFailure(
+        f"rank {rank}{node} {describe_exit(code)}; stopped ranks {others}.\n"
+        f"--- rank {rank} error ---\n{errors[rank][0] or '(no error recorded; see its output)'}",
+        rank=rank,
+        exit_code=code,
+    )

@@ -143,8 +143,15 @@ class _Publisher(threading.Thread):
         with self.lock:
             beats, phase, step, long, ident = self.state
             self.ticks += 1
-            record = {"pid": os.getpid(), "tick": self.ticks, "beats": beats, "phase": phase, "step": step,
-                      "long": long, "where": self._where(ident)}
+            record = {
+                "pid": os.getpid(),
+                "tick": self.ticks,
+                "beats": beats,
+                "phase": phase,
+                "step": step,
+                "long": long,
+                "where": self._where(ident),
+            }
             tmp = f"{self.path}.tmp"
             with open(tmp, "w") as f:
                 f.write(json.dumps(record))
@@ -249,27 +256,36 @@ def judge(views: Sequence[RankView], deadline_s: float, *, all_seen: bool = True
     if stopped:
         v = max(stopped, key=lambda v: (v.silent_s, -v.rank))
         if v.state and v.state[0] not in "Tt":  # running or sleeping: only the heartbeat thread is silent
-            why = (f"its process is alive (state {v.state}) but its heartbeat thread is silent: a native call holds "
-                   "Python's interpreter lock that long, or the heartbeat file cannot be written (a full disk under "
-                   "the run directory?)")
+            why = (
+                f"its process is alive (state {v.state}) but its heartbeat thread is silent: a native call holds "
+                "Python's interpreter lock that long, or the heartbeat file cannot be written (a full disk under "
+                "the run directory?)"
+            )
         else:
             state = f"is not running (state {v.state})" if v.state else "stopped responding"
             why = f"its process {state}: it was stopped (SIGSTOP, Ctrl-Z, a debugger) or is frozen"
-        return Verdict(v.rank, f"rank {v.rank} made no progress for {v.silent_s:.0f} s (last seen: {v.last_seen()}); "
-                               f"{why}; stopped all ranks")
+        return Verdict(
+            v.rank,
+            f"rank {v.rank} made no progress for {v.silent_s:.0f} s (last seen: {v.last_seen()}); "
+            f"{why}; stopped all ranks",
+        )
     if not all_seen or len(views) < 2:
         return None
     lo = min(v.beats for v in views)
     ahead = sorted(v.rank for v in views if v.beats > lo)
-    stuck = sorted((v for v in views if v.beats == lo and not v.long and v.idle_s > deadline_s),
-                   key=lambda v: (-v.idle_s, v.rank))
+    stuck = sorted(
+        (v for v in views if v.beats == lo and not v.long and v.idle_s > deadline_s), key=lambda v: (-v.idle_s, v.rank)
+    )
     if not ahead or not stuck:
         return None
     v = stuck[0]
     also = f" (also silent: ranks {sorted(s.rank for s in stuck[1:])})" if len(stuck) > 1 else ""
-    return Verdict(v.rank, f"rank {v.rank} made no progress for {v.idle_s:.0f} s (last seen: {v.last_seen()}) "
-                           f"while ranks {ahead} went past that point{also}; it is deadlocked or stuck in I/O; "
-                           "stopped all ranks")
+    return Verdict(
+        v.rank,
+        f"rank {v.rank} made no progress for {v.idle_s:.0f} s (last seen: {v.last_seen()}) "
+        f"while ranks {ahead} went past that point{also}; it is deadlocked or stuck in I/O; "
+        "stopped all ranks",
+    )
 
 
 def _proc_state(pid: int) -> str:
@@ -294,8 +310,9 @@ class HeartbeatMonitor:
     """The launcher's side: reads ``heartbeat.<rank>`` of the running ranks and applies
     :func:`judge`. ``clock`` is injectable for tests."""
 
-    def __init__(self, directory: str | os.PathLike, deadline_s: float, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, deadline_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if deadline_s <= 0:
             raise ValueError(f"heartbeat deadline must be > 0 s, got {deadline_s}")
         self.directory = Path(directory)
@@ -338,9 +355,19 @@ class HeartbeatMonitor:
             if s is not None:
                 rec, silent = s.record, now - s.t_tick
                 state = _proc_state(int(rec.get("pid", 0))) if silent > self.deadline_s and rec.get("pid") else ""
-                views.append(RankView(rank=r, silent_s=silent, idle_s=now - s.t_beat, beats=s.beats,
-                                      phase=str(rec.get("phase", "")), step=rec.get("step"),
-                                      long=bool(rec.get("long")), where=str(rec.get("where", "")), state=state))
+                views.append(
+                    RankView(
+                        rank=r,
+                        silent_s=silent,
+                        idle_s=now - s.t_beat,
+                        beats=s.beats,
+                        phase=str(rec.get("phase", "")),
+                        step=rec.get("step"),
+                        long=bool(rec.get("long")),
+                        where=str(rec.get("where", "")),
+                        state=state,
+                    )
+                )
         return judge(views, self.deadline_s, all_seen=len(views) == len(running))
 
 
@@ -389,8 +416,9 @@ def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], l
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a killed rank: its directory was never created
             if f"-{rid}-" not in prefix or os.sep in prefix or not os.path.isabs(root):
-                problems.append(f"{rec_file.name}: refused to clean {root!r} / {prefix!r}: not a scratch "
-                                f"name of run {rid}")
+                problems.append(
+                    f"{rec_file.name}: refused to clean {root!r} / {prefix!r}: not a scratch name of run {rid}"
+                )
                 continue
             try:
                 entries = list(os.scandir(root))

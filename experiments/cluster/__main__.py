@@ -1,11 +1,11 @@
 """CLI for the cluster emulator.
 
-    python -m experiments.cluster up --nodes 2 --ranks-per-node 2 --gbps 1 [--latency-ms 0.5] [--seconds N]
-        build the cluster, probe it, print its summary and how to enter a node; hold it until
-        Ctrl-C (or N seconds), then tear it down. The cluster lives exactly as long as this process.
-    python -m experiments.cluster status   list our namespaces, live or stale, with their qdiscs
-    python -m experiments.cluster clean    delete namespaces whose owning process is gone
-    python -m experiments.cluster down     delete *all* namespaces with the prefix (live ones too)
+python -m experiments.cluster up --nodes 2 --ranks-per-node 2 --gbps 1 [--latency-ms 0.5] [--seconds N]
+    build the cluster, probe it, print its summary and how to enter a node; hold it until
+    Ctrl-C (or N seconds), then tear it down. The cluster lives exactly as long as this process.
+python -m experiments.cluster status   list our namespaces, live or stale, with their qdiscs
+python -m experiments.cluster clean    delete namespaces whose owning process is gone
+python -m experiments.cluster down     delete *all* namespaces with the prefix (live ones too)
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
             names = netns.list_namespaces(a.prefix)
             stale = set(netns.stale_namespaces(a.prefix))
             for ns in names:
-                print(f"{ns}\t{'stale' if ns in stale else 'live (owner pid ' + str(netns.owner_pid(ns, a.prefix)) + ')'}")
+                print(
+                    f"{ns}\t{'stale' if ns in stale else 'live (owner pid ' + str(netns.owner_pid(ns, a.prefix)) + ')'}"
+                )
                 qd = netns.tc_ns(ns, "qdisc", "show", check=False).stdout.strip()
                 for line in qd.splitlines():
                     if "noqueue" not in line:

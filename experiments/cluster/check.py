@@ -29,8 +29,12 @@ def check(rank: int, world: int) -> dict[str, object]:
     big = torch.ones(1 << 20)
     t0 = time.perf_counter()
     dist.all_reduce(big)
-    return {"sum": float(t.item()), "expected": world * (world - 1) / 2, "big_ok": bool((big == world).all()),
-            "big_s": time.perf_counter() - t0}
+    return {
+        "sum": float(t.item()),
+        "expected": world * (world - 1) / 2,
+        "big_ok": bool((big == world).all()),
+        "big_s": time.perf_counter() - t0,
+    }
 
 
 @record
@@ -47,9 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         if rank == a.fail_rank:
             raise RuntimeError(f"check: failing on purpose on rank {rank} (--fail-rank)")
         out = check(rank, world)
-        out.update(rank=rank, world=world, ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
-                   env={k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                       "MASTER_ADDR")})
+        out.update(
+            rank=rank,
+            world=world,
+            ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+            env={k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")},
+        )
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(out))
     finally:

@@ -55,7 +55,9 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         netns.check_prefix(self.prefix)
         if self.nodes < 1 or self.ranks_per_node < 1:
-            raise ValueError(f"cluster needs nodes >= 1 and ranks_per_node >= 1, got {self.nodes}x{self.ranks_per_node}")
+            raise ValueError(
+                f"cluster needs nodes >= 1 and ranks_per_node >= 1, got {self.nodes}x{self.ranks_per_node}"
+            )
         if not self.inter_gbps > 0:
             raise ValueError(f"cluster.inter_gbps must be > 0 (Gbit/s), got {self.inter_gbps}")
         if self.inter_latency_ms < 0:
@@ -76,9 +78,18 @@ class EmulatedCluster:
     _ids = itertools.count()
     BRIDGE_SUFFIX, UPLINK_SUFFIX = "br", "up"
 
-    def __init__(self, nodes: int, ranks_per_node: int, inter_gbps: float, inter_latency_ms: float = 0.0,
-                 prefix: str = "zpp", *, subnet: str = DEFAULT_SUBNET, probe: bool = True,
-                 probe_seconds: float = 1.0) -> None:
+    def __init__(
+        self,
+        nodes: int,
+        ranks_per_node: int,
+        inter_gbps: float,
+        inter_latency_ms: float = 0.0,
+        prefix: str = "zpp",
+        *,
+        subnet: str = DEFAULT_SUBNET,
+        probe: bool = True,
+        probe_seconds: float = 1.0,
+    ) -> None:
         self.spec = ClusterSpec(nodes, ranks_per_node, inter_gbps, inter_latency_ms, prefix, subnet, probe_seconds)
         self.probe = probe
         self.cluster_id = f"{os.getpid()}-{next(self._ids)}"
@@ -177,7 +188,8 @@ class EmulatedCluster:
             raise netns.NetnsError(
                 f"cluster.inter_latency_ms={s.inter_latency_ms} needs the netem qdisc, which this kernel lacks "
                 "(CONFIG_NET_SCH_NETEM / module sch_netem). Set cluster.inter_latency_ms=0 (rate shaping alone "
-                "works) or run on a kernel with netem.")
+                "works) or run on a kernel with netem."
+            )
         self.cleaned_stale = netns.clean(s.prefix)
         self._install_handlers()
         self._up = True

@@ -57,7 +57,9 @@ def run(cmd: list[str], *, timeout: float = CMD_TIMEOUT_S, check: bool = True) -
     except subprocess.TimeoutExpired as e:
         raise NetnsError(f"`{' '.join(cmd)}` did not finish within {timeout:.0f}s") from e
     if check and proc.returncode != 0:
-        raise NetnsError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        raise NetnsError(
+            f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}"
+        )
     return proc
 
 
@@ -276,7 +278,12 @@ class Shaping:
     def for_rate(cls, gbps: float, delay_ms: float = 0.0) -> Shaping:
         rate_bit = int(gbps * 1e9)
         byte_rate = rate_bit / 8
-        return cls(rate_bit, max(64 * 1024, int(byte_rate * 5e-3)), max(1 << 20, int(byte_rate * 0.05), 2 * int(byte_rate * 5e-3)), delay_ms)
+        return cls(
+            rate_bit,
+            max(64 * 1024, int(byte_rate * 5e-3)),
+            max(1 << 20, int(byte_rate * 0.05), 2 * int(byte_rate * 5e-3)),
+            delay_ms,
+        )
 
 
 def shape_egress(ns: str, ifname: str, shaping: Shaping) -> None:
@@ -284,12 +291,33 @@ def shape_egress(ns: str, ifname: str, shaping: Shaping) -> None:
 
     With a delay: netem at the root (holds packets for the delay) and tbf as its child (rate).
     """
-    tbf = ["tbf", "rate", f"{shaping.rate_bit}bit", "burst", str(shaping.burst_bytes), "limit", str(shaping.limit_bytes)]
+    tbf = [
+        "tbf",
+        "rate",
+        f"{shaping.rate_bit}bit",
+        "burst",
+        str(shaping.burst_bytes),
+        "limit",
+        str(shaping.limit_bytes),
+    ]
     if shaping.delay_ms > 0:
         # netem's own queue must hold a delay's worth of packets at full rate (plus headroom).
         pkts = max(1000, int(shaping.rate_bit / 8 * shaping.delay_ms / 1000 / 1500 * 4))
-        tc_ns(ns, "qdisc", "replace", "dev", ifname, "root", "handle", "1:", "netem",
-              "delay", f"{shaping.delay_ms}ms", "limit", str(pkts))
+        tc_ns(
+            ns,
+            "qdisc",
+            "replace",
+            "dev",
+            ifname,
+            "root",
+            "handle",
+            "1:",
+            "netem",
+            "delay",
+            f"{shaping.delay_ms}ms",
+            "limit",
+            str(pkts),
+        )
         tc_ns(ns, "qdisc", "replace", "dev", ifname, "parent", "1:1", "handle", "10:", *tbf)
     else:
         tc_ns(ns, "qdisc", "replace", "dev", ifname, "root", "handle", "1:", *tbf)

@@ -59,13 +59,13 @@ def _serve(bind: str) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     mode = conn.recv(1)
     if mode == b"R":
-        while (b := conn.recv(1)):
+        while b := conn.recv(1):
             conn.sendall(b)
         print(json.dumps({"mode": "rtt"}), flush=True)
         return
     buf = bytearray(_CHUNK)
     total, t_first, t_last = 0, None, None
-    while (k := conn.recv_into(buf)):
+    while k := conn.recv_into(buf):
         t_last = time.perf_counter()
         if t_first is None:
             t_first = t_last
@@ -103,17 +103,22 @@ def _send(to: str, port: int, seconds: float, max_bytes: int, pings: int) -> Non
     print(json.dumps({"sent": sent}), flush=True)
 
 
-def _pair(server_prefix: list[str], client_prefix: list[str], bind: str, client_args: list[str],
-          timeout: float) -> tuple[dict, dict]:
+def _pair(
+    server_prefix: list[str], client_prefix: list[str], bind: str, client_args: list[str], timeout: float
+) -> tuple[dict, dict]:
     """Start the server under `server_prefix`, read its port, run the client, return both reports."""
-    server = subprocess.Popen([*server_prefix, *_SELF, "serve", "--bind", bind],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [*server_prefix, *_SELF, "serve", "--bind", bind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = _readline(server, timeout=min(timeout, 15.0))
         port = json.loads(line)["port"]
-        client = subprocess.run([*client_prefix, *_SELF, "send", "--to", bind,
-                                 "--port", str(port), *client_args],
-                                capture_output=True, text=True, timeout=timeout)
+        client = subprocess.run(
+            [*client_prefix, *_SELF, "send", "--to", bind, "--port", str(port), *client_args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if client.returncode != 0:
             raise RuntimeError(f"probe client failed: {client.stderr.strip()[-2000:]}")
         out, err = server.communicate(timeout=timeout)
@@ -142,14 +147,25 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
     return line
 
 
-def measure_throughput(server_prefix: list[str], client_prefix: list[str], server_addr: str, *,
-                       seconds: float = 1.0, max_bytes: int = 2 << 30) -> float:
+def measure_throughput(
+    server_prefix: list[str],
+    client_prefix: list[str],
+    server_addr: str,
+    *,
+    seconds: float = 1.0,
+    max_bytes: int = 2 << 30,
+) -> float:
     """Gbit/s of TCP payload from the client's namespace to `server_addr` in the server's.
 
     Payload goodput is ~95% of the tbf rate at MTU 1500 (tbf counts Ethernet/IP/TCP headers).
     """
-    srv, _ = _pair(server_prefix, client_prefix, server_addr,
-                   ["--seconds", str(seconds), "--max-bytes", str(max_bytes)], timeout=seconds + 20)
+    srv, _ = _pair(
+        server_prefix,
+        client_prefix,
+        server_addr,
+        ["--seconds", str(seconds), "--max-bytes", str(max_bytes)],
+        timeout=seconds + 20,
+    )
     if srv["seconds"] <= 0:
         raise RuntimeError("probe moved no data")
     return srv["bytes"] * 8 / srv["seconds"] / 1e9

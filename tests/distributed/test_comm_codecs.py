@@ -87,8 +87,9 @@ def _world(rank: int, W: int) -> dict:
     xs = [rank_input(21, r, n, torch.float32) for r in range(W)]
     for bits in (8, 4):
         for stochastic in (False, True):
-            spec = QuantSpec(bits=bits, group_size=16, scheme="offset",
-                             rounding="stochastic" if stochastic else "nearest", seed=SEED)
+            spec = QuantSpec(
+                bits=bits, group_size=16, scheme="offset", rounding="stochastic" if stochastic else "nearest", seed=SEED
+            )
             reset_stochastic_calls(3)
             out = torch.empty(W * n)
             stats.reset()
@@ -129,8 +130,13 @@ def _world(rank: int, W: int) -> dict:
     # all-reduce (the DDP hook's collective): both halves through the toy, close to the exact mean
     t = rank_input(23, rank, 50, torch.float32)
     ref = torch.stack([rank_input(23, r, 50, torch.float32) for r in range(W)]).mean(0)
-    quantized_all_reduce(t, spec=QuantSpec(bits=8, scheme="offset"), gather_spec=QuantSpec(bits=8, scheme="offset"),
-                         topology=topo2x2, stats=stats)
+    quantized_all_reduce(
+        t,
+        spec=QuantSpec(bits=8, scheme="offset"),
+        gather_spec=QuantSpec(bits=8, scheme="offset"),
+        topology=topo2x2,
+        stats=stats,
+    )
     assert torch.allclose(t, ref, atol=float(ref.abs().max() + OFFSET) / 30)
     return res
 
@@ -142,5 +148,3 @@ def _exact(chunks: list[torch.Tensor], post: float) -> torch.Tensor:
 def test_registered_codec_runs_in_every_collective() -> None:
     res = run_world(_world, 4, timeout=120)
     assert all(r.keys() == res[0].keys() for r in res)
-
-

@@ -58,7 +58,10 @@ def _check_all_gather(rank: int, topo: Topology, stats: CommStats) -> int:
                 out = torch.empty(W * n, dtype=dtype)
                 stats.reset()
                 quantized_all_gather(out, xs[rank], spec=spec_of(bits), topology=topo, stats=stats)
-                got, want = bytes_of(stats, "all_gather"), expected_all_gather_bytes(topo, n, out.element_size(), bits, gs)
+                got, want = (
+                    bytes_of(stats, "all_gather"),
+                    expected_all_gather_bytes(topo, n, out.element_size(), bits, gs),
+                )
                 assert got == want, f"all-gather bytes {got} != formula {want} ({dname}, n={n}, bits={bits})"
                 if bits is None:
                     ref = torch.empty_like(out)
@@ -67,7 +70,9 @@ def _check_all_gather(rank: int, topo: Topology, stats: CommStats) -> int:
                 else:
                     # bit-exact: every shard went through quantize -> dequantize once
                     exp = torch.cat([dequantize(quantize(x, bits, gs), dtype=dtype).view(-1) for x in xs])
-                    assert torch.equal(out, exp), f"qwZ all-gather != dequantize(quantize(shard)) ({dname}, n={n}, bits={bits})"
+                    assert torch.equal(out, exp), (
+                        f"qwZ all-gather != dequantize(quantize(shard)) ({dname}, n={n}, bits={bits})"
+                    )
                     true = torch.cat(xs).float()
                     A = torch.cat([block_absmax(x.view(1, -1), gs).view(-1) for x in xs])
                     bound = A / (2 * qmax(bits)) * (1 + 1e-5) + true.abs() * REL_ROUND[dtype] * 2
@@ -81,7 +86,9 @@ def _check_all_gather(rank: int, topo: Topology, stats: CommStats) -> int:
         quantized_all_gather(plain_out, xs[rank], spec=spec_of(bits), topology=topo, stats=stats)
         buf = torch.zeros(W * n, dtype=torch.bfloat16)
         buf[rank * n : (rank + 1) * n] = xs[rank]
-        h = quantized_all_gather(buf, buf[rank * n : (rank + 1) * n], spec=spec_of(bits), topology=topo, stats=stats, async_op=True)
+        h = quantized_all_gather(
+            buf, buf[rank * n : (rank + 1) * n], spec=spec_of(bits), topology=topo, stats=stats, async_op=True
+        )
         assert isinstance(h, dist.Work) and not h.is_completed()
         h.wait()
         assert h.is_completed() and torch.equal(buf, plain_out), f"aliased async all-gather differs (bits={bits})"
@@ -114,7 +121,10 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
         stats.reset()
         quantized_reduce_scatter(out, xs[rank], ops[op_name], spec=spec_of(bits, ibits), topology=topo, stats=stats)
         what = f"({dname}, n={n}, bits={bits}/{ibits}, {op_name})"
-        got, want = bytes_of(stats, "reduce_scatter"), expected_reduce_scatter_bytes(topo, n, out.element_size(), bits, ibits, gs)
+        got, want = (
+            bytes_of(stats, "reduce_scatter"),
+            expected_reduce_scatter_bytes(topo, n, out.element_size(), bits, ibits, gs),
+        )
         assert got == want, f"reduce-scatter bytes {got} != formula {want} {what}"
         exact = _rs_reference(xs, rank, n, dtype, op_name, W)
         if bits is None:
@@ -125,7 +135,9 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
             # ... and is the true reduction: equality with the backend alone would pass a backend whose
             # AVG sums (the gloo bug background.md section 5 mentions). W roundings in the dtype at most.
             mass = torch.stack([x.view(W, n)[rank].double().abs() for x in xs]).sum(0) * post[op_name]
-            assert ((out.double() - exact).abs() <= mass * REL_ROUND[dtype] * 2 * W + 1e-30).all(), f"plain result is not the true {op_name} {what}"
+            assert ((out.double() - exact).abs() <= mass * REL_ROUND[dtype] * 2 * W + 1e-30).all(), (
+                f"plain result is not the true {op_name} {what}"
+            )
         else:
             sim = simulate_qgz(xs, topo, rank, n, bits, ibits, gs).mul(post[op_name]).to(dtype)
             assert torch.equal(out, sim), f"qgZ result is not the simulated hierarchical sum {what}"
@@ -153,13 +165,17 @@ def _check_reduce_scatter_extras(rank: int, topo: Topology, stats: CommStats) ->
     # error feedback: 1st call stores r = x - deq(quant(x)); the 2nd call quantizes x2 + r
     ef = ErrorFeedback.for_spec(EF4)
     out1, out2 = torch.empty(n), torch.empty(n)
-    quantized_reduce_scatter(out1, xs[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
+    quantized_reduce_scatter(
+        out1, xs[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats
+    )
     assert torch.equal(out1, simulate_qgz(xs, topo, rank, n, 4, 4, gs)), "error feedback changed the first call"
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(ef.residual("b0", W * n, torch.device("cpu")), res[rank].view(-1))
     x2 = [rank_input(51, r, W * n, torch.float32) for r in range(W)]
     ef.reset("b0" + HOP2_SUFFIX)  # hop 1 only here; tests/distributed/test_comm_feedback.py checks both hops
-    quantized_reduce_scatter(out2, x2[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats)
+    quantized_reduce_scatter(
+        out2, x2[rank], ReduceOp.SUM, spec=EF4, topology=topo, error_feedback=ef, feedback_key="b0", stats=stats
+    )
     comp = [x2[r] + res[r].view(-1) for r in range(W)]
     assert torch.equal(out2, simulate_qgz(comp, topo, rank, n, 4, 4, gs)), "residual not added to the next gradient"
 
@@ -215,28 +231,56 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
     x, out, big = torch.randn(n), torch.empty(n), torch.randn(world * n)
     q4, q8 = QuantSpec(bits=4), QuantSpec(bits=8)
     cases = {
-        "all-gather output of the wrong size": lambda: quantized_all_gather(torch.empty(world * n + 1), x, spec=q8, topology=topo),
-        "reduce-scatter input of the wrong size": lambda: quantized_reduce_scatter(out, big[:-1], spec=q4, topology=topo),
-        "reduce-scatter output of the wrong size (plain)": lambda: quantized_reduce_scatter(torch.empty(n + 1), big, spec=None, topology=topo),
+        "all-gather output of the wrong size": lambda: quantized_all_gather(
+            torch.empty(world * n + 1), x, spec=q8, topology=topo
+        ),
+        "reduce-scatter input of the wrong size": lambda: quantized_reduce_scatter(
+            out, big[:-1], spec=q4, topology=topo
+        ),
+        "reduce-scatter output of the wrong size (plain)": lambda: quantized_reduce_scatter(
+            torch.empty(n + 1), big, spec=None, topology=topo
+        ),
         "unsupported bits": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=3), topology=topo),
-        "unsupported intra_bits": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=4, intra_bits=2), topology=topo),
-        "unsupported all-gather bits": lambda: quantized_all_gather(torch.empty(world * n), x, spec=QuantSpec(bits=6), topology=topo),
+        "unsupported intra_bits": lambda: quantized_reduce_scatter(
+            out, big, spec=QuantSpec(bits=4, intra_bits=2), topology=topo
+        ),
+        "unsupported all-gather bits": lambda: quantized_all_gather(
+            torch.empty(world * n), x, spec=QuantSpec(bits=6), topology=topo
+        ),
         "topology of another world": lambda: quantized_reduce_scatter(out, big, spec=q4, topology=Topology(2, 4)),
-        "odd group size for INT4": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=4, group_size=7), topology=topo),
-        "integer input to a quantized gather": lambda: quantized_all_gather(torch.empty(world * n, dtype=torch.int32), torch.ones(n, dtype=torch.int32), spec=q8, topology=topo),
+        "odd group size for INT4": lambda: quantized_reduce_scatter(
+            out, big, spec=QuantSpec(bits=4, group_size=7), topology=topo
+        ),
+        "integer input to a quantized gather": lambda: quantized_all_gather(
+            torch.empty(world * n, dtype=torch.int32), torch.ones(n, dtype=torch.int32), spec=q8, topology=topo
+        ),
         "MAX with quantization": lambda: quantized_reduce_scatter(out, big, ReduceOp.MAX, spec=q4, topology=topo),
-        "non-contiguous output": lambda: quantized_all_gather(torch.empty(2 * world * n)[::2], x, spec=q8, topology=topo),
+        "non-contiguous output": lambda: quantized_all_gather(
+            torch.empty(2 * world * n)[::2], x, spec=q8, topology=topo
+        ),
         "error feedback of another size": lambda: _ef_mismatch(out, big, topo),
         # a plain value on one side of bits/intra_bits used to be dropped silently: 16 ran a
         # 4-bit intra-node hop, and intra_bits=8 with bits=None a plain reduce-scatter
-        "unquantized intra hop under a quantized cross hop": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=4, intra_bits=16), topology=topo),
-        "intra_bits without bits": lambda: quantized_reduce_scatter(out, big, spec=QuantSpec(bits=None, intra_bits=8), topology=topo),
+        "unquantized intra hop under a quantized cross hop": lambda: quantized_reduce_scatter(
+            out, big, spec=QuantSpec(bits=4, intra_bits=16), topology=topo
+        ),
+        "intra_bits without bits": lambda: quantized_reduce_scatter(
+            out, big, spec=QuantSpec(bits=None, intra_bits=8), topology=topo
+        ),
         # the spec and the error-feedback state must agree; one-hop gathers refuse per-hop settings
         "error feedback spec without state": lambda: quantized_reduce_scatter(out, big, spec=EF4, topology=topo),
-        "error feedback state without spec flag": lambda: quantized_reduce_scatter(out, big, spec=q4, error_feedback=ErrorFeedback(), topology=topo),
-        "error feedback state on a plain reduce-scatter": lambda: quantized_reduce_scatter(out, big, spec=None, error_feedback=ErrorFeedback(), topology=topo),
-        "all-gather with intra_bits": lambda: quantized_all_gather(torch.empty(world * n), x, spec=QuantSpec(bits=4, intra_bits=8), topology=topo),
-        "all-gather with error feedback": lambda: quantized_all_gather(torch.empty(world * n), x, spec=EF4, topology=topo),
+        "error feedback state without spec flag": lambda: quantized_reduce_scatter(
+            out, big, spec=q4, error_feedback=ErrorFeedback(), topology=topo
+        ),
+        "error feedback state on a plain reduce-scatter": lambda: quantized_reduce_scatter(
+            out, big, spec=None, error_feedback=ErrorFeedback(), topology=topo
+        ),
+        "all-gather with intra_bits": lambda: quantized_all_gather(
+            torch.empty(world * n), x, spec=QuantSpec(bits=4, intra_bits=8), topology=topo
+        ),
+        "all-gather with error feedback": lambda: quantized_all_gather(
+            torch.empty(world * n), x, spec=EF4, topology=topo
+        ),
         "spec of the wrong type": lambda: quantized_all_gather(torch.empty(world * n), x, spec=8, topology=topo),
     }
     msgs = {}
@@ -326,7 +370,10 @@ def test_bad_inputs_raise_on_every_rank(world) -> None:
     assert "describes 8 ranks but the process group has 4" in msgs["topology of another world"]
     assert "odd" in msgs["odd group size for INT4"]
     assert "use spec=None" in msgs["MAX with quantization"]
-    assert "intra_bits=16 asks for an unquantized intra-node hop" in msgs["unquantized intra hop under a quantized cross hop"]
+    assert (
+        "intra_bits=16 asks for an unquantized intra-node hop"
+        in msgs["unquantized intra hop under a quantized cross hop"]
+    )
     assert "bits=None means no quantization; pass spec=None" in msgs["intra_bits without bits"]
     assert "error_feedback=True but no error_feedback state" in msgs["error feedback spec without state"]
     assert "spec.error_feedback=False" in msgs["error feedback state without spec flag"]

@@ -25,8 +25,9 @@ GS = 16  # small groups: several scales per chunk even at awkward sizes
 
 
 # ------------------------------------------------------------------ gloo worlds: both hops
-def _reference(xs: list[list[torch.Tensor]], topo: Topology, n: int, bits: int, intra: int, gs: int,
-               ef: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+def _reference(
+    xs: list[list[torch.Tensor]], topo: Topology, n: int, bits: int, intra: int, gs: int, ef: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """qgZ (SUM) over calls ``xs[t][rank]`` ([W * n] fp32) with fp32 error feedback on both hops,
     composed from the kernels in qgZ's order. Returns (outputs per rank after the last call,
     every rank's final hop-1 residual [W, n], every rank's final hop-2 residual [nodes, n])."""
@@ -81,15 +82,28 @@ def _exact_against_reference(rank: int, topo: Topology, stats) -> None:
     from zeropp.comm import quantized_reduce_scatter
 
     W = topo.world_size
-    for n, dtype in ((1, torch.float32), (7, torch.float32), (37, torch.float32), (7, torch.bfloat16),
-                     (7, torch.float16)):
+    for n, dtype in (
+        (1, torch.float32),
+        (7, torch.float32),
+        (37, torch.float32),
+        (7, torch.bfloat16),
+        (7, torch.float16),
+    ):
         xs = _calls(60, 3, W, n, dtype, constant=False)
         spec = QuantSpec(bits=4, intra_bits=8, group_size=GS, error_feedback=True, residual_bits=32)
         ef = ErrorFeedback.for_spec(spec)
         out = torch.empty(n, dtype=dtype)
         for call in xs:
-            quantized_reduce_scatter(out, call[rank], torch.distributed.ReduceOp.SUM, spec=spec, error_feedback=ef,
-                                     feedback_key="b", topology=topo, stats=stats)
+            quantized_reduce_scatter(
+                out,
+                call[rank],
+                torch.distributed.ReduceOp.SUM,
+                spec=spec,
+                error_feedback=ef,
+                feedback_key="b",
+                topology=topo,
+                stats=stats,
+            )
         want, r1, r2 = _reference(xs, topo, n, 4, 8, GS, ef=True)
         assert torch.equal(out, want[rank].to(dtype)), (topo, n, dtype)
         assert torch.equal(ef.residual("b", W * n, out.device), r1[rank].view(-1)), (topo, n)
@@ -114,15 +128,28 @@ def _accumulated_error(rank: int, topo: Topology, stats) -> dict:
             errs = {}
             for mode in ("none", "hop1", "both", "both8"):
                 bits_r = 8 if mode == "both8" else 32
-                spec = QuantSpec(bits=4, intra_bits=4, group_size=GS, error_feedback=mode != "none",
-                                 residual_bits=bits_r if mode != "none" else 8)
+                spec = QuantSpec(
+                    bits=4,
+                    intra_bits=4,
+                    group_size=GS,
+                    error_feedback=mode != "none",
+                    residual_bits=bits_r if mode != "none" else 8,
+                )
                 ef = ErrorFeedback.for_spec(spec) if mode != "none" else None
                 out, acc = torch.empty(n, dtype=dtype), torch.zeros(n, dtype=torch.float64)
                 for call in xs:
                     if mode == "hop1":
                         ef.reset("k" + HOP2_SUFFIX)
-                    quantized_reduce_scatter(out, call[rank], torch.distributed.ReduceOp.SUM, spec=spec,
-                                             error_feedback=ef, feedback_key="k", topology=topo, stats=stats)
+                    quantized_reduce_scatter(
+                        out,
+                        call[rank],
+                        torch.distributed.ReduceOp.SUM,
+                        spec=spec,
+                        error_feedback=ef,
+                        feedback_key="k",
+                        topology=topo,
+                        stats=stats,
+                    )
                     acc += out.double()
                 errs[mode] = float((acc - exact).abs().max())
                 if mode == "both" and dtype == torch.float32:
@@ -165,8 +192,11 @@ def _plugins_use_both_hops(rank: int, topo: Topology, stats) -> dict:
     rs = QuantizedReduceScatter(spec, topology=topo, stats=stats)
     out = torch.empty(n)
     rs(out, rank_input(81, rank, W * n, torch.float32), None, torch.distributed.ReduceOp.AVG)
-    return {"ddp": sorted(ef.keys()), "fsdp": sorted(rs.error_feedback.keys()),
-            "fsdp_bits": rs.error_feedback.residual_bits}
+    return {
+        "ddp": sorted(ef.keys()),
+        "fsdp": sorted(rs.error_feedback.keys()),
+        "fsdp_bits": rs.error_feedback.residual_bits,
+    }
 
 
 def _hadamard_both_hops(rank: int, topo: Topology, stats) -> dict:
@@ -184,8 +214,16 @@ def _hadamard_both_hops(rank: int, topo: Topology, stats) -> dict:
         ef = ErrorFeedback.for_spec(spec) if ef_on else None
         out, acc = torch.empty(n), torch.zeros(n, dtype=torch.float64)
         for call in xs:
-            quantized_reduce_scatter(out, call[rank], torch.distributed.ReduceOp.SUM, spec=spec, error_feedback=ef,
-                                     feedback_key="h", topology=topo, stats=stats)
+            quantized_reduce_scatter(
+                out,
+                call[rank],
+                torch.distributed.ReduceOp.SUM,
+                spec=spec,
+                error_feedback=ef,
+                feedback_key="h",
+                topology=topo,
+                stats=stats,
+            )
             acc += out.double()
         errs[ef_on] = float((acc - exact).abs().max())
     ef.residual("h" + HOP2_SUFFIX, topo.nodes * rotated_cols(n, GS), out.device)  # raises on another layout

@@ -64,8 +64,9 @@ def rows_of(q: QuantizedTensor, a: int, b: int) -> QuantizedTensor:
     return QuantizedTensor(q.codes[a:b], q.scales[a:b], q.cols, q.bits, q.group_size)
 
 
-def round_trip(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def round_trip(
+    x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     cols = x.numel() // rows
     return unrot(dequantize_ref(q_rot(x, b, bits, gs, rows, seed)), b, cols, dtype)
 
@@ -79,8 +80,9 @@ def _gathers(rank: int, W: int, topo: Topology, stats: CommStats) -> None:
     x = rank_input(32, rank, n, torch.bfloat16)
     out = torch.empty(W * n, dtype=torch.bfloat16)
     quantized_all_gather(out, x, spec=QuantSpec(bits=4, rotation="hadamard"), topology=topo, stats=stats)
-    want = torch.cat([round_trip(rank_input(32, r, n, torch.bfloat16), 512, 4, 512, dtype=torch.bfloat16).view(-1)
-                      for r in range(W)])
+    want = torch.cat(
+        [round_trip(rank_input(32, r, n, torch.bfloat16), 512, 4, 512, dtype=torch.bfloat16).view(-1) for r in range(W)]
+    )
     assert torch.equal(out, want)
 
 
@@ -93,8 +95,12 @@ def _gathers_of(n: int, rank: int, W: int, topo: Topology, stats: CommStats) -> 
             stats.reset()
             quantized_all_gather(out, xs[rank], spec=spec, topology=topo, stats=stats)
             seeds = [stochastic_seed(SEED, r, 3) if spec.stochastic else None for r in range(W)]
-            want = torch.cat([round_trip(xs[r], b, spec.bits, spec.group_size, seed=seeds[r], dtype=out_dtype).view(-1)
-                              for r in range(W)])
+            want = torch.cat(
+                [
+                    round_trip(xs[r], b, spec.bits, spec.group_size, seed=seeds[r], dtype=out_dtype).view(-1)
+                    for r in range(W)
+                ]
+            )
             assert torch.equal(out, want), ("all-gather", spec.label, out_dtype)
             assert bytes_of(stats, "all_gather") == expected_all_gather_bytes(topo, n, 4, spec.bits, spec.group_size)
 
@@ -110,8 +116,11 @@ def _reduce_scatters_of(n: int, rank: int, W: int, stats: CommStats) -> None:
         b = gs if block is None else block
         spec = had(4, gs, block, intra_bits=8)
         for topo in (Topology(1, 4), Topology(2, 2)):
-            for in_dtype, out_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                        (torch.float32, torch.bfloat16)):
+            for in_dtype, out_dtype in (
+                (torch.float32, torch.float32),
+                (torch.bfloat16, torch.bfloat16),
+                (torch.float32, torch.bfloat16),
+            ):
                 chunks = [x.to(in_dtype).view(W, n)[rank] for x in xs]  # every rank's chunk for me
                 exact = _rs_reference(chunks, topo, b, gs)
                 for op, post in ((ReduceOp.SUM, 1.0), (ReduceOp.AVG, 1.0 / W)):
@@ -130,9 +139,10 @@ def _rs_reference(chunks: list[torch.Tensor], topo: Topology, b: int, gs: int) -
     if topo.nodes == 1:  # one node: one hop at the intra bits
         total = dequantize_sum_ref(_stack([q_rot(c, b, 8, gs) for c in chunks]))
     else:  # node partial sums re-quantized in the rotated basis, then summed in node order
-        node_sums = [dequantize_sum_requantize_ref(_stack([q_rot(chunks[a * rpn + lp], b, 8, gs)
-                                                          for lp in range(rpn)]), 4, gs)
-                     for a in range(topo.nodes)]
+        node_sums = [
+            dequantize_sum_requantize_ref(_stack([q_rot(chunks[a * rpn + lp], b, 8, gs) for lp in range(rpn)]), 4, gs)
+            for a in range(topo.nodes)
+        ]
         total = dequantize_sum_ref(_stack(node_sums))
     return unrot(total, b, n).view(-1)  # rotated back once
 
@@ -147,14 +157,17 @@ def _stochastic_2x2(rank: int, W: int, stats: CommStats) -> None:
     reset_stochastic_calls(5)
     out = torch.empty(n)
     quantized_reduce_scatter(out, xs[rank], spec=spec, topology=topo, stats=stats)
-    first = [q_rot(swizzle(xs[r].view(W, n), nodes, rpn), gs, ib, gs, rows=W, seed=stochastic_seed(SEED, r, 5, 0))
-             for r in range(W)]
+    first = [
+        q_rot(swizzle(xs[r].view(W, n), nodes, rpn), gs, ib, gs, rows=W, seed=stochastic_seed(SEED, r, 5, 0))
+        for r in range(W)
+    ]
     node, local = divmod(rank, rpn)
     sums = []
     for a in range(nodes):
         pieces = _stack([rows_of(first[a * rpn + lp], local * nodes, (local + 1) * nodes) for lp in range(rpn)])
-        q2 = dequantize_sum_requantize_ref(pieces, bits, gs, stochastic=True,
-                                           seed=stochastic_seed(SEED, a * rpn + local, 5, 1))
+        q2 = dequantize_sum_requantize_ref(
+            pieces, bits, gs, stochastic=True, seed=stochastic_seed(SEED, a * rpn + local, 5, 1)
+        )
         sums.append(rows_of(q2, node, node + 1))
     want = unrot(dequantize_sum_ref(_stack(sums)), gs, n).view(-1) * (1.0 / W)
     assert torch.equal(out, want)
@@ -172,7 +185,9 @@ def _error_feedback(rank: int, W: int, stats: CommStats) -> None:
         want = (x.view(W, n) - round_trip(x.view(W, n), gs, 8, gs, rows=W)).view(-1)
         assert torch.equal(ef.residual("k", W * n, x.device), want), topo
         plain = torch.empty(n)
-        quantized_reduce_scatter(plain, x, spec=spec.replace(error_feedback=False, residual_bits=8), topology=topo, stats=stats)
+        quantized_reduce_scatter(
+            plain, x, spec=spec.replace(error_feedback=False, residual_bits=8), topology=topo, stats=stats
+        )
         assert torch.equal(out, plain)  # the first call's residual is zero
 
 

@@ -38,14 +38,20 @@ CPU = torch.device("cpu")
 
 # ------------------------------------------------------------------ on a gloo world
 CALLS = {
-    "all_to_all": lambda out, inp, raw: (dist.all_to_all_single(out, inp) if raw
-                                         else backend_all_to_all(out, inp, None, False)),
-    "all_gather": lambda out, inp, raw: (dist.all_gather_single(out, inp[:4]) if raw
-                                         else backend_all_gather(out, inp[:4], None, False)),
-    "reduce_scatter": lambda out, inp, raw: (dist.reduce_scatter_single(out[:4], inp) if raw
-                                             else backend_reduce_scatter(out[:4], inp, dist.ReduceOp.SUM, None, False)),
-    "all_reduce": lambda out, inp, raw: (dist.all_reduce(out) if raw
-                                         else backend_all_reduce(out, dist.ReduceOp.SUM, None, False)),
+    "all_to_all": lambda out, inp, raw: (
+        dist.all_to_all_single(out, inp) if raw else backend_all_to_all(out, inp, None, False)
+    ),
+    "all_gather": lambda out, inp, raw: (
+        dist.all_gather_single(out, inp[:4]) if raw else backend_all_gather(out, inp[:4], None, False)
+    ),
+    "reduce_scatter": lambda out, inp, raw: (
+        dist.reduce_scatter_single(out[:4], inp)
+        if raw
+        else backend_reduce_scatter(out[:4], inp, dist.ReduceOp.SUM, None, False)
+    ),
+    "all_reduce": lambda out, inp, raw: (
+        dist.all_reduce(out) if raw else backend_all_reduce(out, dist.ReduceOp.SUM, None, False)
+    ),
 }
 
 
@@ -79,8 +85,10 @@ def test_backend_threads_never_free_python_objects_of_zeropp_calls() -> None:
             off_main, total = res[("zeropp", name)]
             assert total == 200 and off_main == 0, (name, res)
     raw_off_main = sum(r[("raw", n)][0] for r in results for n in CALLS)
-    print(f"reference: raw torch.distributed calls had {raw_off_main} of {2 * 200 * len(CALLS)} Python objects "
-          "freed on gloo's threads")
+    print(
+        f"reference: raw torch.distributed calls had {raw_off_main} of {2 * 200 * len(CALLS)} Python objects "
+        "freed on gloo's threads"
+    )
 
 
 def _restart(rank: int, world: int, store: str) -> dict:
@@ -104,9 +112,15 @@ def _restart(rank: int, world: int, store: str) -> dict:
     u = torch.full((3,), 10.0 * (rank + 1))
     handle = chain.submit(lambda: backend_all_reduce(u, dist.ReduceOp.SUM, groups.cross, False), CPU)
     handle.wait()
-    return {"first": first_sum, "alive_before": alive_before, "stopped": stopped, "stale": stale,
-            "second": u.tolist(), "new_worker": ctx._thread is not worker and ctx.worker_alive,
-            "rebuilt": groups is not old_groups}
+    return {
+        "first": first_sum,
+        "alive_before": alive_before,
+        "stopped": stopped,
+        "stale": stale,
+        "second": u.tolist(),
+        "new_worker": ctx._thread is not worker and ctx.worker_alive,
+        "rebuilt": groups is not old_groups,
+    }
 
 
 def test_destroy_then_init_again_restarts_the_worker(tmp_path: Path) -> None:
@@ -114,5 +128,3 @@ def test_destroy_then_init_again_restarts_the_worker(tmp_path: Path) -> None:
         assert r["first"] == [3.0] * 3 and r["second"] == [30.0] * 3, r
         assert r["alive_before"] and r["stopped"] and r["new_worker"] and r["rebuilt"], r
         assert "was destroyed (destroy_process_group)" in r["stale"] and "build() again" in r["stale"], r
-
-

@@ -51,8 +51,13 @@ def _gather(rank: int, world: int, iters: int) -> dict:
     deadline = time.monotonic() + 10
     while len(freed) < 4 * iters and time.monotonic() < deadline:
         time.sleep(0.01)
-    return {"first": out[0], "same": all(o == out[0] for o in out), "pair": pair,
-            "freed": len(freed), "off_main": sum(t != main for t in freed)}
+    return {
+        "first": out[0],
+        "same": all(o == out[0] for o in out),
+        "pair": pair,
+        "freed": len(freed),
+        "off_main": sum(t != main for t in freed),
+    }
 
 
 def test_every_rank_gets_every_record_and_no_backend_thread_frees_them() -> None:
@@ -76,5 +81,3 @@ def _not_json(rank: int, world: int) -> str:
 def test_a_record_that_is_not_json_is_refused_before_any_exchange() -> None:
     for msg in run_world(_not_json, 2):
         assert "not JSON serializable" in msg
-
-

@@ -63,8 +63,10 @@ def _outstanding(rank: int, world: int, nodes: int, rpn: int, debug: bool) -> di
             quantized_reduce_scatter(o, x, spec=spec, topology=topo, stats=sync_stats)
         issued.clear()
         outs = [torch.empty(n) for n in sizes]
-        handles = [quantized_reduce_scatter(o, x, spec=spec, topology=topo, stats=async_stats, async_op=True)
-                   for o, x in zip(outs, xs)]
+        handles = [
+            quantized_reduce_scatter(o, x, spec=spec, topology=topo, stats=async_stats, async_op=True)
+            for o, x in zip(outs, xs)
+        ]
         # every hop 2 goes out without any wait(): hop 1 lands, the worker issues hop 2
         deadline = time.monotonic() + 60
         while sum(g is cross for g in issued) < len(sizes) and time.monotonic() < deadline:
@@ -86,8 +88,12 @@ def _outstanding(rank: int, world: int, nodes: int, rpn: int, debug: bool) -> di
         for b, (o, x) in enumerate(zip(so, xs)):
             quantized_reduce_scatter(o, x, spec=spec, topology=topo, error_feedback=ef_s, feedback_key=f"b{b}")
         ao = [torch.empty(n) for _ in xs]
-        hs = [quantized_reduce_scatter(o, x, spec=spec, topology=topo, error_feedback=ef_a, feedback_key=f"b{b}",
-                                       async_op=True) for b, (o, x) in enumerate(zip(ao, xs))]
+        hs = [
+            quantized_reduce_scatter(
+                o, x, spec=spec, topology=topo, error_feedback=ef_a, feedback_key=f"b{b}", async_op=True
+            )
+            for b, (o, x) in enumerate(zip(ao, xs))
+        ]
         for h in hs:
             h.wait()
         assert all(torch.equal(a, s) for a, s in zip(ao, so))
@@ -104,8 +110,9 @@ def world(request) -> tuple[tuple[int, int], list[dict]]:
     """The 2x2 world runs in the streams debug mode (``tests/streams_helpers.py``), the 3x2 one without."""
     nodes, rpn = request.param
     debug = request.param == (2, 2)
-    return request.param, run_world(_outstanding, nodes * rpn, nodes, rpn, debug, timeout=240,
-                                    env=DEBUG_ENV if debug else None)
+    return request.param, run_world(
+        _outstanding, nodes * rpn, nodes, rpn, debug, timeout=240, env=DEBUG_ENV if debug else None
+    )
 
 
 def test_outstanding_reduce_scatters_issue_hop2_before_wait(world) -> None:
@@ -120,8 +127,10 @@ def _ddp_future(rank: int, world: int, nodes: int, rpn: int) -> bool:
     state = QuantizedAllReduceState(grads=QuantSpec(bits=4), topology=topo, stats=CommStats())
     sizes = [5, 33]
     grads = [rank_input(80 + k, rank, n, torch.float32) for k, n in enumerate(sizes)]
-    expect = [quantized_all_reduce(g.clone(), dist.ReduceOp.AVG, spec=QuantSpec(bits=4), topology=topo,
-                                   stats=CommStats()) for g in grads]
+    expect = [
+        quantized_all_reduce(g.clone(), dist.ReduceOp.AVG, spec=QuantSpec(bits=4), topology=topo, stats=CommStats())
+        for g in grads
+    ]
     gate = threading.Event()
     blocker = chain.submit(lambda: gate.wait(30), CPU)  # holds the comm worker
     bufs = [g.clone() for g in grads]

@@ -114,7 +114,10 @@ def _fsdp_world(rank: int, world: int) -> dict:
                 for m in model.modules():
                     if hasattr(m, "set_gradient_divide_factor"):
                         m.set_gradient_divide_factor(v["factor"])
-        out[name] = {"losses": _train(model, rank, world, v.get("sgd", False), v.get("lr", LR)), "bytes": stats.snapshot()}
+        out[name] = {
+            "losses": _train(model, rank, world, v.get("sgd", False), v.get("lr", LR)),
+            "bytes": stats.snapshot(),
+        }
     out["reference"] = _reference_losses(world)
     out["grad_rel_err"] = _fsdp_grad_error(rank, topo)
     return out
@@ -164,7 +167,9 @@ def test_fsdp2_with_zeropp_comms_tracks_stock_fsdp2() -> None:
     assert _tracks(bf16, stock), "bf16 compute alone should stay close"
     assert _tracks(r["q8_4_bf16"]["losses"], bf16), f"bf16 + qwZ/qgZ: {r['q8_4_bf16']['losses']} vs {bf16}"
     # a named recipe is exactly its specs
-    assert r["w8g4_recipe"] == r["w8g4_specs"], "recipe='w8g4' must equal weights=QuantSpec(bits=8), grads=QuantSpec(bits=4)"
+    assert r["w8g4_recipe"] == r["w8g4_specs"], (
+        "recipe='w8g4' must equal weights=QuantSpec(bits=8), grads=QuantSpec(bits=4)"
+    )
     assert _tracks(r["w8g4_recipe"]["losses"], stock)
     # gradient scale: Adam hides a wrong scale, so compare one step's gradients directly
     assert all(0 < x["grad_rel_err"] < GRAD_TOL for x in res), [x["grad_rel_err"] for x in res]
@@ -185,7 +190,13 @@ def _ddp_world(rank: int, world: int) -> dict:
 
     topo = Topology(2, 2)
     # name: (bits of the reduce-scatter, error feedback, bits of the all-gather of the reduced chunks)
-    variants = {"stock": None, "plain": (None, False, None), "q4": (4, False, None), "q4_ef": (4, True, None), "q4_g8": (4, False, 8)}
+    variants = {
+        "stock": None,
+        "plain": (None, False, None),
+        "q4": (4, False, None),
+        "q4_ef": (4, True, None),
+        "q4_g8": (4, False, 8),
+    }
     out = {}
     for name, v in variants.items():
         model = DDP(_mlp())
@@ -201,7 +212,9 @@ def _ddp_world(rank: int, world: int) -> dict:
     for hook in (False, True):  # one step's averaged gradients, INT4 hook vs stock DDP
         model = DDP(_mlp())
         if hook:
-            model.register_comm_hook(QuantizedAllReduceState(grads=QuantSpec(bits=4), topology=topo), quantized_allreduce_hook)
+            model.register_comm_hook(
+                QuantizedAllReduceState(grads=QuantSpec(bits=4), topology=topo), quantized_allreduce_hook
+            )
         x, y = _batch(rank, 0)
         F.mse_loss(model(x), y).backward()
         grads.append([p.grad.clone() for p in model.parameters()])

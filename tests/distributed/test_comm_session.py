@@ -33,8 +33,11 @@ def _configs():
     from zeropp.comm import QuantSpec
     from zeropp.runtime import ZeroConfig
 
-    a = ZeroConfig(stage=3, weights=QuantSpec(bits=4, rounding="stochastic", seed=7),
-                   grads=QuantSpec(bits=4, rounding="stochastic", seed=7))
+    a = ZeroConfig(
+        stage=3,
+        weights=QuantSpec(bits=4, rounding="stochastic", seed=7),
+        grads=QuantSpec(bits=4, rounding="stochastic", seed=7),
+    )
     b = ZeroConfig(stage=2, grads=QuantSpec(bits=4, rounding="stochastic", seed=11))
     return {"a": a, "b": b}
 
@@ -43,13 +46,21 @@ def _engine(name: str, world: int):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroEngine
 
-    return ZeroEngine(make_model(seed={"a": 0, "b": 1}[name]), config=_configs()[name],
-                      optimizer=OptimizerConfig(lr=1e-2), topology=Topology(1, world))
+    return ZeroEngine(
+        make_model(seed={"a": 0, "b": 1}[name]),
+        config=_configs()[name],
+        optimizer=OptimizerConfig(lr=1e-2),
+        topology=Topology(1, world),
+    )
 
 
 def _record(eng, losses: list[float]) -> dict[str, Any]:
-    return {"losses": losses, "calls": eng.comm_session.stochastic.value, "stats": eng.comm_stats.snapshot(),
-            "call_counts": eng.comm_stats.calls()}
+    return {
+        "losses": losses,
+        "calls": eng.comm_session.stochastic.value,
+        "stats": eng.comm_stats.snapshot(),
+        "call_counts": eng.comm_stats.calls(),
+    }
 
 
 def _plain_call(rank: int, world: int) -> None:
@@ -97,6 +108,7 @@ def _world(rank: int, world: int) -> dict[str, Any]:
         def hook(kind: str):
             seen[name].append(kind)
             yield
+
         return hook
 
     handles = {name: eng.comm_session.add_wait_hook(hook_for(name)) for name, eng in engines.items()}

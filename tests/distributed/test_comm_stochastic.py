@@ -36,8 +36,15 @@ SEED = 1234
 
 def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
     """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
-    return QuantSpec(bits=bits, group_size=group_size, intra_bits=intra_bits, seed=seed,
-                     rounding="stochastic" if stochastic else "nearest")
+    return QuantSpec(
+        bits=bits,
+        group_size=group_size,
+        intra_bits=intra_bits,
+        seed=seed,
+        rounding="stochastic" if stochastic else "nearest",
+    )
+
+
 CALLS = 50  # calls averaged in the unbiasedness checks
 
 
@@ -61,8 +68,12 @@ def _gather_exact(rank, W, topo, stats):
         out = torch.empty(W * n)
         quantized_all_gather(out, xs[rank], spec=sr_spec(bits, 128), topology=topo, stats=stats)
         assert stochastic_calls() == call + 1
-        want = torch.cat([dequantize(quantize(xs[r], bits, 128, stochastic=True,
-                                              seed=stochastic_seed(SEED, r, call))).view(-1) for r in range(W)])
+        want = torch.cat(
+            [
+                dequantize(quantize(xs[r], bits, 128, stochastic=True, seed=stochastic_seed(SEED, r, call))).view(-1)
+                for r in range(W)
+            ]
+        )
         assert torch.equal(out, want), bits
         nearest = torch.cat([dequantize(quantize(xs[r], bits, 128)).view(-1) for r in range(W)])
         assert not torch.equal(out, nearest)
@@ -75,8 +86,10 @@ def _reduce_scatter_exact(rank, W, topo, stats):
     call = stochastic_calls()
     out = torch.empty(n)
     quantized_reduce_scatter(out, xs[rank], spec=sr_spec(4), topology=topo, stats=stats)
-    qs = [quantize(xs[r].view(W, n), 4, 128, rows=W, stochastic=True, seed=stochastic_seed(SEED, r, call, 0))
-          for r in range(W)]
+    qs = [
+        quantize(xs[r].view(W, n), 4, 128, rows=W, stochastic=True, seed=stochastic_seed(SEED, r, call, 0))
+        for r in range(W)
+    ]
     acc = torch.zeros(n)
     for q in qs:
         acc = acc + dequantize(q)[rank]
@@ -103,8 +116,9 @@ def _unbiased(rank, W, topo, stats):
 
             def call(stochastic, x=x, bits=bits, n=n, gs=gs):
                 out = torch.empty(n)
-                quantized_reduce_scatter(out, x, spec=sr_spec(bits, gs, stochastic=stochastic), topology=topo,
-                                         stats=stats)
+                quantized_reduce_scatter(
+                    out, x, spec=sr_spec(bits, gs, stochastic=stochastic), topology=topo, stats=stats
+                )
                 return out
 
         nearest = [call(False) for _ in range(3)]
@@ -113,8 +127,8 @@ def _unbiased(rank, W, topo, stats):
         assert torch.allclose(bias, torch.full_like(bias, -0.4), atol=1e-3), name  # always rounds down
 
         runs = torch.stack([call(True) for _ in range(CALLS)])  # [CALLS, numel]
-        err_one = ((runs[0] - exact)[m] / step)
-        err_avg = ((runs.mean(0) - exact)[m] / step)
+        err_one = (runs[0] - exact)[m] / step
+        err_avg = (runs.mean(0) - exact)[m] / step
         res[name] = (float(err_one.pow(2).mean().sqrt()), float(err_avg.pow(2).mean().sqrt()), float(err_avg.mean()))
         rms_one, rms_avg, mean_avg = res[name]
         assert rms_avg < 0.3 * rms_one, (name, res[name])  # ~1/sqrt(CALLS) of a single call's error
@@ -157,10 +171,13 @@ def _noise_differs(rank, W, topo, stats):
 def _bad_seed(rank, W, topo, stats):
     for bad in (-1, 2**63, 1.5):
         with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
-            quantized_all_gather(torch.empty(W * 4), torch.ones(4), spec=sr_spec(8, seed=bad), topology=topo, stats=stats)
+            quantized_all_gather(
+                torch.empty(W * 4), torch.ones(4), spec=sr_spec(8, seed=bad), topology=topo, stats=stats
+            )
         with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
-            quantized_reduce_scatter(torch.empty(4), torch.ones(W * 4), spec=sr_spec(4, seed=bad), topology=topo,
-                                     stats=stats)
+            quantized_reduce_scatter(
+                torch.empty(4), torch.ones(W * 4), spec=sr_spec(4, seed=bad), topology=topo, stats=stats
+            )
 
 
 def _plugins(rank, W, topo, stats):
@@ -173,12 +190,16 @@ def _plugins(rank, W, topo, stats):
     session = CommSession(topo, stats=stats)
     session.stochastic.reset(3)  # not where the default counter is
     for plug, direct, out_n in (
-        (lambda o: QuantizedAllGather(sr_spec(8, 128), session=session)(o, x[:128], None),
-         lambda o: quantized_all_gather(o, x[:128], spec=sr_spec(8, 128), topology=topo, stats=stats), W * 128),
-        (lambda o: QuantizedReduceScatter(sr_spec(4), session=session)(
-            o, x, None, torch.distributed.ReduceOp.AVG),
-         lambda o: quantized_reduce_scatter(o, x, spec=sr_spec(4), topology=topo, stats=stats),
-         x.numel() // W),
+        (
+            lambda o: QuantizedAllGather(sr_spec(8, 128), session=session)(o, x[:128], None),
+            lambda o: quantized_all_gather(o, x[:128], spec=sr_spec(8, 128), topology=topo, stats=stats),
+            W * 128,
+        ),
+        (
+            lambda o: QuantizedReduceScatter(sr_spec(4), session=session)(o, x, None, torch.distributed.ReduceOp.AVG),
+            lambda o: quantized_reduce_scatter(o, x, spec=sr_spec(4), topology=topo, stats=stats),
+            x.numel() // W,
+        ),
     ):
         start, default = session.stochastic.value, stochastic_calls()
         a, b = torch.empty(out_n), torch.empty(out_n)
@@ -208,16 +229,32 @@ def _world_2x2(rank, W):
     xs = [rank_input(11, r, W * n, torch.float32) for r in range(W)]
     out = torch.empty(n)
     quantized_reduce_scatter(out, xs[rank], spec=sr_spec(b, gs, intra_bits=ib), topology=topo, stats=stats)
-    first = [quantize(swizzle(xs[r].view(W, n), nodes, rpn), ib, gs, rows=W, stochastic=True,
-                      seed=stochastic_seed(SEED, r, 5, 0)) for r in range(W)]  # rows l*nodes + m -> local peer l
+    first = [
+        quantize(
+            swizzle(xs[r].view(W, n), nodes, rpn), ib, gs, rows=W, stochastic=True, seed=stochastic_seed(SEED, r, 5, 0)
+        )
+        for r in range(W)
+    ]  # rows l*nodes + m -> local peer l
     node, local = divmod(rank, rpn)
     sums = []
     for a in range(nodes):  # rank (a, local) re-quantizes the sums of its node for my local index
         src = [first[a * rpn + lp] for lp in range(rpn)]
-        pieces = _stack([type(q)(q.codes[local * nodes:(local + 1) * nodes], q.scales[local * nodes:(local + 1) * nodes],
-                                 q.cols, q.bits, q.group_size) for q in src])
-        q2 = dequantize_sum_requantize(pieces, b, gs, stochastic=True, seed=stochastic_seed(SEED, a * rpn + local, 5, 1))
-        sums.append(type(q2)(q2.codes[node:node + 1], q2.scales[node:node + 1], q2.cols, q2.bits, q2.group_size))
+        pieces = _stack(
+            [
+                type(q)(
+                    q.codes[local * nodes : (local + 1) * nodes],
+                    q.scales[local * nodes : (local + 1) * nodes],
+                    q.cols,
+                    q.bits,
+                    q.group_size,
+                )
+                for q in src
+            ]
+        )
+        q2 = dequantize_sum_requantize(
+            pieces, b, gs, stochastic=True, seed=stochastic_seed(SEED, a * rpn + local, 5, 1)
+        )
+        sums.append(type(q2)(q2.codes[node : node + 1], q2.scales[node : node + 1], q2.cols, q2.bits, q2.group_size))
     want = dequantize_sum(_stack(sums)).view(-1) * (1.0 / W)
     assert torch.equal(out, want)
     # unbiased through both hops: crafted input, same on every rank
@@ -229,8 +266,7 @@ def _world_2x2(rank, W):
         quantized_reduce_scatter(o, x, spec=sr_spec(b, gs, intra_bits=ib), topology=topo, stats=stats)
         outs.append(o)
     near = torch.empty(n)
-    quantized_reduce_scatter(near, x, spec=sr_spec(b, gs, intra_bits=ib, stochastic=False), topology=topo,
-                             stats=stats)
+    quantized_reduce_scatter(near, x, spec=sr_spec(b, gs, intra_bits=ib, stochastic=False), topology=topo, stats=stats)
     runs = torch.stack(outs)
     step4 = 1.0 / 7  # the 4-bit cross hop dominates the error
     rms_one = float(((runs[0] - exact)[m] / step4).pow(2).mean().sqrt())

@@ -53,8 +53,13 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            t = out if isinstance(out, torch.Tensor) else next(
-                (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
+            t = (
+                out
+                if isinstance(out, torch.Tensor)
+                else next(
+                    (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None
+                )
+            )
             self.ops.append((func.overloadpacket.__name__, 0 if t is None else t.numel() * t.element_size()))
         return out
 
@@ -120,17 +125,26 @@ def _zero_copy_world(rank: int, W: int, nodes: int, triton: bool = True) -> dict
         with log:
             quantized_all_gather(out, x, spec=spec, topology=topo)
         B = wire_layout(n, 8, 128).nbytes
-        res[f"ag_{dtype}"] = dict(allocs=log.names(ALLOC_OPS), copies=log.names(COPY_OPS), B=B, full=out.nbytes,
-                                  same_ptr=out.data_ptr() == ptr, collectives=[o for o, _ in log.ops if "gather" in o])
+        res[f"ag_{dtype}"] = dict(
+            allocs=log.names(ALLOC_OPS),
+            copies=log.names(COPY_OPS),
+            B=B,
+            full=out.nbytes,
+            same_ptr=out.data_ptr() == ptr,
+            collectives=[o for o, _ in log.ops if "gather" in o],
+        )
         ref = torch.empty(W * n, dtype=dtype)
         quantized_all_gather(ref, x, spec=spec, topology=topo)
         res[f"ag_{dtype}_equal"] = torch.equal(out, ref)
     wide = torch.full((W, n + 40), 5.0)
     with log:
         log.ops.clear()
-        quantized_all_gather(wide[:, 20:20 + n], torch.randn(n, generator=gen), spec=QuantSpec(bits=4, group_size=128),
-                             topology=topo)
-    res["ag_cols"] = dict(copies=log.names(COPY_OPS), untouched=bool((wide[:, :20] == 5).all() and (wide[:, 20 + n:] == 5).all()))
+        quantized_all_gather(
+            wide[:, 20 : 20 + n], torch.randn(n, generator=gen), spec=QuantSpec(bits=4, group_size=128), topology=topo
+        )
+    res["ag_cols"] = dict(
+        copies=log.names(COPY_OPS), untouched=bool((wide[:, :20] == 5).all() and (wide[:, 20 + n :] == 5).all())
+    )
     # reduce-scatter of fp32 gradients: single hop (one node) or hierarchical qgZ (2x2)
     for bits, intra in ((4, None), (8, 4)):
         g = torch.randn(W * n, generator=gen)
@@ -140,8 +154,12 @@ def _zero_copy_world(rank: int, W: int, nodes: int, triton: bool = True) -> dict
         log.ops.clear()
         with log:
             quantized_reduce_scatter(o, g, spec=spec, topology=topo)
-        res[f"rs_{bits}_{intra}"] = dict(allocs=log.names(ALLOC_OPS), copies=log.names(COPY_OPS), full=g.nbytes,
-                                         B=wire_layout(n, intra or bits, 128).nbytes)
+        res[f"rs_{bits}_{intra}"] = dict(
+            allocs=log.names(ALLOC_OPS),
+            copies=log.names(COPY_OPS),
+            full=g.nbytes,
+            B=wire_layout(n, intra or bits, 128).nbytes,
+        )
     dist.barrier()
     return res
 
@@ -223,12 +241,18 @@ def _engine_buckets(rank: int, W: int) -> dict:
         full = torch.randn(W * S, generator=gen).to(dtype)
         before = full.clone()
         red = torch.empty(S, dtype=dtype)
-        comm.reduce_scatter(red, full, spec=QuantSpec(bits=8, intra_bits=4, group_size=128), bucket=bucket, kind="rs",
-                            async_op=False)
+        comm.reduce_scatter(
+            red, full, spec=QuantSpec(bits=8, intra_bits=4, group_size=128), bucket=bucket, kind="rs", async_op=False
+        )
         old_red = torch.empty(S, dtype=dtype)
         for a, b in chunk_ranges(S, W, bucket):  # the old path: a contiguous copy of each chunk's columns
-            quantized_reduce_scatter(old_red[a:b], full.view(W, S)[:, a:b].contiguous(), torch.distributed.ReduceOp.AVG,
-                                     spec=QuantSpec(bits=8, intra_bits=4, group_size=128), topology=topo)
+            quantized_reduce_scatter(
+                old_red[a:b],
+                full.view(W, S)[:, a:b].contiguous(),
+                torch.distributed.ReduceOp.AVG,
+                spec=QuantSpec(bits=8, intra_bits=4, group_size=128),
+                topology=topo,
+            )
         res[f"rs_{dtype}"] = (torch.equal(red, old_red), torch.equal(full, before))
     return res
 
@@ -239,5 +263,3 @@ def test_engine_bucketed_collectives_write_in_place_world_2() -> None:
             assert all(v for v in value if isinstance(v, bool)), (key, value)
             if key.startswith("ag"):
                 assert value[2] > 1  # the buckets really split the gather
-
-

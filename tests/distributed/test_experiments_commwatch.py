@@ -53,16 +53,25 @@ def _world(rank: int, world: int) -> dict[str, Any]:
     rows = sum(splits_in)
     pairs = {
         "all_reduce": (lambda: funcol.all_reduce(a, "sum", sub), lambda: dist.all_reduce(a.clone(), group=sub)),
-        "all_gather": (lambda: funcol.all_gather_single(a, 0, sub),
-                       lambda: dist.all_gather_single(torch.empty(12, 5), a, group=sub)),
-        "reduce_scatter": (lambda: funcol.reduce_scatter_single(a, "sum", 0, sub),
-                           lambda: dist.reduce_scatter_single(torch.empty(3, 5), a, group=sub)),
-        "all_to_all": (lambda: funcol.all_to_all_single(a[:rows], splits_out, splits_in, sub),
-                       lambda: dist.all_to_all_single(torch.empty(sum(splits_out), 5), a[:rows].clone(), splits_out,
-                                                      splits_in, group=sub)),
+        "all_gather": (
+            lambda: funcol.all_gather_single(a, 0, sub),
+            lambda: dist.all_gather_single(torch.empty(12, 5), a, group=sub),
+        ),
+        "reduce_scatter": (
+            lambda: funcol.reduce_scatter_single(a, "sum", 0, sub),
+            lambda: dist.reduce_scatter_single(torch.empty(3, 5), a, group=sub),
+        ),
+        "all_to_all": (
+            lambda: funcol.all_to_all_single(a[:rows], splits_out, splits_in, sub),
+            lambda: dist.all_to_all_single(
+                torch.empty(sum(splits_out), 5), a[:rows].clone(), splits_out, splits_in, group=sub
+            ),
+        ),
         "broadcast": (lambda: funcol.broadcast(a, 1, sub), lambda: dist.broadcast(a.clone(), 1, group=sub)),
-        "all_reduce_coalesced": (lambda: funcol.all_reduce_coalesced([a, a[:2, :3]], "sum", sub),
-                                 lambda: [dist.all_reduce(t.clone(), group=sub) for t in (a, a[:2, :3])]),
+        "all_reduce_coalesced": (
+            lambda: funcol.all_reduce_coalesced([a, a[:2, :3]], "sum", sub),
+            lambda: [dist.all_reduce(t.clone(), group=sub) for t in (a, a[:2, :3])],
+        ),
     }
     out: dict[str, Any] = {"pairs": {}}
     with CommWatch(Topology(2, 1), functional=True) as w:  # ranks 0 and 1 on two nodes: cross
@@ -86,8 +95,12 @@ def _world(rank: int, world: int) -> dict[str, Any]:
         counted = w.take()[0]
     want = a.clone()
     dist.all_reduce(want, group=sub)
-    out["uncounted"] = (counted, dict(w.uncounted), [str(c.message) for c in caught],
-                        all(torch.equal(x, want) for x in results))
+    out["uncounted"] = (
+        counted,
+        dict(w.uncounted),
+        [str(c.message) for c in caught],
+        all(torch.equal(x, want) for x in results),
+    )
 
     topo = Topology(1, 2, tp=2)
     torch.manual_seed(0)
@@ -108,8 +121,9 @@ def world() -> list[dict[str, Any]]:
     return run_world(_world, 2)
 
 
-@pytest.mark.parametrize("name", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-                                  "all_reduce_coalesced"])
+@pytest.mark.parametrize(
+    "name", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "all_reduce_coalesced"]
+)
 def test_functional_collective_counts_what_its_torch_distributed_twin_counts(world, name: str) -> None:
     for rank, r in enumerate(world):
         functional, plain = r["pairs"][name]
@@ -137,7 +151,8 @@ def test_a_functional_collective_it_cannot_count_runs_and_is_named_once(world) -
         assert uncounted == {"all_reduce": "KeyError: 'no rule for all_reduce'"}
         assert [m for m in messages if "CommWatch could not count" in m] == [
             "CommWatch could not count all_reduce (KeyError: 'no rule for all_reduce'): the collective runs, but "
-            "this run's comm_bytes figures miss its bytes"]
+            "this run's comm_bytes figures miss its bytes"
+        ]
 
 
 def test_tp_block_bytes_match_the_tensor_parallel_formula(world) -> None:

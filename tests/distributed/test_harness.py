@@ -43,6 +43,7 @@ def _stop_one_then_fail(rank: int, world: int, log: str) -> None:
     logs its SIGTERM and, if it ever runs on past the stop, that it did."""
     path = Path(log)
     if rank == 1:
+
         def on_term(signum: int, frame: object) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process context signals again
             with path.open("a") as f:
@@ -179,8 +180,9 @@ CHECK = "zeropp.experiments.cluster.check"
 
 def test_module_world_runs_with_logs_per_rank(tmp_path: Path):
     out = tmp_path / "out"
-    assert launch_world(ModuleEntry(module=CHECK, args=("--out", str(out))), 2, log_dir=tmp_path / "ranks",
-                        timeout_s=90) == [None, None]
+    assert launch_world(
+        ModuleEntry(module=CHECK, args=("--out", str(out))), 2, log_dir=tmp_path / "ranks", timeout_s=90
+    ) == [None, None]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["sum"] == r["expected"] == 1.0 and r["big_ok"] for r in reports)
     assert [r["env"]["LOCAL_RANK"] for r in reports] == ["0", "1"] and reports[1]["env"]["LOCAL_WORLD_SIZE"] == "2"
@@ -216,9 +218,12 @@ def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Si
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     with open(tmp_path / "stderr", "w") as err_file:
-        p = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(pid_dir)], stderr=err_file,
-                             cwd=Path(__file__).resolve().parents[2],
-                             env={**os.environ, "TMPDIR": str(tmp_path)})  # what a SIGKILLed launcher leaves
+        p = subprocess.Popen(
+            [sys.executable, "-c", _SIGNAL_SCRIPT, str(pid_dir)],
+            stderr=err_file,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )  # what a SIGKILLed launcher leaves
     try:
         pids = _pids(pid_dir, 2)
         p.send_signal(sig)

@@ -49,13 +49,19 @@ def _engine_world(rank: int, world: int, nodes: int, runs: list[tuple[HFConfig, 
     for cfg, clip in runs:
         per_stage = []
         for kw in STAGES:
-            eng = ZeroEngine(build_hf_model(cfg, seed=0), config=ZeroConfig(**{**kw, "grad_clip": clip}),
-                             optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
-                             topology=Topology(nodes=nodes, ranks_per_node=world // nodes))
+            eng = ZeroEngine(
+                build_hf_model(cfg, seed=0),
+                config=ZeroConfig(**{**kw, "grad_clip": clip}),
+                optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+                topology=Topology(nodes=nodes, ranks_per_node=world // nodes),
+            )
             try:
                 res = [eng.train_step(_batches(s, rank, cfg)) for s in range(STEPS)]
-                r: dict[str, Any] = {"losses": [x.loss for x in res], "norms": [x.grad_norm for x in res],
-                                     "skipped": [x.skipped for x in res]}
+                r: dict[str, Any] = {
+                    "losses": [x.loss for x in res],
+                    "norms": [x.grad_norm for x in res],
+                    "skipped": [x.skipped for x in res],
+                }
                 weights = {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}
                 if rank == 0:
                     r["weights"] = weights
@@ -66,8 +72,9 @@ def _engine_world(rank: int, world: int, nodes: int, runs: list[tuple[HFConfig, 
     return out
 
 
-def _reference(cfg: HFConfig, world: int,
-               clip: float = CLIP) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def _reference(
+    cfg: HFConfig, world: int, clip: float = CLIP
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """The unwrapped transformers model in one process on the global batch: AdamW, clip_grad_norm_."""
     hf = build_hf_model(cfg, seed=0).hf  # the transformers module itself
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WD, foreach=False)
@@ -142,11 +149,12 @@ def world_2x2(tf: Any) -> dict[str, list[Any]]:
     groups = {"plain": ([GPT2, LLAMA], CLIP), "lora": (LORA, LORA_CLIP)}
     if _tied_refused() is None:
         groups["tied"] = (TIED, CLIP)
-    results = run_world(_engine_world, 4, 2, [(cfg, clip) for models, clip in groups.values() for cfg in models],
-                        timeout=600)
+    results = run_world(
+        _engine_world, 4, 2, [(cfg, clip) for models, clip in groups.values() for cfg in models], timeout=600
+    )
     out, i = {}, 0
     for name, (models, _) in groups.items():
-        out[name] = [r[i:i + len(models)] for r in results]
+        out[name] = [r[i : i + len(models)] for r in results]
         i += len(models)
     return out
 
@@ -166,9 +174,11 @@ def test_hf_tied_embeddings_stages_match_single_process_2x2(world_2x2: dict[str,
 def test_transformers_is_imported_only_when_a_model_is_built() -> None:
     import subprocess
 
-    code = ("import sys, zeropp.models, zeropp.experiments.config, zeropp.experiments.schema; "
-            "from zeropp.models import HFConfig; HFConfig(hf_config='llama').num_params(); "
-            "assert 'transformers' not in sys.modules, 'imported eagerly'")
+    code = (
+        "import sys, zeropp.models, zeropp.experiments.config, zeropp.experiments.schema; "
+        "from zeropp.models import HFConfig; HFConfig(hf_config='llama').num_params(); "
+        "assert 'transformers' not in sys.modules, 'imported eagerly'"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
 

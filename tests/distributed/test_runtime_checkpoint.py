@@ -17,9 +17,12 @@ def _engine(seed, **kw):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    return ZeroEngine(make_model(seed=seed), config=ZeroConfig(**{"stage": 3, "grad_accum_steps": 2, "grad_clip": 0.5, **kw}),
-                      optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=STEPS + 2),
-                      topology=Topology(nodes=2, ranks_per_node=2))
+    return ZeroEngine(
+        make_model(seed=seed),
+        config=ZeroConfig(**{"stage": 3, "grad_accum_steps": 2, "grad_clip": 0.5, **kw}),
+        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=STEPS + 2),
+        topology=Topology(nodes=2, ranks_per_node=2),
+    )
 
 
 class HalfWriter(FileSystemWriter):
@@ -141,8 +144,11 @@ def _ckpt_world(rank, world, path):
     from zeropp.comm.spec import QuantSpec
 
     errors = []
-    for kwargs in (lambda: dict(stage=3, hpz=True, hpz_size=3), lambda: dict(stage=2, hpz=True),
-                   lambda: dict(stage=3, weights=QuantSpec(bits=5))):
+    for kwargs in (
+        lambda: dict(stage=3, hpz=True, hpz_size=3),
+        lambda: dict(stage=2, hpz=True),
+        lambda: dict(stage=3, weights=QuantSpec(bits=5)),
+    ):
         try:
             _engine(0, **kwargs())
         except ValueError as e:

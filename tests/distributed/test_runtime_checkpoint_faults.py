@@ -17,8 +17,12 @@ def _engine(seed):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    return ZeroEngine(make_model(seed=seed), config=ZeroConfig(stage=3, grad_clip=0.5),
-                      optimizer=OptimizerConfig(lr=1e-2), topology=Topology(nodes=1, ranks_per_node=2))
+    return ZeroEngine(
+        make_model(seed=seed),
+        config=ZeroConfig(stage=3, grad_clip=0.5),
+        optimizer=OptimizerConfig(lr=1e-2),
+        topology=Topology(nodes=1, ranks_per_node=2),
+    )
 
 
 class DiskFullWriter(FileSystemWriter):
@@ -102,7 +106,10 @@ def test_checkpoint_failures_raise_on_every_rank(tmp_path):
         assert r["latest_unchanged"]
         assert r["resumed"] == r["ref"], (rank, r["resumed"], r["ref"])
         lc = r["load_corrupt"]
-        assert lc is not None and lc["failures"] == [1] and "corrupt" in lc["msg"] and "__1_0.distcp" in lc["msg"], (rank, lc)
+        assert lc is not None and lc["failures"] == [1] and "corrupt" in lc["msg"] and "__1_0.distcp" in lc["msg"], (
+            rank,
+            lc,
+        )
         lm = r["load_missing"]
         assert lm is not None and lm["failures"] == [1] and "missing" in lm["msg"], (rank, lm)
         assert r["state_untouched"] and r["usable_after"]

@@ -30,8 +30,12 @@ def _engine(seed):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    return ZeroEngine(make_model(seed=seed), config=ZeroConfig(stage=3), optimizer=OptimizerConfig(lr=1e-2),
-                      topology=Topology(nodes=1, ranks_per_node=2))
+    return ZeroEngine(
+        make_model(seed=seed),
+        config=ZeroConfig(stage=3),
+        optimizer=OptimizerConfig(lr=1e-2),
+        topology=Topology(nodes=1, ranks_per_node=2),
+    )
 
 
 def _listing(root: Path) -> list[str]:
@@ -69,8 +73,11 @@ def _safety_world(rank, world, root, marker):
     if rank == 1:
         master[0] = kept
     out["nan_listing"] = _listing(root)
-    real_written, real_atomic, real_commit = (checkpoint_files.written_by, checkpoint_files.write_atomic,
-                                              checkpoint_io._commit)
+    real_written, real_atomic, real_commit = (
+        checkpoint_files.written_by,
+        checkpoint_files.write_atomic,
+        checkpoint_io._commit,
+    )
 
     def disk_full(*args):
         raise OSError(28, "No space left on device")
@@ -168,8 +175,9 @@ def test_two_runs_share_a_directory_and_keep_their_own_newest(world):
         assert name.startswith(f"ckpt-{step:08d}-"), (step, name)  # the training step, not the optimizer's count
     # run a kept 30 and 20 (10 removed), run b kept 11 and 21; the other project's folder and file are untouched,
     # and so is the debris of an interrupted save (it may be another run's save in progress), with a warning
-    assert listing == sorted(["LATEST", "README", "ckpt-epoch-7-other-project", DEBRIS, names[11], names[20],
-                              names[21], names[30]]), listing
+    assert listing == sorted(
+        ["LATEST", "README", "ckpt-epoch-7-other-project", DEBRIS, names[11], names[20], names[21], names[30]]
+    ), listing
     assert (base / "ckpt" / "ckpt-epoch-7-other-project" / "notes.txt").read_text() == "another project's"
     assert len(res[0]["debris_warnings"]) == 5 and "interrupted" in res[0]["debris_warnings"][0]
     assert res[1]["debris_warnings"] == []  # rank 0 looks after the directory
@@ -190,7 +198,9 @@ def test_failed_saves_change_nothing(world):
         assert late is not None and late["failures"] == [0] and "Input/output error" in late["msg"], late
         # LATEST was replaced before the failure: that folder stays (and nothing older was removed)
         new = set(r["late_listing"]) - set(r["before"])
-        assert len(new) == 1 and next(iter(new)).startswith("ckpt-00000040-") and set(r["before"]) < set(r["late_listing"])
+        assert (
+            len(new) == 1 and next(iter(new)).startswith("ckpt-00000040-") and set(r["before"]) < set(r["late_listing"])
+        )
 
 
 def test_previous_format_still_loads(world):
@@ -218,8 +228,12 @@ def test_torch_trainer_checkpoints_share_the_format(world):
         listing = r["torch_listing"]
         assert listing[0] == "LATEST" and [n[:13] for n in listing[1:]] == ["ckpt-00000002", "ckpt-00000003"]
         extra, mine, w, sched = r["torch_loaded"]
-        assert extra == {"step": 3} and mine == {"calls": rank * 100 + 3} and w == [3.0] * 4 and sched == {"last_epoch": 3}
-        assert r["torch_nan"] is not None and "NaN or inf" in r["torch_nan"]["msg"] and "'w'" not in r["torch_nan"]["msg"]
+        assert (
+            extra == {"step": 3} and mine == {"calls": rank * 100 + 3} and w == [3.0] * 4 and sched == {"last_epoch": 3}
+        )
+        assert (
+            r["torch_nan"] is not None and "NaN or inf" in r["torch_nan"]["msg"] and "'w'" not in r["torch_nan"]["msg"]
+        )
         assert "w holds NaN" in r["torch_nan"]["msg"] and r["torch_nan_listing"] == listing
         tfe = r["torch_from_engine"]
         assert tfe is not None and "saved by trainer=zeropp" in tfe["msg"], tfe
@@ -228,9 +242,24 @@ def test_torch_trainer_checkpoints_share_the_format(world):
 def test_runner_resume_refuses_crafted_metadata(world, tmp_path):
     base, marker, _ = world
     env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", "topology=1x2", "logger=none", "model=tiny",
-                        "train.steps=4", "resume=true", f"train.checkpoint_dir={base / 'ckpt'}",
-                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=150, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zeropp.experiments.run",
+            "topology=1x2",
+            "logger=none",
+            "model=tiny",
+            "train.steps=4",
+            "resume=true",
+            f"train.checkpoint_dir={base / 'ckpt'}",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+    )
     assert p.returncode != 0, p.stdout[-2000:]
     assert "posix.system" in p.stderr and ".metadata" in p.stderr and "refusing" in p.stderr, p.stderr[-3000:]
     assert not marker.exists()

@@ -38,8 +38,12 @@ def _engine(kw: dict, nvme: str, cfg: GPTConfig = MODEL):
 
     if kw.get("offload_optimizer") == "nvme":
         kw = dict(kw, nvme_path=nvme, swap_buffer_size=1024)
-    return ZeroEngine(make_model(cfg), config=ZeroConfig(stage=3, precision="fp32", **kw),
-                      optimizer=OptimizerConfig(lr=1e-2), cpu_adam="single")
+    return ZeroEngine(
+        make_model(cfg),
+        config=ZeroConfig(stage=3, precision="fp32", **kw),
+        optimizer=OptimizerConfig(lr=1e-2),
+        cpu_adam="single",
+    )
 
 
 def _state(opt, target) -> dict:
@@ -100,9 +104,13 @@ def _host_tier(rank: int, root: str) -> dict:
     loaded = _state(opt, target)
     after = {getattr(opt, name)[i].untyped_storage().data_ptr() for name in opt.STATE for i in range(len(opt.numels))}
     eng.close()
-    return {"seen": [(k, dev, mesh, ptr in live) for k, dev, mesh, ptr in spy.seen],
-            "exact": all(torch.equal(saved[k], loaded[k]) for k in saved), "in_place": after == live,
-            "units": len(target.layouts), "sharded": sum(lay.num_shards > 1 for lay in target.layouts)}
+    return {
+        "seen": [(k, dev, mesh, ptr in live) for k, dev, mesh, ptr in spy.seen],
+        "exact": all(torch.equal(saved[k], loaded[k]) for k in saved),
+        "in_place": after == live,
+        "units": len(target.layouts),
+        "sharded": sum(lay.num_shards > 1 for lay in target.layouts),
+    }
 
 
 def _nvme_tier(rank: int, root: str) -> dict:
@@ -120,8 +128,13 @@ def _nvme_tier(rank: int, root: str) -> dict:
         _, load_peak = peak_host_bytes(lambda: ckpt.load(target, path))
         loaded = _state(eng.optim, target)
         pieces = ckpt._pieces(target)
-        out = {"save_peak": save_peak, "load_peak": load_peak, "piece": 4 * max(p.n for p in pieces),
-               "whole": 4 * sum(p.n for p in pieces), "exact": all(torch.equal(saved[k], loaded[k]) for k in saved)}
+        out = {
+            "save_peak": save_peak,
+            "load_peak": load_peak,
+            "piece": 4 * max(p.n for p in pieces),
+            "whole": 4 * sum(p.n for p in pieces),
+            "exact": all(torch.equal(saved[k], loaded[k]) for k in saved),
+        }
         eng.close()
     return out
 
@@ -244,14 +257,21 @@ def test_a_sink_receives_each_saved_chunk_at_its_offset_when_the_load_reshards(t
 
     def sink(k, offset, piece):
         calls.append((k, offset))
-        got[k][offset: offset + piece.numel()].copy_(piece)
+        got[k][offset : offset + piece.numel()].copy_(piece)
 
     with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
         warnings.simplefilter("ignore", UserWarning)
         cio.read_state(full, d, meta, what="load", hint="", no_dist=True)
         planner = cs.InPlaceLoadPlanner({k: (lambda o, t, k=k: sink(k, o, t)) for k in keys}, live=keys)
-        cio.read_state({k: cs.placeholder(md[k].size.numel()) for k in keys}, d, meta, what="load", hint="",
-                       no_dist=True, planner=planner)
+        cio.read_state(
+            {k: cs.placeholder(md[k].size.numel()) for k in keys},
+            d,
+            meta,
+            what="load",
+            hint="",
+            no_dist=True,
+            planner=planner,
+        )
     assert max(chunks.values()) == 2 and any(o > 0 for _, o in calls), chunks  # sharded keys: 2 chunks
     assert planner.touched and sorted(calls) == sorted(set(calls)) and len(calls) == sum(chunks.values())
     for k in keys:

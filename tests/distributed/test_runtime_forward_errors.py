@@ -39,7 +39,10 @@ def _world(rank: int, world: int) -> dict[Any, Any]:
         try:
             batches = [micro_batch(0, j, rank, TINY) for j in range(2)]
             eng.model.fail = True
-            for what, call in (("train", lambda: eng.train_step(batches)), ("eval", lambda: eng.eval_loss(*batches[0]))):  # noqa: B023 (called in this iteration)
+            for what, call in (
+                ("train", lambda: eng.train_step(batches)),  # noqa: B023 (called in this iteration)
+                ("eval", lambda: eng.eval_loss(*batches[0])),  # noqa: B023
+            ):
                 try:
                     call()
                     out[stage, what] = None
@@ -69,5 +72,3 @@ def test_one_ranks_forward_error_is_raised_on_every_rank_at_stages_0_to_2() -> N
             assert "raised on rank(s) [1]" in msgs[0][0] and "rank 1: ValueError: bad batch on this rank" in msgs[0][0]
             assert msgs[1][1] == "ValueError" and msgs[0][1] is None  # chained to the rank's own error
         assert res[0][stage, "after"] == res[1][stage, "after"] == res[0][stage, "fresh"]
-
-

@@ -32,8 +32,10 @@ from zeropp.models import GPT
 STEPS, ACCUM, CLIP, LR, WD = 3, 2, 0.5, 1e-3, 0.01
 LORA = TINY.with_(lora_rank=4)
 MODELS = ("lora", "partial")
-CONFIGS = [dict(stage=s) for s in (0, 1, 2, 3)] + [dict(stage=3, hpz=True, prefetch_depth=2),
-                                                  dict(stage=3, prefetch_depth=0, checkpointing=True)]
+CONFIGS = [dict(stage=s) for s in (0, 1, 2, 3)] + [
+    dict(stage=3, hpz=True, prefetch_depth=2),
+    dict(stage=3, prefetch_depth=0, checkpointing=True),
+]
 
 
 def build(name: str) -> GPT:
@@ -59,14 +61,23 @@ def _parity_world(rank: int, world: int) -> dict[Any, Any]:
     for name in MODELS:
         for k, kw in enumerate(CONFIGS):
             zkw = {a: v for a, v in kw.items() if a != "checkpointing"}
-            eng = ZeroEngine(build(name), config=ZeroConfig(grad_accum_steps=ACCUM, grad_clip=CLIP, **zkw),
-                             activation_checkpointing=kw.get("checkpointing", False), optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=2, ranks_per_node=2))
+            eng = ZeroEngine(
+                build(name),
+                config=ZeroConfig(grad_accum_steps=ACCUM, grad_clip=CLIP, **zkw),
+                activation_checkpointing=kw.get("checkpointing", False),
+                optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+                topology=Topology(nodes=2, ranks_per_node=2),
+            )
             try:
                 res = [eng.train_step(rank_batches(s, ACCUM, rank)) for s in range(STEPS)]
-                out[name, k] = {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
-                                "weights": {n: v.numpy() for n, v in eng.consolidated_state_dict().items()},
-                                "frozen": {u.name: u.numel for u in eng.frozen_units},
-                                "trained": sum(u.numel for u in eng.units), "pool": eng.buffers.allocations}
+                out[name, k] = {
+                    "losses": [r.loss for r in res],
+                    "norms": [r.grad_norm for r in res],
+                    "weights": {n: v.numpy() for n, v in eng.consolidated_state_dict().items()},
+                    "frozen": {u.name: u.numel for u in eng.frozen_units},
+                    "trained": sum(u.numel for u in eng.units),
+                    "pool": eng.buffers.allocations,
+                }
                 eng.train_step(rank_batches(STEPS, ACCUM, rank))
                 out[name, k]["pool_after"] = eng.buffers.allocations  # constant once the pattern repeats
             finally:
@@ -127,8 +138,12 @@ def _reference_frozen(layout_units: list, model: GPT, bits: int | None, world: i
             full[s.offset : s.offset + s.numel] = named[s.name].detach().reshape(-1)
         if bits is not None:
             S = lay.shard_numel
-            full = torch.cat([dequantize(quantize(full[r * S : (r + 1) * S].clone(), bits, DEFAULT_WEIGHT_GROUP_SIZE))
-                              .reshape(-1) for r in range(world)])
+            full = torch.cat(
+                [
+                    dequantize(quantize(full[r * S : (r + 1) * S].clone(), bits, DEFAULT_WEIGHT_GROUP_SIZE)).reshape(-1)
+                    for r in range(world)
+                ]
+            )
         out.update({k: v.clone() for k, v in unflatten(lay, full).items()})
     return out
 
@@ -143,8 +158,12 @@ def _mixz_world(rank: int, world: int, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     idx, tgt = micro_batch(0, 0, 0)
     for q, bits in (("none", None), ("int8", 8), ("int4", 4)):
-        eng = ZeroEngine(build("lora"), config=ZeroConfig(stage=3, quantize_frozen=q),
-                         optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=world, ranks_per_node=1))
+        eng = ZeroEngine(
+            build("lora"),
+            config=ZeroConfig(stage=3, quantize_frozen=q),
+            optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+            topology=Topology(nodes=world, ranks_per_node=1),
+        )
         try:
             lays = [u.layout for u in eng.frozen_units]
             ref = build("lora")
@@ -158,23 +177,36 @@ def _mixz_world(rank: int, world: int, path: str) -> dict[str, Any]:
             eng.stage3.release_all()
             per_unit = []
             for u in eng.frozen_units:
-                b = u.shard_numel * 4 if bits is None else wire_layout(u.shard_numel, bits, DEFAULT_WEIGHT_GROUP_SIZE).nbytes
+                b = (
+                    u.shard_numel * 4
+                    if bits is None
+                    else wire_layout(u.shard_numel, bits, DEFAULT_WEIGHT_GROUP_SIZE).nbytes
+                )
                 per_unit.append((u.numel, u.shard_numel, b, fz.held_bytes(u)))
             mem0 = eng.memory_report()["params"]
             eng.comm_stats.reset()
             eng.train_step([(idx, tgt)])
             sd = eng.consolidated_state_dict()
-            out[q] = {"logits_equal": torch.equal(got, ref_logits), "per_unit": per_unit, "mem_params": mem0,
-                      "trained_shards": sum(u.shard_numel * 4 for u in eng.units),
-                      "frozen_bytes": fz.frozen_bytes(eng.frozen),
-                      "stats": eng.comm_stats.snapshot().get(fz.KIND, {}), "calls": eng.comm_stats.calls().get(fz.KIND),
-                      "export_equal": all(torch.equal(sd[n], values[n]) for n in values),
-                      "phases": eng.memory_phases()["model_creation"].tiers["device"]["params"]}
+            out[q] = {
+                "logits_equal": torch.equal(got, ref_logits),
+                "per_unit": per_unit,
+                "mem_params": mem0,
+                "trained_shards": sum(u.shard_numel * 4 for u in eng.units),
+                "frozen_bytes": fz.frozen_bytes(eng.frozen),
+                "stats": eng.comm_stats.snapshot().get(fz.KIND, {}),
+                "calls": eng.comm_stats.calls().get(fz.KIND),
+                "export_equal": all(torch.equal(sd[n], values[n]) for n in values),
+                "phases": eng.memory_phases()["model_creation"].tiers["device"]["params"],
+            }
             if q == "int8":  # checkpoint: saved dequantized, loaded (and re-quantized once) into a new engine
                 eng.save_checkpoint(path)
                 torch.manual_seed(5)
-                other = ZeroEngine(GPT(LORA), config=ZeroConfig(stage=3, quantize_frozen=q),
-                                   optimizer=OptimizerConfig(lr=LR), topology=Topology(nodes=world, ranks_per_node=1))
+                other = ZeroEngine(
+                    GPT(LORA),
+                    config=ZeroConfig(stage=3, quantize_frozen=q),
+                    optimizer=OptimizerConfig(lr=LR),
+                    topology=Topology(nodes=world, ranks_per_node=1),
+                )
                 other.load_checkpoint(path)
                 sd2 = other.consolidated_state_dict()
                 with torch.no_grad():
@@ -183,7 +215,9 @@ def _mixz_world(rank: int, world: int, path: str) -> dict[str, Any]:
                 eng.stage3.release_all()
                 out["ckpt_export_equal"] = all(torch.equal(sd2[n], sd[n]) for n in values)
                 other.close()
-                one = ZeroEngine(GPT(LORA), config=ZeroConfig(stage=1), topology=Topology(nodes=world, ranks_per_node=1))
+                one = ZeroEngine(
+                    GPT(LORA), config=ZeroConfig(stage=1), topology=Topology(nodes=world, ranks_per_node=1)
+                )
                 one.load_checkpoint(path)  # stage 1: frozen replicated, loaded whole
                 sd1 = one.consolidated_state_dict()
                 out["ckpt_stage1_equal"] = all(torch.equal(sd1[n], sd[n]) for n in values)
@@ -210,7 +244,10 @@ def test_stage3_frozen_shards_quantized_once_exact_forward_and_bytes(worlds: dic
             # each gather sending the stored row to the other rank (a different node: cross)
             n_units = len(d["per_unit"])
             assert d["calls"] == 2 * n_units, q
-            assert d["stats"] == {"intra": 0, "cross": 2 * sum(b for *_, b in d["per_unit"]) * (W2 - 1)}, (q, d["stats"])
+            assert d["stats"] == {"intra": 0, "cross": 2 * sum(b for *_, b in d["per_unit"]) * (W2 - 1)}, (
+                q,
+                d["stats"],
+            )
         full = r["none"]["frozen_bytes"]
         assert r["int8"]["frozen_bytes"] <= 0.55 * full and r["int4"]["frozen_bytes"] <= 0.3 * full
         assert r["ckpt_logits_equal"] and r["ckpt_export_equal"] and r["ckpt_stage1_equal"]
@@ -225,17 +262,29 @@ def _mixz_hpz_world(rank: int, world: int, path: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for hpz in (False, True):
-        eng = ZeroEngine(build("lora"), config=ZeroConfig(stage=3, quantize_frozen="int8", hpz=hpz,
-                                                          grad_accum_steps=ACCUM),
-                         optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=2, ranks_per_node=2))
+        eng = ZeroEngine(
+            build("lora"),
+            config=ZeroConfig(stage=3, quantize_frozen="int8", hpz=hpz, grad_accum_steps=ACCUM),
+            optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+            topology=Topology(nodes=2, ranks_per_node=2),
+        )
         try:
             losses = [eng.train_step(rank_batches(0, ACCUM, rank)).loss]
             first = eng.comm_stats.snapshot().get(fz.KIND)
             eng.comm_stats.reset()
             losses += [eng.train_step(rank_batches(s, ACCUM, rank)).loss for s in range(1, STEPS)]
-            out[hpz] = {"losses": losses, "first": first, "later": eng.comm_stats.snapshot().get(fz.KIND),
-                        "secondary": [(None if u.secondary is None else (str(u.secondary.dtype), u.secondary.numel()),
-                                       u.extra["wire"].numel()) for u in eng.frozen_units]}
+            out[hpz] = {
+                "losses": losses,
+                "first": first,
+                "later": eng.comm_stats.snapshot().get(fz.KIND),
+                "secondary": [
+                    (
+                        None if u.secondary is None else (str(u.secondary.dtype), u.secondary.numel()),
+                        u.extra["wire"].numel(),
+                    )
+                    for u in eng.frozen_units
+                ],
+            }
             if hpz:  # a load re-quantizes the frozen shards: their secondary copies are dropped
                 eng.save_checkpoint(path)
                 eng.load_checkpoint(path)
@@ -278,16 +327,22 @@ def _offload_world(rank: int, world: int, path: str) -> dict[str, Any]:
 
                 os.makedirs(nvme, exist_ok=True)
             zc = ZeroConfig(stage=3, quantize_frozen=q, offload_param=tier, nvme_path=nvme, grad_accum_steps=ACCUM)
-            eng = ZeroEngine(build("lora"), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
-                             topology=Topology(nodes=world, ranks_per_node=1))
+            eng = ZeroEngine(
+                build("lora"),
+                config=zc,
+                optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+                topology=Topology(nodes=world, ranks_per_node=1),
+            )
             try:
                 tiers = eng.memory_phases()["model_creation"].tiers
-                r = {"losses": [eng.train_step(rank_batches(s, ACCUM, rank)).loss for s in range(STEPS)],
-                     "weights": {n: v.numpy() for n, v in eng.consolidated_state_dict().items()},
-                     "frozen_bytes": fz.frozen_bytes(eng.frozen),
-                     "trained_shards": sum(u.shard_numel * 4 for u in eng.units),
-                     "params": {t: tiers[t]["params"] for t in ("device", "host", "disk")},
-                     "held": [fz.held(u) is None for u in eng.frozen_units]}
+                r = {
+                    "losses": [eng.train_step(rank_batches(s, ACCUM, rank)).loss for s in range(STEPS)],
+                    "weights": {n: v.numpy() for n, v in eng.consolidated_state_dict().items()},
+                    "frozen_bytes": fz.frozen_bytes(eng.frozen),
+                    "trained_shards": sum(u.shard_numel * 4 for u in eng.units),
+                    "params": {t: tiers[t]["params"] for t in ("device", "host", "disk")},
+                    "held": [fz.held(u) is None for u in eng.frozen_units],
+                }
                 eng.save_checkpoint(f"{path}-{q}-{tier}")
                 eng.load_checkpoint(f"{path}-{q}-{tier}")  # re-stored into the tier
                 r["reloaded"] = {n: v.numpy() for n, v in eng.consolidated_state_dict().items()}

@@ -33,8 +33,10 @@ def _recipe(name: str) -> dict:
 
 
 def _world(rank, world):
-    return {name: train_engine(rank, world, _recipe(name), steps=STEPS, nodes=2, lr=LR, text=True, consolidate=False)
-            for name in ("none", "w4g4", "w4g4h", "w4h_g4h")}
+    return {
+        name: train_engine(rank, world, _recipe(name), steps=STEPS, nodes=2, lr=LR, text=True, consolidate=False)
+        for name in ("none", "w4g4", "w4g4h", "w4h_g4h")
+    }
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,16 @@ HOST_GROUP_READ = "zeropp/runtime/batch.py:host_max"
 CONFIGS = {
     "s0": dict(stage=0, grad_accum_steps=2, grad_clip=1.0),
     "s2_qgz": dict(stage=2, grads=QuantSpec(bits=8)),
-    "s3_zeropp_fp16": dict(stage=3, precision="fp16", loss_scale_init=2.0**18, weights=QuantSpec(bits=8),
-                           grads=QuantSpec(bits=4), hpz=True, grad_accum_steps=2, grad_clip=1.0),
+    "s3_zeropp_fp16": dict(
+        stage=3,
+        precision="fp16",
+        loss_scale_init=2.0**18,
+        weights=QuantSpec(bits=8),
+        grads=QuantSpec(bits=4),
+        hpz=True,
+        grad_accum_steps=2,
+        grad_clip=1.0,
+    ),
     "s3_offload": dict(stage=3, offload_optimizer="cpu", offload_param="nvme", swap_buffers=3, swap_buffer_size=1000),
 }
 STEPS = 2
@@ -89,5 +97,3 @@ def test_a_training_step_reads_one_device_value(tmp_path):
                 accum = CONFIGS[name].get("grad_accum_steps", 1)
                 late = CONFIGS[name]["stage"] >= 2  # check_late_grads: stages 2-3
                 assert len(reads) - 1 == accum + late, (rank, name, s, reads)
-
-

@@ -36,8 +36,12 @@ CASES = {
     "s2_fp32": dict(stage=2),
     "s3_fp32": dict(stage=3),
 }
-OFFLOAD = {f"s{s}_opt-{o}_param-{p}": dict(stage=s, precision="bf16", offload_optimizer=o, offload_param=p)
-           for s in (1, 2, 3) for o, p in offload_choices(s) if (o, p) != ("none", "none")}
+OFFLOAD = {
+    f"s{s}_opt-{o}_param-{p}": dict(stage=s, precision="bf16", offload_optimizer=o, offload_param=p)
+    for s in (1, 2, 3)
+    for o, p in offload_choices(s)
+    if (o, p) != ("none", "none")
+}
 
 
 class _Fake:
@@ -63,21 +67,33 @@ def _engine_run(rank: int, world: int, kw: dict, nvme_dir: str | None, fakes: bo
 
     if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_param")):
         kw = dict(kw, nvme_path=nvme_dir)
-    eng = ZeroEngine(make_model(), config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=1e-3),
-                     topology=Topology(nodes=NODES, ranks_per_node=world // NODES))
+    eng = ZeroEngine(
+        make_model(),
+        config=ZeroConfig(**kw),
+        optimizer=OptimizerConfig(lr=1e-3),
+        topology=Topology(nodes=NODES, ranks_per_node=world // NODES),
+    )
     try:
         if fakes:
             eng.track_memory("activations", _Fake({"host": 1000, "device": 24}))
             eng.track_memory("buffers", _Pool(4096))
-        has = {"has_offload_optimizer": hasattr(eng.optim, "memory_by_tier"),
-               "has_param_store": bool(eng._memory_sources["params"])}
-        if offload and not ((kw["offload_optimizer"] == "none" or has["has_offload_optimizer"])
-                            and (kw["offload_param"] == "none" or has["has_param_store"])):
+        has = {
+            "has_offload_optimizer": hasattr(eng.optim, "memory_by_tier"),
+            "has_param_store": bool(eng._memory_sources["params"]),
+        }
+        if offload and not (
+            (kw["offload_optimizer"] == "none" or has["has_offload_optimizer"])
+            and (kw["offload_param"] == "none" or has["has_param_store"])
+        ):
             return has  # the option is accepted but not implemented on this branch: nothing to measure
         eng.train_step(rank_batches(0, 1, rank))
-        return has | {"phases": {k: v.to_dict() for k, v in eng.memory_phases().items()}, "flat": eng.memory_report(),
-                "num_params": eng.num_params, "pool_nbytes": eng.buffers.nbytes,
-                "saved": eng.activations.memory_by_tier()}
+        return has | {
+            "phases": {k: v.to_dict() for k, v in eng.memory_phases().items()},
+            "flat": eng.memory_report(),
+            "num_params": eng.num_params,
+            "pool_nbytes": eng.buffers.nbytes,
+            "saved": eng.activations.memory_by_tier(),
+        }
     finally:
         eng.close()
 
@@ -100,9 +116,15 @@ def runs():
 
 def _want(kw: dict, n: int) -> dict[str, dict[str, float]]:
     pbytes = 2 if kw.get("precision") == "bf16" else 4
-    return expected_by_tier(kw["stage"], n, WORLD, param_bytes=pbytes, hpz_size=kw.get("hpz_size"),
-                            offload_optimizer=kw.get("offload_optimizer", "none"),
-                            offload_param=kw.get("offload_param", "none"))
+    return expected_by_tier(
+        kw["stage"],
+        n,
+        WORLD,
+        param_bytes=pbytes,
+        hpz_size=kw.get("hpz_size"),
+        offload_optimizer=kw.get("offload_optimizer", "none"),
+        offload_param=kw.get("offload_param", "none"),
+    )
 
 
 def _close(got: float, want: float) -> bool:
@@ -116,8 +138,9 @@ def test_backward_phase_tiers_match_the_zero_formulas(runs, name):
         want = _want(CASES[name], r[name]["num_params"])
         if not CASES[name].get("precision") and want["device"]["optimizer"] > 0:
             # fp32: the engine may keep the master as the parameter shard itself (no second copy)
-            shared = expected_by_tier(CASES[name]["stage"], r[name]["num_params"], WORLD, param_bytes=4,
-                                      shared_master=True)
+            shared = expected_by_tier(
+                CASES[name]["stage"], r[name]["num_params"], WORLD, param_bytes=4, shared_master=True
+            )
             if _close(got["device"]["optimizer"], shared["device"]["optimizer"]):
                 want = shared
         for t in TIERS:
@@ -178,16 +201,18 @@ def test_offload_tiers_match_the_formulas(runs, name):
     if "refused" in r0:
         pytest.skip(f"ZeroEngine refuses {name} on this branch: {r0['refused']}")
     if kw["offload_optimizer"] != "none" and not r0["has_offload_optimizer"]:
-        pytest.skip(f"offload_optimizer={kw['offload_optimizer']} is accepted by ZeroConfig but this branch's ZeroEngine "
-                    f"has no offloaded optimizer (engine.optim has no memory_by_tier): runs once ZeRO-Offload is merged")
+        pytest.skip(
+            f"offload_optimizer={kw['offload_optimizer']} is accepted by ZeroConfig but this branch's ZeroEngine "
+            f"has no offloaded optimizer (engine.optim has no memory_by_tier): runs once ZeRO-Offload is merged"
+        )
     if kw["offload_param"] != "none" and not r0["has_param_store"]:
-        pytest.skip(f"offload_param={kw['offload_param']} is accepted by ZeroConfig but this branch's ZeroEngine has no "
-                    f"parameter store registered with track_memory('params', ...): runs once parameter offload is merged")
+        pytest.skip(
+            f"offload_param={kw['offload_param']} is accepted by ZeroConfig but this branch's ZeroEngine has no "
+            f"parameter store registered with track_memory('params', ...): runs once parameter offload is merged"
+        )
     for rank, r in enumerate(runs):
         _check_creation_phases(r[name]["phases"])
         got = tier_totals(r[name]["phases"]["backward"]["tiers"])
         want = tier_totals(_want(kw, r[name]["num_params"]))
         for t in TIERS:
             assert _close(got[t], want[t]), (name, rank, t, got, want)
-
-

@@ -46,8 +46,11 @@ RUNS = {
     "s3_cpu_opt_only": ("s3", dict(F32, stage=3, **CPU), "single"),
     "s2_nvme": ("s2", dict(F32, stage=2, offload_optimizer="nvme", swap_buffer_size=1000), "single"),
     "s3_nvme": ("s3", dict(F32, stage=3, **NVME3), "single"),
-    "s3_nvme_param_cpu_opt": ("s3", dict(F32, stage=3, offload_optimizer="cpu", offload_param="nvme",
-                                         swap_buffer_size=777), "single"),
+    "s3_nvme_param_cpu_opt": (
+        "s3",
+        dict(F32, stage=3, offload_optimizer="cpu", offload_param="nvme", swap_buffer_size=777),
+        "single",
+    ),
     "s1_fused": ("s1", dict(F32, stage=1, **CPU), "fused"),
     "s3_fused": ("s3", dict(F32, stage=3, **CPU3), "fused"),
     "s3_nvme_fused": ("s3", dict(F32, stage=3, **NVME3), "fused"),
@@ -73,16 +76,28 @@ def _train(rank: int, world: int, kw: dict, cpu_adam: str, nvme: str) -> dict:
     if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_param")):
         kw = dict(kw, nvme_path=nvme)
     zc = ZeroConfig(**kw)
-    eng = ZeroEngine(make_model(), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=0.01),
-                     topology=Topology(nodes=2, ranks_per_node=world // 2), cpu_adam=cpu_adam)
+    eng = ZeroEngine(
+        make_model(),
+        config=zc,
+        optimizer=OptimizerConfig(lr=LR, weight_decay=0.01),
+        topology=Topology(nodes=2, ranks_per_node=world // 2),
+        cpu_adam=cpu_adam,
+    )
     try:
         res = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank)) for s in range(STEPS)]
-        tiers = {"optimizer": eng.optim.memory_by_tier(),
-                 "params": eng.param_store.memory_by_tier() if eng.param_store is not None else None,
-                 "swap_host": eng.swap.host_bytes() if eng.swap is not None else 0}
-        return {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res], "memory": eng.memory_report(),
-                "num_params": eng.num_params, "tiers": tiers,
-                "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+        tiers = {
+            "optimizer": eng.optim.memory_by_tier(),
+            "params": eng.param_store.memory_by_tier() if eng.param_store is not None else None,
+            "swap_host": eng.swap.host_bytes() if eng.swap is not None else 0,
+        }
+        return {
+            "losses": [r.loss for r in res],
+            "norms": [r.grad_norm for r in res],
+            "memory": eng.memory_report(),
+            "num_params": eng.num_params,
+            "tiers": tiers,
+            "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+        }
     finally:
         eng.close()
 
@@ -154,5 +169,3 @@ def test_each_tier_holds_its_share_of_the_state(runs):
             assert close(params[ptier], width * psi / n) and sum(params.values()) == params[ptier], (name, params)
         if "nvme" in (kw["offload_optimizer"], kw.get("offload_param")):  # bounded staging buffers
             assert r["tiers"]["swap_host"] == kw.get("swap_buffers", 4) * kw["swap_buffer_size"] * 4, name
-
-

@@ -23,12 +23,7 @@ from tests.worlds import run_world
 STEPS, ACCUM = 3, 2
 F32 = dict(precision="fp32", grad_accum_steps=ACCUM)
 FP16 = dict(precision="fp16", loss_scale_init=2.0**18, loss_scale_window=2)  # first steps overflow
-CASES = {
-    "s1": dict(F32, stage=1),
-    "s2": dict(F32, stage=2),
-    "s3": dict(F32, stage=3),
-    "s2_fp16": dict(FP16, stage=2),
-}
+CASES = {"s1": dict(F32, stage=1), "s2": dict(F32, stage=2), "s3": dict(F32, stage=3), "s2_fp16": dict(FP16, stage=2)}
 
 
 def _train(rank: int, kw: dict, offload: bool) -> dict:
@@ -45,8 +40,9 @@ def _train(rank: int, kw: dict, offload: bool) -> dict:
 
     HostAdamW.land_grad = logged_land  # before the engine binds it
     try:
-        eng = ZeroEngine(make_model(), config=zc, optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.01),
-                         cpu_adam="single")
+        eng = ZeroEngine(
+            make_model(), config=zc, optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.01), cpu_adam="single"
+        )
     finally:
         HostAdamW.land_grad = land
 
@@ -59,15 +55,23 @@ def _train(rank: int, kw: dict, offload: bool) -> dict:
 
         setattr(owner, attr, call)
 
-    for owner, attr, name in ((eng, "_after_backward", "_after_backward"), (eng.reducer, "final_grads", "_final_grads"),
-                              (eng.update, "step", "_step")):
+    for owner, attr, name in (
+        (eng, "_after_backward", "_after_backward"),
+        (eng.reducer, "final_grads", "_final_grads"),
+        (eng.update, "step", "_step"),
+    ):
         wrap(owner, attr, name)
     try:
         res = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank)) for s in range(STEPS)]
-        return {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
-                "skipped": [r.skipped for r in res], "log": log, "n_units": len(eng.units),
-                "reduced_in_backward": [i for i, u in enumerate(eng.units) if eng.reducer.reduces_when_ready(u)],
-                "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+        return {
+            "losses": [r.loss for r in res],
+            "norms": [r.grad_norm for r in res],
+            "skipped": [r.skipped for r in res],
+            "log": log,
+            "n_units": len(eng.units),
+            "reduced_in_backward": [i for i, u in enumerate(eng.units) if eng.reducer.reduces_when_ready(u)],
+            "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+        }
     finally:
         eng.close()
 
@@ -127,6 +131,4 @@ def test_each_unit_lands_once_as_soon_as_it_is_reduced(runs):
                 else:  # stage 1 / replicated: lands once the after-backward reduction has it
                     assert final < k, (name, s, events)
             if stage >= 2:  # the copies overlap backward: some land before autograd's backward returns
-                assert any(e[0] == "land" for e in events[last_start + 1:last_end]), (name, s, events)
-
-
+                assert any(e[0] == "land" for e in events[last_start + 1 : last_end]), (name, s, events)

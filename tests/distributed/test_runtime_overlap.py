@@ -98,8 +98,12 @@ def _trace(rank: int, world: int, zero_kwargs: dict, steps: int) -> dict:
     out: dict[str, Any] = {}
     for fake in (False, True):
         zc = ZeroConfig(**zero_kwargs)
-        eng = ZeroEngine(make_model(), config=zc, optimizer=OptimizerConfig(lr=1e-3),
-                         topology=Topology(nodes=1, ranks_per_node=world))
+        eng = ZeroEngine(
+            make_model(),
+            config=zc,
+            optimizer=OptimizerConfig(lr=1e-3),
+            topology=Topology(nodes=1, ranks_per_node=world),
+        )
         api = FakeAPI()
         log = api.log
         if fake:
@@ -164,8 +168,10 @@ def _check_log(log: list, st: CommStreams) -> dict:
             while log[k][0] == "record_stream":
                 assert log[k][1] == e[1]
                 k -= 1
-            assert k < i - 1, f"{e[1]} used without marking the tensors it reads: {log[k:i + 1]}"
-            assert log[k] == ("wait_stream", e[1], "compute"), f"{e[1]} used without waiting for compute: {log[k:i + 1]}"
+            assert k < i - 1, f"{e[1]} used without marking the tensors it reads: {log[k : i + 1]}"
+            assert log[k] == ("wait_stream", e[1], "compute"), (
+                f"{e[1]} used without waiting for compute: {log[k : i + 1]}"
+            )
         if e[0] == "wait_event":
             assert e[1] == "compute"
             waited.add(e[2])
@@ -234,8 +240,9 @@ def _schedule(rank: int, world: int, depth: int) -> dict:
     fwd, bwd = [], []
     for i, (blk, _) in enumerate(eng.blocks):
         # runs after the engine's pre-hook (registered later): block i is about to compute
-        blk.register_forward_pre_hook(lambda m, a, i=i: fwd.append(
-            (i, units[i].state, units[i + 1].state if i + 1 < len(units) else None)))
+        blk.register_forward_pre_hook(
+            lambda m, a, i=i: fwd.append((i, units[i].state, units[i + 1].state if i + 1 < len(units) else None))
+        )
     pre = st3.pre_backward
 
     def pre_backward(i: int) -> None:
@@ -246,8 +253,9 @@ def _schedule(rank: int, world: int, depth: int) -> dict:
         # of block i+1 (just finished) should both be in flight
         pending = {u.name: w.done for w, u, _ in eng.reducer._pending}
         nxt = units[i + 1].name if i + 1 < len(units) else None
-        bwd.append((i, units[i].state, units[i - 1].state if i > 0 else None,
-                    None if nxt is None else pending.get(nxt)))
+        bwd.append(
+            (i, units[i].state, units[i - 1].state if i > 0 else None, None if nxt is None else pending.get(nxt))
+        )
 
     st3.pre_backward = pre_backward
     eng.train_step(rank_batches(0, 1, rank))
@@ -264,8 +272,9 @@ def test_stage3_prefetches_ahead_and_leaves_reduce_scatters_in_flight() -> None:
     # depth 0: nothing is gathered ahead
     assert r0["fwd"] == [(i, "ready", "free" if i + 1 < n else None) for i in range(n)]
     # backward, last block first: block i-1 prefetched, block i+1's reduce-scatter not waited yet
-    assert r1["bwd"] == [(i, "ready", "inflight" if i > 0 else None, False if i + 1 < n else None)
-                         for i in reversed(range(n))]
-    assert r0["bwd"] == [(i, "ready", "free" if i > 0 else None, False if i + 1 < n else None)
-                         for i in reversed(range(n))]
-
+    assert r1["bwd"] == [
+        (i, "ready", "inflight" if i > 0 else None, False if i + 1 < n else None) for i in reversed(range(n))
+    ]
+    assert r0["bwd"] == [
+        (i, "ready", "free" if i > 0 else None, False if i + 1 < n else None) for i in reversed(range(n))
+    ]

@@ -16,7 +16,6 @@ own head weight: with the tied model's initial weights the key bias noise above 
 covered by ``test_runtime_tied``.
 """
 
-
 import torch
 
 from tests.runtime_helpers import TINY, parity_world, reference_train, rel_err

@@ -102,8 +102,12 @@ def _plain_world(rank: int, world: int) -> dict[str, Any]:
         try:
             phases = {k: v.tiers for k, v in eng.memory_phases().items()}
             losses = [eng.train_step([WithTargets(*data(s, rank))]).loss for s in range(STEPS)]
-            out["train", stage] = {"losses": losses, "phases": phases, "optim_nbytes": eng.optim.nbytes(),
-                                   "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+            out["train", stage] = {
+                "losses": losses,
+                "phases": phases,
+                "optim_nbytes": eng.optim.nbytes(),
+                "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+            }
         finally:
             eng.close()
     return out

@@ -19,7 +19,7 @@ CFG = GPTConfig(vocab_size=251, d_model=18, n_layers=2, n_heads=3, seq_len=16, m
 def _batch(step, rank, world):
     idx, tgt = micro_batch(step, 0, 0, CFG, batch=GLOBAL)  # [GLOBAL, T], same on every rank
     n = GLOBAL // world
-    return [(idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n])]
+    return [(idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n])]
 
 
 def _engine(world, stage, seed=0):
@@ -27,8 +27,12 @@ def _engine(world, stage, seed=0):
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     opt = OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=STEPS, min_lr_ratio=0.1)
-    return ZeroEngine(make_model(CFG, seed=seed), config=ZeroConfig(stage=stage, grad_clip=0.5), optimizer=opt,
-                      topology=Topology.single_node(world))
+    return ZeroEngine(
+        make_model(CFG, seed=seed),
+        config=ZeroConfig(stage=stage, grad_clip=0.5),
+        optimizer=opt,
+        topology=Topology.single_node(world),
+    )
 
 
 def _run(eng, rank, world, steps):

@@ -34,8 +34,12 @@ def _engine(stage: int, seed: int, nodes: int = 2, rpn: int = 2):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroEngine
 
-    return ZeroEngine(make_model(seed=seed), config=_config(stage), optimizer=OptimizerConfig(lr=1e-2),
-                      topology=Topology(nodes=nodes, ranks_per_node=rpn))
+    return ZeroEngine(
+        make_model(seed=seed),
+        config=_config(stage),
+        optimizer=OptimizerConfig(lr=1e-2),
+        topology=Topology(nodes=nodes, ranks_per_node=rpn),
+    )
 
 
 def _train(eng, rank: int, steps) -> list[float]:
@@ -44,18 +48,23 @@ def _train(eng, rank: int, steps) -> list[float]:
 
 def _state(eng) -> dict:
     """Weights and residuals as numpy (a tensor would be shared by fd across the result queue)."""
-    return {"weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
-            "feedback": {k: v.clone().numpy() for k, v in eng.error_feedback.state_dict().items()},
-            "calls": eng.comm_session.stochastic.value}
+    return {
+        "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+        "feedback": {k: v.clone().numpy() for k, v in eng.error_feedback.state_dict().items()},
+        "calls": eng.comm_session.stochastic.value,
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
     import numpy as np
 
-    return (a["calls"] == b["calls"] and a["weights"].keys() == b["weights"].keys()
-            and all(np.array_equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
-            and a["feedback"].keys() == b["feedback"].keys()
-            and all(np.array_equal(a["feedback"][k], b["feedback"][k]) for k in a["feedback"]))
+    return (
+        a["calls"] == b["calls"]
+        and a["weights"].keys() == b["weights"].keys()
+        and all(np.array_equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+        and a["feedback"].keys() == b["feedback"].keys()
+        and all(np.array_equal(a["feedback"][k], b["feedback"][k]) for k in a["feedback"])
+    )
 
 
 def _resume_world(rank: int, world: int, path: str) -> dict:
@@ -91,8 +100,7 @@ def _resume_world(rank: int, world: int, path: str) -> dict:
             controls[what] = first + _train(c, rank, range(K, N))
             c.close()
         fields = sorted({k.rpartition("|")[2] for k in ref_state["feedback"]})
-        out[stage] = dict(ref=ref_losses, resumed=resumed, same_state=same, controls=controls, hop2=hop2,
-                          fields=fields)
+        out[stage] = dict(ref=ref_losses, resumed=resumed, same_state=same, controls=controls, hop2=hop2, fields=fields)
     return out
 
 
@@ -103,8 +111,11 @@ def _reshard_world(rank: int, world: int, path: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng.load_checkpoint(f"{path}-s3")
-    out = {"warnings": [str(w.message) for w in caught if "error-feedback" in str(w.message)],
-           "keys_after_load": eng.error_feedback.keys(), "calls": eng.comm_session.stochastic.value}
+    out = {
+        "warnings": [str(w.message) for w in caught if "error-feedback" in str(w.message)],
+        "keys_after_load": eng.error_feedback.keys(),
+        "calls": eng.comm_session.stochastic.value,
+    }
     out["losses"] = _train(eng, rank, range(K, N))
     eng.close()
     return out

@@ -75,8 +75,12 @@ def _checkpoint_world(rank: int, world: int, ck: str) -> dict:
             swap._write_at = real
         eng.close()
         out["left"] = os.listdir(nvme)
-        for name, kw in (("nvme", nvme_kw), ("cpu", dict(base, offload_optimizer="cpu", offload_param="cpu")),
-                         ("memory", base), ("stage2_nvme", dict(stage=2, precision="fp32", offload_optimizer="nvme"))):
+        for name, kw in (
+            ("nvme", nvme_kw),
+            ("cpu", dict(base, offload_optimizer="cpu", offload_param="cpu")),
+            ("memory", base),
+            ("stage2_nvme", dict(stage=2, precision="fp32", offload_optimizer="nvme")),
+        ):
             eng = _engine(kw, nvme, rank, world)
             eng.load_checkpoint(ck)  # the checkpoint saved before the failed swap is intact
             out[name] = [eng.train_step(rank_batches(s, 1, rank)).loss for s in (2, 3)]
@@ -125,8 +129,13 @@ dist.destroy_process_group()
 
 def _rss_run(layers: int, port: int) -> tuple[int, int, int, int]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(layers), str(port)], capture_output=True, text=True,
-                       env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(layers), str(port)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     return tuple(int(x) for x in p.stdout.split()[-4:])
 

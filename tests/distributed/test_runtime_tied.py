@@ -55,15 +55,21 @@ def _tied_world(rank: int, world: int) -> dict[str, Any]:
     for name in MODELS:
         for stage in STAGES:
             model = build(name)
-            eng = ZeroEngine(model, config=ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP),
-                             optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology(nodes=2, ranks_per_node=2))
+            eng = ZeroEngine(
+                model,
+                config=ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP),
+                optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+                topology=Topology(nodes=2, ranks_per_node=2),
+            )
             try:
                 res = [eng.train_step(rank_batches(s, ACCUM, rank)) for s in range(STEPS)]
                 slots = {s.name: s.aliases for u in eng.units for s in u.slots}
                 out[name, stage] = {
-                    "losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
+                    "losses": [r.loss for r in res],
+                    "norms": [r.grad_norm for r in res],
                     "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
-                    "num_params": eng.num_params, "slots": slots,
+                    "num_params": eng.num_params,
+                    "slots": slots,
                     "units": {u.name: u.numel for u in eng.units},
                     "still_tied": model.head.weight is model.tok_emb.weight,
                 }
@@ -116,8 +122,12 @@ def _ckpt_world(rank: int, world: int, path: str, out_file: str) -> dict[str, An
 
     def engine(stage: int, seed: int) -> ZeroEngine:
         torch.manual_seed(seed)
-        return ZeroEngine(GPT(TINY), config=ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP),
-                          optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology.single_node(world))
+        return ZeroEngine(
+            GPT(TINY),
+            config=ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP),
+            optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+            topology=Topology.single_node(world),
+        )
 
     a = engine(3, seed=0)
     ref = [a.train_step(rank_batches(s, ACCUM, rank)).loss for s in range(SPLIT)]
@@ -152,5 +162,3 @@ def test_tied_checkpoint_resumes_at_another_stage_and_exports(tmp_path) -> None:
     exported = res[0]["exported"]
     for k, v in res[0]["saved"].items():
         assert np.array_equal(exported[k], v), k
-
-

@@ -28,8 +28,9 @@ from zeropp.models import GPT
 STEPS, ACCUM, CLIP, LR, WD = 4, 2, 0.5, 1e-3, 0.01
 BASE = dict(grad_accum_steps=ACCUM, grad_clip=CLIP)
 CFG = TINY  # d_model 32, 2 heads, MLP 128: tp=2 splits one head per rank
-LLAMA = dict(hf_config="llama", vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-             intermediate_size=64)
+LLAMA = dict(
+    hf_config="llama", vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64
+)
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -46,8 +47,9 @@ def reference(kind: str, dp: int, steps: int = STEPS) -> tuple[list[float], list
     return reference_train(steps, dp, ACCUM, lr=LR, wd=WD, clip=CLIP, cfg=CFG, model=_model(kind))
 
 
-def _tp_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], kind: str,
-              steps: int = STEPS) -> list[dict[str, Any]]:
+def _tp_world(
+    rank: int, world: int, nodes: int, configs: list[dict[str, Any]], kind: str, steps: int = STEPS
+) -> list[dict[str, Any]]:
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
     from zeropp.runtime.tensor_parallel import make_mesh, parallelize
@@ -60,14 +62,25 @@ def _tp_world(rank: int, world: int, nodes: int, configs: list[dict[str, Any]], 
         kw = dict(kw)
         ac = kw.pop("activation_checkpointing", False)  # an engine argument, not a ZeroConfig field
         zc = ZeroConfig(**kw)
-        eng = ZeroEngine(parallelize(_model(kind), mesh), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
-                         topology=topo, activation_checkpointing=ac)
+        eng = ZeroEngine(
+            parallelize(_model(kind), mesh),
+            config=zc,
+            optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+            topology=topo,
+            activation_checkpointing=ac,
+        )
         try:
             res = [eng.train_step([micro_batch(s, j, dp, CFG) for j in range(ACCUM)]) for s in range(steps)]
             w = {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}
-            out.append({"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
-                        "skipped": [r.skipped for r in res], "weights": w if rank == 0 else None,
-                        "cross": eng.comm_stats.snapshot()})
+            out.append(
+                {
+                    "losses": [r.loss for r in res],
+                    "norms": [r.grad_norm for r in res],
+                    "skipped": [r.skipped for r in res],
+                    "weights": w if rank == 0 else None,
+                    "cross": eng.comm_stats.snapshot(),
+                }
+            )
         finally:
             eng.close()
     return out
@@ -105,8 +118,10 @@ def _zero_bytes(r: dict[str, Any], link: str) -> int:
     return sum(v[link] for v in r["cross"].values())
 
 
-TP2_DP2 = STAGES + [dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=300, allgather_bucket_size=500),
-                    dict(BASE, stage=3, activation_checkpointing=True, offload_activations=True)]
+TP2_DP2 = STAGES + [
+    dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=300, allgather_bucket_size=500),
+    dict(BASE, stage=3, activation_checkpointing=True, offload_activations=True),
+]
 QWZ_QGZ = [dict(BASE, stage=3), dict(BASE, stage=3, weights=QuantSpec(bits=8), grads=QuantSpec(bits=8))]
 BAD = {"heads": "tp=4 must divide the GPT's attention heads", "unsplit": "the model is not split"}
 
@@ -114,9 +129,11 @@ BAD = {"heads": "tp=4 must divide the GPT's attention heads", "unsplit": "the mo
 def _world_2x2(rank: int, world: int, gpt: list[dict[str, Any]], llama: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything the 2-node x 2-rank tests check, in one world (a world start costs seconds of
     interpreter and torch start-up per rank): the GPT and Llama trainings, then the bad inputs."""
-    return {"gpt": _tp_world(rank, world, 2, gpt, "gpt"),
-            "llama": _tp_world(rank, world, 2, llama, "llama") if llama else [],
-            "bad": {case: _bad_world(rank, world, case) for case in BAD}}
+    return {
+        "gpt": _tp_world(rank, world, 2, gpt, "gpt"),
+        "llama": _tp_world(rank, world, 2, llama, "llama") if llama else [],
+        "bad": {case: _bad_world(rank, world, case) for case in BAD},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +144,7 @@ def world_2x2() -> list[dict[str, Any]]:
 
 def test_gpt_tp2_dp2_matches_single_process_at_every_stage(world_2x2) -> None:
     """2 nodes x 2 ranks, tp=2: each node is one TP group, ZeRO across the two nodes."""
-    results = [r["gpt"][:len(TP2_DP2)] for r in world_2x2]
+    results = [r["gpt"][: len(TP2_DP2)] for r in world_2x2]
     _check(results, TP2_DP2, reference("gpt", 2))
     for rank_results in results:  # ZeRO talks to the other node's rank with the same tp index only
         for r in rank_results:
@@ -151,7 +168,7 @@ def test_gpt_tp2_on_2x4_matches_single_process() -> None:
 
 
 def test_gpt_tp2_with_qwz_qgz_is_close(world_2x2) -> None:
-    results = [r["gpt"][len(TP2_DP2):] for r in world_2x2]
+    results = [r["gpt"][len(TP2_DP2) :] for r in world_2x2]
     ref = reference("gpt", 2)
     _check(results, QWZ_QGZ[:1], ref)
     _check([r[1:] for r in results], QWZ_QGZ[1:], ref, exact=False)
@@ -176,10 +193,16 @@ def _tp_engine(topo, stage: int, seed: int):
 
     torch.manual_seed(seed)
     model = GPT(CFG)
-    zc = ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP,
-                    weights=QuantSpec(bits=8) if stage == 3 else None, hpz=stage == 3)
-    return ZeroEngine(parallelize(model, make_mesh(topo)), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
-                      topology=topo)
+    zc = ZeroConfig(
+        stage=stage,
+        grad_accum_steps=ACCUM,
+        grad_clip=CLIP,
+        weights=QuantSpec(bits=8) if stage == 3 else None,
+        hpz=stage == 3,
+    )
+    return ZeroEngine(
+        parallelize(model, make_mesh(topo)), config=zc, optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=topo
+    )
 
 
 def _train_tp(eng, topo, rank: int, steps) -> list[float]:
@@ -210,9 +233,13 @@ def _save_resume_world(rank: int, world: int, path: str) -> dict:
         b = _tp_engine(topo, stage, 1)
         extra = b.load_checkpoint(f"{path}-s{stage}")
         rest = _train_tp(b, topo, rank, range(K_CKPT, N_CKPT))
-        out[stage] = {"same_losses": first + rest == ref_losses, "losses": (first + rest, ref_losses),
-                      "extra": extra, "same_weights": _same_weights(_weights(b), ref_w),
-                      "saved": saved_w if rank == 0 else None}
+        out[stage] = {
+            "same_losses": first + rest == ref_losses,
+            "losses": (first + rest, ref_losses),
+            "extra": extra,
+            "same_weights": _same_weights(_weights(b), ref_w),
+            "saved": saved_w if rank == 0 else None,
+        }
         b.close()
     return out
 
@@ -288,5 +315,3 @@ def _bad_world(rank: int, world: int, case: str) -> str:
 def test_bad_tp_input_raises_on_every_rank(world_2x2, case: str) -> None:
     errors = [r["bad"][case] for r in world_2x2]
     assert len(errors) == 4 and all(BAD[case] in e for e in errors), errors
-
-

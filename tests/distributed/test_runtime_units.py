@@ -20,7 +20,9 @@ def _fp16_mean_world(rank: int, world: int) -> dict:
     res = {}
     for bits in (8, 4):
         out = torch.empty(256, dtype=torch.float16)
-        comm.reduce_scatter(out, full, spec=QuantSpec(bits=bits), bucket=10**9, kind="grad_reduce_scatter", async_op=False)
+        comm.reduce_scatter(
+            out, full, spec=QuantSpec(bits=bits), bucket=10**9, kind="grad_reduce_scatter", async_op=False
+        )
         res[bits] = out.float().tolist()
     return res
 
@@ -45,8 +47,12 @@ def _frozen_world(rank: int, world: int, stage: int) -> dict:
     eng = ZeroEngine(model, config=ZeroConfig(stage=stage, precision="bf16"), topology=Topology(1, world))
     try:
         sd = eng.consolidated_state_dict()
-        return {"compute": model.pos_emb.weight.detach().float().numpy(), "exported": sd["pos_emb.weight"].float().numpy(),
-                "exported_dtype": str(sd["pos_emb.weight"].dtype), "rank0": rank0.numpy()}
+        return {
+            "compute": model.pos_emb.weight.detach().float().numpy(),
+            "exported": sd["pos_emb.weight"].float().numpy(),
+            "exported_dtype": str(sd["pos_emb.weight"].dtype),
+            "rank0": rank0.numpy(),
+        }
     finally:
         eng.close()
 

@@ -53,7 +53,11 @@ class SkipGPT(GPT):
             if not (skip and i == SKIP_BLOCK and self.mode == "block"):
                 x = block(x)
         logits = self.head(self.ln_f(x))
-        loss = None if targets is None else torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = (
+            None
+            if targets is None
+            else torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        )
         return logits, loss
 
 
@@ -86,15 +90,22 @@ def _unused_world(rank, world):
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     def engine(mode, **kw):
-        return ZeroEngine(_model(mode), config=ZeroConfig(grad_accum_steps=ACCUM, grad_clip=1.0, **kw),
-                          optimizer=OptimizerConfig(lr=LR, weight_decay=0.01), topology=Topology.single_node(world))
+        return ZeroEngine(
+            _model(mode),
+            config=ZeroConfig(grad_accum_steps=ACCUM, grad_clip=1.0, **kw),
+            optimizer=OptimizerConfig(lr=LR, weight_decay=0.01),
+            topology=Topology.single_node(world),
+        )
 
     out = {}
     for mode, stage, depth in CASES:
         eng = engine(mode, stage=stage, prefetch_depth=depth)
         res = [eng.train_step(rank_batches(s, ACCUM, rank)) for s in range(STEPS)]
-        out[mode, stage, depth] = {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
-                            "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+        out[mode, stage, depth] = {
+            "losses": [r.loss for r in res],
+            "norms": [r.grad_norm for r in res],
+            "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+        }
         eng.close()
 
     out["stage3"] = []
@@ -117,7 +128,12 @@ def test_rank_dependent_unused_block(tmp_path):
     for rank, r in enumerate(res):
         for mode, stage, depth in CASES:
             got, (losses, norms, weights) = r[mode, stage, depth], refs[mode]
-            assert max(abs(a - b) / b for a, b in zip(got["losses"], losses)) < 1e-5, (mode, stage, got["losses"], losses)
+            assert max(abs(a - b) / b for a, b in zip(got["losses"], losses)) < 1e-5, (
+                mode,
+                stage,
+                got["losses"],
+                losses,
+            )
             assert max(abs(a - b) / b for a, b in zip(got["norms"], norms)) < 1e-4, (mode, stage, got["norms"], norms)
             for k, v in weights.items():  # tolerance as test_runtime_parity
                 assert rel_err(torch.from_numpy(got["weights"][k]), v) <= 2e-4, (mode, stage, k)

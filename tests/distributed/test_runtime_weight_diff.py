@@ -87,8 +87,12 @@ def _engine(kw: dict):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroEngine
 
-    return ZeroEngine(make_model(CFG), config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=LR, weight_decay=0.01),
-                      topology=Topology(nodes=NODES, ranks_per_node=WORLD // NODES))
+    return ZeroEngine(
+        make_model(CFG),
+        config=ZeroConfig(**kw),
+        optimizer=OptimizerConfig(lr=LR, weight_decay=0.01),
+        topology=Topology(nodes=NODES, ranks_per_node=WORLD // NODES),
+    )
 
 
 def _train(rank: int, kw: dict) -> dict:
@@ -100,9 +104,15 @@ def _train(rank: int, kw: dict) -> dict:
             errors.append(_held_error(eng))
             snaps.append(_snapshot(eng))
         shards = [u.shard_numel for u in eng.units if u.kind != "replicated"]
-        return {"losses": losses, "errors": errors, "snaps": snaps, "comm": eng.comm_stats.snapshot(),
-                "shards": shards, "memory": eng.memory_phases()["step"].tiers["device"]["buffers"],
-                "report": eng.memory_report()}
+        return {
+            "losses": losses,
+            "errors": errors,
+            "snaps": snaps,
+            "comm": eng.comm_stats.snapshot(),
+            "shards": shards,
+            "memory": eng.memory_phases()["step"].tiers["device"]["buffers"],
+            "report": eng.memory_report(),
+        }
     finally:
         eng.close()
 
@@ -121,10 +131,17 @@ def _checkpoint(rank: int, kw: dict, path: str) -> dict:
     try:
         eng.load_checkpoint(path)
         loaded_error = _held_error(eng) if kw["stage"] < 3 else None  # exact right after the load
-        dropped = [u.secondary is None and eng.weight_diff.reference(u) is None for u in eng.units if u.kind == "sharded"]
+        dropped = [
+            u.secondary is None and eng.weight_diff.reference(u) is None for u in eng.units if u.kind == "sharded"
+        ]
         resumed = [eng.train_step(rank_batches(s, 1, rank, CFG, text=True)).loss for s in (3, 4)]
-        return {"straight": straight, "resumed": resumed, "loaded_error": loaded_error, "dropped": dropped,
-                "snap": _snapshot(eng)}
+        return {
+            "straight": straight,
+            "resumed": resumed,
+            "loaded_error": loaded_error,
+            "dropped": dropped,
+            "snap": _snapshot(eng),
+        }
     finally:
         eng.close()
 
@@ -233,8 +250,10 @@ def test_stages_1_2_keep_a_separate_fp32_master(runs):
     """fp32: without weight_diff the master is this rank's slice of the flat buffer; with it the replica
     holds approximate weights, so the master is a second fp32 copy (4 bytes per shard element more)."""
     plain, wd = runs[0]["fp_s2"], runs[0]["wd4_s2"]
-    assert wd["report"]["optimizer"] - plain["report"]["optimizer"] == 4 * sum(wd["shards"]), (wd["report"],
-                                                                                              plain["report"])
+    assert wd["report"]["optimizer"] - plain["report"]["optimizer"] == 4 * sum(wd["shards"]), (
+        wd["report"],
+        plain["report"],
+    )
     assert wd["report"]["params"] == plain["report"]["params"]
 
 
@@ -256,5 +275,3 @@ def test_checkpoint_with_weight_differences(runs):
     for a, b in zip(s3[0]["resumed"], s3[0]["straight"]):
         assert abs(a - b) <= 0.03 * b, s3[0]
     assert abs(s3[0]["resumed"][1] - s3[0]["straight"][1]) <= 1e-3 * s3[0]["straight"][1], s3[0]
-
-

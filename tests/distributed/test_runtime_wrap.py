@@ -130,23 +130,31 @@ def _engine(model: nn.Module, world: int, stage: int, **kw: Any):
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    return ZeroEngine(model, config=ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP),
-                      optimizer=OptimizerConfig(lr=LR, weight_decay=WD), topology=Topology.single_node(world), **kw)
+    return ZeroEngine(
+        model,
+        config=ZeroConfig(stage=stage, grad_accum_steps=ACCUM, grad_clip=CLIP),
+        optimizer=OptimizerConfig(lr=LR, weight_decay=WD),
+        topology=Topology.single_node(world),
+        **kw,
+    )
 
 
 def _toy_world(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for form in FORMS:
         for stage in STAGES:
-            eng = _engine(make_toy(form), world, stage, blocks=POLICY[form],
-                          loss_fn=mse_of if form == "dict" else None)
+            eng = _engine(make_toy(form), world, stage, blocks=POLICY[form], loss_fn=mse_of if form == "dict" else None)
             try:
                 res = [eng.train_step([batch(form, s, j, rank) for j in range(ACCUM)]) for s in range(STEPS)]
                 x, y = data(99, 0, rank)
                 ev = eng.eval_loss(x, y) if form == "scalar" else eng.eval_loss({"x": x, "y": y})
-                out[form, stage] = {"losses": [r.loss for r in res], "norms": [r.grad_norm for r in res],
-                                    "eval": ev, "blocks": [u.name for _, u in eng.blocks],
-                                    "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+                out[form, stage] = {
+                    "losses": [r.loss for r in res],
+                    "norms": [r.grad_norm for r in res],
+                    "eval": ev,
+                    "blocks": [u.name for _, u in eng.blocks],
+                    "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+                }
             finally:
                 eng.close()
     return out
@@ -255,5 +263,3 @@ def test_a_parameter_used_in_another_block_fails_alike_on_every_rank() -> None:
     msg = r["late", 3]
     assert msg is not None and "arrived after their unit's gradient was sent" in msg and "no step was taken" in msg, msg
     assert "rank 0:" in msg and "rank 1:" in msg and "(block2)" in msg, msg
-
-

@@ -47,8 +47,13 @@ def _train(rank: int, zero_kwargs: dict[str, Any], ckpt: bool, cfg: GPTConfig) -
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     zc = ZeroConfig(**zero_kwargs)
-    eng = ZeroEngine(make_model(cfg), config=zc, optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.01),
-                     topology=Topology(nodes=2, ranks_per_node=2), activation_checkpointing=ckpt)
+    eng = ZeroEngine(
+        make_model(cfg),
+        config=zc,
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.01),
+        topology=Topology(nodes=2, ranks_per_node=2),
+        activation_checkpointing=ckpt,
+    )
     try:
         losses, allocs, tiers = [], [], []
         for s in range(STEPS):
@@ -56,8 +61,14 @@ def _train(rank: int, zero_kwargs: dict[str, Any], ckpt: bool, cfg: GPTConfig) -
             allocs.append(eng.buffers.allocations)
             tiers.append(eng.activations.memory_by_tier())
         weights = {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}
-        return {"losses": losses, "weights": weights, "allocs": allocs, "tiers": tiers,
-                "pool_bytes": eng.buffers.nbytes, "in_use": eng.buffers.in_use}
+        return {
+            "losses": losses,
+            "weights": weights,
+            "allocs": allocs,
+            "tiers": tiers,
+            "pool_bytes": eng.buffers.nbytes,
+            "in_use": eng.buffers.in_use,
+        }
     finally:
         eng.close()
 
@@ -175,5 +186,3 @@ def _no_blocks(rank: int, world: int) -> str:
 def test_checkpointing_without_blocks_is_a_clear_error():
     msg = run_world(_no_blocks, 1)[0]
     assert "activation_checkpointing" in msg and "blocks" in msg, msg
-
-

@@ -28,7 +28,9 @@ SWITCHES = {
     "qgz4_ef": dict(S3, grads=G4.replace(error_feedback=True)),
     "qgz_8_4": dict(S3, grads=G4.replace(intra_bits=8)),
     "all": dict(S3, weights=W8, hpz=True, grads=G4, grad_accum_steps=2),
-    "stochastic": dict(S3, weights=W8.replace(rounding="stochastic"), grads=G4.replace(rounding="stochastic")),  # unbiased
+    "stochastic": dict(
+        S3, weights=W8.replace(rounding="stochastic"), grads=G4.replace(rounding="stochastic")
+    ),  # unbiased
     "s2_qgz4": dict(stage=2, grads=G4),
     "s1_qgz8": dict(stage=1, grads=G8),
     "bf16_z3": dict(S3, precision="bf16"),
@@ -47,8 +49,12 @@ def _world(rank, world):
     out = {}
     for name, kw in SWITCHES.items():  # each engine counts its own stochastic calls (its session's counter)
         out[name] = train_engine(rank, world, kw, steps=STEPS, nodes=2, lr=LR, text=True, consolidate=False, cfg=CFG)
-    out.update({name: train_engine(rank, world, kw, steps=1, nodes=2, lr=LR, text=True, consolidate=False, cfg=CFG)
-                for name, kw in MEMORY.items()})
+    out.update(
+        {
+            name: train_engine(rank, world, kw, steps=1, nodes=2, lr=LR, text=True, consolidate=False, cfg=CFG)
+            for name, kw in MEMORY.items()
+        }
+    )
     return out
 
 

@@ -23,15 +23,28 @@ from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
 from zeropp.models import GPT
 
-UNITS = gpt_units(vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers,
-                  mlp_ratio=TINY.mlp_ratio)
+UNITS = gpt_units(
+    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
+)
 
 
 E2E: list[tuple[int, list[dict[str, Any]]]] = [
-    (2, [{**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2}, dict(stage=0),
-         dict(stage=2, hpz=False, grads=RECIPES["qgz"].grads, weight_diff=QuantSpec(bits=8, group_size=64),
-              **SMALL_BUCKETS)]),
-    (1, [ZPP])]
+    (
+        2,
+        [
+            {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2},
+            dict(stage=0),
+            dict(
+                stage=2,
+                hpz=False,
+                grads=RECIPES["qgz"].grads,
+                weight_diff=QuantSpec(bits=8, group_size=64),
+                **SMALL_BUCKETS,
+            ),
+        ],
+    ),
+    (1, [ZPP]),
+]
 """(nodes, configs) of the 4-rank gloo world: the end-to-end check of the byte model (every recipe,
 stage and topology of ``plan_helpers.WORLDS`` is checked in one process, ``tests/unit/test_runtime_plan.py``)."""
 TP_CONFIGS = [ZPP, dict(stage=2, grads=RECIPES["qgz"].grads, reduce_bucket_size=999), dict(stage=1)]
@@ -69,8 +82,10 @@ def _tp_step(rank: int, world: int, kw: dict[str, Any]) -> tuple[tuple, dict[str
 def _steps(rank: int, world: int, plan: list[tuple[int, list[dict[str, Any]]]]) -> list[list[Any]]:
     """One (steady-state) step of each config under each topology, then of each tensor-parallel
     config; this rank's CommStats snapshots."""
-    return [*([_steady(kw, rank, world, nodes) for kw in cfgs] for nodes, cfgs in plan),
-            [_tp_step(rank, world, kw) for kw in TP_CONFIGS]]
+    return [
+        *([_steady(kw, rank, world, nodes) for kw in cfgs] for nodes, cfgs in plan),
+        [_tp_step(rank, world, kw) for kw in TP_CONFIGS],
+    ]
 
 
 def _flat(snap: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -109,8 +124,10 @@ def test_predicted_bytes_equal_commstats() -> None:
                 assert _flat(per_rank[rank][t][i]) == pred, f"rank {rank}, {where}"
             # a node's uplink: the node's ranks' accounted cross-node bytes, summed
             for node in range(nodes):
-                sent = sum(_flat(per_rank[r][t][i]).get(k, 0) for r in range(node * rpn, (node + 1) * rpn)
-                           for k in _flat(per_rank[r][t][i]) if k.endswith(".cross"))
+                sent = sum(
+                    _flat(per_rank[r][t][i]).get(k, 0)
+                    for r in range(node * rpn, (node + 1) * rpn)
+                    for k in _flat(per_rank[r][t][i])
+                    if k.endswith(".cross")
+                )
                 assert sent == uplink_bytes(messages(w, c), c), f"node {node}, {where}"
-
-

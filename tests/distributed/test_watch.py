@@ -26,8 +26,10 @@ def test_a_cleanup_problem_never_hides_the_ranks_error(tmp_path: Path):
 
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    with (pytest.warns(RuntimeWarning, match="could not look for zeropp-swap-"),
-          pytest.raises(RankFailure, match="the rank's own error")):
+    with (
+        pytest.warns(RuntimeWarning, match="could not look for zeropp-swap-"),
+        pytest.raises(RankFailure, match="the rank's own error"),
+    ):
         launch_world(_record_unlistable_scratch_then_fail, 1, args=(str(afile),), timeout_s=60, grace_s=1.0)
     assert afile.read_text() == "mine"
 
@@ -51,5 +53,3 @@ def test_a_native_call_holding_the_interpreter_lock_is_not_called_stopped():
     msg = str(e.value)
     assert msg.startswith("rank 0 made no progress for 2 s (last seen: phase work"), msg
     assert "its process is alive (state S (sleeping)) but its heartbeat thread is silent" in msg, msg
-
-

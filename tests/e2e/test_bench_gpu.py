@@ -8,8 +8,26 @@ from __future__ import annotations
 
 from zeropp.experiments import bench_gpu
 
-CPU_TINY = ["--device", "cpu", "--preset", "tiny", "--d-model", "0", "--n-layers", "0", "--n-heads", "0",
-            "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1"]
+CPU_TINY = [
+    "--device",
+    "cpu",
+    "--preset",
+    "tiny",
+    "--d-model",
+    "0",
+    "--n-layers",
+    "0",
+    "--n-heads",
+    "0",
+    "--seq",
+    "16",
+    "--batch",
+    "2",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+]
 
 
 def test_real_cpu_run_of_the_smallest_configuration(capsys):

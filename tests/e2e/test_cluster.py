@@ -81,7 +81,9 @@ def test_setup_probe_and_teardown(clusters):
     assert s["cluster"] == "emulated" and s["inter_gbps"] == 0.5 and s["measured_gbps"] == c.measured_gbps
     # a fabric: no slow-start restart after idle inside the nodes; the host's own setting untouched
     for i in range(2):
-        node = subprocess.run([*c.rank_command_prefix(i), "cat", netns.SLOW_START_AFTER_IDLE], capture_output=True, text=True)
+        node = subprocess.run(
+            [*c.rank_command_prefix(i), "cat", netns.SLOW_START_AFTER_IDLE], capture_output=True, text=True
+        )
         assert node.stdout.strip() == "0", node
     with open(netns.SLOW_START_AFTER_IDLE) as f:
         assert f.read().strip() == host_slow_start
@@ -106,9 +108,22 @@ def test_teardown_after_a_rank_is_killed_and_another_hangs(clusters):
 @needs_netns
 def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clusters, tmp_path):
     live = clusters(2, 1, 1.0, probe=False)  # owned by this (live) process: must survive cleaning
-    owner = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2",
-                              "--ranks-per-node", "1", "--seconds", "60"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zeropp.experiments.cluster",
+            "up",
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "1",
+            "--seconds",
+            "60",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == owner.pid]  # noqa: E731
         _wait_for(lambda: len(mine()) == 3, what="the owner's namespaces")
@@ -130,9 +145,13 @@ def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clust
 def test_signal_to_the_owner_tears_down(sig):
     # The owner keeps a SIGINT its parent ignores (a shell's `cmd &` does that, and pytest run that
     # way passes it on), so give it the default disposition, as an interactive shell would.
-    owner = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2",
-                              "--ranks-per-node", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2", "--ranks-per-node", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == owner.pid]  # noqa: E731
         assert owner.stdout.readline()  # summary printed: the cluster is up and probed
@@ -167,8 +186,13 @@ CHECK = "zeropp.experiments.cluster.check"
 @needs_netns
 def test_gloo_all_reduce_across_two_emulated_nodes(clusters, tmp_path):
     c = clusters(2, 1, 1.0, probe=False)
-    launch_world(ModuleEntry(module=CHECK, args=("--out", str(tmp_path))), 2, placement=cluster_placement(c),
-                 log_dir=tmp_path / "ranks", timeout_s=120)  # the one launcher, with the cluster's placement
+    launch_world(
+        ModuleEntry(module=CHECK, args=("--out", str(tmp_path))),
+        2,
+        placement=cluster_placement(c),
+        log_dir=tmp_path / "ranks",
+        timeout_s=120,
+    )  # the one launcher, with the cluster's placement
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["sum"] == r["expected"] == 1.0 and r["big_ok"] for r in reports)
     assert {r["ifname"] for r in reports} == {c.interface}
@@ -180,16 +204,29 @@ def test_launcher_on_a_2x2_emulated_cluster_local_ranks_and_failure(clusters, tm
     c = clusters(2, 2, 1.0, probe=False)
     placement = cluster_placement(c)
     assert placement.info["cluster"] == "emulated" and placement.master_addr == c.master_addr
-    launch_world(ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "ok"))), 4, placement=placement,
-                 log_dir=tmp_path / "ranks", timeout_s=120)
+    launch_world(
+        ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "ok"))),
+        4,
+        placement=placement,
+        log_dir=tmp_path / "ranks",
+        timeout_s=120,
+    )
     reports = [json.loads((tmp_path / "ok" / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["sum"] == r["expected"] == 6.0 and r["big_ok"] and r["ifname"] == c.interface for r in reports)
     assert [r["env"]["LOCAL_RANK"] for r in reports] == ["0", "1", "2", "3"]
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in reports} == {"4"} and {r["env"]["MASTER_ADDR"] for r in reports} == {
-        c.master_addr}
+        c.master_addr
+    }
     with pytest.raises(RankFailure, match=r"rank 2 \(node 1\) exited with code 1") as e:
-        launch_world(ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "bad"), "--fail-rank", "2")), 4,
-                     placement=placement, log_dir=tmp_path / "ranks2", timeout_s=120, grace_s=2, ranks_per_node=2)
+        launch_world(
+            ModuleEntry(module=CHECK, args=("--out", str(tmp_path / "bad"), "--fail-rank", "2")),
+            4,
+            placement=placement,
+            log_dir=tmp_path / "ranks2",
+            timeout_s=120,
+            grace_s=2,
+            ranks_per_node=2,
+        )
     assert "failing on purpose on rank 2" in str(e.value)
 
 
@@ -198,9 +235,24 @@ def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
     """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link."""
     from zeropp.experiments.run import run_job
 
-    s = run_job(["cluster=emulated", "cluster.inter_gbps=1", "topology=2x2", "model=tiny", "stage=3", "quant=zeropp",
-                 "train.steps=3", "train.throughput_skip_steps=1", "train.micro_batch_size=2", "data=random",
-                 "logger=none", "launcher.progress=false", "launcher.device=cpu"], tmp_path)
+    s = run_job(
+        [
+            "cluster=emulated",
+            "cluster.inter_gbps=1",
+            "topology=2x2",
+            "model=tiny",
+            "stage=3",
+            "quant=zeropp",
+            "train.steps=3",
+            "train.throughput_skip_steps=1",
+            "train.micro_batch_size=2",
+            "data=random",
+            "logger=none",
+            "launcher.progress=false",
+            "launcher.device=cpu",
+        ],
+        tmp_path,
+    )
     assert all(math.isfinite(x) for x in s["loss"]["curve"]) and len(s["loss"]["curve"]) == 3
     by = s["engine_comm_bytes_per_step"]["by_link"]
     assert by["cross"] > 0 and by["intra"] > 0

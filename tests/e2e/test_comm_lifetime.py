@@ -32,8 +32,13 @@ SCRIPT = Path(__file__).parents[1] / "data" / "readme_collectives.py"
 # ------------------------------------------------------------------ the user's script under torchrun
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_readme_script_under_torchrun_exits_cleanly_every_time() -> None:
@@ -45,5 +50,3 @@ def test_readme_script_under_torchrun_exits_cleanly_every_time() -> None:
         if p.returncode != 0 or not ok or "terminate called" in p.stderr:
             failed.append(f"run {i}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}")
     assert not failed, f"{len(failed)} of {runs} runs failed:\n" + "\n".join(failed)
-
-

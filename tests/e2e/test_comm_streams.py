@@ -28,8 +28,18 @@ from zeropp.comm import context
 def test_the_runner_refuses_a_bad_value_before_any_rank_starts(tmp_path) -> None:
     from tests.experiment_helpers import run_cli
 
-    p = run_cli(["quant=qgz", "model=tiny", "train.steps=1", "logger=none", "launcher.progress=false",
-                 f"hydra.run.dir={tmp_path / 'run'}"], env={context.DEBUG_ENV: "yes"}, timeout=120)
+    p = run_cli(
+        [
+            "quant=qgz",
+            "model=tiny",
+            "train.steps=1",
+            "logger=none",
+            "launcher.progress=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        env={context.DEBUG_ENV: "yes"},
+        timeout=120,
+    )
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "error: invalid environment: ZEROPP_DEBUG_STREAMS='yes' is not a valid setting" in p.stdout + p.stderr
     assert not (tmp_path / "run" / "ranks").exists()  # nothing started

@@ -32,8 +32,12 @@ def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
     path) exits 2 within 30 s, names it, and starts nothing."""
     args, words = CLI_ERRORS[6]
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path}"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2, p.stderr
     assert all(w in p.stderr for w in words), p.stderr
     assert time.monotonic() - t0 < 30
@@ -41,10 +45,9 @@ def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
 
 
 def test_help_lists_library_keys() -> None:
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", "--help"], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.run", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     for key in ("persistence_threshold", "loss_scale_window", "betas", "warmup_steps", "trainer_job"):
         assert key in p.stdout, key
-
-

@@ -60,5 +60,3 @@ def test_tiny_suite_table_matches_runs(tmp_path: Path) -> None:
     assert csv_lines[0].startswith("scheme,") and len(csv_lines) == 3
     png = (out / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-
-

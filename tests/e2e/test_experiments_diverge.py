@@ -38,9 +38,11 @@ def test_zeropp_fp32_divergence_is_one_error_and_saves_nothing(tmp_path: Path) -
     p = run_cli([*DIVERGES, "stage=3", f"hydra.run.dir={tmp_path}"])
     assert p.returncode == EXIT_CODE, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    want = ("error: training diverged at step 2: loss=nan, gradient norm=nan (the loss is not finite). To fix: "
-            "lower optim.lr (now 1e+30), clip harder (zero.grad_clip is 1), or check the data for bad values. "
-            f"Nothing of step 2 was saved; the newest checkpoint, of step 1, is in {tmp_path / 'checkpoints'}.")
+    want = (
+        "error: training diverged at step 2: loss=nan, gradient norm=nan (the loss is not finite). To fix: "
+        "lower optim.lr (now 1e+30), clip harder (zero.grad_clip is 1), or check the data for bad values. "
+        f"Nothing of step 2 was saved; the newest checkpoint, of step 1, is in {tmp_path / 'checkpoints'}."
+    )
     assert errors == [want], p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "rank 1" not in p.stderr
     s = _check_outputs(tmp_path, 2, "non_finite")
@@ -59,15 +61,28 @@ def test_torch_trainers_skip_and_stop_the_same_way(tmp_path: Path, trainer: str)
 
 
 def test_fp16_overflow_streak_stops_a_torchrun_job(tmp_path: Path) -> None:
-    p = run_cli([*TINY_RUN, "topology=1x2", "train.steps=5", "zero.precision=fp16", "zero.loss_scale_init=1e30",
-                 "train.max_skipped_steps=2", f"hydra.run.dir={tmp_path}"], torchrun_ranks=2)
+    p = run_cli(
+        [
+            *TINY_RUN,
+            "topology=1x2",
+            "train.steps=5",
+            "zero.precision=fp16",
+            "zero.loss_scale_init=1e30",
+            "train.max_skipped_steps=2",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        torchrun_ranks=2,
+    )
     assert p.returncode != 0
     # the ranks exit with the divergence status (torchrun then stops any left and exits 1 itself);
     # rank 0 alone says why
     assert "exitcode  : 3" in p.stderr and "exitcode  : 1" not in p.stderr, p.stderr[-3000:]
-    assert p.stderr.count("error: training diverged at step 2: 2 consecutive steps skipped for fp16 overflow "
-                          "(train.max_skipped_steps=2)") == 1, p.stderr[-3000:]
+    assert (
+        p.stderr.count(
+            "error: training diverged at step 2: 2 consecutive steps skipped for fp16 overflow "
+            "(train.max_skipped_steps=2)"
+        )
+        == 1
+    ), p.stderr[-3000:]
     s = _check_outputs(tmp_path, 2, "skipped_streak")
     assert s["divergence"]["skipped_streak"] == 2 and s["skipped_steps"] == 2
-
-

@@ -85,8 +85,9 @@ def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
     ag = [sum(v for k, v in s["engine_comm_bytes_per_step"]["by_kind_link"].items() if "all_gather" in k) for s in sums]
     assert 0.2 < ag[1] / ag[0] < 0.35
     assert not any((sweep / str(i) / "wandb").exists() for i in (0, 1))  # logger=none
-    r = subprocess.run([sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     md = (sweep / "report.md").read_text()
     assert "tokens/s" in md and "All runs: fp32, tiny model, 1x2 ranks." in md  # said once, not per run
@@ -110,16 +111,28 @@ def _nvme(tmp_path: Path) -> tuple[list[str], Path, Path]:
     return ["zero.offload_param=nvme", "zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}"], nvme, planted
 
 
-@pytest.mark.parametrize("fault, words", [("raise@1:2", ["rank 1", "injected fault"]),
-                                          ("kill@1:2", ["rank 1", "SIGKILL"])])
+@pytest.mark.parametrize(
+    "fault, words", [("raise@1:2", ["rank 1", "injected fault"]), ("kill@1:2", ["rank 1", "SIGKILL"])]
+)
 def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[str]) -> None:
     """With the nvme tier: the raising rank removes its swap folder itself; the SIGKILLed one cannot,
     and neither can its peer stuck in a collective: the launcher removes this run's folders."""
     nvme_args, nvme, planted = _nvme(tmp_path)
     run = tmp_path / "run"
     t0 = time.monotonic()
-    p = run_cli(["topology=1x2", "logger=none", *FAST, "train.steps=50", "launcher.grace_s=2", *nvme_args,
-              f"hydra.run.dir={run}"], env={"ZEROPP_INJECT_FAULT": fault}, timeout=120)
+    p = run_cli(
+        [
+            "topology=1x2",
+            "logger=none",
+            *FAST,
+            "train.steps=50",
+            "launcher.grace_s=2",
+            *nvme_args,
+            f"hydra.run.dir={run}",
+        ],
+        env={"ZEROPP_INJECT_FAULT": fault},
+        timeout=120,
+    )
     took = time.monotonic() - t0
     assert p.returncode != 0
     for w in words:
@@ -130,19 +143,33 @@ def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[s
     assert os.listdir(nvme) == [planted.name] and os.listdir(planted) == ["params.swp"]
 
 
-@pytest.mark.parametrize("fault, why", [
-    ("stop@1:2", "its process is not running (state T (stopped)): it was stopped (SIGSTOP"),
-    ("hang@1:2", "in _maybe_fault) while ranks [0] went past that point; it is deadlocked"),
-], ids=["stopped", "hung"])
+@pytest.mark.parametrize(
+    "fault, why",
+    [
+        ("stop@1:2", "its process is not running (state T (stopped)): it was stopped (SIGSTOP"),
+        ("hang@1:2", "in _maybe_fault) while ranks [0] went past that point; it is deadlocked"),
+    ],
+    ids=["stopped", "hung"],
+)
 def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str, why: str) -> None:
     """At step 2 rank 1 SIGSTOPs itself (the process is stopped) or its main thread hangs (other
     threads run on); rank 0 waits for it in a collective. The run fails naming rank 1 (not rank 0,
     whose collective would time out only after pg_timeout_s=120) within the heartbeat deadline,
     and every rank is gone (the stopped one continued, then terminated)."""
     t0 = time.monotonic()
-    p = run_cli(["topology=1x2", "logger=none", *FAST, "train.steps=200", "launcher.grace_s=1",
-              "launcher.heartbeat_s=3", f"hydra.run.dir={tmp_path}"], env={"ZEROPP_INJECT_FAULT": fault},
-             timeout=120)
+    p = run_cli(
+        [
+            "topology=1x2",
+            "logger=none",
+            *FAST,
+            "train.steps=200",
+            "launcher.grace_s=1",
+            "launcher.heartbeat_s=3",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        env={"ZEROPP_INJECT_FAULT": fault},
+        timeout=120,
+    )
     took = time.monotonic() - t0
     assert p.returncode == 1, p.stderr[-3000:]
     err = p.stderr.rsplit("\nerror: ", 1)[-1]  # the runner's own line, after what the ranks printed
@@ -161,9 +188,23 @@ def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> N
     env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     with open(tmp_path / "stderr", "w") as err_file:
-        p = subprocess.Popen([sys.executable, "-m", "zeropp.experiments.run", "topology=1x2", "logger=none", *FAST,
-                              "train.steps=100000", "launcher.grace_s=2", *nvme_args, f"hydra.run.dir={run}"],
-                             stdout=subprocess.DEVNULL, stderr=err_file, env=env)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "zeropp.experiments.run",
+                "topology=1x2",
+                "logger=none",
+                *FAST,
+                "train.steps=100000",
+                "launcher.grace_s=2",
+                *nvme_args,
+                f"hydra.run.dir={run}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            env=env,
+        )
     try:
         deadline = time.monotonic() + 90
         while not (run / "metrics.jsonl").exists():  # training: both ranks hold their swap folders
@@ -184,14 +225,17 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
     """Job 0 is an invalid config; job 1 still runs; the command exits non-zero naming job 0, which
     leaves failed.json, and the report lists it."""
     sweep = tmp_path / "sweep"
-    p = run_cli(["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"])
+    p = run_cli(
+        ["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"]
+    )
     assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
     assert "1 multirun job(s) failed" in p.stderr and "zero.hpz_size=3" in p.stderr
     failed = json.loads((sweep / "0" / "failed.json").read_text())
     assert "hpz_size" in failed["error"] and failed["exit_code"] == 2
     assert (sweep / "1" / "summary.json").exists()
-    r = subprocess.run([sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     md = (sweep / "report.md").read_text()
     assert "1 failed" in md and "zero.hpz_size=3" in md
@@ -224,13 +268,30 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     assert s["first_step"] == 4 and s["steps"] == 3
     # resumed on 4 ranks from the 2-rank checkpoint: the same weights carry on (different data per rank)
     wide = tmp_path / "wide"
-    p = run_cli(["topology=1x4", "logger=none", *FAST, "train.steps=6", "stage=1", "resume=true",
-              f"train.checkpoint_dir={tmp_path / 'at3'}", f"hydra.run.dir={wide}"])
+    p = run_cli(
+        [
+            "topology=1x4",
+            "logger=none",
+            *FAST,
+            "train.steps=6",
+            "stage=1",
+            "resume=true",
+            f"train.checkpoint_dir={tmp_path / 'at3'}",
+            f"hydra.run.dir={wide}",
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
     assert "changed settings" not in p.stderr  # world size and stage may change: the checkpoint reshards
-    p = run_cli([*common, "train.seed=1", "resume=true", f"train.checkpoint_dir={tmp_path / 'at3'}",
-              f"hydra.run.dir={tmp_path / 'reseeded'}"])
+    p = run_cli(
+        [
+            *common,
+            "train.seed=1",
+            "resume=true",
+            f"train.checkpoint_dir={tmp_path / 'at3'}",
+            f"hydra.run.dir={tmp_path / 'reseeded'}",
+        ]
+    )
     assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
     # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
 
@@ -243,8 +304,10 @@ def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
     ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds its gradient buckets after its first
     iteration, so the resumed run's first step quantizes over the initial bucket layout, where the
     uninterrupted run used the rebuilt one."""
-    quant = {"ddp_zeropp": ["quant=qgz"],
-             "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"]}
+    quant = {
+        "ddp_zeropp": ["quant=qgz"],
+        "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"],
+    }
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     p = run_cli([*common, f"hydra.run.dir={ref}"])
@@ -271,8 +334,9 @@ def _netns_unavailable() -> str | None:
     return None
 
 
-def _torchrun_agents(args: list[str], nodes: int, per_node: int, *, timeout: float = 300
-                     ) -> tuple[list[subprocess.CompletedProcess], str]:
+def _torchrun_agents(
+    args: list[str], nodes: int, per_node: int, *, timeout: float = 300
+) -> tuple[list[subprocess.CompletedProcess], str]:
     """Start ``nodes`` torchrun agents of ``per_node`` ranks as separate nodes (c10d rendezvous),
     each in its own network namespace of an emulated cluster, or all on loopback when namespaces
     cannot be made here; wait for them. Returns their results and where they ran."""
@@ -294,12 +358,32 @@ def _torchrun_agents(args: list[str], nodes: int, per_node: int, *, timeout: flo
             addr = cluster.node_address(n) if cluster else "127.0.0.1"
             prefix = ["ip", "netns", "exec", cluster.node_namespace(n)] if cluster else []
             # --local-addr: every namespace has this host's name, so torchrun must not resolve it
-            cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
-                   str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                   f"{cluster.master_addr if cluster else '127.0.0.1'}:{port}", "--rdzv-conf", f"is_host={int(n == 0)}",
-                   "--local-addr", addr, "-m", "zeropp.experiments.run", *args]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          start_new_session=True))
+            cmd = [
+                *prefix,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--nproc-per-node",
+                str(per_node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{cluster.master_addr if cluster else '127.0.0.1'}:{port}",
+                "--rdzv-conf",
+                f"is_host={int(n == 0)}",
+                "--local-addr",
+                addr,
+                "-m",
+                "zeropp.experiments.run",
+                *args,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+                )
+            )
         done = []
         for p in procs:
             out, err = p.communicate(timeout=timeout)
@@ -344,17 +428,48 @@ def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Pa
 def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) -> None:
     """One torchrun host with 2 ranks cannot be ``topology=2x1`` (two nodes): every rank refuses
     before joining; sweeps under torchrun are refused too."""
-    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "zeropp.experiments.run", "topology=2x1", "logger=none", *FAST,
-                          f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=180)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "zeropp.experiments.run",
+            "topology=2x1",
+            "logger=none",
+            *FAST,
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert bad.returncode != 0, bad.stderr[-2000:]
-    assert ("topology says 2 nodes x 1 rank but torchrun started 1 node x 2 local ranks; drop topology.nodes "
-            "topology.ranks_per_node") in bad.stderr, bad.stderr[-2000:]
+    assert (
+        "topology says 2 nodes x 1 rank but torchrun started 1 node x 2 local ranks; drop topology.nodes "
+        "topology.ranks_per_node"
+    ) in bad.stderr, bad.stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
-    sweep = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "zeropp.experiments.run", "-m", "quant=none,int8"], capture_output=True, text=True,
-                           timeout=180)
+    sweep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "zeropp.experiments.run",
+            "-m",
+            "quant=none,int8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert sweep.returncode != 0 and "multirun/sweeps under torchrun are not supported" in sweep.stderr
 
 
@@ -416,8 +531,17 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
     """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
     and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
     wire rows) equals the measured model state of every rank."""
-    p = run_cli(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
-              f"hydra.run.dir={tmp_path}"])
+    p = run_cli(
+        [
+            "logger=none",
+            *FAST,
+            "train.steps=2",
+            "stage=3",
+            "model.lora_rank=4",
+            "zero.quantize_frozen=int8",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     expected = s["memory_expected"]["device"]
@@ -425,8 +549,18 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
         assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
     assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
     # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
-    p = run_cli(["logger=none", *FAST, "train.steps=2", "stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8",
-              "zero.hpz=true", f"hydra.run.dir={tmp_path / 'hpz'}"])
+    p = run_cli(
+        [
+            "logger=none",
+            *FAST,
+            "train.steps=2",
+            "stage=3",
+            "model.lora_rank=4",
+            "zero.quantize_frozen=int8",
+            "zero.hpz=true",
+            f"hydra.run.dir={tmp_path / 'hpz'}",
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "hpz" / "summary.json").read_text())
     assert s["memory_max_rank_bytes"] == sum(s["memory_expected"]["device"].values())

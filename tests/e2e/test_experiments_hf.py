@@ -30,8 +30,13 @@ FAST = ["train.steps=2", "train.micro_batch_size=4", "data.max_bytes=200000", "l
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    return subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _summary(tmp: Path, p: subprocess.CompletedProcess) -> dict[str, Any]:
@@ -41,8 +46,21 @@ def _summary(tmp: Path, p: subprocess.CompletedProcess) -> dict[str, Any]:
 
 def test_runner_trains_hf_gpt2_from_the_command_line(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason=REASON)
-    s = _summary(tmp_path, _run(["model=hf", "model.hf_config=gpt2", *TINY, "stage=3", "quant=zeropp", "topology=2x1",
-                                 *FAST, f"hydra.run.dir={tmp_path}"]))
+    s = _summary(
+        tmp_path,
+        _run(
+            [
+                "model=hf",
+                "model.hf_config=gpt2",
+                *TINY,
+                "stage=3",
+                "quant=zeropp",
+                "topology=2x1",
+                *FAST,
+                f"hydra.run.dir={tmp_path}",
+            ]
+        ),
+    )
     m = s["config"]["model"]
     assert m["kind"] == "hf" and m["hf_config"] == "gpt2" and m["d_model"] == 32
     cfg = HFConfig(**{k: v for k, v in m.items() if k != "kind"})
@@ -59,8 +77,23 @@ def test_runner_trains_hf_llama_from_a_local_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     build_hf_model(cfg, seed=11).hf.save_pretrained(ckpt)
     run = tmp_path / "run"
-    s = _summary(run, _run(["model=hf", "model.hf_config=llama", *TINY, "model.n_heads=4", "model.n_kv_heads=2",
-                            f"model.pretrained={ckpt}", "stage=2", "quant=qgz", "topology=1x2", *FAST,
-                            f"hydra.run.dir={run}"]))
+    s = _summary(
+        run,
+        _run(
+            [
+                "model=hf",
+                "model.hf_config=llama",
+                *TINY,
+                "model.n_heads=4",
+                "model.n_kv_heads=2",
+                f"model.pretrained={ckpt}",
+                "stage=2",
+                "quant=qgz",
+                "topology=1x2",
+                *FAST,
+                f"hydra.run.dir={run}",
+            ]
+        ),
+    )
     assert s["config"]["model"]["pretrained"] == str(ckpt) and s["config"]["model"]["n_kv_heads"] == 2
     assert s["model"]["params"] == cfg.num_params() and len(s["loss"]["curve"]) == 2

@@ -32,5 +32,3 @@ def test_unwritable_run_dir_is_refused_before_hydra_creates_it(tmp_path, monkeyp
     target = f"{_unwritable_dir(tmp_path)}/run"
     code, err = run_cli([], Path(target), monkeypatch, capfd)
     assert code == 2 and f"hydra.run.dir='{target}' cannot be written" in err and "Traceback" not in err, err
-
-

@@ -57,8 +57,12 @@ def test_report_draws_per_phase_bars(measured, tmp_path):
 
 
 def test_command_line_entry(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.memory", "--predict-only", "model=tiny",
-                        "topology=1x2"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.memory", "--predict-only", "model=tiny", "topology=1x2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Predicted model state per rank: model=tiny" in p.stdout
     with pytest.raises(SystemExit):

@@ -29,10 +29,18 @@ FP32 = {  # fp32, the master being the weight: (device, host) bytes per rank, by
     "ZeRO-1": (8 * PSI + 8 * PSI // N, 0),  # 8Ψ + 8Ψ/N
     "ZeRO-2": (4 * PSI + 12 * PSI // N, 0),  # 4Ψ + 12Ψ/N
     "ZeRO-3": (16 * PSI // N, 0),  # 16Ψ/N
-    "ZeRO-3 + CPU offload": (4 * PSI // N, 20 * PSI // N),  # grads 4Ψ/N | params 4Ψ/N + optimizer 12Ψ/N + fp32 grads 4Ψ/N
+    "ZeRO-3 + CPU offload": (
+        4 * PSI // N,
+        20 * PSI // N,
+    ),  # grads 4Ψ/N | params 4Ψ/N + optimizer 12Ψ/N + fp32 grads 4Ψ/N
 }
-TEXTS = {"stage 0 (replicated)": ("16Ψ", "0"), "ZeRO-1": ("8Ψ + 8Ψ/N", "0"), "ZeRO-2": ("4Ψ + 12Ψ/N", "0"),
-         "ZeRO-3": ("16Ψ/N", "0"), "ZeRO-3 + CPU offload": ("4Ψ/N", "20Ψ/N")}
+TEXTS = {
+    "stage 0 (replicated)": ("16Ψ", "0"),
+    "ZeRO-1": ("8Ψ + 8Ψ/N", "0"),
+    "ZeRO-2": ("4Ψ + 12Ψ/N", "0"),
+    "ZeRO-3": ("16Ψ/N", "0"),
+    "ZeRO-3 + CPU offload": ("4Ψ/N", "20Ψ/N"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +94,12 @@ def test_table_plot_and_json_are_written(study) -> None:
         assert len(fig.legends) == 1 and legends_over_data(fig) == []
         assert [ax.get_title().split("\n")[0] for ax in fig.axes] == [label for label, _ in ms.CONFIGS]
         assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
-            "model\ncreation", "optimizer\ncreation", "forward", "backward", "step"]
+            "model\ncreation",
+            "optimizer\ncreation",
+            "forward",
+            "backward",
+            "step",
+        ]
         assert fig.axes[0].get_ylabel() == "MiB per rank"
     finally:
         plt.close(fig)
@@ -95,8 +108,10 @@ def test_table_plot_and_json_are_written(study) -> None:
 
 def _per_rank(result: dict) -> list[list[dict]]:
     """``study_rank``'s return values, rebuilt from a result."""
-    return [[{"label": run["label"], "units": run["units"], "phases": run["ranks"][r]} for run in result["runs"]]
-            for r in range(len(result["runs"][0]["ranks"]))]
+    return [
+        [{"label": run["label"], "units": run["units"], "phases": run["ranks"][r]} for run in result["runs"]]
+        for r in range(len(result["runs"][0]["ranks"]))
+    ]
 
 
 def test_a_measurement_off_the_formula_is_reported_and_fails(study, monkeypatch, capsys, tmp_path) -> None:
@@ -113,5 +128,3 @@ def test_a_measurement_off_the_formula_is_reported_and_fails(study, monkeypatch,
     with pytest.raises(SystemExit) as e:
         ms.main([*FAST, "--out", str(tmp_path)])
     assert e.value.code == 1 and "ZeRO-2 differ(s) from ZeRO's formula" in capsys.readouterr().err
-
-

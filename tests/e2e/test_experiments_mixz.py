@@ -15,8 +15,9 @@ STEPS = 2
 @pytest.mark.parametrize("hpz", [False, True])
 def test_mixz_report_meets_the_targets(tmp_path, capsys, hpz: bool) -> None:
     out = tmp_path / "mixz.json"
-    rows = mixz.main(["--preset", "mini", "--steps", str(STEPS), "--lora-rank", "4", "--json", str(out)]
-                     + (["--hpz"] if hpz else []))
+    rows = mixz.main(
+        ["--preset", "mini", "--steps", str(STEPS), "--lora-rank", "4", "--json", str(out)] + (["--hpz"] if hpz else [])
+    )
     assert [r["mode"] for r in rows] == ["none", "int8", "int4"]
     assert json.loads(out.read_text()) == rows
     base = rows[0]

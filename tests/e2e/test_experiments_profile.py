@@ -39,7 +39,9 @@ def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capsys
         assert all({"ph", "name", "ts", "dur", "pid", "tid"} <= e.keys() for e in doc["traceEvents"] if e["ph"] == "X")
         step, step_s, spans = read_step(trace_path(run, rank, 3))
         assert step == 3 and step_s > 0
-        calls = collections.Counter(s.name for s in spans if s.parsed.part is None and s.parsed.kind != CommKind.CONTROL)
+        calls = collections.Counter(
+            s.name for s in spans if s.parsed.part is None and s.parsed.kind != CommKind.CONTROL
+        )
         assert calls == planned, f"rank {rank}"
         assert any(s.parsed.kind == CommKind.CONTROL for s in spans)
         assert {s.parsed.part for s in spans} >= {"quantize", "dequantize", "wait"}
@@ -54,8 +56,9 @@ def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capsys
     side = json.loads((out / "step_vs_plan.json").read_text())["traceEvents"]
     measured = collections.Counter(e["name"] for e in side if e["ph"] == "X" and e["pid"] == 1)
     assert measured == collections.Counter(s.name for s in read_step(trace_path(run, 0, 3))[2])
-    assert {e["args"]["name"] for e in side if e["ph"] == "M" and e["pid"] == 1 and e["name"] == "thread_name"} \
-        == set(MEASURED_LANES)
+    assert {e["args"]["name"] for e in side if e["ph"] == "M" and e["pid"] == 1 and e["name"] == "thread_name"} == set(
+        MEASURED_LANES
+    )
 
     # a step that was not profiled, and a directory that is no run, are refused naming what exists
     assert plan_main([str(run), "--step", "2", "--out", str(out)]) == 2

@@ -18,16 +18,37 @@ import pytest
 
 from zeropp.models import GPTConfig
 
-ARGS = ["model=mini", "train.steps=2", "train.micro_batch_size=2", "model.seq_len=32", "data.max_bytes=200000",
-        "topology=1x2", "logger=none"]
+ARGS = [
+    "model=mini",
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "model.seq_len=32",
+    "data.max_bytes=200000",
+    "topology=1x2",
+    "logger=none",
+]
 
 
-@pytest.mark.parametrize("trainer,extra", [("zeropp", ["stage=3"]), ("fsdp2", []),
-                                           ("zeropp", ["stage=1", "model.tie_embeddings=false"])])
+@pytest.mark.parametrize(
+    "trainer,extra", [("zeropp", ["stage=3"]), ("fsdp2", []), ("zeropp", ["stage=1", "model.tie_embeddings=false"])]
+)
 def test_runner_trains_the_tied_gpt(tmp_path: Path, trainer: str, extra: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *ARGS, f"trainer={trainer}", *extra,
-                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zeropp.experiments.run",
+            *ARGS,
+            f"trainer={trainer}",
+            *extra,
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     tied = GPTConfig.preset("mini", seq_len=32)

@@ -13,8 +13,16 @@ import pytest
 
 from zeropp.experiments.run import run_job
 
-COMMON = ["model=mini", "topology=1x2", "train.steps=2", "train.micro_batch_size=2", "data=random", "logger=none",
-          "launcher.progress=false", "launcher.device=cpu"]
+COMMON = [
+    "model=mini",
+    "topology=1x2",
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "data=random",
+    "logger=none",
+    "launcher.progress=false",
+    "launcher.device=cpu",
+]
 
 
 @pytest.mark.parametrize("job", [["trainer=zeropp", "stage=3", "quant=none"], ["trainer=ddp"], ["trainer=fsdp2"]])
@@ -23,5 +31,3 @@ def test_activation_checkpointing_changes_no_loss(tmp_path, job):
     ckpt = run_job([*COMMON, *job, "train.activation_checkpointing=true"], tmp_path / "ckpt")
     assert len(plain["loss"]["curve"]) == 2
     assert ckpt["loss"]["curve"] == plain["loss"]["curve"]
-
-

@@ -14,8 +14,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
 def _run(tmp_path: Path, python: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=python, OUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")  # no GPU, even on one
-    return subprocess.run(["bash", str(SCRIPT), str(tmp_path / "report.md")], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "report.md")], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_without_a_gpu_it_skips_in_one_line_and_writes_nothing(tmp_path):
@@ -28,7 +29,7 @@ def test_without_a_gpu_it_skips_in_one_line_and_writes_nothing(tmp_path):
 
 def test_a_python_without_torch_is_an_error_not_a_skip(tmp_path):
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\nexec \"$0.real\" -S -I \"$@\"\n")  # -I -S: no site-packages, so no torch
+    fake.write_text('#!/bin/sh\nexec "$0.real" -S -I "$@"\n')  # -I -S: no site-packages, so no torch
     fake.chmod(0o755)
     (tmp_path / "python.real").symlink_to(sys.executable)
     proc = _run(tmp_path, str(fake))

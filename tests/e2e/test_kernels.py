@@ -15,10 +15,7 @@ import os
 import pytest
 import torch
 
-from zeropp.kernels import (
-    QuantizedTensor,
-    quantize,
-)
+from zeropp.kernels import QuantizedTensor, quantize
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -55,11 +52,16 @@ def test_every_implementation_takes_the_largest_block_and_refuses_a_larger_one_a
     x = gaussian(2 * MAX_GROUP_SIZE + 5)
     big = MAX_GROUP_SIZE + 2  # even: only the size is wrong
     q = quantize_ref(x, 8, 64)
-    calls = [lambda: quantize_ref(x, 8, big), lambda: quantize_cpu(x, 4, big), lambda: quantize(x, 8, big),
-             lambda: QuantizedTensor(q.codes, q.scales, q.cols, 8, big)]
+    calls = [
+        lambda: quantize_ref(x, 8, big),
+        lambda: quantize_cpu(x, 4, big),
+        lambda: quantize(x, 8, big),
+        lambda: QuantizedTensor(q.codes, q.scales, q.cols, 8, big),
+    ]
     if HAS_TRITON:  # the tile config needs no interpreter; a CPU launch does
-        calls += [lambda: TileConfig(big, 1)] + ([lambda: quantize(x, 8, big, impl="triton")]
-                                                  if os.environ.get("TRITON_INTERPRET") == "1" else [])
+        calls += [lambda: TileConfig(big, 1)] + (
+            [lambda: quantize(x, 8, big, impl="triton")] if os.environ.get("TRITON_INTERPRET") == "1" else []
+        )
     messages = set()
     for call in calls:
         with pytest.raises(ValueError) as info:
@@ -144,10 +146,13 @@ all rows (whole blocks), and several rows of many blocks."""
 
 
 @pytest.mark.usefixtures("compiled_path")
-@pytest.mark.parametrize("dtype,bits,group_size,stochastic",
-                         [(d, b, 100, False) for d in DTYPES for b in (8, 4)]
-                         + [(torch.float32, b, gs, False) for b in (8, 4) for gs in (2, 512)]
-                         + [(torch.float32, b, 100, True) for b in (8, 4)], ids=str)
+@pytest.mark.parametrize(
+    "dtype,bits,group_size,stochastic",
+    [(d, b, 100, False) for d in DTYPES for b in (8, 4)]
+    + [(torch.float32, b, gs, False) for b in (8, 4) for gs in (2, 512)]
+    + [(torch.float32, b, 100, True) for b in (8, 4)],
+    ids=str,
+)
 def test_compiled_cpu_quantize_is_bit_identical_to_the_reference(dtype, bits, group_size, stochastic):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
@@ -218,8 +223,12 @@ def test_compiled_cpu_kernels_are_reused_across_sizes_and_kept_apart_across_vari
     from zeropp.kernels.cpu import dequantize_cpu, quantize_cpu
     from zeropp.kernels.reference import dequantize_ref, quantize_ref
 
-    calls = [(n, dtype, bits, gs) for n in (1000, 64 * 1000, 3000, 1000) for dtype in (torch.float32, torch.bfloat16)
-             for bits, gs in ((8, 100), (4, 100), (8, 500))]
+    calls = [
+        (n, dtype, bits, gs)
+        for n in (1000, 64 * 1000, 3000, 1000)
+        for dtype in (torch.float32, torch.bfloat16)
+        for bits, gs in ((8, 100), (4, 100), (8, 500))
+    ]
     for n, dtype, bits, gs in calls:
         x = awkward((n,), dtype, seed=n)
         q = quantize_cpu(x, bits, gs)
@@ -255,11 +264,12 @@ def test_bench_runs_on_cpu(capsys):
 
     rows = bench_kernels.main(["--device", "cpu", "--max-mib", "0.125", "--iters", "2", "--warmup", "1"])
     text = capsys.readouterr().out
-    assert "CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels" in text
+    assert (
+        "CPU: timing the CPU path (kernels/cpu.py, bit-identical to the torch reference), not the Triton kernels"
+        in text
+    )
     assert {r["op"] for r in rows} >= {"copy", "quantize int8 g512", "fused reduce int4 g128 k4"}
     assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
     # each op also timed through the tiled path, in the same run: speed-up and old share of copy
     assert "x old" in text and "old of copy" in text
     assert all(r["vs_old"] > 0 and r["old_fraction"] > 0 for r in rows if r["op"] != "copy")
-
-

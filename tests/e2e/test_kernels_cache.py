@@ -66,8 +66,7 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> bytes:
         pytest.skip("no C compiler to build the planted library")
     d = tmp_path_factory.mktemp("planted")
     (d / "planted.c").write_text(PLANTED_C)
-    subprocess.run([cc, "-shared", "-fPIC", str(d / "planted.c"), "-o", str(d / "planted.so")], check=True,
-                   timeout=120)
+    subprocess.run([cc, "-shared", "-fPIC", str(d / "planted.c"), "-o", str(d / "planted.so")], check=True, timeout=120)
     return (d / "planted.so").read_bytes()
 
 
@@ -87,20 +86,29 @@ def real_build(tmp_path_factory: pytest.TempPathFactory, planted: bytes) -> dict
         _plant(cache, name, planted, _sha(b"something else"))
         with pytest.warns(RuntimeWarning, match="does not match its recorded sha256; rebuilding") as rec:
             lib, path = cpu_native.load()
-    return {"lib": lib, "path": path, "cache": cache, "name": name, "marker": marker,
-            "bytes": (cache / name).read_bytes(), "warnings": [str(w.message) for w in rec]}
+    return {
+        "lib": lib,
+        "path": path,
+        "cache": cache,
+        "name": name,
+        "marker": marker,
+        "bytes": (cache / name).read_bytes(),
+        "warnings": [str(w.message) for w in rec],
+    }
 
 
 def _copying_build(data: bytes, calls: list[Path]):
     def build(out: Path) -> None:
         calls.append(out)
         out.write_bytes(data)
+
     return build
 
 
 # ------------------------------------------------------------------ what is (not) loaded
-def test_planted_library_with_a_wrong_hash_is_rebuilt_not_loaded(real_build: dict, planted: bytes,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planted_library_with_a_wrong_hash_is_rebuilt_not_loaded(
+    real_build: dict, planted: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert not real_build["marker"].exists(), "the planted library was dlopened"
     data = real_build["bytes"]
     assert data != planted and data[:4] == b"\x7fELF"
@@ -121,19 +129,22 @@ def test_empty_cached_library_is_rebuilt(tmp_path: Path, real_build: dict, monke
     assert len(calls) == 1
 
 
-def test_unloadable_cached_library_with_a_matching_hash_is_rebuilt(tmp_path: Path, real_build: dict,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unloadable_cached_library_with_a_matching_hash_is_rebuilt(
+    tmp_path: Path, real_build: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache, calls = tmp_path / "c", []
     junk = b"\x7fELF" + b"\0" * 100  # truncated: its hash was recorded, but dlopen refuses it
     _plant(cache, "zq_x.so", junk, _sha(junk))
     with pytest.warns(RuntimeWarning, match="failed to load"):
-        lib, _ = build_cache.load_library(cache, "zq_x.so", _copying_build(real_build["bytes"], calls),
-                                          cpu_native._load)
+        lib, _ = build_cache.load_library(
+            cache, "zq_x.so", _copying_build(real_build["bytes"], calls), cpu_native._load
+        )
     assert len(calls) == 1 and _works(lib, monkeypatch)
 
 
-def test_library_without_a_recorded_hash_is_rebuilt(tmp_path: Path, planted: bytes, real_build: dict,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_library_without_a_recorded_hash_is_rebuilt(
+    tmp_path: Path, planted: bytes, real_build: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache, calls = tmp_path / "c", []
     _plant(cache, "zq_x.so", planted, None)  # e.g. a cache written before hashes were recorded
     monkeypatch.setenv("ZQ_PLANTED_MARKER", str(tmp_path / "marker"))
@@ -141,11 +152,20 @@ def test_library_without_a_recorded_hash_is_rebuilt(tmp_path: Path, planted: byt
     assert len(calls) == 1 and not (tmp_path / "marker").exists() and _works(lib, monkeypatch)
 
 
-@pytest.mark.parametrize("fault", ["group-writable dir", "other-writable file", "group-writable file",
-                                   "dir of another user", "file of another user", "symlinked file"])
-def test_unsafe_cache_is_refused_untouched_and_built_privately(fault: str, tmp_path: Path, planted: bytes,
-                                                               real_build: dict,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "group-writable dir",
+        "other-writable file",
+        "group-writable file",
+        "dir of another user",
+        "file of another user",
+        "symlinked file",
+    ],
+)
+def test_unsafe_cache_is_refused_untouched_and_built_privately(
+    fault: str, tmp_path: Path, planted: bytes, real_build: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A planted library whose hash file agrees (so only the ownership / mode check stands
     between it and dlopen) is not loaded; the warning names the path and why; nothing in the
     cache is changed; the kernels still load, from a private build."""
@@ -166,14 +186,19 @@ def test_unsafe_cache_is_refused_untouched_and_built_privately(fault: str, tmp_p
         target.chmod(0o775 if "group" in fault else 0o757 if "dir" in fault else 0o646)
     elif "another user" in fault:
         os.chown(target, 12345, -1)
-    why = {"group-writable": "writable by group", "other-writable": "writable by others",
-           "another user": "owned by uid 12345", "symlinked": "cannot be opened as a plain file"}
+    why = {
+        "group-writable": "writable by group",
+        "other-writable": "writable by others",
+        "another user": "owned by uid 12345",
+        "symlinked": "cannot be opened as a plain file",
+    }
     expect = next(v for k, v in why.items() if k in fault)
     before = sorted((p.name, p.lstat().st_mtime_ns, p.lstat().st_mode) for p in cache.iterdir())
     build_cache._WARNED.clear()
     with pytest.warns(RuntimeWarning, match=f"not using the kernel cache: .*{expect}") as rec:
-        lib, _path = build_cache.load_library(cache, "zq_x.so", _copying_build(real_build["bytes"], calls),
-                                             cpu_native._load)
+        lib, _path = build_cache.load_library(
+            cache, "zq_x.so", _copying_build(real_build["bytes"], calls), cpu_native._load
+        )
     msg = str(rec[0].message)
     assert str(cache) in msg and "ZEROPP_CACHE_DIR" in msg
     assert not marker.exists(), "the planted library was dlopened"
@@ -183,8 +208,9 @@ def test_unsafe_cache_is_refused_untouched_and_built_privately(fault: str, tmp_p
 
 
 @pytest.mark.parametrize("fault", ["path through a file", "read-only directory"])
-def test_unwritable_cache_builds_privately(fault: str, tmp_path: Path, real_build: dict,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unwritable_cache_builds_privately(
+    fault: str, tmp_path: Path, real_build: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if fault == "read-only directory":
         if os.geteuid() == 0:
             pytest.skip("root writes into read-only directories")
@@ -195,10 +221,12 @@ def test_unwritable_cache_builds_privately(fault: str, tmp_path: Path, real_buil
         cache = tmp_path / "file" / "c"  # e.g. ZEROPP_CACHE_DIR set to a file by mistake
     calls: list[Path] = []
     build_cache._WARNED.clear()
-    with pytest.warns(RuntimeWarning, match=f"not using the kernel cache: the cache directory {cache} cannot be "
-                                            "created or written"):
-        lib, _ = build_cache.load_library(cache, "zq_x.so", _copying_build(real_build["bytes"], calls),
-                                          cpu_native._load)
+    with pytest.warns(
+        RuntimeWarning, match=f"not using the kernel cache: the cache directory {cache} cannot be created or written"
+    ):
+        lib, _ = build_cache.load_library(
+            cache, "zq_x.so", _copying_build(real_build["bytes"], calls), cpu_native._load
+        )
     assert len(calls) == 1 and cache not in calls[0].parents and _works(lib, monkeypatch)
 
 
@@ -208,6 +236,7 @@ def _build_in_process(cache: str, log: str) -> str:
             f.write(f"{os.getpid()}\n")
         time.sleep(0.3)  # long enough for every process to arrive while it builds
         out.write_bytes(b"one build " * 100)
+
     return str(build_cache.cached_library(Path(cache), "zq_x.so", build)[1])
 
 

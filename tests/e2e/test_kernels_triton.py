@@ -36,10 +36,9 @@ def test_kernels_compile_for_h100_without_fp_contraction_or_ftz():
     fused multiply-add, IEEE division without flush-to-zero). It must run without
     TRITON_INTERPRET (which replaces triton.jit), hence the subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "zeropp.kernels.compile_check"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeropp.kernels.compile_check"], env=env, capture_output=True, text=True, timeout=300
+    )
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-

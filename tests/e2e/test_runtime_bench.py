@@ -15,8 +15,26 @@ from zeropp.experiments.cluster.netns import NetnsError, require_privileges
 
 
 def test_bench_fsdp_runs_both_trainers_on_the_same_problem(capsys):
-    out = main(["--world", "2", "--preset", "tiny", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
-                "--timeout", "120", "--device", "cpu"])
+    out = main(
+        [
+            "--world",
+            "2",
+            "--preset",
+            "tiny",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--timeout",
+            "120",
+            "--device",
+            "cpu",
+        ]
+    )
     text = capsys.readouterr().out
     assert "ours/FSDP2" in text and "step time" in text and "model-state memory" in text
     assert out["time_ratio"] > 0 and out["memory_ratio"] > 0
@@ -27,20 +45,43 @@ def test_bench_fsdp_runs_both_trainers_on_the_same_problem(capsys):
 
 def _cluster_summary(quant: str, step: float, wait: float, cross: float) -> dict:
     """A summary.json as the runner writes it for a bench_cluster job (the fields the bench reads)."""
-    spec = {"bits": 8, "group_size": None, "rounding": "nearest", "intra_bits": None, "error_feedback": False,
-            "seed": 0, "scheme": "int"}
-    zero = {"stage": 3, "precision": "fp32", "hpz": quant == "zeropp", "hpz_size": None, "grad_accum_steps": 1,
-            "weights": spec if quant == "zeropp" else None,
-            "grads": {**spec, "bits": 4} if quant == "zeropp" else None}
-    cfg = {"zero": zero, "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2,
-                                   "mlp_ratio": 4},
-           "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None}, "train": {"micro_batch_size": 2},
-           "trainer": {"name": "zeropp"}, "cluster": {"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0}}
-    return {"config": cfg, "step_time_s": {"median": step, "mean": step}, "engine_comm_wait_s_per_step": wait,
-            "comm_wait_s_per_step": wait, "engine_comm_bytes_per_step": {"by_link": {"cross": cross, "intra": 1.0}},
-            "placement": {"cluster": "emulated", "measured_gbps": 0.9},
-            "model": {"params": 30_000, "flops_per_token": 1.0},
-            "loss": {"first": 5.6, "final": 5.5}, "run_dir": "x"}
+    spec = {
+        "bits": 8,
+        "group_size": None,
+        "rounding": "nearest",
+        "intra_bits": None,
+        "error_feedback": False,
+        "seed": 0,
+        "scheme": "int",
+    }
+    zero = {
+        "stage": 3,
+        "precision": "fp32",
+        "hpz": quant == "zeropp",
+        "hpz_size": None,
+        "grad_accum_steps": 1,
+        "weights": spec if quant == "zeropp" else None,
+        "grads": {**spec, "bits": 4} if quant == "zeropp" else None,
+    }
+    cfg = {
+        "zero": zero,
+        "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4},
+        "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
+        "train": {"micro_batch_size": 2},
+        "trainer": {"name": "zeropp"},
+        "cluster": {"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0},
+    }
+    return {
+        "config": cfg,
+        "step_time_s": {"median": step, "mean": step},
+        "engine_comm_wait_s_per_step": wait,
+        "comm_wait_s_per_step": wait,
+        "engine_comm_bytes_per_step": {"by_link": {"cross": cross, "intra": 1.0}},
+        "placement": {"cluster": "emulated", "measured_gbps": 0.9},
+        "model": {"params": 30_000, "flops_per_token": 1.0},
+        "loss": {"first": 5.6, "final": 5.5},
+        "run_dir": "x",
+    }
 
 
 def _netns_unavailable() -> str | None:
@@ -53,8 +94,26 @@ def _netns_unavailable() -> str | None:
 
 @pytest.mark.skipif(_netns_unavailable() is not None, reason=_netns_unavailable() or "")
 def test_bench_cluster_end_to_end(tmp_path, capsys) -> None:
-    code = bench_cluster.main(["--gbps", "1", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--rounds", "1",
-                               "--timeout", "240", "--out", str(tmp_path), "--json", str(tmp_path / "b.json")])
+    code = bench_cluster.main(
+        [
+            "--gbps",
+            "1",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--timeout",
+            "240",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "ZeRO-3 step s" in text and "predicted vs measured speedup" in text
@@ -73,9 +132,11 @@ def test_bench_cluster_alternates_the_modes(monkeypatch, tmp_path, capsys) -> No
     monkeypatch.setattr(bench_cluster, "run_job", fake_job)
     monkeypatch.setattr(bench_cluster, "require_privileges", lambda: None)
     assert bench_cluster.main(["--gbps", "1,2", "--rounds", "2", "--out", str(tmp_path)]) == 0
-    assert calls[:4] == [("none", "1gbps/zero3-0"), ("zeropp", "1gbps/zeropp-0"),
-                         ("none", "1gbps/zero3-1"), ("zeropp", "1gbps/zeropp-1")]
+    assert calls[:4] == [
+        ("none", "1gbps/zero3-0"),
+        ("zeropp", "1gbps/zeropp-0"),
+        ("none", "1gbps/zero3-1"),
+        ("zeropp", "1gbps/zeropp-1"),
+    ]
     assert len(calls) == 8 and calls[4][1] == "2gbps/zero3-0"
     assert "| 2 (0.900) | 0.500 | 0.250 | 2.00x |" in capsys.readouterr().out
-
-

@@ -84,12 +84,17 @@ def _all_gather_checks(rank: int, topo: Topology, dev: torch.device, stats: Comm
     # async handle + input aliasing the output, as FSDP2 passes it
     n = 7
     buf = torch.zeros(W * n, dtype=torch.bfloat16, device=dev)
-    buf[rank * n:(rank + 1) * n] = rank_input(2, rank, n, torch.bfloat16).to(dev)
-    h = quantized_all_gather(buf, buf[rank * n:(rank + 1) * n], spec=QuantSpec(bits=8), topology=topo, stats=stats,
-                             async_op=True)
+    buf[rank * n : (rank + 1) * n] = rank_input(2, rank, n, torch.bfloat16).to(dev)
+    h = quantized_all_gather(
+        buf, buf[rank * n : (rank + 1) * n], spec=QuantSpec(bits=8), topology=topo, stats=stats, async_op=True
+    )
     h.wait()
-    exp = torch.cat([dequantize(quantize(rank_input(2, r, n, torch.bfloat16), 8, 512), dtype=torch.bfloat16).view(-1)
-                     for r in range(W)])
+    exp = torch.cat(
+        [
+            dequantize(quantize(rank_input(2, r, n, torch.bfloat16), 8, 512), dtype=torch.bfloat16).view(-1)
+            for r in range(W)
+        ]
+    )
     assert torch.equal(buf.cpu(), exp)
 
 
@@ -99,7 +104,11 @@ def _reduce_scatter_checks(rank: int, topo: Topology, dev: torch.device, stats: 
         for n in SIZES:
             xs = [rank_input(3 + n, r, W * n, dtype) for r in range(W)]
             mine = xs[rank].to(dev)
-            ops = ((ReduceOp.AVG, 1.0 / W), (ReduceOp.SUM, 1.0)) if dist.get_backend() == "nccl" else ((ReduceOp.SUM, 1.0),)
+            ops = (
+                ((ReduceOp.AVG, 1.0 / W), (ReduceOp.SUM, 1.0))
+                if dist.get_backend() == "nccl"
+                else ((ReduceOp.SUM, 1.0),)
+            )
             for op, post in ops:  # (gloo, used only to exercise this file without GPUs, has no AVG)
                 ref = torch.empty(n, dtype=dtype, device=dev)
                 _reduce_scatter(ref, mine, op=op)
@@ -112,7 +121,8 @@ def _reduce_scatter_checks(rank: int, topo: Topology, dev: torch.device, stats: 
                     what = (dtype, n, bits, ibits, str(op))
                     assert out.device == dev
                     assert bytes_of(stats, "reduce_scatter") == expected_reduce_scatter_bytes(
-                        topo, n, out.element_size(), bits, ibits, gs), what
+                        topo, n, out.element_size(), bits, ibits, gs
+                    ), what
                     if spec is None:
                         assert torch.equal(out, ref), what
                         continue
@@ -127,16 +137,18 @@ def _reduce_scatter_checks(rank: int, topo: Topology, dev: torch.device, stats: 
     spec = QuantSpec(bits=4, error_feedback=True, residual_bits=32)  # fp32 residuals: exact checks
     ef = ErrorFeedback.for_spec(spec)
     out = torch.empty(n, device=dev)
-    quantized_reduce_scatter(out, xs[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b",
-                             topology=topo, stats=stats)
+    quantized_reduce_scatter(
+        out, xs[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b", topology=topo, stats=stats
+    )
     r = ef.residual("b", W * n, dev)
     assert r.device == dev and float(r.abs().sum()) > 0
     x2 = [rank_input(51, q, W * n, torch.float32) for q in range(W)]
     res = [x.view(W, n) - dequantize(quantize(x.view(W, n), 4, gs, rows=W)) for x in xs]
     assert torch.equal(r.cpu(), res[rank].view(-1))  # in input order, also after qgZ's swizzle
     ef.reset("b" + HOP2_SUFFIX)  # hop 1 only here; tests/distributed/test_comm_feedback.py checks both hops
-    quantized_reduce_scatter(out, x2[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b",
-                             topology=topo, stats=stats)
+    quantized_reduce_scatter(
+        out, x2[rank].to(dev), ReduceOp.SUM, spec=spec, error_feedback=ef, feedback_key="b", topology=topo, stats=stats
+    )
     comp = [x2[q] + res[q].view(-1) for q in range(W)]
     assert torch.equal(out.cpu(), simulate_qgz(comp, topo, rank, n, 4, 4, gs))
 
@@ -146,10 +158,16 @@ def _stochastic_and_all_reduce(rank: int, topo: Topology, dev: torch.device, sta
     xs = [rank_input(7, r, n, torch.float32) for r in range(W)]
     reset_stochastic_calls(4)
     out = torch.empty(W * n, device=dev)
-    quantized_all_gather(out, xs[rank].to(dev), spec=QuantSpec(bits=4, group_size=128, rounding="stochastic", seed=9),
-                         topology=topo, stats=stats)
-    want = torch.cat([dequantize(quantize(xs[r], 4, 128, stochastic=True, seed=stochastic_seed(9, r, 4))).view(-1)
-                      for r in range(W)])
+    quantized_all_gather(
+        out,
+        xs[rank].to(dev),
+        spec=QuantSpec(bits=4, group_size=128, rounding="stochastic", seed=9),
+        topology=topo,
+        stats=stats,
+    )
+    want = torch.cat(
+        [dequantize(quantize(xs[r], 4, 128, stochastic=True, seed=stochastic_seed(9, r, 4))).view(-1) for r in range(W)]
+    )
     assert torch.equal(out.cpu(), want)
     # all-reduce of an odd-size tensor (the DDP hook's collective) against torch's AVG all-reduce
     t = rank_input(8, rank, 1001, torch.float32).to(dev)
@@ -166,8 +184,13 @@ def _worker(rank: int, world: int, store_path: str, backend: str) -> None:
         dev = torch.device("cuda", rank)
     else:  # gloo on CPU: lets the test's own logic be exercised without GPUs
         dev = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         shapes = [(1, world), (world, 1)] + ([(2, world // 2)] if world % 2 == 0 and world >= 4 else [])
         stats = CommStats()

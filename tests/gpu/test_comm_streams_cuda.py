@@ -60,8 +60,11 @@ def test_a_buffer_released_on_a_busy_stream_is_not_reused_by_the_caller_stream()
         reused = fresh.data_ptr() == ptr
         torch.cuda.synchronize(dev)
         del fresh, keep
-        assert reused is not release, ("the released buffer was handed out while its stream still used it" if release
-                                       else "test setup: a plain drop should hand the block out at once")
+        assert reused is not release, (
+            "the released buffer was handed out while its stream still used it"
+            if release
+            else "test setup: a plain drop should hand the block out at once"
+        )
 
 
 def _continuation_reads(dev: torch.device, own: bool) -> torch.Tensor:
@@ -99,8 +102,9 @@ def _nccl(rank: int, world: int, store: str) -> None:
 
     dist.destroy_process_group()
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", store=dist.FileStore(store, world), rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+    )
 
 
 def _qgz_repeated(rank: int, world: int, store: str) -> dict[str, bool]:
@@ -124,7 +128,7 @@ def _qgz_repeated(rank: int, world: int, store: str) -> dict[str, bool]:
             for o, x in zip(outs, xs):
                 hs.append(quantized_reduce_scatter(o, x, spec=spec, topology=topo, async_op=True))
                 torch.full((x.numel(),), 255, dtype=torch.uint8, device=dev)  # takes a freed block, writes it
-            for h in (reversed(hs) if rep % 2 else hs):
+            for h in reversed(hs) if rep % 2 else hs:
                 h.wait()
             res[f"debug={debug} rep={rep}"] = all(torch.equal(a, b) for a, b in zip(outs, sync))
     return res
@@ -143,21 +147,41 @@ def test_many_outstanding_qgz_on_nccl_equal_synchronous() -> None:
 def _run(args: list[str], run_dir: Path, env: dict[str, str]) -> dict:
     e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     e.update(env)
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"],
-                       capture_output=True, text=True, timeout=300, env=e)
+    p = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=e,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
 
 
 @pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs (topology=2x2)")
 def test_runner_with_chunked_qgz_on_2x2_tracks_the_unchunked_run(tmp_path: Path) -> None:
-    base = ["trainer=zeropp", "quant=qgz", "topology=2x2", "launcher.device=cuda", "model=tiny", "train.steps=6",
-            "train.micro_batch_size=4", "logger=none", "launcher.progress=false"]
+    base = [
+        "trainer=zeropp",
+        "quant=qgz",
+        "topology=2x2",
+        "launcher.device=cuda",
+        "model=tiny",
+        "train.steps=6",
+        "train.micro_batch_size=4",
+        "logger=none",
+        "launcher.progress=false",
+    ]
     whole = _run(base, tmp_path / "whole", {})
     chunked = ["zero.reduce_bucket_size=4096"]  # many chunks per unit: hop-1 rows allocated back to back
-    runs = {"chunked": _run(base + chunked, tmp_path / "chunked", {}),
-            "chunked_debug": _run(base + chunked, tmp_path / "debug", {"ZEROPP_DEBUG_STREAMS": "1"})}
+    runs = {
+        "chunked": _run(base + chunked, tmp_path / "chunked", {}),
+        "chunked_debug": _run(base + chunked, tmp_path / "debug", {"ZEROPP_DEBUG_STREAMS": "1"}),
+    }
     ref = whole["loss"]["curve"]
     for name, s in runs.items():
         curve = s["loss"]["curve"]
-        assert len(curve) == len(ref) and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(curve, ref)), (name, curve, ref)
+        assert len(curve) == len(ref) and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(curve, ref)), (
+            name,
+            curve,
+            ref,
+        )

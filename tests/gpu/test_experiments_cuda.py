@@ -14,11 +14,21 @@ import torch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-FAST = ["train.steps=3", "train.micro_batch_size=4", "model=tiny", "logger=none", "launcher.progress=false",
-        "launcher.device=cuda"]
-QUANTS = {"zeropp": ["none", "int8", "int4", "w8g8", "w8g4", "w4g4", "qwz", "hpz", "qgz", "zeropp"],
-          "fsdp2": ["none", "hpz"], "fsdp2_zeropp": ["int8", "w8g4", "w4g4", "qgz"],
-          "ddp": ["none"], "ddp_zeropp": ["qgz"]}
+FAST = [
+    "train.steps=3",
+    "train.micro_batch_size=4",
+    "model=tiny",
+    "logger=none",
+    "launcher.progress=false",
+    "launcher.device=cuda",
+]
+QUANTS = {
+    "zeropp": ["none", "int8", "int4", "w8g8", "w8g4", "w4g4", "qwz", "hpz", "qgz", "zeropp"],
+    "fsdp2": ["none", "hpz"],
+    "fsdp2_zeropp": ["int8", "w8g4", "w4g4", "qgz"],
+    "ddp": ["none"],
+    "ddp_zeropp": ["qgz"],
+}
 
 
 def _topologies() -> list[str]:
@@ -28,8 +38,13 @@ def _topologies() -> list[str]:
 
 def _run(args: list[str], run_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
 

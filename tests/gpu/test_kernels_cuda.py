@@ -19,8 +19,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (shape, rows): a lone element, less than a block, one row of 17*257, 17 rows of 257, and a large odd row
-SHAPES = {"1": ((1,), 1), "7": ((7,), 1), "17x257": ((17, 257), 1), "17rows": ((17, 257), 17),
-          "2**20+3": ((2**20 + 3,), 1)}
+SHAPES = {
+    "1": ((1,), 1),
+    "7": ((7,), 1),
+    "17x257": ((17, 257), 1),
+    "17rows": ((17, 257), 17),
+    "2**20+3": ((2**20 + 3,), 1),
+}
 GROUP_SIZES = (64, 100)  # 64 does not divide 257; 100 is not a power of two
 SEED = 2**40 + 12345  # beyond 32 bits: the whole Philox key is used
 
@@ -58,8 +63,13 @@ def _to(q: QuantizedTensor, device: str) -> QuantizedTensor:
 
 
 def _stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
-    return QuantizedTensor(torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]),
-                           qs[0].cols, qs[0].bits, qs[0].group_size)
+    return QuantizedTensor(
+        torch.stack([q.codes for q in qs]),
+        torch.stack([q.scales for q in qs]),
+        qs[0].cols,
+        qs[0].bits,
+        qs[0].group_size,
+    )
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
@@ -116,10 +126,10 @@ def _views(buf: torch.Tensor, offset: int, rows: int, cols: int, bits: int, gs: 
     from zeropp.kernels import num_groups, row_bytes
 
     rb, g = row_bytes(cols, bits, gs), num_groups(cols, gs)
-    codes = buf[offset:offset + rows * rb].view(torch.int8 if bits == 8 else torch.uint8).view(rows, rb)
+    codes = buf[offset : offset + rows * rb].view(torch.int8 if bits == 8 else torch.uint8).view(rows, rb)
     start = offset + rows * rb
     start += -start % 4
-    return QuantizedTensor(codes, buf[start:start + 4 * rows * g].view(torch.float32).view(rows, g), cols, bits, gs)
+    return QuantizedTensor(codes, buf[start : start + 4 * rows * g].view(torch.float32).view(rows, g), cols, bits, gs)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -28,8 +28,10 @@ def test_compiled_kernel_matches_reference_bit_for_bit(shape, rows, block, dtype
         assert got.is_cuda
         assert_same_bits(got.cpu(), hadamard_ref(x, block, rows=rows, dtype=out_dtype))
     rot = hadamard_ref(x, block, rows=rows)
-    assert_same_bits(hadamard(rot.cuda(), block, rows=rows, out_cols=cols, dtype=dtype).cpu(),
-                     hadamard_ref(rot, block, rows=rows, out_cols=cols, dtype=dtype))
+    assert_same_bits(
+        hadamard(rot.cuda(), block, rows=rows, out_cols=cols, dtype=dtype).cpu(),
+        hadamard_ref(rot, block, rows=rows, out_cols=cols, dtype=dtype),
+    )
 
 
 def test_rotated_codec_on_cuda_matches_cpu() -> None:

@@ -19,9 +19,12 @@ import torch
 from tests.worlds import run_world
 from zeropp.models import GPTConfig
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs 2 CUDA GPUs (NCCL world of 2)")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL world of 2)"
+    ),
+]
 
 MODEL = GPTConfig(d_model=256, n_layers=4, n_heads=4, seq_len=16)
 MARGIN = 1 << 20
@@ -50,8 +53,12 @@ def _world(rank, world, store_path, root):
         nvme = os.path.join(root, f"swap{rank}")
         if kw.get("offload_optimizer") == "nvme":
             kw = dict(kw, nvme_path=nvme, swap_buffer_size=1 << 16)
-        eng = ZeroEngine(make_model(MODEL).cuda(), config=ZeroConfig(stage=3, precision="fp32", **kw),
-                         optimizer=OptimizerConfig(lr=1e-2), cpu_adam="single")
+        eng = ZeroEngine(
+            make_model(MODEL).cuda(),
+            config=ZeroConfig(stage=3, precision="fp32", **kw),
+            optimizer=OptimizerConfig(lr=1e-2),
+            cpu_adam="single",
+        )
         batches = [[(i.cuda(), t.cuda()) for i, t in rank_batches(s, 1, rank, MODEL)] for s in range(3)]
         torch.cuda.reset_peak_memory_stats()
         for b in batches[:2]:
@@ -59,13 +66,17 @@ def _world(rank, world, store_path, root):
         torch.cuda.synchronize()
         r = {"train_peak": torch.cuda.max_memory_allocated(), "state": eng.optim.nbytes()}
         ck = os.path.join(root, f"ck_{name}")
-        saved = {(n, i): eng.optim.read_range(n, i, 0, eng.optim.numels[i]).clone()
-                 for n in eng.optim.STATE for i in range(len(eng.optim.numels))}
+        saved = {
+            (n, i): eng.optim.read_range(n, i, 0, eng.optim.numels[i]).clone()
+            for n in eng.optim.STATE
+            for i in range(len(eng.optim.numels))
+        }
         r["before"], r["save_peak"] = _peak(eng.save_checkpoint, ck)
         eng.train_step(batches[2])
         r["before_load"], r["load_peak"] = _peak(eng.load_checkpoint, ck)
-        r["exact"] = all(torch.equal(saved[(n, i)], eng.optim.read_range(n, i, 0, eng.optim.numels[i]))
-                         for n, i in saved)
+        r["exact"] = all(
+            torch.equal(saved[(n, i)], eng.optim.read_range(n, i, 0, eng.optim.numels[i])) for n, i in saved
+        )
         eng.close()
         out[name] = r
     dist.destroy_process_group()

@@ -23,8 +23,13 @@ def _nccl_world(rank, world, store_path, configs, steps, ckpt_dir):
 
     dist.destroy_process_group()
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
     out = parity_world(rank, world, 1, configs, steps, device=f"cuda:{rank}")
     from tests.runtime_helpers import make_model, rank_batches
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
@@ -45,8 +50,9 @@ def _nccl_world(rank, world, store_path, configs, steps, ckpt_dir):
 
 def _run(world):
     with tempfile.TemporaryDirectory() as d:
-        res = run_world(_nccl_world, world, os.path.join(d, "store"), STAGES, STEPS, os.path.join(d, "ckpt"),
-                        timeout=300)
+        res = run_world(
+            _nccl_world, world, os.path.join(d, "store"), STAGES, STEPS, os.path.join(d, "ckpt"), timeout=300
+        )
     ckpt = res[0].pop()["ckpt"]
     assert ckpt[0] == {"step": 1} and ckpt[1] == ckpt[2], ckpt  # load restores the saved weights exactly
     for r in res[1:]:

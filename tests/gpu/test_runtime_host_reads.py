@@ -39,8 +39,13 @@ def _cuda_syncs(rank: int, world: int, store_path: str, stage: int) -> list[tupl
 
     dist.destroy_process_group()
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
     cfg = ZeroConfig(stage=stage, grad_accum_steps=2, grad_clip=1.0)
     eng = ZeroEngine(make_model().cuda(), config=cfg, optimizer=OptimizerConfig(lr=1e-3))
     try:
@@ -54,8 +59,13 @@ def _cuda_syncs(rank: int, world: int, store_path: str, stage: int) -> list[tupl
                 eng.train_step(batches)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        return [(str(w.filename), w.lineno) for w in caught if "synchroniz" in str(w.message)
-                and str(w.filename).startswith(ROOTS) and not str(w.filename).endswith("streams.py")]
+        return [
+            (str(w.filename), w.lineno)
+            for w in caught
+            if "synchroniz" in str(w.message)
+            and str(w.filename).startswith(ROOTS)
+            and not str(w.filename).endswith("streams.py")
+        ]
     finally:
         eng.close()
 

@@ -35,12 +35,16 @@ def _world(rank, world, store_path, nvme):
     for name, kw in CONFIGS.items():
         if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_param")):
             kw = dict(kw, nvme_path=nvme)
-        eng = ZeroEngine(make_model().cuda(), config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=LR),
-                         cpu_adam="single")
+        eng = ZeroEngine(
+            make_model().cuda(), config=ZeroConfig(**kw), optimizer=OptimizerConfig(lr=LR), cpu_adam="single"
+        )
         losses = [eng.train_step([(i.cuda(), t.cuda()) for i, t in rank_batches(s, 1, rank)]).loss for s in range(3)]
         tiers = eng.optim.memory_by_tier()
-        out[name] = {"losses": losses, "tiers": tiers,
-                     "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()}}
+        out[name] = {
+            "losses": losses,
+            "tiers": tiers,
+            "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
+        }
         if name.endswith(("_cpu", "_nvme")):  # checkpoint of host / disk state on a CUDA mesh, and back
             ck = os.path.join(nvme, f"ck_{name}")
             batch = next((i.cuda(), t.cuda()) for i, t in rank_batches(9, 1, rank))
@@ -63,8 +67,9 @@ def test_offload_on_cuda_matches_the_in_memory_run():
         # with fp32 compute (seen on an H100: 2.6e-3 of lr on a zero-initialised bias), 5e-2 with
         # bf16 (a last-bit master difference can flip a bf16 weight's rounding).
         tol = LR * (1e-2 if CONFIGS[name]["precision"] == "fp32" else 5e-2)
-        torch.testing.assert_close(r[name]["losses"], r[ref]["losses"], rtol=tol, atol=0,
-                                   msg=lambda m, n=name: f"{n} losses: {m}")
+        torch.testing.assert_close(
+            r[name]["losses"], r[ref]["losses"], rtol=tol, atol=0, msg=lambda m, n=name: f"{n} losses: {m}"
+        )
         for k, v in r[ref]["weights"].items():
             want, got = torch.from_numpy(v), torch.from_numpy(r[name]["weights"][k])
             assert got.dtype == want.dtype, (name, k)

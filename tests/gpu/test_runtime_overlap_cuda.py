@@ -47,8 +47,9 @@ def _nccl(rank: int, world: int, store: str) -> None:
 
     dist.destroy_process_group()
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", store=dist.FileStore(store, world), rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+    )
 
 
 def _streams_vs_none(rank: int, world: int, store: str) -> dict:
@@ -59,12 +60,16 @@ def _streams_vs_none(rank: int, world: int, store: str) -> dict:
     from zeropp.runtime.streams import CommStreams
 
     out = {}
-    for cfg in (ZeroConfig(stage=3), ZeroConfig(stage=3, weights=QuantSpec(bits=8), grads=QuantSpec(bits=4)),
-                ZeroConfig(stage=2, reduce_bucket_size=300)):
+    for cfg in (
+        ZeroConfig(stage=3),
+        ZeroConfig(stage=3, weights=QuantSpec(bits=8), grads=QuantSpec(bits=4)),
+        ZeroConfig(stage=2, reduce_bucket_size=300),
+    ):
         runs = []
         for streams in (True, False):
-            eng = ZeroEngine(make_model().cuda(), config=cfg, optimizer=OptimizerConfig(lr=1e-3),
-                             topology=Topology(1, world))
+            eng = ZeroEngine(
+                make_model().cuda(), config=cfg, optimizer=OptimizerConfig(lr=1e-3), topology=Topology(1, world)
+            )
             assert eng.comm.streams.enabled
             if not streams:
                 eng.comm.streams = CommStreams(eng.device, use_streams=False)
@@ -96,8 +101,9 @@ def _qgz_async(rank: int, world: int, store: str) -> bool:
     for o, x in zip(sync, xs):
         quantized_reduce_scatter(o, x, spec=QuantSpec(bits=4), topology=topo)
     outs = [torch.empty(n, device=dev) for n in sizes]
-    hs = [quantized_reduce_scatter(o, x, spec=QuantSpec(bits=4), topology=topo, async_op=True)
-          for o, x in zip(outs, xs)]
+    hs = [
+        quantized_reduce_scatter(o, x, spec=QuantSpec(bits=4), topology=topo, async_op=True) for o, x in zip(outs, xs)
+    ]
     for h in reversed(hs):
         h.wait()
     return all(torch.equal(a, b) for a, b in zip(outs, sync))

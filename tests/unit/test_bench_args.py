@@ -19,8 +19,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("bench,argv,msg", CASES, ids=[f"{b.__name__.rsplit('.', 1)[-1]}:{' '.join(a)}"
-                                                      for b, a, _ in CASES])
+@pytest.mark.parametrize(
+    "bench,argv,msg", CASES, ids=[f"{b.__name__.rsplit('.', 1)[-1]}:{' '.join(a)}" for b, a, _ in CASES]
+)
 def test_each_bench_refuses_a_count_below_its_floor(bench, argv, msg, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)

@@ -23,18 +23,36 @@ def _summary(overrides: list[str], step: float, wait: float) -> dict:
     def asd(s):
         return None if s is None else dataclasses.asdict(s)
 
-    zero = {"stage": 3, "precision": "fp32", "hpz": r.hpz, "hpz_size": None, "grad_accum_steps": 1,
-            "weights": asd(r.weights), "grads": asd(r.grads)}
+    zero = {
+        "stage": 3,
+        "precision": "fp32",
+        "hpz": r.hpz,
+        "hpz_size": None,
+        "grad_accum_steps": 1,
+        "weights": asd(r.weights),
+        "grads": asd(r.grads),
+    }
     emulated = "cluster=emulated" in overrides
     gbps = next((float(o.split("=")[1]) for o in overrides if o.startswith("cluster.inter_gbps=")), None)
-    cfg = {"zero": zero, "model": MODEL, "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
-           "train": {"micro_batch_size": 2}, "trainer": {"name": "zeropp"},
-           "cluster": {"name": "emulated" if emulated else "local", "inter_gbps": gbps, "inter_latency_ms": 0.0}}
-    return {"config": cfg, "step_time_s": {"median": step, "mean": step}, "engine_comm_wait_s_per_step": wait,
-            "comm_wait_s_per_step": wait, "engine_comm_bytes_per_step": {"by_link": {"cross": 1e5, "intra": 1e5}},
-            "placement": {"cluster": "emulated", "measured_gbps": 0.96 * gbps} if emulated else None,
-            "model": {"params": sum(gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=2)), "flops_per_token": 1.0},
-            "loss": {"first": 5.6, "final": 5.5}, "run_dir": "x"}
+    cfg = {
+        "zero": zero,
+        "model": MODEL,
+        "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
+        "train": {"micro_batch_size": 2},
+        "trainer": {"name": "zeropp"},
+        "cluster": {"name": "emulated" if emulated else "local", "inter_gbps": gbps, "inter_latency_ms": 0.0},
+    }
+    return {
+        "config": cfg,
+        "step_time_s": {"median": step, "mean": step},
+        "engine_comm_wait_s_per_step": wait,
+        "comm_wait_s_per_step": wait,
+        "engine_comm_bytes_per_step": {"by_link": {"cross": 1e5, "intra": 1e5}},
+        "placement": {"cluster": "emulated", "measured_gbps": 0.96 * gbps} if emulated else None,
+        "model": {"params": sum(gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=2)), "flops_per_token": 1.0},
+        "loss": {"first": 5.6, "final": 5.5},
+        "run_dir": "x",
+    }
 
 
 @pytest.fixture
@@ -49,9 +67,17 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(bench_cluster, "require_privileges", lambda *a, **k: None)
     monkeypatch.setattr(bench_cluster, "run_job", run_job)
     monkeypatch.setattr(bench_cluster, "measure_loopback_gbps", lambda world: 2.0)
-    monkeypatch.setattr(bench_cluster, "measure_quant_rates_contended",
-                        lambda w, c: (("quantize", 4, 1.0), ("quantize", 8, 1.0), ("dequantize", 8, 1.0),
-                                      ("dequantize_sum", 4, 1.0), ("dequantize_sum_requantize", 4, 1.0)))
+    monkeypatch.setattr(
+        bench_cluster,
+        "measure_quant_rates_contended",
+        lambda w, c: (
+            ("quantize", 4, 1.0),
+            ("quantize", 8, 1.0),
+            ("dequantize", 8, 1.0),
+            ("dequantize_sum", 4, 1.0),
+            ("dequantize_sum_requantize", 4, 1.0),
+        ),
+    )
     return jobs
 
 
@@ -65,8 +91,10 @@ def test_check_runs_its_grid_and_prints_the_error_per_cell(stubbed, capsys) -> N
     # the grid: 2 rates x 2 modes, three runs each, plus three unshaped references per mode
     shaped = [j for j in stubbed if "cluster=emulated" in j]
     local = [j for j in stubbed if "cluster=local" in j]
-    assert sorted({o for j in shaped for o in j if o.startswith("cluster.inter_gbps=")}) == \
-        ["cluster.inter_gbps=0.2", "cluster.inter_gbps=1.0"]
+    assert sorted({o for j in shaped for o in j if o.startswith("cluster.inter_gbps=")}) == [
+        "cluster.inter_gbps=0.2",
+        "cluster.inter_gbps=1.0",
+    ]
     assert len(shaped) == 12 and len(local) == 6 and all("train.steps=4" in j for j in stubbed)
     assert "Scaling model check" in out and "| 0.2 (0.192) | ZeRO-3 |" in out and "| 1 (0.960) | ZeRO++ |" in out
     lines = [ln for ln in out.splitlines() if ln.startswith("| 0.2 (") or ln.startswith("| 1 (")]
@@ -78,9 +106,22 @@ def test_check_runs_its_grid_and_prints_the_error_per_cell(stubbed, capsys) -> N
 
 def _cell(**kw) -> dict:
     """One ``--check`` cell with only the serial (analytic) prediction, as without unshaped runs."""
-    cell = {"gbps": 1.0, "measured_gbps": 0.96, "mode": "zero3", "measured_s": 1.0, "comm_wait_s": 0.5,
-            "quant_s": 0.0, "local_comm_wait_s": None, "cpu_scale": None, "analytic_s": 1.1, "analytic_error": 0.1,
-            "hybrid_s": None, "hybrid_error": None, "scheduled_s": None, "scheduled_error": None}
+    cell = {
+        "gbps": 1.0,
+        "measured_gbps": 0.96,
+        "mode": "zero3",
+        "measured_s": 1.0,
+        "comm_wait_s": 0.5,
+        "quant_s": 0.0,
+        "local_comm_wait_s": None,
+        "cpu_scale": None,
+        "analytic_s": 1.1,
+        "analytic_error": 0.1,
+        "hybrid_s": None,
+        "hybrid_error": None,
+        "scheduled_s": None,
+        "scheduled_error": None,
+    }
     return {**cell, **kw}
 
 
@@ -90,8 +131,9 @@ def test_check_fails_when_a_cell_is_off() -> None:
     text, ok = bench_cluster.format_check([_cell(analytic_s=1.2, analytic_error=0.2)])
     assert not ok and "FAIL" in text and "outside" in text
     # with the unshaped reference the verdict is on the scheduled model, whatever the serial one reads
-    local = dict(local_comm_wait_s=0.1, cpu_scale=1.5, hybrid_s=1.05, hybrid_error=0.05, scheduled_s=0.95,
-                 scheduled_error=-0.05)
+    local = dict(
+        local_comm_wait_s=0.1, cpu_scale=1.5, hybrid_s=1.05, hybrid_error=0.05, scheduled_s=0.95, scheduled_error=-0.05
+    )
     text, ok = bench_cluster.format_check([_cell(analytic_s=1.3, analytic_error=0.3, **local)])
     assert ok and "check (scheduled model): PASS" in text and "serial model: worst 30.0%" in text
     text, ok = bench_cluster.format_check([_cell(**{**local, "scheduled_s": 0.8, "scheduled_error": -0.2})])
@@ -124,11 +166,19 @@ def test_check_prints_max_error_and_honours_tolerance(stubbed, capsys) -> None:
 
 def test_workload_from_summary_takes_hf_summaries() -> None:
     from zeropp.experiments.scaling_check import summary_units, workload_from_summary
+
     s = _summary(["quant=zeropp", "cluster=emulated", "cluster.inter_gbps=1.0"], 0.2, 0.1)
     gpt = workload_from_summary(s)
     assert gpt.units == gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=2)
-    hf_model = {"kind": "hf", "vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 3, "n_heads": 2,
-                "intermediate_size": 88}
+    hf_model = {
+        "kind": "hf",
+        "vocab_size": 256,
+        "seq_len": 16,
+        "d_model": 32,
+        "n_layers": 3,
+        "n_heads": 2,
+        "intermediate_size": 88,
+    }
     hf = {**s, "config": {**s["config"], "model": hf_model}, "model": {"params": 100_007, "flops_per_token": 1.0}}
     units = summary_units(hf)
     assert sum(units) == 100_007 and len(units) == 4 and units[1] == units[2] == units[3]

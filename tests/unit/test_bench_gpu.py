@@ -13,33 +13,84 @@ import pytest
 from zeropp.experiments import bench_gpu
 from zeropp.experiments.config import ConfigError
 
-CPU_TINY = ["--device", "cpu", "--preset", "tiny", "--d-model", "0", "--n-layers", "0", "--n-heads", "0",
-            "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1"]
+CPU_TINY = [
+    "--device",
+    "cpu",
+    "--preset",
+    "tiny",
+    "--d-model",
+    "0",
+    "--n-layers",
+    "0",
+    "--n-heads",
+    "0",
+    "--seq",
+    "16",
+    "--batch",
+    "2",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+]
 
 
 def fake_summary(step_s: float, memory: int = 3 * 2**20) -> dict:
-    return {"step_time_s": {"median": step_s}, "memory_max_rank_bytes": memory, "tokens_per_s": 1000.0 / step_s,
-            "model": {"params": 151_000_000}, "device": "cuda:0 (fake)"}
+    return {
+        "step_time_s": {"median": step_s},
+        "memory_max_rank_bytes": memory,
+        "tokens_per_s": 1000.0 / step_s,
+        "model": {"params": 151_000_000},
+        "device": "cuda:0 (fake)",
+    }
 
 
 def test_defaults_are_the_issue_model_and_every_row():
     a = bench_gpu.parse_args([])
-    assert a.jobs == list(bench_gpu.JOBS) and (a.d_model, a.n_layers, a.n_heads, a.seq, a.batch) == (1024, 12, 16, 512, 8)
+    assert a.jobs == list(bench_gpu.JOBS) and (a.d_model, a.n_layers, a.n_heads, a.seq, a.batch) == (
+        1024,
+        12,
+        16,
+        512,
+        8,
+    )
     ov = bench_gpu.job_overrides(a, "zeropp")
     assert ov[:3] == ["trainer=zeropp", "stage=3", "quant=zeropp"]
-    for want in ("topology=1x1", "model=large", "model.d_model=1024", "model.n_layers=12", "model.n_heads=16",
-                 "model.seq_len=512", "train.micro_batch_size=8", "train.steps=25", "train.throughput_skip_steps=5",
-                 "zero.precision=bf16", "launcher.device=cuda", "logger=none"):
+    for want in (
+        "topology=1x1",
+        "model=large",
+        "model.d_model=1024",
+        "model.n_layers=12",
+        "model.n_heads=16",
+        "model.seq_len=512",
+        "train.micro_batch_size=8",
+        "train.steps=25",
+        "train.throughput_skip_steps=5",
+        "zero.precision=bf16",
+        "launcher.device=cuda",
+        "logger=none",
+    ):
         assert want in ov
     assert bench_gpu.job_overrides(a, "torch")[0] == "trainer=ddp"
     # 0 keeps the preset's shape: no model.* size overrides
     tiny = bench_gpu.parse_args(CPU_TINY)
-    assert not any(o.startswith(("model.d_model", "model.n_layers", "model.n_heads")) for o in bench_gpu.job_overrides(tiny, "stage0"))
+    assert not any(
+        o.startswith(("model.d_model", "model.n_layers", "model.n_heads"))
+        for o in bench_gpu.job_overrides(tiny, "stage0")
+    )
 
 
-@pytest.mark.parametrize("argv,msg", [(["--jobs", "stage0,stage9"], "stage9"), (["--jobs", ","], "empty"),
-                                      (["--steps", "0"], "--steps"), (["--warmup", "-1"], "--warmup"),
-                                      (["--d-model", "-2"], "--d-model"), (["--precision", "fp16"], "precision")])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--jobs", "stage0,stage9"], "stage9"),
+        (["--jobs", ","], "empty"),
+        (["--steps", "0"], "--steps"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--d-model", "-2"], "--d-model"),
+        (["--precision", "fp16"], "precision"),
+    ],
+)
 def test_bad_arguments_are_refused(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench_gpu.parse_args(argv)
@@ -76,5 +127,3 @@ def test_table_without_stage0_has_no_ratios(capsys):
     bench_gpu.main(["--jobs", "stage3"], run_job=lambda ov, d: fake_summary(0.05))
     line = capsys.readouterr().out.splitlines()[-1]
     assert line[24:].split()[:2] == ["50.00", "-"]
-
-

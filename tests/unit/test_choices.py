@@ -97,16 +97,21 @@ def test_members_are_their_strings() -> None:
     q = QuantSpec(bits=4, rounding="stochastic", rotation="hadamard")
     assert q.rounding is Rounding.stochastic and q.rotation is Rotation.hadamard and q.stochastic
     assert OptimizerConfig(schedule="cosine", decay_steps=10).schedule is Schedule.cosine
-    for bad in (lambda: ZeroConfig(precision="fp8"), lambda: ZeroConfig(offload_param=3),
-                lambda: QuantSpec(bits=8, rounding="up"), lambda: OptimizerConfig(schedule="linear")):
+    for bad in (
+        lambda: ZeroConfig(precision="fp8"),
+        lambda: ZeroConfig(offload_param=3),
+        lambda: QuantSpec(bits=8, rounding="up"),
+        lambda: OptimizerConfig(schedule="linear"),
+    ):
         with pytest.raises(ValueError, match="one of"):
             bad()
 
 
 def test_what_is_written_holds_plain_strings() -> None:
     """Summaries and wandb get ``RunConfig.to_dict()``; checkpoint metadata the config's repr."""
-    rc = from_dict(_cfg("quant=zeropp", "zero.precision=bf16", "zero.grads.rounding=stochastic",
-                        "optim.schedule=cosine"))
+    rc = from_dict(
+        _cfg("quant=zeropp", "zero.precision=bf16", "zero.grads.rounding=stochastic", "optim.schedule=cosine")
+    )
     with pytest.raises(yaml.representer.RepresenterError):  # the fault: an enum member in a YAML dump
         yaml.safe_dump(dataclasses.asdict(rc.zero))
     d = rc.to_dict()

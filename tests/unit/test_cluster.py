@@ -36,5 +36,3 @@ def test_without_root_the_error_says_why_and_how_to_run_locally(monkeypatch):
     with pytest.raises(ClusterPrivilegeError, match="root") as e:
         EmulatedCluster(2, 2, 1.0).up()
     assert "cluster=local" in str(e.value)
-
-

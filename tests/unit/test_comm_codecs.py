@@ -104,5 +104,7 @@ def test_int_codec_wire_row_is_codes_then_scales() -> None:
         assert c.wire_bytes(37, bits, 16) == quantized_nbytes(1, 37, bits, 16)
         back = c.unpack(buf.view(3, 2, -1), 37, bits, 16)
         assert torch.equal(back.codes.view(6, -1), q.codes) and torch.equal(back.scales.view(6, -1), q.scales)
-        assert torch.equal(c.dequantize_sum(buf.view(3, 2, -1), 37, bits, 16),
-                           Codec.dequantize_sum(c, buf.view(3, 2, -1), 37, bits, 16))  # fused == generic
+        assert torch.equal(
+            c.dequantize_sum(buf.view(3, 2, -1), 37, bits, 16),
+            Codec.dequantize_sum(c, buf.view(3, 2, -1), 37, bits, 16),
+        )  # fused == generic

@@ -98,5 +98,3 @@ def test_spec_residual_bits_and_agreement_with_the_state() -> None:
     check_reduce_spec(spec, ErrorFeedback.for_spec(spec))
     with pytest.raises(ValueError, match="residual_bits=32 but the error_feedback state stores 8-bit residuals"):
         check_reduce_spec(spec, ErrorFeedback())
-
-

@@ -47,8 +47,9 @@ def q_rot(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None)
     return quantize_ref(rot(x, b, rows), bits, gs, rows=rows, **kw)
 
 
-def round_trip(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def round_trip(
+    x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     cols = x.numel() // rows
     return unrot(dequantize_ref(q_rot(x, b, bits, gs, rows, seed)), b, cols, dtype)
 
@@ -123,8 +124,10 @@ def test_codec_matches_reference_composition(cols, bits, gs, block, dtype) -> No
     bufs = torch.stack([c.encode(x, bits, gs, rows=rows, seed=None), c.encode(y, bits, gs, rows=rows, seed=None)])
     stacked = _stack([q_rot(x, b, bits, gs, rows), q_rot(y, b, bits, gs, rows)])
     assert torch.equal(c.dequantize_sum(bufs, cols, bits, gs), unrot(dequantize_sum_ref(stacked), b, cols))
-    assert torch.equal(c.dequantize_sum(bufs, cols, bits, gs, dtype=torch.bfloat16),
-                       unrot(dequantize_sum_ref(stacked), b, cols, torch.bfloat16))
+    assert torch.equal(
+        c.dequantize_sum(bufs, cols, bits, gs, dtype=torch.bfloat16),
+        unrot(dequantize_sum_ref(stacked), b, cols, torch.bfloat16),
+    )
     for seed in (None, 9):
         send = c.dequantize_sum_requantize(bufs, cols, bits, gs, out_bits=4 if gs % 2 == 0 else 8, seed=seed)
         kw = {} if seed is None else dict(stochastic=True, seed=seed)
@@ -148,10 +151,9 @@ def test_codec_reads_swizzled_views_and_writes_row_strided_out() -> None:
 
 def test_rotation_is_not_a_no_op_and_errors_at_use() -> None:
     x = rank_input(7, 0, 256, torch.float32)
-    assert not torch.equal(codec_for(had(4, 64)).encode(x, 4, 64, rows=1, seed=None),
-                           IntCodec().encode(x, 4, 64, rows=1, seed=None))
+    assert not torch.equal(
+        codec_for(had(4, 64)).encode(x, 4, 64, rows=1, seed=None), IntCodec().encode(x, 4, 64, rows=1, seed=None)
+    )
     c = codec_for(QuantSpec(bits=4, rotation="hadamard", hadamard_block=256))
     with pytest.raises(ValueError, match="hadamard_block=256 does not divide group_size=128"):
         c.encode(x, 4, 128, rows=1, seed=None)  # the gradients' default group size
-
-

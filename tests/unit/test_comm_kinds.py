@@ -16,10 +16,18 @@ import zeropp
 from zeropp.comm.kinds import CommKind
 from zeropp.runtime import plan_kinds
 
-DISTINCT = {CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, CommKind.FROZEN_ALL_GATHER,
-            CommKind.GRAD_REDUCE_SCATTER, CommKind.GRAD_ALL_REDUCE, CommKind.PARAM_ALL_GATHER,
-            CommKind.WEIGHT_DIFF_ALL_GATHER, CommKind.DDP_ALL_REDUCE, CommKind.FSDP_ALL_GATHER,
-            CommKind.FSDP_REDUCE_SCATTER}
+DISTINCT = {
+    CommKind.FWD_ALL_GATHER,
+    CommKind.BWD_ALL_GATHER,
+    CommKind.FROZEN_ALL_GATHER,
+    CommKind.GRAD_REDUCE_SCATTER,
+    CommKind.GRAD_ALL_REDUCE,
+    CommKind.PARAM_ALL_GATHER,
+    CommKind.WEIGHT_DIFF_ALL_GATHER,
+    CommKind.DDP_ALL_REDUCE,
+    CommKind.FSDP_ALL_GATHER,
+    CommKind.FSDP_REDUCE_SCATTER,
+}
 
 
 def _sources() -> list[Path]:

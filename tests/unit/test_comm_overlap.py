@@ -30,8 +30,10 @@ CPU = torch.device("cpu")
 def test_chain_runs_in_submission_order_off_the_caller_thread() -> None:
     gate, order, threads = threading.Event(), [], []
     first = chain.submit(lambda: (gate.wait(10), order.append(0)), CPU)
-    rest = [chain.submit(lambda k=k: (order.append(k), threads.append(threading.current_thread())), CPU)
-            for k in range(1, 6)]
+    rest = [
+        chain.submit(lambda k=k: (order.append(k), threads.append(threading.current_thread())), CPU)
+        for k in range(1, 6)
+    ]
     assert not first.done() and order == []  # the caller was not blocked by the gated job
     gate.set()
     for d in reversed(rest):  # waiting out of order is fine

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.comm import (
-    stochastic_seed,
-)
+from zeropp.comm import stochastic_seed
 from zeropp.comm.spec import QuantSpec
 
 SEED = 1234
@@ -24,8 +22,13 @@ SEED = 1234
 
 def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
     """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
-    return QuantSpec(bits=bits, group_size=group_size, intra_bits=intra_bits, seed=seed,
-                     rounding="stochastic" if stochastic else "nearest")
+    return QuantSpec(
+        bits=bits,
+        group_size=group_size,
+        intra_bits=intra_bits,
+        seed=seed,
+        rounding="stochastic" if stochastic else "nearest",
+    )
 
 
 def test_plugin_settings_validate_the_seed():
@@ -33,13 +36,13 @@ def test_plugin_settings_validate_the_seed():
     from zeropp.comm.fsdp import QuantizedAllGather, QuantizedReduceScatter
 
     assert QuantizedAllReduceState(grads=sr_spec(4, seed=3)).grads.stochastic
-    for make in (lambda: QuantizedAllGather(sr_spec(8, seed=-1)),
-                 lambda: QuantizedReduceScatter(sr_spec(4, seed=2**63)),
-                 lambda: QuantizedAllReduceState(grads=sr_spec(4, seed=-5))):
+    for make in (
+        lambda: QuantizedAllGather(sr_spec(8, seed=-1)),
+        lambda: QuantizedReduceScatter(sr_spec(4, seed=2**63)),
+        lambda: QuantizedAllReduceState(grads=sr_spec(4, seed=-5)),
+    ):
         with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
             make()
     assert stochastic_seed(None, 0, 0) == stochastic_seed(0, 0, 0)
     seeds = {stochastic_seed(SEED, r, c, h) for r in range(4) for c in range(4) for h in range(2)}
     assert len(seeds) == 32 and all(0 <= s < 2**63 for s in seeds)
-
-

@@ -55,7 +55,9 @@ def test_the_variable_is_read_when_the_context_is_created(monkeypatch: pytest.Mo
     monkeypatch.delenv(context.DEBUG_ENV)
     assert context.CommContext().debug_streams is False
     monkeypatch.setenv(context.DEBUG_ENV, "yes")
-    with pytest.raises(ValueError, match="ZEROPP_DEBUG_STREAMS='yes' is not a valid setting; set ZEROPP_DEBUG_STREAMS=1"):
+    with pytest.raises(
+        ValueError, match="ZEROPP_DEBUG_STREAMS='yes' is not a valid setting; set ZEROPP_DEBUG_STREAMS=1"
+    ):
         context.CommContext()
 
 
@@ -183,5 +185,3 @@ def _copy_through_a_continuation(early: bool) -> torch.Tensor:
 def test_the_debug_mode_shows_a_buffer_released_at_issue(debug_ctx) -> None:
     assert _copy_through_a_continuation(early=False).tolist() == list(map(float, range(8)))
     assert _copy_through_a_continuation(early=True).isnan().all()
-
-

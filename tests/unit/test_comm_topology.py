@@ -12,7 +12,9 @@ from zeropp.comm import CommStats, ErrorFeedback, QuantSpec, Topology
 from zeropp.comm.qgz import swizzle, unswizzle
 
 
-@pytest.mark.parametrize("nodes,rpn,hpz", [(1, 4, None), (2, 2, None), (3, 2, None), (2, 4, 2), (4, 2, 1), (3, 1, None)])
+@pytest.mark.parametrize(
+    "nodes,rpn,hpz", [(1, 4, None), (2, 2, None), (3, 2, None), (2, 4, 2), (4, 2, 1), (3, 1, None)]
+)
 def test_groups_partition_the_world(nodes: int, rpn: int, hpz) -> None:
     t = Topology(nodes, rpn, hpz)
     W = t.world_size
@@ -56,7 +58,12 @@ def test_comm_stats_record_snapshot_total_reset() -> None:
     s.record("reduce_scatter", "cross", 7)
     s.count_call("all_gather")
     assert s.snapshot() == {"all_gather": {"intra": 10, "cross": 5}, "reduce_scatter": {"intra": 0, "cross": 7}}
-    assert (s.total(), s.total(link="cross"), s.total(kind="all_gather"), s.total("cross", "reduce_scatter")) == (22, 12, 15, 7)
+    assert (s.total(), s.total(link="cross"), s.total(kind="all_gather"), s.total("cross", "reduce_scatter")) == (
+        22,
+        12,
+        15,
+        7,
+    )
     other = CommStats()
     other.merge(s)
     other.merge(s)
@@ -99,7 +106,10 @@ def test_plugins_refuse_a_plain_value_on_one_side_of_bits_and_intra_bits() -> No
     def spec(b, ib):  # the old (bits, intra_bits) pair as a spec; both plain = spec None
         return None if b is None and ib is None else QuantSpec(bits=b, intra_bits=ib)
 
-    for make in (lambda b, ib: QuantizedAllReduceState(grads=spec(b, ib)), lambda b, ib: QuantizedReduceScatter(spec(b, ib))):
+    for make in (
+        lambda b, ib: QuantizedAllReduceState(grads=spec(b, ib)),
+        lambda b, ib: QuantizedReduceScatter(spec(b, ib)),
+    ):
         with pytest.raises(ValueError, match="unquantized intra-node hop"):
             make(4, 16)
         with pytest.raises(ValueError, match="bits=None means no quantization; pass spec=None"):

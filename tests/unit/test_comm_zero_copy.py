@@ -84,8 +84,16 @@ def test_swizzled_view_quantizes_like_the_swizzled_copy(dtype, seed) -> None:
         # the same through the Triton kernels (interpreter on CPU), which index the view in place
         lay = wire_layout(n, bits, 128)
         buf, q = lay.empty(nodes * rpn, x.device)
-        quantize(swizzled_view(x, nodes, rpn), bits, 128, rows=nodes * rpn, stochastic=seed is not None,
-                 seed=seed or 0, out=q, impl="triton")
+        quantize(
+            swizzled_view(x, nodes, rpn),
+            bits,
+            128,
+            rows=nodes * rpn,
+            stochastic=seed is not None,
+            seed=seed or 0,
+            out=q,
+            impl="triton",
+        )
         assert torch.equal(buf, want)
 
 
@@ -123,5 +131,3 @@ def test_quantize_reads_row_strided_columns_in_place(impl) -> None:
         buf, q = lay.empty(W, x.device)
         quantize(x, bits, gs, rows=W, out=q, impl=impl)
         assert torch.equal(buf, Codec.encode(IntCodec(), x.contiguous(), bits, gs, rows=W, seed=None))
-
-

@@ -65,6 +65,7 @@ def test_readme_stays_short_and_docs_hold_no_issue_status() -> None:
 
 # --- the checker, on documents with known faults ----------------------------------------------
 
+
 def _doc(tmp_path: Path, text: str) -> list[Block]:
     p = tmp_path / "doc.md"
     p.write_text(text)
@@ -72,8 +73,11 @@ def _doc(tmp_path: Path, text: str) -> list[Block]:
 
 
 def test_marks_fences_and_continuations_are_read(tmp_path: Path) -> None:
-    bs = _doc(tmp_path, "x\n<!-- docs-commands: gpu -->\n```bash\npython -m a.b x=1 \\\n    y=2  # note\n"
-                        "cd d && pip install e\n```\n\n```python\nimport torch\n```\n")
+    bs = _doc(
+        tmp_path,
+        "x\n<!-- docs-commands: gpu -->\n```bash\npython -m a.b x=1 \\\n    y=2  # note\n"
+        "cd d && pip install e\n```\n\n```python\nimport torch\n```\n",
+    )
     assert [(b.lang, b.mark, b.line) for b in bs] == [("bash", "gpu", 3), ("python", None, 9)]
     assert commands(bs[0]) == [["python", "-m", "a.b", "x=1", "y=2"], ["cd", "d"], ["pip", "install", "e"]]
     with pytest.raises(ValueError, match="unknown docs-commands mark 'gpus'"):
@@ -82,24 +86,27 @@ def test_marks_fences_and_continuations_are_read(tmp_path: Path) -> None:
         _doc(tmp_path, "```bash\npython -m experiments.run\n")
 
 
-@pytest.mark.parametrize("line, error", [
-    ("python -m experiments.runn stage=3", ModuleNotFoundError),        # a misspelled module
-    ("python -m zeropp.kernels.compile_chek", ModuleNotFoundError),
-    ("python -m experiments.run stgae=3", ConfigError),                 # an unknown key
-    ("python -m experiments.run quant=int3", ConfigError),              # an unknown group option
-    ("python -m experiments.run train.steps=abc", ConfigError),         # a value of the wrong type
-    ("python -m experiments.run stage=1 quant=qwz", ConfigError),       # qwZ below stage 3: the library's check
-    ("python -m experiments.run -m stage=0,5", ConfigError),            # a sweep value out of range
-    ("python -m experiments.plan model=large --nodez 4", ValueError),   # argparse leaves --nodez over
-    ("python -m experiments.bench_cluster --gbps 0.1 --round5 3", SystemExit),  # argparse refuses it
-    ("python -m experiments.scaling --gbps fast", SystemExit),
-    ("python -m experiments.cluster stats", SystemExit),                # a sub-command that does not exist
-    ("python -m experiments.memory model=large --predict-all", ValueError),
-    ("python -m experiments.converge schemes=zeropp seeds=0", ConfigError),
-    ("torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run zero.stage=3", ConfigError),
-    ("bash scripts/gpu_chek.sh", FileNotFoundError),
-    ("make docs", ValueError),                                          # a command nobody checks
-])
+@pytest.mark.parametrize(
+    "line, error",
+    [
+        ("python -m experiments.runn stage=3", ModuleNotFoundError),  # a misspelled module
+        ("python -m zeropp.kernels.compile_chek", ModuleNotFoundError),
+        ("python -m experiments.run stgae=3", ConfigError),  # an unknown key
+        ("python -m experiments.run quant=int3", ConfigError),  # an unknown group option
+        ("python -m experiments.run train.steps=abc", ConfigError),  # a value of the wrong type
+        ("python -m experiments.run stage=1 quant=qwz", ConfigError),  # qwZ below stage 3: the library's check
+        ("python -m experiments.run -m stage=0,5", ConfigError),  # a sweep value out of range
+        ("python -m experiments.plan model=large --nodez 4", ValueError),  # argparse leaves --nodez over
+        ("python -m experiments.bench_cluster --gbps 0.1 --round5 3", SystemExit),  # argparse refuses it
+        ("python -m experiments.scaling --gbps fast", SystemExit),
+        ("python -m experiments.cluster stats", SystemExit),  # a sub-command that does not exist
+        ("python -m experiments.memory model=large --predict-all", ValueError),
+        ("python -m experiments.converge schemes=zeropp seeds=0", ConfigError),
+        ("torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run zero.stage=3", ConfigError),
+        ("bash scripts/gpu_chek.sh", FileNotFoundError),
+        ("make docs", ValueError),  # a command nobody checks
+    ],
+)
 def test_a_broken_command_fails(line: str, error: type[BaseException], capsys: pytest.CaptureFixture[str]) -> None:
     import shlex
 
@@ -107,12 +114,15 @@ def test_a_broken_command_fails(line: str, error: type[BaseException], capsys: p
         check_command(shlex.split(line))
 
 
-@pytest.mark.parametrize("line", [
-    "python -m experiments.run -m stage=0,1,2,3 zero.precision=fp32,bf16",
-    "sudo python -m experiments.bench_cluster --check",
-    "python -m experiments.plan model=tiny plan.nodes=4,8",
-    "python -m experiments.cluster up --nodes 2 --gbps 1",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "python -m experiments.run -m stage=0,1,2,3 zero.precision=fp32,bf16",
+        "sudo python -m experiments.bench_cluster --check",
+        "python -m experiments.plan model=tiny plan.nodes=4,8",
+        "python -m experiments.cluster up --nodes 2 --gbps 1",
+    ],
+)
 def test_a_good_command_passes(line: str) -> None:
     import shlex
 
@@ -120,12 +130,16 @@ def test_a_good_command_passes(line: str) -> None:
 
 
 def test_python_blocks_must_parse_and_import_what_exists(tmp_path: Path) -> None:
-    good, typo, syntax, sig = _doc(tmp_path, (
-        "```python\nfrom zeropp.comm import QuantSpec\nx = QuantSpec(bits=8)\n```\n"
-        "```python\nfrom zeropp.comm import QuantSpek\n```\n"
-        "```python\nquantize(x, *, rows=1)\n```\n"
-        "<!-- docs-commands: signatures -->\n```python\nfrom zeropp.comm import (Topology,\n    Nope)\n"
-        "quantize(x, *, rows=1)\n```\n"))
+    good, typo, syntax, sig = _doc(
+        tmp_path,
+        (
+            "```python\nfrom zeropp.comm import QuantSpec\nx = QuantSpec(bits=8)\n```\n"
+            "```python\nfrom zeropp.comm import QuantSpek\n```\n"
+            "```python\nquantize(x, *, rows=1)\n```\n"
+            "<!-- docs-commands: signatures -->\n```python\nfrom zeropp.comm import (Topology,\n    Nope)\n"
+            "quantize(x, *, rows=1)\n```\n"
+        ),
+    )
     check_python(good)
     with pytest.raises(ImportError, match="QuantSpek"):
         check_python(typo)
@@ -137,6 +151,6 @@ def test_python_blocks_must_parse_and_import_what_exists(tmp_path: Path) -> None
 
 def test_module_lookup_follows_where_the_docs_run_it() -> None:
     assert module_exists("experiments.run") and module_exists("zeropp.experiments.run")
-    assert module_exists("experiments.cluster")          # a package with __main__
+    assert module_exists("experiments.cluster")  # a package with __main__
     assert not module_exists("experiments.launcher_x")
-    assert not module_exists("zeropp.comm")              # a package without __main__ cannot be run
+    assert not module_exists("zeropp.comm")  # a package without __main__ cannot be run

@@ -35,5 +35,3 @@ def test_a_torch_distributed_call_it_cannot_count_runs_and_is_named_once() -> No
         warnings.simplefilter("error")  # once per op: the second call is quiet
         assert wrapped(torch.ones(2)) == "done"
     assert len(calls) == 2 and w.take()[0] == {} and list(w.uncounted) == ["all_reduce"]
-
-

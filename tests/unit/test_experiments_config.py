@@ -54,12 +54,28 @@ def test_schema_is_generated_from_the_library() -> None:
                 continue
             assert hasattr(node, f.name), f"{section}.{f.name}"
     assert dataclasses.fields(ZeroConfig)  # sanity
-    for key in ("zero.persistence_threshold=64", "zero.loss_scale_init=1024", "optim.betas=[0.8,0.95]",
-                "optim.eps=1e-6", "zero.grads.seed=7", "zero.weights.rounding=stochastic"):
+    for key in (
+        "zero.persistence_threshold=64",
+        "zero.loss_scale_init=1024",
+        "optim.betas=[0.8,0.95]",
+        "optim.eps=1e-6",
+        "zero.grads.seed=7",
+        "zero.weights.rounding=stochastic",
+    ):
         check_overrides(["quant=w8g4", key])
-    rc = from_dict(_cfg("quant=w8g4", "zero.persistence_threshold=64", "optim.betas=[0.8,0.95]", "optim.eps=1e-6",
-                        "zero.grads.seed=7", "zero.grads.intra_bits=8", "zero.weights.rounding=stochastic",
-                        "zero.precision=fp16", "zero.loss_scale_init=1024"))
+    rc = from_dict(
+        _cfg(
+            "quant=w8g4",
+            "zero.persistence_threshold=64",
+            "optim.betas=[0.8,0.95]",
+            "optim.eps=1e-6",
+            "zero.grads.seed=7",
+            "zero.grads.intra_bits=8",
+            "zero.weights.rounding=stochastic",
+            "zero.precision=fp16",
+            "zero.loss_scale_init=1024",
+        )
+    )
     assert rc.zero.persistence_threshold == 64 and rc.optim.betas == (0.8, 0.95) and rc.optim.eps == 1e-6
     assert rc.zero.grads == QuantSpec(bits=4, intra_bits=8, seed=7)
     assert rc.zero.weights == QuantSpec(bits=8, rounding="stochastic") and rc.zero.loss_scale_init == 1024
@@ -85,21 +101,24 @@ def test_every_option_composes() -> None:
             from_dict(_cfg(f"{group}={opt}", *(extra.get(opt, []) if group == "trainer" else [])))
 
 
-@pytest.mark.parametrize("override, words", [
-    (["stage=5"], ["stage must be", "5"]),
-    (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
-    (["quant=int8", "zero.weights.bits=3"], ["zero.weights", "bits=3", "(8, 4)"]),
-    (["train.steps=0"], ["train.steps=0", ">= 1"]),
-    (["model.n_heads=3"], ["model", "n_heads=3", "d_model"]),
-    (["zero.reduce_bucket_size=-1"], ["zero.reduce_bucket_size", "-1"]),
-    (["topology.nodes=0"], ["topology.nodes", "positive"]),
-    (["quant=int8", "stage=2"], ["stage", "qwZ"]),
-    (["quant=int8", "zero.weights.intra_bits=8"], ["zero.weights", "intra_bits"]),
-    (["optim.lr=-1"], ["optim.lr", "-1"]),
-    (["quant=zeropp", "zero.hpz_size=3"], ["hpz_size", "3"]),
-    (["launcher.heartbeat_s=-1"], ["launcher.heartbeat_s=-1.0", "0 (the watch off) or >= 1"]),
-    (["launcher.heartbeat_s=0.5"], ["launcher.heartbeat_s=0.5", "0 (the watch off) or >= 1"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["stage=5"], ["stage must be", "5"]),
+        (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
+        (["quant=int8", "zero.weights.bits=3"], ["zero.weights", "bits=3", "(8, 4)"]),
+        (["train.steps=0"], ["train.steps=0", ">= 1"]),
+        (["model.n_heads=3"], ["model", "n_heads=3", "d_model"]),
+        (["zero.reduce_bucket_size=-1"], ["zero.reduce_bucket_size", "-1"]),
+        (["topology.nodes=0"], ["topology.nodes", "positive"]),
+        (["quant=int8", "stage=2"], ["stage", "qwZ"]),
+        (["quant=int8", "zero.weights.intra_bits=8"], ["zero.weights", "intra_bits"]),
+        (["optim.lr=-1"], ["optim.lr", "-1"]),
+        (["quant=zeropp", "zero.hpz_size=3"], ["hpz_size", "3"]),
+        (["launcher.heartbeat_s=-1"], ["launcher.heartbeat_s=-1.0", "0 (the watch off) or >= 1"]),
+        (["launcher.heartbeat_s=0.5"], ["launcher.heartbeat_s=0.5", "0 (the watch off) or >= 1"]),
+    ],
+)
 def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) -> None:
     with pytest.raises(ConfigError) as e:
         from_dict(_cfg(*override))
@@ -107,11 +126,19 @@ def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) 
         assert w in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("trainer, override", [
-    ("fsdp2", "zero.prefetch_depth=2"), ("fsdp2", "quant=int8"), ("fsdp2", "stage=2"),
-    ("fsdp2_zeropp", "zero.allgather_bucket_size=1000"), ("ddp", "quant=qgz"), ("ddp_zeropp", "zero.allgather_bucket_size=10"),
-    ("ddp", "zero.persistence_threshold=10"), ("fsdp2", "zero.precision=fp16"),
-])
+@pytest.mark.parametrize(
+    "trainer, override",
+    [
+        ("fsdp2", "zero.prefetch_depth=2"),
+        ("fsdp2", "quant=int8"),
+        ("fsdp2", "stage=2"),
+        ("fsdp2_zeropp", "zero.allgather_bucket_size=1000"),
+        ("ddp", "quant=qgz"),
+        ("ddp_zeropp", "zero.allgather_bucket_size=10"),
+        ("ddp", "zero.persistence_threshold=10"),
+        ("fsdp2", "zero.precision=fp16"),
+    ],
+)
 def test_a_key_the_trainer_does_not_use_is_an_error(trainer: str, override: str) -> None:
     extra = ["quant=qgz"] if trainer == "ddp_zeropp" else ["quant=w8g4"] if trainer == "fsdp2_zeropp" else []
     with pytest.raises(ConfigError) as e:

@@ -28,7 +28,8 @@ def _fake_runner(evals: dict[tuple[str, int], float], fail: set[tuple[str, int]]
     def run(overrides: list[str], run_dir: Path) -> dict[str, Any]:
         calls.append(overrides)
         scheme = {"quant=none": "fp", "quant=w4g4": "w4g4", "quant=int8": "int8"}[
-            next(o for o in overrides if o.startswith("quant="))]
+            next(o for o in overrides if o.startswith("quant="))
+        ]
         if "zero.grads.error_feedback=true" in overrides:
             scheme = "w4g4_ef"
         seed = int(next(o for o in overrides if o.startswith("train.seed=")).split("=")[1])
@@ -37,15 +38,28 @@ def _fake_runner(evals: dict[tuple[str, int], float], fail: set[tuple[str, int]]
         run_dir.mkdir(parents=True, exist_ok=True)
         lines = [{"step": s, "loss": 5.0 - s - seed, "eval_loss": 4.0 if s == 2 else None} for s in (1, 2, 3)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-        return {"loss": {"final": 3.0 - seed, "eval": evals[(scheme, seed)]}, "tokens_per_s": 100.0 + seed,
-                "tokens_per_step": 64, "steps": 3, "first_step": 1, "model": {"name": "tiny", "params": 1}}
+        return {
+            "loss": {"final": 3.0 - seed, "eval": evals[(scheme, seed)]},
+            "tokens_per_s": 100.0 + seed,
+            "tokens_per_step": 64,
+            "steps": 3,
+            "first_step": 1,
+            "model": {"name": "tiny", "params": 1},
+        }
 
     return run, calls
 
 
 def test_gap_formula_seed_spread_and_failed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    evals = {("fp", 0): 2.00, ("fp", 1): 2.02, ("w4g4", 0): 2.20, ("w4g4", 1): 2.21,
-             ("w4g4_ef", 0): 2.01, ("w4g4_ef", 1): 2.02, ("int8", 0): 2.1}
+    evals = {
+        ("fp", 0): 2.00,
+        ("fp", 1): 2.02,
+        ("w4g4", 0): 2.20,
+        ("w4g4", 1): 2.21,
+        ("w4g4_ef", 0): 2.01,
+        ("w4g4_ef", 1): 2.02,
+        ("int8", 0): 2.1,
+    }
     run, calls = _fake_runner(evals, fail={("int8", 1)})
     out = tmp_path / "c"
     rc = converge.main(["schemes=fp,w4g4,w4g4_ef,int8", "seeds=0,1", f"out={out}", *TINY], runner=run)
@@ -57,8 +71,9 @@ def test_gap_formula_seed_spread_and_failed_run(tmp_path: Path, capsys: pytest.C
     g = [100 * (2.20 / 2.00 - 1), 100 * (2.21 / 2.02 - 1)]
     assert rows["w4g4"]["gap_pct_mean"] == pytest.approx(statistics.fmean(g))
     assert rows["w4g4"]["gap_pct_sd"] == pytest.approx(statistics.stdev(g))
-    noise = max(statistics.stdev(g), 100 * statistics.stdev([2.0, 2.02]) / 2.01,
-                100 * statistics.stdev([2.2, 2.21]) / 2.01)
+    noise = max(
+        statistics.stdev(g), 100 * statistics.stdev([2.0, 2.02]) / 2.01, 100 * statistics.stdev([2.2, 2.21]) / 2.01
+    )
     assert rows["w4g4"]["seed_spread_pct"] == pytest.approx(noise)
     assert rows["w4g4"]["outside_seed_spread"] is True  # ~+9.7% against < 1% of seed noise
     assert rows["w4g4_ef"]["gap_pct_mean"] == pytest.approx(statistics.fmean([0.5, 0.0]))
@@ -76,23 +91,27 @@ def test_gap_formula_seed_spread_and_failed_run(tmp_path: Path, capsys: pytest.C
     assert (out / "loss.png").exists()
 
 
-@pytest.mark.parametrize("args, words", [
-    (["schemes=fp,w9g9"], ["unknown scheme 'w9g9'", "w4g4_ef"]),
-    (["seeds=1"], ["seeds", "at least 2"]),
-    (["seeds=0"], ["seeds=0"]),
-    (["seeds=3,3"], ["distinct"]),
-    (["seeds=a,b"], ["seeds='a,b'"]),
-    (["schemes=w4g4,w4g4h"], ["lacks fp"]),
-    (["schemes=fp,fp"], ["repeats fp"]),
-    (["quant=int8"], ["'quant=int8'", "schemes="]),
-    (["train.seed=4"], ["seeds="]),
-    (["--multirun"], ["key=value"]),
-    (["model=gigantic"], ["model='gigantic'"]),
-    (["train.stepz=3"], ["train.stepz"]),
-    (["zero.grads.bits=3"], ["zero.grads"]),
-])
-def test_bad_inputs_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                           args: list[str], words: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["schemes=fp,w9g9"], ["unknown scheme 'w9g9'", "w4g4_ef"]),
+        (["seeds=1"], ["seeds", "at least 2"]),
+        (["seeds=0"], ["seeds=0"]),
+        (["seeds=3,3"], ["distinct"]),
+        (["seeds=a,b"], ["seeds='a,b'"]),
+        (["schemes=w4g4,w4g4h"], ["lacks fp"]),
+        (["schemes=fp,fp"], ["repeats fp"]),
+        (["quant=int8"], ["'quant=int8'", "schemes="]),
+        (["train.seed=4"], ["seeds="]),
+        (["--multirun"], ["key=value"]),
+        (["model=gigantic"], ["model='gigantic'"]),
+        (["train.stepz=3"], ["train.stepz"]),
+        (["zero.grads.bits=3"], ["zero.grads"]),
+    ],
+)
+def test_bad_inputs_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: list[str]
+) -> None:
     def never(overrides: list[str], run_dir: Path) -> dict[str, Any]:
         raise AssertionError("no run may start on a bad setting")
 

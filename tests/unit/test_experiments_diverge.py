@@ -45,9 +45,15 @@ def test_torch_trainer_makes_no_update_from_a_non_finite_step() -> None:
     """The DDP/FSDP2 loop without its wrapper (no process group needed): lr=1e30 blows the weights
     up at step 1, step 2's gradient norm is NaN, and that step changes neither the weights nor the
     optimizer state nor the LR schedule."""
-    cfg = from_dict({"model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 64, "seq_len": 8},
-                     "data": {"kind": "random"}, "trainer": {"name": "ddp"}, "optim": {"lr": 1e30},
-                     "topology": {"nodes": 1, "ranks_per_node": 1}})
+    cfg = from_dict(
+        {
+            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 64, "seq_len": 8},
+            "data": {"kind": "random"},
+            "trainer": {"name": "ddp"},
+            "optim": {"lr": 1e30},
+            "topology": {"nodes": 1, "ranks_per_node": 1},
+        }
+    )
     trainer = TorchTrainer(build_model(cfg, torch.device("cpu")), cfg, autocast=False)
     g = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))]

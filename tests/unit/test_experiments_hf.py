@@ -50,20 +50,26 @@ def test_every_stage_and_quant_preset_composes() -> None:
         arch = ("gpt2", "llama")[k % 2]
         rc = from_dict(_cfg("model=hf", f"model.hf_config={arch}", f"quant={quant}", f"stage={stage}"))
         assert isinstance(rc.model, HFConfig) and rc.model.hf_config == arch and rc.zero.stage == stage
-        assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (RECIPES[quant].weights, RECIPES[quant].grads,
-                                                                RECIPES[quant].hpz)
+        assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (
+            RECIPES[quant].weights,
+            RECIPES[quant].grads,
+            RECIPES[quant].hpz,
+        )
 
 
-@pytest.mark.parametrize("args, words", [
-    (["model=hf", "model.mlp_ratio=2"], "model.mlp_ratio=2 does nothing with model.kind=hf"),
-    (["model=mini", "model.hf_config=llama"], "model.hf_config='llama' does nothing with model.kind=gpt"),
-    (["model.n_kv_heads=2"], "model.n_kv_heads=2 does nothing with model.kind=gpt"),
-    (["model=hf", "model.n_kv_heads=2"], "model.n_kv_heads=2 applies to hf_config=llama only"),
-    (["model=hf", "model.hf_config=bert"], "model.hf_config='bert' is not supported"),
-    (["model=hf", "model.n_heads=3"], "n_heads=3 must divide d_model=64"),
-    (["model=hf", "model.pretrained=/no/such/dir"], "model.pretrained='/no/such/dir' does not exist"),
-    (["model.kind=bert"], "model.kind='bert'; allowed: gpt, hf"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["model=hf", "model.mlp_ratio=2"], "model.mlp_ratio=2 does nothing with model.kind=hf"),
+        (["model=mini", "model.hf_config=llama"], "model.hf_config='llama' does nothing with model.kind=gpt"),
+        (["model.n_kv_heads=2"], "model.n_kv_heads=2 does nothing with model.kind=gpt"),
+        (["model=hf", "model.n_kv_heads=2"], "model.n_kv_heads=2 applies to hf_config=llama only"),
+        (["model=hf", "model.hf_config=bert"], "model.hf_config='bert' is not supported"),
+        (["model=hf", "model.n_heads=3"], "n_heads=3 must divide d_model=64"),
+        (["model=hf", "model.pretrained=/no/such/dir"], "model.pretrained='/no/such/dir' does not exist"),
+        (["model.kind=bert"], "model.kind='bert'; allowed: gpt, hf"),
+    ],
+)
 def test_bad_model_settings_name_the_key(args: list[str], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         from_dict(_cfg(*args))
@@ -93,5 +99,3 @@ def test_trainers_build_the_hf_model(trainer: str) -> None:
     ref = build_hf_model(rc.model, seed=5)
     assert type(model) is type(ref) and len(model.blocks) == 2
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))  # seeded like every rank
-
-

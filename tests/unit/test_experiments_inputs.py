@@ -41,24 +41,29 @@ def _cfg(*overrides: str) -> dict:
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capfd):
     """``cli(*args)`` -> the runner's stderr, after checking it exited 2 with one ``error:`` line."""
+
     def call(*args: str) -> str:
         code, err = run_cli(list(args), tmp_path / "run", monkeypatch, capfd)
         assert code == 2, err
         lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert len(lines) == 1 and "Traceback" not in err, err
         return lines[0]
+
     return call
 
 
 # ------------------------------------------------------------------ keys the data source would ignore
-@pytest.mark.parametrize("args, words", [
-    (["data.path=/nonexistent"], ["data.path='/nonexistent'", "data.source=python_stdlib", "add data.source=path"]),
-    (["data=random", "data.path=/tmp"], ["data.path='/tmp'", "data.kind=random", "data=text"]),
-    (["data=random", "data.max_bytes=100000"], ["data.max_bytes=100000", "data.kind=random"]),
-    (["data=random", "data.val_fraction=0.1"], ["data.val_fraction=0.1", "data.kind=random"]),
-    (["data=licenses", "data.kind=random"], ["data.source='path'", "data.kind=random"]),
-    (["data.max_bytes=2000"], ["data.max_bytes=2000", ">= 4096"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["data.path=/nonexistent"], ["data.path='/nonexistent'", "data.source=python_stdlib", "add data.source=path"]),
+        (["data=random", "data.path=/tmp"], ["data.path='/tmp'", "data.kind=random", "data=text"]),
+        (["data=random", "data.max_bytes=100000"], ["data.max_bytes=100000", "data.kind=random"]),
+        (["data=random", "data.val_fraction=0.1"], ["data.val_fraction=0.1", "data.kind=random"]),
+        (["data=licenses", "data.kind=random"], ["data.source='path'", "data.kind=random"]),
+        (["data.max_bytes=2000"], ["data.max_bytes=2000", ">= 4096"]),
+    ],
+)
 def test_a_data_key_the_source_ignores_is_refused(cli, args: list[str], words: list[str]) -> None:
     line = cli(*args)
     assert all(w in line for w in words), line
@@ -98,18 +103,21 @@ def test_short_or_unreadable_corpus_is_refused_before_ranks(cli, tmp_path) -> No
 
 
 # ------------------------------------------------------------------ values of the wrong type
-@pytest.mark.parametrize("arg, message", [
-    ("train.steps=abc", "train.steps=abc: expected an integer"),
-    ("train.seed=1.5", "train.seed=1.5: expected an integer"),
-    ("train.steps=1e3", "train.steps=1e3: expected an integer"),
-    ("stage=three", "stage=three: expected an integer"),
-    ("resume=maybe", "resume=maybe: expected true or false"),
-    ("optim.lr=fast", "optim.lr=fast: expected a number"),
-    ("optim.betas=0.9", "optim.betas=0.9: expected a list"),
-    ("optim.betas=[0.9,abc]", "optim.betas=[0.9,abc]: expected a number"),
-    ("zero.grad_clip=big", "zero.grad_clip=big: expected a number or null"),
-    ("train.steps=null", "train.steps=null: expected an integer (this key cannot be null)"),
-])
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("train.steps=abc", "train.steps=abc: expected an integer"),
+        ("train.seed=1.5", "train.seed=1.5: expected an integer"),
+        ("train.steps=1e3", "train.steps=1e3: expected an integer"),
+        ("stage=three", "stage=three: expected an integer"),
+        ("resume=maybe", "resume=maybe: expected true or false"),
+        ("optim.lr=fast", "optim.lr=fast: expected a number"),
+        ("optim.betas=0.9", "optim.betas=0.9: expected a list"),
+        ("optim.betas=[0.9,abc]", "optim.betas=[0.9,abc]: expected a number"),
+        ("zero.grad_clip=big", "zero.grad_clip=big: expected a number or null"),
+        ("train.steps=null", "train.steps=null: expected an integer (this key cannot be null)"),
+    ],
+)
 def test_wrong_type_is_one_clear_line(arg: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         check_overrides([arg])
@@ -118,8 +126,18 @@ def test_wrong_type_is_one_clear_line(arg: str, message: str) -> None:
         _cfg(arg)
 
 
-@pytest.mark.parametrize("arg", ["train.steps='3'", "train.steps=int(3.0)", "optim.lr=1", "zero.grad_clip=null",
-                                 "optim.betas=[0.8,0.95]", "train.checkpoint_dir=null", "resume=true"])
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "train.steps='3'",
+        "train.steps=int(3.0)",
+        "optim.lr=1",
+        "zero.grad_clip=null",
+        "optim.betas=[0.8,0.95]",
+        "train.checkpoint_dir=null",
+        "resume=true",
+    ],
+)
 def test_values_hydra_accepts_pass_the_precheck(arg: str) -> None:
     check_overrides([arg])
     _cfg(arg)  # the reference: Hydra composes it
@@ -155,8 +173,16 @@ FLOAT_KEYS = _float_keys()
 
 def test_the_float_keys_are_found() -> None:
     keys = {k for k, _ in FLOAT_KEYS}
-    assert {"optim.lr", "optim.betas", "zero.loss_scale_init", "zero.grad_clip", "cluster.inter_gbps",
-            "launcher.timeout_s", "logger.init_timeout_s", "data.val_fraction"} <= keys, keys
+    assert {
+        "optim.lr",
+        "optim.betas",
+        "zero.loss_scale_init",
+        "zero.grad_clip",
+        "cluster.inter_gbps",
+        "launcher.timeout_s",
+        "logger.init_timeout_s",
+        "data.val_fraction",
+    } <= keys, keys
 
 
 @pytest.mark.parametrize("key, form", FLOAT_KEYS)
@@ -177,12 +203,15 @@ def test_library_configs_refuse_non_finite() -> None:
             ZeroConfig(**kw)
 
 
-@pytest.mark.parametrize("args, key", [
-    (["cluster=emulated", "cluster.inter_gbps=inf"], "cluster.inter_gbps=inf"),
-    (["optim.lr=inf"], "optim.lr=inf"),
-    (["zero.precision=fp16", "zero.loss_scale_init=inf"], "zero.loss_scale_init=inf"),
-    (["optim.lr=nan"], "optim.lr=nan"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["cluster=emulated", "cluster.inter_gbps=inf"], "cluster.inter_gbps=inf"),
+        (["optim.lr=inf"], "optim.lr=inf"),
+        (["zero.precision=fp16", "zero.loss_scale_init=inf"], "zero.loss_scale_init=inf"),
+        (["optim.lr=nan"], "optim.lr=nan"),
+    ],
+)
 def test_non_finite_on_the_command_line_exits_2(cli, args: list[str], key: str) -> None:
     line = cli(*args)
     assert key in line and "finite" in line, line
@@ -199,14 +228,24 @@ def test_local_rank_bound_is_exact() -> None:
     n = preflight.RANKS_PER_CPU * preflight.host_cpus()
     preflight.check_local_ranks(from_dict(_cfg("model=tiny", f"topology.nodes={n}", "topology.ranks_per_node=1")))
     with pytest.raises(ConfigError, match=f"{n + 1} ranks"):
-        preflight.check_local_ranks(from_dict(_cfg("model=tiny", f"topology.nodes={n + 1}",
-                                                   "topology.ranks_per_node=1", "launcher.device=cpu")))
+        preflight.check_local_ranks(
+            from_dict(_cfg("model=tiny", f"topology.nodes={n + 1}", "topology.ranks_per_node=1", "launcher.device=cpu"))
+        )
 
 
-@pytest.mark.parametrize("overrides", [
-    ["stage=0"], ["stage=1"], ["stage=2"], ["stage=3"], ["stage=3", "quant=zeropp"], ["stage=2", "zero.precision=bf16"],
-    ["stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"], ["stage=1", "zero.offload_optimizer=cpu"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["stage=0"],
+        ["stage=1"],
+        ["stage=2"],
+        ["stage=3"],
+        ["stage=3", "quant=zeropp"],
+        ["stage=2", "zero.precision=bf16"],
+        ["stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"],
+        ["stage=1", "zero.offload_optimizer=cpu"],
+    ],
+)
 def test_memory_estimate_is_the_formula_of_experiments_memory(overrides: list[str]) -> None:
     from zeropp.experiments.memory import predictions
 
@@ -283,16 +322,19 @@ def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
 
 
 # ------------------------------------------------------------------ the rest of the audit
-@pytest.mark.parametrize("args, words", [
-    (["cluster.inter_gbps=3"], ["cluster.inter_gbps=3.0", "cluster=local", "add cluster=emulated"]),
-    (["cluster.inter_latency_ms=5"], ["cluster.inter_latency_ms=5.0", "cluster=local"]),
-    (["logger=none", "logger.mode=online"], ["logger.mode='online'", "logger=none"]),
-    (["logger=none", "logger.entity=me"], ["logger.entity='me'", "logger=none"]),
-    (["logger.init_timeout_s=0"], ["logger.init_timeout_s=0.0", "> 0"]),
-    (["train.seed=4294967296"], ["train.seed=4294967296", "[0, 2**32)"]),
-    (["train.checkpoint_dir="], ["train.checkpoint_dir=''", "null"]),
-    (["launcher.pg_timeout_s=1e15"], ["launcher.pg_timeout_s=1000000000000000.0", "<= 1e+09"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["cluster.inter_gbps=3"], ["cluster.inter_gbps=3.0", "cluster=local", "add cluster=emulated"]),
+        (["cluster.inter_latency_ms=5"], ["cluster.inter_latency_ms=5.0", "cluster=local"]),
+        (["logger=none", "logger.mode=online"], ["logger.mode='online'", "logger=none"]),
+        (["logger=none", "logger.entity=me"], ["logger.entity='me'", "logger=none"]),
+        (["logger.init_timeout_s=0"], ["logger.init_timeout_s=0.0", "> 0"]),
+        (["train.seed=4294967296"], ["train.seed=4294967296", "[0, 2**32)"]),
+        (["train.checkpoint_dir="], ["train.checkpoint_dir=''", "null"]),
+        (["launcher.pg_timeout_s=1e15"], ["launcher.pg_timeout_s=1000000000000000.0", "<= 1e+09"]),
+    ],
+)
 def test_audit_refusals(cli, args: list[str], words: list[str]) -> None:
     line = cli(*args)
     assert all(w in line for w in words), line

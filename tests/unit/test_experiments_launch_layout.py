@@ -23,10 +23,18 @@ from zeropp.launch import LAUNCHED_MARK
 
 def torchrun_env(nodes: int, per_node: int, node: int, local: int) -> dict[str, str]:
     """What torchrun sets in the worker with local rank ``local`` of agent (node) ``node``."""
-    return {"RANK": str(node * per_node + local), "WORLD_SIZE": str(nodes * per_node), "LOCAL_RANK": str(local),
-            "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes),
-            "ROLE_RANK": str(node * per_node + local), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-            "TORCHELASTIC_RUN_ID": "none"}
+    return {
+        "RANK": str(node * per_node + local),
+        "WORLD_SIZE": str(nodes * per_node),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "ROLE_RANK": str(node * per_node + local),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "none",
+    }
 
 
 def _cfg(*overrides: str):
@@ -59,20 +67,29 @@ def test_layout_from_torchrun_env() -> None:
     assert lay.describe() == "3 nodes x 2 local ranks"
 
 
-@pytest.mark.parametrize("env, words", [
-    # agents with different --nproc-per-node: 3 ranks here, 1 on the other host
-    ({**torchrun_env(2, 3, 0, 0), "WORLD_SIZE": "4"}, ["4 ranks on 2 node(s)", "different numbers of ranks",
-                                                       "--nproc-per-node"]),
-    # a launcher that numbers ranks round-robin over hosts: rank 1 on node 1
-    ({**torchrun_env(2, 2, 1, 0), "RANK": "1"}, ["placed rank 1 on node 1 as local rank 0", "= 2",
-                                                 "contiguous ranks"]),
-    ({**torchrun_env(1, 2, 0, 0), "LOCAL_WORLD_SIZE": "two"}, ["LOCAL_WORLD_SIZE='two'", "integer"]),
-    ({**torchrun_env(2, 2, 0, 0), "GROUP_RANK": "2"}, ["node=2", "[0, 2)"]),
-    # more ranks per node, or more nodes, than ranks in the job
-    ({**torchrun_env(1, 4, 0, 0), "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE=8 is more than WORLD_SIZE=4"]),
-    ({**torchrun_env(2, 2, 0, 0), "GROUP_WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": None},
-     ["GROUP_WORLD_SIZE=8 is more than WORLD_SIZE=4"]),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        # agents with different --nproc-per-node: 3 ranks here, 1 on the other host
+        (
+            {**torchrun_env(2, 3, 0, 0), "WORLD_SIZE": "4"},
+            ["4 ranks on 2 node(s)", "different numbers of ranks", "--nproc-per-node"],
+        ),
+        # a launcher that numbers ranks round-robin over hosts: rank 1 on node 1
+        (
+            {**torchrun_env(2, 2, 1, 0), "RANK": "1"},
+            ["placed rank 1 on node 1 as local rank 0", "= 2", "contiguous ranks"],
+        ),
+        ({**torchrun_env(1, 2, 0, 0), "LOCAL_WORLD_SIZE": "two"}, ["LOCAL_WORLD_SIZE='two'", "integer"]),
+        ({**torchrun_env(2, 2, 0, 0), "GROUP_RANK": "2"}, ["node=2", "[0, 2)"]),
+        # more ranks per node, or more nodes, than ranks in the job
+        ({**torchrun_env(1, 4, 0, 0), "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE=8 is more than WORLD_SIZE=4"]),
+        (
+            {**torchrun_env(2, 2, 0, 0), "GROUP_WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": None},
+            ["GROUP_WORLD_SIZE=8 is more than WORLD_SIZE=4"],
+        ),
+    ],
+)
 def test_layout_env_that_a_topology_cannot_describe(env: dict[str, str | None], words: list[str]) -> None:
     env = {k: v for k, v in env.items() if v is not None}
     with pytest.raises(ValueError) as e:
@@ -116,18 +133,25 @@ def test_a_declared_layout_that_contradicts_the_launcher_is_refused() -> None:
             "invalid config: topology says 1 node x 4 ranks but torchrun started 2 nodes x 2 local ranks; drop "
             "topology.nodes topology.ranks_per_node (the launcher's layout is the default) or pass topology.nodes=2 "
             "topology.ranks_per_node=2. To pose as several nodes on one host, launch without torchrun: "
-            "python -m experiments.run topology=<nodes>x<ranks per node>")
+            "python -m experiments.run topology=<nodes>x<ranks per node>"
+        )
     # one field declared: the other comes from the launcher, and the declared one must agree
     assert _launch(torchrun_env(2, 2, 0, 0), "topology.nodes=2")[0].topology == Topology(2, 2)
-    with pytest.raises(ConfigError, match=r"topology says 2 nodes x 4 ranks but torchrun started 1 node x 4 local "
-                                          r"ranks; drop topology.nodes \("):
+    with pytest.raises(
+        ConfigError,
+        match=r"topology says 2 nodes x 4 ranks but torchrun started 1 node x 4 local "
+        r"ranks; drop topology.nodes \(",
+    ):
         _launch(torchrun_env(1, 4, 0, 0), "topology.nodes=2")
 
 
 def test_launcher_layout_errors_name_the_launch() -> None:
-    with pytest.raises(ConfigError, match=r"topology.tp=2 must be a positive divisor of ranks_per_node=3.*with "
-                                          r"topology.nodes=1 topology.ranks_per_node=3 from the layout torchrun "
-                                          r"started: 1 node x 3 local ranks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"topology.tp=2 must be a positive divisor of ranks_per_node=3.*with "
+        r"topology.nodes=1 topology.ranks_per_node=3 from the layout torchrun "
+        r"started: 1 node x 3 local ranks",
+    ):
         _launch(torchrun_env(1, 3, 0, 0), "topology.tp=2", "model=tiny")
     with pytest.raises(ConfigError, match="invalid launch: torchrun placed rank 1 on node 1"):
         _launch({**torchrun_env(2, 2, 1, 0), "RANK": "1"})

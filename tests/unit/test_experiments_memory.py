@@ -19,16 +19,21 @@ def test_predict_only_lists_every_stage_and_offload_choice(capsys):
     out = memcmd.main(["--predict-only", *FAST, "stage=3", "zero.precision=bf16"])
     rows = out["predicted"]
     assert out["measured"] is None
-    assert [(r["stage"], r["offload_optimizer"], r["offload_param"]) for r in rows][:2] == [(0, "none", "none"),
-                                                                                             (1, "none", "none")]
+    assert [(r["stage"], r["offload_optimizer"], r["offload_param"]) for r in rows][:2] == [
+        (0, "none", "none"),
+        (1, "none", "none"),
+    ]
     assert len(rows) == 1 + 3 + 3 + 9
     assert [r["chosen"] for r in rows].count(True) == 1 and rows[7]["chosen"] and rows[7]["stage"] == 3
     from zeropp.models import GPTConfig
 
     psi = GPTConfig.preset("mini").num_params()
     for r in rows:
-        want = tier_totals(expected_by_tier(r["stage"], psi, 4, offload_optimizer=r["offload_optimizer"],
-                                            offload_param=r["offload_param"]))
+        want = tier_totals(
+            expected_by_tier(
+                r["stage"], psi, 4, offload_optimizer=r["offload_optimizer"], offload_param=r["offload_param"]
+            )
+        )
         assert r["tiers"] == want
         assert (r["swap_buffers_host"] > 0) == ("nvme" in (r["offload_optimizer"], r["offload_param"]))
     text = capsys.readouterr().out
@@ -54,5 +59,3 @@ def test_trainers_without_phases_get_flat_snapshots():
     assert list(ph) == ["model_creation", "step"]
     assert ph["step"]["tiers"]["device"]["optimizer"] == 80 and ph["step"]["tier_totals"]["host"] == 0
     assert ph["model_creation"]["total"] == 40
-
-

@@ -24,11 +24,14 @@ def test_bf16_formulas_are_the_papers() -> None:
     assert texts == [("16Ψ", "0"), ("4Ψ + 12Ψ/N", "0"), ("2Ψ + 14Ψ/N", "0"), ("16Ψ/N", "0"), ("2Ψ/N", "18Ψ/N")]
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--width", "0"], "width=0"),
-    (["--precision", "fp16"], "precision='fp16'"),
-    (["--tolerance", "1.5"], "tolerance=1.5"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--width", "0"], "width=0"),
+        (["--precision", "fp16"], "precision='fp16'"),
+        (["--tolerance", "1.5"], "tolerance=1.5"),
+    ],
+)
 def test_bad_options_are_refused_before_any_rank_starts(argv, says, monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
     with pytest.raises(SystemExit) as e:

@@ -23,20 +23,28 @@ def test_tiny_writes_a_png_and_a_trace_whose_bytes_are_the_plans(tmp_path, capsy
     printed = capsys.readouterr().out
     for pid, nodes in enumerate((2, 4)):
         plan = build_plan(units, rc.zero, Topology(nodes=nodes, ranks_per_node=2))
-        comm = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid
-                and LANES[e["tid"]].endswith("link")]
+        comm = [
+            e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid and LANES[e["tid"]].endswith("link")
+        ]
         assert {e["name"].split("[")[0] for e in comm} <= {k.value for k in CommKind}
         assert len(comm) == len(plan.collectives)
         assert sum(e["args"]["bytes"] for e in comm) == plan.total_bytes()
         assert any(e["name"] == "fwd_all_gather[1]" for e in comm)  # several buckets per unit
-        assert f"{plan.total_bytes() - sum(v for k, v in plan.bytes_by_kind().items() if k.endswith('cross')):,d}" \
+        assert (
+            f"{plan.total_bytes() - sum(v for k, v in plan.bytes_by_kind().items() if k.endswith('cross')):,d}"
             in printed
+        )
 
 
-@pytest.mark.parametrize("argv,key", [(["model=tiny", "--nodes", "0"], "--nodes"),
-                                      (["model=tiny", "plan.colour=red"], "plan.colour"),
-                                      (["model=tiny", "trainer=ddp"], "trainer=ddp"),
-                                      (["model=tiny", "zero.stage=7"], "stage")])
+@pytest.mark.parametrize(
+    "argv,key",
+    [
+        (["model=tiny", "--nodes", "0"], "--nodes"),
+        (["model=tiny", "plan.colour=red"], "plan.colour"),
+        (["model=tiny", "trainer=ddp"], "trainer=ddp"),
+        (["model=tiny", "zero.stage=7"], "stage"),
+    ],
+)
 def test_bad_inputs_exit_2_naming_the_key(argv: list[str], key: str, tmp_path, capsys) -> None:
     assert main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

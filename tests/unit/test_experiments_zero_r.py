@@ -14,8 +14,16 @@ import pytest
 from zeropp.experiments.config import ConfigError
 from zeropp.experiments.run import run_job
 
-COMMON = ["model=mini", "topology=1x2", "train.steps=2", "train.micro_batch_size=2", "data=random", "logger=none",
-          "launcher.progress=false", "launcher.device=cpu"]
+COMMON = [
+    "model=mini",
+    "topology=1x2",
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "data=random",
+    "logger=none",
+    "launcher.progress=false",
+    "launcher.device=cpu",
+]
 
 
 def test_offload_activations_is_zeropp_only(tmp_path):

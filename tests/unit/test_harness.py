@@ -34,9 +34,13 @@ def test_stop_signals_every_rank_before_continuing_any(monkeypatch):
             sent.append(("close", 0, 0))
 
     launcher._World(pc=_Context(), pids={0: 11, 1: 12, 2: 13}, log_dir=None, grace_s=1.0, ranks_per_node=None).stop()
-    assert sent == [("kill", 11, signal.SIGTERM), ("kill", 12, signal.SIGTERM),
-                    *[("killpg", p, signal.SIGCONT) for p in (11, 12, 13)], ("close", 0, 0),
-                    *[("killpg", p, signal.SIGKILL) for p in (11, 12, 13)]]
+    assert sent == [
+        ("kill", 11, signal.SIGTERM),
+        ("kill", 12, signal.SIGTERM),
+        *[("killpg", p, signal.SIGCONT) for p in (11, 12, 13)],
+        ("close", 0, 0),
+        *[("killpg", p, signal.SIGKILL) for p in (11, 12, 13)],
+    ]
 
 
 def test_a_reaped_pid_is_not_ours_to_signal():
@@ -77,5 +81,3 @@ def test_emulated_cluster_refuses_cuda_before_building_anything():
         device_for_cluster("cuda", "emulated")
     with pytest.raises(PlacementError, match="NCCL"), emulated_placement(4, 2, 1.0, 0.0, device="cuda"):
         pass
-
-

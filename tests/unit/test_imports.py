@@ -83,7 +83,7 @@ def test_no_import_cycles() -> None:
         stack.append(m)
         for t in sorted(edges[m]):
             if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t])
+                cycles.append(stack[stack.index(t) :] + [t])
             elif t not in state:
                 visit(t)
         stack.pop()
@@ -103,8 +103,11 @@ def test_floors_import_only_downward() -> None:
 def test_one_spelling_of_the_kernels_import() -> None:
     """Inside zeropp, the kernels are ``zeropp.kernels`` (never a relative ``..kernels``)."""
     root = Path(zeropp.__file__).parent
-    bad = [str(p.relative_to(root)) for p in root.rglob("*.py") if "from ..kernels" in p.read_text()
-           or "from ...kernels" in p.read_text()]
+    bad = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "from ..kernels" in p.read_text() or "from ...kernels" in p.read_text()
+    ]
     assert not bad, bad
 
 

@@ -74,8 +74,14 @@ def test_round_trip_within_half_a_step(bits, group_size, dtype):
 @pytest.mark.parametrize(
     "bits,group_size,stochastic,floor_db",
     # measured on this data (seed 0, 2**16 samples): 43.8, 42.6, 40.8, 18.6, 17.4, 15.6 dB
-    [(8, 128, False, 42.0), (8, 512, False, 41.0), (8, 128, True, 39.0),
-     (4, 128, False, 17.0), (4, 512, False, 16.0), (4, 128, True, 14.0)],
+    [
+        (8, 128, False, 42.0),
+        (8, 512, False, 41.0),
+        (8, 128, True, 39.0),
+        (4, 128, False, 17.0),
+        (4, 512, False, 16.0),
+        (4, 128, True, 14.0),
+    ],
 )
 def test_sqnr_floor_on_gaussian_data(bits, group_size, stochastic, floor_db):
     x = gaussian(1 << 16)
@@ -272,8 +278,12 @@ def test_cpu_tensors_take_the_reference(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("Triton path taken for a CPU tensor")
 
-    for mod, name in [(qm, "_quantize_triton"), (qm, "_dequantize_triton"),
-                      (rm, "_dequantize_sum_triton"), (rm, "_dequantize_sum_requantize_triton")]:
+    for mod, name in [
+        (qm, "_quantize_triton"),
+        (qm, "_dequantize_triton"),
+        (rm, "_dequantize_sum_triton"),
+        (rm, "_dequantize_sum_requantize_triton"),
+    ]:
         monkeypatch.setattr(mod, name, boom)
     q = quantize(gaussian(100), 4, 32)
     dequantize(q)
@@ -373,8 +383,26 @@ def test_fast_cpu_quantize_special_values_and_strides(bits):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
 
-    x = torch.tensor([3e38, -1e38, 1.0, 70000.0, -65520.0, 5.0, 1e-40, -3e-39,  # huge, subnormal
-                      2e-45, 0.0, -0.0, -0.0, -0.0, -0.0, 1e-45, 2.0])  # an all -0.0 block of 4
+    x = torch.tensor(
+        [
+            3e38,
+            -1e38,
+            1.0,
+            70000.0,
+            -65520.0,
+            5.0,
+            1e-40,
+            -3e-39,  # huge, subnormal
+            2e-45,
+            0.0,
+            -0.0,
+            -0.0,
+            -0.0,
+            -0.0,
+            1e-45,
+            2.0,
+        ]
+    )  # an all -0.0 block of 4
     for gs in (2, 4):
         assert_bit_identical(quantize_cpu(x, bits, gs), quantize_ref(x, bits, gs))
     t = gaussian(64 * 34).view(64, 34).t()  # non-contiguous
@@ -406,9 +434,18 @@ def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("shape,rows,group_size", [((0,), 1, 64), ((7,), 1, 2), ((17, 257), 17, 100),
-                                                   ((3, 70001), 3, 512), ((2**17 + 3,), 1, 2), ((5, 300), 5, 16000)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "shape,rows,group_size",
+    [
+        ((0,), 1, 64),
+        ((7,), 1, 2),
+        ((17, 257), 17, 100),
+        ((3, 70001), 3, 512),
+        ((2**17 + 3,), 1, 2),
+        ((5, 300), 5, 16000),
+    ],
+    ids=str,
+)
 def test_fast_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(shape, rows, group_size, bits):
     from zeropp.kernels.cpu import dequantize_cpu, dequantize_sum_cpu
     from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref
@@ -442,8 +479,26 @@ def test_compiled_cpu_quantize_special_values(bits):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
 
-    x = torch.tensor([3e38, -1e38, 1.0, 70000.0, -65520.0, 5.0, 1e-40, -3e-39,  # huge, subnormal
-                      2e-45, 0.0, -0.0, -0.0, -0.0, -0.0, 1e-45, 2.0])  # an all -0.0 block
+    x = torch.tensor(
+        [
+            3e38,
+            -1e38,
+            1.0,
+            70000.0,
+            -65520.0,
+            5.0,
+            1e-40,
+            -3e-39,  # huge, subnormal
+            2e-45,
+            0.0,
+            -0.0,
+            -0.0,
+            -0.0,
+            -0.0,
+            1e-45,
+            2.0,
+        ]
+    )  # an all -0.0 block
     assert_bit_identical(quantize_cpu(x, bits, 2), quantize_ref(x, bits, 2))
 
 
@@ -498,8 +553,27 @@ def test_native_cpu_dequantize_rounds_like_torch_casts(bits):
     rows, cols, gs = 3, 333, 16
     groups = -(-cols // gs)
     tiny = torch.finfo(torch.float32).tiny  # the smallest normal: products of a normal scale stay normal
-    special = torch.tensor([1e-40, -3e-39, 1e-45, 3e38, 7e4, 6.6e4, -1.0, -0.0, 0.0, float("nan"), float("inf"), 1.0,
-                            tiny, -tiny, tiny / 2, 2.5e36, float("-inf")])
+    special = torch.tensor(
+        [
+            1e-40,
+            -3e-39,
+            1e-45,
+            3e38,
+            7e4,
+            6.6e4,
+            -1.0,
+            -0.0,
+            0.0,
+            float("nan"),
+            float("inf"),
+            1.0,
+            tiny,
+            -tiny,
+            tiny / 2,
+            2.5e36,
+            float("-inf"),
+        ]
+    )
     scales = torch.randn(2, rows, groups, generator=g) * 10.0 ** torch.randint(-42, 38, (2, rows, groups), generator=g)
     scales.view(-1)[: special.numel()] = special
     rb = groups * gs * bits // 8
@@ -544,8 +618,9 @@ def test_native_cpu_writes_quantized_out_in_place(stochastic):
     ref = quantize_ref(x, 4, 100, rows=17, stochastic=stochastic, seed=3)
     sb = 4 * ref.scales.numel()
     send = torch.zeros(sb + ref.codes.numel(), dtype=torch.uint8)  # one message: scales, then codes
-    out = QuantizedTensor(send[sb:].view(ref.codes.shape), send[:sb].view(torch.float32).view(ref.scales.shape),
-                          257, 4, 100)
+    out = QuantizedTensor(
+        send[sb:].view(ref.codes.shape), send[:sb].view(torch.float32).view(ref.scales.shape), 257, 4, 100
+    )
     assert quantize_cpu(x, 4, 100, rows=17, stochastic=stochastic, seed=3, out=out) is out
     assert_bit_identical(out, ref)
     s = stack([ref, ref])

@@ -20,7 +20,8 @@ from zeropp.kernels import build_cache, cpu_native
 
 
 def test_cpu_native_falls_back_loudly_when_the_cache_is_unsafe_and_nothing_builds(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No usable cache and no compiler: library() is None with the reason, and cpu.py warns once."""
     from zeropp.kernels import cpu
 
@@ -29,7 +30,7 @@ def test_cpu_native_falls_back_loudly_when_the_cache_is_unsafe_and_nothing_build
     (cache_root / "cpu_native").chmod(0o777)
     monkeypatch.setenv("ZEROPP_CACHE_DIR", str(cache_root))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    (tmp_path / "no-such-compiler").write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake 1 && exit 0\nexit 1\n")
+    (tmp_path / "no-such-compiler").write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1 && exit 0\nexit 1\n')
     (tmp_path / "no-such-compiler").chmod(0o755)
     for attr, value in (("ENABLED", True), ("_LIB", None), ("FAILED", None)):
         monkeypatch.setattr(cpu_native, attr, value)
@@ -50,6 +51,7 @@ def test_build_fsyncs_file_and_directory_around_the_rename(tmp_path: Path, monke
 
     def fsync(fd: int) -> None:
         import stat as st
+
         events.append("fsync dir" if st.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
         real_fsync(fd)
 
@@ -63,5 +65,3 @@ def test_build_fsyncs_file_and_directory_around_the_rename(tmp_path: Path, monke
     assert events == ["fsync file", "fsync file", "replace zq_x.so", "replace zq_x.so.sha256", "fsync dir"]
     assert oct((tmp_path / "c" / "zq_x.so").stat().st_mode & 0o777) == oct(0o555)
     assert oct((tmp_path / "c").stat().st_mode & 0o777) == oct(0o700)  # created private
-
-

@@ -64,8 +64,10 @@ def test_triton_matches_reference_bit_for_bit(shape, rows, block, dtype) -> None
         assert_same_bits(got, want)
     # the inverse: rotated fp32 rows back to the original length, into the input's dtype
     rot = hadamard_ref(x, block, rows=rows)
-    assert_same_bits(hadamard(rot, block, rows=rows, out_cols=cols, dtype=dtype, impl="triton"),
-                     hadamard_ref(rot, block, rows=rows, out_cols=cols, dtype=dtype))
+    assert_same_bits(
+        hadamard(rot, block, rows=rows, out_cols=cols, dtype=dtype, impl="triton"),
+        hadamard_ref(rot, block, rows=rows, out_cols=cols, dtype=dtype),
+    )
 
 
 @needs_triton
@@ -107,7 +109,7 @@ def test_reference_is_the_normalised_sylvester_matrix(block) -> None:
     want = (pad.view(3, -1, block) @ sylvester(block).T / math.sqrt(block)).view(3, -1)
     got = hadamard_ref(x, block, rows=3)
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(x.abs().max()))
-    assert hadamard_scale(block) == float(torch.tensor(block ** -0.5, dtype=torch.float32))
+    assert hadamard_scale(block) == float(torch.tensor(block**-0.5, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -201,5 +203,3 @@ def test_spec_accepts_the_kernels_largest_block_and_refuses_the_next() -> None:
     assert spec.hadamard_block == MAX_HADAMARD_BLOCK
     with pytest.raises(ValueError, match=f"must be a power of two in \\[2, {MAX_HADAMARD_BLOCK}\\]"):
         QuantSpec(bits=8, rotation="hadamard", hadamard_block=2 * MAX_HADAMARD_BLOCK)
-
-

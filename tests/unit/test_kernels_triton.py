@@ -70,7 +70,9 @@ def test_assert_same_bits_tells_inf_from_the_largest_finite_value():
             assert_same_bits(torch.tensor([float("inf")], dtype=dtype), torch.tensor([big], dtype=dtype))
         with pytest.raises(AssertionError):
             assert_same_bits(torch.tensor([0.0], dtype=dtype), torch.tensor([-0.0], dtype=dtype))
-        assert_same_bits(torch.tensor([float("nan"), -0.0], dtype=dtype), torch.tensor([float("nan"), -0.0], dtype=dtype))
+        assert_same_bits(
+            torch.tensor([float("nan"), -0.0], dtype=dtype), torch.tensor([float("nan"), -0.0], dtype=dtype)
+        )
 
 
 def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
@@ -99,9 +101,12 @@ def test_quantize_and_dequantize_bit_exact(shape, rows, group_size, dtype, bits,
 
 @pytest.mark.parametrize(
     "n,dtype,bits,group_size,stochastic",
-    [(2**20 + 3, torch.float32, 8, 512, False), (2**20 + 3, torch.bfloat16, 4, 128, False),
-     # stochastic rounding costs ~10x in the interpreter (Philox in numpy): many tiles, fewer elements
-     (2**16 + 3, torch.float16, 4, 128, True)],
+    [
+        (2**20 + 3, torch.float32, 8, 512, False),
+        (2**20 + 3, torch.bfloat16, 4, 128, False),
+        # stochastic rounding costs ~10x in the interpreter (Philox in numpy): many tiles, fewer elements
+        (2**16 + 3, torch.float16, 4, 128, True),
+    ],
     ids=["2^20+3-fp32-int8-g512", "2^20+3-bf16-int4-g128", "2^16+3-fp16-int4-g128-stochastic"],
 )
 def test_large_odd_size_bit_exact(n, dtype, bits, group_size, stochastic):
@@ -143,9 +148,22 @@ def test_huge_values_and_output_overflow_bit_exact():
 @pytest.mark.parametrize("bits", [8, 4])
 def test_subnormal_blocks_bit_exact(bits):
     """Blocks whose values or scales are subnormal fp32 (GPU flush-to-zero would differ)."""
-    x = torch.tensor([1e-40, -3e-39, 2e-45, 0.0,  # subnormal values, subnormal scale
-                      5e-38, -1e-38, 2e-38, 3e-38,  # normal values, subnormal scale
-                      1.0, 1e-40, -2.0, 1e-45])  # normal scale, subnormal values (code 0)
+    x = torch.tensor(
+        [
+            1e-40,
+            -3e-39,
+            2e-45,
+            0.0,  # subnormal values, subnormal scale
+            5e-38,
+            -1e-38,
+            2e-38,
+            3e-38,  # normal values, subnormal scale
+            1.0,
+            1e-40,
+            -2.0,
+            1e-45,
+        ]
+    )  # normal scale, subnormal values (code 0)
     ref, tri = both(quantize, x, bits, 4)
     assert_same_q(ref, tri)
     assert ref.scales[0, 0] > 0 and ref.scales[0, 1] < 1.18e-38  # really subnormal
@@ -181,8 +199,9 @@ def test_reductions_bit_exact(k, in_bits, out_bits, stochastic):
     ref, tri = both(dequantize_sum_requantize, s, out_bits, stochastic=stochastic, seed=99)
     assert_same_q(ref, tri)
     # the fused result is quantize(sum of dequantized), computed here with the Triton kernels alone
-    unfused = quantize(dequantize_sum(s, impl="triton"), out_bits, gs, rows=rows,
-                       stochastic=stochastic, seed=99, impl="triton")
+    unfused = quantize(
+        dequantize_sum(s, impl="triton"), out_bits, gs, rows=rows, stochastic=stochastic, seed=99, impl="triton"
+    )
     assert_same_q(tri, unfused)
     for dtype in DTYPES:
         assert_same_bits(*both(dequantize_sum, s, dtype=dtype))
@@ -242,10 +261,10 @@ def quantized_views(buf: torch.Tensor, offset: int, rows: int, cols: int, bits: 
     from zeropp.kernels import num_groups, row_bytes
 
     rb, g = row_bytes(cols, bits, gs), num_groups(cols, gs)
-    codes = buf[offset:offset + rows * rb].view(torch.int8 if bits == 8 else torch.uint8).view(rows, rb)
+    codes = buf[offset : offset + rows * rb].view(torch.int8 if bits == 8 else torch.uint8).view(rows, rb)
     start = offset + rows * rb
     start += -start % 4  # fp32 scales start 4-byte aligned
-    scales = buf[start:start + 4 * rows * g].view(torch.float32).view(rows, g)
+    scales = buf[start : start + 4 * rows * g].view(torch.float32).view(rows, g)
     return QuantizedTensor(codes, scales, cols, bits, gs)
 
 
@@ -263,9 +282,9 @@ def test_quantize_into_views_of_a_send_buffer(dtype, bits, stochastic):
     assert got is out
     assert_same_q(out, quantize(x, bits, gs, rows=rows, stochastic=stochastic, seed=77, impl="torch"))
     used = torch.zeros_like(buf, dtype=torch.bool)
-    used[5:5 + out.codes.numel()] = True
+    used[5 : 5 + out.codes.numel()] = True
     s0 = out.scales.data_ptr() - buf.data_ptr()
-    used[s0:s0 + 4 * out.scales.numel()] = True
+    used[s0 : s0 + 4 * out.scales.numel()] = True
     assert (buf[~used] == 0xAB).all()
     # the CPU path (impl="torch") takes out= too, through a copy
     out2 = quantized_views(torch.zeros(8192, dtype=torch.uint8), 0, rows, cols, bits, gs)
@@ -313,10 +332,16 @@ def test_plans_cached_per_key_give_exact_results_in_any_order():
 
     quantize_plan.cache_clear()
     dequantize_plan.cache_clear()
-    cases = [((7,), 1, torch.float32, 8, 2, False, 0), ((17, 257), 17, torch.bfloat16, 4, 100, True, 3),
-             ((7,), 1, torch.float16, 8, 2, False, 0), ((17, 257), 17, torch.bfloat16, 4, 100, True, 2**40 + 1),
-             ((17, 257), 17, torch.bfloat16, 4, 100, False, 3), ((7,), 1, torch.float32, 4, 2, False, 1),
-             ((7,), 1, torch.float32, 8, 2, False, 0), ((33,), 3, torch.float32, 8, 2, True, 1)]
+    cases = [
+        ((7,), 1, torch.float32, 8, 2, False, 0),
+        ((17, 257), 17, torch.bfloat16, 4, 100, True, 3),
+        ((7,), 1, torch.float16, 8, 2, False, 0),
+        ((17, 257), 17, torch.bfloat16, 4, 100, True, 2**40 + 1),
+        ((17, 257), 17, torch.bfloat16, 4, 100, False, 3),
+        ((7,), 1, torch.float32, 4, 2, False, 1),
+        ((7,), 1, torch.float32, 8, 2, False, 0),
+        ((33,), 3, torch.float32, 8, 2, True, 1),
+    ]
     for shape, rows, dtype, bits, gs, st, seed in cases * 2:
         x = data(shape, dtype, seed=seed % 97)
         ref, tri = both(quantize, x, bits, gs, rows=rows, stochastic=st, seed=seed)
@@ -330,8 +355,13 @@ def test_plans_cached_per_key_give_exact_results_in_any_order():
 
 def test_plans_refuse_bad_arguments_like_the_reference():
     x = data((10,), torch.float32)
-    for kwargs, msg in [(dict(bits=3), "bits=3"), (dict(group_size=0), "group_size"), (dict(bits=4, group_size=3), "odd"),
-                        (dict(rows=3), "equal rows"), (dict(seed=-1), "seed")]:
+    for kwargs, msg in [
+        (dict(bits=3), "bits=3"),
+        (dict(group_size=0), "group_size"),
+        (dict(bits=4, group_size=3), "odd"),
+        (dict(rows=3), "equal rows"),
+        (dict(seed=-1), "seed"),
+    ]:
         args = dict(bits=8, group_size=4, rows=1, seed=0) | kwargs
         for impl in ("torch", "triton"):
             with pytest.raises(ValueError, match=msg):
@@ -366,6 +396,7 @@ class _FakeKernel:
         def launch(*args, **meta):
             self.log.append(("jit", grid[0], args, meta))
             return _FakeCompiled(self.log)
+
         return launch
 
 
@@ -394,8 +425,17 @@ def test_launch_plan_binds_once_per_specialisation(monkeypatch):
     kern = _FakeKernel()
     plan = _triton.LaunchPlan(kern, cfg, (5,), dict(X=9))
     a, b, b_odd = _FakeCudaTensor(4096), _FakeCudaTensor(8192), _FakeCudaTensor(8194)
-    calls = [((a, b), 3), ((a, b), 5), ((a, b_odd), 5), ((a, b_odd), 7), ((a, b), 1), ((a, b), 32), ((a, b), 2**40),
-             ((a, b), 2**40 + 16), ((a, b), 48)]
+    calls = [
+        ((a, b), 3),
+        ((a, b), 5),
+        ((a, b_odd), 5),
+        ((a, b_odd), 7),
+        ((a, b), 1),
+        ((a, b), 32),
+        ((a, b), 2**40),
+        ((a, b), 2**40 + 16),
+        ((a, b), 48),
+    ]
     for tensors, seed in calls:
         plan(tensors, (seed,))
     # a plan may serve inputs of several dtypes (the Hadamard plan does): each gets its own binding
@@ -403,7 +443,20 @@ def test_launch_plan_binds_once_per_specialisation(monkeypatch):
     for tensors, seed in (((a_bf16, b), 5), ((a_bf16, b), 5), ((a, b), 5)):
         plan(tensors, (seed,))
     kinds = [entry[0] for entry in kern.log]
-    assert kinds == ["jit", "direct", "jit", "direct", "jit", "jit", "jit", "direct", "direct", "jit", "direct", "direct"]
+    assert kinds == [
+        "jit",
+        "direct",
+        "jit",
+        "direct",
+        "jit",
+        "jit",
+        "jit",
+        "direct",
+        "direct",
+        "jit",
+        "direct",
+        "direct",
+    ]
     consts = (cfg.block_g, 9, cfg.block_gs)  # in the kernel's parameter order
     assert kern.log[1] == ("direct", cfg.grid, 1234, (a, b, 5, 5, *consts))
     jit_meta = kern.log[0][3]
@@ -411,8 +464,10 @@ def test_launch_plan_binds_once_per_specialisation(monkeypatch):
     assert kern.log[0][1] == cfg.grid == 3 * cfg.tiles_per_row
 
 
-@pytest.mark.parametrize("group_size,groups,rows", [(2, 1, 1), (64, 5, 17), (128, 1 << 14, 4), (512, 1 << 18, 1),
-                                                     (4096, 3, 1), (1 << 14, 1, 1)])
+@pytest.mark.parametrize(
+    "group_size,groups,rows",
+    [(2, 1, 1), (64, 5, 17), (128, 1 << 14, 4), (512, 1 << 18, 1), (4096, 3, 1), (1 << 14, 1, 1)],
+)
 def test_tile_config_size_classes(group_size, groups, rows):
     """Power-of-two tiles that hold whole blocks, never more blocks than a row has, and one grid
     program per tile of every row."""

@@ -34,9 +34,17 @@ def tf() -> Any:
     return pytest.importorskip("transformers", reason=REASON)
 
 
-@pytest.mark.parametrize("cfg", [GPT2, LLAMA, GPT2.with_(tie_embeddings=True), LLAMA.with_(n_kv_heads=None, d_model=24),
-                                 GPT2.with_(attn_implementation="eager", n_layers=1, intermediate_size=17)],
-                         ids=["gpt2", "llama", "gpt2-tied", "llama-mha", "gpt2-eager"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GPT2,
+        LLAMA,
+        GPT2.with_(tie_embeddings=True),
+        LLAMA.with_(n_kv_heads=None, d_model=24),
+        GPT2.with_(attn_implementation="eager", n_layers=1, intermediate_size=17),
+    ],
+    ids=["gpt2", "llama", "gpt2-tied", "llama-mha", "gpt2-eager"],
+)
 def test_shape_blocks_and_param_count(tf: Any, cfg: HFConfig) -> None:
     model = build_hf_model(cfg, seed=0)
     assert model.hf.config._attn_implementation == cfg.attn_implementation
@@ -61,8 +69,9 @@ def test_pretrained_local_directory_round_trip(tf: Any, tmp_path: Any, cfg: HFCo
     """Weights, and the checkpoint's own settings that HFConfig does not hold (norm epsilon), load;
     dropout is switched off."""
     conf = hf_model_config(cfg)
-    eps, drop = {"gpt2": ("layer_norm_epsilon", "resid_pdrop"),
-                 "llama": ("rms_norm_eps", "attention_dropout")}[cfg.hf_config]
+    eps, drop = {"gpt2": ("layer_norm_epsilon", "resid_pdrop"), "llama": ("rms_norm_eps", "attention_dropout")}[
+        cfg.hf_config
+    ]
     setattr(conf, eps, 1e-3)
     setattr(conf, drop, 0.1)
     torch.manual_seed(3)
@@ -90,16 +99,19 @@ def test_pretrained_missing_directory_is_a_clear_error(tmp_path: Any) -> None:
         HFConfig(pretrained=str(tmp_path))
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(hf_config="bert"), "hf_config='bert' is not supported; choose one of gpt2, llama"),
-    (dict(n_layers=0), "HFConfig.n_layers must be an integer >= 1, got 0"),
-    (dict(d_model=30, n_heads=4), "n_heads=4 must divide d_model=30"),
-    (dict(n_kv_heads=1), "n_kv_heads=1 applies to hf_config=llama only"),
-    (dict(hf_config="llama", n_heads=4, n_kv_heads=3), "n_kv_heads=3 must divide n_heads=4"),
-    (dict(hf_config="llama", d_model=12, n_heads=4), "head size d_model / n_heads = 3 must be even"),
-    (dict(intermediate_size=0), "HFConfig.intermediate_size must be an integer >= 1"),
-    (dict(attn_implementation="flash"), "choose sdpa or eager"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(hf_config="bert"), "hf_config='bert' is not supported; choose one of gpt2, llama"),
+        (dict(n_layers=0), "HFConfig.n_layers must be an integer >= 1, got 0"),
+        (dict(d_model=30, n_heads=4), "n_heads=4 must divide d_model=30"),
+        (dict(n_kv_heads=1), "n_kv_heads=1 applies to hf_config=llama only"),
+        (dict(hf_config="llama", n_heads=4, n_kv_heads=3), "n_kv_heads=3 must divide n_heads=4"),
+        (dict(hf_config="llama", d_model=12, n_heads=4), "head size d_model / n_heads = 3 must be even"),
+        (dict(intermediate_size=0), "HFConfig.intermediate_size must be an integer >= 1"),
+        (dict(attn_implementation="flash"), "choose sdpa or eager"),
+    ],
+)
 def test_bad_settings_name_the_field(kw: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         HFConfig(**kw)
@@ -111,5 +123,3 @@ def test_missing_extra_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> N
     assert cfg.num_params() > 0
     with pytest.raises(ImportError, match=r'need the optional extra: pip install -e "\.\[hf\]"'):
         build_hf_model(cfg)
-
-

@@ -29,7 +29,9 @@ def test_lora_linear_is_the_formula(shape: tuple[int, int, int], dtype: torch.dt
         m.lora_b.normal_()
     want = x @ base.weight.t() + base.bias + (3.0 / r) * (x @ m.lora_a.t() @ m.lora_b.t())
     tol = 1e-5 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(m(x).float(), want.float(), rtol=tol, atol=tol * max(1.0, float(want.detach().abs().max())))
+    torch.testing.assert_close(
+        m(x).float(), want.float(), rtol=tol, atol=tol * max(1.0, float(want.detach().abs().max()))
+    )
 
 
 def test_lora_gradients_reach_only_the_adapters() -> None:
@@ -90,7 +92,8 @@ def test_apply_lora_targets_and_bad_input() -> None:
     apply_lora(m, 2, targets=["qkv"])
     assert isinstance(m.blocks[1].attn.qkv, LoRALinear) and not isinstance(m.blocks[1].fc, LoRALinear)
     assert {n for n, p in m.named_parameters() if p.requires_grad} == {
-        f"blocks.{i}.attn.qkv.lora_{x}" for i in range(2) for x in "ab"}
+        f"blocks.{i}.attn.qkv.lora_{x}" for i in range(2) for x in "ab"
+    }
     no_linear = nn.Sequential(nn.Embedding(10, 4), nn.ModuleList([nn.LayerNorm(4), nn.Conv1d(4, 4, 1)]))
     with pytest.raises(ValueError, match=r"LoRA \(rank 2\) needs linear layers.*no nn.Linear"):
         apply_lora(no_linear, 2)

@@ -42,8 +42,13 @@ def _lora() -> GPT:
 
 CASES: list[tuple[str, int, int, dict[str, Any], Any]] = [
     ("zeropp-2x2-buckets-accum", 4, 2, {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2}, None),
-    ("qwd-stage2-4x1", 4, 4, dict(stage=2, grads=RECIPES["qgz"].grads, weight_diff=RECIPES["qwd"].weight_diff,
-                                  **SMALL_BUCKETS), None),
+    (
+        "qwd-stage2-4x1",
+        4,
+        4,
+        dict(stage=2, grads=RECIPES["qgz"].grads, weight_diff=RECIPES["qwd"].weight_diff, **SMALL_BUCKETS),
+        None,
+    ),
     ("mixz-int8-hpz", 4, 2, dict(stage=3, quantize_frozen="int8", hpz=True, weights=RECIPES["int8"].weights), _lora),
     ("stage0-accum", 4, 2, dict(stage=0, grad_accum_steps=2), None),
     ("stage1", 4, 2, dict(stage=1), None),
@@ -54,8 +59,9 @@ CASES: list[tuple[str, int, int, dict[str, Any], Any]] = [
 def test_a_profiled_step_names_every_planned_collective(case: tuple, tmp_path: Path) -> None:
     _, world, nodes, kw, model = case
     trace = tmp_path / "trace.json"
-    units = profiled_step_ranges(kw, rank=1, world=world, nodes=nodes, trace=trace,
-                                 **({"model": model} if model else {}))
+    units = profiled_step_ranges(
+        kw, rank=1, world=world, nodes=nodes, trace=trace, **({"model": model} if model else {})
+    )
     step, step_s, spans = read_step(trace)
     assert step == 2 and step_s > 0
     plan = build_plan(units, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=world // nodes))
@@ -74,8 +80,11 @@ def test_a_profiled_step_names_every_planned_collective(case: tuple, tmp_path: P
             assert f"{n}/quantize" in names, n
         if c.spec is not None and c.algo == Algo.RING_AG:
             assert f"{n}/dequantize" in names, n
-    planned_units = {(str(c.kind), plan.units[c.unit].name + (".frozen" if c.frozen else "")) for c in plan.collectives
-                     if c.unit >= 0}
+    planned_units = {
+        (str(c.kind), plan.units[c.unit].name + (".frozen" if c.frozen else ""))
+        for c in plan.collectives
+        if c.unit >= 0
+    }
     waits = {(s.parsed.kind, s.parsed.unit) for s in spans if s.parsed.part == "wait"}
     assert waits <= planned_units and (waits or kw["stage"] == 0)  # stage 0 all-reduces synchronously
     algos = {c.algo for c in plan.collectives}
@@ -86,6 +95,7 @@ def test_a_profiled_step_names_every_planned_collective(case: tuple, tmp_path: P
 
 def test_no_profiler_no_ranges_and_no_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a profiler a whole ZeRO++ step neither opens a range nor builds a range name."""
+
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("a range or a range name was made with no profiler running")
 
@@ -97,13 +107,16 @@ def test_no_profiler_no_ranges_and_no_names(monkeypatch: pytest.MonkeyPatch) -> 
     assert measured
 
 
-@pytest.mark.parametrize("args,name", [
-    (("fwd_all_gather", "block0", 2), "zeropp/fwd_all_gather/block0/b2"),
-    (("grad_reduce_scatter", "root", 0, "cross"), "zeropp/grad_reduce_scatter/root/b0/cross"),
-    (("frozen_all_gather", "block1.frozen", 0), "zeropp/frozen_all_gather/block1.frozen/b0"),
-    (("fsdp_all_gather",), "zeropp/fsdp_all_gather"),
-    (("reduce_scatter", None, None, "intra"), "zeropp/reduce_scatter/intra"),
-])
+@pytest.mark.parametrize(
+    "args,name",
+    [
+        (("fwd_all_gather", "block0", 2), "zeropp/fwd_all_gather/block0/b2"),
+        (("grad_reduce_scatter", "root", 0, "cross"), "zeropp/grad_reduce_scatter/root/b0/cross"),
+        (("frozen_all_gather", "block1.frozen", 0), "zeropp/frozen_all_gather/block1.frozen/b0"),
+        (("fsdp_all_gather",), "zeropp/fsdp_all_gather"),
+        (("reduce_scatter", None, None, "intra"), "zeropp/reduce_scatter/intra"),
+    ],
+)
 def test_range_names_parse_back(args: tuple, name: str) -> None:
     assert ranges.call_name(*args) == name
     p = ranges.parse(name)
@@ -144,14 +157,17 @@ def test_read_step_refuses_what_is_not_a_profiled_step(tmp_path: Path) -> None:
         read_step(one, 4)
 
 
-@pytest.mark.parametrize("kw,words", [
-    (dict(profile_steps=(3,)), "set train.profile=true"),
-    (dict(profile=True, profile_steps=(0, 3)), "each in 1..train.steps=4"),
-    (dict(profile=True, profile_steps=(5,)), "each in 1..train.steps=4"),
-    (dict(profile=True, profile_steps=(2, 2)), "distinct steps"),
-    (dict(profile=True, profile_steps=(True,)), "a list of step numbers"),
-    (dict(profile="yes"), "train.profile"),
-])
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        (dict(profile_steps=(3,)), "set train.profile=true"),
+        (dict(profile=True, profile_steps=(0, 3)), "each in 1..train.steps=4"),
+        (dict(profile=True, profile_steps=(5,)), "each in 1..train.steps=4"),
+        (dict(profile=True, profile_steps=(2, 2)), "distinct steps"),
+        (dict(profile=True, profile_steps=(True,)), "a list of step numbers"),
+        (dict(profile="yes"), "train.profile"),
+    ],
+)
 def test_profile_settings_are_checked(kw: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("[", r"\[")):
         TrainConfig(steps=4, **kw)
@@ -166,7 +182,6 @@ def test_profile_steps_from_the_command_line() -> None:
     assert TrainConfig(steps=6, profile=True).profiled_steps == (6,) and TrainConfig(steps=6).profiled_steps == ()
 
 
-
 def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
     """Steps 3, 4 and 6 of a loop resumed after step 1: one trace each, holding that step only;
     steps before the resumed start are not recorded."""
@@ -177,10 +192,16 @@ def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
             with prof.step(n):
                 torch.ones(64).sum()
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
-        "rank0_step3.json", "rank0_step4.json", "rank0_step6.json"]
+        "rank0_step3.json",
+        "rank0_step4.json",
+        "rank0_step6.json",
+    ]
     for n in (3, 4, 6):
-        steps = {ranges.parse(e["name"]).step for e in json.loads(trace_path(tmp_path, 0, n).read_text())["traceEvents"]
-                 if str(e.get("name", "")).startswith("zeropp/step/")}
+        steps = {
+            ranges.parse(e["name"]).step
+            for e in json.loads(trace_path(tmp_path, 0, n).read_text())["traceEvents"]
+            if str(e.get("name", "")).startswith("zeropp/step/")
+        }
         assert steps == {n}
 
 

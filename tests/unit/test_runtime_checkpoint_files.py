@@ -57,8 +57,12 @@ def test_latest_must_name_a_version_folder_inside_the_directory(tmp_path):
     outside = _version(tmp_path / "elsewhere", name=B)
     (root / "LATEST").write_text(A + "\n")
     assert cf.latest(root) == good
-    for bad, words in [("../../elsewhere/" + B, "not a checkpoint folder name"), (str(outside), "not a checkpoint folder"),
-                       ("step-00000003", "not a checkpoint folder name"), ("ckpt-epoch-7-other-project", "no path")]:
+    for bad, words in [
+        ("../../elsewhere/" + B, "not a checkpoint folder name"),
+        (str(outside), "not a checkpoint folder"),
+        ("step-00000003", "not a checkpoint folder name"),
+        ("ckpt-epoch-7-other-project", "no path"),
+    ]:
         (root / "LATEST").write_text(bad + "\n")
         with pytest.raises(ValueError, match=words):
             cf.latest(root)
@@ -80,7 +84,9 @@ def test_crafted_metadata_is_refused_without_running_it(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="posix.system"):
         SafeReader(d).read_metadata()  # what DCP's load calls
     assert not marker.exists()
-    cf.verify(d, json.loads((d / "meta.json").read_text()), 0, 1)  # the recomputed checksum passes: only the reader stops it
+    cf.verify(
+        d, json.loads((d / "meta.json").read_text()), 0, 1
+    )  # the recomputed checksum passes: only the reader stops it
     with open(d / ".metadata", "rb") as f:  # the control: torch's own reader runs it
         pickle.load(f)
     assert marker.exists()
@@ -133,7 +139,9 @@ def test_non_tensor_values_are_read_weights_only(tmp_path):
     _dcp_save(ok, {"w": torch.ones(2), "sched": {"last_epoch": 3, "lrs": [0.1, (0.9, 0.95)], "fn": None}})
     state = {"w": torch.zeros(2), "sched": {"last_epoch": 0, "lrs": None, "fn": None}}  # the keys to load
     _dcp_load(state, SafeReader(ok), SafeLoadPlanner())
-    assert state["sched"] == {"last_epoch": 3, "lrs": [0.1, (0.9, 0.95)], "fn": None} and torch.equal(state["w"], torch.ones(2))
+    assert state["sched"] == {"last_epoch": 3, "lrs": [0.1, (0.9, 0.95)], "fn": None} and torch.equal(
+        state["w"], torch.ones(2)
+    )
 
 
 def test_tensor_entry_refuses_a_record_that_holds_bytes(tmp_path):
@@ -207,8 +215,10 @@ def test_retention_removes_only_the_runs_own_older_versions(tmp_path):
     other = root / "ckpt-epoch-7-other-project"
     other.mkdir()
     (other / "meta.json").write_text(json.dumps({"format": 3, "parent": None, "files": {}}))
-    theirs = [write_version(root, "ckpt-00000003-00000000000000aa", parent=None).name,
-              write_version(root, "ckpt-00000004-00000000000000ab", parent="ckpt-00000003-00000000000000aa").name]
+    theirs = [
+        write_version(root, "ckpt-00000003-00000000000000aa", parent=None).name,
+        write_version(root, "ckpt-00000004-00000000000000ab", parent="ckpt-00000003-00000000000000aa").name,
+    ]
     (root / "ckpt-00000001-00000000000000ac").write_text("a file named like a version")
     write_version(root, "ckpt-00000000-00000000000000ad", parent=None, fmt=1)
     debris = root / "ckpt-00000005-00000000000000ae"
@@ -231,8 +241,10 @@ def test_retention_removes_only_the_runs_own_older_versions(tmp_path):
 def test_first_nonfinite_names_the_tensor(tmp_path):
     ok = {"a": torch.ones(3), "steps": torch.tensor([2**62], dtype=torch.int64), "empty": torch.empty(0)}
     assert cf.first_nonfinite(ok.items()) is None
-    bad = {"model": {"w": torch.ones(3), "layers": [torch.zeros(2), torch.tensor([1.0, float("inf")])]},
-           "b": torch.tensor([float("nan")], dtype=torch.bfloat16)}
+    bad = {
+        "model": {"w": torch.ones(3), "layers": [torch.zeros(2), torch.tensor([1.0, float("inf")])]},
+        "b": torch.tensor([float("nan")], dtype=torch.bfloat16),
+    }
     assert cf.first_nonfinite(bad.items()) == "model.layers.1"
     assert cf.first_nonfinite([("b", bad["b"])]) == "b"
 

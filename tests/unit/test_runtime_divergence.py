@@ -29,15 +29,19 @@ def test_fp32_nan_loss_stops_at_that_step():
     e = ei.value
     assert (e.step, e.reason, e.exit_code) == (4, "non_finite", EXIT_CODE)
     assert math.isnan(e.loss) and math.isnan(e.grad_norm)
-    assert str(e) == ("training diverged at step 4: loss=nan, gradient norm=nan (the loss is not finite). "
-                      "To fix: lower optim.lr.")
+    assert str(e) == (
+        "training diverged at step 4: loss=nan, gradient norm=nan (the loss is not finite). To fix: lower optim.lr."
+    )
 
 
 def test_fp32_inf_norm_with_a_finite_loss_stops():
     g = DivergenceGuard(loss_scaling=False)
     _good_steps(g, range(1, 3))
-    with pytest.raises(DivergenceError, match=r"step 3: loss=4\.2, gradient norm=inf \(the gradient norm is not "
-                                              r"finite\)\. To fix: lower the learning rate \(optim\.lr\)"):
+    with pytest.raises(
+        DivergenceError,
+        match=r"step 3: loss=4\.2, gradient norm=inf \(the gradient norm is not "
+        r"finite\)\. To fix: lower the learning rate \(optim\.lr\)",
+    ):
         g.check(3, 4.2, INF, False)
 
 
@@ -53,7 +57,7 @@ def test_fp16_streak_below_the_limit_then_a_good_step_resets_it():
     for s in range(1, 5):  # 4 = N - 1 overflows in a row: normal loss-scale search
         g.check(s, 5.0, NAN, True, loss_scale=2.0 ** (20 - s))
     assert g.streak == 4
-    assert g.check(5, 5.0, 2.0, False, loss_scale=2.0 ** 15) is None  # a finite step ends the streak
+    assert g.check(5, 5.0, 2.0, False, loss_scale=2.0**15) is None  # a finite step ends the streak
     assert g.streak == 0
     for s in range(6, 10):  # another 4: still fine, the count restarted
         g.check(s, 5.0, INF, True, loss_scale=1.0)
@@ -61,8 +65,12 @@ def test_fp16_streak_below_the_limit_then_a_good_step_resets_it():
 
 
 def test_fp16_streak_of_n_stops():
-    g = DivergenceGuard(loss_scaling=True, max_skipped_steps=3, max_skipped_name="train.max_skipped_steps",
-                        advice="lower zero.loss_scale_init")
+    g = DivergenceGuard(
+        loss_scaling=True,
+        max_skipped_steps=3,
+        max_skipped_name="train.max_skipped_steps",
+        advice="lower zero.loss_scale_init",
+    )
     _good_steps(g, range(1, 3))
     g.check(3, 5.0, NAN, True, loss_scale=4.0)
     g.check(4, 5.0, NAN, True, loss_scale=2.0)
@@ -70,14 +78,16 @@ def test_fp16_streak_of_n_stops():
         g.check(5, 5.0, NAN, True, loss_scale=1.0)
     e = ei.value
     assert (e.step, e.reason, e.skipped_streak, e.loss_scale) == (5, "skipped_streak", 3, 1.0)
-    assert ("step 5: 3 consecutive steps skipped for fp16 overflow (train.max_skipped_steps=3), last loss=5, "
-            "gradient norm=nan, loss scale=1") in str(e)
+    assert (
+        "step 5: 3 consecutive steps skipped for fp16 overflow (train.max_skipped_steps=3), last loss=5, "
+        "gradient norm=nan, loss scale=1"
+    ) in str(e)
     assert "lower zero.loss_scale_init; or allow a longer streak with train.max_skipped_steps" in str(e)
 
 
 def test_fp16_warns_once_when_a_streak_reaches_half_the_limit():
     g = DivergenceGuard(loss_scaling=True, max_skipped_steps=6)
-    notes = [g.check(s, 5.0, NAN, True, loss_scale=2.0 ** -s) for s in range(1, 6)]
+    notes = [g.check(s, 5.0, NAN, True, loss_scale=2.0**-s) for s in range(1, 6)]
     assert [n is not None for n in notes] == [False, False, True, False, False]
     assert notes[2].startswith("3 consecutive steps skipped for fp16 overflow up to step 3")
 

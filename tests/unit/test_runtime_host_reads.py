@@ -38,5 +38,3 @@ def test_the_counter_sees_library_reads_and_only_those():
         torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(t.clone())], 1.0, error_if_nonfinite=True)
     assert reads == [HostRead("zeropp/models/gpt.py:byte_batch", "tolist", "cpu")]
     assert torch.Tensor.__dict__.get("tolist") is before and float(t[2]) == 2.0
-
-

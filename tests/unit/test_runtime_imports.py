@@ -25,7 +25,7 @@ def _imports(pkg: str, mods: dict[str, ast.Module], name: str) -> set[str]:
             if node.level == 1:
                 base = node.module
             elif node.level == 0 and node.module and node.module.startswith(f"zeropp.{pkg}"):
-                base = node.module[len(f"zeropp.{pkg}"):].lstrip(".") or None
+                base = node.module[len(f"zeropp.{pkg}") :].lstrip(".") or None
             else:
                 continue
             if base:
@@ -48,7 +48,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state and (c := visit(m)):
                 return c
         stack.pop()

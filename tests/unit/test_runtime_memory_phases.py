@@ -82,10 +82,18 @@ def test_formula_units():
     t = expected_by_tier(3, psi, n, hpz_size=2)
     assert sum(tier_totals(t).values()) == flat["total"]
     assert expected_memory(1, psi, n, param_bytes=4, shared_master=True)["total"] == 10 * psi
-    assert [expected_memory(s, psi, n, param_bytes=4, shared_master=True)["total"] / psi for s in range(4)] == [16, 10, 7, 4]
+    assert [expected_memory(s, psi, n, param_bytes=4, shared_master=True)["total"] / psi for s in range(4)] == [
+        16,
+        10,
+        7,
+        4,
+    ]
     # offloaded parameters: the engine keeps the fp32 master apart from the (host) shard, 12 bytes again
     assert expected_by_tier(3, psi, n, param_bytes=4, offload_param="cpu", shared_master=True)["device"] == {
-        "params": 0.0, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
+        "params": 0.0,
+        "grads": 4 * psi / n,
+        "optimizer": 12 * psi / n,
+    }
     with pytest.raises(ValueError, match="offload_param"):
         expected_by_tier(2, psi, n, offload_param="cpu")
     with pytest.raises(ValueError, match="stage >= 1"):
@@ -113,5 +121,3 @@ def test_account_and_sources_local():
         account([], {"weights": []}, torch.device("cpu"))
     snap = MemorySnapshot(phase="forward", tiers={t: {c: 1 for c in CATEGORIES} for t in TIERS})
     assert snap.total == 15 and snap.to_dict()["tier_totals"]["disk"] == 5
-
-

@@ -118,14 +118,17 @@ def test_fake_streams_order_issue_record_wait() -> None:
     assert api.current_stream() is api.compute
     st.wait(ev)
     assert api.log[2:] == [
-        ("wait_stream", rs, "compute"), ("record_stream", rs, id(x)), ("use", rs),
-        ("record", ev.k, rs, False), ("end", rs),
-        ("record", ev.k + 1, "compute", True), ("wait_event", "compute", ev.k), ("record", ev.k + 2, "compute", True),
+        ("wait_stream", rs, "compute"),
+        ("record_stream", rs, id(x)),
+        ("use", rs),
+        ("record", ev.k, rs, False),
+        ("end", rs),
+        ("record", ev.k + 1, "compute", True),
+        ("wait_event", "compute", ev.k),
+        ("record", ev.k + 2, "compute", True),
     ]
     assert st.blocked_s() == pytest.approx(2 * FAKE_ELAPSED_S)  # the empty blocked() pair + the wait
     with pytest.raises(ValueError, match="kind must be one of"), st.issuing("broadcast"):
         pass
     with pytest.raises(RuntimeError, match="one at a time"), st.issuing("all_gather"), st.issuing("reduce_scatter"):
         pass
-
-

@@ -109,8 +109,11 @@ def test_a_batch_the_forward_cannot_take_says_what_was_called_and_how_to_pass_ta
     assert "tuple micro-batch is unpacked into positional arguments" in msg and "Sequential.forward(input)" in msg
     assert "WithTargets(inputs, targets)" in msg and "loss_fn=" in msg and "mb.targets" in msg, msg
     assert isinstance(e.value.__cause__, TypeError)  # the forward's own error is kept as the cause
-    with pytest.raises(MicroBatchError, match=r"Sequential\(input=<float32 \[4, 8\]>, target=<float32 \[4, 8\]>\) "
-                                              r"\(a dict micro-batch is passed as keyword arguments"):
+    with pytest.raises(
+        MicroBatchError,
+        match=r"Sequential\(input=<float32 \[4, 8\]>, target=<float32 \[4, 8\]>\) "
+        r"\(a dict micro-batch is passed as keyword arguments",
+    ):
         call_model(m, {"input": x, "target": y})
     with pytest.raises(MicroBatchError, match=r"WithTargets.inputs: a tuple micro-batch"):
         call_model(m, WithTargets((x, y), y))
@@ -140,5 +143,3 @@ def test_torch_adam_allocates_its_moments_at_the_first_step() -> None:
     psi = sum(p.numel() for p in m.parameters())
     moments = sum(s[k].numel() * s[k].element_size() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
     assert moments == 8 * psi
-
-

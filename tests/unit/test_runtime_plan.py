@@ -49,12 +49,21 @@ def _frozen() -> GPT:
 
 MIXZ = [dict(stage=3, quantize_frozen=q, hpz=hpz) for q in ("none", "int8", "int4") for hpz in (False, True)] + [
     dict(ZPP, quantize_frozen="int4", grad_accum_steps=2, allgather_bucket_size=1000),
-    dict(stage=3, weights=RECIPES["sdp4bit"].weights, grads=RECIPES["sdp4bit"].grads, hpz=True,
-         weight_diff=RECIPES["sdp4bit"].weight_diff, quantize_frozen="int8"),
-    dict(stage=2, grads=RECIPES["qgz"].grads), dict(stage=0)]
+    dict(
+        stage=3,
+        weights=RECIPES["sdp4bit"].weights,
+        grads=RECIPES["sdp4bit"].grads,
+        hpz=True,
+        weight_diff=RECIPES["sdp4bit"].weight_diff,
+        quantize_frozen="int8",
+    ),
+    dict(stage=2, grads=RECIPES["qgz"].grads),
+    dict(stage=0),
+]
 
 CASES: list[tuple[str, int, int, int, Any, dict[str, Any]]] = [
-    ("gpt", world, nodes, 1, None, kw) for world, plans in WORLDS.items() for nodes, cfgs in plans for kw in cfgs]
+    ("gpt", world, nodes, 1, None, kw) for world, plans in WORLDS.items() for nodes, cfgs in plans for kw in cfgs
+]
 CASES += [(name, 4, 2, 1, fn, kw) for name, fn in (("lora", _lora), ("frozen", _frozen)) for kw in MIXZ]
 
 
@@ -69,8 +78,9 @@ def test_plan_bytes_equal_engine_commstats(case: tuple) -> None:
     """Per kind and link, on the first and the last rank: the plan's bytes are the engine's."""
     _name, world, nodes, tp, model, kw = case
     for rank in (0, world - 1):
-        units, measured = steady_step_bytes(kw, rank=rank, world=world, nodes=nodes, tp=tp,
-                                            **({"model": model} if model else {}))
+        units, measured = steady_step_bytes(
+            kw, rank=rank, world=world, nodes=nodes, tp=tp, **({"model": model} if model else {})
+        )
         plan = build_plan(units, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=world // nodes, tp=tp))
         assert plan.bytes_by_kind() == measured, f"rank {rank}"
         assert measured, "the step must communicate"
@@ -81,7 +91,9 @@ def test_mixz_cases_move_frozen_units() -> None:
     seen = set()
     for _name, world, nodes, _tp, model, kw in CASES:
         if model is not None and kw["stage"] == 3:
-            plan = build_plan(plan_units(model()), ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=world // nodes))
+            plan = build_plan(
+                plan_units(model()), ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=world // nodes)
+            )
             for c in plan.collectives:
                 if c.kind == CommKind.FROZEN_ALL_GATHER:
                     seen.add((c.spec is not None and c.spec.bits, str(c.group)))
@@ -99,18 +111,37 @@ def test_kinds_are_the_strings_the_code_records() -> None:
     assert CommKind(weight_diff.KIND) is CommKind.WEIGHT_DIFF_ALL_GATHER
     assert {CommKind(k) for k in PEER_BYTES_KINDS} <= set(CommKind)
     assert CommKind(ddp.QuantizedAllReduceState.__dataclass_fields__["kind"].default) is CommKind.DDP_ALL_REDUCE
-    assert CommKind(inspect.signature(fsdp.QuantizedAllGather.__init__).parameters["kind"].default) \
+    assert (
+        CommKind(inspect.signature(fsdp.QuantizedAllGather.__init__).parameters["kind"].default)
         is CommKind.FSDP_ALL_GATHER
-    assert CommKind(inspect.signature(fsdp.QuantizedReduceScatter.__init__).parameters["kind"].default) \
+    )
+    assert (
+        CommKind(inspect.signature(fsdp.QuantizedReduceScatter.__init__).parameters["kind"].default)
         is CommKind.FSDP_REDUCE_SCATTER
+    )
     k = CommKind.FWD_ALL_GATHER
     assert k == "fwd_all_gather" and f"{k}.intra" == "fwd_all_gather.intra" and str(k) == "fwd_all_gather"
     assert json.dumps({k: 1}) == '{"fwd_all_gather": 1}' and {"fwd_all_gather": 1}[k] == 1
 
 
-@pytest.mark.parametrize("cols,rows,bucket", [
-    (1, 1, 1), (1, 4, 1), (7, 1, 3), (7, 3, 20), (7, 3, 21), (17, 257, 257 * 5), (17, 257, 257 * 5 + 256),
-    (17, 257, 100), (257, 17, 4369), (257, 17, 4368), (5, 4, 10 ** 9), (0, 4, 10), (1000, 6, 3001)])
+@pytest.mark.parametrize(
+    "cols,rows,bucket",
+    [
+        (1, 1, 1),
+        (1, 4, 1),
+        (7, 1, 3),
+        (7, 3, 20),
+        (7, 3, 21),
+        (17, 257, 257 * 5),
+        (17, 257, 257 * 5 + 256),
+        (17, 257, 100),
+        (257, 17, 4369),
+        (257, 17, 4368),
+        (5, 4, 10**9),
+        (0, 4, 10),
+        (1000, 6, 3001),
+    ],
+)
 def test_chunk_ranges_are_the_engines_and_the_models(cols: int, rows: int, bucket: int) -> None:
     """The one bucketing rule is the engine's (``runtime.collectives`` calls it) and equals the byte
     model's ``chunk_widths`` on awkward sizes, and its chunks tile the columns within the bucket."""
@@ -133,8 +164,9 @@ def test_chunk_ranges_refuse_nonsense() -> None:
 
 
 def _plan(prefetch: int, **kw: Any) -> CommPlan:
-    return build_plan([100, 40, 40, 40], ZeroConfig(stage=3, prefetch_depth=prefetch, **kw),
-                      Topology(nodes=2, ranks_per_node=2))
+    return build_plan(
+        [100, 40, 40, 40], ZeroConfig(stage=3, prefetch_depth=prefetch, **kw), Topology(nodes=2, ranks_per_node=2)
+    )
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -144,8 +176,17 @@ def test_gathers_are_issued_prefetch_depth_blocks_ahead(prefetch: int) -> None:
     blocks, root, then backward root and blocks in reverse."""
     plan = _plan(prefetch)
     tasks = [(t.phase, t.unit) for t in plan.compute]
-    assert tasks == [(Phase.FWD, 1), (Phase.FWD, 2), (Phase.FWD, 3), (Phase.FWD, 0), (Phase.BWD, 0),
-                     (Phase.BWD, 3), (Phase.BWD, 2), (Phase.BWD, 1), (Phase.POST, -1)]
+    assert tasks == [
+        (Phase.FWD, 1),
+        (Phase.FWD, 2),
+        (Phase.FWD, 3),
+        (Phase.FWD, 0),
+        (Phase.BWD, 0),
+        (Phase.BWD, 3),
+        (Phase.BWD, 2),
+        (Phase.BWD, 1),
+        (Phase.POST, -1),
+    ]
     fwd = [c for c in plan.collectives if c.kind == CommKind.FWD_ALL_GATHER]
     assert [c.unit for c in fwd] == [0, 1, 2, 3]
     for c in fwd[1:]:
@@ -178,10 +219,14 @@ def test_an_18b_gpt_is_planned_from_the_meta_device_in_well_under_a_second() -> 
     cfg = GPTConfig(vocab_size=50304, seq_len=2048, d_model=6144, n_layers=40, n_heads=48, tie_embeddings=False)
     with torch.device("meta"):
         units = plan_units(GPT(cfg))
-    assert tuple(u.numel for u in units) == paper_workload().units == gpt_units(
-        vocab=50304, seq_len=2048, d_model=6144, n_layers=40, tie_embeddings=False)
+    assert (
+        tuple(u.numel for u in units)
+        == paper_workload().units
+        == gpt_units(vocab=50304, seq_len=2048, d_model=6144, n_layers=40, tie_embeddings=False)
+    )
     t = time.perf_counter()
-    plan = build_plan(units, ZeroConfig.from_recipe("zeropp", stage=3, precision="bf16"),
-                      Topology(nodes=48, ranks_per_node=8))
+    plan = build_plan(
+        units, ZeroConfig.from_recipe("zeropp", stage=3, precision="bf16"), Topology(nodes=48, ranks_per_node=8)
+    )
     assert time.perf_counter() - t < 0.5
     assert len(plan.collectives) > 4 * len(units) and plan.total_bytes() > 0

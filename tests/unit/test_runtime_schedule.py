@@ -21,10 +21,17 @@ def _formula(step, lr, warmup, schedule, decay, floor):
     return lr * (floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2)
 
 
-@pytest.mark.parametrize("warmup, schedule, decay, floor", [
-    (0, "constant", None, 0.1), (4, "constant", None, 0.1), (0, "cosine", 7, 0.0), (3, "cosine", 17, 0.1),
-    (5, "cosine", 5, 0.25), (1, "cosine", 2, 1.0),
-])
+@pytest.mark.parametrize(
+    "warmup, schedule, decay, floor",
+    [
+        (0, "constant", None, 0.1),
+        (4, "constant", None, 0.1),
+        (0, "cosine", 7, 0.0),
+        (3, "cosine", 17, 0.1),
+        (5, "cosine", 5, 0.25),
+        (1, "cosine", 2, 1.0),
+    ],
+)
 def test_lr_at_follows_the_formula(warmup, schedule, decay, floor):
     cfg = OptimizerConfig(lr=3e-3, warmup_steps=warmup, schedule=schedule, decay_steps=decay, min_lr_ratio=floor)
     for step in range(30):
@@ -35,16 +42,19 @@ def test_lr_at_follows_the_formula(warmup, schedule, decay, floor):
         assert cfg.lr_at(decay) == cfg.lr_at(decay + 100) == pytest.approx(3e-3 * floor)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(schedule="cosine"), "needs decay_steps"),
-    (dict(schedule="cosine", warmup_steps=10, decay_steps=9), "warmup_steps=10 exceeds decay_steps=9"),
-    (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
-    (dict(schedule="cosine", decay_steps=-3), "decay_steps must be an int >= 0"),
-    (dict(schedule="cosine", decay_steps=5, min_lr_ratio=-0.1), "min_lr_ratio must be in"),
-    (dict(schedule="linear"), "schedule='linear'"),
-    (dict(decay_steps=10), "does nothing with schedule='constant'"),
-    (dict(lr=-1.0), "lr must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(schedule="cosine"), "needs decay_steps"),
+        (dict(schedule="cosine", warmup_steps=10, decay_steps=9), "warmup_steps=10 exceeds decay_steps=9"),
+        (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
+        (dict(schedule="cosine", decay_steps=-3), "decay_steps must be an int >= 0"),
+        (dict(schedule="cosine", decay_steps=5, min_lr_ratio=-0.1), "min_lr_ratio must be in"),
+        (dict(schedule="linear"), "schedule='linear'"),
+        (dict(decay_steps=10), "does nothing with schedule='constant'"),
+        (dict(lr=-1.0), "lr must be a finite number >= 0"),
+    ],
+)
 def test_bad_schedules_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OptimizerConfig(**kwargs)
@@ -56,8 +66,16 @@ def test_bad_schedules_raise(kwargs, match):
 def test_sharded_adamw_with_schedule_matches_torch_adamw_with_lambdalr_bitwise(warmup, schedule, decay):
     torch.manual_seed(0)
     params = [torch.randn(17, 3), torch.randn(7), torch.randn(1)]
-    cfg = OptimizerConfig(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, warmup_steps=warmup,
-                          schedule=schedule, decay_steps=decay, min_lr_ratio=0.2)
+    cfg = OptimizerConfig(
+        lr=3e-3,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=0.1,
+        warmup_steps=warmup,
+        schedule=schedule,
+        decay_steps=decay,
+        min_lr_ratio=0.2,
+    )
     ref = [p.clone().requires_grad_() for p in params]
     topt = torch.optim.AdamW(ref, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(topt, cfg.lr_factor)

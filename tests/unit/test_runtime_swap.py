@@ -108,6 +108,7 @@ def test_a_space_whose_buffers_cannot_be_allocated_leaves_no_folder(tmp_path):
         SwapSpace(tmp_path, 0, buffers=2, buffer_size=2**60)  # 4 EiB staging buffers: the allocator refuses
     assert os.listdir(tmp_path) == []
 
+
 def test_a_launched_rank_names_and_records_its_folder_and_an_unclosed_space_is_removed(tmp_path, monkeypatch):
     """Under zeropp's launcher the folder carries the run id and is recorded for the launcher's
     cleanup before it exists; a space dropped without close() is removed when collected."""
@@ -125,7 +126,10 @@ def test_a_launched_rank_names_and_records_its_folder_and_an_unclosed_space_is_r
     sp = SwapSpace(nvme, 2, buffers=2, buffer_size=16)
     sp.create("a.swp", 1000)
     assert os.path.basename(sp.dir).startswith("zeropp-swap-abc123def456-r2-")
-    assert json.loads((world / "scratch.2").read_text()) == {"root": str(nvme), "prefix": "zeropp-swap-abc123def456-r2-"}
+    assert json.loads((world / "scratch.2").read_text()) == {
+        "root": str(nvme),
+        "prefix": "zeropp-swap-abc123def456-r2-",
+    }
     del sp
     gc.collect()
     assert os.listdir(nvme) == []
@@ -178,7 +182,11 @@ def test_both_adamw_holders_share_kernel_check_lr_and_numels(tmp_path):
     ms = [torch.ones(n) for n in (3, 5)]
     sp = SwapSpace(tmp_path, 0, buffers=2, buffer_size=256)
     try:
-        for cls, kw in ((ShardedAdamW, {}), (SwappedAdamW, {"space": sp}), (HostAdamW, {"device": torch.device("cpu")})):
+        for cls, kw in (
+            (ShardedAdamW, {}),
+            (SwappedAdamW, {"space": sp}),
+            (HostAdamW, {"device": torch.device("cpu")}),
+        ):
             with pytest.raises(ValueError, match=f"{cls.__name__} kernel='avx'; use one of"):
                 cls([m.clone() for m in ms], cfg, kernel="avx", **kw)
         ref = ShardedAdamW([m.clone() for m in ms], cfg)

@@ -22,8 +22,9 @@ from tests.runtime_helpers import TINY
 from zeropp.models import GPT
 
 CFG = TINY  # d_model 32, 2 heads, MLP 128: tp=2 splits one head per rank
-LLAMA = dict(hf_config="llama", vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-             intermediate_size=64)
+LLAMA = dict(
+    hf_config="llama", vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64
+)
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -75,4 +76,6 @@ def test_runner_config_validates_tp() -> None:
         from_dict(_runner_cfg("topology=1x4", "topology.tp=4", "stage=3"))
     with pytest.raises(ConfigError, match=r"topology.tp=3 must be a positive divisor of ranks_per_node=2"):
         from_dict(_runner_cfg("topology=2x2", "topology.tp=3"))
-    assert from_dict(_runner_cfg("topology=2x2", "topology.tp=2", "train.checkpoint_every=5")).train.checkpoint_every == 5
+    assert (
+        from_dict(_runner_cfg("topology=2x2", "topology.tp=2", "train.checkpoint_every=5")).train.checkpoint_every == 5
+    )

@@ -14,35 +14,40 @@ from zeropp.runtime.config import validate_against_topology
 from zeropp.runtime.partition import build_units
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(stage=4), "stage must be 0, 1, 2 or 3"),
-    (dict(precision="fp8"), "precision must be one of"),
-    (dict(stage=3, weights=dict(bits=3)), "QuantSpec.bits=3 is not supported"),
-    (dict(stage=3, grads=dict(bits=2)), "QuantSpec.bits=2 is not supported"),
-    (dict(stage=3, grads=dict(bits=4, intra_bits=6)), "intra_bits=6"),
-    (dict(stage=2, hpz=True), "set stage=3 or hpz=False"),
-    (dict(stage=1, weights=dict(bits=8)), "set stage=3"),
-    (dict(stage=0, grads=dict(bits=4)), "stage 0 does not use"),
-    (dict(stage=3, hpz_size=2), "hpz=False"),
-    (dict(stage=3, weights=dict(bits=8, error_feedback=True)), "error_feedback=True.*one hop"),
-    (dict(stage=3, weights=dict(bits=8, intra_bits=4)), "intra_bits=4.*one hop"),
-    (dict(stage=2, persistence_threshold=10), "only applies at stage 3"),
-    (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
-    (dict(grad_clip=0.0), "grad_clip must be a finite number > 0"),
-    (dict(prefetch_depth=-1), "prefetch_depth must be >= 0"),
-    (dict(stage=3, grads=dict(bits=4, group_size=127)), "group_size=127 is odd"),
-    (dict(stage=3, weights=dict(bits=8, group_size=0)), "group_size must be a positive int"),
-    (dict(stage=3, weights="int8"), "weights must be a zeropp.comm.spec.QuantSpec or None, got str"),
-    (dict(stage=3, grads={"bits": 4, "raw": True}), "grads must be a zeropp.comm.spec.QuantSpec or None, got dict"),
-    (dict(stage=3, weights=dict(bits=8, rounding="up")), "rounding='up'"),
-    (dict(stage=3, grads=dict(bits=4, error_feedback=1)), "error_feedback must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(stage=4), "stage must be 0, 1, 2 or 3"),
+        (dict(precision="fp8"), "precision must be one of"),
+        (dict(stage=3, weights=dict(bits=3)), "QuantSpec.bits=3 is not supported"),
+        (dict(stage=3, grads=dict(bits=2)), "QuantSpec.bits=2 is not supported"),
+        (dict(stage=3, grads=dict(bits=4, intra_bits=6)), "intra_bits=6"),
+        (dict(stage=2, hpz=True), "set stage=3 or hpz=False"),
+        (dict(stage=1, weights=dict(bits=8)), "set stage=3"),
+        (dict(stage=0, grads=dict(bits=4)), "stage 0 does not use"),
+        (dict(stage=3, hpz_size=2), "hpz=False"),
+        (dict(stage=3, weights=dict(bits=8, error_feedback=True)), "error_feedback=True.*one hop"),
+        (dict(stage=3, weights=dict(bits=8, intra_bits=4)), "intra_bits=4.*one hop"),
+        (dict(stage=2, persistence_threshold=10), "only applies at stage 3"),
+        (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
+        (dict(grad_clip=0.0), "grad_clip must be a finite number > 0"),
+        (dict(prefetch_depth=-1), "prefetch_depth must be >= 0"),
+        (dict(stage=3, grads=dict(bits=4, group_size=127)), "group_size=127 is odd"),
+        (dict(stage=3, weights=dict(bits=8, group_size=0)), "group_size must be a positive int"),
+        (dict(stage=3, weights="int8"), "weights must be a zeropp.comm.spec.QuantSpec or None, got str"),
+        (dict(stage=3, grads={"bits": 4, "raw": True}), "grads must be a zeropp.comm.spec.QuantSpec or None, got dict"),
+        (dict(stage=3, weights=dict(bits=8, rounding="up")), "rounding='up'"),
+        (dict(stage=3, grads=dict(bits=4, error_feedback=1)), "error_feedback must be True or False"),
+    ],
+)
 def test_bad_configs_raise_with_a_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         # a plain dict of QuantSpec fields is built here, inside the check (its own errors count too);
         # the "raw" marker keeps a dict as is, to test ZeroConfig's own type check
-        built = {k: QuantSpec(**v) if k in ("weights", "grads") and isinstance(v, dict) and "raw" not in v else v
-                 for k, v in kwargs.items()}
+        built = {
+            k: QuantSpec(**v) if k in ("weights", "grads") and isinstance(v, dict) and "raw" not in v else v
+            for k, v in kwargs.items()
+        }
         ZeroConfig(**built)
 
 
@@ -75,8 +80,9 @@ def test_topology_checks_and_optimizer_config():
 def test_partition_pads_shards_and_round_trips():
     model = make_model()
     names = dict(model.named_parameters())
-    units, blocks, root, pers = build_units(model, stage=3, world_size=3, rank=1, dtype=torch.float32,
-                                            persistence_threshold=40)
+    units, blocks, root, pers = build_units(
+        model, stage=3, world_size=3, rank=1, dtype=torch.float32, persistence_threshold=40
+    )
     assert [u.name for _, u in blocks] == ["block0", "block1"] and root is not None and pers is not None
     assert all(p.numel() < 40 for p in pers.params) and all(p.numel() >= 40 for u in units[:-1] for p in u.params)
     covered = [s.name for u in units for s in u.slots]
@@ -120,5 +126,3 @@ def test_expected_memory_is_the_zero_table():
     assert rows == {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
     assert expected_memory(3, psi, n, hpz_size=2)["hpz_secondary"] == 2 * psi / 2
     assert TINY.num_params() > 0
-
-

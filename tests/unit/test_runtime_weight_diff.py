@@ -29,13 +29,16 @@ W8, W4 = QuantSpec(bits=8), QuantSpec(bits=4)
 
 
 # ---------------------------------------------------------------------- configuration (no world)
-@pytest.mark.parametrize("kw, words", [
-    (dict(stage=0, weight_diff=W4), ["weight_diff", "stage 0", "stage>=1"]),
-    (dict(stage=3, weight_diff=W4), ["weight_diff", "hpz=False", "hpz=True"]),
-    (dict(stage=2, weight_diff=W4.replace(error_feedback=True)), ["weight_diff", "error_feedback=True"]),
-    (dict(stage=2, weight_diff=QuantSpec(bits=4, intra_bits=8)), ["weight_diff", "intra_bits=8"]),
-    (dict(stage=2, weight_diff={"bits": 4}), ["weight_diff", "QuantSpec"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(stage=0, weight_diff=W4), ["weight_diff", "stage 0", "stage>=1"]),
+        (dict(stage=3, weight_diff=W4), ["weight_diff", "hpz=False", "hpz=True"]),
+        (dict(stage=2, weight_diff=W4.replace(error_feedback=True)), ["weight_diff", "error_feedback=True"]),
+        (dict(stage=2, weight_diff=QuantSpec(bits=4, intra_bits=8)), ["weight_diff", "intra_bits=8"]),
+        (dict(stage=2, weight_diff={"bits": 4}), ["weight_diff", "QuantSpec"]),
+    ],
+)
 def test_bad_settings_are_refused(kw, words):
     with pytest.raises(ValueError) as e:
         ZeroConfig(**kw)
@@ -64,8 +67,12 @@ def test_runner_recipes_carry_weight_diff():
     for name in ("sdp4bit", "qwd", "zeropp"):
         rc = from_dict(_cfg(f"quant={name}"))
         r = RECIPES[name]
-        assert (rc.zero.weights, rc.zero.grads, rc.zero.weight_diff, rc.zero.hpz) == (r.weights, r.grads,
-                                                                                      r.weight_diff, r.hpz)
+        assert (rc.zero.weights, rc.zero.grads, rc.zero.weight_diff, rc.zero.hpz) == (
+            r.weights,
+            r.grads,
+            r.weight_diff,
+            r.hpz,
+        )
     rc = from_dict(_cfg("quant=sdp4bit", "zero.weight_diff.bits=8"))
     assert rc.zero.weight_diff == W8 and "qWD[int8]" in rc.describe()
     rc = from_dict(_cfg("quant=qwd", "stage=2", "zero.hpz=false"))

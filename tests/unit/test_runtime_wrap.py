@@ -110,12 +110,21 @@ def test_block_policies_choose_the_outermost_matches() -> None:
     reuse.blocks = nn.ModuleList([a, b, a])
     _, blocks, root, _ = build_units(reuse, stage=3, world_size=2, rank=0, dtype=torch.float32)
     assert [blk for blk, _ in blocks] == [a, b] and root is None
-    assert blocks[0][1].slots[0].name == "blocks.0.norm.weight" and blocks[0][1].slots[0].aliases == ("blocks.2.norm.weight",)
+    assert blocks[0][1].slots[0].name == "blocks.0.norm.weight" and blocks[0][1].slots[0].aliases == (
+        "blocks.2.norm.weight",
+    )
     # a module registered in two blocks: its parameters go to the root unit
     m2 = make_toy()
     m2.l1.extra = m2.l0.lin
     _, blocks, root, _ = build_units(m2, stage=3, world_size=2, rank=0, dtype=torch.float32, policy=ResBlock)
-    assert [s.name for s in root.slots] == ["inp.weight", "inp.bias", "l0.lin.weight", "l0.lin.bias", "out.weight", "out.bias"]
+    assert [s.name for s in root.slots] == [
+        "inp.weight",
+        "inp.bias",
+        "l0.lin.weight",
+        "l0.lin.bias",
+        "out.weight",
+        "out.bias",
+    ]
     assert root.slots[2].aliases == ("l1.extra.weight",)
     assert [s.name for s in blocks[0][1].slots] == ["l0.norm.weight", "l0.norm.bias"]
     with pytest.raises(TypeError, match="nn.Module subclasses"):

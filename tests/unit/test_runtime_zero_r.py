@@ -68,7 +68,9 @@ def test_store_rederives_parameter_views_from_the_current_binding():
     assert torch.equal(x.grad, (2 * w0).sum(0).expand(2, 4))
 
 
-def _saved_bytes(fn, *inputs: torch.Tensor) -> tuple[dict[str, int], dict[str, int], list[torch.Tensor], list[torch.Tensor]]:
+def _saved_bytes(
+    fn, *inputs: torch.Tensor
+) -> tuple[dict[str, int], dict[str, int], list[torch.Tensor], list[torch.Tensor]]:
     """Run ``fn(*inputs).sum()`` backward under a device-path and an offloading store, and under
     plain autograd: (device tiers, offload tiers, offload grads, plain grads) of ``inputs``."""
     from zeropp.runtime.activations import ActivationStore

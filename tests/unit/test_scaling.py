@@ -108,8 +108,15 @@ def _cross(b: dict[str, float]) -> float:
 def test_uplink_carries_its_ranks_pairwise_bytes(nics: int | None) -> None:
     """A node's uplink carries (ranks sharing it) x one rank's pairwise cross-node bytes, and the
     link time of every cross-node collective is that over the uplink rate."""
-    c = Cluster(nodes=3, ranks_per_node=4, cross_gbps=10, nics_per_node=nics, alpha_cross_s=0.0, alpha_intra_s=0.0,
-                intra_gbps=1e9)
+    c = Cluster(
+        nodes=3,
+        ranks_per_node=4,
+        cross_gbps=10,
+        nics_per_node=nics,
+        alpha_cross_s=0.0,
+        alpha_intra_s=0.0,
+        intra_gbps=1e9,
+    )
     k = 4 // (nics or 4)
     assert c.ranks_per_uplink == k
     for w in (_w(), _w(**ZEROPP)):
@@ -142,9 +149,13 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
     c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=10)
     W, S = c.world, sum(-(-u // c.world) for u in UNITS)
     w = _w(**ZEROPP)
-    assert quant_work(w, c) == {("quantize", 8): S, ("dequantize", 8): W * S,  # qwZ fwd only (hpZ)
-                                ("quantize", 4): W * S, ("dequantize_sum_requantize", 4): W * S,
-                                ("dequantize_sum", 4): 2 * S}
+    assert quant_work(w, c) == {
+        ("quantize", 8): S,
+        ("dequantize", 8): W * S,  # qwZ fwd only (hpZ)
+        ("quantize", 4): W * S,
+        ("dequantize_sum_requantize", 4): W * S,
+        ("dequantize_sum", 4): 2 * S,
+    }
     assert quant_work(_w(weights=INT8), c) == {("quantize", 8): 2 * S, ("dequantize", 8): 2 * W * S}  # fwd + bwd
     assert quant_work(_w(), c) == {} and quant_time(_w(), c) == 0.0
     rates = (("quantize", 8, 0.5), ("dequantize", 8, 2.0), ("quantize", 4, 0.25))
@@ -153,8 +164,9 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
     assert quant_time(wr, c) == pytest.approx(expect)
     p = project(wr, c)
     assert p.quant_s == pytest.approx(expect)
-    assert p.comm_s == pytest.approx(sum(collective_time(m, c) * m.count for m in messages(wr, c)) + control_time(wr, c)
-                                    + expect)
+    assert p.comm_s == pytest.approx(
+        sum(collective_time(m, c) * m.count for m in messages(wr, c)) + control_time(wr, c) + expect
+    )
 
 
 def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
@@ -179,16 +191,25 @@ def test_spec_group_size_and_hop_bits_set_the_messages() -> None:
     b = pairwise_bytes(messages(w, c))
     assert b["grad_reduce_scatter.intra"] == sum(quantized_nbytes(2, s, 8, 256) for s in shards)
     assert b["grad_reduce_scatter.cross"] == sum(quantized_nbytes(1, s, 4, 256) for s in shards)
-    assert quant_work(w, c) == {("quantize", 8): c.world * sum(shards),
-                                ("dequantize_sum_requantize", 8): c.world * sum(shards),
-                                ("dequantize_sum", 4): 2 * sum(shards)}
+    assert quant_work(w, c) == {
+        ("quantize", 8): c.world * sum(shards),
+        ("dequantize_sum_requantize", 8): c.world * sum(shards),
+        ("dequantize_sum", 4): 2 * sum(shards),
+    }
 
 
 def test_workload_from_zero_config() -> None:
     from zeropp.runtime import ZeroConfig
 
-    z = ZeroConfig(stage=3, weights=INT8, grads=QuantSpec(bits=4, intra_bits=8), hpz=True, hpz_size=2,
-                   precision="bf16", grad_accum_steps=3)
+    z = ZeroConfig(
+        stage=3,
+        weights=INT8,
+        grads=QuantSpec(bits=4, intra_bits=8),
+        hpz=True,
+        hpz_size=2,
+        precision="bf16",
+        grad_accum_steps=3,
+    )
     w = Workload.from_zero(z, units=UNITS, compute_s=0.5, tokens_per_rank=64, overlap=0.25)
     assert (w.stage, w.weights, w.grads, w.hpz, w.hpz_size) == (3, z.weights, z.grads, True, 2)
     assert (w.dtype_bytes, w.grad_accum, w.overlap, w.units) == (2, 3, 0.25, UNITS)
@@ -197,14 +218,31 @@ def test_workload_from_zero_config() -> None:
 
 def _summary(cluster: dict) -> dict:
     """A summary.json of the runner's layout: summary["config"] holds asdict() of the library configs."""
-    zero = {"stage": 3, "precision": "fp32", "hpz": True, "hpz_size": None, "grad_accum_steps": 2,
-            "weights": dataclasses.asdict(INT8), "grads": dataclasses.asdict(QuantSpec(bits=4, group_size=64))}
-    cfg = {"zero": zero, "model": {"vocab_size": 256, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 2,
-                                   "mlp_ratio": 4},
-           "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None}, "train": {"micro_batch_size": 4},
-           "trainer": {"name": "zeropp"}, "cluster": cluster}
-    return {"config": cfg, "label": "run", "step_time_s": {"mean": 0.5}, "engine_comm_wait_s_per_step": 0.2,
-            "comm_wait_s_per_step": 0.3, "model": {"flops_per_token": 7.0}}
+    zero = {
+        "stage": 3,
+        "precision": "fp32",
+        "hpz": True,
+        "hpz_size": None,
+        "grad_accum_steps": 2,
+        "weights": dataclasses.asdict(INT8),
+        "grads": dataclasses.asdict(QuantSpec(bits=4, group_size=64)),
+    }
+    cfg = {
+        "zero": zero,
+        "model": {"vocab_size": 256, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4},
+        "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
+        "train": {"micro_batch_size": 4},
+        "trainer": {"name": "zeropp"},
+        "cluster": cluster,
+    }
+    return {
+        "config": cfg,
+        "label": "run",
+        "step_time_s": {"mean": 0.5},
+        "engine_comm_wait_s_per_step": 0.2,
+        "comm_wait_s_per_step": 0.3,
+        "model": {"flops_per_token": 7.0},
+    }
 
 
 def test_workload_from_summary_reads_the_run_config() -> None:
@@ -212,9 +250,19 @@ def test_workload_from_summary_reads_the_run_config() -> None:
 
     w = workload_from_summary(_summary({"name": "local"}), (("quantize", 8, 1.0),))
     assert w.compute_s == pytest.approx(0.5 - 0.2)  # step - the engine's own wait
-    expect = Workload(units=UNITS, compute_s=0.0, tokens_per_rank=4 * 2 * 64, stage=3, weights=INT8,
-                      grads=QuantSpec(bits=4, group_size=64), hpz=True, dtype_bytes=4, grad_accum=2,
-                      flops_per_token=7.0, quant_rates=(("quantize", 8, 1.0),))
+    expect = Workload(
+        units=UNITS,
+        compute_s=0.0,
+        tokens_per_rank=4 * 2 * 64,
+        stage=3,
+        weights=INT8,
+        grads=QuantSpec(bits=4, group_size=64),
+        hpz=True,
+        dtype_bytes=4,
+        grad_accum=2,
+        flops_per_token=7.0,
+        quant_rates=(("quantize", 8, 1.0),),
+    )
     assert dataclasses.replace(w, compute_s=0.0) == expect
 
 
@@ -238,12 +286,18 @@ def test_compare_measured_takes_the_link_from_the_summary() -> None:
     assert compare_measured([local], quant_rates=(), cross_gbps=2.0)[0]["cross_gbps"] == 2.0
 
 
-@pytest.mark.parametrize("kw, word", [({"stage": 5}, "stage"), ({"stage": 2, "weights": INT8}, "weights"),
-                                      ({"stage": 1, "hpz": True}, "hpz"), ({"stage": 0, "grads": INT4}, "grads"),
-                                      ({"dtype_bytes": 3}, "dtype_bytes"), ({"overlap": 1.5}, "overlap"),
-                                      ({"units": ()}, "units")])
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        ({"stage": 5}, "stage"),
+        ({"stage": 2, "weights": INT8}, "weights"),
+        ({"stage": 1, "hpz": True}, "hpz"),
+        ({"stage": 0, "grads": INT4}, "grads"),
+        ({"dtype_bytes": 3}, "dtype_bytes"),
+        ({"overlap": 1.5}, "overlap"),
+        ({"units": ()}, "units"),
+    ],
+)
 def test_bad_workload_is_rejected(kw: dict, word: str) -> None:
     with pytest.raises(ValueError, match=f"Workload.{word}="):
         Workload(**{"units": UNITS, "compute_s": 0.0, "tokens_per_rank": 1, **kw})
-
-

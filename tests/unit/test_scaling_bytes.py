@@ -22,8 +22,9 @@ from tests.runtime_helpers import TINY
 from zeropp.comm.spec import RECIPES
 from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
 
-UNITS = gpt_units(vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers,
-                  mlp_ratio=TINY.mlp_ratio)
+UNITS = gpt_units(
+    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
+)
 
 
 """(nodes, configs) of the 4-rank gloo world: the end-to-end check of the byte model (every recipe,
@@ -61,8 +62,13 @@ def test_configs_cover_every_recipe_and_stage() -> None:
     """The checked set (``plan_helpers.WORLDS``) really holds every preset (and hpZ both ways at stage 3)."""
     cfgs = WORLDS[4][0][1]
     for name, r in RECIPES.items():
-        assert any(kw.get("weights") == r.weights and kw.get("grads") == r.grads and kw["hpz"] == r.hpz
-                   and kw.get("weight_diff") == r.weight_diff for kw in cfgs), name
+        assert any(
+            kw.get("weights") == r.weights
+            and kw.get("grads") == r.grads
+            and kw["hpz"] == r.hpz
+            and kw.get("weight_diff") == r.weight_diff
+            for kw in cfgs
+        ), name
     assert {kw["stage"] for kw in cfgs if kw.get("weight_diff")} == {1, 2, 3}
     assert {kw["stage"] for kw in cfgs} == {0, 1, 2, 3}
     assert any(kw["hpz"] for kw in cfgs) and any(kw["stage"] == 3 and not kw["hpz"] for kw in cfgs)
@@ -71,9 +77,14 @@ def test_configs_cover_every_recipe_and_stage() -> None:
 def test_ring_wire_moves_fewer_gather_bytes_than_pairwise() -> None:
     """gloo's ring all-gather leaves a node over one edge with g - 1 shards; pairwise sends would
     push ranks x cross peers shards through the same uplink (the 2x2 emulator: 3 vs 4)."""
-    w = dataclasses.replace(Workload.from_zero(type("Z", (), {**ZPP, "precision": "fp32", "hpz_size": None,
-                                                               "grad_accum_steps": 1})(),
-                                               units=UNITS, compute_s=0.0, tokens_per_rank=1))
+    w = dataclasses.replace(
+        Workload.from_zero(
+            type("Z", (), {**ZPP, "precision": "fp32", "hpz_size": None, "grad_accum_steps": 1})(),
+            units=UNITS,
+            compute_s=0.0,
+            tokens_per_rank=1,
+        )
+    )
     ring = Cluster(nodes=2, ranks_per_node=2, cross_gbps=1.0, nics_per_node=1, wire="ring")
     pair = dataclasses.replace(ring, wire="pairwise")
     fwd = [m for m in messages(w, ring) if m.kind == "fwd_all_gather"]

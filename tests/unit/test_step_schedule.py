@@ -30,8 +30,14 @@ from zeropp.experiments.step_schedule import (
 )
 
 UNITS = gpt_units(vocab=256, seq_len=16, d_model=32, n_layers=3)
-RATES = (("quantize", 8, 2.0), ("quantize", 4, 2.0), ("dequantize", 8, 4.0), ("dequantize", 4, 4.0),
-         ("dequantize_sum", 4, 3.0), ("dequantize_sum_requantize", 4, 2.5))
+RATES = (
+    ("quantize", 8, 2.0),
+    ("quantize", 4, 2.0),
+    ("dequantize", 8, 4.0),
+    ("dequantize", 4, 4.0),
+    ("dequantize_sum", 4, 3.0),
+    ("dequantize_sum_requantize", 4, 2.5),
+)
 
 
 def _hand_units() -> list[UnitCosts]:
@@ -76,8 +82,15 @@ def test_quantization_precedes_its_transfer() -> None:
 def test_gpu_stages_0_1_equal_the_serial_formula(stage: int, bucket: int, accum: int) -> None:
     """Nothing overlaps at stages 0-1 (one reduction after backward, then the parameter gather):
     without quantization the schedule is exactly compute + every collective + control."""
-    w = Workload(units=UNITS, compute_s=0.3, tokens_per_rank=64, stage=stage, reduce_bucket=bucket,
-                 allgather_bucket=bucket, grad_accum=accum)
+    w = Workload(
+        units=UNITS,
+        compute_s=0.3,
+        tokens_per_rank=64,
+        stage=stage,
+        reduce_bucket=bucket,
+        allgather_bucket=bucket,
+        grad_accum=accum,
+    )
     c = Cluster(nodes=3, ranks_per_node=2, cross_gbps=1.0)
     assert project_scheduled(w, c).step_s == pytest.approx(project(w, c).step_s, rel=1e-12)
 
@@ -99,15 +112,31 @@ def test_bounds_every_stage_and_recipe(stage: int, recipe: str, cpu: bool) -> No
     """No faster than the busier resource, no slower than doing everything in turn."""
     r = RECIPES[recipe]
     for accum, prefetch, compute in ((1, 1, 0.05), (2, 0, 0.5), (3, 2, 0.01)):
-        w = Workload(units=UNITS, compute_s=compute, tokens_per_rank=64, stage=stage, weights=r.weights,
-                     grads=r.grads, hpz=r.hpz, weight_diff=r.weight_diff, grad_accum=accum, quant_rates=RATES,
-                     reduce_bucket=900)
-        c = (emulator_cluster(2, 2, 0.5, comm_on_compute=True) if cpu
-             else Cluster(nodes=2, ranks_per_node=4, cross_gbps=10.0))
+        w = Workload(
+            units=UNITS,
+            compute_s=compute,
+            tokens_per_rank=64,
+            stage=stage,
+            weights=r.weights,
+            grads=r.grads,
+            hpz=r.hpz,
+            weight_diff=r.weight_diff,
+            grad_accum=accum,
+            quant_rates=RATES,
+            reduce_bucket=900,
+        )
+        c = (
+            emulator_cluster(2, 2, 0.5, comm_on_compute=True)
+            if cpu
+            else Cluster(nodes=2, ranks_per_node=4, cross_gbps=10.0)
+        )
         units = unit_costs(w, c)
         once = ("post", "reduce") if stage < 2 else ("post",)  # per step; the rest per micro-batch
-        per_step = [(t, 1 if phase in once else accum) for u in units
-                    for phase, t in (("fwd", u.fwd), ("bwd", u.bwd), ("reduce", u.reduce), ("post", u.post))]
+        per_step = [
+            (t, 1 if phase in once else accum)
+            for u in units
+            for phase, t in (("fwd", u.fwd), ("bwd", u.bwd), ("reduce", u.reduce), ("post", u.post))
+        ]
         compute_side = compute + sum(k * (t.quant_s + t.compute_s) for t, k in per_step)
         link = sum(k * t.link_s for t, k in per_step)
         step = project_scheduled(w, c, prefetch=prefetch).step_s
@@ -119,8 +148,18 @@ def test_unit_costs_conserve_the_models_totals(recipe: str) -> None:
     """Splitting by unit and phase loses nothing: link time sums to the serial model's collective
     time, quantization to quant_time, whatever the micro-batches."""
     r = RECIPES[recipe]
-    w = Workload(units=UNITS, compute_s=0.2, tokens_per_rank=64, stage=3, weights=r.weights, grads=r.grads,
-                 hpz=r.hpz, weight_diff=r.weight_diff, grad_accum=3, quant_rates=RATES)
+    w = Workload(
+        units=UNITS,
+        compute_s=0.2,
+        tokens_per_rank=64,
+        stage=3,
+        weights=r.weights,
+        grads=r.grads,
+        hpz=r.hpz,
+        weight_diff=r.weight_diff,
+        grad_accum=3,
+        quant_rates=RATES,
+    )
     c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=1.0)
     units = unit_costs(w, c)
     a = w.grad_accum
@@ -144,11 +183,21 @@ def test_prefetch_hides_compute_when_the_link_is_the_bottleneck() -> None:
 @pytest.mark.parametrize("recipe", ["none", "zeropp"])
 def test_calibrate_cpu_side_reproduces_the_unshaped_wait(recipe: str) -> None:
     r = RECIPES[recipe]
-    w = Workload(units=UNITS, compute_s=0.0, tokens_per_rank=64, stage=3, weights=r.weights, grads=r.grads,
-                 hpz=r.hpz, dtype_bytes=4, quant_rates=RATES)
+    w = Workload(
+        units=UNITS,
+        compute_s=0.0,
+        tokens_per_rank=64,
+        stage=3,
+        weights=r.weights,
+        grads=r.grads,
+        hpz=r.hpz,
+        dtype_bytes=4,
+        quant_rates=RATES,
+    )
     cal = calibrate_cpu_side(w, 2, 2, wait_s=0.2, loopback_gbps=3.0)
-    c = emulator_cluster(2, 2, 3.0, comm_on_compute=True,
-                         **{k: cal[k] for k in ("alpha_cross_s", "alpha_intra_s", "intra_gbps")})
+    c = emulator_cluster(
+        2, 2, 3.0, comm_on_compute=True, **{k: cal[k] for k in ("alpha_cross_s", "alpha_intra_s", "intra_gbps")}
+    )
     cpu = sum(message_transfer(m, c).compute_s * m.count for m in messages(w, c))
     cpu += (1 + 1) * c.alpha_cross_s  # the loss/norm all-reduce and the after-forward check
     assert cpu + quant_time(w, c) == pytest.approx(0.2)
@@ -159,13 +208,15 @@ def test_calibrate_cpu_side_reproduces_the_unshaped_wait(recipe: str) -> None:
 
 
 def test_message_transfer_on_cpu_ranks_copies_every_sent_byte() -> None:
-    w = Workload(units=(4000,), compute_s=0.0, tokens_per_rank=1, stage=3, grads=RECIPES["zeropp"].grads,
-                 dtype_bytes=4)
+    w = Workload(units=(4000,), compute_s=0.0, tokens_per_rank=1, stage=3, grads=RECIPES["zeropp"].grads, dtype_bytes=4)
     c = emulator_cluster(2, 2, 1.0, comm_on_compute=True, alpha_cross_s=0.0, alpha_intra_s=0.0, intra_gbps=8.0)
     for m in messages(w, c):
         t = message_transfer(m, c)
-        sent = (m.nodes - 1) * m.chunk_bytes if m.algo == "a2a_cross" else \
-            (2 if m.algo == "ring_rs" else 1) * (m.nodes * m.ranks - 1) * m.chunk_bytes
+        sent = (
+            (m.nodes - 1) * m.chunk_bytes
+            if m.algo == "a2a_cross"
+            else (2 if m.algo == "ring_rs" else 1) * (m.nodes * m.ranks - 1) * m.chunk_bytes
+        )
         assert t.compute_s == pytest.approx(sent / 1e9) and t.quant_s == 0.0
     gpu = dataclasses.replace(c, comm_on_compute=False)
     assert all(message_transfer(m, gpu) == Transfer(link_s=collective_time(m, gpu)) for m in messages(w, gpu))

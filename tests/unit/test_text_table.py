@@ -7,28 +7,55 @@ import pytest
 from zeropp.experiments import scaling, scaling_check
 from zeropp.experiments.text_table import Column, number, text_table
 
-PROJECTION_ROW = {"gbps": 100.0, "gpus": 64, "zero3_step_s": 1.234, "zeropp_step_s": 0.9, "zero3_tflops": 123.4,
-                  "zeropp_tflops": 150.2, "zero3_cross_gb": 12.3, "zeropp_cross_gb": 4.1, "speedup": 1.37}
-COMPARISON_ROW = {"label": "stage=3,quant=zeropp,model=tiny,launcher.progress=False", "measured_step_s": 0.5,
-                  "predicted_step_s": 0.45, "step_error": -0.1, "predicted_quant_s": 0.01,
-                  "measured_cross_bytes": 123456, "predicted_cross_bytes": 120000, "bytes_error": -0.028}
+PROJECTION_ROW = {
+    "gbps": 100.0,
+    "gpus": 64,
+    "zero3_step_s": 1.234,
+    "zeropp_step_s": 0.9,
+    "zero3_tflops": 123.4,
+    "zeropp_tflops": 150.2,
+    "zero3_cross_gb": 12.3,
+    "zeropp_cross_gb": 4.1,
+    "speedup": 1.37,
+}
+COMPARISON_ROW = {
+    "label": "stage=3,quant=zeropp,model=tiny,launcher.progress=False",
+    "measured_step_s": 0.5,
+    "predicted_step_s": 0.45,
+    "step_error": -0.1,
+    "predicted_quant_s": 0.01,
+    "measured_cross_bytes": 123456,
+    "predicted_cross_bytes": 120000,
+    "bytes_error": -0.028,
+}
 
 
 def _ends(line: str, columns) -> list[str]:
     """The line cut at the columns' boundaries (each column plus its separating space)."""
     out, at = [], 0
     for c in columns:
-        out.append(line[at: at + c.width])
+        out.append(line[at : at + c.width])
         at += c.width + 1
     return out
 
 
-@pytest.mark.parametrize("fmt,columns,row,cells", [
-    (scaling.format_table, scaling.PROJECTION_COLUMNS, PROJECTION_ROW,
-     ["100", "64", "1.23", "0.90", "123.4", "150.2", "12.3 ->      4.1", "1.37x"]),
-    (scaling_check.format_comparison, scaling_check.COMPARISON_COLUMNS, COMPARISON_ROW,
-     ["stage=3,quant=zeropp,model=tiny,la", "0.500", "0.450", "-10%", "0.010", "123456", "120000", "-2.8%"]),
-])
+@pytest.mark.parametrize(
+    "fmt,columns,row,cells",
+    [
+        (
+            scaling.format_table,
+            scaling.PROJECTION_COLUMNS,
+            PROJECTION_ROW,
+            ["100", "64", "1.23", "0.90", "123.4", "150.2", "12.3 ->      4.1", "1.37x"],
+        ),
+        (
+            scaling_check.format_comparison,
+            scaling_check.COMPARISON_COLUMNS,
+            COMPARISON_ROW,
+            ["stage=3,quant=zeropp,model=tiny,la", "0.500", "0.450", "-10%", "0.010", "123456", "120000", "-2.8%"],
+        ),
+    ],
+)
 def test_every_cell_sits_under_its_header(fmt, columns, row, cells) -> None:
     head, rule, line = fmt([row]).splitlines()
     assert len(head) == len(rule) == len(line) and set(rule) == {"-"}

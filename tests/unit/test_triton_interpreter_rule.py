@@ -15,22 +15,39 @@ import pytest
 from tests.conftest import selects_cuda, triton_interpreter
 
 
-@pytest.mark.parametrize("markexpr, gpu_session", [
-    ("cuda", True), (" cuda ", True), ("cuda and not slow", True), ("slow and cuda", True), ("not slow and cuda", True),
-    ("", False), ("not cuda", False), ("cuda or not slow", False), ("slow", False), ("notcuda", False),
-    ("cuda and", False),  # malformed: pytest reports it, the rule does not guess
-])
+@pytest.mark.parametrize(
+    "markexpr, gpu_session",
+    [
+        ("cuda", True),
+        (" cuda ", True),
+        ("cuda and not slow", True),
+        ("slow and cuda", True),
+        ("not slow and cuda", True),
+        ("", False),
+        ("not cuda", False),
+        ("cuda or not slow", False),
+        ("slow", False),
+        ("notcuda", False),
+        ("cuda and", False),  # malformed: pytest reports it, the rule does not guess
+    ],
+)
 def test_selects_cuda_reads_the_marker_expression(markexpr, gpu_session):
     assert selects_cuda(markexpr) is gpu_session
 
 
-@pytest.mark.parametrize("markexpr, cuda_available, env, want", [
-    ("cuda", True, None, None), ("cuda", True, "1", None), ("cuda", False, "1", None),  # the cuda tier: never
-    ("", True, None, None),  # a plain pytest on a GPU machine: compiled kernels
-    ("", True, "1", "1"),  # ... unless the caller asks for the interpreter
-    ("", False, None, "1"), ("not cuda", False, None, "1"),  # no GPU: the interpreter
-    ("", False, "0", "0"),  # the caller's own setting is kept
-])
+@pytest.mark.parametrize(
+    "markexpr, cuda_available, env, want",
+    [
+        ("cuda", True, None, None),
+        ("cuda", True, "1", None),
+        ("cuda", False, "1", None),  # the cuda tier: never
+        ("", True, None, None),  # a plain pytest on a GPU machine: compiled kernels
+        ("", True, "1", "1"),  # ... unless the caller asks for the interpreter
+        ("", False, None, "1"),
+        ("not cuda", False, None, "1"),  # no GPU: the interpreter
+        ("", False, "0", "0"),  # the caller's own setting is kept
+    ],
+)
 def test_the_interpreter_only_where_no_cuda_device_is(markexpr, cuda_available, env, want):
     assert triton_interpreter(markexpr, cuda_available, env) == want
 

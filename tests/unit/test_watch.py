@@ -23,10 +23,26 @@ from zeropp.watch import HeartbeatMonitor, RankView, judge, remove_scratch
 D = 20.0  # the deadline of these tests
 
 
-def _v(rank: int, *, silent: float = 0.5, idle: float = 0.5, beats: int = 10, long: bool = False,
-       step: int | None = 7, phase: str = "train_step") -> RankView:
-    return RankView(rank=rank, silent_s=silent, idle_s=idle, beats=beats, long=long, step=step, phase=phase,
-                    where="experiments/worker.py:200 in _train")
+def _v(
+    rank: int,
+    *,
+    silent: float = 0.5,
+    idle: float = 0.5,
+    beats: int = 10,
+    long: bool = False,
+    step: int | None = 7,
+    phase: str = "train_step",
+) -> RankView:
+    return RankView(
+        rank=rank,
+        silent_s=silent,
+        idle_s=idle,
+        beats=beats,
+        long=long,
+        step=step,
+        phase=phase,
+        where="experiments/worker.py:200 in _train",
+    )
 
 
 # ---------------------------------------------------------------- the rule
@@ -40,8 +56,10 @@ def test_everyone_busy_or_recent_is_fine():
 def test_a_stopped_process_is_named_whatever_the_others_do():
     v = judge([_v(0, idle=30), _v(1, silent=21, idle=21), _v(2, idle=30)], D)
     assert v is not None and v.rank == 1
-    assert v.message.startswith("rank 1 made no progress for 21 s (last seen: step 7, phase train_step, at "
-                                "experiments/worker.py:200 in _train); its process stopped responding")
+    assert v.message.startswith(
+        "rank 1 made no progress for 21 s (last seen: step 7, phase train_step, at "
+        "experiments/worker.py:200 in _train); its process stopped responding"
+    )
     assert "stopped all ranks" in v.message
     # a long phase does not shield a stopped process; the one silent longest is named
     v = judge([_v(0, silent=25, long=True), _v(1, silent=22)], D)
@@ -100,8 +118,16 @@ class _Clock:
 
 
 def _publish(d: Path, rank: int, tick: int, beats: int, **extra) -> None:
-    rec = {"pid": 0, "tick": tick, "beats": beats, "phase": "train_step", "step": beats, "long": False,
-           "where": "", **extra}
+    rec = {
+        "pid": 0,
+        "tick": tick,
+        "beats": beats,
+        "phase": "train_step",
+        "step": beats,
+        "long": False,
+        "where": "",
+        **extra,
+    }
     (d / f"heartbeat.{rank}").write_text(json.dumps(rec))
 
 

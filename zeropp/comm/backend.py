@@ -45,9 +45,15 @@ class CommHandle(dist.Work):
     (``session.CommSession.waiting(kind)``), which is how waits are timed from outside.
     """
 
-    def __init__(self, works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], None]] = None,
-                 buffers: Optional[Buffers] = None, *, session: Optional[CommSession] = None,
-                 kind: str = "") -> None:
+    def __init__(
+        self,
+        works: Sequence[Optional[dist.Work]],
+        finish: Optional[Callable[[], None]] = None,
+        buffers: Optional[Buffers] = None,
+        *,
+        session: Optional[CommSession] = None,
+        kind: str = "",
+    ) -> None:
         super().__init__()
         self._works = [w for w in works if w is not None]
         self._finish = finish
@@ -86,8 +92,13 @@ class CommHandle(dist.Work):
 
 
 def finish_or_handle(
-    works: Sequence[Optional[dist.Work]], finish: Optional[Callable[[], object]], async_op: bool,
-    buffers: Optional[Buffers] = None, *, session: Optional[CommSession] = None, kind: str = "",
+    works: Sequence[Optional[dist.Work]],
+    finish: Optional[Callable[[], object]],
+    async_op: bool,
+    buffers: Optional[Buffers] = None,
+    *,
+    session: Optional[CommSession] = None,
+    kind: str = "",
 ) -> Optional[CommHandle]:
     """``async_op``: return a handle that finishes on ``wait()``; otherwise finish now, return None.
     ``buffers``: the collective's own buffers, released when it finished (:class:`CommHandle`).
@@ -117,8 +128,7 @@ def backend_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op, group, asyn
 
 def backend_all_to_all(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
     """Equal-split all-to-all: chunk ``i`` of ``inp`` (dim 0) goes to group rank ``i``."""
-    return context.current().issue(lambda: dist.all_to_all_single(out, inp, group=group, async_op=async_op),
-                                   (out, inp))
+    return context.current().issue(lambda: dist.all_to_all_single(out, inp, group=group, async_op=async_op), (out, inp))
 
 
 def backend_all_reduce(tensor: torch.Tensor, op, group, async_op: bool):
@@ -154,8 +164,9 @@ def check_gather_spec(spec: Optional[QuantSpec], name: str = "spec") -> Optional
     return spec
 
 
-def check_reduce_spec(spec: Optional[QuantSpec], error_feedback: Optional[ErrorFeedback],
-                      name: str = "spec") -> Optional[QuantSpec]:
+def check_reduce_spec(
+    spec: Optional[QuantSpec], error_feedback: Optional[ErrorFeedback], name: str = "spec"
+) -> Optional[QuantSpec]:
     """A reduce-scatter's spec and its error-feedback state must agree: the spec says *whether*
     residuals are kept (and at which width), the caller-owned :class:`ErrorFeedback` *holds* them."""
     check_spec_type(spec, name)

@@ -133,8 +133,13 @@ def _side_stream(session: Optional[CommSession], device: torch.device) -> torch.
     return session.side_stream(device) if session is not None else context.current().side_stream(device)
 
 
-def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffers] = None, *,
-           session: Optional[CommSession] = None) -> Deferred:
+def submit(
+    fn: Callable[[], None],
+    device: torch.device,
+    buffers: Optional[Buffers] = None,
+    *,
+    session: Optional[CommSession] = None,
+) -> Deferred:
     """Run ``fn`` (which may wait on works and issue collectives) after the caller's current
     work, without blocking the caller; see the module docstring for where it runs. ``buffers``:
     the caller's buffers that ``fn`` (or the work it waits on) still uses; they are released
@@ -154,8 +159,9 @@ def submit(fn: Callable[[], None], device: torch.device, buffers: Optional[Buffe
     return job
 
 
-def submit_future(fn: Callable[[], None], result: torch.Tensor, *,
-                  session: Optional[CommSession] = None) -> torch.futures.Future:
+def submit_future(
+    fn: Callable[[], None], result: torch.Tensor, *, session: Optional[CommSession] = None
+) -> torch.futures.Future:
     """Run ``fn`` as :func:`submit` does and return a ``torch.futures.Future`` holding ``result``
     once it finished (the form DDP comm hooks return). On CUDA the future is device-aware: its
     ``wait()`` / ``then()`` make the consumer's stream wait for the side stream (``session``'s)."""

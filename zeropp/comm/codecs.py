@@ -71,7 +71,9 @@ class Codec:
         """``x`` (numel divisible by ``rows``) -> ``rows`` encoded rows of ``numel / rows`` elements."""
         raise NotImplementedError
 
-    def dequantize(self, q: Encoded, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self, q: Encoded, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Encoded ``[rows, *]`` -> ``[rows, cols]`` in ``dtype`` (or written into ``out``, whose dtype wins)."""
         raise NotImplementedError
 
@@ -91,8 +93,9 @@ class Codec:
         """Quantize straight into wire rows: ``uint8 [rows, wire_bytes]``."""
         return self.pack(self.quantize(x, bits, group_size, rows=rows, seed=seed))
 
-    def dequantize_sum(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize_sum(
+        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Received wire rows ``uint8 [k, rows, B]`` -> their sum over k, accumulated in fp32,
         as ``[rows, cols]`` in ``dtype``. Generic: dequantize each of the k and add."""
         k, rows = buf.shape[0], buf.shape[1]
@@ -101,8 +104,9 @@ class Codec:
             acc += self.dequantize(self.unpack(buf[i], cols, bits, group_size)).view(rows, cols)
         return acc.to(dtype)
 
-    def dequantize_sum_requantize(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                                  out_bits: int, seed: Optional[int]) -> torch.Tensor:
+    def dequantize_sum_requantize(
+        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
+    ) -> torch.Tensor:
         """Received wire rows ``uint8 [k, rows, B]`` at ``bits`` -> their sum as wire rows at
         ``out_bits`` (``uint8 [rows, B']``, same group size): qgZ's intra-node hop. Generic:
         :meth:`dequantize_sum` then :meth:`encode`."""
@@ -148,16 +152,19 @@ class WireLayout:
         codes ``[..., rows, code_bytes]`` and scales ``[..., rows, groups]`` are views into ``buf``
         (writing them writes the buffer). Needs ``in_place``."""
         if not self.in_place:
-            raise ValueError(f"wire rows of {self.cols} elements at INT{self.bits}, group_size={self.group_size} "
-                             f"have {self.code_bytes} code bytes, not a multiple of 4: the scales cannot be viewed "
-                             "in place; use a group size that is a multiple of 8")
+            raise ValueError(
+                f"wire rows of {self.cols} elements at INT{self.bits}, group_size={self.group_size} "
+                f"have {self.code_bytes} code bytes, not a multiple of 4: the scales cannot be viewed "
+                "in place; use a group size that is a multiple of 8"
+            )
         if buf.dtype != torch.uint8 or buf.shape[-1] != self.nbytes:
             raise ValueError(f"wire buffer must be uint8 [..., {self.nbytes}], got {buf.dtype} {tuple(buf.shape)}")
         rb = self.code_bytes
         codes = buf[..., :rb]
         codes = codes.view(torch.int8) if self.bits == 8 else codes  # [..., rows, rb]
-        return QuantizedTensor.unchecked(codes, buf[..., rb:].view(torch.float32), self.cols, self.bits,
-                                         self.group_size)
+        return QuantizedTensor.unchecked(
+            codes, buf[..., rb:].view(torch.float32), self.cols, self.bits, self.group_size
+        )
 
     def empty(self, rows: int, device: torch.device) -> tuple[torch.Tensor, QuantizedTensor]:
         """A new ``uint8 [rows, nbytes]`` wire buffer and its views (one allocation)."""
@@ -180,13 +187,16 @@ class IntCodec(Codec):
 
     in_place = True
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> QuantizedTensor:
+    def quantize(
+        self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]
+    ) -> QuantizedTensor:
         if seed is None:
             return quantize(x, bits, group_size, rows=rows)
         return quantize(x, bits, group_size, rows=rows, stochastic=True, seed=seed)
 
-    def dequantize(self, q: QuantizedTensor, *, out: Optional[torch.Tensor] = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self, q: QuantizedTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         return dequantize(q, out=out, dtype=dtype)
 
     def wire_bytes(self, cols: int, bits: int, group_size: int) -> int:
@@ -223,14 +233,23 @@ class IntCodec(Codec):
         scales = scales.view(torch.float32)
         return QuantizedTensor(codes, scales, cols, bits, group_size)
 
-    def dequantize_sum(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                       dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def dequantize_sum(
+        self,
+        buf: torch.Tensor,
+        cols: int,
+        bits: int,
+        group_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """As :meth:`Codec.dequantize_sum`, reading ``buf`` in place; ``out`` (contiguous, its dtype
         wins) receives the sum directly."""
         return dequantize_sum(self.unpack(buf, cols, bits, group_size), out=out, dtype=dtype)
 
-    def dequantize_sum_requantize(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                                  out_bits: int, seed: Optional[int]) -> torch.Tensor:
+    def dequantize_sum_requantize(
+        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
+    ) -> torch.Tensor:
         q = self.unpack(buf, cols, bits, group_size)  # [k, rows, *] views of buf
         lay = wire_layout(cols, out_bits, group_size)
         dst = None
@@ -290,18 +309,21 @@ class HadamardCodec(Codec):
         """``x`` (``rows`` rows, any row-strided or swizzled view) -> rotated fp32 ``[rows, rotated_cols]``."""
         return hadamard(x, self.block_for(group_size), rows=rows)
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int,
-                 seed: Optional[int]) -> QuantizedTensor:
+    def quantize(
+        self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]
+    ) -> QuantizedTensor:
         cols = x.numel() // rows
-        return self._plain(self.inner.quantize(self.rotate(x, group_size, rows), bits, group_size, rows=rows,
-                                               seed=seed), cols)
+        return self._plain(
+            self.inner.quantize(self.rotate(x, group_size, rows), bits, group_size, rows=rows, seed=seed), cols
+        )
 
     def encode(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> torch.Tensor:
         """Rotate (reading ``x`` in place), then quantize straight into a new wire buffer."""
         return self.inner.encode(self.rotate(x, group_size, rows), bits, group_size, rows=rows, seed=seed)
 
-    def dequantize(self, q: QuantizedTensor, *, out: Optional[torch.Tensor] = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self, q: QuantizedTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Dequantize in the rotated basis (fp32), rotate back into ``out`` / a new ``[rows, cols]``."""
         rq, b = self._rotated(q)
         v = self.inner.dequantize(rq)  # [rows, rotated_cols] fp32
@@ -317,15 +339,24 @@ class HadamardCodec(Codec):
         ch = rotated_cols(cols, self.block_for(group_size))
         return self._plain(self.inner.unpack(buf, ch, bits, group_size), cols)
 
-    def dequantize_sum(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                       dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def dequantize_sum(
+        self,
+        buf: torch.Tensor,
+        cols: int,
+        bits: int,
+        group_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Sum the rotated rows in fp32 (the int codec's fused kernel), then rotate back once."""
         b = self.block_for(group_size)
         s = self.inner.dequantize_sum(buf, rotated_cols(cols, b), bits, group_size)  # [rows, rotated_cols] fp32
         return hadamard(s, b, rows=s.shape[0], out_cols=cols, out=out, dtype=dtype)
 
-    def dequantize_sum_requantize(self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *,
-                                  out_bits: int, seed: Optional[int]) -> torch.Tensor:
+    def dequantize_sum_requantize(
+        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
+    ) -> torch.Tensor:
         """qgZ between its hops, all in the rotated basis: the int codec's fused kernel."""
         ch = rotated_cols(cols, self.block_for(group_size))
         return self.inner.dequantize_sum_requantize(buf, ch, bits, group_size, out_bits=out_bits, seed=seed)
@@ -340,8 +371,9 @@ def register_codec(name: str, codec: Codec, *, bits: tuple[int, ...]) -> None:
     """Make scheme ``name`` usable by every collective: declares it (``spec.register_scheme``,
     so ``QuantSpec(scheme=name)`` validates) and installs ``codec``. Re-registering replaces."""
     if not isinstance(codec, Codec):
-        raise TypeError(f"register_codec({name!r}, ...): codec must subclass zeropp.comm.codecs.Codec, "
-                        f"got {type(codec).__name__}")
+        raise TypeError(
+            f"register_codec({name!r}, ...): codec must subclass zeropp.comm.codecs.Codec, got {type(codec).__name__}"
+        )
     if name == "int":
         raise ValueError("the built-in scheme 'int' cannot be replaced; register the codec under a new name")
     register_scheme(name, tuple(bits))

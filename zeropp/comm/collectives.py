@@ -99,9 +99,18 @@ def quantized_all_gather(
         return _all_gather(output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name, session)
 
 
-def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
-                spec: Optional[QuantSpec], topology: Optional[Topology], stats: Optional[CommStats], kind: str,
-                async_op: bool, name: Optional[str], session: Optional[CommSession]) -> Optional[CommHandle]:
+def _all_gather(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    spec: Optional[QuantSpec],
+    topology: Optional[Topology],
+    stats: Optional[CommStats],
+    kind: str,
+    async_op: bool,
+    name: Optional[str],
+    session: Optional[CommSession],
+) -> Optional[CommHandle]:
     """:func:`quantized_all_gather` inside its range."""
     check_gather_spec(spec)
     sess = resolve_session(session)
@@ -137,8 +146,14 @@ def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: 
         tmp = torch.empty(W * n, dtype=inp.dtype, device=inp.device)
         src = inp.contiguous()
         work = backend_all_gather(tmp, src, group, async_op)
-        return finish_or_handle([work], lambda: output_tensor.view(-1).copy_(tmp), async_op,
-                                Buffers(tmp, src, protect=(input_tensor, output_tensor)), session=sess, kind=kind)
+        return finish_or_handle(
+            [work],
+            lambda: output_tensor.view(-1).copy_(tmp),
+            async_op,
+            Buffers(tmp, src, protect=(input_tensor, output_tensor)),
+            session=sess,
+            kind=kind,
+        )
 
     codec = codec_for(spec)
     bits = spec.bits
@@ -149,8 +164,10 @@ def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: 
         raise ValueError(f"codec {spec.scheme!r} writes only contiguous outputs; pass a contiguous all-gather output")
     B = codec.wire_bytes(n, bits, gs)
     if send.numel() != B or send.dtype != torch.uint8:
-        raise RuntimeError(f"codec {spec.scheme!r} packed a {send.dtype} row of {send.numel()} bytes; "
-                           f"its wire_bytes says {B} uint8 bytes")
+        raise RuntimeError(
+            f"codec {spec.scheme!r} packed a {send.dtype} row of {send.numel()} bytes; "
+            f"its wire_bytes says {B} uint8 bytes"
+        )
     recv = torch.empty(W * B, dtype=torch.uint8, device=send.device)  # [W * B] on the input's device
     record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", B, len(ranks)))
     work = backend_all_gather(recv, send, group, async_op)
@@ -160,8 +177,9 @@ def _all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: 
         with ranges.span(name, "dequantize"):
             codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
 
-    return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)),
-                            session=sess, kind=kind)
+    return finish_or_handle(
+        [work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)), session=sess, kind=kind
+    )
 
 
 def quantized_reduce_scatter(
@@ -232,10 +250,13 @@ def quantized_reduce_scatter(
         if n == 0:
             return finish_or_handle([], None, async_op, session=sess, kind=kind)
         with ranges.span(name):
-            return _plain_reduce_scatter(output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats,
-                                         kind, async_op, sess)
+            return _plain_reduce_scatter(
+                output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats, kind, async_op, sess
+            )
     if op_name not in ("sum", "avg", "premul_sum"):
-        raise ValueError(f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None")
+        raise ValueError(
+            f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None"
+        )
     check_float(input_tensor, "reduce-scatter input")
     check_float(output_tensor, "reduce-scatter output")
     codec = codec_for(spec)
@@ -250,8 +271,21 @@ def quantized_reduce_scatter(
     intra_bits, bits = spec.hop_bits
     gs = DEFAULT_GRAD_GROUP_SIZE if spec.group_size is None else spec.group_size
     plan = qgz.QgzPlan(topo, ranks, n, bits, intra_bits, gs, codec)
-    return qgz.run(plan, output_tensor, input_tensor, post_scale, group, error_feedback, feedback_key, stats, kind,
-                   async_op, seeds, name, session=sess)
+    return qgz.run(
+        plan,
+        output_tensor,
+        input_tensor,
+        post_scale,
+        group,
+        error_feedback,
+        feedback_key,
+        stats,
+        kind,
+        async_op,
+        seeds,
+        name,
+        session=sess,
+    )
 
 
 def _plain_reduce_scatter(
@@ -278,8 +312,7 @@ def _plain_reduce_scatter(
     dst = out.view(-1) if direct else torch.empty(out.numel(), dtype=src.dtype, device=src.device)
     work = backend_reduce_scatter(dst, src, op, group, async_op)
     finish = None if direct else (lambda: out.view(-1).copy_(dst))
-    return finish_or_handle([work], finish, async_op, Buffers(src, dst, protect=(inp, out)), session=session,
-                            kind=kind)
+    return finish_or_handle([work], finish, async_op, Buffers(src, dst, protect=(inp, out)), session=session, kind=kind)
 
 
 def all_reduce(
@@ -341,10 +374,22 @@ def quantized_all_reduce(
         flat = torch.zeros(W * n, dtype=tensor.dtype, device=tensor.device)  # [W * n], padded
         flat[:numel] = tensor.reshape(-1)
     chunk = torch.empty(n, dtype=tensor.dtype, device=tensor.device)  # [n], my reduced chunk
-    quantized_reduce_scatter(chunk, flat, op, group, spec=spec, error_feedback=error_feedback,
-                             feedback_key=feedback_key, topology=topology, stats=stats, kind=kind, session=session)
-    quantized_all_gather(flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind,
-                         session=session)
+    quantized_reduce_scatter(
+        chunk,
+        flat,
+        op,
+        group,
+        spec=spec,
+        error_feedback=error_feedback,
+        feedback_key=feedback_key,
+        topology=topology,
+        stats=stats,
+        kind=kind,
+        session=session,
+    )
+    quantized_all_gather(
+        flat, chunk, group, spec=gather_spec, topology=topology, stats=stats, kind=kind, session=session
+    )
     if not direct:
         tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     Buffers(chunk, flat, protect=(tensor,)).release()  # both calls were synchronous: done with them here
@@ -359,8 +404,10 @@ def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what
     if spec is not None and t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1):
         return
     hint = f" or, quantized, a [{W}, {n}] view with contiguous rows" if spec is not None else ""
-    raise ValueError(f"{what} must be contiguous{hint} (got shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
-                     "pass t.contiguous()")
+    raise ValueError(
+        f"{what} must be contiguous{hint} (got shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
+        "pass t.contiguous()"
+    )
 
 
 def _range(name: Optional[str], kind: str) -> Optional[str]:

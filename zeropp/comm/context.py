@@ -86,8 +86,11 @@ def debug_streams_from_env(environ: Optional[dict] = None) -> bool:
         return False
     if value == "1":
         return True
-    raise ValueError(f"{DEBUG_ENV}={raw!r} is not a valid setting; set {DEBUG_ENV}=1 to poison released "
-                     f"communication buffers and run continuations late (debug mode), or 0 / unset it for normal runs")
+    raise ValueError(
+        f"{DEBUG_ENV}={raw!r} is not a valid setting; set {DEBUG_ENV}=1 to poison released "
+        f"communication buffers and run continuations late (debug mode), or 0 / unset it for normal runs"
+    )
+
 
 _POLL_S = 0.001
 _THREAD = threading.local()  # .context: the CommContext whose worker this thread is
@@ -209,10 +212,13 @@ class CommContext:
             return True  # closed from a continuation: it ends after this job
         thread.join(timeout)
         if thread.is_alive():
-            warnings.warn(f"zeropp.comm: the comm worker did not finish its queued continuations within {timeout:.0f} s "
-                          "(a collective still waiting for its peers?); it is left running and the process may abort "
-                          "at exit. Wait every async handle before destroying the process group or exiting.",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"zeropp.comm: the comm worker did not finish its queued continuations within {timeout:.0f} s "
+                "(a collective still waiting for its peers?); it is left running and the process may abort "
+                "at exit. Wait every async handle before destroying the process group or exiting.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return False
         return True
 
@@ -260,9 +266,13 @@ class CommContext:
             if time.monotonic() >= deadline:
                 break
             time.sleep(_POLL_S)  # the backend's threads drop them microseconds after the wait
-        warnings.warn(f"zeropp.comm: {left} tensor(s) handed to the backend are still referenced after {timeout:.0f} s "
-                      "(an async handle never waited, or a view of a collective's buffer kept alive); they stay "
-                      "referenced by this process.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"zeropp.comm: {left} tensor(s) handed to the backend are still referenced after {timeout:.0f} s "
+            "(an async handle never waited, or a view of a collective's buffer kept alive); they stay "
+            "referenced by this process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
 
     # -------------------------------------------------------------- lifetime

@@ -69,8 +69,9 @@ class QuantizedAllReduceState:
         if self.grads is not None and self.grads.error_feedback:
             object.__setattr__(self, "feedback", ErrorFeedback.for_spec(self.grads))
         check_reduce_spec(self.grads, self.feedback, "grads")
-        object.__setattr__(self, "session", make_session(self.session, self.topology, self.stats,
-                                                         "QuantizedAllReduceState"))
+        object.__setattr__(
+            self, "session", make_session(self.session, self.topology, self.stats, "QuantizedAllReduceState")
+        )
         if not isinstance(self.kind, str) or not self.kind:
             raise ValueError(f"QuantizedAllReduceState.kind must be a non-empty string, got {self.kind!r}")
 
@@ -86,8 +87,15 @@ def quantized_allreduce_hook(
 
     def reduce() -> None:
         quantized_all_reduce(
-            buf, dist.ReduceOp.AVG, state.group, spec=state.grads, gather_spec=state.gather,
-            error_feedback=state.feedback, feedback_key=key, kind=state.kind, session=state.session,
+            buf,
+            dist.ReduceOp.AVG,
+            state.group,
+            spec=state.grads,
+            gather_spec=state.gather,
+            error_feedback=state.feedback,
+            feedback_key=key,
+            kind=state.kind,
+            session=state.session,
         )
 
     return submit_future(reduce, buf, session=state.session)

@@ -49,8 +49,10 @@ _Stored = Union[torch.Tensor, QuantizedTensor]
 def check_residual_bits(bits: object, what: str = "residual_bits") -> int:
     """``bits`` must be 8 or 32 (an int); returns it."""
     if isinstance(bits, bool) or bits not in RESIDUAL_BITS:
-        raise ValueError(f"{what}={bits!r}: error-feedback residuals are stored in 8 bits (LoCo: INT8 codes and "
-                         f"one fp32 scale per group) or 32 bits (fp32); use one of {RESIDUAL_BITS}")
+        raise ValueError(
+            f"{what}={bits!r}: error-feedback residuals are stored in 8 bits (LoCo: INT8 codes and "
+            f"one fp32 scale per group) or 32 bits (fp32); use one of {RESIDUAL_BITS}"
+        )
     return int(bits)  # type: ignore[arg-type]
 
 
@@ -73,8 +75,10 @@ class ErrorFeedback:
         self.residual_bits = check_residual_bits(residual_bits)
         """Storage width of every residual: 8 (INT8 + scales) or 32 (fp32)."""
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"ErrorFeedback group_size={group_size!r} must be a positive int (elements per fp32 "
-                             f"scale of an 8-bit residual), e.g. {DEFAULT_GRAD_GROUP_SIZE}")
+            raise ValueError(
+                f"ErrorFeedback group_size={group_size!r} must be a positive int (elements per fp32 "
+                f"scale of an 8-bit residual), e.g. {DEFAULT_GRAD_GROUP_SIZE}"
+            )
         self.group_size = group_size
         """Elements per fp32 scale of an 8-bit residual (unused at 32 bits)."""
         self._residuals: dict[str, _Stored] = {}
@@ -151,7 +155,9 @@ class ErrorFeedback:
         for name, t in sd.items():
             key, sep, fld = name.rpartition("|")
             if not sep or fld not in _FIELDS:
-                raise ValueError(f"error-feedback state entry {name!r} is not '<bucket>|<field>' with field in {_FIELDS}")
+                raise ValueError(
+                    f"error-feedback state entry {name!r} is not '<bucket>|<field>' with field in {_FIELDS}"
+                )
             parts.setdefault(key, {})[fld] = t
         loaded: dict[str, _Stored] = {}
         for key, p in parts.items():
@@ -159,11 +165,18 @@ class ErrorFeedback:
                 value: _Stored = p["fp32"].reshape(-1).float().clone()
             elif set(p) == {"codes", "scales", "layout"}:
                 numel, gs = (int(v) for v in p["layout"].reshape(-1).tolist())
-                value = QuantizedTensor(p["codes"].reshape(1, -1).to(torch.int8).clone(),
-                                        p["scales"].reshape(1, -1).float().clone(), numel, 8, gs)
+                value = QuantizedTensor(
+                    p["codes"].reshape(1, -1).to(torch.int8).clone(),
+                    p["scales"].reshape(1, -1).float().clone(),
+                    numel,
+                    8,
+                    gs,
+                )
             else:
-                raise ValueError(f"error-feedback bucket {key!r} has fields {sorted(p)}; expected ['fp32'] or "
-                                 f"['codes', 'layout', 'scales']")
+                raise ValueError(
+                    f"error-feedback bucket {key!r} has fields {sorted(p)}; expected ['fp32'] or "
+                    f"['codes', 'layout', 'scales']"
+                )
             loaded[key] = _convert(value, self.residual_bits, self.group_size)
         self._residuals = loaded
 

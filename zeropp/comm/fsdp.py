@@ -51,8 +51,9 @@ from .stats import CommStats
 from .topology import Topology
 
 
-def make_session(session: Optional[CommSession], topology: Optional[Topology], stats: Optional[CommStats],
-                 owner: str) -> CommSession:
+def make_session(
+    session: Optional[CommSession], topology: Optional[Topology], stats: Optional[CommStats], owner: str
+) -> CommSession:
     """``session`` as given, or a new one over ``topology`` / ``stats``; a session together with a
     topology or stats other than its own is ambiguous, hence refused."""
     if session is None:
@@ -60,8 +61,10 @@ def make_session(session: Optional[CommSession], topology: Optional[Topology], s
     if not isinstance(session, CommSession):
         raise TypeError(f"{owner}: session must be a zeropp.comm.CommSession or None, got {type(session).__name__}")
     if (topology is not None and topology != session.topology) or (stats is not None and stats is not session.stats):
-        raise ValueError(f"{owner}: pass either session= or topology=/stats=, not both (the session holds its own "
-                         f"topology and stats: CommSession(topology, stats=stats))")
+        raise ValueError(
+            f"{owner}: pass either session= or topology=/stats=, not both (the session holds its own "
+            f"topology and stats: CommSession(topology, stats=stats))"
+        )
     return session
 
 
@@ -94,8 +97,9 @@ class QuantizedAllGather(_Alloc, AllGather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Optional[dist.Work]:
         spec = self.spec if input_tensor.dtype in QUANT_FLOAT_DTYPES else None  # raw bytes: never quantize
-        return quantized_all_gather(output_tensor, input_tensor, group, spec=spec, kind=self.kind, async_op=async_op,
-                                    session=self.session)
+        return quantized_all_gather(
+            output_tensor, input_tensor, group, spec=spec, kind=self.kind, async_op=async_op, session=self.session
+        )
 
 
 class QuantizedReduceScatter(_Alloc, ReduceScatter):
@@ -138,8 +142,15 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         async_op: bool = False,
     ) -> Optional[dist.Work]:
         return quantized_reduce_scatter(
-            output_tensor, input_tensor, op, group, spec=self.spec, error_feedback=self.error_feedback,
-            feedback_key=f"{self.key_prefix}numel{input_tensor.numel()}", kind=self.kind, async_op=async_op,
+            output_tensor,
+            input_tensor,
+            op,
+            group,
+            spec=self.spec,
+            error_feedback=self.error_feedback,
+            feedback_key=f"{self.key_prefix}numel{input_tensor.numel()}",
+            kind=self.kind,
+            async_op=async_op,
             session=self.session,
         )
 
@@ -189,8 +200,9 @@ def apply_zeropp_comms(
     for name, m in model.named_modules():
         if isinstance(m, FSDPModule):
             m.set_custom_all_gather(QuantizedAllGather(weights, session=session))
-            m.set_custom_reduce_scatter(QuantizedReduceScatter(grads, session=session, error_feedback=error_feedback,
-                                                               key_prefix=f"{name}:"))
+            m.set_custom_reduce_scatter(
+                QuantizedReduceScatter(grads, session=session, error_feedback=error_feedback, key_prefix=f"{name}:")
+            )
             count += 1
     if count == 0:
         raise ValueError("apply_zeropp_comms found no FSDP module in the model; call fully_shard(...) first")

@@ -50,8 +50,9 @@ class LaunchLayout:
         for name, bound in (("node", self.nodes), ("local_rank", self.ranks_per_node), ("rank", self.world_size)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < bound:
-                raise ValueError(f"LaunchLayout.{name}={v!r} must be an int in [0, {bound}) for a launch of "
-                                 f"{self.describe()}")
+                raise ValueError(
+                    f"LaunchLayout.{name}={v!r} must be an int in [0, {bound}) for a launch of {self.describe()}"
+                )
 
     @property
     def world_size(self) -> int:
@@ -59,8 +60,10 @@ class LaunchLayout:
 
     def describe(self) -> str:
         """``2 nodes x 2 local ranks``."""
-        return (f"{self.nodes} node{'s' if self.nodes != 1 else ''} x {self.ranks_per_node} local "
-                f"rank{'s' if self.ranks_per_node != 1 else ''}")
+        return (
+            f"{self.nodes} node{'s' if self.nodes != 1 else ''} x {self.ranks_per_node} local "
+            f"rank{'s' if self.ranks_per_node != 1 else ''}"
+        )
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, launcher: str = "torchrun") -> Optional[LaunchLayout]:
@@ -90,15 +93,19 @@ class LaunchLayout:
         world, rank, local_rank = read("WORLD_SIZE", 1), read("RANK", 0), read("LOCAL_RANK", 0)
         for name, v in (("WORLD_SIZE", world), ("RANK", rank), ("LOCAL_RANK", local_rank)):
             if v is None:
-                raise ValueError(f"{launcher} environment: {name} is not set (a launcher that sets "
-                                 "LOCAL_WORLD_SIZE / GROUP_WORLD_SIZE must set RANK, WORLD_SIZE and LOCAL_RANK)")
+                raise ValueError(
+                    f"{launcher} environment: {name} is not set (a launcher that sets "
+                    "LOCAL_WORLD_SIZE / GROUP_WORLD_SIZE must set RANK, WORLD_SIZE and LOCAL_RANK)"
+                )
         assert world is not None and rank is not None and local_rank is not None
         local_world, groups = read("LOCAL_WORLD_SIZE", 1), read("GROUP_WORLD_SIZE", 1)
         for name, v in (("LOCAL_WORLD_SIZE", local_world), ("GROUP_WORLD_SIZE", groups)):
             if v is not None and v > world:
-                raise ValueError(f"{launcher} environment: {name}={v} is more than WORLD_SIZE={world} (the ranks of "
-                                 "the whole job): the variables contradict each other; start the job with its "
-                                 "launcher's own tools (torchrun --nnodes / --nproc-per-node)")
+                raise ValueError(
+                    f"{launcher} environment: {name}={v} is more than WORLD_SIZE={world} (the ranks of "
+                    "the whole job): the variables contradict each other; start the job with its "
+                    "launcher's own tools (torchrun --nnodes / --nproc-per-node)"
+                )
         if local_world is None:
             assert groups is not None
             local_world = world // groups
@@ -108,20 +115,23 @@ class LaunchLayout:
             raise ValueError(
                 f"{launcher} started {world} ranks on {groups} node(s) with LOCAL_WORLD_SIZE={local_world} here: "
                 "the nodes run different numbers of ranks, which a topology of equal nodes cannot describe; "
-                f"start the same number of ranks on every node (torchrun --nproc-per-node)")
+                f"start the same number of ranks on every node (torchrun --nproc-per-node)"
+            )
         node = read("GROUP_RANK", 0)
         if node is None:
             node = read("NODE_RANK", 0)
         if node is None:
             node = rank // local_world
-        layout = cls(nodes=groups, ranks_per_node=local_world, node=node, local_rank=local_rank, rank=rank,
-                     launcher=launcher)
+        layout = cls(
+            nodes=groups, ranks_per_node=local_world, node=node, local_rank=local_rank, rank=rank, launcher=launcher
+        )
         expected = node * local_world + local_rank
         if rank != expected:
             raise ValueError(
                 f"{launcher} placed rank {rank} on node {node} as local rank {local_rank}, but a topology numbers "
                 f"ranks node by node (rank = node x {local_world} + local rank = {expected}), so its node groups "
-                "would span hosts; start the ranks host by host with contiguous ranks (torchrun does)")
+                "would span hosts; start the ranks host by host with contiguous ranks (torchrun does)"
+            )
         return layout
 
     def topology(self, hpz_size: Optional[int] = None, tp: int = 1) -> Topology:
@@ -132,5 +142,7 @@ class LaunchLayout:
         """Raise ``ValueError`` unless ``topology`` has this launch's nodes and ranks per node."""
         if (topology.nodes, topology.ranks_per_node) != (self.nodes, self.ranks_per_node):
             rn, rr = topology.nodes, topology.ranks_per_node
-            raise ValueError(f"topology says {rn} node{'s' if rn != 1 else ''} x {rr} rank{'s' if rr != 1 else ''} "
-                             f"but {self.launcher} started {self.describe()}")
+            raise ValueError(
+                f"topology says {rn} node{'s' if rn != 1 else ''} x {rr} rank{'s' if rr != 1 else ''} "
+                f"but {self.launcher} started {self.describe()}"
+            )

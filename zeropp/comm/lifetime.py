@@ -146,8 +146,12 @@ class Buffers:
     storage with one of them is held but never poisoned. ``borrowed`` tensors (the caller's) are
     only marked as used by the releasing stream (CUDA), never poisoned."""
 
-    def __init__(self, *tensors: Optional[torch.Tensor], protect: Iterable[Optional[torch.Tensor]] = (),
-                 borrowed: Iterable[Optional[torch.Tensor]] = ()) -> None:
+    def __init__(
+        self,
+        *tensors: Optional[torch.Tensor],
+        protect: Iterable[Optional[torch.Tensor]] = (),
+        borrowed: Iterable[Optional[torch.Tensor]] = (),
+    ) -> None:
         self._owned: list[torch.Tensor] = []
         self._borrowed = [t for t in borrowed if t is not None]
         self._protect = [t for t in protect if t is not None]

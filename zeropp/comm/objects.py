@@ -32,8 +32,7 @@ def _device(group: dist.ProcessGroup | None, device: torch.device | None) -> tor
     return torch.device("cpu")
 
 
-def all_gather_json(obj: Any, group: dist.ProcessGroup | None = None,
-                    device: torch.device | None = None) -> list[Any]:
+def all_gather_json(obj: Any, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> list[Any]:
     """Every rank's ``obj`` of ``group``, in group-rank order. ``obj`` must be JSON-serializable
     (a ``TypeError`` says what is not); it comes back as ``json.loads`` reads it (tuples as lists,
     dict keys as strings). ``device``: where the exchange buffers live (default: CPU, or the

@@ -158,8 +158,9 @@ def run(
             with ranges.span(hop, "dequantize"):
                 _sum_into(codec, recv.unsqueeze(1), n, bits, gs, post_scale, out)
 
-        return finish_or_handle([work], finish, async_op, Buffers(send, recv, protect=(inp, out)),
-                                session=session, kind=kind)
+        return finish_or_handle(
+            [work], finish, async_op, Buffers(send, recv, protect=(inp, out)), session=session, kind=kind
+        )
 
     nodes, rpn = topo.nodes, topo.ranks_per_node // topo.tp  # the group's members per node
     groups = topo.build()
@@ -192,14 +193,18 @@ def run(
         # [rpn sources, nodes, B1] -> [nodes, B2]: node sums of my-local chunks; row m -> node m
         with ranges.span(at_cross, "quantize"):  # hop 1's dequantize-sum fused with hop 2's quantization
             if ef is None:
-                send2 = codec.dequantize_sum_requantize(recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs,
-                                                        out_bits=plan.bits, seed=seed2)
+                send2 = codec.dequantize_sum_requantize(
+                    recv1.view(rpn, nodes, -1), n, plan.intra_bits, gs, out_bits=plan.bits, seed=seed2
+                )
             else:
-                send2 = _requantize_with_feedback(codec, recv1.view(rpn, nodes, -1), n, plan.intra_bits, plan.bits,
-                                                  gs, ef, key + HOP2_SUFFIX, seed2)
+                send2 = _requantize_with_feedback(
+                    codec, recv1.view(rpn, nodes, -1), n, plan.intra_bits, plan.bits, gs, ef, key + HOP2_SUFFIX, seed2
+                )
         if tuple(send2.shape) != (nodes, B2) or send2.dtype != torch.uint8:
-            raise RuntimeError(f"codec {type(codec).__name__} re-quantized to {send2.dtype} {tuple(send2.shape)}; its "
-                               f"wire_bytes says uint8 ({nodes}, {B2})")
+            raise RuntimeError(
+                f"codec {type(codec).__name__} re-quantized to {send2.dtype} {tuple(send2.shape)}; its "
+                f"wire_bytes says uint8 ({nodes}, {B2})"
+            )
         recv2 = torch.empty_like(send2)  # [nodes, B2]
         hold.add(send2, recv2)
         backend_all_to_all(recv2, send2, groups.cross, False)
@@ -237,8 +242,13 @@ def _quantize_for_send(
         nodes, rpn = swizzled
         r = torch.empty(nodes, rpn, n, dtype=torch.float32, device=x.device)  # input chunk order
         for l in range(rpn):  # send rows l*nodes .. (l+1)*nodes hold input chunks m*rpn + l
-            rows_l = type(q)(q.codes[l * nodes:(l + 1) * nodes], q.scales[l * nodes:(l + 1) * nodes], q.cols, q.bits,
-                             q.group_size)
+            rows_l = type(q)(
+                q.codes[l * nodes : (l + 1) * nodes],
+                q.scales[l * nodes : (l + 1) * nodes],
+                q.cols,
+                q.bits,
+                q.group_size,
+            )
             codec.dequantize(rows_l, out=r[:, l, :])  # [nodes, n] row-strided, written in place
         r = torch.sub(x.transpose(0, 1).reshape(nodes, rpn, n), r, out=r)  # x is fp32 and contiguous under EF
     else:
@@ -299,7 +309,9 @@ def _all_to_all(
     return recv, backend_all_to_all(recv, send, group, async_op)
 
 
-def _sum_into(codec: Codec, buf: torch.Tensor, n: int, bits: int, gs: int, post_scale: float, out: torch.Tensor) -> None:
+def _sum_into(
+    codec: Codec, buf: torch.Tensor, n: int, bits: int, gs: int, post_scale: float, out: torch.Tensor
+) -> None:
     """Wire rows [k, 1, B] -> fp32 sum over k, times ``post_scale``, written into ``out`` ([n]).
 
     An fp32 ``out`` of an in-place codec receives the sum directly (read from ``buf`` in place)

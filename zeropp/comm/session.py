@@ -58,7 +58,9 @@ class CommSession:
 
     def __init__(self, topology: Optional[Topology] = None, *, stats: Optional[CommStats] = None) -> None:
         if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"CommSession topology must be a zeropp.comm.Topology or None, got {type(topology).__name__}")
+            raise TypeError(
+                f"CommSession topology must be a zeropp.comm.Topology or None, got {type(topology).__name__}"
+            )
         if stats is not None and not isinstance(stats, CommStats):
             raise TypeError(f"CommSession stats must be a zeropp.comm.CommStats or None, got {type(stats).__name__}")
         self.topology = topology
@@ -118,8 +120,10 @@ class CommSession:
             yield
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(topology={self.topology}, stochastic_calls={self.stochastic.value}, "
-                f"wait_hooks={len(self._wait_hooks)})")
+        return (
+            f"{type(self).__name__}(topology={self.topology}, stochastic_calls={self.stochastic.value}, "
+            f"wait_hooks={len(self._wait_hooks)})"
+        )
 
 
 class _DefaultSession(CommSession):

@@ -153,9 +153,11 @@ the block is checked against the use's default group size when the collective ru
             if not _is_int(gs) or gs < 1:
                 raise ValueError(f"QuantSpec.group_size must be a positive int or None, got {gs!r}")
             if gs > MAX_GROUP_SIZE:
-                raise ValueError(f"QuantSpec.group_size={gs} is larger than the quantization kernels' largest block, "
-                                 f"{MAX_GROUP_SIZE} elements (one block is one GPU program's tile); use QuantSpec.group_size "
-                                 f"<= {MAX_GROUP_SIZE}")
+                raise ValueError(
+                    f"QuantSpec.group_size={gs} is larger than the quantization kernels' largest block, "
+                    f"{MAX_GROUP_SIZE} elements (one block is one GPU program's tile); use QuantSpec.group_size "
+                    f"<= {MAX_GROUP_SIZE}"
+                )
             if gs % 2 and 4 in (self.bits, self.intra_bits):
                 raise ValueError(
                     f"QuantSpec.group_size={gs} is odd; INT4 packs two codes per byte, so use an even size"
@@ -166,11 +168,15 @@ the block is checked against the use's default group size when the collective ru
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"QuantSpec.error_feedback must be True or False, got {self.error_feedback!r}")
         if isinstance(self.residual_bits, bool) or self.residual_bits not in (8, 32):
-            raise ValueError(f"QuantSpec.residual_bits={self.residual_bits!r}: error-feedback residuals are stored in "
-                             f"8 bits (INT8 + scales, LoCo) or 32 (fp32); use 8 or 32")
+            raise ValueError(
+                f"QuantSpec.residual_bits={self.residual_bits!r}: error-feedback residuals are stored in "
+                f"8 bits (INT8 + scales, LoCo) or 32 (fp32); use 8 or 32"
+            )
         if self.residual_bits != 8 and not self.error_feedback:
-            raise ValueError(f"QuantSpec.residual_bits={self.residual_bits} does nothing without error feedback; set "
-                             f"error_feedback=True to keep residuals, or leave residual_bits=8")
+            raise ValueError(
+                f"QuantSpec.residual_bits={self.residual_bits} does nothing without error feedback; set "
+                f"error_feedback=True to keep residuals, or leave residual_bits=8"
+            )
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"QuantSpec.seed must be an int in [0, 2**63), got {self.seed!r}")
         self._check_rotation()
@@ -182,15 +188,21 @@ the block is checked against the use's default group size when the collective ru
         hb = self.hadamard_block
         if self.rotation == "none":
             if hb is not None:
-                raise ValueError(f"QuantSpec.hadamard_block={hb!r} is set but rotation='none'; set "
-                                 "rotation='hadamard' to rotate, or leave hadamard_block=None")
+                raise ValueError(
+                    f"QuantSpec.hadamard_block={hb!r} is set but rotation='none'; set "
+                    "rotation='hadamard' to rotate, or leave hadamard_block=None"
+                )
             return
         if self.scheme != "int":
-            raise ValueError(f"QuantSpec.rotation='hadamard' is implemented for scheme 'int' only, not "
-                             f"{self.scheme!r}; use scheme='int' or rotation='none'")
+            raise ValueError(
+                f"QuantSpec.rotation='hadamard' is implemented for scheme 'int' only, not "
+                f"{self.scheme!r}; use scheme='int' or rotation='none'"
+            )
         if hb is not None and (not _is_int(hb) or hb < 2 or hb & (hb - 1) or hb > MAX_HADAMARD_BLOCK):
-            raise ValueError(f"QuantSpec.hadamard_block={hb!r} must be a power of two in [2, {MAX_HADAMARD_BLOCK}] "
-                             "(e.g. 32, 64, 128), or None for the group size")
+            raise ValueError(
+                f"QuantSpec.hadamard_block={hb!r} must be a power of two in [2, {MAX_HADAMARD_BLOCK}] "
+                "(e.g. 32, 64, 128), or None for the group size"
+            )
         check_rotation_block(self.hadamard_block, self.group_size)
 
     def rotation_block(self, group_size: int) -> Optional[int]:
@@ -295,9 +307,12 @@ RECIPES: dict[str, QuantRecipe] = {
     "w4g4h": QuantRecipe(weights=QuantSpec(bits=4), grads=QuantSpec(bits=4, rotation=Rotation.hadamard)),
     "zeropp": QuantRecipe(weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), hpz=True),
     "qwd": QuantRecipe(weight_diff=QuantSpec(bits=4), hpz=True),
-    "sdp4bit": QuantRecipe(weights=QuantSpec(bits=4),
-                           grads=QuantSpec(bits=4, rotation=Rotation.hadamard, error_feedback=True),
-                           weight_diff=QuantSpec(bits=4), hpz=True),
+    "sdp4bit": QuantRecipe(
+        weights=QuantSpec(bits=4),
+        grads=QuantSpec(bits=4, rotation=Rotation.hadamard, error_feedback=True),
+        weight_diff=QuantSpec(bits=4),
+        hpz=True,
+    ),
 }
 """The named recipes (the runner's ``quant=`` options): ``int8``/``int4``/``qwz`` weights only,
 ``qgz`` gradients only (INT4), ``hpz`` hierarchical partitioning only, ``w8g8``/``w8g4``/``w4g4``

@@ -135,11 +135,27 @@ def record_sends(
         stats.record(kind, "cross", cross)
 
 
-PEER_BYTES_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter", "reduce", "gather")
+PEER_BYTES_KINDS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "scatter",
+    "reduce",
+    "gather",
+)
 
 
-def peer_bytes(kind: str, nbytes: int, group_size: int, *, splits: Optional[Sequence[int]] = None,
-               rank: Optional[int] = None, root: Optional[int] = None) -> list[int]:
+def peer_bytes(
+    kind: str,
+    nbytes: int,
+    group_size: int,
+    *,
+    splits: Optional[Sequence[int]] = None,
+    rank: Optional[int] = None,
+    root: Optional[int] = None,
+) -> list[int]:
     """Bytes this rank sends to each group member (index = group rank) for one collective call,
     under the module's convention. Feed the result to :func:`record_sends` (which drops self).
 

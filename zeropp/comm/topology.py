@@ -85,8 +85,7 @@ class Topology:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_world(cls, world_size: int, ranks_per_node: int, hpz_size: Optional[int] = None,
-                   tp: int = 1) -> Topology:
+    def from_world(cls, world_size: int, ranks_per_node: int, hpz_size: Optional[int] = None, tp: int = 1) -> Topology:
         """``world_size`` ranks in nodes of ``ranks_per_node``; a world that does not divide is an error."""
         if not isinstance(world_size, int) or world_size <= 0:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -247,16 +246,25 @@ class TopologyGroups:
 
     _NAMES = ("world", "intra", "cross", "hpz", "dp")
 
-    def __init__(self, topology: Topology, world: dist.ProcessGroup, intra: dist.ProcessGroup,
-                 cross: dist.ProcessGroup, hpz: dist.ProcessGroup, dp: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        world: dist.ProcessGroup,
+        intra: dist.ProcessGroup,
+        cross: dist.ProcessGroup,
+        hpz: dist.ProcessGroup,
+        dp: dist.ProcessGroup,
+    ) -> None:
         self.topology = topology
         self._refs = tuple(weakref.ref(g) for g in (world, intra, cross, hpz, dp))
 
     def _group(self, i: int) -> dist.ProcessGroup:
         g = self._refs[i]()
         if g is None:
-            raise RuntimeError(f"the {self._NAMES[i]} group of {self.topology} was destroyed (destroy_process_group); "
-                               "after a new init_process_group, call topology.build() again")
+            raise RuntimeError(
+                f"the {self._NAMES[i]} group of {self.topology} was destroyed (destroy_process_group); "
+                "after a new init_process_group, call topology.build() again"
+            )
         return g
 
     def built_in(self, world: dist.ProcessGroup) -> bool:

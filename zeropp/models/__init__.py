@@ -8,5 +8,16 @@ from .gpt import BYTE_VOCAB, GPT, Block, GPTConfig, byte_batch
 from .hf import HFCausalLM, HFConfig, build_hf_model
 from .lora import LoRALinear, apply_lora, lora_parameters
 
-__all__ = ["BYTE_VOCAB", "GPT", "Block", "GPTConfig", "HFCausalLM", "HFConfig", "LoRALinear", "apply_lora",
-           "build_hf_model", "byte_batch", "lora_parameters"]
+__all__ = [
+    "BYTE_VOCAB",
+    "GPT",
+    "Block",
+    "GPTConfig",
+    "HFCausalLM",
+    "HFConfig",
+    "LoRALinear",
+    "apply_lora",
+    "build_hf_model",
+    "byte_batch",
+    "lora_parameters",
+]

@@ -157,7 +157,9 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _b, t = idx.shape  # [B, T] int64 byte ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
@@ -172,7 +174,9 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def byte_batch(data: bytes | torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def byte_batch(
+    data: bytes | torch.Tensor, batch: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of a byte string: ``(idx [B, T], targets [B, T])`` with targets shifted by one."""
     buf = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if buf.numel() < seq_len + 2:
@@ -190,11 +194,14 @@ def byte_batch(data: bytes | torch.Tensor, batch: int, seq_len: int, generator: 
 def check_gpt_tp(cfg: GPTConfig, tp: int) -> None:
     """``ValueError`` unless ``tp`` divides the GPT's heads and MLP width (checked before any collective)."""
     if cfg.n_heads % tp:
-        raise ValueError(f"topology.tp={tp} must divide the GPT's attention heads model.n_heads={cfg.n_heads}; "
-                         f"choose a tp that divides {cfg.n_heads} or more heads")
+        raise ValueError(
+            f"topology.tp={tp} must divide the GPT's attention heads model.n_heads={cfg.n_heads}; "
+            f"choose a tp that divides {cfg.n_heads} or more heads"
+        )
     if (cfg.mlp_ratio * cfg.d_model) % tp:
-        raise ValueError(f"topology.tp={tp} must divide the GPT's MLP width mlp_ratio*d_model="
-                         f"{cfg.mlp_ratio * cfg.d_model}")
+        raise ValueError(
+            f"topology.tp={tp} must divide the GPT's MLP width mlp_ratio*d_model={cfg.mlp_ratio * cfg.d_model}"
+        )
 
 
 def _tp_attention_forward(self: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
@@ -224,8 +231,12 @@ def parallelize_gpt(model: GPT, tp_mesh) -> None:
 
     tp = tp_mesh.size()
     check_gpt_tp(model.cfg, tp)
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "fc": ColwiseParallel(), "out": RowwiseParallel()}
+    plan = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "fc": ColwiseParallel(),
+        "out": RowwiseParallel(),
+    }
     for block in model.blocks:
         assert isinstance(block, Block)
         attn = block.attn

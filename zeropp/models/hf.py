@@ -38,14 +38,30 @@ INSTALL_HINT = 'pip install -e ".[hf]"'
 
 # HFConfig field -> the transformers config attribute of each architecture (save_pretrained's config.json keys)
 _HF_KEYS: dict[str, dict[str, str]] = {
-    "gpt2": {"vocab_size": "vocab_size", "seq_len": "n_positions", "d_model": "n_embd", "n_layers": "n_layer",
-             "n_heads": "n_head", "intermediate_size": "n_inner", "tie_embeddings": "tie_word_embeddings"},
-    "llama": {"vocab_size": "vocab_size", "seq_len": "max_position_embeddings", "d_model": "hidden_size",
-              "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-              "intermediate_size": "intermediate_size", "tie_embeddings": "tie_word_embeddings"},
+    "gpt2": {
+        "vocab_size": "vocab_size",
+        "seq_len": "n_positions",
+        "d_model": "n_embd",
+        "n_layers": "n_layer",
+        "n_heads": "n_head",
+        "intermediate_size": "n_inner",
+        "tie_embeddings": "tie_word_embeddings",
+    },
+    "llama": {
+        "vocab_size": "vocab_size",
+        "seq_len": "max_position_embeddings",
+        "d_model": "hidden_size",
+        "n_layers": "num_hidden_layers",
+        "n_heads": "num_attention_heads",
+        "n_kv_heads": "num_key_value_heads",
+        "intermediate_size": "intermediate_size",
+        "tie_embeddings": "tie_word_embeddings",
+    },
 }
-_DROPOUT = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
-            "llama": ("attention_dropout",)}
+_DROPOUT = {
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
+    "llama": ("attention_dropout",),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,8 +100,9 @@ class HFConfig:
 
     def __post_init__(self) -> None:
         if self.hf_config not in HF_ARCHS:
-            raise ValueError(f"HFConfig.hf_config={self.hf_config!r} is not supported; "
-                             f"choose one of {', '.join(HF_ARCHS)}")
+            raise ValueError(
+                f"HFConfig.hf_config={self.hf_config!r} is not supported; choose one of {', '.join(HF_ARCHS)}"
+            )
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "intermediate_size", "n_kv_heads"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -93,17 +110,23 @@ class HFConfig:
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"HFConfig.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"HFConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
-                             "pick d_model as a multiple of n_heads")
+            raise ValueError(
+                f"HFConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
+                "pick d_model as a multiple of n_heads"
+            )
         if self.n_kv_heads is not None:
             if self.hf_config != "llama":
-                raise ValueError(f"HFConfig.n_kv_heads={self.n_kv_heads} applies to hf_config=llama only "
-                                 f"(hf_config={self.hf_config!r} has one key/value head per query head); remove it")
+                raise ValueError(
+                    f"HFConfig.n_kv_heads={self.n_kv_heads} applies to hf_config=llama only "
+                    f"(hf_config={self.hf_config!r} has one key/value head per query head); remove it"
+                )
             if self.n_heads % self.n_kv_heads:
                 raise ValueError(f"HFConfig: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.hf_config == "llama" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"HFConfig: the head size d_model / n_heads = {self.d_model // self.n_heads} must be even "
-                             "for hf_config=llama (rotary embeddings rotate pairs of channels)")
+            raise ValueError(
+                f"HFConfig: the head size d_model / n_heads = {self.d_model // self.n_heads} must be even "
+                "for hf_config=llama (rotary embeddings rotate pairs of channels)"
+            )
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"HFConfig.attn_implementation={self.attn_implementation!r}; choose sdpa or eager")
         if self.pretrained is not None:
@@ -113,12 +136,16 @@ class HFConfig:
         """The directory holds a checkpoint of this architecture and these sizes (its config.json)."""
         if not (path / "config.json").is_file():
             what = "has no config.json" if path.is_dir() else "does not exist"
-            raise ValueError(f"HFConfig.pretrained={str(path)!r} {what}; give a local directory written by "
-                             "save_pretrained (nothing is downloaded), or leave it unset for random weights")
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} {what}; give a local directory written by "
+                "save_pretrained (nothing is downloaded), or leave it unset for random weights"
+            )
         saved = json.loads((path / "config.json").read_text())
         if saved.get("model_type") != self.hf_config:
-            raise ValueError(f"HFConfig.pretrained={str(path)!r} holds a {saved.get('model_type')!r} model but "
-                             f"hf_config={self.hf_config!r}; set hf_config to match")
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} holds a {saved.get('model_type')!r} model but "
+                f"hf_config={self.hf_config!r}; set hf_config to match"
+            )
         want = {field: getattr(self, field) for field in _HF_KEYS[self.hf_config]}
         want = _resolved(self, want)
         wrong = []
@@ -133,8 +160,10 @@ class HFConfig:
             if have != want[field]:
                 wrong.append(f"{field}={have}")
         if wrong:
-            raise ValueError(f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
-                             f"{', '.join(wrong)}: set these (model.<name>=... in the runner)")
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
+                f"{', '.join(wrong)}: set these (model.<name>=... in the runner)"
+            )
 
     def with_(self, **changes: Any) -> HFConfig:
         return replace(self, **changes)
@@ -177,8 +206,10 @@ def require_transformers() -> Any:
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(f"Hugging Face models (model=hf, zeropp.models.hf) need the optional extra: {INSTALL_HINT} "
-                          f"(transformers is not installed: {e})") from e
+        raise ImportError(
+            f"Hugging Face models (model=hf, zeropp.models.hf) need the optional extra: {INSTALL_HINT} "
+            f"(transformers is not installed: {e})"
+        ) from e
     return transformers
 
 
@@ -187,8 +218,11 @@ def hf_model_config(cfg: HFConfig) -> Any:
     ``cfg.pretrained`` it is the checkpoint's own (its sizes were checked against ``cfg``; its other
     settings, e.g. norm epsilon or rotary base, are kept), with the same three changes."""
     tf = require_transformers()
-    run = {**dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0), "use_cache": False,
-           "attn_implementation": cfg.attn_implementation}
+    run = {
+        **dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0),
+        "use_cache": False,
+        "attn_implementation": cfg.attn_implementation,
+    }
     if cfg.pretrained is not None:  # keyword arguments of from_pretrained override the saved attributes
         return tf.AutoConfig.from_pretrained(str(Path(cfg.pretrained).expanduser()), local_files_only=True, **run)
     keys = _HF_KEYS[cfg.hf_config]
@@ -212,12 +246,15 @@ class HFCausalLM(nn.Module):
         base = self.hf.base_model
         layers = getattr(base, "h", None) if self.cfg.hf_config == "gpt2" else getattr(base, "layers", None)
         if not isinstance(layers, nn.ModuleList):
-            raise RuntimeError(f"{type(self.hf).__name__} has no decoder-layer ModuleList where hf_config="
-                               f"{self.cfg.hf_config!r} keeps it")
+            raise RuntimeError(
+                f"{type(self.hf).__name__} has no decoder-layer ModuleList where hf_config="
+                f"{self.cfg.hf_config!r} keeps it"
+            )
         return layers
 
-    def forward(self, idx: torch.Tensor,
-                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _b, t = idx.shape  # [B, T] int64 token ids
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds HFConfig.seq_len={self.cfg.seq_len}")
@@ -257,10 +294,15 @@ def check_hf_tp(cfg: HFConfig, tp: int) -> None:
     """``ValueError`` unless the model has a TP plan (Llama) and ``tp`` divides its heads, key/value
     heads and MLP width (checked before any collective)."""
     if cfg.hf_config != "llama":
-        raise ValueError(f"topology.tp={tp} has a plan for hf_config=llama only, not {cfg.hf_config!r} (GPT-2's "
-                         f"fused Conv1D attention is not split); use hf_config=llama or topology.tp=1")
-    for what, n in (("attention heads model.n_heads", cfg.n_heads), ("key/value heads model.n_kv_heads", cfg.kv_heads),
-                    ("MLP width model.intermediate_size", cfg.ffn_size)):
+        raise ValueError(
+            f"topology.tp={tp} has a plan for hf_config=llama only, not {cfg.hf_config!r} (GPT-2's "
+            f"fused Conv1D attention is not split); use hf_config=llama or topology.tp=1"
+        )
+    for what, n in (
+        ("attention heads model.n_heads", cfg.n_heads),
+        ("key/value heads model.n_kv_heads", cfg.kv_heads),
+        ("MLP width model.intermediate_size", cfg.ffn_size),
+    ):
         if n % tp:
             raise ValueError(f"topology.tp={tp} must divide the Llama's {what}={n}; choose a tp that divides it")
 
@@ -273,8 +315,14 @@ def parallelize_hf(model: HFCausalLM, tp_mesh: Any) -> None:
 
     check_hf_tp(model.cfg, tp_mesh.size())
     plan: dict[str, ParallelStyle] = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    plan.update(
+        {
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+    )
     for layer in model.blocks:
         parallelize_module(layer, tp_mesh, plan)
 

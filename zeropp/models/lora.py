@@ -60,8 +60,10 @@ class LoRALinear(nn.Linear):
         return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"alpha={self.alpha}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"alpha={self.alpha}, bias={self.bias is not None}"
+        )
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -95,14 +97,22 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, targe
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise ValueError(f"apply_lora: alpha must be a number > 0, got {alpha!r}")
     match = _matcher(model, targets)
-    chosen = [(n, m) for n, m in model.named_modules()
-              if n and not isinstance(m, LoRALinear) and (isinstance(m, nn.Linear) or _is_conv1d(m)) and match(n, m)]
+    chosen = [
+        (n, m)
+        for n, m in model.named_modules()
+        if n and not isinstance(m, LoRALinear) and (isinstance(m, nn.Linear) or _is_conv1d(m)) and match(n, m)
+    ]
     if not chosen:
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)]
-        what = ("it has no nn.Linear (or Conv1D) layer at all" if not linear else
-                f"targets={targets!r} matches none of its linear layers {linear[:8]}")
-        raise ValueError(f"LoRA (rank {rank}) needs linear layers to adapt, but {type(model).__name__}: {what}; "
-                         f"use lora_rank=0 for this model, or pass targets naming its linear layers")
+        what = (
+            "it has no nn.Linear (or Conv1D) layer at all"
+            if not linear
+            else f"targets={targets!r} matches none of its linear layers {linear[:8]}"
+        )
+        raise ValueError(
+            f"LoRA (rank {rank}) needs linear layers to adapt, but {type(model).__name__}: {what}; "
+            f"use lora_rank=0 for this model, or pass targets naming its linear layers"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     adapted = {id(m): LoRALinear(m, rank, alpha, transposed=_is_conv1d(m)) for _, m in chosen}

@@ -12,7 +12,27 @@ from .optimizer import ShardedAdamW
 from .partition import BlockChoiceWarning, UnitLayout
 from .streams import CommStreams
 
-__all__ = ["BlockChoiceWarning", "CheckpointError", "CommStreams", "DynamicLossScaler", "LossScaler",
-           "MemoryTier", "MicroBatchError", "OffloadTier", "OptimizerConfig", "Precision", "QuantizeFrozen",
-           "Schedule", "ShardedAdamW", "StaticLossScaler", "StepResult", "UnitLayout",
-           "WithTargets", "ZeroConfig", "ZeroEngine", "expected_memory", "export_consolidated", "measure_memory"]
+__all__ = [
+    "BlockChoiceWarning",
+    "CheckpointError",
+    "CommStreams",
+    "DynamicLossScaler",
+    "LossScaler",
+    "MemoryTier",
+    "MicroBatchError",
+    "OffloadTier",
+    "OptimizerConfig",
+    "Precision",
+    "QuantizeFrozen",
+    "Schedule",
+    "ShardedAdamW",
+    "StaticLossScaler",
+    "StepResult",
+    "UnitLayout",
+    "WithTargets",
+    "ZeroConfig",
+    "ZeroEngine",
+    "expected_memory",
+    "export_consolidated",
+    "measure_memory",
+]

@@ -98,7 +98,8 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> BlockCheckpointing:
         raise ValueError(
             "activation_checkpointing=True needs the model's transformer blocks (an nn.ModuleList, e.g. "
             "model.blocks, whose modules hold the trainable parameters); this model has none. Set "
-            "activation_checkpointing=False (train.activation_checkpointing=false) or give the model its blocks")
+            "activation_checkpointing=False (train.activation_checkpointing=false) or give the model its blocks"
+        )
     return BlockCheckpointing(blocks)
 
 
@@ -168,8 +169,7 @@ class _StorageCopy:
     def alive_for(self, t: torch.Tensor) -> bool:
         h = self.holder()
         st = t.untyped_storage()
-        return (h is not None and h.untyped_storage().data_ptr() == st.data_ptr()
-                and self.nbytes == st.nbytes())
+        return h is not None and h.untyped_storage().data_ptr() == st.data_ptr() and self.nbytes == st.nbytes()
 
     def add(self, t: torch.Tensor, pin: bool) -> tuple[_Saved, int]:
         """The packed handle of view ``t`` and the change in host bytes its saving caused."""
@@ -289,8 +289,11 @@ class ActivationStore:
             return None
         ptr, off = t.untyped_storage().data_ptr(), t.storage_offset()
         for p in self.storage_params:
-            if (p.numel() and p.untyped_storage().data_ptr() == ptr
-                    and p.storage_offset() <= off < p.storage_offset() + p.numel()):
+            if (
+                p.numel()
+                and p.untyped_storage().data_ptr() == ptr
+                and p.storage_offset() <= off < p.storage_offset() + p.numel()
+            ):
                 return p
         return None
 
@@ -303,15 +306,17 @@ class ActivationStore:
 
             _, inner, mesh, placements, shape, stride = packed
             with torch.no_grad():
-                return DTensor.from_local(self._unpack(inner), mesh, placements, run_check=False, shape=shape,
-                                          stride=stride)
+                return DTensor.from_local(
+                    self._unpack(inner), mesh, placements, run_check=False, shape=shape, stride=stride
+                )
         if kind == "host":
             return self._from_host(packed[1])
         p = packed[1]
         if p.numel() == 0 and not (kind == "param_view" and 0 in packed[2]):
             raise RuntimeError(
                 "backward needs a parameter that is not gathered (stage 3 released it before its last use); "
-                "a block's parameters must be used inside that block only")
+                "a block's parameters must be used inside that block only"
+            )
         if kind == "param":
             return p
         _, _, shape, stride, rel = packed

@@ -106,12 +106,14 @@ def _call_mismatch(model: nn.Module, args: tuple, kwargs: dict, how: str) -> str
     except TypeError as why:
         shown = ", ".join([_short(a) for a in args] + [f"{k}={_short(v)}" for k, v in kwargs.items()])
         name = type(model).__name__
-        return (f"the engine called the model as {name}({shown}) ({how}), which {name}.forward{sig} does not "
-                f"accept: {why}. If the micro-batch holds the model's inputs and the targets of the loss, pass "
-                f"WithTargets(inputs, targets) micro-batches (zeropp.runtime.WithTargets: the model gets only the "
-                f"inputs) and a loss that reads mb.targets, ZeroEngine(..., loss_fn=callable(output, mb) -> loss), "
-                f"e.g. loss_fn=lambda output, mb: F.mse_loss(output, mb.targets); a model that computes its own "
-                f"loss, like the GPT's forward(idx, targets), takes the tuple as it is")
+        return (
+            f"the engine called the model as {name}({shown}) ({how}), which {name}.forward{sig} does not "
+            f"accept: {why}. If the micro-batch holds the model's inputs and the targets of the loss, pass "
+            f"WithTargets(inputs, targets) micro-batches (zeropp.runtime.WithTargets: the model gets only the "
+            f"inputs) and a loss that reads mb.targets, ZeroEngine(..., loss_fn=callable(output, mb) -> loss), "
+            f"e.g. loss_fn=lambda output, mb: F.mse_loss(output, mb.targets); a model that computes its own "
+            f"loss, like the GPT's forward(idx, targets), takes the tuple as it is"
+        )
     return None
 
 
@@ -143,11 +145,15 @@ def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor
     else:
         loss, where = None, f"the model's output ({_describe(output)})"
     if loss is None:
-        raise ValueError(f"no loss in {where}: the model returned no loss (call it with targets / labels in the "
-                         f"micro-batch), or pass ZeroEngine(..., loss_fn=callable(output, micro_batch) -> loss)")
+        raise ValueError(
+            f"no loss in {where}: the model returned no loss (call it with targets / labels in the "
+            f"micro-batch), or pass ZeroEngine(..., loss_fn=callable(output, micro_batch) -> loss)"
+        )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        raise ValueError(f"{where} is {_describe(loss)}, not a one-element floating loss; return a scalar loss, or "
-                         f"pass ZeroEngine(..., loss_fn=callable(output, micro_batch) -> loss)")
+        raise ValueError(
+            f"{where} is {_describe(loss)}, not a one-element floating loss; return a scalar loss, or "
+            f"pass ZeroEngine(..., loss_fn=callable(output, micro_batch) -> loss)"
+        )
     return loss.reshape(())
 
 
@@ -207,5 +213,7 @@ def agree_on_forward(error: BaseException | None, group: dist.ProcessGroup | Non
     dist.all_gather_object(msgs, mine, group=group)
     failed = {r: m for r, m in enumerate(msgs) if m is not None}
     what = per_rank(failed)
-    raise RuntimeError(f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank goes on to backward "
-                       f"or the next collective: {what}") from error
+    raise RuntimeError(
+        f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank goes on to backward "
+        f"or the next collective: {what}"
+    ) from error

@@ -101,5 +101,7 @@ class BufferPool:
         return {r: sum(t.numel() * t.element_size() for t in s) for r, s in self._slots.items()}
 
     def __repr__(self) -> str:
-        return (f"BufferPool({self.dtype}, {self.device}, slots={ {r: len(s) for r, s in self._slots.items()} }, "
-                f"nbytes={self.nbytes})")
+        return (
+            f"BufferPool({self.dtype}, {self.device}, slots={ {r: len(s) for r, s in self._slots.items()} }, "
+            f"nbytes={self.nbytes})"
+        )

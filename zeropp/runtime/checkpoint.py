@@ -209,14 +209,26 @@ def _unit_state(t: CheckpointTarget) -> tuple[dict[str, Any], list[_Piece]]:
     for p in pieces:
         local = opt.read_range(p.name, p.i, 0, p.n) if opt.in_memory else cs.placeholder(p.n)  # [n]
         if p.layout.num_shards > 1:
-            local = DTensor.from_local(local, meshes(local.device.type), [Shard(0)], run_check=False,
-                                       shape=torch.Size([p.layout.numel]), stride=(1,))
+            local = DTensor.from_local(
+                local,
+                meshes(local.device.type),
+                [Shard(0)],
+                run_check=False,
+                shape=torch.Size([p.layout.numel]),
+                stride=(1,),
+            )
         sd[p.key] = local
     return sd, pieces
 
 
-def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None, *, keep: int = 2,
-         origin: Origin | None = None) -> Origin:
+def save(
+    t: CheckpointTarget,
+    path: str | os.PathLike,
+    extra: dict | None = None,
+    *,
+    keep: int = 2,
+    origin: Origin | None = None,
+) -> Origin:
     """Collective. Saves a new version under ``path``, named by the training step it holds
     (``extra["step"]`` when given, else the optimizer's step count), and keeps this run's ``keep``
     newest versions (``origin``: the version this state was last saved to or loaded from; None
@@ -228,25 +240,31 @@ def save(t: CheckpointTarget, path: str | os.PathLike, extra: dict | None = None
         raise ValueError(f"checkpoint extra['step']={step!r}: the training step must be an int >= 0")
 
     def prepare() -> cio.Prepared:
-        meta = {"world_size": t.world_size, "stage": t.stage, "step": t.optimizer.step_count,
-                "scaler": t.scaler.state_dict(), "units": [lay.to_dict() for lay in t.layouts],
-                "param_dtypes": {k: str(v).removeprefix("torch.") for k, v in t.param_dtypes.items()},
-                "model_state": {k: str(v.dtype).removeprefix("torch.") for k, v in t.model_state.items()},
-                "extra": extra if extra is not None else {}, **t.info}
+        meta = {
+            "world_size": t.world_size,
+            "stage": t.stage,
+            "step": t.optimizer.step_count,
+            "scaler": t.scaler.state_dict(),
+            "units": [lay.to_dict() for lay in t.layouts],
+            "param_dtypes": {k: str(v).removeprefix("torch.") for k, v in t.param_dtypes.items()},
+            "model_state": {k: str(v.dtype).removeprefix("torch.") for k, v in t.model_state.items()},
+            "extra": extra if extra is not None else {},
+            **t.info,
+        }
         if t.tp > 1:
             meta.update(tp=t.tp, tp_split=t.tp_split)
         opt = t.optimizer
         opt.check_valid()  # a failed load's mix of two states is never saved
         sd, pieces = _unit_state(t)
-        sources: dict[str, Callable[[], torch.Tensor]] = {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
+        sources: dict[str, Callable[[], torch.Tensor]] = (
+            {} if opt.in_memory else {p.key: partial(opt.read_range, p.name, p.i, 0, p.n) for p in pieces}
+        )
         sd.update({f"{t.prefix}model.{k}": v for k, v in t.model_state.items()})
         if t.feedback is not None:
             sd.update({f"{_feedback_prefix(me)}{k}": v for k, v in t.feedback.state_dict().items()})
-        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": t.stochastic.value},
-                            sources=sources)
+        return cio.Prepared(state=sd, meta=meta, rank_meta={"stochastic_calls": t.stochastic.value}, sources=sources)
 
-    return cio.save_version(path, step=step, kind="engine", prepare=prepare, keep=keep, origin=origin,
-                            device=t.device)
+    return cio.save_version(path, step=step, kind="engine", prepare=prepare, keep=keep, origin=origin, device=t.device)
 
 
 def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
@@ -255,23 +273,30 @@ def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
     no state change."""
     d, meta = cio.locate(path, "engine")
     if meta.get("tp", 1) != t.tp:
-        raise ValueError(f"{d} was saved with topology.tp={meta.get('tp', 1)} and this run has tp={t.tp}: a "
-                         f"tensor-parallel checkpoint loads at the same tp (any data-parallel size). Load it with "
-                         f"tp={meta.get('tp', 1)}, or export_consolidated() it to full weights")
+        raise ValueError(
+            f"{d} was saved with topology.tp={meta.get('tp', 1)} and this run has tp={t.tp}: a "
+            f"tensor-parallel checkpoint loads at the same tp (any data-parallel size). Load it with "
+            f"tp={meta.get('tp', 1)}, or export_consolidated() it to full weights"
+        )
     saved = {u["name"]: UnitLayout.from_dict(u) for u in meta["units"]}
     mine = {lay.name: lay for lay in t.layouts}
     if set(saved) != set(mine):
         raise ValueError(
             f"{d} has units {sorted(saved)} but this engine has {sorted(mine)}: parameter partitioning differs "
             f"(different model, or stage 3's persistence_threshold moved parameters into or out of the "
-            f"'persistent' unit). Use the same model and persistence_threshold, or export_consolidated()")
+            f"'persistent' unit). Use the same model and persistence_threshold, or export_consolidated()"
+        )
     for name, lay in mine.items():
         if saved[name].params() != lay.params():
-            raise ValueError(f"{d}: unit {name!r} holds {saved[name].params()} in the checkpoint but "
-                             f"{lay.params()} here: parameter partitioning differs (a different model)")
+            raise ValueError(
+                f"{d}: unit {name!r} holds {saved[name].params()} in the checkpoint but "
+                f"{lay.params()} here: parameter partitioning differs (a different model)"
+            )
     if sorted(meta["model_state"]) != sorted(t.model_state):
-        raise ValueError(f"{d}: frozen parameters / buffers {sorted(meta['model_state'])} were saved, this model has "
-                         f"{sorted(t.model_state)}; freeze the same parameters as the saving run")
+        raise ValueError(
+            f"{d}: frozen parameters / buffers {sorted(meta['model_state'])} were saved, this model has "
+            f"{sorted(t.model_state)}; freeze the same parameters as the saving run"
+        )
     return d, meta
 
 
@@ -291,8 +316,7 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
         feedback = _feedback_tensors(t, d, meta)  # this rank's saved residuals, or None to drop them
     except Exception as exc:
         error = cio.describe(exc)
-    hint = ("No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same "
-            "model")
+    hint = "No rank's state was changed. Restore or re-create the checkpoint, or load one saved from the same model"
     cio.agree(t.device, error, f"load from {path}", hint, token)
     assert d is not None and meta is not None
     opt = t.optimizer
@@ -306,11 +330,15 @@ def load(t: CheckpointTarget, path: str | os.PathLike) -> tuple[dict, dict[str, 
 
     def torn(ranks: list[int]) -> str:
         """Mark the optimizer unusable (the state of ``ranks`` was partly replaced); the error's hint."""
-        opt.invalidate(f"the checkpoint load from {path} failed after it had replaced part of the optimizer state "
-                       f"of rank(s) {ranks}: this engine holds a mix of two states and refuses to train, save or "
-                       f"export until a load succeeds. Fix the cause and load a checkpoint again")
-        return (f"The optimizer state of rank(s) {ranks} was partly replaced: this engine refuses to train, save or "
-                f"export until a load succeeds. Fix the cause and load this checkpoint again, or an older one")
+        opt.invalidate(
+            f"the checkpoint load from {path} failed after it had replaced part of the optimizer state "
+            f"of rank(s) {ranks}: this engine holds a mix of two states and refuses to train, save or "
+            f"export until a load succeeds. Fix the cause and load a checkpoint again"
+        )
+        return (
+            f"The optimizer state of rank(s) {ranks} was partly replaced: this engine refuses to train, save or "
+            f"export until a load succeeds. Fix the cause and load this checkpoint again, or an older one"
+        )
 
     try:
         cio.read_state(sd, d, meta, what=what, hint=hint, planner=planner)
@@ -362,13 +390,18 @@ def _feedback_tensors(t: CheckpointTarget, d: Path, meta: dict) -> dict[str, tor
     there = {k: meta.get(k) for k in here}
     if here != there:
         if dist.get_rank() == 0:
-            warnings.warn(f"checkpoint {d.name}: dropping the error-feedback residuals, saved per rank at {there} and "
-                          f"loaded at {here}; they restart from zero (the run is not an exact continuation)",
-                          stacklevel=3)
+            warnings.warn(
+                f"checkpoint {d.name}: dropping the error-feedback residuals, saved per rank at {there} and "
+                f"loaded at {here}; they restart from zero (the run is not an exact continuation)",
+                stacklevel=3,
+            )
         return None
     prefix = _feedback_prefix(dist.get_rank())
-    return {k: torch.empty(tensor_entry(md, k).size, dtype=tensor_entry(md, k).properties.dtype, device=t.device)
-            for k in saved if k.startswith(prefix)}
+    return {
+        k: torch.empty(tensor_entry(md, k).size, dtype=tensor_entry(md, k).properties.dtype, device=t.device)
+        for k in saved
+        if k.startswith(prefix)
+    }
 
 
 def _restore_stochastic_calls(t: CheckpointTarget, meta: dict) -> None:
@@ -383,6 +416,9 @@ def _restore_stochastic_calls(t: CheckpointTarget, meta: dict) -> None:
     elif len(set(calls)) == 1:
         t.stochastic.reset(int(calls[0]))
     elif me == 0:
-        warnings.warn(f"checkpoint: the {len(calls)} saving ranks had different stochastic-rounding call counters "
-                      f"{calls}; loading at world size {world}, the counter is left at "
-                      f"{t.stochastic.value}", stacklevel=3)
+        warnings.warn(
+            f"checkpoint: the {len(calls)} saving ranks had different stochastic-rounding call counters "
+            f"{calls}; loading at world size {world}, the counter is left at "
+            f"{t.stochastic.value}",
+            stacklevel=3,
+        )

@@ -48,7 +48,10 @@ LATEST = "LATEST"
 META = "meta.json"
 _INDEXED = re.compile(r"__(\d+)_\d+\.distcp|rank-(\d+)\.pt")
 """Files written by one rank (index in the name): DCP data files and a rank's own state."""
-KINDS = {"engine": "trainer=zeropp (ZeroEngine)", "torch": "trainer=fsdp2/ddp (torch.distributed.checkpoint state dicts)"}
+KINDS = {
+    "engine": "trainer=zeropp (ZeroEngine)",
+    "torch": "trainer=fsdp2/ddp (torch.distributed.checkpoint state dicts)",
+}
 """What wrote a checkpoint -> how to say so."""
 
 
@@ -75,12 +78,16 @@ def latest(root: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"no complete checkpoint under {root} (missing {f})")
     name = f.read_text(errors="replace").strip()
     if NAME.fullmatch(name) is None:
-        raise ValueError(f"{f} names {name[:200]!r}, which is not a checkpoint folder name (ckpt-<step>-<16 hex>, no "
-                         f"path): refusing to follow it. Write the name of a folder in {root} into {f}")
+        raise ValueError(
+            f"{f} names {name[:200]!r}, which is not a checkpoint folder name (ckpt-<step>-<16 hex>, no "
+            f"path): refusing to follow it. Write the name of a folder in {root} into {f}"
+        )
     d = root / name
     if d.is_symlink():
-        raise ValueError(f"{f} names {name}, which is a symlink (to {os.readlink(d)}): a checkpoint folder must be a "
-                         f"real directory inside {root}; refusing to follow it")
+        raise ValueError(
+            f"{f} names {name}, which is a symlink (to {os.readlink(d)}): a checkpoint folder must be a "
+            f"real directory inside {root}; refusing to follow it"
+        )
     if not d.is_dir():
         raise FileNotFoundError(f"{f} names {name}, which does not exist in {root}")
     return d
@@ -102,9 +109,11 @@ def read_meta(d: Path, kind: str | None = None) -> dict:
         raise ValueError(f"{f} has no file checksums: the file is corrupt")
     have = meta.get("kind", "engine")
     if kind is not None and have != kind:
-        raise ValueError(f"{d} was saved by {KINDS.get(have, have)} and this run is {KINDS.get(kind, kind)}: their "
-                         f"checkpoints hold different state and do not load into each other. Resume with the trainer "
-                         f"that saved it, or point train.checkpoint_dir elsewhere")
+        raise ValueError(
+            f"{d} was saved by {KINDS.get(have, have)} and this run is {KINDS.get(kind, kind)}: their "
+            f"checkpoints hold different state and do not load into each other. Resume with the trainer "
+            f"that saved it, or point train.checkpoint_dir elsewhere"
+        )
     return meta
 
 
@@ -227,8 +236,11 @@ def retire(root: Path, newest: str, keep: int) -> list[str]:
             discard(d)
             gone.append(d.name)
         except OSError as exc:
-            warnings.warn(f"checkpoint retention: could not remove {d} ({type(exc).__name__}: {exc}); it stays "
-                          f"and the next save retries", stacklevel=2)
+            warnings.warn(
+                f"checkpoint retention: could not remove {d} ({type(exc).__name__}: {exc}); it stays "
+                f"and the next save retries",
+                stacklevel=2,
+            )
     return gone
 
 

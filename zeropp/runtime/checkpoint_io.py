@@ -113,8 +113,11 @@ def describe(exc: BaseException) -> str:
 
 def raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -> None:
     """Raise the :class:`CheckpointError` of ``failures`` (rank -> error), each distinct error once."""
-    raise CheckpointError(f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {per_rank(failures)}"
-                          + (f". {hint}" if hint else ""), failures)
+    raise CheckpointError(
+        f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {per_rank(failures)}"
+        + (f". {hint}" if hint else ""),
+        failures,
+    )
 
 
 def agree(device: torch.device, error: str | None, what: str, hint: str, token: int = 0) -> None:
@@ -128,9 +131,12 @@ def agree(device: torch.device, error: str | None, what: str, hint: str, token: 
         msgs = all_gather_json(error, device=device)
         raise_failures({r: m for r, m in enumerate(msgs) if m}, len(msgs), what, hint)
     if hi != -lo:
-        raise CheckpointError(f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
-                              f"changed during the load, or the ranks do not see the same directory). Make every "
-                              f"rank load the same path, with no save running at the same time", {})
+        raise CheckpointError(
+            f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
+            f"changed during the load, or the ranks do not see the same directory). Make every "
+            f"rank load the same path, with no save running at the same time",
+            {},
+        )
 
 
 def ranks_where(device: torch.device, flag: bool) -> list[int]:
@@ -163,8 +169,16 @@ def _save_rank_state(d: Path, rank: int, obj: Any) -> None:
         os.fsync(fh.fileno())
 
 
-def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Callable[[], Prepared], keep: int,
-                 origin: Origin | None, device: torch.device) -> Origin:
+def save_version(
+    root: str | os.PathLike,
+    *,
+    step: int,
+    kind: str,
+    prepare: Callable[[], Prepared],
+    keep: int,
+    origin: Origin | None,
+    device: torch.device,
+) -> Origin:
     """Collective over the default group: save one version of training step ``step`` into
     ``root``, keeping this run's ``keep`` newest versions. Returns the new version (the ``origin``
     of the next save). On any rank's failure every rank raises :class:`CheckpointError`, ``LATEST``
@@ -176,19 +190,29 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
     name = obj[0]
     assert name is not None, "rank 0's broadcast fills the name"
     d = root / name
-    hint = (f"Nothing was committed: {root / cf.LATEST} and the older checkpoints are as they were. Fix the cause "
-            f"and save again")
+    hint = (
+        f"Nothing was committed: {root / cf.LATEST} and the older checkpoints are as they were. Fix the cause "
+        f"and save again"
+    )
     created, error, prepared, meta_text = False, None, None, ""
     try:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least the newest checkpoint (an int >= 1)")
         prepared = prepare()
-        bad = cf.first_nonfinite([*((k, v) for k, v in prepared.state.items() if k not in prepared.sources),
-                                  ("rank_state", prepared.rank_state)])  # sources: checked as they are written
+        bad = cf.first_nonfinite(
+            [
+                *((k, v) for k, v in prepared.state.items() if k not in prepared.sources),
+                ("rank_state", prepared.rank_state),
+            ]
+        )  # sources: checked as they are written
         if bad is not None:
             raise cs.diverged(bad)
-        meta = {"format": cf.FORMAT, "kind": kind, "parent": origin.parent_in(root) if origin else None,
-                **prepared.meta}
+        meta = {
+            "format": cf.FORMAT,
+            "kind": kind,
+            "parent": origin.parent_in(root) if origin else None,
+            **prepared.meta,
+        }
         meta_text = json.dumps(meta, indent=1)  # fails here, before anything is written, if a value is not JSON
         if me == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -200,8 +224,9 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
         agree(device, error, "save", hint)
         assert prepared is not None
         try:
-            dcp.save(prepared.state, storage_writer=_storage_writer(d),
-                     planner=cs.StreamingSavePlanner(prepared.sources))
+            dcp.save(
+                prepared.state, storage_writer=_storage_writer(d), planner=cs.StreamingSavePlanner(prepared.sources)
+            )
         except CheckpointException as exc:  # DCP told every rank who failed
             raise_failures(dcp_failures(exc), world, "save", hint)
         error, mine, doing = None, {}, f"writing {d / cf.rank_file(me)}"
@@ -233,8 +258,10 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
                 error = f"committing {root / cf.LATEST} -> {name}: {describe(exc)}"
                 if cf.named_by_latest(root) == name:  # replaced, then the directory sync failed
                     created = False  # LATEST names it: the folder must stay
-                    error += (f". {root / cf.LATEST} does name {name} now, but may not survive a crash of the "
-                              f"machine; the older checkpoints were kept. Fix the cause and save again")
+                    error += (
+                        f". {root / cf.LATEST} does name {name} now, but may not survive a crash of the "
+                        f"machine; the older checkpoints were kept. Fix the cause and save again"
+                    )
                 else:
                     error += f". {hint}"
         agree(device, error, "save", "")  # only rank 0 commits: its message says what state it left
@@ -243,16 +270,22 @@ def save_version(root: str | os.PathLike, *, step: int, kind: str, prepare: Call
             try:
                 cf.discard(d)
             except OSError as exc:  # the save's own error matters more; say what is left behind
-                warnings.warn(f"could not remove {d} after the failed save ({describe(exc)}); it is never loaded, "
-                              f"remove it by hand", stacklevel=3)
+                warnings.warn(
+                    f"could not remove {d} after the failed save ({describe(exc)}); it is never loaded, "
+                    f"remove it by hand",
+                    stacklevel=3,
+                )
         raise
     if me == 0:
         cf.retire(root, name, keep)
         left = cf.debris(root, exclude=[name])
         if left:
-            warnings.warn(f"checkpoint directory {root} holds {left}: folders of saves that were interrupted (no "
-                          f"meta.json), or being written by another run right now. They are never loaded; remove "
-                          f"them by hand once no other run saves there", stacklevel=3)
+            warnings.warn(
+                f"checkpoint directory {root} holds {left}: folders of saves that were interrupted (no "
+                f"meta.json), or being written by another run right now. They are never loaded; remove "
+                f"them by hand once no other run saves there",
+                stacklevel=3,
+            )
     return Origin.of(d)
 
 
@@ -264,8 +297,11 @@ def locate(root: str | os.PathLike, kind: str) -> tuple[Path, dict]:
     meta = cf.read_meta(d, kind)
     cf.verify(d, meta, dist.get_rank(), dist.get_world_size())
     if meta["format"] == 2 and dist.get_rank() == 0:
-        warnings.warn(f"checkpoint {d} was saved by an older version (format 2): its {METADATA} has no checksum "
-                      f"(it is still read without running code). Save again to upgrade it", stacklevel=3)
+        warnings.warn(
+            f"checkpoint {d} was saved by an older version (format 2): its {METADATA} has no checksum "
+            f"(it is still read without running code). Save again to upgrade it",
+            stacklevel=3,
+        )
     read_metadata(d, data_files(meta))
     return d, meta
 
@@ -280,8 +316,16 @@ def reader(d: Path, meta: dict) -> SafeReader:
     return SafeReader(d, data_files(meta))
 
 
-def read_state(state: dict[str, Any], d: Path, meta: dict, *, what: str, hint: str, no_dist: bool = False,
-               planner: SafeLoadPlanner | None = None) -> None:
+def read_state(
+    state: dict[str, Any],
+    d: Path,
+    meta: dict,
+    *,
+    what: str,
+    hint: str,
+    no_dist: bool = False,
+    planner: SafeLoadPlanner | None = None,
+) -> None:
     """Load version ``d`` into the DCP state dict ``state`` in place (collective unless ``no_dist``),
     reading non-tensor values with ``weights_only=True`` (``planner``: a ``SafeLoadPlanner``, by
     default a new one); a failure raises :class:`CheckpointError`."""

@@ -30,33 +30,34 @@ from typing import Any, Collection, Mapping
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 METADATA = ".metadata"
 """The name DCP gives a checkpoint's (global) metadata file."""
 
-_ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a lookup in torch's table of layouts by name
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),
-    ("pathlib._local", "PurePosixPath"), ("pathlib._local", "PureWindowsPath"),
-})
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a lookup in torch's table of layouts by name
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "WindowsPath"),
+        ("pathlib._local", "PurePosixPath"),
+        ("pathlib._local", "PureWindowsPath"),
+    }
+)
 """``(module, name)`` of every global a DCP ``.metadata`` pickle refers to, besides torch dtypes."""
 
 
@@ -79,7 +80,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(
             f"{self.source} refers to {module}.{name}, which checkpoint metadata never holds: refusing to read it "
             f"(the file was not written by torch.distributed.checkpoint and may be crafted to run code). Restore "
-            f"the checkpoint from a trusted copy or load an older one")
+            f"the checkpoint from a trusted copy or load an older one"
+        )
 
 
 def read_metadata(folder: str | os.PathLike, files: Collection[str] | None = None) -> Metadata:
@@ -103,22 +105,27 @@ def read_metadata(folder: str | os.PathLike, files: Collection[str] | None = Non
         rel = getattr(info, "relative_path", None)
         ok = isinstance(rel, str) and rel == Path(rel).name and rel not in ("", ".", "..")
         if not ok or (files is not None and rel not in files):
-            raise UnsafeCheckpointError(f"{src} points at data file {rel!r}, which is not one of the checkpoint's "
-                                        f"files {sorted(files) if files is not None else ''}: refusing to read it")
+            raise UnsafeCheckpointError(
+                f"{src} points at data file {rel!r}, which is not one of the checkpoint's "
+                f"files {sorted(files) if files is not None else ''}: refusing to read it"
+            )
     if md.storage_meta is None:
         md.storage_meta = StorageMeta()
     return md
 
 
-def tensor_entry(entries: Mapping[str, TensorStorageMetadata | BytesStorageMetadata], key: str
-                 ) -> TensorStorageMetadata:
+def tensor_entry(
+    entries: Mapping[str, TensorStorageMetadata | BytesStorageMetadata], key: str
+) -> TensorStorageMetadata:
     """The record of tensor ``key`` in ``entries`` (a checkpoint's ``Metadata.state_dict_metadata``):
     its size and dtype. A record under that name that holds bytes (another writer's checkpoint, or a
     crafted one) is a ValueError rather than an AttributeError later."""
     entry = entries[key]
     if not isinstance(entry, TensorStorageMetadata):
-        raise ValueError(f"checkpoint entry {key!r} holds {type(entry).__name__}, not a tensor: the checkpoint was "
-                         f"not written by this trainer")
+        raise ValueError(
+            f"checkpoint entry {key!r} holds {type(entry).__name__}, not a tensor: the checkpoint was "
+            f"not written by this trainer"
+        )
     return entry
 
 
@@ -149,9 +156,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             why = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln), str(exc).splitlines()[0])
-            raise UnsafeCheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} holds something other than "
-                                        f"plain data ({why}); refusing to read it (the file may be crafted to run "
-                                        f"code). Restore the checkpoint from a trusted copy") from exc
+            raise UnsafeCheckpointError(
+                f"checkpoint value {read_item.dest_index.fqn!r} holds something other than "
+                f"plain data ({why}); refusing to read it (the file may be crafted to run "
+                f"code). Restore the checkpoint from a trusted copy"
+            ) from exc
         buf = io.BytesIO()
         torch.save(obj, buf)
         buf.seek(0)

@@ -64,9 +64,11 @@ def finite(t: torch.Tensor) -> bool:
 
 def diverged(name: str) -> ValueError:
     """The error of a save whose value ``name`` holds NaN or inf."""
-    return ValueError(f"{name} holds NaN or inf values: the training state has diverged and a checkpoint of it would "
-                      f"not resume; it was not saved. Resume from the last good checkpoint (with a lower learning "
-                      f"rate, or another seed)")
+    return ValueError(
+        f"{name} holds NaN or inf values: the training state has diverged and a checkpoint of it would "
+        f"not resume; it was not saved. Resume from the last good checkpoint (with a lower learning "
+        f"rate, or another seed)"
+    )
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
@@ -94,8 +96,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
         source = self.sources.get(write_item.index.fqn)
         if source is None:
             t = super().resolve_data(write_item)
-            if not isinstance(t, torch.Tensor) or (t.device.type == "cpu"
-                                                   and t.untyped_storage().nbytes() == t.nbytes):
+            if not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.untyped_storage().nbytes() == t.nbytes):
                 return t  # written from where it lives: no copy
             self._release()
             t = t.to("cpu", copy=True, memory_format=torch.contiguous_format)

@@ -49,8 +49,11 @@ class OffloadTier(StrChoice):
         return _MEMORY_TIER[self]
 
 
-_MEMORY_TIER = {OffloadTier.none: MemoryTier.device, OffloadTier.cpu: MemoryTier.host,
-                OffloadTier.nvme: MemoryTier.disk}
+_MEMORY_TIER = {
+    OffloadTier.none: MemoryTier.device,
+    OffloadTier.cpu: MemoryTier.host,
+    OffloadTier.nvme: MemoryTier.disk,
+}
 
 
 class QuantizeFrozen(StrChoice):

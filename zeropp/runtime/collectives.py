@@ -63,8 +63,16 @@ class Pending:
     and ``event`` marks its end; :meth:`wait` makes the compute stream wait for it.
     """
 
-    def __init__(self, comm: EngineComm, works: list, finish: Optional[Callable[[], object]] = None, *,
-                 event: object = None, buffers: Optional[Buffers] = None, what: tuple[str, str] = ("", "")) -> None:
+    def __init__(
+        self,
+        comm: EngineComm,
+        works: list,
+        finish: Optional[Callable[[], object]] = None,
+        *,
+        event: object = None,
+        buffers: Optional[Buffers] = None,
+        what: tuple[str, str] = ("", ""),
+    ) -> None:
         self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
         self._buffers = buffers  # the chunks' temporaries, released by complete()
         self.what = what
@@ -133,8 +141,18 @@ class EngineComm:
 
     # ------------------------------------------------------------------ spec -> zeropp.comm
     # ------------------------------------------------------------------ all-gather
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, spec: Optional[QuantSpec], hpz: bool = False,
-                   bucket: int, kind: CommKind, unit: str = "", async_op: bool) -> Pending:
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        shard: torch.Tensor,
+        *,
+        spec: Optional[QuantSpec],
+        hpz: bool = False,
+        bucket: int,
+        kind: CommKind,
+        unit: str = "",
+        async_op: bool,
+    ) -> Pending:
         """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order), quantized as
         ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule).
         ``unit``: the unit's name, for the profiler ranges (module doc; "": none)."""
@@ -160,18 +178,38 @@ class EngineComm:
                         out.view(g, s)[:, a:b].copy_(dst.view(g, b - a))
 
                     finishes.append(copy_back)
-                works.append(self._z.quantized_all_gather(
-                    dst, shard[a:b], group, kind=kind, async_op=True, spec=spec, session=self.session,
-                    name=ranges.call_name(kind, unit, k) if named else None))
-            return Pending(self, works, (lambda: [f() for f in finishes]) if finishes else None, buffers=temps,
-                           what=(kind, unit))
+                works.append(
+                    self._z.quantized_all_gather(
+                        dst,
+                        shard[a:b],
+                        group,
+                        kind=kind,
+                        async_op=True,
+                        spec=spec,
+                        session=self.session,
+                        name=ranges.call_name(kind, unit, k) if named else None,
+                    )
+                )
+            return Pending(
+                self, works, (lambda: [f() for f in finishes]) if finishes else None, buffers=temps, what=(kind, unit)
+            )
 
         return self.launch("all_gather", issue, (shard,), async_op)
 
     # ------------------------------------------------------------------ reduce-scatter
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, spec: Optional[QuantSpec],
-                       error_feedback: object = None, key: str = "", bucket: int, kind: CommKind, unit: str = "",
-                       async_op: bool) -> Pending:
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        *,
+        spec: Optional[QuantSpec],
+        error_feedback: object = None,
+        key: str = "",
+        bucket: int,
+        kind: CommKind,
+        unit: str = "",
+        async_op: bool,
+    ) -> Pending:
         """Average ``full`` ([W * S]) over the world; this rank's chunk goes to ``out`` ([S]),
         quantized as ``spec`` says (None = full precision). ``error_feedback`` (a
         ``zeropp.comm.ErrorFeedback``, when ``spec.error_feedback``) keeps residuals under ``key``.
@@ -194,16 +232,27 @@ class EngineComm:
                     src = full.view(w, s)[:, a:b].contiguous()
                     temps.add(src)
                 extra = dict(error_feedback=error_feedback, feedback_key=f"{key}:{a}") if quantized else {}
-                works.append(self._z.quantized_reduce_scatter(
-                    out[a:b], src, op, self.group, spec=spec, kind=kind, async_op=True, session=self.session,
-                    name=ranges.call_name(kind, unit, k) if named else None, **extra))
-            return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps,
-                           what=(kind, unit))
+                works.append(
+                    self._z.quantized_reduce_scatter(
+                        out[a:b],
+                        src,
+                        op,
+                        self.group,
+                        spec=spec,
+                        kind=kind,
+                        async_op=True,
+                        session=self.session,
+                        name=ranges.call_name(kind, unit, k) if named else None,
+                        **extra,
+                    )
+                )
+            return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps, what=(kind, unit))
 
         return self.launch("reduce_scatter", issue, (full,), async_op)
 
-    def launch(self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...],
-                async_op: bool) -> Pending:
+    def launch(
+        self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool
+    ) -> Pending:
         """Issue a collective: asynchronously on the ``kind`` side stream when there are streams
         (finished there at once, an event marks its end), else on the current stream/thread;
         synchronous calls are waited before returning. See ``streams.py`` for what is timed."""
@@ -225,8 +274,14 @@ class EngineComm:
         """In-place average over the world (stage 0 gradients, replicated units); ``unit``: the
         unit's name, for the profiler range (module doc)."""
         with self.streams.blocked():
-            self._z.all_reduce(t, dist.ReduceOp.SUM, self.group, kind=kind, session=self.session,
-                               name=ranges.call_name(kind, unit, 0) if ranges.enabled() else None)
+            self._z.all_reduce(
+                t,
+                dist.ReduceOp.SUM,
+                self.group,
+                kind=kind,
+                session=self.session,
+                name=ranges.call_name(kind, unit, 0) if ranges.enabled() else None,
+            )
             t.div_(self.world_size)
 
     def sum_scalars(self, values: list[float]) -> list[float]:
@@ -250,5 +305,7 @@ class EngineComm:
 
     def _check_device(self, t: torch.Tensor, what: str) -> None:
         if t.device.type != self.device.type:
-            raise ValueError(f"EngineComm.{what}: tensor on {t.device}, but the engine communicates on "
-                             f"{self.device}; move it to {self.device} first")
+            raise ValueError(
+                f"EngineComm.{what}: tensor on {t.device}, but the engine communicates on "
+                f"{self.device}; move it to {self.device} first"
+            )

@@ -155,15 +155,24 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        _choice(self, "quantize_frozen", QuantizeFrozen,
-                "ZeroConfig.quantize_frozen={value!r}; use one of " + str(QUANTIZE_FROZEN))
+        _choice(
+            self,
+            "quantize_frozen",
+            QuantizeFrozen,
+            "ZeroConfig.quantize_frozen={value!r}; use one of " + str(QUANTIZE_FROZEN),
+        )
         if self.quantize_frozen != "none" and self.stage != 3:
             raise ValueError(
                 f"ZeroConfig.quantize_frozen={self.quantize_frozen!r} stores the stage-3 shards of frozen parameters "
                 f"quantized; stage {self.stage} keeps frozen parameters whole on every rank (nothing is gathered), so "
-                f"set stage=3 or quantize_frozen='none'")
-        _choice(self, "precision", Precision,
-                "ZeroConfig.precision must be one of " + str(sorted(Precision.values())) + ", got {value!r}")
+                f"set stage=3 or quantize_frozen='none'"
+            )
+        _choice(
+            self,
+            "precision",
+            Precision,
+            "ZeroConfig.precision must be one of " + str(sorted(Precision.values())) + ", got {value!r}",
+        )
         _check_spec("weights", self.weights)
         _check_spec("grads", self.grads)
         w, g = self.weights, self.grads
@@ -202,11 +211,14 @@ class ZeroConfig:
                 f"set it to 0 for stage {self.stage}"
             )
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
-            raise ValueError(f"ZeroConfig.grad_clip must be a finite number > 0, or None for no clipping, got "
-                             f"{self.grad_clip}")
+            raise ValueError(
+                f"ZeroConfig.grad_clip must be a finite number > 0, or None for no clipping, got {self.grad_clip}"
+            )
         if not (math.isfinite(self.loss_scale_init) and self.loss_scale_init > 0):
-            raise ValueError(f"ZeroConfig.loss_scale_init must be a finite number > 0 (an infinite scale overflows "
-                             f"every step), got {self.loss_scale_init}")
+            raise ValueError(
+                f"ZeroConfig.loss_scale_init must be a finite number > 0 (an infinite scale overflows "
+                f"every step), got {self.loss_scale_init}"
+            )
         if self.loss_scale_window < 1:
             raise ValueError(f"ZeroConfig.loss_scale_window must be >= 1, got {self.loss_scale_window}")
         self._check_offload()
@@ -220,17 +232,20 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.weight_diff={wd} (qWD) replaces the parameter all-gather of stages 1-2 and hpZ's refresh "
                 f"at stage 3; stage 0 updates full replicas locally and sends no weights. Set stage>=1 or "
-                f"weight_diff=None")
+                f"weight_diff=None"
+            )
         if self.stage == 3 and not self.hpz:
             raise ValueError(
                 f"ZeroConfig.weight_diff={wd} at stage 3 refreshes hpZ's secondary copies, which hpz=False does not "
-                f"keep; set hpz=True or weight_diff=None")
+                f"keep; set hpz=True or weight_diff=None"
+            )
         if wd.intra_bits is not None or wd.error_feedback:
             raise ValueError(
                 f"ZeroConfig.weight_diff={wd!r} sets intra_bits={wd.intra_bits!r} / error_feedback="
                 f"{wd.error_feedback!r}: a weight-difference gather has one hop, and the weights the ranks hold "
                 f"already carry the rounding error into the next difference (feeding it back again would "
-                f"double it); leave both unset (intra_bits=None, error_feedback=False)")
+                f"double it); leave both unset (intra_bits=None, error_feedback=False)"
+            )
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_param"):
@@ -247,20 +262,29 @@ class ZeroConfig:
             )
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_param)
         if uses_nvme and self.nvme_path is None:
-            raise ValueError("ZeroConfig: the 'nvme' offload tier needs nvme_path=<a writable directory on the "
-                             "disk to swap to>")
+            raise ValueError(
+                "ZeroConfig: the 'nvme' offload tier needs nvme_path=<a writable directory on the disk to swap to>"
+            )
         if self.nvme_path is not None:
             if not uses_nvme:
-                raise ValueError(f"ZeroConfig.nvme_path={self.nvme_path!r} is set but neither offload_optimizer nor "
-                                 f"offload_param is 'nvme'; set one of them to 'nvme' or nvme_path=None")
+                raise ValueError(
+                    f"ZeroConfig.nvme_path={self.nvme_path!r} is set but neither offload_optimizer nor "
+                    f"offload_param is 'nvme'; set one of them to 'nvme' or nvme_path=None"
+                )
             if not os.path.isdir(self.nvme_path):
-                raise ValueError(f"ZeroConfig.nvme_path={self.nvme_path!r} is not an existing directory; create it "
-                                 f"or point nvme_path at one")
+                raise ValueError(
+                    f"ZeroConfig.nvme_path={self.nvme_path!r} is not an existing directory; create it "
+                    f"or point nvme_path at one"
+                )
             if not os.access(self.nvme_path, os.W_OK | os.X_OK):
-                raise ValueError(f"ZeroConfig.nvme_path={self.nvme_path!r} is not writable by this process; "
-                                 f"choose a directory you can write to")
+                raise ValueError(
+                    f"ZeroConfig.nvme_path={self.nvme_path!r} is not writable by this process; "
+                    f"choose a directory you can write to"
+                )
         if self.swap_buffers < 2:
-            raise ValueError(f"ZeroConfig.swap_buffers must be >= 2 (one in flight, one in use), got {self.swap_buffers}")
+            raise ValueError(
+                f"ZeroConfig.swap_buffers must be >= 2 (one in flight, one in use), got {self.swap_buffers}"
+            )
         if self.swap_buffer_size < 1:
             raise ValueError(f"ZeroConfig.swap_buffer_size must be >= 1 element, got {self.swap_buffer_size}")
 
@@ -288,8 +312,10 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.from_recipe needs a recipe name or a QuantRecipe, got {type(r).__name__}")
         clash = sorted(set(fields) & {"weights", "grads", "weight_diff", "hpz"})
         if clash:
-            raise ValueError(f"ZeroConfig.from_recipe: {clash} come from the recipe; pass a different recipe "
-                             f"or build ZeroConfig(...) directly")
+            raise ValueError(
+                f"ZeroConfig.from_recipe: {clash} come from the recipe; pass a different recipe "
+                f"or build ZeroConfig(...) directly"
+            )
         return cls(weights=r.weights, grads=r.grads, weight_diff=r.weight_diff, hpz=r.hpz, **fields)
 
 
@@ -337,15 +363,21 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.schedule == "cosine":
             if self.decay_steps is None:
-                raise ValueError("OptimizerConfig.schedule='cosine' needs decay_steps (the step where the cosine "
-                                 "reaches lr * min_lr_ratio); set decay_steps or use schedule='constant'")
+                raise ValueError(
+                    "OptimizerConfig.schedule='cosine' needs decay_steps (the step where the cosine "
+                    "reaches lr * min_lr_ratio); set decay_steps or use schedule='constant'"
+                )
             if self.warmup_steps > self.decay_steps:
-                raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps} exceeds decay_steps="
-                                 f"{self.decay_steps}; the cosine starts after the warmup, so choose "
-                                 f"decay_steps >= warmup_steps")
+                raise ValueError(
+                    f"OptimizerConfig.warmup_steps={self.warmup_steps} exceeds decay_steps="
+                    f"{self.decay_steps}; the cosine starts after the warmup, so choose "
+                    f"decay_steps >= warmup_steps"
+                )
         elif self.decay_steps is not None:
-            raise ValueError(f"OptimizerConfig.decay_steps={self.decay_steps} does nothing with schedule="
-                             f"'constant'; set schedule='cosine' or decay_steps=None")
+            raise ValueError(
+                f"OptimizerConfig.decay_steps={self.decay_steps} does nothing with schedule="
+                f"'constant'; set schedule='cosine' or decay_steps=None"
+            )
 
     def lr_factor(self, step: int) -> float:
         """The multiplier of ``lr`` for the update made after ``step`` optimizer steps (the

@@ -30,11 +30,14 @@ from .tensor_parallel import merge_pieces
 
 
 @torch.no_grad()
-def consolidated_state_dict(units: Sequence[FlatUnit],
-                            masters: Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]],
-                            gather: Callable[[FlatUnit, torch.Tensor], torch.Tensor], model: nn.Module,
-                            param_dtypes: dict[str, torch.dtype], frozen_originals: dict[str, torch.Tensor]
-                            ) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(
+    units: Sequence[FlatUnit],
+    masters: Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]],
+    gather: Callable[[FlatUnit, torch.Tensor], torch.Tensor],
+    model: nn.Module,
+    param_dtypes: dict[str, torch.dtype],
+    frozen_originals: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """``masters`` gives each unit's fp32 master shard: a list, or ``masters(i)`` fetching it one
     unit at a time (an offloaded optimizer reads it back from host memory or disk, so only one
     unit's master is materialized at once). ``gather(unit, master_shard)`` returns the unit's full
@@ -79,8 +82,12 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
     sd: dict[str, Any] = {}
     for pre in prefixes:
         sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
-        sd.update({f"{pre}model.{k}": torch.empty(tensor_entry(md, f"{pre}model.{k}").size, dtype=getattr(torch, dt))
-                   for k, dt in meta["model_state"].items()})
+        sd.update(
+            {
+                f"{pre}model.{k}": torch.empty(tensor_entry(md, f"{pre}model.{k}").size, dtype=getattr(torch, dt))
+                for k, dt in meta["model_state"].items()
+            }
+        )
     with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(sd, storage_reader=cio.reader(d, meta), planner=SafeLoadPlanner(), no_dist=True)

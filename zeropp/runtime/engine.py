@@ -125,10 +125,18 @@ class ZeroEngine:
     ``ValueError`` at construction.
     """
 
-    def __init__(self, model: nn.Module, *, config: ZeroConfig | None = None,
-                 optimizer: OptimizerConfig | None = None, topology: Topology | None = None,
-                 activation_checkpointing: bool = False, blocks: BlockPolicy = None,
-                 loss_fn: LossFn | None = None, cpu_adam: str = DEFAULT_CPU_KERNEL) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: ZeroConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        topology: Topology | None = None,
+        activation_checkpointing: bool = False,
+        blocks: BlockPolicy = None,
+        loss_fn: LossFn | None = None,
+        cpu_adam: str = DEFAULT_CPU_KERNEL,
+    ) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
@@ -136,7 +144,9 @@ class ZeroEngine:
             raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass callable(output, micro_batch) -> loss or None")
-        block_modules = find_blocks(model, blocks)  # a bad policy fails here, alike on every rank, before any collective
+        block_modules = find_blocks(
+            model, blocks
+        )  # a bad policy fails here, alike on every rank, before any collective
         self.loss_fn = loss_fn
         """``loss_fn(output, micro_batch) -> loss`` given at construction, or None (loss from the output)."""
         if not dist.is_initialized():
@@ -161,7 +171,9 @@ class ZeroEngine:
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         """ZeRO's world: the data-parallel ranks (all ranks unless ``topology.tp > 1``) and this rank's index there."""
         self._all_ranks = world  # the default group (tp ranks included): scalar sums, error reports
-        self.param_dtypes: dict[str, torch.dtype] = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+        self.param_dtypes: dict[str, torch.dtype] = {
+            n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)
+        }
         """Parameter name (every name of a tied one) -> dtype in the unwrapped model (what
         ``consolidated_state_dict`` returns)."""
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -172,11 +184,19 @@ class ZeroEngine:
         # (stages 0-2, or under the persistence threshold) they stay replicated, cast to the compute
         # dtype; the originals are kept when the cast rounds, so consolidated_state_dict returns them
         # unrounded, in their dtype (a sharded frozen unit keeps its own shard of them, see frozen.py).
-        self.frozen = (fz.build_frozen_units(
-            model, block_modules=block_modules, world_size=self.world_size, rank=self.rank, dtype=self.dtype,
-            persistence_threshold=cfg.persistence_threshold,
-            spec=fz.frozen_spec(cfg.quantize_frozen, cfg.weights.group_size if cfg.weights else None))
-            if cfg.stage == 3 else fz.FrozenUnits())
+        self.frozen = (
+            fz.build_frozen_units(
+                model,
+                block_modules=block_modules,
+                world_size=self.world_size,
+                rank=self.rank,
+                dtype=self.dtype,
+                persistence_threshold=cfg.persistence_threshold,
+                spec=fz.frozen_spec(cfg.quantize_frozen, cfg.weights.group_size if cfg.weights else None),
+            )
+            if cfg.stage == 3
+            else fz.FrozenUnits()
+        )
         """Stage 3: the frozen units (``frozen.FrozenUnits``); empty at stages 0-2."""
         self.frozen_units: list[FlatUnit] = self.frozen.units
         sharded_frozen = self.frozen.param_ids()
@@ -194,18 +214,43 @@ class ZeroEngine:
                 p.data = data.to(self.dtype)
         fz.shard_frozen_units(self.frozen)
         self.units, self.blocks, self.root, self.persistent = build_units(
-            model, stage=cfg.stage, world_size=self.world_size, rank=self.rank, dtype=self.dtype,
-            persistence_threshold=cfg.persistence_threshold, block_modules=block_modules)
+            model,
+            stage=cfg.stage,
+            world_size=self.world_size,
+            rank=self.rank,
+            dtype=self.dtype,
+            persistence_threshold=cfg.persistence_threshold,
+            block_modules=block_modules,
+        )
         if cfg.stage == 3 and rank == 0 and (msg := one_unit_warning(model, blocks, self.units)):
             warnings.warn(msg, BlockChoiceWarning, stacklevel=2)  # once, on rank 0: the ranks partition alike
-        self._tp_masks = None if topo.tp == 1 else [  # [padded] bool: element of a TP-sharded parameter
-            tpar.tp_sharded_mask(u.params, [(sl.offset, sl.numel) for sl in u.slots], u.padded, self.device)
-            for u in self.units]
-        self.swap = SwapSpace(cfg.nvme_path, rank, buffers=cfg.swap_buffers, buffer_size=cfg.swap_buffer_size,
-                              pin=self.device.type == "cuda") if cfg.nvme_path is not None else None
+        self._tp_masks = (
+            None
+            if topo.tp == 1
+            else [  # [padded] bool: element of a TP-sharded parameter
+                tpar.tp_sharded_mask(u.params, [(sl.offset, sl.numel) for sl in u.slots], u.padded, self.device)
+                for u in self.units
+            ]
+        )
+        self.swap = (
+            SwapSpace(
+                cfg.nvme_path,
+                rank,
+                buffers=cfg.swap_buffers,
+                buffer_size=cfg.swap_buffer_size,
+                pin=self.device.type == "cuda",
+            )
+            if cfg.nvme_path is not None
+            else None
+        )
         """The nvme tier's swap files and staging buffers (``swap.py``), or None."""
-        self.param_store = ParamStore(cfg.offload_param, self.units + self.frozen_units, dtype=self.dtype,
-                                      device=self.device, space=self.swap) if cfg.stage == 3 else None
+        self.param_store = (
+            ParamStore(
+                cfg.offload_param, self.units + self.frozen_units, dtype=self.dtype, device=self.device, space=self.swap
+            )
+            if cfg.stage == 3
+            else None
+        )
         """Stage 3: where the parameter shards live between gathers (``offload.py``), or None."""
         fz.offload_frozen(self.frozen)  # offload_param=cpu|nvme: the frozen shards go there too
         # fp32 without offload: the master IS the parameter (shard or flat view), no second copy;
@@ -239,8 +284,9 @@ class ZeroEngine:
         self.track_memory("buffers", self.buffers)
         self._phases: dict[str, mem.MemorySnapshot] = {}
         self._record_phase("model_creation")  # parameters as the stage keeps them; no optimizer state yet
-        self.optim = make_optimizer(masters, self.opt_cfg, cfg, device=self.device, space=self.swap,
-                                    masters_are_params=alias, cpu_adam=cpu_adam)
+        self.optim = make_optimizer(
+            masters, self.opt_cfg, cfg, device=self.device, space=self.swap, masters_are_params=alias, cpu_adam=cpu_adam
+        )
         """fp32 masters and Adam moments (``optimizer.py`` / ``offload.py``; ``memory_by_tier()``)."""
         del masters
         self.track_memory("optimizer", self.optim)
@@ -257,27 +303,67 @@ class ZeroEngine:
         """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
         NCCL, else None for the default group)."""
         self.reducer = GradReducer(
-            self.units, self.blocks, self.root, self.comm, config=cfg, pool=self.buffers, dtype=self.dtype,
-            device=self.device, all_ranks=world, land=self._land,
+            self.units,
+            self.blocks,
+            self.root,
+            self.comm,
+            config=cfg,
+            pool=self.buffers,
+            dtype=self.dtype,
+            device=self.device,
+            all_ranks=world,
+            land=self._land,
             release=(lambda u: self.stage3.release(u)) if cfg.stage == 3 else None,  # self.stage3: built below
-            control=self._control)
+            control=self._control,
+        )
         """The gradient reduction path (``reduction.py``): reduce order, reduce-scatters in flight, qgZ."""
         self.error_feedback = self.reducer.error_feedback
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
-        self.weight_diff = (WeightDiff(cfg.weight_diff, self.comm, dtype=self.dtype, device=self.device,
-                                       bucket=cfg.allgather_bucket_size) if cfg.weight_diff is not None else None)
+        self.weight_diff = (
+            WeightDiff(
+                cfg.weight_diff, self.comm, dtype=self.dtype, device=self.device, bucket=cfg.allgather_bucket_size
+            )
+            if cfg.weight_diff is not None
+            else None
+        )
         """qWD: the weight-difference refresh after each step (``weight_diff.py``), or None."""
-        self.stage3 = Stage3Hooks(model, self.blocks, self.root, self.units + self.frozen_units, self.comm,
-                                  config=cfg, dtype=self.dtype,
-                                  device=self.device, on_block_backward=self.reducer.flush_reductions_before,
-                                  pool=self.buffers, weight_diff=self.weight_diff,
-                                  frozen=self.frozen, control=self._control) if cfg.stage == 3 else None
+        self.stage3 = (
+            Stage3Hooks(
+                model,
+                self.blocks,
+                self.root,
+                self.units + self.frozen_units,
+                self.comm,
+                config=cfg,
+                dtype=self.dtype,
+                device=self.device,
+                on_block_backward=self.reducer.flush_reductions_before,
+                pool=self.buffers,
+                weight_diff=self.weight_diff,
+                frozen=self.frozen,
+                control=self._control,
+            )
+            if cfg.stage == 3
+            else None
+        )
         self.scaler = make_loss_scaler(cfg.precision, cfg.loss_scale_init, cfg.loss_scale_window)
         """Dynamic loss scaler for fp16, a static 1.0 otherwise."""
-        self.update = ParamUpdate(self.units, self.optim, config=cfg, comm=self.comm, scaler=self.scaler,
-                                  param_store=self.param_store, weight_diff=self.weight_diff,
-                                  landed=self._land is not None, tp=topo.tp, tp_masks=self._tp_masks,
-                                  world_size=self.world_size, all_ranks=world, dtype=self.dtype, device=self.device)
+        self.update = ParamUpdate(
+            self.units,
+            self.optim,
+            config=cfg,
+            comm=self.comm,
+            scaler=self.scaler,
+            param_store=self.param_store,
+            weight_diff=self.weight_diff,
+            landed=self._land is not None,
+            tp=topo.tp,
+            tp_masks=self._tp_masks,
+            world_size=self.world_size,
+            all_ranks=world,
+            dtype=self.dtype,
+            device=self.device,
+        )
         """Norm, clip, AdamW and the parameter refresh at the end of each step (``update.py``)."""
         if self.error_feedback is not None:
             self.track_memory("buffers", self.error_feedback)  # qgZ residuals (both hops; 8-bit by default)
@@ -302,7 +388,9 @@ class ZeroEngine:
         self._check_open()
         a = self.cfg.grad_accum_steps
         if len(micro_batches) != a:
-            raise ValueError(f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}")
+            raise ValueError(
+                f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}"
+            )
         t0 = time.perf_counter()
         self.comm.reset_wait()
         scale = self.scaler.scale
@@ -388,8 +476,9 @@ class ZeroEngine:
         optimizer's step count). Keeps this run's ``keep`` newest checkpoints there and never
         touches anything else. Refuses NaN/inf weights. Returns the version directory. Collective."""
         self._check_open()
-        self._checkpoint_origin = ckpt.save(self._checkpoint_target(), path, extra, keep=keep,
-                                            origin=self._checkpoint_origin)
+        self._checkpoint_origin = ckpt.save(
+            self._checkpoint_target(), path, extra, keep=keep, origin=self._checkpoint_origin
+        )
         return str(self._checkpoint_origin.path)
 
     @torch.no_grad()
@@ -430,13 +519,26 @@ class ZeroEngine:
 
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
-            self.comm.all_gather(full, m, spec=None, bucket=self.cfg.allgather_bucket_size, kind=CommKind.CHECKPOINT,
-                                 unit=u.name, async_op=False)
+            self.comm.all_gather(
+                full,
+                m,
+                spec=None,
+                bucket=self.cfg.allgather_bucket_size,
+                kind=CommKind.CHECKPOINT,
+                unit=u.name,
+                async_op=False,
+            )
             return full
 
         frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
-        sd = consolidated_state_dict(self.units, self.update.master_copy, gather, self.model, self.param_dtypes,
-                                     {**self.frozen_originals, **frozen_values})
+        sd = consolidated_state_dict(
+            self.units,
+            self.update.master_copy,
+            gather,
+            self.model,
+            self.param_dtypes,
+            {**self.frozen_originals, **frozen_values},
+        )
         return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
 
     def close(self) -> None:
@@ -483,22 +585,39 @@ class ZeroEngine:
         """``gather_frozen``: the sharded frozen parameters' full values (collective); False: empty
         tensors of their shapes and dtypes (enough for a load)."""
         sharded_frozen = self.frozen.param_ids()
-        model_state = {n: self.frozen_originals.get(n, p.data) for n, p in self.model.named_parameters()
-                       if not p.requires_grad and p.is_floating_point() and id(p) not in sharded_frozen}
+        model_state = {
+            n: self.frozen_originals.get(n, p.data)
+            for n, p in self.model.named_parameters()
+            if not p.requires_grad and p.is_floating_point() and id(p) not in sharded_frozen
+        }
         if gather_frozen:
-            model_state.update(fz.full_values(self.comm, self.frozen, self.param_dtypes,
-                                              bucket=self.cfg.allgather_bucket_size))
+            model_state.update(
+                fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
+            )
         else:
-            model_state.update({s.name: torch.empty(s.shape, dtype=self.param_dtypes[s.name])
-                                for u in self.frozen_units for s in u.slots})
+            model_state.update(
+                {
+                    s.name: torch.empty(s.shape, dtype=self.param_dtypes[s.name])
+                    for u in self.frozen_units
+                    for s in u.slots
+                }
+            )
         model_state.update(dict(self.model.named_buffers()))
         return ckpt.CheckpointTarget(
-            layouts=[u.layout for u in self.units], optimizer=self.optim, scaler=self.scaler, rank=self.rank,
-            world_size=self.world_size, device=self.device, stage=self.cfg.stage, param_dtypes=self.param_dtypes,
-            model_state=model_state, info={"config": repr(self.cfg), "topology": repr(self.topology)},
+            layouts=[u.layout for u in self.units],
+            optimizer=self.optim,
+            scaler=self.scaler,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            stage=self.cfg.stage,
+            param_dtypes=self.param_dtypes,
+            model_state=model_state,
+            info={"config": repr(self.cfg), "topology": repr(self.topology)},
             feedback=self.error_feedback,  # restored by the load at the same world / stage / topology, else reset
             stochastic=self.comm_session.stochastic,
-            **self._tp_checkpoint_args())
+            **self._tp_checkpoint_args(),
+        )
 
     def _tp_checkpoint_args(self) -> dict[str, Any]:
         """``topology.tp > 1``: each tp index saves its own TP-local pieces, sharded over the dp
@@ -506,8 +625,12 @@ class ZeroEngine:
         info = tpar.tp_info(self.model)
         if info is None:
             return {}
-        return dict(tp=info.tp, tp_rank=self.topology.tp_index(dist.get_rank()), mesh=info.mesh["dp"],
-                    tp_split=tpar.split_table(self.model))
+        return dict(
+            tp=info.tp,
+            tp_rank=self.topology.tp_index(dist.get_rank()),
+            mesh=info.mesh["dp"],
+            tp_split=tpar.split_table(self.model),
+        )
 
     def _measure_memory(self) -> dict[str, int]:
         return measure_memory(self.units + self.frozen_units, self.optim.nbytes())
@@ -553,6 +676,8 @@ class ZeroEngine:
 
     def __repr__(self) -> str:
         c = self.cfg
-        return (f"ZeroEngine(stage={c.stage}, precision={c.precision}, world={self.world_size}, {self.topology}, "
-                f"weights={c.weights.label if c.weights else None}, hpz={c.hpz}, "
-                f"grads={c.grads.label if c.grads else None}, params={self.num_params})")
+        return (
+            f"ZeroEngine(stage={c.stage}, precision={c.precision}, world={self.world_size}, {self.topology}, "
+            f"weights={c.weights.label if c.weights else None}, hpz={c.hpz}, "
+            f"grads={c.grads.label if c.grads else None}, params={self.num_params})"
+        )

@@ -93,9 +93,16 @@ def frozen_spec(quantize_frozen: str, group_size: int | None = None) -> QuantSpe
     return None if bits is None else QuantSpec(bits=bits, group_size=group_size or DEFAULT_WEIGHT_GROUP_SIZE)
 
 
-def build_frozen_units(model: nn.Module, *, block_modules: Sequence[nn.Module], world_size: int, rank: int,
-                       dtype: torch.dtype, persistence_threshold: int = 0,
-                       spec: QuantSpec | None = None) -> FrozenUnits:
+def build_frozen_units(
+    model: nn.Module,
+    *,
+    block_modules: Sequence[nn.Module],
+    world_size: int,
+    rank: int,
+    dtype: torch.dtype,
+    persistence_threshold: int = 0,
+    spec: QuantSpec | None = None,
+) -> FrozenUnits:
     """One ``frozen`` unit per block (``block<i>.frozen``) and for the root (``root.frozen``) holding
     the frozen floating-point parameters with at least ``persistence_threshold`` elements (smaller
     ones stay replicated, as trainable ones under the threshold do). Placement (block, root, tied
@@ -201,8 +208,16 @@ def stored_nbytes(u: FlatUnit) -> int:
     return numel * dtype.itemsize
 
 
-def gather_quantized(comm: EngineComm, u: FlatUnit, out: torch.Tensor, spec: QuantSpec, *, kind: CommKind = KIND,
-                     async_op: bool, hpz: bool = False) -> Pending:
+def gather_quantized(
+    comm: EngineComm,
+    u: FlatUnit,
+    out: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    kind: CommKind = KIND,
+    async_op: bool,
+    hpz: bool = False,
+) -> Pending:
     """All-gather the stored wire rows of ``u`` as they are and dequantize them into ``out``
     (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``.
     ``hpz``: from the unit's quantized secondary copy inside the hpZ group when it has one, else
@@ -242,8 +257,9 @@ def gather_bytes(u: FlatUnit, world_size: int, element_size: int) -> int:
 
 
 @torch.no_grad()
-def full_values(comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch.dtype], *,
-                bucket: int) -> dict[str, torch.Tensor]:
+def full_values(
+    comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch.dtype], *, bucket: int
+) -> dict[str, torch.Tensor]:
     """Every frozen unit's full values (collective), ``{canonical name: tensor}`` on the CPU in each
     parameter's own dtype: the exact originals, or the dequantized values when quantized."""
     out: dict[str, torch.Tensor] = {}
@@ -255,8 +271,9 @@ def full_values(comm: EngineComm, fu: FrozenUnits, param_dtypes: dict[str, torch
             shard = u.extra.get("original")
             shard = shard.to(u.device) if shard is not None else stored(u)  # [S]
             full = torch.empty(u.padded, dtype=shard.dtype, device=u.device)  # [padded]
-            comm.all_gather(full, shard, spec=None, bucket=bucket, kind=CommKind.CHECKPOINT, unit=u.name,
-                            async_op=False)
+            comm.all_gather(
+                full, shard, spec=None, bucket=bucket, kind=CommKind.CHECKPOINT, unit=u.name, async_op=False
+            )
         for s in u.slots:  # canonical names only, as named_parameters() (a tied weight once)
             t = full[s.offset : s.offset + s.numel].view(s.shape)
             out[s.name] = t.to(dtype=param_dtypes.get(s.name, t.dtype), device="cpu").clone()
@@ -293,4 +310,3 @@ def host_bytes(u: FlatUnit) -> int:
 def frozen_bytes(fu: FrozenUnits) -> int:
     """This rank's frozen-weight bytes (all frozen units' stored shards, on whichever tier)."""
     return sum(stored_nbytes(u) for u in fu.units)
-

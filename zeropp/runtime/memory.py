@@ -103,13 +103,26 @@ def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str,
             grads += sum(_nbytes(p.grad) for p in u.params)
         hpz += _nbytes(u.secondary)
     opt = optimizer_bytes
-    return {"params": params, "grads": grads, "optimizer": opt, "hpz_secondary": hpz,
-            "total": params + grads + opt + hpz}
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": opt,
+        "hpz_secondary": hpz,
+        "total": params + grads + opt + hpz,
+    }
 
 
 # ---------------------------------------------------------------------- formulas
-def expected_memory(stage: int, num_params: int, world_size: int, *, param_bytes: int = 2, grad_bytes: int | None = None,
-                    hpz_size: int | None = None, shared_master: bool = False) -> dict[str, float]:
+def expected_memory(
+    stage: int,
+    num_params: int,
+    world_size: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int | None = None,
+    hpz_size: int | None = None,
+    shared_master: bool = False,
+) -> dict[str, float]:
     """The table above for ``num_params`` (Ψ) parameters on ``world_size`` (N) ranks, all tiers
     together. ``shared_master``: the fp32 master shard is the parameter (shard) itself (fp32
     compute without a second copy), so the optimizer holds only the two moments (8Ψ/N)."""
@@ -119,7 +132,13 @@ def expected_memory(stage: int, num_params: int, world_size: int, *, param_bytes
     grads = psi * g / (n if stage >= 2 else 1)
     opt = (8 if shared_master else 12) * psi / (n if stage >= 1 else 1)
     hpz = psi * param_bytes / hpz_size if hpz_size else 0.0
-    return {"params": params, "grads": grads, "optimizer": opt, "hpz_secondary": hpz, "total": params + grads + opt + hpz}
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": opt,
+        "hpz_secondary": hpz,
+        "total": params + grads + opt + hpz,
+    }
 
 
 def _check_offload(stage: int, offload_optimizer: str, offload_param: str) -> None:
@@ -132,10 +151,19 @@ def _check_offload(stage: int, offload_optimizer: str, offload_param: str) -> No
         raise ValueError(f"offload_param={offload_param!r} needs stage 3 (got stage {stage})")
 
 
-def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_bytes: int = 2,
-                     grad_bytes: int | None = None, hpz_size: int | None = None, offload_optimizer: str = "none",
-                     offload_param: str = "none", offload_grad_bytes: int = 4,
-                     shared_master: bool = False) -> dict[str, dict[str, float]]:
+def expected_by_tier(
+    stage: int,
+    num_params: int,
+    world_size: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int | None = None,
+    hpz_size: int | None = None,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    offload_grad_bytes: int = 4,
+    shared_master: bool = False,
+) -> dict[str, dict[str, float]]:
     """ZeRO's model-state bytes per rank as ``{tier: {"params", "grads", "optimizer": bytes}}``.
 
     ``offload_optimizer`` (``cpu``/``nvme``) puts the optimizer's 12Ψ/N (fp32 master + m + v) on
@@ -147,8 +175,15 @@ def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_byte
     the engine aliases the master to the parameter shard only then)."""
     _check_offload(stage, offload_optimizer, offload_param)
     shared = shared_master and offload_optimizer == "none" and offload_param == "none"
-    flat = expected_memory(stage, num_params, world_size, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                           hpz_size=hpz_size, shared_master=shared)
+    flat = expected_memory(
+        stage,
+        num_params,
+        world_size,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        hpz_size=hpz_size,
+        shared_master=shared,
+    )
     out = {t: {c: 0.0 for c in MODEL_STATE} for t in TIERS}
     tier = OFFLOAD_TIER
     out[tier[offload_param]]["params"] += flat["params"]
@@ -161,7 +196,9 @@ def expected_by_tier(stage: int, num_params: int, world_size: int, *, param_byte
     return out
 
 
-def tier_totals(by_tier: Mapping[str, Mapping[str, float]], categories: Iterable[str] = MODEL_STATE) -> dict[str, float]:
+def tier_totals(
+    by_tier: Mapping[str, Mapping[str, float]], categories: Iterable[str] = MODEL_STATE
+) -> dict[str, float]:
     """``{tier: sum over categories}`` of a ``{tier: {category: bytes}}`` mapping."""
     cats = tuple(categories)
     return {t: float(sum(by_tier.get(t, {}).get(c, 0) for c in cats)) for t in TIERS}
@@ -223,7 +260,9 @@ def source_tiers(source: Any) -> dict[str, int]:
     return {"device": int(nb() if callable(nb) else nb), "host": 0, "disk": 0}
 
 
-def account(units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]], device: torch.device) -> dict[str, dict[str, int]]:
+def account(
+    units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]], device: torch.device
+) -> dict[str, dict[str, int]]:
     """``{tier: {category: bytes}}`` this rank holds now: the units' parameter (and hpZ) and
     gradient buffers on the tier their tensors live on (the model's device, else host), plus every
     registered source's ``memory_by_tier`` under its category. A source registered under
@@ -285,9 +324,15 @@ class MemorySnapshot:
         return sum(self.tier_total(t) for t in TIERS)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "tiers": {t: dict(c) for t, c in self.tiers.items()},
-                "tier_totals": {t: self.tier_total(t) for t in TIERS}, "total": self.total,
-                "process": dict(self.process), "peak": self.peak, "peak_source": self.peak_source}
+        return {
+            "phase": self.phase,
+            "tiers": {t: dict(c) for t, c in self.tiers.items()},
+            "tier_totals": {t: self.tier_total(t) for t in TIERS},
+            "total": self.total,
+            "process": dict(self.process),
+            "peak": self.peak,
+            "peak_source": self.peak_source,
+        }
 
 
 def _with_peak(phase: str, tiers: dict[str, dict[str, int]], device: torch.device) -> MemorySnapshot:
@@ -311,8 +356,9 @@ def flat_snapshot(phase: str, flat: Mapping[str, int], device: torch.device) -> 
     return _with_peak(phase, tiers, device)
 
 
-def snapshot(phase: str, units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]],
-             device: torch.device) -> MemorySnapshot:
+def snapshot(
+    phase: str, units: Iterable[FlatUnit], sources: Mapping[str, Iterable[Any]], device: torch.device
+) -> MemorySnapshot:
     """This rank's :class:`MemorySnapshot` now, closing ``phase`` (then call :func:`reset_peak`)."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")

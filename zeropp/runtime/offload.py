@@ -62,8 +62,14 @@ def _host_zeros(n: int, pin: bool) -> torch.Tensor:
 class HostAdamW(ShardedAdamW):
     """ZeRO-Offload: state in (pinned) host memory, the step on the CPU with ``kernel``."""
 
-    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, device: torch.device,
-                 kernel: str = DEFAULT_CPU_KERNEL) -> None:
+    def __init__(
+        self,
+        masters: list[torch.Tensor],
+        cfg: OptimizerConfig,
+        *,
+        device: torch.device,
+        kernel: str = DEFAULT_CPU_KERNEL,
+    ) -> None:
         pin = device.type == "cuda"
         host = []
         for m in masters:
@@ -144,8 +150,9 @@ class SwappedAdamW(AdamWShards):
     """The state lives in the swap file: :meth:`read_range` reads a fresh host copy of one piece,
     :meth:`write_range` writes one (a checkpoint moves it piece by piece, never whole)."""
 
-    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, space: SwapSpace,
-                 kernel: str = DEFAULT_CPU_KERNEL) -> None:
+    def __init__(
+        self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, space: SwapSpace, kernel: str = DEFAULT_CPU_KERNEL
+    ) -> None:
         super().__init__([m.numel() for m in masters], cfg, kernel)
         self.space = space
         self.file = space.create("optimizer.swp", 12 * sum(self._numels))
@@ -213,7 +220,7 @@ class SwappedAdamW(AdamWShards):
         it (``checkpoint_stream.StreamingSavePlanner``) while DCP still holds a reference."""
         out, at = torch.empty(hi - lo, dtype=torch.float32), 0
         for (v,) in self.space.stream(self.space.chunks_of([self._piece(name, i, lo, hi - lo)])):
-            out[at: at + v.numel()].copy_(v)
+            out[at : at + v.numel()].copy_(v)
             at += v.numel()
         return out
 
@@ -226,7 +233,9 @@ class SwappedAdamW(AdamWShards):
     def _piece(self, name: str, i: int, lo: int, n: int) -> Segment:
         seg = self._seg(i, name)
         if lo < 0 or n < 0 or lo + n > seg.numel:
-            raise ValueError(f"elements [{lo}, {lo + n}) are outside state {name!r} of shard {i} ({seg.numel} elements)")
+            raise ValueError(
+                f"elements [{lo}, {lo + n}) are outside state {name!r} of shard {i} ({seg.numel} elements)"
+            )
         return Segment(seg.file, seg.offset + 4 * lo, n, torch.float32)
 
     def nbytes(self) -> int:
@@ -242,9 +251,16 @@ class SwappedAdamW(AdamWShards):
         """The files go with the swap space (closed by its owner)."""
 
 
-def make_optimizer(masters: list[torch.Tensor], opt_cfg: OptimizerConfig, cfg: ZeroConfig, *,
-                   device: torch.device, space: SwapSpace | None, masters_are_params: bool,
-                   cpu_adam: str = DEFAULT_CPU_KERNEL) -> ShardedAdamW | SwappedAdamW:
+def make_optimizer(
+    masters: list[torch.Tensor],
+    opt_cfg: OptimizerConfig,
+    cfg: ZeroConfig,
+    *,
+    device: torch.device,
+    space: SwapSpace | None,
+    masters_are_params: bool,
+    cpu_adam: str = DEFAULT_CPU_KERNEL,
+) -> ShardedAdamW | SwappedAdamW:
     """The optimizer-state holder for ``cfg.offload_optimizer`` (masters: fp32 shards on ``device``)."""
     if cpu_adam not in KERNELS:
         raise ValueError(f"cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
@@ -266,8 +282,15 @@ class ParamStore:
     ALIGN = 64
     """Byte alignment of each frozen unit's region of the swap file."""
 
-    def __init__(self, tier: str, units: Sequence[FlatUnit], *, dtype: torch.dtype, device: torch.device,
-                 space: SwapSpace | None = None) -> None:
+    def __init__(
+        self,
+        tier: str,
+        units: Sequence[FlatUnit],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        space: SwapSpace | None = None,
+    ) -> None:
         if tier not in OffloadTier.values():
             raise ValueError(f"ParamStore tier={tier!r}; use one of {', '.join(OffloadTier.values())}")
         self.tier, self.dtype, self.device, self.space = tier, dtype, device, space
@@ -360,5 +383,6 @@ class ParamStore:
             out["disk"] = self.file.nbytes
         else:
             out["device" if self.tier == "none" else "host"] = tensor_bytes(
-                [u.param_shard for u in self.units] + list(self._host.values()))
+                [u.param_shard for u in self.units] + list(self._host.values())
+            )
         return out

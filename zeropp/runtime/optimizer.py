@@ -30,9 +30,17 @@ KERNELS = ("single", "foreach", "fused")
 TIERS = MemoryTier.values()
 
 
-def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], *, step: int, lr: float, cfg: OptimizerConfig,
-                 kernel: str = "single") -> None:
+def adamw_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    cfg: OptimizerConfig,
+    kernel: str = "single",
+) -> None:
     """One AdamW update of ``params`` in place (all fp32, same shapes pairwise); ``step`` is the
     1-based count including this update. Element-wise: with ``single`` and ``foreach``, updating
     a tensor in chunks gives the same bits as updating it whole; the ``fused`` CPU kernel rounds
@@ -59,9 +67,23 @@ def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
 
     # torch's multi-tensor / fused paths increment the step tensors themselves before using them
     steps = [torch.tensor(float(step - 1)) for _ in params]
-    adamw(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps, foreach=kernel == "foreach",
-          fused=kernel == "fused", amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps,
-          maximize=False)
+    adamw(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],
+        steps,
+        foreach=kernel == "foreach",
+        fused=kernel == "fused",
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=lr,
+        weight_decay=wd,
+        eps=eps,
+        maximize=False,
+    )
 
 
 def tensor_bytes(ts: Sequence[torch.Tensor | None]) -> int:
@@ -130,8 +152,15 @@ class ShardedAdamW(AdamWShards):
     """The state lives in tensors (device or host memory): :meth:`read_range` is a view of the live
     state, so a checkpoint saves from it and loads into it in place, with no copy."""
 
-    def __init__(self, masters: list[torch.Tensor], cfg: OptimizerConfig, *, kernel: str = "single",
-                 masters_are_params: bool = False, tier: str = "device") -> None:
+    def __init__(
+        self,
+        masters: list[torch.Tensor],
+        cfg: OptimizerConfig,
+        *,
+        kernel: str = "single",
+        masters_are_params: bool = False,
+        tier: str = "device",
+    ) -> None:
         for m in masters:
             if m.dtype != torch.float32:
                 raise TypeError(f"master shards must be fp32, got {m.dtype}")
@@ -199,7 +228,7 @@ class ShardedAdamW(AdamWShards):
     @torch.no_grad()
     def write_range(self, name: str, i: int, lo: int, src: torch.Tensor) -> None:
         """Copy ``src`` (1-D, any device) into elements ``[lo, lo + len(src))`` of state ``name`` of shard ``i``."""
-        dst = getattr(self, name)[i][lo: lo + src.numel()]
+        dst = getattr(self, name)[i][lo : lo + src.numel()]
         if dst.data_ptr() != src.data_ptr() or dst.device != src.device:
             dst.copy_(src)
 

@@ -99,12 +99,21 @@ class UnitLayout:
         off = 0
         for s in self.slots:
             if s.offset != off:
-                raise ValueError(f"UnitLayout {self.name}: {s.name} starts at {s.offset}, expected {off} (packed order)")
+                raise ValueError(
+                    f"UnitLayout {self.name}: {s.name} starts at {s.offset}, expected {off} (packed order)"
+                )
             off += s.numel
 
     @classmethod
-    def pack(cls, name: str, params: list[tuple[str, tuple[int, ...]]], *, kind: str, num_shards: int,
-             aliases: dict[str, Sequence[str]] | None = None) -> UnitLayout:
+    def pack(
+        cls,
+        name: str,
+        params: list[tuple[str, tuple[int, ...]]],
+        *,
+        kind: str,
+        num_shards: int,
+        aliases: dict[str, Sequence[str]] | None = None,
+    ) -> UnitLayout:
         """Lay ``(name, shape)`` parameters out back to back; ``aliases``: name -> its other names."""
         slots, off = [], 0
         aliases = aliases or {}
@@ -146,14 +155,23 @@ class UnitLayout:
 
     def to_dict(self) -> dict:
         """JSON-ready description (checkpoint metadata)."""
-        return {"name": self.name, "kind": self.kind, "num_shards": self.num_shards,
-                "params": [[s.name, list(s.shape)] for s in self.slots],
-                "aliases": {s.name: list(s.aliases) for s in self.slots if s.aliases}}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "num_shards": self.num_shards,
+            "params": [[s.name, list(s.shape)] for s in self.slots],
+            "aliases": {s.name: list(s.aliases) for s in self.slots if s.aliases},
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> UnitLayout:
-        return cls.pack(d["name"], [(n, tuple(sh)) for n, sh in d["params"]], kind=d["kind"], num_shards=d["num_shards"],
-                        aliases=d.get("aliases"))
+        return cls.pack(
+            d["name"],
+            [(n, tuple(sh)) for n, sh in d["params"]],
+            kind=d["kind"],
+            num_shards=d["num_shards"],
+            aliases=d.get("aliases"),
+        )
 
 
 @dataclass(eq=False)
@@ -178,14 +196,26 @@ class FlatUnit:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, name: str, named: list[tuple[str, nn.Parameter]], *, kind: str, num_shards: int,
-              shard_rank: int, dtype: torch.dtype, aliases: dict[str, Sequence[str]] | None = None) -> FlatUnit:
+    def build(
+        cls,
+        name: str,
+        named: list[tuple[str, nn.Parameter]],
+        *,
+        kind: str,
+        num_shards: int,
+        shard_rank: int,
+        dtype: torch.dtype,
+        aliases: dict[str, Sequence[str]] | None = None,
+    ) -> FlatUnit:
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"unit {name!r} has parameters on several devices {devices}; move the model to one device")
-        layout = UnitLayout.pack(name, [(n, tuple(p.shape)) for n, p in named], kind=kind, num_shards=num_shards,
-                                 aliases=aliases)
-        return cls(layout=layout, params=[p for _, p in named], shard_rank=shard_rank, dtype=dtype, device=devices.pop())
+        layout = UnitLayout.pack(
+            name, [(n, tuple(p.shape)) for n, p in named], kind=kind, num_shards=num_shards, aliases=aliases
+        )
+        return cls(
+            layout=layout, params=[p for _, p in named], shard_rank=shard_rank, dtype=dtype, device=devices.pop()
+        )
 
     # the layout's facts, for brevity at the call sites
     @property
@@ -237,8 +267,10 @@ class FlatUnit:
             out = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         else:
             if out.shape != (self.padded,) or out.dtype != self.dtype:
-                raise ValueError(f"flatten_grads(out=...) of {self.name} needs [{self.padded}] {self.dtype}, got "
-                                 f"{list(out.shape)} {out.dtype}")
+                raise ValueError(
+                    f"flatten_grads(out=...) of {self.name} needs [{self.padded}] {self.dtype}, got "
+                    f"{list(out.shape)} {out.dtype}"
+                )
             out.zero_()
         for s, p in zip(self.slots, self.params):
             g = p.grad
@@ -295,13 +327,16 @@ def _matcher(policy: BlockPolicy) -> Callable[[str, nn.Module], bool]:
         classes = tuple(policy)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad or not classes:
-            raise TypeError(f"blocks={_describe(policy)}: a block policy list must hold nn.Module subclasses "
-                            f"(not {bad or 'nothing'}); or pass callable(name, module) -> bool, or None")
+            raise TypeError(
+                f"blocks={_describe(policy)}: a block policy list must hold nn.Module subclasses "
+                f"(not {bad or 'nothing'}); or pass callable(name, module) -> bool, or None"
+            )
         return lambda name, m: isinstance(m, classes)
     if callable(policy):
         return policy
-    raise TypeError(f"blocks={policy!r}: use None, a module class, a list of module classes, or "
-                    f"callable(name, module) -> bool")
+    raise TypeError(
+        f"blocks={policy!r}: use None, a module class, a list of module classes, or callable(name, module) -> bool"
+    )
 
 
 def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
@@ -334,9 +369,11 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]
         if match(name, m):
             found.append((name, m))
     if not found:
-        raise ValueError(f"the block policy blocks={_describe(policy)} matches no submodule of "
-                         f"{type(model).__name__}; pass the class of its repeated layers (e.g. the transformer "
-                         f"block), a callable(name, module) -> bool that selects them, or blocks=None")
+        raise ValueError(
+            f"the block policy blocks={_describe(policy)} matches no submodule of "
+            f"{type(model).__name__}; pass the class of its repeated layers (e.g. the transformer "
+            f"block), a callable(name, module) -> bool that selects them, or blocks=None"
+        )
     return [m for _, m in found]
 
 
@@ -354,22 +391,33 @@ def one_unit_warning(model: nn.Module, policy: BlockPolicy, units: Sequence[Flat
     u = gathered[0]
     numel = sum(s.numel for s in u.slots)
     if policy is None:
-        how = (f"the default block rule (blocks=None: model.blocks or the longest nn.ModuleList, or the children of "
-               f"an nn.Sequential model) found {'no blocks' if u.name == 'root' else 'one block'} in "
-               f"{type(model).__name__}")
+        how = (
+            f"the default block rule (blocks=None: model.blocks or the longest nn.ModuleList, or the children of "
+            f"an nn.Sequential model) found {'no blocks' if u.name == 'root' else 'one block'} in "
+            f"{type(model).__name__}"
+        )
     else:
         how = f"the block policy blocks={_describe(policy)} leaves one unit in {type(model).__name__}"
-    return (f"ZeRO stage 3: {how}, so one unit ({u.name!r}) holds all {numel:,} trainable parameters and is "
-            f"gathered whole for the forward and for the backward: the peak then holds every parameter, as at "
-            f"stages 0-2. Choose the gather units with ZeroEngine(..., blocks=...): a module class or a list of "
-            f"them (e.g. blocks=nn.Linear, or the class of the repeated layer), or callable(qualified_name, module) "
-            f"-> bool")
+    return (
+        f"ZeRO stage 3: {how}, so one unit ({u.name!r}) holds all {numel:,} trainable parameters and is "
+        f"gathered whole for the forward and for the backward: the peak then holds every parameter, as at "
+        f"stages 0-2. Choose the gather units with ZeroEngine(..., blocks=...): a module class or a list of "
+        f"them (e.g. blocks=nn.Linear, or the class of the repeated layer), or callable(qualified_name, module) "
+        f"-> bool"
+    )
 
 
-def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int, dtype: torch.dtype,
-                persistence_threshold: int = 0, policy: BlockPolicy = None,
-                block_modules: Sequence[nn.Module] | None = None
-                ) -> tuple[list[FlatUnit], list[tuple[nn.Module, FlatUnit]], FlatUnit | None, FlatUnit | None]:
+def build_units(
+    model: nn.Module,
+    *,
+    stage: int,
+    world_size: int,
+    rank: int,
+    dtype: torch.dtype,
+    persistence_threshold: int = 0,
+    policy: BlockPolicy = None,
+    block_modules: Sequence[nn.Module] | None = None,
+) -> tuple[list[FlatUnit], list[tuple[nn.Module, FlatUnit]], FlatUnit | None, FlatUnit | None]:
     """Partition ``model``'s parameters into units.
 
     Returns ``(all_units, blocks, root_unit, persistent_unit)``; ``blocks`` pairs each block
@@ -427,11 +475,19 @@ class Homes:
     home: dict[int, int]
     """``id(p)`` -> its block index, or ``ROOT`` (outside every block, or registered in two units)."""
 
-    def unit(self, name: str, ps: list[nn.Parameter], *, kind: str, num_shards: int, shard_rank: int,
-             dtype: torch.dtype) -> FlatUnit:
+    def unit(
+        self, name: str, ps: list[nn.Parameter], *, kind: str, num_shards: int, shard_rank: int, dtype: torch.dtype
+    ) -> FlatUnit:
         named = [(self.names[id(p)], p) for p in ps]
-        return FlatUnit.build(name, named, kind=kind, num_shards=num_shards, shard_rank=shard_rank, dtype=dtype,
-                              aliases={nm: self.aliases[nm] for nm, _ in named if self.aliases[nm]})
+        return FlatUnit.build(
+            name,
+            named,
+            kind=kind,
+            num_shards=num_shards,
+            shard_rank=shard_rank,
+            dtype=dtype,
+            aliases={nm: self.aliases[nm] for nm, _ in named if self.aliases[nm]},
+        )
 
 
 def assign_homes(model: nn.Module, blocks: Sequence[nn.Module]) -> Homes:

@@ -75,8 +75,9 @@ class PlanUnit:
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.frozen < 0:
-            raise ValueError(f"PlanUnit {self.name!r}: numel={self.numel}, frozen={self.frozen}; give element "
-                             f"counts >= 0")
+            raise ValueError(
+                f"PlanUnit {self.name!r}: numel={self.numel}, frozen={self.frozen}; give element counts >= 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,8 +207,10 @@ class _Builder:
 
     def __init__(self, units: Sequence[PlanUnit], cfg: ZeroConfig, topo: Topology) -> None:
         if cfg.persistence_threshold:
-            raise ValueError(f"ZeroConfig.persistence_threshold={cfg.persistence_threshold} is not planned (its "
-                             f"parameters form an all-reduced replicated unit); plan with persistence_threshold=0")
+            raise ValueError(
+                f"ZeroConfig.persistence_threshold={cfg.persistence_threshold} is not planned (its "
+                f"parameters form an all-reduced replicated unit); plan with persistence_threshold=0"
+            )
         if cfg.hpz_size is not None:
             topo = dataclasses.replace(topo, hpz_size=cfg.hpz_size)  # as the engine does
         self.units, self.cfg = tuple(units), cfg
@@ -217,8 +220,11 @@ class _Builder:
         self.db = cfg.dtype.itemsize
         bits = FROZEN_BITS[cfg.quantize_frozen]
         gs = cfg.weights.group_size if cfg.weights else None
-        self.frozen_spec = None if bits is None else QuantSpec(bits=bits, group_size=group_size_of(
-            QuantSpec(bits=bits, group_size=gs), weights=True))
+        self.frozen_spec = (
+            None
+            if bits is None
+            else QuantSpec(bits=bits, group_size=group_size_of(QuantSpec(bits=bits, group_size=gs), weights=True))
+        )
         self.compute: list[ComputeTask] = []
         self.out: list[Collective] = []
 
@@ -226,16 +232,16 @@ class _Builder:
     def shard(self, numel: int) -> int:
         return -(-numel // self.W)
 
-    def gather(self, kind: CommKind, phase: Phase, mb: int, ui: int, *, frozen: bool, issued: int,
-               needed: int) -> None:
+    def gather(self, kind: CommKind, phase: Phase, mb: int, ui: int, *, frozen: bool, issued: int, needed: int) -> None:
         """A stage-3 gather of unit ``ui`` (its trainable or frozen part)."""
         u, cfg, N, R, h = self.units[ui], self.cfg, self.N, self.R, self.h
         numel = u.frozen if frozen else u.numel
         if not numel:
             return
         s = self.shard(numel)
-        common = dict(kind=kind, phase=phase, micro_batch=mb, unit=ui, frozen=frozen, issued_before=issued,
-                      needed_by=needed)
+        common = dict(
+            kind=kind, phase=phase, micro_batch=mb, unit=ui, frozen=frozen, issued_before=issued, needed_by=needed
+        )
         first_fwd = phase == Phase.FWD and mb == 0
         from_secondary = cfg.hpz and (frozen or cfg.weight_diff is not None or not first_fwd)
         spec: QuantSpec | None
@@ -243,20 +249,49 @@ class _Builder:
             b = _wire(self.frozen_spec, s, None, self.db, weights=True)
             spec, bits = self.frozen_spec, self.frozen_spec.bits
             if from_secondary:  # this member's share of the world's rows
-                self.add(algo=Algo.RING_AG, group=Group.HPZ, bucket=0, columns=s, spec=spec, bits=bits, nodes=1,
-                         ranks=h, peer_bytes=self.W // h * b, **common)
+                self.add(
+                    algo=Algo.RING_AG,
+                    group=Group.HPZ,
+                    bucket=0,
+                    columns=s,
+                    spec=spec,
+                    bits=bits,
+                    nodes=1,
+                    ranks=h,
+                    peer_bytes=self.W // h * b,
+                    **common,
+                )
             else:
-                self.add(algo=Algo.RING_AG, group=Group.WORLD, bucket=0, columns=s, spec=spec, bits=bits, nodes=N,
-                         ranks=R, peer_bytes=b, **common)
+                self.add(
+                    algo=Algo.RING_AG,
+                    group=Group.WORLD,
+                    bucket=0,
+                    columns=s,
+                    spec=spec,
+                    bits=bits,
+                    nodes=N,
+                    ranks=R,
+                    peer_bytes=b,
+                    **common,
+                )
             return
         if from_secondary:
             cols, spec, group, nodes, ranks = self.W * s // h, None, Group.HPZ, 1, h
         else:
             cols, spec, group, nodes, ranks = s, cfg.weights, Group.WORLD, N, R
         for k, (a, b) in enumerate(chunk_ranges(cols, nodes * ranks, cfg.allgather_bucket_size)):
-            self.add(algo=Algo.RING_AG, group=group, bucket=k, columns=b - a, spec=spec,
-                     bits=spec.bits if spec else None, nodes=nodes, ranks=ranks,
-                     peer_bytes=_wire(spec, b - a, None, self.db, weights=True), **common)
+            self.add(
+                algo=Algo.RING_AG,
+                group=group,
+                bucket=k,
+                columns=b - a,
+                spec=spec,
+                bits=spec.bits if spec else None,
+                nodes=nodes,
+                ranks=ranks,
+                peer_bytes=_wire(spec, b - a, None, self.db, weights=True),
+                **common,
+            )
 
     def refresh(self, ui: int, issued: int) -> None:
         """Stages 1-2's parameter gather, or qWD's difference gather, of unit ``ui`` after the step."""
@@ -267,49 +302,124 @@ class _Builder:
         kind = CommKind.PARAM_ALL_GATHER if spec is None else CommKind.WEIGHT_DIFF_ALL_GATHER
         s = self.shard(numel)
         for k, (a, b) in enumerate(chunk_ranges(s, self.W, cfg.allgather_bucket_size)):
-            self.add(kind=kind, algo=Algo.RING_AG, group=Group.WORLD, phase=Phase.POST, micro_batch=-1, unit=ui,
-                     frozen=False, bucket=k, columns=b - a, spec=spec, bits=spec.bits if spec else None, nodes=self.N,
-                     ranks=self.R, peer_bytes=_wire(spec, b - a, None, self.db, weights=True), issued_before=issued,
-                     needed_by=issued)
+            self.add(
+                kind=kind,
+                algo=Algo.RING_AG,
+                group=Group.WORLD,
+                phase=Phase.POST,
+                micro_batch=-1,
+                unit=ui,
+                frozen=False,
+                bucket=k,
+                columns=b - a,
+                spec=spec,
+                bits=spec.bits if spec else None,
+                nodes=self.N,
+                ranks=self.R,
+                peer_bytes=_wire(spec, b - a, None, self.db, weights=True),
+                issued_before=issued,
+                needed_by=issued,
+            )
 
     def reduce(self, ui: int, mb: int, issued: int, needed: int) -> None:
         """Unit ``ui``'s gradient reduction (stage 0: all-reduce; else reduce-scatter, qgZ's hops)."""
         numel, cfg, N, R, W = self.units[ui].numel, self.cfg, self.N, self.R, self.W
         if not numel:
             return
-        common = dict(kind=CommKind.GRAD_REDUCE_SCATTER, phase=Phase.REDUCE, micro_batch=mb, unit=ui, frozen=False,
-                      issued_before=issued, needed_by=needed)
+        common = dict(
+            kind=CommKind.GRAD_REDUCE_SCATTER,
+            phase=Phase.REDUCE,
+            micro_batch=mb,
+            unit=ui,
+            frozen=False,
+            issued_before=issued,
+            needed_by=needed,
+        )
         if cfg.stage == 0:
-            self.add(**{**common, "kind": CommKind.GRAD_ALL_REDUCE}, algo=Algo.ALL_REDUCE, group=Group.WORLD,
-                     bucket=0, columns=numel, spec=None, bits=None, nodes=N, ranks=R,
-                     peer_bytes=2 * numel * self.db // W)
+            self.add(
+                **{**common, "kind": CommKind.GRAD_ALL_REDUCE},
+                algo=Algo.ALL_REDUCE,
+                group=Group.WORLD,
+                bucket=0,
+                columns=numel,
+                spec=None,
+                bits=None,
+                nodes=N,
+                ranks=R,
+                peer_bytes=2 * numel * self.db // W,
+            )
             return
         g = cfg.grads
         for k, (a, b) in enumerate(chunk_ranges(self.shard(numel), W, cfg.reduce_bucket_size)):
             cols = b - a
             if g is None:
-                self.add(algo=Algo.RING_RS, group=Group.WORLD, bucket=k, columns=cols, spec=None, bits=None, nodes=N,
-                         ranks=R, peer_bytes=cols * self.db, **common)
+                self.add(
+                    algo=Algo.RING_RS,
+                    group=Group.WORLD,
+                    bucket=k,
+                    columns=cols,
+                    spec=None,
+                    bits=None,
+                    nodes=N,
+                    ranks=R,
+                    peer_bytes=cols * self.db,
+                    **common,
+                )
                 continue
             ib, cb = g.hop_bits
             row_i = _wire(g, cols, ib, self.db, weights=False)
             row_c = _wire(g, cols, cb, self.db, weights=False)
             if N == 1 or R > 1:  # intra hop: each local peer gets the N rows it reduces
-                self.add(algo=Algo.A2A_INTRA, group=Group.INTRA, bucket=k, columns=cols, spec=g, bits=ib, nodes=1,
-                         ranks=R, peer_bytes=N * row_i, **common)
+                self.add(
+                    algo=Algo.A2A_INTRA,
+                    group=Group.INTRA,
+                    bucket=k,
+                    columns=cols,
+                    spec=g,
+                    bits=ib,
+                    nodes=1,
+                    ranks=R,
+                    peer_bytes=N * row_i,
+                    **common,
+                )
             if N > 1:  # cross hop: one requantized row to each node's same-local-rank peer
-                self.add(algo=Algo.A2A_CROSS, group=Group.CROSS, bucket=k, columns=cols, spec=g, bits=cb, nodes=N,
-                         ranks=1, peer_bytes=row_c, **common)
+                self.add(
+                    algo=Algo.A2A_CROSS,
+                    group=Group.CROSS,
+                    bucket=k,
+                    columns=cols,
+                    spec=g,
+                    bits=cb,
+                    nodes=N,
+                    ranks=1,
+                    peer_bytes=row_c,
+                    **common,
+                )
 
     def add(self, **kw: object) -> None:
         self.out.append(Collective(**kw))  # type: ignore[arg-type]
 
     def control(self, mb: int, issued: int) -> None:
         if self.N * self.full_ranks > 1:
-            self.add(kind=CommKind.CONTROL, algo=Algo.ALL_REDUCE, group=Group.DEFAULT, phase=Phase.CONTROL,
-                     micro_batch=mb, unit=-1, frozen=False, bucket=0, columns=CONTROL_BYTES // 8, spec=None, bits=None,
-                     nodes=self.N, ranks=self.full_ranks, peer_bytes=CONTROL_BYTES, counted=False,
-                     issued_before=issued, needed_by=issued)
+            self.add(
+                kind=CommKind.CONTROL,
+                algo=Algo.ALL_REDUCE,
+                group=Group.DEFAULT,
+                phase=Phase.CONTROL,
+                micro_batch=mb,
+                unit=-1,
+                frozen=False,
+                bucket=0,
+                columns=CONTROL_BYTES // 8,
+                spec=None,
+                bits=None,
+                nodes=self.N,
+                ranks=self.full_ranks,
+                peer_bytes=CONTROL_BYTES,
+                counted=False,
+                issued_before=issued,
+                needed_by=issued,
+            )
 
     # ---------------------------------------------------------------- the step
     def task(self, phase: Phase, mb: int, unit: int) -> int:
@@ -325,13 +435,21 @@ class _Builder:
             bwd = {ui: self.task(Phase.BWD, mb, ui) for ui in [0, *reversed(blocks)]}
             end = len(self.compute)  # the next micro-batch's first task, or the optimizer step
             if cfg.stage == 3:
-                self.gathered(CommKind.FWD_ALL_GATHER, Phase.FWD, mb, blocks, fwd, first=fwd[blocks[0]] if blocks
-                              else fwd[0])
+                self.gathered(
+                    CommKind.FWD_ALL_GATHER, Phase.FWD, mb, blocks, fwd, first=fwd[blocks[0]] if blocks else fwd[0]
+                )
             self.control(mb, bwd[0])
             order = list(reversed(blocks))
             if cfg.stage == 3:
-                self.gathered(CommKind.BWD_ALL_GATHER, Phase.BWD, mb, order, bwd, first=bwd[0],
-                              reduce_end=end if cfg.stage >= 2 else None)
+                self.gathered(
+                    CommKind.BWD_ALL_GATHER,
+                    Phase.BWD,
+                    mb,
+                    order,
+                    bwd,
+                    first=bwd[0],
+                    reduce_end=end if cfg.stage >= 2 else None,
+                )
             elif cfg.stage == 2:
                 for ui in order:
                     self.reduce(ui, mb, bwd[ui] + 1, end)
@@ -346,8 +464,17 @@ class _Builder:
             for ui in range(len(self.units)):
                 self.refresh(ui, opt + 1)
 
-    def gathered(self, kind: CommKind, phase: Phase, mb: int, order: list[int], tasks: dict[int, int], *,
-                 first: int, reduce_end: int | None = None) -> None:
+    def gathered(
+        self,
+        kind: CommKind,
+        phase: Phase,
+        mb: int,
+        order: list[int],
+        tasks: dict[int, int],
+        *,
+        first: int,
+        reduce_end: int | None = None,
+    ) -> None:
         """One stage-3 pass (``experiments.step_schedule._gathered`` replays it): the root's gather,
         issued and waited before ``first``; the gathers of the first ``prefetch_depth`` blocks of
         ``order``; then per block: its own gather (unless prefetched), the next ``prefetch_depth``
@@ -378,17 +505,29 @@ def build_plan(units: Iterable[PlanUnit | int], zero: ZeroConfig, topology: Topo
     """The plan of one steady-state training step of ``units`` (root first, then the blocks in forward
     order; bare element counts mean trainable units without frozen parts) under ``zero`` on
     ``topology``. Pure: no process group, no tensors."""
-    us = tuple(u if isinstance(u, PlanUnit) else PlanUnit(name="root" if i == 0 else f"block{i - 1}", numel=int(u))
-               for i, u in enumerate(units))
+    us = tuple(
+        u if isinstance(u, PlanUnit) else PlanUnit(name="root" if i == 0 else f"block{i - 1}", numel=int(u))
+        for i, u in enumerate(units)
+    )
     if not us:
         raise ValueError("build_plan: no units; give the root's and each block's element counts")
     if any(u.frozen for u in us) and zero.stage != 3:
         us = tuple(dataclasses.replace(u, frozen=0) for u in us)  # stages 0-2 keep frozen parameters replicated
     b = _Builder(us, zero, topology)
     b.step()
-    return CommPlan(units=us, compute=tuple(b.compute), collectives=tuple(b.out), stage=zero.stage,
-                    micro_batches=zero.grad_accum_steps, prefetch_depth=zero.prefetch_depth, world=b.W, nodes=b.N,
-                    ranks_per_node=b.R, hpz_size=b.h, dtype_bytes=b.db)
+    return CommPlan(
+        units=us,
+        compute=tuple(b.compute),
+        collectives=tuple(b.out),
+        stage=zero.stage,
+        micro_batches=zero.grad_accum_steps,
+        prefetch_depth=zero.prefetch_depth,
+        world=b.W,
+        nodes=b.N,
+        ranks_per_node=b.R,
+        hpz_size=b.h,
+        dtype_bytes=b.db,
+    )
 
 
 def plan_units(model: nn.Module, blocks: BlockPolicy = None) -> tuple[PlanUnit, ...]:

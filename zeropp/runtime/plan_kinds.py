@@ -18,9 +18,16 @@ from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-STEP_KINDS = (CommKind.FWD_ALL_GATHER, CommKind.BWD_ALL_GATHER, CommKind.FROZEN_ALL_GATHER,
-              CommKind.GRAD_REDUCE_SCATTER, CommKind.GRAD_ALL_REDUCE, CommKind.PARAM_ALL_GATHER,
-              CommKind.WEIGHT_DIFF_ALL_GATHER, CommKind.CONTROL)
+STEP_KINDS = (
+    CommKind.FWD_ALL_GATHER,
+    CommKind.BWD_ALL_GATHER,
+    CommKind.FROZEN_ALL_GATHER,
+    CommKind.GRAD_REDUCE_SCATTER,
+    CommKind.GRAD_ALL_REDUCE,
+    CommKind.PARAM_ALL_GATHER,
+    CommKind.WEIGHT_DIFF_ALL_GATHER,
+    CommKind.CONTROL,
+)
 """The kinds a ZeroEngine training step issues (what a :class:`~zeropp.runtime.plan.CommPlan` holds)."""
 
 
@@ -84,8 +91,9 @@ def chunk_ranges(cols: int, rows: int, bucket: int) -> list[tuple[int, int]]:
     columns, the last one shorter. Each chunk is one call, quantized with its own scales. (A bucket
     smaller than a row still sends one column per call rather than refusing.)"""
     if cols < 0 or rows < 1 or bucket < 1:
-        raise ValueError(f"chunk_ranges(cols={cols}, rows={rows}, bucket={bucket}): need cols >= 0, rows >= 1, "
-                         f"bucket >= 1")
+        raise ValueError(
+            f"chunk_ranges(cols={cols}, rows={rows}, bucket={bucket}): need cols >= 0, rows >= 1, bucket >= 1"
+        )
     if rows * cols <= bucket:
         return [(0, cols)]
     c = max(1, bucket // rows)

@@ -77,12 +77,22 @@ class GradReducer:
     during backward; :meth:`close` removes them.
     """
 
-    def __init__(self, units: Sequence[FlatUnit], blocks: Sequence[tuple[nn.Module, FlatUnit]],
-                 root: FlatUnit | None, comm: EngineComm, *, config: ZeroConfig, pool: BufferPool,
-                 dtype: torch.dtype, device: torch.device, all_ranks: int,
-                 land: Callable[[int, torch.Tensor], None] | None = None,
-                 release: Callable[[FlatUnit], None] | None = None,
-                 control: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        blocks: Sequence[tuple[nn.Module, FlatUnit]],
+        root: FlatUnit | None,
+        comm: EngineComm,
+        *,
+        config: ZeroConfig,
+        pool: BufferPool,
+        dtype: torch.dtype,
+        device: torch.device,
+        all_ranks: int,
+        land: Callable[[int, torch.Tensor], None] | None = None,
+        release: Callable[[FlatUnit], None] | None = None,
+        control: dist.ProcessGroup | None = None,
+    ) -> None:
         self.units = list(units)
         self.control = control
         """The group of :meth:`check_late_grads`' host exchange (``batch.control_group``; None: the default group)."""
@@ -93,8 +103,12 @@ class GradReducer:
         """qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None."""
         self._unit_index = {id(u): i for i, u in enumerate(self.units)}
         self._last_micro = False  # in the last micro-step's backward: reductions finishing now are final
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u))
-                            for u in self.units if self.reduces_when_ready(u) for p in u.params]
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_hook(u))
+            for u in self.units
+            if self.reduces_when_ready(u)
+            for p in u.params
+        ]
         self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
         order = [u for _, u in reversed(blocks)] + ([root] if root is not None else [])
@@ -132,6 +146,7 @@ class GradReducer:
             if u.grads_ready == len(u.slots):
                 u.extra["ready"] = True
                 self._issue_ready()
+
         return hook
 
     def check_late_grads(self) -> None:
@@ -162,7 +177,8 @@ class GradReducer:
             f"gradients arrived after their unit's gradient was sent ({what}); no step was taken. At stage "
             f"{self.cfg.stage} a block's parameters must get all their gradient during that block's backward: do not "
             f"use one block's parameters inside another block (register a shared parameter in both: it is then kept "
-            f"in the root unit), and run the blocks in forward in the order the block policy lists them")
+            f"in the root unit), and run the blocks in forward in the order the block policy lists them"
+        )
 
     # ------------------------------------------------------------------ stages 2-3: during backward
     def _issue_ready(self) -> None:
@@ -199,8 +215,16 @@ class GradReducer:
         if self.release is not None and u.kind == "sharded":
             self.release(u)
         out = self.pool.acquire("grad_shard", u.shard_numel)  # [S]
-        work = self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
-                                        kind=CommKind.GRAD_REDUCE_SCATTER, unit=u.name, async_op=True, **self._qgz())
+        work = self.comm.reduce_scatter(
+            out,
+            flat,
+            key=u.name,
+            bucket=self.cfg.reduce_bucket_size,
+            kind=CommKind.GRAD_REDUCE_SCATTER,
+            unit=u.name,
+            async_op=True,
+            **self._qgz(),
+        )
         u.extra["rs_input"] = flat  # back to the pool once the reduce-scatter is waited
         self._pending.append((work, u, out))
 
@@ -217,7 +241,7 @@ class GradReducer:
         """After a micro-step's backward: send the rest of the fixed order (units some of whose
         parameters got no gradient this micro-step, on this rank, are sent with zeros there, so
         every rank sends every unit) and wait for every reduce-scatter in flight."""
-        for u in self.reduce_order[self._next_reduce:]:
+        for u in self.reduce_order[self._next_reduce :]:
             self._reduce_unit(u)
         self._next_reduce = len(self.reduce_order)
         for pending in self._pending:
@@ -239,8 +263,16 @@ class GradReducer:
                 grads.append(flat)
             else:  # stage 1: one reduce-scatter after the last micro-step
                 out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(out, flat, key=u.name, bucket=self.cfg.reduce_bucket_size,
-                                         kind=CommKind.GRAD_REDUCE_SCATTER, unit=u.name, async_op=False, **self._qgz())
+                self.comm.reduce_scatter(
+                    out,
+                    flat,
+                    key=u.name,
+                    bucket=self.cfg.reduce_bucket_size,
+                    kind=CommKind.GRAD_REDUCE_SCATTER,
+                    unit=u.name,
+                    async_op=False,
+                    **self._qgz(),
+                )
                 self.pool.give_back(flat)
                 grads.append(out)
             if self.land is not None:

@@ -106,17 +106,30 @@ class Stage3Hooks:
     after-forward check (``batch.control_group``).
     """
 
-    def __init__(self, model: nn.Module, blocks: Sequence[tuple[nn.Module, FlatUnit]], root: FlatUnit | None,
-                 all_units: Sequence[FlatUnit], comm: EngineComm, *, config: ZeroConfig, dtype: torch.dtype,
-                 device: torch.device, on_block_backward: Callable[[FlatUnit], None],
-                 pool: BufferPool | None = None, weight_diff: WeightDiff | None = None,
-                 frozen: fz.FrozenUnits | None = None, control: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[tuple[nn.Module, FlatUnit]],
+        root: FlatUnit | None,
+        all_units: Sequence[FlatUnit],
+        comm: EngineComm,
+        *,
+        config: ZeroConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        on_block_backward: Callable[[FlatUnit], None],
+        pool: BufferPool | None = None,
+        weight_diff: WeightDiff | None = None,
+        frozen: fz.FrozenUnits | None = None,
+        control: dist.ProcessGroup | None = None,
+    ) -> None:
         self.frozen = frozen if frozen is not None else fz.FrozenUnits(order=[blk for blk, _ in blocks])
         trained = {id(blk): u for blk, u in blocks}
         frozen_of = {id(blk): u for blk, u in self.frozen.blocks}
         order = [blk for blk in self.frozen.order if id(blk) in trained or id(blk) in frozen_of]
         self.groups: list[list[FlatUnit]] = [
-            [u for u in (trained.get(id(blk)), frozen_of.get(id(blk))) if u is not None] for blk in order]
+            [u for u in (trained.get(id(blk)), frozen_of.get(id(blk))) if u is not None] for blk in order
+        ]
         """Per hook index (block): the units gathered together, trainable first, then frozen."""
         self.root_group = [u for u in (root, self.frozen.root) if u is not None]
         """The root's units (trainable, frozen)."""
@@ -164,13 +177,15 @@ class Stage3Hooks:
         if fz.is_quantized(u):  # MixZ++: the stored wire rows, gathered as they are, dequantized into buf
             work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True, hpz=self.cfg.hpz)
         elif u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
-            work = self.comm.all_gather(buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, unit=u.name,
-                                        async_op=True)
+            work = self.comm.all_gather(
+                buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, unit=u.name, async_op=True
+            )
         else:
             store = u.extra.get("param_store")  # offload: the shard comes from host memory / disk
             shard = store.fetch(u) if store is not None else u.param_shard
-            work = self.comm.all_gather(buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, unit=u.name,
-                                        async_op=True)
+            work = self.comm.all_gather(
+                buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, unit=u.name, async_op=True
+            )
         u.extra["buf"], u.work, u.state = buf, work, "inflight"
 
     def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:
@@ -256,7 +271,7 @@ class Stage3Hooks:
         hi = lo = vec
         if world > 1:  # host ints on the host group: the host does not wait for the GPU's forward
             both = host_max(vec + [-v for v in vec], self.control)  # per entry: max over ranks, and -min
-            hi, lo = both[: len(vec)], [-v for v in both[len(vec):]]
+            hi, lo = both[: len(vec)], [-v for v in both[len(vec) :]]
         if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
             return  # the policy's order, and no rank failed
         msg = None
@@ -265,8 +280,13 @@ class Stage3Hooks:
             msg = f"{type(error).__name__}{where}: {error}"
         # last: whether this rank's error could be a block using another block's parameter (not a
         # micro-batch the model's forward cannot take, which fails before any block runs)
-        mine = (list(self.ran), list(self.first), msg, self.disorder,
-                error is not None and not isinstance(error, MicroBatchError))
+        mine = (
+            list(self.ran),
+            list(self.first),
+            msg,
+            self.disorder,
+            error is not None and not isinstance(error, MicroBatchError),
+        )
         runs: list = [mine] * world
         if world > 1:
             dist.all_gather_object(runs, mine, group=self.control)
@@ -275,13 +295,19 @@ class Stage3Hooks:
         failed = {r: run[2] for r, run in enumerate(runs) if run[2] is not None}
         if failed:
             what = per_rank(failed)
-            hint = "" if not any(run[4] for run in runs) else (
-                ". At stage 3 only the running block's own parameters and the root's are present (the other blocks' "
-                "are empty tensors): a parameter registered in one block and used inside another fails like this; "
-                "register it in the block that uses it (a parameter registered in two blocks is kept whole in the "
-                "root unit)")
+            hint = (
+                ""
+                if not any(run[4] for run in runs)
+                else (
+                    ". At stage 3 only the running block's own parameters and the root's are present (the other blocks' "
+                    "are empty tensors): a parameter registered in one block and used inside another fails like this; "
+                    "register it in the block that uses it (a parameter registered in two blocks is kept whole in the "
+                    "root unit)"
+                )
+            )
             exc = RuntimeError(
-                f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank runs backward: {what}{hint}")
+                f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank runs backward: {what}{hint}"
+            )
             raise exc from error
         bad = [i for i in range(n) if hi[i] != lo[i] and lo[i] == 0]
         if not bad and hi[: 2 * n] == lo[: 2 * n]:  # the same everywhere, but not in the policy's order
@@ -291,25 +317,33 @@ class Stage3Hooks:
                 f"(registration order: {', '.join(u.name for u in self.units)}; a block may run again right after "
                 f"itself): {what}. "
                 f"The gradient of a block run out of order would arrive after its unit was reduced. Register the "
-                f"blocks in forward order, choose other blocks (ZeroEngine(blocks=...)), or use stage 2")
+                f"blocks in forward order, choose other blocks (ZeroEngine(blocks=...)), or use stage 2"
+            )
         if not bad:
             what = "; ".join(
                 f"{self.units[i].name} ran {sorted({runs[r][0][i] for r in range(world)})} times at places "
                 f"{[runs[r][1][i] for r in range(world)]} on ranks {list(range(world))}"
-                for i in range(n) if hi[i] != lo[i] or hi[n + i] != lo[n + i])
+                for i in range(n)
+                if hi[i] != lo[i] or hi[n + i] != lo[n + i]
+            )
             raise RuntimeError(
                 f"ZeRO stage 3 needs every rank to run the same blocks, as often and in the same order, in each "
                 f"forward: {what}. Their gradient reduce-scatters and backward gathers would be issued in different "
                 f"orders on different ranks. Make the forward's block order independent of the rank's data, or use "
-                f"stage 2")
-        what = "; ".join(f"{self.units[i].name} ran on ranks {[r for r in range(len(runs)) if runs[r][0][i]]} but not on "
-                         f"{[r for r in range(len(runs)) if not runs[r][0][i]]}" for i in bad)
+                f"stage 2"
+            )
+        what = "; ".join(
+            f"{self.units[i].name} ran on ranks {[r for r in range(len(runs)) if runs[r][0][i]]} but not on "
+            f"{[r for r in range(len(runs)) if not runs[r][0][i]]}"
+            for i in bad
+        )
         raise RuntimeError(
             f"ZeRO stage 3 needs every rank to run the same blocks in each forward: {what}. Their gradient "
             f"reduce-scatters and backward gathers would be issued in different orders on different ranks. Make "
             f"the forward run every block on every rank (e.g. multiply a block's output by a 0/1 gate instead of "
             f"skipping it), or use stage 2, which handles rank-dependent unused parameters (at stage 3 frozen "
-            f"parameters are sharded and gathered too, so freezing a block does not make skipping it safe)")
+            f"parameters are sharded and gathered too, so freezing a block does not make skipping it safe)"
+        )
 
     def _root_pre(self, module: torch.nn.Module | None, args: Any) -> None:
         self.ran = [0] * len(self.units)
@@ -362,7 +396,8 @@ class Stage3Hooks:
                 raise TypeError(
                     f"stage 3 must see the tensors a block returns to re-gather it for backward, but "
                     f"{self.units[i].name} returned a {type(output).__name__}, which torch.utils._pytree cannot "
-                    f"flatten; return tensors in tuples, lists, dicts or a registered pytree node")
+                    f"flatten; return tensors in tuples, lists, dicts or a registered pytree node"
+                )
             return output  # the root: the engine gathers it before backward (before_backward)
         wrapped = _PreBackward.apply(self, i, *(leaves[k] for k in idx))
         for k, t in zip(idx, wrapped):
@@ -380,7 +415,7 @@ class Stage3Hooks:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
         if i != ROOT:
             self.on_block_backward(self.units[i])  # blocks after i are done: send what waits
-            for g in self.groups[i + 1:]:  # their frozen units have no gradient to wait for: free them
+            for g in self.groups[i + 1 :]:  # their frozen units have no gradient to wait for: free them
                 for u in g:
                     if u.kind == "frozen":
                         self.release(u)

@@ -116,8 +116,9 @@ class Segment:
 class SwapSpace:
     """Swap files, staging buffers and I/O threads of one rank (see the module docstring)."""
 
-    def __init__(self, root: str | os.PathLike, rank: int, *, buffers: int, buffer_size: int, pin: bool = False,
-                 workers: int = 2) -> None:
+    def __init__(
+        self, root: str | os.PathLike, rank: int, *, buffers: int, buffer_size: int, pin: bool = False, workers: int = 2
+    ) -> None:
         if buffers < 2:
             raise ValueError(f"SwapSpace needs at least 2 staging buffers, got {buffers}")
         if buffer_size < 1:
@@ -153,8 +154,12 @@ class SwapSpace:
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
-            raise SwapError(f"cannot preallocate swap file {path} ({nbytes} bytes): {exc.strerror or exc}; "
-                            f"{_hint(exc.errno, self.dir)}", path, exc.errno) from exc
+            raise SwapError(
+                f"cannot preallocate swap file {path} ({nbytes} bytes): {exc.strerror or exc}; "
+                f"{_hint(exc.errno, self.dir)}",
+                path,
+                exc.errno,
+            ) from exc
         f = SwapFile(path, nbytes, fd)
         self.files.append(f)
         return f
@@ -174,7 +179,7 @@ class SwapSpace:
 
     # ------------------------------------------------------------------ I/O
     def _io(self, write: bool, seg: Segment, buf: torch.Tensor, at: int) -> None:
-        view = buf[at: at + seg.nbytes].numpy().data  # a memoryview of the staging bytes
+        view = buf[at : at + seg.nbytes].numpy().data  # a memoryview of the staging bytes
         try:
             if write:
                 _write_at(seg.file.fd, view, seg.offset)
@@ -182,9 +187,12 @@ class SwapSpace:
                 _read_at(seg.file.fd, view, seg.offset)
         except OSError as exc:
             what = "write to" if write else "read from"
-            raise SwapError(f"swap {what} {seg.file.path} failed at byte {seg.offset} ({seg.nbytes} bytes): "
-                            f"[Errno {exc.errno}] {exc.strerror or exc}; {_hint(exc.errno, self.dir)}",
-                            seg.file.path, exc.errno) from exc
+            raise SwapError(
+                f"swap {what} {seg.file.path} failed at byte {seg.offset} ({seg.nbytes} bytes): "
+                f"[Errno {exc.errno}] {exc.strerror or exc}; {_hint(exc.errno, self.dir)}",
+                seg.file.path,
+                exc.errno,
+            ) from exc
 
     def _submit(self, write: bool, segs: Sequence[Segment], buf: torch.Tensor) -> list[Future]:
         out, at = [], 0
@@ -193,8 +201,9 @@ class SwapSpace:
             at += s.nbytes
         return out
 
-    def stream(self, chunks: Sequence[Sequence[Segment]], *, read: bool = True, write: bool = False
-               ) -> Iterator[list[torch.Tensor]]:
+    def stream(
+        self, chunks: Sequence[Sequence[Segment]], *, read: bool = True, write: bool = False
+    ) -> Iterator[list[torch.Tensor]]:
         """Yield, per chunk, views (``[numel]`` of each segment's dtype) of a staging buffer holding
         the chunk's segments: read from their files first when ``read``, written back to them
         after the caller is done with the chunk when ``write``. Reads run up to ``buffers - 1``
@@ -209,8 +218,9 @@ class SwapSpace:
         finally:
             gen.close()  # drains the outstanding I/O now, also when the caller stops early
 
-    def _stream(self, chunks: Sequence[Sequence[Segment]], *, read: bool, write: bool
-                ) -> Generator[tuple[int, list[torch.Tensor]], None, None]:
+    def _stream(
+        self, chunks: Sequence[Sequence[Segment]], *, read: bool, write: bool
+    ) -> Generator[tuple[int, list[torch.Tensor]], None, None]:
         """:meth:`stream`, yielding ``(buffer index, views)``: a caller that copies out of the views
         asynchronously sets ``self._fences[index]``, which is waited for before the buffer is reused."""
         self._check_open()
@@ -250,7 +260,7 @@ class SwapSpace:
                 _wait(fs)
                 buf, views, at = self.buffers[b], [], 0
                 for s in chunks[k]:
-                    views.append(buf[at: at + s.nbytes].view(s.dtype))
+                    views.append(buf[at : at + s.nbytes].view(s.dtype))
                     at += s.nbytes
                 yield b, views
                 if write:
@@ -350,7 +360,7 @@ class SwapSpace:
         gen = self._stream(self.chunks_of([seg]), read=True, write=False)
         try:
             for b, (v,) in gen:
-                self._fences[b] = copies.copy(out[at: at + v.numel()], v)
+                self._fences[b] = copies.copy(out[at : at + v.numel()], v)
                 at += v.numel()
         finally:
             gen.close()
@@ -374,7 +384,7 @@ class SwapSpace:
             return
         at = 0
         for (v,) in self.stream(self.chunks_of([seg]), read=False, write=True):
-            v.copy_(src[at: at + v.numel()])
+            v.copy_(src[at : at + v.numel()])
             at += v.numel()
 
     def write_direct(self, seg: Segment, src: torch.Tensor) -> None:

@@ -60,15 +60,22 @@ class FromLocal(nn.Module):
     that each rank's contiguous shard holds its heads of every one of the ``interleave`` parts;
     :func:`full_state_dict` undoes the reordering."""
 
-    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size,
-                 stride: tuple[int, ...], interleave: int = 1) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        shape: torch.Size,
+        stride: tuple[int, ...],
+        interleave: int = 1,
+    ) -> None:
         super().__init__()
         self.mesh, self.placements, self.interleave = mesh, placements, interleave
         self.shape, self.stride = shape, stride  # of the global (DTensor) weight
 
     def forward(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
-                                  stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
 
 def make_mesh(topology: Topology, device_type: Optional[str] = None) -> DeviceMesh:
@@ -97,8 +104,10 @@ def check_tp(model: nn.Module, tp: int) -> None:
     elif isinstance(model, HFCausalLM):
         check_hf_tp(model.cfg, tp)
     else:
-        raise ValueError(f"tensor parallelism (tp={tp}) has plans for the built-in GPT and the Hugging Face Llama "
-                         f"only, not {type(model).__name__}; use topology.tp=1 for this model")
+        raise ValueError(
+            f"tensor parallelism (tp={tp}) has plans for the built-in GPT and the Hugging Face Llama "
+            f"only, not {type(model).__name__}; use topology.tp=1 for this model"
+        )
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -109,8 +118,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     from zeropp.models.hf import HFCausalLM, parallelize_hf
 
     if getattr(mesh, "mesh_dim_names", None) != MESH_DIMS:
-        raise ValueError(f"parallelize needs a mesh with dimensions {MESH_DIMS} (make_mesh), got "
-                         f"{getattr(mesh, 'mesh_dim_names', None)}")
+        raise ValueError(
+            f"parallelize needs a mesh with dimensions {MESH_DIMS} (make_mesh), got "
+            f"{getattr(mesh, 'mesh_dim_names', None)}"
+        )
     if getattr(model, "zeropp_tp", None) is not None:
         raise ValueError("this model was already split by parallelize(); build a fresh model")
     tp_mesh = mesh["tp"]
@@ -134,12 +145,16 @@ def _localize(model: nn.Module) -> None:
                 continue
             local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
             local.zeropp_tp_sharded = any(  # type: ignore[attr-defined]  # a marker read by is_tp_sharded
-                isinstance(pl, Shard) for pl in p.placements)
+                isinstance(pl, Shard) for pl in p.placements
+            )
             setattr(mod, name, local)  # replaces the registered DTensor parameter
             interleave = getattr(mod, "zeropp_tp_interleave", {}).get(name, 1)
             parametrize.register_parametrization(
-                mod, name, FromLocal(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()), interleave),
-                unsafe=True)
+                mod,
+                name,
+                FromLocal(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()), interleave),
+                unsafe=True,
+            )
 
 
 def tp_info(model: nn.Module) -> Optional[TPInfo]:
@@ -164,14 +179,19 @@ def check_model_matches(model: nn.Module, topology: Topology) -> None:
     have = 1 if info is None else info.tp
     if have != topology.tp:
         if info is None:
-            raise ValueError(f"topology.tp={topology.tp} but the model is not split: call "
-                             f"zeropp.runtime.tensor_parallel.parallelize(model, make_mesh(topology)) first")
-        raise ValueError(f"the model was split for tp={have} but the topology has tp={topology.tp}; pass the "
-                         f"Topology whose mesh split it")
+            raise ValueError(
+                f"topology.tp={topology.tp} but the model is not split: call "
+                f"zeropp.runtime.tensor_parallel.parallelize(model, make_mesh(topology)) first"
+            )
+        raise ValueError(
+            f"the model was split for tp={have} but the topology has tp={topology.tp}; pass the "
+            f"Topology whose mesh split it"
+        )
 
 
-def tp_sharded_mask(params: list[torch.Tensor], offsets: list[tuple[int, int]], padded: int,
-                    device: torch.device) -> torch.Tensor:
+def tp_sharded_mask(
+    params: list[torch.Tensor], offsets: list[tuple[int, int]], padded: int, device: torch.device
+) -> torch.Tensor:
     """``[padded]`` bool: True where a flat unit's element belongs to a TP-sharded parameter
     (``offsets``: each parameter's ``(offset, numel)`` in the flat buffer)."""
     mask = torch.zeros(padded, dtype=torch.bool, device=device)
@@ -204,8 +224,9 @@ def full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     out = dict(state)
     for key, head, fl, original in _split_params(model):
         local = out.pop(key)
-        full = DTensor.from_local(local.to(original.device), fl.mesh, fl.placements, run_check=False,
-                                  shape=fl.shape, stride=fl.stride).full_tensor()
+        full = DTensor.from_local(
+            local.to(original.device), fl.mesh, fl.placements, run_check=False, shape=fl.shape, stride=fl.stride
+        ).full_tensor()
         out[head] = _undo_interleave(full, fl.interleave, fl.mesh.size()).to(local.device, local.dtype)
     return out
 

@@ -83,10 +83,24 @@ class ParamUpdate:
     only): per unit, ``[padded]`` bool, True where an element belongs to a TP-sharded parameter.
     ``world_size`` is the data-parallel world, ``all_ranks`` the default group's size."""
 
-    def __init__(self, units: Sequence[FlatUnit], optim, *, config: ZeroConfig, comm: EngineComm,
-                 scaler: LossScaler, param_store: ParamStore | None, weight_diff: WeightDiff | None,
-                 landed: bool, tp: int, tp_masks: list[torch.Tensor] | None, world_size: int, all_ranks: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        optim,
+        *,
+        config: ZeroConfig,
+        comm: EngineComm,
+        scaler: LossScaler,
+        param_store: ParamStore | None,
+        weight_diff: WeightDiff | None,
+        landed: bool,
+        tp: int,
+        tp_masks: list[torch.Tensor] | None,
+        world_size: int,
+        all_ranks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.units, self.optim, self.cfg, self.comm, self.scaler = list(units), optim, config, comm, scaler
         self.param_store, self.weight_diff, self.landed = param_store, weight_diff, landed
         self.tp, self.tp_masks = tp, tp_masks
@@ -98,15 +112,25 @@ class ParamUpdate:
         (``[S]`` shard or ``[padded]`` flat); ``local_loss``: this rank's mean micro-batch loss, a
         0-dim fp64 tensor on the engine's device (not read here: see :meth:`read_totals`)."""
         scale = self.scaler.scale
-        g32 = (self.optim.landed_grads() if self.landed
-               else [g.float() if g.dtype != torch.float32 else g.clone() for g in grads])
+        g32 = (
+            self.optim.landed_grads()
+            if self.landed
+            else [g.float() if g.dtype != torch.float32 else g.clone() for g in grads]
+        )
         if scale != 1.0:
             for g in g32:
                 g.div_(scale)
         loss_tot, sq_tot, sq_repl = self.read_totals(local_loss, g32)
         norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
-        res = StepResult(loss=loss_tot / self.all_ranks, grad_norm=norm, skipped=not math.isfinite(norm),
-                         comm_wait_s=0.0, loss_scale=scale, lr=self.optim.lr, memory=dict(memory or {}))
+        res = StepResult(
+            loss=loss_tot / self.all_ranks,
+            grad_norm=norm,
+            skipped=not math.isfinite(norm),
+            comm_wait_s=0.0,
+            loss_scale=scale,
+            lr=self.optim.lr,
+            memory=dict(memory or {}),
+        )
         self.scaler.update(finite=not res.skipped)
         if not res.skipped:
             if self.cfg.grad_clip is not None:
@@ -145,8 +169,9 @@ class ParamUpdate:
         else:
             sq_sharded = self._tp_squares(g32)
         # host sums (CPU optimizer) join the loss on the device without a wait: non_blocking from host memory
-        vec = torch.stack([local_loss.to(torch.float64), sq_sharded.to(dev, non_blocking=True),
-                           sq_repl.to(dev, non_blocking=True)])  # [3] fp64 on the device
+        vec = torch.stack(
+            [local_loss.to(torch.float64), sq_sharded.to(dev, non_blocking=True), sq_repl.to(dev, non_blocking=True)]
+        )  # [3] fp64 on the device
         if self.all_ranks > 1:
             with self.comm.streams.blocked(), ranges.span(CONTROL_RANGE):  # control traffic: not in the byte accounting
                 dist.all_reduce(vec[:2])  # loss and sharded squares summed; the replicated ones counted once
@@ -188,8 +213,17 @@ class ParamUpdate:
             works.append(wd.refresh_replica(u, self.master_copy(i)))
         else:  # stages 1/2: everyone needs every updated shard
             m = self.master_copy(i, self.dtype)  # [S] (not a view of u.flat)
-            works.append(self.comm.all_gather(u.flat, m, spec=None, bucket=self.cfg.allgather_bucket_size,
-                                              kind=CommKind.PARAM_ALL_GATHER, unit=u.name, async_op=True))
+            works.append(
+                self.comm.all_gather(
+                    u.flat,
+                    m,
+                    spec=None,
+                    bucket=self.cfg.allgather_bucket_size,
+                    kind=CommKind.PARAM_ALL_GATHER,
+                    unit=u.name,
+                    async_op=True,
+                )
+            )
 
     def _tp_squares(self, g32: list[torch.Tensor]) -> torch.Tensor:
         """tp > 1: this rank's share of the whole model's squared gradient norm (0-dim fp64 where

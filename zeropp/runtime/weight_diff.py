@@ -81,8 +81,9 @@ class WeightDiff:
     model copy.
     """
 
-    def __init__(self, spec: QuantSpec, comm: EngineComm, *, dtype: torch.dtype, device: torch.device,
-                 bucket: int) -> None:
+    def __init__(
+        self, spec: QuantSpec, comm: EngineComm, *, dtype: torch.dtype, device: torch.device, bucket: int
+    ) -> None:
         self.spec, self.comm, self.dtype, self.device, self.bucket = spec, comm, dtype, device, bucket
         self._refs: dict[int, torch.Tensor] = {}  # id(unit) -> [S] compute dtype (stage 3)
         self._inflight: _Applied | None = None
@@ -147,7 +148,9 @@ class WeightDiff:
     def _issue(self, diff: torch.Tensor, u: FlatUnit, apply: Callable[[torch.Tensor], None]) -> _Applied:
         self.finish()
         buf = torch.empty(u.padded, dtype=torch.float32, device=diff.device)  # [padded] dequantized differences
-        work = self.comm.all_gather(buf, diff, spec=self.spec, bucket=self.bucket, kind=KIND, unit=u.name, async_op=True)
+        work = self.comm.all_gather(
+            buf, diff, spec=self.spec, bucket=self.bucket, kind=KIND, unit=u.name, async_op=True
+        )
         self._inflight = _Applied(work, lambda: apply(buf))
         return self._inflight
 
