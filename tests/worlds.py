@@ -12,10 +12,15 @@ collective fails the test instead of hanging the suite. ``fn`` must be a module-
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 from typing import Any, Callable
 
 from zeropp.launch import RankFailure, launch_world
+
+# Ranks are forked from multiprocessing's fork server, which imports these once: a spawned rank
+# would spend seconds importing torch and zeropp, and the suite starts a few hundred worlds.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zeropp.comm", "zeropp.runtime"])
 
 
 def run_world(
@@ -25,7 +30,15 @@ def run_world(
     ``env``: extra environment of every rank (set by the launcher before ``fn`` runs)."""
     try:
         return launch_world(
-            fn, world_size, args=args, process_group="gloo", threads=1, timeout_s=timeout, grace_s=2.0, extra_env=env
+            fn,
+            world_size,
+            args=args,
+            process_group="gloo",
+            threads=1,
+            timeout_s=timeout,
+            grace_s=2.0,
+            extra_env=env,
+            start_method="forkserver",
         )
     except RankFailure as e:
         if e.exit_code == 128 + signal.SIGINT:  # Ctrl-C: the ranks are stopped; let pytest stop too

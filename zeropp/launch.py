@@ -82,7 +82,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, SignalException, start_processes
@@ -218,14 +218,26 @@ def _redirect_output(path: str) -> None:
 
 
 def _function_rank(
-    fn: Callable, args: tuple, log: str, process_group: str | None, pg_timeout_s: float, threads: int | None
+    fn: Callable,
+    args: tuple,
+    log: str,
+    process_group: str | None,
+    pg_timeout_s: float,
+    threads: int | None,
+    environ: dict[str, str] | None = None,
 ) -> Any:
-    """Entrypoint of a function rank (runs in the spawned child; torch's ``_wrap`` applies ``@record``).
+    """Entrypoint of a function rank (runs in the child; torch's ``_wrap`` applies ``@record``).
 
     Gives the rank what the bootstrap gives a module rank (own process group for the final SIGKILL
     of grandchildren, PDEATHSIG=SIGKILL, its log file), then runs ``fn(rank, world_size, *args)``
-    inside a default process group of ``process_group`` when one is asked for.
+    inside a default process group of ``process_group`` when one is asked for. ``environ``: the
+    whole environment the rank must have (a forkserver child otherwise keeps the server's).
     """
+    if environ is not None:
+        elastic = {k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")}  # set by torch's _wrap
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ.update(elastic)
     os.setsid()
     _prctl_pdeathsig()
     if log:
@@ -340,6 +352,7 @@ def launch_world(
     ranks_per_node: int | None = None,
     heartbeat_s: float | None = None,
     poll_s: float = 0.05,
+    start_method: Literal["spawn", "forkserver"] = "spawn",
 ) -> list[Any]:
     """Start ``world_size`` ranks of ``entry`` on this host and wait; return their results by rank.
 
@@ -351,8 +364,15 @@ def launch_world(
     ``grace_s`` is how long a stopped rank gets between SIGTERM and SIGKILL. ``ranks_per_node``
     only names a failing rank's node in messages. ``heartbeat_s``: name and stop a rank silent for
     that long (None or 0: off; see :mod:`zeropp.watch`). Raises :class:`RankFailure` (see module doc).
+    ``start_method`` (function entries): ``"forkserver"`` forks each rank from multiprocessing's
+    fork server, which imports once what ``multiprocessing.set_forkserver_preload`` names (seconds
+    of ``import torch`` saved per rank, for callers that start many small worlds, as the tests do);
+    each rank gets the caller's whole current environment, as a spawned one does. Forked ranks are
+    the server's children, not this process's: a failure is then ordered by torch's report alone.
     """
     function = not isinstance(entry, ModuleEntry)
+    if start_method not in ("spawn", "forkserver") or (start_method != "spawn" and not function):
+        raise ValueError(f"start_method={start_method!r}: module entries spawn; functions take 'spawn' or 'forkserver'")
     placement.check(world_size, function=function)
     if world_size < 1:
         raise PlacementError(f"world_size must be >= 1, got {world_size}")
@@ -371,8 +391,18 @@ def launch_world(
             pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
             ep: Callable | str = _function_rank
             rank_args: dict[int, tuple]
+            own_env = start_method == "forkserver"
             rank_args = {
-                r: (entry, tuple(args), logs[r], process_group, pg_timeout, threads) for r in range(world_size)
+                r: (
+                    entry,
+                    tuple(args),
+                    logs[r],
+                    process_group,
+                    pg_timeout,
+                    threads,
+                    {**os.environ, **envs[r]} if own_env else None,
+                )
+                for r in range(world_size)
             }
         else:
             assert isinstance(entry, ModuleEntry)
@@ -404,6 +434,7 @@ def launch_world(
             monitor=monitor,
             timeout_s=timeout_s,
             poll_s=poll_s,
+            start_method=start_method,
         )
     finally:
         watch.close_world(world_dir, run_id)  # every rank is gone: what they left is safe to remove
@@ -420,6 +451,7 @@ def _start_and_watch(
     monitor: watch.HeartbeatMonitor | None,
     timeout_s: float,
     poll_s: float,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Start the ranks under torch's signal handlers, watch them, and stop whatever is left."""
     errors_cm = (
@@ -432,7 +464,12 @@ def _start_and_watch(
     with errors_cm as error_root:
         try:
             pc = start_processes(
-                name="zeropp", entrypoint=ep, args=rank_args, envs=envs, logs_specs=DefaultLogsSpecs(log_dir=error_root)
+                name="zeropp",
+                entrypoint=ep,
+                args=rank_args,
+                envs=envs,
+                logs_specs=DefaultLogsSpecs(log_dir=error_root),
+                start_method=start_method,
             )
             world = _World(
                 pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node, monitor=monitor
