@@ -28,33 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.plain_models import Plain, W, data, mlp
 from zeropp.runtime import MicroBatchError, WithTargets
 from zeropp.runtime.batch import call_model, per_rank
 from zeropp.runtime.partition import build_units, find_blocks, one_unit_warning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-W, LAYERS, B, STEPS, LR = 8, 3, 4, 2, 1e-2
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for i in range(LAYERS):
-        mods += [nn.Linear(W, W)] + ([nn.ReLU()] if i < LAYERS - 1 else [])
-    return nn.Sequential(*mods)
-
-
-class Plain(nn.Module):
-    """Three Linears as attributes: no ModuleList, not a Sequential (the default rule finds nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.l0, self.l1, self.l2 = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
 
 
 class Wrapper(nn.Module):
@@ -64,11 +43,6 @@ class Wrapper(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)
-
-
-def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(97 * step + rank)
-    return torch.randn(B, W, generator=g), torch.randn(B, W, generator=g)
 
 
 def _units(model: nn.Module, policy: Any = None, stage: int = 3) -> list:
