@@ -21,12 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-
-class _Pool:
-    """A component with ``nbytes`` only (the communication buffer pool): device bytes."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
+from tests.memory_fakes import FakePool
 
 
 @pytest.mark.cuda
@@ -39,7 +34,7 @@ def test_cuda_peak_comes_from_the_allocator_and_resets_per_phase():
     reset_peak(dev)
     big = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # 64 MiB, freed before the snapshot
     del big
-    snap = snapshot("forward", [], {"buffers": [_Pool(10)]}, dev)
+    snap = snapshot("forward", [], {"buffers": [FakePool(10)]}, dev)
     assert snap.peak_source == "cuda_allocator" and snap.peak >= base + (64 << 20)
     assert snap.process["allocated"] < snap.peak and snap.tiers["device"]["buffers"] == 10
     reset_peak(dev)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.memory_fakes import FakeComponent, FakePool
 from zeropp.runtime.memory import (
     CATEGORIES,
     TIERS,
@@ -32,23 +33,6 @@ from zeropp.runtime.memory import (
     source_tiers,
     tier_totals,
 )
-
-
-class _Fake:
-    """A component reporting fixed bytes, as the activation tracker / buffer pool will."""
-
-    def __init__(self, tiers: dict[str, int]) -> None:
-        self.tiers = tiers
-
-    def memory_by_tier(self) -> dict[str, int]:
-        return dict(self.tiers)
-
-
-class _Pool:
-    """A component with ``nbytes`` only (the communication buffer pool): device bytes."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
 
 
 def test_device_model_state_falls_as_the_offload_papers_say():
@@ -107,14 +91,14 @@ def test_account_and_sources_local():
         param_shard = torch.zeros(10)
         grad_shard = torch.zeros(5, dtype=torch.bfloat16)
 
-    got = account([U()], {"optimizer": [_Fake({"host": 7})], "buffers": [_Pool(3)]}, torch.device("cpu"))
+    got = account([U()], {"optimizer": [FakeComponent({"host": 7})], "buffers": [FakePool(3)]}, torch.device("cpu"))
     assert got["device"]["params"] == 40 and got["device"]["grads"] == 10
     assert got["host"]["optimizer"] == 7 and got["device"]["buffers"] == 3
     # a params source owns the shards: not counted twice
-    got = account([U()], {"params": [_Fake({"host": 40})]}, torch.device("cpu"))
+    got = account([U()], {"params": [FakeComponent({"host": 40})]}, torch.device("cpu"))
     assert got["device"]["params"] == 0 and got["host"]["params"] == 40
     with pytest.raises(ValueError, match="tiers"):
-        source_tiers(_Fake({"gpu": 1}))
+        source_tiers(FakeComponent({"gpu": 1}))
     with pytest.raises(TypeError, match="memory_by_tier"):
         source_tiers(object())
     with pytest.raises(ValueError, match="category"):
