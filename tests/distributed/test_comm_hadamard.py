@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tests.comm_helpers import _stack, bytes_of, expected_all_gather_bytes, expected_reduce_scatter_bytes, rank_input
+from tests.hadamard_reference import had, q_rot, round_trip, unrot
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
@@ -29,46 +30,14 @@ from zeropp.comm import (
 from zeropp.comm.qgz import swizzle
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import QuantizedTensor
-from zeropp.kernels.reference import (
-    dequantize_ref,
-    dequantize_sum_ref,
-    dequantize_sum_requantize_ref,
-    hadamard_ref,
-    quantize_ref,
-)
+from zeropp.kernels.reference import dequantize_sum_ref, dequantize_sum_requantize_ref
 
 SEED = 91
 
 
-def had(bits: int, gs, block=None, **kw) -> QuantSpec:
-    return QuantSpec(bits=bits, group_size=gs, rotation="hadamard", hadamard_block=block, **kw)
-
-
 # ------------------------------------------------------------------------------ reference pieces
-def rot(x: torch.Tensor, b: int, rows: int = 1) -> torch.Tensor:
-    """Rotated fp32 rows [rows, rotated_cols]."""
-    return hadamard_ref(x, b, rows=rows)
-
-
-def unrot(v: torch.Tensor, b: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rotated [rows, rotated_cols] -> [rows, cols] in ``dtype``."""
-    return hadamard_ref(v, b, rows=v.shape[0], out_cols=cols, dtype=dtype)
-
-
-def q_rot(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None) -> QuantizedTensor:
-    kw = {} if seed is None else dict(stochastic=True, seed=seed)
-    return quantize_ref(rot(x, b, rows), bits, gs, rows=rows, **kw)
-
-
 def rows_of(q: QuantizedTensor, a: int, b: int) -> QuantizedTensor:
     return QuantizedTensor(q.codes[a:b], q.scales[a:b], q.cols, q.bits, q.group_size)
-
-
-def round_trip(
-    x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    cols = x.numel() // rows
-    return unrot(dequantize_ref(q_rot(x, b, bits, gs, rows, seed)), b, cols, dtype)
 
 
 # ------------------------------------------------------------------------------ collectives, 4 gloo ranks

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.comm_helpers import _stack, rank_input
+from tests.stochastic_specs import SEED, sr_spec
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
@@ -30,20 +31,6 @@ from zeropp.comm import (
 from zeropp.comm.qgz import swizzle
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize
-
-SEED = 1234
-
-
-def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
-    """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
-    return QuantSpec(
-        bits=bits,
-        group_size=group_size,
-        intra_bits=intra_bits,
-        seed=seed,
-        rounding="stochastic" if stochastic else "nearest",
-    )
-
 
 CALLS = 50  # calls averaged in the unbiasedness checks
 

@@ -15,43 +15,10 @@ import pytest
 import torch
 
 from tests.comm_helpers import _stack, rank_input
+from tests.hadamard_reference import had, q_rot, round_trip, unrot
 from zeropp.comm.codecs import HadamardCodec, IntCodec, codec_for
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.kernels import QuantizedTensor
-from zeropp.kernels.reference import (
-    dequantize_ref,
-    dequantize_sum_ref,
-    dequantize_sum_requantize_ref,
-    hadamard_ref,
-    quantize_ref,
-)
-
-
-def had(bits: int, gs, block=None, **kw) -> QuantSpec:
-    return QuantSpec(bits=bits, group_size=gs, rotation="hadamard", hadamard_block=block, **kw)
-
-
-# ------------------------------------------------------------------------------ reference pieces
-def rot(x: torch.Tensor, b: int, rows: int = 1) -> torch.Tensor:
-    """Rotated fp32 rows [rows, rotated_cols]."""
-    return hadamard_ref(x, b, rows=rows)
-
-
-def unrot(v: torch.Tensor, b: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rotated [rows, rotated_cols] -> [rows, cols] in ``dtype``."""
-    return hadamard_ref(v, b, rows=v.shape[0], out_cols=cols, dtype=dtype)
-
-
-def q_rot(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None) -> QuantizedTensor:
-    kw = {} if seed is None else dict(stochastic=True, seed=seed)
-    return quantize_ref(rot(x, b, rows), bits, gs, rows=rows, **kw)
-
-
-def round_trip(
-    x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    cols = x.numel() // rows
-    return unrot(dequantize_ref(q_rot(x, b, bits, gs, rows, seed)), b, cols, dtype)
+from zeropp.kernels.reference import dequantize_sum_ref, dequantize_sum_requantize_ref
 
 
 # ------------------------------------------------------------------------------ spec and recipe

@@ -14,21 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.stochastic_specs import SEED, sr_spec
 from zeropp.comm import stochastic_seed
-from zeropp.comm.spec import QuantSpec
-
-SEED = 1234
-
-
-def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
-    """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
-    return QuantSpec(
-        bits=bits,
-        group_size=group_size,
-        intra_bits=intra_bits,
-        seed=seed,
-        rounding="stochastic" if stochastic else "nearest",
-    )
 
 
 def test_plugin_settings_validate_the_seed():
