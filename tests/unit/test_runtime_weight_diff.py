@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.experiment_helpers import composed_config
 from zeropp.comm.spec import RECIPES, QuantRecipe, QuantSpec
 from zeropp.runtime import ZeroConfig
 
@@ -61,11 +62,10 @@ def test_recipes():
 def test_runner_recipes_carry_weight_diff():
     """``quant=sdp4bit`` / ``quant=qwd`` reach ZeroConfig with their weight_diff, refinable as
     ``zero.weight_diff.bits=8``; stages 1-2 through ``quant=qwd zero.hpz=false``."""
-    from tests.unit.test_experiments_config import _cfg
     from zeropp.experiments.config import from_dict
 
     for name in ("sdp4bit", "qwd", "zeropp"):
-        rc = from_dict(_cfg(f"quant={name}"))
+        rc = from_dict(composed_config(f"quant={name}"))
         r = RECIPES[name]
         assert (rc.zero.weights, rc.zero.grads, rc.zero.weight_diff, rc.zero.hpz) == (
             r.weights,
@@ -73,7 +73,7 @@ def test_runner_recipes_carry_weight_diff():
             r.weight_diff,
             r.hpz,
         )
-    rc = from_dict(_cfg("quant=sdp4bit", "zero.weight_diff.bits=8"))
+    rc = from_dict(composed_config("quant=sdp4bit", "zero.weight_diff.bits=8"))
     assert rc.zero.weight_diff == W8 and "qWD[int8]" in rc.describe()
-    rc = from_dict(_cfg("quant=qwd", "stage=2", "zero.hpz=false"))
+    rc = from_dict(composed_config("quant=qwd", "stage=2", "zero.hpz=false"))
     assert rc.zero.stage == 2 and rc.zero.weight_diff == W4 and not rc.zero.hpz
