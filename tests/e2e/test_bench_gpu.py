@@ -1,7 +1,8 @@
-"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real
-run of the smallest configuration on CPU (two rows, world 1).
+"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real run
+of the smallest configuration on CPU (two rows, world 1).
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_bench_gpu.py``.
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
+``tests/unit/test_bench_gpu.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Config: every library setting is an override, each declared once, and every bad input is one
-clear error that names the key, before any rank starts.
+"""Config: every library setting is an override, each declared once, and every bad input is one clear
+error that names the key, before any rank starts.
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_config.py``.
 """
 

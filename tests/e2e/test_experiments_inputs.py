@@ -1,9 +1,7 @@
-"""Every bad input is refused before any rank starts: one ``error: ...`` line naming the key, the
-value and what is allowed, exit 2. Each fault is provoked for real (a missing or unreadable
-corpus, an unwritable directory, a topology too big for this host) through the runner's own
-command line, run in-process (``cli_helpers.run_cli``) so no rank or interpreter starts.
+"""Every bad input is refused before any rank starts: one ``error: ...`` line naming the key, the value
+and what is allowed, exit 2.
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_inputs.py``.
 """
 

@@ -1,10 +1,8 @@
-"""Properties of the quantization format through the public API (torch reference, the spec), its
-input checks, the CPU dispatch, and a smoke run of the kernel benchmark.
+"""Properties of the quantization format through the public API (torch reference, the spec), its input
+checks, the CPU dispatch, and a smoke run of the kernel benchmark.
 
-The Triton kernels are compared with this reference bit for bit in test_kernels_triton.py; the
-properties checked here therefore hold for both.
-
-Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_kernels.py``.
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
+``tests/unit/test_kernels.py``.
 """
 
 from __future__ import annotations

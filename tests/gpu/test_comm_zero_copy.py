@@ -1,25 +1,8 @@
-"""The quantized collectives make no copies around the collective itself (issue 11, item 2).
+"""The quantized collectives make no copies around the collective itself.
 
-What is proven, and how:
-
-- parity: the ``int`` codec's in-place wire path (quantize into views of the send buffer, read
-  the receive buffer through views) produces the same bytes and the same values as the generic
-  pack / unpack path (``Codec``'s defaults, which are what the codec did before), on awkward
-  sizes (1, 7, 17x257), fp32/bf16/fp16, INT8/INT4, round-to-nearest and stochastic, and on group
-  sizes whose layout cannot be viewed in place (those keep copying, with the same bytes);
-- aliasing: ``unpack`` returns views of the received buffer; the all-gather writes the caller's
-  output (same ``data_ptr``), also when the output is a row-strided column slice;
-- op counts: a ``TorchDispatchMode`` records every aten op the caller's thread issues during a
-  quantized all-gather / reduce-scatter on gloo worlds of 2 and 2x2 ranks, with the kernels
-  forced onto the Triton path (run by the interpreter on CPU). Ops issued *inside* a kernel
-  launch are not counted: the interpreter emulates the kernel with host copies of its
-  arguments, a GPU launch issues no aten op at all. What remains must be exactly the send and
-  receive wire buffers (one allocation each, codes and scales included), the collective, and
-  views: no ``copy_``, ``cat``, ``clone`` or ``contiguous`` copy, in particular no swizzled copy
-  of the gradient in the hierarchical qgZ.
-
-Here: the CUDA checks of this topic; its other tiers' checks are in ``tests/unit/test_comm_zero_copy.py``,
-``tests/distributed/test_comm_zero_copy.py``.
+Here: the CUDA checks. The topic's full description and its gloo-world checks are in
+``tests/distributed/test_comm_zero_copy.py``; its one-process checks are in
+``tests/unit/test_comm_zero_copy.py``.
 """
 
 from __future__ import annotations

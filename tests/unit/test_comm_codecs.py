@@ -1,13 +1,6 @@
 """The codec registry: a scheme registered in a test reaches every collective unchanged.
 
-The toy scheme ``offset`` is the ``int`` codec applied to ``x + OFFSET`` (and ``OFFSET``
-subtracted after dequantizing), a stand-in for schemes that transform values before the integer
-quantizer (Hadamard rotation, weight differences). It implements only the required codec methods,
-so qgZ's sums and its hierarchical re-quantization run through the generic ``Codec`` reductions.
-Each collective's result must equal the toy scheme's own reference (built from the kernels with
-the documented arithmetic order), bit for bit, and differ from the ``int`` result.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_codecs.py``.
 """
 

@@ -1,11 +1,6 @@
 """Hadamard-rotated quantization in the codec and the collectives (``QuantSpec.rotation``).
 
-Every result is compared bit for bit with a composition of the kernels' torch reference
-functions in the documented order: rotate (``hadamard_ref``, rows zero padded to whole blocks),
-quantize, (qgZ: sum and re-quantize in the rotated basis), dequantize-sum, rotate back keeping
-the original length, scale. The bytes on the wire must be exactly the unrotated int codec's.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_hadamard.py``.
 """
 

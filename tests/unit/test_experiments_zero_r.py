@@ -1,9 +1,6 @@
-"""train.activation_checkpointing through the runner: the zeropp trainer (stage 3, where the
-recomputation re-gathers the block), DDP and FSDP2 (its unshard hooks outside the recomputed
-region) give exactly the losses of the same run without it
-(fp32); zero.offload_activations is refused for the torch trainers (they would not honour it).
+"""train.activation_checkpointing and zero.offload_activations through the runner.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_experiments_zero_r.py``.
 """
 

@@ -1,7 +1,7 @@
-"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem)
-and experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
+"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem) and
+experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_runtime_bench.py``.
 """
 

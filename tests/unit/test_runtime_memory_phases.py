@@ -1,19 +1,8 @@
 """Memory by phase and by tier (``ZeroEngine.memory_phases``) against ZeRO's formulas.
 
-One 2-node x 2-rank gloo world trains the tiny GPT for one step per configuration and returns
-each engine's snapshots. Checked: the five phases exist; model creation holds no optimizer state
-and optimizer creation all of it, on its tier; at the end of backward (all model state
-alive) each tier's params / grads / optimizer bytes are within 5% of ``expected_by_tier``
-(the ZeRO table placed on tiers); the tiers add up to the flat ``memory_report``; registered
-components (activations, buffers) land under their category and tier; the CPU peak is the
-accounted device total and the RSS figures are there.
-
-Offload rows run when the engine has the offload pieces (an optimizer-state holder with
-``memory_by_tier``, a parameter store registered with ``track_memory("params", ...)``); where
-``ZeroEngine`` accepts the option but has no such piece yet, they skip saying so.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
-``tests/distributed/test_runtime_memory_phases.py``, ``tests/gpu/test_runtime_memory_phases.py``.
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
+``tests/distributed/test_runtime_memory_phases.py``; its CUDA checks are in
+``tests/gpu/test_runtime_memory_phases.py``.
 """
 
 from __future__ import annotations

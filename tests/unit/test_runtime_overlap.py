@@ -1,17 +1,7 @@
-"""Overlap in the engine: the stream/event ordering of ``CommStreams`` and the schedule of
-prefetched gathers and early reduce-scatters.
+"""Overlap in the engine: the stream/event ordering of ``CommStreams`` and the schedule of prefetched
+gathers and early reduce-scatters.
 
-The CUDA ordering is checked on CPU with a recording fake of the stream API: the engine runs
-on gloo ranks with the fake injected, must give bit-identical results to the engine without
-streams (the reference), and its log must show every side stream waiting for the compute
-stream before it is used, the tensors it reads marked for it, every gathered block bound only
-after the compute stream waited for its gather's event, every reduced gradient read only after
-its reduce-scatter's event, and ``comm_wait_s`` equal to the sum of the timed waits. The
-schedule tests check on the CPU path that stage 3 issues the next block's gather before the
-current block computes (forward and backward) and that a block's reduce-scatter is still
-outstanding while the backward of the block before it runs.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_overlap.py``.
 """
 

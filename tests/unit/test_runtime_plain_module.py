@@ -1,21 +1,6 @@
 """A plain ``nn.Sequential`` MLP through ``ZeroEngine``, as a user writes it first: no surprises.
 
-Checked without processes: the default block rule makes each child with parameters of a
-``Sequential`` a unit (not the whole model one unit); the stage-3 one-unit warning's condition and
-text (names ``blocks=``; silent with several units or below stage 3); a micro-batch the forward
-cannot take is a ``MicroBatchError`` that shows the call and how to pass targets, while a
-``TypeError`` raised inside a forward that took its arguments stays the model's own; ``WithTargets``
-calls the model on the inputs alone; and torch's own ``Adam`` allocates its moments at the first
-step (what the engine's ``optimizer_creation`` phase is contrasted with in ``memory.PHASES``).
-
-One 2-rank gloo world then checks the engine itself: the warning on rank 0 only, and not with
-``blocks=`` given or for a ``Sequential``; ``(x, y)`` to a ``Sequential`` fails on every rank with
-the clear message (stages 0 and 3, no stage-3 hint about block parameters) and leaves the world
-usable; ``WithTargets`` training equals single-process ``torch.optim.AdamW`` on the global batch;
-``model_creation`` holds no optimizer state and ``optimizer_creation`` holds all of it (8Ψ/N in
-fp32, the master being the parameter).
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_plain_module.py``.
 """
 

@@ -1,20 +1,6 @@
-"""qWD (``ZeroConfig.weight_diff``, ``zeropp/runtime/weight_diff.py``) in one 2-node x 2-rank gloo world.
+"""qWD (``ZeroConfig.weight_diff``, ``zeropp/runtime/weight_diff.py``).
 
-What is checked, against what:
-- replicas stay identical: stages 1-2, ``u.flat`` equal bit for bit on every rank after every
-  step (fp32 and bf16); stage 3, every rank's hpZ secondary equals the concatenation of the
-  owners' references of the shards it covers;
-- accuracy: the weights the ranks hold stay within one difference's rounding of the fp32 masters
-  and that error does not grow over the steps; 4-bit differences hold the weights far closer
-  than plain 4-bit qwZ (re-quantizing the weights every step); 8-bit differences train like the
-  unquantized run;
-- bytes: ``weight_diff_all_gather`` equals the formula (wire bytes of every shard, to every
-  other rank, per step), the stages 1-2 plain parameter gather is gone, and at stage 3 the
-  only cross-node weight traffic after the first forward is the difference gather;
-- bad settings are refused with errors naming the setting;
-- a checkpoint saved with weight differences loads: replicas restart exact, training goes on.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_weight_diff.py``.
 """
 

@@ -1,24 +1,6 @@
 """Wrapping any ``nn.Module``: block policies, any micro-batch and output form, and the errors.
 
-A toy regression model that is not the GPT (no ``blocks`` ModuleList, awkward sizes 7 -> 17 -> 5,
-blocks returning dicts) is trained by ZeroEngine at stages 0-3 on 2 gloo ranks and compared with
-single-process training on the global batch (``torch.optim.AdamW`` + ``clip_grad_norm_``), to the
-tolerance of ``test_runtime_parity``, in three forms:
-
-- ``dict``: dict micro-batches (``model(**mb)``), the model returns ``{"pred": ...}`` and the loss is
-  the trainer's ``loss_fn(output, mb)``; blocks chosen by class list;
-- ``attr``: dict micro-batches, the model returns a plain dataclass with a ``loss`` attribute (which
-  ``torch.utils._pytree`` cannot flatten: stage 3 gathers the root before backward itself); blocks
-  chosen by a ``callable(name, module)``;
-- ``scalar``: tuple micro-batches (``model(*mb)``), the model returns the scalar loss; blocks by one class.
-
-Errors, each raised identically on every rank, with the world still usable afterwards (no hang):
-a block policy that matches nothing; at stage 3 a block that uses another block's parameter (on
-every rank, and on one rank only: the case that used to leave the other ranks waiting); blocks
-that run in another order than the policy lists them (their gradients would arrive after the
-unit was reduced), caught after forward, and the backstop after backward for such late gradients.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_wrap.py``.
 """
 

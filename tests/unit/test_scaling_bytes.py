@@ -1,12 +1,6 @@
-"""The scaling model's bytes are the engine's bytes. ``experiments.scaling``'s messages are the
-communication plan's (``zeropp.runtime.plan``), checked here for every configuration of
-``plan_helpers.WORLDS`` -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
-applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies, qWD's steady
-state -- and the plan is checked against the engine's CommStats for the same set in one process
-(``tests/unit/test_runtime_plan.py``). End to end, one real 4-rank gloo world (2x2 and 1x4, and tp=2)
-compares CommStats on every rank, and each node's uplink, with the model.
+"""The scaling model's bytes are the engine's bytes.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_scaling_bytes.py``.
 """
 
