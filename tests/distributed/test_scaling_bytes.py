@@ -16,17 +16,12 @@ from typing import Any
 
 import torch
 
-from tests.plan_helpers import SMALL_BUCKETS, ZPP
+from tests.plan_helpers import SMALL_BUCKETS, TINY_UNITS, ZPP
 from tests.runtime_helpers import TINY, rank_batches, train_engine
 from tests.worlds import run_world
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
+from zeropp.experiments.scaling import Cluster, Workload, messages, pairwise_bytes, uplink_bytes
 from zeropp.models import GPT
-
-UNITS = gpt_units(
-    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
-)
-
 
 E2E: list[tuple[int, list[dict[str, Any]]]] = [
     (
@@ -95,7 +90,7 @@ def _flat(snap: dict[str, dict[str, int]]) -> dict[str, int]:
 def _predicted(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, float], Cluster, Workload]:
     from zeropp.runtime import ZeroConfig
 
-    w = Workload.from_zero(ZeroConfig(**kw), units=UNITS, compute_s=0.0, tokens_per_rank=1)
+    w = Workload.from_zero(ZeroConfig(**kw), units=TINY_UNITS, compute_s=0.0, tokens_per_rank=1)
     c = Cluster(nodes=nodes, ranks_per_node=rpn, cross_gbps=1.0, nics_per_node=1)
     return pairwise_bytes(messages(w, c)), c, w
 

@@ -11,10 +11,6 @@ import torch
 
 from tests.host_reads import HostRead, host_reads
 
-"""The step's one read: the all-reduced [loss, squared norms]."""
-
-"""The per-micro-step agreement of host ints: a tensor made on the host from Python ints."""
-
 
 def test_the_counter_sees_library_reads_and_only_those():
     """The counter's own reference: a read in library code (``byte_batch``'s ``starts.tolist()``)

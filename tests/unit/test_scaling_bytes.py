@@ -11,25 +11,15 @@ from typing import Any
 
 import pytest
 
-from tests.plan_helpers import WORLDS, ZPP
-from tests.runtime_helpers import TINY
+from tests.plan_helpers import TINY_UNITS, WORLDS, ZPP
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
-
-UNITS = gpt_units(
-    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
-)
-
-
-"""(nodes, configs) of the 4-rank gloo world: the end-to-end check of the byte model (every recipe,
-stage and topology of ``plan_helpers.WORLDS`` is checked in one process, ``tests/unit/test_runtime_plan.py``)."""
-"""Tensor parallelism (tp=2 on 2x2): ZeRO over the data-parallel ranks, with the units' TP-local sizes."""
+from zeropp.experiments.scaling import Cluster, Workload, messages, pairwise_bytes, uplink_bytes
 
 
 def _predicted(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, float], Cluster, Workload]:
     from zeropp.runtime import ZeroConfig
 
-    w = Workload.from_zero(ZeroConfig(**kw), units=UNITS, compute_s=0.0, tokens_per_rank=1)
+    w = Workload.from_zero(ZeroConfig(**kw), units=TINY_UNITS, compute_s=0.0, tokens_per_rank=1)
     c = Cluster(nodes=nodes, ranks_per_node=rpn, cross_gbps=1.0, nics_per_node=1)
     return pairwise_bytes(messages(w, c)), c, w
 
@@ -46,7 +36,7 @@ def test_model_bytes_are_the_plans(world: int) -> None:
         rpn = world // nodes
         for kw in cfgs:
             pred, c, w = _predicted(kw, nodes, rpn)
-            plan = build_plan(UNITS, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=rpn))
+            plan = build_plan(TINY_UNITS, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=rpn))
             assert pred == plan.bytes_by_kind(), (nodes, kw)
             cross = sum(b for k, b in pred.items() if k.endswith(".cross"))
             assert uplink_bytes(messages(w, c), c) == rpn * cross, (nodes, kw)
@@ -74,7 +64,7 @@ def test_ring_wire_moves_fewer_gather_bytes_than_pairwise() -> None:
     w = dataclasses.replace(
         Workload.from_zero(
             type("Z", (), {**ZPP, "precision": "fp32", "hpz_size": None, "grad_accum_steps": 1})(),
-            units=UNITS,
+            units=TINY_UNITS,
             compute_s=0.0,
             tokens_per_rank=1,
         )
