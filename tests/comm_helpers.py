@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from tests.kernel_helpers import stack
 from zeropp.comm import QuantSpec, Topology
 from zeropp.kernels import dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
 
@@ -61,24 +62,12 @@ def simulate_qgz(
     if topo.nodes == 1 or rpn == 1:
         b = intra_bits if topo.nodes == 1 else bits
         qs = [quantize(c, b, gs, rows=1) for c in chunks]
-        return dequantize_sum(_stack(qs)).view(-1)
+        return dequantize_sum(stack(qs)).view(-1)
     node_sums = []
     for m in range(topo.nodes):
         qs = [quantize(chunks[m * rpn + l], intra_bits, gs, rows=1) for l in range(rpn)]
-        node_sums.append(dequantize_sum_requantize(_stack(qs), bits, gs))
-    return dequantize_sum(_stack(node_sums)).view(-1)
-
-
-def _stack(qs):
-    from zeropp.kernels import QuantizedTensor
-
-    return QuantizedTensor(
-        torch.stack([q.codes for q in qs]),
-        torch.stack([q.scales for q in qs]),
-        qs[0].cols,
-        qs[0].bits,
-        qs[0].group_size,
-    )
+        node_sums.append(dequantize_sum_requantize(stack(qs), bits, gs))
+    return dequantize_sum(stack(node_sums)).view(-1)
 
 
 def qgz_error_bound(

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm_helpers import _stack, rank_input
+from tests.comm_helpers import rank_input
+from tests.kernel_helpers import stack
 from tests.stochastic_specs import SEED, sr_spec
 from tests.worlds import run_world
 from zeropp.comm import (
@@ -226,7 +227,7 @@ def _world_2x2(rank, W):
     sums = []
     for a in range(nodes):  # rank (a, local) re-quantizes the sums of its node for my local index
         src = [first[a * rpn + lp] for lp in range(rpn)]
-        pieces = _stack(
+        pieces = stack(
             [
                 type(q)(
                     q.codes[local * nodes : (local + 1) * nodes],
@@ -242,7 +243,7 @@ def _world_2x2(rank, W):
             pieces, b, gs, stochastic=True, seed=stochastic_seed(SEED, a * rpn + local, 5, 1)
         )
         sums.append(type(q2)(q2.codes[node : node + 1], q2.scales[node : node + 1], q2.cols, q2.bits, q2.group_size))
-    want = dequantize_sum(_stack(sums)).view(-1) * (1.0 / W)
+    want = dequantize_sum(stack(sums)).view(-1) * (1.0 / W)
     assert torch.equal(out, want)
     # unbiased through both hops: crafted input, same on every rank
     x, mask = _crafted(W * n, gs, ib)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm_helpers import _stack, rank_input
+from tests.comm_helpers import rank_input
 from tests.hadamard_reference import had, q_rot, round_trip, unrot
+from tests.kernel_helpers import stack
 from zeropp.comm.codecs import HadamardCodec, IntCodec, codec_for
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.kernels.reference import dequantize_sum_ref, dequantize_sum_requantize_ref
@@ -84,7 +85,7 @@ def test_codec_matches_reference_composition(cols, bits, gs, block, dtype) -> No
     # reductions over k = 2 stacked sources: sum rotated, rotate back once; re-quantize rotated
     y = rank_input(4, cols, rows * cols, torch.float32).to(dtype)
     bufs = torch.stack([c.encode(x, bits, gs, rows=rows, seed=None), c.encode(y, bits, gs, rows=rows, seed=None)])
-    stacked = _stack([q_rot(x, b, bits, gs, rows), q_rot(y, b, bits, gs, rows)])
+    stacked = stack([q_rot(x, b, bits, gs, rows), q_rot(y, b, bits, gs, rows)])
     assert torch.equal(c.dequantize_sum(bufs, cols, bits, gs), unrot(dequantize_sum_ref(stacked), b, cols))
     assert torch.equal(
         c.dequantize_sum(bufs, cols, bits, gs, dtype=torch.bfloat16),
