@@ -14,6 +14,18 @@ import torch
 TINY_RUN = ["model=tiny", "model.seq_len=32", "train.micro_batch_size=4", "data.max_bytes=200000", "logger=none"]
 """Overrides of a run that takes seconds: the tiny GPT on a slice of the text corpus, no logger."""
 
+MINI_1X2_CPU = [
+    "model=mini",
+    "topology=1x2",
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "data=random",
+    "logger=none",
+    "launcher.progress=false",
+    "launcher.device=cpu",
+]
+"""Overrides of a two-step run of the mini GPT on random data, one node of two CPU ranks."""
+
 CLI_ERRORS: list[tuple[list[str], list[str]]] = [
     (["quant=int9"], ["quant", "allowed", "int8"]),
     (["stage=5"], ["stage", "5"]),

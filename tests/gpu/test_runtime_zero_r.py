@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime_helpers import TINY, make_model, rank_batches
-from tests.unit.test_runtime_zero_r import check_offload_model_host_bytes
+from tests.runtime_helpers import TINY, check_offload_model_host_bytes, make_model, rank_batches
 
 
 @pytest.mark.cuda

@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.experiment_helpers import MINI_1X2_CPU
 from zeropp.experiments.config import ConfigError
 from zeropp.experiments.run import run_job
-
-COMMON = [
-    "model=mini",
-    "topology=1x2",
-    "train.steps=2",
-    "train.micro_batch_size=2",
-    "data=random",
-    "logger=none",
-    "launcher.progress=false",
-    "launcher.device=cpu",
-]
 
 
 def test_offload_activations_is_zeropp_only(tmp_path):
     with pytest.raises(ConfigError, match="offload_activations"):
-        run_job([*COMMON, "trainer=fsdp2", "zero.offload_activations=true"], tmp_path / "x")
+        run_job([*MINI_1X2_CPU, "trainer=fsdp2", "zero.offload_activations=true"], tmp_path / "x")
