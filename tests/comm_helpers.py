@@ -14,6 +14,7 @@ import torch
 
 from tests.kernel_helpers import stack
 from zeropp.comm import QuantSpec, Topology
+from zeropp.comm.codecs import Codec, IntCodec
 from zeropp.kernels import dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -116,3 +117,9 @@ def expected_reduce_scatter_bytes(
 
 def bytes_of(stats, kind: str) -> dict[str, int]:
     return stats.snapshot().get(kind, {"intra": 0, "cross": 0})
+
+
+def generic_encode(c: IntCodec, x: torch.Tensor, bits: int, gs: int, rows: int, seed: int | None) -> torch.Tensor:
+    """``x`` through the generic ``pack(quantize(x))`` path of ``Codec`` (what the ``int`` codec did
+    before its in-place wire path): the reference of that path's bytes."""
+    return Codec.encode(c, x, bits, gs, rows=rows, seed=seed)

@@ -7,21 +7,16 @@ Here: the CUDA checks. The topic's full description and its gloo-world checks ar
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
-from zeropp.comm.codecs import Codec, IntCodec
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
+from tests.comm_helpers import generic_encode
+from tests.kernel_helpers import DTYPES
+from zeropp.comm.codecs import IntCodec
 
 # ----------------------------------------------------------------------------------------------
 # Parity of the in-place wire path with the generic pack / unpack path (no process group needed)
 # ----------------------------------------------------------------------------------------------
-def _generic_encode(c: IntCodec, x: torch.Tensor, bits: int, gs: int, rows: int, seed: Optional[int]) -> torch.Tensor:
-    return Codec.encode(c, x, bits, gs, rows=rows, seed=seed)  # pack(quantize(x)): the old path
 
 
 @pytest.mark.cuda
@@ -38,7 +33,7 @@ def test_wire_views_on_cuda_match_the_cpu_reference(dtype, seed) -> None:
     c = IntCodec()
     x = (torch.randn(nodes * rpn, n) * 2).to(dtype)
     for bits in (8, 4):
-        want = _generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)  # CPU
+        want = generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)  # CPU
         got = c.encode(swizzled_view(x.cuda(), nodes, rpn), bits, 128, rows=nodes * rpn, seed=seed)
         assert torch.equal(got.cpu(), want)
         recv = got.view(rpn, nodes, -1)  # as hop 1 receives it: [rpn sources, nodes, B]

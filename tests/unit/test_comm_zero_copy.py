@@ -7,25 +7,22 @@ Here: the one-process checks. The topic's full description and its gloo-world ch
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
+from tests.comm_helpers import generic_encode
+from tests.kernel_helpers import DTYPES
 from tests.triton_helpers import interpreted
 from zeropp.comm.codecs import Codec, IntCodec, wire_layout
 from zeropp.kernels import QuantizedTensor, dequantize, quantize
 from zeropp.kernels.reference import dequantize_ref, quantize_ref
 
 SIZES = [(1, 1), (1, 7), (17, 257)]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # ----------------------------------------------------------------------------------------------
 # Parity of the in-place wire path with the generic pack / unpack path (no process group needed)
 # ----------------------------------------------------------------------------------------------
-def _generic_encode(c: IntCodec, x: torch.Tensor, bits: int, gs: int, rows: int, seed: Optional[int]) -> torch.Tensor:
-    return Codec.encode(c, x, bits, gs, rows=rows, seed=seed)  # pack(quantize(x)): the old path
 
 
 @pytest.mark.parametrize("rows,cols", SIZES)
@@ -38,7 +35,7 @@ def test_int_encode_in_place_matches_pack(rows, cols, dtype, bits, seed) -> None
     for gs in (8, 128, 6):  # 6 at INT4: 3 code bytes per block, not viewable in place for odd block counts
         buf = c.encode(x, bits, gs, rows=rows, seed=seed)
         assert buf.dtype == torch.uint8 and buf.shape == (rows, c.wire_bytes(cols, bits, gs))
-        assert torch.equal(buf, _generic_encode(c, x, bits, gs, rows, seed))
+        assert torch.equal(buf, generic_encode(c, x, bits, gs, rows, seed))
         q = c.unpack(buf, cols, bits, gs)
         if wire_layout(cols, bits, gs).in_place:  # views of the buffer, no unpack copy
             assert q.codes.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
@@ -62,7 +59,7 @@ def test_swizzled_view_quantizes_like_the_swizzled_copy(dtype, seed) -> None:
     c = IntCodec()
     for bits in (8, 4):
         got = c.encode(swizzled_view(x, nodes, rpn), bits, 128, rows=nodes * rpn, seed=seed)
-        want = _generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)
+        want = generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)
         assert torch.equal(got, want)
         # the same through the Triton kernels (interpreter on CPU), which index the view in place
         lay = wire_layout(n, bits, 128)

@@ -328,32 +328,34 @@ def test_fast_cpu_quantize_is_bit_identical_to_the_reference(shape, rows, group_
     assert_bit_identical(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9), ref)
 
 
+SPECIAL_VALUES = [
+    3e38,
+    -1e38,
+    1.0,
+    70000.0,
+    -65520.0,
+    5.0,
+    1e-40,
+    -3e-39,  # huge, subnormal
+    2e-45,
+    0.0,
+    -0.0,
+    -0.0,
+    -0.0,
+    -0.0,
+    1e-45,
+    2.0,
+]
+"""Huge, subnormal and signed-zero values; with a group size of 4 or 2, one block is all -0.0."""
+
+
 @pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fast_cpu_quantize_special_values_and_strides(bits):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
 
-    x = torch.tensor(
-        [
-            3e38,
-            -1e38,
-            1.0,
-            70000.0,
-            -65520.0,
-            5.0,
-            1e-40,
-            -3e-39,  # huge, subnormal
-            2e-45,
-            0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            1e-45,
-            2.0,
-        ]
-    )  # an all -0.0 block of 4
+    x = torch.tensor(SPECIAL_VALUES)
     for gs in (2, 4):
         assert_bit_identical(quantize_cpu(x, bits, gs), quantize_ref(x, bits, gs))
     t = gaussian(64 * 34).view(64, 34).t()  # non-contiguous
@@ -419,26 +421,7 @@ def test_compiled_cpu_quantize_special_values(bits):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
 
-    x = torch.tensor(
-        [
-            3e38,
-            -1e38,
-            1.0,
-            70000.0,
-            -65520.0,
-            5.0,
-            1e-40,
-            -3e-39,  # huge, subnormal
-            2e-45,
-            0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            1e-45,
-            2.0,
-        ]
-    )  # an all -0.0 block
+    x = torch.tensor(SPECIAL_VALUES)
     assert_bit_identical(quantize_cpu(x, bits, 2), quantize_ref(x, bits, 2))
 
 

@@ -7,21 +7,12 @@ Here: the one-process checks. The topic's full description and its gloo-world ch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 
-from tests.plan_helpers import TINY_UNITS, WORLDS, ZPP
+from tests.plan_helpers import TINY_UNITS, WORLDS, ZPP, predicted_bytes
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.scaling import Cluster, Workload, messages, pairwise_bytes, uplink_bytes
-
-
-def _predicted(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, float], Cluster, Workload]:
-    from zeropp.runtime import ZeroConfig
-
-    w = Workload.from_zero(ZeroConfig(**kw), units=TINY_UNITS, compute_s=0.0, tokens_per_rank=1)
-    c = Cluster(nodes=nodes, ranks_per_node=rpn, cross_gbps=1.0, nics_per_node=1)
-    return pairwise_bytes(messages(w, c)), c, w
+from zeropp.experiments.scaling import Cluster, Workload, messages, uplink_bytes
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS))
@@ -35,7 +26,7 @@ def test_model_bytes_are_the_plans(world: int) -> None:
     for nodes, cfgs in WORLDS[world]:
         rpn = world // nodes
         for kw in cfgs:
-            pred, c, w = _predicted(kw, nodes, rpn)
+            pred, c, w = predicted_bytes(kw, nodes, rpn)
             plan = build_plan(TINY_UNITS, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=rpn))
             assert pred == plan.bytes_by_kind(), (nodes, kw)
             cross = sum(b for k, b in pred.items() if k.endswith(".cross"))
