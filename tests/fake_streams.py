@@ -13,11 +13,15 @@ FAKE_ELAPSED_S = 0.001
 
 
 class FakeStream:
+    """A stream known by its name in the log."""
+
     def __init__(self, name: str) -> None:
         self.name = name
 
 
 class FakeEvent:
+    """An event: its number in the log, whether it times, and the stream it was recorded on."""
+
     def __init__(self, k: int, timing: bool) -> None:
         self.k, self.timing, self.stream = k, timing, None
 

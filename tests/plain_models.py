@@ -11,6 +11,7 @@ W, LAYERS, B = 8, 3, 4
 
 
 def mlp() -> nn.Sequential:
+    """``LAYERS`` Linears of width ``W`` with ReLUs between them, seeded."""
     torch.manual_seed(0)
     mods: list[nn.Module] = []
     for i in range(LAYERS):
@@ -31,5 +32,6 @@ class Plain(nn.Module):
 
 
 def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``rank`` at ``step``, [B, W] each, seeded by both."""
     g = torch.Generator().manual_seed(97 * step + rank)
     return torch.randn(B, W, generator=g), torch.randn(B, W, generator=g)

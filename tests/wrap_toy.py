@@ -11,9 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 D_IN, D, D_OUT, N_LAYERS, B = 7, 17, 5, 3, 3
+"""Input, hidden and output widths, blocks, and micro-batch size of the toy."""
 
 
 class ResBlock(nn.Module):
+    """A residual block ``h -> {"h": h + tanh(lin(norm(h)))}``, plus any ``borrow``-ed layers."""
+
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(D)
@@ -29,6 +32,8 @@ class ResBlock(nn.Module):
 
 @dataclasses.dataclass
 class Out:
+    """The output-object form: the prediction and, given targets, the loss."""
+
     pred: torch.Tensor
     loss: torch.Tensor | None = None
 
@@ -56,15 +61,18 @@ class Toy(nn.Module):
 
 
 def mse_of(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of the dict form: MSE of ``out["pred"]`` against ``mb["y"]``."""
     return F.mse_loss(out["pred"], mb["y"])
 
 
 def make_toy(form: str = "dict", **kw: Any) -> Toy:
+    """A ``Toy`` of output ``form`` ("dict", "attr" or "scalar") with the same seeded weights every time."""
     torch.manual_seed(0)
     return Toy(form, **kw)
 
 
 def data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [B, 7], y [B, 5]) of ``rank``'s micro-batch ``micro`` at ``step``, seeded by all three."""
     g = torch.Generator().manual_seed(7919 * step + 101 * micro + rank)
     x = torch.randn(B, D_IN, generator=g)
     return x, torch.sin(x[:, :D_OUT] * 3) + 0.1 * torch.randn(B, D_OUT, generator=g)
