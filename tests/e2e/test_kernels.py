@@ -71,11 +71,6 @@ def test_every_implementation_takes_the_largest_block_and_refuses_a_larger_one_a
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast CPU path (kernels/cpu.py) against the reference, bit for bit
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
 # The compiled CPU kernels (kernels/cpu_fused.py) against the reference, bit for bit. Each
 # (op, dtype, bits, group size, k) variant compiles once per process, so the matrix is kept small:
 # every dtype and bit width at one group size, the rest on fp32.
