@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed.test_runtime_parity import LR, STAGES, STEPS, check_parity
+from tests.parity_helpers import LR, STAGES, STEPS, check_parity
 from tests.runtime_helpers import nccl_world, parity_world
 from tests.worlds import run_world
 
