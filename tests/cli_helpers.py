@@ -1,10 +1,12 @@
 """Run the experiment runner's command line in this process: the real ``cli()`` (override
 pre-check, Hydra composition, validation, the runner's pre-launch checks) with ``sys.argv`` set,
 without an interpreter start-up per call. Launching is replaced by an assertion, so a config
-that was wrongly accepted fails the test (exit 1 with that message) instead of starting ranks."""
+that was wrongly accepted fails the test (exit 1 with that message) instead of starting ranks.
+Also the unwritable directory that the runner's directory checks are provoked with."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,3 +30,17 @@ def run_cli(
     err = capfd.readouterr().err
     assert not (run_dir / "ranks").exists(), "a rank was started"
     return int(e.value.code or 0), err
+
+
+ROOT = os.geteuid() == 0
+"""Whether this process runs as root, whom permission bits do not stop."""
+
+
+def unwritable_dir(tmp_path: Path) -> Path | str:
+    """A directory this process really cannot create files in (root ignores permission bits)."""
+    if ROOT:
+        return "/proc"
+    d = tmp_path / "readonly"
+    d.mkdir()
+    d.chmod(0o500)
+    return d

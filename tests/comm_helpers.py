@@ -12,7 +12,9 @@ import math
 
 import torch
 
+from tests.kernel_helpers import stack
 from zeropp.comm import QuantSpec, Topology
+from zeropp.comm.codecs import Codec, IntCodec
 from zeropp.kernels import dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,24 +63,12 @@ def simulate_qgz(
     if topo.nodes == 1 or rpn == 1:
         b = intra_bits if topo.nodes == 1 else bits
         qs = [quantize(c, b, gs, rows=1) for c in chunks]
-        return dequantize_sum(_stack(qs)).view(-1)
+        return dequantize_sum(stack(qs)).view(-1)
     node_sums = []
     for m in range(topo.nodes):
         qs = [quantize(chunks[m * rpn + l], intra_bits, gs, rows=1) for l in range(rpn)]
-        node_sums.append(dequantize_sum_requantize(_stack(qs), bits, gs))
-    return dequantize_sum(_stack(node_sums)).view(-1)
-
-
-def _stack(qs):
-    from zeropp.kernels import QuantizedTensor
-
-    return QuantizedTensor(
-        torch.stack([q.codes for q in qs]),
-        torch.stack([q.scales for q in qs]),
-        qs[0].cols,
-        qs[0].bits,
-        qs[0].group_size,
-    )
+        node_sums.append(dequantize_sum_requantize(stack(qs), bits, gs))
+    return dequantize_sum(stack(node_sums)).view(-1)
 
 
 def qgz_error_bound(
@@ -127,3 +117,9 @@ def expected_reduce_scatter_bytes(
 
 def bytes_of(stats, kind: str) -> dict[str, int]:
     return stats.snapshot().get(kind, {"intra": 0, "cross": 0})
+
+
+def generic_encode(c: IntCodec, x: torch.Tensor, bits: int, gs: int, rows: int, seed: int | None) -> torch.Tensor:
+    """``x`` through the generic ``pack(quantize(x))`` path of ``Codec`` (what the ``int`` codec did
+    before its in-place wire path): the reference of that path's bytes."""
+    return Codec.encode(c, x, bits, gs, rows=rows, seed=seed)

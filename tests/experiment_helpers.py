@@ -1,5 +1,5 @@
-"""Helpers for tests that drive the experiment runner: the command as a user types it, and what a
-run left in its checkpoint directory."""
+"""Helpers for tests that drive the experiment runner: the command as a user types it, the config
+it composes, the bad command lines it must refuse, and what a run left in its checkpoint directory."""
 
 from __future__ import annotations
 
@@ -9,8 +9,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 TINY_RUN = ["model=tiny", "model.seq_len=32", "train.micro_batch_size=4", "data.max_bytes=200000", "logger=none"]
 """Overrides of a run that takes seconds: the tiny GPT on a slice of the text corpus, no logger."""
+
+MINI_1X2_CPU = [
+    "model=mini",
+    "topology=1x2",
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "data=random",
+    "logger=none",
+    "launcher.progress=false",
+    "launcher.device=cpu",
+]
+"""Overrides of a two-step run of the mini GPT on random data, one node of two CPU ranks."""
+
+CLI_ERRORS: list[tuple[list[str], list[str]]] = [
+    (["quant=int9"], ["quant", "allowed", "int8"]),
+    (["stage=5"], ["stage", "5"]),
+    (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
+    (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
+    (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
+    (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
+    (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
+    *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
+]
+"""Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
+validation, pre-launch checks) and the words their one error line must contain."""
 
 
 def run_cli(
@@ -82,3 +109,15 @@ def legends_over_data(fig) -> list[str]:
         if any(b.x0 < a.x1 and a.x0 < b.x1 and b.y0 < a.y1 and a.y0 < b.y1 for a in boxes):
             bad.append(", ".join(t.get_text() for t in leg.get_texts()))
     return bad
+
+
+def composed_config(*overrides: str) -> dict:
+    """The config ``python -m zeropp.experiments.run <overrides>`` composes, resolved to plain
+    containers (before validation)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]

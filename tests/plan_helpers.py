@@ -20,6 +20,7 @@ from torch import nn
 
 from tests.runtime_helpers import TINY, rank_batches
 from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes
 from zeropp.models import GPT, GPTConfig
 from zeropp.runtime.plan import PlanUnit, plan_units
 
@@ -108,6 +109,10 @@ ZPP = dict(stage=3, weights=RECIPES["zeropp"].weights, grads=RECIPES["zeropp"].g
 """The full ZeRO++ switches (qwZ INT8, hpZ, qgZ INT4)."""
 SMALL_BUCKETS = dict(allgather_bucket_size=1000, reduce_bucket_size=3001)
 """Several chunks per unit of the tiny GPT, the last one ragged."""
+TINY_UNITS = gpt_units(
+    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
+)
+"""The scaling model's units of the tiny GPT the engine tests train (``runtime_helpers.TINY``)."""
 
 WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
     4: [
@@ -197,3 +202,13 @@ def profiled_step_ranges(
             eng.close()
     trace_path(run_dir, rank, 2).rename(trace)
     return units
+
+
+def predicted_bytes(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, float], Cluster, Workload]:
+    """The scaling model's pairwise bytes of ``ZeroConfig(**kw)`` on the tiny GPT, ``nodes`` x ``rpn``
+    ranks (with the cluster and workload they came from)."""
+    from zeropp.runtime import ZeroConfig
+
+    w = Workload.from_zero(ZeroConfig(**kw), units=TINY_UNITS, compute_s=0.0, tokens_per_rank=1)
+    c = Cluster(nodes=nodes, ranks_per_node=rpn, cross_gbps=1.0, nics_per_node=1)
+    return pairwise_bytes(messages(w, c)), c, w

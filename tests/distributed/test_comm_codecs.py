@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from tests.comm_helpers import bytes_of, expected_all_gather_bytes, expected_reduce_scatter_bytes, rank_input
+from tests.toy_codec import OFFSET, OffsetCodec
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
@@ -28,38 +29,11 @@ from zeropp.comm import (
     reset_stochastic_calls,
     stochastic_seed,
 )
-from zeropp.comm.codecs import Codec, IntCodec, register_codec
+from zeropp.comm.codecs import register_codec
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, quantize
 
-OFFSET = 1.0
 SEED = 77
-
-
-class OffsetCodec(Codec):
-    """int codec of ``x + OFFSET``; only the required methods (generic reductions)."""
-
-    def __init__(self) -> None:
-        self.int = IntCodec()
-
-    def quantize(self, x, bits, group_size, *, rows, seed):
-        return self.int.quantize(x.float() + OFFSET, bits, group_size, rows=rows, seed=seed)
-
-    def dequantize(self, q, *, out=None, dtype=torch.float32):
-        v = self.int.dequantize(q) - OFFSET  # [rows, cols] fp32
-        if out is None:
-            return v.to(dtype)
-        out.view(-1).copy_(v.view(-1))
-        return out
-
-    def wire_bytes(self, cols, bits, group_size):
-        return self.int.wire_bytes(cols, bits, group_size)
-
-    def pack(self, q):
-        return self.int.pack(q)
-
-    def unpack(self, buf, cols, bits, group_size):
-        return self.int.unpack(buf, cols, bits, group_size)
 
 
 def _rt(x: torch.Tensor, bits: int, gs: int, seed: Optional[int] = None) -> torch.Tensor:

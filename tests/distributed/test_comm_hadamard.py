@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.comm_helpers import _stack, bytes_of, expected_all_gather_bytes, expected_reduce_scatter_bytes, rank_input
+from tests.comm_helpers import bytes_of, expected_all_gather_bytes, expected_reduce_scatter_bytes, rank_input
+from tests.hadamard_reference import had, q_rot, round_trip, unrot
+from tests.kernel_helpers import stack
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
@@ -29,46 +31,14 @@ from zeropp.comm import (
 from zeropp.comm.qgz import swizzle
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import QuantizedTensor
-from zeropp.kernels.reference import (
-    dequantize_ref,
-    dequantize_sum_ref,
-    dequantize_sum_requantize_ref,
-    hadamard_ref,
-    quantize_ref,
-)
+from zeropp.kernels.reference import dequantize_sum_ref, dequantize_sum_requantize_ref
 
 SEED = 91
 
 
-def had(bits: int, gs, block=None, **kw) -> QuantSpec:
-    return QuantSpec(bits=bits, group_size=gs, rotation="hadamard", hadamard_block=block, **kw)
-
-
 # ------------------------------------------------------------------------------ reference pieces
-def rot(x: torch.Tensor, b: int, rows: int = 1) -> torch.Tensor:
-    """Rotated fp32 rows [rows, rotated_cols]."""
-    return hadamard_ref(x, b, rows=rows)
-
-
-def unrot(v: torch.Tensor, b: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rotated [rows, rotated_cols] -> [rows, cols] in ``dtype``."""
-    return hadamard_ref(v, b, rows=v.shape[0], out_cols=cols, dtype=dtype)
-
-
-def q_rot(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None) -> QuantizedTensor:
-    kw = {} if seed is None else dict(stochastic=True, seed=seed)
-    return quantize_ref(rot(x, b, rows), bits, gs, rows=rows, **kw)
-
-
 def rows_of(q: QuantizedTensor, a: int, b: int) -> QuantizedTensor:
     return QuantizedTensor(q.codes[a:b], q.scales[a:b], q.cols, q.bits, q.group_size)
-
-
-def round_trip(
-    x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    cols = x.numel() // rows
-    return unrot(dequantize_ref(q_rot(x, b, bits, gs, rows, seed)), b, cols, dtype)
 
 
 # ------------------------------------------------------------------------------ collectives, 4 gloo ranks
@@ -137,13 +107,13 @@ def _rs_reference(chunks: list[torch.Tensor], topo: Topology, b: int, gs: int) -
     """qgZ SUM of my chunk (INT8 intra hop, INT4 cross hop) from reference functions: fp32 [n]."""
     rpn, n = topo.ranks_per_node, chunks[0].numel()
     if topo.nodes == 1:  # one node: one hop at the intra bits
-        total = dequantize_sum_ref(_stack([q_rot(c, b, 8, gs) for c in chunks]))
+        total = dequantize_sum_ref(stack([q_rot(c, b, 8, gs) for c in chunks]))
     else:  # node partial sums re-quantized in the rotated basis, then summed in node order
         node_sums = [
-            dequantize_sum_requantize_ref(_stack([q_rot(chunks[a * rpn + lp], b, 8, gs) for lp in range(rpn)]), 4, gs)
+            dequantize_sum_requantize_ref(stack([q_rot(chunks[a * rpn + lp], b, 8, gs) for lp in range(rpn)]), 4, gs)
             for a in range(topo.nodes)
         ]
-        total = dequantize_sum_ref(_stack(node_sums))
+        total = dequantize_sum_ref(stack(node_sums))
     return unrot(total, b, n).view(-1)  # rotated back once
 
 
@@ -164,12 +134,12 @@ def _stochastic_2x2(rank: int, W: int, stats: CommStats) -> None:
     node, local = divmod(rank, rpn)
     sums = []
     for a in range(nodes):
-        pieces = _stack([rows_of(first[a * rpn + lp], local * nodes, (local + 1) * nodes) for lp in range(rpn)])
+        pieces = stack([rows_of(first[a * rpn + lp], local * nodes, (local + 1) * nodes) for lp in range(rpn)])
         q2 = dequantize_sum_requantize_ref(
             pieces, bits, gs, stochastic=True, seed=stochastic_seed(SEED, a * rpn + local, 5, 1)
         )
         sums.append(rows_of(q2, node, node + 1))
-    want = unrot(dequantize_sum_ref(_stack(sums)), gs, n).view(-1) * (1.0 / W)
+    want = unrot(dequantize_sum_ref(stack(sums)), gs, n).view(-1) * (1.0 / W)
     assert torch.equal(out, want)
 
 

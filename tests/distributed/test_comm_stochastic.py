@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm_helpers import _stack, rank_input
+from tests.comm_helpers import rank_input
+from tests.kernel_helpers import stack
+from tests.stochastic_specs import SEED, sr_spec
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
@@ -30,20 +32,6 @@ from zeropp.comm import (
 from zeropp.comm.qgz import swizzle
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, dequantize_sum, dequantize_sum_requantize, quantize
-
-SEED = 1234
-
-
-def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
-    """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
-    return QuantSpec(
-        bits=bits,
-        group_size=group_size,
-        intra_bits=intra_bits,
-        seed=seed,
-        rounding="stochastic" if stochastic else "nearest",
-    )
-
 
 CALLS = 50  # calls averaged in the unbiasedness checks
 
@@ -239,7 +227,7 @@ def _world_2x2(rank, W):
     sums = []
     for a in range(nodes):  # rank (a, local) re-quantizes the sums of its node for my local index
         src = [first[a * rpn + lp] for lp in range(rpn)]
-        pieces = _stack(
+        pieces = stack(
             [
                 type(q)(
                     q.codes[local * nodes : (local + 1) * nodes],
@@ -255,7 +243,7 @@ def _world_2x2(rank, W):
             pieces, b, gs, stochastic=True, seed=stochastic_seed(SEED, a * rpn + local, 5, 1)
         )
         sums.append(type(q2)(q2.codes[node : node + 1], q2.scales[node : node + 1], q2.cols, q2.bits, q2.group_size))
-    want = dequantize_sum(_stack(sums)).view(-1) * (1.0 / W)
+    want = dequantize_sum(stack(sums)).view(-1) * (1.0 / W)
     assert torch.equal(out, want)
     # unbiased through both hops: crafted input, same on every rank
     x, mask = _crafted(W * n, gs, ib)

@@ -29,11 +29,11 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.kernel_helpers import DTYPES
 from tests.triton_helpers import interpreted
 from tests.worlds import run_world
 from zeropp.comm.codecs import wire_layout
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ALLOC_OPS = ("empty", "empty_like", "zeros", "zeros_like", "new_empty", "new_zeros", "empty_strided")
 COPY_OPS = ("copy_", "cat", "clone", "_to_copy", "index_select", "stack", "contiguous")
 

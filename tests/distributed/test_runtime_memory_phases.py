@@ -22,6 +22,7 @@ import tempfile
 
 import pytest
 
+from tests.memory_fakes import FakeComponent, FakePool
 from tests.runtime_helpers import make_model, rank_batches
 from tests.worlds import run_world
 from zeropp.runtime.memory import CATEGORIES, MODEL_STATE, PHASES, TIERS, expected_by_tier, offload_choices, tier_totals
@@ -44,23 +45,6 @@ OFFLOAD = {
 }
 
 
-class _Fake:
-    """A component reporting fixed bytes, as the activation tracker / buffer pool will."""
-
-    def __init__(self, tiers: dict[str, int]) -> None:
-        self.tiers = tiers
-
-    def memory_by_tier(self) -> dict[str, int]:
-        return dict(self.tiers)
-
-
-class _Pool:
-    """A component with ``nbytes`` only (the communication buffer pool): device bytes."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-
-
 def _engine_run(rank: int, world: int, kw: dict, nvme_dir: str | None, fakes: bool, offload: bool = False) -> dict:
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
@@ -75,8 +59,8 @@ def _engine_run(rank: int, world: int, kw: dict, nvme_dir: str | None, fakes: bo
     )
     try:
         if fakes:
-            eng.track_memory("activations", _Fake({"host": 1000, "device": 24}))
-            eng.track_memory("buffers", _Pool(4096))
+            eng.track_memory("activations", FakeComponent({"host": 1000, "device": 24}))
+            eng.track_memory("buffers", FakePool(4096))
         has = {
             "has_offload_optimizer": hasattr(eng.optim, "memory_by_tier"),
             "has_param_store": bool(eng._memory_sources["params"]),

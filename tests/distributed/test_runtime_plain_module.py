@@ -30,42 +30,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tests.plain_models import Plain, data, mlp
 from tests.runtime_helpers import rel_err
 from tests.worlds import run_world
 from zeropp.runtime import BlockChoiceWarning, WithTargets
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-W, LAYERS, B, STEPS, LR = 8, 3, 4, 2, 1e-2
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for i in range(LAYERS):
-        mods += [nn.Linear(W, W)] + ([nn.ReLU()] if i < LAYERS - 1 else [])
-    return nn.Sequential(*mods)
-
-
-class Plain(nn.Module):
-    """Three Linears as attributes: no ModuleList, not a Sequential (the default rule finds nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.l0, self.l1, self.l2 = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
+STEPS, LR = 2, 1e-2
 
 
 def mse(out: torch.Tensor, mb: WithTargets) -> torch.Tensor:
     return F.mse_loss(out, mb.targets)
-
-
-def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(97 * step + rank)
-    return torch.randn(B, W, generator=g), torch.randn(B, W, generator=g)
 
 
 def _engine(model: nn.Module, stage: int, **kw: Any):

@@ -1,11 +1,7 @@
 """The nvme tier: swap files, bounded staging, failures, checkpoints and host memory.
 
-References: a plain tensor round trip (what is written reads back bit for bit), the in-memory
-``ShardedAdamW`` (the streamed step must give the same bits), the uninterrupted run (a checkpoint
-saved with offloaded state resumes into any tier with the same losses), and the ZeRO-Infinity
-claim that host memory does not grow with the model (measured RSS).
-
-Here: the gloo-world checks of this topic; its other tiers' checks are in ``tests/unit/test_runtime_swap.py``.
+Here: the gloo-world checks. The topic's full description and its one-process checks are in
+``tests/unit/test_runtime_swap.py``.
 """
 
 from __future__ import annotations

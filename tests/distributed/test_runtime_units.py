@@ -1,6 +1,6 @@
-"""Single-process pieces of the runtime: config validation, partitioning, the sharded AdamW.
+"""Pieces of the runtime: config validation, partitioning, the sharded AdamW.
 
-Here: the gloo-world checks of this topic; its other tiers' checks are in
+Here: the gloo-world checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_runtime_units.py``.
 """
 

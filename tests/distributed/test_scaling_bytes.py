@@ -16,17 +16,12 @@ from typing import Any
 
 import torch
 
-from tests.plan_helpers import SMALL_BUCKETS, ZPP
+from tests.plan_helpers import SMALL_BUCKETS, ZPP, predicted_bytes
 from tests.runtime_helpers import TINY, rank_batches, train_engine
 from tests.worlds import run_world
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
+from zeropp.experiments.scaling import messages, uplink_bytes
 from zeropp.models import GPT
-
-UNITS = gpt_units(
-    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
-)
-
 
 E2E: list[tuple[int, list[dict[str, Any]]]] = [
     (
@@ -92,14 +87,6 @@ def _flat(snap: dict[str, dict[str, int]]) -> dict[str, int]:
     return {f"{kind}.{link}": b for kind, links in snap.items() for link, b in links.items() if b}
 
 
-def _predicted(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, float], Cluster, Workload]:
-    from zeropp.runtime import ZeroConfig
-
-    w = Workload.from_zero(ZeroConfig(**kw), units=UNITS, compute_s=0.0, tokens_per_rank=1)
-    c = Cluster(nodes=nodes, ranks_per_node=rpn, cross_gbps=1.0, nics_per_node=1)
-    return pairwise_bytes(messages(w, c)), c, w
-
-
 def test_predicted_bytes_equal_commstats() -> None:
     """On a real 4-rank gloo world: the byte model (and so the plan it reads) is what the engine
     sends, per kind and link on every rank and per node uplink; with tp=2 the plan of the TP-local
@@ -118,7 +105,7 @@ def test_predicted_bytes_equal_commstats() -> None:
     for t, (nodes, cfgs) in enumerate(plan):
         rpn = world // nodes
         for i, kw in enumerate(cfgs):
-            pred, c, w = _predicted(kw, nodes, rpn)
+            pred, c, w = predicted_bytes(kw, nodes, rpn)
             where = f"{nodes}x{rpn} {kw}"
             for rank in range(world):
                 assert _flat(per_rank[rank][t][i]) == pred, f"rank {rank}, {where}"

@@ -1,33 +1,14 @@
-"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real
-run of the smallest configuration on CPU (two rows, world 1).
+"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real run
+of the smallest configuration on CPU (two rows, world 1).
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_bench_gpu.py``.
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
+``tests/unit/test_bench_gpu.py``.
 """
 
 from __future__ import annotations
 
+from tests.bench_helpers import CPU_TINY
 from zeropp.experiments import bench_gpu
-
-CPU_TINY = [
-    "--device",
-    "cpu",
-    "--preset",
-    "tiny",
-    "--d-model",
-    "0",
-    "--n-layers",
-    "0",
-    "--n-heads",
-    "0",
-    "--seq",
-    "16",
-    "--batch",
-    "2",
-    "--steps",
-    "2",
-    "--warmup",
-    "1",
-]
 
 
 def test_real_cpu_run_of_the_smallest_configuration(capsys):

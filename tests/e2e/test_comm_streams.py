@@ -1,23 +1,8 @@
-"""Buffer lifetimes across streams (``zeropp/comm/lifetime.py``) and the debug mode that shows
-an early release on CPU (``ZEROPP_DEBUG_STREAMS=1``).
+"""Buffer lifetimes across streams (``zeropp/comm/lifetime.py``) and the debug mode that shows an early
+release on CPU (``ZEROPP_DEBUG_STREAMS=1``).
 
-The fault: a communication buffer released (or handed back to a pool) while a collective or a
-continuation on another stream still reads or writes it is silently overwritten by the next
-allocation. On CPU nothing is really reused, so the debug mode poisons released buffers, keeps
-poisoning them at every completion point while they are alive, and runs continuations late.
-The checks, cheapest first:
-
-- the pieces alone (one process): the poison values, what :class:`Buffers` poisons and what it
-  never touches, the pool's LIFO reuse and poisoning, a handle's release order, the late start
-  of continuations (and its bound), and the mode's teeth on one continuation: the same code with
-  the buffer released at issue reads NaN;
-- on a 2-node x 2-rank gloo world with the variable set by the launcher (``tests/streams_helpers.py``,
-  run inside ``test_comm_overlap``'s 2x2 world, so it costs no launch of its own): outstanding and
-  chunked hierarchical qgZ, the DDP hook and a stage-3 ZeRO++ engine step give the results of the
-  run without the mode; with qgZ's hop-1 rows released at issue, or the engine's reduce-scatter
-  output handed back to the pool before its wait, the same runs give wrong results.
-
-Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_comm_streams.py``.
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
+``tests/unit/test_comm_streams.py``.
 """
 
 from __future__ import annotations

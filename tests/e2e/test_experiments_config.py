@@ -1,7 +1,7 @@
-"""Config: every library setting is an override, each declared once, and every bad input is one
-clear error that names the key, before any rank starts.
+"""Config: every library setting is an override, each declared once, and every bad input is one clear
+error that names the key, before any rank starts.
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_config.py``.
 """
 
@@ -11,20 +11,7 @@ import subprocess
 import sys
 import time
 
-import torch
-
-CLI_ERRORS: list[tuple[list[str], list[str]]] = [
-    (["quant=int9"], ["quant", "allowed", "int8"]),
-    (["stage=5"], ["stage", "5"]),
-    (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
-    (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
-    (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
-    (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
-    (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
-    *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
-]
-"""Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
-validation, pre-launch checks) and the words their one error line must contain."""
+from tests.experiment_helpers import CLI_ERRORS
 
 
 def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:

@@ -1,8 +1,6 @@
-"""The convergence suite (experiments/converge.py): a real tiny suite whose table must equal its
-runs' summary.json values, the gap formula and the seed-spread rule against hand-computed numbers
-(a stand-in runner), a failed run that is reported while the suite goes on, and bad inputs.
+"""The convergence suite (experiments/converge.py).
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_converge.py``.
 """
 

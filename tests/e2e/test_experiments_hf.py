@@ -1,10 +1,6 @@
-"""The runner with Hugging Face models: ``model=hf model.hf_config=gpt2|llama`` (plus size keys)
-composes at every stage and quant preset, each model key is declared once (in ``HFConfig``), keys
-of the other model kind are refused by name, and real runs from the command line train GPT-2 and
-Llama (Llama from a local pretrained directory). Without the ``hf`` extra the runs skip with that
-reason, and the runner's own refusal is tested by hiding ``transformers``.
+"""The runner with Hugging Face models.
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_hf.py``.
 """
 

@@ -1,34 +1,20 @@
-"""Every bad input is refused before any rank starts: one ``error: ...`` line naming the key, the
-value and what is allowed, exit 2. Each fault is provoked for real (a missing or unreadable
-corpus, an unwritable directory, a topology too big for this host) through the runner's own
-command line, run in-process (``cli_helpers.run_cli``) so no rank or interpreter starts.
+"""Every bad input is refused before any rank starts: one ``error: ...`` line naming the key, the value
+and what is allowed, exit 2.
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_inputs.py``.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from tests.cli_helpers import run_cli
-
-ROOT = os.geteuid() == 0
-
+from tests.cli_helpers import run_cli, unwritable_dir
 
 # ------------------------------------------------------------------ the checkpoint directory
-def _unwritable_dir(tmp_path):
-    """A directory this process really cannot create files in (root ignores permission bits)."""
-    if ROOT:
-        return "/proc"
-    d = tmp_path / "readonly"
-    d.mkdir()
-    d.chmod(0o500)
-    return d
 
 
 def test_unwritable_run_dir_is_refused_before_hydra_creates_it(tmp_path, monkeypatch, capfd) -> None:
-    target = f"{_unwritable_dir(tmp_path)}/run"
+    target = f"{unwritable_dir(tmp_path)}/run"
     code, err = run_cli([], Path(target), monkeypatch, capfd)
     assert code == 2 and f"hydra.run.dir='{target}' cannot be written" in err and "Traceback" not in err, err

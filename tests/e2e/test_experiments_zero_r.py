@@ -11,23 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.experiment_helpers import MINI_1X2_CPU
 from zeropp.experiments.run import run_job
-
-COMMON = [
-    "model=mini",
-    "topology=1x2",
-    "train.steps=2",
-    "train.micro_batch_size=2",
-    "data=random",
-    "logger=none",
-    "launcher.progress=false",
-    "launcher.device=cpu",
-]
 
 
 @pytest.mark.parametrize("job", [["trainer=zeropp", "stage=3", "quant=none"], ["trainer=ddp"], ["trainer=fsdp2"]])
 def test_activation_checkpointing_changes_no_loss(tmp_path, job):
-    plain = run_job([*COMMON, *job], tmp_path / "plain")
-    ckpt = run_job([*COMMON, *job, "train.activation_checkpointing=true"], tmp_path / "ckpt")
+    plain = run_job([*MINI_1X2_CPU, *job], tmp_path / "plain")
+    ckpt = run_job([*MINI_1X2_CPU, *job, "train.activation_checkpointing=true"], tmp_path / "ckpt")
     assert len(plain["loss"]["curve"]) == 2
     assert ckpt["loss"]["curve"] == plain["loss"]["curve"]

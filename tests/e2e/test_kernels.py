@@ -1,10 +1,8 @@
-"""Properties of the quantization format through the public API (torch reference, the spec), its
-input checks, the CPU dispatch, and a smoke run of the kernel benchmark.
+"""Properties of the quantization format through the public API (torch reference, the spec), its input
+checks, the CPU dispatch, and a smoke run of the kernel benchmark.
 
-The Triton kernels are compared with this reference bit for bit in test_kernels_triton.py; the
-properties checked here therefore hold for both.
-
-Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_kernels.py``.
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
+``tests/unit/test_kernels.py``.
 """
 
 from __future__ import annotations
@@ -15,25 +13,19 @@ import os
 import pytest
 import torch
 
+from tests.kernel_helpers import (
+    COMPILED_SHAPES,
+    DTYPES,
+    assert_bit_identical,
+    assert_same_bits,
+    awkward,
+    compiled_path,  # noqa: F401  (a fixture, used by name)
+    gaussian,
+    stack,
+)
 from zeropp.kernels import QuantizedTensor, quantize
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def gaussian(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g).to(dtype)
-
-
-def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
-    """k QuantizedTensors of one layout -> one stacked [k, rows, *] QuantizedTensor."""
-    q0 = qs[0]
-    return QuantizedTensor(
-        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), q0.cols, q0.bits, q0.group_size
-    )
 
 
 def test_every_implementation_takes_the_largest_block_and_refuses_a_larger_one_alike():
@@ -79,70 +71,10 @@ def test_every_implementation_takes_the_largest_block_and_refuses_a_larger_one_a
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast CPU path (kernels/cpu.py) against the reference, bit for bit
-# ---------------------------------------------------------------------------------------------
-def assert_bit_identical(a: QuantizedTensor, b: QuantizedTensor) -> None:
-    """Same layout, same code bytes, same scale *bits* (NaN payloads and signed zeros included)."""
-    assert (a.cols, a.bits, a.group_size, a.codes.dtype) == (b.cols, b.bits, b.group_size, b.codes.dtype)
-    assert torch.equal(a.codes, b.codes)
-    assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
-
-
-def awkward(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Gaussian data with a zero block, a -0.0 run, NaN and Inf (where the tensor is big enough)."""
-    x = (gaussian(math.prod(shape), seed) * 3).view(shape)
-    flat = x.view(-1)
-    if flat.numel() > 300:
-        flat[100:200] = 0
-        flat[290:300] = -0.0
-        flat[5] = float("nan")
-        flat[250] = float("inf")
-    return x.to(dtype)
-
-
-def use_cpu_path(monkeypatch, path: str) -> None:
-    """Route CPU tensors through one CPU path of kernels/cpu.py for this test: "native" (the C++
-    kernels of kernels/cpu_native.py, what ranks run), "compiled" (kernels/cpu_fused.py for every
-    tensor with a whole block, however small) or "tiled" (the tiles only, whatever the size)."""
-    from zeropp.kernels import cpu, cpu_fused, cpu_native
-
-    monkeypatch.setattr(cpu_native, "ENABLED", path == "native")
-    if path == "native" and not cpu_native.available():
-        pytest.skip(f"native CPU kernels unavailable here: {cpu_native.FAILED}")
-    if path == "tiled":
-        monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 2**62)
-    if path == "compiled":
-        monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
-        monkeypatch.setattr(cpu_fused, "DEQUANTIZE_MIN_ELEMS", 0)
-        monkeypatch.setattr(cpu, "_fused_failed", None)
-
-
-@pytest.fixture
-def compiled_path(monkeypatch):
-    """The compiled kernels (kernels/cpu_fused.py) for every tensor with a whole block, however small."""
-    from zeropp.kernels import cpu
-
-    use_cpu_path(monkeypatch, "compiled")
-    yield
-    assert cpu._fused_failed is None, cpu._fused_failed  # the compiled path really ran
-
-
-def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Bit-identical floats: same dtype, same NaN positions, same values and signs elsewhere."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(torch.isnan(a), torch.isnan(b))
-    a, b = (torch.where(torch.isnan(t), torch.zeros_like(t), t) for t in (a, b))
-    assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
-
-
-# ---------------------------------------------------------------------------------------------
 # The compiled CPU kernels (kernels/cpu_fused.py) against the reference, bit for bit. Each
 # (op, dtype, bits, group size, k) variant compiles once per process, so the matrix is kept small:
 # every dtype and bit width at one group size, the rest on fp32.
 # ---------------------------------------------------------------------------------------------
-COMPILED_SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 17), ((4, 1000), 4), ((3, 70001), 3)]
-"""Shorter than a block (tiles only), one compiled call per row (partial last blocks), one call for
-all rows (whole blocks), and several rows of many blocks."""
 
 
 @pytest.mark.usefixtures("compiled_path")
@@ -174,14 +106,14 @@ def test_compiled_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(bit
     for shape, rows in COMPILED_SHAPES:
         qs = [quantize(awkward(shape, torch.float32, seed=i), bits, 100, rows=rows) for i in range(3)]
         for dtype in DTYPES:
-            assert_same_values(dequantize_cpu(qs[0], dtype=dtype), dequantize_ref(qs[0], dtype=dtype))
+            assert_same_bits(dequantize_cpu(qs[0], dtype=dtype), dequantize_ref(qs[0], dtype=dtype))
             s = stack(qs)
-            assert_same_values(dequantize_sum_cpu(s, dtype=dtype), dequantize_sum_ref(s, dtype=dtype))
+            assert_same_bits(dequantize_sum_cpu(s, dtype=dtype), dequantize_sum_ref(s, dtype=dtype))
         out = torch.full((math.prod(shape),), 7.0, dtype=torch.bfloat16)
         assert dequantize_cpu(qs[1], out=out) is out
-        assert_same_values(out, dequantize_ref(qs[1], dtype=torch.bfloat16).view(-1))
+        assert_same_bits(out, dequantize_ref(qs[1], dtype=torch.bfloat16).view(-1))
         one = stack(qs[:1])
-        assert_same_values(dequantize_sum_cpu(one), dequantize_sum_ref(one))
+        assert_same_bits(dequantize_sum_cpu(one), dequantize_sum_ref(one))
 
 
 @pytest.mark.usefixtures("compiled_path")
@@ -211,8 +143,8 @@ def test_compiled_cpu_int4_codes_at_odd_offsets(group_size):
     buf[1:] = q.codes.view(-1)
     odd = QuantizedTensor(buf[1:].view(q.codes.shape), q.scales, q.cols, 4, group_size)
     assert odd.codes.storage_offset() == 1
-    assert_same_values(dequantize_cpu(odd), dequantize_ref(q))
-    assert_same_values(dequantize_sum_cpu(stack([odd, odd])), dequantize_sum_ref(stack([q, q])))
+    assert_same_bits(dequantize_cpu(odd), dequantize_ref(q))
+    assert_same_bits(dequantize_sum_cpu(stack([odd, odd])), dequantize_sum_ref(stack([q, q])))
 
 
 @pytest.mark.usefixtures("compiled_path")
@@ -233,7 +165,7 @@ def test_compiled_cpu_kernels_are_reused_across_sizes_and_kept_apart_across_vari
         x = awkward((n,), dtype, seed=n)
         q = quantize_cpu(x, bits, gs)
         assert_bit_identical(q, quantize_ref(x, bits, gs))
-        assert_same_values(dequantize_cpu(q, dtype=dtype), dequantize_ref(q, dtype=dtype))
+        assert_same_bits(dequantize_cpu(q, dtype=dtype), dequantize_ref(q, dtype=dtype))
     keys = {k for k in cpu_fused._COMPILED if k[0] in ("q", "dq") and k[1] in (torch.float32, torch.bfloat16)}
     assert {("q", d, b, gs, False) for _, d, b, gs in calls} <= keys
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= len(cpu_fused._COMPILED) * 2  # static/dynamic

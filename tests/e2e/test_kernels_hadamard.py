@@ -1,13 +1,6 @@
-"""The blockwise Walsh-Hadamard rotation: the Triton kernel (under TRITON_INTERPRET=1) against the
-torch reference bit for bit, the reference against the textbook matrix, the round trip, and the
-reason for it all: on outlier-heavy data, rotate-quantize-dequantize-rotate-back loses less than
-plain quantization.
+"""The blockwise Walsh-Hadamard rotation (``zeropp.kernels.hadamard``).
 
-Padding rule under test: a row of ``cols`` elements is zero padded to ``rotated_cols(cols, block)``
-(whole blocks) before the transform; the forward result keeps all of them, the inverse keeps
-``out_cols=cols``.
-
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_kernels_hadamard.py``.
 """
 

@@ -1,12 +1,7 @@
-"""The Triton kernels against the torch reference, bit for bit (same scales, same codes, same
-output bits), run on CPU tensors under TRITON_INTERPRET=1 (set by conftest.py).
+"""The Triton kernels against the torch reference, bit for bit, on CPU tensors under
+TRITON_INTERPRET=1.
 
-The interpreter costs about 1 s per million elements per kernel, so the 2**20 + 3 cases are kept
-to two; everything else is small but chosen to hit every masking path: sizes smaller than one
-block, group sizes that do not divide the row, non-power-of-two group sizes, several tiles per
-row, several rows, NaN/Inf/zero blocks, and all dtype/bit-width combinations.
-
-Here: the end-to-end checks of this topic; its other tiers' checks are in
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_kernels_triton.py``.
 """
 

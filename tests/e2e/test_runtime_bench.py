@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.bench_helpers import cluster_summary
 from zeropp.experiments import bench_cluster
 from zeropp.experiments.bench_fsdp import main
 from zeropp.experiments.cluster.netns import NetnsError, require_privileges
@@ -41,47 +42,6 @@ def test_bench_fsdp_runs_both_trainers_on_the_same_problem(capsys):
     # same model, data and optimizer: the two trainers compute the same losses (fp32)
     for a, b in zip(out["ours"]["losses"], out["fsdp2"]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b)
-
-
-def _cluster_summary(quant: str, step: float, wait: float, cross: float) -> dict:
-    """A summary.json as the runner writes it for a bench_cluster job (the fields the bench reads)."""
-    spec = {
-        "bits": 8,
-        "group_size": None,
-        "rounding": "nearest",
-        "intra_bits": None,
-        "error_feedback": False,
-        "seed": 0,
-        "scheme": "int",
-    }
-    zero = {
-        "stage": 3,
-        "precision": "fp32",
-        "hpz": quant == "zeropp",
-        "hpz_size": None,
-        "grad_accum_steps": 1,
-        "weights": spec if quant == "zeropp" else None,
-        "grads": {**spec, "bits": 4} if quant == "zeropp" else None,
-    }
-    cfg = {
-        "zero": zero,
-        "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4},
-        "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
-        "train": {"micro_batch_size": 2},
-        "trainer": {"name": "zeropp"},
-        "cluster": {"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0},
-    }
-    return {
-        "config": cfg,
-        "step_time_s": {"median": step, "mean": step},
-        "engine_comm_wait_s_per_step": wait,
-        "comm_wait_s_per_step": wait,
-        "engine_comm_bytes_per_step": {"by_link": {"cross": cross, "intra": 1.0}},
-        "placement": {"cluster": "emulated", "measured_gbps": 0.9},
-        "model": {"params": 30_000, "flops_per_token": 1.0},
-        "loss": {"first": 5.6, "final": 5.5},
-        "run_dir": "x",
-    }
 
 
 def _netns_unavailable() -> str | None:
@@ -127,7 +87,7 @@ def test_bench_cluster_alternates_the_modes(monkeypatch, tmp_path, capsys) -> No
     def fake_job(overrides: list[str], run_dir) -> dict:
         quant = next(o.split("=")[1] for o in overrides if o.startswith("quant="))
         calls.append((quant, str(run_dir.relative_to(tmp_path))))
-        return _cluster_summary(quant, 0.5 if quant == "none" else 0.25, 0.1, 2e5)
+        return cluster_summary(quant, 0.5 if quant == "none" else 0.25, 0.1, 2e5)
 
     monkeypatch.setattr(bench_cluster, "run_job", fake_job)
     monkeypatch.setattr(bench_cluster, "require_privileges", lambda: None)

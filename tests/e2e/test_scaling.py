@@ -1,6 +1,7 @@
 """The scaling cost model: exact message sizes, and the ZeRO++ paper's direction and size.
 
-Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_scaling.py``.
+Here: the end-to-end checks. The topic's full description and its one-process checks are in
+``tests/unit/test_scaling.py``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_helpers import stack
 from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
 from zeropp.kernels.reference import dequantize_ref, dequantize_sum_ref, dequantize_sum_requantize_ref, quantize_ref
 
@@ -62,16 +63,6 @@ def _to(q: QuantizedTensor, device: str) -> QuantizedTensor:
     return QuantizedTensor(q.codes.to(device), q.scales.to(device), q.cols, q.bits, q.group_size)
 
 
-def _stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
-    return QuantizedTensor(
-        torch.stack([q.codes for q in qs]),
-        torch.stack([q.scales for q in qs]),
-        qs[0].cols,
-        qs[0].bits,
-        qs[0].group_size,
-    )
-
-
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -102,7 +93,7 @@ def test_reductions_on_cuda_bit_exact(shape: str, in_bits: int, out_bits: int, s
     gs = 64
     for i, dtype in enumerate(DTYPES.values()):
         refs = [quantize_ref(_data(dims, dtype, seed=10 * i + s), in_bits, gs, rows=rows) for s in range(3)]
-        ref = _stack(refs)
+        ref = stack(refs)
         q = _to(ref, "cuda")
         for out_dtype in DTYPES.values():
             got = dequantize_sum(q, dtype=out_dtype)
@@ -152,7 +143,7 @@ def test_bound_launches_on_cuda_bit_exact(bits: int, monkeypatch: pytest.MonkeyP
                 y = torch.empty(rows * cols + 1, dtype=torch.bfloat16, device="cuda")[1:]  # 2-byte aligned
                 dequantize(out, out=y)
                 _same(y.view(rows, cols), dequantize_ref(_to(out, "cpu"), dtype=torch.bfloat16))
-    refs = _stack([quantize_ref(_data((rows, cols), torch.float32, seed=s), bits, gs, rows=rows) for s in range(3)])
+    refs = stack([quantize_ref(_data((rows, cols), torch.float32, seed=s), bits, gs, rows=rows) for s in range(3)])
     for offset in (0, 5):
         out = _views(buf, offset, rows, cols, 4, gs)
         assert dequantize_sum_requantize(_to(refs, "cuda"), 4, gs, stochastic=True, seed=9, out=out) is out

@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_kernels_triton import assert_same_bits
+from tests.kernel_helpers import DTYPES, assert_same_bits
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @pytest.mark.parametrize("shape, rows", [((1,), 1), ((7,), 1), ((17, 257), 1), ((17, 257), 17), ((3, 1 << 20), 3)])

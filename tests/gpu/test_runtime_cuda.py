@@ -9,8 +9,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed.test_runtime_parity import LR, STAGES, STEPS, check_parity
-from tests.runtime_helpers import parity_world
+from tests.parity_helpers import LR, STAGES, STEPS, check_parity
+from tests.runtime_helpers import nccl_world, parity_world
 from tests.worlds import run_world
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -19,17 +19,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 def _nccl_world(rank, world, store_path, configs, steps, ckpt_dir):
     """run_world starts a gloo world; swap it for an NCCL one on this rank's GPU (FileStore
     rendezvous), train, then check a checkpoint round trip on the GPU."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        device_id=torch.device("cuda", rank),
-    )
+    nccl_world(rank, world, store_path)
     out = parity_world(rank, world, 1, configs, steps, device=f"cuda:{rank}")
     from tests.runtime_helpers import make_model, rank_batches
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine

@@ -20,32 +20,18 @@ import warnings
 import pytest
 import torch
 
-from tests.runtime_helpers import make_model, rank_batches
+from tests.runtime_helpers import make_model, nccl_world, rank_batches
 from tests.worlds import run_world
-
-"""The step's one read: the all-reduced [loss, squared norms]."""
-
-"""The per-micro-step agreement of host ints: a tensor made on the host from Python ints."""
 
 
 def _cuda_syncs(rank: int, world: int, store_path: str, stage: int) -> list[tuple[str, int]]:
     """One NCCL rank on GPU 0 (run_world starts a gloo world; swapped as in test_runtime_cuda.py):
     the synchronizing calls library code makes during a step after the first, as the CUDA
     runtime reports them (``set_sync_debug_mode("warn")``), by file and line."""
-    import torch.distributed as dist
-
     from tests.host_reads import ROOTS
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
-    dist.destroy_process_group()
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        device_id=torch.device("cuda", rank),
-    )
+    nccl_world(rank, world, store_path)
     cfg = ZeroConfig(stage=stage, grad_accum_steps=2, grad_clip=1.0)
     eng = ZeroEngine(make_model().cuda(), config=cfg, optimizer=OptimizerConfig(lr=1e-3))
     try:

@@ -1,12 +1,7 @@
 """ZeRO-R: activation checkpointing, activation offload and the constant buffer pool.
 
-Reference: the same engine without the feature. In fp32 the recomputation runs the same kernels
-on the same inputs and the re-gathered block holds the same values (hpZ: the same secondary
-copy; qwZ: the same deterministic quantization of the same shard), so losses and final weights
-must be *equal*, not close, at every stage and with hpZ, qwZ and qgZ. Offloading copies saved
-activations to the host and back, bit for bit, so it is exact too.
-
-Here: the CUDA checks of this topic; its other tiers' checks are in ``tests/unit/test_runtime_zero_r.py``,
+Here: the CUDA checks. The topic's full description and its one-process checks are in
+``tests/unit/test_runtime_zero_r.py``; its gloo-world checks are in
 ``tests/distributed/test_runtime_zero_r.py``.
 """
 
@@ -15,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime_helpers import TINY, make_model, rank_batches
-from tests.unit.test_runtime_zero_r import check_offload_model_host_bytes
+from tests.runtime_helpers import TINY, check_offload_model_host_bytes, make_model, rank_batches
 
 
 @pytest.mark.cuda

@@ -10,29 +10,9 @@ import math
 
 import pytest
 
+from tests.bench_helpers import CPU_TINY
 from zeropp.experiments import bench_gpu
 from zeropp.experiments.config import ConfigError
-
-CPU_TINY = [
-    "--device",
-    "cpu",
-    "--preset",
-    "tiny",
-    "--d-model",
-    "0",
-    "--n-layers",
-    "0",
-    "--n-heads",
-    "0",
-    "--seq",
-    "16",
-    "--batch",
-    "2",
-    "--steps",
-    "2",
-    "--warmup",
-    "1",
-]
 
 
 def fake_summary(step_s: float, memory: int = 3 * 2**20) -> dict:

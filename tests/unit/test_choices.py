@@ -15,25 +15,16 @@ import json
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from tests.cli_helpers import run_cli
+from tests.experiment_helpers import composed_config
 from zeropp.comm import QuantSpec, Rotation, Rounding
 from zeropp.experiments.config import ConfigError, from_dict
 from zeropp.experiments.overrides import check_overrides
 from zeropp.experiments.sections import LauncherDevice, LoggerMode
 from zeropp.runtime import MemoryTier, OffloadTier, OptimizerConfig, Precision, QuantizeFrozen, Schedule, ZeroConfig
-
-
-def _cfg(*overrides: str) -> dict:
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
-
-    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
-
 
 BAD = [
     ([], "zero.precision=fp8", Precision, None),
@@ -59,7 +50,7 @@ def test_a_bad_choice_names_the_key_and_the_valid_values(context, arg, choice, n
     if near is not None:
         assert f"did you mean {key}={near}?" in msg, msg
     with pytest.raises((HydraException, ValidationError)) as ref:  # the reference: composing refuses it too
-        _cfg(*context, arg)
+        composed_config(*context, arg)
     chain = f"{ref.value} {ref.value.__cause__}"
     assert all(v in chain for v in choice.values()), chain
 
@@ -73,7 +64,7 @@ def test_a_bad_choice_on_the_command_line_exits_2(tmp_path, monkeypatch, capfd) 
 
 def test_a_bad_choice_from_a_dict_names_the_key() -> None:
     """A config that bypasses Hydra (a job spec read back as JSON) is checked by the library classes."""
-    d = _cfg()
+    d = composed_config()
     d["zero"]["precision"] = "fp8"
     with pytest.raises(ConfigError, match=r"zero\.precision must be one of \['bf16', 'fp16', 'fp32'\], got 'fp8'"):
         from_dict(d)
@@ -83,7 +74,7 @@ def test_a_bad_choice_from_a_dict_names_the_key() -> None:
 def test_good_choices_pass_the_precheck_and_compose(arg: str) -> None:
     check_overrides([arg])
     key, value = arg.split("=")
-    rc = from_dict(_cfg(arg))
+    rc = from_dict(composed_config(arg))
     got = getattr(getattr(rc, key.split(".")[0]), key.split(".")[1])
     assert got == value and isinstance(got, str) and type(got) is not str  # the member, equal to its string
 
@@ -110,7 +101,9 @@ def test_members_are_their_strings() -> None:
 def test_what_is_written_holds_plain_strings() -> None:
     """Summaries and wandb get ``RunConfig.to_dict()``; checkpoint metadata the config's repr."""
     rc = from_dict(
-        _cfg("quant=zeropp", "zero.precision=bf16", "zero.grads.rounding=stochastic", "optim.schedule=cosine")
+        composed_config(
+            "quant=zeropp", "zero.precision=bf16", "zero.grads.rounding=stochastic", "optim.schedule=cosine"
+        )
     )
     with pytest.raises(yaml.representer.RepresenterError):  # the fault: an enum member in a YAML dump
         yaml.safe_dump(dataclasses.asdict(rc.zero))

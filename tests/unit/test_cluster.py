@@ -1,11 +1,8 @@
-"""Cluster emulator (issue 6): namespaces up and down, shaped link rate, stale cleanup, signals,
-and gloo/training across emulated nodes.
+"""Cluster emulator: namespaces up and down, shaped link rate, stale cleanup, signals, and
+gloo/training across emulated nodes.
 
-Tests that build namespaces need root and a kernel/container that allows `ip netns add`; they
-skip with the reason otherwise. Every cluster a test builds is torn down by a finalizer, and the
-last check asserts nothing with this process's id is left behind.
-
-Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_cluster.py``.
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
+``tests/e2e/test_cluster.py``.
 """
 
 from __future__ import annotations

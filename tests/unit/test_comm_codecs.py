@@ -1,13 +1,6 @@
 """The codec registry: a scheme registered in a test reaches every collective unchanged.
 
-The toy scheme ``offset`` is the ``int`` codec applied to ``x + OFFSET`` (and ``OFFSET``
-subtracted after dequantizing), a stand-in for schemes that transform values before the integer
-quantizer (Hadamard rotation, weight differences). It implements only the required codec methods,
-so qgZ's sums and its hierarchical re-quantization run through the generic ``Codec`` reductions.
-Each collective's result must equal the toy scheme's own reference (built from the kernels with
-the documented arithmetic order), bit for bit, and differ from the ``int`` result.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_codecs.py``.
 """
 
@@ -16,36 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.toy_codec import OffsetCodec
 from zeropp.comm.codecs import Codec, IntCodec, codec_for, codecs, register_codec, unregister_codec
 from zeropp.comm.spec import QuantSpec, register_scheme, schemes, unregister_scheme
-
-OFFSET = 1.0
-
-
-class OffsetCodec(Codec):
-    """int codec of ``x + OFFSET``; only the required methods (generic reductions)."""
-
-    def __init__(self) -> None:
-        self.int = IntCodec()
-
-    def quantize(self, x, bits, group_size, *, rows, seed):
-        return self.int.quantize(x.float() + OFFSET, bits, group_size, rows=rows, seed=seed)
-
-    def dequantize(self, q, *, out=None, dtype=torch.float32):
-        v = self.int.dequantize(q) - OFFSET  # [rows, cols] fp32
-        if out is None:
-            return v.to(dtype)
-        out.view(-1).copy_(v.view(-1))
-        return out
-
-    def wire_bytes(self, cols, bits, group_size):
-        return self.int.wire_bytes(cols, bits, group_size)
-
-    def pack(self, q):
-        return self.int.pack(q)
-
-    def unpack(self, buf, cols, bits, group_size):
-        return self.int.unpack(buf, cols, bits, group_size)
 
 
 @pytest.fixture

@@ -1,12 +1,7 @@
-"""Error feedback on every quantized hop of qgZ, residuals stored in 8 bits (LoCo), their state
-for checkpoints, and the spec / state agreement checks.
+"""Error feedback on every quantized hop of qgZ, residuals stored in 8 bits (LoCo), their state for
+checkpoints, and the spec / state agreement checks.
 
-References: the kernels composed by hand (the same quantize / dequantize_sum calls qgZ makes,
-with every rank's residuals tracked for both hops), and the telescoping identity of error
-feedback: over T calls the outputs add up to the exact sums minus the residuals left after the
-last call, ``sum_t out_t[j] = sum_t sum_r x_t,r[j] - sum_r r1_r[j] - sum_a r2_a[row of j]``.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_feedback.py``.
 """
 

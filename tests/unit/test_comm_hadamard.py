@@ -1,11 +1,6 @@
 """Hadamard-rotated quantization in the codec and the collectives (``QuantSpec.rotation``).
 
-Every result is compared bit for bit with a composition of the kernels' torch reference
-functions in the documented order: rotate (``hadamard_ref``, rows zero padded to whole blocks),
-quantize, (qgZ: sum and re-quantize in the rotated basis), dequantize-sum, rotate back keeping
-the original length, scale. The bytes on the wire must be exactly the unrotated int codec's.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_hadamard.py``.
 """
 
@@ -14,44 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm_helpers import _stack, rank_input
+from tests.comm_helpers import rank_input
+from tests.hadamard_reference import had, q_rot, round_trip, unrot
+from tests.kernel_helpers import stack
 from zeropp.comm.codecs import HadamardCodec, IntCodec, codec_for
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.kernels import QuantizedTensor
-from zeropp.kernels.reference import (
-    dequantize_ref,
-    dequantize_sum_ref,
-    dequantize_sum_requantize_ref,
-    hadamard_ref,
-    quantize_ref,
-)
-
-
-def had(bits: int, gs, block=None, **kw) -> QuantSpec:
-    return QuantSpec(bits=bits, group_size=gs, rotation="hadamard", hadamard_block=block, **kw)
-
-
-# ------------------------------------------------------------------------------ reference pieces
-def rot(x: torch.Tensor, b: int, rows: int = 1) -> torch.Tensor:
-    """Rotated fp32 rows [rows, rotated_cols]."""
-    return hadamard_ref(x, b, rows=rows)
-
-
-def unrot(v: torch.Tensor, b: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rotated [rows, rotated_cols] -> [rows, cols] in ``dtype``."""
-    return hadamard_ref(v, b, rows=v.shape[0], out_cols=cols, dtype=dtype)
-
-
-def q_rot(x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None) -> QuantizedTensor:
-    kw = {} if seed is None else dict(stochastic=True, seed=seed)
-    return quantize_ref(rot(x, b, rows), bits, gs, rows=rows, **kw)
-
-
-def round_trip(
-    x: torch.Tensor, b: int, bits: int, gs: int, rows: int = 1, seed=None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    cols = x.numel() // rows
-    return unrot(dequantize_ref(q_rot(x, b, bits, gs, rows, seed)), b, cols, dtype)
+from zeropp.kernels.reference import dequantize_sum_ref, dequantize_sum_requantize_ref
 
 
 # ------------------------------------------------------------------------------ spec and recipe
@@ -122,7 +85,7 @@ def test_codec_matches_reference_composition(cols, bits, gs, block, dtype) -> No
     # reductions over k = 2 stacked sources: sum rotated, rotate back once; re-quantize rotated
     y = rank_input(4, cols, rows * cols, torch.float32).to(dtype)
     bufs = torch.stack([c.encode(x, bits, gs, rows=rows, seed=None), c.encode(y, bits, gs, rows=rows, seed=None)])
-    stacked = _stack([q_rot(x, b, bits, gs, rows), q_rot(y, b, bits, gs, rows)])
+    stacked = stack([q_rot(x, b, bits, gs, rows), q_rot(y, b, bits, gs, rows)])
     assert torch.equal(c.dequantize_sum(bufs, cols, bits, gs), unrot(dequantize_sum_ref(stacked), b, cols))
     assert torch.equal(
         c.dequantize_sum(bufs, cols, bits, gs, dtype=torch.bfloat16),

@@ -1,9 +1,6 @@
-"""JSON records between ranks (``zeropp/comm/objects.py``): the reference is each rank's own
-object, as ``json`` reads it back; and every tensor the exchange hands to the backend goes through
-the comm context, so no gloo thread frees one of its Python objects (the runner's last collective
-before a rank exits; a free there during interpreter exit aborts the process).
+"""JSON records between ranks (``zeropp/comm/objects.py``).
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_objects.py``.
 """
 

@@ -1,16 +1,7 @@
-"""Communication that runs without the caller: qgZ's cross-node hop issued before ``wait()``,
-several reduce-scatters outstanding at once, and the DDP hook's real future.
+"""Communication that runs without the caller: qgZ's cross-node hop issued before ``wait()``, several
+reduce-scatters outstanding at once, and the DDP hook's real future.
 
-References: the synchronous calls (whose results ``test_comm_collectives`` checks bit for bit
-against the kernels), and their byte accounting, which the asynchronous calls must reproduce
-exactly. The continuation machinery (``zeropp.comm.chain``) is checked on its own first: FIFO
-order, errors re-raised in ``wait()``, inline nesting on the worker.
-
-The 2x2 world runs in the streams debug mode (``ZEROPP_DEBUG_STREAMS=1``, set by the launcher):
-its checks pass there too, and ``tests/streams_helpers.py`` adds the mode's own checks (results
-unchanged by the mode; early releases turned into wrong results). The 3x2 world runs without.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_overlap.py``.
 """
 

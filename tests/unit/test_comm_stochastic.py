@@ -1,12 +1,7 @@
-"""Stochastic rounding through the quantized collectives (``QuantSpec(rounding="stochastic")``, seed rule of
-``zeropp.comm.stochastic``): the collectives use exactly the documented kernel seed per
-(seed, global rank, call index, hop); the result is unbiased where round-to-nearest has a fixed
-bias; noise differs across calls and ranks and replays after resetting the call counter.
+"""Stochastic rounding through the quantized collectives (``QuantSpec(rounding="stochastic")``, the
+seed rule of ``zeropp.comm.stochastic``).
 
-One 2-rank world (single-hop paths) and one 2x2 world (hierarchical qgZ, whose re-quantization
-is hop 1). Everything is seeded, so every assertion is deterministic.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_comm_stochastic.py``.
 """
 
@@ -14,21 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.stochastic_specs import SEED, sr_spec
 from zeropp.comm import stochastic_seed
-from zeropp.comm.spec import QuantSpec
-
-SEED = 1234
-
-
-def sr_spec(bits: int, group_size=None, seed: int = SEED, intra_bits=None, stochastic: bool = True) -> QuantSpec:
-    """The spec of the old ``bits=..., stochastic=..., seed=...`` knobs."""
-    return QuantSpec(
-        bits=bits,
-        group_size=group_size,
-        intra_bits=intra_bits,
-        seed=seed,
-        rounding="stochastic" if stochastic else "nearest",
-    )
 
 
 def test_plugin_settings_validate_the_seed():

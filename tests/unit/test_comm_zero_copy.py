@@ -1,48 +1,28 @@
-"""The quantized collectives make no copies around the collective itself (issue 11, item 2).
+"""The quantized collectives make no copies around the collective itself.
 
-What is proven, and how:
-
-- parity: the ``int`` codec's in-place wire path (quantize into views of the send buffer, read
-  the receive buffer through views) produces the same bytes and the same values as the generic
-  pack / unpack path (``Codec``'s defaults, which are what the codec did before), on awkward
-  sizes (1, 7, 17x257), fp32/bf16/fp16, INT8/INT4, round-to-nearest and stochastic, and on group
-  sizes whose layout cannot be viewed in place (those keep copying, with the same bytes);
-- aliasing: ``unpack`` returns views of the received buffer; the all-gather writes the caller's
-  output (same ``data_ptr``), also when the output is a row-strided column slice;
-- op counts: a ``TorchDispatchMode`` records every aten op the caller's thread issues during a
-  quantized all-gather / reduce-scatter on gloo worlds of 2 and 2x2 ranks, with the kernels
-  forced onto the Triton path (run by the interpreter on CPU). Ops issued *inside* a kernel
-  launch are not counted: the interpreter emulates the kernel with host copies of its
-  arguments, a GPU launch issues no aten op at all. What remains must be exactly the send and
-  receive wire buffers (one allocation each, codes and scales included), the collective, and
-  views: no ``copy_``, ``cat``, ``clone`` or ``contiguous`` copy, in particular no swizzled copy
-  of the gradient in the hierarchical qgZ.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
-``tests/distributed/test_comm_zero_copy.py``, ``tests/gpu/test_comm_zero_copy.py``.
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
+``tests/distributed/test_comm_zero_copy.py``; its CUDA checks are in
+``tests/gpu/test_comm_zero_copy.py``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
+from tests.comm_helpers import generic_encode
+from tests.kernel_helpers import DTYPES
 from tests.triton_helpers import interpreted
 from zeropp.comm.codecs import Codec, IntCodec, wire_layout
 from zeropp.kernels import QuantizedTensor, dequantize, quantize
 from zeropp.kernels.reference import dequantize_ref, quantize_ref
 
 SIZES = [(1, 1), (1, 7), (17, 257)]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # ----------------------------------------------------------------------------------------------
 # Parity of the in-place wire path with the generic pack / unpack path (no process group needed)
 # ----------------------------------------------------------------------------------------------
-def _generic_encode(c: IntCodec, x: torch.Tensor, bits: int, gs: int, rows: int, seed: Optional[int]) -> torch.Tensor:
-    return Codec.encode(c, x, bits, gs, rows=rows, seed=seed)  # pack(quantize(x)): the old path
 
 
 @pytest.mark.parametrize("rows,cols", SIZES)
@@ -55,7 +35,7 @@ def test_int_encode_in_place_matches_pack(rows, cols, dtype, bits, seed) -> None
     for gs in (8, 128, 6):  # 6 at INT4: 3 code bytes per block, not viewable in place for odd block counts
         buf = c.encode(x, bits, gs, rows=rows, seed=seed)
         assert buf.dtype == torch.uint8 and buf.shape == (rows, c.wire_bytes(cols, bits, gs))
-        assert torch.equal(buf, _generic_encode(c, x, bits, gs, rows, seed))
+        assert torch.equal(buf, generic_encode(c, x, bits, gs, rows, seed))
         q = c.unpack(buf, cols, bits, gs)
         if wire_layout(cols, bits, gs).in_place:  # views of the buffer, no unpack copy
             assert q.codes.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
@@ -79,7 +59,7 @@ def test_swizzled_view_quantizes_like_the_swizzled_copy(dtype, seed) -> None:
     c = IntCodec()
     for bits in (8, 4):
         got = c.encode(swizzled_view(x, nodes, rpn), bits, 128, rows=nodes * rpn, seed=seed)
-        want = _generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)
+        want = generic_encode(c, swizzle(x, nodes, rpn), bits, 128, nodes * rpn, seed)
         assert torch.equal(got, want)
         # the same through the Triton kernels (interpreter on CPU), which index the view in place
         lay = wire_layout(n, bits, 128)

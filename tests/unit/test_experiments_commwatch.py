@@ -1,15 +1,6 @@
 """CommWatch counts functional collectives (DTensor, tensor parallelism) like torch.distributed calls.
 
-One 2-rank gloo world (run once for the module) measures:
-
-* each functional collective (``torch.distributed._functional_collectives``) against its
-  ``torch.distributed`` twin moving the same data over the same group: CommWatch must count the
-  same bytes under the same kind and link (the twin is counted by the long-standing wrappers);
-* forward and backward of one tensor-parallel GPT block (``Topology(1, 2, tp=2)``, torch's TP
-  plans through ``zeropp.runtime.tensor_parallel.parallelize``) against the analytic TP formula
-  (``tests.tp_helpers.tp_block_bytes``).
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_experiments_commwatch.py``.
 """
 

@@ -11,11 +11,10 @@ import dataclasses
 import time
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from tests.cli_helpers import run_cli
+from tests.experiment_helpers import CLI_ERRORS, composed_config
 from zeropp.comm import Topology
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.experiments.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
@@ -25,21 +24,14 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 
 
-def _cfg(*overrides: str) -> dict:
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
-
-    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
-
-
 def test_defaults_are_the_main_job() -> None:
-    rc = from_dict(_cfg("stage=3", "quant=int8"))
+    rc = from_dict(composed_config("stage=3", "quant=int8"))
     assert rc.zero == ZeroConfig(stage=3, weights=QuantSpec(bits=8), grad_clip=1.0)
     assert (rc.topology.nodes, rc.topology.ranks_per_node, rc.world_size) == (2, 2, 4)
     assert rc.model == GPTConfig.preset("mini")
     assert rc.trainer.name == "zeropp" and rc.data.kind == "text" and rc.logger.mode == "offline"
     assert rc.optim.schedule == "cosine" and rc.optim.decay_steps == rc.train.steps  # the schedule spans the run
-    rc = from_dict(_cfg("quant=zeropp"))
+    rc = from_dict(composed_config("quant=zeropp"))
     assert (rc.zero.weights, rc.zero.hpz, rc.zero.grads) == (QuantSpec(bits=8), True, QuantSpec(bits=4))
 
 
@@ -64,7 +56,7 @@ def test_schema_is_generated_from_the_library() -> None:
     ):
         check_overrides(["quant=w8g4", key])
     rc = from_dict(
-        _cfg(
+        composed_config(
             "quant=w8g4",
             "zero.persistence_threshold=64",
             "optim.betas=[0.8,0.95]",
@@ -84,13 +76,13 @@ def test_schema_is_generated_from_the_library() -> None:
 def test_generated_groups_are_the_library_presets() -> None:
     assert group_options("quant") == sorted(RECIPES)
     for name, recipe in RECIPES.items():
-        rc = from_dict(_cfg(f"quant={name}"))
+        rc = from_dict(composed_config(f"quant={name}"))
         assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (recipe.weights, recipe.grads, recipe.hpz)
     assert "hf" in group_options("model")
     for name in (n for n in group_options("model") if n != "hf"):
-        assert from_dict(_cfg(f"model={name}")).model == GPTConfig.preset(name)
-    assert from_dict(_cfg("model=hf")).model == HFConfig()
-    rc = from_dict(_cfg("topology=4x2"))
+        assert from_dict(composed_config(f"model={name}")).model == GPTConfig.preset(name)
+    assert from_dict(composed_config("model=hf")).model == HFConfig()
+    rc = from_dict(composed_config("topology=4x2"))
     assert rc.topology == Topology(nodes=4, ranks_per_node=2)
 
 
@@ -98,7 +90,7 @@ def test_every_option_composes() -> None:
     extra = {"ddp_zeropp": ["quant=qgz"], "fsdp2_zeropp": ["quant=w8g4"]}
     for group in ("quant", "model", "data", "topology", "trainer", "logger", "cluster"):
         for opt in group_options(group):
-            from_dict(_cfg(f"{group}={opt}", *(extra.get(opt, []) if group == "trainer" else [])))
+            from_dict(composed_config(f"{group}={opt}", *(extra.get(opt, []) if group == "trainer" else [])))
 
 
 @pytest.mark.parametrize(
@@ -121,7 +113,7 @@ def test_every_option_composes() -> None:
 )
 def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) -> None:
     with pytest.raises(ConfigError) as e:
-        from_dict(_cfg(*override))
+        from_dict(composed_config(*override))
     for w in words:
         assert w in str(e.value), str(e.value)
 
@@ -142,7 +134,7 @@ def test_bad_value_names_key_and_allowed(override: list[str], words: list[str]) 
 def test_a_key_the_trainer_does_not_use_is_an_error(trainer: str, override: str) -> None:
     extra = ["quant=qgz"] if trainer == "ddp_zeropp" else ["quant=w8g4"] if trainer == "fsdp2_zeropp" else []
     with pytest.raises(ConfigError) as e:
-        from_dict(_cfg(f"trainer={trainer}", *extra, override))
+        from_dict(composed_config(f"trainer={trainer}", *extra, override))
     assert trainer in str(e.value) or "fp16" in str(e.value)
 
 
@@ -154,16 +146,16 @@ def test_honored_table_names_real_fields() -> None:
 
 def test_trainer_specific_requirements() -> None:
     with pytest.raises(ConfigError, match="ddp_zeropp needs zero.grads"):
-        from_dict(_cfg("trainer=ddp_zeropp"))
+        from_dict(composed_config("trainer=ddp_zeropp"))
     with pytest.raises(ConfigError, match="fsdp2_zeropp with nothing quantized"):
-        from_dict(_cfg("trainer=fsdp2_zeropp"))
-    rc = from_dict(_cfg("trainer=fsdp2", "quant=hpz"))  # hpZ = FSDP2's reshard_after_forward
+        from_dict(composed_config("trainer=fsdp2_zeropp"))
+    rc = from_dict(composed_config("trainer=fsdp2", "quant=hpz"))  # hpZ = FSDP2's reshard_after_forward
     assert rc.zero.hpz
 
 
 def test_bad_topology() -> None:
     with pytest.raises(ConfigError) as e:
-        from_dict(_cfg("topology.nodes=2", "topology.ranks_per_node=0"))
+        from_dict(composed_config("topology.nodes=2", "topology.ranks_per_node=0"))
     assert "topology.ranks_per_node" in str(e.value)
 
 
@@ -185,20 +177,6 @@ def test_command_line_precheck() -> None:
         check_overrides(["zero.weights.bits=8"])
     with pytest.raises(ConfigError, match=r"quant=int8 quantizes no grads.*w8g4"):
         check_overrides(["quant=int8", "zero.grads.intra_bits=8"])
-
-
-CLI_ERRORS: list[tuple[list[str], list[str]]] = [
-    (["quant=int9"], ["quant", "allowed", "int8"]),
-    (["stage=5"], ["stage", "5"]),
-    (["topology.nodes=2", "topology.ranks_per_node=-1"], ["topology.ranks_per_node"]),
-    (["zero.reduce_bucket_size=-5"], ["zero.reduce_bucket_size"]),
-    (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
-    (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
-    (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
-    *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
-]
-"""Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
-validation, pre-launch checks) and the words their one error line must contain."""
 
 
 def test_cli_errors_exit_2_naming_the_key_without_ranks(tmp_path, monkeypatch, capfd) -> None:
@@ -225,21 +203,21 @@ def test_omegaconf_entry_and_roundtrip() -> None:
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         rc = from_omegaconf(compose("config", overrides=["trainer=fsdp2"]))
     assert rc.trainer.name == "fsdp2"
-    rc = from_dict(_cfg("quant=zeropp", "zero.grads.rounding=stochastic"))
+    rc = from_dict(composed_config("quant=zeropp", "zero.grads.rounding=stochastic"))
     assert from_dict(rc.to_dict()) == rc  # what the ranks receive is what was validated
 
 
 def test_optimizer_schedule_keys() -> None:
-    rc = from_dict(_cfg("optim.schedule=constant", "optim.warmup_steps=0"))
+    rc = from_dict(composed_config("optim.schedule=constant", "optim.warmup_steps=0"))
     assert rc.optim == OptimizerConfig(lr=3e-3, weight_decay=0.0, schedule="constant", warmup_steps=0)
     with pytest.raises(ConfigError, match="warmup"):
-        from_dict(_cfg("optim.warmup_steps=100", "train.steps=10"))
+        from_dict(composed_config("optim.warmup_steps=100", "train.steps=10"))
 
 
 def test_a_group_size_beyond_the_kernels_largest_block_is_a_config_error() -> None:
     """The bound of ``kernels.layout.MAX_GROUP_SIZE`` (one block per GPU program) is met before any
     rank starts, naming the key and the largest allowed; the largest itself is accepted."""
     with pytest.raises(ConfigError) as e:
-        from_dict(_cfg("quant=int8", "zero.weights.group_size=32768"))
+        from_dict(composed_config("quant=int8", "zero.weights.group_size=32768"))
     assert "zero.weights" in str(e.value) and "group_size <= 16384" in str(e.value), str(e.value)
-    assert from_dict(_cfg("quant=int8", "zero.weights.group_size=16384")).zero.weights.group_size == 16384
+    assert from_dict(composed_config("quant=int8", "zero.weights.group_size=16384")).zero.weights.group_size == 16384

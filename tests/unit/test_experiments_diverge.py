@@ -1,11 +1,7 @@
-"""A diverging run stops as an error, end to end: every rank stops at the diverging step, the user
-sees one message and exit status 3, ``summary.json`` says ``"status": "diverged"``, the metrics
-line of that step is written, and no checkpoint of it exists (``train.checkpoint_every=1``: step
-1 saves, step 2 diverges). One run per trainer family on the tiny model with 2 ranks:
-``optim.lr=1e30`` makes the weights ~1e30 after step 1, so step 2's loss is NaN; fp16 with
-``zero.loss_scale_init=1e30`` overflows on every step, under torchrun.
+"""A diverging run stops as an error: one message, exit status 3, ``"status": "diverged"``, no
+checkpoint of the diverging step.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_experiments_diverge.py``.
 """
 

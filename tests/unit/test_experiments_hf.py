@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests.unit.test_experiments_config import _cfg
+from tests.experiment_helpers import composed_config
 from zeropp.comm.spec import RECIPES
 from zeropp.experiments.config import MODEL_KINDS, ConfigError, from_dict, from_omegaconf
 from zeropp.experiments.overrides import check_overrides, group_options
@@ -33,12 +33,14 @@ def test_model_hf_is_an_option_and_its_keys_come_from_hfconfig() -> None:
     fields = {f.name for f in dataclasses.fields(model_schema())}
     for cls in MODEL_KINDS.values():  # every field of every kind is a key, declared once in the library
         assert {f.name for f in dataclasses.fields(cls)} <= fields
-    assert from_dict(_cfg("model=hf")).model == HFConfig()
-    rc = from_dict(_cfg("model=hf", "model.hf_config=llama", "model.n_kv_heads=1", *TINY, "model.intermediate_size=40"))
+    assert from_dict(composed_config("model=hf")).model == HFConfig()
+    rc = from_dict(
+        composed_config("model=hf", "model.hf_config=llama", "model.n_kv_heads=1", *TINY, "model.intermediate_size=40")
+    )
     assert rc.model == HFConfig(hf_config="llama", n_kv_heads=1, d_model=32, seq_len=32, intermediate_size=40)
     assert from_dict(rc.to_dict()) == rc  # what the ranks rebuild from the spec
     assert "hf-llama d32xL2" in rc.describe()
-    assert from_dict(_cfg("model=mini")).model == GPTConfig.preset("mini")
+    assert from_dict(composed_config("model=mini")).model == GPTConfig.preset("mini")
     check_overrides(["model=hf", "model.hf_config=llama", "model.n_kv_heads=2", "model.pretrained=/x"])
 
 
@@ -48,7 +50,7 @@ def test_every_stage_and_quant_preset_composes() -> None:
     combos = [(q, 3) for q in RECIPES] + [("none", 0)] + [(q, s) for s in (1, 2) for q in ("none", "qgz")]
     for k, (quant, stage) in enumerate(combos):
         arch = ("gpt2", "llama")[k % 2]
-        rc = from_dict(_cfg("model=hf", f"model.hf_config={arch}", f"quant={quant}", f"stage={stage}"))
+        rc = from_dict(composed_config("model=hf", f"model.hf_config={arch}", f"quant={quant}", f"stage={stage}"))
         assert isinstance(rc.model, HFConfig) and rc.model.hf_config == arch and rc.zero.stage == stage
         assert (rc.zero.weights, rc.zero.grads, rc.zero.hpz) == (
             RECIPES[quant].weights,
@@ -72,7 +74,7 @@ def test_every_stage_and_quant_preset_composes() -> None:
 )
 def test_bad_model_settings_name_the_key(args: list[str], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        from_dict(_cfg(*args))
+        from_dict(composed_config(*args))
 
 
 def test_runner_refuses_model_hf_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +87,7 @@ def test_runner_refuses_model_hf_without_the_extra(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(ConfigError, match=r'model=hf needs the Hugging Face extra.*pip install -e "\.\[hf\]"'):
         from_omegaconf(cfg)
-    from_dict(_cfg("model=hf"))  # composing and validating need no transformers
+    from_dict(composed_config("model=hf"))  # composing and validating need no transformers
 
 
 @pytest.mark.parametrize("trainer", ["zeropp", "fsdp2", "ddp"])
@@ -94,7 +96,7 @@ def test_trainers_build_the_hf_model(trainer: str) -> None:
     from zeropp.experiments.trainers import build_model
     from zeropp.models import build_hf_model
 
-    rc = from_dict(_cfg("model=hf", "model.hf_config=llama", *TINY, f"trainer={trainer}", "train.seed=5"))
+    rc = from_dict(composed_config("model=hf", "model.hf_config=llama", *TINY, f"trainer={trainer}", "train.seed=5"))
     model = build_model(rc, torch.device("cpu"))
     ref = build_hf_model(rc.model, seed=5)
     assert type(model) is type(ref) and len(model.blocks) == 2

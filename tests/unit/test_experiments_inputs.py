@@ -16,26 +16,16 @@ import typing
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import ROOT, run_cli, unwritable_dir
+from tests.experiment_helpers import composed_config
 from zeropp.experiments import preflight
 from zeropp.experiments.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
 from zeropp.experiments.console import human_bytes
 from zeropp.experiments.overrides import check_overrides
 from zeropp.runtime import OptimizerConfig, ZeroConfig
-
-ROOT = os.geteuid() == 0
-
-
-def _cfg(*overrides: str) -> dict:
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
-
-    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
 
 
 @pytest.fixture
@@ -70,9 +60,11 @@ def test_a_data_key_the_source_ignores_is_refused(cli, args: list[str], words: l
 
 
 def test_data_keys_at_their_defaults_are_accepted() -> None:
-    assert from_dict(_cfg("data=random")).data == DataConfig(kind="random")
-    assert from_dict(_cfg("data.kind=random")).data.kind == "random"  # the text defaults are not "set"
-    assert from_dict(_cfg("data.source=path", "data.path=/x")).data.path == "/x"  # existence: checked by the runner
+    assert from_dict(composed_config("data=random")).data == DataConfig(kind="random")
+    assert from_dict(composed_config("data.kind=random")).data.kind == "random"  # the text defaults are not "set"
+    assert (
+        from_dict(composed_config("data.source=path", "data.path=/x")).data.path == "/x"
+    )  # existence: checked by the runner
 
 
 # ------------------------------------------------------------------ the corpus, read before the ranks
@@ -123,7 +115,7 @@ def test_wrong_type_is_one_clear_line(arg: str, message: str) -> None:
         check_overrides([arg])
     assert message in str(e.value), str(e.value)
     with pytest.raises((HydraException, ValidationError)):  # the reference: Hydra refuses it too
-        _cfg(arg)
+        composed_config(arg)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +132,7 @@ def test_wrong_type_is_one_clear_line(arg: str, message: str) -> None:
 )
 def test_values_hydra_accepts_pass_the_precheck(arg: str) -> None:
     check_overrides([arg])
-    _cfg(arg)  # the reference: Hydra composes it
+    composed_config(arg)  # the reference: Hydra composes it
 
 
 def test_sweep_values_are_each_checked() -> None:
@@ -190,7 +182,7 @@ def test_the_float_keys_are_found() -> None:
 def test_every_float_key_refuses_non_finite(key: str, form: str, bad: str) -> None:
     context = {"cluster": ["cluster=emulated"], "zero": ["zero.precision=fp16"]}.get(key.split(".")[0], [])
     with pytest.raises(ConfigError) as e:
-        from_dict(_cfg(*context, f"{key}={form.format(bad)}"))
+        from_dict(composed_config(*context, f"{key}={form.format(bad)}"))
     assert f"{key}=" in str(e.value) and "finite" in str(e.value), str(e.value)
 
 
@@ -226,10 +218,16 @@ def test_more_local_ranks_than_the_host_can_run(cli) -> None:
 
 def test_local_rank_bound_is_exact() -> None:
     n = preflight.RANKS_PER_CPU * preflight.host_cpus()
-    preflight.check_local_ranks(from_dict(_cfg("model=tiny", f"topology.nodes={n}", "topology.ranks_per_node=1")))
+    preflight.check_local_ranks(
+        from_dict(composed_config("model=tiny", f"topology.nodes={n}", "topology.ranks_per_node=1"))
+    )
     with pytest.raises(ConfigError, match=f"{n + 1} ranks"):
         preflight.check_local_ranks(
-            from_dict(_cfg("model=tiny", f"topology.nodes={n + 1}", "topology.ranks_per_node=1", "launcher.device=cpu"))
+            from_dict(
+                composed_config(
+                    "model=tiny", f"topology.nodes={n + 1}", "topology.ranks_per_node=1", "launcher.device=cpu"
+                )
+            )
         )
 
 
@@ -249,7 +247,7 @@ def test_local_rank_bound_is_exact() -> None:
 def test_memory_estimate_is_the_formula_of_experiments_memory(overrides: list[str]) -> None:
     from zeropp.experiments.memory import predictions
 
-    rc = from_dict(_cfg("model=small", *overrides))
+    rc = from_dict(composed_config("model=small", *overrides))
     chosen = next(r for r in predictions(rc) if r["chosen"])  # the reference: what experiments.memory prints
     got = preflight.model_state_per_rank(rc)
     assert got == pytest.approx(chosen["tiers"]), (got, chosen["tiers"])
@@ -259,19 +257,19 @@ def test_memory_estimate_of_other_trainers_and_lora() -> None:
     from zeropp.experiments.memory import predictions
     from zeropp.models import GPT
 
-    ddp = from_dict(_cfg("model=small", "trainer=ddp"))  # DDP holds stage 0's replicas
-    ref = next(r for r in predictions(from_dict(_cfg("model=small", "stage=0"))) if r["chosen"])
+    ddp = from_dict(composed_config("model=small", "trainer=ddp"))  # DDP holds stage 0's replicas
+    ref = next(r for r in predictions(from_dict(composed_config("model=small", "stage=0"))) if r["chosen"])
     assert preflight.model_state_per_rank(ddp) == pytest.approx(ref["tiers"])
-    rc = from_dict(_cfg("model=tiny", "model.lora_rank=4", "stage=3"))
+    rc = from_dict(composed_config("model=tiny", "model.lora_rank=4", "stage=3"))
     frozen = sum(p.numel() for p in GPT(rc.model).parameters() if not p.requires_grad)  # the real model's frozen base
     assert rc.model.with_(lora_rank=0).num_params() == frozen
-    full = preflight.model_state_per_rank(from_dict(_cfg("model=tiny", "stage=3")))
+    full = preflight.model_state_per_rank(from_dict(composed_config("model=tiny", "stage=3")))
     assert preflight.model_state_per_rank(rc)["device"] < full["device"]  # no optimizer state for the frozen base
 
 
 def test_model_states_beyond_host_memory(cli) -> None:
     big = ["model.d_model=16384", "model.n_layers=64", "model.n_heads=16", "launcher.device=cpu"]
-    rc = from_dict(_cfg(*big))
+    rc = from_dict(composed_config(*big))
     per_rank = max(preflight.model_state_per_rank(rc)["device"], 4.0 * rc.model.num_params())
     assert per_rank * 4 > preflight.host_memory()  # the premise: 2x2 CPU ranks of it cannot fit
     line = cli(*big)
@@ -280,18 +278,10 @@ def test_model_states_beyond_host_memory(cli) -> None:
 
 
 # ------------------------------------------------------------------ the checkpoint directory
-def _unwritable_dir(tmp_path):
-    """A directory this process really cannot create files in (root ignores permission bits)."""
-    if ROOT:
-        return "/proc"
-    d = tmp_path / "readonly"
-    d.mkdir()
-    d.chmod(0o500)
-    return d
 
 
 def test_unwritable_checkpoint_dir_is_refused_before_ranks(cli, tmp_path) -> None:
-    target = f"{_unwritable_dir(tmp_path)}/ckpt"
+    target = f"{unwritable_dir(tmp_path)}/ckpt"
     line = cli("train.checkpoint_every=5", f"train.checkpoint_dir={target}")
     assert f"train.checkpoint_dir='{target}' cannot be written" in line, line
     afile = tmp_path / "afile"
@@ -317,7 +307,7 @@ def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
     finally:
         os.chdir(tmp_path)
     # not saving: the directory is not needed, so not checked
-    rc = from_dict(_cfg("train.checkpoint_every=0", f"train.checkpoint_dir={_unwritable_dir(tmp_path)}/ckpt"))
+    rc = from_dict(composed_config("train.checkpoint_every=0", f"train.checkpoint_dir={unwritable_dir(tmp_path)}/ckpt"))
     preflight.check_before_launch(rc, tmp_path, local=False)
 
 

@@ -1,7 +1,8 @@
-"""``python -m experiments.memory``, ``memory.json``, the summary's per-phase memory and the
-report's per-phase bars, on one short real run (model=mini, 2 steps, 2x2 gloo ranks).
+"""``python -m experiments.memory``: ``memory.json``, the summary's per-phase memory and the report's
+per-phase bars.
 
-Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_experiments_memory.py``.
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
+``tests/e2e/test_experiments_memory.py``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """``python -m experiments.memory_study``: the per-phase memory study of a plain MLP, at a tiny size.
 
-One 4-rank run (width 8, 3 layers: Ψ = 216, so every unit splits evenly over N = 4 and the
-formula holds to the byte) through ``main``: every rank's model state at the end of backward
-equals ZeRO's formula computed here by hand, for stage 0, ZeRO-1/2/3 and ZeRO-3 with CPU offload;
-the phases hold what ``zeropp.runtime.memory.PHASES`` says; the table, the PNG and the JSON are
-written. Without processes: a measurement that differs from the formula is reported and exits 1,
-the formula texts for bf16, and bad options refused (exit 2) before any rank starts.
-
-Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_experiments_memory_study.py``.
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
+``tests/e2e/test_experiments_memory_study.py``.
 """
 
 from __future__ import annotations

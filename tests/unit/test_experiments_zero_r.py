@@ -1,9 +1,6 @@
-"""train.activation_checkpointing through the runner: the zeropp trainer (stage 3, where the
-recomputation re-gathers the block), DDP and FSDP2 (its unshard hooks outside the recomputed
-region) give exactly the losses of the same run without it
-(fp32); zero.offload_activations is refused for the torch trainers (they would not honour it).
+"""train.activation_checkpointing and zero.offload_activations through the runner.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_experiments_zero_r.py``.
 """
 
@@ -11,21 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.experiment_helpers import MINI_1X2_CPU
 from zeropp.experiments.config import ConfigError
 from zeropp.experiments.run import run_job
-
-COMMON = [
-    "model=mini",
-    "topology=1x2",
-    "train.steps=2",
-    "train.micro_batch_size=2",
-    "data=random",
-    "logger=none",
-    "launcher.progress=false",
-    "launcher.device=cpu",
-]
 
 
 def test_offload_activations_is_zeropp_only(tmp_path):
     with pytest.raises(ConfigError, match="offload_activations"):
-        run_job([*COMMON, "trainer=fsdp2", "zero.offload_activations=true"], tmp_path / "x")
+        run_job([*MINI_1X2_CPU, "trainer=fsdp2", "zero.offload_activations=true"], tmp_path / "x")

@@ -1,8 +1,7 @@
-"""The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world over it: results come back
-by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
-the launcher leaves no process behind, and select_device places one GPU per local process.
+"""The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world
+over it.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_harness.py``.
 """
 

@@ -15,6 +15,17 @@ import math
 import pytest
 import torch
 
+from tests.kernel_helpers import (
+    COMPILED_SHAPES,
+    DTYPES,
+    assert_bit_identical,
+    assert_same_bits,
+    awkward,
+    compiled_path,  # noqa: F401  (a fixture, used by name)
+    gaussian,
+    stack,
+    use_cpu_path,
+)
 from tests.triton_helpers import interpreted
 from zeropp.kernels import (
     QuantizedTensor,
@@ -25,28 +36,12 @@ from zeropp.kernels import (
     quantized_nbytes,
 )
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def gaussian(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g).to(dtype)
 
 
 def per_element_scale(q: QuantizedTensor) -> torch.Tensor:
     """scales [rows, groups] -> [rows, cols]: the scale each element was quantized with."""
     return q.scales.repeat_interleave(q.group_size, dim=-1)[..., : q.cols]
-
-
-def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
-    """k QuantizedTensors of one layout -> one stacked [k, rows, *] QuantizedTensor."""
-    q0 = qs[0]
-    return QuantizedTensor(
-        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), q0.cols, q0.bits, q0.group_size
-    )
 
 
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -294,23 +289,6 @@ def test_cpu_tensors_take_the_reference(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The fast CPU path (kernels/cpu.py) against the reference, bit for bit
 # ---------------------------------------------------------------------------------------------
-def assert_bit_identical(a: QuantizedTensor, b: QuantizedTensor) -> None:
-    """Same layout, same code bytes, same scale *bits* (NaN payloads and signed zeros included)."""
-    assert (a.cols, a.bits, a.group_size, a.codes.dtype) == (b.cols, b.bits, b.group_size, b.codes.dtype)
-    assert torch.equal(a.codes, b.codes)
-    assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
-
-
-def awkward(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Gaussian data with a zero block, a -0.0 run, NaN and Inf (where the tensor is big enough)."""
-    x = (gaussian(math.prod(shape), seed) * 3).view(shape)
-    flat = x.view(-1)
-    if flat.numel() > 300:
-        flat[100:200] = 0
-        flat[290:300] = -0.0
-        flat[5] = float("nan")
-        flat[250] = float("inf")
-    return x.to(dtype)
 
 
 SMALL_SHAPES = [((0,), 1), ((1,), 1), ((7,), 1), ((17, 257), 17)]
@@ -320,23 +298,6 @@ FAST_CASES = (  # (shape, rows, group_size, stochastic); stochastic large shapes
     + [(sh, r, gs, False) for sh, r in LARGE_SHAPES for gs in (2, 100, 512, 16000)]
     + [(sh, r, 100, True) for sh, r in LARGE_SHAPES]
 )
-
-
-def use_cpu_path(monkeypatch, path: str) -> None:
-    """Route CPU tensors through one CPU path of kernels/cpu.py for this test: "native" (the C++
-    kernels of kernels/cpu_native.py, what ranks run), "compiled" (kernels/cpu_fused.py for every
-    tensor with a whole block, however small) or "tiled" (the tiles only, whatever the size)."""
-    from zeropp.kernels import cpu, cpu_fused, cpu_native
-
-    monkeypatch.setattr(cpu_native, "ENABLED", path == "native")
-    if path == "native" and not cpu_native.available():
-        pytest.skip(f"native CPU kernels unavailable here: {cpu_native.FAILED}")
-    if path == "tiled":
-        monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 2**62)
-    if path == "compiled":
-        monkeypatch.setattr(cpu_fused, "FUSED_MIN_ELEMS", 0)
-        monkeypatch.setattr(cpu_fused, "DEQUANTIZE_MIN_ELEMS", 0)
-        monkeypatch.setattr(cpu, "_fused_failed", None)
 
 
 @pytest.fixture(params=["tiled", "native"])
@@ -350,16 +311,6 @@ def fast_path(request, monkeypatch):
 @pytest.fixture
 def native_path(monkeypatch):
     use_cpu_path(monkeypatch, "native")
-
-
-@pytest.fixture
-def compiled_path(monkeypatch):
-    """The compiled kernels (kernels/cpu_fused.py) for every tensor with a whole block, however small."""
-    from zeropp.kernels import cpu
-
-    use_cpu_path(monkeypatch, "compiled")
-    yield
-    assert cpu._fused_failed is None, cpu._fused_failed  # the compiled path really ran
 
 
 @pytest.mark.usefixtures("fast_path")
@@ -377,32 +328,34 @@ def test_fast_cpu_quantize_is_bit_identical_to_the_reference(shape, rows, group_
     assert_bit_identical(quantize_cpu(x, bits, group_size, rows=rows, stochastic=stochastic, seed=9), ref)
 
 
+SPECIAL_VALUES = [
+    3e38,
+    -1e38,
+    1.0,
+    70000.0,
+    -65520.0,
+    5.0,
+    1e-40,
+    -3e-39,  # huge, subnormal
+    2e-45,
+    0.0,
+    -0.0,
+    -0.0,
+    -0.0,
+    -0.0,
+    1e-45,
+    2.0,
+]
+"""Huge, subnormal and signed-zero values; with a group size of 4 or 2, one block is all -0.0."""
+
+
 @pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fast_cpu_quantize_special_values_and_strides(bits):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
 
-    x = torch.tensor(
-        [
-            3e38,
-            -1e38,
-            1.0,
-            70000.0,
-            -65520.0,
-            5.0,
-            1e-40,
-            -3e-39,  # huge, subnormal
-            2e-45,
-            0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            1e-45,
-            2.0,
-        ]
-    )  # an all -0.0 block of 4
+    x = torch.tensor(SPECIAL_VALUES)
     for gs in (2, 4):
         assert_bit_identical(quantize_cpu(x, bits, gs), quantize_ref(x, bits, gs))
     t = gaussian(64 * 34).view(64, 34).t()  # non-contiguous
@@ -422,14 +375,6 @@ def test_fast_cpu_requantize_is_bit_identical_to_the_reference(k, in_bits, out_b
     s = QuantizedTensor(s.codes[:k], s.scales[:k], s.cols, s.bits, s.group_size)
     want = dequantize_sum_requantize_ref(s, out_bits, 64, stochastic=stochastic, seed=4)
     assert_bit_identical(dequantize_sum_requantize_cpu(s, out_bits, 64, stochastic=stochastic, seed=4), want)
-
-
-def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Bit-identical floats: same dtype, same NaN positions, same values and signs elsewhere."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(torch.isnan(a), torch.isnan(b))
-    a, b = (torch.where(torch.isnan(t), torch.zeros_like(t), t) for t in (a, b))
-    assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
 @pytest.mark.usefixtures("fast_path")
@@ -455,12 +400,12 @@ def test_fast_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(shape, 
         s = stack(qs)
         s = QuantizedTensor(s.codes[:k], s.scales[:k], s.cols, s.bits, s.group_size)
         for dtype in DTYPES:
-            assert_same_values(dequantize_sum_cpu(s, dtype=dtype), dequantize_sum_ref(s, dtype=dtype))
+            assert_same_bits(dequantize_sum_cpu(s, dtype=dtype), dequantize_sum_ref(s, dtype=dtype))
     for dtype in DTYPES:
-        assert_same_values(dequantize_cpu(qs[0], dtype=dtype), dequantize_ref(qs[0], dtype=dtype))
+        assert_same_bits(dequantize_cpu(qs[0], dtype=dtype), dequantize_ref(qs[0], dtype=dtype))
         out = torch.full((math.prod(shape),), 7.0, dtype=dtype)
         assert dequantize_cpu(qs[1], out=out) is out
-        assert_same_values(out, dequantize_ref(qs[1], dtype=dtype).view(-1))
+        assert_same_bits(out, dequantize_ref(qs[1], dtype=dtype).view(-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,9 +413,6 @@ def test_fast_cpu_dequantize_and_sums_are_bit_identical_to_the_reference(shape, 
 # (op, dtype, bits, group size, k) variant compiles once per process, so the matrix is kept small:
 # every dtype and bit width at one group size, the rest on fp32.
 # ---------------------------------------------------------------------------------------------
-COMPILED_SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 17), ((4, 1000), 4), ((3, 70001), 3)]
-"""Shorter than a block (tiles only), one compiled call per row (partial last blocks), one call for
-all rows (whole blocks), and several rows of many blocks."""
 
 
 @pytest.mark.usefixtures("compiled_path")
@@ -479,26 +421,7 @@ def test_compiled_cpu_quantize_special_values(bits):
     from zeropp.kernels.cpu import quantize_cpu
     from zeropp.kernels.reference import quantize_ref
 
-    x = torch.tensor(
-        [
-            3e38,
-            -1e38,
-            1.0,
-            70000.0,
-            -65520.0,
-            5.0,
-            1e-40,
-            -3e-39,  # huge, subnormal
-            2e-45,
-            0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            -0.0,
-            1e-45,
-            2.0,
-        ]
-    )  # an all -0.0 block
+    x = torch.tensor(SPECIAL_VALUES)
     assert_bit_identical(quantize_cpu(x, bits, 2), quantize_ref(x, bits, 2))
 
 
@@ -583,8 +506,8 @@ def test_native_cpu_dequantize_rounds_like_torch_casts(bits):
     one = QuantizedTensor(codes[0], scales[0], cols, bits, gs)
     two = QuantizedTensor(codes, scales, cols, bits, gs)
     for dtype in DTYPES:
-        assert_same_values(dequantize_cpu(one, dtype=dtype), dequantize_ref(one, dtype=dtype))
-        assert_same_values(dequantize_sum_cpu(two, dtype=dtype), dequantize_sum_ref(two, dtype=dtype))
+        assert_same_bits(dequantize_cpu(one, dtype=dtype), dequantize_ref(one, dtype=dtype))
+        assert_same_bits(dequantize_sum_cpu(two, dtype=dtype), dequantize_sum_ref(two, dtype=dtype))
 
 
 @pytest.mark.usefixtures("native_path")
@@ -600,12 +523,12 @@ def test_native_cpu_takes_strided_and_odd_offset_codes():
     view = QuantizedTensor(recv.transpose(0, 1), scales.transpose(0, 1), 1000, 4, 100)  # [k, rows, *], strided
     dense = stack(qs)
     assert not view.codes.is_contiguous()
-    assert_same_values(dequantize_sum_cpu(view), dequantize_sum_ref(dense))
+    assert_same_bits(dequantize_sum_cpu(view), dequantize_sum_ref(dense))
     assert_bit_identical(dequantize_sum_requantize_cpu(view, 8, 100), dequantize_sum_requantize_ref(dense, 8, 100))
     buf = torch.empty(1 + qs[0].codes.numel(), dtype=torch.uint8)
     buf[1:] = qs[0].codes.view(-1)
     odd = QuantizedTensor(buf[1:].view(qs[0].codes.shape), qs[0].scales, 1000, 4, 100)
-    assert_same_values(dequantize_cpu(odd, dtype=torch.bfloat16), dequantize_ref(qs[0], dtype=torch.bfloat16))
+    assert_same_bits(dequantize_cpu(odd, dtype=torch.bfloat16), dequantize_ref(qs[0], dtype=torch.bfloat16))
 
 
 @pytest.mark.usefixtures("native_path")

@@ -1,11 +1,7 @@
-"""The native kernels' build cache (``kernels/build_cache.py``) trusts a cached library only when
-it should: the faults a user meets, provoked for real in a temporary cache directory.
+"""The native kernels' build cache (``kernels/build_cache.py``) trusts a cached library only when it
+should: the faults a user meets, provoked for real in a temporary cache directory.
 
-A "planted" library is a real shared object whose constructor writes a marker file when it is
-``dlopen``-ed, so "not loaded" is proven by the marker's absence, not assumed. One real build of
-the kernels (the compiler, ~5 s) serves the whole file; the other rebuilds copy its bytes.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_kernels_cache.py``.
 """
 

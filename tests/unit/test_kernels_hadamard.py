@@ -18,8 +18,8 @@ import math
 import pytest
 import torch
 
+from tests.kernel_helpers import DTYPES, SHAPES, assert_same_bits, data
 from tests.triton_helpers import interpreted
-from tests.unit.test_kernels_triton import assert_same_bits
 from zeropp.kernels import MAX_HADAMARD_BLOCK, dequantize, hadamard, quantize, rotated_cols
 from zeropp.kernels._triton import HAS_TRITON
 from zeropp.kernels.hadamard import hadamard_plan
@@ -28,16 +28,8 @@ from zeropp.kernels.reference import hadamard_ref, hadamard_scale
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (shape, rows): a lone element, less than a block, one row of 17*257, and 17 rows of 257
-SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 1), ((17, 257), 17)]
 # 2: the smallest block, many blocks per tile; 8 and 128: typical; 512: larger than most rows
 BLOCKS = [2, 8, 128, 512]
-
-
-def data(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * 3).to(dtype)
 
 
 def sylvester(block: int) -> torch.Tensor:

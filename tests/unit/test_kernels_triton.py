@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from tests.kernel_helpers import DTYPES, SHAPES, assert_same_bits, data, stack
 from tests.triton_helpers import interpreted
 from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
 from zeropp.kernels._triton import HAS_TRITON
@@ -28,17 +29,9 @@ pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
 ]
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (shape, rows): a lone element, less than a block, one row of 17*257, and 17 rows of 257
-SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 1), ((17, 257), 17)]
 # 2: many blocks per tile and >1 tile per row; 64: does not divide 257; 100: not a power of two;
 # 2048: one block larger than the whole row
 GROUP_SIZES = [2, 64, 100, 2048]
-
-
-def data(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * 3).to(dtype)
 
 
 def assert_same_q(a: QuantizedTensor, b: QuantizedTensor) -> None:
@@ -46,20 +39,6 @@ def assert_same_q(a: QuantizedTensor, b: QuantizedTensor) -> None:
     assert (a.cols, a.bits, a.group_size) == (b.cols, b.bits, b.group_size)
     assert a.codes.dtype == b.codes.dtype and torch.equal(a.codes, b.codes)
     assert_same_bits(a.scales, b.scales)
-
-
-def _nan_to_zero(t: torch.Tensor) -> torch.Tensor:
-    """NaN -> 0, everything else untouched. (``nan_to_num`` would also map +-inf to the dtype's
-    largest finite value, so an inf on one side and the max finite on the other compared equal.)"""
-    return torch.where(torch.isnan(t), torch.zeros_like(t), t)
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Identical values including NaN positions, infinities and signed zeros (and dtype)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(torch.isnan(a), torch.isnan(b))
-    a, b = _nan_to_zero(a), _nan_to_zero(b)
-    assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
 def test_assert_same_bits_tells_inf_from_the_largest_finite_value():
@@ -73,13 +52,6 @@ def test_assert_same_bits_tells_inf_from_the_largest_finite_value():
         assert_same_bits(
             torch.tensor([float("nan"), -0.0], dtype=dtype), torch.tensor([float("nan"), -0.0], dtype=dtype)
         )
-
-
-def stack(qs: list[QuantizedTensor]) -> QuantizedTensor:
-    q0 = qs[0]
-    return QuantizedTensor(
-        torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs]), q0.cols, q0.bits, q0.group_size
-    )
 
 
 def both(fn, *args, **kwargs):

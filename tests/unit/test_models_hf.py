@@ -1,13 +1,6 @@
-"""Hugging Face GPT-2 and Llama through the engine: ZeRO stages 0-3 in fp32 train exactly like the
-unwrapped ``transformers`` model in one process; local checkpoints load; bad settings and a missing
-extra are clear errors.
+"""Hugging Face GPT-2 and Llama through the engine.
 
-Needs the optional extra (``pip install -e ".[hf]"``); without it the tests that build a model
-skip with that reason, and the ones about configs and the missing-extra message still run.
-The parity check is the one of tests/distributed/test_runtime_parity.py (same tolerances), on tiny models with
-awkward sizes (Llama: grouped-query attention 4 heads / 2 key-value heads, MLP width 48).
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_models_hf.py``.
 """
 

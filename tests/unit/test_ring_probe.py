@@ -1,7 +1,7 @@
-"""experiments/ring_probe.py without root: its rank program on a local gloo world (the emulated
-cluster only adds namespaces around the same processes) and its refusal of a one-node cluster.
+"""experiments/ring_probe.py without root.
 
-Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_ring_probe.py``.
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
+``tests/e2e/test_ring_probe.py``.
 """
 
 from __future__ import annotations

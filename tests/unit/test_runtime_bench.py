@@ -1,7 +1,7 @@
-"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem)
-and experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
+"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem) and
+experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_runtime_bench.py``.
 """
 
@@ -13,6 +13,7 @@ import statistics
 
 import pytest
 
+from tests.bench_helpers import cluster_summary
 from zeropp.experiments import bench_cluster
 from zeropp.experiments.bench_fsdp import job_overrides, parse_args
 from zeropp.experiments.overrides import check_overrides
@@ -36,47 +37,6 @@ def test_bench_fsdp_refuses_bad_arguments(argv: list[str]) -> None:
     assert e.value.code == 2
 
 
-def _cluster_summary(quant: str, step: float, wait: float, cross: float) -> dict:
-    """A summary.json as the runner writes it for a bench_cluster job (the fields the bench reads)."""
-    spec = {
-        "bits": 8,
-        "group_size": None,
-        "rounding": "nearest",
-        "intra_bits": None,
-        "error_feedback": False,
-        "seed": 0,
-        "scheme": "int",
-    }
-    zero = {
-        "stage": 3,
-        "precision": "fp32",
-        "hpz": quant == "zeropp",
-        "hpz_size": None,
-        "grad_accum_steps": 1,
-        "weights": spec if quant == "zeropp" else None,
-        "grads": {**spec, "bits": 4} if quant == "zeropp" else None,
-    }
-    cfg = {
-        "zero": zero,
-        "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4},
-        "topology": {"nodes": 2, "ranks_per_node": 2, "hpz_size": None},
-        "train": {"micro_batch_size": 2},
-        "trainer": {"name": "zeropp"},
-        "cluster": {"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0},
-    }
-    return {
-        "config": cfg,
-        "step_time_s": {"median": step, "mean": step},
-        "engine_comm_wait_s_per_step": wait,
-        "comm_wait_s_per_step": wait,
-        "engine_comm_bytes_per_step": {"by_link": {"cross": cross, "intra": 1.0}},
-        "placement": {"cluster": "emulated", "measured_gbps": 0.9},
-        "model": {"params": 30_000, "flops_per_token": 1.0},
-        "loss": {"first": 5.6, "final": 5.5},
-        "run_dir": "x",
-    }
-
-
 def test_bench_cluster_reads_the_summaries() -> None:
     """Medians over rounds, compute = step - wait, the projection at the measured rate, the table."""
     a = bench_cluster.parse_args(["--gbps", "1", "--rounds", "3", "--preset", "tiny"])
@@ -86,7 +46,7 @@ def test_bench_cluster_reads_the_summaries() -> None:
     rows = []
     row: dict = {"gbps": 1.0}
     for mode, quant, steps in (("zero3", "none", (0.5, 0.7, 0.6)), ("zeropp", "zeropp", (0.3, 0.2, 0.4))):
-        sums = [_cluster_summary(quant, s, 0.1, 2e5) for s in steps]
+        sums = [cluster_summary(quant, s, 0.1, 2e5) for s in steps]
         sums[0][bench_cluster.UPLINK_KEY] = 4e5 if mode == "zero3" else None  # recorded by some runs only
         m = bench_cluster.aggregate(mode, sums)
         assert m["step_s"] == statistics.median(steps) and m["compute_s"] == pytest.approx(m["step_s"] - 0.1)

@@ -1,8 +1,6 @@
-"""A forward (or loss) that raises on one rank only, at stages 0-2: every rank raises the same
-error right after the forward (no rank waits in a collective until the timeout), in training and
-evaluation, and the world is usable afterwards. (Stage 3's own check: tests/distributed/test_runtime_wrap.py.)
+"""A forward (or loss) that raises on one rank only, at stages 0-2: every rank raises the same error.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_forward_errors.py``.
 """
 

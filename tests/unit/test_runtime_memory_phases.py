@@ -1,19 +1,8 @@
 """Memory by phase and by tier (``ZeroEngine.memory_phases``) against ZeRO's formulas.
 
-One 2-node x 2-rank gloo world trains the tiny GPT for one step per configuration and returns
-each engine's snapshots. Checked: the five phases exist; model creation holds no optimizer state
-and optimizer creation all of it, on its tier; at the end of backward (all model state
-alive) each tier's params / grads / optimizer bytes are within 5% of ``expected_by_tier``
-(the ZeRO table placed on tiers); the tiers add up to the flat ``memory_report``; registered
-components (activations, buffers) land under their category and tier; the CPU peak is the
-accounted device total and the RSS figures are there.
-
-Offload rows run when the engine has the offload pieces (an optimizer-state holder with
-``memory_by_tier``, a parameter store registered with ``track_memory("params", ...)``); where
-``ZeroEngine`` accepts the option but has no such piece yet, they skip saying so.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
-``tests/distributed/test_runtime_memory_phases.py``, ``tests/gpu/test_runtime_memory_phases.py``.
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
+``tests/distributed/test_runtime_memory_phases.py``; its CUDA checks are in
+``tests/gpu/test_runtime_memory_phases.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.memory_fakes import FakeComponent, FakePool
 from zeropp.runtime.memory import (
     CATEGORIES,
     TIERS,
@@ -32,23 +22,6 @@ from zeropp.runtime.memory import (
     source_tiers,
     tier_totals,
 )
-
-
-class _Fake:
-    """A component reporting fixed bytes, as the activation tracker / buffer pool will."""
-
-    def __init__(self, tiers: dict[str, int]) -> None:
-        self.tiers = tiers
-
-    def memory_by_tier(self) -> dict[str, int]:
-        return dict(self.tiers)
-
-
-class _Pool:
-    """A component with ``nbytes`` only (the communication buffer pool): device bytes."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
 
 
 def test_device_model_state_falls_as_the_offload_papers_say():
@@ -107,14 +80,14 @@ def test_account_and_sources_local():
         param_shard = torch.zeros(10)
         grad_shard = torch.zeros(5, dtype=torch.bfloat16)
 
-    got = account([U()], {"optimizer": [_Fake({"host": 7})], "buffers": [_Pool(3)]}, torch.device("cpu"))
+    got = account([U()], {"optimizer": [FakeComponent({"host": 7})], "buffers": [FakePool(3)]}, torch.device("cpu"))
     assert got["device"]["params"] == 40 and got["device"]["grads"] == 10
     assert got["host"]["optimizer"] == 7 and got["device"]["buffers"] == 3
     # a params source owns the shards: not counted twice
-    got = account([U()], {"params": [_Fake({"host": 40})]}, torch.device("cpu"))
+    got = account([U()], {"params": [FakeComponent({"host": 40})]}, torch.device("cpu"))
     assert got["device"]["params"] == 0 and got["host"]["params"] == 40
     with pytest.raises(ValueError, match="tiers"):
-        source_tiers(_Fake({"gpu": 1}))
+        source_tiers(FakeComponent({"gpu": 1}))
     with pytest.raises(TypeError, match="memory_by_tier"):
         source_tiers(object())
     with pytest.raises(ValueError, match="category"):

@@ -1,19 +1,6 @@
-"""ZeRO-Offload / ZeRO-Infinity against the in-memory engine, in one 2-node x 2-rank gloo world.
+"""ZeRO-Offload / ZeRO-Infinity against the in-memory engine.
 
-Reference: the in-memory run of the same switches (itself checked against single-process
-torch training by test_runtime_parity.py). With ``cpu_adam="single"`` the offloaded step does the
-same arithmetic, so losses, gradient norms and weights must be bit-identical; with the default
-fused CPU AdamW (a different rounding of the same update, see ``offload.py``) the whole model's
-weights must agree to ``FUSED_TOL`` (norm-relative, all weights as one vector) and the losses to
-``FUSED_LOSS_TOL`` (relative). Single weights may differ more: a parameter whose true gradient is
-zero (the key bias, by softmax invariance) gets rounding noise as gradient, and Adam turns any
-noise into a step of about ``lr`` whose sign the rounding decides; so each weight is only bounded
-by ``2 * LR * STEPS``.
-Memory: fp32 model state per parameter at 4 ranks is 16 / 10 / 7 / 4 bytes for stages 0-3 (the
-master is the parameter, issue 12 item 5), and each offload tier holds the ZeRO-Offload /
-ZeRO-Infinity share of the state (within 5%).
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_offload.py``.
 """
 

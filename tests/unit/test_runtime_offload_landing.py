@@ -1,15 +1,7 @@
-"""ZeRO-Offload's gradient landing: each unit's final gradient is copied to the host as soon as it
-is reduced, not at the optimizer step, and the step then works on those host buffers.
+"""ZeRO-Offload's gradient landing: each unit's final gradient is copied to the host as soon as it is
+reduced, not at the optimizer step, and the step then works on those host buffers.
 
-Reference: the in-memory engine with the same switches. With ``cpu_adam="single"`` the offloaded
-step does the same arithmetic on the landed fp32 copies, so losses, norms, fp16 skip decisions
-and weights must be bit-identical, with gradient accumulation and in fp16 (loss-scale overflow
-skips) too. The order of the landing copies is checked by instrumenting the engine: at stages 2-3
-every unit lands during the last micro-step's backward (at least one inside autograd's backward
-itself, before the engine's end-of-backward flush), none in earlier micro-steps; at stage 1 they
-land as the after-backward reduce-scatters end; always each unit once, before the step.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_offload_landing.py``.
 """
 

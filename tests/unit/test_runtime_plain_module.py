@@ -1,21 +1,6 @@
 """A plain ``nn.Sequential`` MLP through ``ZeroEngine``, as a user writes it first: no surprises.
 
-Checked without processes: the default block rule makes each child with parameters of a
-``Sequential`` a unit (not the whole model one unit); the stage-3 one-unit warning's condition and
-text (names ``blocks=``; silent with several units or below stage 3); a micro-batch the forward
-cannot take is a ``MicroBatchError`` that shows the call and how to pass targets, while a
-``TypeError`` raised inside a forward that took its arguments stays the model's own; ``WithTargets``
-calls the model on the inputs alone; and torch's own ``Adam`` allocates its moments at the first
-step (what the engine's ``optimizer_creation`` phase is contrasted with in ``memory.PHASES``).
-
-One 2-rank gloo world then checks the engine itself: the warning on rank 0 only, and not with
-``blocks=`` given or for a ``Sequential``; ``(x, y)`` to a ``Sequential`` fails on every rank with
-the clear message (stages 0 and 3, no stage-3 hint about block parameters) and leaves the world
-usable; ``WithTargets`` training equals single-process ``torch.optim.AdamW`` on the global batch;
-``model_creation`` holds no optimizer state and ``optimizer_creation`` holds all of it (8Ψ/N in
-fp32, the master being the parameter).
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_plain_module.py``.
 """
 
@@ -28,33 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.plain_models import Plain, W, data, mlp
 from zeropp.runtime import MicroBatchError, WithTargets
 from zeropp.runtime.batch import call_model, per_rank
 from zeropp.runtime.partition import build_units, find_blocks, one_unit_warning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-W, LAYERS, B, STEPS, LR = 8, 3, 4, 2, 1e-2
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for i in range(LAYERS):
-        mods += [nn.Linear(W, W)] + ([nn.ReLU()] if i < LAYERS - 1 else [])
-    return nn.Sequential(*mods)
-
-
-class Plain(nn.Module):
-    """Three Linears as attributes: no ModuleList, not a Sequential (the default rule finds nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.l0, self.l1, self.l2 = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
 
 
 class Wrapper(nn.Module):
@@ -64,11 +28,6 @@ class Wrapper(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)
-
-
-def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(97 * step + rank)
-    return torch.randn(B, W, generator=g), torch.randn(B, W, generator=g)
 
 
 def _units(model: nn.Module, policy: Any = None, stage: int = 3) -> list:

@@ -1,19 +1,6 @@
 """Tied (shared) parameters at every stage: one shard, one gradient, counted once.
 
-Three models, each trained by ZeroEngine at stages 0-3 on a 2x2 gloo world in fp32 and compared
-with single-process training on the global batch (``torch.optim.AdamW`` + ``clip_grad_norm_``), to
-the tolerance of ``test_runtime_parity``:
-
-- ``tied``: the GPT with ``tie_embeddings=True`` (its default): ``head.weight`` *is*
-  ``tok_emb.weight``, both in the root unit;
-- ``untied``: the same GPT with its own head weight;
-- ``shared_blocks``: ALBERT-style, block 1's MLP input layer is block 0's (one module registered in
-  two blocks): the engine keeps those parameters in the root unit, so stage 3 works too.
-
-Then: a checkpoint of a tied model saved at stage 3 on 2 ranks resumes exactly at stage 1, and
-its ``export_consolidated`` file loads (strictly) into the unwrapped, tied GPT.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_tied.py``.
 """
 

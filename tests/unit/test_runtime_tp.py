@@ -1,15 +1,6 @@
 """ZeRO with tensor parallelism (``Topology(tp=2)``): exact against one unsplit process in fp32.
 
-A world of ``nodes x ranks_per_node`` gloo ranks is a ``("dp", "tp")`` mesh: every 2 consecutive
-ranks split each block's heads and MLP (torch's TP plans), ZeRO shards over the ranks sharing a tp
-index. Tensor-parallel ranks see the same micro-batch (that of their data-parallel index), so the
-reference trains the unsplit model on the dp ranks' batches concatenated (``reference``), with
-``torch.optim.AdamW`` and ``clip_grad_norm_`` over the whole model: losses, gradient norms (the
-norm sums split weights over tp and counts replicated ones once) and the full weights
-(``consolidated_state_dict`` all-gathers over dp and tp) are compared within the tolerances of
-``test_runtime_parity``. Worlds of 8 ranks are slow on a small CPU, so there are few of them.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_tp.py``.
 """
 

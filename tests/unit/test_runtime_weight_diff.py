@@ -1,20 +1,6 @@
-"""qWD (``ZeroConfig.weight_diff``, ``zeropp/runtime/weight_diff.py``) in one 2-node x 2-rank gloo world.
+"""qWD (``ZeroConfig.weight_diff``, ``zeropp/runtime/weight_diff.py``).
 
-What is checked, against what:
-- replicas stay identical: stages 1-2, ``u.flat`` equal bit for bit on every rank after every
-  step (fp32 and bf16); stage 3, every rank's hpZ secondary equals the concatenation of the
-  owners' references of the shards it covers;
-- accuracy: the weights the ranks hold stay within one difference's rounding of the fp32 masters
-  and that error does not grow over the steps; 4-bit differences hold the weights far closer
-  than plain 4-bit qwZ (re-quantizing the weights every step); 8-bit differences train like the
-  unquantized run;
-- bytes: ``weight_diff_all_gather`` equals the formula (wire bytes of every shard, to every
-  other rank, per step), the stages 1-2 plain parameter gather is gone, and at stage 3 the
-  only cross-node weight traffic after the first forward is the difference gather;
-- bad settings are refused with errors naming the setting;
-- a checkpoint saved with weight differences loads: replicas restart exact, training goes on.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_weight_diff.py``.
 """
 
@@ -22,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.experiment_helpers import composed_config
 from zeropp.comm.spec import RECIPES, QuantRecipe, QuantSpec
 from zeropp.runtime import ZeroConfig
 
@@ -61,11 +48,10 @@ def test_recipes():
 def test_runner_recipes_carry_weight_diff():
     """``quant=sdp4bit`` / ``quant=qwd`` reach ZeroConfig with their weight_diff, refinable as
     ``zero.weight_diff.bits=8``; stages 1-2 through ``quant=qwd zero.hpz=false``."""
-    from tests.unit.test_experiments_config import _cfg
     from zeropp.experiments.config import from_dict
 
     for name in ("sdp4bit", "qwd", "zeropp"):
-        rc = from_dict(_cfg(f"quant={name}"))
+        rc = from_dict(composed_config(f"quant={name}"))
         r = RECIPES[name]
         assert (rc.zero.weights, rc.zero.grads, rc.zero.weight_diff, rc.zero.hpz) == (
             r.weights,
@@ -73,7 +59,7 @@ def test_runner_recipes_carry_weight_diff():
             r.weight_diff,
             r.hpz,
         )
-    rc = from_dict(_cfg("quant=sdp4bit", "zero.weight_diff.bits=8"))
+    rc = from_dict(composed_config("quant=sdp4bit", "zero.weight_diff.bits=8"))
     assert rc.zero.weight_diff == W8 and "qWD[int8]" in rc.describe()
-    rc = from_dict(_cfg("quant=qwd", "stage=2", "zero.hpz=false"))
+    rc = from_dict(composed_config("quant=qwd", "stage=2", "zero.hpz=false"))
     assert rc.zero.stage == 2 and rc.zero.weight_diff == W4 and not rc.zero.hpz

@@ -1,97 +1,18 @@
 """Wrapping any ``nn.Module``: block policies, any micro-batch and output form, and the errors.
 
-A toy regression model that is not the GPT (no ``blocks`` ModuleList, awkward sizes 7 -> 17 -> 5,
-blocks returning dicts) is trained by ZeroEngine at stages 0-3 on 2 gloo ranks and compared with
-single-process training on the global batch (``torch.optim.AdamW`` + ``clip_grad_norm_``), to the
-tolerance of ``test_runtime_parity``, in three forms:
-
-- ``dict``: dict micro-batches (``model(**mb)``), the model returns ``{"pred": ...}`` and the loss is
-  the trainer's ``loss_fn(output, mb)``; blocks chosen by class list;
-- ``attr``: dict micro-batches, the model returns a plain dataclass with a ``loss`` attribute (which
-  ``torch.utils._pytree`` cannot flatten: stage 3 gathers the root before backward itself); blocks
-  chosen by a ``callable(name, module)``;
-- ``scalar``: tuple micro-batches (``model(*mb)``), the model returns the scalar loss; blocks by one class.
-
-Errors, each raised identically on every rank, with the world still usable afterwards (no hang):
-a block policy that matches nothing; at stage 3 a block that uses another block's parameter (on
-every rank, and on one rank only: the case that used to leave the other ranks waiting); blocks
-that run in another order than the policy lists them (their gradients would arrive after the
-unit was reduced), caught after forward, and the backstop after backward for such late gradients.
-
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_runtime_wrap.py``.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.wrap_toy import Out, ResBlock, data, make_toy, mse_of
 from zeropp.runtime.partition import build_units, find_blocks
-
-D_IN, D, D_OUT, N_LAYERS, B = 7, 17, 5, 3, 3
-
-
-class ResBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.lin = nn.Linear(D, D)
-        self.borrow: list[nn.Module] = []  # not registered: another block's layer used here (error tests)
-
-    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:  # [B, D] -> {"h": [B, D]}
-        y = self.lin(self.norm(h))
-        for other in self.borrow:
-            y = y + F.linear(h, other.weight)
-        return {"h": h + torch.tanh(y)}
-
-
-@dataclasses.dataclass
-class Out:
-    pred: torch.Tensor
-    loss: torch.Tensor | None = None
-
-
-class Toy(nn.Module):
-    """``x [B, 7] -> pred [B, 5]`` through 3 residual blocks registered as ``l0, l1, l2``."""
-
-    def __init__(self, form: str = "dict", order: tuple[int, ...] = (0, 1, 2)) -> None:
-        super().__init__()
-        self.form, self.order = form, order
-        self.inp = nn.Linear(D_IN, D)
-        for i in range(N_LAYERS):
-            self.add_module(f"l{i}", ResBlock())
-        self.out = nn.Linear(D, D_OUT)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
-        h = self.inp(x)  # [B, D]
-        for i in self.order:
-            h = getattr(self, f"l{i}")(h)["h"]
-        pred = self.out(h)  # [B, 5]
-        if self.form == "dict":
-            return {"pred": pred}
-        loss = None if y is None else F.mse_loss(pred, y)
-        return Out(pred, loss) if self.form == "attr" else loss
-
-
-def mse_of(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.mse_loss(out["pred"], mb["y"])
-
-
-def make_toy(form: str = "dict", **kw: Any) -> Toy:
-    torch.manual_seed(0)
-    return Toy(form, **kw)
-
-
-def data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7919 * step + 101 * micro + rank)
-    x = torch.randn(B, D_IN, generator=g)
-    return x, torch.sin(x[:, :D_OUT] * 3) + 0.1 * torch.randn(B, D_OUT, generator=g)
 
 
 def test_block_policies_choose_the_outermost_matches() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.runtime_helpers import TINY, make_model, rank_batches
+from tests.runtime_helpers import check_offload_model_host_bytes
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -141,35 +141,6 @@ def test_offload_of_strided_views_covering_a_storage_copies_it_once():
 
 def test_offload_model_host_bytes_equal_device_bytes():
     check_offload_model_host_bytes("cpu")  # on CUDA: tests/gpu/test_runtime_zero_r.py
-
-
-def check_offload_model_host_bytes(device: str) -> None:
-    """The GPT (SDPA output saved whole and as the projection's input view; q, k, v): with and
-    without checkpointing the host (pinned on CUDA) holds exactly the device path's bytes,
-    gradients exact."""
-    from zeropp.runtime.activations import ActivationStore, checkpoint_blocks
-
-    model = make_model(TINY).to(device)
-    idx, tgt = (t.to(device) for t in rank_batches(0, 1, 0)[0])
-    _, loss = model(idx, tgt)
-    loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for ckpt in (False, True):
-        handle = checkpoint_blocks(list(model.blocks)) if ckpt else None
-        tiers = []
-        for offload in (False, True):
-            model.zero_grad(set_to_none=True)
-            store = ActivationStore(torch.device(device), offload=offload)
-            with store.saving():
-                _, loss2 = model(idx, tgt)
-            loss2.backward()
-            tiers.append(store.memory_by_tier())
-            assert torch.equal(loss, loss2)
-            for n, p in model.named_parameters():
-                assert torch.equal(p.grad, ref[n]), (ckpt, offload, n)
-        assert tiers[1] == {"device": 0, "host": tiers[0]["device"], "disk": 0}, (ckpt, tiers)
-        if handle is not None:
-            handle.remove()
 
 
 def test_offload_never_serves_a_storage_modified_after_saving_stale():

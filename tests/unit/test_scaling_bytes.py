@@ -1,43 +1,18 @@
-"""The scaling model's bytes are the engine's bytes. ``experiments.scaling``'s messages are the
-communication plan's (``zeropp.runtime.plan``), checked here for every configuration of
-``plan_helpers.WORLDS`` -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
-applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies, qWD's steady
-state -- and the plan is checked against the engine's CommStats for the same set in one process
-(``tests/unit/test_runtime_plan.py``). End to end, one real 4-rank gloo world (2x2 and 1x4, and tp=2)
-compares CommStats on every rank, and each node's uplink, with the model.
+"""The scaling model's bytes are the engine's bytes.
 
-Here: the one-process checks of this topic; its other tiers' checks are in
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
 ``tests/distributed/test_scaling_bytes.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 
-from tests.plan_helpers import WORLDS, ZPP
-from tests.runtime_helpers import TINY
+from tests.plan_helpers import TINY_UNITS, WORLDS, ZPP, predicted_bytes
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes, uplink_bytes
-
-UNITS = gpt_units(
-    vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
-)
-
-
-"""(nodes, configs) of the 4-rank gloo world: the end-to-end check of the byte model (every recipe,
-stage and topology of ``plan_helpers.WORLDS`` is checked in one process, ``tests/unit/test_runtime_plan.py``)."""
-"""Tensor parallelism (tp=2 on 2x2): ZeRO over the data-parallel ranks, with the units' TP-local sizes."""
-
-
-def _predicted(kw: dict[str, Any], nodes: int, rpn: int) -> tuple[dict[str, float], Cluster, Workload]:
-    from zeropp.runtime import ZeroConfig
-
-    w = Workload.from_zero(ZeroConfig(**kw), units=UNITS, compute_s=0.0, tokens_per_rank=1)
-    c = Cluster(nodes=nodes, ranks_per_node=rpn, cross_gbps=1.0, nics_per_node=1)
-    return pairwise_bytes(messages(w, c)), c, w
+from zeropp.experiments.scaling import Cluster, Workload, messages, uplink_bytes
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS))
@@ -51,8 +26,8 @@ def test_model_bytes_are_the_plans(world: int) -> None:
     for nodes, cfgs in WORLDS[world]:
         rpn = world // nodes
         for kw in cfgs:
-            pred, c, w = _predicted(kw, nodes, rpn)
-            plan = build_plan(UNITS, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=rpn))
+            pred, c, w = predicted_bytes(kw, nodes, rpn)
+            plan = build_plan(TINY_UNITS, ZeroConfig(**kw), Topology(nodes=nodes, ranks_per_node=rpn))
             assert pred == plan.bytes_by_kind(), (nodes, kw)
             cross = sum(b for k, b in pred.items() if k.endswith(".cross"))
             assert uplink_bytes(messages(w, c), c) == rpn * cross, (nodes, kw)
@@ -80,7 +55,7 @@ def test_ring_wire_moves_fewer_gather_bytes_than_pairwise() -> None:
     w = dataclasses.replace(
         Workload.from_zero(
             type("Z", (), {**ZPP, "precision": "fp32", "hpz_size": None, "grad_accum_steps": 1})(),
-            units=UNITS,
+            units=TINY_UNITS,
             compute_s=0.0,
             tokens_per_rank=1,
         )
