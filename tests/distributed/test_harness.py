@@ -120,6 +120,27 @@ def test_results_by_rank():
     assert run_world(_sum_ranks, 3) == [3.0, 3.0, 3.0]
 
 
+def _env_of(rank: int, world: int, keys: list[str]) -> dict:
+    return {k: os.environ.get(k) for k in keys} | {"error_file": bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))}
+
+
+def test_forked_ranks_see_the_callers_environment_of_now(monkeypatch):
+    """run_world forks ranks from a fork server started once: each rank still gets the caller's
+    environment as it is at the call (a variable set or removed since the server started), and
+    torch's error file, as a spawned rank would."""
+    monkeypatch.setenv("ZEROPP_TEST_A", "before")
+    monkeypatch.setenv("ZEROPP_TEST_B", "set")
+    assert run_world(_env_of, 2, ["ZEROPP_TEST_A"])[1]["ZEROPP_TEST_A"] == "before"  # the server runs now
+    monkeypatch.setenv("ZEROPP_TEST_A", "after")
+    monkeypatch.delenv("ZEROPP_TEST_B")
+    keys = ["ZEROPP_TEST_A", "ZEROPP_TEST_B", "RANK"]
+    assert run_world(_env_of, 2, keys) == [
+        {"ZEROPP_TEST_A": "after", "ZEROPP_TEST_B": None, "RANK": str(r), "error_file": True} for r in range(2)
+    ]
+    with pytest.raises(ValueError, match="module entries spawn"):
+        launch_world(ModuleEntry(module="json.tool"), 1, timeout_s=10, start_method="forkserver")
+
+
 def test_failing_rank_reports_its_error_without_hanging():
     with pytest.raises(AssertionError, match="boom on rank 1"):
         run_world(_raise_on_one, 2, timeout=60)
