@@ -178,6 +178,22 @@ def chrome_trace(projections: list[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": evs, "displayTimeUnit": "ms"}
 
 
+def draw_lanes(ax: Any, p: dict[str, Any], colour: dict[str, str]) -> None:
+    """Draw projection ``p``'s events on ``ax``: one lane per :data:`LANES` entry, time in ms over
+    the projected step, each bar coloured by its kind (``colour``)."""
+    for e in p["events"]:
+        if e["dur_s"] > 0:
+            y = len(LANES) - 1 - LANES.index(e["lane"])
+            ax.broken_barh(
+                [(e["start_s"] * 1e3, e["dur_s"] * 1e3)],
+                (y - 0.4, 0.8),
+                color=colour[e.get("kind", "compute")],
+                linewidth=0,
+            )
+    ax.set_yticks(range(len(LANES)), list(reversed(LANES)))
+    ax.set_xlim(0, p["step_s"] * 1e3)
+
+
 def plot(projections: list[dict[str, Any]], path: Path) -> None:
     """One row per node count, one lane per resource, each interval coloured by kind (legend outside)."""
     import matplotlib
@@ -189,17 +205,7 @@ def plot(projections: list[dict[str, Any]], path: Path) -> None:
     colour = {k: f"C{i % 10}" for i, k in enumerate(kinds)}
     fig, axes = plt.subplots(len(projections), 1, figsize=(12, 1.6 + 1.4 * len(projections)), squeeze=False)
     for ax, p in zip(axes[:, 0], projections):
-        for e in p["events"]:
-            if e["dur_s"] > 0:
-                y = len(LANES) - 1 - LANES.index(e["lane"])
-                ax.broken_barh(
-                    [(e["start_s"] * 1e3, e["dur_s"] * 1e3)],
-                    (y - 0.4, 0.8),
-                    color=colour[e.get("kind", "compute")],
-                    linewidth=0,
-                )
-        ax.set_yticks(range(len(LANES)), list(reversed(LANES)))
-        ax.set_xlim(0, p["step_s"] * 1e3)
+        draw_lanes(ax, p, colour)
         ax.set_title(
             f"{p['nodes']} nodes x {p['cluster'].ranks_per_node} ranks: {p['step_s'] * 1e3:.1f} ms", fontsize=9
         )

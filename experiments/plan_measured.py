@@ -151,22 +151,12 @@ def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plan_draw import LANES
+    from .plan_draw import draw_lanes
 
     kinds = sorted({e.get("kind", "compute") for e in p["events"]} | {s.parsed.kind for s in spans})
     colour = {k: f"C{i % 10}" for i, k in enumerate(kinds)}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6))
-    for e in p["events"]:
-        if e["dur_s"] > 0:
-            y = len(LANES) - 1 - LANES.index(e["lane"])
-            top.broken_barh(
-                [(e["start_s"] * 1e3, e["dur_s"] * 1e3)],
-                (y - 0.4, 0.8),
-                color=colour[e.get("kind", "compute")],
-                linewidth=0,
-            )
-    top.set_yticks(range(len(LANES)), list(reversed(LANES)))
-    top.set_xlim(0, p["step_s"] * 1e3)
+    draw_lanes(top, p, colour)
     top.set_xlabel("time in the step (ms)")
     top.set_title(
         f"projected: {p['nodes']} nodes x {p['cluster'].ranks_per_node} ranks, {p['step_s'] * 1e3:.1f} ms", fontsize=9

@@ -182,8 +182,7 @@ def start() -> bool:
                 _unwatched = True
                 return False
             _publisher = _Publisher(world, _rank(), float(tick))
-            with contextlib.suppress(OSError):  # a heartbeat never fails the rank
-                _publisher.publish()
+            flush()  # the first record, before the daemon's first tick
             _publisher.start()
         return True
 
