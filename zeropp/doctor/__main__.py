@@ -1,0 +1,74 @@
+"""The command line of the doctor (see the package docstring).
+
+    python -m zeropp.doctor                      # the table; exit 0 when nothing failed
+    python -m zeropp.doctor --json doctor.json   # and the JSON report
+    python -m zeropp.doctor --quick              # without the bandwidth measurements
+
+Exit status: 0 when no check failed (skipped rows allowed), 1 when one failed, 2 for a wrong
+command line (an unwritable ``--json`` path is refused before any check runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from . import CHECKS, print_progress, run_checks
+from .report import check_json_path, exit_status, print_report, to_json, write_json
+from .result import DoctorOptions
+
+
+def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
+    defaults = DoctorOptions()
+    p = argparse.ArgumentParser(
+        prog="python -m zeropp.doctor",
+        description="Check that zeropp works on this machine (CPU half always, GPU half on CUDA).",
+    )
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--quick", action="store_true", help="skip the bandwidth measurements")
+    p.add_argument(
+        "--check-timeout", type=float, default=defaults.check_timeout_s, metavar="S",
+        help=f"seconds one in-process check may take before it is reported as hung (default {defaults.check_timeout_s:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--world-timeout", type=float, default=defaults.world_timeout_s, metavar="S",
+        help=f"seconds a process-group world may take, start to end, before its ranks are killed (default {defaults.world_timeout_s:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--master-addr", default=defaults.master_addr, metavar="ADDR",
+        help="address the local worlds rendezvous on (default 127.0.0.1; this host's cluster address checks that interface)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gloo-ranks", type=int, default=defaults.gloo_ranks, metavar="N", help="ranks of the gloo world (default 2)"
+    )
+    a = p.parse_args(argv)
+    try:
+        if a.json is not None:
+            check_json_path(a.json)
+        return DoctorOptions(
+            quick=a.quick,
+            json_path=a.json,
+            check_timeout_s=a.check_timeout,
+            world_timeout_s=a.world_timeout,
+            master_addr=a.master_addr,
+            gloo_ranks=a.gloo_ranks,
+        )
+    except ValueError as err:
+        p.error(str(err))  # exits 2 with the usage line
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    options = parse_args(argv)
+    t0 = time.perf_counter()
+    results = run_checks(options, CHECKS, progress=print_progress)
+    print_report(results)
+    if options.json_path is not None:
+        write_json(options.json_path, to_json(results, time.perf_counter() - t0))
+    return exit_status(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
