@@ -2,7 +2,7 @@
 # The GPU acceptance in one command, on one CUDA machine, in under 10 minutes:
 #   the cuda test tier (kernel modules in parallel when pytest-xdist is installed, then the rest),
 #   python -m experiments.bench_kernels, python -m experiments.bench_gpu, the host cost of one
-#   kernel launch (scripts/gpu_probe_host.py) and python -m zeropp.doctor when it exists.
+#   kernel launch (scripts/gpu_probe_host.py) and python -m zeropp.doctor (its JSON report: $OUT/doctor.json).
 # Writes one markdown report: device, driver, torch / CUDA / NCCL / Triton versions, date, the
 # test outcome and the benchmark tables; the full logs go next to it.
 #
@@ -90,7 +90,7 @@ run_part cuda_tests 240 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ig
 run_part bench_kernels 60 "$PY" -m experiments.bench_kernels --max-mib 256
 run_part bench_gpu 120 "$PY" -m experiments.bench_gpu --steps 10 --warmup 3
 run_part probe_host 30 "$PY" scripts/gpu_probe_host.py
-if has zeropp.doctor; then run_part doctor 45 "$PY" -m zeropp.doctor; fi
+run_part doctor 90 "$PY" -m zeropp.doctor --json "$OUT/doctor.json"
 
 # ---- the report
 tests_line() { grep -E "([0-9]+ (passed|failed|error|errors|skipped))|no tests ran" "$OUT/$1.log" | tail -1; }

@@ -99,7 +99,7 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> bool:
     """Wait for every rank to exit; stop waiting at ``deadline`` (returns True: timed out) or
     :data:`FAILED_RANK_GRACE_S` after the first rank failed (returns False)."""
     first_fail = None
-    while any(p.poll() is None for p in procs):
+    while any([p.poll() is None for p in procs]):  # a list: every rank is polled, so each exit is seen
         now = time.monotonic()
         if now > deadline:
             return True
