@@ -378,3 +378,21 @@ def test_rank_checks_catch_a_quantized_collective_beyond_its_bound(one_rank_worl
     checks = rank.rank_checks(0, 1, torch.device("cpu"))
     assert not checks["quantized_all_gather"]["ok"] and checks["all_gather"]["ok"]
     assert checks["quantized_all_gather"]["error"] > 4 * checks["quantized_all_gather"]["bound"]
+
+
+TOPO = """\
+\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\tPHB\tSYS\t0-31\t0
+GPU1\tNV18\t X \tNV18\tSYS\t0-31\t0
+GPU2\tPHB\tNV18\t X \tSYS\t32-63\t1
+NIC0\tSYS\tSYS\tSYS\t X \t\t
+
+Legend:
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def test_nvlink_pairs_are_read_from_the_topology_matrix():
+    assert system.nvlink_pairs(TOPO, 3) == 2  # 0-1 and 1-2; 0-2 is PCIe (PHB)
+    assert system.nvlink_pairs(TOPO, 2) == 1
+    assert system.nvlink_pairs(None, 3) is None

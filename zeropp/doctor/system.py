@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -156,10 +157,26 @@ def check_gpus(options: DoctorOptions) -> CheckResult:
     peers = _peer_matrix(n)
     no_peer = [(i, j) for i in range(n) for j in range(n) if not peers[i][j]]
     topo = nvidia_smi("topo", "-m")
+    nvlinks = nvlink_pairs(topo, n)
     names = sorted({d["name"] for d in devices})
     detail = (
         f"{n} x {', '.join(names)} ({devices[0]['memory_gib']} GiB, sm_{devices[0]['capability'].replace('.', '')}); "
         + ("peer access between all pairs" if not no_peer else f"no peer access for {len(no_peer)} ordered pairs")
+        + ("" if nvlinks is None else f", NVLink between {nvlinks} of {n * (n - 1) // 2} pairs" if n > 1 else "")
         + ("" if n > 1 else " (one GPU)")
     )
-    return passed("gpus", detail, count=n, devices=devices, peer_access=peers, nvidia_smi_topo=topo)
+    return passed(
+        "gpus", detail, count=n, devices=devices, peer_access=peers, nvlink_pairs=nvlinks, nvidia_smi_topo=topo
+    )
+
+
+def nvlink_pairs(topo: Optional[str], n: int) -> Optional[int]:
+    """GPU pairs joined by NVLink (``NV<k>`` in ``nvidia-smi topo -m``'s GPU-by-GPU matrix), or
+    None without the matrix."""
+    if not topo:
+        return None
+    rows = [line.split() for line in topo.splitlines() if re.match(r"GPU\d+\s", line)]
+    links = 0
+    for i, row in enumerate(rows[:n]):
+        links += sum(1 for j, cell in enumerate(row[1 : n + 1]) if j > i and re.fullmatch(r"NV\d+", cell))
+    return links

@@ -161,7 +161,9 @@ def verdict(name: str, backend: str, nranks: int, options: DoctorOptions, world:
         r = next((r for r in ranks if r["returncode"] != 0 and not r["killed"]), stuck[0] if stuck else ranks[0])
         tail = (r["stderr_tail"].strip().splitlines() or ["no output"])[-1]
         return failed(
-            name, f"rank {r['rank']} exited with {r['returncode']} during {_phase(r)} ({where}): {tail[:300]}; {HINT}", **data
+            name,
+            f"rank {r['rank']} exited with {r['returncode']} during {_phase(r)} ({where}): {tail[:300]}; {HINT}",
+            **data,
         )
     results = [next(e for e in r["events"] if e["event"] == "done")["checks"] for r in ranks]
     bad = [f"rank {i} {c}: {v['detail']}" for i, res in enumerate(results) for c, v in res.items() if not v["ok"]]
@@ -173,8 +175,8 @@ def verdict(name: str, backend: str, nranks: int, options: DoctorOptions, world:
     init_s = max(next(e for e in r["events"] if e["event"] == "init")["seconds"] for r in ranks)
     return passed(
         name,
-        f"{nranks} rank(s) initialize in {init_s:.1f} s; all-gather and reduce-scatter exact, INT8 quantized within "
-        f"{100 * worst:.0f}% of the error bound",
+        f"{nranks} rank(s) initialize in {init_s:.1f} s; all-gather and reduce-scatter exact; INT8 quantized ones "
+        f"within their error bound (worst {100 * worst:.0f}% of it)",
         **data,
     )
 
