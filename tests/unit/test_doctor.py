@@ -126,8 +126,12 @@ def test_a_quantize_kernel_off_by_one_code_is_caught(monkeypatch):
     monkeypatch.setattr(kernel_checks, "quantize", off_by_one)
     bad = kernel_checks.mismatches(torch.device("cpu"), "torch", SMALL)
     assert bad and all(b.startswith("quantize 17x257 rows=17 g=100 int4") for b in bad), bad
-    r = kernel_checks._verdict("native CPU kernels", "they are", bad)
-    assert r.status is Status.FAIL and "first: quantize 17x257" in r.detail and r.data["mismatches"] == bad
+    r = kernel_checks.bit_exact_row("native CPU kernels", "built and loaded; ", bad)
+    assert r.status is Status.FAIL and r.data["mismatches"] == bad
+    assert (
+        r.detail.startswith(f"built and loaded; NOT bit-exact: {len(bad)} case(s) differ")
+        and "first: quantize 17x257" in r.detail
+    )
 
 
 def test_a_dequantize_sum_one_ulp_off_is_caught(monkeypatch):

@@ -130,16 +130,18 @@ def mismatches(
     return bad
 
 
-def _verdict(name: str, what: str, bad: list[str], **data: object) -> CheckResult:
+def bit_exact_row(name: str, prefix: str, bad: list[str], **data: object) -> CheckResult:
+    """The row for a kernel comparison: ``prefix`` (what was done) then the verdict on ``bad``
+    (the :func:`mismatches`)."""
     if bad:
         return failed(
             name,
-            f"{what} differ from kernels/reference.py in {len(bad)} case(s), first: {bad[0]}; "
+            f"{prefix}NOT bit-exact: {len(bad)} case(s) differ from kernels/reference.py, first: {bad[0]}; "
             "report it with this output (the quantized collectives would not match other devices)",
             mismatches=bad,
             **data,
         )
-    return passed(name, f"{what} bit-exact against the reference on {len(CASES)} awkward shapes", **data)
+    return passed(name, f"{prefix}bit-exact against kernels/reference.py on {len(CASES)} awkward shapes", **data)
 
 
 def check_native_cpu(options: DoctorOptions) -> CheckResult:
@@ -159,7 +161,8 @@ def check_native_cpu(options: DoctorOptions) -> CheckResult:
         )
     if cpu_native.library() is None:
         return failed(name, f"built at {path} but not usable in this process: {cpu_native.FAILED}", library=str(path))
-    return _verdict(name, "built and loaded; they are", mismatches(torch.device("cpu"), "torch"), library=str(path))
+    bad = mismatches(torch.device("cpu"), "torch")
+    return bit_exact_row(name, "built and loaded; ", bad, library=str(path))
 
 
 def check_triton(options: DoctorOptions) -> CheckResult:
@@ -176,7 +179,7 @@ def check_triton(options: DoctorOptions) -> CheckResult:
     bad = mismatches(device, "triton")
     torch.cuda.synchronize(device)
     data = {"device": torch.cuda.get_device_name(device), "seconds_with_compile": round(time.perf_counter() - t0, 2)}
-    return _verdict(name, f"compiled on {data['device']};", bad, **data)
+    return bit_exact_row(name, f"compiled on {data['device']}; ", bad, **data)
 
 
 BANDWIDTH_BYTES = 64 << 20
