@@ -139,7 +139,7 @@ def module_exists(name: str) -> bool:
 
 
 def import_name(name: str) -> str:
-    """The installed name of a documented module (``experiments.run`` -> ``zeropp.experiments.run``),
+    """The installed name of a documented module (``experiments.runner.run`` -> ``zeropp.experiments.runner.run``),
     so that the check imports each module once, under the name the library uses."""
     return f"zeropp.{name}" if name.split(".")[0] in ("experiments", "kernels") else name
 
@@ -225,8 +225,8 @@ def check_runner_overrides(overrides: list[str]) -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from zeropp.experiments.overrides import check_overrides
-    from zeropp.experiments.run import validated
+    from zeropp.experiments.runner.overrides import check_overrides
+    from zeropp.experiments.runner.run import validated
 
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -245,7 +245,7 @@ def _check_run(args: list[str]) -> None:
 
 
 def _check_converge(args: list[str]) -> None:
-    from zeropp.experiments.converge import SuiteConfig
+    from zeropp.experiments.studies.converge import SuiteConfig
 
     cfg = SuiteConfig.from_args(args)
     check_runner_overrides(list(cfg.overrides))
@@ -282,9 +282,9 @@ def check_module_args(module: str, args: list[str]) -> None:
     base = module.removeprefix("zeropp.")
     if module in ("pytest", "venv"):
         return
-    if base == "experiments.run":
+    if base == "experiments.runner.run":
         _check_run(args)
-    elif base == "experiments.converge":
+    elif base == "experiments.studies.converge":
         _check_converge(args)
     else:
         _check_argparse(module, args)

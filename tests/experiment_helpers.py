@@ -53,7 +53,12 @@ def run_cli(
         else [sys.executable, "-m"]
     )
     return subprocess.run(
-        [*pre, "zeropp.experiments.run", *args], capture_output=True, text=True, timeout=timeout, env=e, check=False
+        [*pre, "zeropp.experiments.runner.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        check=False,
     )
 
 
@@ -75,7 +80,7 @@ def composed_summary(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from zeropp.experiments.run import validated
+    from zeropp.experiments.runner.run import validated
 
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
@@ -117,7 +122,7 @@ def composed_config(*overrides: str) -> dict:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]

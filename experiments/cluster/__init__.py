@@ -8,8 +8,8 @@ Public API::
         env = {**os.environ, **c.rank_env(rank, master_port)}
         c.measured_gbps, c.summary()
 
-Ranks are started in the namespaces by the one launcher (``zeropp/launch.py``, with
-``placement=experiments.launcher.cluster_placement(c)``; the runner's ``cluster=emulated``).
+Ranks are started in the namespaces by the one launcher (``experiments/launch/``, with
+``placement=experiments.runner.launcher.cluster_placement(c)``; the runner's ``cluster=emulated``).
 This package does not import the launcher, so the launcher can import it.
 
 CLI: ``python -m experiments.cluster up|down|status|clean`` (see ``__main__.py``).

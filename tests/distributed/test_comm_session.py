@@ -72,7 +72,7 @@ def _plain_call(rank: int, world: int) -> None:
 
 
 def _world(rank: int, world: int) -> dict[str, Any]:
-    from experiments.commwatch import CommWatch
+    from experiments.runner.commwatch import CommWatch
     from zeropp.comm import CommStats, Topology, get_comm_stats, reset_stochastic_calls, stochastic_calls
 
     out: dict[str, Any] = {}

@@ -37,7 +37,7 @@ def _world(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed._functional_collectives as funcol
 
     from experiments import commwatch
-    from experiments.commwatch import CommWatch
+    from experiments.runner.commwatch import CommWatch
     from zeropp.comm import Topology
     from zeropp.models import GPT
     from zeropp.runtime.tensor_parallel import make_mesh, parallelize

@@ -1,4 +1,4 @@
-"""The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world over it: results come back
+"""The one launcher (experiments/launch/, placements in experiments/runner/launcher.py) and the tests' run_world over it: results come back
 by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
 the launcher leaves no process behind, and select_device places one GPU per local process.
 
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tests.worlds import run_world
-from zeropp import launch as launcher
-from zeropp.launch import LOCAL, ModuleEntry, PlacementError, RankFailure, launch_world
+from zeropp.experiments.launch import LOCAL, ModuleEntry, PlacementError, RankFailure, launch_world
+from zeropp.experiments.launch import world as launcher
 from zeropp.watch import WORLD_DIR_ENV
 
 
@@ -222,7 +222,7 @@ def test_module_rank_failure_names_the_root_cause(tmp_path: Path):
 _SIGNAL_SCRIPT = textwrap.dedent("""
     import sys
     from tests.distributed.test_harness import _hang_with_grandchild
-    from zeropp.launch import RankFailure, launch_world
+    from zeropp.experiments.launch import RankFailure, launch_world
     try:
         launch_world(_hang_with_grandchild, 2, args=(sys.argv[1],), timeout_s=120, grace_s=1)
     except RankFailure as e:

@@ -1,4 +1,4 @@
-"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real run
+"""experiments/bench/gpu.py: argument handling and the table with a fake ``run_job``, and one real run
 of the smallest configuration on CPU (two rows, world 1).
 
 Here: the end-to-end checks. The topic's full description and its one-process checks are in

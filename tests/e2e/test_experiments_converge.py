@@ -1,4 +1,4 @@
-"""The convergence suite (experiments/converge.py).
+"""The convergence suite (experiments/studies/converge.py).
 
 Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_converge.py``.

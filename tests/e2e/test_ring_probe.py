@@ -1,4 +1,4 @@
-"""experiments/ring_probe.py without root: its rank program on a local gloo world (the emulated
+"""experiments/cluster/ring_probe.py without root: its rank program on a local gloo world (the emulated
 cluster only adds namespaces around the same processes) and its refusal of a one-node cluster.
 
 Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_ring_probe.py``.

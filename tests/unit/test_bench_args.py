@@ -1,4 +1,4 @@
-"""The benchmarks' shared argument checks (experiments/bench_args.py): every bench refuses a count
+"""The benchmarks' shared argument checks (experiments/bench/args.py): every bench refuses a count
 below its floor with argparse's usage error (exit 2) naming the flag as typed."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from zeropp.comm.spec import RECIPES
 from zeropp.experiments import bench_cluster
-from zeropp.experiments.scaling import gpt_units
+from zeropp.experiments.projection.scaling import gpt_units
 
 MODEL = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4}
 
@@ -165,7 +165,7 @@ def test_check_prints_max_error_and_honours_tolerance(stubbed, capsys) -> None:
 
 
 def test_workload_from_summary_takes_hf_summaries() -> None:
-    from zeropp.experiments.scaling_check import summary_units, workload_from_summary
+    from zeropp.experiments.projection.scaling_check import summary_units, workload_from_summary
 
     s = _summary(["quant=zeropp", "cluster=emulated", "cluster.inter_gbps=1.0"], 0.2, 0.1)
     gpt = workload_from_summary(s)

@@ -1,5 +1,5 @@
 """zeropp.comm.stats.peer_bytes: the one place the per-collective per-peer byte rules live
-(zeropp's collectives and experiments/commwatch.py both use it)."""
+(zeropp's collectives and experiments/runner/commwatch.py both use it)."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ def test_peer_bytes_rules():
 
 
 def test_commwatch_reads_sizes_and_defers_to_peer_bytes():
-    from experiments.commwatch import _peer_bytes
+    from experiments.runner.commwatch import _peer_bytes
 
     t = torch.zeros
     ranks = [10, 11, 12, 13]

@@ -1,4 +1,4 @@
-"""The convergence suite (experiments/converge.py): a real tiny suite whose table must equal its
+"""The convergence suite (experiments/studies/converge.py): a real tiny suite whose table must equal its
 runs' summary.json values, the gap formula and the seed-spread rule against hand-computed numbers
 (a stand-in runner), a failed run that is reported while the suite goes on, and bad inputs.
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from experiments import converge
-from experiments.config import ConfigError
+from experiments.runner.config import ConfigError
 
 TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
 

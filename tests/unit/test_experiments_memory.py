@@ -48,7 +48,7 @@ def test_bad_override_is_refused_before_anything_runs(capsys):
 
 
 def test_trainers_without_phases_get_flat_snapshots():
-    from zeropp.experiments.worker import _memory_phases
+    from zeropp.experiments.runner.worker import _memory_phases
     from zeropp.runtime.memory import flat_snapshot
 
     class T:  # DDP / FSDP2: a flat model-state report only

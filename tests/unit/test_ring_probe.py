@@ -1,4 +1,4 @@
-"""experiments/ring_probe.py without root.
+"""experiments/cluster/ring_probe.py without root.
 
 Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_ring_probe.py``.

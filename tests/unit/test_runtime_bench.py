@@ -1,5 +1,5 @@
-"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem) and
-experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
+"""The benchmarks as runner jobs: experiments/bench/fsdp.py (both trainers on the same problem) and
+experiments/bench/cluster.py (its reading of the summaries; the full run needs namespaces).
 
 Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_runtime_bench.py``.
@@ -15,8 +15,8 @@ import pytest
 
 from tests.bench_helpers import cluster_summary
 from zeropp.experiments import bench_cluster
-from zeropp.experiments.bench_fsdp import job_overrides, parse_args
-from zeropp.experiments.overrides import check_overrides
+from zeropp.experiments.bench.fsdp import job_overrides, parse_args
+from zeropp.experiments.runner.overrides import check_overrides
 
 
 def test_bench_fsdp_jobs_differ_only_in_the_trainer() -> None:

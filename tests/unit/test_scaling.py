@@ -11,7 +11,7 @@ import math
 import pytest
 
 from zeropp.comm.spec import QuantSpec
-from zeropp.experiments.scaling import (
+from zeropp.experiments.projection.scaling import (
     GBPS,
     ZEROPP,
     Cluster,
@@ -170,7 +170,7 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
 
 
 def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
-    from zeropp.experiments.scaling_check import emulator_cluster, measure_quant_rates
+    from zeropp.experiments.projection.scaling_check import emulator_cluster, measure_quant_rates
 
     c = emulator_cluster(2, 2, 1.0)
     w = _w(**ZEROPP)
@@ -246,7 +246,7 @@ def _summary(cluster: dict) -> dict:
 
 
 def test_workload_from_summary_reads_the_run_config() -> None:
-    from zeropp.experiments.scaling_check import workload_from_summary
+    from zeropp.experiments.projection.scaling_check import workload_from_summary
 
     w = workload_from_summary(_summary({"name": "local"}), (("quantize", 8, 1.0),))
     assert w.compute_s == pytest.approx(0.5 - 0.2)  # step - the engine's own wait
@@ -268,7 +268,7 @@ def test_workload_from_summary_reads_the_run_config() -> None:
 
 def test_compare_measured_takes_the_link_from_the_summary() -> None:
     """Emulated runs: the measured link rate from the placement; local runs need cross_gbps."""
-    from zeropp.experiments.scaling_check import compare_measured, workload_from_summary
+    from zeropp.experiments.projection.scaling_check import compare_measured, workload_from_summary
 
     s = _summary({"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0})
     s["placement"] = {"cluster": "emulated", "measured_gbps": 0.8}

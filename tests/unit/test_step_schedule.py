@@ -1,4 +1,4 @@
-"""The scheduled step-time model (experiments/step_schedule.py): hand-computed timelines, the serial
+"""The scheduled step-time model (experiments/projection/step_schedule.py): hand-computed timelines, the serial
 formula where nothing can overlap, bounds on every stage and recipe, and the CPU-side calibration
 ``bench_cluster --check`` uses."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.scaling import (
+from zeropp.experiments.projection.scaling import (
     Cluster,
     Workload,
     collective_time,
@@ -19,8 +19,8 @@ from zeropp.experiments.scaling import (
     project,
     quant_time,
 )
-from zeropp.experiments.scaling_check import calibrate_cpu_side, emulator_cluster
-from zeropp.experiments.step_schedule import (
+from zeropp.experiments.projection.scaling_check import calibrate_cpu_side, emulator_cluster
+from zeropp.experiments.projection.step_schedule import (
     Transfer,
     UnitCosts,
     message_transfer,

@@ -1,11 +1,11 @@
-"""experiments/text_table.py and the two cost-model tables printed with it (scaling, scaling_check)."""
+"""experiments/projection/text_table.py and the two cost-model tables printed with it (scaling, scaling_check)."""
 
 from __future__ import annotations
 
 import pytest
 
 from zeropp.experiments import scaling, scaling_check
-from zeropp.experiments.text_table import Column, number, text_table
+from zeropp.experiments.projection.text_table import Column, number, text_table
 
 PROJECTION_ROW = {
     "gbps": 100.0,

@@ -73,7 +73,7 @@ def measure_ring_gbps(
     ranks_per_node`` emulated cluster shaped at ``gbps`` (median of ``repeats``): each node's
     uplink carries ``(world - 1) * nbytes`` per all-gather. Needs root, like ``cluster=emulated``;
     a rank that fails or hangs raises RuntimeError (all ranks killed, cluster torn down)."""
-    from .cluster import EmulatedCluster
+    from . import EmulatedCluster
 
     if nodes < 2:
         raise ValueError(f"a cross-node rate needs nodes >= 2, got {nodes}")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.rank_main:
         _rank_main(a.nbytes, a.repeats)
         return
-    from .cluster import EmulatedCluster
+    from . import EmulatedCluster
 
     for g in a.gbps:
         with EmulatedCluster(a.nodes, a.ranks_per_node, g) as c:

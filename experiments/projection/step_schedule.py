@@ -1,6 +1,6 @@
 """Overlap in the step-time model: one training step as a list schedule on two resources.
 
-Why: :func:`experiments.scaling.project` adds compute and communication (minus a free
+Why: :func:`experiments.projection.scaling.project` adds compute and communication (minus a free
 ``overlap`` fraction), but the engine overlaps them by construction -- stage 3 issues the gathers
 of the next ``prefetch_depth`` blocks before the current block computes, and stages 2-3 keep each
 block's gradient reduce-scatter in flight while the blocks before it run backward. On the
@@ -15,7 +15,7 @@ Two resources, each working through its tasks in issue order:
   since gloo and the kernel's loopback / veth copy on the same cores that compute;
 * **link** -- the transfers, one at a time (one uplink per node / one communication stream): the
   cross-node time of each collective, and on GPUs (``comm_on_compute=False``) its whole alpha-beta
-  time (:func:`~experiments.scaling.collective_time`).
+  time (:func:`~experiments.projection.scaling.collective_time`).
 
 A collective issued at time ``t`` first quantizes (compute), then its other compute-side part and
 its link part run at once; it is done when both are. A block's compute waits for its gather; the
@@ -102,7 +102,7 @@ class UnitCosts:
 
 def message_transfer(m: Message, c: Cluster) -> Transfer:
     """One call of ``m``. GPUs: all of it on the link (latency and the slower of the intra- and
-    cross-node transfers, :func:`~experiments.scaling.collective_time`). CPU ranks
+    cross-node transfers, :func:`~experiments.projection.scaling.collective_time`). CPU ranks
     (``c.comm_on_compute``): the latency and a copy of every byte this rank sends, at
     ``c.intra_gbps`` (loopback, or the veth in front of the shaped uplink), on the compute side;
     the cross-node transfer on the link."""
@@ -117,10 +117,10 @@ def message_transfer(m: Message, c: Cluster) -> Transfer:
 
 def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
     """Per-unit costs of one micro-batch (root first): ``compute_s`` split by :data:`FORWARD_SHARE`
-    and by elements; each message of :func:`~experiments.scaling.messages` under its unit and the
+    and by elements; each message of :func:`~experiments.projection.scaling.messages` under its unit and the
     phase the communication plan (``zeropp.runtime.plan``) issues it in (a message of ``count`` calls per step costs ``count / grad_accum`` per micro-batch, except the
     post-step ones and stages 0-1's reduction, which are per step); quantization per unit and
-    phase from :func:`~experiments.scaling.quant_time`."""
+    phase from :func:`~experiments.projection.scaling.quant_time`."""
     a = w.grad_accum
     total = sum(w.units)
     by: dict[tuple[int, str], Transfer] = defaultdict(Transfer)
@@ -301,7 +301,7 @@ def scheduled_step_s(
 
 
 def project_scheduled(w: Workload, c: Cluster, *, prefetch: int = 1) -> Projection:
-    """:func:`~experiments.scaling.project` with the step time of :func:`scheduled_step_s` instead of
+    """:func:`~experiments.projection.scaling.project` with the step time of :func:`scheduled_step_s` instead of
     the serial formula (``w.overlap`` is not used); ``comm_s`` is then the step's time beyond
     ``compute_s`` (what the ranks wait for, quantization included)."""
     msgs = messages(w, c)

@@ -158,7 +158,7 @@ def measure_loopback_gbps(world: int, *, nbytes: int = 1 << 20, repeats: int = 5
     plain all-gather of ``nbytes`` per rank, each rank sending ``(world - 1) x nbytes``, timed
     (median, slowest rank) with every rank running at once, one thread each -- the copies
     through the kernel's TCP loopback that an emulated node's ranks make, under this host's load."""
-    from zeropp.launch import launch_world
+    from ..launch import launch_world
 
     t = max(
         launch_world(

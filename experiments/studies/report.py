@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .console import human_bytes
+from ..runner.console import human_bytes
+from ..runner.metrics import read_metrics
 from .labels import label_runs
-from .metrics import read_metrics
 from .report_plots import PLOTS
 
 __all__ = ["PLOTS", "load_runs", "markdown", "phase_markdown", "phase_rows", "plots", "run_labels", "write_report"]

@@ -74,7 +74,7 @@ __all__ = [
     "model_field_defaults",
 ]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The YAML part of the config tree: repo ``conf/`` (installed as ``zeropp.conf``)."""
 
 MODEL_KINDS: dict[str, type] = {"gpt": GPTConfig, "hf": HFConfig}

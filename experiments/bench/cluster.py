@@ -4,14 +4,14 @@
     python -m experiments.bench_cluster --gbps 0.2,1,5 --steps 6 --json out.json
     sudo python -m experiments.bench_cluster --check               # the scaling model's error, per cell
 
-Every measurement is one runner job (``experiments.run.run_job``, exactly ``python -m
-experiments.run cluster=emulated cluster.inter_gbps=<g> stage=3 quant=none|zeropp ...``): the
+Every measurement is one runner job (``experiments.runner.run.run_job``, exactly ``python -m
+experiments.runner.run cluster=emulated cluster.inter_gbps=<g> stage=3 quant=none|zeropp ...``): the
 same worker and trainer as any run, its own shaped namespaces and link probe. For each bandwidth
 ZeRO-3 and ZeRO++ (qwZ INT8 + hpZ + qgZ INT4) run alternately (``--rounds`` each, so both see
 the same drift of the host's load); the table shows the median over rounds of each run's median
 step time (rank 0's, after the warm-up steps), the speedup, and the bytes each rank sent across
 nodes per step (the engine's CommStats). Then it puts the scaling projection
-(experiments/scaling.py) next to each measurement: the same workload (this GPT's communication
+(experiments/projection/scaling.py) next to each measurement: the same workload (this GPT's communication
 units, the run's own measured compute time = step - time blocked on communication) on a Cluster
 with the *measured* link rate, and prints the relative error.
 
@@ -31,7 +31,7 @@ against three predictions, all with compute = the run's measured step - its meas
 * **measured CPU + modelled link**: the unshaped runs' wait overlapped with the model's uplink
   time, ``max(wait_local, uplink / rate)``;
 * **serial model**: ``scaling.project``, compute + communication, with the uncalibrated
-  :data:`~experiments.scaling_check.EMULATOR_LINKS` constants and the measured loopback rate;
+  :data:`~experiments.projection.scaling_check.EMULATOR_LINKS` constants and the measured loopback rate;
 
 with each error, and whether every cell of the scheduled model is within +-15% (exit 1 if not).
 
@@ -52,13 +52,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench_args import check_run_lengths
-from .cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
-from .config import ConfigError
-from .launcher import RankFailure
-from .run import run_job
-from .scaling import GBPS, project, quant_work
-from .scaling_check import (
+from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
+from ..projection.scaling import GBPS, project, quant_work
+from ..projection.scaling_check import (
     calibrate_cpu_side,
     comm_wait_s,
     emulator_cluster,
@@ -68,7 +64,11 @@ from .scaling_check import (
     measure_quant_rates_contended,
     workload_from_summary,
 )
-from .step_schedule import project_scheduled
+from ..projection.step_schedule import project_scheduled
+from ..runner.config import ConfigError
+from ..runner.launcher import RankFailure
+from ..runner.run import run_job
+from .args import check_run_lengths
 
 MODES = {"zero3": "none", "zeropp": "zeropp"}
 """Benchmark mode -> the runner's ``quant=`` recipe (both at stage 3)."""
@@ -154,10 +154,10 @@ def predict(
     the CPU side measured, the link modelled. The shaped link drains on its own (tbf) while the
     ranks' CPUs quantize, copy and compute, and the engine prefetches gathers and keeps
     reduce-scatters in flight, so the two overlap: the wait is the longer of the unshaped run's
-    wait and the model's uplink time at ``gbps`` (:func:`~experiments.scaling.uplink_bytes`). And
-    ``scheduled_step_s`` (with ``cpu_scale``): :func:`~experiments.step_schedule.project_scheduled`
+    wait and the model's uplink time at ``gbps`` (:func:`~experiments.projection.scaling.uplink_bytes`). And
+    ``scheduled_step_s`` (with ``cpu_scale``): :func:`~experiments.projection.step_schedule.project_scheduled`
     on a ``comm_on_compute`` emulator cluster whose CPU-side constants are calibrated on the
-    unshaped wait (:func:`~experiments.scaling_check.calibrate_cpu_side`), with the run's
+    unshaped wait (:func:`~experiments.projection.scaling_check.calibrate_cpu_side`), with the run's
     ``prefetch_depth``."""
     topo = summary["config"]["topology"]
     links = {"intra_gbps": local["loopback_gbps"]} if local is not None else {}  # measured, not the default

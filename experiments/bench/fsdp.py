@@ -4,11 +4,11 @@
     python -m experiments.bench_fsdp --preset medium --batch 8 --steps 10 --precision bf16
     python -m experiments.bench_fsdp --nodes 2 --quant zeropp --precision bf16    # ours with ZeRO++
 
-Both are runner jobs (``experiments.run.run_job``: ``trainer=zeropp stage=3`` and
+Both are runner jobs (``experiments.runner.run.run_job``: ``trainer=zeropp stage=3`` and
 ``trainer=fsdp2``) with identical overrides otherwise: the same model initialisation, per-rank
 batches, optimizer and LR schedule, precision (``zero.precision``) and steps, each in its own
 freshly started world. FSDP2 shards with ``fully_shard`` per transformer block plus the root
-(experiments/trainers.py); ours is ``ZeroEngine`` at stage 3, optionally with a ZeRO++ recipe
+(experiments/runner/trainers.py); ours is ``ZeroEngine`` at stage 3, optionally with a ZeRO++ recipe
 (``--quant``, ours only).
 
 Step time: the median of rank 0's step times after ``--warmup`` (the runner's
@@ -29,10 +29,10 @@ from typing import Any
 
 from zeropp.comm.spec import RECIPES
 
-from .bench_args import check_run_lengths
-from .config import ConfigError
-from .launcher import RankFailure
-from .run import run_job
+from ..runner.config import ConfigError
+from ..runner.launcher import RankFailure
+from ..runner.run import run_job
+from .args import check_run_lengths
 
 TRAINERS = {"ours": "zeropp", "fsdp2": "fsdp2"}
 """Benchmark side -> the runner's ``trainer=``."""

@@ -4,7 +4,7 @@
     python -m experiments.bench_gpu --jobs stage0,stage3,zeropp --steps 50
     python -m experiments.bench_gpu --device cpu --preset tiny --seq 16 --batch 2 --steps 3 --warmup 1
 
-Every row is a runner job (``experiments.run.run_job``) at world 1 (``topology=1x1``) with the
+Every row is a runner job (``experiments.runner.run.run_job``) at world 1 (``topology=1x1``) with the
 same model, batch, precision, optimizer and steps; only the trainer, stage and ``quant=`` recipe
 differ. At world 1 every collective is a local copy, so a stage's extra time over stage 0 is the
 runtime's own overhead (hooks, gathers, frees, quantization), before any network. "torch" is
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .bench_args import check_run_lengths, require_at_least
+from .args import check_run_lengths, require_at_least
 
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
@@ -82,8 +82,8 @@ def run_all(
     a: argparse.Namespace, root: Path, run_job: Callable[[list[str], Path], dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
     """Run the selected rows in order; a row that fails records its error and the rest still run."""
-    from .config import ConfigError
-    from .launcher import RankFailure
+    from ..runner.config import ConfigError
+    from ..runner.launcher import RankFailure
 
     rows = {}
     for key in a.jobs:
@@ -162,7 +162,7 @@ def main(
     ``run_job`` defaults to the runner's (tests pass a fake one)."""
     a = parse_args(argv)
     if run_job is None:
-        from .run import run_job as runner_job
+        from ..runner.run import run_job as runner_job
 
         run_job = runner_job
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:

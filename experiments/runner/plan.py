@@ -6,7 +6,7 @@
 Why: the communication plan (``zeropp.runtime.plan``) says what one ZeroEngine step sends; this
 prints it for a runner config (the same Hydra keys and checks as ``python -m experiments.run``:
 ``model=``, ``quant=``, ``topology=``, ``zero.*``, ``cluster.inter_gbps=`` with ``cluster=emulated``)
-and draws the projected step (``experiments.step_schedule``'s replay of the engine's issue order)
+and draws the projected step (``experiments.projection.step_schedule``'s replay of the engine's issue order)
 as a timeline, for each node count asked for (``--nodes`` or ``plan.nodes=[4,32,384]``; default the
 config's ``topology.nodes``), ranks per node as the config's topology:
 

@@ -40,7 +40,7 @@ chunks per rank at ``B_intra``, beside the cross-node time on GPUs (max) or adde
 Quantize/dequantize kernels (:func:`quant_work`) are charged at measured rates
 (``Workload.quant_rates``, see ``scaling_check.measure_quant_rates``) or ``quant_gbs``.
 Step time = compute + comm + quantization - overlap * min(compute, comm). That serial formula
-is what :func:`project` and the cluster tables use; ``experiments/step_schedule.py`` replays the
+is what :func:`project` and the cluster tables use; ``experiments/projection/step_schedule.py`` replays the
 engine's issue order on a compute and a link resource instead (prefetched gathers and in-flight
 reduce-scatters overlapping compute), from the same messages, and is what ``bench_cluster
 --check`` judges.
@@ -108,7 +108,7 @@ class Cluster:
     CPU ranks sharing cores (the emulator), where the two add up."""
     comm_on_compute: bool = False
     """The ranks' processors do the collectives' per-message work and intra-node copies (CPU ranks
-    under gloo, the emulator), so in the scheduled step (``experiments.step_schedule``) those
+    under gloo, the emulator), so in the scheduled step (``experiments.projection.step_schedule``) those
     terms occupy the compute resource; False (GPUs): they run beside compute, only quantization
     kernels compete with it. The serial :func:`project` does not use it."""
     wire: str = "pairwise"

@@ -302,7 +302,7 @@ class TrainConfig:
     """Held-out micro-batches each rank evaluates per evaluation; the eval loss is their mean over
     ranks and batches, and every rank reads different ones (rank r takes held-out batches
     r, r + world, ...), so an evaluation covers ``eval_batches x world x micro_batch_size``
-    sequences. Raise it where eval-loss differences of a percent matter (``experiments.converge``)."""
+    sequences. Raise it where eval-loss differences of a percent matter (``experiments.studies.converge``)."""
     log_every: int = 1
     """Write a metrics line every N steps."""
     seed: int = 0

@@ -4,7 +4,7 @@ per-phase memory study of ZeRO, on a plain MLP wrapped by ``ZeroEngine``.
 The model is what a user writes first: an ``nn.Sequential`` of ``Linear`` + ``ReLU`` (12 layers of
 width 1024 by default: Ψ = 12.6 M parameters, so the figures read in MiB), Adam (AdamW without
 weight decay), an MSE loss on ``WithTargets(x, y)`` micro-batches, one training step on 4 gloo CPU
-ranks (``zeropp.launch.launch_world``). It is trained as the replicated baseline (stage 0),
+ranks (``zeropp.experiments.launch.launch_world``). It is trained as the replicated baseline (stage 0),
 ZeRO-1, ZeRO-2, ZeRO-3 (the default block rule makes each ``Linear`` a gather unit) and ZeRO-3
 with the optimizer and the parameters offloaded to the CPU. For each, the memory of every rank
 after model creation, optimizer creation, forward, backward and step (``ZeroEngine.memory_phases``;
@@ -30,8 +30,8 @@ The formulas leave out activations and communication buffers; the tables show th
 
 Why a module here rather than ``examples/`` or a mode of ``python -m experiments.memory``: the
 ranks are started by spawn, which imports the rank function by its module name, so it must live
-in an importable, installed module (``zeropp.experiments.memory_study``), which is also what the
-tests import; and ``experiments.memory`` is the Hydra runner's command for its GPT configs
+in an importable, installed module (``zeropp.experiments.studies.memory_study``), which is also what the
+tests import; and ``experiments.runner.memory`` is the Hydra runner's command for its GPT configs
 (overrides, a real run through ``run_job``), while this study drives the engine API directly on
 the user's own module, as the user would.
 """
@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .console import human_bytes
-from .preflight import check_writable_dir
-from .sections import ConfigError, check, pos_int
+from ..runner.console import human_bytes
+from ..runner.preflight import check_writable_dir
+from ..runner.sections import ConfigError, check, pos_int
 
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("stage 0 (replicated)", {"stage": 0}),
@@ -204,7 +204,7 @@ def verdict(measured: dict[str, float], want: dict[str, float], tolerance: float
 # ---------------------------------------------------------------------- the run
 def run_study(cfg: StudyConfig) -> dict[str, Any]:
     """Launch ``cfg.world`` gloo ranks of :func:`study_rank` and :func:`summarize` them."""
-    from zeropp.launch import launch_world
+    from ..launch import launch_world
 
     per_rank = launch_world(
         study_rank, cfg.world, args=(cfg,), process_group="gloo", threads=1, timeout_s=cfg.timeout_s
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configuration differs from the formula or a rank fails)."""
     from rich.console import Console
 
-    from zeropp.launch import RankFailure
+    from ..launch import RankFailure
 
     d = StudyConfig()
     ap = argparse.ArgumentParser(prog="python -m experiments.memory_study", description=__doc__.split("\n\n")[0])

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .console import human_bytes
+from ..runner.console import human_bytes
 
 MODES = ("none", "int8", "int4")
 TARGETS = {"int8": 0.55, "int4": 0.3}
@@ -33,10 +33,10 @@ NODES, RANKS_PER_NODE = 2, 2
 
 
 def _corpus() -> bytes:
-    """The runner's default text (this interpreter's standard library, ``experiments.data``): fixed
+    """The runner's default text (this interpreter's standard library, ``experiments.runner.data``): fixed
     for a Python version, so a figure does not move when this package's own sources change."""
-    from .config import DataConfig
-    from .data import read_corpus
+    from ..runner.config import DataConfig
+    from ..runner.data import read_corpus
 
     return read_corpus(DataConfig())
 
@@ -101,7 +101,7 @@ def run(
     """The three runs on a 2x2 gloo world (``hpz``: all three with hpZ, so the frozen gathers cross
     nodes in the first forward only); rank 0's figures (the ranks agree on the loss) with the
     largest per-rank frozen bytes and cross-node bytes over the ranks."""
-    from zeropp.launch import launch_world
+    from ..launch import launch_world
 
     res = launch_world(
         _rank,

@@ -14,7 +14,7 @@ and prints, as markdown tables:
    per phase, the rank with the most device bytes, per tier and category, with the peak; then the
    model state at the end of backward beside the prediction, per tier, with the ratio.
 
-The short run trains for real (same ranks, device and data as ``experiments.run``), so on a GPU
+The short run trains for real (same ranks, device and data as ``experiments.runner.run``), so on a GPU
 it also gives the CUDA allocator's peaks, i.e. the activations and transient buffers the
 formulas leave out.
 

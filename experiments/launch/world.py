@@ -1,10 +1,10 @@
 """The one way ranks are started on one host: torch's elastic multiprocessing, watched.
 
-Used by the runner (``python -m experiments.run``, through ``zeropp.experiments.launcher``), the
+Used by the runner (``python -m experiments.run``, through ``zeropp.experiments.runner.launcher``), the
 benchmarks, and the tests (``tests/worlds.py::run_world``); it lives in the library, not the
 harness, because the library's own tests and any trainer importing zeropp start worlds with it::
 
-    launch_world(ModuleEntry(module="zeropp.experiments.worker", args=(spec,)), 4,
+    launch_world(ModuleEntry(module="zeropp.experiments.runner.worker", args=(spec,)), 4,
                  placement=LOCAL, log_dir=run_dir / "ranks", timeout_s=600)
     launch_world(fn, 4, args=(x,), process_group="gloo", timeout_s=60)  # -> [fn(0, 4, x), ..]
 
@@ -33,7 +33,7 @@ leaves the child for torch to reap), so the launcher knows which rank died *firs
 ``PContext.close(timeout=grace_s)`` (SIGTERM to each rank's process group, SIGKILL after the
 grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's service) go too.
 :class:`RankFailure` names the root cause, with the tail of its error (how it is chosen, and
-where the error text comes from: :mod:`zeropp.rank_failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
+where the error text comes from: :mod:`zeropp.experiments.launch.failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
 handlers, restored afterwards) and the whole-run timeout stop all ranks the same way. A stop
 first sends SIGTERM to every rank and then SIGCONT to its group, so a stopped rank handles its
 SIGTERM as soon as it continues.
@@ -59,14 +59,14 @@ would make ``torch.distributed.is_torchelastic_launched()`` claim an elastic age
 all ranks share the terminal and the error files live in a temporary directory removed afterwards.
 
 API: :func:`launch_world` (``ModuleEntry`` or function), :class:`Placement` (:data:`LOCAL`; the
-emulated cluster's is built in ``zeropp.experiments.launcher``), :func:`select_device`,
+emulated cluster's is built in ``zeropp.experiments.runner.launcher``), :func:`select_device`,
 :func:`free_port`, :func:`in_torchrun`, :data:`LAUNCHED_MARK`, :func:`heartbeat` (rank side, from
-:mod:`zeropp.watch`); errors :class:`RankFailure` (from :mod:`zeropp.rank_failure`),
+:mod:`zeropp.watch`); errors :class:`RankFailure` (from :mod:`zeropp.experiments.launch.failure`),
 :class:`PlacementError`. Launch from the main thread: PDEATHSIG fires when the *thread* that
 started a rank exits.
 
 CUDA (:func:`select_device`): one GPU per process on its host, chosen by ``LOCAL_RANK``. The
-emulated cluster is CPU only (``zeropp.experiments.launcher.device_for_cluster``).
+emulated cluster is CPU only (``zeropp.experiments.runner.launcher.device_for_cluster``).
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, SignalException, start_processes
 
-from . import watch
-from .rank_failure import RankFailure, exit_status, root_cause
-from .watch import heartbeat
+from zeropp import watch
+from zeropp.watch import heartbeat
+
+from .failure import RankFailure, exit_status, root_cause
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
@@ -200,7 +201,7 @@ class ModuleEntry:
     """A rank that runs ``python -m <module> <args...>`` (the same argv on every rank)."""
 
     module: str
-    """Dotted module name, e.g. ``zeropp.experiments.worker``."""
+    """Dotted module name, e.g. ``zeropp.experiments.runner.worker``."""
     args: tuple[str, ...] = ()
     """Command-line arguments after the module name."""
 
@@ -242,7 +243,7 @@ def _function_rank(
     _prctl_pdeathsig()
     if log:
         _redirect_output(log)
-    watch.start()  # liveness from the start; progress beats are up to fn (zeropp.launch.heartbeat)
+    watch.start()  # liveness from the start; progress beats are up to fn (zeropp.experiments.launch.heartbeat)
     if threads:
         torch.set_num_threads(threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

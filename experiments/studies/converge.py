@@ -21,7 +21,7 @@ their mean ± standard deviation. A gap is named "outside seed spread" when its 
 each measure of seed noise: the standard deviation of the per-seed gaps, and the seed standard
 deviation of fp's and of the scheme's eval loss (in % of fp's mean eval loss).
 
-Why the runner as a library (:func:`experiments.run.run_job`) rather than subprocesses of
+Why the runner as a library (:func:`experiments.runner.run.run_job`) rather than subprocesses of
 ``python -m experiments.run``: every run is composed and validated exactly like the command line,
 its summary comes back as a dict (no output to parse), and a failure arrives as a typed exception
 (``ConfigError``/``RankFailure``) the suite records before going on. The ranks are still separate
@@ -44,9 +44,9 @@ from typing import Any, Callable, Sequence
 
 from zeropp.comm.spec import RECIPES
 
-from .config import ConfigError, RunConfig, from_omegaconf
-from .metrics import read_metrics
-from .overrides import check_overrides
+from ..runner.config import ConfigError, RunConfig, from_omegaconf
+from ..runner.metrics import read_metrics
+from ..runner.overrides import check_overrides
 
 SCHEMES: dict[str, tuple[str, ...]] = {
     "fp": ("quant=none",),
@@ -89,7 +89,7 @@ RESERVED = {"quant": "schemes=", "train.seed": "seeds=", "hydra.run.dir": "out="
 """Runner keys the suite sets itself -> what to pass instead."""
 
 Runner = Callable[[list[str], Path], dict[str, Any]]
-"""``(overrides, run_dir) -> summary``: :func:`experiments.run.run_job`'s signature."""
+"""``(overrides, run_dir) -> summary``: :func:`experiments.runner.run.run_job`'s signature."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,7 +220,7 @@ def compose(overrides: Sequence[str]) -> RunConfig:
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    from . import schema
+    from ..runner import schema
 
     schema.register()
     check_overrides(list(overrides))
@@ -250,10 +250,10 @@ def run_suite(
 ) -> list[RunResult]:
     """Run every (seed, scheme) pair, schemes interleaved within a seed so that a drift of the
     host's load touches all schemes alike. A failed run is recorded and the rest go on.
-    ``runner`` defaults to :func:`experiments.run.run_job`; ``on_result`` sees the results so far
+    ``runner`` defaults to :func:`experiments.runner.run.run_job`; ``on_result`` sees the results so far
     after each run (the CLI rewrites the table then)."""
     if runner is None:
-        from .run import run_job
+        from ..runner.run import run_job
 
         runner = run_job
     runs = cfg.out / "runs"
