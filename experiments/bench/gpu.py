@@ -171,6 +171,11 @@ def main(
     return rows
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command: :func:`main`, exit status 1 when any cell of the matrix failed, else 0."""
     rows = main()
     sys.exit(1 if any("error" in r for r in rows.values()) else 0)
+
+
+if __name__ == "__main__":
+    cli()

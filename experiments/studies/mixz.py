@@ -178,6 +178,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command: :func:`main`, exit status 0 when every run passed its target, else 1."""
     rows = main()
     sys.exit(0 if all(r["pass"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    cli()

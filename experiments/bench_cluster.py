@@ -1,0 +1,14 @@
+"""``python -m experiments.bench_cluster``: the documented command, an alias of :mod:`experiments.bench.cluster`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .bench.cluster import main, parse_args
+
+__all__ = ["main", "parse_args"]
+
+if __name__ == "__main__":
+    sys.exit(main())

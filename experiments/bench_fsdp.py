@@ -1,0 +1,12 @@
+"""``python -m experiments.bench_fsdp``: the documented command, an alias of :mod:`experiments.bench.fsdp`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .bench.fsdp import main, parse_args
+
+__all__ = ["main", "parse_args"]
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""``python -m experiments.bench_gpu``: the documented command, an alias of :mod:`experiments.bench.gpu`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .bench.gpu import cli, main, parse_args
+
+__all__ = ["cli", "main", "parse_args"]
+
+if __name__ == "__main__":
+    cli()

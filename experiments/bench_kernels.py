@@ -1,0 +1,12 @@
+"""``python -m experiments.bench_kernels``: the documented command, an alias of :mod:`experiments.bench.kernels`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .bench.kernels import main, parse_args
+
+__all__ = ["main", "parse_args"]
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""``python -m experiments.memory``: the documented command, an alias of :mod:`experiments.runner.memory`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .runner.memory import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    main()

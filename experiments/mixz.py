@@ -1,0 +1,12 @@
+"""``python -m experiments.mixz``: the documented command, an alias of :mod:`experiments.studies.mixz`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .studies.mixz import cli, main
+
+__all__ = ["cli", "main"]
+
+if __name__ == "__main__":
+    cli()

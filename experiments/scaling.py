@@ -1,0 +1,12 @@
+"""``python -m experiments.scaling``: the documented command, an alias of :mod:`experiments.projection.scaling`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .projection.scaling import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    main()
