@@ -221,7 +221,7 @@ def test_plugins_refuse_a_session_with_other_settings() -> None:
 
 def test_commwatch_counts_a_nested_wait_once(monkeypatch) -> None:
     """A backend ``Work.wait`` inside a zeropp handle's wait (the session hook) counts once."""
-    from experiments import commwatch
+    from experiments.runner import commwatch
     from zeropp.comm import Topology
 
     clock = [0.0]

@@ -36,7 +36,7 @@ def _world(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from experiments import commwatch
+    from experiments.runner import commwatch
     from experiments.runner.commwatch import CommWatch
     from zeropp.comm import Topology
     from zeropp.models import GPT

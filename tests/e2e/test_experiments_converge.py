@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from experiments import converge
+from experiments.studies import converge
 
 TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from zeropp.experiments import memory as memcmd
+from zeropp.experiments.runner import memory as memcmd
 from zeropp.experiments.runner.console import summary_rows
 from zeropp.experiments.studies.report import PLOTS, write_report
 from zeropp.runtime.memory import MODEL_STATE, PHASES, TIERS, tier_totals

@@ -19,7 +19,7 @@ import json
 import pytest
 
 from tests.experiment_helpers import legends_over_data
-from zeropp.experiments import memory_study as ms
+from zeropp.experiments.studies import memory_study as ms
 from zeropp.runtime.memory import MODEL_STATE, TIERS, tier_totals
 
 FAST = ["--width", "8", "--layers", "3", "--batch", "4"]

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 
-from zeropp.experiments import ring_probe
+from zeropp.experiments.cluster import ring_probe
 
 
 def test_rank_program_times_every_all_gather_on_a_local_world() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.bench_helpers import cluster_summary
-from zeropp.experiments import bench_cluster
+from zeropp.experiments.bench import cluster as bench_cluster
 from zeropp.experiments.bench.fsdp import main
 from zeropp.experiments.cluster.netns import NetnsError, require_privileges
 

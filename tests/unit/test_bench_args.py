@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import bench_cluster, bench_fsdp, bench_gpu
+from zeropp.experiments.bench import cluster as bench_cluster
+from zeropp.experiments.bench import fsdp as bench_fsdp
+from zeropp.experiments.bench import gpu as bench_gpu
 
 CASES = [
     (bench_gpu, ["--steps", "0"], "--steps must be >= 1, got 0"),

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments import bench_cluster
+from zeropp.experiments.bench import cluster as bench_cluster
 from zeropp.experiments.projection.scaling import gpt_units
 
 MODEL = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4}

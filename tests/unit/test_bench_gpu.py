@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tests.bench_helpers import CPU_TINY
-from zeropp.experiments import bench_gpu
+from zeropp.experiments.bench import gpu as bench_gpu
 from zeropp.experiments.runner.config import ConfigError
 
 

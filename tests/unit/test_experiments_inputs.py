@@ -21,7 +21,7 @@ from omegaconf.errors import ValidationError
 
 from tests.cli_helpers import ROOT, run_cli, unwritable_dir
 from tests.experiment_helpers import composed_config
-from zeropp.experiments import preflight
+from zeropp.experiments.runner import preflight
 from zeropp.experiments.runner.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
 from zeropp.experiments.runner.console import human_bytes
 from zeropp.experiments.runner.overrides import check_overrides

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.experiments import memory as memcmd
+from zeropp.experiments.runner import memory as memcmd
 from zeropp.runtime.memory import expected_by_tier, tier_totals
 
 FAST = ["model=mini", "topology=2x2", "train.micro_batch_size=2", "data.max_bytes=200000"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import ring_probe
+from zeropp.experiments.cluster import ring_probe
 
 
 def test_one_node_has_no_cross_node_rate() -> None:

@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from tests.bench_helpers import cluster_summary
-from zeropp.experiments import bench_cluster
+from zeropp.experiments.bench import cluster as bench_cluster
 from zeropp.experiments.bench.fsdp import job_overrides, parse_args
 from zeropp.experiments.runner.overrides import check_overrides
 
@@ -72,7 +72,7 @@ def test_bench_cluster_refuses_bad_arguments() -> None:
 
 
 def test_bench_fsdp_reads_both_summaries(monkeypatch, capsys) -> None:
-    from zeropp.experiments import bench_fsdp
+    from zeropp.experiments.bench import fsdp as bench_fsdp
 
     def fake_job(overrides: list[str], run_dir) -> dict:
         ours = "trainer=zeropp" in overrides

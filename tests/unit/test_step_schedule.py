@@ -223,7 +223,7 @@ def test_message_transfer_on_cpu_ranks_copies_every_sent_byte() -> None:
 
 
 def test_cli_prints_the_scheduled_table_and_refuses_overlap(capsys) -> None:
-    from zeropp.experiments import step_schedule
+    from zeropp.experiments.projection import step_schedule
 
     step_schedule.main(["--plot", "", "--max-gpus", "16", "--gbps", "100"])
     out = capsys.readouterr().out

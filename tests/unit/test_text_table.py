@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import scaling, scaling_check
+from zeropp.experiments.projection import scaling, scaling_check
 from zeropp.experiments.projection.text_table import Column, number, text_table
 
 PROJECTION_ROW = {
