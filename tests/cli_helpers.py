@@ -23,7 +23,7 @@ def run_cli(
         raise AssertionError("the runner accepted this config and would have started ranks")
 
     monkeypatch.setattr(run, "launch", no_launch)
-    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.runner.run", *args, f"hydra.run.dir={run_dir}"])
+    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"])
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:
         run.cli()

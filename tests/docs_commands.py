@@ -139,7 +139,7 @@ def module_exists(name: str) -> bool:
 
 
 def import_name(name: str) -> str:
-    """The installed name of a documented module (``experiments.runner.run`` -> ``zeropp.experiments.runner.run``),
+    """The installed name of a documented module (``experiments.run`` -> ``zeropp.experiments.run``),
     so that the check imports each module once, under the name the library uses."""
     return f"zeropp.{name}" if name.split(".")[0] in ("experiments", "kernels") else name
 
@@ -282,9 +282,9 @@ def check_module_args(module: str, args: list[str]) -> None:
     base = module.removeprefix("zeropp.")
     if module in ("pytest", "venv"):
         return
-    if base == "experiments.runner.run":
+    if base == "experiments.run":
         _check_run(args)
-    elif base == "experiments.studies.converge":
+    elif base == "experiments.converge":
         _check_converge(args)
     else:
         _check_argparse(module, args)

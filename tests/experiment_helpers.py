@@ -53,12 +53,7 @@ def run_cli(
         else [sys.executable, "-m"]
     )
     return subprocess.run(
-        [*pre, "zeropp.experiments.runner.run", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=e,
-        check=False,
+        [*pre, "zeropp.experiments.run", *args], capture_output=True, text=True, timeout=timeout, env=e, check=False
     )
 
 

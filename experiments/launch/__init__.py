@@ -19,19 +19,20 @@ Public API::
     launch_world(fn, 4, args=(x,), process_group="gloo", timeout_s=60)  # -> [fn(0, 4, x), ..]
 """
 
-from .world import (
+from zeropp.watch import heartbeat
+
+from .failure import RankFailure
+from .placement import (
     LAUNCHED_MARK,
     LOCAL,
     ModuleEntry,
     Placement,
     PlacementError,
-    RankFailure,
     free_port,
-    heartbeat,
     in_torchrun,
-    launch_world,
     select_device,
 )
+from .world import launch_world
 
 __all__ = [
     "LAUNCHED_MARK",

@@ -246,7 +246,7 @@ def test_runner_resume_refuses_crafted_metadata(world, tmp_path):
         [
             sys.executable,
             "-m",
-            "zeropp.experiments.runner.run",
+            "zeropp.experiments.run",
             "topology=1x2",
             "logger=none",
             "model=tiny",

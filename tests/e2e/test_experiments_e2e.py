@@ -192,7 +192,7 @@ def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> N
             [
                 sys.executable,
                 "-m",
-                "zeropp.experiments.runner.run",
+                "zeropp.experiments.run",
                 "topology=1x2",
                 "logger=none",
                 *FAST,
@@ -376,7 +376,7 @@ def _torchrun_agents(
                 "--local-addr",
                 addr,
                 "-m",
-                "zeropp.experiments.runner.run",
+                "zeropp.experiments.run",
                 *args,
             ]
             procs.append(
@@ -437,7 +437,7 @@ def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) ->
             "--nproc-per-node",
             "2",
             "-m",
-            "zeropp.experiments.runner.run",
+            "zeropp.experiments.run",
             "topology=2x1",
             "logger=none",
             *FAST,
@@ -462,7 +462,7 @@ def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) ->
             "--nproc-per-node",
             "2",
             "-m",
-            "zeropp.experiments.runner.run",
+            "zeropp.experiments.run",
             "-m",
             "quant=none,int8",
         ],

@@ -38,7 +38,7 @@ def test_runner_trains_the_tied_gpt(tmp_path: Path, trainer: str, extra: list[st
         [
             sys.executable,
             "-m",
-            "zeropp.experiments.runner.run",
+            "zeropp.experiments.run",
             *ARGS,
             f"trainer={trainer}",
             *extra,

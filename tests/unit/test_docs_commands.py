@@ -150,7 +150,7 @@ def test_python_blocks_must_parse_and_import_what_exists(tmp_path: Path) -> None
 
 
 def test_module_lookup_follows_where_the_docs_run_it() -> None:
-    assert module_exists("experiments.runner.run") and module_exists("zeropp.experiments.runner.run")
+    assert module_exists("experiments.run") and module_exists("zeropp.experiments.run")
     assert module_exists("experiments.cluster")  # a package with __main__
     assert not module_exists("experiments.launcher_x")
     assert not module_exists("zeropp.comm")  # a package without __main__ cannot be run

@@ -206,7 +206,7 @@ def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
 
 
 def test_side_by_side_refuses_a_run_without_its_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``experiments.runner.plan <run dir>`` needs the finished run's summary.json: missing or unreadable,
+    """``experiments.plan <run dir>`` needs the finished run's summary.json: missing or unreadable,
     it exits 2 saying so, before reading any trace."""
     from experiments.runner.plan import main
 
