@@ -1,10 +1,10 @@
-"""``python -m experiments.scaling``: the documented command, an alias of :mod:`experiments.projection.scaling`
+"""``python -m experiments.scaling``: the documented command, an alias of :mod:`experiments.projection.speedup`
 (where the code lives; this file only keeps the command).
 """
 
 from __future__ import annotations
 
-from .projection.scaling import main
+from .projection.speedup import main
 
 __all__ = ["main"]
 

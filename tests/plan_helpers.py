@@ -20,7 +20,8 @@ from torch import nn
 
 from tests.runtime_helpers import TINY, rank_batches
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.experiments.projection.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes
+from zeropp.experiments.projection.scaling import gpt_units, messages, pairwise_bytes
+from zeropp.experiments.projection.spec import Cluster, Workload
 from zeropp.models import GPT, GPTConfig
 from zeropp.runtime.plan import PlanUnit, plan_units
 

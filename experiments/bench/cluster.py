@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
-from ..projection.scaling import GBPS, project, quant_work
+from ..projection.scaling import project, quant_work
 from ..projection.scaling_check import (
     calibrate_cpu_side,
     comm_wait_s,
@@ -64,6 +64,7 @@ from ..projection.scaling_check import (
     measure_quant_rates_contended,
     workload_from_summary,
 )
+from ..projection.spec import GBPS
 from ..projection.step_schedule import project_scheduled
 from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure

@@ -14,7 +14,7 @@ CPUs, not the link.
 ``measure_ring_gbps(nodes, ranks_per_node, gbps)`` builds a fresh emulated cluster (root), runs
 one process per rank inside its node's namespace, and returns the uplink rate the all-gathers
 achieved: gloo's ring sends ``world - 1`` chunks over each node's uplink per all-gather
-(``scaling.Cluster.wire="ring"``). ``python -m experiments.ring_probe --gbps 0.2,1`` prints it
+(``spec.Cluster.wire="ring"`` of the projection). ``python -m experiments.ring_probe --gbps 0.2,1`` prints it
 next to the TCP probe's rate.
 """
 

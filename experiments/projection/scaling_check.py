@@ -29,18 +29,8 @@ from typing import Any, Iterable
 
 from zeropp.comm.spec import QuantSpec
 
-from .scaling import (
-    GBPS,
-    Cluster,
-    Workload,
-    control_messages,
-    gpt_units,
-    link_terms,
-    messages,
-    project,
-    quant_time,
-    quant_work,
-)
+from .scaling import control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work
+from .spec import GBPS, Cluster, Workload
 from .step_schedule import message_transfer
 from .text_table import Column, number, text_table
 

@@ -48,11 +48,7 @@ from collections import defaultdict
 from zeropp.runtime.plan_kinds import Phase
 
 from .scaling import (
-    GBPS,
-    Cluster,
-    Message,
     Projection,
-    Workload,
     collective_time,
     control_time,
     link_terms,
@@ -62,6 +58,7 @@ from .scaling import (
     quant_time,
     uplink_bytes,
 )
+from .spec import GBPS, Cluster, Message, Workload
 
 FORWARD_SHARE = 1.0 / 3.0
 """Share of a step's compute spent in forward (backward is about twice the forward's FLOPs)."""
@@ -325,7 +322,7 @@ def project_scheduled(w: Workload, c: Cluster, *, prefetch: int = 1) -> Projecti
 def main(argv: list[str] | None = None) -> None:
     """``python -m experiments.step_schedule``: ``python -m experiments.scaling``'s projection table
     (same options but ``--overlap``) with scheduled step times (prefetch depth 1, GPU streams)."""
-    from .scaling import main as scaling_main
+    from .speedup import main as scaling_main
 
     scaling_main(argv, projector=project_scheduled, prog="python -m experiments.step_schedule")
 

@@ -60,7 +60,8 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
     from zeropp.runtime.config import validate_against_topology
     from zeropp.runtime.plan import build_plan
 
-    from ..projection.scaling import Cluster, Workload, control_time
+    from ..projection.scaling import control_time
+    from ..projection.spec import Cluster, Workload
     from ..projection.step_schedule import Interval, scheduled_step_s, unit_costs
 
     t = rc.topology
@@ -98,7 +99,7 @@ def events(plan: Any, trace: list, c: Any) -> list[dict[str, Any]]:
     """Timeline events ``{lane, name, start_s, dur_s, bytes, ...}``: the traced compute and
     quantization intervals, and each collective of the plan inside its unit-phase's link interval
     (in issue order, in proportion to its own link time)."""
-    from ..projection.scaling import Message
+    from ..projection.spec import Message
     from ..projection.step_schedule import message_transfer
 
     by_tag: dict[tuple, list] = {}

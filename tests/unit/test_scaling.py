@@ -12,23 +12,19 @@ import pytest
 
 from zeropp.comm.spec import QuantSpec
 from zeropp.experiments.projection.scaling import (
-    GBPS,
-    ZEROPP,
-    Cluster,
-    Workload,
     collective_time,
     control_time,
     gpt_units,
     messages,
     node_cross_bytes,
     pairwise_bytes,
-    paper_workload,
     project,
     quant_time,
     quant_work,
-    speedup_table,
     uplink_bytes,
 )
+from zeropp.experiments.projection.spec import GBPS, Cluster, Workload
+from zeropp.experiments.projection.speedup import ZEROPP, paper_workload, speedup_table
 from zeropp.kernels import quantized_nbytes
 
 INT8, INT4 = QuantSpec(bits=8), QuantSpec(bits=4)

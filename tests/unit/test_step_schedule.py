@@ -10,8 +10,6 @@ import pytest
 
 from zeropp.comm.spec import RECIPES
 from zeropp.experiments.projection.scaling import (
-    Cluster,
-    Workload,
     collective_time,
     control_time,
     gpt_units,
@@ -20,6 +18,7 @@ from zeropp.experiments.projection.scaling import (
     quant_time,
 )
 from zeropp.experiments.projection.scaling_check import calibrate_cpu_side, emulator_cluster
+from zeropp.experiments.projection.spec import Cluster, Workload
 from zeropp.experiments.projection.step_schedule import (
     Transfer,
     UnitCosts,
