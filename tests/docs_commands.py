@@ -245,7 +245,7 @@ def _check_run(args: list[str]) -> None:
 
 
 def _check_converge(args: list[str]) -> None:
-    from zeropp.experiments.studies.converge import SuiteConfig
+    from zeropp.experiments.studies.converge_suite import SuiteConfig
 
     cfg = SuiteConfig.from_args(args)
     check_runner_overrides(list(cfg.overrides))
