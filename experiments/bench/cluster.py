@@ -53,15 +53,13 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
+from ..projection.calibration import measure_loopback_gbps, measure_quant_rates, measure_quant_rates_contended
 from ..projection.scaling import project, quant_work
 from ..projection.scaling_check import (
     calibrate_cpu_side,
     comm_wait_s,
     emulator_cluster,
     link_gbps,
-    measure_loopback_gbps,
-    measure_quant_rates,
-    measure_quant_rates_contended,
     workload_from_summary,
 )
 from ..projection.spec import GBPS
@@ -206,7 +204,7 @@ def predict(
 
 def quant_rates_for(summary: dict[str, Any]) -> tuple[tuple[str, int, float], ...]:
     """Kernel rates of a run's quantization ops, timed right after its jobs in one process per
-    rank at once (``scaling_check.measure_quant_rates_contended``): the same host, the same
+    rank at once (``calibration.measure_quant_rates_contended``): the same host, the same
     shapes and the same contention as inside the step; () when the run quantizes nothing."""
     topo = summary["config"]["topology"]
     c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], 1.0)

@@ -38,7 +38,7 @@ then take exactly a bandwidth-optimal ring's time over a node whose aggregate ra
 ``cross_gbps``), ``nics_per_node=1`` for the emulator (one shared uplink). Intra-node: ``(g-1)``
 chunks per rank at ``B_intra``, beside the cross-node time on GPUs (max) or added on CPU ranks.
 Quantize/dequantize kernels (:func:`quant_work`) are charged at measured rates
-(``Workload.quant_rates``, see ``scaling_check.measure_quant_rates``) or ``quant_gbs``.
+(``Workload.quant_rates``, see ``calibration.measure_quant_rates``) or ``quant_gbs``.
 Step time = compute + comm + quantization - overlap * min(compute, comm). That serial formula
 is what :func:`project` and the cluster tables use; ``experiments/projection/step_schedule.py`` replays the
 engine's issue order on a compute and a link resource instead (prefetched gathers and in-flight

@@ -128,7 +128,7 @@ class Workload:
     in ``quant_rates``; their time is not hidden under compute."""
     quant_rates: tuple[tuple[str, int, float], ...] = ()
     """Measured ``(op, bits, GB/s of full-precision input)`` per kernel op (see :data:`QUANT_OPS`
-    and ``scaling_check.measure_quant_rates``); overrides ``quant_gbs`` for the ops listed."""
+    and ``calibration.measure_quant_rates``); overrides ``quant_gbs`` for the ops listed."""
 
     def __post_init__(self) -> None:
         checks = (

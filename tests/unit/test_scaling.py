@@ -166,7 +166,8 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
 
 
 def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
-    from zeropp.experiments.projection.scaling_check import emulator_cluster, measure_quant_rates
+    from zeropp.experiments.projection.calibration import measure_quant_rates
+    from zeropp.experiments.projection.scaling_check import emulator_cluster
 
     c = emulator_cluster(2, 2, 1.0)
     w = _w(**ZEROPP)
