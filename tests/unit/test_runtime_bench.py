@@ -15,6 +15,7 @@ import pytest
 
 from tests.bench_helpers import cluster_summary
 from zeropp.experiments.bench import cluster as bench_cluster
+from zeropp.experiments.bench import cluster_check
 from zeropp.experiments.bench.fsdp import job_overrides, parse_args
 from zeropp.experiments.runner.overrides import check_overrides
 
@@ -52,7 +53,7 @@ def test_bench_cluster_reads_the_summaries() -> None:
         assert m["step_s"] == statistics.median(steps) and m["compute_s"] == pytest.approx(m["step_s"] - 0.1)
         assert m["measured_gbps"] == 0.9 and m["cross_bytes"] == 2e5
         assert m["uplink_bytes"] == (4e5 if mode == "zero3" else None)
-        m["predicted"] = p = bench_cluster.predict(m, sums[0], m["measured_gbps"])
+        m["predicted"] = p = cluster_check.predict(m, sums[0], m["measured_gbps"])
         assert p["step_s"] > m["compute_s"] and math.isfinite(p["step_s"]) and p["cross_bytes"] > 0
         assert (p["quant_s"] > 0) == (quant == "zeropp")
         row[mode] = m
