@@ -34,20 +34,8 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
-from .sections import (
-    MAX_SECONDS,
-    MIN_CORPUS_BYTES,
-    SEED_LIMIT,
-    TRAINERS,
-    ClusterConfig,
-    ConfigError,
-    DataConfig,
-    LauncherConfig,
-    LoggerConfig,
-    TrainConfig,
-    TrainerConfig,
-    check,
-)
+from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, TRAINERS, ConfigError, check
+from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
 
 __all__ = [
     "CONF_DIR",

@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runner.checks import ConfigError, check, pos_int
 from ..runner.console import human_bytes
 from ..runner.preflight import check_writable_dir
-from ..runner.sections import ConfigError, check, pos_int
 from .memory_study_views import SHOWN_TIERS, check_table, phase_table, plot
 
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
