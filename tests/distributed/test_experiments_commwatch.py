@@ -86,12 +86,12 @@ def _world(rank: int, world: int) -> dict[str, Any]:
         out["off"] = (w.functional, w.take()[0])
     with CommWatch(Topology(2, 1), functional=True) as w, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rule = commwatch._functional_rule
-        commwatch._functional_rule = _broken_rule  # a collective the mode cannot read: counted as nothing, named once
+        rule = commwatch.functional_rule
+        commwatch.functional_rule = _broken_rule  # a collective the mode cannot read: counted as nothing, named once
         try:
             results = [done(funcol.all_reduce(a, "sum", sub)) for _ in range(2)]
         finally:
-            commwatch._functional_rule = rule
+            commwatch.functional_rule = rule
         counted = w.take()[0]
     want = a.clone()
     dist.all_reduce(want, group=sub)
