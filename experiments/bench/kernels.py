@@ -20,7 +20,8 @@ compared with ``dst.copy_(src)`` moving the same number of bytes (read + written
 Why a ``torch.compile`` baseline: it is what a user would write instead, block quantization in a
 few lines of torch (``amax``, a division, ``round``, a cast), compiled by inductor. It is not
 bit-exact with the reference (``round`` is half-to-even; no NaN-block handling), only the same work.
-Column "vs compile" = compiled baseline's time / our time (> 1: ours is faster).
+Column "vs compile" = compiled baseline's time / our time (> 1: ours is faster). The baseline's
+formulations are ``kernels_plain.py``.
 
 Byte convention: "bytes moved" = bytes the op must read plus bytes it must write, each counted
 once (codes, fp32 scales and full-precision tensors alike); GB/s = bytes moved / time / 1e9.
@@ -47,6 +48,8 @@ from zeropp.kernels import (
     quantize,
     quantized_nbytes,
 )
+
+from .kernels_plain import Compiled, plain_dequantize, plain_dequantize_sum, plain_quantize, plain_reduce
 
 TARGET_FRACTION = 0.90
 """Goal on H100/H200: >= 90% of the measured copy bandwidth for sizes >= 64 MiB."""
@@ -138,55 +141,6 @@ def _fmt_bytes(b: int) -> str:
     return f"{b} B"
 
 
-# ----------------------------------------------------------------------------------------------
-# The plain torch formulations (what a user would write), compiled once per op with the block
-# count dynamic, as our compiled CPU kernels are.
-# ----------------------------------------------------------------------------------------------
-def _plain_quantize(v: torch.Tensor, bits: int, stochastic: bool = False):
-    """v [n, gs] -> (codes [n, gs * bits / 8], scales [n])."""
-    q = 2 ** (bits - 1) - 1
-    scale = v.float().abs().amax(dim=-1) / q
-    t = v.float() / scale.clamp_min(1e-30).unsqueeze(-1)
-    t = torch.floor(t + torch.rand_like(t)) if stochastic else torch.round(t)
-    codes = t.clamp(-q, q).to(torch.int8)
-    if bits == 4:
-        nib = (codes + 8).to(torch.uint8)
-        codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
-    return codes, scale
-
-
-def _plain_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., n, bpg], scales [..., n] -> [..., n, gs] in ``dtype``."""
-    if bits == 4:
-        c = torch.stack([(codes & 0xF).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8], dim=-1).flatten(-2)
-    else:
-        c = codes
-    return (c.float() * scales.unsqueeze(-1)).to(dtype)
-
-
-def _plain_dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    return _plain_dequantize(codes, scales, bits, torch.float32).sum(dim=0).to(dtype)
-
-
-def _plain_reduce(codes: torch.Tensor, scales: torch.Tensor, bits: int):
-    return _plain_quantize(_plain_dequantize(codes, scales, bits, torch.float32).sum(dim=0), bits)
-
-
-class _Compiled:
-    """``torch.compile`` of the plain formulations, one compiled function per op (block count dynamic)."""
-
-    def __init__(self) -> None:
-        self.fns: dict[str, Callable] = {}
-
-    def __call__(self, name: str, fn: Callable, *tensors: torch.Tensor, dims: tuple[int, ...], **kw) -> Callable:
-        if name not in self.fns:
-            self.fns[name] = torch.compile(fn)
-        for t, d in zip(tensors, dims):
-            torch._dynamo.maybe_mark_dynamic(t, d)
-        compiled = self.fns[name]
-        return lambda: compiled(*tensors, **kw)
-
-
 def bench(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -205,7 +159,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
     rows: list[dict] = []
 
-    compiled = _Compiled()
+    compiled = Compiled()
 
     paired = device.type == "cpu" and args.vs_path != "none"
 
@@ -256,7 +210,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 size,
                 n * esize + qb,
                 lambda: quantize(x, bits, gs),
-                compiled(f"q{bits}", _plain_quantize, xb, dims=(0,), bits=bits),
+                compiled(f"q{bits}", plain_quantize, xb, dims=(0,), bits=bits),
             )
             out = torch.empty(n, dtype=dtype, device=device)
             cb, sb = q.codes.view(nb, -1), q.scales.view(nb)
@@ -265,7 +219,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 size,
                 qb + n * esize,
                 lambda: dequantize(q, out=out),
-                compiled(f"dq{bits}", _plain_dequantize, cb, sb, dims=(0, 0), bits=bits, dtype=dtype),
+                compiled(f"dq{bits}", plain_dequantize, cb, sb, dims=(0, 0), bits=bits, dtype=dtype),
             )
             if bits == 4:  # stochastic rounding adds Philox work, not bytes
                 record(
@@ -273,7 +227,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     size,
                     n * esize + qb,
                     lambda: quantize(x, 4, 128, stochastic=True, seed=1),
-                    compiled("q4s", _plain_quantize, xb, dims=(0,), bits=4, stochastic=True),
+                    compiled("q4s", plain_quantize, xb, dims=(0,), bits=4, stochastic=True),
                 )
         gs = 128
         nb = -(-n // gs)
@@ -286,7 +240,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             size,
             (k + 1) * qb,
             lambda: dequantize_sum_requantize(stacked, 4),
-            compiled("reduce", _plain_reduce, cb, sb, dims=(1, 1), bits=4),
+            compiled("reduce", plain_reduce, cb, sb, dims=(1, 1), bits=4),
         )
         out = torch.empty(n, dtype=dtype, device=device)
         record(
@@ -294,7 +248,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             size,
             k * qb + n * esize,
             lambda: dequantize_sum(stacked, out=out),
-            compiled("dsum", _plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
+            compiled("dsum", plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
         )
         del x, q, qs, stacked, out, xb, cb, sb
     return rows
