@@ -1,4 +1,9 @@
-"""Cluster emulator: one network namespace per node, a shaped bridge between them.
+"""Cluster emulator: one network namespace per node, a shaped bridge between them; and its probes.
+
+``emulator.py`` (:class:`EmulatedCluster`), ``netns.py`` (the namespaces, veths and shaping),
+``probe.py`` (the link's TCP rate and RTT, measured at setup), ``ring_probe.py`` (gloo's ring rate
+over the shaped link; ``python -m experiments.ring_probe``) and ``check.py`` (a rank program that
+checks a world's wiring). Imports no other room (the table allows the projection).
 
 Public API::
 
