@@ -1,144 +1,14 @@
-"""``python -m experiments.plan [overrides] [--nodes 4,32,384] [--out DIR]``: see a step's communication.
-
-(``python -m experiments.plan <run dir>``: a profiled step of that run beside its projection,
-``plan_measured.py``. The projection and its drawing are ``plan_draw.py``'s.)
-
-Why: the communication plan (``zeropp.runtime.plan``) says what one ZeroEngine step sends; this
-prints it for a runner config (the same Hydra keys and checks as ``python -m experiments.run``:
-``model=``, ``quant=``, ``topology=``, ``zero.*``, ``cluster.inter_gbps=`` with ``cluster=emulated``)
-and draws the projected step (``experiments.step_schedule``'s replay of the engine's issue order)
-as a timeline, for each node count asked for (``--nodes`` or ``plan.nodes=[4,32,384]``; default the
-config's ``topology.nodes``), ranks per node as the config's topology:
-
-* the messages grouped by kind and link, with calls and bytes per rank per step, and totals;
-* ``<out>/plan_timeline.png``: one row per node count; lanes compute, quantization, intra- and
-  cross-node link; time in ms;
-* ``<out>/plan_trace.json``: the same intervals as a Chrome trace (Perfetto opens it): one process
-  per node count, one thread per lane, each collective one "X" event named ``<kind>[<bucket>]``
-  with its bytes in ``args``.
-
-The model is built on the meta device (shapes only). The time model's inputs not in the runner's
-config: ``--tflops`` (achieved compute per rank, default 50) and ``--gbps`` (a cross-node NIC's rate
-for ``cluster=local``, default 100; ``cluster=emulated`` uses ``cluster.inter_gbps`` and one shared
-uplink per node). Bad inputs exit 2 with ``error: ...`` naming the key.
+"""``python -m experiments.plan``: the documented command, an alias of :mod:`experiments.runner.plan`
+(where the code lives; this file only keeps the command).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any
 
-from .config import ConfigError, RunConfig
-from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
+from .runner.plan import main
 
-__all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "model_units", "plot", "project", "table"]
-
-
-def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", default=None, help="node counts to plan, comma-separated (e.g. 4,32,384)")
-    ap.add_argument("--out", default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json")
-    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
-    ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
-    a, overrides = ap.parse_known_args(argv)
-    rest = []
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key == "plan.nodes":
-            a.nodes = value.strip("[]")
-        elif key == "plan.out":
-            a.out = value
-        elif key.startswith("plan."):
-            raise ConfigError(f"unknown key {key!r}; the plan's own keys are plan.nodes and plan.out")
-        else:
-            rest.append(o)
-    return a, rest
-
-
-def _node_counts(text: str | None, default: int) -> list[int]:
-    if text is None:
-        return [default]
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise ConfigError(f"invalid plan.nodes / --nodes={text!r}; give positive node counts, e.g. 4,32,384")
-    return counts
-
-
-def load_config(overrides: list[str]) -> RunConfig:
-    """The runner's config for ``overrides``, checked as ``python -m experiments.run`` checks it."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from .overrides import check_overrides
-    from .run import validated
-
-    check_overrides(overrides)
-    with initialize_config_module("zeropp.conf", version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
-    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
-    check_plannable(rc)
-    return rc
-
-
-def table(p: dict[str, Any]) -> str:
-    """The messages of one projection grouped by kind and link, with totals."""
-    rows: dict[tuple[str, str], list[int]] = {}
-    for x in p["plan"].collectives:
-        if x.counted:
-            for link, b in x.link_bytes().items():
-                if b:
-                    r = rows.setdefault((str(x.kind), str(link)), [0, 0])
-                    r[0] += 1
-                    r[1] += b
-    c = p["cluster"]
-    head = f"{'kind':<24} {'link':<6} {'calls':>7} {'bytes/rank':>14}"
-    lines = [
-        f"{p['nodes']} node(s) x {c.ranks_per_node} ranks: projected step {p['step_s'] * 1e3:.2f} ms",
-        head,
-        "-" * len(head),
-    ]
-    for (kind, link), (calls, b) in sorted(rows.items()):
-        lines.append(f"{kind:<24} {link:<6} {calls:>7d} {b:>14,d}")
-    for link in ("intra", "cross"):
-        lines.append(f"{'total':<24} {link:<6} {'':>7} {sum(v[1] for k, v in rows.items() if k[1] == link):>14,d}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the plan, write the PNG and the trace; 2 with ``error: ...`` on a bad input. Given a
-    run directory first, put its profiled step beside the projection (``plan_measured.py``)."""
-    from .preflight import check_writable_dir
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
-        from .plan_measured import main as side_by_side
-
-        return side_by_side(argv)
-    try:
-        a, overrides = _args(argv)
-        rc = load_config(overrides)
-        counts = _node_counts(a.nodes, rc.topology.nodes)
-        out = Path(a.out)
-        check_writable_dir("--out / plan.out", out)
-        units = model_units(rc)
-        projections = [project(rc, units, n, a) for n in counts]
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for p in projections:
-        print(table(p) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    plot(projections, out / "plan_timeline.png")
-    (out / "plan_trace.json").write_text(json.dumps(chrome_trace(projections)))
-    print(f"timeline: {out / 'plan_timeline.png'}\ntrace (Perfetto / chrome://tracing): {out / 'plan_trace.json'}")
-    return 0
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,7 @@ def run_cli(
     args: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> tuple[int, str]:
     """``python -m zeropp.experiments.run *args hydra.run.dir=run_dir`` in-process: (exit code, stderr)."""
-    import zeropp.experiments.run as run
+    import zeropp.experiments.runner.run as run
 
     def no_launch(**_: object) -> dict:
         raise AssertionError("the runner accepted this config and would have started ranks")

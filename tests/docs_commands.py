@@ -225,8 +225,8 @@ def check_runner_overrides(overrides: list[str]) -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from zeropp.experiments.overrides import check_overrides
-    from zeropp.experiments.run import validated
+    from zeropp.experiments.runner.overrides import check_overrides
+    from zeropp.experiments.runner.run import validated
 
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -245,7 +245,7 @@ def _check_run(args: list[str]) -> None:
 
 
 def _check_converge(args: list[str]) -> None:
-    from zeropp.experiments.converge import SuiteConfig
+    from zeropp.experiments.studies.converge_suite import SuiteConfig
 
     cfg = SuiteConfig.from_args(args)
     check_runner_overrides(list(cfg.overrides))

@@ -75,7 +75,7 @@ def composed_summary(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from zeropp.experiments.run import validated
+    from zeropp.experiments.runner.run import validated
 
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
@@ -117,7 +117,7 @@ def composed_config(*overrides: str) -> dict:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]

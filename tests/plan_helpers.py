@@ -21,7 +21,8 @@ from torch import nn
 from tests.codec_cases import two_hop_specs
 from tests.runtime_helpers import TINY, rank_batches
 from zeropp.comm.spec import RECIPES, QuantSpec, schemes
-from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes
+from zeropp.experiments.projection.scaling import gpt_units, messages, pairwise_bytes
+from zeropp.experiments.projection.spec import Cluster, Workload
 from zeropp.models import GPT, GPTConfig
 from zeropp.runtime.plan import PlanUnit, plan_units
 
@@ -196,11 +197,11 @@ def profiled_step_ranges(
     cfg: GPTConfig = TINY,
 ) -> tuple[PlanUnit, ...]:
     """The model's units; this rank's second training step (the steady state) on a fake world of
-    ``nodes`` nodes is recorded by the runner's profiler (``experiments.profiling.StepProfiler``)
+    ``nodes`` nodes is recorded by the runner's profiler (``experiments.runner.profiling.StepProfiler``)
     into the Chrome trace file ``trace`` (the first step runs unrecorded)."""
     from pathlib import Path
 
-    from experiments.profiling import StepProfiler, trace_path
+    from experiments.runner.profiling import StepProfiler, trace_path
     from zeropp.comm import Topology
     from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 

@@ -3,7 +3,7 @@
 Used by every multi-process test: ``results = run_world(fn, 4, arg1, ...)`` calls
 ``fn(rank, world_size, arg1, ...)`` in each of 4 processes after the default gloo process group
 is initialised (destroyed after ``fn``), and returns the per-rank return values. It is a thin
-wrapper over the toolkit's one launcher (``zeropp.launch.launch_world``): a rank that
+wrapper over the toolkit's one launcher (``zeropp.experiments.launch.launch_world``): a rank that
 raises or dies fails the call with an AssertionError naming that rank with its traceback, and a
 world that does not finish within ``timeout`` seconds is killed and reported, so a broken
 collective fails the test instead of hanging the suite. ``fn`` must be a module-level function
@@ -16,7 +16,7 @@ import multiprocessing
 import signal
 from typing import Any, Callable
 
-from zeropp.launch import RankFailure, launch_world
+from zeropp.experiments.launch import RankFailure, launch_world
 
 # Ranks are forked from multiprocessing's fork server, which imports these once: a spawned rank
 # would spend seconds importing torch and zeropp, and the suite starts a few hundred worlds.

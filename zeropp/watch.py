@@ -1,6 +1,6 @@
 """What a launched rank tells the launcher watching it: heartbeats, and the scratch it leaves.
 
-:func:`zeropp.launch.launch_world` gives every rank a private *world directory* (env
+:func:`zeropp.experiments.launch.launch_world` gives every rank a private *world directory* (env
 :data:`WORLD_DIR_ENV`, a fresh ``mkdtemp`` of the launcher, removed when the world ends) and a run id
 (:data:`RUN_ID_ENV`, random): :func:`open_world` makes both, :func:`close_world` cleans up. Through that directory a rank publishes two things, both plain JSON
 files (data, never code), and the launcher reads them. Under ``torchrun`` (or any other

@@ -1,4 +1,9 @@
-"""Cluster emulator: one network namespace per node, a shaped bridge between them.
+"""Cluster emulator: one network namespace per node, a shaped bridge between them; and its probes.
+
+``emulator.py`` (:class:`EmulatedCluster`), ``netns.py`` (the namespaces, veths and shaping),
+``probe.py`` (the link's TCP rate and RTT, measured at setup), ``ring_probe.py`` (gloo's ring rate
+over the shaped link; ``python -m experiments.ring_probe``) and ``check.py`` (a rank program that
+checks a world's wiring). Imports no other room (the table allows the projection).
 
 Public API::
 
@@ -8,8 +13,8 @@ Public API::
         env = {**os.environ, **c.rank_env(rank, master_port)}
         c.measured_gbps, c.summary()
 
-Ranks are started in the namespaces by the one launcher (``zeropp/launch.py``, with
-``placement=experiments.launcher.cluster_placement(c)``; the runner's ``cluster=emulated``).
+Ranks are started in the namespaces by the one launcher (``experiments/launch/``, with
+``placement=experiments.runner.launcher.cluster_placement(c)``; the runner's ``cluster=emulated``).
 This package does not import the launcher, so the launcher can import it.
 
 CLI: ``python -m experiments.cluster up|down|status|clean`` (see ``__main__.py``).

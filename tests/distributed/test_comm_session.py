@@ -72,7 +72,7 @@ def _plain_call(rank: int, world: int) -> None:
 
 
 def _world(rank: int, world: int) -> dict[str, Any]:
-    from experiments.commwatch import CommWatch
+    from experiments.runner.commwatch import CommWatch
     from zeropp.comm import CommStats, Topology, get_comm_stats, reset_stochastic_calls, stochastic_calls
 
     out: dict[str, Any] = {}
@@ -221,7 +221,7 @@ def test_plugins_refuse_a_session_with_other_settings() -> None:
 
 def test_commwatch_counts_a_nested_wait_once(monkeypatch) -> None:
     """A backend ``Work.wait`` inside a zeropp handle's wait (the session hook) counts once."""
-    from experiments import commwatch
+    from experiments.runner import commwatch
     from zeropp.comm import Topology
 
     clock = [0.0]

@@ -36,8 +36,8 @@ def _world(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from experiments import commwatch
-    from experiments.commwatch import CommWatch
+    from experiments.runner import commwatch
+    from experiments.runner.commwatch import CommWatch
     from zeropp.comm import Topology
     from zeropp.models import GPT
     from zeropp.runtime.tensor_parallel import make_mesh, parallelize
@@ -86,12 +86,12 @@ def _world(rank: int, world: int) -> dict[str, Any]:
         out["off"] = (w.functional, w.take()[0])
     with CommWatch(Topology(2, 1), functional=True) as w, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rule = commwatch._functional_rule
-        commwatch._functional_rule = _broken_rule  # a collective the mode cannot read: counted as nothing, named once
+        rule = commwatch.functional_rule
+        commwatch.functional_rule = _broken_rule  # a collective the mode cannot read: counted as nothing, named once
         try:
             results = [done(funcol.all_reduce(a, "sum", sub)) for _ in range(2)]
         finally:
-            commwatch._functional_rule = rule
+            commwatch.functional_rule = rule
         counted = w.take()[0]
     want = a.clone()
     dist.all_reduce(want, group=sub)

@@ -1,4 +1,4 @@
-"""The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world over it: results come back
+"""The one launcher (experiments/launch/, placements in experiments/runner/launcher.py) and the tests' run_world over it: results come back
 by rank, a failing rank is named with its error and stops the world fast, a timeout or a signal to
 the launcher leaves no process behind, and select_device places one GPU per local process.
 
@@ -21,8 +21,16 @@ import torch
 import torch.distributed as dist
 
 from tests.worlds import run_world
-from zeropp import launch as launcher
-from zeropp.launch import LOCAL, ModuleEntry, PlacementError, RankFailure, launch_world
+from zeropp.experiments.launch import (
+    LAUNCHED_MARK,
+    LOCAL,
+    ModuleEntry,
+    Placement,
+    PlacementError,
+    RankFailure,
+    heartbeat,
+    launch_world,
+)
 from zeropp.watch import WORLD_DIR_ENV
 
 
@@ -63,8 +71,8 @@ def _stop_one_then_fail(rank: int, world: int, log: str) -> None:
 
 
 def _env_and_value(rank: int, world: int, scale: int) -> dict:
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", launcher.LAUNCHED_MARK)
-    launcher.heartbeat("work")  # a function rank may beat too
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", LAUNCHED_MARK)
+    heartbeat("work")  # a function rank may beat too
     beat = json.loads(Path(os.environ[WORLD_DIR_ENV], f"heartbeat.{rank}").read_text())  # published from the start
     return {"value": [rank * scale] * (rank + 1), "beat": beat, **{k: os.environ.get(k) for k in keys}}
 
@@ -155,7 +163,7 @@ def test_function_world_values_and_env_by_rank():
     assert all(o["beat"]["pid"] > 0 and o["beat"]["tick"] >= 1 for o in out)
     assert [o["RANK"] for o in out] == [o["LOCAL_RANK"] for o in out] == ["0", "1", "2"]
     assert all(o["WORLD_SIZE"] == o["LOCAL_WORLD_SIZE"] == "3" and o["MASTER_ADDR"] == "127.0.0.1" for o in out)
-    assert all(o[launcher.LAUNCHED_MARK] is not None for o in out)
+    assert all(o[LAUNCHED_MARK] is not None for o in out)
 
 
 def test_raising_rank_is_named_with_its_traceback():
@@ -222,7 +230,7 @@ def test_module_rank_failure_names_the_root_cause(tmp_path: Path):
 _SIGNAL_SCRIPT = textwrap.dedent("""
     import sys
     from tests.distributed.test_harness import _hang_with_grandchild
-    from zeropp.launch import RankFailure, launch_world
+    from zeropp.experiments.launch import RankFailure, launch_world
     try:
         launch_world(_hang_with_grandchild, 2, args=(sys.argv[1],), timeout_s=120, grace_s=1)
     except RankFailure as e:
@@ -269,6 +277,6 @@ def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Si
 
 
 def test_function_world_refuses_a_command_prefix():
-    prefixed = launcher.Placement(master_addr=LOCAL.master_addr, prefixes=(("ip", "netns", "exec", "x"),) * 2)
+    prefixed = Placement(master_addr=LOCAL.master_addr, prefixes=(("ip", "netns", "exec", "x"),) * 2)
     with pytest.raises(PlacementError, match="ModuleEntry"):
         launch_world(_sum_ranks, 2, placement=prefixed, timeout_s=10)

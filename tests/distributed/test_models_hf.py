@@ -175,7 +175,7 @@ def test_transformers_is_imported_only_when_a_model_is_built() -> None:
     import subprocess
 
     code = (
-        "import sys, zeropp.models, zeropp.experiments.config, zeropp.experiments.schema; "
+        "import sys, zeropp.models, zeropp.experiments.runner.config, zeropp.experiments.runner.schema; "
         "from zeropp.models import HFConfig; HFConfig(hf_config='llama').num_params(); "
         "assert 'transformers' not in sys.modules, 'imported eagerly'"
     )

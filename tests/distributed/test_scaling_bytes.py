@@ -1,4 +1,4 @@
-"""The scaling model's bytes are the engine's bytes. ``experiments.scaling``'s messages are the
+"""The scaling model's bytes are the engine's bytes. ``experiments.projection.scaling``'s messages are the
 communication plan's (``zeropp.runtime.plan``), checked here for every configuration of
 ``plan_helpers.WORLDS`` -- every quantization preset of ``zeropp.comm.spec.RECIPES`` at the stages it
 applies to, hpZ on and off, bucket chunking, gradient accumulation, awkward topologies, qWD's steady
@@ -20,7 +20,7 @@ from tests.plan_helpers import SMALL_BUCKETS, ZPP, predicted_bytes
 from tests.runtime_helpers import TINY, rank_batches, train_engine
 from tests.worlds import run_world
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.experiments.scaling import messages, uplink_bytes
+from zeropp.experiments.projection.scaling import messages, uplink_bytes
 from zeropp.models import GPT
 
 E2E: list[tuple[int, list[dict[str, Any]]]] = [

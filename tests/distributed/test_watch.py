@@ -22,7 +22,7 @@ def _record_unlistable_scratch_then_fail(rank: int, world: int, afile: str) -> N
 
 
 def test_a_cleanup_problem_never_hides_the_ranks_error(tmp_path: Path):
-    from zeropp.launch import RankFailure, launch_world
+    from zeropp.experiments.launch import RankFailure, launch_world
 
     afile = tmp_path / "afile"
     afile.write_text("mine")
@@ -46,7 +46,7 @@ def _hold_the_interpreter_lock(rank: int, world: int) -> None:
 def test_a_native_call_holding_the_interpreter_lock_is_not_called_stopped():
     """The heartbeat thread of a running process goes silent when a native call keeps the GIL:
     the rank is named, with its real state (sleeping, not stopped)."""
-    from zeropp.launch import RankFailure, launch_world
+    from zeropp.experiments.launch import RankFailure, launch_world
 
     with pytest.raises(RankFailure) as e:
         launch_world(_hold_the_interpreter_lock, 1, timeout_s=60, grace_s=1.0, heartbeat_s=2)

@@ -1,4 +1,4 @@
-"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real run
+"""experiments/bench/gpu.py: argument handling and the table with a fake ``run_job``, and one real run
 of the smallest configuration on CPU (two rows, world 1).
 
 Here: the end-to-end checks. The topic's full description and its one-process checks are in
@@ -8,7 +8,7 @@ Here: the end-to-end checks. The topic's full description and its one-process ch
 from __future__ import annotations
 
 from tests.bench_helpers import CPU_TINY
-from zeropp.experiments import bench_gpu
+from zeropp.experiments.bench import gpu as bench_gpu
 
 
 def test_real_cpu_run_of_the_smallest_configuration(capsys):

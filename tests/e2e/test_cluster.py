@@ -21,8 +21,8 @@ import time
 import pytest
 
 from zeropp.experiments.cluster import EmulatedCluster, NetnsError, netns
-from zeropp.experiments.launcher import cluster_placement
-from zeropp.launch import ModuleEntry, RankFailure, launch_world
+from zeropp.experiments.launch import ModuleEntry, RankFailure, launch_world
+from zeropp.experiments.runner.launcher import cluster_placement
 
 PREFIX = "zpp"
 
@@ -233,7 +233,7 @@ def test_launcher_on_a_2x2_emulated_cluster_local_ranks_and_failure(clusters, tm
 @needs_netns
 def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
     """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link."""
-    from zeropp.experiments.run import run_job
+    from zeropp.experiments.runner.run import run_job
 
     s = run_job(
         [

@@ -1,4 +1,4 @@
-"""The convergence suite (experiments/converge.py).
+"""The convergence suite (experiments/studies/converge.py).
 
 Here: the end-to-end checks. The topic's full description and its one-process checks are in
 ``tests/unit/test_experiments_converge.py``.
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from experiments import converge
+from experiments.studies import converge
 
 TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.experiment_helpers import TINY_RUN, checkpoint_steps, run_cli
-from zeropp.experiments.run import RunDiverged, run_job
+from zeropp.experiments.runner.run import RunDiverged, run_job
 from zeropp.runtime.divergence import EXIT_CODE
 
 DIVERGES = [*TINY_RUN, "topology=1x2", "train.steps=5", "optim.lr=1e30", "train.checkpoint_every=1"]

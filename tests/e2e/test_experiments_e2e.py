@@ -22,8 +22,8 @@ import pytest
 
 from tests.experiment_helpers import run_cli
 from tests.tp_helpers import tp_block_bytes
-from zeropp.experiments.metrics import SUMMARY_KEYS
-from zeropp.experiments.report import PLOTS
+from zeropp.experiments.runner.metrics import SUMMARY_KEYS
+from zeropp.experiments.studies.report import PLOTS
 
 FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
 
@@ -67,7 +67,7 @@ def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
     wire = s["comm_bytes_per_step"]["by_link"]
     assert abs(wire["cross"] - s["engine_comm_bytes_per_step"]["by_link"]["cross"]) < 256
     # ... and the cost model's exact message sizes equal what the run measured
-    from zeropp.experiments.scaling_check import compare_measured
+    from zeropp.experiments.projection.scaling_check import compare_measured
 
     (row,) = compare_measured([s], cross_gbps=10.0)
     assert row["bytes_error"] == 0 and row["intra_bytes_error"] == 0, row
@@ -341,7 +341,7 @@ def _torchrun_agents(
     each in its own network namespace of an emulated cluster, or all on loopback when namespaces
     cannot be made here; wait for them. Returns their results and where they ran."""
     from zeropp.experiments.cluster import EmulatedCluster
-    from zeropp.launch import free_port
+    from zeropp.experiments.launch import free_port
 
     why = _netns_unavailable()
     cluster = None if why else EmulatedCluster(nodes=nodes, ranks_per_node=per_node, inter_gbps=10.0, probe=False)

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from zeropp.experiments import memory as memcmd
-from zeropp.experiments.console import summary_rows
-from zeropp.experiments.report import PLOTS, write_report
+from zeropp.experiments.runner import memory as memcmd
+from zeropp.experiments.runner.console import summary_rows
+from zeropp.experiments.studies.report import PLOTS, write_report
 from zeropp.runtime.memory import MODEL_STATE, PHASES, TIERS, tier_totals
 
 FAST = ["model=mini", "topology=2x2", "train.micro_batch_size=2", "data.max_bytes=200000"]

@@ -19,7 +19,8 @@ import json
 import pytest
 
 from tests.experiment_helpers import legends_over_data
-from zeropp.experiments import memory_study as ms
+from zeropp.experiments.studies import memory_study as ms
+from zeropp.experiments.studies import memory_study_views as msv
 from zeropp.runtime.memory import MODEL_STATE, TIERS, tier_totals
 
 FAST = ["--width", "8", "--layers", "3", "--batch", "4"]
@@ -89,7 +90,7 @@ def test_table_plot_and_json_are_written(study) -> None:
     assert (out / "memory_study.png").read_bytes()[:4] == b"\x89PNG"
     import matplotlib.pyplot as plt
 
-    fig = ms.figure(result)  # the PNG's figure: its legend under the panels, never over a bar
+    fig = msv.figure(result)  # the PNG's figure: its legend under the panels, never over a bar
     try:
         assert len(fig.legends) == 1 and legends_over_data(fig) == []
         assert [ax.get_title().split("\n")[0] for ax in fig.axes] == [label for label, _ in ms.CONFIGS]

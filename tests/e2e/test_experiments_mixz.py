@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import mixz
+from experiments.studies import mixz
 
 STEPS = 2
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.plan import load_config, model_units
-from experiments.plan import main as plan_main
-from experiments.plan_measured import MEASURED_LANES
-from experiments.profiling import read_step, trace_path
+from experiments.runner.plan import load_config, model_units
+from experiments.runner.plan import main as plan_main
+from experiments.runner.plan_measured import MEASURED_LANES
+from experiments.runner.profiling import read_step, trace_path
 from tests.experiment_helpers import run_cli
 from zeropp.comm import Topology
 from zeropp.runtime.plan import build_plan

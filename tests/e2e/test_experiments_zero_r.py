@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.experiment_helpers import MINI_1X2_CPU
-from zeropp.experiments.run import run_job
+from zeropp.experiments.runner.run import run_job
 
 
 @pytest.mark.parametrize("job", [["trainer=zeropp", "stage=3", "quant=none"], ["trainer=ddp"], ["trainer=fsdp2"]])

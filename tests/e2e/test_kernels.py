@@ -192,7 +192,7 @@ def test_native_cpu_build_is_cached_and_keyed(tmp_path, monkeypatch):
 # Benchmark smoke test (CPU, tiny sizes; no timing assertions)
 # ---------------------------------------------------------------------------------------------
 def test_bench_runs_on_cpu(capsys):
-    from zeropp.experiments import bench_kernels
+    from zeropp.experiments.bench import kernels as bench_kernels
 
     rows = bench_kernels.main(["--device", "cpu", "--max-mib", "0.125", "--iters", "2", "--warmup", "1"])
     text = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""experiments/ring_probe.py without root: its rank program on a local gloo world (the emulated
+"""experiments/cluster/ring_probe.py without root: its rank program on a local gloo world (the emulated
 cluster only adds namespaces around the same processes) and its refusal of a one-node cluster.
 
 Here: the end-to-end checks of this topic; its other tiers' checks are in ``tests/unit/test_ring_probe.py``.
@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 
-from zeropp.experiments import ring_probe
+from zeropp.experiments.cluster import ring_probe
 
 
 def test_rank_program_times_every_all_gather_on_a_local_world() -> None:

@@ -1,5 +1,5 @@
-"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem)
-and experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
+"""The benchmarks as runner jobs: experiments/bench/fsdp.py (both trainers on the same problem)
+and experiments/bench/cluster.py (its reading of the summaries; the full run needs namespaces).
 
 Here: the end-to-end checks of this topic; its other tiers' checks are in
 ``tests/unit/test_runtime_bench.py``.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.bench_helpers import cluster_summary
-from zeropp.experiments import bench_cluster
-from zeropp.experiments.bench_fsdp import main
+from zeropp.experiments.bench import cluster as bench_cluster
+from zeropp.experiments.bench.fsdp import main
 from zeropp.experiments.cluster.netns import NetnsError, require_privileges
 
 

@@ -12,6 +12,6 @@ def test_scaling_does_not_import_its_check() -> None:
     import subprocess
     import sys
 
-    code = "import sys, zeropp.experiments.scaling; print('zeropp.experiments.scaling_check' in sys.modules)"
+    code = "import sys, zeropp.experiments.projection.scaling; print('zeropp.experiments.projection.scaling_check' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

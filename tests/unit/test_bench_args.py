@@ -1,11 +1,13 @@
-"""The benchmarks' shared argument checks (experiments/bench_args.py): every bench refuses a count
+"""The benchmarks' shared argument checks (experiments/bench/args.py): every bench refuses a count
 below its floor with argparse's usage error (exit 2) naming the flag as typed."""
 
 from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import bench_cluster, bench_fsdp, bench_gpu
+from zeropp.experiments.bench import cluster as bench_cluster
+from zeropp.experiments.bench import fsdp as bench_fsdp
+from zeropp.experiments.bench import gpu as bench_gpu
 
 CASES = [
     (bench_gpu, ["--steps", "0"], "--steps must be >= 1, got 0"),

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments import bench_cluster
-from zeropp.experiments.scaling import gpt_units
+from zeropp.experiments.bench import cluster as bench_cluster
+from zeropp.experiments.bench import cluster_check
+from zeropp.experiments.projection.scaling import gpt_units
 
 MODEL = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 4}
 
@@ -68,7 +69,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(bench_cluster, "run_job", run_job)
     monkeypatch.setattr(bench_cluster, "measure_loopback_gbps", lambda world: 2.0)
     monkeypatch.setattr(
-        bench_cluster,
+        cluster_check,
         "measure_quant_rates_contended",
         lambda w, c: (
             ("quantize", 4, 1.0),
@@ -126,17 +127,17 @@ def _cell(**kw) -> dict:
 
 
 def test_check_fails_when_a_cell_is_off() -> None:
-    text, ok = bench_cluster.format_check([_cell()])
+    text, ok = cluster_check.format_check([_cell()])
     assert ok and "PASS" in text and "+10.0%" in text and "check (serial model)" in text
-    text, ok = bench_cluster.format_check([_cell(analytic_s=1.2, analytic_error=0.2)])
+    text, ok = cluster_check.format_check([_cell(analytic_s=1.2, analytic_error=0.2)])
     assert not ok and "FAIL" in text and "outside" in text
     # with the unshaped reference the verdict is on the scheduled model, whatever the serial one reads
     local = dict(
         local_comm_wait_s=0.1, cpu_scale=1.5, hybrid_s=1.05, hybrid_error=0.05, scheduled_s=0.95, scheduled_error=-0.05
     )
-    text, ok = bench_cluster.format_check([_cell(analytic_s=1.3, analytic_error=0.3, **local)])
+    text, ok = cluster_check.format_check([_cell(analytic_s=1.3, analytic_error=0.3, **local)])
     assert ok and "check (scheduled model): PASS" in text and "serial model: worst 30.0%" in text
-    text, ok = bench_cluster.format_check([_cell(**{**local, "scheduled_s": 0.8, "scheduled_error": -0.2})])
+    text, ok = cluster_check.format_check([_cell(**{**local, "scheduled_s": 0.8, "scheduled_error": -0.2})])
     assert not ok and "outside" in text
 
 
@@ -149,9 +150,9 @@ def test_check_keeps_explicit_arguments() -> None:
 
 def test_check_prints_max_error_and_honours_tolerance(stubbed, capsys) -> None:
     cells = [_cell(analytic_s=1.12, analytic_error=0.12)]
-    text, ok = bench_cluster.format_check(cells, tolerance=0.10)
+    text, ok = cluster_check.format_check(cells, tolerance=0.10)
     assert not ok and "max |error|: 12.0% (tolerance 10%)" in text
-    text, ok = bench_cluster.format_check(cells)
+    text, ok = cluster_check.format_check(cells)
     assert ok and "max |error|: 12.0%" in text
     assert bench_cluster.parse_args(["--check"]).tolerance == 15.0
     assert bench_cluster.parse_args(["--check", "--tolerance", "5"]).tolerance == 5.0
@@ -165,7 +166,7 @@ def test_check_prints_max_error_and_honours_tolerance(stubbed, capsys) -> None:
 
 
 def test_workload_from_summary_takes_hf_summaries() -> None:
-    from zeropp.experiments.scaling_check import summary_units, workload_from_summary
+    from zeropp.experiments.projection.scaling_check import summary_units, workload_from_summary
 
     s = _summary(["quant=zeropp", "cluster=emulated", "cluster.inter_gbps=1.0"], 0.2, 0.1)
     gpt = workload_from_summary(s)

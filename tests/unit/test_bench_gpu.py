@@ -1,4 +1,4 @@
-"""experiments/bench_gpu.py: argument handling and the table with a fake ``run_job``, and one real
+"""experiments/bench/gpu.py: argument handling and the table with a fake ``run_job``, and one real
 run of the smallest configuration on CPU (two rows, world 1).
 
 Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_bench_gpu.py``.
@@ -11,8 +11,8 @@ import math
 import pytest
 
 from tests.bench_helpers import CPU_TINY
-from zeropp.experiments import bench_gpu
-from zeropp.experiments.config import ConfigError
+from zeropp.experiments.bench import gpu as bench_gpu
+from zeropp.experiments.runner.config import ConfigError
 
 
 def fake_summary(step_s: float, memory: int = 3 * 2**20) -> dict:

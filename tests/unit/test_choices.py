@@ -1,5 +1,5 @@
 """Fixed-choice settings are ``str`` enums declared once (``zeropp.comm.choices``, ``zeropp.runtime.choices``,
-the harness's in ``experiments/sections.py``).
+the harness's in ``experiments/runner/checks.py``).
 
 * a bad value is refused while Hydra composes (OmegaConf's enum node, the reference) and, first,
   by the runner's pre-check with one line naming the key, the valid values and the closest one;
@@ -21,9 +21,9 @@ from omegaconf.errors import ValidationError
 from tests.cli_helpers import run_cli
 from tests.experiment_helpers import composed_config
 from zeropp.comm import QuantSpec, Rotation, Rounding
-from zeropp.experiments.config import ConfigError, from_dict
-from zeropp.experiments.overrides import check_overrides
-from zeropp.experiments.sections import LauncherDevice, LoggerMode
+from zeropp.experiments.runner.checks import LauncherDevice, LoggerMode
+from zeropp.experiments.runner.config import ConfigError, from_dict
+from zeropp.experiments.runner.overrides import check_overrides
 from zeropp.runtime import MemoryTier, OffloadTier, OptimizerConfig, Precision, QuantizeFrozen, Schedule, ZeroConfig
 
 BAD = [

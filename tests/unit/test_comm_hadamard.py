@@ -45,7 +45,7 @@ def test_w4g4h_recipe_and_runner_group() -> None:
     r = RECIPES["w4g4h"]
     assert r.weights == QuantSpec(bits=4) and r.grads == QuantSpec(bits=4, rotation="hadamard")  # SDP4Bit's placement
     assert not r.hpz and RECIPES["w4g4"].grads == r.grads.replace(rotation="none")
-    from zeropp.experiments.schema import group_options
+    from zeropp.experiments.runner.schema import group_options
 
     assert "w4g4h" in group_options()["quant"]
 

@@ -1,5 +1,5 @@
 """zeropp.comm.stats.peer_bytes: the one place the per-collective per-peer byte rules live
-(zeropp's collectives and experiments/commwatch.py both use it)."""
+(zeropp's collectives and experiments/runner/commwatch.py both use it)."""
 
 import pytest
 import torch
@@ -27,20 +27,22 @@ def test_peer_bytes_rules():
 
 
 def test_commwatch_reads_sizes_and_defers_to_peer_bytes():
-    from experiments.commwatch import _peer_bytes
+    from experiments.runner.comm_sizes import call_peer_bytes
 
     t = torch.zeros
     ranks = [10, 11, 12, 13]
-    assert _peer_bytes("all_gather_into_tensor", (t(20), t(5)), {}, ranks, 1) == peer_bytes("all_gather", 20, 4, rank=1)
-    assert _peer_bytes("reduce_scatter_tensor", (t(3), t(12)), {}, ranks, 0) == peer_bytes(
+    assert call_peer_bytes("all_gather_into_tensor", (t(20), t(5)), {}, ranks, 1) == peer_bytes(
+        "all_gather", 20, 4, rank=1
+    )
+    assert call_peer_bytes("reduce_scatter_tensor", (t(3), t(12)), {}, ranks, 0) == peer_bytes(
         "reduce_scatter", 48, 4, rank=0
     )
-    assert _peer_bytes("all_reduce", (t(7),), {}, ranks, 2) == [14, 14, 0, 14]
-    assert _peer_bytes("all_to_all_single", (t(8), t(6, 3)), {"input_split_sizes": [1, 2, 3, 0]}, ranks, 3) == [
+    assert call_peer_bytes("all_reduce", (t(7),), {}, ranks, 2) == [14, 14, 0, 14]
+    assert call_peer_bytes("all_to_all_single", (t(8), t(6, 3)), {"input_split_sizes": [1, 2, 3, 0]}, ranks, 3) == [
         12,
         24,
         36,
         0,
     ]
-    assert _peer_bytes("broadcast", (t(4), 11), {}, ranks, 1) == [16, 0, 16, 16]
-    assert _peer_bytes("reduce", (t(4),), {"dst": 12}, ranks, 0) == [0, 0, 16, 0]
+    assert call_peer_bytes("broadcast", (t(4), 11), {}, ranks, 1) == [16, 0, 16, 16]
+    assert call_peer_bytes("reduce", (t(4),), {"dst": 12}, ranks, 0) == [0, 0, 16, 0]

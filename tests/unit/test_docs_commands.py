@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs_commands import ROOT, Block, all_blocks, blocks, check_command, check_python, commands, module_exists
-from zeropp.experiments.config import ConfigError
+from zeropp.experiments.runner.config import ConfigError
 
 SHELL = ("bash", "sh", "shell", "console")
 

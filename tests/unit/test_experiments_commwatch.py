@@ -14,7 +14,7 @@ import torch
 
 def test_a_torch_distributed_call_it_cannot_count_runs_and_is_named_once() -> None:
     """No process group here, so the group's ranks cannot be read: the wrapped call still runs."""
-    from experiments.commwatch import CommWatch
+    from experiments.runner.commwatch import CommWatch
     from zeropp.comm import Topology
 
     w = CommWatch(Topology(1, 1))

@@ -17,9 +17,9 @@ from tests.cli_helpers import run_cli
 from tests.experiment_helpers import CLI_ERRORS, composed_config
 from zeropp.comm import Topology
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.experiments.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
-from zeropp.experiments.overrides import check_overrides, group_options
-from zeropp.experiments.schema import run_schema
+from zeropp.experiments.runner.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
+from zeropp.experiments.runner.overrides import check_overrides, group_options
+from zeropp.experiments.runner.schema import run_schema
 from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 
@@ -198,7 +198,7 @@ def test_resume_without_a_checkpoint_is_refused_before_ranks(tmp_path, monkeypat
 
 
 def test_omegaconf_entry_and_roundtrip() -> None:
-    import zeropp.experiments.run  # noqa: F401
+    import zeropp.experiments.runner.run  # noqa: F401
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         rc = from_omegaconf(compose("config", overrides=["trainer=fsdp2"]))

@@ -1,4 +1,4 @@
-"""The convergence suite (experiments/converge.py): a real tiny suite whose table must equal its
+"""The convergence suite (experiments/studies/converge.py): a real tiny suite whose table must equal its
 runs' summary.json values, the gap formula and the seed-spread rule against hand-computed numbers
 (a stand-in runner), a failed run that is reported while the suite goes on, and bad inputs.
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from experiments import converge
-from experiments.config import ConfigError
+from experiments.runner.config import ConfigError
+from experiments.studies import converge, converge_suite
 
 TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
 
@@ -133,19 +133,19 @@ def test_out_with_runs_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_missing_recipe_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheme whose quant recipe this checkout lacks (sdp4bit until it lands) is refused by name."""
-    assert "sdp4bit" in converge.DEFAULT_SCHEMES and converge.SCHEMES["sdp4bit"] == ("quant=sdp4bit",)
-    monkeypatch.setitem(converge.SCHEMES, "w3g3", ("quant=w3g3",))
+    assert "sdp4bit" in converge_suite.DEFAULT_SCHEMES and converge_suite.SCHEMES["sdp4bit"] == ("quant=sdp4bit",)
+    monkeypatch.setitem(converge_suite.SCHEMES, "w3g3", ("quant=w3g3",))
     with pytest.raises(ConfigError, match=r"scheme 'w3g3' needs the quant recipe 'w3g3'.*RECIPES"):
-        converge.SuiteConfig(schemes=("fp", "w3g3"))
-    if "sdp4bit" not in converge.RECIPES:
+        converge_suite.SuiteConfig(schemes=("fp", "w3g3"))
+    if "sdp4bit" not in converge_suite.RECIPES:
         with pytest.raises(ConfigError, match="scheme 'sdp4bit' needs the quant recipe 'sdp4bit'"):
-            converge.SuiteConfig.from_args([])
+            converge_suite.SuiteConfig.from_args([])
 
 
 def test_defaults_and_override_merge() -> None:
-    cfg = converge.SuiteConfig.from_args(["schemes=fp,w4g4", "seeds=3", "model=medium", "optim.lr=1e-3"], now="t")
+    cfg = converge_suite.SuiteConfig.from_args(["schemes=fp,w4g4", "seeds=3", "model=medium", "optim.lr=1e-3"], now="t")
     assert cfg.seeds == (0, 1, 2) and cfg.out == Path("outputs/converge/t")
     assert "model=small" not in cfg.overrides and "model=medium" in cfg.overrides
     assert "topology=2x2" in cfg.overrides and "data=text" in cfg.overrides
     assert cfg.run_overrides("w4g4", 2)[-2:] == ["quant=w4g4", "train.seed=2"]
-    assert converge.scheme_overrides("int8") == ("quant=int8",)  # any recipe is a scheme
+    assert converge_suite.scheme_overrides("int8") == ("quant=int8",)  # any recipe is a scheme

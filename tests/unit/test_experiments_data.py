@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.experiments.config import DataConfig
-from zeropp.experiments.data import DataError, TokenBatches
+from zeropp.experiments.runner.config import DataConfig
+from zeropp.experiments.runner.data import DataError, TokenBatches
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_missing_corpus_is_a_clear_error(tmp_path) -> None:
 def test_evaluation_averages_distinct_batches_per_rank_and_round() -> None:
     """``train.eval_batches``: round k on rank r reads held-out batch k * world + r, and the result
     is the mean of the (collective) per-round losses."""
-    from zeropp.experiments.worker import _evaluate
+    from zeropp.experiments.runner.worker import _evaluate
 
     tb = TokenBatches(
         DataConfig(kind="text", source="python_stdlib", max_bytes=100_000),
@@ -75,7 +75,7 @@ def test_evaluation_averages_distinct_batches_per_rank_and_round() -> None:
     assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, want))
     assert got == pytest.approx(sum(float(w[0, 0]) for w in want) / 3)
     assert not torch.equal(tb.eval_batch(1)[0], tb.eval_batch(5)[0])
-    from zeropp.experiments.config import TrainConfig
+    from zeropp.experiments.runner.config import TrainConfig
 
     with pytest.raises(ValueError, match="train.eval_batches"):
         TrainConfig(eval_batches=0)

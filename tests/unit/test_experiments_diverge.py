@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from zeropp.experiments.config import from_dict
-from zeropp.experiments.run import recorded_divergence
-from zeropp.experiments.trainers import TorchTrainer, build_model
-from zeropp.launch import RankFailure
+from zeropp.experiments.launch import RankFailure
+from zeropp.experiments.runner.config import from_dict
+from zeropp.experiments.runner.run import recorded_divergence
+from zeropp.experiments.runner.trainers import TorchTrainer, build_model
 from zeropp.runtime.divergence import EXIT_CODE
 
 

@@ -18,9 +18,9 @@ import torch
 
 from tests.experiment_helpers import composed_config
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.config import MODEL_KINDS, ConfigError, from_dict, from_omegaconf
-from zeropp.experiments.overrides import check_overrides, group_options
-from zeropp.experiments.schema import model_schema
+from zeropp.experiments.runner.config import MODEL_KINDS, ConfigError, from_dict, from_omegaconf
+from zeropp.experiments.runner.overrides import check_overrides, group_options
+from zeropp.experiments.runner.schema import model_schema
 from zeropp.models import GPTConfig, HFConfig
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
@@ -80,7 +80,7 @@ def test_bad_model_settings_name_the_key(args: list[str], words: str) -> None:
 def test_runner_refuses_model_hf_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     from hydra import compose, initialize_config_module
 
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=["model=hf"])
@@ -93,7 +93,7 @@ def test_runner_refuses_model_hf_without_the_extra(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("trainer", ["zeropp", "fsdp2", "ddp"])
 def test_trainers_build_the_hf_model(trainer: str) -> None:
     pytest.importorskip("transformers", reason=REASON)
-    from zeropp.experiments.trainers import build_model
+    from zeropp.experiments.runner.trainers import build_model
     from zeropp.models import build_hf_model
 
     rc = from_dict(composed_config("model=hf", "model.hf_config=llama", *TINY, f"trainer={trainer}", "train.seed=5"))

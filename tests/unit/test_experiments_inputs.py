@@ -21,10 +21,10 @@ from omegaconf.errors import ValidationError
 
 from tests.cli_helpers import ROOT, run_cli, unwritable_dir
 from tests.experiment_helpers import composed_config
-from zeropp.experiments import preflight
-from zeropp.experiments.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
-from zeropp.experiments.console import human_bytes
-from zeropp.experiments.overrides import check_overrides
+from zeropp.experiments.runner import preflight
+from zeropp.experiments.runner.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
+from zeropp.experiments.runner.console import human_bytes
+from zeropp.experiments.runner.overrides import check_overrides
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 
 
@@ -245,16 +245,16 @@ def test_local_rank_bound_is_exact() -> None:
     ],
 )
 def test_memory_estimate_is_the_formula_of_experiments_memory(overrides: list[str]) -> None:
-    from zeropp.experiments.memory import predictions
+    from zeropp.experiments.runner.memory import predictions
 
     rc = from_dict(composed_config("model=small", *overrides))
-    chosen = next(r for r in predictions(rc) if r["chosen"])  # the reference: what experiments.memory prints
+    chosen = next(r for r in predictions(rc) if r["chosen"])  # the reference: what experiments.runner.memory prints
     got = preflight.model_state_per_rank(rc)
     assert got == pytest.approx(chosen["tiers"]), (got, chosen["tiers"])
 
 
 def test_memory_estimate_of_other_trainers_and_lora() -> None:
-    from zeropp.experiments.memory import predictions
+    from zeropp.experiments.runner.memory import predictions
     from zeropp.models import GPT
 
     ddp = from_dict(composed_config("model=small", "trainer=ddp"))  # DDP holds stage 0's replicas

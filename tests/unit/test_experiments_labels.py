@@ -1,4 +1,4 @@
-"""Run labels of a sweep (``experiments.labels.label_runs``) and the report's figures that use them.
+"""Run labels of a sweep (``experiments.studies.labels.label_runs``) and the report's figures that use them.
 
 Each sweep is composed by Hydra and validated as the runner would (``composed_sweep``: no rank
 starts), so the labels are read from the configs a real ``summary.json`` holds. The figures are
@@ -14,9 +14,9 @@ import copy
 import pytest
 
 from tests.experiment_helpers import composed_summary, composed_sweep, legends_over_data
-from zeropp.experiments.labels import RunLabels, label_runs, method_words
-from zeropp.experiments.report import phase_rows
-from zeropp.experiments.report_plots import PLOTS, byte_unit, figures
+from zeropp.experiments.studies.labels import RunLabels, label_runs, method_words
+from zeropp.experiments.studies.report import phase_rows
+from zeropp.experiments.studies.report_plots import PLOTS, byte_unit, figures
 
 TINY = ["model=tiny", "logger=none"]
 
@@ -219,7 +219,7 @@ def test_byte_unit_reads_in_ones_to_thousands() -> None:
 def test_a_folder_of_sweeps_is_read_sweep_by_sweep_in_job_order(tmp_path) -> None:
     import json
 
-    from zeropp.experiments.report import load_runs
+    from zeropp.experiments.studies.report import load_runs
 
     dirs = [tmp_path / "1-offload" / str(j) for j in (0, 1, 2, 10)] + [
         tmp_path / "2-zeropp" / "0",

@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_module
 
 from zeropp.comm import Topology
 from zeropp.comm.layout import LaunchLayout
-from zeropp.experiments.config import ConfigError
-from zeropp.experiments.run import check_launch, declared_layout, run_job, validated
-from zeropp.launch import LAUNCHED_MARK
+from zeropp.experiments.launch import LAUNCHED_MARK
+from zeropp.experiments.runner.config import ConfigError
+from zeropp.experiments.runner.run import check_launch, declared_layout, run_job, validated
 
 
 def torchrun_env(nodes: int, per_node: int, node: int, local: int) -> dict[str, str]:
@@ -39,7 +39,7 @@ def torchrun_env(nodes: int, per_node: int, node: int, local: int) -> dict[str, 
 
 def _cfg(*overrides: str):
     """The composed config of ``python -m experiments.run <overrides>`` (before validation)."""
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.experiments import memory as memcmd
+from zeropp.experiments.runner import memory as memcmd
 from zeropp.runtime.memory import expected_by_tier, tier_totals
 
 FAST = ["model=mini", "topology=2x2", "train.micro_batch_size=2", "data.max_bytes=200000"]
@@ -48,7 +48,7 @@ def test_bad_override_is_refused_before_anything_runs(capsys):
 
 
 def test_trainers_without_phases_get_flat_snapshots():
-    from zeropp.experiments.worker import _memory_phases
+    from zeropp.experiments.runner.worker import _memory_phases
     from zeropp.runtime.memory import flat_snapshot
 
     class T:  # DDP / FSDP2: a flat model-state report only

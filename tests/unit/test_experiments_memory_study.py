@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import memory_study as ms
+from zeropp.experiments.studies import memory_study as ms
 
 
 def test_bf16_formulas_are_the_papers() -> None:

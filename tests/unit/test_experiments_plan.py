@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.plan import LANES, load_config, main, model_units
+from experiments.runner.plan import LANES, load_config, main, model_units
 from zeropp.comm import Topology
 from zeropp.runtime.plan import build_plan
 from zeropp.runtime.plan_kinds import CommKind

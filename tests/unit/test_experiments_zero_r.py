@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tests.experiment_helpers import MINI_1X2_CPU
-from zeropp.experiments.config import ConfigError
-from zeropp.experiments.run import run_job
+from zeropp.experiments.runner.config import ConfigError
+from zeropp.experiments.runner.run import run_job
 
 
 def test_offload_activations_is_zeropp_only(tmp_path):

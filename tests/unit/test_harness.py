@@ -1,4 +1,4 @@
-"""The one launcher (zeropp/launch.py, placements in experiments/launcher.py) and the tests' run_world
+"""The one launcher (experiments/launch/, placements in experiments/runner/launcher.py) and the tests' run_world
 over it.
 
 Here: the one-process checks. The topic's full description and its gloo-world checks are in
@@ -13,9 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from zeropp import launch as launcher
-from zeropp.experiments.launcher import device_for_cluster, emulated_placement
-from zeropp.launch import PlacementError, select_device
+from zeropp.experiments.launch import PlacementError, select_device
+from zeropp.experiments.launch import world as launcher
+from zeropp.experiments.runner.launcher import device_for_cluster, emulated_placement
 
 # ---------------------------------------------------------------- launch_world: functions
 

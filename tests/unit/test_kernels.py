@@ -572,7 +572,7 @@ def test_native_cpu_failure_warns_once_and_falls_back(monkeypatch):
 
 def test_bench_cpu_path_switch_is_scoped():
     """--cpu-path / --vs-path route the timed calls only; the process's own settings come back."""
-    from zeropp.experiments import bench_kernels
+    from zeropp.experiments.bench import kernels as bench_kernels
     from zeropp.kernels import cpu_fused, cpu_native
 
     saved = cpu_native.ENABLED, cpu_fused.FUSED_MIN_ELEMS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zeropp.experiments.metrics import MetricsFile
+from zeropp.experiments.runner.metrics import MetricsFile
 
 
 def _steps(path: Path) -> list[int]:

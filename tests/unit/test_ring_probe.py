@@ -1,4 +1,4 @@
-"""experiments/ring_probe.py without root.
+"""experiments/cluster/ring_probe.py without root.
 
 Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_ring_probe.py``.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import ring_probe
+from zeropp.experiments.cluster import ring_probe
 
 
 def test_one_node_has_no_cross_node_rate() -> None:

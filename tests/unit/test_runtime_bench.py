@@ -1,5 +1,5 @@
-"""The benchmarks as runner jobs: experiments/bench_fsdp.py (both trainers on the same problem) and
-experiments/bench_cluster.py (its reading of the summaries; the full run needs namespaces).
+"""The benchmarks as runner jobs: experiments/bench/fsdp.py (both trainers on the same problem) and
+experiments/bench/cluster.py (its reading of the summaries; the full run needs namespaces).
 
 Here: the one-process checks. The topic's full description and its end-to-end checks are in
 ``tests/e2e/test_runtime_bench.py``.
@@ -14,9 +14,10 @@ import statistics
 import pytest
 
 from tests.bench_helpers import cluster_summary
-from zeropp.experiments import bench_cluster
-from zeropp.experiments.bench_fsdp import job_overrides, parse_args
-from zeropp.experiments.overrides import check_overrides
+from zeropp.experiments.bench import cluster as bench_cluster
+from zeropp.experiments.bench import cluster_check
+from zeropp.experiments.bench.fsdp import job_overrides, parse_args
+from zeropp.experiments.runner.overrides import check_overrides
 
 
 def test_bench_fsdp_jobs_differ_only_in_the_trainer() -> None:
@@ -52,7 +53,7 @@ def test_bench_cluster_reads_the_summaries() -> None:
         assert m["step_s"] == statistics.median(steps) and m["compute_s"] == pytest.approx(m["step_s"] - 0.1)
         assert m["measured_gbps"] == 0.9 and m["cross_bytes"] == 2e5
         assert m["uplink_bytes"] == (4e5 if mode == "zero3" else None)
-        m["predicted"] = p = bench_cluster.predict(m, sums[0], m["measured_gbps"])
+        m["predicted"] = p = cluster_check.predict(m, sums[0], m["measured_gbps"])
         assert p["step_s"] > m["compute_s"] and math.isfinite(p["step_s"]) and p["cross_bytes"] > 0
         assert (p["quant_s"] > 0) == (quant == "zeropp")
         row[mode] = m
@@ -72,7 +73,7 @@ def test_bench_cluster_refuses_bad_arguments() -> None:
 
 
 def test_bench_fsdp_reads_both_summaries(monkeypatch, capsys) -> None:
-    from zeropp.experiments import bench_fsdp
+    from zeropp.experiments.bench import fsdp as bench_fsdp
 
     def fake_job(overrides: list[str], run_dir) -> dict:
         ours = "trainer=zeropp" in overrides

@@ -50,14 +50,14 @@ def _runner_cfg(*overrides: str) -> dict:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    import zeropp.experiments.run  # noqa: F401 - registers the generated schema and groups
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
 
 
 def test_runner_config_validates_tp() -> None:
-    from zeropp.experiments.config import ConfigError, from_dict
+    from zeropp.experiments.runner.config import ConfigError, from_dict
 
     rc = from_dict(_runner_cfg("topology=2x2", "topology.tp=2", "stage=3"))
     assert rc.topology.tp == 2 and rc.topology.dp_size == 2

@@ -48,7 +48,7 @@ def test_recipes():
 def test_runner_recipes_carry_weight_diff():
     """``quant=sdp4bit`` / ``quant=qwd`` reach ZeroConfig with their weight_diff, refinable as
     ``zero.weight_diff.bits=8``; stages 1-2 through ``quant=qwd zero.hpz=false``."""
-    from zeropp.experiments.config import from_dict
+    from zeropp.experiments.runner.config import from_dict
 
     for name in ("sdp4bit", "qwd", "zeropp"):
         rc = from_dict(composed_config(f"quant={name}"))

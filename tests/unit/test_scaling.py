@@ -12,24 +12,20 @@ import pytest
 
 from tests.codec_cases import registry_specs, spec_id
 from zeropp.comm.spec import QuantSpec
-from zeropp.experiments.scaling import (
-    GBPS,
-    ZEROPP,
-    Cluster,
-    Workload,
+from zeropp.experiments.projection.scaling import (
     collective_time,
     control_time,
     gpt_units,
     messages,
     node_cross_bytes,
     pairwise_bytes,
-    paper_workload,
     project,
     quant_time,
     quant_work,
-    speedup_table,
     uplink_bytes,
 )
+from zeropp.experiments.projection.spec import GBPS, Cluster, Workload
+from zeropp.experiments.projection.speedup import ZEROPP, paper_workload, speedup_table
 from zeropp.kernels import quantized_nbytes
 
 INT8, INT4 = QuantSpec(bits=8), QuantSpec(bits=4)
@@ -171,7 +167,8 @@ def test_quantization_work_and_time_follow_the_schedule() -> None:
 
 
 def test_measured_quant_rates_cover_every_op_and_charge_time() -> None:
-    from zeropp.experiments.scaling_check import emulator_cluster, measure_quant_rates
+    from zeropp.experiments.projection.calibration import measure_quant_rates
+    from zeropp.experiments.projection.scaling_check import emulator_cluster
 
     c = emulator_cluster(2, 2, 1.0)
     w = _w(**ZEROPP)
@@ -247,7 +244,7 @@ def _summary(cluster: dict) -> dict:
 
 
 def test_workload_from_summary_reads_the_run_config() -> None:
-    from zeropp.experiments.scaling_check import workload_from_summary
+    from zeropp.experiments.projection.scaling_check import workload_from_summary
 
     w = workload_from_summary(_summary({"name": "local"}), (("quantize", 8, 1.0),))
     assert w.compute_s == pytest.approx(0.5 - 0.2)  # step - the engine's own wait
@@ -269,7 +266,7 @@ def test_workload_from_summary_reads_the_run_config() -> None:
 
 def test_compare_measured_takes_the_link_from_the_summary() -> None:
     """Emulated runs: the measured link rate from the placement; local runs need cross_gbps."""
-    from zeropp.experiments.scaling_check import compare_measured, workload_from_summary
+    from zeropp.experiments.projection.scaling_check import compare_measured, workload_from_summary
 
     s = _summary({"name": "emulated", "inter_gbps": 1.0, "inter_latency_ms": 0.0})
     s["placement"] = {"cluster": "emulated", "measured_gbps": 0.8}
@@ -308,7 +305,8 @@ def test_bad_workload_is_rejected(kw: dict, word: str) -> None:
 def test_measured_quant_rates_time_every_registered_codec(spec: QuantSpec) -> None:
     """The kernel timing runs each op through the spec's codec: a 6-bit MX or a 4-bit NVFP4
     workload is timed (the int kernels have no 6-bit path), one rate per op of quant_work."""
-    from zeropp.experiments.scaling_check import emulator_cluster, measure_quant_rates
+    from zeropp.experiments.projection.calibration import measure_quant_rates
+    from zeropp.experiments.projection.scaling_check import emulator_cluster
 
     c = emulator_cluster(2, 2, 1.0)
     w = _w(weights=spec, grads=spec)

@@ -13,7 +13,8 @@ import pytest
 from tests.plan_helpers import TINY_UNITS, WORLDS, ZPP, predicted_bytes
 from zeropp.comm.codecs import codecs
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.scaling import Cluster, Workload, messages, uplink_bytes
+from zeropp.experiments.projection.scaling import messages, uplink_bytes
+from zeropp.experiments.projection.spec import Cluster, Workload
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS))

@@ -1,4 +1,4 @@
-"""The scheduled step-time model (experiments/step_schedule.py): hand-computed timelines, the serial
+"""The scheduled step-time model (experiments/projection/step_schedule.py): hand-computed timelines, the serial
 formula where nothing can overlap, bounds on every stage and recipe, and the CPU-side calibration
 ``bench_cluster --check`` uses."""
 
@@ -9,9 +9,7 @@ import dataclasses
 import pytest
 
 from zeropp.comm.spec import RECIPES
-from zeropp.experiments.scaling import (
-    Cluster,
-    Workload,
+from zeropp.experiments.projection.scaling import (
     collective_time,
     control_time,
     gpt_units,
@@ -19,8 +17,9 @@ from zeropp.experiments.scaling import (
     project,
     quant_time,
 )
-from zeropp.experiments.scaling_check import calibrate_cpu_side, emulator_cluster
-from zeropp.experiments.step_schedule import (
+from zeropp.experiments.projection.scaling_check import calibrate_cpu_side, emulator_cluster
+from zeropp.experiments.projection.spec import Cluster, Workload
+from zeropp.experiments.projection.step_schedule import (
     Transfer,
     UnitCosts,
     message_transfer,
@@ -223,7 +222,7 @@ def test_message_transfer_on_cpu_ranks_copies_every_sent_byte() -> None:
 
 
 def test_cli_prints_the_scheduled_table_and_refuses_overlap(capsys) -> None:
-    from zeropp.experiments import step_schedule
+    from zeropp.experiments.projection import step_schedule
 
     step_schedule.main(["--plot", "", "--max-gpus", "16", "--gbps", "100"])
     out = capsys.readouterr().out

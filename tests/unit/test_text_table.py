@@ -1,11 +1,11 @@
-"""experiments/text_table.py and the two cost-model tables printed with it (scaling, scaling_check)."""
+"""experiments/projection/text_table.py and the two cost-model tables printed with it (scaling, scaling_check)."""
 
 from __future__ import annotations
 
 import pytest
 
-from zeropp.experiments import scaling, scaling_check
-from zeropp.experiments.text_table import Column, number, text_table
+from zeropp.experiments.projection import scaling_check, speedup
+from zeropp.experiments.projection.text_table import Column, number, text_table
 
 PROJECTION_ROW = {
     "gbps": 100.0,
@@ -43,8 +43,8 @@ def _ends(line: str, columns) -> list[str]:
     "fmt,columns,row,cells",
     [
         (
-            scaling.format_table,
-            scaling.PROJECTION_COLUMNS,
+            speedup.format_table,
+            speedup.PROJECTION_COLUMNS,
             PROJECTION_ROW,
             ["100", "64", "1.23", "0.90", "123.4", "150.2", "12.3 ->      4.1", "1.37x"],
         ),

@@ -41,7 +41,7 @@ def _v(
         long=long,
         step=step,
         phase=phase,
-        where="experiments/worker.py:200 in _train",
+        where="experiments/runner/worker.py:200 in _train",
     )
 
 
@@ -58,7 +58,7 @@ def test_a_stopped_process_is_named_whatever_the_others_do():
     assert v is not None and v.rank == 1
     assert v.message.startswith(
         "rank 1 made no progress for 21 s (last seen: step 7, phase train_step, at "
-        "experiments/worker.py:200 in _train); its process stopped responding"
+        "experiments/runner/worker.py:200 in _train); its process stopped responding"
     )
     assert "stopped all ranks" in v.message
     # a long phase does not shield a stopped process; the one silent longest is named
@@ -183,12 +183,12 @@ def test_monitor_names_the_rank_behind_by_its_beats(tmp_path: Path):
     def tick() -> None:  # both alive; rank 0 beat once more and waits, rank 1 is stuck
         t = int(clock.t * 2)
         _publish(tmp_path, 0, t, 8)
-        _publish(tmp_path, 1, t, 7, phase="step_end", where="experiments/worker.py:65 in _maybe_fault")
+        _publish(tmp_path, 1, t, 7, phase="step_end", where="experiments/runner/worker.py:65 in _maybe_fault")
 
     tick()
     v = _advance(mon, clock, 10, [0, 1], tick)
     assert v is not None and v.rank == 1
-    assert "(last seen: step 7, phase step_end, at experiments/worker.py:65 in _maybe_fault)" in v.message
+    assert "(last seen: step 7, phase step_end, at experiments/runner/worker.py:65 in _maybe_fault)" in v.message
     assert "while ranks [0] went past that point" in v.message
     assert _advance(mon, clock, 10, [1], tick) is None  # rank 0 finished: a lone rank is not judged on progress
 
@@ -263,7 +263,7 @@ def test_remove_scratch_reports_a_root_it_cannot_list_and_goes_on(tmp_path: Path
 
 
 def test_the_default_deadline_names_a_stopped_rank_within_30_s():
-    from zeropp.experiments.config import LauncherConfig
+    from zeropp.experiments.runner.config import LauncherConfig
 
     deadline = LauncherConfig().heartbeat_s
     # silent for the deadline, plus at most one tick before it went silent and one launcher poll

@@ -46,7 +46,7 @@ class CommKind(StrChoice):
     FSDP_REDUCE_SCATTER = "fsdp_reduce_scatter"
     """``zeropp.comm.fsdp``'s FSDP2 reduce-scatter hook."""
     ALL_GATHER = "all_gather"
-    """A plain ``torch.distributed`` all-gather (``experiments.commwatch``; ``zeropp.comm``'s default)."""
+    """A plain ``torch.distributed`` all-gather (``experiments.runner.commwatch``; ``zeropp.comm``'s default)."""
     REDUCE_SCATTER = "reduce_scatter"
     """A plain reduce-scatter (as above)."""
     ALL_REDUCE = "all_reduce"

@@ -7,7 +7,7 @@ reads torchrun's variables (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``, ``GROUP_
 ``NODE_RANK``, ``LOCAL_RANK``), checks them against each other, and refuses what a topology of
 equal, host-by-host numbered nodes cannot describe; :meth:`LaunchLayout.topology` derives the
 topology and :meth:`LaunchLayout.check` checks a given one. The runner uses both under torchrun
-(``zeropp.experiments.run``).
+(``zeropp.experiments.runner.run``).
 """
 
 from __future__ import annotations

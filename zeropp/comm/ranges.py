@@ -15,7 +15,7 @@ the communication plan's entries (``zeropp.runtime.plan.CommPlan.range_name``):
 * ``zeropp/<kind>``: a call that names no unit (a user's call, the DDP / FSDP hooks), its hops and
   parts suffixed the same way;
 * ``zeropp/control``: the engine's few-scalar all-reduces (loss, agreement checks);
-* ``zeropp/step/<n>``: one training step of the runner (``experiments.profiling``).
+* ``zeropp/step/<n>``: one training step of the runner (``experiments.runner.profiling``).
 
 Ranges of asynchronous work sit on the thread that runs it: a qgZ cross hop on CPU runs on the
 comm worker thread, so a profiler must record all threads (the runner sets

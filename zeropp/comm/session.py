@@ -10,7 +10,7 @@ What a session holds (FSDP2's ``FSDPCommContext`` plays this part for its stream
 - the CUDA side streams its continuations run on (``chain.py``: a later qgZ hop, the DDP hook's
   all-reduce);
 - its wait hooks (:meth:`CommSession.add_wait_hook`): every wait on a handle its calls returned
-  runs inside them, so a profiler of exposed communication (``experiments/commwatch.py``) times
+  runs inside them, so a profiler of exposed communication (``experiments/runner/commwatch.py``) times
   waits without patching zeropp's classes.
 
 The engine creates one (``zeropp.runtime.collectives.EngineComm.session``), the FSDP2 and DDP

@@ -15,7 +15,7 @@ Convention (per rank, per call; counted from the tensors actually passed to the 
 - reduce / gather: my message to the root, from each non-root member.
 
 :func:`peer_bytes` turns one call into these per-member amounts; zeropp's collectives and
-``experiments/commwatch.py`` both use it, so the rules live in one place.
+``experiments/runner/commwatch.py`` both use it, so the rules live in one place.
 
 Each per-peer amount is classified ``"intra"`` if the peer is on this rank's node under the
 topology in use, ``"cross"`` otherwise. Self-sends are never counted, so a one-rank group

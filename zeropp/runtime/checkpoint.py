@@ -4,7 +4,7 @@ reshardable, verified, and never running code from the files they read.
 Layout, naming, checksums and retention are ``checkpoint_files.py`` (one ``ckpt-<step>-<nonce>``
 folder per version, ``LATEST`` naming the newest, ``meta.json`` with ``"kind": "engine"``); the
 collective save and load protocol is ``checkpoint_io.py``, the restricted reading of DCP files
-``checkpoint_safe.py``. The torch trainers (``experiments/trainers.py``) use the same three.
+``checkpoint_safe.py``. The torch trainers (``experiments/runner/trainers.py``) use the same three.
 
 What is saved, per flat unit (``partition.UnitLayout``): the fp32 master and both Adam moments
 as 1-D tensors of the unit's *unpadded* length. A sharded unit's are ``Shard(0)`` DTensors over a

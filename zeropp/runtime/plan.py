@@ -1,7 +1,7 @@
 """One training step's communication, declared once: :class:`CommPlan` and :func:`build_plan`.
 
 Why: the engine decides what each step sends, and the byte and time models
-(``experiments.scaling``, ``experiments.step_schedule``) need the same schedule. A pure function of
+(``experiments.projection.scaling``, ``experiments.projection.step_schedule``) need the same schedule. A pure function of
 shapes and settings -- the units' element counts (:class:`PlanUnit`, from a model on the meta device
 by :func:`plan_units`), the ``ZeroConfig`` and the ``Topology`` -- builds it, with no process group
 and no weights, so a model of any size can be planned in milliseconds; the models read it instead of
@@ -427,7 +427,7 @@ class _Builder:
         return len(self.compute) - 1
 
     def step(self) -> None:
-        """The engine's issue order (module doc; ``experiments.step_schedule`` replays it in time)."""
+        """The engine's issue order (module doc; ``experiments.projection.step_schedule`` replays it in time)."""
         cfg, a = self.cfg, self.cfg.grad_accum_steps
         blocks = list(range(1, len(self.units)))
         for mb in range(a):
@@ -475,7 +475,7 @@ class _Builder:
         first: int,
         reduce_end: int | None = None,
     ) -> None:
-        """One stage-3 pass (``experiments.step_schedule._gathered`` replays it): the root's gather,
+        """One stage-3 pass (``experiments.projection.step_schedule._gathered`` replays it): the root's gather,
         issued and waited before ``first``; the gathers of the first ``prefetch_depth`` blocks of
         ``order``; then per block: its own gather (unless prefetched), the next ``prefetch_depth``
         blocks' gathers before its compute, and (``reduce_end``) its reduce-scatter after it."""

@@ -1,7 +1,7 @@
 """``python -m experiments.plan <run dir> [--step N] [--rank R] [--out DIR]``: a profiled step beside its plan.
 
 Why: the plan (``zeropp.runtime.plan``) and the time model say where a step's time should go; a run
-with ``train.profile=true`` recorded where it went (``experiments.profiling``). This reads the
+with ``train.profile=true`` recorded where it went (``experiments.runner.profiling``). This reads the
 run's config (``summary.json``) and one rank's trace of one step (default: rank 0, its last
 profiled step), projects that config's step as ``python -m experiments.plan`` does (same
 ``--tflops`` / ``--gbps``), and writes, in ``--out`` (default ``<run dir>/profile``):
@@ -121,7 +121,7 @@ def table(p: dict[str, Any], spans: list[Span], step_s: float) -> str:
 
 
 def chrome_trace(p: dict[str, Any], spans: list[Span], step: int, rank: int) -> dict[str, Any]:
-    """Projected (pid 0, ``experiments.plan``'s lanes) and measured (pid 1) as one Chrome trace, µs."""
+    """Projected (pid 0, ``experiments.runner.plan``'s lanes) and measured (pid 1) as one Chrome trace, µs."""
     from .plan_draw import chrome_trace as projected
 
     evs = projected([p])["traceEvents"]

@@ -14,7 +14,7 @@ stops at the same step, before that step's eval and checkpoint; rank 0 writes th
 A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``,
 so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
 removed) instead of dying where it stands. The rank marks its progress with
-``zeropp.launch.heartbeat`` on paths every rank takes; phases that may legitimately be long
+``zeropp.experiments.launch.heartbeat`` on paths every rank takes; phases that may legitimately be long
 (start-up and model creation, checkpoint load and save, the first step, the end) are announced
 as such (see ``zeropp.watch``).
 
@@ -44,9 +44,9 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from zeropp import watch
 from zeropp.comm.backend import backend_all_reduce
 from zeropp.comm.objects import all_gather_json
-from zeropp.launch import heartbeat, select_device
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
+from ..launch import heartbeat, select_device
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .console import Progress, print_summary

@@ -5,7 +5,7 @@ Why a module of its own: both the plan command (``plan.py``) and the side-by-sid
 neither command imports the other.
 
 :func:`project` builds the plan (``zeropp.runtime.plan``) of a config on a node count and replays
-it in time (``experiments.step_schedule``); :func:`events` turns the replay into lane events
+it in time (``experiments.projection.step_schedule``); :func:`events` turns the replay into lane events
 (:data:`LANES`), :func:`chrome_trace` and :func:`plot` draw them.
 """
 
@@ -60,8 +60,9 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
     from zeropp.runtime.config import validate_against_topology
     from zeropp.runtime.plan import build_plan
 
-    from .scaling import Cluster, Workload, control_time
-    from .step_schedule import Interval, scheduled_step_s, unit_costs
+    from ..projection.scaling import control_time
+    from ..projection.spec import Cluster, Workload
+    from ..projection.step_schedule import Interval, scheduled_step_s, unit_costs
 
     t = rc.topology
     topo = Topology(nodes=nodes, ranks_per_node=t.ranks_per_node, hpz_size=t.hpz_size)
@@ -98,8 +99,8 @@ def events(plan: Any, trace: list, c: Any) -> list[dict[str, Any]]:
     """Timeline events ``{lane, name, start_s, dur_s, bytes, ...}``: the traced compute and
     quantization intervals, and each collective of the plan inside its unit-phase's link interval
     (in issue order, in proportion to its own link time)."""
-    from .scaling import Message
-    from .step_schedule import message_transfer
+    from ..projection.spec import Message
+    from ..projection.step_schedule import message_transfer
 
     by_tag: dict[tuple, list] = {}
     for col in plan.collectives:

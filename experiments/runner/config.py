@@ -34,20 +34,8 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
-from .sections import (
-    MAX_SECONDS,
-    MIN_CORPUS_BYTES,
-    SEED_LIMIT,
-    TRAINERS,
-    ClusterConfig,
-    ConfigError,
-    DataConfig,
-    LauncherConfig,
-    LoggerConfig,
-    TrainConfig,
-    TrainerConfig,
-    check,
-)
+from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, TRAINERS, ConfigError, check
+from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
 
 __all__ = [
     "CONF_DIR",
@@ -74,7 +62,7 @@ __all__ = [
     "model_field_defaults",
 ]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The YAML part of the config tree: repo ``conf/`` (installed as ``zeropp.conf``)."""
 
 MODEL_KINDS: dict[str, type] = {"gpt": GPTConfig, "hf": HFConfig}

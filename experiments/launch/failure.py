@@ -1,6 +1,6 @@
 """What a failed world reports: which rank caused it, how it ended, and the tail of its error.
 
-:func:`zeropp.launch.launch_world` first peeks every rank's exit status (:func:`exit_status`, a
+:func:`zeropp.experiments.launch.launch_world` first peeks every rank's exit status (:func:`exit_status`, a
 ``waitid(WNOWAIT)`` that leaves the child for torch to reap), so it knows which rank died *first*;
 on a failure it stops every rank and then asks :func:`root_cause` for the :class:`RankFailure`.
 

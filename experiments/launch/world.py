@@ -1,10 +1,10 @@
 """The one way ranks are started on one host: torch's elastic multiprocessing, watched.
 
-Used by the runner (``python -m experiments.run``, through ``zeropp.experiments.launcher``), the
-benchmarks, and the tests (``tests/worlds.py::run_world``); it lives in the library, not the
-harness, because the library's own tests and any trainer importing zeropp start worlds with it::
+Used by the runner (``python -m experiments.run``, through ``zeropp.experiments.runner.launcher``), the
+projection's calibration, the studies and the tests (``tests/worlds.py::run_world``); why it is a
+room of its own: the package docstring::
 
-    launch_world(ModuleEntry(module="zeropp.experiments.worker", args=(spec,)), 4,
+    launch_world(ModuleEntry(module="zeropp.experiments.runner.worker", args=(spec,)), 4,
                  placement=LOCAL, log_dir=run_dir / "ranks", timeout_s=600)
     launch_world(fn, 4, args=(x,), process_group="gloo", timeout_s=60)  # -> [fn(0, 4, x), ..]
 
@@ -22,10 +22,10 @@ and ``Popen`` s it with no pre-exec hook, while a rank needs three things before
 starts: ``PR_SET_PDEATHSIG`` (so a SIGKILLed launcher takes its ranks along), an optional command
 prefix (``ip netns exec <node ns>`` for the emulated cluster; it ``exec`` s, so the pid stays the
 rank's) and one log file for stdout *and* stderr (torch's redirects open two files). The entry
-binary is therefore this interpreter running :data:`_BOOT` (a few lines of stdlib: prctl, check
+binary is therefore this interpreter running :data:`BOOT` (a few lines of stdlib: prctl, check
 the parent is still ours, dup2 the log, ``execvp`` the rest of argv), so every placement is the
 same entrypoint with per-rank args, and nothing but the exec chain differs between local and
-emulated ranks. Function ranks get the same guarantees in :func:`_function_rank`.
+emulated ranks. Function ranks get the same guarantees in :func:`function_rank`.
 
 Failure handling. Each poll first peeks every rank's exit status (``waitid(WNOWAIT)``, which
 leaves the child for torch to reap), so the launcher knows which rank died *first*; then
@@ -33,7 +33,7 @@ leaves the child for torch to reap), so the launcher knows which rank died *firs
 ``PContext.close(timeout=grace_s)`` (SIGTERM to each rank's process group, SIGKILL after the
 grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's service) go too.
 :class:`RankFailure` names the root cause, with the tail of its error (how it is chosen, and
-where the error text comes from: :mod:`zeropp.rank_failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
+where the error text comes from: :mod:`zeropp.experiments.launch.failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
 handlers, restored afterwards) and the whole-run timeout stop all ranks the same way. A stop
 first sends SIGTERM to every rank and then SIGCONT to its group, so a stopped rank handles its
 SIGTERM as soon as it continues.
@@ -59,204 +59,40 @@ would make ``torch.distributed.is_torchelastic_launched()`` claim an elastic age
 all ranks share the terminal and the error files live in a temporary directory removed afterwards.
 
 API: :func:`launch_world` (``ModuleEntry`` or function), :class:`Placement` (:data:`LOCAL`; the
-emulated cluster's is built in ``zeropp.experiments.launcher``), :func:`select_device`,
+emulated cluster's is built in ``zeropp.experiments.runner.launcher``), :func:`select_device`,
 :func:`free_port`, :func:`in_torchrun`, :data:`LAUNCHED_MARK`, :func:`heartbeat` (rank side, from
-:mod:`zeropp.watch`); errors :class:`RankFailure` (from :mod:`zeropp.rank_failure`),
+:mod:`zeropp.watch`); errors :class:`RankFailure` (from :mod:`zeropp.experiments.launch.failure`),
 :class:`PlacementError`. Launch from the main thread: PDEATHSIG fires when the *thread* that
 started a rank exits.
 
 CUDA (:func:`select_device`): one GPU per process on its host, chosen by ``LOCAL_RANK``. The
-emulated cluster is CPU only (``zeropp.experiments.launcher.device_for_cluster``).
+emulated cluster is CPU only (``zeropp.experiments.runner.launcher.device_for_cluster``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import datetime
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, SignalException, start_processes
 
-from . import watch
-from .rank_failure import RankFailure, exit_status, root_cause
-from .watch import heartbeat
+from zeropp import watch
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
-"""Set in ranks this launcher starts, so a rank never mistakes itself for a torchrun rank that should spawn."""
+from .boot import BOOT, function_rank
+from .failure import RankFailure, exit_status, root_cause
+from .placement import LAUNCHED_MARK, LOCAL, ModuleEntry, Placement, PlacementError, free_port
 
 _TORCH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # start_processes' handlers
-_PR_SET_PDEATHSIG = 1
-_BOOT = """import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-if os.getppid() != int(sys.argv[1]):
-    os._exit(70)
-if sys.argv[2]:
-    fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
-os.execvp(sys.argv[3], sys.argv[3:])
-"""
-"""Run by ``python -I -S -c`` as every module rank's first image (see the module docstring)."""
 
-
-class PlacementError(RankFailure):
-    """The placement cannot run this job (no namespaces, CUDA on the emulated cluster); no rank started."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, exit_code=2)
-
-
-def in_torchrun() -> bool:
-    """True when torchrun (or any launcher with its env contract) started this process."""
-    return all(v in os.environ for v in TORCHRUN_VARS) and LAUNCHED_MARK not in os.environ
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the rendezvous port of a world)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-# ---------------------------------------------------------------------------------- devices
-
-
-def select_device(want: str, local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
-    """This rank's device and process-group backend: ``(cuda:<local_rank>, "nccl")`` or ``(cpu, "gloo")``.
-
-    ``want`` is ``launcher.device``: ``cpu``; ``cuda`` (an error unless this host has a GPU per
-    local process); ``auto`` (CUDA exactly when it has). Choosing CUDA also sets this process's
-    current device, so every later ``torch.cuda`` call and NCCL use ``cuda:<local_rank>``.
-    """
-    if want not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"launcher.device={want!r} is not one of auto, cpu, cuda")
-    if not 0 <= local_rank < local_world_size:
-        raise ValueError(f"LOCAL_RANK={local_rank} outside LOCAL_WORLD_SIZE={local_world_size}")
-    gpus = torch.cuda.device_count() if want != "cpu" else 0
-    if want == "cuda" and gpus < local_world_size:
-        raise RuntimeError(
-            f"launcher.device=cuda needs one GPU per process on this host: {local_world_size} "
-            f"local process(es) but torch.cuda.device_count()={gpus}; use launcher.device=cpu "
-            f"(or auto), or start at most {gpus} process(es) per host"
-        )
-    if want == "cpu" or gpus < local_world_size:
-        return torch.device("cpu"), "gloo"
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank), "nccl"
-
-
-# ---------------------------------------------------------------------------------- placements
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where the ranks of one world run on this host, and how they find rank 0."""
-
-    master_addr: str
-    """Address rank 0 listens on, reachable from every rank."""
-    prefixes: tuple[tuple[str, ...], ...] = ()
-    """Per rank, argv prepended to a module rank's command (``ip netns exec <ns>``); empty = none."""
-    envs: tuple[dict[str, str], ...] = ()
-    """Per rank, extra environment (e.g. GLOO_SOCKET_IFNAME inside a namespace); empty = none."""
-    info: dict = dataclasses.field(default_factory=dict)
-    """What a run's summary records about the placement (cluster kind, emulated links, measured rate)."""
-
-    def __post_init__(self) -> None:
-        if not self.master_addr:
-            raise ValueError("Placement.master_addr must be an address, got ''")
-        if self.prefixes and self.envs and len(self.prefixes) != len(self.envs):
-            raise ValueError(f"Placement has {len(self.prefixes)} prefixes but {len(self.envs)} envs")
-
-    def check(self, world_size: int, *, function: bool) -> None:
-        """Raise :class:`PlacementError` if this placement cannot hold ``world_size`` ranks of that kind."""
-        for name, per_rank in (("prefixes", self.prefixes), ("envs", self.envs)):
-            if per_rank and len(per_rank) != world_size:
-                raise PlacementError(f"placement has {name} for {len(per_rank)} ranks, world_size={world_size}")
-        if function and any(self.prefixes):
-            raise PlacementError(
-                "a function world cannot run behind a command prefix (e.g. emulated "
-                "namespaces); start a module entrypoint (ModuleEntry) instead"
-            )
-
-
-LOCAL = Placement(master_addr="127.0.0.1", info={"cluster": "local"})
-"""Every rank on this host, rendezvous on loopback."""
 
 # ---------------------------------------------------------------------------------- launching
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModuleEntry:
-    """A rank that runs ``python -m <module> <args...>`` (the same argv on every rank)."""
-
-    module: str
-    """Dotted module name, e.g. ``zeropp.experiments.worker``."""
-    args: tuple[str, ...] = ()
-    """Command-line arguments after the module name."""
-
-
-def _prctl_pdeathsig() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _redirect_output(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _function_rank(
-    fn: Callable,
-    args: tuple,
-    log: str,
-    process_group: str | None,
-    pg_timeout_s: float,
-    threads: int | None,
-    environ: dict[str, str] | None = None,
-) -> Any:
-    """Entrypoint of a function rank (runs in the child; torch's ``_wrap`` applies ``@record``).
-
-    Gives the rank what the bootstrap gives a module rank (own process group for the final SIGKILL
-    of grandchildren, PDEATHSIG=SIGKILL, its log file), then runs ``fn(rank, world_size, *args)``
-    inside a default process group of ``process_group`` when one is asked for. ``environ``: the
-    whole environment the rank must have (a forkserver child otherwise keeps the server's).
-    """
-    if environ is not None:
-        elastic = {k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")}  # set by torch's _wrap
-        os.environ.clear()
-        os.environ.update(environ)
-        os.environ.update(elastic)
-    os.setsid()
-    _prctl_pdeathsig()
-    if log:
-        _redirect_output(log)
-    watch.start()  # liveness from the start; progress beats are up to fn (zeropp.launch.heartbeat)
-    if threads:
-        torch.set_num_threads(threads)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if process_group is None:
-        return fn(rank, world, *args)
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        process_group, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
-    )
-    try:
-        return fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _unreaped(pid: int) -> bool:
@@ -389,7 +225,7 @@ def launch_world(
                 Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
         if function:
             pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
-            ep: Callable | str = _function_rank
+            ep: Callable | str = function_rank
             rank_args: dict[int, tuple]
             own_env = start_method == "forkserver"
             rank_args = {
@@ -412,7 +248,7 @@ def launch_world(
                     "-I",
                     "-S",
                     "-c",
-                    _BOOT,
+                    BOOT,
                     str(os.getpid()),
                     logs[r],
                     *(placement.prefixes[r] if placement.prefixes else ()),
@@ -522,16 +358,4 @@ def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
         time.sleep(poll_s)
 
 
-__all__: Sequence[str] = (
-    "LAUNCHED_MARK",
-    "LOCAL",
-    "ModuleEntry",
-    "Placement",
-    "PlacementError",
-    "RankFailure",
-    "free_port",
-    "heartbeat",
-    "in_torchrun",
-    "launch_world",
-    "select_device",
-)
+__all__: Sequence[str] = ("launch_world",)

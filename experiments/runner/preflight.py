@@ -9,7 +9,7 @@ model states fit this machine. Each refusal is a :class:`config.ConfigError`: ``
 exit 2, nothing started.
 
 Written here rather than taken from a library: the estimate is ZeRO's own formula
-(``zeropp.runtime.memory.expected_by_tier``, the one ``experiments.memory`` prints), and the
+(``zeropp.runtime.memory.expected_by_tier``, the one ``experiments.runner.memory`` prints), and the
 host's size comes from the standard library (``os.sched_getaffinity``, ``os.sysconf``).
 """
 
@@ -81,7 +81,7 @@ def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
 
 
 def _ranks_on_cuda(rc: RunConfig, local_ranks: int) -> bool:
-    """Whether the local launcher's ranks get GPUs (``zeropp.launch.select_device``'s choice)."""
+    """Whether the local launcher's ranks get GPUs (``zeropp.experiments.launch.select_device``'s choice)."""
     if rc.launcher.device == "cpu" or rc.cluster.name == "emulated":
         return False
     import torch

@@ -35,6 +35,9 @@ on when the topology has ``tp > 1`` (``functional=None``) or when asked for (``f
 Without it functional collectives are not counted; with ``tp == 1`` that leaves out only FSDP2's
 gradient-norm all-reduce (``clip_grad_norm_`` on DTensor gradients, a few bytes per step): the
 zeropp engine, DDP and the rest of FSDP2 call ``torch.distributed``.
+
+What a call sends is read off its arguments in ``comm_sizes.py``; here the wrapping, the waits
+and the dispatch mode.
 """
 
 from __future__ import annotations
@@ -52,86 +55,9 @@ from torch.distributed import distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeropp.comm import CommSession, CommStats, Topology
-from zeropp.comm.stats import peer_bytes, record_sends
+from zeropp.comm.stats import record_sends
 
-_WRAPPED = (
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "_all_gather_base",
-    "all_gather",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "_reduce_scatter_base",
-    "reduce_scatter",
-    "all_reduce",
-    "all_to_all_single",
-    "all_to_all",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-)
-
-
-def _nbytes(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
-
-
-def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[i] if len(args) > i else default
-
-
-def _peer_bytes(name: str, args: tuple, kwargs: dict, ranks: list[int], me: int) -> list[int]:
-    """Bytes this rank sends to each group member (index = group rank) for one call: reads the
-    message sizes off the call's arguments; the per-collective rules are zeropp.comm.stats.peer_bytes."""
-    g = len(ranks)
-    if g <= 1:
-        return [0] * g
-    kind, nbytes, splits, root = _kind(name), 0, None, None
-    if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
-        nbytes = _nbytes(_arg(args, kwargs, 1, "input_tensor"))
-    elif name == "all_gather":
-        nbytes = _nbytes(_arg(args, kwargs, 1, "tensor"))
-    elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
-        nbytes = _nbytes(_arg(args, kwargs, 1, "input"))
-    elif name == "reduce_scatter":
-        splits = [_nbytes(t) for t in (_arg(args, kwargs, 1, "input_list") or [])]
-    elif name == "all_reduce":
-        nbytes = _nbytes(_arg(args, kwargs, 0, "tensor"))
-    elif name == "all_to_all_single":
-        inp = _arg(args, kwargs, 1, "input")
-        in_splits = _arg(args, kwargs, 3, "input_split_sizes")
-        nbytes = _nbytes(inp)
-        if in_splits:
-            per_row = nbytes // max(1, inp.shape[0]) if inp is not None and inp.dim() else 0
-            splits = [int(s) * per_row for s in in_splits]
-    elif name == "all_to_all":
-        splits = [_nbytes(t) for t in (_arg(args, kwargs, 1, "input_tensor_list") or [])]
-    elif name in ("broadcast", "scatter", "reduce", "gather"):
-        nbytes = _nbytes(_arg(args, kwargs, 0, "tensor"))
-        src = _arg(
-            args,
-            kwargs,
-            1 if name in ("broadcast", "reduce") else 2,
-            "dst" if name in ("reduce", "gather") else "src",
-            0,
-        )
-        if src not in ranks:
-            return [0] * g
-        root = ranks.index(src)
-    return peer_bytes(kind, nbytes, g, splits=splits, rank=me, root=root)
-
-
-def _kind(name: str) -> str:
-    return (
-        name.lstrip("_").replace("_into_tensor", "").replace("_base", "").replace("_tensor", "").replace("_single", "")
-    )
+from .comm_sizes import FUNCTIONAL_OPS, WRAPPED, call_peer_bytes, functional_rule, op_kind
 
 
 class CommWatch:
@@ -197,9 +123,9 @@ class CommWatch:
         me_global = dist.get_rank()
         if me_global not in ranks:
             return
-        kind = _kind(name)
+        kind = op_kind(name)
         record_sends(
-            self.stats, kind, self.topology, ranks, _peer_bytes(name, args, kwargs, ranks, ranks.index(me_global))
+            self.stats, kind, self.topology, ranks, call_peer_bytes(name, args, kwargs, ranks, ranks.index(me_global))
         )
         self.stats.count_call(kind)
 
@@ -280,7 +206,7 @@ class CommWatch:
     def __enter__(self) -> CommWatch:
         self.training_thread = threading.get_ident()  # only this thread's blocking counts as wait (set on entry)
         wrappers: dict[str, Callable] = {}
-        for name in _WRAPPED:
+        for name in WRAPPED:
             fn = getattr(c10d, name, None)
             if fn is None:
                 continue
@@ -321,56 +247,6 @@ class CommWatch:
         return b, w
 
 
-def _functional_rule(op: str, args: tuple, kwargs: dict) -> tuple[str, Callable[[int, int], list[int]]]:
-    """``(kind, per_peer)`` of one functional collective op (``op``: its name without namespace;
-    ``args`` in the op's schema order): ``per_peer(group size, my group rank)`` is what this rank
-    sends to each member, by the zeropp.comm.stats.peer_bytes rules. The input is a tensor, or a
-    tensor list for ``*_coalesced`` (the sum of the per-tensor amounts)."""
-    kind = _FUNCTIONAL_KINDS[op]
-    inp = args[0] if args else kwargs.get("input", kwargs.get("inputs"))
-    tensors = list(inp) if isinstance(inp, (list, tuple)) else [inp]
-    if op == "all_to_all_single":
-        t, in_splits = tensors[0], _arg(args, kwargs, 2, "input_split_sizes")
-        row = _nbytes(t) // max(1, t.shape[0]) if t.dim() else 0
-        splits = [int(x) * row for x in in_splits] if in_splits else None
-        return kind, lambda g, me: peer_bytes(kind, _nbytes(t), g, splits=splits, rank=me)
-    if kind == "broadcast":
-        src = int(_arg(args, kwargs, 1, "src"))  # a group rank
-        return kind, lambda g, me: peer_bytes(kind, _nbytes(tensors[0]), g, rank=me, root=src)
-
-    def per_peer(g: int, me: int) -> list[int]:
-        return [sum(col) for col in zip(*(peer_bytes(kind, _nbytes(t), g, rank=me) for t in tensors))]
-
-    return kind, per_peer
-
-
-_FUNCTIONAL_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_out": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
-    "shard_dim_alltoall": "all_to_all",
-}
-"""Functional collective op -> the kind it is counted as. ``shard_dim_alltoall`` (DTensor's
-shard-dim change on GPUs) sends each peer its chunk of the input: an all-to-all."""
-
-_FUNCTIONAL_OPS = {
-    "_c10d_functional": tuple(k for k in _FUNCTIONAL_KINDS if k != "shard_dim_alltoall"),
-    "_c10d_functional_autograd": ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"),
-    "_dtensor": ("shard_dim_alltoall",),
-}
-"""The ops counted, by ``torch.ops`` namespace (those a torch version lacks are skipped)."""
-
-
 class _FunctionalCollectives(TorchDispatchMode):
     """The dispatch mode of :class:`CommWatch` (module doc). Hand-written because torch's
     ``CommDebugMode`` counts calls per op but gives neither the bytes nor the group; like it,
@@ -385,7 +261,7 @@ class _FunctionalCollectives(TorchDispatchMode):
 
         self.watch, self._dtensor = watch, DTensor
         self._ops: dict[Any, tuple[str, int]] = {}  # op packet -> (name, index of group_name in its schema)
-        for ns, names in _FUNCTIONAL_OPS.items():
+        for ns, names in FUNCTIONAL_OPS.items():
             for name in names:
                 packet = getattr(getattr(torch.ops, ns), name, None)
                 if packet is not None:
@@ -406,7 +282,7 @@ class _FunctionalCollectives(TorchDispatchMode):
         if known is not None:
             name, gi = known
             try:
-                kind, per_peer = _functional_rule(name, args, kwargs)
+                kind, per_peer = functional_rule(name, args, kwargs)
                 self.watch.account_functional(kind, args[gi] if len(args) > gi else kwargs["group_name"], per_peer)
             except Exception as e:
                 self.watch.uncounted_call(name, e)

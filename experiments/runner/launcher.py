@@ -1,6 +1,6 @@
 """The runner's side of launching: placements of the ranks and the runner's one call.
 
-Ranks start through ``zeropp.launch.launch_world`` (torch's elastic multiprocessing, watched; see
+Ranks start through ``zeropp.experiments.launch.launch_world`` (torch's elastic multiprocessing, watched; see
 there). Here: the emulated cluster's placement (each rank behind ``ip netns exec <node ns>``, with
 its namespace's env), which device the ranks of a placement may use, and :func:`launch`, which
 writes the run's spec and starts ``python -m <pkg>.worker <spec.json>`` on every rank.
@@ -13,14 +13,13 @@ import json
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from zeropp.launch import LOCAL, ModuleEntry, Placement, PlacementError, RankFailure, in_torchrun, launch_world
-
-from .cluster import EmulatedCluster, NetnsError
+from ..cluster import EmulatedCluster, NetnsError
+from ..launch import LOCAL, ModuleEntry, Placement, PlacementError, RankFailure, in_torchrun, launch_world
 
 
 def worker_module(package: str | None) -> str:
-    """``experiments.worker`` when run from the repo root, ``zeropp.experiments.worker`` otherwise."""
-    return f"{package or 'zeropp.experiments'}.worker"
+    """``experiments.runner.worker`` when run from the repo root, ``zeropp.experiments.runner.worker`` otherwise."""
+    return f"{package or 'zeropp.experiments.runner'}.worker"
 
 
 def device_for_cluster(want: str, cluster: str) -> str:
@@ -100,7 +99,7 @@ def launch(
     """The runner's launch: write ``run_dir/ranks/spec.json``, run ``python -m <module> <spec.json>``
     on every rank inside the placement, and return the placement's ``info`` for the summary.
     ``heartbeat_s`` (``launcher.heartbeat_s``; 0: off) names and stops a silent rank (the worker
-    beats through ``zeropp.launch.heartbeat``)."""
+    beats through ``zeropp.experiments.launch.heartbeat``)."""
     spec_path = run_dir / "ranks" / "spec.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec, indent=1, default=str))

@@ -1,0 +1,13 @@
+"""The benchmarks: measurements printed as tables (and JSON), each a ``python -m`` entry point.
+
+``kernels`` (the quantization kernels' throughput; ``python -m experiments.bench_kernels``),
+``offload`` (the optimizer on host and nvme tiers; ``experiments.bench_offload``), ``fsdp``
+(FSDP2 against the ZeRO engine as runner jobs; ``experiments.bench_fsdp``), ``gpu`` (the GPU
+matrix; ``experiments.bench_gpu``), ``cluster`` (runner jobs on the emulated cluster beside the
+cost model's projection; ``experiments.bench_cluster``) and ``args`` (their shared argument
+checks). The module names drop the ``bench_`` prefix the room already says; the documented
+commands keep it through the aliases at the top of ``experiments/``.
+
+Benchmarks may import the runner, the projection, the cluster and the launcher; no room imports
+a benchmark.
+"""

@@ -1,0 +1,196 @@
+"""``python -m experiments.scaling``: the ZeRO++ paper's speedup table (ZeRO-3 against ZeRO++ on the
+paper's 18B GPT across cluster sizes and link rates), printed and plotted.
+
+:func:`paper_workload` is the paper's regime, :func:`speedup_table` the rows (any projector:
+``scaling.project`` serial, ``step_schedule.project_scheduled`` scheduled),
+:func:`format_table` / :func:`plot` their two views and :func:`main` the command (also
+``python -m experiments.step_schedule``'s, with the scheduled projector).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+from zeropp.comm.spec import RECIPES
+
+from .scaling import Projection, gpt_units, project
+from .spec import Cluster, Workload
+from .text_table import Column, number, text_table
+
+
+def paper_workload(*, tokens_per_gpu: int = 1024, achieved_tflops: float = 50.0) -> Workload:
+    """The ZeRO++ paper's regime: an 18B GPT (d 6144, 40 layers) in fp16 on V100s, a small batch
+    per GPU (where ZeRO-3 is communication bound), compute at ``achieved_tflops`` per GPU with
+    activation recomputation (8 flops per parameter per token)."""
+    units = gpt_units(vocab=50304, seq_len=2048, d_model=6144, n_layers=40, tie_embeddings=False)
+    n = sum(units)
+    return Workload(
+        units=units,
+        compute_s=8 * n * tokens_per_gpu / (achieved_tflops * 1e12),
+        tokens_per_rank=tokens_per_gpu,
+        stage=3,
+        flops_per_token=6.0 * n,
+    )
+
+
+ZEROPP: dict[str, Any] = {
+    "weights": RECIPES["zeropp"].weights,
+    "grads": RECIPES["zeropp"].grads,
+    "hpz": RECIPES["zeropp"].hpz,
+}
+"""The full ZeRO++ switches (the ``zeropp`` recipe: qwZ INT8, hpZ, qgZ INT4), for :meth:`Workload.with_zero`."""
+
+
+def speedup_table(
+    w: Workload,
+    *,
+    gbps: Iterable[float] = (100.0, 400.0),
+    ranks_per_node: int = 8,
+    max_ranks: int = 384,
+    nics_per_node: int | None = None,
+    projector: Callable[[Workload, Cluster], Projection] | None = None,
+) -> list[dict[str, float]]:
+    """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth, projected by
+    ``projector`` (default :func:`project`; ``step_schedule.project_scheduled`` for overlap)."""
+    projector = projector or project
+    rows = []
+    base = w.with_zero(weights=None, hpz=False, grads=None)
+    plus = w.with_zero(**ZEROPP)
+    node_counts = sorted(
+        {n for n in (1, 2, 4, 8, 16, 24, 32, 48) if n * ranks_per_node <= max_ranks} | {max_ranks // ranks_per_node}
+    )
+    for bw in gbps:
+        for n in node_counts:
+            c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw, nics_per_node=nics_per_node)
+            p0, p1 = projector(base, c), projector(plus, c)
+            rows.append(
+                {
+                    "gbps": bw,
+                    "nodes": n,
+                    "gpus": c.world,
+                    "zero3_step_s": p0.step_s,
+                    "zeropp_step_s": p1.step_s,
+                    "zero3_tflops": p0.tflops_per_rank,
+                    "zeropp_tflops": p1.tflops_per_rank,
+                    "speedup": p0.step_s / p1.step_s,
+                    "zero3_cross_gb": p0.node_cross_bytes / 1e9,
+                    "zeropp_cross_gb": p1.node_cross_bytes / 1e9,
+                }
+            )
+    return rows
+
+
+PROJECTION_COLUMNS = (
+    Column(title="NIC Gbps", width=8, cell=number("gbps", ".0f")),
+    Column(title="GPUs", width=5, cell=number("gpus", "d")),
+    Column(title="ZeRO-3 s", width=9, cell=number("zero3_step_s", ".2f")),
+    Column(title="ZeRO++ s", width=9, cell=number("zeropp_step_s", ".2f")),
+    Column(title="ZeRO-3 TF", width=9, cell=number("zero3_tflops", ".1f")),
+    Column(title="ZeRO++ TF", width=9, cell=number("zeropp_tflops", ".1f")),
+    Column(
+        title="x-node GB/node (3 -> ++)",
+        width=25,
+        cell=lambda r: f"{r['zero3_cross_gb']:.1f} -> {r['zeropp_cross_gb']:>8.1f}",
+    ),
+    Column(title="speedup", width=8, cell=number("speedup", ".2f", suffix="x")),
+)
+"""The columns of :func:`format_table` (the rows of :func:`speedup_table`)."""
+
+
+def format_table(rows: list[dict[str, float]]) -> str:
+    return text_table(PROJECTION_COLUMNS, rows)
+
+
+def plot(rows: list[dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, bw in enumerate(sorted({r["gbps"] for r in rows})):
+        rs = [r for r in rows if r["gbps"] == bw]
+        g = [r["gpus"] for r in rs]
+        color = f"C{i}"
+        ax1.plot(g, [r["zero3_tflops"] for r in rs], "o--", color=color, label=f"ZeRO-3 {bw:.0f} Gbps/NIC")
+        ax1.plot(g, [r["zeropp_tflops"] for r in rs], "s-", color=color, label=f"ZeRO++ {bw:.0f} Gbps/NIC")
+        ax2.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"{bw:.0f} Gbps/NIC")
+    ax1.set(xlabel="GPUs", ylabel="TFLOP/s per GPU", title="Projected throughput", xscale="log")
+    ax2.set(xlabel="GPUs", ylabel="ZeRO++ / ZeRO-3", title="Projected speedup", xscale="log")
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(
+    argv: list[str] | None = None,
+    *,
+    projector: Callable[[Workload, Cluster], Projection] | None = None,
+    prog: str = "python -m experiments.scaling",
+) -> None:
+    """The projection table and plot; ``projector`` as in :func:`speedup_table` (the scheduled
+    model's CLI, ``python -m experiments.step_schedule``, passes its own)."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument(
+        "--nics-per-node",
+        type=int,
+        default=None,
+        help="cross-node NICs per node, each shared by ranks-per-node/nics ranks (default: one per GPU)",
+    )
+    ap.add_argument("--max-gpus", type=int, default=384)
+    ap.add_argument("--tokens-per-gpu", type=int, default=1024)
+    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
+    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
+    ap.add_argument(
+        "--plot",
+        default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
+        help="where to save the plot ('' to skip)",
+    )
+    a = ap.parse_args(argv)
+    if projector is not None and a.overlap:
+        ap.error(
+            "--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "
+            "issue order (leave --overlap out, or use python -m experiments.scaling)"
+        )
+    w = dataclasses.replace(
+        paper_workload(tokens_per_gpu=a.tokens_per_gpu, achieved_tflops=a.tflops), overlap=a.overlap
+    )
+    nics = a.nics_per_node or a.ranks_per_node
+    print(
+        f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
+        f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node, "
+        f"{nics} NIC(s)/node of the given Gbps, each shared by {a.ranks_per_node // nics} GPU(s); "
+        f"quantization at {w.quant_gbs:g} GB/s; "
+        + (
+            "serial step (compute + communication)"
+            if projector is None
+            else "scheduled step (overlap as the engine issues)"
+        )
+    )
+    rows = speedup_table(
+        w,
+        gbps=a.gbps,
+        ranks_per_node=a.ranks_per_node,
+        max_ranks=a.max_gpus,
+        nics_per_node=a.nics_per_node,
+        projector=projector,
+    )
+    print(format_table(rows))
+    if a.plot:
+        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, a.plot)
+        print(f"plot: {a.plot}")
+
+
+if __name__ == "__main__":
+    main()

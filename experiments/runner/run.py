@@ -1,0 +1,352 @@
+"""``python -m experiments.run [overrides]``: the experiment runner (a thin Hydra app).
+
+Composes the config (the schema generated from the library's dataclasses, ``schema.py``, plus
+``conf/``), validates it into a :class:`config.RunConfig` before anything starts, then either
+launches one process per rank (``launcher.py``) or, under torchrun, runs this process as its rank
+(``worker.py``). Outputs land in Hydra's run directory: ``metrics.jsonl``, ``summary.json``,
+``ranks/``, ``checkpoints/`` and ``wandb/``. Benchmarks call :func:`run_job` with overrides.
+
+    python -m experiments.run stage=3 quant=int8
+    python -m experiments.run -m stage=0,1,2,3
+    python -m experiments.run sweep=trainers
+    torchrun --standalone --nproc-per-node 4 -m zeropp.experiments.run stage=3 quant=int8
+
+Exit status: 0 the run completed; 2 an invalid config (nothing started); 3 training diverged
+(a non-finite loss or gradient norm, or ``train.max_skipped_steps`` fp16 overflows in a row: every
+rank stopped at that step, ``summary.json`` says ``"status": "diverged"``, nothing of that step
+was saved); otherwise a rank's failure (its exit code, 1 for an error, 128+N for signal N).
+Under torchrun the nodes are torchrun's: ``topology.nodes`` / ``topology.ranks_per_node`` not given
+on the command line are its agents and ``--nproc-per-node`` (the last example runs 1 node x 4), and
+given ones must agree with them (:func:`validated`, :func:`check_launch`); the local launcher
+instead poses ``topology=NxR`` (default 2x2) on this one host.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from zeropp.comm.layout import LaunchLayout
+from zeropp.runtime.divergence import DivergenceError
+
+from . import schema
+from .config import ConfigError, RunConfig, from_omegaconf
+from .launcher import RankFailure, emulated_placement, in_torchrun, launch, local_placement, worker_module
+from .metrics import read_summary, write_summary
+from .overrides import check_overrides
+from .preflight import check_before_launch
+
+schema.register()
+
+
+def _run_dir_suffix(default: str) -> str:
+    """Hydra's run-dir leaf: the time, or under torchrun a name every rank of the job shares
+    (processes start seconds apart): the elastic run id, or for a static rendezvous (run id
+    ``none``) the rendezvous address. Pass ``hydra.run.dir`` to choose the directory yourself."""
+    if not in_torchrun():
+        return default
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"torchrun-{run_id}"
+    return f"torchrun-{os.environ['MASTER_ADDR']}-{os.environ['MASTER_PORT']}"
+
+
+if not OmegaConf.has_resolver("zeropp_run"):
+    OmegaConf.register_new_resolver("zeropp_run", _run_dir_suffix)
+
+
+def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
+    """Run directory, overrides, names of the chosen group options, multirun group."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get() if cfg is None else cfg.hydra
+    multirun = hc.mode == RunMode.MULTIRUN
+    return {
+        "run_dir": hc.runtime.output_dir,
+        "overrides": list(hc.overrides.task),
+        "name": hc.job.override_dirname or "defaults",
+        "group": "_".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,
+        "multirun": multirun,
+        "model_name": hc.runtime.choices.get("model") or "",
+    }
+
+
+LAYOUT_KEYS = {
+    "topology": ("nodes", "ranks_per_node"),
+    "topology.nodes": ("nodes",),
+    "topology.ranks_per_node": ("ranks_per_node",),
+}
+"""Overrides that declare the node layout (``topology=2x2`` both fields); under torchrun the fields
+not declared come from the launcher."""
+
+
+def declared_layout(overrides: list[str]) -> set[str]:
+    """Which of ``topology.nodes`` / ``topology.ranks_per_node`` the command line sets (Hydra's
+    ``key=value``, ``+key=value``, ``++key=value``); ``topology.tp`` alone declares neither."""
+    out: set[str] = set()
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        out.update(LAYOUT_KEYS.get(key, ()))
+    return out
+
+
+def _launch_layout(env: Mapping[str, str] | None) -> LaunchLayout | None:
+    """The layout torchrun started (``env``; None: this process's environment when it is a
+    torchrun rank, else no layout)."""
+    if env is None:
+        if not in_torchrun():
+            return None
+        env = os.environ
+    try:
+        return LaunchLayout.from_env(env)
+    except ValueError as e:
+        raise ConfigError(f"invalid launch: {e}") from None
+
+
+def validated(cfg: DictConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> RunConfig:
+    """The composed config validated into a RunConfig (``config.from_omegaconf``). Under torchrun
+    (``env``: its environment, None: this process's) the ``topology.nodes`` /
+    ``topology.ranks_per_node`` not on the command line are the launcher's nodes and local ranks,
+    so every setting is checked against the topology that will run."""
+    layout = _launch_layout(env)
+    fill = (
+        {}
+        if layout is None
+        else {k: getattr(layout, k) for k in ("nodes", "ranks_per_node") if k not in declared_layout(overrides)}
+    )
+    if fill:
+        cfg = copy.deepcopy(cfg)
+        for k, v in fill.items():
+            OmegaConf.update(cfg, f"topology.{k}", v)
+    try:
+        return from_omegaconf(cfg)
+    except ConfigError as e:
+        if not fill:
+            raise
+        assert layout is not None
+        raise ConfigError(
+            f"{e} (with {' '.join(f'topology.{k}={v}' for k, v in fill.items())} from the layout "
+            f"torchrun started: {layout.describe()})"
+        ) from None
+
+
+def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Under torchrun, before this rank joins anything: the run's topology must be the layout
+    torchrun started (ranks numbered node by node, checked by ``LaunchLayout.from_env``); a
+    declared one that contradicts it is a ConfigError naming both and the fix, raised on every rank
+    alike. Returns what the summary records about the launch."""
+    t = rc.topology
+    layout = _launch_layout(env)
+    if layout is None:  # a launcher that names no node layout: only the world size can be checked
+        launched = int((os.environ if env is None else env)["WORLD_SIZE"])
+        if launched != rc.world_size:
+            raise ConfigError(
+                f"invalid config: torchrun started {launched} ranks but topology.nodes x "
+                f"topology.ranks_per_node = {t.nodes} x {t.ranks_per_node} = {rc.world_size}; pass "
+                "topology.nodes=<nodes> topology.ranks_per_node=<ranks per node> multiplying to "
+                f"{launched}"
+            )
+        return {"cluster": "torchrun"}
+    declared = declared_layout(overrides)
+    try:
+        layout.check(t)
+    except ValueError as e:
+        drop = " ".join(f"topology.{k}" for k in sorted(declared)) or "topology.*"
+        raise ConfigError(
+            f"invalid config: {e}; drop {drop} (the launcher's layout is the default) or pass "
+            f"topology.nodes={layout.nodes} topology.ranks_per_node={layout.ranks_per_node}. To pose as several nodes "
+            "on one host, launch without torchrun: python -m experiments.run topology=<nodes>x<ranks per node>"
+        ) from None
+    return {
+        "cluster": "torchrun",
+        "nodes": layout.nodes,
+        "ranks_per_node": layout.ranks_per_node,
+        "declared": sorted(f"topology.{k}" for k in declared),
+    }
+
+
+def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
+    """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
+    run_dir = Path(info["run_dir"])
+    rc.check_resume(run_dir)
+    check_before_launch(rc, run_dir, local=not in_torchrun())  # corpus, checkpoint dir, ranks and memory here
+    if in_torchrun():
+        from .worker import run_rank
+
+        if rc.cluster.name == "emulated":
+            raise ConfigError(
+                "invalid config: cluster=emulated under torchrun; the emulator starts its ranks itself "
+                "inside network namespaces: run `python -m experiments.run cluster=emulated ...` "
+                "without torchrun"
+            )
+        placed = check_launch(rc, info["overrides"])  # before this rank joins anything, on every rank
+        summary = run_rank(_spec(rc, info))
+        if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
+            summary["placement"] = placed
+            write_summary(run_dir / "summary.json", summary)
+        return summary
+    spec = _spec(rc, info)
+    label = spec["label"]
+    t = rc.topology
+    placement = (
+        emulated_placement(
+            t.world_size,
+            t.ranks_per_node,
+            rc.cluster.inter_gbps,
+            rc.cluster.inter_latency_ms,
+            device=rc.launcher.device,
+        )
+        if rc.cluster.name == "emulated"
+        else local_placement(t.world_size)
+    )
+    print(f"zeropp: {label} -> {run_dir}", file=sys.stderr, flush=True)
+    started = time.time_ns()
+    try:
+        placed = launch(
+            module=worker_module(__package__),
+            spec=spec,
+            run_dir=run_dir,
+            world_size=t.world_size,
+            ranks_per_node=t.ranks_per_node,
+            placement_cm=placement,
+            timeout_s=rc.launcher.timeout_s,
+            grace_s=rc.launcher.grace_s,
+            heartbeat_s=rc.launcher.heartbeat_s,
+        )
+    except RankFailure:
+        diverged = recorded_divergence(run_dir / "summary.json", started)
+        if diverged is None:
+            raise
+        raise diverged from None  # every rank stopped on purpose: rank 0's message, not the first exit seen
+    summary = read_summary(run_dir / "summary.json")
+    summary["placement"] = placed  # e.g. the emulated links' configured and measured rates
+    write_summary(run_dir / "summary.json", summary)
+    return summary
+
+
+class RunDiverged(RankFailure):
+    """A launched run stopped because training diverged: every rank agreed and stopped at the same
+    step (``zeropp.runtime.divergence``). The message is rank 0's, ``exit_code`` is
+    ``DivergenceError.exit_code`` (3) and ``divergence`` the error itself (step, loss, norm). A
+    :class:`RankFailure`, so a sweep that records failed runs records this one too."""
+
+    def __init__(self, divergence: DivergenceError) -> None:
+        super().__init__(str(divergence), rank=0, exit_code=divergence.exit_code)
+        self.divergence = divergence
+
+
+def recorded_divergence(path: Path, since_ns: int) -> RunDiverged | None:
+    """The divergence rank 0 recorded in ``path`` if this launch (started at ``since_ns``) wrote
+    it with ``"status": "diverged"``; None otherwise (no summary, an older run's, or another outcome)."""
+    try:
+        if path.stat().st_mtime_ns < since_ns:
+            return None
+        summary = read_summary(path)
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "diverged" or not isinstance(summary.get("divergence"), dict):
+        return None
+    return RunDiverged(DivergenceError.from_record(summary["divergence"]))
+
+
+def _spec(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """What every rank is given: the validated config and where and under what name it runs."""
+    return {
+        "config": rc.to_dict(),
+        "run_dir": info["run_dir"],
+        "name": info["name"],
+        "group": info["group"],
+        "overrides": info["overrides"],
+        "label": rc.describe(info["model_name"]),
+        "model_name": info["model_name"],
+    }
+
+
+def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
+    """Compose ``overrides`` like the command line, run the job into ``run_dir``, return its
+    summary. For benchmarks and tests that run several jobs from Python; raises ConfigError or
+    RankFailure (:class:`RunDiverged` for a diverged run) as the command would."""
+    from hydra import compose, initialize_config_module
+
+    check_overrides(overrides)
+    with initialize_config_module("zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    info = {
+        "run_dir": str(run_dir),
+        "overrides": list(overrides),
+        "name": ",".join(overrides) or "defaults",
+        "group": None,
+        "multirun": False,
+        "model_name": cfg.hydra.runtime.choices.get("model") or "",
+    }
+    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    summary = execute(rc, info)
+    assert summary is not None
+    return summary
+
+
+FAILED_FILE = "failed.json"
+"""Written into a multirun job's directory when that job fails (its overrides and the error)."""
+
+_failed: list[dict[str, Any]] = []  # this process's failed multirun jobs (Hydra runs them in-process, in order)
+
+
+def _record_failure(info: dict[str, Any], error: str, exit_code: int) -> None:
+    """In a multirun, keep going: note the failed job in its directory and for the final message."""
+    job = {"run_dir": info["run_dir"], "overrides": info["overrides"], "error": error, "exit_code": exit_code}
+    Path(info["run_dir"]).mkdir(parents=True, exist_ok=True)
+    (Path(info["run_dir"]) / FAILED_FILE).write_text(json.dumps(job, indent=1) + "\n")
+    _failed.append(job)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    info = _hydra_info()
+    try:
+        summary = execute(validated(cfg, info["overrides"]), info)
+    except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
+        code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1
+        if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
+        if in_torchrun() or not info["multirun"]:
+            sys.exit(code)
+        _record_failure(info, str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
+        return None
+    return None if summary is None else float(summary["tokens_per_s"])
+
+
+@record  # under torchrun: a rank's exception goes to torch's error file
+def cli() -> None:
+    if in_torchrun() and any(a in ("-m", "--multirun") or a.startswith("sweep=") for a in sys.argv[1:]):
+        print(
+            "error: multirun/sweeps under torchrun are not supported (every job would re-join the same "
+            "rendezvous); run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+    if _failed:
+        print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)
+        for job in _failed:
+            print(f"  {job['run_dir']}: {' '.join(job['overrides'])}: {job['error'].splitlines()[0]}", file=sys.stderr)
+        sys.exit(max(j["exit_code"] for j in _failed))
+
+
+if __name__ == "__main__":
+    cli()
