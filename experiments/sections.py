@@ -16,11 +16,12 @@ from typing import Any
 
 from zeropp.comm.choices import StrChoice
 
+from .trainer_registry import TRAINER_SPECS
+
 __all__ = [
     "MAX_SECONDS",
     "MIN_CORPUS_BYTES",
     "SEED_LIMIT",
-    "TRAINERS",
     "ClusterConfig",
     "ClusterName",
     "ConfigError",
@@ -34,22 +35,11 @@ __all__ = [
     "LoggerName",
     "TrainConfig",
     "TrainerConfig",
-    "TrainerName",
     "check",
     "choice",
     "pos_int",
     "unused",
 ]
-
-
-class TrainerName(StrChoice):
-    """``trainer=``: which training stack runs the model."""
-
-    zeropp = "zeropp"
-    fsdp2 = "fsdp2"
-    fsdp2_zeropp = "fsdp2_zeropp"
-    ddp = "ddp"
-    ddp_zeropp = "ddp_zeropp"
 
 
 class DataKind(StrChoice):
@@ -94,9 +84,6 @@ class LauncherDevice(StrChoice):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-TRAINERS = TrainerName.values()
 
 
 class ConfigError(ValueError):
@@ -206,12 +193,13 @@ class DataConfig:
 class TrainerConfig:
     """Which training stack runs the model."""
 
-    name: TrainerName = TrainerName.zeropp
-    """zeropp (ZeroEngine), fsdp2, fsdp2_zeropp (FSDP2 + zeropp collectives), ddp, ddp_zeropp
-    (DDP + zeropp's quantized all-reduce hook)."""
+    name: str = "zeropp"
+    """A registered trainer (``trainer_registry.TRAINER_SPECS``): zeropp (ZeroEngine), fsdp2,
+    fsdp2_zeropp (FSDP2 + zeropp collectives), ddp, ddp_zeropp (DDP + zeropp's quantized
+    all-reduce hook), or one added with ``register_trainer``."""
 
     def __post_init__(self) -> None:
-        choice(self, "name", TrainerName, "trainer")
+        check(isinstance(self.name, str) and self.name in TRAINER_SPECS, "trainer", self.name, ", ".join(TRAINER_SPECS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

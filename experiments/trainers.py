@@ -6,8 +6,9 @@ group, FSDP2's own form of hpZ); ``fsdp2_zeropp`` the same with zeropp's collect
 (``zero.weights`` / ``zero.grads``); ``ddp`` is DistributedDataParallel, ``ddp_zeropp`` DDP with
 zeropp's quantized gradient all-reduce hook (``zero.grads``). All of them read the same settings
 (``zero.precision``, ``zero.grad_accum_steps``, ``zero.grad_clip``, the ``optim`` section with its
-LR schedule), so the runner measures them on equal terms; ``config.HONORED`` refuses settings a
-trainer would not use. Checkpoints go through ``torch.distributed.checkpoint`` everywhere.
+LR schedule), so the runner measures them on equal terms; each trainer's
+``trainer_registry.TrainerSpec`` names its builder here and the settings it honours (the config
+refuses the others). Checkpoints go through ``torch.distributed.checkpoint`` everywhere.
 
 ``train.activation_checkpointing`` is honoured by every trainer, the same way: torch's
 non-reentrant ``torch.utils.checkpoint`` around each of the GPT's blocks
@@ -31,7 +32,6 @@ import dataclasses
 import math
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from zeropp.comm.backend import backend_all_reduce
 from zeropp.runtime import ZeroConfig
 
 from .config import RunConfig
+from .trainer_registry import TRAINER_SPECS, resolve_builder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,16 +66,55 @@ class StepOut:
 
 
 class Trainer(Protocol):
-    """What the runner needs from a training stack."""
+    """What the runner needs from a training stack: everything the worker calls is here."""
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut: ...
-    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float: ...
-    def memory_report(self) -> dict[str, int]: ...
-    def comm_stats(self) -> dict[str, int] | None: ...
-    def comm_session(self) -> Any: ...
-    def save(self, path: Path, extra: dict[str, Any], keep: int) -> None: ...
-    def load(self, path: Path) -> dict[str, Any]: ...
-    def close(self) -> None: ...
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:
+        """One optimizer step over this rank's micro-batches (``zero.grad_accum_steps`` of them)."""
+        ...
+
+    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        """Collective: the held-out loss of one batch, the mean over ranks."""
+        ...
+
+    def memory_report(self) -> dict[str, int]:
+        """Model-state bytes this rank holds (``params``, ``grads``, ``optimizer``, ``total``, ...)."""
+        ...
+
+    def memory_phases(self) -> dict[str, Any]:
+        """Phase name -> this rank's ``zeropp.runtime.memory.MemorySnapshot`` (per tier): the
+        engine's own per-phase snapshots, or at least the state after model creation and at the
+        end of the last step."""
+        ...
+
+    def frozen_bytes(self) -> int:
+        """Bytes of frozen (not trained) weight shards this rank stores apart from the trained
+        state (the engine's stage-3 frozen units); 0 when it keeps none."""
+        ...
+
+    def trained_params(self) -> int | None:
+        """Parameters the optimizer updates, when the trainer counts them itself (the expected
+        model-state memory then uses this instead of the model's size); None otherwise."""
+        ...
+
+    def comm_stats(self) -> dict[str, int] | None:
+        """Bytes its own collectives moved so far, ``{"<kind>.<link>": bytes}``; None: not counted."""
+        ...
+
+    def comm_session(self) -> Any:
+        """Its ``zeropp.comm.CommSession`` (CommWatch times the waits through it), or None."""
+        ...
+
+    def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
+        """Collective: a new checkpoint version under ``path`` holding ``extra``; ``keep`` newest kept."""
+        ...
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Collective: load the newest checkpoint under ``path``; returns the ``extra`` saved with it."""
+        ...
+
+    def close(self) -> None:
+        """Release what it holds (threads, swap files); the process group stays up."""
+        ...
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> nn.Module:
@@ -151,6 +191,21 @@ class ZeroTrainer:
     def memory_report(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.engine.memory_report().items()}
 
+    def memory_phases(self) -> dict[str, Any]:
+        """The engine's own per-phase, per-tier snapshots."""
+        return dict(self.engine.memory_phases())
+
+    def frozen_bytes(self) -> int:
+        """Bytes of the stage-3 frozen shards (quantized with ``zero.quantize_frozen``)."""
+        if not self.engine.frozen_units:
+            return 0
+        from zeropp.runtime.frozen import frozen_bytes
+
+        return frozen_bytes(self.engine.frozen)
+
+    def trained_params(self) -> int | None:
+        return int(self.engine.num_params)
+
     def comm_stats(self) -> dict[str, int] | None:
         return _stats_dict(self.engine.comm_stats)
 
@@ -191,6 +246,10 @@ class TorchTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, o.lr_factor)
         self._origin: Any = None
         """The checkpoint (``checkpoint_io.Origin``) this state was last saved to or loaded from."""
+        from zeropp.runtime import memory as mem
+
+        self._created = mem.flat_snapshot("model_creation", self.memory_report(), self._device())
+        """Model-state memory once built (the first of :meth:`memory_phases`)."""
 
     def _forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from zeropp.runtime.batch import call_model, loss_of
@@ -248,6 +307,22 @@ class TorchTrainer:
         grads = _bytes(p.grad for p in self.model.parameters() if p.grad is not None)
         optim = _bytes(v for s in self.opt.state.values() for v in s.values())
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+    def memory_phases(self) -> dict[str, Any]:
+        """No per-phase accounting here: the flat report after model creation and after the last
+        step, all on the device."""
+        from zeropp.runtime import memory as mem
+
+        return {
+            "model_creation": self._created,
+            "step": mem.flat_snapshot("step", self.memory_report(), self._device()),
+        }
+
+    def frozen_bytes(self) -> int:
+        return 0
+
+    def trained_params(self) -> int | None:
+        return None
 
     def comm_stats(self) -> dict[str, int] | None:
         return _stats_dict(self.stats)
@@ -464,15 +539,28 @@ def _ddp(cfg: RunConfig, device: torch.device, zeropp_hook: bool) -> TorchTraine
     )
 
 
-BUILDERS: dict[str, Callable[[RunConfig, torch.device], Trainer]] = {
-    "zeropp": lambda c, d: ZeroTrainer(c, d),
-    "fsdp2": lambda c, d: _fsdp2(c, d, False),
-    "fsdp2_zeropp": lambda c, d: _fsdp2(c, d, True),
-    "ddp": lambda c, d: _ddp(c, d, False),
-    "ddp_zeropp": lambda c, d: _ddp(c, d, True),
-}
+def build_fsdp2(cfg: RunConfig, device: torch.device) -> TorchTrainer:
+    """``trainer=fsdp2``: stock FSDP2."""
+    return _fsdp2(cfg, device, False)
+
+
+def build_fsdp2_zeropp(cfg: RunConfig, device: torch.device) -> TorchTrainer:
+    """``trainer=fsdp2_zeropp``: FSDP2 with zeropp's collectives."""
+    return _fsdp2(cfg, device, True)
+
+
+def build_ddp(cfg: RunConfig, device: torch.device) -> TorchTrainer:
+    """``trainer=ddp``: stock DDP."""
+    return _ddp(cfg, device, False)
+
+
+def build_ddp_zeropp(cfg: RunConfig, device: torch.device) -> TorchTrainer:
+    """``trainer=ddp_zeropp``: DDP with zeropp's quantized all-reduce hook."""
+    return _ddp(cfg, device, True)
 
 
 def build_trainer(cfg: RunConfig, device: torch.device) -> Trainer:
-    """The trainer named by ``cfg.trainer.name`` (after ``dist.init_process_group``)."""
-    return BUILDERS[cfg.trainer.name](cfg, device)
+    """The trainer named by ``cfg.trainer.name``, built by its registered spec's builder (after
+    ``dist.init_process_group``)."""
+    trainer: Trainer = resolve_builder(TRAINER_SPECS[cfg.trainer.name])(cfg, device)
+    return trainer
