@@ -214,7 +214,7 @@ def _check_capabilities(rc: RunConfig, spec: TrainerSpec) -> None:
             f"{', '.join(spec.precisions)} (zero.precision={z.precision} is implemented by "
             f"{_trainers_that(lambda s: z.precision in s.precisions)})"
         )
-    if spec.needs_any_of and all(getattr(z, k) is None for k in spec.needs_any_of):
+    if spec.needs_any_of and all(getattr(z, k.removeprefix("zero.")) is None for k in spec.needs_any_of):
         raise ConfigError(f"invalid config: {spec.needs_message}")
     if rc.topology.tp > 1 and not spec.tensor_parallel:
         raise ConfigError(

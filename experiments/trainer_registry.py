@@ -40,8 +40,6 @@ class TrainerSpec:
     """``"<module>:<callable>"``: ``callable(cfg: RunConfig, device: torch.device) -> Trainer``,
     called after the process group is up. A module starting with ``.`` is relative to this
     package (``".trainers:ZeroTrainer"``)."""
-    summary: str
-    """One line for listings: what training stack this is."""
     honours: frozenset[str] | None = None
     """The ``zero.*`` keys it reads (``"stage"`` for the top-level stage key); None: every one.
     Setting any other ``zero.*`` key away from its default is a config error naming this trainer.
@@ -56,7 +54,7 @@ class TrainerSpec:
     checkpoint: bool = True
     """Whether it saves and resumes checkpoints (``train.checkpoint_every``, ``resume=true``)."""
     needs_any_of: tuple[str, ...] = ()
-    """``zero.*`` fields of which at least one must be set (not None): a trainer whose point is a
+    """``zero.*`` keys of which at least one must be set (not None): a trainer whose point is a
     quantized collective. Empty: no such need."""
     needs_message: str = ""
     """The error when none of ``needs_any_of`` is set: what is missing and what to choose."""
@@ -81,6 +79,8 @@ class TrainerSpec:
         bad_prec = [p for p in self.precisions if p not in PRECISIONS]
         if not self.precisions or bad_prec:
             raise ValueError(f"TrainerSpec.precisions={self.precisions!r}: allowed values {PRECISIONS}")
+        if any(not k.startswith("zero.") for k in self.needs_any_of):
+            raise ValueError(f"TrainerSpec.needs_any_of={self.needs_any_of!r}: zero.* keys only")
         if bool(self.needs_any_of) != bool(self.needs_message):
             raise ValueError("TrainerSpec.needs_any_of and needs_message go together")
 
@@ -117,55 +117,55 @@ def resolve_builder(spec: TrainerSpec) -> Callable[..., Any]:
 
 _COMMON = frozenset({"zero.precision", "zero.grad_accum_steps", "zero.grad_clip"})
 
+# zeropp's ZeroEngine: stages 0-3 with qwZ / hpZ / qgZ, offload, tensor parallelism, fp16 loss scaling
 register_trainer(
     TrainerSpec(
         name="zeropp",
         builder=".trainers:ZeroTrainer",
-        summary="zeropp's ZeroEngine: stages 0-3 with qwZ / hpZ / qgZ, offload, tensor parallelism",
         honours=None,
         precisions=("fp32", "bf16", "fp16"),
         tensor_parallel=True,
         sweep_quant="w8g4",
     )
 )
+# PyTorch FSDP2: fully_shard on every block and the root; zero.hpz = reshard_after_forward to the hpZ group
 register_trainer(
     TrainerSpec(
         name="fsdp2",
-        builder=".trainers:build_fsdp2",
-        summary="PyTorch FSDP2 (fully_shard on every block and the root); zero.hpz = reshard to the hpZ group",
+        builder=".torch_trainers:build_fsdp2",
         honours=_COMMON | {"zero.hpz", "zero.hpz_size"},
         stage_note="FSDP2 is always ZeRO-3",
     )
 )
+# FSDP2 with zeropp's quantized collectives plugged in (zero.weights / zero.grads)
 register_trainer(
     TrainerSpec(
         name="fsdp2_zeropp",
-        builder=".trainers:build_fsdp2_zeropp",
-        summary="FSDP2 with zeropp's quantized collectives plugged in (zero.weights / zero.grads)",
+        builder=".torch_trainers:build_fsdp2_zeropp",
         honours=_COMMON | {"zero.hpz", "zero.hpz_size", "zero.weights", "zero.grads"},
         stage_note="FSDP2 is always ZeRO-3",
-        needs_any_of=("weights", "grads"),
+        needs_any_of=("zero.weights", "zero.grads"),
         needs_message="trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, w8g4, ... or trainer=fsdp2",
         sweep_quant="w8g4",
     )
 )
+# PyTorch DistributedDataParallel; zero.reduce_bucket_size caps its buckets
 register_trainer(
     TrainerSpec(
         name="ddp",
-        builder=".trainers:build_ddp",
-        summary="PyTorch DistributedDataParallel; zero.reduce_bucket_size caps its buckets",
+        builder=".torch_trainers:build_ddp",
         honours=_COMMON | {"zero.reduce_bucket_size"},
         stage_note="DDP replicates everything",
     )
 )
+# DDP with zeropp's quantized gradient all-reduce hook (zero.grads)
 register_trainer(
     TrainerSpec(
         name="ddp_zeropp",
-        builder=".trainers:build_ddp_zeropp",
-        summary="DDP with zeropp's quantized gradient all-reduce hook (zero.grads)",
+        builder=".torch_trainers:build_ddp_zeropp",
         honours=_COMMON | {"zero.reduce_bucket_size", "zero.grads"},
         stage_note="DDP replicates everything",
-        needs_any_of=("grads",),
+        needs_any_of=("zero.grads",),
         needs_message=(
             "trainer=ddp_zeropp needs zero.grads (its hook quantizes the gradient all-reduce); e.g. quant=qgz"
         ),

@@ -24,7 +24,6 @@ from zeropp.runtime import memory as mem
 TOY_SPEC = TrainerSpec(
     name="toy",
     builder="tests.toy_trainer:ToyTrainer",
-    summary="plain SGD, replicated (tests only)",
     honours=frozenset({"zero.precision", "zero.grad_accum_steps"}),
     stage_note="the toy replicates everything",
     precisions=("fp32",),

@@ -17,7 +17,8 @@ import torch
 
 from zeropp.experiments.config import from_dict
 from zeropp.experiments.run import recorded_divergence
-from zeropp.experiments.trainers import TorchTrainer, build_model
+from zeropp.experiments.torch_trainers import TorchTrainer
+from zeropp.experiments.trainers import build_model
 from zeropp.launch import RankFailure
 from zeropp.runtime.divergence import EXIT_CODE
 

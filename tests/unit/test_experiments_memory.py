@@ -52,7 +52,8 @@ def test_trainers_without_phases_get_flat_snapshots():
     model-state report after model creation (parameters only) and at the end of the last step
     (parameters, gradients, AdamW's two moments), all on the device."""
     from zeropp.experiments.config import from_dict
-    from zeropp.experiments.trainers import TorchTrainer, build_model
+    from zeropp.experiments.torch_trainers import TorchTrainer
+    from zeropp.experiments.trainers import build_model
 
     cfg = from_dict(
         {

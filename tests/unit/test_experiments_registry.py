@@ -47,6 +47,8 @@ def test_every_honoured_key_is_a_key_of_the_schema() -> None:
     for spec in TRAINER_SPECS.values():
         for key in spec.honours or ():
             assert key == "stage" or key.removeprefix("zero.") in zero_keys, (spec.name, key)
+        for key in spec.needs_any_of:
+            assert key.removeprefix("zero.") in zero_keys and spec.honours_key(key), (spec.name, key)
 
 
 def test_the_built_in_trainers_are_registered_and_their_builders_resolve() -> None:
@@ -119,14 +121,15 @@ def test_build_trainer_calls_the_registered_builder(toy: TrainerSpec) -> None:
 def test_registering_twice_or_a_malformed_spec_is_refused(toy: TrainerSpec) -> None:
     with pytest.raises(ValueError, match="'toy' is registered already"):
         register_trainer(TOY_SPEC)
-    base = dict(name="x", builder="m:f", summary="s", stage_note="n")
+    base = dict(name="x", builder="m:f", stage_note="n")
     bad = [
         ({"name": "no-dash"}, "Python identifier"),
         ({"builder": "module_only"}, "'<module>:<callable>'"),
         ({"honours": frozenset({"train.steps"})}, "not zero.* keys"),
         ({"honours": frozenset({"zero.grad_clip"}), "stage_note": ""}, "stage_note"),
         ({"precisions": ("fp8",)}, "precisions"),
-        ({"needs_any_of": ("grads",)}, "go together"),
+        ({"needs_any_of": ("zero.grads",)}, "go together"),
+        ({"needs_any_of": ("grads",), "needs_message": "m"}, "zero.* keys only"),
     ]
     for change, words in bad:
         with pytest.raises(ValueError, match=words.replace("*", r"\*")):
