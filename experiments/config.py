@@ -14,10 +14,11 @@ generates the Hydra schema from all of them.
 :func:`from_dict` builds a :class:`RunConfig` from the composed config; every library
 ``__post_init__`` runs there, before any rank starts, and its objection comes back as a
 :class:`ConfigError` naming the key (``zero.grads.bits=3: ...``). Settings that the chosen trainer
-would not use are refused too (the trainer's ``trainer_registry.TrainerSpec``), as are data, logger and cluster keys that the
-chosen data source, logger or cluster would not read: nothing is silently ignored. Every float
-setting of every section must be finite (:func:`_check_finite`). What needs this host (the corpus
-file, the checkpoint directory, the rank count and memory) is checked by ``preflight.py``.
+would not use, or capabilities it lacks, are refused too (its ``trainer_registry.TrainerSpec``
+says which), as are data, logger and cluster keys that the chosen data source, logger or cluster
+would not read: nothing is silently ignored. Every float setting of every section must be finite
+(:func:`_check_finite`). What needs this host (the corpus file, the checkpoint directory, the rank
+count and memory) is checked by ``preflight.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -199,7 +201,7 @@ class RunConfig:
         return f"{head} {model_name or shape}{prec} {t.nodes}x{t.ranks_per_node}"
 
 
-def _trainers_that(ok: Any) -> str:
+def _trainers_that(ok: Callable[[TrainerSpec], bool]) -> str:
     """``trainer=a / trainer=b``: the registered trainers for which ``ok(spec)`` holds."""
     return " / ".join(f"trainer={n}" for n, s in TRAINER_SPECS.items() if ok(s)) or "no registered trainer"
 
