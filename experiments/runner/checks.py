@@ -1,6 +1,6 @@
 """The harness's named choices and the checks every config section uses.
 
-The ``StrChoice`` enums of the harness's option names (:class:`TrainerName`, :class:`DataKind`,
+The ``StrChoice`` enums of the harness's option names (:class:`DataKind`,
 :class:`LoggerName`, ...: the same kind of choice the library declares in ``zeropp.comm.choices``),
 :class:`ConfigError`, and the checks that word every config error the same way: :func:`check`,
 :func:`choice`, :func:`pos_int`, :func:`unused` (a key the chosen option does not read must stay
@@ -13,16 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from zeropp.comm.choices import StrChoice
-
-
-class TrainerName(StrChoice):
-    """``trainer=``: which training stack runs the model."""
-
-    zeropp = "zeropp"
-    fsdp2 = "fsdp2"
-    fsdp2_zeropp = "fsdp2_zeropp"
-    ddp = "ddp"
-    ddp_zeropp = "ddp_zeropp"
 
 
 class DataKind(StrChoice):
@@ -67,9 +57,6 @@ class LauncherDevice(StrChoice):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-TRAINERS = TrainerName.values()
 
 
 class ConfigError(ValueError):

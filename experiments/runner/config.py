@@ -14,10 +14,11 @@ generates the Hydra schema from all of them.
 :func:`from_dict` builds a :class:`RunConfig` from the composed config; every library
 ``__post_init__`` runs there, before any rank starts, and its objection comes back as a
 :class:`ConfigError` naming the key (``zero.grads.bits=3: ...``). Settings that the chosen trainer
-would not use are refused too (:data:`HONORED`), as are data, logger and cluster keys that the
-chosen data source, logger or cluster would not read: nothing is silently ignored. Every float
-setting of every section must be finite (:func:`_check_finite`). What needs this host (the corpus
-file, the checkpoint directory, the rank count and memory) is checked by ``preflight.py``.
+would not use, or capabilities it lacks, are refused too (its ``trainer_registry.TrainerSpec``
+says which), as are data, logger and cluster keys that the chosen data source, logger or cluster
+would not read: nothing is silently ignored. Every float setting of every section must be finite
+(:func:`_check_finite`). What needs this host (the corpus file, the checkpoint directory, the rank
+count and memory) is checked by ``preflight.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,20 +36,19 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
-from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, TRAINERS, ConfigError, check
+from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check
 from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
+from .trainer_registry import TRAINER_SPECS, TrainerSpec
 
 __all__ = [
     "CONF_DIR",
     "EXCLUDED",
-    "HONORED",
     "MAX_SECONDS",
     "MIN_CORPUS_BYTES",
     "MODEL_KINDS",
     "SECTION_CLASSES",
     "SEED_LIMIT",
     "TOP_LEVEL_FROM",
-    "TRAINERS",
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
@@ -93,16 +94,6 @@ EXCLUDED: dict[str, tuple[str, ...]] = {"zero": ("stage",), "topology": ("hpz_si
 TOP_LEVEL_FROM: dict[str, tuple[str, str]] = {"stage": ("zero", "stage")}
 """Top-level keys that land in a section."""
 
-_COMMON = {"precision", "grad_accum_steps", "grad_clip"}
-HONORED: dict[str, set[str] | None] = {
-    "zeropp": None,  # everything
-    "fsdp2": _COMMON | {"hpz", "hpz_size"},  # hpZ = reshard_after_forward to the hpZ group
-    "fsdp2_zeropp": _COMMON | {"hpz", "hpz_size", "weights", "grads"},
-    "ddp": _COMMON | {"reduce_bucket_size"},  # DDP's bucket_cap_mb
-    "ddp_zeropp": _COMMON | {"reduce_bucket_size", "grads"},
-}
-"""``zero.*`` fields each trainer uses; setting another one away from its default is an error."""
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -122,27 +113,14 @@ class RunConfig:
     """Continue from the latest checkpoint in ``train.checkpoint_dir`` (or the run directory's)."""
 
     def __post_init__(self) -> None:
-        _check_trainer_keys(self)
+        spec = TRAINER_SPECS[self.trainer.name]  # TrainerConfig checked the name
+        _check_trainer_keys(self, spec)
         t = self.topology
         try:
             validate_against_topology(self.zero, t.world_size, t.nodes, t.ranks_per_node)
         except ValueError as e:
             raise ConfigError(f"invalid config (zero.* against topology.*): {e}") from None
-        if self.zero.precision == "fp16" and self.trainer.name != "zeropp":
-            raise ConfigError(
-                f"invalid config: zero.precision=fp16 with trainer={self.trainer.name}; allowed: "
-                "fp32, bf16 (fp16 loss scaling is implemented by trainer=zeropp)"
-            )
-        if self.trainer.name == "ddp_zeropp" and self.zero.grads is None:
-            raise ConfigError(
-                "invalid config: trainer=ddp_zeropp needs zero.grads (its hook quantizes the "
-                "gradient all-reduce); e.g. quant=qgz"
-            )
-        if self.trainer.name == "fsdp2_zeropp" and self.zero.weights is None and self.zero.grads is None:
-            raise ConfigError(
-                "invalid config: trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, "
-                "w8g4, ... or trainer=fsdp2"
-            )
+        _check_capabilities(self, spec)
         if t.tp > 1:
             _check_tp(self)
         if self.data.kind == "text" and self.model.vocab_size < 256:
@@ -195,7 +173,7 @@ class RunConfig:
     def describe(self, model_name: str | None = None) -> str:
         """A short label: trainer and ZeRO switches, model, precision, topology."""
         z, t = self.zero, self.topology
-        if self.trainer.name == "zeropp":
+        if TRAINER_SPECS[self.trainer.name].honours_key("stage"):  # a ZeRO stage of its own
             parts = [f"ZeRO-{z.stage}"]
             parts += [f"qwZ[{z.weights.label}]"] if z.weights else []
             parts += ["hpZ"] if z.hpz else []
@@ -212,44 +190,68 @@ class RunConfig:
         return f"{head} {model_name or shape}{prec} {t.nodes}x{t.ranks_per_node}"
 
 
-def _check_tp(rc: RunConfig) -> None:
-    """``topology.tp > 1``: only the zeropp trainer splits models; the model's heads and widths must
-    divide (checkpoints of a split model load at the same tp, which ``ZeroEngine.load_checkpoint`` checks)."""
-    tp = rc.topology.tp
-    if rc.trainer.name != "zeropp":
+def _trainers_that(ok: Callable[[TrainerSpec], bool]) -> str:
+    """``trainer=a / trainer=b``: the registered trainers for which ``ok(spec)`` holds."""
+    return " / ".join(f"trainer={n}" for n, s in TRAINER_SPECS.items() if ok(s)) or "no registered trainer"
+
+
+def _check_capabilities(rc: RunConfig, spec: TrainerSpec) -> None:
+    """What the run asks of its trainer beyond single keys: a precision, tensor parallelism,
+    checkpoints, and the quantized collective a trainer exists for."""
+    name, z = spec.name, rc.zero
+    if z.precision not in spec.precisions:
         raise ConfigError(
-            f"invalid config: topology.tp={tp} with trainer={rc.trainer.name}; tensor parallelism is "
-            "implemented by trainer=zeropp only (or set topology.tp=1)"
+            f"invalid config: zero.precision={z.precision} with trainer={name}; allowed: "
+            f"{', '.join(spec.precisions)} (zero.precision={z.precision} is implemented by "
+            f"{_trainers_that(lambda s: z.precision in s.precisions)})"
         )
+    if spec.needs_any_of and all(getattr(z, k.removeprefix("zero.")) is None for k in spec.needs_any_of):
+        raise ConfigError(f"invalid config: {spec.needs_message}")
+    if rc.topology.tp > 1 and not spec.tensor_parallel:
+        raise ConfigError(
+            f"invalid config: topology.tp={rc.topology.tp} with trainer={name}; tensor parallelism is "
+            f"implemented by {_trainers_that(lambda s: s.tensor_parallel)} only (or set topology.tp=1)"
+        )
+    if not spec.checkpoint and (rc.train.checkpoint_every or rc.resume):
+        key = "resume=true" if rc.resume else f"train.checkpoint_every={rc.train.checkpoint_every}"
+        raise ConfigError(
+            f"invalid config: {key} with trainer={name}, which cannot save or load checkpoints; "
+            "remove it, or use a trainer that can: "
+            f"{_trainers_that(lambda s: s.checkpoint)}"
+        )
+
+
+def _check_tp(rc: RunConfig) -> None:
+    """``topology.tp > 1`` (with a trainer that splits models): the model's heads and widths must
+    divide (checkpoints of a split model load at the same tp, which ``ZeroEngine.load_checkpoint`` checks)."""
     from zeropp.models.gpt import check_gpt_tp
     from zeropp.models.hf import check_hf_tp
 
     try:
-        (check_hf_tp if isinstance(rc.model, HFConfig) else check_gpt_tp)(rc.model, tp)
+        (check_hf_tp if isinstance(rc.model, HFConfig) else check_gpt_tp)(rc.model, rc.topology.tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
 
 
-def _check_trainer_keys(rc: RunConfig) -> None:
-    name = rc.trainer.name
-    honored = HONORED[name]
-    if honored is None:
-        return
+def _check_trainer_keys(rc: RunConfig, spec: TrainerSpec) -> None:
+    """Every ``zero.*`` key (and ``stage``) the trainer does not honour stays at its default."""
+    name = spec.name
     default = ZeroConfig()
-    if rc.zero.stage != default.stage:
+    if not spec.honours_key("stage") and rc.zero.stage != default.stage:
         raise ConfigError(
-            f"invalid config: stage={rc.zero.stage} does nothing with trainer={name} "
-            f"({'FSDP2 is always ZeRO-3' if name.startswith('fsdp2') else 'DDP replicates everything'}); "
-            "stages 0-2 are trainer=zeropp"
+            f"invalid config: stage={rc.zero.stage} does nothing with trainer={name} ({spec.stage_note}); "
+            f"remove it, or choose the stage with {_trainers_that(lambda s: s.honours_key('stage'))}"
         )
     for f in dataclasses.fields(ZeroConfig):
-        if f.name == "stage" or f.name in honored:
+        key = f"zero.{f.name}"
+        if f.name == "stage" or spec.honours_key(key):
             continue
         if getattr(rc.zero, f.name) != getattr(default, f.name):
+            used = ", ".join(sorted(k.removeprefix("zero.") for k in spec.honours or () if k != "stage"))
             raise ConfigError(
-                f"invalid config: zero.{f.name}={getattr(rc.zero, f.name)!r} does nothing with "
-                f"trainer={name}; it uses only zero.{{{', '.join(sorted(honored))}}}. Remove it, or use "
-                "trainer=zeropp" + (" / trainer=fsdp2_zeropp" if f.name == "weights" else "")
+                f"invalid config: {key}={getattr(rc.zero, f.name)!r} does nothing with "
+                f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it, "
+                f"or use {_trainers_that(lambda s, k=key: s.honours_key(k))}"
             )
 
 

@@ -14,7 +14,8 @@ ones. Adding a field to ``ZeroConfig`` makes it a command-line override with no 
 The config groups whose options are library objects are generated too: ``quant=`` from
 ``zeropp.comm.spec.RECIPES``, ``model=`` from ``zeropp.models.gpt.PRESETS`` plus ``hf`` (a Hugging
 Face model, ``zeropp.models.HFConfig``'s defaults), ``topology=`` as
-``<nodes>x<ranks per node>``, ``trainer=`` from :data:`config.TRAINERS`. The harness-only groups
+``<nodes>x<ranks per node>``, ``trainer=`` and ``+trainer_job=`` (one trainer with the ``quant=``
+it runs in ``sweep=trainers``) from ``trainer_registry.TRAINER_SPECS``. The harness-only groups
 (data, logger, cluster, sweep) stay YAML files under ``conf/``.
 
 The ``model`` section holds more than one library class (``config.MODEL_KINDS``): its schema is
@@ -39,7 +40,8 @@ from zeropp.models import HFConfig
 from zeropp.models.gpt import PRESETS as MODEL_PRESETS
 from zeropp.runtime import ZeroConfig
 
-from .config import EXCLUDED, MODEL_KINDS, SECTION_CLASSES, TRAINERS
+from .config import EXCLUDED, MODEL_KINDS, SECTION_CLASSES
+from .trainer_registry import TRAINER_SPECS
 
 TOPOLOGIES = ("1x1", "1x2", "1x4", "2x1", "2x2", "2x4", "4x1", "4x2", "3x2")
 """``topology=`` options (nodes x ranks per node); any other shape: ``topology.nodes=N topology.ranks_per_node=R``."""
@@ -165,8 +167,15 @@ def register() -> None:
     for name in TOPOLOGIES:
         n, r = (int(x) for x in name.split("x"))
         cs.store(group="topology", name=name, package="topology", node={"nodes": n, "ranks_per_node": r})
-    for name in TRAINERS:
+    for name, spec in TRAINER_SPECS.items():
         cs.store(group="trainer", name=name, package="trainer", node={"name": name})
+        # sweep=trainers' job: the trainer and what it quantizes, as a global override of both groups
+        cs.store(
+            group="trainer_job",
+            name=name,
+            package="_global_",
+            node={"defaults": [{"override /trainer": name}, {"override /quant": spec.sweep_quant}]},
+        )
 
 
 def group_options() -> dict[str, list[str]]:
@@ -175,7 +184,7 @@ def group_options() -> dict[str, list[str]]:
         "quant": sorted(RECIPES),
         "model": [*MODEL_PRESETS, "hf"],
         "topology": list(TOPOLOGIES),
-        "trainer": list(TRAINERS),
+        "trainer": list(TRAINER_SPECS),
     }
 
 

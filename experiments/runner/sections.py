@@ -23,12 +23,12 @@ from .checks import (
     LauncherDevice,
     LoggerMode,
     LoggerName,
-    TrainerName,
     check,
     choice,
     pos_int,
     unused,
 )
+from .trainer_registry import TRAINER_SPECS
 
 __all__ = ["ClusterConfig", "DataConfig", "LauncherConfig", "LoggerConfig", "TrainConfig", "TrainerConfig"]
 
@@ -93,12 +93,13 @@ class DataConfig:
 class TrainerConfig:
     """Which training stack runs the model."""
 
-    name: TrainerName = TrainerName.zeropp
-    """zeropp (ZeroEngine), fsdp2, fsdp2_zeropp (FSDP2 + zeropp collectives), ddp, ddp_zeropp
-    (DDP + zeropp's quantized all-reduce hook)."""
+    name: str = "zeropp"
+    """A registered trainer (``trainer_registry.TRAINER_SPECS``): zeropp (ZeroEngine), fsdp2,
+    fsdp2_zeropp (FSDP2 + zeropp collectives), ddp, ddp_zeropp (DDP + zeropp's quantized
+    all-reduce hook), or one added with ``register_trainer``."""
 
     def __post_init__(self) -> None:
-        choice(self, "name", TrainerName, "trainer")
+        check(isinstance(self.name, str) and self.name in TRAINER_SPECS, "trainer", self.name, ", ".join(TRAINER_SPECS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,12 @@ this process's index on its host, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). The devic
 ``launcher.device`` and LOCAL_RANK (one GPU per local process); every tensor this module hands to
 a collective lives on that device. The process group is always destroyed, also on error.
 
+The loop (:func:`_train`) composes small collaborators, each testable alone against a fake
+trainer: ``train_data.TrainData`` (batches and the step cursor), ``train_eval.Evaluator``,
+``train_checkpoint.Checkpointer`` (resume, save, the divergence rule's interaction with
+checkpoints) and ``train_metrics.RunMetrics`` (per-step means and records, wandb, progress, the
+summary). The trainer is reached through the ``trainers.Trainer`` protocol only.
+
 Divergence (``zeropp.runtime.divergence.DivergenceGuard``): each step's loss, gradient norm and
 skip flag are all-reduced with the log line's figures, so every rank judges the same numbers and
 stops at the same step, before that step's eval and checkpoint; rank 0 writes the metrics line and
@@ -26,7 +32,6 @@ run on).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -42,20 +47,19 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from zeropp import watch
-from zeropp.comm.backend import backend_all_reduce
 from zeropp.comm.objects import all_gather_json
-from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
+from zeropp.runtime.divergence import DivergenceError
 
 from ..launch import heartbeat, select_device
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
-from .console import Progress, print_summary
-from .data import TokenBatches
 from .launcher import device_for_cluster
-from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
 from .profiling import StepProfiler
+from .train_checkpoint import Checkpointer, divergence_guard
+from .train_data import TrainData
+from .train_eval import Evaluator
+from .train_metrics import RunMetrics
 from .trainers import build_trainer
-from .wandb_log import WandbLogger, flatten
 
 
 def _maybe_fault(rank: int, step: int) -> None:
@@ -75,86 +79,6 @@ def _maybe_fault(rank: int, step: int) -> None:
             while True:
                 time.sleep(3600)
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (ZEROPP_INJECT_FAULT={spec})")
-
-
-def _delta(now: dict[str, int] | None, before: dict[str, int] | None) -> dict[str, int] | None:
-    if now is None:
-        return None
-    before = before or {}
-    return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
-
-
-def _add(acc: dict[str, float], d: dict[str, int] | None) -> None:
-    for k, v in (d or {}).items():
-        acc[k] = acc.get(k, 0) + v
-
-
-def _resume_keys(cfg: RunConfig) -> dict[str, Any]:
-    """The settings a resumed run must keep to continue exactly as an uninterrupted one (the world
-    size and stage may change: the checkpoint reshards)."""
-    return json.loads(
-        json.dumps(
-            {
-                "train.seed": cfg.train.seed,
-                "train.micro_batch_size": cfg.train.micro_batch_size,
-                "train.steps": cfg.train.steps,
-                "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
-                "data": dataclasses.asdict(cfg.data),
-                "optim": dataclasses.asdict(cfg.optim),
-            }
-        )
-    )
-
-
-def _evaluate(trainer: Any, data: TokenBatches, batches: int, rank: int, world: int) -> float:
-    """Mean held-out loss over ``batches`` rounds; in round k rank r evaluates held-out batch
-    ``k * world + r`` (each ``trainer.eval_loss`` call is collective: the mean over ranks)."""
-    return sum(trainer.eval_loss(*data.eval_batch(k * world + rank)) for k in range(batches)) / batches
-
-
-def _frozen_bytes(trainer: Any) -> int:
-    """Bytes of the stage-3 frozen shards this rank stores (quantized with ``zero.quantize_frozen``)."""
-    engine = getattr(trainer, "engine", None)
-    if engine is None or not getattr(engine, "frozen_units", None):
-        return 0
-    from zeropp.runtime.frozen import frozen_bytes
-
-    return frozen_bytes(engine.frozen)
-
-
-def _memory_phases(trainer: Any, device: torch.device, created: Any) -> dict[str, dict[str, Any]]:
-    """Per-phase, per-tier memory of this rank: the engine's own snapshots (``memory_phases``), or
-    for trainers without them the flat report after model creation and after the last step."""
-    from zeropp.runtime import memory as mem
-
-    eng = getattr(trainer, "engine", None)
-    if eng is not None and hasattr(eng, "memory_phases"):
-        return {k: v.to_dict() for k, v in eng.memory_phases().items()}
-    out = {"model_creation": created.to_dict()} if created is not None else {}
-    out["step"] = mem.flat_snapshot("step", trainer.memory_report(), device).to_dict()
-    return out
-
-
-def _guard(cfg: RunConfig) -> DivergenceGuard:
-    """The run's divergence rule, its advice in the runner's config keys."""
-    if cfg.zero.precision == "fp16":
-        advice = (
-            f"lower zero.loss_scale_init (now {cfg.zero.loss_scale_init:g}) or optim.lr (now {cfg.optim.lr:g}), "
-            "or train in bf16 (zero.precision=bf16)"
-        )
-    else:
-        clip = (
-            "set zero.grad_clip=1.0"
-            if cfg.zero.grad_clip is None
-            else f"clip harder (zero.grad_clip is {cfg.zero.grad_clip:g})"
-        )
-        advice = f"lower optim.lr (now {cfg.optim.lr:g}), {clip}, or check the data for bad values"
-    return DivergenceGuard(
-        loss_scaling=cfg.zero.precision == "fp16",
-        max_skipped_steps=cfg.train.max_skipped_steps,
-        advice=advice,
-        max_skipped_name="train.max_skipped_steps",
-    )
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
@@ -203,188 +127,70 @@ def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
 def _train(
     cfg: RunConfig, spec: dict[str, Any], run_dir: Path, rank: int, world: int, device: torch.device, backend: str
 ) -> dict[str, Any] | None:
+    """The training loop, composed of its collaborators: data (``train_data``), evaluation
+    (``train_eval``), checkpoints and the divergence rule (``train_checkpoint``), measurements
+    (``train_metrics``); the trainer is used through the ``trainers.Trainer`` protocol only."""
     t = cfg.train
-    accum = cfg.zero.grad_accum_steps
-    # the ranks of a tensor-parallel group compute on the same batches: data is split over dp only
-    dp_rank, dp_world = cfg.topology.dp_index(rank), cfg.topology.dp_size
-    data = TokenBatches(
-        cfg.data,
-        seq_len=cfg.model.seq_len,
-        batch=t.micro_batch_size,
-        vocab_size=cfg.model.vocab_size,
-        seed=t.seed,
-        rank=dp_rank,
-        device=device,
-    )
-    trainer = build_trainer(cfg, device)
-    from zeropp.runtime import memory as mem
-
-    created = (
-        None
-        if hasattr(getattr(trainer, "engine", None), "memory_phases")
-        else mem.flat_snapshot("model_creation", trainer.memory_report(), device)
-    )
-    ckpt = cfg.checkpoint_dir(run_dir)
-    start = 0
     lead = rank == 0
-    if cfg.resume:
-        heartbeat("checkpoint_load", long=True)
-        extra = trainer.load(ckpt)
-        start = int(extra["step"])
-        if start >= t.steps:
-            raise RuntimeError(
-                f"the checkpoint in {ckpt} is at step {start} and train.steps={t.steps}: this run "
-                "already finished; to train further raise train.steps (the default LR schedule "
-                "spans train.steps, so it changes too)"
-            )
-        changed = sorted(k for k, v in _resume_keys(cfg).items() if extra.get("run", {}).get(k, v) != v)
-        if changed and lead:
-            print(
-                f"warning: resumed with changed settings {changed}: training continues from the checkpoint "
-                "but will not match an uninterrupted run",
-                file=sys.stderr,
-                flush=True,
-            )
-        data.skip(start * accum)
-    label = spec.get("label") or cfg.describe()
-    metrics = MetricsFile(run_dir / "metrics.jsonl", first_step=start + 1) if lead else None
-    wb = (
-        WandbLogger(
-            cfg.logger,
-            run_dir=run_dir,
-            name=spec.get("name") or label,
-            group=spec.get("group"),
-            config=cfg.to_dict() | {"overrides": spec.get("overrides", [])},
-        )
-        if lead
-        else None
-    )
-    progress = Progress(t.steps, start=start, enabled=lead and cfg.launcher.progress)
-    tps_step = tokens_per_step(cfg)
-    wire_tot: dict[str, float] = {}
-    eng_tot: dict[str, float] | None = None
-    wait_tot, eng_wait_tot, measured = 0.0, 0.0, 0
-    step_times: list[float] = []
-    losses: list[float] = []
-    saved: str | None = None
-    saved_step = start if cfg.resume else None  # the newest checkpoint's step, for the divergence message
-    guard = _guard(cfg)
+    data = TrainData(cfg, rank, device)
+    trainer = build_trainer(cfg, device)
+    ckpt = Checkpointer(cfg, run_dir, trainer, lead=lead)
+    start = ckpt.resume()
+    data.skip_steps(start)
+    evaluator = Evaluator(trainer, data, t)
+    metrics = RunMetrics(cfg, spec, run_dir, rank=rank, world=world, device=device, start=start)
+    guard = divergence_guard(cfg)
     diverged: DivergenceError | None = None
-    prev_eng = trainer.comm_stats()
-    skipped = [s for s in t.profiled_steps if s <= start]
-    if skipped and lead:
+    metrics.begin(trainer)
+    unprofiled = [s for s in t.profiled_steps if s <= start]
+    if unprofiled and lead:
         print(
-            f"warning: train.profile_steps {skipped} come before step {start + 1}, where this resumed run starts; "
-            "they are not profiled",
+            f"warning: train.profile_steps {unprofiled} come before step {start + 1}, where this resumed run "
+            "starts; they are not profiled",
             file=sys.stderr,
             flush=True,
         )
     prof = StepProfiler(t.profiled_steps, start=start, run_dir=run_dir, rank=rank, device=device)
-    with CommWatch(cfg.topology, sessions=[trainer.comm_session()]) as watch, prof:
+    with CommWatch(cfg.topology, sessions=[trainer.comm_session()]) as comm, prof:
         dist.barrier()
-        watch.take()
+        comm.take()
         for step in range(start + 1, t.steps + 1):
             _maybe_fault(rank, step)
             heartbeat("train_step", step, long=step == start + 1)  # the first step builds kernels
-            batches = [data.next() for _ in range(accum)]
+            batches = data.step_batches()
             t0 = time.perf_counter()
             with prof.step(step):
                 out = trainer.train_step(batches)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0  # before the profiler saves a recorded step's trace
-            wire, wait = watch.take()
-            eng_now = trainer.comm_stats()
-            eng = _delta(eng_now, prev_eng)
-            prev_eng = eng_now
-            if step > t.throughput_skip_steps:
-                measured += 1
-                wait_tot += wait
-                eng_wait_tot += out.comm_wait_s or 0.0
-                _add(wire_tot, wire)
-                if eng is not None:
-                    eng_tot = eng_tot or {}
-                    _add(eng_tot, eng)
-            # global mean loss / wait for the log line, and the divergence guard's inputs, on the
-            # process group's device (NCCL: the GPU). The norm is global already; reducing it with the
-            # loss and the skip flag gives every rank bitwise the same inputs, hence the same verdict
-            red = torch.tensor(
-                [out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped)],
-                dtype=torch.float64,
-                device=device,
-            )
-            backend_all_reduce(red, dist.ReduceOp.SUM, None, async_op=False)  # held by the comm context
-            loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean = (float(x) / world for x in red.tolist())
-            watch.take()  # the line's own all-reduce is not training traffic
+            wire, wait = comm.take()
+            stats = metrics.observe(step, out, dt, wire, wait, trainer)  # collective: the means over ranks
+            comm.take()  # the means' own all-reduce is not training traffic
             heartbeat("step_end", step)  # ends the first step's long phase
-            losses.append(loss)
-            step_times.append(dt)
             try:
-                note = guard.check(
-                    step,
-                    loss,
-                    None if out.grad_norm is None else norm_mean,
-                    skipped_mean > 0,
-                    loss_scale=out.loss_scale,
-                )
+                note = guard.check(step, stats.loss, stats.grad_norm, stats.skipped, loss_scale=out.loss_scale)
             except DivergenceError as e:
-                diverged, note = e, None
-                if saved_step is not None:
-                    diverged = e.with_note(
-                        f"Nothing of step {step} was saved; the newest checkpoint, of step {saved_step}, is in {ckpt}."
-                    )
+                diverged, note = ckpt.explain(e, step), None
             if note and lead:
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             evl = None
-            if diverged is None and t.eval_every and step % t.eval_every == 0 and step < t.steps:
+            if diverged is None and evaluator.due(step):
                 heartbeat("eval", step)
-                evl = _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
-                watch.take()
-            # nothing is saved from a diverged state: the last good checkpoint stays LATEST
-            if diverged is None and t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-                heartbeat("checkpoint_save", step, long=True)
-                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)}, keep=t.keep_checkpoints)
-                saved, saved_step = str(ckpt), step
-                watch.take()
-            if lead and (step % t.log_every == 0 or step == t.steps or diverged is not None):
-                rec = {
-                    "step": step,
-                    "loss": loss,
-                    "grad_norm": out.grad_norm,
-                    "skipped": out.skipped,
-                    "lr": out.lr,
-                    "step_time_s": dt,
-                    "tokens_per_s": tps_step / dt if dt > 0 else None,
-                    "comm_wait_s": wait_mean,
-                    "engine_comm_wait_s": eng_wait_mean if out.comm_wait_s is not None else None,
-                    "comm_bytes": wire,
-                    "engine_comm_bytes": eng,
-                    "eval_loss": evl,
-                }
-                assert metrics is not None and wb is not None
-                metrics.write(rec)
-                wb.log(flatten({k: v for k, v in rec.items() if k != "step" and v is not None}), step=step)
-            progress.update(step, loss=loss, step_time=dt, tokens_per_s=tps_step / dt if dt > 0 else 0.0)
+                evl = evaluator.run()
+                comm.take()
+            if ckpt.after_step(step, diverged=diverged is not None):
+                comm.take()
+            metrics.log(stats, evl, last=diverged is not None)
             if diverged is not None:
                 break
-        progress.close()
+        metrics.progress.close()
         heartbeat("final_eval")
-        eval_loss = None if diverged is not None else _evaluate(trainer, data, t.eval_batches, dp_rank, dp_world)
-        watch.take()
+        eval_loss = None if diverged is not None else evaluator.run()
+        comm.take()
     if diverged is None and lead and (note := guard.final_warning()):
         print(f"warning: {note}", file=sys.stderr, flush=True)
-    report = {
-        "rank": rank,
-        "wire_bytes": wire_tot,
-        "engine_bytes": eng_tot,
-        "wait_s": wait_tot,
-        "engine_wait_s": eng_wait_tot,
-        "measured_steps": measured,
-        "memory": trainer.memory_report(),
-        "state_params": getattr(getattr(trainer, "engine", None), "num_params", None),
-        "frozen_bytes": _frozen_bytes(trainer),
-        "memory_phases": _memory_phases(trainer, device, created),
-    }
+    report = metrics.rank_report(trainer)
     heartbeat("finish", long=True)  # rank 0 writes the results (and may sync wandb) while the others exit
     # through the comm context, not dist.gather_object: for ranks other than 0 this is the last
     # collective before exit (zeropp.comm.objects says why that matters)
@@ -392,84 +198,17 @@ def _train(
     trainer.close()
     summary = None
     if lead:
-        summary = _write_results(
-            cfg,
-            spec,
-            run_dir,
+        summary = metrics.finish(
             gathered,
-            step_times,
-            losses,
-            eval_loss,
-            device,
-            backend,
-            label,
-            start,
-            saved,
-            metrics,
-            wb,
-            diverged,
-            guard.skipped_steps,
+            eval_loss=eval_loss,
+            backend=backend,
+            checkpoint=ckpt.saved,
+            diverged=diverged,
+            skipped_steps=guard.skipped_steps,
         )
     if diverged is not None:
         dist.barrier()  # no rank leaves (and makes the launcher stop the others) before rank 0 has written
         raise diverged
-    return summary
-
-
-def _write_results(
-    cfg: RunConfig,
-    spec: dict[str, Any],
-    run_dir: Path,
-    gathered: list[Any],
-    step_times: list[float],
-    losses: list[float],
-    eval_loss: float | None,
-    device: torch.device,
-    backend: str,
-    label: str,
-    start: int,
-    saved: str | None,
-    metrics: MetricsFile | None,
-    wb: WandbLogger | None,
-    diverged: DivergenceError | None,
-    skipped_steps: int,
-) -> dict[str, Any]:
-    """Rank 0: ``summary.json`` and ``memory.json``, the logger's final record, the summary table
-    (not for a diverged run: the runner's one error message says what happened)."""
-    summary = build_summary(
-        cfg=cfg,
-        rank_reports=gathered,
-        step_times=step_times,
-        losses=losses,
-        eval_loss=eval_loss,
-        n_params=cfg.model.num_params(),
-        run_dir=str(run_dir),
-        overrides=spec.get("overrides", []),
-        device=str(device),
-        backend=backend,
-        label=label,
-        model_name=spec.get("model_name", ""),
-        first_step=start + 1,
-        divergence=None if diverged is None else diverged.record(),
-        skipped_steps=skipped_steps,
-    )
-    summary["checkpoint"] = saved
-    assert metrics is not None and wb is not None
-    metrics.close()
-    summary["wandb_dir"] = wb.dir
-    write_summary(run_dir / "summary.json", summary)
-    write_memory_json(run_dir / "memory.json", summary)
-    wb.finish(
-        flatten(
-            {
-                k: v
-                for k, v in summary.items()
-                if k not in ("config", "loss", "memory_per_rank", "memory_by_phase", "memory_expected", "divergence")
-            }
-        )
-    )
-    if diverged is None:
-        print_summary(summary)
     return summary
 
 

@@ -143,7 +143,7 @@ def _safety_world(rank, world, root, marker):
         eng.close()
 
     # the torch trainers' format: retention, per-rank state, NaN refused, kind checked
-    from zeropp.experiments.runner.trainers import load_dcp, save_dcp
+    from zeropp.experiments.runner.torch_checkpoint import load_dcp, save_dcp
 
     root2 = root.parent / "torch"
     origin = None

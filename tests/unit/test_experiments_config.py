@@ -17,7 +17,7 @@ from tests.cli_helpers import run_cli
 from tests.experiment_helpers import CLI_ERRORS, composed_config
 from zeropp.comm import Topology
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.experiments.runner.config import HONORED, SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
+from zeropp.experiments.runner.config import SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
 from zeropp.experiments.runner.overrides import check_overrides, group_options
 from zeropp.experiments.runner.schema import run_schema
 from zeropp.models import GPTConfig, HFConfig
@@ -136,12 +136,6 @@ def test_a_key_the_trainer_does_not_use_is_an_error(trainer: str, override: str)
     with pytest.raises(ConfigError) as e:
         from_dict(composed_config(f"trainer={trainer}", *extra, override))
     assert trainer in str(e.value) or "fp16" in str(e.value)
-
-
-def test_honored_table_names_real_fields() -> None:
-    names = {f.name for f in dataclasses.fields(ZeroConfig)}
-    for used in HONORED.values():
-        assert used is None or used <= names
 
 
 def test_trainer_specific_requirements() -> None:

@@ -52,7 +52,7 @@ def test_missing_corpus_is_a_clear_error(tmp_path) -> None:
 def test_evaluation_averages_distinct_batches_per_rank_and_round() -> None:
     """``train.eval_batches``: round k on rank r reads held-out batch k * world + r, and the result
     is the mean of the (collective) per-round losses."""
-    from zeropp.experiments.runner.worker import _evaluate
+    from zeropp.experiments.runner.train_eval import evaluate
 
     tb = TokenBatches(
         DataConfig(kind="text", source="python_stdlib", max_bytes=100_000),
@@ -70,7 +70,7 @@ def test_evaluation_averages_distinct_batches_per_rank_and_round() -> None:
             seen.append(idx)
             return float(idx[0, 0])  # a loss that depends on the batch read
 
-    got = _evaluate(Trainer(), tb, 3, rank=1, world=4)
+    got = evaluate(Trainer(), tb, 3, rank=1, world=4)
     want = [tb.eval_batch(i)[0] for i in (1, 5, 9)]
     assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, want))
     assert got == pytest.approx(sum(float(w[0, 0]) for w in want) / 3)

@@ -18,7 +18,8 @@ import torch
 from zeropp.experiments.launch import RankFailure
 from zeropp.experiments.runner.config import from_dict
 from zeropp.experiments.runner.run import recorded_divergence
-from zeropp.experiments.runner.trainers import TorchTrainer, build_model
+from zeropp.experiments.runner.torch_trainers import TorchTrainer
+from zeropp.experiments.runner.trainers import build_model
 from zeropp.runtime.divergence import EXIT_CODE
 
 

@@ -48,15 +48,34 @@ def test_bad_override_is_refused_before_anything_runs(capsys):
 
 
 def test_trainers_without_phases_get_flat_snapshots():
-    from zeropp.experiments.runner.worker import _memory_phases
-    from zeropp.runtime.memory import flat_snapshot
+    """DDP / FSDP2 (TorchTrainer) keep no per-phase accounting: their ``memory_phases()`` is the flat
+    model-state report after model creation (parameters only) and at the end of the last step
+    (parameters, gradients, AdamW's two moments), all on the device."""
+    from zeropp.experiments.runner.config import from_dict
+    from zeropp.experiments.runner.torch_trainers import TorchTrainer
+    from zeropp.experiments.runner.trainers import build_model
 
-    class T:  # DDP / FSDP2: a flat model-state report only
-        def memory_report(self):
-            return {"params": 40, "grads": 40, "optimizer": 80, "total": 160}
-
-    created = flat_snapshot("model_creation", {"params": 40}, torch.device("cpu"))
-    ph = _memory_phases(T(), torch.device("cpu"), created)
+    cfg = from_dict(
+        {
+            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 64, "seq_len": 8},
+            "data": {"kind": "random"},
+            "trainer": {"name": "ddp"},
+            "topology": {"nodes": 1, "ranks_per_node": 1},
+        }
+    )
+    model = build_model(cfg, torch.device("cpu"))
+    pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainer = TorchTrainer(model, cfg, autocast=False)
+    before = trainer.memory_phases()
+    assert list(before) == ["model_creation", "step"] and before["model_creation"].to_dict()["total"] == pbytes
+    batch = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))]
+    trainer.train_step(batch)
+    trainer.train_step(batch)  # measured at the end of backward: AdamW's states are the first step's
+    ph = {k: v.to_dict() for k, v in trainer.memory_phases().items()}
     assert list(ph) == ["model_creation", "step"]
-    assert ph["step"]["tiers"]["device"]["optimizer"] == 80 and ph["step"]["tier_totals"]["host"] == 0
-    assert ph["model_creation"]["total"] == 40
+    assert ph["model_creation"]["total"] == pbytes  # taken once, at creation
+    dev = ph["step"]["tiers"]["device"]
+    moments_and_steps = 2 * pbytes + 4 * len(trainer.opt.state)  # exp_avg, exp_avg_sq, a float32 step each
+    assert (dev["params"], dev["grads"], dev["optimizer"]) == (pbytes, pbytes, moments_and_steps)
+    assert ph["step"]["tier_totals"]["host"] == 0
+    assert trainer.frozen_bytes() == 0 and trainer.trained_params() is None

@@ -1,0 +1,122 @@
+"""The training loop's checkpoints and its divergence rule: resume, save, and nothing saved from a
+diverged state.
+
+Divergence (``zeropp.runtime.divergence.DivergenceGuard``, :func:`divergence_guard`): the loop
+judges each step's globally reduced loss, gradient norm and skip flag, so every rank stops at the
+same step, before that step's evaluation and checkpoint. A diverged step is never saved, so the
+last good checkpoint stays ``LATEST``, and the error says where it is
+(:meth:`Checkpointer.explain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
+
+from ..launch import heartbeat
+from .config import RunConfig
+from .trainers import Trainer
+
+
+def resume_keys(cfg: RunConfig) -> dict[str, Any]:
+    """The settings a resumed run must keep to continue exactly as an uninterrupted one (the world
+    size and stage may change: the checkpoint reshards), as plain JSON values."""
+    return json.loads(
+        json.dumps(
+            {
+                "train.seed": cfg.train.seed,
+                "train.micro_batch_size": cfg.train.micro_batch_size,
+                "train.steps": cfg.train.steps,
+                "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
+                "data": dataclasses.asdict(cfg.data),
+                "optim": dataclasses.asdict(cfg.optim),
+            }
+        )
+    )
+
+
+def divergence_guard(cfg: RunConfig) -> DivergenceGuard:
+    """The run's divergence rule, its advice in the runner's config keys."""
+    z = cfg.zero
+    if z.precision == "fp16":
+        advice = (
+            f"lower zero.loss_scale_init (now {z.loss_scale_init:g}) or optim.lr (now {cfg.optim.lr:g}), "
+            "or train in bf16 (zero.precision=bf16)"
+        )
+    else:
+        clip = "set zero.grad_clip=1.0" if z.grad_clip is None else f"clip harder (zero.grad_clip is {z.grad_clip:g})"
+        advice = f"lower optim.lr (now {cfg.optim.lr:g}), {clip}, or check the data for bad values"
+    return DivergenceGuard(
+        loss_scaling=z.precision == "fp16",
+        max_skipped_steps=cfg.train.max_skipped_steps,
+        advice=advice,
+        max_skipped_name="train.max_skipped_steps",
+    )
+
+
+class Checkpointer:
+    """Resume from and save to the run's checkpoint directory (``RunConfig.checkpoint_dir``)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, trainer: Trainer, *, lead: bool) -> None:
+        self.cfg, self.trainer, self.lead = cfg, trainer, lead
+        self.dir = cfg.checkpoint_dir(run_dir)
+        """Where the versions and ``LATEST`` live."""
+        self.saved: str | None = None
+        """The directory this run saved to, once it has (the summary's ``checkpoint``)."""
+        self.saved_step: int | None = None
+        """The step of the newest checkpoint this run can fall back to (resumed from or saved)."""
+
+    def resume(self) -> int:
+        """Collective: with ``resume=true`` load the newest checkpoint and return its step (the
+        run continues after it); else 0. A checkpoint of a finished run is refused; changed
+        settings that make the continuation differ from an uninterrupted run are warned about."""
+        if not self.cfg.resume:
+            return 0
+        t = self.cfg.train
+        heartbeat("checkpoint_load", long=True)
+        extra = self.trainer.load(self.dir)
+        start = int(extra["step"])
+        if start >= t.steps:
+            raise RuntimeError(
+                f"the checkpoint in {self.dir} is at step {start} and train.steps={t.steps}: this run "
+                "already finished; to train further raise train.steps (the default LR schedule "
+                "spans train.steps, so it changes too)"
+            )
+        changed = sorted(k for k, v in resume_keys(self.cfg).items() if extra.get("run", {}).get(k, v) != v)
+        if changed and self.lead:
+            print(
+                f"warning: resumed with changed settings {changed}: training continues from the checkpoint "
+                "but will not match an uninterrupted run",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.saved_step = start
+        return start
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` saves: every ``train.checkpoint_every`` steps and the last step."""
+        every = self.cfg.train.checkpoint_every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
+
+    def after_step(self, step: int, *, diverged: bool) -> bool:
+        """Collective: save ``step`` when due, unless it diverged (nothing is saved from a diverged
+        state: the last good checkpoint stays ``LATEST``). Returns whether it saved."""
+        if diverged or not self.due(step):
+            return False
+        heartbeat("checkpoint_save", step, long=True)
+        self.trainer.save(self.dir, {"step": step, "run": resume_keys(self.cfg)}, keep=self.cfg.train.keep_checkpoints)
+        self.saved, self.saved_step = str(self.dir), step
+        return True
+
+    def explain(self, err: DivergenceError, step: int) -> DivergenceError:
+        """``err`` with where the newest good checkpoint is, when there is one."""
+        if self.saved_step is None:
+            return err
+        return err.with_note(
+            f"Nothing of step {step} was saved; the newest checkpoint, of step {self.saved_step}, is in {self.dir}."
+        )

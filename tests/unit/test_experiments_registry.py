@@ -1,0 +1,144 @@
+"""The trainer registry: one ``TrainerSpec`` per trainer, which the config, the Hydra groups and the
+worker's builder all consult; a trainer registered from outside is a first-class ``trainer=``.
+
+Here: the one-process checks. A registered toy trainer trained by the worker's loop is in
+``tests/distributed/test_experiments_registry.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from tests.experiment_helpers import composed_config
+from tests.toy_trainer import TOY_SPEC, ToyTrainer
+from zeropp.experiments.runner.config import ConfigError, from_dict
+from zeropp.experiments.runner.overrides import group_options
+from zeropp.experiments.runner.schema import run_schema
+from zeropp.experiments.runner.trainer_registry import TRAINER_SPECS, TrainerSpec, register_trainer, resolve_builder
+from zeropp.experiments.runner.trainers import build_trainer
+
+BUILT_IN = ("zeropp", "fsdp2", "fsdp2_zeropp", "ddp", "ddp_zeropp")
+SMALL = {
+    "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 64, "seq_len": 8},
+    "data": {"kind": "random"},
+    "topology": {"nodes": 1, "ranks_per_node": 2},
+}
+
+
+def _cfg(**sections: dict) -> dict:
+    return {**SMALL, **sections}
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch) -> TrainerSpec:
+    monkeypatch.setitem(TRAINER_SPECS, "toy", TOY_SPEC)
+    return TOY_SPEC
+
+
+def test_every_honoured_key_is_a_key_of_the_schema() -> None:
+    """A spec cannot honour a key that does not exist: each is a ``zero.*`` field of the generated
+    schema, or the top-level ``stage``."""
+    schema = typing.get_type_hints(run_schema())
+    zero_keys = {f.name for f in dataclasses.fields(schema["zero"])}
+    assert "stage" in schema
+    for spec in TRAINER_SPECS.values():
+        for key in spec.honours or ():
+            assert key == "stage" or key.removeprefix("zero.") in zero_keys, (spec.name, key)
+        for key in spec.needs_any_of:
+            assert key.removeprefix("zero.") in zero_keys and spec.honours_key(key), (spec.name, key)
+
+
+def test_the_built_in_trainers_are_registered_and_their_builders_resolve() -> None:
+    assert tuple(TRAINER_SPECS)[:5] == BUILT_IN
+    for spec in TRAINER_SPECS.values():
+        assert callable(resolve_builder(spec)), spec.name
+    assert group_options("trainer") == list(TRAINER_SPECS)
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_sweep_trainer_job_composes_the_trainer_with_its_recipe(name: str) -> None:
+    """``+trainer_job=<name>`` (sweep=trainers) is generated from the spec: its trainer and quant."""
+    rc = from_dict(composed_config(f"+trainer_job={name}"))
+    want = from_dict(composed_config(f"trainer={name}", f"quant={TRAINER_SPECS[name].sweep_quant}"))
+    assert rc.trainer.name == name and rc.zero == want.zero
+
+
+@pytest.mark.parametrize(
+    "trainer, override, words",
+    [
+        ("ddp", "zero.offload_optimizer=cpu", ["zero.offload_optimizer='cpu'", "trainer=ddp", "trainer=zeropp"]),
+        ("fsdp2", "quant=int8", ["zero.weights", "does not honour zero.weights", "trainer=fsdp2_zeropp"]),
+        ("ddp", "quant=qgz", ["zero.grads", "trainer=ddp_zeropp"]),
+        ("fsdp2", "stage=2", ["stage=2", "FSDP2 is always ZeRO-3", "trainer=zeropp"]),
+        ("ddp", "zero.precision=fp16", ["zero.precision=fp16", "trainer=ddp", "allowed: fp32, bf16", "trainer=zeropp"]),
+        ("fsdp2", "topology.tp=2", ["topology.tp=2", "trainer=fsdp2", "trainer=zeropp only"]),
+    ],
+)
+def test_a_setting_the_trainer_does_not_honour_is_refused_by_its_spec(
+    trainer: str, override: str, words: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict(composed_config(f"trainer={trainer}", override))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_an_unregistered_trainer_is_refused_with_the_registered_ones() -> None:
+    with pytest.raises(ConfigError, match=r"trainer='toy'; allowed: zeropp, fsdp2, fsdp2_zeropp, ddp, ddp_zeropp"):
+        from_dict(_cfg(trainer={"name": "toy"}))
+
+
+def test_a_registered_toy_trainer_is_validated_by_its_spec(toy: TrainerSpec) -> None:
+    rc = from_dict(_cfg(trainer={"name": "toy"}))
+    assert rc.trainer.name == "toy" and rc.describe().startswith("toy ")
+    refused = [
+        ({"zero": {"grad_clip": 1.0}}, ["zero.grad_clip=1.0", "trainer=toy", "zero.{grad_accum_steps, precision}"]),
+        ({"zero": {"stage": 1}}, ["stage=1", "the toy replicates everything", "trainer=zeropp"]),
+        ({"zero": {"precision": "bf16"}}, ["zero.precision=bf16", "allowed: fp32", "trainer=zeropp / trainer=fsdp2"]),
+        ({"train": {"checkpoint_every": 2}}, ["train.checkpoint_every=2", "cannot save or load", "trainer=zeropp"]),
+    ]
+    for extra, words in refused:
+        with pytest.raises(ConfigError) as e:
+            from_dict(_cfg(trainer={"name": "toy"}, **extra))
+        for w in words:
+            assert w in str(e.value), (extra, str(e.value))
+    with pytest.raises(ConfigError, match="resume=true with trainer=toy"):
+        from_dict({**_cfg(trainer={"name": "toy"}), "resume": True})
+    # a key the toy honours, and settings of other sections, go through
+    assert from_dict(_cfg(trainer={"name": "toy"}, zero={"grad_accum_steps": 2})).zero.grad_accum_steps == 2
+
+
+def test_build_trainer_calls_the_registered_builder(toy: TrainerSpec) -> None:
+    import torch
+
+    rc = from_dict(_cfg(trainer={"name": "toy"}))
+    assert isinstance(build_trainer(rc, torch.device("cpu")), ToyTrainer)
+
+
+def test_registering_twice_or_a_malformed_spec_is_refused(toy: TrainerSpec) -> None:
+    with pytest.raises(ValueError, match="'toy' is registered already"):
+        register_trainer(TOY_SPEC)
+    base = dict(name="x", builder="m:f", stage_note="n")
+    bad = [
+        ({"name": "no-dash"}, "Python identifier"),
+        ({"builder": "module_only"}, "'<module>:<callable>'"),
+        ({"honours": frozenset({"train.steps"})}, "not zero.* keys"),
+        ({"honours": frozenset({"zero.grad_clip"}), "stage_note": ""}, "stage_note"),
+        ({"precisions": ("fp8",)}, "precisions"),
+        ({"needs_any_of": ("zero.grads",)}, "go together"),
+        ({"needs_any_of": ("grads",), "needs_message": "m"}, "zero.* keys only"),
+    ]
+    for change, words in bad:
+        with pytest.raises(ValueError, match=words.replace("*", r"\*")):
+            TrainerSpec(**{**base, **change})  # type: ignore[arg-type]
+
+
+def test_a_builder_that_does_not_resolve_says_which(toy: TrainerSpec) -> None:
+    spec = dataclasses.replace(TOY_SPEC, builder="tests.toy_trainer:TOY_SPEC")
+    with pytest.raises(TypeError, match="trainer=toy: builder 'tests.toy_trainer:TOY_SPEC' is not callable"):
+        resolve_builder(spec)
+    with pytest.raises(AttributeError):
+        resolve_builder(dataclasses.replace(TOY_SPEC, builder="tests.toy_trainer:NoSuchTrainer"))

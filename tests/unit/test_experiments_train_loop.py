@@ -1,0 +1,155 @@
+"""The worker's loop is composed of collaborators; each is checked here alone, against a fake
+trainer (``tests.toy_trainer.FakeTrainer``) and without a process group.
+
+The whole loop with a registered trainer is in ``tests/distributed/test_experiments_registry.py``;
+the runner's jobs (real checkpoints, a real divergence) in ``tests/e2e/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.toy_trainer import FakeTrainer
+from zeropp.experiments.runner.config import RunConfig, from_dict
+from zeropp.experiments.runner.metrics import read_metrics, read_summary
+from zeropp.experiments.runner.train_checkpoint import Checkpointer, divergence_guard, resume_keys
+from zeropp.experiments.runner.train_data import TrainData
+from zeropp.experiments.runner.train_eval import Evaluator
+from zeropp.experiments.runner.train_metrics import RunMetrics
+from zeropp.runtime.divergence import DivergenceError
+
+
+def _cfg(train: dict | None = None, resume: bool = False, **sections: dict) -> RunConfig:
+    return from_dict(
+        {
+            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 64, "seq_len": 8},
+            "data": {"kind": "random"},
+            "topology": {"nodes": 1, "ranks_per_node": 1},
+            "logger": {"name": "none", "mode": "disabled"},
+            "launcher": {"progress": False},
+            "train": {"steps": 6, "micro_batch_size": 2, **(train or {})},
+            "resume": resume,
+            **sections,
+        }
+    )
+
+
+def _diverged(cfg: RunConfig, step: int) -> DivergenceError:
+    """The error the run's guard raises for a NaN loss at ``step``."""
+    with pytest.raises(DivergenceError) as e:
+        divergence_guard(cfg).check(step, math.nan, 1.0, False)
+    return e.value
+
+
+def test_data_skips_the_micro_batches_of_resumed_steps() -> None:
+    cfg = _cfg(zero={"grad_accum_steps": 2})
+    fresh = TrainData(cfg, 0, torch.device("cpu"))
+    first_three = [fresh.step_batches() for _ in range(3)]
+    assert all(len(b) == 2 for b in first_three)
+    resumed = TrainData(cfg, 0, torch.device("cpu"))
+    resumed.skip_steps(2)
+    third = resumed.step_batches()
+    for (a, b), (c, d) in zip(third, first_three[2]):
+        assert torch.equal(a, c) and torch.equal(b, d)
+    assert not torch.equal(first_three[0][0][0], first_three[2][0][0])
+
+
+def test_evaluation_is_due_on_its_schedule_but_not_at_the_last_step() -> None:
+    cfg = _cfg(train={"eval_every": 2, "eval_batches": 3})
+    data = TrainData(cfg, 0, torch.device("cpu"))
+    ev = Evaluator(FakeTrainer(), data, cfg.train)
+    assert [s for s in range(1, 7) if ev.due(s)] == [2, 4]  # 6 is the last: the final evaluation covers it
+    want = sum(float(data.batches.eval_batch(k)[0][0, 0]) for k in range(3)) / 3
+    assert ev.run() == pytest.approx(want)
+    assert not any(Evaluator(FakeTrainer(), data, _cfg().train).due(s) for s in range(1, 7))
+
+
+def test_checkpoints_are_saved_on_schedule_and_never_after_a_divergence(tmp_path: Path) -> None:
+    cfg = _cfg(train={"checkpoint_every": 2, "keep_checkpoints": 3})
+    trainer = FakeTrainer()
+    ckpt = Checkpointer(cfg, tmp_path, trainer, lead=True)
+    assert ckpt.resume() == 0 and trainer.loads == []
+    saved = [s for s in range(1, 4) if ckpt.after_step(s, diverged=False)]
+    assert saved == [2] and ckpt.saved == str(tmp_path / "checkpoints") and ckpt.saved_step == 2
+    path, extra, keep = trainer.saves[0]
+    assert (path, extra, keep) == (tmp_path / "checkpoints", {"step": 2, "run": resume_keys(cfg)}, 3)
+    # step 4 is due but diverged: nothing is saved, the last good checkpoint stays the newest
+    assert not ckpt.after_step(4, diverged=True)
+    assert len(trainer.saves) == 1 and ckpt.saved_step == 2
+    err = ckpt.explain(_diverged(cfg, 4), 4)
+    assert f"the newest checkpoint, of step 2, is in {tmp_path / 'checkpoints'}" in str(err)
+    assert "Nothing of step 4 was saved" in str(err)
+    assert ckpt.after_step(6, diverged=False) and trainer.saves[-1][1]["step"] == 6  # the last step saves
+
+
+def test_without_a_checkpoint_the_divergence_error_is_left_as_it_is(tmp_path: Path) -> None:
+    ckpt = Checkpointer(_cfg(), tmp_path, FakeTrainer(), lead=True)
+    err = _diverged(_cfg(), 1)
+    assert ckpt.explain(err, 1) is err and not ckpt.after_step(6, diverged=False)
+
+
+def test_resume_continues_after_the_checkpoint_and_warns_about_changed_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(resume=True)
+    trainer = FakeTrainer(resume_extra={"step": 3, "run": resume_keys(cfg)})
+    ckpt = Checkpointer(cfg, tmp_path, trainer, lead=True)
+    assert ckpt.resume() == 3 and ckpt.saved_step == 3 and trainer.loads == [tmp_path / "checkpoints"]
+    assert "warning" not in capsys.readouterr().err
+    older = resume_keys(_cfg(train={"seed": 7}))
+    assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra={"step": 3, "run": older}), lead=True).resume() == 3
+    assert "resumed with changed settings ['train.seed']" in capsys.readouterr().err
+    done = FakeTrainer(resume_extra={"step": 6, "run": resume_keys(cfg)})
+    with pytest.raises(RuntimeError, match="is at step 6 and train.steps=6: this run already finished"):
+        Checkpointer(cfg, tmp_path, done, lead=True).resume()
+
+
+def test_metrics_write_the_records_and_the_summary_that_reads_them(tmp_path: Path) -> None:
+    """Three steps, logged every second step and at the last; the first step is not measured
+    (``train.throughput_skip_steps=1``). The summary's figures come from the recorded steps."""
+    cfg = _cfg(train={"steps": 3, "log_every": 2, "throughput_skip_steps": 1})
+    trainer = FakeTrainer([3.0, 2.0, 1.0])
+    m = RunMetrics(cfg, {}, tmp_path, rank=0, world=1, device=torch.device("cpu"), start=0, all_reduce=lambda t: None)
+    m.begin(trainer)
+    for step in (1, 2, 3):
+        out = trainer.train_step([])
+        s = m.observe(step, out, 0.25, {"all_gather.intra": 10}, 0.125, trainer)
+        assert s.loss == out.loss and s.engine_bytes == {"all_gather.intra": 100}
+        m.log(s, 4.0 if step == 2 else None, last=False)
+    summary = m.finish(
+        [m.rank_report(trainer)], eval_loss=0.5, backend="gloo", checkpoint=None, diverged=None, skipped_steps=0
+    )
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [2, 3] and [r["loss"] for r in recs] == [2.0, 1.0]
+    assert recs[0]["eval_loss"] == 4.0 and recs[0]["tokens_per_s"] == pytest.approx(2 * 8 / 0.25)
+    assert recs[0]["comm_wait_s"] == 0.125 and recs[0]["engine_comm_bytes"] == {"all_gather.intra": 100}
+    on_disk = read_summary(tmp_path / "summary.json")
+    assert on_disk["status"] == "completed" and on_disk["loss"]["curve"] == [3.0, 2.0, 1.0] == summary["loss"]["curve"]
+    assert on_disk["measured_steps"] == 2 and on_disk["loss"]["eval"] == 0.5
+    assert on_disk["engine_comm_bytes_per_step"]["total"] == 100  # two measured steps of 100 bytes each
+    assert on_disk["comm_bytes_per_step"]["by_kind_link"] == {"all_gather.intra": 10}
+    assert on_disk["comm_wait_s_per_step"] == 0.125 and on_disk["memory_per_rank"] == [trainer.memory_report()]
+    assert json.loads((tmp_path / "memory.json").read_text())
+
+
+def test_every_rank_judges_the_means_over_ranks(tmp_path: Path) -> None:
+    """The reduced figures are the means over ranks, so one rank's skipped step or NaN loss is
+    seen by all (here the other rank's figures are added by a stand-in for the all-reduce)."""
+    cfg = _cfg()
+    other = torch.tensor([math.nan, 0.5, 0.0, 0.0, 1.0], dtype=torch.float64)
+    m = RunMetrics(
+        cfg, {}, tmp_path, rank=1, world=2, device=torch.device("cpu"), start=0, all_reduce=lambda t: t.add_(other)
+    )
+    trainer = FakeTrainer([2.0])
+    m.begin(trainer)
+    s = m.observe(1, trainer.train_step([]), 0.1, {}, 0.25, trainer)
+    assert math.isnan(s.loss) and s.skipped and s.wait == pytest.approx(0.375) and s.grad_norm == 1.0
+    with pytest.raises(DivergenceError, match="step 1"):
+        divergence_guard(cfg).check(1, s.loss, s.grad_norm, s.skipped)
+    m.log(s, None, last=True)
+    assert list(tmp_path.iterdir()) == []  # only rank 0 writes records
