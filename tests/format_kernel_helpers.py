@@ -1,14 +1,18 @@
 """Shared pieces of the float-format kernel tests (Triton under the interpreter, and on CUDA):
-the cases that cover every scheme and element format, inputs with every awkward value, and the
-exhaustive probe values of an element format."""
+the cases that cover every scheme and element format, inputs with every awkward value, the
+exhaustive probe values of an element format, and the Triton-vs-reference comparison."""
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 
-from zeropp.kernels.format_layout import ELEMENTS
+from tests.kernel_helpers import assert_same_bits
+from zeropp.kernels import format_reference as ref
+from zeropp.kernels import triton_formats as tri
+from zeropp.kernels.format_layout import ELEMENTS, FormatTensor
 from zeropp.kernels.format_reference import decode_elements
 
 SCHEME_CASES = [
@@ -86,3 +90,51 @@ def probe_values(elem: str) -> torch.Tensor:
     body[: probes.numel()] = probes
     out[:, 1:] = body.view(blocks, 31)
     return out.view(-1)
+
+
+def assert_same_format(a: FormatTensor, b: FormatTensor) -> None:
+    """Same layout, same code bytes, same scale bits (NaN by position), same tensor scales."""
+    assert (a.cols, a.scheme, a.elem, a.group_size) == (b.cols, b.scheme, b.elem, b.group_size)
+    assert a.codes.dtype == b.codes.dtype and torch.equal(a.codes, b.codes)
+    assert_same_bits(a.scales, b.scales)
+    assert (a.tensor_scales is None) == (b.tensor_scales is None)
+    if a.tensor_scales is not None:
+        assert_same_bits(a.tensor_scales, b.tensor_scales)
+
+
+def run(
+    scheme: str,
+    impl: ModuleType,
+    x: torch.Tensor,
+    elem: str,
+    rows: int,
+    stochastic: bool,
+    rule: str = "ocp",
+    gs: int = 32,
+) -> FormatTensor:
+    """``quantize_<scheme>`` of ``impl`` (the ``format_reference`` or the ``triton_formats`` module)."""
+    suffix = "_ref" if impl is ref else ""
+    kw = dict(rows=rows, stochastic=stochastic, seed=2**40 + 7)
+    if scheme == "fp8":
+        return getattr(impl, "quantize_fp8" + suffix)(x, elem, gs, **kw)
+    if scheme == "mx":
+        return getattr(impl, "quantize_mx" + suffix)(x, elem, scale_rule=rule, **kw)
+    return getattr(impl, "quantize_nvfp4" + suffix)(x, **kw)
+
+
+def dequantize(q: FormatTensor, impl: ModuleType, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_<scheme>`` of ``impl`` (as in :func:`run`) to ``dtype``."""
+    suffix = "_ref" if impl is ref else ""
+    return getattr(impl, f"dequantize_{q.scheme}{suffix}")(q, dtype=dtype)
+
+
+def check_case(
+    scheme: str, elem: str, rule: str, gs: int, shape: tuple[int, ...], rows: int, dtype: torch.dtype, stochastic: bool
+) -> None:
+    """Quantize ``format_inputs`` with the Triton kernels and with the reference and compare the
+    bits; dequantize the result both ways (to ``dtype``) and compare the bits."""
+    x = format_inputs(shape, dtype, seed=len(elem) + rows)
+    want = run(scheme, ref, x, elem, rows, stochastic, rule, gs)
+    got = run(scheme, tri, x, elem, rows, stochastic, rule, gs)
+    assert_same_format(got, want)
+    assert_same_bits(dequantize(got, tri, dtype), dequantize(want, ref, dtype))

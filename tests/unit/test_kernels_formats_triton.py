@@ -15,7 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.format_kernel_helpers import ELEMENT_CASES, SCHEME_CASES, format_inputs, probe_values
+from tests.format_kernel_helpers import (
+    ELEMENT_CASES,
+    SCHEME_CASES,
+    assert_same_format,
+    check_case,
+    dequantize,
+    format_inputs,
+    probe_values,
+    run,
+)
 from tests.kernel_helpers import DTYPES, assert_same_bits
 from tests.triton_helpers import interpreted
 from zeropp.kernels import format_reference as ref
@@ -37,41 +46,6 @@ pytestmark = [
 # The 17 rows of 257 take ~2 s per format in the interpreter: tests/e2e/test_kernels_formats_triton.py
 FP8_ONLY = ("e4m3", "e5m2")  # ELEMENT_CASES carries these through fp8, which has no scale rule
 SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 1), ((3, 100), 3)]
-
-
-def assert_same_format(a: FormatTensor, b: FormatTensor) -> None:
-    """Same layout, same code bytes, same scale bits (NaN by position), same tensor scales."""
-    assert (a.cols, a.scheme, a.elem, a.group_size) == (b.cols, b.scheme, b.elem, b.group_size)
-    assert a.codes.dtype == b.codes.dtype and torch.equal(a.codes, b.codes)
-    assert_same_bits(a.scales, b.scales)
-    assert (a.tensor_scales is None) == (b.tensor_scales is None)
-    if a.tensor_scales is not None:
-        assert_same_bits(a.tensor_scales, b.tensor_scales)
-
-
-def run(scheme: str, impl, x: torch.Tensor, elem: str, rows: int, stochastic: bool, rule: str = "ocp", gs: int = 32):
-    """``quantize_<scheme>`` of ``impl`` (the reference module or triton_formats) on ``x``."""
-    suffix = "_ref" if impl is ref else ""
-    kw = dict(rows=rows, stochastic=stochastic, seed=2**40 + 7)
-    if scheme == "fp8":
-        return getattr(impl, "quantize_fp8" + suffix)(x, elem, gs, **kw)
-    if scheme == "mx":
-        return getattr(impl, "quantize_mx" + suffix)(x, elem, scale_rule=rule, **kw)
-    return getattr(impl, "quantize_nvfp4" + suffix)(x, **kw)
-
-
-def dequantize(q: FormatTensor, impl, dtype: torch.dtype) -> torch.Tensor:
-    suffix = "_ref" if impl is ref else ""
-    return getattr(impl, f"dequantize_{q.scheme}{suffix}")(q, dtype=dtype)
-
-
-def check_case(scheme, elem, rule, gs, shape, rows, dtype, stochastic) -> None:
-    """Quantize ``format_inputs`` both ways and compare; dequantize the result both ways and compare."""
-    x = format_inputs(shape, dtype, seed=len(elem) + rows)
-    want = run(scheme, ref, x, elem, rows, stochastic, rule, gs)
-    got = run(scheme, tri, x, elem, rows, stochastic, rule, gs)
-    assert_same_format(got, want)
-    assert_same_bits(dequantize(got, tri, dtype), dequantize(want, ref, dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,3 +167,20 @@ def test_same_refusals_as_the_reference():
         with pytest.raises(ValueError) as got:
             call(tri, "")
         assert str(got.value) == str(want.value)
+
+
+def test_compile_check_covers_every_format_kernel():
+    """``compile_check`` (run by tests/e2e/test_kernels_triton.py) compiles each format kernel:
+    every element format of every scheme in quantize and dequantize, both MX rules, nvfp4's
+    absmax pass, with the launchers' constexprs. A format added to the layout without a
+    variant there fails here."""
+    from zeropp.kernels import compile_check
+    from zeropp.kernels.format_layout import SCALE_RULES, SCHEME_ELEMENTS
+
+    names = [v[0] for v in compile_check._format_variants(False)]
+    for scheme, elems in SCHEME_ELEMENTS.items():
+        for elem in elems:
+            assert any(n.startswith(f"format {scheme}/{elem} ") and " quantize " in n for n in names), (scheme, elem)
+            assert f"format {scheme}/{elem} dequantize -> bf16" in names, (scheme, elem)
+    assert all(any("format mx/" in n and f" {r} quantize" in n for n in names) for r in SCALE_RULES)
+    assert "format nvfp4 row absmax bf16" in names
