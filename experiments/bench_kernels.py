@@ -48,6 +48,8 @@ from zeropp.kernels import (
     quantized_nbytes,
 )
 
+from . import bench_format_rows
+
 TARGET_FRACTION = 0.90
 """Goal on H100/H200: >= 90% of the measured copy bandwidth for sizes >= 64 MiB."""
 
@@ -296,6 +298,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
             lambda: dequantize_sum(stacked, out=out),
             compiled("dsum", _plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
         )
+        if bench_format_rows.wanted(args.formats, device):
+            bench_format_rows.record_formats(record, x, size)
         del x, q, qs, stacked, out, xb, cb, sb
     return rows
 
@@ -373,6 +377,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the speed-up (none: skip)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline column")
+    p.add_argument(
+        "--formats",
+        default="auto",
+        choices=bench_format_rows.FORMATS_CHOICES,
+        help="also time the float formats (fp8, MX, NVFP4; experiments/bench_format_rows.py): auto = on CUDA only",
+    )
     p.add_argument("--k", type=int, default=4, help="inputs summed by the reductions (ranks per node)")
     p.add_argument(
         "--threads",
