@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.format_kernel_helpers import SCHEME_CASES, format_inputs
+from tests.format_kernel_helpers import SCHEME_CASES, format_inputs, useful_huge
 from zeropp.kernels import format_ops, triton_formats
 from zeropp.kernels.format_layout import FormatTensor
 
@@ -95,7 +95,7 @@ def test_cuda_tensors_dispatch_to_the_triton_kernels() -> None:
 @pytest.mark.parametrize("scheme,elem,rule,gs", SCHEME_CASES, ids=str)
 def test_formats_on_cuda_bit_exact(scheme, elem, rule, gs, shape, dtype, stochastic) -> None:
     dims, rows = SHAPES[shape]
-    x = format_inputs(dims, dtype, seed=len(elem))
+    x = format_inputs(dims, dtype, seed=len(elem), huge=useful_huge(scheme, rows))
     q = _quantize(x.cuda(), scheme, elem, rule, gs, rows, stochastic)
     ref = _quantize(x, scheme, elem, rule, gs, rows, stochastic, impl="reference")
     _same_format(q, ref)
@@ -110,16 +110,16 @@ def test_crafted_codes_on_cuda_bit_exact(scheme, elem, rule, gs) -> None:
     """Every code byte and every scale code a received buffer may hold (NaN and Inf codes, E8M0
     0 and 255, E4M3 NaN scales, subnormal and huge fp32 scales) decodes as the reference does."""
     g = torch.Generator().manual_seed(3)
-    q = _quantize(torch.zeros(4, 1024), scheme, elem, rule, gs, 4, False, impl="reference")
+    q = _quantize(torch.zeros(8, 1024), scheme, elem, rule, gs, 8, False, impl="reference")
     codes = torch.randint(0, 256, q.codes.shape, generator=g, dtype=torch.uint8)
-    codes[0, :256] = torch.arange(256, dtype=torch.uint8)
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8)  # every byte (two or 4/3 codes each)
     if scheme == "fp8":
         some = torch.tensor([1.0, -(2.0**-140), float("nan"), 3.0e38, float("inf"), 0.0, -5.0, 2.0**-126])
         scales = some[torch.arange(q.scales.numel()) % 8].view(q.scales.shape)
-    else:
-        scales = torch.randint(0, 256, q.scales.shape, generator=g, dtype=torch.uint8)
-        scales[1, : min(256, scales.shape[1])] = torch.arange(min(256, scales.shape[1]), dtype=torch.uint8)
-    t = torch.tensor([[2.0**-130], [7.5], [1e30], [0.0]]) if scheme == "nvfp4" else None
+    else:  # every E8M0 / E4M3 scale code (8 rows hold at least 256 blocks)
+        scales = (torch.arange(q.scales.numel()) % 256).to(torch.uint8).view(q.scales.shape)
+    t = torch.tensor([[2.0**-130], [7.5], [1e30], [0.0], [1.0], [2.0**-149], [3.0e38], [0.5]])
+    t = t if scheme == "nvfp4" else None
     crafted = FormatTensor(codes, scales, t, q.cols, scheme, elem, gs)
     for dtype in DTYPES.values():
         _same(
@@ -130,7 +130,7 @@ def test_crafted_codes_on_cuda_bit_exact(scheme, elem, rule, gs) -> None:
 
 def test_stochastic_streams_differ_by_seed_on_cuda() -> None:
     """The seed reaches every GPU quantizer: two seeds, two roundings; one seed, one rounding."""
-    x = format_inputs((4099,), torch.float32).cuda()
+    x = (torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 3).cuda()
     for scheme, elem, rule, gs in SCHEME_CASES:
         a, b, c = (_quantize(x, scheme, elem, rule, gs, 1, True, seed=s) for s in (1, 2, 1))
         assert not torch.equal(a.codes, b.codes) and torch.equal(a.codes, c.codes)
