@@ -184,3 +184,24 @@ def test_compile_check_covers_every_format_kernel():
             assert f"format {scheme}/{elem} dequantize -> bf16" in names, (scheme, elem)
     assert all(any("format mx/" in n and f" {r} quantize" in n for n in names) for r in SCALE_RULES)
     assert "format nvfp4 row absmax bf16" in names
+
+
+@pytest.mark.parametrize("scheme,elem,rule,gs", [SCHEME_CASES[i] for i in (0, 4, 10)], ids=str)
+def test_empty_rows_launch_nothing_and_match_the_reference(scheme, elem, rule, gs):
+    """Zero elements (one row, or three rows of none): no kernel runs, and the result is the
+    reference's (empty codes and scales; nvfp4's row scales 0)."""
+    for x, rows in ((torch.empty(0), 1), (torch.empty(3, 0), 3)):
+        want = run(scheme, ref, x, elem, rows, False, rule, gs)
+        got = run(scheme, tri, x, elem, rows, False, rule, gs)
+        assert_same_format(got, want)
+        assert_same_bits(dequantize(got, tri, torch.float16), dequantize(want, ref, torch.float16))
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused_clearly(monkeypatch):
+    """The compiled kernels need CUDA tensors: a CPU tensor without TRITON_INTERPRET=1 gets the
+    int kernels' message (what to set, or which impl to use) instead of an error deep in Triton."""
+    q = tri.quantize_mx(torch.ones(40), "e2m1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for call in (lambda: tri.quantize_mx(torch.ones(40), "e2m1"), lambda: tri.dequantize_mx(q)):
+        with pytest.raises(RuntimeError, match="need TRITON_INTERPRET=1 set before triton is imported"):
+            call()
