@@ -2,8 +2,9 @@
 reference (``kernels/format_reference.py``), bit for bit: same code bytes, same scale bits, same
 output bits, run on CPU tensors under TRITON_INTERPRET=1 (set by conftest.py).
 
-Sizes 1, 7, 17x257 (one row and 17 rows) and rows that end inside a block; fp32/bf16/fp16; every
-element format of every scheme, both MX scale rules, round to nearest and stochastic. The inputs
+Sizes 1, 7, 17x257 as one row, and 3 rows of 100 (each ending inside a block; the 17 rows of 257
+are in ``tests/e2e/test_kernels_formats_triton.py``); fp32/bf16/fp16; every element format of every
+scheme, both MX scale rules, round to nearest and stochastic. The inputs
 (``format_inputs``) carry zero blocks, -0.0, fp32 subnormals, values beyond every format's range,
 NaN and Inf. The element encoders are also checked exhaustively: every code decodes to its value,
 and every value, every midpoint between neighbours and the fp32 numbers on each side of it
@@ -41,10 +42,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
 
+FP8_ONLY = ("e4m3", "e5m2")  # ELEMENT_CASES carries these through fp8, which has no scale rule
 # (shape, rows): a lone element, less than a block, 17*257 as one row (it ends inside a block of
 # every size), and 3 rows of 100 (rows that each end inside a block; Philox offsets past row 0).
 # The 17 rows of 257 take ~2 s per format in the interpreter: tests/e2e/test_kernels_formats_triton.py
-FP8_ONLY = ("e4m3", "e5m2")  # ELEMENT_CASES carries these through fp8, which has no scale rule
 SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 1), ((3, 100), 3)]
 
 
