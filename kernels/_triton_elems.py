@@ -1,16 +1,17 @@
 """Triton element arithmetic of the float formats (E4M3, E5M2, E3M2, E2M3, E2M1, MX INT8), and
 the tile helpers built on it (encode / decode by format, packed 8 / 6 / 4-bit code load and store).
 
-Inlined into the kernels of ``_triton_format_kernels.py``. Every step is integer arithmetic on the fp32
-bits, an exact operation, or one IEEE round-to-nearest-even, so that a GPU and the interpreter
-produce the bits of the torch reference (``reference_formats.py``):
+Inlined into the kernels of ``_triton_format_kernels.py``. Every step is integer arithmetic on the
+fp32 bits, an exact operation, or one IEEE round-to-nearest-even, so that a GPU and the interpreter
+produce the bits of the torch reference (``format_reference.py``):
 
 - no ``tl.float8`` casts: their rounding, saturation and NaN handling differ between devices and
   Triton versions;
 - powers of two are built from exponent bits (``pow2``), so ``a * 2**k`` is exact whenever the
   result is a normal fp32 (no ``exp2`` approximation);
 - round-half-to-even is written with ``floor`` and a comparison of the exact fractional part
-  (``rne``), not ``rint`` (a libdevice call the interpreter has no twin of);
+  (``rne``) rather than a libdevice ``rint``, so the interpreter and the GPU run the same
+  operations;
 - NaN never reaches ``tl.minimum`` / ``tl.maximum``: the GPU's ``min.f32`` drops a NaN operand
   and numpy's propagates it, so NaN lanes are replaced first and their codes chosen by mask.
 
@@ -97,7 +98,7 @@ def encode_float(
     a = tl.where(nan, 0.0, tl.abs(v))
     a = tl.minimum(a, MAX_VAL)  # +-Inf saturates
     e = tl.maximum(exponent_of(a), EMIN)
-    m = a * pow2(M - e + 0)  # exact: a power-of-two scaling of a normal result
+    m = a * pow2(M - e)  # exact: a power-of-two scaling of a normal result
     if STOCHASTIC:
         r = tl.floor(m + u)
     else:
@@ -166,6 +167,7 @@ def decode_int8(code):
 # ----------------------------------------------------------------------------------------------
 @jit
 def nan_f32(shape):
+    """A tile of the canonical quiet NaN (0x7FC00000), the reference's ``float("nan")``."""
     return tl.full(shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
