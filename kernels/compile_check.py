@@ -1,13 +1,15 @@
 """Compile every Triton kernel for an NVIDIA target without a GPU, and check the generated PTX.
 
     python -m zeropp.kernels.compile_check            # sm_90 (H100/H200), representative variants
-    python -m zeropp.kernels.compile_check --all      # every dtype x bits x stochastic variant
+    python -m zeropp.kernels.compile_check --all      # every dtype x bits x stochastic variant (and format)
 
 Why: CPU tests run the kernels under TRITON_INTERPRET=1, which never invokes the compiler, so an
 error only the compiler sees (a non-constexpr global read, a type mismatch) would first show on a
 GPU. Triton ships ptxas, so the full compile runs on any Linux machine. The PTX is also checked
 for the two properties bit-exactness depends on: no ``fma`` (fp contraction off) and IEEE
-division without flush-to-zero. Exit code 77 means "cannot check here" (interpreter mode or
+division without flush-to-zero; the float formats' kernels (``triton_formats.py``: one variant per
+element format and code width, both MX scale rules) must also hold no flush-to-zero instruction at
+all, since their encoders take subnormal scaled values and scales. Exit code 77 means "cannot check here" (interpreter mode or
 no ptxas), for test runners to report as a skip.
 """
 
