@@ -9,8 +9,8 @@ GPU. Triton ships ptxas, so the full compile runs on any Linux machine. The PTX 
 for the two properties bit-exactness depends on: no ``fma`` (fp contraction off) and IEEE
 division without flush-to-zero; the float formats' kernels (``triton_formats.py``: one variant per
 element format and code width, both MX scale rules) must also hold no flush-to-zero instruction at
-all, since their encoders take subnormal scaled values and scales. Exit code 77 means "cannot check here" (interpreter mode or
-no ptxas), for test runners to report as a skip.
+all, since their encoders take subnormal scaled values and scales. Exit code 77 means "cannot
+check here" (interpreter mode or no ptxas), for test runners to report as a skip.
 """
 
 from __future__ import annotations
