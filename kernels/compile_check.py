@@ -1,14 +1,16 @@
 """Compile every Triton kernel for an NVIDIA target without a GPU, and check the generated PTX.
 
     python -m zeropp.kernels.compile_check            # sm_90 (H100/H200), representative variants
-    python -m zeropp.kernels.compile_check --all      # every dtype x bits x stochastic variant
+    python -m zeropp.kernels.compile_check --all      # every dtype x bits x stochastic variant (and format)
 
 Why: CPU tests run the kernels under TRITON_INTERPRET=1, which never invokes the compiler, so an
 error only the compiler sees (a non-constexpr global read, a type mismatch) would first show on a
 GPU. Triton ships ptxas, so the full compile runs on any Linux machine. The PTX is also checked
 for the two properties bit-exactness depends on: no ``fma`` (fp contraction off) and IEEE
-division without flush-to-zero. Exit code 77 means "cannot check here" (interpreter mode or
-no ptxas), for test runners to report as a skip.
+division without flush-to-zero; the float formats' kernels (``triton_formats.py``: one variant per
+element format and code width, both MX scale rules) must also hold no flush-to-zero instruction at
+all, since their encoders take subnormal scaled values and scales. Exit code 77 means "cannot
+check here" (interpreter mode or no ptxas), for test runners to report as a skip.
 """
 
 from __future__ import annotations
@@ -88,18 +90,66 @@ def _variants(full: bool):
             )
 
 
+_TILE_KEYS = ("BLOCK_G", "BLOCK_GS", "num_warps", "enable_fp_fusion", "enable_reflect_ftz")
+
+
+def _format_variants(full: bool):
+    """The float formats' kernels (``triton_formats.py``), one variant per element format and
+    code width (8, 6, 4 bits; INT8; E5M2's IEEE specials), both MX scale rules, and with ``full``
+    every input / output dtype and both roundings. The constexprs are the launchers' own (read
+    from their cached plans), so what compiles here is what launches."""
+    fm = importlib.import_module(__package__ + ".triton_formats")
+
+    def consts(launch) -> dict:
+        return {k: v for k, v in launch.meta.items() if k not in _TILE_KEYS}
+
+    f32, u8 = "*fp32", "*u8"
+    dtypes = ("fp32", "bf16", "fp16") if full else ("bf16",)
+    cases = [("fp8", "e4m3", 100, "ocp"), ("fp8", "e5m2", 512, "ocp")]
+    cases += [("mx", e, 32, r) for e in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "int8") for r in ("ocp", "round_up")]
+    cases += [("nvfp4", "e2m1", 16, "ocp")]
+    for (scheme, elem, gs, rule), dt in itertools.product(cases, dtypes):
+        if not full and scheme == "mx" and (rule == "round_up") != (elem in ("e5m2", "e2m3", "int8")):
+            continue  # representative: each element format once, each rule over several formats
+        scales = f32 if scheme == "fp8" else u8
+        for st in (False, True) if full else (True,):
+            q = fm.quantize_plan(scheme, 2, 1 << 16, elem, gs, rule, st)
+            ptrs = {"x_ptr": "*" + dt, "codes_ptr": u8, "scales_ptr": scales, "row_absmax_ptr": f32, "tensor_ptr": f32}
+            yield (
+                f"format {scheme}/{elem} {rule} quantize {dt} g{gs} stochastic={st}",
+                q.launch.kernel,
+                ptrs,
+                consts(q.launch),
+            )
+        if scheme == "nvfp4":
+            yield (
+                f"format nvfp4 row absmax {dt}",
+                q.absmax.kernel,
+                {"x_ptr": "*" + dt, "part_ptr": f32},
+                consts(q.absmax),
+            )
+        d = fm.dequantize_plan(scheme, 2, 1 << 16, elem, gs, (1, 1, 1, 1) if scheme == "nvfp4" else (1, 1, 1))
+        ptrs = {"codes_ptr": u8, "scales_ptr": scales, "tensor_ptr": f32, "out_ptr": "*" + dt}
+        if rule == "ocp" or not full:  # the dequantize kernels do not depend on the rule
+            yield (f"format {scheme}/{elem} dequantize -> {dt}", d.launch.kernel, ptrs, consts(d.launch))
+
+
 def check(arch: int = 90, full: bool = False) -> list[str]:
     """Compile the variants (each in every size class with ``full``, else in the large class: the
     largest tiles); return a list of problems (empty when all is well)."""
     problems = []
-    for (name, fn, ptrs, consts), size in itertools.product(_variants(full), _GROUPS_ROWS if full else ("large",)):
+    variants = [*_variants(full), *_format_variants(full)]
+    for (name, fn, ptrs, consts), size in itertools.product(variants, _GROUPS_ROWS if full else ("large",)):
         name = f"{name} [{size}]"
         ptx = _compile_ptx(fn, ptrs, consts, arch, size)
         if re.search(r"\bfma\.", ptx):
             problems.append(f"{name}: fused multiply-add in PTX (fp contraction must be off)")
         if re.search(r"\bdiv\.(rn\.ftz|full|approx)", ptx):
             problems.append(f"{name}: approximate or flush-to-zero division in PTX")
-        if name.startswith("quantize") or "requantize" in name:
+        if name.startswith("format") and re.search(r"\.ftz\b", ptx):
+            problems.append(f"{name}: a flush-to-zero instruction in PTX (subnormals must survive)")
+        divides = name.startswith(("format fp8", "format nvfp4")) and " quantize " in name
+        if name.startswith("quantize") or "requantize" in name or divides:
             if "div.rn.f32" not in ptx:
                 problems.append(f"{name}: no IEEE division (div.rn.f32) found")
         print(f"ok  {name}" if not any(p.startswith(name) for p in problems) else f"BAD {name}")

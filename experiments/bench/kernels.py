@@ -49,6 +49,7 @@ from zeropp.kernels import (
     quantized_nbytes,
 )
 
+from . import format_rows
 from .kernels_plain import Compiled, plain_dequantize, plain_dequantize_sum, plain_quantize, plain_reduce
 
 TARGET_FRACTION = 0.90
@@ -250,6 +251,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
             lambda: dequantize_sum(stacked, out=out),
             compiled("dsum", plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
         )
+        if format_rows.wanted(args.formats, device):
+            format_rows.record_formats(record, x, size)
         del x, q, qs, stacked, out, xb, cb, sb
     return rows
 
@@ -327,6 +330,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the speed-up (none: skip)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline column")
+    p.add_argument(
+        "--formats",
+        default="auto",
+        choices=format_rows.FORMATS_CHOICES,
+        help="also time the float formats (fp8, MX, NVFP4; experiments/bench/format_rows.py): auto = on CUDA only",
+    )
     p.add_argument("--k", type=int, default=4, help="inputs summed by the reductions (ranks per node)")
     p.add_argument(
         "--threads",
