@@ -343,7 +343,9 @@ def _train(
             # nothing is saved from a diverged state: the last good checkpoint stays LATEST
             if diverged is None and t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
                 heartbeat("checkpoint_save", step, long=True)
-                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg)}, keep=t.keep_checkpoints)
+                # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
+                model_rec = cfg.to_dict()["model"]
+                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg), "model": model_rec}, keep=t.keep_checkpoints)
                 saved, saved_step = str(ckpt), step
                 watch.take()
             if lead and (step % t.log_every == 0 or step == t.steps or diverged is not None):
