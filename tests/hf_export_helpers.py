@@ -70,7 +70,8 @@ def our_logits(cfg: Any, state: dict[str, torch.Tensor], idx: torch.Tensor) -> t
     from zeropp.models import build_hf_model
 
     model = build_hf_model(cfg, seed=123)
-    model.load_state_dict(state)
+    own = model.state_dict()  # a checkpoint also holds the buffers the model does not persist (rotary)
+    model.load_state_dict({k: v for k, v in state.items() if k in own})
     return model.eval()(idx)[0]
 
 
