@@ -345,7 +345,9 @@ def _train(
                 heartbeat("checkpoint_save", step, long=True)
                 # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
                 model_rec = cfg.to_dict()["model"]
-                trainer.save(ckpt, {"step": step, "run": _resume_keys(cfg), "model": model_rec}, keep=t.keep_checkpoints)
+                trainer.save(
+                    ckpt, {"step": step, "run": _resume_keys(cfg), "model": model_rec}, keep=t.keep_checkpoints
+                )
                 saved, saved_step = str(ckpt), step
                 watch.take()
             if lead and (step % t.log_every == 0 or step == t.steps or diverged is not None):

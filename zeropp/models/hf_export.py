@@ -169,7 +169,7 @@ def export_pretrained(
         tmp.mkdir(parents=True)
         hf.save_pretrained(tmp)
         if lora_format == "peft":
-            _save_peft(cfg, hf, weights, adapters, tmp / ADAPTER_DIR, final=out)
+            _save_peft(hf, weights, adapters, tmp / ADAPTER_DIR, final=out)
         info = {"checkpoint": str(src.resolve()), "step": meta.get("step"), "lora_format": lora_format}
         (tmp / "zeropp_export.json").write_text(json.dumps(info, indent=1) + "\n")
         if out.is_dir():
@@ -247,7 +247,7 @@ def _split_lora(
     return out
 
 
-def _plain_model(cfg: HFConfig, state: dict[str, torch.Tensor], where: Path) -> nn.Module:
+def _plain_model(cfg: HFConfig, state: dict[str, torch.Tensor], where: Path) -> Any:
     """The ``transformers`` model (no adapters) holding ``state``: built on the meta device, its
     parameters then assigned from ``state`` (strictly: a missing or extra entry is an error)."""
     conf = hf_model_config(cfg.with_(lora_rank=0))
@@ -271,13 +271,7 @@ def _plain_model(cfg: HFConfig, state: dict[str, torch.Tensor], where: Path) -> 
 
 
 def _save_peft(
-    cfg: HFConfig,
-    base: nn.Module,
-    weights: dict[str, torch.Tensor],
-    adapters: dict[str, _Adapter],
-    target: Path,
-    *,
-    final: Path,
+    base: nn.Module, weights: dict[str, torch.Tensor], adapters: dict[str, _Adapter], target: Path, *, final: Path
 ) -> None:
     """The adapters as a ``peft`` LoRA adapter directory, written by ``peft`` itself (our ``lora_a``
     is its ``lora_A`` ``[r, in]``, our ``lora_b`` its ``lora_B`` ``[out, r]``; GPT-2's ``Conv1D`` is
@@ -289,14 +283,14 @@ def _save_peft(
     first = next(iter(adapters.values()))
     conf = peft.LoraConfig(
         r=first.rank,
-        lora_alpha=first.alpha,
+        lora_alpha=int(first.alpha) if first.alpha.is_integer() else first.alpha,  # type: ignore[arg-type]
         target_modules=sorted(adapters),
         lora_dropout=0.0,
         bias="none",
         fan_in_fan_out=first.transposed,
         task_type="CAUSAL_LM",
     )
-    model = peft.get_peft_model(base, conf)
+    model: Any = peft.get_peft_model(base, conf)
     with torch.no_grad():
         for name in adapters:
             layer = model.base_model.model.get_submodule(name)
@@ -305,7 +299,7 @@ def _save_peft(
     model.peft_config["default"].base_model_name_or_path = str(final.resolve())
     with warnings.catch_warnings():  # peft looks for the base's config at that path, which exists only once renamed
         warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
-        model.save_pretrained(target)
+        model.save_pretrained(str(target))
     model.unload()  # ``base`` back without the adapter layers
 
 
