@@ -64,6 +64,23 @@ def train_and_save(
         eng.close()
 
 
+def train_and_save_ddp(model: nn.Module, cfg: Any, path: Path) -> dict[str, torch.Tensor]:
+    """As :func:`train_and_save` for ``trainer=ddp``: one AdamW step of DDP(``model``), saved as
+    ``TorchTrainer.save`` saves (``experiments.trainers.save_dcp``, the checkpoint kind ``torch``)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zeropp.experiments.trainers import save_dcp
+
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-2)
+    ddp(*tokens(cfg))[1].backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    save_dcp({"model": model_sd, "optim": optim_sd}, path, {"step": 1, "model": model_record(cfg)})
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 @torch.no_grad()
 def our_logits(cfg: Any, state: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
     """Logits of our model (``build_hf_model(cfg)``, LoRA adapters unmerged) holding ``state``."""

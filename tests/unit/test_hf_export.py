@@ -24,6 +24,7 @@ from tests.hf_export_helpers import (
     our_logits,
     tokens,
     train_and_save,
+    train_and_save_ddp,
     world_of_one,
 )
 from zeropp.models import GPT, GPTConfig, HFConfig
@@ -52,6 +53,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with world_of_one(root / "store"):
         for name, (cfg, stage) in CASES.items():
             out[name] = train_and_save(build_hf_model(cfg, seed=0), cfg, root / name, stage=stage)
+        out["gpt2-ddp"] = train_and_save_ddp(build_hf_model(GPT2, seed=0), GPT2, root / "gpt2-ddp")
         gpt = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2)
         torch.manual_seed(0)
         train_and_save(GPT(gpt), gpt, root / "gpt", stage=3)
@@ -65,9 +67,9 @@ def _export(ckpts: dict[str, Any], name: str, out: Path, **kw: Any) -> Path:
     return export_pretrained(ckpts["root"] / name, out, **kw)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gpt2-ddp"])
 def test_export_loads_in_transformers_with_the_trained_logits(ckpts: dict[str, Any], tmp_path: Path, name: str) -> None:
-    cfg = CASES[name][0]
+    cfg = CASES[name][0] if name in CASES else GPT2  # gpt2-ddp: trainer=ddp's checkpoint format
     out = _export(ckpts, name, tmp_path / "out")
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors"} <= files and not any(f.endswith((".bin", ".pt")) for f in files)
@@ -224,3 +226,25 @@ def test_command_line_exports_a_run_dir_and_reports_errors(
     settings.write_text(json.dumps(model_record(GPT2)))
     main([str(run / "checkpoints"), str(tmp_path / "out2"), "--model-config", str(settings)])
     assert (tmp_path / "out2" / "model.safetensors").is_file()
+
+
+def test_refuses_a_corrupt_or_crafted_checkpoint(ckpts: dict[str, Any], tmp_path: Path) -> None:
+    from tests.checkpoint_helpers import plant_metadata
+    from zeropp.models.hf_export import ExportError, export_pretrained
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpts["root"] / "gpt2", src)
+    d = src / (src / "LATEST").read_text().strip()
+    data = next(d.glob("*.distcp"))
+    good = data.read_bytes()
+    raw = bytearray(good)
+    raw[100:104] = b"XXXX"  # a flipped region: what a bad disk or a truncated copy gives
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ExportError, match="cannot read the checkpoint.*fails its checksum"):
+        export_pretrained(src, tmp_path / "a")
+    data.write_bytes(good)
+    marker = tmp_path / "pwned"
+    plant_metadata(d, marker)  # a .metadata pickle that runs a command when unpickled, checksum recomputed
+    with pytest.raises(ExportError, match="cannot read the checkpoint.*metadata"):
+        export_pretrained(src, tmp_path / "b")
+    assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
