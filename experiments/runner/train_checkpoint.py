@@ -109,7 +109,9 @@ class Checkpointer:
         if diverged or not self.due(step):
             return False
         heartbeat("checkpoint_save", step, long=True)
-        self.trainer.save(self.dir, {"step": step, "run": resume_keys(self.cfg)}, keep=self.cfg.train.keep_checkpoints)
+        # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
+        extra = {"step": step, "run": resume_keys(self.cfg), "model": self.cfg.to_dict()["model"]}
+        self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)
         self.saved, self.saved_step = str(self.dir), step
         return True
 

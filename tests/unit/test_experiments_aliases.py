@@ -42,6 +42,7 @@ def test_the_documented_entry_points_are_all_there() -> None:
             "bench_kernels",
             "bench_offload",
             "converge",
+            "export",
             "memory",
             "memory_study",
             "mixz",

@@ -77,7 +77,11 @@ def test_checkpoints_are_saved_on_schedule_and_never_after_a_divergence(tmp_path
     saved = [s for s in range(1, 4) if ckpt.after_step(s, diverged=False)]
     assert saved == [2] and ckpt.saved == str(tmp_path / "checkpoints") and ckpt.saved_step == 2
     path, extra, keep = trainer.saves[0]
-    assert (path, extra, keep) == (tmp_path / "checkpoints", {"step": 2, "run": resume_keys(cfg)}, 3)
+    assert (path, extra, keep) == (
+        tmp_path / "checkpoints",
+        {"step": 2, "run": resume_keys(cfg), "model": cfg.to_dict()["model"]},
+        3,
+    )
     # step 4 is due but diverged: nothing is saved, the last good checkpoint stays the newest
     assert not ckpt.after_step(4, diverged=True)
     assert len(trainer.saves) == 1 and ckpt.saved_step == 2

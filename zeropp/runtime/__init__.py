@@ -4,7 +4,7 @@ from .batch import MicroBatchError, WithTargets
 from .checkpoint import CheckpointError
 from .choices import MemoryTier, OffloadTier, Precision, QuantizeFrozen, Schedule
 from .config import OptimizerConfig, ZeroConfig
-from .consolidate import export_consolidated
+from .consolidate import export_consolidated, read_consolidated
 from .engine import StepResult, ZeroEngine
 from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
 from .memory import expected_memory, measure_memory
@@ -35,4 +35,5 @@ __all__ = [
     "expected_memory",
     "export_consolidated",
     "measure_memory",
+    "read_consolidated",
 ]

@@ -7,8 +7,9 @@ engine kept when the compute-dtype cast rounds), buffers as they are. Everything
 A tied parameter comes back under each of its names (separate tensors with equal values, as
 ``load_state_dict`` into the unwrapped, tied model expects).
 
-:func:`export_consolidated` does the same offline, from a checkpoint directory, in one process
-(DCP reads every rank's pieces; no process group).
+:func:`read_consolidated` does the same offline, from a checkpoint directory, in one process
+(DCP reads every rank's pieces; no process group), and :func:`export_consolidated` writes its
+result to one ``torch.save`` file.
 """
 
 from __future__ import annotations
@@ -66,19 +67,28 @@ def consolidated_state_dict(
     return out
 
 
-def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:
-    """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
-    model's ``state_dict`` (fp32 masters cast to each parameter's dtype, plus frozen parameters and
-    buffers; a tensor-parallel checkpoint's tp pieces merged into the unsplit weights). Runs in one
-    process, no process group needed (DCP reads every piece). Every file is verified against its
-    checksum first, and nothing in the checkpoint can run code."""
+def read_consolidated(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """The unwrapped model's ``state_dict`` from the latest checkpoint under ``path``, and that
+    version's ``meta.json``. One process, no process group (DCP reads every rank's pieces, no_dist).
+
+    An engine checkpoint (``trainer=zeropp``) gives the fp32 masters cast to each parameter's dtype,
+    plus frozen parameters and buffers, a tensor-parallel one's tp pieces merged into the unsplit
+    weights; a torch trainers' checkpoint (``trainer=fsdp2`` / ``ddp``) gives its ``model`` entries,
+    whole whatever the world size that saved them. Every file is verified against its checksum
+    first, and nothing in the checkpoint can run code."""
     d = latest(path)
-    meta = read_meta(d, "engine")
+    meta = read_meta(d)
     verify(d, meta, 0, 1)  # one process: it checks every file
+    md = read_metadata(d, cio.data_files(meta)).state_dict_metadata
+    if meta.get("kind", "engine") == "torch":
+        model_keys = [k for k in md if k.startswith("model.")]
+        entries = {k: tensor_entry(md, k) for k in model_keys}
+        sd_t = {k: torch.empty(e.size, dtype=e.properties.dtype) for k, e in entries.items()}
+        _load_no_dist(sd_t, d, meta)
+        return {k.removeprefix("model."): v for k, v in sd_t.items()}, meta
     layouts = [UnitLayout.from_dict(u) for u in meta["units"]]
     tp = int(meta.get("tp", 1))
     prefixes = [f"tp{k}." if tp > 1 else "" for k in range(tp)]
-    md = read_metadata(d, cio.data_files(meta)).state_dict_metadata
     sd: dict[str, Any] = {}
     for pre in prefixes:
         sd.update({f"{pre}units.{lay.name}.masters": torch.empty(lay.numel, dtype=torch.float32) for lay in layouts})
@@ -88,9 +98,7 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
                 for k, dt in meta["model_state"].items()
             }
         )
-    with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(sd, storage_reader=cio.reader(d, meta), planner=SafeLoadPlanner(), no_dist=True)
+    _load_no_dist(sd, d, meta)
     pieces: dict[str, list[torch.Tensor]] = {}  # name -> one tensor per tp index
     for pre in prefixes:
         for lay in layouts:
@@ -98,7 +106,22 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
                 pieces.setdefault(name, []).append(v.to(getattr(torch, meta["param_dtypes"][name])).clone())
         for k in meta["model_state"]:
             pieces.setdefault(k, []).append(sd[f"{pre}model.{k}"])
-    out = merge_pieces(pieces, meta.get("tp_split", {}))
+    return merge_pieces(pieces, meta.get("tp_split", {})), meta
+
+
+def _load_no_dist(sd: dict[str, Any], d: Path, meta: dict) -> None:
+    with warnings.catch_warnings():  # DCP warns that no process group is used: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, storage_reader=cio.reader(d, meta), planner=SafeLoadPlanner(), no_dist=True)
+
+
+def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) -> str:
+    """Write the latest checkpoint under ``path`` as one ``torch.save`` file holding the unwrapped
+    model's ``state_dict`` (:func:`read_consolidated`: fp32 masters cast to each parameter's dtype,
+    plus frozen parameters and buffers; a tensor-parallel checkpoint's tp pieces merged into the
+    unsplit weights). Runs in one process, no process group needed (DCP reads every piece). Every
+    file is verified against its checksum first, and nothing in the checkpoint can run code."""
+    out, _meta = read_consolidated(path)
     target = Path(out_file)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     torch.save(out, tmp)

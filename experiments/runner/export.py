@@ -1,0 +1,82 @@
+"""A run's trained Hugging Face model, out as a directory ``transformers`` loads.
+
+``python -m experiments.export <run dir or checkpoint dir> <out dir> [--lora-format merged|peft]``
+writes the latest checkpoint of a ``model=hf`` run (any trainer, world size, stage or topology) as a
+``save_pretrained`` directory (safetensors + ``config.json``):
+``AutoModelForCausalLM.from_pretrained(<out dir>)`` then gives the trained model's logits. One
+process, no GPU, no process group. The work is :func:`zeropp.models.hf_export.export_pretrained`;
+this is its command line.
+
+The model's settings come from the checkpoint (the runner records them there). A checkpoint saved
+before they were recorded still exports from a run directory, with its ``summary.json``'s
+``config.model``, or with ``--model-config`` naming such a file (a ``summary.json``, or a JSON
+object of ``model.*`` settings). Errors print ``error: ...`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _model_settings(path: Path) -> dict[str, Any]:
+    """The ``model.*`` settings in a ``summary.json`` (``config.model``) or a JSON object of them."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model-config {path} cannot be read as JSON: {e}") from None
+    rec = data.get("config", {}).get("model") if isinstance(data, dict) and "config" in data else data
+    if not isinstance(rec, dict):
+        raise ValueError(f"--model-config {path} holds no model settings (a summary.json or a JSON object)")
+    return rec
+
+
+def _settings_file(path: Path) -> Any:
+    """The :class:`~zeropp.models.HFConfig` of a settings file (see :func:`_model_settings`)."""
+    from zeropp.models.hf_export import hf_config_from_record
+
+    if not path.is_file():
+        raise ValueError(f"--model-config {path} does not exist; give a run's summary.json")
+    return hf_config_from_record(_model_settings(path), path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from zeropp.models.hf_export import LORA_FORMATS, ExportError, MissingModelConfig, export_pretrained
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", type=Path, help="a run directory (with checkpoints/) or a checkpoint directory")
+    ap.add_argument("out_dir", type=Path, help="the new directory to write (must not exist, or be empty)")
+    ap.add_argument(
+        "--lora-format",
+        choices=LORA_FORMATS,
+        default="merged",
+        help="LoRA runs: fold the adapters into the weights (merged), or write a peft adapter in <out dir>/adapter",
+    )
+    ap.add_argument(
+        "--model-config",
+        type=Path,
+        default=None,
+        help="the model settings (a summary.json, or a JSON object of model.* keys) for a checkpoint that records none",
+    )
+    a = ap.parse_args(argv)
+    try:
+        given = _settings_file(a.model_config) if a.model_config is not None else None
+        try:
+            out = export_pretrained(a.source, a.out_dir, lora_format=a.lora_format, model_config=given)
+        except MissingModelConfig:
+            summary = a.source / "summary.json"  # a run directory's record of its settings
+            if given is not None or not summary.is_file():
+                raise
+            cfg = _settings_file(summary)
+            out = export_pretrained(a.source, a.out_dir, lora_format=a.lora_format, model_config=cfg)
+    except (ExportError, ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+
+
+if __name__ == "__main__":
+    main()
