@@ -48,6 +48,7 @@ from .sections import (
     TrainerConfig,
     check,
 )
+from .slurm import SlurmConfig
 
 __all__ = [
     "CONF_DIR",
@@ -66,6 +67,7 @@ __all__ = [
     "LauncherConfig",
     "LoggerConfig",
     "RunConfig",
+    "SlurmConfig",
     "TrainConfig",
     "TrainerConfig",
     "build_model_config",
@@ -94,6 +96,7 @@ SECTION_CLASSES: dict[str, type] = {
     "cluster": ClusterConfig,
     "train": TrainConfig,
     "launcher": LauncherConfig,
+    "slurm": SlurmConfig,
 }
 """Config section -> the class that declares and validates it (``model``: the default kind; every
 kind is in :data:`MODEL_KINDS`)."""
@@ -130,6 +133,8 @@ class RunConfig:
     cluster: ClusterConfig
     train: TrainConfig
     launcher: LauncherConfig
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    """The Slurm jobs of a ``hydra/launcher=slurm`` sweep (``slurm.py``); recorded, not read by the ranks."""
     resume: bool = False
     """Continue from the latest checkpoint in ``train.checkpoint_dir`` (or the run directory's)."""
 
