@@ -38,7 +38,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     why = unavailable()
     if why is not None:
         pytest.skip(why)
-    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except RuntimeError as e:  # installed, but the daemons do not come up here (the message has their logs)
+        pytest.skip(f"Slurm is installed but could not start on this machine: {e}")
     try:
         yield cluster
     finally:
