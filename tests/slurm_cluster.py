@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-CLIENTS = ("sbatch", "squeue", "srun", "scontrol")
+CLIENTS = ("sbatch", "squeue", "srun", "scontrol", "scancel")
 
 
 def _find(name: str) -> Optional[str]:
@@ -101,7 +101,17 @@ class SlurmCluster:
         raise RuntimeError(f"the Slurm node did not become idle in {timeout_s:g} s:\n{state}\n{self.logs()}")
 
     def stop(self) -> None:
-        """Stop the daemons (SIGTERM, then SIGKILL after 10 s), last started first."""
+        """Cancel the cluster's jobs, stop the daemons (SIGTERM, then SIGKILL after 10 s; last
+        started first), then kill what is left of its jobs: slurmstepd and job processes outlive
+        a stopped slurmd. They are found by their environment naming this cluster's config."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            subprocess.run(
+                [_find("scancel") or "scancel", "--quiet", "--partition=debug"],
+                env=self.env,
+                capture_output=True,
+                timeout=30,
+            )
+            self._wait_no_jobs(15.0)
         for name, proc in reversed(list(self.procs.items())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -111,6 +121,40 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait(timeout=10)
             del self.procs[name]
+        for pid in self.leftover_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _wait_no_jobs(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            r = subprocess.run(
+                [_find("squeue") or "squeue", "-h", "-o", "%A"],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            if r.returncode != 0 or not r.stdout.strip():
+                return
+            time.sleep(0.5)
+
+    def leftover_pids(self) -> list[int]:
+        """Processes (not this one) whose environment has ``SLURM_CONF`` = this cluster's config."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                environ = (d / "environ").read_bytes()
+            except OSError:
+                continue
+            if mark in environ.split(b"\0"):
+                out.append(int(d.name))
+        return out
 
 
 SACCT = """\

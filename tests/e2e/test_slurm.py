@@ -46,6 +46,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+    assert cluster.leftover_pids() == [], "processes of the test cluster outlived its stop()"
 
 
 def _client_env(cluster: SlurmCluster) -> dict[str, str]:
