@@ -135,6 +135,21 @@ def test_train_sbatch_runs_torchrun_with_the_topology_from_slurm(slurm: SlurmClu
     assert summary["topology"]["nodes"] == 1 and summary["topology"]["ranks_per_node"] == 2
 
 
+def test_train_sbatch_refuses_several_tasks_per_node(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """--ntasks-per-node=2 would start two torchrun agents per node: the job stops at once, saying why."""
+    p = subprocess.run(
+        ["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'job.out'}", str(SBATCH_SCRIPT), "stage=3"],
+        cwd=tmp_path,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = (tmp_path / "job.out").read_text()
+    assert p.returncode == 2, p.stdout + p.stderr + out
+    assert "one task per node is torchrun's agent" in out and "--ntasks-per-node=2" in out
+
+
 def test_train_sbatch_outside_slurm_says_to_submit_it(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     p = subprocess.run(["bash", str(SBATCH_SCRIPT), "stage=3"], env=env, capture_output=True, text=True, timeout=30)
