@@ -38,6 +38,7 @@ from zeropp.runtime.config import validate_against_topology
 
 from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check
 from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
+from .slurm import SlurmConfig
 from .trainer_registry import TRAINER_SPECS, TrainerSpec
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "LauncherConfig",
     "LoggerConfig",
     "RunConfig",
+    "SlurmConfig",
     "TrainConfig",
     "TrainerConfig",
     "build_model_config",
@@ -83,6 +85,7 @@ SECTION_CLASSES: dict[str, type] = {
     "cluster": ClusterConfig,
     "train": TrainConfig,
     "launcher": LauncherConfig,
+    "slurm": SlurmConfig,
 }
 """Config section -> the class that declares and validates it (``model``: the default kind; every
 kind is in :data:`MODEL_KINDS`)."""
@@ -109,6 +112,8 @@ class RunConfig:
     cluster: ClusterConfig
     train: TrainConfig
     launcher: LauncherConfig
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    """The Slurm jobs of a ``hydra/launcher=slurm`` sweep (``slurm.py``); recorded, not read by the ranks."""
     resume: bool = False
     """Continue from the latest checkpoint in ``train.checkpoint_dir`` (or the run directory's)."""
 

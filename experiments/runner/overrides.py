@@ -42,7 +42,10 @@ def group_options(group: str) -> list[str]:
 
 
 def config_groups() -> list[str]:
-    yaml_groups = [p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")]
+    # conf/hydra/ holds options of Hydra's own groups (hydra/launcher=slurm), not the runner's
+    yaml_groups = [
+        p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_") and p.name != "hydra"
+    ]
     return sorted(set(yaml_groups) | set(generated_options()))
 
 

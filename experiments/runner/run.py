@@ -44,6 +44,7 @@ from .launcher import RankFailure, emulated_placement, in_torchrun, launch, loca
 from .metrics import read_summary, write_summary
 from .overrides import check_overrides
 from .preflight import check_before_launch
+from .slurm import check_slurm_keys, check_slurm_launch
 
 schema.register()
 
@@ -78,6 +79,7 @@ def _hydra_info(cfg: DictConfig | None = None) -> dict[str, Any]:
         "group": "_".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,
         "multirun": multirun,
         "model_name": hc.runtime.choices.get("model") or "",
+        "launcher": hc.runtime.choices.get("hydra/launcher"),
     }
 
 
@@ -307,6 +309,13 @@ def _record_failure(info: dict[str, Any], error: str, exit_code: int) -> None:
     job = {"run_dir": info["run_dir"], "overrides": info["overrides"], "error": error, "exit_code": exit_code}
     Path(info["run_dir"]).mkdir(parents=True, exist_ok=True)
     (Path(info["run_dir"]) / FAILED_FILE).write_text(json.dumps(job, indent=1) + "\n")
+    note_failed_job(job)
+
+
+def note_failed_job(job: dict[str, Any]) -> None:
+    """Count a failed multirun job (``run_dir``, ``overrides``, ``error``, ``exit_code``) in this
+    command's final message and exit status; the Slurm launcher calls it with the failures its
+    jobs recorded on their nodes (``slurm_launcher.py``)."""
     _failed.append(job)
 
 
@@ -314,6 +323,7 @@ def _record_failure(info: dict[str, Any], error: str, exit_code: int) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
     try:
+        check_slurm_keys(OmegaConf.to_container(cfg.slurm), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
         code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1
@@ -337,6 +347,7 @@ def cli() -> None:
         sys.exit(2)
     try:
         check_overrides(sys.argv[1:])
+        check_slurm_launch(sys.argv[1:])  # before Hydra: nothing submitted without the plugin and sbatch
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,194 @@
+"""Slurm, for real: a 2-point sweep through ``hydra/launcher=slurm`` and a 2-rank job through
+``scripts/slurm/train.sbatch``, on a one-node Slurm cluster started on this machine
+(``tests/slurm_cluster.py``; skipped with the reason where it cannot start). Plus the refusals a
+user meets before anything is submitted, which need no cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.experiment_helpers import MINI_1X2_CPU, run_cli
+from tests.slurm_cluster import SlurmCluster, start_cluster, unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
+TINY_CPU = [
+    "model=tiny",
+    "model.seq_len=32",
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "data=random",
+    "logger=none",
+    "launcher.progress=false",
+    "launcher.device=cpu",
+]
+"""A run of seconds on CPU ranks, without a topology: the sweep's points pose ``topology=1x2``;
+under the sbatch script the topology is torchrun's."""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except RuntimeError as e:  # installed, but the daemons do not come up here (the message has their logs)
+        pytest.skip(f"Slurm is installed but could not start on this machine: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    assert cluster.leftover_pids() == [], "processes of the test cluster outlived its stop()"
+
+
+def _client_env(cluster: SlurmCluster) -> dict[str, str]:
+    """What the runner needs in its environment to submit to ``cluster``."""
+    return {k: cluster.env[k] for k in ("SLURM_CONF", "PATH")}
+
+
+def test_sweep_submits_one_slurm_job_per_point(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Three points, each a Slurm job of one array. Point 0's job script fails before the runner
+    starts (a setup line exits 3, as a failing ``module load`` would: no result comes back), point
+    1 is an invalid config (the runner records it on the node), point 2 trains. The sweep still
+    ends; the submitting command names points 0 and 1 and exits 2 (the worst code); each failed
+    point has failed.json, point 2 its summary; the report lists them."""
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        [
+            "-m",
+            "zero.hpz_size=2,3,1",
+            "quant=hpz",
+            "topology=1x2",
+            *TINY_CPU,
+            "hydra/launcher=slurm",
+            "hydra.launcher.setup=['test $SLURM_ARRAY_TASK_ID -ne 0 || exit 3']",
+            "slurm.time_min=5",
+            "slurm.cpus_per_task=1",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        env=_client_env(slurm),
+        timeout=150,
+    )
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:] + slurm.logs()
+    assert "2 multirun job(s) failed" in p.stderr and "zero.hpz_size=3" in p.stderr
+    dead = json.loads((sweep / "0" / "failed.json").read_text())
+    assert dead["exit_code"] == 1 and dead["overrides"][0] == "zero.hpz_size=2"
+    assert dead["error"].startswith("Slurm job ") and "ended without a result" in dead["error"]
+    assert not (sweep / "0" / "summary.json").exists()
+    invalid = json.loads((sweep / "1" / "failed.json").read_text())
+    assert "hpz_size" in invalid["error"] and invalid["exit_code"] == 2
+    summary = json.loads((sweep / "2" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2 and "zero.hpz_size=1" in summary["overrides"]
+    # the runner ran inside Slurm jobs (submitit's folder per array task, a result from each that ran)
+    tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name)
+    assert len(tasks) == 3 and [(sweep / ".submitit" / t / f"{t}_0_result.pkl").is_file() for t in tasks] == [
+        False,
+        True,
+        True,
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    md = (sweep / "report.md").read_text()
+    assert "2 failed" in md and "zero.hpz_size=3" in md and "zero.hpz_size=2" in md
+
+
+def test_train_sbatch_runs_torchrun_with_the_topology_from_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """sbatch --cpus-per-task=2: one torchrun agent on the node starts 2 CPU ranks; the run's
+    topology (1 node x 2 ranks) comes from torchrun's environment, not from the command line."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in slurm.env.items() if k != "ZEROPP_INJECT_FAULT"}
+    env.update(PYTHON=sys.executable, WANDB_MODE="offline")
+    p = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=1",
+            "--cpus-per-task=2",
+            "--time=5",
+            f"--output={tmp_path / 'job.out'}",
+            str(SBATCH_SCRIPT),
+            *TINY_CPU,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").is_file() else ""
+    assert p.returncode == 0, p.stdout + p.stderr + out[-4000:] + slurm.logs()
+    assert "1 node(s) x 2 rank(s), rendezvous " in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert summary["placement"] == {"cluster": "torchrun", "nodes": 1, "ranks_per_node": 2, "declared": []}
+    assert summary["topology"]["nodes"] == 1 and summary["topology"]["ranks_per_node"] == 2
+
+
+def test_train_sbatch_refuses_several_tasks_per_node(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """--ntasks-per-node=2 would start two torchrun agents per node: the job stops at once, saying why."""
+    p = subprocess.run(
+        ["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'job.out'}", str(SBATCH_SCRIPT), "stage=3"],
+        cwd=tmp_path,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = (tmp_path / "job.out").read_text()
+    assert p.returncode == 2, p.stdout + p.stderr + out
+    assert "one task per node is torchrun's agent" in out and "--ntasks-per-node=2" in out
+
+
+def test_train_sbatch_outside_slurm_says_to_submit_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "stage=3"], env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "submit this script with sbatch" in p.stderr, p.stderr
+
+
+def test_slurm_sweep_without_sbatch_is_refused_before_anything_is_submitted(tmp_path: Path) -> None:
+    """PATH without Slurm's commands: exit 2 with the fix, and no sweep directory is made."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        ["-m", "stage=2,3", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"], env={"PATH": str(bindir)}, timeout=60
+    )
+    assert p.returncode == 2, p.stderr
+    assert "error: hydra/launcher=slurm submits with sbatch, which is not on PATH" in p.stderr
+    assert not sweep.exists()
+
+
+def test_slurm_sweep_without_the_extra_names_the_install(tmp_path: Path) -> None:
+    """An environment where submitit cannot be imported (a package on PYTHONPATH standing in for
+    a missing one, as pip leaves it after an uninstall of a dependency): exit 2 naming the extra."""
+    shadow = tmp_path / "site"
+    (shadow / "submitit").mkdir(parents=True)
+    (shadow / "submitit" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'submitit'\")\n")
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        ["-m", "stage=2,3", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"],
+        env={"PYTHONPATH": str(shadow)},
+        timeout=60,
+    )
+    assert p.returncode == 2, p.stderr
+    assert "needs the Slurm extra" in p.stderr and "pip install 'zeropp[slurm]'" in p.stderr
+    assert not sweep.exists()
+
+
+def test_slurm_keys_with_the_local_launcher_are_refused(tmp_path: Path) -> None:
+    p = run_cli([*MINI_1X2_CPU, "slurm.partition=gpu", f"hydra.run.dir={tmp_path / 'run'}"], timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "slurm.partition='gpu' does nothing with hydra/launcher=basic" in p.stderr
+    assert not (tmp_path / "run" / "ranks").exists()
