@@ -1,0 +1,392 @@
+// The CPU path's kernels for the floating-point wire formats (fp8, mx, nvfp4): the arithmetic of
+// kernels/reference_formats.py, bit for bit, one pass per block (nvfp4: one more pass per row for
+// its tensor scale). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
+// (-O3 -march=native -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
+//
+// Exactness rules (see cpu_formats.py's docstring for why each holds):
+// - every float operation is one IEEE fp32 operation in the reference's order; powers of two are
+//   built from their bit patterns, so a / 2^k and a * 2^-k are the same exact (or once-rounded)
+//   value the reference computes;
+// - an element's code comes from integer arithmetic on its exponent bits and its rounded mantissa
+//   count r: code = ((e - emin) << M) + r, which is the format's bit pattern for every r in
+//   [0, 2^(M+1)] (r = 2^(M+1) moves into the next binade by the carry), then clamped to the largest
+//   finite code (saturation) and given the sign bit;
+// - a code decodes by placing its magnitude bits in an fp32 pattern, (mag << (23 - M)), and
+//   multiplying by 2^(127 - bias): normal codes land on normal fp32 values and subnormal codes on
+//   fp32 subnormals, both exact (the process keeps IEEE denormals, as torch leaves it);
+// - absmax is the integer maximum of |x|'s bit patterns (NaN / Inf patterns exceed every finite one).
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+typedef int64_t i64;
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float pow2(int e) {  // 2^e for e in [-149, 127], exact
+    return e >= -126 ? u2f((uint32_t)(e + 127) << 23) : u2f(1u << (e + 149));
+}
+static const uint32_t QNAN = 0x7fc00000u;  // torch's NaN
+
+// ---- element types: load as fp32 (exact widening), store from fp32 (round to nearest even) ----
+struct F32 {
+    typedef float T;
+    static inline float load(const T* p, i64 i) { return p[i]; }
+    static inline T store(float f) { return f; }
+};
+struct BF16 {
+    typedef uint16_t T;
+    static inline float load(const T* p, i64 i) { return u2f((uint32_t)p[i] << 16); }
+    static inline T store(float f) {  // torch's round_to_nearest_even; NaN -> 0x7fc0
+        uint32_t u = f2u(f);
+        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)r;
+    }
+};
+struct F16 {
+    typedef _Float16 T;
+    static inline float load(const T* p, i64 i) { return (float)p[i]; }
+    static inline T store(float f) { return (T)f; }
+};
+
+// ---- Triton's Philox4x32-10 + uint -> uniform, as reference.philox_uniform (cpu_native.cpp) ----
+static void philox_uniform(float* __restrict u, i64 n, uint64_t base, uint32_t k0, uint32_t k1) {
+    for (i64 i = 0; i < n; i++) {
+        uint64_t off = base + (uint64_t)i;
+        uint32_t c0 = (uint32_t)off, c1 = (uint32_t)(off >> 32), c2 = 0, c3 = 0;
+        uint32_t a = k0, b = k1;
+        for (int r = 0; r < 10; r++) {
+            uint64_t p0 = (uint64_t)0xCD9E8D57u * c2;
+            uint64_t p1 = (uint64_t)0xD2511F53u * c0;
+            uint32_t n0 = (uint32_t)(p0 >> 32) ^ c1 ^ a;
+            uint32_t n2 = (uint32_t)(p1 >> 32) ^ c3 ^ b;
+            c1 = (uint32_t)p0;
+            c3 = (uint32_t)p1;
+            c0 = n0;
+            c2 = n2;
+            a += 0x9E3779B9u;
+            b += 0xBB67AE85u;
+        }
+        int32_t x = (int32_t)c0;
+        x = x < 0 ? ~x : x;
+        u[i] = (float)x * 4.6566127342e-10f;
+    }
+}
+
+// ---- element formats (OCP MX v1.0): M mantissa bits, bias, code width, largest finite code ----
+template <int BITS_, int M_, int BIAS_, int MAXCODE_, int NANCODE_, int EMAX_>
+struct Fmt {
+    static constexpr int BITS = BITS_, M = M_, BIAS = BIAS_, EMIN = 1 - BIAS_, MAXCODE = MAXCODE_;
+    static constexpr int NANCODE = NANCODE_;  // -1: the format has no NaN
+    static constexpr int EMAX = EMAX_;        // exponent of the largest normal (the MX scale rule)
+    static constexpr bool INT = false;
+    static constexpr uint32_t SIGN = 1u << (BITS_ - 1);
+    static inline float maxval() { return u2f(((uint32_t)MAXCODE_ << (23 - M_))) * pow2(127 - BIAS_); }
+};
+typedef Fmt<8, 3, 7, 0x7e, 0x7f, 8> E4M3;    // max 448, NaN S.1111.111, no Inf
+typedef Fmt<8, 2, 15, 0x7b, 0x7f, 15> E5M2;  // max 57344, IEEE Inf (0x7c) / NaN
+typedef Fmt<6, 2, 3, 0x1f, -1, 4> E3M2;      // max 28
+typedef Fmt<6, 3, 1, 0x1f, -1, 2> E2M3;      // max 7.5
+typedef Fmt<4, 1, 1, 0x7, -1, 2> E2M1;       // max 6
+struct I8 {  // MX INT8: value = k / 64, k in [-127, 127]
+    static constexpr int BITS = 8, EMAX = 0;
+    static constexpr bool INT = true;
+    static inline float maxval() { return 127.0f / 64.0f; }
+};
+
+// One element: v (already scaled) -> code bits (two's complement byte for INT8). u: the
+// stochastic uniform (ignored for nearest). Branch-free so that loops over a block vectorise.
+template <class F, bool STOCH>
+static inline uint32_t encode(float v, float u) {
+    if constexpr (F::INT) {
+        float t = v * 64.0f;  // exact (a power-of-two scaling that cannot overflow here)
+        t = STOCH ? floorf(t + u) : rintf(t);
+        t = t < -127.0f ? -127.0f : t;
+        t = t > 127.0f ? 127.0f : t;
+        return (uint32_t)(int32_t)t & 0xffu;
+    } else {
+        const uint32_t vb = f2u(v), ab = vb & 0x7fffffffu, sign = (vb >> 31) * F::SIGN;
+        const uint32_t mb = f2u(F::maxval());
+        const uint32_t ac = ab < mb ? ab : mb;  // saturate (+Inf too)
+        int32_t e = (int32_t)(ac >> 23) - 127;
+        e = e < F::EMIN ? F::EMIN : e;
+        const float m = u2f(ac) * u2f((uint32_t)(127 + F::M - e) << 23);  // a / 2^(e - M), exact
+        const float r = STOCH ? floorf(m + u) : rintf(m);
+        int32_t code = ((e - F::EMIN) << F::M) + (int32_t)r;
+        code = code > F::MAXCODE ? F::MAXCODE : code;
+        return (uint32_t)code | sign;  // (NaN never gets here: non-finite blocks are handled whole)
+    }
+}
+
+// One code -> its exact fp32 value.
+template <class F>
+static inline float decode(uint32_t c) {
+    if constexpr (F::INT) {
+        return (float)(int32_t)(int8_t)(uint8_t)c * 0.015625f;
+    } else {
+        const uint32_t mag = c & (F::SIGN - 1u);
+        float v = u2f(mag << (23 - F::M)) * pow2(127 - F::BIAS);
+        uint32_t b = f2u(v) | ((c & F::SIGN) ? 0x80000000u : 0u);
+        if constexpr (F::NANCODE == 0x7f && F::M == 3) b = mag == 0x7fu ? QNAN : b;  // E4M3
+        if constexpr (F::M == 2 && F::BITS == 8) {  // E5M2: exponent field all ones
+            const uint32_t inf = 0x7f800000u | ((c & F::SIGN) ? 0x80000000u : 0u);
+            b = mag >= 0x7cu ? (mag == 0x7cu ? inf : QNAN) : b;
+        }
+        return u2f(b);
+    }
+}
+
+// ---- packing: 8 bits one byte; 6 bits four codes in three bytes (little endian 24-bit word);
+// 4 bits two codes per byte, low nibble first. n is a multiple of 4 (blocks of 16 / 32, or any
+// fp8 group for 8 bits). ----
+template <int BITS>
+static inline void pack(const uint8_t* __restrict c, i64 n, uint8_t* __restrict out) {
+    if (BITS == 8) {
+        memcpy(out, c, (size_t)n);
+    } else if (BITS == 6) {
+        for (i64 j = 0; j < n / 4; j++) {
+            const uint32_t w = (uint32_t)c[4 * j] | ((uint32_t)c[4 * j + 1] << 6) | ((uint32_t)c[4 * j + 2] << 12) |
+                               ((uint32_t)c[4 * j + 3] << 18);
+            out[3 * j] = (uint8_t)w;
+            out[3 * j + 1] = (uint8_t)(w >> 8);
+            out[3 * j + 2] = (uint8_t)(w >> 16);
+        }
+    } else {
+        for (i64 j = 0; j < n / 2; j++) out[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+    }
+}
+
+// The codes of n elements (n a multiple of 4 for 6 bits, of 2 for 4 bits) into c[0:n], one per byte.
+template <int BITS>
+static inline void unpack(const uint8_t* __restrict p, i64 n, uint8_t* __restrict c) {
+    if (BITS == 8) {
+        memcpy(c, p, (size_t)n);
+    } else if (BITS == 4) {
+        for (i64 j = 0; j < n / 2; j++) {
+            c[2 * j] = p[j] & 15u;
+            c[2 * j + 1] = p[j] >> 4;
+        }
+    } else {
+        for (i64 j = 0; j < n / 4; j++) {
+            const uint32_t w = (uint32_t)p[3 * j] | ((uint32_t)p[3 * j + 1] << 8) | ((uint32_t)p[3 * j + 2] << 16);
+            c[4 * j] = w & 63u;
+            c[4 * j + 1] = (w >> 6) & 63u;
+            c[4 * j + 2] = (w >> 12) & 63u;
+            c[4 * j + 3] = (w >> 18) & 63u;
+        }
+    }
+}
+
+// o[0:n] = decode(c[i]) * sc, rounded to S.
+template <class S, class F>
+__attribute__((noinline)) static void decode_block(const uint8_t* __restrict c, i64 n, float sc,
+                                                   typename S::T* __restrict o) {
+    for (i64 i = 0; i < n; i++) o[i] = S::store(decode<F>(c[i]) * sc);
+}
+
+static inline uint32_t absmax_bits_f(const float* __restrict x, i64 n) {
+    uint32_t m = 0;
+    for (i64 i = 0; i < n; i++) {
+        const uint32_t a = f2u(x[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+// A block's elements widened to fp32 into w[0:n], zeros in w[n:gs]; returns absmax's bits.
+template <class L>
+static inline uint32_t load_block(const typename L::T* __restrict x, i64 n, i64 gs, float* __restrict w) {
+    for (i64 i = 0; i < n; i++) w[i] = L::load(x, i);
+    for (i64 i = n; i < gs; i++) w[i] = 0.0f;
+    return absmax_bits_f(w, gs);
+}
+
+// ---- scheme parameters ----
+enum { S_FP8 = 0, S_MX = 1, S_NVFP4 = 2 };
+struct Args {
+    i64 rows, cols, gs;     // gs: elements per block (fp8 group_size; mx 32; nvfp4 16)
+    int stochastic;
+    uint64_t seed;
+    int round_up;           // mx: the round-up scale rule instead of OCP's
+};
+
+// MX shared exponent of a finite, nonzero block (absmax bits m), before the E8M0 clamp.
+template <class F>
+static inline int mx_exponent(uint32_t m, int round_up) {
+    int e = (int)(m >> 23) - 127 - F::EMAX;
+    if (round_up && e >= -127 && e <= 127 && u2f(m) * pow2(-e) > F::maxval()) e += 1;
+    return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// Codes of one block of w[0:gs] (already loaded) scaled by: division by s (DIV) or
+// multiplication by s (an exact power of two), into c[0:gs].
+template <class F, bool STOCH, bool DIV>
+__attribute__((noinline)) static void encode_block(const float* __restrict w, i64 gs, float s, const float* __restrict u,
+                                uint8_t* __restrict c) {
+    for (i64 i = 0; i < gs; i++) {
+        const float v = DIV ? w[i] / s : w[i] * s;
+        c[i] = (uint8_t)encode<F, STOCH>(v, STOCH ? u[i] : 0.0f);
+    }
+}
+
+struct Scratch {
+    float *w, *u;
+    uint8_t* c;
+    explicit Scratch(i64 gs)
+        : w((float*)malloc((size_t)gs * 4)), u((float*)malloc((size_t)gs * 4)), c((uint8_t*)malloc((size_t)gs)) {}
+    ~Scratch() { free(w); free(u); free(c); }
+    bool ok() const { return w && u && c; }
+};
+
+// x [rows, cols] (row stride x_rs elements) -> codes [rows, *] (c_rs bytes) and scales:
+// fp8 fp32 [rows, G] (s_rs floats); mx E8M0 bytes [rows, G] (s_rs bytes); nvfp4 E4M3 bytes
+// [rows, G] (s_rs bytes) and fp32 tensor scales (t[r * t_rs]).
+template <class L, class F, int SCHEME, bool STOCH>
+static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* codes, i64 c_rs, void* scales, i64 s_rs,
+                          float* tsc, i64 t_rs, Scratch& s) {
+    const typename L::T* x = (const typename L::T*)xv;
+    const i64 gs = a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+    const uint32_t k0 = (uint32_t)a.seed, k1 = (uint32_t)(a.seed >> 32);
+    for (i64 r = 0; r < a.rows; r++) {
+        const typename L::T* xr = x + r * x_rs;
+        float t = 0.0f;
+        uint32_t rowmax = 0;
+        if (SCHEME == S_NVFP4) {
+            for (i64 i = 0; i < a.cols; i++) {
+                const uint32_t v = f2u(L::load(xr, i)) & 0x7fffffffu;
+                rowmax = v > rowmax ? v : rowmax;
+            }
+            t = rowmax >= 0x7f800000u ? u2f(QNAN) : u2f(rowmax) / 2688.0f;  // absmax / (6 * 448)
+            tsc[r * t_rs] = t;
+        }
+        for (i64 g = 0; g < G; g++) {
+            const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
+            const uint32_t m = load_block<L>(xr + g * gs, n, gs, s.w);
+            uint8_t* cb = codes + r * c_rs + g * bpg;
+            if (SCHEME == S_FP8) {
+                float* sc = (float*)scales + r * s_rs + g;
+                if (m >= 0x7f800000u) { *sc = u2f(QNAN); memset(cb, 0, (size_t)bpg); continue; }
+                const float scale = u2f(m) / F::maxval();
+                *sc = scale;
+                if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
+                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+                encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
+            } else if (SCHEME == S_MX) {
+                uint8_t* sc = (uint8_t*)scales + r * s_rs + g;
+                if (m >= 0x7f800000u) { *sc = 255; memset(cb, 0, (size_t)bpg); continue; }
+                if (m == 0) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }
+                const int e = mx_exponent<F>(m, a.round_up);
+                *sc = (uint8_t)(e + 127);
+                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+                encode_block<F, STOCH, false>(s.w, gs, pow2(-e), s.u, s.c);
+            } else {
+                uint8_t* sc = (uint8_t*)scales + r * s_rs + g;
+                if (!(t > 0.0f)) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }  // NaN or zero row
+                const float q = u2f(m) / 6.0f / t;
+                const uint32_t b = encode<E4M3, false>(q, 0.0f);
+                *sc = (uint8_t)b;
+                const float scale = decode<E4M3>(b) * t;
+                if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
+                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+                encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
+            }
+            pack<F::BITS>(s.c, gs, cb);
+        }
+    }
+}
+
+// codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S.
+template <class S, class F, int SCHEME>
+static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tsc, i64 t_rs,
+                            const Args& a, void* outv, uint8_t* c) {
+    typename S::T* out = (typename S::T*)outv;
+    const i64 gs = a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+    for (i64 r = 0; r < a.rows; r++) {
+        const float t = SCHEME == S_NVFP4 ? tsc[r * t_rs] : 0.0f;
+        for (i64 g = 0; g < G; g++) {
+            const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
+            const uint8_t* cb = codes + r * c_rs + g * bpg;
+            float sc;
+            if (SCHEME == S_FP8) {
+                sc = ((const float*)scales)[r * s_rs + g];
+            } else if (SCHEME == S_MX) {
+                const uint8_t e = ((const uint8_t*)scales)[r * s_rs + g];
+                sc = e == 255 ? u2f(QNAN) : pow2((int)e - 127);
+            } else {
+                sc = decode<E4M3>(((const uint8_t*)scales)[r * s_rs + g]) * t;
+            }
+            unpack<F::BITS>(cb, gs, c);
+            decode_block<S, F>(c, n, sc, out + r * a.cols + g * gs);
+        }
+    }
+}
+
+// ---- exported entry points. scheme: 0 fp8, 1 mx, 2 nvfp4; fmt: 0 E4M3, 1 E5M2, 2 E3M2,
+// 3 E2M3, 4 E2M1, 5 INT8; dtype: 0 fp32, 1 bf16, 2 fp16. Return 0, or -1 (an unsupported
+// combination or out of memory). ----
+template <class L, class F, int SCHEME>
+static void q_stoch(const void* x, i64 x_rs, const Args& a, uint8_t* c, i64 c_rs, void* s, i64 s_rs, float* t,
+                    i64 t_rs, Scratch& sc) {
+    if (a.stochastic) quantize_rows<L, F, SCHEME, true>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else quantize_rows<L, F, SCHEME, false>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+}
+
+template <class L>
+static int q_fmt(int scheme, int fmt, const void* x, i64 x_rs, const Args& a, uint8_t* c, i64 c_rs, void* s,
+                 i64 s_rs, float* t, i64 t_rs, Scratch& sc) {
+    if (scheme == S_FP8 && fmt == 0) q_stoch<L, E4M3, S_FP8>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_FP8 && fmt == 1) q_stoch<L, E5M2, S_FP8>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 0) q_stoch<L, E4M3, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 1) q_stoch<L, E5M2, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 2) q_stoch<L, E3M2, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 3) q_stoch<L, E2M3, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 4) q_stoch<L, E2M1, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 5) q_stoch<L, I8, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_NVFP4 && fmt == 4) q_stoch<L, E2M1, S_NVFP4>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else return -1;
+    return 0;
+}
+
+extern "C" int zf_quantize(const void* x, i64 x_rs, int dtype, i64 rows, i64 cols, int scheme, int fmt, i64 gs,
+                           int round_up, int stochastic, uint64_t seed, uint8_t* codes, i64 c_rs, void* scales,
+                           i64 s_rs, float* tscales, i64 t_rs) {
+    if (gs <= 0) return -1;
+    const Args a{rows, cols, gs, stochastic, seed, round_up};
+    Scratch s(gs);
+    if (!s.ok()) return -1;
+    if (dtype == 0) return q_fmt<F32>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
+    if (dtype == 1) return q_fmt<BF16>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
+    if (dtype == 2) return q_fmt<F16>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
+    return -1;
+}
+
+template <class S>
+static int dq_fmt(int scheme, int fmt, const uint8_t* c, i64 c_rs, const void* s, i64 s_rs, const float* t, i64 t_rs,
+                  const Args& a, void* out, uint8_t* buf) {
+    if (scheme == S_FP8 && fmt == 0) dequantize_rows<S, E4M3, S_FP8>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_FP8 && fmt == 1) dequantize_rows<S, E5M2, S_FP8>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_MX && fmt == 0) dequantize_rows<S, E4M3, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_MX && fmt == 1) dequantize_rows<S, E5M2, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_MX && fmt == 2) dequantize_rows<S, E3M2, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_MX && fmt == 3) dequantize_rows<S, E2M3, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_MX && fmt == 4) dequantize_rows<S, E2M1, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_MX && fmt == 5) dequantize_rows<S, I8, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else if (scheme == S_NVFP4 && fmt == 4) dequantize_rows<S, E2M1, S_NVFP4>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    else return -1;
+    return 0;
+}
+
+extern "C" int zf_dequantize(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tscales,
+                             i64 t_rs, i64 rows, i64 cols, int scheme, int fmt, i64 gs, void* out, int dtype) {
+    if (gs <= 0) return -1;
+    const Args a{rows, cols, gs, 0, 0, 0};
+    uint8_t* buf = (uint8_t*)malloc((size_t)gs);
+    if (!buf) return -1;
+    int rc = -1;
+    if (dtype == 0) rc = dq_fmt<F32>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
+    if (dtype == 1) rc = dq_fmt<BF16>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
+    if (dtype == 2) rc = dq_fmt<F16>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
+    free(buf);
+    return rc;
+}
