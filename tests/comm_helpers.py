@@ -14,7 +14,7 @@ import torch
 
 from tests.kernel_helpers import stack
 from zeropp.comm import QuantSpec, Topology
-from zeropp.comm.codecs import Codec, IntCodec
+from zeropp.comm.codecs import Codec, IntCodec, codec_for
 from zeropp.kernels import dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,19 +88,24 @@ def qgz_error_bound(
     return bound + total_A * 1e-5  # fp32 arithmetic slack
 
 
-def wire(n: int, bits: int, gs: int) -> int:
-    """Bytes of one quantized row of n elements (codes + scales)."""
+def wire(n: int, bits: int, gs: int, spec: QuantSpec | None = None) -> int:
+    """Bytes of one quantized row of n elements (codes + scales): the int layout, or the wire row
+    of ``spec``'s codec when given."""
+    if spec is not None:
+        return codec_for(spec).wire_bytes(n, bits, gs)
     return quantized_nbytes(1, n, bits, gs)
 
 
-def expected_all_gather_bytes(topo: Topology, n: int, elem_bytes: int, bits=None, gs: int = 512) -> dict[str, int]:
+def expected_all_gather_bytes(
+    topo: Topology, n: int, elem_bytes: int, bits=None, gs: int = 512, spec: QuantSpec | None = None
+) -> dict[str, int]:
     """World all-gather: my message to each of the other rpn-1 node peers and W-rpn remote ranks."""
-    msg = n * elem_bytes if bits is None else wire(n, bits, gs)
+    msg = n * elem_bytes if bits is None else wire(n, bits, gs, spec)
     return {"intra": (topo.ranks_per_node - 1) * msg, "cross": (topo.world_size - topo.ranks_per_node) * msg}
 
 
 def expected_reduce_scatter_bytes(
-    topo: Topology, n: int, elem_bytes: int, bits=None, intra_bits=None, gs: int = 128
+    topo: Topology, n: int, elem_bytes: int, bits=None, intra_bits=None, gs: int = 128, spec: QuantSpec | None = None
 ) -> dict[str, int]:
     """World reduce-scatter. Plain: one chunk to every other rank. qgZ: hop 1 sends ``nodes`` rows
     to each of the rpn-1 node peers; hop 2 one row to each of the nodes-1 remote peers."""
@@ -109,10 +114,10 @@ def expected_reduce_scatter_bytes(
         return {"intra": (rpn - 1) * n * elem_bytes, "cross": (W - rpn) * n * elem_bytes}
     ib = bits if intra_bits is None else intra_bits
     if nodes == 1:
-        return {"intra": (W - 1) * wire(n, ib, gs), "cross": 0}
+        return {"intra": (W - 1) * wire(n, ib, gs, spec), "cross": 0}
     if rpn == 1:
-        return {"intra": 0, "cross": (W - 1) * wire(n, bits, gs)}
-    return {"intra": (rpn - 1) * nodes * wire(n, ib, gs), "cross": (nodes - 1) * wire(n, bits, gs)}
+        return {"intra": 0, "cross": (W - 1) * wire(n, bits, gs, spec)}
+    return {"intra": (rpn - 1) * nodes * wire(n, ib, gs, spec), "cross": (nodes - 1) * wire(n, bits, gs, spec)}
 
 
 def bytes_of(stats, kind: str) -> dict[str, int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from typing import Any, TypeVar
 
-__all__ = ["Rotation", "Rounding", "StrChoice", "plain"]
+__all__ = ["Fp6Format", "Fp8Format", "MxScale", "Rotation", "Rounding", "StrChoice", "plain"]
 
 C = TypeVar("C", bound="StrChoice")
 
@@ -77,6 +77,34 @@ class Rotation(StrChoice):
     hadamard = "hadamard"
     """Quantize them in a blockwise Walsh-Hadamard-rotated basis (SDP4Bit) and rotate back after
     dequantizing."""
+
+
+class Fp8Format(StrChoice):
+    """The 8-bit float element of the ``fp8`` scheme and of MXFP8 (``QuantSpec.fp8_format``)."""
+
+    e4m3 = "e4m3"
+    """4 exponent bits, 3 mantissa bits, max 448: more precision (weights, activations)."""
+    e5m2 = "e5m2"
+    """5 exponent bits, 2 mantissa bits, max 57344: more range (gradients)."""
+
+
+class Fp6Format(StrChoice):
+    """The 6-bit float element of MXFP6 (``QuantSpec.fp6_format``)."""
+
+    e2m3 = "e2m3"
+    """2 exponent bits, 3 mantissa bits, max 7.5: more precision."""
+    e3m2 = "e3m2"
+    """3 exponent bits, 2 mantissa bits, max 28: more range."""
+
+
+class MxScale(StrChoice):
+    """How an MX block's shared power-of-two scale is chosen (``QuantSpec.mx_scale``)."""
+
+    ocp = "ocp"
+    """OCP MX v1.0: ``2**(floor(log2 absmax) - emax)``; the block's largest elements may saturate."""
+    round_up = "round_up"
+    """The smallest power of two with ``absmax / scale <= max``: nothing saturates (the rule of
+    the MXFP8 training recipes)."""
 
 
 def plain(obj: Any) -> Any:

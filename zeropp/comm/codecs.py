@@ -3,7 +3,7 @@
 The collectives and qgZ never call a quantization kernel directly. They ask the codec of the
 spec's scheme to turn a ``[rows, cols]`` float tensor into wire rows and back, to sum stacked
 received rows (the reduce side of qgZ) and to re-quantize such a sum (qgZ's intra-node hop).
-So a new scheme (weight differences, fp8, ...) is a :class:`Codec` plus
+So a new scheme (weight differences, ...) is a :class:`Codec` (``codec_base.py``) plus
 ``register_codec(name, codec, bits=...)``; every collective, the FSDP2/DDP plug-ins and the
 engine can then use ``QuantSpec(scheme=name, ...)`` unchanged.
 
@@ -19,16 +19,20 @@ send buffer, and read a received buffer through views, so no pack (``cat``) or u
 (``contiguous``) copy is made. A codec that cannot do that keeps the generic pack/unpack path;
 :attr:`Codec.in_place` tells the collectives which kind they hold.
 
+The float and microscaling schemes ``fp8``, ``mx``, ``mxint`` and ``nvfp4`` are
+``format_codecs.FormatCodec`` s, installed here; their element choices come from the spec
+(:meth:`Codec.for_spec`).
+
 ``QuantSpec(rotation="hadamard")`` (SDP4Bit's rotation) is not a scheme of its own: :func:`codec_for`
-wraps the int codec in a :class:`HadamardCodec`, which rotates before encoding and rotates back
-after decoding, with the same wire rows.
+wraps the scheme's codec in a :class:`HadamardCodec`, which rotates before encoding and rotates
+back after decoding, with the same wire rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -44,74 +48,9 @@ from zeropp.kernels import (
     row_bytes,
 )
 
+from .codec_base import Codec, Encoded
+from .format_codecs import FORMAT_SCHEMES, format_codec
 from .spec import QuantSpec, check_rotation_block, register_scheme, schemes, unregister_scheme
-
-Encoded = Any
-"""A codec's in-memory quantized value (``QuantizedTensor`` for ``int``); opaque to collectives."""
-
-
-class Codec:
-    """Base class of a quantization scheme's wire operations.
-
-    A subclass implements :meth:`quantize`, :meth:`dequantize`, :meth:`wire_bytes`, :meth:`pack`
-    and :meth:`unpack`. The reductions over received wire rows (:meth:`dequantize_sum`,
-    :meth:`dequantize_sum_requantize`) have generic, unfused defaults built from those; a scheme
-    with fused kernels overrides them. ``seed`` None means round to nearest; an int is the
-    kernel seed of stochastic rounding (the collectives derive it, see ``stochastic.py``).
-    """
-
-    in_place: bool = False
-    """True when the codec works on wire buffers in place: :meth:`encode` and
-    :meth:`quantize` accept row-strided and two-level views of the input (a swizzled
-    ``[a, b, cols]`` view, columns of a larger buffer), :meth:`dequantize` writes a row-strided
-    ``out``, and :meth:`dequantize_sum` takes ``out=``. False (the default) makes the collectives
-    hand it contiguous tensors, as a minimal codec expects."""
-
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> Encoded:
-        """``x`` (numel divisible by ``rows``) -> ``rows`` encoded rows of ``numel / rows`` elements."""
-        raise NotImplementedError
-
-    def dequantize(
-        self, q: Encoded, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        """Encoded ``[rows, *]`` -> ``[rows, cols]`` in ``dtype`` (or written into ``out``, whose dtype wins)."""
-        raise NotImplementedError
-
-    def wire_bytes(self, cols: int, bits: int, group_size: int) -> int:
-        """Bytes of one packed row of ``cols`` elements."""
-        raise NotImplementedError
-
-    def pack(self, q: Encoded) -> torch.Tensor:
-        """Encoded ``[..., rows, *]`` -> ``uint8 [..., rows, wire_bytes]`` on the encoding's device."""
-        raise NotImplementedError
-
-    def unpack(self, buf: torch.Tensor, cols: int, bits: int, group_size: int) -> Encoded:
-        """Inverse of :meth:`pack` for ``uint8 [..., rows, wire_bytes]``."""
-        raise NotImplementedError
-
-    def encode(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> torch.Tensor:
-        """Quantize straight into wire rows: ``uint8 [rows, wire_bytes]``."""
-        return self.pack(self.quantize(x, bits, group_size, rows=rows, seed=seed))
-
-    def dequantize_sum(
-        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        """Received wire rows ``uint8 [k, rows, B]`` -> their sum over k, accumulated in fp32,
-        as ``[rows, cols]`` in ``dtype``. Generic: dequantize each of the k and add."""
-        k, rows = buf.shape[0], buf.shape[1]
-        acc = torch.zeros(rows, cols, dtype=torch.float32, device=buf.device)  # [rows, cols]
-        for i in range(k):
-            acc += self.dequantize(self.unpack(buf[i], cols, bits, group_size)).view(rows, cols)
-        return acc.to(dtype)
-
-    def dequantize_sum_requantize(
-        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
-    ) -> torch.Tensor:
-        """Received wire rows ``uint8 [k, rows, B]`` at ``bits`` -> their sum as wire rows at
-        ``out_bits`` (``uint8 [rows, B']``, same group size): qgZ's intra-node hop. Generic:
-        :meth:`dequantize_sum` then :meth:`encode`."""
-        s = self.dequantize_sum(buf, cols, bits, group_size)  # [rows, cols] fp32
-        return self.encode(s, out_bits, group_size, rows=s.shape[0], seed=seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,26 +202,26 @@ class IntCodec(Codec):
 
 
 class HadamardCodec(Codec):
-    """The int codec in a blockwise Walsh-Hadamard-rotated basis (``QuantSpec.rotation``).
+    """Any codec in a blockwise Walsh-Hadamard-rotated basis (``QuantSpec.rotation``).
 
     A row of ``cols`` elements is rotated (``zeropp.kernels.hadamard``: zero padded to whole
     blocks, ``rotated_cols`` elements, fp32) and those values are quantized; a received row is
     dequantized in the rotated basis and rotated back (the transform is its own inverse), keeping
     the first ``cols`` elements. The block divides the group size, so the padded rotated row has
     the same quantization groups as the plain one: the wire rows, and every byte count, are the
-    int codec's for ``cols``. An encoding is a QuantizedTensor labelled with the *plain* ``cols``
-    (its codes and scales are those of the rotated row, same shapes), so qgZ's error-feedback path
-    can slice and rebuild it like any int encoding.
+    inner codec's for ``cols``. An encoding is the inner codec's value labelled with the *plain*
+    ``cols`` (its codes and scales are those of the rotated row, same shapes), so qgZ's
+    error-feedback path can slice and rebuild it like any encoding of the inner codec.
 
     Reductions stay in the rotated basis: the rotation is linear, so the sum of rotated
     dequantized rows is the rotated sum. :meth:`dequantize_sum_requantize` (qgZ between its hops)
-    is therefore the int codec's fused kernel unchanged (sum, then re-quantize, both rotated), and
+    is therefore the inner codec's (for int: the fused kernel) unchanged (sum, then re-quantize, both rotated), and
     :meth:`dequantize_sum` sums rotated rows in fp32 and rotates back once. Rotating back before
     the sum and again before re-quantizing would give the same values up to fp32 rounding, at
     the cost of two extra passes over the data and two more roundings.
     """
 
-    def __init__(self, inner: IntCodec, block: Optional[int]) -> None:
+    def __init__(self, inner: Codec, block: Optional[int]) -> None:
         self.inner = inner
         self.block = block
         """The rotation block, or None for the call's group size."""
@@ -296,22 +235,23 @@ class HadamardCodec(Codec):
             b = self._blocks[group_size] = check_rotation_block(self.block, group_size)
         return b
 
-    def _rotated(self, q: QuantizedTensor) -> tuple[QuantizedTensor, int]:
+    def _rotated(self, q: Encoded) -> tuple[Encoded, int]:
         """``q`` relabelled with its rotated row length (same codes and scales), and the block."""
         b = self.block_for(q.group_size)
-        return QuantizedTensor.unchecked(q.codes, q.scales, rotated_cols(q.cols, b), q.bits, q.group_size), b
+        return self._plain(q, rotated_cols(q.cols, b)), b
 
     @staticmethod
-    def _plain(q: QuantizedTensor, cols: int) -> QuantizedTensor:
-        return QuantizedTensor.unchecked(q.codes, q.scales, cols, q.bits, q.group_size)
+    def _plain(q: Encoded, cols: int) -> Encoded:
+        """``q`` labelled with row length ``cols`` (same padded blocks, so the same codes and scales)."""
+        if isinstance(q, QuantizedTensor):
+            return QuantizedTensor.unchecked(q.codes, q.scales, cols, q.bits, q.group_size)
+        return dataclasses.replace(q, cols=cols)
 
     def rotate(self, x: torch.Tensor, group_size: int, rows: int) -> torch.Tensor:
         """``x`` (``rows`` rows, any row-strided or swizzled view) -> rotated fp32 ``[rows, rotated_cols]``."""
         return hadamard(x, self.block_for(group_size), rows=rows)
 
-    def quantize(
-        self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]
-    ) -> QuantizedTensor:
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> Encoded:
         cols = x.numel() // rows
         return self._plain(
             self.inner.quantize(self.rotate(x, group_size, rows), bits, group_size, rows=rows, seed=seed), cols
@@ -322,7 +262,7 @@ class HadamardCodec(Codec):
         return self.inner.encode(self.rotate(x, group_size, rows), bits, group_size, rows=rows, seed=seed)
 
     def dequantize(
-        self, q: QuantizedTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+        self, q: Encoded, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """Dequantize in the rotated basis (fp32), rotate back into ``out`` / a new ``[rows, cols]``."""
         rq, b = self._rotated(q)
@@ -332,10 +272,10 @@ class HadamardCodec(Codec):
     def wire_bytes(self, cols: int, bits: int, group_size: int) -> int:
         return self.inner.wire_bytes(rotated_cols(cols, self.block_for(group_size)), bits, group_size)
 
-    def pack(self, q: QuantizedTensor) -> torch.Tensor:
+    def pack(self, q: Encoded) -> torch.Tensor:
         return self.inner.pack(q)
 
-    def unpack(self, buf: torch.Tensor, cols: int, bits: int, group_size: int) -> QuantizedTensor:
+    def unpack(self, buf: torch.Tensor, cols: int, bits: int, group_size: int) -> Encoded:
         ch = rotated_cols(cols, self.block_for(group_size))
         return self._plain(self.inner.unpack(buf, ch, bits, group_size), cols)
 
@@ -349,7 +289,7 @@ class HadamardCodec(Codec):
         dtype: torch.dtype = torch.float32,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Sum the rotated rows in fp32 (the int codec's fused kernel), then rotate back once."""
+        """Sum the rotated rows in fp32 (the inner codec's sum), then rotate back once."""
         b = self.block_for(group_size)
         s = self.inner.dequantize_sum(buf, rotated_cols(cols, b), bits, group_size)  # [rows, rotated_cols] fp32
         return hadamard(s, b, rows=s.shape[0], out_cols=cols, out=out, dtype=dtype)
@@ -357,31 +297,38 @@ class HadamardCodec(Codec):
     def dequantize_sum_requantize(
         self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
     ) -> torch.Tensor:
-        """qgZ between its hops, all in the rotated basis: the int codec's fused kernel."""
+        """qgZ between its hops, all in the rotated basis: the inner codec's reduction."""
         ch = rotated_cols(cols, self.block_for(group_size))
         return self.inner.dequantize_sum_requantize(buf, ch, bits, group_size, out_bits=out_bits, seed=seed)
 
 
-_CODECS: dict[str, Codec] = {"int": IntCodec()}
-_ROTATED: dict[Optional[int], HadamardCodec] = {}
-"""``hadamard_block`` -> the Hadamard codec over the int codec (built once per block)."""
+_CODECS: dict[str, Codec] = {"int": IntCodec(), **{name: format_codec(name) for name in FORMAT_SCHEMES}}
+_ROTATED: dict[tuple[Codec, Optional[int]], HadamardCodec] = {}
+"""``(inner codec, hadamard_block)`` -> its Hadamard codec (built once per pair)."""
 
 
-def register_codec(name: str, codec: Codec, *, bits: tuple[int, ...]) -> None:
+def register_codec(
+    name: str,
+    codec: Codec,
+    *,
+    bits: tuple[int, ...],
+    group_size: Optional[int] = None,
+    fields: Optional[dict[str, tuple[int, ...]]] = None,
+) -> None:
     """Make scheme ``name`` usable by every collective: declares it (``spec.register_scheme``,
-    so ``QuantSpec(scheme=name)`` validates) and installs ``codec``. Re-registering replaces."""
+    so ``QuantSpec(scheme=name)`` validates; ``group_size`` a block size the format fixes,
+    ``fields`` the spec's format fields it reads) and installs ``codec``. Re-registering replaces;
+    the built-in schemes (``spec.BUILTIN_SCHEMES``) cannot be replaced."""
     if not isinstance(codec, Codec):
         raise TypeError(
             f"register_codec({name!r}, ...): codec must subclass zeropp.comm.codecs.Codec, got {type(codec).__name__}"
         )
-    if name == "int":
-        raise ValueError("the built-in scheme 'int' cannot be replaced; register the codec under a new name")
-    register_scheme(name, tuple(bits))
+    register_scheme(name, tuple(bits), group_size=group_size, fields=fields)
     _CODECS[name] = codec
 
 
 def unregister_codec(name: str) -> None:
-    """Remove a registered scheme and its codec (``int`` stays)."""
+    """Remove a registered scheme and its codec (the built-in schemes stay)."""
     unregister_scheme(name)
     _CODECS.pop(name, None)
 
@@ -392,13 +339,9 @@ def codecs() -> dict[str, Codec]:
 
 
 def codec_for(spec: QuantSpec) -> Codec:
-    """The codec of ``spec.scheme`` (wrapped in a :class:`HadamardCodec` for
-    ``rotation="hadamard"``); a clear error for a scheme declared without one."""
-    if spec.rotation == "hadamard":  # validated: scheme 'int'
-        codec = _ROTATED.get(spec.hadamard_block)
-        if codec is None:
-            codec = _ROTATED[spec.hadamard_block] = HadamardCodec(_CODECS["int"], spec.hadamard_block)
-        return codec
+    """The codec of ``spec.scheme`` for the spec's format fields (:meth:`Codec.for_spec`), wrapped
+    in a :class:`HadamardCodec` for ``rotation="hadamard"``; a clear error for a scheme declared
+    without one."""
     codec = _CODECS.get(spec.scheme)
     if spec.scheme not in schemes():  # unregistered after the spec was built
         raise ValueError(f"QuantSpec.scheme={spec.scheme!r} is not registered any more; use one of {sorted(schemes())}")
@@ -407,4 +350,11 @@ def codec_for(spec: QuantSpec) -> Codec:
             f"QuantSpec.scheme={spec.scheme!r} is declared but has no codec; register it with "
             f"zeropp.comm.codecs.register_codec({spec.scheme!r}, codec, bits=...)"
         )
+    codec = codec.for_spec(spec)
+    if spec.rotation == "hadamard":
+        key = (codec, spec.hadamard_block)
+        rotated = _ROTATED.get(key)
+        if rotated is None:
+            rotated = _ROTATED[key] = HadamardCodec(codec, spec.hadamard_block)
+        return rotated
     return codec

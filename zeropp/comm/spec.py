@@ -3,7 +3,7 @@
 One spec travels unchanged through every layer that quantizes: ``ZeroConfig.weights`` /
 ``ZeroConfig.grads`` in the runtime, the ``spec=`` argument of the collectives, the FSDP2 and DDP
 plug-ins, and the scaling model's byte formulas. Hadamard rotation is a spec option
-(``rotation``) of the ``int`` scheme. A new scheme (weight differences, fp8, ...) is a new
+(``rotation``) of every scheme. A new scheme (weight differences, ...) is a new
 ``scheme`` name registered with :func:`register_scheme` plus its
 kernels (see ``zeropp.comm.codecs``); nothing that only carries a spec changes.
 
@@ -21,10 +21,11 @@ from typing import Optional
 
 # The kernels' bounds, checked when a spec is built (the largest quantization block and the largest
 # rotation block: one block is one GPU program's tile).
+from zeropp.kernels.format_layout import FIXED_GROUP_SIZE
 from zeropp.kernels.layout import MAX_GROUP_SIZE
 from zeropp.kernels.reference import MAX_HADAMARD_BLOCK
 
-from .choices import Rotation, Rounding
+from .choices import Fp6Format, Fp8Format, MxScale, Rotation, Rounding, StrChoice
 
 ROUNDINGS = Rounding.values()
 """``nearest``: round to the nearest code (deterministic). ``stochastic``: round up with probability
@@ -35,27 +36,85 @@ ROTATIONS = Rotation.values()
 Walsh-Hadamard-rotated basis (SDP4Bit) and rotate back after dequantizing; see
 ``QuantSpec.rotation`` and :class:`~.choices.Rotation`."""
 
-_SCHEME_BITS: dict[str, tuple[int, ...]] = {"int": (8, 4)}
-"""Registered schemes -> the code widths their kernels implement. ``int`` is ZeRO++'s block-wise
-symmetric integer quantization (one fp32 scale per group, ``absmax / qmax``)."""
+_SCHEME_BITS: dict[str, tuple[int, ...]] = {"int": (8, 4), "fp8": (8,), "mx": (8, 6, 4), "mxint": (8,), "nvfp4": (4,)}
+"""Registered schemes -> the code widths their kernels implement. Built in (``zeropp.kernels``):
+``int``, ZeRO++'s block-wise symmetric integer quantization (one fp32 scale per group,
+``absmax / qmax``); ``fp8``, E4M3 / E5M2 elements with one fp32 scale per group; ``mx``, the OCP
+microscaling formats (blocks of 32 sharing a power-of-two E8M0 scale: MXFP8 at 8 bits, MXFP6 at
+6, MXFP4 at 4); ``mxint``, MXINT8; ``nvfp4``, E2M1 elements with an E4M3 scale per 16 and an fp32
+scale per message row."""
+
+BUILTIN_SCHEMES = tuple(_SCHEME_BITS)
+"""Schemes whose kernels ship with zeropp; they cannot be replaced or unregistered."""
+
+_FIXED_GROUP_SIZE: dict[str, int] = {
+    "mx": FIXED_GROUP_SIZE["mx"],
+    "mxint": FIXED_GROUP_SIZE["mx"],
+    "nvfp4": FIXED_GROUP_SIZE["nvfp4"],
+}
+"""Schemes whose block size the format fixes: ``QuantSpec.group_size`` must be it (None means it)."""
+
+_SCHEME_FIELDS: dict[str, dict[str, tuple[int, ...]]] = {
+    "fp8": {"fp8_format": (8,)},
+    "mx": {"fp8_format": (8,), "fp6_format": (6,), "mx_scale": (8, 6, 4)},
+    "mxint": {"mx_scale": (8,)},
+}
+"""Scheme -> the format fields of :class:`QuantSpec` it reads, and at which code widths."""
+
+_FORMAT_CHOICES: dict[str, type[StrChoice]] = {"fp8_format": Fp8Format, "fp6_format": Fp6Format, "mx_scale": MxScale}
+"""The element / scale-rule fields of :class:`QuantSpec` and their choices (the first is the default).
+A non-default value that the spec's scheme and widths do not read is refused, never ignored."""
 
 
-def register_scheme(name: str, bits: tuple[int, ...]) -> None:
+def register_scheme(
+    name: str,
+    bits: tuple[int, ...],
+    *,
+    group_size: Optional[int] = None,
+    fields: Optional[dict[str, tuple[int, ...]]] = None,
+) -> None:
     """Declare a quantization scheme and the bit widths it supports, so ``QuantSpec(scheme=name)``
-    validates. To make it *runnable*, register its codec with ``zeropp.comm.codecs.register_codec``
-    (which calls this). Re-registering a name replaces it."""
+    validates. ``group_size``: the block size when the format fixes it (None: any);
+    ``fields``: which format fields of :class:`QuantSpec` (``fp8_format``, ``fp6_format``,
+    ``mx_scale``) it reads at which widths. To make it *runnable*, register its codec with
+    ``zeropp.comm.codecs.register_codec`` (which calls this). Re-registering a name replaces it;
+    the built-in schemes cannot be replaced."""
     if not name or not isinstance(name, str):
         raise ValueError(f"a scheme name must be a non-empty string, got {name!r}")
+    if name in BUILTIN_SCHEMES:
+        raise ValueError(f"the built-in scheme {name!r} cannot be replaced; register the codec under a new name")
     if not bits or not all(isinstance(b, int) and b > 0 for b in bits):
         raise ValueError(f"scheme {name!r}: bits must be a non-empty tuple of positive ints, got {bits!r}")
+    if group_size is not None and (not _is_int(group_size) or not 0 < group_size <= MAX_GROUP_SIZE):
+        raise ValueError(f"scheme {name!r}: group_size must be None or an int in [1, {MAX_GROUP_SIZE}]")
+    unknown = sorted(set(fields or {}) - set(_FORMAT_CHOICES))
+    if unknown:
+        raise ValueError(f"scheme {name!r}: fields {unknown} are not QuantSpec format fields {tuple(_FORMAT_CHOICES)}")
     _SCHEME_BITS[name] = tuple(bits)
+    _forget_extras(name)
+    if group_size is not None:
+        _FIXED_GROUP_SIZE[name] = group_size
+    if fields:
+        _SCHEME_FIELDS[name] = {k: tuple(v) for k, v in fields.items()}
+
+
+def _forget_extras(name: str) -> None:
+    """Drop what register_scheme noted about ``name`` besides its widths."""
+    _FIXED_GROUP_SIZE.pop(name, None)
+    _SCHEME_FIELDS.pop(name, None)
 
 
 def unregister_scheme(name: str) -> None:
-    """Forget a scheme (tests that register a toy scheme clean up with this); ``int`` stays."""
-    if name == "int":
-        raise ValueError("the built-in scheme 'int' cannot be unregistered")
+    """Forget a scheme (tests that register a toy scheme clean up with this); built-ins stay."""
+    if name in BUILTIN_SCHEMES:
+        raise ValueError(f"the built-in scheme {name!r} cannot be unregistered")
     _SCHEME_BITS.pop(name, None)
+    _forget_extras(name)
+
+
+def fixed_group_size(scheme: str) -> Optional[int]:
+    """The block size ``scheme``'s format fixes (mx: 32, nvfp4: 16), None when any size works."""
+    return _FIXED_GROUP_SIZE.get(scheme)
 
 
 def schemes() -> dict[str, tuple[int, ...]]:
@@ -117,13 +176,26 @@ class QuantSpec:
     rotation spreads an outlier over its block, so the block's scale no longer flattens its
     neighbours to zero. Used by qwZ and by both qgZ hops (qgZ sums and re-quantizes in the
     rotated basis, see ``zeropp.comm.codecs.HadamardCodec``); the bytes on the wire are those of
-    ``none``. ``int`` scheme only."""
+    ``none``. Every scheme; the block must divide the group size (mx: 32, nvfp4: 16)."""
 
     hadamard_block: Optional[int] = None
     """Elements per rotation block, a power of two dividing ``group_size`` (so every quantization
     group holds whole blocks and a rotated row needs no extra group); None = the group size
     (which then must be a power of two). Only with ``rotation="hadamard"``. With ``group_size=None``
-the block is checked against the use's default group size when the collective runs."""
+    the block is checked against the use's default group size when the collective runs."""
+
+    fp8_format: Fp8Format = Fp8Format.e4m3
+    """The 8-bit element of schemes ``fp8`` and ``mx`` (MXFP8): ``e4m3`` (max 448, 3 mantissa bits)
+    or ``e5m2`` (max 57344, 2 mantissa bits). Refused when set for a scheme or widths that do not
+    read it."""
+
+    fp6_format: Fp6Format = Fp6Format.e2m3
+    """The 6-bit element of scheme ``mx`` (MXFP6): ``e2m3`` (max 7.5) or ``e3m2`` (max 28)."""
+
+    mx_scale: MxScale = MxScale.ocp
+    """How schemes ``mx`` / ``mxint`` choose a block's power-of-two scale: ``ocp`` (OCP MX v1.0,
+    ``2**(floor(log2 absmax) - emax)``, the largest elements may saturate) or ``round_up`` (the
+    smallest power of two under which nothing saturates, as MXFP8 training recipes do)."""
 
     def __post_init__(self) -> None:
         if self.scheme not in _SCHEME_BITS:
@@ -148,6 +220,14 @@ the block is checked against the use's default group size when the collective ru
                 raise ValueError(
                     f"QuantSpec.{name}={v!r} is not supported by scheme {self.scheme!r}; use one of {allowed}"
                 )
+        fixed = _FIXED_GROUP_SIZE.get(self.scheme)
+        if fixed is not None:
+            if self.group_size is not None and self.group_size != fixed:
+                raise ValueError(
+                    f"QuantSpec.group_size={self.group_size!r}: scheme {self.scheme!r} has blocks of {fixed} "
+                    f"elements fixed by its format; use group_size={fixed} or None"
+                )
+            object.__setattr__(self, "group_size", fixed)
         gs = self.group_size
         if gs is not None:
             if not _is_int(gs) or gs < 1:
@@ -179,7 +259,26 @@ the block is checked against the use's default group size when the collective ru
             )
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"QuantSpec.seed must be an int in [0, 2**63), got {self.seed!r}")
+        self._check_formats()
         self._check_rotation()
+
+    def _check_formats(self) -> None:
+        """Parse the format fields; refuse a non-default one that this scheme at these widths
+        does not read (it would be silently ignored)."""
+        uses = _SCHEME_FIELDS.get(self.scheme, {})
+        for name, choice in _FORMAT_CHOICES.items():
+            value = choice.parse(getattr(self, name), f"QuantSpec.{name}")
+            object.__setattr__(self, name, value)
+            default = next(iter(choice))
+            if value != default and not set(uses.get(name, ())) & set(self.hop_bits):
+                readers = [
+                    f"{sc} at bits {'/'.join(map(str, fl[name]))}" for sc, fl in _SCHEME_FIELDS.items() if name in fl
+                ]
+                raise ValueError(
+                    f"QuantSpec.{name}={value} does nothing for scheme {self.scheme!r} at bits "
+                    f"{'/'.join(map(str, sorted(set(self.hop_bits))))}; it applies to {', '.join(readers)}. "
+                    f"Leave it at {default} or choose such a scheme"
+                )
 
     def _check_rotation(self) -> None:
         if not isinstance(self.rotation, str) or self.rotation not in ROTATIONS:
@@ -193,11 +292,6 @@ the block is checked against the use's default group size when the collective ru
                     "rotation='hadamard' to rotate, or leave hadamard_block=None"
                 )
             return
-        if self.scheme != "int":
-            raise ValueError(
-                f"QuantSpec.rotation='hadamard' is implemented for scheme 'int' only, not "
-                f"{self.scheme!r}; use scheme='int' or rotation='none'"
-            )
         if hb is not None and (not _is_int(hb) or hb < 2 or hb & (hb - 1) or hb > MAX_HADAMARD_BLOCK):
             raise ValueError(
                 f"QuantSpec.hadamard_block={hb!r} must be a power of two in [2, {MAX_HADAMARD_BLOCK}] "
@@ -228,11 +322,20 @@ the block is checked against the use's default group size when the collective ru
 
     @property
     def label(self) -> str:
-        """Short text for tables: ``int8``, ``int8/4`` (intra/cross), ``+sr`` stochastic, ``+ef``."""
+        """Short text for tables: ``int8``, ``int8/4`` (intra/cross), ``mx8/4``, ``fp8+e5m2`` (a
+        non-default element or scale rule), ``+sr`` stochastic, ``+ef``."""
         intra, cross = self.hop_bits
-        s = f"{self.scheme}{cross}" if intra == cross else f"{self.scheme}{intra}/{cross}"
-        if self.group_size is not None:
+        if self.scheme[-1:].isdigit():  # fp8, nvfp4: the name carries the width
+            s = self.scheme
+        else:
+            s = f"{self.scheme}{cross}" if intra == cross else f"{self.scheme}{intra}/{cross}"
+        if self.group_size is not None and self.scheme not in _FIXED_GROUP_SIZE:
             s += f"g{self.group_size}"
+        uses = _SCHEME_FIELDS.get(self.scheme, {})
+        for name, choice in _FORMAT_CHOICES.items():
+            value = getattr(self, name)
+            if set(uses.get(name, ())) & {intra, cross} and value != next(iter(choice)):
+                s += f"+{value}"
         if self.stochastic:
             s += "+sr"
         if self.error_feedback:
@@ -313,6 +416,27 @@ RECIPES: dict[str, QuantRecipe] = {
         weight_diff=QuantSpec(bits=4),
         hpz=True,
     ),
+    "fp8": QuantRecipe(
+        weights=QuantSpec(scheme="fp8", bits=8), grads=QuantSpec(scheme="fp8", bits=8, fp8_format=Fp8Format.e5m2)
+    ),
+    "mxfp8": QuantRecipe(
+        weights=QuantSpec(scheme="mx", bits=8, mx_scale=MxScale.round_up),
+        grads=QuantSpec(scheme="mx", bits=8, mx_scale=MxScale.round_up),
+    ),
+    "mxfp6": QuantRecipe(
+        weights=QuantSpec(scheme="mx", bits=6), grads=QuantSpec(scheme="mx", bits=6, fp6_format=Fp6Format.e3m2)
+    ),
+    "mxfp4": QuantRecipe(weights=QuantSpec(scheme="mx", bits=4), grads=QuantSpec(scheme="mx", bits=4)),
+    "nvfp4": QuantRecipe(weights=QuantSpec(scheme="nvfp4", bits=4), grads=QuantSpec(scheme="nvfp4", bits=4)),
+    "w_mxfp8_g_mxfp4": QuantRecipe(
+        weights=QuantSpec(scheme="mx", bits=8), grads=QuantSpec(scheme="mx", bits=4, intra_bits=8)
+    ),
+    "sdp4bit_mx": QuantRecipe(
+        weights=QuantSpec(scheme="mx", bits=4),
+        grads=QuantSpec(scheme="mx", bits=4, rotation=Rotation.hadamard, error_feedback=True),
+        weight_diff=QuantSpec(scheme="mx", bits=4),
+        hpz=True,
+    ),
 }
 """The named recipes (the runner's ``quant=`` options): ``int8``/``int4``/``qwz`` weights only,
 ``qgz`` gradients only (INT4), ``hpz`` hierarchical partitioning only, ``w8g8``/``w8g4``/``w4g4``
@@ -322,6 +446,14 @@ paper's setting), ``qwd`` INT4 weight differences refreshing hpZ's secondaries, 
 which needs hpZ for them; for stages 1-2 add ``zero.hpz=false``), ``sdp4bit`` SDP4Bit's setting at stage 3: INT4 weight differences refreshing
 hpZ's secondary copies (the first gather INT4 qwZ), Hadamard-rotated INT4 gradients with error
 feedback.
+
+The float and microscaling recipes quantize weights and gradients alike: ``fp8`` FP8 with an fp32
+scale per group, E4M3 weights and E5M2 gradients (the usual split: precision forward, range
+backward); ``mxfp8`` MXFP8 (E4M3) with the ``round_up`` scale rule of MXFP8 training recipes;
+``mxfp6`` MXFP6, E2M3 weights and E3M2 gradients; ``mxfp4`` MXFP4 (E2M1, OCP scale rule);
+``nvfp4`` NVFP4; ``w_mxfp8_g_mxfp4`` MXFP8 weights and gradients sent MXFP8 inside the node and
+MXFP4 across; ``sdp4bit_mx`` ``sdp4bit`` with MXFP4 in place of INT4 (rotation blocks of 32,
+the MX block).
 
 ``w4g4h`` rotates the gradients only, where SDP4Bit applies the rotation: gradients are
 heavy-tailed, so spreading their outliers lowers the INT4 error, while weights are close to

@@ -1,0 +1,109 @@
+"""The float and microscaling codecs: schemes ``fp8``, ``mx``, ``mxint`` and ``nvfp4`` on the
+formats of ``zeropp.kernels`` (``format_layout.py`` the wire rows, ``format_ops.py`` the kernels).
+
+One :class:`FormatCodec` per scheme and per setting of the spec's format fields
+(``fp8_format``, ``fp6_format``, ``mx_scale``): :meth:`FormatCodec.for_spec` returns the variant
+(built once per setting), and each variant maps a code width to its element format, so the
+codec methods keep the ``(bits, group_size)`` signature every collective calls:
+
+=========  ================================  =====================================
+scheme     bits -> element                   group size
+=========  ================================  =====================================
+``fp8``    8 -> ``fp8_format``               any (one fp32 scale per group)
+``mx``     8 -> ``fp8_format``, 6 ->         32 (one E8M0 scale per block)
+           ``fp6_format``, 4 -> e2m1
+``mxint``  8 -> int8 (MXINT8)                32
+``nvfp4``  4 -> e2m1                         16 (E4M3 per block, fp32 per row)
+=========  ================================  =====================================
+
+The reductions over received rows are the base class's generic ones (dequantize each source,
+add in fp32, re-encode for qgZ's second hop), so qgZ, error feedback and the Hadamard rotation
+work unchanged; no fused kernel is needed for correctness. The codec is not ``in_place``: the
+collectives hand it contiguous tensors and it packs / unpacks with copies.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from zeropp.kernels import format_layout as fl
+from zeropp.kernels.format_layout import FormatTensor
+from zeropp.kernels.format_ops import dequantize_format, quantize_fp8, quantize_mx, quantize_nvfp4
+
+from .codec_base import Codec
+from .spec import QuantSpec
+
+_KERNEL_SCHEME = {"fp8": "fp8", "mx": "mx", "mxint": "mx", "nvfp4": "nvfp4"}
+"""Codec scheme -> the kernels' scheme (MXINT8 is MX with int8 elements)."""
+
+
+class FormatCodec(Codec):
+    """One of the float / microscaling schemes with its element and scale-rule choices fixed."""
+
+    def __init__(
+        self, scheme: str, *, fp8_format: str = "e4m3", fp6_format: str = "e2m3", mx_scale: str = "ocp"
+    ) -> None:
+        if scheme not in _KERNEL_SCHEME:
+            raise ValueError(f"FormatCodec scheme {scheme!r}; use one of {sorted(_KERNEL_SCHEME)}")
+        self.scheme = scheme
+        self.kernel_scheme = _KERNEL_SCHEME[scheme]
+        self.fp8_format, self.fp6_format, self.mx_scale = str(fp8_format), str(fp6_format), str(mx_scale)
+        self._elements = {
+            "fp8": {8: self.fp8_format},
+            "mx": {8: self.fp8_format, 6: self.fp6_format, 4: "e2m1"},
+            "mxint": {8: "int8"},
+            "nvfp4": {4: "e2m1"},
+        }[scheme]
+
+    def __repr__(self) -> str:
+        return (
+            f"FormatCodec({self.scheme!r}, fp8_format={self.fp8_format!r}, fp6_format={self.fp6_format!r}, "
+            f"mx_scale={self.mx_scale!r})"
+        )
+
+    def for_spec(self, spec: QuantSpec) -> FormatCodec:
+        return format_codec(self.scheme, str(spec.fp8_format), str(spec.fp6_format), str(spec.mx_scale))
+
+    def element(self, bits: int) -> str:
+        """The element format this codec sends at ``bits``."""
+        e = self._elements.get(bits)
+        if e is None:
+            raise ValueError(f"scheme {self.scheme!r} has no {bits}-bit format; use bits in {sorted(self._elements)}")
+        return e
+
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> FormatTensor:
+        elem = self.element(bits)
+        stochastic, kseed = seed is not None, 0 if seed is None else seed
+        if self.kernel_scheme == "fp8":
+            return quantize_fp8(x, elem, group_size, rows=rows, stochastic=stochastic, seed=kseed)
+        fl.check_format_group_size(self.kernel_scheme, group_size)
+        if self.kernel_scheme == "mx":
+            return quantize_mx(x, elem, scale_rule=self.mx_scale, rows=rows, stochastic=stochastic, seed=kseed)
+        return quantize_nvfp4(x, rows=rows, stochastic=stochastic, seed=kseed)
+
+    def dequantize(
+        self, q: FormatTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        return dequantize_format(q, out=out, dtype=dtype)
+
+    def wire_bytes(self, cols: int, bits: int, group_size: int) -> int:
+        return fl.wire_bytes(self.kernel_scheme, self.element(bits), cols, group_size)
+
+    def pack(self, q: FormatTensor) -> torch.Tensor:
+        return fl.pack(q)
+
+    def unpack(self, buf: torch.Tensor, cols: int, bits: int, group_size: int) -> FormatTensor:
+        return fl.unpack(buf, self.kernel_scheme, self.element(bits), cols, group_size)
+
+
+@functools.cache
+def format_codec(scheme: str, fp8_format: str = "e4m3", fp6_format: str = "e2m3", mx_scale: str = "ocp") -> FormatCodec:
+    """The codec of ``scheme`` with these format choices (one instance per setting)."""
+    return FormatCodec(scheme, fp8_format=fp8_format, fp6_format=fp6_format, mx_scale=mx_scale)
+
+
+FORMAT_SCHEMES = tuple(_KERNEL_SCHEME)
+"""The schemes this module provides (declared in ``spec.py``, installed by ``codecs.py``)."""
