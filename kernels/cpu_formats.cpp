@@ -19,6 +19,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <float.h>
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ZF_AVX512BF16 1
+#endif
 
 typedef int64_t i64;
 
@@ -32,11 +37,13 @@ static const uint32_t QNAN = 0x7fc00000u;  // torch's NaN
 // ---- element types: load as fp32 (exact widening), store from fp32 (round to nearest even) ----
 struct F32 {
     typedef float T;
+    static constexpr bool IS_BF16 = false;
     static inline float load(const T* p, i64 i) { return p[i]; }
     static inline T store(float f) { return f; }
 };
 struct BF16 {
     typedef uint16_t T;
+    static constexpr bool IS_BF16 = true;
     static inline float load(const T* p, i64 i) { return u2f((uint32_t)p[i] << 16); }
     static inline T store(float f) {  // torch's round_to_nearest_even; NaN -> 0x7fc0
         uint32_t u = f2u(f);
@@ -46,6 +53,7 @@ struct BF16 {
 };
 struct F16 {
     typedef _Float16 T;
+    static constexpr bool IS_BF16 = false;
     static inline float load(const T* p, i64 i) { return (float)p[i]; }
     static inline T store(float f) { return (T)f; }
 };
@@ -83,6 +91,7 @@ struct Fmt {
     static constexpr bool INT = false;
     static constexpr uint32_t SIGN = 1u << (BITS_ - 1);
     static inline float maxval() { return u2f(((uint32_t)MAXCODE_ << (23 - M_))) * pow2(127 - BIAS_); }
+    static inline float minval() { return pow2(1 - BIAS_ - M_); }  // the smallest nonzero magnitude
 };
 typedef Fmt<8, 3, 7, 0x7e, 0x7f, 8> E4M3;    // max 448, NaN S.1111.111, no Inf
 typedef Fmt<8, 2, 15, 0x7b, 0x7f, 15> E5M2;  // max 57344, IEEE Inf (0x7c) / NaN
@@ -93,6 +102,7 @@ struct I8 {  // MX INT8: value = k / 64, k in [-127, 127]
     static constexpr int BITS = 8, EMAX = 0;
     static constexpr bool INT = true;
     static inline float maxval() { return 127.0f / 64.0f; }
+    static inline float minval() { return 1.0f / 64.0f; }
 };
 
 // One element: v (already scaled) -> code bits (two's complement byte for INT8). u: the
@@ -178,11 +188,26 @@ static inline void unpack(const uint8_t* __restrict p, i64 n, uint8_t* __restric
     }
 }
 
-// o[0:n] = decode(c[i]) * sc, rounded to S.
-template <class S, class F>
-__attribute__((noinline)) static void decode_block(const uint8_t* __restrict c, i64 n, float sc,
-                                                   typename S::T* __restrict o) {
-    for (i64 i = 0; i < n; i++) o[i] = S::store(decode<F>(c[i]) * sc);
+// d[0:n] = decode(c[i]) * sc (fp32).
+template <class F>
+static inline void decode_block(const uint8_t* __restrict c, i64 n, float sc, float* __restrict d) {
+    for (i64 i = 0; i < n; i++) d[i] = decode<F>(c[i]) * sc;
+}
+
+// o[0:n] = d[0:n] rounded to S. FAST (bf16 on AVX512-BF16 CPUs): no d[i] is an fp32 subnormal
+// and none is NaN unless it is torch's NaN, where vcvtneps2bf16 (which treats denormals as zero)
+// rounds exactly as torch does; the caller knows this from the block's scale.
+template <class S>
+static inline void store_block(const float* __restrict d, i64 n, bool fast, typename S::T* __restrict o) {
+    i64 i = 0;
+#ifdef ZF_AVX512BF16
+    if (S::IS_BF16 && fast)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(d + i)));
+#else
+    (void)fast;
+#endif
+    for (; i < n; i++) o[i] = S::store(d[i]);
 }
 
 static inline uint32_t absmax_bits_f(const float* __restrict x, i64 n) {
@@ -222,7 +247,7 @@ static inline int mx_exponent(uint32_t m, int round_up) {
 // Codes of one block of w[0:gs] (already loaded) scaled by: division by s (DIV) or
 // multiplication by s (an exact power of two), into c[0:gs].
 template <class F, bool STOCH, bool DIV>
-__attribute__((noinline)) static void encode_block(const float* __restrict w, i64 gs, float s, const float* __restrict u,
+static inline void encode_block(const float* __restrict w, i64 gs, float s, const float* __restrict u,
                                 uint8_t* __restrict c) {
     for (i64 i = 0; i < gs; i++) {
         const float v = DIV ? w[i] / s : w[i] * s;
@@ -242,22 +267,23 @@ struct Scratch {
 // x [rows, cols] (row stride x_rs elements) -> codes [rows, *] (c_rs bytes) and scales:
 // fp8 fp32 [rows, G] (s_rs floats); mx E8M0 bytes [rows, G] (s_rs bytes); nvfp4 E4M3 bytes
 // [rows, G] (s_rs bytes) and fp32 tensor scales (t[r * t_rs]).
-template <class L, class F, int SCHEME, bool STOCH>
+template <class L, class F, int SCHEME, bool STOCH, int GSC>
 static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* codes, i64 c_rs, void* scales, i64 s_rs,
                           float* tsc, i64 t_rs, Scratch& s) {
     const typename L::T* x = (const typename L::T*)xv;
-    const i64 gs = a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+    const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
     const uint32_t k0 = (uint32_t)a.seed, k1 = (uint32_t)(a.seed >> 32);
     for (i64 r = 0; r < a.rows; r++) {
         const typename L::T* xr = x + r * x_rs;
         float t = 0.0f;
         uint32_t rowmax = 0;
-        if (SCHEME == S_NVFP4) {
+        if (SCHEME == S_NVFP4) {  // t = absmax of the row's finite values / (6 * 448)
             for (i64 i = 0; i < a.cols; i++) {
-                const uint32_t v = f2u(L::load(xr, i)) & 0x7fffffffu;
+                uint32_t v = f2u(L::load(xr, i)) & 0x7fffffffu;
+                v = v < 0x7f800000u ? v : 0u;
                 rowmax = v > rowmax ? v : rowmax;
             }
-            t = rowmax >= 0x7f800000u ? u2f(QNAN) : u2f(rowmax) / 2688.0f;  // absmax / (6 * 448)
+            t = u2f(rowmax) / 2688.0f;
             tsc[r * t_rs] = t;
         }
         for (i64 g = 0; g < G; g++) {
@@ -282,7 +308,8 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
                 encode_block<F, STOCH, false>(s.w, gs, pow2(-e), s.u, s.c);
             } else {
                 uint8_t* sc = (uint8_t*)scales + r * s_rs + g;
-                if (!(t > 0.0f)) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }  // NaN or zero row
+                if (m >= 0x7f800000u) { *sc = 0x7f; memset(cb, 0, (size_t)bpg); continue; }  // E4M3 NaN
+                if (!(t > 0.0f)) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }  // an all-zero row
                 const float q = u2f(m) / 6.0f / t;
                 const uint32_t b = encode<E4M3, false>(q, 0.0f);
                 *sc = (uint8_t)b;
@@ -297,16 +324,15 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
 }
 
 // codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S.
-template <class S, class F, int SCHEME>
+template <class S, class F, int SCHEME, int GSC>
 static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tsc, i64 t_rs,
-                            const Args& a, void* outv, uint8_t* c) {
+                            const Args& a, void* outv, uint8_t* c, float* d) {
     typename S::T* out = (typename S::T*)outv;
-    const i64 gs = a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+    const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
     for (i64 r = 0; r < a.rows; r++) {
         const float t = SCHEME == S_NVFP4 ? tsc[r * t_rs] : 0.0f;
         for (i64 g = 0; g < G; g++) {
             const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
-            const uint8_t* cb = codes + r * c_rs + g * bpg;
             float sc;
             if (SCHEME == S_FP8) {
                 sc = ((const float*)scales)[r * s_rs + g];
@@ -316,8 +342,12 @@ static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, 
             } else {
                 sc = decode<E4M3>(((const uint8_t*)scales)[r * s_rs + g]) * t;
             }
-            unpack<F::BITS>(cb, gs, c);
-            decode_block<S, F>(c, n, sc, out + r * a.cols + g * gs);
+            // a finite scale that is 0 or whose smallest nonzero product is normal (see store_block)
+            const float as = fabsf(sc);
+            const bool fast = as == 0.0f || (as <= FLT_MAX && as * F::minval() >= FLT_MIN);
+            unpack<F::BITS>(codes + r * c_rs + g * bpg, gs, c);
+            decode_block<F>(c, n, sc, d);
+            store_block<S>(d, n, fast, out + r * a.cols + g * gs);
         }
     }
 }
@@ -328,8 +358,9 @@ static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, 
 template <class L, class F, int SCHEME>
 static void q_stoch(const void* x, i64 x_rs, const Args& a, uint8_t* c, i64 c_rs, void* s, i64 s_rs, float* t,
                     i64 t_rs, Scratch& sc) {
-    if (a.stochastic) quantize_rows<L, F, SCHEME, true>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
-    else quantize_rows<L, F, SCHEME, false>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    constexpr int GSC = SCHEME == S_MX ? 32 : (SCHEME == S_NVFP4 ? 16 : 0);
+    if (a.stochastic) quantize_rows<L, F, SCHEME, true, GSC>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else quantize_rows<L, F, SCHEME, false, GSC>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
 }
 
 template <class L>
@@ -364,15 +395,15 @@ extern "C" int zf_quantize(const void* x, i64 x_rs, int dtype, i64 rows, i64 col
 template <class S>
 static int dq_fmt(int scheme, int fmt, const uint8_t* c, i64 c_rs, const void* s, i64 s_rs, const float* t, i64 t_rs,
                   const Args& a, void* out, uint8_t* buf) {
-    if (scheme == S_FP8 && fmt == 0) dequantize_rows<S, E4M3, S_FP8>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_FP8 && fmt == 1) dequantize_rows<S, E5M2, S_FP8>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_MX && fmt == 0) dequantize_rows<S, E4M3, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_MX && fmt == 1) dequantize_rows<S, E5M2, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_MX && fmt == 2) dequantize_rows<S, E3M2, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_MX && fmt == 3) dequantize_rows<S, E2M3, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_MX && fmt == 4) dequantize_rows<S, E2M1, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_MX && fmt == 5) dequantize_rows<S, I8, S_MX>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
-    else if (scheme == S_NVFP4 && fmt == 4) dequantize_rows<S, E2M1, S_NVFP4>(c, c_rs, s, s_rs, t, t_rs, a, out, buf);
+    if (scheme == S_FP8 && fmt == 0) dequantize_rows<S, E4M3, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_FP8 && fmt == 1) dequantize_rows<S, E5M2, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 0) dequantize_rows<S, E4M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 1) dequantize_rows<S, E5M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 2) dequantize_rows<S, E3M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 3) dequantize_rows<S, E2M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 4) dequantize_rows<S, E2M1, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 5) dequantize_rows<S, I8, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    else if (scheme == S_NVFP4 && fmt == 4) dequantize_rows<S, E2M1, S_NVFP4, 16>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
     else return -1;
     return 0;
 }
@@ -381,7 +412,7 @@ extern "C" int zf_dequantize(const uint8_t* codes, i64 c_rs, const void* scales,
                              i64 t_rs, i64 rows, i64 cols, int scheme, int fmt, i64 gs, void* out, int dtype) {
     if (gs <= 0) return -1;
     const Args a{rows, cols, gs, 0, 0, 0};
-    uint8_t* buf = (uint8_t*)malloc((size_t)gs);
+    uint8_t* buf = (uint8_t*)malloc((size_t)((gs + 63) & ~(i64)63) + (size_t)gs * 4);  // codes, then fp32 values
     if (!buf) return -1;
     int rc = -1;
     if (dtype == 0) rc = dq_fmt<F32>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);

@@ -11,12 +11,22 @@ import hashlib
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from . import build_cache, cpu_native
+from . import build_cache, cpu_native, format_reference
+from .format_layout import (
+    FIXED_GROUP_SIZE,
+    FormatTensor,
+    check_format_args,
+    check_format_tensor,
+    check_scale_rule,
+    code_bytes,
+)
+from .layout import check_float_dtype, num_groups, output_buffer
 
 SOURCE = Path(__file__).with_name("cpu_formats.cpp")
 
@@ -87,7 +97,7 @@ def available() -> bool:
 
 
 def _check(rc: int, what: str) -> None:
-    if rc != 0:
+    if rc != 0:  # arguments are validated before the call: this is a bug or out of memory
         raise RuntimeError(f"zeropp.kernels.cpu_formats: {what} failed (rc={rc})")
 
 
@@ -164,6 +174,117 @@ def dequantize_into(
         ),
         "dequantize",
     )
+
+
+_warned = False
+
+
+def native_enabled() -> bool:
+    """Whether CPU tensors take these kernels. When they cannot be built or loaded, warns once and
+    returns False: the reference (``format_reference.py``) then serves, bit-identical but slower."""
+    global _warned
+    if available():
+        return True
+    if FAILED is not None and not _warned:
+        _warned = True
+        warnings.warn(
+            f"zeropp.kernels: the native CPU kernels of the float formats are unavailable ({FAILED}); "
+            "using the slower torch reference for the rest of this process",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def _quantize(
+    x: torch.Tensor, scheme: str, elem: str, group_size: int, scale_rule: str, rows: int, stochastic: bool, seed: int
+) -> FormatTensor:
+    """The checked arguments through the native kernel into fresh codes and scales."""
+    cols, seed = check_format_args(x, scheme, elem, group_size, rows, seed)
+    if x.device.type != "cpu":
+        raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {x.device}")
+    g = num_groups(cols, group_size)
+    codes = cpu_native.empty(rows, code_bytes(cols, elem, group_size), dtype=torch.uint8)
+    scales = cpu_native.empty(rows, g, dtype=torch.float32 if scheme == "fp8" else torch.uint8)
+    tscales = torch.empty(rows, 1, dtype=torch.float32) if scheme == "nvfp4" else None
+    x2 = x.reshape(rows, cols)
+    if cols > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    quantize_into(x2, scheme, elem, group_size, scale_rule == "round_up", stochastic, seed, codes, scales, tscales)
+    return FormatTensor(codes, scales, tscales, cols, scheme, elem, group_size)
+
+
+def _dequantize(q: FormatTensor, scheme: str, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A checked FormatTensor through the native kernel into ``out`` (or a fresh tensor)."""
+    rows = check_format_tensor(q, scheme)
+    if q.codes.device.type != "cpu":
+        raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {q.codes.device}")
+    if out is None:
+        check_float_dtype(dtype, "output")
+        dst = cpu_native.empty(rows, q.cols, dtype=dtype)
+    else:
+        dst = output_buffer(out, rows, q.cols, dtype, q.codes.device)
+    last = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q.codes, q.scales)]
+    dequantize_into(last[0], last[1], q.tensor_scales, scheme, q.elem, q.group_size, q.cols, dst)
+    return dst
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions: format_reference's names without ``_ref``, the same signatures and results.
+# ----------------------------------------------------------------------------------------------
+def quantize_fp8(
+    x: torch.Tensor, elem: str, group_size: int, *, rows: int = 1, stochastic: bool = False, seed: int = 0
+) -> FormatTensor:
+    """``format_reference.quantize_fp8_ref``, bit for bit."""
+    if not native_enabled():
+        return format_reference.quantize_fp8_ref(x, elem, group_size, rows=rows, stochastic=stochastic, seed=seed)
+    return _quantize(x, "fp8", elem, group_size, "ocp", rows, stochastic, seed)
+
+
+def quantize_mx(
+    x: torch.Tensor, elem: str, *, scale_rule: str = "ocp", rows: int = 1, stochastic: bool = False, seed: int = 0
+) -> FormatTensor:
+    """``format_reference.quantize_mx_ref``, bit for bit."""
+    if not native_enabled():
+        return format_reference.quantize_mx_ref(
+            x, elem, scale_rule=scale_rule, rows=rows, stochastic=stochastic, seed=seed
+        )
+    check_scale_rule(scale_rule)
+    return _quantize(x, "mx", elem, FIXED_GROUP_SIZE["mx"], scale_rule, rows, stochastic, seed)
+
+
+def quantize_nvfp4(x: torch.Tensor, *, rows: int = 1, stochastic: bool = False, seed: int = 0) -> FormatTensor:
+    """``format_reference.quantize_nvfp4_ref``, bit for bit."""
+    if not native_enabled():
+        return format_reference.quantize_nvfp4_ref(x, rows=rows, stochastic=stochastic, seed=seed)
+    return _quantize(x, "nvfp4", "e2m1", FIXED_GROUP_SIZE["nvfp4"], "ocp", rows, stochastic, seed)
+
+
+def dequantize_fp8(
+    q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``format_reference.dequantize_fp8_ref``, bit for bit."""
+    if not native_enabled():
+        return format_reference.dequantize_fp8_ref(q, out=out, dtype=dtype)
+    return _dequantize(q, "fp8", out, dtype)
+
+
+def dequantize_mx(
+    q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``format_reference.dequantize_mx_ref``, bit for bit."""
+    if not native_enabled():
+        return format_reference.dequantize_mx_ref(q, out=out, dtype=dtype)
+    return _dequantize(q, "mx", out, dtype)
+
+
+def dequantize_nvfp4(
+    q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``format_reference.dequantize_nvfp4_ref``, bit for bit."""
+    if not native_enabled():
+        return format_reference.dequantize_nvfp4_ref(q, out=out, dtype=dtype)
+    return _dequantize(q, "nvfp4", out, dtype)
 
 
 if __name__ == "__main__":  # python -m zeropp.kernels.cpu_formats: build (or find) and load the library
