@@ -24,6 +24,10 @@
 #include <immintrin.h>
 #define ZF_AVX512BF16 1
 #endif
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ZF_AVX512VBMI 1
+#endif
 
 typedef int64_t i64;
 
@@ -155,7 +159,21 @@ static inline void pack(const uint8_t* __restrict c, i64 n, uint8_t* __restrict 
     if (BITS == 8) {
         memcpy(out, c, (size_t)n);
     } else if (BITS == 6) {
-        for (i64 j = 0; j < n / 4; j++) {
+        i64 j = 0;
+#ifdef ZF_AVX512VBMI
+        // 64 codes -> 48 bytes: pairs (c0 + 64 c1, c2 + 64 c3) by vpmaddubsw, the 24-bit word
+        // w = p0 + 4096 p1 by vpmaddwd, then vpermb keeps the three low bytes of each word.
+        const __m512i pair = _mm512_set1_epi16(0x4001), quad = _mm512_set1_epi32(0x10000001);
+        alignas(64) uint8_t idx[64];
+        for (int k = 0; k < 64; k++) idx[k] = (uint8_t)(k < 48 ? (k / 3) * 4 + k % 3 : 0);
+        const __m512i perm = _mm512_load_si512((const void*)idx);
+        for (; j + 16 <= n / 4; j += 16) {
+            const __m512i v = _mm512_loadu_si512((const void*)(c + 4 * j));
+            const __m512i w = _mm512_madd_epi16(_mm512_maddubs_epi16(v, pair), quad);
+            _mm512_mask_storeu_epi8(out + 3 * j, (__mmask64)0xffffffffffffULL, _mm512_permutexvar_epi8(perm, w));
+        }
+#endif
+        for (; j < n / 4; j++) {
             const uint32_t w = (uint32_t)c[4 * j] | ((uint32_t)c[4 * j + 1] << 6) | ((uint32_t)c[4 * j + 2] << 12) |
                                ((uint32_t)c[4 * j + 3] << 18);
             out[3 * j] = (uint8_t)w;
@@ -178,7 +196,21 @@ static inline void unpack(const uint8_t* __restrict p, i64 n, uint8_t* __restric
             c[2 * j + 1] = p[j] >> 4;
         }
     } else {
-        for (i64 j = 0; j < n / 4; j++) {
+        i64 j = 0;
+#ifdef ZF_AVX512VBMI
+        // 48 bytes -> 64 codes: vpermb puts bytes 6q..6q+5 in qword q, vpmultishiftqb takes the
+        // byte at bit offsets 0, 6, ..., 42 of each qword, and the mask keeps 6 bits.
+        alignas(64) uint8_t idx[64];
+        for (int k = 0; k < 64; k++) idx[k] = (uint8_t)((k / 8) * 6 + (k % 8 < 6 ? k % 8 : 5));
+        const __m512i perm = _mm512_load_si512((const void*)idx);
+        const __m512i shifts = _mm512_set1_epi64(0x2a241e18120c0600LL), m63 = _mm512_set1_epi8(63);
+        for (; j + 16 <= n / 4; j += 16) {
+            const __m512i b = _mm512_maskz_loadu_epi8((__mmask64)0xffffffffffffULL, p + 3 * j);
+            const __m512i v = _mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(perm, b));
+            _mm512_storeu_si512((void*)(c + 4 * j), _mm512_and_si512(v, m63));
+        }
+#endif
+        for (; j < n / 4; j++) {
             const uint32_t w = (uint32_t)p[3 * j] | ((uint32_t)p[3 * j + 1] << 8) | ((uint32_t)p[3 * j + 2] << 16);
             c[4 * j] = w & 63u;
             c[4 * j + 1] = (w >> 6) & 63u;
@@ -324,6 +356,27 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
 }
 
 // codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S.
+// The scale of block g of row r (fp8: fp32; mx: 2^(E8M0 - 127), NaN for 255; nvfp4: decode(b) * t).
+template <int SCHEME>
+static inline float block_scale(const void* scales, i64 r, i64 s_rs, i64 g, float t) {
+    if (SCHEME == S_FP8) return ((const float*)scales)[r * s_rs + g];
+    const uint8_t b = ((const uint8_t*)scales)[r * s_rs + g];
+    if (SCHEME == S_MX) return b == 255 ? u2f(QNAN) : pow2((int)b - 127);
+    return decode<E4M3>(b) * t;
+}
+
+// Whether products code * sc may take store_block's FAST path: sc is finite and 0, or its
+// smallest nonzero product is a normal fp32.
+template <class F>
+static inline bool fast_scale(float sc) {
+    const float as = fabsf(sc);
+    return as == 0.0f || (as <= FLT_MAX && as * F::minval() >= FLT_MIN);
+}
+
+static constexpr i64 TILE = 2048;  // elements per tile of fixed-size blocks (codes, fp32 values in L1)
+
+// codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S. Fixed
+// block sizes (GSC > 0) go through tiles of TILE elements: one unpack and one store per tile.
 template <class S, class F, int SCHEME, int GSC>
 static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tsc, i64 t_rs,
                             const Args& a, void* outv, uint8_t* c, float* d) {
@@ -331,23 +384,28 @@ static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, 
     const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
     for (i64 r = 0; r < a.rows; r++) {
         const float t = SCHEME == S_NVFP4 ? tsc[r * t_rs] : 0.0f;
+        if (GSC) {
+            const i64 padded = G * GSC;
+            for (i64 i0 = 0; i0 < padded; i0 += TILE) {
+                const i64 nt = padded - i0 < TILE ? padded - i0 : TILE;
+                unpack<F::BITS>(codes + r * c_rs + i0 * F::BITS / 8, nt, c);
+                bool fast = true;
+                for (i64 b = 0; b < nt / GSC; b++) {
+                    const float sc = block_scale<SCHEME>(scales, r, s_rs, i0 / GSC + b, t);
+                    fast = fast && fast_scale<F>(sc);
+                    decode_block<F>(c + b * GSC, GSC, sc, d + b * GSC);
+                }
+                const i64 n = a.cols - i0 < nt ? a.cols - i0 : nt;
+                store_block<S>(d, n, fast, out + r * a.cols + i0);
+            }
+            continue;
+        }
         for (i64 g = 0; g < G; g++) {
             const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
-            float sc;
-            if (SCHEME == S_FP8) {
-                sc = ((const float*)scales)[r * s_rs + g];
-            } else if (SCHEME == S_MX) {
-                const uint8_t e = ((const uint8_t*)scales)[r * s_rs + g];
-                sc = e == 255 ? u2f(QNAN) : pow2((int)e - 127);
-            } else {
-                sc = decode<E4M3>(((const uint8_t*)scales)[r * s_rs + g]) * t;
-            }
-            // a finite scale that is 0 or whose smallest nonzero product is normal (see store_block)
-            const float as = fabsf(sc);
-            const bool fast = as == 0.0f || (as <= FLT_MAX && as * F::minval() >= FLT_MIN);
+            const float sc = block_scale<SCHEME>(scales, r, s_rs, g, t);
             unpack<F::BITS>(codes + r * c_rs + g * bpg, gs, c);
             decode_block<F>(c, n, sc, d);
-            store_block<S>(d, n, fast, out + r * a.cols + g * gs);
+            store_block<S>(d, n, fast_scale<F>(sc), out + r * a.cols + g * gs);
         }
     }
 }
@@ -395,15 +453,15 @@ extern "C" int zf_quantize(const void* x, i64 x_rs, int dtype, i64 rows, i64 col
 template <class S>
 static int dq_fmt(int scheme, int fmt, const uint8_t* c, i64 c_rs, const void* s, i64 s_rs, const float* t, i64 t_rs,
                   const Args& a, void* out, uint8_t* buf) {
-    if (scheme == S_FP8 && fmt == 0) dequantize_rows<S, E4M3, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_FP8 && fmt == 1) dequantize_rows<S, E5M2, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_MX && fmt == 0) dequantize_rows<S, E4M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_MX && fmt == 1) dequantize_rows<S, E5M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_MX && fmt == 2) dequantize_rows<S, E3M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_MX && fmt == 3) dequantize_rows<S, E2M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_MX && fmt == 4) dequantize_rows<S, E2M1, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_MX && fmt == 5) dequantize_rows<S, I8, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
-    else if (scheme == S_NVFP4 && fmt == 4) dequantize_rows<S, E2M1, S_NVFP4, 16>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + ((a.gs + 63) & ~(i64)63)));
+    if (scheme == S_FP8 && fmt == 0) dequantize_rows<S, E4M3, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_FP8 && fmt == 1) dequantize_rows<S, E5M2, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 0) dequantize_rows<S, E4M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 1) dequantize_rows<S, E5M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 2) dequantize_rows<S, E3M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 3) dequantize_rows<S, E2M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 4) dequantize_rows<S, E2M1, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 5) dequantize_rows<S, I8, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_NVFP4 && fmt == 4) dequantize_rows<S, E2M1, S_NVFP4, 16>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
     else return -1;
     return 0;
 }
@@ -412,7 +470,8 @@ extern "C" int zf_dequantize(const uint8_t* codes, i64 c_rs, const void* scales,
                              i64 t_rs, i64 rows, i64 cols, int scheme, int fmt, i64 gs, void* out, int dtype) {
     if (gs <= 0) return -1;
     const Args a{rows, cols, gs, 0, 0, 0};
-    uint8_t* buf = (uint8_t*)malloc((size_t)((gs + 63) & ~(i64)63) + (size_t)gs * 4);  // codes, then fp32 values
+    const i64 cap = gs > TILE ? gs : TILE;  // codes, then fp32 values, of one block or one tile
+    uint8_t* buf = (uint8_t*)malloc((size_t)((cap + 63) & ~(i64)63) + (size_t)cap * 4);
     if (!buf) return -1;
     int rc = -1;
     if (dtype == 0) rc = dq_fmt<F32>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
