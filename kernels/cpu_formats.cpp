@@ -287,14 +287,67 @@ static inline void encode_block(const float* __restrict w, i64 gs, float s, cons
     }
 }
 
+static constexpr i64 TILE = 2048;  // elements per tile of fixed-size blocks (values, codes in L1)
+
+// Scratch of one block or one tile (n = max(gs, TILE) elements): fp32 values w, uniforms u,
+// per-element scales sv, codes c; nvfp4: each block's absmax bits mb and element scale ds.
 struct Scratch {
-    float *w, *u;
+    float *w, *u, *sv, *ds;
     uint8_t* c;
-    explicit Scratch(i64 gs)
-        : w((float*)malloc((size_t)gs * 4)), u((float*)malloc((size_t)gs * 4)), c((uint8_t*)malloc((size_t)gs)) {}
-    ~Scratch() { free(w); free(u); free(c); }
-    bool ok() const { return w && u && c; }
+    uint32_t* mb;
+    Scratch(i64 n, i64 groups)
+        : w((float*)malloc((size_t)n * 4)), u((float*)malloc((size_t)n * 4)), sv((float*)malloc((size_t)n * 4)),
+          ds((float*)malloc((size_t)groups * 4 + 4)), c((uint8_t*)malloc((size_t)n)),
+          mb((uint32_t*)malloc((size_t)groups * 4 + 4)) {}
+    ~Scratch() { free(w); free(u); free(sv); free(ds); free(c); free(mb); }
+    bool ok() const { return w && u && sv && ds && c && mb; }
 };
+
+// Fixed-size blocks (mx: 32, nvfp4: 16) of row r, TILE elements at a time: widen, per-block
+// scales, one long encode loop over x / scale (nvfp4) or x * 2^-k (mx), one pack. Blocks that
+// store zero codes (zero, non-finite, zero-scale) are cleared after the encode.
+template <class L, class F, int SCHEME, bool STOCH, int GSC>
+static void quantize_tiles(const typename L::T* xr, i64 r, const Args& a, uint8_t* codes_r, uint8_t* scales_r,
+                           Scratch& s, uint32_t k0, uint32_t k1) {
+    const i64 G = (a.cols + GSC - 1) / GSC, padded = G * GSC;
+    for (i64 i0 = 0; i0 < padded; i0 += TILE) {
+        const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
+        for (i64 i = 0; i < n; i++) s.w[i] = L::load(xr + i0, i);
+        for (i64 i = n; i < nt; i++) s.w[i] = 0.0f;
+        uint64_t bad = 0;  // blocks of this tile that store zero codes (TILE / GSC <= 128: two words)
+        uint64_t bad2 = 0;
+        for (i64 b = 0; b < nt / GSC; b++) {
+            const i64 g = i0 / GSC + b;
+            float mult;
+            bool zero;
+            if (SCHEME == S_MX) {
+                const uint32_t m = absmax_bits_f(s.w + b * GSC, GSC);
+                zero = m == 0 || m >= 0x7f800000u;
+                const int e = zero ? 0 : mx_exponent<F>(m, a.round_up);
+                scales_r[g] = m >= 0x7f800000u ? (uint8_t)255 : (m == 0 ? (uint8_t)0 : (uint8_t)(e + 127));
+                mult = pow2(-e);
+            } else {
+                const float d = s.ds[g];
+                zero = !(d > 0.0f);
+                mult = zero ? 1.0f : d;
+            }
+            if (zero) (b < 64 ? bad : bad2) |= 1ull << (b & 63);
+            for (i64 i = 0; i < GSC; i++) s.sv[b * GSC + i] = mult;
+        }
+        if (STOCH) philox_uniform(s.u, nt, (uint64_t)(r * padded + i0), k0, k1);
+        const float* __restrict w = s.w;
+        const float* __restrict sv = s.sv;
+        const float* __restrict u = s.u;
+        uint8_t* __restrict c = s.c;
+        for (i64 i = 0; i < nt; i++) {
+            const float v = SCHEME == S_NVFP4 ? w[i] / sv[i] : w[i] * sv[i];
+            c[i] = (uint8_t)encode<F, STOCH>(v, STOCH ? u[i] : 0.0f);
+        }
+        for (i64 b = 0; b < nt / GSC; b++)
+            if (((b < 64 ? bad : bad2) >> (b & 63)) & 1) memset(c + b * GSC, 0, GSC);
+        pack<F::BITS>(c, nt, codes_r + i0 * F::BITS / 8);
+    }
+}
 
 // x [rows, cols] (row stride x_rs elements) -> codes [rows, *] (c_rs bytes) and scales:
 // fp8 fp32 [rows, G] (s_rs floats); mx E8M0 bytes [rows, G] (s_rs bytes); nvfp4 E4M3 bytes
@@ -309,14 +362,42 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
         const typename L::T* xr = x + r * x_rs;
         float t = 0.0f;
         uint32_t rowmax = 0;
-        if (SCHEME == S_NVFP4) {  // t = absmax of the row's finite values / (6 * 448)
-            for (i64 i = 0; i < a.cols; i++) {
-                uint32_t v = f2u(L::load(xr, i)) & 0x7fffffffu;
-                v = v < 0x7f800000u ? v : 0u;
-                rowmax = v > rowmax ? v : rowmax;
+        if (SCHEME == S_NVFP4) {
+            // first pass: each block's absmax bits (a non-finite block marked 0x7f800000) and the
+            // row's finite absmax; t = that / (6 * 448)
+            for (i64 g = 0; g < G; g++) {
+                const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
+                uint32_t m = load_block<L>(xr + g * gs, n, gs, s.w);
+                if (m >= 0x7f800000u) {  // rare: the finite values of a block holding NaN / Inf
+                    uint32_t f = 0;
+                    for (i64 i = 0; i < gs; i++) {
+                        const uint32_t v = f2u(s.w[i]) & 0x7fffffffu;
+                        f = v < 0x7f800000u && v > f ? v : f;
+                    }
+                    rowmax = f > rowmax ? f : rowmax;
+                    m = 0x7f800000u;
+                } else {
+                    rowmax = m > rowmax ? m : rowmax;
+                }
+                s.mb[g] = m;
             }
             t = u2f(rowmax) / 2688.0f;
             tsc[r * t_rs] = t;
+            // the E4M3 block scales b = e4m3(absmax / 6 / t) and element scales decode(b) * t, for
+            // all blocks at once (0 where the block stores zero codes)
+            uint8_t* bs = (uint8_t*)scales + r * s_rs;
+            const float tt = t > 0.0f ? t : 1.0f;
+            for (i64 g = 0; g < G; g++) {
+                const uint32_t m = s.mb[g];
+                const uint32_t b = encode<E4M3, false>(u2f(m) / 6.0f / tt, 0.0f);
+                const uint32_t code = m >= 0x7f800000u ? 0x7fu : (t > 0.0f ? b : 0u);
+                bs[g] = (uint8_t)code;
+                s.ds[g] = m >= 0x7f800000u ? 0.0f : decode<E4M3>(code) * t;
+            }
+        }
+        if (GSC) {
+            quantize_tiles<L, F, SCHEME, STOCH, GSC>(xr, r, a, codes + r * c_rs, (uint8_t*)scales + r * s_rs, s, k0, k1);
+            continue;
         }
         for (i64 g = 0; g < G; g++) {
             const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
@@ -339,13 +420,7 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
                 if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
                 encode_block<F, STOCH, false>(s.w, gs, pow2(-e), s.u, s.c);
             } else {
-                uint8_t* sc = (uint8_t*)scales + r * s_rs + g;
-                if (m >= 0x7f800000u) { *sc = 0x7f; memset(cb, 0, (size_t)bpg); continue; }  // E4M3 NaN
-                if (!(t > 0.0f)) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }  // an all-zero row
-                const float q = u2f(m) / 6.0f / t;
-                const uint32_t b = encode<E4M3, false>(q, 0.0f);
-                *sc = (uint8_t)b;
-                const float scale = decode<E4M3>(b) * t;
+                const float scale = s.ds[g];
                 if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
                 if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
                 encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
@@ -373,7 +448,6 @@ static inline bool fast_scale(float sc) {
     return as == 0.0f || (as <= FLT_MAX && as * F::minval() >= FLT_MIN);
 }
 
-static constexpr i64 TILE = 2048;  // elements per tile of fixed-size blocks (codes, fp32 values in L1)
 
 // codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S. Fixed
 // block sizes (GSC > 0) go through tiles of TILE elements: one unpack and one store per tile.
@@ -442,7 +516,7 @@ extern "C" int zf_quantize(const void* x, i64 x_rs, int dtype, i64 rows, i64 col
                            i64 s_rs, float* tscales, i64 t_rs) {
     if (gs <= 0) return -1;
     const Args a{rows, cols, gs, stochastic, seed, round_up};
-    Scratch s(gs);
+    Scratch s(gs > TILE ? gs : TILE, scheme == S_NVFP4 ? (cols + gs - 1) / gs : 0);
     if (!s.ok()) return -1;
     if (dtype == 0) return q_fmt<F32>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
     if (dtype == 1) return q_fmt<BF16>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
