@@ -365,21 +365,26 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
         if (SCHEME == S_NVFP4) {
             // first pass: each block's absmax bits (a non-finite block marked 0x7f800000) and the
             // row's finite absmax; t = that / (6 * 448)
-            for (i64 g = 0; g < G; g++) {
-                const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
-                uint32_t m = load_block<L>(xr + g * gs, n, gs, s.w);
-                if (m >= 0x7f800000u) {  // rare: the finite values of a block holding NaN / Inf
-                    uint32_t f = 0;
-                    for (i64 i = 0; i < gs; i++) {
-                        const uint32_t v = f2u(s.w[i]) & 0x7fffffffu;
-                        f = v < 0x7f800000u && v > f ? v : f;
+            for (i64 i0 = 0; i0 < G * gs; i0 += TILE) {
+                const i64 nt = G * gs - i0 < TILE ? G * gs - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
+                for (i64 i = 0; i < n; i++) s.w[i] = L::load(xr + i0, i);
+                for (i64 i = n; i < nt; i++) s.w[i] = 0.0f;
+                for (i64 b = 0; b < nt / 16; b++) {
+                    const float* wb = s.w + b * 16;
+                    uint32_t m = absmax_bits_f(wb, 16);
+                    if (m >= 0x7f800000u) {  // rare: the finite values of a block holding NaN / Inf
+                        uint32_t f = 0;
+                        for (i64 i = 0; i < 16; i++) {
+                            const uint32_t v = f2u(wb[i]) & 0x7fffffffu;
+                            f = v < 0x7f800000u && v > f ? v : f;
+                        }
+                        rowmax = f > rowmax ? f : rowmax;
+                        m = 0x7f800000u;
+                    } else {
+                        rowmax = m > rowmax ? m : rowmax;
                     }
-                    rowmax = f > rowmax ? f : rowmax;
-                    m = 0x7f800000u;
-                } else {
-                    rowmax = m > rowmax ? m : rowmax;
+                    s.mb[i0 / 16 + b] = m;
                 }
-                s.mb[g] = m;
             }
             t = u2f(rowmax) / 2688.0f;
             tsc[r * t_rs] = t;
@@ -387,13 +392,17 @@ static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* code
             // all blocks at once (0 where the block stores zero codes)
             uint8_t* bs = (uint8_t*)scales + r * s_rs;
             const float tt = t > 0.0f ? t : 1.0f;
+            const bool tpos = t > 0.0f;
+            uint32_t* __restrict mb = s.mb;  // absmax bits in, block codes out
+            float* __restrict ds = s.ds;
             for (i64 g = 0; g < G; g++) {
-                const uint32_t m = s.mb[g];
+                const uint32_t m = mb[g];
                 const uint32_t b = encode<E4M3, false>(u2f(m) / 6.0f / tt, 0.0f);
-                const uint32_t code = m >= 0x7f800000u ? 0x7fu : (t > 0.0f ? b : 0u);
-                bs[g] = (uint8_t)code;
-                s.ds[g] = m >= 0x7f800000u ? 0.0f : decode<E4M3>(code) * t;
+                const uint32_t code = m >= 0x7f800000u ? 0x7fu : (tpos ? b : 0u);
+                mb[g] = code;
+                ds[g] = m >= 0x7f800000u ? 0.0f : decode<E4M3>(code) * t;
             }
+            for (i64 g = 0; g < G; g++) bs[g] = (uint8_t)mb[g];
         }
         if (GSC) {
             quantize_tiles<L, F, SCHEME, STOCH, GSC>(xr, r, a, codes + r * c_rs, (uint8_t*)scales + r * s_rs, s, k0, k1);
