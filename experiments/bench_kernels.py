@@ -44,9 +44,27 @@ from zeropp.kernels import (
     dequantize,
     dequantize_sum,
     dequantize_sum_requantize,
+    format_layout,
+    format_ops,
     quantize,
     quantized_nbytes,
 )
+
+FORMATS: dict[str, tuple[str, str, int]] = {
+    "fp8": ("fp8", "e4m3", 512),
+    "fp8_e5m2": ("fp8", "e5m2", 512),
+    "mxfp8": ("mx", "e4m3", 32),
+    "mxfp6": ("mx", "e2m3", 32),
+    "mxfp4": ("mx", "e2m1", 32),
+    "mxint8": ("mx", "int8", 32),
+    "nvfp4": ("nvfp4", "e2m1", 16),
+}
+"""The float / microscaling formats timed beside INT8 / INT4 (``--formats``): name -> (scheme,
+element format, block size). fp8 takes INT8's group size, so the two move the same bytes."""
+
+FORMAT_TARGET = 0.5
+"""Goal on CPU: each format's quantize / dequantize reaches at least half of the INT8 op's share
+of copy bandwidth at the same size."""
 
 TARGET_FRACTION = 0.90
 """Goal on H100/H200: >= 90% of the measured copy bandwidth for sizes >= 64 MiB."""
@@ -187,6 +205,27 @@ class _Compiled:
         return lambda: compiled(*tensors, **kw)
 
 
+def _format_quantizer(scheme: str, elem: str, group_size: int) -> Callable[[torch.Tensor], object]:
+    """``x -> FormatTensor`` through ``format_ops`` (the native CPU kernels on CPU)."""
+    if scheme == "fp8":
+        return lambda x: format_ops.quantize_fp8(x, elem, group_size)
+    if scheme == "mx":
+        return lambda x: format_ops.quantize_mx(x, elem)
+    return lambda x: format_ops.quantize_nvfp4(x)
+
+
+def format_shares(rows: list[dict]) -> list[tuple[str, int, float, float]]:
+    """``(op, size, share of copy, ratio to the INT8 op's share)`` of every format row that has an
+    INT8 row of the same kind (quantize / dequantize) and size."""
+    int8 = {(r["op"].split()[0], r["size"]): r["fraction"] for r in rows if r["op"].endswith("int8 g512")}
+    out = []
+    for r in rows:
+        kind, _, name = r["op"].partition(" ")
+        if name in FORMATS and (kind, r["size"]) in int8:
+            out.append((r["op"], r["size"], r["fraction"], r["fraction"] / int8[(kind, r["size"])]))
+    return out
+
+
 def bench(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -275,6 +314,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     lambda: quantize(x, 4, 128, stochastic=True, seed=1),
                     compiled("q4s", _plain_quantize, xb, dims=(0,), bits=4, stochastic=True),
                 )
+        for name in args.formats:
+            scheme, elem, fgs = FORMATS[name]
+            wire = format_layout.wire_bytes(scheme, elem, n, fgs)  # codes + scales of one row of n
+            quantize_format = _format_quantizer(scheme, elem, fgs)
+            fq = quantize_format(x)
+            record(f"quantize {name}", size, n * esize + wire, lambda: quantize_format(x))
+            out = torch.empty(n, dtype=dtype, device=device)
+            record(f"dequantize {name}", size, wire + n * esize, lambda: format_ops.dequantize_format(fq, out=out))
         gs = 128
         nb = -(-n // gs)
         qs = [quantize(torch.randn(n, device=device), 4, gs) for _ in range(k)]
@@ -346,6 +393,17 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
             x = "" if r["vs_old"] is None else f"{r['vs_old']:.1f}x"
             line += f" {of:>11} | {x:>6} |"
         print(line)
+    shares = format_shares(rows)
+    if shares and dev.type == "cpu":
+        top = max(size for _, size, _, _ in shares)
+        print(
+            f"float formats at {_fmt_bytes(top)}: share of copy bandwidth as a fraction of the INT8 op's "
+            f"(quantize / dequantize int8 g512; target >= {FORMAT_TARGET:.0%})"
+        )
+        for op, size, frac, ratio in shares:
+            if size == top:
+                mark = "" if ratio >= FORMAT_TARGET else "  below target"
+                print(f"  {op:<24} {frac:>6.1%} of copy = {ratio:>5.0%} of INT8's{mark}")
     big = [r["fraction"] for r in rows if r["op"] != "copy" and r["size"] >= 64 << 20]
     if dev.type == "cuda" and big:
         print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} (target {TARGET_FRACTION:.0%})")
@@ -373,6 +431,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the speed-up (none: skip)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline column")
+    p.add_argument(
+        "--formats",
+        type=lambda v: [] if v == "none" else v.split(","),
+        default=list(FORMATS),
+        help=f"float formats to time beside INT8 / INT4, comma separated, or none (default: all of "
+        f"{', '.join(FORMATS)}); on CPU their 'old' path is the torch reference (use --vs-path none to skip it)",
+    )
     p.add_argument("--k", type=int, default=4, help="inputs summed by the reductions (ranks per node)")
     p.add_argument(
         "--threads",
@@ -384,6 +449,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     args = p.parse_args(argv)
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if unknown:
+        p.error(f"--formats: unknown {', '.join(unknown)}; use some of {', '.join(FORMATS)} or none")
     cuda = torch.device(args.device).type == "cuda"
     args.max_mib = args.max_mib if args.max_mib is not None else (1024.0 if cuda else 64.0)
     args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
