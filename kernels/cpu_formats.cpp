@@ -1,6 +1,6 @@
 // The CPU path's kernels for the floating-point wire formats (fp8, mx, nvfp4): the arithmetic of
-// kernels/reference_formats.py, bit for bit, one pass per block (nvfp4: one more pass per row for
-// its tensor scale). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
+// kernels/format_reference.py, bit for bit, one pass per block (mx / nvfp4: per tile of blocks;
+// nvfp4: one more pass per row for its tensor scale). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
 // (-O3 -march=native -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
 //
 // Exactness rules (see cpu_formats.py's docstring for why each holds):
@@ -14,7 +14,9 @@
 // - a code decodes by placing its magnitude bits in an fp32 pattern, (mag << (23 - M)), and
 //   multiplying by 2^(127 - bias): normal codes land on normal fp32 values and subnormal codes on
 //   fp32 subnormals, both exact (the process keeps IEEE denormals, as torch leaves it);
-// - absmax is the integer maximum of |x|'s bit patterns (NaN / Inf patterns exceed every finite one).
+// - absmax is the integer maximum of |x|'s bit patterns (NaN / Inf patterns exceed every finite one);
+// - round half to even is rintf (vectorised as vrndscaleps), which rounds in the thread's mode:
+//   round-to-nearest-even, the IEEE default that torch leaves alone.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

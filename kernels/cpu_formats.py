@@ -1,7 +1,40 @@
-"""The CPU path's native kernels for the floating-point wire formats: ``cpu_formats.cpp``.
+"""The CPU path of the float and microscaling formats (fp8, mx, nvfp4): ``cpu_formats.cpp``,
+bit-identical to ``format_reference.py``, built with the system C++ compiler at first use and
+called through ``ctypes``. ``format_ops.py`` dispatches CPU tensors here; the public functions have
+the reference's names without ``_ref`` and its signatures.
 
-Loader and raw calls. Built and cached exactly like ``cpu_native.py`` (same compiler, flags,
-cache directory and ``build_cache`` checks; its own library, keyed by its own source).
+Why hand-written C++ (as ``cpu_native.py`` for the int scheme, whose reasons hold here too): the
+reference makes a dozen full-size passes per call (masks, ``where``s, bit fiddling in int32
+tensors), far from a memory copy's speed, and CPU ranks must not run it on every collective. The
+kernels read each block once for its absmax, encode it from L1, and pack its codes; MX and NVFP4
+rows go through tiles of ``TILE`` elements (one encode loop and one pack per tile, since 16- or
+32-element blocks are too short for per-block loops), 6-bit codes are (un)packed with AVX-512 VBMI
+byte permutes where the CPU has them.
+
+Why it stays bit-identical (``tests/unit/test_kernels_formats_cpu.py`` checks every format on the
+awkward cases and on crafted wire bytes):
+
+- built with ``cpu_native.FLAGS`` (``-O3 -march=native -ffp-contract=off -fno-trapping-math``, no
+  ``-ffast-math`` family flag): no fused multiply-adds, IEEE divisions, no flush-to-zero;
+- every fp32 operation is the reference's, in its order: ``absmax / max`` and ``x / s`` (fp8),
+  ``x * 2**-k`` (mx; the reference's ``pow2`` built from bits), ``absmax / 6 / t`` and ``x / d``
+  (nvfp4); an element's code is integer arithmetic on its exponent bits and the rounded mantissa
+  count (``((e - emin) << mbits) + r``, which is the format's bit pattern, carries included);
+  round-half-even is ``rintf``, which rounds in the thread's rounding mode, round-to-nearest-even
+  unless someone changed it (torch does not);
+- a code decodes exactly by placing its magnitude bits in an fp32 pattern and multiplying by
+  ``2**(127 - bias)`` (subnormal codes land on fp32 subnormals: the process keeps IEEE denormals);
+- bf16 / fp16 inputs are widened exactly; outputs round to nearest even as torch's casts do; a bf16
+  output is converted with ``vcvtneps2bf16`` (AVX512-BF16) only in blocks whose scale is finite
+  and either 0 or large enough that no nonzero product is an fp32 subnormal (that instruction
+  treats denormals as zero; elsewhere it rounds as torch). NaN payloads are not promised: torch's
+  own bf16 casts write different NaN bits on different paths;
+- zero, non-finite and zero-scale blocks follow the reference's rules (its module docstring).
+
+The build and its cache are ``cpu_native.py``'s (same compiler, flags, cache directory and
+``build_cache`` checks), for a library of its own keyed by this source (``zf_<hash>.so``).
+``ZEROPP_CPU_NATIVE=0`` turns these kernels off with the int ones. If the build or the load
+fails, :func:`native_enabled` warns once and the public functions run the reference instead.
 """
 
 from __future__ import annotations
@@ -34,7 +67,9 @@ FAILED: str | None = None
 """Why the format kernels are unavailable in this process (None while they work or are unbuilt)."""
 
 SCHEMES = {"fp8": 0, "mx": 1, "nvfp4": 2}
+"""Scheme names -> the C++ entry points' ``scheme`` argument."""
 ELEMENTS = {"e4m3": 0, "e5m2": 1, "e3m2": 2, "e2m3": 3, "e2m1": 4, "int8": 5}
+"""Element format names -> the C++ entry points' ``fmt`` argument."""
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LIB: ctypes.CDLL | None = None
