@@ -244,6 +244,50 @@ static inline void store_block(const float* __restrict d, i64 n, bool fast, type
     for (; i < n; i++) o[i] = S::store(d[i]);
 }
 
+#ifdef ZF_AVX512BF16
+// decode<F> of 16 codes (zero-extended bytes in v), the same operations on whole vectors.
+template <class F>
+static inline __m512 decode16(__m512i v) {
+    if constexpr (F::INT) {
+        const __m512i k = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);  // the byte's two's complement
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(k), _mm512_set1_ps(0.015625f));
+    } else {
+        const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32((int)(F::SIGN - 1u)));
+        const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 23 - F::M)), _mm512_set1_ps(pow2(127 - F::BIAS)));
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)F::SIGN)), 32 - F::BITS);
+        __m512i b = _mm512_or_si512(_mm512_castps_si512(f), sign);
+        if constexpr (F::NANCODE == 0x7f && F::M == 3)
+            b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32((int)QNAN));
+        if constexpr (F::M == 2 && F::BITS == 8) {
+            b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7c)),
+                                      _mm512_or_si512(sign, _mm512_set1_epi32(0x7f800000)));
+            b = _mm512_mask_mov_epi32(b, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7c)), _mm512_set1_epi32((int)QNAN));
+        }
+        return _mm512_castsi512_ps(b);
+    }
+}
+#endif
+
+// o[0:n] = decode(c[i]) * sc rounded to S, in one pass where the CPU allows (fp32 always, bf16
+// under store_block's FAST rule); otherwise through d[] and store_block.
+template <class S, class F>
+static inline void decode_store(const uint8_t* __restrict c, i64 n, float sc, bool fast, float* __restrict d,
+                                typename S::T* __restrict o) {
+    i64 i = 0;
+#ifdef ZF_AVX512BF16
+    if (S::IS_BF16 ? fast : sizeof(typename S::T) == 4) {
+        const __m512 s = _mm512_set1_ps(sc);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 x = _mm512_mul_ps(decode16<F>(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)))), s);
+            if (S::IS_BF16) _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(x));
+            else _mm512_storeu_ps((float*)(o + i), x);
+        }
+    }
+#endif
+    decode_block<F>(c + i, n - i, sc, d);
+    store_block<S>(d, n - i, fast, o + i);
+}
+
 static inline uint32_t absmax_bits_f(const float* __restrict x, i64 n) {
     uint32_t m = 0;
     for (i64 i = 0; i < n; i++) {
@@ -473,24 +517,22 @@ static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, 
             const i64 padded = G * GSC;
             for (i64 i0 = 0; i0 < padded; i0 += TILE) {
                 const i64 nt = padded - i0 < TILE ? padded - i0 : TILE;
-                unpack<F::BITS>(codes + r * c_rs + i0 * F::BITS / 8, nt, c);
-                bool fast = true;
+                const uint8_t* ct = codes + r * c_rs + i0 * F::BITS / 8;
+                if (F::BITS != 8) unpack<F::BITS>(ct, nt, c);
+                const uint8_t* cc = F::BITS == 8 ? ct : c;
                 for (i64 b = 0; b < nt / GSC; b++) {
+                    const i64 at = i0 + b * GSC, n = a.cols - at < GSC ? a.cols - at : GSC;
+                    if (n <= 0) break;
                     const float sc = block_scale<SCHEME>(scales, r, s_rs, i0 / GSC + b, t);
-                    fast = fast && fast_scale<F>(sc);
-                    decode_block<F>(c + b * GSC, GSC, sc, d + b * GSC);
+                    decode_store<S, F>(cc + b * GSC, n, sc, fast_scale<F>(sc), d, out + r * a.cols + at);
                 }
-                const i64 n = a.cols - i0 < nt ? a.cols - i0 : nt;
-                store_block<S>(d, n, fast, out + r * a.cols + i0);
             }
             continue;
         }
         for (i64 g = 0; g < G; g++) {
             const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
             const float sc = block_scale<SCHEME>(scales, r, s_rs, g, t);
-            unpack<F::BITS>(codes + r * c_rs + g * bpg, gs, c);
-            decode_block<F>(c, n, sc, d);
-            store_block<S>(d, n, fast_scale<F>(sc), out + r * a.cols + g * gs);
+            decode_store<S, F>(codes + r * c_rs + g * bpg, n, sc, fast_scale<F>(sc), d, out + r * a.cols + g * gs);
         }
     }
 }
