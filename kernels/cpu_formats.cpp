@@ -277,8 +277,11 @@ static inline void decode_store(const uint8_t* __restrict c, i64 n, float sc, bo
 #ifdef ZF_AVX512BF16
     if (S::IS_BF16 ? fast : sizeof(typename S::T) == 4) {
         const __m512 s = _mm512_set1_ps(sc);
+        // 4-bit codes: the 16 products decode(k) * sc (the same operations) looked up by code
+        const __m512 table = _mm512_mul_ps(decode16<F>(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), s);
         for (; i + 16 <= n; i += 16) {
-            const __m512 x = _mm512_mul_ps(decode16<F>(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)))), s);
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)));
+            const __m512 x = F::BITS == 4 ? _mm512_permutexvar_ps(v, table) : _mm512_mul_ps(decode16<F>(v), s);
             if (S::IS_BF16) _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(x));
             else _mm512_storeu_ps((float*)(o + i), x);
         }
