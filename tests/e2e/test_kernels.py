@@ -201,6 +201,10 @@ def test_bench_runs_on_cpu(capsys):
         in text
     )
     assert {r["op"] for r in rows} >= {"copy", "quantize int8 g512", "fused reduce int4 g128 k4"}
+    assert {f"{kind} {name}" for kind in ("quantize", "dequantize") for name in bench_kernels.FORMATS} <= {
+        r["op"] for r in rows
+    }
+    assert "share of copy bandwidth as a fraction of the INT8 op's" in text
     assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
     # each op also timed through the tiled path, in the same run: speed-up and old share of copy
     assert "x old" in text and "old of copy" in text

@@ -237,3 +237,33 @@ def test_unavailable_kernels_warn_once_and_fall_back_to_the_reference(monkeypatc
         warnings.simplefilter("error")  # the second call is silent
         out = cpu_formats.dequantize_nvfp4(q)
     assert_same_values(out, ref.dequantize_nvfp4_ref(q))
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel benchmark's float-format rows (experiments/bench_kernels.py).
+# ----------------------------------------------------------------------------------------------
+def test_bench_compares_each_format_with_the_int8_op_of_its_kind_and_size():
+    from zeropp.experiments import bench_kernels
+
+    rows = [
+        {"op": "quantize int8 g512", "size": 1024, "fraction": 0.40},
+        {"op": "dequantize int8 g512", "size": 1024, "fraction": 0.80},
+        {"op": "quantize mxfp4", "size": 1024, "fraction": 0.10},
+        {"op": "dequantize nvfp4", "size": 1024, "fraction": 0.60},
+        {"op": "quantize nvfp4", "size": 4096, "fraction": 0.30},  # no INT8 row of that size
+        {"op": "quantize int4 g128", "size": 1024, "fraction": 0.20},  # not a float format
+    ]
+    assert bench_kernels.format_shares(rows) == [
+        ("quantize mxfp4", 1024, 0.10, pytest.approx(0.25)),
+        ("dequantize nvfp4", 1024, 0.60, pytest.approx(0.75)),
+    ]
+
+
+def test_bench_refuses_an_unknown_format(capsys):
+    from zeropp.experiments import bench_kernels
+
+    assert bench_kernels.parse_args(["--formats", "none"]).formats == []
+    assert bench_kernels.parse_args(["--formats", "mxfp4,nvfp4"]).formats == ["mxfp4", "nvfp4"]
+    with pytest.raises(SystemExit) as e:
+        bench_kernels.parse_args(["--formats", "mxfp4,fp5"])
+    assert e.value.code == 2 and "--formats: unknown fp5" in capsys.readouterr().err
