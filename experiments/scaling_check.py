@@ -169,9 +169,12 @@ def measure_loopback_gbps(world: int, *, nbytes: int = 1 << 20, repeats: int = 5
 
 
 def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, int, float], ...]:
+    """Median GB/s (of full-precision input) of each ``(op, bits)`` of :func:`quant_work`, run
+    through the specs' codecs on wire rows exactly as the collectives call them, so every
+    registered scheme (int's fused kernels, the float formats' generic reductions) is timed."""
     import torch
 
-    from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
+    from zeropp.comm.codecs import codec_for
 
     dtype = torch.float32 if w.dtype_bytes == 4 else torch.bfloat16
     W, R, N = c.world, c.ranks_per_node, c.nodes
@@ -181,36 +184,45 @@ def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, i
     def rand(n: int) -> torch.Tensor:
         return torch.randn(n, generator=gen).to(dtype)
 
-    def stacked(x: torch.Tensor, k: int, rows: int, bits: int, gs: int, n: int) -> QuantizedTensor:
-        q = quantize(x, bits, gs, rows=k * rows)
-        return QuantizedTensor(q.codes.view(k, rows, -1), q.scales.view(k, rows, -1), n, bits, gs)
-
     calls: dict[tuple[str, int], list] = {}  # (op, bits) -> [(fn, elements)]
     for n in shards:
         if w.weights:
-            b, gs = w.weights.bits, w.weight_group_size
-            calls.setdefault(("quantize", b), []).append((lambda x=rand(n), b=b, gs=gs: quantize(x, b, gs), n))
-            qg = quantize(rand(W * n), b, gs, rows=W)
-            calls.setdefault(("dequantize", b), []).append((lambda q=qg: dequantize(q, dtype=dtype), W * n))
+            cw, b, gs = codec_for(w.weights), w.weights.bits, w.weight_group_size
+            calls.setdefault(("quantize", b), []).append(
+                (lambda x=rand(n), cw=cw, b=b, gs=gs: cw.encode(x, b, gs, rows=1, seed=None), n)
+            )
+            rows = cw.encode(rand(W * n), b, gs, rows=W, seed=None)  # [W, B]
+            calls.setdefault(("dequantize", b), []).append(
+                (lambda r=rows, cw=cw, b=b, gs=gs, n=n: cw.dequantize(cw.unpack(r, n, b, gs), dtype=dtype), W * n)
+            )
         if w.grads:
-            gs, (ib, b) = w.grad_group_size, w.grads.hop_bits
+            cg, gs, (ib, b) = codec_for(w.grads), w.grad_group_size, w.grads.hop_bits
             if N > 1 and R > 1:
                 calls.setdefault(("quantize", ib), []).append(
-                    (lambda x=rand(W * n), ib=ib, gs=gs: quantize(x, ib, gs, rows=W), W * n)
+                    (lambda x=rand(W * n), cg=cg, ib=ib, gs=gs: cg.encode(x, ib, gs, rows=W, seed=None), W * n)
                 )
-                qi = stacked(rand(W * n), R, N, ib, gs, n)
+                hop1 = cg.encode(rand(W * n), ib, gs, rows=W, seed=None).view(R, N, -1)  # [rpn sources, nodes, B1]
                 calls.setdefault(("dequantize_sum_requantize", ib), []).append(
-                    (lambda q=qi, b=b, gs=gs: dequantize_sum_requantize(q, b, gs), W * n)
+                    (
+                        lambda r=hop1, cg=cg, ib=ib, b=b, gs=gs, n=n: cg.dequantize_sum_requantize(
+                            r, n, ib, gs, out_bits=b, seed=None
+                        ),
+                        W * n,
+                    )
                 )
-                qc = stacked(rand(N * n), N, 1, b, gs, n)
-                calls.setdefault(("dequantize_sum", b), []).append((lambda q=qc: dequantize_sum(q), N * n))
+                hop2 = cg.encode(rand(N * n), b, gs, rows=N, seed=None).view(N, 1, -1)  # [nodes, 1, B2]
+                calls.setdefault(("dequantize_sum", b), []).append(
+                    (lambda r=hop2, cg=cg, b=b, gs=gs, n=n: cg.dequantize_sum(r, n, b, gs), N * n)
+                )
             else:
                 sb = ib if N == 1 else b
                 calls.setdefault(("quantize", sb), []).append(
-                    (lambda x=rand(W * n), sb=sb, gs=gs: quantize(x, sb, gs, rows=W), W * n)
+                    (lambda x=rand(W * n), cg=cg, sb=sb, gs=gs: cg.encode(x, sb, gs, rows=W, seed=None), W * n)
                 )
-                qs = stacked(rand(W * n), W, 1, sb, gs, n)
-                calls.setdefault(("dequantize_sum", sb), []).append((lambda q=qs: dequantize_sum(q), W * n))
+                one = cg.encode(rand(W * n), sb, gs, rows=W, seed=None).view(W, 1, -1)  # [W sources, 1, B]
+                calls.setdefault(("dequantize_sum", sb), []).append(
+                    (lambda r=one, cg=cg, sb=sb, gs=gs, n=n: cg.dequantize_sum(r, n, sb, gs), W * n)
+                )
     out = []
     for (op, bits), fns in sorted(calls.items()):
         times = []

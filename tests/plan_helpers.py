@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.codec_cases import two_hop_specs
 from tests.runtime_helpers import TINY, rank_batches
-from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.comm.spec import RECIPES, QuantSpec, schemes
 from zeropp.experiments.scaling import Cluster, Workload, gpt_units, messages, pairwise_bytes
 from zeropp.models import GPT, GPTConfig
 from zeropp.runtime.plan import PlanUnit, plan_units
@@ -109,6 +110,22 @@ ZPP = dict(stage=3, weights=RECIPES["zeropp"].weights, grads=RECIPES["zeropp"].g
 """The full ZeRO++ switches (qwZ INT8, hpZ, qgZ INT4)."""
 SMALL_BUCKETS = dict(allgather_bucket_size=1000, reduce_bucket_size=3001)
 """Several chunks per unit of the tiny GPT, the last one ragged."""
+
+
+def registry_configs() -> list[dict[str, Any]]:
+    """Every registered codec (``tests/codec_cases.py``) in every quantized collective of the
+    engine: stage 3 with its widest width for the weights, qgZ from its widest width inside the node
+    to its narrowest across, its narrowest for hpZ's weight differences, ragged buckets; and
+    stage 1's qgZ."""
+    out: list[dict[str, Any]] = []
+    for g in two_hop_specs(group_size=64):
+        widths = schemes()[g.scheme]
+        w, d = g.replace(bits=max(widths), intra_bits=None), g.replace(bits=min(widths), intra_bits=None)
+        out.append(dict(stage=3, weights=w, grads=g, hpz=True, weight_diff=d, **SMALL_BUCKETS))
+        out.append(dict(stage=1, grads=g, hpz=False))
+    return out
+
+
 TINY_UNITS = gpt_units(
     vocab=TINY.vocab_size, seq_len=TINY.seq_len, d_model=TINY.d_model, n_layers=TINY.n_layers, mlp_ratio=TINY.mlp_ratio
 )
@@ -119,6 +136,7 @@ WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
         (
             2,
             recipe_configs()
+            + registry_configs()
             + [
                 {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2},
                 dict(stage=1, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS),

@@ -122,3 +122,104 @@ def _exact(chunks: list[torch.Tensor], post: float) -> torch.Tensor:
 def test_registered_codec_runs_in_every_collective() -> None:
     res = run_world(_world, 4, timeout=120)
     assert all(r.keys() == res[0].keys() for r in res)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every registered codec (tests/codec_cases.py) in one world: all-gather, both reduce-scatters,
+# error feedback on qgZ's two hops. The reference is built from the codec's own operations in the
+# order the collectives apply them, so what is checked is the collectives' routing, order and
+# bytes for each codec (each codec's arithmetic is checked against its kernels' reference in
+# tests/unit/test_comm_codecs.py and tests/unit/test_kernels_formats.py).
+# ----------------------------------------------------------------------------------------------
+def _rows_of(codec, xs: list[torch.Tensor], bits: int, gs: int) -> torch.Tensor:
+    """Each [n] row encoded alone, stacked: uint8 [k, 1, B]."""
+    return torch.stack([codec.encode(x.view(1, -1), bits, gs, rows=1, seed=None) for x in xs])
+
+
+def _registry_world(rank: int, W: int) -> dict:
+    from tests.codec_cases import registry_specs, two_hop_specs
+    from zeropp.comm import ErrorFeedback
+    from zeropp.comm.codecs import codec_for
+
+    topo2x2, topo1x4 = Topology(2, 2), Topology(1, 4)
+    stats = CommStats()
+    checked: list[str] = []
+    n = 37
+    xs = [rank_input(31, r, n, torch.float32) for r in range(W)]
+    for spec in registry_specs(group_size=16):
+        c, gs = codec_for(spec), spec.group_size
+        out = torch.empty(W * n)
+        stats.reset()
+        quantized_all_gather(out, xs[rank], spec=spec, topology=topo2x2, stats=stats)
+        want = torch.cat(
+            [c.dequantize(c.unpack(_rows_of(c, [x], spec.bits, gs)[0], n, spec.bits, gs)).view(-1) for x in xs]
+        )
+        assert torch.equal(out, want), ("all-gather", spec.label)
+        assert bytes_of(stats, "all_gather") == expected_all_gather_bytes(topo2x2, n, 4, spec.bits, gs, spec=spec)
+        checked.append(f"ag {spec.label}")
+
+    n = 45
+    xs = [rank_input(32, r, W * n, torch.float32) for r in range(W)]
+    chunks = [x.view(W, n)[rank] for x in xs]  # every rank's chunk for me
+    rpn, nodes = 2, 2
+    for spec in two_hop_specs(group_size=16):
+        c, gs, (ib, bits) = codec_for(spec), spec.group_size, spec.hop_bits
+        # single hop inside one node (1x4): one all-to-all at the intra bits, then the dequantize-sum
+        out = torch.empty(n)
+        stats.reset()
+        quantized_reduce_scatter(out, xs[rank], ReduceOp.SUM, spec=spec, topology=topo1x4, stats=stats)
+        assert torch.equal(out, c.dequantize_sum(_rows_of(c, chunks, ib, gs), n, ib, gs).view(-1)), spec.label
+        assert bytes_of(stats, "reduce_scatter") == expected_reduce_scatter_bytes(topo1x4, n, 4, bits, ib, gs, spec)
+        # qgZ on 2x2: node a sums its ranks' chunks at `ib`, re-quantizes at `bits`, node sums added here
+        hop2 = [
+            c.dequantize_sum_requantize(
+                _rows_of(c, chunks[a * rpn : (a + 1) * rpn], ib, gs), n, ib, gs, out_bits=bits, seed=None
+            )
+            for a in range(nodes)
+        ]
+        want = c.dequantize_sum(torch.stack(hop2), n, bits, gs).view(-1) / W
+        out = torch.empty(n)
+        stats.reset()
+        quantized_reduce_scatter(out, xs[rank], ReduceOp.AVG, spec=spec, topology=topo2x2, stats=stats)
+        assert torch.equal(out, want), ("qgZ", spec.label)
+        assert bytes_of(stats, "reduce_scatter") == expected_reduce_scatter_bytes(topo2x2, n, 4, bits, ib, gs, spec)
+        # error feedback on both hops: a zero residual changes nothing; then both hops keep residuals
+        ef_spec = spec.replace(error_feedback=True, residual_bits=32)
+        ef = ErrorFeedback.for_spec(ef_spec)
+        first = torch.empty(n)
+        quantized_reduce_scatter(
+            first, xs[rank], ReduceOp.AVG, spec=ef_spec, error_feedback=ef, feedback_key="b", topology=topo2x2
+        )
+        assert torch.equal(first, want), ("EF first call", spec.label)
+        assert sorted(ef.keys()) == ["b", "b@hop2"]
+        assert all(
+            float(ef.residual(k, m, torch.device("cpu")).abs().max()) > 0
+            for k, m in (("b", W * n), ("b@hop2", nodes * n))
+        )
+        second = torch.empty(n)
+        quantized_reduce_scatter(
+            second, xs[rank], ReduceOp.AVG, spec=ef_spec, error_feedback=ef, feedback_key="b", topology=topo2x2
+        )
+        assert not torch.equal(second, want), ("EF second call sends the residuals", spec.label)
+        # two calls with feedback deliver the two inputs' sum more exactly than two without
+        exact = 2 * _exact(chunks, 1.0 / W)
+        assert float((first.double() + second.double() - exact).abs().sum()) < float(
+            (2 * want.double() - exact).abs().sum()
+        ), spec.label
+        checked.append(f"rs {spec.label}")
+    return {"checked": checked}
+
+
+def test_every_registered_codec_in_every_collective() -> None:
+    res = run_world(_registry_world, 4, timeout=240)
+    labels = res[0]["checked"]
+    assert {
+        "ag int8g16",
+        "ag mx6",
+        "ag nvfp4",
+        "ag fp8g16",
+        "ag mxint8",
+        "rs int8/4g16",
+        "rs mx8/4",
+        "rs nvfp4",
+    } <= set(labels)

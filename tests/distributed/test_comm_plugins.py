@@ -20,8 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tests.codec_cases import two_hop_specs
 from tests.worlds import run_world
 from zeropp.comm import CommStats, QuantSpec, Topology
+from zeropp.comm.spec import schemes
 
 STEPS, BATCH, DIN, DOUT, LR = 5, 8, 16, 8, 1e-2
 GRAD_TOL = 0.3
@@ -30,6 +32,10 @@ most half a step, absmax/14 of its block, i.e. up to ~1/7 of the blocks' absmax 
 these small dense gradients that is 0.18-0.21 of the norm (measured; the seeds are fixed, so
 it is deterministic). A scale bug is far outside: averaging over nodes instead of the world
 (DeepSpeed's bug, 2x here) measured 1.07-1.17."""
+
+
+G4 = QuantSpec(bits=4)
+"""qgZ INT4, the plug-ins' gradient spec whose error GRAD_TOL bounds."""
 
 
 def _mlp() -> nn.Sequential:
@@ -120,16 +126,28 @@ def _fsdp_world(rank: int, world: int) -> dict:
         }
     out["reference"] = _reference_losses(world)
     out["grad_rel_err"] = _fsdp_grad_error(rank, topo)
+    out["registry_grad_err"] = {
+        spec.label: _fsdp_grad_error(rank, topo, _widest(spec), spec) for spec in two_hop_specs(group_size=32)
+    }
     return out
 
 
-def _fsdp_grad_error(rank: int, topo: Topology) -> float:
-    """Largest relative error (2-norm) of one step's sharded gradients, qgZ INT4 vs stock FSDP2."""
+def _widest(spec: QuantSpec) -> QuantSpec | None:
+    """The weights of a registry case: ``spec``'s scheme at its widest width when that is 8 bits
+    (an 8-bit gather adds ~1/254 of a block's absmax, inside GRAD_TOL's INT4 budget); None for a
+    scheme with 4 bits only (nvfp4), whose weight error would be a second INT4-sized term."""
+    widest = max(schemes()[spec.scheme])
+    return spec.replace(bits=widest, intra_bits=None) if widest >= 8 else None
+
+
+def _fsdp_grad_error(rank: int, topo: Topology, weights: QuantSpec | None = None, grads: QuantSpec = G4) -> float:
+    """Largest relative error (2-norm) of one step's sharded gradients, the plug-in's quantized
+    gathers (``weights``) and qgZ (``grads``, INT4 by default) vs stock FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
     from zeropp.comm.fsdp import apply_zeropp_comms
 
-    grads = []
+    got = []
     for plugin in (False, True):
         model = _mlp()
         for layer in model:
@@ -137,11 +155,11 @@ def _fsdp_grad_error(rank: int, topo: Topology) -> float:
                 fully_shard(layer)
         fully_shard(model)
         if plugin:
-            apply_zeropp_comms(model, weights=None, grads=QuantSpec(bits=4), topology=topo)
+            apply_zeropp_comms(model, weights=weights, grads=grads, topology=topo)
         x, y = _batch(rank, 0)
         F.mse_loss(model(x), y).backward()
-        grads.append([p.grad.to_local().clone() for p in model.parameters()])
-    return max(float((q - s).norm() / s.norm()) for s, q in zip(*grads) if s.norm() > 0)
+        got.append([p.grad.to_local().clone() for p in model.parameters()])
+    return max(float((q - s).norm() / s.norm()) for s, q in zip(*got) if s.norm() > 0)
 
 
 def _close(a: list[float], b: list[float], rel: float) -> bool:
@@ -173,6 +191,10 @@ def test_fsdp2_with_zeropp_comms_tracks_stock_fsdp2() -> None:
     assert _tracks(r["w8g4_recipe"]["losses"], stock)
     # gradient scale: Adam hides a wrong scale, so compare one step's gradients directly
     assert all(0 < x["grad_rel_err"] < GRAD_TOL for x in res), [x["grad_rel_err"] for x in res]
+    # every registered codec (tests/codec_cases.py) in both plug-in collectives, within the INT4 bound
+    errs = [x["registry_grad_err"] for x in res]
+    assert set(errs[0]) == {s.label for s in two_hop_specs(group_size=32)}
+    assert all(0 < e < GRAD_TOL for x in errs for e in x.values()), errs
     # PREMUL_SUM(1/(2W)) (emulated on gloo) halves the averaged gradient: SGD at lr equals SGD at lr/2
     assert r["plain_premul_sgd"]["losses"] == r["stock_sgd_half_lr"]["losses"]
     q, p = r["q8_4"]["bytes"], r["plain"]["bytes"]
@@ -208,18 +230,31 @@ def _ddp_world(rank: int, world: int) -> dict:
             model.register_comm_hook(state, quantized_allreduce_hook)
         out[name] = {"losses": _train(model, rank, world), "bytes": stats.snapshot()}
     out["reference"] = _reference_losses(world)
-    grads = []
-    for hook in (False, True):  # one step's averaged gradients, INT4 hook vs stock DDP
+    out["grad_rel_err"] = _ddp_grad_error(rank, topo, QuantSpec(bits=4), None)
+    out["registry_grad_err"] = {
+        spec.label: _ddp_grad_error(rank, topo, spec, _widest(spec)) for spec in two_hop_specs(group_size=32)
+    }
+    return out
+
+
+def _ddp_grad_error(rank: int, topo: Topology, grads: QuantSpec, gather: QuantSpec | None) -> float:
+    """Largest relative error (2-norm) of one step's averaged gradients, the quantized hook
+    (reduce-scatter ``grads``, all-gather ``gather``) vs stock DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zeropp.comm.ddp import QuantizedAllReduceState, quantized_allreduce_hook
+
+    out = []
+    for hook in (False, True):
         model = DDP(_mlp())
         if hook:
             model.register_comm_hook(
-                QuantizedAllReduceState(grads=QuantSpec(bits=4), topology=topo), quantized_allreduce_hook
+                QuantizedAllReduceState(grads=grads, gather=gather, topology=topo), quantized_allreduce_hook
             )
         x, y = _batch(rank, 0)
         F.mse_loss(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    out["grad_rel_err"] = max(float((q - s).norm() / s.norm()) for s, q in zip(*grads) if s.norm() > 0)
-    return out
+        out.append([p.grad.clone() for p in model.parameters()])
+    return max(float((q - s).norm() / s.norm()) for s, q in zip(*out) if s.norm() > 0)
 
 
 def test_ddp_quantized_hook_tracks_stock_ddp() -> None:
@@ -233,5 +268,8 @@ def test_ddp_quantized_hook_tracks_stock_ddp() -> None:
         assert _tracks(r[name]["losses"], stock), f"{name}: {r[name]['losses']} vs stock {stock}"
     assert r["q4_g8"]["losses"] != r["q4"]["losses"]  # the quantized gather is really used
     assert all(0 < x["grad_rel_err"] < GRAD_TOL for x in res), [x["grad_rel_err"] for x in res]
+    errs = [x["registry_grad_err"] for x in res]  # every registered codec in the hook, within the INT4 bound
+    assert set(errs[0]) == {s.label for s in two_hop_specs(group_size=32)}
+    assert all(0 < e < GRAD_TOL for x in errs for e in x.values()), errs
     q, p = r["q4"]["bytes"]["ddp_all_reduce"], r["plain"]["bytes"]["ddp_all_reduce"]
     assert 0 < q["cross"] < p["cross"] and q["intra"] > 0

@@ -9,14 +9,13 @@ backward gather, so it must be bit-exact.
 
 import pytest
 
-from tests.runtime_helpers import TINY, train_engine
+from tests.quant_bands import CFG, LR, STEPS, TOL_4BIT, TOL_8BIT
+from tests.runtime_helpers import train_engine
 from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
 from zeropp.runtime import expected_memory
 
-STEPS, LR = 8, 1e-2
 W8, W4, G8, G4 = QuantSpec(bits=8), QuantSpec(bits=4), QuantSpec(bits=8), QuantSpec(bits=4)
-TOL_8BIT, TOL_4BIT = 0.01, 0.03
 S3 = dict(stage=3)
 SWITCHES = {
     "base": S3,
@@ -39,10 +38,9 @@ SWITCHES = {
 }
 TOLS = {"qwz8": TOL_8BIT, "s1_qgz8": TOL_8BIT, "bf16_z3": TOL_8BIT, "fp16_z3": TOL_8BIT}
 MEMORY = {f"mem{s}": dict(stage=s, precision="bf16") for s in (0, 1, 2)}
-# The measurements below are for the GPT with its own head weight. Tied (the GPT's default), INT4 qwZ
-# quantizes the embedding and the head with one and the same error, and the first gradient norm
+# The measurements below are for the GPT with its own head weight (CFG). Tied (the GPT's default), INT4
+# qwZ quantizes the embedding and the head with one and the same error, and the first gradient norm
 # moves 26% instead of 8% (8-bit: 0.2% either way); test_runtime_tied covers tied weights.
-CFG = TINY.with_(tie_embeddings=False)
 
 
 def _world(rank, world):

@@ -221,3 +221,24 @@ def test_a_group_size_beyond_the_kernels_largest_block_is_a_config_error() -> No
         from_dict(composed_config("quant=int8", "zero.weights.group_size=32768"))
     assert "zero.weights" in str(e.value) and "group_size <= 16384" in str(e.value), str(e.value)
     assert from_dict(composed_config("quant=int8", "zero.weights.group_size=16384")).zero.weights.group_size == 16384
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["quant=mxfp4", "zero.grads.group_size=64"], ["zero.grads", "blocks of 32 elements fixed", "group_size=32"]),
+        (["quant=nvfp4", "zero.weights.group_size=32"], ["zero.weights", "blocks of 16 elements fixed"]),
+        (["quant=int4", "zero.weights.fp8_format=e5m2"], ["zero.weights", "fp8_format=e5m2 does nothing"]),
+        (["quant=mxfp4", "zero.grads.fp6_format=e3m2"], ["zero.grads", "fp6_format=e3m2 does nothing", "mx at bits 6"]),
+        (["quant=mxfp8", "zero.grads.bits=5"], ["zero.grads", "bits=5", "(8, 6, 4)"]),
+    ],
+)
+def test_format_settings_are_config_errors_before_any_rank(override: list[str], words: list[str]) -> None:
+    """A float format's fixed block size and its element choices are checked while the run config is
+    built (the runner prints ``error: ...`` and exits 2); a wrong element name is refused by the schema."""
+    with pytest.raises(ConfigError) as e:
+        from_dict(composed_config(*override))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    cfg = from_dict(composed_config("quant=w_mxfp8_g_mxfp4", "zero.weights.fp8_format=e5m2"))
+    assert cfg.zero.weights.fp8_format == "e5m2" and cfg.zero.grads.hop_bits == (8, 4)

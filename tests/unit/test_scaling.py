@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from tests.codec_cases import registry_specs, spec_id
 from zeropp.comm.spec import QuantSpec
 from zeropp.experiments.scaling import (
     GBPS,
@@ -301,3 +302,16 @@ def test_compare_measured_takes_the_link_from_the_summary() -> None:
 def test_bad_workload_is_rejected(kw: dict, word: str) -> None:
     with pytest.raises(ValueError, match=f"Workload.{word}="):
         Workload(**{"units": UNITS, "compute_s": 0.0, "tokens_per_rank": 1, **kw})
+
+
+@pytest.mark.parametrize("spec", registry_specs(group_size=64), ids=spec_id)
+def test_measured_quant_rates_time_every_registered_codec(spec: QuantSpec) -> None:
+    """The kernel timing runs each op through the spec's codec: a 6-bit MX or a 4-bit NVFP4
+    workload is timed (the int kernels have no 6-bit path), one rate per op of quant_work."""
+    from zeropp.experiments.scaling_check import emulator_cluster, measure_quant_rates
+
+    c = emulator_cluster(2, 2, 1.0)
+    w = _w(weights=spec, grads=spec)
+    rates = measure_quant_rates(w, c, repeats=1)
+    assert {(op, b) for op, b, _ in rates} == set(quant_work(w, c))
+    assert all(0 < g < math.inf for _, _, g in rates)

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from tests.plan_helpers import TINY_UNITS, WORLDS, ZPP, predicted_bytes
+from zeropp.comm.codecs import codecs
 from zeropp.comm.spec import RECIPES
 from zeropp.experiments.scaling import Cluster, Workload, messages, uplink_bytes
 
@@ -47,6 +48,15 @@ def test_configs_cover_every_recipe_and_stage() -> None:
     assert {kw["stage"] for kw in cfgs if kw.get("weight_diff")} == {1, 2, 3}
     assert {kw["stage"] for kw in cfgs} == {0, 1, 2, 3}
     assert any(kw["hpz"] for kw in cfgs) and any(kw["stage"] == 3 and not kw["hpz"] for kw in cfgs)
+    # and every registered codec, in the weights, both qgZ hops and the weight differences
+    for scheme in codecs():
+        assert any(
+            kw.get("weights")
+            and kw.get("grads")
+            and kw.get("weight_diff")
+            and {kw["weights"].scheme, kw["grads"].scheme, kw["weight_diff"].scheme} == {scheme}
+            for kw in cfgs
+        ), scheme
 
 
 def test_ring_wire_moves_fewer_gather_bytes_than_pairwise() -> None:
