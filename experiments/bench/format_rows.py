@@ -2,9 +2,9 @@
 MXFP6, MXFP4, MXINT8 and NVFP4 (and MXFP4 with stochastic rounding), each against a copy of the
 same bytes.
 
-    python -m experiments.bench_kernels                     # GPU: the int rows, then these
-    python -m experiments.bench_kernels --formats no        # the int rows only
-    python -m experiments.bench_kernels --device cpu --formats yes   # CPU: format_ops' CPU path
+    python -m experiments.bench_kernels                           # the int rows, then these
+    python -m experiments.bench_kernels --formats none            # the int rows only
+    python -m experiments.bench_kernels --formats mxfp4,nvfp4     # some of them
 
 The calls go through ``kernels.format_ops``, which runs CUDA tensors on the Triton kernels of
 ``kernels/triton_formats.py`` and CPU tensors on the CPU path (the native kernels where they exist,
@@ -26,28 +26,46 @@ import torch
 from zeropp.kernels import format_ops
 from zeropp.kernels.format_layout import FormatTensor
 
-CASES: tuple[tuple[str, str, str, int, bool], ...] = (
-    ("fp8 e4m3 g128", "fp8", "e4m3", 128, False),
-    ("mxfp8 e4m3", "mx", "e4m3", 32, False),
-    ("mxfp6 e3m2", "mx", "e3m2", 32, False),
-    ("mxfp4", "mx", "e2m1", 32, False),
-    ("mxfp4 stochastic", "mx", "e2m1", 32, True),
-    ("mxint8", "mx", "int8", 32, False),
-    ("nvfp4", "nvfp4", "e2m1", 16, False),
-)
-"""``(row label, scheme, element format, group size, stochastic)`` of each benchmarked format."""
+CASES: dict[str, tuple[str, str, str, int, bool]] = {
+    "fp8": ("fp8 e4m3 g512", "fp8", "e4m3", 512, False),
+    "fp8_e5m2": ("fp8 e5m2 g512", "fp8", "e5m2", 512, False),
+    "mxfp8": ("mxfp8 e4m3", "mx", "e4m3", 32, False),
+    "mxfp6": ("mxfp6 e3m2", "mx", "e3m2", 32, False),
+    "mxfp4": ("mxfp4", "mx", "e2m1", 32, False),
+    "mxfp4_sr": ("mxfp4 stochastic", "mx", "e2m1", 32, True),
+    "mxint8": ("mxint8", "mx", "int8", 32, False),
+    "nvfp4": ("nvfp4", "nvfp4", "e2m1", 16, False),
+}
+"""``--formats`` name -> ``(row label, scheme, element format, group size, stochastic)``. fp8 takes
+INT8's group size (512), so the two move the same bytes."""
 
-FORMATS_CHOICES = ("auto", "yes", "no")
-"""``--formats``: auto = on CUDA only (the Triton kernels), yes / no = always / never."""
+FORMAT_TARGET = 0.5
+"""Goal on CPU: each format's quantize / dequantize reaches at least half of the INT8 op's share of
+copy bandwidth at the same size."""
+
+INT8_LABEL = "int8 g512"
+"""The label of the INT8 rows of ``bench_kernels`` the formats are compared with."""
+
+
+def parse_formats(value: str) -> list[str]:
+    """``--formats``: ``all``, ``none`` or comma-separated names of :data:`CASES` (argparse type)."""
+    if value == "all":
+        return list(CASES)
+    if value == "none":
+        return []
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown or not names:
+        import argparse
+
+        raise argparse.ArgumentTypeError(
+            f"unknown format(s) {', '.join(unknown) or repr(value)}; use all, none or some of {', '.join(CASES)}"
+        )
+    return names
 
 
 class Record(Protocol):
     def __call__(self, op: str, size: int, nbytes: int, fn: Callable[[], object] | None) -> None: ...
-
-
-def wanted(choice: str, device: torch.device) -> bool:
-    """Whether ``--formats choice`` benchmarks the formats on ``device``."""
-    return choice == "yes" or (choice == "auto" and device.type == "cuda")
 
 
 def quantize(x: torch.Tensor, scheme: str, elem: str, group_size: int, stochastic: bool) -> FormatTensor:
@@ -59,10 +77,11 @@ def quantize(x: torch.Tensor, scheme: str, elem: str, group_size: int, stochasti
     return format_ops.quantize_nvfp4(x, stochastic=stochastic, seed=1)
 
 
-def record_formats(record: Record, x: torch.Tensor, size: int) -> None:
-    """Time quantize and dequantize of every case on ``x`` (one row) through ``record``."""
+def record_formats(record: Record, x: torch.Tensor, size: int, names: list[str]) -> None:
+    """Time quantize and dequantize of the cases ``names`` on ``x`` (one row) through ``record``."""
     n, esize = x.numel(), x.element_size()
-    for label, scheme, elem, gs, stochastic in CASES:
+    for name in names:
+        label, scheme, elem, gs, stochastic = CASES[name]
         q = quantize(x, scheme, elem, gs, stochastic)
         record(
             f"quantize {label}",
@@ -78,3 +97,33 @@ def record_formats(record: Record, x: torch.Tensor, size: int) -> None:
                 q.nbytes + n * esize,
                 functools.partial(format_ops.dequantize_format, q, out=out),
             )
+
+
+def format_shares(rows: list[dict]) -> list[tuple[str, int, float, float]]:
+    """``(op, size, share of copy, ratio to the INT8 op's share)`` of every format row that has an
+    INT8 row of the same kind (quantize / dequantize) and size."""
+    labels = {label for label, *_ in CASES.values()}
+    int8 = {(r["op"].split()[0], r["size"]): r["fraction"] for r in rows if r["op"].endswith(INT8_LABEL)}
+    out = []
+    for r in rows:
+        kind, _, label = r["op"].partition(" ")
+        if label in labels and (kind, r["size"]) in int8:
+            out.append((r["op"], r["size"], r["fraction"], r["fraction"] / int8[(kind, r["size"])]))
+    return out
+
+
+def shares_text(rows: list[dict], size_text: Callable[[int], str]) -> str:
+    """The formats' shares against INT8's at the largest size measured ("" when none)."""
+    shares = format_shares(rows)
+    if not shares:
+        return ""
+    top = max(size for _, size, _, _ in shares)
+    lines = [
+        f"float formats at {size_text(top)}: share of copy bandwidth as a fraction of the INT8 op's "
+        f"(quantize / dequantize {INT8_LABEL}; target >= {FORMAT_TARGET:.0%})"
+    ]
+    for op, size, frac, ratio in shares:
+        if size == top:
+            mark = "" if ratio >= FORMAT_TARGET else "  below target"
+            lines.append(f"  {op:<26} {frac:>6.1%} of copy = {ratio:>5.0%} of INT8's{mark}")
+    return "\n".join(lines)

@@ -251,8 +251,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             lambda: dequantize_sum(stacked, out=out),
             compiled("dsum", plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
         )
-        if format_rows.wanted(args.formats, device):
-            format_rows.record_formats(record, x, size)
+        format_rows.record_formats(record, x, size, args.formats)
         del x, q, qs, stacked, out, xb, cb, sb
     return rows
 
@@ -303,6 +302,9 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
             x = "" if r["vs_old"] is None else f"{r['vs_old']:.1f}x"
             line += f" {of:>11} | {x:>6} |"
         print(line)
+    shares = format_rows.shares_text(rows, _fmt_bytes)
+    if shares:
+        print(shares)
     big = [r["fraction"] for r in rows if r["op"] != "copy" and r["size"] >= 64 << 20]
     if dev.type == "cuda" and big:
         print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} (target {TARGET_FRACTION:.0%})")
@@ -332,9 +334,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline column")
     p.add_argument(
         "--formats",
-        default="auto",
-        choices=format_rows.FORMATS_CHOICES,
-        help="also time the float formats (fp8, MX, NVFP4; experiments/bench/format_rows.py): auto = on CUDA only",
+        type=format_rows.parse_formats,
+        default="all",
+        help=f"float formats timed beside INT8 / INT4 (experiments/bench/format_rows.py): all (default), none, or "
+        f"some of {', '.join(format_rows.CASES)}",
     )
     p.add_argument("--k", type=int, default=4, help="inputs summed by the reductions (ranks per node)")
     p.add_argument(

@@ -192,6 +192,7 @@ def test_native_cpu_build_is_cached_and_keyed(tmp_path, monkeypatch):
 # Benchmark smoke test (CPU, tiny sizes; no timing assertions)
 # ---------------------------------------------------------------------------------------------
 def test_bench_runs_on_cpu(capsys):
+    from zeropp.experiments.bench import format_rows
     from zeropp.experiments.bench import kernels as bench_kernels
 
     rows = bench_kernels.main(["--device", "cpu", "--max-mib", "0.125", "--iters", "2", "--warmup", "1"])
@@ -201,6 +202,9 @@ def test_bench_runs_on_cpu(capsys):
         in text
     )
     assert {r["op"] for r in rows} >= {"copy", "quantize int8 g512", "fused reduce int4 g128 k4"}
+    labels = [label for label, *_, stochastic in format_rows.CASES.values() if not stochastic]
+    assert {f"{kind} {label}" for kind in ("quantize", "dequantize") for label in labels} <= {r["op"] for r in rows}
+    assert "share of copy bandwidth as a fraction of the INT8 op's" in text
     assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
     # each op also timed through the tiled path, in the same run: speed-up and old share of copy
     assert "x old" in text and "old of copy" in text

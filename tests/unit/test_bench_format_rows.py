@@ -4,6 +4,7 @@ calls run the format they are labelled with, and when they are on."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zeropp.experiments.bench import format_rows as bench_format_rows
@@ -15,14 +16,16 @@ from zeropp.kernels.format_layout import FormatTensor, wire_bytes
 def test_rows_count_input_and_wire_bytes_and_time_the_labelled_format():
     x = torch.randn(1000, dtype=torch.bfloat16)
     rows: list[tuple[str, int, int, object]] = []
-    bench_format_rows.record_formats(lambda op, size, nbytes, fn: rows.append((op, size, nbytes, fn())), x, 2000)
+    bench_format_rows.record_formats(
+        lambda op, size, nbytes, fn: rows.append((op, size, nbytes, fn())), x, 2000, list(bench_format_rows.CASES)
+    )
     want_ops = []
-    for label, *_, stochastic in bench_format_rows.CASES:
+    for label, *_, stochastic in bench_format_rows.CASES.values():
         want_ops.append(f"quantize {label}")
         want_ops += [] if stochastic else [f"dequantize {label}"]
     assert [r[0] for r in rows] == want_ops
     by_op = {op: (size, nbytes, result) for op, size, nbytes, result in rows}
-    for label, scheme, elem, gs, stochastic in bench_format_rows.CASES:
+    for label, scheme, elem, gs, stochastic in bench_format_rows.CASES.values():
         size, nbytes, q = by_op[f"quantize {label}"]
         assert size == 2000 and nbytes == 2 * 1000 + wire_bytes(scheme, elem, 1000, gs)
         assert isinstance(q, FormatTensor) and (q.scheme, q.elem, q.group_size) == (scheme, elem, gs)
@@ -32,9 +35,28 @@ def test_rows_count_input_and_wire_bytes_and_time_the_labelled_format():
             assert torch.equal(out, format_ops.dequantize_format(q, dtype=torch.bfloat16).view(-1))
 
 
-def test_formats_rows_are_on_for_cuda_by_default_and_on_request():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert bench_format_rows.wanted("auto", cuda) and not bench_format_rows.wanted("auto", cpu)
-    assert bench_format_rows.wanted("yes", cpu) and not bench_format_rows.wanted("no", cuda)
-    assert bench_kernels.parse_args(["--device", "cpu"]).formats == "auto"
-    assert bench_kernels.parse_args(["--device", "cpu", "--formats", "yes"]).formats == "yes"
+def test_formats_option_takes_all_none_or_names(capsys):
+    assert bench_kernels.parse_args(["--device", "cpu"]).formats == list(bench_format_rows.CASES)
+    assert bench_kernels.parse_args(["--formats", "none"]).formats == []
+    assert bench_kernels.parse_args(["--formats", "mxfp4,nvfp4"]).formats == ["mxfp4", "nvfp4"]
+    with pytest.raises(SystemExit) as e:
+        bench_kernels.parse_args(["--formats", "mxfp4,fp5"])
+    assert e.value.code == 2 and "unknown format(s) fp5" in capsys.readouterr().err
+
+
+def test_each_format_is_compared_with_the_int8_op_of_its_kind_and_size():
+    rows = [
+        {"op": "quantize int8 g512", "size": 1024, "fraction": 0.40},
+        {"op": "dequantize int8 g512", "size": 1024, "fraction": 0.80},
+        {"op": "quantize mxfp4", "size": 1024, "fraction": 0.10},
+        {"op": "dequantize nvfp4", "size": 1024, "fraction": 0.60},
+        {"op": "quantize nvfp4", "size": 4096, "fraction": 0.30},  # no INT8 row of that size
+        {"op": "quantize int4 g128", "size": 1024, "fraction": 0.20},  # not a float format
+    ]
+    assert bench_format_rows.format_shares(rows) == [
+        ("quantize mxfp4", 1024, 0.10, pytest.approx(0.25)),
+        ("dequantize nvfp4", 1024, 0.60, pytest.approx(0.75)),
+    ]
+    text = bench_format_rows.shares_text(rows, lambda b: f"{b} B")
+    assert text.startswith("float formats at 1024 B") and "quantize mxfp4" in text
+    assert text.count("below target") == 1  # mxfp4's 25% of INT8's; nvfp4's 75% meets the target

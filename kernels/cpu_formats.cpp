@@ -1,0 +1,612 @@
+// The CPU path's kernels for the floating-point wire formats (fp8, mx, nvfp4): the arithmetic of
+// kernels/format_reference.py, bit for bit, one pass per block (mx / nvfp4: per tile of blocks;
+// nvfp4: one more pass per row for its tensor scale). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
+// (-O3 -march=native -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
+//
+// Exactness rules (see cpu_formats.py's docstring for why each holds):
+// - every float operation is one IEEE fp32 operation in the reference's order; powers of two are
+//   built from their bit patterns, so a / 2^k and a * 2^-k are the same exact (or once-rounded)
+//   value the reference computes;
+// - an element's code comes from integer arithmetic on its exponent bits and its rounded mantissa
+//   count r: code = ((e - emin) << M) + r, which is the format's bit pattern for every r in
+//   [0, 2^(M+1)] (r = 2^(M+1) moves into the next binade by the carry), then clamped to the largest
+//   finite code (saturation) and given the sign bit;
+// - a code decodes by placing its magnitude bits in an fp32 pattern, (mag << (23 - M)), and
+//   multiplying by 2^(127 - bias): normal codes land on normal fp32 values and subnormal codes on
+//   fp32 subnormals, both exact (the process keeps IEEE denormals, as torch leaves it);
+// - absmax is the integer maximum of |x|'s bit patterns (NaN / Inf patterns exceed every finite one);
+// - round half to even is rintf (vectorised as vrndscaleps), which rounds in the thread's mode:
+//   round-to-nearest-even, the IEEE default that torch leaves alone.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <float.h>
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ZF_AVX512BF16 1
+#endif
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ZF_AVX512VBMI 1
+#endif
+
+typedef int64_t i64;
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float pow2(int e) {  // 2^e for e in [-149, 127], exact
+    return e >= -126 ? u2f((uint32_t)(e + 127) << 23) : u2f(1u << (e + 149));
+}
+static const uint32_t QNAN = 0x7fc00000u;  // torch's NaN
+
+// ---- element types: load as fp32 (exact widening), store from fp32 (round to nearest even) ----
+struct F32 {
+    typedef float T;
+    static constexpr bool IS_BF16 = false;
+    static inline float load(const T* p, i64 i) { return p[i]; }
+    static inline T store(float f) { return f; }
+};
+struct BF16 {
+    typedef uint16_t T;
+    static constexpr bool IS_BF16 = true;
+    static inline float load(const T* p, i64 i) { return u2f((uint32_t)p[i] << 16); }
+    static inline T store(float f) {  // torch's round_to_nearest_even; NaN -> 0x7fc0
+        uint32_t u = f2u(f);
+        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)r;
+    }
+};
+struct F16 {
+    typedef _Float16 T;
+    static constexpr bool IS_BF16 = false;
+    static inline float load(const T* p, i64 i) { return (float)p[i]; }
+    static inline T store(float f) { return (T)f; }
+};
+
+// ---- Triton's Philox4x32-10 + uint -> uniform, as reference.philox_uniform (cpu_native.cpp) ----
+static void philox_uniform(float* __restrict u, i64 n, uint64_t base, uint32_t k0, uint32_t k1) {
+    for (i64 i = 0; i < n; i++) {
+        uint64_t off = base + (uint64_t)i;
+        uint32_t c0 = (uint32_t)off, c1 = (uint32_t)(off >> 32), c2 = 0, c3 = 0;
+        uint32_t a = k0, b = k1;
+        for (int r = 0; r < 10; r++) {
+            uint64_t p0 = (uint64_t)0xCD9E8D57u * c2;
+            uint64_t p1 = (uint64_t)0xD2511F53u * c0;
+            uint32_t n0 = (uint32_t)(p0 >> 32) ^ c1 ^ a;
+            uint32_t n2 = (uint32_t)(p1 >> 32) ^ c3 ^ b;
+            c1 = (uint32_t)p0;
+            c3 = (uint32_t)p1;
+            c0 = n0;
+            c2 = n2;
+            a += 0x9E3779B9u;
+            b += 0xBB67AE85u;
+        }
+        int32_t x = (int32_t)c0;
+        x = x < 0 ? ~x : x;
+        u[i] = (float)x * 4.6566127342e-10f;
+    }
+}
+
+// ---- element formats (OCP MX v1.0): M mantissa bits, bias, code width, largest finite code ----
+template <int BITS_, int M_, int BIAS_, int MAXCODE_, int NANCODE_, int EMAX_>
+struct Fmt {
+    static constexpr int BITS = BITS_, M = M_, BIAS = BIAS_, EMIN = 1 - BIAS_, MAXCODE = MAXCODE_;
+    static constexpr int NANCODE = NANCODE_;  // -1: the format has no NaN
+    static constexpr int EMAX = EMAX_;        // exponent of the largest normal (the MX scale rule)
+    static constexpr bool INT = false;
+    static constexpr uint32_t SIGN = 1u << (BITS_ - 1);
+    static inline float maxval() { return u2f(((uint32_t)MAXCODE_ << (23 - M_))) * pow2(127 - BIAS_); }
+    static inline float minval() { return pow2(1 - BIAS_ - M_); }  // the smallest nonzero magnitude
+};
+typedef Fmt<8, 3, 7, 0x7e, 0x7f, 8> E4M3;    // max 448, NaN S.1111.111, no Inf
+typedef Fmt<8, 2, 15, 0x7b, 0x7f, 15> E5M2;  // max 57344, IEEE Inf (0x7c) / NaN
+typedef Fmt<6, 2, 3, 0x1f, -1, 4> E3M2;      // max 28
+typedef Fmt<6, 3, 1, 0x1f, -1, 2> E2M3;      // max 7.5
+typedef Fmt<4, 1, 1, 0x7, -1, 2> E2M1;       // max 6
+struct I8 {  // MX INT8: value = k / 64, k in [-127, 127]
+    static constexpr int BITS = 8, EMAX = 0;
+    static constexpr bool INT = true;
+    static inline float maxval() { return 127.0f / 64.0f; }
+    static inline float minval() { return 1.0f / 64.0f; }
+};
+
+// One element: v (already scaled) -> code bits (two's complement byte for INT8). u: the
+// stochastic uniform (ignored for nearest). Branch-free so that loops over a block vectorise.
+template <class F, bool STOCH>
+static inline uint32_t encode(float v, float u) {
+    if constexpr (F::INT) {
+        float t = v * 64.0f;  // exact (a power-of-two scaling that cannot overflow here)
+        t = STOCH ? floorf(t + u) : rintf(t);
+        t = t < -127.0f ? -127.0f : t;
+        t = t > 127.0f ? 127.0f : t;
+        return (uint32_t)(int32_t)t & 0xffu;
+    } else {
+        const uint32_t vb = f2u(v), ab = vb & 0x7fffffffu, sign = (vb >> 31) * F::SIGN;
+        const uint32_t mb = f2u(F::maxval());
+        const uint32_t ac = ab < mb ? ab : mb;  // saturate (+Inf too)
+        int32_t e = (int32_t)(ac >> 23) - 127;
+        e = e < F::EMIN ? F::EMIN : e;
+        const float m = u2f(ac) * u2f((uint32_t)(127 + F::M - e) << 23);  // a / 2^(e - M), exact
+        const float r = STOCH ? floorf(m + u) : rintf(m);
+        int32_t code = ((e - F::EMIN) << F::M) + (int32_t)r;
+        code = code > F::MAXCODE ? F::MAXCODE : code;
+        return (uint32_t)code | sign;  // (NaN never gets here: non-finite blocks are handled whole)
+    }
+}
+
+// One code -> its exact fp32 value.
+template <class F>
+static inline float decode(uint32_t c) {
+    if constexpr (F::INT) {
+        return (float)(int32_t)(int8_t)(uint8_t)c * 0.015625f;
+    } else {
+        const uint32_t mag = c & (F::SIGN - 1u);
+        float v = u2f(mag << (23 - F::M)) * pow2(127 - F::BIAS);
+        uint32_t b = f2u(v) | ((c & F::SIGN) ? 0x80000000u : 0u);
+        if constexpr (F::NANCODE == 0x7f && F::M == 3) b = mag == 0x7fu ? QNAN : b;  // E4M3
+        if constexpr (F::M == 2 && F::BITS == 8) {  // E5M2: exponent field all ones
+            const uint32_t inf = 0x7f800000u | ((c & F::SIGN) ? 0x80000000u : 0u);
+            b = mag >= 0x7cu ? (mag == 0x7cu ? inf : QNAN) : b;
+        }
+        return u2f(b);
+    }
+}
+
+// ---- packing: 8 bits one byte; 6 bits four codes in three bytes (little endian 24-bit word);
+// 4 bits two codes per byte, low nibble first. n is a multiple of 4 (blocks of 16 / 32, or any
+// fp8 group for 8 bits). ----
+template <int BITS>
+static inline void pack(const uint8_t* __restrict c, i64 n, uint8_t* __restrict out) {
+    if (BITS == 8) {
+        memcpy(out, c, (size_t)n);
+    } else if (BITS == 6) {
+        i64 j = 0;
+#ifdef ZF_AVX512VBMI
+        // 64 codes -> 48 bytes: pairs (c0 + 64 c1, c2 + 64 c3) by vpmaddubsw, the 24-bit word
+        // w = p0 + 4096 p1 by vpmaddwd, then vpermb keeps the three low bytes of each word.
+        const __m512i pair = _mm512_set1_epi16(0x4001), quad = _mm512_set1_epi32(0x10000001);
+        alignas(64) uint8_t idx[64];
+        for (int k = 0; k < 64; k++) idx[k] = (uint8_t)(k < 48 ? (k / 3) * 4 + k % 3 : 0);
+        const __m512i perm = _mm512_load_si512((const void*)idx);
+        for (; j + 16 <= n / 4; j += 16) {
+            const __m512i v = _mm512_loadu_si512((const void*)(c + 4 * j));
+            const __m512i w = _mm512_madd_epi16(_mm512_maddubs_epi16(v, pair), quad);
+            _mm512_mask_storeu_epi8(out + 3 * j, (__mmask64)0xffffffffffffULL, _mm512_permutexvar_epi8(perm, w));
+        }
+#endif
+        for (; j < n / 4; j++) {
+            const uint32_t w = (uint32_t)c[4 * j] | ((uint32_t)c[4 * j + 1] << 6) | ((uint32_t)c[4 * j + 2] << 12) |
+                               ((uint32_t)c[4 * j + 3] << 18);
+            out[3 * j] = (uint8_t)w;
+            out[3 * j + 1] = (uint8_t)(w >> 8);
+            out[3 * j + 2] = (uint8_t)(w >> 16);
+        }
+    } else {
+        for (i64 j = 0; j < n / 2; j++) out[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+    }
+}
+
+// The codes of n elements (n a multiple of 4 for 6 bits, of 2 for 4 bits) into c[0:n], one per byte.
+template <int BITS>
+static inline void unpack(const uint8_t* __restrict p, i64 n, uint8_t* __restrict c) {
+    if (BITS == 8) {
+        memcpy(c, p, (size_t)n);
+    } else if (BITS == 4) {
+        for (i64 j = 0; j < n / 2; j++) {
+            c[2 * j] = p[j] & 15u;
+            c[2 * j + 1] = p[j] >> 4;
+        }
+    } else {
+        i64 j = 0;
+#ifdef ZF_AVX512VBMI
+        // 48 bytes -> 64 codes: vpermb puts bytes 6q..6q+5 in qword q, vpmultishiftqb takes the
+        // byte at bit offsets 0, 6, ..., 42 of each qword, and the mask keeps 6 bits.
+        alignas(64) uint8_t idx[64];
+        for (int k = 0; k < 64; k++) idx[k] = (uint8_t)((k / 8) * 6 + (k % 8 < 6 ? k % 8 : 5));
+        const __m512i perm = _mm512_load_si512((const void*)idx);
+        const __m512i shifts = _mm512_set1_epi64(0x2a241e18120c0600LL), m63 = _mm512_set1_epi8(63);
+        for (; j + 16 <= n / 4; j += 16) {
+            const __m512i b = _mm512_maskz_loadu_epi8((__mmask64)0xffffffffffffULL, p + 3 * j);
+            const __m512i v = _mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(perm, b));
+            _mm512_storeu_si512((void*)(c + 4 * j), _mm512_and_si512(v, m63));
+        }
+#endif
+        for (; j < n / 4; j++) {
+            const uint32_t w = (uint32_t)p[3 * j] | ((uint32_t)p[3 * j + 1] << 8) | ((uint32_t)p[3 * j + 2] << 16);
+            c[4 * j] = w & 63u;
+            c[4 * j + 1] = (w >> 6) & 63u;
+            c[4 * j + 2] = (w >> 12) & 63u;
+            c[4 * j + 3] = (w >> 18) & 63u;
+        }
+    }
+}
+
+// d[0:n] = decode(c[i]) * sc (fp32).
+template <class F>
+static inline void decode_block(const uint8_t* __restrict c, i64 n, float sc, float* __restrict d) {
+    for (i64 i = 0; i < n; i++) d[i] = decode<F>(c[i]) * sc;
+}
+
+// o[0:n] = d[0:n] rounded to S. FAST (bf16 on AVX512-BF16 CPUs): no d[i] is an fp32 subnormal
+// and none is NaN unless it is torch's NaN, where vcvtneps2bf16 (which treats denormals as zero)
+// rounds exactly as torch does; the caller knows this from the block's scale.
+template <class S>
+static inline void store_block(const float* __restrict d, i64 n, bool fast, typename S::T* __restrict o) {
+    i64 i = 0;
+#ifdef ZF_AVX512BF16
+    if (S::IS_BF16 && fast)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(d + i)));
+#else
+    (void)fast;
+#endif
+    for (; i < n; i++) o[i] = S::store(d[i]);
+}
+
+#ifdef ZF_AVX512BF16
+// decode<F> of 16 codes (zero-extended bytes in v), the same operations on whole vectors.
+template <class F>
+static inline __m512 decode16(__m512i v) {
+    if constexpr (F::INT) {
+        const __m512i k = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);  // the byte's two's complement
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(k), _mm512_set1_ps(0.015625f));
+    } else {
+        const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32((int)(F::SIGN - 1u)));
+        const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 23 - F::M)), _mm512_set1_ps(pow2(127 - F::BIAS)));
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)F::SIGN)), 32 - F::BITS);
+        __m512i b = _mm512_or_si512(_mm512_castps_si512(f), sign);
+        if constexpr (F::NANCODE == 0x7f && F::M == 3)
+            b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32((int)QNAN));
+        if constexpr (F::M == 2 && F::BITS == 8) {
+            b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7c)),
+                                      _mm512_or_si512(sign, _mm512_set1_epi32(0x7f800000)));
+            b = _mm512_mask_mov_epi32(b, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7c)), _mm512_set1_epi32((int)QNAN));
+        }
+        return _mm512_castsi512_ps(b);
+    }
+}
+#endif
+
+// o[0:n] = decode(c[i]) * sc rounded to S, in one pass where the CPU allows (fp32 always, bf16
+// under store_block's FAST rule); otherwise through d[] and store_block.
+template <class S, class F>
+static inline void decode_store(const uint8_t* __restrict c, i64 n, float sc, bool fast, float* __restrict d,
+                                typename S::T* __restrict o) {
+    i64 i = 0;
+#ifdef ZF_AVX512BF16
+    if (S::IS_BF16 ? fast : sizeof(typename S::T) == 4) {
+        const __m512 s = _mm512_set1_ps(sc);
+        // 4-bit codes: the 16 products decode(k) * sc (the same operations) looked up by code
+        const __m512 table = _mm512_mul_ps(decode16<F>(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), s);
+        for (; i + 16 <= n; i += 16) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)));
+            const __m512 x = F::BITS == 4 ? _mm512_permutexvar_ps(v, table) : _mm512_mul_ps(decode16<F>(v), s);
+            if (S::IS_BF16) _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(x));
+            else _mm512_storeu_ps((float*)(o + i), x);
+        }
+    }
+#endif
+    decode_block<F>(c + i, n - i, sc, d);
+    store_block<S>(d, n - i, fast, o + i);
+}
+
+static inline uint32_t absmax_bits_f(const float* __restrict x, i64 n) {
+    uint32_t m = 0;
+    for (i64 i = 0; i < n; i++) {
+        const uint32_t a = f2u(x[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+// A block's elements widened to fp32 into w[0:n], zeros in w[n:gs]; returns absmax's bits.
+template <class L>
+static inline uint32_t load_block(const typename L::T* __restrict x, i64 n, i64 gs, float* __restrict w) {
+    for (i64 i = 0; i < n; i++) w[i] = L::load(x, i);
+    for (i64 i = n; i < gs; i++) w[i] = 0.0f;
+    return absmax_bits_f(w, gs);
+}
+
+// ---- scheme parameters ----
+enum { S_FP8 = 0, S_MX = 1, S_NVFP4 = 2 };
+struct Args {
+    i64 rows, cols, gs;     // gs: elements per block (fp8 group_size; mx 32; nvfp4 16)
+    int stochastic;
+    uint64_t seed;
+    int round_up;           // mx: the round-up scale rule instead of OCP's
+};
+
+// MX shared exponent of a finite, nonzero block (absmax bits m), before the E8M0 clamp.
+template <class F>
+static inline int mx_exponent(uint32_t m, int round_up) {
+    int e = (int)(m >> 23) - 127 - F::EMAX;
+    if (round_up && e >= -127 && e <= 127 && u2f(m) * pow2(-e) > F::maxval()) e += 1;
+    return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// Codes of one block of w[0:gs] (already loaded) scaled by: division by s (DIV) or
+// multiplication by s (an exact power of two), into c[0:gs].
+template <class F, bool STOCH, bool DIV>
+static inline void encode_block(const float* __restrict w, i64 gs, float s, const float* __restrict u,
+                                uint8_t* __restrict c) {
+    for (i64 i = 0; i < gs; i++) {
+        const float v = DIV ? w[i] / s : w[i] * s;
+        c[i] = (uint8_t)encode<F, STOCH>(v, STOCH ? u[i] : 0.0f);
+    }
+}
+
+static constexpr i64 TILE = 2048;  // elements per tile of fixed-size blocks (values, codes in L1)
+
+// Scratch of one block or one tile (n = max(gs, TILE) elements): fp32 values w, uniforms u,
+// per-element scales sv, codes c; nvfp4: each block's absmax bits mb and element scale ds.
+struct Scratch {
+    float *w, *u, *sv, *ds;
+    uint8_t* c;
+    uint32_t* mb;
+    Scratch(i64 n, i64 groups)
+        : w((float*)malloc((size_t)n * 4)), u((float*)malloc((size_t)n * 4)), sv((float*)malloc((size_t)n * 4)),
+          ds((float*)malloc((size_t)groups * 4 + 4)), c((uint8_t*)malloc((size_t)n)),
+          mb((uint32_t*)malloc((size_t)groups * 4 + 4)) {}
+    ~Scratch() { free(w); free(u); free(sv); free(ds); free(c); free(mb); }
+    bool ok() const { return w && u && sv && ds && c && mb; }
+};
+
+// Fixed-size blocks (mx: 32, nvfp4: 16) of row r, TILE elements at a time: widen, per-block
+// scales, one long encode loop over x / scale (nvfp4) or x * 2^-k (mx), one pack. Blocks that
+// store zero codes (zero, non-finite, zero-scale) are cleared after the encode.
+template <class L, class F, int SCHEME, bool STOCH, int GSC>
+static void quantize_tiles(const typename L::T* xr, i64 r, const Args& a, uint8_t* codes_r, uint8_t* scales_r,
+                           Scratch& s, uint32_t k0, uint32_t k1) {
+    const i64 G = (a.cols + GSC - 1) / GSC, padded = G * GSC;
+    for (i64 i0 = 0; i0 < padded; i0 += TILE) {
+        const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
+        for (i64 i = 0; i < n; i++) s.w[i] = L::load(xr + i0, i);
+        for (i64 i = n; i < nt; i++) s.w[i] = 0.0f;
+        uint64_t bad = 0;  // blocks of this tile that store zero codes (TILE / GSC <= 128: two words)
+        uint64_t bad2 = 0;
+        for (i64 b = 0; b < nt / GSC; b++) {
+            const i64 g = i0 / GSC + b;
+            float mult;
+            bool zero;
+            if (SCHEME == S_MX) {
+                const uint32_t m = absmax_bits_f(s.w + b * GSC, GSC);
+                zero = m == 0 || m >= 0x7f800000u;
+                const int e = zero ? 0 : mx_exponent<F>(m, a.round_up);
+                scales_r[g] = m >= 0x7f800000u ? (uint8_t)255 : (m == 0 ? (uint8_t)0 : (uint8_t)(e + 127));
+                mult = pow2(-e);
+            } else {
+                const float d = s.ds[g];
+                zero = !(d > 0.0f);
+                mult = zero ? 1.0f : d;
+            }
+            if (zero) (b < 64 ? bad : bad2) |= 1ull << (b & 63);
+            for (i64 i = 0; i < GSC; i++) s.sv[b * GSC + i] = mult;
+        }
+        if (STOCH) philox_uniform(s.u, nt, (uint64_t)(r * padded + i0), k0, k1);
+        const float* __restrict w = s.w;
+        const float* __restrict sv = s.sv;
+        const float* __restrict u = s.u;
+        uint8_t* __restrict c = s.c;
+        for (i64 i = 0; i < nt; i++) {
+            const float v = SCHEME == S_NVFP4 ? w[i] / sv[i] : w[i] * sv[i];
+            c[i] = (uint8_t)encode<F, STOCH>(v, STOCH ? u[i] : 0.0f);
+        }
+        for (i64 b = 0; b < nt / GSC; b++)
+            if (((b < 64 ? bad : bad2) >> (b & 63)) & 1) memset(c + b * GSC, 0, GSC);
+        pack<F::BITS>(c, nt, codes_r + i0 * F::BITS / 8);
+    }
+}
+
+// x [rows, cols] (row stride x_rs elements) -> codes [rows, *] (c_rs bytes) and scales:
+// fp8 fp32 [rows, G] (s_rs floats); mx E8M0 bytes [rows, G] (s_rs bytes); nvfp4 E4M3 bytes
+// [rows, G] (s_rs bytes) and fp32 tensor scales (t[r * t_rs]).
+template <class L, class F, int SCHEME, bool STOCH, int GSC>
+static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* codes, i64 c_rs, void* scales, i64 s_rs,
+                          float* tsc, i64 t_rs, Scratch& s) {
+    const typename L::T* x = (const typename L::T*)xv;
+    const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+    const uint32_t k0 = (uint32_t)a.seed, k1 = (uint32_t)(a.seed >> 32);
+    for (i64 r = 0; r < a.rows; r++) {
+        const typename L::T* xr = x + r * x_rs;
+        float t = 0.0f;
+        uint32_t rowmax = 0;
+        if (SCHEME == S_NVFP4) {
+            // first pass: each block's absmax bits (a non-finite block marked 0x7f800000) and the
+            // row's finite absmax; t = that / (6 * 448)
+            for (i64 i0 = 0; i0 < G * gs; i0 += TILE) {
+                const i64 nt = G * gs - i0 < TILE ? G * gs - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
+                for (i64 i = 0; i < n; i++) s.w[i] = L::load(xr + i0, i);
+                for (i64 i = n; i < nt; i++) s.w[i] = 0.0f;
+                for (i64 b = 0; b < nt / 16; b++) {
+                    const float* wb = s.w + b * 16;
+                    uint32_t m = absmax_bits_f(wb, 16);
+                    if (m >= 0x7f800000u) {  // rare: the finite values of a block holding NaN / Inf
+                        uint32_t f = 0;
+                        for (i64 i = 0; i < 16; i++) {
+                            const uint32_t v = f2u(wb[i]) & 0x7fffffffu;
+                            f = v < 0x7f800000u && v > f ? v : f;
+                        }
+                        rowmax = f > rowmax ? f : rowmax;
+                        m = 0x7f800000u;
+                    } else {
+                        rowmax = m > rowmax ? m : rowmax;
+                    }
+                    s.mb[i0 / 16 + b] = m;
+                }
+            }
+            t = u2f(rowmax) / 2688.0f;
+            tsc[r * t_rs] = t;
+            // the E4M3 block scales b = e4m3(absmax / 6 / t) and element scales decode(b) * t, for
+            // all blocks at once (0 where the block stores zero codes)
+            uint8_t* bs = (uint8_t*)scales + r * s_rs;
+            const float tt = t > 0.0f ? t : 1.0f;
+            const bool tpos = t > 0.0f;
+            uint32_t* __restrict mb = s.mb;  // absmax bits in, block codes out
+            float* __restrict ds = s.ds;
+            for (i64 g = 0; g < G; g++) {
+                const uint32_t m = mb[g];
+                const uint32_t b = encode<E4M3, false>(u2f(m) / 6.0f / tt, 0.0f);
+                const uint32_t code = m >= 0x7f800000u ? 0x7fu : (tpos ? b : 0u);
+                mb[g] = code;
+                ds[g] = m >= 0x7f800000u ? 0.0f : decode<E4M3>(code) * t;
+            }
+            for (i64 g = 0; g < G; g++) bs[g] = (uint8_t)mb[g];
+        }
+        if (GSC) {
+            quantize_tiles<L, F, SCHEME, STOCH, GSC>(xr, r, a, codes + r * c_rs, (uint8_t*)scales + r * s_rs, s, k0, k1);
+            continue;
+        }
+        for (i64 g = 0; g < G; g++) {
+            const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
+            const uint32_t m = load_block<L>(xr + g * gs, n, gs, s.w);
+            uint8_t* cb = codes + r * c_rs + g * bpg;
+            if (SCHEME == S_FP8) {
+                float* sc = (float*)scales + r * s_rs + g;
+                if (m >= 0x7f800000u) { *sc = u2f(QNAN); memset(cb, 0, (size_t)bpg); continue; }
+                const float scale = u2f(m) / F::maxval();
+                *sc = scale;
+                if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
+                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+                encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
+            } else if (SCHEME == S_MX) {
+                uint8_t* sc = (uint8_t*)scales + r * s_rs + g;
+                if (m >= 0x7f800000u) { *sc = 255; memset(cb, 0, (size_t)bpg); continue; }
+                if (m == 0) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }
+                const int e = mx_exponent<F>(m, a.round_up);
+                *sc = (uint8_t)(e + 127);
+                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+                encode_block<F, STOCH, false>(s.w, gs, pow2(-e), s.u, s.c);
+            } else {
+                const float scale = s.ds[g];
+                if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
+                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+                encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
+            }
+            pack<F::BITS>(s.c, gs, cb);
+        }
+    }
+}
+
+// codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S.
+// The scale of block g of row r (fp8: fp32; mx: 2^(E8M0 - 127), NaN for 255; nvfp4: decode(b) * t).
+template <int SCHEME>
+static inline float block_scale(const void* scales, i64 r, i64 s_rs, i64 g, float t) {
+    if (SCHEME == S_FP8) return ((const float*)scales)[r * s_rs + g];
+    const uint8_t b = ((const uint8_t*)scales)[r * s_rs + g];
+    if (SCHEME == S_MX) return b == 255 ? u2f(QNAN) : pow2((int)b - 127);
+    return decode<E4M3>(b) * t;
+}
+
+// Whether products code * sc may take store_block's FAST path: sc is finite and 0, or its
+// smallest nonzero product is a normal fp32.
+template <class F>
+static inline bool fast_scale(float sc) {
+    const float as = fabsf(sc);
+    return as == 0.0f || (as <= FLT_MAX && as * F::minval() >= FLT_MIN);
+}
+
+
+// codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S. Fixed
+// block sizes (GSC > 0) go through tiles of TILE elements: one unpack and one store per tile.
+template <class S, class F, int SCHEME, int GSC>
+static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tsc, i64 t_rs,
+                            const Args& a, void* outv, uint8_t* c, float* d) {
+    typename S::T* out = (typename S::T*)outv;
+    const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+    for (i64 r = 0; r < a.rows; r++) {
+        const float t = SCHEME == S_NVFP4 ? tsc[r * t_rs] : 0.0f;
+        if (GSC) {
+            const i64 padded = G * GSC;
+            for (i64 i0 = 0; i0 < padded; i0 += TILE) {
+                const i64 nt = padded - i0 < TILE ? padded - i0 : TILE;
+                const uint8_t* ct = codes + r * c_rs + i0 * F::BITS / 8;
+                if (F::BITS != 8) unpack<F::BITS>(ct, nt, c);
+                const uint8_t* cc = F::BITS == 8 ? ct : c;
+                for (i64 b = 0; b < nt / GSC; b++) {
+                    const i64 at = i0 + b * GSC, n = a.cols - at < GSC ? a.cols - at : GSC;
+                    if (n <= 0) break;
+                    const float sc = block_scale<SCHEME>(scales, r, s_rs, i0 / GSC + b, t);
+                    decode_store<S, F>(cc + b * GSC, n, sc, fast_scale<F>(sc), d, out + r * a.cols + at);
+                }
+            }
+            continue;
+        }
+        for (i64 g = 0; g < G; g++) {
+            const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
+            const float sc = block_scale<SCHEME>(scales, r, s_rs, g, t);
+            decode_store<S, F>(codes + r * c_rs + g * bpg, n, sc, fast_scale<F>(sc), d, out + r * a.cols + g * gs);
+        }
+    }
+}
+
+// ---- exported entry points. scheme: 0 fp8, 1 mx, 2 nvfp4; fmt: 0 E4M3, 1 E5M2, 2 E3M2,
+// 3 E2M3, 4 E2M1, 5 INT8; dtype: 0 fp32, 1 bf16, 2 fp16. Return 0, or -1 (an unsupported
+// combination or out of memory). ----
+template <class L, class F, int SCHEME>
+static void q_stoch(const void* x, i64 x_rs, const Args& a, uint8_t* c, i64 c_rs, void* s, i64 s_rs, float* t,
+                    i64 t_rs, Scratch& sc) {
+    constexpr int GSC = SCHEME == S_MX ? 32 : (SCHEME == S_NVFP4 ? 16 : 0);
+    if (a.stochastic) quantize_rows<L, F, SCHEME, true, GSC>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else quantize_rows<L, F, SCHEME, false, GSC>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+}
+
+template <class L>
+static int q_fmt(int scheme, int fmt, const void* x, i64 x_rs, const Args& a, uint8_t* c, i64 c_rs, void* s,
+                 i64 s_rs, float* t, i64 t_rs, Scratch& sc) {
+    if (scheme == S_FP8 && fmt == 0) q_stoch<L, E4M3, S_FP8>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_FP8 && fmt == 1) q_stoch<L, E5M2, S_FP8>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 0) q_stoch<L, E4M3, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 1) q_stoch<L, E5M2, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 2) q_stoch<L, E3M2, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 3) q_stoch<L, E2M3, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 4) q_stoch<L, E2M1, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_MX && fmt == 5) q_stoch<L, I8, S_MX>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else if (scheme == S_NVFP4 && fmt == 4) q_stoch<L, E2M1, S_NVFP4>(x, x_rs, a, c, c_rs, s, s_rs, t, t_rs, sc);
+    else return -1;
+    return 0;
+}
+
+extern "C" int zf_quantize(const void* x, i64 x_rs, int dtype, i64 rows, i64 cols, int scheme, int fmt, i64 gs,
+                           int round_up, int stochastic, uint64_t seed, uint8_t* codes, i64 c_rs, void* scales,
+                           i64 s_rs, float* tscales, i64 t_rs) {
+    if (gs <= 0) return -1;
+    const Args a{rows, cols, gs, stochastic, seed, round_up};
+    Scratch s(gs > TILE ? gs : TILE, scheme == S_NVFP4 ? (cols + gs - 1) / gs : 0);
+    if (!s.ok()) return -1;
+    if (dtype == 0) return q_fmt<F32>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
+    if (dtype == 1) return q_fmt<BF16>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
+    if (dtype == 2) return q_fmt<F16>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
+    return -1;
+}
+
+template <class S>
+static int dq_fmt(int scheme, int fmt, const uint8_t* c, i64 c_rs, const void* s, i64 s_rs, const float* t, i64 t_rs,
+                  const Args& a, void* out, uint8_t* buf) {
+    if (scheme == S_FP8 && fmt == 0) dequantize_rows<S, E4M3, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_FP8 && fmt == 1) dequantize_rows<S, E5M2, S_FP8, 0>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 0) dequantize_rows<S, E4M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 1) dequantize_rows<S, E5M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 2) dequantize_rows<S, E3M2, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 3) dequantize_rows<S, E2M3, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 4) dequantize_rows<S, E2M1, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_MX && fmt == 5) dequantize_rows<S, I8, S_MX, 32>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else if (scheme == S_NVFP4 && fmt == 4) dequantize_rows<S, E2M1, S_NVFP4, 16>(c, c_rs, s, s_rs, t, t_rs, a, out, buf, (float*)(buf + (((a.gs > TILE ? a.gs : TILE) + 63) & ~(i64)63)));
+    else return -1;
+    return 0;
+}
+
+extern "C" int zf_dequantize(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tscales,
+                             i64 t_rs, i64 rows, i64 cols, int scheme, int fmt, i64 gs, void* out, int dtype) {
+    if (gs <= 0) return -1;
+    const Args a{rows, cols, gs, 0, 0, 0};
+    const i64 cap = gs > TILE ? gs : TILE;  // codes, then fp32 values, of one block or one tile
+    uint8_t* buf = (uint8_t*)malloc((size_t)((cap + 63) & ~(i64)63) + (size_t)cap * 4);
+    if (!buf) return -1;
+    int rc = -1;
+    if (dtype == 0) rc = dq_fmt<F32>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
+    if (dtype == 1) rc = dq_fmt<BF16>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
+    if (dtype == 2) rc = dq_fmt<F16>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,242 @@
+"""The native CPU kernels of the float formats (kernels/cpu_formats.py) against the reference
+(kernels/format_reference.py), bit for bit: every scheme, element format and MX scale rule, on
+awkward sizes, fp32 / bf16 / fp16 inputs and outputs, zero blocks, subnormals, values beyond the
+formats' range, NaN / Inf blocks, stochastic rounding, and crafted wire bytes (every code, NaN
+scales) for dequantize."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from tests.kernel_helpers import DTYPES, gaussian
+from zeropp.kernels import cpu_formats, cpu_native, format_ops
+from zeropp.kernels import format_reference as ref
+from zeropp.kernels.format_layout import ELEMENTS, FormatTensor, code_bytes, num_groups
+
+FORMATS = [
+    ("fp8", "e4m3", "ocp"),
+    ("fp8", "e5m2", "ocp"),
+    *[("mx", e, rule) for e in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "int8") for rule in ("ocp", "round_up")],
+    ("nvfp4", "e2m1", "ocp"),
+]
+"""(scheme, element, MX scale rule) of every format the kernels take."""
+
+SHAPES = [((1,), 1), ((7,), 1), ((17, 257), 17), ((2, 1000), 2), ((3, 64), 3)]
+"""Shorter than a block, one partial block, many rows with a partial last block, whole-and-partial
+fp8 groups (group 96 below), and rows of whole MX / NVFP4 blocks."""
+
+FP8_GROUP = 96
+"""The fp8 group size of these tests: not a multiple of the MX / NVFP4 blocks, nor a power of two."""
+
+
+@pytest.fixture(autouse=True)
+def native_formats(monkeypatch):
+    """The native kernels on (skip where they cannot be built here)."""
+    monkeypatch.setattr(cpu_native, "ENABLED", True)
+    if not cpu_formats.available():
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+
+
+def awkward_formats(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Gaussian data whose magnitude sweeps 2**-140 .. 2**120 along the tensor (clipped to the
+    dtype's range), with a zero block, a -0.0 run, fp32 subnormals, values beyond every format's
+    range, and a NaN and an Inf block where the tensor is big enough."""
+    n = math.prod(shape)
+    g = gaussian(n, seed)
+    exps = torch.linspace(-140, 120, n) if n > 1 else torch.zeros(1)
+    x = g * torch.pow(2.0, exps.floor())
+    if n > 300:
+        x[100:140] = 0
+        x[290:300] = -0.0
+        x[150:160] = torch.tensor([1e-45, -3e-42, 1e-39, -1e-38, 2e-40, 5e-44, -1e-45, 7e-39, 1e-40, -2e-41])
+        x[170] = 1e30
+        x[171] = -3e38
+        x[200] = float("nan")
+        x[260] = float("inf")
+        x[261] = -float("inf")
+    info = torch.finfo(dtype)
+    finite = torch.isfinite(x)
+    x = torch.where(finite, x.clamp(-info.max, info.max), x)
+    return x.view(shape).to(dtype)
+
+
+def quantize(impl_mod, x: torch.Tensor, scheme: str, elem: str, rule: str, rows: int, **kw) -> FormatTensor:
+    """``quantize_<scheme>`` of ``cpu_formats`` (impl_mod None: the reference)."""
+    name = f"quantize_{scheme}"
+    fn = getattr(ref, f"{name}_ref") if impl_mod is None else getattr(impl_mod, name)
+    if scheme == "fp8":
+        return fn(x, elem, FP8_GROUP, rows=rows, **kw)
+    if scheme == "mx":
+        return fn(x, elem, scale_rule=rule, rows=rows, **kw)
+    return fn(x, rows=rows, **kw)
+
+
+def bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor's raw bits (NaN payloads and signed zeros compared too)."""
+    if t is None:
+        return None
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same dtype, NaN in the same places, and every other element bit for bit (signed zeros
+    included). NaN payloads are not compared: torch's own bf16 / fp16 casts write different NaN
+    bits on different paths (its vectorised bf16 cast writes 0xFFFF, its scalar one 0x7FC0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b))
+    assert torch.equal(bits(a)[~nan], bits(b)[~nan])
+
+
+def assert_same(a: FormatTensor, b: FormatTensor) -> None:
+    assert (a.cols, a.scheme, a.elem, a.group_size) == (b.cols, b.scheme, b.elem, b.group_size)
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(bits(a.scales), bits(b.scales))
+    if a.tensor_scales is None:
+        assert b.tensor_scales is None
+    else:
+        assert torch.equal(bits(a.tensor_scales), bits(b.tensor_scales))
+
+
+@pytest.mark.parametrize("scheme, elem, rule", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_quantize_and_dequantize_are_bit_identical_to_the_reference(scheme, elem, rule, dtype):
+    for shape, rows in SHAPES:
+        x = awkward_formats(shape, dtype, seed=rows)
+        for stochastic in (False, True):
+            kw = dict(stochastic=stochastic, seed=1234 + rows)
+            ours, want = (
+                quantize(cpu_formats, x, scheme, elem, rule, rows, **kw),
+                quantize(None, x, scheme, elem, rule, rows, **kw),
+            )
+            assert_same(ours, want)
+        for out_dtype in DTYPES:
+            deq = getattr(cpu_formats, f"dequantize_{scheme}")(want, dtype=out_dtype)
+            expect = getattr(ref, f"dequantize_{scheme}_ref")(want, dtype=out_dtype)
+            assert_same_values(deq, expect)
+
+
+def test_the_awkward_input_reaches_every_special_block():
+    """The input above really holds what the exactness test claims: zero, NaN and Inf blocks,
+    fp32 subnormals, and values beyond the largest format's range."""
+    x = awkward_formats((17, 257), torch.float32)
+    flat = x.view(-1)
+    assert (flat[100:140] == 0).all() and torch.isnan(flat).any() and torch.isinf(flat).any()
+    tiny = flat[torch.isfinite(flat) & (flat != 0)].abs()
+    assert (tiny < torch.finfo(torch.float32).tiny).sum() >= 8
+    assert flat[torch.isfinite(flat)].abs().max() > 57344
+    q = ref.quantize_mx_ref(x, "e4m3", rows=17)
+    assert (q.scales == 255).any() and (q.scales == 0).any()
+
+
+def crafted(scheme: str, elem: str, rows: int, cols: int, seed: int) -> FormatTensor:
+    """A FormatTensor of random wire bytes: every code (NaN / Inf codes of E4M3 / E5M2 included)
+    and scales that are random bit patterns (fp8: NaN, Inf, subnormal and huge fp32 scales; mx:
+    every E8M0 code, 255 included; nvfp4: every E4M3 code, 0x7F / 0xFF included, with random
+    tensor scales)."""
+    gs = {"fp8": FP8_GROUP, "mx": 32, "nvfp4": 16}[scheme]
+    gen = torch.Generator().manual_seed(seed)
+    g = num_groups(cols, gs)
+    codes = torch.randint(0, 256, (rows, code_bytes(cols, elem, gs)), generator=gen, dtype=torch.uint8)
+    t = None
+    if scheme == "fp8":
+        scales = torch.randint(-(2**31), 2**31, (rows, g), generator=gen, dtype=torch.int32).view(torch.float32)
+        scales[0, :4] = torch.tensor([float("nan"), float("inf"), 1e-44, 0.0])[: scales.shape[1]]
+    else:
+        scales = torch.randint(0, 256, (rows, g), generator=gen, dtype=torch.uint8)
+        scales[0, 0] = 255 if scheme == "mx" else 0x7F
+        if scheme == "nvfp4":
+            t = torch.tensor([[1.0], [1e-30], [3e35], [1e-41], [0.0]])[:rows].clone()
+    return FormatTensor(codes, scales, t, cols, scheme, elem, gs)
+
+
+@pytest.mark.parametrize("scheme, elem", sorted({(s, e) for s, e, _ in FORMATS}))
+def test_native_dequantize_of_crafted_wire_bytes_is_bit_identical(scheme, elem):
+    for cols in (1, 7, 100, 257):
+        q = crafted(scheme, elem, 5, cols, seed=cols)
+        for out_dtype in DTYPES:
+            ours = getattr(cpu_formats, f"dequantize_{scheme}")(q, dtype=out_dtype)
+            want = getattr(ref, f"dequantize_{scheme}_ref")(q, dtype=out_dtype)
+            assert_same_values(ours, want)
+
+
+@pytest.mark.parametrize("elem", list(ELEMENTS))
+def test_every_code_of_every_element_decodes_as_the_reference(elem):
+    """Each code once per position in an MX block, at a scale of 1 (E8M0 127) and at the extreme
+    scales 2**-127 and 2**127 (subnormal and overflowing products)."""
+    f = ELEMENTS[elem]
+    n = 2**f.bits
+    codes = torch.arange(n, dtype=torch.int32).repeat(96 // n + 1)[:96].view(1, 96)
+    from zeropp.kernels.format_layout import pack_codes
+
+    packed = pack_codes(codes, f.bits).expand(3, -1).contiguous()
+    scales = torch.tensor([[127] * 3, [0] * 3, [254] * 3], dtype=torch.uint8)
+    q = FormatTensor(packed, scales, None, 96, "mx", elem, 32)
+    for out_dtype in DTYPES:
+        assert_same_values(cpu_formats.dequantize_mx(q, dtype=out_dtype), ref.dequantize_mx_ref(q, dtype=out_dtype))
+
+
+def test_stochastic_rounding_follows_the_seed():
+    x = gaussian(4096, 5).view(4, 1024)
+    a = cpu_formats.quantize_mx(x, "e2m1", rows=4, stochastic=True, seed=7)
+    b = cpu_formats.quantize_mx(x, "e2m1", rows=4, stochastic=True, seed=8)
+    assert not torch.equal(a.codes, b.codes)
+    assert_same(a, ref.quantize_mx_ref(x, "e2m1", rows=4, stochastic=True, seed=7))
+
+
+def test_strided_input_and_out_buffers():
+    """A non-contiguous input (a transposed view) and a caller's ``out`` of another shape."""
+    x = gaussian(40 * 33, 2).view(33, 40).t()  # [40, 33], rows not contiguous
+    for scheme, elem, rule in (("fp8", "e4m3", "ocp"), ("mx", "e3m2", "ocp"), ("nvfp4", "e2m1", "ocp")):
+        q = quantize(cpu_formats, x, scheme, elem, rule, 40)
+        assert_same(q, quantize(None, x, scheme, elem, rule, 40))
+        out = torch.empty(40 * 33, dtype=torch.bfloat16)
+        got = getattr(cpu_formats, f"dequantize_{scheme}")(q, out=out)
+        assert got is out
+        assert_same_values(out, getattr(ref, f"dequantize_{scheme}_ref")(q, dtype=torch.bfloat16).view(-1))
+
+
+def test_cpu_tensors_dispatch_to_the_native_kernels():
+    cpu = torch.device("cpu")
+    for name in (
+        "quantize_fp8",
+        "quantize_mx",
+        "quantize_nvfp4",
+        "dequantize_fp8",
+        "dequantize_mx",
+        "dequantize_nvfp4",
+    ):
+        assert format_ops.implementation(name, cpu) is getattr(cpu_formats, name)
+
+
+def test_the_kernels_refuse_what_the_reference_refuses():
+    x = torch.zeros(10)
+    with pytest.raises(ValueError, match="element format 'e2m1' is not one of scheme 'fp8'"):
+        cpu_formats.quantize_fp8(x, "e2m1", 32)
+    with pytest.raises(ValueError, match="MX scale rule"):
+        cpu_formats.quantize_mx(x, "e4m3", scale_rule="nearest")
+    with pytest.raises(ValueError, match="cannot split"):
+        cpu_formats.quantize_nvfp4(x, rows=3)
+    with pytest.raises(ValueError, match="dequantize_mx takes a mx FormatTensor"):
+        cpu_formats.dequantize_mx(cpu_formats.quantize_nvfp4(x))
+
+
+def test_unavailable_kernels_warn_once_and_fall_back_to_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_formats, "_LIB", None)
+    monkeypatch.setattr(cpu_formats, "FAILED", "RuntimeError: no C++ compiler found")
+    monkeypatch.setattr(cpu_formats, "_warned", False)
+    x = awkward_formats((3, 100), torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="float formats are unavailable .*no C\\+\\+ compiler found"):
+        q = cpu_formats.quantize_nvfp4(x, rows=3)
+    assert_same(q, ref.quantize_nvfp4_ref(x, rows=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        out = cpu_formats.dequantize_nvfp4(q)
+    assert_same_values(out, ref.dequantize_nvfp4_ref(q))
+
+
+# ----------------------------------------------------------------------------------------------
