@@ -42,7 +42,10 @@ from .preflight import check_writable_dir
 from .sections import ConfigError
 from .text_table import Column, number, text_table
 
-DEFAULT_FORMATS = ("int8", "int4@g128", "int4@g128+had")
+DEFAULT_FORMATS = (
+    "int8", "fp8", "mxfp8", "mxint8", "mxfp6",
+    "int4@g128", "mxfp4", "nvfp4", "int4@g128+had", "mxfp4+had", "nvfp4+had",
+)  # fmt: skip
 """The formats compared when ``--formats`` is not given."""
 
 _KIND_FIELDS = {"weights": "weights", "grads": "grads", "weight_diffs": "weight_diff"}

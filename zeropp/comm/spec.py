@@ -427,6 +427,7 @@ RECIPES: dict[str, QuantRecipe] = {
         weights=QuantSpec(scheme="mx", bits=6), grads=QuantSpec(scheme="mx", bits=6, fp6_format=Fp6Format.e3m2)
     ),
     "mxfp4": QuantRecipe(weights=QuantSpec(scheme="mx", bits=4), grads=QuantSpec(scheme="mx", bits=4)),
+    "mxint8": QuantRecipe(weights=QuantSpec(scheme="mxint", bits=8), grads=QuantSpec(scheme="mxint", bits=8)),
     "nvfp4": QuantRecipe(weights=QuantSpec(scheme="nvfp4", bits=4), grads=QuantSpec(scheme="nvfp4", bits=4)),
     "w_mxfp8_g_mxfp4": QuantRecipe(
         weights=QuantSpec(scheme="mx", bits=8), grads=QuantSpec(scheme="mx", bits=4, intra_bits=8)
@@ -450,7 +451,7 @@ feedback.
 The float and microscaling recipes quantize weights and gradients alike: ``fp8`` FP8 with an fp32
 scale per group, E4M3 weights and E5M2 gradients (the usual split: precision forward, range
 backward); ``mxfp8`` MXFP8 (E4M3) with the ``round_up`` scale rule of MXFP8 training recipes;
-``mxfp6`` MXFP6, E2M3 weights and E3M2 gradients; ``mxfp4`` MXFP4 (E2M1, OCP scale rule);
+``mxfp6`` MXFP6, E2M3 weights and E3M2 gradients; ``mxfp4`` MXFP4 (E2M1, OCP scale rule); ``mxint8`` MXINT8;
 ``nvfp4`` NVFP4; ``w_mxfp8_g_mxfp4`` MXFP8 weights and gradients sent MXFP8 inside the node and
 MXFP4 across; ``sdp4bit_mx`` ``sdp4bit`` with MXFP4 in place of INT4 (rotation blocks of 32,
 the MX block).
