@@ -43,6 +43,7 @@ def test_the_documented_entry_points_are_all_there() -> None:
             "bench_offload",
             "converge",
             "export",
+            "formats",
             "memory",
             "memory_study",
             "mixz",

@@ -11,9 +11,9 @@ import torch
 
 from zeropp.comm.codecs import IntCodec
 from zeropp.comm.spec import QuantSpec
-from zeropp.experiments import format_capture as fc
-from zeropp.experiments import format_metrics as fm
-from zeropp.experiments import formats as fs
+from zeropp.experiments.studies import format_capture as fc
+from zeropp.experiments.studies import format_metrics as fm
+from zeropp.experiments.studies import formats as fs
 from zeropp.models.gpt import GPT, PRESETS, GPTConfig
 
 

@@ -18,8 +18,8 @@ import torch
 
 from zeropp.models.gpt import GPT, GPTConfig
 
-from .data import TokenBatches
-from .sections import DataConfig
+from ..runner.data import TokenBatches
+from ..runner.sections import DataConfig
 
 KINDS = ("weights", "grads", "weight_diffs")
 """What a ZeRO++ collective carries: qwZ gathers weights, qgZ reduces gradients, qWD sends the
