@@ -10,7 +10,7 @@ What a documented command must satisfy, cheaply (no rank starts, nothing is trai
   runner starts; a module with an argparse parser parses its arguments with it (the parser's own
   ``parse_args`` where the module has one, else its ``main`` stopped right after parsing), and
   what argparse leaves over is checked as runner overrides;
-- ``bash <script>`` names a file in the repository.
+- ``bash <script>`` and ``sbatch [options] <script>`` name a file in the repository.
 
 Python blocks must be valid Python whose ``zeropp`` / ``torch`` imports name things that exist.
 
@@ -299,10 +299,10 @@ def check_command(words: list[str]) -> None:
     prog = words[0]
     if prog in SETUP_COMMANDS:
         return
-    if prog == "bash":
+    if prog in ("bash", "sbatch"):
         script = next((w for w in words[1:] if not w.startswith("-")), None)
         if script is None or not (ROOT / script).is_file():
-            raise FileNotFoundError(f"bash {script}: no such script in the repository")
+            raise FileNotFoundError(f"{prog} {script}: no such script in the repository")
         return
     if prog in ("python", "python3", "torchrun"):
         if "-m" not in words:

@@ -200,8 +200,8 @@ def test_every_recipe_is_a_quant_option_and_the_formats_sweep_names_recipes() ->
 
     import yaml
 
-    from experiments.schema import group_options
     from zeropp.comm.spec import RECIPES
+    from zeropp.experiments.runner.schema import group_options
 
     assert group_options()["quant"] == sorted(RECIPES)
     formats = {"fp8", "mxfp8", "mxfp6", "mxfp4", "nvfp4", "w_mxfp8_g_mxfp4", "sdp4bit_mx"}

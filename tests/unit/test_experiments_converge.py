@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from experiments.runner.config import ConfigError
-from experiments.studies import converge, converge_suite
+from zeropp.experiments.runner.config import ConfigError
+from zeropp.experiments.studies import converge, converge_suite
 
 TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from experiments.runner.plan import LANES, load_config, main, model_units
 from zeropp.comm import Topology
+from zeropp.experiments.runner.plan import LANES, load_config, main, model_units
 from zeropp.runtime.plan import build_plan
 from zeropp.runtime.plan_kinds import CommKind
 

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from experiments.runner.config import ConfigError, TrainConfig
-from experiments.runner.profiling import busy_s, read_step
 from tests.plan_helpers import SMALL_BUCKETS, ZPP, profiled_step_ranges, steady_step_bytes
 from tests.runtime_helpers import TINY
 from zeropp.comm import Topology, ranges
 from zeropp.comm.spec import RECIPES
+from zeropp.experiments.runner.config import ConfigError, TrainConfig
+from zeropp.experiments.runner.profiling import busy_s, read_step
 from zeropp.models import GPT
 from zeropp.runtime import ZeroConfig
 from zeropp.runtime.plan import build_plan
@@ -134,7 +134,7 @@ def test_foreign_names_are_not_ranges() -> None:
 
 
 def test_busy_time_counts_overlaps_once() -> None:
-    from experiments.runner.profiling import Span
+    from zeropp.experiments.runner.profiling import Span
 
     def s(a: float, d: float) -> Span:
         return Span(name="zeropp/x", parsed=ranges.parse("zeropp/x"), start_s=a, dur_s=d, tid=0, main=True)
@@ -175,7 +175,7 @@ def test_profile_settings_are_checked(kw: dict[str, Any], words: str) -> None:
 
 def test_profile_steps_from_the_command_line() -> None:
     """Hydra composes ``train.profile_steps=[4,2]``; the last step is the default."""
-    from experiments.runner.plan import load_config
+    from zeropp.experiments.runner.plan import load_config
 
     rc = load_config(["model=tiny", "train.steps=5", "train.profile=true", "train.profile_steps=[4,2]"])
     assert rc.train.profile_steps == (4, 2) and rc.train.profiled_steps == (2, 4)
@@ -185,7 +185,7 @@ def test_profile_steps_from_the_command_line() -> None:
 def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
     """Steps 3, 4 and 6 of a loop resumed after step 1: one trace each, holding that step only;
     steps before the resumed start are not recorded."""
-    from experiments.runner.profiling import StepProfiler, trace_path
+    from zeropp.experiments.runner.profiling import StepProfiler, trace_path
 
     with StepProfiler((1, 3, 4, 6), start=1, run_dir=tmp_path, rank=0, device=torch.device("cpu")) as prof:
         for n in range(2, 7):
@@ -208,7 +208,7 @@ def test_each_chosen_step_gets_its_own_trace(tmp_path: Path) -> None:
 def test_side_by_side_refuses_a_run_without_its_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``experiments.plan <run dir>`` needs the finished run's summary.json: missing or unreadable,
     it exits 2 saying so, before reading any trace."""
-    from experiments.runner.plan import main
+    from zeropp.experiments.runner.plan import main
 
     assert main([str(tmp_path)]) == 2
     assert "no summary.json in" in capsys.readouterr().err

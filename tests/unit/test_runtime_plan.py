@@ -145,7 +145,7 @@ def test_kinds_are_the_strings_the_code_records() -> None:
 def test_chunk_ranges_are_the_engines_and_the_models(cols: int, rows: int, bucket: int) -> None:
     """The one bucketing rule is the engine's (``runtime.collectives`` calls it) and equals the byte
     model's ``chunk_widths`` on awkward sizes, and its chunks tile the columns within the bucket."""
-    from experiments.projection.scaling import chunk_widths
+    from zeropp.experiments.projection.scaling import chunk_widths
     from zeropp.runtime import collectives
 
     got = chunk_ranges(cols, rows, bucket)
@@ -213,8 +213,8 @@ def test_plan_rejects_what_it_cannot_plan() -> None:
 def test_an_18b_gpt_is_planned_from_the_meta_device_in_well_under_a_second() -> None:
     """The paper's 18.8B GPT: its units from a meta-device model equal the closed form, and the
     plan of a ZeRO++ step on 48 nodes takes well under a second."""
-    from experiments.projection.scaling import gpt_units
-    from experiments.projection.speedup import paper_workload
+    from zeropp.experiments.projection.scaling import gpt_units
+    from zeropp.experiments.projection.speedup import paper_workload
     from zeropp.models import GPTConfig
 
     cfg = GPTConfig(vocab_size=50304, seq_len=2048, d_model=6144, n_layers=40, n_heads=48, tie_embeddings=False)
