@@ -1,6 +1,6 @@
 """One model on one device: plain torch, FSDP2 and our stages 0-3 with and without ZeRO++, step time.
 
-    python -m experiments.bench_gpu                         # the issue-11 model on the local GPU
+    python -m experiments.bench_gpu                         # the default model (d_model 1024, 12 layers) on the local GPU
     python -m experiments.bench_gpu --jobs stage0,stage3,zeropp --steps 50
     python -m experiments.bench_gpu --device cpu --preset tiny --seq 16 --batch 2 --steps 3 --warmup 1
 
