@@ -20,6 +20,7 @@ import torch
 
 from zeropp.comm.codecs import Codec, codec_for
 from zeropp.comm.spec import QuantSpec
+from zeropp.runtime.plan_kinds import group_size_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,11 +37,6 @@ class RoundTrip:
     bias: float
     """Mean error ``mean(e)`` as a fraction of the tensor's RMS: the systematic drift a format adds
     (near 0 for unbiased rounding)."""
-
-
-def group_size_for(spec: QuantSpec, default: int) -> int:
-    """The group size a collective uses with ``spec``: its own, else the use's ``default``."""
-    return spec.group_size if spec.group_size is not None else default
 
 
 def as_rows(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
@@ -61,10 +57,11 @@ def round_trip(codec: Codec, spec: QuantSpec, x2d: torch.Tensor, group_size: int
     return codec.dequantize(codec.unpack(wire, cols, spec.bits, group_size)).view(rows, cols)
 
 
-def measure(spec: QuantSpec, x: torch.Tensor, *, chunk: int, default_group_size: int) -> RoundTrip:
-    """The :class:`RoundTrip` figures of ``spec`` on flat ``x`` sent in rows of ``chunk``."""
+def measure(spec: QuantSpec, x: torch.Tensor, *, chunk: int, weights: bool) -> RoundTrip:
+    """The :class:`RoundTrip` figures of ``spec`` on flat ``x`` sent in rows of ``chunk``; ``weights``:
+    a spec without a group size takes the weights' default group size, else the gradients'."""
     codec = codec_for(spec)
-    gs = group_size_for(spec, default_group_size)
+    gs = group_size_of(spec, weights=weights)
     x2d, n = as_rows(x, chunk)
     y = round_trip(codec, spec, x2d, gs).reshape(-1)[:n].double()
     ref = x.reshape(-1).double()
@@ -118,10 +115,11 @@ def copy_gbs(x2d: torch.Tensor, repeats: int) -> float:
     return 2 * x2d.numel() * 4 / _median_seconds(lambda: dst.copy_(x2d), repeats) / 1e9
 
 
-def speed(spec: QuantSpec, x2d: torch.Tensor, *, default_group_size: int, copy: float, repeats: int = 5) -> Speed:
-    """Time encode and decode of ``x2d [rows, cols]`` fp32 with ``spec``'s codec (CPU)."""
+def speed(spec: QuantSpec, x2d: torch.Tensor, *, weights: bool, copy: float, repeats: int = 5) -> Speed:
+    """Time encode and decode of ``x2d [rows, cols]`` fp32 with ``spec``'s codec (CPU); ``weights`` as
+    in :func:`measure`."""
     codec = codec_for(spec)
-    gs = group_size_for(spec, default_group_size)
+    gs = group_size_of(spec, weights=weights)
     rows, cols = x2d.shape
     seed = spec.seed if spec.stochastic else None
     wire = codec.encode(x2d, spec.bits, gs, rows=rows, seed=seed)  # uint8 [rows, B]

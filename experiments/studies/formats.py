@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from zeropp.comm.spec import RECIPES, QuantSpec
-from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+from zeropp.runtime.plan_kinds import group_size_of
 
 from ..projection.text_table import Column, number, text_table
 from ..runner.checks import ConfigError
@@ -49,11 +49,9 @@ DEFAULT_FORMATS = (
 """The formats compared when ``--formats`` is not given."""
 
 _KIND_FIELDS = {"weights": "weights", "grads": "grads", "weight_diffs": "weight_diff"}
-DEFAULT_GROUP = {
-    "weights": DEFAULT_WEIGHT_GROUP_SIZE,
-    "grads": DEFAULT_GRAD_GROUP_SIZE,
-    "weight_diffs": DEFAULT_WEIGHT_GROUP_SIZE,
-}
+IS_WEIGHTS = {"weights": True, "grads": False, "weight_diffs": True}
+"""Whether a kind takes the weights' default group size (``plan_kinds.group_size_of``) when its
+spec leaves it open: weights and weight differences do, gradients take the gradients'."""
 """Group size of a spec that leaves it open, per kind (the runtime's defaults for the use)."""
 
 _NAME = re.compile(r"^(?P<recipe>[A-Za-z0-9_]+)(?:@g(?P<group>\d+))?(?P<mods>(?:\+(?:had|sr))*)$")
@@ -87,7 +85,7 @@ def format_specs(name: str) -> dict[str, QuantSpec]:
         spec = spec.replace(intra_bits=None, error_feedback=False, residual_bits=8)
         try:
             out[kind] = spec.replace(**changes)
-            out[kind].rotation_block(out[kind].group_size or DEFAULT_GROUP[kind])
+            out[kind].rotation_block(group_size_of(out[kind], weights=IS_WEIGHTS[kind]))
         except ValueError as e:
             raise ConfigError(f"--formats: {name!r} for {kind}: {e}") from None
     return out
@@ -104,12 +102,8 @@ def study(formats: list[str], cfg: CaptureConfig, *, chunk: int, repeats: int, s
             row: dict[str, Any] = {"kind": kind, "format": f, "spec": spec.label}
             for t in LAYER_TYPES:
                 if t in tensors[kind]:
-                    row[f"sqnr_{t}"] = measure(
-                        spec, tensors[kind][t], chunk=chunk, default_group_size=DEFAULT_GROUP[kind]
-                    ).sqnr_db
-            whole = measure(
-                spec, torch.cat(list(tensors[kind].values())), chunk=chunk, default_group_size=DEFAULT_GROUP[kind]
-            )
+                    row[f"sqnr_{t}"] = measure(spec, tensors[kind][t], chunk=chunk, weights=IS_WEIGHTS[kind]).sqnr_db
+            whole = measure(spec, torch.cat(list(tensors[kind].values())), chunk=chunk, weights=IS_WEIGHTS[kind])
             row.update(bits=whole.bits_per_element, sqnr=whole.sqnr_db, max_error=whole.max_error, bias=whole.bias)
             rows.append(row)
     flat = torch.cat(list(tensors["grads"].values()))
@@ -118,7 +112,7 @@ def study(formats: list[str], cfg: CaptureConfig, *, chunk: int, repeats: int, s
     base = copy_gbs(grads, repeats)
     speeds = []
     for f in formats:
-        s = speed(specs[f]["grads"], grads, default_group_size=DEFAULT_GROUP["grads"], copy=base, repeats=repeats)
+        s = speed(specs[f]["grads"], grads, weights=False, copy=base, repeats=repeats)
         speeds.append(
             {
                 "format": f,

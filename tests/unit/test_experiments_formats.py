@@ -50,7 +50,7 @@ def test_round_trip_figures_match_their_formulas() -> None:
     torch.manual_seed(0)
     x = torch.randn(17 * 257)
     spec = QuantSpec(bits=4, group_size=32)
-    got = fm.measure(spec, x, chunk=1000, default_group_size=512)
+    got = fm.measure(spec, x, chunk=1000, weights=True)
     # the same rows through the int codec by hand
     x2d, n = fm.as_rows(x, 1000)
     assert x2d.shape == (5, 1000) and n == 17 * 257 and x2d.reshape(-1)[n:].eq(0).all()
@@ -66,13 +66,13 @@ def test_round_trip_figures_match_their_formulas() -> None:
 
 def test_an_exact_tensor_has_infinite_sqnr_and_no_error() -> None:
     x = torch.tensor([0.0, 127.0, -64.0, 1.0, 7.0])  # INT8 codes of scale 1 exactly
-    got = fm.measure(QuantSpec(bits=8, group_size=8), x, chunk=5, default_group_size=512)
+    got = fm.measure(QuantSpec(bits=8, group_size=8), x, chunk=5, weights=True)
     assert math.isinf(got.sqnr_db) and got.max_error == 0 and got.bias == 0
 
 
 def test_speed_shares_are_against_the_copy_given() -> None:
     x2d = torch.randn(4, 256)
-    s = fm.speed(QuantSpec(bits=8), x2d, default_group_size=128, copy=2.0, repeats=1)
+    s = fm.speed(QuantSpec(bits=8), x2d, weights=False, copy=2.0, repeats=1)
     assert s.quantize_of_copy == pytest.approx(s.quantize_gbs / 2.0)
     assert s.dequantize_of_copy == pytest.approx(s.dequantize_gbs / 2.0)
 
