@@ -396,9 +396,7 @@ class Stage3Hooks:
         self._runs, self.current, self._started = 0, None, True
         self._last, self.disorder = -1, None
         self._next_fwd = 0
-        for u in self.root_group:
-            self.ensure_ready(u, backward=False)
-        self._prefetch(range(0, self.depth), backward=False)
+        self._ready_after_prefetch(self.root_group, range(0, self.depth), backward=False)
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._catch_up(len(self.units))
@@ -416,10 +414,8 @@ class Stage3Hooks:
         self._last = i
         self.current = i
         self._catch_up(i)
-        for u in self.groups[i]:
-            self.ensure_ready(u, backward=False)
         self._next_fwd = max(self._next_fwd, i + 1)
-        self._prefetch(range(i + 1, i + 1 + self.depth), backward=False)
+        self._ready_after_prefetch(self.groups[i], range(i + 1, i + 1 + self.depth), backward=False)
 
     def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if i != ROOT:
@@ -464,7 +460,18 @@ class Stage3Hooks:
                 for u in g:
                     if u.kind == "frozen":
                         self.release(u)
-        for u in self._group(i):
-            self.ensure_ready(u, backward=True)
         start = len(self.units) - 1 if i == ROOT else i - 1
-        self._prefetch(range(start, start - self.depth, -1), backward=True)
+        self._ready_after_prefetch(self._group(i), range(start, start - self.depth, -1), backward=True)
+
+    def _ready_after_prefetch(self, group: list[FlatUnit], ahead: range, *, backward: bool) -> None:
+        """Make ``group`` ready, its gathers issued first (if not in flight yet), then the prefetches
+        of the blocks ``ahead``, and only then wait: the issue order is the one every rank uses
+        (this block, then the next ones), but the next block's gather travels while this rank
+        waits for this one instead of after it (one gather latency less per block when the
+        gathers are latency-bound, as ZeRO++'s small quantized ones on a slow link are). The
+        same buffers are live as when prefetching after the wait: ``group``'s and ``ahead``'s."""
+        for u in group:
+            self.gather(u, backward=backward)
+        self._prefetch(ahead, backward=backward)
+        for u in group:
+            self.ensure_ready(u, backward=backward)
