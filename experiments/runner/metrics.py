@@ -128,7 +128,7 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     device's."""
     if cfg.trainer.name != "zeropp":
         return None
-    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier
+    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
 
     z, t = cfg.zero, cfg.topology
     pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
@@ -140,6 +140,7 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,
+        hpz_bytes=hpz_bytes_per_param(z.weights, pbytes, weight_diff=z.weight_diff is not None),
         offload_optimizer=z.offload_optimizer,
         offload_param=z.offload_param,
         shared_master=z.shares_fp32_master,

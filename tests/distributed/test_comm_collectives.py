@@ -41,6 +41,7 @@ from zeropp.comm import (
     quantized_reduce_scatter,
     set_topology,
 )
+from zeropp.comm.codecs import codec_for
 from zeropp.comm.feedback import HOP2_SUFFIX
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import dequantize, quantize
@@ -97,7 +98,18 @@ def _check_all_gather(rank: int, topo: Topology, stats: CommStats) -> int:
         exp = torch.cat([x.float() if bits is None else dequantize(quantize(x, bits, 512)).view(-1) for x in xs])
         assert torch.equal(wide, exp), f"fp32 output of a bf16 all-gather differs (bits={bits})"
         checks += 1
-    return checks
+    # wire_out keeps the gathered wire rows: each member's encoding, which dequantizes to the output
+    codec, spec = codec_for(QuantSpec(bits=8)), QuantSpec(bits=8)
+    rows = torch.full((W * codec.wire_bytes(n, 8, 512),), 7, dtype=torch.uint8)
+    kept = torch.empty(W * n, dtype=torch.bfloat16)
+    quantized_all_gather(kept, xs[rank], spec=spec, topology=topo, stats=stats, async_op=True, wire_out=rows).wait()
+    for r, x in enumerate(xs):
+        assert torch.equal(rows.view(W, -1)[r], codec.encode(x.view(-1), 8, 512, rows=1, seed=None).view(-1)), r
+    assert torch.equal(kept, torch.cat([dequantize(quantize(x, 8, 512), dtype=torch.bfloat16).view(-1) for x in xs]))
+    again = torch.empty(W * n, dtype=torch.bfloat16)
+    codec.dequantize(codec.unpack(rows.view(W, -1), n, 8, 512), out=again.view(W, n))
+    assert torch.equal(again, kept), "the kept rows dequantize to another output"
+    return checks + 1
 
 
 def _rs_reference(inputs, rank, n, dtype, op_name, W):
@@ -282,6 +294,12 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
             torch.empty(world * n), x, spec=EF4, topology=topo
         ),
         "spec of the wrong type": lambda: quantized_all_gather(torch.empty(world * n), x, spec=8, topology=topo),
+        "wire_out of the wrong size": lambda: quantized_all_gather(
+            torch.empty(world * n), x, spec=q8, topology=topo, wire_out=torch.empty(3, dtype=torch.uint8)
+        ),
+        "wire_out without a spec": lambda: quantized_all_gather(
+            torch.empty(world * n), x, topology=topo, wire_out=torch.empty(3, dtype=torch.uint8)
+        ),
     }
     msgs = {}
     for name, fn in cases.items():
@@ -342,7 +360,7 @@ def world(request) -> tuple[str, list[dict]]:
 def test_collectives_match_torch_distributed(world) -> None:
     """All checks ran on every rank (each asserts inside the rank; a failure fails the launch)."""
     _, res = world
-    assert all(r["all_gather_checks"] == 27 + 3 for r in res)
+    assert all(r["all_gather_checks"] == 27 + 3 + 1 for r in res)
     assert all(r["reduce_scatter_checks"] == 27 + 3 for r in res)
 
 
@@ -370,6 +388,8 @@ def test_bad_inputs_raise_on_every_rank(world) -> None:
     assert "describes 8 ranks but the process group has 4" in msgs["topology of another world"]
     assert "odd" in msgs["odd group size for INT4"]
     assert "use spec=None" in msgs["MAX with quantization"]
+    assert "wire_out must be a contiguous uint8 tensor of" in msgs["wire_out of the wrong size"]
+    assert "it needs a spec" in msgs["wire_out without a spec"]
     assert (
         "intra_bits=16 asks for an unquantized intra-node hop"
         in msgs["unquantized intra hop under a quantized cross hop"]

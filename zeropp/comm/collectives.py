@@ -70,6 +70,7 @@ def quantized_all_gather(
     async_op: bool = False,
     name: Optional[str] = None,
     session: Optional[CommSession] = None,
+    wire_out: Optional[torch.Tensor] = None,
 ) -> Optional[CommHandle]:
     """qwZ: gather every member's shard into ``output_tensor`` ([W * n], member order).
 
@@ -93,10 +94,19 @@ def quantized_all_gather(
 
     ``name``: the call's profiler range (``ranges.py``; None: ``zeropp/<kind>``), with its
     ``/quantize`` and ``/dequantize`` parts.
+
+    ``wire_out`` (quantized only): a contiguous ``uint8 [W * B]`` tensor on the input's device
+    (``B = codec.wire_bytes(n, ...)``) that receives the gathered wire rows instead of a
+    temporary, and keeps them after the call: every member's encoding, exactly as dequantized
+    into ``output_tensor``. hpZ keeps its share of them as a quantized secondary copy, so a later
+    gather of those rows inside the node reproduces the output bit for bit at a quarter of the
+    bytes (INT8).
     """
     name = _range(name, kind)
     with ranges.span(name):
-        return _all_gather(output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name, session)
+        return _all_gather(
+            output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name, session, wire_out
+        )
 
 
 def _all_gather(
@@ -110,6 +120,7 @@ def _all_gather(
     async_op: bool,
     name: Optional[str],
     session: Optional[CommSession],
+    wire_out: Optional[torch.Tensor] = None,
 ) -> Optional[CommHandle]:
     """:func:`quantized_all_gather` inside its range."""
     check_gather_spec(spec)
@@ -129,6 +140,8 @@ def _all_gather(
     if spec is not None:
         check_float(input_tensor, "all-gather input")
         check_float(output_tensor, "all-gather output")
+    elif wire_out is not None:
+        raise ValueError("all-gather wire_out holds quantized wire rows; it needs a spec (got spec=None)")
     stats = stats if stats is not None else sess.stats
     stats.count_call(kind)
     kseed = None
@@ -158,17 +171,17 @@ def _all_gather(
     codec = codec_for(spec)
     bits = spec.bits
     gs = DEFAULT_WEIGHT_GROUP_SIZE if spec.group_size is None else spec.group_size
+    B = codec.wire_bytes(n, bits, gs)
+    recv = _wire_out(wire_out, W * B, input_tensor.device)  # [W * B] on the input's device, checked first
     with ranges.span(name, "quantize"):
         send = codec.encode(input_tensor.reshape(-1), bits, gs, rows=1, seed=kseed).view(-1)  # [B]; reads input first
     if not codec.in_place and not output_tensor.is_contiguous():
         raise ValueError(f"codec {spec.scheme!r} writes only contiguous outputs; pass a contiguous all-gather output")
-    B = codec.wire_bytes(n, bits, gs)
     if send.numel() != B or send.dtype != torch.uint8:
         raise RuntimeError(
             f"codec {spec.scheme!r} packed a {send.dtype} row of {send.numel()} bytes; "
             f"its wire_bytes says {B} uint8 bytes"
         )
-    recv = torch.empty(W * B, dtype=torch.uint8, device=send.device)  # [W * B] on the input's device
     record_sends(stats, kind, topo, ranks, peer_bytes("all_gather", B, len(ranks)))
     work = backend_all_gather(recv, send, group, async_op)
 
@@ -177,9 +190,23 @@ def _all_gather(
         with ranges.span(name, "dequantize"):
             codec.dequantize(codec.unpack(recv.view(W, B), n, bits, gs), out=output_tensor)
 
-    return finish_or_handle(
-        [work], finish, async_op, Buffers(send, recv, protect=(input_tensor, output_tensor)), session=sess, kind=kind
-    )
+    ours = (send, recv) if wire_out is None else (send,)  # the caller's wire_out is borrowed, never poisoned
+    held = Buffers(*ours, protect=(input_tensor, output_tensor), borrowed=(wire_out,))
+    return finish_or_handle([work], finish, async_op, held, session=sess, kind=kind)
+
+
+def _wire_out(wire_out: Optional[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
+    """The all-gather's receive buffer: the caller's ``wire_out`` (checked), else a new one."""
+    if wire_out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if wire_out.dtype != torch.uint8 or wire_out.numel() != nbytes or not wire_out.is_contiguous():
+        raise ValueError(
+            f"all-gather wire_out must be a contiguous uint8 tensor of {nbytes} bytes (the gathered wire rows), "
+            f"got {wire_out.dtype} {tuple(wire_out.shape)}{'' if wire_out.is_contiguous() else ' non-contiguous'}"
+        )
+    if wire_out.device != device:
+        raise ValueError(f"all-gather wire_out on {wire_out.device} but input on {device}; use one device")
+    return wire_out.view(-1)
 
 
 def quantized_reduce_scatter(

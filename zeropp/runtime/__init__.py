@@ -7,7 +7,7 @@ from .config import OptimizerConfig, ZeroConfig
 from .consolidate import export_consolidated, read_consolidated
 from .engine import StepResult, ZeroEngine
 from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
-from .memory import expected_memory, measure_memory
+from .memory import expected_memory, hpz_bytes_per_param, measure_memory
 from .optimizer import ShardedAdamW
 from .partition import BlockChoiceWarning, UnitLayout
 from .streams import CommStreams
@@ -34,6 +34,7 @@ __all__ = [
     "ZeroEngine",
     "expected_memory",
     "export_consolidated",
+    "hpz_bytes_per_param",
     "measure_memory",
     "read_consolidated",
 ]

@@ -42,16 +42,17 @@ import torch
 import torch.distributed as dist
 
 from zeropp.comm import ranges
+from zeropp.comm.backend import backend_all_gather
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.lifetime import Buffers
 from zeropp.comm.session import CommSession
 from zeropp.comm.spec import QuantSpec
-from zeropp.comm.stats import CommStats
+from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
 
 from .batch import CONTROL_RANGE
-from .plan_kinds import chunk_ranges
+from .plan_kinds import chunk_ranges, group_size_of
 from .streams import CommStreams
 
 
@@ -152,12 +153,20 @@ class EngineComm:
         kind: CommKind,
         unit: str = "",
         async_op: bool,
+        wire_out: Optional[torch.Tensor] = None,
     ) -> Pending:
         """Gather ``shard`` ([S]) of every member into ``out`` ([G * S], member order), quantized as
         ``spec`` says (None = full precision; each chunk is one call of the stochastic seed rule).
-        ``unit``: the unit's name, for the profiler ranges (module doc; "": none)."""
+        ``unit``: the unit's name, for the profiler ranges (module doc; "": none). ``wire_out``
+        (quantized, one chunk only: see :meth:`gathers_whole`): receives the gathered wire rows
+        and keeps them (``zeropp.comm.quantized_all_gather``)."""
         group, g = self._group(hpz)
         s = shard.numel()
+        if wire_out is not None and not self.gathers_whole(s, hpz=hpz, bucket=bucket):
+            raise ValueError(
+                f"EngineComm.all_gather: wire_out keeps one call's wire rows, but a shard of {s} elements is cut into "
+                f"buckets of {bucket}; pass wire_out only when gathers_whole() is True"
+            )
 
         def issue() -> Pending:
             works: list = []
@@ -188,6 +197,7 @@ class EngineComm:
                         spec=spec,
                         session=self.session,
                         name=ranges.call_name(kind, unit, k) if named else None,
+                        **({} if wire_out is None else {"wire_out": wire_out}),
                     )
                 )
             return Pending(
@@ -195,6 +205,56 @@ class EngineComm:
             )
 
         return self.launch("all_gather", issue, (shard,), async_op)
+
+    def gathers_whole(self, s: int, *, hpz: bool = False, bucket: int) -> bool:
+        """Whether :meth:`all_gather` sends a shard of ``s`` elements as one call (not cut into buckets)."""
+        return len(chunk_ranges(s, self._group(hpz)[1], bucket)) == 1
+
+    def all_gather_rows(
+        self,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        spec: QuantSpec,
+        hpz: bool,
+        kind: CommKind,
+        unit: str = "",
+        async_op: bool,
+        on_rows: Optional[Callable[[torch.Tensor], object]] = None,
+    ) -> Pending:
+        """All-gather wire rows as they are and dequantize them into ``out`` ([W * S], any float
+        dtype; ``S`` from ``out``): ``rows`` (uint8, this member's ``W / G * B`` bytes, ``G`` the
+        group's size) over the hpZ group (``hpz``) or the world. Nothing is re-quantized, so ``out``
+        is bit for bit what dequantizing the same rows anywhere gives. ``on_rows(recv)`` sees the
+        gathered ``[W * B]`` rows before they are dequantized. One call, never cut into buckets."""
+        group, g = self._group(hpz)
+        W = self.world_size
+        S, B = out.numel() // W, rows.numel() * g // W
+        if rows.dtype != torch.uint8 or rows.numel() * g != W * B or out.numel() != W * S:
+            raise ValueError(
+                f"EngineComm.all_gather_rows: rows must be uint8 holding {W // g} wire rows per member and out "
+                f"{W} x S elements; got {rows.dtype} {rows.numel()} bytes and out of {out.numel()}"
+            )
+        codec = codec_for(spec)
+        gs = group_size_of(spec, weights=True)  # as quantized_all_gather
+        name = ranges.call_name(kind, unit, 0) if ranges.enabled() else None
+
+        def issue() -> Pending:
+            self.stats.count_call(kind)
+            recv = torch.empty(W * B, dtype=torch.uint8, device=out.device)  # [W * B]: rows in rank order
+            record_sends(self.stats, kind, self.topology, group_ranks(group), peer_bytes("all_gather", rows.numel(), g))
+            with ranges.span(name):
+                work = backend_all_gather(recv, rows, group, True)
+
+            def finish() -> None:  # [W, B] rows -> [W, S] values, read through views of recv
+                if on_rows is not None:
+                    on_rows(recv)
+                with ranges.span(name, "dequantize"):
+                    codec.dequantize(codec.unpack(recv.view(W, B), S, spec.bits, gs), out=out.view(W, S))
+
+            return Pending(self, [work], finish, what=(kind, unit))
+
+        return self.launch("all_gather", issue, (rows,), async_op)
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(

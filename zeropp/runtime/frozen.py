@@ -47,12 +47,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from zeropp.comm import ranges
-from zeropp.comm.backend import backend_all_gather
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
-from zeropp.comm.stats import group_ranks, peer_bytes, record_sends
 from zeropp.kernels import DEFAULT_WEIGHT_GROUP_SIZE
 
 from .collectives import EngineComm, Pending
@@ -222,32 +219,23 @@ def gather_quantized(
     (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``.
     ``hpz``: from the unit's quantized secondary copy inside the hpZ group when it has one, else
     over the world, keeping this rank's slice of the gathered rows as that copy (module docstring)."""
-    W, S, B = comm.world_size, u.shard_numel, u.extra["stored"][0]
     h, k = comm.hpz_size, comm.hpz_rank
-    codec = codec_for(spec)
-    if hpz and u.secondary is not None:  # [W / h * B]: rows of hpZ member k's share of the world
-        send, group, g = u.secondary, comm.groups.hpz, h
-    else:
-        send, group, g = stored(u), comm.group, W  # [B] uint8 (on the device)
+    from_secondary = hpz and u.secondary is not None  # [W / h * B]: rows of hpZ member k's share of the world
+    keep = hpz and u.secondary is None
 
-    name = ranges.call_name(kind, u.name, 0) if ranges.enabled() else None  # one call, never cut into buckets
+    def on_rows(recv: torch.Tensor) -> None:  # the first gather keeps its share, quantized, never stale
+        u.secondary = recv.view(h, -1)[k].clone()
 
-    def issue() -> Pending:
-        comm.stats.count_call(kind)
-        recv = torch.empty(W * B, dtype=torch.uint8, device=out.device)  # [W * B]: both ways, rows in rank order
-        record_sends(comm.stats, kind, comm.topology, group_ranks(group), peer_bytes("all_gather", send.numel(), g))
-        with ranges.span(name):
-            work = backend_all_gather(recv, send, group, True)
-
-        def finish() -> None:  # [W, B] rows -> [W, S] values, read through views of recv
-            if hpz and u.secondary is None:
-                u.secondary = recv.view(h, -1)[k].clone()  # [W / h * B]: kept quantized, never stale
-            with ranges.span(name, "dequantize"):
-                codec.dequantize(codec.unpack(recv.view(W, B), S, spec.bits, spec.group_size), out=out.view(W, S))
-
-        return Pending(comm, [work], finish, what=(kind, u.name))
-
-    return comm.launch("all_gather", issue, (send,), async_op)
+    return comm.all_gather_rows(
+        out,
+        u.secondary if from_secondary else stored(u),  # [B] uint8 (on the device) over the world
+        spec=spec,
+        hpz=from_secondary,
+        kind=kind,
+        unit=u.name,
+        async_op=async_op,
+        on_rows=on_rows if keep else None,
+    )
 
 
 def gather_bytes(u: FlatUnit, world_size: int, element_size: int) -> int:

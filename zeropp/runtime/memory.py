@@ -47,9 +47,13 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from zeropp.comm.codecs import codec_for
+from zeropp.comm.spec import QuantSpec
+
 from . import frozen as fz
 from .choices import MemoryTier, OffloadTier
 from .partition import FlatUnit
+from .plan_kinds import group_size_of
 
 KEYS = ("params", "grads", "optimizer", "hpz_secondary", "total")
 """Keys of the flat model-state report (``ZeroEngine.memory_report``)."""
@@ -113,6 +117,16 @@ def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str,
 
 
 # ---------------------------------------------------------------------- formulas
+def hpz_bytes_per_param(weights: QuantSpec | None, param_bytes: int, *, weight_diff: bool = False) -> float:
+    """Bytes per parameter of hpZ's secondary copy: with qwZ (and no weight differences, which
+    refresh full-precision copies) the gathered wire rows are kept (``stage3.Stage3Hooks._keeps_rows``):
+    the codec's row bytes per element (INT8 at 512 per scale: 1 + 4/512); else ``param_bytes``."""
+    if weights is None or weight_diff:
+        return float(param_bytes)
+    n = 1 << 20  # a long row: the per-row rounding of the last group does not show
+    return codec_for(weights).wire_bytes(n, weights.bits, group_size_of(weights, weights=True)) / n
+
+
 def expected_memory(
     stage: int,
     num_params: int,
@@ -121,17 +135,20 @@ def expected_memory(
     param_bytes: int = 2,
     grad_bytes: int | None = None,
     hpz_size: int | None = None,
+    hpz_bytes: float | None = None,
     shared_master: bool = False,
 ) -> dict[str, float]:
     """The table above for ``num_params`` (Ψ) parameters on ``world_size`` (N) ranks, all tiers
     together. ``shared_master``: the fp32 master shard is the parameter (shard) itself (fp32
-    compute without a second copy), so the optimizer holds only the two moments (8Ψ/N)."""
+    compute without a second copy), so the optimizer holds only the two moments (8Ψ/N).
+    ``hpz_bytes``: bytes per parameter of hpZ's secondary copy (default ``param_bytes``; with qwZ it
+    is kept as wire rows: :func:`hpz_bytes_per_param`)."""
     g = param_bytes if grad_bytes is None else grad_bytes
     n, psi = world_size, num_params
     params = psi * param_bytes / (n if stage == 3 else 1)
     grads = psi * g / (n if stage >= 2 else 1)
     opt = (8 if shared_master else 12) * psi / (n if stage >= 1 else 1)
-    hpz = psi * param_bytes / hpz_size if hpz_size else 0.0
+    hpz = psi * (param_bytes if hpz_bytes is None else hpz_bytes) / hpz_size if hpz_size else 0.0
     return {
         "params": params,
         "grads": grads,
@@ -159,6 +176,7 @@ def expected_by_tier(
     param_bytes: int = 2,
     grad_bytes: int | None = None,
     hpz_size: int | None = None,
+    hpz_bytes: float | None = None,
     offload_optimizer: str = "none",
     offload_param: str = "none",
     offload_grad_bytes: int = 4,
@@ -182,6 +200,7 @@ def expected_by_tier(
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         hpz_size=hpz_size,
+        hpz_bytes=hpz_bytes,
         shared_master=shared,
     )
     out = {t: {c: 0.0 for c in MODEL_STATE} for t in TIERS}

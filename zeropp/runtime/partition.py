@@ -188,7 +188,7 @@ class FlatUnit:
     flat: torch.Tensor | None = None  # [padded] compute dtype, full parameters (when present)
     param_shard: torch.Tensor | None = None  # [S] compute dtype (stage 3; frozen: None when stored quantized)
     grad_shard: torch.Tensor | None = None  # [S] compute dtype, accumulated reduced gradient
-    secondary: torch.Tensor | None = None  # [padded / hpz] compute dtype (hpZ)
+    secondary: torch.Tensor | None = None  # hpZ: [padded / hpz] compute dtype, or qwZ's uint8 wire rows [W / hpz * B]
     state: str = "free"  # free | inflight | ready  (stage 3 gather state)
     work: object | None = None  # pending gather handle
     grads_ready: int = 0  # parameters whose gradient was accumulated in this backward

@@ -22,7 +22,8 @@ group; every other setting sends the same in every step. The rules (what the eng
   call with its own quantization scales;
 * stage 3: per micro-batch a forward and a backward gather of every unit over the world (qwZ:
   ``ZeroConfig.weights``); with hpZ only the first forward of the step gathers over the world, every
-  other gather reads the full-precision secondary (``W * shard / h`` elements) inside the hpZ group;
+  other gather reads the secondary inside the hpZ group: with qwZ (a unit gathered in one call, no
+  qWD) its ``W / h`` wire rows, else the full-precision ``W * shard / h`` elements;
   with qWD every gather reads the secondary and one quantized difference gather per unit over the
   world follows the optimizer step;
 * frozen units (stage 3) are gathered with their block's trainable unit, under
@@ -275,6 +276,22 @@ class _Builder:
                     **common,
                 )
             return
+        rows = not frozen and self._keeps_rows(s)
+        if from_secondary and rows:  # qwZ + hpZ: this member's share of the world's wire rows, one call
+            assert cfg.weights is not None
+            self.add(
+                algo=Algo.RING_AG,
+                group=Group.HPZ,
+                bucket=0,
+                columns=s,
+                spec=cfg.weights,
+                bits=cfg.weights.bits,
+                nodes=1,
+                ranks=h,
+                peer_bytes=self.W // h * _wire(cfg.weights, s, None, self.db, weights=True),
+                **common,
+            )
+            return
         if from_secondary:
             cols, spec, group, nodes, ranks = self.W * s // h, None, Group.HPZ, 1, h
         else:
@@ -292,6 +309,16 @@ class _Builder:
                 peer_bytes=_wire(spec, b - a, None, self.db, weights=True),
                 **common,
             )
+
+    def _keeps_rows(self, s: int) -> bool:
+        """Whether hpZ keeps a trainable unit's secondary as qwZ's wire rows (``Stage3Hooks._keeps_rows``)."""
+        cfg = self.cfg
+        return (
+            cfg.hpz
+            and cfg.weights is not None
+            and cfg.weight_diff is None
+            and len(chunk_ranges(s, self.W, cfg.allgather_bucket_size)) == 1
+        )
 
     def refresh(self, ui: int, issued: int) -> None:
         """Stages 1-2's parameter gather, or qWD's difference gather, of unit ``ui`` after the step."""

@@ -47,6 +47,12 @@ rank whose forward raised first issues the forward gathers the others issued, so
 pairs up. The usual cause of such an error is a block using a parameter registered in another
 block: only the running block's (and the root's) parameters are present, the others are empty.
 
+hpZ with qwZ: a training forward's gather over the world keeps the wire rows it received
+(``quantized_all_gather(wire_out=)``), and this rank's ``W / h`` of them become the unit's secondary
+copy, still quantized. Every later gather of the step all-gathers those rows inside the node and
+dequantizes them: the values the forward computed with, bit for bit, at a quarter of the intra-node
+bytes and secondary memory of fp32 for INT8 (:meth:`Stage3Hooks._keeps_rows` says when).
+
 Weight differences (``ZeroConfig.weight_diff``, ``weight_diff.py``): when the first training
 forward makes a unit's hpZ secondary, this rank's slice of the gathered buffer is kept as the
 reference of its primary shard; the secondaries then persist across steps (the engine refreshes
@@ -68,6 +74,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 
 from . import frozen as fz
@@ -76,6 +83,7 @@ from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
 from .partition import FlatUnit
+from .plan_kinds import group_size_of
 from .weight_diff import WeightDiff
 
 ROOT = -1  # hook index of the root unit
@@ -176,6 +184,11 @@ class Stage3Hooks:
         bucket = self.cfg.allgather_bucket_size
         if fz.is_quantized(u):  # MixZ++: the stored wire rows, gathered as they are, dequantized into buf
             work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True, hpz=self.cfg.hpz)
+        elif u.secondary is not None and u.secondary.dtype == torch.uint8:  # hpZ: the node holds qwZ's wire rows
+            assert self.cfg.weights is not None  # (only qwZ keeps rows: _keeps_rows)
+            work = self.comm.all_gather_rows(
+                buf, u.secondary, spec=self.cfg.weights, hpz=True, kind=kind, unit=u.name, async_op=True
+            )
         elif u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
             work = self.comm.all_gather(
                 buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, unit=u.name, async_op=True
@@ -183,10 +196,38 @@ class Stage3Hooks:
         else:
             store = u.extra.get("param_store")  # offload: the shard comes from host memory / disk
             shard = store.fetch(u) if store is not None else u.param_shard
+            rows = None
+            if not backward and self._keeps_rows(u):  # [W * B]: qwZ's gathered wire rows, kept for hpZ
+                rows = u.extra["rows"] = torch.empty(self._rows_bytes(u), dtype=torch.uint8, device=buf.device)
             work = self.comm.all_gather(
-                buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, unit=u.name, async_op=True
+                buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, unit=u.name, async_op=True, wire_out=rows
             )
         u.extra["buf"], u.work, u.state = buf, work, "inflight"
+
+    def _keeps_rows(self, u: FlatUnit) -> bool:
+        """Whether a training forward keeps hpZ's secondary of ``u`` as qwZ's wire rows (this rank's
+        ``W / h`` of the gathered rows, INT8/INT4) instead of full-precision values: with hpZ and
+        qwZ, a trainable unit gathered in one call, no weight differences (which refresh
+        full-precision secondaries). Later gathers then all-gather those rows
+        inside the node and dequantize them: the same values bit for bit (the forward dequantized
+        the very same rows), at the wire rows' bytes instead of the compute dtype's, both on the
+        intra-node link and in memory."""
+        return (
+            self.cfg.hpz
+            and self.cfg.weights is not None
+            and self.weight_diff is None
+            and u.kind == "sharded"
+            and torch.is_grad_enabled()
+            and self.comm.gathers_whole(u.shard_numel, bucket=self.cfg.allgather_bucket_size)
+        )
+
+    def _rows_bytes(self, u: FlatUnit) -> int:
+        """Bytes of the world's gathered wire rows of ``u`` (``W`` rows of one shard each)."""
+        spec = self.cfg.weights
+        assert spec is not None
+        return self.comm.world_size * codec_for(spec).wire_bytes(
+            u.shard_numel, spec.bits, group_size_of(spec, weights=True)
+        )
 
     def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:
         """Make ``u``'s full parameters available in the module (waits for its gather)."""
@@ -197,6 +238,9 @@ class Stage3Hooks:
         u.work = None
         u.bind(u.extra.pop("buf"))
         u.state = "ready"
+        rows = u.extra.pop("rows", None)  # [W * B]: this gather's wire rows, kept for hpZ (_keeps_rows)
+        if rows is not None and u.secondary is None:
+            u.secondary = rows.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [W / h * B]
 
     def release(self, u: FlatUnit) -> None:
         """Free ``u``'s full buffer (waiting first if a prefetch is still writing into it)."""
@@ -204,6 +248,7 @@ class Stage3Hooks:
             u.work.wait()
             u.work = None
             self.pool.give_back(u.extra.pop("buf", None))
+            u.extra.pop("rows", None)  # a prefetch never used: its rows are not kept
         if u.kind in GATHERED and (u.state != "free" or u.flat is not None):
             flat = u.flat
             u.release()
@@ -351,9 +396,7 @@ class Stage3Hooks:
         self._runs, self.current, self._started = 0, None, True
         self._last, self.disorder = -1, None
         self._next_fwd = 0
-        for u in self.root_group:
-            self.ensure_ready(u, backward=False)
-        self._prefetch(range(0, self.depth), backward=False)
+        self._ready_after_prefetch(self.root_group, range(0, self.depth), backward=False)
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._catch_up(len(self.units))
@@ -371,10 +414,8 @@ class Stage3Hooks:
         self._last = i
         self.current = i
         self._catch_up(i)
-        for u in self.groups[i]:
-            self.ensure_ready(u, backward=False)
         self._next_fwd = max(self._next_fwd, i + 1)
-        self._prefetch(range(i + 1, i + 1 + self.depth), backward=False)
+        self._ready_after_prefetch(self.groups[i], range(i + 1, i + 1 + self.depth), backward=False)
 
     def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if i != ROOT:
@@ -419,7 +460,18 @@ class Stage3Hooks:
                 for u in g:
                     if u.kind == "frozen":
                         self.release(u)
-        for u in self._group(i):
-            self.ensure_ready(u, backward=True)
         start = len(self.units) - 1 if i == ROOT else i - 1
-        self._prefetch(range(start, start - self.depth, -1), backward=True)
+        self._ready_after_prefetch(self._group(i), range(start, start - self.depth, -1), backward=True)
+
+    def _ready_after_prefetch(self, group: list[FlatUnit], ahead: range, *, backward: bool) -> None:
+        """Make ``group`` ready, its gathers issued first (if not in flight yet), then the prefetches
+        of the blocks ``ahead``, and only then wait: the issue order is the one every rank uses
+        (this block, then the next ones), but the next block's gather travels while this rank
+        waits for this one instead of after it (one gather latency less per block when the
+        gathers are latency-bound, as ZeRO++'s small quantized ones on a slow link are). The
+        same buffers are live as when prefetching after the wait: ``group``'s and ``ahead``'s."""
+        for u in group:
+            self.gather(u, backward=backward)
+        self._prefetch(ahead, backward=backward)
+        for u in group:
+            self.ensure_ready(u, backward=backward)
