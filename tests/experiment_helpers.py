@@ -59,8 +59,11 @@ def run_cli(
     )
 
 
-class RunnerTimeout(Exception):
-    """:func:`run_cli_here`'s bound on the whole command passed (the launcher has stopped the ranks)."""
+class RunnerTimeout(BaseException):
+    """:func:`run_cli_here`'s bound on the whole command passed; raised in the command, where the
+    launcher's cleanup stops the ranks. A BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` on the way (Hydra reports those as a failed command) turns it into an
+    exit status: the test fails with it, as ``subprocess.run``'s TimeoutExpired fails one."""
 
 
 def run_cli_here(
@@ -76,9 +79,9 @@ def run_cli_here(
     on top; restored afterwards), and the same result: exit status (``sys.exit``'s code, 0 when
     ``cli()`` returns), stdout and stderr (the runner's and its ranks', captured at the file
     descriptors by ``capfd``). ``timeout`` bounds the whole call as ``subprocess.run``'s does: a
-    SIGALRM raises :class:`RunnerTimeout` in the launcher's wait, which stops every rank, and
-    Hydra reports it as a failed command (exit 1). The process-wide state the runner keeps between
-    commands (its list of failed multirun jobs) starts empty, as in a fresh process."""
+    SIGALRM raises :class:`RunnerTimeout` where the command is (in the launcher's wait, whose
+    cleanup stops every rank), and it reaches the test. The process-wide state the runner keeps
+    between commands (its list of failed multirun jobs) starts empty, as in a fresh process."""
     import zeropp.experiments.runner.run as run
 
     def expire(signum: int, frame: object) -> None:
