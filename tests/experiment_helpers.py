@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 TINY_RUN = ["model=tiny", "model.seq_len=32", "train.micro_batch_size=4", "data.max_bytes=200000", "logger=none"]
@@ -55,6 +57,56 @@ def run_cli(
     return subprocess.run(
         [*pre, "zeropp.experiments.run", *args], capture_output=True, text=True, timeout=timeout, env=e, check=False
     )
+
+
+class RunnerTimeout(BaseException):
+    """:func:`run_cli_here`'s bound on the whole command passed; raised in the command, where the
+    launcher's cleanup stops the ranks. A BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` on the way (Hydra reports those as a failed command) turns it into an
+    exit status: the test fails with it, as ``subprocess.run``'s TimeoutExpired fails one."""
+
+
+def run_cli_here(
+    args: list[str], capfd: pytest.CaptureFixture[str], *, env: dict[str, str] | None = None, timeout: float = 150
+) -> subprocess.CompletedProcess:
+    """:func:`run_cli` without the runner's own interpreter: the same ``cli()`` that ``python -m
+    zeropp.experiments.run <args>`` calls, with ``sys.argv`` set, run in this process, and the
+    real launch (each rank a fresh ``python -m ...worker`` process, as from the command line). It
+    saves a job the seconds of importing torch, Hydra and torch's elastic launcher that the
+    runner's interpreter spends before it starts a rank; the ranks' own start-up is unchanged.
+
+    The same environment as :func:`run_cli` (no inherited injected fault, wandb offline, ``env``
+    on top; restored afterwards), and the same result: exit status (``sys.exit``'s code, 0 when
+    ``cli()`` returns), stdout and stderr (the runner's and its ranks', captured at the file
+    descriptors by ``capfd``). ``timeout`` bounds the whole call as ``subprocess.run``'s does: a
+    SIGALRM raises :class:`RunnerTimeout` where the command is (in the launcher's wait, whose
+    cleanup stops every rank), and it reaches the test. The process-wide state the runner keeps
+    between commands (its list of failed multirun jobs) starts empty, as in a fresh process."""
+    import zeropp.experiments.runner.run as run
+
+    def expire(signum: int, frame: object) -> None:
+        raise RunnerTimeout(f"the command ran past run_cli_here's timeout of {timeout} s")
+
+    capfd.readouterr()
+    code: int | str | None = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZEROPP_INJECT_FAULT", raising=False)
+        for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}.items():
+            mp.setenv(k, v)
+        mp.setattr(sys, "argv", ["zeropp.experiments.run", *args])
+        mp.setattr(run, "_failed", [])
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            run.cli()
+        except SystemExit as e:
+            code = e.code
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    out = capfd.readouterr()
+    returncode = code if isinstance(code, int) else 0 if code is None else 1  # as the interpreter maps it
+    return subprocess.CompletedProcess(["zeropp.experiments.run", *args], returncode, out.out, out.err)
 
 
 def checkpoint_steps(root: Path) -> tuple[int | None, list[int]]:

@@ -12,6 +12,8 @@ different data on each rank, reproducible across runs.
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import sysconfig
 from pathlib import Path
 
@@ -24,8 +26,29 @@ class DataError(RuntimeError):
     """The corpus could not be read; the message says where it looked and what to do."""
 
 
+SKIPPED_DIR = "site-packages"
+"""No file with a path component of this name is corpus: the interpreter's tree holds installed
+packages there, which are not the standard library and differ between machines."""
+
+
 def _files_under(root: Path, pattern: str) -> list[Path]:
-    return sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
+    """The files under ``root`` whose names match ``pattern``, none with a ``site-packages`` path
+    component, sorted as paths: what ``sorted(p for p in root.rglob(pattern) if p.is_file() and
+    "site-packages" not in p.parts)`` gives (symlinked directories not entered, unreadable
+    directories skipped), but without walking the skipped trees, which in an interpreter's own
+    tree hold far more files than the standard library (every rank reads the corpus)."""
+    if SKIPPED_DIR in root.parts:
+        return []
+
+    def unreadable(e: OSError) -> None:
+        if not isinstance(e, PermissionError):  # rglob skips only unreadable directories
+            raise e
+
+    found = []
+    for top, dirs, names in os.walk(root, onerror=unreadable):
+        dirs[:] = [d for d in dirs if d != SKIPPED_DIR]
+        found += [Path(top, n) for n in names if n != SKIPPED_DIR and fnmatch.fnmatchcase(n, pattern)]
+    return sorted(p for p in found if p.is_file())
 
 
 def read_corpus(data: DataConfig) -> bytes:

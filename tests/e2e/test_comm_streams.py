@@ -10,10 +10,10 @@ from __future__ import annotations
 from zeropp.comm import context
 
 
-def test_the_runner_refuses_a_bad_value_before_any_rank_starts(tmp_path) -> None:
-    from tests.experiment_helpers import run_cli
+def test_the_runner_refuses_a_bad_value_before_any_rank_starts(tmp_path, capfd) -> None:
+    from tests.experiment_helpers import run_cli_here
 
-    p = run_cli(
+    p = run_cli_here(
         [
             "quant=qgz",
             "model=tiny",
@@ -22,6 +22,7 @@ def test_the_runner_refuses_a_bad_value_before_any_rank_starts(tmp_path) -> None
             "launcher.progress=false",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
+        capfd,
         env={context.DEBUG_ENV: "yes"},
         timeout=120,
     )

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
-from tests.experiment_helpers import CLI_ERRORS
+import pytest
+
+from tests.experiment_helpers import CLI_ERRORS, run_cli_here
 
 
 def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
@@ -31,10 +33,8 @@ def test_cli_errors_exit_fast_without_ranks(tmp_path) -> None:
     assert not (tmp_path / "ranks").exists()  # nothing was started
 
 
-def test_help_lists_library_keys() -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "zeropp.experiments.run", "--help"], capture_output=True, text=True, timeout=60
-    )
+def test_help_lists_library_keys(capfd: pytest.CaptureFixture[str]) -> None:
+    p = run_cli_here(["--help"], capfd, timeout=60)  # the command's own process: the test above
     assert p.returncode == 0, p.stderr
     for key in ("persistence_threshold", "loss_scale_window", "betas", "warmup_steps", "trainer_job"):
         assert key in p.stdout, key

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.experiment_helpers import TINY_RUN, checkpoint_steps, run_cli
+from tests.experiment_helpers import TINY_RUN, checkpoint_steps, run_cli, run_cli_here
 from zeropp.experiments.runner.run import RunDiverged, run_job
 from zeropp.runtime.divergence import EXIT_CODE
 
@@ -34,8 +34,10 @@ def _check_outputs(run_dir: Path, step: int, reason: str) -> dict:
     return s
 
 
-def test_zeropp_fp32_divergence_is_one_error_and_saves_nothing(tmp_path: Path) -> None:
-    p = run_cli([*DIVERGES, "stage=3", f"hydra.run.dir={tmp_path}"])
+def test_zeropp_fp32_divergence_is_one_error_and_saves_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    p = run_cli_here([*DIVERGES, "stage=3", f"hydra.run.dir={tmp_path}"], capfd)
     assert p.returncode == EXIT_CODE, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     want = (

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.experiment_helpers import run_cli
+from tests.experiment_helpers import run_cli, run_cli_here
 from tests.tp_helpers import tp_block_bytes
 from zeropp.experiments.runner.metrics import SUMMARY_KEYS
 from zeropp.experiments.studies.report import PLOTS
@@ -75,9 +75,9 @@ def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
     assert len(runs) == 1 and s["wandb_dir"]
 
 
-def test_multirun_report_and_logger_none(tmp_path: Path) -> None:
+def test_multirun_report_and_logger_none(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "sweep"
-    p = run_cli(["-m", "quant=none,int8", "topology=1x2", "logger=none", *FAST, f"hydra.sweep.dir={sweep}"])
+    p = run_cli_here(["-m", "quant=none,int8", "topology=1x2", "logger=none", *FAST, f"hydra.sweep.dir={sweep}"], capfd)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sums = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["label"].split()[0] for s in sums] == ["ZeRO-3", "ZeRO-3+qwZ[int8]"]
@@ -114,13 +114,15 @@ def _nvme(tmp_path: Path) -> tuple[list[str], Path, Path]:
 @pytest.mark.parametrize(
     "fault, words", [("raise@1:2", ["rank 1", "injected fault"]), ("kill@1:2", ["rank 1", "SIGKILL"])]
 )
-def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[str]) -> None:
+def test_failing_rank_stops_everything(
+    tmp_path: Path, fault: str, words: list[str], capfd: pytest.CaptureFixture[str]
+) -> None:
     """With the nvme tier: the raising rank removes its swap folder itself; the SIGKILLed one cannot,
     and neither can its peer stuck in a collective: the launcher removes this run's folders."""
     nvme_args, nvme, planted = _nvme(tmp_path)
     run = tmp_path / "run"
     t0 = time.monotonic()
-    p = run_cli(
+    p = run_cli_here(
         [
             "topology=1x2",
             "logger=none",
@@ -130,6 +132,7 @@ def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[s
             *nvme_args,
             f"hydra.run.dir={run}",
         ],
+        capfd,
         env={"ZEROPP_INJECT_FAULT": fault},
         timeout=120,
     )
@@ -151,13 +154,15 @@ def test_failing_rank_stops_everything(tmp_path: Path, fault: str, words: list[s
     ],
     ids=["stopped", "hung"],
 )
-def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str, why: str) -> None:
+def test_a_silent_rank_is_named_within_the_heartbeat(
+    tmp_path: Path, fault: str, why: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     """At step 2 rank 1 SIGSTOPs itself (the process is stopped) or its main thread hangs (other
     threads run on); rank 0 waits for it in a collective. The run fails naming rank 1 (not rank 0,
     whose collective would time out only after pg_timeout_s=120) within the heartbeat deadline,
     and every rank is gone (the stopped one continued, then terminated)."""
     t0 = time.monotonic()
-    p = run_cli(
+    p = run_cli_here(
         [
             "topology=1x2",
             "logger=none",
@@ -167,6 +172,7 @@ def test_a_silent_rank_is_named_within_the_heartbeat(tmp_path: Path, fault: str,
             "launcher.heartbeat_s=3",
             f"hydra.run.dir={tmp_path}",
         ],
+        capfd,
         env={"ZEROPP_INJECT_FAULT": fault},
         timeout=120,
     )
@@ -221,12 +227,13 @@ def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> N
     assert _live_procs_mentioning(str(run)) == []
 
 
-def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
+def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Job 0 is an invalid config; job 1 still runs; the command exits non-zero naming job 0, which
     leaves failed.json, and the report lists it."""
     sweep = tmp_path / "sweep"
-    p = run_cli(
-        ["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"]
+    p = run_cli_here(
+        ["-m", "zero.hpz_size=3,1", "quant=hpz", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"],
+        capfd,
     )
     assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
     assert "1 multirun job(s) failed" in p.stderr and "zero.hpz_size=3" in p.stderr
@@ -245,19 +252,21 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
+def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """fp32: a run killed after its step-3 checkpoint and resumed with resume=true reaches the same
     losses as a run that never stopped (same data, LR schedule, optimizer state); resumed at another
     world size it carries on from the same weights."""
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=6", "stage=3", "quant=none"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    p = run_cli([*common, f"hydra.run.dir={ref}"])
+    p = run_cli_here([*common, f"hydra.run.dir={ref}"], capfd)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli([*common, "train.checkpoint_every=3", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@0:5"})
+    p = run_cli_here(
+        [*common, "train.checkpoint_every=3", f"hydra.run.dir={cut}"], capfd, env={"ZEROPP_INJECT_FAULT": "raise@0:5"}
+    )
     assert p.returncode != 0 and "injected fault" in p.stderr
     assert (cut / "checkpoints" / "LATEST").exists()
     shutil.copytree(cut / "checkpoints", tmp_path / "at3")  # the step-3 checkpoint, for the resharded resume
-    p = run_cli([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"])
+    p = run_cli_here([*common, "train.checkpoint_every=3", "resume=true", f"hydra.run.dir={cut}"], capfd)
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
@@ -268,7 +277,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
     assert s["first_step"] == 4 and s["steps"] == 3
     # resumed on 4 ranks from the 2-rank checkpoint: the same weights carry on (different data per rank)
     wide = tmp_path / "wide"
-    p = run_cli(
+    p = run_cli_here(
         [
             "topology=1x4",
             "logger=none",
@@ -278,26 +287,28 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path) -> None:
             "resume=true",
             f"train.checkpoint_dir={tmp_path / 'at3'}",
             f"hydra.run.dir={wide}",
-        ]
+        ],
+        capfd,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
     assert "changed settings" not in p.stderr  # world size and stage may change: the checkpoint reshards
-    p = run_cli(
+    p = run_cli_here(
         [
             *common,
             "train.seed=1",
             "resume=true",
             f"train.checkpoint_dir={tmp_path / 'at3'}",
             f"hydra.run.dir={tmp_path / 'reseeded'}",
-        ]
+        ],
+        capfd,
     )
     assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
     # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
 
 
 @pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp", "fsdp2_zeropp"])
-def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
+def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str, capfd: pytest.CaptureFixture[str]) -> None:
     """FSDP2 / DDP checkpoints go through torch.distributed.checkpoint too: a stopped and resumed
     run equals the uninterrupted one in fp32. fsdp2_zeropp runs INT4 gradients with error feedback
     and stochastic rounding, so the resume needs the residuals and the call counter each rank saved.
@@ -310,11 +321,13 @@ def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str) -> None:
     }
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    p = run_cli([*common, f"hydra.run.dir={ref}"])
+    p = run_cli_here([*common, f"hydra.run.dir={ref}"], capfd)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli([*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    p = run_cli_here(
+        [*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], capfd, env={"ZEROPP_INJECT_FAULT": "raise@1:3"}
+    )
     assert p.returncode != 0 and "injected fault" in p.stderr, p.stderr[-3000:]
-    p = run_cli([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"])
+    p = run_cli_here([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"], capfd)
     assert p.returncode == 0, p.stderr[-3000:]
     want, got = _losses(ref), _losses(cut)
     if trainer == "ddp_zeropp":
@@ -398,7 +411,9 @@ def _torchrun_agents(
             cluster.down()
 
 
-def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Path) -> None:
+def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """e2e (the expensive one): two torchrun agents x 2 ranks as two nodes, each agent in its own
     network namespace of the emulated cluster (cross-node traffic crosses its link), no topology
     given: the node layout comes from torchrun (2 x 2), rank 0 alone writes the summary, and every
@@ -408,7 +423,7 @@ def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(tmp_path: Pa
     agents, where = _torchrun_agents([*args, f"hydra.run.dir={tmp_path / 'tr'}"], 2, 2)
     for a in agents:
         assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    one = run_cli([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"])
+    one = run_cli_here([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"], capfd)
     assert one.returncode == 0, one.stderr[-3000:]
     # rank 0 alone summarizes: one agent prints the table, one metrics line per step
     assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]
@@ -473,9 +488,11 @@ def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) ->
     assert sweep.returncode != 0 and "multirun/sweeps under torchrun are not supported" in sweep.stderr
 
 
-def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
+def test_sweep_trainers_runs_all_five(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "sweep"
-    p = run_cli(["sweep=trainers", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], timeout=400)
+    p = run_cli_here(
+        ["sweep=trainers", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], capfd, timeout=400
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sums = {s["trainer"]: s for s in (json.loads(f.read_text()) for f in sweep.glob("*/summary.json"))}
     assert sorted(sums) == ["ddp", "ddp_zeropp", "fsdp2", "fsdp2_zeropp", "zeropp"]
@@ -488,7 +505,7 @@ def test_sweep_trainers_runs_all_five(tmp_path: Path) -> None:
         assert sums[q]["comm_bytes_per_step"]["total"] < 0.6 * sums[plain]["comm_bytes_per_step"]["total"], q
 
 
-def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> None:
+def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """``topology.tp=2`` from the command line: 2 nodes x 2 ranks as tp=2 x dp=2 trains on the same
     data as 2 nodes x 1 rank (the tp pair shares its batches), so the losses agree in fp32, and
     tokens per step count the dp ranks only; a tp run stopped and resumed from its checkpoint
@@ -496,7 +513,7 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
     runs = {}
     for name, topo in (("tp", ["topology=2x2", "topology.tp=2"]), ("dp", ["topology=2x1"])):
-        p = run_cli([*common, *topo, f"hydra.run.dir={tmp_path / name}"])
+        p = run_cli_here([*common, *topo, f"hydra.run.dir={tmp_path / name}"], capfd)
         assert p.returncode == 0, p.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
     tp, dp = _losses(tmp_path / "tp"), _losses(tmp_path / "dp")
@@ -520,18 +537,18 @@ def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path) -> No
     # stopped after its step-2 checkpoint and resumed: the tp run carries on exactly
     cut = tmp_path / "cut"
     tp_args = [*common, "topology=2x2", "topology.tp=2", "train.checkpoint_every=2", f"hydra.run.dir={cut}"]
-    p = run_cli(tp_args, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
+    p = run_cli_here(tp_args, capfd, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
     assert p.returncode != 0 and "injected fault" in p.stderr and (cut / "checkpoints" / "LATEST").exists()
-    p = run_cli([*tp_args, "resume=true"])
+    p = run_cli_here([*tp_args, "resume=true"], capfd)
     assert p.returncode == 0, p.stderr[-3000:]
     assert _losses(cut) == tp  # exact in fp32
 
 
-def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
+def test_lora_run_with_quantized_frozen_weights(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
     and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
     wire rows) equals the measured model state of every rank."""
-    p = run_cli(
+    p = run_cli_here(
         [
             "logger=none",
             *FAST,
@@ -540,7 +557,8 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
             "model.lora_rank=4",
             "zero.quantize_frozen=int8",
             f"hydra.run.dir={tmp_path}",
-        ]
+        ],
+        capfd,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -549,7 +567,7 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
         assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
     assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
     # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
-    p = run_cli(
+    p = run_cli_here(
         [
             "logger=none",
             *FAST,
@@ -559,7 +577,8 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
             "zero.quantize_frozen=int8",
             "zero.hpz=true",
             f"hydra.run.dir={tmp_path / 'hpz'}",
-        ]
+        ],
+        capfd,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "hpz" / "summary.json").read_text())

@@ -7,14 +7,13 @@ Here: the end-to-end checks. The topic's full description and its one-process ch
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.experiment_helpers import run_cli_here
 from zeropp.models import HFConfig
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
@@ -23,28 +22,16 @@ FAST = ["train.steps=2", "train.micro_batch_size=4", "data.max_bytes=200000", "l
 # two ranks, not four: each rank imports transformers (seconds of CPU); the 2x2 parity is tests/distributed/test_models_hf.py
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    return subprocess.run(
-        [sys.executable, "-m", "zeropp.experiments.run", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
 def _summary(tmp: Path, p: subprocess.CompletedProcess) -> dict[str, Any]:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads((tmp / "summary.json").read_text())
 
 
-def test_runner_trains_hf_gpt2_from_the_command_line(tmp_path: Path) -> None:
+def test_runner_trains_hf_gpt2_from_the_command_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers", reason=REASON)
     s = _summary(
         tmp_path,
-        _run(
+        run_cli_here(
             [
                 "model=hf",
                 "model.hf_config=gpt2",
@@ -54,7 +41,9 @@ def test_runner_trains_hf_gpt2_from_the_command_line(tmp_path: Path) -> None:
                 "topology=2x1",
                 *FAST,
                 f"hydra.run.dir={tmp_path}",
-            ]
+            ],
+            capfd,
+            timeout=240,
         ),
     )
     m = s["config"]["model"]
@@ -65,7 +54,7 @@ def test_runner_trains_hf_gpt2_from_the_command_line(tmp_path: Path) -> None:
     assert s["comm_bytes_per_step"]["by_link"]["cross"] > 0
 
 
-def test_runner_trains_hf_llama_from_a_local_checkpoint(tmp_path: Path) -> None:
+def test_runner_trains_hf_llama_from_a_local_checkpoint(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers", reason=REASON)
     from zeropp.models import build_hf_model
 
@@ -75,7 +64,7 @@ def test_runner_trains_hf_llama_from_a_local_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     s = _summary(
         run,
-        _run(
+        run_cli_here(
             [
                 "model=hf",
                 "model.hf_config=llama",
@@ -88,7 +77,9 @@ def test_runner_trains_hf_llama_from_a_local_checkpoint(tmp_path: Path) -> None:
                 "topology=1x2",
                 *FAST,
                 f"hydra.run.dir={run}",
-            ]
+            ],
+            capfd,
+            timeout=240,
         ),
     )
     assert s["config"]["model"]["pretrained"] == str(ckpt) and s["config"]["model"]["n_kv_heads"] == 2

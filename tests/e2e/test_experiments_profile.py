@@ -15,7 +15,7 @@ from experiments.runner.plan import load_config, model_units
 from experiments.runner.plan import main as plan_main
 from experiments.runner.plan_measured import MEASURED_LANES
 from experiments.runner.profiling import read_step, trace_path
-from tests.experiment_helpers import run_cli
+from tests.experiment_helpers import run_cli_here
 from zeropp.comm import Topology
 from zeropp.runtime.plan import build_plan
 from zeropp.runtime.plan_kinds import CommKind
@@ -25,9 +25,11 @@ FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_le
 ARGS = ["stage=3", "quant=zeropp", "topology=1x2", "logger=none", *FAST]
 
 
-def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    p = run_cli([*ARGS, "train.profile=true", "train.profile_steps=[3]", f"hydra.run.dir={run}"], timeout=300)
+    p = run_cli_here(
+        [*ARGS, "train.profile=true", "train.profile_steps=[3]", f"hydra.run.dir={run}"], capfd, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(x.name for x in (run / "profile").iterdir()) == ["rank0_step3.json", "rank1_step3.json"]
 
@@ -47,9 +49,9 @@ def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capsys
         assert {s.parsed.part for s in spans} >= {"quantize", "dequantize", "wait"}
 
     out = tmp_path / "side"
-    capsys.readouterr()
+    capfd.readouterr()
     assert plan_main([str(run), "--out", str(out)]) == 0
-    table = capsys.readouterr().out
+    table = capfd.readouterr().out
     for kind in {str(c.kind) for c in plan.collectives} | {"step"}:
         assert any(line.split()[:1] == [kind] for line in table.splitlines()), kind
     assert (out / "step_vs_plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -62,6 +64,6 @@ def test_a_profiled_run_names_its_plan_and_sits_beside_it(tmp_path: Path, capsys
 
     # a step that was not profiled, and a directory that is no run, are refused naming what exists
     assert plan_main([str(run), "--step", "2", "--out", str(out)]) == 2
-    assert "rank0_step3.json" in capsys.readouterr().err
+    assert "rank0_step3.json" in capfd.readouterr().err
     assert plan_main([str(tmp_path / "nowhere")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "is not a directory" in capfd.readouterr().err

@@ -9,13 +9,11 @@ on 2 ranks each, as the researcher types it; the summary counts the tied weight 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.experiment_helpers import run_cli_here
 from zeropp.models import GPTConfig
 
 ARGS = [
@@ -32,23 +30,10 @@ ARGS = [
 @pytest.mark.parametrize(
     "trainer,extra", [("zeropp", ["stage=3"]), ("fsdp2", []), ("zeropp", ["stage=1", "model.tie_embeddings=false"])]
 )
-def test_runner_trains_the_tied_gpt(tmp_path: Path, trainer: str, extra: list[str]) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zeropp.experiments.run",
-            *ARGS,
-            f"trainer={trainer}",
-            *extra,
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+def test_runner_trains_the_tied_gpt(
+    tmp_path: Path, trainer: str, extra: list[str], capfd: pytest.CaptureFixture[str]
+) -> None:
+    p = run_cli_here([*ARGS, f"trainer={trainer}", *extra, f"hydra.run.dir={tmp_path}"], capfd, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     tied = GPTConfig.preset("mini", seq_len=32)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.experiment_helpers import run_cli_here
 from tests.hf_export_helpers import hf_logits, load_pretrained, our_logits, runner_eval_loss, tokens
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
@@ -36,25 +37,18 @@ def _python(args: list[str], timeout: float = 240) -> subprocess.CompletedProces
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_runner_stage3_2x2_run_exports_to_transformers(tmp_path: Path, name: str) -> None:
+def test_runner_stage3_2x2_run_exports_to_transformers(
+    tmp_path: Path, name: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("transformers", reason=REASON)
     from zeropp.models.hf_export import export_pretrained, hf_config_from_record
     from zeropp.runtime import read_consolidated
 
     run, out = tmp_path / "run", tmp_path / "hf"
-    p = _python(
-        [
-            "zeropp.experiments.run",
-            "model=hf",
-            *MODELS[name],
-            *TINY,
-            "stage=3",
-            "topology=2x2",
-            *FAST,
-            "train.checkpoint_every=2",
-            f"hydra.run.dir={run}",
-        ]
-    )
+    args = ["model=hf", *MODELS[name], *TINY, "stage=3", "topology=2x2", *FAST, "train.checkpoint_every=2"]
+    args.append(f"hydra.run.dir={run}")
+    # the command as typed once; the other the same cli() in this process (an interpreter less)
+    p = _python(["zeropp.experiments.run", *args]) if name == "gpt2" else run_cli_here(args, capfd, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     if name == "gpt2":  # the command once; the library call it wraps for the other (a process less)

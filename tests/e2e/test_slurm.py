@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.experiment_helpers import MINI_1X2_CPU, run_cli
+from tests.experiment_helpers import MINI_1X2_CPU, run_cli, run_cli_here
 from tests.slurm_cluster import SlurmCluster, start_cluster, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,14 +156,18 @@ def test_train_sbatch_outside_slurm_says_to_submit_it(tmp_path: Path) -> None:
     assert p.returncode == 2 and "submit this script with sbatch" in p.stderr, p.stderr
 
 
-def test_slurm_sweep_without_sbatch_is_refused_before_anything_is_submitted(tmp_path: Path) -> None:
+def test_slurm_sweep_without_sbatch_is_refused_before_anything_is_submitted(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """PATH without Slurm's commands: exit 2 with the fix, and no sweep directory is made."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "python").symlink_to(sys.executable)
     sweep = tmp_path / "sweep"
-    p = run_cli(
-        ["-m", "stage=2,3", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"], env={"PATH": str(bindir)}, timeout=60
+    p = run_cli_here(
+        ["-m", "stage=2,3", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"],
+        capfd,
+        env={"PATH": str(bindir)},
+        timeout=60,
     )
     assert p.returncode == 2, p.stderr
     assert "error: hydra/launcher=slurm submits with sbatch, which is not on PATH" in p.stderr
@@ -187,8 +191,8 @@ def test_slurm_sweep_without_the_extra_names_the_install(tmp_path: Path) -> None
     assert not sweep.exists()
 
 
-def test_slurm_keys_with_the_local_launcher_are_refused(tmp_path: Path) -> None:
-    p = run_cli([*MINI_1X2_CPU, "slurm.partition=gpu", f"hydra.run.dir={tmp_path / 'run'}"], timeout=60)
+def test_slurm_keys_with_the_local_launcher_are_refused(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    p = run_cli_here([*MINI_1X2_CPU, "slurm.partition=gpu", f"hydra.run.dir={tmp_path / 'run'}"], capfd, timeout=60)
     assert p.returncode == 2, p.stderr
     assert "slurm.partition='gpu' does nothing with hydra/launcher=basic" in p.stderr
     assert not (tmp_path / "run" / "ranks").exists()

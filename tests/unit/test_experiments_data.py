@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import pytest
 import torch
 
 from zeropp.experiments.runner.config import DataConfig
-from zeropp.experiments.runner.data import DataError, TokenBatches
+from zeropp.experiments.runner.data import DataError, TokenBatches, _files_under
 
 
 @pytest.mark.parametrize(
@@ -79,3 +82,38 @@ def test_evaluation_averages_distinct_batches_per_rank_and_round() -> None:
 
     with pytest.raises(ValueError, match="train.eval_batches"):
         TrainConfig(eval_batches=0)
+
+
+def _rglob_reference(root: Path, pattern: str) -> list[Path]:
+    """The corpus' file list as the plain pathlib expression gives it (walks every tree)."""
+    return sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
+
+
+def test_corpus_files_are_rglobs_without_walking_site_packages(tmp_path: Path) -> None:
+    """The pruned walk lists exactly what the rglob expression lists, in the same order: nested
+    site-packages trees (and a file of that name) left out, a symlinked directory not entered, a
+    symlinked file kept, a dangling link and directories dropped, dotfiles kept, and path order
+    (``a/`` before ``a-b/``), not string order."""
+    root = tmp_path / "lib"
+    for rel in ["a/x.py", "a-b/x.py", "a/.hidden.py", "b/site-packages/pkg/m.py", "site-packages/y.py", "c/d/e/z.py"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    (root / "c" / "site-packages").write_text("a file of that name")
+    (root / "c" / "notes.txt").write_text("not python")
+    (root / "dir.py").mkdir()
+    (root / "linked").symlink_to(root / "a", target_is_directory=True)
+    (root / "link.py").symlink_to(root / "c" / "d" / "e" / "z.py")
+    (root / "dangling.py").symlink_to(root / "nowhere.py")
+    for pattern in ("*.py", "*"):
+        assert _files_under(root, pattern) == _rglob_reference(root, pattern), pattern
+    assert [p.relative_to(root).as_posix() for p in _files_under(root, "*.py")] == [
+        "a/.hidden.py",
+        "a/x.py",
+        "a-b/x.py",
+        "c/d/e/z.py",
+        "link.py",
+    ]
+    inside = root / "b" / "site-packages"
+    assert _files_under(inside, "*") == _rglob_reference(inside, "*") == []  # a root inside one: nothing
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # the default corpus' own tree
+    assert _files_under(stdlib, "*.py") == _rglob_reference(stdlib, "*.py")
