@@ -129,7 +129,12 @@ class DeepSpeedTrainer(TorchTrainer):
             seen,
         )
         inner = getattr(zo, "optimizer", zo)
-        masters = [p for g in inner.param_groups for p in g["params"]]
+        # ZeRO-3 hands its fp32 partitions to AdamW only for the step, so they are read off its own lists
+        masters = [
+            *_flat(getattr(zo, "fp32_partitioned_groups_flat", None)),
+            *_flat(getattr(zo, "single_partition_of_fp32_groups", None)),
+            *(p for g in inner.param_groups for p in g["params"]),
+        ]
         optim = _storages([*masters, *(v for s in inner.state.values() for v in s.values())], seen)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
