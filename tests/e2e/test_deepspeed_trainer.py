@@ -15,17 +15,10 @@ from tests.experiment_helpers import MINI_1X2_CPU
 from zeropp.experiments.runner.run import run_job
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed: pip install 'zeropp[peers]'",
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed: pip install 'zeropp[peers]'"
 )
 
-JOB = [
-    *MINI_1X2_CPU,
-    "train.steps=3",
-    "zero.grad_accum_steps=2",
-    "zero.grad_clip=0.05",
-    "zero.precision=fp32",
-]
+JOB = [*MINI_1X2_CPU, "train.steps=3", "zero.grad_accum_steps=2", "zero.grad_clip=0.05", "zero.precision=fp32"]
 """Three steps of two accumulated micro-batches with the gradient clipped (the mini GPT's norm is
 above 0.05, so every step clips): the settings DeepSpeed applies itself."""
 
