@@ -138,6 +138,10 @@ class DeepSpeedTrainer(TorchTrainer):
         optim = _storages([*masters, *(v for s in inner.state.values() for v in s.values())], seen)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
+    def close(self) -> None:
+        """Release the engine (ZeRO-3's hooks and buffers); the process group stays up."""
+        self.engine.destroy()
+
     def save(self, path: Any, extra: dict[str, Any], keep: int) -> None:
         raise NotImplementedError("trainer=deepspeed saves no checkpoints (the config refuses train.checkpoint_every)")
 
@@ -147,7 +151,8 @@ class DeepSpeedTrainer(TorchTrainer):
 
 def build_deepspeed(cfg: RunConfig, device: torch.device) -> DeepSpeedTrainer:
     """``trainer=deepspeed``: DeepSpeed ZeRO at ``stage``, over the runner's process group."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
+    # the rank's device decides, not a DS_ACCELERATOR the user's shell may carry for other work
+    os.environ["DS_ACCELERATOR"] = "cpu" if device.type == "cpu" else device.type
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
