@@ -26,6 +26,7 @@ TOY_SPEC = TrainerSpec(
     builder="tests.toy_trainer:ToyTrainer",
     honours=frozenset({"zero.precision", "zero.grad_accum_steps"}),
     stage_note="the toy replicates everything",
+    fixed_stage=0,
     precisions=("fp32",),
     checkpoint=False,
 )

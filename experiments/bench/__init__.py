@@ -1,8 +1,10 @@
 """The benchmarks: measurements printed as tables (and JSON), each a ``python -m`` entry point.
 
 ``kernels`` (the quantization kernels' throughput; ``python -m experiments.bench_kernels``),
-``offload`` (the optimizer on host and nvme tiers; ``experiments.bench_offload``), ``fsdp``
-(FSDP2 against the ZeRO engine as runner jobs; ``experiments.bench_fsdp``), ``gpu`` (the GPU
+``offload`` (the optimizer on host and nvme tiers; ``experiments.bench_offload``), ``peers``
+(DDP, FSDP2, DeepSpeed and the ZeRO engine's stages as runner jobs, interleaved;
+``experiments.bench_peers``), ``fsdp`` (its two-row view, FSDP2 against our stage 3;
+``experiments.bench_fsdp``), ``gpu`` (the GPU
 matrix; ``experiments.bench_gpu``), ``cluster`` (runner jobs on the emulated cluster beside the
 cost model's projection; ``experiments.bench_cluster``) and ``args`` (their shared argument
 checks). The module names drop the ``bench_`` prefix the room already says; the documented

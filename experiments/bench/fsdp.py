@@ -32,47 +32,23 @@ from zeropp.comm.spec import RECIPES
 from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.run import run_job
-from .args import check_run_lengths
+from . import peers
 
-TRAINERS = {"ours": "zeropp", "fsdp2": "fsdp2"}
-"""Benchmark side -> the runner's ``trainer=``."""
+SIDES = ("ours", "fsdp2")
+"""The two sides of the comparison."""
+
+
+def peer_row(a: argparse.Namespace, side: str) -> str:
+    """The :data:`experiments.bench.peers.ROWS` key of one side: ours is stage 3, with ``--quant``
+    its ZeRO++ row."""
+    if side == "fsdp2":
+        return "fsdp2"
+    return "stage3" if a.quant == "none" else "zeropp"
 
 
 def job_overrides(a: argparse.Namespace, side: str) -> list[str]:
-    """The runner overrides of one side: shared ones, plus ours' stage-3 and ZeRO++ settings."""
-    common = [
-        f"trainer={TRAINERS[side]}",
-        f"topology.nodes={a.nodes}",
-        f"topology.ranks_per_node={a.world // a.nodes}",
-        f"model={a.preset}",
-        f"model.seq_len={a.seq}",
-        f"train.micro_batch_size={a.batch}",
-        f"train.steps={a.warmup + a.steps}",
-        f"train.throughput_skip_steps={a.warmup}",
-        f"zero.precision={a.precision}",
-        f"optim.lr={a.lr}",
-        "data=random",
-        "logger=none",
-        "launcher.progress=false",
-        f"launcher.device={a.device}",
-        f"launcher.threads_per_rank={a.threads}",
-        f"launcher.timeout_s={a.timeout}",
-    ]
-    if side == "ours":
-        common += ["stage=3", f"quant={a.quant}", f"zero.prefetch_depth={a.prefetch}"]
-    return common
-
-
-def result(summary: dict[str, Any]) -> dict[str, Any]:
-    """What the comparison reads from one run's summary.json."""
-    return {
-        "step_s": summary["step_time_s"]["median"],
-        "memory_bytes": summary["memory_max_rank_bytes"],
-        "losses": summary["loss"]["curve"],
-        "tokens_per_s": summary["tokens_per_s"],
-        "device": summary.get("device"),
-        "run_dir": summary.get("run_dir"),
-    }
+    """The runner overrides of one side: the peers benchmark's job of its row."""
+    return peers.job_overrides(a, peer_row(a, side))
 
 
 def compare(ours: dict[str, Any], fsdp: dict[str, Any]) -> dict[str, Any]:
@@ -109,30 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--world", type=int, default=4, help="ranks (processes)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes of the Topology (hpZ / qgZ routing); divides --world")
-    p.add_argument("--preset", default="small", help="zeropp.models GPT preset (the runner's model=)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=8, help="measured steps")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--prefetch", type=int, default=1, help="our prefetch depth")
+    peers.add_job_args(p)
     p.add_argument("--quant", choices=sorted(RECIPES), default="none", help="our ZeRO++ recipe (default none)")
-    p.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="the runner's launcher.device (auto: CUDA when there is a GPU per rank)",
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before a world is stopped")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
     a = p.parse_args(argv)
-    if a.nodes < 1 or a.world % a.nodes:
-        p.error(f"--nodes {a.nodes} must divide --world {a.world}")
-    check_run_lengths(p, a, ("steps", "batch", "seq"))
+    peers.check_job_args(p, a)
     return a
 
 
@@ -141,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="bench_fsdp-") as tmp:
             root = Path(a.out or tmp)
-            ours, fsdp = [result(run_job(job_overrides(a, side), root / side)) for side in ("ours", "fsdp2")]
+            ours, fsdp = [peers.result(run_job(job_overrides(a, side), root / side)) for side in SIDES]
     except (ConfigError, RankFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)

@@ -39,7 +39,7 @@ from zeropp.runtime.config import validate_against_topology
 from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check
 from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
 from .slurm import SlurmConfig
-from .trainer_registry import TRAINER_SPECS, TrainerSpec
+from .trainer_registry import TRAINER_SPECS, TrainerSpec, missing_requirement
 
 __all__ = [
     "CONF_DIR",
@@ -138,6 +138,11 @@ class RunConfig:
     def world_size(self) -> int:
         return self.topology.world_size
 
+    @property
+    def trainer_spec(self) -> TrainerSpec:
+        """The registered :class:`TrainerSpec` of ``trainer.name`` (what it honours and is)."""
+        return TRAINER_SPECS[self.trainer.name]
+
     def checkpoint_dir(self, run_dir: Path) -> Path:
         """``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
         return Path(self.train.checkpoint_dir) if self.train.checkpoint_dir else Path(run_dir) / "checkpoints"
@@ -154,10 +159,17 @@ class RunConfig:
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
-        ``model=hf`` needs the ``hf`` extra. Not part of validation, so configs compose anywhere."""
-        if isinstance(self.model, HFConfig):
-            import importlib.util
+        ``model=hf`` needs the ``hf`` extra, a trainer its spec's ``requires``. Not part of
+        validation, so configs compose anywhere."""
+        import importlib.util
 
+        missing = missing_requirement(self.trainer_spec)
+        if missing:
+            raise ConfigError(
+                f"invalid config: {missing} (the module {self.trainer_spec.requires!r} is not installed); "
+                f"or choose a trainer without it: {_trainers_that(lambda s: not s.requires)}"
+            )
+        if isinstance(self.model, HFConfig):
             if importlib.util.find_spec("transformers") is None:
                 raise ConfigError(
                     "invalid config: model=hf needs the Hugging Face extra, which is not installed: "
@@ -185,6 +197,8 @@ class RunConfig:
             parts += [f"qgZ[{z.grads.label}]"] if z.grads else []
             parts += [f"qWD[{z.weight_diff.label}]"] if z.weight_diff else []
             head = "+".join(parts)
+            if not self.trainer_spec.zero_engine:
+                head = f"{self.trainer.name} {head}"
         else:
             q = [f"w:{z.weights.label}" if z.weights else "", f"g:{z.grads.label}" if z.grads else ""]
             head = self.trainer.name + (f"({','.join(x for x in q if x)})" if any(q) else "")

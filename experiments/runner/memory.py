@@ -188,14 +188,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"predicted": rows, "measured": None, "run_dir": None}
     if a.predict_only:
         return out
-    if rc.trainer.name != "zeropp":
+    if not rc.trainer_spec.zero_engine:
         print(f"\n(trainer={rc.trainer.name}: measured figures are its flat model state only)")
     from .run import run_job
 
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix=f"zeropp-memory-{time.strftime('%H%M%S')}-"))
     run_job(_with_defaults(overrides), run_dir)
     doc = read_summary(Path(run_dir) / "memory.json")
-    chosen = next((r for r in rows if r["chosen"]), None) if rc.trainer.name == "zeropp" else None
+    chosen = next((r for r in rows if r["chosen"]), None) if rc.trainer_spec.zero_engine else None
     print()
     print(measured_table(doc, chosen))
     print(f"\nrun: {run_dir}")

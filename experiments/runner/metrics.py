@@ -126,7 +126,7 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     MixZ++'s wire rows), added to the params of ``offload_param``'s tier, and hpZ's secondary copy
     of them (the ``dp_size / hpz_size`` shards of the rank's node share, kept as stored) to the
     device's."""
-    if cfg.trainer.name != "zeropp":
+    if not cfg.trainer_spec.zero_engine:
         return None
     from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
 

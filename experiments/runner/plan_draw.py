@@ -24,7 +24,7 @@ LANES = ("compute", "quantization", "intra link", "cross link")
 
 def check_plannable(rc: RunConfig) -> None:
     """ConfigError unless the plan can describe ``rc``'s step (trainer=zeropp, no tensor parallelism)."""
-    if rc.trainer.name != "zeropp":
+    if not rc.trainer_spec.zero_engine:
         raise ConfigError(
             f"invalid config: trainer={rc.trainer.name}; the plan describes ZeroEngine's step, so use trainer=zeropp"
         )

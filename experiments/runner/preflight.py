@@ -29,10 +29,6 @@ RANKS_PER_CPU = 4
 """Most CPU ranks the local launcher starts per CPU this process may use: past that the ranks
 only wait for each other (and gloo's timeouts fire), so more is a slip, not an experiment."""
 
-TRAINER_STAGE = {"fsdp2": 3, "fsdp2_zeropp": 3, "ddp": 0, "ddp_zeropp": 0}
-"""The ZeRO stage whose model state a non-zeropp trainer holds (FSDP2 shards everything, DDP
-replicates everything); ``trainer=zeropp`` holds ``stage``'s."""
-
 FROZEN_BYTES = {"int8": 1.0, "int4": 0.5}
 """Bytes per frozen (LoRA base) parameter stored with ``zero.quantize_frozen``; ``none``: the compute dtype."""
 
@@ -58,7 +54,8 @@ def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
     from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, tier_totals
 
     z, t = rc.zero, rc.topology
-    stage = TRAINER_STAGE.get(rc.trainer.name, z.stage)
+    fixed = rc.trainer_spec.fixed_stage  # FSDP2 shards everything, DDP replicates everything
+    stage = z.stage if fixed is None else fixed
     psi = rc.model.num_params()
     frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
     pbytes = z.dtype.itemsize

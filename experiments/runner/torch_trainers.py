@@ -36,14 +36,32 @@ def _bytes(ts: Any) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
+def adamw_with_schedule(params: Any, cfg: RunConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """torch's AdamW over ``params`` with the ``optim`` section's settings, and its LR schedule: the
+    same schedule function as ZeroEngine's, as a multiplier of the peak rate."""
+    o = cfg.optim
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, o.lr_factor)
+
+
 class TorchTrainer:
     """The loop shared by FSDP2 and DDP: accumulate, clip, AdamW step, LR schedule (the step is
     skipped when the gradient norm is not finite). fp32/bf16 only (``config`` refuses fp16 here),
     so there is no loss scaler and no GradScaler."""
 
     def __init__(
-        self, model: nn.Module, cfg: RunConfig, *, autocast: bool, session: Any = None, feedback: Any = None
+        self,
+        model: nn.Module,
+        cfg: RunConfig,
+        *,
+        autocast: bool,
+        session: Any = None,
+        feedback: Any = None,
+        optimizer: tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler] | None = None,
     ) -> None:
+        """``optimizer``: the AdamW and LR schedule already built for ``model``
+        (:func:`adamw_with_schedule`; a wrapper such as DeepSpeed's engine takes them first);
+        None: built here over ``model.parameters()``."""
         self.model, self.cfg, self.autocast = model, cfg, autocast
         self.session = session
         """The zeropp plug-in's ``zeropp.comm.CommSession`` (its stats, stochastic-rounding counter and
@@ -53,10 +71,7 @@ class TorchTrainer:
         """The zeropp plug-in's qgZ error-feedback residuals (``zeropp.comm.ErrorFeedback``) or None:
         saved per rank with each checkpoint, with the stochastic-rounding call counter."""
         self._memory: dict[str, int] = {}
-        o = cfg.optim
-        self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        # the same schedule function as ZeroEngine's, as a multiplier of the peak rate
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, o.lr_factor)
+        self.opt, self.sched = optimizer or adamw_with_schedule(model.parameters(), cfg)
         self._origin: Any = None
         """The checkpoint (``checkpoint_io.Origin``) this state was last saved to or loaded from."""
         from zeropp.runtime import memory as mem

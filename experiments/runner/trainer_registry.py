@@ -20,11 +20,19 @@ before the runner composes its config (the schema's groups are generated from th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TRAINER_SPECS", "TrainerSpec", "register_trainer", "resolve_builder", "trainer_names"]
+__all__ = [
+    "TRAINER_SPECS",
+    "TrainerSpec",
+    "missing_requirement",
+    "register_trainer",
+    "resolve_builder",
+    "trainer_names",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Values of ``zero.precision`` (``zeropp.comm.choices.Precision``)."""
@@ -61,6 +69,23 @@ class TrainerSpec:
     sweep_quant: str = "none"
     """The ``quant=`` recipe of its job in ``sweep=trainers`` (``+trainer_job=<name>``): what it
     quantizes when all trainers run side by side."""
+    zero_engine: bool = False
+    """Whether it is zeropp's ``ZeroEngine``, whose step the plan, the profile ranges and the ZeRO
+    memory formulas by tier describe (the other trainers report their flat model state only)."""
+    fixed_stage: int | None = None
+    """The ZeRO stage whose model state it holds when it has no ``stage`` of its own (FSDP2 shards
+    everything: 3; DDP replicates everything: 0); None when it honours ``stage``."""
+    requires: str = ""
+    """The module of an optional package it needs (``"deepspeed"``); empty: none. A run naming it
+    without that package installed is refused before any rank starts, with :attr:`install_hint`.
+    Such a trainer stays out of ``sweep=trainers``, which must run wherever zeropp does."""
+    install_hint: str = ""
+    """What :attr:`requires` is and how to install it (``"DeepSpeed: pip install 'zeropp[peers]'"``)."""
+
+    @property
+    def in_trainer_sweep(self) -> bool:
+        """Whether ``sweep=trainers`` runs it (every trainer that needs no optional package)."""
+        return not self.requires
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -83,6 +108,12 @@ class TrainerSpec:
             raise ValueError(f"TrainerSpec.needs_any_of={self.needs_any_of!r}: zero.* keys only")
         if bool(self.needs_any_of) != bool(self.needs_message):
             raise ValueError("TrainerSpec.needs_any_of and needs_message go together")
+        if bool(self.requires) != bool(self.install_hint):
+            raise ValueError("TrainerSpec.requires and install_hint go together")
+        if (self.fixed_stage is None) != self.honours_key("stage"):
+            raise ValueError("TrainerSpec.fixed_stage: set it exactly when honours leaves 'stage' out")
+        if self.fixed_stage not in (None, 0, 1, 2, 3):
+            raise ValueError(f"TrainerSpec.fixed_stage={self.fixed_stage!r}: a ZeRO stage 0-3")
 
     def honours_key(self, key: str) -> bool:
         """Whether it reads ``key`` (``"zero.<field>"`` or ``"stage"``)."""
@@ -90,7 +121,7 @@ class TrainerSpec:
 
 
 TRAINER_SPECS: dict[str, TrainerSpec] = {}
-"""``trainer=<name>`` -> its spec, in registration order (the built-in five first)."""
+"""``trainer=<name>`` -> its spec, in registration order (the built-in ones first)."""
 
 
 def register_trainer(spec: TrainerSpec) -> TrainerSpec:
@@ -104,6 +135,14 @@ def register_trainer(spec: TrainerSpec) -> TrainerSpec:
 def trainer_names() -> tuple[str, ...]:
     """Every registered ``trainer=`` name."""
     return tuple(TRAINER_SPECS)
+
+
+def missing_requirement(spec: TrainerSpec) -> str | None:
+    """``"trainer=<name> needs <install_hint>"`` when its :attr:`TrainerSpec.requires` module cannot be
+    imported here, else None (nothing is imported: ``importlib.util.find_spec`` only looks)."""
+    if spec.requires and importlib.util.find_spec(spec.requires) is None:
+        return f"trainer={spec.name} needs {spec.install_hint}"
+    return None
 
 
 def resolve_builder(spec: TrainerSpec) -> Callable[..., Any]:
@@ -126,6 +165,7 @@ register_trainer(
         precisions=("fp32", "bf16", "fp16"),
         tensor_parallel=True,
         sweep_quant="w8g4",
+        zero_engine=True,
     )
 )
 # PyTorch FSDP2: fully_shard on every block and the root; zero.hpz = reshard_after_forward to the hpZ group
@@ -135,6 +175,7 @@ register_trainer(
         builder=".torch_trainers:build_fsdp2",
         honours=_COMMON | {"zero.hpz", "zero.hpz_size"},
         stage_note="FSDP2 is always ZeRO-3",
+        fixed_stage=3,
     )
 )
 # FSDP2 with zeropp's quantized collectives plugged in (zero.weights / zero.grads)
@@ -144,6 +185,7 @@ register_trainer(
         builder=".torch_trainers:build_fsdp2_zeropp",
         honours=_COMMON | {"zero.hpz", "zero.hpz_size", "zero.weights", "zero.grads"},
         stage_note="FSDP2 is always ZeRO-3",
+        fixed_stage=3,
         needs_any_of=("zero.weights", "zero.grads"),
         needs_message="trainer=fsdp2_zeropp with nothing quantized; choose quant=int8, w8g4, ... or trainer=fsdp2",
         sweep_quant="w8g4",
@@ -156,6 +198,7 @@ register_trainer(
         builder=".torch_trainers:build_ddp",
         honours=_COMMON | {"zero.reduce_bucket_size"},
         stage_note="DDP replicates everything",
+        fixed_stage=0,
     )
 )
 # DDP with zeropp's quantized gradient all-reduce hook (zero.grads)
@@ -165,10 +208,22 @@ register_trainer(
         builder=".torch_trainers:build_ddp_zeropp",
         honours=_COMMON | {"zero.reduce_bucket_size", "zero.grads"},
         stage_note="DDP replicates everything",
+        fixed_stage=0,
         needs_any_of=("zero.grads",),
         needs_message=(
             "trainer=ddp_zeropp needs zero.grads (its hook quantizes the gradient all-reduce); e.g. quant=qgz"
         ),
         sweep_quant="qgz",
+    )
+)
+# DeepSpeed's ZeRO at `stage` (torch's AdamW as a client optimizer): the peer users would pick instead
+register_trainer(
+    TrainerSpec(
+        name="deepspeed",
+        builder=".deepspeed_trainer:build_deepspeed",
+        honours=_COMMON | {"stage"},
+        checkpoint=False,
+        requires="deepspeed",
+        install_hint="DeepSpeed: pip install 'zeropp[peers]'",
     )
 )

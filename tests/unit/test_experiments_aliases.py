@@ -41,6 +41,7 @@ def test_the_documented_entry_points_are_all_there() -> None:
             "bench_gpu",
             "bench_kernels",
             "bench_offload",
+            "bench_peers",
             "converge",
             "export",
             "formats",

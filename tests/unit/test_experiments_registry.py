@@ -121,7 +121,7 @@ def test_build_trainer_calls_the_registered_builder(toy: TrainerSpec) -> None:
 def test_registering_twice_or_a_malformed_spec_is_refused(toy: TrainerSpec) -> None:
     with pytest.raises(ValueError, match="'toy' is registered already"):
         register_trainer(TOY_SPEC)
-    base = dict(name="x", builder="m:f", stage_note="n")
+    base = dict(name="x", builder="m:f", stage_note="n", honours=frozenset({"zero.grad_clip"}), fixed_stage=0)
     bad = [
         ({"name": "no-dash"}, "Python identifier"),
         ({"builder": "module_only"}, "'<module>:<callable>'"),
@@ -130,6 +130,10 @@ def test_registering_twice_or_a_malformed_spec_is_refused(toy: TrainerSpec) -> N
         ({"precisions": ("fp8",)}, "precisions"),
         ({"needs_any_of": ("zero.grads",)}, "go together"),
         ({"needs_any_of": ("grads",), "needs_message": "m"}, "zero.* keys only"),
+        ({"requires": "deepspeed"}, "requires and install_hint go together"),
+        ({"honours": frozenset({"zero.grad_clip"}), "fixed_stage": None}, "fixed_stage: set it exactly when"),
+        ({"honours": None, "fixed_stage": 0}, "fixed_stage: set it exactly when"),
+        ({"fixed_stage": 4}, r"fixed_stage=4: a ZeRO stage 0-3"),
     ]
     for change, words in bad:
         with pytest.raises(ValueError, match=words.replace("*", r"\*")):
@@ -142,3 +146,82 @@ def test_a_builder_that_does_not_resolve_says_which(toy: TrainerSpec) -> None:
         resolve_builder(spec)
     with pytest.raises(AttributeError):
         resolve_builder(dataclasses.replace(TOY_SPEC, builder="tests.toy_trainer:NoSuchTrainer"))
+
+
+def test_sweep_trainers_lists_every_trainer_without_an_optional_package() -> None:
+    """conf/sweep/trainers.yaml names its jobs by hand: they are the registry's trainers, less those
+    needing an optional package (DeepSpeed), which CI does not install."""
+    import yaml
+
+    from zeropp.experiments.runner.config import CONF_DIR
+
+    doc = yaml.safe_load((CONF_DIR / "sweep" / "trainers.yaml").read_text())
+    listed = doc["hydra"]["sweeper"]["params"]["+trainer_job"].split(",")
+    assert sorted(listed) == sorted(n for n, s in TRAINER_SPECS.items() if s.in_trainer_sweep)
+    assert "deepspeed" in TRAINER_SPECS and not TRAINER_SPECS["deepspeed"].in_trainer_sweep
+
+
+DS = {**SMALL, "trainer": {"name": "deepspeed"}}
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"zero": {"weights": {"bits": 8}}}, ["zero.weights", "trainer=deepspeed", "trainer=fsdp2_zeropp"]),
+        ({"zero": {"offload_optimizer": "cpu"}}, ["zero.offload_optimizer='cpu'", "trainer=zeropp"]),
+        ({"zero": {"precision": "fp16"}}, ["zero.precision=fp16", "allowed: fp32, bf16", "trainer=zeropp"]),
+        ({"topology": {"nodes": 1, "ranks_per_node": 2, "tp": 2}}, ["topology.tp=2", "trainer=zeropp only"]),
+        ({"train": {"checkpoint_every": 2}}, ["train.checkpoint_every=2", "cannot save or load"]),
+    ],
+)
+def test_trainer_deepspeed_refuses_what_its_spec_does_not_honour(extra: dict, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict({**DS, **extra})
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_trainer_deepspeed_takes_its_stage_and_names_itself() -> None:
+    rc = from_dict({**DS, "zero": {"stage": 2, "grad_clip": 1.0, "grad_accum_steps": 2}})
+    assert rc.zero.stage == 2 and rc.describe().startswith("deepspeed ZeRO-2 ")
+    assert from_dict({**SMALL, "zero": {"stage": 2}}).describe().startswith("ZeRO-2 ")
+
+
+def test_trainer_deepspeed_without_deepspeed_is_refused_before_any_rank(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed made unimportable: the runner's job refuses the config with the install hint, and
+    no rank started (the run directory holds no rank logs)."""
+    import sys
+
+    from zeropp.experiments.runner.run import run_job
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # importlib.util.find_spec now answers None
+    overrides = ["trainer=deepspeed", "stage=3", "model=tiny", "topology=1x2", "data=random", "logger=none"]
+    with pytest.raises(ConfigError) as e:
+        run_job(overrides, tmp_path / "run")
+    assert "trainer=deepspeed needs DeepSpeed: pip install 'zeropp[peers]'" in str(e.value)
+    assert "trainer=zeropp / trainer=fsdp2" in str(e.value) and "trainer=deepspeed /" not in str(e.value)
+    assert not (tmp_path / "run" / "ranks").exists()
+
+
+def test_consumers_ask_the_spec_what_the_trainer_is() -> None:
+    """The ZeRO memory formulas and the plan describe ZeroEngine only; the pre-flight's model state
+    is the trainer's fixed stage (FSDP2: 3, DDP: 0) or its own ``stage``."""
+    from zeropp.experiments.runner.metrics import expected_model_state
+    from zeropp.experiments.runner.plan_draw import check_plannable
+    from zeropp.experiments.runner.preflight import model_state_per_rank
+
+    def rc(name: str, stage: int | None = None):
+        return from_dict({**SMALL, "trainer": {"name": name}, "zero": {} if stage is None else {"stage": stage}})
+
+    assert expected_model_state(rc("zeropp", 3), 1000) is not None
+    for name in ("deepspeed", "ddp", "fsdp2"):
+        assert expected_model_state(rc(name), 1000) is None
+        with pytest.raises(ConfigError, match=f"trainer={name}; the plan describes ZeroEngine's step"):
+            check_plannable(rc(name))
+    check_plannable(rc("zeropp", 3))
+    assert model_state_per_rank(rc("fsdp2")) == model_state_per_rank(rc("zeropp", 3))
+    assert model_state_per_rank(rc("ddp")) == model_state_per_rank(rc("zeropp", 0))
+    assert model_state_per_rank(rc("deepspeed", 2)) == model_state_per_rank(rc("zeropp", 2))
+    assert model_state_per_rank(rc("zeropp", 3)) != model_state_per_rank(rc("zeropp", 0))

@@ -1,0 +1,12 @@
+"""``python -m experiments.bench_peers``: the documented command, an alias of :mod:`experiments.bench.peers`
+(where the code lives; this file only keeps the command).
+"""
+
+from __future__ import annotations
+
+from .bench.peers import cli, main, parse_args
+
+__all__ = ["cli", "main", "parse_args"]
+
+if __name__ == "__main__":
+    cli()
