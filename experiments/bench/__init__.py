@@ -4,7 +4,9 @@
 ``offload`` (the optimizer on host and nvme tiers; ``experiments.bench_offload``), ``fsdp``
 (FSDP2 against the ZeRO engine as runner jobs; ``experiments.bench_fsdp``), ``gpu`` (the GPU
 matrix; ``experiments.bench_gpu``), ``cluster`` (runner jobs on the emulated cluster beside the
-cost model's projection; ``experiments.bench_cluster``) and ``args`` (their shared argument
+cost model's projection; ``experiments.bench_cluster``), ``comm`` with ``comm_rank`` (collective
+bus bandwidth per group and wire format, and the calibrated cluster file;
+``experiments.bench_comm``) and ``args`` (their shared argument
 checks). The module names drop the ``bench_`` prefix the room already says; the documented
 commands keep it through the aliases at the top of ``experiments/``.
 

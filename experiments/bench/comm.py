@@ -192,7 +192,7 @@ def format_rows(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         out.append(
             f"| {r['group']} | {r['ranks']} | {r['op']} | {r['format']} | {_size(r['bytes'])} | {1e6 * r['seconds']:.1f} "
-            f"| {r['algorithm']} | {r['algbw_gbs']:.3f} | {r['busbw_gbs']:.3f} |"
+            f"| {r['algorithm']} | {r['algbw_gbs']:.4g} | {r['busbw_gbs']:.4g} |"
         )
     return "\n".join(out)
 
