@@ -53,22 +53,26 @@ def predict(
     unshaped wait (:func:`~experiments.projection.scaling_check.calibrate_cpu_side`), with the run's
     ``prefetch_depth``.
 
-    ``cluster_file`` (``--cluster-file``): its per-message latencies and intra-node rate replace
-    :data:`~experiments.projection.scaling_check.EMULATOR_LINKS`' and the measured loopback rate
-    in every prediction, and its ``(op, format)`` quantization rates are charged before the
-    timed ones; the cross-node rate stays the cell's probed one (each cell shapes its own)."""
+    ``cluster_file`` (``--cluster-file``): its figures replace the guesses, not what this check
+    measures at the time of its runs. Its per-message latencies replace
+    :data:`~experiments.projection.scaling_check.EMULATOR_LINKS`' in every prediction; its
+    intra-node rate and ``(op, format)`` quantization rates stand in only where nothing was
+    measured (no unshaped reference: the loopback; ``rates`` None: the kernels), since a host's
+    load moves both between the calibration and the check; the cross-node rate stays the
+    cell's probed one (each cell shapes its own)."""
     topo = summary["config"]["topology"]
-    links = {"intra_gbps": local["loopback_gbps"]} if local is not None else {}  # measured, not the default
-    if cluster_file is not None:
-        links = {k: v for k, v in cluster_file.link_overrides().items() if k != "cross_gbps"}
+    links = {k: v for k, v in (cluster_file.link_overrides() if cluster_file else {}).items() if k != "cross_gbps"}
+    if local is not None:
+        links["intra_gbps"] = local["loopback_gbps"]  # measured, not the default nor the file's
     c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], gbps, **links)
     w = dataclasses.replace(workload_from_summary(summary), compute_s=m["compute_s"])
     if not quant_work(w, c):
         rates = ()
+    elif rates is None and cluster_file is not None and cluster_file.quant_rates:
+        rates = merge_rates((), cluster_file)
     elif rates is None:
         share = min(1.0, (os.cpu_count() or 1) / c.world)
         rates = tuple((op, b, g * share) for op, b, g in measure_quant_rates(w, c))
-    rates = merge_rates(rates, cluster_file)
     p = project(dataclasses.replace(w, quant_rates=tuple(rates)), c)
     cross = sum(v for k, v in p.pairwise.items() if k.endswith(".cross"))
     out = {
@@ -95,7 +99,7 @@ def predict(
             topo["nodes"],
             topo["ranks_per_node"],
             wait_s=local["comm_wait_s"],
-            loopback_gbps=links.get("intra_gbps", local["loopback_gbps"]),
+            loopback_gbps=local["loopback_gbps"],
             **alphas,
         )
         cs = emulator_cluster(
