@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         a.max_bytes = GPU_MAX_BYTES if torch.cuda.is_available() else CPU_MAX_BYTES
     if in_torchrun():  # the world's shape is torchrun's
+        if a.cluster == "emulated":
+            p.error("--cluster emulated starts its own ranks; under torchrun the world is torchrun's (drop --cluster)")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         a.ranks_per_node, a.nodes = local, int(os.environ["WORLD_SIZE"]) // local
     try:

@@ -121,3 +121,16 @@ def test_main_writes_the_file_from_a_result(tmp_path, monkeypatch, capsys) -> No
     foreign.write_text("[1, 2]")
     assert comm.main(["--calibrate", str(foreign)]) == 2
     assert "is not a cluster file" in capsys.readouterr().err and foreign.read_text() == "[1, 2]"
+
+
+def test_under_torchrun_the_world_is_torchruns(monkeypatch, capsys) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("ZEROPP_LAUNCHED_RANK", raising=False)
+    a = comm.parse_args(["--nodes", "1", "--formats", "none"])
+    assert (a.spec.nodes, a.spec.ranks_per_node) == (2, 4)
+    with pytest.raises(SystemExit) as e:
+        comm.parse_args(["--cluster", "emulated"])
+    assert e.value.code == 2 and "under torchrun" in capsys.readouterr().err
