@@ -6,7 +6,9 @@
 ``experiments.bench_peers``), ``fsdp`` (its two-row view, FSDP2 against our stage 3;
 ``experiments.bench_fsdp``), ``gpu`` (the GPU
 matrix; ``experiments.bench_gpu``), ``cluster`` (runner jobs on the emulated cluster beside the
-cost model's projection; ``experiments.bench_cluster``) and ``args`` (their shared argument
+cost model's projection; ``experiments.bench_cluster``), ``comm`` with ``comm_rank`` (collective
+bus bandwidth per group and wire format, and the calibrated cluster file;
+``experiments.bench_comm``) and ``args`` (their shared argument
 checks). The module names drop the ``bench_`` prefix the room already says; the documented
 commands keep it through the aliases at the top of ``experiments/``.
 

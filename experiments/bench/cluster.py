@@ -54,12 +54,22 @@ from typing import Any
 
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
 from ..projection.calibration import measure_loopback_gbps
+from ..projection.cluster_file import ClusterFile, ClusterFileError, read_cluster_file
 from ..projection.scaling_check import comm_wait_s, link_gbps
 from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.run import run_job
 from .args import check_run_lengths
-from .cluster_check import CHECK_GRID, CHECK_TOLERANCE, MODES, check_cells, format_check, predict, quant_rates_for
+from .cluster_check import (
+    CHECK_GRID,
+    CHECK_TOLERANCE,
+    MODES,
+    check_cells,
+    compare_constants,
+    format_check,
+    predict,
+    quant_rates_for,
+)
 
 UPLINK_KEY = "uplink_tx_bytes_per_step"
 """Summary key of the bytes one node's uplink sent per measured step (its kernel tx counter,
@@ -121,7 +131,7 @@ def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+def run(a: argparse.Namespace, root: Path, cluster_file: ClusterFile | None = None) -> list[dict[str, Any]]:
     rows = []
     rates: dict[str, tuple] = {}  # per mode, timed once after that mode's first jobs
     local: dict[str, dict[str, float]] = {}
@@ -151,7 +161,10 @@ def run(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             m = aggregate(mode, sums)
             if mode not in rates:
                 rates[mode] = quant_rates_for(sums[0])
-            m["predicted"] = predict(m, sums[0], m["measured_gbps"] or gbps, rates[mode], local.get(mode))
+            link = m["measured_gbps"] or gbps
+            m["predicted"] = predict(m, sums[0], link, rates[mode], local.get(mode), cluster_file=cluster_file)
+            if cluster_file is not None:  # the same runs under the hand-set constants, for the comparison
+                m["predicted_handset"] = predict(m, sums[0], link, rates[mode], local.get(mode))
             row[mode] = m
         row["measured_gbps"] = row["zero3"]["measured_gbps"]
         row["speedup"] = row["zero3"]["step_s"] / row["zeropp"]["step_s"]
@@ -260,6 +273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "predicted vs measured step time per cell, exit 1 unless all are within --tolerance",
     )
     p.add_argument(
+        "--cluster-file",
+        default=None,
+        help="a calibrated cluster file (python -m experiments.bench_comm --calibrate FILE): the predictions use "
+        "its latencies, intra-node rate and quantization rates instead of the hand-set constants",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         default=100 * CHECK_TOLERANCE,
@@ -282,6 +301,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
+        cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
+    except ClusterFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         require_privileges()
     except (ClusterPrivilegeError, NetnsError) as e:
         print(
@@ -292,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         with tempfile.TemporaryDirectory(prefix="bench_cluster-") as tmp:
-            rows = run(a, Path(a.out or tmp))
+            rows = run(a, Path(a.out or tmp), cf)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -303,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if a.check:
         text, ok = format_check(check_cells(rows), tolerance=a.tolerance / 100)
-        print(f"\nScaling model check (load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end):\n")
+        consts = f"links from {a.cluster_file}" if cf else "hand-set link constants"
+        print(
+            f"\nScaling model check, {consts} (load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end):\n"
+        )
         print(text)
+        if cf is not None:
+            hand = check_cells(rows, "predicted_handset")
+            print("\nThe same runs with the hand-set constants:\n")
+            print(format_check(hand, tolerance=a.tolerance / 100)[0])
+            print("\n" + compare_constants(check_cells(rows), hand))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)

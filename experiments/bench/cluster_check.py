@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ..projection.calibration import measure_quant_rates, measure_quant_rates_contended
+from ..projection.cluster_file import ClusterFile, merge_rates
 from ..projection.scaling import project, quant_work
 from ..projection.scaling_check import calibrate_cpu_side, emulator_cluster, workload_from_summary
 from ..projection.spec import GBPS
@@ -28,8 +29,9 @@ def predict(
     m: dict[str, Any],
     summary: dict[str, Any],
     gbps: float,
-    rates: tuple[tuple[str, int, float], ...] | None = None,
+    rates: tuple[tuple[str, int | str, float], ...] | None = None,
     local: dict[str, float] | None = None,
+    cluster_file: ClusterFile | None = None,
 ) -> dict[str, Any]:
     """The scaling model's step time and bytes for the measured mode ``m`` (one of its runs'
     ``summary`` gives the workload; compute = the median step minus the median comm wait; one
@@ -49,13 +51,25 @@ def predict(
     ``scheduled_step_s`` (with ``cpu_scale``): :func:`~experiments.projection.step_schedule.project_scheduled`
     on a ``comm_on_compute`` emulator cluster whose CPU-side constants are calibrated on the
     unshaped wait (:func:`~experiments.projection.scaling_check.calibrate_cpu_side`), with the run's
-    ``prefetch_depth``."""
+    ``prefetch_depth``.
+
+    ``cluster_file`` (``--cluster-file``): its figures replace the guesses, not what this check
+    measures at the time of its runs. Its per-message latencies replace
+    :data:`~experiments.projection.scaling_check.EMULATOR_LINKS`' in every prediction; its
+    intra-node rate and ``(op, format)`` quantization rates stand in only where nothing was
+    measured (no unshaped reference: the loopback; ``rates`` None: the kernels), since a host's
+    load moves both between the calibration and the check; the cross-node rate stays the
+    cell's probed one (each cell shapes its own)."""
     topo = summary["config"]["topology"]
-    links = {"intra_gbps": local["loopback_gbps"]} if local is not None else {}  # measured, not the default
+    links = {k: v for k, v in (cluster_file.link_overrides() if cluster_file else {}).items() if k != "cross_gbps"}
+    if local is not None:
+        links["intra_gbps"] = local["loopback_gbps"]  # measured, not the default nor the file's
     c = emulator_cluster(topo["nodes"], topo["ranks_per_node"], gbps, **links)
     w = dataclasses.replace(workload_from_summary(summary), compute_s=m["compute_s"])
     if not quant_work(w, c):
         rates = ()
+    elif rates is None and cluster_file is not None and cluster_file.quant_rates:
+        rates = merge_rates((), cluster_file)
     elif rates is None:
         share = min(1.0, (os.cpu_count() or 1) / c.world)
         rates = tuple((op, b, g * share) for op, b, g in measure_quant_rates(w, c))
@@ -79,8 +93,14 @@ def predict(
             loopback_gbps=local["loopback_gbps"],
         )
         wq = dataclasses.replace(w, quant_rates=tuple(rates))
+        alphas = {k: v for k, v in links.items() if k.startswith("alpha_")}
         cal = calibrate_cpu_side(
-            wq, topo["nodes"], topo["ranks_per_node"], wait_s=local["comm_wait_s"], loopback_gbps=local["loopback_gbps"]
+            wq,
+            topo["nodes"],
+            topo["ranks_per_node"],
+            wait_s=local["comm_wait_s"],
+            loopback_gbps=local["loopback_gbps"],
+            **alphas,
         )
         cs = emulator_cluster(
             topo["nodes"],
@@ -118,14 +138,15 @@ PREDICTIONS = {"scheduled": "scheduled model", "hybrid": "measured CPU + modelle
 """``--check``'s predictions, the one its verdict is on first (see the module doc)."""
 
 
-def check_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def check_cells(rows: list[dict[str, Any]], key: str = "predicted") -> list[dict[str, Any]]:
     """One cell per (link rate, mode): measured step time and each prediction with its relative
     error (``<name>_s``, ``<name>_error`` for :data:`PREDICTIONS`; the scheduled and hybrid ones
-    only when the run measured its unshaped reference)."""
+    only when the run measured its unshaped reference). ``key``: which predictions of a mode
+    (``predicted``; ``predicted_handset``: the hand-set constants' beside a cluster file's)."""
     cells = []
     for r in rows:
         for mode in MODES:
-            m, p = r[mode], r[mode]["predicted"]
+            m, p = r[mode], r[mode][key]
             meas = m["step_s"]
             cell = {
                 "gbps": r["gbps"],
@@ -148,12 +169,17 @@ def check_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return cells
 
 
+def _judged(cells: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """The predictions every cell has (in :data:`PREDICTIONS`' order) and the one judged."""
+    shown = [k for k in PREDICTIONS if cells and all(c[f"{k}_s"] is not None for c in cells)]
+    return shown, shown[0] if shown else "analytic"
+
+
 def format_check(cells: list[dict[str, Any]], tolerance: float = CHECK_TOLERANCE) -> tuple[str, bool]:
     """The ``--check`` table and whether every cell is within ``tolerance``, judged on the first
     prediction of :data:`PREDICTIONS` that every cell has."""
     names = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
-    shown = [k for k in PREDICTIONS if cells and all(c[f"{k}_s"] is not None for c in cells)]
-    key = shown[0] if shown else "analytic"
+    shown, key = _judged(cells)
     local = "scheduled" in shown
     out = [
         "| link Gbit/s (measured) | run | measured step s | measured comm wait s |"
@@ -179,3 +205,21 @@ def format_check(cells: list[dict[str, Any]], tolerance: float = CHECK_TOLERANCE
     )
     out.append(f"max |error|: {100 * worst.get(key, 0.0):.1f}% (tolerance {100 * tolerance:g}%)")
     return "\n".join(out), ok
+
+
+def worst_error(cells: list[dict[str, Any]]) -> tuple[str, float]:
+    """``(prediction, max |error|)`` of the prediction :func:`format_check` judges ``cells`` on."""
+    _, key = _judged(cells)
+    return key, max((abs(c[f"{key}_error"]) for c in cells), default=0.0)
+
+
+def compare_constants(calibrated: list[dict[str, Any]], handset: list[dict[str, Any]]) -> str:
+    """One line: the verdict prediction's worst error with a cluster file's figures against the
+    hand-set constants' on the same runs, and whether the file's is no worse."""
+    name, cal = worst_error(calibrated)
+    _, hand = worst_error(handset)
+    verdict = "no worse" if cal <= hand else "WORSE"
+    return (
+        f"calibrated vs hand-set ({PREDICTIONS[name]}, same runs): worst {100 * cal:.1f}% vs {100 * hand:.1f}% "
+        f"-- the cluster file is {verdict}"
+    )

@@ -4,7 +4,9 @@
 ``python -m experiments.scaling``), ``step_schedule`` (the same step replayed as the engine
 issues it, with overlap; ``python -m experiments.step_schedule``), ``scaling_check`` (the model
 against measured runs' ``summary.json``, with a calibration of this machine;
-``python -m experiments.scaling_check DIR``) and ``text_table`` (the tables both print).
+``python -m experiments.scaling_check DIR``), ``cluster_file`` (a calibrated cluster file's
+figures, written by ``python -m experiments.bench_comm --calibrate``, read with
+``--cluster-file``) and ``text_table`` (the tables both print).
 
 It reads run summaries as plain dicts and imports no other room except ``launch`` (the
 calibration times a gloo world), so the runner, the benchmarks and the studies can all build on

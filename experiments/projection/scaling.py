@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
+from zeropp.comm.spec import QuantSpec
 from zeropp.runtime.choices import Precision
 from zeropp.runtime.plan import CONTROL_BYTES, CommPlan, build_plan
 from zeropp.runtime.plan_kinds import CommKind, chunk_ranges
@@ -230,6 +231,45 @@ QUANT_OPS = ("quantize", "dequantize", "dequantize_sum_requantize", "dequantize_
 fused dequantize-sum-requantize, dequantize-sum)."""
 
 
+def format_name(spec: QuantSpec, bits: int) -> str:
+    """The wire format of ``spec`` at ``bits`` (one hop's width), as quantization rates are keyed:
+    ``int8``, ``int4``, ``mx4``, ``mxint8``; a scheme whose name carries its width (``fp8``,
+    ``nvfp4``) is its name. The bits alone cannot tell MXFP4 from INT4; this can."""
+    return spec.scheme if spec.scheme[-1:].isdigit() else f"{spec.scheme}{bits}"
+
+
+def quant_work_formats(w: Workload, c: Cluster) -> dict[tuple[str, int, str], int]:
+    """:func:`quant_work` keyed by ``(op, bits, format)`` (:func:`format_name`), so a rate timed
+    for one format is charged to that format only."""
+    W, R, N = c.world, c.ranks_per_node, c.nodes
+    S = sum(-(-u // W) for u in w.units)  # elements of my shards
+    out: dict[tuple[str, int, str], int] = {}
+
+    def add(op: str, spec: QuantSpec, bits: int, n: int) -> None:
+        key = (op, bits, format_name(spec, bits))
+        out[key] = out.get(key, 0) + n
+
+    if w.stage == 3 and w.weights and not w.weight_diff:
+        gathers = 1 if w.hpz else 2 * w.grad_accum
+        add("quantize", w.weights, w.weights.bits, gathers * S)
+        add("dequantize", w.weights, w.weights.bits, gathers * W * S)
+    if w.weight_diff:  # qWD: quantize my shard's difference, dequantize the world's
+        add("quantize", w.weight_diff, w.weight_diff.bits, S)
+        add("dequantize", w.weight_diff, w.weight_diff.bits, W * S)
+    if w.stage >= 1 and w.grads:
+        calls = w.grad_accum if w.stage >= 2 else 1
+        ib, cb = w.grads.hop_bits
+        if N > 1 and R > 1:
+            add("quantize", w.grads, ib, calls * W * S)
+            add("dequantize_sum_requantize", w.grads, ib, calls * W * S)
+            add("dequantize_sum", w.grads, cb, calls * N * S)
+        else:
+            bits = ib if N == 1 else cb
+            add("quantize", w.grads, bits, calls * W * S)
+            add("dequantize_sum", w.grads, bits, calls * W * S)
+    return out
+
+
 def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
     """Full-precision input elements each kernel op processes per rank per step, ``{(op, bits): n}``,
     as zeropp.comm runs them (one call per communication unit):
@@ -242,40 +282,25 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
       intra bits, fused dequantize-sum-requantize of the ``world`` received rows, dequantize-sum of
       the ``nodes`` rows from the cross hop; otherwise one quantize and one dequantize-sum of the
       whole gradient (error feedback's extra dequantize is not counted).
+
+    Per format: :func:`quant_work_formats`.
     """
-    W, R, N = c.world, c.ranks_per_node, c.nodes
-    S = sum(-(-u // W) for u in w.units)  # elements of my shards
     out: dict[tuple[str, int], int] = {}
-
-    def add(op: str, bits: int, n: int) -> None:
+    for (op, bits, _fmt), n in quant_work_formats(w, c).items():
         out[(op, bits)] = out.get((op, bits), 0) + n
-
-    if w.stage == 3 and w.weights and not w.weight_diff:
-        gathers = 1 if w.hpz else 2 * w.grad_accum
-        add("quantize", w.weights.bits, gathers * S)
-        add("dequantize", w.weights.bits, gathers * W * S)
-    if w.weight_diff:  # qWD: quantize my shard's difference, dequantize the world's
-        add("quantize", w.weight_diff.bits, S)
-        add("dequantize", w.weight_diff.bits, W * S)
-    if w.stage >= 1 and w.grads:
-        calls = w.grad_accum if w.stage >= 2 else 1
-        ib, cb = w.grads.hop_bits
-        if N > 1 and R > 1:
-            add("quantize", ib, calls * W * S)
-            add("dequantize_sum_requantize", ib, calls * W * S)
-            add("dequantize_sum", cb, calls * N * S)
-        else:
-            bits = ib if N == 1 else cb
-            add("quantize", bits, calls * W * S)
-            add("dequantize_sum", bits, calls * W * S)
     return out
 
 
 def quant_time(w: Workload, c: Cluster) -> float:
-    """Seconds of quantize/dequantize kernels per rank per step: :func:`quant_work` at the
-    workload's measured ``quant_rates`` (else ``quant_gbs``)."""
-    rates = {(op, bits): gbs for op, bits, gbs in w.quant_rates}
-    return sum(n * w.dtype_bytes / (rates.get(key, w.quant_gbs) * 1e9) for key, n in quant_work(w, c).items())
+    """Seconds of quantize/dequantize kernels per rank per step: :func:`quant_work_formats` at the
+    workload's measured ``quant_rates``, looked up by ``(op, format)`` first (a calibrated
+    cluster file's key), then ``(op, bits)`` (``calibration.measure_quant_rates``' key), else
+    ``quant_gbs``."""
+    rates = {(op, key): gbs for op, key, gbs in w.quant_rates}
+    return sum(
+        n * w.dtype_bytes / (rates.get((op, fmt), rates.get((op, bits), w.quant_gbs)) * 1e9)
+        for (op, bits, fmt), n in quant_work_formats(w, c).items()
+    )
 
 
 @dataclasses.dataclass(frozen=True)

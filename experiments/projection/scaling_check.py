@@ -50,7 +50,7 @@ def emulator_cluster(nodes: int, ranks_per_node: int, gbps: float, **kw: Any) ->
 
 
 def calibrate_cpu_side(
-    w: Workload, nodes: int, ranks_per_node: int, *, wait_s: float, loopback_gbps: float
+    w: Workload, nodes: int, ranks_per_node: int, *, wait_s: float, loopback_gbps: float, **links: float
 ) -> dict[str, float]:
     """The CPU-side constants of an emulated run, from the same job's link-free run
     (``cluster=local``: every byte crosses the loopback, so its communication wait ``wait_s`` is
@@ -59,10 +59,14 @@ def calibrate_cpu_side(
     sent byte at the measured ``loopback_gbps``, and the control messages' latency) is scaled by
     ``scale`` so that it plus the quantization time equals ``wait_s``. Returns ``{"scale",
     "alpha_cross_s", "alpha_intra_s", "intra_gbps"}``: the scaled constants for
-    :func:`emulator_cluster` (latencies times ``scale``, copy rate over it)."""
+    :func:`emulator_cluster` (latencies times ``scale``, copy rate over it). ``links``: other
+    latencies than :data:`EMULATOR_LINKS`' (``alpha_cross_s``, ``alpha_intra_s``, e.g. a
+    calibrated cluster file's) to scale."""
     if wait_s < 0 or loopback_gbps <= 0:
         raise ValueError(f"need a wait >= 0 s and a loopback rate > 0 Gbit/s, got {wait_s}, {loopback_gbps}")
-    c = emulator_cluster(nodes, ranks_per_node, loopback_gbps, intra_gbps=loopback_gbps, comm_on_compute=True)
+    c = emulator_cluster(
+        nodes, ranks_per_node, loopback_gbps, **{**links, "intra_gbps": loopback_gbps, "comm_on_compute": True}
+    )
     cpu = sum(message_transfer(m, c).compute_s * m.count for m in messages(w, c))
     cpu += control_messages(w, c) * c.alpha_cross_s
     rest = wait_s - quant_time(w, c)

@@ -126,9 +126,11 @@ class Workload:
     quant_gbs: float = 500.0
     """Quantize/dequantize kernel throughput (GB/s of full-precision input data) for every op not
     in ``quant_rates``; their time is not hidden under compute."""
-    quant_rates: tuple[tuple[str, int, float], ...] = ()
-    """Measured ``(op, bits, GB/s of full-precision input)`` per kernel op (see :data:`QUANT_OPS`
-    and ``calibration.measure_quant_rates``); overrides ``quant_gbs`` for the ops listed."""
+    quant_rates: tuple[tuple[str, int | str, float], ...] = ()
+    """Measured ``(op, bits or format, GB/s of full-precision input)`` per kernel op (see
+    ``scaling.QUANT_OPS``; ``calibration.measure_quant_rates`` keys by bits, a calibrated cluster
+    file by format, ``scaling.format_name``: ``int4`` and ``mx4`` are both 4 bits); overrides
+    ``quant_gbs`` for the ops listed, a format key before a bits key."""
 
     def __post_init__(self) -> None:
         checks = (

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 from zeropp.comm.spec import RECIPES
 
+from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
 from .scaling import Projection, gpt_units, project
 from .spec import Cluster, Workload
 from .text_table import Column, number, text_table
@@ -50,10 +51,18 @@ def speedup_table(
     max_ranks: int = 384,
     nics_per_node: int | None = None,
     projector: Callable[[Workload, Cluster], Projection] | None = None,
+    cluster_file: ClusterFile | None = None,
 ) -> list[dict[str, float]]:
     """ZeRO-3 vs ZeRO++ for 1..max_ranks/ranks_per_node nodes at each bandwidth, projected by
-    ``projector`` (default :func:`project`; ``step_schedule.project_scheduled`` for overlap)."""
+    ``projector`` (default :func:`project`; ``step_schedule.project_scheduled`` for overlap).
+    ``cluster_file``: its link figures replace the clusters' latency and intra-node constants
+    (and its inter-node bandwidth every rate of ``gbps``), its ``(op, format)`` rates the
+    workload's quantization rates."""
     projector = projector or project
+    if cluster_file is not None:
+        if "inter" in cluster_file.links:
+            gbps = (cluster_file.links["inter"].gbps,)
+        w = dataclasses.replace(w, quant_rates=merge_rates(w.quant_rates, cluster_file))
     rows = []
     base = w.with_zero(weights=None, hpz=False, grads=None)
     plus = w.with_zero(**ZEROPP)
@@ -63,6 +72,7 @@ def speedup_table(
     for bw in gbps:
         for n in node_counts:
             c = Cluster(nodes=n, ranks_per_node=ranks_per_node, cross_gbps=bw, nics_per_node=nics_per_node)
+            c = cluster_file.cluster(c) if cluster_file is not None else c
             p0, p1 = projector(base, c), projector(plus, c)
             rows.append(
                 {
@@ -156,7 +166,17 @@ def main(
         default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
         help="where to save the plot ('' to skip)",
     )
+    ap.add_argument(
+        "--cluster-file",
+        default=None,
+        help="a calibrated cluster file (python -m experiments.bench_comm --calibrate FILE): its latencies, "
+        "bandwidths and quantization rates replace the hand-set constants (its inter-node rate replaces --gbps)",
+    )
     a = ap.parse_args(argv)
+    try:
+        cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
+    except ClusterFileError as e:
+        ap.exit(2, f"error: {e}\n")
     if projector is not None and a.overlap:
         ap.error(
             "--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "
@@ -170,7 +190,11 @@ def main(
         f"ZeRO-3 vs ZeRO++ (qwZ INT8 + hpZ + qgZ INT4): {sum(w.units) / 1e9:.1f}B-parameter GPT, fp16, "
         f"{a.tokens_per_gpu} tokens/GPU/step, {a.tflops:g} TFLOP/s compute, {a.ranks_per_node} GPUs/node, "
         f"{nics} NIC(s)/node of the given Gbps, each shared by {a.ranks_per_node // nics} GPU(s); "
-        f"quantization at {w.quant_gbs:g} GB/s; "
+        + (
+            f"quantization at {w.quant_gbs:g} GB/s; "
+            if cf is None
+            else f"links and quantization rates from {a.cluster_file}; "
+        )
         + (
             "serial step (compute + communication)"
             if projector is None
@@ -184,6 +208,7 @@ def main(
         max_ranks=a.max_gpus,
         nics_per_node=a.nics_per_node,
         projector=projector,
+        cluster_file=cf,
     )
     print(format_table(rows))
     if a.plot:

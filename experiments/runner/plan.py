@@ -20,7 +20,9 @@ config's ``topology.nodes``), ranks per node as the config's topology:
 The model is built on the meta device (shapes only). The time model's inputs not in the runner's
 config: ``--tflops`` (achieved compute per rank, default 50) and ``--gbps`` (a cross-node NIC's rate
 for ``cluster=local``, default 100; ``cluster=emulated`` uses ``cluster.inter_gbps`` and one shared
-uplink per node). Bad inputs exit 2 with ``error: ...`` naming the key.
+uplink per node), or all of the links' figures and the quantization rates from a calibrated
+cluster file (``--cluster-file FILE`` or ``plan.cluster_file=FILE``, written by ``python -m
+experiments.bench_comm --calibrate``). Bad inputs exit 2 with ``error: ...`` naming the key.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..projection.cluster_file import ClusterFileError, read_cluster_file
 from .config import ConfigError, RunConfig
 from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
 
@@ -43,6 +46,12 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json")
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
     ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
+    ap.add_argument(
+        "--cluster-file",
+        default=None,
+        help="a calibrated cluster file (python -m experiments.bench_comm --calibrate FILE): its latencies, "
+        "bandwidths (the inter-node one replaces --gbps) and quantization rates replace the hand-set constants",
+    )
     a, overrides = ap.parse_known_args(argv)
     rest = []
     for o in overrides:
@@ -51,10 +60,18 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             a.nodes = value.strip("[]")
         elif key == "plan.out":
             a.out = value
+        elif key == "plan.cluster_file":
+            a.cluster_file = value
         elif key.startswith("plan."):
-            raise ConfigError(f"unknown key {key!r}; the plan's own keys are plan.nodes and plan.out")
+            raise ConfigError(
+                f"unknown key {key!r}; the plan's own keys are plan.nodes, plan.out and plan.cluster_file"
+            )
         else:
             rest.append(o)
+    try:
+        a.calibrated = read_cluster_file(a.cluster_file) if a.cluster_file else None
+    except ClusterFileError as e:
+        raise ConfigError(f"--cluster-file / plan.cluster_file: {e}") from None
     return a, rest
 
 

@@ -12,6 +12,7 @@ it in time (``experiments.projection.step_schedule``); :func:`events` turns the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
     from zeropp.runtime.config import validate_against_topology
     from zeropp.runtime.plan import build_plan
 
+    from ..projection.cluster_file import merge_rates
     from ..projection.scaling import control_time
     from ..projection.spec import Cluster, Workload
     from ..projection.step_schedule import Interval, scheduled_step_s, unit_costs
@@ -83,6 +85,9 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
     w = Workload.from_zero(
         rc.zero, units=numels, compute_s=6.0 * sum(numels) * tokens / (a.tflops * 1e12), tokens_per_rank=tokens
     )
+    cf = getattr(a, "calibrated", None)  # a calibrated cluster file (``--cluster-file``)
+    if cf is not None:
+        c, w = cf.cluster(c), dataclasses.replace(w, quant_rates=merge_rates(w.quant_rates, cf))
     trace: list[Interval] = []
     step = scheduled_step_s(
         unit_costs(w, c),

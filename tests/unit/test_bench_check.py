@@ -5,6 +5,7 @@ root and network namespaces and minutes; its output is in docs/benchmarks.md).""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -185,3 +186,36 @@ def test_workload_from_summary_takes_hf_summaries() -> None:
     assert sum(units) == 100_007 and len(units) == 4 and units[1] == units[2] == units[3]
     w = workload_from_summary(hf)  # no KeyError on GPT-only fields
     assert w.units == units and w.tokens_per_rank == 2 * 16
+
+
+def test_check_with_a_cluster_file_compares_it_with_the_hand_set_constants(stubbed, capsys, tmp_path) -> None:
+    """The file's latencies and intra-node rate replace the hand-set ones in every prediction of
+    the same runs; both tables print, and a line says whether the file's worst error is no worse."""
+    from zeropp.experiments.projection.cluster_file import ClusterFile, LinkFit, write_cluster_file
+
+    WAIT[0] = 0.05
+    path = tmp_path / "cluster.json"
+    links = {"intra": LinkFit(alpha_s=1e-3, gbps=0.5), "inter": LinkFit(alpha_s=2e-3, gbps=0.1, ranks=4)}
+    write_cluster_file(path, ClusterFile(nodes=2, ranks_per_node=2, backend="gloo", links=links))
+    bench_cluster.main(["--check", "--cluster-file", str(path), "--json", str(tmp_path / "rows.json")])
+    out = capsys.readouterr().out
+    assert f"links from {path}" in out and "The same runs with the hand-set constants" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("calibrated vs hand-set"))
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    cal, hand = cluster_check.check_cells(rows), cluster_check.check_cells(rows, "predicted_handset")
+    assert [c["scheduled_s"] for c in cal] != [c["scheduled_s"] for c in hand]  # the file changed the model
+    worse = cluster_check.worst_error(cal)[1] > cluster_check.worst_error(hand)[1]
+    assert ("WORSE" in line) == worse and ("no worse" in line) == (not worse)
+    # the serial model's link constants are the file's, the cross-node rate the cell's probe
+    z3 = rows[0]["zero3"]
+    serial = cluster_check.predict(
+        z3, _summary(["quant=none", "cluster=emulated", "cluster.inter_gbps=0.2"], 0.15, 0.05), 0.192
+    )
+    assert z3["predicted"]["step_s"] > serial["step_s"]  # 1-2 ms per message step against 50-100 us
+
+
+def test_check_refuses_a_bad_cluster_file_before_any_run(stubbed, capsys, tmp_path) -> None:
+    bad = tmp_path / "cluster.json"
+    bad.write_text(json.dumps({"kind": "zeropp-cluster", "version": 1, "links": {}}))
+    assert bench_cluster.main(["--check", "--cluster-file", str(bad)]) == 2
+    assert "error:" in capsys.readouterr().err and stubbed == []  # no job ran

@@ -37,6 +37,7 @@ def test_the_documented_entry_points_are_all_there() -> None:
     assert _aliases() == sorted(
         [
             "bench_cluster",
+            "bench_comm",
             "bench_fsdp",
             "bench_gpu",
             "bench_kernels",

@@ -43,9 +43,26 @@ def test_tiny_writes_a_png_and_a_trace_whose_bytes_are_the_plans(tmp_path, capsy
         (["model=tiny", "plan.colour=red"], "plan.colour"),
         (["model=tiny", "trainer=ddp"], "trainer=ddp"),
         (["model=tiny", "zero.stage=7"], "stage"),
+        (["model=tiny", "plan.cluster_file=/nonexistent/cluster.json"], "plan.cluster_file"),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_key(argv: list[str], key: str, tmp_path, capsys) -> None:
     assert main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and key in err
+
+
+def test_the_plan_reads_a_calibrated_cluster_file(tmp_path) -> None:
+    from zeropp.experiments.projection.cluster_file import ClusterFile, LinkFit, write_cluster_file
+    from zeropp.experiments.runner.plan import _args, project
+
+    path = tmp_path / "cluster.json"
+    links = {"intra": LinkFit(alpha_s=7e-6, gbps=900.0), "inter": LinkFit(alpha_s=30e-6, gbps=180.0, ranks=4)}
+    write_cluster_file(path, ClusterFile(nodes=2, ranks_per_node=2, backend="nccl", links=links))
+    a, rest = _args(["model=tiny", "quant=zeropp", "topology=2x2", f"plan.cluster_file={path}"])
+    plain, _ = _args(["model=tiny", "quant=zeropp", "topology=2x2"])
+    rc = load_config(rest)
+    with_file, without = project(rc, model_units(rc), 2, a), project(rc, model_units(rc), 2, plain)
+    c = with_file["cluster"]
+    assert (c.alpha_intra_s, c.intra_gbps, c.alpha_cross_s, c.cross_gbps) == (7e-6, 900.0, 30e-6, 180.0)
+    assert without["cluster"].cross_gbps == 100.0 and with_file["step_s"] != without["step_s"]

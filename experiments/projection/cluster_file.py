@@ -1,0 +1,214 @@
+"""A calibrated cluster file: the link and kernel figures ``python -m experiments.bench_comm
+--calibrate FILE`` measured, which the cost model reads instead of its hand-set constants.
+
+What it holds (version :data:`VERSION`, plain JSON, never pickle):
+
+* ``links``: per link class (``intra``: inside a node, ``inter``: across nodes) the latency of
+  one message step ``alpha_s`` and the bandwidth ``gbps`` (Gbit/s), from a least-squares fit
+  :func:`fit_alpha_beta` of the plain all-gather's time over its size sweep, ``t = a + b * B``
+  with ``B`` the bus bytes of the call (nccl-tests' convention: size x (n - 1) / n, the bytes
+  each rank moves over its busiest link in a ring); ``alpha_s = a / (n - 1)`` (a ring all-gather
+  takes ``n - 1`` message steps, as ``scaling.link_terms`` counts them) and ``gbps = 1 / b``, the
+  asymptotic bus bandwidth. The intra class is fitted on the node's own group, the inter class on
+  the world (whose ring crosses every node's uplink once per step: ``Cluster.wire="ring"``).
+* ``quant_rates``: GB/s of full-precision input per ``(op, format)`` of the codecs
+  (``scaling.QUANT_OPS``; a format is :func:`~experiments.projection.scaling.format_name`,
+  e.g. ``int8``, ``mx4``, ``nvfp4``), timed in the benchmark's ranks, all at once.
+
+:func:`read_cluster_file` refuses a file that is not one (a missing key, another version, a
+negative or zero bandwidth) with what to change; :meth:`ClusterFile.cluster` and
+:meth:`ClusterFile.link_overrides` put its figures into a :class:`~.spec.Cluster`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .spec import Cluster
+
+VERSION = 1
+"""The file format's version; a file of another version is refused (re-run ``--calibrate``)."""
+
+KIND = "zeropp-cluster"
+"""The ``kind`` key every cluster file carries, so another JSON file is told apart at once."""
+
+LINK_CLASSES = ("intra", "inter")
+"""Link classes of a cluster file: inside a node, across nodes."""
+
+
+class ClusterFileError(ValueError):
+    """A cluster file that cannot be used: the message names the file, the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkFit:
+    """Latency and bandwidth of one link class, fitted on a size sweep."""
+
+    alpha_s: float
+    """Seconds per message step (the fit's intercept over the ring's ``n - 1`` steps)."""
+    gbps: float
+    """Bus bandwidth, Gbit/s (the inverse of the fit's slope over bus bytes)."""
+    ranks: int = 2
+    """Ranks of the group the sweep ran on (its ring has ``ranks - 1`` steps)."""
+    points: int = 0
+    """Sizes the fit used (0: set by hand)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
+            raise ValueError(f"LinkFit.alpha_s={self.alpha_s!r}; a latency is a finite number of seconds >= 0")
+        if not (math.isfinite(self.gbps) and self.gbps > 0):
+            raise ValueError(f"LinkFit.gbps={self.gbps!r}; a bandwidth is a finite rate > 0 Gbit/s")
+        if self.ranks < 2 or self.points < 0:
+            raise ValueError(f"LinkFit ranks={self.ranks}, points={self.points}; a link joins >= 2 ranks")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterFile:
+    """What a cluster file holds (see the module doc)."""
+
+    nodes: int
+    """Nodes of the world that was measured."""
+    ranks_per_node: int
+    """Ranks per node of that world."""
+    backend: str
+    """Process-group backend the collectives ran on (``gloo``, ``nccl``)."""
+    links: dict[str, LinkFit]
+    """Per link class of :data:`LINK_CLASSES` present in the world (one node: ``intra`` only)."""
+    quant_rates: tuple[tuple[str, str, float], ...] = ()
+    """``(op, format, GB/s of full-precision input)`` per codec kernel op timed."""
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Free-form provenance (command, host, date); not read by the model."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"ClusterFile nodes={self.nodes}, ranks_per_node={self.ranks_per_node}; use >= 1")
+        unknown = set(self.links) - set(LINK_CLASSES)
+        if unknown or not self.links:
+            raise ValueError(f"ClusterFile.links={sorted(self.links)}; give one or more of {LINK_CLASSES}")
+        for op, fmt, gbs in self.quant_rates:
+            if not (isinstance(op, str) and isinstance(fmt, str) and math.isfinite(gbs) and gbs > 0):
+                raise ValueError(f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; a rate is (op, format, GB/s > 0)")
+
+    def link_overrides(self) -> dict[str, float]:
+        """The :class:`Cluster` fields this file sets: ``alpha_intra_s`` and ``intra_gbps`` from the
+        intra class, ``alpha_cross_s`` and ``cross_gbps`` from the inter class (what is present)."""
+        out: dict[str, float] = {}
+        if "intra" in self.links:
+            out.update(alpha_intra_s=self.links["intra"].alpha_s, intra_gbps=self.links["intra"].gbps)
+        if "inter" in self.links:
+            out.update(alpha_cross_s=self.links["inter"].alpha_s, cross_gbps=self.links["inter"].gbps)
+        return out
+
+    def cluster(self, base: Cluster) -> Cluster:
+        """``base`` with this file's link figures in place of its constants."""
+        return dataclasses.replace(base, **self.link_overrides())  # type: ignore[arg-type]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": KIND,
+            "version": VERSION,
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "backend": self.backend,
+            "links": {k: dataclasses.asdict(v) for k, v in self.links.items()},
+            "quant_rates": [{"op": op, "format": fmt, "gbs": gbs} for op, fmt, gbs in self.quant_rates],
+            "source": self.source,
+        }
+
+
+def fit_alpha_beta(bus_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least squares of ``seconds = a + b * bus_bytes`` (``numpy.linalg.lstsq``); returns ``(a, b)``.
+    Needs two or more distinct sizes; a fit whose slope is not positive (the sweep never left the
+    latency floor) raises ValueError saying to sweep larger sizes. A slightly negative intercept
+    (noise at the smallest sizes) is returned as is; callers clamp it."""
+    import numpy as np
+
+    x, y = np.asarray(bus_bytes, dtype=float), np.asarray(seconds, dtype=float)
+    if x.shape != y.shape or len(set(x.tolist())) < 2:
+        raise ValueError(f"a latency-bandwidth fit needs >= 2 distinct sizes, got {len(set(x.tolist()))}")
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)
+    if not b > 0:
+        raise ValueError(
+            f"the time did not grow with the size (slope {b:.3g} s/byte): the sweep stayed at the latency "
+            "floor; sweep larger sizes (--max-bytes)"
+        )
+    return float(a), float(b)
+
+
+def link_fit(ranks: int, bus_bytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """:func:`fit_alpha_beta` as a :class:`LinkFit` of a ``ranks``-rank ring (module doc)."""
+    a, b = fit_alpha_beta(bus_bytes, seconds)
+    return LinkFit(alpha_s=max(a, 0.0) / (ranks - 1), gbps=8 / b / 1e9, ranks=ranks, points=len(bus_bytes))
+
+
+def write_cluster_file(path: str | Path, cf: ClusterFile) -> None:
+    """Write ``cf`` as JSON to ``path`` (a new file or one this tool wrote: a file that is not a
+    cluster file is refused rather than overwritten)."""
+    p = Path(path)
+    if p.exists():
+        try:
+            old = json.loads(p.read_text())
+            ours = isinstance(old, dict) and old.get("kind") == KIND
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise ClusterFileError(f"{p} exists and is not a cluster file; give a new path to --calibrate")
+    p.write_text(json.dumps(cf.to_json(), indent=1) + "\n")
+
+
+def _need(d: dict[str, Any], key: str, where: str, path: Path) -> Any:
+    if key not in d:
+        raise ClusterFileError(f"{path}: {where} has no {key!r}; re-run python -m experiments.bench_comm --calibrate")
+    return d[key]
+
+
+def read_cluster_file(path: str | Path) -> ClusterFile:
+    """Read and validate a cluster file (``json.loads`` only: nothing in it runs). Raises
+    :class:`ClusterFileError` for an unreadable file, another format, a missing key, another
+    version or an invalid figure, naming the file and the key."""
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise ClusterFileError(f"cannot read cluster file {p}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ClusterFileError(f"{p} is not JSON ({e}); give a file written by bench_comm --calibrate") from None
+    if not isinstance(d, dict) or d.get("kind") != KIND:
+        raise ClusterFileError(f"{p} is not a cluster file (no kind={KIND!r}); give one written by --calibrate")
+    if _need(d, "version", "the file", p) != VERSION:
+        raise ClusterFileError(
+            f"{p}: cluster file version {d['version']!r}, this zeropp reads version {VERSION}; re-run --calibrate"
+        )
+    try:
+        links = {
+            k: LinkFit(**{f: _need(v, f, f"links.{k}", p) for f in ("alpha_s", "gbps", "ranks", "points")})
+            for k, v in _need(d, "links", "the file", p).items()
+        }
+        rates = tuple(
+            (_need(r, "op", "a quant_rates entry", p), _need(r, "format", "a quant_rates entry", p), float(r["gbs"]))
+            for r in _need(d, "quant_rates", "the file", p)
+        )
+        return ClusterFile(
+            nodes=_need(d, "nodes", "the file", p),
+            ranks_per_node=_need(d, "ranks_per_node", "the file", p),
+            backend=_need(d, "backend", "the file", p),
+            links=links,
+            quant_rates=rates,
+            source=d.get("source") or {},
+        )
+    except ClusterFileError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ClusterFileError(f"{p}: invalid cluster file: {e}") from None
+
+
+def merge_rates(
+    measured: Iterable[tuple[str, int | str, float]], cf: ClusterFile | None
+) -> tuple[tuple[str, int | str, float], ...]:
+    """``measured`` rates with the file's ``(op, format)`` rates after them (a format key is looked
+    up before a bits key, so the file's rate wins for the formats it timed)."""
+    return (*measured, *(cf.quant_rates if cf else ()))

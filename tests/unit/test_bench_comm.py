@@ -1,0 +1,136 @@
+"""``python -m experiments.bench_comm``'s pure parts: nccl-tests' bus-bandwidth factors against
+the bytes a ring / pairwise schedule sends, the size sweep, the command line's refusals, and
+``--calibrate``'s fit of a result (synthetic rows from a known latency and bandwidth)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeropp.experiments.bench import comm
+from zeropp.experiments.bench.comm_rank import OPS, CommBenchSpec, busbw_factor, format_specs
+from zeropp.experiments.projection.cluster_file import read_cluster_file
+
+
+def _ring_sent(op: str, n: int, size: int) -> float:
+    """Bytes one rank sends for a collective of ``size`` bytes over ``n`` ranks, counted step by
+    step: a ring all-gather / reduce-scatter passes one ``size / n`` chunk per step for ``n - 1``
+    steps, a ring all-reduce is the two back to back, an all-to-all sends each peer its chunk."""
+    chunk = size / n
+    steps = {"all_gather": n - 1, "reduce_scatter": n - 1, "all_reduce": 2 * (n - 1)}
+    if op == "all_to_all":
+        return sum(chunk for peer in range(n) if peer != 0)
+    return sum(chunk for _ in range(steps[op]))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
+def test_busbw_is_the_bytes_each_rank_sends_over_the_time(op: str, n: int) -> None:
+    size, t = 1 << 20, 0.01
+    assert (size / t) * busbw_factor(op, n) == pytest.approx(_ring_sent(op, n, size) / t)
+
+
+def test_busbw_factor_refuses_an_unknown_collective() -> None:
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        busbw_factor("broadcast", 4)
+
+
+def test_sizes_and_their_spelling() -> None:
+    assert comm.size_sweep(1024, 1 << 30, 4) == tuple(1024 * 4**k for k in range(11))
+    assert comm.size_sweep(1024, 5000, 2) == (1024, 2048, 4096)
+    assert [comm.parse_bytes(s) for s in ("1024", "64K", "4M", "1G", "2MiB")] == [
+        1024,
+        1 << 16,
+        1 << 22,
+        1 << 30,
+        2 << 20,
+    ]
+    with pytest.raises(ValueError, match="not a size"):
+        comm.parse_bytes("lots")
+    with pytest.raises(ValueError, match="--step 2 or 4"):
+        comm.size_sweep(1024, 4096, 3)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--formats", "int8,fp3"], "unknown wire format"),
+        (["--ops", "all_gather,broadcast"], "comma-separated subset"),
+        (["--step", "3"], "--step 2 or 4"),
+        (["--nodes", "1", "--ranks-per-node", "1"], "needs >= 2 ranks"),
+        (["--min-bytes", "1M", "--max-bytes", "4K"], "--min-bytes <= --max-bytes"),
+        (["--cluster", "emulated", "--nodes", "1", "--ranks-per-node", "4"], "--nodes >= 2"),
+        (["--calibrate", "x.json", "--ops", "all_reduce"], "keep all_gather"),
+        (["--iters", "0"], "iters=0"),
+    ],
+)
+def test_the_command_line_refuses_with_usage_exit_2(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        comm.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_default_formats_are_every_registered_scheme_and_width() -> None:
+    from zeropp.comm.spec import schemes
+
+    assert len(format_specs()) == sum(len(b) for b in schemes().values())
+    a = comm.parse_args(["--formats", "none"])
+    assert a.spec.formats == () and a.spec.sizes[-1] == comm.CPU_MAX_BYTES  # this host has no GPU
+    spec = CommBenchSpec(nodes=2, ranks_per_node=2, formats=("int8",), sizes=(1024, 4096))
+    assert CommBenchSpec.from_json(json.loads(json.dumps(spec.__dict__))) == spec
+
+
+def _result(alpha_step: float, gbps: float, nodes: int = 2, rpn: int = 2) -> dict:
+    """A benchmark result whose plain all-gathers take exactly ``(n-1) alpha + bus bytes / rate``."""
+    rows = []
+    for group, n in (("world", nodes * rpn), ("intra", rpn), ("inter", nodes)):
+        if n < 2:
+            continue
+        for size in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+            t = (n - 1) * alpha_step + size * (n - 1) / n / (gbps * 1e9 / 8)
+            algbw = size / t / 1e9
+            row = {"group": group, "ranks": n, "op": "all_gather", "format": "plain", "bytes": size, "seconds": t}
+            rows.append({**row, "algorithm": "ring", "algbw_gbs": algbw, "busbw_gbs": algbw * (n - 1) / n})
+            rows.append({**rows[-1], "format": "int8", "seconds": t / 2})  # not fitted: only plain rows are
+    rates = [{"op": "quantize", "format": "int8", "gbs": 4.0}]
+    return {"backend": "gloo", "nodes": nodes, "ranks_per_node": rpn, "rows": rows, "quant_rates": rates}
+
+
+def test_calibrate_fits_each_link_class_on_the_plain_all_gathers(tmp_path) -> None:
+    cf = comm.calibrate(_result(200e-6, 2.0))
+    assert cf.links["intra"].alpha_s == pytest.approx(200e-6) and cf.links["intra"].gbps == pytest.approx(2.0)
+    assert cf.links["inter"].ranks == 4 and cf.links["inter"].gbps == pytest.approx(2.0)
+    assert cf.quant_rates == (("quantize", "int8", 4.0),)
+    one_node = comm.calibrate(_result(50e-6, 8.0, nodes=1, rpn=4))  # one node: intra from the world, no inter
+    assert set(one_node.links) == {"intra"} and one_node.links["intra"].alpha_s == pytest.approx(50e-6)
+    res = _result(200e-6, 2.0)
+    res["rows"] = [r for r in res["rows"] if r["group"] != "intra"]
+    with pytest.raises(ValueError, match="no plain all-gather over the 'intra' group"):
+        comm.calibrate(res)
+
+
+def test_main_writes_the_file_from_a_result(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(comm, "launch", lambda a: _result(100e-6, 1.0))
+    path = tmp_path / "cluster.json"
+    assert comm.main(["--calibrate", str(path), "--formats", "int8", "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| world | 4 | all_gather | plain | 4K |" in out and "inter: 100.0 us per message step" in out
+    assert read_cluster_file(path).links["inter"].gbps == pytest.approx(1.0)
+    foreign = tmp_path / "notes.json"
+    foreign.write_text("[1, 2]")
+    assert comm.main(["--calibrate", str(foreign)]) == 2
+    assert "is not a cluster file" in capsys.readouterr().err and foreign.read_text() == "[1, 2]"
+
+
+def test_under_torchrun_the_world_is_torchruns(monkeypatch, capsys) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("ZEROPP_LAUNCHED_RANK", raising=False)
+    a = comm.parse_args(["--nodes", "1", "--formats", "none"])
+    assert (a.spec.nodes, a.spec.ranks_per_node) == (2, 4)
+    with pytest.raises(SystemExit) as e:
+        comm.parse_args(["--cluster", "emulated"])
+    assert e.value.code == 2 and "under torchrun" in capsys.readouterr().err
