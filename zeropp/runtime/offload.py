@@ -16,17 +16,18 @@ Optimizer state (``zero.offload_optimizer``):
   (``swap.py``); the step streams them through the staging buffers chunk by chunk (read ahead,
   update, write behind), so host memory stays ``swap_buffers * swap_buffer_size`` fp32 elements.
 
-The CPU AdamW kernel. Measured on this project's 2-core CI machine with
-``python -m experiments.bench_offload`` (4M fp32 elements, two runs, docs/benchmarks.md): torch's
-fused CPU ``AdamW`` kernel (``fused=True``) is the fastest of single-tensor, ``foreach``, fused
-and a ``torch.compile``d single-tensor step (3.8-4.3x ``foreach``; compile 3.2x), so it is the
-default (``DEFAULT_CPU_KERNEL``). It is torch.optim.AdamW's own kernel (max 1.5e-8 from
-``AdamW(foreach=False)`` after 3 steps on unit-scale weights), but it rounds differently from the
-single-tensor arithmetic the in-memory engine uses, so an offloaded run matches the in-memory run
-to a tolerance (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6 relative,
-after 3 steps); with ``cpu_adam="single"`` (``ZeroEngine(..., cpu_adam="single")``) the arithmetic
-is the same and the match is bit-exact. The tests check both. (The compiled step is slower and
-further from torch's numbers, 2.4e-7, since inductor re-associates the update.)
+The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``): ``native``, zeropp's one-pass C++
+kernel (``zeropp.kernels.cpu_adamw``: SIMD loops, threads over parts of the shard, built at first
+use). ``python -m experiments.bench_offload`` times it beside torch's single-tensor, ``foreach``
+and fused CPU kernels and DeepSpeed's ``DeepSpeedCPUAdam`` at 1M-64M elements on the same
+threads (docs/benchmarks.md). Its arithmetic is torch's single-tensor AdamW in torch's order; it
+differs from it only where the CPU's IEEE square root differs from the one torch uses (MKL's,
+by an ulp), so an offloaded run matches the in-memory run to a tolerance
+(tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6
+relative, after 3 steps), as torch's ``fused`` kernel does. ``cpu_adam="native-exact"`` takes
+torch's own square root and is bit-exact with the in-memory engine (so is ``"single"``, torch's
+single-tensor path, slower); the tests check both. A native kernel that cannot be built (no C++
+compiler) falls back to ``fused`` (``native-exact``: to ``single``) with one warning.
 
 Parameters (``zero.offload_param``, stage 3) -> :class:`ParamStore`: the rank's compute-dtype
 shard of each sharded unit, and the stored shard of each frozen unit (compute dtype, or MixZ++'s
@@ -51,7 +52,7 @@ from .optimizer import KERNELS, TIERS, AdamWShards, ShardedAdamW, adamw_update, 
 from .partition import FlatUnit
 from .swap import Segment, SwapSpace
 
-DEFAULT_CPU_KERNEL = "fused"
+DEFAULT_CPU_KERNEL = "native"
 """The CPU AdamW kernel the offloaded optimizer uses unless told otherwise (see module docstring)."""
 
 
