@@ -46,8 +46,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["LOCK_TIMEOUT_S", "UnsafeCache", "UnusableCache", "cached_library", "load_library", "load_once"]
 
@@ -309,12 +308,13 @@ def load_library(
     return lib, path
 
 
-def load_once(owner: ModuleType, load: Callable[[], tuple[ctypes.CDLL, Path]]) -> Optional[ctypes.CDLL]:
+def load_once(owner: Any, load: Callable[[], tuple[ctypes.CDLL, Path]]) -> Optional[ctypes.CDLL]:
     """The library a loader module keeps in its globals: ``owner._LIB`` once loaded, else loaded by
     ``load()`` at the first call, under ``owner._LOCK`` (a ``threading.Lock``: threads of one process
     load it once). A failure is recorded as ``owner.FAILED`` (``"<type>: <message>"``) and returns
     None, now and at every later call, without trying again: the caller falls back and says why.
-    Module globals (not an object) so that tests can reset a loader with ``monkeypatch.setattr``."""
+    Module globals (not an object) so that tests can reset a loader with ``monkeypatch.setattr``;
+    typed ``Any`` since a module's globals are not declared to the type checker."""
     if owner._LIB is not None or owner.FAILED is not None:
         return owner._LIB
     with owner._LOCK:
