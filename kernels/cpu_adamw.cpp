@@ -2,7 +2,9 @@
 // single-tensor path (foreach=False), element for element. Built by kernels/cpu_adamw.py at first
 // use (g++ -O3 -march=native -ffp-contract=off -fno-math-errno -pthread, no fast-math) and called
 // through ctypes; the range is split over `threads` std::threads (the caller's thread runs the
-// first part), each part in blocks of BLOCK elements that stay in L1 between the two loops.
+// first part). With the IEEE square root, one loop does the whole update; with torch's (sqrt_fn),
+// each part goes in blocks of BLOCK elements that stay in L1 across the moments loop, the call
+// that takes the block's roots and the weight loop.
 //
 // Each element sees torch's operations in torch's order, every one an fp32 operation on values
 // already rounded to fp32 (the caller rounds the Python scalars to fp32, as torch rounds a Python
@@ -46,7 +48,28 @@ struct Args {
     int64_t sqrt_mode;
 };
 
-// The moments and the decayed weights of [lo, hi).
+// The whole update of [lo, hi) in one loop, with the IEEE square root (sqrt_fn NULL).
+template <bool DECAY, bool BASE_M>
+void whole(const Args& a, i64 lo, i64 hi) {
+    float* __restrict p = a.p;
+    const float* __restrict g = a.g;
+    float* __restrict m = a.m;
+    float* __restrict v = a.v;
+    const float decay = a.decay, coeff = a.coeff, beta2 = a.beta2, omb2 = a.omb2;
+    const float bc2 = a.bc2_sqrt, eps = a.eps, ns = a.neg_step;
+    for (i64 i = lo; i < hi; ++i) {
+        const float pi = DECAY ? p[i] * decay : p[i];
+        const float gi = g[i], mi = m[i];
+        const float m2 = fmaf(coeff, gi - mi, BASE_M ? mi : gi);
+        const float v2 = fmaf(omb2 * gi, gi, v[i] * beta2);
+        const float d = sqrtf(v2) / bc2 + eps;
+        p[i] = pi + (ns * m2) / d;
+        m[i] = m2;
+        v[i] = v2;
+    }
+}
+
+// The moments and the decayed weights of [lo, hi) (the first loop of a block with sqrt_fn).
 template <bool DECAY, bool BASE_M>
 void moments(const Args& a, i64 lo, i64 hi) {
     float* __restrict p = a.p;
@@ -62,21 +85,26 @@ void moments(const Args& a, i64 lo, i64 hi) {
     }
 }
 
-// The weight update of [lo, hi) from the moments; `root` holds sqrt(v) of the block, or is NULL.
-template <bool ROOTS>
+// The weight update of [lo, hi) from the moments and `root`, sqrt(v) of the block (the second loop).
 void update(const Args& a, const float* __restrict root, i64 lo, i64 hi) {
     float* __restrict p = a.p;
     const float* __restrict m = a.m;
-    const float* __restrict v = a.v;
     const float bc2 = a.bc2_sqrt, eps = a.eps, ns = a.neg_step;
     for (i64 i = lo; i < hi; ++i) {
-        const float s = ROOTS ? root[i - lo] : sqrtf(v[i]);
-        const float d = s / bc2 + eps;
+        const float d = root[i - lo] / bc2 + eps;
         p[i] = p[i] + (ns * m[i]) / d;
     }
 }
 
 void run(const Args& a, i64 lo, i64 hi) {
+    if (!a.sqrt_fn) {
+        if (a.apply_decay) {
+            a.base_is_m ? whole<true, true>(a, lo, hi) : whole<true, false>(a, lo, hi);
+        } else {
+            a.base_is_m ? whole<false, true>(a, lo, hi) : whole<false, false>(a, lo, hi);
+        }
+        return;
+    }
     alignas(64) float root[BLOCK];
     for (i64 b = lo; b < hi; b += BLOCK) {
         const i64 e = b + BLOCK < hi ? b + BLOCK : hi;
@@ -85,12 +113,8 @@ void run(const Args& a, i64 lo, i64 hi) {
         } else {
             a.base_is_m ? moments<false, true>(a, b, e) : moments<false, false>(a, b, e);
         }
-        if (a.sqrt_fn) {
-            a.sqrt_fn((int)(e - b), a.v + b, root, a.sqrt_mode);
-            update<true>(a, root, b, e);
-        } else {
-            update<false>(a, nullptr, b, e);
-        }
+        a.sqrt_fn((int)(e - b), a.v + b, root, a.sqrt_mode);
+        update(a, root, b, e);
     }
 }
 

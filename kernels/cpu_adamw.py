@@ -5,8 +5,9 @@ of the range, built with the system C++ compiler at first use and called through
 Why hand-written: torch's single-tensor AdamW makes six passes over memory (one per op), and its
 fused CPU kernel, one pass, still trails DeepSpeed's ``DeepSpeedCPUAdam`` at a few million elements
 on two threads (``python -m experiments.bench_offload`` prints the three side by side). The C++
-loops are plain element-wise loops that gcc vectorises; each thread walks its part in blocks that
-stay in L1 between the moment update and the weight update. The build, cache and load are
+loops are plain element-wise loops that gcc vectorises (512-bit where the CPU has AVX-512); each
+thread updates its part in one loop (with ``exact=True``, in blocks that stay in L1 across the
+moments loop, the call that takes their square roots and the weight loop). The build, cache and load are
 ``cpu_native.py``'s (same compiler, cache directory and ``build_cache`` checks, a library of its
 own, ``za_<hash>.so``), with two more flags: ``-fno-math-errno`` (lets ``sqrtf`` vectorise; it
 only stops setting ``errno``) and ``-pthread``.
