@@ -35,6 +35,7 @@ import ctypes
 import struct
 import sys
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -114,6 +115,39 @@ def torch_sqrt() -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+@dataclass(frozen=True, kw_only=True)
+class AdamWStep:
+    """The scalars of one AdamW update, and the two torch derives from them (in Python floats,
+    as torch's single-tensor path computes them)."""
+
+    step: int
+    """The 1-based count of updates, this one included (the bias corrections' exponent)."""
+    lr: float
+    """The learning rate of this update."""
+    betas: tuple[float, float]
+    """Adam's (beta1, beta2): the moments' decay rates, each in [0, 1)."""
+    eps: float
+    """Added to the bias-corrected root of the second moment."""
+    weight_decay: float
+    """Decoupled weight decay (``p *= 1 - lr * weight_decay``; 0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"AdamWStep step={self.step}: the count includes this update, so it is >= 1")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"AdamWStep betas={self.betas}: two values in [0, 1)")
+
+    @property
+    def step_size(self) -> float:
+        """``lr / (1 - beta1**step)`` (torch keeps the step as a float tensor and reads ``.item()``)."""
+        return self.lr / (1 - self.betas[0] ** float(self.step))
+
+    @property
+    def bias_correction2_sqrt(self) -> float:
+        """``(1 - beta2**step) ** 0.5``."""
+        return (1 - self.betas[1] ** float(self.step)) ** 0.5
+
+
 def _f32(x: float) -> float:
     return float(struct.unpack("f", struct.pack("f", x))[0])
 
@@ -139,17 +173,13 @@ def adamw(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    hp: AdamWStep,
     *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
     exact: bool = False,
     threads: int | None = None,
 ) -> None:
     """One AdamW update of ``params``, ``exp_avgs`` and ``exp_avg_sqs`` in place (contiguous fp32
-    CPU tensors, same sizes pairwise); ``step`` is the 1-based count including this update.
+    CPU tensors, same sizes pairwise) with the scalars ``hp``.
     ``exact``: torch's own square root (bit-exact with :func:`adamw_reference`, see the module
     docstring). ``threads``: default ``torch.get_num_threads()``. Raises RuntimeError when the
     kernel is unavailable (:data:`FAILED` says why)."""
@@ -157,10 +187,7 @@ def adamw(
     lib = library()
     if lib is None:
         raise RuntimeError(f"the native CPU AdamW kernel is unavailable: {FAILED}")
-    beta1, beta2 = betas
-    stepf = float(step)
-    step_size = lr / (1 - beta1**stepf)
-    bc2_sqrt = (1 - beta2**stepf) ** 0.5
+    beta1, beta2 = hp.betas
     w = 1 - beta1
     small = abs(_f32(w)) < 0.5  # ATen's lerp: w * (end - start) + start, else (w - 1) * (end - start) + end
     coeff = w if small else _f32(w) - 1.0
@@ -173,15 +200,15 @@ def adamw(
             m.data_ptr(),
             v.data_ptr(),
             p.numel(),
-            int(weight_decay != 0),
-            1 - lr * weight_decay,
+            int(hp.weight_decay != 0),
+            1 - hp.lr * hp.weight_decay,
             coeff,
             int(small),
             beta2,
             1 - beta2,
-            bc2_sqrt,
-            eps,
-            -step_size,
+            hp.bias_correction2_sqrt,
+            hp.eps,
+            -hp.step_size,
             sqrt_fn,
             _VML_MODE,
             n_threads,
@@ -196,26 +223,18 @@ def adamw_reference(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
+    hp: AdamWStep,
 ) -> None:
     """The same update in torch ops: the single-tensor path of ``torch.optim.AdamW`` (amsgrad,
     maximize and capturable off), operation for operation, so it gives torch's bits."""
-    beta1, beta2 = betas
-    stepf = float(step)  # torch keeps the step as a float tensor and reads .item()
-    step_size = lr / (1 - beta1**stepf)
-    bias_correction2_sqrt = (1 - beta2**stepf) ** 0.5
+    beta1, beta2 = hp.betas
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        if weight_decay != 0:
-            p.mul_(1 - lr * weight_decay)
+        if hp.weight_decay != 0:
+            p.mul_(1 - hp.lr * hp.weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        denom = (v.sqrt() / hp.bias_correction2_sqrt).add_(hp.eps)
+        p.addcdiv_(m, denom, value=-hp.step_size)
 
 
 if __name__ == "__main__":  # python -m zeropp.kernels.cpu_adamw: build (or find) and load the kernel

@@ -43,9 +43,8 @@ def _torch_run(shape, steps, *, lr, betas, wd, exact, threads=None):
     for s, grad in enumerate(grads, 1):
         ref.grad = grad.clone()
         opt.step()
-        cpu_adamw.adamw(
-            [p], [grad], [m], [v], step=s, lr=lr, betas=betas, eps=1e-8, weight_decay=wd, exact=exact, threads=threads
-        )
+        hp = cpu_adamw.AdamWStep(step=s, lr=lr, betas=betas, eps=1e-8, weight_decay=wd)
+        cpu_adamw.adamw([p], [grad], [m], [v], hp, exact=exact, threads=threads)
     st = opt.state[ref]
     return (ref.detach(), st["exp_avg"], st["exp_avg_sq"]), (p, m, v)
 
@@ -85,15 +84,15 @@ def test_the_result_does_not_depend_on_the_thread_count() -> None:
     for threads in (1, 2, 5):
         p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
         for s in (1, 2):
-            cpu_adamw.adamw([p], [grad], [m], [v], step=s, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
-                            threads=threads)  # fmt: skip
+            hp = cpu_adamw.AdamWStep(step=s, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+            cpu_adamw.adamw([p], [grad], [m], [v], hp, threads=threads)
         outs.append((p, m, v))
     assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
 
 
 def test_bad_tensors_are_refused_with_what_to_change() -> None:
     _native_or_skip()
-    kw = dict(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    kw = dict(hp=cpu_adamw.AdamWStep(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
     x = torch.zeros(8)
     with pytest.raises(ValueError, match=r"tensor 0 is torch.bfloat16 on cpu.*contiguous fp32 CPU tensors"):
         cpu_adamw.adamw([x.bfloat16()], [x], [x], [x], **kw)
@@ -103,6 +102,10 @@ def test_bad_tensors_are_refused_with_what_to_change() -> None:
         cpu_adamw.adamw([x], [torch.zeros(7)], [x], [x], **kw)
     with pytest.raises(ValueError, match="1 params but a list of 2 tensors"):
         cpu_adamw.adamw([x], [x, x], [x], [x], **kw)
+    with pytest.raises(ValueError, match=r"step=0: the count includes this update"):
+        cpu_adamw.AdamWStep(step=0, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\): two values in \[0, 1\)"):
+        cpu_adamw.AdamWStep(step=1, lr=1e-3, betas=(0.9, 1.0), eps=1e-8, weight_decay=0.0)
     with pytest.raises(ValueError, match="runs on CPU tensors only, not on meta"):
         optimizer.adamw_update(
             [torch.zeros(8, device="meta")], [x], [x], [x], step=1, lr=1e-3, cfg=OptimizerConfig(), kernel="native"

@@ -8,7 +8,7 @@ the tests demand exact parity. ``kernel="foreach"`` and ``kernel="fused"`` run t
 multi-tensor and fused AdamW kernels (``torch.optim.adamw.adamw``) on the same state; the fused
 CPU kernel rounds differently (about 1 ulp of the update, 1e-8 absolute on unit-scale weights
 after a step). ``kernel="native"`` and ``"native-exact"`` run ``zeropp.kernels.cpu_adamw``, the
-one-pass CPU kernel the CPU offload uses (see ``offload.py``): ``native-exact`` is bit-identical
+one-pass CPU kernel the CPU offload can use (``cpu_adam=``, see ``offload.py``): ``native-exact`` is bit-identical
 to ``single``; ``native`` uses the IEEE square root where torch's differs by an ulp (m and v
 identical, weights within about an ulp per step). A native kernel that cannot be built falls
 back to ``fused`` / ``single`` with one warning.
@@ -86,13 +86,12 @@ def adamw_update(
         raise ValueError(f"AdamW kernel={kernel!r}; use one of {KERNELS}")
     (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
     kernel = _native_or_fallback(kernel, params)
-    tensors = (params, grads, exp_avgs, exp_avg_sqs)
+    hp = cpu_adamw.AdamWStep(step=step, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
     if kernel == "single":
-        cpu_adamw.adamw_reference(*tensors, step=step, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+        cpu_adamw.adamw_reference(params, grads, exp_avgs, exp_avg_sqs, hp)
         return
     if kernel in _FALLBACK:
-        exact = kernel == "native-exact"
-        cpu_adamw.adamw(*tensors, step=step, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd, exact=exact)
+        cpu_adamw.adamw(params, grads, exp_avgs, exp_avg_sqs, hp, exact=kernel == "native-exact")
         return
     from torch.optim.adamw import adamw
 
