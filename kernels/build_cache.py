@@ -46,9 +46,9 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["LOCK_TIMEOUT_S", "UnsafeCache", "UnusableCache", "cached_library", "load_library"]
+__all__ = ["LOCK_TIMEOUT_S", "UnsafeCache", "UnusableCache", "cached_library", "load_library", "load_once"]
 
 HASH_SUFFIX = ".sha256"
 LOCK_SUFFIX = ".lock"
@@ -306,3 +306,21 @@ def load_library(
     lib, path = cached_library(cache, name, build, load)
     assert lib is not None
     return lib, path
+
+
+def load_once(owner: Any, load: Callable[[], tuple[ctypes.CDLL, Path]]) -> Optional[ctypes.CDLL]:
+    """The library a loader module keeps in its globals: ``owner._LIB`` once loaded, else loaded by
+    ``load()`` at the first call, under ``owner._LOCK`` (a ``threading.Lock``: threads of one process
+    load it once). A failure is recorded as ``owner.FAILED`` (``"<type>: <message>"``) and returns
+    None, now and at every later call, without trying again: the caller falls back and says why.
+    Module globals (not an object) so that tests can reset a loader with ``monkeypatch.setattr``;
+    typed ``Any`` since a module's globals are not declared to the type checker."""
+    if owner._LIB is not None or owner.FAILED is not None:
+        return owner._LIB
+    with owner._LOCK:
+        if owner._LIB is None and owner.FAILED is None:
+            try:
+                owner._LIB = load()[0]
+            except Exception as err:
+                owner.FAILED = f"{type(err).__name__}: {err}"
+    return owner._LIB

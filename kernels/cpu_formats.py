@@ -40,8 +40,6 @@ fails, :func:`native_enabled` warns once and the public functions run the refere
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import subprocess
 import sys
 import threading
 import warnings
@@ -78,21 +76,7 @@ _LOCK = threading.Lock()
 
 def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
     """The library's file name (its cache key) and a function that builds it at a given path."""
-    cxx = cpu_native._compiler()
-    timeout = cpu_native.BUILD_TIMEOUT_S
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=timeout).stdout
-    key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), " ".join(cpu_native.FLAGS), version, cpu_native._cpu_features()]).encode()
-    )
-
-    def build(out: Path) -> None:
-        res = subprocess.run(
-            [cxx, *cpu_native.FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=timeout
-        )
-        if res.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
-
-    return f"zf_{key.hexdigest()[:20]}.so", build
+    return cpu_native.named_build(SOURCE, cpu_native.FLAGS, "zf")
 
 
 def _load(path: str) -> ctypes.CDLL:
@@ -112,18 +96,7 @@ def load() -> tuple[ctypes.CDLL, Path]:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels (built at the first call), or None when off or unavailable."""
-    global _LIB, FAILED
-    if not cpu_native.ENABLED:
-        return None
-    if _LIB is not None or FAILED is not None:
-        return _LIB
-    with _LOCK:
-        if _LIB is None and FAILED is None:
-            try:
-                _LIB = load()[0]
-            except Exception as err:
-                FAILED = f"{type(err).__name__}: {err}"
-    return _LIB
+    return build_cache.load_once(sys.modules[__name__], load) if cpu_native.ENABLED else None
 
 
 def available() -> bool:

@@ -112,22 +112,29 @@ def cache_dir() -> Path:
     return Path(base) / "cpu_native"
 
 
-def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
-    """The library's file name (its cache key) and a function that builds it at a given path."""
+def named_build(source: Path, flags: list[str], prefix: str) -> tuple[str, Callable[[Path], None]]:
+    """The file name of the library built from ``source`` with ``flags`` (``<prefix>_<hash>.so``:
+    its cache key, a hash of the source, the flags, the compiler's version and the CPU's feature
+    flags) and a function that builds it at a given path. Shared by every native loader."""
     cxx = _compiler()
     version = subprocess.run(
         [cxx, "--version"], capture_output=True, text=True, check=True, timeout=BUILD_TIMEOUT_S
     ).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_features()]).encode())
+    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags), version, _cpu_features()]).encode())
 
     def build(out: Path) -> None:
         res = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            [cxx, *flags, str(source), "-o", str(out)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
         )
         if res.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
 
-    return f"zq_{key.hexdigest()[:20]}.so", build
+    return f"{prefix}_{key.hexdigest()[:20]}.so", build
+
+
+def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
+    """The library's file name (its cache key) and a function that builds it at a given path."""
+    return named_build(SOURCE, FLAGS, "zq")
 
 
 def _build() -> Path:
@@ -162,16 +169,7 @@ def load() -> tuple[ctypes.CDLL, Path]:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels (built at the first call), or None when they are off or unavailable."""
-    global _LIB, FAILED
-    if _LIB is not None or FAILED is not None or not ENABLED:
-        return _LIB if ENABLED else None
-    with _LOCK:
-        if _LIB is None and FAILED is None:
-            try:
-                _LIB = load()[0]
-            except Exception as err:
-                FAILED = f"{type(err).__name__}: {err}"
-    return _LIB
+    return build_cache.load_once(sys.modules[__name__], load) if ENABLED else None
 
 
 def available() -> bool:

@@ -101,3 +101,13 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(torch.isnan(a), torch.isnan(b))
     a, b = _nan_to_zero(a), _nan_to_zero(b)
     assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+def failing_compiler(tmp_path, monkeypatch) -> None:
+    """Make every native build of this test fail for real: ``CXX`` is a script that answers
+    ``--version`` and exits 1 on a compile, and the cache is a fresh directory under ``tmp_path``."""
+    cxx = tmp_path / "no-such-compiler"
+    cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1 && exit 0\nexit 1\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("ZEROPP_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,17 +1,21 @@
 """CPU AdamW kernels for ZeRO-Offload, and the nvme tier's swap bandwidth against the disk's own.
 
-    python -m experiments.bench_offload                       # 4M elements, 256 MiB swap test under /tmp
-    python -m experiments.bench_offload --numel 16777216 --swap-mib 1024 --dir /mnt/nvme
+    python -m experiments.bench_offload                       # 1M,4M,16M,64M elements, 256 MiB swap test under /tmp
+    python -m experiments.bench_offload --sizes 4M,16M --swap-mib 1024 --dir /mnt/nvme
     python -m experiments.bench_offload --json out.json
 
-CPU AdamW: one update of ``--numel`` fp32 elements (one tensor: an offloaded shard is one flat
-buffer) with each of torch's AdamW paths: single-tensor (``foreach=False``; the arithmetic the
-in-memory engine uses), ``foreach``, ``fused`` (torch's fused CPU kernel) and ``torch.compile`` of
-the single-tensor step. Each is timed as the median of ``--repeat`` steps after a warm-up, and
-checked against ``torch.optim.AdamW(foreach=False)`` after 3 steps on the same data: "max |diff|"
-is the largest absolute weight difference (0 = bit-identical). Column "vs foreach" = foreach's
-time / this time (> 1: faster than foreach). DeepSpeed's claim for its CPU Adam is 5-7x against
-"PyTorch" (its baseline was the single-tensor path of its day).
+CPU AdamW: one update of each ``--sizes`` fp32 element count (one tensor: an offloaded shard is one
+flat buffer) with each kernel: torch's single-tensor (``foreach=False``; the arithmetic the
+in-memory engine uses), ``foreach``, ``fused`` (torch's fused CPU kernel), ``torch.compile`` of the
+single-tensor step (``--compile``), zeropp's native kernel (``native``, and ``native-exact`` with
+torch's own square root; ``zeropp.kernels.cpu_adamw``) and DeepSpeed's ``DeepSpeedCPUAdam`` when
+``deepspeed`` is installed (``pip install 'zeropp[peers]'``; the row says so otherwise). All run on
+the same ``torch.get_num_threads()`` threads (``--threads``; DeepSpeed's OpenMP loop too). The
+steps are interleaved (one step of each kernel in turn, ``--repeat`` rounds, after a warm-up) and
+each time is the median. Each kernel is also checked against ``torch.optim.AdamW(foreach=False)``
+after 3 steps on ``min(size, 65536)`` elements: "max |diff|" is the largest absolute weight
+difference (0 = bit-identical). "vs fused" and "vs deepspeed" = that kernel's time / this time
+(> 1: faster).
 
 Swap bandwidth: what ``zeropp.runtime.swap.SwapSpace`` reaches moving a ``--swap-mib`` fp32
 tensor into its preallocated file and back through its staging buffers (default 4 x 4M elements,
@@ -21,7 +25,7 @@ of 4 MiB blocks. Both writes end with ``fsync`` and are timed including it, so t
 disk (not only the page cache). Neither read drops the page cache (no root needed): both read
 data just written, so on a machine with enough free memory both reads mostly measure the page
 cache; the ratio swap / plain is the meaningful figure. Also reported: one ``SwappedAdamW`` step
-streaming master, m and v of ``--numel`` elements (12 bytes per element each way).
+streaming master, m and v of the first size's elements (at most 4M) (12 bytes per element each way).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from zeropp.kernels import cpu_adamw
 from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
@@ -67,38 +72,101 @@ def _compiled_step() -> Callable[..., None]:
     return run
 
 
-def bench_adam(n: int, repeat: int) -> list[dict[str, Any]]:
-    """Median seconds per AdamW step of ``n`` elements for each kernel, with its max |diff|."""
+PEERS_HINT = "skipped: pip install 'zeropp[peers]'"
+"""The DeepSpeed row's text when ``deepspeed`` cannot be imported."""
+PARITY_NUMEL = 1 << 16
+"""Elements of the 3-step parity check against ``torch.optim.AdamW(foreach=False)``."""
+
+
+def _deepspeed_step() -> Callable[..., None] | str:
+    """A runner that steps ``DeepSpeedCPUAdam`` (AdamW mode) on its own parameter per buffer, or
+    why it cannot (not installed; or its op failed to build: the error's first line)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return PEERS_HINT
+    opts: dict[int, Any] = {}
+
+    def run(p, g, m, v, step_no: int, lr: float) -> None:
+        # DeepSpeed keeps its own moments; m and v are unused (its state starts at zero like ours)
+        if p.data_ptr() not in opts:
+            param = torch.nn.Parameter(p)  # shares p's memory: the update lands in p
+            opts[p.data_ptr()] = (
+                param,
+                DeepSpeedCPUAdam(
+                    [param], lr=lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, adamw_mode=True
+                ),
+            )
+        param, opt = opts[p.data_ptr()]
+        param.grad = g
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+
+    try:
+        probe = torch.zeros(16)
+        run(probe, probe.clone(), None, None, 1, CFG.lr)  # builds (or loads) its native op now
+    except Exception as err:  # its JIT build needs a compiler and ninja
+        return f"unavailable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return run
+
+
+def runners(compile_step: bool = False) -> dict[str, Callable[..., None] | str]:
+    """Kernel name -> ``run(p, g, m, v, step, lr)`` (one update in place), or why it cannot run."""
+    out: dict[str, Callable[..., None] | str] = {
+        k: (lambda k: lambda p, g, m, v, s, lr: adamw_update([p], [g], [m], [v], step=s, lr=lr, cfg=CFG, kernel=k))(k)
+        for k in ("single", "foreach", "fused", "native", "native-exact")
+    }
+    if not cpu_adamw.available():
+        out["native"] = out["native-exact"] = f"unavailable: {cpu_adamw.FAILED}"
+    if compile_step:
+        out["compile"] = _compiled_step()
+    out["deepspeed"] = _deepspeed_step()
+    return out
+
+
+def _parity(fn: Callable[..., None], n: int) -> float:
+    """Max |weight difference| from ``torch.optim.AdamW(foreach=False)`` after 3 steps of ``n`` elements."""
     ref_p, g, _, _ = _state(n)
     ref = torch.nn.Parameter(ref_p.clone())
     opt = torch.optim.AdamW(
         [ref], lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, foreach=False
     )
-    for _ in range(3):
+    p, _, m, v = _state(n)
+    for s in range(1, 4):
         ref.grad = g.clone()
         opt.step()
-    compiled = _compiled_step()
-    runners: dict[str, Callable[..., None]] = {
-        k: (lambda k: lambda p, g, m, v, s, lr: adamw_update([p], [g], [m], [v], step=s, lr=lr, cfg=CFG, kernel=k))(k)
-        for k in ("single", "foreach", "fused")
-    }
-    runners["compile"] = compiled
-    rows = []
-    for name, fn in runners.items():
-        p, g, m, v = _state(n)
-        for s in range(1, 4):  # the parity check; also the warm-up (and the compilation)
-            fn(p, g, m, v, s, CFG.lr)
-        diff = float((p - ref.detach()).abs().max())
-        times = []
-        for s in range(4, 4 + repeat):
+        fn(p, g, m, v, s, CFG.lr)
+    return float((p - ref.detach()).abs().max())
+
+
+def bench_adam(n: int, repeat: int, run: dict[str, Callable[..., None] | str]) -> list[dict[str, Any]]:
+    """Median seconds per AdamW step of ``n`` elements for each runnable kernel of ``run``
+    (interleaved: one step of each in turn), with its max |diff|; a kernel that cannot run gets a
+    row with its reason as ``skipped``."""
+    ok = {k: fn for k, fn in run.items() if callable(fn)}
+    diffs = {k: _parity(fn, min(n, PARITY_NUMEL)) for k, fn in ok.items()}
+    state = _state(n)  # one state for all (the values do not change a step's time): memory stays 16 B/element
+    times: dict[str, list[float]] = {k: [] for k in ok}
+    for fn in ok.values():  # warm-up (and compilation)
+        fn(*state, 1, CFG.lr)
+    for s in range(2, 2 + repeat):
+        for k, fn in ok.items():
             t0 = time.perf_counter()
-            fn(p, g, m, v, s, CFG.lr)
-            times.append(time.perf_counter() - t0)
-        rows.append({"kernel": name, "seconds": statistics.median(times), "max_abs_diff": diff})
-    foreach = next(r["seconds"] for r in rows if r["kernel"] == "foreach")
+            fn(*state, s, CFG.lr)
+            times[k].append(time.perf_counter() - t0)
+    rows: list[dict[str, Any]] = []
+    for k, fn in run.items():
+        if not callable(fn):
+            rows.append({"kernel": k, "numel": n, "skipped": fn})
+            continue
+        sec = statistics.median(times[k])
+        rows.append({"kernel": k, "numel": n, "seconds": sec, "max_abs_diff": diffs[k], "gelem_per_s": n / sec / 1e9})
+    base = {r["kernel"]: r["seconds"] for r in rows if "seconds" in r}
     for r in rows:
-        r["vs_foreach"] = foreach / r["seconds"]
-        r["gelem_per_s"] = n / r["seconds"] / 1e9
+        if "seconds" in r:
+            r["vs_fused"] = base["fused"] / r["seconds"]
+            r["vs_deepspeed"] = base["deepspeed"] / r["seconds"] if "deepspeed" in base else None
     return rows
 
 
@@ -142,9 +210,9 @@ def bench_swap(directory: str, mib: int, buffers: int, buffer_size: int, adam_nu
         tr = time.perf_counter() - t0
         assert torch.equal(out, src), "swap round trip corrupted the data"
         del out
-        from zeropp.runtime.offload import SwappedAdamW
+        from zeropp.runtime.offload import DEFAULT_CPU_KERNEL, SwappedAdamW
 
-        opt = SwappedAdamW([torch.randn(adam_numel)], CFG, space=sp, kernel="fused")
+        opt = SwappedAdamW([torch.randn(adam_numel)], CFG, space=sp, kernel=DEFAULT_CPU_KERNEL)
         grad = torch.randn(adam_numel)
         opt.step([grad])  # warm-up
         t0 = time.perf_counter()
@@ -168,17 +236,39 @@ def bench_swap(directory: str, mib: int, buffers: int, buffer_size: int, adam_nu
     }
 
 
-def format_report(adam: list[dict[str, Any]], swap: dict[str, Any], a: argparse.Namespace) -> str:
+def _size(text: str) -> int:
+    """``4M`` / ``64k`` / ``1048576`` -> elements (k, M, G are powers of 1024)."""
+    t = text.strip()
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:].lower(), 1)
+    num = t[:-1] if mult > 1 else t
+    if not num.isdigit() or int(num) < 1:
+        raise ValueError(f"{text!r} is not a size (a positive count, optionally with k, M or G: 4M)")
+    return int(num) * mult
+
+
+def adam_table(adam: list[dict[str, Any]], threads: int, repeat: int) -> list[str]:
+    """The CPU AdamW rows as a markdown table (skipped kernels say why)."""
     lines = [
-        f"CPU AdamW, {a.numel} fp32 elements, {torch.get_num_threads()} threads, median of {a.repeat}:",
-        "| kernel | ms/step | Gelem/s | vs foreach | max abs diff vs torch AdamW(foreach=False) |",
-        "|---|---|---|---|---|",
+        f"CPU AdamW, fp32, {threads} threads for every kernel, median of {repeat} interleaved steps:",
+        "| elements | kernel | ms/step | Gelem/s | vs fused | vs deepspeed | max abs diff vs torch AdamW(foreach=False) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in adam:
+        if "skipped" in r:
+            lines.append(f"| {r['numel']} | {r['kernel']} | {r['skipped']} | | | | |")
+            continue
+        vs_ds = "" if r["vs_deepspeed"] is None else f"{r['vs_deepspeed']:.2f}x"
         lines.append(
-            f"| {r['kernel']} | {r['seconds'] * 1e3:.2f} | {r['gelem_per_s']:.3f} | {r['vs_foreach']:.2f}x "
-            f"| {r['max_abs_diff']:.3g} |"
+            f"| {r['numel']} | {r['kernel']} | {r['seconds'] * 1e3:.2f} | {r['gelem_per_s']:.3f} | "
+            f"{r['vs_fused']:.2f}x | {vs_ds} | {r['max_abs_diff']:.3g} |"
         )
+    return lines
+
+
+def format_report(adam: list[dict[str, Any]], swap: dict[str, Any] | None, a: argparse.Namespace) -> str:
+    lines = adam_table(adam, torch.get_num_threads(), a.repeat)
+    if swap is None:
+        return "\n".join(lines)
     s = swap
     lines += [
         "",
@@ -190,7 +280,7 @@ def format_report(adam: list[dict[str, Any]], swap: dict[str, Any], a: argparse.
         f"| read (page cache not dropped) | {s['swap_read_gbps']:.2f} | {s['disk_read_gbps']:.2f} "
         f"| {s['read_ratio']:.2f} |",
         "",
-        f"SwappedAdamW step, {a.numel} elements (master+m+v read and written): "
+        f"SwappedAdamW step, {a.swap_numel} elements (master+m+v read and written): "
         f"{s['swapped_adam_step_s'] * 1e3:.1f} ms, {s['swapped_adam_gbps']:.2f} GB/s of swap traffic",
     ]
     return "\n".join(lines)
@@ -198,17 +288,28 @@ def format_report(adam: list[dict[str, Any]], swap: dict[str, Any], a: argparse.
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_offload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--numel", type=int, default=1 << 22, help="fp32 elements of the AdamW benchmarks")
+    p.add_argument("--sizes", default="1M,4M,16M,64M", help="fp32 elements of the AdamW benchmarks (k/M/G = 1024^n)")
     p.add_argument("--repeat", type=int, default=7, help="timed steps per kernel (median)")
-    p.add_argument("--swap-mib", type=int, default=256, help="MiB moved by the swap / plain I/O test")
+    p.add_argument("--threads", type=int, default=None, help="threads of every kernel (default: torch's)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the single-tensor step")
+    p.add_argument("--swap-mib", type=int, default=256, help="MiB moved by the swap / plain I/O test (0: skip it)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the swap test (the disk measured)")
     p.add_argument("--buffers", type=int, default=4, help="staging buffers (ZeroConfig.swap_buffers)")
     p.add_argument("--buffer-size", type=int, default=1 << 22, help="fp32 elements per buffer (swap_buffer_size)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     a = p.parse_args(argv)
-    for k in ("numel", "repeat", "swap_mib", "buffer_size"):
+    try:
+        a.numels = [_size(t) for t in a.sizes.split(",")]
+    except ValueError as e:
+        p.error(f"--sizes: {e}")
+    a.swap_numel = min(a.numels[0], 1 << 22)
+    for k in ("repeat", "buffer_size"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.swap_mib < 0:
+        p.error("--swap-mib must be >= 0")
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be >= 1")
     if a.buffers < 2:
         p.error("--buffers must be >= 2")
     if not os.path.isdir(a.dir):
@@ -218,8 +319,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    adam = bench_adam(a.numel, a.repeat)
-    swap = bench_swap(a.dir, a.swap_mib, a.buffers, a.buffer_size, a.numel)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    adam: list[dict[str, Any]] = []
+    for n in a.numels:  # fresh runners per size: DeepSpeed's optimizers hold their buffers
+        adam += bench_adam(n, a.repeat, runners(a.compile))
+    swap = bench_swap(a.dir, a.swap_mib, a.buffers, a.buffer_size, a.swap_numel) if a.swap_mib else None
     print(format_report(adam, swap, a))
     if a.json:
         with open(a.json, "w") as f:

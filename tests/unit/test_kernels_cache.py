@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernel_helpers import failing_compiler
 from zeropp.kernels import build_cache, cpu_native
 
 
@@ -24,10 +25,8 @@ def test_cpu_native_falls_back_loudly_when_the_cache_is_unsafe_and_nothing_build
     cache_root = tmp_path / "root"
     (cache_root / "cpu_native").mkdir(parents=True)
     (cache_root / "cpu_native").chmod(0o777)
+    failing_compiler(tmp_path, monkeypatch)
     monkeypatch.setenv("ZEROPP_CACHE_DIR", str(cache_root))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    (tmp_path / "no-such-compiler").write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1 && exit 0\nexit 1\n')
-    (tmp_path / "no-such-compiler").chmod(0o755)
     for attr, value in (("ENABLED", True), ("_LIB", None), ("FAILED", None)):
         monkeypatch.setattr(cpu_native, attr, value)
     monkeypatch.setattr(cpu, "_native_warned", False)

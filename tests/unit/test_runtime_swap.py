@@ -151,7 +151,7 @@ def test_a_full_disk_during_a_swap_names_the_file(space, monkeypatch):
     space.write_from(Segment(f, 0, 100, torch.float32), torch.ones(100))  # the space is still usable
 
 
-@pytest.mark.parametrize("kernel", ["single", "fused"])
+@pytest.mark.parametrize("kernel", ["single", "fused", "native", "native-exact"])
 def test_streamed_adamw_is_the_in_memory_update(tmp_path, kernel):
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)

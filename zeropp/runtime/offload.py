@@ -16,17 +16,22 @@ Optimizer state (``zero.offload_optimizer``):
   (``swap.py``); the step streams them through the staging buffers chunk by chunk (read ahead,
   update, write behind), so host memory stays ``swap_buffers * swap_buffer_size`` fp32 elements.
 
-The CPU AdamW kernel. Measured on this project's 2-core CI machine with
-``python -m experiments.bench_offload`` (4M fp32 elements, two runs, docs/benchmarks.md): torch's
-fused CPU ``AdamW`` kernel (``fused=True``) is the fastest of single-tensor, ``foreach``, fused
-and a ``torch.compile``d single-tensor step (3.8-4.3x ``foreach``; compile 3.2x), so it is the
-default (``DEFAULT_CPU_KERNEL``). It is torch.optim.AdamW's own kernel (max 1.5e-8 from
-``AdamW(foreach=False)`` after 3 steps on unit-scale weights), but it rounds differently from the
-single-tensor arithmetic the in-memory engine uses, so an offloaded run matches the in-memory run
-to a tolerance (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6 relative,
-after 3 steps); with ``cpu_adam="single"`` (``ZeroEngine(..., cpu_adam="single")``) the arithmetic
-is the same and the match is bit-exact. The tests check both. (The compiled step is slower and
-further from torch's numbers, 2.4e-7, since inductor re-associates the update.)
+The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``): torch's fused CPU ``AdamW``
+(``fused``) by default; ``native`` is zeropp's one-pass C++ kernel (``zeropp.kernels.cpu_adamw``:
+SIMD loops, threads over parts of the shard, built at first use). ``python -m
+experiments.bench_offload`` times both beside torch's single-tensor and ``foreach`` paths and
+DeepSpeed's ``DeepSpeedCPUAdam`` at 1M-64M elements on the same threads (docs/benchmarks.md): on
+this project's loaded 2-core machine ``native`` is 1.8x ``fused`` at 4M and level with it
+(0.96-1.02x) at 16M and 64M, where both are bound by memory bandwidth; it becomes the default
+once a quiet run shows it ahead at every size. The fused kernel rounds differently from the
+single-tensor arithmetic the in-memory engine uses (max 1.5e-8 from ``AdamW(foreach=False)`` after
+3 steps on unit-scale weights), and ``native`` differs from it only where the CPU's IEEE square
+root differs from torch's (MKL's, by an ulp): an offloaded run with either matches the in-memory
+run to a tolerance (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5
+norm-relative, losses 1e-6 relative, after 3 steps). ``cpu_adam="native-exact"`` takes torch's
+own square root and, like ``"single"`` (torch's single-tensor path, slower), is bit-exact with
+the in-memory engine; the tests check each. A native kernel that cannot be built (no C++
+compiler) falls back to ``fused`` (``native-exact``: to ``single``) with one warning.
 
 Parameters (``zero.offload_param``, stage 3) -> :class:`ParamStore`: the rank's compute-dtype
 shard of each sharded unit, and the stored shard of each frozen unit (compute dtype, or MixZ++'s

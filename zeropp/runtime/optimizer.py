@@ -5,9 +5,13 @@ units). The default arithmetic (``kernel="single"``) is the single-tensor path o
 ``torch.optim.AdamW`` operation for operation, so an update of a flat shard is bit-identical to
 ``AdamW(foreach=False)`` applied to the same elements one parameter at a time; that is what lets
 the tests demand exact parity. ``kernel="foreach"`` and ``kernel="fused"`` run torch's own
-multi-tensor and fused AdamW kernels (``torch.optim.adamw.adamw``) on the same state: the fused
-CPU kernel is the fast one the CPU offload uses (see ``offload.py``); it rounds differently
-(about 1 ulp of the update, 1e-8 absolute on unit-scale weights after a step).
+multi-tensor and fused AdamW kernels (``torch.optim.adamw.adamw``) on the same state; the fused
+CPU kernel rounds differently (about 1 ulp of the update, 1e-8 absolute on unit-scale weights
+after a step). ``kernel="native"`` and ``"native-exact"`` run ``zeropp.kernels.cpu_adamw``, the
+one-pass CPU kernel the CPU offload can use (``cpu_adam=``, see ``offload.py``): ``native-exact`` is bit-identical
+to ``single``; ``native`` uses the IEEE square root where torch's differs by an ulp (m and v
+identical, weights within about an ulp per step). A native kernel that cannot be built falls
+back to ``fused`` / ``single`` with one warning.
 
 Every optimizer-state holder (this class, and ``offload.HostAdamW`` / ``offload.SwappedAdamW``)
 offers the same small interface the engine and the checkpoint use: ``step(grads, on_updated)``, ``lr``,
@@ -19,15 +23,47 @@ tier), ``loaded(step)`` and ``invalidate(reason)`` (see :meth:`ShardedAdamW.inva
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from zeropp.kernels import cpu_adamw
+
 from .choices import MemoryTier
 from .config import OptimizerConfig
 
-KERNELS = ("single", "foreach", "fused")
+KERNELS = ("single", "foreach", "fused", "native", "native-exact")
+"""The AdamW kernels: torch's single-tensor, ``foreach`` and fused paths, and the native CPU kernel
+(``zeropp.kernels.cpu_adamw``; ``native-exact`` takes torch's own square root and is bit-exact
+with ``single``, ``native`` the CPU's IEEE one)."""
 TIERS = MemoryTier.values()
+
+_FALLBACK = {"native": "fused", "native-exact": "single"}
+"""What a native kernel falls back to when it cannot be built or loaded (the exact one to the exact path)."""
+_warned_fallback = False
+
+
+def _native_or_fallback(kernel: str, tensors: Sequence[torch.Tensor]) -> str:
+    """``kernel`` if it is a native one that can run here, else the kernel to run instead: a
+    native kernel on non-CPU tensors is an error; one that failed to build falls back (one warning)."""
+    global _warned_fallback
+    if kernel not in _FALLBACK:
+        return kernel
+    off_cpu = [t.device for t in tensors if t.device.type != "cpu"]
+    if off_cpu:
+        raise ValueError(f"AdamW kernel={kernel!r} runs on CPU tensors only, not on {off_cpu[0]}; use 'single' there")
+    if cpu_adamw.available():
+        return kernel
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            f"zeropp: the native CPU AdamW kernel is unavailable ({cpu_adamw.FAILED}); running torch's "
+            f"{_FALLBACK[kernel]!r} AdamW instead (install a C++ compiler, or set cpu_adam='fused' to silence this)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _FALLBACK[kernel]
 
 
 def adamw_update(
@@ -42,27 +78,21 @@ def adamw_update(
     kernel: str = "single",
 ) -> None:
     """One AdamW update of ``params`` in place (all fp32, same shapes pairwise); ``step`` is the
-    1-based count including this update. Element-wise: with ``single`` and ``foreach``, updating
-    a tensor in chunks gives the same bits as updating it whole; the ``fused`` CPU kernel rounds
-    its SIMD body and its scalar tail differently, so it does so only for chunks that are whole
-    SIMD blocks (the nvme tier cuts chunks at multiples of ``swap.ALIGN`` elements for that)."""
-    (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
-    if kernel == "single":
-        stepf = float(step)  # torch keeps the step as a float tensor and reads .item()
-        bias_correction1 = 1 - beta1**stepf
-        bias_correction2 = 1 - beta2**stepf
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
-        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-            p.addcdiv_(m, denom, value=-step_size)
-        return
+    1-based count including this update. Element-wise: with ``single``, ``foreach`` and the native
+    kernels, updating a tensor in chunks gives the same bits as updating it whole; the ``fused`` CPU
+    kernel rounds its SIMD body and its scalar tail differently, so it does so only for chunks that
+    are whole SIMD blocks (the nvme tier cuts chunks at multiples of ``swap.ALIGN`` elements for that)."""
     if kernel not in KERNELS:
         raise ValueError(f"AdamW kernel={kernel!r}; use one of {KERNELS}")
+    (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
+    kernel = _native_or_fallback(kernel, params)
+    hp = cpu_adamw.AdamWStep(step=step, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+    if kernel == "single":
+        cpu_adamw.adamw_reference(params, grads, exp_avgs, exp_avg_sqs, hp)
+        return
+    if kernel in _FALLBACK:
+        cpu_adamw.adamw(params, grads, exp_avgs, exp_avg_sqs, hp, exact=kernel == "native-exact")
+        return
     from torch.optim.adamw import adamw
 
     # torch's multi-tensor / fused paths increment the step tensors themselves before using them

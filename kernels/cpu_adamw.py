@@ -1,0 +1,244 @@
+"""A native CPU AdamW step: ``cpu_adamw.cpp``, one pass over fp32 flat buffers, threads over parts
+of the range, built with the system C++ compiler at first use and called through ``ctypes``
+(what ZeRO-Offload's host optimizer and the nvme tier's chunk update run; ``zeropp.runtime.offload``).
+
+Why hand-written: torch's single-tensor AdamW makes six passes over memory (one per op), and its
+fused CPU kernel, one pass, still trails DeepSpeed's ``DeepSpeedCPUAdam`` at a few million elements
+on two threads (``python -m experiments.bench_offload`` prints the three side by side). The C++
+loops are plain element-wise loops that gcc vectorises (512-bit where the CPU has AVX-512); each
+thread updates its part in one loop (with ``exact=True``, in blocks that stay in L1 across the
+moments loop, the call that takes their square roots and the weight loop). The build, cache and load are
+``cpu_native.py``'s (same compiler, cache directory and ``build_cache`` checks, a library of its
+own, ``za_<hash>.so``), with two more flags: ``-fno-math-errno`` (lets ``sqrtf`` vectorise; it
+only stops setting ``errno``) and ``-pthread``.
+
+Arithmetic: that of ``torch.optim.AdamW(foreach=False)`` (:func:`adamw_reference`), operation by
+operation in torch's order (the .cpp lists them), so with ``exact=True`` the result is bit for bit
+torch's, checked by ``tests/unit/test_kernels_adamw.py``. One operation depends on how torch was
+built: its fp32 ``sqrt`` is MKL's ``vmsSqrt`` where torch has MKL, and that is not always the
+correctly rounded root. ``exact=True`` takes the square roots from that same routine (looked up in
+torch's own library, and used only if it reproduces ``torch.sqrt`` on a probe); ``exact=False``
+uses the CPU's IEEE square root, which is faster: m and v are still bit-exact, and a weight differs
+from torch's by at most about one ulp per step (1 ulp of the root moves the update by 1 ulp).
+Where no such routine is found (torch without MKL, whose ``sqrt`` is the IEEE one),
+``exact=True`` uses the IEEE root as well.
+
+Scalars are rounded to fp32 as torch rounds a Python scalar operand of an fp32 tensor op; the
+bias corrections and step size are computed in Python floats, as torch's single-tensor path does.
+If the build or the load fails, :func:`library` returns None and says why in :data:`FAILED`; the
+runtime then warns once and runs torch's kernel instead (``zeropp.runtime.optimizer``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import build_cache, cpu_native
+
+SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
+FLAGS = [*cpu_native.FLAGS, "-fno-math-errno", "-pthread"]
+"""``cpu_native.FLAGS`` (no FMA contraction, no value-changing fast-math flag) plus the two above."""
+
+FAILED: str | None = None
+"""Why the kernel is unavailable in this process (None while it works or is unbuilt)."""
+
+_LIB: ctypes.CDLL | None = None
+_LOCK = threading.Lock()
+
+_VML_MODE = 0x2 | 0x140000 | 0x100
+"""The mode ATen passes to MKL's vector math (``VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE``)."""
+
+
+def _load(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    p, i, f, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.za_adamw.argtypes = [p, p, p, p, i, c, f, f, c, f, f, f, f, f, p, i, c]
+    lib.za_adamw.restype = c
+    return lib
+
+
+def load() -> tuple[ctypes.CDLL, Path]:
+    """Load the kernel (from the cache, else built) and return it with its file. Raises what went wrong."""
+    name, build = cpu_native.named_build(SOURCE, FLAGS, "za")
+    return build_cache.load_library(cpu_native.cache_dir(), name, build, _load)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel (built at the first call), or None when unavailable (see :data:`FAILED`).
+    Not switched off by ``ZEROPP_CPU_NATIVE=0``: that switch is the quantization kernels'; an
+    optimizer picks its kernel by name (``cpu_adam=``)."""
+    return build_cache.load_once(sys.modules[__name__], load)
+
+
+def available() -> bool:
+    """Whether the kernel can run in this process (builds it if needed)."""
+    return library() is not None
+
+
+@lru_cache(maxsize=1)
+def torch_sqrt() -> int | None:
+    """The address of the routine torch's CPU ``sqrt`` uses for fp32 (MKL's ``vmsSqrt`` in torch's
+    own library), or None when torch has no such routine or it does not reproduce ``torch.sqrt``
+    on a probe of awkward values (then torch's sqrt is taken to be the IEEE one)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            fn = ctypes.CDLL(str(lib_dir / name)).vmsSqrt
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = None
+    probe = torch.cat(
+        [
+            torch.tensor([0.0, 1e-45, 3e-39, 0.5, 2.0, 1e38, float("inf")]),
+            torch.rand(4093, generator=torch.Generator().manual_seed(0)) * 8,
+        ]
+    )
+    out = torch.empty_like(probe)
+    fn(probe.numel(), probe.data_ptr(), out.data_ptr(), _VML_MODE)
+    if not torch.equal(out.view(torch.int32), probe.sqrt().view(torch.int32)):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWStep:
+    """The scalars of one AdamW update, and the two torch derives from them (in Python floats,
+    as torch's single-tensor path computes them)."""
+
+    step: int
+    """The 1-based count of updates, this one included (the bias corrections' exponent)."""
+    lr: float
+    """The learning rate of this update."""
+    betas: tuple[float, float]
+    """Adam's (beta1, beta2): the moments' decay rates, each in [0, 1)."""
+    eps: float
+    """Added to the bias-corrected root of the second moment."""
+    weight_decay: float
+    """Decoupled weight decay (``p *= 1 - lr * weight_decay``; 0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"AdamWStep step={self.step}: the count includes this update, so it is >= 1")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"AdamWStep betas={self.betas}: two values in [0, 1)")
+
+    @property
+    def step_size(self) -> float:
+        """``lr / (1 - beta1**step)`` (torch keeps the step as a float tensor and reads ``.item()``)."""
+        return self.lr / (1 - self.betas[0] ** float(self.step))
+
+    @property
+    def bias_correction2_sqrt(self) -> float:
+        """``(1 - beta2**step) ** 0.5``."""
+        return (1 - self.betas[1] ** float(self.step)) ** 0.5
+
+
+def _f32(x: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", x))[0])
+
+
+def _check(tensors: Sequence[Sequence[torch.Tensor]]) -> None:
+    params = tensors[0]
+    for group in tensors:
+        if len(group) != len(params):
+            raise ValueError(f"adamw: {len(params)} params but a list of {len(group)} tensors")
+    for j, ts in enumerate(zip(*tensors)):
+        for t in ts:
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    f"adamw: tensor {j} is {t.dtype} on {t.device} (contiguous={t.is_contiguous()}); the native "
+                    "CPU AdamW takes contiguous fp32 CPU tensors"
+                )
+            if t.numel() != ts[0].numel():
+                raise ValueError(f"adamw: tensor {j}: {t.numel()} elements where its param has {ts[0].numel()}")
+
+
+def adamw(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    hp: AdamWStep,
+    *,
+    exact: bool = False,
+    threads: int | None = None,
+) -> None:
+    """One AdamW update of ``params``, ``exp_avgs`` and ``exp_avg_sqs`` in place (contiguous fp32
+    CPU tensors, same sizes pairwise) with the scalars ``hp``.
+    ``exact``: torch's own square root (bit-exact with :func:`adamw_reference`, see the module
+    docstring). ``threads``: default ``torch.get_num_threads()``. Raises RuntimeError when the
+    kernel is unavailable (:data:`FAILED` says why)."""
+    _check([params, grads, exp_avgs, exp_avg_sqs])
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU AdamW kernel is unavailable: {FAILED}")
+    beta1, beta2 = hp.betas
+    w = 1 - beta1
+    small = abs(_f32(w)) < 0.5  # ATen's lerp: w * (end - start) + start, else (w - 1) * (end - start) + end
+    coeff = w if small else _f32(w) - 1.0
+    sqrt_fn = torch_sqrt() if exact else None
+    n_threads = threads or torch.get_num_threads()
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        rc = lib.za_adamw(
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            p.numel(),
+            int(hp.weight_decay != 0),
+            1 - hp.lr * hp.weight_decay,
+            coeff,
+            int(small),
+            beta2,
+            1 - beta2,
+            hp.bias_correction2_sqrt,
+            hp.eps,
+            -hp.step_size,
+            sqrt_fn,
+            _VML_MODE,
+            n_threads,
+        )
+        if rc != 0:
+            raise RuntimeError(f"zeropp.kernels.cpu_adamw: za_adamw failed (rc={rc}, threads={n_threads})")
+
+
+@torch.no_grad()
+def adamw_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    hp: AdamWStep,
+) -> None:
+    """The same update in torch ops: the single-tensor path of ``torch.optim.AdamW`` (amsgrad,
+    maximize and capturable off), operation for operation, so it gives torch's bits."""
+    beta1, beta2 = hp.betas
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        if hp.weight_decay != 0:
+            p.mul_(1 - hp.lr * hp.weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / hp.bias_correction2_sqrt).add_(hp.eps)
+        p.addcdiv_(m, denom, value=-hp.step_size)
+
+
+if __name__ == "__main__":  # python -m zeropp.kernels.cpu_adamw: build (or find) and load the kernel
+    try:
+        print(load()[1], f"(torch's sqrt routine {'found' if torch_sqrt() else 'not found: IEEE sqrt'})")
+    except Exception as err:
+        print(f"unavailable: {type(err).__name__}: {err}")

@@ -1,0 +1,149 @@
+"""The native CPU AdamW kernel (kernels/cpu_adamw.py) against ``torch.optim.AdamW(foreach=False)``.
+
+Tolerances: ``exact=True`` takes torch's own square root, so p, m and v must be bit-identical to
+torch's after every step (``torch.equal``). ``exact=False`` uses the IEEE square root, which differs
+from MKL's (torch's) by 1 ulp on some elements: m and v never depend on it (bit-identical), and a
+weight then moves by at most 1 ulp of itself per step plus the update's own relative rounding
+(2**-23 of at most ``lr / (1 - beta1**t)``-sized steps), so the bound below is ``steps`` times that.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+
+import pytest
+import torch
+
+from tests.kernel_helpers import failing_compiler
+from zeropp.kernels import build_cache, cpu_adamw
+from zeropp.runtime import optimizer
+from zeropp.runtime.config import OptimizerConfig
+
+EPS32 = torch.finfo(torch.float32).eps
+SHAPES = [(1,), (7,), (17, 257)]
+BIG = (4 << 20,)
+"""Two threads' parts, each with a SIMD body and a tail (only where it matters: a 4M run costs seconds)."""
+
+
+def _native_or_skip() -> None:
+    if not cpu_adamw.available():
+        pytest.skip(f"native CPU AdamW unavailable here: {cpu_adamw.FAILED}")
+
+
+def _torch_run(shape, steps, *, lr, betas, wd, exact, threads=None):
+    """(torch's p, m, v) and (the kernel's p, m, v) after ``steps`` updates from the same start."""
+    g = torch.Generator().manual_seed(shape[0])
+    p0 = torch.randn(shape, generator=g)
+    grads = [torch.randn(shape, generator=g) for _ in range(steps)]
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=lr, betas=betas, eps=1e-8, weight_decay=wd, foreach=False)
+    p, m, v = p0.clone(), torch.zeros(shape), torch.zeros(shape)
+    for s, grad in enumerate(grads, 1):
+        ref.grad = grad.clone()
+        opt.step()
+        hp = cpu_adamw.AdamWStep(step=s, lr=lr, betas=betas, eps=1e-8, weight_decay=wd)
+        cpu_adamw.adamw([p], [grad], [m], [v], hp, exact=exact, threads=threads)
+    st = opt.state[ref]
+    return (ref.detach(), st["exp_avg"], st["exp_avg_sq"]), (p, m, v)
+
+
+@pytest.mark.parametrize(
+    ("shape", "betas", "wd"),
+    [*(((s, (0.9, 0.999), 0.01)) for s in (*SHAPES, BIG)), *(((s, (0.3, 0.95), 0.0)) for s in SHAPES)],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) and isinstance(x[0], int) and x[0] >= 1 else None,
+)
+def test_exact_kernel_is_torch_adamw_bit_for_bit(shape, betas, wd) -> None:
+    """Sizes 1 and 7 (no SIMD body), 17x257 (body and tail), 4M (two threads); beta1 = 0.3 takes
+    lerp's other branch (weight 0.7 >= 0.5); weight decay on and off; 4 steps (bias correction)."""
+    _native_or_skip()
+    if cpu_adamw.torch_sqrt() is None:
+        pytest.skip("torch's sqrt routine is not MKL's here: exact=True uses the IEEE root, not promised exact")
+    want, got = _torch_run(shape, 4, lr=1e-3, betas=betas, wd=wd, exact=True)
+    for name, a, b in zip("pmv", got, want):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+@pytest.mark.parametrize("shape", (*SHAPES, BIG), ids=lambda s: "x".join(map(str, s)))
+def test_ieee_sqrt_kernel_is_within_an_ulp_per_step(shape) -> None:
+    _native_or_skip()
+    steps, lr = 4, 1e-3
+    want, got = _torch_run(shape, steps, lr=lr, betas=(0.9, 0.999), wd=0.01, exact=False)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # m, v: no square root involved
+    bound = steps * EPS32 * (want[0].abs() + lr / (1 - 0.9**steps))
+    assert bool(((got[0] - want[0]).abs() <= bound).all()), float((got[0] - want[0]).abs().max())
+
+
+def test_the_result_does_not_depend_on_the_thread_count() -> None:
+    """1, 2 and 5 threads (parts cut at different places, one part per thread) give the same bits."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(0)
+    p0, grad = torch.randn(300_001, generator=g), torch.randn(300_001, generator=g)
+    outs = []
+    for threads in (1, 2, 5):
+        p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        for s in (1, 2):
+            hp = cpu_adamw.AdamWStep(step=s, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+            cpu_adamw.adamw([p], [grad], [m], [v], hp, threads=threads)
+        outs.append((p, m, v))
+    assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+
+
+def test_bad_tensors_are_refused_with_what_to_change() -> None:
+    _native_or_skip()
+    kw = dict(hp=cpu_adamw.AdamWStep(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"tensor 0 is torch.bfloat16 on cpu.*contiguous fp32 CPU tensors"):
+        cpu_adamw.adamw([x.bfloat16()], [x], [x], [x], **kw)
+    with pytest.raises(ValueError, match=r"contiguous=False"):
+        cpu_adamw.adamw([torch.zeros(4, 4).t()], [x], [x], [x], **kw)
+    with pytest.raises(ValueError, match="tensor 0: 7 elements where its param has 8"):
+        cpu_adamw.adamw([x], [torch.zeros(7)], [x], [x], **kw)
+    with pytest.raises(ValueError, match="1 params but a list of 2 tensors"):
+        cpu_adamw.adamw([x], [x, x], [x], [x], **kw)
+    with pytest.raises(ValueError, match=r"step=0: the count includes this update"):
+        cpu_adamw.AdamWStep(step=0, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\): two values in \[0, 1\)"):
+        cpu_adamw.AdamWStep(step=1, lr=1e-3, betas=(0.9, 1.0), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="runs on CPU tensors only, not on meta"):
+        optimizer.adamw_update(
+            [torch.zeros(8, device="meta")], [x], [x], [x], step=1, lr=1e-3, cfg=OptimizerConfig(), kernel="native"
+        )
+
+
+def test_a_failed_build_falls_back_with_one_warning(tmp_path, monkeypatch) -> None:
+    """A compiler that fails: ``native`` runs torch's fused kernel and ``native-exact`` the
+    single-tensor path (their exact results), with one warning naming the failure."""
+    failing_compiler(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_adamw, "_LIB", None)
+    monkeypatch.setattr(cpu_adamw, "FAILED", None)
+    monkeypatch.setattr(optimizer, "_warned_fallback", False)
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    p0, grad = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+
+    def run(kernel: str) -> torch.Tensor:
+        p, m, v = p0.clone(), torch.zeros(1000), torch.zeros(1000)
+        optimizer.adamw_update([p], [grad], [m], [v], step=1, lr=cfg.lr, cfg=cfg, kernel=kernel)
+        return p
+
+    with pytest.warns(RuntimeWarning, match=r"native CPU AdamW kernel is unavailable \(RuntimeError: .*failed") as rec:
+        assert torch.equal(run("native"), run("fused"))
+    assert len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per process
+        assert torch.equal(run("native-exact"), run("single"))
+
+
+def test_load_once_records_a_failure_and_does_not_retry() -> None:
+    owner = types.ModuleType("fake_loader")
+    owner._LIB, owner.FAILED, owner._LOCK = None, None, threading.Lock()
+    calls = []
+
+    def load():
+        calls.append(1)
+        raise OSError("no such library")
+
+    assert build_cache.load_once(owner, load) is None and build_cache.load_once(owner, load) is None
+    assert calls == [1] and owner.FAILED == "OSError: no such library"
