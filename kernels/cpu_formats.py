@@ -22,8 +22,9 @@ awkward cases and on crafted wire bytes):
   count (``((e - emin) << mbits) + r``, which is the format's bit pattern, carries included);
   round-half-even is ``rintf``, which rounds in the thread's rounding mode, round-to-nearest-even
   unless someone changed it (torch does not);
-- a code decodes exactly by placing its magnitude bits in an fp32 pattern and multiplying by
-  ``2**(127 - bias)`` (subnormal codes land on fp32 subnormals: the process keeps IEEE denormals);
+- a code decodes exactly: a normal code's exponent and mantissa bits placed in an fp32 pattern and
+  its exponent rebiased by an integer add, a subnormal code as ``mag * 2**(emin - mbits)``; no fp32
+  subnormal is an operand of a float operation (they take slow microcode paths on x86);
 - bf16 / fp16 inputs are widened exactly; outputs round to nearest even as torch's casts do; a bf16
   output is converted with ``vcvtneps2bf16`` (AVX512-BF16) only in blocks whose scale is finite
   and either 0 or large enough that no nonzero product is an fp32 subnormal (that instruction
@@ -82,7 +83,15 @@ def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
     timeout = cpu_native.BUILD_TIMEOUT_S
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=timeout).stdout
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), " ".join(cpu_native.FLAGS), version, cpu_native._cpu_features()]).encode()
+        "\n".join(
+            [
+                SOURCE.read_text(),
+                cpu_native.HEADER.read_text(),
+                " ".join(cpu_native.FLAGS),
+                version,
+                cpu_native._cpu_features(),
+            ]
+        ).encode()
     )
 
     def build(out: Path) -> None:
@@ -101,6 +110,8 @@ def _load(path: str) -> ctypes.CDLL:
     lib.zf_quantize.argtypes = [p, i, c, i, i, c, c, i, c, c, u, p, i, p, i, p, i]
     lib.zf_dequantize.argtypes = [p, i, p, i, p, i, i, i, c, c, i, p, c]
     lib.zf_quantize.restype = lib.zf_dequantize.restype = c
+    lib.zf_philox_uniform.argtypes = [p, i, u, u]
+    lib.zf_philox_uniform.restype = None
     return lib
 
 
@@ -209,6 +220,16 @@ def dequantize_into(
         ),
         "dequantize",
     )
+
+
+def philox_uniform(seed: int, base: int, n: int) -> torch.Tensor:
+    """The ``n`` uniforms of counters ``base ..`` under ``seed`` that the kernels' stochastic
+    rounding draws (``reference.philox_uniform`` of the same counters, bit for bit)."""
+    lib = library()
+    assert lib is not None, "callers check available() first"
+    u = torch.empty(n, dtype=torch.float32)
+    lib.zf_philox_uniform(u.data_ptr(), n, base, seed)
+    return u
 
 
 _warned = False

@@ -62,6 +62,8 @@ import torch
 from . import build_cache
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
+HEADER = Path(__file__).with_name("cpu_common.h")
+"""What ``cpu_native.cpp`` and ``cpu_formats.cpp`` share (included by both, hashed into both keys)."""
 
 ENABLED = os.environ.get("ZEROPP_CPU_NATIVE", "1") != "0"
 """Whether CPU tensors take these kernels (``ZEROPP_CPU_NATIVE=0`` turns them off, for comparing
@@ -118,7 +120,9 @@ def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
     version = subprocess.run(
         [cxx, "--version"], capture_output=True, text=True, check=True, timeout=BUILD_TIMEOUT_S
     ).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_features()]).encode())
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), HEADER.read_text(), " ".join(FLAGS), version, _cpu_features()]).encode()
+    )
 
     def build(out: Path) -> None:
         res = subprocess.run(
