@@ -271,7 +271,10 @@ def _quantize(
 
 
 def _dequantize(q: FormatTensor, scheme: str, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A checked FormatTensor through the native kernel into ``out`` (or a fresh tensor)."""
+    """A checked FormatTensor through the native kernel into ``out`` (or a fresh tensor); the
+    reference's ``dequantize_<scheme>_ref`` where the kernels are unavailable."""
+    if not native_enabled():
+        return getattr(format_reference, f"dequantize_{scheme}_ref")(q, out=out, dtype=dtype)
     rows = check_format_tensor(q, scheme)
     if q.codes.device.type != "cpu":
         raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {q.codes.device}")
@@ -320,8 +323,6 @@ def dequantize_fp8(
     q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``format_reference.dequantize_fp8_ref``, bit for bit."""
-    if not native_enabled():
-        return format_reference.dequantize_fp8_ref(q, out=out, dtype=dtype)
     return _dequantize(q, "fp8", out, dtype)
 
 
@@ -329,8 +330,6 @@ def dequantize_mx(
     q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``format_reference.dequantize_mx_ref``, bit for bit."""
-    if not native_enabled():
-        return format_reference.dequantize_mx_ref(q, out=out, dtype=dtype)
     return _dequantize(q, "mx", out, dtype)
 
 
@@ -338,8 +337,6 @@ def dequantize_nvfp4(
     q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``format_reference.dequantize_nvfp4_ref``, bit for bit."""
-    if not native_enabled():
-        return format_reference.dequantize_nvfp4_ref(q, out=out, dtype=dtype)
     return _dequantize(q, "nvfp4", out, dtype)
 
 
