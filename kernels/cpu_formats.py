@@ -59,6 +59,8 @@ from .format_layout import (
     check_format_tensor,
     check_scale_rule,
     code_bytes,
+    pack,
+    wire_bytes,
 )
 from .layout import check_float_dtype, num_groups, output_buffer
 
@@ -268,6 +270,42 @@ def _quantize(
         x2 = x2.contiguous()
     quantize_into(x2, scheme, elem, group_size, scale_rule == "round_up", stochastic, seed, codes, scales, tscales)
     return FormatTensor(codes, scales, tscales, cols, scheme, elem, group_size)
+
+
+def encode_wire(
+    x: torch.Tensor, scheme: str, elem: str, group_size: int, scale_rule: str, rows: int, stochastic: bool, seed: int
+) -> torch.Tensor:
+    """``format_layout.pack`` of ``quantize_<scheme>(x, ...)``, with the codes written by the kernel
+    straight into the wire rows ``uint8 [rows, wire_bytes]`` (no codes tensor, no concatenation).
+    MX block scales (bytes) go there directly too; fp8's fp32 scales and nvfp4's fp32 tensor scale
+    sit at byte offsets an fp32 store may not use, so they are written aside and copied in (one
+    scale per group or per row). The reference packs where the kernels are unavailable."""
+    if not native_enabled():
+        q = getattr(format_reference, f"quantize_{scheme}_ref")
+        kw = {"scale_rule": scale_rule} if scheme == "mx" else {}
+        args = (x, elem, group_size) if scheme == "fp8" else ((x, elem) if scheme == "mx" else (x,))
+        return pack(q(*args, rows=rows, stochastic=stochastic, seed=seed, **kw))
+    if scheme == "mx":
+        check_scale_rule(scale_rule)
+    cols, seed = check_format_args(x, scheme, elem, group_size, rows, seed)
+    if x.device.type != "cpu":
+        raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {x.device}")
+    cb, g = code_bytes(cols, elem, group_size), num_groups(cols, group_size)
+    buf = cpu_native.empty(rows, wire_bytes(scheme, elem, cols, group_size), dtype=torch.uint8)
+    fp8 = scheme == "fp8"
+    scales = torch.empty(rows, g, dtype=torch.float32) if fp8 else buf[:, cb : cb + g]
+    tscales = torch.empty(rows, 1, dtype=torch.float32) if scheme == "nvfp4" else None
+    x2 = x.reshape(rows, cols)
+    if cols > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    quantize_into(
+        x2, scheme, elem, group_size, scale_rule == "round_up", stochastic, seed, buf[:, :cb], scales, tscales
+    )
+    if fp8:
+        buf[:, cb:].copy_(scales.view(torch.uint8))
+    if tscales is not None:
+        buf[:, cb + g :].copy_(tscales.view(torch.uint8))
+    return buf
 
 
 def _dequantize(q: FormatTensor, scheme: str, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
