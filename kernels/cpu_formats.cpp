@@ -13,7 +13,8 @@
 //   finite code (saturation) and given the sign bit;
 // - a normal code decodes by placing its exponent and mantissa bits in an fp32 pattern and adding
 //   127 - bias to the exponent field (an integer add), a subnormal code as mag * 2^(emin - M): both
-//   exact, and no fp32 subnormal is ever an operand (those stall the FP unit);
+//   exact, with no fp32 subnormal operand (those stall the FP unit); the 8- and 4-bit vector decode
+//   keeps the shorter form, the bits in an fp32 pattern times 2^(127 - bias), the same exact value;
 // - absmax is the integer maximum of |x|'s bit patterns (NaN / Inf patterns exceed every finite one);
 // - round half to even is rintf (vectorised as vrndscaleps), which rounds in the thread's mode:
 //   round-to-nearest-even, the IEEE default that torch leaves alone.
@@ -213,11 +214,17 @@ static inline __m512 decode16(__m512i v) {
         return _mm512_mul_ps(_mm512_cvtepi32_ps(k), _mm512_set1_ps(0.015625f));
     } else {
         const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32((int)(F::SIGN - 1u)));
-        const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(pow2(F::EMIN - F::M)));
-        const __m512i nor = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - F::M), _mm512_set1_epi32((127 - F::BIAS) << 23));
-        const __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(1 << F::M));
         const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)F::SIGN)), 32 - F::BITS);
-        __m512i b = _mm512_or_si512(_mm512_mask_mov_epi32(nor, is_sub, _mm512_castps_si512(sub)), sign);
+        __m512i b;
+        if constexpr (F::BITS == 6) {  // as decode(): no fp32 subnormal operand (6-bit blocks hold many subnormal codes)
+            const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(pow2(F::EMIN - F::M)));
+            const __m512i nor = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - F::M), _mm512_set1_epi32((127 - F::BIAS) << 23));
+            const __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(1 << F::M));
+            b = _mm512_or_si512(_mm512_mask_mov_epi32(nor, is_sub, _mm512_castps_si512(sub)), sign);
+        } else {  // the bits placed in an fp32 pattern times 2^(127 - bias): fewer operations, the same value
+            const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 23 - F::M)), _mm512_set1_ps(pow2(127 - F::BIAS)));
+            b = _mm512_or_si512(_mm512_castps_si512(f), sign);
+        }
         if constexpr (F::NANCODE == 0x7f && F::M == 3)
             b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32((int)QNAN));
         if constexpr (F::M == 2 && F::BITS == 8) {

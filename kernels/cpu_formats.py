@@ -23,8 +23,10 @@ awkward cases and on crafted wire bytes):
   round-half-even is ``rintf``, which rounds in the thread's rounding mode, round-to-nearest-even
   unless someone changed it (torch does not);
 - a code decodes exactly: a normal code's exponent and mantissa bits placed in an fp32 pattern and
-  its exponent rebiased by an integer add, a subnormal code as ``mag * 2**(emin - mbits)``; no fp32
-  subnormal is an operand of a float operation (they take slow microcode paths on x86);
+  its exponent rebiased by an integer add, a subnormal code as ``mag * 2**(emin - mbits)``, so no
+  fp32 subnormal is an operand (those take slow paths on x86; 6-bit blocks hold many subnormal
+  codes). The 8- and 4-bit vector decode keeps the shorter exact form, the magnitude bits in an
+  fp32 pattern times ``2**(127 - bias)``, which measured faster there;
 - bf16 / fp16 inputs are widened exactly; outputs round to nearest even as torch's casts do; a bf16
   output is converted with ``vcvtneps2bf16`` (AVX512-BF16) only in blocks whose scale is finite
   and either 0 or large enough that no nonzero product is an fp32 subnormal (that instruction
