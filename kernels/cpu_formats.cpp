@@ -11,9 +11,10 @@
 //   count r: code = ((e - emin) << M) + r, which is the format's bit pattern for every r in
 //   [0, 2^(M+1)] (r = 2^(M+1) moves into the next binade by the carry), then clamped to the largest
 //   finite code (saturation) and given the sign bit;
-// - a code decodes by placing its magnitude bits in an fp32 pattern, (mag << (23 - M)), and
-//   multiplying by 2^(127 - bias): normal codes land on normal fp32 values and subnormal codes on
-//   fp32 subnormals, both exact (the process keeps IEEE denormals, as torch leaves it);
+// - a normal code decodes by placing its exponent and mantissa bits in an fp32 pattern and adding
+//   127 - bias to the exponent field (an integer add), a subnormal code as mag * 2^(emin - M): both
+//   exact, with no fp32 subnormal operand (those stall the FP unit); the 8- and 4-bit vector decode
+//   keeps the shorter form, the bits in an fp32 pattern times 2^(127 - bias), the same exact value;
 // - absmax is the integer maximum of |x|'s bit patterns (NaN / Inf patterns exceed every finite one);
 // - round half to even is rintf (vectorised as vrndscaleps), which rounds in the thread's mode:
 //   round-to-nearest-even, the IEEE default that torch leaves alone.
@@ -31,62 +32,12 @@
 #define ZF_AVX512VBMI 1
 #endif
 
-typedef int64_t i64;
+#include "cpu_common.h"
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float pow2(int e) {  // 2^e for e in [-149, 127], exact
     return e >= -126 ? u2f((uint32_t)(e + 127) << 23) : u2f(1u << (e + 149));
 }
 static const uint32_t QNAN = 0x7fc00000u;  // torch's NaN
-
-// ---- element types: load as fp32 (exact widening), store from fp32 (round to nearest even) ----
-struct F32 {
-    typedef float T;
-    static constexpr bool IS_BF16 = false;
-    static inline float load(const T* p, i64 i) { return p[i]; }
-    static inline T store(float f) { return f; }
-};
-struct BF16 {
-    typedef uint16_t T;
-    static constexpr bool IS_BF16 = true;
-    static inline float load(const T* p, i64 i) { return u2f((uint32_t)p[i] << 16); }
-    static inline T store(float f) {  // torch's round_to_nearest_even; NaN -> 0x7fc0
-        uint32_t u = f2u(f);
-        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)r;
-    }
-};
-struct F16 {
-    typedef _Float16 T;
-    static constexpr bool IS_BF16 = false;
-    static inline float load(const T* p, i64 i) { return (float)p[i]; }
-    static inline T store(float f) { return (T)f; }
-};
-
-// ---- Triton's Philox4x32-10 + uint -> uniform, as reference.philox_uniform (cpu_native.cpp) ----
-static void philox_uniform(float* __restrict u, i64 n, uint64_t base, uint32_t k0, uint32_t k1) {
-    for (i64 i = 0; i < n; i++) {
-        uint64_t off = base + (uint64_t)i;
-        uint32_t c0 = (uint32_t)off, c1 = (uint32_t)(off >> 32), c2 = 0, c3 = 0;
-        uint32_t a = k0, b = k1;
-        for (int r = 0; r < 10; r++) {
-            uint64_t p0 = (uint64_t)0xCD9E8D57u * c2;
-            uint64_t p1 = (uint64_t)0xD2511F53u * c0;
-            uint32_t n0 = (uint32_t)(p0 >> 32) ^ c1 ^ a;
-            uint32_t n2 = (uint32_t)(p1 >> 32) ^ c3 ^ b;
-            c1 = (uint32_t)p0;
-            c3 = (uint32_t)p1;
-            c0 = n0;
-            c2 = n2;
-            a += 0x9E3779B9u;
-            b += 0xBB67AE85u;
-        }
-        int32_t x = (int32_t)c0;
-        x = x < 0 ? ~x : x;
-        u[i] = (float)x * 4.6566127342e-10f;
-    }
-}
 
 // ---- element formats (OCP MX v1.0): M mantissa bits, bias, code width, largest finite code ----
 template <int BITS_, int M_, int BIAS_, int MAXCODE_, int NANCODE_, int EMAX_>
@@ -135,6 +86,16 @@ static inline uint32_t encode(float v, float u) {
     }
 }
 
+// The fp32 bits of a normal code's magnitude (exponent field >= 1): its exponent and mantissa
+// fields placed in an fp32 pattern and the exponent rebiased by an integer add. Subnormal codes are
+// mag * 2^(emin - M) (an exact int conversion and power-of-two product). Neither multiplies an fp32
+// subnormal: placing a subnormal code's bits in an fp32 pattern and scaling it by 2^(127 - bias)
+// gives the same value but stalls the FP unit on denormal operands (microcode assists).
+template <class F>
+static inline uint32_t normal_bits(uint32_t mag) {
+    return (mag << (23 - F::M)) + ((uint32_t)(127 - F::BIAS) << 23);
+}
+
 // One code -> its exact fp32 value.
 template <class F>
 static inline float decode(uint32_t c) {
@@ -142,8 +103,8 @@ static inline float decode(uint32_t c) {
         return (float)(int32_t)(int8_t)(uint8_t)c * 0.015625f;
     } else {
         const uint32_t mag = c & (F::SIGN - 1u);
-        float v = u2f(mag << (23 - F::M)) * pow2(127 - F::BIAS);
-        uint32_t b = f2u(v) | ((c & F::SIGN) ? 0x80000000u : 0u);
+        uint32_t b = mag < (1u << F::M) ? f2u((float)(int32_t)mag * pow2(F::EMIN - F::M)) : normal_bits<F>(mag);
+        b |= (c & F::SIGN) ? 0x80000000u : 0u;
         if constexpr (F::NANCODE == 0x7f && F::M == 3) b = mag == 0x7fu ? QNAN : b;  // E4M3
         if constexpr (F::M == 2 && F::BITS == 8) {  // E5M2: exponent field all ones
             const uint32_t inf = 0x7f800000u | ((c & F::SIGN) ? 0x80000000u : 0u);
@@ -253,9 +214,17 @@ static inline __m512 decode16(__m512i v) {
         return _mm512_mul_ps(_mm512_cvtepi32_ps(k), _mm512_set1_ps(0.015625f));
     } else {
         const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32((int)(F::SIGN - 1u)));
-        const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 23 - F::M)), _mm512_set1_ps(pow2(127 - F::BIAS)));
         const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32((int)F::SIGN)), 32 - F::BITS);
-        __m512i b = _mm512_or_si512(_mm512_castps_si512(f), sign);
+        __m512i b;
+        if constexpr (F::BITS == 6) {  // as decode(): no fp32 subnormal operand (6-bit blocks hold many subnormal codes)
+            const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(pow2(F::EMIN - F::M)));
+            const __m512i nor = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - F::M), _mm512_set1_epi32((127 - F::BIAS) << 23));
+            const __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(1 << F::M));
+            b = _mm512_or_si512(_mm512_mask_mov_epi32(nor, is_sub, _mm512_castps_si512(sub)), sign);
+        } else {  // the bits placed in an fp32 pattern times 2^(127 - bias): fewer operations, the same value
+            const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 23 - F::M)), _mm512_set1_ps(pow2(127 - F::BIAS)));
+            b = _mm512_or_si512(_mm512_castps_si512(f), sign);
+        }
         if constexpr (F::NANCODE == 0x7f && F::M == 3)
             b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32((int)QNAN));
         if constexpr (F::M == 2 && F::BITS == 8) {
@@ -308,6 +277,51 @@ static inline uint32_t load_block(const typename L::T* __restrict x, i64 n, i64 
     return absmax_bits_f(w, gs);
 }
 
+// The largest finite |x[i]|'s bits over x[0:n] (NaN and Inf skipped; 0 when none is finite):
+// one integer max over bit patterns, on bf16's 16-bit patterns directly. Written with AVX-512
+// intrinsics where the CPU has them because gcc leaves this masked maximum scalar.
+template <class L>
+static inline uint32_t row_finite_absmax(const typename L::T* __restrict x, i64 n) {
+    i64 i = 0;
+    uint32_t m = 0;
+    if constexpr (L::IS_BF16) {
+        const uint16_t* __restrict p = (const uint16_t*)x;
+#ifdef __AVX512BW__
+        __m512i mv = _mm512_setzero_si512();
+        const __m512i abs = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(0x7f80);
+        for (; i + 32 <= n; i += 32) {
+            const __m512i v = _mm512_and_si512(_mm512_loadu_si512((const void*)(p + i)), abs);
+            mv = _mm512_max_epu16(mv, _mm512_maskz_mov_epi16(_mm512_cmplt_epu16_mask(v, inf), v));
+        }
+        alignas(64) uint16_t lanes[32];
+        _mm512_store_si512((void*)lanes, mv);
+        for (int k = 0; k < 32; k++) m = lanes[k] > m ? lanes[k] : m;
+#endif
+        for (; i < n; i++) {
+            const uint32_t v = p[i] & 0x7fffu, f = v < 0x7f80u ? v : 0u;
+            m = f > m ? f : m;
+        }
+        return m << 16;
+    } else {
+#ifdef __AVX512F__
+        if constexpr (sizeof(typename L::T) == 4) {
+            __m512i mv = _mm512_setzero_si512();
+            const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+            for (; i + 16 <= n; i += 16) {
+                const __m512i v = _mm512_and_si512(_mm512_loadu_si512((const void*)((const float*)x + i)), abs);
+                mv = _mm512_max_epu32(mv, _mm512_maskz_mov_epi32(_mm512_cmplt_epu32_mask(v, inf), v));
+            }
+            m = _mm512_reduce_max_epu32(mv);
+        }
+#endif
+        for (; i < n; i++) {
+            const uint32_t v = f2u(L::load(x, i)) & 0x7fffffffu, f = v < 0x7f800000u ? v : 0u;
+            m = f > m ? f : m;
+        }
+        return m;
+    }
+}
+
 // ---- scheme parameters ----
 enum { S_FP8 = 0, S_MX = 1, S_NVFP4 = 2 };
 struct Args {
@@ -339,17 +353,17 @@ static inline void encode_block(const float* __restrict w, i64 gs, float s, cons
 static constexpr i64 TILE = 2048;  // elements per tile of fixed-size blocks (values, codes in L1)
 
 // Scratch of one block or one tile (n = max(gs, TILE) elements): fp32 values w, uniforms u,
-// per-element scales sv, codes c; nvfp4: each block's absmax bits mb and element scale ds.
+// per-element scales sv, codes c.
 struct Scratch {
-    float *w, *u, *sv, *ds;
+    float *w, *u, *sv;
     uint8_t* c;
-    uint32_t* mb;
-    Scratch(i64 n, i64 groups)
+    explicit Scratch(i64 n)
         : w((float*)malloc((size_t)n * 4)), u((float*)malloc((size_t)n * 4)), sv((float*)malloc((size_t)n * 4)),
-          ds((float*)malloc((size_t)groups * 4 + 4)), c((uint8_t*)malloc((size_t)n)),
-          mb((uint32_t*)malloc((size_t)groups * 4 + 4)) {}
-    ~Scratch() { free(w); free(u); free(sv); free(ds); free(c); free(mb); }
-    bool ok() const { return w && u && sv && ds && c && mb; }
+          c((uint8_t*)malloc((size_t)n)) {}
+    ~Scratch() { free(w); free(u); free(sv); free(c); }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    bool ok() const { return w && u && sv && c; }
 };
 
 // Fixed-size blocks (mx: 32, nvfp4: 16) of row r, TILE elements at a time: widen, per-block
@@ -357,32 +371,38 @@ struct Scratch {
 // store zero codes (zero, non-finite, zero-scale) are cleared after the encode.
 template <class L, class F, int SCHEME, bool STOCH, int GSC>
 static void quantize_tiles(const typename L::T* xr, i64 r, const Args& a, uint8_t* codes_r, uint8_t* scales_r,
-                           Scratch& s, uint32_t k0, uint32_t k1) {
+                           float t, Scratch& s, uint32_t k0, uint32_t k1) {
     const i64 G = (a.cols + GSC - 1) / GSC, padded = G * GSC;
+    const float tt = t > 0.0f ? t : 1.0f;  // nvfp4: the row's tensor scale (a stand-in 1 where it is 0)
     for (i64 i0 = 0; i0 < padded; i0 += TILE) {
         const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
         for (i64 i = 0; i < n; i++) s.w[i] = L::load(xr + i0, i);
         for (i64 i = n; i < nt; i++) s.w[i] = 0.0f;
-        uint64_t bad = 0;  // blocks of this tile that store zero codes (TILE / GSC <= 128: two words)
-        uint64_t bad2 = 0;
-        for (i64 b = 0; b < nt / GSC; b++) {
-            const i64 g = i0 / GSC + b;
-            float mult;
-            bool zero;
+        // per-block scales in short loops over the tile's blocks (each one vectorises)
+        const i64 nb = nt / GSC, g0 = i0 / GSC;
+        uint32_t mb[TILE / GSC];
+        float mult[TILE / GSC];
+        uint8_t zero[TILE / GSC];  // blocks that store zero codes
+        for (i64 b = 0; b < nb; b++) mb[b] = absmax_bits_f(s.w + b * GSC, GSC);
+        for (i64 b = 0; b < nb; b++) {
+            const uint32_t m = mb[b];
             if (SCHEME == S_MX) {
-                const uint32_t m = absmax_bits_f(s.w + b * GSC, GSC);
-                zero = m == 0 || m >= 0x7f800000u;
-                const int e = zero ? 0 : mx_exponent<F>(m, a.round_up);
-                scales_r[g] = m >= 0x7f800000u ? (uint8_t)255 : (m == 0 ? (uint8_t)0 : (uint8_t)(e + 127));
-                mult = pow2(-e);
-            } else {
-                const float d = s.ds[g];
-                zero = !(d > 0.0f);
-                mult = zero ? 1.0f : d;
+                const bool z = m == 0 || m >= 0x7f800000u;
+                const int e = z ? 0 : mx_exponent<F>(m, a.round_up);
+                scales_r[g0 + b] = m >= 0x7f800000u ? (uint8_t)255 : (m == 0 ? (uint8_t)0 : (uint8_t)(e + 127));
+                mult[b] = pow2(-e);
+                zero[b] = z;
+            } else {  // E4M3 block scale code of absmax / 6 / t, element scale decode(code) * t
+                const uint32_t bc = encode<E4M3, false>(u2f(m) / 6.0f / tt, 0.0f);
+                const uint32_t code = m >= 0x7f800000u ? 0x7fu : (t > 0.0f ? bc : 0u);
+                scales_r[g0 + b] = (uint8_t)code;
+                const float d = m >= 0x7f800000u ? 0.0f : decode<E4M3>(code) * t;
+                zero[b] = !(d > 0.0f);
+                mult[b] = d > 0.0f ? d : 1.0f;
             }
-            if (zero) (b < 64 ? bad : bad2) |= 1ull << (b & 63);
-            for (i64 i = 0; i < GSC; i++) s.sv[b * GSC + i] = mult;
         }
+        for (i64 b = 0; b < nb; b++)
+            for (i64 i = 0; i < GSC; i++) s.sv[b * GSC + i] = mult[b];
         if (STOCH) philox_uniform(s.u, nt, (uint64_t)(r * padded + i0), k0, k1);
         const float* __restrict w = s.w;
         const float* __restrict sv = s.sv;
@@ -392,8 +412,8 @@ static void quantize_tiles(const typename L::T* xr, i64 r, const Args& a, uint8_
             const float v = SCHEME == S_NVFP4 ? w[i] / sv[i] : w[i] * sv[i];
             c[i] = (uint8_t)encode<F, STOCH>(v, STOCH ? u[i] : 0.0f);
         }
-        for (i64 b = 0; b < nt / GSC; b++)
-            if (((b < 64 ? bad : bad2) >> (b & 63)) & 1) memset(c + b * GSC, 0, GSC);
+        for (i64 b = 0; b < nb; b++)
+            if (zero[b]) memset(c + b * GSC, 0, GSC);
         pack<F::BITS>(c, nt, codes_r + i0 * F::BITS / 8);
     }
 }
@@ -404,85 +424,32 @@ static void quantize_tiles(const typename L::T* xr, i64 r, const Args& a, uint8_
 template <class L, class F, int SCHEME, bool STOCH, int GSC>
 static void quantize_rows(const void* xv, i64 x_rs, const Args& a, uint8_t* codes, i64 c_rs, void* scales, i64 s_rs,
                           float* tsc, i64 t_rs, Scratch& s) {
+    static_assert(GSC > 0 || SCHEME == S_FP8, "mx and nvfp4 blocks go through quantize_tiles");
     const typename L::T* x = (const typename L::T*)xv;
     const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
     const uint32_t k0 = (uint32_t)a.seed, k1 = (uint32_t)(a.seed >> 32);
     for (i64 r = 0; r < a.rows; r++) {
         const typename L::T* xr = x + r * x_rs;
         float t = 0.0f;
-        uint32_t rowmax = 0;
-        if (SCHEME == S_NVFP4) {
-            // first pass: each block's absmax bits (a non-finite block marked 0x7f800000) and the
-            // row's finite absmax; t = that / (6 * 448)
-            for (i64 i0 = 0; i0 < G * gs; i0 += TILE) {
-                const i64 nt = G * gs - i0 < TILE ? G * gs - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
-                for (i64 i = 0; i < n; i++) s.w[i] = L::load(xr + i0, i);
-                for (i64 i = n; i < nt; i++) s.w[i] = 0.0f;
-                for (i64 b = 0; b < nt / 16; b++) {
-                    const float* wb = s.w + b * 16;
-                    uint32_t m = absmax_bits_f(wb, 16);
-                    if (m >= 0x7f800000u) {  // rare: the finite values of a block holding NaN / Inf
-                        uint32_t f = 0;
-                        for (i64 i = 0; i < 16; i++) {
-                            const uint32_t v = f2u(wb[i]) & 0x7fffffffu;
-                            f = v < 0x7f800000u && v > f ? v : f;
-                        }
-                        rowmax = f > rowmax ? f : rowmax;
-                        m = 0x7f800000u;
-                    } else {
-                        rowmax = m > rowmax ? m : rowmax;
-                    }
-                    s.mb[i0 / 16 + b] = m;
-                }
-            }
-            t = u2f(rowmax) / 2688.0f;
+        if (SCHEME == S_NVFP4) {  // first pass: the row's finite absmax; t = that / (6 * 448)
+            t = u2f(row_finite_absmax<L>(xr, a.cols)) / 2688.0f;
             tsc[r * t_rs] = t;
-            // the E4M3 block scales b = e4m3(absmax / 6 / t) and element scales decode(b) * t, for
-            // all blocks at once (0 where the block stores zero codes)
-            uint8_t* bs = (uint8_t*)scales + r * s_rs;
-            const float tt = t > 0.0f ? t : 1.0f;
-            const bool tpos = t > 0.0f;
-            uint32_t* __restrict mb = s.mb;  // absmax bits in, block codes out
-            float* __restrict ds = s.ds;
-            for (i64 g = 0; g < G; g++) {
-                const uint32_t m = mb[g];
-                const uint32_t b = encode<E4M3, false>(u2f(m) / 6.0f / tt, 0.0f);
-                const uint32_t code = m >= 0x7f800000u ? 0x7fu : (tpos ? b : 0u);
-                mb[g] = code;
-                ds[g] = m >= 0x7f800000u ? 0.0f : decode<E4M3>(code) * t;
-            }
-            for (i64 g = 0; g < G; g++) bs[g] = (uint8_t)mb[g];
         }
         if (GSC) {
-            quantize_tiles<L, F, SCHEME, STOCH, GSC>(xr, r, a, codes + r * c_rs, (uint8_t*)scales + r * s_rs, s, k0, k1);
+            quantize_tiles<L, F, SCHEME, STOCH, GSC>(xr, r, a, codes + r * c_rs, (uint8_t*)scales + r * s_rs, t, s, k0, k1);
             continue;
         }
-        for (i64 g = 0; g < G; g++) {
+        for (i64 g = 0; g < G; g++) {  // fp8: one block at a time
             const i64 n = a.cols - g * gs < gs ? a.cols - g * gs : gs;
             const uint32_t m = load_block<L>(xr + g * gs, n, gs, s.w);
             uint8_t* cb = codes + r * c_rs + g * bpg;
-            if (SCHEME == S_FP8) {
-                float* sc = (float*)scales + r * s_rs + g;
-                if (m >= 0x7f800000u) { *sc = u2f(QNAN); memset(cb, 0, (size_t)bpg); continue; }
-                const float scale = u2f(m) / F::maxval();
-                *sc = scale;
-                if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
-                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
-                encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
-            } else if (SCHEME == S_MX) {
-                uint8_t* sc = (uint8_t*)scales + r * s_rs + g;
-                if (m >= 0x7f800000u) { *sc = 255; memset(cb, 0, (size_t)bpg); continue; }
-                if (m == 0) { *sc = 0; memset(cb, 0, (size_t)bpg); continue; }
-                const int e = mx_exponent<F>(m, a.round_up);
-                *sc = (uint8_t)(e + 127);
-                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
-                encode_block<F, STOCH, false>(s.w, gs, pow2(-e), s.u, s.c);
-            } else {
-                const float scale = s.ds[g];
-                if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
-                if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
-                encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
-            }
+            float* sc = (float*)scales + r * s_rs + g;
+            if (m >= 0x7f800000u) { *sc = u2f(QNAN); memset(cb, 0, (size_t)bpg); continue; }
+            const float scale = u2f(m) / F::maxval();
+            *sc = scale;
+            if (!(scale > 0.0f)) { memset(cb, 0, (size_t)bpg); continue; }
+            if (STOCH) philox_uniform(s.u, gs, (uint64_t)(r * G + g) * (uint64_t)gs, k0, k1);
+            encode_block<F, STOCH, true>(s.w, gs, scale, s.u, s.c);
             pack<F::BITS>(s.c, gs, cb);
         }
     }
@@ -572,7 +539,7 @@ extern "C" int zf_quantize(const void* x, i64 x_rs, int dtype, i64 rows, i64 col
                            i64 s_rs, float* tscales, i64 t_rs) {
     if (gs <= 0) return -1;
     const Args a{rows, cols, gs, stochastic, seed, round_up};
-    Scratch s(gs > TILE ? gs : TILE, scheme == S_NVFP4 ? (cols + gs - 1) / gs : 0);
+    Scratch s(gs > TILE ? gs : TILE);
     if (!s.ok()) return -1;
     if (dtype == 0) return q_fmt<F32>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
     if (dtype == 1) return q_fmt<BF16>(scheme, fmt, x, x_rs, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
@@ -609,4 +576,11 @@ extern "C" int zf_dequantize(const uint8_t* codes, i64 c_rs, const void* scales,
     if (dtype == 2) rc = dq_fmt<F16>(scheme, fmt, codes, c_rs, scales, s_rs, tscales, t_rs, a, out, buf);
     free(buf);
     return rc;
+}
+
+// u[0:n] = the Philox uniforms of counters base .. base + n - 1 under seed: the stream stochastic
+// rounding draws from, exported so that tests compare it with reference.philox_uniform directly
+// (the vector body, its tail, and counters that carry into the high word).
+extern "C" void zf_philox_uniform(float* u, i64 n, uint64_t base, uint64_t seed) {
+    philox_uniform(u, n, base, (uint32_t)seed, (uint32_t)(seed >> 32));
 }

@@ -22,8 +22,11 @@ awkward cases and on crafted wire bytes):
   count (``((e - emin) << mbits) + r``, which is the format's bit pattern, carries included);
   round-half-even is ``rintf``, which rounds in the thread's rounding mode, round-to-nearest-even
   unless someone changed it (torch does not);
-- a code decodes exactly by placing its magnitude bits in an fp32 pattern and multiplying by
-  ``2**(127 - bias)`` (subnormal codes land on fp32 subnormals: the process keeps IEEE denormals);
+- a code decodes exactly: a normal code's exponent and mantissa bits placed in an fp32 pattern and
+  its exponent rebiased by an integer add, a subnormal code as ``mag * 2**(emin - mbits)``, so no
+  fp32 subnormal is an operand (those take slow paths on x86; 6-bit blocks hold many subnormal
+  codes). The 8- and 4-bit vector decode keeps the shorter exact form, the magnitude bits in an
+  fp32 pattern times ``2**(127 - bias)``, which measured faster there;
 - bf16 / fp16 inputs are widened exactly; outputs round to nearest even as torch's casts do; a bf16
   output is converted with ``vcvtneps2bf16`` (AVX512-BF16) only in blocks whose scale is finite
   and either 0 or large enough that no nonzero product is an fp32 subnormal (that instruction
@@ -56,6 +59,8 @@ from .format_layout import (
     check_format_tensor,
     check_scale_rule,
     code_bytes,
+    pack,
+    wire_bytes,
 )
 from .layout import check_float_dtype, num_groups, output_buffer
 
@@ -85,6 +90,8 @@ def _load(path: str) -> ctypes.CDLL:
     lib.zf_quantize.argtypes = [p, i, c, i, i, c, c, i, c, c, u, p, i, p, i, p, i]
     lib.zf_dequantize.argtypes = [p, i, p, i, p, i, i, i, c, c, i, p, c]
     lib.zf_quantize.restype = lib.zf_dequantize.restype = c
+    lib.zf_philox_uniform.argtypes = [p, i, u, u]
+    lib.zf_philox_uniform.restype = None
     return lib
 
 
@@ -184,6 +191,16 @@ def dequantize_into(
     )
 
 
+def philox_uniform(seed: int, base: int, n: int) -> torch.Tensor:
+    """The ``n`` uniforms of counters ``base ..`` under ``seed`` that the kernels' stochastic
+    rounding draws (``reference.philox_uniform`` of the same counters, bit for bit)."""
+    lib = library()
+    assert lib is not None, "callers check available() first"
+    u = torch.empty(n, dtype=torch.float32)
+    lib.zf_philox_uniform(u.data_ptr(), n, base, seed)
+    return u
+
+
 _warned = False
 
 
@@ -222,8 +239,47 @@ def _quantize(
     return FormatTensor(codes, scales, tscales, cols, scheme, elem, group_size)
 
 
+def encode_wire(
+    x: torch.Tensor, scheme: str, elem: str, group_size: int, scale_rule: str, rows: int, stochastic: bool, seed: int
+) -> torch.Tensor:
+    """``format_layout.pack`` of ``quantize_<scheme>(x, ...)``, with the codes written by the kernel
+    straight into the wire rows ``uint8 [rows, wire_bytes]`` (no codes tensor, no concatenation).
+    MX block scales (bytes) go there directly too; fp8's fp32 scales and nvfp4's fp32 tensor scale
+    sit at byte offsets an fp32 store may not use, so they are written aside and copied in (one
+    scale per group or per row). The reference packs where the kernels are unavailable."""
+    if not native_enabled():
+        q = getattr(format_reference, f"quantize_{scheme}_ref")
+        kw = {"scale_rule": scale_rule} if scheme == "mx" else {}
+        args = (x, elem, group_size) if scheme == "fp8" else ((x, elem) if scheme == "mx" else (x,))
+        return pack(q(*args, rows=rows, stochastic=stochastic, seed=seed, **kw))
+    if scheme == "mx":
+        check_scale_rule(scale_rule)
+    cols, seed = check_format_args(x, scheme, elem, group_size, rows, seed)
+    if x.device.type != "cpu":
+        raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {x.device}")
+    cb, g = code_bytes(cols, elem, group_size), num_groups(cols, group_size)
+    buf = cpu_native.empty(rows, wire_bytes(scheme, elem, cols, group_size), dtype=torch.uint8)
+    fp8 = scheme == "fp8"
+    scales = torch.empty(rows, g, dtype=torch.float32) if fp8 else buf[:, cb : cb + g]
+    tscales = torch.empty(rows, 1, dtype=torch.float32) if scheme == "nvfp4" else None
+    x2 = x.reshape(rows, cols)
+    if cols > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    quantize_into(
+        x2, scheme, elem, group_size, scale_rule == "round_up", stochastic, seed, buf[:, :cb], scales, tscales
+    )
+    if fp8:
+        buf[:, cb:].copy_(scales.view(torch.uint8))
+    if tscales is not None:
+        buf[:, cb + g :].copy_(tscales.view(torch.uint8))
+    return buf
+
+
 def _dequantize(q: FormatTensor, scheme: str, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A checked FormatTensor through the native kernel into ``out`` (or a fresh tensor)."""
+    """A checked FormatTensor through the native kernel into ``out`` (or a fresh tensor); the
+    reference's ``dequantize_<scheme>_ref`` where the kernels are unavailable."""
+    if not native_enabled():
+        return getattr(format_reference, f"dequantize_{scheme}_ref")(q, out=out, dtype=dtype)
     rows = check_format_tensor(q, scheme)
     if q.codes.device.type != "cpu":
         raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {q.codes.device}")
@@ -272,8 +328,6 @@ def dequantize_fp8(
     q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``format_reference.dequantize_fp8_ref``, bit for bit."""
-    if not native_enabled():
-        return format_reference.dequantize_fp8_ref(q, out=out, dtype=dtype)
     return _dequantize(q, "fp8", out, dtype)
 
 
@@ -281,8 +335,6 @@ def dequantize_mx(
     q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``format_reference.dequantize_mx_ref``, bit for bit."""
-    if not native_enabled():
-        return format_reference.dequantize_mx_ref(q, out=out, dtype=dtype)
     return _dequantize(q, "mx", out, dtype)
 
 
@@ -290,8 +342,6 @@ def dequantize_nvfp4(
     q: FormatTensor, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``format_reference.dequantize_nvfp4_ref``, bit for bit."""
-    if not native_enabled():
-        return format_reference.dequantize_nvfp4_ref(q, out=out, dtype=dtype)
     return _dequantize(q, "nvfp4", out, dtype)
 
 

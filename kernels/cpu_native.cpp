@@ -20,65 +20,7 @@
 #define ZQ_AVX512BF16 1
 #endif
 
-typedef int64_t i64;
-typedef uint16_t half_bits;
-
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-// ---- element types: load as fp32 (exact widening), store from fp32 (round to nearest even) ----
-struct F32 {
-    typedef float T;
-    static constexpr bool IS_BF16 = false;
-    static inline float load(const T* p, i64 i) { return p[i]; }
-    static inline T store(float f) { return f; }
-    static inline T store_not_nan(float f) { return f; }
-};
-struct BF16 {
-    typedef uint16_t T;
-    static constexpr bool IS_BF16 = true;
-    static inline float load(const T* p, i64 i) { return u2f((uint32_t)p[i] << 16); }
-    static inline T store(float f) {  // torch's round_to_nearest_even; NaN -> 0x7fc0
-        uint32_t u = f2u(f);
-        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)r;
-    }
-    static inline T store_not_nan(float f) {  // the same for a value known not to be NaN
-        uint32_t u = f2u(f);
-        return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-};
-struct F16 {
-    typedef _Float16 T;
-    static constexpr bool IS_BF16 = false;
-    static inline float load(const T* p, i64 i) { return (float)p[i]; }
-    static inline T store(float f) { return (T)f; }
-    static inline T store_not_nan(float f) { return (T)f; }
-};
-
-// ---- Triton's Philox4x32-10 + uint -> uniform, as reference.philox_uniform ----
-static void philox_uniform(float* __restrict u, i64 n, uint64_t base, uint32_t k0, uint32_t k1) {
-    for (i64 i = 0; i < n; i++) {
-        uint64_t off = base + (uint64_t)i;
-        uint32_t c0 = (uint32_t)off, c1 = (uint32_t)(off >> 32), c2 = 0, c3 = 0;
-        uint32_t a = k0, b = k1;
-        for (int r = 0; r < 10; r++) {
-            uint64_t p0 = (uint64_t)0xCD9E8D57u * c2;
-            uint64_t p1 = (uint64_t)0xD2511F53u * c0;
-            uint32_t n0 = (uint32_t)(p0 >> 32) ^ c1 ^ a;
-            uint32_t n2 = (uint32_t)(p1 >> 32) ^ c3 ^ b;
-            c1 = (uint32_t)p0;
-            c3 = (uint32_t)p1;
-            c0 = n0;
-            c2 = n2;
-            a += 0x9E3779B9u;
-            b += 0xBB67AE85u;
-        }
-        int32_t x = (int32_t)c0;
-        x = x < 0 ? ~x : x;  // -x - 1 for negatives
-        u[i] = (float)x * 4.6566127342e-10f;
-    }
-}
+#include "cpu_common.h"
 
 // ---- one block: x[0:n] (n <= gs, the rest zero padding) -> codes, *scale ----
 template <class L, int BITS, bool STOCH>

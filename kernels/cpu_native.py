@@ -62,6 +62,8 @@ import torch
 from . import build_cache
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
+HEADER = Path(__file__).with_name("cpu_common.h")
+"""What ``cpu_native.cpp`` and ``cpu_formats.cpp`` share (included by both, hashed into both keys)."""
 
 ENABLED = os.environ.get("ZEROPP_CPU_NATIVE", "1") != "0"
 """Whether CPU tensors take these kernels (``ZEROPP_CPU_NATIVE=0`` turns them off, for comparing
@@ -120,7 +122,10 @@ def named_build(source: Path, flags: list[str], prefix: str) -> tuple[str, Calla
     version = subprocess.run(
         [cxx, "--version"], capture_output=True, text=True, check=True, timeout=BUILD_TIMEOUT_S
     ).stdout
-    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags), version, _cpu_features()]).encode())
+    # the shared header (kernels/cpu_common.h) is part of every library's source: hashed into each key
+    key = hashlib.sha256(
+        "\n".join([source.read_text(), HEADER.read_text(), " ".join(flags), version, _cpu_features()]).encode()
+    )
 
     def build(out: Path) -> None:
         res = subprocess.run(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 from typing import Callable, Iterator
@@ -47,6 +48,7 @@ from zeropp.kernels import (
     dequantize_sum_requantize,
     quantize,
     quantized_nbytes,
+    timing,
 )
 
 from . import format_rows
@@ -58,28 +60,7 @@ TARGET_FRACTION = 0.90
 
 def _timer(device: torch.device, warmup: int, iters: int) -> Callable[[Callable[[], object]], float]:
     """Median seconds per call: CUDA events around each call on GPU, perf_counter on CPU."""
-
-    def run(fn: Callable[[], object]) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            for _ in range(iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-        else:
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return run
+    return functools.partial(timing.median_seconds, device=device, warmup=warmup, iters=iters)
 
 
 CPU_PATHS = ("auto", "native", "compiled", "tiled")

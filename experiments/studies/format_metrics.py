@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from typing import Callable
 
 import torch
 
 from zeropp.comm.codecs import Codec, codec_for
 from zeropp.comm.spec import QuantSpec
+from zeropp.kernels import timing
 from zeropp.runtime.plan_kinds import group_size_of
 
 
@@ -79,13 +78,8 @@ def measure(spec: QuantSpec, x: torch.Tensor, *, chunk: int, weights: bool) -> R
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: first-use builds and caches
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median wall seconds of ``fn`` over ``repeats`` calls after one warm-up (first-use builds)."""
+    return timing.median_seconds(fn, warmup=1, iters=repeats)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

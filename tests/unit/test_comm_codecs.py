@@ -209,3 +209,32 @@ def test_every_recipe_is_a_quant_option_and_the_formats_sweep_names_recipes() ->
     sweep = yaml.safe_load((Path(__file__).parents[2] / "conf" / "sweep" / "formats.yaml").read_text())
     quant = sweep["hydra"]["sweeper"]["params"]["quant"].split(",")
     assert set(quant) <= set(RECIPES) and formats <= set(quant) and {"w8g8", "w4g4"} <= set(quant)
+
+
+FORMAT_SPECS = [s for s in registry_specs() + format_variants() if s.scheme != "int"]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+@pytest.mark.parametrize("spec", FORMAT_SPECS, ids=spec_id)
+def test_format_codecs_encode_straight_into_wire_rows_as_pack_of_quantize(
+    spec: QuantSpec, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The float codecs' CPU ``encode`` writes codes into the wire rows themselves: bit for bit
+    ``pack(quantize)``, for bf16 rows over several kernel tiles, a row length whose codes leave
+    the fp32 scales unaligned (fp8) and an nvfp4 tensor scale at an odd offset, nearest and
+    stochastic, with the kernels on and off (the reference path)."""
+    from zeropp.kernels import cpu_formats, cpu_native
+
+    if native and not cpu_formats.available():
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+    monkeypatch.setattr(cpu_native, "ENABLED", native)
+    codec = codec_for(spec)
+    gs = spec.group_size or 32
+    g = torch.Generator().manual_seed(3)
+    for rows, cols in ((3, 4100), (2, 75)):
+        x = (torch.randn(rows, cols, generator=g) * 3).bfloat16()
+        for seed in (None, 17):
+            wire = codec.encode(x, spec.bits, gs, rows=rows, seed=seed)
+            want = codec.pack(codec.quantize(x, spec.bits, gs, rows=rows, seed=seed))
+            assert wire.dtype == torch.uint8 and wire.shape == (rows, codec.wire_bytes(cols, spec.bits, gs))
+            assert torch.equal(wire, want)

@@ -8,6 +8,7 @@ Here: the one-process checks. The topic's full description and its end-to-end ch
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,20 @@ def test_build_fsyncs_file_and_directory_around_the_rename(tmp_path: Path, monke
     assert events == ["fsync file", "fsync file", "replace zq_x.so", "replace zq_x.so.sha256", "fsync dir"]
     assert oct((tmp_path / "c" / "zq_x.so").stat().st_mode & 0o777) == oct(0o555)
     assert oct((tmp_path / "c").stat().st_mode & 0o777) == oct(0o700)  # created private
+
+
+def test_both_libraries_cache_keys_cover_the_shared_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an edit of cpu_common.h alone must name (and so build) new int and format libraries: a
+    # stale library compiled from the old header must never be loaded
+    from zeropp.kernels import cpu_formats
+
+    if cpu_native.FAILED is not None or shutil.which(cpu_native._compiler()) is None:
+        pytest.skip("no C++ compiler here")
+    before = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    edited = tmp_path / "cpu_common.h"
+    edited.write_text(cpu_native.HEADER.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_native, "HEADER", edited)
+    after = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    assert before[0] != after[0] and before[1] != after[1]
+    assert '#include "cpu_common.h"' in cpu_native.SOURCE.read_text()
+    assert '#include "cpu_common.h"' in cpu_formats.SOURCE.read_text()

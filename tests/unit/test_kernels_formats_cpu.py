@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernel_helpers import DTYPES, gaussian
-from zeropp.kernels import cpu_formats, cpu_native, format_ops
+from zeropp.kernels import cpu_formats, cpu_native, format_ops, reference
 from zeropp.kernels import format_reference as ref
 from zeropp.kernels.format_layout import ELEMENTS, FormatTensor, code_bytes, num_groups
 
@@ -186,6 +186,38 @@ def test_stochastic_rounding_follows_the_seed():
     b = cpu_formats.quantize_mx(x, "e2m1", rows=4, stochastic=True, seed=8)
     assert not torch.equal(a.codes, b.codes)
     assert_same(a, ref.quantize_mx_ref(x, "e2m1", rows=4, stochastic=True, seed=7))
+
+
+@pytest.mark.parametrize("base", [0, 5, 2**32 - 21, 2**64 - 40])
+def test_the_kernels_philox_stream_is_the_reference_stream(base):
+    # 37 counters: two 16-wide vector steps and a scalar tail; 2**32 - 21 carries into the high
+    # counter word inside a vector, 2**64 - 40 wraps the counter itself
+    seed = 0x1234_5678_9ABC_DEF0
+    want = reference.philox_uniform(
+        seed, torch.arange(37, dtype=torch.int64) + (base - 2**64 if base >= 2**63 else base)
+    )
+    assert torch.equal(bits(cpu_formats.philox_uniform(seed, base, 37)), bits(want))
+
+
+@pytest.mark.parametrize("scheme, elem", [("nvfp4", "e2m1"), ("mx", "e3m2"), ("mx", "e2m1")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_many_tiles_with_special_blocks_in_a_later_tile(scheme, elem, dtype):
+    # 5000 columns: three tiles of the kernels (the last partial), the row's largest finite value
+    # and a NaN / Inf block only in the second tile, a zero row, so the per-row tensor scale and
+    # the per-tile block scales meet every case away from the first tile
+    x = gaussian(3 * 5000, 11).view(3, 5000).to(dtype)
+    x[0, 3000] = 300.0
+    x[0, 2500] = float("nan")
+    x[0, 4100] = -float("inf")
+    x[1, 4999] = float("inf")
+    x[2] = 0
+    for stochastic in (False, True):
+        kw = dict(rows=3, stochastic=stochastic, seed=99)
+        ours = quantize(cpu_formats, x, scheme, elem, "ocp", **kw)
+        want = quantize(None, x, scheme, elem, "ocp", **kw)
+        assert_same(ours, want)
+    deq = getattr(cpu_formats, f"dequantize_{scheme}")(want, dtype=dtype)
+    assert_same_values(deq, getattr(ref, f"dequantize_{scheme}_ref")(want, dtype=dtype))
 
 
 def test_strided_input_and_out_buffers():

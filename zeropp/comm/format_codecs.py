@@ -18,8 +18,9 @@ scheme     bits -> element                   group size
 
 The reductions over received rows are the base class's generic ones (dequantize each source,
 add in fp32, re-encode for qgZ's second hop), so qgZ, error feedback and the Hadamard rotation
-work unchanged; no fused kernel is needed for correctness. The codec is not ``in_place``: the
-collectives hand it contiguous tensors and it packs / unpacks with copies.
+work unchanged; no fused kernel is needed for correctness. The codec is not ``in_place`` (its
+received rows are unpacked with copies), but on CPU :meth:`FormatCodec.encode` has the kernel write
+the codes straight into the wire rows (``cpu_formats.encode_wire``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from zeropp.kernels import cpu_formats
 from zeropp.kernels import format_layout as fl
 from zeropp.kernels.format_layout import FormatTensor
 from zeropp.kernels.format_ops import dequantize_format, quantize_fp8, quantize_mx, quantize_nvfp4
@@ -83,6 +85,17 @@ class FormatCodec(Codec):
         if self.kernel_scheme == "mx":
             return quantize_mx(x, elem, scale_rule=self.mx_scale, rows=rows, stochastic=stochastic, seed=kseed)
         return quantize_nvfp4(x, rows=rows, stochastic=stochastic, seed=kseed)
+
+    def encode(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> torch.Tensor:
+        """Wire rows ``uint8 [rows, wire_bytes]``; CPU tensors are quantized straight into them
+        (``cpu_formats.encode_wire``: no codes tensor, no concatenation), others quantize and pack."""
+        if x.device.type != "cpu":
+            return super().encode(x, bits, group_size, rows=rows, seed=seed)
+        elem = self.element(bits)
+        if self.kernel_scheme != "fp8":
+            fl.check_format_group_size(self.kernel_scheme, group_size)
+        stochastic, kseed = seed is not None, 0 if seed is None else seed
+        return cpu_formats.encode_wire(x, self.kernel_scheme, elem, group_size, self.mx_scale, rows, stochastic, kseed)
 
     def dequantize(
         self, q: FormatTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32

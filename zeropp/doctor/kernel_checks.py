@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import time
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +27,7 @@ from zeropp.kernels import (
     dequantize_sum_requantize,
     quantize,
     quantized_nbytes,
+    timing,
 )
 from zeropp.kernels import reference as ref
 
@@ -187,21 +187,8 @@ BANDWIDTH_BYTES = 64 << 20
 
 
 def cuda_timer(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    """Median seconds of one call of ``fn`` on the current CUDA stream, by CUDA events. Written
-    here rather than reused from ``experiments/bench_kernels.py`` because the library may not
-    import the harness."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Median seconds of one call of ``fn`` on the current CUDA stream, by CUDA events."""
+    return timing.median_seconds(fn, device="cuda", warmup=warmup, iters=iters)
 
 
 def bandwidth(
