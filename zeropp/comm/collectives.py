@@ -316,18 +316,28 @@ def _plain_reduce_scatter(
     direct = out.dtype == src.dtype
     dst = out.view(-1) if direct else torch.empty(out.numel(), dtype=src.dtype, device=src.device)
     bufs = Buffers(src, dst, protect=(inp, out))
-    to_out = None if direct else (lambda: out.view(-1).copy_(dst))
+
+    def to_out() -> None:
+        out.view(-1).copy_(dst)
+
+    finish: Optional[Callable[[], object]] = None if direct else to_out
     if gloo and op_name == "sum" and W > 1:
         work, summed = _gloo_reduce_scatter_sum(dst, src, W, group, async_op, bufs)
-        finish = summed if to_out is None else (lambda: (summed(), to_out()))
+
+        def sum_then_out() -> None:
+            summed()
+            if not direct:
+                to_out()
+
+        finish = sum_then_out
     else:
-        work, finish = backend_reduce_scatter(dst, src, op, group, async_op), to_out
+        work = backend_reduce_scatter(dst, src, op, group, async_op)
     return finish_or_handle([work], finish, async_op, bufs, session=session, kind=kind)
 
 
 def _gloo_reduce_scatter_sum(
     dst: torch.Tensor, src: torch.Tensor, W: int, group: Optional[dist.ProcessGroup], async_op: bool, bufs: Buffers
-) -> tuple[object, Callable[[], object]]:
+) -> tuple[Optional[dist.Work], Callable[[], object]]:
     """A SUM reduce-scatter on gloo as an all-to-all (chunk ``j`` of ``src`` to group rank ``j``)
     whose ``W`` received chunks are summed locally, in group-rank order, into ``dst``; returns the
     work and that sum (run after the wait).
