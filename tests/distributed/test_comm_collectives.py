@@ -142,8 +142,12 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
         if bits is None:
             ref = torch.empty_like(out)
             src = xs[rank] * 0.5 if op_name == "premul" else xs[rank]
-            dist.reduce_scatter_single(ref, src, op=ReduceOp.SUM if op_name == "premul" else ops[op_name])
-            assert torch.equal(out, ref), f"plain reduce-scatter differs from torch.distributed {what}"
+            if op_name == "avg":  # the backend's own reduce-scatter
+                dist.reduce_scatter_single(ref, src, op=ops[op_name])
+            else:  # gloo sums: an all-to-all, then this rank's chunks summed in rank order
+                srcs = [x * 0.5 if op_name == "premul" else x for x in xs]
+                torch.sum(torch.stack([x.view(W, n)[rank] for x in srcs]), 0, out=ref)
+            assert torch.equal(out, ref), f"plain reduce-scatter differs from its reference {what}"
             # ... and is the true reduction: equality with the backend alone would pass a backend whose
             # AVG sums (the gloo bug background.md section 5 mentions). W roundings in the dtype at most.
             mass = torch.stack([x.view(W, n)[rank].double().abs() for x in xs]).sum(0) * post[op_name]

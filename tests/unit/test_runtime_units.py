@@ -97,6 +97,25 @@ def test_partition_pads_shards_and_round_trips():
         assert b - a == u.shard_numel and (u.kind == "replicated" or a == u.shard_numel)
 
 
+def test_flatten_grads_into_a_used_buffer_zeroes_missing_grads_and_padding():
+    """A pool buffer comes back holding the last reduction's values: flatten_grads must leave the
+    gradients in their slots and zeros everywhere else (a parameter without gradient, the padding)."""
+    model = make_model()
+    units, *_ = build_units(model, stage=3, world_size=3, rank=0, dtype=torch.float32, persistence_threshold=0)
+    u = next(u for u in units if len(u.params) > 2 and u.padded > u.numel)
+    skip = u.params[1]  # this one got no gradient
+    gen = torch.Generator().manual_seed(0)
+    want = torch.cat(
+        [torch.zeros(p.numel()) if p is skip else torch.randn(p.numel(), generator=gen) for p in u.params]
+        + [torch.zeros(u.padded - u.numel)]
+    )
+    for out in (torch.full((u.padded,), float("nan")), None):
+        for s, p in zip(u.slots, u.params):
+            p.grad = None if p is skip else want[s.offset : s.offset + s.numel].view(p.shape).clone()
+        got = u.flatten_grads(out=out)
+        assert torch.equal(got, want) and all(p.grad is None for p in u.params)
+
+
 def test_sharded_adamw_matches_torch_adamw_bitwise():
     torch.manual_seed(0)
     params = [torch.randn(5, 3), torch.randn(7)]

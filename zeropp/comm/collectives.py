@@ -22,7 +22,7 @@ session's for that call.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from .backend import (
     ReduceOpLike,
     backend_all_gather,
     backend_all_reduce,
+    backend_all_to_all,
     backend_reduce_scatter,
     check_contiguous,
     check_float,
@@ -329,17 +330,56 @@ def _plain_reduce_scatter(
     async_op: bool,
     session: CommSession,
 ) -> Optional[CommHandle]:
-    """Backend reduce-scatter; converts dtypes through a temporary and emulates PREMUL_SUM on gloo."""
+    """Backend reduce-scatter; converts dtypes through a temporary and emulates PREMUL_SUM on gloo.
+
+    A sum on gloo is an all-to-all plus a local sum (:func:`_gloo_reduce_scatter_sum`): gloo's own
+    reduce-scatter clones the input and all-reduces the clone, sending twice the bytes."""
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("reduce_scatter", inp.numel() * inp.element_size(), W))
     src = inp.view(-1)
-    if op_name == "premul_sum" and dist.get_backend(group) == "gloo":  # gloo has no PREMUL_SUM
-        src, op = src * factor, ReduceOp.SUM
+    gloo = dist.get_backend(group) == "gloo"
+    if op_name == "premul_sum" and gloo:  # gloo has no PREMUL_SUM
+        src, op, op_name = src * factor, ReduceOp.SUM, "sum"
     direct = out.dtype == src.dtype
     dst = out.view(-1) if direct else torch.empty(out.numel(), dtype=src.dtype, device=src.device)
-    work = backend_reduce_scatter(dst, src, op, group, async_op)
-    finish = None if direct else (lambda: out.view(-1).copy_(dst))
-    return finish_or_handle([work], finish, async_op, Buffers(src, dst, protect=(inp, out)), session=session, kind=kind)
+    bufs = Buffers(src, dst, protect=(inp, out))
+
+    def to_out() -> None:
+        out.view(-1).copy_(dst)
+
+    finish: Optional[Callable[[], object]] = None if direct else to_out
+    if gloo and op_name == "sum" and W > 1:
+        work, summed = _gloo_reduce_scatter_sum(dst, src, W, group, async_op, bufs)
+
+        def sum_then_out() -> None:
+            summed()
+            if not direct:
+                to_out()
+
+        finish = sum_then_out
+    else:
+        work = backend_reduce_scatter(dst, src, op, group, async_op)
+    return finish_or_handle([work], finish, async_op, bufs, session=session, kind=kind)
+
+
+def _gloo_reduce_scatter_sum(
+    dst: torch.Tensor, src: torch.Tensor, W: int, group: Optional[dist.ProcessGroup], async_op: bool, bufs: Buffers
+) -> tuple[Optional[dist.Work], Callable[[], object]]:
+    """A SUM reduce-scatter on gloo as an all-to-all (chunk ``j`` of ``src`` to group rank ``j``)
+    whose ``W`` received chunks are summed locally, in group-rank order, into ``dst``; returns the
+    work and that sum (run after the wait).
+
+    Written here rather than calling ``reduce_scatter_single``: gloo implements that as a clone of
+    the whole input on the calling thread plus an all-reduce of the clone (each rank sends
+    ``2 (W - 1) / W`` of the input and reduces ``W - 1`` of its chunks), whereas the all-to-all
+    sends ``(W - 1) / W`` of it once, and the receive buffer takes the clone's place (the same
+    memory, for the same time). The sum's order differs from gloo's ring, so the result may differ
+    from the backend's in the last bits (each is a correctly rounded sum of ``W`` terms in some
+    order); a half-precision sum is accumulated in fp32 and rounded once."""
+    recv = torch.empty_like(src)  # [W * n]: row j is group rank j's chunk for this rank
+    bufs.add(recv)
+    work = backend_all_to_all(recv, src, group, async_op)
+    return work, lambda: torch.sum(recv.view(W, -1), 0, out=dst)
 
 
 def all_reduce(

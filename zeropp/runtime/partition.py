@@ -262,21 +262,26 @@ class FlatUnit:
 
     def flatten_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gradients as a padded flat tensor ``[padded]`` (missing gradients count as zero); clears
-        ``p.grad``. Written into ``out`` (``[padded]``, e.g. a pool buffer) when given, else a new tensor."""
+        ``p.grad``. Written into ``out`` (``[padded]``, e.g. a pool buffer) when given, else a new tensor.
+        Each element is written once: the slots are packed without gaps (``UnitLayout``), so only
+        the slots without a gradient and the padding after the last slot are zeroed."""
         if out is None:
-            out = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        else:
-            if out.shape != (self.padded,) or out.dtype != self.dtype:
-                raise ValueError(
-                    f"flatten_grads(out=...) of {self.name} needs [{self.padded}] {self.dtype}, got "
-                    f"{list(out.shape)} {out.dtype}"
-                )
-            out.zero_()
+            out = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        elif out.shape != (self.padded,) or out.dtype != self.dtype:
+            raise ValueError(
+                f"flatten_grads(out=...) of {self.name} needs [{self.padded}] {self.dtype}, got "
+                f"{list(out.shape)} {out.dtype}"
+            )
+        end = 0
         for s, p in zip(self.slots, self.params):
-            g = p.grad
-            if g is not None:
-                out[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+            g, dst = p.grad, out[s.offset : s.offset + s.numel]
+            if g is None:
+                dst.zero_()
+            else:
+                dst.copy_(g.reshape(-1))
                 p.grad = None
+            end = s.offset + s.numel
+        out[end:].zero_()
         return out
 
     def bind(self, flat: torch.Tensor) -> None:

@@ -110,12 +110,14 @@ class ParamUpdate:
     def step(self, grads: list[torch.Tensor], local_loss: torch.Tensor, memory: dict[str, int] | None) -> StepResult:
         """Collective. ``grads``: per unit, this rank's reduced gradient in the compute dtype
         (``[S]`` shard or ``[padded]`` flat); ``local_loss``: this rank's mean micro-batch loss, a
-        0-dim fp64 tensor on the engine's device (not read here: see :meth:`read_totals`)."""
+        0-dim fp64 tensor on the engine's device (not read here: see :meth:`read_totals`).
+
+        ``grads`` are this step's own buffers (``GradReducer.final_grads``: new tensors, or the
+        stage 2-3 gradient shards, zeroed below), so fp32 ones are unscaled and clipped in place
+        rather than through a copy."""
         scale = self.scaler.scale
         g32 = (
-            self.optim.landed_grads()
-            if self.landed
-            else [g.float() if g.dtype != torch.float32 else g.clone() for g in grads]
+            self.optim.landed_grads() if self.landed else [g if g.dtype == torch.float32 else g.float() for g in grads]
         )
         if scale != 1.0:
             for g in g32:
