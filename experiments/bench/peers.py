@@ -34,10 +34,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to stdout to stderr, Python's and file descriptor 1 both: the ranks a
+    job starts are processes that inherit descriptor 1, so ``redirect_stdout`` alone would let
+    their reports into the JSON document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None, run_job: RunJob | None = None) -> dict[str, dict[str, Any]]:
     """Run, print the table (or JSON); returns the rows. ``run_job`` defaults to the runner's."""
     a = parse_args(argv)
@@ -291,7 +309,7 @@ def main(argv: list[str] | None = None, run_job: RunJob | None = None) -> dict[s
 
         run_job = runner_job
     # with --json, stdout carries the JSON document only: each job's own report goes to stderr
-    quiet = contextlib.redirect_stdout(sys.stderr) if a.json else contextlib.nullcontext()
+    quiet = _stdout_to_stderr() if a.json else contextlib.nullcontext()
     with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp, quiet:
         out = aggregate(run_rounds(a, Path(a.out or tmp), run_job))
     print(json.dumps(out, indent=2) if a.json else format_table(out, a))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -147,20 +148,23 @@ def test_the_table_has_every_figure(tmp_path: Path) -> None:
     assert lines[3].split() == ["zeropp", "ZeRO++", "(zeropp)", "4.00", "0.80", "300.0", "1.00", "1.00e-03"]
 
 
-def test_json_is_the_only_thing_on_stdout(tmp_path: Path, capsys) -> None:
-    """With ``--json`` what each job prints goes to stderr, so stdout parses."""
+def test_json_is_the_only_thing_on_stdout(tmp_path: Path, capfd) -> None:
+    """With ``--json`` what each job prints goes to stderr, so stdout parses: the runner's own
+    report and its ranks', which are child processes writing to the inherited descriptor 1."""
 
     class Chatty(FakeJobs):
         def __call__(self, overrides: list[str], run_dir: Path) -> dict[str, Any]:
             print("a job's own report")
+            subprocess.run([sys.executable, "-c", "print('a rank report')"], check=True)
             return super().__call__(overrides, run_dir)
 
     argv = ["--only", "ddp,stage0", "--rounds", "1", "--json", "--out", str(tmp_path)]
     jobs = Chatty({"ddp": [0.1], "stage0": [0.1]})
     jobs.args = peers.parse_args(argv)  # type: ignore[attr-defined]
     out = peers.main(argv, run_job=jobs)
-    captured = capsys.readouterr()
-    assert json.loads(captured.out) == json.loads(json.dumps(out)) and "a job's own report" in captured.err
+    captured = capfd.readouterr()
+    assert json.loads(captured.out) == json.loads(json.dumps(out))
+    assert "a job's own report" in captured.err and "a rank report" in captured.err
 
 
 @pytest.mark.parametrize(
