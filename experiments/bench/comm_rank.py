@@ -222,22 +222,16 @@ def kernel_rates(spec: CommBenchSpec, elems: int, device: Any, repeats: int = 3)
     elements as ``world`` wire rows, median of ``repeats``; every rank times at once."""
     import torch
 
+    from zeropp.kernels.timing import median_seconds
+
     W = spec.world
     cols = max(elems // W, 1)
     x = torch.randn(W * cols, device=device)  # [W * cols]
     out = []
     for fmt, qs in format_specs(spec.formats).items():
-        fns = _kernel_calls(qs, x, W, cols)
-        for op, fn in fns.items():
-            fn()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-            out.append({"op": op, "format": fmt, "gbs": W * cols * 4 / max(statistics.median(times), 1e-9) / 1e9})
+        for op, fn in _kernel_calls(qs, x, W, cols).items():
+            sec = median_seconds(fn, device=device, warmup=1, iters=repeats)
+            out.append({"op": op, "format": fmt, "gbs": W * cols * 4 / max(sec, 1e-9) / 1e9})
     return out
 
 
