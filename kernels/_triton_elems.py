@@ -133,8 +133,10 @@ def decode_float(
         top = ef == (1 << E) - 1
         inf = tl.full(val.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
         val = tl.where(top, inf, val)
-    neg = ((code >> (E + M)) & 1) != 0
-    val = tl.where(neg, -val, val)
+    # the sign as a bit, not a negation: Triton 3.6 compiles ``-x`` as ``0 - x``, which makes the
+    # code of -0.0 decode to +0.0 (the interpreter and newer Triton negate exactly)
+    sign = ((code >> (E + M)) & 1).to(tl.uint32) << 31
+    val = (val.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     if IEEE_SPECIALS:
         val = tl.where((ef == (1 << E) - 1) & ((mag & ((1 << M) - 1)) != 0), nan, val)
     elif NAN_MAG >= 0:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU acceptance in one command, on one CUDA machine, in under 10 minutes:
-#   the cuda test tier (kernel modules in parallel when pytest-xdist is installed, then the rest),
+#   the cuda test tier (kernel and runner modules in parallel when pytest-xdist is installed, then the rest),
 #   python -m experiments.bench_kernels, python -m experiments.bench_gpu, the host cost of one
 #   kernel launch (scripts/gpu_probe_host.py) and python -m zeropp.doctor (its JSON report: $OUT/doctor.json).
 # Writes one markdown report: device, driver, torch / CUDA / NCCL / Triton versions, date, the
@@ -12,7 +12,7 @@
 # cannot import torch is an error, exit 1). Exit status
 # otherwise: 0 when every part passed, 1 when one failed or ran out of time (the report says which).
 # Environment: PYTHON (default python3); OUT; GPU_CHECK_BUDGET_S (default 570, the whole check's
-# seconds; each part also has its own cap); XDIST (workers of the kernel pass, default 8);
+# seconds; each part also has its own cap); XDIST (workers of the parallel pass, default: the cores less 2, 2 to 14);
 # PYTEST_ARGS (added to both test passes). Wheels the machine lacks (hydra-core, omegaconf,
 # antlr4) can be put in .whl/: they are installed into a temporary folder, offline.
 set -uo pipefail
@@ -76,21 +76,27 @@ run_part() {  # name cap command...
 has() { "$PY" -c "import $1" 2>/dev/null; }
 
 : >"$OUT/parts.txt"
-KERNEL_MODULES=(tests/gpu/test_kernels_cuda.py tests/gpu/test_kernels_hadamard_cuda.py tests/gpu/test_comm_zero_copy.py)
+# Independent one-process modules (kernels, and the runner's jobs, each a world of its own) run in
+# parallel; the stream, NCCL-world, doctor and runtime tests run alone after them. Measured on an
+# H200 host: a runner job is 17-50 s (process start, CUDA and NCCL init, Triton compiles), so 18 of
+# them in a row took longer than this whole pass.
+PARALLEL_MODULES=(tests/gpu/test_kernels_cuda.py tests/gpu/test_kernels_hadamard_cuda.py tests/gpu/test_kernels_formats_cuda.py
+  tests/gpu/test_comm_zero_copy.py tests/gpu/test_experiments_cuda.py)
 pytest_opts=(-m cuda -q -rfEs -p no:cacheprovider)
 has pytest_timeout && pytest_opts+=(--timeout=150)
+workers=$(($(nproc) - 2)); [ "$workers" -lt 2 ] && workers=2; [ "$workers" -gt 14 ] && workers=14
 xdist=()
-has xdist && xdist=(-n "${XDIST:-8}")
+has xdist && xdist=(-n "${XDIST:-$workers}")
 ignores=()
-for m in "${KERNEL_MODULES[@]}"; do ignores+=(--ignore="$m"); done
+for m in "${PARALLEL_MODULES[@]}"; do ignores+=(--ignore="$m"); done
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-run_part cuda_kernels 150 "$PY" -m pytest "${pytest_opts[@]}" "${xdist[@]}" "${KERNEL_MODULES[@]}" ${PYTEST_ARGS:-}
+run_part cuda_parallel 280 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${xdist[@]}" "${PARALLEL_MODULES[@]}" ${PYTEST_ARGS:-}
 # shellcheck disable=SC2086
-run_part cuda_tests 240 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ignores[@]}" ${PYTEST_ARGS:-}
-run_part bench_kernels 60 "$PY" -m experiments.bench_kernels --max-mib 256
+run_part cuda_tests 120 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ignores[@]}" ${PYTEST_ARGS:-}
+run_part bench_kernels 90 "$PY" -m experiments.bench_kernels --min-kib 1024 --max-mib 256  # rows stream
 run_part bench_gpu 120 "$PY" -m experiments.bench_gpu --steps 10 --warmup 3
 run_part probe_host 30 "$PY" scripts/gpu_probe_host.py
-run_part doctor 90 "$PY" -m zeropp.doctor --json "$OUT/doctor.json"
+run_part doctor 60 "$PY" -m zeropp.doctor --json "$OUT/doctor.json"
 
 # ---- the report
 tests_line() { grep -E "([0-9]+ (passed|failed|error|errors|skipped))|no tests ran" "$OUT/$1.log" | tail -1; }
@@ -101,21 +107,23 @@ tests_line() { grep -E "([0-9]+ (passed|failed|error|errors|skipped))|no tests r
   echo "- device (name, memory, driver): $(nvidia-smi --query-gpu=name,memory.total,driver_version \
     --format=csv,noheader 2>/dev/null | head -1); $(nvidia-smi -L 2>/dev/null | wc -l) visible"
   "$PY" -c '
-import sys, torch, triton
+import os, sys, torch, triton
 v = torch.cuda.nccl.version()
 nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "unset")
 print(f"- python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl}), "
-      f"Triton {triton.__version__}")' 2>&1
+      f"Triton {triton.__version__}; CUDA allocator {torch.cuda.get_allocator_backend()} "
+      f"(PYTORCH_CUDA_ALLOC_CONF={conf})")' 2>&1
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
   echo "- verdict: $([ ${#failed[@]} -eq 0 ] && echo "every part passed" || echo "FAILED: ${failed[*]}")"
   echo "- total: ${SECONDS}s; logs in $OUT/"
   echo
   echo "## Tests (pytest -m cuda)"
   echo
-  for part in cuda_kernels cuda_tests; do
+  for part in cuda_parallel cuda_tests; do
     echo "- $part: $(tests_line "$part" || echo "no summary, see $OUT/$part.log")"
   done
-  grep -hE "^(FAILED|ERROR) " "$OUT/cuda_kernels.log" "$OUT/cuda_tests.log" 2>/dev/null | cut -c1-300 | sed 's/^/  - /'
+  grep -hE "^(FAILED|ERROR) " "$OUT/cuda_parallel.log" "$OUT/cuda_tests.log" 2>/dev/null | cut -c1-300 | sed 's/^/  - /'
   for part in bench_kernels bench_gpu; do
     echo
     echo "## $part"

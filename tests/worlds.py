@@ -13,10 +13,9 @@ collective fails the test instead of hanging the suite. ``fn`` must be a module-
 from __future__ import annotations
 
 import multiprocessing
-import signal
 from typing import Any, Callable
 
-from zeropp.experiments.launch import RankFailure, launch_world
+from zeropp.experiments.launch import RankFailure, RunInterrupted, launch_world
 
 # Ranks are forked from multiprocessing's fork server, which imports these once: a spawned rank
 # would spend seconds importing torch and zeropp, and the suite starts a few hundred worlds.
@@ -40,7 +39,7 @@ def run_world(
             extra_env=env,
             start_method="forkserver",
         )
+    except RunInterrupted as e:  # Ctrl-C or a SIGTERM (``timeout``) to pytest: the ranks are stopped; pytest stops too
+        raise KeyboardInterrupt(str(e)) from None
     except RankFailure as e:
-        if e.exit_code == 128 + signal.SIGINT:  # Ctrl-C: the ranks are stopped; let pytest stop too
-            raise KeyboardInterrupt from None
         raise AssertionError(f"world of {world_size}: {e}") from None

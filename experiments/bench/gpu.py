@@ -83,12 +83,16 @@ def run_all(
 ) -> dict[str, dict[str, Any]]:
     """Run the selected rows in order; a row that fails records its error and the rest still run."""
     from ..runner.config import ConfigError
-    from ..runner.launcher import RankFailure
+    from ..runner.launcher import RankFailure, RunInterrupted
 
     rows = {}
     for key in a.jobs:
         try:
             rows[key] = result(run_job(job_overrides(a, key), root / key))
+            # each row as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
+            print(f"{key}: {rows[key]['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+        except RunInterrupted:
+            raise  # the benchmark itself was stopped, not this row
         except (ConfigError, RankFailure) as e:
             rows[key] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{key}: failed: {e}", file=sys.stderr)

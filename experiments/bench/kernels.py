@@ -123,7 +123,9 @@ def _fmt_bytes(b: int) -> str:
     return f"{b} B"
 
 
-def bench(args: argparse.Namespace) -> list[dict]:
+def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Time every op at every size; ``on_row`` sees each row as soon as it is measured (the table
+    streams, so a run stopped by a time limit still shows what it measured)."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -176,6 +178,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 vs_old=vs_old,
             )
         )
+        if on_row is not None:
+            on_row(rows[-1])
 
     k = args.k
     for size in _sizes(args.min_kib, args.max_mib):
@@ -237,7 +241,12 @@ def bench(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _print(rows: list[dict], args: argparse.Namespace) -> None:
+def _paired_mode(args: argparse.Namespace) -> bool:
+    """Whether each op is also timed through ``--vs-path`` (CPU only): the table's extra columns."""
+    return torch.device(args.device).type == "cpu" and args.vs_path != "none"
+
+
+def _print_header(args: argparse.Namespace) -> None:
     dev = torch.device(args.device)
     if dev.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(dev)} - Triton kernels")
@@ -259,7 +268,7 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
         f"full-precision data), each once; copy = dst.copy_(src) moving the same bytes, same run; "
         f"vs compile = time of torch.compile'd plain torch / ours (> 1: ours faster)"
     )
-    old = any(r["vs_old"] is not None for r in rows)
+    old = _paired_mode(args)
     if old:
         print(
             f"old = the CPU path '{args.vs_path}', timed call by call in alternation with ours; x old = median of "
@@ -271,18 +280,24 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
         f"| {'vs compile':>10} |{extra}"
     )
     print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
-    for r in rows:
-        vs = "" if r["vs_compile"] is None else f"{r['vs_compile']:.2f}x"
-        line = (
-            f"| {r['op']:<30} | {_fmt_bytes(r['size']):>9} | {r['bytes']:>13,} | {r['seconds'] * 1e6:>10.1f} | "
-            f"{r['gbps']:>8.2f} | {r['fraction']:>6.0%} | {vs:>10} |"
-        )
-        if old:
-            of = "" if r["old_fraction"] is None else f"{r['old_fraction']:.1%}"
-            x = "" if r["vs_old"] is None else f"{r['vs_old']:.1f}x"
-            line += f" {of:>11} | {x:>6} |"
-        print(line)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|", flush=True)
+
+
+def _print_row(r: dict, args: argparse.Namespace) -> None:
+    vs = "" if r["vs_compile"] is None else f"{r['vs_compile']:.2f}x"
+    line = (
+        f"| {r['op']:<30} | {_fmt_bytes(r['size']):>9} | {r['bytes']:>13,} | {r['seconds'] * 1e6:>10.1f} | "
+        f"{r['gbps']:>8.2f} | {r['fraction']:>6.0%} | {vs:>10} |"
+    )
+    if _paired_mode(args):
+        of = "" if r["old_fraction"] is None else f"{r['old_fraction']:.1%}"
+        x = "" if r["vs_old"] is None else f"{r['vs_old']:.1f}x"
+        line += f" {of:>11} | {x:>6} |"
+    print(line, flush=True)
+
+
+def _print_summary(rows: list[dict], args: argparse.Namespace) -> None:
+    dev = torch.device(args.device)
     shares = format_rows.shares_text(rows, _fmt_bytes)
     if shares:
         print(shares)
@@ -344,8 +359,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads)
     try:
-        rows = bench(args)
-        _print(rows, args)
+        _print_header(args)
+        rows = bench(args, on_row=lambda r: _print_row(r, args))
+        _print_summary(rows, args)
     finally:  # main() is also called in-process by the smoke test
         torch.set_num_threads(threads)
     return rows

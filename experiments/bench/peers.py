@@ -156,7 +156,7 @@ def run_rounds(a: argparse.Namespace, root: Path, run_job: RunJob) -> dict[str, 
     ``{"skipped": why}`` (its trainer's package is missing) or ``{"error": ...}`` (a failed job: the
     row is not run again, the others go on)."""
     from ..runner.config import ConfigError
-    from ..runner.launcher import RankFailure
+    from ..runner.launcher import RankFailure, RunInterrupted
 
     rows: dict[str, dict[str, Any]] = {}
     for key in a.only:
@@ -168,6 +168,8 @@ def run_rounds(a: argparse.Namespace, root: Path, run_job: RunJob) -> dict[str, 
                 continue
             try:
                 rows[key]["runs"].append(result(run_job(job_overrides(a, key), root / f"{key}-r{r + 1}")))
+            except RunInterrupted:
+                raise  # the benchmark itself was stopped, not this row
             except (ConfigError, RankFailure) as e:
                 rows[key] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{key}: failed: {e}", file=sys.stderr)

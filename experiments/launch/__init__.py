@@ -21,7 +21,7 @@ Public API::
 
 from zeropp.watch import heartbeat
 
-from .failure import RankFailure
+from .failure import RankFailure, RunInterrupted
 from .placement import (
     LAUNCHED_MARK,
     LOCAL,
@@ -41,6 +41,7 @@ __all__ = [
     "Placement",
     "PlacementError",
     "RankFailure",
+    "RunInterrupted",
     "free_port",
     "heartbeat",
     "in_torchrun",

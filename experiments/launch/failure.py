@@ -45,6 +45,12 @@ class RankFailure(RuntimeError):
         self.exit_code = exit_code
 
 
+class RunInterrupted(RankFailure):
+    """The launching process itself was sent SIGINT / SIGTERM (Ctrl-C, ``timeout``, a scheduler's
+    preemption): every rank was stopped. Not one job's failure: a caller running several jobs (a
+    benchmark's rows, a sweep, a test) stops too instead of recording it and going on to the next."""
+
+
 def exit_status(pid: int) -> int | None:
     """Exit code of child ``pid`` if it has exited (``-signal`` if killed), without reaping it."""
     try:

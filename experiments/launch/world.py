@@ -86,7 +86,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 from zeropp import watch
 
 from .boot import BOOT, function_rank
-from .failure import RankFailure, exit_status, root_cause
+from .failure import RankFailure, RunInterrupted, exit_status, root_cause
 from .placement import LAUNCHED_MARK, LOCAL, ModuleEntry, Placement, PlacementError, free_port
 
 _TORCH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # start_processes' handlers
@@ -312,7 +312,7 @@ def _start_and_watch(
             )
             return _watch(world, timeout_s=timeout_s, poll_s=poll_s)
         except SignalException as e:
-            raise RankFailure(
+            raise RunInterrupted(
                 f"interrupted by {e.sigval.name}; all ranks stopped", exit_code=128 + int(e.sigval)
             ) from None
         finally:

@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..cluster import EmulatedCluster, NetnsError
-from ..launch import LOCAL, ModuleEntry, Placement, PlacementError, RankFailure, in_torchrun, launch_world
+from ..launch import (
+    LOCAL,
+    ModuleEntry,
+    Placement,
+    PlacementError,
+    RankFailure,
+    RunInterrupted,
+    in_torchrun,
+    launch_world,
+)
 
 
 def worker_module(package: str | None) -> str:
@@ -121,6 +130,7 @@ def launch(
 __all__: Sequence[str] = (
     "PlacementError",
     "RankFailure",
+    "RunInterrupted",
     "cluster_placement",
     "device_for_cluster",
     "emulated_placement",

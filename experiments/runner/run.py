@@ -40,7 +40,15 @@ from zeropp.runtime.divergence import DivergenceError
 
 from . import schema
 from .config import ConfigError, RunConfig, from_omegaconf
-from .launcher import RankFailure, emulated_placement, in_torchrun, launch, local_placement, worker_module
+from .launcher import (
+    RankFailure,
+    RunInterrupted,
+    emulated_placement,
+    in_torchrun,
+    launch,
+    local_placement,
+    worker_module,
+)
 from .metrics import read_summary, write_summary
 from .overrides import check_overrides
 from .preflight import check_before_launch
@@ -329,8 +337,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
-        if in_torchrun() or not info["multirun"]:
-            sys.exit(code)
+        if in_torchrun() or not info["multirun"] or isinstance(e, RunInterrupted):
+            sys.exit(code)  # an interrupted sweep stops: its remaining jobs are not run
         _record_failure(info, str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
         return None
     return None if summary is None else float(summary["tokens_per_s"])

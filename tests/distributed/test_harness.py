@@ -234,7 +234,7 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
     try:
         launch_world(_hang_with_grandchild, 2, args=(sys.argv[1],), timeout_s=120, grace_s=1)
     except RankFailure as e:
-        print(e, file=sys.stderr)
+        print(type(e).__name__, e, file=sys.stderr)
         sys.exit(e.exit_code)
 """)
 
@@ -260,7 +260,7 @@ def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Si
         err = (tmp_path / "stderr").read_text()
         assert p.returncode != 0
         if sig == signal.SIGTERM:
-            assert p.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+            assert p.returncode == 128 + signal.SIGTERM and "RunInterrupted interrupted by SIGTERM" in err, err
             assert _wait_gone(pids) == []
         else:
             assert _wait_gone(pids[0::2]) == []  # the ranks (the grandchildren belong to them, see below)

@@ -41,3 +41,14 @@ def test_a_python_without_torch_is_an_error_not_a_skip(tmp_path):
 def test_the_script_parses():
     proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_reports_python_snippets_compile():
+    """The report's inline Python runs only on a GPU machine: at least make sure it is valid Python
+    on the oldest supported version (no backslashes inside f-string expressions, say)."""
+    import re
+
+    snippets = re.findall(r"\"\$PY\" -c '\n([^']*)'", SCRIPT.read_text())  # bash-quoted: no ' inside
+    assert len(snippets) >= 2, "the inline Python of the report was not found"
+    for code in snippets:
+        compile(code, "gpu_check.sh", "exec")

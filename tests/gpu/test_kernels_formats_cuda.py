@@ -3,7 +3,8 @@ reference of ``kernels/format_reference.py``, bit for bit: same code bytes, same
 output bits.
 
 Every scheme / element format / MX scale rule of ``SCHEME_CASES``; sizes 1, 7, 17x257 (one row and
-17 rows) and 2**20 + 3; fp32/bf16/fp16 in and out; round to nearest and stochastic. The reference
+17 rows) and 2**20 + 3 (2**17 + 3 when stochastic); fp32/bf16/fp16 in and out; round to nearest and
+stochastic. The reference
 runs on CPU copies of the same inputs, so a difference in the GPU's arithmetic (a fused
 multiply-add, a flushed subnormal, a float8 cast, a different Philox stream) fails here. The calls
 go through ``format_ops``, so CUDA tensors must also be dispatched to the Triton kernels.
@@ -27,7 +28,15 @@ SHAPES = {
     "17x257": ((17, 257), 1),
     "17rows": ((17, 257), 17),
     "2**20+3": ((2**20 + 3,), 1),
+    "2**17+3": ((2**17 + 3,), 1),
 }
+ROUNDINGS = [  # (shape, stochastic): stochastic stops at 2**17 + 3, whose Philox reference on CPU
+    # takes seconds; at 2**20 + 3 it took 20-33 s a case on an H200 host and the GPU check ran out of time
+    pytest.param(shape, stochastic, id=f"{shape}-{'stochastic' if stochastic else 'nearest'}")
+    for shape in SHAPES
+    for stochastic in (False, True)
+    if (shape != "2**20+3" or not stochastic) and (shape != "2**17+3" or stochastic)
+]
 SEED = 2**40 + 12345  # beyond 32 bits: the whole Philox key is used
 
 
@@ -89,9 +98,8 @@ def test_cuda_tensors_dispatch_to_the_triton_kernels() -> None:
         assert format_ops.implementation(name, torch.device("cuda")) is getattr(triton_formats, name)
 
 
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("shape, stochastic", ROUNDINGS)
 @pytest.mark.parametrize("scheme,elem,rule,gs", SCHEME_CASES, ids=str)
 def test_formats_on_cuda_bit_exact(scheme, elem, rule, gs, shape, dtype, stochastic) -> None:
     dims, rows = SHAPES[shape]

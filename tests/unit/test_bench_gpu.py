@@ -13,6 +13,7 @@ import pytest
 from tests.bench_helpers import CPU_TINY
 from zeropp.experiments.bench import gpu as bench_gpu
 from zeropp.experiments.runner.config import ConfigError
+from zeropp.experiments.runner.launcher import RunInterrupted
 
 
 def fake_summary(step_s: float, memory: int = 3 * 2**20) -> dict:
@@ -101,6 +102,20 @@ def test_table_with_a_fake_run_job(capsys, tmp_path):
     assert by_label["torch (DDP, world 1)"][:2] == ["20.00", "0.88"]
     assert by_label["stage 3 + qwZ (int8)"][0] == "failed:" and "second line" not in table[-2]
     assert "qwz: failed" in out.err
+
+
+def test_an_interrupt_stops_the_benchmark_instead_of_failing_one_row(tmp_path):
+    seen = []
+
+    def run_job(overrides, run_dir):
+        seen.append(run_dir.name)
+        if run_dir.name == "stage3":
+            raise RunInterrupted("interrupted by SIGTERM; all ranks stopped", exit_code=143)
+        return fake_summary(0.02)
+
+    with pytest.raises(RunInterrupted):
+        bench_gpu.main(["--jobs", "stage0,stage3,zeropp", "--out", str(tmp_path)], run_job=run_job)
+    assert seen == ["stage0", "stage3"]
 
 
 def test_table_without_stage0_has_no_ratios(capsys):

@@ -19,7 +19,7 @@ import pytest
 
 from zeropp.experiments.bench import fsdp as bench_fsdp
 from zeropp.experiments.bench import peers
-from zeropp.experiments.runner.launcher import RankFailure
+from zeropp.experiments.runner.launcher import RankFailure, RunInterrupted
 from zeropp.experiments.runner.overrides import check_overrides
 from zeropp.experiments.runner.trainer_registry import TRAINER_SPECS
 
@@ -52,6 +52,8 @@ class FakeJobs:
         step = self.steps[key][n]
         if step < 0:
             raise RankFailure(f"rank 1 of {key} died", exit_code=-9)
+        if step == 0:
+            raise RunInterrupted("interrupted by SIGTERM; all ranks stopped", exit_code=143)
         return _summary(step, self.losses.get(key, [5.0, 4.0, 3.0]), [100 << 20, 300 << 20])
 
 
@@ -106,6 +108,15 @@ def test_a_failed_row_is_reported_and_not_rerun_while_the_others_go_on(tmp_path:
     assert jobs.calls == ["ddp", "stage2", "stage2", "ddp"]
     assert out["stage2"] == {"error": "RankFailure: rank 1 of stage2 died"} and out["ddp"]["ratio"] == 1.0
     assert "stage2: failed: rank 1 of stage2 died" in capsys.readouterr().err
+
+
+def test_an_interrupted_benchmark_stops_instead_of_recording_a_failed_row(tmp_path: Path) -> None:
+    """A SIGTERM to the benchmark (``timeout``, a scheduler) stops every rank of the row in flight:
+    that is the whole benchmark stopping, so no later row runs."""
+    jobs = FakeJobs({"ddp": [0.1, 0.1], "stage2": [0.0, 0.2]})
+    with pytest.raises(RunInterrupted):
+        _run(["--only", "ddp,stage2", "--rounds", "2"], jobs, tmp_path)
+    assert jobs.calls == ["ddp", "stage2"]
 
 
 def test_without_the_baseline_there_is_no_ratio_nor_drift(tmp_path: Path) -> None:
