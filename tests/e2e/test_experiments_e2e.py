@@ -248,6 +248,35 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: p
     assert "1 failed" in md and "zero.hpz_size=3" in md
 
 
+def test_a_sigterm_stops_the_whole_sweep(tmp_path: Path) -> None:
+    """SIGTERM to a sweep while job 0 trains (``timeout``, a scheduler's preemption): job 0's ranks
+    are stopped and the command exits 128 + SIGTERM; job 1 never starts (an interrupt is not one
+    job's failure, after which the sweep would go on)."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "zeropp.experiments.run", "-m", "train.steps=100000,2", "topology=1x2"]
+            + ["logger=none", *FAST[1:], "launcher.grace_s=2", f"hydra.sweep.dir={sweep}"],
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while not (sweep / "0" / "metrics.jsonl").exists():
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM, (tmp_path / "stderr").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "interrupted by SIGTERM; all ranks stopped" in (tmp_path / "stderr").read_text()
+    assert not (sweep / "1").exists()
+    assert _live_procs_mentioning(str(sweep)) == []
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
