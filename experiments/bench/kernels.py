@@ -93,7 +93,8 @@ def _paired(fn: Callable[[], object], path: str, old: str, warmup: int, iters: i
         for p in (path, old):
             with cpu_path(p):
                 fn()
-    ours, olds = [], []
+    ours: list[float] = []
+    olds: list[float] = []
     for _ in range(iters):
         for p, acc in ((path, ours), (old, olds)):
             with cpu_path(p):
@@ -162,6 +163,7 @@ def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None
         elif fn is not None:
             with cpu_path(args.cpu_path) if device.type == "cpu" else contextlib.nullcontext():
                 seconds = timeit(fn)
+        assert seconds is not None, "record() needs fn or seconds"
         gbps = nbytes / seconds / 1e9
         copy_s = copy_seconds(nbytes)
         vs = timeit(baseline) / seconds if baseline is not None and not args.no_compile else None

@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     for g in a.gbps:
         with EmulatedCluster(a.nodes, a.ranks_per_node, g) as c:
             tcp = c.measured_gbps
+        if tcp is None:
+            raise SystemExit(f"error: the {g:g} Gbit/s cluster measured no TCP rate (its link probe did not run)")
         ring = measure_ring_gbps(a.nodes, a.ranks_per_node, g, nbytes=a.nbytes, repeats=a.repeats)
         print(
             f"{g:g} Gbit/s shaped: TCP probe {tcp:.3f}, gloo ring all-gather {ring:.3f} Gbit/s "

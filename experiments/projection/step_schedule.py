@@ -256,7 +256,7 @@ def scheduled_step_s(
     tl = _Timeline(trace)
     for mb in range(micro_batches):
         last = mb == micro_batches - 1
-        reduces = []
+        reduces: list[float] = []
         if stage == 3:  # gathers: wait for this block's, then issue the next ``prefetch`` blocks'
             _gathered(
                 tl,

@@ -104,6 +104,7 @@ def functional_rule(op: str, args: tuple, kwargs: dict) -> tuple[str, Callable[[
     tensors = list(inp) if isinstance(inp, (list, tuple)) else [inp]
     if op == "all_to_all_single":
         t, in_splits = tensors[0], call_arg(args, kwargs, 2, "input_split_sizes")
+        assert t is not None, "all_to_all_single without an input tensor"
         row = tensor_bytes(t) // max(1, t.shape[0]) if t.dim() else 0
         splits = [int(x) * row for x in in_splits] if in_splits else None
         return kind, lambda g, me: peer_bytes(kind, tensor_bytes(t), g, splits=splits, rank=me)

@@ -24,6 +24,7 @@ count and memory) is checked by ``preflight.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -247,7 +248,10 @@ def _check_tp(rc: RunConfig) -> None:
     from zeropp.models.hf import check_hf_tp
 
     try:
-        (check_hf_tp if isinstance(rc.model, HFConfig) else check_gpt_tp)(rc.model, rc.topology.tp)
+        if isinstance(rc.model, HFConfig):
+            check_hf_tp(rc.model, rc.topology.tp)
+        else:
+            check_gpt_tp(rc.model, rc.topology.tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
 
@@ -270,8 +274,12 @@ def _check_trainer_keys(rc: RunConfig, spec: TrainerSpec) -> None:
             raise ConfigError(
                 f"invalid config: {key}={getattr(rc.zero, f.name)!r} does nothing with "
                 f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it, "
-                f"or use {_trainers_that(lambda s, k=key: s.honours_key(k))}"
+                f"or use {_trainers_that(functools.partial(_honours, key=key))}"
             )
+
+
+def _honours(spec: TrainerSpec, key: str) -> bool:
+    return spec.honours_key(key)
 
 
 def _mentions_float(tp: Any) -> bool:
@@ -303,7 +311,7 @@ def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
     for name, v in values.items():
         tp = hints[name]
         inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-        if isinstance(v, Mapping) and dataclasses.is_dataclass(inner[0]):
+        if isinstance(v, Mapping) and isinstance(inner[0], type) and dataclasses.is_dataclass(inner[0]):
             v = _build(inner[0], v, f"{key}.{name}")
         elif isinstance(v, list):
             v = tuple(v)
@@ -374,6 +382,13 @@ def from_dict(d: Mapping[str, Any]) -> RunConfig:
     sections = {name: _build(cls, d.get(name) or {}, name) for name, cls in SECTION_CLASSES.items() if name != "model"}
     sections["model"] = build_model_config(d.get("model") or {})
     return RunConfig(**sections, resume=resume)
+
+
+def without_hydra(cfg: Any) -> Any:
+    """The composed config less its ``hydra`` node (what ``from_omegaconf`` and the runner read)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
 
 
 def from_omegaconf(cfg: Any) -> RunConfig:

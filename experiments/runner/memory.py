@@ -41,10 +41,9 @@ SHORT_RUN = ("train.steps=2", "logger=none")
 def _compose(overrides: list[str]) -> tuple[Any, str]:
     """The validated RunConfig of ``overrides`` and the chosen model's name."""
     from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
 
     from . import schema
-    from .config import from_omegaconf
+    from .config import from_omegaconf, without_hydra
     from .overrides import check_overrides
 
     schema.register()
@@ -52,7 +51,7 @@ def _compose(overrides: list[str]) -> tuple[Any, str]:
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
     name = cfg.hydra.runtime.choices.get("model") or ""
-    return from_omegaconf(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])), name
+    return from_omegaconf(without_hydra(cfg)), name
 
 
 def predictions(rc: Any) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, without_hydra
 from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
 
 __all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "model_units", "plot", "project", "table"]
@@ -90,7 +90,6 @@ def _node_counts(text: str | None, default: int) -> list[int]:
 def load_config(overrides: list[str]) -> RunConfig:
     """The runner's config for ``overrides``, checked as ``python -m experiments.run`` checks it."""
     from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
 
     from .overrides import check_overrides
     from .run import validated
@@ -98,7 +97,7 @@ def load_config(overrides: list[str]) -> RunConfig:
     check_overrides(overrides)
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
-    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
+    rc = validated(without_hydra(cfg), list(overrides))
     check_plannable(rc)
     return rc
 

@@ -62,7 +62,7 @@ def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
     hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
     by = expected_by_tier(
         stage,
-        (psi - frozen) / t.tp,
+        (psi - frozen) // t.tp,
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,

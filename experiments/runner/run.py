@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,7 +40,7 @@ from zeropp.comm.layout import LaunchLayout
 from zeropp.runtime.divergence import DivergenceError
 
 from . import schema
-from .config import ConfigError, RunConfig, from_omegaconf
+from .config import ConfigError, RunConfig, from_omegaconf, without_hydra
 from .launcher import (
     RankFailure,
     RunInterrupted,
@@ -299,7 +300,7 @@ def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
         "multirun": False,
         "model_name": cfg.hydra.runtime.choices.get("model") or "",
     }
-    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
+    rc = validated(without_hydra(cfg), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     summary = execute(rc, info)
     assert summary is not None
@@ -331,7 +332,7 @@ def note_failed_job(job: dict[str, Any]) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
     try:
-        check_slurm_keys(OmegaConf.to_container(cfg.slurm), info["launcher"])
+        check_slurm_keys(typing.cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
         code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1

@@ -54,18 +54,23 @@ def _schema_type(tp: Any) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         inner = _schema_type(args[0]) if len(args) == 1 else Any
         return Optional[inner] if inner is not Any else Any
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return schema_of(tp)
     if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list on the command line, [3,4]
-            return typing.List[_schema_type(args[0])]  # type: ignore[misc]
-        return typing.Tuple[tuple(_schema_type(a) for a in args)]  # type: ignore[misc]
+        items = typing.get_args(tp)
+        if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]: a list on the command line, [3,4]
+            return typing.List[_schema_type(items[0])]  # type: ignore[misc]
+        return typing.Tuple[tuple(_schema_type(a) for a in items)]
     if tp in (int, float, bool, str):
         return tp
     if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a fixed choice: OmegaConf refuses other values
         return tp
     return Any
+
+
+def _copy_into(schema: type, default: Any) -> Any:
+    """A fresh ``schema`` instance holding ``default``'s field values (a per-instance default)."""
+    return schema(**{k.name: getattr(default, k.name) for k in dataclasses.fields(schema)})
 
 
 @functools.cache  # one schema class per (class, exclusions): OmegaConf compares them
@@ -79,18 +84,11 @@ def schema_of(cls: type, exclude: tuple[str, ...] = ()) -> type:
         tp = _schema_type(hints[f.name])
         if f.default is not dataclasses.MISSING:
             default = f.default
-            if dataclasses.is_dataclass(default):  # a dataclass instance default: rebuild per instance
+            if dataclasses.is_dataclass(default) and not isinstance(default, type):
+                # a dataclass instance default: rebuild per instance
                 sub = schema_of(type(default))
                 fields.append(
-                    (
-                        f.name,
-                        tp,
-                        dataclasses.field(
-                            default_factory=lambda s=sub, d=default: s(
-                                **{k.name: getattr(d, k.name) for k in dataclasses.fields(s)}
-                            )
-                        ),
-                    )
+                    (f.name, tp, dataclasses.field(default_factory=functools.partial(_copy_into, sub, default)))
                 )
             else:
                 fields.append((f.name, tp, dataclasses.field(default=default)))
@@ -165,8 +163,8 @@ def register() -> None:
     # model=hf: every HFConfig field at its default, so the union's GPT defaults of shared keys are replaced
     cs.store(group="model", name="hf", package="model", node={"kind": "hf", **dataclasses.asdict(HFConfig())})
     for name in TOPOLOGIES:
-        n, r = (int(x) for x in name.split("x"))
-        cs.store(group="topology", name=name, package="topology", node={"nodes": n, "ranks_per_node": r})
+        n, per_node = (int(x) for x in name.split("x"))
+        cs.store(group="topology", name=name, package="topology", node={"nodes": n, "ranks_per_node": per_node})
     for name, spec in TRAINER_SPECS.items():
         cs.store(group="trainer", name=name, package="trainer", node={"name": name})
         # sweep=trainers' job: the trainer and what it quantizes, as a global override of both groups

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ class WandbLogger:
             import wandb
 
             self.run = wandb.init(
-                mode=str(settings.mode),
+                mode=typing.cast(typing.Any, str(settings.mode)),
                 dir=str(run_dir),
                 project=settings.project,
                 entity=settings.entity,

@@ -44,7 +44,7 @@ from .converge_suite import Runner, RunResult, SuiteConfig, compose
 
 
 def run_suite(
-    cfg: SuiteConfig, *, runner: Runner | None = None, on_result: Callable[[list[RunResult]], None] | None = None
+    cfg: SuiteConfig, *, runner: Runner | None = None, on_result: Callable[[list[RunResult]], object] | None = None
 ) -> list[RunResult]:
     """Run every (seed, scheme) pair, schemes interleaved within a seed so that a drift of the
     host's load touches all schemes alike. A failed run is recorded and the rest go on.

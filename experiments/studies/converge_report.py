@@ -115,10 +115,10 @@ def markdown(cfg: SuiteConfig, rows: list[dict[str, Any]], results: Sequence[Run
         "fp's and the scheme's eval loss (in % of fp's mean). Tokens/s: mean over seeds (all runs share the "
         "host, so it is noisy on CPU).",
     ]
-    failed = [r for r in results if r.error]
-    if failed:
+    failed_runs = [r for r in results if r.error]
+    if failed_runs:
         lines += ["", "Failed runs:", ""] + [
-            f"- {r.scheme} seed {r.seed} (`{r.run_dir}`): {r.error.splitlines()[0]}" for r in failed if r.error
+            f"- {r.scheme} seed {r.seed} (`{r.run_dir}`): {r.error.splitlines()[0]}" for r in failed_runs if r.error
         ]
     return "\n".join(lines) + "\n"
 

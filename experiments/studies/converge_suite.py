@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from zeropp.comm.spec import RECIPES
 
-from ..runner.config import ConfigError, RunConfig, from_omegaconf
+from ..runner.config import ConfigError, RunConfig, from_omegaconf, without_hydra
 from ..runner.overrides import check_overrides
 
 SCHEMES: dict[str, tuple[str, ...]] = {
@@ -196,7 +196,6 @@ def compose(overrides: Sequence[str]) -> RunConfig:
     """The validated config of one run, composed as ``run_job`` does, without starting it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
-    from omegaconf import OmegaConf
 
     from ..runner import schema
 
@@ -204,7 +203,7 @@ def compose(overrides: Sequence[str]) -> RunConfig:
     check_overrides(list(overrides))
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = hydra_compose("config", overrides=list(overrides))
-    return from_omegaconf(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    return from_omegaconf(without_hydra(cfg))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

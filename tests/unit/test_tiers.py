@@ -70,7 +70,9 @@ def test_testpaths_run_the_tiers_cheapest_first_and_markers_are_registered() -> 
 
 def test_the_gpu_check_names_modules_that_exist() -> None:
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    (line,) = re.findall(r"^KERNEL_MODULES=\((.*)\)$", script, flags=re.M)
-    for module in line.split():
+    (body,) = re.findall(r"^PARALLEL_MODULES=\((.*?)\)$", script, flags=re.M | re.S)
+    modules = body.split()
+    assert len(modules) >= 4 and "tests/gpu/test_kernels_formats_cuda.py" in modules, modules
+    for module in modules:
         assert (ROOT / module).is_file(), module
         assert tier_of(ROOT / module) == "gpu", module
