@@ -39,6 +39,7 @@ import traceback
 from typing import Callable, Sequence
 
 from ..runner.config import ConfigError
+from ..runner.launcher import RunInterrupted
 from .converge_report import write_outputs
 from .converge_suite import Runner, RunResult, SuiteConfig, compose
 
@@ -71,6 +72,8 @@ def run_suite(
                 res = RunResult(
                     scheme=scheme, seed=seed, run_dir=run_dir, summary=runner(cfg.run_overrides(scheme, seed), run_dir)
                 )
+            except RunInterrupted:
+                raise  # the suite itself was stopped (Ctrl-C, SIGTERM): no later run starts
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}".strip()
                 print(f"converge: {scheme} seed {seed} FAILED: {msg.splitlines()[0]}", file=sys.stderr, flush=True)
@@ -84,7 +87,8 @@ def run_suite(
 
 
 def main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> int:
-    """The command: 0 when every run finished, 1 when some failed, 2 for a bad setting."""
+    """The command: 0 when every run finished, 1 when some failed, 2 for a bad setting, 128 + N when
+    stopped by signal N (the runs finished before it are in the tables)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -95,6 +99,9 @@ def main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:
+        print(f"error: {e}; the runs finished before it are in {cfg.out}", file=sys.stderr)
+        return e.exit_code or 1
     paths = write_outputs(cfg, results)
     print(paths["md"].read_text())
     print("converge: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

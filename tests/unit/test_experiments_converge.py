@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from zeropp.experiments.runner.config import ConfigError
+from zeropp.experiments.runner.launcher import RunInterrupted
 from zeropp.experiments.studies import converge, converge_suite
 
 TINY = ["model=tiny", "topology=1x2", "train.steps=3", "train.micro_batch_size=2", "train.eval_every=2"]
@@ -35,6 +36,7 @@ def _fake_runner(evals: dict[tuple[str, int], float], fail: set[tuple[str, int]]
         seed = int(next(o for o in overrides if o.startswith("train.seed=")).split("=")[1])
         if (scheme, seed) in fail:
             raise RuntimeError(f"rank 1 died ({scheme} {seed})")
+
         run_dir.mkdir(parents=True, exist_ok=True)
         lines = [{"step": s, "loss": 5.0 - s - seed, "eval_loss": 4.0 if s == 2 else None} for s in (1, 2, 3)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -149,3 +151,22 @@ def test_defaults_and_override_merge() -> None:
     assert "topology=2x2" in cfg.overrides and "data=text" in cfg.overrides
     assert cfg.run_overrides("w4g4", 2)[-2:] == ["quant=w4g4", "train.seed=2"]
     assert converge_suite.scheme_overrides("int8") == ("quant=int8",)  # any recipe is a scheme
+
+
+def test_an_interrupt_stops_the_suite_and_keeps_the_finished_runs(tmp_path: Path, capsys) -> None:
+    """A SIGTERM / Ctrl-C during a run is the suite stopping, not one failed run: no later run
+    starts, the command exits 128 + SIGTERM, and the runs finished before are in the tables."""
+    run, calls = _fake_runner({("fp", 0): 2.0, ("w4g4", 0): 2.2}, fail=set())
+
+    def stopping(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+        if len(calls) == 2:
+            calls.append(overrides)
+            raise RunInterrupted("interrupted by SIGTERM; all ranks stopped", exit_code=143)
+        return run(overrides, run_dir)
+
+    out = tmp_path / "c"
+    rc = converge.main(["schemes=fp,w4g4", "seeds=0,1", f"out={out}", *TINY], runner=stopping)
+    assert rc == 143 and len(calls) == 3  # fp 0, w4g4 0, then fp 1 interrupted; w4g4 1 never starts
+    assert "interrupted by SIGTERM" in capsys.readouterr().err
+    rows = {r["scheme"]: r for r in json.loads((out / "converge.json").read_text())["rows"]}
+    assert set(rows) == {"fp", "w4g4"}
