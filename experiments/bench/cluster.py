@@ -10,7 +10,11 @@ same worker and trainer as any run, its own shaped namespaces and link probe. Fo
 ZeRO-3 and ZeRO++ (qwZ INT8 + hpZ + qgZ INT4) run alternately (``--rounds`` each, so both see
 the same drift of the host's load); the table shows the median over rounds of each run's median
 step time (rank 0's, after the warm-up steps), the speedup, and the bytes each rank sent across
-nodes per step (the engine's CommStats). Then it puts the scaling projection
+nodes per step (the engine's CommStats). A second table gives each mode's CPU seconds per step
+(all ranks' processes, every thread; the runner's ``cpu_s_per_step``) and the busy fraction of the
+host's cores, ``cpu / (step x cores)``: near 1 the step is bound by the CPU, and only less CPU work
+makes it shorter; below 1 cores idle while ranks wait (read it on a quiet host: other processes'
+load takes cores from the ranks). Then it puts the scaling projection
 (experiments/projection/scaling.py) next to each measurement: the same workload (this GPT's communication
 units, the run's own measured compute time = step - time blocked on communication) on a Cluster
 with the *measured* link rate, and prints the relative error.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -70,6 +75,9 @@ from .cluster_check import (
     predict,
     quant_rates_for,
 )
+
+NAMES = (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
+"""The modes in table order, with their names."""
 
 UPLINK_KEY = "uplink_tx_bytes_per_step"
 """Summary key of the bytes one node's uplink sent per measured step (its kernel tx counter,
@@ -113,6 +121,7 @@ def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     by_link = [(s["engine_comm_bytes_per_step"] or s["comm_bytes_per_step"])["by_link"] for s in summaries]
     rates = [g for s in summaries if (g := link_gbps(s)) is not None]
     uplink = [u for s in summaries if (u := s.get(UPLINK_KEY)) is not None]
+    cpu = [c for s in summaries if (c := s.get("cpu_s_per_step")) is not None]
     return {
         "mode": mode,
         "step_s": step,
@@ -123,6 +132,7 @@ def aggregate(mode: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "cross_bytes": statistics.mean(b["cross"] for b in by_link),
         "intra_bytes": statistics.mean(b["intra"] for b in by_link),
         "uplink_bytes": statistics.median(uplink) if uplink else None,
+        "cpu_s": statistics.median(cpu) if cpu else None,
         "loss_first": summaries[0]["loss"]["first"],
         "loss_last": summaries[0]["loss"]["final"],
         "params": summaries[0]["model"]["params"],
@@ -178,7 +188,39 @@ def _pct(pred: float, meas: float) -> str:
     return f"{100 * (pred / meas - 1):+.0f}%" if meas else "n/a"
 
 
-def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
+def host_cores() -> int:
+    """The cores this process may run on (its affinity), which the emulated cluster's ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[str]:
+    """Lines of the CPU table: per run, the CPU seconds all ranks' processes used per step (median
+    over rounds of the runs' ``cpu_s_per_step``) and how busy that kept the host's ``cores``
+    (``cpu / (step x cores)``): near 1, the step is bound by the CPU and only less CPU work makes
+    it shorter; well below 1, the cores idle while ranks wait (a link, a late rank). The load
+    average says how much of the cores other processes took; none when no run recorded CPU time."""
+    cells = [(r, mode, name) for r in rows for mode, name in NAMES if r[mode].get("cpu_s") is not None]
+    if not cells:
+        return []
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    out = [
+        "",
+        f"CPU time of all ranks' processes per step (every thread) and the busy fraction of the host's "
+        f"{cores} cores, cpu / (step x {cores}); load average {load} at the end:",
+        "",
+        "| link Gbit/s | run | step s | CPU s/step | busy |",
+        "|---|---|---|---|---|",
+    ]
+    for r, mode, name in cells:
+        m = r[mode]
+        busy = m["cpu_s"] / (m["step_s"] * cores) if m["step_s"] > 0 else math.nan
+        out.append(f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {m['cpu_s']:.3f} | {busy:.2f} |")
+    return out
+
+
+def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace, cores: int | None = None) -> str:
+    """The tables of a run; ``cores``: the host's usable cores (default :func:`host_cores`)."""
+    cores = host_cores() if cores is None else cores
     m0 = rows[0]["zero3"]
     out = [
         f"{a.nodes} nodes x {a.ranks_per_node} ranks, GPT '{a.preset}' ({m0['params'] / 1e6:.2f}M params, fp32), "
@@ -206,19 +248,14 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++")):
+        for mode, name in NAMES:
             m, p = r[mode], r[mode]["predicted"]
             out.append(
                 f"| {r['gbps']:g} | {name} | {m['step_s']:.3f} | {p['step_s']:.3f} | "
                 f"{_pct(p['step_s'], m['step_s'])} | {p['quant_s']:.3f} | {m['cross_bytes'] / 1e6:.2f} | "
                 f"{p['cross_bytes'] / 1e6:.2f} | {_pct(p['cross_bytes'], m['cross_bytes'])} |"
             )
-    up = [
-        (r, mode, name)
-        for r in rows
-        for mode, name in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
-        if r[mode]["uplink_bytes"] is not None
-    ]
+    up = [(r, mode, name) for r in rows for mode, name in NAMES if r[mode]["uplink_bytes"] is not None]
     if up:
         out += [
             "",
@@ -233,6 +270,7 @@ def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
             out.append(f"| {r['gbps']:g} | {name} | {m / 1e6:.2f} | {p / 1e6:.2f} | {_pct(p, m)} |")
     else:
         out.append(f"\n(no uplink counter comparison: the runs' summaries have no {UPLINK_KEY!r})")
+    out += cpu_table(rows, cores)
     rates = rows[0]["zeropp"]["predicted"]["quant_rates"]
     if rates:
         out.append(

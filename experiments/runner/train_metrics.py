@@ -2,7 +2,10 @@
 summary gathered from every rank at the end.
 
 Per step: the loss, the wait on communication and the gradient norm are all-reduced into the
-means every rank judges divergence by (bitwise the same inputs, hence the same verdict); rank 0
+means every rank judges divergence by (bitwise the same inputs, hence the same verdict), and the
+CPU time of every rank's process into their sum (``cpu_s``: all threads, the backend's and the
+comm worker's included, so ``cpu_s / (step time x cores)`` says how busy the step kept the cores
+of a host the ranks share); rank 0
 writes them to ``metrics.jsonl`` and wandb every ``train.log_every`` steps (and at the last or a
 diverged step). Steps after ``train.throughput_skip_steps`` are summed into this rank's report
 (bytes on the wire, the trainer's own bytes and waits), which :meth:`RunMetrics.finish` turns, on
@@ -12,6 +15,7 @@ rank 0, into ``summary.json`` and ``memory.json``.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +75,9 @@ class StepStats:
     """The gradient norm, reduced (None when the trainer computes none)."""
     skipped: bool
     """Whether any rank skipped the step."""
+    cpu_s: float
+    """CPU seconds the step took, summed over ranks: each rank's process CPU time (user + system,
+    every thread) between the previous step's measurement and this one's."""
 
 
 class RunMetrics:
@@ -115,15 +122,26 @@ class RunMetrics:
         self.step_times: list[float] = []
         self.losses: list[float] = []
         self._engine_before: dict[str, int] | None = None
+        self.cpu_tot = 0.0
+        self._cpu_mark: float | None = None
 
     def begin(self, trainer: Trainer) -> None:
-        """Before the first step: the trainer's byte counters so far (model creation's)."""
+        """Before the first step: the trainer's byte counters so far (model creation's) and the
+        process's CPU time so far."""
         self._engine_before = trainer.comm_stats()
+        self._cpu_mark = time.process_time()
+
+    def _cpu_since_mark(self) -> float:
+        """This process's CPU seconds (every thread) since the last mark; moves the mark."""
+        now = time.process_time()
+        before, self._cpu_mark = self._cpu_mark, now
+        return now - before if before is not None else 0.0
 
     def observe(
         self, step: int, out: StepOut, dt: float, wire: dict[str, int], wait: float, trainer: Trainer
     ) -> StepStats:
         """Collective: account one step and reduce its figures over ranks."""
+        cpu = self._cpu_since_mark()
         now = trainer.comm_stats()
         eng = _delta(now, self._engine_before)
         self._engine_before = now
@@ -131,17 +149,20 @@ class RunMetrics:
             self.measured += 1
             self.wait_tot += wait
             self.engine_wait_tot += out.comm_wait_s or 0.0
+            self.cpu_tot += cpu
             _add(self.wire_tot, wire)
             if eng is not None:
                 self.engine_tot = self.engine_tot or {}
                 _add(self.engine_tot, eng)
         red = torch.tensor(
-            [out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped)],
+            [out.loss, wait, out.comm_wait_s or 0.0, out.grad_norm or 0.0, float(out.skipped), cpu],
             dtype=torch.float64,
             device=self.device,
         )
         self.all_reduce(red)
-        loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean = (float(x) / self.world for x in red.tolist())
+        loss, wait_mean, eng_wait_mean, norm_mean, skipped_mean, cpu_mean = (
+            float(x) / self.world for x in red.tolist()
+        )
         self.losses.append(loss)
         self.step_times.append(dt)
         return StepStats(
@@ -155,6 +176,7 @@ class RunMetrics:
             engine_wait=eng_wait_mean,
             grad_norm=None if out.grad_norm is None else norm_mean,
             skipped=skipped_mean > 0,
+            cpu_s=cpu_mean * self.world,
         )
 
     def log(self, s: StepStats, eval_loss: float | None, *, last: bool) -> None:
@@ -174,6 +196,7 @@ class RunMetrics:
                 "engine_comm_wait_s": s.engine_wait if s.out.comm_wait_s is not None else None,
                 "comm_bytes": s.wire,
                 "engine_comm_bytes": s.engine_bytes,
+                "cpu_s": s.cpu_s,
                 "eval_loss": eval_loss,
             }
             assert self.file is not None and self.wandb is not None
@@ -189,6 +212,7 @@ class RunMetrics:
             "engine_bytes": self.engine_tot,
             "wait_s": self.wait_tot,
             "engine_wait_s": self.engine_wait_tot,
+            "cpu_s": self.cpu_tot,
             "measured_steps": self.measured,
             "memory": trainer.memory_report(),
             "state_params": trainer.trained_params(),

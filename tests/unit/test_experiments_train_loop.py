@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -145,7 +147,7 @@ def test_every_rank_judges_the_means_over_ranks(tmp_path: Path) -> None:
     """The reduced figures are the means over ranks, so one rank's skipped step or NaN loss is
     seen by all (here the other rank's figures are added by a stand-in for the all-reduce)."""
     cfg = _cfg()
-    other = torch.tensor([math.nan, 0.5, 0.0, 0.0, 1.0], dtype=torch.float64)
+    other = torch.tensor([math.nan, 0.5, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
     m = RunMetrics(
         cfg, {}, tmp_path, rank=1, world=2, device=torch.device("cpu"), start=0, all_reduce=lambda t: t.add_(other)
     )
@@ -157,3 +159,56 @@ def test_every_rank_judges_the_means_over_ranks(tmp_path: Path) -> None:
         divergence_guard(cfg).check(1, s.loss, s.grad_norm, s.skipped)
     m.log(s, None, last=True)
     assert list(tmp_path.iterdir()) == []  # only rank 0 writes records
+
+
+def _burn(cpu_s: float) -> None:
+    """Spin until this thread has used ``cpu_s`` seconds of CPU."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_steps_record_the_cpu_time_of_every_thread_summed_over_ranks(tmp_path: Path) -> None:
+    """``cpu_s`` is CPU time, not wall time: a step that sleeps records (almost) none, a step whose
+    main thread and a second thread (as gloo's and the comm worker's) burn CPU records both, and
+    the other rank's CPU time (added by a stand-in for the all-reduce) is summed, not averaged.
+    The summary's ``cpu_s_per_step`` is the measured steps' sum over ranks per step."""
+    cfg = _cfg(train={"steps": 3, "log_every": 1, "throughput_skip_steps": 1})
+    other = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64)  # the other rank: 1 s per step
+    m = RunMetrics(
+        cfg, {}, tmp_path, rank=0, world=2, device=torch.device("cpu"), start=0, all_reduce=lambda t: t.add_(other)
+    )
+    trainer = FakeTrainer([3.0, 2.0, 1.0])
+    m.begin(trainer)
+    _burn(0.05)  # step 1 (not measured)
+    s1 = m.observe(1, trainer.train_step([]), 0.1, {}, 0.0, trainer)
+    time.sleep(0.4)  # step 2: waits with the core idle
+    s2 = m.observe(2, trainer.train_step([]), 0.4, {}, 0.0, trainer)
+    helper = threading.Thread(target=_burn, args=(0.2,))
+    helper.start()
+    _burn(0.2)  # step 3: two threads of this process
+    helper.join()
+    s3 = m.observe(3, trainer.train_step([]), 0.4, {}, 0.0, trainer)
+    assert 1.05 <= s1.cpu_s < 1.2
+    assert 1.0 <= s2.cpu_s < 1.1  # the 0.4 s of sleep are not CPU time
+    assert 1.4 <= s3.cpu_s < 1.6
+    for s in (s1, s2, s3):
+        m.log(s, None, last=s.step == 3)
+    assert [r["cpu_s"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [s1.cpu_s, s2.cpu_s, s3.cpu_s]
+    mine = m.rank_report(trainer)
+    assert mine["cpu_s"] == pytest.approx(s2.cpu_s + s3.cpu_s - 2.0)  # this rank's own, measured steps only
+    other_rank = dict(mine, rank=1, cpu_s=2.0)
+    summary = m.finish(
+        [mine, other_rank], eval_loss=None, backend="gloo", checkpoint=None, diverged=None, skipped_steps=0
+    )
+    assert summary["cpu_s_per_step"] == pytest.approx((s2.cpu_s + s3.cpu_s) / 2)
+    assert read_summary(tmp_path / "summary.json")["cpu_s_per_step"] == pytest.approx(summary["cpu_s_per_step"])
+    without = m.finish(
+        [{k: v for k, v in mine.items() if k != "cpu_s"}],
+        eval_loss=None,
+        backend="gloo",
+        checkpoint=None,
+        diverged=None,
+        skipped_steps=0,
+    )
+    assert without["cpu_s_per_step"] is None  # a report without CPU time (an older rank report): no figure

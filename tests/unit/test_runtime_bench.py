@@ -63,6 +63,27 @@ def test_bench_cluster_reads_the_summaries() -> None:
     assert "| 1 (0.900) | 0.600 | 0.300 | 2.00x |" in text and "predicted vs measured speedup" in text
     uplink = [line for line in text.splitlines() if line.startswith("| 1 | ZeRO") and "0.40 |" in line]
     assert len(uplink) == 1 and uplink[0].startswith("| 1 | ZeRO-3 | 0.40 |")
+    assert "CPU s/step" not in text  # these summaries record no CPU time
+
+
+def test_bench_cluster_says_how_busy_the_cores_were() -> None:
+    """The CPU table: per mode the median over rounds of the runs' CPU seconds per step (all ranks)
+    and that over step x cores; a run without the figure is left out of the median."""
+    a = bench_cluster.parse_args(["--gbps", "1", "--rounds", "3", "--preset", "tiny"])
+    row: dict = {"gbps": 1.0, "measured_gbps": 0.9}
+    for mode, quant, step, cpus in (
+        ("zero3", "none", 0.5, (0.6, None, 0.5)),
+        ("zeropp", "zeropp", 0.25, (0.45, 0.5, 0.4)),
+    ):
+        sums = [cluster_summary(quant, step, 0.1, 2e5) | {"cpu_s_per_step": c} for c in cpus]
+        row[mode] = m = bench_cluster.aggregate(mode, sums)
+        assert m["cpu_s"] == statistics.median(c for c in cpus if c is not None)
+        m["predicted"] = cluster_check.predict(m, sums[0], 0.9)
+    row["speedup"] = 2.0
+    lines = bench_cluster.format_rows([row], a, cores=2).splitlines()
+    assert "| 1 | ZeRO-3 | 0.500 | 0.550 | 0.55 |" in lines  # 0.55 s of CPU in 0.5 s on 2 cores
+    assert "| 1 | ZeRO++ | 0.250 | 0.450 | 0.90 |" in lines
+    assert any(line.startswith("CPU time of all ranks' processes per step") and "2 cores" in line for line in lines)
 
 
 def test_bench_cluster_refuses_bad_arguments() -> None:
