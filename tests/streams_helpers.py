@@ -65,9 +65,12 @@ def shard_given_back_before_wait() -> Iterator[None]:
     real = GradReducer._finish_reduction
 
     def early(self, work, u, out):
-        self.pool.give_back(out)
+        pooled = out is not u.grad_shard  # (a step's first micro-step writes the shard itself)
+        if pooled:
+            self.pool.give_back(out)
         work.wait()
-        u.grad_shard.add_(out)
+        if pooled:
+            u.grad_shard.add_(out)
         self.pool.give_back(u.extra.pop("rs_input", None))
 
     GradReducer._finish_reduction = early
@@ -78,10 +81,18 @@ def shard_given_back_before_wait() -> Iterator[None]:
 
 
 def _engine(rank: int, world: int) -> list[torch.Tensor]:
-    """One stage-3 ZeRO++ step (qwZ, hpZ, qgZ chunked by a small bucket, pooled buffers)."""
+    """One stage-3 ZeRO++ step (qwZ, hpZ, qgZ chunked by a small bucket, pooled buffers; two
+    micro-steps, so the second one's reduce-scatters land in pooled buffers)."""
     from tests.runtime_helpers import train_engine
 
-    zpp = dict(stage=3, weights=QuantSpec(bits=8), grads=QuantSpec(bits=4), hpz=True, reduce_bucket_size=300)
+    zpp = dict(
+        stage=3,
+        weights=QuantSpec(bits=8),
+        grads=QuantSpec(bits=4),
+        hpz=True,
+        reduce_bucket_size=300,
+        grad_accum_steps=2,
+    )
     run = train_engine(rank, world, zpp, steps=1, nodes=2, lr=1e-2, consolidate=False)
     return [torch.tensor(run["losses"] + run["norms"], dtype=torch.float64)]
 

@@ -1,6 +1,8 @@
 """A forward (or loss) that raises on one rank only, at stages 0-2: every rank raises the same
 error right after the forward (no rank waits in a collective until the timeout), in training and
 evaluation, and the world is usable afterwards. (Stage 3's own check: tests/distributed/test_runtime_wrap.py.)
+A step abandoned that way after its first micro-step's backward leaves no gradient in the next
+step, at every stage.
 
 Here: the gloo-world checks of this topic; its other tiers' checks are in
 ``tests/unit/test_runtime_forward_errors.py``.
@@ -72,3 +74,57 @@ def test_one_ranks_forward_error_is_raised_on_every_rank_at_stages_0_to_2() -> N
             assert "raised on rank(s) [1]" in msgs[0][0] and "rank 1: ValueError: bad batch on this rank" in msgs[0][0]
             assert msgs[1][1] == "ValueError" and msgs[0][1] is None  # chained to the rank's own error
         assert res[0][stage, "after"] == res[1][stage, "after"] == res[0][stage, "fresh"]
+
+
+class _FailsSecond(GPT):
+    """A GPT whose second forward call raises on rank 1 while ``armed``: the first micro-step's
+    backward has run (and, at stages 2-3, reduced its gradient) when the step is abandoned."""
+
+    armed = False
+    calls = 0
+
+    def forward(self, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        if self.armed and self.calls == 2 and dist.get_rank() == 1:
+            raise ValueError("bad second micro-batch on this rank")
+        return super().forward(*args, **kw)
+
+
+def _abandoned_world(rank: int, world: int) -> dict[Any, Any]:
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+
+    out: dict[Any, Any] = {}
+    batches = [micro_batch(0, j, rank, TINY) for j in range(2)]
+    for stage in (0, 1, 2, 3):
+        runs = []
+        for abandon in (True, False):
+            torch.manual_seed(0)
+            eng = ZeroEngine(_FailsSecond(TINY), config=ZeroConfig(stage=stage, grad_accum_steps=2))
+            try:
+                if abandon:
+                    eng.model.armed = True
+                    try:
+                        eng.train_step(batches)
+                        out[stage, "raised"] = False
+                    except RuntimeError:
+                        out[stage, "raised"] = True
+                    eng.model.armed = False
+                res = eng.train_step(batches)
+                runs.append((res.loss, res.grad_norm, eng.consolidated_state_dict()))
+            finally:
+                eng.close()
+        (loss, norm, w), (ref_loss, ref_norm, ref_w) = runs
+        out[stage] = (loss == ref_loss, norm == ref_norm, all(torch.equal(w[k], ref_w[k]) for k in ref_w), norm)
+    dist.barrier()
+    return out
+
+
+def test_a_step_abandoned_after_its_first_backward_leaves_nothing_in_the_next_step() -> None:
+    """A forward raising in the second micro-step, after the first one's backward: the next step's
+    gradient norm and update are exactly a fresh engine's, at every stage (the first backward's
+    gradient is not carried into it)."""
+    res = run_world(_abandoned_world, 2, timeout=120)
+    for r in res:
+        for stage in (0, 1, 2, 3):
+            assert r[stage, "raised"], stage
+            assert r[stage][:3] == (True, True, True), (stage, r[stage])

@@ -1,6 +1,6 @@
-"""hpZ with qwZ keeps its secondary copy as the gathered wire rows (``Stage3Hooks._keeps_rows``).
+"""hpZ with qwZ keeps its secondary copy as the gathered wire rows (``UnitGathers.keeps_rows``).
 
-The reference is the same engine keeping full-precision secondaries (``_keeps_rows`` patched to
+The reference is the same engine keeping full-precision secondaries (``keeps_rows`` patched to
 False, the behaviour before): every loss, gradient norm and final weight must be identical bit
 for bit, because both dequantize the very same rows, while the backward gathers inside the node
 carry the rows' bytes instead of fp32 values, exactly as the plan says.
@@ -17,10 +17,10 @@ ZPP = dict(stage=3, weights=QuantSpec(bits=8), hpz=True, grads=QuantSpec(bits=4)
 
 
 def _world(rank: int, world: int) -> dict[str, Any]:
-    from zeropp.runtime.stage3 import Stage3Hooks
+    from zeropp.runtime.gathers import UnitGathers
 
     out = {"rows": train_engine(rank, world, ZPP, steps=3, nodes=2)}
-    Stage3Hooks._keeps_rows = lambda self, u: False  # type: ignore[method-assign]  # the full-precision reference
+    UnitGathers.keeps_rows = lambda self, u: False  # type: ignore[method-assign]  # the full-precision reference
     out["fp32"] = train_engine(rank, world, ZPP, steps=3, nodes=2)
     return out
 

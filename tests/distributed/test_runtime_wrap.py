@@ -174,12 +174,15 @@ def _misuse_world(rank: int, world: int) -> dict[str, Any]:
         eng = _engine(make_toy("scalar", order=(2, 1, 0)), world, stage, blocks=ResBlock)
         if case == "late":
             eng.stage3.check_forward = lambda error=None: None
+        before = [eng.update.master_copy(i) for i in range(len(eng.units))]  # this rank's fp32 masters
         try:
             eng.train_step([batch("scalar", 0, j, rank) for j in range(ACCUM)])
             out[case, stage] = None
         except RuntimeError as e:
             out[case, stage] = str(e)
         finally:
+            # whether an update was made: the masters differ from what they were before the step
+            out[case, stage, "updated"] = [not torch.equal(m, eng.update.master_copy(i)) for i, m in enumerate(before)]
             eng.close()
     dist.barrier()  # every rank got here: nobody is left waiting in a collective
     return out
@@ -203,4 +206,6 @@ def test_a_parameter_used_in_another_block_fails_alike_on_every_rank() -> None:
     assert "rank 0: block1 ran after block2" in msg and "rank 1: block1 ran after block2" in msg, msg
     msg = r["late", 3]
     assert msg is not None and "arrived after their unit's gradient was sent" in msg and "no step was taken" in msg, msg
+    assert not any(r["late", 3, "updated"])  # the error came before the optimizer touched anything
+    assert any(r["order", 2, "updated"])  # (the reference: a step that went through updated the masters)
     assert "rank 0:" in msg and "rank 1:" in msg and "(block2)" in msg, msg

@@ -69,10 +69,10 @@ def test_a_profiled_step_names_every_planned_collective(case: tuple, tmp_path: P
     calls = [s for s in spans if s.parsed.part is None]
     got = collections.Counter(s.name for s in calls if s.parsed.kind != CommKind.CONTROL)
     assert got == planned  # every planned call once per issue, nothing unplanned
-    # control: the plan lists the agreement per micro-batch and the loss / norm sum; stages 2-3 also
-    # check for late gradients after the last backward, which the plan does not list (uncounted bytes)
+    # control: the plan lists the agreement per micro-batch and the loss / norm sum (which also
+    # carries stages 2-3's count of late gradients): nothing else
     control = sum(s.parsed.kind == CommKind.CONTROL for s in calls)
-    assert control == sum(c.kind == CommKind.CONTROL for c in plan.collectives) + (kw["stage"] >= 2)
+    assert control == sum(c.kind == CommKind.CONTROL for c in plan.collectives)
     names = {s.name for s in spans}
     for c in plan.collectives:
         n = plan.range_name(c)

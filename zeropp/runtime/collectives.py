@@ -137,6 +137,13 @@ class EngineComm:
     def reset_wait(self) -> None:
         self.streams.reset()
 
+    def hpz_share(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's share of a world-gathered buffer (``[G * X]`` values or wire rows in
+        member order): the ``1 / h`` slice hpZ keeps as this rank's secondary, ``h`` the hpZ group's
+        size. Members ``k, k + h, ...`` of the hpZ group hold the other shares, so an all-gather over
+        the hpZ group rebuilds the whole buffer."""
+        return gathered.view(self.hpz_size, -1)[self.hpz_rank].clone()  # [G * X / h]
+
     def _group(self, hpz: bool) -> tuple[Optional[dist.ProcessGroup], int]:
         return (self.groups.hpz, self.hpz_size) if hpz else (self.group, self.world_size)
 

@@ -38,9 +38,10 @@ are averaged over ranks, so the update equals single-process training on the glo
 
 Host reads: a step reads one device value back, the all-reduced ``[loss, squared norms]`` that
 decides skip and clip (``update.py``), so the host can queue the step's forwards and backwards
-ahead of the GPU. The per-micro-step checks every rank must pass before backward (a forward that
-raised on some rank, stage 3's blocks-ran check, stage 2-3's late gradients) exchange host values
-on a host group (``batch.control_group``: gloo next to NCCL), which never waits for the GPU.
+ahead of the GPU; stage 2-3's count of late gradients travels in that all-reduce too. The
+per-micro-step checks every rank must pass before backward (a forward that raised on some rank,
+stage 3's blocks-ran check) exchange host values on a host group (``batch.control_group``: gloo
+next to NCCL), which never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -417,9 +418,14 @@ class ZeroEngine:
             loss_sum += loss.detach().to(device=self.device, dtype=torch.float64)  # stays on the device
             (loss * (scale / a)).backward()
             self._after_backward(last=j == a - 1)
-        self.reducer.check_late_grads()
         grads = self.reducer.final_grads()
-        res = self.update.step(grads, loss_sum / a, self._last_memory)
+        res = self.update.step(
+            grads,
+            loss_sum / a,
+            self._last_memory,
+            late=self.reducer.late_grads(),  # summed with the loss: raised on every rank before any update
+            on_late=self.reducer.raise_late_grads,
+        )
         self._record_phase("step")
         res.step_time_s = time.perf_counter() - t0
         return res
@@ -649,7 +655,8 @@ class ZeroEngine:
         root, the running block and ``prefetch_depth`` prefetched blocks (a block is freed before
         the next but ``prefetch_depth`` one is gathered, in forward and in backward); the
         reduce-scatters of stages 2-3 keep at most ``REDUCE_INFLIGHT`` in flight (an older one is
-        waited for before the next is sent, in the same order on every rank); stage 1 reduces
+        waited for before the next is sent, in the same order on every rank; their output buffers
+        only from a step's second micro-step on: the first writes the gradient shards); stage 1 reduces
         one unit at a time. Collectives larger than a bucket are chunked inside ``EngineComm``."""
         pool = BufferPool(self.dtype, self.device)
         gathered = [u for u in self.units if u.kind == "sharded"]
@@ -667,7 +674,7 @@ class ZeroEngine:
         if reduced:
             inflight = REDUCE_INFLIGHT if self.cfg.stage >= 2 else 1
             pool.reserve("grad_flat", inflight, max(u.padded for u in reduced))
-            if self.cfg.stage >= 2:
+            if self.cfg.stage >= 2 and self.cfg.grad_accum_steps > 1:  # (the first micro-step needs none)
                 pool.reserve("grad_shard", inflight, max(u.shard_numel for u in reduced))
         return pool
 

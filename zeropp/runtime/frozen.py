@@ -219,12 +219,11 @@ def gather_quantized(
     (``[padded]``, any float dtype): rank ``r``'s rows land in ``out[r * S:(r + 1) * S]``.
     ``hpz``: from the unit's quantized secondary copy inside the hpZ group when it has one, else
     over the world, keeping this rank's slice of the gathered rows as that copy (module docstring)."""
-    h, k = comm.hpz_size, comm.hpz_rank
     from_secondary = hpz and u.secondary is not None  # [W / h * B]: rows of hpZ member k's share of the world
     keep = hpz and u.secondary is None
 
     def on_rows(recv: torch.Tensor) -> None:  # the first gather keeps its share, quantized, never stale
-        u.secondary = recv.view(h, -1)[k].clone()
+        u.secondary = comm.hpz_share(recv)
 
     return comm.all_gather_rows(
         out,

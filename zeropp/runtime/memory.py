@@ -119,7 +119,7 @@ def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str,
 # ---------------------------------------------------------------------- formulas
 def hpz_bytes_per_param(weights: QuantSpec | None, param_bytes: int, *, weight_diff: bool = False) -> float:
     """Bytes per parameter of hpZ's secondary copy: with qwZ (and no weight differences, which
-    refresh full-precision copies) the gathered wire rows are kept (``stage3.Stage3Hooks._keeps_rows``):
+    refresh full-precision copies) the gathered wire rows are kept (``gathers.UnitGathers.keeps_rows``):
     the codec's row bytes per element (INT8 at 512 per scale: 1 + 4/512); else ``param_bytes``."""
     if weights is None or weight_diff:
         return float(param_bytes)

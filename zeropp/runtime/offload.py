@@ -306,7 +306,7 @@ class ParamStore:
         self._host: dict[int, torch.Tensor] = {}  # frozen unit -> its stored shard in host memory (cpu)
         if tier != "none":
             for u in self.units + self.frozen:
-                u.extra["param_store"] = self  # stage3.Stage3Hooks.gather reads the shard through fetch()
+                u.extra["param_store"] = self  # gathers.UnitGathers.gather reads the shard through fetch()
         if tier == "nvme":
             assert space is not None
             regions: list[tuple[FlatUnit, int, torch.dtype, int]] = []  # unit, numel, dtype, byte offset

@@ -311,7 +311,7 @@ class _Builder:
             )
 
     def _keeps_rows(self, s: int) -> bool:
-        """Whether hpZ keeps a trainable unit's secondary as qwZ's wire rows (``Stage3Hooks._keeps_rows``)."""
+        """Whether hpZ keeps a trainable unit's secondary as qwZ's wire rows (``gathers.UnitGathers.keeps_rows``)."""
         cfg = self.cfg
         return (
             cfg.hpz

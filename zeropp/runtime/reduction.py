@@ -1,9 +1,11 @@
 """The gradient side of one engine: reduce every unit's gradient over the data-parallel ranks.
 
 Stages 2 and 3 reduce-scatter a unit's (block's) gradient as soon as the last of its parameters
-has its gradient (post-accumulate-grad hooks), *on every micro-step*, and add the result into a
-sharded gradient buffer (``FlatUnit.grad_shard``), so full gradients never outlive one block's
-backward. The reduce-scatters are issued in one fixed order on every rank (blocks last to first,
+has its gradient (post-accumulate-grad hooks), *on every micro-step*, into a sharded gradient
+buffer (``FlatUnit.grad_shard``: the step's first micro-step writes it, later ones add into it),
+so full gradients never outlive one block's backward. Writing the first result in place needs no
+zero-fill of the shards and leaves nothing of an aborted step (a forward that raised in a later
+micro-step) in the next step's gradient. The reduce-scatters are issued in one fixed order on every rank (blocks last to first,
 then the root): a unit that is ready early waits for the units before it, and at the end of
 backward the units that got no (or partial) gradient are sent with zeros for the missing parts.
 So a parameter or block that is unused on some ranks only still gets the right averaged
@@ -14,7 +16,7 @@ reduce-scatter sits at the same place among the backward gathers on every rank. 
 :data:`REDUCE_INFLIGHT` reduce-scatters are in flight; an older one is waited for (and added
 into its shard) before the next is sent. A gradient that arrives after its unit was sent would
 be lost: it is recorded, and after the last backward every rank raises the same error before the
-optimizer step (:meth:`GradReducer.check_late_grads`).
+optimizer step (:meth:`GradReducer.late_grads`).
 
 Stages 0 and 1 let autograd accumulate full gradients locally and reduce once after the last
 micro-step (all-reduce at stage 0, reduce-scatter at stage 1; :meth:`GradReducer.final_grads`),
@@ -38,7 +40,6 @@ from torch import nn
 
 from zeropp.comm.kinds import CommKind
 
-from .batch import host_max
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -95,7 +96,7 @@ class GradReducer:
     ) -> None:
         self.units = list(units)
         self.control = control
-        """The group of :meth:`check_late_grads`' host exchange (``batch.control_group``; None: the default group)."""
+        """The group of :meth:`raise_late_grads`' host exchange (``batch.control_group``; None: the default group)."""
         self.cfg, self.comm, self.pool = config, comm, pool
         self.dtype, self.device, self.all_ranks = dtype, device, all_ranks
         self.land, self.release = land, release
@@ -117,7 +118,8 @@ class GradReducer:
         """The units reduced during backward, in the order every rank sends them."""
         self._reduce_pos = {id(u): k for k, u in enumerate(self.reduce_order)}
         self._next_reduce = 0  # position in reduce_order of the next unit to send
-        self._late: list[str] = []  # gradients that arrived after their unit was sent (see check_late_grads)
+        self._late: list[str] = []  # gradients that arrived after their unit was sent (see late_grads)
+        self._overwrite = True  # the step's first backward: reduce-scatters land in the gradient shards directly
 
     def reduces_when_ready(self, u: FlatUnit) -> bool:
         """Whether ``u`` is reduce-scattered during backward (see :func:`reduces_when_ready`)."""
@@ -125,8 +127,15 @@ class GradReducer:
 
     # ------------------------------------------------------------------ step and micro-step
     def start_step(self) -> None:
-        """Forget the late gradients of a previous step."""
+        """Forget the late gradients of a previous step and any gradient of a step abandoned after
+        a backward (a forward that raised in a later micro-step): the parameters' ``.grad`` that
+        autograd accumulates (stages 0-1, replicated units) are dropped, and the first micro-step's
+        reduce-scatters write the gradient shards themselves (:meth:`_reduce_unit`)."""
         self._late.clear()
+        self._overwrite = True
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
 
     def start_micro_step(self, last: bool) -> None:
         """Before a micro-step's forward: no unit has a gradient or was sent yet. ``last``: the
@@ -149,19 +158,20 @@ class GradReducer:
 
         return hook
 
-    def check_late_grads(self) -> None:
-        """Stages 2-3, after the last backward: one small host all-reduce tells every rank whether any
-        rank got a gradient after its unit's reduce-scatter was sent (stage 3: a block's parameter
-        used in another block's backward, or blocks running in forward in another order than the
-        policy lists them). Such a gradient would be lost, so every rank raises the same error
-        before the optimizer step; the collectives up to here were the same on every rank."""
-        if not self.reduce_order:
-            return
-        late = len(self._late)
-        if self.all_ranks > 1:  # a host count on the host group: no wait for the GPU's backward
-            late = host_max([late], self.control)[0]
-        if late == 0:
-            return
+    def late_grads(self) -> int:
+        """Stages 2-3, after the last backward: how many gradients arrived on this rank after their
+        unit's reduce-scatter was sent (stage 3: a block's parameter used in another block's
+        backward, or blocks running in forward in another order than the policy lists them). Such
+        a gradient would be lost, so the optimizer step sums this count over the ranks in the
+        all-reduce it makes anyway (``update.ParamUpdate.read_totals``) and, when it is not 0 on
+        some rank, calls :meth:`raise_late_grads` on every rank before anything is updated."""
+        return len(self._late) if self.reduce_order else 0
+
+    def raise_late_grads(self) -> None:
+        """Collective over the default group's ranks, called on every rank once the summed
+        :meth:`late_grads` is not 0: drop this step's gradients and raise the same error on every
+        rank, naming each rank's late gradients. The collectives up to here were the same on
+        every rank."""
         found: list = [None] * self.all_ranks
         if self.all_ranks > 1:
             dist.all_gather_object(found, sorted(set(self._late)), group=self.control)
@@ -214,7 +224,10 @@ class GradReducer:
         flat = u.flatten_grads(out=self.pool.acquire("grad_flat", u.padded))  # [padded], clears p.grad
         if self.release is not None and u.kind == "sharded":
             self.release(u)
-        out = self.pool.acquire("grad_shard", u.shard_numel)  # [S]
+        # [S]: the first micro-step's result is the shard (every unit of reduce_order is sent on every
+        # micro-step, so each shard is overwritten before any add: no zero-fill, no add, no buffer);
+        # a later one goes through a pool buffer and is added in _finish_reduction
+        out = u.grad_shard if self._overwrite else self.pool.acquire("grad_shard", u.shard_numel)
         work = self.comm.reduce_scatter(
             out,
             flat,
@@ -229,12 +242,14 @@ class GradReducer:
         self._pending.append((work, u, out))
 
     def _finish_reduction(self, work: object, u: FlatUnit, out: torch.Tensor) -> None:
-        """Wait for one reduce-scatter, add it into ``u``'s gradient shard, return its buffers to the pool."""
+        """Wait for one reduce-scatter, add it into ``u``'s gradient shard (unless it was written
+        there), return its buffers to the pool."""
         work.wait()
-        u.grad_shard.add_(out)
+        if out is not u.grad_shard:
+            u.grad_shard.add_(out)
+            self.pool.give_back(out)
         if self.land is not None and self._last_micro:  # final: to the host now, overlapping backward
             self.land(self._unit_index[id(u)], u.grad_shard)
-        self.pool.give_back(out)
         self.pool.give_back(u.extra.pop("rs_input", None))
 
     def finish_backward(self) -> None:
@@ -247,6 +262,7 @@ class GradReducer:
         for pending in self._pending:
             self._finish_reduction(*pending)
         self._pending.clear()
+        self._overwrite = False  # every shard holds this step's first gradient: later ones add to it
 
     # ------------------------------------------------------------------ after the last micro-step
     def final_grads(self) -> list[torch.Tensor]:

@@ -47,17 +47,9 @@ rank whose forward raised first issues the forward gathers the others issued, so
 pairs up. The usual cause of such an error is a block using a parameter registered in another
 block: only the running block's (and the root's) parameters are present, the others are empty.
 
-hpZ with qwZ: a training forward's gather over the world keeps the wire rows it received
-(``quantized_all_gather(wire_out=)``), and this rank's ``W / h`` of them become the unit's secondary
-copy, still quantized. Every later gather of the step all-gathers those rows inside the node and
-dequantizes them: the values the forward computed with, bit for bit, at a quarter of the intra-node
-bytes and secondary memory of fp32 for INT8 (:meth:`Stage3Hooks._keeps_rows` says when).
-
-Weight differences (``ZeroConfig.weight_diff``, ``weight_diff.py``): when the first training
-forward makes a unit's hpZ secondary, this rank's slice of the gathered buffer is kept as the
-reference of its primary shard; the secondaries then persist across steps (the engine refreshes
-them with quantized differences after each step), so every later gather, forward and backward,
-comes from them, inside the node.
+How a unit is gathered (its shard over the world, hpZ's secondary copy inside the node, qwZ's
+kept wire rows, MixZ++'s quantized frozen rows) and freed, and when hpZ's secondaries are made
+(after a training forward) is :class:`~.gathers.UnitGathers`' business (``gathers.py``).
 
 Outputs: a block's (and the model's) output may be any nest of tuples, lists, dicts and
 dataclass-like containers that ``torch.utils._pytree`` can flatten; every tensor in it that
@@ -74,20 +66,16 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from zeropp.comm.codecs import codec_for
-from zeropp.comm.kinds import CommKind
-
 from . import frozen as fz
 from .batch import MicroBatchError, host_max, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
+from .gathers import GATHERED, UnitGathers
 from .partition import FlatUnit
-from .plan_kinds import group_size_of
 from .weight_diff import WeightDiff
 
 ROOT = -1  # hook index of the root unit
-GATHERED = ("sharded", "frozen")  # unit kinds whose full buffer exists only between a gather and its release
 
 
 class _PreBackward(torch.autograd.Function):
@@ -146,12 +134,15 @@ class Stage3Hooks:
         self.all_units = list(all_units)
         self.comm, self.cfg, self.dtype, self.device = comm, config, dtype, device
         self.on_block_backward = on_block_backward
-        self.pool = pool if pool is not None else BufferPool(dtype, device)
-        """Where gather buffers come from and go back to (the engine's constant pool)."""
-        self.weight_diff = weight_diff
-        """qWD (``weight_diff.py``): keeps the owner's reference when a secondary is made, and the
-        secondaries then persist across steps (refreshed by the engine), so later forward and
-        backward gathers come from them, inside the node."""
+        self.gathers = UnitGathers(
+            comm,
+            config=config,
+            pool=pool if pool is not None else BufferPool(dtype, device),
+            weight_diff=weight_diff,
+            frozen_spec=self.frozen.spec,
+        )
+        """Gathers and frees the units, keeps hpZ's secondaries (``gathers.py``); its pool is the
+        engine's constant one."""
         self.control = control
         """The group of :meth:`check_forward`'s host exchange (``batch.control_group``; None: the default group)."""
         self.depth = config.prefetch_depth
@@ -174,85 +165,14 @@ class Stage3Hooks:
             h.remove()
         self.handles.clear()
 
-    # ------------------------------------------------------------------ gather / free
-    def gather(self, u: FlatUnit, *, backward: bool) -> None:
-        """Issue the (async) gather of ``u`` unless it is already gathered or in flight."""
-        if u.state != "free":
-            return
-        buf = self.pool.acquire("gather", u.padded)  # [padded]
-        kind = fz.KIND if u.kind == "frozen" else CommKind.BWD_ALL_GATHER if backward else CommKind.FWD_ALL_GATHER
-        bucket = self.cfg.allgather_bucket_size
-        if fz.is_quantized(u):  # MixZ++: the stored wire rows, gathered as they are, dequantized into buf
-            work = fz.gather_quantized(self.comm, u, buf, self.frozen.spec, kind=kind, async_op=True, hpz=self.cfg.hpz)
-        elif u.secondary is not None and u.secondary.dtype == torch.uint8:  # hpZ: the node holds qwZ's wire rows
-            assert self.cfg.weights is not None  # (only qwZ keeps rows: _keeps_rows)
-            work = self.comm.all_gather_rows(
-                buf, u.secondary, spec=self.cfg.weights, hpz=True, kind=kind, unit=u.name, async_op=True
-            )
-        elif u.secondary is not None:  # hpZ: the node already holds the whole block (at full precision)
-            work = self.comm.all_gather(
-                buf, u.secondary, spec=None, hpz=True, bucket=bucket, kind=kind, unit=u.name, async_op=True
-            )
-        else:
-            store = u.extra.get("param_store")  # offload: the shard comes from host memory / disk
-            shard = store.fetch(u) if store is not None else u.param_shard
-            rows = None
-            if not backward and self._keeps_rows(u):  # [W * B]: qwZ's gathered wire rows, kept for hpZ
-                rows = u.extra["rows"] = torch.empty(self._rows_bytes(u), dtype=torch.uint8, device=buf.device)
-            work = self.comm.all_gather(
-                buf, shard, spec=self.cfg.weights, bucket=bucket, kind=kind, unit=u.name, async_op=True, wire_out=rows
-            )
-        u.extra["buf"], u.work, u.state = buf, work, "inflight"
-
-    def _keeps_rows(self, u: FlatUnit) -> bool:
-        """Whether a training forward keeps hpZ's secondary of ``u`` as qwZ's wire rows (this rank's
-        ``W / h`` of the gathered rows, INT8/INT4) instead of full-precision values: with hpZ and
-        qwZ, a trainable unit gathered in one call, no weight differences (which refresh
-        full-precision secondaries). Later gathers then all-gather those rows
-        inside the node and dequantize them: the same values bit for bit (the forward dequantized
-        the very same rows), at the wire rows' bytes instead of the compute dtype's, both on the
-        intra-node link and in memory."""
-        return (
-            self.cfg.hpz
-            and self.cfg.weights is not None
-            and self.weight_diff is None
-            and u.kind == "sharded"
-            and torch.is_grad_enabled()
-            and self.comm.gathers_whole(u.shard_numel, bucket=self.cfg.allgather_bucket_size)
-        )
-
-    def _rows_bytes(self, u: FlatUnit) -> int:
-        """Bytes of the world's gathered wire rows of ``u`` (``W`` rows of one shard each)."""
-        spec = self.cfg.weights
-        assert spec is not None
-        return self.comm.world_size * codec_for(spec).wire_bytes(
-            u.shard_numel, spec.bits, group_size_of(spec, weights=True)
-        )
-
+    # ------------------------------------------------------------------ gather / free (gathers.py)
     def ensure_ready(self, u: FlatUnit, *, backward: bool) -> None:
         """Make ``u``'s full parameters available in the module (waits for its gather)."""
-        if u.state == "ready":
-            return
-        self.gather(u, backward=backward)
-        u.work.wait()
-        u.work = None
-        u.bind(u.extra.pop("buf"))
-        u.state = "ready"
-        rows = u.extra.pop("rows", None)  # [W * B]: this gather's wire rows, kept for hpZ (_keeps_rows)
-        if rows is not None and u.secondary is None:
-            u.secondary = rows.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [W / h * B]
+        self.gathers.ensure_ready(u, backward=backward)
 
     def release(self, u: FlatUnit) -> None:
         """Free ``u``'s full buffer (waiting first if a prefetch is still writing into it)."""
-        if u.state == "inflight":
-            u.work.wait()
-            u.work = None
-            self.pool.give_back(u.extra.pop("buf", None))
-            u.extra.pop("rows", None)  # a prefetch never used: its rows are not kept
-        if u.kind in GATHERED and (u.state != "free" or u.flat is not None):
-            flat = u.flat
-            u.release()
-            self.pool.give_back(flat)
+        self.gathers.release(u)
 
     def release_all(self) -> None:
         self._started = False  # (a forward that reaches release_all is over)
@@ -261,12 +181,6 @@ class Stage3Hooks:
                 self.release(u)
 
     # ------------------------------------------------------------------ hooks
-    def _prefetch(self, indices: range, *, backward: bool) -> None:
-        for j in indices:
-            if 0 <= j < len(self.units):
-                for u in self.groups[j]:
-                    self.gather(u, backward=backward)
-
     def _group(self, i: int) -> list[FlatUnit]:
         return self.root_group if i == ROOT else self.groups[i]
 
@@ -275,22 +189,12 @@ class Stage3Hooks:
         g = self._group(i)
         return g[0] if g else None
 
-    def _keep_secondary(self, u: FlatUnit) -> None:
-        """hpZ, after a training forward: keep this rank's slice of the gathered ``u`` for the later
-        gathers of the step (a quantized frozen unit keeps its slice of the quantized rows itself,
-        in ``frozen.gather_quantized``). With weight differences the owner also keeps its reference."""
-        if not self.cfg.hpz or u.secondary is not None or fz.is_quantized(u):
-            return
-        u.secondary = u.flat.view(self.comm.hpz_size, -1)[self.comm.hpz_rank].clone()  # [padded / h]
-        if self.weight_diff is not None and u.kind != "frozen":
-            self.weight_diff.keep_reference(u)  # [S]: what the holders of this rank's shard got
-
     def _catch_up(self, end: int) -> None:
         """Issue the forward gathers of blocks ``< end`` not issued yet, in block order, so that a
         rank that skips a block still issues the same gathers as the ranks that run it."""
         for j in range(self._next_fwd, end):
             for u in self.groups[j]:
-                self.gather(u, backward=False)
+                self.gathers.gather(u, backward=False)
         self._next_fwd = max(self._next_fwd, end)
 
     def _abort_forward(self) -> None:
@@ -424,7 +328,7 @@ class Stage3Hooks:
         grad = torch.is_grad_enabled()
         for v in self._group(i)[1:] + [u]:  # the block's frozen unit (if any), then its first unit
             if grad:
-                self._keep_secondary(v)
+                self.gathers.keep_secondary(v)
             self.release(v)
         if not grad:
             return output
@@ -464,14 +368,8 @@ class Stage3Hooks:
         self._ready_after_prefetch(self._group(i), range(start, start - self.depth, -1), backward=True)
 
     def _ready_after_prefetch(self, group: list[FlatUnit], ahead: range, *, backward: bool) -> None:
-        """Make ``group`` ready, its gathers issued first (if not in flight yet), then the prefetches
-        of the blocks ``ahead``, and only then wait: the issue order is the one every rank uses
-        (this block, then the next ones), but the next block's gather travels while this rank
-        waits for this one instead of after it (one gather latency less per block when the
-        gathers are latency-bound, as ZeRO++'s small quantized ones on a slow link are). The
-        same buffers are live as when prefetching after the wait: ``group``'s and ``ahead``'s."""
-        for u in group:
-            self.gather(u, backward=backward)
-        self._prefetch(ahead, backward=backward)
-        for u in group:
-            self.ensure_ready(u, backward=backward)
+        """Make ``group`` ready after issuing its gathers and those of the blocks ``ahead``
+        (``UnitGathers.ready_after_prefetch``)."""
+        self.gathers.ready_after_prefetch(
+            group, [self.groups[j] for j in ahead if 0 <= j < len(self.units)], backward=backward
+        )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,13 +107,26 @@ class ParamUpdate:
         self._masks: dict[tuple[int, str], torch.Tensor] = {}  # (unit, device) -> the mask of what this rank holds
         self.world_size, self.all_ranks, self.dtype, self.device = world_size, all_ranks, dtype, device
 
-    def step(self, grads: list[torch.Tensor], local_loss: torch.Tensor, memory: dict[str, int] | None) -> StepResult:
+    def step(
+        self,
+        grads: list[torch.Tensor],
+        local_loss: torch.Tensor,
+        memory: dict[str, int] | None,
+        *,
+        late: int = 0,
+        on_late: Callable[[], None] | None = None,
+    ) -> StepResult:
         """Collective. ``grads``: per unit, this rank's reduced gradient in the compute dtype
         (``[S]`` shard or ``[padded]`` flat); ``local_loss``: this rank's mean micro-batch loss, a
         0-dim fp64 tensor on the engine's device (not read here: see :meth:`read_totals`).
+        ``late``: this rank's count of gradients that arrived too late
+        (``reduction.GradReducer.late_grads``), summed over the ranks in the all-reduce of the
+        loss and norm; when the sum is not 0, ``on_late()`` runs on every rank before anything is
+        updated (it raises: ``GradReducer.raise_late_grads``). One all-reduce fewer per step than
+        a check of its own.
 
         ``grads`` are this step's own buffers (``GradReducer.final_grads``: new tensors, or the
-        stage 2-3 gradient shards, zeroed below), so fp32 ones are unscaled and clipped in place
+        stage 2-3 gradient shards, which the next step's first reduction overwrites), so fp32 ones are unscaled and clipped in place
         rather than through a copy."""
         scale = self.scaler.scale
         g32 = (
@@ -122,7 +135,9 @@ class ParamUpdate:
         if scale != 1.0:
             for g in g32:
                 g.div_(scale)
-        loss_tot, sq_tot, sq_repl = self.read_totals(local_loss, g32)
+        loss_tot, sq_tot, sq_repl, late_tot = self.read_totals(local_loss, g32, late=late)
+        if late_tot and on_late is not None:  # the same sum on every rank: all of them raise here
+            on_late()
         norm = math.sqrt(sq_tot + sq_repl) if math.isfinite(sq_tot + sq_repl) else float("nan")
         res = StepResult(
             loss=loss_tot / self.all_ranks,
@@ -143,17 +158,17 @@ class ParamUpdate:
             self.optim.step(g32, on_updated=lambda i: self._refresh_unit(i, works))
             for w in works:
                 w.wait()
-        for u in self.units:
-            if u.grad_shard is not None:
-                u.grad_shard.zero_()
+        for u in self.units:  # (the gradient shards need no zero-fill: the next step's first reduction writes them)
             if self.weight_diff is None:
                 u.secondary = None  # stale after the step (hpZ); with weight_diff refreshed in _refresh_unit
         res.comm_wait_s = self.comm.wait_s
         return res
 
-    def read_totals(self, local_loss: torch.Tensor, g32: list[torch.Tensor]) -> tuple[float, float, float]:
+    def read_totals(
+        self, local_loss: torch.Tensor, g32: list[torch.Tensor], *, late: int = 0
+    ) -> tuple[float, float, float, float]:
         """``(loss summed over all ranks, squared norm of the sharded units summed over all ranks,
-        squared norm of the replicated units)``: the squares are summed on the device where the
+        squared norm of the replicated units, late summed over all ranks)``: the squares are summed on the device where the
         gradients are (fp32 per unit, accumulated in fp64 in unit order, as Python floats were),
         the first two all-reduced together with the loss, and the three read back at once -- the
         step's only device-to-host read. Collective."""
@@ -172,13 +187,20 @@ class ParamUpdate:
             sq_sharded = self._tp_squares(g32)
         # host sums (CPU optimizer) join the loss on the device without a wait: non_blocking from host memory
         vec = torch.stack(
-            [local_loss.to(torch.float64), sq_sharded.to(dev, non_blocking=True), sq_repl.to(dev, non_blocking=True)]
-        )  # [3] fp64 on the device
+            [
+                local_loss.to(torch.float64),
+                sq_sharded.to(dev, non_blocking=True),
+                torch.full((), float(late), dtype=torch.float64, device=dev),  # a fill on the device: no copy, no wait
+                sq_repl.to(dev, non_blocking=True),
+            ]
+        )  # [4] fp64 on the device
         if self.all_ranks > 1:
             with self.comm.streams.blocked(), ranges.span(CONTROL_RANGE):  # control traffic: not in the byte accounting
-                dist.all_reduce(vec[:2])  # loss and sharded squares summed; the replicated ones counted once
-        loss_tot, sq_tot, sq_r = vec.tolist()  # the one read: waits for the GPU to finish the backward
-        return loss_tot, sq_tot, sq_r
+                dist.all_reduce(
+                    vec[:3]
+                )  # loss, sharded squares, late counts summed; the replicated squares counted once
+        loss_tot, sq_tot, late_tot, sq_r = vec.tolist()  # the one read: waits for the GPU to finish the backward
+        return loss_tot, sq_tot, sq_r, late_tot
 
     @torch.no_grad()
     def refresh_all(self) -> None:

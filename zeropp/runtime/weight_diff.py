@@ -20,7 +20,7 @@ in ``u.flat``, so "what the receivers hold" of this rank's shard is ``u.flat[sha
 fp32 master must then be a separate copy (the engine does not alias it to ``u.flat`` here).
 
 Stage 3 with hpZ (:meth:`WeightDiff.refresh_secondary`): hpZ's secondary copies (``u.secondary``,
-this rank's ``1 / hpz_size`` slice of the unit, made by ``Stage3Hooks`` from the first training
+this rank's ``1 / hpz_size`` slice of the unit, made by ``gathers.UnitGathers`` from the first training
 forward's global gather) persist across steps. The receivers of this rank's primary shard are
 the ranks whose secondary slice covers it, generally on other nodes, so the owner keeps a
 *reference* (:meth:`keep_reference`): its slice of that same first gathered buffer, in the
