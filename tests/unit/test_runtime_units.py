@@ -97,13 +97,15 @@ def test_partition_pads_shards_and_round_trips():
         assert b - a == u.shard_numel and (u.kind == "replicated" or a == u.shard_numel)
 
 
-def test_flatten_grads_into_a_used_buffer_zeroes_missing_grads_and_padding():
+@pytest.mark.parametrize("missing", [True, False], ids=["a-missing-grad", "every-grad-one-cat"])
+def test_flatten_grads_into_a_used_buffer_zeroes_missing_grads_and_padding(missing: bool):
     """A pool buffer comes back holding the last reduction's values: flatten_grads must leave the
-    gradients in their slots and zeros everywhere else (a parameter without gradient, the padding)."""
+    gradients in their slots and zeros everywhere else (a parameter without gradient, the padding).
+    With every gradient present (one ``torch.cat``) a non-contiguous gradient lands in its slot too."""
     model = make_model()
     units, *_ = build_units(model, stage=3, world_size=3, rank=0, dtype=torch.float32, persistence_threshold=0)
-    u = next(u for u in units if len(u.params) > 2 and u.padded > u.numel)
-    skip = u.params[1]  # this one got no gradient
+    u = next(u for u in units if len(u.params) > 2 and u.padded > u.numel and any(p.dim() == 2 for p in u.params))
+    skip = u.params[1] if missing else None  # this one got no gradient
     gen = torch.Generator().manual_seed(0)
     want = torch.cat(
         [torch.zeros(p.numel()) if p is skip else torch.randn(p.numel(), generator=gen) for p in u.params]
@@ -111,7 +113,11 @@ def test_flatten_grads_into_a_used_buffer_zeroes_missing_grads_and_padding():
     )
     for out in (torch.full((u.padded,), float("nan")), None):
         for s, p in zip(u.slots, u.params):
-            p.grad = None if p is skip else want[s.offset : s.offset + s.numel].view(p.shape).clone()
+            g = want[s.offset : s.offset + s.numel].view(p.shape).clone()
+            if p.dim() == 2:
+                g = g.t().contiguous().t()  # the same values, column-major: reshape(-1) must copy
+                assert not g.is_contiguous()
+            p.grad = None if p is skip else g
         got = u.flatten_grads(out=out)
         assert torch.equal(got, want) and all(p.grad is None for p in u.params)
 
