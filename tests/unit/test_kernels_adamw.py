@@ -9,6 +9,7 @@ weight then moves by at most 1 ulp of itself per step plus the update's own rela
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 import warnings
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.kernel_helpers import failing_compiler
-from zeropp.kernels import build_cache, cpu_adamw
+from zeropp.kernels import build_cache, cpu_adamw, cpu_native
 from zeropp.runtime import optimizer
 from zeropp.runtime.config import OptimizerConfig
 
@@ -75,8 +76,75 @@ def test_ieee_sqrt_kernel_is_within_an_ulp_per_step(shape) -> None:
     assert bool(((got[0] - want[0]).abs() <= bound).all()), float((got[0] - want[0]).abs().max())
 
 
+IEEE_SHAPES = [(1,), (127,), (128 + 16 + 3,), (17, 257), ((1 << 16) * 3 + 1000,)]
+"""Below one step of the vector loop (SPAN x lanes = 128 with AVX-512), a step plus a vector plus
+a scalar tail, and several tiles of 65536 elements taken by two threads."""
+
+
+def _ieee_run(lib, shape, *, betas, wd, threads=2, steps=3):
+    """(reference p, m, v) with the correctly rounded root and the library's (exact=False) after ``steps``."""
+    g = torch.Generator().manual_seed(len(shape) + shape[0])
+    p0 = torch.randn(shape, generator=g)
+    grads = [torch.randn(shape, generator=g) for _ in range(steps)]
+    want = [p0.clone(), torch.zeros(shape), torch.zeros(shape)]
+    got = [p0.clone(), torch.zeros(shape), torch.zeros(shape)]
+    for s, grad in enumerate(grads, 1):
+        hp = cpu_adamw.AdamWStep(step=s, lr=1e-2, betas=betas, eps=1e-8, weight_decay=wd)
+        cpu_adamw.adamw_reference(*([t] for t in (want[0], grad, want[1], want[2])), hp, ieee_sqrt=True)
+        lib_before = cpu_adamw._LIB
+        cpu_adamw._LIB = lib
+        try:
+            cpu_adamw.adamw([got[0]], [grad], [got[1]], [got[2]], hp, threads=threads)
+        finally:
+            cpu_adamw._LIB = lib_before
+    return want, got
+
+
+@pytest.mark.parametrize("shape", IEEE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(("betas", "wd"), [((0.9, 0.999), 0.1), ((0.3, 0.95), 0.0)], ids=["decay", "lerp-hi"])
+def test_ieee_sqrt_kernel_is_the_ieee_reference_bit_for_bit(shape, betas, wd) -> None:
+    """``exact=False`` is torch's arithmetic with the correctly rounded root, bit for bit, in the
+    vector loop (AVX-512 or AVX2 where compiled in), its vector and scalar tails, and across tiles."""
+    _native_or_skip()
+    want, got = _ieee_run(cpu_adamw.library(), shape, betas=betas, wd=wd)
+    for name, a, b in zip("pmv", got, want):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]], ids=["avx2", "plain-loop"])
+def test_narrower_builds_give_the_same_bits(narrower, tmp_path) -> None:
+    """The library built without AVX-512 (the AVX2 vector code) and without AVX2 either (the loop
+    the compiler vectorises) gives the reference's bits too: the paths other CPUs take, checked here."""
+    _native_or_skip()
+    if not set(cpu_adamw.FLAGS) >= {"-march=native"}:
+        pytest.skip("the build is not -march=native here")
+    _, build = cpu_native.named_build(cpu_adamw.SOURCE, [*cpu_adamw.FLAGS, *narrower], "za")
+    build(tmp_path / "narrow.so")
+    lib = cpu_adamw._load(str(tmp_path / "narrow.so"))
+    want, got = _ieee_run(lib, (128 * 3 + 16 + 5,), betas=(0.9, 0.999), wd=0.1, threads=1)
+    for name, a, b in zip("pmv", got, want):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process (Linux: from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line or "libiomp" in line}
+
+
+def test_the_kernel_runs_on_torchs_openmp_runtime() -> None:
+    """Loading the kernel maps no second OpenMP runtime: it shares torch's team (a second one
+    would start threads of its own beside torch's, competing for the same cores)."""
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch is not built on OpenMP here, or /proc/self/maps is missing")
+    torch.ones(1 << 16).add_(1)  # torch's runtime is in use before the kernel loads
+    before = _openmp_runtimes()
+    _native_or_skip()
+    assert len(before) == 1 and _openmp_runtimes() == before, (before, _openmp_runtimes())
+
+
 def test_the_result_does_not_depend_on_the_thread_count() -> None:
-    """1, 2 and 5 threads (parts cut at different places, one part per thread) give the same bits."""
+    """1, 2 and 5 threads (5 tiles taken in whatever order the threads come) give the same bits."""
     _native_or_skip()
     g = torch.Generator().manual_seed(0)
     p0, grad = torch.randn(300_001, generator=g), torch.randn(300_001, generator=g)
