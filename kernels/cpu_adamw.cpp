@@ -82,35 +82,26 @@ void whole(const Args& a, i64 lo, i64 hi) {
     }
 }
 
+// The vector operations whole_vec() needs, on BITS-bit registers (AVX-512: 512, AVX2: 256).
+#define ZA_VEC(BITS)                                                               \
+    struct Vec {                                                                   \
+        typedef __m##BITS T;                                                       \
+        static constexpr int W = BITS / 32;                                        \
+        static T load(const float* x) { return _mm##BITS##_loadu_ps(x); }          \
+        static void store(float* x, T a) { _mm##BITS##_storeu_ps(x, a); }          \
+        static T set(float a) { return _mm##BITS##_set1_ps(a); }                   \
+        static T add(T a, T b) { return _mm##BITS##_add_ps(a, b); }                \
+        static T sub(T a, T b) { return _mm##BITS##_sub_ps(a, b); }                \
+        static T mul(T a, T b) { return _mm##BITS##_mul_ps(a, b); }                \
+        static T div(T a, T b) { return _mm##BITS##_div_ps(a, b); }                \
+        static T sqrt(T a) { return _mm##BITS##_sqrt_ps(a); }                      \
+        static T fma(T a, T b, T c) { return _mm##BITS##_fmadd_ps(a, b, c); }      \
+    };
 #if defined(__AVX512F__)
-struct Vec {  // 16 lanes
-    typedef __m512 T;
-    static constexpr int W = 16;
-    static T load(const float* x) { return _mm512_loadu_ps(x); }
-    static void store(float* x, T a) { _mm512_storeu_ps(x, a); }
-    static T set(float a) { return _mm512_set1_ps(a); }
-    static T add(T a, T b) { return _mm512_add_ps(a, b); }
-    static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
-    static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-    static T div(T a, T b) { return _mm512_div_ps(a, b); }
-    static T sqrt(T a) { return _mm512_sqrt_ps(a); }
-    static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-};
+ZA_VEC(512)
 #define ZA_VECTOR 1
 #elif defined(__AVX2__) && defined(__FMA__)
-struct Vec {  // 8 lanes
-    typedef __m256 T;
-    static constexpr int W = 8;
-    static T load(const float* x) { return _mm256_loadu_ps(x); }
-    static void store(float* x, T a) { _mm256_storeu_ps(x, a); }
-    static T set(float a) { return _mm256_set1_ps(a); }
-    static T add(T a, T b) { return _mm256_add_ps(a, b); }
-    static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-    static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-    static T div(T a, T b) { return _mm256_div_ps(a, b); }
-    static T sqrt(T a) { return _mm256_sqrt_ps(a); }
-    static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-};
+ZA_VEC(256)
 #define ZA_VECTOR 1
 #endif
 

@@ -111,14 +111,11 @@ def test_ieee_sqrt_kernel_is_the_ieee_reference_bit_for_bit(shape, betas, wd) ->
         assert torch.equal(a, b), (name, int((a != b).sum()))
 
 
-@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]], ids=["avx2", "plain-loop"])
-def test_narrower_builds_give_the_same_bits(narrower, tmp_path) -> None:
-    """The library built without AVX-512 (the AVX2 vector code) and without AVX2 either (the loop
-    the compiler vectorises) gives the reference's bits too: the paths other CPUs take, checked here."""
+def test_the_avx2_build_gives_the_same_bits(tmp_path) -> None:
+    """The library built without AVX-512 (the AVX2 vector code, what AVX2-only CPUs run) gives the
+    reference's bits too (the loop gcc vectorises is every build's tail, checked above)."""
     _native_or_skip()
-    if not set(cpu_adamw.FLAGS) >= {"-march=native"}:
-        pytest.skip("the build is not -march=native here")
-    _, build = cpu_native.named_build(cpu_adamw.SOURCE, [*cpu_adamw.FLAGS, *narrower], "za")
+    _, build = cpu_native.named_build(cpu_adamw.SOURCE, [*cpu_adamw.FLAGS, "-mno-avx512f"], "za")
     build(tmp_path / "narrow.so")
     lib = cpu_adamw._load(str(tmp_path / "narrow.so"))
     want, got = _ieee_run(lib, (128 * 3 + 16 + 5,), betas=(0.9, 0.999), wd=0.1, threads=1)
