@@ -45,6 +45,7 @@ runtime then warns once and runs torch's kernel instead (``zeropp.runtime.optimi
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import sys
 import threading
@@ -67,6 +68,25 @@ FAILED: str | None = None
 
 _LIB: ctypes.CDLL | None = None
 _LOCK = threading.Lock()
+
+FORKED = False
+"""Whether this process was forked from one that had run the kernel on several threads. libgomp
+keeps no thread team across a fork: in such a child the next parallel region waits forever for
+threads that were not copied (torch's own parallel ops hang there too, when the parent ran them).
+So that child runs the kernel on its calling thread alone (same bits, slower). A child of a
+process that never ran it in parallel (a forkserver that only imported it) keeps its threads."""
+
+_RAN_PARALLEL = False
+"""Whether this process has run the kernel on more than one thread (its OpenMP team exists)."""
+
+
+def _forked() -> None:
+    global FORKED
+    FORKED = _RAN_PARALLEL
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 _VML_MODE = 0x2 | 0x140000 | 0x100
 """The mode ATen passes to MKL's vector math (``VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE``)."""
@@ -195,7 +215,7 @@ def adamw(
     """One AdamW update of ``params``, ``exp_avgs`` and ``exp_avg_sqs`` in place (contiguous fp32
     CPU tensors, same sizes pairwise) with the scalars ``hp``.
     ``exact``: torch's own square root (bit-exact with :func:`adamw_reference`, see the module
-    docstring). ``threads``: default ``torch.get_num_threads()``. Raises RuntimeError when the
+    docstring). ``threads``: default ``torch.get_num_threads()``; 1 in a forked child (:data:`FORKED`). Raises RuntimeError when the
     kernel is unavailable (:data:`FAILED` says why)."""
     _check([params, grads, exp_avgs, exp_avg_sqs])
     lib = library()
@@ -206,7 +226,9 @@ def adamw(
     small = abs(_f32(w)) < 0.5  # ATen's lerp: w * (end - start) + start, else (w - 1) * (end - start) + end
     coeff = w if small else _f32(w) - 1.0
     sqrt_fn = torch_sqrt() if exact else None
-    n_threads = threads or torch.get_num_threads()
+    global _RAN_PARALLEL
+    n_threads = 1 if FORKED else threads or torch.get_num_threads()
+    _RAN_PARALLEL = _RAN_PARALLEL or n_threads > 1
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         rc = lib.za_adamw(
             p.data_ptr(),

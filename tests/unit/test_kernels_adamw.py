@@ -9,6 +9,9 @@ weight then moves by at most 1 ulp of itself per step plus the update's own rela
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import subprocess
 import sys
 import threading
 import types
@@ -138,6 +141,55 @@ def test_the_kernel_runs_on_torchs_openmp_runtime() -> None:
     before = _openmp_runtimes()
     _native_or_skip()
     assert len(before) == 1 and _openmp_runtimes() == before, (before, _openmp_runtimes())
+
+
+def _step_in_child(tensors, queue) -> None:
+    hp = cpu_adamw.AdamWStep(step=2, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    cpu_adamw.adamw(*([t] for t in tensors), hp, threads=2)
+    queue.put([t.numpy().tobytes() for t in tensors])  # no torch op: torch's own would hang in a child
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork on this platform")
+def test_a_forked_child_steps_instead_of_hanging() -> None:
+    """A process forked after the kernel ran on two threads (libgomp's team is not copied by
+    fork: a parallel region in the child would wait forever) steps on one thread, same bits."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(1 << 17, generator=g), torch.randn(1 << 17, generator=g), torch.zeros(1 << 17)]
+    tensors.append(torch.zeros(1 << 17))
+    hp = cpu_adamw.AdamWStep(step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    cpu_adamw.adamw(*([t] for t in tensors), hp, threads=2)  # the parent's OpenMP team now exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_step_in_child, args=(tensors, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    _step_in_child(tensors, queue)  # the same step here, on two threads
+    assert child.exitcode == 0 and got == queue.get(timeout=10)
+
+
+FORK_BEFORE_ANY_STEP = """
+import multiprocessing
+from zeropp.kernels import cpu_adamw
+ctx = multiprocessing.get_context("fork")
+queue = ctx.Queue()
+child = ctx.Process(target=lambda: queue.put(cpu_adamw.FORKED))
+child.start()
+print(queue.get(timeout=60), cpu_adamw.FORKED)
+child.join()
+"""
+
+
+def test_a_child_of_a_process_that_never_stepped_keeps_its_threads() -> None:
+    """A forkserver imports the kernel and forks ranks without running it: they keep their threads."""
+    out = subprocess.run([sys.executable, "-c", FORK_BEFORE_ANY_STEP], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stderr[-2000:]
 
 
 def test_the_result_does_not_depend_on_the_thread_count() -> None:
