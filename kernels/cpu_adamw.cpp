@@ -212,9 +212,8 @@ extern "C" int za_adamw(float* p, const float* g, float* m, float* v, i64 n, int
     if (n < 0 || threads < 1) return -1;
     const Args a{p, g, m, v, decay, coeff, beta2, omb2, bc2_sqrt, eps, neg_step, apply_decay, base_is_m, sqrt_fn,
                  sqrt_mode};
-    const i64 min_part = 1 << 15;  // below this a thread costs more than it saves
-    const i64 tiles = (n + TILE - 1) / TILE;
-    i64 workers = n < min_part ? 1 : (threads < tiles ? threads : tiles);
+    const i64 tiles = (n + TILE - 1) / TILE;  // one tile (n <= 64K): the calling thread alone
+    const i64 workers = threads < tiles ? threads : tiles;
     if (workers <= 1) {
         run(a, 0, n);
         return 0;
