@@ -77,7 +77,7 @@ So that child runs the kernel on its calling thread alone (same bits, slower). A
 process that never ran it in parallel (a forkserver that only imported it) keeps its threads."""
 
 _RAN_PARALLEL = False
-"""Whether this process has run the kernel on more than one thread (its OpenMP team exists)."""
+"""Whether this process has asked the kernel for more than one thread (its OpenMP team may exist)."""
 
 
 def _forked() -> None:
@@ -215,8 +215,9 @@ def adamw(
     """One AdamW update of ``params``, ``exp_avgs`` and ``exp_avg_sqs`` in place (contiguous fp32
     CPU tensors, same sizes pairwise) with the scalars ``hp``.
     ``exact``: torch's own square root (bit-exact with :func:`adamw_reference`, see the module
-    docstring). ``threads``: default ``torch.get_num_threads()``; 1 in a forked child (:data:`FORKED`). Raises RuntimeError when the
-    kernel is unavailable (:data:`FAILED` says why)."""
+    docstring). ``threads``: default ``torch.get_num_threads()``; 1 in a forked child (see
+    :data:`FORKED`). Raises RuntimeError when the kernel is unavailable (:data:`FAILED` says why)."""
+    global _RAN_PARALLEL
     _check([params, grads, exp_avgs, exp_avg_sqs])
     lib = library()
     if lib is None:
@@ -226,7 +227,6 @@ def adamw(
     small = abs(_f32(w)) < 0.5  # ATen's lerp: w * (end - start) + start, else (w - 1) * (end - start) + end
     coeff = w if small else _f32(w) - 1.0
     sqrt_fn = torch_sqrt() if exact else None
-    global _RAN_PARALLEL
     n_threads = 1 if FORKED else threads or torch.get_num_threads()
     _RAN_PARALLEL = _RAN_PARALLEL or n_threads > 1
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
