@@ -1,10 +1,19 @@
 // One AdamW step over fp32 flat buffers in one pass: the arithmetic of torch.optim.AdamW's
 // single-tensor path (foreach=False), element for element. Built by kernels/cpu_adamw.py at first
-// use (g++ -O3 -march=native -ffp-contract=off -fno-math-errno -pthread, no fast-math) and called
-// through ctypes; the range is split over `threads` std::threads (the caller's thread runs the
-// first part). With the IEEE square root, one loop does the whole update; with torch's (sqrt_fn),
-// each part goes in blocks of BLOCK elements that stay in L1 across the moments loop, the call
-// that takes the block's roots and the weight loop.
+// use (g++ -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp, no fast-math) and called
+// through ctypes. The range is cut into tiles of TILE elements that up to `threads` threads of an
+// OpenMP team take in turn from a shared counter (a thread the OS holds back does fewer tiles).
+// The team is torch's own: libgomp is loaded by name (libgomp.so.1), and torch's CPU library,
+// loaded first, has already brought in its copy under that name, so the kernel runs on the
+// threads torch's element-wise ops just used (still spinning for work after them) instead of
+// starting threads that compete with those spinning ones for the same cores.
+// With the IEEE square root, one pass does the whole update: with AVX-512 or AVX2 (compiled in
+// by -march=native), explicit vector code that loads SPAN vectors of each array in a row (runs of
+// whole cache lines per stream: past the L3 the update is bound by memory, and runs of lines per
+// stream keep more of each DRAM page open than one line per stream in turn), else a plain loop
+// the compiler vectorises. With torch's square root (sqrt_fn), each tile goes in blocks of BLOCK
+// elements that stay in L1 across the moments loop, the call that takes the block's roots and the
+// weight loop.
 //
 // Each element sees torch's operations in torch's order, every one an fp32 operation on values
 // already rounded to fp32 (the caller rounds the Python scalars to fp32, as torch rounds a Python
@@ -27,8 +36,10 @@
 // the square root away elsewhere.
 #include <stdint.h>
 #include <math.h>
-#include <thread>
-#include <vector>
+#include <atomic>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 typedef int64_t i64;
 typedef void (*sqrt_fn_t)(int n, const float* in, float* out, int64_t mode);  // MKL's vmsSqrt
@@ -36,6 +47,8 @@ typedef void (*sqrt_fn_t)(int n, const float* in, float* out, int64_t mode);  //
 namespace {
 
 constexpr i64 BLOCK = 1024;  // 4 KiB per array: p, g, m, v and the roots of a block stay in L1
+constexpr i64 TILE = 1 << 16;  // 256 KiB per array, a multiple of BLOCK: what a thread takes at a time
+constexpr int SPAN = 8;        // vectors of each array loaded in a row (8 x 64 bytes with AVX-512)
 
 struct Args {
     float* p;
@@ -69,6 +82,68 @@ void whole(const Args& a, i64 lo, i64 hi) {
     }
 }
 
+// The vector operations whole_vec() needs, on BITS-bit registers (AVX-512: 512, AVX2: 256).
+#define ZA_VEC(BITS)                                                               \
+    struct Vec {                                                                   \
+        typedef __m##BITS T;                                                       \
+        static constexpr int W = BITS / 32;                                        \
+        static T load(const float* x) { return _mm##BITS##_loadu_ps(x); }          \
+        static void store(float* x, T a) { _mm##BITS##_storeu_ps(x, a); }          \
+        static T set(float a) { return _mm##BITS##_set1_ps(a); }                   \
+        static T add(T a, T b) { return _mm##BITS##_add_ps(a, b); }                \
+        static T sub(T a, T b) { return _mm##BITS##_sub_ps(a, b); }                \
+        static T mul(T a, T b) { return _mm##BITS##_mul_ps(a, b); }                \
+        static T div(T a, T b) { return _mm##BITS##_div_ps(a, b); }                \
+        static T sqrt(T a) { return _mm##BITS##_sqrt_ps(a); }                      \
+        static T fma(T a, T b, T c) { return _mm##BITS##_fmadd_ps(a, b, c); }      \
+    };
+#if defined(__AVX512F__)
+ZA_VEC(512)
+#define ZA_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+ZA_VEC(256)
+#define ZA_VECTOR 1
+#endif
+
+#ifdef ZA_VECTOR
+// whole() with explicit vectors: the same operations in the same order (every lane's result is
+// the scalar loop's bits; vsqrtps is the correctly rounded root, like sqrtf), in steps of SPAN
+// vectors whose loads and stores are grouped per array; the last < SPAN * W elements go to whole().
+template <bool DECAY, bool BASE_M>
+void whole_vec(const Args& a, i64 lo, i64 hi) {
+    typedef Vec::T T;
+    constexpr i64 STEP = (i64)SPAN * Vec::W;
+    float* __restrict p = a.p;
+    const float* __restrict g = a.g;
+    float* __restrict m = a.m;
+    float* __restrict v = a.v;
+    const T decay = Vec::set(a.decay), coeff = Vec::set(a.coeff), beta2 = Vec::set(a.beta2);
+    const T omb2 = Vec::set(a.omb2), bc2 = Vec::set(a.bc2_sqrt), eps = Vec::set(a.eps), ns = Vec::set(a.neg_step);
+    i64 i = lo;
+    for (; i + STEP <= hi; i += STEP) {
+        T gs[SPAN], ms[SPAN], vs[SPAN], ps[SPAN];
+        for (int k = 0; k < SPAN; ++k) gs[k] = Vec::load(g + i + k * Vec::W);
+        for (int k = 0; k < SPAN; ++k) ms[k] = Vec::load(m + i + k * Vec::W);
+        for (int k = 0; k < SPAN; ++k) vs[k] = Vec::load(v + i + k * Vec::W);
+        for (int k = 0; k < SPAN; ++k) ps[k] = Vec::load(p + i + k * Vec::W);
+        for (int k = 0; k < SPAN; ++k) {
+            const T pk = DECAY ? Vec::mul(ps[k], decay) : ps[k];
+            ms[k] = Vec::fma(coeff, Vec::sub(gs[k], ms[k]), BASE_M ? ms[k] : gs[k]);
+            vs[k] = Vec::fma(Vec::mul(omb2, gs[k]), gs[k], Vec::mul(vs[k], beta2));
+            const T d = Vec::add(Vec::div(Vec::sqrt(vs[k]), bc2), eps);
+            ps[k] = Vec::add(pk, Vec::div(Vec::mul(ns, ms[k]), d));
+        }
+        for (int k = 0; k < SPAN; ++k) Vec::store(p + i + k * Vec::W, ps[k]);
+        for (int k = 0; k < SPAN; ++k) Vec::store(m + i + k * Vec::W, ms[k]);
+        for (int k = 0; k < SPAN; ++k) Vec::store(v + i + k * Vec::W, vs[k]);
+    }
+    whole<DECAY, BASE_M>(a, i, hi);
+}
+#define ZA_WHOLE whole_vec
+#else
+#define ZA_WHOLE whole
+#endif
+
 // The moments and the decayed weights of [lo, hi) (the first loop of a block with sqrt_fn).
 template <bool DECAY, bool BASE_M>
 void moments(const Args& a, i64 lo, i64 hi) {
@@ -99,9 +174,9 @@ void update(const Args& a, const float* __restrict root, i64 lo, i64 hi) {
 void run(const Args& a, i64 lo, i64 hi) {
     if (!a.sqrt_fn) {
         if (a.apply_decay) {
-            a.base_is_m ? whole<true, true>(a, lo, hi) : whole<true, false>(a, lo, hi);
+            a.base_is_m ? ZA_WHOLE<true, true>(a, lo, hi) : ZA_WHOLE<true, false>(a, lo, hi);
         } else {
-            a.base_is_m ? whole<false, true>(a, lo, hi) : whole<false, false>(a, lo, hi);
+            a.base_is_m ? ZA_WHOLE<false, true>(a, lo, hi) : ZA_WHOLE<false, false>(a, lo, hi);
         }
         return;
     }
@@ -118,37 +193,33 @@ void run(const Args& a, i64 lo, i64 hi) {
     }
 }
 
+// Takes tiles from `next` until none is left (each tile is updated by exactly one thread).
+void take_tiles(const Args& a, std::atomic<i64>* next, i64 n) {
+    for (;;) {
+        const i64 lo = next->fetch_add(TILE, std::memory_order_relaxed);
+        if (lo >= n) return;
+        run(a, lo, lo + TILE < n ? lo + TILE : n);
+    }
+}
+
 }  // namespace
 
 // Returns 0, or -1 on invalid arguments (n < 0, threads < 1). Elements are independent, so the
-// result does not depend on `threads` or on where the parts are cut.
+// result does not depend on `threads` or on which thread takes which tile.
 extern "C" int za_adamw(float* p, const float* g, float* m, float* v, i64 n, int apply_decay, float decay, float coeff,
                         int base_is_m, float beta2, float omb2, float bc2_sqrt, float eps, float neg_step,
                         sqrt_fn_t sqrt_fn, int64_t sqrt_mode, int threads) {
     if (n < 0 || threads < 1) return -1;
     const Args a{p, g, m, v, decay, coeff, beta2, omb2, bc2_sqrt, eps, neg_step, apply_decay, base_is_m, sqrt_fn,
                  sqrt_mode};
-    const i64 min_part = 1 << 15;  // below this a thread costs more than it saves
-    i64 parts = threads;
-    if (parts > n / min_part) parts = n / min_part > 0 ? n / min_part : 1;
-    if (parts <= 1) {
+    const i64 tiles = (n + TILE - 1) / TILE;  // one tile (n <= 64K): the calling thread alone
+    const i64 workers = threads < tiles ? threads : tiles;
+    if (workers <= 1) {
         run(a, 0, n);
         return 0;
     }
-    // parts cut at multiples of 16 elements (one 64-byte cache line): no line is written by two threads
-    const i64 step = ((n + parts - 1) / parts + 15) / 16 * 16;
-    std::vector<std::thread> pool;
-    pool.reserve(parts - 1);
-    try {
-        for (i64 t = 1; t < parts; ++t) {
-            const i64 lo = t * step, hi = lo + step < n ? lo + step : n;
-            if (lo < hi) pool.emplace_back(run, std::cref(a), lo, hi);
-        }
-    } catch (...) {  // a thread could not be started: do the rest of the range here (same result)
-        const i64 done = (i64)(pool.size() + 1) * step;
-        if (done < n) run(a, done, n);
-    }
-    run(a, 0, step < n ? step : n);
-    for (auto& th : pool) th.join();
+    std::atomic<i64> next{0};
+#pragma omp parallel num_threads((int)workers)
+    take_tiles(a, &next, n);
     return 0;
 }

@@ -1,16 +1,28 @@
-"""A native CPU AdamW step: ``cpu_adamw.cpp``, one pass over fp32 flat buffers, threads over parts
-of the range, built with the system C++ compiler at first use and called through ``ctypes``
+"""A native CPU AdamW step: ``cpu_adamw.cpp``, one pass over fp32 flat buffers, on torch's own
+OpenMP threads, built with the system C++ compiler at first use and called through ``ctypes``
 (what ZeRO-Offload's host optimizer and the nvme tier's chunk update run; ``zeropp.runtime.offload``).
 
 Why hand-written: torch's single-tensor AdamW makes six passes over memory (one per op), and its
-fused CPU kernel, one pass, still trails DeepSpeed's ``DeepSpeedCPUAdam`` at a few million elements
-on two threads (``python -m experiments.bench_offload`` prints the three side by side). The C++
-loops are plain element-wise loops that gcc vectorises (512-bit where the CPU has AVX-512); each
-thread updates its part in one loop (with ``exact=True``, in blocks that stay in L1 across the
-moments loop, the call that takes their square roots and the weight loop). The build, cache and load are
+fused CPU kernel, one pass, trails DeepSpeed's ``DeepSpeedCPUAdam`` at 16M elements on two threads
+(``python -m experiments.bench_offload`` prints the three side by side). What the kernel does
+about speed (the .cpp says how):
+
+- explicit AVX-512 (else AVX2, else a loop gcc vectorises) code that loads 8 vectors of each array
+  in a row: past the L3 the update is bound by memory, and runs of whole lines per array use it
+  better than one line of each array in turn;
+- the range cut into tiles of 64K elements that the threads take from a shared counter, so a
+  thread the OS holds back (a loaded machine) does fewer tiles instead of holding up the step;
+- the threads are torch's OpenMP team (``-fopenmp`` links ``libgomp.so.1`` by name, the copy
+  torch has already loaded): the step runs on the threads torch's ops just used, not on threads
+  of its own competing with them. Where torch is not built on libgomp, the kernel brings its
+  own OpenMP runtime, which works, with that competition.
+
+With ``exact=True`` each tile goes in blocks that stay in L1 across the moments loop, the call
+that takes their square roots and the weight loop. The build, cache and load are
 ``cpu_native.py``'s (same compiler, cache directory and ``build_cache`` checks, a library of its
-own, ``za_<hash>.so``), with two more flags: ``-fno-math-errno`` (lets ``sqrtf`` vectorise; it
-only stops setting ``errno``) and ``-pthread``.
+own, ``za_<hash>.so``; the key holds the CPU's feature flags, which ``-march=native`` compiles
+for), with two more flags: ``-fno-math-errno`` (lets ``sqrtf`` vectorise; it only stops setting
+``errno``) and ``-fopenmp``.
 
 Arithmetic: that of ``torch.optim.AdamW(foreach=False)`` (:func:`adamw_reference`), operation by
 operation in torch's order (the .cpp lists them), so with ``exact=True`` the result is bit for bit
@@ -19,7 +31,8 @@ built: its fp32 ``sqrt`` is MKL's ``vmsSqrt`` where torch has MKL, and that is n
 correctly rounded root. ``exact=True`` takes the square roots from that same routine (looked up in
 torch's own library, and used only if it reproduces ``torch.sqrt`` on a probe); ``exact=False``
 uses the CPU's IEEE square root, which is faster: m and v are still bit-exact, and a weight differs
-from torch's by at most about one ulp per step (1 ulp of the root moves the update by 1 ulp).
+from torch's by at most about one ulp per step (1 ulp of the root moves the update by 1 ulp);
+it is bit for bit :func:`adamw_reference` with ``ieee_sqrt=True`` on every code path.
 Where no such routine is found (torch without MKL, whose ``sqrt`` is the IEEE one),
 ``exact=True`` uses the IEEE root as well.
 
@@ -32,6 +45,7 @@ runtime then warns once and runs torch's kernel instead (``zeropp.runtime.optimi
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import sys
 import threading
@@ -45,14 +59,34 @@ import torch
 from . import build_cache, cpu_native
 
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
-FLAGS = [*cpu_native.FLAGS, "-fno-math-errno", "-pthread"]
-"""``cpu_native.FLAGS`` (no FMA contraction, no value-changing fast-math flag) plus the two above."""
+FLAGS = [*cpu_native.FLAGS, "-fno-math-errno", "-fopenmp"]
+"""``cpu_native.FLAGS`` (``-march=native``, no FMA contraction, no value-changing fast-math flag)
+plus the two above."""
 
 FAILED: str | None = None
 """Why the kernel is unavailable in this process (None while it works or is unbuilt)."""
 
 _LIB: ctypes.CDLL | None = None
 _LOCK = threading.Lock()
+
+FORKED = False
+"""Whether this process was forked from one that had run the kernel on several threads. libgomp
+keeps no thread team across a fork: in such a child the next parallel region waits forever for
+threads that were not copied (torch's own parallel ops hang there too, when the parent ran them).
+So that child runs the kernel on its calling thread alone (same bits, slower). A child of a
+process that never ran it in parallel (a forkserver that only imported it) keeps its threads."""
+
+_RAN_PARALLEL = False
+"""Whether this process has asked the kernel for more than one thread (its OpenMP team may exist)."""
+
+
+def _forked() -> None:
+    global FORKED
+    FORKED = _RAN_PARALLEL
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 _VML_MODE = 0x2 | 0x140000 | 0x100
 """The mode ATen passes to MKL's vector math (``VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE``)."""
@@ -181,8 +215,9 @@ def adamw(
     """One AdamW update of ``params``, ``exp_avgs`` and ``exp_avg_sqs`` in place (contiguous fp32
     CPU tensors, same sizes pairwise) with the scalars ``hp``.
     ``exact``: torch's own square root (bit-exact with :func:`adamw_reference`, see the module
-    docstring). ``threads``: default ``torch.get_num_threads()``. Raises RuntimeError when the
-    kernel is unavailable (:data:`FAILED` says why)."""
+    docstring). ``threads``: default ``torch.get_num_threads()``; 1 in a forked child (see
+    :data:`FORKED`). Raises RuntimeError when the kernel is unavailable (:data:`FAILED` says why)."""
+    global _RAN_PARALLEL
     _check([params, grads, exp_avgs, exp_avg_sqs])
     lib = library()
     if lib is None:
@@ -192,7 +227,8 @@ def adamw(
     small = abs(_f32(w)) < 0.5  # ATen's lerp: w * (end - start) + start, else (w - 1) * (end - start) + end
     coeff = w if small else _f32(w) - 1.0
     sqrt_fn = torch_sqrt() if exact else None
-    n_threads = threads or torch.get_num_threads()
+    n_threads = 1 if FORKED else threads or torch.get_num_threads()
+    _RAN_PARALLEL = _RAN_PARALLEL or n_threads > 1
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         rc = lib.za_adamw(
             p.data_ptr(),
@@ -224,16 +260,22 @@ def adamw_reference(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     hp: AdamWStep,
+    *,
+    ieee_sqrt: bool = False,
 ) -> None:
     """The same update in torch ops: the single-tensor path of ``torch.optim.AdamW`` (amsgrad,
-    maximize and capturable off), operation for operation, so it gives torch's bits."""
+    maximize and capturable off), operation for operation, so it gives torch's bits.
+    ``ieee_sqrt``: the correctly rounded square root instead of torch's (taken in float64 and
+    rounded once to fp32, which is the correctly rounded fp32 root since float64 carries more than
+    twice fp32's 24 bits): then the bits are those of :func:`adamw` with ``exact=False``."""
     beta1, beta2 = hp.betas
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if hp.weight_decay != 0:
             p.mul_(1 - hp.lr * hp.weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / hp.bias_correction2_sqrt).add_(hp.eps)
+        root = v.double().sqrt().float() if ieee_sqrt else v.sqrt()
+        denom = (root / hp.bias_correction2_sqrt).add_(hp.eps)
         p.addcdiv_(m, denom, value=-hp.step_size)
 
 

@@ -9,6 +9,10 @@ weight then moves by at most 1 ulp of itself per step plus the update's own rela
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import types
 import warnings
@@ -17,7 +21,7 @@ import pytest
 import torch
 
 from tests.kernel_helpers import failing_compiler
-from zeropp.kernels import build_cache, cpu_adamw
+from zeropp.kernels import build_cache, cpu_adamw, cpu_native
 from zeropp.runtime import optimizer
 from zeropp.runtime.config import OptimizerConfig
 
@@ -75,8 +79,121 @@ def test_ieee_sqrt_kernel_is_within_an_ulp_per_step(shape) -> None:
     assert bool(((got[0] - want[0]).abs() <= bound).all()), float((got[0] - want[0]).abs().max())
 
 
+IEEE_SHAPES = [(1,), (127,), (128 + 16 + 3,), (17, 257), ((1 << 16) * 3 + 1000,)]
+"""Below one step of the vector loop (SPAN x lanes = 128 with AVX-512), a step plus a vector plus
+a scalar tail, and several tiles of 65536 elements taken by two threads."""
+
+
+def _ieee_run(lib, shape, *, betas, wd, threads=2, steps=3):
+    """(reference p, m, v) with the correctly rounded root and the library's (exact=False) after ``steps``."""
+    g = torch.Generator().manual_seed(len(shape) + shape[0])
+    p0 = torch.randn(shape, generator=g)
+    grads = [torch.randn(shape, generator=g) for _ in range(steps)]
+    want = [p0.clone(), torch.zeros(shape), torch.zeros(shape)]
+    got = [p0.clone(), torch.zeros(shape), torch.zeros(shape)]
+    for s, grad in enumerate(grads, 1):
+        hp = cpu_adamw.AdamWStep(step=s, lr=1e-2, betas=betas, eps=1e-8, weight_decay=wd)
+        cpu_adamw.adamw_reference(*([t] for t in (want[0], grad, want[1], want[2])), hp, ieee_sqrt=True)
+        lib_before = cpu_adamw._LIB
+        cpu_adamw._LIB = lib
+        try:
+            cpu_adamw.adamw([got[0]], [grad], [got[1]], [got[2]], hp, threads=threads)
+        finally:
+            cpu_adamw._LIB = lib_before
+    return want, got
+
+
+@pytest.mark.parametrize("shape", IEEE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(("betas", "wd"), [((0.9, 0.999), 0.1), ((0.3, 0.95), 0.0)], ids=["decay", "lerp-hi"])
+def test_ieee_sqrt_kernel_is_the_ieee_reference_bit_for_bit(shape, betas, wd) -> None:
+    """``exact=False`` is torch's arithmetic with the correctly rounded root, bit for bit, in the
+    vector loop (AVX-512 or AVX2 where compiled in), its vector and scalar tails, and across tiles."""
+    _native_or_skip()
+    want, got = _ieee_run(cpu_adamw.library(), shape, betas=betas, wd=wd)
+    for name, a, b in zip("pmv", got, want):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+def test_the_avx2_build_gives_the_same_bits(tmp_path) -> None:
+    """The library built without AVX-512 (the AVX2 vector code, what AVX2-only CPUs run) gives the
+    reference's bits too (the loop gcc vectorises is every build's tail, checked above)."""
+    _native_or_skip()
+    _, build = cpu_native.named_build(cpu_adamw.SOURCE, [*cpu_adamw.FLAGS, "-mno-avx512f"], "za")
+    build(tmp_path / "narrow.so")
+    lib = cpu_adamw._load(str(tmp_path / "narrow.so"))
+    want, got = _ieee_run(lib, (128 * 3 + 16 + 5,), betas=(0.9, 0.999), wd=0.1, threads=1)
+    for name, a, b in zip("pmv", got, want):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process (Linux: from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line or "libiomp" in line}
+
+
+def test_the_kernel_runs_on_torchs_openmp_runtime() -> None:
+    """Loading the kernel maps no second OpenMP runtime: it shares torch's team (a second one
+    would start threads of its own beside torch's, competing for the same cores)."""
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch is not built on OpenMP here, or /proc/self/maps is missing")
+    torch.ones(1 << 16).add_(1)  # torch's runtime is in use before the kernel loads
+    before = _openmp_runtimes()
+    _native_or_skip()
+    assert len(before) == 1 and _openmp_runtimes() == before, (before, _openmp_runtimes())
+
+
+def _step_in_child(tensors, queue) -> None:
+    hp = cpu_adamw.AdamWStep(step=2, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    cpu_adamw.adamw(*([t] for t in tensors), hp, threads=2)
+    queue.put([t.numpy().tobytes() for t in tensors])  # no torch op: torch's own would hang in a child
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork on this platform")
+def test_a_forked_child_steps_instead_of_hanging() -> None:
+    """A process forked after the kernel ran on two threads (libgomp's team is not copied by
+    fork: a parallel region in the child would wait forever) steps on one thread, same bits."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(1 << 17, generator=g), torch.randn(1 << 17, generator=g), torch.zeros(1 << 17)]
+    tensors.append(torch.zeros(1 << 17))
+    hp = cpu_adamw.AdamWStep(step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    cpu_adamw.adamw(*([t] for t in tensors), hp, threads=2)  # the parent's OpenMP team now exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_step_in_child, args=(tensors, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    _step_in_child(tensors, queue)  # the same step here, on two threads
+    assert child.exitcode == 0 and got == queue.get(timeout=10)
+
+
+FORK_BEFORE_ANY_STEP = """
+import multiprocessing
+from zeropp.kernels import cpu_adamw
+ctx = multiprocessing.get_context("fork")
+queue = ctx.Queue()
+child = ctx.Process(target=lambda: queue.put(cpu_adamw.FORKED))
+child.start()
+print(queue.get(timeout=60), cpu_adamw.FORKED)
+child.join()
+"""
+
+
+def test_a_child_of_a_process_that_never_stepped_keeps_its_threads() -> None:
+    """A forkserver imports the kernel and forks ranks without running it: they keep their threads."""
+    out = subprocess.run([sys.executable, "-c", FORK_BEFORE_ANY_STEP], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stderr[-2000:]
+
+
 def test_the_result_does_not_depend_on_the_thread_count() -> None:
-    """1, 2 and 5 threads (parts cut at different places, one part per thread) give the same bits."""
+    """1, 2 and 5 threads (5 tiles taken in whatever order the threads come) give the same bits."""
     _native_or_skip()
     g = torch.Generator().manual_seed(0)
     p0, grad = torch.randn(300_001, generator=g), torch.randn(300_001, generator=g)

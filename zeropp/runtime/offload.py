@@ -18,12 +18,12 @@ Optimizer state (``zero.offload_optimizer``):
 
 The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``): torch's fused CPU ``AdamW``
 (``fused``) by default; ``native`` is zeropp's one-pass C++ kernel (``zeropp.kernels.cpu_adamw``:
-SIMD loops, threads over parts of the shard, built at first use). ``python -m
-experiments.bench_offload`` times both beside torch's single-tensor and ``foreach`` paths and
-DeepSpeed's ``DeepSpeedCPUAdam`` at 1M-64M elements on the same threads (docs/benchmarks.md): on
-this project's loaded 2-core machine ``native`` is 1.8x ``fused`` at 4M and level with it
-(0.96-1.02x) at 16M and 64M, where both are bound by memory bandwidth; it becomes the default
-once a quiet run shows it ahead at every size. The fused kernel rounds differently from the
+AVX-512 / AVX2 loops, torch's OpenMP threads taking tiles of the shard, built at first use).
+``python -m experiments.bench_offload`` times both beside torch's single-tensor and ``foreach``
+paths and DeepSpeed's ``DeepSpeedCPUAdam`` at 1M-64M elements on the same threads
+(docs/benchmarks.md); ``native`` becomes the default once a quiet run shows it ahead of ``fused``
+at every size (on the loaded 2-core machine it is ahead of DeepSpeed's at 16M and 64M and of
+``fused`` at 16M, behind ``fused`` at 1M). The fused kernel rounds differently from the
 single-tensor arithmetic the in-memory engine uses (max 1.5e-8 from ``AdamW(foreach=False)`` after
 3 steps on unit-scale weights), and ``native`` differs from it only where the CPU's IEEE square
 root differs from torch's (MKL's, by an ulp): an offloaded run with either matches the in-memory
