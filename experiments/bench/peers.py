@@ -142,6 +142,7 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
         "memory_bytes": summary["memory_max_rank_bytes"],
         "losses": summary["loss"]["curve"],
         "device": summary.get("device"),
+        "cpu_s": summary.get("cpu_s_per_step"),  # all ranks, all threads: steadier than steps/s under load
     }
 
 
@@ -186,6 +187,7 @@ def aggregate(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             out[key] = {k: v for k, v in row.items() if k != "runs"} or {"error": "no round ran"}
             continue
         step_s = statistics.median(x["step_s"] for x in runs)
+        cpu = [x["cpu_s"] for x in runs if x.get("cpu_s") is not None]
         out[key] = {
             "step_s": step_s,
             "steps_per_s": 1.0 / step_s if step_s > 0 else float("nan"),
@@ -194,12 +196,14 @@ def aggregate(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "memory_bytes": statistics.median(x["memory_bytes"] for x in runs),
             "losses": runs[0]["losses"],
             "device": runs[0]["device"],
+            "cpu_s": statistics.median(cpu) if cpu else None,
         }
     base = out.get(BASELINE, {})
     for row in out.values():
         if "step_s" not in row:
             continue
         row["ratio"] = row["steps_per_s"] / base["steps_per_s"] if "steps_per_s" in base else None
+        row["cpu_ratio"] = row["cpu_s"] / base["cpu_s"] if row["cpu_s"] and base.get("cpu_s") else None
         row["loss_drift"] = loss_drift(row["losses"], base["losses"]) if "losses" in base else None
     return out
 
@@ -212,13 +216,15 @@ def loss_drift(losses: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def format_table(out: dict[str, dict[str, Any]], a: argparse.Namespace) -> str:
-    """The table: steps/s, ratio to DDP, peak RSS and model state per rank (MiB), loss drift."""
+    """The table: steps/s, ratio to DDP, peak RSS and model state per rank (MiB), loss drift, CPU
+    seconds per step (all ranks, every thread) and their ratio to DDP's."""
     ran = [r for r in out.values() if "step_s" in r]
     device = ran[0]["device"] if ran else a.device
     lines = [
         f"GPT {a.preset} seq {a.seq}, batch {a.batch}/rank, {a.world} ranks ({a.nodes} node(s), {device}), "
         f"{a.precision}; median over {a.rounds} interleaved round(s) of {a.steps} steps after {a.warmup} warm-up",
-        f"{'':28}{'steps/s':>9}{'/ DDP':>8}{'peak RSS MiB':>14}{'state MiB':>11}{'loss drift':>12}",
+        f"{'':28}{'steps/s':>9}{'/ DDP':>8}{'peak RSS MiB':>14}{'state MiB':>11}{'loss drift':>12}"
+        f"{'CPU s/step':>12}{'CPU / DDP':>11}",
     ]
     for key, r in out.items():
         name = label(a, key)
@@ -228,9 +234,11 @@ def format_table(out: dict[str, dict[str, Any]], a: argparse.Namespace) -> str:
             continue
         ratio = f"{r['ratio']:8.2f}" if r["ratio"] is not None else f"{'-':>8}"
         drift = f"{r['loss_drift']:12.2e}" if r["loss_drift"] is not None else f"{'-':>12}"
+        cpu = f"{r['cpu_s']:12.3f}" if r.get("cpu_s") is not None else f"{'-':>12}"
+        cpu_ratio = f"{r['cpu_ratio']:11.2f}" if r.get("cpu_ratio") is not None else f"{'-':>11}"
         lines.append(
             f"{name:28}{r['steps_per_s']:9.2f}{ratio}{r['peak_rss_bytes'] / 2**20:14.1f}"
-            f"{r['memory_bytes'] / 2**20:11.2f}{drift}"
+            f"{r['memory_bytes'] / 2**20:11.2f}{drift}{cpu}{cpu_ratio}"
         )
     return "\n".join(lines)
 

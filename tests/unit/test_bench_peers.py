@@ -26,9 +26,10 @@ from zeropp.experiments.runner.trainer_registry import TRAINER_SPECS
 
 def _summary(step_s: float, losses: list[float], rss: list[int], state: int = 1 << 20) -> dict[str, Any]:
     """A summary.json as the runner writes it, reduced to what the benchmark reads; ``rss``: each
-    rank's lifetime peak at its last phase (earlier phases lower)."""
+    rank's lifetime peak at its last phase (earlier phases lower); CPU time: 3 x the step time."""
     return {
         "step_time_s": {"median": step_s},
+        "cpu_s_per_step": 3 * step_s,
         "memory_max_rank_bytes": state,
         "loss": {"curve": losses},
         "device": "cpu",
@@ -100,6 +101,7 @@ def test_medians_over_rounds_ratio_to_ddp_and_loss_drift(tmp_path: Path) -> None
     assert z3["ratio"] == pytest.approx((1 / 0.25) / (1 / 0.20)) and ddp["ratio"] == 1.0
     assert z3["loss_drift"] == 0.5 and ddp["loss_drift"] == 0.0 and out["fsdp2"]["loss_drift"] == 0.0
     assert z3["peak_rss_bytes"] == 300 << 20  # the largest rank, its largest phase
+    assert z3["cpu_s"] == pytest.approx(3 * 0.25) and z3["cpu_ratio"] == pytest.approx(0.25 / 0.20)
 
 
 def test_a_failed_row_is_reported_and_not_rerun_while_the_others_go_on(tmp_path: Path, capsys) -> None:
@@ -155,8 +157,19 @@ def test_the_table_has_every_figure(tmp_path: Path) -> None:
     text = peers.format_table(out, jobs.args)  # type: ignore[attr-defined]
     lines = text.splitlines()
     assert lines[0].startswith("GPT tiny seq 64, batch 8/rank, 2 ranks (1 node(s), cpu), fp32; median over 1")
-    assert lines[2].split() == ["DDP", "5.00", "1.00", "300.0", "1.00", "0.00e+00"]
-    assert lines[3].split() == ["zeropp", "ZeRO++", "(zeropp)", "4.00", "0.80", "300.0", "1.00", "1.00e-03"]
+    assert lines[2].split() == ["DDP", "5.00", "1.00", "300.0", "1.00", "0.00e+00", "0.600", "1.00"]
+    assert lines[3].split() == [
+        "zeropp",
+        "ZeRO++",
+        "(zeropp)",
+        "4.00",
+        "0.80",
+        "300.0",
+        "1.00",
+        "1.00e-03",
+        "0.750",
+        "1.25",
+    ]
 
 
 def test_json_is_the_only_thing_on_stdout(tmp_path: Path, capfd) -> None:
