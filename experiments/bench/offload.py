@@ -45,6 +45,8 @@ from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
 
+from ..runner.trainer_registry import TRAINER_SPECS
+
 CFG = OptimizerConfig(lr=1e-3, weight_decay=0.01)
 
 
@@ -72,8 +74,8 @@ def _compiled_step() -> Callable[..., None]:
     return run
 
 
-PEERS_HINT = "skipped: pip install 'zeropp[peers]'"
-"""The DeepSpeed row's text when ``deepspeed`` cannot be imported."""
+PEERS_HINT = f"skipped: {TRAINER_SPECS['deepspeed'].install_hint}"
+"""The DeepSpeed row's text when ``deepspeed`` cannot be imported (the trainer registry's hint)."""
 PARITY_NUMEL = 1 << 16
 """Elements of the 3-step parity check against ``torch.optim.AdamW(foreach=False)``."""
 

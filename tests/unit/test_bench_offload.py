@@ -36,7 +36,7 @@ def test_rows_without_deepspeed_say_how_to_install_it(no_deepspeed: None) -> Non
     assert by["fused"]["vs_fused"] == 1.0 and by["fused"]["vs_deepspeed"] is None
     table = "\n".join(bench.adam_table(rows, 2, 2))
     assert "2 threads for every kernel, median of 2 interleaved steps" in table
-    assert "| 4097 | deepspeed | skipped: pip install 'zeropp[peers]' |" in table
+    assert "| 4097 | deepspeed | skipped: DeepSpeed: pip install 'zeropp[peers]' |" in table
 
 
 def test_sizes_parse_and_bad_ones_are_refused(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
