@@ -147,9 +147,9 @@ def _mx_quantize_kernel(
         exp = exp + ((an.to(tl.int32, bitcast=True) & 0x7FFFFF) > MAX_MANT).to(tl.int32)
     exp = tl.minimum(tl.maximum(exp, -127), 127)
     ok = finite & (absmax > 0.0)
-    t = (
-        v * pow2(0 - exp)[:, None]
-    )  # (int32 negation, written as a subtraction) exact unless the result is an fp32 subnormal (one rounding)
+    # exact unless the result is an fp32 subnormal (one rounding); 0 - exp: an int32 negation written as
+    # a subtraction (tests/unit/test_kernels_triton_source.py allows no unary minus in @jit code)
+    t = v * pow2(0 - exp)[:, None]
     offs = row * groups * GROUP_SIZE + col
     c = tile_encode(t, offs, seed, INT8, E, M, BIAS, MAX_MAG, MAX_VAL, NAN_MAG, STOCHASTIC)
     c = tl.where(ok[:, None], c, 0)

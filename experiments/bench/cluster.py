@@ -63,6 +63,7 @@ from ..projection.cluster_file import ClusterFile, ClusterFileError, read_cluste
 from ..projection.scaling_check import comm_wait_s, link_gbps
 from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
+from ..runner.preflight import host_cpus
 from ..runner.run import run_job
 from .args import check_run_lengths
 from .cluster_check import (
@@ -188,11 +189,6 @@ def _pct(pred: float, meas: float) -> str:
     return f"{100 * (pred / meas - 1):+.0f}%" if meas else "n/a"
 
 
-def host_cores() -> int:
-    """The cores this process may run on (its affinity), which the emulated cluster's ranks share."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[str]:
     """Lines of the CPU table: per run, the CPU seconds all ranks' processes used per step (median
     over rounds of the runs' ``cpu_s_per_step``) and how busy that kept the host's ``cores``
@@ -219,8 +215,9 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[str]:
 
 
 def format_rows(rows: list[dict[str, Any]], a: argparse.Namespace, cores: int | None = None) -> str:
-    """The tables of a run; ``cores``: the host's usable cores (default :func:`host_cores`)."""
-    cores = host_cores() if cores is None else cores
+    """The tables of a run; ``cores``: the cores the ranks share (default: this process's,
+    ``preflight.host_cpus``)."""
+    cores = host_cpus() if cores is None else cores
     m0 = rows[0]["zero3"]
     out = [
         f"{a.nodes} nodes x {a.ranks_per_node} ranks, GPT '{a.preset}' ({m0['params'] / 1e6:.2f}M params, fp32), "

@@ -146,7 +146,7 @@ def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None
 
     compiled = Compiled()
 
-    paired = device.type == "cpu" and args.vs_path != "none"
+    paired = _paired_mode(args)
 
     def record(
         op: str,

@@ -274,12 +274,8 @@ def _check_trainer_keys(rc: RunConfig, spec: TrainerSpec) -> None:
             raise ConfigError(
                 f"invalid config: {key}={getattr(rc.zero, f.name)!r} does nothing with "
                 f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it, "
-                f"or use {_trainers_that(functools.partial(_honours, key=key))}"
+                f"or use {_trainers_that(functools.partial(TrainerSpec.honours_key, key=key))}"
             )
-
-
-def _honours(spec: TrainerSpec, key: str) -> bool:
-    return spec.honours_key(key)
 
 
 def _mentions_float(tp: Any) -> bool:

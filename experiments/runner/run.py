@@ -28,9 +28,8 @@ import json
 import os
 import sys
 import time
-import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -332,7 +331,7 @@ def note_failed_job(job: dict[str, Any]) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
     try:
-        check_slurm_keys(typing.cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
+        check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
         code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .config import LoggerConfig
 
@@ -43,7 +42,7 @@ class WandbLogger:
             import wandb
 
             self.run = wandb.init(
-                mode=typing.cast(typing.Any, str(settings.mode)),
+                mode=cast(Any, str(settings.mode)),
                 dir=str(run_dir),
                 project=settings.project,
                 entity=settings.entity,
