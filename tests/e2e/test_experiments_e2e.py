@@ -28,6 +28,15 @@ from zeropp.experiments.studies.report import PLOTS
 FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
 
 
+def _wait_for_training(p: subprocess.Popen, run_dir: Path, stderr: Path, timeout: float = 90) -> None:
+    """Until the run in ``run_dir`` has logged a step (its ranks are training); the command must
+    still be running, and within ``timeout`` s (else its stderr's tail is the failure)."""
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "metrics.jsonl").exists():
+        assert p.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 def _live_procs_mentioning(text: str) -> list[int]:
     """PIDs whose command line mentions ``text`` (the run dir is in every rank's argv)."""
     out = []
@@ -212,10 +221,7 @@ def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> N
             env=env,
         )
     try:
-        deadline = time.monotonic() + 90
-        while not (run / "metrics.jsonl").exists():  # training: both ranks hold their swap folders
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.2)
+        _wait_for_training(p, run, tmp_path / "stderr")  # training: both ranks hold their swap folders
         assert len(os.listdir(nvme)) == 3
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=60) == 128 + signal.SIGINT
@@ -263,10 +269,7 @@ def test_a_sigterm_stops_the_whole_sweep(tmp_path: Path) -> None:
             env=env,
         )
     try:
-        deadline = time.monotonic() + 90
-        while not (sweep / "0" / "metrics.jsonl").exists():
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.2)
+        _wait_for_training(p, sweep / "0", tmp_path / "stderr")
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 128 + signal.SIGTERM, (tmp_path / "stderr").read_text()[-3000:]
     finally:
