@@ -24,9 +24,17 @@ SCHEMES: dict[str, tuple[str, ...]] = {
     "w4g4": ("quant=w4g4",),
     "w4g4_ef": ("quant=w4g4", "zero.grads.error_feedback=true"),
     "w4g4h": ("quant=w4g4h",),
+    "w4g4h_ef": ("quant=w4g4h", "zero.grads.error_feedback=true"),
+    "mxfp4_h": ("quant=mxfp4", "zero.grads.rotation=hadamard"),
+    "mxfp4_ef": ("quant=mxfp4", "zero.grads.error_feedback=true"),
+    "mxfp4_h_ef": ("quant=mxfp4", "zero.grads.rotation=hadamard", "zero.grads.error_feedback=true"),
+    "nvfp4_h": ("quant=nvfp4", "zero.grads.rotation=hadamard"),
+    "nvfp4_ef": ("quant=nvfp4", "zero.grads.error_feedback=true"),
+    "nvfp4_h_ef": ("quant=nvfp4", "zero.grads.rotation=hadamard", "zero.grads.error_feedback=true"),
     "sdp4bit": ("quant=sdp4bit",),
 }
-"""Scheme name -> the runner overrides that select it. Any other ``quant=`` recipe name
+"""Scheme name -> the runner overrides that select it (``_h``: Hadamard-rotated gradients, ``_ef``:
+gradient error feedback, on top of the named recipe). Any other ``quant=`` recipe name
 (``zeropp.comm.spec.RECIPES``) is accepted as a scheme too, meaning ``quant=<name>``."""
 
 
@@ -34,7 +42,8 @@ BASELINE = "fp"
 """The scheme every gap is measured against (it must be among the schemes)."""
 
 
-DEFAULT_SCHEMES: tuple[str, ...] = tuple(SCHEMES)
+DEFAULT_SCHEMES: tuple[str, ...] = ("fp", "zeropp", "w4g4", "w4g4_ef", "w4g4h", "sdp4bit")
+"""The schemes of a bare ``python -m experiments.converge``: the INT recipes of ZeRO++ and SDP4Bit."""
 
 
 DEFAULT_SEEDS: tuple[int, ...] = (0, 1)

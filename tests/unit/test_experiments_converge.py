@@ -170,3 +170,20 @@ def test_an_interrupt_stops_the_suite_and_keeps_the_finished_runs(tmp_path: Path
     assert "interrupted by SIGTERM" in capsys.readouterr().err
     rows = {r["scheme"]: r for r in json.loads((out / "converge.json").read_text())["rows"]}
     assert set(rows) == {"fp", "w4g4"}
+
+
+@pytest.mark.parametrize("scheme", sorted(converge_suite.SCHEMES))
+def test_every_named_scheme_composes_to_what_its_name_says(scheme: str) -> None:
+    """Each scheme's overrides make a valid run config; ``_h`` rotates the gradients and ``_ef``
+    error-feeds them, on top of the recipe the name starts with."""
+    suite = converge_suite.SuiteConfig(schemes=tuple(dict.fromkeys(("fp", scheme))))
+    cfg = converge_suite.compose(suite.run_overrides(scheme, 0))
+    recipe = converge_suite.scheme_overrides(scheme)[0].split("=", 1)[1]
+    base = converge_suite.RECIPES[recipe].grads
+    if base is None:
+        assert cfg.zero.grads is None and scheme == "fp"
+        return
+    assert cfg.zero.grads is not None
+    assert cfg.zero.grads.scheme == base.scheme and cfg.zero.grads.bits == base.bits
+    assert (cfg.zero.grads.rotation == "hadamard") == ("_h" in scheme or base.rotation == "hadamard")
+    assert cfg.zero.grads.error_feedback == ("_ef" in scheme or base.error_feedback)
