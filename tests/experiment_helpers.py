@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,23 @@ def checkpoint_steps(root: Path) -> tuple[int | None, list[int]]:
     latest = root / "LATEST"
     named = step(root / latest.read_text().strip()) if latest.is_file() else None
     return named, sorted(step(d) for d in root.iterdir() if d.is_dir())
+
+
+def rolled_back_copy(root: Path, step: int, dest: Path) -> Path:
+    """A copy of the checkpoint directory ``root`` at ``dest`` whose ``LATEST`` names the version of
+    ``step`` (the version folder is copied, not touched in ``root``), committed as a save would
+    (``checkpoint_files.commit``). ``resume=true train.checkpoint_dir=<dest>`` then continues from
+    that step of the run that wrote ``root``: one uninterrupted run serves as the reference and
+    as the checkpoint a resumed run starts from, instead of a second run stopped there."""
+    from zeropp.runtime.checkpoint_files import NAME, commit
+
+    versions = [d for d in root.iterdir() if d.is_dir() and NAME.fullmatch(d.name)]
+    at = [d for d in versions if json.loads((d / "meta.json").read_text())["step"] == step]
+    assert len(at) == 1, f"{root}: want one version of step {step}, found {sorted(d.name for d in versions)}"
+    dest.mkdir(parents=True)
+    shutil.copytree(at[0], dest / at[0].name)
+    commit(dest, at[0].name)
+    return dest
 
 
 def composed_summary(overrides: list[str]) -> dict:
