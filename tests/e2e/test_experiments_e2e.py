@@ -4,7 +4,9 @@ is SIGSTOPped, Ctrl-C to the runner: the culprit is named, no process and no swa
 run is left, another run's swap folder is kept).
 
 Each run is a real ``python -m zeropp.experiments.run`` with the real ZeroEngine on a tiny model
-and a few steps, so the whole file stays around a minute on 2 cores.
+and a few steps, so the whole file stays around a minute on 2 cores. Jobs whose subject is what the
+training does rather than the launch (resume exactness of the torch trainers and of a TP run, TP
+vs DP, a LoRA run's memory formula) are ``tests/distributed/test_experiments_training.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.experiment_helpers import checkpoint_steps, rolled_back_copy, run_cli, run_cli_here
-from tests.tp_helpers import tp_block_bytes
+from tests.experiment_helpers import run_cli, run_cli_here
 from zeropp.experiments.runner.metrics import SUMMARY_KEYS
 from zeropp.experiments.studies.report import PLOTS
 from zeropp.experiments.studies.report import main as report_main
@@ -330,39 +331,6 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
     # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
 
 
-@pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp", "fsdp2_zeropp"])
-def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str, capfd: pytest.CaptureFixture[str]) -> None:
-    """FSDP2 / DDP checkpoints go through torch.distributed.checkpoint too: a run resumed from the
-    step-2 checkpoint of an uninterrupted run reaches that run's losses in fp32 (the uninterrupted
-    run is the reference and wrote the checkpoint; a run stopped by a fault and resumed in its own
-    directory: the stage-3 test above). fsdp2_zeropp runs INT4 gradients with error feedback and
-    stochastic rounding, so the resume needs the residuals and the call counter each rank saved.
-    ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds its gradient buckets after its first
-    iteration, so the resumed run's first step quantizes over the initial bucket layout, where the
-    uninterrupted run used the rebuilt one."""
-    quant = {
-        "ddp_zeropp": ["quant=qgz"],
-        "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"],
-    }
-    common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
-    ref = tmp_path / "ref"
-    p = run_cli_here([*common, "train.checkpoint_every=2", f"hydra.run.dir={ref}"], capfd)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert checkpoint_steps(ref / "checkpoints") == (4, [2, 4])
-    at2 = rolled_back_copy(ref / "checkpoints", 2, tmp_path / "at2")
-    resumed = tmp_path / "resumed"
-    p = run_cli_here([*common, "resume=true", f"train.checkpoint_dir={at2}", f"hydra.run.dir={resumed}"], capfd)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "changed settings" not in p.stderr
-    want, got = _losses(ref), _losses(resumed)
-    assert sorted(got) == [3, 4]  # continued after the step-2 checkpoint
-    if trainer == "ddp_zeropp":
-        assert got[3] == want[3]
-        assert got[4] == pytest.approx(want[4], rel=1e-3)
-    else:
-        assert [got[3], got[4]] == [want[3], want[4]]
-
-
 def _netns_unavailable() -> str | None:
     from zeropp.experiments.cluster import NetnsError, netns
 
@@ -518,84 +486,3 @@ def test_sweep_trainers_runs_all_five(tmp_path: Path, capfd: pytest.CaptureFixtu
     # quantized INT4 gradients move fewer bytes than the same trainer's full-precision twin
     for q, plain in (("fsdp2_zeropp", "fsdp2"), ("ddp_zeropp", "ddp")):
         assert sums[q]["comm_bytes_per_step"]["total"] < 0.6 * sums[plain]["comm_bytes_per_step"]["total"], q
-
-
-def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """``topology.tp=2`` from the command line: 2 nodes x 2 ranks as tp=2 x dp=2 trains on the same
-    data as 2 nodes x 1 rank (the tp pair shares its batches), so the losses agree in fp32, and
-    tokens per step count the dp ranks only; a tp run resumed from the uninterrupted tp run's
-    step-2 checkpoint reaches its losses."""
-    common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
-    tp_topo = ["topology=2x2", "topology.tp=2"]
-    runs = {}
-    for name, topo in (("tp", [*tp_topo, "train.checkpoint_every=2"]), ("dp", ["topology=2x1"])):
-        p = run_cli_here([*common, *topo, f"hydra.run.dir={tmp_path / name}"], capfd)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
-    tp, dp = _losses(tmp_path / "tp"), _losses(tmp_path / "dp")
-    assert sorted(tp) == sorted(dp) == [1, 2, 3, 4]
-    for k in tp:
-        assert abs(tp[k] - dp[k]) <= 1e-4 * abs(dp[k]), (k, tp[k], dp[k])
-    assert abs(runs["tp"]["loss"]["eval"] - runs["dp"]["loss"]["eval"]) <= 1e-4 * runs["dp"]["loss"]["eval"]
-    assert runs["tp"]["tokens_per_step"] == runs["dp"]["tokens_per_step"] == 2 * 4 * 32
-    assert runs["tp"]["topology"]["tp"] == 2 and runs["dp"]["topology"]["tp"] == 1
-    # every byte counted: the tensor-parallel all-reduces (DTensor's functional collectives) are the
-    # intra-node traffic, 2 blocks x forward + backward of 4 x 32 tokens per rank and step, plus
-    # the few bytes of the engine's scalar all-reduces; the dp run has no intra-node peer
-    block = tp_block_bytes(4, 32, 32, tp=2)
-    want = 2 * (block["forward"] + block["backward"])
-    wire = runs["tp"]["comm_bytes_per_step"]
-    assert want <= wire["by_kind_link"]["all_reduce.intra"] == wire["by_link"]["intra"] < want + 256, wire
-    assert runs["dp"]["comm_bytes_per_step"]["by_link"]["intra"] == 0
-    # each rank's engine partitions its TP-local half of the split weights over the dp pair
-    expected = sum(runs["tp"]["memory_expected"]["device"].values())
-    assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
-    # resumed from its step-2 checkpoint (each rank's TP-local shards): the tp run carries on exactly
-    at2 = rolled_back_copy(tmp_path / "tp" / "checkpoints", 2, tmp_path / "at2")
-    resumed = tmp_path / "resumed"
-    p = run_cli_here(
-        [*common, *tp_topo, "resume=true", f"train.checkpoint_dir={at2}", f"hydra.run.dir={resumed}"], capfd
-    )
-    assert p.returncode == 0 and "changed settings" not in p.stderr, p.stderr[-3000:]
-    assert _losses(resumed) == {k: tp[k] for k in (3, 4)}  # exact in fp32
-
-
-def test_lora_run_with_quantized_frozen_weights(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
-    and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
-    wire rows) equals the measured model state of every rank."""
-    p = run_cli_here(
-        [
-            "logger=none",
-            *FAST,
-            "train.steps=2",
-            "stage=3",
-            "model.lora_rank=4",
-            "zero.quantize_frozen=int8",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capfd,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads((tmp_path / "summary.json").read_text())
-    expected = s["memory_expected"]["device"]
-    for rank_mem in s["memory_per_rank"]:
-        assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
-    assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
-    # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
-    p = run_cli_here(
-        [
-            "logger=none",
-            *FAST,
-            "train.steps=2",
-            "stage=3",
-            "model.lora_rank=4",
-            "zero.quantize_frozen=int8",
-            "zero.hpz=true",
-            f"hydra.run.dir={tmp_path / 'hpz'}",
-        ],
-        capfd,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads((tmp_path / "hpz" / "summary.json").read_text())
-    assert s["memory_max_rank_bytes"] == sum(s["memory_expected"]["device"].values())
