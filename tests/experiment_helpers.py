@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,17 +123,39 @@ def checkpoint_steps(root: Path) -> tuple[int | None, list[int]]:
     return named, sorted(step(d) for d in root.iterdir() if d.is_dir())
 
 
-def composed_summary(overrides: list[str]) -> dict:
-    """The part of a ``summary.json`` that names a run (``config``, ``model.name``, ``overrides``),
-    as the runner would write it for ``overrides``: composed by Hydra and validated, no rank started."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
+def rolled_back_copy(root: Path, step: int, dest: Path) -> Path:
+    """A copy of the checkpoint directory ``root`` at ``dest`` whose ``LATEST`` names the version of
+    ``step`` (the version folder is copied, not touched in ``root``), committed as a save would
+    (``checkpoint_files.commit``). ``resume=true train.checkpoint_dir=<dest>`` then continues from
+    that step of the run that wrote ``root``: one uninterrupted run serves as the reference and
+    as the checkpoint a resumed run starts from, instead of a second run stopped there."""
+    from zeropp.runtime.checkpoint_files import NAME, commit
 
-    from zeropp.experiments.runner.run import validated
+    versions = [d for d in root.iterdir() if d.is_dir() and NAME.fullmatch(d.name)]
+    at = [d for d in versions if json.loads((d / "meta.json").read_text())["step"] == step]
+    assert len(at) == 1, f"{root}: want one version of step {step}, found {sorted(d.name for d in versions)}"
+    dest.mkdir(parents=True)
+    shutil.copytree(at[0], dest / at[0].name)
+    commit(dest, at[0].name)
+    return dest
+
+
+def _composed(overrides: list[str]) -> tuple[Any, Any]:
+    """(Hydra's composed config with its ``hydra`` node, the validated RunConfig) of ``overrides``,
+    as the runner builds them (no rank started)."""
+    from hydra import compose, initialize_config_module
+
+    from zeropp.experiments.runner.run import validated, without_hydra
 
     with initialize_config_module("zeropp.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    rc = validated(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), list(overrides))
+    return cfg, validated(without_hydra(cfg), list(overrides))
+
+
+def composed_summary(overrides: list[str]) -> dict:
+    """The part of a ``summary.json`` that names a run (``config``, ``model.name``, ``overrides``),
+    as the runner would write it for ``overrides``: composed by Hydra and validated, no rank started."""
+    cfg, rc = _composed(overrides)
     return {
         "config": rc.to_dict(),
         "model": {"name": cfg.hydra.runtime.choices.get("model") or ""},
@@ -173,3 +197,31 @@ def composed_config(*overrides: str) -> dict:
 
     with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
         return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)  # type: ignore[return-value]
+
+
+def _train_rank(rank: int, world: int, spec: dict) -> dict | None:
+    """One rank of :func:`train_in_world`: the worker's training loop on this forked gloo rank."""
+    from zeropp.experiments.runner.config import from_dict
+    from zeropp.experiments.runner.worker import _train
+
+    return _train(from_dict(spec["config"]), spec, Path(spec["run_dir"]), rank, world, torch.device("cpu"), "gloo")
+
+
+def train_in_world(overrides: list[str], run_dir: Path) -> dict:
+    """The summary of the job ``overrides`` as :func:`zeropp.experiments.runner.run.run_job` runs it
+    (composed by Hydra and validated here, each rank the worker's own training loop, rank 0 writing
+    ``run_dir``), on a gloo world forked from the tests' preloaded fork server
+    (:func:`tests.worlds.run_world`) instead of spawned worker interpreters: a rank starts in a
+    fraction of a second instead of seconds of imports. For tests of what a config key does to
+    training; the launch itself (spawned ranks, their spec file, failures) is the e2e tier's."""
+    from tests.worlds import run_world
+    from zeropp.experiments.runner.run import _spec, check_overrides
+
+    check_overrides(overrides)  # the command line's first check, as run_job makes it
+    cfg, rc = _composed(overrides)
+    model_name = cfg.hydra.runtime.choices.get("model") or ""
+    info = {"run_dir": str(run_dir), "overrides": list(overrides), "name": ",".join(overrides), "group": None}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = run_world(_train_rank, rc.topology.world_size, _spec(rc, {**info, "model_name": model_name}))[0]
+    assert summary is not None
+    return summary

@@ -4,7 +4,9 @@ is SIGSTOPped, Ctrl-C to the runner: the culprit is named, no process and no swa
 run is left, another run's swap folder is kept).
 
 Each run is a real ``python -m zeropp.experiments.run`` with the real ZeroEngine on a tiny model
-and a few steps, so the whole file stays around a minute on 2 cores.
+and a few steps, so the whole file stays around a minute on 2 cores. Jobs whose subject is what the
+training does rather than the launch (resume exactness of the torch trainers and of a TP run, TP
+vs DP, a LoRA run's memory formula) are ``tests/distributed/test_experiments_training.py``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.experiment_helpers import run_cli, run_cli_here
-from tests.tp_helpers import tp_block_bytes
 from zeropp.experiments.runner.metrics import SUMMARY_KEYS
 from zeropp.experiments.studies.report import PLOTS
+from zeropp.experiments.studies.report import main as report_main
 
 FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
 
@@ -246,10 +248,7 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: p
     failed = json.loads((sweep / "0" / "failed.json").read_text())
     assert "hpz_size" in failed["error"] and failed["exit_code"] == 2
     assert (sweep / "1" / "summary.json").exists()
-    r = subprocess.run(
-        [sys.executable, "-m", "zeropp.experiments.report", str(sweep)], capture_output=True, text=True, timeout=60
-    )
-    assert r.returncode == 0, r.stderr
+    report_main([str(sweep)])  # the command's own function (the command as typed: the test above)
     md = (sweep / "report.md").read_text()
     assert "1 failed" in md and "zero.hpz_size=3" in md
 
@@ -287,7 +286,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """fp32: a run killed after its step-3 checkpoint and resumed with resume=true reaches the same
     losses as a run that never stopped (same data, LR schedule, optimizer state); resumed at another
-    world size it carries on from the same weights."""
+    world size and stage it carries on from the same weights, and of the settings it changed only
+    the seed (which changes the data) is warned about."""
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=6", "stage=3", "quant=none"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     p = run_cli_here([*common, f"hydra.run.dir={ref}"], capfd)
@@ -307,7 +307,9 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
     assert [got[i] for i in range(1, 7)] == [want[i] for i in range(1, 7)]  # exact in fp32
     s = json.loads((cut / "summary.json").read_text())
     assert s["first_step"] == 4 and s["steps"] == 3
-    # resumed on 4 ranks from the 2-rank checkpoint: the same weights carry on (different data per rank)
+    # resumed on 4 ranks at stage 1 from the 2-rank stage-3 checkpoint, with another seed: the same
+    # weights carry on (different data per rank); world size and stage may change (the checkpoint
+    # reshards), so the seed is the one changed setting the warning names
     wide = tmp_path / "wide"
     p = run_cli_here(
         [
@@ -316,6 +318,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
             *FAST,
             "train.steps=6",
             "stage=1",
+            "train.seed=1",
             "resume=true",
             f"train.checkpoint_dir={tmp_path / 'at3'}",
             f"hydra.run.dir={wide}",
@@ -324,49 +327,8 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
-    assert "changed settings" not in p.stderr  # world size and stage may change: the checkpoint reshards
-    p = run_cli_here(
-        [
-            *common,
-            "train.seed=1",
-            "resume=true",
-            f"train.checkpoint_dir={tmp_path / 'at3'}",
-            f"hydra.run.dir={tmp_path / 'reseeded'}",
-        ],
-        capfd,
-    )
-    assert p.returncode == 0 and "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
+    assert "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
     # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
-
-
-@pytest.mark.parametrize("trainer", ["fsdp2", "ddp", "ddp_zeropp", "fsdp2_zeropp"])
-def test_torch_trainers_resume_exactly(tmp_path: Path, trainer: str, capfd: pytest.CaptureFixture[str]) -> None:
-    """FSDP2 / DDP checkpoints go through torch.distributed.checkpoint too: a stopped and resumed
-    run equals the uninterrupted one in fp32. fsdp2_zeropp runs INT4 gradients with error feedback
-    and stochastic rounding, so the resume needs the residuals and the call counter each rank saved.
-    ddp_zeropp (INT4 gradients) only nearly: DDP rebuilds its gradient buckets after its first
-    iteration, so the resumed run's first step quantizes over the initial bucket layout, where the
-    uninterrupted run used the rebuilt one."""
-    quant = {
-        "ddp_zeropp": ["quant=qgz"],
-        "fsdp2_zeropp": ["quant=qgz", "zero.grads.error_feedback=true", "zero.grads.rounding=stochastic"],
-    }
-    common = ["topology=1x2", "logger=none", *FAST, "train.steps=4", f"trainer={trainer}", *quant.get(trainer, [])]
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    p = run_cli_here([*common, f"hydra.run.dir={ref}"], capfd)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli_here(
-        [*common, "train.checkpoint_every=2", f"hydra.run.dir={cut}"], capfd, env={"ZEROPP_INJECT_FAULT": "raise@1:3"}
-    )
-    assert p.returncode != 0 and "injected fault" in p.stderr, p.stderr[-3000:]
-    p = run_cli_here([*common, "train.checkpoint_every=2", "resume=true", f"hydra.run.dir={cut}"], capfd)
-    assert p.returncode == 0, p.stderr[-3000:]
-    want, got = _losses(ref), _losses(cut)
-    if trainer == "ddp_zeropp":
-        assert [got[i] for i in range(1, 4)] == [want[i] for i in range(1, 4)]
-        assert got[4] == pytest.approx(want[4], rel=1e-3)
-    else:
-        assert [got[i] for i in range(1, 5)] == [want[i] for i in range(1, 5)]
 
 
 def _netns_unavailable() -> str | None:
@@ -472,9 +434,10 @@ def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(
     assert a["engine_comm_bytes_per_step"] == b["engine_comm_bytes_per_step"]
 
 
-def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) -> None:
+def test_torchrun_refuses_a_contradicting_topology(tmp_path: Path) -> None:
     """One torchrun host with 2 ranks cannot be ``topology=2x1`` (two nodes): every rank refuses
-    before joining; sweeps under torchrun are refused too."""
+    before joining. (Sweeps under torchrun, refused by the command line's first check under the
+    same environment: tests/unit/test_experiments_launch_layout.py.)"""
     bad = subprocess.run(
         [
             sys.executable,
@@ -500,30 +463,18 @@ def test_torchrun_refuses_a_contradicting_topology_and_sweeps(tmp_path: Path) ->
         "topology.ranks_per_node"
     ) in bad.stderr, bad.stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
-    sweep = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "zeropp.experiments.run",
-            "-m",
-            "quant=none,int8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert sweep.returncode != 0 and "multirun/sweeps under torchrun are not supported" in sweep.stderr
 
 
 def test_sweep_trainers_runs_all_five(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Each job on 2 nodes x 1 rank: every trainer's traffic crosses the node link, as on the
+    default 2x2, with half its rank start-ups. The 2x2 layout's two-hop paths are checked by the
+    single-run test above (trainer=zeropp) and tests/distributed/test_comm_plugins.py (the FSDP2
+    and DDP plug-ins on 2 nodes x 2 ranks)."""
     sweep = tmp_path / "sweep"
     p = run_cli_here(
-        ["sweep=trainers", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], capfd, timeout=400
+        ["sweep=trainers", "topology=2x1", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"],
+        capfd,
+        timeout=400,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sums = {s["trainer"]: s for s in (json.loads(f.read_text()) for f in sweep.glob("*/summary.json"))}
@@ -535,83 +486,3 @@ def test_sweep_trainers_runs_all_five(tmp_path: Path, capfd: pytest.CaptureFixtu
     # quantized INT4 gradients move fewer bytes than the same trainer's full-precision twin
     for q, plain in (("fsdp2_zeropp", "fsdp2"), ("ddp_zeropp", "ddp")):
         assert sums[q]["comm_bytes_per_step"]["total"] < 0.6 * sums[plain]["comm_bytes_per_step"]["total"], q
-
-
-def test_tensor_parallel_run_matches_the_data_parallel_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """``topology.tp=2`` from the command line: 2 nodes x 2 ranks as tp=2 x dp=2 trains on the same
-    data as 2 nodes x 1 rank (the tp pair shares its batches), so the losses agree in fp32, and
-    tokens per step count the dp ranks only; a tp run stopped and resumed from its checkpoint
-    reaches the uninterrupted tp run's losses."""
-    common = ["logger=none", *FAST, "stage=3", "quant=none", "train.eval_batches=2"]
-    runs = {}
-    for name, topo in (("tp", ["topology=2x2", "topology.tp=2"]), ("dp", ["topology=2x1"])):
-        p = run_cli_here([*common, *topo, f"hydra.run.dir={tmp_path / name}"], capfd)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
-    tp, dp = _losses(tmp_path / "tp"), _losses(tmp_path / "dp")
-    assert sorted(tp) == sorted(dp) == [1, 2, 3, 4]
-    for k in tp:
-        assert abs(tp[k] - dp[k]) <= 1e-4 * abs(dp[k]), (k, tp[k], dp[k])
-    assert abs(runs["tp"]["loss"]["eval"] - runs["dp"]["loss"]["eval"]) <= 1e-4 * runs["dp"]["loss"]["eval"]
-    assert runs["tp"]["tokens_per_step"] == runs["dp"]["tokens_per_step"] == 2 * 4 * 32
-    assert runs["tp"]["topology"]["tp"] == 2 and runs["dp"]["topology"]["tp"] == 1
-    # every byte counted: the tensor-parallel all-reduces (DTensor's functional collectives) are the
-    # intra-node traffic, 2 blocks x forward + backward of 4 x 32 tokens per rank and step, plus
-    # the few bytes of the engine's scalar all-reduces; the dp run has no intra-node peer
-    block = tp_block_bytes(4, 32, 32, tp=2)
-    want = 2 * (block["forward"] + block["backward"])
-    wire = runs["tp"]["comm_bytes_per_step"]
-    assert want <= wire["by_kind_link"]["all_reduce.intra"] == wire["by_link"]["intra"] < want + 256, wire
-    assert runs["dp"]["comm_bytes_per_step"]["by_link"]["intra"] == 0
-    # each rank's engine partitions its TP-local half of the split weights over the dp pair
-    expected = sum(runs["tp"]["memory_expected"]["device"].values())
-    assert runs["tp"]["memory_max_rank_bytes"] == expected < sum(runs["dp"]["memory_expected"]["device"].values())
-    # stopped after its step-2 checkpoint and resumed: the tp run carries on exactly
-    cut = tmp_path / "cut"
-    tp_args = [*common, "topology=2x2", "topology.tp=2", "train.checkpoint_every=2", f"hydra.run.dir={cut}"]
-    p = run_cli_here(tp_args, capfd, env={"ZEROPP_INJECT_FAULT": "raise@1:3"})
-    assert p.returncode != 0 and "injected fault" in p.stderr and (cut / "checkpoints" / "LATEST").exists()
-    p = run_cli_here([*tp_args, "resume=true"], capfd)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert _losses(cut) == tp  # exact in fp32
-
-
-def test_lora_run_with_quantized_frozen_weights(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """``model.lora_rank`` + ``zero.quantize_frozen=int8`` from the command line: the adapters train,
-    and the summary's ZeRO formula (trained parameters' 16-byte share + the INT8 frozen shards'
-    wire rows) equals the measured model state of every rank."""
-    p = run_cli_here(
-        [
-            "logger=none",
-            *FAST,
-            "train.steps=2",
-            "stage=3",
-            "model.lora_rank=4",
-            "zero.quantize_frozen=int8",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capfd,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads((tmp_path / "summary.json").read_text())
-    expected = s["memory_expected"]["device"]
-    for rank_mem in s["memory_per_rank"]:
-        assert {k: rank_mem[k] for k in ("params", "grads", "optimizer")} == expected, (rank_mem, expected)
-    assert s["engine_comm_bytes_per_step"]["by_kind_link"]["frozen_all_gather.cross"] > 0
-    # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
-    p = run_cli_here(
-        [
-            "logger=none",
-            *FAST,
-            "train.steps=2",
-            "stage=3",
-            "model.lora_rank=4",
-            "zero.quantize_frozen=int8",
-            "zero.hpz=true",
-            f"hydra.run.dir={tmp_path / 'hpz'}",
-        ],
-        capfd,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads((tmp_path / "hpz" / "summary.json").read_text())
-    assert s["memory_max_rank_bytes"] == sum(s["memory_expected"]["device"].values())

@@ -172,3 +172,28 @@ def test_runner_refuses_before_joining(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="topology says 1 node x 4 ranks but torchrun started 2 nodes x 2 local"):
         run_job(["topology.nodes=1", "topology.ranks_per_node=4", "logger=none", "model=tiny"], tmp_path)
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("sweep", [["-m", "quant=none,int8"], ["--multirun", "stage=1,3"], ["sweep=trainers"]])
+def test_a_sweep_under_torchrun_is_refused_before_hydra(
+    sweep: list[str], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The command line's own check, first thing in ``cli()`` under a torchrun rank's environment:
+    a multirun would make every job re-join the same rendezvous, so it exits 2 naming the way out
+    before Hydra composes anything (under a real torchrun: ``test_experiments_e2e.py``'s topology
+    refusal, which shows the runner sees that environment there)."""
+    import sys
+
+    import zeropp.experiments.runner.run as run
+
+    monkeypatch.delenv(LAUNCHED_MARK, raising=False)
+    for k, v in torchrun_env(1, 2, 0, 1).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", *sweep])
+    monkeypatch.setattr(run, "_hydra_main", lambda: pytest.fail("Hydra ran for a sweep under torchrun"))
+    with pytest.raises(SystemExit) as e:
+        run.cli()
+    assert e.value.code == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: multirun/sweeps under torchrun are not supported"), err
+    assert "run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally" in err

@@ -1,7 +1,7 @@
 """train.activation_checkpointing and zero.offload_activations through the runner.
 
-Here: the one-process checks. The topic's full description and its end-to-end checks are in
-``tests/e2e/test_experiments_zero_r.py``.
+Here: the one-process checks. The topic's full description and its gloo-world checks are in
+``tests/distributed/test_experiments_zero_r.py``.
 """
 
 from __future__ import annotations

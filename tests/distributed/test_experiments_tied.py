@@ -2,18 +2,18 @@
 
 FSDP2's ``fully_shard`` on the root covers the tied weight (``tok_emb`` and ``head`` are both
 outside the blocks); ZeroEngine keeps it as one slot of its root unit. Two steps of ``model=mini``
-on 2 ranks each, as the researcher types it; the summary counts the tied weight once, and
-``model.tie_embeddings=false`` gives the head its own weight.
+on 2 ranks each, the job composed from the researcher's overrides and trained by the worker's own
+loop on a gloo world (``tests.experiment_helpers.train_in_world``); the summary counts the tied
+weight once, and ``model.tie_embeddings=false`` gives the head its own weight.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.experiment_helpers import run_cli_here
+from tests.experiment_helpers import train_in_world
 from zeropp.models import GPTConfig
 
 ARGS = [
@@ -30,12 +30,8 @@ ARGS = [
 @pytest.mark.parametrize(
     "trainer,extra", [("zeropp", ["stage=3"]), ("fsdp2", []), ("zeropp", ["stage=1", "model.tie_embeddings=false"])]
 )
-def test_runner_trains_the_tied_gpt(
-    tmp_path: Path, trainer: str, extra: list[str], capfd: pytest.CaptureFixture[str]
-) -> None:
-    p = run_cli_here([*ARGS, f"trainer={trainer}", *extra, f"hydra.run.dir={tmp_path}"], capfd, timeout=240)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    s = json.loads((tmp_path / "summary.json").read_text())
+def test_runner_trains_the_tied_gpt(tmp_path: Path, trainer: str, extra: list[str]) -> None:
+    s = train_in_world([*ARGS, f"trainer={trainer}", *extra], tmp_path)
     tied = GPTConfig.preset("mini", seq_len=32)
     untied = tied.with_(tie_embeddings=False)
     assert tied.tie_embeddings and tied.num_params() == untied.num_params() - 256 * 64  # one [V, D] matrix less
