@@ -70,3 +70,24 @@ def test_nothing_imports_the_engine():
             users = sorted(m for m, deps in graph.items() if "engine" in deps)
             assert users == [], f"modules importing engine.py: {users}"
             assert "checkpoint" in graph["engine"] and "stage3" in graph["engine"]  # the walker sees imports
+
+
+def test_a_rank_that_never_checkpoints_does_not_import_dcp() -> None:
+    """Importing the runtime and the runner's rank worker leaves ``torch.distributed.checkpoint``
+    and DTensor (which pull in sympy: seconds of start-up in every rank) unimported until a
+    checkpoint is saved, loaded or consolidated, or tensor parallelism is used; a fresh interpreter,
+    since this test process may have imported them already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, zeropp.runtime as r, experiments.runner.worker\n"
+        "assert r.CheckpointError.__name__ == 'CheckpointError'\n"
+        "print(sorted(m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor', 'sympy') "
+        "if m in sys.modules))\n"
+        "r.export_consolidated\n"
+        "print('torch.distributed.checkpoint' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout

@@ -36,7 +36,22 @@ from typing import Any, Iterable
 
 import torch
 
-from .checkpoint_safe import METADATA
+METADATA = ".metadata"
+"""The name DCP gives a checkpoint's (global) metadata file."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint save or load failed on at least one rank; raised identically on every rank.
+
+    Defined here, beside the files, rather than with the DCP code that raises it, so that catching
+    it (``zeropp.runtime.CheckpointError``) does not import ``torch.distributed.checkpoint``, which
+    pulls in DTensor and sympy: seconds of start-up in every rank that never saves."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+        """Failing global rank -> its error (``"Type: message"``)."""
+
 
 FORMAT = 3
 """Format written. 3: every file checksummed, ``kind``, ``parent``; torch trainers in this layout too."""

@@ -46,16 +46,8 @@ from zeropp.comm.objects import all_gather_json
 from . import checkpoint_files as cf
 from . import checkpoint_stream as cs
 from .batch import per_rank
+from .checkpoint_files import CheckpointError
 from .checkpoint_safe import METADATA, SafeLoadPlanner, SafeReader, read_metadata
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint save or load failed on at least one rank; raised identically on every rank."""
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
-        """Failing global rank -> its error (``"Type: message"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

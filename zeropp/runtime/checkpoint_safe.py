@@ -32,8 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-METADATA = ".metadata"
-"""The name DCP gives a checkpoint's (global) metadata file."""
+from .checkpoint_files import METADATA
 
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {

@@ -50,7 +50,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,6 @@ from zeropp.comm.kinds import CommKind
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
-from . import checkpoint as ckpt
 from . import frozen as fz
 from . import memory as mem
 from . import tensor_parallel as tpar
@@ -69,7 +68,6 @@ from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
-from .consolidate import consolidated_state_dict
 from .loss_scale import make_loss_scaler
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
@@ -80,6 +78,9 @@ from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .update import ParamUpdate, StepResult
 from .weight_diff import WeightDiff
+
+if TYPE_CHECKING:  # imported where used: DCP pulls in DTensor and sympy (seconds per process)
+    from . import checkpoint as ckpt
 
 
 class ZeroEngine:
@@ -483,6 +484,8 @@ class ZeroEngine:
         optimizer's step count). Keeps this run's ``keep`` newest checkpoints there and never
         touches anything else. Refuses NaN/inf weights. Returns the version directory. Collective."""
         self._check_open()
+        from . import checkpoint as ckpt
+
         self._checkpoint_origin = ckpt.save(
             self._checkpoint_target(), path, extra, keep=keep, origin=self._checkpoint_origin
         )
@@ -495,6 +498,8 @@ class ZeroEngine:
         error-feedback residuals and this engine's stochastic-rounding call counter come back too
         (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
+        from . import checkpoint as ckpt
+
         extra, model_state, origin = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
         named = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
@@ -538,6 +543,8 @@ class ZeroEngine:
             return full
 
         frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
+        from .consolidate import consolidated_state_dict
+
         sd = consolidated_state_dict(
             self.units,
             self.update.master_copy,
@@ -610,6 +617,8 @@ class ZeroEngine:
                 }
             )
         model_state.update(dict(self.model.named_buffers()))
+        from . import checkpoint as ckpt
+
         return ckpt.CheckpointTarget(
             layouts=[u.layout for u in self.units],
             optimizer=self.optim,

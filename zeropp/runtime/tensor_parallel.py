@@ -28,16 +28,18 @@ TP-replicated ones once (:func:`tp_sharded_mask`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.nn.utils import parametrize
 
 from zeropp.comm.topology import Topology
+
+if TYPE_CHECKING:  # DTensor pulls in sympy (seconds per process): imported where used
+    from torch.distributed.tensor import DTensor, Placement
 
 MESH_DIMS = ("dp", "tp")
 """Names of the 2-D mesh's dimensions, outer to inner (tp = consecutive ranks inside a node)."""
@@ -73,6 +75,8 @@ class FromLocal(nn.Module):
         self.shape, self.stride = shape, stride  # of the global (DTensor) weight
 
     def forward(self, local: torch.Tensor) -> DTensor:
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
@@ -139,6 +143,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def _localize(model: nn.Module) -> None:
     """Replace every DTensor parameter by its local shard behind a :class:`FromLocal` parametrization."""
+    from torch.distributed.tensor import DTensor, Shard
+
     for mod in list(model.modules()):
         for name, p in list(mod.named_parameters(recurse=False)):
             if not isinstance(p, DTensor):
@@ -221,6 +227,8 @@ def full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     """``state`` (the model's TP-local weights by parameter name, e.g. from the engine's dp
     consolidation) -> full weights under the unsplit model's names. Collective over every tp
     group (all-gathers), the same calls in the same order on every rank."""
+    from torch.distributed.tensor import DTensor
+
     out = dict(state)
     for key, head, fl, original in _split_params(model):
         local = out.pop(key)
@@ -244,6 +252,8 @@ def split_table(model: nn.Module) -> dict[str, dict]:
     (saved in a checkpoint's ``meta.json``, read by :func:`merge_pieces` without a process group):
     local name (``...parametrizations.<name>.original``) -> ``{"name": unsplit name, "dim": the split
     dimension or None for a weight replicated over tp, "interleave": fused parts}``."""
+    from torch.distributed.tensor import Shard
+
     table: dict[str, dict] = {}
     for local, head, fl, _ in _split_params(model):
         dims = [pl.dim for pl in fl.placements if isinstance(pl, Shard)]
