@@ -111,6 +111,8 @@ class ZeroEngine:
     parameter registered in two units (a tied weight: one shard, one gradient, counted once).
     At stage 3 a partition whose one gathered unit holds every trainable parameter warns on rank
     0 (``BlockChoiceWarning``, naming ``blocks=``): it would gather the whole model at once.
+    ``ZeroConfig.coalesce_numel`` merges consecutive blocks into one unit up to that many elements
+    (fewer, larger collectives; ``partition.coalesce_spans``).
     A micro-batch is passed to the model as ``model(**mb)`` (a dict), ``model(*mb)`` (a tuple,
     e.g. the GPT's ``(idx, targets)``), ``model(<inputs>)`` (a ``WithTargets(inputs, targets)``,
     whose targets only the loss sees) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when

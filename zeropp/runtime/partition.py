@@ -93,7 +93,8 @@ class UnitLayout:
     """
 
     name: str
-    """``block<i>``, ``root`` or ``persistent`` (``block<i>.frozen``, ``root.frozen`` for frozen units)."""
+    """``block<i>`` (``block<i>-<j>``: blocks i..j coalesced), ``root`` or ``persistent``
+    (``block<i>.frozen``, ``root.frozen`` for frozen units)."""
     kind: str
     """``replicated``, ``sharded_opt``, ``sharded`` or ``frozen`` (see above)."""
     slots: tuple[Slot, ...]

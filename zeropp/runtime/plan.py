@@ -68,7 +68,7 @@ class PlanUnit:
     """One communication unit's element counts (per rank: TP-local under tensor parallelism)."""
 
     name: str
-    """``root`` or ``block<i>``."""
+    """``root``, ``block<i>``, or ``block<i>-<j>`` (blocks i..j coalesced, :func:`coalesce_units`)."""
     numel: int
     """Trainable elements (0: the unit has no trainable parameters)."""
     frozen: int = 0
