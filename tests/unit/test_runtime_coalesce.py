@@ -146,3 +146,36 @@ def test_one_unit_warning_names_the_threshold_that_merged_every_block() -> None:
             ZeroEngine(seq, config=ZeroConfig(stage=3), topology=Topology.single_node(2)).close()  # 3 units
         with pytest.warns(BlockChoiceWarning, match=r"coalesce_numel=1,000 merged every block .*'block0-2'"):
             ZeroEngine(seq, config=ZeroConfig(stage=3, coalesce_numel=1000), topology=Topology.single_node(2)).close()
+
+
+def test_a_block_without_parameters_inside_a_span_gets_no_hooks_and_no_extra_gather() -> None:
+    """A policy that picks a parameter-free module (a ReLU) between two linears: coalesced, the unit
+    is ``block0-2`` hooked on the two linears only, and a step's gathers and reduce-scatters are the
+    plan's, call for call per kind (an inner hook would gather the unit again in backward)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    policy = lambda name, m: name in {"0", "1", "2"}  # noqa: E731
+    kw = dict(stage=3, coalesce_numel=10**6)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    units = plan_units(seq, policy)  # before the engine empties the parameters
+    with fake_world(0, 2), pytest.warns(BlockChoiceWarning, match="merged every block"):
+        eng = ZeroEngine(
+            seq,
+            config=ZeroConfig(**kw),
+            topology=Topology.single_node(2),
+            blocks=policy,
+            loss_fn=lambda out, mb: nn.functional.mse_loss(out, y),
+        )
+        try:
+            assert [u.name for u in eng.units] == ["block0-2"]
+            assert [blk for blk, _ in eng.blocks] == [seq[0], seq[2]]
+            calls = []
+            for _ in range(2):
+                eng.train_step([x])
+                calls.append(eng.comm_stats.calls())
+        finally:
+            eng.close()
+    step = {k: calls[1][k] - calls[0].get(k, 0) for k in calls[1]}
+    plan = build_plan(units, ZeroConfig(**kw), Topology.single_node(2))
+    planned = collections.Counter(str(c.kind) for c in plan.collectives if c.counted)
+    assert {k: v for k, v in step.items() if v} == dict(planned)

@@ -122,7 +122,7 @@ def build_frozen_units(
         ps = [p for p in homes.order if homes.home[id(p)] in span and frozen(p)]
         if ps:
             u = unit(f"{span_name(first, last)}.frozen", ps)
-            out.blocks.extend((homes.blocks[i], u) for i in span)
+            out.blocks.extend((homes.blocks[i], u) for i in homes.holders(first, last))
     root_ps = [p for p in homes.order if homes.home[id(p)] == Homes.ROOT and frozen(p)]
     out.root = unit("root.frozen", root_ps) if root_ps else None
     return out

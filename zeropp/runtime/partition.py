@@ -515,7 +515,7 @@ def build_units(
         ps = [p for p in order if home[id(p)] in span and keep(p)]
         if ps:
             u = unit(span_name(first, last), ps, kind, shards, srank)
-            blocks.extend((block_list[i], u) for i in span)  # every block of the span: its hooks find u
+            blocks.extend((block_list[i], u) for i in homes.holders(first, last))  # their hooks find u
     root_ps = [p for p in order if home[id(p)] == ROOT and keep(p)]
     root = unit("root", root_ps, kind, shards, srank) if root_ps else None
     pers = unit("persistent", [p for _, p in persistent], "replicated", 1, 0) if persistent else None
@@ -550,6 +550,12 @@ class Homes:
             if i != self.ROOT and p.is_floating_point():
                 sizes[i] += p.numel()
         return coalesce_spans(sizes, coalesce_numel)
+
+    def holders(self, first: int, last: int) -> list[int]:
+        """The blocks ``first..last`` that hold a parameter (of any kind): the ones a coalesced unit's
+        stage-3 hooks go on (trainable and frozen units alike; a block without parameters needs none)."""
+        held = {self.home[id(p)] for p in self.order}
+        return [i for i in range(first, last + 1) if i in held]
 
     def unit(
         self, name: str, ps: list[nn.Parameter], *, kind: str, num_shards: int, shard_rank: int, dtype: torch.dtype

@@ -376,8 +376,6 @@ class Stage3Hooks:
     def pre_backward(self, i: int) -> None:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
         if i != ROOT:
-            if self.units[i].reduced:  # an inner block of a coalesced unit whose gradient was already sent
-                return
             self.on_block_backward(self.units[i])  # blocks after i are done: send what waits
             for g in self.groups[i + 1 :]:  # their frozen units have no gradient to wait for: free them
                 for u in g:
