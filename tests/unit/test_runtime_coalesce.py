@@ -76,8 +76,15 @@ def test_coalesce_spans(sizes: list[int], threshold: int, spans: list[tuple[int,
 
 
 def test_a_negative_threshold_is_refused_with_its_name() -> None:
+    from zeropp.experiments.projection.spec import Workload
+
     with pytest.raises(ValueError, match="coalesce_numel must be >= 0"):
         ZeroConfig(stage=3, coalesce_numel=-1)
+    with pytest.raises(ValueError, match=r"Workload.coalesce=-1; use >= 0"):
+        Workload(units=(10, 10), compute_s=0.0, tokens_per_rank=1, coalesce=-1)
+    assert (
+        Workload.from_zero(ZeroConfig(coalesce_numel=7), units=(10, 10), compute_s=0.0, tokens_per_rank=1).coalesce == 7
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -114,7 +121,7 @@ def test_coalesced_plan_is_the_engines_call_for_call(case: tuple, tmp_path: Path
     _, kw, model = case
     trace = tmp_path / "trace.json"
     units = profiled_step_ranges(kw, rank=1, world=4, nodes=2, trace=trace, model=model, cfg=THREE)
-    from experiments.runner.profiling import read_step
+    from zeropp.experiments.runner.profiling import read_step
 
     _, _, spans = read_step(trace)
     plan = build_plan(units, ZeroConfig(**kw), Topology(nodes=2, ranks_per_node=2))
