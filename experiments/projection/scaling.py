@@ -101,6 +101,7 @@ def plan_for(w: Workload, c: Cluster) -> CommPlan:
         grad_accum_steps=w.grad_accum,
         allgather_bucket_size=w.allgather_bucket,
         reduce_bucket_size=w.reduce_bucket,
+        coalesce_numel=w.coalesce,
     )
     return build_plan(w.units, zero, Topology(nodes=c.nodes, ranks_per_node=c.ranks_per_node))
 

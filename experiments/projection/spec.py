@@ -119,6 +119,9 @@ class Workload:
     into column chunks of at most this many elements, each quantized with its own scales."""
     reduce_bucket: int = BIG_BUCKET
     """Elements per reduce-scatter call (``ZeroConfig.reduce_bucket_size``), likewise."""
+    coalesce: int = 0
+    """Elements up to which consecutive blocks share one unit, so one gather and one reduce-scatter
+    (``ZeroConfig.coalesce_numel``; ``units`` stay one per block, the plan merges them); 0: one unit per block."""
     overlap: float = 0.0
     """Fraction of min(compute, comm) hidden by overlap (0: fully serialized)."""
     flops_per_token: float = 0.0
@@ -149,6 +152,7 @@ class Workload:
             ("grad_accum", self.grad_accum >= 1, "use >= 1"),
             ("allgather_bucket", self.allgather_bucket >= 1, "use >= 1 element"),
             ("reduce_bucket", self.reduce_bucket >= 1, "use >= 1 element"),
+            ("coalesce", self.coalesce >= 0, "use >= 0 elements (0: one unit per block)"),
             ("overlap", 0.0 <= self.overlap <= 1.0, "use a fraction in [0, 1]"),
             ("compute_s", self.compute_s >= 0, "use >= 0"),
             ("quant_gbs", self.quant_gbs > 0, "use a positive rate"),
@@ -163,8 +167,8 @@ class Workload:
     ) -> Workload:
         """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
         wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
-        ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes too when it
-        has them); ``kw`` sets the rest. A ``persistence_threshold`` is refused: the model has no
+        ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes and
+        ``coalesce_numel`` too when it has them); ``kw`` sets the rest. A ``persistence_threshold`` is refused: the model has no
         replicated stage-3 unit, so its bytes would be silently wrong."""
         if getattr(zero, "persistence_threshold", 0):
             raise ValueError(
@@ -176,6 +180,8 @@ class Workload:
             for k in ("allgather_bucket", "reduce_bucket")
             if getattr(zero, f"{k}_size", None) is not None
         }
+        if getattr(zero, "coalesce_numel", None) is not None:
+            buckets["coalesce"] = zero.coalesce_numel
         return cls(
             units=tuple(units),
             compute_s=compute_s,

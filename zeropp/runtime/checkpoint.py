@@ -39,8 +39,8 @@ size; :func:`zeropp.runtime.consolidate.export_consolidated` merges the tp piece
 
 Resharding: DCP reads, for every piece a loading rank needs, whatever saved pieces overlap it. So a
 checkpoint loads at any world size and any stage, as long as the parameters are grouped into the
-same units (same model, same ``persistence_threshold`` at stage 3); otherwise the load is refused
-with the differing unit named.
+same units (same model, same ``persistence_threshold`` at stage 3, same ``coalesce_numel``);
+otherwise the load is refused with the differing units named.
 
 Exact resume of quantized runs: each rank's qgZ error-feedback residuals (``CheckpointTarget.feedback``,
 a ``zeropp.comm.ErrorFeedback``, stored as they are kept: INT8 codes + scales, or fp32) are saved
@@ -283,8 +283,10 @@ def _check(t: CheckpointTarget, path: str | os.PathLike) -> tuple[Path, dict]:
     if set(saved) != set(mine):
         raise ValueError(
             f"{d} has units {sorted(saved)} but this engine has {sorted(mine)}: parameter partitioning differs "
-            f"(different model, or stage 3's persistence_threshold moved parameters into or out of the "
-            f"'persistent' unit). Use the same model and persistence_threshold, or export_consolidated()"
+            f"(different model; stage 3's persistence_threshold moved parameters into or out of the "
+            f"'persistent' unit; or ZeroConfig.coalesce_numel (the runner's zero.coalesce_numel) groups the "
+            f"blocks differently: 'block<i>-<j>' units are blocks i..j coalesced). Use the same model, "
+            f"persistence_threshold and coalesce_numel as the saving run, or export_consolidated()"
         )
     for name, lay in mine.items():
         if saved[name].params() != lay.params():

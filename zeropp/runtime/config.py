@@ -101,6 +101,15 @@ class ZeroConfig:
     """Stage 3: parameters with fewer elements stay replicated (never gathered) and their
     gradients are all-reduced. 0 = shard everything."""
 
+    coalesce_numel: int = 0
+    """Consecutive blocks whose parameters add up to at most this many elements share one unit
+    (``block<i>-<j>``): one all-gather (forward and backward, stage 3) and one gradient
+    reduce-scatter (stages 1-3; all-reduce at stage 0) instead of one per block, as DeepSpeed's
+    ``stage3_prefetch_bucket_size`` / ``reduce_bucket_size`` bucket them. Fewer, larger collectives
+    cost less per-collective overhead; the gathered buffer grows to at most this many elements
+    (or one block when a block alone is larger). 0 = one unit per block. Checkpoints hold one
+    layout per unit: they load with the same value (``partition.coalesce_spans``)."""
+
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``train_step`` must receive exactly this many."""
 
@@ -202,7 +211,7 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "allgather_bucket_size", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ZeroConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefetch_depth", "persistence_threshold"):
+        for name in ("prefetch_depth", "persistence_threshold", "coalesce_numel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ZeroConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.persistence_threshold and self.stage != 3:

@@ -72,7 +72,15 @@ from .loss_scale import make_loss_scaler
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
-from .partition import BlockChoiceWarning, BlockPolicy, FlatUnit, build_units, find_blocks, one_unit_warning
+from .partition import (
+    BlockChoiceWarning,
+    BlockPolicy,
+    FlatUnit,
+    assign_homes,
+    build_units,
+    find_blocks,
+    one_unit_warning,
+)
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
@@ -104,6 +112,8 @@ class ZeroEngine:
     parameter registered in two units (a tied weight: one shard, one gradient, counted once).
     At stage 3 a partition whose one gathered unit holds every trainable parameter warns on rank
     0 (``BlockChoiceWarning``, naming ``blocks=``): it would gather the whole model at once.
+    ``ZeroConfig.coalesce_numel`` merges consecutive blocks into one unit up to that many elements
+    (fewer, larger collectives; ``partition.coalesce_spans``).
     A micro-batch is passed to the model as ``model(**mb)`` (a dict), ``model(*mb)`` (a tuple,
     e.g. the GPT's ``(idx, targets)``), ``model(<inputs>)`` (a ``WithTargets(inputs, targets)``,
     whose targets only the loss sees) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when
@@ -180,6 +190,9 @@ class ZeroEngine:
         """Parameter name (every name of a tied one) -> dtype in the unwrapped model (what
         ``consolidated_state_dict`` returns)."""
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # the blocks coalesced into one unit each (ZeroConfig.coalesce_numel), trainable and frozen units
+        # alike; sized now, before any parameter is sharded
+        spans = assign_homes(model, block_modules).spans(cfg.coalesce_numel)
 
         # Frozen parameters (requires_grad=False) are not trained: rank 0's values are broadcast (ranks
         # start identical, as for the trained ones). Stage 3 shards the floating-point ones in per-block
@@ -196,6 +209,7 @@ class ZeroEngine:
                 dtype=self.dtype,
                 persistence_threshold=cfg.persistence_threshold,
                 spec=fz.frozen_spec(cfg.quantize_frozen, cfg.weights.group_size if cfg.weights else None),
+                spans=spans,
             )
             if cfg.stage == 3
             else fz.FrozenUnits()
@@ -224,8 +238,13 @@ class ZeroEngine:
             dtype=self.dtype,
             persistence_threshold=cfg.persistence_threshold,
             block_modules=block_modules,
+            spans=spans,
         )
-        if cfg.stage == 3 and rank == 0 and (msg := one_unit_warning(model, blocks, self.units)):
+        if (
+            cfg.stage == 3
+            and rank == 0
+            and (msg := one_unit_warning(model, blocks, self.units, coalesce_numel=cfg.coalesce_numel))
+        ):
             warnings.warn(msg, BlockChoiceWarning, stacklevel=2)  # once, on rank 0: the ranks partition alike
         self._tp_masks = (
             None

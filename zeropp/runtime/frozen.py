@@ -53,7 +53,7 @@ from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_WEIGHT_GROUP_SIZE
 
 from .collectives import EngineComm, Pending
-from .partition import FlatUnit, Homes, assign_homes
+from .partition import FlatUnit, Homes, assign_homes, span_name
 
 KIND = CommKind.FROZEN_ALL_GATHER
 """``CommStats`` kind of every gather of a frozen unit (forward, backward)."""
@@ -66,7 +66,8 @@ class FrozenUnits:
     """The frozen units of one engine (stage 3; empty otherwise)."""
 
     blocks: list[tuple[nn.Module, FlatUnit]] = field(default_factory=list)
-    """Block module -> its frozen unit, for the blocks that have frozen parameters, in block order."""
+    """Block module -> its frozen unit, for the blocks that have frozen parameters, in block order
+    (blocks coalesced into one unit each appear, with the same unit)."""
     root: FlatUnit | None = None
     """Frozen parameters outside the blocks (embeddings, final norm, head), or None."""
     order: list[nn.Module] = field(default_factory=list)
@@ -76,7 +77,7 @@ class FrozenUnits:
 
     @property
     def units(self) -> list[FlatUnit]:
-        return ([self.root] if self.root is not None else []) + [u for _, u in self.blocks]
+        return ([self.root] if self.root is not None else []) + list(dict.fromkeys(u for _, u in self.blocks))
 
     def param_ids(self) -> set[int]:
         return {id(p) for u in self.units for p in u.params}
@@ -99,11 +100,14 @@ def build_frozen_units(
     dtype: torch.dtype,
     persistence_threshold: int = 0,
     spec: QuantSpec | None = None,
+    spans: Sequence[tuple[int, int]] | None = None,
 ) -> FrozenUnits:
-    """One ``frozen`` unit per block (``block<i>.frozen``) and for the root (``root.frozen``) holding
-    the frozen floating-point parameters with at least ``persistence_threshold`` elements (smaller
-    ones stay replicated, as trainable ones under the threshold do). Placement (block, root, tied
-    names) is :func:`partition.assign_homes`'s, the same as for the trainable units."""
+    """One ``frozen`` unit per block (``block<i>.frozen``; ``block<i>-<j>.frozen`` per coalesced
+    span of ``spans``, the trainable units' :meth:`partition.Homes.spans`; None: one per block) and for the root
+    (``root.frozen``) holding the frozen floating-point parameters with at least
+    ``persistence_threshold`` elements (smaller ones stay replicated, as trainable ones under the
+    threshold do). Placement (block, root, tied names) is :func:`partition.assign_homes`'s, the
+    same as for the trainable units."""
     homes: Homes = assign_homes(model, block_modules)
 
     def frozen(p: nn.Parameter) -> bool:
@@ -113,10 +117,12 @@ def build_frozen_units(
         return homes.unit(name, ps, kind="frozen", num_shards=world_size, shard_rank=rank, dtype=dtype)
 
     out = FrozenUnits(order=list(homes.blocks), spec=spec)
-    for i, blk in enumerate(homes.blocks):
-        ps = [p for p in homes.order if homes.home[id(p)] == i and frozen(p)]
+    for first, last in spans if spans is not None else homes.spans(0):
+        span = range(first, last + 1)
+        ps = [p for p in homes.order if homes.home[id(p)] in span and frozen(p)]
         if ps:
-            out.blocks.append((blk, unit(f"block{i}.frozen", ps)))
+            u = unit(f"{span_name(first, last)}.frozen", ps)
+            out.blocks.extend((homes.blocks[i], u) for i in homes.holders(first, last))
     root_ps = [p for p in homes.order if homes.home[id(p)] == Homes.ROOT and frozen(p)]
     out.root = unit("root.frozen", root_ps) if root_ps else None
     return out

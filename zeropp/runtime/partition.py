@@ -14,6 +14,14 @@ re-populated before backward by re-binding).
 Blocks are chosen by a *policy* (:func:`find_blocks`), like FSDP's auto-wrap policy: module classes
 or a ``callable(name, module) -> bool``; the outermost matching modules become the blocks.
 
+Coalescing (``ZeroConfig.coalesce_numel``, :func:`coalesce_spans`): consecutive blocks whose
+parameters add up to at most that many elements share one unit (``block<i>-<j>``), so they are
+gathered by one all-gather and reduced by one reduce-scatter, as DeepSpeed's stage 3 buckets
+parameter fetches and gradient reductions. With 4 ranks on 2 CPU cores each collective is a
+scheduling rendezvous of every rank, so fewer, larger collectives are faster there; the price is
+a larger gathered buffer (at most ``coalesce_numel`` elements, or one block when a block alone is
+larger).
+
 Shared (tied) parameters: one ``Parameter`` registered under several names (GPT-2's token embedding
 and output head) gets one slot, under its first name in ``named_parameters()`` with the other
 names as :attr:`Slot.aliases`, so it has one shard, one gradient (autograd sums every use into
@@ -85,7 +93,8 @@ class UnitLayout:
     """
 
     name: str
-    """``block<i>``, ``root`` or ``persistent`` (``block<i>.frozen``, ``root.frozen`` for frozen units)."""
+    """``block<i>`` (``block<i>-<j>``: blocks i..j coalesced), ``root`` or ``persistent``
+    (``block<i>.frozen``, ``root.frozen`` for frozen units)."""
     kind: str
     """``replicated``, ``sharded_opt``, ``sharded`` or ``frozen`` (see above)."""
     slots: tuple[Slot, ...]
@@ -390,19 +399,56 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]
     return [m for _, m in found]
 
 
-def one_unit_warning(model: nn.Module, policy: BlockPolicy, units: Sequence[FlatUnit]) -> str | None:
+def coalesce_spans(sizes: Sequence[int], coalesce_numel: int) -> list[tuple[int, int]]:
+    """Group consecutive blocks: ``sizes[i]`` is block ``i``'s element count; returns inclusive
+    ``(first, last)`` block index ranges, in order, covering every block. Greedy from the first
+    block: a block joins the running group while the group's total stays ``<= coalesce_numel``;
+    a block larger than the threshold is a group of its own. ``coalesce_numel=0``: one group per
+    block. Pure, so the engine's units, the frozen units and the communication plan
+    (``plan.build_plan``) group alike."""
+    if coalesce_numel < 0:
+        raise ValueError(f"coalesce_numel must be >= 0, got {coalesce_numel}")
+    spans: list[tuple[int, int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if spans and coalesce_numel and total + n <= coalesce_numel:
+            spans[-1] = (spans[-1][0], i)
+            total += n
+        else:
+            spans.append((i, i))
+            total = n
+    return spans
+
+
+def span_name(first: int, last: int) -> str:
+    """The unit name of blocks ``first..last``: ``block<i>`` for one block, ``block<i>-<j>`` for several."""
+    return f"block{first}" if first == last else f"block{first}-{last}"
+
+
+def one_unit_warning(
+    model: nn.Module, policy: BlockPolicy, units: Sequence[FlatUnit], *, coalesce_numel: int = 0
+) -> str | None:
     """The warning for a stage-3 partition whose one gathered unit holds every trainable parameter
     (``units``: what :func:`build_units` returned), else None.
 
     Stage 3 saves parameter memory only between gathers: with one unit the whole model is gathered
     for the forward and again for the backward, so the peak holds every parameter, as at stages 0-2.
     It happens silently with the default rule on a model without ``ModuleList`` or ``Sequential``
-    structure, or with a policy that matches one module; the text names ``blocks=`` to fix it."""
+    structure, or with a policy that matches one module; the text names ``blocks=`` to fix it. When
+    the one unit is several blocks merged by ``coalesce_numel`` (a ``block<i>-<j>`` unit), the text
+    names that threshold instead."""
     gathered = [u for u in units if u.kind == "sharded"]
     if len(gathered) != 1:
         return None
     u = gathered[0]
     numel = sum(s.numel for s in u.slots)
+    if "-" in u.name:  # several blocks, merged by the coalescing threshold
+        return (
+            f"ZeRO stage 3: coalesce_numel={coalesce_numel:,} merged every block of {type(model).__name__} into one "
+            f"unit ({u.name!r}) holding all {numel:,} trainable parameters, gathered whole for the forward and for "
+            f"the backward: the peak then holds every parameter, as at stages 0-2. Lower ZeroConfig.coalesce_numel "
+            f"(the runner's zero.coalesce_numel) below the model's size, or set it to 0 for one unit per block"
+        )
     if policy is None:
         how = (
             f"the default block rule (blocks=None: model.blocks or the longest nn.ModuleList, or the children of "
@@ -430,11 +476,14 @@ def build_units(
     persistence_threshold: int = 0,
     policy: BlockPolicy = None,
     block_modules: Sequence[nn.Module] | None = None,
+    spans: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[list[FlatUnit], list[tuple[nn.Module, FlatUnit]], FlatUnit | None, FlatUnit | None]:
     """Partition ``model``'s parameters into units.
 
     Returns ``(all_units, blocks, root_unit, persistent_unit)``; ``blocks`` pairs each block
-    module (that has parameters to shard) with its unit, in forward order. The blocks are
+    module (that has parameters to shard) with its unit, in forward order; ``spans`` (inclusive
+    block index ranges, :meth:`Homes.spans`; None: one per block) are coalesced into one unit each,
+    whose blocks each appear, with that same unit. The blocks are
     ``block_modules`` when given, else ``find_blocks(model, policy)``. A parameter registered under
     several names gets one slot (the other names are its aliases); one registered in two units
     (two blocks, or a block and a module outside the blocks) goes to the root unit. Frozen
@@ -461,14 +510,16 @@ def build_units(
         return homes.unit(name, ps, kind=k, num_shards=n, shard_rank=r, dtype=dtype)
 
     blocks: list[tuple[nn.Module, FlatUnit]] = []
-    for i, blk in enumerate(block_list):
-        ps = [p for p in order if home[id(p)] == i and keep(p)]
+    for first, last in spans if spans is not None else homes.spans(0):
+        span = range(first, last + 1)
+        ps = [p for p in order if home[id(p)] in span and keep(p)]
         if ps:
-            blocks.append((blk, unit(f"block{i}", ps, kind, shards, srank)))
+            u = unit(span_name(first, last), ps, kind, shards, srank)
+            blocks.extend((block_list[i], u) for i in homes.holders(first, last))  # their hooks find u
     root_ps = [p for p in order if home[id(p)] == ROOT and keep(p)]
     root = unit("root", root_ps, kind, shards, srank) if root_ps else None
     pers = unit("persistent", [p for _, p in persistent], "replicated", 1, 0) if persistent else None
-    units = ([root] if root else []) + [u for _, u in blocks] + ([pers] if pers else [])
+    units = ([root] if root else []) + list(dict.fromkeys(u for _, u in blocks)) + ([pers] if pers else [])
     return units, blocks, root, pers
 
 
@@ -487,6 +538,24 @@ class Homes:
     """Canonical name -> the parameter's other names."""
     home: dict[int, int]
     """``id(p)`` -> its block index, or ``ROOT`` (outside every block, or registered in two units)."""
+
+    def spans(self, coalesce_numel: int) -> list[tuple[int, int]]:
+        """The block groups of :func:`coalesce_spans`, sized by each block's floating-point
+        parameters (trainable and frozen: at stage 3 both are gathered), counted as
+        ``plan.plan_units`` counts them. Read before any parameter is sharded (a sharded
+        parameter's ``data`` is empty): the engine takes them once, for its trainable and frozen units."""
+        sizes = [0] * len(self.blocks)
+        for p in self.order:
+            i = self.home[id(p)]
+            if i != self.ROOT and p.is_floating_point():
+                sizes[i] += p.numel()
+        return coalesce_spans(sizes, coalesce_numel)
+
+    def holders(self, first: int, last: int) -> list[int]:
+        """The blocks ``first..last`` that hold a parameter (of any kind): the ones a coalesced unit's
+        stage-3 hooks go on (trainable and frozen units alike; a block without parameters needs none)."""
+        held = {self.home[id(p)] for p in self.order}
+        return [i for i in range(first, last + 1) if i in held]
 
     def unit(
         self, name: str, ps: list[nn.Parameter], *, kind: str, num_shards: int, shard_rank: int, dtype: torch.dtype

@@ -68,7 +68,7 @@ class PlanUnit:
     """One communication unit's element counts (per rank: TP-local under tensor parallelism)."""
 
     name: str
-    """``root`` or ``block<i>``."""
+    """``root``, ``block<i>``, or ``block<i>-<j>`` (blocks i..j coalesced, :func:`coalesce_units`)."""
     numel: int
     """Trainable elements (0: the unit has no trainable parameters)."""
     frozen: int = 0
@@ -531,13 +531,15 @@ class _Builder:
 def build_plan(units: Iterable[PlanUnit | int], zero: ZeroConfig, topology: Topology) -> CommPlan:
     """The plan of one steady-state training step of ``units`` (root first, then the blocks in forward
     order; bare element counts mean trainable units without frozen parts) under ``zero`` on
-    ``topology``. Pure: no process group, no tensors."""
+    ``topology``; blocks are coalesced by ``zero.coalesce_numel`` as the engine coalesces them
+    (:func:`coalesce_units`). Pure: no process group, no tensors."""
     us = tuple(
         u if isinstance(u, PlanUnit) else PlanUnit(name="root" if i == 0 else f"block{i - 1}", numel=int(u))
         for i, u in enumerate(units)
     )
     if not us:
         raise ValueError("build_plan: no units; give the root's and each block's element counts")
+    us = coalesce_units(us, zero.coalesce_numel)
     if any(u.frozen for u in us) and zero.stage != 3:
         us = tuple(dataclasses.replace(u, frozen=0) for u in us)  # stages 0-2 keep frozen parameters replicated
     b = _Builder(us, zero, topology)
@@ -555,6 +557,23 @@ def build_plan(units: Iterable[PlanUnit | int], zero: ZeroConfig, topology: Topo
         hpz_size=b.h,
         dtype_bytes=b.db,
     )
+
+
+def coalesce_units(units: Sequence[PlanUnit], coalesce_numel: int) -> tuple[PlanUnit, ...]:
+    """``units`` (root first, then one per block) with consecutive blocks merged as the engine
+    merges them under ``ZeroConfig.coalesce_numel`` (``partition.coalesce_spans``, sized by
+    trainable plus frozen elements): one unit ``block<i>-<j>`` per group of several blocks."""
+    from .partition import coalesce_spans, span_name
+
+    root, blocks = units[0], units[1:]
+    if not coalesce_numel or len(blocks) < 2:
+        return tuple(units)
+    merged = [root]
+    for first, last in coalesce_spans([u.numel + u.frozen for u in blocks], coalesce_numel):
+        span = blocks[first : last + 1]
+        name = span[0].name if first == last else span_name(first, last)
+        merged.append(PlanUnit(name=name, numel=sum(u.numel for u in span), frozen=sum(u.frozen for u in span)))
+    return tuple(merged)
 
 
 def plan_units(model: nn.Module, blocks: BlockPolicy = None) -> tuple[PlanUnit, ...]:

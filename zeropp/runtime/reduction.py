@@ -112,7 +112,8 @@ class GradReducer:
         ]
         self._pending: list[tuple[object, FlatUnit, torch.Tensor]] = []  # reduce-scatters in flight: work, unit, out
         # the one order in which every rank issues the gradient reduce-scatters (backward order)
-        order = [u for _, u in reversed(blocks)] + ([root] if root is not None else [])
+        order = list(dict.fromkeys(u for _, u in reversed(blocks)))  # (coalesced blocks share a unit)
+        order += [root] if root is not None else []
         order += [u for u in self.units if u not in order]
         self.reduce_order: list[FlatUnit] = [u for u in order if self.reduces_when_ready(u)]
         """The units reduced during backward, in the order every rank sends them."""

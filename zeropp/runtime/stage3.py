@@ -1,5 +1,10 @@
 """Stage 3: gather each block's parameters just before it runs, free them right after.
 
+Consecutive blocks coalesced into one unit (``ZeroConfig.coalesce_numel``) share one hook index:
+their unit is gathered at the first block's pre-hook and freed after the last block's forward; in
+backward it is gathered when the gradient reaches the first of their outputs (the last block's)
+and reduce-scattered once the whole unit has its gradient.
+
 Forward: a pre-hook on the block makes sure its gather is done (waiting on a prefetch, or
 gathering now) and issues the gathers of the next ``prefetch_depth`` blocks; a post-hook frees
 the block (keeping the hpZ secondary slice first) and wraps the block's output in
@@ -123,10 +128,17 @@ class Stage3Hooks:
         trained = {id(blk): u for blk, u in blocks}
         frozen_of = {id(blk): u for blk, u in self.frozen.blocks}
         order = [blk for blk in self.frozen.order if id(blk) in trained or id(blk) in frozen_of]
-        self.groups: list[list[FlatUnit]] = [
-            [u for u in (trained.get(id(blk)), frozen_of.get(id(blk))) if u is not None] for blk in order
-        ]
-        """Per hook index (block): the units gathered together, trainable first, then frozen."""
+        self.groups: list[list[FlatUnit]] = []
+        """Per hook index (a block, or consecutive blocks coalesced into one unit): the units gathered
+        together, trainable first, then frozen."""
+        members: list[list[nn.Module]] = []  # per hook index: its block modules, in forward order
+        for blk in order:
+            g = [u for u in (trained.get(id(blk)), frozen_of.get(id(blk))) if u is not None]
+            if self.groups and len(g) == len(self.groups[-1]) and all(a is b for a, b in zip(g, self.groups[-1])):
+                members[-1].append(blk)  # coalesced with the block before (ZeroConfig.coalesce_numel)
+            else:
+                self.groups.append(g)
+                members.append([blk])
         self.root_group = [u for u in (root, self.frozen.root) if u is not None]
         """The root's units (trainable, frozen)."""
         self.units: list[FlatUnit] = [g[0] for g in self.groups]  # per block: its first unit (names, flushes)
@@ -156,9 +168,10 @@ class Stage3Hooks:
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
         m = model
         self.handles = [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
-        for i, blk in enumerate(order):
-            self.handles.append(blk.register_forward_pre_hook(partial(self._pre, i)))
-            self.handles.append(blk.register_forward_hook(partial(self._post, i)))
+        for i, ms in enumerate(members):  # a coalesced unit is freed after its last block's forward
+            for k, blk in enumerate(ms):
+                self.handles.append(blk.register_forward_pre_hook(partial(self._pre, i)))
+                self.handles.append(blk.register_forward_hook(partial(self._post, i, last=k == len(ms) - 1)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -321,12 +334,16 @@ class Stage3Hooks:
         self._next_fwd = max(self._next_fwd, i + 1)
         self._ready_after_prefetch(self.groups[i], range(i + 1, i + 1 + self.depth), backward=False)
 
-    def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+    def _post(self, i: int, module: torch.nn.Module, args: Any, output: Any, *, last: bool = True) -> Any:
+        """After a block's (the root's) forward: free its units when it is the last block of its unit
+        (``last``), then wrap its output so that its backward re-gathers them (every block of a
+        coalesced unit wraps its own output: a gradient that reaches an inner block first, through a
+        skip connection, still finds the unit gathered)."""
         if i != ROOT:
             self.current = None
         u = self._unit(i)
         grad = torch.is_grad_enabled()
-        for v in self._group(i)[1:] + [u]:  # the block's frozen unit (if any), then its first unit
+        for v in (self._group(i)[1:] + [u]) if last else []:  # the block's frozen unit (if any), then its first unit
             if grad:
                 self.gathers.keep_secondary(v)
             self.release(v)
