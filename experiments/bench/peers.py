@@ -79,6 +79,11 @@ ROWS: dict[str, Row] = {
         f"stage{s}": Row(label=f"zeropp stage {s}", overrides=("trainer=zeropp", f"stage={s}"), zeropp=True)
         for s in range(4)
     },
+    "stage3c": Row(
+        label="zeropp stage 3, coalesce_numel=4M",
+        overrides=("trainer=zeropp", "stage=3", "zero.coalesce_numel=4000000"),
+        zeropp=True,
+    ),
     "zeropp": Row(label="zeropp ZeRO++", overrides=("trainer=zeropp", "stage=3"), zeropp=True),
 }
 """Row key -> row, in table order."""
