@@ -83,7 +83,7 @@ def philox_uniform(seed: int | torch.Tensor, offsets: torch.Tensor) -> torch.Ten
     of elements needs one evaluation per four of them (the native CPU kernels, ``cpu_common.h``);
     the Triton tiles (``_triton.stochastic_uniform``) select each element's word.
     """
-    offsets = offsets.to(torch.int64)  # read as uint64: a negative one is 2**64 past it
+    offsets = offsets.to(torch.int64)  # as uint64 (the native kernels'): a negative o means o + 2**64
     c0, c1, c2, c3 = philox4x32_10(seed, (offsets >> 2) & (2**62 - 1))
     lane = offsets & 3
     w = torch.where(lane == 0, c0, torch.where(lane == 1, c1, torch.where(lane == 2, c2, c3)))
