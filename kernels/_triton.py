@@ -5,7 +5,8 @@ row, each block padded to ``BLOCK_GS = next_power_of_2(group_size)`` lanes (``tl
 power of two; lanes at or past ``group_size`` are masked, so any group size works). The helpers
 below reproduce ``reference.py`` operation for operation so that results are bit-identical:
 IEEE divisions (``tl.math.div_rn``; plain ``/`` is approximate on GPU), ``floor(v + 0.5)``
-rounding, Philox uniforms indexed by the padded ``[rows, groups * group_size]`` position, and
+rounding, Philox uniforms indexed by the padded ``[rows, groups * group_size]`` position
+(:func:`stochastic_uniform`, the stream ``reference.philox_uniform`` defines), and
 fp-fusion disabled at launch so that ``acc + code * scale`` is never contracted into an FMA.
 
 Triton is optional at import time (it is Linux-only): without it the module still imports, the
@@ -85,6 +86,19 @@ def tile_coords(tiles_per_row, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, 
 
 
 @jit
+def stochastic_uniform(seed, offs):
+    """The stochastic-rounding uniforms at int64 padded-layout offsets ``offs`` (any shape), by
+    the rule of ``reference.philox_uniform``: word ``offs % 4`` of ``tl.randint4x`` at counter
+    ``offs // 4``, converted as ``tl.rand`` converts. Each element selects its own word (one Philox
+    evaluation per element, as ``tl.rand``): a tile's offsets are not runs of four when the group
+    size is not a multiple of four or the block is padded to a power of two."""
+    w0, w1, w2, w3 = tl.randint4x(seed, offs // 4)
+    lane = offs % 4
+    w = tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
+    return tl.random.uint_to_uniform_float(w)
+
+
+@jit
 def tile_quantize(v, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
     """v: [BG, BGS] fp32 (masked lanes 0); offs: [BG, BGS] int64 padded-layout index.
 
@@ -98,7 +112,7 @@ def tile_quantize(v, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
     safe = tl.where(scale > 0.0, scale, 1.0)  # [BG]
     t = tl.math.div_rn(v, tl.broadcast_to(safe[:, None], v.shape))  # [BG, BGS]
     if STOCHASTIC:
-        t = t + tl.rand(seed, offs)
+        t = t + stochastic_uniform(seed, offs)
     else:
         t = t + 0.5
     c = tl.floor(t)

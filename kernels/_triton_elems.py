@@ -21,7 +21,7 @@ subnormals), which these helpers rely on: a subnormal scaled value must reach th
 
 from __future__ import annotations
 
-from ._triton import FLT_MAX, jit, tl
+from ._triton import FLT_MAX, jit, stochastic_uniform, tl
 
 
 @jit
@@ -189,7 +189,7 @@ def tile_encode(
 ):
     """Scaled fp32 values -> int32 element codes (the byte value of the code, 0 .. 2**bits - 1)."""
     if STOCHASTIC:
-        u = tl.rand(seed, offs)
+        u = stochastic_uniform(seed, offs)
     else:
         u = v  # unread
     if INT8:

@@ -5,8 +5,9 @@ blocks of 16 with an E4M3 block scale and an fp32 row scale). Launched by ``trit
 Each kernel reproduces ``format_reference.py`` bit for bit (same code bytes, same scale bits, same
 output bits). The tile is the int kernels' (``_triton.tile_coords``: ``BLOCK_G`` blocks of one
 row per program), and so are the rules that keep the GPU exact: IEEE divisions (``div_rn``), no FMA
-contraction and no flush-to-zero (``_triton.LAUNCH_OPTS``), and stochastic rounding with Philox
-uniforms at the padded-layout position ``row * groups * block + col``. The element encoders are
+contraction and no flush-to-zero (``_triton.LAUNCH_OPTS``), and stochastic rounding with the
+Philox uniforms of the padded-layout position ``row * groups * block + col``
+(``_triton.stochastic_uniform``). The element encoders are
 integer arithmetic on the fp32 bits (``_triton_elems.py``), never a ``tl.float8`` cast.
 """
 

@@ -578,9 +578,10 @@ extern "C" int zf_dequantize(const uint8_t* codes, i64 c_rs, const void* scales,
     return rc;
 }
 
-// u[0:n] = the Philox uniforms of counters base .. base + n - 1 under seed: the stream stochastic
+// u[0:n] = the Philox uniforms of offsets base .. base + n - 1 under seed: the stream stochastic
 // rounding draws from, exported so that tests compare it with reference.philox_uniform directly
-// (the vector body, its tail, and counters that carry into the high word).
+// (a part counter at the start, the vector body, its part-vector and scalar tails, and counters
+// that carry into the high word).
 extern "C" void zf_philox_uniform(float* u, i64 n, uint64_t base, uint64_t seed) {
     philox_uniform(u, n, base, (uint32_t)seed, (uint32_t)(seed >> 32));
 }

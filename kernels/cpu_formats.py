@@ -192,8 +192,8 @@ def dequantize_into(
 
 
 def philox_uniform(seed: int, base: int, n: int) -> torch.Tensor:
-    """The ``n`` uniforms of counters ``base ..`` under ``seed`` that the kernels' stochastic
-    rounding draws (``reference.philox_uniform`` of the same counters, bit for bit)."""
+    """The ``n`` uniforms of offsets ``base ..`` under ``seed`` that the kernels' stochastic
+    rounding draws (``reference.philox_uniform`` of the same offsets, bit for bit)."""
     lib = library()
     assert lib is not None, "callers check available() first"
     u = torch.empty(n, dtype=torch.float32)

@@ -4,8 +4,8 @@ same codes). Written to be read, not to be fast.
 
 All arithmetic is fp32 with the exact operation order the kernels use (see ``layout.py``):
 division is IEEE round-to-nearest, rounding is ``floor(v + 0.5)`` (or ``floor(v + u)`` with
-Triton's Philox uniform ``u`` for stochastic rounding), and a k-way sum adds the dequantized
-inputs in index order 0..k-1.
+the Philox uniform ``u`` of :func:`philox_uniform`, which defines the stochastic stream, for
+stochastic rounding), and a k-way sum adds the dequantized inputs in index order 0..k-1.
 """
 
 from __future__ import annotations
@@ -42,11 +42,14 @@ def _umulhi32(a: int, b: torch.Tensor) -> torch.Tensor:
     return (a * b_hi + ((a * b_lo) >> 16)) >> 16
 
 
-def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """``tl.rand(seed, offsets)`` for int64 ``offsets``: fp32 uniforms in [0, 1), bit-identical."""
-    offsets = offsets.to(torch.int64)
-    c0 = offsets & _M32
-    c1 = (offsets >> 32) & _M32
+def philox4x32_10(
+    seed: int | torch.Tensor, counters: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tl.randint4x(seed, counters)`` for int64 ``counters``: the four output words of
+    Philox4x32-10 on the counter block ``(lo, hi, 0, 0)`` of each counter under the key
+    ``(seed lo, seed hi)``, as uint32 values held in int64, bit-identical."""
+    c0 = counters & _M32
+    c1 = (counters >> 32) & _M32
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
@@ -58,9 +61,33 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
         c3 = (_PHILOX_ROUND_A * _c0) & _M32
         k0 = (k0 + _PHILOX_KEY_A) & _M32
         k1 = (k1 + _PHILOX_KEY_B) & _M32
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast uint32 -> int32
+    return c0, c1, c2, c3
+
+
+def uint32_to_uniform(w: torch.Tensor) -> torch.Tensor:
+    """Triton's ``uint_to_uniform_float`` of uint32 words held in int64: the word read as int32,
+    ``~x`` for negatives, times ``4.6566127342e-10`` in fp32 (a uniform in [0, 1))."""
+    x = torch.where(w >= 2**31, w - 2**32, w)  # bitcast uint32 -> int32
     x = torch.where(x < 0, -x - 1, x).to(torch.int32)  # ~x for negatives
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def philox_uniform(seed: int | torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The uniforms in [0, 1) (fp32) that stochastic rounding adds at int64 ``offsets``: the
+    stream of every stochastic codec (INT and the float formats), defined here once.
+
+    The rule: the element at padded-layout offset ``o`` (``row * padded_cols + col``) takes output
+    word ``o % 4`` of Philox4x32-10 (:func:`philox4x32_10`, Triton's ``tl.randint4x``) at counter
+    ``o // 4`` under key ``seed``, converted as ``tl.rand`` converts (:func:`uint32_to_uniform`).
+    Four consecutive offsets share one Philox evaluation, so an implementation that draws a run
+    of elements needs one evaluation per four of them (the native CPU kernels, ``cpu_common.h``);
+    the Triton tiles (``_triton.stochastic_uniform``) select each element's word.
+    """
+    offsets = offsets.to(torch.int64)  # as uint64 (the native kernels'): a negative o means o + 2**64
+    c0, c1, c2, c3 = philox4x32_10(seed, (offsets >> 2) & (2**62 - 1))
+    lane = offsets & 3
+    w = torch.where(lane == 0, c0, torch.where(lane == 1, c1, torch.where(lane == 2, c2, c3)))
+    return uint32_to_uniform(w)
 
 
 # ----------------------------------------------------------------------------------------------

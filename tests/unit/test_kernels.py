@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import struct
 
 import pytest
 import torch
@@ -187,6 +188,58 @@ def test_stochastic_rounding_is_deterministic_per_seed():
     assert torch.equal(a.codes, b.codes) and not torch.equal(a.codes, c.codes)
     err = (dequantize(a) - x).abs()
     assert (err < per_element_scale(a) * (1 + 1e-6)).all()  # within one step, never more
+
+
+def philox4x32_10_py(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Philox4x32-10 from its definition (Salmon et al., "Parallel random numbers: as easy as 1,
+    2, 3", SC'11), in Python integers: ten rounds of two 32x32 -> 64-bit products with the
+    multipliers 0xD2511F53 and 0xCD9E8D57, the key bumped by the Weyl constants after each."""
+    m = 0xFFFFFFFF
+    x0, x1, x2, x3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * x0, 0xCD9E8D57 * x2
+        x0, x1, x2, x3 = (p1 >> 32) ^ x1 ^ k0, p1 & m, (p0 >> 32) ^ x3 ^ k1, p0 & m
+        k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
+    return x0, x1, x2, x3
+
+
+def test_the_python_philox_gives_the_published_answers():
+    # Random123's known-answer vectors of philox4x32 with 10 rounds
+    assert philox4x32_10_py((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    ones = 0xFFFFFFFF
+    assert philox4x32_10_py((ones,) * 4, (ones, ones)) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
+    pi = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    assert philox4x32_10_py(pi, (0xA4093822, 0x299F31D0)) == (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+
+
+def uniform_bits_py(w: int) -> int:
+    """Triton's uint32 -> uniform conversion (``tl.rand``'s) in Python: the word as int32, ``~x``
+    for negatives, times 4.6566127342e-10, each value rounded to fp32; the result's fp32 bits."""
+
+    def f32(v: float) -> float:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+
+    x = w - 2**32 if w >= 2**31 else w
+    x = ~x if x < 0 else x
+    return struct.unpack("<I", struct.pack("<f", f32(f32(x) * f32(4.6566127342e-10))))[0]
+
+
+@pytest.mark.parametrize("seed", [0, 0x1234_5678_9ABC_DEF0])
+@pytest.mark.parametrize("first", [0, 4 * (2**32 + 3)])  # counters of one word, and of both words
+def test_the_stochastic_stream_is_word_o_mod_4_of_philox_at_counter_o_div_4(seed, first):
+    """The stream every stochastic codec draws (``reference.philox_uniform``, which the Triton and
+    native kernels match bit for bit): offsets ``first .. first + 7`` are the four words of the
+    counters ``first // 4`` and ``first // 4 + 1``, in order."""
+    from zeropp.kernels.reference import philox_uniform
+
+    m = 0xFFFFFFFF
+    want = []
+    for ctr in (first // 4, first // 4 + 1):
+        words = philox4x32_10_py((ctr & m, ctr >> 32, 0, 0), (seed & m, seed >> 32))
+        want += [uniform_bits_py(w) for w in words]
+    got = philox_uniform(seed, first + torch.arange(8, dtype=torch.int64))
+    assert got.view(torch.int32).tolist() == [w - 2**32 if w >= 2**31 else w for w in want]
 
 
 # ---------------------------------------------------------------------------------------------

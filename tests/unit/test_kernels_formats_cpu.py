@@ -188,15 +188,18 @@ def test_stochastic_rounding_follows_the_seed():
     assert_same(a, ref.quantize_mx_ref(x, "e2m1", rows=4, stochastic=True, seed=7))
 
 
-@pytest.mark.parametrize("base", [0, 5, 2**32 - 21, 2**64 - 40])
-def test_the_kernels_philox_stream_is_the_reference_stream(base):
-    # 37 counters: two 16-wide vector steps and a scalar tail; 2**32 - 21 carries into the high
-    # counter word inside a vector, 2**64 - 40 wraps the counter itself
+@pytest.mark.parametrize("n", [2, 37, 134])
+@pytest.mark.parametrize("base", [0, 5, 2**34 - 23, 2**64 - 141])
+def test_the_kernels_philox_stream_is_the_reference_stream(base, n):
+    # one Philox counter per four offsets: base 5 starts inside a counter; 2 offsets are a scalar
+    # counter, 37 a part vector of 16 counters, 134 two whole vectors and a part vector (base 0) or
+    # a scalar tail (base 5); 2**34 - 23 carries into the high counter word inside a vector,
+    # 2**64 - 141 ends at the last offset (read as uint64)
     seed = 0x1234_5678_9ABC_DEF0
     want = reference.philox_uniform(
-        seed, torch.arange(37, dtype=torch.int64) + (base - 2**64 if base >= 2**63 else base)
+        seed, torch.arange(n, dtype=torch.int64) + (base - 2**64 if base >= 2**63 else base)
     )
-    assert torch.equal(bits(cpu_formats.philox_uniform(seed, base, 37)), bits(want))
+    assert torch.equal(bits(cpu_formats.philox_uniform(seed, base, n)), bits(want))
 
 
 @pytest.mark.parametrize("scheme, elem", [("nvfp4", "e2m1"), ("mx", "e3m2"), ("mx", "e2m1")])

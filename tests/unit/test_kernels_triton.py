@@ -20,7 +20,7 @@ import torch
 from tests.kernel_helpers import DTYPES, SHAPES, assert_same_bits, data, stack
 from tests.triton_helpers import interpreted
 from zeropp.kernels import QuantizedTensor, dequantize, dequantize_sum, dequantize_sum_requantize, quantize
-from zeropp.kernels._triton import HAS_TRITON
+from zeropp.kernels._triton import HAS_TRITON, stochastic_uniform
 from zeropp.kernels.reference import philox_uniform
 
 pytestmark = [
@@ -207,18 +207,19 @@ def test_reductions_with_special_blocks_bit_exact(bits):
 
 
 # ---------------------------------------------------------------------------------------------
-def test_reference_philox_matches_tl_rand_beyond_32_bit_offsets():
-    """Stochastic offsets are int64; tensors past 2**32 elements use Philox's second counter word,
-    which no interpreter-sized tensor reaches, so check the reference uniform against tl.rand there."""
+def test_reference_stream_matches_the_triton_stream_beyond_32_bit_counters():
+    """Stochastic offsets are int64; tensors past 2**34 elements use Philox's second counter word
+    (counter = offset // 4), which no interpreter-sized tensor reaches, so check the reference
+    uniforms against the kernels' own (``_triton.stochastic_uniform``) there."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def rand_kernel(out_ptr, seed, base, N: tl.constexpr):  # out_ptr: *fp32 [N]
         offs = base + tl.arange(0, N).to(tl.int64)
-        tl.store(out_ptr + tl.arange(0, N), tl.rand(seed, offs))
+        tl.store(out_ptr + tl.arange(0, N), stochastic_uniform(seed, offs))
 
-    for seed, base in [(0, 0), (2**40 + 5, 2**32 - 3), (123, 5 * 2**33)]:
+    for seed, base in [(0, 0), (2**40 + 5, 2**34 - 7), (123, 5 * 2**35 + 1)]:
         out = torch.empty(64)
         rand_kernel[(1,)](out, seed, base, N=64)
         assert torch.equal(out, philox_uniform(seed, torch.arange(64, dtype=torch.int64) + base))
