@@ -105,6 +105,26 @@ def test_engine_units_are_the_spans(stage: int) -> None:
             eng.close()
 
 
+@pytest.mark.parametrize("coalesce, depth", [(0, 1), (0, 5), (PAIR, 5), (10**9, 1), (10**9, 3)])
+def test_the_pool_reserves_no_more_gathers_than_there_are_distinct_block_units(coalesce: int, depth: int) -> None:
+    """The gather pool holds the root's slot and min(prefetch_depth + 1, distinct block units) slots
+    of the largest block unit: coalesced blocks share a unit, so its buffer is counted once, and a
+    prefetch deeper than the model never reserves slots that can never be in use."""
+    with fake_world(0, 4):
+        cfg = ZeroConfig(stage=3, coalesce_numel=coalesce, prefetch_depth=depth)
+        eng = ZeroEngine(_three(), config=cfg, topology=Topology.single_node(4))
+        try:
+            distinct = {id(u): u for _, u in eng.blocks}
+            root = eng.root
+            assert root is not None
+            slots = [t.numel() for t in eng.buffers._slots["gather"]]
+            live = min(depth + 1, len(distinct))
+            assert sorted(slots) == sorted([root.padded] + [max(u.padded for u in distinct.values())] * live)
+            assert len(eng.buffers._slots["grad_flat"]) == min(2, len(eng.units))
+        finally:
+            eng.close()
+
+
 CASES: list[tuple[str, dict[str, Any], Any]] = [
     ("zeropp-buckets-accum", {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2, "coalesce_numel": PAIR}, _three),
     ("mixz-int8-hpz", dict(stage=3, quantize_frozen="int8", hpz=True, coalesce_numel=PAIR), _frozen_three),

@@ -688,19 +688,23 @@ class ZeroEngine:
         one unit at a time. Collectives larger than a bucket are chunked inside ``EngineComm``."""
         pool = BufferPool(self.dtype, self.device)
         gathered = [u for u in self.units if u.kind == "sharded"]
-        block_units = [u for _, u in self.blocks if u.kind == "sharded"]
+        # distinct units (coalesced blocks share one); never more at once than there are
+        block_units = list({id(u): u for _, u in self.blocks if u.kind == "sharded"}.values())
+        frozen_blocks = list({id(u): u for _, u in self.frozen.blocks}.values())
         if gathered:
             if self.root is not None and self.root.kind == "sharded":
                 pool.reserve("gather", 1, self.root.padded)
             if block_units:
-                pool.reserve("gather", self.cfg.prefetch_depth + 1, max(u.padded for u in block_units))
+                live = min(self.cfg.prefetch_depth + 1, len(block_units))
+                pool.reserve("gather", live, max(u.padded for u in block_units))
         if self.frozen.root is not None:  # frozen units are gathered next to their block's (same schedule)
             pool.reserve("gather", 1, self.frozen.root.padded)
-        if self.frozen.blocks:
-            pool.reserve("gather", self.cfg.prefetch_depth + 1, max(u.padded for _, u in self.frozen.blocks))
+        if frozen_blocks:
+            live = min(self.cfg.prefetch_depth + 1, len(frozen_blocks))
+            pool.reserve("gather", live, max(u.padded for u in frozen_blocks))
         reduced = [u for u in self.units if u.kind != "replicated"]
         if reduced:
-            inflight = REDUCE_INFLIGHT if self.cfg.stage >= 2 else 1
+            inflight = min(REDUCE_INFLIGHT if self.cfg.stage >= 2 else 1, len(reduced))
             pool.reserve("grad_flat", inflight, max(u.padded for u in reduced))
             if self.cfg.stage >= 2 and self.cfg.grad_accum_steps > 1:  # (the first micro-step needs none)
                 pool.reserve("grad_shard", inflight, max(u.shard_numel for u in reduced))
