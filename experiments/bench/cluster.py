@@ -96,6 +96,7 @@ def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:
         f"model={a.preset}",
         "stage=3",
         f"quant={MODES[mode]}",
+        f"zero.coalesce_numel={a.coalesce}",
         f"train.steps={a.warmup + a.steps}",
         f"train.throughput_skip_steps={a.warmup}",
         f"train.micro_batch_size={a.micro_batch}",
@@ -295,6 +296,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=0.0, help="one-way cross-node latency (needs netem)")
     p.add_argument("--preset", default="medium", help="zeropp.models GPT preset (the runner's model=)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument(
+        "--coalesce",
+        type=int,
+        default=0,
+        help="zero.coalesce_numel of both modes: consecutive blocks of up to this many elements share one "
+        "gather and one reduce-scatter (default 0: one unit per block)",
+    )
     p.add_argument("--steps", type=int, default=4, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of each run's averages")
     p.add_argument("--rounds", type=int, default=2, help="alternating ZeRO-3/ZeRO++ runs of each (noise control)")
@@ -328,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_run_lengths(p, a, ("nodes", "ranks_per_node", "micro_batch", "steps", "rounds"))
     if not a.tolerance > 0:
         p.error(f"--tolerance must be a percentage > 0, got {a.tolerance}")
+    if a.coalesce < 0:
+        p.error(f"--coalesce must be >= 0 elements, got {a.coalesce}")
     if not all(g > 0 for g in a.gbps):
         p.error(f"every --gbps rate must be > 0, got {a.gbps}")
     return a
