@@ -689,8 +689,8 @@ class ZeroEngine:
         pool = BufferPool(self.dtype, self.device)
         gathered = [u for u in self.units if u.kind == "sharded"]
         # distinct units (coalesced blocks share one); never more at once than there are
-        block_units = list({id(u): u for _, u in self.blocks if u.kind == "sharded"}.values())
-        frozen_blocks = list({id(u): u for _, u in self.frozen.blocks}.values())
+        block_units = list(dict.fromkeys(u for _, u in self.blocks if u.kind == "sharded"))
+        frozen_blocks = list(dict.fromkeys(u for _, u in self.frozen.blocks))
         if gathered:
             if self.root is not None and self.root.kind == "sharded":
                 pool.reserve("gather", 1, self.root.padded)

@@ -117,12 +117,7 @@ def build_frozen_units(
         return homes.unit(name, ps, kind="frozen", num_shards=world_size, shard_rank=rank, dtype=dtype)
 
     out = FrozenUnits(order=list(homes.blocks), spec=spec)
-    for first, last in spans if spans is not None else homes.spans(0):
-        span = range(first, last + 1)
-        ps = [p for p in homes.order if homes.home[id(p)] in span and frozen(p)]
-        if ps:
-            u = unit(f"{span_name(first, last)}.frozen", ps)
-            out.blocks.extend((homes.blocks[i], u) for i in homes.holders(first, last))
+    out.blocks = homes.span_units(spans, frozen, lambda first, last, ps: unit(f"{span_name(first, last)}.frozen", ps))
     root_ps = [p for p in homes.order if homes.home[id(p)] == Homes.ROOT and frozen(p)]
     out.root = unit("root.frozen", root_ps) if root_ps else None
     return out

@@ -494,7 +494,7 @@ def build_units(
     shards = 1 if kind == "replicated" else world_size
     srank = 0 if kind == "replicated" else rank
     homes = assign_homes(model, block_modules if block_modules is not None else find_blocks(model, policy))
-    block_list, order, names, home = homes.blocks, homes.order, homes.names, homes.home
+    order, names, home = homes.order, homes.names, homes.home
     ROOT = homes.ROOT
     persistent: list[tuple[str, nn.Parameter]] = []
 
@@ -509,13 +509,9 @@ def build_units(
     def unit(name: str, ps: list[nn.Parameter], k: str, n: int, r: int) -> FlatUnit:
         return homes.unit(name, ps, kind=k, num_shards=n, shard_rank=r, dtype=dtype)
 
-    blocks: list[tuple[nn.Module, FlatUnit]] = []
-    for first, last in spans if spans is not None else homes.spans(0):
-        span = range(first, last + 1)
-        ps = [p for p in order if home[id(p)] in span and keep(p)]
-        if ps:
-            u = unit(span_name(first, last), ps, kind, shards, srank)
-            blocks.extend((block_list[i], u) for i in homes.holders(first, last))  # their hooks find u
+    blocks = homes.span_units(
+        spans, keep, lambda first, last, ps: unit(span_name(first, last), ps, kind, shards, srank)
+    )
     root_ps = [p for p in order if home[id(p)] == ROOT and keep(p)]
     root = unit("root", root_ps, kind, shards, srank) if root_ps else None
     pers = unit("persistent", [p for _, p in persistent], "replicated", 1, 0) if persistent else None
@@ -551,11 +547,26 @@ class Homes:
                 sizes[i] += p.numel()
         return coalesce_spans(sizes, coalesce_numel)
 
-    def holders(self, first: int, last: int) -> list[int]:
-        """The blocks ``first..last`` that hold a parameter (of any kind): the ones a coalesced unit's
-        stage-3 hooks go on (trainable and frozen units alike; a block without parameters needs none)."""
+    def span_units(
+        self,
+        spans: Sequence[tuple[int, int]] | None,
+        select: Callable[[nn.Parameter], bool],
+        make: Callable[[int, int, list[nn.Parameter]], FlatUnit],
+    ) -> list[tuple[nn.Module, FlatUnit]]:
+        """One unit per span of ``spans`` (inclusive block ranges, :meth:`spans`; None: one per block)
+        that has parameters ``select`` keeps, built by ``make(first, last, params)``, paired with each
+        block of the span that holds a parameter of any kind (the blocks whose stage-3 hooks find the
+        unit; a block without parameters needs none). The trainable and the frozen units are built
+        by this one loop, so they group alike."""
         held = {self.home[id(p)] for p in self.order}
-        return [i for i in range(first, last + 1) if i in held]
+        out: list[tuple[nn.Module, FlatUnit]] = []
+        for first, last in spans if spans is not None else self.spans(0):
+            span = range(first, last + 1)
+            ps = [p for p in self.order if self.home[id(p)] in span and select(p)]
+            if ps:
+                u = make(first, last, ps)
+                out.extend((self.blocks[i], u) for i in span if i in held)
+        return out
 
     def unit(
         self, name: str, ps: list[nn.Parameter], *, kind: str, num_shards: int, shard_rank: int, dtype: torch.dtype

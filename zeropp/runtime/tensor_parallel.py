@@ -70,14 +70,15 @@ class FromLocal(nn.Module):
         stride: tuple[int, ...],
         interleave: int = 1,
     ) -> None:
+        from torch.distributed.tensor import DTensor
+
         super().__init__()
         self.mesh, self.placements, self.interleave = mesh, placements, interleave
         self.shape, self.stride = shape, stride  # of the global (DTensor) weight
+        self._from_local = DTensor.from_local  # resolved once: forward runs at every weight access
 
     def forward(self, local: torch.Tensor) -> DTensor:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
+        return self._from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
