@@ -141,6 +141,9 @@ WORLDS: dict[int, list[tuple[int, list[dict[str, Any]]]]] = {
             + [
                 {**ZPP, **SMALL_BUCKETS, "grad_accum_steps": 2},
                 {**ZPP, **SMALL_BUCKETS, "coalesce_numel": 10**9},  # the blocks share one unit
+                # the root and the last block stay gathered into backward (hpZ, qwZ, chunks, accumulation)
+                {**ZPP, **SMALL_BUCKETS, "keep_at_turn": True, "grad_accum_steps": 2},
+                dict(stage=3, keep_at_turn=True, coalesce_numel=10**9, prefetch_depth=2),
                 dict(stage=1, grads=RECIPES["qgz"].grads, **SMALL_BUCKETS),
                 dict(stage=2, grads=QuantSpec(bits=4, intra_bits=8, group_size=64)),
                 dict(stage=3, weights=QuantSpec(bits=4, group_size=100), hpz=False, grad_accum_steps=2),

@@ -97,6 +97,7 @@ def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:
         "stage=3",
         f"quant={MODES[mode]}",
         f"zero.coalesce_numel={a.coalesce}",
+        f"zero.keep_at_turn={str(a.keep_at_turn).lower()}",
         f"train.steps={a.warmup + a.steps}",
         f"train.throughput_skip_steps={a.warmup}",
         f"train.micro_batch_size={a.micro_batch}",
@@ -302,6 +303,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="zero.coalesce_numel of both modes: consecutive blocks of up to this many elements share one "
         "gather and one reduce-scatter (default 0: one unit per block)",
+    )
+    p.add_argument(
+        "--keep-at-turn",
+        action="store_true",
+        help="zero.keep_at_turn of both modes: the root and the last block stay gathered from forward into "
+        "backward (no backward gather of either)",
     )
     p.add_argument("--steps", type=int, default=4, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of each run's averages")

@@ -84,6 +84,16 @@ ROWS: dict[str, Row] = {
         overrides=("trainer=zeropp", "stage=3", "zero.coalesce_numel=4000000"),
         zeropp=True,
     ),
+    "stage3k": Row(
+        label="zeropp stage 3, keep_at_turn",
+        overrides=("trainer=zeropp", "stage=3", "zero.keep_at_turn=true"),
+        zeropp=True,
+    ),
+    "stage3ck": Row(
+        label="zeropp stage 3, coalesce_numel=4M, keep_at_turn",
+        overrides=("trainer=zeropp", "stage=3", "zero.coalesce_numel=4000000", "zero.keep_at_turn=true"),
+        zeropp=True,
+    ),
     "zeropp": Row(label="zeropp ZeRO++", overrides=("trainer=zeropp", "stage=3"), zeropp=True),
 }
 """Row key -> row, in table order."""

@@ -102,6 +102,7 @@ def plan_for(w: Workload, c: Cluster) -> CommPlan:
         allgather_bucket_size=w.allgather_bucket,
         reduce_bucket_size=w.reduce_bucket,
         coalesce_numel=w.coalesce,
+        keep_at_turn=w.keep_at_turn,
     )
     return build_plan(w.units, zero, Topology(nodes=c.nodes, ranks_per_node=c.ranks_per_node))
 
@@ -251,9 +252,10 @@ def quant_work_formats(w: Workload, c: Cluster) -> dict[tuple[str, int, str], in
         out[key] = out.get(key, 0) + n
 
     if w.stage == 3 and w.weights and not w.weight_diff:
-        gathers = 1 if w.hpz else 2 * w.grad_accum
-        add("quantize", w.weights, w.weights.bits, gathers * S)
-        add("dequantize", w.weights, w.weights.bits, gathers * W * S)
+        kept = sum(-(-w.units[i] // W) for i in w.kept_at_turn())  # no backward gather (keep_at_turn)
+        n = S if w.hpz else 2 * w.grad_accum * S - w.grad_accum * kept
+        add("quantize", w.weights, w.weights.bits, n)
+        add("dequantize", w.weights, w.weights.bits, W * n)
     if w.weight_diff:  # qWD: quantize my shard's difference, dequantize the world's
         add("quantize", w.weight_diff, w.weight_diff.bits, S)
         add("dequantize", w.weight_diff, w.weight_diff.bits, W * S)
@@ -276,7 +278,8 @@ def quant_work(w: Workload, c: Cluster) -> dict[tuple[str, int], int]:
     as zeropp.comm runs them (one call per communication unit):
 
     * qwZ all-gather: quantize my shard, dequantize the gathered ``world`` shards (every forward
-      and backward; with hpZ only the first forward of the step, the rest read the secondary);
+      and backward, but the units ``keep_at_turn`` keeps have no backward gather; with hpZ only the
+      first forward of the step, the rest read the secondary);
     * qWD: quantize my shard's difference, dequantize the world's (once per step; at stage 3 it
       replaces qwZ's forward gather);
     * qgZ, hierarchical (nodes > 1 and ranks_per_node > 1): quantize my whole gradient at the

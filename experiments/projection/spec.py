@@ -122,6 +122,9 @@ class Workload:
     coalesce: int = 0
     """Elements up to which consecutive blocks share one unit, so one gather and one reduce-scatter
     (``ZeroConfig.coalesce_numel``; ``units`` stay one per block, the plan merges them); 0: one unit per block."""
+    keep_at_turn: bool = False
+    """Stage 3: the root and the last block stay gathered from forward into backward, so their
+    backward gathers are not sent (``ZeroConfig.keep_at_turn``)."""
     overlap: float = 0.0
     """Fraction of min(compute, comm) hidden by overlap (0: fully serialized)."""
     flops_per_token: float = 0.0
@@ -153,6 +156,7 @@ class Workload:
             ("allgather_bucket", self.allgather_bucket >= 1, "use >= 1 element"),
             ("reduce_bucket", self.reduce_bucket >= 1, "use >= 1 element"),
             ("coalesce", self.coalesce >= 0, "use >= 0 elements (0: one unit per block)"),
+            ("keep_at_turn", not self.keep_at_turn or self.stage == 3, "only stage 3 gathers; set stage=3 or False"),
             ("overlap", 0.0 <= self.overlap <= 1.0, "use a fraction in [0, 1]"),
             ("compute_s", self.compute_s >= 0, "use >= 0"),
             ("quant_gbs", self.quant_gbs > 0, "use a positive rate"),
@@ -161,14 +165,28 @@ class Workload:
             if not ok:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
+    def kept_at_turn(self) -> frozenset[int]:
+        """Indices into ``units`` that ``keep_at_turn`` keeps gathered from forward into backward:
+        the root and every block of the last unit (the last block, or the last span of coalesced
+        blocks, ``partition.coalesce_spans``); empty without it."""
+        if not self.keep_at_turn:
+            return frozenset()
+        if len(self.units) < 2:
+            return frozenset({0})
+        from zeropp.runtime.partition import coalesce_spans
+
+        n = len(self.units) - 1
+        first, last = coalesce_spans(list(self.units[1:]), self.coalesce)[-1] if self.coalesce else (n - 1, n - 1)
+        return frozenset({0, *range(first + 1, last + 2)})
+
     @classmethod
     def from_zero(
         cls, zero: ZeroConfig | Any, *, units: tuple[int, ...], compute_s: float, tokens_per_rank: int, **kw: Any
     ) -> Workload:
         """The workload of a run with these ZeRO settings: stage, ``weights``, ``grads``, hpZ, the
         wire dtype (``precision``) and micro-batches per step (``grad_accum_steps``) come from
-        ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes and
-        ``coalesce_numel`` too when it has them); ``kw`` sets the rest. A ``persistence_threshold`` is refused: the model has no
+        ``zero`` (a ``ZeroConfig``, or any object with those attributes; bucket sizes,
+        ``coalesce_numel`` and ``keep_at_turn`` too when it has them); ``kw`` sets the rest. A ``persistence_threshold`` is refused: the model has no
         replicated stage-3 unit, so its bytes would be silently wrong."""
         if getattr(zero, "persistence_threshold", 0):
             raise ValueError(
@@ -182,6 +200,8 @@ class Workload:
         }
         if getattr(zero, "coalesce_numel", None) is not None:
             buckets["coalesce"] = zero.coalesce_numel
+        if getattr(zero, "keep_at_turn", None) is not None:
+            buckets["keep_at_turn"] = zero.keep_at_turn
         return cls(
             units=tuple(units),
             compute_s=compute_s,

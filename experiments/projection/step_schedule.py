@@ -26,7 +26,8 @@ qWD's difference gather) are done. Compute is split 1/3 forward, 2/3 backward
 head dominates it. Issue order, per micro-batch (stage 3): root gather, wait, gathers of blocks
 ``0..p-1``; for each block ``i``: wait its gather, issue block ``i + p``'s, compute. Backward:
 the root's gather and compute, then blocks last to first the same way, each followed by its
-reduce-scatter; the root's reduce-scatter last. Stage 2 reduce-scatters in backward, stages 0-1
+reduce-scatter; the root's reduce-scatter last (``keep_at_turn``: the root's and the last
+block's backward gathers are not sent, the plan has none). Stage 2 reduce-scatters in backward, stages 0-1
 all-reduce / reduce-scatter every unit after the last backward.
 
 What it leaves out: the limit on reduce-scatters in flight, dequantization's place after the
@@ -120,6 +121,7 @@ def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
     phase from :func:`~experiments.projection.scaling.quant_time`."""
     a = w.grad_accum
     total = sum(w.units)
+    kept = w.kept_at_turn()
     by: dict[tuple[int, str], Transfer] = defaultdict(Transfer)
     for m in messages(w, c):
         phase = m.phase
@@ -127,12 +129,14 @@ def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
         by[(m.unit, phase)] += message_transfer(m, c) * (m.count if once else m.count / a)
     out = []
     for i, n in enumerate(w.units):
-        one = dataclasses.replace(w, units=(n,))
+        one = dataclasses.replace(w, units=(n,), keep_at_turn=False)  # (kept: below)
         q_all = quant_time(one, c)
         q_weights = quant_time(dataclasses.replace(one, grads=None), c)  # qwZ + qWD
         q_diff = quant_time(dataclasses.replace(one, grads=None, weights=None), c) if w.weight_diff else 0.0
         q_qwz, q_grads = q_weights - q_diff, q_all - q_weights
         fwd_q, bwd_q = (q_qwz / a, 0.0) if w.hpz else (q_qwz / (2 * a), q_qwz / (2 * a))
+        if i in kept:  # still gathered from forward: no backward gather to dequantize
+            bwd_q = 0.0
         red_q = q_grads / a if w.stage >= 2 else q_grads
         share = n / total
         out.append(

@@ -22,12 +22,13 @@ from tests.worlds import run_world
 
 # Other code paths that must be just as exact: chunked buckets, no / deeper prefetch,
 # replicated small parameters, hpZ (unquantized it only changes where the bytes come from), blocks
-# coalesced into one unit (stage 2's reduce-scatter, stage 3's gathers and reduce-scatter).
+# coalesced into one unit (stage 2's reduce-scatter, stage 3's gathers and reduce-scatter), the root
+# and the last block kept gathered from forward into backward (keep_at_turn).
 VARIANTS = [
     dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=1000, allgather_bucket_size=1500),
-    dict(BASE, stage=3, prefetch_depth=2, persistence_threshold=100, hpz=True),
+    dict(BASE, stage=3, prefetch_depth=2, persistence_threshold=100, hpz=True, keep_at_turn=True),
     dict(BASE, stage=2, reduce_bucket_size=777, coalesce_numel=10**9),
-    dict(BASE, stage=3, coalesce_numel=10**9, hpz=True),
+    dict(BASE, stage=3, coalesce_numel=10**9, hpz=True, keep_at_turn=True),
     dict(BASE, stage=1, allgather_bucket_size=999),
 ]
 

@@ -66,6 +66,23 @@ def test_bench_cluster_reads_the_summaries() -> None:
     assert "CPU s/step" not in text  # these summaries record no CPU time
 
 
+def test_bench_cluster_keep_at_turn_reaches_both_modes_and_the_model() -> None:
+    """``--keep-at-turn`` sets ``zero.keep_at_turn`` in both modes' jobs, and the prediction's
+    Workload, read back from a run's summary, keeps the root and the last block."""
+    from zeropp.experiments.projection.scaling_check import workload_from_summary
+
+    on, off = (bench_cluster.parse_args(["--preset", "tiny", *x]) for x in (["--keep-at-turn"], []))
+    for mode in bench_cluster.MODES:
+        assert "zero.keep_at_turn=true" in bench_cluster.job_overrides(on, 1.0, mode)
+        assert "zero.keep_at_turn=false" in bench_cluster.job_overrides(off, 1.0, mode)
+        check_overrides(bench_cluster.job_overrides(on, 1.0, mode))
+    summary = cluster_summary("none", 0.5, 0.1, 2e5)
+    assert workload_from_summary(summary).kept_at_turn() == frozenset()
+    summary["config"]["zero"]["keep_at_turn"] = True
+    w = workload_from_summary(summary)
+    assert w.keep_at_turn and w.kept_at_turn() == {0, len(w.units) - 1}
+
+
 def test_bench_cluster_says_how_busy_the_cores_were() -> None:
     """The CPU table: per mode the median over rounds of the runs' CPU seconds per step (all ranks)
     and that over step x cores; a run without the figure is left out of the median."""

@@ -59,6 +59,7 @@ MIXZ = [dict(stage=3, quantize_frozen=q, hpz=hpz) for q in ("none", "int8", "int
     ),
     dict(stage=2, grads=RECIPES["qgz"].grads),
     dict(stage=0),
+    dict(stage=3, quantize_frozen="int8", keep_at_turn=True),  # ("frozen": the kept last block has no trainable part)
 ]
 
 CASES: list[tuple[str, int, int, int, Any, dict[str, Any]]] = [
@@ -199,6 +200,25 @@ def test_gathers_are_issued_prefetch_depth_blocks_ahead(prefetch: int) -> None:
         if c.kind == CommKind.GRAD_REDUCE_SCATTER:
             assert c.issued_before > tasks.index((Phase.BWD, c.unit))
     assert sum(c.kind == CommKind.CONTROL and not c.counted for c in plan.collectives) == 2
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_keep_at_turn_drops_the_backward_gathers_of_the_root_and_the_last_block(prefetch: int) -> None:
+    """``keep_at_turn``: the same forward; in backward the root (unit 0) and the last block (3) are
+    still gathered, so only blocks 2 and 1 are gathered, each still ``prefetch`` blocks ahead of
+    its compute; the reduce-scatters are unchanged."""
+    base, kept = _plan(prefetch), _plan(prefetch, keep_at_turn=True)
+    assert kept.compute == base.compute
+
+    def of(plan: CommPlan, kind: CommKind) -> list[tuple[int, int, int]]:
+        return [(c.unit, c.issued_before, c.needed_by) for c in plan.collectives if c.kind == kind]
+
+    for kind in (CommKind.FWD_ALL_GATHER, CommKind.GRAD_REDUCE_SCATTER):
+        assert of(kept, kind) == of(base, kind)
+    assert [u for u, _, _ in of(kept, CommKind.BWD_ALL_GATHER)] == [2, 1]
+    assert [g for g in of(base, CommKind.BWD_ALL_GATHER) if g[0] in (2, 1)] == of(kept, CommKind.BWD_ALL_GATHER)
+    with pytest.raises(ValueError, match="keep_at_turn"):
+        ZeroConfig(stage=2, keep_at_turn=True)
 
 
 def test_plan_rejects_what_it_cannot_plan() -> None:

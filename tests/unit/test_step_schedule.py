@@ -169,6 +169,43 @@ def test_unit_costs_conserve_the_models_totals(recipe: str) -> None:
     assert sum(a * (u.fwd_s + u.bwd_s) for u in units) == pytest.approx(w.compute_s)
 
 
+@pytest.mark.parametrize("coalesce", [0, 10**9])
+def test_keep_at_turn_drops_the_kept_units_backward_gathers_from_both_models(coalesce: int) -> None:
+    """``keep_at_turn``: no backward gather of the root or of the last unit in the messages, their
+    backward dequantization gone from the quantization time, the per-unit split still conserving
+    both totals, and a shorter step than without it in both the serial and the scheduled model."""
+    r = RECIPES["qwz"]
+    base = Workload(
+        units=UNITS,
+        compute_s=0.2,
+        tokens_per_rank=64,
+        stage=3,
+        weights=r.weights,
+        grads=r.grads,
+        grad_accum=2,
+        coalesce=coalesce,
+        quant_rates=RATES,
+    )
+    assert base.weights is not None and not base.hpz  # (qwZ alone: backward gathers are quantized)
+    w = dataclasses.replace(base, keep_at_turn=True)
+    assert w.kept_at_turn() == ({0, 1, 2, 3} if coalesce else {0, 3}) and base.kept_at_turn() == frozenset()
+    c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=1.0)
+    last = max(m.unit for m in messages(w, c))
+    bwd = lambda x: sorted({m.unit for m in messages(x, c) if m.kind == "bwd_all_gather"})  # noqa: E731
+    assert bwd(base) == list(range(last + 1)) and bwd(w) == list(range(1, last))
+    units, a = unit_costs(w, c), w.grad_accum
+    assert sum(a * (u.fwd.quant_s + u.bwd.quant_s + u.reduce.quant_s) + u.post.quant_s for u in units) == (
+        pytest.approx(quant_time(w, c))
+    )
+    link = sum(a * (u.fwd.link_s + u.bwd.link_s + u.reduce.link_s) + u.post.link_s for u in units)
+    assert link == pytest.approx(sum(collective_time(m, c) * m.count for m in messages(w, c)))
+    assert quant_time(w, c) < quant_time(base, c)
+    assert project(w, c).step_s < project(base, c).step_s
+    assert project_scheduled(w, c).step_s < project_scheduled(base, c).step_s
+    with pytest.raises(ValueError, match="keep_at_turn"):
+        dataclasses.replace(base, stage=2, weights=None, keep_at_turn=True)
+
+
 def test_prefetch_hides_compute_when_the_link_is_the_bottleneck() -> None:
     w = Workload(units=UNITS, compute_s=0.05, tokens_per_rank=64, stage=3, dtype_bytes=4)
     c = emulator_cluster(2, 2, 0.01, comm_on_compute=True, alpha_cross_s=0.0, alpha_intra_s=0.0)

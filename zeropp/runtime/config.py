@@ -110,6 +110,15 @@ class ZeroConfig:
     (or one block when a block alone is larger). 0 = one unit per block. Checkpoints hold one
     layout per unit: they load with the same value (``partition.coalesce_spans``)."""
 
+    keep_at_turn: bool = False
+    """Stage 3: the units backward needs first, the root (embeddings, final norm, head) and the
+    last block's unit, stay gathered from the end of a training forward into backward instead of
+    being freed and gathered again at once (as FSDP2 keeps its root and torchtitan its last
+    block). Saves those two gathers per micro-step at no extra peak memory: both are live at the
+    end of forward anyway, when the saved activations peak. False keeps the paper's schedule
+    (every parameter gathered twice per micro-step: ZeRO-3's 3M), which the byte accounting and
+    the scaling model then follow (``plan.py``)."""
+
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``train_step`` must receive exactly this many."""
 
@@ -214,6 +223,11 @@ class ZeroConfig:
         for name in ("prefetch_depth", "persistence_threshold", "coalesce_numel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ZeroConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_at_turn and self.stage != 3:
+            raise ValueError(
+                f"keep_at_turn keeps stage-3 units gathered between forward and backward; stage {self.stage} "
+                f"gathers none, so set keep_at_turn=False (or stage=3)"
+            )
         if self.persistence_threshold and self.stage != 3:
             raise ValueError(
                 f"persistence_threshold only applies at stage 3 (params below it are not gathered); "

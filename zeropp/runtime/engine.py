@@ -421,11 +421,16 @@ class ZeroEngine:
         for j, mb in enumerate(micro_batches):
             self.reducer.start_micro_step(last=j == a - 1)
             loss, error = None, None
+            if self.stage3 is not None:
+                self.stage3.training_forward = True  # (ZeroConfig.keep_at_turn: units backward needs first stay)
             try:
                 with self.activations.saving():
                     loss = loss_of(call_model(self.model, mb), mb, self.loss_fn)
             except Exception as exc:
                 error = exc
+            finally:
+                if self.stage3 is not None:
+                    self.stage3.training_forward = False
             if self.stage3 is not None:
                 # same blocks ran on every rank and no rank failed, else one clear error everywhere
                 self.stage3.check_forward(error)

@@ -25,7 +25,8 @@ group; every other setting sends the same in every step. The rules (what the eng
   other gather reads the secondary inside the hpZ group: with qwZ (a unit gathered in one call, no
   qWD) its ``W / h`` wire rows, else the full-precision ``W * shard / h`` elements;
   with qWD every gather reads the secondary and one quantized difference gather per unit over the
-  world follows the optimizer step;
+  world follows the optimizer step; ``ZeroConfig.keep_at_turn`` drops the backward gathers of the
+  root and the last block's unit (still gathered from forward);
 * frozen units (stage 3) are gathered with their block's trainable unit, under
   ``frozen_all_gather``: like trainable ones, or (MixZ++, ``quantize_frozen=int8|int4``) as their
   stored wire row, one call per unit; under hpZ always from the secondary;
@@ -42,7 +43,7 @@ group; every other setting sends the same in every step. The rules (what the eng
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Sequence
 
 from zeropp.comm import ranges
 from zeropp.comm.codecs import codec_for
@@ -476,6 +477,7 @@ class _Builder:
                     bwd,
                     first=bwd[0],
                     reduce_end=end if cfg.stage >= 2 else None,
+                    kept=(0, *order[:1]) if cfg.keep_at_turn else (),
                 )
             elif cfg.stage == 2:
                 for ui in order:
@@ -501,19 +503,24 @@ class _Builder:
         *,
         first: int,
         reduce_end: int | None = None,
+        kept: Collection[int] = (),
     ) -> None:
         """One stage-3 pass (``experiments.projection.step_schedule._gathered`` replays it): the root's gather,
         issued and waited before ``first``; the gathers of the first ``prefetch_depth`` blocks of
         ``order``; then per block: its own gather (unless prefetched), the next ``prefetch_depth``
-        blocks' gathers before its compute, and (``reduce_end``) its reduce-scatter after it."""
+        blocks' gathers before its compute, and (``reduce_end``) its reduce-scatter after it.
+        ``kept``: units still gathered from forward (``ZeroConfig.keep_at_turn``), whose gathers
+        are not issued (a prefetch of one is a no-op in the engine too)."""
         p, done = self.cfg.prefetch_depth, set()
 
         def issue(j: int, at: int) -> None:
             if j < len(order) and j not in done:
                 done.add(j)
-                self.gathers(kind, phase, mb, order[j], at, tasks[order[j]])
+                if order[j] not in kept:
+                    self.gathers(kind, phase, mb, order[j], at, tasks[order[j]])
 
-        self.gathers(kind, phase, mb, 0, first, first)
+        if 0 not in kept:
+            self.gathers(kind, phase, mb, 0, first, first)
         for j in range(p):
             issue(j, first)
         for r, ui in enumerate(order):

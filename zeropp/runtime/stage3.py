@@ -23,7 +23,8 @@ Frozen parameters (``frozen.py``): a block's (or the root's) frozen unit is gath
 together with its trainable unit, and a block with frozen parameters only is gathered like any
 other block. In backward a block's frozen unit is freed when the backward of the block before it
 starts (it has no gradient to wait for); the root's at the end of backward. Every parameter is therefore
-gathered twice per micro-step, as in ZeRO-3's 3M accounting. Under ``torch.no_grad()`` nothing
+gathered twice per micro-step, as in ZeRO-3's 3M accounting, unless ``ZeroConfig.keep_at_turn``
+keeps the root and the last block's unit gathered from the end of forward into backward. Under ``torch.no_grad()`` nothing
 is wrapped and no secondary copy is made, so evaluation needs no gradient bookkeeping.
 
 Activation checkpointing (``activations.checkpoint_blocks``) replaces a block's ``forward`` by a
@@ -164,6 +165,9 @@ class Stage3Hooks:
         self._last = -1  # the block that ran last in the current forward
         self.disorder: str | None = None  # the first block that ran after a later one, in the current forward
         self.current: int | None = None  # the block whose forward is running
+        self.training_forward = False
+        """Set by the engine while its training forward runs (``train_step``): only then do the units
+        ``ZeroConfig.keep_at_turn`` names stay gathered for the backward that follows."""
         self._started = False  # the current training forward reached the model's pre-hook
         self._next_fwd = 0  # blocks before this index have had their forward gather issued
         m = model
@@ -343,10 +347,12 @@ class Stage3Hooks:
             self.current = None
         u = self._unit(i)
         grad = torch.is_grad_enabled()
+        keep = grad and self._kept_at_turn(i)
         for v in (self._group(i)[1:] + [u]) if last else []:  # the block's frozen unit (if any), then its first unit
             if grad:
-                self.gathers.keep_secondary(v)
-            self.release(v)
+                self.gathers.keep_secondary(v)  # (kept units too: a later micro-step's gathers read it)
+            if not keep:
+                self.release(v)
         if not grad:
             return output
         if isinstance(output, torch.Tensor):
@@ -365,6 +371,12 @@ class Stage3Hooks:
         for k, t in zip(idx, wrapped):
             leaves[k] = t
         return pytree.tree_unflatten(leaves, spec)
+
+    def _kept_at_turn(self, i: int) -> bool:
+        """Whether hook index ``i`` stays gathered after this forward (``ZeroConfig.keep_at_turn``):
+        the root and the last block's unit, which backward gathers first, in the engine's
+        training forward only (evaluation and a forward outside ``train_step`` free as usual)."""
+        return self.cfg.keep_at_turn and self.training_forward and i in (ROOT, len(self.units) - 1)
 
     def before_backward(self) -> None:
         """Training, just before ``loss.backward()``: gather the root (and prefetch the last blocks),
