@@ -107,7 +107,7 @@ def _time_quant_ops(w: Workload, c: Cluster, repeats: int) -> tuple[tuple[str, i
 
     dtype = torch.float32 if w.dtype_bytes == 4 else torch.bfloat16
     W, R, N = c.world, c.ranks_per_node, c.nodes
-    shards = [-(-u // W) for u in w.units]
+    shards = [-(-u // W) for u in w.coalesced().units]  # one call per unit the engine moves
     gen = torch.Generator().manual_seed(0)
 
     def rand(n: int) -> torch.Tensor:

@@ -243,6 +243,7 @@ def format_name(spec: QuantSpec, bits: int) -> str:
 def quant_work_formats(w: Workload, c: Cluster) -> dict[tuple[str, int, str], int]:
     """:func:`quant_work` keyed by ``(op, bits, format)`` (:func:`format_name`), so a rate timed
     for one format is charged to that format only."""
+    w = w.coalesced()  # (each unit is padded as one: a coalesced span's shard is one shard)
     W, R, N = c.world, c.ranks_per_node, c.nodes
     S = sum(-(-u // W) for u in w.units)  # elements of my shards
     out: dict[tuple[str, int, str], int] = {}

@@ -165,6 +165,19 @@ class Workload:
             if not ok:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
+    def coalesced(self) -> Workload:
+        """This workload with its blocks merged as ``coalesce`` merges them (``partition.coalesce_spans``,
+        the engine's and the plan's rule) and ``coalesce=0``: one entry of ``units`` per unit the
+        engine gathers and reduces, so per-unit models (shards padded per unit, per-unit costs and
+        the step schedule) see the units the plan's messages are numbered by."""
+        if not self.coalesce or len(self.units) < 3:
+            return dataclasses.replace(self, coalesce=0)
+        from zeropp.runtime.partition import coalesce_spans
+
+        blocks = self.units[1:]
+        merged = tuple(sum(blocks[a : b + 1]) for a, b in coalesce_spans(list(blocks), self.coalesce))
+        return dataclasses.replace(self, units=(self.units[0], *merged), coalesce=0)
+
     def kept_at_turn(self) -> frozenset[int]:
         """Indices into ``units`` that ``keep_at_turn`` keeps gathered from forward into backward:
         the root and every block of the last unit (the last block, or the last span of coalesced

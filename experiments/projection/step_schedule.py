@@ -114,11 +114,13 @@ def message_transfer(m: Message, c: Cluster) -> Transfer:
 
 
 def unit_costs(w: Workload, c: Cluster) -> list[UnitCosts]:
-    """Per-unit costs of one micro-batch (root first): ``compute_s`` split by :data:`FORWARD_SHARE`
+    """Per-unit costs of one micro-batch (root first; coalesced blocks are one unit,
+    :meth:`Workload.coalesced`): ``compute_s`` split by :data:`FORWARD_SHARE`
     and by elements; each message of :func:`~experiments.projection.scaling.messages` under its unit and the
     phase the communication plan (``zeropp.runtime.plan``) issues it in (a message of ``count`` calls per step costs ``count / grad_accum`` per micro-batch, except the
     post-step ones and stages 0-1's reduction, which are per step); quantization per unit and
     phase from :func:`~experiments.projection.scaling.quant_time`."""
+    w = w.coalesced()  # per unit the engine gathers: the plan's messages are numbered by these
     a = w.grad_accum
     total = sum(w.units)
     kept = w.kept_at_turn()

@@ -36,6 +36,23 @@ def test_tiny_writes_a_png_and_a_trace_whose_bytes_are_the_plans(tmp_path, capsy
         )
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_coalesced_units_are_drawn_as_the_units_the_plan_moves(tmp_path, keep: bool) -> None:
+    """With ``zero.coalesce_numel`` the timeline's compute and link intervals are the plan's merged
+    units (``block0-1``), each collective once; with ``keep_at_turn`` the merged unit and the root
+    have no backward gather in it."""
+    args = ["model=tiny", "stage=3", "topology=2x2", "zero.coalesce_numel=100000000", f"zero.keep_at_turn={keep}"]
+    assert main([*args, "--nodes", "2", "--out", str(tmp_path)]) == 0
+    plan = build_plan(model_units(load_config(args)), load_config(args).zero, Topology(nodes=2, ranks_per_node=2))
+    names = [u.name for u in plan.units]
+    assert names == ["root", "block0-1"]
+    events = [e for e in json.loads((tmp_path / "plan_trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in events if LANES[e["tid"]] == "compute"} >= {"fwd block0-1", "bwd block0-1"}
+    comm = [e for e in events if LANES[e["tid"]].endswith("link")]
+    assert len(comm) == len(plan.collectives)
+    assert any(e["name"].startswith("bwd_all_gather") for e in comm) == (not keep)
+
+
 @pytest.mark.parametrize(
     "argv,key",
     [

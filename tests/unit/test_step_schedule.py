@@ -206,6 +206,29 @@ def test_keep_at_turn_drops_the_kept_units_backward_gathers_from_both_models(coa
         dataclasses.replace(base, stage=2, weights=None, keep_at_turn=True)
 
 
+def test_a_coalesced_workload_is_modelled_as_its_merged_units() -> None:
+    """``coalesce``: every model sees the units the engine moves (the merged spans, each padded as
+    one), so the workload and its pre-merged twin project alike, and the merged unit's backward
+    gather comes before the last block's backward, as the engine issues it."""
+    r = RECIPES["qwz"]
+    w = Workload(
+        units=(1001, 333, 333, 333),
+        compute_s=0.2,
+        tokens_per_rank=64,
+        stage=3,
+        weights=r.weights,
+        coalesce=700,
+        quant_rates=RATES,
+    )
+    merged = w.coalesced()
+    assert merged.units == (1001, 666, 333) and merged.coalesce == 0
+    c = Cluster(nodes=2, ranks_per_node=2, cross_gbps=1.0)
+    assert quant_time(w, c) == quant_time(merged, c)
+    assert unit_costs(w, c) == unit_costs(merged, c) and len(unit_costs(w, c)) == 3
+    assert project_scheduled(w, c).step_s == project_scheduled(merged, c).step_s
+    assert dataclasses.replace(w, coalesce=0).coalesced().units == w.units
+
+
 def test_prefetch_hides_compute_when_the_link_is_the_bottleneck() -> None:
     w = Workload(units=UNITS, compute_s=0.05, tokens_per_rank=64, stage=3, dtype_bytes=4)
     c = emulator_cluster(2, 2, 0.01, comm_on_compute=True, alpha_cross_s=0.0, alpha_intra_s=0.0)
