@@ -36,6 +36,7 @@ JOBS: dict[str, tuple[str, list[str]]] = {
     "stage1": ("zeropp stage 1", ["trainer=zeropp", "stage=1"]),
     "stage2": ("zeropp stage 2", ["trainer=zeropp", "stage=2"]),
     "stage3": ("zeropp stage 3", ["trainer=zeropp", "stage=3"]),
+    "stage3k": ("stage 3, keep_at_turn", ["trainer=zeropp", "stage=3", "zero.keep_at_turn=true"]),
     "qwz": ("stage 3 + qwZ (int8)", ["trainer=zeropp", "stage=3", "quant=int8"]),
     "zeropp": ("stage 3 + ZeRO++", ["trainer=zeropp", "stage=3", "quant=zeropp"]),
 }
