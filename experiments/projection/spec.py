@@ -166,10 +166,12 @@ class Workload:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
     def coalesced(self) -> Workload:
-        """This workload with its blocks merged as ``coalesce`` merges them (``partition.coalesce_spans``,
-        the engine's and the plan's rule) and ``coalesce=0``: one entry of ``units`` per unit the
-        engine gathers and reduces, so per-unit models (shards padded per unit, per-unit costs and
-        the step schedule) see the units the plan's messages are numbered by."""
+        """This workload with its blocks merged as ``coalesce`` merges them (``partition.coalesce_spans``)
+        and ``coalesce=0``: one entry of ``units`` per unit the engine gathers and reduces, so
+        per-unit models (shards padded per unit, per-unit costs and the step schedule) see the units
+        the plan's messages are numbered by. A workload has no frozen counts, so spans are sized by
+        its (trainable) elements; the engine and the plan size them by trainable plus frozen ones:
+        for a model with frozen parameters, give the plan's merged units (``coalesce=0``) instead."""
         if not self.coalesce or len(self.units) < 3:
             return dataclasses.replace(self, coalesce=0)
         from zeropp.runtime.partition import coalesce_spans
@@ -258,6 +260,7 @@ class Message:
     chunk_bytes: int  # bytes this rank sends to each peer (all-reduce: both halves)
     count: int
     unit: int = -1
-    """Index into ``Workload.units`` of the unit it moves (-1: none, e.g. a control message)."""
+    """Index of the unit it moves in ``Workload.coalesced().units`` (the plan's units; -1: none, e.g. a
+    control message)."""
     phase: str = ""
     """Where the engine issues it (a ``zeropp.runtime.plan_kinds.Phase``: fwd, bwd, reduce, post)."""

@@ -73,7 +73,9 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
     except ValueError as e:
         raise ConfigError(f"invalid config (zero.* against topology.*): {e}") from None
     plan = build_plan(units, rc.zero, topo)
-    numels = tuple(u.numel for u in units)
+    # the timeline's units are the plan's (coalesced spans merged by trainable + frozen elements, as
+    # the engine merges them), so its unit indices name the plan's units
+    numels = tuple(u.numel for u in plan.units)
     tokens = rc.train.micro_batch_size * rc.model.seq_len * rc.zero.grad_accum_steps
     emulated = rc.cluster.name == "emulated"
     c = Cluster(
@@ -83,7 +85,11 @@ def project(rc: RunConfig, units: tuple, nodes: int, a: argparse.Namespace) -> d
         nics_per_node=1 if emulated else None,
     )
     w = Workload.from_zero(
-        rc.zero, units=numels, compute_s=6.0 * sum(numels) * tokens / (a.tflops * 1e12), tokens_per_rank=tokens
+        rc.zero,
+        units=numels,
+        compute_s=6.0 * sum(numels) * tokens / (a.tflops * 1e12),
+        tokens_per_rank=tokens,
+        coalesce=0,  # (already merged)
     )
     cf = getattr(a, "calibrated", None)  # a calibrated cluster file (``--cluster-file``)
     if cf is not None:

@@ -90,16 +90,22 @@ class _FailsSecond(GPT):
         return super().forward(*args, **kw)
 
 
+CASES: tuple[int | str, ...] = (0, 1, 2, 3, "3k")
+"""The stages, and "3k": stage 3 with ``keep_at_turn`` (the first micro-step's forward keeps the root
+and the last block gathered into its backward; the failing second forward must leave nothing kept)."""
+
+
 def _abandoned_world(rank: int, world: int) -> dict[Any, Any]:
     from zeropp.runtime import ZeroConfig, ZeroEngine
 
     out: dict[Any, Any] = {}
     batches = [micro_batch(0, j, rank, TINY) for j in range(2)]
-    for stage in (0, 1, 2, 3):
+    for stage in CASES:
+        zkw = dict(stage=3, keep_at_turn=True) if stage == "3k" else dict(stage=stage)
         runs = []
         for abandon in (True, False):
             torch.manual_seed(0)
-            eng = ZeroEngine(_FailsSecond(TINY), config=ZeroConfig(stage=stage, grad_accum_steps=2))
+            eng = ZeroEngine(_FailsSecond(TINY), config=ZeroConfig(grad_accum_steps=2, **zkw))
             try:
                 if abandon:
                     eng.model.armed = True
@@ -125,6 +131,6 @@ def test_a_step_abandoned_after_its_first_backward_leaves_nothing_in_the_next_st
     gradient is not carried into it)."""
     res = run_world(_abandoned_world, 2, timeout=120)
     for r in res:
-        for stage in (0, 1, 2, 3):
+        for stage in CASES:
             assert r[stage, "raised"], stage
             assert r[stage][:3] == (True, True, True), (stage, r[stage])

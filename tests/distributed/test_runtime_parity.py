@@ -16,26 +16,36 @@ own head weight: with the tied model's initial weights the key bias noise above 
 covered by ``test_runtime_tied``.
 """
 
+import numpy as np
+
 from tests.parity_helpers import BASE, STAGES, STEPS, check_parity
 from tests.runtime_helpers import TINY, parity_world
 from tests.worlds import run_world
 
 # Other code paths that must be just as exact: chunked buckets, no / deeper prefetch,
 # replicated small parameters, hpZ (unquantized it only changes where the bytes come from), blocks
-# coalesced into one unit (stage 2's reduce-scatter, stage 3's gathers and reduce-scatter), the root
-# and the last block kept gathered from forward into backward (keep_at_turn).
+# coalesced into one unit (stage 2's reduce-scatter, stage 3's gathers and reduce-scatter); KEPT: two
+# of them again with the root and the last block kept gathered from forward into backward
+# (keep_at_turn), which must change no bit of the result (the same gathered values, the same sums).
 VARIANTS = [
     dict(BASE, stage=3, prefetch_depth=0, reduce_bucket_size=1000, allgather_bucket_size=1500),
-    dict(BASE, stage=3, prefetch_depth=2, persistence_threshold=100, hpz=True, keep_at_turn=True),
+    dict(BASE, stage=3, prefetch_depth=2, persistence_threshold=100, hpz=True),
     dict(BASE, stage=2, reduce_bucket_size=777, coalesce_numel=10**9),
-    dict(BASE, stage=3, coalesce_numel=10**9, hpz=True, keep_at_turn=True),
+    dict(BASE, stage=3, coalesce_numel=10**9, hpz=True),
     dict(BASE, stage=1, allgather_bucket_size=999),
 ]
+KEPT = [dict(VARIANTS[1], keep_at_turn=True), dict(VARIANTS[3], keep_at_turn=True)]
 
 
 def test_stages_match_single_process_2x2():
-    configs = STAGES + VARIANTS
-    check_parity(run_world(parity_world, 4, 2, configs, STEPS, timeout=240), 4, configs)
+    configs = STAGES + VARIANTS + KEPT
+    results = run_world(parity_world, 4, 2, configs, STEPS, timeout=240)
+    check_parity(results, 4, configs)
+    for kept in KEPT:
+        twin = results[0][configs.index({k: v for k, v in kept.items() if k != "keep_at_turn"})]
+        mine = results[0][configs.index(kept)]
+        assert mine["losses"] == twin["losses"] and mine["norms"] == twin["norms"], kept
+        assert all(np.array_equal(mine["weights"][k], twin["weights"][k]) for k in twin["weights"]), kept
 
 
 def test_stages_match_single_process_3x2():

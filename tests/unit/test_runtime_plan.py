@@ -217,6 +217,13 @@ def test_keep_at_turn_drops_the_backward_gathers_of_the_root_and_the_last_block(
         assert of(kept, kind) == of(base, kind)
     assert [u for u, _, _ in of(kept, CommKind.BWD_ALL_GATHER)] == [2, 1]
     assert [g for g in of(base, CommKind.BWD_ALL_GATHER) if g[0] in (2, 1)] == of(kept, CommKind.BWD_ALL_GATHER)
+    # a last block without parameters is no engine unit: the block before it is the one kept
+    empty_last = build_plan(
+        [100, 40, 40, 0],
+        ZeroConfig(stage=3, keep_at_turn=True, prefetch_depth=prefetch),
+        Topology(nodes=2, ranks_per_node=2),
+    )
+    assert [c.unit for c in empty_last.collectives if c.kind == CommKind.BWD_ALL_GATHER] == [1]
     with pytest.raises(ValueError, match="keep_at_turn"):
         ZeroConfig(stage=2, keep_at_turn=True)
 

@@ -226,7 +226,7 @@ class ZeroConfig:
         if self.keep_at_turn and self.stage != 3:
             raise ValueError(
                 f"keep_at_turn keeps stage-3 units gathered between forward and backward; stage {self.stage} "
-                f"gathers none, so set keep_at_turn=False (or stage=3)"
+                f"has no forward or backward gathers, so set keep_at_turn=False (or stage=3)"
             )
         if self.persistence_threshold and self.stage != 3:
             raise ValueError(

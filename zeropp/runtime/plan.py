@@ -477,7 +477,7 @@ class _Builder:
                     bwd,
                     first=bwd[0],
                     reduce_end=end if cfg.stage >= 2 else None,
-                    kept=(0, *order[:1]) if cfg.keep_at_turn else (),
+                    kept=self.kept_at_turn(order),
                 )
             elif cfg.stage == 2:
                 for ui in order:
@@ -492,6 +492,14 @@ class _Builder:
         if cfg.stage in (1, 2) or cfg.weight_diff is not None:
             for ui in range(len(self.units)):
                 self.refresh(ui, opt + 1)
+
+    def kept_at_turn(self, order: list[int]) -> tuple[int, ...]:
+        """The units ``ZeroConfig.keep_at_turn`` keeps gathered into backward: the root and the last
+        block unit the engine has (one with parameters: an empty block is no engine unit)."""
+        if not self.cfg.keep_at_turn:
+            return ()
+        last = next((ui for ui in order if self.units[ui].numel + self.units[ui].frozen > 0), None)
+        return (0,) if last is None else (0, last)
 
     def gathered(
         self,
