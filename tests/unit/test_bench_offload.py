@@ -26,7 +26,8 @@ def no_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rows_without_deepspeed_say_how_to_install_it(no_deepspeed: None) -> None:
     rows = bench.bench_adam(4097, 2, bench.runners())
     by = {r["kernel"]: r for r in rows}
-    assert set(by) == {"single", "foreach", "fused", "native", "native-exact", "deepspeed"}
+    assert set(by) == {"single", "foreach", "fused", "native", "native-exact", "auto", "deepspeed"}
+    assert by["auto"]["runs"] == bench.auto_choice(4097) == "fused"  # below the threshold
     assert by["deepspeed"] == {"kernel": "deepspeed", "numel": 4097, "skipped": bench.PEERS_HINT}
     assert by["single"]["max_abs_diff"] == 0.0  # the reference's own arithmetic
     if cpu_adamw.available():
@@ -36,6 +37,7 @@ def test_rows_without_deepspeed_say_how_to_install_it(no_deepspeed: None) -> Non
     assert by["fused"]["vs_fused"] == 1.0 and by["fused"]["vs_deepspeed"] is None
     table = "\n".join(bench.adam_table(rows, 2, 2))
     assert "2 threads for every kernel, median of 2 interleaved steps" in table
+    assert "| 4097 | auto (fused) |" in table
     assert "| 4097 | deepspeed | skipped: DeepSpeed: pip install 'zeropp[peers]' |" in table
 
 
