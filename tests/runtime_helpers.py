@@ -211,7 +211,7 @@ def check_offload_model_host_bytes(device: str) -> None:
 def record_native_adamw(monkeypatch: Any) -> list[int]:
     """Make every call of the native CPU AdamW kernel (``zeropp.kernels.cpu_adamw.adamw``) append
     the element count of each tensor it updates to the returned list, then run as before: which
-    shards (or chunks) a kernel choice sent to the native kernel, whatever their bits."""
+    shards (or chunks) went to the native kernel, whatever their bits."""
     from zeropp.kernels import cpu_adamw
 
     calls: list[int] = []

@@ -8,14 +8,14 @@ CPU AdamW: one update of each ``--sizes`` fp32 element count (one tensor: an off
 flat buffer) with each kernel: torch's single-tensor (``foreach=False``; the arithmetic the
 in-memory engine uses), ``foreach``, ``fused`` (torch's fused CPU kernel), ``torch.compile`` of the
 single-tensor step (``--compile``), zeropp's native kernel (``native``, and ``native-exact`` with
-torch's own square root; ``zeropp.kernels.cpu_adamw``), ``auto`` (the offload's default: ``native``
-or ``fused`` by size, the row names which) and DeepSpeed's ``DeepSpeedCPUAdam`` when
+torch's own square root; ``zeropp.kernels.cpu_adamw``) and DeepSpeed's ``DeepSpeedCPUAdam`` when
 ``deepspeed`` is installed (``pip install 'zeropp[peers]'``; the row says so otherwise). All run on
 the same ``torch.get_num_threads()`` threads (``--threads``; DeepSpeed's OpenMP loop too). The
 steps are interleaved (one step of each kernel in turn, ``--repeat`` rounds, after a warm-up; each
-round starts one kernel further along, so that no kernel always runs right after the same one:
-all update the same buffers, and a kernel that follows one which evicted them from the cache, or
-one which just brought them in, would be timed cold or warm every round) and each time is the median. Each kernel is also checked against ``torch.optim.AdamW(foreach=False)``
+round in an order of its own, a shuffle seeded by the round, so that no kernel always runs right
+after the same one: all update the same buffers, and a kernel always timed after one that evicted
+them from the cache, or after one that just brought them in, would be timed cold, or warm, every
+round) and each time is the median. Each kernel is also checked against ``torch.optim.AdamW(foreach=False)``
 after 3 steps on ``min(size, 65536)`` elements: "max |diff|" is the largest absolute weight
 difference (0 = bit-identical). "vs fused" and "vs deepspeed" = that kernel's time / this time
 (> 1: faster).
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -45,7 +46,7 @@ import torch
 
 from zeropp.kernels import cpu_adamw
 from zeropp.runtime.config import OptimizerConfig
-from zeropp.runtime.optimizer import adamw_update, kernel_for
+from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
 
 from ..runner.trainer_registry import TRAINER_SPECS
@@ -120,7 +121,7 @@ def runners(compile_step: bool = False) -> dict[str, Callable[..., None] | str]:
     """Kernel name -> ``run(p, g, m, v, step, lr)`` (one update in place), or why it cannot run."""
     out: dict[str, Callable[..., None] | str] = {
         k: (lambda k: lambda p, g, m, v, s, lr: adamw_update([p], [g], [m], [v], step=s, lr=lr, cfg=CFG, kernel=k))(k)
-        for k in ("single", "foreach", "fused", "native", "native-exact", "auto")
+        for k in ("single", "foreach", "fused", "native", "native-exact")
     }
     if not cpu_adamw.available():
         out["native"] = out["native-exact"] = f"unavailable: {cpu_adamw.FAILED}"
@@ -128,13 +129,6 @@ def runners(compile_step: bool = False) -> dict[str, Callable[..., None] | str]:
         out["compile"] = _compiled_step()
     out["deepspeed"] = _deepspeed_step()
     return out
-
-
-def auto_choice(n: int) -> str:
-    """The kernel ``auto`` runs on a CPU shard of ``n`` elements here (``fused`` where the native
-    kernel is unavailable: the fallback)."""
-    chosen = kernel_for("auto", n)
-    return "fused" if chosen == "native" and not cpu_adamw.available() else chosen
 
 
 def _parity(fn: Callable[..., None], n: int) -> float:
@@ -164,8 +158,8 @@ def bench_adam(n: int, repeat: int, run: dict[str, Callable[..., None] | str]) -
         fn(*state, 1, CFG.lr)
     names = list(ok)
     for s in range(2, 2 + repeat):
-        turn = s % len(names)  # rotate the order: each kernel follows each other one in turn
-        for k in names[turn:] + names[:turn]:
+        random.Random(s).shuffle(names)  # an order per round: no kernel always follows the same one
+        for k in names:
             t0 = time.perf_counter()
             ok[k](*state, s, CFG.lr)
             times[k].append(time.perf_counter() - t0)
@@ -176,8 +170,6 @@ def bench_adam(n: int, repeat: int, run: dict[str, Callable[..., None] | str]) -
             continue
         sec = statistics.median(times[k])
         rows.append({"kernel": k, "numel": n, "seconds": sec, "max_abs_diff": diffs[k], "gelem_per_s": n / sec / 1e9})
-        if k == "auto":
-            rows[-1]["runs"] = auto_choice(n)
     base = {r["kernel"]: r["seconds"] for r in rows if "seconds" in r}
     for r in rows:
         if "seconds" in r:
@@ -274,9 +266,8 @@ def adam_table(adam: list[dict[str, Any]], threads: int, repeat: int) -> list[st
             lines.append(f"| {r['numel']} | {r['kernel']} | {r['skipped']} | | | | |")
             continue
         vs_ds = "" if r["vs_deepspeed"] is None else f"{r['vs_deepspeed']:.2f}x"
-        name = f"{r['kernel']} ({r['runs']})" if "runs" in r else r["kernel"]
         lines.append(
-            f"| {r['numel']} | {name} | {r['seconds'] * 1e3:.2f} | {r['gelem_per_s']:.3f} | "
+            f"| {r['numel']} | {r['kernel']} | {r['seconds'] * 1e3:.2f} | {r['gelem_per_s']:.3f} | "
             f"{r['vs_fused']:.2f}x | {vs_ds} | {r['max_abs_diff']:.3g} |"
         )
     return lines

@@ -3,9 +3,8 @@
 Reference: the in-memory run of the same switches (itself checked against single-process
 torch training by test_runtime_parity.py). With ``cpu_adam="single"`` or ``"native-exact"`` the
 offloaded step does the same arithmetic, so losses, gradient norms and weights must be
-bit-identical; with torch's fused CPU AdamW, the ``native`` kernel (a different rounding of the same
-update, see ``offload.py``; ``native`` differs only where its IEEE square root does) or ``auto`` (the
-default: one of the two per shard by size; here with its threshold set so that both run) the whole model's
+bit-identical; with torch's fused CPU AdamW or the ``native`` kernel (the default; a different rounding
+of the same update, see ``offload.py``; ``native`` differs only where its IEEE square root does) the whole model's
 weights must agree to ``FUSED_TOL`` (norm-relative, all weights as one vector) and the losses to
 ``FUSED_LOSS_TOL`` (relative). Single weights may differ more: a parameter whose true gradient is
 zero (the key bias, by softmax invariance) gets rounding noise as gradient, and Adam turns any
@@ -57,9 +56,8 @@ RUNS = {
     "s3_fused": ("s3", dict(F32, stage=3, **CPU3), "fused"),
     "s3_nvme_fused": ("s3", dict(F32, stage=3, **NVME3), "fused"),
     "s1_native": ("s1", dict(F32, stage=1, **CPU), "native"),
+    "s3_nvme_native": ("s3", dict(F32, stage=3, **NVME3), "native"),
     "s3_nvme_native_exact": ("s3", dict(F32, stage=3, **NVME3), "native-exact"),
-    "s1_auto": ("s1", dict(F32, stage=1, **CPU), "auto"),
-    "s3_nvme_auto": ("s3", dict(F32, stage=3, **NVME3), "auto"),
     "hpz": (None, dict(F32, stage=3, hpz=True), "single"),
     "hpz_cpu": ("hpz", dict(F32, stage=3, hpz=True, **CPU3), "single"),
     "hpz_nvme": ("hpz", dict(F32, stage=3, hpz=True, **NVME3), "single"),
@@ -77,7 +75,7 @@ RUNS = {
 
 def _train(rank: int, world: int, kw: dict, cpu_adam: str, nvme: str) -> dict:
     from zeropp.comm import Topology
-    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine, optimizer
+    from zeropp.runtime import OptimizerConfig, ZeroConfig, ZeroEngine
 
     if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_param")):
         kw = dict(kw, nvme_path=nvme)
@@ -89,11 +87,7 @@ def _train(rank: int, world: int, kw: dict, cpu_adam: str, nvme: str) -> dict:
         topology=Topology(nodes=2, ranks_per_node=world // 2),
         cpu_adam=cpu_adam,
     )
-    auto_min = optimizer.AUTO_NATIVE_MIN_NUMEL
-    if cpu_adam == "auto":  # the tiny model's shards are all below 2M: native for the largest, fused for the rest
-        optimizer.AUTO_NATIVE_MIN_NUMEL = max(eng.optim.numels)
     try:
-        kernels = sorted({optimizer.kernel_for(cpu_adam, n) for n in eng.optim.numels})
         res = [eng.train_step(rank_batches(s, zc.grad_accum_steps, rank)) for s in range(STEPS)]
         tiers = {
             "optimizer": eng.optim.memory_by_tier(),
@@ -107,10 +101,8 @@ def _train(rank: int, world: int, kw: dict, cpu_adam: str, nvme: str) -> dict:
             "num_params": eng.num_params,
             "tiers": tiers,
             "weights": {k: v.numpy() for k, v in eng.consolidated_state_dict().items()},
-            "kernels": kernels,
         }
     finally:
-        optimizer.AUTO_NATIVE_MIN_NUMEL = auto_min
         eng.close()
 
 
@@ -146,11 +138,6 @@ def test_offload_matches_the_in_memory_run(runs):
             assert err <= FUSED_TOL and (err > 0 or adam == "native"), (name, err)  # fused: its rounding shows
             assert max(float(abs(got["weights"][k] - want["weights"][k]).max()) for k in keys) <= 2 * LR * STEPS
     assert runs["leftover_files"] == []
-
-
-def test_auto_ran_native_on_the_large_shards_and_fused_on_the_rest(runs):
-    for name in ("s1_auto", "s3_nvme_auto"):
-        assert runs[name]["kernels"] == ["fused", "native"], name
 
 
 def test_hpz_with_offload_has_the_right_nonzero_gradient_norm(runs):

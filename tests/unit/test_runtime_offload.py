@@ -26,48 +26,42 @@ def test_bad_offload_input_is_refused_before_training(tmp_path):
         ZeroEngine(make_model(), config=ZeroConfig(stage=1, offload_optimizer="cpu"), cpu_adam="avx512")
 
 
-def test_auto_runs_native_on_shards_from_the_threshold_and_fused_below(monkeypatch):
-    """The offload's default kernel picks per shard: shards at and above the threshold go to the
-    native kernel, the one just below it to torch's fused one (a kernel chosen once for all shards
-    fails here), and each shard's state is that kernel's."""
+def test_both_offload_tiers_run_the_native_kernel_by_default(tmp_path, monkeypatch):
+    """The offload default (engine, host tier, nvme tier): every element of every shard goes to the
+    native kernel, chunk by chunk in the nvme tier, and both end with its bits."""
+    import inspect
+
     import torch
 
     from zeropp.kernels import cpu_adamw
-    from zeropp.runtime import OptimizerConfig, optimizer
-    from zeropp.runtime.offload import DEFAULT_CPU_KERNEL, HostAdamW
+    from zeropp.runtime import OptimizerConfig, ShardedAdamW, ZeroEngine
+    from zeropp.runtime.offload import DEFAULT_CPU_KERNEL, HostAdamW, SwappedAdamW
+    from zeropp.runtime.swap import SwapSpace
 
+    assert DEFAULT_CPU_KERNEL == "native"
+    assert inspect.signature(ZeroEngine).parameters["cpu_adam"].default == "native"
     if not cpu_adamw.available():
         pytest.skip(f"native CPU AdamW unavailable here: {cpu_adamw.FAILED}")
-    assert DEFAULT_CPU_KERNEL == "auto"
-    monkeypatch.setattr(optimizer, "AUTO_NATIVE_MIN_NUMEL", 4096)
-    sizes, steps = (4095, 4096, 5000), 3
+    cfg, sizes, steps = OptimizerConfig(lr=1e-2, weight_decay=0.1), (5, 4099), 3
     g = torch.Generator().manual_seed(0)
     masters = [torch.randn(n, generator=g) for n in sizes]
     grads = [[torch.randn(n, generator=g) for n in sizes] for _ in range(steps)]
-
-    def run(kernel: str) -> HostAdamW:
-        opt = HostAdamW([m.clone() for m in masters], OptimizerConfig(lr=1e-2, weight_decay=0.1),
-                        device=torch.device("cpu"), kernel=kernel)  # fmt: skip
-        for gs in grads:
-            opt.step([x.clone() for x in gs])
-        return opt
-
-    fused, native = run("fused"), run("native")
+    ref = ShardedAdamW([m.clone() for m in masters], cfg, kernel="native")
+    for gs in grads:
+        ref.step(gs)
     calls = record_native_adamw(monkeypatch)
-    auto = run("auto")
-    assert calls == [4096, 5000] * steps
-    for i, n in enumerate(sizes):
-        want = native if n >= 4096 else fused
-        for name in auto.STATE:
-            assert torch.equal(auto.state_tensor(name, i), want.state_tensor(name, i)), (n, name)
-
-
-def test_auto_threshold_and_where_it_does_not_apply():
-    from zeropp.runtime.optimizer import AUTO_NATIVE_MIN_NUMEL, kernel_for
-
-    assert AUTO_NATIVE_MIN_NUMEL == 1 << 21  # the measured threshold the docstrings state (2M)
-    assert kernel_for("auto", AUTO_NATIVE_MIN_NUMEL) == "native"
-    assert kernel_for("auto", AUTO_NATIVE_MIN_NUMEL - 1) == "fused"
-    assert kernel_for("auto", 1 << 30, "cuda") == "fused"  # the native kernel runs on CPU tensors only
-    for k in ("single", "foreach", "fused", "native", "native-exact"):
-        assert kernel_for(k, 1) == kernel_for(k, 1 << 30) == k
+    sp = SwapSpace(tmp_path, 0, buffers=3, buffer_size=1000)  # chunks of 320 elements
+    try:
+        for opt in (
+            HostAdamW([m.clone() for m in masters], cfg, device=torch.device("cpu")),
+            SwappedAdamW([m.clone() for m in masters], cfg, space=sp),
+        ):
+            calls.clear()
+            for gs in grads:
+                opt.step([x.clone() for x in gs])
+            assert sum(calls) == steps * sum(sizes), type(opt).__name__
+            for name in ShardedAdamW.STATE:
+                for i in range(len(sizes)):
+                    assert torch.equal(opt.state_tensor(name, i), ref.state_tensor(name, i)), (name, i)
+    finally:
+        sp.close()

@@ -16,26 +16,23 @@ Optimizer state (``zero.offload_optimizer``):
   (``swap.py``); the step streams them through the staging buffers chunk by chunk (read ahead,
   update, write behind), so host memory stays ``swap_buffers * swap_buffer_size`` fp32 elements.
 
-The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``): ``auto`` by default, which picks per
-shard by its size (``optimizer.kernel_for``): ``native``, zeropp's one-pass C++ kernel
-(``zeropp.kernels.cpu_adamw``: AVX-512 / AVX2 loops, torch's OpenMP threads taking tiles of the
-shard, built at first use), for shards of at least ``optimizer.AUTO_NATIVE_MIN_NUMEL`` elements
-(2M), and torch's fused CPU ``AdamW`` (``fused``) below. ``python -m experiments.bench_offload``
-times them beside torch's single-tensor and ``foreach`` paths and DeepSpeed's ``DeepSpeedCPUAdam``
-at 1M-64M elements on the same threads (docs/benchmarks.md): ``native`` is at or above DeepSpeed's
-speed at every size and ahead of ``fused`` from 4M on (memory-bound), while at 1M (L3-resident)
-quiet runs had ``fused`` ahead or behind by turns; the threshold keeps each shard on the faster of
-the two by those runs and never slower than ``fused``. The nvme tier resolves ``auto`` once per shard
-(not per staged chunk), so a shard runs the same kernel, with the same bits, in either tier. Either
-kernel rounds differently from the single-tensor arithmetic the in-memory engine uses (max 1.5e-8
-from ``AdamW(foreach=False)`` after 3 steps on unit-scale weights; ``native`` differs from it only
-where the CPU's IEEE square root differs from torch's, MKL's, by an ulp): an offloaded run with
-``fused``, ``native`` or ``auto`` matches the in-memory run to a tolerance
+The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``), in both tiers: ``native`` by
+default, zeropp's one-pass C++ kernel (``zeropp.kernels.cpu_adamw``: AVX-512 / AVX2 loops, torch's
+OpenMP threads taking tiles of the shard, built at first use); ``fused`` is torch's fused CPU
+``AdamW``. ``python -m experiments.bench_offload`` times both beside torch's single-tensor and
+``foreach`` paths and DeepSpeed's ``DeepSpeedCPUAdam`` on the same threads (docs/benchmarks.md).
+The rule: ``native`` is the default while paired runs have it at or ahead of ``fused`` at every
+shard size from 16K to 64M elements (they do: 1.0-1.9x on the loaded 2-core development machine
+and on a quiet 2-core Xeon slice; from 16M on all kernels, DeepSpeed's too, are near the memory
+bound). The fused kernel rounds differently from the single-tensor arithmetic the in-memory engine
+uses (max 1.5e-8 from ``AdamW(foreach=False)`` after 3 steps on unit-scale weights), and ``native``
+differs from it only where the CPU's IEEE square root differs from torch's (MKL's, by an ulp): an
+offloaded run with either matches the in-memory run to a tolerance
 (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6
 relative, after 3 steps). ``cpu_adam="native-exact"`` takes torch's own square root and, like
 ``"single"`` (torch's single-tensor path, slower), is bit-exact with the in-memory engine; the
 tests check each. A native kernel that cannot be built (no C++ compiler) falls back to ``fused``
-(``native-exact``: to ``single``) with one warning; ``auto`` then runs ``fused`` everywhere.
+(``native-exact``: to ``single``) with one warning.
 
 Parameters (``zero.offload_param``, stage 3) -> :class:`ParamStore`: the rank's compute-dtype
 shard of each sharded unit, and the stored shard of each frozen unit (compute dtype, or MixZ++'s
@@ -56,13 +53,13 @@ import torch
 
 from .choices import OffloadTier
 from .config import OptimizerConfig, ZeroConfig
-from .optimizer import KERNELS, TIERS, AdamWShards, ShardedAdamW, adamw_update, kernel_for, tensor_bytes
+from .optimizer import KERNELS, TIERS, AdamWShards, ShardedAdamW, adamw_update, tensor_bytes
 from .partition import FlatUnit
 from .swap import Segment, SwapSpace
 
-DEFAULT_CPU_KERNEL = "auto"
-"""The CPU AdamW kernel the offloaded optimizer uses unless told otherwise: ``native`` or ``fused``
-by shard size (see module docstring)."""
+DEFAULT_CPU_KERNEL = "native"
+"""The CPU AdamW kernel the offloaded optimizer (host and nvme tiers) uses unless told otherwise
+(see module docstring for the rule that chose it)."""
 
 
 def _host_zeros(n: int, pin: bool) -> torch.Tensor:
@@ -197,14 +194,12 @@ class SwappedAdamW(AdamWShards):
                 chunks.append(c)
                 where.append((i, lo, lo + c[0].numel))
         # the stream drives the loop (zip would stop before resuming it to write the last chunk back)
-        # auto picks by the shard's size, not the chunk's: each chunk runs the shard's in-memory kernel
-        kernels = [kernel_for(self.kernel, n) for n in self._numels]
         for k, (p, m, v) in enumerate(self.space.stream(chunks, read=True, write=True)):
             i, lo, hi = where[k]
             g = grads[i][lo:hi]
             if g.device.type != "cpu":
                 g = g.to("cpu")
-            adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=kernels[i])
+            adamw_update([p], [g], [m], [v], step=self.step_count, lr=lr, cfg=self.cfg, kernel=self.kernel)
         if on_updated is not None:
             for i in range(len(self._numels)):
                 on_updated(i)

@@ -10,9 +10,8 @@ CPU kernel rounds differently (about 1 ulp of the update, 1e-8 absolute on unit-
 after a step). ``kernel="native"`` and ``"native-exact"`` run ``zeropp.kernels.cpu_adamw``, the
 one-pass CPU kernel the CPU offload can use (``cpu_adam=``, see ``offload.py``): ``native-exact`` is bit-identical
 to ``single``; ``native`` uses the IEEE square root where torch's differs by an ulp (m and v
-identical, weights within about an ulp per step). ``kernel="auto"`` (the offload's default) picks
-one of ``native`` and ``fused`` per shard by its size (:func:`kernel_for`). A native kernel that
-cannot be built falls back to ``fused`` / ``single`` with one warning.
+identical, weights within about an ulp per step). A native kernel that cannot be built falls
+back to ``fused`` / ``single`` with one warning.
 
 Every optimizer-state holder (this class, and ``offload.HostAdamW`` / ``offload.SwappedAdamW``)
 offers the same small interface the engine and the checkpoint use: ``step(grads, on_updated)``, ``lr``,
@@ -34,19 +33,10 @@ from zeropp.kernels import cpu_adamw
 from .choices import MemoryTier
 from .config import OptimizerConfig
 
-KERNELS = ("single", "foreach", "fused", "native", "native-exact", "auto")
-"""The AdamW kernels: torch's single-tensor, ``foreach`` and fused paths, the native CPU kernel
+KERNELS = ("single", "foreach", "fused", "native", "native-exact")
+"""The AdamW kernels: torch's single-tensor, ``foreach`` and fused paths, and the native CPU kernel
 (``zeropp.kernels.cpu_adamw``; ``native-exact`` takes torch's own square root and is bit-exact
-with ``single``, ``native`` the CPU's IEEE one), and ``auto``: ``native`` or ``fused`` by shard
-size (:func:`kernel_for`)."""
-AUTO_NATIVE_MIN_NUMEL = 1 << 21
-"""``kernel="auto"`` runs ``native`` on CPU shards of at least this many elements (2M) and
-``fused`` below. Measured with ``python -m experiments.bench_offload`` on the 2-core machine
-(docs/benchmarks.md): in quiet runs ``native`` was 1.13-1.16x ``fused`` at 4M elements and at or
-above it at 16M and 64M (memory-bound), and 0.92x at 1M (compute-bound in the L3, where the two
-kernels' step times swing by more than their difference from run to run); interpolating the ratio
-in log-size puts the crossing near 1.7M, so shards from 2M on take ``native`` and smaller ones keep
-``fused``, the kernel they ran before (no shard size is slower than with ``fused``)."""
+with ``single``, ``native`` the CPU's IEEE one)."""
 TIERS = MemoryTier.values()
 
 _FALLBACK = {"native": "fused", "native-exact": "single"}
@@ -76,17 +66,6 @@ def _native_or_fallback(kernel: str, tensors: Sequence[torch.Tensor]) -> str:
     return _FALLBACK[kernel]
 
 
-def kernel_for(kernel: str, numel: int, device_type: str = "cpu") -> str:
-    """The kernel that updates a shard of ``numel`` elements on ``device_type``: ``kernel`` itself,
-    except ``auto``: ``native`` for CPU shards of at least :data:`AUTO_NATIVE_MIN_NUMEL` elements,
-    ``fused`` for smaller ones and off the CPU (torch's fused AdamW runs on CUDA too). A caller that
-    updates a shard in chunks (the nvme tier) asks once for the whole shard, so that every chunk
-    runs the kernel the in-memory update of that shard runs (the same bits)."""
-    if kernel != "auto":
-        return kernel
-    return "native" if device_type == "cpu" and numel >= AUTO_NATIVE_MIN_NUMEL else "fused"
-
-
 def adamw_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -102,15 +81,9 @@ def adamw_update(
     1-based count including this update. Element-wise: with ``single``, ``foreach`` and the native
     kernels, updating a tensor in chunks gives the same bits as updating it whole; the ``fused`` CPU
     kernel rounds its SIMD body and its scalar tail differently, so it does so only for chunks that
-    are whole SIMD blocks (the nvme tier cuts chunks at multiples of ``swap.ALIGN`` elements for that).
-    ``auto`` picks each tensor's kernel by its own size (:func:`kernel_for`)."""
+    are whole SIMD blocks (the nvme tier cuts chunks at multiples of ``swap.ALIGN`` elements for that)."""
     if kernel not in KERNELS:
         raise ValueError(f"AdamW kernel={kernel!r}; use one of {KERNELS}")
-    if kernel == "auto":
-        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            chosen = kernel_for(kernel, p.numel(), p.device.type)
-            adamw_update([p], [g], [m], [v], step=step, lr=lr, cfg=cfg, kernel=chosen)
-        return
     (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
     kernel = _native_or_fallback(kernel, params)
     hp = cpu_adamw.AdamWStep(step=step, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
