@@ -22,12 +22,13 @@ OpenMP threads taking tiles of the shard, built at first use); ``fused`` is torc
 ``AdamW``. ``python -m experiments.bench_offload`` times both beside torch's single-tensor and
 ``foreach`` paths and DeepSpeed's ``DeepSpeedCPUAdam`` on the same threads (docs/benchmarks.md).
 The rule: ``native`` is the default while paired runs have it at or ahead of ``fused`` at every
-shard size from 16K to 64M elements (they do: 1.0-1.9x on the loaded 2-core development machine
-and on a quiet 2-core Xeon slice; from 16M on all kernels, DeepSpeed's too, are near the memory
-bound). The fused kernel rounds differently from the single-tensor arithmetic the in-memory engine
-uses (max 1.5e-8 from ``AdamW(foreach=False)`` after 3 steps on unit-scale weights), and ``native``
-differs from it only where the CPU's IEEE square root differs from torch's (MKL's, by an ulp): an
-offloaded run with either matches the in-memory run to a tolerance
+shard size from 16K to 64M elements. They do, within the runs' spread, on the loaded 2-core
+development machine and on a quiet 2-core Xeon slice: 1.05-2.1x from 16K to 1M, 0.98-1.2x from
+2M to 64M, where the step nears the memory bound for every kernel, DeepSpeed's too. The fused
+kernel rounds differently from the single-tensor arithmetic the in-memory engine uses (max 1.5e-8
+from ``AdamW(foreach=False)`` after 3 steps on unit-scale weights), and ``native`` differs from it
+only where the CPU's IEEE square root differs from torch's (MKL's, by an ulp): an offloaded run
+with either matches the in-memory run to a tolerance
 (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6
 relative, after 3 steps). ``cpu_adam="native-exact"`` takes torch's own square root and, like
 ``"single"`` (torch's single-tensor path, slower), is bit-exact with the in-memory engine; the
