@@ -1,8 +1,11 @@
 // One AdamW step over fp32 flat buffers in one pass: the arithmetic of torch.optim.AdamW's
 // single-tensor path (foreach=False), element for element. Built by kernels/cpu_adamw.py at first
 // use (g++ -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp, no fast-math) and called
-// through ctypes. The range is cut into tiles of TILE elements that up to `threads` threads of an
-// OpenMP team take in turn from a shared counter (a thread the OS holds back does fewer tiles).
+// through ctypes. The range is cut into tiles that up to `threads` threads of an OpenMP team take
+// in turn from a shared counter (a thread the OS holds back does fewer tiles): TILE elements, or
+// for a range of fewer than TILES_PER_THREAD tiles per thread, smaller tiles (whole BLOCKs, at least
+// MIN_TILE) so that every thread still gets several (tile_size()); a range of at most MIN_TILE
+// elements runs on the calling thread alone.
 // The team is torch's own: libgomp is loaded by name (libgomp.so.1), and torch's CPU library,
 // loaded first, has already brought in its copy under that name, so the kernel runs on the
 // threads torch's element-wise ops just used (still spinning for work after them) instead of
@@ -48,6 +51,8 @@ namespace {
 
 constexpr i64 BLOCK = 1024;  // 4 KiB per array: p, g, m, v and the roots of a block stay in L1
 constexpr i64 TILE = 1 << 16;  // 256 KiB per array, a multiple of BLOCK: what a thread takes at a time
+constexpr i64 MIN_TILE = 1 << 14;  // 64 KiB per array (a few microseconds of work): the smallest tile
+constexpr i64 TILES_PER_THREAD = 4;  // below TILE * TILES_PER_THREAD * threads, tiles shrink to keep this many
 constexpr int SPAN = 8;        // vectors of each array loaded in a row (8 x 64 bytes with AVX-512)
 
 struct Args {
@@ -193,12 +198,23 @@ void run(const Args& a, i64 lo, i64 hi) {
     }
 }
 
-// Takes tiles from `next` until none is left (each tile is updated by exactly one thread).
-void take_tiles(const Args& a, std::atomic<i64>* next, i64 n) {
+// The tile for n elements on `threads` threads: TILE, or for a small range n / (threads *
+// TILES_PER_THREAD) rounded up to whole BLOCKs, at least MIN_TILE. With one tile per thread, a
+// thread that starts late (woken, or held back by the OS) leaves the other idle for up to a whole
+// tile at the end; with several, the counter evens that out. Tiles stay whole BLOCKs, so every
+// tile, and with sqrt_fn every block, starts at a multiple of BLOCK whatever n and threads are.
+i64 tile_size(i64 n, i64 threads) {
+    const i64 want = (n + threads * TILES_PER_THREAD - 1) / (threads * TILES_PER_THREAD);
+    const i64 tile = (want + BLOCK - 1) / BLOCK * BLOCK;
+    return tile < MIN_TILE ? MIN_TILE : tile > TILE ? TILE : tile;
+}
+
+// Takes tiles of `tile` elements from `next` until none is left (each tile is updated by exactly one thread).
+void take_tiles(const Args& a, std::atomic<i64>* next, i64 n, i64 tile) {
     for (;;) {
-        const i64 lo = next->fetch_add(TILE, std::memory_order_relaxed);
+        const i64 lo = next->fetch_add(tile, std::memory_order_relaxed);
         if (lo >= n) return;
-        run(a, lo, lo + TILE < n ? lo + TILE : n);
+        run(a, lo, lo + tile < n ? lo + tile : n);
     }
 }
 
@@ -212,7 +228,8 @@ extern "C" int za_adamw(float* p, const float* g, float* m, float* v, i64 n, int
     if (n < 0 || threads < 1) return -1;
     const Args a{p, g, m, v, decay, coeff, beta2, omb2, bc2_sqrt, eps, neg_step, apply_decay, base_is_m, sqrt_fn,
                  sqrt_mode};
-    const i64 tiles = (n + TILE - 1) / TILE;  // one tile (n <= 64K): the calling thread alone
+    const i64 tile = tile_size(n, threads);
+    const i64 tiles = (n + tile - 1) / tile;  // one tile (n <= MIN_TILE): the calling thread alone
     const i64 workers = threads < tiles ? threads : tiles;
     if (workers <= 1) {
         run(a, 0, n);
@@ -220,6 +237,6 @@ extern "C" int za_adamw(float* p, const float* g, float* m, float* v, i64 n, int
     }
     std::atomic<i64> next{0};
 #pragma omp parallel num_threads((int)workers)
-    take_tiles(a, &next, n);
+    take_tiles(a, &next, n, tile);
     return 0;
 }

@@ -206,3 +206,20 @@ def check_offload_model_host_bytes(device: str) -> None:
         assert tiers[1] == {"device": 0, "host": tiers[0]["device"], "disk": 0}, (ckpt, tiers)
         if handle is not None:
             handle.remove()
+
+
+def record_native_adamw(monkeypatch: Any) -> list[int]:
+    """Make every call of the native CPU AdamW kernel (``zeropp.kernels.cpu_adamw.adamw``) append
+    the element count of each tensor it updates to the returned list, then run as before: which
+    shards (or chunks) went to the native kernel, whatever their bits."""
+    from zeropp.kernels import cpu_adamw
+
+    calls: list[int] = []
+    real = cpu_adamw.adamw
+
+    def adamw(params, *args: Any, **kwargs: Any) -> None:
+        calls.extend(p.numel() for p in params)
+        real(params, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_adamw, "adamw", adamw)
+    return calls

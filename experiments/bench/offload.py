@@ -11,8 +11,11 @@ single-tensor step (``--compile``), zeropp's native kernel (``native``, and ``na
 torch's own square root; ``zeropp.kernels.cpu_adamw``) and DeepSpeed's ``DeepSpeedCPUAdam`` when
 ``deepspeed`` is installed (``pip install 'zeropp[peers]'``; the row says so otherwise). All run on
 the same ``torch.get_num_threads()`` threads (``--threads``; DeepSpeed's OpenMP loop too). The
-steps are interleaved (one step of each kernel in turn, ``--repeat`` rounds, after a warm-up) and
-each time is the median. Each kernel is also checked against ``torch.optim.AdamW(foreach=False)``
+steps are interleaved (one step of each kernel in turn, ``--repeat`` rounds, after a warm-up; each
+round in an order of its own, a shuffle seeded by the round, so that no kernel always runs right
+after the same one: all update the same buffers, and a kernel always timed after one that evicted
+them from the cache, or after one that just brought them in, would be timed cold, or warm, every
+round) and each time is the median. Each kernel is also checked against ``torch.optim.AdamW(foreach=False)``
 after 3 steps on ``min(size, 65536)`` elements: "max |diff|" is the largest absolute weight
 difference (0 = bit-identical). "vs fused" and "vs deepspeed" = that kernel's time / this time
 (> 1: faster).
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -152,10 +156,12 @@ def bench_adam(n: int, repeat: int, run: dict[str, Callable[..., None] | str]) -
     times: dict[str, list[float]] = {k: [] for k in ok}
     for fn in ok.values():  # warm-up (and compilation)
         fn(*state, 1, CFG.lr)
+    names = list(ok)
     for s in range(2, 2 + repeat):
-        for k, fn in ok.items():
+        random.Random(s).shuffle(names)  # an order per round: no kernel always follows the same one
+        for k in names:
             t0 = time.perf_counter()
-            fn(*state, s, CFG.lr)
+            ok[k](*state, s, CFG.lr)
             times[k].append(time.perf_counter() - t0)
     rows: list[dict[str, Any]] = []
     for k, fn in run.items():

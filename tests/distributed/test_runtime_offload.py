@@ -3,7 +3,7 @@
 Reference: the in-memory run of the same switches (itself checked against single-process
 torch training by test_runtime_parity.py). With ``cpu_adam="single"`` or ``"native-exact"`` the
 offloaded step does the same arithmetic, so losses, gradient norms and weights must be
-bit-identical; with torch's fused CPU AdamW (the default) or the ``native`` kernel (a different rounding
+bit-identical; with torch's fused CPU AdamW or the ``native`` kernel (the default; a different rounding
 of the same update, see ``offload.py``; ``native`` differs only where its IEEE square root does) the whole model's
 weights must agree to ``FUSED_TOL`` (norm-relative, all weights as one vector) and the losses to
 ``FUSED_LOSS_TOL`` (relative). Single weights may differ more: a parameter whose true gradient is
@@ -56,6 +56,7 @@ RUNS = {
     "s3_fused": ("s3", dict(F32, stage=3, **CPU3), "fused"),
     "s3_nvme_fused": ("s3", dict(F32, stage=3, **NVME3), "fused"),
     "s1_native": ("s1", dict(F32, stage=1, **CPU), "native"),
+    "s3_nvme_native": ("s3", dict(F32, stage=3, **NVME3), "native"),
     "s3_nvme_native_exact": ("s3", dict(F32, stage=3, **NVME3), "native-exact"),
     "hpz": (None, dict(F32, stage=3, hpz=True), "single"),
     "hpz_cpu": ("hpz", dict(F32, stage=3, hpz=True, **CPU3), "single"),

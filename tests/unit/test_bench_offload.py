@@ -60,3 +60,22 @@ def test_the_command_prints_both_tables(no_deepspeed: None, tmp_path, capsys: py
     assert "1 threads for every kernel" in out and "| 1024 | native |" in out
     assert "Swap vs plain sequential I/O, 1 MiB" in out and "SwappedAdamW step, 1024 elements" in out
     assert list(tmp_path.iterdir()) == []  # the swap test removed its files
+
+
+def test_rounds_are_shuffled_so_no_kernel_always_follows_the_same_one() -> None:
+    """The kernels share the buffers, so the one before a kernel decides whether it finds them in
+    the cache: over the timed steps, each kernel runs right after each of the others."""
+    log: list[str] = []
+
+    def kernel(name: str):
+        return lambda p, g, m, v, s, lr: log.append(name)
+
+    names, repeat = ["fused", "x", "y"], 8
+    rows = bench.bench_adam(64, repeat, {k: kernel(k) for k in names})
+    assert [r["kernel"] for r in rows] == names  # the table keeps the kernels' order
+    timed = log[-3 * repeat :]  # after the parity checks (3 steps each) and one warm-up step each
+    rounds = [timed[i : i + 3] for i in range(0, len(timed), 3)]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1
+    after = {(a, b) for a, b in zip(timed, timed[1:]) if a != b}
+    assert after == {(a, b) for a in names for b in names if a != b}

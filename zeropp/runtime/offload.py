@@ -16,22 +16,24 @@ Optimizer state (``zero.offload_optimizer``):
   (``swap.py``); the step streams them through the staging buffers chunk by chunk (read ahead,
   update, write behind), so host memory stays ``swap_buffers * swap_buffer_size`` fp32 elements.
 
-The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``): torch's fused CPU ``AdamW``
-(``fused``) by default; ``native`` is zeropp's one-pass C++ kernel (``zeropp.kernels.cpu_adamw``:
-AVX-512 / AVX2 loops, torch's OpenMP threads taking tiles of the shard, built at first use).
-``python -m experiments.bench_offload`` times both beside torch's single-tensor and ``foreach``
-paths and DeepSpeed's ``DeepSpeedCPUAdam`` at 1M-64M elements on the same threads
-(docs/benchmarks.md); ``native`` becomes the default once a quiet run shows it ahead of ``fused``
-at every size (on the loaded 2-core machine it is ahead of DeepSpeed's at 16M and 64M and of
-``fused`` at 16M, behind ``fused`` at 1M). The fused kernel rounds differently from the
-single-tensor arithmetic the in-memory engine uses (max 1.5e-8 from ``AdamW(foreach=False)`` after
-3 steps on unit-scale weights), and ``native`` differs from it only where the CPU's IEEE square
-root differs from torch's (MKL's, by an ulp): an offloaded run with either matches the in-memory
-run to a tolerance (tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5
-norm-relative, losses 1e-6 relative, after 3 steps). ``cpu_adam="native-exact"`` takes torch's
-own square root and, like ``"single"`` (torch's single-tensor path, slower), is bit-exact with
-the in-memory engine; the tests check each. A native kernel that cannot be built (no C++
-compiler) falls back to ``fused`` (``native-exact``: to ``single``) with one warning.
+The CPU AdamW kernel (``cpu_adam=``, ``DEFAULT_CPU_KERNEL``), in both tiers: ``native`` by
+default, zeropp's one-pass C++ kernel (``zeropp.kernels.cpu_adamw``: AVX-512 / AVX2 loops, torch's
+OpenMP threads taking tiles of the shard, built at first use); ``fused`` is torch's fused CPU
+``AdamW``. ``python -m experiments.bench_offload`` times both beside torch's single-tensor and
+``foreach`` paths and DeepSpeed's ``DeepSpeedCPUAdam`` on the same threads (docs/benchmarks.md).
+The rule: ``native`` is the default while paired runs have it at or ahead of ``fused`` at every
+shard size from 16K to 64M elements. They do, within the runs' spread, on the loaded 2-core
+development machine and on a quiet 2-core Xeon slice: 1.05-2.1x from 16K to 1M, 0.98-1.2x from
+2M to 64M, where the step nears the memory bound for every kernel, DeepSpeed's too. The fused
+kernel rounds differently from the single-tensor arithmetic the in-memory engine uses (max 1.5e-8
+from ``AdamW(foreach=False)`` after 3 steps on unit-scale weights), and ``native`` differs from it
+only where the CPU's IEEE square root differs from torch's (MKL's, by an ulp): an offloaded run
+with either matches the in-memory run to a tolerance
+(tests/{unit,distributed}/test_runtime_offload.py: weights 1e-5 norm-relative, losses 1e-6
+relative, after 3 steps). ``cpu_adam="native-exact"`` takes torch's own square root and, like
+``"single"`` (torch's single-tensor path, slower), is bit-exact with the in-memory engine; the
+tests check each. A native kernel that cannot be built (no C++ compiler) falls back to ``fused``
+(``native-exact``: to ``single``) with one warning.
 
 Parameters (``zero.offload_param``, stage 3) -> :class:`ParamStore`: the rank's compute-dtype
 shard of each sharded unit, and the stored shard of each frozen unit (compute dtype, or MixZ++'s
@@ -56,8 +58,9 @@ from .optimizer import KERNELS, TIERS, AdamWShards, ShardedAdamW, adamw_update, 
 from .partition import FlatUnit
 from .swap import Segment, SwapSpace
 
-DEFAULT_CPU_KERNEL = "fused"
-"""The CPU AdamW kernel the offloaded optimizer uses unless told otherwise (see module docstring)."""
+DEFAULT_CPU_KERNEL = "native"
+"""The CPU AdamW kernel the offloaded optimizer (host and nvme tiers) uses unless told otherwise
+(see module docstring for the rule that chose it)."""
 
 
 def _host_zeros(n: int, pin: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ the tests demand exact parity. ``kernel="foreach"`` and ``kernel="fused"`` run t
 multi-tensor and fused AdamW kernels (``torch.optim.adamw.adamw``) on the same state; the fused
 CPU kernel rounds differently (about 1 ulp of the update, 1e-8 absolute on unit-scale weights
 after a step). ``kernel="native"`` and ``"native-exact"`` run ``zeropp.kernels.cpu_adamw``, the
-one-pass CPU kernel the CPU offload can use (``cpu_adam=``, see ``offload.py``): ``native-exact`` is bit-identical
+one-pass CPU kernel the CPU offload uses by default (``cpu_adam=``, see ``offload.py``): ``native-exact`` is bit-identical
 to ``single``; ``native`` uses the IEEE square root where torch's differs by an ulp (m and v
 identical, weights within about an ulp per step). A native kernel that cannot be built falls
 back to ``fused`` / ``single`` with one warning.
