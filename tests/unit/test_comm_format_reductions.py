@@ -1,0 +1,206 @@
+"""The float-format codecs' fused reductions over received wire rows (``FormatCodec.dequantize_sum``
+and ``dequantize_sum_requantize``: the native kernels of ``kernels/cpu_formats.cpp``) against
+their specification, the codecs' generic path (``Codec.dequantize_sum``: each source dequantized
+and added in fp32, in source order, then rounded or re-encoded) computed by the pure-torch
+reference (native kernels off), bit for bit: every element format and MX scale rule of the
+registry, k = 1, 2, 4, 7 sources, rows shorter than a block and rows of many partial blocks,
+fp32 / bf16 / fp16 sums, nearest and stochastic re-encoding at every width of the scheme, inputs
+with zero blocks, subnormals and NaN / Inf blocks, and crafted wire bytes (every code, NaN / Inf /
+subnormal / huge scales)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+
+from tests.codec_cases import format_variants, registry_specs, spec_id
+from tests.format_kernel_helpers import format_inputs, useful_huge
+from tests.kernel_helpers import DTYPES, assert_same_bits
+from zeropp.comm.codecs import Codec, codec_for
+from zeropp.comm.format_codecs import FORMAT_SCHEMES, FormatCodec
+from zeropp.comm.spec import QuantSpec, schemes
+from zeropp.kernels import cpu_formats, cpu_native
+
+FORMAT_SPECS = [s for s in registry_specs(group_size=100) if s.scheme in FORMAT_SCHEMES] + format_variants()
+"""Every element format of every float scheme (fp8 with a group size that is not a power of two)
+and both MX scale rules."""
+
+SHAPES = [(1, 1), (1, 7), (17, 257)]
+"""(rows, cols): shorter than any block, one partial block, many rows of partial last blocks."""
+
+KS = (1, 2, 4, 7)
+
+
+@pytest.fixture(autouse=True)
+def native_formats(monkeypatch: pytest.MonkeyPatch):
+    """The native kernels on (skip where they cannot be built here)."""
+    monkeypatch.setattr(cpu_native, "ENABLED", True)
+    if not cpu_formats.available():
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each call of the fused kernels' wrappers, so a test knows the fused path ran."""
+    calls: list[str] = []
+    for name in ("dequantize_sum_wire", "dequantize_sum_requantize_wire"):
+        real = getattr(cpu_formats, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu_formats, name, spy)
+    return calls
+
+
+def reference(monkeypatch: pytest.MonkeyPatch, fn, *args, **kw):
+    """``fn(*args, **kw)`` with the native kernels off: every dequantize and encode the generic
+    path makes runs the pure-torch reference (``format_reference.py``)."""
+    with monkeypatch.context() as m:
+        m.setattr(cpu_native, "ENABLED", False)
+        return fn(*args, **kw)
+
+
+def generic_requantize(codec: Codec, buf: torch.Tensor, cols: int, bits: int, gs: int, out_bits: int, seed):
+    """The specification of ``dequantize_sum_requantize``: the generic fp32 sum, then ``encode``."""
+    s = Codec.dequantize_sum(codec, buf, cols, bits, gs)
+    return codec.encode(s, out_bits, gs, rows=s.shape[0], seed=seed)
+
+
+def received(codec: Codec, spec: QuantSpec, k: int, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """k sources' wire rows ``uint8 [k, rows, B]`` of awkward inputs (zero / -0.0 blocks,
+    subnormals, NaN and Inf blocks, values beyond the formats' range), one seed each."""
+    huge = useful_huge(spec.scheme, rows)
+    xs = [format_inputs((rows, cols), torch.float32, seed=seed + j, huge=huge) for j in range(k)]
+    return torch.stack([codec.encode(x, spec.bits, spec.group_size, rows=rows, seed=None) for x in xs])
+
+
+def crafted_rows(codec: FormatCodec, bits: int, k: int, rows: int, cols: int, gs: int, seed: int) -> torch.Tensor:
+    """Random wire bytes ``uint8 [k, rows, B]``: every code (E4M3 / E5M2 NaN and Inf codes too) and
+    random scale bit patterns, with the special scales forced into source 0's first row: fp8 NaN,
+    Inf, a subnormal and 0; mx E8M0 255 (NaN block), 0 (2^-127) and 254; nvfp4 E4M3 0x7F (NaN)
+    and 0, and tensor scales 0, subnormal and huge in later rows."""
+    gen = torch.Generator().manual_seed(seed)
+    B = codec.wire_bytes(cols, bits, gs)
+    buf = torch.randint(0, 256, (k, rows, B), generator=gen, dtype=torch.uint8)
+    q = codec.unpack(buf[0], cols, bits, gs)
+    cb, g = q.codes.shape[-1], q.scales.shape[-1]
+    if codec.kernel_scheme == "fp8":
+        special = torch.tensor([float("nan"), float("inf"), 1e-44, 0.0])[:g]
+        buf[0, 0, cb : cb + 4 * special.numel()] = special.view(torch.uint8)
+    else:
+        special_b = torch.tensor([255, 0, 254] if codec.kernel_scheme == "mx" else [0x7F, 0, 0xFF], dtype=torch.uint8)
+        buf[0, 0, cb : cb + min(g, 3)] = special_b[: min(g, 3)]
+    if codec.kernel_scheme == "nvfp4":
+        ts = torch.tensor([1.0, 0.0, 1e-41, 3e35, 1e-30])
+        for j in range(k):
+            for r in range(rows):
+                buf[j, r, cb + g :] = ts[(r + j) % ts.numel()].reshape(1).view(torch.uint8)
+    return buf
+
+
+def out_widths(spec: QuantSpec) -> tuple[int, ...]:
+    return tuple(sorted(schemes()[spec.scheme]))
+
+
+def check_case(
+    monkeypatch: pytest.MonkeyPatch,
+    codec: FormatCodec,
+    buf: torch.Tensor,
+    cols: int,
+    bits: int,
+    gs: int,
+    widths: tuple[int, ...],
+    seeds: tuple[Optional[int], ...] = (None, 1234),
+) -> None:
+    """Fused == generic for the sum in each dtype and for re-encoding at each width and seed."""
+    for dtype in DTYPES:
+        want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, cols, bits, gs, dtype=dtype)
+        assert_same_bits(codec.dequantize_sum(buf, cols, bits, gs, dtype=dtype), want)
+    for out_bits in widths:
+        for seed in seeds:
+            want = reference(monkeypatch, generic_requantize, codec, buf, cols, bits, gs, out_bits, seed)
+            got = codec.dequantize_sum_requantize(buf, cols, bits, gs, out_bits=out_bits, seed=seed)
+            assert got.dtype == torch.uint8 and torch.equal(got, want), (out_bits, seed)
+
+
+@pytest.mark.parametrize("spec", FORMAT_SPECS, ids=spec_id)
+def test_fused_sums_are_the_generic_sums_bit_for_bit(spec: QuantSpec, monkeypatch, fused_calls) -> None:
+    codec = codec_for(spec)
+    assert isinstance(codec, FormatCodec)
+    for rows, cols in SHAPES:
+        for k in KS:
+            buf = received(codec, spec, k, rows, cols, seed=10 * k + rows)
+            check_case(monkeypatch, codec, buf, cols, spec.bits, spec.group_size, out_widths(spec))
+    assert "dequantize_sum_wire" in fused_calls and "dequantize_sum_requantize_wire" in fused_calls
+
+
+@pytest.mark.parametrize("spec", FORMAT_SPECS, ids=spec_id)
+def test_fused_sums_of_crafted_wire_bytes_are_the_generic_sums(spec: QuantSpec, monkeypatch) -> None:
+    codec = codec_for(spec)
+    assert isinstance(codec, FormatCodec)
+    for rows, cols in ((1, 7), (5, 257)):
+        buf = crafted_rows(codec, spec.bits, 4, rows, cols, spec.group_size, seed=cols)
+        check_case(monkeypatch, codec, buf, cols, spec.bits, spec.group_size, out_widths(spec), seeds=(None, 7))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [QuantSpec(scheme="mx", bits=6), QuantSpec(scheme="nvfp4", bits=4), QuantSpec(scheme="fp8", bits=8, group_size=24)],
+    ids=spec_id,
+)
+def test_rows_of_many_tiles_in_strided_buffers(spec: QuantSpec, monkeypatch) -> None:
+    """Rows longer than a kernel tile (2048 elements; nvfp4's summed-row buffer), received rows
+    read in place from a strided view (every other row of a larger buffer), and ``out=``."""
+    codec = codec_for(spec)
+    rows, cols, gs = 3, 5000, spec.group_size
+    big = received(codec, spec, 3, 2 * rows, cols, seed=1)
+    buf = big[:, ::2]  # [3, rows, B], row stride 2 B
+    assert not buf.is_contiguous()
+    check_case(monkeypatch, codec, buf, cols, spec.bits, gs, out_widths(spec))
+    want = reference(monkeypatch, Codec.dequantize_sum, codec, buf.contiguous(), cols, spec.bits, gs)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((rows, cols), 5.0, dtype=dtype)
+        assert codec.dequantize_sum(buf, cols, spec.bits, gs, out=out) is out
+        assert_same_bits(out, want.to(dtype))
+
+
+def test_without_the_kernels_the_codec_keeps_the_generic_path(monkeypatch, fused_calls) -> None:
+    """Kernels that cannot be built (the module's failure state): the codec warns once, takes the
+    generic path, and returns its results (``out=`` written too)."""
+    spec = QuantSpec(scheme="nvfp4", bits=4)
+    codec = codec_for(spec)
+    buf = received(codec, spec, 2, 3, 100, seed=0)
+    want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, 100, 4, 16)
+    want2 = reference(monkeypatch, generic_requantize, codec, buf, 100, 4, 16, 4, 3)
+    monkeypatch.setattr(cpu_formats, "_LIB", None)
+    monkeypatch.setattr(cpu_formats, "FAILED", "RuntimeError: no C++ compiler found")
+    monkeypatch.setattr(cpu_formats, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="float formats are unavailable"):
+        assert_same_bits(codec.dequantize_sum(buf, 100, 4, 16), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.empty(3, 100)
+        codec.dequantize_sum(buf, 100, 4, 16, out=out)
+        assert_same_bits(out, want)
+        assert torch.equal(codec.dequantize_sum_requantize(buf, 100, 4, 16, out_bits=4, seed=3), want2)
+    assert fused_calls == []
+
+
+def test_fused_sums_refuse_what_the_generic_path_refuses() -> None:
+    codec = codec_for(QuantSpec(scheme="mx", bits=8))
+    buf = received(codec, QuantSpec(scheme="mx", bits=8), 2, 2, 64, seed=0)
+    with pytest.raises(ValueError, match=r"uint8 \[k, rows, 66\]"):
+        codec.dequantize_sum(buf[..., :-1], 64, 8, 32)
+    with pytest.raises(ValueError, match="fixed by the format"):
+        codec.dequantize_sum_requantize(buf, 64, 8, 16, out_bits=4, seed=None)
+    with pytest.raises(ValueError, match="no 5-bit format"):
+        codec.dequantize_sum_requantize(buf, 64, 8, 32, out_bits=5, seed=None)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        codec.dequantize_sum_requantize(buf, 64, 8, 32, out_bits=4, seed=-1)
+    with pytest.raises(ValueError, match="out has 126 elements"):
+        codec.dequantize_sum(buf, 64, 8, 32, out=torch.empty(2, 63))
