@@ -719,25 +719,22 @@ extern "C" int zf_dequantize_sum(const uint8_t* buf, i64 k, i64 k_rs, i64 r_rs, 
 }
 
 // Received rows at fmt_in -> their sum quantized at fmt_out (zf_quantize's outputs and arguments,
-// the same bits as quantizing the fp32 sum).
+// the same bits as quantizing the fp32 sum). nvfp4 needs row_scratch: G * 16 floats (one padded
+// row), passed in so that the caller can reuse it (fresh memory would fault in every page again).
 extern "C" int zf_dequantize_sum_requantize(const uint8_t* buf, i64 k, i64 k_rs, i64 r_rs, i64 rows, i64 cols,
                                             int scheme, int fmt_in, int fmt_out, i64 gs, i64 cb, i64 G, int round_up,
                                             int stochastic, uint64_t seed, uint8_t* codes, i64 c_rs, void* scales,
-                                            i64 s_rs, float* tscales, i64 t_rs) {
-    if (gs <= 0) return -1;
+                                            i64 s_rs, float* tscales, i64 t_rs, float* row_scratch) {
+    if (gs <= 0 || (scheme == S_NVFP4 && !row_scratch)) return -1;
     const Args a{rows, cols, gs, stochastic, seed, round_up};
     const i64 tile = sum_tile(scheme, gs);
     Scratch s(tile > gs ? tile : gs);
-    float* row = scheme == S_NVFP4 ? (float*)malloc((size_t)(G > 0 ? G * 16 : 16) * 4) : nullptr;  // padded row
-    if (!s.ok() || (scheme == S_NVFP4 && !row)) {
-        free(row);
-        return -1;
-    }
+    if (!s.ok()) return -1;
+    float* row = scheme == S_NVFP4 ? row_scratch : nullptr;
     int rc = -1;
     const int known = with_sum_rows(scheme, fmt_in, Wire{buf, k, k_rs, r_rs, cb, G}, gs, [&](const TileSource& src) {
         rc = q_fmt(scheme, fmt_out, SourceRows{&src, row, tile}, a, codes, c_rs, scales, s_rs, tscales, t_rs, s);
     });
-    free(row);
     return known == 0 ? rc : -1;
 }
 

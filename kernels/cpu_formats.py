@@ -61,6 +61,7 @@ from .format_layout import (
     code_bytes,
     element,
     pack,
+    received_rows,
     wire_bytes,
 )
 from .layout import check_float_dtype, check_seed, num_groups, output_buffer
@@ -92,7 +93,7 @@ def _load(path: str) -> ctypes.CDLL:
     lib.zf_dequantize.argtypes = [p, i, p, i, p, i, i, i, c, c, i, p, c]
     lib.zf_quantize.restype = lib.zf_dequantize.restype = c
     lib.zf_dequantize_sum.argtypes = [p, i, i, i, i, i, c, c, i, i, i, p, c]
-    lib.zf_dequantize_sum_requantize.argtypes = [p, i, i, i, i, i, c, c, c, i, i, i, c, c, u, p, i, p, i, p, i]
+    lib.zf_dequantize_sum_requantize.argtypes = [p, i, i, i, i, i, c, c, c, i, i, i, c, c, u, p, i, p, i, p, i, p]
     lib.zf_dequantize_sum.restype = lib.zf_dequantize_sum_requantize.restype = c
     lib.zf_philox_uniform.argtypes = [p, i, u, u]
     lib.zf_philox_uniform.restype = None
@@ -295,19 +296,10 @@ class _WireOut:
 
 
 def _received(buf: torch.Tensor, scheme: str, elem: str, cols: int, group_size: int) -> tuple[torch.Tensor, int, int]:
-    """Checked received wire rows ``uint8 [k, rows, wire_bytes]`` (a copy only where a row is not
-    contiguous in memory), with their code bytes and blocks per row."""
-    nb = wire_bytes(scheme, elem, cols, group_size)
-    if buf.dtype != torch.uint8 or buf.dim() != 3 or buf.shape[-1] != nb:
-        raise ValueError(
-            f"{scheme}/{elem} received rows of {cols} elements are uint8 [k, rows, {nb}], got "
-            f"{buf.dtype} {tuple(buf.shape)}"
-        )
+    """``format_layout.received_rows``, on the CPU."""
     if buf.device.type != "cpu":
         raise ValueError(f"zeropp.kernels.cpu_formats takes CPU tensors, got one on {buf.device}")
-    if nb > 1 and buf.stride(2) != 1:
-        buf = buf.contiguous()
-    return buf, code_bytes(cols, elem, group_size), num_groups(cols, group_size)
+    return received_rows(buf, scheme, elem, cols, group_size)
 
 
 def dequantize_sum_wire(
@@ -401,10 +393,25 @@ def dequantize_sum_requantize_wire(
             wire.scales.stride(0),
             0 if wire.tscales is None else wire.tscales.data_ptr(),
             0 if wire.tscales is None else wire.tscales.stride(0),
+            _row_scratch(g * 16).data_ptr() if scheme == "nvfp4" else 0,
         ),
         "dequantize_sum_requantize",
     )
     return wire.finish()
+
+
+_SCRATCH = threading.local()
+
+
+def _row_scratch(n: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least ``n`` elements (nvfp4's summed row), kept and grown
+    as needed. Why kept: a fresh large buffer faults in each of its pages on first write, which
+    measured slower than the whole re-quantization (64 MiB: ~45 ms against ~50 ms of work), and
+    qgZ reduces rows of the same length at every step."""
+    buf = getattr(_SCRATCH, "row", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.row = cpu_native.empty(max(n, 1), dtype=torch.float32)
+    return buf
 
 
 def _dequantize(q: FormatTensor, scheme: str, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,8 @@
 MXFP6, MXFP4, MXINT8 and NVFP4 (and MXFP4 with stochastic rounding), each against a copy of the
 same bytes; then the codecs' reductions over ``--k`` received wire rows (``dequantize_sum``, and
 ``fused reduce``: ``dequantize_sum_requantize`` to the same format, qgZ's intra-node hop), each
-fused (``FormatCodec``'s) and generic (``Codec``'s unfused default, the row suffixed ``generic``),
+fused (``FormatCodec``'s) and generic (``Codec``'s unfused default sum, then ``encode``; the row
+suffixed ``generic``),
 timed in alternation call by call, with the median per-pair speed-up printed after the table.
 
     python -m experiments.bench_kernels                           # the int rows, then these
@@ -26,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from zeropp.comm.codecs import Codec
+from zeropp.comm.codec_base import Codec, generic_sum_requantize
 from zeropp.comm.format_codecs import FormatCodec, format_codec
 from zeropp.kernels import format_ops
 from zeropp.kernels.format_layout import ELEMENTS, FormatTensor
@@ -144,7 +145,7 @@ def record_reductions(record: Record, pair: Pair, x: torch.Tensor, size: int, na
                 f"fused reduce {label} k{k}",
                 (k + 1) * wb,
                 functools.partial(codec.dequantize_sum_requantize, buf, n, bits, gs, out_bits=bits, seed=seed),
-                functools.partial(Codec.dequantize_sum_requantize, codec, buf, n, bits, gs, out_bits=bits, seed=seed),
+                functools.partial(generic_sum_requantize, codec, buf, n, bits, gs, out_bits=bits, seed=seed),
             )
         ]
         if not stochastic:

@@ -11,27 +11,27 @@ subnormal / huge scales)."""
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import pytest
 import torch
 
-from tests.codec_cases import format_variants, registry_specs, spec_id
-from tests.format_kernel_helpers import format_inputs, useful_huge
-from tests.kernel_helpers import DTYPES, assert_same_bits
+from tests.codec_cases import spec_id
+from tests.format_reduce_helpers import (
+    FORMAT_SPECS,
+    KS,
+    SHAPES,
+    check_case,
+    crafted_rows,
+    out_widths,
+    received,
+    reference,
+)
+from tests.kernel_helpers import assert_same_bits
+from zeropp.comm.codec_base import generic_sum_requantize
 from zeropp.comm.codecs import Codec, codec_for
-from zeropp.comm.format_codecs import FORMAT_SCHEMES, FormatCodec
-from zeropp.comm.spec import QuantSpec, schemes
+from zeropp.comm.format_codecs import FormatCodec
+from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import cpu_formats, cpu_native
-
-FORMAT_SPECS = [s for s in registry_specs(group_size=100) if s.scheme in FORMAT_SCHEMES] + format_variants()
-"""Every element format of every float scheme (fp8 with a group size that is not a power of two)
-and both MX scale rules."""
-
-SHAPES = [(1, 1), (1, 7), (17, 257)]
-"""(rows, cols): shorter than any block, one partial block, many rows of partial last blocks."""
-
-KS = (1, 2, 4, 7)
 
 
 @pytest.fixture(autouse=True)
@@ -55,77 +55,6 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         monkeypatch.setattr(cpu_formats, name, spy)
     return calls
-
-
-def reference(monkeypatch: pytest.MonkeyPatch, fn, *args, **kw):
-    """``fn(*args, **kw)`` with the native kernels off: every dequantize and encode the generic
-    path makes runs the pure-torch reference (``format_reference.py``)."""
-    with monkeypatch.context() as m:
-        m.setattr(cpu_native, "ENABLED", False)
-        return fn(*args, **kw)
-
-
-def generic_requantize(codec: Codec, buf: torch.Tensor, cols: int, bits: int, gs: int, out_bits: int, seed):
-    """The specification of ``dequantize_sum_requantize``: the generic fp32 sum, then ``encode``."""
-    s = Codec.dequantize_sum(codec, buf, cols, bits, gs)
-    return codec.encode(s, out_bits, gs, rows=s.shape[0], seed=seed)
-
-
-def received(codec: Codec, spec: QuantSpec, k: int, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """k sources' wire rows ``uint8 [k, rows, B]`` of awkward inputs (zero / -0.0 blocks,
-    subnormals, NaN and Inf blocks, values beyond the formats' range), one seed each."""
-    huge = useful_huge(spec.scheme, rows)
-    xs = [format_inputs((rows, cols), torch.float32, seed=seed + j, huge=huge) for j in range(k)]
-    return torch.stack([codec.encode(x, spec.bits, spec.group_size, rows=rows, seed=None) for x in xs])
-
-
-def crafted_rows(codec: FormatCodec, bits: int, k: int, rows: int, cols: int, gs: int, seed: int) -> torch.Tensor:
-    """Random wire bytes ``uint8 [k, rows, B]``: every code (E4M3 / E5M2 NaN and Inf codes too) and
-    random scale bit patterns, with the special scales forced into source 0's first row: fp8 NaN,
-    Inf, a subnormal and 0; mx E8M0 255 (NaN block), 0 (2^-127) and 254; nvfp4 E4M3 0x7F (NaN)
-    and 0, and tensor scales 0, subnormal and huge in later rows."""
-    gen = torch.Generator().manual_seed(seed)
-    B = codec.wire_bytes(cols, bits, gs)
-    buf = torch.randint(0, 256, (k, rows, B), generator=gen, dtype=torch.uint8)
-    q = codec.unpack(buf[0], cols, bits, gs)
-    cb, g = q.codes.shape[-1], q.scales.shape[-1]
-    if codec.kernel_scheme == "fp8":
-        special = torch.tensor([float("nan"), float("inf"), 1e-44, 0.0])[:g]
-        buf[0, 0, cb : cb + 4 * special.numel()] = special.view(torch.uint8)
-    else:
-        special_b = torch.tensor([255, 0, 254] if codec.kernel_scheme == "mx" else [0x7F, 0, 0xFF], dtype=torch.uint8)
-        buf[0, 0, cb : cb + min(g, 3)] = special_b[: min(g, 3)]
-    if codec.kernel_scheme == "nvfp4":
-        ts = torch.tensor([1.0, 0.0, 1e-41, 3e35, 1e-30])
-        for j in range(k):
-            for r in range(rows):
-                buf[j, r, cb + g :] = ts[(r + j) % ts.numel()].reshape(1).view(torch.uint8)
-    return buf
-
-
-def out_widths(spec: QuantSpec) -> tuple[int, ...]:
-    return tuple(sorted(schemes()[spec.scheme]))
-
-
-def check_case(
-    monkeypatch: pytest.MonkeyPatch,
-    codec: FormatCodec,
-    buf: torch.Tensor,
-    cols: int,
-    bits: int,
-    gs: int,
-    widths: tuple[int, ...],
-    seeds: tuple[Optional[int], ...] = (None, 1234),
-) -> None:
-    """Fused == generic for the sum in each dtype and for re-encoding at each width and seed."""
-    for dtype in DTYPES:
-        want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, cols, bits, gs, dtype=dtype)
-        assert_same_bits(codec.dequantize_sum(buf, cols, bits, gs, dtype=dtype), want)
-    for out_bits in widths:
-        for seed in seeds:
-            want = reference(monkeypatch, generic_requantize, codec, buf, cols, bits, gs, out_bits, seed)
-            got = codec.dequantize_sum_requantize(buf, cols, bits, gs, out_bits=out_bits, seed=seed)
-            assert got.dtype == torch.uint8 and torch.equal(got, want), (out_bits, seed)
 
 
 @pytest.mark.parametrize("spec", FORMAT_SPECS, ids=spec_id)
@@ -176,7 +105,7 @@ def test_without_the_kernels_the_codec_keeps_the_generic_path(monkeypatch, fused
     codec = codec_for(spec)
     buf = received(codec, spec, 2, 3, 100, seed=0)
     want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, 100, 4, 16)
-    want2 = reference(monkeypatch, generic_requantize, codec, buf, 100, 4, 16, 4, 3)
+    want2 = reference(monkeypatch, generic_sum_requantize, codec, buf, 100, 4, 16, out_bits=4, seed=3)
     monkeypatch.setattr(cpu_formats, "_LIB", None)
     monkeypatch.setattr(cpu_formats, "FAILED", "RuntimeError: no C++ compiler found")
     monkeypatch.setattr(cpu_formats, "_warned", False)

@@ -17,11 +17,12 @@ scheme     bits -> element                   group size
 =========  ================================  =====================================
 
 The reductions over received rows (:meth:`FormatCodec.dequantize_sum`, and
-:meth:`FormatCodec.dequantize_sum_requantize`: qgZ's intra-node hop) are fused on CPU: the native
-kernels (``cpu_formats.dequantize_sum_wire`` / ``dequantize_sum_requantize_wire``) read the k
-received rows in place and sum each tile of a row in fp32 while it is in L1, bit for bit the base
-class's generic path (dequantize each source, add in fp32 in source order, round or re-encode),
-which stays the specification and serves other devices and processes without the kernels. The
+:meth:`FormatCodec.dequantize_sum_requantize`: qgZ's intra-node hop) are fused: on CPU the native
+kernels (``cpu_formats.dequantize_sum_wire`` / ``dequantize_sum_requantize_wire``), on CUDA the
+Triton ones of the same names (``triton_format_reduce``), read the k received rows in place and
+sum each tile of a row in fp32 while it is in L1 / registers, bit for bit the base class's generic
+path (dequantize each source, add in fp32 in source order, round or re-encode), which stays the
+specification and serves where neither is available. The
 codec is not ``in_place`` (its received rows are unpacked with copies), but on CPU
 :meth:`FormatCodec.encode` has the kernel write the codes straight into the wire rows
 (``cpu_formats.encode_wire``).
@@ -30,6 +31,7 @@ codec is not ``in_place`` (its received rows are unpacked with copies), but on C
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -106,15 +108,19 @@ class FormatCodec(Codec):
     ) -> torch.Tensor:
         return dequantize_format(q, out=out, dtype=dtype)
 
-    def _fused(self, buf: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-        """Whether the native fused reductions take ``buf``: CPU wire rows ``[k, rows, B]``, an
-        output dtype the kernels write, and the kernels built in this process."""
-        return (
-            buf.device.type == "cpu"
-            and buf.dim() == 3
-            and dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and cpu_formats.native_enabled()
-        )
+    def _fused(self, buf: torch.Tensor, dtype: torch.dtype = torch.float32) -> Optional[ModuleType]:
+        """The module whose fused reductions take ``buf`` (``[k, rows, B]`` wire rows, an output
+        dtype the kernels write): ``cpu_formats`` on CPU where its kernels are built,
+        ``triton_format_reduce`` on CUDA where Triton is installed; None for the generic path."""
+        if buf.dim() != 3 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        if buf.device.type == "cpu":
+            return cpu_formats if cpu_formats.native_enabled() else None
+        if buf.is_cuda:
+            from zeropp.kernels import triton_format_reduce  # imports triton: only where CUDA data is
+
+            return triton_format_reduce if triton_format_reduce.HAS_TRITON else None
+        return None
 
     def dequantize_sum(
         self,
@@ -126,25 +132,27 @@ class FormatCodec(Codec):
         dtype: torch.dtype = torch.float32,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """As :meth:`Codec.dequantize_sum`, bit for bit; on CPU one fused pass over ``buf`` in place
+        """As :meth:`Codec.dequantize_sum`, bit for bit; one fused pass over ``buf`` in place
         (``out``, contiguous ``[rows, cols]``, receives the sum directly; its dtype wins)."""
-        if not self._fused(buf, dtype if out is None else out.dtype):
+        fused = self._fused(buf, dtype if out is None else out.dtype)
+        if fused is None:
             s = super().dequantize_sum(buf, cols, bits, group_size, dtype=dtype if out is None else out.dtype)
             return s if out is None else out.copy_(s.view(out.shape))
         elem = self.element(bits)
-        return cpu_formats.dequantize_sum_wire(buf, self.kernel_scheme, elem, cols, group_size, out=out, dtype=dtype)
+        return fused.dequantize_sum_wire(buf, self.kernel_scheme, elem, cols, group_size, out=out, dtype=dtype)
 
     def dequantize_sum_requantize(
         self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
     ) -> torch.Tensor:
-        """As :meth:`Codec.dequantize_sum_requantize`, bit for bit; on CPU fused: each tile of the
+        """As :meth:`Codec.dequantize_sum_requantize`, bit for bit; fused: each tile of the
         sum is quantized while it is in L1 (nvfp4 sums a row first: its tensor scale needs the row's
         absmax), the sum never written out."""
-        if not self._fused(buf):
+        fused = self._fused(buf)
+        if fused is None:
             return super().dequantize_sum_requantize(buf, cols, bits, group_size, out_bits=out_bits, seed=seed)
         elem, out_elem = self.element(bits), self.element(out_bits)
         stochastic, kseed = seed is not None, 0 if seed is None else seed
-        return cpu_formats.dequantize_sum_requantize_wire(
+        return fused.dequantize_sum_requantize_wire(
             buf, self.kernel_scheme, elem, out_elem, cols, group_size, self.mx_scale, stochastic, kseed
         )
 
