@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -79,7 +79,7 @@ class Record(Protocol):
         fn: Callable[[], object] | None,
         *,
         seconds: float | None = ...,
-        **extra: object,
+        **extra: Any,
     ) -> None: ...
 
 

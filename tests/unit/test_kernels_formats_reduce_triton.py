@@ -77,3 +77,22 @@ def test_triton_sums_of_crafted_wire_bytes_are_the_generic_sums(spec: QuantSpec,
         dtypes=(torch.float32, torch.bfloat16),
         impl=_triton(),
     )
+
+
+def test_compile_check_covers_every_reduction_kernel():
+    """``compile_check`` (run by tests/e2e/test_kernels_triton.py) compiles the sum kernel of every
+    element format of every scheme and a fused re-quantize from every fp8 / mx element format,
+    with the launchers' constexprs; a format added without a variant fails here."""
+    from zeropp.kernels import compile_check
+    from zeropp.kernels.format_layout import SCHEME_ELEMENTS
+
+    names = [v[0] for v in compile_check._format_variants(False)]
+    for scheme, elems in SCHEME_ELEMENTS.items():
+        for elem in elems:
+            assert f"format {scheme}/{elem} dequantize_sum -> bf16" in names, (scheme, elem)
+            if scheme != "nvfp4":  # nvfp4 re-quantizes with the sum and quantize kernels
+                for st in (False, True):
+                    assert any(
+                        n.startswith(f"format {scheme}/{elem} -> ") and n.endswith(f"requantize stochastic={st}")
+                        for n in names
+                    ), (scheme, elem, st)
