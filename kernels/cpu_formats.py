@@ -57,14 +57,14 @@ from .format_layout import (
     FormatTensor,
     check_format_args,
     check_format_tensor,
+    check_requantize_args,
     check_scale_rule,
     code_bytes,
-    element,
     pack,
     received_rows,
     wire_bytes,
 )
-from .layout import check_float_dtype, check_seed, num_groups, output_buffer
+from .layout import check_float_dtype, num_groups, output_buffer
 
 SOURCE = Path(__file__).with_name("cpu_formats.cpp")
 
@@ -302,6 +302,12 @@ def _received(buf: torch.Tensor, scheme: str, elem: str, cols: int, group_size: 
     return received_rows(buf, scheme, elem, cols, group_size)
 
 
+def _wire_args(buf: torch.Tensor, cols: int) -> tuple[int, ...]:
+    """The entry points' first arguments for received rows ``[k, rows, B]``: pointer, k, the
+    sources' and rows' strides (bytes), rows, cols."""
+    return (buf.data_ptr(), buf.shape[0], buf.stride(0), buf.stride(1), buf.shape[1], cols)
+
+
 def dequantize_sum_wire(
     buf: torch.Tensor,
     scheme: str,
@@ -317,7 +323,7 @@ def dequantize_sum_wire(
     bit the sum of the k rows' dequantizations, added in fp32 in order 0..k-1 from zero, then
     rounded once (what ``Codec.dequantize_sum`` computes). Callers check :func:`native_enabled`."""
     buf, cb, g = _received(buf, scheme, elem, cols, group_size)
-    k, rows = buf.shape[0], buf.shape[1]
+    rows = buf.shape[1]
     if out is None:
         check_float_dtype(dtype, "output")
         dst = cpu_native.empty(rows, cols, dtype=dtype)
@@ -327,12 +333,7 @@ def dequantize_sum_wire(
     assert lib is not None, "callers check native_enabled() first"
     _check(
         lib.zf_dequantize_sum(
-            buf.data_ptr(),
-            k,
-            buf.stride(0),
-            buf.stride(1),
-            rows,
-            cols,
+            *_wire_args(buf, cols),
             SCHEMES[scheme],
             ELEMENTS[elem],
             group_size,
@@ -362,22 +363,14 @@ def dequantize_sum_requantize_wire(
     seed), without the fp32 sum in memory (nvfp4 keeps one summed row: its tensor scale needs the
     row's absmax first). Callers check :func:`native_enabled`."""
     buf, cb, g = _received(buf, scheme, elem, cols, group_size)
-    if scheme == "mx":
-        check_scale_rule(scale_rule)
-    k, rows = buf.shape[0], buf.shape[1]
-    element(out_elem, scheme)
-    seed = check_seed(seed)
+    seed = check_requantize_args(scheme, out_elem, scale_rule, seed)
+    rows = buf.shape[1]
     wire = _WireOut(rows, scheme, out_elem, cols, group_size)
     lib = library()
     assert lib is not None, "callers check native_enabled() first"
     _check(
         lib.zf_dequantize_sum_requantize(
-            buf.data_ptr(),
-            k,
-            buf.stride(0),
-            buf.stride(1),
-            rows,
-            cols,
+            *_wire_args(buf, cols),
             SCHEMES[scheme],
             ELEMENTS[elem],
             ELEMENTS[out_elem],

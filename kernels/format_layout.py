@@ -264,6 +264,15 @@ def received_rows(
     return buf, code_bytes(cols, elem, group_size), num_groups(cols, group_size)
 
 
+def check_requantize_args(scheme: str, out_elem: str, scale_rule: str, seed: int) -> int:
+    """The re-quantizing reduction's output checks, shared by its implementations (the output
+    format, the MX scale rule, the seed); returns the seed as a plain int."""
+    element(out_elem, scheme)
+    if scheme == "mx":
+        check_scale_rule(scale_rule)
+    return check_seed(seed)
+
+
 # ----------------------------------------------------------------------------------------------
 # Wire rows: pack / unpack (layout only, the same for every implementation).
 # ----------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from ._triton_format_reduce_kernels import (
     _fp8_sum_requantize_kernel,
     _mx_sum_requantize_kernel,
 )
-from .format_layout import ELEMENTS, check_scale_rule, code_bytes, element, num_groups, pack, received_rows, wire_bytes
-from .layout import check_seed, output_rows
+from .format_layout import ELEMENTS, check_requantize_args, code_bytes, num_groups, pack, received_rows, wire_bytes
+from .layout import output_rows
 from .triton_formats import PLAN_CACHE_SIZE, decode_consts, element_consts, mantissa_bits
 
 __all__ = ["HAS_TRITON", "dequantize_sum_requantize_wire", "dequantize_sum_wire"]
@@ -136,10 +136,7 @@ def dequantize_sum_requantize_wire(
     """``cpu_formats.dequantize_sum_requantize_wire`` on the GPU: received rows at ``elem`` -> new
     wire rows ``uint8 [rows, wire_bytes]`` of their sum at ``out_elem``."""
     buf, cb, _ = _checked(buf, scheme, elem, cols, group_size)
-    if scheme == "mx":
-        check_scale_rule(scale_rule)
-    element(out_elem, scheme)
-    seed = check_seed(seed)
+    seed = check_requantize_args(scheme, out_elem, scale_rule, seed)
     k, rows = buf.shape[0], buf.shape[1]
     if scheme == "nvfp4" or k == 0:  # the tensor scale needs the summed row's absmax first
         s = dequantize_sum_wire(buf, scheme, elem, cols, group_size)
