@@ -1,6 +1,7 @@
 // The CPU path's kernels for the floating-point wire formats (fp8, mx, nvfp4): the arithmetic of
 // kernels/format_reference.py, bit for bit, one pass per block (mx / nvfp4: per tile of blocks;
-// nvfp4: one more pass per row for its tensor scale). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
+// nvfp4: one more pass per row for its tensor scale), and the reductions over received wire rows (the
+// codecs' generic sum, fused). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
 // (-O3 -march=native -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
 //
 // Exactness rules (see cpu_formats.py's docstring for why each holds):

@@ -34,6 +34,13 @@ awkward cases and on crafted wire bytes):
   own bf16 casts write different NaN bits on different paths;
 - zero, non-finite and zero-scale blocks follow the reference's rules (its module docstring).
 
+The reductions over received wire rows (:func:`dequantize_sum_wire`, :func:`dequantize_sum_requantize_wire`,
+``FormatCodec``'s CPU path) read the k sources' rows in place, tile by tile: each source's codes
+decoded into an L1 tile and added to an fp32 accumulator that starts at +0.0, in source order, so
+the sum is bit for bit the codecs' generic one (``Codec.dequantize_sum``); the tile is then stored
+in the output dtype, or quantized by the same encoder as :func:`encode_wire` (nvfp4 first sums a
+whole row into a reused scratch: its tensor scale needs the row's absmax before any block).
+
 The build and its cache are ``cpu_native.py``'s (same compiler, flags, cache directory and
 ``build_cache`` checks), for a library of its own keyed by this source (``zf_<hash>.so``).
 ``ZEROPP_CPU_NATIVE=0`` turns these kernels off with the int ones. If the build or the load
