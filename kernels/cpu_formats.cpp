@@ -376,6 +376,26 @@ struct XRows {
         for (i64 i = n; i < nt; i++) w[i] = 0.0f;
     }
     inline uint32_t finite_absmax(i64 r, i64 cols, Scratch&) const { return row_finite_absmax<L>(x + r * rs, cols); }
+    // fill, and mb[b] = the absmax bits of block b (GSC elements) of w[0:nt], read as it is written
+    template <int GSC>
+    inline void fill_absmax(i64 r, i64 i0, i64 n, i64 nt, float* __restrict w, uint32_t* __restrict mb, Scratch& s) const {
+        const typename L::T* __restrict xr = x + r * rs + i0;
+        const i64 full = n / GSC;
+        for (i64 b = 0; b < full; b++) {
+            uint32_t m = 0;
+            for (i64 i = 0; i < GSC; i++) {
+                const float v = L::load(xr + b * GSC, i);
+                w[b * GSC + i] = v;
+                const uint32_t a = f2u(v) & 0x7fffffffu;
+                m = a > m ? a : m;
+            }
+            mb[b] = m;
+        }
+        for (i64 i = full * GSC; i < n; i++) w[i] = L::load(xr, i);
+        for (i64 i = n; i < nt; i++) w[i] = 0.0f;
+        for (i64 b = full; b < nt / GSC; b++) mb[b] = absmax_bits_f(w + b * GSC, GSC);
+        (void)s;
+    }
 };
 
 // A source whose element format is chosen at run time (the received rows of a reduction): one
@@ -385,9 +405,11 @@ struct TileSource {
     virtual ~TileSource() = default;
 };
 
-// Fixed-size blocks (mx: 32, nvfp4: 16) of row r, TILE elements at a time: widen, per-block
-// scales, one long encode loop over x / scale (nvfp4) or x * 2^-k (mx), one pack. Blocks that
-// store zero codes (zero, non-finite, zero-scale) are cleared after the encode.
+// Fixed-size blocks (mx: 32, nvfp4: 16) of row r, TILE elements at a time: widen (each block's
+// absmax taken as it is widened: one pass less over the tile; measured 5-30% faster for MX to
+// nearest, the same for nvfp4, whose divisions dominate), per-block scales, one long encode loop
+// over x / scale (nvfp4) or x * 2^-k (mx), one pack. Blocks that store zero codes (zero,
+// non-finite, zero-scale) are cleared after the encode.
 template <class Src, class F, int SCHEME, bool STOCH, int GSC>
 static void quantize_tiles(const Src& src, i64 r, const Args& a, uint8_t* codes_r, uint8_t* scales_r, float t,
                            Scratch& s, uint32_t k0, uint32_t k1) {
@@ -395,13 +417,12 @@ static void quantize_tiles(const Src& src, i64 r, const Args& a, uint8_t* codes_
     const float tt = t > 0.0f ? t : 1.0f;  // nvfp4: the row's tensor scale (a stand-in 1 where it is 0)
     for (i64 i0 = 0; i0 < padded; i0 += TILE) {
         const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
-        src.fill(r, i0, n, nt, s.w, s);
-        // per-block scales in short loops over the tile's blocks (each one vectorises)
+        // the tile's values and each block's absmax bits, in one pass where the source allows
         const i64 nb = nt / GSC, g0 = i0 / GSC;
         uint32_t mb[TILE / GSC];
         float mult[TILE / GSC];
         uint8_t zero[TILE / GSC];  // blocks that store zero codes
-        for (i64 b = 0; b < nb; b++) mb[b] = absmax_bits_f(s.w + b * GSC, GSC);
+        src.template fill_absmax<GSC>(r, i0, n, nt, s.w, mb, s);
         for (i64 b = 0; b < nb; b++) {
             const uint32_t m = mb[b];
             if (SCHEME == S_MX) {
@@ -668,6 +689,11 @@ struct SourceRows {
         if (!row) return src->fill(r, i0, n, nt, w, s);
         for (i64 i = 0; i < n; i++) w[i] = row[i0 + i];
         for (i64 i = n; i < nt; i++) w[i] = 0.0f;
+    }
+    template <int GSC>
+    inline void fill_absmax(i64 r, i64 i0, i64 n, i64 nt, float* __restrict w, uint32_t* __restrict mb, Scratch& s) const {
+        fill(r, i0, n, nt, w, s);
+        for (i64 b = 0; b < nt / GSC; b++) mb[b] = absmax_bits_f(w + b * GSC, GSC);
     }
     inline uint32_t finite_absmax(i64 r, i64 cols, Scratch& s) const {
         for (i64 i0 = 0; i0 < cols; i0 += tile) {  // tile and row are whole blocks of 16
