@@ -145,16 +145,18 @@ def _format_variants(full: bool):
 
 def _format_requantize_variants(full: bool):
     """The float formats' fused re-quantize kernels (``triton_format_reduce.py``): every fp8 / mx
-    input format into the scheme's narrowest one (with ``full``: into each of its formats), both
-    roundings; nvfp4 re-quantizes with the sum and quantize kernels above."""
+    input format into the scheme's narrowest one, MXFP6 E2M3 under the round-up rule and MXINT8
+    into itself (with ``full``: into each of the scheme's formats), both roundings; nvfp4 re-quantizes with the sum
+    and quantize kernels above."""
     rm = importlib.import_module(__package__ + ".triton_format_reduce")
     u8, f32 = "*u8", "*fp32"
     cases = [("fp8", e, o, 100, "ocp") for e in ("e4m3", "e5m2") for o in ("e4m3", "e5m2")]
     mx = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "int8")
     cases += [("mx", e, o, 32, "round_up" if o == "e2m3" else "ocp") for e in mx for o in mx]
     for scheme, elem, out, gs, rule in cases:
-        if not full and out not in ("e4m3", "e2m1") and not (scheme == "mx" and elem == out):
-            continue  # representative: every input format into MXFP4 / E4M3, and each into itself
+        narrowest = "e4m3" if scheme == "fp8" else "e2m1"
+        if not full and out != narrowest and (elem, out) not in (("e4m3", "e2m3"), ("int8", "int8")):
+            continue  # representative: each input into the narrowest, the round-up rule, MXINT8's hop
         for st in (False, True):
             plan = rm.requantize_plan(scheme, 4, 2, 1 << 16, elem, out, gs, rule, st, (1, 1, 1, 1, 1))
             ptrs = {"wire_ptr": u8, "codes_ptr": u8, "scales_ptr": f32 if scheme == "fp8" else u8}
