@@ -26,7 +26,7 @@ from tests.format_reduce_helpers import (
     received,
     reference,
 )
-from tests.kernel_helpers import assert_same_bits
+from tests.kernel_helpers import assert_same_bits, failing_compiler
 from zeropp.comm.codec_base import generic_sum_requantize
 from zeropp.comm.codecs import Codec, codec_for
 from zeropp.comm.format_codecs import FormatCodec
@@ -98,18 +98,19 @@ def test_rows_of_many_tiles_in_strided_buffers(spec: QuantSpec, monkeypatch) -> 
         assert_same_bits(out, want.to(dtype))
 
 
-def test_without_the_kernels_the_codec_keeps_the_generic_path(monkeypatch, fused_calls) -> None:
-    """Kernels that cannot be built (the module's failure state): the codec warns once, takes the
-    generic path, and returns its results (``out=`` written too)."""
+def test_a_failed_build_keeps_the_codec_on_the_generic_path(tmp_path, monkeypatch, fused_calls) -> None:
+    """A compiler that really fails (a fresh cache, so the library must be built): the codec warns
+    once with the failure, takes the generic path, and returns its results (``out=`` written too)."""
     spec = QuantSpec(scheme="nvfp4", bits=4)
     codec = codec_for(spec)
     buf = received(codec, spec, 2, 3, 100, seed=0)
     want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, 100, 4, 16)
     want2 = reference(monkeypatch, generic_sum_requantize, codec, buf, 100, 4, 16, out_bits=4, seed=3)
+    failing_compiler(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_formats, "_LIB", None)
-    monkeypatch.setattr(cpu_formats, "FAILED", "RuntimeError: no C++ compiler found")
+    monkeypatch.setattr(cpu_formats, "FAILED", None)
     monkeypatch.setattr(cpu_formats, "_warned", False)
-    with pytest.warns(RuntimeWarning, match="float formats are unavailable"):
+    with pytest.warns(RuntimeWarning, match=r"float formats are unavailable \(RuntimeError: .*failed"):
         assert_same_bits(codec.dequantize_sum(buf, 100, 4, 16), want)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -117,7 +118,7 @@ def test_without_the_kernels_the_codec_keeps_the_generic_path(monkeypatch, fused
         codec.dequantize_sum(buf, 100, 4, 16, out=out)
         assert_same_bits(out, want)
         assert torch.equal(codec.dequantize_sum_requantize(buf, 100, 4, 16, out_bits=4, seed=3), want2)
-    assert fused_calls == []
+    assert fused_calls == [] and not list((tmp_path / "cache").rglob("*.so"))
 
 
 def test_fused_sums_refuse_what_the_generic_path_refuses() -> None:
