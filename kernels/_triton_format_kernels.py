@@ -62,6 +62,50 @@ def _fp8_quantize_kernel(
     row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     in_block = (j[None, :] < GROUP_SIZE) & (g[:, None] < groups)
     v = widen(tl.load(x_ptr + row * x_stride + col, mask=in_block & (col < cols), other=0.0))
+    fp8_encode_tile(
+        v,
+        row,
+        g,
+        col,
+        groups,
+        codes_ptr + row * codes_stride,
+        scales_ptr + row * scales_stride,
+        seed,
+        GROUP_SIZE,
+        E,
+        M,
+        BIAS,
+        MAX_MAG,
+        MAX_VAL,
+        NAN_MAG,
+        STOCHASTIC,
+        BLOCK_G,
+        BLOCK_GS,
+    )
+
+
+@jit
+def fp8_encode_tile(
+    v,  # [BG, BGS] fp32: the tile's values, 0 outside the row's blocks and past its end
+    row,
+    g,
+    col,
+    groups,
+    codes_row_ptr,  # *uint8: this row's first code byte
+    scales_row_ptr,  # *fp32: this row's first group scale
+    seed,
+    GROUP_SIZE: tl.constexpr,
+    E: tl.constexpr,
+    M: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_MAG: tl.constexpr,
+    MAX_VAL: tl.constexpr,
+    NAN_MAG: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+):
+    """fp8 quantization of a loaded tile (``_fp8_quantize_kernel``'s rule), its codes and scales stored."""
     absmax, finite = tile_absmax(v)
     s = tl.math.div_rn(absmax, tl.full(absmax.shape, MAX_VAL, tl.float32))
     safe = tl.where(s > 0.0, s, 1.0)
@@ -69,8 +113,8 @@ def _fp8_quantize_kernel(
     offs = row * groups * GROUP_SIZE + col
     c = tile_encode(t, offs, seed, False, E, M, BIAS, MAX_MAG, MAX_VAL, NAN_MAG, STOCHASTIC)
     c = tl.where((finite & (s > 0.0))[:, None], c, 0)
-    tl.store(scales_ptr + row * scales_stride + g, tl.where(finite, s, nan_f32(s.shape)), mask=g < groups)
-    store_codes(codes_ptr + row * codes_stride, c, g, groups, GROUP_SIZE, 8, BLOCK_G, BLOCK_GS)
+    tl.store(scales_row_ptr + g, tl.where(finite, s, nan_f32(s.shape)), mask=g < groups)
+    store_codes(codes_row_ptr, c, g, groups, GROUP_SIZE, 8, BLOCK_G, BLOCK_GS)
 
 
 @jit
@@ -139,6 +183,60 @@ def _mx_quantize_kernel(
     row, g, j, col = tile_coords(tiles_per_row, GROUP_SIZE, BLOCK_G, BLOCK_GS)
     in_block = (j[None, :] < GROUP_SIZE) & (g[:, None] < groups)
     v = widen(tl.load(x_ptr + row * x_stride + col, mask=in_block & (col < cols), other=0.0))
+    mx_encode_tile(
+        v,
+        row,
+        g,
+        col,
+        groups,
+        codes_ptr + row * codes_stride,
+        scales_ptr + row * scales_stride,
+        seed,
+        GROUP_SIZE,
+        BITS,
+        INT8,
+        E,
+        M,
+        BIAS,
+        MAX_MAG,
+        MAX_VAL,
+        NAN_MAG,
+        EMAX,
+        MAX_MANT,
+        ROUND_UP,
+        STOCHASTIC,
+        BLOCK_G,
+        BLOCK_GS,
+    )
+
+
+@jit
+def mx_encode_tile(
+    v,  # [BG, BGS] fp32: the tile's values, 0 outside the row's blocks and past its end
+    row,
+    g,
+    col,
+    groups,
+    codes_row_ptr,  # *uint8: this row's first code byte
+    scales_row_ptr,  # *uint8: this row's first E8M0 scale
+    seed,
+    GROUP_SIZE: tl.constexpr,
+    BITS: tl.constexpr,
+    INT8: tl.constexpr,
+    E: tl.constexpr,
+    M: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_MAG: tl.constexpr,
+    MAX_VAL: tl.constexpr,
+    NAN_MAG: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    ROUND_UP: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+):
+    """MX quantization of a loaded tile (``_mx_quantize_kernel``'s rule), its codes and scales stored."""
     absmax, finite = tile_absmax(v)
     sub = absmax < 1.1754943508222875e-38  # fp32 subnormal (or zero): normalise it exactly first
     an = tl.where(sub, absmax * 18446744073709551616.0, absmax)  # * 2**64
@@ -155,8 +253,8 @@ def _mx_quantize_kernel(
     c = tile_encode(t, offs, seed, INT8, E, M, BIAS, MAX_MAG, MAX_VAL, NAN_MAG, STOCHASTIC)
     c = tl.where(ok[:, None], c, 0)
     sc = tl.where(finite, tl.where(absmax > 0.0, exp + 127, 0), 255)
-    tl.store(scales_ptr + row * scales_stride + g, sc.to(tl.uint8), mask=g < groups)
-    store_codes(codes_ptr + row * codes_stride, c, g, groups, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
+    tl.store(scales_row_ptr + g, sc.to(tl.uint8), mask=g < groups)
+    store_codes(codes_row_ptr, c, g, groups, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
 
 
 @jit

@@ -99,6 +99,7 @@ def _format_variants(full: bool):
     every input / output dtype and both roundings. The constexprs are the launchers' own (read
     from their cached plans), so what compiles here is what launches."""
     fm = importlib.import_module(__package__ + ".triton_formats")
+    rm = importlib.import_module(__package__ + ".triton_format_reduce")
 
     def consts(launch) -> dict:
         return {k: v for k, v in launch.meta.items() if k not in _TILE_KEYS}
@@ -132,6 +133,35 @@ def _format_variants(full: bool):
         ptrs = {"codes_ptr": u8, "scales_ptr": scales, "tensor_ptr": f32, "out_ptr": "*" + dt}
         if rule == "ocp" or not full:  # the dequantize kernels do not depend on the rule
             yield (f"format {scheme}/{elem} dequantize -> {dt}", d.launch.kernel, ptrs, consts(d.launch))
+            s = rm.sum_plan(scheme, 4, 2, 1 << 16, elem, gs, (1, 1, 1, 1))
+            yield (
+                f"format {scheme}/{elem} dequantize_sum -> {dt}",
+                s.kernel,
+                {"wire_ptr": u8, "out_ptr": "*" + dt},
+                consts(s),
+            )
+    yield from _format_requantize_variants(full)
+
+
+def _format_requantize_variants(full: bool):
+    """The float formats' fused re-quantize kernels (``triton_format_reduce.py``): every fp8 / mx
+    input format into the scheme's narrowest one, MXFP6 E2M3 under the round-up rule and MXINT8
+    into itself (with ``full``: into each of the scheme's formats), both roundings; nvfp4 re-quantizes with the sum
+    and quantize kernels above."""
+    rm = importlib.import_module(__package__ + ".triton_format_reduce")
+    u8, f32 = "*u8", "*fp32"
+    cases = [("fp8", e, o, 100, "ocp") for e in ("e4m3", "e5m2") for o in ("e4m3", "e5m2")]
+    mx = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "int8")
+    cases += [("mx", e, o, 32, "round_up" if o == "e2m3" else "ocp") for e in mx for o in mx]
+    for scheme, elem, out, gs, rule in cases:
+        narrowest = "e4m3" if scheme == "fp8" else "e2m1"
+        if not full and out != narrowest and (elem, out) not in (("e4m3", "e2m3"), ("int8", "int8")):
+            continue  # representative: each input into the narrowest, the round-up rule, MXINT8's hop
+        for st in (False, True):
+            plan = rm.requantize_plan(scheme, 4, 2, 1 << 16, elem, out, gs, rule, st, (1, 1, 1, 1, 1))
+            ptrs = {"wire_ptr": u8, "codes_ptr": u8, "scales_ptr": f32 if scheme == "fp8" else u8}
+            consts = {k: v for k, v in plan.meta.items() if k not in _TILE_KEYS}
+            yield (f"format {scheme}/{elem} -> {out} {rule} requantize stochastic={st}", plan.kernel, ptrs, consts)
 
 
 def check(arch: int = 90, full: bool = False) -> list[str]:
@@ -149,7 +179,8 @@ def check(arch: int = 90, full: bool = False) -> list[str]:
         if name.startswith("format") and re.search(r"\.ftz\b", ptx):
             problems.append(f"{name}: a flush-to-zero instruction in PTX (subnormals must survive)")
         divides = name.startswith(("format fp8", "format nvfp4")) and " quantize " in name
-        if name.startswith("quantize") or "requantize" in name or divides:
+        divides = divides or (name.startswith("format fp8") and " requantize " in name)
+        if name.startswith("quantize") or name.startswith("dequantize_sum_requantize") or divides:
             if "div.rn.f32" not in ptx:
                 problems.append(f"{name}: no IEEE division (div.rn.f32) found")
         print(f"ok  {name}" if not any(p.startswith(name) for p in problems) else f"BAD {name}")

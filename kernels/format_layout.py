@@ -247,6 +247,32 @@ def check_format_tensor(q: FormatTensor, scheme: str) -> int:
     return q.codes.shape[0]
 
 
+def received_rows(
+    buf: torch.Tensor, scheme: str, elem: str, cols: int, group_size: int
+) -> tuple[torch.Tensor, int, int]:
+    """Checks shared by every implementation of the reductions over received wire rows ``uint8 [k,
+    rows, wire_bytes]``: returns them (a copy only where a row is not contiguous in memory), their
+    code bytes per row and blocks per row."""
+    nb = wire_bytes(scheme, elem, cols, group_size)
+    if buf.dtype != torch.uint8 or buf.dim() != 3 or buf.shape[-1] != nb:
+        raise ValueError(
+            f"{scheme}/{elem} received rows of {cols} elements are uint8 [k, rows, {nb}], got "
+            f"{buf.dtype} {tuple(buf.shape)}"
+        )
+    if nb > 1 and buf.stride(2) != 1:
+        buf = buf.contiguous()
+    return buf, code_bytes(cols, elem, group_size), num_groups(cols, group_size)
+
+
+def check_requantize_args(scheme: str, out_elem: str, scale_rule: str, seed: int) -> int:
+    """The re-quantizing reduction's output checks, shared by its implementations (the output
+    format, the MX scale rule, the seed); returns the seed as a plain int."""
+    element(out_elem, scheme)
+    if scheme == "mx":
+        check_scale_rule(scale_rule)
+    return check_seed(seed)
+
+
 # ----------------------------------------------------------------------------------------------
 # Wire rows: pack / unpack (layout only, the same for every implementation).
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,10 @@
 """The float formats' rows of ``experiments.bench_kernels``: quantize and dequantize of fp8, MXFP8,
 MXFP6, MXFP4, MXINT8 and NVFP4 (and MXFP4 with stochastic rounding), each against a copy of the
-same bytes.
+same bytes; then the codecs' reductions over ``--k`` received wire rows (``dequantize_sum``, and
+``fused reduce``: ``dequantize_sum_requantize`` to the same format, qgZ's intra-node hop), each
+fused (``FormatCodec``'s) and generic (``Codec``'s unfused default sum, then ``encode``; the row
+suffixed ``generic``),
+timed in alternation call by call, with the median per-pair speed-up printed after the table.
 
     python -m experiments.bench_kernels                           # the int rows, then these
     python -m experiments.bench_kernels --formats none            # the int rows only
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from zeropp.comm.codec_base import Codec, generic_sum_requantize
+from zeropp.comm.format_codecs import FormatCodec, format_codec
 from zeropp.kernels import format_ops
-from zeropp.kernels.format_layout import FormatTensor
+from zeropp.kernels.format_layout import ELEMENTS, FormatTensor
 
 CASES: dict[str, tuple[str, str, str, int, bool]] = {
     "fp8": ("fp8 e4m3 g512", "fp8", "e4m3", 512, False),
@@ -65,7 +71,20 @@ def parse_formats(value: str) -> list[str]:
 
 
 class Record(Protocol):
-    def __call__(self, op: str, size: int, nbytes: int, fn: Callable[[], object] | None) -> None: ...
+    def __call__(
+        self,
+        op: str,
+        size: int,
+        nbytes: int,
+        fn: Callable[[], object] | None,
+        *,
+        seconds: float | None = ...,
+        **extra: Any,
+    ) -> None: ...
+
+
+Pair = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float, float]]
+"""Times a fused and a generic call: (seconds fused, seconds generic, speed-up generic / fused)."""
 
 
 def quantize(x: torch.Tensor, scheme: str, elem: str, group_size: int, stochastic: bool) -> FormatTensor:
@@ -97,6 +116,65 @@ def record_formats(record: Record, x: torch.Tensor, size: int, names: list[str])
                 q.nbytes + n * esize,
                 functools.partial(format_ops.dequantize_format, q, out=out),
             )
+
+
+def case_codec(scheme: str, elem: str) -> tuple[FormatCodec, int]:
+    """The codec that sends ``elem`` in kernel scheme ``scheme``, and its code width."""
+    width = ELEMENTS[elem].bits
+    if scheme == "mx" and elem == "int8":
+        return format_codec("mxint"), width
+    fields = {"fp8_format": elem} if width == 8 else ({"fp6_format": elem} if width == 6 else {})
+    return format_codec(scheme, **fields), width
+
+
+def record_reductions(record: Record, pair: Pair, x: torch.Tensor, size: int, names: list[str], k: int) -> None:
+    """The cases ``names``' reductions over ``k`` received rows of ``x.numel()`` elements each
+    (one wire row per source), fused and generic: ``dequantize_sum`` into ``x``'s dtype (nearest
+    cases) and ``fused reduce`` back to the same format (stochastic cases with a seed)."""
+    n, esize = x.numel(), x.element_size()
+    for name in names:
+        label, scheme, elem, gs, stochastic = CASES[name]
+        codec, bits = case_codec(scheme, elem)
+        seed = 1 if stochastic else None
+        buf = torch.stack(
+            [codec.encode(torch.randn_like(x, dtype=torch.float32), bits, gs, rows=1, seed=None) for _ in range(k)]
+        )
+        wb = buf.shape[-1]
+        calls = [
+            (
+                f"fused reduce {label} k{k}",
+                (k + 1) * wb,
+                functools.partial(codec.dequantize_sum_requantize, buf, n, bits, gs, out_bits=bits, seed=seed),
+                functools.partial(generic_sum_requantize, codec, buf, n, bits, gs, out_bits=bits, seed=seed),
+            )
+        ]
+        if not stochastic:
+            calls.append(
+                (
+                    f"dequantize_sum {label} k{k}",
+                    k * wb + n * esize,
+                    functools.partial(codec.dequantize_sum, buf, n, bits, gs, dtype=x.dtype),
+                    functools.partial(Codec.dequantize_sum, codec, buf, n, bits, gs, dtype=x.dtype),
+                )
+            )
+        for op, nbytes, fused, generic in calls:
+            sf, sg, speedup = pair(fused, generic)
+            record(op, size, nbytes, None, seconds=sf, vs_generic=speedup)
+            record(f"{op} generic", size, nbytes, None, seconds=sg)
+
+
+def fused_text(rows: list[dict], size_text: Callable[[int], str]) -> str:
+    """The fused reductions' speed-ups over the generic path (median per-pair ratio), per size."""
+    lines = [
+        f"  {r['op']:<34} {size_text(r['size']):>9}: {r['vs_generic']:>5.2f}x generic ({r['fraction']:.0%} of copy)"
+        for r in rows
+        if r.get("vs_generic") is not None
+    ]
+    if not lines:
+        return ""
+    return "\n".join(
+        ["float formats' reductions, fused / generic (median of per-pair time ratios generic / fused)", *lines]
+    )
 
 
 def format_shares(rows: list[dict]) -> list[tuple[str, int, float, float]]:

@@ -89,20 +89,28 @@ def cpu_path(path: str) -> Iterator[None]:
 def _paired(fn: Callable[[], object], path: str, old: str, warmup: int, iters: int) -> tuple[float, float, float]:
     """``fn`` through CPU path ``path`` and through ``old``, alternating call by call. Returns
     (median seconds ours, median seconds old, median of the per-pair ratios old / ours)."""
+    return _alternate((fn, path), (fn, old), warmup, iters)
+
+
+def _alternate(
+    ours: tuple[Callable[[], object], str], old: tuple[Callable[[], object], str], warmup: int, iters: int
+) -> tuple[float, float, float]:
+    """Two ``(function, CPU path)`` timed in alternation, call by call (each inside its path, the
+    path switch untimed). Returns (median seconds ours, median seconds old, median of the per-pair
+    ratios old / ours): a shared machine's load changes affect the ratio far less than two runs."""
     for _ in range(warmup):
-        for p in (path, old):
+        for fn, p in (ours, old):
             with cpu_path(p):
                 fn()
-    ours: list[float] = []
-    olds: list[float] = []
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(iters):
-        for p, acc in ((path, ours), (old, olds)):
+        for (fn, p), acc in zip((ours, old), times):
             with cpu_path(p):
                 t0 = time.perf_counter()
                 fn()
                 acc.append(time.perf_counter() - t0)
-    ratio = statistics.median(o / n for o, n in zip(olds, ours))
-    return statistics.median(ours), statistics.median(olds), ratio
+    ratio = statistics.median(o / n for o, n in zip(times[1], times[0]))
+    return statistics.median(times[0]), statistics.median(times[1]), ratio
 
 
 def _sizes(min_kib: float, max_mib: float) -> list[int]:
@@ -148,6 +156,14 @@ def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None
 
     paired = _paired_mode(args)
 
+    def pair(fused: Callable[[], object], generic: Callable[[], object]) -> tuple[float, float, float]:
+        """Seconds of ``fused`` and ``generic`` and the ratio generic / fused: on CPU timed in
+        alternation through ``--cpu-path``, on CUDA one after the other."""
+        if device.type == "cpu":
+            return _alternate((fused, args.cpu_path), (generic, args.cpu_path), args.warmup, args.iters)
+        sf, sg = timeit(fused), timeit(generic)
+        return sf, sg, sg / sf
+
     def record(
         op: str,
         size: int,
@@ -155,6 +171,7 @@ def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None
         fn: Callable[[], object] | None,
         baseline: Callable[[], object] | None = None,
         seconds: float | None = None,
+        **extra: object,
     ) -> None:
         """One row: ``fn`` timed (through ``--cpu-path``, paired with ``--vs-path`` on CPU)."""
         old_seconds = vs_old = None
@@ -178,6 +195,7 @@ def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None
                 vs_compile=vs,
                 old_fraction=None if old_seconds is None else copy_s / old_seconds,
                 vs_old=vs_old,
+                **extra,
             )
         )
         if on_row is not None:
@@ -239,6 +257,7 @@ def bench(args: argparse.Namespace, on_row: Callable[[dict], None] | None = None
             compiled("dsum", plain_dequantize_sum, cb, sb, dims=(1, 1), bits=4, dtype=dtype),
         )
         format_rows.record_formats(record, x, size, args.formats)
+        format_rows.record_reductions(record, pair, x, size, args.formats, k)
         del x, q, qs, stacked, out, xb, cb, sb
     return rows
 
@@ -300,9 +319,9 @@ def _print_row(r: dict, args: argparse.Namespace) -> None:
 
 def _print_summary(rows: list[dict], args: argparse.Namespace) -> None:
     dev = torch.device(args.device)
-    shares = format_rows.shares_text(rows, _fmt_bytes)
-    if shares:
-        print(shares)
+    for text in (format_rows.shares_text(rows, _fmt_bytes), format_rows.fused_text(rows, _fmt_bytes)):
+        if text:
+            print(text)
     big = [r["fraction"] for r in rows if r["op"] != "copy" and r["size"] >= 64 << 20]
     if dev.type == "cuda" and big:
         print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} (target {TARGET_FRACTION:.0%})")

@@ -60,3 +60,43 @@ def test_each_format_is_compared_with_the_int8_op_of_its_kind_and_size():
     text = bench_format_rows.shares_text(rows, lambda b: f"{b} B")
     assert text.startswith("float formats at 1024 B") and "quantize mxfp4" in text
     assert text.count("below target") == 1  # mxfp4's 25% of INT8's; nvfp4's 75% meets the target
+
+
+def test_reduction_rows_time_the_fused_and_the_generic_call_of_the_labelled_codec():
+    """Each case gives a fused row (with its speed-up) and a generic row of the same bytes; the two
+    timed calls return the same wire rows / sums (they are the same reduction), in the labelled
+    format, and the summary lists the fused rows."""
+    x = torch.randn(1000, dtype=torch.bfloat16)
+    rows: list[dict] = []
+    results: dict[str, tuple[object, object]] = {}
+
+    def pair(fused, generic):
+        results[f"call{len(results)}"] = (fused(), generic())
+        return 1.0, 3.0, 3.0
+
+    def record(op, size, nbytes, fn, *, seconds=None, **extra):
+        assert fn is None and seconds is not None
+        rows.append(dict(op=op, size=size, bytes=nbytes, seconds=seconds, fraction=0.5, **extra))
+
+    bench_format_rows.record_reductions(record, pair, x, 2000, ["mxfp6", "mxint8", "mxfp4_sr", "nvfp4"], 3)
+    ops = [r["op"] for r in rows]
+    assert ops[:4] == [
+        "fused reduce mxfp6 e3m2 k3",
+        "fused reduce mxfp6 e3m2 k3 generic",
+        "dequantize_sum mxfp6 e3m2 k3",
+        "dequantize_sum mxfp6 e3m2 k3 generic",
+    ]
+    assert "dequantize_sum mxfp4 stochastic k3" not in ops and "fused reduce mxfp4 stochastic k3" in ops
+    wb = {"mxfp6 e3m2": wire_bytes("mx", "e3m2", 1000, 32), "nvfp4": wire_bytes("nvfp4", "e2m1", 1000, 16)}
+    by_op = {r["op"]: r for r in rows}
+    for label, b in wb.items():
+        assert by_op[f"fused reduce {label} k3"]["bytes"] == by_op[f"fused reduce {label} k3 generic"]["bytes"] == 4 * b
+        assert by_op[f"dequantize_sum {label} k3"]["bytes"] == 3 * b + 2 * 1000
+        assert by_op[f"dequantize_sum {label} k3"]["vs_generic"] == 3.0
+    for fused, generic in results.values():
+        assert fused.dtype == generic.dtype and fused.shape == generic.shape
+        assert torch.equal(torch.nan_to_num(fused.float()), torch.nan_to_num(generic.float()))
+    sums = [fused for fused, _ in results.values() if fused.dtype == torch.bfloat16]
+    assert len(sums) == 3 and all(s.shape == (1, 1000) for s in sums)
+    text = bench_format_rows.fused_text(rows, lambda b: f"{b} B")
+    assert text.count("3.00x generic") == 7 and "generic generic" not in text

@@ -82,3 +82,13 @@ class Codec:
         :meth:`dequantize_sum` then :meth:`encode`."""
         s = self.dequantize_sum(buf, cols, bits, group_size)  # [rows, cols] fp32
         return self.encode(s, out_bits, group_size, rows=s.shape[0], seed=seed)
+
+
+def generic_sum_requantize(
+    codec: Codec, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
+) -> torch.Tensor:
+    """The specification of ``codec.dequantize_sum_requantize`` that a fused override must match:
+    :meth:`Codec.dequantize_sum`'s generic sum, then ``codec.encode``. (The base method itself
+    calls the codec's own, possibly fused, ``dequantize_sum``.) For tests and benchmarks."""
+    s = Codec.dequantize_sum(codec, buf, cols, bits, group_size)  # [rows, cols] fp32
+    return codec.encode(s, out_bits, group_size, rows=s.shape[0], seed=seed)

@@ -16,16 +16,22 @@ scheme     bits -> element                   group size
 ``nvfp4``  4 -> e2m1                         16 (E4M3 per block, fp32 per row)
 =========  ================================  =====================================
 
-The reductions over received rows are the base class's generic ones (dequantize each source,
-add in fp32, re-encode for qgZ's second hop), so qgZ, error feedback and the Hadamard rotation
-work unchanged; no fused kernel is needed for correctness. The codec is not ``in_place`` (its
-received rows are unpacked with copies), but on CPU :meth:`FormatCodec.encode` has the kernel write
-the codes straight into the wire rows (``cpu_formats.encode_wire``).
+The reductions over received rows (:meth:`FormatCodec.dequantize_sum`, and
+:meth:`FormatCodec.dequantize_sum_requantize`: qgZ's intra-node hop) are fused: on CPU the native
+kernels (``cpu_formats.dequantize_sum_wire`` / ``dequantize_sum_requantize_wire``), on CUDA the
+Triton ones of the same names (``triton_format_reduce``), read the k received rows in place and
+sum each tile of a row in fp32 while it is in L1 / registers, bit for bit the base class's generic
+path (dequantize each source, add in fp32 in source order, round or re-encode), which stays the
+specification and serves where neither is available. The
+codec is not ``in_place`` (its received rows are unpacked with copies), but on CPU
+:meth:`FormatCodec.encode` has the kernel write the codes straight into the wire rows
+(``cpu_formats.encode_wire``).
 """
 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -101,6 +107,54 @@ class FormatCodec(Codec):
         self, q: FormatTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         return dequantize_format(q, out=out, dtype=dtype)
+
+    def _fused(self, buf: torch.Tensor, dtype: torch.dtype = torch.float32) -> Optional[ModuleType]:
+        """The module whose fused reductions take ``buf`` (``[k, rows, B]`` wire rows, an output
+        dtype the kernels write): ``cpu_formats`` on CPU where its kernels are built,
+        ``triton_format_reduce`` on CUDA where Triton is installed; None for the generic path."""
+        if buf.dim() != 3 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        if buf.device.type == "cpu":
+            return cpu_formats if cpu_formats.native_enabled() else None
+        if buf.is_cuda:
+            from zeropp.kernels import triton_format_reduce  # imports triton: only where CUDA data is
+
+            return triton_format_reduce if triton_format_reduce.HAS_TRITON else None
+        return None
+
+    def dequantize_sum(
+        self,
+        buf: torch.Tensor,
+        cols: int,
+        bits: int,
+        group_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """As :meth:`Codec.dequantize_sum`, bit for bit; one fused pass over ``buf`` in place
+        (``out``, contiguous ``[rows, cols]``, receives the sum directly; its dtype wins)."""
+        fused = self._fused(buf, dtype if out is None else out.dtype)
+        if fused is None:
+            s = super().dequantize_sum(buf, cols, bits, group_size, dtype=dtype if out is None else out.dtype)
+            return s if out is None else out.copy_(s.view(out.shape))
+        elem = self.element(bits)
+        return fused.dequantize_sum_wire(buf, self.kernel_scheme, elem, cols, group_size, out=out, dtype=dtype)
+
+    def dequantize_sum_requantize(
+        self, buf: torch.Tensor, cols: int, bits: int, group_size: int, *, out_bits: int, seed: Optional[int]
+    ) -> torch.Tensor:
+        """As :meth:`Codec.dequantize_sum_requantize`, bit for bit; fused: each tile of the
+        sum is quantized while it is in L1 (nvfp4 sums a row first: its tensor scale needs the row's
+        absmax), the sum never written out."""
+        fused = self._fused(buf)
+        if fused is None:
+            return super().dequantize_sum_requantize(buf, cols, bits, group_size, out_bits=out_bits, seed=seed)
+        elem, out_elem = self.element(bits), self.element(out_bits)
+        stochastic, kseed = seed is not None, 0 if seed is None else seed
+        return fused.dequantize_sum_requantize_wire(
+            buf, self.kernel_scheme, elem, out_elem, cols, group_size, self.mx_scale, stochastic, kseed
+        )
 
     def wire_bytes(self, cols: int, bits: int, group_size: int) -> int:
         return fl.wire_bytes(self.kernel_scheme, self.element(bits), cols, group_size)

@@ -1,0 +1,136 @@
+"""The float-format codecs' fused reductions over received wire rows (``FormatCodec.dequantize_sum``
+and ``dequantize_sum_requantize``: the native kernels of ``kernels/cpu_formats.cpp``) against
+their specification, the codecs' generic path (``Codec.dequantize_sum``: each source dequantized
+and added in fp32, in source order, then rounded or re-encoded) computed by the pure-torch
+reference (native kernels off), bit for bit: every element format and MX scale rule of the
+registry, k = 1, 2, 4, 7 sources, rows shorter than a block and rows of many partial blocks,
+fp32 / bf16 / fp16 sums, nearest and stochastic re-encoding at every width of the scheme, inputs
+with zero blocks, subnormals and NaN / Inf blocks, and crafted wire bytes (every code, NaN / Inf /
+subnormal / huge scales)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.codec_cases import spec_id
+from tests.format_reduce_helpers import (
+    FORMAT_SPECS,
+    KS,
+    SHAPES,
+    check_case,
+    crafted_rows,
+    out_widths,
+    received,
+    reference,
+)
+from tests.kernel_helpers import assert_same_bits, failing_compiler
+from zeropp.comm.codec_base import generic_sum_requantize
+from zeropp.comm.codecs import Codec, codec_for
+from zeropp.comm.format_codecs import FormatCodec
+from zeropp.comm.spec import QuantSpec
+from zeropp.kernels import cpu_formats, cpu_native
+
+
+@pytest.fixture(autouse=True)
+def native_formats(monkeypatch: pytest.MonkeyPatch):
+    """The native kernels on (skip where they cannot be built here)."""
+    monkeypatch.setattr(cpu_native, "ENABLED", True)
+    if not cpu_formats.available():
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each call of the fused kernels' wrappers, so a test knows the fused path ran."""
+    calls: list[str] = []
+    for name in ("dequantize_sum_wire", "dequantize_sum_requantize_wire"):
+        real = getattr(cpu_formats, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu_formats, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("spec", FORMAT_SPECS, ids=spec_id)
+def test_fused_sums_are_the_generic_sums_bit_for_bit(spec: QuantSpec, monkeypatch, fused_calls) -> None:
+    codec = codec_for(spec)
+    assert isinstance(codec, FormatCodec)
+    for rows, cols in SHAPES:
+        for k in KS:
+            buf = received(codec, spec, k, rows, cols, seed=10 * k + rows)
+            check_case(monkeypatch, codec, buf, cols, spec.bits, spec.group_size, out_widths(spec))
+    assert "dequantize_sum_wire" in fused_calls and "dequantize_sum_requantize_wire" in fused_calls
+
+
+@pytest.mark.parametrize("spec", FORMAT_SPECS, ids=spec_id)
+def test_fused_sums_of_crafted_wire_bytes_are_the_generic_sums(spec: QuantSpec, monkeypatch) -> None:
+    codec = codec_for(spec)
+    assert isinstance(codec, FormatCodec)
+    for rows, cols in ((1, 7), (5, 257)):
+        buf = crafted_rows(codec, spec.bits, 4, rows, cols, spec.group_size, seed=cols)
+        check_case(monkeypatch, codec, buf, cols, spec.bits, spec.group_size, out_widths(spec), seeds=(None, 7))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [QuantSpec(scheme="mx", bits=6), QuantSpec(scheme="nvfp4", bits=4), QuantSpec(scheme="fp8", bits=8, group_size=24)],
+    ids=spec_id,
+)
+def test_rows_of_many_tiles_in_strided_buffers(spec: QuantSpec, monkeypatch) -> None:
+    """Rows longer than a kernel tile (2048 elements; nvfp4's summed-row buffer), received rows
+    read in place from a strided view (every other row of a larger buffer), and ``out=``."""
+    codec = codec_for(spec)
+    rows, cols, gs = 3, 5000, spec.group_size
+    big = received(codec, spec, 3, 2 * rows, cols, seed=1)
+    buf = big[:, ::2]  # [3, rows, B], row stride 2 B
+    assert not buf.is_contiguous()
+    check_case(monkeypatch, codec, buf, cols, spec.bits, gs, out_widths(spec))
+    want = reference(monkeypatch, Codec.dequantize_sum, codec, buf.contiguous(), cols, spec.bits, gs)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((rows, cols), 5.0, dtype=dtype)
+        assert codec.dequantize_sum(buf, cols, spec.bits, gs, out=out) is out
+        assert_same_bits(out, want.to(dtype))
+
+
+def test_a_failed_build_keeps_the_codec_on_the_generic_path(tmp_path, monkeypatch, fused_calls) -> None:
+    """A compiler that really fails (a fresh cache, so the library must be built): the codec warns
+    once with the failure, takes the generic path, and returns its results (``out=`` written too)."""
+    spec = QuantSpec(scheme="nvfp4", bits=4)
+    codec = codec_for(spec)
+    buf = received(codec, spec, 2, 3, 100, seed=0)
+    want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, 100, 4, 16)
+    want2 = reference(monkeypatch, generic_sum_requantize, codec, buf, 100, 4, 16, out_bits=4, seed=3)
+    failing_compiler(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_formats, "_LIB", None)
+    monkeypatch.setattr(cpu_formats, "FAILED", None)
+    monkeypatch.setattr(cpu_formats, "_warned", False)
+    with pytest.warns(RuntimeWarning, match=r"float formats are unavailable \(RuntimeError: .*failed"):
+        assert_same_bits(codec.dequantize_sum(buf, 100, 4, 16), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.empty(3, 100)
+        codec.dequantize_sum(buf, 100, 4, 16, out=out)
+        assert_same_bits(out, want)
+        assert torch.equal(codec.dequantize_sum_requantize(buf, 100, 4, 16, out_bits=4, seed=3), want2)
+    assert fused_calls == [] and not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_fused_sums_refuse_what_the_generic_path_refuses() -> None:
+    codec = codec_for(QuantSpec(scheme="mx", bits=8))
+    buf = received(codec, QuantSpec(scheme="mx", bits=8), 2, 2, 64, seed=0)
+    with pytest.raises(ValueError, match=r"uint8 \[k, rows, 66\]"):
+        codec.dequantize_sum(buf[..., :-1], 64, 8, 32)
+    with pytest.raises(ValueError, match="fixed by the format"):
+        codec.dequantize_sum_requantize(buf, 64, 8, 16, out_bits=4, seed=None)
+    with pytest.raises(ValueError, match="no 5-bit format"):
+        codec.dequantize_sum_requantize(buf, 64, 8, 32, out_bits=5, seed=None)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        codec.dequantize_sum_requantize(buf, 64, 8, 32, out_bits=4, seed=-1)
+    with pytest.raises(ValueError, match="out has 126 elements"):
+        codec.dequantize_sum(buf, 64, 8, 32, out=torch.empty(2, 63))
