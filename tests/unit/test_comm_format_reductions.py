@@ -134,3 +134,32 @@ def test_fused_sums_refuse_what_the_generic_path_refuses() -> None:
         codec.dequantize_sum_requantize(buf, 64, 8, 32, out_bits=4, seed=-1)
     with pytest.raises(ValueError, match="out has 126 elements"):
         codec.dequantize_sum(buf, 64, 8, 32, out=torch.empty(2, 63))
+
+
+@pytest.mark.parametrize("spec", FORMAT_SPECS[:3], ids=spec_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qgz_last_hop_sums_straight_into_the_gradient_shard(
+    spec: QuantSpec, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qgZ's last hop (``qgz._sum_into``): an fp32 shard of a float format (``sums_into``) receives the
+    scaled sum directly, with no temporary; a bf16 one goes through the fp32 sum; both equal the
+    generic path's sum times the post-scale, rounded once."""
+    from zeropp.comm import qgz
+
+    codec = codec_for(spec)
+    assert codec.sums_into and not codec.in_place
+    n = 257
+    buf = received(codec, spec, 3, 1, n, seed=11)  # [3, 1, B]
+    want = (reference(monkeypatch, Codec.dequantize_sum, codec, buf, n, spec.bits, spec.group_size) * 0.25).to(dtype)
+    outs: list[object] = []
+    real = FormatCodec.dequantize_sum
+
+    def spy(self, *a, **kw):
+        outs.append(kw.get("out"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(FormatCodec, "dequantize_sum", spy)
+    out = torch.full((n,), float("nan"), dtype=dtype)
+    qgz._sum_into(codec, buf, n, spec.bits, spec.group_size, 0.25, out)
+    assert_same_bits(out, want.view(-1))
+    assert (outs == [out]) if dtype == torch.float32 else (outs == [None])

@@ -32,6 +32,11 @@ class Codec:
     ``out``, and :meth:`dequantize_sum` takes ``out=``. False (the default) makes the collectives
     hand it contiguous tensors, as a minimal codec expects."""
 
+    sums_into: bool = False
+    """True when :meth:`dequantize_sum` takes ``out=`` (contiguous ``[rows, cols]``, its dtype
+    wins) and writes the sum straight into it, even if the codec is not :attr:`in_place`: the
+    collectives then skip a temporary and a copy."""
+
     def quantize(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> Encoded:
         """``x`` (numel divisible by ``rows``) -> ``rows`` encoded rows of ``numel / rows`` elements."""
         raise NotImplementedError

@@ -51,6 +51,8 @@ _KERNEL_SCHEME = {"fp8": "fp8", "mx": "mx", "mxint": "mx", "nvfp4": "nvfp4"}
 class FormatCodec(Codec):
     """One of the float / microscaling schemes with its element and scale-rule choices fixed."""
 
+    sums_into = True  # (dequantize_sum writes a given out=, fused or through the generic sum)
+
     def __init__(
         self, scheme: str, *, fp8_format: str = "e4m3", fp6_format: str = "e2m3", mx_scale: str = "ocp"
     ) -> None:

@@ -314,10 +314,11 @@ def _sum_into(
 ) -> None:
     """Wire rows [k, 1, B] -> fp32 sum over k, times ``post_scale``, written into ``out`` ([n]).
 
-    An fp32 ``out`` of an in-place codec receives the sum directly (read from ``buf`` in place)
-    and is scaled there: the same fp32 operations as through a temporary. A bf16/fp16 ``out``
-    needs the fp32 sum scaled *before* its single rounding, so it goes through an fp32 [n]."""
-    if codec.in_place and out.dtype == torch.float32 and out.is_contiguous():
+    An fp32 ``out`` of a codec that sums into one (``in_place`` or ``sums_into``) receives the sum
+    directly (read from ``buf`` in place) and is scaled there: the same fp32 operations as through a
+    temporary. A bf16/fp16 ``out`` needs the fp32 sum scaled *before* its single rounding, so it
+    goes through an fp32 [n]."""
+    if (codec.in_place or codec.sums_into) and out.dtype == torch.float32 and out.is_contiguous():
         codec.dequantize_sum(buf, n, bits, gs, dtype=torch.float32, out=out)
         if post_scale != 1.0:
             out.mul_(post_scale)
