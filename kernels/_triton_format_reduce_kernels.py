@@ -58,7 +58,7 @@ def wire_tile_sum(
     gm = g < groups
     acc = tl.zeros((BLOCK_G, BLOCK_GS), tl.float32)
     for s in range(k):
-        base = wire_ptr + s * k_stride + row * row_stride
+        base = wire_ptr + row * row_stride + (s + row * 0) * k_stride  # int64 (row is): s * k_stride may pass 2**31
         c = load_codes(base, g, groups, GROUP_SIZE, BITS, BLOCK_G, BLOCK_GS)
         if SCHEME == 0:
             sc = load_f32(base + cb + 4 * g, gm)

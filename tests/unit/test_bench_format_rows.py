@@ -66,6 +66,10 @@ def test_reduction_rows_time_the_fused_and_the_generic_call_of_the_labelled_code
     """Each case gives a fused row (with its speed-up) and a generic row of the same bytes; the two
     timed calls return the same wire rows / sums (they are the same reduction), in the labelled
     format, and the summary lists the fused rows."""
+    from zeropp.kernels import cpu_formats
+
+    if not cpu_formats.native_enabled():
+        pytest.skip("the native CPU kernels of the formats cannot be built here")
     x = torch.randn(1000, dtype=torch.bfloat16)
     rows: list[dict] = []
     results: dict[str, tuple[object, object]] = {}
@@ -100,3 +104,16 @@ def test_reduction_rows_time_the_fused_and_the_generic_call_of_the_labelled_code
     assert len(sums) == 3 and all(s.shape == (1, 1000) for s in sums)
     text = bench_format_rows.fused_text(rows, lambda b: f"{b} B")
     assert text.count("3.00x generic") == 7 and "generic generic" not in text
+
+
+def test_no_reduction_rows_where_no_fused_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native CPU kernels off (``--cpu-path compiled`` / ``tiled``) a "fused" row would time
+    the generic path against itself: none is recorded."""
+    from zeropp.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
+    rows: list[dict] = []
+    bench_format_rows.record_reductions(
+        lambda *a, **kw: rows.append(a), lambda f, g: (1.0, 1.0, 1.0), torch.randn(100), 200, ["mxfp4", "nvfp4"], 2
+    )
+    assert rows == []

@@ -163,3 +163,16 @@ def test_qgz_last_hop_sums_straight_into_the_gradient_shard(
     qgz._sum_into(codec, buf, n, spec.bits, spec.group_size, 0.25, out)
     assert_same_bits(out, want.view(-1))
     assert (outs == [out]) if dtype == torch.float32 else (outs == [None])
+
+
+def test_a_strided_out_gets_the_same_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dequantize_sum(out=)`` into columns of a larger buffer (not contiguous): the same values as
+    the generic sum, on the native path too (which writes contiguous rows, so it goes generic)."""
+    spec = FORMAT_SPECS[0]
+    codec = codec_for(spec)
+    buf = received(codec, spec, 2, 3, 50, seed=5)  # [2, 3, B]
+    want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, 50, spec.bits, spec.group_size)
+    big = torch.full((3, 80), 7.0)
+    codec.dequantize_sum(buf, 50, spec.bits, spec.group_size, out=big[:, 10:60])
+    assert_same_bits(big[:, 10:60], want)
+    assert torch.all(big[:, :10] == 7.0) and torch.all(big[:, 60:] == 7.0)

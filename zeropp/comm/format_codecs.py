@@ -124,6 +124,10 @@ class FormatCodec(Codec):
             return triton_format_reduce if triton_format_reduce.HAS_TRITON else None
         return None
 
+    def fuses(self, buf: torch.Tensor) -> bool:
+        """Whether the reductions of ``buf`` run a fused kernel here (False: the generic path)."""
+        return self._fused(buf) is not None
+
     def dequantize_sum(
         self,
         buf: torch.Tensor,
@@ -135,8 +139,11 @@ class FormatCodec(Codec):
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """As :meth:`Codec.dequantize_sum`, bit for bit; one fused pass over ``buf`` in place
-        (``out``, contiguous ``[rows, cols]``, receives the sum directly; its dtype wins)."""
+        (``out``, ``[rows, cols]``, receives the sum; its dtype wins; a non-contiguous ``out`` on CPU
+        is filled through the generic sum, the native kernels write contiguous rows)."""
         fused = self._fused(buf, dtype if out is None else out.dtype)
+        if fused is cpu_formats and out is not None and not out.is_contiguous():
+            fused = None
         if fused is None:
             s = super().dequantize_sum(buf, cols, bits, group_size, dtype=dtype if out is None else out.dtype)
             return s if out is None else out.copy_(s.view(out.shape))
