@@ -181,18 +181,12 @@ class Workload:
         return dataclasses.replace(self, units=(self.units[0], *merged), coalesce=0)
 
     def kept_at_turn(self) -> frozenset[int]:
-        """Indices into ``units`` that ``keep_at_turn`` keeps gathered from forward into backward:
-        the root and every block of the last unit (the last block, or the last span of coalesced
-        blocks, ``partition.coalesce_spans``); empty without it."""
+        """Indices into :meth:`coalesced` ``.units`` (the units the engine moves) that
+        ``keep_at_turn`` keeps gathered from forward into backward: the root and the last unit;
+        empty without it."""
         if not self.keep_at_turn:
             return frozenset()
-        if len(self.units) < 2:
-            return frozenset({0})
-        from zeropp.runtime.partition import coalesce_spans
-
-        n = len(self.units) - 1
-        first, last = coalesce_spans(list(self.units[1:]), self.coalesce)[-1] if self.coalesce else (n - 1, n - 1)
-        return frozenset({0, *range(first + 1, last + 2)})
+        return frozenset({0, len(self.coalesced().units) - 1})
 
     @classmethod
     def from_zero(
