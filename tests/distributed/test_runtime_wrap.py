@@ -173,7 +173,7 @@ def _misuse_world(rank: int, world: int) -> dict[str, Any]:
     for case, stage in (("order", 2), ("order", 3), ("late", 3)):
         eng = _engine(make_toy("scalar", order=(2, 1, 0)), world, stage, blocks=ResBlock)
         if case == "late":
-            eng.stage3.check_forward = lambda error=None: None
+            eng.stage3.check_forward = lambda error=None, defer=False: None
         before = [eng.update.master_copy(i) for i in range(len(eng.units))]  # this rank's fp32 masters
         try:
             eng.train_step([batch("scalar", 0, j, rank) for j in range(ACCUM)])

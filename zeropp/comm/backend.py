@@ -7,7 +7,7 @@ is sent: no rank is left waiting in a collective that its peers never entered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,56 @@ def backend_all_to_all(out: torch.Tensor, inp: torch.Tensor, group, async_op: bo
 def backend_all_reduce(tensor: torch.Tensor, op, group, async_op: bool):
     """In-place all-reduce of ``tensor``."""
     return context.current().issue(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), (tensor,))
+
+
+def control_all_reduce(
+    t: torch.Tensor, op: Literal["sum", "max"], group=None, *, async_op: bool = False
+) -> Callable[[], None]:
+    """All-reduce a few control values in place (a loss, squared norms, flags: bytes, not data)
+    over ``group``, summed or maxed. Returns the call that finishes it (waits, then writes ``t``):
+    already done unless ``async_op``, when the caller must call it before reading ``t``.
+
+    Why not ``all_reduce``: on gloo a small all-reduce walks a ring, 2(W - 1) message rounds, each
+    a wake-up of every rank's gloo threads; an all-to-all of the vector is one round, after which
+    every rank reduces the ``W`` copies itself. With ranks sharing CPU cores that costs about half
+    the CPU and half the wait of the ring (measured with 4 ranks on 2 cores: 0.6 against 1.5 ms of
+    CPU per call and rank). The ranks' copies are combined in rank order, one element-wise
+    operation at a time, so every rank gets the same bits on any CPU. Other backends (NCCL) and
+    device tensors use ``all_reduce``, whose small-message algorithms are already one round."""
+    g = group if group is not None else dist.group.WORLD
+    w = dist.get_world_size(g)
+    if w == 1:
+        return lambda: None
+    if t.device.type != "cpu" or "gloo" not in str(dist.get_backend(g)):
+        red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        work = backend_all_reduce(t, red, group, async_op)
+
+        def wait() -> None:
+            if work is not None:
+                work.wait()
+
+        return wait
+    flat = t.view(-1)  # [n], a view of t (a non-contiguous t raises here)
+    n = flat.numel()
+    send = flat.repeat(w)  # [W * n]: this rank's values for every member
+    recv = torch.empty_like(send)  # [W * n]: member r's values at row r
+    work = backend_all_to_all(recv, send, group, True)
+
+    def finish() -> None:
+        work.wait()
+        rows = recv.view(w, n)
+        acc = rows[0].clone()  # [n]
+        for r in range(1, w):
+            if op == "sum":
+                acc.add_(rows[r])
+            else:
+                torch.maximum(acc, rows[r], out=acc)
+        flat.copy_(acc)
+
+    if not async_op:
+        finish()
+        return lambda: None
+    return finish
 
 
 # ---------------------------------------------------------------------------------- checks

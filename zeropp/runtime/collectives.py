@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.comm import ranges
-from zeropp.comm.backend import backend_all_gather
+from zeropp.comm.backend import backend_all_gather, control_all_reduce
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.lifetime import Buffers
@@ -127,6 +127,25 @@ class EngineComm:
         self.device = device if device is not None else torch.device("cpu")  # where scalars travel (NCCL: the GPU)
         self.streams = CommStreams(self.device)
         """Side streams, events and blocked-time measurement (``streams.py``; no-ops on CPU)."""
+        self._before_next: Optional[Callable[[], object]] = None  # see defer_until_next_collective
+
+    def defer_until_next_collective(self, check: Callable[[], object]) -> None:
+        """Run ``check`` before this engine's next collective, or at :meth:`run_deferred`,
+        whichever comes first (a deferred forward check, ``batch.py``): what it raises is raised
+        there, before anything is sent. A check already waiting runs first."""
+        self.run_deferred()
+        self._before_next = check
+
+    def run_deferred(self) -> None:
+        """Run the deferred check now, if one is waiting (see :meth:`defer_until_next_collective`)."""
+        check, self._before_next = self._before_next, None
+        if check is not None:
+            with self.streams.blocked():
+                check()
+
+    def drop_deferred(self) -> None:
+        """Forget a deferred check that never ran (its step raised before the next collective)."""
+        self._before_next = None
 
     @property
     def wait_s(self) -> float:
@@ -323,6 +342,7 @@ class EngineComm:
         """Issue a collective: asynchronously on the ``kind`` side stream when there are streams
         (finished there at once, an event marks its end), else on the current stream/thread;
         synchronous calls are waited before returning. See ``streams.py`` for what is timed."""
+        self.run_deferred()
         st = self.streams
         if async_op and st.enabled:
             with st.issuing(kind, reads):
@@ -340,6 +360,7 @@ class EngineComm:
     def all_reduce_mean(self, t: torch.Tensor, *, kind: CommKind, unit: str = "") -> None:
         """In-place average over the world (stage 0 gradients, replicated units); ``unit``: the
         unit's name, for the profiler range (module doc)."""
+        self.run_deferred()
         with self.streams.blocked():
             self._z.all_reduce(
                 t,
@@ -355,9 +376,10 @@ class EngineComm:
         """Sum a few fp64 scalars over the whole default group, tensor-parallel ranks included (loss,
         squared norms). Control traffic: a few bytes per step, deliberately not accounted so the
         byte formulas stay exact."""
+        self.run_deferred()
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         with self.streams.blocked(), ranges.span(CONTROL_RANGE):
-            dist.all_reduce(t)
+            control_all_reduce(t, "sum")
         return t.tolist()
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
@@ -365,6 +387,7 @@ class EngineComm:
         rank ``src`` (with ``tp > 1`` each tensor-parallel rank broadcasts its own part). ``t`` must
         be on the engine's device (NCCL cannot broadcast a CPU tensor)."""
         self._check_device(t, "broadcast")
+        self.run_deferred()
         if self.group is None:
             dist.broadcast(t, src)
         else:

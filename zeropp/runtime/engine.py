@@ -322,6 +322,9 @@ class ZeroEngine:
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
         self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
+        self._defer_checks = topo.tp == 1 and not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+        """Whether the after-forward check may wait for this rank's next collective (``batch.py``): not where
+        backward runs collectives of its own (tensor parallelism, ``SyncBatchNorm``)."""
         """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
         NCCL, else None for the default group)."""
         self.reducer = GradReducer(
@@ -431,17 +434,24 @@ class ZeroEngine:
             finally:
                 if self.stage3 is not None:
                     self.stage3.training_forward = False
+            # the same blocks ran on every rank and no rank failed, else one clear error everywhere; no rank
+            # goes on to backward's reductions alone (deferred to this rank's next collective: batch.py)
             if self.stage3 is not None:
-                # same blocks ran on every rank and no rank failed, else one clear error everywhere
-                self.stage3.check_forward(error)
+                later = self.stage3.check_forward(error, defer=self._defer_checks)
             else:
-                agree_on_forward(error, self._control)  # no rank goes on to backward's reductions alone
-            if j == a - 1:
-                self._record_phase("forward")  # activations saved for backward are alive now
-            if self.stage3 is not None:
-                self.stage3.before_backward()  # the root, whatever form the output and the loss take
-            loss_sum += loss.detach().to(device=self.device, dtype=torch.float64)  # stays on the device
-            (loss * (scale / a)).backward()
+                later = agree_on_forward(error, self._control, defer=self._defer_checks)
+            if later is not None:
+                self.comm.defer_until_next_collective(later)
+            try:
+                if j == a - 1:
+                    self._record_phase("forward")  # activations saved for backward are alive now
+                if self.stage3 is not None:
+                    self.stage3.before_backward()  # the root, whatever form the output and the loss take
+                loss_sum += loss.detach().to(device=self.device, dtype=torch.float64)  # stays on the device
+                (loss * (scale / a)).backward()
+                self.comm.run_deferred()  # a backward without collectives: the verdict before going on
+            finally:
+                self.comm.drop_deferred()  # a backward that raised leaves no check behind for a later call
             self._after_backward(last=j == a - 1)
         grads = self.reducer.final_grads()
         res = self.update.step(

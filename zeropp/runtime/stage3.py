@@ -73,7 +73,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import frozen as fz
-from .batch import MicroBatchError, host_max, per_rank
+from .batch import MicroBatchError, host_max, host_max_start, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -221,9 +221,13 @@ class Stage3Hooks:
             self._root_pre(None, ())
         self._catch_up(len(self.units))
 
-    def check_forward(self, error: BaseException | None = None) -> None:
+    def check_forward(self, error: BaseException | None = None, *, defer: bool = False) -> Callable[[], None] | None:
         """Collective (training only): raise on every rank unless every rank ran the same blocks,
-        as often and in the same order, and no rank's forward raised (``error``: this rank's)."""
+        as often and in the same order, and no rank's forward raised (``error``: this rank's).
+
+        ``defer`` (ignored when ``error`` is set): issue the host exchange and return the rest of
+        the check, to be run before this rank's next collective (``batch.py`` says why); it raises
+        there as it would here. None when nothing is left to run."""
         if error is not None:
             self._abort_forward()
         self._started = False
@@ -232,20 +236,14 @@ class Stage3Hooks:
             self.current = None
             self.release_all()
             raise error
-        n = len(self.units)
         vec = [*self.ran, *self.first, int(self.disorder is not None), int(error is not None)]
-        hi = lo = vec
-        if world > 1:  # host ints on the host group: the host does not wait for the GPU's forward
-            both = host_max(vec + [-v for v in vec], self.control)  # per entry: max over ranks, and -min
-            hi, lo = both[: len(vec)], [-v for v in both[len(vec) :]]
-        if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
-            return  # the policy's order, and no rank failed
         msg = None
         if error is not None:
             where = f" inside {self.units[self.current].name}" if self.current is not None else ""
             msg = f"{type(error).__name__}{where}: {error}"
-        # last: whether this rank's error could be a block using another block's parameter (not a
-        # micro-batch the model's forward cannot take, which fails before any block runs)
+        # this forward's report, taken now (a deferred verdict runs after backward's recomputation may
+        # have counted blocks again); last: whether this rank's error could be a block using another
+        # block's parameter (not a micro-batch the model's forward cannot take, which fails before any block runs)
         mine = (
             list(self.ran),
             list(self.first),
@@ -253,6 +251,23 @@ class Stage3Hooks:
             self.disorder,
             error is not None and not isinstance(error, MicroBatchError),
         )
+        if world == 1:
+            self._verdict(vec, vec + [-v for v in vec], mine, error)
+            return None
+        # host ints on the host group: the host does not wait for the GPU's forward; per entry the
+        # max over ranks, and -min
+        if defer and error is None:
+            read = host_max_start(vec + [-v for v in vec], self.control)
+            return lambda: self._verdict(vec, read(), mine, None)
+        self._verdict(vec, host_max(vec + [-v for v in vec], self.control), mine, error)
+        return None
+
+    def _verdict(self, vec: list[int], both: list[int], mine: tuple, error: BaseException | None) -> None:
+        """:meth:`check_forward` once ``both`` (max, then -min, of ``vec`` over the ranks) is known."""
+        n, world = len(self.units), dist.get_world_size()
+        hi, lo = both[: len(vec)], [-v for v in both[len(vec) :]]
+        if hi == lo and hi[-1] == 0 and hi[-2] == 0:  # the same blocks, counts and order everywhere, in
+            return  # the policy's order, and no rank failed
         runs: list = [mine] * world
         if world > 1:
             dist.all_gather_object(runs, mine, group=self.control)

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from zeropp.comm import ranges
+from zeropp.comm.backend import control_all_reduce
 from zeropp.comm.kinds import CommKind
 
 from .batch import CONTROL_RANGE
@@ -196,9 +196,8 @@ class ParamUpdate:
         )  # [4] fp64 on the device
         if self.all_ranks > 1:
             with self.comm.streams.blocked(), ranges.span(CONTROL_RANGE):  # control traffic: not in the byte accounting
-                dist.all_reduce(
-                    vec[:3]
-                )  # loss, sharded squares, late counts summed; the replicated squares counted once
+                # loss, sharded squares, late counts summed; the replicated squares counted once
+                control_all_reduce(vec[:3], "sum")
         loss_tot, sq_tot, late_tot, sq_r = vec.tolist()  # the one read: waits for the GPU to finish the backward
         return loss_tot, sq_tot, sq_r, late_tot
 
