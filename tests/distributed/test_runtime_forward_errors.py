@@ -12,6 +12,7 @@ Here: the gloo-world checks of this topic; its other tiers' checks are in
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import torch
@@ -58,6 +59,9 @@ def _world(rank: int, world: int) -> dict[Any, Any]:
                     out[stage, what] = None
                 except RuntimeError as e:
                     out[stage, what] = (str(e), type(e.__cause__).__name__ if e.__cause__ else None)
+                    # where this rank learnt it: the deferred verdict (a healthy rank in training) or at once
+                    out[stage, what, "deferred"] = "run_deferred" in "".join(traceback.format_tb(e.__traceback__))
+                out[stage, what, "buffers in use"] = eng.buffers.in_use  # nothing taken and not given back
                 after = eng.comm.stats.calls()
                 # gradient collectives issued by the failed call (none may be: a peer would wait in them)
                 out[stage, what, "grads sent"] = {
@@ -88,6 +92,10 @@ def test_one_ranks_forward_error_is_raised_on_every_rank_at_every_stage() -> Non
             assert msgs[1][1] == "ValueError" and msgs[0][1] is None  # chained to the rank's own error
             for r in res:
                 assert not any(r[stage, what, "grads sent"].values()), (stage, what, r[stage, what, "grads sent"])
+                assert r[stage, what, "buffers in use"] == 0, (stage, what)
+            # rank 0's forward succeeded: in training it read the verdict at its next collective (or after its
+            # backward), not at once; rank 1's failed and waited at once; evaluation never defers
+            assert [r[stage, what, "deferred"] for r in res] == [what == "train", False], (stage, what)
         assert res[0][stage, "after"] == res[1][stage, "after"] == res[0][stage, "fresh"]
 
 
@@ -144,3 +152,56 @@ def test_a_step_abandoned_after_its_first_backward_leaves_nothing_in_the_next_st
         for stage in CASES:
             assert r[stage, "raised"], stage
             assert r[stage][:3] == (True, True, True), (stage, r[stage])
+
+
+class _BackwardFails(torch.autograd.Function):
+    """Identity forward; its backward raises (a rank's own backward error)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward failed on this rank")
+
+
+class _TwoFaults(GPT):
+    """Rank 1's forward raises; rank 0's forward succeeds but its backward raises before any collective."""
+
+    def forward(self, *args: Any, **kw: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise ValueError("bad batch on this rank")
+        logits, loss = super().forward(*args, **kw)
+        return logits, _BackwardFails.apply(loss)
+
+
+def _two_faults_world(rank: int, world: int) -> dict[Any, Any]:
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+
+    out: dict[Any, Any] = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        eng = ZeroEngine(_TwoFaults(TINY), config=ZeroConfig(stage=stage))
+        try:
+            eng.train_step([micro_batch(0, 0, rank, TINY)])
+            out[stage] = None
+        except (RuntimeError, ValueError) as e:
+            out[stage] = (type(e).__name__, str(e), type(e.__cause__).__name__ if e.__cause__ else None)
+        finally:
+            eng.close()
+    dist.barrier()  # both ranks got here: nobody is left waiting in the verdict's exchange
+    return out
+
+
+def test_a_backward_error_beside_a_peers_forward_error_raises_the_peers_error_everywhere() -> None:
+    """Two faults in one step: rank 1's forward raises while rank 0's backward raises its own error before
+    reading the deferred verdict. Rank 0 still reads it (rank 1 waits for it in the verdict's exchange), so
+    both raise the error naming rank 1, rank 0's chained to its backward error, and nothing hangs."""
+    res = run_world(_two_faults_world, 2, timeout=120)
+    # rank 0's cause: its backward's error; at stage 3 the root's gather before backward reads the verdict first
+    rank0_cause = {0: "ValueError", 2: "ValueError", 3: None}
+    for stage, cause in rank0_cause.items():
+        (name0, msg0, cause0), (name1, msg1, cause1) = res[0][stage], res[1][stage]
+        assert name0 == name1 == "RuntimeError" and msg0 == msg1 and "raised on rank(s) [1]" in msg0, (stage, res)
+        assert (cause0, cause1) == (cause, "ValueError"), (stage, res)  # rank 1: its forward's error

@@ -151,6 +151,8 @@ def control_all_reduce(
     operation at a time, so every rank gets the same bits on any CPU. Other backends (NCCL) and
     device tensors use ``all_reduce``, whose small-message algorithms are already one round."""
     g = group if group is not None else dist.group.WORLD
+    if dist.get_rank(g) < 0:  # not a member: nothing to exchange, as all_reduce
+        return lambda: None
     w = dist.get_world_size(g)
     if w == 1:
         return lambda: None
@@ -169,7 +171,13 @@ def control_all_reduce(
     recv = torch.empty_like(send)  # [W * n]: member r's values at row r
     work = backend_all_to_all(recv, send, group, True)
 
+    done = False
+
     def finish() -> None:
+        nonlocal done
+        if done:  # a second call changes nothing
+            return
+        done = True
         work.wait()
         rows = recv.view(w, n)
         acc = rows[0].clone()  # [n]

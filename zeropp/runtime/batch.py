@@ -227,7 +227,7 @@ def agree_on_forward(
     """Collective over the default group's ranks (every rank calls it after its forward and loss,
     with the exception they raised or None): returns when no rank failed, else raises one
     ``RuntimeError`` on every rank naming the failed ranks and their errors (chained to this
-    rank's own). One 8-byte host all-reduce on ``group`` (:func:`control_group`) when nothing
+    rank's own). One 8-byte host exchange on ``group`` (:func:`control_group`) when nothing
     failed; one process: ``error`` re-raised.
 
     ``defer`` (ignored when this rank's ``error`` is set): issue the all-reduce and return the

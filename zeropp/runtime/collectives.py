@@ -143,10 +143,6 @@ class EngineComm:
             with self.streams.blocked():
                 check()
 
-    def drop_deferred(self) -> None:
-        """Forget a deferred check that never ran (its step raised before the next collective)."""
-        self._before_next = None
-
     @property
     def wait_s(self) -> float:
         """Seconds the engine was blocked on communication since :meth:`reset_wait` (``streams.py``

@@ -322,11 +322,11 @@ class ZeroEngine:
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
         self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
+        """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
+        NCCL, else None for the default group)."""
         self._defer_checks = topo.tp == 1 and not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
         """Whether the after-forward check may wait for this rank's next collective (``batch.py``): not where
         backward runs collectives of its own (tensor parallelism, ``SyncBatchNorm``)."""
-        """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
-        NCCL, else None for the default group)."""
         self.reducer = GradReducer(
             self.units,
             self.blocks,
@@ -408,7 +408,7 @@ class ZeroEngine:
         e.g. ``(idx, targets)``), a ``WithTargets(inputs, targets)`` (the model gets the inputs) or one
         object (``model(mb)``); the loss is ``loss_fn(output, mb)``
         or found in the output (``zeropp.runtime.batch.loss_of``). An error in one rank's
-        forward (or loss) is raised on every rank, after one small all-reduce, instead of leaving
+        forward (or loss) is raised on every rank, after one small exchange, instead of leaving
         the other ranks waiting in the next collective."""
         self._check_open()
         a = self.cfg.grad_accum_steps
@@ -449,9 +449,15 @@ class ZeroEngine:
                     self.stage3.before_backward()  # the root, whatever form the output and the loss take
                 loss_sum += loss.detach().to(device=self.device, dtype=torch.float64)  # stays on the device
                 (loss * (scale / a)).backward()
-                self.comm.run_deferred()  # a backward without collectives: the verdict before going on
-            finally:
-                self.comm.drop_deferred()  # a backward that raised leaves no check behind for a later call
+            except Exception as exc:
+                # this rank's backward raised before the verdict was read: read it now (a failed peer waits
+                # for this rank in the verdict's exchange), and raise what it says, chained to the error
+                try:
+                    self.comm.run_deferred()
+                except Exception as verdict:
+                    raise verdict from exc
+                raise
+            self.comm.run_deferred()  # a backward without collectives: the verdict before going on
             self._after_backward(last=j == a - 1)
         grads = self.reducer.final_grads()
         res = self.update.step(

@@ -73,6 +73,7 @@ class UnitGathers:
         """Issue the (async) gather of ``u`` unless it is already gathered or in flight."""
         if u.state != "free":
             return
+        self.comm.run_deferred()  # a deferred forward check that fails raises before a buffer is taken
         buf = self.pool.acquire("gather", u.padded)  # [padded]
         kind = fz.KIND if u.kind == "frozen" else CommKind.BWD_ALL_GATHER if backward else CommKind.FWD_ALL_GATHER
         bucket = self.cfg.allgather_bucket_size

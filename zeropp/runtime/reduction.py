@@ -219,6 +219,7 @@ class GradReducer:
         """Stages 2/3: send this micro-step's gradient of ``u`` (async); free ``u`` at stage 3."""
         if u.reduced:
             return
+        self.comm.run_deferred()  # a deferred forward check that fails raises before any state or buffer changes
         u.reduced = True
         while len(self._pending) >= REDUCE_INFLIGHT:  # the pool's reduce slots are all in flight
             self._finish_reduction(*self._pending.pop(0))
