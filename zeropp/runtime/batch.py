@@ -201,10 +201,7 @@ def host_max(values: list[int], group: dist.ProcessGroup | None = None) -> list[
     """Collective over ``group`` (None: the default group, which must carry CPU tensors): the
     element-wise max of ``values`` (host ints, the same length on every rank) over the ranks. A
     CPU all-reduce: reading it back waits for the other ranks' hosts, never for a GPU."""
-    t = torch.tensor(values, dtype=torch.int64)  # [n] on the host
-    with ranges.span(CONTROL_RANGE):
-        control_all_reduce(t, "max", group)
-    return t.tolist()
+    return host_max_start(values, group)()
 
 
 def host_max_start(values: list[int], group: dist.ProcessGroup | None = None) -> Callable[[], list[int]]:

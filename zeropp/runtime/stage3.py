@@ -251,15 +251,15 @@ class Stage3Hooks:
             self.disorder,
             error is not None and not isinstance(error, MicroBatchError),
         )
+        both = vec + [-v for v in vec]  # per entry: the max over ranks, and -min, once exchanged
         if world == 1:
-            self._verdict(vec, vec + [-v for v in vec], mine, error)
+            self._verdict(vec, both, mine, error)
             return None
-        # host ints on the host group: the host does not wait for the GPU's forward; per entry the
-        # max over ranks, and -min
+        # host ints on the host group: the host does not wait for the GPU's forward
         if defer and error is None:
-            read = host_max_start(vec + [-v for v in vec], self.control)
+            read = host_max_start(both, self.control)
             return lambda: self._verdict(vec, read(), mine, None)
-        self._verdict(vec, host_max(vec + [-v for v in vec], self.control), mine, error)
+        self._verdict(vec, host_max(both, self.control), mine, error)
         return None
 
     def _verdict(self, vec: list[int], both: list[int], mine: tuple, error: BaseException | None) -> None:
