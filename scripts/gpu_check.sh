@@ -51,7 +51,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 here=$(pwd -P)
-if ! "$PY" -c "import sys, zeropp; sys.exit(not zeropp.__file__.startswith('$here/'))" 2>/dev/null; then
+# zeropp.kernels and zeropp.experiments live in kernels/ and experiments/: only an (editable) install maps them,
+# so a bare checkout on sys.path imports zeropp but not its kernels.
+if ! "$PY" -c "import sys, zeropp.kernels as k; sys.exit(not k.__file__.startswith('$here/kernels/'))" 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/install.log" 2>&1 \
     || { echo "gpu_check: installing this checkout failed, see $OUT/install.log"; exit 1; }
 fi

@@ -117,7 +117,30 @@ def triton_interpreter(markexpr: str, cuda_available: bool, env: str | None) -> 
     return env if env is not None else "1"
 
 
+def threads_per_worker(cores: int, workers: str | None, env: str | None) -> int | None:
+    """The intra-op threads each pytest-xdist worker should use (None: leave torch's default).
+
+    Without xdist (``workers`` is None) or when the caller set ``OMP_NUM_THREADS`` (``env``): None.
+    Otherwise the cores shared out, at least one each: ``workers`` processes each running torch's
+    default of one thread per core oversubscribe the machine, and OpenMP's waiting threads then make
+    a large CPU reference (a tensor above torch's 32K-element grain, run on every core) thousands of
+    times slower; on a 16-core GPU host 14 workers took 45-100 s per bit-exactness case."""
+    if workers is None or env is not None:
+        return None
+    try:
+        n = int(workers)
+    except ValueError:
+        return None
+    return max(1, cores // max(1, n))
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    threads = threads_per_worker(
+        os.cpu_count() or 1, os.environ.get("PYTEST_XDIST_WORKER_COUNT"), os.environ.get("OMP_NUM_THREADS")
+    )
+    if threads is not None:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the worlds a test starts inherit it
     want = triton_interpreter(
         config.getoption("markexpr", default="") or "", torch.cuda.is_available(), os.environ.get(INTERPRET)
     )
