@@ -97,6 +97,32 @@ def test_partition_pads_shards_and_round_trips():
         assert b - a == u.shard_numel and (u.kind == "replicated" or a == u.shard_numel)
 
 
+@pytest.mark.parametrize("offset", [0, 3], ids=["flat-at-0", "flat-inside-a-larger-buffer"])
+def test_bind_points_each_parameter_at_its_slot(offset: int):
+    """``bind`` builds each parameter's view with ``as_strided``: the same shape, strides, storage
+    offset and memory as slicing and viewing ``flat`` would give, for a scalar, an empty, a 17x257
+    and a 7-element parameter, with ``flat`` at the start of its storage or inside a larger buffer;
+    a strided ``flat`` (not the gathers' kind) takes the slicing path and binds the same values."""
+    from torch import nn
+
+    from zeropp.runtime.partition import FlatUnit
+
+    shapes = [(), (3, 0, 5), (17, 257), (7,)]
+    named = [(f"p{i}", nn.Parameter(torch.zeros(s))) for i, s in enumerate(shapes)]
+    u = FlatUnit.build("u", named, kind="sharded", num_shards=2, shard_rank=0, dtype=torch.float32)
+    base = torch.arange(offset + u.padded, dtype=torch.float32)
+    flat = base[offset:]  # [padded]
+    u.bind(flat)
+    for s, p in zip(u.slots, u.params):
+        want = flat[s.offset : s.offset + s.numel].view(s.shape)
+        assert (p.shape, p.stride(), p.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+        assert p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and torch.equal(p.data, want)
+    strided = torch.arange(2 * u.padded, dtype=torch.float32)[::2]  # [padded], stride 2
+    u.bind(strided)
+    for s, p in zip(u.slots, u.params):
+        assert torch.equal(p.data, strided[s.offset : s.offset + s.numel].view(s.shape))
+
+
 @pytest.mark.parametrize("missing", [True, False], ids=["a-missing-grad", "every-grad-one-cat"])
 def test_flatten_grads_into_a_used_buffer_zeroes_missing_grads_and_padding(missing: bool):
     """A pool buffer comes back holding the last reduction's values: flatten_grads must leave the

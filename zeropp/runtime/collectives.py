@@ -184,6 +184,8 @@ class EngineComm:
         and keeps them (``zeropp.comm.quantized_all_gather``)."""
         group, g = self._group(hpz)
         s = shard.numel()
+        if g == 1 and spec is None and wire_out is None:
+            return self._alone(kind, unit, lambda: out.view(-1).copy_(shard.reshape(-1)))
         if wire_out is not None and not self.gathers_whole(s, hpz=hpz, bucket=bucket):
             raise ValueError(
                 f"EngineComm.all_gather: wire_out keeps one call's wire rows, but a shard of {s} elements is cut into "
@@ -299,6 +301,8 @@ class EngineComm:
         w = self.world_size
         s = out.numel()
         quantized = spec is not None
+        if w == 1 and not quantized:  # the sum over one rank is its input, and x / 1 == x: a copy
+            return self._alone(kind, unit, lambda: out.view(-1).copy_(full.reshape(-1)))
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
 
         def issue() -> Pending:
@@ -331,6 +335,23 @@ class EngineComm:
             return Pending(self, works, None if quantized else (lambda: out.div_(w)), buffers=temps, what=(kind, unit))
 
         return self.launch("reduce_scatter", issue, (full,), async_op)
+
+    def _alone(self, kind: CommKind, unit: str, copy: Callable[[], object]) -> Pending:
+        """A full-precision collective over a group of this rank alone (world 1, hpZ groups of one):
+        its result is its input, so ``copy`` writes it at once on the current stream (stream order
+        makes it visible to what runs after, with no side stream or event) and the returned work is
+        already finished. The call is counted and named as the backend's would be; nothing travels.
+        The backends' own local path (``zeropp.comm.backend``) would give the same bits, but one
+        gather or reduction of a unit would still pass the public collective's checks, the chunk
+        loop, a side stream and two events: host time that is most of stage 3's overhead over
+        stage 0 at world 1."""
+        self.run_deferred()
+        self.stats.count_call(kind)
+        with ranges.span(ranges.call_name(kind, unit, 0) if ranges.enabled() else None):
+            copy()
+        done = Pending(self, [], None, what=(kind, unit))
+        done.done = True
+        return done
 
     def launch(
         self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool
