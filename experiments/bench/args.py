@@ -1,11 +1,11 @@
-"""Argument checks the benchmark command lines (``bench_gpu``, ``bench_fsdp``, ``bench_cluster``)
-share: each refuses a count below its floor with argparse's usage error (exit status 2), naming the
-flag as the user typed it."""
+"""What the benchmark command lines (``bench_gpu``, ``bench_fsdp``, ``bench_cluster``, ``bench_peers``)
+share: argument checks, each refusing a count below its floor with argparse's usage error (exit
+status 2) and naming the flag as the user typed it, and the order of interleaved rounds."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def flag(name: str) -> str:
@@ -26,3 +26,9 @@ def check_run_lengths(p: argparse.ArgumentParser, a: argparse.Namespace, counts:
     ``--warmup`` >= 0."""
     require_at_least(p, a, counts, 1)
     require_at_least(p, a, ("warmup",), 0)
+
+
+def round_order(keys: Sequence[str], r: int) -> list[str]:
+    """The rows of round ``r`` (from 0): ``keys`` rotated by ``r``, so each row takes each place in turn."""
+    k = r % len(keys) if keys else 0
+    return [*keys[k:], *keys[:k]]

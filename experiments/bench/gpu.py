@@ -11,7 +11,10 @@ runtime's own overhead (hooks, gathers, frees, quantization), before any network
 ``trainer=ddp``: at world 1 DDP adds only its bucketing to a plain torch step.
 
 Step time: the median of the measured steps after ``--warmup`` (``train.throughput_skip_steps``);
-the ratio is to our stage 0. Memory: model-state bytes of the largest rank from the summary
+the ratio is to our stage 0. ``--rounds N`` runs the rows N times, interleaved (each round's order
+rotated, as ``bench_peers`` does), and each row's figure is the median over its rounds, with their
+range beside it: one run per row cannot rank two rows a few percent apart on a machine whose speed
+drifts between jobs. Memory: model-state bytes of the largest rank from the summary
 (``memory_max_rank_bytes``: parameters, gradients, optimizer state at the end of backward);
 activations and allocator peaks are not in the summary. The default model:
 GPT 12 layers x 1024 wide (~150M parameters), 8 sequences of 512 tokens, bf16.
@@ -21,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .args import check_run_lengths, require_at_least
+from .args import check_run_lengths, require_at_least, round_order
 
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
@@ -82,21 +86,41 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
 def run_all(
     a: argparse.Namespace, root: Path, run_job: Callable[[list[str], Path], dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """Run the selected rows in order; a row that fails records its error and the rest still run."""
+    """Run the selected rows for ``a.rounds`` interleaved rounds (round ``r`` rotated by ``r``); a row
+    that fails records its error, is not run again, and the rest still run. Each row that ran: the
+    first run's result with ``step_s`` and ``tokens_per_s`` the medians over its rounds and
+    ``step_s_rounds`` every round's step time."""
     from ..runner.config import ConfigError
     from ..runner.launcher import RankFailure, RunInterrupted
 
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in a.jobs}
+    errors: dict[str, dict[str, Any]] = {}
+    for r in range(a.rounds):
+        for key in round_order(a.jobs, r):
+            if key in errors:
+                continue
+            where = root / (key if a.rounds == 1 else f"{key}-r{r + 1}")
+            try:
+                runs[key].append(result(run_job(job_overrides(a, key), where)))
+                # each run as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
+                print(f"{key}: {runs[key][-1]['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+            except RunInterrupted:
+                raise  # the benchmark itself was stopped, not this row
+            except (ConfigError, RankFailure) as e:
+                errors[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{key}: failed: {e}", file=sys.stderr)
     rows = {}
     for key in a.jobs:
-        try:
-            rows[key] = result(run_job(job_overrides(a, key), root / key))
-            # each row as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
-            print(f"{key}: {rows[key]['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
-        except RunInterrupted:
-            raise  # the benchmark itself was stopped, not this row
-        except (ConfigError, RankFailure) as e:
-            rows[key] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"{key}: failed: {e}", file=sys.stderr)
+        if key in errors:
+            rows[key] = errors[key]
+            continue
+        times = [x["step_s"] for x in runs[key]]
+        rows[key] = {
+            **runs[key][0],
+            "step_s": statistics.median(times),
+            "step_s_rounds": times,
+            "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs[key]),
+        }
     return rows
 
 
@@ -114,8 +138,10 @@ def format_table(rows: dict[str, dict[str, Any]], a: argparse.Namespace) -> str:
     shape = "".join(f", {n}={getattr(a, n)}" for n in ("d_model", "n_layers", "n_heads") if getattr(a, n) is not None)
     lines = [
         f"GPT {a.preset}{shape} ({size}), seq {a.seq}, batch {a.batch}, {a.precision}, world 1 on {device}; "
-        f"median of {a.steps} steps after {a.warmup} warm-up",
-        f"{'':24}{'ms/step':>10}{'/ stage 0':>11}{'state MiB':>11}{'tokens/s':>12}",
+        f"median of {a.steps} steps after {a.warmup} warm-up"
+        + (f"; median over {a.rounds} interleaved rounds (range: their ms/step)" if a.rounds > 1 else ""),
+        f"{'':24}{'ms/step':>10}{'/ stage 0':>11}{'state MiB':>11}{'tokens/s':>12}"
+        + (f"{'range':>16}" if a.rounds > 1 else ""),
     ]
     for key, r in rows.items():
         label = JOBS[key][0]
@@ -123,8 +149,13 @@ def format_table(rows: dict[str, dict[str, Any]], a: argparse.Namespace) -> str:
             lines.append(f"{label:24}  failed: {r['error'].splitlines()[0][:100]}")
             continue
         ratio = f"{r['step_s'] / base:11.2f}" if base and not math.isnan(base) else f"{'-':>11}"
+        spread = ""
+        if a.rounds > 1:
+            lo, hi = min(r["step_s_rounds"]) * 1e3, max(r["step_s_rounds"]) * 1e3
+            spread = f"{f'{lo:.2f}-{hi:.2f}':>16}"
         lines.append(
             f"{label:24}{r['step_s'] * 1e3:10.2f}{ratio}{r['memory_bytes'] / 2**20:11.1f}{r['tokens_per_s']:12.0f}"
+            + spread
         )
     return "\n".join(lines)
 
@@ -144,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--steps", type=int, default=20, help="measured steps")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each row's figure is their median")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda", help="the runner's launcher.device")
     p.add_argument("--timeout", type=float, default=1200, help="seconds before a job's world is stopped")
@@ -156,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     require_at_least(p, a, ("d_model", "n_layers", "n_heads"), 0)
     for name in ("d_model", "n_layers", "n_heads"):
         setattr(a, name, getattr(a, name) or None)  # 0: keep the preset's
-    check_run_lengths(p, a, ("steps", "batch", "seq"))
+    check_run_lengths(p, a, ("steps", "batch", "seq", "rounds"))
     return a
 
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from zeropp.comm.spec import RECIPES
 
-from .args import check_run_lengths, require_at_least
+from .args import check_run_lengths, require_at_least, round_order
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
 """``run_job(overrides, run_dir) -> summary``: the runner's, or a test's fake."""
@@ -159,12 +159,6 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
         "device": summary.get("device"),
         "cpu_s": summary.get("cpu_s_per_step"),  # all ranks, all threads: steadier than steps/s under load
     }
-
-
-def round_order(keys: Sequence[str], r: int) -> list[str]:
-    """The rows of round ``r`` (from 0): ``keys`` rotated by ``r``, so each row takes each place in turn."""
-    k = r % len(keys) if keys else 0
-    return [*keys[k:], *keys[:k]]
 
 
 def run_rounds(a: argparse.Namespace, root: Path, run_job: RunJob) -> dict[str, dict[str, Any]]:

@@ -104,6 +104,31 @@ def test_table_with_a_fake_run_job(capsys, tmp_path):
     assert "qwz: failed" in out.err
 
 
+def test_rounds_interleave_and_take_the_median(capsys, tmp_path):
+    """``--rounds 3``: every row once per round, each round's order rotated, a run directory per
+    round; a row's figure is the median of its rounds and the table shows their range. A row that
+    fails is not run again and the others go on."""
+    times = {"stage0": [0.030, 0.020, 0.022], "stage3": [0.050, 0.041, 0.044]}
+    seen = []
+
+    def run_job(overrides, run_dir):
+        key = run_dir.name.rsplit("-r", 1)[0]
+        seen.append(run_dir.name)
+        if key == "fsdp2":
+            raise ConfigError("no fsdp2 here")
+        return fake_summary(times[key].pop(0))
+
+    rows = bench_gpu.main(["--jobs", "stage0,stage3,fsdp2", "--rounds", "3", "--out", str(tmp_path)], run_job=run_job)
+    assert seen == ["stage0-r1", "stage3-r1", "fsdp2-r1", "stage3-r2", "stage0-r2", "stage0-r3", "stage3-r3"]
+    assert math.isclose(rows["stage0"]["step_s"], 0.022) and math.isclose(rows["stage3"]["step_s"], 0.044)
+    assert rows["stage3"]["step_s_rounds"] == [0.050, 0.041, 0.044] and "error" in rows["fsdp2"]
+    table = capsys.readouterr().out.splitlines()
+    assert "median over 3 interleaved rounds" in table[0] and table[1].split()[-1] == "range"
+    by_label = {line[:24].strip(): line[24:].split() for line in table[2:]}
+    assert by_label["zeropp stage 0"] == ["22.00", "1.00", "3.0", "45455", "20.00-30.00"]
+    assert by_label["zeropp stage 3"][:2] == ["44.00", "2.00"] and by_label["zeropp stage 3"][-1] == "41.00-50.00"
+
+
 def test_an_interrupt_stops_the_benchmark_instead_of_failing_one_row(tmp_path):
     seen = []
 

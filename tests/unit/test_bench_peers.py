@@ -19,6 +19,7 @@ import pytest
 
 from zeropp.experiments.bench import fsdp as bench_fsdp
 from zeropp.experiments.bench import peers
+from zeropp.experiments.bench.args import round_order
 from zeropp.experiments.runner.launcher import RankFailure, RunInterrupted
 from zeropp.experiments.runner.overrides import check_overrides
 from zeropp.experiments.runner.trainer_registry import TRAINER_SPECS
@@ -80,11 +81,11 @@ def test_every_row_runs_the_same_job_apart_from_its_trainer() -> None:
 
 def test_rounds_are_interleaved_and_each_row_takes_each_place() -> None:
     keys = ["a", "b", "c"]
-    orders = [peers.round_order(keys, r) for r in range(3)]
+    orders = [round_order(keys, r) for r in range(3)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     for i in range(3):
         assert sorted(o[i] for o in orders) == keys  # every row once in every place
-    assert peers.round_order(keys, 4) == orders[1] and peers.round_order([], 2) == []
+    assert round_order(keys, 4) == orders[1] and round_order([], 2) == []
 
 
 def test_medians_over_rounds_ratio_to_ddp_and_loss_drift(tmp_path: Path) -> None:
