@@ -223,3 +223,34 @@ def record_native_adamw(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(cpu_adamw, "adamw", adamw)
     return calls
+
+
+_PUBLIC_COLLECTIVES = ("quantized_all_gather", "quantized_reduce_scatter")
+
+
+def spied_train_engine(
+    rank: int, world: int, kwargs: dict[str, Any], nodes: int, device: str = "cpu"
+) -> dict[str, Any]:
+    """``train_engine`` for 2 steps, with the public collectives (``zeropp.comm.quantized_all_gather`` /
+    ``quantized_reduce_scatter``) the engine calls recorded under ``"public"`` as ``(name, kind)``."""
+    import zeropp.comm as zc
+
+    calls: list[tuple[str, str]] = []
+    saved = {name: getattr(zc, name) for name in _PUBLIC_COLLECTIVES}
+
+    def spy(name: str):
+        def call(*args: Any, **kw: Any) -> Any:
+            calls.append((name, str(kw.get("kind"))))
+            return saved[name](*args, **kw)
+
+        return call
+
+    for name in _PUBLIC_COLLECTIVES:
+        setattr(zc, name, spy(name))
+    try:
+        out = train_engine(rank, world, kwargs, steps=2, nodes=nodes, device=device)
+    finally:
+        for name, fn in saved.items():
+            setattr(zc, name, fn)
+    out["public"] = calls
+    return out

@@ -11,52 +11,27 @@ from typing import Any
 
 import numpy as np
 
-from tests.runtime_helpers import train_engine
+from tests.runtime_helpers import spied_train_engine
 from tests.worlds import run_world
 from zeropp.comm.spec import QuantSpec
-
-_PUBLIC = ("quantized_all_gather", "quantized_reduce_scatter")
-
-
-def _spied(rank: int, world: int, kwargs: dict[str, Any], nodes: int) -> dict[str, Any]:
-    """``train_engine`` with the public collectives the engine calls recorded as ``(name, kind)``."""
-    import zeropp.comm as zc
-
-    calls: list[tuple[str, str]] = []
-    saved = {name: getattr(zc, name) for name in _PUBLIC}
-
-    def spy(name: str):
-        def call(*args: Any, **kw: Any) -> Any:
-            calls.append((name, str(kw.get("kind"))))
-            return saved[name](*args, **kw)
-
-        return call
-
-    for name in _PUBLIC:
-        setattr(zc, name, spy(name))
-    try:
-        out = train_engine(rank, world, kwargs, steps=2, nodes=nodes)
-    finally:
-        for name, fn in saved.items():
-            setattr(zc, name, fn)
-    out["public"] = calls
-    return out
 
 
 def _alone(rank: int, world: int) -> dict[str, Any]:
     base = dict(grad_accum_steps=2)
     return {
-        "stage3": _spied(rank, world, dict(base, stage=3), 1),
-        "stage0": _spied(rank, world, dict(base, stage=0), 1),
-        "qwz": _spied(rank, world, dict(base, stage=3, weights=QuantSpec(bits=8)), 1),
+        "stage3": spied_train_engine(rank, world, dict(base, stage=3), 1),
+        "stage0": spied_train_engine(rank, world, dict(base, stage=0), 1),
+        "qwz": spied_train_engine(rank, world, dict(base, stage=3, weights=QuantSpec(bits=8)), 1),
     }
 
 
 def _pair(rank: int, world: int) -> dict[str, Any]:
     return {
-        "stage3": _spied(rank, world, dict(stage=3, grad_accum_steps=2), 1),
-        "hpz": _spied(rank, world, dict(stage=3, grad_accum_steps=2, hpz=True), 2),  # 2 nodes of 1: hpZ groups of one
-        "plain": _spied(rank, world, dict(stage=3, grad_accum_steps=2), 2),
+        "stage3": spied_train_engine(rank, world, dict(stage=3, grad_accum_steps=2), 1),
+        "hpz": spied_train_engine(
+            rank, world, dict(stage=3, grad_accum_steps=2, hpz=True), 2
+        ),  # 2 nodes of 1: hpZ groups of one
+        "plain": spied_train_engine(rank, world, dict(stage=3, grad_accum_steps=2), 2),
     }
 
 
