@@ -26,5 +26,9 @@ def test_cuda_peak_comes_from_the_allocator_and_resets_per_phase():
     snap = snapshot("forward", [], {"buffers": [FakePool(10)]}, dev)
     assert snap.peak_source == "cuda_allocator" and snap.peak >= base + (64 << 20)
     assert snap.process["allocated"] < snap.peak and snap.tiers["device"]["buffers"] == 10
+    # the figures read from the allocator's nested statistics are torch's own
+    assert snap.process["allocated"] == torch.cuda.memory_allocated(dev)
+    assert snap.process["reserved"] == torch.cuda.memory_reserved(dev)
+    assert snap.peak == torch.cuda.max_memory_allocated(dev)
     reset_peak(dev)
     assert snapshot("backward", [], {}, dev).peak < base + (64 << 20)

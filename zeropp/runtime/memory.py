@@ -239,10 +239,12 @@ def process_stats(device: torch.device) -> dict[str, int]:
     0 elsewhere) and ``peak_rss`` (the process's lifetime peak, ``getrusage``)."""
     out: dict[str, int] = {}
     if device.type == "cuda" and torch.cuda.is_available():
-        s = torch.cuda.memory_stats(device)
-        out["allocated"] = int(s.get("allocated_bytes.all.current", 0))
-        out["reserved"] = int(s.get("reserved_bytes.all.current", 0))
-        out["peak_allocated"] = int(s.get("allocated_bytes.all.peak", 0))
+        # the nested form: memory_stats() flattens and sorts a few hundred entries in Python, on
+        # the training step's path three times a step
+        s = torch.cuda.memory_stats_as_nested_dict(device)
+        out["allocated"] = int(s.get("allocated_bytes", {}).get("all", {}).get("current", 0))
+        out["reserved"] = int(s.get("reserved_bytes", {}).get("all", {}).get("current", 0))
+        out["peak_allocated"] = int(s.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
     out["rss"] = _rss_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out["peak_rss"] = int(peak if sys.platform == "darwin" else peak * 1024)
