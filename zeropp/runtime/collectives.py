@@ -185,7 +185,7 @@ class EngineComm:
         group, g = self._group(hpz)
         s = shard.numel()
         if g == 1 and spec is None and wire_out is None:
-            return self._alone(kind, unit, lambda: out.view(-1).copy_(shard.reshape(-1)))
+            return self._alone(out, shard, bucket=bucket, kind=kind, unit=unit)
         if wire_out is not None and not self.gathers_whole(s, hpz=hpz, bucket=bucket):
             raise ValueError(
                 f"EngineComm.all_gather: wire_out keeps one call's wire rows, but a shard of {s} elements is cut into "
@@ -302,7 +302,7 @@ class EngineComm:
         s = out.numel()
         quantized = spec is not None
         if w == 1 and not quantized:  # the sum over one rank is its input, and x / 1 == x: a copy
-            return self._alone(kind, unit, lambda: out.view(-1).copy_(full.reshape(-1)))
+            return self._alone(out, full, bucket=bucket, kind=kind, unit=unit)
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
 
         def issue() -> Pending:
@@ -336,19 +336,27 @@ class EngineComm:
 
         return self.launch("reduce_scatter", issue, (full,), async_op)
 
-    def _alone(self, kind: CommKind, unit: str, copy: Callable[[], object]) -> Pending:
-        """A full-precision collective over a group of this rank alone (world 1, hpZ groups of one):
-        its result is its input, so ``copy`` writes it at once on the current stream (stream order
-        makes it visible to what runs after, with no side stream or event) and the returned work is
-        already finished. The call is counted and named as the backend's would be; nothing travels.
-        The backends' own local path (``zeropp.comm.backend``) would give the same bits, but one
-        gather or reduction of a unit would still pass the public collective's checks, the chunk
-        loop, a side stream and two events: host time that is most of stage 3's overhead over
-        stage 0 at world 1."""
+    def _alone(self, dst: torch.Tensor, src: torch.Tensor, *, bucket: int, kind: CommKind, unit: str) -> Pending:
+        """A full-precision all-gather or reduce-scatter over a group of this rank alone (world 1, hpZ
+        groups of one): its result is its input, so ``src`` is copied into ``dst`` at once, on the
+        current stream (stream order makes it visible to what runs after, with no side stream or
+        event), and the returned work is already finished. Each bucket-sized chunk is counted as the
+        call it would have been, and named in the profiler when ranges are on (one copy per chunk
+        then), so byte accounting, the plan and a profiled step read as with a backend.
+        The backends' own local path (``zeropp.comm.backend``) gives the same bits, but a gather or
+        reduction of a unit would still pass the public collective's checks, the chunk loop, a side
+        stream and two events: host time that was most of stage 3's overhead over stage 0 at world 1."""
         self.run_deferred()
-        self.stats.count_call(kind)
-        with ranges.span(ranges.call_name(kind, unit, 0) if ranges.enabled() else None):
-            copy()
+        d, s = dst.view(-1), src.reshape(-1)  # [n] each
+        chunks = chunk_ranges(d.numel(), 1, bucket)
+        for _ in chunks:
+            self.stats.count_call(kind)
+        if ranges.enabled():
+            for k, (a, b) in enumerate(chunks):
+                with ranges.span(ranges.call_name(kind, unit, k)):
+                    d[a:b].copy_(s[a:b])
+        else:
+            d.copy_(s)
         done = Pending(self, [], None, what=(kind, unit))
         done.done = True
         return done
