@@ -74,6 +74,8 @@ from .format_layout import (
 from .layout import check_float_dtype, num_groups, output_buffer
 
 SOURCE = Path(__file__).with_name("cpu_formats.cpp")
+HEADERS = (Path(__file__).with_name("cpu_formats_nvfp4.h"),)
+"""The source's own headers (beside the shared ``cpu_common.h``), hashed into the build key."""
 
 FAILED: str | None = None
 """Why the format kernels are unavailable in this process (None while they work or are unbuilt)."""
@@ -90,7 +92,7 @@ _LOCK = threading.Lock()
 
 def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
     """The library's file name (its cache key) and a function that builds it at a given path."""
-    return cpu_native.named_build(SOURCE, cpu_native.FLAGS, "zf")
+    return cpu_native.named_build(SOURCE, cpu_native.FLAGS, "zf", HEADERS)
 
 
 def _load(path: str) -> ctypes.CDLL:
