@@ -426,6 +426,7 @@ static void quantize_tiles(const Src& src, i64 r, const Args& a, uint8_t* codes_
         for (i64 i0 = 0; i0 < padded; i0 += TILE) {
             const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
             if (STOCH) philox_uniform(s.u, nt, (uint64_t)(r * padded + i0), k0, k1);
+            if (i0 + 3 * TILE <= a.cols) nv_prefetch(src.tile(r, i0 + 2 * TILE), TILE * (i64)sizeof(typename Src::Elem::T));
             if (n == nt || Src::PADDED) {
                 nv_tile<typename Src::Elem, STOCH>(src.tile(r, i0), nt / GSC, t, s.u, scales_r + i0 / GSC, codes_r + i0 / 2);
             } else {

@@ -152,6 +152,13 @@ static inline __m512 nv_e4m3_decode16(__m512i code) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(nor, is_sub, _mm512_castps_si512(sub)));
 }
 
+// Prefetch of the n bytes at p into L1, for the tile two ahead of the one being encoded: the
+// hardware prefetchers alone left this second pass over a long row waiting on memory (measured on
+// the 2-core dev machine, a 64 MiB bf16 row: 9.7 ms without, 7.0-7.4 ms with).
+static inline void nv_prefetch(const void* p, i64 n) {
+    for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
 // One tile of nvfp4 blocks: nb blocks of 16 at p (element type L, zero padded to whole blocks)
 // -> their E4M3 scales in sc[0:nb] and packed codes in out[0:8 nb]. The same arithmetic as
 // quantize_tiles' nvfp4 branch, lane by lane: scale code of absmax / 6 / t (E4M3, nearest;
