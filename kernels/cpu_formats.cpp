@@ -1,8 +1,9 @@
 // The CPU path's kernels for the floating-point wire formats (fp8, mx, nvfp4): the arithmetic of
 // kernels/format_reference.py, bit for bit, one pass per block (mx / nvfp4: per tile of blocks;
-// nvfp4: one more pass per row for its tensor scale), and the reductions over received wire rows (the
-// codecs' generic sum, fused). Built by kernels/cpu_formats.py at first use with the flags of cpu_native.py
-// (-O3 -march=native -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
+// nvfp4: one more pass per row for its tensor scale; its tiles on AVX-512 in cpu_formats_nvfp4.h),
+// and the reductions over received wire rows (the codecs' generic sum, fused). Built by
+// kernels/cpu_formats.py at first use with the flags of cpu_native.py (-O3 -march=native
+// -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
 //
 // Exactness rules (see cpu_formats.py's docstring for why each holds):
 // - every float operation is one IEEE fp32 operation in the reference's order; powers of two are
@@ -35,6 +36,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "cpu_formats_nvfp4.h"  // ZF_NVFP4_AVX512: nv_tile
 
 static inline float pow2(int e) {  // 2^e for e in [-149, 127], exact
     return e >= -126 ? u2f((uint32_t)(e + 127) << 23) : u2f(1u << (e + 149));
@@ -376,6 +378,9 @@ struct XRows {
         for (i64 i = n; i < nt; i++) w[i] = 0.0f;
     }
     inline uint32_t finite_absmax(i64 r, i64 cols, Scratch&) const { return row_finite_absmax<L>(x + r * rs, cols); }
+    typedef L Elem;
+    static constexpr bool PADDED = false;  // tile(): only whole tiles may be read in place
+    inline const typename L::T* tile(i64 r, i64 i0) const { return x + r * rs + i0; }
     // fill, and mb[b] = the absmax bits of block b (GSC elements) of w[0:nt], read as it is written
     template <int GSC>
     inline void fill_absmax(i64 r, i64 i0, i64 n, i64 nt, float* __restrict w, uint32_t* __restrict mb, Scratch& s) const {
@@ -407,13 +412,31 @@ struct TileSource {
 
 // Fixed-size blocks (mx: 32, nvfp4: 16) of row r, TILE elements at a time: widen (each block's
 // absmax taken as it is widened: one pass less over the tile; measured 5-30% faster for MX to
-// nearest, the same for nvfp4, whose divisions dominate), per-block scales, one long encode loop
-// over x / scale (nvfp4) or x * 2^-k (mx), one pack. Blocks that store zero codes (zero,
-// non-finite, zero-scale) are cleared after the encode.
+// nearest), per-block scales, one long encode loop over x / scale (nvfp4) or x * 2^-k (mx), one
+// pack. Blocks that store zero codes (zero, non-finite, zero-scale) are cleared after the encode.
+// nvfp4 on AVX-512 CPUs takes nv_tile instead (cpu_formats_nvfp4.h: the same arithmetic in about
+// half the operations), reading whole tiles of the source in place.
 template <class Src, class F, int SCHEME, bool STOCH, int GSC>
 static void quantize_tiles(const Src& src, i64 r, const Args& a, uint8_t* codes_r, uint8_t* scales_r, float t,
                            Scratch& s, uint32_t k0, uint32_t k1) {
     const i64 G = (a.cols + GSC - 1) / GSC, padded = G * GSC;
+#ifdef ZF_NVFP4_AVX512
+    static_assert(TILE / 16 <= NV_TILE_BLOCKS, "nv_tile takes a whole tile of nvfp4 blocks");
+    if constexpr (SCHEME == S_NVFP4) {
+        for (i64 i0 = 0; i0 < padded; i0 += TILE) {
+            const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
+            if (STOCH) philox_uniform(s.u, nt, (uint64_t)(r * padded + i0), k0, k1);
+            if (i0 + 3 * TILE <= a.cols) nv_prefetch(src.tile(r, i0 + 2 * TILE), TILE * (i64)sizeof(typename Src::Elem::T));
+            if (n == nt || Src::PADDED) {
+                nv_tile<typename Src::Elem, STOCH>(src.tile(r, i0), nt / GSC, t, s.u, scales_r + i0 / GSC, codes_r + i0 / 2);
+            } else {
+                src.fill(r, i0, n, nt, s.w, s);
+                nv_tile<F32, STOCH>(s.w, nt / GSC, t, s.u, scales_r + i0 / GSC, codes_r + i0 / 2);
+            }
+        }
+        return;
+    }
+#endif
     const float tt = t > 0.0f ? t : 1.0f;  // nvfp4: the row's tensor scale (a stand-in 1 where it is 0)
     for (i64 i0 = 0; i0 < padded; i0 += TILE) {
         const i64 nt = padded - i0 < TILE ? padded - i0 : TILE, n = a.cols - i0 < nt ? a.cols - i0 : nt;
@@ -684,7 +707,10 @@ struct SumRows final : TileSource {
 struct SourceRows {
     const TileSource* src;
     float* row;  // scratch of one row padded to whole blocks (nvfp4's 16), or null
-    i64 tile;
+    i64 tile_n;
+    typedef F32 Elem;
+    static constexpr bool PADDED = true;  // tile(): the row buffer, zero padded to whole blocks
+    inline const float* tile(i64, i64 i0) const { return row + i0; }
     inline void fill(i64 r, i64 i0, i64 n, i64 nt, float* __restrict w, Scratch& s) const {
         if (!row) return src->fill(r, i0, n, nt, w, s);
         for (i64 i = 0; i < n; i++) w[i] = row[i0 + i];
@@ -696,8 +722,8 @@ struct SourceRows {
         for (i64 b = 0; b < nt / GSC; b++) mb[b] = absmax_bits_f(w + b * GSC, GSC);
     }
     inline uint32_t finite_absmax(i64 r, i64 cols, Scratch& s) const {
-        for (i64 i0 = 0; i0 < cols; i0 += tile) {  // tile and row are whole blocks of 16
-            const i64 n = cols - i0 < tile ? cols - i0 : tile;
+        for (i64 i0 = 0; i0 < cols; i0 += tile_n) {  // tile_n and row are whole blocks of 16
+            const i64 n = cols - i0 < tile_n ? cols - i0 : tile_n;
             src->fill(r, i0, n, (n + 15) / 16 * 16, row + i0, s);
         }
         return row_finite_absmax<F32>(row, cols);

@@ -9,7 +9,10 @@ tensors), far from a memory copy's speed, and CPU ranks must not run it on every
 kernels read each block once for its absmax, encode it from L1, and pack its codes; MX and NVFP4
 rows go through tiles of ``TILE`` elements (one encode loop and one pack per tile, since 16- or
 32-element blocks are too short for per-block loops), 6-bit codes are (un)packed with AVX-512 VBMI
-byte permutes where the CPU has them.
+byte permutes where the CPU has them. NVFP4 tiles on such CPUs take ``cpu_formats_nvfp4.h``
+(``HEADERS``): block maxima by a shuffle tree, 16 block scales per vector, the nearest E2M1 code by
+one fp32 addition (``docs/kernels.md`` has why that is ``rintf``'s rounding), 8 blocks packed by one
+byte permute; about half the operations of the scalar tiles.
 
 Why it stays bit-identical (``tests/unit/test_kernels_formats_cpu.py`` checks every format on the
 awkward cases and on crafted wire bytes):
@@ -21,7 +24,8 @@ awkward cases and on crafted wire bytes):
   (nvfp4); an element's code is integer arithmetic on its exponent bits and the rounded mantissa
   count (``((e - emin) << mbits) + r``, which is the format's bit pattern, carries included);
   round-half-even is ``rintf``, which rounds in the thread's rounding mode, round-to-nearest-even
-  unless someone changed it (torch does not);
+  unless someone changed it (torch does not); the AVX-512 NVFP4 tiles round the same count by an
+  fp32 addition in that same mode;
 - a code decodes exactly: a normal code's exponent and mantissa bits placed in an fp32 pattern and
   its exponent rebiased by an integer add, a subnormal code as ``mag * 2**(emin - mbits)``, so no
   fp32 subnormal is an operand (those take slow paths on x86; 6-bit blocks hold many subnormal
@@ -74,6 +78,8 @@ from .format_layout import (
 from .layout import check_float_dtype, num_groups, output_buffer
 
 SOURCE = Path(__file__).with_name("cpu_formats.cpp")
+HEADERS = (Path(__file__).with_name("cpu_formats_nvfp4.h"),)
+"""The source's own headers (beside the shared ``cpu_common.h``), hashed into the build key."""
 
 FAILED: str | None = None
 """Why the format kernels are unavailable in this process (None while they work or are unbuilt)."""
@@ -90,7 +96,7 @@ _LOCK = threading.Lock()
 
 def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
     """The library's file name (its cache key) and a function that builds it at a given path."""
-    return cpu_native.named_build(SOURCE, cpu_native.FLAGS, "zf")
+    return cpu_native.named_build(SOURCE, cpu_native.FLAGS, "zf", HEADERS)
 
 
 def _load(path: str) -> ctypes.CDLL:

@@ -114,18 +114,20 @@ def cache_dir() -> Path:
     return Path(base) / "cpu_native"
 
 
-def named_build(source: Path, flags: list[str], prefix: str) -> tuple[str, Callable[[Path], None]]:
+def named_build(
+    source: Path, flags: list[str], prefix: str, headers: tuple[Path, ...] = ()
+) -> tuple[str, Callable[[Path], None]]:
     """The file name of the library built from ``source`` with ``flags`` (``<prefix>_<hash>.so``:
-    its cache key, a hash of the source, the flags, the compiler's version and the CPU's feature
-    flags) and a function that builds it at a given path. Shared by every native loader."""
+    its cache key, a hash of the source, the shared header, the source's own ``headers``, the
+    flags, the compiler's version and the CPU's feature flags) and a function that builds it at a
+    given path. Shared by every native loader."""
     cxx = _compiler()
     version = subprocess.run(
         [cxx, "--version"], capture_output=True, text=True, check=True, timeout=BUILD_TIMEOUT_S
     ).stdout
     # the shared header (kernels/cpu_common.h) is part of every library's source: hashed into each key
-    key = hashlib.sha256(
-        "\n".join([source.read_text(), HEADER.read_text(), " ".join(flags), version, _cpu_features()]).encode()
-    )
+    texts = [source.read_text(), HEADER.read_text(), *(h.read_text() for h in headers)]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), version, _cpu_features()]).encode())
 
     def build(out: Path) -> None:
         res = subprocess.run(

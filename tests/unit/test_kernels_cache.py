@@ -78,3 +78,20 @@ def test_both_libraries_cache_keys_cover_the_shared_header(tmp_path: Path, monke
     assert before[0] != after[0] and before[1] != after[1]
     assert '#include "cpu_common.h"' in cpu_native.SOURCE.read_text()
     assert '#include "cpu_common.h"' in cpu_formats.SOURCE.read_text()
+
+
+def test_the_format_librarys_key_covers_its_own_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cpu_formats.cpp includes cpu_formats_nvfp4.h (its AVX-512 nvfp4 tiles): an edit of that
+    # header alone must name a new format library, and leave the int library's name alone
+    from zeropp.kernels import cpu_formats
+
+    if cpu_native.FAILED is not None or shutil.which(cpu_native._compiler()) is None:
+        pytest.skip("no C++ compiler here")
+    before = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    (header,) = cpu_formats.HEADERS
+    assert f'#include "{header.name}"' in cpu_formats.SOURCE.read_text()
+    edited = tmp_path / header.name
+    edited.write_text(header.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_formats, "HEADERS", (edited,))
+    after = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    assert before[0] == after[0] and before[1] != after[1]

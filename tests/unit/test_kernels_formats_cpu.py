@@ -223,6 +223,92 @@ def test_rows_of_many_tiles_with_special_blocks_in_a_later_tile(scheme, elem, dt
     assert_same_values(deq, getattr(ref, f"dequantize_{scheme}_ref")(want, dtype=dtype))
 
 
+E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Where round-to-nearest-even of an E2M1 element changes code (0.25, 1.25, 2.5 and 5 round down,
+the others up)."""
+
+
+def nvfp4_ties(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows whose scaled elements land exactly on every E2M1 rounding tie and one input ulp either
+    side: each row's largest value is 2688 * 2**k, so its tensor scale is 2**k, and a block whose
+    absmax is 6 * 2**(k + j) gets the E4M3 scale 2**j (j from -9, a subnormal E4M3 scale, to 8),
+    so that its elements are divided by the power of two 2**(k + j) exactly. Other blocks hold
+    Gaussian data; some blocks are zero."""
+    x = gaussian(rows * cols, seed).view(rows, cols)
+    itype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    k = 0 if dtype == torch.float16 else 3
+    for r in range(rows):
+        x[r, 0] = 2688.0 * 2.0**k
+        for b in range(1, (cols + 15) // 16):
+            kind = int(torch.randint(0, 4, (1,), generator=gen))
+            lo, hi = 16 * b, min(16 * b + 16, cols)
+            if kind == 0:
+                x[r, lo:hi] = 0
+            elif kind >= 2:
+                j = int(torch.randint(-9, 9, (1,), generator=gen))
+                d = 2.0 ** (k + j)
+                pick = torch.randint(0, len(E2M1_TIES), (hi - lo,), generator=gen)
+                sign = torch.where(torch.rand(hi - lo, generator=gen) < 0.5, -1.0, 1.0)
+                x[r, lo:hi] = torch.tensor(E2M1_TIES)[pick] * sign * d
+                x[r, lo] = 6.0 * d
+    x = x.to(dtype)
+    # one input ulp up or down for a third of the elements (away from each row's maximum)
+    step = torch.randint(-1, 2, x.shape, generator=gen).to(itype)
+    step[:, 0] = 0
+    bits_ = x.view(itype)
+    moved = (bits_ + torch.where(x != 0, step, torch.zeros_like(step))).view(dtype)
+    return torch.where(torch.isfinite(moved), moved, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [16, 37, 48, 2048, 2128, 2048 + 16 * 31 + 9, 4096 + 16 * 33])
+def test_nvfp4_elements_on_every_rounding_tie(cols, dtype):
+    # whole and partial tiles (2048 elements), trees of 16 / 32 blocks cut short (odd block
+    # counts), a partial last block, several rows
+    x = nvfp4_ties(3, cols, dtype, seed=cols)
+    for stochastic in (False, True):
+        kw = dict(rows=3, stochastic=stochastic, seed=5)
+        assert_same(cpu_formats.quantize_nvfp4(x, **kw), ref.quantize_nvfp4_ref(x, **kw))
+
+
+def test_nvfp4_ties_really_are_ties():
+    """The tie input above divides to the exact E2M1 ties: the reference's scaled values (x / d)
+    hit each tie many times."""
+    x = nvfp4_ties(3, 2128, torch.float32, seed=1)
+    q = ref.quantize_nvfp4_ref(x, rows=3)
+    assert q.tensor_scales is not None
+    d = (ref.decode_elements(q.scales.to(torch.int32), "e4m3") * q.tensor_scales).repeat_interleave(16, dim=1)
+    v = (x / d[:, : x.shape[1]]).abs()
+    for tie in E2M1_TIES:
+        assert (v == tie).sum() >= 20
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_long_awkward_rows(dtype):
+    # the awkward data (magnitudes 2**-140 .. 2**120, subnormals, zero, NaN and Inf blocks) in
+    # rows of several tiles
+    x = awkward_formats((2, 4200), dtype, seed=3)
+    for stochastic in (False, True):
+        kw = dict(rows=2, stochastic=stochastic, seed=8)
+        assert_same(cpu_formats.quantize_nvfp4(x, **kw), ref.quantize_nvfp4_ref(x, **kw))
+
+
+def test_the_build_without_avx512_gives_the_same_bits(tmp_path, monkeypatch):
+    """The library built without AVX-512 (the scalar nvfp4 tiles, and what CPUs without AVX-512
+    run) quantizes nvfp4 to the reference's bits too: the ties, long awkward rows, every dtype."""
+    _, build = cpu_native.named_build(
+        cpu_formats.SOURCE, [*cpu_native.FLAGS, "-mno-avx512f"], "zf", cpu_formats.HEADERS
+    )
+    build(tmp_path / "narrow.so")
+    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(str(tmp_path / "narrow.so")))
+    for dtype in DTYPES:
+        for x, rows in ((nvfp4_ties(3, 2128, dtype, seed=2), 3), (awkward_formats((2, 4200), dtype, seed=4), 2)):
+            for stochastic in (False, True):
+                kw = dict(rows=rows, stochastic=stochastic, seed=3)
+                assert_same(cpu_formats.quantize_nvfp4(x, **kw), ref.quantize_nvfp4_ref(x, **kw))
+
+
 def test_strided_input_and_out_buffers():
     """A non-contiguous input (a transposed view) and a caller's ``out`` of another shape."""
     x = gaussian(40 * 33, 2).view(33, 40).t()  # [40, 33], rows not contiguous
