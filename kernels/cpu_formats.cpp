@@ -1,6 +1,7 @@
 // The CPU path's kernels for the floating-point wire formats (fp8, mx, nvfp4): the arithmetic of
 // kernels/format_reference.py, bit for bit, one pass per block (mx / nvfp4: per tile of blocks;
-// nvfp4: one more pass per row for its tensor scale; its tiles on AVX-512 in cpu_formats_nvfp4.h),
+// nvfp4: one more pass per row for its tensor scale; its tiles on AVX-512 in cpu_formats_nvfp4.h;
+// MXFP6 / NVFP4 dequantize on AVX-512 in cpu_formats_deq.h),
 // and the reductions over received wire rows (the codecs' generic sum, fused). Built by
 // kernels/cpu_formats.py at first use with the flags of cpu_native.py (-O3 -march=native
 // -ffp-contract=off, no fast-math) and called through ctypes; single-threaded.
@@ -37,6 +38,7 @@
 
 #include "cpu_common.h"
 #include "cpu_formats_nvfp4.h"  // ZF_NVFP4_AVX512: nv_tile
+#include "cpu_formats_deq.h"    // ZF_DEQ_AVX512: dq_mx6_row, dq_nvfp4_row
 
 static inline float pow2(int e) {  // 2^e for e in [-149, 127], exact
     return e >= -126 ? u2f((uint32_t)(e + 127) << 23) : u2f(1u << (e + 149));
@@ -516,7 +518,6 @@ static void quantize_rows(const Src& src, const Args& a, uint8_t* codes, i64 c_r
     }
 }
 
-// codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S.
 // The scale of block g of row r (fp8: fp32; mx: 2^(E8M0 - 127), NaN for 255; nvfp4: decode(b) * t).
 template <int SCHEME>
 static inline float block_scale(const void* scales, i64 r, i64 s_rs, i64 g, float t) {
@@ -534,14 +535,24 @@ static inline bool fast_scale(float sc) {
     return as == 0.0f || (as <= FLT_MAX && as * F::minval() >= FLT_MIN);
 }
 
-
 // codes / scales as quantize_rows writes them -> out [rows, cols] (contiguous) in dtype S. Fixed
-// block sizes (GSC > 0) go through tiles of TILE elements: one unpack and one store per tile.
+// block sizes (GSC > 0) go through tiles of TILE elements: one unpack and one store per tile;
+// MXFP6 and NVFP4 on AVX-512 CPUs row by row in cpu_formats_deq.h (values looked up by code).
 template <class S, class F, int SCHEME, int GSC>
 static void dequantize_rows(const uint8_t* codes, i64 c_rs, const void* scales, i64 s_rs, const float* tsc, i64 t_rs,
                             const Args& a, void* outv, uint8_t* c, float* d) {
     typename S::T* out = (typename S::T*)outv;
     const i64 gs = GSC ? GSC : a.gs, G = (a.cols + gs - 1) / gs, bpg = gs * F::BITS / 8;
+#ifdef ZF_DEQ_AVX512
+    if constexpr ((SCHEME == S_MX && F::BITS == 6) || SCHEME == S_NVFP4) {  // cpu_formats_deq.h
+        alignas(64) float tab[32];  // the exact values of codes 0-31 (6 bits: the positive ones)
+        for (uint32_t k = 0; k < 32; k++) tab[k] = decode<F>(k);
+        for (i64 r = 0; r < a.rows; r++)
+            if constexpr (SCHEME == S_NVFP4) dq_nvfp4_row<S>(codes + r * c_rs, (const uint8_t*)scales + r * s_rs, tsc[r * t_rs], a.cols, tab, out + r * a.cols);
+            else dq_mx6_row<S>(codes + r * c_rs, (const uint8_t*)scales + r * s_rs, a.cols, tab, out + r * a.cols);
+        return;
+    }
+#endif
     for (i64 r = 0; r < a.rows; r++) {
         const float t = SCHEME == S_NVFP4 ? tsc[r * t_rs] : 0.0f;
         if (GSC) {

@@ -12,7 +12,9 @@ rows go through tiles of ``TILE`` elements (one encode loop and one pack per til
 byte permutes where the CPU has them. NVFP4 tiles on such CPUs take ``cpu_formats_nvfp4.h``
 (``HEADERS``): block maxima by a shuffle tree, 16 block scales per vector, the nearest E2M1 code by
 one fp32 addition (``docs/kernels.md`` has why that is ``rintf``'s rounding), 8 blocks packed by one
-byte permute; about half the operations of the scalar tiles.
+byte permute; about half the operations of the scalar tiles. MXFP6 and NVFP4 dequantize on such CPUs
+take ``cpu_formats_deq.h``: whole rows read in place, each element's value looked up by its code in
+a register table of the exactly decoded values, times its block's scale (16 scales per vector).
 
 Why it stays bit-identical (``tests/unit/test_kernels_formats_cpu.py`` checks every format on the
 awkward cases and on crafted wire bytes):
@@ -30,11 +32,15 @@ awkward cases and on crafted wire bytes):
   its exponent rebiased by an integer add, a subnormal code as ``mag * 2**(emin - mbits)``, so no
   fp32 subnormal is an operand (those take slow paths on x86; 6-bit blocks hold many subnormal
   codes). The 8- and 4-bit vector decode keeps the shorter exact form, the magnitude bits in an
-  fp32 pattern times ``2**(127 - bias)``, which measured faster there;
+  fp32 pattern times ``2**(127 - bias)``, which measured faster there. The AVX-512 MXFP6 / NVFP4
+  dequantize looks the same values up (a table the scalar decode fills) and multiplies them by the
+  same block scale (built from its bits as the scalar path does): the same single fp32 product;
 - bf16 / fp16 inputs are widened exactly; outputs round to nearest even as torch's casts do; a bf16
   output is converted with ``vcvtneps2bf16`` (AVX512-BF16) only in blocks whose scale is finite
   and either 0 or large enough that no nonzero product is an fp32 subnormal (that instruction
-  treats denormals as zero; elsewhere it rounds as torch). NaN payloads are not promised: torch's
+  treats denormals as zero; elsewhere it rounds as torch); the AVX-512 MXFP6 / NVFP4 dequantize
+  checks each 32 products instead (``vfpclassps``: none NaN or subnormal) and otherwise rounds
+  them by torch's integer rule on whole vectors. NaN payloads are not promised: torch's
   own bf16 casts write different NaN bits on different paths;
 - zero, non-finite and zero-scale blocks follow the reference's rules (its module docstring).
 
@@ -78,7 +84,7 @@ from .format_layout import (
 from .layout import check_float_dtype, num_groups, output_buffer
 
 SOURCE = Path(__file__).with_name("cpu_formats.cpp")
-HEADERS = (Path(__file__).with_name("cpu_formats_nvfp4.h"),)
+HEADERS = (Path(__file__).with_name("cpu_formats_nvfp4.h"), Path(__file__).with_name("cpu_formats_deq.h"))
 """The source's own headers (beside the shared ``cpu_common.h``), hashed into the build key."""
 
 FAILED: str | None = None

@@ -80,18 +80,24 @@ def test_both_libraries_cache_keys_cover_the_shared_header(tmp_path: Path, monke
     assert '#include "cpu_common.h"' in cpu_formats.SOURCE.read_text()
 
 
-def test_the_format_librarys_key_covers_its_own_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # cpu_formats.cpp includes cpu_formats_nvfp4.h (its AVX-512 nvfp4 tiles): an edit of that
-    # header alone must name a new format library, and leave the int library's name alone
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_format_librarys_key_covers_its_own_headers(
+    which: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cpu_formats.cpp includes cpu_formats_nvfp4.h (its AVX-512 nvfp4 tiles) and
+    # cpu_formats_deq.h (its AVX-512 MXFP6 / NVFP4 dequantize): an edit of either header alone
+    # must name a new format library, and leave the int library's name alone
     from zeropp.kernels import cpu_formats
 
     if cpu_native.FAILED is not None or shutil.which(cpu_native._compiler()) is None:
         pytest.skip("no C++ compiler here")
     before = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
-    (header,) = cpu_formats.HEADERS
+    headers = cpu_formats.HEADERS
+    assert [h.name for h in headers] == ["cpu_formats_nvfp4.h", "cpu_formats_deq.h"]
+    header = headers[which]
     assert f'#include "{header.name}"' in cpu_formats.SOURCE.read_text()
     edited = tmp_path / header.name
     edited.write_text(header.read_text() + "\n// edited\n")
-    monkeypatch.setattr(cpu_formats, "HEADERS", (edited,))
+    monkeypatch.setattr(cpu_formats, "HEADERS", tuple(edited if h == header else h for h in headers))
     after = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
     assert before[0] == after[0] and before[1] != after[1]

@@ -180,6 +180,101 @@ def test_every_code_of_every_element_decodes_as_the_reference(elem):
         assert_same_values(cpu_formats.dequantize_mx(q, dtype=out_dtype), ref.dequantize_mx_ref(q, dtype=out_dtype))
 
 
+NV_TENSOR_SCALES = (1.0, 1e-30, 3e35, 1e-41, 0.0, 2.0**-126, 448.0, float("inf"), float("nan"))
+"""Row scales of the every-code NVFP4 wire rows: ordinary, tiny (subnormal products), huge
+(overflowing products), an fp32 subnormal, zero, the smallest normal, and non-finite (which crafted
+wire bytes may carry)."""
+
+
+def every_code_under_every_scale(scheme: str, elem: str) -> FormatTensor:
+    """Wire rows where each block scale code (mx: the 256 E8M0 codes, 255 included; nvfp4: the 256
+    E4M3 codes, 0x7F / 0xFF included) meets every element code: mx rows of 256 blocks, block g of
+    row r holding codes (i + 32 r + g) % 64 (rows 0 and 1 together give each scale every 6-bit
+    code); nvfp4 rows of 256 blocks, each block every E2M1 code, one row per tensor scale in
+    ``NV_TENSOR_SCALES``."""
+    from zeropp.kernels.format_layout import pack_codes
+
+    f = ELEMENTS[elem]
+    gs = 32 if scheme == "mx" else 16
+    rows = 2 if scheme == "mx" else len(NV_TENSOR_SCALES)
+    i = torch.arange(gs).view(1, 1, gs)
+    g = torch.arange(256).view(1, 256, 1)
+    r = torch.arange(rows).view(rows, 1, 1)
+    codes = (i + (32 if scheme == "mx" else 0) * r + g) % 2**f.bits
+    packed = pack_codes(codes.reshape(rows, -1), f.bits)
+    scales = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)
+    t = torch.tensor(NV_TENSOR_SCALES).view(-1, 1) if scheme == "nvfp4" else None
+    return FormatTensor(packed, scales, t, 256 * gs, scheme, elem, gs)
+
+
+def cut(q: FormatTensor, rows: int, cols: int) -> FormatTensor:
+    """The first ``rows`` rows and ``cols`` elements of ``q`` (whole blocks kept, as the wire has them)."""
+    g = num_groups(cols, q.group_size)
+    nb = code_bytes(cols, q.elem, q.group_size)
+    t = None if q.tensor_scales is None else q.tensor_scales[:rows].contiguous()
+    return FormatTensor(
+        q.codes[:rows, :nb].contiguous(), q.scales[:rows, :g].contiguous(), t, cols, q.scheme, q.elem, q.group_size
+    )
+
+
+DEQ_VECTOR_FORMATS = [("mx", "e3m2"), ("mx", "e2m3"), ("nvfp4", "e2m1")]
+"""The formats whose dequantize has whole-row AVX-512 kernels (cpu_formats_deq.h)."""
+
+
+def check_every_code_under_every_scale(scheme: str, elem: str) -> None:
+    q = every_code_under_every_scale(scheme, elem)
+    fn, want_fn = getattr(cpu_formats, f"dequantize_{scheme}"), getattr(ref, f"dequantize_{scheme}_ref")
+    # the whole rows, then shorter ones: a partial last block, lengths that are not a multiple of
+    # the block or of 16 / 32 lanes, a single element, an odd number of blocks
+    for rows, cols in (
+        (q.rows, q.cols),
+        (q.rows, q.cols - 5),
+        (1, 1),
+        (q.rows, 7),
+        (1, 17),
+        (q.rows, 49),
+        (2, 16 * 37 + 3),
+    ):
+        part = q if (rows, cols) == (q.rows, q.cols) else cut(q, rows, cols)
+        for out_dtype in DTYPES:
+            assert_same_values(fn(part, dtype=out_dtype), want_fn(part, dtype=out_dtype))
+
+
+@pytest.mark.parametrize("scheme, elem", DEQ_VECTOR_FORMATS)
+def test_dequantize_of_every_code_under_every_scale_code(scheme, elem):
+    check_every_code_under_every_scale(scheme, elem)
+
+
+@pytest.mark.parametrize("scheme, elem", DEQ_VECTOR_FORMATS)
+@pytest.mark.parametrize("rows, cols", [(1, 1), (1, 7), (17, 257), (3, 2048 + 32 * 5 + 11), (2, 4096)])
+def test_dequantize_of_crafted_rows_of_awkward_shapes(scheme, elem, rows, cols):
+    q = crafted(scheme, elem, min(rows, 5), cols, seed=rows * cols)
+    if rows > 5:  # more rows than crafted's tensor scales: repeat them
+        q = FormatTensor(
+            q.codes.repeat(4, 1)[:rows].contiguous(),
+            q.scales.repeat(4, 1)[:rows].contiguous(),
+            None if q.tensor_scales is None else q.tensor_scales.repeat(4, 1)[:rows].contiguous(),
+            cols,
+            scheme,
+            elem,
+            q.group_size,
+        )
+    fn, want_fn = getattr(cpu_formats, f"dequantize_{scheme}"), getattr(ref, f"dequantize_{scheme}_ref")
+    for out_dtype in DTYPES:
+        assert_same_values(fn(q, dtype=out_dtype), want_fn(q, dtype=out_dtype))
+
+
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512bf16"])
+def test_dequantize_built_without_avx512_or_its_bf16_gives_the_same_bits(flag, tmp_path, monkeypatch):
+    """The scalar dequantize (no AVX-512) and the vector one whose bf16 outputs all take the
+    integer rounding (no AVX512-BF16) decode every code under every scale as the reference."""
+    _, build = cpu_native.named_build(cpu_formats.SOURCE, [*cpu_native.FLAGS, flag], "zf", cpu_formats.HEADERS)
+    build(tmp_path / "narrow.so")
+    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(str(tmp_path / "narrow.so")))
+    for scheme, elem in DEQ_VECTOR_FORMATS:
+        check_every_code_under_every_scale(scheme, elem)
+
+
 def test_stochastic_rounding_follows_the_seed():
     x = gaussian(4096, 5).view(4, 1024)
     a = cpu_formats.quantize_mx(x, "e2m1", rows=4, stochastic=True, seed=7)
