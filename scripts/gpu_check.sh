@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance in one command, on one CUDA machine, in under 10 minutes, most needed first:
 #   python -m zeropp.doctor (its JSON report: $OUT/doctor.json), the cuda modules not yet proven on a GPU,
-#   the rest of the cuda test tier (the runtime tests alone, then the kernel and runner modules in parallel
-#   when pytest-xdist is installed), python -m experiments.bench_gpu (two interleaved rounds),
-#   python -m experiments.bench_kernels and the host cost of one kernel launch (scripts/gpu_probe_host.py).
+#   the runtime tests (alone), python -m experiments.bench_gpu (two interleaved rounds), the kernel and
+#   runner modules (in parallel when pytest-xdist is installed), python -m experiments.bench_kernels and
+#   the host cost of one kernel launch (scripts/gpu_probe_host.py).
 # Writes one markdown report: device, driver, torch / CUDA / NCCL / Triton versions, date, the
 # test outcome and the benchmark tables; the full logs go next to it.
 #
@@ -81,9 +81,9 @@ has() { "$PY" -c "import $1" 2>/dev/null; }
 : >"$OUT/parts.txt"
 # The parts run in the order of what most needs a GPU's verdict, so a check cut by the device's time
 # still answers that: the doctor (versions, kernels bit-exact, worlds; seconds), the cuda modules that
-# have not passed on a GPU since their code last changed (FIRST_MODULES, ALONE_FIRST), the rest of the
-# tier (the runtime, NCCL-world and doctor tests alone, then the kernels and the runner's jobs in
-# parallel), then the training and kernel benchmarks. Independent one-process modules (kernels, and the
+# have not passed on a GPU since their code last changed (FIRST_MODULES, ALONE_FIRST), the runtime,
+# NCCL-world and doctor tests (alone), the training benchmark, the modules that have passed on GPUs
+# before (the kernels and the runner's jobs, in parallel), then the kernel benchmark. Independent one-process modules (kernels, and the
 # runner's jobs, each a world of its own) run on xdist workers, each with its share of the cores'
 # threads (tests/conftest.py). On a 16-core H100 host (2026-11-26) the first modules and the parallel
 # ones were still cut by their caps (287 and 179 cases passed) while each worker ran torch's 16 threads:
@@ -107,10 +107,10 @@ run_part cuda_first 170 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${xd
 run_part cuda_streams 90 "$PY" -m pytest "${pytest_opts[@]}" "${ALONE_FIRST[@]}"
 # shellcheck disable=SC2086
 run_part cuda_tests 120 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ignores[@]}" ${PYTEST_ARGS:-}
-# shellcheck disable=SC2086
-run_part cuda_parallel 200 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${xdist[@]}" "${PARALLEL_MODULES[@]}" ${PYTEST_ARGS:-}
 # two interleaved rounds: one run per row could not rank two rows a few percent apart (docs/benchmarks.md)
 run_part bench_gpu 150 "$PY" -m experiments.bench_gpu --jobs stage0,stage3,fsdp2 --steps 10 --warmup 3 --rounds 2
+# shellcheck disable=SC2086
+run_part cuda_parallel 200 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${xdist[@]}" "${PARALLEL_MODULES[@]}" ${PYTEST_ARGS:-}
 run_part bench_kernels 60 "$PY" -m experiments.bench_kernels --min-kib 65536 --max-mib 256  # rows stream
 run_part probe_host 30 "$PY" scripts/gpu_probe_host.py
 

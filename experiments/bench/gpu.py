@@ -104,15 +104,27 @@ def run_all(
                 runs[key].append(result(run_job(job_overrides(a, key), where)))
                 # each run as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
                 print(f"{key}: {runs[key][-1]['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
-            except RunInterrupted:
-                raise  # the benchmark itself was stopped, not this row
+            except RunInterrupted:  # the benchmark itself was stopped, not this row: the table so far, then stop
+                done = summarize(a, runs, errors)
+                if done:
+                    print(format_table(done, a) + "\n(stopped: only the runs that finished before it)", flush=True)
+                raise
             except (ConfigError, RankFailure) as e:
                 errors[key] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{key}: failed: {e}", file=sys.stderr)
+    return summarize(a, runs, errors)
+
+
+def summarize(
+    a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], errors: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The rows of :func:`run_all` from the runs so far (a row with neither a run nor an error is left out)."""
     rows = {}
     for key in a.jobs:
         if key in errors:
             rows[key] = errors[key]
+            continue
+        if not runs[key]:
             continue
         times = [x["step_s"] for x in runs[key]]
         rows[key] = {
