@@ -1,11 +1,13 @@
 """What the benchmark command lines (``bench_gpu``, ``bench_fsdp``, ``bench_cluster``, ``bench_peers``)
 share: argument checks, each refusing a count below its floor with argparse's usage error (exit
-status 2) and naming the flag as the user typed it, and the order of interleaved rounds."""
+status 2) and naming the flag as the user typed it, and interleaved rounds of runner jobs."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 
 def flag(name: str) -> str:
@@ -32,3 +34,31 @@ def round_order(keys: Sequence[str], r: int) -> list[str]:
     """The rows of round ``r`` (from 0): ``keys`` rotated by ``r``, so each row takes each place in turn."""
     k = r % len(keys) if keys else 0
     return [*keys[k:], *keys[:k]]
+
+
+def interleaved_rounds(
+    keys: Sequence[str],
+    rounds: int,
+    run: Callable[[str, int], dict[str, Any]],
+    runs: dict[str, list[dict[str, Any]]],
+    errors: dict[str, dict[str, Any]],
+) -> None:
+    """Run the rows ``keys`` for ``rounds`` interleaved rounds (round ``r`` in :func:`round_order`):
+    ``run(key, r)``'s result is appended to ``runs[key]``. A row not in ``runs`` (one that cannot run
+    here) is passed over; a run that fails (``ConfigError``, ``RankFailure``) records ``errors[key]``,
+    says so on stderr, and its row is not run again while the others go on. The benchmark itself
+    stopped (``RunInterrupted``) propagates, with ``runs`` / ``errors`` holding what finished."""
+    from ..runner.config import ConfigError
+    from ..runner.launcher import RankFailure, RunInterrupted
+
+    for r in range(rounds):
+        for key in round_order(keys, r):
+            if key not in runs or key in errors:
+                continue
+            try:
+                runs[key].append(run(key, r))
+            except RunInterrupted:  # (a RankFailure too) the benchmark was stopped, not this row
+                raise
+            except (ConfigError, RankFailure) as e:
+                errors[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{key}: failed: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .args import check_run_lengths, require_at_least, round_order
+from .args import check_run_lengths, interleaved_rounds, require_at_least
 
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
@@ -86,32 +86,27 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
 def run_all(
     a: argparse.Namespace, root: Path, run_job: Callable[[list[str], Path], dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """Run the selected rows for ``a.rounds`` interleaved rounds (round ``r`` rotated by ``r``); a row
-    that fails records its error, is not run again, and the rest still run. Each row that ran: the
+    """Run the selected rows for ``a.rounds`` interleaved rounds (``args.interleaved_rounds``: a row
+    that fails records its error, is not run again, and the rest still run). Each row that ran: the
     first run's result with ``step_s`` and ``tokens_per_s`` the medians over its rounds and
     ``step_s_rounds`` every round's step time."""
-    from ..runner.config import ConfigError
-    from ..runner.launcher import RankFailure, RunInterrupted
+    from ..runner.launcher import RunInterrupted
+
+    def run(key: str, r: int) -> dict[str, Any]:
+        got = result(run_job(job_overrides(a, key), root / (key if a.rounds == 1 else f"{key}-r{r + 1}")))
+        # each run as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
+        print(f"{key}: {got['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+        return got
 
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key in a.jobs}
     errors: dict[str, dict[str, Any]] = {}
-    for r in range(a.rounds):
-        for key in round_order(a.jobs, r):
-            if key in errors:
-                continue
-            where = root / (key if a.rounds == 1 else f"{key}-r{r + 1}")
-            try:
-                runs[key].append(result(run_job(job_overrides(a, key), where)))
-                # each run as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
-                print(f"{key}: {runs[key][-1]['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
-            except RunInterrupted:  # the benchmark itself was stopped, not this row: the table so far, then stop
-                done = summarize(a, runs, errors)
-                if done:
-                    print(format_table(done, a) + "\n(stopped: only the runs that finished before it)", flush=True)
-                raise
-            except (ConfigError, RankFailure) as e:
-                errors[key] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"{key}: failed: {e}", file=sys.stderr)
+    try:
+        interleaved_rounds(a.jobs, a.rounds, run, runs, errors)
+    except RunInterrupted:  # the benchmark itself was stopped, not a row: the table so far, then stop
+        done = summarize(a, runs, errors)
+        if done:
+            print(format_table(done, a) + "\n(stopped: only the runs that finished before it)", flush=True)
+        raise
     return summarize(a, runs, errors)
 
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from zeropp.comm.spec import RECIPES
 
-from .args import check_run_lengths, require_at_least, round_order
+from .args import check_run_lengths, interleaved_rounds, require_at_least
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
 """``run_job(overrides, run_dir) -> summary``: the runner's, or a test's fake."""
@@ -164,26 +164,16 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
 def run_rounds(a: argparse.Namespace, root: Path, run_job: RunJob) -> dict[str, dict[str, Any]]:
     """Run the chosen rows for ``a.rounds`` interleaved rounds: key -> ``{"runs": [result, ...]}``,
     ``{"skipped": why}`` (its trainer's package is missing) or ``{"error": ...}`` (a failed job: the
-    row is not run again, the others go on)."""
-    from ..runner.config import ConfigError
-    from ..runner.launcher import RankFailure, RunInterrupted
-
-    rows: dict[str, dict[str, Any]] = {}
-    for key in a.only:
-        why = missing_package(key)
-        rows[key] = {"skipped": why} if why else {"runs": []}
-    for r in range(a.rounds):
-        for key in round_order(a.only, r):
-            if "runs" not in rows[key]:
-                continue
-            try:
-                rows[key]["runs"].append(result(run_job(job_overrides(a, key), root / f"{key}-r{r + 1}")))
-            except RunInterrupted:
-                raise  # the benchmark itself was stopped, not this row
-            except (ConfigError, RankFailure) as e:
-                rows[key] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"{key}: failed: {e}", file=sys.stderr)
-    return rows
+    row is not run again, the others go on; ``args.interleaved_rounds``)."""
+    skipped = {key: why for key in a.only if (why := missing_package(key))}
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in a.only if key not in skipped}
+    errors: dict[str, dict[str, Any]] = {}
+    interleaved_rounds(
+        a.only, a.rounds, lambda key, r: result(run_job(job_overrides(a, key), root / f"{key}-r{r + 1}")), runs, errors
+    )
+    return {
+        key: {"skipped": skipped[key]} if key in skipped else errors.get(key) or {"runs": runs[key]} for key in a.only
+    }
 
 
 def aggregate(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
