@@ -242,9 +242,10 @@ def process_stats(device: torch.device) -> dict[str, int]:
         # the nested form: memory_stats() flattens and sorts a few hundred entries in Python, on
         # the training step's path three times a step
         s = torch.cuda.memory_stats_as_nested_dict(device)
-        out["allocated"] = int(s.get("allocated_bytes", {}).get("all", {}).get("current", 0))
+        allocated = s.get("allocated_bytes", {}).get("all", {})  # {"current", "peak", ...}: every pool
+        out["allocated"] = int(allocated.get("current", 0))
         out["reserved"] = int(s.get("reserved_bytes", {}).get("all", {}).get("current", 0))
-        out["peak_allocated"] = int(s.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
+        out["peak_allocated"] = int(allocated.get("peak", 0))
     out["rss"] = _rss_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out["peak_rss"] = int(peak if sys.platform == "darwin" else peak * 1024)
