@@ -146,7 +146,13 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
                 dist.reduce_scatter_single(ref, src, op=ops[op_name])
             else:  # gloo sums: an all-to-all, then this rank's chunks summed in rank order
                 srcs = [x * 0.5 if op_name == "premul" else x for x in xs]
-                torch.sum(torch.stack([x.view(W, n)[rank] for x in srcs]), 0, out=ref)
+                mine = [x.view(W, n)[rank] for x in srcs]
+                if dtype == torch.float32:  # one rounded addition at a time, rank 0 first
+                    ref.copy_(mine[0])
+                    for x in mine[1:]:
+                        ref += x
+                else:  # half precision: accumulated in fp32, rounded once
+                    torch.sum(torch.stack(mine), 0, out=ref)
             assert torch.equal(out, ref), f"plain reduce-scatter differs from its reference {what}"
             # ... and is the true reduction: equality with the backend alone would pass a backend whose
             # AVG sums (the gloo bug background.md section 5 mentions). W roundings in the dtype at most.
