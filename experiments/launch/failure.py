@@ -6,7 +6,10 @@ on a failure it stops every rank and then asks :func:`root_cause` for the :class
 
 The root cause, among the ranks that failed before the stop: one whose error is not a peer's
 "connection closed" echo (:data:`PEER_ERRORS`: a rank whose peer died fails in its next
-collective, often before the launcher sees the peer's exit), seen first, not ended by a SIGTERM
+collective, often before the launcher sees the peer's exit), nor an error every rank raised alike
+that names other ranks of the pool as where it arose (``zeropp.runtime.batch.on_ranks``: a
+checkpoint file that fails its checksum on rank 0 makes every rank raise, and rank 1 may exit
+first), seen first, not ended by a SIGTERM
 (ours, from the stop), error written earliest. Its error text (:func:`rank_error`) is torch's
 error file (``@record`` / function ranks) where the rank wrote one, else ``<log_dir>/rank<r>.err``,
 else the tail of ``<log_dir>/rank<r>.log``.
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure
+
+from zeropp.runtime.batch import origin_ranks
 
 __all__: Sequence[str] = ("PEER_ERRORS", "RankFailure", "describe_exit", "exit_status", "rank_error", "root_cause")
 
@@ -110,10 +115,16 @@ def root_cause(
     ``ranks_per_node`` only names the rank's node in the message."""
     errors = {r: rank_error(r, pids[r], codes.get(r, first.get(r, 1)), error_files[r], log_dir) for r in pids}
     pool = set(first) | {r for r, (_, t, recorded) in errors.items() if recorded and t < stopped_at}
+
+    def echoes_another(r: int) -> bool:  # an error raised alike on every rank that names where it arose
+        origins = origin_ranks(errors[r][0])
+        return bool(origins) and r not in origins and any(o in pool for o in origins)
+
     rank = min(
         pool,
         key=lambda r: (
             any(e in errors[r][0] for e in PEER_ERRORS),
+            echoes_another(r),
             r not in first,
             first.get(r) == -signal.SIGTERM,
             errors[r][1],

@@ -148,14 +148,32 @@ class RunConfig:
         """``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
         return Path(self.train.checkpoint_dir) if self.train.checkpoint_dir else Path(run_dir) / "checkpoints"
 
-    def check_resume(self, run_dir: Path) -> None:
-        """With ``resume=true``, a checkpoint must be there (checked before any rank starts)."""
+    def check_run_dir(self, run_dir: Path) -> None:
+        """Checked before any rank starts. With ``resume=true``, a checkpoint must be there. Without
+        it, the run must not land on an earlier run's records: that run's ``metrics.jsonl`` would be
+        truncated, its ``summary.json`` replaced and, when this run saves into the default
+        ``<run dir>/checkpoints``, its ``LATEST`` moved to this run's (a later ``resume=true`` there
+        would continue the wrong run). A ``train.checkpoint_dir`` shared by several runs on purpose
+        is allowed: each keeps its own newest checkpoint (``checkpoint_files``)."""
         ckpt = self.checkpoint_dir(run_dir)
         if self.resume and not (ckpt / "LATEST").is_file():
             raise ConfigError(
                 f"invalid config: resume=true but there is no checkpoint under {ckpt} (no LATEST file); "
                 "resume in the directory of a run saved with train.checkpoint_every=N "
                 "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints"
+            )
+        if self.resume:
+            return
+        run_dir = Path(run_dir)
+        held = [run_dir / "summary.json"] if (run_dir / "summary.json").exists() else []
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            held.append(metrics)
+        if held:
+            raise ConfigError(
+                f"invalid config: {run_dir} already holds a run ({', '.join(p.name for p in held)}), which this "
+                "fresh run would overwrite; pass resume=true to continue it from its latest checkpoint, or "
+                "choose another hydra.run.dir (by default each run gets a new time-stamped directory)"
             )
 
     def check_installed(self) -> None:

@@ -188,7 +188,7 @@ def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | N
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
-    rc.check_resume(run_dir)
+    rc.check_run_dir(run_dir)
     check_before_launch(rc, run_dir, local=not in_torchrun())  # corpus, checkpoint dir, ranks and memory here
     if in_torchrun():
         from .worker import run_rank
@@ -327,6 +327,18 @@ def note_failed_job(job: dict[str, Any]) -> None:
     _failed.append(job)
 
 
+def command_status(e: ConfigError | RankFailure | DivergenceError) -> int:
+    """The command's exit status for ``e`` (docs/reliability.md): 2 for an invalid config, the failing
+    rank's own status otherwise, as a shell reports a process's: 128 + N when it was killed by
+    signal N (``RankFailure.exit_code`` is then -N), 1 when no status is known."""
+    if isinstance(e, ConfigError):
+        return 2
+    code = e.exit_code
+    if not code:
+        return 1
+    return 128 - code if code < 0 else code
+
+
 @hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
     info = _hydra_info()
@@ -334,7 +346,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
-        code = 2 if isinstance(e, ConfigError) else e.exit_code if e.exit_code and e.exit_code > 0 else 1
+        code = command_status(e)
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
         if in_torchrun() or not info["multirun"] or isinstance(e, RunInterrupted):

@@ -123,13 +123,15 @@ def _nvme(tmp_path: Path) -> tuple[list[str], Path, Path]:
 
 
 @pytest.mark.parametrize(
-    "fault, words", [("raise@1:2", ["rank 1", "injected fault"]), ("kill@1:2", ["rank 1", "SIGKILL"])]
+    "fault, words, status",
+    [("raise@1:2", ["rank 1", "injected fault"], 1), ("kill@1:2", ["rank 1", "SIGKILL"], 128 + signal.SIGKILL)],
 )
 def test_failing_rank_stops_everything(
-    tmp_path: Path, fault: str, words: list[str], capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, fault: str, words: list[str], status: int, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """With the nvme tier: the raising rank removes its swap folder itself; the SIGKILLed one cannot,
-    and neither can its peer stuck in a collective: the launcher removes this run's folders."""
+    and neither can its peer stuck in a collective: the launcher removes this run's folders. The
+    command exits with the failing rank's status, as a shell reports it (128 + N for signal N)."""
     nvme_args, nvme, planted = _nvme(tmp_path)
     run = tmp_path / "run"
     t0 = time.monotonic()
@@ -148,7 +150,7 @@ def test_failing_rank_stops_everything(
         timeout=120,
     )
     took = time.monotonic() - t0
-    assert p.returncode != 0
+    assert p.returncode == status, p.stderr[-3000:]
     for w in words:
         assert w in p.stderr, p.stderr[-3000:]
     assert took < 90

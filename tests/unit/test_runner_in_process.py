@@ -62,3 +62,65 @@ def test_exit_status_of_a_refused_config_and_a_fresh_failure_list(
         run._failed.pop()
     assert p.returncode == 2 and "error: " in p.stderr and "stage" in p.stderr, p.stderr
     assert "an earlier command's" not in p.stderr and not (tmp_path / "ranks").exists()
+
+
+@pytest.mark.parametrize(
+    "code, status", [(-signal.SIGKILL, 128 + signal.SIGKILL), (-signal.SIGSEGV, 128 + signal.SIGSEGV), (None, 1)]
+)
+def test_a_rank_killed_by_a_signal_gives_the_shells_status(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, code: int | None, status: int
+) -> None:
+    """A rank killed by signal N makes the command exit with 128 + N (docs/reliability.md), as a shell
+    reports the killed process itself; a failure without a known status exits 1."""
+
+    def killed_launch(**_: object) -> dict:
+        raise RankFailure("rank 1 was killed", rank=1, exit_code=code)
+
+    monkeypatch.setattr(run, "launch", killed_launch)
+    p = run_cli_here([*MINI_1X2_CPU, f"hydra.run.dir={tmp_path}"], capfd, timeout=120)
+    assert p.returncode == status, p.stderr[-2000:]
+
+
+def _launch_recorder(calls: list[int]):
+    def fake_launch(**_: object) -> dict:
+        calls.append(1)
+        raise RankFailure("rank 0 exited with code 5", rank=0, exit_code=5)
+
+    return fake_launch
+
+
+@pytest.mark.parametrize("held", ["summary.json", "metrics.jsonl"])
+def test_a_fresh_run_does_not_land_on_an_earlier_runs_records(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, held: str
+) -> None:
+    """Without resume=true a run into a directory holding a run's summary or metrics is refused before
+    any rank starts, and those files are untouched; with resume=true (a checkpoint is there) it goes
+    on to the launch."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    path = tmp_path / held
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"step": 1}\n')
+    before = path.read_bytes()
+    args = [*MINI_1X2_CPU, "train.checkpoint_every=1", f"hydra.run.dir={tmp_path}"]
+    p = run_cli_here(args, capfd, timeout=120)
+    assert p.returncode == 2 and "already holds" in p.stderr and "resume=true" in p.stderr, p.stderr[-2000:]
+    assert calls == [] and path.read_bytes() == before
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
+    p = run_cli_here([*args, "resume=true"], capfd, timeout=120)
+    assert calls == [1] and p.returncode == 5, p.stderr[-2000:]
+
+
+def test_an_empty_metrics_file_or_unused_checkpoints_do_not_block_a_fresh_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty metrics.jsonl (a run stopped before its first step) is no record, and checkpoints
+    alone do not block a run (a train.checkpoint_dir may be shared by several runs on purpose)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
+    p = run_cli_here([*MINI_1X2_CPU, "train.checkpoint_every=1", f"hydra.run.dir={tmp_path}"], capfd, timeout=120)
+    assert calls == [1] and p.returncode == 5, p.stderr[-2000:]

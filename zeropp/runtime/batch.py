@@ -42,7 +42,8 @@ collective can run inside backward outside the engine (tensor parallelism, ``Syn
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -168,6 +169,23 @@ def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor
     return loss.reshape(())
 
 
+ON_RANKS = re.compile(r"(?:raised|failed) on rank\(s\) \[([0-9, ]*)\]")
+"""How :func:`on_ranks` reads back inside an error's text."""
+
+
+def on_ranks(ranks: Iterable[int]) -> str:
+    """``on rank(s) [0, 2]``: how an error that every rank raises alike names the ranks where it
+    arose (after ``raised`` or ``failed``). The launcher reads it back (:func:`origin_ranks`) to
+    name one of those ranks as the run's root cause, not whichever rank happened to exit first."""
+    return f"on rank(s) {sorted(ranks)}"
+
+
+def origin_ranks(text: str) -> list[int]:
+    """The ranks a text written by :func:`on_ranks` names (the first such phrase), else ``[]``."""
+    m = ON_RANKS.search(text)
+    return [int(r) for r in m.group(1).split(",") if r.strip()] if m else []
+
+
 def per_rank(messages: Mapping[int, str]) -> str:
     """``rank -> message`` as one line, each distinct message once with its ranks (``rank 1: ...``,
     ``ranks 0, 2: ...``): a micro-batch every rank gets wrong reads once, not once per rank."""
@@ -251,6 +269,6 @@ def _agree(failed_anywhere: int, error: BaseException | None, group: dist.Proces
     failed = {r: m for r, m in enumerate(msgs) if m is not None}
     what = per_rank(failed)
     raise RuntimeError(
-        f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank goes on to backward "
+        f"the forward or the loss raised {on_ranks(failed)}, so no rank goes on to backward "
         f"or the next collective: {what}"
     ) from error

@@ -45,7 +45,7 @@ from zeropp.comm.objects import all_gather_json
 
 from . import checkpoint_files as cf
 from . import checkpoint_stream as cs
-from .batch import per_rank
+from .batch import on_ranks, per_rank
 from .checkpoint_files import CheckpointError
 from .checkpoint_safe import METADATA, SafeLoadPlanner, SafeReader, read_metadata
 
@@ -106,7 +106,7 @@ def describe(exc: BaseException) -> str:
 def raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -> None:
     """Raise the :class:`CheckpointError` of ``failures`` (rank -> error), each distinct error once."""
     raise CheckpointError(
-        f"checkpoint {what} failed on rank(s) {sorted(failures)} of {world}: {per_rank(failures)}"
+        f"checkpoint {what} failed {on_ranks(failures)} of {world}: {per_rank(failures)}"
         + (f". {hint}" if hint else ""),
         failures,
     )

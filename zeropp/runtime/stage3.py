@@ -73,7 +73,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import frozen as fz
-from .batch import MicroBatchError, host_max, host_max_start, per_rank
+from .batch import MicroBatchError, host_max, host_max_start, on_ranks, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -287,7 +287,7 @@ class Stage3Hooks:
                 )
             )
             exc = RuntimeError(
-                f"the forward or the loss raised on rank(s) {sorted(failed)}, so no rank runs backward: {what}{hint}"
+                f"the forward or the loss raised {on_ranks(failed)}, so no rank runs backward: {what}{hint}"
             )
             raise exc from error
         bad = [i for i in range(n) if hi[i] != lo[i] and lo[i] == 0]
