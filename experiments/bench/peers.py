@@ -59,7 +59,7 @@ class Row:
     overrides: tuple[str, ...]
     """The runner overrides of this row (trainer, stage); the shared ones are added to them."""
     zeropp: bool = False
-    """Whether it is ZeroEngine (it then takes ``--prefetch``, and the ZeRO++ row ``--quant``)."""
+    """Whether it is ZeroEngine (its stage-3 rows then take ``--prefetch``, and the ZeRO++ row ``--quant``)."""
 
     def __post_init__(self) -> None:
         if not any(o.startswith("trainer=") for o in self.overrides):
@@ -128,7 +128,9 @@ def job_overrides(a: argparse.Namespace, key: str) -> list[str]:
     row = ROWS[key]
     own = list(row.overrides)
     if row.zeropp:
-        own += [f"quant={a.quant if key == 'zeropp' else 'none'}", f"zero.prefetch_depth={a.prefetch}"]
+        own.append(f"quant={a.quant if key == 'zeropp' else 'none'}")
+        if "stage=3" in row.overrides:  # the runner refuses a prefetch depth at stages 0-2 (only stage 3 gathers)
+            own.append(f"zero.prefetch_depth={a.prefetch}")
     return [*own, *common_overrides(a)]
 
 
@@ -253,7 +255,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--prefetch", type=int, default=1, help="zeropp's prefetch depth")
+    p.add_argument("--prefetch", type=int, default=1, help="zeropp's prefetch depth (its stage-3 rows)")
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),

@@ -37,7 +37,7 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 
-from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check
+from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check, unused
 from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
 from .slurm import SlurmConfig
 from .trainer_registry import TRAINER_SPECS, TrainerSpec, missing_requirement
@@ -127,6 +127,7 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"invalid config (zero.* against topology.*): {e}") from None
         _check_capabilities(self, spec)
+        _check_settings_in_use(self)
         if t.tp > 1:
             _check_tp(self)
         if self.data.kind == "text" and self.model.vocab_size < 256:
@@ -272,6 +273,47 @@ def _check_tp(rc: RunConfig) -> None:
             check_gpt_tp(rc.model, rc.topology.tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
+
+
+def _check_settings_in_use(rc: RunConfig) -> None:
+    """Settings that only another setting reads stay at their defaults (nothing is silently
+    ignored): the checkpoint keys without checkpointing, the nvme tier's staging buffers without
+    the nvme tier, stage 3's prefetch depth at stages 0-2 (the library refuses its siblings
+    ``persistence_threshold``, ``keep_at_turn`` and ``nvme_path`` the same way)."""
+    train, zero, default = rc.train, rc.zero, ZeroConfig()
+    if train.checkpoint_every == 0:
+        if not rc.resume:
+            unused(
+                "train.checkpoint_dir",
+                train.checkpoint_dir,
+                None,
+                "train.checkpoint_every=0 and no resume=true (nothing is saved there or loaded from it)",
+                "set train.checkpoint_every=N to save there, resume=true to continue from it, or remove it",
+            )
+        unused(
+            "train.keep_checkpoints",
+            train.keep_checkpoints,
+            TrainConfig().keep_checkpoints,
+            "train.checkpoint_every=0 (this run saves no checkpoint)",
+            "set train.checkpoint_every=N, or remove it",
+        )
+    if "nvme" not in (zero.offload_optimizer, zero.offload_param):
+        for name in ("swap_buffers", "swap_buffer_size"):
+            unused(
+                f"zero.{name}",
+                getattr(zero, name),
+                getattr(default, name),
+                "no nvme tier (it sizes the nvme tier's host staging buffers)",
+                "add zero.offload_optimizer=nvme or zero.offload_param=nvme with zero.nvme_path=<dir>, or remove it",
+            )
+    if zero.stage != 3:
+        unused(
+            "zero.prefetch_depth",
+            zero.prefetch_depth,
+            default.prefetch_depth,
+            f"stage={zero.stage} (it sets how far ahead stage 3 gathers its blocks)",
+            "set stage=3, or remove it",
+        )
 
 
 def _check_trainer_keys(rc: RunConfig, spec: TrainerSpec) -> None:

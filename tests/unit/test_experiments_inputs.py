@@ -306,8 +306,12 @@ def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
             preflight.check_writable_dir("train.checkpoint_dir", Path("a/b"))
     finally:
         os.chdir(tmp_path)
-    # not saving: the directory is not needed, so not checked
-    rc = from_dict(composed_config("train.checkpoint_every=0", f"train.checkpoint_dir={unwritable_dir(tmp_path)}/ckpt"))
+    # not saving (only resuming from it): the directory is not written, so not checked
+    rc = from_dict(
+        composed_config(
+            "train.checkpoint_every=0", "resume=true", f"train.checkpoint_dir={unwritable_dir(tmp_path)}/ckpt"
+        )
+    )
     preflight.check_before_launch(rc, tmp_path, local=False)
 
 
@@ -323,8 +327,28 @@ def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
         (["train.seed=4294967296"], ["train.seed=4294967296", "[0, 2**32)"]),
         (["train.checkpoint_dir="], ["train.checkpoint_dir=''", "null"]),
         (["launcher.pg_timeout_s=1e15"], ["launcher.pg_timeout_s=1000000000000000.0", "<= 1e+09"]),
+        (["train.checkpoint_dir=/tmp/x"], ["train.checkpoint_dir='/tmp/x'", "checkpoint_every=0", "resume=true"]),
+        (["train.keep_checkpoints=5"], ["train.keep_checkpoints=5", "checkpoint_every=0"]),
+        (["zero.swap_buffers=8"], ["zero.swap_buffers=8", "no nvme tier", "zero.offload_optimizer=nvme"]),
+        (["zero.swap_buffer_size=1024"], ["zero.swap_buffer_size=1024", "no nvme tier"]),
+        (["stage=0", "zero.prefetch_depth=3"], ["zero.prefetch_depth=3", "stage=0", "set stage=3"]),
+        (["stage=2", "zero.prefetch_depth=0"], ["zero.prefetch_depth=0", "stage=2"]),
     ],
 )
 def test_audit_refusals(cli, args: list[str], words: list[str]) -> None:
     line = cli(*args)
     assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train.checkpoint_every=0", "resume=true", "train.checkpoint_dir=/tmp/x"],  # loaded from
+        ["train.checkpoint_every=2", "train.checkpoint_dir=/tmp/x", "train.keep_checkpoints=5"],
+        ["zero.offload_optimizer=nvme", "zero.nvme_path=/tmp", "zero.swap_buffers=8"],
+        ["stage=3", "zero.prefetch_depth=3"],
+        ["stage=1", "zero.prefetch_depth=1"],  # the default: nothing set
+    ],
+)
+def test_the_same_settings_where_they_are_read_are_accepted(args: list[str]) -> None:
+    from_dict(composed_config(*args))
