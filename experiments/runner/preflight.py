@@ -162,5 +162,7 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
             raise ConfigError(f"invalid config: {e}") from None
     if rc.train.checkpoint_every > 0:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
+    if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
+        check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
     if local:
         check_local_ranks(rc)

@@ -291,6 +291,14 @@ def test_unwritable_checkpoint_dir_is_refused_before_ranks(cli, tmp_path) -> Non
     assert afile.read_text() == "mine"
 
 
+def test_an_nvme_path_that_takes_no_files_is_refused_before_ranks(cli) -> None:
+    """/proc is a directory whose mode bits allow root to write, but no file can be created in it: the
+    swap space would fail on every rank after the start; the preflight tries for real."""
+    line = cli("zero.offload_optimizer=nvme", "zero.nvme_path=/proc")
+    # (not root: the library's own check of the mode bits refuses it first, in its words)
+    assert "nvme_path='/proc'" in line and ("cannot be written" in line or "not writable" in line), line
+
+
 def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # restored afterwards
     before = sorted(tmp_path.rglob("*"))
