@@ -7,21 +7,54 @@ figures of ``report_plots`` (throughput, communication bytes by link, model stat
 memory by phase and tier, loss). Runs are named by what sets them apart from the others, in words
 (``ZeRO-1 + CPU offload``, ``ZeRO++ (w8g4, hpZ)``, ``FSDP2``: ``labels.label_runs``); what they
 all share is said once, above the table and in each figure's title.
+
+It never overwrites a file it did not write: a ``report.md`` or figure already in the output
+directory is replaced only when ``report-manifest.json`` (written beside them) shows an earlier
+report wrote it and it is unchanged since; otherwise nothing is written and the command exits 2
+naming the files (``report_files``). A run file that cannot be read, or ``--out`` naming a file,
+also exits 2 with ``error: ...`` naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..runner.console import human_bytes
 from ..runner.metrics import read_metrics
 from .labels import label_runs
+from .report_files import ReportError, check_outputs, write_outputs
 from .report_plots import PLOTS
 
-__all__ = ["PLOTS", "load_runs", "markdown", "phase_markdown", "phase_rows", "plots", "run_labels", "write_report"]
+__all__ = [
+    "PLOTS",
+    "REPORT",
+    "ReportError",
+    "load_runs",
+    "markdown",
+    "phase_markdown",
+    "phase_rows",
+    "plots",
+    "run_labels",
+    "write_report",
+]
+
+REPORT = "report.md"
+SUMMARY_USED = (
+    "label",
+    "tokens_per_s",
+    "step_time_s",
+    "model_tflops",
+    "comm_bytes_per_step",
+    "comm_wait_s_per_step",
+    "memory_max_rank_bytes",
+    "memory_per_rank",
+    "loss",
+)
+"""Keys of ``summary.json`` the table and figures read: a summary without one is refused by name."""
 
 PHASE_COLUMNS = ("params", "grads", "optimizer", "activations", "buffers")
 """Device categories of the per-phase table, in column order."""
@@ -33,16 +66,47 @@ def _job_key(p: Path) -> tuple:
     return (str(p.parent.parent), int(name)) if name.isdigit() else (str(p.parent), -1)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; :class:`ReportError` naming the file when it is unreadable, not
+    JSON or not an object (only parsed, so nothing in it can run code)."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise ReportError(f"cannot read {path}: {e}; fix or remove the file") from None
+    if not isinstance(doc, dict):
+        raise ReportError(f"{path} holds a JSON {type(doc).__name__}, not an object; fix or remove the file")
+    return doc
+
+
 def load_runs(root: Path) -> list[dict[str, Any]]:
-    """Summaries under ``root`` (a multirun dir, a run dir, or a parent of several)."""
+    """Summaries under ``root`` (a multirun dir, a run dir, or a parent of several), each with its
+    directory (``_dir``) and ``metrics.jsonl`` lines (``_metrics``); :class:`ReportError` names a
+    file that cannot be read."""
     paths = sorted(Path(root).rglob("summary.json"), key=_job_key)
     runs = []
     for p in paths:
-        s = json.loads(p.read_text())
+        s = _read_json(p)
         s["_dir"] = str(p.parent)
-        s["_metrics"] = read_metrics(p.parent / "metrics.jsonl")
+        try:
+            s["_metrics"] = read_metrics(p.parent / "metrics.jsonl")
+        except (OSError, ValueError) as e:
+            raise ReportError(f"cannot read {p.parent / 'metrics.jsonl'}: {e}; fix or remove the file") from None
         runs.append(s)
     return runs
+
+
+def _failed_jobs(root: Path) -> list[dict[str, Any]]:
+    """``failed.json`` of the sweep's failed jobs (overrides and error), in job order."""
+    jobs = []
+    for p in sorted(Path(root).rglob("failed.json"), key=_job_key):
+        j = _read_json(p)
+        overrides = j.get("overrides")
+        if not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)) or not isinstance(
+            j.get("error"), str
+        ):
+            raise ReportError(f'{p} has no "overrides" list and "error" text; fix or remove the file')
+        jobs.append(j)
+    return jobs
 
 
 def run_labels(runs: list[dict[str, Any]]) -> list[str]:
@@ -96,12 +160,12 @@ def phase_markdown(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Draw :data:`PLOTS` into ``out`` (``report_plots``), runs named by :func:`run_labels`."""
-    from .report_plots import draw_all
+def plots(runs: list[dict[str, Any]]) -> dict[str, bytes]:
+    """:data:`PLOTS` as PNG bytes by file name (``report_plots``), runs named by :func:`run_labels`."""
+    from .report_plots import render_all
 
     names = label_runs(runs)
-    return draw_all(runs, names.labels, names.common, out, phase_rows)
+    return render_all(runs, names.labels, names.common, phase_rows)
 
 
 def _relative(path: str, root: Path) -> str:
@@ -110,14 +174,24 @@ def _relative(path: str, root: Path) -> str:
 
 
 def write_report(root: Path, out: Path | None = None) -> Path:
-    """Write report.md and the plots; returns the report path."""
+    """Write report.md and the plots into ``out`` (default ``root``); returns the report path.
+    :class:`ReportError` (nothing written) for a run file that cannot be read or a file in the way
+    that an earlier report did not write (``report_files``)."""
+    if out is None and not Path(root).is_dir():
+        raise ReportError(f"{root} is not a directory; point at a run or multirun directory")
+    out = Path(out or root)
+    check_outputs(out, (REPORT, *PLOTS))  # before the drawing: a refusal costs nothing
     runs = load_runs(root)
     if not runs:
-        raise SystemExit(f"error: no summary.json under {root}; point at a run or multirun directory")
-    out = Path(out or root)
-    out.mkdir(parents=True, exist_ok=True)
-    written = plots(runs, out)
-    failed = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("failed.json"), key=_job_key)]
+        raise ReportError(f"no summary.json under {root}; point at a run or multirun directory")
+    for s in runs:
+        missing = [k for k in SUMMARY_USED if k not in s]
+        if missing:
+            raise ReportError(
+                f"{Path(s['_dir']) / 'summary.json'} has no {', '.join(missing)}; it is not a run's summary: fix or remove it"
+            )
+    failed = _failed_jobs(root)
+    figures = plots(runs)
     common = label_runs(runs).common
     md = [
         f"# Sweep report: {Path(root).resolve().name}",
@@ -149,13 +223,12 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     if failed:
         md += (
             ["Failed jobs:", ""]
-            + [f"- `{' '.join(j['overrides'])}`: {j['error'].splitlines()[0]}" for j in failed]
+            + [f"- `{' '.join(j['overrides'])}`: {(j['error'].splitlines() or [''])[0]}" for j in failed]
             + [""]
         )
-    md += [f"![{p.stem}]({p.name})" for p in written]
-    path = out / "report.md"
-    path.write_text("\n".join(md) + "\n")
-    return path
+    md += [f"![{Path(name).stem}]({name})" for name in figures]
+    write_outputs(out, {REPORT: ("\n".join(md) + "\n").encode(), **figures})
+    return out / REPORT
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,7 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("root", type=Path, help="a multirun directory (or any directory containing summary.json files)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the root)")
     a = ap.parse_args(argv)
-    path = write_report(a.root, a.out)
+    try:
+        path = write_report(a.root, a.out)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(path.read_text())
     print(f"report: {path}")
 

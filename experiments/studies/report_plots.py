@@ -18,7 +18,6 @@ largest value reads in ones to thousands (B, KiB, MiB, GiB).
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 PLOTS = ("throughput.png", "comm_bytes.png", "memory.png", "memory_phases.png", "loss.png")
@@ -259,19 +258,22 @@ def figures(
     return figs
 
 
-def draw_all(
+def render_all(
     runs: Sequence[dict[str, Any]],
     labels: Sequence[str],
     common: str,
-    out: Path,
     rows: Callable[[dict[str, Any]], list[tuple[str, int, dict[str, Any]]]],
-) -> list[Path]:
-    """Write :data:`PLOTS` into ``out``; returns their paths."""
+) -> dict[str, bytes]:
+    """Every figure of :data:`PLOTS` as PNG bytes, by file name (the report writes them, once it
+    knows it may: ``report_files.write_outputs``)."""
+    import io
+
     import matplotlib.pyplot as plt
 
-    written = []
+    rendered = {}
     for name, fig in figures(runs, labels, common, rows).items():
-        fig.savefig(out / name, dpi=DPI)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=DPI)
         plt.close(fig)
-        written.append(out / name)
-    return written
+        rendered[name] = buf.getvalue()
+    return rendered
