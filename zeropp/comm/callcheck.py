@@ -10,7 +10,8 @@ read at the wrong width). ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` cannot see it eithe
 the wire tensors' shapes, which match.
 
 Checking always would cost a collective per call (about 1 ms of CPU per rank on gloo, every step
-of the engine and the plug-ins), so it is a debug mode: ``ZEROPP_DEBUG_COLLECTIVES=1`` (read once
+of the engine and the plug-ins; under NCCL also a host read, so a wait for the GPU), so it is a
+debug mode: ``ZEROPP_DEBUG_COLLECTIVES=1`` (read once
 per process, ``context.py``) or ``CommSession(check_collectives=True)``. Then each public call
 runs its argument checks inside :func:`agreed`, which afterwards exchanges a small JSON
 :func:`fingerprint` of the call (which collective, element count, spec fields, op, dtype,
