@@ -15,7 +15,14 @@ import torch
 from tests.kernel_helpers import stack
 from zeropp.comm import QuantSpec, Topology
 from zeropp.comm.codecs import Codec, IntCodec, codec_for
+from zeropp.comm.context import DEBUG_COLLECTIVES_ENV
 from zeropp.kernels import dequantize_sum, dequantize_sum_requantize, quantize, quantized_nbytes
+
+CHECK_CALLS_ENV = {DEBUG_COLLECTIVES_ENV: "1"}
+"""``run_world(..., env=CHECK_CALLS_ENV)``: the world runs in the collectives debug mode
+(``zeropp.comm.callcheck``). Some launches of the comm tests run in it, so that every public
+collective's check is exercised on real worlds (sub-groups, qgZ's hops, the DDP hook's calls on
+the comm worker) and shown to change no result, at no extra launch."""
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REL_ROUND = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

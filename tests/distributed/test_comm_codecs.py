@@ -16,13 +16,20 @@ from typing import Optional
 
 import torch
 
-from tests.comm_helpers import bytes_of, expected_all_gather_bytes, expected_reduce_scatter_bytes, rank_input
+from tests.comm_helpers import (
+    CHECK_CALLS_ENV,
+    bytes_of,
+    expected_all_gather_bytes,
+    expected_reduce_scatter_bytes,
+    rank_input,
+)
 from tests.toy_codec import OFFSET, OffsetCodec
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
     ReduceOp,
     Topology,
+    default_session,
     quantized_all_gather,
     quantized_all_reduce,
     quantized_reduce_scatter,
@@ -207,11 +214,12 @@ def _registry_world(rank: int, W: int) -> dict:
             (2 * want.double() - exact).abs().sum()
         ), spec.label
         checked.append(f"rs {spec.label}")
-    return {"checked": checked}
+    return {"checked": checked, "check_collectives": default_session().check_collectives}
 
 
 def test_every_registered_codec_in_every_collective() -> None:
-    res = run_world(_registry_world, 4, timeout=240)
+    res = run_world(_registry_world, 4, timeout=240, env=CHECK_CALLS_ENV)  # every call checked, too
+    assert all(r["check_collectives"] for r in res)
     labels = res[0]["checked"]
     assert {
         "ag int8g16",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.comm_helpers import (
+    CHECK_CALLS_ENV,
     DTYPES,
     REL_ROUND,
     block_absmax,
@@ -36,6 +37,7 @@ from zeropp.comm import (
     ReduceOp,
     Topology,
     all_reduce,
+    default_session,
     get_comm_stats,
     quantized_all_gather,
     quantized_reduce_scatter,
@@ -348,6 +350,7 @@ def _world(rank: int, world: int, nodes: int, rpn: int) -> dict:
     assert dist.get_process_group_ranks(groups.hpz) == topo.hpz_ranks(rank)
     assert topo.build() is groups  # cached: no second set of groups
     res: dict = {"errors": _bad_calls(rank, world, topo)} if (nodes, rpn) == (2, 2) else {}
+    res["checked"] = default_session().check_collectives
     stats = CommStats()
     res["all_gather_checks"] = _check_all_gather(rank, topo, stats)
     res["reduce_scatter_checks"] = _check_reduce_scatter(rank, topo, stats)
@@ -358,13 +361,17 @@ def _world(rank: int, world: int, nodes: int, rpn: int) -> dict:
 
 
 TOPOLOGIES = {"1x4": (1, 4), "2x2": (2, 2), "3x2": (3, 2), "2x4": (2, 4), "4x2": (4, 2), "3x1": (3, 1)}
+CHECKED = ("3x2", "2x4")
+"""Topologies run in the collectives debug mode (``CHECK_CALLS_ENV``): the same checks must pass
+with every call checked (one hop and two, an odd node count); the others run without it."""
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def world(request) -> tuple[str, list[dict]]:
     """One world launch per topology, shared by the tests below (a launch costs seconds)."""
     nodes, rpn = TOPOLOGIES[request.param]
-    return request.param, run_world(_world, nodes * rpn, nodes, rpn, timeout=240)
+    env = CHECK_CALLS_ENV if request.param in CHECKED else None
+    return request.param, run_world(_world, nodes * rpn, nodes, rpn, timeout=240, env=env)
 
 
 def test_collectives_match_torch_distributed(world) -> None:
@@ -372,6 +379,7 @@ def test_collectives_match_torch_distributed(world) -> None:
     _, res = world
     assert all(r["all_gather_checks"] == 27 + 3 + 1 for r in res)
     assert all(r["reduce_scatter_checks"] == 27 + 3 for r in res)
+    assert all(r["checked"] is (name in CHECKED) for name, r in [(world[0], r) for r in res])
 
 
 @pytest.mark.parametrize("world", ["2x2", "2x4"], indirect=True)

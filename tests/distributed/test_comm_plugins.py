@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.codec_cases import two_hop_specs
+from tests.comm_helpers import CHECK_CALLS_ENV
 from tests.worlds import run_world
-from zeropp.comm import CommStats, QuantSpec, Topology
+from zeropp.comm import CommStats, QuantSpec, Topology, default_session
 from zeropp.comm.spec import schemes
 
 STEPS, BATCH, DIN, DOUT, LR = 5, 8, 16, 8, 1e-2
@@ -234,6 +235,7 @@ def _ddp_world(rank: int, world: int) -> dict:
     out["registry_grad_err"] = {
         spec.label: _ddp_grad_error(rank, topo, spec, _widest(spec)) for spec in two_hop_specs(group_size=32)
     }
+    out["check_collectives"] = default_session().check_collectives
     return out
 
 
@@ -258,7 +260,8 @@ def _ddp_grad_error(rank: int, topo: Topology, grads: QuantSpec, gather: QuantSp
 
 
 def test_ddp_quantized_hook_tracks_stock_ddp() -> None:
-    res = run_world(_ddp_world, 4, timeout=180)
+    res = run_world(_ddp_world, 4, timeout=180, env=CHECK_CALLS_ENV)  # the hook's calls on the comm worker, checked
+    assert all(x["check_collectives"] for x in res)
     r = res[0]
     stock, ref = r["stock"]["losses"], r["reference"]
     assert _close(stock, ref, 1e-4)

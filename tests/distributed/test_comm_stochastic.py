@@ -15,13 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm_helpers import rank_input
+from tests.comm_helpers import CHECK_CALLS_ENV, rank_input
 from tests.kernel_helpers import stack
 from tests.stochastic_specs import SEED, sr_spec
 from tests.worlds import run_world
 from zeropp.comm import (
     CommStats,
     Topology,
+    default_session,
     quantized_all_gather,
     quantized_all_reduce,
     quantized_reduce_scatter,
@@ -213,6 +214,7 @@ def _world_2x2(rank, W):
     """Hierarchical qgZ: intra hop seeded (seed, r, call, 0), the node re-quantization (seed, r, call, 1)."""
     topo, stats = Topology(nodes=2, ranks_per_node=2), CommStats()
     nodes, rpn, n, gs, ib, b = 2, 2, 150, 64, 8, 4
+    assert default_session().check_collectives  # launched with CHECK_CALLS_ENV: the check takes no call index
     reset_stochastic_calls(5)
     xs = [rank_input(11, r, W * n, torch.float32) for r in range(W)]
     out = torch.empty(n)
@@ -271,4 +273,4 @@ def test_stochastic_collectives_on_two_ranks():
 
 
 def test_stochastic_hierarchical_qgz():
-    run_world(_world_2x2, 4, timeout=120)
+    run_world(_world_2x2, 4, timeout=120, env=CHECK_CALLS_ENV)

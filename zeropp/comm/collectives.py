@@ -18,6 +18,14 @@ Session rule (``session.py``): ``session=`` names the engine's or plug-in's
 and wait hooks the call uses; without it the call uses the default session (the process-wide
 convenience for plain calls). ``topology=`` / ``stats=``, when given, take precedence over the
 session's for that call.
+
+Contract rule (``callcheck.py``): every rank of the group makes the same call: the same element
+count, the same spec (scheme, bits, group size, intra bits, ...), the same op and, unquantized,
+the same dtype, in the same order. The backend does not always notice a breach (quantized rows
+are padded to whole groups, so different counts can give rows of one size) and the result is
+then silently wrong; ``ZEROPP_DEBUG_COLLECTIVES=1`` (or ``CommSession(check_collectives=True)``)
+checks every call and raises the same ValueError on every rank, before any data is sent, at the
+cost of one small exchange per call.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch.distributed as dist
 
 from zeropp.kernels import DEFAULT_GRAD_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
-from . import qgz, ranges
+from . import callcheck, qgz, ranges
 from . import stochastic as sr
 from .backend import (
     CommHandle,
@@ -82,6 +90,10 @@ def quantized_all_gather(
     may be a view into the output, as FSDP2 passes it. ``spec=None``: the backend all-gather.
     A spec with ``intra_bits`` or ``error_feedback`` is refused (one hop, nothing carried over).
 
+    Every rank of the group passes the same ``n`` and the same ``spec`` (unquantized: the same
+    dtype); otherwise the result can be silently wrong. ``ZEROPP_DEBUG_COLLECTIVES=1`` checks
+    that (module docstring, ``callcheck.py``).
+
     Zero-copy with the ``int`` codec: the shard is quantized straight into the one send buffer
     (codes and scales of the row side by side, one message), and the received buffer is
     dequantized in place, through views, straight into ``output_tensor``. Quantized, the output
@@ -124,25 +136,39 @@ def _all_gather(
     wire_out: Optional[torch.Tensor] = None,
 ) -> Optional[CommHandle]:
     """:func:`quantized_all_gather` inside its range."""
-    check_gather_spec(spec)
     sess = resolve_session(session)
-    topo = sess.resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "all-gather")
     W, n = len(ranks), input_tensor.numel()
-    if output_tensor.numel() != W * n:
-        raise ValueError(
-            f"all-gather output has {output_tensor.numel()} elements but the group of {W} ranks "
-            f"gathers {W} x {n} = {W * n}; allocate output with {W * n} elements"
-        )
-    _check_rows(output_tensor, W, n, spec, "all-gather output")
-    if output_tensor.device != input_tensor.device:
-        raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
-    if spec is not None:
-        check_float(input_tensor, "all-gather input")
-        check_float(output_tensor, "all-gather output")
-    elif wire_out is not None:
-        raise ValueError("all-gather wire_out holds quantized wire rows; it needs a spec (got spec=None)")
+    # the argument checks; then, in the collectives debug mode, all ranks' calls compared (callcheck.py)
+    with callcheck.agreed(sess.check_collectives, group, "quantized_all_gather", ranks, n, spec=spec) as fp:
+        check_gather_spec(spec)
+        topo = sess.resolve_topology(topology)
+        if output_tensor.numel() != W * n:
+            raise ValueError(
+                f"all-gather output has {output_tensor.numel()} elements but the group of {W} ranks "
+                f"gathers {W} x {n} = {W * n}; allocate output with {W * n} elements"
+            )
+        _check_rows(output_tensor, W, n, spec, "all-gather output")
+        if output_tensor.device != input_tensor.device:
+            raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
+        if spec is not None:
+            check_float(input_tensor, "all-gather input")
+            check_float(output_tensor, "all-gather output")
+        elif wire_out is not None:
+            raise ValueError("all-gather wire_out holds quantized wire rows; it needs a spec (got spec=None)")
+        else:
+            fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
+        if spec is not None and n:
+            codec = codec_for(spec)
+            bits = spec.bits
+            gs = DEFAULT_WEIGHT_GROUP_SIZE if spec.group_size is None else spec.group_size
+            B = codec.wire_bytes(n, bits, gs)
+            recv = _wire_out(wire_out, W * B, input_tensor.device)  # [W * B] on the input's device
+            if not codec.in_place and not output_tensor.is_contiguous():
+                raise ValueError(
+                    f"codec {spec.scheme!r} writes only contiguous outputs; pass a contiguous all-gather output"
+                )
     stats = stats if stats is not None else sess.stats
     stats.count_call(kind)
     kseed = None
@@ -169,15 +195,8 @@ def _all_gather(
             kind=kind,
         )
 
-    codec = codec_for(spec)
-    bits = spec.bits
-    gs = DEFAULT_WEIGHT_GROUP_SIZE if spec.group_size is None else spec.group_size
-    B = codec.wire_bytes(n, bits, gs)
-    recv = _wire_out(wire_out, W * B, input_tensor.device)  # [W * B] on the input's device, checked first
     with ranges.span(name, "quantize"):
         send = codec.encode(input_tensor.reshape(-1), bits, gs, rows=1, seed=kseed).view(-1)  # [B]; reads input first
-    if not codec.in_place and not output_tensor.is_contiguous():
-        raise ValueError(f"codec {spec.scheme!r} writes only contiguous outputs; pass a contiguous all-gather output")
     if send.numel() != B or send.dtype != torch.uint8:
         raise RuntimeError(
             f"codec {spec.scheme!r} packed a {send.dtype} row of {send.numel()} bytes; "
@@ -237,6 +256,10 @@ def quantized_reduce_scatter(
     rank per node, or a sub-group) a single quantized all-to-all. ``spec=None``: the backend
     reduce-scatter (PREMUL_SUM emulated on gloo).
 
+    Every rank of the group passes the same ``n``, ``op`` and ``spec`` (unquantized: the same
+    dtype) under the same topology; otherwise the result can be silently wrong.
+    ``ZEROPP_DEBUG_COLLECTIVES=1`` checks that (module docstring, ``callcheck.py``).
+
     Error feedback: ``spec.error_feedback=True`` *and* a caller-owned :class:`ErrorFeedback` in
     ``error_feedback``, with one ``feedback_key`` per gradient bucket (see ``feedback.py``); one
     without the other is a ValueError.
@@ -255,23 +278,37 @@ def quantized_reduce_scatter(
     ``name``: the call's profiler range (``ranges.py``; None: ``zeropp/<kind>``); a quantized call
     names its hops ``<name>/intra`` and ``<name>/cross`` instead, each with its parts.
     """
-    check_reduce_spec(spec, error_feedback)
     name = _range(name, kind)
     sess = resolve_session(session)
-    topo = sess.resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "reduce-scatter")
     W, n = len(ranks), output_tensor.numel()
-    if input_tensor.numel() != W * n:
-        raise ValueError(
-            f"reduce-scatter input has {input_tensor.numel()} elements but output has {n} and the "
-            f"group has {W} ranks; the input must hold {W} x {n} = {W * n} elements (pad it)"
-        )
-    check_contiguous(output_tensor, "reduce-scatter output")
-    _check_rows(input_tensor, W, n, spec, "reduce-scatter input")
-    if output_tensor.device != input_tensor.device:
-        raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
-    op_name, factor = parse_op(op)
+    # the argument checks; then, in the collectives debug mode, all ranks' calls compared (callcheck.py)
+    with callcheck.agreed(sess.check_collectives, group, "quantized_reduce_scatter", ranks, n, spec=spec) as fp:
+        check_reduce_spec(spec, error_feedback)
+        topo = sess.resolve_topology(topology)
+        if input_tensor.numel() != W * n:
+            raise ValueError(
+                f"reduce-scatter input has {input_tensor.numel()} elements but output has {n} and the "
+                f"group has {W} ranks; the input must hold {W} x {n} = {W * n} elements (pad it)"
+            )
+        check_contiguous(output_tensor, "reduce-scatter output")
+        _check_rows(input_tensor, W, n, spec, "reduce-scatter input")
+        if output_tensor.device != input_tensor.device:
+            raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
+        op_name, factor = parse_op(op)
+        fp["op"] = callcheck.op_name(op_name, factor)
+        if spec is None:
+            fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
+        else:
+            fp["topology"] = callcheck.topology_name(topo)  # picks one hop or qgZ's two
+            if op_name not in ("sum", "avg", "premul_sum"):
+                raise ValueError(
+                    f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None"
+                )
+            check_float(input_tensor, "reduce-scatter input")
+            check_float(output_tensor, "reduce-scatter output")
+            codec = codec_for(spec)
     stats = stats if stats is not None else sess.stats
     if spec is None:
         stats.count_call(kind)
@@ -281,13 +318,6 @@ def quantized_reduce_scatter(
             return _plain_reduce_scatter(
                 output_tensor, input_tensor, op, op_name, factor, group, ranks, topo, stats, kind, async_op, sess
             )
-    if op_name not in ("sum", "avg", "premul_sum"):
-        raise ValueError(
-            f"quantized reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op_name.upper()}; use spec=None"
-        )
-    check_float(input_tensor, "reduce-scatter input")
-    check_float(output_tensor, "reduce-scatter output")
-    codec = codec_for(spec)
     stats.count_call(kind)
     seeds = None
     if spec.stochastic:
@@ -411,11 +441,17 @@ def all_reduce(
 ) -> Optional[CommHandle]:
     """Plain backend all-reduce (ZeRO stages 0-2), accounted as reduce-scatter + all-gather:
     ``2 * nbytes / W`` to each other member (see ``stats.py``). ``name``: its profiler range
-    (``ranges.py``; None: ``zeropp/<kind>``)."""
+    (``ranges.py``; None: ``zeropp/<kind>``). Every rank passes the same element count, dtype and
+    op (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``)."""
     sess = resolve_session(session)
-    topo = sess.resolve_topology(topology)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
+    check = sess.check_collectives
+    with callcheck.agreed(check, group, "all_reduce", ranks, tensor.numel()) as fp:  # callcheck.py
+        topo = sess.resolve_topology(topology)
+        if check:
+            fp["op"] = callcheck.op_name(*parse_op(op))
+            fp["dtype"] = callcheck.dtype_name(tensor.dtype)
     stats = stats if stats is not None else sess.stats
     stats.count_call(kind)
     W = len(ranks)
@@ -443,11 +479,20 @@ def quantized_all_reduce(
     tensor (quantized by ``spec``; error feedback as in :func:`quantized_reduce_scatter`)
     followed by an all-gather of the reduced chunks (quantized by ``gather_spec``, default
     plain). Synchronous; returns ``tensor``. Both halves are recorded under ``kind``; each
-    stochastic half takes its own call index of the seed rule."""
-    check_reduce_spec(spec, error_feedback)
-    check_gather_spec(gather_spec, "gather_spec")
+    stochastic half takes its own call index of the seed rule. Every rank passes the same element
+    count, op and specs (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``)."""
     ranks = group_ranks(group)
-    W, numel = len(ranks), tensor.numel()
+    check_member(ranks, "all-reduce")
+    check = resolve_session(session).check_collectives  # debug mode: this call's, then each half's (callcheck.py)
+    numel = tensor.numel()
+    with callcheck.agreed(check, group, "quantized_all_reduce", ranks, numel, spec=spec, gather_spec=gather_spec) as fp:
+        check_reduce_spec(spec, error_feedback)
+        check_gather_spec(gather_spec, "gather_spec")
+        if check:
+            fp["op"] = callcheck.op_name(*parse_op(op))
+            if spec is None or gather_spec is None:  # a plain half: the dtype is its wire's
+                fp["dtype"] = callcheck.dtype_name(tensor.dtype)
+    W = len(ranks)
     n = -(-numel // W)  # ceil: chunk per rank
     direct = tensor.is_contiguous() and numel == W * n  # no padding: reduce and gather in place
     if direct:

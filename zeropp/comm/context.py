@@ -46,6 +46,11 @@ by the launcher after the rank imported zeropp): the context's ``debug_streams``
 :meth:`~CommContext.close`), or after :attr:`~CommContext.late_s` at most, so no peer waits
 forever for a continuation nobody prompts. A buffer the caller released at issue is then
 already poisoned when the continuation reads it (``lifetime.py`` says why that matters).
+
+Collectives debug mode (:data:`DEBUG_COLLECTIVES_ENV` ``=1``, read the same way, once per
+process when its context is created): the context's ``debug_collectives`` is on, the default of
+every ``session.CommSession``'s ``check_collectives``, so each public collective first checks
+that every rank of its group made the same call (``callcheck.py``).
 """
 
 from __future__ import annotations
@@ -63,7 +68,16 @@ import torch
 import torch.distributed as dist
 import torch.utils.dlpack
 
-__all__ = ["CLOSE_TIMEOUT_S", "DEBUG_ENV", "DEBUG_LATE_S", "CommContext", "current", "debug_streams_from_env"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "DEBUG_COLLECTIVES_ENV",
+    "DEBUG_ENV",
+    "DEBUG_LATE_S",
+    "CommContext",
+    "current",
+    "debug_collectives_from_env",
+    "debug_streams_from_env",
+]
 
 CLOSE_TIMEOUT_S = 30.0
 """How long :meth:`CommContext.close` waits for queued continuations and for the backend to
@@ -73,22 +87,37 @@ collective is stuck waiting for a peer)."""
 DEBUG_ENV = "ZEROPP_DEBUG_STREAMS"
 """Environment variable of the streams debug mode: ``1`` on, ``0`` or unset off."""
 
+DEBUG_COLLECTIVES_ENV = "ZEROPP_DEBUG_COLLECTIVES"
+"""Environment variable of the collectives debug mode (``callcheck.py``): ``1`` on, ``0`` or unset off."""
+
 DEBUG_LATE_S = 0.2
 """Debug mode: the longest a continuation waits for the caller to move on before it runs anyway."""
 
 
-def debug_streams_from_env(environ: Optional[dict] = None) -> bool:
-    """Parse :data:`DEBUG_ENV` (``os.environ`` by default); any value but ``1``, ``0`` or empty
-    is refused, so a typo cannot silently leave the mode off."""
-    raw = (os.environ if environ is None else environ).get(DEBUG_ENV, "")
+def _flag_from_env(name: str, does: str, environ: Optional[dict]) -> bool:
+    """Parse the on/off variable ``name``; any value but ``1``, ``0`` or empty is refused, so a
+    typo cannot silently leave a debug mode off."""
+    raw = (os.environ if environ is None else environ).get(name, "")
     value = raw.strip()
     if value in ("", "0"):
         return False
     if value == "1":
         return True
     raise ValueError(
-        f"{DEBUG_ENV}={raw!r} is not a valid setting; set {DEBUG_ENV}=1 to poison released "
-        f"communication buffers and run continuations late (debug mode), or 0 / unset it for normal runs"
+        f"{name}={raw!r} is not a valid setting; set {name}=1 to {does} (debug mode), or 0 / unset it for normal runs"
+    )
+
+
+def debug_streams_from_env(environ: Optional[dict] = None) -> bool:
+    """Parse :data:`DEBUG_ENV` (``os.environ`` by default); any value but ``1``, ``0`` or empty
+    is refused, so a typo cannot silently leave the mode off."""
+    return _flag_from_env(DEBUG_ENV, "poison released communication buffers and run continuations late", environ)
+
+
+def debug_collectives_from_env(environ: Optional[dict] = None) -> bool:
+    """Parse :data:`DEBUG_COLLECTIVES_ENV` (``os.environ`` by default), as :func:`debug_streams_from_env`."""
+    return _flag_from_env(
+        DEBUG_COLLECTIVES_ENV, "check that every rank of a group makes the same collective call", environ
     )
 
 
@@ -116,12 +145,15 @@ def _pin(t: torch.Tensor) -> Optional[object]:
 class CommContext:
     """The comm worker, the CUDA side streams and the backend's held buffers of one process."""
 
-    def __init__(self, debug_streams: Optional[bool] = None) -> None:
+    def __init__(self, debug_streams: Optional[bool] = None, debug_collectives: Optional[bool] = None) -> None:
         self._lock = threading.RLock()  # a finalizer may close() while this thread holds it
         self._pid = os.getpid()
         self.debug_streams = debug_streams_from_env() if debug_streams is None else bool(debug_streams)
         """Streams debug mode (``lifetime.py``): poison released buffers, run continuations late
         (None at construction: :data:`DEBUG_ENV` decides)."""
+        self.debug_collectives = debug_collectives_from_env() if debug_collectives is None else bool(debug_collectives)
+        """Collectives debug mode (``callcheck.py``): the default of every session's
+        ``check_collectives`` (None at construction: :data:`DEBUG_COLLECTIVES_ENV` decides)."""
         self.late_s = DEBUG_LATE_S
         """Debug mode: the longest a continuation waits for the caller to move on (seconds)."""
         self._moved_on = threading.Condition(threading.Lock())

@@ -11,7 +11,10 @@ What a session holds (FSDP2's ``FSDPCommContext`` plays this part for its stream
   all-reduce);
 - its wait hooks (:meth:`CommSession.add_wait_hook`): every wait on a handle its calls returned
   runs inside them, so a profiler of exposed communication (``experiments/runner/commwatch.py``) times
-  waits without patching zeropp's classes.
+  waits without patching zeropp's classes;
+- whether its calls check that every rank of the group made the same call
+  (:attr:`CommSession.check_collectives`, ``callcheck.py``; by default the process's
+  ``ZEROPP_DEBUG_COLLECTIVES`` setting).
 
 The engine creates one (``zeropp.runtime.collectives.EngineComm.session``), the FSDP2 and DDP
 plug-ins create one per model / hook state or are given one. The *process's* lifetime object,
@@ -53,10 +56,17 @@ class CommSession:
 
     ``topology``: None routes and accounts by the process-wide default (``set_topology``), else one
     node holding the whole world, resolved at each call. ``stats``: where the bytes go (a new
-    :class:`CommStats` by default). Create it on the thread that trains; it may be used from the
-    comm worker thread too (the counter and the stats are thread-safe)."""
+    :class:`CommStats` by default). ``check_collectives``: see the attribute (None: the process's
+    ``ZEROPP_DEBUG_COLLECTIVES`` setting). Create it on the thread that trains; it may be used from
+    the comm worker thread too (the counter and the stats are thread-safe)."""
 
-    def __init__(self, topology: Optional[Topology] = None, *, stats: Optional[CommStats] = None) -> None:
+    def __init__(
+        self,
+        topology: Optional[Topology] = None,
+        *,
+        stats: Optional[CommStats] = None,
+        check_collectives: Optional[bool] = None,
+    ) -> None:
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(
                 f"CommSession topology must be a zeropp.comm.Topology or None, got {type(topology).__name__}"
@@ -67,6 +77,7 @@ class CommSession:
         """The topology of this session's calls (None: the process-wide default at each call)."""
         self.stats = stats if stats is not None else CommStats()
         """Bytes and calls of this session's collectives, by kind and link."""
+        self._check = None if check_collectives is None else bool(check_collectives)
         self.stochastic = self._new_counter()
         """The seed rule's call counter of this session (``stochastic.StochasticCounter``)."""
         self._lock = threading.Lock()
@@ -86,6 +97,20 @@ class CommSession:
         """This rank's intra / cross / hpZ / dp groups under the session's topology (collective the
         first time in a world: every rank must call it; cached afterwards)."""
         return self.resolve_topology().build()
+
+    # -------------------------------------------------------------- call checks
+    @property
+    def check_collectives(self) -> bool:
+        """Collectives debug mode (``callcheck.py``): every public collective of this session first
+        exchanges a fingerprint of its call among the group's ranks and raises the same ValueError
+        on every rank when they differ. One small exchange per call, so off by default; it must be
+        on on every rank of a group or on none. Unset (None), the process's
+        ``ZEROPP_DEBUG_COLLECTIVES`` setting, read once per process (``context.py``)."""
+        return context.current().debug_collectives if self._check is None else self._check
+
+    @check_collectives.setter
+    def check_collectives(self, on: Optional[bool]) -> None:
+        self._check = None if on is None else bool(on)
 
     # -------------------------------------------------------------- side streams
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
