@@ -152,7 +152,8 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
     """Every host check before any rank starts; ``local``: this process starts all the ranks
     (the local launcher), so the rank count and memory are checked too."""
     try:
-        context.debug_streams_from_env()  # each rank reads it again: refuse a typo before any starts
+        context.debug_streams_from_env()  # each rank reads them again: refuse a typo before any starts
+        context.debug_collectives_from_env()
     except ValueError as e:
         raise ConfigError(f"invalid environment: {e}") from None
     if rc.data.kind == "text" and rc.data.source == "path":

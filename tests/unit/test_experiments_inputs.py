@@ -360,3 +360,11 @@ def test_audit_refusals(cli, args: list[str], words: list[str]) -> None:
 )
 def test_the_same_settings_where_they_are_read_are_accepted(args: list[str]) -> None:
     from_dict(composed_config(*args))
+
+
+@pytest.mark.parametrize("name", ["ZEROPP_DEBUG_STREAMS", "ZEROPP_DEBUG_COLLECTIVES"])
+def test_a_mistyped_debug_mode_is_refused_before_ranks(cli, monkeypatch, name: str) -> None:
+    """Each rank reads the debug modes again at its first communication; a typo stops the run here first."""
+    monkeypatch.setenv(name, "yes")
+    line = cli("model=tiny")
+    assert line.startswith("error: invalid environment:") and f"{name}='yes'" in line, line
