@@ -298,10 +298,11 @@ def account(
     frozen units' stored shards: it reports them (and any device staging copy) itself, so they are
     not counted twice here."""
     out = {t: {c: 0 for c in CATEGORIES} for t in TIERS}
+    on_device, on_host, kind = out["device"], out["host"], device.type
 
     def add(cat: str, t: torch.Tensor | None) -> None:
         if t is not None:
-            out["device" if t.device.type == device.type else "host"][cat] += _nbytes(t)
+            (on_device if t.device.type == kind else on_host)[cat] += t.numel() * t.element_size()
 
     store_owns_shards = bool(list(sources.get("params", ())))
     for u in units:
