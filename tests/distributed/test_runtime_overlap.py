@@ -87,9 +87,9 @@ def _instrument(eng: ZeroEngine, log: list) -> None:
     for u in eng.units:
         bind = u.bind
 
-        def logged_bind(buf, _bind=bind):
+        def logged_bind(buf, *views, _bind=bind):
             log.append(("bind", id(buf)))
-            return _bind(buf)
+            return _bind(buf, *views)
 
         u.bind = logged_bind
 

@@ -55,10 +55,14 @@ from .choices import MemoryTier
 TIERS = MemoryTier.values()
 
 
+_BASE: Any = torch.Tensor._base
+"""Torch's ``Tensor._base`` getter (a C getset descriptor; the stub declares a plain attribute):
+read through it, a subclass's ``__torch_function__`` is not involved."""
+
+
 def _view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (torch's ``Tensor._base``), None when ``t`` is not a view."""
-    # torch's stub declares _base / _version as plain attributes; they are C getset descriptors.
-    return cast(Any, torch.Tensor._base).__get__(t)
+    return _BASE.__get__(t)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -259,20 +263,27 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> tuple:
-        if _is_dtensor(t):  # tensor parallelism: pack the local part (a parameter alias is re-resolved), rewrap later
+        # host time: this runs for every tensor autograd saves, at every stage, so the common case
+        # (a plain tensor or Parameter: no DTensor) takes no function call to be told so
+        plain = type(t) is torch.Tensor or type(t) is nn.Parameter
+        # tensor parallelism: pack the local part (a parameter alias is re-resolved), rewrap later
+        if not plain and _is_dtensor(t):
             with torch.no_grad():
                 local = t.to_local()
             return ("dtensor", self._pack(local), t.device_mesh, t.placements, t.shape, t.stride())
-        base = _view_base(t)
+        base = _BASE.__get__(t)  # (_view_base, inlined)
         if base is None and self.storage_params:
             base = self._param_by_storage(t)
         base = t if base is None else base
-        if isinstance(base, nn.Parameter):
+        if _is_parameter(base):
             if t is base:
                 return ("param", base)
             return ("param_view", base, tuple(t.shape), t.stride(), t.storage_offset() - base.storage_offset())
         if not self.offload:
-            self._device_storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._device_storages:
+                self._device_storages[ptr] = storage.nbytes()
             return ("device", t)
         with torch.no_grad():
             key = (t.untyped_storage().data_ptr(), _version(t))
@@ -341,6 +352,18 @@ class ActivationStore:
             return buf.view(saved.dtype).as_strided(saved.shape, saved.stride, offset)
         out = torch.empty(0, dtype=saved.dtype, device=buf.device)  # a span ending mid-element of this dtype
         return out.set_(buf.untyped_storage(), offset, saved.shape, saved.stride)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)``, without the Python-level ``__instancecheck__`` of its
+    metaclass for the two common types: a ``Parameter`` is one, and a plain ``torch.Tensor`` is
+    one exactly when it carries torch's ``_is_param`` flag (what that check looks at)."""
+    cls = type(t)
+    if cls is nn.Parameter:
+        return True
+    if cls is torch.Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, nn.Parameter)
 
 
 def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:

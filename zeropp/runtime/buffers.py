@@ -41,8 +41,13 @@ class BufferPool:
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
         self._slots: dict[str, list[torch.Tensor]] = {}  # role -> slots, each [capacity]
+        self._sizes: dict[str, list[int]] = {}  # role -> capacity of each slot
+        self._ptrs: dict[str, list[int]] = {}  # role -> storage pointer of each slot
         self._free: dict[str, list[int]] = {}  # role -> indices of free slots
         self._owner: dict[int, tuple[str, int]] = {}  # storage pointer -> (role, slot index) of slots in use
+        self._cuts: dict[tuple[str, int, int], torch.Tensor] = {}  # (role, slot, numel) -> the slot's [numel] view
+        # (id of a cut, id of a layout) -> (the cut, the layout, its views): see views()
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, tuple, list[torch.Tensor]]] = {}
         self.allocations = 0
         """Slots created so far (preallocated ones included): constant once the call pattern repeats."""
 
@@ -53,7 +58,10 @@ class BufferPool:
 
     def _new_slot(self, role: str, numel: int) -> int:
         slots = self._slots.setdefault(role, [])
-        slots.append(torch.empty(max(1, numel), dtype=self.dtype, device=self.device))  # [capacity]
+        slot = torch.empty(max(1, numel), dtype=self.dtype, device=self.device)  # [capacity]
+        slots.append(slot)
+        self._sizes.setdefault(role, []).append(slot.numel())
+        self._ptrs.setdefault(role, []).append(slot.untyped_storage().data_ptr())
         self._free.setdefault(role, []).append(len(slots) - 1)
         self.allocations += 1
         return len(slots) - 1
@@ -63,18 +71,47 @@ class BufferPool:
         return sum(1 for k in self._free.get(role, []) if self._slots[role][k].numel() >= numel)
 
     def acquire(self, role: str, numel: int) -> torch.Tensor:
-        """A ``[numel]`` view of a free slot of ``role`` (contents undefined); a new slot if none fits."""
-        slots, free = self._slots.setdefault(role, []), self._free.setdefault(role, [])
-        fits = [pos for pos, k in enumerate(free) if slots[k].numel() >= numel]  # positions in the free list
-        if fits:  # smallest slot; among equal ones the last given back (LIFO)
-            k = free.pop(min(fits, key=lambda pos: (slots[free[pos]].numel(), -pos)))
-        else:
-            k = self._new_slot(role, numel)
-            free.remove(k)
-        buf = slots[k][:numel]
-        self._owner[buf.untyped_storage().data_ptr()] = (role, k)
+        """A ``[numel]`` view of a free slot of ``role`` (contents undefined); a new slot if none fits.
+        The view of a slot for a given ``numel`` is made once and handed out again each time (the
+        same tensor object), so :meth:`views` can reuse what it derived from it."""
+        free, sizes = self._free.setdefault(role, []), self._sizes.setdefault(role, [])
+        best = -1  # the smallest slot that fits; among equal ones the last given back (LIFO)
+        for pos in range(len(free) - 1, -1, -1):
+            n = sizes[free[pos]]
+            if n >= numel and (best < 0 or n < sizes[free[best]]):
+                best = pos
+        k = free.pop(best) if best >= 0 else self._take_new(role, numel)
+        buf = self._cuts.get((role, k, numel))
+        if buf is None:
+            buf = self._cuts[(role, k, numel)] = self._slots[role][k][:numel]
+        self._owner[self._ptrs[role][k]] = (role, k)
         lifetime.reclaim(buf)
         return buf
+
+    def _take_new(self, role: str, numel: int) -> int:
+        """A new slot of ``numel`` elements for ``role``, already taken off the free list."""
+        k = self._new_slot(role, numel)
+        self._free[role].remove(k)
+        return k
+
+    def views(
+        self, buf: torch.Tensor, layout: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
+    ) -> list[torch.Tensor]:
+        """``buf.as_strided(shape, stride, storage offset + offset)`` per ``(shape, stride, offset)``
+        of ``layout`` (a unit's parameter views, ``UnitLayout.views``). For a buffer :meth:`acquire`
+        handed out they are made once per slot, ``numel`` and layout and returned again after
+        (the pool keeps its slots, so they cost no memory): binding a gathered unit then makes
+        no view, which is most of its host time. Any other buffer gets fresh views."""
+        key = (id(buf), id(layout))
+        hit = self._views.get(key)
+        if hit is not None:
+            return hit[2]
+        base = buf.storage_offset()
+        out = [buf.as_strided(shape, strides, base + offset) for shape, strides, offset in layout]
+        owner = self._owner.get(buf.untyped_storage().data_ptr())
+        if owner is not None and self._cuts.get((*owner, buf.numel())) is buf:
+            self._views[key] = (buf, layout, out)  # holding both keeps their ids from being reused
+        return out
 
     def give_back(self, buf: torch.Tensor | None) -> None:
         """Return a buffer from :meth:`acquire` (anything else, or a second return, is ignored)."""

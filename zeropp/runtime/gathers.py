@@ -133,7 +133,8 @@ class UnitGathers:
             return
         self.gather(u, backward=backward)
         _wait(u)
-        u.bind(u.extra.pop("buf"))
+        buf = u.extra.pop("buf")
+        u.bind(buf, self.pool.views(buf, u.layout.views))
         u.state = "ready"
         rows = u.extra.pop("rows", None)  # [W * B]: this gather's wire rows, kept for hpZ (keeps_rows)
         if rows is not None and u.secondary is None:

@@ -40,6 +40,7 @@ reduce-scatter lands in stays on the device.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -253,9 +254,14 @@ def process_stats(device: torch.device) -> dict[str, int]:
 
 
 def _rss_bytes() -> int:
+    """Resident bytes now (``/proc/self/statm``'s second field; 0 where there is none). Read with
+    ``os.open``/``os.read``: no text-file object, on the training step's path three times a step."""
     try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        try:
+            pages = int(os.read(fd, 4096).split()[1])
+        finally:
+            os.close(fd)
     except (OSError, ValueError, IndexError):
         return 0
     return pages * resource.getpagesize()
@@ -292,10 +298,11 @@ def account(
     frozen units' stored shards: it reports them (and any device staging copy) itself, so they are
     not counted twice here."""
     out = {t: {c: 0 for c in CATEGORIES} for t in TIERS}
+    on_device, on_host, kind = out["device"], out["host"], device.type
 
     def add(cat: str, t: torch.Tensor | None) -> None:
         if t is not None:
-            out["device" if t.device.type == device.type else "host"][cat] += _nbytes(t)
+            (on_device if t.device.type == kind else on_host)[cat] += t.numel() * t.element_size()
 
     store_owns_shards = bool(list(sources.get("params", ())))
     for u in units:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence, Union, cast
 
 import torch
 from torch import nn
@@ -151,12 +151,12 @@ class UnitLayout:
             out.append((s.shape, tuple(reversed(strides)), s.offset))
         return tuple(out)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements of one shard, ``ceil(numel / num_shards)`` (at least 1)."""
         return max(1, -(-self.numel // self.num_shards))
 
-    @property
+    @cached_property
     def padded(self) -> int:
         """Elements of the padded buffer, ``num_shards * shard_numel``."""
         return self.num_shards * self.shard_numel
@@ -215,6 +215,7 @@ class FlatUnit:
     grads_ready: int = 0  # parameters whose gradient was accumulated in this backward
     reduced: bool = False  # gradients of this micro-step already sent
     extra: dict = field(default_factory=dict)
+    _empty: torch.Tensor | None = field(default=None, init=False, repr=False)  # what release() binds
 
     @classmethod
     def build(
@@ -281,14 +282,18 @@ class FlatUnit:
             out[s.offset : s.offset + s.numel].copy_(p.data.reshape(-1))
         return out
 
-    def flatten_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def flatten_grads(
+        self, out: torch.Tensor | None = None, views: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Gradients as a padded flat tensor ``[padded]`` (missing gradients count as zero); clears
         ``p.grad``. Written into ``out`` (``[padded]``, e.g. a pool buffer) when given, else a new tensor.
         Each element is written once: the slots are packed without gaps (``UnitLayout``), so only
         the slots without a gradient and the padding after the last slot are zeroed. When every
         parameter has a gradient of the unit's dtype, one ``torch.cat`` into ``out`` writes them all:
         one kernel instead of one copy per parameter (on a GPU each copy is a launch and, in a
-        post-accumulate-grad hook, tens of microseconds of host time)."""
+        post-accumulate-grad hook, tens of microseconds of host time). ``views``: the parameters'
+        views of ``out`` already made (``BufferPool.views``); then one ``torch._foreach_copy_``
+        into them writes the same elements without flattening every gradient first."""
         if out is None:
             out = torch.empty(self.padded, dtype=self.dtype, device=self.device)
         elif out.shape != (self.padded,) or out.dtype != self.dtype:
@@ -299,7 +304,10 @@ class FlatUnit:
         end = self.slots[-1].offset + self.slots[-1].numel if self.slots else 0
         grads = [p.grad for p in self.params]
         if grads and all(g is not None and g.dtype == self.dtype for g in grads):
-            torch.cat([g.reshape(-1) for g in grads if g is not None], out=out[:end])  # [end]: the packed slots
+            if views is not None:
+                torch._foreach_copy_(list(views), cast(list[torch.Tensor], grads))  # the packed slots
+            else:
+                torch.cat([g.reshape(-1) for g in grads if g is not None], out=out[:end])  # [end]: the packed slots
             for p in self.params:
                 p.grad = None
         else:
@@ -310,14 +318,20 @@ class FlatUnit:
                 else:
                     dst.copy_(g.reshape(-1))
                     p.grad = None
-        out[end:].zero_()
+        if end < self.padded:
+            out[end:].zero_()
         return out
 
-    def bind(self, flat: torch.Tensor) -> None:
+    def bind(self, flat: torch.Tensor, views: Sequence[torch.Tensor] | None = None) -> None:
         """Point every parameter at its view of ``flat`` (``[padded]``). One ``as_strided`` per
         parameter (its shape, contiguous strides, the slot's offset) rather than a slice and a
-        view: half the host time, on the path of every gather."""
+        view: half the host time, on the path of every gather. ``views``: those views already
+        made (``BufferPool.views``, which reuses them for a pool buffer), one per parameter."""
         self.flat = flat
+        if views is not None:
+            for v, p in zip(views, self.params, strict=True):
+                p.data = v
+            return
         if flat.dim() != 1 or flat.stride(0) != 1:  # (the pool's and the gathers' buffers are contiguous)
             for s, p in zip(self.slots, self.params):
                 p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
@@ -327,10 +341,13 @@ class FlatUnit:
             p.data = flat.as_strided(shape, strides, base + offset)
 
     def release(self) -> None:
-        """Drop the full buffer; parameters become empty tensors until the next ``bind``."""
+        """Drop the full buffer; parameters become empty tensors until the next ``bind`` (one
+        empty tensor of the unit's dtype and device, made once: every release is the same)."""
         self.flat = None
         self.state = "free"
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        empty = self._empty
+        if empty is None:
+            empty = self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
 

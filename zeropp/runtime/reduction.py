@@ -148,12 +148,14 @@ class GradReducer:
         self._last_micro = last
 
     def _grad_hook(self, u: FlatUnit):
+        n = len(u.slots)
+
         def hook(p: torch.Tensor) -> None:
             if u.reduced:  # recorded, not raised here: raising on this rank only would hang the others
                 self._late.append(f"{u.param_name(p)} ({u.name})")
                 return
             u.grads_ready += 1
-            if u.grads_ready == len(u.slots):
+            if u.grads_ready == n:
                 u.extra["ready"] = True
                 self._issue_ready()
 
@@ -223,7 +225,8 @@ class GradReducer:
         u.reduced = True
         while len(self._pending) >= REDUCE_INFLIGHT:  # the pool's reduce slots are all in flight
             self._finish_reduction(*self._pending.pop(0))
-        flat = u.flatten_grads(out=self.pool.acquire("grad_flat", u.padded))  # [padded], clears p.grad
+        buf = self.pool.acquire("grad_flat", u.padded)  # [padded]
+        flat = u.flatten_grads(out=buf, views=self.pool.views(buf, u.layout.views))  # clears p.grad
         if self.release is not None and u.kind == "sharded":
             self.release(u)
         # [S]: the first micro-step's result is the shard (every unit of reduce_order is sent on every

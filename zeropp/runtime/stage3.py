@@ -143,6 +143,10 @@ class Stage3Hooks:
         self.root_group = [u for u in (root, self.frozen.root) if u is not None]
         """The root's units (trainable, frozen)."""
         self.units: list[FlatUnit] = [g[0] for g in self.groups]  # per block: its first unit (names, flushes)
+        self._frozen_after = [
+            [u for g in self.groups[i + 1 :] for u in g if u.kind == "frozen"] for i in range(len(self.groups))
+        ]
+        """Per block: the frozen units of the blocks after it, in block order (:meth:`pre_backward` frees them)."""
         self.root = root
         self.all_units = list(all_units)
         self.comm, self.cfg, self.dtype, self.device = comm, config, dtype, device
@@ -404,10 +408,8 @@ class Stage3Hooks:
         """Block ``i`` (or the root) is about to run backward: gather it, prefetch what comes next."""
         if i != ROOT:
             self.on_block_backward(self.units[i])  # blocks after i are done: send what waits
-            for g in self.groups[i + 1 :]:  # their frozen units have no gradient to wait for: free them
-                for u in g:
-                    if u.kind == "frozen":
-                        self.release(u)
+            for u in self._frozen_after[i]:  # their frozen units have no gradient to wait for: free them
+                self.release(u)
         start = len(self.units) - 1 if i == ROOT else i - 1
         self._ready_after_prefetch(self._group(i), range(start, start - self.depth, -1), backward=True)
 
