@@ -7,12 +7,36 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
+
+from ..runner.config import run_records
 
 
 def flag(name: str) -> str:
     """The command-line spelling of argparse destination ``name`` (``micro_batch`` -> ``--micro-batch``)."""
     return "--" + name.replace("_", "-")
+
+
+def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
+    """``--out`` must not hold an earlier benchmark's runs: the runner refuses a fresh run where a
+    run's records are (``experiments.runner.config.check_fresh_run_dir``), so every row would fail
+    one by one; this says so once, before the first row."""
+    if out is None:
+        return
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        p.error(f"--out {out} is not a directory; choose a new --out (or leave it out for a temporary directory)")
+    runs = (
+        {f.parent for name in ("summary.json", "metrics.jsonl") for f in root.rglob(name)} if root.is_dir() else set()
+    )
+    held = sorted(d for d in runs if run_records(d))
+    if held:
+        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+        p.error(
+            f"--out {out} already holds runs ({held[0]}{more}), which this benchmark's runs would overwrite; "
+            "choose a new --out (or leave it out for a temporary directory)"
+        )
 
 
 def require_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, names: Iterable[str], low: int) -> None:

@@ -65,7 +65,7 @@ from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.preflight import host_cpus
 from ..runner.run import run_job
-from .args import check_run_lengths
+from .args import check_fresh_out, check_run_lengths
 from .cluster_check import (
     CHECK_GRID,
     CHECK_TOLERANCE,
@@ -347,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--coalesce must be >= 0 elements, got {a.coalesce}")
     if not all(g > 0 for g in a.gbps):
         p.error(f"every --gbps rate must be > 0, got {a.gbps}")
+    check_fresh_out(p, a.out)
     return a
 
 

@@ -33,6 +33,7 @@ from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.run import run_job
 from . import peers
+from .args import check_fresh_out
 
 SIDES = ("ours", "fsdp2")
 """The two sides of the comparison."""
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quant", choices=sorted(RECIPES), default="none", help="our ZeRO++ recipe (default none)")
     a = p.parse_args(argv)
     peers.check_job_args(p, a)
+    check_fresh_out(p, a.out)
     return a
 
 

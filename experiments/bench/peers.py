@@ -44,7 +44,7 @@ from typing import Any
 
 from zeropp.comm.spec import RECIPES
 
-from .args import check_run_lengths, interleaved_rounds, require_at_least
+from .args import check_fresh_out, check_run_lengths, interleaved_rounds, require_at_least
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
 """``run_job(overrides, run_dir) -> summary``: the runner's, or a test's fake."""
@@ -292,6 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [k for k in a.only if k not in ROWS]
     if unknown or not a.only or len(set(a.only)) != len(a.only):
         p.error(f"--only {','.join(unknown) or '(empty or repeated)'}: choose rows from {', '.join(ROWS)}")
+    if a.prefetch != 1 and not any(ROWS[k].zeropp and "stage=3" in ROWS[k].overrides for k in a.only):
+        p.error(f"--prefetch {a.prefetch} does nothing without a zeropp stage-3 row in --only; add one, or remove it")
+    check_fresh_out(p, a.out)
     return a
 
 

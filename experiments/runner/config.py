@@ -57,13 +57,16 @@ __all__ = [
     "LauncherConfig",
     "LoggerConfig",
     "RunConfig",
+    "RunDirTaken",
     "SlurmConfig",
     "TrainConfig",
     "TrainerConfig",
     "build_model_config",
+    "check_fresh_run_dir",
     "from_dict",
     "from_omegaconf",
     "model_field_defaults",
+    "run_records",
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -149,13 +152,11 @@ class RunConfig:
         """``train.checkpoint_dir``, or ``<run dir>/checkpoints``."""
         return Path(self.train.checkpoint_dir) if self.train.checkpoint_dir else Path(run_dir) / "checkpoints"
 
-    def check_run_dir(self, run_dir: Path) -> None:
+    def check_run_dir(self, run_dir: Path, *, key: str = "hydra.run.dir") -> None:
         """Checked before any rank starts. With ``resume=true``, a checkpoint must be there. Without
-        it, the run must not land on an earlier run's records: that run's ``metrics.jsonl`` would be
-        truncated, its ``summary.json`` replaced and, when this run saves into the default
-        ``<run dir>/checkpoints``, its ``LATEST`` moved to this run's (a later ``resume=true`` there
-        would continue the wrong run). A ``train.checkpoint_dir`` shared by several runs on purpose
-        is allowed: each keeps its own newest checkpoint (``checkpoint_files``)."""
+        it, the run must not land on an earlier run's records (:func:`check_fresh_run_dir`). ``key``:
+        what chooses the directory, named in the refusal (``hydra.sweep.dir`` in a sweep, a tool's
+        ``--out``)."""
         ckpt = self.checkpoint_dir(run_dir)
         if self.resume and not (ckpt / "LATEST").is_file():
             raise ConfigError(
@@ -163,19 +164,8 @@ class RunConfig:
                 "resume in the directory of a run saved with train.checkpoint_every=N "
                 "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints"
             )
-        if self.resume:
-            return
-        run_dir = Path(run_dir)
-        held = [run_dir / "summary.json"] if (run_dir / "summary.json").exists() else []
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.is_file() and metrics.stat().st_size > 0:
-            held.append(metrics)
-        if held:
-            raise ConfigError(
-                f"invalid config: {run_dir} already holds a run ({', '.join(p.name for p in held)}), which this "
-                "fresh run would overwrite; pass resume=true to continue it from its latest checkpoint, or "
-                "choose another hydra.run.dir (by default each run gets a new time-stamped directory)"
-            )
+        if not self.resume:
+            check_fresh_run_dir(Path(run_dir), key=key, resumable=(ckpt / "LATEST").is_file())
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -273,6 +263,37 @@ def _check_tp(rc: RunConfig) -> None:
             check_gpt_tp(rc.model, rc.topology.tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
+
+
+class RunDirTaken(ConfigError):
+    """A fresh run would land on an earlier run's records (:func:`check_fresh_run_dir`). A sweep
+    stops at it instead of recording a failed job (whose ``failed.json`` would go into that
+    earlier run's directory)."""
+
+
+def run_records(run_dir: Path) -> list[Path]:
+    """What makes ``run_dir`` an earlier run's: its ``summary.json``, a non-empty ``metrics.jsonl``."""
+    held = [run_dir / "summary.json"] if (run_dir / "summary.json").exists() else []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        held.append(metrics)
+    return held
+
+
+def check_fresh_run_dir(run_dir: Path, *, key: str, resumable: bool) -> None:
+    """Raise :class:`RunDirTaken` when ``run_dir`` holds an earlier run's records: a fresh run there
+    would truncate its ``metrics.jsonl``, replace its ``summary.json`` and, saving into the default
+    ``<run dir>/checkpoints``, move its ``LATEST`` (a later ``resume=true`` would continue the wrong
+    run). ``resumable``: that run left a checkpoint, so ``resume=true`` is offered. A
+    ``train.checkpoint_dir`` shared by several runs on purpose is not a record: each run keeps its
+    own newest checkpoint there (``checkpoint_files``)."""
+    held = run_records(run_dir)
+    if held:
+        resume = "pass resume=true to continue it from its latest checkpoint, or " if resumable else ""
+        raise RunDirTaken(
+            f"invalid config: {run_dir} already holds a run ({', '.join(p.name for p in held)}), which this "
+            f"fresh run would overwrite; {resume}choose another {key}"
+        )
 
 
 def _check_settings_in_use(rc: RunConfig) -> None:

@@ -26,7 +26,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
-from .config import CONF_DIR, ConfigError
+from .config import CONF_DIR, ConfigError, check_fresh_run_dir
 from .preflight import check_writable_dir
 from .schema import group_options as generated_options
 from .schema import run_schema
@@ -216,6 +216,27 @@ def _check_output_dir(arg: str) -> None:
         return
     if isinstance(value, str) and value and "${" not in value:
         check_writable_dir(override.key_or_group, Path(value))
+
+
+def check_fresh_outputs(args: list[str]) -> None:
+    """Refuse, before Hydra writes its ``.hydra/`` files, a fresh run (no ``resume=true``) whose
+    explicit ``hydra.run.dir`` holds an earlier run's records, or a sweep whose explicit
+    ``hydra.sweep.dir`` does in one of its job directories (``hydra.sweep.subdir``, one level
+    down): :func:`~.config.check_fresh_run_dir`. A directory Hydra names by the time (the default)
+    is new; the runner checks each job's directory again before it starts."""
+    given = {k: v for k, _, v in (a.partition("=") for a in args if "=" in a)}
+    if given.get("resume", "").strip().lower() == "true":
+        return
+    sweep = any(a in ("-m", "--multirun") for a in args) or "sweep" in given
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    value = given.get(key, "").strip().strip("'\"")
+    if not value or "${" in value:
+        return
+    root = Path(value)
+    jobs = [root] if not sweep else sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    for job in jobs:
+        resumable = "train.checkpoint_dir" in given or (job / "checkpoints" / "LATEST").is_file()
+        check_fresh_run_dir(job, key=key, resumable=resumable)
 
 
 def check_overrides(args: list[str]) -> None:

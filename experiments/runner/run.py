@@ -39,7 +39,7 @@ from zeropp.comm.layout import LaunchLayout
 from zeropp.runtime.divergence import DivergenceError
 
 from . import schema
-from .config import ConfigError, RunConfig, from_omegaconf, without_hydra
+from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, without_hydra
 from .launcher import (
     RankFailure,
     RunInterrupted,
@@ -50,7 +50,7 @@ from .launcher import (
     worker_module,
 )
 from .metrics import read_summary, write_summary
-from .overrides import check_overrides
+from .overrides import check_fresh_outputs, check_overrides
 from .preflight import check_before_launch
 from .slurm import check_slurm_keys, check_slurm_launch
 
@@ -188,7 +188,7 @@ def check_launch(rc: RunConfig, overrides: list[str], env: Mapping[str, str] | N
 def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     """Launch the validated run; rank 0's summary (None on other torchrun ranks)."""
     run_dir = Path(info["run_dir"])
-    rc.check_run_dir(run_dir)
+    rc.check_run_dir(run_dir, key=info.get("dir_key") or ("hydra.sweep.dir" if info["multirun"] else "hydra.run.dir"))
     check_before_launch(rc, run_dir, local=not in_torchrun())  # corpus, checkpoint dir, ranks and memory here
     if in_torchrun():
         from .worker import run_rank
@@ -282,10 +282,12 @@ def _spec(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
+def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "the run directory") -> dict[str, Any]:
     """Compose ``overrides`` like the command line, run the job into ``run_dir``, return its
     summary. For benchmarks and tests that run several jobs from Python; raises ConfigError or
-    RankFailure (:class:`RunDiverged` for a diverged run) as the command would."""
+    RankFailure (:class:`RunDiverged` for a diverged run) as the command would. ``dir_key``: what
+    the caller's user sets to choose ``run_dir`` (a tool's ``--out``), named when ``run_dir``
+    already holds a run and this one is fresh."""
     from hydra import compose, initialize_config_module
 
     check_overrides(overrides)
@@ -298,6 +300,7 @@ def run_job(overrides: list[str], run_dir: str | Path) -> dict[str, Any]:
         "group": None,
         "multirun": False,
         "model_name": cfg.hydra.runtime.choices.get("model") or "",
+        "dir_key": dir_key,
     }
     rc = validated(without_hydra(cfg), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -349,8 +352,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         code = command_status(e)
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
-        if in_torchrun() or not info["multirun"] or isinstance(e, RunInterrupted):
-            sys.exit(code)  # an interrupted sweep stops: its remaining jobs are not run
+        if in_torchrun() or not info["multirun"] or isinstance(e, (RunInterrupted, RunDirTaken)):
+            sys.exit(code)  # an interrupted sweep, or one landing on earlier runs, stops: no later job runs
         _record_failure(info, str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
         return None
     return None if summary is None else float(summary["tokens_per_s"])
@@ -367,6 +370,7 @@ def cli() -> None:
         sys.exit(2)
     try:
         check_overrides(sys.argv[1:])
+        check_fresh_outputs(sys.argv[1:])  # before Hydra writes its .hydra/ files into an earlier run
         check_slurm_launch(sys.argv[1:])  # before Hydra: nothing submitted without the plugin and sbatch
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

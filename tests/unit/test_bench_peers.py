@@ -217,3 +217,22 @@ def test_bench_fsdp_runs_the_peers_jobs_of_its_two_rows(quant: str, ours: str) -
     a = bench_fsdp.parse_args(["--quant", quant, "--nodes", "2"])
     assert bench_fsdp.job_overrides(a, "ours") == peers.job_overrides(a, ours)
     assert bench_fsdp.job_overrides(a, "fsdp2") == peers.job_overrides(a, "fsdp2")
+
+
+def test_an_out_holding_runs_is_refused_once_before_any_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The runner refuses a fresh run where a run's records are: a re-used --out would fail every
+    row one by one, so the benchmark says it once, up front. An empty or new --out is fine."""
+    peers.parse_args(["--out", str(tmp_path / "new")])
+    (tmp_path / "old" / "ddp-r1").mkdir(parents=True)
+    peers.parse_args(["--out", str(tmp_path / "old")])  # a directory without records
+    (tmp_path / "old" / "ddp-r1" / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        peers.parse_args(["--out", str(tmp_path / "old")])
+    assert e.value.code == 2 and "already holds runs" in capsys.readouterr().err
+
+
+def test_a_prefetch_depth_without_a_stage3_row_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--only", "ddp,stage2", "--prefetch", "3"])
+    assert "--prefetch 3 does nothing" in capsys.readouterr().err
+    assert peers.parse_args(["--only", "ddp,stage3", "--prefetch", "3"]).prefetch == 3

@@ -93,23 +93,39 @@ def _launch_recorder(calls: list[int]):
 def test_a_fresh_run_does_not_land_on_an_earlier_runs_records(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, held: str
 ) -> None:
-    """Without resume=true a run into a directory holding a run's summary or metrics is refused before
-    any rank starts, and those files are untouched; with resume=true (a checkpoint is there) it goes
-    on to the launch."""
+    """Without resume=true a run into a directory holding a run's summary or metrics is refused
+    before Hydra writes anything there (no .hydra/) and before any rank starts; resume=true is
+    offered once that run has a checkpoint, and with it the run goes on to the launch."""
     calls: list[int] = []
     monkeypatch.setattr(run, "launch", _launch_recorder(calls))
     path = tmp_path / held
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"step": 1}\n')
     before = path.read_bytes()
     args = [*MINI_1X2_CPU, "train.checkpoint_every=1", f"hydra.run.dir={tmp_path}"]
     p = run_cli_here(args, capfd, timeout=120)
-    assert p.returncode == 2 and "already holds" in p.stderr and "resume=true" in p.stderr, p.stderr[-2000:]
-    assert calls == [] and path.read_bytes() == before
+    assert p.returncode == 2 and "already holds a run" in p.stderr and "hydra.run.dir" in p.stderr, p.stderr[-2000:]
+    assert "resume=true" not in p.stderr  # no checkpoint to resume from
+    assert calls == [] and path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
+    p = run_cli_here(args, capfd, timeout=120)
+    assert p.returncode == 2 and "pass resume=true to continue it" in p.stderr, p.stderr[-2000:]
     p = run_cli_here([*args, "resume=true"], capfd, timeout=120)
     assert calls == [1] and p.returncode == 5, p.stderr[-2000:]
+
+
+def test_a_sweep_into_earlier_runs_stops_before_its_first_job(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep whose hydra.sweep.dir holds an earlier sweep's finished job is refused as a whole
+    (exit 2, naming hydra.sweep.dir) before any job runs; no failed.json is written into that job."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text("{}")
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={tmp_path}"], capfd, timeout=120)
+    assert p.returncode == 2 and "already holds a run" in p.stderr and "hydra.sweep.dir" in p.stderr, p.stderr
+    assert calls == [] and sorted(x.name for x in tmp_path.rglob("*")) == ["0", "summary.json"]
 
 
 def test_an_empty_metrics_file_or_unused_checkpoints_do_not_block_a_fresh_run(
