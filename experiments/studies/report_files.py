@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from zeropp.runtime.checkpoint_files import write_atomic
 
 __all__ = ["MANIFEST", "ReportError", "Written", "check_outputs", "write_outputs"]
 
@@ -132,22 +133,6 @@ def _manifest_text(entries: Iterable[Written]) -> bytes:
     return (json.dumps({"format": FORMAT, "files": files}, indent=2) + "\n").encode()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` or what it held before, never part of it: a temporary file in the same
-    directory (mode 0666 less the umask, as a plain write would make it), then ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_outputs(out: Path, contents: Mapping[str, bytes]) -> list[Path]:
     """Write ``contents`` (file name -> bytes) into ``out`` and record them in its manifest, after
     :func:`check_outputs` (so nothing is written when any file in the way is not the report's).
@@ -157,10 +142,10 @@ def write_outputs(out: Path, contents: Mapping[str, bytes]) -> list[Path]:
     others = [w for w in kept if w.name not in contents]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / MANIFEST, _manifest_text(kept + new))  # old or new: either counts as ours
+        write_atomic(out / MANIFEST, _manifest_text(kept + new))  # old or new: either counts as ours
         for name, data in contents.items():
-            _write_atomic(out / name, data)
-        _write_atomic(out / MANIFEST, _manifest_text(others + new))
+            write_atomic(out / name, data)
+        write_atomic(out / MANIFEST, _manifest_text(others + new))
     except OSError as e:
         raise ReportError(f"cannot write the report into {out}: {e}; choose a writable --out") from None
     return [out / name for name in contents]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import time
 import warnings
@@ -173,13 +174,15 @@ def verify(d: Path, meta: dict, rank: int, world: int) -> None:
             raise ValueError(f"{f} fails its checksum: the file is corrupt, truncated or not the one saved")
 
 
-def write_atomic(target: Path, text: str) -> None:
-    """Write ``text`` to a temporary file and rename it over ``target``: readers see old or new.
-    The temporary file is removed if anything fails."""
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+def write_atomic(target: Path, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8) to a temporary file and rename it over ``target``: readers see
+    old or new, never part of it. The temporary file has a fresh random name, created exclusively
+    (mode 0666 less the umask, as a plain write would make it), and is removed if anything fails."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
