@@ -218,25 +218,53 @@ def _check_output_dir(arg: str) -> None:
         check_writable_dir(override.key_or_group, Path(value))
 
 
+def _given(args: list[str]) -> dict[str, Any]:
+    """The plain ``key=value`` overrides of ``args`` as Hydra parses them (``+``/``++`` dropped,
+    quotes and escapes resolved); sweeps (``a,b``) and what Hydra cannot parse are left out."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "~")):
+            continue
+        try:
+            (override,) = OverridesParser.create().parse_overrides([arg])
+            if not override.is_sweep_override():
+                out[override.key_or_group] = override.value()
+        except HydraException:
+            continue
+    return out
+
+
 def check_fresh_outputs(args: list[str]) -> None:
     """Refuse, before Hydra writes its ``.hydra/`` files, a fresh run (no ``resume=true``) whose
     explicit ``hydra.run.dir`` holds an earlier run's records, or a sweep whose explicit
-    ``hydra.sweep.dir`` does in one of its job directories (``hydra.sweep.subdir``, one level
-    down): :func:`~.config.check_fresh_run_dir`. A directory Hydra names by the time (the default)
-    is new; the runner checks each job's directory again before it starts."""
-    given = {k: v for k, _, v in (a.partition("=") for a in args if "=" in a)}
-    if given.get("resume", "").strip().lower() == "true":
-        return
-    sweep = any(a in ("-m", "--multirun") for a in args) or "sweep" in given
+    ``hydra.sweep.dir`` does in one of its job directories (Hydra's default
+    ``hydra.sweep.subdir``, the job number): :func:`~.config.check_fresh_run_dir`. A directory
+    Hydra names by the time (the default), a custom ``hydra.sweep.subdir`` or an unreadable
+    directory are left to the check the runner makes again before each job starts."""
+    given = _given(args)
+    try:
+        if BooleanNode(value=given.get("resume", False))._value():
+            return
+    except ValidationError:
+        return  # not a boolean: the config validation says so
+    sweep = (
+        any(a in ("-m", "--multirun") for a in args)
+        or any(a.split("=", 1)[0].lstrip("+") == "sweep" for a in args)
+        or str(given.get("hydra.mode", "")).upper() == "MULTIRUN"
+    )
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
-    value = given.get(key, "").strip().strip("'\"")
-    if not value or "${" in value:
+    value = given.get(key)
+    if not isinstance(value, str) or not value or "${" in value or (sweep and "hydra.sweep.subdir" in given):
         return
-    root = Path(value)
-    jobs = [root] if not sweep else sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
-    for job in jobs:
-        resumable = "train.checkpoint_dir" in given or (job / "checkpoints" / "LATEST").is_file()
-        check_fresh_run_dir(job, key=key, resumable=resumable)
+    ckpt = given.get("train.checkpoint_dir")
+    try:
+        root = Path(value)
+        jobs = [root] if not sweep else [d for d in root.iterdir() if d.is_dir() and d.name.isdigit()]
+        for job in sorted(jobs) if root.exists() else []:
+            latest = (Path(ckpt) if isinstance(ckpt, str) else job / "checkpoints") / "LATEST"
+            check_fresh_run_dir(job, key=key, resumable=latest.is_file())
+    except OSError:
+        return
 
 
 def check_overrides(args: list[str]) -> None:

@@ -282,7 +282,7 @@ def _spec(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "the run directory") -> dict[str, Any]:
+def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "run_dir") -> dict[str, Any]:
     """Compose ``overrides`` like the command line, run the job into ``run_dir``, return its
     summary. For benchmarks and tests that run several jobs from Python; raises ConfigError or
     RankFailure (:class:`RunDiverged` for a diverged run) as the command would. ``dir_key``: what
@@ -352,7 +352,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         code = command_status(e)
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
-        if in_torchrun() or not info["multirun"] or isinstance(e, (RunInterrupted, RunDirTaken)):
+        local_sweep = info["launcher"] in (None, "basic")  # (on a Slurm node the launcher records the job's error)
+        if (
+            in_torchrun()
+            or not info["multirun"]
+            or isinstance(e, RunInterrupted)
+            or (isinstance(e, RunDirTaken) and local_sweep)
+        ):
             sys.exit(code)  # an interrupted sweep, or one landing on earlier runs, stops: no later job runs
         _record_failure(info, str(e), code)  # the sweep's other jobs still run; the command exits non-zero at the end
         return None

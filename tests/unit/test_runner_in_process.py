@@ -140,3 +140,36 @@ def test_an_empty_metrics_file_or_unused_checkpoints_do_not_block_a_fresh_run(
     (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
     p = run_cli_here([*MINI_1X2_CPU, "train.checkpoint_every=1", f"hydra.run.dir={tmp_path}"], capfd, timeout=120)
     assert calls == [1] and p.returncode == 5, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("spelling", ["resume=yes", "resume=True", "++resume=1"])
+def test_every_spelling_of_resume_true_passes_the_check_before_hydra(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
+    p = run_cli_here([*MINI_1X2_CPU, spelling, f"hydra.run.dir={tmp_path}"], capfd, timeout=120)
+    assert calls == [1] and p.returncode == 5, p.stderr[-2000:]
+
+
+def test_a_sweep_adding_points_under_its_own_subdirs_is_not_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a custom hydra.sweep.subdir the job directories are not the numbered ones: an earlier
+    point's finished run (stage=2) does not stop new points (stage=3), which land elsewhere."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    (tmp_path / "stage=2").mkdir()
+    (tmp_path / "stage=2" / "summary.json").write_text("{}")
+    args = [
+        "-m",
+        *MINI_1X2_CPU,
+        "stage=3",
+        f"hydra.sweep.dir={tmp_path}",
+        "hydra.sweep.subdir=${hydra.job.override_dirname}",
+    ]
+    p = run_cli_here(args, capfd, timeout=120)
+    assert calls == [1], p.stderr[-2000:]

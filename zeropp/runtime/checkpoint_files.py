@@ -24,6 +24,7 @@ are not on the chain and stay.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -193,12 +194,17 @@ def write_atomic(target: Path, data: str | bytes) -> None:
 
 
 def _fsync_dir(d: Path) -> None:
+    """Make a rename in ``d`` durable; a directory that cannot be opened or synced (EINVAL / ENOTSUP
+    on some network and FUSE filesystems) is left as the filesystem keeps it."""
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:
         return
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
