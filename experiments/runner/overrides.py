@@ -23,6 +23,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, ValueType
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
@@ -243,8 +244,8 @@ def check_fresh_outputs(args: list[str]) -> None:
     directory are left to the check the runner makes again before each job starts."""
     given = _given(args)
     try:
-        if BooleanNode(value=given.get("resume", False))._value():
-            return
+        if OmegaConf.create({"resume": BooleanNode(value=given.get("resume", False))}).resume is True:
+            return  # (any spelling OmegaConf reads as true: yes, 1, True, ...)
     except ValidationError:
         return  # not a boolean: the config validation says so
     sweep = (
