@@ -70,6 +70,12 @@ class Row:
         """The runner's ``trainer=`` of this row."""
         return next(o.removeprefix("trainer=") for o in self.overrides if o.startswith("trainer="))
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether ``--prefetch`` reaches this row: a ZeroEngine row at stage 3 (the runner refuses a
+        prefetch depth at stages 0-2, where nothing is gathered)."""
+        return self.zeropp and "stage=3" in self.overrides
+
 
 ROWS: dict[str, Row] = {
     "ddp": Row(label="DDP", overrides=("trainer=ddp",)),
@@ -129,7 +135,7 @@ def job_overrides(a: argparse.Namespace, key: str) -> list[str]:
     own = list(row.overrides)
     if row.zeropp:
         own.append(f"quant={a.quant if key == 'zeropp' else 'none'}")
-        if "stage=3" in row.overrides:  # the runner refuses a prefetch depth at stages 0-2 (only stage 3 gathers)
+        if row.prefetches:
             own.append(f"zero.prefetch_depth={a.prefetch}")
     return [*own, *common_overrides(a)]
 
@@ -292,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [k for k in a.only if k not in ROWS]
     if unknown or not a.only or len(set(a.only)) != len(a.only):
         p.error(f"--only {','.join(unknown) or '(empty or repeated)'}: choose rows from {', '.join(ROWS)}")
-    if a.prefetch != 1 and not any(ROWS[k].zeropp and "stage=3" in ROWS[k].overrides for k in a.only):
+    if a.prefetch != 1 and not any(ROWS[k].prefetches for k in a.only):
         p.error(f"--prefetch {a.prefetch} does nothing without a zeropp stage-3 row in --only; add one, or remove it")
     check_fresh_out(p, a.out)
     return a

@@ -263,15 +263,11 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> tuple:
-        # host time: this runs for every tensor autograd saves, at every stage, so the common case
-        # (a plain tensor or Parameter: no DTensor) takes no function call to be told so
-        plain = type(t) is torch.Tensor or type(t) is nn.Parameter
-        # tensor parallelism: pack the local part (a parameter alias is re-resolved), rewrap later
-        if not plain and _is_dtensor(t):
+        if _is_dtensor(t):  # tensor parallelism: pack the local part (a parameter alias is re-resolved), rewrap later
             with torch.no_grad():
                 local = t.to_local()
             return ("dtensor", self._pack(local), t.device_mesh, t.placements, t.shape, t.stride())
-        base = _BASE.__get__(t)  # (_view_base, inlined)
+        base = _view_base(t)
         if base is None and self.storage_params:
             base = self._param_by_storage(t)
         base = t if base is None else base

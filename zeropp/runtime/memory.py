@@ -302,7 +302,7 @@ def account(
 
     def add(cat: str, t: torch.Tensor | None) -> None:
         if t is not None:
-            (on_device if t.device.type == kind else on_host)[cat] += t.numel() * t.element_size()
+            (on_device if t.device.type == kind else on_host)[cat] += _nbytes(t)
 
     store_owns_shards = bool(list(sources.get("params", ())))
     for u in units:
