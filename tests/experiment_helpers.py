@@ -38,6 +38,8 @@ CLI_ERRORS: list[tuple[list[str], list[str]]] = [
     (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
     (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
     (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
+    (["~zero.grad_clip"], ["~zero.grad_clip deletes a key", "zero.grad_clip=null to turn it off"]),
+    (["~train.stpes"], ["unknown config key 'train.stpes'", "did you mean train.steps"]),
     *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
 ]
 """Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,
@@ -45,10 +47,16 @@ validation, pre-launch checks) and the words their one error line must contain."
 
 
 def run_cli(
-    args: list[str], *, torchrun_ranks: int | None = None, env: dict[str, str] | None = None, timeout: float = 150
+    args: list[str],
+    *,
+    torchrun_ranks: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 150,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``python -m zeropp.experiments.run <args>`` (or under ``torchrun --nproc-per-node <n>``),
-    output captured, wandb offline, no injected fault inherited from the test's environment."""
+    output captured, wandb offline, no injected fault inherited from the test's environment;
+    ``cwd``: where it runs (None: this process's directory, the checkout's root)."""
     e = {k: v for k, v in os.environ.items() if k != "ZEROPP_INJECT_FAULT"}
     e.update(WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
     pre = (
@@ -57,7 +65,13 @@ def run_cli(
         else [sys.executable, "-m"]
     )
     return subprocess.run(
-        [*pre, "zeropp.experiments.run", *args], capture_output=True, text=True, timeout=timeout, env=e, check=False
+        [*pre, "zeropp.experiments.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        check=False,
+        cwd=cwd,
     )
 
 

@@ -84,7 +84,15 @@ def function_rank(
     dist.init_process_group(
         process_group, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
     )
+    left_alone = True  # an error or a SIGTERM of this rank: its peers may wait in a collective with it
     try:
-        return fn(rank, world, *args)
+        out = fn(rank, world, *args)
+        left_alone = False
+        return out
     finally:
-        dist.destroy_process_group()
+        if left_alone:  # they fail at once, not at the SIGKILL after grace_s
+            from zeropp.comm.context import abort_process_groups
+
+            abort_process_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()

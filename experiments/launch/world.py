@@ -194,7 +194,9 @@ def launch_world(
 
     ``entry``: a :class:`ModuleEntry` (results are ``None``) or a picklable module-level function,
     called as ``fn(rank, world_size, *args)`` (``process_group``, e.g. ``"gloo"``: initialised
-    before and destroyed after it, with ``pg_timeout_s`` (default ``timeout_s - 5``, at least 10);
+    before and destroyed after it, or aborted when it raises so that no peer stays blocked
+    (``zeropp.comm.context.abort_process_groups``), with ``pg_timeout_s`` (default
+    ``timeout_s - 5``, at least 10);
     ``threads``: ``torch.set_num_threads`` first). ``log_dir``: ranks other than 0 write
     ``rank<r>.log`` there (else all ranks keep the terminal). ``timeout_s`` bounds the whole run;
     ``grace_s`` is how long a stopped rank gets between SIGTERM and SIGKILL. ``ranks_per_node``

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from zeropp.comm import Topology
 from zeropp.comm.choices import plain
 from zeropp.models import GPTConfig, HFConfig
-from zeropp.runtime import OptimizerConfig, ZeroConfig
+from zeropp.runtime import OptimizerConfig, ZeroConfig, checkpoint_files
 from zeropp.runtime.config import validate_against_topology
 
 from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check, unused
@@ -153,7 +153,8 @@ class RunConfig:
         return Path(self.train.checkpoint_dir) if self.train.checkpoint_dir else Path(run_dir) / "checkpoints"
 
     def check_run_dir(self, run_dir: Path, *, key: str = "hydra.run.dir") -> None:
-        """Checked before any rank starts. With ``resume=true``, a checkpoint must be there. Without
+        """Checked before any rank starts. With ``resume=true``, a checkpoint must be there, of a
+        step before ``train.steps`` (a finished run has nothing to continue). Without
         it, the run must not land on an earlier run's records (:func:`check_fresh_run_dir`). ``key``:
         what chooses the directory, named in the refusal (``hydra.sweep.dir`` in a sweep, a tool's
         ``--out``)."""
@@ -166,6 +167,18 @@ class RunConfig:
             )
         if not self.resume:
             check_fresh_run_dir(Path(run_dir), key=key, resumable=(ckpt / "LATEST").is_file())
+            return
+        try:  # a malformed LATEST or a missing folder: the ranks' load names the problem precisely
+            step = checkpoint_files.version_step(checkpoint_files.latest(ckpt).name)
+        except (OSError, ValueError):
+            return
+        if step >= self.train.steps:
+            raise ConfigError(
+                f"invalid config: resume=true, but the newest checkpoint in {ckpt} is of step {step} and "
+                f"train.steps={self.train.steps}: that run already finished. To train further raise "
+                f"train.steps (e.g. train.steps={2 * step}; the default LR schedule spans train.steps, so "
+                "it changes too), or start a fresh run elsewhere"
+            )
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):

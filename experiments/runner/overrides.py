@@ -268,6 +268,22 @@ def check_fresh_outputs(args: list[str]) -> None:
         return
 
 
+def _check_deletion(arg: str, groups: list[str]) -> None:
+    """``~key``: Hydra deletes a config group's choice (``~quant``: the library's defaults), but
+    every key of the run's config belongs to its schema and cannot be deleted (Hydra fails
+    obscurely); name the key and say how to set it instead."""
+    key = arg[1:].split("=", 1)[0]
+    if key in groups:
+        return
+    tp = _check_key(key)  # an unknown key: named, with the closest one
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+    instead = f"{key}=<value>" + (f", or {key}=null to turn it off" if optional else "")
+    raise ConfigError(
+        f"invalid config: {arg} deletes a key, but {key} is part of the run's schema and always has a "
+        f"value; set it instead: {instead}"
+    )
+
+
 def check_overrides(args: list[str]) -> None:
     """Reject a command-line override that names an unknown group option or key, gives a key a
     value of the wrong type (``train.steps=abc``: an integer is expected), or names an output
@@ -276,6 +292,9 @@ def check_overrides(args: list[str]) -> None:
     for arg in args:
         if arg.startswith(OUTPUT_DIR_KEYS) and arg.split("=", 1)[0] in OUTPUT_DIR_KEYS:
             _check_output_dir(arg)
+        if arg.startswith("~") and not arg.startswith(("~hydra.", "~hydra/")):
+            _check_deletion(arg, groups)
+            continue
         if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:
             continue
         key, value = arg.split("=", 1)

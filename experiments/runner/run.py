@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, cast
+from typing import Any, Mapping, Sequence, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from zeropp.comm.layout import LaunchLayout
 from zeropp.runtime.divergence import DivergenceError
 
-from . import schema
+from . import plugins, schema
 from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, without_hydra
 from .launcher import (
     RankFailure,
@@ -55,6 +55,7 @@ from .preflight import check_before_launch
 from .slurm import check_slurm_keys, check_slurm_launch
 
 schema.register()
+plugins.expose()  # before Hydra scans for plugin classes (hydra/sweeper=zeropp, hydra/launcher=slurm)
 
 
 def _run_dir_suffix(default: str) -> str:
@@ -307,6 +308,31 @@ def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "run_di
     summary = execute(rc, info)
     assert summary is not None
     return summary
+
+
+def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> None:
+    """Every point of a sweep checked before the first starts (``hydra/sweeper=zeropp`` calls this
+    with each point's overrides and composed config): its settings validated as the point itself
+    will validate them, its Slurm keys, and, with the local launcher, this host's checks (corpus,
+    ranks and memory, writable directories; run directories stand in by the sweep's). Each invalid
+    point is named with its error, then the command exits 2 and no point has started."""
+    bad: list[str] = []
+    for overrides, cfg in points:
+        launcher = cfg.hydra.runtime.choices.get("hydra/launcher")
+        try:
+            check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), launcher)
+            rc = validated(without_hydra(cfg), list(overrides))
+            if launcher in (None, "basic"):
+                check_before_launch(rc, Path(str(cfg.hydra.sweep.dir)), local=True)
+        except ConfigError as e:
+            bad.append(f"  {' '.join(overrides) or '(no overrides)'}: {e}")
+    if bad:
+        print(
+            f"error: {len(bad)} of {len(points)} sweep point(s) cannot run; no point was started:\n" + "\n".join(bad),
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
 
 
 FAILED_FILE = "failed.json"

@@ -4,7 +4,8 @@ Started by the launcher as ``python -m <pkg>.worker <spec.json>``, or called in-
 torchrun through :func:`run_rank`; the env contract is torch's (RANK, WORLD_SIZE, LOCAL_RANK =
 this process's index on its host, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). The device follows
 ``launcher.device`` and LOCAL_RANK (one GPU per local process); every tensor this module hands to
-a collective lives on that device. The process group is always destroyed, also on error.
+a collective lives on that device. The process group is always destroyed; a rank that fails
+alone aborts it first (:func:`close_process_groups`), so its peers are not left blocked in a collective.
 
 The loop (:func:`_train`) composes small collaborators, each testable alone against a fake
 trainer: ``train_data.TrainData`` (batches and the step cursor), ``train_eval.Evaluator``,
@@ -47,6 +48,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from zeropp import watch
+from zeropp.comm import context as comm_context
 from zeropp.comm.objects import all_gather_json
 from zeropp.runtime.divergence import DivergenceError
 
@@ -118,9 +120,27 @@ def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         timeout=datetime.timedelta(seconds=cfg.launcher.pg_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    agreed = True  # the ranks leave together: a finished run, or a divergence every rank stopped at
     try:
         return _train(cfg, spec, Path(spec["run_dir"]), rank, world, device, backend)
+    except DivergenceError:
+        raise
+    except BaseException:
+        agreed = False
+        raise
     finally:
+        close_process_groups(aborted=not agreed)
+
+
+def close_process_groups(*, aborted: bool) -> None:
+    """Destroy this rank's process groups when the ranks leave together; abort them instead when
+    this one leaves alone (an error, the launcher's SIGTERM), so peers blocked in a collective
+    with it fail at once rather than at the launcher's SIGKILL
+    (``zeropp.comm.context.abort_process_groups``). Their "connection closed" error is not blamed
+    (``launch.failure.PEER_ERRORS``)."""
+    if aborted:
+        comm_context.abort_process_groups()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,14 @@ def run_labels(runs: list[dict[str, Any]]) -> list[str]:
     return list(label_runs(runs).labels)
 
 
+def _num(value: Any, spec: str, scale: float = 1.0) -> str:
+    """``value`` (times ``scale``) formatted by ``spec``, or ``-`` where the run has none (a run that
+    diverged has no final loss; one that stopped before a measured step, no rates)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    return format(scale * value, spec)
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
     head = (
         "| run | config | tokens/s | step (ms) | TFLOP/s | comm/step intra | comm/step cross | "
@@ -122,12 +131,14 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "|".join(["---"] * 11) + "|"]
     for s, name in zip(runs, run_labels(runs)):
         c = s["comm_bytes_per_step"]["by_link"]
-        ev = s["loss"].get("eval")
+        status = s.get("status", "completed")
+        config = s["label"] if status == "completed" else f"{s['label']} ({status} at step {s.get('steps', '?')})"
         lines.append(
-            f"| {name} | {s['label']} | {s['tokens_per_s']:,.0f} | {1e3 * s['step_time_s']['mean']:.1f} | "
-            f"{s['model_tflops']:.4f} | {human_bytes(c['intra'])} | {human_bytes(c['cross'])} | "
-            f"{1e3 * s['comm_wait_s_per_step']:.1f} | {human_bytes(s['memory_max_rank_bytes'])} | "
-            f"{s['loss']['final']:.3f} | {'' if ev is None else f'{ev:.3f}'} |"
+            f"| {name} | {config} | {_num(s['tokens_per_s'], ',.0f')} | "
+            f"{_num((s.get('step_time_s') or {}).get('mean'), '.1f', 1e3)} | "
+            f"{_num(s['model_tflops'], '.4f')} | {human_bytes(c['intra'])} | {human_bytes(c['cross'])} | "
+            f"{_num(s['comm_wait_s_per_step'], '.1f', 1e3)} | {human_bytes(s['memory_max_rank_bytes'])} | "
+            f"{_num(s['loss']['final'], '.3f')} | {_num(s['loss'].get('eval'), '.3f')} |"
         )
     return "\n".join(lines)
 

@@ -12,12 +12,14 @@ import time
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.worlds import run_world
 from zeropp.comm import Topology, chain, context
 from zeropp.comm.backend import backend_all_gather, backend_all_reduce, backend_all_to_all, backend_reduce_scatter
+from zeropp.experiments.launch import RankFailure, launch_world
 
 CPU = torch.device("cpu")
 
@@ -114,3 +116,42 @@ def test_destroy_then_init_again_restarts_the_worker(tmp_path: Path) -> None:
         assert r["first"] == [3.0] * 3 and r["second"] == [30.0] * 3, r
         assert r["alive_before"] and r["stopped"] and r["new_worker"] and r["rebuilt"], r
         assert "was destroyed (destroy_process_group)" in r["stale"] and "build() again" in r["stale"], r
+
+
+# ------------------------------------------------------------------ a rank that leaves alone
+def _leave_alone(rank: int, world: int, note: str) -> None:
+    """Rank 0 issues an all-reduce rank 1 never joins and fails (as on any error of its own, or a
+    SIGTERM), with that work in flight; rank 1 waits in a collective on another group, which
+    rank 0 never issues, and notes how its wait ended."""
+    sub = dist.new_group(list(range(world)))
+    if rank == 0:
+        backend_all_reduce(torch.ones(8), dist.ReduceOp.SUM, None, True)  # in flight, never joined
+        raise RuntimeError("rank 0 fails with a collective in flight")
+    try:
+        dist.all_reduce(torch.ones(3), group=sub)
+        Path(note).write_text("returned")
+    except RuntimeError as e:
+        Path(note).write_text(str(e))
+        raise
+
+
+def test_a_rank_failing_with_work_in_flight_unblocks_its_peer_at_once(tmp_path: Path) -> None:
+    """The failing rank aborts its groups instead of destroying them (``abort_process_groups``),
+    so it exits at once and its peer's wait fails with a closed connection; the world reports
+    rank 0's error. Destroying them would wait, in C++, for the issued all-reduce until the
+    group's timeout (120 s here), so the peer would stay blocked until the run's 60 s limit."""
+    note = tmp_path / "rank1"
+    with pytest.raises(RankFailure) as failure:
+        launch_world(
+            _leave_alone,
+            2,
+            args=(str(note),),
+            process_group="gloo",
+            pg_timeout_s=120,
+            timeout_s=60,
+            grace_s=30,
+            threads=1,
+            start_method="forkserver",
+        )
+    assert failure.value.rank == 0 and "fails with a collective in flight" in str(failure.value), failure.value
+    assert "closed" in note.read_text().lower(), note.read_text()  # unblocked by rank 0's exit, not killed

@@ -57,15 +57,15 @@ def _client_env(cluster: SlurmCluster) -> dict[str, str]:
 def test_sweep_submits_one_slurm_job_per_point(slurm: SlurmCluster, tmp_path: Path) -> None:
     """Three points, each a Slurm job of one array. Point 0's job script fails before the runner
     starts (a setup line exits 3, as a failing ``module load`` would: no result comes back), point
-    1 is an invalid config (the runner records it on the node), point 2 trains. The sweep still
-    ends; the submitting command names points 0 and 1 and exits 2 (the worst code); each failed
-    point has failed.json, point 2 its summary; the report lists them."""
+    1 diverges while training (the runner records it on the node), point 2 trains. The sweep still
+    ends; the submitting command names points 0 and 1 and exits 3 (the worst code); each failed
+    point has failed.json, point 2 its summary; the report lists them. (An invalid config is
+    refused before anything is submitted: ``test_an_invalid_point_is_refused_before_submitting``.)"""
     sweep = tmp_path / "sweep"
     p = run_cli(
         [
             "-m",
-            "zero.hpz_size=2,3,1",
-            "quant=hpz",
+            "optim.lr=0.003,1e30,0.002",
             "topology=1x2",
             *TINY_CPU,
             "hydra/launcher=slurm",
@@ -77,16 +77,16 @@ def test_sweep_submits_one_slurm_job_per_point(slurm: SlurmCluster, tmp_path: Pa
         env=_client_env(slurm),
         timeout=150,
     )
-    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:] + slurm.logs()
-    assert "2 multirun job(s) failed" in p.stderr and "zero.hpz_size=3" in p.stderr
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:] + slurm.logs()
+    assert "2 multirun job(s) failed" in p.stderr and "optim.lr=1e+30" in p.stderr  # (as Hydra spells it)
     dead = json.loads((sweep / "0" / "failed.json").read_text())
-    assert dead["exit_code"] == 1 and dead["overrides"][0] == "zero.hpz_size=2"
+    assert dead["exit_code"] == 1 and dead["overrides"][0] == "optim.lr=0.003"
     assert dead["error"].startswith("Slurm job ") and "ended without a result" in dead["error"]
     assert not (sweep / "0" / "summary.json").exists()
-    invalid = json.loads((sweep / "1" / "failed.json").read_text())
-    assert "hpz_size" in invalid["error"] and invalid["exit_code"] == 2
+    diverged = json.loads((sweep / "1" / "failed.json").read_text())
+    assert "diverged" in diverged["error"] and diverged["exit_code"] == 3
     summary = json.loads((sweep / "2" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 2 and "zero.hpz_size=1" in summary["overrides"]
+    assert summary["status"] == "completed" and summary["steps"] == 2 and "optim.lr=0.002" in summary["overrides"]
     # the runner ran inside Slurm jobs (submitit's folder per array task, a result from each that ran)
     tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name)
     assert len(tasks) == 3 and [(sweep / ".submitit" / t / f"{t}_0_result.pkl").is_file() for t in tasks] == [
@@ -99,7 +99,32 @@ def test_sweep_submits_one_slurm_job_per_point(slurm: SlurmCluster, tmp_path: Pa
     )
     assert r.returncode == 0, r.stderr
     md = (sweep / "report.md").read_text()
-    assert "2 failed" in md and "zero.hpz_size=3" in md and "zero.hpz_size=2" in md
+    assert "2 failed" in md and "optim.lr=1e+30" in md and "optim.lr=0.003" in md
+
+
+def test_an_invalid_point_is_refused_before_submitting(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A sweep whose second point cannot work (an hpZ group that does not divide the node) is refused
+    by the submitting command before any Slurm job exists: exit 2 naming the point, no array
+    submitted (``hydra/sweeper=zeropp``), run from outside the checkout (Hydra's plugin scan must
+    find the sweeper and the launcher there too)."""
+    sweep = tmp_path / "sweep"
+    before = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env={**os.environ, **_client_env(slurm)}
+    )
+    p = run_cli(
+        ["-m", "zero.hpz_size=2,3", "quant=hpz", "topology=1x2", *TINY_CPU, "hydra/launcher=slurm"]
+        + ["slurm.time_min=5", f"hydra.sweep.dir={sweep}"],
+        env=_client_env(slurm),
+        timeout=150,
+        cwd=tmp_path,
+    )
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "1 of 2 sweep point(s) cannot run; no point was started" in p.stderr and "zero.hpz_size=3" in p.stderr
+    assert not (sweep / ".submitit").exists()
+    after = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env={**os.environ, **_client_env(slurm)}
+    )
+    assert after.stdout == before.stdout
 
 
 def test_train_sbatch_runs_torchrun_with_the_topology_from_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -99,6 +99,24 @@ def test_buffers_still_referenced_by_the_backend_are_held_until_released() -> No
     del keep
 
 
+def test_keep_held_ends_the_wait_and_keeps_the_tensors_alive(recwarn: pytest.WarningsRecorder) -> None:
+    """After an abort the backend may never release what it holds: ``keep_held`` stops the wait
+    (close returns at once, clean, no warning) and the tensors stay referenced by the context, so
+    a late release by the backend is still never the last one."""
+    ctx = context.CommContext()
+    backend_refs: list[torch.Tensor] = []
+    t = torch.zeros(3)
+    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])  # noqa: F821 (called here, before `del t`)
+    freed = []
+    weakref.finalize(t, freed.append, "t")
+    del t
+    assert ctx.keep_held() == 1 and ctx.held == 0
+    assert ctx.close(timeout=30) and not recwarn.list
+    backend_refs.clear()  # the backend lets go late: the context's reference remains
+    assert not freed
+    assert ctx.keep_held() == 0
+
+
 # ------------------------------------------------------------------ backend threads at exit
 def _named_thread(name: str, busy: threading.Event, stop: threading.Event) -> threading.Thread:
     """A thread that gives itself the Linux name ``name`` (as gloo's workers are named), then

@@ -8,6 +8,9 @@ Here: the one-process checks of this topic; its other tiers' checks are in
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +18,7 @@ from hydra import compose, initialize_config_module
 
 from tests.cli_helpers import run_cli
 from tests.experiment_helpers import CLI_ERRORS, composed_config
+from tests.experiment_helpers import run_cli as run_cli_subprocess
 from zeropp.comm import Topology
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.experiments.runner.config import SECTION_CLASSES, ConfigError, from_dict, from_omegaconf
@@ -184,11 +188,60 @@ def test_cli_errors_exit_2_naming_the_key_without_ranks(tmp_path, monkeypatch, c
         assert time.monotonic() - t0 < 30
 
 
+def test_deleting_a_group_choice_passes_and_a_schema_key_is_refused() -> None:
+    """``~quant`` drops a group's choice (Hydra's meaning, allowed); ``~train.steps`` would delete a
+    schema key, which always has a value: refused with how to set it instead (no ``null`` offered
+    for a key that cannot be null)."""
+    check_overrides(["~quant", "~hydra.run.dir"])
+    with pytest.raises(ConfigError, match=r"~train\.steps=5 deletes a key.*set it instead: train\.steps=<value>$"):
+        check_overrides(["~train.steps=5"])
+
+
 def test_resume_without_a_checkpoint_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
     """``resume=true`` where no checkpoint was written: exit 2 naming the folder, no rank started."""
     code, err = run_cli(["resume=true", "logger=none", "model=tiny"], tmp_path / "run", monkeypatch, capfd)
     assert code == 2, err
     assert "resume=true but there is no checkpoint under" in err and str(tmp_path / "run") in err, err
+
+
+def test_resume_of_a_finished_run_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """``resume=true`` where the newest checkpoint is of the last step (or later): exit 2 naming the
+    checkpoint's step and ``train.steps``, no rank started; an earlier step passes this check."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / "ckpt-00000004-0123456789abcdef").mkdir(parents=True)
+    (ckpt / "LATEST").write_text("ckpt-00000004-0123456789abcdef\n")
+    for steps in (4, 3):
+        code, err = run_cli(
+            ["resume=true", "logger=none", "model=tiny", f"train.steps={steps}"], tmp_path / "run", monkeypatch, capfd
+        )
+        assert code == 2, err
+        assert f"newest checkpoint in {ckpt} is of step 4 and train.steps={steps}" in err, err
+        assert "already finished" in err and "train.steps=8" in err, err
+    rc = from_dict(composed_config("resume=true", "train.steps=5"))
+    rc.check_run_dir(tmp_path / "run")  # step 4 of 5: there is a step left to train
+
+
+def test_the_runners_hydra_plugins_are_found_outside_the_checkout(tmp_path) -> None:
+    """From another directory (an editable install maps ``hydra_plugins.zeropp_*`` through its import
+    hook, which Hydra's plugin scan does not list) the runner's sweeper and Slurm launcher are still
+    Hydra plugins, and a sweep with an invalid point is refused by that sweeper before any starts."""
+    probe = (
+        "import zeropp.experiments.runner.run\n"
+        "from hydra.core.plugins import Plugins\n"
+        "from hydra.plugins.launcher import Launcher\n"
+        "from hydra.plugins.sweeper import Sweeper\n"
+        "print(*(c.__name__ for c in Plugins.instance().discover(Sweeper) + Plugins.instance().discover(Launcher)))\n"
+    )
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert "ZeroppSweeper" in found.stdout.split(), found.stdout
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None:  # the slurm extra
+        assert "ZeroppSlurmLauncher" in found.stdout.split(), found.stdout
+    p = run_cli_subprocess(
+        ["-m", "model=tiny", "logger=none", "zero.reduce_bucket_size=1000,-5", f"hydra.sweep.dir={tmp_path / 's'}"],
+        cwd=tmp_path,
+    )
+    assert p.returncode == 2 and "1 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
 
 
 def test_omegaconf_entry_and_roundtrip() -> None:

@@ -209,3 +209,18 @@ def test_an_interrupted_report_leaves_whole_files_that_are_still_its_own(
     assert not [n for n in files if n.endswith(".tmp")]
     write_report(root)
     assert "7,777" in (root / REPORT).read_text()
+
+
+def test_a_diverged_run_is_a_row_marked_so_with_no_final_loss(tmp_path: Path) -> None:
+    """A sweep point that diverged leaves a summary whose final loss is null (NaN is not JSON): its
+    row says so and shows ``-`` for the missing figures, and the figures are still drawn (before:
+    a TypeError from the table)."""
+    root = _sweep(tmp_path)
+    s = json.loads((root / "1" / "summary.json").read_text())
+    s.update(status="diverged", steps=2, loss={"first": 5.0, "final": None, "eval": None, "curve": [5.0, None]})
+    (root / "1" / "summary.json").write_text(json.dumps(s))
+    write_report(root)
+    md = (root / REPORT).read_text()
+    row = next(line for line in md.splitlines() if "run1" in line)
+    assert "run1 (diverged at step 2)" in row and row.rstrip().endswith("| - | - |"), row
+    assert all((root / p).stat().st_size > 0 for p in PLOTS)

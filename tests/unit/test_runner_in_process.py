@@ -128,6 +128,25 @@ def test_a_sweep_into_earlier_runs_stops_before_its_first_job(
     assert calls == [] and sorted(x.name for x in tmp_path.rglob("*")) == ["0", "summary.json"]
 
 
+def test_a_sweep_with_an_invalid_later_point_starts_no_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every point of a sweep is checked before the first starts (``hydra/sweeper=zeropp``): a
+    bucket size only the third point gets is named with its point; exit 2, no job directory, no
+    launch (before, the first two points ran)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    args = ["-m", *MINI_1X2_CPU, "zero.reduce_bucket_size=1000,2000,-5", f"hydra.sweep.dir={sweep}"]
+    p = run_cli_here(args, capfd, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "1 of 3 sweep point(s) cannot run; no point was started" in p.stderr, p.stderr[-2000:]
+    assert "zero.reduce_bucket_size=-5: invalid config" in p.stderr and "reduce_bucket_size must be >= 1" in p.stderr
+    assert calls == [] and not [d for d in sweep.iterdir() if d.is_dir()]
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "zero.reduce_bucket_size=1000,2000", f"hydra.sweep.dir={sweep}"], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # valid points run as before
+
+
 def test_an_empty_metrics_file_or_unused_checkpoints_do_not_block_a_fresh_run(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

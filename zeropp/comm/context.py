@@ -74,6 +74,7 @@ __all__ = [
     "DEBUG_ENV",
     "DEBUG_LATE_S",
     "CommContext",
+    "abort_process_groups",
     "current",
     "debug_collectives_from_env",
     "debug_streams_from_env",
@@ -163,6 +164,7 @@ class CommContext:
         self._on_destroy: Optional[weakref.finalize] = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._held: list[tuple[torch.Tensor, int, Optional[object]]] = []  # tensor, count before, pin
+        self._kept: list[tuple[torch.Tensor, int, Optional[object]]] = []  # held for good (keep_held)
 
     # -------------------------------------------------------------- the comm worker
     def submit(self, job: Callable[[], None]) -> None:
@@ -287,6 +289,19 @@ class CommContext:
         """Drop (on this thread, which holds the GIL) what the backend no longer references."""
         self._held = [h for h in self._held if _use_count(h[0]) > h[1]]
 
+    def keep_held(self) -> int:
+        """Stop waiting for the backend to release what it holds: those tensors stay referenced for
+        the rest of the process (as after :meth:`close`'s timeout, without its warning). For after
+        the process groups were aborted, whose issued work never completes, so the backend may
+        never release its buffers and :meth:`close` would wait its whole timeout. Returns how
+        many tensors are kept."""
+        with self._lock:
+            self._prune()
+            kept = len(self._held)
+            self._kept.extend(self._held)
+            self._held = []
+        return kept
+
     def _release_held(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
@@ -377,6 +392,35 @@ def _backend_threads_settle(timeout: float = SETTLE_TIMEOUT_S, interval: float =
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+_ABORTED: list[object] = []
+"""Process groups :func:`abort_process_groups` aborted, referenced until the process exits: a gloo
+group's destructor waits for its issued work, which an abort does not end, so the last reference
+must not be dropped on a caller's path (only at exit, when the peers are gone or leaving)."""
+
+
+def abort_process_groups() -> bool:
+    """Abort every process group of this process, for a rank that leaves alone (an error of its
+    own, a launcher's SIGTERM) while its peers may still be in a collective with it. Destroying
+    the groups instead (``destroy_process_group``) would wait, in C++, for work this rank issued
+    that its peers never join, until the group's timeout; meanwhile the peers stay blocked in
+    gloo, where their own SIGTERM handler cannot run. After this call torch knows no group
+    (``dist.is_initialized()`` is False; do not destroy them), the aborted groups stay referenced
+    until exit (:data:`_ABORTED`) and so do the buffers the backend holds
+    (:meth:`CommContext.keep_held`): the process exits at once, its connections close, and the
+    peers' calls fail with a "connection closed" error. NCCL communicators are aborted for real.
+    Returns whether it aborted (False: no group, or torch refused, which a warning names)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:  # torch's own abort of every group (no public one for all groups yet)
+        _ABORTED.extend(torch.distributed.distributed_c10d._world.pg_names)
+        torch.distributed.distributed_c10d._abort_process_group()
+    except Exception as e:
+        warnings.warn(f"zeropp.comm: aborting the process groups failed ({type(e).__name__}: {e})", stacklevel=2)
+        return False
+    current().keep_held()
+    return True
 
 
 def _close_at_exit() -> None:

@@ -82,6 +82,14 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank}.pt"
 
 
+def version_step(name: str) -> int:
+    """The training step a version folder's ``name`` (:data:`NAME`) was saved at."""
+    m = NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a checkpoint folder name (ckpt-<step>-<16 hex>)")
+    return int(m.group(1))
+
+
 def _is_version(d: Path) -> bool:
     """``d`` is named like a version and is a real directory (a symlink never is)."""
     return NAME.fullmatch(d.name) is not None and not d.is_symlink() and d.is_dir()

@@ -1,0 +1,62 @@
+"""``hydra/sweeper=zeropp`` (the runner's default sweeper): Hydra's basic sweeper that checks every
+point of a sweep before the first one starts.
+
+Hydra's basic sweeper composes each point's config before launching a batch (so a group option
+that does not exist fails at once), but the runner validates a point's settings only when that
+point's turn comes: a sweep whose fifth point cannot work (a bucket size that does not divide, a
+topology this host cannot start) used to run four points first, or, on Slurm, submit them. This
+sweeper hands every composed point to the runner's ``check_sweep_points`` (found through the task
+function's own module, as the Slurm launcher finds the runner: ``python -m experiments.run`` runs it
+as ``__main__``), which names each invalid point and exits 2 before any starts. A task function
+without that hook (another Hydra app in this environment) gets the basic sweeper unchanged.
+
+Hydra instantiates only sweeper classes defined under its ``hydra_plugins`` namespace package,
+hence this module; the class is registered in Hydra's config store as ``hydra/sweeper: zeropp``
+when Hydra scans its plugins.
+"""
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+CHECK_HOOK = "check_sweep_points"
+"""The function of the task's module that checks the composed points: ``hook(points)``, each point
+``(overrides, composed config)``; it exits the command itself when one is invalid."""
+
+
+@dataclass
+class ZeroppSweeperConf:
+    """The basic sweeper's settings (``max_batch_size``: points launched together, None: all;
+    ``params``: the sweep's key -> values), for the sweeper below."""
+
+    _target_: str = "hydra_plugins.zeropp_sweeper.ZeroppSweeper"
+    max_batch_size: Optional[int] = None
+    params: Optional[Dict[str, str]] = None
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="zeropp", node=ZeroppSweeperConf, provider="zeropp")
+
+
+class ZeroppSweeper(BasicSweeper):
+    """Hydra's basic sweeper; each batch of points (the whole sweep unless ``max_batch_size`` is
+    set) is checked by the task's :data:`CHECK_HOOK` before any of it is launched."""
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        module = sys.modules.get(getattr(task_function, "__module__", ""))
+        self.check_points: Optional[Callable[[list[tuple[list[str], DictConfig]]], Any]] = getattr(
+            module, CHECK_HOOK, None
+        )
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        if self.check_points is None:
+            super().validate_batch_is_legal(batch)
+            return
+        assert self.hydra_context is not None and self.config is not None
+        loader = self.hydra_context.config_loader
+        self.check_points([(list(o), loader.load_sweep_config(self.config, list(o))) for o in batch])
