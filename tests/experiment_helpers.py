@@ -38,7 +38,7 @@ CLI_ERRORS: list[tuple[list[str], list[str]]] = [
     (["trainer=ddp", "zero.prefetch_depth=3"], ["prefetch_depth", "trainer=ddp"]),
     (["train.steps=abc"], ["error: invalid config: train.steps=abc: expected an integer"]),
     (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
-    (["~zero.grad_clip"], ["~zero.grad_clip deletes a key", "zero.grad_clip=null to turn it off"]),
+    (["~zero.grad_clip"], ["~zero.grad_clip deletes a key", "zero.grad_clip=<value> (null is one of its values)"]),
     (["~train.stpes"], ["unknown config key 'train.stpes'", "did you mean train.steps"]),
     *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import re
 import types
 import typing
 from pathlib import Path
@@ -268,6 +269,10 @@ def check_fresh_outputs(args: list[str]) -> None:
         return
 
 
+_DELETION = re.compile(r"~[A-Za-z_][\w.]*(=|$)")
+"""Hydra's deletion override, ``~key`` or ``~key=value`` (not a value such as ``~/conf``)."""
+
+
 def _check_deletion(arg: str, groups: list[str]) -> None:
     """``~key``: Hydra deletes a config group's choice (``~quant``: the library's defaults), but
     every key of the run's config belongs to its schema and cannot be deleted (Hydra fails
@@ -276,11 +281,15 @@ def _check_deletion(arg: str, groups: list[str]) -> None:
     if key in groups:
         return
     tp = _check_key(key)  # an unknown key: named, with the closest one
+    if _sub_schema(tp) is not None:
+        raise ConfigError(
+            f"invalid config: {arg} deletes a section, but {key} is part of the run's schema; set its "
+            f"keys instead ({key}.<key>=<value>)"
+        )
     optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
-    instead = f"{key}=<value>" + (f", or {key}=null to turn it off" if optional else "")
     raise ConfigError(
         f"invalid config: {arg} deletes a key, but {key} is part of the run's schema and always has a "
-        f"value; set it instead: {instead}"
+        f"value; set it instead: {key}=<value>" + (" (null is one of its values)" if optional else "")
     )
 
 
@@ -292,7 +301,7 @@ def check_overrides(args: list[str]) -> None:
     for arg in args:
         if arg.startswith(OUTPUT_DIR_KEYS) and arg.split("=", 1)[0] in OUTPUT_DIR_KEYS:
             _check_output_dir(arg)
-        if arg.startswith("~") and not arg.startswith(("~hydra.", "~hydra/")):
+        if _DELETION.match(arg) and not arg.startswith(("~hydra.", "~hydra/")):
             _check_deletion(arg, groups)
             continue
         if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:

@@ -55,7 +55,7 @@ from .preflight import check_before_launch
 from .slurm import check_slurm_keys, check_slurm_launch
 
 schema.register()
-plugins.expose()  # before Hydra scans for plugin classes (hydra/sweeper=zeropp, hydra/launcher=slurm)
+plugins.register()  # hydra/sweeper=zeropp, hydra/launcher=slurm: known to Hydra from any directory
 
 
 def _run_dir_suffix(default: str) -> str:
@@ -316,6 +316,7 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
     will validate them, its Slurm keys, and, with the local launcher, this host's checks (corpus,
     ranks and memory, writable directories; run directories stand in by the sweep's). Each invalid
     point is named with its error, then the command exits 2 and no point has started."""
+    shared = set.intersection(*(set(o) for o, _ in points)) if len(points) > 1 else set()
     bad: list[str] = []
     for overrides, cfg in points:
         launcher = cfg.hydra.runtime.choices.get("hydra/launcher")
@@ -325,7 +326,8 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
             if launcher in (None, "basic"):
                 check_before_launch(rc, Path(str(cfg.hydra.sweep.dir)), local=True)
         except ConfigError as e:
-            bad.append(f"  {' '.join(overrides) or '(no overrides)'}: {e}")
+            own = [o for o in overrides if o not in shared]  # what tells the point from the others
+            bad.append(f"  {' '.join(own) or '(no overrides)'}: {e}")
     if bad:
         print(
             f"error: {len(bad)} of {len(points)} sweep point(s) cannot run; no point was started:\n" + "\n".join(bad),
@@ -407,6 +409,7 @@ def cli() -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    plugins.register()  # again: a registry made since this module's import lacks them
     _hydra_main()
     if _failed:
         print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)

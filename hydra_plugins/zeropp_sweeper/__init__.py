@@ -11,8 +11,8 @@ as ``__main__``), which names each invalid point and exits 2 before any starts. 
 without that hook (another Hydra app in this environment) gets the basic sweeper unchanged.
 
 Hydra instantiates only sweeper classes defined under its ``hydra_plugins`` namespace package,
-hence this module; the class is registered in Hydra's config store as ``hydra/sweeper: zeropp``
-when Hydra scans its plugins.
+hence this module; importing it stores ``hydra/sweeper: zeropp`` in Hydra's config store, and the
+runner registers the class with Hydra wherever it is installed (``experiments/runner/plugins.py``).
 """
 
 import sys
@@ -43,8 +43,8 @@ ConfigStore.instance().store(group="hydra/sweeper", name="zeropp", node=ZeroppSw
 
 
 class ZeroppSweeper(BasicSweeper):
-    """Hydra's basic sweeper; each batch of points (the whole sweep unless ``max_batch_size`` is
-    set) is checked by the task's :data:`CHECK_HOOK` before any of it is launched."""
+    """Hydra's basic sweeper; every point of the sweep (of all batches, when ``max_batch_size``
+    splits it) is checked by the task's :data:`CHECK_HOOK` before the first batch is launched."""
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -52,11 +52,16 @@ class ZeroppSweeper(BasicSweeper):
         self.check_points: Optional[Callable[[list[tuple[list[str], DictConfig]]], Any]] = getattr(
             module, CHECK_HOOK, None
         )
+        self.checked = False
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         if self.check_points is None:
             super().validate_batch_is_legal(batch)
             return
+        if self.checked:
+            return  # every batch's points were checked before the first batch
+        self.checked = True
         assert self.hydra_context is not None and self.config is not None
         loader = self.hydra_context.config_loader
-        self.check_points([(list(o), loader.load_sweep_config(self.config, list(o))) for o in batch])
+        points = [o for b in self.overrides or [batch] for o in b]
+        self.check_points([(list(o), loader.load_sweep_config(self.config, list(o))) for o in points])

@@ -7,6 +7,8 @@ Here: the gloo-world checks. The topic's full description and its one-process ch
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -155,3 +157,58 @@ def test_a_rank_failing_with_work_in_flight_unblocks_its_peer_at_once(tmp_path: 
         )
     assert failure.value.rank == 0 and "fails with a collective in flight" in str(failure.value), failure.value
     assert "closed" in note.read_text().lower(), note.read_text()  # unblocked by rank 0's exit, not killed
+
+
+def test_a_module_rank_aborting_with_a_continuation_in_flight_exits_at_once(tmp_path: Path) -> None:
+    """The runner's ranks exit the normal way (atexit hooks, finalization): with the comm worker
+    waiting on the aborted work, the exit neither joins that worker (30 s) nor destroys the
+    aborted groups (a destructor that waits until the group's timeout, 120 s here, then
+    ``terminate called``, exit 134). Rank 0 exits 1 at once; its peer's wait fails with a closed
+    connection within seconds."""
+    store, note = tmp_path / "store", tmp_path / "note"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.abort_rank", str(r), str(store), str(note)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        for r in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [p.stdout.read() if p.stdout else "" for p in procs]
+    assert codes == [1, 0], (codes, logs)
+    assert "terminate called" not in logs[0] and "did not finish" not in logs[0], logs[0]
+    seconds, _, error = note.read_text().partition(" ")
+    assert "closed" in error.lower() and float(seconds) < 30, note.read_text()
+
+
+def _abort_then_init_again(rank: int, world: int, store: str) -> dict:
+    ctx = context.current()
+    t = torch.full((3,), float(rank + 1))
+    chain.submit(lambda: backend_all_reduce(t, dist.ReduceOp.SUM, None, False), CPU).wait()
+    aborted = context.abort_process_groups()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    u = torch.full((3,), 10.0 * (rank + 1))
+    chain.submit(lambda: backend_all_reduce(u, dist.ReduceOp.SUM, None, False), CPU).wait()
+    alive = ctx.worker_alive
+    dist.destroy_process_group()  # the new world's destroy stops the new worker
+    return {
+        "aborted": aborted,
+        "first": t.tolist(),
+        "second": u.tolist(),
+        "alive": alive,
+        "stopped": not ctx.worker_alive,
+    }
+
+
+def test_after_an_abort_a_new_world_gets_a_worker_its_destroy_stops(tmp_path: Path) -> None:
+    for r in run_world(_abort_then_init_again, 2, str(tmp_path / "store")):
+        assert r["aborted"] and r["first"] == [3.0] * 3 and r["second"] == [30.0] * 3, r
+        assert r["alive"] and r["stopped"], r

@@ -250,7 +250,7 @@ def test_runner_resume_refuses_crafted_metadata(world, tmp_path):
             "topology=1x2",
             "logger=none",
             "model=tiny",
-            "train.steps=4",
+            "train.steps=100",  # after the crafted checkpoint's step 40: the load is reached
             "resume=true",
             f"train.checkpoint_dir={base / 'ckpt'}",
             f"hydra.run.dir={tmp_path}",

@@ -192,9 +192,11 @@ def test_deleting_a_group_choice_passes_and_a_schema_key_is_refused() -> None:
     """``~quant`` drops a group's choice (Hydra's meaning, allowed); ``~train.steps`` would delete a
     schema key, which always has a value: refused with how to set it instead (no ``null`` offered
     for a key that cannot be null)."""
-    check_overrides(["~quant", "~hydra.run.dir"])
+    check_overrides(["~quant", "~hydra.run.dir", "--config-dir", "~/conf"])
     with pytest.raises(ConfigError, match=r"~train\.steps=5 deletes a key.*set it instead: train\.steps=<value>$"):
         check_overrides(["~train.steps=5"])
+    with pytest.raises(ConfigError, match=r"~zero deletes a section.*set its keys instead \(zero\.<key>=<value>\)"):
+        check_overrides(["~zero"])
 
 
 def test_resume_without_a_checkpoint_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:

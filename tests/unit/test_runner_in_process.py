@@ -142,6 +142,10 @@ def test_a_sweep_with_an_invalid_later_point_starts_no_point(
     assert p.returncode == 2, p.stderr[-2000:]
     assert "1 of 3 sweep point(s) cannot run; no point was started" in p.stderr, p.stderr[-2000:]
     assert "zero.reduce_bucket_size=-5: invalid config" in p.stderr and "reduce_bucket_size must be >= 1" in p.stderr
+    assert "\n  zero.reduce_bucket_size=-5: invalid config" in p.stderr  # only what sets the point apart
+    assert calls == [] and not [d for d in sweep.iterdir() if d.is_dir()]
+    p = run_cli_here([*args, "hydra.sweeper.max_batch_size=1"], capfd, timeout=120)  # batches of one: all checked first
+    assert p.returncode == 2 and "1 of 3 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
     assert calls == [] and not [d for d in sweep.iterdir() if d.is_dir()]
     p = run_cli_here(["-m", *MINI_1X2_CPU, "zero.reduce_bucket_size=1000,2000", f"hydra.sweep.dir={sweep}"], capfd)
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # valid points run as before

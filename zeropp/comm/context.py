@@ -56,6 +56,7 @@ that every rank of its group made the same call (``callcheck.py``).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import queue
 import threading
@@ -230,6 +231,20 @@ class CommContext:
                 self._wait_until_moved_on(since)
             job()
 
+    def abandon_worker(self) -> None:
+        """Stop waiting for the worker: after the process groups were aborted a continuation may
+        wait on aborted work for good. The worker (a daemon thread) is told to end after its
+        current job, if that ever returns, and is otherwise left to end with the process;
+        :meth:`close` no longer joins it and the next continuation starts a new worker."""
+        with self._lock:
+            q = self._queue
+            self._thread = self._queue = None
+            if self._on_destroy is not None:
+                self._on_destroy.detach()
+                self._on_destroy = None
+        if q is not None:
+            q.put(None)
+
     def _stop_worker(self, timeout: float) -> bool:
         """Let the worker finish what is queued, then join it (for at most ``timeout`` s)."""
         with self._lock:
@@ -394,32 +409,42 @@ def _backend_threads_settle(timeout: float = SETTLE_TIMEOUT_S, interval: float =
         time.sleep(interval)
 
 
-_ABORTED: list[object] = []
-"""Process groups :func:`abort_process_groups` aborted, referenced until the process exits: a gloo
-group's destructor waits for its issued work, which an abort does not end, so the last reference
-must not be dropped on a caller's path (only at exit, when the peers are gone or leaving)."""
+def _never_destroyed(obj: object) -> None:
+    """Give ``obj`` a reference nothing releases, so its destructor never runs in this process
+    (not even while the interpreter finalizes). For aborted gloo groups: their destructor waits in
+    C++ for their issued work, which an abort does not end, so it would hold the exit (or the
+    caller) until the group's timeout; the process's exit closes their sockets instead."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def abort_process_groups() -> bool:
     """Abort every process group of this process, for a rank that leaves alone (an error of its
-    own, a launcher's SIGTERM) while its peers may still be in a collective with it. Destroying
-    the groups instead (``destroy_process_group``) would wait, in C++, for work this rank issued
-    that its peers never join, until the group's timeout; meanwhile the peers stay blocked in
-    gloo, where their own SIGTERM handler cannot run. After this call torch knows no group
-    (``dist.is_initialized()`` is False; do not destroy them), the aborted groups stay referenced
-    until exit (:data:`_ABORTED`) and so do the buffers the backend holds
-    (:meth:`CommContext.keep_held`): the process exits at once, its connections close, and the
-    peers' calls fail with a "connection closed" error. NCCL communicators are aborted for real.
-    Returns whether it aborted (False: no group, or torch refused, which a warning names)."""
+    own, a launcher's SIGTERM) while its peers may still be in a collective with it; the process
+    should exit soon after. Destroying the groups instead (``destroy_process_group``) would wait,
+    in C++, for work this rank issued that its peers never join, until the group's timeout, and
+    the peers would stay blocked in gloo meanwhile (where their own SIGTERM handler cannot run).
+
+    After this call torch knows no group (``dist.is_initialized()`` is False; do not destroy
+    them); the aborted groups are never destroyed in this process (:func:`_never_destroyed`); the
+    comm worker, which may wait on aborted work for good, is left to end with the process
+    (:meth:`CommContext.abandon_worker`) and what the backend holds stays referenced
+    (:meth:`CommContext.keep_held`). Nothing then holds the exit: the process ends, its sockets
+    close, and the peers' calls fail with a "connection closed" error (gloo's abort alone closes
+    nothing). NCCL communicators are aborted for real. A later ``init_process_group`` works (a
+    new worker starts), but the aborted groups' threads and sockets stay until exit. Returns
+    whether it aborted (False: no group, or torch refused, which a warning names)."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     try:  # torch's own abort of every group (no public one for all groups yet)
-        _ABORTED.extend(torch.distributed.distributed_c10d._world.pg_names)
+        for group in list(torch.distributed.distributed_c10d._world.pg_names):
+            _never_destroyed(group)
         torch.distributed.distributed_c10d._abort_process_group()
     except Exception as e:
         warnings.warn(f"zeropp.comm: aborting the process groups failed ({type(e).__name__}: {e})", stacklevel=2)
         return False
-    current().keep_held()
+    ctx = current()
+    ctx.abandon_worker()
+    ctx.keep_held()
     return True
 
 
