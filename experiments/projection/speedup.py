@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 from zeropp.comm.spec import RECIPES
 
 from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
+from .flags import fraction, positive_count, positive_rate
 from .scaling import Projection, gpt_units, project
 from .spec import Cluster, Workload
 from .text_table import Column, number, text_table
@@ -149,18 +150,20 @@ def main(
     from pathlib import Path
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC")
-    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument(
+        "--gbps", type=positive_rate, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC"
+    )
+    ap.add_argument("--ranks-per-node", type=positive_count, default=8)
     ap.add_argument(
         "--nics-per-node",
-        type=int,
+        type=positive_count,
         default=None,
         help="cross-node NICs per node, each shared by ranks-per-node/nics ranks (default: one per GPU)",
     )
-    ap.add_argument("--max-gpus", type=int, default=384)
-    ap.add_argument("--tokens-per-gpu", type=int, default=1024)
-    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
-    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
+    ap.add_argument("--max-gpus", type=positive_count, default=384)
+    ap.add_argument("--tokens-per-gpu", type=positive_count, default=1024)
+    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per GPU")
+    ap.add_argument("--overlap", type=fraction, default=0.0, help="fraction of comm hidden under compute")
     ap.add_argument(
         "--plot",
         default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
@@ -173,6 +176,10 @@ def main(
         "bandwidths and quantization rates replace the hand-set constants (its inter-node rate replaces --gbps)",
     )
     a = ap.parse_args(argv)
+    if a.nics_per_node is not None and a.ranks_per_node % a.nics_per_node:
+        ap.error(f"--nics-per-node {a.nics_per_node} must divide --ranks-per-node {a.ranks_per_node}")
+    if a.max_gpus < a.ranks_per_node:
+        ap.error(f"--max-gpus {a.max_gpus} is less than one node (--ranks-per-node {a.ranks_per_node})")
     try:
         cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
     except ClusterFileError as e:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
+from ..projection.flags import positive_rate
 from .config import ConfigError, RunConfig, without_hydra
 from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
 
@@ -44,8 +45,8 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default=None, help="node counts to plan, comma-separated (e.g. 4,32,384)")
     ap.add_argument("--out", default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json")
-    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
-    ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
+    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per rank")
+    ap.add_argument("--gbps", type=positive_rate, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
     ap.add_argument(
         "--cluster-file",
         default=None,
