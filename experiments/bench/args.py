@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropp.output_files import OutputFileError, check_output_file, json_file_is
+
 from ..runner.config import run_records
 
 
@@ -37,6 +39,24 @@ def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
             f"--out {out} already holds runs ({held[0]}{more}), which this benchmark's runs would overwrite; "
             "choose a new --out (or leave it out for a temporary directory)"
         )
+
+
+def check_json_output(p: argparse.ArgumentParser, path: str | None, flag: str, shape: Callable[[Any], bool]) -> None:
+    """A ``--json FILE`` (or another JSON output) the benchmark can write at its end, checked before
+    it measures anything: argparse's usage error (exit 2) for a directory, a directory refusing new
+    files, or an existing file that is not JSON of the benchmark's own ``shape`` (a user's file is
+    never overwritten; zeropp.output_files)."""
+    if path is None:
+        return
+    try:
+        check_output_file(Path(path), flag, ours=lambda f: json_file_is(f, shape))
+    except OutputFileError as e:
+        p.error(str(e))
+
+
+def json_with_keys(*keys: str) -> Callable[[Any], bool]:
+    """The shape test of a JSON object holding at least ``keys`` (a benchmark's ``--json`` document)."""
+    return lambda doc: isinstance(doc, dict) and all(k in doc for k in keys)
 
 
 def require_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, names: Iterable[str], low: int) -> None:

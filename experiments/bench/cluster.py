@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zeropp.output_files import write_output_file
+
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
 from ..projection.calibration import measure_loopback_gbps
 from ..projection.cluster_file import ClusterFile, ClusterFileError, read_cluster_file
@@ -65,7 +67,7 @@ from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.preflight import host_cpus
 from ..runner.run import run_job
-from .args import check_fresh_out, check_run_lengths
+from .args import check_fresh_out, check_json_output, check_run_lengths, json_with_keys
 from .cluster_check import (
     CHECK_GRID,
     CHECK_TOLERANCE,
@@ -348,6 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not all(g > 0 for g in a.gbps):
         p.error(f"every --gbps rate must be > 0, got {a.gbps}")
     check_fresh_out(p, a.out)
+    check_json_output(p, a.json, "--json", json_with_keys("args", "rows"))
     return a
 
 
@@ -391,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_check(hand, tolerance=a.tolerance / 100)[0])
             print("\n" + compare_constants(check_cells(rows), hand))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+        write_output_file(Path(a.json), json.dumps({"args": vars(a), "rows": rows}, indent=1))
     return 0 if ok else 1
 
 

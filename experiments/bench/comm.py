@@ -41,10 +41,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from zeropp.output_files import write_output_file
+
 from ..launch import ModuleEntry, RankFailure, in_torchrun, launch_world
-from ..projection.cluster_file import ClusterFile, link_fit, write_cluster_file
+from ..projection.cluster_file import KIND, ClusterFile, link_fit, write_cluster_file
 from ..runner.launcher import emulated_placement, local_placement
+from .args import check_json_output, json_with_keys
 from .comm_rank import GROUPS, OPS, CommBenchSpec, format_specs, rank_main
+
+JSON_SHAPE = json_with_keys("backend", "nodes", "ranks_per_node", "rows")
+"""What ``--json`` writes (rank 0's result): an earlier run's file of this shape may be replaced, nothing else."""
 
 GPU_MAX_BYTES = 1 << 30
 CPU_MAX_BYTES = 1 << 22
@@ -145,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cluster emulated needs --nodes >= 2 and --gbps > 0, got {a.nodes} and {a.gbps}")
     if a.calibrate and "all_gather" not in a.ops:
         p.error("--calibrate fits the plain all-gathers: keep all_gather in --ops")
+    check_json_output(p, a.json, "--json", JSON_SHAPE)
+    check_json_output(p, a.calibrate, "--calibrate", lambda doc: isinstance(doc, dict) and doc.get("kind") == KIND)
     return a
 
 
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code if e.exit_code == 2 else 1
     print(format_rows(result))
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_output_file(Path(a.json), json.dumps(result, indent=1))
     if a.calibrate:
         source: dict[str, Any] = {
             "command": " ".join(["python -m experiments.bench_comm", *(argv if argv is not None else sys.argv[1:])]),

@@ -40,16 +40,19 @@ import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from zeropp.kernels import cpu_adamw
+from zeropp.output_files import write_output_file
 from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
 
 from ..runner.trainer_registry import TRAINER_SPECS
+from .args import check_json_output, json_with_keys
 
 CFG = OptimizerConfig(lr=1e-3, weight_decay=0.01)
 
@@ -294,6 +297,18 @@ def format_report(adam: list[dict[str, Any]], swap: dict[str, Any] | None, a: ar
     return "\n".join(lines)
 
 
+JSON_SHAPE = json_with_keys("adam", "swap", "args")
+"""What ``--json`` writes: an earlier run's file of this shape may be replaced, nothing else."""
+
+
+def _probe_dir(path: str) -> None:
+    """Create and remove a file in ``path``: OSError when the directory takes no new files (mode
+    bits are not enough to tell: root ignores them, and /proc or a read-only mount refuses anyway)."""
+    fd, probe = tempfile.mkstemp(prefix=".bench_offload-", suffix=".probe", dir=path)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_offload", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1M,4M,16M,64M", help="fp32 elements of the AdamW benchmarks (k/M/G = 1024^n)")
@@ -322,6 +337,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--buffers must be >= 2")
     if not os.path.isdir(a.dir):
         p.error(f"--dir {a.dir} is not a directory")
+    if a.swap_mib:
+        try:
+            _probe_dir(a.dir)
+        except OSError as e:
+            p.error(f"--dir {a.dir} cannot take the swap test's files ({e.strerror or e}); choose a writable directory")
+    check_json_output(p, a.json, "--json", JSON_SHAPE)
     return a
 
 
@@ -335,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     swap = bench_swap(a.dir, a.swap_mib, a.buffers, a.buffer_size, a.swap_numel) if a.swap_mib else None
     print(format_report(adam, swap, a))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"adam": adam, "swap": swap, "args": vars(a)}, f, indent=1)
+        write_output_file(Path(a.json), json.dumps({"adam": adam, "swap": swap, "args": vars(a)}, indent=1))
     return 0
 
 

@@ -10,9 +10,11 @@ paper's 18B GPT across cluster sizes and link rates), printed and plotted.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from zeropp.comm.spec import RECIPES
+from zeropp.output_files import OutputFileError, check_output_file, write_output_file
 
 from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
 from .flags import fraction, positive_count, positive_rate
@@ -113,7 +115,36 @@ def format_table(rows: list[dict[str, float]]) -> str:
     return text_table(PROJECTION_COLUMNS, rows)
 
 
+PLOT_TAG = "zeropp experiments.scaling"
+"""Written into every plot's metadata (PNG ``Software``, PDF / SVG ``Creator``): how a later run
+tells its own earlier plot, which it may replace, from a file of the user's, which it refuses."""
+PLOT_SUFFIXES = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
+"""The file types ``--plot`` writes, each with the metadata key that carries :data:`PLOT_TAG`."""
+
+
+def is_our_plot(path: Path) -> bool:
+    """Whether ``path`` is a plot this command wrote (it carries :data:`PLOT_TAG`)."""
+    try:
+        return PLOT_TAG.encode() in path.read_bytes()
+    except OSError:
+        return False
+
+
+def check_plot_path(path: Path) -> None:
+    """Refuse (:class:`zeropp.output_files.OutputFileError`) before the projection a ``--plot`` that
+    cannot be written or would replace a file this command did not write, or whose ending is not a
+    type it draws (a path without one was silently written as ``<path>.png``, beside it)."""
+    if path.suffix.lower() not in PLOT_SUFFIXES and not path.is_dir():
+        raise OutputFileError(
+            f"--plot {path}: name a {', '.join(PLOT_SUFFIXES)} file (the ending picks the type), or '' to skip the plot"
+        )
+    check_output_file(path, "--plot", ours=is_our_plot, create_parents=True, suffix_hint=".png")
+
+
 def plot(rows: list[dict[str, float]], path: str) -> None:
+    """Draw the throughput and speedup of ``rows`` into ``path`` (:data:`PLOT_SUFFIXES`), atomically."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,8 +165,11 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    kind = Path(path).suffix.lower()
+    buf = io.BytesIO()
+    fig.savefig(buf, format=kind[1:], dpi=120, metadata={PLOT_SUFFIXES[kind]: PLOT_TAG})
     plt.close(fig)
+    write_output_file(Path(path), buf.getvalue())
 
 
 def main(
@@ -147,7 +181,6 @@ def main(
     """The projection table and plot; ``projector`` as in :func:`speedup_table` (the scheduled
     model's CLI, ``python -m experiments.step_schedule``, passes its own)."""
     import argparse
-    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -180,6 +213,11 @@ def main(
         ap.error(f"--nics-per-node {a.nics_per_node} must divide --ranks-per-node {a.ranks_per_node}")
     if a.max_gpus < a.ranks_per_node:
         ap.error(f"--max-gpus {a.max_gpus} is less than one node (--ranks-per-node {a.ranks_per_node})")
+    if a.plot:
+        try:
+            check_plot_path(Path(a.plot))
+        except OutputFileError as e:
+            ap.error(str(e))
     try:
         cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
     except ClusterFileError as e:
@@ -219,7 +257,6 @@ def main(
     )
     print(format_table(rows))
     if a.plot:
-        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
 

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zeropp.output_files import OutputFileError, check_output_file, json_file_is, write_output_file
+
 from ..runner.console import human_bytes
 
 MODES = ("none", "int8", "int4")
@@ -155,6 +157,11 @@ def table(rows: list[dict[str, Any]], preset: str, lora_rank: int, steps: int, h
     return "\n".join(lines)
 
 
+def _is_rows(doc: Any) -> bool:
+    """Whether ``doc`` (parsed JSON) is what ``--json`` writes: a list of this study's rows."""
+    return isinstance(doc, list) and all(isinstance(r, dict) and "frozen_bytes" in r and "pass" in r for r in doc)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(prog="python -m experiments.mixz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small", help="GPT size (zeropp.models.gpt PRESETS), default small")
@@ -171,10 +178,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     a = ap.parse_args(argv)
     if a.lora_rank < 1 or a.steps < 1 or a.batch < 1:
         ap.error("--lora-rank, --steps and --batch must be >= 1")
+    if a.json is not None:
+        try:
+            check_output_file(a.json, "--json", ours=lambda f: json_file_is(f, _is_rows))
+        except OutputFileError as e:
+            ap.error(str(e))
     rows = run(a.preset, lora_rank=a.lora_rank, steps=a.steps, batch=a.batch, lr=a.lr, hpz=a.hpz)
     print(table(rows, a.preset, a.lora_rank, a.steps, a.hpz))
     if a.json is not None:
-        a.json.write_text(json.dumps(rows, indent=2))
+        write_output_file(a.json, json.dumps(rows, indent=2))
     return rows
 
 

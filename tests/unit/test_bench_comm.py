@@ -117,10 +117,15 @@ def test_main_writes_the_file_from_a_result(tmp_path, monkeypatch, capsys) -> No
     out = capsys.readouterr().out
     assert "| world | 4 | all_gather | plain | 4K |" in out and "inter: 100.0 us per message step" in out
     assert read_cluster_file(path).links["inter"].gbps == pytest.approx(1.0)
+    again = ["--calibrate", str(path), "--formats", "int8", "--json", str(tmp_path / "rows.json")]
+    assert comm.main(again) == 0  # its own earlier files are replaced
     foreign = tmp_path / "notes.json"
     foreign.write_text("[1, 2]")
-    assert comm.main(["--calibrate", str(foreign)]) == 2
-    assert "is not a cluster file" in capsys.readouterr().err and foreign.read_text() == "[1, 2]"
+    monkeypatch.setattr(comm, "launch", lambda a: pytest.fail("the sweep ran for a --calibrate it cannot write"))
+    with pytest.raises(SystemExit) as e:  # refused before the sweep, not after it
+        comm.main(["--calibrate", str(foreign)])
+    assert e.value.code == 2 and "is not a file this command wrote" in capsys.readouterr().err
+    assert foreign.read_text() == "[1, 2]"
 
 
 def test_under_torchrun_the_world_is_torchruns(monkeypatch, capsys) -> None:
