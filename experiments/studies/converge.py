@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 from ..runner.config import ConfigError
 from ..runner.launcher import RunInterrupted
-from .converge_report import write_outputs
+from .converge_report import check_out, write_outputs
 from .converge_suite import Runner, RunResult, SuiteConfig, compose
 
 
@@ -55,6 +55,7 @@ def run_suite(
         from ..runner.run import run_job
 
         runner = run_job
+    check_out(cfg)
     runs = cfg.out / "runs"
     if runs.is_dir() and any(runs.iterdir()):  # a run's metrics.jsonl would be appended to, its curve mixed
         raise ConfigError(

@@ -41,6 +41,10 @@ from ..runner.checks import ConfigError
 from ..runner.preflight import check_writable_dir
 from .format_capture import KINDS, LAYER_TYPES, CaptureConfig, capture
 from .format_metrics import as_rows, copy_gbs, measure, speed
+from .report_files import ReportError, check_outputs, write_outputs
+
+OUTPUTS = ("formats.json", "formats.md")
+"""What the study writes into ``--out``; a file of these names that it did not write is refused (report_files)."""
 
 DEFAULT_FORMATS = (
     "int8", "fp8", "mxfp8", "mxint8", "mxfp6",
@@ -196,15 +200,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for f in formats:
             format_specs(f)
         check_writable_dir("out", a.out)
-    except (ConfigError, ValueError) as e:
+        check_outputs(a.out, OUTPUTS)
+    except (ConfigError, ValueError) as e:  # ReportError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     result = study(formats, cfg, chunk=a.chunk, repeats=a.repeats, speed_mib=a.speed_mib)
     text = tables(result)
     print(text)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "formats.json").write_text(json.dumps(result, indent=1, default=str))
-    (a.out / "formats.md").write_text("```\n" + text + "\n```\n")
+    try:
+        write_outputs(
+            a.out,
+            {
+                "formats.json": json.dumps(result, indent=1, default=str).encode(),
+                "formats.md": ("```\n" + text + "\n```\n").encode(),
+            },
+        )
+    except ReportError as e:  # the directory changed during the study
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"\nnumbers: {a.out / 'formats.json'}")
     return result
 

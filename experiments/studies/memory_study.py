@@ -52,7 +52,8 @@ from torch import nn
 from ..runner.checks import ConfigError, check, pos_int
 from ..runner.console import human_bytes
 from ..runner.preflight import check_writable_dir
-from .memory_study_views import SHOWN_TIERS, check_table, phase_table, plot
+from .memory_study_views import SHOWN_TIERS, check_table, phase_table, plot_png
+from .report_files import ReportError, check_outputs, write_outputs
 
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("stage 0 (replicated)", {"stage": 0}),
@@ -241,10 +242,20 @@ def summarize(cfg: StudyConfig, per_rank: list[list[dict[str, Any]]]) -> dict[st
     }
 
 
+OUTPUTS = ("memory_study.png", "memory_study.json")
+"""What the study writes into ``--out``; a file of these names that it did not write is refused
+(report_files: an earlier study's files, listed in the manifest, are replaced)."""
+
+
 def _prepare_out(out: Path) -> None:
     """Create ``out``, after the runner's own check (``preflight.check_writable_dir``: refused,
-    before any rank starts, where it cannot be created or written)."""
+    before any rank starts, where it cannot be created or written) and the check that no file of
+    :data:`OUTPUTS` there is someone else's."""
     check_writable_dir("out", out)
+    try:
+        check_outputs(out, OUTPUTS)
+    except ReportError as e:
+        raise ConfigError(f"invalid config: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -294,9 +305,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         console.width = 160  # a log file: keep each row on one line
     console.print(phase_table(result))
     console.print(check_table(result))
-    png, js = cfg.out / "memory_study.png", cfg.out / "memory_study.json"
-    plot(result, png)
-    js.write_text(json.dumps(result, indent=1))
+    try:
+        png, js = write_outputs(
+            cfg.out, {OUTPUTS[0]: plot_png(result), OUTPUTS[1]: json.dumps(result, indent=1).encode()}
+        )
+    except ReportError as e:  # the directory changed during the study
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     console.print(f"plot: {png}\nnumbers: {js}")
     differ = [r["label"] for r in result["runs"] if not r["matches"]]
     if differ:

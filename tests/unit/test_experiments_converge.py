@@ -187,3 +187,29 @@ def test_every_named_scheme_composes_to_what_its_name_says(scheme: str) -> None:
     assert cfg.zero.grads.scheme == base.scheme and cfg.zero.grads.bits == base.bits
     assert (cfg.zero.grads.rotation == "hadamard") == ("_h" in scheme or base.rotation == "hadamard")
     assert cfg.zero.grads.error_feedback == ("_ef" in scheme or base.error_feedback)
+
+
+@pytest.mark.parametrize("kind", ["a user's converge.csv", "a file", "unwritable"])
+def test_an_out_the_tables_cannot_go_to_is_refused_before_any_run(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the suite trained, then a user's converge.csv was overwritten, or a FileExistsError /
+    FileNotFoundError traceback ended it after its runs."""
+    (tmp_path / "converge.csv").write_text("mine")
+    out = {"a user's converge.csv": tmp_path, "a file": tmp_path / "converge.csv", "unwritable": Path("/proc/conv")}
+    run, calls = _fake_runner({}, set())
+    assert converge.main(["schemes=fp,w4g4", f"out={out[kind]}", *TINY], runner=run) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid config: ") and str(out[kind]) in err and calls == []
+    assert (tmp_path / "converge.csv").read_text() == "mine"
+
+
+def test_a_second_suite_into_its_own_tables_replaces_them(tmp_path: Path) -> None:
+    evals = {(s, k): 4.0 for s in ("fp", "w4g4") for k in (0, 1)}
+    for i in range(2):
+        out = tmp_path / f"runs{i}"
+        run, _ = _fake_runner(evals, set())
+        assert converge.main(["schemes=fp,w4g4", "seeds=0,1", f"out={tmp_path}", *TINY], runner=run) == 0
+        (tmp_path / "runs").rename(out)  # a fresh suite needs an out= without runs
+    assert json.loads((tmp_path / "converge.json").read_text())["schemes"] == ["fp", "w4g4"]
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")

@@ -132,3 +132,14 @@ def test_the_command_prints_and_saves_a_table_per_kind(capsys, tmp_path) -> None
     by = {(r["kind"], r["format"]): r for r in result["rows"]}
     assert by[("grads", "int8")]["sqnr"] > by[("grads", "int4@g32")]["sqnr"] + 15  # ~6 dB per bit
     assert [s["format"] for s in saved["speed"]] == ["int8", "int4@g32"]
+
+
+def test_files_of_the_users_in_out_are_refused_before_training(monkeypatch, capsys, tmp_path) -> None:
+    """Before: a formats.md of the user's in --out was overwritten after the study."""
+    monkeypatch.setattr(fs, "capture", lambda cfg: pytest.fail("training started"))
+    (tmp_path / "formats.md").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--formats", "int8", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds formats.md, which this command would overwrite" in err
+    assert (tmp_path / "formats.md").read_text() == "mine"

@@ -43,3 +43,16 @@ def test_an_out_dir_that_cannot_be_created_is_refused(monkeypatch, capsys, tmp_p
     err = capsys.readouterr().err
     assert e.value.code == 2 and "cannot be created" in err and "a_file/study" in err, err
     assert blocker.read_text() == "not a directory"  # untouched
+
+
+def test_files_of_the_users_in_out_are_refused_and_its_own_replaced(monkeypatch, capsys, tmp_path) -> None:
+    """Before: a memory_study.png of the user's in --out was overwritten after the study."""
+    monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
+    (tmp_path / "memory_study.png").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        ms.main(["--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds memory_study.png, which this command would overwrite" in err, err
+    assert (tmp_path / "memory_study.png").read_text() == "mine"
+    ms.write_outputs(tmp_path / "own", {name: b"earlier" for name in ms.OUTPUTS})
+    ms._prepare_out(tmp_path / "own")  # an earlier study's files: accepted, to be replaced
