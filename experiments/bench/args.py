@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from zeropp.output_files import OutputFileError, check_output_file, json_file_is
 
-from ..runner.config import run_records
+from ..runner.config import ConfigError, run_records
+from ..runner.preflight import check_writable_dir
 
 
 def flag(name: str) -> str:
@@ -29,6 +30,10 @@ def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
     root = Path(out)
     if root.exists() and not root.is_dir():
         p.error(f"--out {out} is not a directory; choose a new --out (or leave it out for a temporary directory)")
+    try:
+        check_writable_dir("--out", root)
+    except ConfigError as e:  # before: a FileNotFoundError / NotADirectoryError traceback from the first row
+        p.error(str(e).removeprefix("invalid config: "))
     runs = (
         {f.parent for name in ("summary.json", "metrics.jsonl") for f in root.rglob(name)} if root.is_dir() else set()
     )
@@ -57,6 +62,20 @@ def check_json_output(p: argparse.ArgumentParser, path: str | None, flag: str, s
 def json_with_keys(*keys: str) -> Callable[[Any], bool]:
     """The shape test of a JSON object holding at least ``keys`` (a benchmark's ``--json`` document)."""
     return lambda doc: isinstance(doc, dict) and all(k in doc for k in keys)
+
+
+def check_jobs(p: argparse.ArgumentParser, jobs: Mapping[str, Sequence[str]]) -> None:
+    """Compose and validate every row's runner job (row -> its overrides) before the first starts:
+    a setting the runner refuses (a preset that does not exist, a learning rate of NaN, more ranks
+    than the host runs) is one usage error (exit 2) naming the row, not the same failure printed
+    once per row with exit status 1 after the rows before it ran."""
+    from ..runner.compose import compose_run
+
+    for key, overrides in jobs.items():
+        try:
+            compose_run(overrides)
+        except ConfigError as e:
+            p.error(f"row {key}: {e}")
 
 
 def require_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, names: Iterable[str], low: int) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .args import check_fresh_out, check_run_lengths, interleaved_rounds, require_at_least
+from .args import check_fresh_out, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
@@ -197,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         setattr(a, name, getattr(a, name) or None)  # 0: keep the preset's
     check_run_lengths(p, a, ("steps", "batch", "seq", "rounds"))
     check_fresh_out(p, a.out)
+    check_jobs(p, {key: job_overrides(a, key) for key in a.jobs})
     return a
 
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from zeropp.comm.spec import RECIPES
 
-from .args import check_fresh_out, check_run_lengths, interleaved_rounds, require_at_least
+from .args import check_fresh_out, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
 """``run_job(overrides, run_dir) -> summary``: the runner's, or a test's fake."""
@@ -301,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.prefetch != 1 and not any(ROWS[k].prefetches for k in a.only):
         p.error(f"--prefetch {a.prefetch} does nothing without a zeropp stage-3 row in --only; add one, or remove it")
     check_fresh_out(p, a.out)
+    check_jobs(p, {key: job_overrides(a, key) for key in a.only if not missing_package(key)})
     return a
 
 

@@ -38,10 +38,11 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
+from ..runner.compose import compose_run
 from ..runner.config import ConfigError
 from ..runner.launcher import RunInterrupted
 from .converge_report import check_out, write_outputs
-from .converge_suite import Runner, RunResult, SuiteConfig, compose
+from .converge_suite import Runner, RunResult, SuiteConfig
 
 
 def run_suite(
@@ -63,7 +64,7 @@ def run_suite(
             "(the default is a new time-stamped directory)"
         )
     for s in cfg.schemes:  # the whole config, once per scheme, before the first run
-        compose(cfg.run_overrides(s, cfg.seeds[0]))
+        compose_run(cfg.run_overrides(s, cfg.seeds[0]))
     results: list[RunResult] = []
     for seed in cfg.seeds:
         for scheme in cfg.schemes:

@@ -70,6 +70,10 @@ def test_defaults_are_the_issue_model_and_every_row():
         (["--warmup", "-1"], "--warmup"),
         (["--d-model", "-2"], "--d-model"),
         (["--precision", "fp16"], "precision"),
+        # settings the runner refuses for every row: before, each row failed alike, exit 1
+        (["--jobs", "torch", "--preset", "huge"], "row torch: invalid config: model='huge' is not a model option"),
+        (["--jobs", "stage3", "--d-model", "10", "--n-heads", "3"], "row stage3: invalid config model: GPTConfig"),
+        (["--jobs", "torch", "--out", "/proc/gpu"], "--out='/proc/gpu' cannot be written"),  # before: a traceback
     ],
 )
 def test_bad_arguments_are_refused(argv, msg, capsys):

@@ -199,6 +199,11 @@ def test_json_is_the_only_thing_on_stdout(tmp_path: Path, capfd) -> None:
         (["--only", "ddp,ddp"], "--only (empty or repeated)"),
         (["--rounds", "0"], "--rounds must be >= 1, got 0"),
         (["--world", "4", "--nodes", "3"], "--nodes 3 must divide --world 4"),
+        # settings the runner refuses for every row: before, each row failed alike, exit 1
+        (["--preset", "huge"], "row ddp: invalid config: model='huge' is not a model option"),
+        (["--only", "stage2", "--lr", "nan"], "row stage2: invalid config: optim.lr=nan"),
+        (["--only", "ddp", "--world", "0"], "row ddp: invalid config topology: topology.ranks_per_node"),
+        (["--only", "ddp", "--out", "/proc/peers"], "--out='/proc/peers' cannot be written"),  # a traceback
     ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str], words: str, capsys) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from zeropp.experiments.runner.compose import compose_run
 from zeropp.experiments.runner.config import ConfigError
 from zeropp.experiments.runner.launcher import RunInterrupted
 from zeropp.experiments.studies import converge, converge_suite
@@ -177,7 +178,7 @@ def test_every_named_scheme_composes_to_what_its_name_says(scheme: str) -> None:
     """Each scheme's overrides make a valid run config; ``_h`` rotates the gradients and ``_ef``
     error-feeds them, on top of the recipe the name starts with."""
     suite = converge_suite.SuiteConfig(schemes=tuple(dict.fromkeys(("fp", scheme))))
-    cfg = converge_suite.compose(suite.run_overrides(scheme, 0))
+    cfg = compose_run(suite.run_overrides(scheme, 0))
     recipe = converge_suite.scheme_overrides(scheme)[0].split("=", 1)[1]
     base = converge_suite.RECIPES[recipe].grads
     if base is None:
