@@ -178,6 +178,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     a = ap.parse_args(argv)
     if a.lora_rank < 1 or a.steps < 1 or a.batch < 1:
         ap.error("--lora-rank, --steps and --batch must be >= 1")
+    from zeropp.models import GPTConfig
+    from zeropp.runtime import OptimizerConfig
+
+    try:  # what each rank builds, built here first: a bad value is a usage error, not a rank's traceback
+        GPTConfig.preset(a.preset, lora_rank=a.lora_rank)
+        OptimizerConfig(lr=a.lr, weight_decay=0.0)
+    except ValueError as e:
+        ap.error(f"--preset {a.preset} --lora-rank {a.lora_rank} --lr {a.lr:g}: {e}")
     if a.json is not None:
         try:
             check_output_file(a.json, "--json", ours=lambda f: json_file_is(f, _is_rows))
