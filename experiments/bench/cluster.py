@@ -55,11 +55,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zeropp.output_files import write_output_file
 
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
+from ..launch.command import run_command
 from ..projection.calibration import measure_loopback_gbps
 from ..projection.cluster_file import ClusterFile, ClusterFileError, read_cluster_file
 from ..projection.scaling_check import comm_wait_s, link_gbps
@@ -398,5 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

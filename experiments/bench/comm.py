@@ -39,11 +39,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zeropp.output_files import write_output_file
 
-from ..launch import ModuleEntry, RankFailure, in_torchrun, launch_world
+from ..launch import ModuleEntry, RankFailure, RunInterrupted, in_torchrun, launch_world
+from ..launch.command import run_command
 from ..projection.cluster_file import KIND, ClusterFile, link_fit, write_cluster_file
 from ..runner.launcher import emulated_placement, local_placement
 from .args import check_json_output, json_with_keys
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         result = launch(a)
         if result is None:  # a torchrun rank other than 0: rank 0 reports
             return 0
+    except RunInterrupted:  # the benchmark was stopped (Ctrl-C, SIGTERM): 128 + N, not a failed world
+        raise
     except RankFailure as e:
         print(f"error: the benchmark world failed: {e}", file=sys.stderr)
         return e.exit_code if e.exit_code == 2 else 1
@@ -273,5 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -29,8 +29,9 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from ..launch.command import run_command
 from .args import check_fresh_out, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 JOBS: dict[str, tuple[str, list[str]]] = {
@@ -217,10 +218,16 @@ def main(
     return rows
 
 
-def cli() -> None:
+def _status() -> int:
     """The command: :func:`main`, exit status 1 when any cell of the matrix failed, else 0."""
     rows = main()
-    sys.exit(1 if any("error" in r for r in rows.values()) else 0)
+    return 1 if any("error" in r for r in rows.values()) else 0
+
+
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(_status)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import functools
 import math
 import statistics
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
 
@@ -52,6 +52,7 @@ from zeropp.kernels import (
     timing,
 )
 
+from ..launch.command import run_command
 from . import format_rows
 from .args import flag, require_at_least
 from .kernels_plain import Compiled, plain_dequantize, plain_dequantize_sum, plain_quantize, plain_reduce
@@ -426,5 +427,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -41,7 +41,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -51,6 +51,7 @@ from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
 
+from ..launch.command import run_command
 from ..runner.trainer_registry import TRAINER_SPECS
 from .args import check_json_output, json_with_keys
 
@@ -360,5 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

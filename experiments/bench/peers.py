@@ -40,10 +40,11 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zeropp.comm.spec import RECIPES
 
+from ..launch.command import run_command
 from .args import check_fresh_out, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
@@ -337,10 +338,16 @@ def main(argv: list[str] | None = None, run_job: RunJob | None = None) -> dict[s
     return out
 
 
-def cli() -> None:
+def _status() -> int:
     """The command: :func:`main`; exit status 1 when a row failed (a skipped row is no failure)."""
     out = main()
-    sys.exit(1 if any("error" in r for r in out.values()) else 0)
+    return 1 if any("error" in r for r in out.values()) else 0
+
+
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(_status)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 from zeropp.comm.spec import QuantSpec
 
+from ..launch.command import run_command
 from .calibration import measure_quant_rates
 from .scaling import control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work
 from .spec import GBPS, Cluster, Workload
@@ -348,5 +349,11 @@ def main(argv: list[str] | None = None) -> None:
     print(format_comparison(rows))
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 from zeropp.comm.spec import RECIPES
 from zeropp.output_files import OutputFileError, check_output_file, write_output_file
 
+from ..launch.command import run_command
 from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
 from .flags import fraction, positive_count, positive_rate
 from .scaling import Projection, gpt_units, project
@@ -261,5 +262,11 @@ def main(
         print(f"plot: {a.plot}")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -19,7 +19,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from ..launch.command import run_command
 
 
 def _model_settings(path: Path) -> dict[str, Any]:
@@ -78,5 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

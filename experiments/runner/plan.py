@@ -31,8 +31,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
 from ..projection.flags import positive_rate
 from .config import ConfigError, RunConfig, without_hydra
@@ -157,5 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
+from ..launch.command import run_command
 from ..runner.compose import compose_run
 from ..runner.config import ConfigError
 from ..runner.launcher import RunInterrupted
@@ -118,5 +119,11 @@ def main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> 
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -29,13 +29,14 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from zeropp.comm.spec import RECIPES, QuantSpec
 from zeropp.runtime.plan_kinds import group_size_of
 
+from ..launch.command import run_command
 from ..projection.text_table import Column, number, text_table
 from ..runner.checks import ConfigError
 from ..runner.preflight import check_writable_dir
@@ -222,5 +223,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -43,12 +43,13 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..launch.command import run_command
 from ..runner.checks import ConfigError, check, pos_int
 from ..runner.console import human_bytes
 from ..runner.preflight import check_writable_dir
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configuration differs from the formula or a rank fails)."""
     from rich.console import Console
 
-    from ..launch import RankFailure
+    from ..launch import RankFailure, RunInterrupted
 
     d = StudyConfig()
     ap = argparse.ArgumentParser(prog="python -m experiments.memory_study", description=__doc__.split("\n\n")[0])
@@ -297,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(2) from None
     try:
         result = run_study(cfg)
+    except RunInterrupted:  # the study was stopped (Ctrl-C, SIGTERM): 128 + N, not a failed rank
+        raise
     except RankFailure as e:
         print(f"error: the study's ranks failed: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -320,5 +323,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zeropp.output_files import OutputFileError, check_output_file, json_file_is, write_output_file
 
+from ..launch.command import run_command
 from ..runner.console import human_bytes
 
 MODES = ("none", "int8", "int4")
@@ -198,10 +198,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def cli() -> None:
+def _status() -> int:
     """The command: :func:`main`, exit status 0 when every run passed its target, else 1."""
     rows = main()
-    sys.exit(0 if all(r["pass"] for r in rows) else 1)
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(_status)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from ..launch.command import run_command
 from ..runner.console import human_bytes
 from ..runner.metrics import read_metrics
 from .labels import label_runs
@@ -245,5 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"report: {path}")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -139,3 +139,16 @@ def test_under_torchrun_the_world_is_torchruns(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         comm.parse_args(["--cluster", "emulated"])
     assert e.value.code == 2 and "under torchrun" in capsys.readouterr().err
+
+
+def test_an_interrupted_benchmark_is_not_reported_as_a_failed_world(monkeypatch) -> None:
+    """Ctrl-C reaches the command (experiments/launch/command.py: exit 130), not ``the benchmark
+    world failed`` with exit 1."""
+    from zeropp.experiments.launch import RunInterrupted
+
+    def stopped(a):
+        raise RunInterrupted("interrupted by SIGINT; all ranks stopped", exit_code=130)
+
+    monkeypatch.setattr(comm, "launch", stopped)
+    with pytest.raises(RunInterrupted):
+        comm.main(["--formats", "none"])

@@ -400,3 +400,15 @@ def test_nvlink_pairs_are_read_from_the_topology_matrix():
     assert system.nvlink_pairs(TOPO, 3) == 2  # 0-1 and 1-2; 0-2 is PCIe (PHB)
     assert system.nvlink_pairs(TOPO, 2) == 1
     assert system.nvlink_pairs(None, 3) is None
+
+
+def test_ctrl_c_ends_the_run_with_one_line_and_no_report(tmp_path, monkeypatch, capsys):
+    """Before: a KeyboardInterrupt traceback from the wait on the running check."""
+
+    def interrupted(options: DoctorOptions, checks, progress=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_checks", interrupted)
+    assert cli.main(["--json", str(tmp_path / "d.json")]) == 130
+    assert capsys.readouterr().err == "zeropp doctor: error: interrupted by SIGINT; no report written\n"
+    assert not (tmp_path / "d.json").exists()

@@ -56,3 +56,15 @@ def test_files_of_the_users_in_out_are_refused_and_its_own_replaced(monkeypatch,
     assert (tmp_path / "memory_study.png").read_text() == "mine"
     ms.write_outputs(tmp_path / "own", {name: b"earlier" for name in ms.OUTPUTS})
     ms._prepare_out(tmp_path / "own")  # an earlier study's files: accepted, to be replaced
+
+
+def test_an_interrupted_study_is_not_reported_as_failed_ranks(monkeypatch, tmp_path) -> None:
+    """Ctrl-C reaches the command (experiments/launch/command.py: exit 130), not exit 1."""
+    from zeropp.experiments.launch import RunInterrupted
+
+    def stopped(cfg):
+        raise RunInterrupted("interrupted by SIGINT; all ranks stopped", exit_code=130)
+
+    monkeypatch.setattr(ms, "run_study", stopped)
+    with pytest.raises(RunInterrupted):
+        ms.main(["--out", str(tmp_path)])

@@ -11,6 +11,7 @@ command line (an unwritable ``--json`` path is refused before any check runs).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -61,9 +62,16 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the checks, print the report (and write the JSON); the exit status of the report, or
+    130 after one line when Ctrl-C stops it (the report of an interrupted run is not written: it
+    would pass off the checks that did not run as missing)."""
     options = parse_args(argv)
     t0 = time.perf_counter()
-    results = run_checks(options, CHECKS, progress=print_progress)
+    try:
+        results = run_checks(options, CHECKS, progress=print_progress)
+    except KeyboardInterrupt:
+        print("zeropp doctor: error: interrupted by SIGINT; no report written", file=sys.stderr)
+        return 128 + signal.SIGINT
     print_report(results)
     if options.json_path is not None:
         write_json(options.json_path, to_json(results, time.perf_counter() - t0))
