@@ -22,7 +22,15 @@ from typing import Any
 
 from zeropp.runtime.checkpoint_files import write_atomic
 
-__all__ = ["OutputFileError", "check_output_file", "json_file_is", "write_output_file"]
+__all__ = [
+    "OutputFileError",
+    "check_output_file",
+    "check_output_files",
+    "holds_tag",
+    "json_file_is",
+    "tagged_png",
+    "write_output_file",
+]
 
 
 class OutputFileError(ValueError):
@@ -73,6 +81,31 @@ def check_output_file(
             f"{flag} {path} exists and is not a file this command wrote; nothing was run and it is untouched: "
             "move it away or name a new file"
         )
+
+
+def check_output_files(out: Path, flag: str, names: dict[str, Callable[[Path], bool]]) -> None:
+    """:func:`check_output_file` for each file ``name`` -> its ``ours`` test that a command writes
+    into the directory ``out`` (missing parents may be created)."""
+    for name, ours in names.items():
+        check_output_file(out / name, flag, ours=ours, create_parents=True, suffix_hint=Path(name).suffix)
+
+
+def tagged_png(fig: Any, tag: str, **savefig: Any) -> bytes:
+    """A matplotlib figure as PNG bytes whose ``Software`` text chunk is ``tag``: how a later run
+    tells its own earlier plot (:func:`holds_tag`), which it may replace, from a user's image."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": tag}, **savefig)
+    return buf.getvalue()
+
+
+def holds_tag(path: Path, tag: str) -> bool:
+    """Whether the file ``path`` carries ``tag`` (written by :func:`tagged_png`)."""
+    try:
+        return tag.encode() in path.read_bytes()
+    except OSError:
+        return False
 
 
 def json_file_is(path: Path, shape: Callable[[Any], bool]) -> bool:

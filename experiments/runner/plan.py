@@ -33,11 +33,16 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zeropp.output_files import OutputFileError, check_output_files, write_output_file
+
 from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
 from ..projection.flags import positive_rate
 from .config import ConfigError, RunConfig, without_hydra
-from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
+from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plan_outputs, plot, project
+
+OUTPUTS = ("plan_timeline.png", "plan_trace.json")
+"""What the plan writes into ``--out``: a file of these names it did not write is refused before the plan."""
 
 __all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "model_units", "plot", "project", "table"]
 
@@ -144,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         counts = _node_counts(a.nodes, rc.topology.nodes)
         out = Path(a.out)
         check_writable_dir("--out / plan.out", out)
+        try:
+            check_output_files(out, "--out / plan.out", plan_outputs(OUTPUTS))
+        except OutputFileError as e:
+            raise ConfigError(str(e)) from None
         units = model_units(rc)
         projections = [project(rc, units, n, a) for n in counts]
     except ConfigError as e:
@@ -151,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for p in projections:
         print(table(p) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    plot(projections, out / "plan_timeline.png")
-    (out / "plan_trace.json").write_text(json.dumps(chrome_trace(projections)))
+    plot(projections, out / OUTPUTS[0])
+    write_output_file(out / OUTPUTS[1], json.dumps(chrome_trace(projections)))
     print(f"timeline: {out / 'plan_timeline.png'}\ntrace (Perfetto / chrome://tracing): {out / 'plan_trace.json'}")
     return 0
 
