@@ -45,6 +45,25 @@ def _nearest_existing(path: Path) -> Path:
     return parent
 
 
+def creation_refused(directory: Path) -> OSError | None:
+    """The error creating a file in ``directory`` raises (None when it can be done), tried for
+    real with a temporary file removed at once: permission bits lie for root and on read-only
+    mounts, and /proc or /sys refuse regardless."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zeropp-", suffix=".probe", dir=directory)
+    except OSError as err:
+        return err
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself when it exists, else its nearest ancestor that does (where a
+    ``mkdir(parents=True)`` would start creating)."""
+    return path if path.exists() or path.is_symlink() else _nearest_existing(path)
+
+
 def check_output_file(
     path: Path, flag: str, *, ours: Callable[[Path], bool], create_parents: bool = False, suffix_hint: str = ".json"
 ) -> None:
@@ -68,14 +87,11 @@ def check_output_file(
         parent = _nearest_existing(path)
         if not parent.is_dir():
             raise OutputFileError(f"{flag} {path}: {parent} is not a directory; name a file in a directory")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
-    except OSError as err:
+    err = creation_refused(parent)
+    if err is not None:
         raise OutputFileError(
             f"{flag} {path}: cannot write in {parent} ({err.strerror or err}); name a file in a writable directory"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
+        )
     if path.is_symlink() or (path.exists() and not (path.is_file() and ours(path))):
         raise OutputFileError(
             f"{flag} {path} exists and is not a file this command wrote; nothing was run and it is untouched: "
