@@ -57,8 +57,20 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
             master_addr=a.master_addr,
             gloo_ranks=a.gloo_ranks,
         )
-    except ValueError as err:
-        p.error(str(err))  # exits 2 with the usage line
+    except ValueError as err:  # named as the user typed it: --check-timeout, not check_timeout_s
+        msg = str(err)
+        for field, flag in FLAGS.items():
+            msg = msg.replace(field, flag)
+        p.error(msg)  # exits 2 with the usage line
+
+
+FLAGS = {
+    "check_timeout_s": "--check-timeout",
+    "world_timeout_s": "--world-timeout",
+    "master_addr": "--master-addr",
+    "gloo_ranks": "--gloo-ranks",
+}
+"""DoctorOptions fields -> the command-line flags that set them (for the messages)."""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
