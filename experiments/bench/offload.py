@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -52,6 +53,8 @@ from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
 
 from ..launch.command import run_command
+from ..runner.console import human_bytes
+from ..runner.preflight import host_memory
 from ..runner.trainer_registry import TRAINER_SPECS
 from .args import check_json_output, json_with_keys
 
@@ -310,6 +313,30 @@ def _probe_dir(path: str) -> None:
     os.unlink(probe)
 
 
+BYTES_PER_ELEMENT = 32
+"""Host memory per AdamW element the benchmark may touch: 16 bytes of state (fp32 parameter,
+gradient and two moments, one state shared by every kernel) and up to as much again of a kernel's
+temporaries (the single-tensor reference computes its update in whole-tensor steps)."""
+
+
+def _check_room(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse sizes this host cannot hold (before: the kernel's out-of-memory killer ended the
+    process, SIGKILL, no message) and a swap test larger than the free space of ``--dir``."""
+    need, have = BYTES_PER_ELEMENT * max(a.numels), host_memory()
+    if need > have:
+        p.error(
+            f"--sizes {a.sizes}: {max(a.numels):,} elements need about {human_bytes(need)} of host memory "
+            f"({BYTES_PER_ELEMENT} B per element) but this host has {human_bytes(have)}; give smaller sizes"
+        )
+    if a.swap_mib:
+        free = shutil.disk_usage(a.dir).free
+        if 2 * (a.swap_mib << 20) > free:  # the swapped state and the plain I/O file
+            p.error(
+                f"--swap-mib {a.swap_mib} writes about {human_bytes(2 * (a.swap_mib << 20))} to --dir {a.dir}, "
+                f"which has {human_bytes(free)} free; lower --swap-mib or choose another --dir"
+            )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_offload", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1M,4M,16M,64M", help="fp32 elements of the AdamW benchmarks (k/M/G = 1024^n)")
@@ -343,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             _probe_dir(a.dir)
         except OSError as e:
             p.error(f"--dir {a.dir} cannot take the swap test's files ({e.strerror or e}); choose a writable directory")
+    _check_room(p, a)
     check_json_output(p, a.json, "--json", JSON_SHAPE)
     return a
 

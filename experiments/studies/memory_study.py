@@ -52,7 +52,7 @@ from torch import nn
 from ..launch.command import run_command
 from ..runner.checks import ConfigError, check, pos_int
 from ..runner.console import human_bytes
-from ..runner.preflight import check_writable_dir
+from ..runner.preflight import check_writable_dir, host_memory
 from .memory_study_views import SHOWN_TIERS, check_table, phase_table, plot_png
 from .report_files import ReportError, check_outputs, write_outputs
 
@@ -248,6 +248,20 @@ OUTPUTS = ("memory_study.png", "memory_study.json")
 (report_files: an earlier study's files, listed in the manifest, are replaced)."""
 
 
+def _check_host_memory(cfg: StudyConfig) -> None:
+    """Refuse (ConfigError) a study whose replicated baseline cannot fit this host: at stage 0
+    every rank holds the whole model state, 16 bytes per parameter (fp32 weights and gradients,
+    AdamW's two moments), and all ranks run here. Beyond that a rank died of the allocation with
+    its traceback, after the others had started."""
+    need, have = 16 * cfg.num_params * cfg.world, host_memory()
+    if need > have:
+        raise ConfigError(
+            f"invalid config: width={cfg.width} x layers={cfg.layers} is Ψ = {cfg.num_params:,} parameters; its "
+            f"stage-0 baseline needs about {human_bytes(need)} on {cfg.world} ranks (16 bytes per parameter "
+            f"each) but this host has {human_bytes(have)}; choose a smaller --width / --layers or fewer --world"
+        )
+
+
 def _prepare_out(out: Path) -> None:
     """Create ``out``, after the runner's own check (``preflight.check_writable_dir``: refused,
     before any rank starts, where it cannot be created or written) and the check that no file of
@@ -292,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tolerance=a.tolerance,
             out=a.out,
         )
+        _check_host_memory(cfg)
         _prepare_out(cfg.out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -68,3 +68,14 @@ def test_an_interrupted_study_is_not_reported_as_failed_ranks(monkeypatch, tmp_p
     monkeypatch.setattr(ms, "run_study", stopped)
     with pytest.raises(RunInterrupted):
         ms.main(["--out", str(tmp_path)])
+
+
+def test_a_model_beyond_host_memory_is_refused_before_any_rank(monkeypatch, capsys, tmp_path) -> None:
+    """Before: each rank died allocating it, with the allocator's traceback."""
+    monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
+    monkeypatch.setattr(ms, "host_memory", lambda: 1 << 30)
+    with pytest.raises(SystemExit) as e:
+        ms.main(["--width", "4096", "--layers", "4", "--world", "2", "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "its stage-0 baseline needs about 2.00 GiB on 2 ranks" in err, err
+    assert not (tmp_path / "s").exists()
