@@ -39,7 +39,8 @@ from zeropp.runtime.plan_kinds import group_size_of
 from ..launch.command import run_command
 from ..projection.text_table import Column, number, text_table
 from ..runner.checks import ConfigError
-from ..runner.preflight import check_writable_dir
+from ..runner.console import human_bytes
+from ..runner.preflight import check_writable_dir, host_memory
 from .format_capture import KINDS, LAYER_TYPES, CaptureConfig, capture
 from .format_metrics import as_rows, copy_gbs, measure, speed
 from .report_files import ReportError, check_outputs, write_outputs
@@ -178,6 +179,25 @@ def tables(result: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+WORKING_COPIES = 4
+"""fp32 copies of a timed tensor or of one wire row's message the study holds at once (the input,
+its decoded copy, the wire bytes and a padded or rotated copy): its host-memory estimate."""
+
+
+def _check_host_memory(chunk: int, speed_mib: float) -> None:
+    """Refuse (ConfigError) a ``--chunk`` or ``--speed-mib`` whose tensors this host cannot hold:
+    before, the study trained and then died of the allocation with its traceback."""
+    have = host_memory()
+    for flag, value, nbytes in (("--chunk", chunk, 4 * chunk), ("--speed-mib", speed_mib, speed_mib * (1 << 20))):
+        if not math.isfinite(nbytes):
+            raise ConfigError(f"{flag} {value}: give a finite size")
+        if WORKING_COPIES * nbytes > have:
+            raise ConfigError(
+                f"{flag} {value} needs about {human_bytes(WORKING_COPIES * nbytes)} of host memory "
+                f"({WORKING_COPIES} fp32 copies) but this host has {human_bytes(have)}; give a smaller {flag}"
+            )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse, run, print and save (exit 2 on a bad option)."""
     d = CaptureConfig()
@@ -194,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         if a.chunk < 1 or a.repeats < 1 or not a.speed_mib > 0:
             raise ConfigError("--chunk and --repeats must be >= 1 and --speed-mib > 0")
+        _check_host_memory(a.chunk, a.speed_mib)
         cfg = CaptureConfig(model=a.model, steps=a.steps, seed=a.seed)
         formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         if not formats:

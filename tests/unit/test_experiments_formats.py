@@ -143,3 +143,20 @@ def test_files_of_the_users_in_out_are_refused_before_training(monkeypatch, caps
     err = capsys.readouterr().err
     assert e.value.code == 2 and "holds formats.md, which this command would overwrite" in err
     assert (tmp_path / "formats.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--speed-mib", "1000000"], "--speed-mib 1000000.0 needs about 3.81 TiB of host memory"),
+        (["--chunk", "1000000000000"], "--chunk 1000000000000 needs about 14.55 TiB of host memory"),
+        (["--speed-mib", "inf"], "--speed-mib inf: give a finite size"),
+    ],
+)
+def test_sizes_beyond_host_memory_exit_2_before_training(argv, words, monkeypatch, capsys, tmp_path) -> None:
+    """Before: the study trained, then died of the allocation with its traceback."""
+    monkeypatch.setattr(fs, "capture", lambda cfg: pytest.fail("training started"))
+    monkeypatch.setattr(fs, "host_memory", lambda: 16 << 30)
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--formats", "int8", "--out", str(tmp_path), *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err
