@@ -362,6 +362,30 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     require_at_least(p, args, ("k", "threads", "iters"), 1)
     require_at_least(p, args, ("warmup",), 0)
+    _check_memory(p, args)
+
+
+LIVE_FP32_COPIES = 6
+"""fp32-sized tensors of the largest size the benchmark holds at once besides the ``--k`` inputs of
+the reductions (the input and its fp32 source, a padded copy, codes, an output, a format's
+working copy): the estimate :func:`_check_memory` refuses by."""
+
+
+def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a ``--max-mib`` whose tensors the device cannot hold (before: the allocator's
+    traceback or the out-of-memory killer, after the smaller sizes had run)."""
+    from ..runner.console import human_bytes
+    from ..runner.preflight import host_memory
+
+    dev = torch.device(args.device)
+    have = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else host_memory()
+    esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    need = 4 * (int(args.max_mib * (1 << 20)) // esize) * (args.k + LIVE_FP32_COPIES)
+    if need > have:
+        p.error(
+            f"--max-mib {args.max_mib:g} (with --k {args.k}) needs about {human_bytes(need)} on {dev.type} but it has "
+            f"{human_bytes(have)}; lower --max-mib"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,3 +47,15 @@ def test_the_cpu_defaults_pass() -> None:
 def test_the_size_ladder_refuses_a_start_that_cannot_grow() -> None:
     with pytest.raises(ValueError, match="need 1 byte <= smallest <= largest"):
         bench_kernels._sizes(0.0, 1.0)
+
+
+def test_a_largest_size_beyond_the_devices_memory_is_a_usage_error(monkeypatch, capsys) -> None:
+    """Before: the smaller sizes ran, then the allocator's traceback or the out-of-memory killer."""
+    from zeropp.experiments.runner import preflight
+
+    monkeypatch.setattr(preflight, "host_memory", lambda: 4 << 30)
+    with pytest.raises(SystemExit) as e:
+        bench_kernels.parse_args(["--device", "cpu", "--max-mib", "1024"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-mib 1024 (with --k 4) needs about 20.00 GiB on cpu but it has 4.00 GiB" in err
+    assert bench_kernels.parse_args(["--device", "cpu", "--max-mib", "64"]).max_mib == 64
