@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     import json
     from pathlib import Path
 
+    from zeropp.input_files import read_regular
+
     from .flags import non_negative, positive_rate
 
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling_check", description=__doc__.split("\n\n")[0])
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = []
     for p in paths:
         try:
-            summary = json.loads(p.read_text())
+            summary = json.loads(read_regular(p))
         except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
             ap.exit(2, f"error: {p} cannot be read as a run's summary ({e}); move it away or repair it\n")
         missing = [k for k in SUMMARY_KEYS if k not in summary] if isinstance(summary, dict) else list(SUMMARY_KEYS)

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zeropp.input_files import read_regular
+
 from ..launch.command import run_command
 from ..runner.console import human_bytes
 from ..runner.metrics import read_metrics
@@ -71,7 +73,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; :class:`ReportError` naming the file when it is unreadable, not
     JSON or not an object (only parsed, so nothing in it can run code)."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_regular(path))
     except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise ReportError(f"cannot read {path}: {e}; fix or remove the file") from None
     if not isinstance(doc, dict):
