@@ -66,9 +66,9 @@ def json_with_keys(*keys: str) -> Callable[[Any], bool]:
 
 def check_jobs(p: argparse.ArgumentParser, jobs: Mapping[str, Sequence[str]]) -> None:
     """Compose and validate every row's runner job (row -> its overrides) before the first starts:
-    a setting the runner refuses (a preset that does not exist, a learning rate of NaN, more ranks
-    than the host runs) is one usage error (exit 2) naming the row, not the same failure printed
-    once per row with exit status 1 after the rows before it ran."""
+    a setting the runner refuses (a preset that does not exist, a learning rate of NaN) is one
+    usage error (exit 2) naming the row, not the same failure printed once per row with exit status
+    1 after the rows before it ran. The host's own limits: :func:`check_hosts`."""
     from ..runner.compose import compose_run
 
     for key, overrides in jobs.items():
@@ -76,6 +76,21 @@ def check_jobs(p: argparse.ArgumentParser, jobs: Mapping[str, Sequence[str]]) ->
             compose_run(overrides)
         except ConfigError as e:
             p.error(f"row {key}: {e}")
+
+
+def check_hosts(prog: str, jobs: Mapping[str, Sequence[str]]) -> None:
+    """Before the first row, the runner's checks of this host for every row (its ranks all start
+    here: ``preflight.check_local_ranks``, GPUs, CPU ranks, memory): exit 2 with ``prog: error:
+    row ...`` instead of every row failing alike. Run only when the real runner runs the rows."""
+    from ..runner.compose import compose_run
+    from ..runner.preflight import check_local_ranks
+
+    for key, overrides in jobs.items():
+        try:
+            check_local_ranks(compose_run(overrides))
+        except ConfigError as e:
+            print(f"{prog}: error: row {key}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def require_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, names: Iterable[str], low: int) -> None:

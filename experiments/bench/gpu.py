@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..launch.command import run_command
-from .args import check_fresh_out, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
+from .args import check_fresh_out, check_hosts, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
@@ -210,6 +210,8 @@ def main(
     a = parse_args(argv)
     if run_job is None:
         from ..runner.run import run_job as runner_job
+
+        check_hosts("python -m experiments.bench_gpu", {key: job_overrides(a, key) for key in a.jobs})
 
         run_job = runner_job
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:

@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 from zeropp.comm.spec import RECIPES
 
 from ..launch.command import run_command
-from .args import check_fresh_out, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
+from .args import check_fresh_out, check_hosts, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
 """``run_job(overrides, run_dir) -> summary``: the runner's, or a test's fake."""
@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None, run_job: RunJob | None = None) -> dict[s
     a = parse_args(argv)
     if run_job is None:
         from ..runner.run import run_job as runner_job
+
+        ready = [key for key in a.only if not missing_package(key)]
+        check_hosts("python -m experiments.bench_peers", {key: job_overrides(a, key) for key in ready})
 
         run_job = runner_job
     # with --json, stdout carries the JSON document only: each job's own report goes to stderr
