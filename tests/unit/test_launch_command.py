@@ -44,8 +44,19 @@ def _failed() -> None:
     raise launch.RankFailure("rank 1 exited with code 3", rank=1, exit_code=3)
 
 
+def _sigterm() -> None:
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN):  # it would end this test process
+        raise AssertionError("run_command installs no SIGTERM handler")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises here
+    raise AssertionError("SIGTERM did not unwind the command")
+
+
 def test_interrupts_and_failures_are_one_line(capsys) -> None:
     assert _end(_keyboard, capsys) == (130, "error: interrupted by SIGINT; stopped\n")
+    before = signal.getsignal(signal.SIGTERM)
+    assert _end(_sigterm, capsys) == (143, "error: interrupted by SIGTERM; stopped\n")
+    assert signal.getsignal(signal.SIGTERM) is before  # restored after the command
     assert _end(_stopped, capsys) == (143, "error: interrupted by SIGTERM; all ranks stopped\n")
     assert _end(_failed, capsys) == (3, "error: rank 1 exited with code 3\n")
 
@@ -90,3 +101,19 @@ def test_ctrl_c_during_an_in_process_benchmark_is_one_line_and_130() -> None:
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err.strip().splitlines()[-1] == "error: interrupted by SIGINT; stopped", err
     assert "Traceback" not in err
+
+
+def test_sigterm_during_a_swap_test_removes_its_scratch_files(tmp_path: Path) -> None:
+    """Before: SIGTERM (``timeout``) ended the process on the spot and its swap folder, gigabytes
+    under --dir, stayed behind."""
+    argv = [sys.executable, "-m", "zeropp.experiments.bench_offload", "--sizes", "1k", "--repeat", "1"]
+    argv += ["--swap-mib", "1024", "--dir", str(tmp_path)]
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob("zeropp-swap-*/*")):  # the swap file is being written
+        assert time.monotonic() < deadline and p.poll() is None, "the swap test did not start"
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and err.strip().splitlines()[-1] == "error: interrupted by SIGTERM; stopped", err
+    assert list(tmp_path.iterdir()) == []
