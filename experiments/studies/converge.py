@@ -42,6 +42,7 @@ from ..launch.command import run_command
 from ..runner.compose import compose_run
 from ..runner.config import ConfigError
 from ..runner.launcher import RunInterrupted
+from ..runner.preflight import check_local_ranks
 from .converge_report import check_out, write_outputs
 from .converge_suite import Runner, RunResult, SuiteConfig
 
@@ -53,6 +54,7 @@ def run_suite(
     host's load touches all schemes alike. A failed run is recorded and the rest go on.
     ``runner`` defaults to :func:`experiments.runner.run.run_job`; ``on_result`` sees the results so far
     after each run (the CLI rewrites the table then)."""
+    host_checks = runner is None  # a stand-in runner (the tests') starts no rank on this host
     if runner is None:
         from ..runner.run import run_job
 
@@ -65,7 +67,9 @@ def run_suite(
             "(the default is a new time-stamped directory)"
         )
     for s in cfg.schemes:  # the whole config, once per scheme, before the first run
-        compose_run(cfg.run_overrides(s, cfg.seeds[0]))
+        rc = compose_run(cfg.run_overrides(s, cfg.seeds[0]))
+        if host_checks:  # GPUs, local CPU ranks, memory: else every run failed alike, one by one
+            check_local_ranks(rc)
     results: list[RunResult] = []
     for seed in cfg.seeds:
         for scheme in cfg.schemes:

@@ -137,6 +137,8 @@ class SuiteConfig:
             elif key == "seeds":
                 kw["seeds"] = _parse_seeds(value)
             elif key == "out":
+                if not value.strip():  # Path("") is the current directory: the runs would land there
+                    raise ConfigError("invalid config: out= is empty; name the output directory (out=outputs/conv)")
                 kw["out"] = Path(value)
             else:
                 extra.append(a)

@@ -214,3 +214,24 @@ def test_a_second_suite_into_its_own_tables_replaces_them(tmp_path: Path) -> Non
         (tmp_path / "runs").rename(out)  # a fresh suite needs an out= without runs
     assert json.loads((tmp_path / "converge.json").read_text())["schemes"] == ["fp", "w4g4"]
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_empty_out_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``out=`` was the current directory, and the runs landed there."""
+    run, calls = _fake_runner({}, set())
+    assert converge.main(["schemes=fp,w4g4", "out=", *TINY], runner=run) == 2
+    assert "out= is empty; name the output directory" in capsys.readouterr().err and calls == []
+
+
+def test_runs_this_host_cannot_start_are_refused_before_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: every run failed alike (no GPU for ``launcher.device=cuda``) and the suite exited 1."""
+    import torch
+
+    from zeropp.experiments.runner import run as runner
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(runner, "run_job", lambda *a, **k: pytest.fail("a run was started"))
+    rc = converge.main(["schemes=fp,w4g4", f"out={tmp_path / 'c'}", "launcher.device=cuda", *TINY])
+    assert rc == 2 and "launcher.device=cuda starts 2 ranks on this host but it has 0 GPU(s)" in capsys.readouterr().err
