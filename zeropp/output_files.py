@@ -45,6 +45,21 @@ def _nearest_existing(path: Path) -> Path:
     return parent
 
 
+def path_text_arg(text: str) -> str:
+    """argparse type of a path flag: refuses an empty value (``--out ""``, often an unset shell
+    variable), which as ``Path("")`` is the current directory, where files would land silently."""
+    if not text.strip():
+        import argparse
+
+        raise argparse.ArgumentTypeError("an empty path; name a file or directory (an unset shell variable?)")
+    return text
+
+
+def path_arg(text: str) -> Path:
+    """:func:`path_text_arg` as a ``Path``."""
+    return Path(path_text_arg(text))
+
+
 def creation_refused(directory: Path) -> OSError | None:
     """The error creating a file in ``directory`` raises (None when it can be done), tried for
     real with a temporary file removed at once: permission bits lie for root and on read-only

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropp.output_files import write_output_file
+from zeropp.output_files import path_text_arg, write_output_file
 
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
 from ..launch.command import run_command
@@ -317,8 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="steps left out of each run's averages")
     p.add_argument("--rounds", type=int, default=2, help="alternating ZeRO-3/ZeRO++ runs of each (noise control)")
     p.add_argument("--timeout", type=float, default=600.0, help="per training run, seconds")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
-    p.add_argument("--json", default=None, help="also write all numbers to this file")
+    p.add_argument(
+        "--out", type=path_text_arg, default=None, help="keep the run directories here (default: a temporary directory)"
+    )
+    p.add_argument("--json", type=path_text_arg, default=None, help="also write all numbers to this file")
     p.add_argument(
         "--check",
         action="store_true",

@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropp.output_files import write_output_file
+from zeropp.output_files import path_text_arg, write_output_file
 
 from ..launch import ModuleEntry, RankFailure, RunInterrupted, in_torchrun, launch_world
 from ..launch.command import run_command
@@ -166,8 +166,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=1800.0, help="the whole benchmark, seconds")
-    p.add_argument("--json", default=None, help="also write every row to this file")
-    p.add_argument("--calibrate", default=None, metavar="FILE", help="write a cluster file fitted on the sweep")
+    p.add_argument("--json", type=path_text_arg, default=None, help="also write every row to this file")
+    p.add_argument(
+        "--calibrate", type=path_text_arg, default=None, metavar="FILE", help="write a cluster file fitted on the sweep"
+    )
     p.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.rank_main:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zeropp.output_files import path_text_arg
+
 from ..launch.command import run_command
 from .args import check_fresh_out, check_hosts, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
@@ -187,7 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda", help="the runner's launcher.device")
     p.add_argument("--timeout", type=float, default=1200, help="seconds before a job's world is stopped")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
+    p.add_argument(
+        "--out", type=path_text_arg, default=None, help="keep the run directories here (default: a temporary directory)"
+    )
     a = p.parse_args(argv)
     a.jobs = [j.strip() for j in a.jobs.split(",") if j.strip()]
     unknown = [j for j in a.jobs if j not in JOBS]

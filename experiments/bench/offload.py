@@ -47,7 +47,7 @@ from typing import Any, Callable, NoReturn
 import torch
 
 from zeropp.kernels import cpu_adamw
-from zeropp.output_files import write_output_file
+from zeropp.output_files import path_text_arg, write_output_file
 from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
@@ -344,10 +344,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="threads of every kernel (default: torch's)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the single-tensor step")
     p.add_argument("--swap-mib", type=int, default=256, help="MiB moved by the swap / plain I/O test (0: skip it)")
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the swap test (the disk measured)")
+    p.add_argument(
+        "--dir",
+        type=path_text_arg,
+        default=tempfile.gettempdir(),
+        help="directory of the swap test (the disk measured)",
+    )
     p.add_argument("--buffers", type=int, default=4, help="staging buffers (ZeroConfig.swap_buffers)")
     p.add_argument("--buffer-size", type=int, default=1 << 22, help="fp32 elements per buffer (swap_buffer_size)")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--json", type=path_text_arg, default=None, help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     try:
         a.numels = [_size(t) for t in a.sizes.split(",")]

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zeropp.comm.spec import RECIPES
+from zeropp.output_files import path_text_arg
 
 from ..launch.command import run_command
 from .args import check_fresh_out, check_hosts, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
@@ -271,7 +272,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a world is stopped")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
+    p.add_argument(
+        "--out", type=path_text_arg, default=None, help="keep the run directories here (default: a temporary directory)"
+    )
 
 
 def check_job_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

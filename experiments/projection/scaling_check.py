@@ -26,6 +26,7 @@ import types
 from typing import Any, Iterable, NoReturn
 
 from zeropp.comm.spec import QuantSpec
+from zeropp.output_files import path_text_arg
 
 from ..launch.command import run_command
 from .calibration import measure_quant_rates
@@ -316,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     from .flags import non_negative, positive_rate
 
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", metavar="DIR", help="check the model against every summary.json under DIR")
+    ap.add_argument(
+        "runs", type=path_text_arg, metavar="DIR", help="check the model against every summary.json under DIR"
+    )
     ap.add_argument("--cross-gbps", type=positive_rate, default=None, help="link rate of cluster=local runs, Gbit/s")
     ap.add_argument("--intra-gbps", type=positive_rate, default=20.0, help="intra-node (loopback) rate, Gbit/s")
     ap.add_argument("--alpha", type=non_negative, default=100e-6, help="seconds per message step")

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zeropp.output_files import path_arg
+
 from ..launch.command import run_command
 
 
@@ -49,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     from zeropp.models.hf_export import LORA_FORMATS, ExportError, MissingModelConfig, export_pretrained
 
     ap = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", type=Path, help="a run directory (with checkpoints/) or a checkpoint directory")
-    ap.add_argument("out_dir", type=Path, help="the new directory to write (must not exist, or be empty)")
+    ap.add_argument("source", type=path_arg, help="a run directory (with checkpoints/) or a checkpoint directory")
+    ap.add_argument("out_dir", type=path_arg, help="the new directory to write (must not exist, or be empty)")
     ap.add_argument(
         "--lora-format",
         choices=LORA_FORMATS,

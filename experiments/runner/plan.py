@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropp.output_files import OutputFileError, check_output_files, write_output_file
+from zeropp.output_files import OutputFileError, check_output_files, path_text_arg, write_output_file
 
 from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
@@ -50,7 +50,9 @@ __all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "m
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default=None, help="node counts to plan, comma-separated (e.g. 4,32,384)")
-    ap.add_argument("--out", default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json")
+    ap.add_argument(
+        "--out", type=path_text_arg, default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json"
+    )
     ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per rank")
     ap.add_argument("--gbps", type=positive_rate, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
     ap.add_argument(
@@ -66,6 +68,8 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if key == "plan.nodes":
             a.nodes = value.strip("[]")
         elif key == "plan.out":
+            if not value.strip():  # Path("") is the current directory
+                raise ConfigError("invalid plan.out: an empty path; name the directory (plan.out=outputs/plan)")
             a.out = value
         elif key == "plan.cluster_file":
             a.cluster_file = value

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zeropp.output_files import OutputFileError, check_output_files, tagged_png, write_output_file
+from zeropp.output_files import OutputFileError, check_output_files, path_text_arg, tagged_png, write_output_file
 
 from .config import ConfigError
 from .profiling import PROFILE_DIR, Span, busy_s, read_step, trace_path
@@ -48,7 +48,12 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("run_dir", help="a run directory of python -m experiments.run with train.profile=true")
     ap.add_argument("--step", type=int, default=None, help="the profiled step (default: the last one)")
     ap.add_argument("--rank", type=int, default=0, help="whose trace (default 0)")
-    ap.add_argument("--out", default=None, help="directory for step_vs_plan.png / .json (default <run dir>/profile)")
+    ap.add_argument(
+        "--out",
+        type=path_text_arg,
+        default=None,
+        help="directory for step_vs_plan.png / .json (default <run dir>/profile)",
+    )
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
     ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
     return ap.parse_args(argv)

@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import torch
 
 from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.output_files import path_arg
 from zeropp.runtime.plan_kinds import group_size_of
 
 from ..launch.command import run_command
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chunk", type=int, default=1 << 16, help="elements per wire row (one message; default 65536)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per speed figure, median kept (default 5)")
     ap.add_argument("--speed-mib", type=float, default=64, help="fp32 MiB timed per speed figure (default 64)")
-    ap.add_argument("--out", type=Path, default=Path("outputs/formats"), help="output directory")
+    ap.add_argument("--out", type=path_arg, default=Path("outputs/formats"), help="output directory")
     a = ap.parse_args(argv)
     try:
         if a.chunk < 1 or a.repeats < 1 or not a.speed_mib > 0:

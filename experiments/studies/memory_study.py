@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeropp.output_files import path_arg
+
 from ..launch.command import run_command
 from ..runner.checks import ConfigError, check, pos_int
 from ..runner.console import human_bytes
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=d.tolerance,
         help=f"relative difference still called a match (default {d.tolerance})",
     )
-    ap.add_argument("--out", type=Path, default=d.out, help=f"output directory (default ./{d.out})")
+    ap.add_argument("--out", type=path_arg, default=d.out, help=f"output directory (default ./{d.out})")
     a = ap.parse_args(argv)
     try:
         cfg = StudyConfig(

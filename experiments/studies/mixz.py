@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropp.output_files import OutputFileError, check_output_file, json_file_is, write_output_file
+from zeropp.output_files import OutputFileError, check_output_file, json_file_is, path_arg, write_output_file
 
 from ..launch.command import run_command
 from ..runner.console import human_bytes
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         action="store_true",
         help="all three runs with hpZ (frozen gathers stay in the node after the first forward)",
     )
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--json", type=path_arg, default=None, help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     if a.lora_rank < 1 or a.steps < 1 or a.batch < 1:
         ap.error("--lora-rank, --steps and --batch must be >= 1")

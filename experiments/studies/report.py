@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zeropp.input_files import read_regular
+from zeropp.output_files import path_arg
 
 from ..launch.command import run_command
 from ..runner.console import human_bytes
@@ -236,8 +237,8 @@ def write_report(root: Path, out: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", type=Path, help="a multirun directory (or any directory containing summary.json files)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default: the root)")
+    ap.add_argument("root", type=path_arg, help="a multirun directory (or any directory containing summary.json files)")
+    ap.add_argument("--out", type=path_arg, default=None, help="output directory (default: the root)")
     a = ap.parse_args(argv)
     try:
         path = write_report(a.root, a.out)

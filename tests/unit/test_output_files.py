@@ -137,3 +137,35 @@ def test_scaling_plot(tmp_path: Path, capsys) -> None:
         out = tmp_path / "new" / f"s.{kind}"
         assert run(out) == 0 and run(out) == 0  # a new folder, then its own earlier plot replaced
         assert speedup.is_our_plot(out)
+
+
+@pytest.mark.parametrize(
+    "command,argv",
+    [
+        ("formats", ["--out", ""]),
+        ("memory_study", ["--out", ""]),
+        ("plan", ["model=tiny", "--out", ""]),
+        ("plan", ["model=tiny", "plan.out="]),
+        ("bench_offload", ["--json", ""]),
+        ("bench_comm", ["--json", ""]),
+        ("bench_peers", ["--out", ""]),
+        ("bench_gpu", ["--out", ""]),
+        ("export", ["", "out"]),
+        ("report", [""]),
+        ("scaling_check", [""]),
+        ("mixz", ["--json", ""]),
+    ],
+)
+def test_an_empty_path_is_a_usage_error(command: str, argv: list[str], tmp_path: Path, monkeypatch, capsys) -> None:
+    """Before: ``--out ""`` (an unset shell variable) was the current directory: the study's files
+    landed there, and bench_peers silently used a temporary directory instead."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(f"zeropp.experiments.{command}").main
+    with pytest.raises(SystemExit) as e:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "an empty path" in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -14,9 +14,9 @@ import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
+from ..output_files import path_arg
 from . import CHECKS, print_progress, run_checks
 from .report import check_json_path, exit_status, print_report, to_json, write_json
 from .result import DoctorOptions
@@ -28,7 +28,7 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
         prog="python -m zeropp.doctor",
         description="Check that zeropp works on this machine (CPU half always, GPU half on CUDA).",
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--json", type=path_arg, metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--quick", action="store_true", help="skip the bandwidth measurements")
     p.add_argument(
         "--check-timeout", type=float, default=defaults.check_timeout_s, metavar="S",
