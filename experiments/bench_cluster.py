@@ -4,11 +4,9 @@
 
 from __future__ import annotations
 
-import sys
+from .bench.cluster import cli, main, parse_args
 
-from .bench.cluster import main, parse_args
-
-__all__ = ["main", "parse_args"]
+__all__ = ["cli", "main", "parse_args"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

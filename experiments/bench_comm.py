@@ -4,11 +4,9 @@
 
 from __future__ import annotations
 
-import sys
+from .bench.comm import cli, main
 
-from .bench.comm import main
-
-__all__ = ["main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

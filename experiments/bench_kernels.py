@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .bench.kernels import main, parse_args
+from .bench.kernels import cli, main, parse_args
 
-__all__ = ["main", "parse_args"]
+__all__ = ["cli", "main", "parse_args"]
 
 if __name__ == "__main__":
-    main()
+    cli()

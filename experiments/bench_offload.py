@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .bench.offload import main, parse_args
+from .bench.offload import cli, main, parse_args
 
-__all__ = ["main", "parse_args"]
+__all__ = ["cli", "main", "parse_args"]
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

@@ -4,11 +4,9 @@
 
 from __future__ import annotations
 
-import sys
+from .studies.converge import cli, main
 
-from .studies.converge import main
-
-__all__ = ["main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

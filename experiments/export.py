@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .runner.export import main
+from .runner.export import cli, main
 
-__all__ = ["main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
-    main()
+    cli()

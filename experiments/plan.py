@@ -4,11 +4,9 @@
 
 from __future__ import annotations
 
-import sys
+from .runner.plan import cli, main
 
-from .runner.plan import main
-
-__all__ = ["main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

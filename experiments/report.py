@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .studies.report import main
+from .studies.report import cli, main
 
-__all__ = ["main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .projection.speedup import main
+from .projection.speedup import cli, main
 
-__all__ = ["main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .projection.scaling_check import calibrate, compare_measured, format_comparison, main
+from .projection.scaling_check import calibrate, cli, compare_measured, format_comparison, main
 
-__all__ = ["calibrate", "compare_measured", "format_comparison", "main"]
+__all__ = ["calibrate", "cli", "compare_measured", "format_comparison", "main"]
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from .projection.step_schedule import main, project_scheduled
+from .projection.step_schedule import cli, main, project_scheduled
 
-__all__ = ["main", "project_scheduled"]
+__all__ = ["cli", "main", "project_scheduled"]
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..runner.config import run_records
+from zeropp.output_files import OutputFileError, check_output_file, json_file_is
+
+from ..runner.config import ConfigError, run_records
+from ..runner.preflight import check_writable_dir
 
 
 def flag(name: str) -> str:
@@ -27,6 +30,10 @@ def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
     root = Path(out)
     if root.exists() and not root.is_dir():
         p.error(f"--out {out} is not a directory; choose a new --out (or leave it out for a temporary directory)")
+    try:
+        check_writable_dir("--out", root)
+    except ConfigError as e:  # before: a FileNotFoundError / NotADirectoryError traceback from the first row
+        p.error(str(e).removeprefix("invalid config: "))
     runs = (
         {f.parent for name in ("summary.json", "metrics.jsonl") for f in root.rglob(name)} if root.is_dir() else set()
     )
@@ -37,6 +44,53 @@ def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
             f"--out {out} already holds runs ({held[0]}{more}), which this benchmark's runs would overwrite; "
             "choose a new --out (or leave it out for a temporary directory)"
         )
+
+
+def check_json_output(p: argparse.ArgumentParser, path: str | None, flag: str, shape: Callable[[Any], bool]) -> None:
+    """A ``--json FILE`` (or another JSON output) the benchmark can write at its end, checked before
+    it measures anything: argparse's usage error (exit 2) for a directory, a directory refusing new
+    files, or an existing file that is not JSON of the benchmark's own ``shape`` (a user's file is
+    never overwritten; zeropp.output_files)."""
+    if path is None:
+        return
+    try:
+        check_output_file(Path(path), flag, ours=lambda f: json_file_is(f, shape))
+    except OutputFileError as e:
+        p.error(str(e))
+
+
+def json_with_keys(*keys: str) -> Callable[[Any], bool]:
+    """The shape test of a JSON object holding at least ``keys`` (a benchmark's ``--json`` document)."""
+    return lambda doc: isinstance(doc, dict) and all(k in doc for k in keys)
+
+
+def check_jobs(p: argparse.ArgumentParser, jobs: Mapping[str, Sequence[str]]) -> None:
+    """Compose and validate every row's runner job (row -> its overrides) before the first starts:
+    a setting the runner refuses (a preset that does not exist, a learning rate of NaN) is one
+    usage error (exit 2) naming the row, not the same failure printed once per row with exit status
+    1 after the rows before it ran. The host's own limits: :func:`check_hosts`."""
+    from ..runner.compose import compose_run
+
+    for key, overrides in jobs.items():
+        try:
+            compose_run(overrides)
+        except ConfigError as e:
+            p.error(f"row {key}: {e}")
+
+
+def check_hosts(prog: str, jobs: Mapping[str, Sequence[str]]) -> None:
+    """Before the first row, the runner's checks of this host for every row (its ranks all start
+    here: ``preflight.check_local_ranks``, GPUs, CPU ranks, memory): exit 2 with ``prog: error:
+    row ...`` instead of every row failing alike. Run only when the real runner runs the rows."""
+    from ..runner.compose import compose_run
+    from ..runner.preflight import check_local_ranks
+
+    for key, overrides in jobs.items():
+        try:
+            check_local_ranks(compose_run(overrides))
+        except ConfigError as e:
+            print(f"{prog}: error: row {key}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def require_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, names: Iterable[str], low: int) -> None:

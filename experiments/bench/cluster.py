@@ -55,9 +55,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from zeropp.output_files import path_text_arg, write_output_file
 
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
+from ..launch.command import run_command
 from ..projection.calibration import measure_loopback_gbps
 from ..projection.cluster_file import ClusterFile, ClusterFileError, read_cluster_file
 from ..projection.scaling_check import comm_wait_s, link_gbps
@@ -65,7 +68,7 @@ from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.preflight import host_cpus
 from ..runner.run import run_job
-from .args import check_fresh_out, check_run_lengths
+from .args import check_fresh_out, check_json_output, check_run_lengths, json_with_keys
 from .cluster_check import (
     CHECK_GRID,
     CHECK_TOLERANCE,
@@ -314,8 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="steps left out of each run's averages")
     p.add_argument("--rounds", type=int, default=2, help="alternating ZeRO-3/ZeRO++ runs of each (noise control)")
     p.add_argument("--timeout", type=float, default=600.0, help="per training run, seconds")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
-    p.add_argument("--json", default=None, help="also write all numbers to this file")
+    p.add_argument(
+        "--out", type=path_text_arg, default=None, help="keep the run directories here (default: a temporary directory)"
+    )
+    p.add_argument("--json", type=path_text_arg, default=None, help="also write all numbers to this file")
     p.add_argument(
         "--check",
         action="store_true",
@@ -348,6 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not all(g > 0 for g in a.gbps):
         p.error(f"every --gbps rate must be > 0, got {a.gbps}")
     check_fresh_out(p, a.out)
+    check_json_output(p, a.json, "--json", json_with_keys("args", "rows"))
     return a
 
 
@@ -391,10 +397,15 @@ def main(argv: list[str] | None = None) -> int:
             print(format_check(hand, tolerance=a.tolerance / 100)[0])
             print("\n" + compare_constants(check_cells(rows), hand))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+        write_output_file(Path(a.json), json.dumps({"args": vars(a), "rows": rows}, indent=1))
     return 0 if ok else 1
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

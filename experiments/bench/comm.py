@@ -35,16 +35,25 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from ..launch import ModuleEntry, RankFailure, in_torchrun, launch_world
-from ..projection.cluster_file import ClusterFile, link_fit, write_cluster_file
+from zeropp.output_files import path_text_arg, write_output_file
+
+from ..launch import ModuleEntry, RankFailure, RunInterrupted, in_torchrun, launch_world
+from ..launch.command import run_command
+from ..projection.cluster_file import KIND, ClusterFile, link_fit, write_cluster_file
 from ..runner.launcher import emulated_placement, local_placement
+from ..runner.preflight import RANKS_PER_CPU, host_cpus
+from .args import check_json_output, json_with_keys
 from .comm_rank import GROUPS, OPS, CommBenchSpec, format_specs, rank_main
+
+JSON_SHAPE = json_with_keys("backend", "nodes", "ranks_per_node", "rows")
+"""What ``--json`` writes (rank 0's result): an earlier run's file of this shape may be replaced, nothing else."""
 
 GPU_MAX_BYTES = 1 << 30
 CPU_MAX_BYTES = 1 << 22
@@ -85,15 +94,66 @@ def _csv(choices: tuple[str, ...]) -> Any:
     return parse
 
 
+def _check_links_and_time(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``--gbps`` / ``--latency-ms`` shape the emulated cluster's links only: with ``--cluster
+    local`` they would be silently ignored, so they are refused there; rates, latencies and the
+    time limit must be finite and in range. Sets their defaults (1 Gbit/s, 0 ms)."""
+    given = [f for f, v in (("--gbps", a.gbps), ("--latency-ms", a.latency_ms)) if v is not None]
+    if a.cluster == "local" and given:
+        p.error(
+            f"{' and '.join(given)} shape(s) the links of --cluster emulated; with --cluster local nothing is "
+            "shaped: add --cluster emulated (root), or remove them"
+        )
+    a.gbps = 1.0 if a.gbps is None else a.gbps
+    a.latency_ms = 0.0 if a.latency_ms is None else a.latency_ms
+    if not (math.isfinite(a.latency_ms) and a.latency_ms >= 0):
+        p.error(f"--latency-ms must be a finite number >= 0, got {a.latency_ms:g}")
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout:g}")
+
+
+def _check_groups(p: argparse.ArgumentParser, spec: CommBenchSpec) -> None:
+    """Each group named in ``--groups`` must measure something at this shape: 2 or more members,
+    and (``intra`` / ``inter``) fewer than the world, which ``world`` already measures. Unnamed,
+    the groups that measure nothing are passed over; named, such a group was silently skipped."""
+    sizes = {"world": spec.world, "intra": spec.ranks_per_node, "inter": spec.nodes}
+    for g in spec.groups:
+        if sizes[g] < 2 or (g != "world" and sizes[g] == spec.world):
+            why = "fewer than 2 ranks" if sizes[g] < 2 else "all the ranks, as world does"
+            p.error(
+                f"--groups {g}: with --nodes {spec.nodes} x --ranks-per-node {spec.ranks_per_node} the {g} group "
+                f"holds {why}; nothing to measure there: change the shape, or leave {g} out"
+            )
+
+
+def _check_local_ranks(p: argparse.ArgumentParser, world: int) -> None:
+    """The local launcher starts every rank on this host: on CPU at most the runner's
+    ``RANKS_PER_CPU`` per CPU (more only thrash, and thousands exhaust the memory)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    cpus = host_cpus()
+    if world > RANKS_PER_CPU * cpus:
+        p.error(
+            f"--nodes x --ranks-per-node = {world} ranks, all started on this host, which has {cpus} CPU(s); "
+            f"allowed: at most {RANKS_PER_CPU * cpus} ({RANKS_PER_CPU} per CPU); run larger worlds under torchrun"
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_comm", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--cluster", choices=("local", "emulated"), default="local")
-    p.add_argument("--gbps", type=float, default=1.0, help="cross-node rate of --cluster emulated, Gbit/s")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="one-way cross-node latency (emulated; netem)")
+    p.add_argument("--gbps", type=float, default=None, help="cross-node rate of --cluster emulated, Gbit/s (default 1)")
+    p.add_argument(
+        "--latency-ms", type=float, default=None, help="one-way cross-node latency (emulated; netem; default 0)"
+    )
     p.add_argument("--ops", type=_csv(OPS), default=OPS, help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--groups", type=_csv(GROUPS), default=GROUPS, help=f"comma-separated subset of {','.join(GROUPS)}")
+    p.add_argument(
+        "--groups", type=_csv(GROUPS), default=None, help=f"comma-separated subset of {','.join(GROUPS)} (default: all)"
+    )
     p.add_argument(
         "--formats",
         default=None,
@@ -106,12 +166,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=1800.0, help="the whole benchmark, seconds")
-    p.add_argument("--json", default=None, help="also write every row to this file")
-    p.add_argument("--calibrate", default=None, metavar="FILE", help="write a cluster file fitted on the sweep")
+    p.add_argument("--json", type=path_text_arg, default=None, help="also write every row to this file")
+    p.add_argument(
+        "--calibrate", type=path_text_arg, default=None, metavar="FILE", help="write a cluster file fitted on the sweep"
+    )
     p.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.rank_main:
         return a
+    _check_links_and_time(p, a)
     if a.max_bytes is None:
         import torch
 
@@ -131,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             nodes=a.nodes,
             ranks_per_node=a.ranks_per_node,
             ops=a.ops,
-            groups=a.groups,
+            groups=a.groups or GROUPS,
             formats=formats,
             sizes=size_sweep(a.min_bytes, a.max_bytes, a.step),
             warmup=a.warmup,
@@ -141,10 +204,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if a.spec.world < 2:
         p.error("a collective benchmark needs >= 2 ranks (--nodes x --ranks-per-node)")
-    if a.cluster == "emulated" and not (a.gbps > 0 and a.nodes >= 2):
-        p.error(f"--cluster emulated needs --nodes >= 2 and --gbps > 0, got {a.nodes} and {a.gbps}")
+    if a.groups is not None:
+        _check_groups(p, a.spec)
+    if not in_torchrun():
+        _check_local_ranks(p, a.spec.world)
+    if a.cluster == "emulated" and not (math.isfinite(a.gbps) and a.gbps > 0 and a.nodes >= 2):
+        p.error(f"--cluster emulated needs --nodes >= 2 and a finite --gbps > 0, got {a.nodes} and {a.gbps}")
     if a.calibrate and "all_gather" not in a.ops:
         p.error("--calibrate fits the plain all-gathers: keep all_gather in --ops")
+    check_json_output(p, a.json, "--json", JSON_SHAPE)
+    check_json_output(p, a.calibrate, "--calibrate", lambda doc: isinstance(doc, dict) and doc.get("kind") == KIND)
     return a
 
 
@@ -243,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         result = launch(a)
         if result is None:  # a torchrun rank other than 0: rank 0 reports
             return 0
+    except RunInterrupted:  # the benchmark was stopped (Ctrl-C, SIGTERM): 128 + N, not a failed world
+        raise
     except RankFailure as e:
         print(f"error: the benchmark world failed: {e}", file=sys.stderr)
         return e.exit_code if e.exit_code == 2 else 1
     print(format_rows(result))
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_output_file(Path(a.json), json.dumps(result, indent=1))
     if a.calibrate:
         source: dict[str, Any] = {
             "command": " ".join(["python -m experiments.bench_comm", *(argv if argv is not None else sys.argv[1:])]),
@@ -265,5 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -25,10 +25,11 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zeropp.comm.spec import RECIPES
 
+from ..launch.command import run_command
 from ..runner.config import ConfigError
 from ..runner.launcher import RankFailure
 from ..runner.run import run_job
@@ -108,5 +109,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

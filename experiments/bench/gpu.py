@@ -29,9 +29,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from .args import check_fresh_out, check_run_lengths, interleaved_rounds, require_at_least
+from zeropp.output_files import path_text_arg
+
+from ..launch.command import run_command
+from .args import check_fresh_out, check_hosts, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 JOBS: dict[str, tuple[str, list[str]]] = {
     "torch": ("torch (DDP, world 1)", ["trainer=ddp"]),
@@ -186,7 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda", help="the runner's launcher.device")
     p.add_argument("--timeout", type=float, default=1200, help="seconds before a job's world is stopped")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
+    p.add_argument(
+        "--out", type=path_text_arg, default=None, help="keep the run directories here (default: a temporary directory)"
+    )
     a = p.parse_args(argv)
     a.jobs = [j.strip() for j in a.jobs.split(",") if j.strip()]
     unknown = [j for j in a.jobs if j not in JOBS]
@@ -197,6 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         setattr(a, name, getattr(a, name) or None)  # 0: keep the preset's
     check_run_lengths(p, a, ("steps", "batch", "seq", "rounds"))
     check_fresh_out(p, a.out)
+    check_jobs(p, {key: job_overrides(a, key) for key in a.jobs})
     return a
 
 
@@ -209,6 +215,8 @@ def main(
     if run_job is None:
         from ..runner.run import run_job as runner_job
 
+        check_hosts("python -m experiments.bench_gpu", {key: job_overrides(a, key) for key in a.jobs})
+
         run_job = runner_job
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:
         rows = run_all(a, Path(a.out or tmp), run_job)
@@ -216,10 +224,16 @@ def main(
     return rows
 
 
-def cli() -> None:
+def _status() -> int:
     """The command: :func:`main`, exit status 1 when any cell of the matrix failed, else 0."""
     rows = main()
-    sys.exit(1 if any("error" in r for r in rows.values()) else 0)
+    return 1 if any("error" in r for r in rows.values()) else 0
+
+
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(_status)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import statistics
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
 
@@ -51,7 +52,9 @@ from zeropp.kernels import (
     timing,
 )
 
+from ..launch.command import run_command
 from . import format_rows
+from .args import flag, require_at_least
 from .kernels_plain import Compiled, plain_dequantize, plain_dequantize_sum, plain_quantize, plain_reduce
 
 TARGET_FRACTION = 0.90
@@ -116,6 +119,8 @@ def _alternate(
 def _sizes(min_kib: float, max_mib: float) -> list[int]:
     """Input bytes from min_kib KiB in x4 steps (64 KiB, 256 KiB, ... 256 MiB), ending at max_mib."""
     lo, top = int(min_kib * 1024), int(max_mib * 1024 * 1024)
+    if not 1 <= lo <= top:  # a start of 0 bytes would never grow: refuse rather than loop forever
+        raise ValueError(f"sizes from {min_kib:g} KiB to {max_mib:g} MiB: need 1 byte <= smallest <= largest")
     out = []
     while lo <= top:
         out.append(lo)
@@ -327,6 +332,62 @@ def _print_summary(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"lowest fraction of copy bandwidth for sizes >= 64 MiB: {min(big):.0%} (target {TARGET_FRACTION:.0%})")
 
 
+def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--device`` must be one torch can name and this machine has: usage error (exit 2) otherwise."""
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a device; use cpu or cuda (cuda:N for one GPU)")
+    if dev.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: the benchmark times the CPU path or the Triton kernels; use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, with argparse's usage error (exit 2) naming the flag, what would hang, crash or time
+    nothing: sizes that are not finite and at least one byte (a size of 0 never grows in the x4
+    steps of :func:`_sizes`, so the loop would never end), a smallest size above the largest (which
+    silently timed the largest alone), and counts below their floor."""
+    for name in ("min_kib", "max_mib"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{flag(name)} must be a finite size > 0, got {value:g}")
+    if args.min_kib * 1024 < 1:
+        p.error(f"--min-kib {args.min_kib:g} is below one byte; use at least {1 / 1024:g}")
+    if args.min_kib > args.max_mib * 1024:
+        p.error(
+            f"--min-kib {args.min_kib:g} is above --max-mib {args.max_mib:g} (= {args.max_mib * 1024:g} KiB); "
+            "lower --min-kib or raise --max-mib"
+        )
+    require_at_least(p, args, ("k", "threads", "iters"), 1)
+    require_at_least(p, args, ("warmup",), 0)
+    _check_memory(p, args)
+
+
+LIVE_FP32_COPIES = 6
+"""fp32-sized tensors of the largest size the benchmark holds at once besides the ``--k`` inputs of
+the reductions (the input and its fp32 source, a padded copy, codes, an output, a format's
+working copy): the estimate :func:`_check_memory` refuses by."""
+
+
+def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a ``--max-mib`` whose tensors the device cannot hold (before: the allocator's
+    traceback or the out-of-memory killer, after the smaller sizes had run)."""
+    from ..runner.console import human_bytes
+    from ..runner.preflight import host_memory
+
+    dev = torch.device(args.device)
+    have = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else host_memory()
+    esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    need = 4 * (int(args.max_mib * (1 << 20)) // esize) * (args.k + LIVE_FP32_COPIES)
+    if need > have:
+        p.error(
+            f"--max-mib {args.max_mib:g} (with --k {args.k}) needs about {human_bytes(need)} on {dev.type} but it has "
+            f"{human_bytes(have)}; lower --max-mib"
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -367,10 +428,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     args = p.parse_args(argv)
+    _check_device(p, args)
     cuda = torch.device(args.device).type == "cuda"
     args.max_mib = args.max_mib if args.max_mib is not None else (1024.0 if cuda else 64.0)
     args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     args.iters = args.iters if args.iters is not None else (20 if cuda else 10)
+    check_args(p, args)
     return args
 
 
@@ -388,5 +451,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

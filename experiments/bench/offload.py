@@ -37,19 +37,26 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, NoReturn
 
 import torch
 
 from zeropp.kernels import cpu_adamw
+from zeropp.output_files import path_text_arg, write_output_file
 from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
 
+from ..launch.command import run_command
+from ..runner.console import human_bytes
+from ..runner.preflight import host_memory
 from ..runner.trainer_registry import TRAINER_SPECS
+from .args import check_json_output, json_with_keys
 
 CFG = OptimizerConfig(lr=1e-3, weight_decay=0.01)
 
@@ -294,6 +301,42 @@ def format_report(adam: list[dict[str, Any]], swap: dict[str, Any] | None, a: ar
     return "\n".join(lines)
 
 
+JSON_SHAPE = json_with_keys("adam", "swap", "args")
+"""What ``--json`` writes: an earlier run's file of this shape may be replaced, nothing else."""
+
+
+def _probe_dir(path: str) -> None:
+    """Create and remove a file in ``path``: OSError when the directory takes no new files (mode
+    bits are not enough to tell: root ignores them, and /proc or a read-only mount refuses anyway)."""
+    fd, probe = tempfile.mkstemp(prefix=".bench_offload-", suffix=".probe", dir=path)
+    os.close(fd)
+    os.unlink(probe)
+
+
+BYTES_PER_ELEMENT = 32
+"""Host memory per AdamW element the benchmark may touch: 16 bytes of state (fp32 parameter,
+gradient and two moments, one state shared by every kernel) and up to as much again of a kernel's
+temporaries (the single-tensor reference computes its update in whole-tensor steps)."""
+
+
+def _check_room(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse sizes this host cannot hold (before: the kernel's out-of-memory killer ended the
+    process, SIGKILL, no message) and a swap test larger than the free space of ``--dir``."""
+    need, have = BYTES_PER_ELEMENT * max(a.numels), host_memory()
+    if need > have:
+        p.error(
+            f"--sizes {a.sizes}: {max(a.numels):,} elements need about {human_bytes(need)} of host memory "
+            f"({BYTES_PER_ELEMENT} B per element) but this host has {human_bytes(have)}; give smaller sizes"
+        )
+    if a.swap_mib:
+        free = shutil.disk_usage(a.dir).free
+        if 2 * (a.swap_mib << 20) > free:  # the swapped state and the plain I/O file
+            p.error(
+                f"--swap-mib {a.swap_mib} writes about {human_bytes(2 * (a.swap_mib << 20))} to --dir {a.dir}, "
+                f"which has {human_bytes(free)} free; lower --swap-mib or choose another --dir"
+            )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_offload", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1M,4M,16M,64M", help="fp32 elements of the AdamW benchmarks (k/M/G = 1024^n)")
@@ -301,10 +344,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="threads of every kernel (default: torch's)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the single-tensor step")
     p.add_argument("--swap-mib", type=int, default=256, help="MiB moved by the swap / plain I/O test (0: skip it)")
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the swap test (the disk measured)")
+    p.add_argument(
+        "--dir",
+        type=path_text_arg,
+        default=tempfile.gettempdir(),
+        help="directory of the swap test (the disk measured)",
+    )
     p.add_argument("--buffers", type=int, default=4, help="staging buffers (ZeroConfig.swap_buffers)")
     p.add_argument("--buffer-size", type=int, default=1 << 22, help="fp32 elements per buffer (swap_buffer_size)")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--json", type=path_text_arg, default=None, help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     try:
         a.numels = [_size(t) for t in a.sizes.split(",")]
@@ -322,6 +370,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--buffers must be >= 2")
     if not os.path.isdir(a.dir):
         p.error(f"--dir {a.dir} is not a directory")
+    if a.swap_mib:
+        try:
+            _probe_dir(a.dir)
+        except OSError as e:
+            p.error(f"--dir {a.dir} cannot take the swap test's files ({e.strerror or e}); choose a writable directory")
+    _check_room(p, a)
+    check_json_output(p, a.json, "--json", JSON_SHAPE)
     return a
 
 
@@ -335,10 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     swap = bench_swap(a.dir, a.swap_mib, a.buffers, a.buffer_size, a.swap_numel) if a.swap_mib else None
     print(format_report(adam, swap, a))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"adam": adam, "swap": swap, "args": vars(a)}, f, indent=1)
+        write_output_file(Path(a.json), json.dumps({"adam": adam, "swap": swap, "args": vars(a)}, indent=1))
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

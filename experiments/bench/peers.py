@@ -40,11 +40,13 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zeropp.comm.spec import RECIPES
+from zeropp.output_files import path_text_arg
 
-from .args import check_fresh_out, check_run_lengths, interleaved_rounds, require_at_least
+from ..launch.command import run_command
+from .args import check_fresh_out, check_hosts, check_jobs, check_run_lengths, interleaved_rounds, require_at_least
 
 RunJob = Callable[[list[str], Path], dict[str, Any]]
 """``run_job(overrides, run_dir) -> summary``: the runner's, or a test's fake."""
@@ -270,7 +272,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a world is stopped")
-    p.add_argument("--out", default=None, help="keep the run directories here (default: a temporary directory)")
+    p.add_argument(
+        "--out", type=path_text_arg, default=None, help="keep the run directories here (default: a temporary directory)"
+    )
 
 
 def check_job_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -301,6 +305,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.prefetch != 1 and not any(ROWS[k].prefetches for k in a.only):
         p.error(f"--prefetch {a.prefetch} does nothing without a zeropp stage-3 row in --only; add one, or remove it")
     check_fresh_out(p, a.out)
+    check_jobs(p, {key: job_overrides(a, key) for key in a.only if not missing_package(key)})
     return a
 
 
@@ -327,6 +332,9 @@ def main(argv: list[str] | None = None, run_job: RunJob | None = None) -> dict[s
     if run_job is None:
         from ..runner.run import run_job as runner_job
 
+        ready = [key for key in a.only if not missing_package(key)]
+        check_hosts("python -m experiments.bench_peers", {key: job_overrides(a, key) for key in ready})
+
         run_job = runner_job
     # with --json, stdout carries the JSON document only: each job's own report goes to stderr
     quiet = _stdout_to_stderr() if a.json else contextlib.nullcontext()
@@ -336,10 +344,16 @@ def main(argv: list[str] | None = None, run_job: RunJob | None = None) -> dict[s
     return out
 
 
-def cli() -> None:
+def _status() -> int:
     """The command: :func:`main`; exit status 1 when a row failed (a skipped row is no failure)."""
     out = main()
-    sys.exit(1 if any("error" in r for r in out.values()) else 0)
+    return 1 if any("error" in r for r in out.values()) else 0
+
+
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(_status)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from zeropp.input_files import read_regular
+
 from .spec import Cluster
 
 VERSION = 1
@@ -172,7 +174,7 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
     version or an invalid figure, naming the file and the key."""
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(read_regular(p))
     except OSError as e:
         raise ClusterFileError(f"cannot read cluster file {p}: {e.strerror or e}") from None
     except ValueError as e:

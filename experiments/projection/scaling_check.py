@@ -23,10 +23,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 from zeropp.comm.spec import QuantSpec
+from zeropp.output_files import path_text_arg
 
+from ..launch.command import run_command
 from .calibration import measure_quant_rates
 from .scaling import control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work
 from .spec import GBPS, Cluster, Workload
@@ -301,28 +303,46 @@ def format_comparison(rows: list[dict]) -> str:
     return text_table(COMPARISON_COLUMNS, rows)
 
 
+SUMMARY_KEYS = ("label", "config", "step_time_s", "comm_bytes_per_step")
+"""The keys of a run's ``summary.json`` that every comparison reads."""
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
     from pathlib import Path
 
+    from zeropp.input_files import read_regular
+
+    from .flags import non_negative, positive_rate
+
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", metavar="DIR", help="check the model against every summary.json under DIR")
-    ap.add_argument("--cross-gbps", type=float, default=None, help="link rate of cluster=local runs, Gbit/s")
-    ap.add_argument("--intra-gbps", type=float, default=20.0, help="intra-node (loopback) rate, Gbit/s")
-    ap.add_argument("--alpha", type=float, default=100e-6, help="seconds per message step")
+    ap.add_argument(
+        "runs", type=path_text_arg, metavar="DIR", help="check the model against every summary.json under DIR"
+    )
+    ap.add_argument("--cross-gbps", type=positive_rate, default=None, help="link rate of cluster=local runs, Gbit/s")
+    ap.add_argument("--intra-gbps", type=positive_rate, default=20.0, help="intra-node (loopback) rate, Gbit/s")
+    ap.add_argument("--alpha", type=non_negative, default=100e-6, help="seconds per message step")
     ap.add_argument("--calibrate", action="store_true", help="fit --alpha and --intra-gbps on these runs first")
     a = ap.parse_args(argv)
     paths = sorted(Path(a.runs).rglob("summary.json"))
     if not paths:
-        raise SystemExit(f"error: no summary.json under {a.runs}")
+        ap.exit(2, f"error: no summary.json under {a.runs}; point at a run or multirun directory\n")
+    summaries = []
+    for p in paths:
+        try:
+            summary = json.loads(read_regular(p))
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+            ap.exit(2, f"error: {p} cannot be read as a run's summary ({e}); move it away or repair it\n")
+        missing = [k for k in SUMMARY_KEYS if k not in summary] if isinstance(summary, dict) else list(SUMMARY_KEYS)
+        if missing:
+            ap.exit(
+                2, f"error: {p} has no {', '.join(missing)}; it is not a run's summary: move it away or repair it\n"
+            )
+        summaries.append(summary)
     try:
         rows = compare_measured(
-            [json.loads(p.read_text()) for p in paths],
-            cross_gbps=a.cross_gbps,
-            intra_gbps=a.intra_gbps,
-            alpha_s=a.alpha,
-            calibrated=a.calibrate,
+            summaries, cross_gbps=a.cross_gbps, intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate
         )
     except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
         raise SystemExit(f"error: {e}") from None
@@ -334,5 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     print(format_comparison(rows))
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

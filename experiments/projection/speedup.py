@@ -10,11 +10,15 @@ paper's 18B GPT across cluster sizes and link rates), printed and plotted.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, NoReturn
 
 from zeropp.comm.spec import RECIPES
+from zeropp.output_files import OutputFileError, check_output_file, write_output_file
 
+from ..launch.command import run_command
 from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
+from .flags import fraction, positive_count, positive_rate
 from .scaling import Projection, gpt_units, project
 from .spec import Cluster, Workload
 from .text_table import Column, number, text_table
@@ -112,7 +116,36 @@ def format_table(rows: list[dict[str, float]]) -> str:
     return text_table(PROJECTION_COLUMNS, rows)
 
 
+PLOT_TAG = "zeropp experiments.scaling"
+"""Written into every plot's metadata (PNG ``Software``, PDF / SVG ``Creator``): how a later run
+tells its own earlier plot, which it may replace, from a file of the user's, which it refuses."""
+PLOT_SUFFIXES = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
+"""The file types ``--plot`` writes, each with the metadata key that carries :data:`PLOT_TAG`."""
+
+
+def is_our_plot(path: Path) -> bool:
+    """Whether ``path`` is a plot this command wrote (it carries :data:`PLOT_TAG`)."""
+    try:
+        return PLOT_TAG.encode() in path.read_bytes()
+    except OSError:
+        return False
+
+
+def check_plot_path(path: Path) -> None:
+    """Refuse (:class:`zeropp.output_files.OutputFileError`) before the projection a ``--plot`` that
+    cannot be written or would replace a file this command did not write, or whose ending is not a
+    type it draws (a path without one was silently written as ``<path>.png``, beside it)."""
+    if path.suffix.lower() not in PLOT_SUFFIXES and not path.is_dir():
+        raise OutputFileError(
+            f"--plot {path}: name a {', '.join(PLOT_SUFFIXES)} file (the ending picks the type), or '' to skip the plot"
+        )
+    check_output_file(path, "--plot", ours=is_our_plot, create_parents=True, suffix_hint=".png")
+
+
 def plot(rows: list[dict[str, float]], path: str) -> None:
+    """Draw the throughput and speedup of ``rows`` into ``path`` (:data:`PLOT_SUFFIXES`), atomically."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,8 +166,11 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    kind = Path(path).suffix.lower()
+    buf = io.BytesIO()
+    fig.savefig(buf, format=kind[1:], dpi=120, metadata={PLOT_SUFFIXES[kind]: PLOT_TAG})
     plt.close(fig)
+    write_output_file(Path(path), buf.getvalue())
 
 
 def main(
@@ -146,21 +182,22 @@ def main(
     """The projection table and plot; ``projector`` as in :func:`speedup_table` (the scheduled
     model's CLI, ``python -m experiments.step_schedule``, passes its own)."""
     import argparse
-    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gbps", type=float, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC")
-    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument(
+        "--gbps", type=positive_rate, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC"
+    )
+    ap.add_argument("--ranks-per-node", type=positive_count, default=8)
     ap.add_argument(
         "--nics-per-node",
-        type=int,
+        type=positive_count,
         default=None,
         help="cross-node NICs per node, each shared by ranks-per-node/nics ranks (default: one per GPU)",
     )
-    ap.add_argument("--max-gpus", type=int, default=384)
-    ap.add_argument("--tokens-per-gpu", type=int, default=1024)
-    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per GPU")
-    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of comm hidden under compute")
+    ap.add_argument("--max-gpus", type=positive_count, default=384)
+    ap.add_argument("--tokens-per-gpu", type=positive_count, default=1024)
+    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per GPU")
+    ap.add_argument("--overlap", type=fraction, default=0.0, help="fraction of comm hidden under compute")
     ap.add_argument(
         "--plot",
         default="outputs/scaling.png" if projector is None else "outputs/scaling_scheduled.png",
@@ -173,6 +210,15 @@ def main(
         "bandwidths and quantization rates replace the hand-set constants (its inter-node rate replaces --gbps)",
     )
     a = ap.parse_args(argv)
+    if a.nics_per_node is not None and a.ranks_per_node % a.nics_per_node:
+        ap.error(f"--nics-per-node {a.nics_per_node} must divide --ranks-per-node {a.ranks_per_node}")
+    if a.max_gpus < a.ranks_per_node:
+        ap.error(f"--max-gpus {a.max_gpus} is less than one node (--ranks-per-node {a.ranks_per_node})")
+    if a.plot:
+        try:
+            check_plot_path(Path(a.plot))
+        except OutputFileError as e:
+            ap.error(str(e))
     try:
         cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
     except ClusterFileError as e:
@@ -212,10 +258,15 @@ def main(
     )
     print(format_table(rows))
     if a.plot:
-        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import NoReturn
 
 from zeropp.runtime.plan_kinds import Phase
 
+from ..launch.command import run_command
 from .scaling import (
     Projection,
     collective_time,
@@ -333,5 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     scaling_main(argv, projector=project_scheduled, prog="python -m experiments.step_schedule")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -19,7 +19,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from zeropp.output_files import path_arg
+
+from ..launch.command import run_command
 
 
 def _model_settings(path: Path) -> dict[str, Any]:
@@ -47,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     from zeropp.models.hf_export import LORA_FORMATS, ExportError, MissingModelConfig, export_pretrained
 
     ap = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", type=Path, help="a run directory (with checkpoints/) or a checkpoint directory")
-    ap.add_argument("out_dir", type=Path, help="the new directory to write (must not exist, or be empty)")
+    ap.add_argument("source", type=path_arg, help="a run directory (with checkpoints/) or a checkpoint directory")
+    ap.add_argument("out_dir", type=path_arg, help="the new directory to write (must not exist, or be empty)")
     ap.add_argument(
         "--lora-format",
         choices=LORA_FORMATS,
@@ -78,5 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

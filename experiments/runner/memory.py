@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from ..launch.command import run_command
 from .console import human_bytes
 from .metrics import read_summary
 
@@ -202,5 +203,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.comm.choices import plain
+from zeropp.input_files import read_regular
 
 from .config import RunConfig
 
@@ -303,7 +304,9 @@ def read_summary(path: Path) -> dict[str, Any]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` ([] when there is none); OSError when the path is not a
+    regular file of bounded size (a FIFO there would block the reader forever: zeropp.input_files)."""
     p = Path(path)
-    if not p.exists():
+    if not (p.exists() or p.is_symlink()):
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_regular(p).decode().splitlines() if line.strip()]

@@ -31,11 +31,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from zeropp.output_files import OutputFileError, check_output_files, path_text_arg, write_output_file
+
+from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
+from ..projection.flags import positive_rate
 from .config import ConfigError, RunConfig, without_hydra
-from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plot, project
+from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plan_outputs, plot, project
+
+OUTPUTS = ("plan_timeline.png", "plan_trace.json")
+"""What the plan writes into ``--out``: a file of these names it did not write is refused before the plan."""
 
 __all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "model_units", "plot", "project", "table"]
 
@@ -43,9 +50,11 @@ __all__ = ["LANES", "check_plannable", "chrome_trace", "load_config", "main", "m
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default=None, help="node counts to plan, comma-separated (e.g. 4,32,384)")
-    ap.add_argument("--out", default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json")
-    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
-    ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
+    ap.add_argument(
+        "--out", type=path_text_arg, default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json"
+    )
+    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per rank")
+    ap.add_argument("--gbps", type=positive_rate, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
     ap.add_argument(
         "--cluster-file",
         default=None,
@@ -59,6 +68,8 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if key == "plan.nodes":
             a.nodes = value.strip("[]")
         elif key == "plan.out":
+            if not value.strip():  # Path("") is the current directory
+                raise ConfigError("invalid plan.out: an empty path; name the directory (plan.out=outputs/plan)")
             a.out = value
         elif key == "plan.cluster_file":
             a.cluster_file = value
@@ -142,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         counts = _node_counts(a.nodes, rc.topology.nodes)
         out = Path(a.out)
         check_writable_dir("--out / plan.out", out)
+        try:
+            check_output_files(out, "--out / plan.out", plan_outputs(OUTPUTS))
+        except OutputFileError as e:
+            raise ConfigError(str(e)) from None
         units = model_units(rc)
         projections = [project(rc, units, n, a) for n in counts]
     except ConfigError as e:
@@ -149,12 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for p in projections:
         print(table(p) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    plot(projections, out / "plan_timeline.png")
-    (out / "plan_trace.json").write_text(json.dumps(chrome_trace(projections)))
+    plot(projections, out / OUTPUTS[0])
+    write_output_file(out / OUTPUTS[1], json.dumps(chrome_trace(projections)))
     print(f"timeline: {out / 'plan_timeline.png'}\ntrace (Perfetto / chrome://tracing): {out / 'plan_trace.json'}")
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

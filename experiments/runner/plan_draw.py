@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from zeropp.output_files import holds_tag, json_file_is, tagged_png, write_output_file
 
 from .config import ConfigError, RunConfig
 
@@ -206,8 +209,23 @@ def draw_lanes(ax: Any, p: dict[str, Any], colour: dict[str, str]) -> None:
     ax.set_xlim(0, p["step_s"] * 1e3)
 
 
+PLOT_TAG = "zeropp experiments.plan"
+"""The ``Software`` text of every PNG the plan writes: its own earlier images may be replaced."""
+
+
+def plan_outputs(names: tuple[str, str]) -> dict[str, Callable[[Path], bool]]:
+    """The ``ours`` tests (zeropp.output_files) of a plan's PNG and trace, named ``names``: a PNG
+    carrying :data:`PLOT_TAG`, a JSON trace (an object with ``traceEvents``)."""
+    png, trace = names
+    return {
+        png: lambda p: holds_tag(p, PLOT_TAG),
+        trace: lambda p: json_file_is(p, lambda d: isinstance(d, dict) and "traceEvents" in d),
+    }
+
+
 def plot(projections: list[dict[str, Any]], path: Path) -> None:
-    """One row per node count, one lane per resource, each interval coloured by kind (legend outside)."""
+    """One row per node count, one lane per resource, each interval coloured by kind (legend
+    outside), written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,5 +243,6 @@ def plot(projections: list[dict[str, Any]], path: Path) -> None:
     handles = [matplotlib.patches.Patch(color=colour[k], label=k) for k in kinds]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    png = tagged_png(fig, PLOT_TAG, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    write_output_file(path, png)

@@ -31,8 +31,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zeropp.output_files import OutputFileError, check_output_files, path_text_arg, tagged_png, write_output_file
+
 from .config import ConfigError
 from .profiling import PROFILE_DIR, Span, busy_s, read_step, trace_path
+
+OUTPUTS = ("step_vs_plan.png", "step_vs_plan.json")
+"""What the side-by-side writes into ``--out``: a file of these names it did not write is refused first."""
 
 MEASURED_LANES = ("issue", "wait", "comm worker", "quantization")
 """Lanes of the measured step, top to bottom."""
@@ -43,7 +48,12 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("run_dir", help="a run directory of python -m experiments.run with train.profile=true")
     ap.add_argument("--step", type=int, default=None, help="the profiled step (default: the last one)")
     ap.add_argument("--rank", type=int, default=0, help="whose trace (default 0)")
-    ap.add_argument("--out", default=None, help="directory for step_vs_plan.png / .json (default <run dir>/profile)")
+    ap.add_argument(
+        "--out",
+        type=path_text_arg,
+        default=None,
+        help="directory for step_vs_plan.png / .json (default <run dir>/profile)",
+    )
     ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
     ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
     return ap.parse_args(argv)
@@ -151,7 +161,7 @@ def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plan_draw import draw_lanes
+    from .plan_draw import PLOT_TAG, draw_lanes
 
     kinds = sorted({e.get("kind", "compute") for e in p["events"]} | {s.parsed.kind for s in spans})
     colour = {k: f"C{i % 10}" for i, k in enumerate(kinds)}
@@ -173,13 +183,14 @@ def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: i
     handles = [matplotlib.patches.Patch(color=colour[k], label=k) for k in kinds]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    png = tagged_png(fig, PLOT_TAG, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    write_output_file(path, png)
 
 
 def main(argv: list[str]) -> int:
     """Print the table, write the PNG and the trace; 2 with ``error: ...`` on a bad input."""
-    from .plan_draw import model_units, project
+    from .plan_draw import model_units, plan_outputs, project
     from .preflight import check_writable_dir
 
     try:
@@ -188,6 +199,10 @@ def main(argv: list[str]) -> int:
         rc = load_run(run_dir)
         out = Path(a.out) if a.out else run_dir / PROFILE_DIR
         check_writable_dir("--out", out)
+        try:
+            check_output_files(out, "--out", plan_outputs(OUTPUTS))
+        except OutputFileError as e:
+            raise ConfigError(str(e)) from None
         trace = find_trace(run_dir, a.rank, a.step)
         try:
             step, step_s, spans = read_step(trace, a.step)
@@ -199,9 +214,8 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"{run_dir}: rank {a.rank}, step {step} ({trace.name}) beside the plan of its config\n")
     print(table(p, spans, step_s))
-    out.mkdir(parents=True, exist_ok=True)
-    plot(p, spans, step_s, step, a.rank, out / "step_vs_plan.png")
-    (out / "step_vs_plan.json").write_text(json.dumps(chrome_trace(p, spans, step, a.rank)))
+    plot(p, spans, step_s, step, a.rank, out / OUTPUTS[0])
+    write_output_file(out / OUTPUTS[1], json.dumps(chrome_trace(p, spans, step, a.rank)))
     print(
         f"\nside by side: {out / 'step_vs_plan.png'}\ntrace (Perfetto / chrome://tracing): {out / 'step_vs_plan.json'}"
     )

@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
+from ..launch.command import run_command
+from ..runner.compose import compose_run
 from ..runner.config import ConfigError
 from ..runner.launcher import RunInterrupted
-from .converge_report import write_outputs
-from .converge_suite import Runner, RunResult, SuiteConfig, compose
+from ..runner.preflight import check_local_ranks
+from .converge_report import check_out, write_outputs
+from .converge_suite import Runner, RunResult, SuiteConfig
 
 
 def run_suite(
@@ -51,10 +54,12 @@ def run_suite(
     host's load touches all schemes alike. A failed run is recorded and the rest go on.
     ``runner`` defaults to :func:`experiments.runner.run.run_job`; ``on_result`` sees the results so far
     after each run (the CLI rewrites the table then)."""
+    host_checks = runner is None  # a stand-in runner (the tests') starts no rank on this host
     if runner is None:
         from ..runner.run import run_job
 
         runner = run_job
+    check_out(cfg)
     runs = cfg.out / "runs"
     if runs.is_dir() and any(runs.iterdir()):  # a run's metrics.jsonl would be appended to, its curve mixed
         raise ConfigError(
@@ -62,7 +67,9 @@ def run_suite(
             "(the default is a new time-stamped directory)"
         )
     for s in cfg.schemes:  # the whole config, once per scheme, before the first run
-        compose(cfg.run_overrides(s, cfg.seeds[0]))
+        rc = compose_run(cfg.run_overrides(s, cfg.seeds[0]))
+        if host_checks:  # GPUs, local CPU ranks, memory: else every run failed alike, one by one
+            check_local_ranks(rc)
     results: list[RunResult] = []
     for seed in cfg.seeds:
         for scheme in cfg.schemes:
@@ -116,5 +123,11 @@ def main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> 
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -8,14 +8,19 @@ docstring), :func:`markdown` / :data:`CSV_FIELDS` / :func:`plot` render it, and
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..runner.checks import ConfigError
 from ..runner.metrics import read_metrics
+from ..runner.preflight import check_writable_dir
 from .converge_suite import BASELINE, RunResult, SuiteConfig, scheme_overrides
+from .report_files import ReportError, check_outputs
+from .report_files import write_outputs as write_files
 
 
 def _sd(xs: Sequence[float]) -> float | None:
@@ -148,9 +153,9 @@ def _moving_mean(ys: list[float], w: int) -> list[float]:
     return out
 
 
-def plot(cfg: SuiteConfig, results: Sequence[RunResult], path: Path) -> Path:
-    """``loss.png``: train loss (moving mean) and eval loss vs tokens; per scheme the mean over
-    seeds, the band from the lowest to the highest seed."""
+def plot(cfg: SuiteConfig, results: Sequence[RunResult]) -> bytes:
+    """``loss.png`` (its PNG bytes): train loss (moving mean) and eval loss vs tokens; per scheme
+    the mean over seeds, the band from the lowest to the highest seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,9 +202,10 @@ def plot(cfg: SuiteConfig, results: Sequence[RunResult], path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle("Convergence: mean over seeds, band = min..max across seeds", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return buf.getvalue()
 
 
 def _finite(x: Any) -> Any:
@@ -213,12 +219,25 @@ def _finite(x: Any) -> Any:
     return x
 
 
+OUTPUTS = ("converge.md", "converge.json", "converge.csv", "loss.png")
+"""What the suite writes into ``out=``; a file of these names that it did not write is refused
+before the first run (report_files: its own earlier files, listed in the manifest, are replaced)."""
+
+
+def check_out(cfg: SuiteConfig) -> None:
+    """Refuse (ConfigError) before any run an ``out=`` the tables cannot be written into: one that
+    cannot be created or written, or that holds a file of :data:`OUTPUTS` the suite did not write."""
+    check_writable_dir("out", cfg.out)
+    try:
+        check_outputs(cfg.out, OUTPUTS, "out=")
+    except ReportError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+
+
 def write_outputs(cfg: SuiteConfig, results: Sequence[RunResult], *, with_plot: bool = True) -> dict[str, Path]:
-    """Write converge.md/.json/.csv (and loss.png) into ``cfg.out``; their paths by kind."""
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    """Write converge.md/.json/.csv (and loss.png) into ``cfg.out``, each atomically and only over
+    the suite's own earlier files (report_files); their paths by kind."""
     rows = aggregate(cfg, results)
-    paths = {"md": cfg.out / "converge.md", "json": cfg.out / "converge.json", "csv": cfg.out / "converge.csv"}
-    paths["md"].write_text(markdown(cfg, rows, results))
     doc = {
         "schemes": list(cfg.schemes),
         "seeds": list(cfg.seeds),
@@ -226,19 +245,27 @@ def write_outputs(cfg: SuiteConfig, results: Sequence[RunResult], *, with_plot: 
         "rows": rows,
         "runs": [{"scheme": r.scheme, "seed": r.seed, "run_dir": str(r.run_dir), "error": r.error} for r in results],
     }
-    paths["json"].write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
-    with paths["csv"].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow(
-                {k: r.get(k) for k in CSV_FIELDS}
-                | {
-                    "overrides": " ".join(r["overrides"]),
-                    "n_seeds": len(r["seeds"]),
-                    "failed_seeds": " ".join(map(str, r["failed_seeds"])),
-                }
-            )
+    table = io.StringIO(newline="")
+    w = csv.DictWriter(table, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for r in rows:
+        w.writerow(
+            {k: r.get(k) for k in CSV_FIELDS}
+            | {
+                "overrides": " ".join(r["overrides"]),
+                "n_seeds": len(r["seeds"]),
+                "failed_seeds": " ".join(map(str, r["failed_seeds"])),
+            }
+        )
+    contents = {
+        "converge.md": markdown(cfg, rows, results).encode(),
+        "converge.json": (json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n").encode(),
+        "converge.csv": table.getvalue().encode(),
+    }
     if with_plot and any(r.summary for r in results):
-        paths["png"] = plot(cfg, results, cfg.out / "loss.png")
-    return paths
+        contents["loss.png"] = plot(cfg, results)
+    try:
+        written = write_files(cfg.out, contents, "out=")
+    except ReportError as e:  # a file appeared there during the suite, or the disk refused
+        raise ConfigError(f"invalid config: {e}") from None
+    return dict(zip(("md", "json", "csv", "png"), written))

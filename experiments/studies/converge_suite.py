@@ -1,9 +1,9 @@
 """The convergence suite's configuration: which schemes and seeds, and each run's overrides.
 
 :class:`SuiteConfig` parses the command line of ``python -m experiments.converge`` (``schemes=``,
-``seeds=``, ``out=`` and any runner override), :data:`SCHEMES` names the schemes, and
-:func:`compose` validates every run's config up front, through the runner's own composition, so
-a bad override is refused before the first run. :class:`RunResult` is what one run gives back.
+``seeds=``, ``out=`` and any runner override) and :data:`SCHEMES` names the schemes; the suite
+validates every run's config up front (``experiments.runner.compose.compose_run``, the runner's
+own composition), so a bad override is refused before the first run. :class:`RunResult` is what one run gives back.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from typing import Any, Callable, Sequence
 
 from zeropp.comm.spec import RECIPES
 
-from ..runner.config import ConfigError, RunConfig, from_omegaconf, without_hydra
-from ..runner.overrides import check_overrides
+from ..runner.config import ConfigError
 
 SCHEMES: dict[str, tuple[str, ...]] = {
     "fp": ("quant=none",),
@@ -138,6 +137,8 @@ class SuiteConfig:
             elif key == "seeds":
                 kw["seeds"] = _parse_seeds(value)
             elif key == "out":
+                if not value.strip():  # Path("") is the current directory: the runs would land there
+                    raise ConfigError("invalid config: out= is empty; name the output directory (out=outputs/conv)")
                 kw["out"] = Path(value)
             else:
                 extra.append(a)
@@ -199,20 +200,6 @@ def scheme_overrides(name: str) -> tuple[str, ...]:
 
 def _recipe_exists(scheme: str) -> bool:
     return all(o.split("=", 1)[1] in RECIPES for o in SCHEMES[scheme] if o.startswith("quant="))
-
-
-def compose(overrides: Sequence[str]) -> RunConfig:
-    """The validated config of one run, composed as ``run_job`` does, without starting it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    from ..runner import schema
-
-    schema.register()
-    check_overrides(list(overrides))
-    with initialize_config_module("zeropp.conf", version_base="1.3"):
-        cfg = hydra_compose("config", overrides=list(overrides))
-    return from_omegaconf(without_hydra(cfg))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -29,18 +29,25 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from zeropp.comm.spec import RECIPES, QuantSpec
+from zeropp.output_files import path_arg
 from zeropp.runtime.plan_kinds import group_size_of
 
+from ..launch.command import run_command
 from ..projection.text_table import Column, number, text_table
 from ..runner.checks import ConfigError
-from ..runner.preflight import check_writable_dir
+from ..runner.console import human_bytes
+from ..runner.preflight import check_writable_dir, host_memory
 from .format_capture import KINDS, LAYER_TYPES, CaptureConfig, capture
 from .format_metrics import as_rows, copy_gbs, measure, speed
+from .report_files import ReportError, check_outputs, write_outputs
+
+OUTPUTS = ("formats.json", "formats.md")
+"""What the study writes into ``--out``; a file of these names that it did not write is refused (report_files)."""
 
 DEFAULT_FORMATS = (
     "int8", "fp8", "mxfp8", "mxint8", "mxfp6",
@@ -173,6 +180,25 @@ def tables(result: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+WORKING_COPIES = 4
+"""fp32 copies of a timed tensor or of one wire row's message the study holds at once (the input,
+its decoded copy, the wire bytes and a padded or rotated copy): its host-memory estimate."""
+
+
+def _check_host_memory(chunk: int, speed_mib: float) -> None:
+    """Refuse (ConfigError) a ``--chunk`` or ``--speed-mib`` whose tensors this host cannot hold:
+    before, the study trained and then died of the allocation with its traceback."""
+    have = host_memory()
+    for flag, value, nbytes in (("--chunk", chunk, 4 * chunk), ("--speed-mib", speed_mib, speed_mib * (1 << 20))):
+        if not math.isfinite(nbytes):
+            raise ConfigError(f"{flag} {value}: give a finite size")
+        if WORKING_COPIES * nbytes > have:
+            raise ConfigError(
+                f"{flag} {value} needs about {human_bytes(WORKING_COPIES * nbytes)} of host memory "
+                f"({WORKING_COPIES} fp32 copies) but this host has {human_bytes(have)}; give a smaller {flag}"
+            )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse, run, print and save (exit 2 on a bad option)."""
     d = CaptureConfig()
@@ -184,11 +210,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chunk", type=int, default=1 << 16, help="elements per wire row (one message; default 65536)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per speed figure, median kept (default 5)")
     ap.add_argument("--speed-mib", type=float, default=64, help="fp32 MiB timed per speed figure (default 64)")
-    ap.add_argument("--out", type=Path, default=Path("outputs/formats"), help="output directory")
+    ap.add_argument("--out", type=path_arg, default=Path("outputs/formats"), help="output directory")
     a = ap.parse_args(argv)
     try:
         if a.chunk < 1 or a.repeats < 1 or not a.speed_mib > 0:
             raise ConfigError("--chunk and --repeats must be >= 1 and --speed-mib > 0")
+        _check_host_memory(a.chunk, a.speed_mib)
         cfg = CaptureConfig(model=a.model, steps=a.steps, seed=a.seed)
         formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         if not formats:
@@ -196,18 +223,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for f in formats:
             format_specs(f)
         check_writable_dir("out", a.out)
-    except (ConfigError, ValueError) as e:
+        check_outputs(a.out, OUTPUTS)
+    except (ConfigError, ValueError) as e:  # ReportError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     result = study(formats, cfg, chunk=a.chunk, repeats=a.repeats, speed_mib=a.speed_mib)
     text = tables(result)
     print(text)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "formats.json").write_text(json.dumps(result, indent=1, default=str))
-    (a.out / "formats.md").write_text("```\n" + text + "\n```\n")
+    try:
+        write_outputs(
+            a.out,
+            {
+                "formats.json": json.dumps(result, indent=1, default=str).encode(),
+                "formats.md": ("```\n" + text + "\n```\n").encode(),
+            },
+        )
+    except ReportError as e:  # the directory changed during the study
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"\nnumbers: {a.out / 'formats.json'}")
     return result
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

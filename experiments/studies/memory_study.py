@@ -43,16 +43,20 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeropp.output_files import path_arg
+
+from ..launch.command import run_command
 from ..runner.checks import ConfigError, check, pos_int
 from ..runner.console import human_bytes
-from ..runner.preflight import check_writable_dir
-from .memory_study_views import SHOWN_TIERS, check_table, phase_table, plot
+from ..runner.preflight import check_writable_dir, host_memory
+from .memory_study_views import SHOWN_TIERS, check_table, phase_table, plot_png
+from .report_files import ReportError, check_outputs, write_outputs
 
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("stage 0 (replicated)", {"stage": 0}),
@@ -241,10 +245,34 @@ def summarize(cfg: StudyConfig, per_rank: list[list[dict[str, Any]]]) -> dict[st
     }
 
 
+OUTPUTS = ("memory_study.png", "memory_study.json")
+"""What the study writes into ``--out``; a file of these names that it did not write is refused
+(report_files: an earlier study's files, listed in the manifest, are replaced)."""
+
+
+def _check_host_memory(cfg: StudyConfig) -> None:
+    """Refuse (ConfigError) a study whose replicated baseline cannot fit this host: at stage 0
+    every rank holds the whole model state, 16 bytes per parameter (fp32 weights and gradients,
+    AdamW's two moments), and all ranks run here. Beyond that a rank died of the allocation with
+    its traceback, after the others had started."""
+    need, have = 16 * cfg.num_params * cfg.world, host_memory()
+    if need > have:
+        raise ConfigError(
+            f"invalid config: width={cfg.width} x layers={cfg.layers} is Ψ = {cfg.num_params:,} parameters; its "
+            f"stage-0 baseline needs about {human_bytes(need)} on {cfg.world} ranks (16 bytes per parameter "
+            f"each) but this host has {human_bytes(have)}; choose a smaller --width / --layers or fewer --world"
+        )
+
+
 def _prepare_out(out: Path) -> None:
     """Create ``out``, after the runner's own check (``preflight.check_writable_dir``: refused,
-    before any rank starts, where it cannot be created or written)."""
+    before any rank starts, where it cannot be created or written) and the check that no file of
+    :data:`OUTPUTS` there is someone else's."""
     check_writable_dir("out", out)
+    try:
+        check_outputs(out, OUTPUTS)
+    except ReportError as e:
+        raise ConfigError(f"invalid config: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -253,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configuration differs from the formula or a rank fails)."""
     from rich.console import Console
 
-    from ..launch import RankFailure
+    from ..launch import RankFailure, RunInterrupted
 
     d = StudyConfig()
     ap = argparse.ArgumentParser(prog="python -m experiments.memory_study", description=__doc__.split("\n\n")[0])
@@ -268,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=d.tolerance,
         help=f"relative difference still called a match (default {d.tolerance})",
     )
-    ap.add_argument("--out", type=Path, default=d.out, help=f"output directory (default ./{d.out})")
+    ap.add_argument("--out", type=path_arg, default=d.out, help=f"output directory (default ./{d.out})")
     a = ap.parse_args(argv)
     try:
         cfg = StudyConfig(
@@ -280,12 +308,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tolerance=a.tolerance,
             out=a.out,
         )
+        _check_host_memory(cfg)
         _prepare_out(cfg.out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
         result = run_study(cfg)
+    except RunInterrupted:  # the study was stopped (Ctrl-C, SIGTERM): 128 + N, not a failed rank
+        raise
     except RankFailure as e:
         print(f"error: the study's ranks failed: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -294,9 +325,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         console.width = 160  # a log file: keep each row on one line
     console.print(phase_table(result))
     console.print(check_table(result))
-    png, js = cfg.out / "memory_study.png", cfg.out / "memory_study.json"
-    plot(result, png)
-    js.write_text(json.dumps(result, indent=1))
+    try:
+        png, js = write_outputs(
+            cfg.out, {OUTPUTS[0]: plot_png(result), OUTPUTS[1]: json.dumps(result, indent=1).encode()}
+        )
+    except ReportError as e:  # the directory changed during the study
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     console.print(f"plot: {png}\nnumbers: {js}")
     differ = [r["label"] for r in result["runs"] if not r["matches"]]
     if differ:
@@ -305,5 +340,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -8,7 +8,6 @@ and :func:`figure` / :func:`plot` (runs grouped, phases side by side, tiers stac
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..runner.console import human_bytes
@@ -82,13 +81,17 @@ def check_table(result: dict[str, Any]) -> Any:
     return t
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Draw :func:`figure` into ``path`` (PNG)."""
+def plot_png(result: dict[str, Any]) -> bytes:
+    """:func:`figure` as PNG bytes (the study writes them once it knows it may: report_files)."""
+    import io
+
     import matplotlib.pyplot as plt
 
     fig = figure(result)
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    return buf.getvalue()
 
 
 def figure(result: dict[str, Any]) -> Any:

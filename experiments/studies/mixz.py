@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from zeropp.output_files import OutputFileError, check_output_file, json_file_is, path_arg, write_output_file
+
+from ..launch.command import run_command
 from ..runner.console import human_bytes
 
 MODES = ("none", "int8", "int4")
@@ -155,6 +156,11 @@ def table(rows: list[dict[str, Any]], preset: str, lora_rank: int, steps: int, h
     return "\n".join(lines)
 
 
+def _is_rows(doc: Any) -> bool:
+    """Whether ``doc`` (parsed JSON) is what ``--json`` writes: a list of this study's rows."""
+    return isinstance(doc, list) and all(isinstance(r, dict) and "frozen_bytes" in r and "pass" in r for r in doc)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(prog="python -m experiments.mixz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small", help="GPT size (zeropp.models.gpt PRESETS), default small")
@@ -167,21 +173,40 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         action="store_true",
         help="all three runs with hpZ (frozen gathers stay in the node after the first forward)",
     )
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--json", type=path_arg, default=None, help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     if a.lora_rank < 1 or a.steps < 1 or a.batch < 1:
         ap.error("--lora-rank, --steps and --batch must be >= 1")
+    from zeropp.models import GPTConfig
+    from zeropp.runtime import OptimizerConfig
+
+    try:  # what each rank builds, built here first: a bad value is a usage error, not a rank's traceback
+        GPTConfig.preset(a.preset, lora_rank=a.lora_rank)
+        OptimizerConfig(lr=a.lr, weight_decay=0.0)
+    except ValueError as e:
+        ap.error(f"--preset {a.preset} --lora-rank {a.lora_rank} --lr {a.lr:g}: {e}")
+    if a.json is not None:
+        try:
+            check_output_file(a.json, "--json", ours=lambda f: json_file_is(f, _is_rows))
+        except OutputFileError as e:
+            ap.error(str(e))
     rows = run(a.preset, lora_rank=a.lora_rank, steps=a.steps, batch=a.batch, lr=a.lr, hpz=a.hpz)
     print(table(rows, a.preset, a.lora_rank, a.steps, a.hpz))
     if a.json is not None:
-        a.json.write_text(json.dumps(rows, indent=2))
+        write_output_file(a.json, json.dumps(rows, indent=2))
     return rows
 
 
-def cli() -> None:
+def _status() -> int:
     """The command: :func:`main`, exit status 0 when every run passed its target, else 1."""
     rows = main()
-    sys.exit(0 if all(r["pass"] for r in rows) else 1)
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(_status)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from zeropp.input_files import read_regular
+from zeropp.output_files import path_arg
+
+from ..launch.command import run_command
 from ..runner.console import human_bytes
 from ..runner.metrics import read_metrics
 from .labels import label_runs
@@ -71,7 +75,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; :class:`ReportError` naming the file when it is unreadable, not
     JSON or not an object (only parsed, so nothing in it can run code)."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_regular(path))
     except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise ReportError(f"cannot read {path}: {e}; fix or remove the file") from None
     if not isinstance(doc, dict):
@@ -244,8 +248,8 @@ def write_report(root: Path, out: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", type=Path, help="a multirun directory (or any directory containing summary.json files)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default: the root)")
+    ap.add_argument("root", type=path_arg, help="a multirun directory (or any directory containing summary.json files)")
+    ap.add_argument("--out", type=path_arg, default=None, help="output directory (default: the root)")
     a = ap.parse_args(argv)
     try:
         path = write_report(a.root, a.out)
@@ -256,5 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"report: {path}")
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
+    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -52,7 +52,7 @@ class Written:
         return cls(name, len(data), hashlib.sha256(data).hexdigest())
 
 
-def _read_manifest(out: Path) -> list[Written]:
+def _read_manifest(out: Path, flag: str = "--out") -> list[Written]:
     """The entries of ``out``'s manifest ([] when there is none); :class:`ReportError` when the file
     is there but is not a manifest a report wrote (so it is not overwritten either)."""
     path = out / MANIFEST
@@ -68,8 +68,8 @@ def _read_manifest(out: Path) -> list[Written]:
         if not why:
             return [Written(f["name"], f["size"], f["sha256"]) for f in doc["files"]]
     raise ReportError(
-        f"{path} is not a manifest written by a report ({why}), so the report cannot tell its own files "
-        f"from yours in {out}; move {MANIFEST} away, or choose another --out"
+        f"{path} is not a manifest written by a report ({why}), so this command cannot tell its own files "
+        f"from yours in {out}; move {MANIFEST} away, or choose another {flag}"
     )
 
 
@@ -110,20 +110,23 @@ def _is_ours(path: Path, listed: Iterable[Written]) -> bool:
     return any(w.sha256 == digest for w in entries)
 
 
-def check_outputs(out: Path, names: Iterable[str]) -> list[Written]:
+def check_outputs(out: Path, names: Iterable[str], flag: str = "--out") -> list[Written]:
     """Refuse (:class:`ReportError`) unless the report may write ``names`` and its manifest into
     ``out``: ``out`` is a directory or absent, and each of those files is absent or provably
-    written by an earlier report. Returns the earlier manifest's entries whose files still match."""
+    written by an earlier report. Returns the earlier manifest's entries whose files still match.
+    ``flag``: how the command's user names ``out`` (``--out``, ``out=``), in the messages. Every
+    command writing fixed names into a directory that may hold the user's files uses this rule
+    (the report, ``experiments.formats``, ``experiments.memory_study``, ``experiments.converge``)."""
     if (out.exists() or out.is_symlink()) and not out.is_dir():
-        raise ReportError(f"--out {out} exists and is not a directory; choose a directory (new or existing)")
+        raise ReportError(f"{flag} {out} exists and is not a directory; choose a directory (new or existing)")
     if not out.exists():
         return []
-    listed = _read_manifest(out)
+    listed = _read_manifest(out, flag)
     foreign = [n for n in names if n != MANIFEST and not _is_ours(out / n, listed)]
     if foreign:
         raise ReportError(
-            f"{out} holds {', '.join(foreign)}, which the report would overwrite but did not write "
-            f"(not in {MANIFEST}, or changed since); nothing was written: move them away, or choose another --out"
+            f"{out} holds {', '.join(foreign)}, which this command would overwrite but did not write "
+            f"(not in {MANIFEST}, or changed since); nothing was written: move them away, or choose another {flag}"
         )
     return [w for w in listed if (out / w.name).exists() and _is_ours(out / w.name, [w])]
 
@@ -133,11 +136,11 @@ def _manifest_text(entries: Iterable[Written]) -> bytes:
     return (json.dumps({"format": FORMAT, "files": files}, indent=2) + "\n").encode()
 
 
-def write_outputs(out: Path, contents: Mapping[str, bytes]) -> list[Path]:
+def write_outputs(out: Path, contents: Mapping[str, bytes], flag: str = "--out") -> list[Path]:
     """Write ``contents`` (file name -> bytes) into ``out`` and record them in its manifest, after
     :func:`check_outputs` (so nothing is written when any file in the way is not the report's).
     Earlier entries whose files are left as they were stay listed. Returns the written paths."""
-    kept = check_outputs(out, contents)
+    kept = check_outputs(out, contents, flag)
     new = [Written.of(name, data) for name, data in contents.items()]
     others = [w for w in kept if w.name not in contents]
     try:
@@ -147,5 +150,5 @@ def write_outputs(out: Path, contents: Mapping[str, bytes]) -> list[Path]:
             write_atomic(out / name, data)
         write_atomic(out / MANIFEST, _manifest_text(others + new))
     except OSError as e:
-        raise ReportError(f"cannot write the report into {out}: {e}; choose a writable --out") from None
+        raise ReportError(f"cannot write into {out}: {e}; choose a writable {flag}") from None
     return [out / name for name in contents]

@@ -63,6 +63,14 @@ def test_sizes_and_their_spelling() -> None:
         (["--cluster", "emulated", "--nodes", "1", "--ranks-per-node", "4"], "--nodes >= 2"),
         (["--calibrate", "x.json", "--ops", "all_reduce"], "keep all_gather"),
         (["--iters", "0"], "iters=0"),
+        # before: accepted, and the world started (and failed), or the flag was silently ignored
+        (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0"),
+        (["--gbps", "5"], "--gbps shape(s) the links of --cluster emulated; with --cluster local nothing is shaped"),
+        (["--latency-ms", "3"], "--latency-ms shape(s) the links of --cluster emulated"),
+        (["--cluster", "emulated", "--gbps", "inf"], "a finite --gbps > 0, got 2 and inf"),
+        # before: an empty table, exit 0
+        (["--groups", "inter", "--nodes", "1"], "--groups inter: with --nodes 1 x --ranks-per-node 2 the inter group"),
+        (["--groups", "intra", "--nodes", "1"], "the intra group holds all the ranks, as world does"),
     ],
 )
 def test_the_command_line_refuses_with_usage_exit_2(argv, message, capsys) -> None:
@@ -117,10 +125,15 @@ def test_main_writes_the_file_from_a_result(tmp_path, monkeypatch, capsys) -> No
     out = capsys.readouterr().out
     assert "| world | 4 | all_gather | plain | 4K |" in out and "inter: 100.0 us per message step" in out
     assert read_cluster_file(path).links["inter"].gbps == pytest.approx(1.0)
+    again = ["--calibrate", str(path), "--formats", "int8", "--json", str(tmp_path / "rows.json")]
+    assert comm.main(again) == 0  # its own earlier files are replaced
     foreign = tmp_path / "notes.json"
     foreign.write_text("[1, 2]")
-    assert comm.main(["--calibrate", str(foreign)]) == 2
-    assert "is not a cluster file" in capsys.readouterr().err and foreign.read_text() == "[1, 2]"
+    monkeypatch.setattr(comm, "launch", lambda a: pytest.fail("the sweep ran for a --calibrate it cannot write"))
+    with pytest.raises(SystemExit) as e:  # refused before the sweep, not after it
+        comm.main(["--calibrate", str(foreign)])
+    assert e.value.code == 2 and "is not a file this command wrote" in capsys.readouterr().err
+    assert foreign.read_text() == "[1, 2]"
 
 
 def test_under_torchrun_the_world_is_torchruns(monkeypatch, capsys) -> None:
@@ -134,3 +147,31 @@ def test_under_torchrun_the_world_is_torchruns(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         comm.parse_args(["--cluster", "emulated"])
     assert e.value.code == 2 and "under torchrun" in capsys.readouterr().err
+
+
+def test_an_interrupted_benchmark_is_not_reported_as_a_failed_world(monkeypatch) -> None:
+    """Ctrl-C reaches the command (experiments/launch/command.py: exit 130), not ``the benchmark
+    world failed`` with exit 1."""
+    from zeropp.experiments.launch import RunInterrupted
+
+    def stopped(a):
+        raise RunInterrupted("interrupted by SIGINT; all ranks stopped", exit_code=130)
+
+    monkeypatch.setattr(comm, "launch", stopped)
+    with pytest.raises(RunInterrupted):
+        comm.main(["--formats", "none"])
+
+
+def test_more_local_cpu_ranks_than_the_host_runs_is_a_usage_error(monkeypatch, capsys) -> None:
+    """Before: 10000 rank processes were started on this host."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(comm, "host_cpus", lambda: 2)
+    with pytest.raises(SystemExit) as e:
+        comm.parse_args(["--nodes", "100", "--ranks-per-node", "100", "--formats", "none"])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2 and "= 10000 ranks, all started on this host, which has 2 CPU(s); allowed: at most 8" in err
+    )
+    assert comm.parse_args(["--nodes", "2", "--ranks-per-node", "4", "--formats", "none"]).spec.world == 8

@@ -70,6 +70,10 @@ def test_defaults_are_the_issue_model_and_every_row():
         (["--warmup", "-1"], "--warmup"),
         (["--d-model", "-2"], "--d-model"),
         (["--precision", "fp16"], "precision"),
+        # settings the runner refuses for every row: before, each row failed alike, exit 1
+        (["--jobs", "torch", "--preset", "huge"], "row torch: invalid config: model='huge' is not a model option"),
+        (["--jobs", "stage3", "--d-model", "10", "--n-heads", "3"], "row stage3: invalid config model: GPTConfig"),
+        (["--jobs", "torch", "--out", "/proc/gpu"], "--out='/proc/gpu' cannot be written"),  # before: a traceback
     ],
 )
 def test_bad_arguments_are_refused(argv, msg, capsys):
@@ -151,3 +155,18 @@ def test_table_without_stage0_has_no_ratios(capsys):
     bench_gpu.main(["--jobs", "stage3"], run_job=lambda ov, d: fake_summary(0.05))
     line = capsys.readouterr().out.splitlines()[-1]
     assert line[24:].split()[:2] == ["50.00", "-"]
+
+
+def test_rows_this_host_cannot_start_are_refused_before_the_first(monkeypatch, capsys):
+    """Before: every row failed alike (``launcher.device=cuda starts 1 ranks on this host but it
+    has 0 GPU(s)``), exit 1. Only with the real runner: a fake run_job starts nothing here."""
+    import torch
+
+    from zeropp.experiments.runner import run as runner
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(runner, "run_job", lambda *a, **k: pytest.fail("a row was started"))
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.main(["--jobs", "torch,stage0", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: row torch: invalid config: launcher.device=cuda starts 1 ranks" in err

@@ -79,3 +79,23 @@ def test_rounds_are_shuffled_so_no_kernel_always_follows_the_same_one() -> None:
     assert len({tuple(r) for r in rounds}) > 1
     after = {(a, b) for a, b in zip(timed, timed[1:]) if a != b}
     assert after == {(a, b) for a in names for b in names if a != b}
+
+
+def test_sizes_beyond_host_memory_and_a_swap_beyond_the_disk_are_refused(monkeypatch, capsys, tmp_path) -> None:
+    """Before: the out-of-memory killer ended the benchmark (SIGKILL, no message), and a swap test
+    larger than the disk died in the middle of writing."""
+    from zeropp.experiments.bench import offload
+
+    monkeypatch.setattr(offload, "host_memory", lambda: 1 << 30)  # 1 GiB
+    with pytest.raises(SystemExit) as e:
+        offload.parse_args(["--sizes", "64M", "--swap-mib", "0"])
+    assert e.value.code == 2 and "67,108,864 elements need about 2.00 GiB of host memory" in capsys.readouterr().err
+    assert offload.parse_args(["--sizes", "16M", "--swap-mib", "0"]).numels == [16 << 20]
+
+    class Usage:
+        free = 100 << 20
+
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda path: Usage)
+    with pytest.raises(SystemExit) as e:
+        offload.parse_args(["--sizes", "1k", "--swap-mib", "64", "--dir", str(tmp_path)])
+    assert e.value.code == 2 and "--swap-mib 64 writes about 128.00 MiB to --dir" in capsys.readouterr().err

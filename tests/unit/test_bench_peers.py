@@ -199,6 +199,11 @@ def test_json_is_the_only_thing_on_stdout(tmp_path: Path, capfd) -> None:
         (["--only", "ddp,ddp"], "--only (empty or repeated)"),
         (["--rounds", "0"], "--rounds must be >= 1, got 0"),
         (["--world", "4", "--nodes", "3"], "--nodes 3 must divide --world 4"),
+        # settings the runner refuses for every row: before, each row failed alike, exit 1
+        (["--preset", "huge"], "row ddp: invalid config: model='huge' is not a model option"),
+        (["--only", "stage2", "--lr", "nan"], "row stage2: invalid config: optim.lr=nan"),
+        (["--only", "ddp", "--world", "0"], "row ddp: invalid config topology: topology.ranks_per_node"),
+        (["--only", "ddp", "--out", "/proc/peers"], "--out='/proc/peers' cannot be written"),  # a traceback
     ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str], words: str, capsys) -> None:
@@ -236,3 +241,16 @@ def test_a_prefetch_depth_without_a_stage3_row_is_refused(capsys: pytest.Capture
         peers.parse_args(["--only", "ddp,stage2", "--prefetch", "3"])
     assert "--prefetch 3 does nothing" in capsys.readouterr().err
     assert peers.parse_args(["--only", "ddp,stage3", "--prefetch", "3"]).prefetch == 3
+
+
+def test_rows_this_host_cannot_start_are_refused_before_the_first(monkeypatch, capsys) -> None:
+    """Before: each row failed alike (more local CPU ranks than the host runs), exit 1."""
+    from zeropp.experiments.runner import preflight
+    from zeropp.experiments.runner import run as runner
+
+    monkeypatch.setattr(preflight, "host_cpus", lambda: 2)
+    monkeypatch.setattr(runner, "run_job", lambda *a, **k: pytest.fail("a row was started"))
+    with pytest.raises(SystemExit) as e:
+        peers.main(["--device", "cpu", "--world", "64", "--only", "ddp,stage0", "--rounds", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: row ddp: invalid config: topology.nodes=1 x topology.ranks_per_node=64" in err

@@ -298,7 +298,11 @@ def test_a_bad_command_line_exits_2_before_any_check(tmp_path, monkeypatch, caps
         assert e.value.code == 2, argv
     assert ran == []
     err = capsys.readouterr().err
-    assert "is a directory" in err and "cannot write in /sys" in err and "world_timeout_s must be a positive" in err
+    assert (
+        "is a directory" in err
+        and "cannot write in /sys" in err
+        and "--world-timeout must be a number of seconds > 0" in err
+    )
 
 
 # ------------------------------------------------------------------------------- a world's verdict
@@ -400,3 +404,33 @@ def test_nvlink_pairs_are_read_from_the_topology_matrix():
     assert system.nvlink_pairs(TOPO, 3) == 2  # 0-1 and 1-2; 0-2 is PCIe (PHB)
     assert system.nvlink_pairs(TOPO, 2) == 1
     assert system.nvlink_pairs(None, 3) is None
+
+
+def test_ctrl_c_ends_the_run_with_one_line_and_no_report(tmp_path, monkeypatch, capsys):
+    """Before: a KeyboardInterrupt traceback from the wait on the running check."""
+
+    def interrupted(options: DoctorOptions, checks, progress=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_checks", interrupted)
+    assert cli.main(["--json", str(tmp_path / "d.json")]) == 130
+    assert capsys.readouterr().err == "zeropp doctor: error: interrupted by SIGINT; no report written\n"
+    assert not (tmp_path / "d.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--check-timeout", "inf"], "--check-timeout must be a number of seconds > 0 and <= 1e+09, got inf"),
+        (["--world-timeout", "1e300"], "--world-timeout must be a number of seconds > 0 and <= 1e+09"),
+        (["--check-timeout", "0"], "--check-timeout must be a number of seconds > 0"),
+        (["--gloo-ranks", "99"], "--gloo-ranks must be an integer from 1 to 16, got 99"),
+    ],
+)
+def test_bad_flags_are_usage_errors_naming_the_flag(argv, words, capsys):
+    """Before: inf or 1e300 crashed the run with an OverflowError traceback from a thread's join,
+    and the messages named the option's field (check_timeout_s), not the flag."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and "_s must" not in err

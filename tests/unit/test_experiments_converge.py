@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from zeropp.experiments.runner.compose import compose_run
 from zeropp.experiments.runner.config import ConfigError
 from zeropp.experiments.runner.launcher import RunInterrupted
 from zeropp.experiments.studies import converge, converge_suite
@@ -177,7 +178,7 @@ def test_every_named_scheme_composes_to_what_its_name_says(scheme: str) -> None:
     """Each scheme's overrides make a valid run config; ``_h`` rotates the gradients and ``_ef``
     error-feeds them, on top of the recipe the name starts with."""
     suite = converge_suite.SuiteConfig(schemes=tuple(dict.fromkeys(("fp", scheme))))
-    cfg = converge_suite.compose(suite.run_overrides(scheme, 0))
+    cfg = compose_run(suite.run_overrides(scheme, 0))
     recipe = converge_suite.scheme_overrides(scheme)[0].split("=", 1)[1]
     base = converge_suite.RECIPES[recipe].grads
     if base is None:
@@ -187,3 +188,50 @@ def test_every_named_scheme_composes_to_what_its_name_says(scheme: str) -> None:
     assert cfg.zero.grads.scheme == base.scheme and cfg.zero.grads.bits == base.bits
     assert (cfg.zero.grads.rotation == "hadamard") == ("_h" in scheme or base.rotation == "hadamard")
     assert cfg.zero.grads.error_feedback == ("_ef" in scheme or base.error_feedback)
+
+
+@pytest.mark.parametrize("kind", ["a user's converge.csv", "a file", "unwritable"])
+def test_an_out_the_tables_cannot_go_to_is_refused_before_any_run(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the suite trained, then a user's converge.csv was overwritten, or a FileExistsError /
+    FileNotFoundError traceback ended it after its runs."""
+    (tmp_path / "converge.csv").write_text("mine")
+    out = {"a user's converge.csv": tmp_path, "a file": tmp_path / "converge.csv", "unwritable": Path("/proc/conv")}
+    run, calls = _fake_runner({}, set())
+    assert converge.main(["schemes=fp,w4g4", f"out={out[kind]}", *TINY], runner=run) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid config: ") and str(out[kind]) in err and calls == []
+    assert (tmp_path / "converge.csv").read_text() == "mine"
+
+
+def test_a_second_suite_into_its_own_tables_replaces_them(tmp_path: Path) -> None:
+    evals = {(s, k): 4.0 for s in ("fp", "w4g4") for k in (0, 1)}
+    for i in range(2):
+        out = tmp_path / f"runs{i}"
+        run, _ = _fake_runner(evals, set())
+        assert converge.main(["schemes=fp,w4g4", "seeds=0,1", f"out={tmp_path}", *TINY], runner=run) == 0
+        (tmp_path / "runs").rename(out)  # a fresh suite needs an out= without runs
+    assert json.loads((tmp_path / "converge.json").read_text())["schemes"] == ["fp", "w4g4"]
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_empty_out_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``out=`` was the current directory, and the runs landed there."""
+    run, calls = _fake_runner({}, set())
+    assert converge.main(["schemes=fp,w4g4", "out=", *TINY], runner=run) == 2
+    assert "out= is empty; name the output directory" in capsys.readouterr().err and calls == []
+
+
+def test_runs_this_host_cannot_start_are_refused_before_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: every run failed alike (no GPU for ``launcher.device=cuda``) and the suite exited 1."""
+    import torch
+
+    from zeropp.experiments.runner import run as runner
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(runner, "run_job", lambda *a, **k: pytest.fail("a run was started"))
+    rc = converge.main(["schemes=fp,w4g4", f"out={tmp_path / 'c'}", "launcher.device=cuda", *TINY])
+    assert rc == 2 and "launcher.device=cuda starts 2 ranks on this host but it has 0 GPU(s)" in capsys.readouterr().err

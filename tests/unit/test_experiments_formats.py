@@ -132,3 +132,31 @@ def test_the_command_prints_and_saves_a_table_per_kind(capsys, tmp_path) -> None
     by = {(r["kind"], r["format"]): r for r in result["rows"]}
     assert by[("grads", "int8")]["sqnr"] > by[("grads", "int4@g32")]["sqnr"] + 15  # ~6 dB per bit
     assert [s["format"] for s in saved["speed"]] == ["int8", "int4@g32"]
+
+
+def test_files_of_the_users_in_out_are_refused_before_training(monkeypatch, capsys, tmp_path) -> None:
+    """Before: a formats.md of the user's in --out was overwritten after the study."""
+    monkeypatch.setattr(fs, "capture", lambda cfg: pytest.fail("training started"))
+    (tmp_path / "formats.md").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--formats", "int8", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds formats.md, which this command would overwrite" in err
+    assert (tmp_path / "formats.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--speed-mib", "1000000"], "--speed-mib 1000000.0 needs about 3.81 TiB of host memory"),
+        (["--chunk", "1000000000000"], "--chunk 1000000000000 needs about 14.55 TiB of host memory"),
+        (["--speed-mib", "inf"], "--speed-mib inf: give a finite size"),
+    ],
+)
+def test_sizes_beyond_host_memory_exit_2_before_training(argv, words, monkeypatch, capsys, tmp_path) -> None:
+    """Before: the study trained, then died of the allocation with its traceback."""
+    monkeypatch.setattr(fs, "capture", lambda cfg: pytest.fail("training started"))
+    monkeypatch.setattr(fs, "host_memory", lambda: 16 << 30)
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--formats", "int8", "--out", str(tmp_path), *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err

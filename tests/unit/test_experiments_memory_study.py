@@ -43,3 +43,39 @@ def test_an_out_dir_that_cannot_be_created_is_refused(monkeypatch, capsys, tmp_p
     err = capsys.readouterr().err
     assert e.value.code == 2 and "cannot be created" in err and "a_file/study" in err, err
     assert blocker.read_text() == "not a directory"  # untouched
+
+
+def test_files_of_the_users_in_out_are_refused_and_its_own_replaced(monkeypatch, capsys, tmp_path) -> None:
+    """Before: a memory_study.png of the user's in --out was overwritten after the study."""
+    monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
+    (tmp_path / "memory_study.png").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        ms.main(["--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds memory_study.png, which this command would overwrite" in err, err
+    assert (tmp_path / "memory_study.png").read_text() == "mine"
+    ms.write_outputs(tmp_path / "own", {name: b"earlier" for name in ms.OUTPUTS})
+    ms._prepare_out(tmp_path / "own")  # an earlier study's files: accepted, to be replaced
+
+
+def test_an_interrupted_study_is_not_reported_as_failed_ranks(monkeypatch, tmp_path) -> None:
+    """Ctrl-C reaches the command (experiments/launch/command.py: exit 130), not exit 1."""
+    from zeropp.experiments.launch import RunInterrupted
+
+    def stopped(cfg):
+        raise RunInterrupted("interrupted by SIGINT; all ranks stopped", exit_code=130)
+
+    monkeypatch.setattr(ms, "run_study", stopped)
+    with pytest.raises(RunInterrupted):
+        ms.main(["--out", str(tmp_path)])
+
+
+def test_a_model_beyond_host_memory_is_refused_before_any_rank(monkeypatch, capsys, tmp_path) -> None:
+    """Before: each rank died allocating it, with the allocator's traceback."""
+    monkeypatch.setattr(ms, "run_study", lambda cfg: pytest.fail("a rank was started"))
+    monkeypatch.setattr(ms, "host_memory", lambda: 1 << 30)
+    with pytest.raises(SystemExit) as e:
+        ms.main(["--width", "4096", "--layers", "4", "--world", "2", "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "its stage-0 baseline needs about 2.00 GiB on 2 ranks" in err, err
+    assert not (tmp_path / "s").exists()

@@ -83,3 +83,16 @@ def test_the_plan_reads_a_calibrated_cluster_file(tmp_path) -> None:
     c = with_file["cluster"]
     assert (c.alpha_intra_s, c.intra_gbps, c.alpha_cross_s, c.cross_gbps) == (7e-6, 900.0, 30e-6, 180.0)
     assert without["cluster"].cross_gbps == 100.0 and with_file["step_s"] != without["step_s"]
+
+
+@pytest.mark.parametrize("name", ["plan_timeline.png", "plan_trace.json"])
+def test_a_file_of_the_users_in_out_is_refused_and_its_own_replaced(name: str, tmp_path, capsys) -> None:
+    """Before: a plan_timeline.png / plan_trace.json of the user's in --out was overwritten."""
+    (tmp_path / name).write_text("mine")
+    assert main(["model=tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / name} exists and is not a file this command wrote" in err
+    assert (tmp_path / name).read_text() == "mine" and len(list(tmp_path.iterdir())) == 1
+    own = tmp_path / "own"
+    assert main(["model=tiny", "--out", str(own)]) == 0 and main(["model=tiny", "--out", str(own)]) == 0
+    assert sorted(p.name for p in own.iterdir()) == ["plan_timeline.png", "plan_trace.json"]

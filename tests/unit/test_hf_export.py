@@ -133,6 +133,22 @@ def test_refuses_a_non_empty_out_dir_and_touches_nothing(ckpts: dict[str, Any], 
     assert (_export(ckpts, "gpt2", empty) / "model.safetensors").is_file()  # an empty directory is fine
 
 
+def test_refuses_a_place_it_cannot_create_the_out_dir_before_reading(tmp_path: Path, monkeypatch) -> None:
+    """Before: the checkpoint was read, then a FileNotFoundError / NotADirectoryError traceback
+    (``python -m experiments.export RUN /proc/x``). Refused before the checkpoint is looked for."""
+    from zeropp.models import hf_export
+
+    monkeypatch.setattr(hf_export, "find_checkpoint", lambda src: pytest.fail("the checkpoint was read"))
+    (tmp_path / "file").write_text("x")
+    for out, words in [
+        (Path("/proc/export"), "/proc/export cannot be created: /proc does not let this process create files"),
+        (tmp_path / "file" / "sub" / "deeper", f"cannot be created: {tmp_path / 'file'} is not a directory"),
+    ]:
+        with pytest.raises(hf_export.ExportError, match=words):
+            hf_export.export_pretrained(tmp_path / "run", out)
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_refuses_a_checkpoint_of_the_built_in_gpt(ckpts: dict[str, Any], tmp_path: Path) -> None:
     from zeropp.models.hf_export import ExportError
 

@@ -11,11 +11,12 @@ command line (an unwritable ``--json`` path is refused before any check runs).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
+from ..output_files import path_arg
 from . import CHECKS, print_progress, run_checks
 from .report import check_json_path, exit_status, print_report, to_json, write_json
 from .result import DoctorOptions
@@ -27,7 +28,7 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
         prog="python -m zeropp.doctor",
         description="Check that zeropp works on this machine (CPU half always, GPU half on CUDA).",
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--json", type=path_arg, metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--quick", action="store_true", help="skip the bandwidth measurements")
     p.add_argument(
         "--check-timeout", type=float, default=defaults.check_timeout_s, metavar="S",
@@ -56,14 +57,33 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
             master_addr=a.master_addr,
             gloo_ranks=a.gloo_ranks,
         )
-    except ValueError as err:
-        p.error(str(err))  # exits 2 with the usage line
+    except ValueError as err:  # named as the user typed it: --check-timeout, not check_timeout_s
+        msg = str(err)
+        for field, flag in FLAGS.items():
+            msg = msg.replace(field, flag)
+        p.error(msg)  # exits 2 with the usage line
+
+
+FLAGS = {
+    "check_timeout_s": "--check-timeout",
+    "world_timeout_s": "--world-timeout",
+    "master_addr": "--master-addr",
+    "gloo_ranks": "--gloo-ranks",
+}
+"""DoctorOptions fields -> the command-line flags that set them (for the messages)."""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the checks, print the report (and write the JSON); the exit status of the report, or
+    130 after one line when Ctrl-C stops it (the report of an interrupted run is not written: it
+    would pass off the checks that did not run as missing)."""
     options = parse_args(argv)
     t0 = time.perf_counter()
-    results = run_checks(options, CHECKS, progress=print_progress)
+    try:
+        results = run_checks(options, CHECKS, progress=print_progress)
+    except KeyboardInterrupt:
+        print("zeropp doctor: error: interrupted by SIGINT; no report written", file=sys.stderr)
+        return 128 + signal.SIGINT
     print_report(results)
     if options.json_path is not None:
         write_json(options.json_path, to_json(results, time.perf_counter() - t0))

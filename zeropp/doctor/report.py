@@ -14,6 +14,7 @@ from typing import Any, Sequence, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from ..output_files import check_output_file, json_file_is
 from .result import CheckResult, Status
 
 SCHEMA = 1
@@ -69,24 +70,17 @@ def to_json(results: Sequence[CheckResult], seconds: float) -> dict[str, Any]:
     }
 
 
+def is_report(doc: Any) -> bool:
+    """Whether ``doc`` (parsed JSON) has the shape of a report :func:`to_json` made."""
+    return isinstance(doc, dict) and doc.get("schema") == SCHEMA and isinstance(doc.get("checks"), list)
+
+
 def check_json_path(path: Path) -> None:
-    """Refuse, before any check runs, a report path that cannot be written: a directory, or a
-    parent that is missing or refuses a new file (permissions, a read-only file system; probed
-    by creating and removing a temporary file there, which also holds for root). Raises
-    ValueError saying what to change."""
-    if path.is_dir():
-        raise ValueError(f"--json {path}: is a directory; name a file")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"--json {path}: the directory {parent} does not exist; create it or name another file")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
-    except OSError as err:
-        raise ValueError(
-            f"--json {path}: cannot write in {parent} ({err.strerror or err}); name a file in a writable directory"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
+    """Refuse, before any check runs, a report path that cannot be written (a directory, a parent
+    that is missing or refuses a new file) or that holds a file other than an earlier doctor report,
+    which the report must not replace. Raises ValueError saying what to change
+    (:func:`zeropp.output_files.check_output_file`)."""
+    check_output_file(path, "--json", ours=lambda p: json_file_is(p, is_report))
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

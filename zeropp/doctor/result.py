@@ -73,6 +73,12 @@ NO_CUDA = "skipped: no CUDA device (torch.cuda.is_available() is False)"
 """The detail of every GPU row on a machine without a usable CUDA device."""
 
 
+MAX_SECONDS = 1e9
+"""The longest time limit (about 31 years): a thread's join and a deadline take at most
+``threading.TIMEOUT_MAX`` (about 9.2e9 s), so a larger value (inf, a slip like 1e300) would crash
+the doctor instead of limiting it."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DoctorOptions:
     """What ``python -m zeropp.doctor`` was asked to do."""
@@ -95,8 +101,8 @@ class DoctorOptions:
     def __post_init__(self) -> None:
         for name in ("check_timeout_s", "world_timeout_s"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= MAX_SECONDS:
+                raise ValueError(f"{name} must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {v!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
         if not isinstance(self.gloo_ranks, int) or isinstance(self.gloo_ranks, bool) or not 1 <= self.gloo_ranks <= 16:

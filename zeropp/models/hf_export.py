@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..output_files import creation_refused, nearest_existing
 from .hf import HFConfig, hf_model_config, require_transformers
 
 LORA_FORMATS = ("merged", "peft")
@@ -118,6 +119,17 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
         raise ExportError(
             f"{out} exists and is not empty: the export never overwrites or deletes files it did not "
             f"write; choose a new directory (or empty this one yourself)"
+        )
+    # the export is written in a temporary folder beside out_dir, then renamed: where that folder
+    # goes is checked now, before the checkpoint is read, not when the first file is written
+    base = nearest_existing(out.parent)
+    if not base.is_dir():
+        raise ExportError(f"{out} cannot be created: {base} is not a directory; choose a new directory for the export")
+    err = creation_refused(base)
+    if err is not None:
+        raise ExportError(
+            f"{out} cannot be created: {base} does not let this process create files ({err.strerror or err}); "
+            "choose a directory you can write to"
         )
     return out
 

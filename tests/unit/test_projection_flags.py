@@ -1,0 +1,74 @@
+"""The cost model's command lines (``experiments.scaling``, ``experiments.plan``,
+``experiments.scaling_check``): a rate, count or fraction the model divides by or scales with, and
+a directory with no readable run summary, are usage errors (exit 2) naming the flag or the file,
+never a traceback or a table of NaN."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zeropp.experiments.projection import scaling_check, speedup
+from zeropp.experiments.runner import plan
+
+SCALING = [
+    (["--gbps", "0"], "argument --gbps: '0': give a finite number > 0"),  # before: ValueError: invalid cluster
+    (["--gbps", "100", "nan"], "argument --gbps: 'nan': give a finite number > 0"),  # before: a table of nan
+    (["--ranks-per-node", "0"], "argument --ranks-per-node: '0': give an integer >= 1"),  # ZeroDivisionError
+    (["--nics-per-node", "3"], "--nics-per-node 3 must divide --ranks-per-node 8"),
+    (["--max-gpus", "4"], "--max-gpus 4 is less than one node (--ranks-per-node 8)"),
+    (["--tokens-per-gpu", "0"], "argument --tokens-per-gpu: '0': give an integer >= 1"),  # before: 0 compute
+    (["--tflops", "0"], "argument --tflops: '0': give a finite number > 0"),  # ZeroDivisionError
+    (["--overlap", "2"], "argument --overlap: '2': give a fraction in [0, 1]"),
+    (["--tflops", "fast"], "argument --tflops: 'fast' is not a number"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", SCALING, ids=[" ".join(a) for a, _ in SCALING])
+def test_scaling_refuses_what_the_model_cannot_use(argv: list[str], msg: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        speedup.main([*argv, "--plot", ""])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--tflops", "0"], "argument --tflops: '0': give a finite number > 0"),  # before: ZeroDivisionError
+        (["--tflops", "nan"], "argument --tflops: 'nan': give a finite number > 0"),
+        (["--gbps", "-1"], "argument --gbps: '-1': give a finite number > 0"),  # before: invalid cluster traceback
+    ],
+)
+def test_plan_refuses_a_rate_that_is_not_positive(argv: list[str], msg: str, capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        plan.main(["model=tiny", "--out", str(tmp_path / "plan"), *argv])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "plan").exists()
+
+
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        (None, "error: no summary.json under"),
+        ("{bad", "cannot be read as a run's summary"),  # before: JSONDecodeError traceback
+        ("{}", "has no label, config, step_time_s, comm_bytes_per_step; it is not a run's summary"),  # KeyError
+        ("[1]", "it is not a run's summary"),  # before: TypeError
+    ],
+)
+def test_scaling_check_refuses_a_directory_without_run_summaries(content, msg, tmp_path: Path, capsys) -> None:
+    if content is not None:
+        (tmp_path / "r1").mkdir()
+        (tmp_path / "r1" / "summary.json").write_text(content)
+    with pytest.raises(SystemExit) as e:
+        scaling_check.main([str(tmp_path)])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--alpha", "-1"], ["--cross-gbps", "0"], ["--intra-gbps", "inf"]])
+def test_scaling_check_refuses_a_link_it_cannot_use(argv: list[str], tmp_path: Path, capsys) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({}))
+    with pytest.raises(SystemExit) as e:
+        scaling_check.main([str(tmp_path), *argv])
+    assert e.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err

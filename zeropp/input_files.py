@@ -1,0 +1,57 @@
+"""Small files a command is pointed at (a calibrated cluster file, a run's ``summary.json`` and
+``metrics.jsonl``, a sweep job's ``failed.json``), read only when they are regular files of a
+bounded size.
+
+Reading a path blindly hangs on a FIFO (a read waits for a writer forever), never ends on
+``/dev/zero`` and exhausts memory on a huge file, whatever the name says; a mistyped path, a
+symlink left behind or a scratch pipe is enough to meet one. :func:`read_regular` opens without
+blocking, looks at what it opened, and refuses anything but a regular file of at most ``limit``
+bytes with an ``OSError`` whose text says what the path is.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+__all__ = ["MAX_BYTES", "read_regular"]
+
+MAX_BYTES = 256 << 20
+"""The largest such file read (256 MiB): far above any summary or cluster file, well below memory."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: str | os.PathLike[str], limit: int = MAX_BYTES) -> bytes:
+    """The bytes of ``path`` (symlinks followed), or ``OSError`` when it is missing, unreadable,
+    not a regular file (``strerror``: "is a FIFO (named pipe), not a regular file") or larger
+    than ``limit`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file", str(path))
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"holds {st.st_size:,} bytes, more than the {limit:,} read here", str(path))
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:  # it grew while being read
+            raise OSError(errno.EFBIG, f"holds more than the {limit:,} bytes read here", str(path))
+        return data
+    finally:
+        os.close(fd)
