@@ -51,7 +51,7 @@ from .launcher import (
 )
 from .metrics import read_summary, write_summary
 from .overrides import check_fresh_outputs, check_overrides
-from .preflight import check_before_launch
+from .preflight import check_before_launch, check_writable_dir
 from .slurm import check_slurm_keys, check_slurm_launch
 
 schema.register()
@@ -304,6 +304,7 @@ def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "run_di
         "dir_key": dir_key,
     }
     rc = validated(without_hydra(cfg), list(overrides))
+    check_writable_dir(dir_key, Path(run_dir))  # under a file, or unwritable: a ConfigError naming it
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     summary = execute(rc, info)
     assert summary is not None

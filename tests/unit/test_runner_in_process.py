@@ -196,3 +196,11 @@ def test_a_sweep_adding_points_under_its_own_subdirs_is_not_refused(
     ]
     p = run_cli_here(args, capfd, timeout=120)
     assert calls == [1], p.stderr[-2000:]
+
+
+def test_run_job_into_a_directory_under_a_file_is_a_config_error(tmp_path: Path) -> None:
+    """``run_job``'s ``run_dir`` below a file (a tool's ``--out`` mistyped): a ConfigError naming the
+    caller's key, before anything starts (before: ``NotADirectoryError`` from its mkdir)."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(run.ConfigError, match=r"--out='.*file/run' cannot be created: .*file is not a directory"):
+        run.run_job([*MINI_1X2_CPU], tmp_path / "file" / "run", dir_key="--out")
