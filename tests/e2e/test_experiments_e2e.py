@@ -255,20 +255,27 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: p
     assert "1 failed" in md and "optim.lr=1e+30" in md
 
 
+def _start_runner(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    """``python -m zeropp.experiments.run`` with ``args`` on the tiny model (:data:`FAST` less its
+    step count), wandb off, in the background; its stderr goes to ``tmp_path / "stderr"``."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    with open(tmp_path / "stderr", "w") as err_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "zeropp.experiments.run", *args, "logger=none", *FAST[1:]],
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            env=env,
+        )
+
+
 def test_a_sigterm_stops_the_whole_sweep(tmp_path: Path) -> None:
     """SIGTERM to a sweep while job 0 trains (``timeout``, a scheduler's preemption): job 0's ranks
     are stopped and the command exits 128 + SIGTERM; job 1 never starts (an interrupt is not one
     job's failure, after which the sweep would go on)."""
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    with open(tmp_path / "stderr", "w") as err_file:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "zeropp.experiments.run", "-m", "train.steps=100000,2", "topology=1x2"]
-            + ["logger=none", *FAST[1:], "launcher.grace_s=2", f"hydra.sweep.dir={sweep}"],
-            stdout=subprocess.DEVNULL,
-            stderr=err_file,
-            env=env,
-        )
+    p = _start_runner(
+        ["-m", "train.steps=100000,2", "topology=1x2", "launcher.grace_s=2", f"hydra.sweep.dir={sweep}"], tmp_path
+    )
     try:
         _wait_for_training(p, sweep / "0", tmp_path / "stderr")
         p.send_signal(signal.SIGTERM)
@@ -291,15 +298,9 @@ def test_an_interrupt_stops_every_rank_without_waiting_for_the_kill(tmp_path: Pa
     (Whether the interrupt finds work in flight is timing; the deterministic case is
     ``tests/distributed/test_comm_lifetime.py``.)"""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    with open(tmp_path / "stderr", "w") as err_file:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "zeropp.experiments.run", "train.steps=100000", "topology=1x2", "stage=3"]
-            + ["logger=none", *FAST[1:], "launcher.grace_s=60", f"hydra.run.dir={run_dir}"],
-            stdout=subprocess.DEVNULL,
-            stderr=err_file,
-            env=env,
-        )
+    p = _start_runner(
+        ["train.steps=100000", "topology=1x2", "stage=3", "launcher.grace_s=60", f"hydra.run.dir={run_dir}"], tmp_path
+    )
     try:
         _wait_for_training(p, run_dir, tmp_path / "stderr")
         time.sleep(1.0)  # a few steps in: gathers and reduce-scatters in flight
