@@ -109,8 +109,9 @@ def check_output_file(
         )
     if path.is_symlink() or (path.exists() and not (path.is_file() and ours(path))):
         raise OutputFileError(
-            f"{flag} {path} exists and is not a file this command wrote; nothing was run and it is untouched: "
-            "move it away or name a new file"
+            f"{flag} {path} exists and is not a file this command can tell it wrote (outputs of zeropp "
+            "versions before 2026-11-26 carry no mark either); nothing was run and it is untouched: move it "
+            "away or name a new file"
         )
 
 

@@ -46,7 +46,7 @@ from zeropp.output_files import path_text_arg, write_output_file
 
 from ..launch import ModuleEntry, RankFailure, RunInterrupted, in_torchrun, launch_world
 from ..launch.command import run_command
-from ..projection.cluster_file import KIND, ClusterFile, link_fit, write_cluster_file
+from ..projection.cluster_file import ClusterFile, is_cluster_file, link_fit, write_cluster_file
 from ..runner.launcher import emulated_placement, local_placement
 from ..runner.preflight import RANKS_PER_CPU, host_cpus
 from .args import check_json_output, json_with_keys
@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.calibrate and "all_gather" not in a.ops:
         p.error("--calibrate fits the plain all-gathers: keep all_gather in --ops")
     check_json_output(p, a.json, "--json", JSON_SHAPE)
-    check_json_output(p, a.calibrate, "--calibrate", lambda doc: isinstance(doc, dict) and doc.get("kind") == KIND)
+    check_json_output(p, a.calibrate, "--calibrate", is_cluster_file)
     return a
 
 
@@ -338,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> NoReturn:
     """The command: :func:`main`, ended by ``launch.command.run_command`` (Ctrl-C or a failed world
-    is one ``error:`` line and the shell's exit status, never a traceback)."""
+    is one ``error:`` line and the shell's exit status, never a traceback). A rank of the
+    benchmark's own world (``--rank-main``) or of torchrun's runs :func:`main` bare: its launcher
+    reports the interrupt once, and its SIGTERM keeps the launcher's meaning (the rank ends now)."""
+    if "--rank-main" in sys.argv[1:] or in_torchrun():
+        sys.exit(main())
     run_command(main)
 
 

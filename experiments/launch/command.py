@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from .failure import RankFailure, RunInterrupted
+from .failure import RankFailure, RunInterrupted, shell_status
 
 __all__ = ["Terminated", "run_command"]
 
@@ -30,6 +30,10 @@ class Terminated(BaseException):
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
+    """Raise :class:`Terminated` once: a repeated SIGTERM (``kill`` typed twice, a supervisor's
+    second try) is ignored, so the cleanup the first one started (a swap folder removed) runs to
+    its end; ``run_command`` restores the previous handler afterwards."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 
 
@@ -54,7 +58,7 @@ def run_command(main: Callable[[], object]) -> NoReturn:
         sys.exit(128 + signal.SIGTERM)
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code or 1)
+        sys.exit(shell_status(e.exit_code))
     finally:
         signal.signal(signal.SIGTERM, previous)
     sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)

@@ -27,7 +27,15 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 
 from zeropp.runtime.batch import origin_ranks
 
-__all__: Sequence[str] = ("PEER_ERRORS", "RankFailure", "describe_exit", "exit_status", "rank_error", "root_cause")
+__all__: Sequence[str] = (
+    "PEER_ERRORS",
+    "RankFailure",
+    "describe_exit",
+    "exit_status",
+    "rank_error",
+    "root_cause",
+    "shell_status",
+)
 
 PEER_ERRORS = (
     "Connection closed by peer",
@@ -54,6 +62,15 @@ class RunInterrupted(RankFailure):
     """The launching process itself was sent SIGINT / SIGTERM (Ctrl-C, ``timeout``, a scheduler's
     preemption): every rank was stopped. Not one job's failure: a caller running several jobs (a
     benchmark's rows, a sweep, a test) stops too instead of recording it and going on to the next."""
+
+
+def shell_status(code: int | None) -> int:
+    """A rank's exit code as a shell reports a process's status: 128 + N when it was killed by
+    signal N (``code`` is then -N, as :func:`exit_status` and ``RankFailure.exit_code`` give it),
+    the code itself otherwise, 1 when none is known."""
+    if not code:
+        return 1
+    return 128 - code if code < 0 else code
 
 
 def exit_status(pid: int) -> int | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from zeropp.input_files import read_regular
+from zeropp.output_files import write_output_file
 
 from .spec import Cluster
 
@@ -147,19 +148,24 @@ def link_fit(ranks: int, bus_bytes: Sequence[float], seconds: Sequence[float]) -
     return LinkFit(alpha_s=max(a, 0.0) / (ranks - 1), gbps=8 / b / 1e9, ranks=ranks, points=len(bus_bytes))
 
 
+def is_cluster_file(doc: object) -> bool:
+    """``doc`` (parsed JSON) is a cluster file (what :func:`write_cluster_file` may replace)."""
+    return isinstance(doc, dict) and doc.get("kind") == KIND
+
+
 def write_cluster_file(path: str | Path, cf: ClusterFile) -> None:
-    """Write ``cf`` as JSON to ``path`` (a new file or one this tool wrote: a file that is not a
-    cluster file is refused rather than overwritten)."""
+    """Write ``cf`` as JSON to ``path``, atomically (a reader sees the old file or the new one): a
+    new file or one this tool wrote; a file that is not a cluster file is refused rather than
+    overwritten."""
     p = Path(path)
     if p.exists():
         try:
-            old = json.loads(p.read_text())
-            ours = isinstance(old, dict) and old.get("kind") == KIND
+            ours = is_cluster_file(json.loads(p.read_text()))
         except (OSError, ValueError):
             ours = False
         if not ours:
             raise ClusterFileError(f"{p} exists and is not a cluster file; give a new path to --calibrate")
-    p.write_text(json.dumps(cf.to_json(), indent=1) + "\n")
+    write_output_file(p, json.dumps(cf.to_json(), indent=1) + "\n")
 
 
 def _need(d: dict[str, Any], key: str, where: str, path: Path) -> Any:

@@ -38,6 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from zeropp.comm.layout import LaunchLayout
 from zeropp.runtime.divergence import DivergenceError
 
+from ..launch.failure import shell_status
 from . import plugins, schema
 from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, without_hydra
 from .launcher import (
@@ -365,10 +366,7 @@ def command_status(e: ConfigError | RankFailure | DivergenceError) -> int:
     signal N (``RankFailure.exit_code`` is then -N), 1 when no status is known."""
     if isinstance(e, ConfigError):
         return 2
-    code = e.exit_code
-    if not code:
-        return 1
-    return 128 - code if code < 0 else code
+    return shell_status(e.exit_code)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")

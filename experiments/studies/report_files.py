@@ -125,8 +125,9 @@ def check_outputs(out: Path, names: Iterable[str], flag: str = "--out") -> list[
     foreign = [n for n in names if n != MANIFEST and not _is_ours(out / n, listed)]
     if foreign:
         raise ReportError(
-            f"{out} holds {', '.join(foreign)}, which this command would overwrite but did not write "
-            f"(not in {MANIFEST}, or changed since); nothing was written: move them away, or choose another {flag}"
+            f"{out} holds {', '.join(foreign)}, which this command would overwrite but cannot tell it wrote "
+            f"(not in {MANIFEST}, or changed since; outputs of zeropp versions before 2026-11-26 have no "
+            f"{MANIFEST}); nothing was written: move them away, or choose another {flag}"
         )
     return [w for w in listed if (out / w.name).exists() and _is_ours(out / w.name, [w])]
 

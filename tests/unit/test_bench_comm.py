@@ -132,7 +132,7 @@ def test_main_writes_the_file_from_a_result(tmp_path, monkeypatch, capsys) -> No
     monkeypatch.setattr(comm, "launch", lambda a: pytest.fail("the sweep ran for a --calibrate it cannot write"))
     with pytest.raises(SystemExit) as e:  # refused before the sweep, not after it
         comm.main(["--calibrate", str(foreign)])
-    assert e.value.code == 2 and "is not a file this command wrote" in capsys.readouterr().err
+    assert e.value.code == 2 and "is not a file this command can tell it wrote" in capsys.readouterr().err
     assert foreign.read_text() == "[1, 2]"
 
 

@@ -91,7 +91,7 @@ def test_a_file_of_the_users_in_out_is_refused_and_its_own_replaced(name: str, t
     (tmp_path / name).write_text("mine")
     assert main(["model=tiny", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"{tmp_path / name} exists and is not a file this command wrote" in err
+    assert f"{tmp_path / name} exists and is not a file this command can tell it wrote" in err
     assert (tmp_path / name).read_text() == "mine" and len(list(tmp_path.iterdir())) == 1
     own = tmp_path / "own"
     assert main(["model=tiny", "--out", str(own)]) == 0 and main(["model=tiny", "--out", str(own)]) == 0

@@ -61,6 +61,32 @@ def test_interrupts_and_failures_are_one_line(capsys) -> None:
     assert _end(_failed, capsys) == (3, "error: rank 1 exited with code 3\n")
 
 
+def _killed() -> None:
+    raise launch.RankFailure("rank 1 was killed by SIGKILL", rank=1, exit_code=-signal.SIGKILL)
+
+
+def _sigterm_twice_during_cleanup(done: list[str]) -> None:
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM while the cleanup runs
+        time.sleep(0.2)
+        done.append("cleanup")
+
+
+def test_a_rank_killed_by_a_signal_gives_the_shells_status(capsys) -> None:
+    """-N (killed by signal N) is 128 + N, as the runner's and a shell's status (before: 256 - N)."""
+    assert _end(_killed, capsys) == (128 + signal.SIGKILL, "error: rank 1 was killed by SIGKILL\n")
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short(capsys) -> None:
+    done: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    assert _end(lambda: _sigterm_twice_during_cleanup(done), capsys)[0] == 143
+    assert done == ["cleanup"] and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_commands_own_status_passes_through(capsys) -> None:
     assert _end(lambda: 2, capsys)[0] == 2
     assert _end(lambda: [{"row": 1}], capsys)[0] == 0  # the rows a main returns to in-process callers

@@ -39,11 +39,13 @@ def test_the_rule(tmp_path: Path) -> None:
         check_output_file(Path("/proc/o.json"), "--json", ours=_ours)
     notes = tmp_path / "notes.json"
     notes.write_text(NOTES)
-    with pytest.raises(OutputFileError, match="exists and is not a file this command wrote; nothing was run"):
+    with pytest.raises(
+        OutputFileError, match="exists and is not a file this command can tell it wrote .*; nothing was run"
+    ):
         check_output_file(notes, "--json", ours=_ours)
     link = tmp_path / "link.json"
     link.symlink_to(notes)
-    with pytest.raises(OutputFileError, match="exists and is not a file this command wrote"):
+    with pytest.raises(OutputFileError, match="exists and is not a file this command can tell it wrote"):
         check_output_file(link, "--json", ours=lambda p: True)
     ours = tmp_path / "ours.json"
     write_output_file(ours, json.dumps({"tool": "t"}))
@@ -128,7 +130,7 @@ def test_scaling_plot(tmp_path: Path, capsys) -> None:
         (tmp_path, "is a directory"),  # before: written as <dir>.png, beside the directory
         (tmp_path / "plot", "name a .png, .pdf, .svg file"),  # before: written as plot.png
         (tmp_path / "plot.json", "name a .png, .pdf, .svg file"),  # before: a matplotlib traceback after the table
-        (mine, "exists and is not a file this command wrote"),  # before: replaced
+        (mine, "exists and is not a file this command can tell it wrote"),  # before: replaced
         (Path("/proc/s.png"), "cannot write in /proc"),  # before: a traceback after the table
     ]:
         assert run(bad) == 2 and msg in capsys.readouterr().err

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
-from ..output_files import check_output_file, json_file_is
+from ..output_files import check_output_file, json_file_is, write_output_file
 from .result import CheckResult, Status
 
 SCHEMA = 1
@@ -84,14 +82,6 @@ def check_json_path(path: Path) -> None:
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    """Write the report atomically: a temporary file in the same directory, then renamed over
-    ``path`` (a reader never sees half a report, and a failed write leaves ``path`` as it was)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write the report atomically and durably (``zeropp.output_files.write_output_file``: a reader
+    never sees half a report, and a failed write leaves ``path`` as it was)."""
+    write_output_file(path, json.dumps(report, indent=2, default=str) + "\n")
