@@ -26,8 +26,13 @@ __all__ = [
     "OutputFileError",
     "check_output_file",
     "check_output_files",
+    "creation_refused",
     "holds_tag",
     "json_file_is",
+    "nearest_existing",
+    "path_arg",
+    "path_text_arg",
+    "tag_markers",
     "tagged_png",
     "write_output_file",
 ]
@@ -132,12 +137,33 @@ def tagged_png(fig: Any, tag: str, **savefig: Any) -> bytes:
     return buf.getvalue()
 
 
+TAG_WINDOW = 1 << 16
+"""Bytes read from each end of a file when looking for a tag: the metadata matplotlib writes sits
+near the start (PNG text chunks before the image data, SVG metadata) or the end (the PDF Info
+dictionary), so a large file at the path is never read whole."""
+
+
+def tag_markers(tag: str) -> tuple[bytes, ...]:
+    """How ``tag`` appears as the metadata field matplotlib writes it in: a PNG ``Software`` text
+    chunk (:func:`tagged_png`), a PDF ``/Creator`` entry, an SVG creator's title."""
+    t = tag.encode()
+    png = (len(b"Software\x00") + len(t)).to_bytes(4, "big") + b"tEXtSoftware\x00" + t  # the chunk's own length
+    return (png, b"/Creator (" + t + b")", b"<dc:title>" + t + b"</dc:title>")
+
+
 def holds_tag(path: Path, tag: str) -> bool:
-    """Whether the file ``path`` carries ``tag`` (written by :func:`tagged_png`)."""
+    """Whether the file ``path`` carries ``tag`` in a plot's metadata field (:func:`tag_markers`),
+    looked for in its first and last :data:`TAG_WINDOW` bytes; a file merely containing the text
+    elsewhere does not count."""
     try:
-        return tag.encode() in path.read_bytes()
+        with open(path, "rb") as f:
+            head = f.read(TAG_WINDOW)
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - TAG_WINDOW, len(head)))
+            tail = f.read(TAG_WINDOW)
     except OSError:
         return False
+    return any(m in head or m in tail for m in tag_markers(tag))
 
 
 def json_file_is(path: Path, shape: Callable[[Any], bool]) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn
 
 from zeropp.comm.spec import RECIPES
-from zeropp.output_files import OutputFileError, check_output_file, write_output_file
+from zeropp.output_files import OutputFileError, check_output_file, holds_tag, write_output_file
 
 from ..launch.command import run_command
 from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
@@ -124,11 +124,8 @@ PLOT_SUFFIXES = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
 
 
 def is_our_plot(path: Path) -> bool:
-    """Whether ``path`` is a plot this command wrote (it carries :data:`PLOT_TAG`)."""
-    try:
-        return PLOT_TAG.encode() in path.read_bytes()
-    except OSError:
-        return False
+    """Whether ``path`` is a plot this command wrote (:data:`PLOT_TAG` in its metadata field)."""
+    return holds_tag(path, PLOT_TAG)
 
 
 def check_plot_path(path: Path) -> None:

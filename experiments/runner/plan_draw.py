@@ -169,6 +169,11 @@ def _comm_event(x: Any, names: list[str], start: float, dur: float) -> dict[str,
     )
 
 
+PLOT_TAG = "zeropp experiments.plan"
+"""The ``Software`` text of every PNG the plan writes and the ``generator`` of its traces: its own
+earlier outputs may be replaced."""
+
+
 def chrome_trace(projections: list[dict[str, Any]]) -> dict[str, Any]:
     """The timelines in Chrome's ``traceEvents`` format: pid = node count's row, tid = lane, µs."""
     evs: list[dict[str, Any]] = []
@@ -190,7 +195,19 @@ def chrome_trace(projections: list[dict[str, Any]]) -> dict[str, Any]:
                     args=args,
                 )
             )
-    return {"traceEvents": evs, "displayTimeUnit": "ms"}
+    return {"traceEvents": evs, "displayTimeUnit": "ms", "otherData": {"generator": PLOT_TAG}}
+
+
+def is_plan_trace(doc: object) -> bool:
+    """``doc`` (parsed JSON) is a trace the plan wrote: Chrome's format with the plan's generator in
+    its ``otherData`` (a profiler trace of the user's saved under the same name is not)."""
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    return (
+        isinstance(doc, dict)
+        and "traceEvents" in doc
+        and isinstance(other, dict)
+        and other.get("generator") == PLOT_TAG
+    )
 
 
 def draw_lanes(ax: Any, p: dict[str, Any], colour: dict[str, str]) -> None:
@@ -209,18 +226,11 @@ def draw_lanes(ax: Any, p: dict[str, Any], colour: dict[str, str]) -> None:
     ax.set_xlim(0, p["step_s"] * 1e3)
 
 
-PLOT_TAG = "zeropp experiments.plan"
-"""The ``Software`` text of every PNG the plan writes: its own earlier images may be replaced."""
-
-
 def plan_outputs(names: tuple[str, str]) -> dict[str, Callable[[Path], bool]]:
     """The ``ours`` tests (zeropp.output_files) of a plan's PNG and trace, named ``names``: a PNG
-    carrying :data:`PLOT_TAG`, a JSON trace (an object with ``traceEvents``)."""
+    carrying :data:`PLOT_TAG`, a trace of the plan's (:func:`is_plan_trace`)."""
     png, trace = names
-    return {
-        png: lambda p: holds_tag(p, PLOT_TAG),
-        trace: lambda p: json_file_is(p, lambda d: isinstance(d, dict) and "traceEvents" in d),
-    }
+    return {png: lambda p: holds_tag(p, PLOT_TAG), trace: lambda p: json_file_is(p, is_plan_trace)}
 
 
 def plot(projections: list[dict[str, Any]], path: Path) -> None:

@@ -151,7 +151,9 @@ def chrome_trace(p: dict[str, Any], spans: list[Span], step: int, rank: int) -> 
                 dur=s.dur_s * 1e6,
             )
         )
-    return {"traceEvents": evs, "displayTimeUnit": "ms"}
+    from .plan_draw import PLOT_TAG
+
+    return {"traceEvents": evs, "displayTimeUnit": "ms", "otherData": {"generator": PLOT_TAG}}
 
 
 def plot(p: dict[str, Any], spans: list[Span], step_s: float, step: int, rank: int, path: Path) -> None:

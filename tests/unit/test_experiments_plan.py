@@ -87,12 +87,14 @@ def test_the_plan_reads_a_calibrated_cluster_file(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["plan_timeline.png", "plan_trace.json"])
 def test_a_file_of_the_users_in_out_is_refused_and_its_own_replaced(name: str, tmp_path, capsys) -> None:
-    """Before: a plan_timeline.png / plan_trace.json of the user's in --out was overwritten."""
-    (tmp_path / name).write_text("mine")
+    """Before: a plan_timeline.png / plan_trace.json of the user's in --out was overwritten (for the
+    trace: a profiler trace of the user's, Chrome's format too, is not the plan's)."""
+    (tmp_path / name).write_text('{"traceEvents": [], "mine": true}' if name.endswith(".json") else "mine")
+    before = (tmp_path / name).read_text()
     assert main(["model=tiny", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / name} exists and is not a file this command can tell it wrote" in err
-    assert (tmp_path / name).read_text() == "mine" and len(list(tmp_path.iterdir())) == 1
+    assert (tmp_path / name).read_text() == before and len(list(tmp_path.iterdir())) == 1
     own = tmp_path / "own"
     assert main(["model=tiny", "--out", str(own)]) == 0 and main(["model=tiny", "--out", str(own)]) == 0
     assert sorted(p.name for p in own.iterdir()) == ["plan_timeline.png", "plan_trace.json"]

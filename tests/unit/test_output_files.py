@@ -16,7 +16,7 @@ from zeropp.experiments.bench import comm as bench_comm
 from zeropp.experiments.bench import offload as bench_offload
 from zeropp.experiments.projection import speedup
 from zeropp.experiments.studies import mixz
-from zeropp.output_files import OutputFileError, check_output_file, json_file_is, write_output_file
+from zeropp.output_files import OutputFileError, check_output_file, holds_tag, json_file_is, write_output_file
 
 NOTES = '{"mine": 1}\n'
 
@@ -171,3 +171,26 @@ def test_an_empty_path_is_a_usage_error(command: str, argv: list[str], tmp_path:
     err = capsys.readouterr().err
     assert e.value.code == 2 and "an empty path" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["png", "pdf", "svg"])
+def test_a_tag_counts_only_in_the_plots_metadata_field(tmp_path: Path, kind: str) -> None:
+    """A plot saved with the tag in its metadata field (PNG ``Software``, PDF / SVG ``Creator``) is
+    ours; a user's file that merely mentions the tag (notes naming the tool) is not."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    buf = io.BytesIO()
+    fig.savefig(buf, format=kind, metadata={"Software" if kind == "png" else "Creator": "zeropp TAG"})
+    plt.close(fig)
+    plot, notes = tmp_path / f"plot.{kind}", tmp_path / f"notes.{kind}"
+    plot.write_bytes(buf.getvalue())
+    notes.write_bytes(b"my own figure, drawn like zeropp TAG's\n" + bytes(200_000))
+    assert holds_tag(plot, "zeropp TAG") and not holds_tag(notes, "zeropp TAG")
+    assert not holds_tag(plot, "zeropp TA") and not holds_tag(tmp_path / "missing.png", "zeropp TAG")
