@@ -47,7 +47,7 @@ from typing import Any, Callable, NoReturn
 import torch
 
 from zeropp.kernels import cpu_adamw
-from zeropp.output_files import path_text_arg, write_output_file
+from zeropp.output_files import creation_refused, path_text_arg, write_output_file
 from zeropp.runtime.config import OptimizerConfig
 from zeropp.runtime.optimizer import adamw_update
 from zeropp.runtime.swap import Segment, SwapSpace
@@ -305,14 +305,6 @@ JSON_SHAPE = json_with_keys("adam", "swap", "args")
 """What ``--json`` writes: an earlier run's file of this shape may be replaced, nothing else."""
 
 
-def _probe_dir(path: str) -> None:
-    """Create and remove a file in ``path``: OSError when the directory takes no new files (mode
-    bits are not enough to tell: root ignores them, and /proc or a read-only mount refuses anyway)."""
-    fd, probe = tempfile.mkstemp(prefix=".bench_offload-", suffix=".probe", dir=path)
-    os.close(fd)
-    os.unlink(probe)
-
-
 BYTES_PER_ELEMENT = 32
 """Host memory per AdamW element the benchmark may touch: 16 bytes of state (fp32 parameter,
 gradient and two moments, one state shared by every kernel) and up to as much again of a kernel's
@@ -370,11 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--buffers must be >= 2")
     if not os.path.isdir(a.dir):
         p.error(f"--dir {a.dir} is not a directory")
-    if a.swap_mib:
-        try:
-            _probe_dir(a.dir)
-        except OSError as e:
-            p.error(f"--dir {a.dir} cannot take the swap test's files ({e.strerror or e}); choose a writable directory")
+    err = creation_refused(Path(a.dir)) if a.swap_mib else None  # mode bits lie for root and read-only mounts
+    if err is not None:
+        p.error(f"--dir {a.dir} cannot take the swap test's files ({err.strerror or err}); choose a writable directory")
     _check_room(p, a)
     check_json_output(p, a.json, "--json", JSON_SHAPE)
     return a

@@ -16,10 +16,10 @@ host's size comes from the standard library (``os.sched_getaffinity``, ``os.sysc
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from zeropp.comm import context
+from zeropp.output_files import creation_refused, nearest_existing
 
 from .config import ConfigError, RunConfig
 from .console import human_bytes
@@ -127,25 +127,21 @@ def check_local_ranks(rc: RunConfig) -> None:
 
 def check_writable_dir(key: str, path: Path) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
-    existing ancestor is a directory that lets this process create files. Tried for real with an
-    anonymous temporary file (``O_TMPFILE`` where the filesystem has it, else a named one removed
-    at once), since permission bits lie for root and on read-only mounts; nothing is left behind."""
-    existing = path.expanduser()
-    while not (existing.exists() or existing.is_symlink()) and existing.parent != existing:
-        existing = existing.parent  # ends at "/" or "." (which is missing only if the cwd was deleted)
+    existing ancestor is a directory that lets this process create files. Tried for real
+    (``zeropp.output_files.creation_refused``: a temporary file removed at once), since permission
+    bits lie for root and on read-only mounts; nothing is left behind."""
+    existing = nearest_existing(path.expanduser())  # "/" or "." at worst (missing only if the cwd was deleted)
     if not existing.is_dir():
         what = "is not a directory" if existing.exists() or existing.is_symlink() else "does not exist"
         raise ConfigError(
             f"invalid config: {key}={str(path)!r} cannot be created: {existing} {what}; choose another {key}"
         )
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
+    err = creation_refused(existing)
+    if err is not None:
         raise ConfigError(
             f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
-            f"process create files ({e.strerror or e}); choose a directory you can write to"
-        ) from None
+            f"process create files ({err.strerror or err}); choose a directory you can write to"
+        )
 
 
 def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
