@@ -90,9 +90,6 @@ def function_rank(
         left_alone = False
         return out
     finally:
-        if left_alone:  # they fail at once, not at the SIGKILL after grace_s
-            from zeropp.comm.context import abort_process_groups
+        from zeropp.comm.context import close_process_groups
 
-            abort_process_groups()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_process_groups(aborted=left_alone)  # peers fail at once, not at the SIGKILL after grace_s

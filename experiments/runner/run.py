@@ -408,7 +408,6 @@ def cli() -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    plugins.register()  # again: a registry made since this module's import lacks them
     _hydra_main()
     if _failed:
         print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)

@@ -5,7 +5,8 @@ torchrun through :func:`run_rank`; the env contract is torch's (RANK, WORLD_SIZE
 this process's index on its host, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT). The device follows
 ``launcher.device`` and LOCAL_RANK (one GPU per local process); every tensor this module hands to
 a collective lives on that device. The process group is always destroyed; a rank that fails
-alone aborts it first (:func:`close_process_groups`), so its peers are not left blocked in a collective.
+alone aborts it instead (``zeropp.comm.context.close_process_groups``), so its peers are not left blocked
+in a collective.
 
 The loop (:func:`_train`) composes small collaborators, each testable alone against a fake
 trainer: ``train_data.TrainData`` (batches and the step cursor), ``train_eval.Evaluator``,
@@ -129,19 +130,7 @@ def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         agreed = False
         raise
     finally:
-        close_process_groups(aborted=not agreed)
-
-
-def close_process_groups(*, aborted: bool) -> None:
-    """Destroy this rank's process groups when the ranks leave together; abort them instead when
-    this one leaves alone (an error, the launcher's SIGTERM), so peers blocked in a collective
-    with it fail at once rather than at the launcher's SIGKILL
-    (``zeropp.comm.context.abort_process_groups``). Their "connection closed" error is not blamed
-    (``launch.failure.PEER_ERRORS``)."""
-    if aborted:
-        comm_context.abort_process_groups()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        comm_context.close_process_groups(aborted=not agreed)  # peers not left blocked when this rank fails alone
 
 
 def _train(

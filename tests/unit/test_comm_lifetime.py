@@ -79,16 +79,24 @@ def test_close_from_a_continuation_does_not_deadlock() -> None:
     assert out == [True]
 
 
+def _issued_and_dropped(ctx: context.CommContext) -> tuple[list[torch.Tensor], list[str]]:
+    """Hand ``ctx`` a tensor that a stand-in backend keeps referenced (a view made during the call,
+    as gloo's work holds the tensor's C++ object), then drop the caller's reference. Returns the
+    backend's references (clear them to release) and the list ``"t"`` lands in once it is freed."""
+    backend_refs: list[torch.Tensor] = []
+    t = torch.zeros(4)
+    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])  # noqa: F821 (called here, before `del t`)
+    freed: list[str] = []
+    weakref.finalize(t, freed.append, "t")
+    del t
+    return backend_refs, freed
+
+
 def test_buffers_still_referenced_by_the_backend_are_held_until_released() -> None:
     """A stand-in for the backend's reference: a view made during the call holds the tensor's
     C++ object the way gloo's work does; the context keeps the Python object until it is gone."""
     ctx = context.CommContext()
-    backend_refs: list[torch.Tensor] = []
-    t = torch.zeros(4)
-    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])  # noqa: F821 (called here, before `del t`)
-    freed = []
-    weakref.finalize(t, freed.append, "t")
-    del t
+    backend_refs, freed = _issued_and_dropped(ctx)
     assert ctx.held == 1 and not freed  # our reference keeps the Python object alive
     backend_refs.clear()
     assert ctx.held == 0 and freed == ["t"]
@@ -104,12 +112,7 @@ def test_keep_held_ends_the_wait_and_keeps_the_tensors_alive(recwarn: pytest.War
     (close returns at once, clean, no warning) and the tensors stay referenced by the context, so
     a late release by the backend is still never the last one."""
     ctx = context.CommContext()
-    backend_refs: list[torch.Tensor] = []
-    t = torch.zeros(3)
-    ctx.issue(lambda: backend_refs.append(t.view(-1)), [t])  # noqa: F821 (called here, before `del t`)
-    freed = []
-    weakref.finalize(t, freed.append, "t")
-    del t
+    backend_refs, freed = _issued_and_dropped(ctx)
     assert ctx.keep_held() == 1 and ctx.held == 0
     assert ctx.close(timeout=30) and not recwarn.list
     backend_refs.clear()  # the backend lets go late: the context's reference remains

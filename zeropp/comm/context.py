@@ -76,6 +76,7 @@ __all__ = [
     "DEBUG_LATE_S",
     "CommContext",
     "abort_process_groups",
+    "close_process_groups",
     "current",
     "debug_collectives_from_env",
     "debug_streams_from_env",
@@ -446,6 +447,17 @@ def abort_process_groups() -> bool:
     ctx.abandon_worker()
     ctx.keep_held()
     return True
+
+
+def close_process_groups(*, aborted: bool) -> None:
+    """End this process's process groups: destroy them when the ranks leave together, abort them
+    (:func:`abort_process_groups`) when this rank leaves alone (an error, a launcher's SIGTERM), so
+    peers blocked in a collective with it fail at once rather than at a SIGKILL. Either way none is
+    left to destroy."""
+    if aborted:
+        abort_process_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _close_at_exit() -> None:
