@@ -4,7 +4,9 @@ or substituted files, retention that must touch only the run's own versions, NaN
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import stat
 import warnings
 from pathlib import Path
 
@@ -254,3 +256,21 @@ def test_commit_leaves_no_temporary_file_when_it_fails(tmp_path):
     with pytest.raises(IsADirectoryError):
         cf.commit(tmp_path, A)
     assert [p.name for p in tmp_path.iterdir()] == ["LATEST"]
+
+
+def test_write_atomic_keeps_the_replaced_files_permissions(tmp_path):
+    kept = tmp_path / "report.md"
+    kept.write_text("old\n")
+    kept.chmod(0o640)
+    cf.write_atomic(kept, "new\n")
+    assert kept.read_text() == "new\n"
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o640
+
+    fresh = tmp_path / "fresh.md"
+    umask = os.umask(0o022)
+    try:
+        cf.write_atomic(fresh, b"x")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.md", "report.md"]

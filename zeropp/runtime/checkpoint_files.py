@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 import warnings
 import zlib
@@ -185,12 +186,20 @@ def verify(d: Path, meta: dict, rank: int, world: int) -> None:
 
 def write_atomic(target: Path, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to a temporary file and rename it over ``target``: readers see
-    old or new, never part of it. The temporary file has a fresh random name, created exclusively
-    (mode 0666 less the umask, as a plain write would make it), and is removed if anything fails."""
+    old or new, never part of it. The temporary file has a fresh random name, created exclusively,
+    and is removed if anything fails. Its permission bits are those a plain write would leave: the
+    replaced file's own when ``target`` exists (a file the user made read-only to others stays so),
+    else 0666 less the umask."""
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        kept_mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        kept_mode = None
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if kept_mode is not None:
+                os.fchmod(f.fileno(), kept_mode)
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
