@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from zeropp.comm.spec import RECIPES
 
-from ..runner.config import ConfigError
+from ..runner.config import SEED_LIMIT, ConfigError
 
 SCHEMES: dict[str, tuple[str, ...]] = {
     "fp": ("quant=none",),
@@ -74,6 +74,12 @@ RESERVED = {"quant": "schemes=", "train.seed": "seeds=", "hydra.run.dir": "out="
 """Runner keys the suite sets itself -> what to pass instead."""
 
 
+MAX_SEEDS = 100
+"""Most seeds per scheme: every seed is a full training run of every scheme (about 100 s each with
+the defaults), so a larger count is a typo rather than a plan (and ``seeds=100000000`` would build
+its list before anything else)."""
+
+
 Runner = Callable[[list[str], Path], dict[str, Any]]
 """``(overrides, run_dir) -> summary``: :func:`experiments.runner.run.run_job`'s signature."""
 
@@ -111,8 +117,16 @@ class SuiteConfig:
                 f"invalid config: seeds={','.join(map(str, self.seeds))} gives {len(self.seeds)} seed; "
                 "the spread across seeds needs at least 2 (seeds=2, or a list seeds=0,1)"
             )
-        if len(set(self.seeds)) != len(self.seeds) or any(s < 0 for s in self.seeds):
-            raise ConfigError(f"invalid config: seeds={','.join(map(str, self.seeds))}; give distinct seeds >= 0")
+        if len(set(self.seeds)) != len(self.seeds) or any(not 0 <= s < SEED_LIMIT for s in self.seeds):
+            raise ConfigError(
+                f"invalid config: seeds={','.join(map(str, self.seeds))}; give distinct seeds in [0, 2**32) "
+                "(train.seed's range)"
+            )
+        if len(self.seeds) > MAX_SEEDS:
+            raise ConfigError(
+                f"invalid config: seeds= gives {len(self.seeds)} seeds, {len(self.seeds) * len(self.schemes)} "
+                f"training runs; the suite takes at most {MAX_SEEDS} seeds per scheme: give fewer"
+            )
         for o in self.overrides:
             key = _key(o)
             for r, instead in RESERVED.items():
@@ -168,6 +182,11 @@ def _parse_seeds(value: str) -> tuple[int, ...]:
             raise ConfigError(
                 f"invalid config: seeds={value}; the spread across seeds needs at least 2 "
                 "(a count seeds=2, or a list seeds=0,1)"
+            )
+        if parts[0] > MAX_SEEDS:
+            raise ConfigError(
+                f"invalid config: seeds={value} asks for {parts[0]} training runs per scheme; the suite takes "
+                f"at most {MAX_SEEDS} seeds (a count seeds=3, or a list seeds=0,1,5)"
             )
         return tuple(range(parts[0]))
     return tuple(parts)
