@@ -342,6 +342,10 @@ def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--device {args.device}: the benchmark times the CPU path or the Triton kernels; use cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
+        p.error(f"--device {args.device}: torch sees {n} CUDA device(s) here, cuda:0 to cuda:{n - 1}; name one of them")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        p.error(f"--device {args.device}: there is one CPU device; use --device cpu")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

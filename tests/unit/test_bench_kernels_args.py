@@ -21,6 +21,7 @@ CASES = [
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--device", "gpu"], "--device 'gpu' is not a device; use cpu or cuda"),
     (["--device", "meta"], "--device meta: the benchmark times the CPU path or the Triton kernels"),
+    (["--device", "cpu:1"], "--device cpu:1: there is one CPU device; use --device cpu"),
 ]
 
 
@@ -36,6 +37,14 @@ def test_cuda_without_a_gpu_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, ca
     with pytest.raises(SystemExit) as e:
         bench_kernels.parse_args(["--device", "cuda"])
     assert e.value.code == 2 and "torch sees no CUDA device here; use --device cpu" in capsys.readouterr().err
+
+
+def test_a_gpu_index_this_host_lacks_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(bench_kernels.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_kernels.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as e:  # before: a traceback from the first allocation on cuda:1
+        bench_kernels.parse_args(["--device", "cuda:1"])
+    assert e.value.code == 2 and "torch sees 1 CUDA device(s) here, cuda:0 to cuda:0" in capsys.readouterr().err
 
 
 def test_the_cpu_defaults_pass() -> None:
