@@ -21,10 +21,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
+def check_fresh_out(p: argparse.ArgumentParser, out: str | None, rows: Iterable[str] = ()) -> None:
     """``--out`` must not hold an earlier benchmark's runs: the runner refuses a fresh run where a
     run's records are (``experiments.runner.config.check_fresh_run_dir``), so every row would fail
-    one by one; this says so once, before the first row."""
+    one by one; this says so once, before the first row. Nor may it hold, under a name of ``rows``
+    (the folders this invocation writes its jobs into, relative to ``--out``), anything but an empty
+    folder: the jobs would write their logs and records among files the benchmark did not write."""
     if out is None:
         return
     root = Path(out)
@@ -44,6 +46,13 @@ def check_fresh_out(p: argparse.ArgumentParser, out: str | None) -> None:
             f"--out {out} already holds runs ({held[0]}{more}), which this benchmark's runs would overwrite; "
             "choose a new --out (or leave it out for a temporary directory)"
         )
+    for name in rows:
+        d = root / name
+        if d.is_symlink() or (d.exists() and not (d.is_dir() and not any(d.iterdir()))):
+            p.error(
+                f"--out {out} already holds {d}, where this benchmark would write its {name} job; nothing was "
+                "run and it is untouched: choose a new --out (or leave it out for a temporary directory)"
+            )
 
 
 def check_json_output(p: argparse.ArgumentParser, path: str | None, flag: str, shape: Callable[[Any], bool]) -> None:

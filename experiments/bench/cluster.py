@@ -352,7 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--coalesce must be >= 0 elements, got {a.coalesce}")
     if not all(g > 0 for g in a.gbps):
         p.error(f"every --gbps rate must be > 0, got {a.gbps}")
-    check_fresh_out(p, a.out)
+    check_fresh_out(p, a.out, [*(["local"] if a.check else []), *(f"{g:g}gbps" for g in a.gbps)])
     check_json_output(p, a.json, "--json", json_with_keys("args", "rows"))
     return a
 

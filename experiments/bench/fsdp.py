@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quant", choices=sorted(RECIPES), default="none", help="our ZeRO++ recipe (default none)")
     a = p.parse_args(argv)
     peers.check_job_args(p, a)
-    check_fresh_out(p, a.out)
+    check_fresh_out(p, a.out, SIDES)
     return a
 
 

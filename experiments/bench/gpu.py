@@ -86,6 +86,11 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def row_dir(a: argparse.Namespace, key: str, r: int) -> str:
+    """The folder (under ``--out``) of job ``key``'s run in round ``r`` (from 0)."""
+    return key if a.rounds == 1 else f"{key}-r{r + 1}"
+
+
 def run_all(
     a: argparse.Namespace, root: Path, run_job: Callable[[list[str], Path], dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
@@ -96,7 +101,7 @@ def run_all(
     from ..runner.launcher import RunInterrupted
 
     def run(key: str, r: int) -> dict[str, Any]:
-        got = result(run_job(job_overrides(a, key), root / (key if a.rounds == 1 else f"{key}-r{r + 1}")))
+        got = result(run_job(job_overrides(a, key), root / row_dir(a, key, r)))
         # each run as it lands (stderr: stdout keeps the one table), so a run stopped by a limit shows it
         print(f"{key}: {got['step_s'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
         return got
@@ -201,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("d_model", "n_layers", "n_heads"):
         setattr(a, name, getattr(a, name) or None)  # 0: keep the preset's
     check_run_lengths(p, a, ("steps", "batch", "seq", "rounds"))
-    check_fresh_out(p, a.out)
+    check_fresh_out(p, a.out, (row_dir(a, key, r) for key in a.jobs for r in range(a.rounds)))
     check_jobs(p, {key: job_overrides(a, key) for key in a.jobs})
     return a
 

@@ -171,6 +171,11 @@ def result(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def row_dir(key: str, r: int) -> str:
+    """The folder (under ``--out``) of row ``key``'s job in round ``r`` (from 0)."""
+    return f"{key}-r{r + 1}"
+
+
 def run_rounds(a: argparse.Namespace, root: Path, run_job: RunJob) -> dict[str, dict[str, Any]]:
     """Run the chosen rows for ``a.rounds`` interleaved rounds: key -> ``{"runs": [result, ...]}``,
     ``{"skipped": why}`` (its trainer's package is missing) or ``{"error": ...}`` (a failed job: the
@@ -179,7 +184,7 @@ def run_rounds(a: argparse.Namespace, root: Path, run_job: RunJob) -> dict[str, 
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key in a.only if key not in skipped}
     errors: dict[str, dict[str, Any]] = {}
     interleaved_rounds(
-        a.only, a.rounds, lambda key, r: result(run_job(job_overrides(a, key), root / f"{key}-r{r + 1}")), runs, errors
+        a.only, a.rounds, lambda key, r: result(run_job(job_overrides(a, key), root / row_dir(key, r))), runs, errors
     )
     return {
         key: {"skipped": skipped[key]} if key in skipped else errors.get(key) or {"runs": runs[key]} for key in a.only
@@ -304,7 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--only {','.join(unknown) or '(empty or repeated)'}: choose rows from {', '.join(ROWS)}")
     if a.prefetch != 1 and not any(ROWS[k].prefetches for k in a.only):
         p.error(f"--prefetch {a.prefetch} does nothing without a zeropp stage-3 row in --only; add one, or remove it")
-    check_fresh_out(p, a.out)
+    check_fresh_out(p, a.out, (row_dir(key, r) for key in a.only for r in range(a.rounds)))
     check_jobs(p, {key: job_overrides(a, key) for key in a.only if not missing_package(key)})
     return a
 

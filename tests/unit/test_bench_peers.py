@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
+from zeropp.experiments.bench import cluster as bench_cluster
 from zeropp.experiments.bench import fsdp as bench_fsdp
+from zeropp.experiments.bench import gpu as bench_gpu
 from zeropp.experiments.bench import peers
 from zeropp.experiments.bench.args import round_order
 from zeropp.experiments.runner.launcher import RankFailure, RunInterrupted
@@ -234,6 +236,31 @@ def test_an_out_holding_runs_is_refused_once_before_any_row(tmp_path: Path, caps
     with pytest.raises(SystemExit) as e:
         peers.parse_args(["--out", str(tmp_path / "old")])
     assert e.value.code == 2 and "already holds runs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "parse, argv, row",
+    [
+        (peers.parse_args, ["--only", "ddp,stage3", "--rounds", "2"], "stage3-r2"),
+        (bench_gpu.parse_args, ["--device", "cpu", "--jobs", "stage0,stage3"], "stage3"),
+        (bench_gpu.parse_args, ["--device", "cpu", "--jobs", "stage3", "--rounds", "2"], "stage3-r1"),
+        (bench_fsdp.parse_args, [], "fsdp2"),
+        (bench_cluster.parse_args, ["--gbps", "0.5,2"], "0.5gbps"),
+    ],
+)
+def test_a_users_folder_where_a_job_would_write_is_refused(
+    parse: Any, argv: list[str], row: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder in --out under the name of one of the jobs (but holding no run) would get the job's
+    logs and records among the user's files: refused up front, untouched; an empty one is fine."""
+    (tmp_path / row).mkdir()
+    parse([*argv, "--out", str(tmp_path)])
+    (tmp_path / row / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        parse([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"already holds {tmp_path / row}, where this benchmark would write" in err
+    assert [f.name for f in tmp_path.rglob("*")] == [row, "notes.txt"]
 
 
 def test_a_prefetch_depth_without_a_stage3_row_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
