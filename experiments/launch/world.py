@@ -320,7 +320,9 @@ def _start_and_watch(
         finally:
             try:
                 if world is not None:
-                    world.stop()  # idempotent; after a success it reaps stray grandchildren
+                    for sig in _TORCH_SIGNALS:  # a second Ctrl-C must not cut the stop short (ranks left running)
+                        signal.signal(sig, signal.SIG_IGN)
+                    world.stop()  # idempotent; bounded by grace_s; after a success it reaps stray grandchildren
             finally:
                 for sig, handler in old_handlers.items():
                     signal.signal(sig, handler)

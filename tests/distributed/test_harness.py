@@ -239,6 +239,57 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _ignore_term_and_hang(rank: int, world: int, pid_dir: str) -> None:
+    """A rank slow to stop: it ignores SIGTERM, so the launcher's stop waits its grace period."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+_TWICE_SCRIPT = textwrap.dedent("""
+    import sys
+    from tests.distributed.test_harness import _ignore_term_and_hang
+    from zeropp.experiments.launch import RankFailure, launch_world
+    try:
+        launch_world(_ignore_term_and_hang, 2, args=(sys.argv[1],), timeout_s=120, grace_s=3)
+    except RankFailure as e:
+        print(type(e).__name__, e, file=sys.stderr)
+        sys.exit(e.exit_code)
+""")
+
+
+def test_a_second_ctrl_c_while_the_ranks_stop_does_not_cut_the_stop_short(tmp_path: Path):
+    """Ctrl-C pressed twice: the second arrives while the launcher waits for the ranks to stop. It
+    is ignored there, so the stop runs to its end (every rank gone) and the launcher reports the
+    interrupt in one line (before: torch's SignalException traceback from inside the stop, and the
+    ranks not yet killed were left to PDEATHSIG)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen(
+            [sys.executable, "-c", _TWICE_SCRIPT, str(pid_dir)],
+            stderr=err_file,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+    try:
+        pids = _pids(pid_dir, 2)
+        p.send_signal(signal.SIGINT)
+        time.sleep(1.0)  # inside the 3 s grace period the stop waits for the SIGTERM-ignoring ranks
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=30)
+        err = (tmp_path / "stderr").read_text()
+        assert p.returncode == 128 + signal.SIGINT and "RunInterrupted interrupted by SIGINT" in err, err
+        assert "Traceback" not in err and "SignalException" not in err, err
+        assert _wait_gone(pids) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for pid in (int(f.read_text()) for f in pid_dir.glob("rank*")):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signals):
     """SIGTERM: the launcher stops the ranks and their groups and says so. SIGKILL: no handler
