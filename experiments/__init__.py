@@ -17,3 +17,7 @@ commands (each runs its room's module). Which room may import which is written d
 checked, in ``tests/unit/test_imports.py``. Installed as ``zeropp.experiments``; from the
 repository root also ``experiments``.
 """
+
+from zeropp.interrupts import quiet_interrupts_while_importing
+
+quiet_interrupts_while_importing()  # Ctrl-C while a `python -m experiments.X` command imports: one line, 130

@@ -6,6 +6,10 @@ byte-level GPT), ``zeropp.runtime`` (``ZeroEngine``: ZeRO stages 0-3 with the Ze
 Subpackages are imported on demand so ``import zeropp`` stays cheap.
 """
 
+from .interrupts import quiet_interrupts_while_importing
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__"]
+
+quiet_interrupts_while_importing()  # Ctrl-C while `python -m zeropp.X` / `experiments.X` imports: one line, 130

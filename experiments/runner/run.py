@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -408,7 +409,11 @@ def cli() -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt:  # before any rank started (composing the config): ranks report RunInterrupted
+        print("error: interrupted by SIGINT; stopped", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     if _failed:
         print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)
         for job in _failed:

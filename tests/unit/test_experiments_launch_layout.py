@@ -197,3 +197,24 @@ def test_a_sweep_under_torchrun_is_refused_before_hydra(
     err = capfd.readouterr().err
     assert err.startswith("error: multirun/sweeps under torchrun are not supported"), err
     assert "run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally" in err
+
+
+def test_ctrl_c_while_hydra_composes_is_one_line_and_130(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C after the imports but before any rank starts (Hydra composing the config): one
+    ``error:`` line and 130, as once the ranks run (before: Hydra's traceback)."""
+    import sys
+
+    import zeropp.experiments.runner.run as run
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv(LAUNCHED_MARK, raising=False)
+    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", "model=tiny"])
+    monkeypatch.setattr(run, "_hydra_main", interrupted)
+    with pytest.raises(SystemExit) as e:
+        run.cli()
+    assert e.value.code == 130
+    assert capfd.readouterr().err == "error: interrupted by SIGINT; stopped\n"
