@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance in one command, on one CUDA machine, in under 10 minutes, most needed first:
-#   python -m zeropp.doctor (its JSON report: $OUT/doctor.json), the cuda modules not yet proven on a GPU,
-#   the runtime tests (alone), python -m experiments.bench_gpu (two interleaved rounds), the kernel and
+#   python -m zeropp.doctor (its JSON report: $OUT/doctor.json), the streams and runtime tests (alone),
+#   the cuda modules not yet fully proven on a GPU, python -m experiments.bench_gpu (two interleaved rounds), the kernel and
 #   runner modules (in parallel when pytest-xdist is installed), python -m experiments.bench_kernels and
 #   the host cost of one kernel launch (scripts/gpu_probe_host.py).
 # Writes one markdown report: device, driver, torch / CUDA / NCCL / Triton versions, date, the
@@ -80,9 +80,12 @@ has() { "$PY" -c "import $1" 2>/dev/null; }
 
 : >"$OUT/parts.txt"
 # The parts run in the order of what most needs a GPU's verdict, so a check cut by the device's time
-# still answers that: the doctor (versions, kernels bit-exact, worlds; seconds), the cuda modules that
-# have not passed on a GPU since their code last changed (FIRST_MODULES, ALONE_FIRST), the runtime,
-# NCCL-world and doctor tests (alone), the training benchmark, the modules that have passed on GPUs
+# still answers that: the doctor (versions, kernels bit-exact, worlds; seconds), the streams modules
+# (ALONE_FIRST), the runtime, NCCL-world and doctor tests (alone: each starts worlds of its own, and
+# their host-read and stall timings want the GPU to themselves; none of their runtime modules has
+# finished on a GPU since the engine's local copies and control exchanges went in, and together they
+# are estimated at about two minutes, more than the 120 s cap they had), the float formats' modules (FIRST_MODULES: most of their cases passed on an
+# H100), the training benchmark, the modules that have passed on GPUs
 # before (the kernels and the runner's jobs, in parallel), then the kernel benchmark. Independent one-process modules (kernels, and the
 # runner's jobs, each a world of its own) run on xdist workers, each with its share of the cores'
 # threads (tests/conftest.py). On a 16-core H100 host (2026-11-26) the first modules and the parallel
@@ -102,11 +105,11 @@ has xdist && xdist=(-n "${XDIST:-$workers}")
 ignores=()
 for m in "${FIRST_MODULES[@]}" "${ALONE_FIRST[@]}" "${PARALLEL_MODULES[@]}"; do ignores+=(--ignore="$m"); done
 run_part doctor 60 "$PY" -m zeropp.doctor --json "$OUT/doctor.json"
-# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-run_part cuda_first 170 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${xdist[@]}" "${FIRST_MODULES[@]}" ${PYTEST_ARGS:-}
 run_part cuda_streams 90 "$PY" -m pytest "${pytest_opts[@]}" "${ALONE_FIRST[@]}"
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+run_part cuda_tests 200 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ignores[@]}" ${PYTEST_ARGS:-}
 # shellcheck disable=SC2086
-run_part cuda_tests 120 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${ignores[@]}" ${PYTEST_ARGS:-}
+run_part cuda_first 150 "$PY" -m pytest "${pytest_opts[@]}" --durations=10 "${xdist[@]}" "${FIRST_MODULES[@]}" ${PYTEST_ARGS:-}
 # two interleaved rounds: one run per row could not rank two rows a few percent apart (docs/benchmarks.md)
 run_part bench_gpu 150 "$PY" -m experiments.bench_gpu --jobs stage0,stage3,fsdp2 --steps 10 --warmup 3 --rounds 2
 # shellcheck disable=SC2086

@@ -13,6 +13,7 @@ on gloo. The world is started with torch's own ``torch.multiprocessing.spawn`` a
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import pytest
 import torch
@@ -179,9 +180,11 @@ def _stochastic_and_all_reduce(rank: int, topo: Topology, dev: torch.device, sta
 
 
 def _worker(rank: int, world: int, store_path: str, backend: str) -> None:
+    kw: dict[str, Any] = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
+        kw["device_id"] = dev  # bound to the group: barrier() knows its GPU (no guess, no warning)
     else:  # gloo on CPU: lets the test's own logic be exercised without GPUs
         dev = torch.device("cpu")
     dist.init_process_group(
@@ -190,6 +193,7 @@ def _worker(rank: int, world: int, store_path: str, backend: str) -> None:
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
+        **kw,
     )
     try:
         shapes = [(1, world), (world, 1)] + ([(2, world // 2)] if world % 2 == 0 and world >= 4 else [])

@@ -50,8 +50,9 @@ def _world(rank, world, store_path, root):
     nccl_world(rank, world, store_path)
     out = {}
     for name, kw in CONFIGS.items():
-        nvme = os.path.join(root, f"swap{rank}")
         if kw.get("offload_optimizer") == "nvme":
+            nvme = os.path.join(root, f"swap{rank}")
+            os.makedirs(nvme, exist_ok=True)  # ZeroConfig refuses an nvme_path that is not an existing directory
             kw = dict(kw, nvme_path=nvme, swap_buffer_size=1 << 16)
         eng = ZeroEngine(
             make_model(MODEL).cuda(),

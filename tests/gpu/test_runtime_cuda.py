@@ -33,8 +33,7 @@ def _nccl_world(rank, world, store_path, configs, steps, ckpt_dir):
     extra = eng.load_checkpoint(ckpt_dir)
     after = eng.eval_loss(*batches[0])
     eng.close()
-    if rank == 0:
-        out.append({"ckpt": (extra, before, after)})
+    out.append({"ckpt": (extra, before, after)})  # every rank: _run takes it off each rank's list
     return out
 
 
@@ -43,10 +42,9 @@ def _run(world):
         res = run_world(
             _nccl_world, world, os.path.join(d, "store"), STAGES, STEPS, os.path.join(d, "ckpt"), timeout=300
         )
-    ckpt = res[0].pop()["ckpt"]
-    assert ckpt[0] == {"step": 1} and ckpt[1] == ckpt[2], ckpt  # load restores the saved weights exactly
-    for r in res[1:]:
-        r.pop()
+    for rank, r in enumerate(res):
+        ckpt = r.pop()["ckpt"]
+        assert ckpt[0] == {"step": 1} and ckpt[1] == ckpt[2], (rank, ckpt)  # load restores the saved weights exactly
     return res
 
 
