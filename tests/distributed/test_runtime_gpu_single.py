@@ -10,7 +10,8 @@ host-to-device copies have no CPU counterpart); the caching allocator's figures 
 counting fake; a ``torch.device("cuda", i)`` the test makes itself is the CPU.
 
 Left to the GPU: the stream timing test (its bounds are on real stall times), the nvme fetch past
-a sleeping compute stream (pinned memory and copy streams), the runner and doctor end to end.
+a sleeping compute stream (pinned memory and copy streams), the Triton, bandwidth and NCCL rows of
+the doctor and its whole command, the runner's jobs on CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -195,3 +196,21 @@ def test_the_pinned_offload_test_holds_on_the_host_path(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
     monkeypatch.setattr(m, "torch", _CpuTorch("torch"))
     m.test_offload_to_pinned_host_on_cuda_is_exact()
+
+
+# ------------------------------------------------------------------ test_doctor_cuda
+def test_the_doctor_rows_test_reads_what_a_one_gpu_torch_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda and gpus rows against a torch that reports one H100 (a GPU never has peer access
+    to itself, so the diagonal the test demands is the doctor's own)."""
+    import tests.gpu.test_doctor_cuda as m
+
+    props = SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, major=9, minor=0, multi_processor_count=132
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: props.name)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    m.test_the_cuda_and_gpu_rows_report_what_torch_reports()
