@@ -442,7 +442,9 @@ def all_reduce(
     """Plain backend all-reduce (ZeRO stages 0-2), accounted as reduce-scatter + all-gather:
     ``2 * nbytes / W`` to each other member (see ``stats.py``). ``name``: its profiler range
     (``ranges.py``; None: ``zeropp/<kind>``). Every rank passes the same element count, dtype and
-    op (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``)."""
+    op (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``). A non-contiguous ``tensor``
+    (a strided view into a bigger buffer) is reduced as a contiguous copy that is written back
+    when the call finishes: only the view's elements change."""
     sess = resolve_session(session)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
@@ -456,9 +458,19 @@ def all_reduce(
     stats.count_call(kind)
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("all_reduce", tensor.numel() * tensor.element_size(), W))
+    if tensor.is_contiguous():
+        with ranges.span(_range(name, kind)):
+            work = backend_all_reduce(tensor, op, group, async_op)
+        return finish_or_handle([work], None, async_op, session=sess, kind=kind)
+    # gloo reduces a tensor's storage from its offset, not its view: a strided view (a slice of a
+    # bigger buffer) would have elements outside it overwritten and elements of it left unreduced.
+    # So a non-contiguous tensor is reduced as a contiguous copy, written back when it finished.
+    dense = tensor.contiguous()
     with ranges.span(_range(name, kind)):
-        work = backend_all_reduce(tensor, op, group, async_op)
-    return finish_or_handle([work], None, async_op, session=sess, kind=kind)
+        work = backend_all_reduce(dense, op, group, async_op)
+    return finish_or_handle(
+        [work], lambda: tensor.copy_(dense), async_op, Buffers(dense, protect=(tensor,)), session=sess, kind=kind
+    )
 
 
 def quantized_all_reduce(
