@@ -19,6 +19,11 @@ and wait hooks the call uses; without it the call uses the default session (the 
 convenience for plain calls). ``topology=`` / ``stats=``, when given, take precedence over the
 session's for that call.
 
+Autograd rule: like ``torch.distributed``'s, these collectives are not differentiable and record
+nothing for autograd; they read and write the tensors through ``detach()``-ed aliases, so a
+tensor that requires grad (a parameter, a leaf) is reduced or gathered in place as any other,
+also by a continuation or a ``wait()`` that runs with grad mode on.
+
 Contract rule (``callcheck.py``): every rank of the group makes the same call: the same element
 count, the same spec (scheme, bits, group size, intra bits, ...), the same op and, unquantized,
 the same dtype, in the same order. The backend does not always notice a breach (quantized rows
@@ -116,6 +121,7 @@ def quantized_all_gather(
     bytes (INT8).
     """
     name = _range(name, kind)
+    output_tensor, input_tensor = output_tensor.detach(), input_tensor.detach()  # autograd rule (module docstring)
     with ranges.span(name):
         return _all_gather(
             output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name, session, wire_out
@@ -279,6 +285,7 @@ def quantized_reduce_scatter(
     names its hops ``<name>/intra`` and ``<name>/cross`` instead, each with its parts.
     """
     name = _range(name, kind)
+    output_tensor, input_tensor = output_tensor.detach(), input_tensor.detach()  # autograd rule (module docstring)
     sess = resolve_session(session)
     ranks = group_ranks(group)
     check_member(ranks, "reduce-scatter")
@@ -445,6 +452,7 @@ def all_reduce(
     op (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``). A non-contiguous ``tensor``
     (a strided view into a bigger buffer) is reduced as a contiguous copy that is written back
     when the call finishes: only the view's elements change."""
+    tensor = tensor.detach()  # autograd rule (module docstring)
     sess = resolve_session(session)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
@@ -493,6 +501,8 @@ def quantized_all_reduce(
     plain). Synchronous; returns ``tensor``. Both halves are recorded under ``kind``; each
     stochastic half takes its own call index of the seed rule. Every rank passes the same element
     count, op and specs (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``)."""
+    given = tensor
+    tensor = tensor.detach()  # autograd rule (module docstring)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
     check = resolve_session(session).check_collectives  # debug mode: this call's, then each half's (callcheck.py)
@@ -532,7 +542,7 @@ def quantized_all_reduce(
     if not direct:
         tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     Buffers(chunk, flat, protect=(tensor,)).release()  # both calls were synchronous: done with them here
-    return tensor
+    return given
 
 
 def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str) -> None:
