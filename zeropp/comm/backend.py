@@ -331,6 +331,18 @@ def check_float(t: torch.Tensor, what: str) -> None:
         )
 
 
+def check_plain_dtypes(out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+    """A plain collective sends the input's dtype and converts into the output's after receiving:
+    between floating dtypes only (a rounding, as a quantized output's precision), since a cast
+    to or from an integer or bool output would silently truncate or wrap the values (1.7 -> 1,
+    -2.6 -> 254 in uint8), where ``torch.distributed`` refuses the pair."""
+    if out.dtype != inp.dtype and not (out.dtype.is_floating_point and inp.dtype.is_floating_point):
+        raise ValueError(
+            f"{what} output has dtype {out.dtype} but its input {inp.dtype}; a plain collective converts between "
+            f"floating dtypes only: allocate the output as {inp.dtype}"
+        )
+
+
 def check_contiguous(t: torch.Tensor, what: str) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous (got strides {tuple(t.stride())}); pass t.contiguous()")

@@ -55,6 +55,7 @@ from .backend import (
     check_float,
     check_gather_spec,
     check_member,
+    check_plain_dtypes,
     check_reduce_spec,
     finish_or_handle,
     parse_op,
@@ -164,6 +165,7 @@ def _all_gather(
         elif wire_out is not None:
             raise ValueError("all-gather wire_out holds quantized wire rows; it needs a spec (got spec=None)")
         else:
+            check_plain_dtypes(output_tensor, input_tensor, "all-gather")
             fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
         if spec is not None and n:
             codec = codec_for(spec)
@@ -306,6 +308,7 @@ def quantized_reduce_scatter(
         op_name, factor = parse_op(op)
         fp["op"] = callcheck.op_name(op_name, factor)
         if spec is None:
+            check_plain_dtypes(output_tensor, input_tensor, "reduce-scatter")
             fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
         else:
             fp["topology"] = callcheck.topology_name(topo)  # picks one hop or qgZ's two
