@@ -102,3 +102,30 @@ def _parameters(rank: int, world: int) -> dict[str, bool]:
 def test_tensors_that_require_grad_are_reduced_and_gathered_in_place() -> None:
     for res in run_world(_parameters, 4):
         assert all(res.values()), {k: v for k, v in res.items() if not v}
+
+
+def _overlapping_rows(rank: int, world: int) -> dict[str, object]:
+    n = 8
+    x = torch.full((n,), float(rank + 1))
+    out: dict[str, object] = {}
+    for name, make in {
+        "expanded": lambda: torch.zeros(n).expand(world, n),
+        "overlapping": lambda: torch.zeros(world * n).as_strided((world, n), (n // 2, 1)),
+    }.items():
+        try:
+            quantized_all_gather(make(), x, spec=QuantSpec(bits=8))
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    rows = torch.zeros(world, 2 * n)[:, :n]  # a [W, n] column block of a wider buffer: gathered in place
+    quantized_all_gather(rows, x, spec=QuantSpec(bits=8))
+    out["column block"] = rows.tolist()
+    return out
+
+
+def test_an_all_gather_output_with_overlapping_rows_is_refused_before_sending() -> None:
+    for r in run_world(_overlapping_rows, 2):
+        for name in ("expanded", "overlapping"):
+            msg = r[name]
+            assert isinstance(msg, str) and msg.startswith("all-gather output must be contiguous or, quantized,"), msg
+        assert r["column block"] == [[1.0] * 8, [2.0] * 8], r

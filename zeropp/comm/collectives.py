@@ -156,7 +156,7 @@ def _all_gather(
                 f"all-gather output has {output_tensor.numel()} elements but the group of {W} ranks "
                 f"gathers {W} x {n} = {W * n}; allocate output with {W * n} elements"
             )
-        _check_rows(output_tensor, W, n, spec, "all-gather output")
+        _check_rows(output_tensor, W, n, spec, "all-gather output", written=True)
         if output_tensor.device != input_tensor.device:
             raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
         if spec is not None:
@@ -548,12 +548,16 @@ def quantized_all_reduce(
     return given
 
 
-def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str) -> None:
+def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str, written: bool = False) -> None:
     """A collective's ``[W * n]`` side must be contiguous; a quantized one may also be a ``[W, n]``
-    view whose rows are each contiguous and a fixed stride apart (the kernels index it in place)."""
+    view whose rows are each contiguous and a fixed stride apart (the kernels index it in place).
+    A ``written`` side's rows must not overlap (a row stride of at least ``n``; an ``expand``-ed
+    or ``as_strided`` view would have each member's row overwrite the others'): refused here,
+    before any message, rather than by the kernel after the gather."""
     if t.is_contiguous():
         return
-    if spec is not None and t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1):
+    rows_ok = t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1)
+    if spec is not None and rows_ok and (not written or W <= 1 or t.stride(0) >= n):
         return
     hint = f" or, quantized, a [{W}, {n}] view with contiguous rows" if spec is not None else ""
     raise ValueError(
