@@ -2,7 +2,11 @@
 output's dtype between floating dtypes only. An integer or bool output for a float input (or
 the reverse) would truncate or wrap every value silently (1.7 -> 1, -2.6 -> 254 in uint8), where
 ``torch.distributed`` refuses the pair: it is refused on every rank, before any message, and the
-world stays in step."""
+world stays in step.
+
+A plain half-precision average is summed in fp32 and divided before its one rounding, so a mean
+that the dtype holds comes back (gloo's own AVG sums in the half dtype first: two ranks of 40000
+in fp16 gave inf, where DDP's all-reduce, which divides first, gives 40000)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.worlds import run_world
-from zeropp.comm import ReduceOp, Topology, quantized_all_gather, quantized_reduce_scatter
+from zeropp.comm import ReduceOp, Topology, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 
 
 def _world(rank: int, world: int) -> dict[str, object]:
@@ -54,3 +58,24 @@ def test_a_plain_collective_refuses_to_cast_floats_to_integers_or_bools() -> Non
                 assert "allocate the output as torch.float32" in msg, msg
         assert r["ints"] == [0, 1, 2, 1, 2, 3] and r["half"] is True and r["after"] == 2.0, r
     assert res[0] == res[1]
+
+
+def _half_means(rank: int, world: int) -> dict[str, list[float]]:
+    topo = Topology.single_node(world)
+    out: dict[str, list[float]] = {}
+    for dt, big in ((torch.float16, 40000.0),):
+        x = torch.full((world * 4,), big, dtype=dt)
+        mine = torch.empty(4, dtype=dt)
+        quantized_reduce_scatter(mine, x, ReduceOp.AVG, topology=topo)
+        out[f"reduce-scatter {dt}"] = mine.float().tolist()
+        y = torch.full((5,), big, dtype=dt)  # 5: padded to whole chunks
+        quantized_all_reduce(y, ReduceOp.AVG, topology=topo)
+        out[f"all-reduce {dt}"] = y.float().tolist()
+    return out
+
+
+def test_a_plain_half_precision_average_does_not_overflow_where_the_mean_fits() -> None:
+    for r in run_world(_half_means, 2):
+        for dt, big in (("torch.float16", 40000.0),):
+            assert r[f"reduce-scatter {dt}"] == [big] * 4, r
+            assert r[f"all-reduce {dt}"] == [big] * 5, r

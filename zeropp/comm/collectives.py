@@ -373,7 +373,10 @@ def _plain_reduce_scatter(
     """Backend reduce-scatter; converts dtypes through a temporary and emulates PREMUL_SUM on gloo.
 
     A sum on gloo is an all-to-all plus a local sum (:func:`_gloo_reduce_scatter_sum`): gloo's own
-    reduce-scatter clones the input and all-reduces the clone, sending twice the bytes."""
+    reduce-scatter clones the input and all-reduces the clone, sending twice the bytes. So is a
+    half-precision average, whose sum is accumulated in fp32 and divided before its one rounding:
+    gloo's AVG sums in the half dtype and divides after, so a mean that fp16 holds (4 ranks of
+    40000) came back inf, where DDP's own all-reduce (which divides first) gives it."""
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("reduce_scatter", inp.numel() * inp.element_size(), W))
     src = inp.view(-1)
@@ -388,8 +391,9 @@ def _plain_reduce_scatter(
         out.view(-1).copy_(dst)
 
     finish: Optional[Callable[[], object]] = None if direct else to_out
-    if gloo and op_name == "sum" and W > 1:
-        work, summed = _gloo_reduce_scatter_sum(dst, src, W, group, async_op, bufs)
+    half_avg = op_name == "avg" and src.dtype in (torch.float16, torch.bfloat16)
+    if gloo and (op_name == "sum" or half_avg) and W > 1:
+        work, summed = _gloo_reduce_scatter_sum(dst, src, W, group, async_op, bufs, mean=half_avg)
 
         def sum_then_out() -> None:
             summed()
@@ -403,7 +407,13 @@ def _plain_reduce_scatter(
 
 
 def _gloo_reduce_scatter_sum(
-    dst: torch.Tensor, src: torch.Tensor, W: int, group: Optional[dist.ProcessGroup], async_op: bool, bufs: Buffers
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    W: int,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool,
+    bufs: Buffers,
+    mean: bool = False,
 ) -> tuple[Optional[dist.Work], Callable[[], object]]:
     """A SUM reduce-scatter on gloo as an all-to-all (chunk ``j`` of ``src`` to group rank ``j``)
     whose ``W`` received chunks are summed locally, in group-rank order, into ``dst``; returns the
@@ -415,10 +425,14 @@ def _gloo_reduce_scatter_sum(
     sends ``(W - 1) / W`` of it once, and the receive buffer takes the clone's place (the same
     memory, for the same time). The sum's order differs from gloo's ring, so the result may differ
     from the backend's in the last bits (each is a correctly rounded sum of ``W`` terms in some
-    order); a half-precision sum is accumulated in fp32 and rounded once."""
+    order); a half-precision sum is accumulated in fp32 and rounded once. ``mean`` (half precision
+    only): the fp32 sum divided by ``W`` before that rounding, so the mean never overflows where
+    the sum would."""
     recv = torch.empty_like(src)  # [W * n]: row j is group rank j's chunk for this rank
     bufs.add(recv)
     work = backend_all_to_all(recv, src, group, async_op)
+    if mean:
+        return work, lambda: dst.copy_(torch.sum(recv.view(W, -1), 0, dtype=torch.float32).div_(W))
     return work, lambda: rank_order_sum(recv.view(W, -1), dst)
 
 
