@@ -144,8 +144,11 @@ def _check_reduce_scatter(rank: int, topo: Topology, stats: CommStats) -> int:
         if bits is None:
             ref = torch.empty_like(out)
             src = xs[rank] * 0.5 if op_name == "premul" else xs[rank]
-            if op_name == "avg":  # the backend's own reduce-scatter
+            if op_name == "avg" and dtype == torch.float32:  # the backend's own reduce-scatter
                 dist.reduce_scatter_single(ref, src, op=ops[op_name])
+            elif op_name == "avg":  # half precision: summed in fp32, divided, rounded once
+                mine = [x.view(W, n)[rank] for x in xs]
+                ref.copy_(torch.stack(mine).float().sum(0).div_(W))
             else:  # gloo sums: an all-to-all, then this rank's chunks summed in rank order
                 srcs = [x * 0.5 if op_name == "premul" else x for x in xs]
                 mine = [x.view(W, n)[rank] for x in srcs]

@@ -274,3 +274,54 @@ def test_write_atomic_keeps_the_replaced_files_permissions(tmp_path):
         os.umask(umask)
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.md", "report.md"]
+
+
+def _torch_trainer_checkpoint(root: Path) -> Path:
+    """A checkpoint directory (``LATEST`` and one version) of a torch trainer's model ``{"w": [4]}``."""
+    d = _version(root, state={"model.w": torch.arange(4.0)})
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps(meta | {"kind": "torch"}))
+    (root / "LATEST").write_text(A + "\n")
+    return root
+
+
+def test_export_consolidated_refuses_an_out_file_it_cannot_write_before_reading(tmp_path, monkeypatch):
+    from zeropp.runtime import consolidate, export_consolidated
+
+    ckpt = _torch_trainer_checkpoint(tmp_path / "ckpt")
+    read = []
+    monkeypatch.setattr(consolidate, "read_consolidated", lambda p: read.append(p) or ({}, {}))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for bad, words in [
+        ("", "empty path"),
+        (tmp_path / "out", "is a directory; name a file in it, e.g. "),
+        (tmp_path / "missing" / "m.pt", "missing does not exist; create it"),
+        (tmp_path / "afile" / "m.pt", "afile is not a directory"),
+        ("/proc/m.pt", "cannot write in /proc"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            export_consolidated(ckpt, bad)
+    assert read == [], "the checkpoint was read before the out file was checked"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ckpt", "out"]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_export_consolidated_writes_whole_files_and_leaves_no_temporary(tmp_path, monkeypatch):
+    from zeropp.runtime import consolidate, export_consolidated
+
+    ckpt = _torch_trainer_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "model.pt"
+    out.write_text("an older export")
+    assert export_consolidated(ckpt, out) == str(out)  # replaced whole
+    assert torch.equal(torch.load(out)["w"], torch.arange(4.0))
+
+    def failing_save(obj, f):
+        Path(f).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(consolidate.torch, "save", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        export_consolidated(ckpt, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"]  # no .model.pt.tmp<pid> left
+    assert torch.equal(torch.load(out)["w"], torch.arange(4.0))  # the previous file untouched

@@ -7,6 +7,8 @@ is sent: no rank is left waiting in a collective that its peers never entered.
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
 
 import torch
@@ -20,6 +22,7 @@ from .lifetime import Buffers
 from .spec import QuantSpec
 
 if TYPE_CHECKING:
+    from .chain import Deferred
     from .session import CommSession
 
 ReduceOpLike = Union[dist.ReduceOp, "dist.ReduceOp.RedOpType"]
@@ -43,11 +46,17 @@ class CommHandle(dist.Work):
 
     ``session`` / ``kind``: the wait runs inside the session's wait hooks
     (``session.CommSession.waiting(kind)``), which is how waits are timed from outside.
+
+    ``wait(timeout)`` bounds the wait as ``dist.Work.wait`` does (a ``timedelta``; zero or None:
+    no bound, the process group's timeout applies): past it, the RuntimeError of the backend's
+    wait (``Operation timed out!``) or of the continuation's is raised and the handle stays
+    unfinished, holding its buffers (the backend may still use them), so a later ``wait()`` can
+    finish it.
     """
 
     def __init__(
         self,
-        works: Sequence[Optional[dist.Work]],
+        works: Sequence[Optional[Union[dist.Work, Deferred]]],
         finish: Optional[Callable[[], None]] = None,
         buffers: Optional[Buffers] = None,
         *,
@@ -61,20 +70,24 @@ class CommHandle(dist.Work):
         self._done = False
         self._session, self._kind = session, kind
 
-    def wait(self, timeout: object = None) -> bool:
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if not self._done:
+            deadline = _deadline(timeout)
             if self._session is None:
-                self._wait()
+                self._wait(deadline)
             else:
                 with self._session.waiting(self._kind):
-                    self._wait()
+                    self._wait(deadline)
         return True
 
-    def _wait(self) -> None:
+    def _wait(self, deadline: Optional[float]) -> None:
         if not self._done:
             try:
                 for w in self._works:
-                    w.wait()
+                    if deadline is None:
+                        w.wait()
+                    else:  # at least a millisecond: a zero timedelta means "no bound" to the backend
+                        w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
                 self._works = []  # the backend's work objects (and the tensors they hold) can go now
                 lifetime.completed()
                 if self._finish is not None:
@@ -91,8 +104,19 @@ class CommHandle(dist.Work):
         return self._done
 
 
+def _deadline(timeout: object) -> Optional[float]:
+    """``time.monotonic()`` by which a wait given ``timeout`` must end; None: unbounded (None or a
+    zero ``timedelta``, as ``dist.Work.wait`` reads it)."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"wait(timeout=...) takes a datetime.timedelta (as dist.Work.wait), got {timeout!r}")
+    seconds = timeout.total_seconds()
+    return None if seconds == 0 else time.monotonic() + seconds
+
+
 def finish_or_handle(
-    works: Sequence[Optional[dist.Work]],
+    works: Sequence[Optional[Union[dist.Work, Deferred]]],
     finish: Optional[Callable[[], object]],
     async_op: bool,
     buffers: Optional[Buffers] = None,
@@ -304,6 +328,18 @@ def check_float(t: torch.Tensor, what: str) -> None:
         raise ValueError(
             f"{what} has dtype {t.dtype}; quantized collectives take float32, bfloat16 or float16 "
             f"(pass spec=None for a plain collective of other dtypes)"
+        )
+
+
+def check_plain_dtypes(out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+    """A plain collective sends the input's dtype and converts into the output's after receiving:
+    between floating dtypes only (a rounding, as a quantized output's precision), since a cast
+    to or from an integer or bool output would silently truncate or wrap the values (1.7 -> 1,
+    -2.6 -> 254 in uint8), where ``torch.distributed`` refuses the pair."""
+    if out.dtype != inp.dtype and not (out.dtype.is_floating_point and inp.dtype.is_floating_point):
+        raise ValueError(
+            f"{what} output has dtype {out.dtype} but its input {inp.dtype}; a plain collective converts between "
+            f"floating dtypes only: allocate the output as {inp.dtype}"
         )
 
 

@@ -40,6 +40,7 @@ caller to move on (``context.py``) and, on CUDA, the side stream first spinning 
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -107,17 +108,24 @@ class Deferred:
         """True once the continuation has been run (CPU) or enqueued (CUDA)."""
         return self._done.is_set()
 
-    def wait(self) -> None:
-        """CPU: block until the continuation ran, re-raise its error. CUDA: make the current
-        stream (any stream) wait for its end (no host wait), then drop the references it kept
-        alive; its own buffers were released on the side stream, so no stream reuses them early."""
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> None:
+        """CPU: block until the continuation ran, re-raise its error; with ``timeout`` (a nonzero
+        ``timedelta``) a RuntimeError past it, the continuation left running. CUDA: make the current
+        stream (any stream) wait for its end (no host wait, so no timeout), then drop the references
+        it kept alive; its own buffers were released on the side stream, so no stream reuses them
+        early."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
             self._event = None
             self._keep = None
         else:
             context.current().moved_on()  # debug mode: a late continuation may start now
-            self._done.wait()
+            seconds = None if timeout is None or not timeout.total_seconds() else timeout.total_seconds()
+            if not self._done.wait(seconds):
+                raise RuntimeError(
+                    f"zeropp.comm: the continuation of a collective did not finish within {seconds:.3g} s "
+                    "(its messages are still awaited from a peer); wait() again to keep waiting"
+                )
             lifetime.completed()
         if self._error is not None:
             err, self._error = self._error, None

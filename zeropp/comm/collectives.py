@@ -19,6 +19,11 @@ and wait hooks the call uses; without it the call uses the default session (the 
 convenience for plain calls). ``topology=`` / ``stats=``, when given, take precedence over the
 session's for that call.
 
+Autograd rule: like ``torch.distributed``'s, these collectives are not differentiable and record
+nothing for autograd; they read and write the tensors through ``detach()``-ed aliases, so a
+tensor that requires grad (a parameter, a leaf) is reduced or gathered in place as any other,
+also by a continuation or a ``wait()`` that runs with grad mode on.
+
 Contract rule (``callcheck.py``): every rank of the group makes the same call: the same element
 count, the same spec (scheme, bits, group size, intra bits, ...), the same op and, unquantized,
 the same dtype, in the same order. The backend does not always notice a breach (quantized rows
@@ -50,6 +55,7 @@ from .backend import (
     check_float,
     check_gather_spec,
     check_member,
+    check_plain_dtypes,
     check_reduce_spec,
     finish_or_handle,
     parse_op,
@@ -116,6 +122,7 @@ def quantized_all_gather(
     bytes (INT8).
     """
     name = _range(name, kind)
+    output_tensor, input_tensor = output_tensor.detach(), input_tensor.detach()  # autograd rule (module docstring)
     with ranges.span(name):
         return _all_gather(
             output_tensor, input_tensor, group, spec, topology, stats, kind, async_op, name, session, wire_out
@@ -149,7 +156,7 @@ def _all_gather(
                 f"all-gather output has {output_tensor.numel()} elements but the group of {W} ranks "
                 f"gathers {W} x {n} = {W * n}; allocate output with {W * n} elements"
             )
-        _check_rows(output_tensor, W, n, spec, "all-gather output")
+        _check_rows(output_tensor, W, n, spec, "all-gather output", written=True)
         if output_tensor.device != input_tensor.device:
             raise ValueError(f"output on {output_tensor.device} but input on {input_tensor.device}; use one device")
         if spec is not None:
@@ -158,6 +165,7 @@ def _all_gather(
         elif wire_out is not None:
             raise ValueError("all-gather wire_out holds quantized wire rows; it needs a spec (got spec=None)")
         else:
+            check_plain_dtypes(output_tensor, input_tensor, "all-gather")
             fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
         if spec is not None and n:
             codec = codec_for(spec)
@@ -279,6 +287,7 @@ def quantized_reduce_scatter(
     names its hops ``<name>/intra`` and ``<name>/cross`` instead, each with its parts.
     """
     name = _range(name, kind)
+    output_tensor, input_tensor = output_tensor.detach(), input_tensor.detach()  # autograd rule (module docstring)
     sess = resolve_session(session)
     ranks = group_ranks(group)
     check_member(ranks, "reduce-scatter")
@@ -299,6 +308,7 @@ def quantized_reduce_scatter(
         op_name, factor = parse_op(op)
         fp["op"] = callcheck.op_name(op_name, factor)
         if spec is None:
+            check_plain_dtypes(output_tensor, input_tensor, "reduce-scatter")
             fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
         else:
             fp["topology"] = callcheck.topology_name(topo)  # picks one hop or qgZ's two
@@ -363,7 +373,10 @@ def _plain_reduce_scatter(
     """Backend reduce-scatter; converts dtypes through a temporary and emulates PREMUL_SUM on gloo.
 
     A sum on gloo is an all-to-all plus a local sum (:func:`_gloo_reduce_scatter_sum`): gloo's own
-    reduce-scatter clones the input and all-reduces the clone, sending twice the bytes."""
+    reduce-scatter clones the input and all-reduces the clone, sending twice the bytes. So is a
+    half-precision average, whose sum is accumulated in fp32 and divided before its one rounding:
+    gloo's AVG sums in the half dtype and divides after, so a mean that fp16 holds (4 ranks of
+    40000) came back inf, where DDP's own all-reduce (which divides first) gives it."""
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("reduce_scatter", inp.numel() * inp.element_size(), W))
     src = inp.view(-1)
@@ -378,8 +391,9 @@ def _plain_reduce_scatter(
         out.view(-1).copy_(dst)
 
     finish: Optional[Callable[[], object]] = None if direct else to_out
-    if gloo and op_name == "sum" and W > 1:
-        work, summed = _gloo_reduce_scatter_sum(dst, src, W, group, async_op, bufs)
+    half_avg = op_name == "avg" and src.dtype in (torch.float16, torch.bfloat16)
+    if gloo and (op_name == "sum" or half_avg) and W > 1:
+        work, summed = _gloo_reduce_scatter_sum(dst, src, W, group, async_op, bufs, mean=half_avg)
 
         def sum_then_out() -> None:
             summed()
@@ -393,7 +407,13 @@ def _plain_reduce_scatter(
 
 
 def _gloo_reduce_scatter_sum(
-    dst: torch.Tensor, src: torch.Tensor, W: int, group: Optional[dist.ProcessGroup], async_op: bool, bufs: Buffers
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    W: int,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool,
+    bufs: Buffers,
+    mean: bool = False,
 ) -> tuple[Optional[dist.Work], Callable[[], object]]:
     """A SUM reduce-scatter on gloo as an all-to-all (chunk ``j`` of ``src`` to group rank ``j``)
     whose ``W`` received chunks are summed locally, in group-rank order, into ``dst``; returns the
@@ -405,10 +425,14 @@ def _gloo_reduce_scatter_sum(
     sends ``(W - 1) / W`` of it once, and the receive buffer takes the clone's place (the same
     memory, for the same time). The sum's order differs from gloo's ring, so the result may differ
     from the backend's in the last bits (each is a correctly rounded sum of ``W`` terms in some
-    order); a half-precision sum is accumulated in fp32 and rounded once."""
+    order); a half-precision sum is accumulated in fp32 and rounded once. ``mean`` (half precision
+    only): the fp32 sum divided by ``W`` before that rounding, so the mean never overflows where
+    the sum would."""
     recv = torch.empty_like(src)  # [W * n]: row j is group rank j's chunk for this rank
     bufs.add(recv)
     work = backend_all_to_all(recv, src, group, async_op)
+    if mean:
+        return work, lambda: dst.copy_(torch.sum(recv.view(W, -1), 0, dtype=torch.float32).div_(W))
     return work, lambda: rank_order_sum(recv.view(W, -1), dst)
 
 
@@ -442,7 +466,10 @@ def all_reduce(
     """Plain backend all-reduce (ZeRO stages 0-2), accounted as reduce-scatter + all-gather:
     ``2 * nbytes / W`` to each other member (see ``stats.py``). ``name``: its profiler range
     (``ranges.py``; None: ``zeropp/<kind>``). Every rank passes the same element count, dtype and
-    op (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``)."""
+    op (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``). A non-contiguous ``tensor``
+    (a strided view into a bigger buffer) is reduced as a contiguous copy that is written back
+    when the call finishes: only the view's elements change."""
+    tensor = tensor.detach()  # autograd rule (module docstring)
     sess = resolve_session(session)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
@@ -456,9 +483,19 @@ def all_reduce(
     stats.count_call(kind)
     W = len(ranks)
     record_sends(stats, kind, topo, ranks, peer_bytes("all_reduce", tensor.numel() * tensor.element_size(), W))
+    if tensor.is_contiguous():
+        with ranges.span(_range(name, kind)):
+            work = backend_all_reduce(tensor, op, group, async_op)
+        return finish_or_handle([work], None, async_op, session=sess, kind=kind)
+    # gloo reduces a tensor's storage from its offset, not its view: a strided view (a slice of a
+    # bigger buffer) would have elements outside it overwritten and elements of it left unreduced.
+    # So a non-contiguous tensor is reduced as a contiguous copy, written back when it finished.
+    dense = tensor.contiguous()
     with ranges.span(_range(name, kind)):
-        work = backend_all_reduce(tensor, op, group, async_op)
-    return finish_or_handle([work], None, async_op, session=sess, kind=kind)
+        work = backend_all_reduce(dense, op, group, async_op)
+    return finish_or_handle(
+        [work], lambda: tensor.copy_(dense), async_op, Buffers(dense, protect=(tensor,)), session=sess, kind=kind
+    )
 
 
 def quantized_all_reduce(
@@ -481,6 +518,8 @@ def quantized_all_reduce(
     plain). Synchronous; returns ``tensor``. Both halves are recorded under ``kind``; each
     stochastic half takes its own call index of the seed rule. Every rank passes the same element
     count, op and specs (``ZEROPP_DEBUG_COLLECTIVES=1`` checks it, ``callcheck.py``)."""
+    given = tensor
+    tensor = tensor.detach()  # autograd rule (module docstring)
     ranks = group_ranks(group)
     check_member(ranks, "all-reduce")
     check = resolve_session(session).check_collectives  # debug mode: this call's, then each half's (callcheck.py)
@@ -520,15 +559,19 @@ def quantized_all_reduce(
     if not direct:
         tensor.view(-1).copy_(flat[:numel]) if tensor.is_contiguous() else tensor.copy_(flat[:numel].view_as(tensor))
     Buffers(chunk, flat, protect=(tensor,)).release()  # both calls were synchronous: done with them here
-    return tensor
+    return given
 
 
-def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str) -> None:
+def _check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str, written: bool = False) -> None:
     """A collective's ``[W * n]`` side must be contiguous; a quantized one may also be a ``[W, n]``
-    view whose rows are each contiguous and a fixed stride apart (the kernels index it in place)."""
+    view whose rows are each contiguous and a fixed stride apart (the kernels index it in place).
+    A ``written`` side's rows must not overlap (a row stride of at least ``n``; an ``expand``-ed
+    or ``as_strided`` view would have each member's row overwrite the others'): refused here,
+    before any message, rather than by the kernel after the gather."""
     if t.is_contiguous():
         return
-    if spec is not None and t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1):
+    rows_ok = t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1)
+    if spec is not None and rows_ok and (not written or W <= 1 or t.stride(0) >= n):
         return
     hint = f" or, quantized, a [{W}, {n}] view with contiguous rows" if spec is not None else ""
     raise ValueError(

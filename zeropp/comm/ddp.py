@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from zeropp.kernels.layout import QUANT_FLOAT_DTYPES
+
 from .backend import check_gather_spec, check_reduce_spec, check_spec_type
 from .chain import submit_future
 from .collectives import quantized_all_reduce
@@ -80,8 +82,17 @@ def quantized_allreduce_hook(
     state: QuantizedAllReduceState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket.buffer()`` over the group with quantized collectives, in place; the
-    returned future completes (with the buffer) once both collectives have finished."""
+    returned future completes (with the buffer) once both collectives have finished. A bucket
+    that a quantized spec cannot take (float64) is a ValueError raised from the backward."""
     buf = bucket.buffer()
+    if (state.grads is not None or state.gather is not None) and buf.dtype not in QUANT_FLOAT_DTYPES:
+        # refused here, on DDP's calling thread (the same on every rank): raised in the continuation,
+        # the error would reach DDP only as its future's value, which DDP reports as a failed cast
+        raise ValueError(
+            f"quantized_allreduce_hook: DDP's gradient bucket {bucket.index()} is {buf.dtype}, but quantized "
+            f"collectives take float32, bfloat16 or float16; keep the model in one of those dtypes, or use "
+            f"QuantizedAllReduceState(grads=None, gather=None) (a plain all-reduce) for {buf.dtype} gradients"
+        )
     # DDP may rebuild its buckets after the first iteration: key residuals by index *and* size.
     key = f"bucket{bucket.index()}:{buf.numel()}"
 

@@ -7,7 +7,9 @@ FSDP2 relies on, and how they are kept here:
 - all-gather: the input is a view into the output buffer; ``quantized_all_gather`` quantizes
   the input before anything is written to the output. FSDP2 gathers a flat concatenation of
   the module's shards in one dtype; a ``uint8`` gather (mixed-dtype or custom
-  ``fsdp_pre_all_gather`` parameters) carries raw bytes and is never quantized.
+  ``fsdp_pre_all_gather`` parameters) carries raw bytes and is never quantized; a float64
+  gather or reduce-scatter under a quantized spec is refused (the kernels take fp32 / bf16 /
+  fp16), rather than sent unquantized against the spec.
 - reduce-scatter: ``op`` is AVG, SUM or PREMUL_SUM(1/factor) (custom gradient divide factor).
   The quantized path implements all three itself (AVG divides by the whole group), and the
   plain path emulates PREMUL_SUM on gloo, which has none. FSDP2 always calls it synchronously.
@@ -68,6 +70,21 @@ def make_session(
     return session
 
 
+def _check_dtype(spec: Optional[QuantSpec], t: torch.Tensor, which: str, does: str) -> None:
+    """A float64 payload under a quantized spec is refused, naming the plug-in's own settings: the
+    quantized kernels take float32, bfloat16 and float16, and gathering float64 weights plain
+    would silently ignore the spec asked for. Other dtypes are FSDP2's packed forms (``uint8``
+    raw bytes of mixed-dtype or custom ``fsdp_pre_all_gather`` parameters, float8 payloads):
+    already compact, gathered as they are."""
+    if spec is not None and t.dtype == torch.float64:
+        raise ValueError(
+            f"apply_zeropp_comms: FSDP2 {does} as torch.float64, but quantized collectives take float32, "
+            f"bfloat16 or float16; keep the model in one of those dtypes (or set fully_shard's "
+            f"MixedPrecisionPolicy param_dtype / reduce_dtype to one), or pass {which}=None to send float64 "
+            f"unquantized"
+        )
+
+
 class _Alloc:
     """Plain ``torch.empty`` buffers (FSDP2 frees them when the module reshards)."""
 
@@ -96,6 +113,7 @@ class QuantizedAllGather(_Alloc, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Optional[dist.Work]:
+        _check_dtype(self.spec, input_tensor, "weights", "gathers this module's parameters")
         spec = self.spec if input_tensor.dtype in QUANT_FLOAT_DTYPES else None  # raw bytes: never quantize
         return quantized_all_gather(
             output_tensor, input_tensor, group, spec=spec, kind=self.kind, async_op=async_op, session=self.session
@@ -141,6 +159,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         op: ReduceOpLike,
         async_op: bool = False,
     ) -> Optional[dist.Work]:
+        _check_dtype(self.spec, input_tensor, "grads", "reduces this module's gradients")
         return quantized_reduce_scatter(
             output_tensor,
             input_tensor,

@@ -212,7 +212,7 @@ def run(
             _sum_into(codec, recv2.unsqueeze(1), n, plan.bits, gs, post_scale, out)
 
     later = chain.submit(hop2, out.device, buffers=hold, session=session)
-    return finish_or_handle([], later.wait, async_op, session=session, kind=kind)
+    return finish_or_handle([later], None, async_op, session=session, kind=kind)  # its wait takes the timeout
 
 
 def _quantize_for_send(

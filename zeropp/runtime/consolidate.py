@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..output_files import creation_refused
 from . import checkpoint_io as cio
 from .checkpoint_files import latest, read_meta, verify
 from .checkpoint_safe import SafeLoadPlanner, read_metadata, tensor_entry
@@ -120,10 +121,41 @@ def export_consolidated(path: str | os.PathLike, out_file: str | os.PathLike) ->
     model's ``state_dict`` (:func:`read_consolidated`: fp32 masters cast to each parameter's dtype,
     plus frozen parameters and buffers; a tensor-parallel checkpoint's tp pieces merged into the
     unsplit weights). Runs in one process, no process group needed (DCP reads every piece). Every
-    file is verified against its checksum first, and nothing in the checkpoint can run code."""
+    file is verified against its checksum first, and nothing in the checkpoint can run code.
+
+    ``out_file`` is checked before the checkpoint is read: an empty path, a directory, a missing
+    parent directory or one that refuses new files is a ValueError saying what to name instead.
+    The file is written to a temporary name beside it and renamed over ``out_file`` (an existing
+    file is replaced whole, never left half written); a failed write leaves no temporary behind."""
+    target = _check_out_file(out_file)
     out, _meta = read_consolidated(path)
-    target = Path(out_file)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    torch.save(out, tmp)
-    os.replace(tmp, target)
+    try:
+        torch.save(out, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; what a failed save left otherwise
     return str(target)
+
+
+def _check_out_file(out_file: str | os.PathLike) -> Path:
+    """``out_file`` as a Path, refused (ValueError) where :func:`export_consolidated` could not write
+    it: before the checkpoint is read, so a mistyped path costs no read of the whole model."""
+    if not os.fspath(out_file):
+        raise ValueError("export_consolidated: out_file is an empty path; name the file to write, e.g. 'model.pt'")
+    target = Path(out_file)
+    if target.is_dir():
+        raise ValueError(
+            f"export_consolidated: out_file {target} is a directory; name a file in it, e.g. {target / 'model.pt'}"
+        )
+    parent = target.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"export_consolidated: out_file {target}: {parent} {what}; create it or name another file")
+    err = creation_refused(parent)
+    if err is not None:
+        raise ValueError(
+            f"export_consolidated: out_file {target}: cannot write in {parent} ({err.strerror or err}); "
+            "name a file in a writable directory"
+        )
+    return target
