@@ -7,6 +7,7 @@ Here: the gloo-world checks. The topic's full description and its one-process ch
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -129,6 +130,9 @@ def _leave_alone(rank: int, world: int, note: str) -> None:
     if rank == 0:
         backend_all_reduce(torch.ones(8), dist.ReduceOp.SUM, None, True)  # in flight, never joined
         raise RuntimeError("rank 0 fails with a collective in flight")
+    # the launcher's stop (SIGTERM, once rank 0 failed) must not decide how the wait ends: only rank
+    # 0's exit may end it here; were it still blocked, the stop's SIGKILL after grace_s leaves no note
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         dist.all_reduce(torch.ones(3), group=sub)
         Path(note).write_text("returned")
@@ -156,7 +160,8 @@ def test_a_rank_failing_with_work_in_flight_unblocks_its_peer_at_once(tmp_path: 
             start_method="forkserver",
         )
     assert failure.value.rank == 0 and "fails with a collective in flight" in str(failure.value), failure.value
-    assert "closed" in note.read_text().lower(), note.read_text()  # unblocked by rank 0's exit, not killed
+    text = note.read_text().lower()  # unblocked by rank 0's exit (gloo says closed or reset), not killed
+    assert "closed" in text or "reset by peer" in text, text
 
 
 def test_a_module_rank_aborting_with_a_continuation_in_flight_exits_at_once(tmp_path: Path) -> None:
@@ -186,7 +191,8 @@ def test_a_module_rank_aborting_with_a_continuation_in_flight_exits_at_once(tmp_
     assert codes == [1, 0], (codes, logs)
     assert "terminate called" not in logs[0] and "did not finish" not in logs[0], logs[0]
     seconds, _, error = note.read_text().partition(" ")
-    assert "closed" in error.lower() and float(seconds) < 30, note.read_text()
+    error = error.lower()  # gloo says closed or reset, depending on which side of the socket saw it first
+    assert ("closed" in error or "reset by peer" in error) and float(seconds) < 30, note.read_text()
 
 
 def _abort_then_init_again(rank: int, world: int, store: str) -> dict:
