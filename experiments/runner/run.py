@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zeropp.comm.layout import LaunchLayout
@@ -313,20 +313,50 @@ def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "run_di
     return summary
 
 
+def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
+    """The run directory of the sweep's point number ``num`` (composed as ``cfg``):
+    ``hydra.sweep.dir``/``hydra.sweep.subdir`` resolved with the job number Hydra's launcher gives
+    that point; None when it cannot be resolved before the launch (a resolver of the job itself)."""
+    point = copy.deepcopy(cfg)
+    try:
+        with open_dict(point):
+            point.hydra.job.num = num
+            point.hydra.job.id = f"{point.hydra.job.name}_{num}"
+        return Path(str(point.hydra.sweep.dir)) / str(point.hydra.sweep.subdir)
+    except Exception:  # any resolution error: the job's own check runs again at its start
+        return None
+
+
 def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> None:
     """Every point of a sweep checked before the first starts (``hydra/sweeper=zeropp`` calls this
     with each point's overrides and composed config): its settings validated as the point itself
     will validate them, its Slurm keys, and, with the local launcher, this host's checks (corpus,
-    ranks and memory, writable directories; run directories stand in by the sweep's). Each invalid
-    point is named with its error, then the command exits 2 and no point has started."""
+    ranks and memory, writable directories) and its own run directory: no two points may share one
+    (a constant ``hydra.sweep.subdir``), and a fresh point's must hold no earlier run's records
+    (an extended sweep with a custom subdir). Each invalid point is named with its error, then the
+    command exits 2 and no point has started."""
     shared = set.intersection(*(set(o) for o, _ in points)) if len(points) > 1 else set()
     bad: list[str] = []
-    for overrides, cfg in points:
+    taken: dict[Path, Sequence[str]] = {}  # each point's run directory -> the point that runs there
+    for num, (overrides, cfg) in enumerate(points):
         launcher = cfg.hydra.runtime.choices.get("hydra/launcher")
         try:
             check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), launcher)
             rc = validated(without_hydra(cfg), list(overrides))
+            run_dir = sweep_point_dir(cfg, num)
+            if run_dir is not None:
+                other = taken.setdefault(run_dir.resolve(), overrides)
+                if other is not overrides:
+                    subdir = cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]  # as typed
+                    raise ConfigError(
+                        f"invalid config: hydra.sweep.subdir={subdir!r} "
+                        f"puts this point into {run_dir}, where point {' '.join(o for o in other if o not in shared)!r} "
+                        "runs too (each would overwrite the other's records); make hydra.sweep.subdir differ "
+                        "between points: ${hydra.job.num} (the default) or ${hydra.job.override_dirname}"
+                    )
             if launcher in (None, "basic"):
+                if run_dir is not None:
+                    rc.check_run_dir(run_dir, key="hydra.sweep.dir")  # an earlier run there, or nothing to resume
                 check_before_launch(rc, Path(str(cfg.hydra.sweep.dir)), local=True)
         except ConfigError as e:
             own = [o for o in overrides if o not in shared]  # what tells the point from the others

@@ -204,3 +204,30 @@ def test_run_job_into_a_directory_under_a_file_is_a_config_error(tmp_path: Path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(run.ConfigError, match=r"--out='.*file/run' cannot be created: .*file is not a directory"):
         run.run_job([*MINI_1X2_CPU], tmp_path / "file" / "run", dir_key="--out")
+
+
+def test_sweep_points_sharing_a_run_dir_or_landing_on_earlier_runs_start_no_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each point's own run directory (``hydra.sweep.subdir`` resolved with its job number) is
+    checked with the others, before the first starts: a constant subdir puts two points into one
+    directory, and a sweep extended with a custom subdir meets an earlier run's records. Exit 2
+    naming the points, nothing launched (before, the first point ran, then the sweep stopped)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    p = run_cli_here(
+        ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=same"], capfd
+    )
+    assert p.returncode == 2 and "1 of 2 sweep point(s) cannot run; no point was started" in p.stderr, p.stderr[-2000:]
+    assert "train.seed=2: invalid config: hydra.sweep.subdir='same'" in p.stderr and "'train.seed=1'" in p.stderr
+    assert calls == [] and not (sweep / "same").exists()
+    subdir = "hydra.sweep.subdir=seed${train.seed}"
+    (sweep / "seed2").mkdir(parents=True)
+    (sweep / "seed2" / "summary.json").write_text("{}")
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", subdir], capfd)
+    assert p.returncode == 2 and "1 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
+    assert f"train.seed=2: invalid config: {sweep / 'seed2'} already holds a run" in p.stderr
+    assert calls == [] and not (sweep / "seed1").exists()
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,3", f"hydra.sweep.dir={sweep}", subdir], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # distinct, fresh directories run as before
