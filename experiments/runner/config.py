@@ -65,6 +65,7 @@ __all__ = [
     "check_fresh_run_dir",
     "from_dict",
     "from_omegaconf",
+    "interpolation_error",
     "model_field_defaults",
     "run_records",
 ]
@@ -485,7 +486,29 @@ def from_omegaconf(cfg: Any) -> RunConfig:
     """Resolve interpolations and validate the composed Hydra config (the runner's entry, before any
     rank starts: also :meth:`RunConfig.check_installed`)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    rc = from_dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:  # a ${...} naming no key, a resolver's bad argument
+        raise interpolation_error(e) from None
+    rc = from_dict(resolved)  # type: ignore[arg-type]
     rc.check_installed()
     return rc
+
+
+def interpolation_error(e: Exception, overrides: list[str] | None = None) -> ConfigError:
+    """An OmegaConf error met while resolving the composed config (``key=${train.stpes}``: an
+    interpolation naming no key) as one ``invalid config`` line naming the key, or the overrides
+    holding an interpolation when the key is only Hydra's record of them, and what to change."""
+    text = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    key = str(getattr(e, "full_key", "") or "")
+    if key and not key.startswith("hydra."):
+        where = f"{key}: "
+    else:
+        held = [o for o in overrides or [] if "${" in o]
+        where = f"{' '.join(held)}: " if held else ""
+    return ConfigError(
+        f"invalid config: {where}{text}; an interpolation must name an existing key (e.g. ${{train.steps}}): "
+        "fix or quote the ${...} on the command line"
+    )

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zeropp.comm.layout import LaunchLayout
@@ -41,7 +42,7 @@ from zeropp.runtime.divergence import DivergenceError
 
 from ..launch.failure import shell_status
 from . import plugins, schema
-from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, without_hydra
+from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, interpolation_error, without_hydra
 from .launcher import (
     RankFailure,
     RunInterrupted,
@@ -52,7 +53,7 @@ from .launcher import (
     worker_module,
 )
 from .metrics import read_summary, write_summary
-from .overrides import check_fresh_outputs, check_overrides
+from .overrides import check_fresh_outputs, check_overrides, check_single_run_values
 from .preflight import check_before_launch, check_writable_dir
 from .slurm import check_slurm_keys, check_slurm_launch
 
@@ -402,7 +403,14 @@ def command_status(e: ConfigError | RankFailure | DivergenceError) -> int:
 
 @hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    info = _hydra_info()
+    try:
+        info = _hydra_info()  # Hydra's record of the overrides resolves their ${...} too
+    except OmegaConfBaseException as e:
+        from hydra.core.hydra_config import HydraConfig
+
+        typed = cast(list, OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
+        print(f"error: {interpolation_error(e, [str(o) for o in typed])}", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
@@ -434,6 +442,7 @@ def cli() -> None:
         sys.exit(2)
     try:
         check_overrides(sys.argv[1:])
+        check_single_run_values(sys.argv[1:])
         check_fresh_outputs(sys.argv[1:])  # before Hydra writes its .hydra/ files into an earlier run
         check_slurm_launch(sys.argv[1:])  # before Hydra: nothing submitted without the plugin and sbatch
     except ConfigError as e:

@@ -231,3 +231,16 @@ def test_sweep_points_sharing_a_run_dir_or_landing_on_earlier_runs_start_no_poin
     assert calls == [] and not (sweep / "seed1").exists()
     p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,3", f"hydra.sweep.dir={sweep}", subdir], capfd)
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # distinct, fresh directories run as before
+
+
+def test_a_sweep_with_an_interpolation_naming_no_key_starts_no_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``key=${typo}`` in a sweep is each point's one ``invalid config`` line naming the key, exit 2
+    before any starts (before: OmegaConf's InterpolationKeyError traceback from the sweeper, exit 1)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    args = ["-m", *MINI_1X2_CPU, "train.seed=1,2", "zero.reduce_bucket_size=${zero.nope}"]
+    p = run_cli_here([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], capfd)
+    assert p.returncode == 2 and "2 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
+    assert "zero.reduce_bucket_size: Interpolation key 'zero.nope' not found" in p.stderr and calls == []
