@@ -63,11 +63,13 @@ __all__ = [
     "TrainerConfig",
     "build_model_config",
     "check_fresh_run_dir",
+    "check_resumes_its_own",
     "from_dict",
     "from_omegaconf",
     "interpolation_error",
     "model_field_defaults",
     "run_records",
+    "saved_by",
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -180,6 +182,7 @@ class RunConfig:
                 f"train.steps (e.g. train.steps={2 * step}; the default LR schedule spans train.steps, so "
                 "it changes too), or start a fresh run elsewhere"
             )
+        check_resumes_its_own(ckpt, Path(run_dir))
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -277,6 +280,48 @@ def _check_tp(rc: RunConfig) -> None:
             check_gpt_tp(rc.model, rc.topology.tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
+
+
+def saved_by(version: Path) -> str | None:
+    """The run directory that saved checkpoint folder ``version`` (``run_dir`` of the extra the
+    runner saves with it), or None: not recorded (saved before it was), or unreadable."""
+    try:
+        extra = checkpoint_files.read_meta(version).get("extra")
+    except (OSError, ValueError):
+        return None
+    by = extra.get("run_dir") if isinstance(extra, dict) else None
+    return by if isinstance(by, str) else None
+
+
+def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
+    """With ``resume=true``: in a checkpoint directory shared by several runs (one
+    ``train.checkpoint_dir`` for every point of a sweep), ``LATEST`` names the last save of any of
+    them; when this run saved there too but another run saved the newest checkpoint, resuming would
+    continue the other run's weights under this run's name and settings: refused, naming both.
+    A run resuming from checkpoints it never saved to (another run's, on purpose) passes."""
+    try:
+        newest = checkpoint_files.latest(ckpt)
+    except (OSError, ValueError):
+        return  # the ranks' load names the problem precisely
+    this = str(run_dir.resolve())
+    by = saved_by(newest)
+    if by is None or by == this:
+        return
+    try:
+        own = sorted(
+            (d for d in ckpt.iterdir() if checkpoint_files.NAME.fullmatch(d.name) and saved_by(d) == this),
+            key=lambda d: checkpoint_files.version_step(d.name),
+        )
+    except OSError:
+        return
+    if own:
+        raise ConfigError(
+            f"invalid config: resume=true, but the newest checkpoint in {ckpt} ({newest.name}) was saved by the "
+            f"run in {by}, not by this run ({this}, whose newest there is {own[-1].name}): the directory is shared "
+            "(train.checkpoint_dir), and resuming would continue that other run's weights here. Give each run its "
+            "own train.checkpoint_dir (the default is <run dir>/checkpoints), or resume the other run in its own "
+            "directory"
+        )
 
 
 class RunDirTaken(ConfigError):

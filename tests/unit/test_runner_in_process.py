@@ -244,3 +244,31 @@ def test_a_sweep_with_an_interpolation_naming_no_key_starts_no_point(
     p = run_cli_here([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], capfd)
     assert p.returncode == 2 and "2 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
     assert "zero.reduce_bucket_size: Interpolation key 'zero.nope' not found" in p.stderr and calls == []
+
+
+def test_a_resume_from_a_shared_checkpoint_dir_refuses_another_runs_newest(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sweep points sharing one ``train.checkpoint_dir``: resuming point a, whose own checkpoints
+    are there but whose ``LATEST`` is point b's, is refused before any rank starts, naming both
+    (before: a loaded b's weights and trained on under a's name, with only a warning about changed
+    settings). Point b resumes its own newest; a fresh directory resuming from them (a fork) too."""
+    import json
+
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    ckpt, a, b = tmp_path / "ck", tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    for name, by in (("ckpt-00000002-00000000000000aa", a), ("ckpt-00000002-00000000000000bb", b)):
+        (ckpt / name).mkdir(parents=True)
+        meta = {"format": 3, "files": {}, "step": 2, "extra": {"step": 2, "run_dir": str(by.resolve())}}
+        (ckpt / name / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "LATEST").write_text("ckpt-00000002-00000000000000bb\n")
+    common = [*MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}", "resume=true"]
+    p = run_cli_here([*common, f"hydra.run.dir={a}"], capfd)
+    assert p.returncode == 2 and calls == [], p.stderr[-2000:]
+    assert f"was saved by the run in {b.resolve()}, not by this run ({a.resolve()}" in p.stderr
+    assert "whose newest there is ckpt-00000002-00000000000000aa" in p.stderr
+    p = run_cli_here([*common, f"hydra.run.dir={b}"], capfd)
+    assert p.returncode == 5 and calls == [1], p.stderr[-2000:]
+    p = run_cli_here([*common, f"hydra.run.dir={tmp_path / 'fork'}"], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]
