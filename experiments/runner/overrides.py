@@ -210,12 +210,21 @@ OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
 
 def _check_output_dir(arg: str) -> None:
     """``hydra.run.dir=<dir>`` / ``hydra.sweep.dir=<dir>``: a directory this process can create
-    files in (or create); an interpolated value is left to Hydra."""
+    files in (or create), and not an empty path (an unset shell variable: Hydra would put the
+    run's files, or a sweep's job folders, straight into the current directory); an interpolated
+    value is left to Hydra."""
     try:
         (override,) = OverridesParser.create().parse_overrides([arg])
         value = override.value()
     except HydraException:
         return
+    if isinstance(value, str) and not value.strip():
+        key = override.key_or_group
+        raise ConfigError(
+            f"invalid config: {key}= is an empty path (an unset shell variable?), which would put this "
+            f"command's outputs straight into the current directory; name the directory ({key}=runs/a), or "
+            "leave the key out for Hydra's default under outputs/ or multirun/"
+        )
     if isinstance(value, str) and value and "${" not in value:
         check_writable_dir(override.key_or_group, Path(value))
 
