@@ -272,3 +272,18 @@ def test_a_resume_from_a_shared_checkpoint_dir_refuses_another_runs_newest(
     assert p.returncode == 5 and calls == [1], p.stderr[-2000:]
     p = run_cli_here([*common, f"hydra.run.dir={tmp_path / 'fork'}"], capfd)
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_a_sweep_batch_size_below_one_is_refused_before_any_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, size: str
+) -> None:
+    """``hydra.sweeper.max_batch_size`` below 1 is one error line and exit 2, nothing launched and
+    no sweep directory (before: the AssertionError traceback of Hydra's basic sweeper, exit 1)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    args = ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", f"hydra.sweeper.max_batch_size={size}"]
+    p = run_cli_here(args, capfd)
+    assert p.returncode == 2 and f"hydra.sweeper.max_batch_size={size}; allowed:" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and calls == [] and not sweep.exists()
