@@ -284,6 +284,32 @@ def test_compare_measured_takes_the_link_from_the_summary() -> None:
     assert compare_measured([local], quant_rates=(), cross_gbps=2.0)[0]["cross_gbps"] == 2.0
 
 
+def test_runs_that_share_a_label_are_told_apart_and_zero_bytes_of_zero_is_exact(tmp_path, capsys) -> None:
+    """Two sweeps' runs that differ only in train.steps share the summary label ``run``: each row
+    gets what sets its run apart, whole (before: four rows reading alike, cut at 34 characters);
+    a run that sends no cross-node bytes, predicted as none, reads 0.0% (before: nan%); jobs in
+    Hydra's order (2 before 10)."""
+    import json
+
+    from zeropp.experiments.projection.scaling_check import compare_measured, main
+
+    runs = []
+    for job, steps in ((2, 3), (10, 5)):
+        s = _summary({"name": "local"})
+        s["config"]["train"]["steps"] = steps
+        s["overrides"] = [f"train.steps={steps}"]
+        s["comm_bytes_per_step"] = {"by_link": {"cross": 0, "intra": 0}}
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "summary.json").write_text(json.dumps(s))
+        runs.append(s)
+    one_node = {**runs[0], "config": {**runs[0]["config"], "topology": {"nodes": 1, "ranks_per_node": 2}}}
+    (row,) = compare_measured([one_node], quant_rates=(), cross_gbps=1.0)
+    assert row["measured_cross_bytes"] == row["predicted_cross_bytes"] == 0 and row["bytes_error"] == 0.0
+    main([str(tmp_path), "--cross-gbps", "1"])
+    lines = capsys.readouterr().out.splitlines()[3:]
+    assert [line.split(")")[0] for line in lines] == ["run (train.steps=3", "run (train.steps=5"], lines
+
+
 @pytest.mark.parametrize(
     "kw, word",
     [
