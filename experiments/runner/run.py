@@ -328,6 +328,56 @@ def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
         return None
 
 
+RESUME_MAY_CHANGE = (
+    "resume",
+    "train.steps",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.checkpoint_dir",
+)
+"""Overrides a resumed sweep point may give other values than the run it continues (to train on,
+save differently); ``logger.*``, ``launcher.*`` and ``hydra.*`` too."""
+
+
+def _override_values(overrides: Sequence[str]) -> dict[str, str]:
+    """``key=value`` overrides as key -> value (Hydra's ``+`` / ``++`` prefixes dropped), less the
+    keys a resumed point may change (:data:`RESUME_MAY_CHANGE`)."""
+    out = {}
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        key = key.lstrip("+")
+        if eq and key not in RESUME_MAY_CHANGE and not key.startswith(("logger", "launcher", "hydra")):
+            out[key] = value
+    return out
+
+
+def check_resumed_point(run_dir: Path, overrides: Sequence[str]) -> None:
+    """A sweep point with ``resume=true`` continues the run in its directory only if that run was
+    made by the same point: Hydra names job directories by position (``hydra.sweep.subdir``,
+    ``${hydra.job.num}``), so resuming a sweep with other or fewer values maps a point onto another
+    point's run (``-m stage=3 resume=true`` over a ``stage=2,3`` sweep continues the stage-2 run as
+    stage 3, its records then a mix of both). Refused naming the differing overrides; a run
+    continued with other settings on purpose is resumed alone (``hydra.run.dir=<dir> resume=true``)."""
+    try:
+        earlier = json.loads((run_dir / "ranks" / "spec.json").read_text()).get("overrides")
+    except (OSError, ValueError, AttributeError):
+        return  # no record of what made it: the point's own checks decide
+    if not (isinstance(earlier, list) and all(isinstance(o, str) for o in earlier)):
+        return
+    before, now = _override_values(earlier), _override_values(overrides)
+    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    if differ:
+        was = " ".join(f"{k}={before[k]}" for k in differ if k in before) or "(not set)"
+        given = " ".join(f"{k}={now[k]}" for k in differ if k in now) or "(not set)"
+        raise ConfigError(
+            f"invalid config: resume=true would continue the run in {run_dir}, made with {was}, as this point "
+            f"({given}): a sweep's job directories follow its points' order, so other or fewer values map a point "
+            "onto another point's run. Resume with the sweep's own values (raise train.steps to train on), use "
+            "hydra.sweep.subdir=${hydra.job.override_dirname} for sweeps you will extend, or continue that run "
+            "with other settings on purpose alone: hydra.run.dir=<its directory> resume=true"
+        )
+
+
 def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> None:
     """Every point of a sweep checked before the first starts (``hydra/sweeper=zeropp`` calls this
     with each point's overrides and composed config): its settings validated as the point itself
@@ -355,6 +405,8 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
                         "runs too (each would overwrite the other's records); make hydra.sweep.subdir differ "
                         "between points: ${hydra.job.num} (the default) or ${hydra.job.override_dirname}"
                     )
+            if rc.resume and run_dir is not None:
+                check_resumed_point(run_dir, overrides)
             if launcher in (None, "basic"):
                 if run_dir is not None:
                     rc.check_run_dir(run_dir, key="hydra.sweep.dir")  # an earlier run there, or nothing to resume

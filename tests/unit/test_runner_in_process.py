@@ -287,3 +287,29 @@ def test_a_sweep_batch_size_below_one_is_refused_before_any_point(
     p = run_cli_here(args, capfd)
     assert p.returncode == 2 and f"hydra.sweeper.max_batch_size={size}; allowed:" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and calls == [] and not sweep.exists()
+
+
+def test_resuming_a_sweep_with_other_values_refuses_to_map_a_point_onto_another_points_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Job directories follow the points' order: ``-m train.seed=2 resume=true`` over a
+    ``train.seed=1,2`` sweep would continue job 0, seed 1's run, as seed 2. Refused before any
+    point starts, naming both values (before: it resumed, its records a mix of both points). The
+    sweep's own values, with a longer run, resume as before."""
+    import json
+
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    for job, seed in ((0, 1), (1, 2)):
+        (sweep / str(job) / "ranks").mkdir(parents=True)
+        spec = {"overrides": [*MINI_1X2_CPU, f"train.seed={seed}", "train.steps=4", "train.checkpoint_every=2"]}
+        (sweep / str(job) / "ranks" / "spec.json").write_text(json.dumps(spec))
+        (sweep / str(job) / "checkpoints").mkdir()
+        (sweep / str(job) / "checkpoints" / "LATEST").write_text("ckpt-00000004-0000000000000000\n")
+    args = ["-m", *MINI_1X2_CPU, "train.steps=8", "train.checkpoint_every=2", "resume=true", f"hydra.sweep.dir={sweep}"]
+    p = run_cli_here([*args, "train.seed=2"], capfd)
+    assert p.returncode == 2 and calls == [], p.stderr[-2000:]
+    assert f"would continue the run in {sweep / '0'}, made with train.seed=1, as this point (train.seed=2)" in p.stderr
+    p = run_cli_here([*args, "train.seed=1,2"], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]
