@@ -334,6 +334,21 @@ def name_apart(rows: list[dict], summaries: list[dict]) -> None:
             r["label"] = f"{r['label']} ({apart})"
 
 
+def links_line(rows: list[dict]) -> str:
+    """The links the rows were predicted with. Runs of a link-rate sweep (``cluster=emulated
+    cluster.inter_gbps=1,10``) each use their own cross-node rate: then every row's label ends with
+    it and the line lists them all (one rate named for all rows would mislabel the others)."""
+    rates = sorted({r["cross_gbps"] for r in rows})
+    if len(rates) > 1:
+        for r in rows:
+            r["label"] = f"{r['label']} @ {r['cross_gbps']:.3g} Gbit/s"
+    cross = ", ".join(f"{g:.3g}" for g in rates) + (" Gbit/s (per run: see each row)" if len(rates) > 1 else " Gbit/s")
+    return (
+        f"links: cross {cross}, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
+        f"{1e6 * rows[0]['alpha_s']:.0f} us per message step"
+    )
+
+
 def _job_order(path: Any) -> tuple:
     """A multirun's jobs (``<sweep>/<n>/summary.json``) in Hydra's job order (2 before 10)."""
     name = path.parent.name
@@ -385,10 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     name_apart(rows, [s for s in summaries if _is_zeropp(s)])
     if rows:
-        print(
-            f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
-            f"{1e6 * rows[0]['alpha_s']:.0f} us per message step"
-        )
+        print(links_line(rows))
     print(format_comparison(rows))
 
 

@@ -310,6 +310,23 @@ def test_runs_that_share_a_label_are_told_apart_and_zero_bytes_of_zero_is_exact(
     assert [line.split(")")[0] for line in lines] == ["run (train.steps=3", "run (train.steps=5"], lines
 
 
+def test_runs_of_a_link_rate_sweep_each_show_their_own_rate() -> None:
+    """Emulated runs at 1 and 10 Gbit/s: the links line lists both and each row names its own
+    (before: the line named the first row's rate for every row)."""
+    from zeropp.experiments.projection.scaling_check import compare_measured, links_line
+
+    runs = []
+    for gbps in (1.0, 10.0):
+        s = _summary({"name": "emulated", "inter_gbps": gbps, "inter_latency_ms": 0.0})
+        s["comm_bytes_per_step"] = {"by_link": {"cross": 1, "intra": 1}}
+        runs.append(s)
+    rows = compare_measured(runs, quant_rates=())
+    assert links_line(rows).startswith("links: cross 1, 10 Gbit/s (per run: see each row)")
+    assert [r["label"] for r in rows] == ["run @ 1 Gbit/s", "run @ 10 Gbit/s"]
+    (one,) = compare_measured(runs[:1], quant_rates=())
+    assert links_line([one]).startswith("links: cross 1 Gbit/s, intra") and one["label"] == "run"
+
+
 @pytest.mark.parametrize(
     "kw, word",
     [
