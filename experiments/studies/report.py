@@ -148,6 +148,17 @@ def _num(value: Any, spec: str, scale: float = 1.0) -> str:
     return format(scale * value, spec)
 
 
+def _last_step(s: dict[str, Any]) -> Any:
+    """The training step a run that did not complete stopped at: its divergence record's step, else
+    its last step (``steps`` counts only the steps this launch ran: a resumed run starts at
+    ``first_step``); ``?`` when the summary says neither."""
+    step = (s.get("divergence") or {}).get("step") if isinstance(s.get("divergence"), dict) else None
+    if isinstance(step, int):
+        return step
+    steps, first = s.get("steps"), s.get("first_step", 1)
+    return first + steps - 1 if isinstance(steps, int) and isinstance(first, int) else "?"
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
     head = (
         "| run | config | tokens/s | step (ms) | TFLOP/s | comm/step intra | comm/step cross | "
@@ -157,7 +168,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     for s, name in zip(runs, run_labels(runs)):
         c = s["comm_bytes_per_step"]["by_link"]
         status = s.get("status", "completed")
-        config = s["label"] if status == "completed" else f"{s['label']} ({status} at step {s.get('steps', '?')})"
+        config = s["label"] if status == "completed" else f"{s['label']} ({status} at step {_last_step(s)})"
         lines.append(
             f"| {name} | {config} | {_num(s['tokens_per_s'], ',.0f')} | "
             f"{_num((s.get('step_time_s') or {}).get('mean'), '.1f', 1e3)} | "

@@ -226,6 +226,21 @@ def test_a_diverged_run_is_a_row_marked_so_with_no_final_loss(tmp_path: Path) ->
     assert all((root / p).stat().st_size > 0 for p in PLOTS)
 
 
+def test_a_resumed_run_that_diverged_names_the_training_step(tmp_path: Path) -> None:
+    """A run resumed at step 5 that diverged at step 6 ran 2 steps in that launch: its row names
+    step 6, the divergence record's (before: "diverged at step 2", the count of the launch's steps)."""
+    root = _sweep(tmp_path)
+    s = json.loads((root / "1" / "summary.json").read_text())
+    s.update(status="diverged", steps=2, first_step=5, divergence={"step": 6, "reason": "non_finite"})
+    s["loss"] = {"first": 5.0, "final": None, "eval": None, "curve": [5.0, None]}
+    (root / "1" / "summary.json").write_text(json.dumps(s))
+    md = write_report(root).read_text()
+    assert "run1 (diverged at step 6)" in md, md
+    del s["divergence"]
+    (root / "1" / "summary.json").write_text(json.dumps(s))
+    assert "run1 (diverged at step 6)" in write_report(root).read_text()  # first_step + steps - 1
+
+
 def test_failed_and_interrupted_jobs_are_counted_once_and_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
