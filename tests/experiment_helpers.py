@@ -40,6 +40,10 @@ CLI_ERRORS: list[tuple[list[str], list[str]]] = [
     (["data.source=path", "data.path=/nonexistent"], ["data.path='/nonexistent' does not exist"]),
     (["~zero.grad_clip"], ["~zero.grad_clip deletes a key", "zero.grad_clip=<value> (null is one of its values)"]),
     (["~train.stpes"], ["unknown config key 'train.stpes'", "did you mean train.steps"]),
+    (["model=tiny,mini"], ["model=tiny,mini gives several values, which only a sweep runs; add -m"]),
+    (["hydra.run.dir="], ["hydra.run.dir= is an empty path", "current directory"]),
+    (["-m", "train.seed=1,2", "hydra.sweep.dir="], ["hydra.sweep.dir= is an empty path"]),
+    (["zero.reduce_bucket_size=${oops}"], ["zero.reduce_bucket_size=${oops}: Interpolation key 'oops' not found"]),
     *([(["launcher.device=cuda"], ["launcher.device=cuda", "GPU"])] if torch.cuda.device_count() < 4 else []),
 ]
 """Bad command lines of every stage of the runner's checks (override pre-check, Hydra composition,

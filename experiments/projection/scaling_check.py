@@ -225,6 +225,14 @@ def _fit(summaries: list[dict], cross_gbps: float | None, rates: dict[int, tuple
     return {"alpha_s": alpha, "intra_gbps": 1.0 / inv_bw / GBPS}
 
 
+def _ratio_error(predicted: float, measured: float) -> float:
+    """``predicted / measured - 1``; 0 when both are 0 (a one-node run sends no cross-node bytes and
+    the model predicts none: exact), NaN when only the measurement is 0."""
+    if measured:
+        return predicted / measured - 1
+    return 0.0 if not predicted else math.nan
+
+
 def compare_measured(
     summaries: Iterable[dict],
     *,
@@ -277,17 +285,17 @@ def compare_measured(
                 "predicted_quant_s": p.quant_s,
                 "measured_cross_bytes": meas_cross,
                 "predicted_cross_bytes": pred_cross,
-                "bytes_error": pred_cross / meas_cross - 1 if meas_cross else math.nan,
+                "bytes_error": _ratio_error(pred_cross, meas_cross),
                 "measured_intra_bytes": meas_intra,
                 "predicted_intra_bytes": pred_intra,
-                "intra_bytes_error": pred_intra / meas_intra - 1 if meas_intra else math.nan,
+                "intra_bytes_error": _ratio_error(pred_intra, meas_intra),
             }
         )
     return rows
 
 
 COMPARISON_COLUMNS = (
-    Column(title="run", width=34, left=True, cell=lambda r: r["label"][:34]),
+    Column(title="run", width=34, left=True, cell=lambda r: r["label"]),
     Column(title="meas s", width=8, cell=number("measured_step_s", ".3f")),
     Column(title="pred s", width=8, cell=number("predicted_step_s", ".3f")),
     Column(title="err", width=7, cell=number("step_error", ".0f", scale=100, suffix="%")),
@@ -299,8 +307,52 @@ COMPARISON_COLUMNS = (
 """The columns of :func:`format_comparison` (the rows of :func:`compare_measured`)."""
 
 
+def comparison_columns(rows: list[dict]) -> tuple[Column, ...]:
+    """:data:`COMPARISON_COLUMNS` with the run column as wide as the longest label of ``rows``
+    (a label is never cut: cut, two runs can read alike)."""
+    width = max([COMPARISON_COLUMNS[0].width, *(len(r["label"]) for r in rows)])
+    return (dataclasses.replace(COMPARISON_COLUMNS[0], width=width), *COMPARISON_COLUMNS[1:])
+
+
 def format_comparison(rows: list[dict]) -> str:
-    return text_table(COMPARISON_COLUMNS, rows)
+    return text_table(comparison_columns(rows), rows)
+
+
+def name_apart(rows: list[dict], summaries: list[dict]) -> None:
+    """Rows whose runs share a ``label`` (``ZeRO-3 tiny 1x2`` for runs of other steps, seeds or
+    bucket sizes) get what tells their runs apart appended (``studies.labels.label_runs``), so no
+    two rows read alike; ``summaries``: the rows' runs, in order."""
+    from collections import Counter
+
+    from ..studies.labels import label_runs
+
+    counts = Counter(r["label"] for r in rows)
+    if len(rows) != len(summaries) or max(counts.values(), default=0) < 2:
+        return
+    for r, apart in zip(rows, label_runs(summaries).labels):
+        if counts[r["label"]] > 1:
+            r["label"] = f"{r['label']} ({apart})"
+
+
+def links_line(rows: list[dict]) -> str:
+    """The links the rows were predicted with. Runs of a link-rate sweep (``cluster=emulated
+    cluster.inter_gbps=1,10``) each use their own cross-node rate: then every row's label ends with
+    it and the line lists them all (one rate named for all rows would mislabel the others)."""
+    rates = sorted({r["cross_gbps"] for r in rows})
+    if len(rates) > 1:
+        for r in rows:
+            r["label"] = f"{r['label']} @ {r['cross_gbps']:.3g} Gbit/s"
+    cross = ", ".join(f"{g:.3g}" for g in rates) + (" Gbit/s (per run: see each row)" if len(rates) > 1 else " Gbit/s")
+    return (
+        f"links: cross {cross}, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
+        f"{1e6 * rows[0]['alpha_s']:.0f} us per message step"
+    )
+
+
+def _job_order(path: Any) -> tuple:
+    """A multirun's jobs (``<sweep>/<n>/summary.json``) in Hydra's job order (2 before 10)."""
+    name = path.parent.name
+    return (str(path.parent.parent), int(name), "") if name.isdigit() else (str(path.parent.parent), -1, name)
 
 
 SUMMARY_KEYS = ("label", "config", "step_time_s", "comm_bytes_per_step")
@@ -325,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alpha", type=non_negative, default=100e-6, help="seconds per message step")
     ap.add_argument("--calibrate", action="store_true", help="fit --alpha and --intra-gbps on these runs first")
     a = ap.parse_args(argv)
-    paths = sorted(Path(a.runs).rglob("summary.json"))
+    paths = sorted(Path(a.runs).rglob("summary.json"), key=_job_order)
     if not paths:
         ap.exit(2, f"error: no summary.json under {a.runs}; point at a run or multirun directory\n")
     summaries = []
@@ -346,11 +398,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
         raise SystemExit(f"error: {e}") from None
+    name_apart(rows, [s for s in summaries if _is_zeropp(s)])
     if rows:
-        print(
-            f"links: cross {rows[0]['cross_gbps']:.3g} Gbit/s, intra {rows[0]['intra_gbps']:.3g} Gbit/s, "
-            f"{1e6 * rows[0]['alpha_s']:.0f} us per message step"
-        )
+        print(links_line(rows))
     print(format_comparison(rows))
 
 

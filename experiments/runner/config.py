@@ -63,10 +63,13 @@ __all__ = [
     "TrainerConfig",
     "build_model_config",
     "check_fresh_run_dir",
+    "check_resumes_its_own",
     "from_dict",
     "from_omegaconf",
+    "interpolation_error",
     "model_field_defaults",
     "run_records",
+    "saved_by",
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -179,6 +182,7 @@ class RunConfig:
                 f"train.steps (e.g. train.steps={2 * step}; the default LR schedule spans train.steps, so "
                 "it changes too), or start a fresh run elsewhere"
             )
+        check_resumes_its_own(ckpt, Path(run_dir))
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -276,6 +280,48 @@ def _check_tp(rc: RunConfig) -> None:
             check_gpt_tp(rc.model, rc.topology.tp)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
+
+
+def saved_by(version: Path) -> str | None:
+    """The run directory that saved checkpoint folder ``version`` (``run_dir`` of the extra the
+    runner saves with it), or None: not recorded (saved before it was), or unreadable."""
+    try:
+        extra = checkpoint_files.read_meta(version).get("extra")
+    except (OSError, ValueError):
+        return None
+    by = extra.get("run_dir") if isinstance(extra, dict) else None
+    return by if isinstance(by, str) else None
+
+
+def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
+    """With ``resume=true``: in a checkpoint directory shared by several runs (one
+    ``train.checkpoint_dir`` for every point of a sweep), ``LATEST`` names the last save of any of
+    them; when this run saved there too but another run saved the newest checkpoint, resuming would
+    continue the other run's weights under this run's name and settings: refused, naming both.
+    A run resuming from checkpoints it never saved to (another run's, on purpose) passes."""
+    try:
+        newest = checkpoint_files.latest(ckpt)
+    except (OSError, ValueError):
+        return  # the ranks' load names the problem precisely
+    this = str(run_dir.resolve())
+    by = saved_by(newest)
+    if by is None or by == this:
+        return
+    try:
+        own = sorted(
+            (d for d in ckpt.iterdir() if checkpoint_files.NAME.fullmatch(d.name) and saved_by(d) == this),
+            key=lambda d: checkpoint_files.version_step(d.name),
+        )
+    except OSError:
+        return
+    if own:
+        raise ConfigError(
+            f"invalid config: resume=true, but the newest checkpoint in {ckpt} ({newest.name}) was saved by the "
+            f"run in {by}, not by this run ({this}, whose newest there is {own[-1].name}): the directory is shared "
+            "(train.checkpoint_dir), and resuming would continue that other run's weights here. Give each run its "
+            "own train.checkpoint_dir (the default is <run dir>/checkpoints), or resume the other run in its own "
+            "directory"
+        )
 
 
 class RunDirTaken(ConfigError):
@@ -485,7 +531,29 @@ def from_omegaconf(cfg: Any) -> RunConfig:
     """Resolve interpolations and validate the composed Hydra config (the runner's entry, before any
     rank starts: also :meth:`RunConfig.check_installed`)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    rc = from_dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:  # a ${...} naming no key, a resolver's bad argument
+        raise interpolation_error(e) from None
+    rc = from_dict(resolved)  # type: ignore[arg-type]
     rc.check_installed()
     return rc
+
+
+def interpolation_error(e: Exception, overrides: list[str] | None = None) -> ConfigError:
+    """An OmegaConf error met while resolving the composed config (``key=${train.stpes}``: an
+    interpolation naming no key) as one ``invalid config`` line naming the key, or the overrides
+    holding an interpolation when the key is only Hydra's record of them, and what to change."""
+    text = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    key = str(getattr(e, "full_key", "") or "")
+    if key and not key.startswith("hydra."):
+        where = f"{key}: "
+    else:
+        held = [o for o in overrides or [] if "${" in o]
+        where = f"{' '.join(held)}: " if held else ""
+    return ConfigError(
+        f"invalid config: {where}{text}; an interpolation must name an existing key (e.g. ${{train.steps}}): "
+        "fix or quote the ${...} on the command line"
+    )

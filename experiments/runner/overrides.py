@@ -210,12 +210,21 @@ OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
 
 def _check_output_dir(arg: str) -> None:
     """``hydra.run.dir=<dir>`` / ``hydra.sweep.dir=<dir>``: a directory this process can create
-    files in (or create); an interpolated value is left to Hydra."""
+    files in (or create), and not an empty path (an unset shell variable: Hydra would put the
+    run's files, or a sweep's job folders, straight into the current directory); an interpolated
+    value is left to Hydra."""
     try:
         (override,) = OverridesParser.create().parse_overrides([arg])
         value = override.value()
     except HydraException:
         return
+    if isinstance(value, str) and not value.strip():
+        key = override.key_or_group
+        raise ConfigError(
+            f"invalid config: {key}= is an empty path (an unset shell variable?), which would put this "
+            f"command's outputs straight into the current directory; name the directory ({key}=runs/a), or "
+            "leave the key out for Hydra's default under outputs/ or multirun/"
+        )
     if isinstance(value, str) and value and "${" not in value:
         check_writable_dir(override.key_or_group, Path(value))
 
@@ -236,6 +245,39 @@ def _given(args: list[str]) -> dict[str, Any]:
     return out
 
 
+def is_sweep_override(arg: str) -> bool:
+    """``arg`` gives a key several values (``quant=int8,int4``, ``range(1,4)``, ``choice(...)``):
+    one axis of a sweep, which a command running one configuration cannot take."""
+    if "=" not in arg or arg.startswith(("-", "~")):
+        return False
+    try:
+        (override,) = OverridesParser.create().parse_overrides([arg])
+    except HydraException:
+        return False
+    return bool(override.is_sweep_override())
+
+
+def is_multirun(args: list[str]) -> bool:
+    """The command line asks for a sweep: ``-m`` / ``--multirun``, a ``sweep=`` preset (they set
+    multirun themselves) or ``hydra.mode=MULTIRUN``."""
+    return (
+        any(a in ("-m", "--multirun") for a in args)
+        or any(a.split("=", 1)[0].lstrip("+") == "sweep" for a in args)
+        or str(_given(args).get("hydra.mode", "")).upper() == "MULTIRUN"
+    )
+
+
+def check_single_run_values(args: list[str]) -> None:
+    """A command line that is not a sweep gives each key one value: ``quant=int8,int4`` without
+    ``-m`` is refused naming the fix (Hydra's own answer is a composition error, exit 1)."""
+    several = [a for a in args if is_sweep_override(a)]
+    if several and not is_multirun(args):
+        raise ConfigError(
+            f"invalid config: {' '.join(several)} gives several values, which only a sweep runs; add -m "
+            f"(python -m experiments.run -m {' '.join(several)} ...) or give one value"
+        )
+
+
 def check_fresh_outputs(args: list[str]) -> None:
     """Refuse, before Hydra writes its ``.hydra/`` files, a fresh run (no ``resume=true``) whose
     explicit ``hydra.run.dir`` holds an earlier run's records, or a sweep whose explicit
@@ -249,11 +291,7 @@ def check_fresh_outputs(args: list[str]) -> None:
             return  # (any spelling OmegaConf reads as true: yes, 1, True, ...)
     except ValidationError:
         return  # not a boolean: the config validation says so
-    sweep = (
-        any(a in ("-m", "--multirun") for a in args)
-        or any(a.split("=", 1)[0].lstrip("+") == "sweep" for a in args)
-        or str(given.get("hydra.mode", "")).upper() == "MULTIRUN"
-    )
+    sweep = is_multirun(args)
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
     value = given.get(key)
     if not isinstance(value, str) or not value or "${" in value or (sweep and "hydra.sweep.subdir" in given):

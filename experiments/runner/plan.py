@@ -101,13 +101,24 @@ def _node_counts(text: str | None, default: int) -> list[int]:
 def load_config(overrides: list[str]) -> RunConfig:
     """The runner's config for ``overrides``, checked as ``python -m experiments.run`` checks it."""
     from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
 
-    from .overrides import check_overrides
+    from .overrides import check_overrides, is_sweep_override
     from .run import validated
 
     check_overrides(overrides)
-    with initialize_config_module("zeropp.conf", version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
+    several = [o for o in overrides if o in ("-m", "--multirun") or is_sweep_override(o)]
+    if several:
+        raise ConfigError(
+            f"invalid config: {' '.join(several)}: the plan projects one configuration, not a sweep; "
+            "give each key one value and run the plan once per configuration"
+        )
+    try:
+        with initialize_config_module("zeropp.conf", version_base="1.3"):
+            cfg = compose("config", overrides=list(overrides))
+    except HydraException as e:  # an override Hydra cannot parse or apply
+        given = getattr(e, "override", None)  # Hydra's parse errors carry the override they failed on
+        raise ConfigError(f"invalid config: {f'{given}: ' if given else ''}{str(e).strip().splitlines()[0]}") from None
     rc = validated(without_hydra(cfg), list(overrides))
     check_plannable(rc)
     return rc

@@ -93,6 +93,13 @@ def load_run(run_dir: Path) -> Any:
     try:
         rc = from_dict(json.loads(path.read_text())["config"])
     except FileNotFoundError:
+        runs = sorted(q.parent.name for q in run_dir.glob("*/summary.json"))
+        if runs:  # a multirun directory: its jobs are the runs
+            raise ConfigError(
+                f"{run_dir} is a sweep's directory, not a run's; give one of its runs: "
+                + ", ".join(str(run_dir / r) for r in runs[:4])
+                + (", ..." if len(runs) > 4 else "")
+            ) from None
         raise ConfigError(
             f"no summary.json in {run_dir}: the run did not finish; profile a run that completes"
         ) from None

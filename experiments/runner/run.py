@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zeropp.comm.layout import LaunchLayout
@@ -41,7 +42,7 @@ from zeropp.runtime.divergence import DivergenceError
 
 from ..launch.failure import shell_status
 from . import plugins, schema
-from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, without_hydra
+from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, interpolation_error, without_hydra
 from .launcher import (
     RankFailure,
     RunInterrupted,
@@ -52,7 +53,7 @@ from .launcher import (
     worker_module,
 )
 from .metrics import read_summary, write_summary
-from .overrides import check_fresh_outputs, check_overrides
+from .overrides import check_fresh_outputs, check_overrides, check_single_run_values
 from .preflight import check_before_launch, check_writable_dir
 from .slurm import check_slurm_keys, check_slurm_launch
 
@@ -313,20 +314,102 @@ def run_job(overrides: list[str], run_dir: str | Path, *, dir_key: str = "run_di
     return summary
 
 
+def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
+    """The run directory of the sweep's point number ``num`` (composed as ``cfg``):
+    ``hydra.sweep.dir``/``hydra.sweep.subdir`` resolved with the job number Hydra's launcher gives
+    that point; None when it cannot be resolved before the launch (a resolver of the job itself)."""
+    point = copy.deepcopy(cfg)
+    try:
+        with open_dict(point):
+            point.hydra.job.num = num
+            point.hydra.job.id = f"{point.hydra.job.name}_{num}"
+        return Path(str(point.hydra.sweep.dir)) / str(point.hydra.sweep.subdir)
+    except Exception:  # any resolution error: the job's own check runs again at its start
+        return None
+
+
+RESUME_MAY_CHANGE = (
+    "resume",
+    "train.steps",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.checkpoint_dir",
+)
+"""Overrides a resumed sweep point may give other values than the run it continues (to train on,
+save differently); ``logger.*``, ``launcher.*`` and ``hydra.*`` too."""
+
+
+def _override_values(overrides: Sequence[str]) -> dict[str, str]:
+    """``key=value`` overrides as key -> value (Hydra's ``+`` / ``++`` prefixes dropped), less the
+    keys a resumed point may change (:data:`RESUME_MAY_CHANGE`)."""
+    out = {}
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        key = key.lstrip("+")
+        if eq and key not in RESUME_MAY_CHANGE and not key.startswith(("logger", "launcher", "hydra")):
+            out[key] = value
+    return out
+
+
+def check_resumed_point(run_dir: Path, overrides: Sequence[str]) -> None:
+    """A sweep point with ``resume=true`` continues the run in its directory only if that run was
+    made by the same point: Hydra names job directories by position (``hydra.sweep.subdir``,
+    ``${hydra.job.num}``), so resuming a sweep with other or fewer values maps a point onto another
+    point's run (``-m stage=3 resume=true`` over a ``stage=2,3`` sweep continues the stage-2 run as
+    stage 3, its records then a mix of both). Refused naming the differing overrides; a run
+    continued with other settings on purpose is resumed alone (``hydra.run.dir=<dir> resume=true``)."""
+    try:
+        earlier = json.loads((run_dir / "ranks" / "spec.json").read_text()).get("overrides")
+    except (OSError, ValueError, AttributeError):
+        return  # no record of what made it: the point's own checks decide
+    if not (isinstance(earlier, list) and all(isinstance(o, str) for o in earlier)):
+        return
+    before, now = _override_values(earlier), _override_values(overrides)
+    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    if differ:
+        was = " ".join(f"{k}={before[k]}" for k in differ if k in before) or "(not set)"
+        given = " ".join(f"{k}={now[k]}" for k in differ if k in now) or "(not set)"
+        raise ConfigError(
+            f"invalid config: resume=true would continue the run in {run_dir}, made with {was}, as this point "
+            f"({given}): a sweep's job directories follow its points' order, so other or fewer values map a point "
+            "onto another point's run. Resume with the sweep's own values (raise train.steps to train on), use "
+            "hydra.sweep.subdir=${hydra.job.override_dirname} for sweeps you will extend, or continue that run "
+            "with other settings on purpose alone: hydra.run.dir=<its directory> resume=true"
+        )
+
+
 def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> None:
     """Every point of a sweep checked before the first starts (``hydra/sweeper=zeropp`` calls this
     with each point's overrides and composed config): its settings validated as the point itself
     will validate them, its Slurm keys, and, with the local launcher, this host's checks (corpus,
-    ranks and memory, writable directories; run directories stand in by the sweep's). Each invalid
-    point is named with its error, then the command exits 2 and no point has started."""
+    ranks and memory, writable directories) and its own run directory: no two points may share one
+    (a constant ``hydra.sweep.subdir``), and a fresh point's must hold no earlier run's records
+    (an extended sweep with a custom subdir). Each invalid point is named with its error, then the
+    command exits 2 and no point has started."""
     shared = set.intersection(*(set(o) for o, _ in points)) if len(points) > 1 else set()
     bad: list[str] = []
-    for overrides, cfg in points:
+    taken: dict[Path, Sequence[str]] = {}  # each point's run directory -> the point that runs there
+    for num, (overrides, cfg) in enumerate(points):
         launcher = cfg.hydra.runtime.choices.get("hydra/launcher")
         try:
             check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), launcher)
             rc = validated(without_hydra(cfg), list(overrides))
+            run_dir = sweep_point_dir(cfg, num)
+            if run_dir is not None:
+                other = taken.setdefault(run_dir.resolve(), overrides)
+                if other is not overrides:
+                    subdir = cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]  # as typed
+                    raise ConfigError(
+                        f"invalid config: hydra.sweep.subdir={subdir!r} "
+                        f"puts this point into {run_dir}, where point {' '.join(o for o in other if o not in shared)!r} "
+                        "runs too (each would overwrite the other's records); make hydra.sweep.subdir differ "
+                        "between points: ${hydra.job.num} (the default) or ${hydra.job.override_dirname}"
+                    )
+            if rc.resume and run_dir is not None:
+                check_resumed_point(run_dir, overrides)
             if launcher in (None, "basic"):
+                if run_dir is not None:
+                    rc.check_run_dir(run_dir, key="hydra.sweep.dir")  # an earlier run there, or nothing to resume
                 check_before_launch(rc, Path(str(cfg.hydra.sweep.dir)), local=True)
         except ConfigError as e:
             own = [o for o in overrides if o not in shared]  # what tells the point from the others
@@ -372,7 +455,14 @@ def command_status(e: ConfigError | RankFailure | DivergenceError) -> int:
 
 @hydra.main(version_base="1.3", config_path="pkg://zeropp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    info = _hydra_info()
+    try:
+        info = _hydra_info()  # Hydra's record of the overrides resolves their ${...} too
+    except OmegaConfBaseException as e:
+        from hydra.core.hydra_config import HydraConfig
+
+        typed = cast(list, OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
+        print(f"error: {interpolation_error(e, [str(o) for o in typed])}", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
@@ -404,6 +494,7 @@ def cli() -> None:
         sys.exit(2)
     try:
         check_overrides(sys.argv[1:])
+        check_single_run_values(sys.argv[1:])
         check_fresh_outputs(sys.argv[1:])  # before Hydra writes its .hydra/ files into an earlier run
         check_slurm_launch(sys.argv[1:])  # before Hydra: nothing submitted without the plugin and sbatch
     except ConfigError as e:

@@ -64,6 +64,9 @@ class Checkpointer:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, trainer: Trainer, *, lead: bool) -> None:
         self.cfg, self.trainer, self.lead = cfg, trainer, lead
+        self.run_dir = str(Path(run_dir).resolve())
+        """Saved with each checkpoint, so a resume can tell its own checkpoints from another run's in a
+        shared directory (``config.check_resumes_its_own``)."""
         self.dir = cfg.checkpoint_dir(run_dir)
         """Where the versions and ``LATEST`` live."""
         self.saved: str | None = None
@@ -110,7 +113,12 @@ class Checkpointer:
             return False
         heartbeat("checkpoint_save", step, long=True)
         # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
-        extra = {"step": step, "run": resume_keys(self.cfg), "model": self.cfg.to_dict()["model"]}
+        extra = {
+            "step": step,
+            "run": resume_keys(self.cfg),
+            "model": self.cfg.to_dict()["model"],
+            "run_dir": self.run_dir,
+        }
         self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)
         self.saved, self.saved_step = str(self.dir), step
         return True

@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 REPORT = "report.md"
+FAILED_FILE = "failed.json"
+"""What the runner writes into a sweep job's directory when the job fails (``runner.run``)."""
 SUMMARY_USED = (
     "label",
     "tokens_per_s",
@@ -103,14 +105,33 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
 def _failed_jobs(root: Path) -> list[dict[str, Any]]:
     """``failed.json`` of the sweep's failed jobs (overrides and error), in job order."""
     jobs = []
-    for p in sorted(Path(root).rglob("failed.json"), key=_job_key):
+    for p in sorted(Path(root).rglob(FAILED_FILE), key=_job_key):
         j = _read_json(p)
         overrides = j.get("overrides")
         if not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)) or not isinstance(
             j.get("error"), str
         ):
             raise ReportError(f'{p} has no "overrides" list and "error" text; fix or remove the file')
-        jobs.append(j)
+        jobs.append(j | {"_dir": str(p.parent)})
+    return jobs
+
+
+def _incomplete_jobs(root: Path) -> list[dict[str, Any]]:
+    """Jobs that started (their launch wrote ``ranks/spec.json``) but left neither a summary nor
+    ``failed.json``: interrupted (Ctrl-C, SIGTERM, the runner killed) or still running. Each is
+    its directory (``run_dir``) and ``overrides``, in job order; a spec that cannot be read gives
+    no overrides (the job is still counted)."""
+    jobs: list[dict[str, Any]] = []
+    for p in sorted(Path(root).rglob("ranks/spec.json"), key=lambda q: _job_key(q.parent)):
+        d = p.parent.parent
+        if (d / "summary.json").exists() or (d / FAILED_FILE).exists():
+            continue
+        try:
+            overrides = _read_json(p).get("overrides")
+        except ReportError:
+            overrides = None
+        ok = isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)
+        jobs.append({"run_dir": str(d), "overrides": overrides if ok else []})
     return jobs
 
 
@@ -127,6 +148,17 @@ def _num(value: Any, spec: str, scale: float = 1.0) -> str:
     return format(scale * value, spec)
 
 
+def _last_step(s: dict[str, Any]) -> Any:
+    """The training step a run that did not complete stopped at: its divergence record's step, else
+    its last step (``steps`` counts only the steps this launch ran: a resumed run starts at
+    ``first_step``); ``?`` when the summary says neither."""
+    step = (s.get("divergence") or {}).get("step") if isinstance(s.get("divergence"), dict) else None
+    if isinstance(step, int):
+        return step
+    steps, first = s.get("steps"), s.get("first_step", 1)
+    return first + steps - 1 if isinstance(steps, int) and isinstance(first, int) else "?"
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
     head = (
         "| run | config | tokens/s | step (ms) | TFLOP/s | comm/step intra | comm/step cross | "
@@ -136,7 +168,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     for s, name in zip(runs, run_labels(runs)):
         c = s["comm_bytes_per_step"]["by_link"]
         status = s.get("status", "completed")
-        config = s["label"] if status == "completed" else f"{s['label']} ({status} at step {s.get('steps', '?')})"
+        config = s["label"] if status == "completed" else f"{s['label']} ({status} at step {_last_step(s)})"
         lines.append(
             f"| {name} | {config} | {_num(s['tokens_per_s'], ',.0f')} | "
             f"{_num((s.get('step_time_s') or {}).get('mean'), '.1f', 1e3)} | "
@@ -197,22 +229,36 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     out = Path(out or root)
     check_outputs(out, (REPORT, *PLOTS))  # before the drawing: a refusal costs nothing
     runs = load_runs(root)
+    failed = _failed_jobs(root)
+    incomplete = _incomplete_jobs(root)
     if not runs:
-        raise ReportError(f"no summary.json under {root}; point at a run or multirun directory")
+        jobs = (f"{len(failed)} failed" if failed else "") + (
+            f"{', ' if failed else ''}{len(incomplete)} interrupted or still running" if incomplete else ""
+        )
+        raise ReportError(
+            f"no summary.json under {root}"
+            + (f": its jobs did not finish ({jobs}; see their failed.json and ranks/ logs)" if jobs else "")
+            + "; point at a run or multirun directory"
+        )
     for s in runs:
         missing = [k for k in SUMMARY_USED if k not in s]
         if missing:
             raise ReportError(
                 f"{Path(s['_dir']) / 'summary.json'} has no {', '.join(missing)}; it is not a run's summary: fix or remove it"
             )
-    failed = _failed_jobs(root)
     figures = plots(runs)
     common = label_runs(runs).common
+    absent = [j for j in failed if not (Path(j["_dir"]) / "summary.json").exists()]  # a diverged run has a row
     md = [
         f"# Sweep report: {Path(root).resolve().name}",
         "",
         f"{len(runs)} runs"
-        + (f", {len(failed)} failed (not in the table or plots)" if failed else "")
+        + (f", {len(absent)} failed (not in the table or plots)" if absent else "")
+        + (
+            f", {len(incomplete)} interrupted or still running (no summary: not in the table or plots)"
+            if incomplete
+            else ""
+        )
         + "."
         + (f" All runs: {common}." if common else ""),
         "",
@@ -239,6 +285,12 @@ def write_report(root: Path, out: Path | None = None) -> Path:
         md += (
             ["Failed jobs:", ""]
             + [f"- `{' '.join(j['overrides'])}`: {(j['error'].splitlines() or [''])[0]}" for j in failed]
+            + [""]
+        )
+    if incomplete:
+        md += (
+            ["Interrupted or still running (started, but no summary.json and no failed.json):", ""]
+            + [f"- `{_relative(j['run_dir'], root)}`, `{' '.join(j['overrides']) or '(defaults)'}`" for j in incomplete]
             + [""]
         )
     md += [f"![{Path(name).stem}]({name})" for name in figures]

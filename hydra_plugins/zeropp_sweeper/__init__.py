@@ -46,6 +46,18 @@ class ZeroppSweeper(BasicSweeper):
     """Hydra's basic sweeper; every point of the sweep (of all batches, when ``max_batch_size``
     splits it) is checked by the task's :data:`CHECK_HOOK` before the first batch is launched."""
 
+    def __init__(self, max_batch_size: Optional[int], params: Optional[Dict[str, str]] = None) -> None:
+        # Hydra's basic sweeper asserts max_batch_size > 0 only when it splits the sweep (a traceback)
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or max_batch_size < 1):
+            print(
+                f"error: invalid config: hydra.sweeper.max_batch_size={max_batch_size}; allowed: the number of "
+                "points launched together, >= 1, or null (all of them); nothing was started",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(2)
+        super().__init__(max_batch_size=max_batch_size, params=params)
+
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         module = sys.modules.get(getattr(task_function, "__module__", ""))

@@ -252,7 +252,8 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: p
     assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "completed"
     report_main([str(sweep)])  # the command's own function (the command as typed: the test above)
     md = (sweep / "report.md").read_text()
-    assert "1 failed" in md and "optim.lr=1e+30" in md
+    assert "(diverged at step" in md and "Failed jobs:" in md and "optim.lr=1e+30" in md
+    assert "2 runs." in md and "failed (not in the table" not in md  # the diverged job is a row, counted once
 
 
 def _start_runner(args: list[str], tmp_path: Path) -> subprocess.Popen:

@@ -61,6 +61,10 @@ def test_coalesced_units_are_drawn_as_the_units_the_plan_moves(tmp_path, keep: b
         (["model=tiny", "trainer=ddp"], "trainer=ddp"),
         (["model=tiny", "zero.stage=7"], "stage"),
         (["model=tiny", "plan.cluster_file=/nonexistent/cluster.json"], "plan.cluster_file"),
+        (["-m", "model=tiny,mini"], "-m model=tiny,mini: the plan projects one configuration, not a sweep"),
+        (["model=tiny", "train.steps=range(1,3)"], "train.steps=range(1,3): the plan projects one configuration"),
+        (["model=tiny", "zero.reduce_bucket_size=${oops}"], "zero.reduce_bucket_size: Interpolation key 'oops'"),
+        (["model=tiny", "train.steps=a=b)("], "train.steps=a=b)(: mismatched input"),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_key(argv: list[str], key: str, tmp_path, capsys) -> None:

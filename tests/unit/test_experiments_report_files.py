@@ -224,3 +224,52 @@ def test_a_diverged_run_is_a_row_marked_so_with_no_final_loss(tmp_path: Path) ->
     row = next(line for line in md.splitlines() if "run1" in line)
     assert "run1 (diverged at step 2)" in row and row.rstrip().endswith("| - | - |"), row
     assert all((root / p).stat().st_size > 0 for p in PLOTS)
+
+
+def test_a_resumed_run_that_diverged_names_the_training_step(tmp_path: Path) -> None:
+    """A run resumed at step 5 that diverged at step 6 ran 2 steps in that launch: its row names
+    step 6, the divergence record's (before: "diverged at step 2", the count of the launch's steps)."""
+    root = _sweep(tmp_path)
+    s = json.loads((root / "1" / "summary.json").read_text())
+    s.update(status="diverged", steps=2, first_step=5, divergence={"step": 6, "reason": "non_finite"})
+    s["loss"] = {"first": 5.0, "final": None, "eval": None, "curve": [5.0, None]}
+    (root / "1" / "summary.json").write_text(json.dumps(s))
+    md = write_report(root).read_text()
+    assert "run1 (diverged at step 6)" in md, md
+    del s["divergence"]
+    (root / "1" / "summary.json").write_text(json.dumps(s))
+    assert "run1 (diverged at step 6)" in write_report(root).read_text()  # first_step + steps - 1
+
+
+def test_failed_and_interrupted_jobs_are_counted_once_and_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A diverged job (summary and ``failed.json``) is a row, not also counted as a job left out; a
+    failed job without a summary is counted as left out; a job that started (``ranks/spec.json``)
+    but left neither file (Ctrl-C, SIGTERM) is counted and listed with its overrides (before: it
+    was silently absent, and the diverged row was also counted as "not in the table")."""
+    root = _sweep(tmp_path / "sweep")
+    s = json.loads((root / "1" / "summary.json").read_text())
+    s.update(status="diverged", steps=2, loss={"first": 5.0, "final": None, "eval": None, "curve": [5.0, None]})
+    (root / "1" / "summary.json").write_text(json.dumps(s))
+    failed = {"overrides": ["train.seed=1"], "error": "training diverged at step 2", "exit_code": 3}
+    (root / "1" / "failed.json").write_text(json.dumps(failed))
+    (root / "2").mkdir()
+    failed = {"overrides": ["train.seed=2"], "error": "rank 1 (node 0) was killed by SIGKILL", "exit_code": 137}
+    (root / "2" / "failed.json").write_text(json.dumps(failed))
+    (root / "3" / "ranks").mkdir(parents=True)
+    (root / "3" / "ranks" / "spec.json").write_text(json.dumps({"overrides": ["train.seed=3"]}))
+    (root / "3" / "metrics.jsonl").write_text('{"step": 1}\n')
+    md = write_report(root).read_text()
+    assert "2 runs, 1 failed (not in the table or plots), 1 interrupted or still running" in md, md
+    assert "- `train.seed=2`: rank 1 (node 0) was killed by SIGKILL" in md
+    assert "- `train.seed=1`: training diverged at step 2" in md
+    assert "Interrupted or still running" in md and "- `3`, `train.seed=3`" in md
+    empty = tmp_path / "none"
+    for i in (0, 1):
+        (empty / str(i)).mkdir(parents=True)
+    (empty / "0" / "failed.json").write_text(json.dumps(failed))
+    (empty / "1" / "ranks").mkdir()
+    (empty / "1" / "ranks" / "spec.json").write_text("{}")
+    err = _refused([str(empty)], capsys)
+    assert "its jobs did not finish (1 failed, 1 interrupted or still running" in err, err

@@ -81,7 +81,7 @@ def test_checkpoints_are_saved_on_schedule_and_never_after_a_divergence(tmp_path
     path, extra, keep = trainer.saves[0]
     assert (path, extra, keep) == (
         tmp_path / "checkpoints",
-        {"step": 2, "run": resume_keys(cfg), "model": cfg.to_dict()["model"]},
+        {"step": 2, "run": resume_keys(cfg), "model": cfg.to_dict()["model"], "run_dir": str(tmp_path.resolve())},
         3,
     )
     # step 4 is due but diverged: nothing is saved, the last good checkpoint stays the newest

@@ -217,6 +217,13 @@ def test_side_by_side_refuses_a_run_without_its_config(tmp_path: Path, capsys: p
 
     assert main([str(tmp_path)]) == 2
     assert "no summary.json in" in capsys.readouterr().err
+    for job in ("0", "1"):  # a sweep's directory: its runs are named (before: "the run did not finish")
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text("{}")
+    assert main([str(tmp_path)]) == 2
+    assert f"is a sweep's directory, not a run's; give one of its runs: {tmp_path / '0'}, {tmp_path / '1'}" in (
+        capsys.readouterr().err
+    )
     (tmp_path / "summary.json").write_text('{"config": ')
     assert main([str(tmp_path)]) == 2
     assert "holds no readable run config" in capsys.readouterr().err

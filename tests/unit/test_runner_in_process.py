@@ -204,3 +204,112 @@ def test_run_job_into_a_directory_under_a_file_is_a_config_error(tmp_path: Path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(run.ConfigError, match=r"--out='.*file/run' cannot be created: .*file is not a directory"):
         run.run_job([*MINI_1X2_CPU], tmp_path / "file" / "run", dir_key="--out")
+
+
+def test_sweep_points_sharing_a_run_dir_or_landing_on_earlier_runs_start_no_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each point's own run directory (``hydra.sweep.subdir`` resolved with its job number) is
+    checked with the others, before the first starts: a constant subdir puts two points into one
+    directory, and a sweep extended with a custom subdir meets an earlier run's records. Exit 2
+    naming the points, nothing launched (before, the first point ran, then the sweep stopped)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    p = run_cli_here(
+        ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=same"], capfd
+    )
+    assert p.returncode == 2 and "1 of 2 sweep point(s) cannot run; no point was started" in p.stderr, p.stderr[-2000:]
+    assert "train.seed=2: invalid config: hydra.sweep.subdir='same'" in p.stderr and "'train.seed=1'" in p.stderr
+    assert calls == [] and not (sweep / "same").exists()
+    subdir = "hydra.sweep.subdir=seed${train.seed}"
+    (sweep / "seed2").mkdir(parents=True)
+    (sweep / "seed2" / "summary.json").write_text("{}")
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", subdir], capfd)
+    assert p.returncode == 2 and "1 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
+    assert f"train.seed=2: invalid config: {sweep / 'seed2'} already holds a run" in p.stderr
+    assert calls == [] and not (sweep / "seed1").exists()
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,3", f"hydra.sweep.dir={sweep}", subdir], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # distinct, fresh directories run as before
+
+
+def test_a_sweep_with_an_interpolation_naming_no_key_starts_no_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``key=${typo}`` in a sweep is each point's one ``invalid config`` line naming the key, exit 2
+    before any starts (before: OmegaConf's InterpolationKeyError traceback from the sweeper, exit 1)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    args = ["-m", *MINI_1X2_CPU, "train.seed=1,2", "zero.reduce_bucket_size=${zero.nope}"]
+    p = run_cli_here([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], capfd)
+    assert p.returncode == 2 and "2 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
+    assert "zero.reduce_bucket_size: Interpolation key 'zero.nope' not found" in p.stderr and calls == []
+
+
+def test_a_resume_from_a_shared_checkpoint_dir_refuses_another_runs_newest(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sweep points sharing one ``train.checkpoint_dir``: resuming point a, whose own checkpoints
+    are there but whose ``LATEST`` is point b's, is refused before any rank starts, naming both
+    (before: a loaded b's weights and trained on under a's name, with only a warning about changed
+    settings). Point b resumes its own newest; a fresh directory resuming from them (a fork) too."""
+    import json
+
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    ckpt, a, b = tmp_path / "ck", tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    for name, by in (("ckpt-00000002-00000000000000aa", a), ("ckpt-00000002-00000000000000bb", b)):
+        (ckpt / name).mkdir(parents=True)
+        meta = {"format": 3, "files": {}, "step": 2, "extra": {"step": 2, "run_dir": str(by.resolve())}}
+        (ckpt / name / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "LATEST").write_text("ckpt-00000002-00000000000000bb\n")
+    common = [*MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}", "resume=true"]
+    p = run_cli_here([*common, f"hydra.run.dir={a}"], capfd)
+    assert p.returncode == 2 and calls == [], p.stderr[-2000:]
+    assert f"was saved by the run in {b.resolve()}, not by this run ({a.resolve()}" in p.stderr
+    assert "whose newest there is ckpt-00000002-00000000000000aa" in p.stderr
+    p = run_cli_here([*common, f"hydra.run.dir={b}"], capfd)
+    assert p.returncode == 5 and calls == [1], p.stderr[-2000:]
+    p = run_cli_here([*common, f"hydra.run.dir={tmp_path / 'fork'}"], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_a_sweep_batch_size_below_one_is_refused_before_any_point(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, size: str
+) -> None:
+    """``hydra.sweeper.max_batch_size`` below 1 is one error line and exit 2, nothing launched and
+    no sweep directory (before: the AssertionError traceback of Hydra's basic sweeper, exit 1)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    args = ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", f"hydra.sweeper.max_batch_size={size}"]
+    p = run_cli_here(args, capfd)
+    assert p.returncode == 2 and f"hydra.sweeper.max_batch_size={size}; allowed:" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and calls == [] and not sweep.exists()
+
+
+def test_resuming_a_sweep_with_other_values_refuses_to_map_a_point_onto_another_points_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Job directories follow the points' order: ``-m train.seed=2 resume=true`` over a
+    ``train.seed=1,2`` sweep would continue job 0, seed 1's run, as seed 2. Refused before any
+    point starts, naming both values (before: it resumed, its records a mix of both points). The
+    sweep's own values, with a longer run, resume as before."""
+    import json
+
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    for job, seed in ((0, 1), (1, 2)):
+        (sweep / str(job) / "ranks").mkdir(parents=True)
+        spec = {"overrides": [*MINI_1X2_CPU, f"train.seed={seed}", "train.steps=4", "train.checkpoint_every=2"]}
+        (sweep / str(job) / "ranks" / "spec.json").write_text(json.dumps(spec))
+        (sweep / str(job) / "checkpoints").mkdir()
+        (sweep / str(job) / "checkpoints" / "LATEST").write_text("ckpt-00000004-0000000000000000\n")
+    args = ["-m", *MINI_1X2_CPU, "train.steps=8", "train.checkpoint_every=2", "resume=true", f"hydra.sweep.dir={sweep}"]
+    p = run_cli_here([*args, "train.seed=2"], capfd)
+    assert p.returncode == 2 and calls == [], p.stderr[-2000:]
+    assert f"would continue the run in {sweep / '0'}, made with train.seed=1, as this point (train.seed=2)" in p.stderr
+    p = run_cli_here([*args, "train.seed=1,2"], capfd)
+    assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]

@@ -284,6 +284,49 @@ def test_compare_measured_takes_the_link_from_the_summary() -> None:
     assert compare_measured([local], quant_rates=(), cross_gbps=2.0)[0]["cross_gbps"] == 2.0
 
 
+def test_runs_that_share_a_label_are_told_apart_and_zero_bytes_of_zero_is_exact(tmp_path, capsys) -> None:
+    """Two sweeps' runs that differ only in train.steps share the summary label ``run``: each row
+    gets what sets its run apart, whole (before: four rows reading alike, cut at 34 characters);
+    a run that sends no cross-node bytes, predicted as none, reads 0.0% (before: nan%); jobs in
+    Hydra's order (2 before 10)."""
+    import json
+
+    from zeropp.experiments.projection.scaling_check import compare_measured, main
+
+    runs = []
+    for job, steps in ((2, 3), (10, 5)):
+        s = _summary({"name": "local"})
+        s["config"]["train"]["steps"] = steps
+        s["overrides"] = [f"train.steps={steps}"]
+        s["comm_bytes_per_step"] = {"by_link": {"cross": 0, "intra": 0}}
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "summary.json").write_text(json.dumps(s))
+        runs.append(s)
+    one_node = {**runs[0], "config": {**runs[0]["config"], "topology": {"nodes": 1, "ranks_per_node": 2}}}
+    (row,) = compare_measured([one_node], quant_rates=(), cross_gbps=1.0)
+    assert row["measured_cross_bytes"] == row["predicted_cross_bytes"] == 0 and row["bytes_error"] == 0.0
+    main([str(tmp_path), "--cross-gbps", "1"])
+    lines = capsys.readouterr().out.splitlines()[3:]
+    assert [line.split(")")[0] for line in lines] == ["run (train.steps=3", "run (train.steps=5"], lines
+
+
+def test_runs_of_a_link_rate_sweep_each_show_their_own_rate() -> None:
+    """Emulated runs at 1 and 10 Gbit/s: the links line lists both and each row names its own
+    (before: the line named the first row's rate for every row)."""
+    from zeropp.experiments.projection.scaling_check import compare_measured, links_line
+
+    runs = []
+    for gbps in (1.0, 10.0):
+        s = _summary({"name": "emulated", "inter_gbps": gbps, "inter_latency_ms": 0.0})
+        s["comm_bytes_per_step"] = {"by_link": {"cross": 1, "intra": 1}}
+        runs.append(s)
+    rows = compare_measured(runs, quant_rates=())
+    assert links_line(rows).startswith("links: cross 1, 10 Gbit/s (per run: see each row)")
+    assert [r["label"] for r in rows] == ["run @ 1 Gbit/s", "run @ 10 Gbit/s"]
+    (one,) = compare_measured(runs[:1], quant_rates=())
+    assert links_line([one]).startswith("links: cross 1 Gbit/s, intra") and one["label"] == "run"
+
+
 @pytest.mark.parametrize(
     "kw, word",
     [

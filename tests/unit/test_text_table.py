@@ -50,9 +50,18 @@ def _ends(line: str, columns) -> list[str]:
         ),
         (
             scaling_check.format_comparison,
-            scaling_check.COMPARISON_COLUMNS,
+            scaling_check.comparison_columns([COMPARISON_ROW]),  # the run column fits the whole label
             COMPARISON_ROW,
-            ["stage=3,quant=zeropp,model=tiny,la", "0.500", "0.450", "-10%", "0.010", "123456", "120000", "-2.8%"],
+            [
+                "stage=3,quant=zeropp,model=tiny,launcher.progress=False",
+                "0.500",
+                "0.450",
+                "-10%",
+                "0.010",
+                "123456",
+                "120000",
+                "-2.8%",
+            ],
         ),
     ],
 )
