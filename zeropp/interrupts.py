@@ -17,15 +17,14 @@ own handling is unchanged. A user's script that imports zeropp keeps Python's ha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 from types import FrameType
 
 __all__ = ["quiet_interrupts_while_importing", "run_as_module"]
-
-PACKAGES = ("zeropp", "experiments")
-"""Top-level packages whose ``python -m`` commands get the handler."""
 
 
 def run_as_module(argv: list[str]) -> str | None:
@@ -61,17 +60,26 @@ def _starting(frame: FrameType | None) -> bool:
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     if _starting(frame):
-        print("error: interrupted by SIGINT while starting; stopped", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a closed stderr must not stop the stop
+            print("error: interrupted by SIGINT while starting; stopped", file=sys.stderr, flush=True)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # ends the process here; an exception could be swallowed
+        # still here: the process is a namespace's init (PID 1 in a container), which the kernel does
+        # not end with a default-handled signal. Python's handler back, so a later Ctrl-C still counts.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise SystemExit(128 + signal.SIGINT)
     raise KeyboardInterrupt
 
 
-def quiet_interrupts_while_importing() -> None:
-    """Install the handler (module doc) when this process is ``python -m`` one of
-    :data:`PACKAGES`' modules and SIGINT still has Python's default handler; otherwise nothing."""
+def quiet_interrupts_while_importing(package: str) -> None:
+    """Install the handler (module doc) when this process is ``python -m package.X`` (``package``:
+    the calling package's own name, ``zeropp`` or ``experiments``), SIGINT still has Python's
+    default handler, and this is the main thread (only it may set handlers); otherwise nothing. A
+    user's ``python -m their_pkg.train`` that imports zeropp keeps Python's handler."""
     module = run_as_module(list(getattr(sys, "orig_argv", [])))
-    if module is None or module.split(".")[0] not in PACKAGES:
+    if module is None or not (module == package or module.startswith(package + ".")):
+        return
+    if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)

@@ -299,6 +299,16 @@ def _start_and_watch(
     )
     old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}  # start_processes installs its own
     world: _World | None = None
+    during_stop: list[int] = []  # signals that arrived while the ranks were being stopped
+
+    def hurry(signum: int, frame: object) -> None:
+        """A signal while the ranks stop: no exception inside the stop (that would cut it short and
+        leave ranks running); the ranks' groups are killed at once (a second Ctrl-C means hurry),
+        and the signal is reported once the stop is over."""
+        during_stop.append(signum)
+        if world is not None:
+            _signal_groups(list(world.pids.values()), signal.SIGKILL)
+
     with errors_cm as error_root:
         try:
             pc = start_processes(
@@ -312,7 +322,7 @@ def _start_and_watch(
             world = _World(
                 pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node, monitor=monitor
             )
-            return _watch(world, timeout_s=timeout_s, poll_s=poll_s)
+            results = _watch(world, timeout_s=timeout_s, poll_s=poll_s)
         except SignalException as e:
             raise RunInterrupted(
                 f"interrupted by {e.sigval.name}; all ranks stopped", exit_code=128 + int(e.sigval)
@@ -320,12 +330,19 @@ def _start_and_watch(
         finally:
             try:
                 if world is not None:
-                    for sig in _TORCH_SIGNALS:  # a second Ctrl-C must not cut the stop short (ranks left running)
-                        signal.signal(sig, signal.SIG_IGN)
+                    for sig in _TORCH_SIGNALS:
+                        signal.signal(sig, hurry)
                     world.stop()  # idempotent; bounded by grace_s; after a success it reaps stray grandchildren
             finally:
                 for sig, handler in old_handlers.items():
-                    signal.signal(sig, handler)
+                    with contextlib.suppress(
+                        TypeError, ValueError
+                    ):  # one that cannot be restored: the others still are
+                        signal.signal(sig, handler)
+    if during_stop:  # the world had finished when the signal came: the command still stops
+        sig = signal.Signals(during_stop[0])
+        raise RunInterrupted(f"interrupted by {sig.name}; all ranks stopped", exit_code=128 + int(sig))
+    return results
 
 
 def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:

@@ -299,11 +299,13 @@ def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
     them; when this run saved there too but another run saved the newest checkpoint, resuming would
     continue the other run's weights under this run's name and settings: refused, naming both.
     A run resuming from checkpoints it never saved to (another run's, on purpose) passes."""
+    this = str(run_dir.resolve())
+    if Path(ckpt).resolve().is_relative_to(this):
+        return  # the run's own folder (the default, <run dir>/checkpoints): not shared, whatever path saved it
     try:
         newest = checkpoint_files.latest(ckpt)
     except (OSError, ValueError):
         return  # the ranks' load names the problem precisely
-    this = str(run_dir.resolve())
     by = saved_by(newest)
     if by is None or by == this:
         return

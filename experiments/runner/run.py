@@ -320,9 +320,13 @@ def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
     that point; None when it cannot be resolved before the launch (a resolver of the job itself)."""
     point = copy.deepcopy(cfg)
     try:
+        if cfg.hydra.runtime.choices.get("hydra/launcher") not in (None, "basic"):
+            subdir = cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]  # as typed
+            if "hydra.job.id" in str(subdir):
+                return None  # another launcher's job id (a Slurm job's) exists only once it is submitted
         with open_dict(point):
             point.hydra.job.num = num
-            point.hydra.job.id = f"{point.hydra.job.name}_{num}"
+            point.hydra.job.id = num  # as Hydra's basic launcher sets it
         return Path(str(point.hydra.sweep.dir)) / str(point.hydra.sweep.subdir)
     except Exception:  # any resolution error: the job's own check runs again at its start
         return None
@@ -340,13 +344,22 @@ save differently); ``logger.*``, ``launcher.*`` and ``hydra.*`` too."""
 
 
 def _override_values(overrides: Sequence[str]) -> dict[str, str]:
-    """``key=value`` overrides as key -> value (Hydra's ``+`` / ``++`` prefixes dropped), less the
-    keys a resumed point may change (:data:`RESUME_MAY_CHANGE`)."""
+    """``key=value`` overrides as key -> value (Hydra's ``+`` / ``++`` prefixes dropped; the value as
+    Hydra reads it, so ``3e-3`` and ``0.003`` are one value), less the keys a resumed point may
+    change (:data:`RESUME_MAY_CHANGE`; ``logger``, ``launcher``, ``slurm`` and ``hydra`` too: a
+    point resumed after its Slurm time limit asks for more time)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
     out = {}
     for o in overrides:
         key, eq, value = o.partition("=")
         key = key.lstrip("+")
-        if eq and key not in RESUME_MAY_CHANGE and not key.startswith(("logger", "launcher", "hydra")):
+        if not eq or key in RESUME_MAY_CHANGE or key.split(".")[0] in ("logger", "launcher", "slurm", "hydra"):
+            continue
+        try:
+            out[key] = repr(parser.parse_override(o).value())
+        except Exception:  # not Hydra's grammar: compared as typed
             out[key] = value
     return out
 
@@ -408,8 +421,10 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
             if rc.resume and run_dir is not None:
                 check_resumed_point(run_dir, overrides)
             if launcher in (None, "basic"):
-                if run_dir is not None:
-                    rc.check_run_dir(run_dir, key="hydra.sweep.dir")  # an earlier run there, or nothing to resume
+                if run_dir is not None and not rc.resume:
+                    # a fresh point landing on an earlier run's records; a resumed sweep's finished points
+                    # and points that never started are each told at their turn (the others still run)
+                    rc.check_run_dir(run_dir, key="hydra.sweep.dir")
                 check_before_launch(rc, Path(str(cfg.hydra.sweep.dir)), local=True)
         except ConfigError as e:
             own = [o for o in overrides if o not in shared]  # what tells the point from the others

@@ -260,9 +260,9 @@ _TWICE_SCRIPT = textwrap.dedent("""
 
 def test_a_second_ctrl_c_while_the_ranks_stop_does_not_cut_the_stop_short(tmp_path: Path):
     """Ctrl-C pressed twice: the second arrives while the launcher waits for the ranks to stop. It
-    is ignored there, so the stop runs to its end (every rank gone) and the launcher reports the
-    interrupt in one line (before: torch's SignalException traceback from inside the stop, and the
-    ranks not yet killed were left to PDEATHSIG)."""
+    raises nothing inside the stop but kills the ranks' groups at once, so the stop ends with every
+    rank gone and the launcher reports the interrupt in one line (before: torch's SignalException
+    traceback from inside the stop, and the ranks not yet killed were left to PDEATHSIG)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     with open(tmp_path / "stderr", "w") as err_file:

@@ -17,6 +17,7 @@ import pytest
 import zeropp.experiments.runner.run as run
 from tests.experiment_helpers import MINI_1X2_CPU, RunnerTimeout, run_cli_here
 from zeropp.experiments.launch import RankFailure
+from zeropp.experiments.runner.config import ConfigError
 
 
 def test_the_launch_sees_the_scrubbed_environment_and_its_failure_is_the_exit_status(
@@ -274,6 +275,28 @@ def test_a_resume_from_a_shared_checkpoint_dir_refuses_another_runs_newest(
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]
 
 
+def test_a_run_moved_back_and_forth_resumes_from_its_own_checkpoint_folder(tmp_path: Path) -> None:
+    """The recorded saver is compared only for a checkpoint folder outside the run directory (one
+    that can be shared): the default ``<run dir>/checkpoints`` is the run's own, whatever path its
+    directory had when each version was saved (a run copied between hosts, a container's mount)."""
+    import json
+
+    from zeropp.experiments.runner.config import check_resumes_its_own
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    for name, by in (("ckpt-00000002-00000000000000aa", run_dir), ("ckpt-00000004-00000000000000bb", "/mnt/run")):
+        (ckpt / name).mkdir(parents=True)
+        meta = {"format": 3, "files": {}, "step": 2, "extra": {"step": 2, "run_dir": str(by)}}
+        (ckpt / name / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "LATEST").write_text("ckpt-00000004-00000000000000bb\n")
+    check_resumes_its_own(ckpt, run_dir)  # before: refused, "saved by the run in /mnt/run"
+    shared = tmp_path / "shared"
+    ckpt.rename(shared)
+    with pytest.raises(ConfigError, match="saved by the run in /mnt/run"):
+        check_resumes_its_own(shared, run_dir)
+
+
 @pytest.mark.parametrize("size", ["0", "-1"])
 def test_a_sweep_batch_size_below_one_is_refused_before_any_point(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, size: str
@@ -313,3 +336,32 @@ def test_resuming_a_sweep_with_other_values_refuses_to_map_a_point_onto_another_
     assert f"would continue the run in {sweep / '0'}, made with train.seed=1, as this point (train.seed=2)" in p.stderr
     p = run_cli_here([*args, "train.seed=1,2"], capfd)
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]
+    # the same values spelled otherwise, and more Slurm time (why a sweep is resumed), still resume
+    spec_path = sweep / "0" / "ranks" / "spec.json"
+    earlier = json.loads(spec_path.read_text())["overrides"]
+    spec_path.write_text(json.dumps({"overrides": [*earlier, "optim.lr=0.003", "slurm.time_min=60"]}))
+    run.check_resumed_point(sweep / "0", [*earlier, "optim.lr=3e-3", "slurm.time_min=240", "resume=true"])
+    with pytest.raises(ConfigError, match="made with optim.lr=0.003"):
+        run.check_resumed_point(sweep / "0", [*earlier, "optim.lr=1e-3", "slurm.time_min=240"])
+
+
+def test_a_resumed_sweep_runs_the_points_it_can_and_tells_the_others_at_their_turn(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupted sweep resumed: the point with a checkpoint is launched; the point that never
+    started (no checkpoint) fails alone at its turn, as before the up-front checks, instead of the
+    whole sweep being refused before any point."""
+    import json
+
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    (sweep / "0" / "ranks").mkdir(parents=True)
+    spec = {"overrides": [*MINI_1X2_CPU, "train.seed=1", "train.steps=4", "train.checkpoint_every=2"]}
+    (sweep / "0" / "ranks" / "spec.json").write_text(json.dumps(spec))
+    (sweep / "0" / "checkpoints").mkdir()
+    (sweep / "0" / "checkpoints" / "LATEST").write_text("ckpt-00000002-0000000000000000\n")
+    args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2"]
+    p = run_cli_here([*args, f"hydra.sweep.dir={sweep}"], capfd)
+    assert calls == [1], p.stderr[-2000:]  # point 0 launched
+    assert "resume=true but there is no checkpoint under" in (sweep / "1" / "failed.json").read_text()

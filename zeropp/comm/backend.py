@@ -51,7 +51,7 @@ class CommHandle(dist.Work):
     no bound, the process group's timeout applies): past it, the RuntimeError of the backend's
     wait (``Operation timed out!``) or of the continuation's is raised and the handle stays
     unfinished, holding its buffers (the backend may still use them), so a later ``wait()`` can
-    finish it.
+    finish it on gloo; NCCL's timed-out work keeps its error, so there a later wait raises it again.
     """
 
     def __init__(

@@ -24,6 +24,7 @@ are not on the chain and stay.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -193,13 +194,14 @@ def write_atomic(target: Path, data: str | bytes) -> None:
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
     try:
         kept_mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
+    except OSError:  # none there, or a link that cannot be followed: the rename replaces it as before
         kept_mode = None
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             if kept_mode is not None:
-                os.fchmod(f.fileno(), kept_mode)
+                with contextlib.suppress(OSError):  # filesystems without permission bits (vfat, some FUSE)
+                    os.fchmod(f.fileno(), kept_mode)
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
