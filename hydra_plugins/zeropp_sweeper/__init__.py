@@ -17,10 +17,11 @@ runner registers the class with Hydra wherever it is installed (``experiments/ru
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
@@ -65,6 +66,20 @@ class ZeroppSweeper(BasicSweeper):
             module, CHECK_HOOK, None
         )
         self.checked = False
+
+    def sweep(self, arguments: List[str]) -> Any:
+        """Check every point first, then sweep as the basic sweeper does: the check runs before
+        Hydra's sweeper creates the sweep directory and writes its ``multirun.yaml`` (a refused
+        sweep into an earlier sweep's directory leaves that sweep's record as it was)."""
+        if self.check_points is not None and not self.checked:
+            assert self.hydra_context is not None and self.config is not None
+            parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+            parsed = parser.parse_overrides([*self._parse_config(), *arguments])
+            points = [list(o) for batch in self.split_arguments(parsed, None) for o in batch]
+            loader = self.hydra_context.config_loader
+            self.checked = True
+            self.check_points([(o, loader.load_sweep_config(self.config, o)) for o in points])
+        return super().sweep(arguments)
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         if self.check_points is None:

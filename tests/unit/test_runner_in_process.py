@@ -144,10 +144,10 @@ def test_a_sweep_with_an_invalid_later_point_starts_no_point(
     assert "1 of 3 sweep point(s) cannot run; no point was started" in p.stderr, p.stderr[-2000:]
     assert "zero.reduce_bucket_size=-5: invalid config" in p.stderr and "reduce_bucket_size must be >= 1" in p.stderr
     assert "\n  zero.reduce_bucket_size=-5: invalid config" in p.stderr  # only what sets the point apart
-    assert calls == [] and not [d for d in sweep.iterdir() if d.is_dir()]
+    assert calls == [] and not sweep.exists()  # checked before Hydra makes the sweep directory
     p = run_cli_here([*args, "hydra.sweeper.max_batch_size=1"], capfd, timeout=120)  # batches of one: all checked first
     assert p.returncode == 2 and "1 of 3 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
-    assert calls == [] and not [d for d in sweep.iterdir() if d.is_dir()]
+    assert calls == [] and not sweep.exists()
     p = run_cli_here(["-m", *MINI_1X2_CPU, "zero.reduce_bucket_size=1000,2000", f"hydra.sweep.dir={sweep}"], capfd)
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # valid points run as before
 
@@ -230,6 +230,9 @@ def test_sweep_points_sharing_a_run_dir_or_landing_on_earlier_runs_start_no_poin
     assert p.returncode == 2 and "1 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
     assert f"train.seed=2: invalid config: {sweep / 'seed2'} already holds a run" in p.stderr
     assert calls == [] and not (sweep / "seed1").exists()
+    (sweep / "multirun.yaml").write_text("the earlier sweep's record\n")
+    p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", subdir], capfd)
+    assert p.returncode == 2 and (sweep / "multirun.yaml").read_text() == "the earlier sweep's record\n"
     p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,3", f"hydra.sweep.dir={sweep}", subdir], capfd)
     assert p.returncode == 5 and calls == [1, 1], p.stderr[-2000:]  # distinct, fresh directories run as before
 
