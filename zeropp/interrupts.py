@@ -53,8 +53,13 @@ def _starting(frame: FrameType | None) -> bool:
         frame = frame.f_back
     if caller is None:
         return False
-    return caller.f_code.co_filename == "<frozen runpy>" or (
-        caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
+    where = caller.f_code.co_filename
+    return (
+        where == "<frozen runpy>"
+        or os.path.basename(where) == "runpy.py"
+        or (  # (runpy frozen from 3.11)
+            caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
+        )
     )
 
 
