@@ -58,6 +58,7 @@ __all__ = [
     "LoggerConfig",
     "RunConfig",
     "RunDirTaken",
+    "RunFinished",
     "SlurmConfig",
     "TrainConfig",
     "TrainerConfig",
@@ -176,7 +177,7 @@ class RunConfig:
         except (OSError, ValueError):
             return
         if step >= self.train.steps:
-            raise ConfigError(
+            raise RunFinished(
                 f"invalid config: resume=true, but the newest checkpoint in {ckpt} is of step {step} and "
                 f"train.steps={self.train.steps}: that run already finished. To train further raise "
                 f"train.steps (e.g. train.steps={2 * step}; the default LR schedule spans train.steps, so "
@@ -324,6 +325,11 @@ def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
             "own train.checkpoint_dir (the default is <run dir>/checkpoints), or resume the other run in its own "
             "directory"
         )
+
+
+class RunFinished(ConfigError):
+    """``resume=true`` of a run whose newest checkpoint is of its last step (:meth:`RunConfig.check_run_dir`).
+    A resumed sweep skips such a point (its run is done) instead of recording it as failed."""
 
 
 class RunDirTaken(ConfigError):

@@ -42,7 +42,7 @@ from zeropp.runtime.divergence import DivergenceError
 
 from ..launch.failure import shell_status
 from . import plugins, schema
-from .config import ConfigError, RunConfig, RunDirTaken, from_omegaconf, interpolation_error, without_hydra
+from .config import ConfigError, RunConfig, RunDirTaken, RunFinished, from_omegaconf, interpolation_error, without_hydra
 from .launcher import (
     RankFailure,
     RunInterrupted,
@@ -482,6 +482,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
         summary = execute(validated(cfg, info["overrides"]), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
+        if isinstance(e, RunFinished) and info["multirun"] and not in_torchrun():
+            # a resumed sweep: this point's run is done; the sweep goes on with its unfinished points
+            print(
+                f"{info['run_dir']}: finished already; skipped ({str(e).split(': ', 1)[-1].split('. ')[0]})",
+                file=sys.stderr,
+            )
+            return None
         code = command_status(e)
         if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once

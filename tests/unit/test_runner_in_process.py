@@ -352,8 +352,8 @@ def test_a_resumed_sweep_runs_the_points_it_can_and_tells_the_others_at_their_tu
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An interrupted sweep resumed: the point with a checkpoint is launched; the point that never
-    started (no checkpoint) fails alone at its turn, as before the up-front checks, instead of the
-    whole sweep being refused before any point."""
+    started (no checkpoint) fails alone at its turn, and a finished point is skipped (no failure
+    recorded in its run's directory), instead of the whole sweep being refused before any point."""
     import json
 
     calls: list[int] = []
@@ -364,7 +364,10 @@ def test_a_resumed_sweep_runs_the_points_it_can_and_tells_the_others_at_their_tu
     (sweep / "0" / "ranks" / "spec.json").write_text(json.dumps(spec))
     (sweep / "0" / "checkpoints").mkdir()
     (sweep / "0" / "checkpoints" / "LATEST").write_text("ckpt-00000002-0000000000000000\n")
-    args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2"]
+    (sweep / "2" / "checkpoints" / "ckpt-00000004-0000000000000000").mkdir(parents=True)  # point 2 finished
+    (sweep / "2" / "checkpoints" / "LATEST").write_text("ckpt-00000004-0000000000000000\n")
+    args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2,3"]
     p = run_cli_here([*args, f"hydra.sweep.dir={sweep}"], capfd)
     assert calls == [1], p.stderr[-2000:]  # point 0 launched
     assert "resume=true but there is no checkpoint under" in (sweep / "1" / "failed.json").read_text()
+    assert f"{sweep / '2'}: finished already; skipped" in p.stderr and not (sweep / "2" / "failed.json").exists()
