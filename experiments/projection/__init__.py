@@ -6,7 +6,8 @@ issues it, with overlap; ``python -m experiments.step_schedule``), ``scaling_che
 against measured runs' ``summary.json``, with a calibration of this machine;
 ``python -m experiments.scaling_check DIR``), ``cluster_file`` (a calibrated cluster file's
 figures, written by ``python -m experiments.bench_comm --calibrate``, read with
-``--cluster-file``) and ``text_table`` (the tables both print).
+``--cluster-file``), ``text_table`` (the tables both print) and ``labels`` (short labels that
+tell runs apart, used here and by the sweep report).
 
 It reads run summaries as plain dicts and imports no other room except ``launch`` (the
 calibration times a gloo world), so the runner, the benchmarks and the studies can all build on

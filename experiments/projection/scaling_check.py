@@ -320,11 +320,11 @@ def format_comparison(rows: list[dict]) -> str:
 
 def name_apart(rows: list[dict], summaries: list[dict]) -> None:
     """Rows whose runs share a ``label`` (``ZeRO-3 tiny 1x2`` for runs of other steps, seeds or
-    bucket sizes) get what tells their runs apart appended (``studies.labels.label_runs``), so no
+    bucket sizes) get what tells their runs apart appended (``labels.label_runs``), so no
     two rows read alike; ``summaries``: the rows' runs, in order."""
     from collections import Counter
 
-    from ..studies.labels import label_runs
+    from .labels import label_runs
 
     counts = Counter(r["label"] for r in rows)
     if len(rows) != len(summaries) or max(counts.values(), default=0) < 2:

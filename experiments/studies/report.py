@@ -28,9 +28,9 @@ from zeropp.input_files import read_regular
 from zeropp.output_files import path_arg
 
 from ..launch.command import run_command
+from ..projection.labels import label_runs
 from ..runner.console import human_bytes
 from ..runner.metrics import read_metrics
-from .labels import label_runs
 from .report_files import ReportError, check_outputs, write_outputs
 from .report_plots import PLOTS
 

@@ -10,7 +10,7 @@
 
 Runs are bars on the vertical axis (horizontal bars), so a label of any length reads without
 rotation; the figure's title asks the question and the line under it says what every run shares
-(:func:`experiments.studies.labels.label_runs`); legends sit outside the axes (matplotlib's constrained
+(:func:`experiments.projection.labels.label_runs`); legends sit outside the axes (matplotlib's constrained
 layout, ``loc="outside ..."``) so they never cover data; every axis names its unit, chosen so the
 largest value reads in ones to thousands (B, KiB, MiB, GiB).
 """

@@ -1,4 +1,4 @@
-"""Run labels of a sweep (``experiments.studies.labels.label_runs``) and the report's figures that use them.
+"""Run labels of a sweep (``experiments.projection.labels.label_runs``) and the report's figures that use them.
 
 Each sweep is composed by Hydra and validated as the runner would (``composed_sweep``: no rank
 starts), so the labels are read from the configs a real ``summary.json`` holds. The figures are
@@ -14,7 +14,7 @@ import copy
 import pytest
 
 from tests.experiment_helpers import composed_summary, composed_sweep, legends_over_data
-from zeropp.experiments.studies.labels import RunLabels, label_runs, method_words
+from zeropp.experiments.projection.labels import RunLabels, label_runs, method_words
 from zeropp.experiments.studies.report import phase_rows
 from zeropp.experiments.studies.report_plots import PLOTS, byte_unit, figures
 
