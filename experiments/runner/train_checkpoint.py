@@ -40,6 +40,18 @@ def resume_keys(cfg: RunConfig) -> dict[str, Any]:
     )
 
 
+def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``: nested settings as dotted keys."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_leaves(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
 def divergence_guard(cfg: RunConfig) -> DivergenceGuard:
     """The run's divergence rule, its advice in the runner's config keys."""
     z = cfg.zero
@@ -90,11 +102,14 @@ class Checkpointer:
                 "already finished; to train further raise train.steps (the default LR schedule "
                 "spans train.steps, so it changes too)"
             )
-        changed = sorted(k for k, v in resume_keys(self.cfg).items() if extra.get("run", {}).get(k, v) != v)
-        if changed and self.lead:
+        now = _leaves(resume_keys(self.cfg))
+        was = _leaves(extra.get("run", {}) if isinstance(extra.get("run"), dict) else {})
+        changed = [f"{k} {was[k]!r} -> {v!r}" for k, v in sorted(now.items()) if k in was and was[k] != v]
+        if changed and self.lead:  # each leaf with both values: a derived default (the LR schedule's
+            # length follows train.steps) reads as what it is, not as an unexplained "optim"
             print(
-                f"warning: resumed with changed settings {changed}: training continues from the checkpoint "
-                "but will not match an uninterrupted run",
+                f"warning: resumed with changed settings: {'; '.join(changed)}. Training continues from the "
+                "checkpoint but will not match an uninterrupted run",
                 file=sys.stderr,
                 flush=True,
             )

@@ -366,7 +366,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
-    assert "resumed with changed settings ['train.seed']" in p.stderr, p.stderr[-2000:]
+    assert "resumed with changed settings: train.seed " in p.stderr and " -> 1. Training" in p.stderr, p.stderr[-2000:]
     # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
 
 

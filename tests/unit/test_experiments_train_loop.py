@@ -109,7 +109,11 @@ def test_resume_continues_after_the_checkpoint_and_warns_about_changed_settings(
     assert "warning" not in capsys.readouterr().err
     older = resume_keys(_cfg(train={"seed": 7}))
     assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra={"step": 3, "run": older}), lead=True).resume() == 3
-    assert "resumed with changed settings ['train.seed']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"resumed with changed settings: train.seed 7 -> {cfg.train.seed}. Training continues" in err, err
+    longer = resume_keys(_cfg(resume=True, train={"steps": 3}))  # one key changed, as given
+    assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra={"step": 2, "run": longer}), lead=True).resume() == 2
+    assert f"train.steps 3 -> {cfg.train.steps}" in capsys.readouterr().err
     done = FakeTrainer(resume_extra={"step": 6, "run": resume_keys(cfg)})
     with pytest.raises(RuntimeError, match="is at step 6 and train.steps=6: this run already finished"):
         Checkpointer(cfg, tmp_path, done, lead=True).resume()
