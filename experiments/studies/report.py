@@ -252,7 +252,7 @@ def write_report(root: Path, out: Path | None = None) -> Path:
     md = [
         f"# Sweep report: {Path(root).resolve().name}",
         "",
-        f"{len(runs)} runs"
+        f"{len(runs)} run{'' if len(runs) == 1 else 's'}"
         + (f", {len(absent)} failed (not in the table or plots)" if absent else "")
         + (
             f", {len(incomplete)} interrupted or still running (no summary: not in the table or plots)"

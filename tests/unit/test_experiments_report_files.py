@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,10 @@ def test_failed_and_interrupted_jobs_are_counted_once_and_named(
     (empty / "1" / "ranks" / "spec.json").write_text("{}")
     err = _refused([str(empty)], capsys)
     assert "its jobs did not finish (1 failed, 1 interrupted or still running" in err, err
+
+
+def test_one_run_is_counted_in_the_singular(tmp_path: Path) -> None:
+    root = _sweep(tmp_path)
+    shutil.rmtree(root / "1")
+    md = write_report(root).read_text()
+    assert "\n1 run." in md, md
