@@ -96,7 +96,7 @@ def speedup_table(
 
 
 PROJECTION_COLUMNS = (
-    Column(title="NIC Gbps", width=8, cell=number("gbps", ".0f")),
+    Column(title="NIC Gbps", width=8, cell=number("gbps", ".4g")),  # 0.0001 reads so, not 0
     Column(title="GPUs", width=5, cell=number("gpus", "d")),
     Column(title="ZeRO-3 s", width=9, cell=number("zero3_step_s", ".2f")),
     Column(title="ZeRO++ s", width=9, cell=number("zeropp_step_s", ".2f")),
@@ -153,8 +153,8 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
         rs = [r for r in rows if r["gbps"] == bw]
         g = [r["gpus"] for r in rs]
         color = f"C{i}"
-        ax1.plot(g, [r["zero3_tflops"] for r in rs], "o--", color=color, label=f"ZeRO-3 {bw:.0f} Gbps/NIC")
-        ax1.plot(g, [r["zeropp_tflops"] for r in rs], "s-", color=color, label=f"ZeRO++ {bw:.0f} Gbps/NIC")
+        ax1.plot(g, [r["zero3_tflops"] for r in rs], "o--", color=color, label=f"ZeRO-3 {bw:g} Gbps/NIC")
+        ax1.plot(g, [r["zeropp_tflops"] for r in rs], "s-", color=color, label=f"ZeRO++ {bw:g} Gbps/NIC")
         ax2.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"{bw:.0f} Gbps/NIC")
     ax1.set(xlabel="GPUs", ylabel="TFLOP/s per GPU", title="Projected throughput", xscale="log")
     ax2.set(xlabel="GPUs", ylabel="ZeRO++ / ZeRO-3", title="Projected speedup", xscale="log")
@@ -207,6 +207,10 @@ def main(
         "bandwidths and quantization rates replace the hand-set constants (its inter-node rate replaces --gbps)",
     )
     a = ap.parse_args(argv)
+    if len(set(a.gbps)) != len(a.gbps):
+        ap.error(
+            f"--gbps {' '.join(f'{g:g}' for g in a.gbps)} repeats a rate (its rows would print twice); give each once"
+        )
     if a.nics_per_node is not None and a.ranks_per_node % a.nics_per_node:
         ap.error(f"--nics-per-node {a.nics_per_node} must divide --ranks-per-node {a.ranks_per_node}")
     if a.max_gpus < a.ranks_per_node:

@@ -23,6 +23,7 @@ SCALING = [
     (["--tflops", "0"], "argument --tflops: '0': give a finite number > 0"),  # ZeroDivisionError
     (["--overlap", "2"], "argument --overlap: '2': give a fraction in [0, 1]"),
     (["--tflops", "fast"], "argument --tflops: 'fast' is not a number"),
+    (["--gbps", "100", "100"], "--gbps 100 100 repeats a rate"),  # before: every row printed twice
 ]
 
 
@@ -31,6 +32,12 @@ def test_scaling_refuses_what_the_model_cannot_use(argv: list[str], msg: str, ca
     with pytest.raises(SystemExit) as e:
         speedup.main([*argv, "--plot", ""])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_scaling_prints_a_slow_link_as_given(capsys) -> None:
+    speedup.main(["--gbps", "0.0001", "--max-gpus", "16", "--plot", ""])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("0.0001")]
+    assert len(rows) == 2 and [r[1] for r in rows] == ["8", "16"]  # before: the rate read 0
 
 
 @pytest.mark.parametrize(
