@@ -45,7 +45,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="zeropp", node=ZeroppSw
 
 class ZeroppSweeper(BasicSweeper):
     """Hydra's basic sweeper; every point of the sweep (of all batches, when ``max_batch_size``
-    splits it) is checked by the task's :data:`CHECK_HOOK` before the first batch is launched."""
+    splits it) is checked by the task's :data:`CHECK_HOOK` in :meth:`sweep`, before the sweep directory is made."""
 
     def __init__(self, max_batch_size: Optional[int], params: Optional[Dict[str, str]] = None) -> None:
         # Hydra's basic sweeper asserts max_batch_size > 0 only when it splits the sweep (a traceback)
@@ -65,30 +65,21 @@ class ZeroppSweeper(BasicSweeper):
         self.check_points: Optional[Callable[[list[tuple[list[str], DictConfig]]], Any]] = getattr(
             module, CHECK_HOOK, None
         )
-        self.checked = False
 
     def sweep(self, arguments: List[str]) -> Any:
         """Check every point first, then sweep as the basic sweeper does: the check runs before
         Hydra's sweeper creates the sweep directory and writes its ``multirun.yaml`` (a refused
         sweep into an earlier sweep's directory leaves that sweep's record as it was)."""
-        if self.check_points is not None and not self.checked:
+        if self.check_points is not None:
             assert self.hydra_context is not None and self.config is not None
             parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
             parsed = parser.parse_overrides([*self._parse_config(), *arguments])
             points = [list(o) for batch in self.split_arguments(parsed, None) for o in batch]
             loader = self.hydra_context.config_loader
-            self.checked = True
             self.check_points([(o, loader.load_sweep_config(self.config, o)) for o in points])
         return super().sweep(arguments)
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         if self.check_points is None:
             super().validate_batch_is_legal(batch)
-            return
-        if self.checked:
-            return  # every batch's points were checked before the first batch
-        self.checked = True
-        assert self.hydra_context is not None and self.config is not None
-        loader = self.hydra_context.config_loader
-        points = [o for b in self.overrides or [batch] for o in b]
-        self.check_points([(list(o), loader.load_sweep_config(self.config, list(o))) for o in points])
+        # else every point of every batch was composed and checked in sweep(), before the first batch
