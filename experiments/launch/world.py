@@ -324,9 +324,7 @@ def _start_and_watch(
             )
             results = _watch(world, timeout_s=timeout_s, poll_s=poll_s)
         except SignalException as e:
-            raise RunInterrupted(
-                f"interrupted by {e.sigval.name}; all ranks stopped", exit_code=128 + int(e.sigval)
-            ) from None
+            raise _interrupted(e.sigval) from None
         finally:
             try:
                 if world is not None:
@@ -334,15 +332,17 @@ def _start_and_watch(
                         signal.signal(sig, hurry)
                     world.stop()  # idempotent; bounded by grace_s; after a success it reaps stray grandchildren
             finally:
-                for sig, handler in old_handlers.items():
-                    with contextlib.suppress(
-                        TypeError, ValueError
-                    ):  # one that cannot be restored: the others still are
+                for sig, handler in old_handlers.items():  # one that cannot be restored: the others still are
+                    with contextlib.suppress(TypeError, ValueError):
                         signal.signal(sig, handler)
     if during_stop:  # the world had finished when the signal came: the command still stops
-        sig = signal.Signals(during_stop[0])
-        raise RunInterrupted(f"interrupted by {sig.name}; all ranks stopped", exit_code=128 + int(sig))
+        raise _interrupted(signal.Signals(during_stop[0]))
     return results
+
+
+def _interrupted(sig: signal.Signals) -> RunInterrupted:
+    """The launcher stopped by ``sig``: every rank is stopped by now; the shell's status for it."""
+    return RunInterrupted(f"interrupted by {sig.name}; all ranks stopped", exit_code=128 + int(sig))
 
 
 def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
