@@ -12,6 +12,7 @@ composing will, so a value refused here is one Hydra would refuse.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -24,7 +25,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, ValueType
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
@@ -276,6 +277,17 @@ def check_single_run_values(args: list[str]) -> None:
             f"invalid config: {' '.join(several)} gives several values, which only a sweep runs; add -m "
             f"(python -m experiments.run -m {' '.join(several)} ...) or give one value"
         )
+
+
+def point_run_dir(cfg: DictConfig, num: int, job_id: object) -> Path:
+    """The run directory a sweep point gets: ``hydra.sweep.dir`` / ``hydra.sweep.subdir`` of its
+    composed ``cfg`` resolved with the job number and id its launcher sets (the subdir may name
+    either: ``${hydra.job.num}`` by default). ``cfg`` itself is left as it is."""
+    point = copy.deepcopy(cfg)
+    with open_dict(point):
+        point.hydra.job.num = num
+        point.hydra.job.id = job_id
+    return Path(str(point.hydra.sweep.dir)) / str(point.hydra.sweep.subdir)
 
 
 def check_fresh_outputs(args: list[str]) -> None:

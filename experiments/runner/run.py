@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -53,7 +53,7 @@ from .launcher import (
     worker_module,
 )
 from .metrics import read_summary, write_summary
-from .overrides import check_fresh_outputs, check_overrides, check_single_run_values
+from .overrides import check_fresh_outputs, check_overrides, check_single_run_values, point_run_dir
 from .preflight import check_before_launch, check_writable_dir
 from .slurm import check_slurm_keys, check_slurm_launch
 
@@ -318,16 +318,12 @@ def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
     """The run directory of the sweep's point number ``num`` (composed as ``cfg``):
     ``hydra.sweep.dir``/``hydra.sweep.subdir`` resolved with the job number Hydra's launcher gives
     that point; None when it cannot be resolved before the launch (a resolver of the job itself)."""
-    point = copy.deepcopy(cfg)
     try:
         if cfg.hydra.runtime.choices.get("hydra/launcher") not in (None, "basic"):
             subdir = cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]  # as typed
             if "hydra.job.id" in str(subdir):
                 return None  # another launcher's job id (a Slurm job's) exists only once it is submitted
-        with open_dict(point):
-            point.hydra.job.num = num
-            point.hydra.job.id = num  # as Hydra's basic launcher sets it
-        return Path(str(point.hydra.sweep.dir)) / str(point.hydra.sweep.subdir)
+        return point_run_dir(cfg, num, num)  # the job id as Hydra's basic launcher sets it
     except Exception:  # any resolution error: the job's own check runs again at its start
         return None
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import open_dict
 
+from .overrides import point_run_dir
 from .slurm import check_slurm_launch
 
 FAILED_FILE = "failed.json"
@@ -46,10 +46,7 @@ def _runner(task_function: Any) -> Any:
 def _job_dir(launcher: Any, overrides: Sequence[str], job_num: int) -> Path:
     """The directory Hydra gives point ``job_num`` (``hydra.sweep.dir`` / ``hydra.sweep.subdir``)."""
     cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
-    with open_dict(cfg.hydra.job):  # as the plugin sets them on the node (the subdir may name them)
-        cfg.hydra.job.num = job_num
-        cfg.hydra.job.id = f"job_id_for_{job_num}"
-    return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+    return point_run_dir(cfg, job_num, f"job_id_for_{job_num}")  # the job id the plugin sets at submission
 
 
 def launch_recording_failures(
