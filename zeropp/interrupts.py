@@ -54,13 +54,9 @@ def _starting(frame: FrameType | None) -> bool:
     if caller is None:
         return False
     where = caller.f_code.co_filename
-    return (
-        where == "<frozen runpy>"
-        or os.path.basename(where) == "runpy.py"
-        or (  # (runpy frozen from 3.11)
-            caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
-        )
-    )
+    if where == "<frozen runpy>" or os.path.basename(where) == "runpy.py":  # (runpy is frozen from 3.11)
+        return True
+    return caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
