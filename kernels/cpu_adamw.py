@@ -153,6 +153,33 @@ def torch_sqrt() -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+@lru_cache(maxsize=1)
+def reproduces_reference() -> bool:
+    """Whether :func:`adamw` with ``exact=True`` gives :func:`adamw_reference`'s bits in this
+    process (built and loaded, and checked on a probe: two updates, with and without weight decay,
+    of awkward values: zeros, subnormals, huge and tiny gradients, a length that is no multiple of
+    any vector width). What lets the runtime's default AdamW (``kernel="exact"``) run the kernel
+    in place of torch's ops: a build or a torch whose square root the kernel does not reproduce
+    answers False, and torch's ops run instead."""
+    if not available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    n = 4099
+    special = torch.tensor([0.0, 1e-45, -3e-39, 1e-20, 1e20, -1e30, 0.5, -2.0])
+    params = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+    grads = [torch.cat([special, torch.randn(n - special.numel(), generator=gen) * 10 ** (k - 3)]) for k in range(2)]
+    mine = [[t.clone() for t in params], grads, [torch.zeros(n) for _ in params], [torch.zeros(n) for _ in params]]
+    ref = [[t.clone() for t in params], grads, [torch.zeros(n) for _ in params], [torch.zeros(n) for _ in params]]
+    try:
+        for step, wd in ((1, 0.1), (2, 0.0)):
+            hp = AdamWStep(step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+            adamw(*mine, hp, exact=True)
+            adamw_reference(*ref, hp)
+    except RuntimeError:
+        return False
+    return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for x, y in zip(mine, ref) for a, b in zip(x, y))
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdamWStep:
     """The scalars of one AdamW update, and the two torch derives from them (in Python floats,

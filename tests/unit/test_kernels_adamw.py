@@ -273,3 +273,86 @@ def test_load_once_records_a_failure_and_does_not_retry() -> None:
 
     assert build_cache.load_once(owner, load) is None and build_cache.load_once(owner, load) is None
     assert calls == [1] and owner.FAILED == "OSError: no such library"
+
+
+def _spy_native(monkeypatch) -> list[int]:
+    """Count the native kernel's calls (and run it)."""
+    calls: list[int] = []
+    real = cpu_adamw.adamw
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_adamw, "adamw", spy)
+    return calls
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_default_kernel_is_torch_adamw_bit_for_bit(shape, monkeypatch) -> None:
+    """The runtime's default (``exact``, what every in-memory stage runs) gives torch's single-tensor
+    bits, and takes the native kernel where the probe says it reproduces them."""
+    calls = _spy_native(monkeypatch)
+    cfg = OptimizerConfig(lr=1e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    p0 = torch.randn(shape, generator=g)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW(
+        [ref], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+    )
+    mine = optimizer.ShardedAdamW([p0.clone().reshape(-1)], cfg)
+    assert mine.kernel == "exact"
+    for _ in range(3):
+        grad = torch.randn(shape, generator=g)
+        ref.grad = grad.clone()
+        opt.step()
+        mine.step([grad.reshape(-1)])
+    assert torch.equal(mine.masters[0], ref.detach().reshape(-1))
+    assert torch.equal(mine.exp_avg_sq[0], opt.state[ref]["exp_avg_sq"].reshape(-1))
+    assert bool(calls) == cpu_adamw.reproduces_reference()
+
+
+def test_the_default_kernel_runs_torchs_ops_where_the_native_bits_differ(monkeypatch) -> None:
+    """A native kernel whose bits are not torch's (here: one element nudged by an ulp) fails the
+    probe, and ``exact`` then runs torch's own ops: the same bits, never the kernel's."""
+    _native_or_skip()
+    real = cpu_adamw.adamw
+
+    def off_by_an_ulp(params, *args, **kwargs):
+        real(params, *args, **kwargs)
+        params[0].view(torch.int32)[-1] += 1
+
+    monkeypatch.setattr(cpu_adamw, "adamw", off_by_an_ulp)
+    cpu_adamw.reproduces_reference.cache_clear()
+    try:
+        assert not cpu_adamw.reproduces_reference()
+        assert optimizer._native_or_fallback("exact", [torch.zeros(3)]) == "single"
+    finally:
+        cpu_adamw.reproduces_reference.cache_clear()
+
+
+def test_the_default_kernel_without_a_compiler_runs_torchs_ops_silently(tmp_path, monkeypatch) -> None:
+    """No native kernel: ``exact`` is torch's single-tensor path with no warning (same bits); off
+    the CPU (a GPU's tensors; ``meta`` here) it is torch's ops too, where ``native`` is refused."""
+    failing_compiler(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_adamw, "_LIB", None)
+    monkeypatch.setattr(cpu_adamw, "FAILED", None)
+    cpu_adamw.reproduces_reference.cache_clear()
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    p0, grad = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+
+    def run(kernel: str) -> torch.Tensor:
+        p, m, v = p0.clone(), torch.zeros(1000), torch.zeros(1000)
+        optimizer.adamw_update([p], [grad], [m], [v], step=1, lr=cfg.lr, cfg=cfg, kernel=kernel)
+        return p
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(run("exact"), run("single"))
+        assert cpu_adamw.FAILED is not None
+    finally:
+        cpu_adamw.reproduces_reference.cache_clear()
+    x = torch.zeros(8, device="meta")
+    optimizer.adamw_update([torch.zeros(8, device="meta")], [x], [x], [x], step=1, lr=1e-3, cfg=cfg, kernel="exact")
