@@ -59,6 +59,7 @@ __all__ = [
     "RunConfig",
     "RunDirTaken",
     "RunFinished",
+    "RunNeverSaved",
     "SlurmConfig",
     "TrainConfig",
     "TrainerConfig",
@@ -164,7 +165,9 @@ class RunConfig:
         ``--out``)."""
         ckpt = self.checkpoint_dir(run_dir)
         if self.resume and not (ckpt / "LATEST").is_file():
-            raise ConfigError(
+            saves = self.train.checkpoint_every > 0  # (else nothing of any run could be here)
+            kind = RunNeverSaved if saves and not run_records(Path(run_dir)) else ConfigError
+            raise kind(
                 f"invalid config: resume=true but there is no checkpoint under {ckpt} (no LATEST file); "
                 "resume in the directory of a run saved with train.checkpoint_every=N "
                 "(hydra.run.dir=<that run>), or point train.checkpoint_dir at its checkpoints"
@@ -330,6 +333,12 @@ def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
 class RunFinished(ConfigError):
     """``resume=true`` of a run whose newest checkpoint is of its last step (:meth:`RunConfig.check_run_dir`).
     A resumed sweep skips such a point (its run is done) instead of recording it as failed."""
+
+
+class RunNeverSaved(ConfigError):
+    """``resume=true`` where no checkpoint is and no run left records (:meth:`RunConfig.check_run_dir`).
+    A resumed sweep starts such a point fresh (it never started, or stopped before writing
+    anything): resuming a sweep means finishing every point, and there is nothing of it to lose."""
 
 
 class RunDirTaken(ConfigError):

@@ -24,6 +24,7 @@ instead poses ``topology=NxR`` (default 2x2) on this one host.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -42,7 +43,16 @@ from zeropp.runtime.divergence import DivergenceError
 
 from ..launch.failure import shell_status
 from . import plugins, schema
-from .config import ConfigError, RunConfig, RunDirTaken, RunFinished, from_omegaconf, interpolation_error, without_hydra
+from .config import (
+    ConfigError,
+    RunConfig,
+    RunDirTaken,
+    RunFinished,
+    RunNeverSaved,
+    from_omegaconf,
+    interpolation_error,
+    without_hydra,
+)
 from .launcher import (
     RankFailure,
     RunInterrupted,
@@ -418,8 +428,8 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
                 check_resumed_point(run_dir, overrides)
             if launcher in (None, "basic"):
                 if run_dir is not None and not rc.resume:
-                    # a fresh point landing on an earlier run's records; a resumed sweep's finished points
-                    # and points that never started are each told at their turn (the others still run)
+                    # a fresh point landing on an earlier run's records (a resumed sweep's finished points are
+                    # skipped and points that never ran are started, each at its turn: RunFinished, RunNeverSaved)
                     rc.check_run_dir(run_dir, key="hydra.sweep.dir")
                 check_before_launch(rc, Path(str(cfg.hydra.sweep.dir)), local=True)
         except ConfigError as e:
@@ -476,7 +486,15 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     try:
         check_slurm_keys(cast(dict, OmegaConf.to_container(cfg.slurm)), info["launcher"])
-        summary = execute(validated(cfg, info["overrides"]), info)
+        rc = validated(cfg, info["overrides"])
+        try:
+            summary = execute(rc, info)
+        except RunNeverSaved:
+            if not info["multirun"] or in_torchrun():
+                raise
+            # a resumed sweep's point that never ran (nothing saved, no records): finishing the sweep runs it
+            print(f"{info['run_dir']}: nothing to resume there (the point never ran); starting it", file=sys.stderr)
+            summary = execute(dataclasses.replace(rc, resume=False), info)
     except (ConfigError, RankFailure, DivergenceError) as e:  # DivergenceError: a torchrun rank's own
         if isinstance(e, RunFinished) and info["multirun"] and not in_torchrun():
             # a resumed sweep: this point's run is done; the sweep goes on with its unfinished points

@@ -348,16 +348,23 @@ def test_resuming_a_sweep_with_other_values_refuses_to_map_a_point_onto_another_
         run.check_resumed_point(sweep / "0", [*earlier, "optim.lr=1e-3", "slurm.time_min=240"])
 
 
-def test_a_resumed_sweep_runs_the_points_it_can_and_tells_the_others_at_their_turn(
+def test_a_resumed_sweep_resumes_skips_or_starts_each_point_at_its_turn(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An interrupted sweep resumed: the point with a checkpoint is launched; the point that never
-    started (no checkpoint) fails alone at its turn, and a finished point is skipped (no failure
-    recorded in its run's directory), instead of the whole sweep being refused before any point."""
+    """An interrupted sweep resumed: the point with a checkpoint is launched to resume; the point
+    that never started (no checkpoint, no records) is started fresh at its turn; a finished point
+    is skipped (no failure recorded in its run's directory); a point that ran but saved nothing
+    (its records there, no checkpoint) fails alone, its records untouched. Before: the never-started
+    point failed too, so a resumed sweep could not finish."""
     import json
 
-    calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    resumed: list[bool] = []
+
+    def fake_launch(**kw: object) -> dict:
+        resumed.append(kw["spec"]["config"]["resume"])  # type: ignore[index]
+        raise RankFailure("rank 0 exited with code 5", rank=0, exit_code=5)
+
+    monkeypatch.setattr(run, "launch", fake_launch)
     sweep = tmp_path / "sweep"
     (sweep / "0" / "ranks").mkdir(parents=True)
     spec = {"overrides": [*MINI_1X2_CPU, "train.seed=1", "train.steps=4", "train.checkpoint_every=2"]}
@@ -366,8 +373,13 @@ def test_a_resumed_sweep_runs_the_points_it_can_and_tells_the_others_at_their_tu
     (sweep / "0" / "checkpoints" / "LATEST").write_text("ckpt-00000002-0000000000000000\n")
     (sweep / "2" / "checkpoints" / "ckpt-00000004-0000000000000000").mkdir(parents=True)  # point 2 finished
     (sweep / "2" / "checkpoints" / "LATEST").write_text("ckpt-00000004-0000000000000000\n")
-    args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2,3"]
+    (sweep / "3").mkdir()
+    (sweep / "3" / "metrics.jsonl").write_text('{"step": 1}\n')  # point 3 ran, saved nothing
+    args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2,3,4"]
     p = run_cli_here([*args, f"hydra.sweep.dir={sweep}"], capfd)
-    assert calls == [1], p.stderr[-2000:]  # point 0 launched
-    assert "resume=true but there is no checkpoint under" in (sweep / "1" / "failed.json").read_text()
+    assert resumed == [True, False], p.stderr[-2000:]  # point 0 resumed, point 1 started fresh
+    assert f"{sweep / '1'}: nothing to resume there (the point never ran); starting it" in p.stderr
+    assert "rank 0 exited with code 5" in (sweep / "1" / "failed.json").read_text()  # (the fake launch's)
     assert f"{sweep / '2'}: finished already; skipped" in p.stderr and not (sweep / "2" / "failed.json").exists()
+    assert "resume=true but there is no checkpoint under" in (sweep / "3" / "failed.json").read_text()
+    assert (sweep / "3" / "metrics.jsonl").read_text() == '{"step": 1}\n'
