@@ -168,13 +168,16 @@ def reproduces_reference() -> bool:
     special = torch.tensor([0.0, 1e-45, -3e-39, 1e-20, 1e20, -1e30, 0.5, -2.0])
     params = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
     grads = [torch.cat([special, torch.randn(n - special.numel(), generator=gen) * 10 ** (k - 3)]) for k in range(2)]
-    mine = [[t.clone() for t in params], grads, [torch.zeros(n) for _ in params], [torch.zeros(n) for _ in params]]
-    ref = [[t.clone() for t in params], grads, [torch.zeros(n) for _ in params], [torch.zeros(n) for _ in params]]
+
+    def state() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        return [t.clone() for t in params], [torch.zeros(n) for _ in params], [torch.zeros(n) for _ in params]
+
+    mine, ref = state(), state()  # (params, exp_avgs, exp_avg_sqs)
     try:
         for step, wd in ((1, 0.1), (2, 0.0)):
             hp = AdamWStep(step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
-            adamw(*mine, hp, exact=True)
-            adamw_reference(*ref, hp)
+            adamw(mine[0], grads, mine[1], mine[2], hp, exact=True)
+            adamw_reference(ref[0], grads, ref[1], ref[2], hp)
     except RuntimeError:
         return False
     return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for x, y in zip(mine, ref) for a, b in zip(x, y))
