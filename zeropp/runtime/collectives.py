@@ -382,20 +382,26 @@ class EngineComm:
         return p
 
     # ------------------------------------------------------------------ all-reduce / misc
-    def all_reduce_mean(self, t: torch.Tensor, *, kind: CommKind, unit: str = "") -> None:
+    def all_reduce_mean(self, t: torch.Tensor, *, kind: CommKind, unit: str = "", async_op: bool = False) -> Pending:
         """In-place average over the world (stage 0 gradients, replicated units); ``unit``: the
-        unit's name, for the profiler range (module doc)."""
-        self.run_deferred()
-        with self.streams.blocked():
-            self._z.all_reduce(
+        unit's name, for the profiler range (module doc). ``async_op``: return at once (on CUDA
+        on the gradient side stream); ``t`` holds the mean after the returned :class:`Pending`'s
+        ``wait``, so several units' all-reduces can be in flight at once."""
+        w = self.world_size
+
+        def issue() -> Pending:
+            work = self._z.all_reduce(
                 t,
                 dist.ReduceOp.SUM,
                 self.group,
                 kind=kind,
+                async_op=True,
                 session=self.session,
                 name=ranges.call_name(kind, unit, 0) if ranges.enabled() else None,
             )
-            t.div_(self.world_size)
+            return Pending(self, [work], lambda: t.div_(w), what=(kind, unit))
+
+        return self.launch("reduce_scatter", issue, (t,), async_op)  # (a gradient reduction: that side stream)
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         """Sum a few fp64 scalars over the whole default group, tensor-parallel ranks included (loss,

@@ -41,7 +41,7 @@ from torch import nn
 from zeropp.comm.kinds import CommKind
 
 from .buffers import BufferPool
-from .collectives import EngineComm
+from .collectives import EngineComm, Pending
 from .config import ZeroConfig
 from .partition import FlatUnit
 
@@ -271,34 +271,44 @@ class GradReducer:
 
     # ------------------------------------------------------------------ after the last micro-step
     def final_grads(self) -> list[torch.Tensor]:
-        """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated."""
-        grads = []
+        """Per unit, this rank's reduced gradient (compute dtype): shard, or whole unit if replicated.
+        The all-reduces of the units kept whole (stage 0, replicated units) are all issued before the
+        first is waited for: each unit's gradient is its own tensor until the step, so having them
+        in flight together costs no memory, and the backend sends one while the next is flattened.
+        Stage 1's reduce-scatters go one at a time through the pool's one buffer."""
+        grads: list[torch.Tensor | None] = [None] * len(self.units)
+        reducing: list[tuple[int, torch.Tensor, Pending]] = []  # all-reduces in flight, in unit order
         for i, u in enumerate(self.units):
             if self.reduces_when_ready(u):
-                grads.append(u.grad_shard)
+                grads[i] = u.grad_shard
                 continue
             pooled = u.kind == "sharded_opt"  # stage 1: a communication buffer; stage 0: the gradient itself
             flat = u.flatten_grads(out=self.pool.acquire("grad_flat", u.padded) if pooled else None)  # [padded]
             if u.kind == "replicated":
-                self.comm.all_reduce_mean(flat, kind=CommKind.GRAD_ALL_REDUCE, unit=u.name)
-                grads.append(flat)
-            else:  # stage 1: one reduce-scatter after the last micro-step
-                out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(
-                    out,
-                    flat,
-                    key=u.name,
-                    bucket=self.cfg.reduce_bucket_size,
-                    kind=CommKind.GRAD_REDUCE_SCATTER,
-                    unit=u.name,
-                    async_op=False,
-                    **self._qgz(),
-                )
-                self.pool.give_back(flat)
-                grads.append(out)
+                grads[i] = flat
+                work = self.comm.all_reduce_mean(flat, kind=CommKind.GRAD_ALL_REDUCE, unit=u.name, async_op=True)
+                reducing.append((i, flat, work))
+                continue
+            out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # stage 1: one reduce-scatter
+            self.comm.reduce_scatter(
+                out,
+                flat,
+                key=u.name,
+                bucket=self.cfg.reduce_bucket_size,
+                kind=CommKind.GRAD_REDUCE_SCATTER,
+                unit=u.name,
+                async_op=False,
+                **self._qgz(),
+            )
+            self.pool.give_back(flat)
+            grads[i] = out
             if self.land is not None:
-                self.land(i, grads[-1])
-        return grads
+                self.land(i, out)
+        for i, flat, work in reducing:
+            work.wait()
+            if self.land is not None:
+                self.land(i, flat)
+        return [g for g in grads if g is not None]  # (every unit has one)
 
     def close(self) -> None:
         """Remove the gradient hooks and wait for the reduce-scatters still in flight. Local."""
