@@ -73,11 +73,30 @@ class ZeroppSweeper(BasicSweeper):
         if self.check_points is not None:
             assert self.hydra_context is not None and self.config is not None
             parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-            parsed = parser.parse_overrides([*self._parse_config(), *arguments])
+            preset = self._parse_config()
+            self._note_replaced_axes(parser.parse_overrides(preset), parser.parse_overrides(list(arguments)))
+            parsed = parser.parse_overrides([*preset, *arguments])
             points = [list(o) for batch in self.split_arguments(parsed, None) for o in batch]
             loader = self.hydra_context.config_loader
             self.check_points([(o, loader.load_sweep_config(self.config, o)) for o in points])
         return super().sweep(arguments)
+
+    @staticmethod
+    def _note_replaced_axes(preset: Sequence[Any], given: Sequence[Any]) -> None:
+        """Say so when the command line sets a key the sweep's ``params`` (a ``sweep=`` preset)
+        sweeps: Hydra lets the command line win, so that axis collapses to the given value(s)
+        (``sweep=ablation quant=hpz`` runs one point, not the preset's five), which is what the user
+        may want, but should not learn from the point count alone."""
+        swept = {o.key_or_group: o for o in preset if o.is_sweep_override()}
+        for o in given:
+            was = swept.get(o.key_or_group)
+            if was is not None:
+                print(
+                    f"zeropp: {o.input_line} replaces the sweep's {was.input_line} (the command line wins); "
+                    f"to sweep the preset's values, drop {o.key_or_group} from the command line",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         if self.check_points is None:

@@ -383,3 +383,18 @@ def test_a_resumed_sweep_resumes_skips_or_starts_each_point_at_its_turn(
     assert f"{sweep / '2'}: finished already; skipped" in p.stderr and not (sweep / "2" / "failed.json").exists()
     assert "resume=true but there is no checkpoint under" in (sweep / "3" / "failed.json").read_text()
     assert (sweep / "3" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_command_line_value_that_replaces_a_sweep_presets_axis_is_named(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sweep=ablation quant=hpz``: Hydra lets the command line win, so the preset's five-point
+    quant axis becomes one point. That runs, and one line says so (before: the sweep just ran one
+    point); the preset alone, or a key it does not sweep, prints no such line."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    p = run_cli_here(["sweep=ablation", "quant=hpz", *MINI_1X2_CPU, f"hydra.sweep.dir={tmp_path / 'a'}"], capfd)
+    assert calls == [1], p.stderr[-2000:]
+    assert "zeropp: quant=hpz replaces the sweep's quant=none,qwz,hpz,qgz,zeropp (the command line wins)" in p.stderr
+    p = run_cli_here(["sweep=ablation", "train.seed=3", *MINI_1X2_CPU, f"hydra.sweep.dir={tmp_path / 'b'}"], capfd)
+    assert calls == [1] * 6 and "replaces the sweep's" not in p.stderr, p.stderr[-2000:]
