@@ -126,13 +126,16 @@ def _leave_alone(rank: int, world: int, note: str) -> None:
     """Rank 0 issues an all-reduce rank 1 never joins and fails (as on any error of its own, or a
     SIGTERM), with that work in flight; rank 1 waits in a collective on another group, which
     rank 0 never issues, and notes how its wait ended."""
+    if rank == 1:
+        # the launcher's stop (SIGTERM, once rank 0 failed) must not decide how the wait ends: only rank
+        # 0's exit may end it here; were it still blocked, the stop's SIGKILL after grace_s leaves no note.
+        # Ignored before the group below: rank 0 can fail as soon as that group exists, and a loaded
+        # machine may not schedule this rank again before the launcher's SIGTERM arrives
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sub = dist.new_group(list(range(world)))
     if rank == 0:
         backend_all_reduce(torch.ones(8), dist.ReduceOp.SUM, None, True)  # in flight, never joined
         raise RuntimeError("rank 0 fails with a collective in flight")
-    # the launcher's stop (SIGTERM, once rank 0 failed) must not decide how the wait ends: only rank
-    # 0's exit may end it here; were it still blocked, the stop's SIGKILL after grace_s leaves no note
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         dist.all_reduce(torch.ones(3), group=sub)
         Path(note).write_text("returned")
