@@ -166,7 +166,7 @@ class Workload:
                 raise ValueError(f"Workload.{name}={getattr(self, name)!r}; {allowed}")
 
     def coalesced(self) -> Workload:
-        """This workload with its blocks merged as ``coalesce`` merges them (``partition.coalesce_spans``)
+        """This workload with its blocks merged as ``coalesce`` merges them (``blocks.coalesce_spans``)
         and ``coalesce=0``: one entry of ``units`` per unit the engine gathers and reduces, so
         per-unit models (shards padded per unit, per-unit costs and the step schedule) see the units
         the plan's messages are numbered by. A workload has no frozen counts, so spans are sized by
@@ -174,7 +174,7 @@ class Workload:
         for a model with frozen parameters, give the plan's merged units (``coalesce=0``) instead."""
         if not self.coalesce or len(self.units) < 3:
             return dataclasses.replace(self, coalesce=0)
-        from zeropp.runtime.partition import coalesce_spans
+        from zeropp.runtime.blocks import coalesce_spans
 
         blocks = self.units[1:]
         merged = tuple(sum(blocks[a : b + 1]) for a, b in coalesce_spans(list(blocks), self.coalesce))

@@ -127,7 +127,7 @@ LORA_CLIP = 0.05  # adapter gradients are small (B starts at zero): clip below t
 
 def _tied_refused() -> str | None:
     """Why the engine's partitioning refuses the tied models (None: it shares the tied tensor)."""
-    from zeropp.runtime.partition import build_units
+    from zeropp.runtime.units import build_units
 
     model = build_hf_model(TIED[0], seed=0)
     assert model.hf.lm_head.weight is model.hf.transformer.wte.weight

@@ -1,6 +1,6 @@
 """Coalesced units (``ZeroConfig.coalesce_numel``): consecutive blocks under the threshold share one unit.
 
-* the grouping rule (``partition.coalesce_spans``) on chosen sizes, and its invariants;
+* the grouping rule (``blocks.coalesce_spans``) on chosen sizes, and its invariants;
 * the engine's units are the spans' (``block<i>-<j>``), at stage 3 and, alike, at stage 2 (so a
   checkpoint moves between stages), and stage 3 hooks one gather group per span;
 * the communication plan coalesces as the engine does: a steady-state step's profiler ranges are the
@@ -26,7 +26,7 @@ from tests.runtime_helpers import TINY
 from zeropp.comm import Topology
 from zeropp.models import GPT
 from zeropp.runtime import ZeroConfig, ZeroEngine
-from zeropp.runtime.partition import BlockChoiceWarning, coalesce_spans
+from zeropp.runtime.blocks import BlockChoiceWarning, coalesce_spans
 from zeropp.runtime.plan import build_plan, plan_units
 from zeropp.runtime.plan_kinds import CommKind
 

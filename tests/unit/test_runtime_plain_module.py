@@ -16,7 +16,8 @@ from torch import nn
 from tests.plain_models import Plain, W, data, mlp
 from zeropp.runtime import MicroBatchError, WithTargets
 from zeropp.runtime.batch import call_model, per_rank
-from zeropp.runtime.partition import build_units, find_blocks, one_unit_warning
+from zeropp.runtime.blocks import find_blocks, one_unit_warning
+from zeropp.runtime.units import build_units
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ from tests.runtime_helpers import TINY, make_model
 from zeropp.comm.spec import RECIPES, QuantRecipe, QuantSpec
 from zeropp.runtime import OptimizerConfig, ShardedAdamW, ZeroConfig, expected_memory
 from zeropp.runtime.config import validate_against_topology
-from zeropp.runtime.partition import build_units
+from zeropp.runtime.units import build_units
 
 
 @pytest.mark.parametrize(

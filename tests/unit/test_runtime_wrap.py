@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.wrap_toy import Out, ResBlock, data, make_toy, mse_of
-from zeropp.runtime.partition import build_units, find_blocks
+from zeropp.runtime.blocks import find_blocks
+from zeropp.runtime.units import build_units
 
 
 def test_block_policies_choose_the_outermost_matches() -> None:

@@ -7,6 +7,7 @@ start-up per process) is imported when a checkpoint is saved, loaded or consolid
 from typing import TYPE_CHECKING, Any
 
 from .batch import MicroBatchError, WithTargets
+from .blocks import BlockChoiceWarning
 from .checkpoint_files import CheckpointError
 from .choices import MemoryTier, OffloadTier, Precision, QuantizeFrozen, Schedule
 from .config import OptimizerConfig, ZeroConfig
@@ -14,7 +15,7 @@ from .engine import StepResult, ZeroEngine
 from .loss_scale import DynamicLossScaler, LossScaler, StaticLossScaler
 from .memory import expected_memory, hpz_bytes_per_param, measure_memory
 from .optimizer import ShardedAdamW
-from .partition import BlockChoiceWarning, UnitLayout
+from .partition import UnitLayout
 from .streams import CommStreams
 
 if TYPE_CHECKING:

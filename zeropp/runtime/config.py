@@ -108,7 +108,7 @@ class ZeroConfig:
     ``stage3_prefetch_bucket_size`` / ``reduce_bucket_size`` bucket them. Fewer, larger collectives
     cost less per-collective overhead; the gathered buffer grows to at most this many elements
     (or one block when a block alone is larger). 0 = one unit per block. Checkpoints hold one
-    layout per unit: they load with the same value (``partition.coalesce_spans``)."""
+    layout per unit: they load with the same value (``blocks.coalesce_spans``)."""
 
     keep_at_turn: bool = False
     """Stage 3: the units backward needs first, the root (embeddings, final norm, head) and the

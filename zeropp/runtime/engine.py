@@ -65,6 +65,7 @@ from . import memory as mem
 from . import tensor_parallel as tpar
 from .activations import ActivationStore, checkpoint_blocks
 from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
+from .blocks import BlockChoiceWarning, BlockPolicy, find_blocks, one_unit_warning
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
@@ -72,18 +73,11 @@ from .loss_scale import make_loss_scaler
 from .memory import measure_memory
 from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
-from .partition import (
-    BlockChoiceWarning,
-    BlockPolicy,
-    FlatUnit,
-    assign_homes,
-    build_units,
-    find_blocks,
-    one_unit_warning,
-)
+from .partition import FlatUnit
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
+from .units import assign_homes, build_units
 from .update import ParamUpdate, StepResult
 from .weight_diff import WeightDiff
 
@@ -113,7 +107,7 @@ class ZeroEngine:
     At stage 3 a partition whose one gathered unit holds every trainable parameter warns on rank
     0 (``BlockChoiceWarning``, naming ``blocks=``): it would gather the whole model at once.
     ``ZeroConfig.coalesce_numel`` merges consecutive blocks into one unit up to that many elements
-    (fewer, larger collectives; ``partition.coalesce_spans``).
+    (fewer, larger collectives; ``blocks.coalesce_spans``).
     A micro-batch is passed to the model as ``model(**mb)`` (a dict), ``model(*mb)`` (a tuple,
     e.g. the GPT's ``(idx, targets)``), ``model(<inputs>)`` (a ``WithTargets(inputs, targets)``,
     whose targets only the loss sees) or ``model(mb)``; the loss is ``loss_fn(output, mb)`` when

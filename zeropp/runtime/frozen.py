@@ -52,8 +52,10 @@ from zeropp.comm.kinds import CommKind
 from zeropp.comm.spec import QuantSpec
 from zeropp.kernels import DEFAULT_WEIGHT_GROUP_SIZE
 
+from .blocks import span_name
 from .collectives import EngineComm, Pending
-from .partition import FlatUnit, Homes, assign_homes, span_name
+from .partition import FlatUnit
+from .units import Homes, assign_homes
 
 KIND = CommKind.FROZEN_ALL_GATHER
 """``CommStats`` kind of every gather of a frozen unit (forward, backward)."""

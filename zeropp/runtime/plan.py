@@ -56,7 +56,7 @@ from .plan_kinds import Algo, CommKind, Group, Link, Phase, chunk_ranges, group_
 if TYPE_CHECKING:
     from torch import nn
 
-    from .partition import BlockPolicy
+    from .blocks import BlockPolicy
 
 CONTROL_BYTES = 16
 """Bytes of a control all-reduce (two fp64 scalars)."""
@@ -576,9 +576,9 @@ def build_plan(units: Iterable[PlanUnit | int], zero: ZeroConfig, topology: Topo
 
 def coalesce_units(units: Sequence[PlanUnit], coalesce_numel: int) -> tuple[PlanUnit, ...]:
     """``units`` (root first, then one per block) with consecutive blocks merged as the engine
-    merges them under ``ZeroConfig.coalesce_numel`` (``partition.coalesce_spans``, sized by
+    merges them under ``ZeroConfig.coalesce_numel`` (``blocks.coalesce_spans``, sized by
     trainable plus frozen elements): one unit ``block<i>-<j>`` per group of several blocks."""
-    from .partition import coalesce_spans, span_name
+    from .blocks import coalesce_spans, span_name
 
     root, blocks = units[0], units[1:]
     if not coalesce_numel or len(blocks) < 2:
@@ -593,10 +593,11 @@ def coalesce_units(units: Sequence[PlanUnit], coalesce_numel: int) -> tuple[Plan
 
 def plan_units(model: nn.Module, blocks: BlockPolicy = None) -> tuple[PlanUnit, ...]:
     """The units the engine would build for ``model`` (root first, then each block of
-    ``partition.find_blocks(model, blocks)``), as element counts: trainable floating-point
+    ``blocks.find_blocks(model, blocks)``), as element counts: trainable floating-point
     parameters, and frozen ones (``requires_grad=False``) separately. Reads shapes only, so ``model``
     may live on the meta device; a model already split by tensor parallelism gives TP-local counts."""
-    from .partition import Homes, assign_homes, find_blocks
+    from .blocks import find_blocks
+    from .units import Homes, assign_homes
 
     homes = assign_homes(model, find_blocks(model, blocks))
     counts = {i: [0, 0] for i in [Homes.ROOT, *range(len(homes.blocks))]}
