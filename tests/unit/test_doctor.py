@@ -24,7 +24,7 @@ from zeropp import doctor
 from zeropp.doctor import __main__ as cli
 from zeropp.doctor import kernel_checks, rank, report, system, world
 from zeropp.doctor.result import NO_CUDA, CheckResult, DoctorOptions, Status, passed, run_check
-from zeropp.kernels import cpu_native
+from zeropp.kernels import cpu_adamw, cpu_native
 
 OPTS = DoctorOptions()
 
@@ -153,6 +153,25 @@ def test_a_missing_compiler_fails_the_native_row_with_what_to_install(tmp_path, 
     r = kernel_checks.check_native_cpu(OPTS)
     assert r.status is Status.FAIL
     assert "do not build here" in r.detail and "no-such-g++" in r.detail and "install g++ or set CXX" in r.detail
+
+
+def test_the_cpu_adamw_row_says_which_optimizer_path_runs(tmp_path, monkeypatch):
+    """Built and bit-exact with torch: a pass that says the in-memory optimizer runs it; built but
+    not bit-exact here: a pass that says torch's ops run instead; no compiler: a failed row naming
+    the fix and the fallback."""
+    r = kernel_checks.check_cpu_adamw(OPTS)
+    if cpu_adamw.available():
+        assert r.status is Status.PASS and r.data["exact"] is cpu_adamw.reproduces_reference(), r.detail
+    monkeypatch.setattr(cpu_adamw, "reproduces_reference", lambda: False)
+    if cpu_adamw.available():
+        r = kernel_checks.check_cpu_adamw(OPTS)
+        assert r.status is Status.PASS and r.data["exact"] is False
+        assert "the in-memory optimizer runs torch's own ops" in r.detail
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("ZEROPP_CACHE_DIR", str(tmp_path / "cache"))
+    r = kernel_checks.check_cpu_adamw(OPTS)
+    assert r.status is Status.FAIL, r.detail
+    assert "does not build here" in r.detail and "no-such-g++" in r.detail and "fall back to torch's AdamW" in r.detail
 
 
 def test_native_kernels_turned_off_are_a_skip(monkeypatch):

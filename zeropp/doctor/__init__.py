@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional, Sequence
 
-from .kernel_checks import check_bandwidth, check_native_cpu, check_triton
+from .kernel_checks import check_bandwidth, check_cpu_adamw, check_native_cpu, check_triton
 from .result import Check, CheckResult, DoctorOptions, Status, run_check
 from .system import check_cpu, check_cuda, check_gpus, check_versions
 from .world import check_gloo, check_nccl
@@ -28,6 +28,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("cuda", check_cuda),
     ("gpus", check_gpus),
     ("native CPU kernels", check_native_cpu),
+    ("CPU AdamW", check_cpu_adamw),
     ("Triton kernels", check_triton),
     ("kernel GB/s", check_bandwidth),
     ("gloo world", check_gloo),

@@ -21,6 +21,7 @@ import torch
 
 from zeropp.kernels import (
     QuantizedTensor,
+    cpu_adamw,
     cpu_native,
     dequantize,
     dequantize_sum,
@@ -163,6 +164,43 @@ def check_native_cpu(options: DoctorOptions) -> CheckResult:
         return failed(name, f"built at {path} but not usable in this process: {cpu_native.FAILED}", library=str(path))
     bad = mismatches(torch.device("cpu"), "torch")
     return bit_exact_row(name, "built and loaded; ", bad, library=str(path))
+
+
+def check_cpu_adamw(options: DoctorOptions) -> CheckResult:
+    """The native CPU AdamW (``kernels/cpu_adamw.py``) builds (or loads from the cache) and, where it
+    gives torch's single-tensor AdamW bits on this machine, is what the in-memory optimizer runs
+    (``kernel="exact"``); the offload tiers run it either way (``native``). A build failure is a
+    failed row (the optimizers then run torch's kernels: the same results, more CPU time); a kernel
+    whose bits differ from torch's here (torch's square root not reproduced) is a pass that says
+    the in-memory optimizer runs torch's ops instead."""
+    name = "CPU AdamW"
+    try:
+        _, path = cpu_adamw.load()
+    except Exception as err:
+        return failed(
+            name,
+            f"does not build here ({type(err).__name__}: {str(err).strip()[:300]}); install g++ or set CXX to a "
+            "C++17 compiler (the optimizers fall back to torch's AdamW: same results, slower)",
+            error=f"{type(err).__name__}: {err}",
+        )
+    if cpu_adamw.library() is None:
+        return failed(name, f"built at {path} but not usable in this process: {cpu_adamw.FAILED}", library=str(path))
+    if not cpu_adamw.reproduces_reference():
+        return passed(
+            name,
+            "built and loaded (the offload tiers' 'native'); its bits differ from torch's single-tensor AdamW here "
+            "(torch's square root is not reproduced), so the in-memory optimizer runs torch's own ops (same results, "
+            "slower)",
+            library=str(path),
+            exact=False,
+        )
+    return passed(
+        name,
+        "built and loaded; bit-exact with torch's single-tensor AdamW, so the in-memory optimizer and the "
+        "offload tiers run it",
+        library=str(path),
+        exact=True,
+    )
 
 
 def check_triton(options: DoctorOptions) -> CheckResult:
