@@ -166,7 +166,7 @@ def test_the_cpu_adamw_row_says_which_optimizer_path_runs(tmp_path, monkeypatch)
     if cpu_adamw.available():
         r = kernel_checks.check_cpu_adamw(OPTS)
         assert r.status is Status.PASS and r.data["exact"] is False
-        assert "the in-memory optimizer runs torch's own ops" in r.detail
+        assert "the in-memory optimizer of CPU ranks runs torch's own ops" in r.detail
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     monkeypatch.setenv("ZEROPP_CACHE_DIR", str(tmp_path / "cache"))
     r = kernel_checks.check_cpu_adamw(OPTS)

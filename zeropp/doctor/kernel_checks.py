@@ -189,15 +189,15 @@ def check_cpu_adamw(options: DoctorOptions) -> CheckResult:
         return passed(
             name,
             "built and loaded (the offload tiers' 'native'); its bits differ from torch's single-tensor AdamW here "
-            "(torch's square root is not reproduced), so the in-memory optimizer runs torch's own ops (same results, "
-            "slower)",
+            "(torch's square root is not reproduced), so the in-memory optimizer of CPU ranks runs torch's own ops "
+            "(same results, slower)",
             library=str(path),
             exact=False,
         )
     return passed(
         name,
-        "built and loaded; bit-exact with torch's single-tensor AdamW, so the in-memory optimizer and the "
-        "offload tiers run it",
+        "built and loaded; bit-exact with torch's single-tensor AdamW, so every optimizer whose state is on the "
+        "CPU runs it (CPU ranks, the offload tiers)",
         library=str(path),
         exact=True,
     )
