@@ -15,7 +15,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Callable, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -145,23 +146,33 @@ def bit_exact_row(name: str, prefix: str, bad: list[str], **data: object) -> Che
     return passed(name, f"{prefix}bit-exact against kernels/reference.py on {len(CASES)} awkward shapes", **data)
 
 
+def _built(name: str, kernel: Any, verb: str, fallback: str) -> Path | CheckResult:
+    """The library file of a native ``kernel`` module (``cpu_native``, ``cpu_adamw``: ``load()``,
+    ``library()``, ``FAILED``), built or loaded from the cache; or the failed row saying why, what
+    to install (``verb``: how the row says it does not build) and what runs instead (``fallback``)."""
+    try:
+        _, path = kernel.load()
+    except Exception as err:
+        return failed(
+            name,
+            f"{verb} ({type(err).__name__}: {str(err).strip()[:300]}); install g++ or set CXX to a C++17 "
+            f"compiler ({fallback})",
+            error=f"{type(err).__name__}: {err}",
+        )
+    if kernel.library() is None:
+        return failed(name, f"built at {path} but not usable in this process: {kernel.FAILED}", library=str(path))
+    return Path(path)
+
+
 def check_native_cpu(options: DoctorOptions) -> CheckResult:
     """The native CPU kernels build (or load from the cache) and agree with the reference bit for
     bit. A build failure is a failed row: CPU ranks still run, on the slower paths."""
     name = "native CPU kernels"
     if not cpu_native.ENABLED:
         return skipped(name, "skipped: ZEROPP_CPU_NATIVE=0 turns them off in this environment")
-    try:
-        _, path = cpu_native.load()
-    except Exception as err:
-        return failed(
-            name,
-            f"do not build here ({type(err).__name__}: {str(err).strip()[:300]}); install g++ or set CXX to a C++17 "
-            "compiler (CPU ranks fall back to the slower torch path)",
-            error=f"{type(err).__name__}: {err}",
-        )
-    if cpu_native.library() is None:
-        return failed(name, f"built at {path} but not usable in this process: {cpu_native.FAILED}", library=str(path))
+    path = _built(name, cpu_native, "do not build here", "CPU ranks fall back to the slower torch path")
+    if isinstance(path, CheckResult):
+        return path
     bad = mismatches(torch.device("cpu"), "torch")
     return bit_exact_row(name, "built and loaded; ", bad, library=str(path))
 
@@ -174,17 +185,11 @@ def check_cpu_adamw(options: DoctorOptions) -> CheckResult:
     whose bits differ from torch's here (torch's square root not reproduced) is a pass that says
     the in-memory optimizer runs torch's ops instead."""
     name = "CPU AdamW"
-    try:
-        _, path = cpu_adamw.load()
-    except Exception as err:
-        return failed(
-            name,
-            f"does not build here ({type(err).__name__}: {str(err).strip()[:300]}); install g++ or set CXX to a "
-            "C++17 compiler (the optimizers fall back to torch's AdamW: same results, slower)",
-            error=f"{type(err).__name__}: {err}",
-        )
-    if cpu_adamw.library() is None:
-        return failed(name, f"built at {path} but not usable in this process: {cpu_adamw.FAILED}", library=str(path))
+    path = _built(
+        name, cpu_adamw, "does not build here", "the optimizers fall back to torch's AdamW: same results, slower"
+    )
+    if isinstance(path, CheckResult):
+        return path
     if not cpu_adamw.reproduces_reference():
         return passed(
             name,

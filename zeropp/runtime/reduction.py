@@ -214,8 +214,20 @@ class GradReducer:
             self._reduce_unit(order[self._next_reduce])
             self._next_reduce += 1
 
-    def _qgz(self) -> dict:
-        return dict(spec=self.cfg.grads, error_feedback=self.error_feedback)
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, u: FlatUnit, *, async_op: bool) -> Pending:
+        """``u``'s gradient reduce-scatter: ``flat`` ([padded]) averaged over the world, this rank's
+        part into ``out`` ([S]); quantized (qgZ, with its error feedback) when the config says so."""
+        return self.comm.reduce_scatter(
+            out,
+            flat,
+            key=u.name,
+            bucket=self.cfg.reduce_bucket_size,
+            kind=CommKind.GRAD_REDUCE_SCATTER,
+            unit=u.name,
+            async_op=async_op,
+            spec=self.cfg.grads,
+            error_feedback=self.error_feedback,
+        )
 
     def _reduce_unit(self, u: FlatUnit) -> None:
         """Stages 2/3: send this micro-step's gradient of ``u`` (async); free ``u`` at stage 3."""
@@ -233,16 +245,7 @@ class GradReducer:
         # micro-step, so each shard is overwritten before any add: no zero-fill, no add, no buffer);
         # a later one goes through a pool buffer and is added in _finish_reduction
         out = u.grad_shard if self._overwrite else self.pool.acquire("grad_shard", u.shard_numel)
-        work = self.comm.reduce_scatter(
-            out,
-            flat,
-            key=u.name,
-            bucket=self.cfg.reduce_bucket_size,
-            kind=CommKind.GRAD_REDUCE_SCATTER,
-            unit=u.name,
-            async_op=True,
-            **self._qgz(),
-        )
+        work = self._reduce_scatter(out, flat, u, async_op=True)
         u.extra["rs_input"] = flat  # back to the pool once the reduce-scatter is waited
         self._pending.append((work, u, out))
 
@@ -290,16 +293,7 @@ class GradReducer:
                 reducing.append((i, flat, work))
                 continue
             out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # stage 1: one reduce-scatter
-            self.comm.reduce_scatter(
-                out,
-                flat,
-                key=u.name,
-                bucket=self.cfg.reduce_bucket_size,
-                kind=CommKind.GRAD_REDUCE_SCATTER,
-                unit=u.name,
-                async_op=False,
-                **self._qgz(),
-            )
+            self._reduce_scatter(out, flat, u, async_op=False)
             self.pool.give_back(flat)
             grads[i] = out
             if self.land is not None:
