@@ -1,6 +1,7 @@
 """A native CPU AdamW step: ``cpu_adamw.cpp``, one pass over fp32 flat buffers, on torch's own
 OpenMP threads, built with the system C++ compiler at first use and called through ``ctypes``
-(what ZeRO-Offload's host optimizer and the nvme tier's chunk update run; ``zeropp.runtime.offload``).
+(what ZeRO-Offload's host optimizer and the nvme tier's chunk update run, ``zeropp.runtime.offload``,
+and, where :func:`reproduces_reference` holds, the in-memory optimizer of CPU ranks).
 
 Why hand-written: torch's single-tensor AdamW makes six passes over memory (one per op), and its
 fused CPU kernel, one pass, trails DeepSpeed's ``DeepSpeedCPUAdam`` at 16M elements on two threads
@@ -43,7 +44,9 @@ Where no such routine is found (torch without MKL, whose ``sqrt`` is the IEEE on
 Scalars are rounded to fp32 as torch rounds a Python scalar operand of an fp32 tensor op; the
 bias corrections and step size are computed in Python floats, as torch's single-tensor path does.
 If the build or the load fails, :func:`library` returns None and says why in :data:`FAILED`; the
-runtime then warns once and runs torch's kernel instead (``zeropp.runtime.optimizer``).
+runtime then runs torch's kernel instead (``zeropp.runtime.optimizer``), with one warning where the
+kernel was asked for by name (``native``, ``native-exact``) and silently for ``exact``, whose bits
+are the same either way.
 """
 
 from __future__ import annotations
@@ -140,10 +143,11 @@ def torch_sqrt() -> int | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn.restype = None
+    f32: dict = dict(dtype=torch.float32, device="cpu")  # whatever torch's default dtype and device are
     probe = torch.cat(
         [
-            torch.tensor([0.0, 1e-45, 3e-39, 0.5, 2.0, 1e38, float("inf")]),
-            torch.rand(4093, generator=torch.Generator().manual_seed(0)) * 8,
+            torch.tensor([0.0, 1e-45, 3e-39, 0.5, 2.0, 1e38, float("inf")], **f32),
+            torch.rand(4093, generator=torch.Generator().manual_seed(0), **f32) * 8,
         ]
     )
     out = torch.empty_like(probe)
@@ -156,31 +160,42 @@ def torch_sqrt() -> int | None:
 @lru_cache(maxsize=1)
 def reproduces_reference() -> bool:
     """Whether :func:`adamw` with ``exact=True`` gives :func:`adamw_reference`'s bits in this
-    process (built and loaded, and checked on a probe: two updates, with and without weight decay,
-    of awkward values: zeros, subnormals, huge and tiny gradients, a length that is no multiple of
-    any vector width). What lets the runtime's default AdamW (``kernel="exact"``) run the kernel
-    in place of torch's ops: a build or a torch whose square root the kernel does not reproduce
-    answers False, and torch's ops run instead."""
+    process (built and loaded, and checked on a probe: three updates, with and without weight
+    decay, both branches of torch's ``lerp``, of awkward values: zeros, subnormals, huge and tiny
+    gradients, a length that is no multiple of any vector width). What lets the runtime's default
+    AdamW (``kernel="exact"``) run the kernel in place of torch's ops: a build or a torch whose
+    square root the kernel does not reproduce answers False, and torch's ops run instead. The probe
+    is fp32 on the CPU whatever torch's default dtype and device are."""
     if not available():
         return False
+    f32: dict = dict(dtype=torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(0)
     n = 4099
-    special = torch.tensor([0.0, 1e-45, -3e-39, 1e-20, 1e20, -1e30, 0.5, -2.0])
-    params = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
-    grads = [torch.cat([special, torch.randn(n - special.numel(), generator=gen) * 10 ** (k - 3)]) for k in range(2)]
+    special = torch.tensor([0.0, 1e-45, -3e-39, 1e-20, 1e20, -1e30, 0.5, -2.0], **f32)
+    params = [torch.randn(n, generator=gen, **f32), torch.randn(n, generator=gen, **f32)]
+    grads = [
+        torch.cat([special, torch.randn(n - special.numel(), generator=gen, **f32) * 10 ** (k - 3)]) for k in range(2)
+    ]
 
     def state() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        return [t.clone() for t in params], [torch.zeros(n) for _ in params], [torch.zeros(n) for _ in params]
+        zeros = [torch.zeros(n, **f32) for _ in params]
+        return [t.clone() for t in params], zeros, [z.clone() for z in zeros]
 
     mine, ref = state(), state()  # (params, exp_avgs, exp_avg_sqs)
     try:
-        for step, wd in ((1, 0.1), (2, 0.0)):
-            hp = AdamWStep(step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+        for step, wd, betas in ((1, 0.1, (0.9, 0.999)), (2, 0.0, (0.9, 0.999)), (3, 0.01, (0.3, 0.95))):
+            hp = AdamWStep(step=step, lr=1e-3, betas=betas, eps=1e-8, weight_decay=wd)
             adamw(mine[0], grads, mine[1], mine[2], hp, exact=True)
             adamw_reference(ref[0], grads, ref[1], ref[2], hp)
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         return False
     return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for x, y in zip(mine, ref) for a, b in zip(x, y))
+
+
+def takes(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`adamw` can take every one of ``tensors`` (contiguous fp32 CPU tensors):
+    where it cannot, the runtime's ``exact`` runs torch's ops instead of raising."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 @dataclass(frozen=True, kw_only=True)

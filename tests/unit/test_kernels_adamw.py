@@ -302,6 +302,7 @@ def _spy_native(monkeypatch) -> list[int]:
 def test_the_default_kernel_is_torch_adamw_bit_for_bit(shape, monkeypatch) -> None:
     """The runtime's default (``exact``, what every in-memory stage runs) gives torch's single-tensor
     bits, and takes the native kernel where the probe says it reproduces them."""
+    cpu_adamw.reproduces_reference()  # (probed before the spy, which then counts the steps' calls only)
     calls = _spy_native(monkeypatch)
     cfg = OptimizerConfig(lr=1e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(1)
@@ -346,3 +347,32 @@ def test_the_default_kernel_off_the_cpu_runs_torchs_ops() -> None:
     x = torch.zeros(8, device="meta")
     cfg = OptimizerConfig()
     optimizer.adamw_update([torch.zeros(8, device="meta")], [x], [x], [x], step=1, lr=1e-3, cfg=cfg, kernel="exact")
+
+
+def test_the_default_kernel_takes_what_torchs_ops_take() -> None:
+    """Where torch's single-tensor AdamW works, so does ``exact``, with its bits: under another
+    default dtype (the probe is fp32 on the CPU regardless; it raised before) and on tensors the
+    native kernel cannot take (a transposed view: torch's ops run)."""
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(3)
+    p0, grad = torch.randn(17, 257, generator=g), torch.randn(17, 257, generator=g)
+
+    def run(kernel: str, view) -> torch.Tensor:
+        p, m, v = (view(t) for t in (p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)))
+        for step in (1, 2):
+            optimizer.adamw_update([p], [view(grad)], [m], [v], step=step, lr=cfg.lr, cfg=cfg, kernel=kernel)
+        return p
+
+    before = torch.get_default_dtype()
+    cpu_adamw.reproduces_reference.cache_clear()
+    cpu_adamw.torch_sqrt.cache_clear()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert torch.equal(run("exact", lambda t: t), run("single", lambda t: t))
+        if cpu_adamw.available() and torch.backends.mkl.is_available():  # (where the fp32 probes found MKL's sqrt)
+            assert cpu_adamw.torch_sqrt() is not None and cpu_adamw.reproduces_reference()
+    finally:
+        torch.set_default_dtype(before)
+        cpu_adamw.reproduces_reference.cache_clear()
+        cpu_adamw.torch_sqrt.cache_clear()
+    assert torch.equal(run("exact", lambda t: t.t()), run("single", lambda t: t.t()))

@@ -92,9 +92,10 @@ class ZeroEngine:
     architecture; rank 0's weights are broadcast so ranks start identical. The model's
     parameters are replaced by views into the engine's buffers (stage 3: empty between uses);
     use :meth:`consolidated_state_dict` to get plain weights back. ``cpu_adam`` picks the AdamW
-    kernel of an offloaded optimizer (``native``, ``native-exact``, ``fused``, ``foreach`` or
-    ``single``; see ``offload.py``: ``native``, the one-pass C++ kernel, is the default, ``fused``
-    torch's fused kernel, ``native-exact`` and ``single`` are bit-identical to the in-memory step).
+    kernel of an offloaded optimizer (``native``, ``native-exact``, ``exact``, ``fused``, ``foreach``
+    or ``single``; see ``offload.py``: ``native``, the one-pass C++ kernel, is the default, ``fused``
+    torch's fused kernel, ``native-exact``, ``exact`` and ``single`` are bit-identical to the
+    in-memory step, which runs ``exact``: ``optimizer.py``).
 
     Any ``nn.Module``: ``blocks`` chooses the blocks (the stage-3 gather units and the stage-2/3
     reduction units), like FSDP's auto-wrap policy: ``None`` (``model.blocks`` if it is a

@@ -51,11 +51,12 @@ _warned_fallback = False
 
 def _native_or_fallback(kernel: str, tensors: Sequence[torch.Tensor]) -> str:
     """``kernel`` if it is a native one that can run here, else the kernel to run instead: a
-    native kernel on non-CPU tensors is an error; one that failed to build falls back (one warning)."""
+    native kernel on non-CPU tensors is an error; one that failed to build falls back (one warning);
+    ``exact`` is ``native-exact`` where the kernel takes every tensor (``tensors``: all of the
+    update's) and gives torch's bits here, else ``single`` (no warning: the same bits either way)."""
     global _warned_fallback
-    if kernel == "exact":  # same bits either way, so no warning when the native path is not here
-        on_cpu = all(t.device.type == "cpu" for t in tensors)
-        return "native-exact" if on_cpu and cpu_adamw.reproduces_reference() else "single"
+    if kernel == "exact":
+        return "native-exact" if cpu_adamw.takes(tensors) and cpu_adamw.reproduces_reference() else "single"
     if kernel not in _FALLBACK:
         return kernel
     off_cpu = [t.device for t in tensors if t.device.type != "cpu"]
@@ -93,7 +94,7 @@ def adamw_update(
     if kernel not in KERNELS:
         raise ValueError(f"AdamW kernel={kernel!r}; use one of {KERNELS}")
     (beta1, beta2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
-    kernel = _native_or_fallback(kernel, params)
+    kernel = _native_or_fallback(kernel, [*params, *grads, *exp_avgs, *exp_avg_sqs] if kernel == "exact" else params)
     hp = cpu_adamw.AdamWStep(step=step, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
     if kernel == "single":
         cpu_adamw.adamw_reference(params, grads, exp_avgs, exp_avg_sqs, hp)
