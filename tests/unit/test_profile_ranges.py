@@ -90,8 +90,14 @@ def test_a_profiled_step_names_every_planned_collective(case: tuple, tmp_path: P
         if c.unit >= 0
     }
     waits = {(s.parsed.kind, s.parsed.unit) for s in spans if s.parsed.part == "wait"}
-    # stage 0 all-reduces synchronously; at world 1 every call is a local copy, finished at issue
-    assert waits <= planned_units and (waits or kw["stage"] == 0 or world == 1)
+    # at world 1 every call is a local copy, finished at issue
+    assert waits <= planned_units and (waits or world == 1)
+    # the gradient all-reduces of the units kept whole are all issued before the first is waited for
+    issued = [s.start_s for s in calls if s.parsed.kind == CommKind.GRAD_ALL_REDUCE]
+    waited = [s.start_s for s in spans if s.parsed.kind == CommKind.GRAD_ALL_REDUCE and s.parsed.part == "wait"]
+    assert not waited or max(issued) < min(waited), (issued, waited)
+    if kw["stage"] == 0 and world > 1:
+        assert len(issued) > 1 and len(waited) == len(issued)
     algos = {c.algo for c in plan.collectives}
     if {Algo.A2A_INTRA, Algo.A2A_CROSS} <= algos:  # qgZ's second hop runs on the comm worker: recorded too
         cross = [s for s in calls if s.parsed.hop == "cross"]

@@ -105,10 +105,10 @@ def build_frozen_units(
     spans: Sequence[tuple[int, int]] | None = None,
 ) -> FrozenUnits:
     """One ``frozen`` unit per block (``block<i>.frozen``; ``block<i>-<j>.frozen`` per coalesced
-    span of ``spans``, the trainable units' :meth:`partition.Homes.spans`; None: one per block) and for the root
+    span of ``spans``, the trainable units' :meth:`units.Homes.spans`; None: one per block) and for the root
     (``root.frozen``) holding the frozen floating-point parameters with at least
     ``persistence_threshold`` elements (smaller ones stay replicated, as trainable ones under the
-    threshold do). Placement (block, root, tied names) is :func:`partition.assign_homes`'s, the
+    threshold do). Placement (block, root, tied names) is :func:`units.assign_homes`'s, the
     same as for the trainable units."""
     homes: Homes = assign_homes(model, block_modules)
 

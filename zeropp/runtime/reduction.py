@@ -32,7 +32,7 @@ copy to the host overlaps the rest of backward.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -281,28 +281,34 @@ class GradReducer:
         Stage 1's reduce-scatters go one at a time through the pool's one buffer."""
         grads: list[torch.Tensor | None] = [None] * len(self.units)
         reducing: list[tuple[int, torch.Tensor, Pending]] = []  # all-reduces in flight, in unit order
-        for i, u in enumerate(self.units):
-            if self.reduces_when_ready(u):
-                grads[i] = u.grad_shard
-                continue
-            pooled = u.kind == "sharded_opt"  # stage 1: a communication buffer; stage 0: the gradient itself
-            flat = u.flatten_grads(out=self.pool.acquire("grad_flat", u.padded) if pooled else None)  # [padded]
-            if u.kind == "replicated":
-                grads[i] = flat
-                work = self.comm.all_reduce_mean(flat, kind=CommKind.GRAD_ALL_REDUCE, unit=u.name, async_op=True)
-                reducing.append((i, flat, work))
-                continue
-            out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # stage 1: one reduce-scatter
-            self._reduce_scatter(out, flat, u, async_op=False)
-            self.pool.give_back(flat)
-            grads[i] = out
-            if self.land is not None:
-                self.land(i, out)
+        try:
+            for i, u in enumerate(self.units):
+                if self.reduces_when_ready(u):
+                    grads[i] = u.grad_shard
+                    continue
+                pooled = u.kind == "sharded_opt"  # stage 1: a communication buffer; stage 0: the gradient itself
+                flat = u.flatten_grads(out=self.pool.acquire("grad_flat", u.padded) if pooled else None)  # [padded]
+                if u.kind == "replicated":
+                    grads[i] = flat
+                    work = self.comm.all_reduce_mean(flat, kind=CommKind.GRAD_ALL_REDUCE, unit=u.name, async_op=True)
+                    reducing.append((i, flat, work))
+                    continue
+                out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.device)  # stage 1: one reduce-scatter
+                self._reduce_scatter(out, flat, u, async_op=False)
+                self.pool.give_back(flat)
+                grads[i] = out
+                if self.land is not None:
+                    self.land(i, out)
+        except BaseException:
+            for _, _, work in reducing:  # nothing may still write into a gradient the caller drops
+                work.wait()
+            raise
         for i, flat, work in reducing:
             work.wait()
             if self.land is not None:
                 self.land(i, flat)
-        return [g for g in grads if g is not None]  # (every unit has one)
+        assert all(g is not None for g in grads)
+        return cast(list[torch.Tensor], grads)
 
     def close(self) -> None:
         """Remove the gradient hooks and wait for the reduce-scatters still in flight. Local."""
