@@ -51,6 +51,7 @@ from .config import (
     RunNeverSaved,
     from_omegaconf,
     interpolation_error,
+    run_records,
     without_hydra,
 )
 from .launcher import (
@@ -204,6 +205,8 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     run_dir = Path(info["run_dir"])
     rc.check_run_dir(run_dir, key=info.get("dir_key") or ("hydra.sweep.dir" if info["multirun"] else "hydra.run.dir"))
     check_before_launch(rc, run_dir, local=not in_torchrun())  # corpus, checkpoint dir, ranks and memory here
+    if info["multirun"]:  # this point runs again (resumed, or started in a resumed sweep): an earlier failure
+        (run_dir / FAILED_FILE).unlink(missing_ok=True)  # record of it is no longer its outcome (ours: removed)
     if in_torchrun():
         from .worker import run_rank
 
@@ -407,6 +410,7 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
     command exits 2 and no point has started."""
     shared = set.intersection(*(set(o) for o, _ in points)) if len(points) > 1 else set()
     bad: list[str] = []
+    resumed: list[tuple[RunConfig, Path]] = []  # the resumed points whose directories resolve
     taken: dict[Path, Sequence[str]] = {}  # each point's run directory -> the point that runs there
     for num, (overrides, cfg) in enumerate(points):
         launcher = cfg.hydra.runtime.choices.get("hydra/launcher")
@@ -426,6 +430,7 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
                     )
             if rc.resume and run_dir is not None:
                 check_resumed_point(run_dir, overrides)
+                resumed.append((rc, run_dir))
             if launcher in (None, "basic"):
                 if run_dir is not None and not rc.resume:
                     # a fresh point landing on an earlier run's records (a resumed sweep's finished points are
@@ -435,6 +440,14 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
         except ConfigError as e:
             own = [o for o in overrides if o not in shared]  # what tells the point from the others
             bad.append(f"  {' '.join(own) or '(no overrides)'}: {e}")
+    if not bad and resumed and len(resumed) == len(points) and not any(sweep_point_began(rc, d) for rc, d in resumed):
+        sweep_dir = resumed[0][1].parent
+        bad.append(
+            f"  (every point): resume=true, but no point of this sweep has a checkpoint, records or a start under "
+            f"{sweep_dir}: it is not the directory of the sweep to resume (a point that never ran is started "
+            f"there only when others of its sweep are found); resume with hydra.sweep.dir=<that sweep's directory>, "
+            f"or start this sweep without resume=true"
+        )
     if bad:
         print(
             f"error: {len(bad)} of {len(points)} sweep point(s) cannot run; no point was started:\n" + "\n".join(bad),
@@ -446,6 +459,19 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
 
 FAILED_FILE = "failed.json"
 """Written into a multirun job's directory when that job fails (its overrides and the error)."""
+
+
+def sweep_point_began(rc: RunConfig, run_dir: Path) -> bool:
+    """Whether a sweep point's run began in ``run_dir``: a checkpoint, run records, the launcher's
+    rank spec or a failure record is there. A resumed sweep none of whose points began anywhere is
+    resumed in the wrong directory (:func:`check_sweep_points`)."""
+    return (
+        (rc.checkpoint_dir(run_dir) / "LATEST").is_file()
+        or bool(run_records(run_dir))
+        or (run_dir / "ranks" / "spec.json").is_file()
+        or (run_dir / FAILED_FILE).is_file()
+    )
+
 
 _failed: list[dict[str, Any]] = []  # this process's failed multirun jobs (Hydra runs them in-process, in order)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
@@ -82,14 +83,16 @@ class ZeroppSweeper(BasicSweeper):
         return super().sweep(arguments)
 
     @staticmethod
-    def _note_replaced_axes(preset: Sequence[Any], given: Sequence[Any]) -> None:
+    def _note_replaced_axes(preset: Sequence[Override], given: Sequence[Override]) -> None:
         """Say so when the command line sets a key the sweep's ``params`` (a ``sweep=`` preset)
         sweeps: Hydra lets the command line win, so that axis collapses to the given value(s)
         (``sweep=ablation quant=hpz`` runs one point, not the preset's five), which is what the user
-        may want, but should not learn from the point count alone."""
-        swept = {o.key_or_group: o for o in preset if o.is_sweep_override()}
+        may want, but should not learn from the point count alone. Keys are matched as Hydra's
+        sweeper merges them (``get_key_element``: with a ``+``/``++``/``~`` prefix and an
+        ``@package``), so ``~quant`` or ``quant@x=...`` are not taken for a replacement."""
+        swept = {o.get_key_element(): o for o in preset if o.is_sweep_override()}
         for o in given:
-            was = swept.get(o.key_or_group)
+            was = swept.get(o.get_key_element())
             if was is not None:
                 print(
                     f"zeropp: {o.input_line} replaces the sweep's {was.input_line} (the command line wins); "

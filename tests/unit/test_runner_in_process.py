@@ -362,6 +362,7 @@ def test_a_resumed_sweep_resumes_skips_or_starts_each_point_at_its_turn(
 
     def fake_launch(**kw: object) -> dict:
         resumed.append(kw["spec"]["config"]["resume"])  # type: ignore[index]
+        assert not (Path(str(kw["run_dir"])) / "failed.json").exists()  # the earlier failure's record is gone
         raise RankFailure("rank 0 exited with code 5", rank=0, exit_code=5)
 
     monkeypatch.setattr(run, "launch", fake_launch)
@@ -373,6 +374,8 @@ def test_a_resumed_sweep_resumes_skips_or_starts_each_point_at_its_turn(
     (sweep / "0" / "checkpoints" / "LATEST").write_text("ckpt-00000002-0000000000000000\n")
     (sweep / "2" / "checkpoints" / "ckpt-00000004-0000000000000000").mkdir(parents=True)  # point 2 finished
     (sweep / "2" / "checkpoints" / "LATEST").write_text("ckpt-00000004-0000000000000000\n")
+    (sweep / "1").mkdir()
+    (sweep / "1" / "failed.json").write_text('{"error": "crashed at start-up"}\n')  # point 1 never ran
     (sweep / "3").mkdir()
     (sweep / "3" / "metrics.jsonl").write_text('{"step": 1}\n')  # point 3 ran, saved nothing
     args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2,3,4"]
@@ -398,3 +401,38 @@ def test_a_command_line_value_that_replaces_a_sweep_presets_axis_is_named(
     assert "zeropp: quant=hpz replaces the sweep's quant=none,qwz,hpz,qgz,zeropp (the command line wins)" in p.stderr
     p = run_cli_here(["sweep=ablation", "train.seed=3", *MINI_1X2_CPU, f"hydra.sweep.dir={tmp_path / 'b'}"], capfd)
     assert calls == [1] * 6 and "replaces the sweep's" not in p.stderr, p.stderr[-2000:]
+
+
+def test_the_replaced_axis_note_matches_keys_as_hydras_sweeper_merges_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only an override Hydra's sweeper merges with the preset's (the same key element) is named:
+    ``~quant``, ``quant@x=...``, ``++quant=...`` and ``trainer_job=...`` beside ``+trainer_job`` are
+    other entries that Hydra keeps beside the preset's axis."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.zeropp_sweeper import ZeroppSweeper
+
+    parse = OverridesParser.create().parse_overrides
+    preset = parse(["quant=none,qwz", "+trainer_job=zeropp,ddp", "stage=3"])
+    for given in (["~quant"], ["quant@x=hpz"], ["++quant=hpz"], ["trainer_job=ddp"], ["stage=2"]):
+        ZeroppSweeper._note_replaced_axes(preset, parse(given))
+        assert capsys.readouterr().err == "", given
+    ZeroppSweeper._note_replaced_axes(preset, parse(["quant=hpz", "+trainer_job=ddp"]))
+    err = capsys.readouterr().err
+    assert "quant=hpz replaces the sweep's quant=none,qwz" in err
+    assert "+trainer_job=ddp replaces the sweep's +trainer_job=zeropp,ddp" in err
+
+
+def test_a_sweep_resumed_in_a_directory_where_none_of_its_points_began_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``resume=true`` with a mistyped (or Hydra's default, new) ``hydra.sweep.dir``: no point has a
+    checkpoint, records or a start there, so this is not the sweep to resume; exit 2 before any point
+    (a resumed sweep starts its points that never ran only beside points that did: else every point
+    would silently retrain from scratch)."""
+    calls: list[int] = []
+    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "typo"
+    args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2"]
+    p = run_cli_here([*args, f"hydra.sweep.dir={sweep}"], capfd)
+    assert p.returncode == 2 and calls == [], p.stderr[-2000:]
+    assert f"no point of this sweep has a checkpoint, records or a start under {sweep}" in p.stderr
