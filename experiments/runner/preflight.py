@@ -125,6 +125,33 @@ def check_local_ranks(rc: RunConfig) -> None:
         )
 
 
+def disk_free(path: str | Path) -> int:
+    """Bytes an unprivileged process may still write on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_nvme_space(rc: RunConfig, ranks: int) -> None:
+    """The nvme tier preallocates its swap files when the engine starts (``swap.SwapSpace.create``):
+    ``ranks`` ranks on this host need about ZeRO's disk tier each under ``zero.nvme_path``. A disk
+    too small would stop every rank after start-up, mid-construction; refuse it here instead. Only a
+    lower bound on what is needed (the files pad their units, other runs may share the disk), so a
+    tight disk can still fail at creation, with the file named."""
+    z = rc.zero
+    if z.nvme_path is None:
+        return
+    per_rank = model_state_per_rank(rc)["disk"]
+    need, free = per_rank * ranks, disk_free(z.nvme_path)
+    if need > free:
+        raise ConfigError(
+            f"invalid config: zero.nvme_path={z.nvme_path!r} has {human_bytes(free)} free but the nvme "
+            f"tier's swap files need about {human_bytes(need)} ({human_bytes(per_rank)} per rank x "
+            f"{ranks} ranks on this host: ZeRO's formula, disk tier); free space there, point "
+            "zero.nvme_path at a larger disk, or keep part of the state in host memory "
+            "(zero.offload_param=cpu / zero.offload_optimizer=cpu)"
+        )
+
+
 def check_writable_dir(key: str, path: Path) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
     existing ancestor is a directory that lets this process create files. Tried for real
@@ -163,3 +190,4 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
     if local:
         check_local_ranks(rc)
+        check_nvme_space(rc, rc.topology.world_size)

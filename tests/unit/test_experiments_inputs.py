@@ -299,6 +299,28 @@ def test_an_nvme_path_that_takes_no_files_is_refused_before_ranks(cli) -> None:
     assert "nvme_path='/proc'" in line and ("cannot be written" in line or "not writable" in line), line
 
 
+def test_an_nvme_disk_too_small_for_the_swap_files_is_refused_before_ranks(cli, tmp_path, monkeypatch) -> None:
+    """The swap files are preallocated when each rank's engine starts: a disk that cannot hold them
+    (a small tmpfs) used to stop every rank after start-up; the preflight compares ZeRO's disk tier
+    for all local ranks with the free space under zero.nvme_path."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = [
+        "model=small",
+        "stage=3",
+        "zero.offload_optimizer=nvme",
+        "zero.offload_param=nvme",
+        f"zero.nvme_path={nvme}",
+    ]
+    rc = from_dict(composed_config(*args))
+    need = preflight.model_state_per_rank(rc)["disk"] * rc.topology.world_size
+    monkeypatch.setattr(preflight, "disk_free", lambda path: int(need) - 1)
+    line = cli(*args)
+    assert f"zero.nvme_path='{nvme}'" in line and human_bytes(need) in line and "free" in line, line
+    assert "larger disk" in line, line
+    assert list(nvme.iterdir()) == []  # no swap folder made
+
+
 def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # restored afterwards
     before = sorted(tmp_path.rglob("*"))
