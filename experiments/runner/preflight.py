@@ -46,16 +46,24 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
-    """ZeRO's model-state bytes per rank on each tier (``device``, ``host``, ``disk``) for this run:
-    ``expected_by_tier`` at the trainer's stage for the trainable parameters of this rank's
-    tensor-parallel slice, plus the stored shard of frozen (LoRA base) parameters, which have no
-    gradient or optimizer state."""
-    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, tier_totals
+def model_state_by_tier(
+    rc: RunConfig, *, stage: int | None = None, offload_optimizer: str | None = None, offload_param: str | None = None
+) -> dict[str, dict[str, float]]:
+    """ZeRO's model-state bytes per rank ``{tier: {params, grads, optimizer}}`` for this run, or for
+    it at another ``stage`` / offload choice (``python -m experiments.memory``'s other rows):
+    ``expected_by_tier`` for the trainable parameters of this rank's tensor-parallel slice (Ψ/tp, a
+    lower bound: embeddings and norms stay whole on every tp rank) partitioned over the
+    data-parallel ranks, hpZ's secondary as the run keeps it (qwZ's wire rows), plus the stored
+    shard of frozen (LoRA base) parameters, which have no gradient or optimizer state. ``stage``
+    defaults to the trainer's (FSDP2 shards everything, DDP replicates everything)."""
+    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
 
     z, t = rc.zero, rc.topology
-    fixed = rc.trainer_spec.fixed_stage  # FSDP2 shards everything, DDP replicates everything
-    stage = z.stage if fixed is None else fixed
+    fixed = rc.trainer_spec.fixed_stage
+    if stage is None:
+        stage = z.stage if fixed is None else fixed
+    opt = z.offload_optimizer if offload_optimizer is None else offload_optimizer
+    par = z.offload_param if offload_param is None else offload_param
     psi = rc.model.num_params()
     frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
     pbytes = z.dtype.itemsize
@@ -66,15 +74,23 @@ def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,
-        offload_optimizer=z.offload_optimizer,
-        offload_param=z.offload_param,
+        hpz_bytes=hpz_bytes_per_param(z.weights, pbytes, weight_diff=z.weight_diff is not None),
+        offload_optimizer=opt,
+        offload_param=par,
         shared_master=z.shares_fp32_master,
     )
-    out = tier_totals(by)
-    out[OFFLOAD_TIER[z.offload_param]] += (
+    by[OFFLOAD_TIER[par]]["params"] += (
         frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes) / (t.dp_size if stage == 3 else 1)
     )
-    return out
+    return by
+
+
+def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
+    """ZeRO's model-state bytes per rank on each tier (``device``, ``host``, ``disk``) for this run:
+    :func:`model_state_by_tier` summed over the categories."""
+    from zeropp.runtime.memory import tier_totals
+
+    return tier_totals(model_state_by_tier(rc))
 
 
 def _ranks_on_cuda(rc: RunConfig, local_ranks: int) -> bool:
