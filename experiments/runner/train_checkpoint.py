@@ -24,13 +24,17 @@ from .trainers import Trainer
 
 
 def resume_keys(cfg: RunConfig) -> dict[str, Any]:
-    """The settings a resumed run must keep to continue exactly as an uninterrupted one (the world
-    size and stage may change: the checkpoint reshards), as plain JSON values."""
+    """The settings a resumed run must keep to continue exactly as an uninterrupted one, as plain
+    JSON values. The stage, the offload tiers and the node layout may change (the checkpoint
+    reshards, the same steps follow); the number of data-parallel ranks may too, but each of them
+    draws its own micro-batches (``data.TokenBatches``, seeded by its rank), so another count
+    trains on other data with another global batch: it is listed (``topology.dp_size``)."""
     return json.loads(
         json.dumps(
             {
                 "train.seed": cfg.train.seed,
                 "train.micro_batch_size": cfg.train.micro_batch_size,
+                "topology.dp_size": cfg.topology.dp_size,
                 "train.steps": cfg.train.steps,
                 "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
                 "data": dataclasses.asdict(cfg.data),

@@ -114,6 +114,11 @@ def test_resume_continues_after_the_checkpoint_and_warns_about_changed_settings(
     longer = resume_keys(_cfg(resume=True, train={"steps": 3}))  # one key changed, as given
     assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra={"step": 2, "run": longer}), lead=True).resume() == 2
     assert f"train.steps 3 -> {cfg.train.steps}" in capsys.readouterr().err
+    # another data-parallel world: each rank draws its own batches, so the global batch and the data
+    # change (before: not listed, though the docstring promised an exact continuation)
+    wider = resume_keys(_cfg(topology={"nodes": 2, "ranks_per_node": 2}))
+    assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra={"step": 3, "run": wider}), lead=True).resume() == 3
+    assert "resumed with changed settings: topology.dp_size 4 -> 1. Training continues" in capsys.readouterr().err
     done = FakeTrainer(resume_extra={"step": 6, "run": resume_keys(cfg)})
     with pytest.raises(RuntimeError, match="is at step 6 and train.steps=6: this run already finished"):
         Checkpointer(cfg, tmp_path, done, lead=True).resume()
