@@ -64,7 +64,7 @@ def test_coalesced_units_are_drawn_as_the_units_the_plan_moves(tmp_path, keep: b
         (["-m", "model=tiny,mini"], "-m model=tiny,mini: the plan projects one configuration, not a sweep"),
         (["model=tiny", "train.steps=range(1,3)"], "train.steps=range(1,3): the plan projects one configuration"),
         (["model=tiny", "zero.reduce_bucket_size=${oops}"], "zero.reduce_bucket_size: Interpolation key 'oops'"),
-        (["model=tiny", "train.steps=a=b)("], "train.steps=a=b)(: mismatched input"),
+        (["model=tiny", "train.steps=a=b)("], "train.steps=a=b)(: Hydra cannot parse this override (mismatched input"),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_key(argv: list[str], key: str, tmp_path, capsys) -> None:
