@@ -128,14 +128,25 @@ def check_local_ranks(rc: RunConfig) -> None:
     tiers = model_state_per_rank(rc)
     z = rc.zero
     swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (z.offload_optimizer, z.offload_param) else 0
-    per_rank = tiers["host"] + swap + (0 if on_cuda else max(tiers["device"], 4.0 * rc.model.num_params()))
+    state = tiers["host"] + (0 if on_cuda else max(tiers["device"], 4.0 * rc.model.num_params()))
+    per_rank = state + swap
     total, phys = per_rank * n, host_memory()
     if total > phys:
         what = "host tier" if on_cuda else "device + host tiers, at least the fp32 model each CPU rank builds whole"
+        if swap > state:  # the staging buffers, not the model, are what does not fit: say so and how
+            raise ConfigError(
+                f"invalid config: zero.swap_buffers={z.swap_buffers} x zero.swap_buffer_size={z.swap_buffer_size} "
+                f"fp32 elements are {human_bytes(swap)} of nvme staging buffers per rank, {human_bytes(total)} "
+                f"of host memory on {shape} with the model state ({human_bytes(state)} per rank: ZeRO's "
+                f"formula, {what}), but this host has {human_bytes(phys)}. Lower zero.swap_buffer_size "
+                f"(default {1 << 22}) or zero.swap_buffers (at least 2)"
+            )
         raise ConfigError(
             f"invalid config: model (Ψ = {rc.model.num_params():,} parameters) on {shape} needs about "
             f"{human_bytes(total)} of host memory ({human_bytes(per_rank)} of model state per rank: "
-            f"ZeRO's formula, {what}) but this host has {human_bytes(phys)}; allowed: at most "
+            f"ZeRO's formula, {what}"
+            + (f", with {human_bytes(swap)} of nvme staging buffers" if swap else "")
+            + f") but this host has {human_bytes(phys)}; allowed: at most "
             f"{human_bytes(phys)}. Choose a smaller model (model=mini), fewer ranks, a higher stage or "
             "zero.offload_*=nvme, or torchrun across hosts"
         )

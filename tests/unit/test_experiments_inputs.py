@@ -277,6 +277,16 @@ def test_model_states_beyond_host_memory(cli) -> None:
     assert f"{rc.model.num_params():,}" in line and "host memory" in line, line
 
 
+@pytest.mark.parametrize("setting", ["zero.swap_buffer_size=10000000000", "zero.swap_buffers=100000"])
+def test_nvme_staging_buffers_beyond_host_memory_name_the_buffer_keys(cli, tmp_path, setting: str) -> None:
+    """A tiny model whose nvme staging buffers do not fit: the refusal names the buffer keys to
+    lower (before: it blamed the model state and advised a smaller model or zero.offload_*=nvme,
+    the tier already in use)."""
+    line = cli("model=tiny", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}", setting)
+    assert setting in line and "nvme staging buffers per rank" in line, line
+    assert "Lower zero.swap_buffer_size" in line and "smaller model" not in line, line
+
+
 # ------------------------------------------------------------------ the checkpoint directory
 
 
