@@ -133,6 +133,13 @@ class RunConfig:
             validate_against_topology(self.zero, t.world_size, t.nodes, t.ranks_per_node)
         except ValueError as e:
             raise ConfigError(f"invalid config (zero.* against topology.*): {e}") from None
+        if self.zero.hpz and self.zero.hpz_size is not None:  # the engine builds this topology on every rank
+            try:
+                dataclasses.replace(t, hpz_size=self.zero.hpz_size)
+            except ValueError as e:
+                raise ConfigError(
+                    f"invalid config (zero.hpz_size={self.zero.hpz_size} against topology.tp={t.tp}): {e}"
+                ) from None
         _check_capabilities(self, spec)
         _check_settings_in_use(self)
         if t.tp > 1:
