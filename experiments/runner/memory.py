@@ -199,7 +199,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from .run import run_job
 
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix=f"zeropp-memory-{time.strftime('%H%M%S')}-"))
-    run_job(_with_defaults(overrides), run_dir, dir_key="--run-dir")
+    try:  # the runner's own checks before any rank: a --run-dir holding a run, a disk too small, ...
+        run_job(_with_defaults(overrides), run_dir, dir_key="--run-dir")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     doc = read_summary(Path(run_dir) / "memory.json")
     chosen = next((r for r in rows if r["chosen"]), None) if rc.trainer_spec.zero_engine else None
     print()

@@ -118,3 +118,17 @@ def test_the_chosen_row_of_a_trainer_with_a_fixed_stage_is_that_stage(trainer, s
         (stage, "none", "none")
     ]
     assert f"| *{stage} | none | none |" in capsys.readouterr().out
+
+
+def test_a_measured_run_the_runner_refuses_is_one_error_line(tmp_path, capsys):
+    """The short run's refusals before any rank (here a --run-dir that holds an earlier run) end the
+    command with the runner's one error line and exit 2 (before: a RunDirTaken traceback, exit 1),
+    and the earlier run is untouched."""
+    (tmp_path / "summary.json").write_text('{"mine": true}')
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit) as e:
+        memcmd.main([*FAST, "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: invalid config: ") and "already holds a run" in err and "--run-dir" in err, err
+    assert "Traceback" not in err and (tmp_path / "summary.json").read_text() == '{"mine": true}'
