@@ -179,6 +179,33 @@ def check_nvme_space(rc: RunConfig, ranks: int) -> None:
         )
 
 
+def check_persistence(rc: RunConfig) -> None:
+    """At stage 3, parameters with fewer elements than ``zero.persistence_threshold`` stay whole on
+    every rank with their whole gradient and optimizer state (frozen ones whole too). A threshold
+    above every parameter of the model (DeepSpeed's default of 1e5 on a small model) leaves nothing to shard:
+    the run is stage 0 in memory under stage 3's name, and ``zero.offload_param`` moves nothing.
+    Refused, naming the largest parameter; the model is built on the meta device (shapes only)."""
+    z = rc.zero
+    if not (rc.trainer_spec.zero_engine and z.stage == 3 and z.persistence_threshold > 0):
+        return
+    import torch
+
+    from .trainers import build_model
+
+    with torch.device("meta"):
+        model = build_model(rc, torch.device("meta"))
+    largest = max((p.numel() for p in model.parameters() if p.is_floating_point()), default=0)  # frozen too
+    if largest and largest < z.persistence_threshold:
+        offload = f", and zero.offload_param={z.offload_param} would move nothing" if z.offload_param != "none" else ""
+        raise ConfigError(
+            f"invalid config: zero.persistence_threshold={z.persistence_threshold} is above every "
+            f"parameter of this model (the largest has {largest:,} elements), so stage 3 would keep them all "
+            f"whole on every rank with their whole gradients and optimizer state: stage 0's memory under "
+            f"stage 3's name{offload}. Lower zero.persistence_threshold to at most {largest:,} (0 shards "
+            "every parameter), or use stage=0"
+        )
+
+
 def check_writable_dir(key: str, path: Path) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
     existing ancestor is a directory that lets this process create files. Tried for real
@@ -213,6 +240,7 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
             raise ConfigError(f"invalid config: {e}") from None
     if rc.train.checkpoint_every > 0:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
+    check_persistence(rc)
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
     if local:
