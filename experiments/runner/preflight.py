@@ -170,13 +170,34 @@ def check_nvme_space(rc: RunConfig, ranks: int) -> None:
     per_rank = model_state_per_rank(rc)["disk"]
     need, free = per_rank * ranks, disk_free(z.nvme_path)
     if need > free:
+        left = _swap_folders(Path(z.nvme_path))
         raise ConfigError(
             f"invalid config: zero.nvme_path={z.nvme_path!r} has {human_bytes(free)} free but the nvme "
             f"tier's swap files need about {human_bytes(need)} ({human_bytes(per_rank)} per rank x "
             f"{ranks} ranks on this host: ZeRO's formula, disk tier); free space there, point "
             "zero.nvme_path at a larger disk, or keep part of the state in host memory "
             "(zero.offload_param=cpu / zero.offload_optimizer=cpu)"
+            + (
+                f". It holds {len(left)} swap folder(s) of other runs ({human_bytes(sum(left.values()))}: "
+                f"{', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''}), left by a runner that was "
+                "killed or still in use by a run: remove those of runs that no longer run"
+                if left
+                else ""
+            )
         )
+
+
+def _swap_folders(root: Path) -> dict[str, int]:
+    """``zeropp-swap-*`` folders directly under ``root`` and the bytes of their files: the nvme
+    tier's, of running runs or left by a SIGKILLed runner (which cannot remove them)."""
+    out: dict[str, int] = {}
+    try:
+        for d in root.glob("zeropp-swap-*"):
+            if d.is_dir() and not d.is_symlink():
+                out[d.name] = sum(f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink())
+    except OSError:
+        pass
+    return out
 
 
 def check_persistence(rc: RunConfig) -> None:

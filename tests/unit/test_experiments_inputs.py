@@ -342,6 +342,21 @@ def test_an_nvme_disk_too_small_for_the_swap_files_is_refused_before_ranks(cli, 
     assert list(nvme.iterdir()) == []  # no swap folder made
 
 
+def test_a_full_nvme_disk_names_the_swap_folders_left_on_it(cli, tmp_path, monkeypatch) -> None:
+    """A SIGKILLed runner cannot remove its ranks' swap folders (docs/reliability.md, known limits);
+    when the disk is then too small for the next run, the refusal names them and their size, and
+    touches nothing."""
+    nvme = tmp_path / "nvme"
+    left = nvme / "zeropp-swap-0123456789ab-r0-abcd1234"
+    left.mkdir(parents=True)
+    (left / "optimizer.swp").write_bytes(b"\0" * 3000)
+    (nvme / "notes.txt").write_text("mine")
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 1)
+    line = cli("zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}")
+    assert "It holds 1 swap folder(s) of other runs (2.93 KiB: zeropp-swap-0123456789ab-r0-abcd1234)" in line, line
+    assert sorted(p.name for p in nvme.iterdir()) == ["notes.txt", left.name] and (left / "optimizer.swp").exists()
+
+
 def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # restored afterwards
     before = sorted(tmp_path.rglob("*"))
