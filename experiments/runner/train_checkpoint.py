@@ -108,9 +108,12 @@ class Checkpointer:
             )
         now = _leaves(resume_keys(self.cfg))
         was = _leaves(extra.get("run", {}) if isinstance(extra.get("run"), dict) else {})
-        changed = [f"{k} {was[k]!r} -> {v!r}" for k, v in sorted(now.items()) if k in was and was[k] != v]
-        if changed and self.lead:  # each leaf with both values: a derived default (the LR schedule's
-            # length follows train.steps) reads as what it is, not as an unexplained "optim"
+        keys = [k for k, v in sorted(now.items()) if k in was and was[k] != v]
+        changed = [f"{k} {was[k]!r} -> {now[k]!r}" for k in keys]
+        # train.steps alone changes nothing of the steps both runs take (raising it is how a run trains
+        # on): warn only when something else differs; then it is listed too, as the reason a derived
+        # default moved (the LR schedule's length follows train.steps), not an unexplained "optim"
+        if set(keys) - {"train.steps"} and self.lead:
             print(
                 f"warning: resumed with changed settings: {'; '.join(changed)}. Training continues from the "
                 "checkpoint but will not match an uninterrupted run",
