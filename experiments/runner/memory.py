@@ -62,15 +62,16 @@ def predictions(rc: Any) -> list[dict[str, Any]]:
     trainer's stage (DDP: 0, FSDP2: 3) with the run's offload choices."""
     from zeropp.runtime.memory import offload_choices, tier_totals
 
-    from .preflight import model_state_by_tier
+    from .preflight import model_state_by_tier, persistent_params
 
     z = rc.zero
     fixed = rc.trainer_spec.fixed_stage
     run_stage = z.stage if fixed is None else fixed
+    whole = persistent_params(rc)  # stage 3's rows: under zero.persistence_threshold, kept whole
     rows = []
     for stage in range(4):
         for opt, par in offload_choices(stage):
-            by = model_state_by_tier(rc, stage=stage, offload_optimizer=opt, offload_param=par)
+            by = model_state_by_tier(rc, stage=stage, offload_optimizer=opt, offload_param=par, persistent=whole)
             swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (opt, par) else 0
             rows.append(
                 {

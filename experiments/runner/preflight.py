@@ -47,15 +47,22 @@ def host_memory() -> int:
 
 
 def model_state_by_tier(
-    rc: RunConfig, *, stage: int | None = None, offload_optimizer: str | None = None, offload_param: str | None = None
+    rc: RunConfig,
+    *,
+    stage: int | None = None,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    persistent: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """ZeRO's model-state bytes per rank ``{tier: {params, grads, optimizer}}`` for this run, or for
     it at another ``stage`` / offload choice (``python -m experiments.memory``'s other rows):
     ``expected_by_tier`` for the trainable parameters of this rank's tensor-parallel slice (Ψ/tp, a
     lower bound: embeddings and norms stay whole on every tp rank) partitioned over the
     data-parallel ranks, hpZ's secondary as the run keeps it (qwZ's wire rows), plus the stored
-    shard of frozen (LoRA base) parameters, which have no gradient or optimizer state. ``stage``
-    defaults to the trainer's (FSDP2 shards everything, DDP replicates everything)."""
+    shard of frozen (LoRA base) parameters, which have no gradient or optimizer state. At stage 3
+    the ``persistent`` trainable parameters (under ``zero.persistence_threshold``; default: counted
+    by :func:`persistent_params`) are whole on every rank, as ``metrics.expected_model_state`` counts
+    them. ``stage`` defaults to the trainer's (FSDP2 shards everything, DDP replicates everything)."""
     from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
 
     z, t = rc.zero, rc.topology
@@ -68,9 +75,12 @@ def model_state_by_tier(
     frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
     pbytes = z.dtype.itemsize
     hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
+    whole = 0
+    if stage == 3:
+        whole = persistent_params(rc) if persistent is None else persistent
     by = expected_by_tier(
         stage,
-        (psi - frozen) // t.tp,
+        max(0, (psi - frozen) // t.tp - whole),
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,
@@ -79,10 +89,38 @@ def model_state_by_tier(
         offload_param=par,
         shared_master=z.shares_fp32_master,
     )
+    if whole:  # stage 1's formula on one rank, the parameters on the device (offload_param skips them)
+        rows = expected_by_tier(
+            1, whole, 1, param_bytes=pbytes, offload_optimizer=opt, shared_master=z.shares_fp32_master and par == "none"
+        )
+        for tier, cats in rows.items():
+            for cat, b in cats.items():
+                by[tier][cat] += b
     by[OFFLOAD_TIER[par]]["params"] += (
         frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes) / (t.dp_size if stage == 3 else 1)
     )
     return by
+
+
+def _param_sizes(rc: RunConfig) -> list[tuple[int, bool]]:
+    """``(elements, trainable)`` of each floating-point parameter of the run's model, built on the
+    meta device (shapes only, no memory)."""
+    import torch
+
+    from .trainers import build_model
+
+    with torch.device("meta"):
+        model = build_model(rc, torch.device("meta"))
+    return [(p.numel(), p.requires_grad) for p in model.parameters() if p.is_floating_point()]
+
+
+def persistent_params(rc: RunConfig) -> int:
+    """Trainable parameters a stage-3 engine keeps whole on every rank (``partition.build_units``:
+    fewer elements than ``zero.persistence_threshold``); 0 without a threshold."""
+    z = rc.zero
+    if not (rc.trainer_spec.zero_engine and z.persistence_threshold > 0):
+        return 0
+    return sum(n for n, trained in _param_sizes(rc) if trained and n < z.persistence_threshold)
 
 
 def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
@@ -203,19 +241,13 @@ def _swap_folders(root: Path) -> dict[str, int]:
 def check_persistence(rc: RunConfig) -> None:
     """At stage 3, parameters with fewer elements than ``zero.persistence_threshold`` stay whole on
     every rank with their whole gradient and optimizer state (frozen ones whole too). A threshold
-    above every parameter of the model (DeepSpeed's default of 1e5 on a small model) leaves nothing to shard:
-    the run is stage 0 in memory under stage 3's name, and ``zero.offload_param`` moves nothing.
-    Refused, naming the largest parameter; the model is built on the meta device (shapes only)."""
+    above every parameter of the model (DeepSpeed's default of 1e5 on a small model) leaves nothing
+    to shard: the run is stage 0 in memory under stage 3's name, and ``zero.offload_param`` moves
+    nothing. Refused, naming the largest parameter."""
     z = rc.zero
     if not (rc.trainer_spec.zero_engine and z.stage == 3 and z.persistence_threshold > 0):
         return
-    import torch
-
-    from .trainers import build_model
-
-    with torch.device("meta"):
-        model = build_model(rc, torch.device("meta"))
-    largest = max((p.numel() for p in model.parameters() if p.is_floating_point()), default=0)  # frozen too
+    largest = max((n for n, _ in _param_sizes(rc)), default=0)  # frozen ones too
     if largest and largest < z.persistence_threshold:
         offload = f", and zero.offload_param={z.offload_param} would move nothing" if z.offload_param != "none" else ""
         raise ConfigError(
