@@ -41,6 +41,14 @@ CLI_ERRORS: list[tuple[list[str], list[str]]] = [
     (["~zero.grad_clip"], ["~zero.grad_clip deletes a key", "zero.grad_clip=<value> (null is one of its values)"]),
     (["~train.stpes"], ["unknown config key 'train.stpes'", "did you mean train.steps"]),
     (["model=tiny,mini"], ["model=tiny,mini gives several values, which only a sweep runs; add -m"]),
+    # an hpZ group that would split a tensor-parallel group (before: every rank raised it after start-up)
+    (
+        ["topology=2x2", "topology.tp=2", "zero.hpz=true", "zero.hpz_size=1"],
+        ["zero.hpz_size=1 against topology.tp=2", "must be a multiple of tp=2"],
+    ),
+    # a value Hydra's grammar cannot read (before: Hydra's lexer message and a link, exit 1)
+    (["zero.nvme_path=~/scratch"], ["error: invalid config: zero.nvme_path=~/scratch: Hydra cannot parse", "'~'"]),
+    (["train.steps=a=b)("], ["train.steps=a=b)(: Hydra cannot parse this override (mismatched input"]),
     (["hydra.run.dir="], ["hydra.run.dir= is an empty path", "current directory"]),
     (["-m", "train.seed=1,2", "hydra.sweep.dir="], ["hydra.sweep.dir= is an empty path"]),
     (["zero.reduce_bucket_size=${oops}"], ["zero.reduce_bucket_size=${oops}: Interpolation key 'oops' not found"]),

@@ -74,6 +74,9 @@ class ToyTrainer:
     def trained_params(self) -> int | None:
         return None
 
+    def replicated_params(self) -> int:
+        return 0
+
     def comm_stats(self) -> dict[str, int] | None:
         return None
 
@@ -120,6 +123,9 @@ class FakeTrainer:
 
     def trained_params(self) -> int | None:
         return 2
+
+    def replicated_params(self) -> int:
+        return 0
 
     def comm_stats(self) -> dict[str, int] | None:
         return {"all_gather.intra": self.bytes}

@@ -134,6 +134,13 @@ class RunConfig:
             validate_against_topology(self.zero, t.world_size, t.nodes, t.ranks_per_node)
         except ValueError as e:
             raise ConfigError(f"invalid config (zero.* against topology.*): {e}") from None
+        if self.zero.hpz and self.zero.hpz_size is not None:  # the engine builds this topology on every rank
+            try:
+                dataclasses.replace(t, hpz_size=self.zero.hpz_size)
+            except ValueError as e:
+                raise ConfigError(
+                    f"invalid config (zero.hpz_size={self.zero.hpz_size} against topology.tp={t.tp}): {e}"
+                ) from None
         _check_capabilities(self, spec)
         _check_settings_in_use(self)
         if t.tp > 1:
@@ -176,7 +183,8 @@ class RunConfig:
             check_fresh_run_dir(Path(run_dir), key=key, resumable=(ckpt / "LATEST").is_file())
             return
         try:  # a malformed LATEST or a missing folder: the ranks' load names the problem precisely
-            step = checkpoint_files.version_step(checkpoint_files.latest(ckpt).name)
+            newest = checkpoint_files.latest(ckpt)
+            step = checkpoint_files.version_step(newest.name)
         except (OSError, ValueError):
             return
         if step >= self.train.steps:
@@ -187,6 +195,23 @@ class RunConfig:
                 "it changes too), or start a fresh run elsewhere"
             )
         check_resumes_its_own(ckpt, Path(run_dir))
+        self._check_resumed_tp(newest)
+
+    def _check_resumed_tp(self, version: Path) -> None:
+        """A tensor-parallel checkpoint loads at its own ``topology.tp`` only (the ranks' load
+        refuses another): read it off ``meta.json`` here, so the refusal comes before any rank
+        starts. An unreadable ``meta.json`` is left to the ranks' load, which names it."""
+        try:
+            meta = checkpoint_files.read_meta(version)
+        except (OSError, ValueError):
+            return
+        saved = meta.get("tp", 1)
+        if meta.get("kind") == "engine" and saved != self.topology.tp:
+            raise ConfigError(
+                f"invalid config: resume=true, but {version} was saved with topology.tp={saved} and this run "
+                f"has topology.tp={self.topology.tp}: a tensor-parallel checkpoint resumes at the same tp (any "
+                f"data-parallel size): resume with topology.tp={saved}"
+            )
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):

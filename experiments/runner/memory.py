@@ -56,27 +56,22 @@ def _compose(overrides: list[str]) -> tuple[Any, str]:
 
 
 def predictions(rc: Any) -> list[dict[str, Any]]:
-    """One row per stage x (offload_optimizer, offload_param): the formula's bytes per tier."""
-    from zeropp.runtime.memory import expected_by_tier, offload_choices, tier_totals
+    """One row per stage x (offload_optimizer, offload_param): the formula's bytes per tier for this
+    run's model and world (``preflight.model_state_by_tier``: the tensor-parallel slice over the
+    data-parallel ranks, no gradient or optimizer state for a LoRA base). The chosen row is the
+    trainer's stage (DDP: 0, FSDP2: 3) with the run's offload choices."""
+    from zeropp.runtime.memory import offload_choices, tier_totals
 
-    z, t = rc.zero, rc.topology
-    psi, n = rc.model.num_params(), t.world_size
-    pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
+    from .preflight import model_state_by_tier, persistent_params
+
+    z = rc.zero
+    fixed = rc.trainer_spec.fixed_stage
+    run_stage = z.stage if fixed is None else fixed
+    whole = persistent_params(rc)  # stage 3's rows: under zero.persistence_threshold, kept whole
     rows = []
     for stage in range(4):
         for opt, par in offload_choices(stage):
-            hpz = (z.hpz_size or t.ranks_per_node) if z.hpz and stage == 3 else None
-            by = expected_by_tier(
-                stage,
-                psi,
-                n,
-                param_bytes=pbytes,
-                hpz_size=hpz,
-                offload_optimizer=opt,
-                offload_param=par,
-                shared_master=z.shares_fp32_master,
-            )
-            tiers = tier_totals(by)
+            by = model_state_by_tier(rc, stage=stage, offload_optimizer=opt, offload_param=par, persistent=whole)
             swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (opt, par) else 0
             rows.append(
                 {
@@ -84,9 +79,9 @@ def predictions(rc: Any) -> list[dict[str, Any]]:
                     "offload_optimizer": opt,
                     "offload_param": par,
                     "by_tier": by,
-                    "tiers": tiers,
+                    "tiers": tier_totals(by),
                     "swap_buffers_host": swap,
-                    "chosen": (stage, opt, par) == (z.stage, z.offload_optimizer, z.offload_param),
+                    "chosen": (stage, opt, par) == (run_stage, z.offload_optimizer, z.offload_param),
                 }
             )
     return rows
@@ -99,6 +94,18 @@ def predicted_table(rc: Any, rows: list[dict[str, Any]], model_name: str) -> str
         f"Predicted model state per rank: model={model_name or '?'} (Ψ = {psi:,} parameters), "
         f"{t.nodes}x{t.ranks_per_node} = {t.world_size} ranks, precision={z.precision}"
         + (", hpZ" if z.hpz else "")
+        + (
+            f", tp={t.tp}: ZeRO over {t.dp_size} data-parallel rank(s) of about Ψ/{t.tp} each (embeddings and "
+            "norms, whole on every tp rank, are counted split: a lower bound)"
+            if t.tp > 1
+            else ""
+        )
+        + (
+            f", LoRA rank {rc.model.lora_rank}: the frozen base has no gradient or optimizer state"
+            if rc.model.lora_rank
+            else ""
+        )
+        + (f", trainer={rc.trainer.name}" if not rc.trainer_spec.zero_engine else "")
         + " (* = the chosen config)",
         "",
         "| stage | offload_optimizer | offload_param | device | host | disk | total | + host swap buffers |",
@@ -193,7 +200,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from .run import run_job
 
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix=f"zeropp-memory-{time.strftime('%H%M%S')}-"))
-    run_job(_with_defaults(overrides), run_dir, dir_key="--run-dir")
+    try:  # the runner's own checks before any rank: a --run-dir holding a run, a disk too small, ...
+        run_job(_with_defaults(overrides), run_dir, dir_key="--run-dir")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     doc = read_summary(Path(run_dir) / "memory.json")
     chosen = next((r for r in rows if r["chosen"]), None) if rc.trainer_spec.zero_engine else None
     print()

@@ -122,14 +122,18 @@ def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, floa
     return {k: sum(d.get(k, 0) for d in dicts) / max(divisor, 1) for k in keys}
 
 
-def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0) -> dict[str, dict[str, float]] | None:
+def expected_model_state(
+    cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0, replicated: int = 0
+) -> dict[str, dict[str, float]] | None:
     """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` for a ZeroEngine run of
     ``cfg`` (None for the other trainers, whose memory the formulas do not describe); ``n_params``
     are the trained parameters one rank's engine partitions (the TP-local ones under ``topology.tp``);
     ``frozen_bytes`` the stage-3 frozen shards it stores (their layout's size: compute dtype, or
     MixZ++'s wire rows), added to the params of ``offload_param``'s tier, and hpZ's secondary copy
     of them (the ``dp_size / hpz_size`` shards of the rank's node share, kept as stored) to the
-    device's."""
+    device's. ``replicated``: of ``n_params``, those kept whole on every rank at stage 3 (under
+    ``zero.persistence_threshold``): their parameters and gradients stay on the device unsharded and
+    their optimizer state is whole, on ``offload_optimizer``'s tier (ZeRO's formula at N = 1)."""
     if not cfg.trainer_spec.zero_engine:
         return None
     from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
@@ -140,7 +144,7 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
     hpz = (z.hpz_size or t.ranks_per_node) // t.tp if z.hpz else None
     out = expected_by_tier(
         z.stage,
-        n_params,
+        n_params - replicated,
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,
@@ -149,6 +153,18 @@ def expected_model_state(cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0
         offload_param=z.offload_param,
         shared_master=z.shares_fp32_master,
     )
+    if replicated:  # one unit sharded over nobody: stage 1's formula on one rank, parameters on the device
+        whole = expected_by_tier(
+            1,
+            replicated,
+            1,
+            param_bytes=pbytes,
+            offload_optimizer=z.offload_optimizer,
+            shared_master=z.shares_fp32_master and z.offload_param == "none",
+        )
+        for tier, cats in whole.items():
+            for cat, b in cats.items():
+                out[tier][cat] += b
     out[OFFLOAD_TIER[z.offload_param]]["params"] += frozen_bytes
     out["device"]["params"] += frozen_bytes * (t.dp_size // hpz if hpz else 0)
     return out
@@ -241,7 +257,10 @@ def build_summary(
         "memory_by_phase": phases,
         "memory_peak_per_rank": [max((p.get("peak", 0) for p in ph.values()), default=0) for ph in phases],
         "memory_expected": expected_model_state(
-            cfg, rank_reports[0].get("state_params") or n_params, frozen_bytes=rank_reports[0].get("frozen_bytes", 0)
+            cfg,
+            rank_reports[0].get("state_params") or n_params,
+            frozen_bytes=rank_reports[0].get("frozen_bytes", 0),
+            replicated=rank_reports[0].get("replicated_params", 0),
         ),
         "loss": {
             "first": losses[0] if losses else math.nan,

@@ -343,12 +343,35 @@ def _check_deletion(arg: str, groups: list[str]) -> None:
     )
 
 
+def check_parsable(arg: str) -> None:
+    """ConfigError unless Hydra's override grammar reads ``arg``: a value with a character the
+    grammar reserves (``zero.nvme_path=~/scratch``, ``train.steps=a=b)(``) is otherwise Hydra's
+    lexer message and a link, exit 1, before any of the runner's own checks."""
+    try:
+        OverridesParser.create().parse_overrides([arg])
+    except HydraException as e:
+        lines = str(e).strip().splitlines()
+        reason, fix = (lines[0] if lines else type(e).__name__), "fix the value"
+        lexer = "LexerNoViableAltException: "
+        if reason.startswith(lexer) and len(lines) > 1 and lines[1].strip() == "^":
+            col = lines[1].index("^") - len(lexer)  # the caret sits under the offending character
+            if 0 <= col < len(arg):
+                reason = f"{arg[col]!r} at character {col + 1} is not allowed unquoted in a value"
+                fix = f"spell the value out without {arg[col]!r}" + (" (the path in full)" if arg[col] == "~" else "")
+        raise ConfigError(
+            f"invalid config: {arg}: Hydra cannot parse this override ({reason}); {fix}, or quote the "
+            f"value for Hydra inside the shell's quotes (\"{arg.split('=', 1)[0]}='...'\")"
+        ) from None
+
+
 def check_overrides(args: list[str]) -> None:
-    """Reject a command-line override that names an unknown group option or key, gives a key a
-    value of the wrong type (``train.steps=abc``: an integer is expected), or names an output
-    directory (``hydra.run.dir``) this process cannot write to."""
+    """Reject a command-line override that Hydra cannot parse, names an unknown group option or
+    key, gives a key a value of the wrong type (``train.steps=abc``: an integer is expected), or
+    names an output directory (``hydra.run.dir``) this process cannot write to."""
     groups = config_groups()
     for arg in args:
+        if "=" in arg and not arg.startswith("-"):
+            check_parsable(arg)
         if arg.startswith(OUTPUT_DIR_KEYS) and arg.split("=", 1)[0] in OUTPUT_DIR_KEYS:
             _check_output_dir(arg)
         if _DELETION.match(arg) and not arg.startswith(("~hydra.", "~hydra/")):

@@ -39,7 +39,7 @@ from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
 from ..projection.flags import positive_rate
 from .config import ConfigError, RunConfig, without_hydra
-from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plan_outputs, plot, project
+from .plan_draw import LANES, check_modelled, check_plannable, chrome_trace, model_units, plan_outputs, plot, project
 
 OUTPUTS = ("plan_timeline.png", "plan_trace.json")
 """What the plan writes into ``--out``: a file of these names it did not write is refused before the plan."""
@@ -121,6 +121,7 @@ def load_config(overrides: list[str]) -> RunConfig:
         raise ConfigError(f"invalid config: {f'{given}: ' if given else ''}{str(e).strip().splitlines()[0]}") from None
     rc = validated(without_hydra(cfg), list(overrides))
     check_plannable(rc)
+    check_modelled(rc)
     return rc
 
 

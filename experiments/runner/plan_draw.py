@@ -39,6 +39,34 @@ def check_plannable(rc: RunConfig) -> None:
         )
 
 
+def check_modelled(rc: RunConfig) -> None:
+    """ConfigError for a setting the projected step leaves out, so that the plan of a config with it
+    would be the plan of the config without it, under its name: ZeRO-Offload / ZeRO-Infinity (the
+    host optimizer step, the host and disk copies), ZeRO-R's recompute and activation copies. The
+    collectives are the same with or without them; the time is not. (The side-by-side of a profiled
+    run keeps such runs: there the measured lanes show what the projection leaves out.)"""
+    z = rc.zero
+    unmodelled = [
+        (f"zero.offload_optimizer={z.offload_optimizer}", "zero.offload_optimizer=none", z.offload_optimizer != "none"),
+        (f"zero.offload_param={z.offload_param}", "zero.offload_param=none", z.offload_param != "none"),
+        ("zero.offload_activations=true", "zero.offload_activations=false", z.offload_activations),
+        (
+            "train.activation_checkpointing=true",
+            "train.activation_checkpointing=false",
+            rc.train.activation_checkpointing,
+        ),
+    ]
+    given = [(k, fix) for k, fix, on in unmodelled if on]
+    if given:
+        raise ConfigError(
+            f"invalid config: {', '.join(k for k, _ in given)}: the plan's projected step models the "
+            "collectives and the model's compute only, not the host optimizer step and the host/disk "
+            "copies of offload or the recompute and activation copies of ZeRO-R, so it would project "
+            "this config as if the setting were off. The collectives are the same without it: plan with "
+            f"{' '.join(fix for _, fix in given)} (and python -m experiments.bench_offload for the offload costs)"
+        )
+
+
 def model_units(rc: RunConfig) -> tuple:
     """The runner's model's units, from a model built on the meta device."""
     import torch

@@ -46,35 +46,89 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
-    """ZeRO's model-state bytes per rank on each tier (``device``, ``host``, ``disk``) for this run:
-    ``expected_by_tier`` at the trainer's stage for the trainable parameters of this rank's
-    tensor-parallel slice, plus the stored shard of frozen (LoRA base) parameters, which have no
-    gradient or optimizer state."""
-    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, tier_totals
+def model_state_by_tier(
+    rc: RunConfig,
+    *,
+    stage: int | None = None,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    persistent: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """ZeRO's model-state bytes per rank ``{tier: {params, grads, optimizer}}`` for this run, or for
+    it at another ``stage`` / offload choice (``python -m experiments.memory``'s other rows):
+    ``expected_by_tier`` for the trainable parameters of this rank's tensor-parallel slice (Ψ/tp, a
+    lower bound: embeddings and norms stay whole on every tp rank) partitioned over the
+    data-parallel ranks, hpZ's secondary as the run keeps it (qwZ's wire rows), plus the stored
+    shard of frozen (LoRA base) parameters, which have no gradient or optimizer state. At stage 3
+    the ``persistent`` trainable parameters (under ``zero.persistence_threshold``; default: counted
+    by :func:`persistent_params`) are whole on every rank, as ``metrics.expected_model_state`` counts
+    them. ``stage`` defaults to the trainer's (FSDP2 shards everything, DDP replicates everything)."""
+    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
 
     z, t = rc.zero, rc.topology
-    fixed = rc.trainer_spec.fixed_stage  # FSDP2 shards everything, DDP replicates everything
-    stage = z.stage if fixed is None else fixed
+    fixed = rc.trainer_spec.fixed_stage
+    if stage is None:
+        stage = z.stage if fixed is None else fixed
+    opt = z.offload_optimizer if offload_optimizer is None else offload_optimizer
+    par = z.offload_param if offload_param is None else offload_param
     psi = rc.model.num_params()
     frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
     pbytes = z.dtype.itemsize
     hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
+    whole = 0
+    if stage == 3:
+        whole = persistent_params(rc) if persistent is None else persistent
     by = expected_by_tier(
         stage,
-        (psi - frozen) // t.tp,
+        max(0, (psi - frozen) // t.tp - whole),
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,
-        offload_optimizer=z.offload_optimizer,
-        offload_param=z.offload_param,
+        hpz_bytes=hpz_bytes_per_param(z.weights, pbytes, weight_diff=z.weight_diff is not None),
+        offload_optimizer=opt,
+        offload_param=par,
         shared_master=z.shares_fp32_master,
     )
-    out = tier_totals(by)
-    out[OFFLOAD_TIER[z.offload_param]] += (
+    if whole:  # stage 1's formula on one rank, the parameters on the device (offload_param skips them)
+        rows = expected_by_tier(
+            1, whole, 1, param_bytes=pbytes, offload_optimizer=opt, shared_master=z.shares_fp32_master and par == "none"
+        )
+        for tier, cats in rows.items():
+            for cat, b in cats.items():
+                by[tier][cat] += b
+    by[OFFLOAD_TIER[par]]["params"] += (
         frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes) / (t.dp_size if stage == 3 else 1)
     )
-    return out
+    return by
+
+
+def _param_sizes(rc: RunConfig) -> list[tuple[int, bool]]:
+    """``(elements, trainable)`` of each floating-point parameter of the run's model, built on the
+    meta device (shapes only, no memory)."""
+    import torch
+
+    from .trainers import build_model
+
+    with torch.device("meta"):
+        model = build_model(rc, torch.device("meta"))
+    return [(p.numel(), p.requires_grad) for p in model.parameters() if p.is_floating_point()]
+
+
+def persistent_params(rc: RunConfig) -> int:
+    """Trainable parameters a stage-3 engine keeps whole on every rank (``partition.build_units``:
+    fewer elements than ``zero.persistence_threshold``); 0 without a threshold."""
+    z = rc.zero
+    if not (rc.trainer_spec.zero_engine and z.persistence_threshold > 0):
+        return 0
+    return sum(n for n, trained in _param_sizes(rc) if trained and n < z.persistence_threshold)
+
+
+def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
+    """ZeRO's model-state bytes per rank on each tier (``device``, ``host``, ``disk``) for this run:
+    :func:`model_state_by_tier` summed over the categories."""
+    from zeropp.runtime.memory import tier_totals
+
+    return tier_totals(model_state_by_tier(rc))
 
 
 def _ranks_on_cuda(rc: RunConfig, local_ranks: int) -> bool:
@@ -112,16 +166,96 @@ def check_local_ranks(rc: RunConfig) -> None:
     tiers = model_state_per_rank(rc)
     z = rc.zero
     swap = 4 * z.swap_buffers * z.swap_buffer_size if "nvme" in (z.offload_optimizer, z.offload_param) else 0
-    per_rank = tiers["host"] + swap + (0 if on_cuda else max(tiers["device"], 4.0 * rc.model.num_params()))
+    state = tiers["host"] + (0 if on_cuda else max(tiers["device"], 4.0 * rc.model.num_params()))
+    per_rank = state + swap
     total, phys = per_rank * n, host_memory()
     if total > phys:
         what = "host tier" if on_cuda else "device + host tiers, at least the fp32 model each CPU rank builds whole"
+        if swap > state:  # the staging buffers, not the model, are what does not fit: say so and how
+            raise ConfigError(
+                f"invalid config: zero.swap_buffers={z.swap_buffers} x zero.swap_buffer_size={z.swap_buffer_size} "
+                f"fp32 elements are {human_bytes(swap)} of nvme staging buffers per rank, {human_bytes(total)} "
+                f"of host memory on {shape} with the model state ({human_bytes(state)} per rank: ZeRO's "
+                f"formula, {what}), but this host has {human_bytes(phys)}. Lower zero.swap_buffer_size "
+                f"(default {1 << 22}) or zero.swap_buffers (at least 2)"
+            )
         raise ConfigError(
             f"invalid config: model (Ψ = {rc.model.num_params():,} parameters) on {shape} needs about "
             f"{human_bytes(total)} of host memory ({human_bytes(per_rank)} of model state per rank: "
-            f"ZeRO's formula, {what}) but this host has {human_bytes(phys)}; allowed: at most "
+            f"ZeRO's formula, {what}"
+            + (f", with {human_bytes(swap)} of nvme staging buffers" if swap else "")
+            + f") but this host has {human_bytes(phys)}; allowed: at most "
             f"{human_bytes(phys)}. Choose a smaller model (model=mini), fewer ranks, a higher stage or "
             "zero.offload_*=nvme, or torchrun across hosts"
+        )
+
+
+def disk_free(path: str | Path) -> int:
+    """Bytes an unprivileged process may still write on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_nvme_space(rc: RunConfig, ranks: int) -> None:
+    """The nvme tier preallocates its swap files when the engine starts (``swap.SwapSpace.create``):
+    ``ranks`` ranks on this host need about ZeRO's disk tier each under ``zero.nvme_path``. A disk
+    too small would stop every rank after start-up, mid-construction; refuse it here instead. Only a
+    lower bound on what is needed (the files pad their units, other runs may share the disk), so a
+    tight disk can still fail at creation, with the file named."""
+    z = rc.zero
+    if z.nvme_path is None:
+        return
+    per_rank = model_state_per_rank(rc)["disk"]
+    need, free = per_rank * ranks, disk_free(z.nvme_path)
+    if need > free:
+        left = _swap_folders(Path(z.nvme_path))
+        raise ConfigError(
+            f"invalid config: zero.nvme_path={z.nvme_path!r} has {human_bytes(free)} free but the nvme "
+            f"tier's swap files need about {human_bytes(need)} ({human_bytes(per_rank)} per rank x "
+            f"{ranks} ranks on this host: ZeRO's formula, disk tier); free space there, point "
+            "zero.nvme_path at a larger disk, or keep part of the state in host memory "
+            "(zero.offload_param=cpu / zero.offload_optimizer=cpu)"
+            + (
+                f". It holds {len(left)} swap folder(s) of other runs ({human_bytes(sum(left.values()))}: "
+                f"{', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''}), left by a runner that was "
+                "killed or still in use by a run: remove those of runs that no longer run"
+                if left
+                else ""
+            )
+        )
+
+
+def _swap_folders(root: Path) -> dict[str, int]:
+    """``zeropp-swap-*`` folders directly under ``root`` and the bytes of their files: the nvme
+    tier's, of running runs or left by a SIGKILLed runner (which cannot remove them)."""
+    out: dict[str, int] = {}
+    try:
+        for d in root.glob("zeropp-swap-*"):
+            if d.is_dir() and not d.is_symlink():
+                out[d.name] = sum(f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink())
+    except OSError:
+        pass
+    return out
+
+
+def check_persistence(rc: RunConfig) -> None:
+    """At stage 3, parameters with fewer elements than ``zero.persistence_threshold`` stay whole on
+    every rank with their whole gradient and optimizer state (frozen ones whole too). A threshold
+    above every parameter of the model (DeepSpeed's default of 1e5 on a small model) leaves nothing
+    to shard: the run is stage 0 in memory under stage 3's name, and ``zero.offload_param`` moves
+    nothing. Refused, naming the largest parameter."""
+    z = rc.zero
+    if not (rc.trainer_spec.zero_engine and z.stage == 3 and z.persistence_threshold > 0):
+        return
+    largest = max((n for n, _ in _param_sizes(rc)), default=0)  # frozen ones too
+    if largest and largest < z.persistence_threshold:
+        offload = f", and zero.offload_param={z.offload_param} would move nothing" if z.offload_param != "none" else ""
+        raise ConfigError(
+            f"invalid config: zero.persistence_threshold={z.persistence_threshold} is above every "
+            f"parameter of this model (the largest has {largest:,} elements), so stage 3 would keep them all "
+            f"whole on every rank with their whole gradients and optimizer state: stage 0's memory under "
+            f"stage 3's name{offload}. Lower zero.persistence_threshold to at most {largest:,} (0 shards "
+            "every parameter), or use stage=0"
         )
 
 
@@ -159,7 +293,9 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
             raise ConfigError(f"invalid config: {e}") from None
     if rc.train.checkpoint_every > 0:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
+    check_persistence(rc)
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
     if local:
         check_local_ranks(rc)
+        check_nvme_space(rc, rc.topology.world_size)

@@ -152,6 +152,9 @@ class TorchTrainer:
     def trained_params(self) -> int | None:
         return None
 
+    def replicated_params(self) -> int:
+        return 0
+
     def comm_stats(self) -> dict[str, int] | None:
         return stats_dict(self.stats)
 

@@ -24,13 +24,17 @@ from .trainers import Trainer
 
 
 def resume_keys(cfg: RunConfig) -> dict[str, Any]:
-    """The settings a resumed run must keep to continue exactly as an uninterrupted one (the world
-    size and stage may change: the checkpoint reshards), as plain JSON values."""
+    """The settings a resumed run must keep to continue exactly as an uninterrupted one, as plain
+    JSON values. The stage, the offload tiers and the node layout may change (the checkpoint
+    reshards, the same steps follow); the number of data-parallel ranks may too, but each of them
+    draws its own micro-batches (``data.TokenBatches``, seeded by its rank), so another count
+    trains on other data with another global batch: it is listed (``topology.dp_size``)."""
     return json.loads(
         json.dumps(
             {
                 "train.seed": cfg.train.seed,
                 "train.micro_batch_size": cfg.train.micro_batch_size,
+                "topology.dp_size": cfg.topology.dp_size,
                 "train.steps": cfg.train.steps,
                 "zero.grad_accum_steps": cfg.zero.grad_accum_steps,
                 "data": dataclasses.asdict(cfg.data),
@@ -104,9 +108,12 @@ class Checkpointer:
             )
         now = _leaves(resume_keys(self.cfg))
         was = _leaves(extra.get("run", {}) if isinstance(extra.get("run"), dict) else {})
-        changed = [f"{k} {was[k]!r} -> {v!r}" for k, v in sorted(now.items()) if k in was and was[k] != v]
-        if changed and self.lead:  # each leaf with both values: a derived default (the LR schedule's
-            # length follows train.steps) reads as what it is, not as an unexplained "optim"
+        keys = [k for k, v in sorted(now.items()) if k in was and was[k] != v]
+        changed = [f"{k} {was[k]!r} -> {now[k]!r}" for k in keys]
+        # train.steps alone changes nothing of the steps both runs take (raising it is how a run trains
+        # on): warn only when something else differs; then it is listed too, as the reason a derived
+        # default moved (the LR schedule's length follows train.steps), not an unexplained "optim"
+        if set(keys) - {"train.steps"} and self.lead:
             print(
                 f"warning: resumed with changed settings: {'; '.join(changed)}. Training continues from the "
                 "checkpoint but will not match an uninterrupted run",

@@ -217,6 +217,7 @@ class RunMetrics:
             "memory": trainer.memory_report(),
             "state_params": trainer.trained_params(),
             "frozen_bytes": trainer.frozen_bytes(),
+            "replicated_params": trainer.replicated_params(),
             "memory_phases": {k: v.to_dict() for k, v in trainer.memory_phases().items()},
         }
 

@@ -89,6 +89,12 @@ class Trainer(Protocol):
         model-state memory then uses this instead of the model's size); None otherwise."""
         ...
 
+    def replicated_params(self) -> int:
+        """Of :meth:`trained_params`, those every rank keeps whole with their whole optimizer state
+        whatever the stage (the engine's stage-3 ``persistent`` unit, under
+        ``zero.persistence_threshold``); 0 when none."""
+        ...
+
     def comm_stats(self) -> dict[str, int] | None:
         """Bytes its own collectives moved so far, ``{"<kind>.<link>": bytes}``; None: not counted."""
         ...
@@ -190,6 +196,10 @@ class ZeroTrainer:
 
     def trained_params(self) -> int | None:
         return int(self.engine.num_params)
+
+    def replicated_params(self) -> int:
+        pers = self.engine.persistent
+        return 0 if pers is None else sum(p.numel() for p in pers.params)
 
     def comm_stats(self) -> dict[str, int] | None:
         return stats_dict(self.engine.comm_stats)

@@ -105,3 +105,24 @@ def test_lora_run_with_quantized_frozen_weights(tmp_path: Path) -> None:
     # with hpZ the frozen shards' secondary copy (kept quantized) is in the formula too
     s = train_in_world([*lora, "zero.hpz=true"], tmp_path / "hpz")
     assert s["memory_max_rank_bytes"] == sum(s["memory_expected"]["device"].values())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["zero.persistence_threshold=8192"],  # every parameter of model=tiny but the 8,192-element embedding
+        ["zero.persistence_threshold=5000", "zero.offload_optimizer=cpu", "zero.precision=bf16"],
+        ["zero.persistence_threshold=5000", "zero.offload_param=cpu"],
+    ],
+)
+def test_persistent_parameters_are_in_the_formula(tmp_path: Path, extra: list[str]) -> None:
+    """Stage-3 parameters under ``zero.persistence_threshold`` stay whole on every rank, with their
+    whole optimizer state: the summary's (and memory.json's) ZeRO formula counts them so, and equals
+    the measured model state per tier at the end of backward (before: they were counted as
+    sharded, and offloaded by offload_param, so the formula was half the measured state or less)."""
+    s = train_in_world(["logger=none", *FAST, "train.steps=1", "topology=1x2", "stage=3", *extra], tmp_path / "r")
+    expected = s["memory_expected"]
+    for phases in s["memory_by_phase"]:
+        got = phases["backward"]["tiers"]
+        for tier in expected:
+            assert {c: got[tier][c] for c in expected[tier]} == pytest.approx(expected[tier]), (tier, got, expected)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -221,6 +222,24 @@ def test_resume_of_a_finished_run_is_refused_before_ranks(tmp_path, monkeypatch,
         assert "already finished" in err and "train.steps=8" in err, err
     rc = from_dict(composed_config("resume=true", "train.steps=5"))
     rc.check_run_dir(tmp_path / "run")  # step 4 of 5: there is a step left to train
+
+
+def test_resume_at_another_tp_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """A tensor-parallel checkpoint loads at its own tp only: ``resume=true`` with another
+    ``topology.tp`` is refused from its ``meta.json`` before any rank starts (before: every rank
+    started, then raised the load's ValueError, exit 1); the same tp passes this check."""
+    version = tmp_path / "run" / "checkpoints" / "ckpt-00000002-0123456789abcdef"
+    version.mkdir(parents=True)
+    (version.parent / "LATEST").write_text(version.name + "\n")
+    (version / "meta.json").write_text(json.dumps({"format": 3, "kind": "engine", "files": {}, "tp": 2}))
+    code, err = run_cli(
+        ["resume=true", "logger=none", "model=tiny", "topology=1x2"], tmp_path / "run", monkeypatch, capfd
+    )
+    assert code == 2, err
+    assert f"{version} was saved with topology.tp=2 and this run has topology.tp=1" in err, err
+    assert "resume with topology.tp=2" in err, err
+    rc = from_dict(composed_config("resume=true", "model=tiny", "topology=1x2", "topology.tp=2"))
+    rc.check_run_dir(tmp_path / "run")  # the saved tp: the ranks' load takes it from here
 
 
 def test_the_runners_hydra_plugins_are_found_outside_the_checkout(tmp_path) -> None:

@@ -277,6 +277,27 @@ def test_model_states_beyond_host_memory(cli) -> None:
     assert f"{rc.model.num_params():,}" in line and "host memory" in line, line
 
 
+@pytest.mark.parametrize("setting", ["zero.swap_buffer_size=10000000000", "zero.swap_buffers=100000"])
+def test_nvme_staging_buffers_beyond_host_memory_name_the_buffer_keys(cli, tmp_path, setting: str) -> None:
+    """A tiny model whose nvme staging buffers do not fit: the refusal names the buffer keys to
+    lower (before: it blamed the model state and advised a smaller model or zero.offload_*=nvme,
+    the tier already in use)."""
+    line = cli("model=tiny", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}", setting)
+    assert setting in line and "nvme staging buffers per rank" in line, line
+    assert "Lower zero.swap_buffer_size" in line and "smaller model" not in line, line
+
+
+@pytest.mark.parametrize("offload", [[], ["zero.offload_param=cpu"]])
+def test_a_persistence_threshold_above_every_parameter_is_refused(cli, offload: list[str]) -> None:
+    """DeepSpeed's default stage3_param_persistence_threshold (1e5) on model=small keeps every
+    parameter whole on every rank: the stage-3 run held stage 0's memory (and offload_param moved
+    nothing) without a word. Refused before any rank, naming the largest parameter."""
+    line = cli("model=small", "stage=3", "zero.persistence_threshold=100000", *offload)
+    assert "zero.persistence_threshold=100000 is above every parameter" in line, line
+    assert "the largest has 65,536 elements" in line and "at most 65,536" in line, line
+    assert ("zero.offload_param=cpu would move nothing" in line) == bool(offload), line
+
+
 # ------------------------------------------------------------------ the checkpoint directory
 
 
@@ -297,6 +318,43 @@ def test_an_nvme_path_that_takes_no_files_is_refused_before_ranks(cli) -> None:
     line = cli("zero.offload_optimizer=nvme", "zero.nvme_path=/proc")
     # (not root: the library's own check of the mode bits refuses it first, in its words)
     assert "nvme_path='/proc'" in line and ("cannot be written" in line or "not writable" in line), line
+
+
+def test_an_nvme_disk_too_small_for_the_swap_files_is_refused_before_ranks(cli, tmp_path, monkeypatch) -> None:
+    """The swap files are preallocated when each rank's engine starts: a disk that cannot hold them
+    (a small tmpfs) used to stop every rank after start-up; the preflight compares ZeRO's disk tier
+    for all local ranks with the free space under zero.nvme_path."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = [
+        "model=small",
+        "stage=3",
+        "zero.offload_optimizer=nvme",
+        "zero.offload_param=nvme",
+        f"zero.nvme_path={nvme}",
+    ]
+    rc = from_dict(composed_config(*args))
+    need = preflight.model_state_per_rank(rc)["disk"] * rc.topology.world_size
+    monkeypatch.setattr(preflight, "disk_free", lambda path: int(need) - 1)
+    line = cli(*args)
+    assert f"zero.nvme_path='{nvme}'" in line and human_bytes(need) in line and "free" in line, line
+    assert "larger disk" in line, line
+    assert list(nvme.iterdir()) == []  # no swap folder made
+
+
+def test_a_full_nvme_disk_names_the_swap_folders_left_on_it(cli, tmp_path, monkeypatch) -> None:
+    """A SIGKILLed runner cannot remove its ranks' swap folders (docs/reliability.md, known limits);
+    when the disk is then too small for the next run, the refusal names them and their size, and
+    touches nothing."""
+    nvme = tmp_path / "nvme"
+    left = nvme / "zeropp-swap-0123456789ab-r0-abcd1234"
+    left.mkdir(parents=True)
+    (left / "optimizer.swp").write_bytes(b"\0" * 3000)
+    (nvme / "notes.txt").write_text("mine")
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 1)
+    line = cli("zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}")
+    assert "It holds 1 swap folder(s) of other runs (2.93 KiB: zeropp-swap-0123456789ab-r0-abcd1234)" in line, line
+    assert sorted(p.name for p in nvme.iterdir()) == ["notes.txt", left.name] and (left / "optimizer.swp").exists()
 
 
 def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:

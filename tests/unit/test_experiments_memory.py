@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.experiment_helpers import composed_config
 from zeropp.experiments.runner import memory as memcmd
+from zeropp.experiments.runner.config import from_dict
+from zeropp.experiments.runner.metrics import expected_model_state
+from zeropp.models import GPT
 from zeropp.runtime.memory import expected_by_tier, tier_totals
 
 FAST = ["model=mini", "topology=2x2", "train.micro_batch_size=2", "data.max_bytes=200000"]
@@ -79,3 +83,58 @@ def test_trainers_without_phases_get_flat_snapshots():
     assert (dev["params"], dev["grads"], dev["optimizer"]) == (pbytes, pbytes, moments_and_steps)
     assert ph["step"]["tier_totals"]["host"] == 0
     assert trainer.frozen_bytes() == 0 and trainer.trained_params() is None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.lora_rank=4", "stage=3"],  # the frozen base: no gradient, no optimizer state
+        ["quant=zeropp", "zero.precision=bf16"],  # hpZ's secondary kept as qwZ's INT8 wire rows
+        ["model.lora_rank=4", "stage=2", "zero.offload_optimizer=cpu"],
+        ["zero.persistence_threshold=4000", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"],  # kept whole
+    ],
+)
+def test_the_chosen_row_is_the_model_state_the_run_reports(overrides):
+    """The predicted row marked ``*`` is what the run's ``memory.json`` will hold as ``expected``
+    (``metrics.expected_model_state``, given the trainable count and the frozen shard the engine
+    reports). Before, the table counted a LoRA base's gradients and Adam states and hpZ's copy at
+    the compute dtype, and stage-3 parameters under ``zero.persistence_threshold`` as sharded and
+    offloaded, so its ``measured / predicted`` ratios were wrong exactly where a study looks."""
+    rc = from_dict(composed_config(*FAST, *overrides))
+    chosen = next(r for r in memcmd.predictions(rc) if r["chosen"])
+    psi = rc.model.num_params()
+    frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
+    shard = rc.topology.world_size if rc.zero.stage == 3 else 1
+    threshold = rc.zero.persistence_threshold  # the engine's rule, on the real model's parameters
+    whole = sum(p.numel() for p in GPT(rc.model).parameters() if p.requires_grad and p.numel() < threshold)
+    want = expected_model_state(
+        rc, psi - frozen, frozen_bytes=frozen * rc.zero.dtype.itemsize // shard, replicated=whole
+    )
+    assert want is not None
+    for tier in want:
+        assert chosen["by_tier"][tier] == pytest.approx(want[tier]), (tier, chosen["by_tier"], want)
+
+
+@pytest.mark.parametrize("trainer, stage", [("ddp", 0), ("fsdp2", 3)])
+def test_the_chosen_row_of_a_trainer_with_a_fixed_stage_is_that_stage(trainer, stage, capsys):
+    """DDP replicates everything and FSDP2 shards everything whatever ``stage`` says: the ``*`` row
+    is the trainer's (before: the default stage=3 row was marked for DDP)."""
+    rows = memcmd.main(["--predict-only", *FAST, f"trainer={trainer}"])["predicted"]
+    assert [(r["stage"], r["offload_optimizer"], r["offload_param"]) for r in rows if r["chosen"]] == [
+        (stage, "none", "none")
+    ]
+    assert f"| *{stage} | none | none |" in capsys.readouterr().out
+
+
+def test_a_measured_run_the_runner_refuses_is_one_error_line(tmp_path, capsys):
+    """The short run's refusals before any rank (here a --run-dir that holds an earlier run) end the
+    command with the runner's one error line and exit 2 (before: a RunDirTaken traceback, exit 1),
+    and the earlier run is untouched."""
+    (tmp_path / "summary.json").write_text('{"mine": true}')
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit) as e:
+        memcmd.main([*FAST, "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: invalid config: ") and "already holds a run" in err and "--run-dir" in err, err
+    assert "Traceback" not in err and (tmp_path / "summary.json").read_text() == '{"mine": true}'

@@ -64,7 +64,7 @@ def test_coalesced_units_are_drawn_as_the_units_the_plan_moves(tmp_path, keep: b
         (["-m", "model=tiny,mini"], "-m model=tiny,mini: the plan projects one configuration, not a sweep"),
         (["model=tiny", "train.steps=range(1,3)"], "train.steps=range(1,3): the plan projects one configuration"),
         (["model=tiny", "zero.reduce_bucket_size=${oops}"], "zero.reduce_bucket_size: Interpolation key 'oops'"),
-        (["model=tiny", "train.steps=a=b)("], "train.steps=a=b)(: mismatched input"),
+        (["model=tiny", "train.steps=a=b)("], "train.steps=a=b)(: Hydra cannot parse this override (mismatched input"),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_key(argv: list[str], key: str, tmp_path, capsys) -> None:
@@ -102,3 +102,24 @@ def test_a_file_of_the_users_in_out_is_refused_and_its_own_replaced(name: str, t
     own = tmp_path / "own"
     assert main(["model=tiny", "--out", str(own)]) == 0 and main(["model=tiny", "--out", str(own)]) == 0
     assert sorted(p.name for p in own.iterdir()) == ["plan_timeline.png", "plan_trace.json"]
+
+
+@pytest.mark.parametrize(
+    "setting, fix",
+    [
+        (["zero.offload_optimizer=cpu"], "zero.offload_optimizer=none"),
+        (["stage=3", "zero.offload_param=cpu"], "zero.offload_param=none"),
+        (["zero.offload_activations=true"], "zero.offload_activations=false"),
+        (["train.activation_checkpointing=true"], "train.activation_checkpointing=false"),
+    ],
+)
+def test_a_setting_the_projected_step_leaves_out_is_refused(setting: list[str], fix: str, tmp_path, capsys) -> None:
+    """The projection models the collectives and the model's compute only: with offload or ZeRO-R
+    it printed and drew exactly the step of the config without them (the same projected ms), under
+    the config's name. Now one error line names the setting and the plan to run instead; nothing is
+    written to --out."""
+    assert main(["model=tiny", *setting, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid config: ") and setting[-1] in err and fix in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

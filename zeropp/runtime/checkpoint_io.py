@@ -103,8 +103,28 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -> None:
-    """Raise the :class:`CheckpointError` of ``failures`` (rank -> error), each distinct error once."""
+FULL_DISK = ("No space left on device", "Disk quota exceeded", "unexpected pos")
+"""Words of a write that found no room: the OS's ENOSPC and EDQUOT, and torch's archive writer's
+report of a short write (``[enforce fail at inline_container.cc] unexpected pos N vs M``), which
+is how a full disk reaches a DCP save, naming neither the disk nor the cause."""
+
+
+def full_disk_note(failures: dict[int, str], disk: Path | None) -> str:
+    """A sentence naming the full disk under ``disk`` when a failure reads as a write that found no
+    room, else ``""``. Read off the failures' text, which every rank holds alike (the free space
+    changes while the ranks clean up), so every rank raises the same message."""
+    if disk is None or not any(w in m for m in failures.values() for w in FULL_DISK):
+        return ""
+    return (
+        f"The disk holding {disk} is full (or over its quota): free space there or save to a larger "
+        f"disk (the runner's train.checkpoint_dir). "
+    )
+
+
+def raise_failures(failures: dict[int, str], world: int, what: str, hint: str, disk: Path | None = None) -> None:
+    """Raise the :class:`CheckpointError` of ``failures`` (rank -> error), each distinct error once;
+    ``disk``: where a save writes, named when the failures read as a full disk."""
+    hint = full_disk_note(failures, disk) + hint
     raise CheckpointError(
         f"checkpoint {what} failed {on_ranks(failures)} of {world}: {per_rank(failures)}"
         + (f". {hint}" if hint else ""),
@@ -112,16 +132,19 @@ def raise_failures(failures: dict[int, str], world: int, what: str, hint: str) -
     )
 
 
-def agree(device: torch.device, error: str | None, what: str, hint: str, token: int = 0) -> None:
+def agree(
+    device: torch.device, error: str | None, what: str, hint: str, token: int = 0, disk: Path | None = None
+) -> None:
     """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank,
-    or if the ranks' ``token`` values differ. One 3-element all-reduce when all is well."""
+    or if the ranks' ``token`` values differ. One 3-element all-reduce when all is well. ``disk``:
+    as :func:`raise_failures`."""
     flag = torch.tensor([1 if error else 0, token, -token], dtype=torch.int64, device=device)
     # through the comm context: this is a save's last collective, maybe the process's last one
     backend_all_reduce(flag, dist.ReduceOp.MAX, None, async_op=False)
     failed, hi, lo = (int(x) for x in flag.tolist())
     if failed:
         msgs = all_gather_json(error, device=device)
-        raise_failures({r: m for r, m in enumerate(msgs) if m}, len(msgs), what, hint)
+        raise_failures({r: m for r, m in enumerate(msgs) if m}, len(msgs), what, hint, disk)
     if hi != -lo:
         raise CheckpointError(
             f"checkpoint {what} failed: the ranks read different checkpoint versions (LATEST "
@@ -213,14 +236,14 @@ def save_version(
     except Exception as exc:
         error = f"preparing {d}: {describe(exc)}"
     try:
-        agree(device, error, "save", hint)
+        agree(device, error, "save", hint, disk=root)
         assert prepared is not None
         try:
             dcp.save(
                 prepared.state, storage_writer=_storage_writer(d), planner=cs.StreamingSavePlanner(prepared.sources)
             )
         except CheckpointException as exc:  # DCP told every rank who failed
-            raise_failures(dcp_failures(exc), world, "save", hint)
+            raise_failures(dcp_failures(exc), world, "save", hint, root)
         error, mine, doing = None, {}, f"writing {d / cf.rank_file(me)}"
         try:
             if prepared.rank_state is not None:
@@ -241,7 +264,7 @@ def save_version(
                 cf.write_atomic(d / cf.META, json.dumps(meta, indent=1))
             except Exception as exc:
                 error = f"writing {d / cf.META}: {describe(exc)}"
-        agree(device, error, "save", hint)  # every file is on disk before anyone can commit
+        agree(device, error, "save", hint, disk=root)  # every file is on disk before anyone can commit
         error = None
         if me == 0:
             try:
@@ -256,7 +279,7 @@ def save_version(
                     )
                 else:
                     error += f". {hint}"
-        agree(device, error, "save", "")  # only rank 0 commits: its message says what state it left
+        agree(device, error, "save", "", disk=root)  # only rank 0 commits: its message says what state it left
     except BaseException:
         if created:
             try:
