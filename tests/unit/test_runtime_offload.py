@@ -26,6 +26,36 @@ def test_bad_offload_input_is_refused_before_training(tmp_path):
         ZeroEngine(make_model(), config=ZeroConfig(stage=1, offload_optimizer="cpu"), cpu_adam="avx512")
 
 
+def test_cpu_adam_picks_the_kernel_of_every_tier_and_is_never_ignored(tmp_path):
+    """Unset: ``native`` offloaded, ``exact`` in memory. Given without offload it is the in-memory
+    optimizer's kernel (before: silently ignored); a native kernel for state on a GPU (``meta``
+    here) is refused when the optimizer is made, not at its first step."""
+    import torch
+
+    from zeropp.runtime import OptimizerConfig, ZeroConfig
+    from zeropp.runtime.offload import make_optimizer
+
+    def kernel(cfg: ZeroConfig, cpu_adam: str | None, device: str = "cpu") -> str:
+        masters = [torch.zeros(8, device=device)]
+        opt = make_optimizer(
+            masters,
+            OptimizerConfig(),
+            cfg,
+            device=torch.device(device),
+            space=None,
+            masters_are_params=False,
+            cpu_adam=cpu_adam,
+        )
+        return opt.kernel
+
+    memory, host = ZeroConfig(stage=1), ZeroConfig(stage=1, offload_optimizer="cpu")
+    assert (kernel(memory, None), kernel(host, None)) == ("exact", "native")
+    assert (kernel(memory, "fused"), kernel(host, "fused")) == ("fused", "fused")
+    assert kernel(memory, "single", "meta") == "single"
+    with pytest.raises(ValueError, match="cpu_adam='native' runs on CPU tensors, but without offload_optimizer"):
+        kernel(memory, "native", "meta")
+
+
 def test_both_offload_tiers_run_the_native_kernel_by_default(tmp_path, monkeypatch):
     """The offload default (engine, host tier, nvme tier): every element of every shard goes to the
     native kernel, chunk by chunk in the nvme tier, and both end with its bits."""
@@ -39,7 +69,7 @@ def test_both_offload_tiers_run_the_native_kernel_by_default(tmp_path, monkeypat
     from zeropp.runtime.swap import SwapSpace
 
     assert DEFAULT_CPU_KERNEL == "native"
-    assert inspect.signature(ZeroEngine).parameters["cpu_adam"].default == "native"
+    assert inspect.signature(ZeroEngine).parameters["cpu_adam"].default is None  # native when offloaded: below
     if not cpu_adamw.available():
         pytest.skip(f"native CPU AdamW unavailable here: {cpu_adamw.FAILED}")
     cfg, sizes, steps = OptimizerConfig(lr=1e-2, weight_decay=0.1), (5, 4099), 3

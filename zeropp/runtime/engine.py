@@ -71,7 +71,7 @@ from .collectives import EngineComm
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
 from .loss_scale import make_loss_scaler
 from .memory import measure_memory
-from .offload import DEFAULT_CPU_KERNEL, HostAdamW, ParamStore, make_optimizer
+from .offload import HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
@@ -92,10 +92,11 @@ class ZeroEngine:
     architecture; rank 0's weights are broadcast so ranks start identical. The model's
     parameters are replaced by views into the engine's buffers (stage 3: empty between uses);
     use :meth:`consolidated_state_dict` to get plain weights back. ``cpu_adam`` picks the AdamW
-    kernel of an offloaded optimizer (``native``, ``native-exact``, ``exact``, ``fused``, ``foreach``
-    or ``single``; see ``offload.py``: ``native``, the one-pass C++ kernel, is the default, ``fused``
-    torch's fused kernel, ``native-exact``, ``exact`` and ``single`` are bit-identical to the
-    in-memory step, which runs ``exact``: ``optimizer.py``).
+    kernel (``native``, ``native-exact``, ``exact``, ``fused``, ``foreach`` or ``single``; see
+    ``offload.py``). Unset: ``native``, the one-pass C++ kernel, for an offloaded optimizer, and
+    ``exact`` (torch's single-tensor bits by the fastest path here, ``optimizer.py``) in memory.
+    ``native-exact``, ``exact`` and ``single`` give the same bits as each other; ``fused`` is
+    torch's fused kernel. A native kernel for optimizer state on a GPU is refused.
 
     Any ``nn.Module``: ``blocks`` chooses the blocks (the stage-3 gather units and the stage-2/3
     reduction units), like FSDP's auto-wrap policy: ``None`` (``model.blocks`` if it is a
@@ -143,12 +144,12 @@ class ZeroEngine:
         activation_checkpointing: bool = False,
         blocks: BlockPolicy = None,
         loss_fn: LossFn | None = None,
-        cpu_adam: str = DEFAULT_CPU_KERNEL,
+        cpu_adam: str | None = None,
     ) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
-        if cpu_adam not in KERNELS:
+        if cpu_adam is not None and cpu_adam not in KERNELS:
             raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass callable(output, micro_batch) -> loss or None")

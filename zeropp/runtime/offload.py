@@ -267,17 +267,25 @@ def make_optimizer(
     device: torch.device,
     space: SwapSpace | None,
     masters_are_params: bool,
-    cpu_adam: str = DEFAULT_CPU_KERNEL,
+    cpu_adam: str | None = None,
 ) -> ShardedAdamW | SwappedAdamW:
-    """The optimizer-state holder for ``cfg.offload_optimizer`` (masters: fp32 shards on ``device``)."""
-    if cpu_adam not in KERNELS:
+    """The optimizer-state holder for ``cfg.offload_optimizer`` (masters: fp32 shards on ``device``).
+    ``cpu_adam``: the AdamW kernel; None: :data:`DEFAULT_CPU_KERNEL` for the offload tiers, ``exact``
+    (torch's single-tensor bits, ``optimizer.py``) in memory. A native kernel for state on a GPU is
+    refused here, before any step."""
+    if cpu_adam is not None and cpu_adam not in KERNELS:
         raise ValueError(f"cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
     if cfg.offload_optimizer == "cpu":
-        return HostAdamW(masters, opt_cfg, device=device, kernel=cpu_adam)
+        return HostAdamW(masters, opt_cfg, device=device, kernel=cpu_adam or DEFAULT_CPU_KERNEL)
     if cfg.offload_optimizer == "nvme":
         assert space is not None
-        return SwappedAdamW(masters, opt_cfg, space=space, kernel=cpu_adam)
-    return ShardedAdamW(masters, opt_cfg, masters_are_params=masters_are_params)
+        return SwappedAdamW(masters, opt_cfg, space=space, kernel=cpu_adam or DEFAULT_CPU_KERNEL)
+    if cpu_adam is not None and cpu_adam.startswith("native") and device.type != "cpu":
+        raise ValueError(
+            f"cpu_adam={cpu_adam!r} runs on CPU tensors, but without offload_optimizer the optimizer state is on "
+            f"{device}; drop cpu_adam (torch's AdamW runs there), or set offload_optimizer='cpu' or 'nvme'"
+        )
+    return ShardedAdamW(masters, opt_cfg, kernel=cpu_adam or "exact", masters_are_params=masters_are_params)
 
 
 class ParamStore:
