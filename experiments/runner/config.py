@@ -187,8 +187,9 @@ class RunConfig:
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
-        ``model=hf`` needs the ``hf`` extra, a trainer its spec's ``requires``. Not part of
-        validation, so configs compose anywhere."""
+        ``model=hf`` needs the ``hf`` extra, a trainer its spec's ``requires``; and the weights of
+        ``model.pretrained`` are those of the model (``zeropp.models.hf_pretrained``: headers only).
+        Not part of validation, so configs compose anywhere."""
         import importlib.util
 
         missing = missing_requirement(self.trainer_spec)
@@ -203,6 +204,13 @@ class RunConfig:
                     "invalid config: model=hf needs the Hugging Face extra, which is not installed: "
                     'pip install -e ".[hf]" (or choose a GPT preset: model=mini, ...)'
                 )
+            if self.model.pretrained is not None:  # its weights' headers, before every rank reads them
+                from zeropp.models.hf import check_pretrained
+
+                try:
+                    check_pretrained(self.model)
+                except ValueError as e:
+                    raise ConfigError(f"invalid config model: {str(e).replace('HFConfig.', 'model.')}") from None
 
     @property
     def model_kind(self) -> str:

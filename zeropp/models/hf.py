@@ -22,7 +22,6 @@ are then bit-for-bit reproducible, which the parity tests rely on.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .hf_pretrained import check_pretrained_weights, read_saved_config
 
 HF_ARCHS = ("gpt2", "llama")
 """Values of :attr:`HFConfig.hf_config`: the ``transformers`` config classes this module maps."""
@@ -134,16 +135,25 @@ class HFConfig:
 
     def _check_pretrained(self, path: Path) -> None:
         """The directory holds a checkpoint of this architecture and these sizes (its config.json)."""
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").exists():
             what = "has no config.json" if path.is_dir() else "does not exist"
             raise ValueError(
                 f"HFConfig.pretrained={str(path)!r} {what}; give a local directory written by "
                 "save_pretrained (nothing is downloaded), or leave it unset for random weights"
             )
-        saved = json.loads((path / "config.json").read_text())
-        if saved.get("model_type") != self.hf_config:
+        try:
+            saved = read_saved_config(path / "config.json")
+        except ValueError as e:
+            raise ValueError(f"HFConfig.pretrained={str(path)!r}: {e}") from None
+        kind = saved.get("model_type")
+        if kind not in HF_ARCHS:
             raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} holds a {saved.get('model_type')!r} model but "
+                f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model (config.json's model_type), "
+                f"which zeropp does not build; it supports {', '.join(HF_ARCHS)}"
+            )
+        if kind != self.hf_config:
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model but "
                 f"hf_config={self.hf_config!r}; set hf_config to match"
             )
         want = {field: getattr(self, field) for field in _HF_KEYS[self.hf_config]}
@@ -265,19 +275,42 @@ class HFCausalLM(nn.Module):
         return logits, loss
 
 
+def _model_class(cfg: HFConfig) -> Any:
+    tf = require_transformers()
+    return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
+
+
+def check_pretrained(cfg: HFConfig) -> None:
+    """``ValueError`` unless ``cfg.pretrained`` holds safetensors weights that are exactly the
+    model's (``hf_pretrained.check_pretrained_weights``; reads headers, no tensor): what
+    :func:`build_hf_model` checks, for a caller that refuses before starting ranks."""
+    if cfg.pretrained is not None:
+        check_pretrained_weights(cfg, _model_class(cfg), hf_model_config(cfg))
+
+
 def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     """``cfg``'s model in fp32 on the CPU: random weights from the ``transformers`` config class
     (after ``torch.manual_seed(seed)`` when ``seed`` is given; nothing downloaded), or the weights
-    of the local directory ``cfg.pretrained`` (``from_pretrained(local_files_only=True)``)."""
-    tf = require_transformers()
+    of the local directory ``cfg.pretrained`` (``from_pretrained(local_files_only=True)``, safetensors
+    only, every weight of the model present and nothing else: ``hf_pretrained``)."""
     conf = hf_model_config(cfg)
-    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
+    cls = _model_class(cfg)
     if seed is not None:
         torch.manual_seed(seed)
     if cfg.pretrained is None:
         hf = cls(conf)
     else:
-        hf = cls.from_pretrained(str(Path(cfg.pretrained).expanduser()), config=conf, local_files_only=True)
+        check_pretrained_weights(cfg, cls, conf)  # headers only: a refusal costs no tensor read
+        hf, info = cls.from_pretrained(
+            str(Path(cfg.pretrained).expanduser()),
+            config=conf,
+            local_files_only=True,
+            use_safetensors=True,  # never a pickle
+            output_loading_info=True,
+        )
+        left = {k: sorted(v) for k, v in info.items() if v}
+        if left:  # what the header check allows, transformers must have loaded whole
+            raise ValueError(f"HFConfig.pretrained={cfg.pretrained!r} did not load exactly: {left}")
     hf = hf.float().train()
     if cfg.lora_rank:
         from .lora import apply_lora
