@@ -173,7 +173,8 @@ class RunConfig:
             check_fresh_run_dir(Path(run_dir), key=key, resumable=(ckpt / "LATEST").is_file())
             return
         try:  # a malformed LATEST or a missing folder: the ranks' load names the problem precisely
-            step = checkpoint_files.version_step(checkpoint_files.latest(ckpt).name)
+            newest = checkpoint_files.latest(ckpt)
+            step = checkpoint_files.version_step(newest.name)
         except (OSError, ValueError):
             return
         if step >= self.train.steps:
@@ -184,6 +185,7 @@ class RunConfig:
                 "it changes too), or start a fresh run elsewhere"
             )
         check_resumes_its_own(ckpt, Path(run_dir))
+        check_resumes_its_model(newest, self.to_dict()["model"])
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -332,6 +334,37 @@ def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
             "(train.checkpoint_dir), and resuming would continue that other run's weights here. Give each run its "
             "own train.checkpoint_dir (the default is <run dir>/checkpoints), or resume the other run in its own "
             "directory"
+        )
+
+
+MODEL_KEYS_FREE_ON_RESUME = ("attn_implementation", "pretrained")
+"""``model.*`` keys a resumed run may change: the attention kernel, and where the weights of a
+fresh run came from (a resume takes them from the checkpoint). Every other key shapes the model."""
+
+
+def check_resumes_its_model(newest: Path, model: Mapping[str, Any]) -> None:
+    """With ``resume=true``: the model settings the newest checkpoint recorded (``extra["model"]``)
+    must be this run's, but for :data:`MODEL_KEYS_FREE_ON_RESUME`. Another model (a LoRA rank, a
+    size, tied embeddings, the architecture) either fails on every rank after they start, with the
+    engine's message about units, or, where the shapes happen to agree, trains the checkpoint under
+    settings it was not trained with and records those for the export: refused here, naming the keys."""
+    try:
+        saved = (checkpoint_files.read_meta(newest).get("extra") or {}).get("model")
+    except (OSError, ValueError):
+        return  # the ranks' load names the problem precisely
+    if not isinstance(saved, dict):
+        return  # saved before the settings were recorded
+    keys = ["kind"] if saved.get("kind") != model.get("kind") else sorted(set(saved) | set(model))
+    changed = [
+        f"model.{k}={saved.get(k)!r} (now {model.get(k)!r})"
+        for k in keys
+        if k not in MODEL_KEYS_FREE_ON_RESUME and saved.get(k) != model.get(k)
+    ]
+    if changed:
+        raise ConfigError(
+            f"invalid config: resume=true, but the checkpoint {newest} is of another model: it was saved with "
+            f"{', '.join(changed)}. Resume with the saving run's model settings, or start a fresh run "
+            "elsewhere (model.pretrained=<an export of it> starts one from its weights)"
         )
 
 

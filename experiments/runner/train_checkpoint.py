@@ -19,7 +19,7 @@ from typing import Any
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
 from ..launch import heartbeat
-from .config import RunConfig
+from .config import MODEL_KEYS_FREE_ON_RESUME, RunConfig
 from .trainers import Trainer
 
 
@@ -105,6 +105,11 @@ class Checkpointer:
         now = _leaves(resume_keys(self.cfg))
         was = _leaves(extra.get("run", {}) if isinstance(extra.get("run"), dict) else {})
         changed = [f"{k} {was[k]!r} -> {v!r}" for k, v in sorted(now.items()) if k in was and was[k] != v]
+        model, saved = self.cfg.to_dict()["model"], extra.get("model")
+        for k in MODEL_KEYS_FREE_ON_RESUME:  # the others must match (config.check_resumes_its_model)
+            if isinstance(saved, dict) and k in saved and saved[k] != model.get(k):
+                why = " (the weights come from the checkpoint)" if k == "pretrained" else ""
+                changed.append(f"model.{k} {saved[k]!r} -> {model.get(k)!r}{why}")
         if changed and self.lead:  # each leaf with both values: a derived default (the LR schedule's
             # length follows train.steps) reads as what it is, not as an unexplained "optim"
             print(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -221,6 +222,34 @@ def test_resume_of_a_finished_run_is_refused_before_ranks(tmp_path, monkeypatch,
         assert "already finished" in err and "train.steps=8" in err, err
     rc = from_dict(composed_config("resume=true", "train.steps=5"))
     rc.check_run_dir(tmp_path / "run")  # step 4 of 5: there is a step left to train
+
+
+def test_resume_with_another_model_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """``resume=true`` whose model settings differ from those the checkpoint recorded: exit 2
+    naming the keys (before: every rank started and failed on the engine's unit list, or, where the
+    shapes agreed, trained the checkpoint under other settings). The attention kernel may change."""
+    from tests.checkpoint_helpers import write_version
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    d = write_version(ckpt, "ckpt-00000002-0123456789abcdef", parent=None)
+    (ckpt / "LATEST").write_text(d.name + "\n")
+    saved = from_dict(composed_config("model=hf", "model.lora_rank=0")).to_dict()["model"]
+    meta = json.loads((d / "meta.json").read_text()) | {"extra": {"step": 2, "model": saved}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    code, err = run_cli(
+        ["resume=true", "logger=none", "model=hf", "model.lora_rank=4", "train.steps=4"],
+        tmp_path / "run",
+        monkeypatch,
+        capfd,
+    )
+    assert code == 2, err
+    assert f"the checkpoint {d} is of another model: it was saved with model.lora_rank=0 (now 4)" in err, err
+    code, err = run_cli(
+        ["resume=true", "logger=none", "model=tiny", "train.steps=4"], tmp_path / "run", monkeypatch, capfd
+    )
+    assert code == 2 and "saved with model.kind='hf' (now 'gpt')." in err, err
+    rc = from_dict(composed_config("resume=true", "train.steps=4", "model=hf", "model.attn_implementation=eager"))
+    rc.check_run_dir(tmp_path / "run")  # the attention kernel is not the model's shape
 
 
 def test_the_runners_hydra_plugins_are_found_outside_the_checkout(tmp_path) -> None:
