@@ -39,6 +39,7 @@ CASES: dict[str, tuple[HFConfig, int]] = {  # name -> (model, stage)
     "llama": (LLAMA, 3),
     "gpt2-lora": (GPT2.with_(lora_rank=2), 3),
     "llama-lora": (LLAMA.with_(lora_rank=2, tie_embeddings=False), 1),
+    "llama-tied-lora": (LLAMA.with_(lora_rank=2), 3),  # a frozen tied weight: saved under one of its names
 }
 
 
@@ -82,7 +83,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(ckpts: dict[str, A
     assert not list(tmp_path.glob(".*export-tmp*"))  # the temporary directory was renamed into place
 
 
-@pytest.mark.parametrize("name", ["gpt2-lora", "llama-lora"])
+@pytest.mark.parametrize("name", ["gpt2-lora", "llama-lora", "llama-tied-lora"])
 def test_lora_merged_gives_the_adapted_logits(ckpts: dict[str, Any], tmp_path: Path, name: str) -> None:
     cfg = CASES[name][0]
     idx, _ = tokens(cfg, seed=7)
