@@ -128,6 +128,14 @@ class HFConfig:
                 f"HFConfig: the head size d_model / n_heads = {self.d_model // self.n_heads} must be even "
                 "for hf_config=llama (rotary embeddings rotate pairs of channels)"
             )
+        kv = self.kv_heads * (self.d_model // self.n_heads)  # llama's k/v projections are the narrowest
+        narrowest = min(self.d_model, self.ffn_size, kv if self.hf_config == "llama" else self.d_model)
+        if self.lora_rank > narrowest:
+            raise ValueError(
+                f"HFConfig.lora_rank={self.lora_rank} exceeds the narrowest adapted layer ({narrowest} wide): "
+                f"an adapter's update has rank at most {narrowest}, so a larger rank only adds parameters; "
+                f"choose lora_rank <= {narrowest}"
+            )
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"HFConfig.attn_implementation={self.attn_implementation!r}; choose sdpa or eager")
         if self.pretrained is not None:
