@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zeropp.models import HFConfig
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
 from ..launch import heartbeat
@@ -85,6 +86,13 @@ class Checkpointer:
         """The directory this run saved to, once it has (the summary's ``checkpoint``)."""
         self.saved_step: int | None = None
         """The step of the newest checkpoint this run can fall back to (resumed from or saved)."""
+        self.transformers_config: dict[str, Any] | None = None
+        """``model=hf``: the ``transformers`` config the model was built with, kept in each checkpoint
+        so the export rebuilds that model (``model.pretrained``'s directory may be gone by then)."""
+        if isinstance(cfg.model, HFConfig):
+            from zeropp.models.hf import recorded_config
+
+            self.transformers_config = recorded_config(cfg.model)
 
     def resume(self) -> int:
         """Collective: with ``resume=true`` load the newest checkpoint and return its step (the
@@ -139,6 +147,8 @@ class Checkpointer:
             "model": self.cfg.to_dict()["model"],
             "run_dir": self.run_dir,
         }
+        if self.transformers_config is not None:
+            extra["transformers_config"] = self.transformers_config
         self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)
         self.saved, self.saved_step = str(self.dir), step
         return True

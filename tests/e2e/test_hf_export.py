@@ -60,6 +60,9 @@ def test_runner_stage3_2x2_run_exports_to_transformers(
     p = _python(["zeropp.experiments.run", *args]) if name == "gpt2" else run_cli_here(args, capfd, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
+    latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    recorded = json.loads((latest / "meta.json").read_text())["extra"]["transformers_config"]  # what the export builds
+    assert recorded["model_type"] == summary["config"]["model"]["hf_config"] and recorded["use_cache"] is False
     if name == "gpt2":  # the command once; the library call it wraps for the other (a process less)
         p = _python(["zeropp.experiments.export", str(run), str(out)])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -163,13 +163,43 @@ def test_refuses_a_checkpoint_of_the_built_in_gpt(ckpts: dict[str, Any], tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def _without_record(src: Path, dst: Path) -> Path:
+def test_a_run_from_a_pretrained_directory_exports_without_it(tmp_path: Path) -> None:
+    """The export rebuilds the model from the transformers config the checkpoint recorded, not from
+    model.pretrained's directory: once that is gone the export still works, and when it now holds
+    another model (another norm epsilon and rotary base) the export is still the trained one
+    (before: 'HFConfig.pretrained=... does not exist', or logits of the other settings)."""
+    pytest.importorskip("transformers", reason=REASON)
+    from zeropp.models import build_hf_model
+    from zeropp.models.hf import hf_model_config
+    from zeropp.models.hf_export import export_pretrained
+
+    base = LLAMA.with_(tie_embeddings=False)
+    conf = hf_model_config(base)
+    conf.rms_norm_eps, conf.rope_parameters = 1e-2, {"rope_type": "default", "rope_theta": 500.0}
+    pre = tmp_path / "pre"
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    cfg = base.with_(pretrained=str(pre), lora_rank=2)
+    with world_of_one(tmp_path / "store"):
+        trained = train_and_save(build_hf_model(cfg, seed=0), cfg, tmp_path / "run", stage=3)
+    idx, _ = tokens(cfg, seed=7)
+    want = our_logits(cfg, trained, idx)
+    conf.rms_norm_eps = 0.5  # the directory now holds another model of the same sizes
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    out = export_pretrained(tmp_path / "run", tmp_path / "a")
+    torch.testing.assert_close(hf_logits(load_pretrained(out), idx), want, rtol=1e-5, atol=1e-5)
+    shutil.rmtree(pre)
+    out = export_pretrained(tmp_path / "run", tmp_path / "b", lora_format="peft")
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-2
+
+
+def _without_record(src: Path, dst: Path, keys: tuple[str, ...] = ("model",)) -> Path:
     """A copy of checkpoint ``src`` whose meta.json has no model settings (as saved before they were
-    recorded; meta.json is not among the checksummed files)."""
+    recorded; meta.json is not among the checksummed files), nor the other ``keys`` of its extra."""
     shutil.copytree(src, dst)
     d = dst / (dst / "LATEST").read_text().strip()
     meta = json.loads((d / "meta.json").read_text())
-    del meta["extra"]["model"]
+    for k in keys:
+        meta["extra"].pop(k, None)
     (d / "meta.json").write_text(json.dumps(meta))
     return dst
 
@@ -192,8 +222,11 @@ def test_refuses_settings_that_do_not_match_the_checkpoint(ckpts: dict[str, Any]
     with pytest.raises(ExportError, match="differs from the model settings recorded"):
         _export(ckpts, "gpt2", tmp_path / "a", model_config=GPT2.with_(n_layers=1))
     src = _without_record(ckpts["root"] / "gpt2", tmp_path / "old")
-    with pytest.raises(ExportError, match="does not match the gpt2 model.*unexpected \\['transformer.h.1"):
+    with pytest.raises(ExportError, match="recorded transformers config has n_layers=2, which these settings do not"):
         export_pretrained(src, tmp_path / "b", model_config=GPT2.with_(n_layers=1))
+    older = _without_record(ckpts["root"] / "gpt2", tmp_path / "older", ("model", "transformers_config"))
+    with pytest.raises(ExportError, match="does not match the gpt2 model.*unexpected \\['transformer.h.1"):
+        export_pretrained(older, tmp_path / "b", model_config=GPT2.with_(n_layers=1))
     with pytest.raises(ExportError, match="lora_format=peft needs a LoRA run"):
         _export(ckpts, "gpt2", tmp_path / "c", lora_format="peft")
     with pytest.raises(ExportError, match="no LATEST"):

@@ -22,9 +22,10 @@ are then bit-for-bit reproducible, which the parity tests rely on.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -164,19 +165,7 @@ class HFConfig:
                 f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model but "
                 f"hf_config={self.hf_config!r}; set hf_config to match"
             )
-        want = {field: getattr(self, field) for field in _HF_KEYS[self.hf_config]}
-        want = _resolved(self, want)
-        wrong = []
-        for field, key in _HF_KEYS[self.hf_config].items():
-            have = saved.get(key)
-            if field == "intermediate_size" and have is None:
-                have = 4 * saved.get(_HF_KEYS[self.hf_config]["d_model"], 0)
-            if field == "n_kv_heads" and have is None:
-                have = saved.get("num_attention_heads")
-            if field == "tie_embeddings" and have is None:
-                have = self.hf_config == "gpt2"  # the config classes' defaults
-            if have != want[field]:
-                wrong.append(f"{field}={have}")
+        wrong = size_mismatch(self, saved)
         if wrong:
             raise ValueError(
                 f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
@@ -211,6 +200,24 @@ class HFConfig:
         return v * d + n * block + d + head
 
 
+def size_mismatch(cfg: HFConfig, saved: Mapping[str, Any]) -> list[str]:
+    """``field=value`` for each size of ``cfg`` that the ``transformers`` config dict ``saved`` (a
+    ``config.json``) has otherwise; empty when they describe the same shapes."""
+    want = _resolved(cfg, {field: getattr(cfg, field) for field in _HF_KEYS[cfg.hf_config]})
+    wrong = []
+    for field, key in _HF_KEYS[cfg.hf_config].items():
+        have = saved.get(key)
+        if field == "intermediate_size" and have is None:
+            have = 4 * saved.get(_HF_KEYS[cfg.hf_config]["d_model"], 0)
+        if field == "n_kv_heads" and have is None:
+            have = saved.get("num_attention_heads")
+        if field == "tie_embeddings" and have is None:
+            have = cfg.hf_config == "gpt2"  # the config classes' defaults
+        if have != want[field]:
+            wrong.append(f"{field}={have}")
+    return wrong
+
+
 def _resolved(cfg: HFConfig, values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     out["intermediate_size"] = cfg.ffn_size
@@ -231,22 +238,42 @@ def require_transformers() -> Any:
     return transformers
 
 
-def hf_model_config(cfg: HFConfig) -> Any:
+def hf_model_config(cfg: HFConfig, recorded: Mapping[str, Any] | None = None) -> Any:
     """The ``transformers`` config object of ``cfg`` (dropout 0, no KV cache). With
     ``cfg.pretrained`` it is the checkpoint's own (its sizes were checked against ``cfg``; its other
-    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes."""
+    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes. With
+    ``recorded`` (what :func:`recorded_config` gave when the model was built, as a run's checkpoint
+    keeps it) it is that one, whatever ``cfg.pretrained`` names now: plain attributes, nothing that
+    could load code (an ``auto_map`` is dropped)."""
     tf = require_transformers()
     run = {
         **dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0),
         "use_cache": False,
         "attn_implementation": cfg.attn_implementation,
     }
+    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
+    if recorded is not None:
+        if recorded.get("model_type") != cfg.hf_config:
+            raise ValueError(
+                f"the recorded transformers config is of a {recorded.get('model_type')!r} model, "
+                f"not hf_config={cfg.hf_config!r}"
+            )
+        wrong = size_mismatch(cfg, recorded)
+        if wrong:
+            raise ValueError(f"the recorded transformers config has {', '.join(wrong)}, which these settings do not")
+        return cls.from_dict({k: v for k, v in recorded.items() if k not in ("auto_map", "_name_or_path")}, **run)
     if cfg.pretrained is not None:  # keyword arguments of from_pretrained override the saved attributes
         return tf.AutoConfig.from_pretrained(str(Path(cfg.pretrained).expanduser()), local_files_only=True, **run)
     keys = _HF_KEYS[cfg.hf_config]
     sizes = {keys[f]: v for f, v in _resolved(cfg, {f: getattr(cfg, f) for f in keys}).items()}
-    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
     return cls(**sizes, **run, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def recorded_config(cfg: HFConfig) -> dict[str, Any]:
+    """``hf_model_config(cfg)`` as plain JSON values, for a checkpoint to keep: the export rebuilds
+    the model from it, so a run from ``cfg.pretrained`` exports the model it trained (norm epsilon,
+    rotary base, ...) even where that directory is gone or now holds another model."""
+    return json.loads(hf_model_config(cfg).to_json_string(use_diff=False))
 
 
 class HFCausalLM(nn.Module):

@@ -4,7 +4,9 @@
 size, stage, topology or trainer that saved it (``zeropp.runtime.read_consolidated``: DCP reads
 every rank's pieces, tensor-parallel pieces are merged, nothing in the files can run code), rebuilds
 the ``transformers`` model from the model settings the runner records in the checkpoint
-(``meta.json``'s ``extra["model"]``, what ``model.*`` was), and writes it with the model's own
+(``meta.json``'s ``extra["model"]``, what ``model.*`` was, and ``extra["transformers_config"]``, the
+``transformers`` config the ranks built, so a run from ``model.pretrained`` needs that directory no
+more), and writes it with the model's own
 ``save_pretrained`` (safetensors weights and ``config.json``), so
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model's logits exactly (fp32).
 
@@ -32,6 +34,7 @@ name beside ``out_dir`` and renamed into place at the end, so a failed export le
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -154,9 +157,14 @@ def export_pretrained(
     from zeropp.runtime.consolidate import read_consolidated
 
     try:
-        recorded = (read_meta(latest(src)).get("extra") or {}).get("model")
+        extra = read_meta(latest(src)).get("extra") or {}
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read the checkpoint in {src}: {exc}") from exc
+    recorded, tconf = extra.get("model"), extra.get("transformers_config")
+    tconf = tconf if isinstance(tconf, dict) else None
+    if tconf is not None:  # the model is rebuilt from it: model.pretrained's directory is not read again
+        recorded = {**recorded, "pretrained": None} if isinstance(recorded, dict) else recorded
+        model_config = model_config.with_(pretrained=None) if model_config is not None else None
     if model_config is None:
         cfg = model_config_of({"extra": {"model": recorded}}, src)
     else:
@@ -173,9 +181,13 @@ def export_pretrained(
     if lora_format == "peft" and not cfg.lora_rank:
         raise ExportError(f"lora_format=peft needs a LoRA run (model.lora_rank > 0); {src} has no adapters")
     weights = _hf_state(state, src)
-    adapters = _lora_layers(cfg) if cfg.lora_rank else {}
+    try:
+        conf = hf_model_config(cfg, tconf)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{src}: {exc}; give the model settings of the run that saved it") from exc
+    adapters = _lora_layers(cfg, conf) if cfg.lora_rank else {}
     base = _split_lora(weights, adapters, merge=lora_format == "merged", where=src)
-    hf = _plain_model(cfg, base, src)
+    hf = _plain_model(cfg, conf, base, src)
     tmp = out.with_name(f".{out.name}.export-tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
@@ -221,13 +233,14 @@ def _hf_class(cfg: HFConfig) -> Any:
     return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
 
 
-def _lora_layers(cfg: HFConfig) -> dict[str, _Adapter]:
-    """Module name -> adapter of every layer ``apply_lora`` adapts in ``cfg``'s model, found by
-    building it on the meta device (no memory, no weights) exactly as the training run did."""
+def _lora_layers(cfg: HFConfig, conf: Any) -> dict[str, _Adapter]:
+    """Module name -> adapter of every layer ``apply_lora`` adapts in ``cfg``'s model (whose
+    ``transformers`` config is ``conf``), found by building it on the meta device (no memory, no
+    weights) exactly as the training run did."""
     from .lora import LoRALinear, apply_lora
 
     with torch.device("meta"):
-        hf = _hf_class(cfg)(hf_model_config(cfg))
+        hf = _hf_class(cfg)(copy.deepcopy(conf))
     apply_lora(hf, cfg.lora_rank)
     return {
         n: _Adapter(scaling=m.scaling, transposed=m.transposed, rank=m.rank, alpha=m.alpha)
@@ -259,10 +272,11 @@ def _split_lora(
     return out
 
 
-def _plain_model(cfg: HFConfig, state: dict[str, torch.Tensor], where: Path) -> Any:
-    """The ``transformers`` model (no adapters) holding ``state``: built on the meta device, its
-    parameters then assigned from ``state`` (strictly: a missing or extra entry is an error)."""
-    conf = hf_model_config(cfg.with_(lora_rank=0))
+def _plain_model(cfg: HFConfig, conf: Any, state: dict[str, torch.Tensor], where: Path) -> Any:
+    """The ``transformers`` model (no adapters; its config ``conf``) holding ``state``: built on the
+    meta device, its parameters then assigned from ``state`` (strictly: a missing or extra entry is
+    an error)."""
+    conf = copy.deepcopy(conf)
     conf.use_cache = True  # the run disables the KV cache; a shared model generates with it
     with torch.device("meta"):
         hf = _hf_class(cfg)(conf)
