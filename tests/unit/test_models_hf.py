@@ -139,6 +139,10 @@ def test_a_bad_config_json_is_named_and_refused(tf: Any, tmp_path: Any) -> None:
         ("{not json", r"config.json is not JSON \(Expecting"),
         ("[1, 2]", r"config.json holds a JSON list, not the object save_pretrained writes"),
         (
+            json.dumps(good | {"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}),
+            r"holds a quantized model \(config.json's quantization_config: bitsandbytes\); zeropp trains float",
+        ),
+        (
             json.dumps(good | {"model_type": "mistral"}),
             r"holds a 'mistral' model .*which zeropp does not build; it supports gpt2, llama",
         ),

@@ -160,6 +160,14 @@ class HFConfig:
                 f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model (config.json's model_type), "
                 f"which zeropp does not build; it supports {', '.join(HF_ARCHS)}"
             )
+        quant = saved.get("quantization_config")
+        if quant is not None:  # transformers would load it through a quantization library, or fail in every rank
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} holds a quantized model (config.json's quantization_config: "
+                f"{method}); zeropp trains float weights and quantizes on the wire itself: give the "
+                "unquantized checkpoint"
+            )
         if kind != self.hf_config:
             raise ValueError(
                 f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model but "
