@@ -185,7 +185,7 @@ class RunConfig:
                 "it changes too), or start a fresh run elsewhere"
             )
         check_resumes_its_own(ckpt, Path(run_dir))
-        check_resumes_its_model(newest, self.to_dict()["model"])
+        check_resumes_its_model(newest, self.to_dict()["model"], self.model)
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -342,16 +342,21 @@ MODEL_KEYS_FREE_ON_RESUME = ("attn_implementation", "pretrained")
 fresh run came from (a resume takes them from the checkpoint). Every other key shapes the model."""
 
 
-def check_resumes_its_model(newest: Path, model: Mapping[str, Any]) -> None:
+def check_resumes_its_model(newest: Path, model: Mapping[str, Any], built: GPTConfig | HFConfig | None = None) -> None:
     """With ``resume=true``: the model settings the newest checkpoint recorded (``extra["model"]``)
     must be this run's, but for :data:`MODEL_KEYS_FREE_ON_RESUME`. Another model (a LoRA rank, a
     size, tied embeddings, the architecture) either fails on every rank after they start, with the
     engine's message about units, or, where the shapes happen to agree, trains the checkpoint under
-    settings it was not trained with and records those for the export: refused here, naming the keys."""
+    settings it was not trained with and records those for the export: refused here, naming the keys.
+    For a Hugging Face model (``built``) the ``transformers`` config the checkpoint recorded must
+    also be the one these settings build: ``model.pretrained`` is read again by every rank, and a
+    directory that now holds another model, or a resume without it, would change the norm epsilon,
+    rotary base, ... of the model the weights were trained in."""
     try:
-        saved = (checkpoint_files.read_meta(newest).get("extra") or {}).get("model")
+        extra = checkpoint_files.read_meta(newest).get("extra") or {}
     except (OSError, ValueError):
         return  # the ranks' load names the problem precisely
+    saved = extra.get("model")
     if not isinstance(saved, dict):
         return  # saved before the settings were recorded
     keys = ["kind"] if saved.get("kind") != model.get("kind") else sorted(set(saved) | set(model))
@@ -366,6 +371,20 @@ def check_resumes_its_model(newest: Path, model: Mapping[str, Any]) -> None:
             f"{', '.join(changed)}. Resume with the saving run's model settings, or start a fresh run "
             "elsewhere (model.pretrained=<an export of it> starts one from its weights)"
         )
+    recorded = extra.get("transformers_config")
+    if isinstance(built, HFConfig) and isinstance(recorded, dict):
+        from zeropp.models.hf import config_differences
+
+        differ = config_differences(built, recorded)
+        if differ:
+            where = (
+                f"model.pretrained={built.pretrained}" if built.pretrained else "these settings (no model.pretrained)"
+            )
+            raise ConfigError(
+                f"invalid config: resume=true, but the checkpoint {newest} was trained in a model whose transformers "
+                f"config differs from the one {where} builds: {', '.join(differ[:6])}. Resume with model.pretrained "
+                "naming a directory with the checkpoint's config (python -m experiments.export writes one from it)"
+            )
 
 
 class RunFinished(ConfigError):

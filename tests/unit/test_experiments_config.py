@@ -252,6 +252,42 @@ def test_resume_with_another_model_is_refused_before_ranks(tmp_path, monkeypatch
     rc.check_run_dir(tmp_path / "run")  # the attention kernel is not the model's shape
 
 
+def test_resume_from_a_pretrained_directory_that_changed_is_refused(tmp_path) -> None:
+    """A Hugging Face run's checkpoint records the transformers config its model was built with;
+    a resume whose model.pretrained now holds another config (another norm epsilon), or that drops
+    model.pretrained, is refused naming the attribute (before: every rank rebuilt the model from
+    the directory as it is now and trained the checkpoint's weights in it, silently)."""
+    pytest.importorskip("transformers", reason='the hf extra: pip install -e ".[hf]"')
+    from tests.checkpoint_helpers import write_version
+    from zeropp.models import build_hf_model
+    from zeropp.models.hf import hf_model_config, recorded_config
+
+    sizes = ["model=hf", "model.hf_config=llama", "model.n_heads=4", "model.d_model=32", "model.n_layers=1"]
+    base = from_dict(composed_config(*sizes)).model
+    conf = hf_model_config(base)
+    conf.rms_norm_eps = 1e-2
+    pre = tmp_path / "pre"
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    rc = from_dict(composed_config(*sizes, f"model.pretrained={pre}", "resume=true", "train.steps=4"))
+    ckpt = tmp_path / "run" / "checkpoints"
+    d = write_version(ckpt, "ckpt-00000002-0123456789abcdef", parent=None)
+    (ckpt / "LATEST").write_text(d.name + "\n")
+    record = {"step": 2, "model": rc.to_dict()["model"], "transformers_config": recorded_config(rc.model)}
+    (d / "meta.json").write_text(json.dumps(json.loads((d / "meta.json").read_text()) | {"extra": record}))
+    rc.check_run_dir(tmp_path / "run")  # the directory as it was: resumes
+    conf.rms_norm_eps = 0.5
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    with pytest.raises(
+        ConfigError, match=rf"differs from the one model.pretrained={pre} builds: rms_norm_eps=0.01 \(now 0.5\)"
+    ):
+        rc.check_run_dir(tmp_path / "run")
+    bare = from_dict(composed_config(*sizes, "resume=true", "train.steps=4"))
+    with pytest.raises(
+        ConfigError, match=r"these settings \(no model.pretrained\) builds: .*rms_norm_eps=0.01 \(now 1e-06\)"
+    ):
+        bare.check_run_dir(tmp_path / "run")
+
+
 def test_the_runners_hydra_plugins_are_found_outside_the_checkout(tmp_path) -> None:
     """From another directory (an editable install maps ``hydra_plugins.zeropp_*`` through its import
     hook, which Hydra's plugin scan does not list) the runner's sweeper and Slurm launcher are still

@@ -284,6 +284,20 @@ def recorded_config(cfg: HFConfig) -> dict[str, Any]:
     return json.loads(hf_model_config(cfg).to_json_string(use_diff=False))
 
 
+_BOOKKEEPING = ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "auto_map")
+"""Keys of a recorded config that do not change the model's computation."""
+
+
+def config_differences(cfg: HFConfig, recorded: Mapping[str, Any]) -> list[str]:
+    """``key=recorded value (now value)`` for each attribute of the ``transformers`` config ``cfg``
+    builds now that differs from ``recorded`` (:func:`recorded_config` of the model a checkpoint was
+    trained in); empty when they build the same model. Only attributes both have are compared: a
+    ``transformers`` release that adds one is not a different model."""
+    now = recorded_config(cfg)
+    keys = sorted((set(now) & set(recorded)) - set(_BOOKKEEPING))
+    return [f"{k}={recorded.get(k)!r} (now {now.get(k)!r})" for k in keys if now.get(k) != recorded.get(k)]
+
+
 class HFCausalLM(nn.Module):
     """``model(idx, targets=None) -> (logits [B, T, V], loss or None)`` around a ``transformers``
     causal LM (``self.hf``); ``blocks`` is its decoder-layer ``ModuleList``."""
