@@ -10,6 +10,7 @@ weights. The runner's 2x2 stage-3 runs exported end to end are ``tests/e2e/test_
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,15 @@ def test_command_line_exports_a_run_dir_and_reports_errors(
     settings.write_text(json.dumps(model_record(GPT2)))
     main([str(run / "checkpoints"), str(tmp_path / "out2"), "--model-config", str(settings)])
     assert (tmp_path / "out2" / "model.safetensors").is_file()
+    os.mkfifo(tmp_path / "fifo")  # a settings file named by mistake: refused at once, not read (or waited on)
+    for bad, words in [
+        ("fifo", "is a FIFO (named pipe), not a regular file"),
+        ("", "is a directory, not a regular file"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main([str(run / "checkpoints"), str(tmp_path / "out3"), "--model-config", str(tmp_path / bad)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--model-config {tmp_path / bad} cannot be read: {words}" in err, err
 
 
 def test_refuses_a_corrupt_or_crafted_checkpoint(ckpts: dict[str, Any], tmp_path: Path) -> None:
