@@ -88,7 +88,33 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    info = json.loads((out / "zeropp_export.json").read_text())
+    print(
+        f"wrote {out} from the checkpoint of step {info['step']} (AutoModelForCausalLM.from_pretrained({str(out)!r}))"
+    )
+    note = _not_the_end(a.source, info)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+
+
+def _not_the_end(source: Path, info: dict[str, Any]) -> str | None:
+    """Why the exported checkpoint is not the end of its run, if it is not: the run diverged (its
+    ``summary.json`` says so; the export is its last good checkpoint), or it stopped before
+    ``train.steps`` (interrupted, failed, or still running)."""
+    step, steps = info.get("step"), info.get("train_steps")
+    try:
+        summary = json.loads(read_regular(source / "summary.json", SETTINGS_LIMIT))
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict) and summary.get("status") == "diverged":
+        at = (summary.get("divergence") or {}).get("step")
+        return f"the run diverged at step {at}; this is its last good checkpoint, of step {step}"
+    if isinstance(step, int) and isinstance(steps, int) and step < steps:
+        return (
+            f"the run was to train {steps} steps (train.steps) and this checkpoint is of step {step}: "
+            "it was stopped or failed before its end, or is still running"
+        )
+    return None
 
 
 def cli() -> NoReturn:

@@ -308,3 +308,31 @@ def test_refuses_a_corrupt_or_crafted_checkpoint(ckpts: dict[str, Any], tmp_path
     with pytest.raises(ExportError, match="cannot read the checkpoint.*metadata"):
         export_pretrained(src, tmp_path / "b")
     assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_command_line_says_when_the_checkpoint_is_not_the_runs_end(
+    ckpts: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The export names the step it exported, and warns when that is not where the run ended: a
+    diverged run (its last good checkpoint) or one stopped before train.steps (before: 'wrote out'
+    alone, whichever step it was)."""
+    from zeropp.experiments.export import main
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpts["root"] / "gpt2", run / "checkpoints")
+    d = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    meta = json.loads((d / "meta.json").read_text())
+    meta["extra"]["run"] = {"train.steps": 8}  # as the runner records it
+    (d / "meta.json").write_text(json.dumps(meta))
+    main([str(run), str(tmp_path / "a")])
+    out, err = capsys.readouterr()
+    assert "from the checkpoint of step 1 " in out
+    assert "warning: the run was to train 8 steps (train.steps) and this checkpoint is of step 1" in err, err
+    (run / "summary.json").write_text(json.dumps({"status": "diverged", "divergence": {"step": 2}}))
+    main([str(run), str(tmp_path / "b")])
+    assert "warning: the run diverged at step 2; this is its last good checkpoint, of step 1" in capsys.readouterr().err
+    meta["extra"]["run"] = {"train.steps": 1}
+    (d / "meta.json").write_text(json.dumps(meta))
+    (run / "summary.json").write_text(json.dumps({"status": "completed"}))
+    main([str(run), str(tmp_path / "c")])
+    assert "warning" not in capsys.readouterr().err

@@ -194,7 +194,14 @@ def export_pretrained(
         hf.save_pretrained(tmp)
         if lora_format == "peft":
             _save_peft(hf, weights, adapters, tmp / ADAPTER_DIR, final=out)
-        info = {"checkpoint": str(src.resolve()), "step": meta.get("step"), "lora_format": lora_format}
+        run = extra.get("run")
+        run = run if isinstance(run, dict) else {}
+        info = {
+            "checkpoint": str(src.resolve()),
+            "step": meta.get("step"),
+            "train_steps": run.get("train.steps"),  # the run's length: a smaller step is not its end
+            "lora_format": lora_format,
+        }
         (tmp / "zeropp_export.json").write_text(json.dumps(info, indent=1) + "\n")
         if out.is_dir():
             out.rmdir()  # empty (checked above); fails, leaving it, if something appeared in it since
