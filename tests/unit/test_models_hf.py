@@ -214,3 +214,15 @@ def test_sharded_and_ignorable_weights_load(tf: Any, tmp_path: Any) -> None:
     index.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"names '../legacy/model.safetensors', which is not a file of"):
         build_hf_model(GPT2.with_(pretrained=str(sharded)))
+
+
+def test_a_directory_with_a_peft_adapter_is_refused(tf: Any, tmp_path: Any) -> None:
+    """A `--lora-format peft` export (base model plus adapter/) or a peft adapter directory given as
+    the pretrained model: loading it would leave the adapter out (before: the run started from
+    the base model, silently, or said 'has no config.json')."""
+    path = _saved(tmp_path, GPT2)
+    (path / "adapter").mkdir()
+    (path / "adapter" / "adapter_config.json").write_text("{}")
+    for given in (path, path / "adapter"):
+        with pytest.raises(ValueError, match=r"holds a peft adapter \(.*adapter_config.json\), which is not loaded"):
+            GPT2.with_(pretrained=str(given))

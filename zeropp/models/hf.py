@@ -143,7 +143,16 @@ class HFConfig:
             self._check_pretrained(Path(self.pretrained).expanduser())
 
     def _check_pretrained(self, path: Path) -> None:
-        """The directory holds a checkpoint of this architecture and these sizes (its config.json)."""
+        """The directory holds a checkpoint of this architecture and these sizes (its config.json),
+        and no peft adapter that loading it would leave out."""
+        for adapter in (path, path / "adapter"):  # a peft adapter itself, or beside its base (the export's layout)
+            if (adapter / "adapter_config.json").exists():
+                raise ValueError(
+                    f"HFConfig.pretrained={str(path)!r} holds a peft adapter ({adapter / 'adapter_config.json'}), "
+                    "which is not loaded: the run would start from the base model without "
+                    "it. Give a directory with the adapter merged (python -m experiments.export "
+                    "--lora-format merged, or peft's merge_and_unload + save_pretrained)"
+                )
         if not (path / "config.json").exists():
             what = "has no config.json" if path.is_dir() else "does not exist"
             raise ValueError(
