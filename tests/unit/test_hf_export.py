@@ -132,6 +132,9 @@ def test_refuses_a_non_empty_out_dir_and_touches_nothing(ckpts: dict[str, Any], 
         _export(ckpts, "gpt2", tmp_path / "file")
     empty = tmp_path / "empty"
     empty.mkdir()
+    (tmp_path / "link").symlink_to(empty)  # the rename at the end would replace the link, not fill its target
+    with pytest.raises(ExportError, match=r"link is a symlink \(to .*empty\); the export writes a new directory"):
+        _export(ckpts, "gpt2", tmp_path / "link")
     assert (_export(ckpts, "gpt2", empty) / "model.safetensors").is_file()  # an empty directory is fine
 
 

@@ -116,7 +116,12 @@ def hf_config_from_record(rec: dict, where: str | os.PathLike) -> HFConfig:
 def check_out_dir(out_dir: str | os.PathLike) -> Path:
     """``out_dir`` as a Path, refused when it exists and is not an empty directory."""
     out = Path(out_dir).expanduser()
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():  # the final rename would replace the link itself, not write where it points
+        raise ExportError(
+            f"{out} is a symlink (to {os.readlink(out)}); the export writes a new directory, not through a "
+            "link: name the directory itself, or a new one"
+        )
+    if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory: choose a new directory for the export")
     if out.is_dir() and any(out.iterdir()):
         raise ExportError(
