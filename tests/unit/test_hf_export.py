@@ -339,3 +339,23 @@ def test_the_command_line_says_when_the_checkpoint_is_not_the_runs_end(
     (run / "summary.json").write_text(json.dumps({"status": "completed"}))
     main([str(run), str(tmp_path / "c")])
     assert "warning" not in capsys.readouterr().err
+
+
+def test_peft_missing_is_refused_before_the_checkpoint_is_read(
+    ckpts: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--lora-format peft`` without peft installed stops at once (before: after the whole
+    checkpoint was read and the base model written to the temporary directory)."""
+    import sys
+
+    from zeropp.models.hf_export import ExportError
+    from zeropp.runtime import consolidate
+
+    def unread(*a: Any, **k: Any) -> None:
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now raises ImportError
+    monkeypatch.setattr(consolidate, "read_consolidated", unread)
+    with pytest.raises(ExportError, match=r"lora_format=peft needs the peft package: pip install peft"):
+        _export(ckpts, "gpt2-lora", tmp_path / "out", lora_format="peft")
+    assert not list(tmp_path.iterdir())

@@ -156,6 +156,8 @@ def export_pretrained(
     error when they differ)."""
     if lora_format not in LORA_FORMATS:
         raise ExportError(f"lora_format={lora_format!r}: choose one of {', '.join(LORA_FORMATS)}")
+    if lora_format == "peft":
+        _require_peft()  # before the checkpoint is read and the base model written, not after
     out = check_out_dir(out_dir)
     src = find_checkpoint(checkpoint_dir)
     from zeropp.runtime.checkpoint_files import latest, read_meta
@@ -319,20 +321,26 @@ def _plain_model(cfg: HFConfig, conf: Any, state: dict[str, torch.Tensor], where
     return hf.float().eval()
 
 
+def _require_peft() -> Any:
+    """The ``peft`` module, or the :class:`ExportError` that says how to install it."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ExportError(f"lora_format=peft needs the peft package: {PEFT_HINT} ({e})") from e
+    return peft
+
+
 def _save_peft(
     base: nn.Module, weights: dict[str, torch.Tensor], adapters: dict[str, _Adapter], target: Path, *, final: Path
 ) -> None:
     """The adapters as a ``peft`` LoRA adapter directory, written by ``peft`` itself (our ``lora_a``
     is its ``lora_A`` ``[r, in]``, our ``lora_b`` its ``lora_B`` ``[out, r]``; GPT-2's ``Conv1D`` is
     ``fan_in_fan_out``)."""
-    try:
-        import peft
-    except ImportError as e:
-        raise ExportError(f"lora_format=peft needs the peft package: {PEFT_HINT} ({e})") from e
+    peft = _require_peft()
     first = next(iter(adapters.values()))
     conf = peft.LoraConfig(
         r=first.rank,
-        lora_alpha=int(first.alpha) if first.alpha.is_integer() else first.alpha,  # type: ignore[arg-type]
+        lora_alpha=int(first.alpha) if first.alpha.is_integer() else first.alpha,
         target_modules=sorted(adapters),
         lora_dropout=0.0,
         bias="none",
