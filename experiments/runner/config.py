@@ -185,7 +185,7 @@ class RunConfig:
                 "it changes too), or start a fresh run elsewhere"
             )
         check_resumes_its_own(ckpt, Path(run_dir))
-        check_resumes_its_model(newest, self.to_dict()["model"], self.model)
+        check_resumes_its_model(newest, self.to_dict()["model"], self.model, self.topology.tp)
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
@@ -342,7 +342,9 @@ MODEL_KEYS_FREE_ON_RESUME = ("attn_implementation", "pretrained")
 fresh run came from (a resume takes them from the checkpoint). Every other key shapes the model."""
 
 
-def check_resumes_its_model(newest: Path, model: Mapping[str, Any], built: GPTConfig | HFConfig | None = None) -> None:
+def check_resumes_its_model(
+    newest: Path, model: Mapping[str, Any], built: GPTConfig | HFConfig | None = None, tp: int = 1
+) -> None:
     """With ``resume=true``: the model settings the newest checkpoint recorded (``extra["model"]``)
     must be this run's, but for :data:`MODEL_KEYS_FREE_ON_RESUME`. Another model (a LoRA rank, a
     size, tied embeddings, the architecture) either fails on every rank after they start, with the
@@ -351,11 +353,21 @@ def check_resumes_its_model(newest: Path, model: Mapping[str, Any], built: GPTCo
     For a Hugging Face model (``built``) the ``transformers`` config the checkpoint recorded must
     also be the one these settings build: ``model.pretrained`` is read again by every rank, and a
     directory that now holds another model, or a resume without it, would change the norm epsilon,
-    rotary base, ... of the model the weights were trained in."""
+    rotary base, ... of the model the weights were trained in. An engine checkpoint's
+    ``topology.tp`` must be ``tp`` (its pieces load at the same tp only)."""
     try:
-        extra = checkpoint_files.read_meta(newest).get("extra") or {}
+        meta = checkpoint_files.read_meta(newest)
     except (OSError, ValueError):
         return  # the ranks' load names the problem precisely
+    extra = meta.get("extra") or {}
+    saved_tp = meta.get("tp", 1)
+    if meta.get("kind", "engine") == "engine" and isinstance(saved_tp, int) and saved_tp != tp:
+        raise ConfigError(
+            f"invalid config: resume=true, but the checkpoint {newest} was saved with topology.tp={saved_tp} and "
+            f"this run has topology.tp={tp}: a tensor-parallel checkpoint resumes at the same tp (any data-parallel "
+            f"size). Resume with topology.tp={saved_tp}, or export it (python -m experiments.export, "
+            "zeropp.runtime.export_consolidated) and start a fresh run from its weights"
+        )
     saved = extra.get("model")
     if not isinstance(saved, dict):
         return  # saved before the settings were recorded

@@ -252,6 +252,25 @@ def test_resume_with_another_model_is_refused_before_ranks(tmp_path, monkeypatch
     rc.check_run_dir(tmp_path / "run")  # the attention kernel is not the model's shape
 
 
+def test_resume_at_another_tp_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """An engine checkpoint saved with ``topology.tp=2`` resumed at tp=1 (its pieces load at the
+    same tp only): exit 2 naming both (before: every rank started and raised the load's refusal)."""
+    from tests.checkpoint_helpers import write_version
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    d = write_version(ckpt, "ckpt-00000002-0123456789abcdef", parent=None)
+    (ckpt / "LATEST").write_text(d.name + "\n")
+    (d / "meta.json").write_text(json.dumps(json.loads((d / "meta.json").read_text()) | {"tp": 2}))
+    code, err = run_cli(
+        ["resume=true", "logger=none", "model=tiny", "train.steps=4"], tmp_path / "run", monkeypatch, capfd
+    )
+    assert code == 2, err
+    assert f"the checkpoint {d} was saved with topology.tp=2 and this run has topology.tp=1" in err, err
+    from_dict(composed_config("resume=true", "train.steps=4", "topology=1x2", "topology.tp=2")).check_run_dir(
+        tmp_path / "run"
+    )
+
+
 def test_resume_from_a_pretrained_directory_that_changed_is_refused(tmp_path) -> None:
     """A Hugging Face run's checkpoint records the transformers config its model was built with;
     a resume whose model.pretrained now holds another config (another norm epsilon), or that drops
