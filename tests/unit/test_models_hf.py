@@ -226,3 +226,23 @@ def test_a_directory_with_a_peft_adapter_is_refused(tf: Any, tmp_path: Any) -> N
     for given in (path, path / "adapter"):
         with pytest.raises(ValueError, match=r"holds a peft adapter \(.*adapter_config.json\), which is not loaded"):
             GPT2.with_(pretrained=str(given))
+
+
+def test_the_weights_checked_are_the_ones_transformers_reads(tf: Any, tmp_path: Any) -> None:
+    """config.json's ``transformers_weights`` makes transformers read the file it names (a pickled
+    ``adapter_model.bin`` included), and model.safetensors comes before a shard index: the check
+    reads that same file, and refuses any other name (before: the header check read one file and
+    transformers loaded another, a pickle among them)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = _saved(tmp_path, GPT2)
+    torch.save(load_file(path / "model.safetensors"), path / "adapter_model.bin")
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(conf | {"transformers_weights": "adapter_model.bin"}))
+    with pytest.raises(ValueError, match=r"names its weights file transformers_weights='adapter_model.bin'"):
+        build_hf_model(GPT2.with_(pretrained=str(path)))  # the pickle is never read
+    (path / "config.json").write_text(json.dumps(conf))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    build_hf_model(GPT2.with_(pretrained=str(path)))  # a stale index beside model.safetensors: transformers' order

@@ -96,10 +96,29 @@ def _header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _weights_name(directory: Path) -> str | None:
+    """The weights file transformers reads in ``directory``, in its order: the file config.json
+    names (``transformers_weights``), else ``model.safetensors``, else the shard index; None: none."""
+    explicit = read_saved_config(directory / "config.json").get("transformers_weights")
+    if explicit is not None:
+        if explicit not in (WEIGHTS, INDEX):  # transformers would also take a pickled adapter_model.bin
+            raise ValueError(
+                f"{directory / 'config.json'} names its weights file transformers_weights={explicit!r}; zeropp "
+                f"reads {WEIGHTS} or {INDEX} only: remove the key, or save the model with save_pretrained"
+            )
+        return str(explicit)
+    for name in (WEIGHTS, INDEX):
+        if (directory / name).exists() or (directory / name).is_symlink():
+            return name
+    return None
+
+
 def saved_weights(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Name -> (dtype, shape) of every weight ``directory`` holds (``model.safetensors``, or the
-    shards its ``model.safetensors.index.json`` lists, each a plain file name in ``directory``)."""
-    if (directory / INDEX).exists():
+    shards its ``model.safetensors.index.json`` lists, each a plain file name in ``directory``):
+    the file transformers would read there."""
+    name = _weights_name(directory)
+    if name == INDEX:
         index = read_saved_config(directory / INDEX)
         wmap = index.get("weight_map")
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
@@ -117,7 +136,7 @@ def saved_weights(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if unlisted:
             raise ValueError(f"{directory / INDEX} lists {unlisted[:3]}, which its shards do not hold")
         return out
-    if (directory / WEIGHTS).exists() or (directory / WEIGHTS).is_symlink():
+    if name == WEIGHTS:
         return _header(directory / WEIGHTS)
     pickled = sorted(p.name for p in directory.glob("*.bin"))
     what = f"only {', '.join(pickled)} (pickled weights)" if pickled else "no weights file"
