@@ -213,6 +213,8 @@ class RunConfig:
                     check_pretrained(self.model)
                 except ValueError as e:
                     raise ConfigError(f"invalid config model: {str(e).replace('HFConfig.', 'model.')}") from None
+                except ImportError as e:  # installed but broken (found above, fails to import)
+                    raise ConfigError(f"invalid config: model=hf cannot import transformers: {e}") from None
 
     @property
     def model_kind(self) -> str:
@@ -387,7 +389,10 @@ def check_resumes_its_model(
     if isinstance(built, HFConfig) and isinstance(recorded, dict):
         from zeropp.models.hf import config_differences
 
-        differ = config_differences(built, recorded)
+        try:
+            differ = config_differences(built, recorded)
+        except ImportError as e:  # installed but broken
+            raise ConfigError(f"invalid config: model=hf cannot import transformers: {e}") from None
         if differ:
             where = (
                 f"model.pretrained={built.pretrained}" if built.pretrained else "these settings (no model.pretrained)"

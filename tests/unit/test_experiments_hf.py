@@ -123,3 +123,26 @@ def test_runner_refuses_incomplete_pretrained_weights_before_any_rank(tmp_path: 
         cfg = compose("config", overrides=args)
     with pytest.raises(ConfigError, match=r"invalid config model: model.pretrained=.*missing \['transformer.h.0.mlp"):
         from_omegaconf(cfg)
+
+
+def test_a_broken_transformers_install_is_one_error_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """transformers found but failing to import (a broken or mismatched install): with
+    model.pretrained the weights check needs it, and says so in one ConfigError (before: an
+    ImportError traceback from the runner)."""
+    pytest.importorskip("transformers", reason=REASON)
+    import importlib.util
+
+    from hydra import compose, initialize_config_module
+
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
+    from zeropp.models import build_hf_model
+
+    build_hf_model(HFConfig(d_model=32, n_layers=1), seed=0).hf.save_pretrained(tmp_path)
+    args = ["model=hf", "model.d_model=32", "model.n_layers=1", f"model.pretrained={tmp_path}"]
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    found = importlib.util.find_spec("transformers")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found if name == "transformers" else None)
+    with pytest.raises(ConfigError, match=r"model=hf cannot import transformers: .*pip install -e"):
+        from_omegaconf(cfg)
