@@ -373,7 +373,8 @@ def check_resumes_its_model(
     saved = extra.get("model")
     if not isinstance(saved, dict):
         return  # saved before the settings were recorded
-    keys = ["kind"] if saved.get("kind") != model.get("kind") else sorted(set(saved) | set(model))
+    # keys both records have: a setting added to the model configs since the checkpoint was saved is not a change
+    keys = ["kind"] if saved.get("kind") != model.get("kind") else sorted(set(saved) & set(model))
     changed = [
         f"model.{k}={saved.get(k)!r} (now {model.get(k)!r})"
         for k in keys

@@ -250,6 +250,9 @@ def test_resume_with_another_model_is_refused_before_ranks(tmp_path, monkeypatch
     assert code == 2 and "saved with model.kind='hf' (now 'gpt')." in err, err
     rc = from_dict(composed_config("resume=true", "train.steps=4", "model=hf", "model.attn_implementation=eager"))
     rc.check_run_dir(tmp_path / "run")  # the attention kernel is not the model's shape
+    del saved["lora_rank"]  # a checkpoint saved before a model setting existed: not a change
+    (d / "meta.json").write_text(json.dumps(meta | {"extra": {"step": 2, "model": saved}}))
+    from_dict(composed_config("resume=true", "train.steps=4", "model=hf")).check_run_dir(tmp_path / "run")
 
 
 def test_resume_at_another_tp_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
