@@ -33,6 +33,17 @@ def model_record(cfg: Any) -> dict[str, Any]:
     return {"kind": "hf" if isinstance(cfg, HFConfig) else "gpt", **dataclasses.asdict(cfg)}
 
 
+def runner_record(cfg: Any) -> dict[str, Any]:
+    """What the runner adds to a checkpoint's ``extra`` about the model: its settings and, for a
+    Hugging Face model, the ``transformers`` config it was built with."""
+    from zeropp.models import HFConfig
+    from zeropp.models.hf import recorded_config
+
+    return {"model": model_record(cfg)} | (
+        {"transformers_config": recorded_config(cfg)} if isinstance(cfg, HFConfig) else {}
+    )
+
+
 def tokens(cfg: Any, seed: int = 0, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (batch, cfg.seq_len)
@@ -57,7 +68,7 @@ def train_and_save(
     try:
         for s in range(steps):
             eng.train_step([tokens(cfg, seed=s)])
-        extra: dict[str, Any] = {"step": steps} | ({"model": model_record(cfg)} if record else {})
+        extra: dict[str, Any] = {"step": steps} | (runner_record(cfg) if record else {})
         eng.save_checkpoint(path, extra=extra)
         return eng.consolidated_state_dict()
     finally:

@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 
-__all__ = ["MAX_BYTES", "read_regular"]
+__all__ = ["MAX_BYTES", "read_head", "read_regular"]
 
 MAX_BYTES = 256 << 20
 """The largest such file read (256 MiB): far above any summary or cluster file, well below memory."""
@@ -34,15 +34,33 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """A descriptor of ``path`` and its stat, or ``OSError`` when it is not a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file", str(path))
+    return fd, st
+
+
+def read_head(path: str | os.PathLike[str], length: int, offset: int = 0) -> tuple[bytes, int]:
+    """Up to ``length`` bytes of ``path`` from ``offset`` and the file's size: a header of a
+    large file (a safetensors weights file) read without reading the file, with the same
+    refusals as :func:`read_regular`."""
+    fd, st = _open_regular(path)
+    try:
+        return os.pread(fd, max(0, min(length, st.st_size - offset)), offset), st.st_size
+    finally:
+        os.close(fd)
+
+
 def read_regular(path: str | os.PathLike[str], limit: int = MAX_BYTES) -> bytes:
     """The bytes of ``path`` (symlinks followed), or ``OSError`` when it is missing, unreadable,
     not a regular file (``strerror``: "is a FIFO (named pipe), not a regular file") or larger
     than ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    fd, st = _open_regular(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file", str(path))
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"holds {st.st_size:,} bytes, more than the {limit:,} read here", str(path))
         chunks, left = [], limit + 1

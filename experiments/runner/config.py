@@ -195,28 +195,13 @@ class RunConfig:
                 "it changes too), or start a fresh run elsewhere"
             )
         check_resumes_its_own(ckpt, Path(run_dir))
-        self._check_resumed_tp(newest)
-
-    def _check_resumed_tp(self, version: Path) -> None:
-        """A tensor-parallel checkpoint loads at its own ``topology.tp`` only (the ranks' load
-        refuses another): read it off ``meta.json`` here, so the refusal comes before any rank
-        starts. An unreadable ``meta.json`` is left to the ranks' load, which names it."""
-        try:
-            meta = checkpoint_files.read_meta(version)
-        except (OSError, ValueError):
-            return
-        saved = meta.get("tp", 1)
-        if meta.get("kind") == "engine" and saved != self.topology.tp:
-            raise ConfigError(
-                f"invalid config: resume=true, but {version} was saved with topology.tp={saved} and this run "
-                f"has topology.tp={self.topology.tp}: a tensor-parallel checkpoint resumes at the same tp (any "
-                f"data-parallel size): resume with topology.tp={saved}"
-            )
+        check_resumes_its_model(newest, self.to_dict()["model"], self.model, self.topology.tp)
 
     def check_installed(self) -> None:
         """The optional packages this run needs are importable (checked before any rank starts):
-        ``model=hf`` needs the ``hf`` extra, a trainer its spec's ``requires``. Not part of
-        validation, so configs compose anywhere."""
+        ``model=hf`` needs the ``hf`` extra, a trainer its spec's ``requires``; and the weights of
+        ``model.pretrained`` are those of the model (``zeropp.models.hf_pretrained``: headers only).
+        Not part of validation, so configs compose anywhere."""
         import importlib.util
 
         missing = missing_requirement(self.trainer_spec)
@@ -231,6 +216,15 @@ class RunConfig:
                     "invalid config: model=hf needs the Hugging Face extra, which is not installed: "
                     'pip install -e ".[hf]" (or choose a GPT preset: model=mini, ...)'
                 )
+            if self.model.pretrained is not None:  # its weights' headers, before every rank reads them
+                from zeropp.models.hf import check_pretrained
+
+                try:
+                    check_pretrained(self.model)
+                except ValueError as e:
+                    raise ConfigError(f"invalid config model: {str(e).replace('HFConfig.', 'model.')}") from None
+                except ImportError as e:  # installed but broken (found above, fails to import)
+                    raise ConfigError(f"invalid config: model=hf cannot import transformers: {e}") from None
 
     @property
     def model_kind(self) -> str:
@@ -353,6 +347,72 @@ def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
             "own train.checkpoint_dir (the default is <run dir>/checkpoints), or resume the other run in its own "
             "directory"
         )
+
+
+MODEL_KEYS_FREE_ON_RESUME = ("attn_implementation", "pretrained")
+"""``model.*`` keys a resumed run may change: the attention kernel, and where the weights of a
+fresh run came from (a resume takes them from the checkpoint). Every other key shapes the model."""
+
+
+def check_resumes_its_model(
+    newest: Path, model: Mapping[str, Any], built: GPTConfig | HFConfig | None = None, tp: int = 1
+) -> None:
+    """With ``resume=true``: the model settings the newest checkpoint recorded (``extra["model"]``)
+    must be this run's, but for :data:`MODEL_KEYS_FREE_ON_RESUME`. Another model (a LoRA rank, a
+    size, tied embeddings, the architecture) either fails on every rank after they start, with the
+    engine's message about units, or, where the shapes happen to agree, trains the checkpoint under
+    settings it was not trained with and records those for the export: refused here, naming the keys.
+    For a Hugging Face model (``built``) the ``transformers`` config the checkpoint recorded must
+    also be the one these settings build: ``model.pretrained`` is read again by every rank, and a
+    directory that now holds another model, or a resume without it, would change the norm epsilon,
+    rotary base, ... of the model the weights were trained in. An engine checkpoint's
+    ``topology.tp`` must be ``tp`` (its pieces load at the same tp only)."""
+    try:
+        meta = checkpoint_files.read_meta(newest)
+    except (OSError, ValueError):
+        return  # the ranks' load names the problem precisely
+    extra = meta.get("extra") or {}
+    saved_tp = meta.get("tp", 1)
+    if meta.get("kind", "engine") == "engine" and isinstance(saved_tp, int) and saved_tp != tp:
+        raise ConfigError(
+            f"invalid config: resume=true, but the checkpoint {newest} was saved with topology.tp={saved_tp} and "
+            f"this run has topology.tp={tp}: a tensor-parallel checkpoint resumes at the same tp (any data-parallel "
+            f"size). Resume with topology.tp={saved_tp}, or export it (python -m experiments.export, "
+            "zeropp.runtime.export_consolidated) and start a fresh run from its weights"
+        )
+    saved = extra.get("model")
+    if not isinstance(saved, dict):
+        return  # saved before the settings were recorded
+    # keys both records have: a setting added to the model configs since the checkpoint was saved is not a change
+    keys = ["kind"] if saved.get("kind") != model.get("kind") else sorted(set(saved) & set(model))
+    changed = [
+        f"model.{k}={saved.get(k)!r} (now {model.get(k)!r})"
+        for k in keys
+        if k not in MODEL_KEYS_FREE_ON_RESUME and saved.get(k) != model.get(k)
+    ]
+    if changed:
+        raise ConfigError(
+            f"invalid config: resume=true, but the checkpoint {newest} is of another model: it was saved with "
+            f"{', '.join(changed)}. Resume with the saving run's model settings, or start a fresh run "
+            "elsewhere (model.pretrained=<an export of it> starts one from its weights)"
+        )
+    recorded = extra.get("transformers_config")
+    if isinstance(built, HFConfig) and isinstance(recorded, dict):
+        from zeropp.models.hf import config_differences
+
+        try:
+            differ = config_differences(built, recorded)
+        except ImportError as e:  # installed but broken
+            raise ConfigError(f"invalid config: model=hf cannot import transformers: {e}") from None
+        if differ:
+            where = (
+                f"model.pretrained={built.pretrained}" if built.pretrained else "these settings (no model.pretrained)"
+            )
+            raise ConfigError(
+                f"invalid config: resume=true, but the checkpoint {newest} was trained in a model whose transformers "
+                f"config differs from the one {where} builds: {', '.join(differ[:6])}. Resume with model.pretrained "
+                "naming a directory with the checkpoint's config (python -m experiments.export writes one from it)"
+            )
 
 
 class RunFinished(ConfigError):

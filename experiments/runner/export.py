@@ -21,16 +21,27 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zeropp.input_files import read_regular
 from zeropp.output_files import path_arg
 
 from ..launch.command import run_command
 
+SETTINGS_LIMIT = 64 << 20
+"""The largest settings file read (a run's summary.json is a few hundred KiB)."""
+
 
 def _model_settings(path: Path) -> dict[str, Any]:
-    """The ``model.*`` settings in a ``summary.json`` (``config.model``) or a JSON object of them."""
+    """The ``model.*`` settings in a ``summary.json`` (``config.model``) or a JSON object of them,
+    read as a bounded regular file (a FIFO or a directory named by mistake is refused at once)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        raw = read_regular(path, SETTINGS_LIMIT)
+    except OSError as e:
+        raise ValueError(
+            f"--model-config {path} cannot be read: {e.strerror or e}; give a run's summary.json"
+        ) from None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
         raise ValueError(f"--model-config {path} cannot be read as JSON: {e}") from None
     rec = data.get("config", {}).get("model") if isinstance(data, dict) and "config" in data else data
     if not isinstance(rec, dict):
@@ -42,8 +53,6 @@ def _settings_file(path: Path) -> Any:
     """The :class:`~zeropp.models.HFConfig` of a settings file (see :func:`_model_settings`)."""
     from zeropp.models.hf_export import hf_config_from_record
 
-    if not path.is_file():
-        raise ValueError(f"--model-config {path} does not exist; give a run's summary.json")
     return hf_config_from_record(_model_settings(path), path)
 
 
@@ -79,7 +88,33 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    info = json.loads((out / "zeropp_export.json").read_text())
+    print(
+        f"wrote {out} from the checkpoint of step {info['step']} (AutoModelForCausalLM.from_pretrained({str(out)!r}))"
+    )
+    note = _not_the_end(a.source, info)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+
+
+def _not_the_end(source: Path, info: dict[str, Any]) -> str | None:
+    """Why the exported checkpoint is not the end of its run, if it is not: the run diverged (its
+    ``summary.json`` says so; the export is its last good checkpoint), or it stopped before
+    ``train.steps`` (interrupted, failed, or still running)."""
+    step, steps = info.get("step"), info.get("train_steps")
+    try:
+        summary = json.loads(read_regular(source / "summary.json", SETTINGS_LIMIT))
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict) and summary.get("status") == "diverged":
+        at = (summary.get("divergence") or {}).get("step")
+        return f"the run diverged at step {at}; this is its last good checkpoint, of step {step}"
+    if isinstance(step, int) and isinstance(steps, int) and step < steps:
+        return (
+            f"the run was to train {steps} steps (train.steps) and this checkpoint is of step {step}: "
+            "it was stopped or failed before its end, or is still running"
+        )
+    return None
 
 
 def cli() -> NoReturn:

@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zeropp.models import HFConfig
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
 from ..launch import heartbeat
-from .config import RunConfig
+from .config import MODEL_KEYS_FREE_ON_RESUME, RunConfig
 from .trainers import Trainer
 
 
@@ -89,6 +90,13 @@ class Checkpointer:
         """The directory this run saved to, once it has (the summary's ``checkpoint``)."""
         self.saved_step: int | None = None
         """The step of the newest checkpoint this run can fall back to (resumed from or saved)."""
+        self.transformers_config: dict[str, Any] | None = None
+        """``model=hf``: the ``transformers`` config the model was built with, kept in each checkpoint
+        so the export rebuilds that model (``model.pretrained``'s directory may be gone by then)."""
+        if isinstance(cfg.model, HFConfig):
+            from zeropp.models.hf import recorded_config
+
+            self.transformers_config = recorded_config(cfg.model)
 
     def resume(self) -> int:
         """Collective: with ``resume=true`` load the newest checkpoint and return its step (the
@@ -110,6 +118,12 @@ class Checkpointer:
         was = _leaves(extra.get("run", {}) if isinstance(extra.get("run"), dict) else {})
         keys = [k for k, v in sorted(now.items()) if k in was and was[k] != v]
         changed = [f"{k} {was[k]!r} -> {now[k]!r}" for k in keys]
+        model, saved = self.cfg.to_dict()["model"], extra.get("model")
+        for k in MODEL_KEYS_FREE_ON_RESUME:  # the others must match (config.check_resumes_its_model)
+            if isinstance(saved, dict) and k in saved and saved[k] != model.get(k):
+                why = " (the weights come from the checkpoint)" if k == "pretrained" else ""
+                keys.append(f"model.{k}")
+                changed.append(f"model.{k} {saved[k]!r} -> {model.get(k)!r}{why}")
         # train.steps alone changes nothing of the steps both runs take (raising it is how a run trains
         # on): warn only when something else differs; then it is listed too, as the reason a derived
         # default moved (the LR schedule's length follows train.steps), not an unexplained "optim"
@@ -141,6 +155,8 @@ class Checkpointer:
             "model": self.cfg.to_dict()["model"],
             "run_dir": self.run_dir,
         }
+        if self.transformers_config is not None:
+            extra["transformers_config"] = self.transformers_config
         self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)
         self.saved, self.saved_step = str(self.dir), step
         return True

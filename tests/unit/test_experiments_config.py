@@ -224,22 +224,90 @@ def test_resume_of_a_finished_run_is_refused_before_ranks(tmp_path, monkeypatch,
     rc.check_run_dir(tmp_path / "run")  # step 4 of 5: there is a step left to train
 
 
-def test_resume_at_another_tp_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
-    """A tensor-parallel checkpoint loads at its own tp only: ``resume=true`` with another
-    ``topology.tp`` is refused from its ``meta.json`` before any rank starts (before: every rank
-    started, then raised the load's ValueError, exit 1); the same tp passes this check."""
-    version = tmp_path / "run" / "checkpoints" / "ckpt-00000002-0123456789abcdef"
-    version.mkdir(parents=True)
-    (version.parent / "LATEST").write_text(version.name + "\n")
-    (version / "meta.json").write_text(json.dumps({"format": 3, "kind": "engine", "files": {}, "tp": 2}))
+def test_resume_with_another_model_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """``resume=true`` whose model settings differ from those the checkpoint recorded: exit 2
+    naming the keys (before: every rank started and failed on the engine's unit list, or, where the
+    shapes agreed, trained the checkpoint under other settings). The attention kernel may change."""
+    from tests.checkpoint_helpers import write_version
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    d = write_version(ckpt, "ckpt-00000002-0123456789abcdef", parent=None)
+    (ckpt / "LATEST").write_text(d.name + "\n")
+    saved = from_dict(composed_config("model=hf", "model.lora_rank=0")).to_dict()["model"]
+    meta = json.loads((d / "meta.json").read_text()) | {"extra": {"step": 2, "model": saved}}
+    (d / "meta.json").write_text(json.dumps(meta))
     code, err = run_cli(
-        ["resume=true", "logger=none", "model=tiny", "topology=1x2"], tmp_path / "run", monkeypatch, capfd
+        ["resume=true", "logger=none", "model=hf", "model.lora_rank=4", "train.steps=4"],
+        tmp_path / "run",
+        monkeypatch,
+        capfd,
     )
     assert code == 2, err
-    assert f"{version} was saved with topology.tp=2 and this run has topology.tp=1" in err, err
-    assert "resume with topology.tp=2" in err, err
-    rc = from_dict(composed_config("resume=true", "model=tiny", "topology=1x2", "topology.tp=2"))
-    rc.check_run_dir(tmp_path / "run")  # the saved tp: the ranks' load takes it from here
+    assert f"the checkpoint {d} is of another model: it was saved with model.lora_rank=0 (now 4)" in err, err
+    code, err = run_cli(
+        ["resume=true", "logger=none", "model=tiny", "train.steps=4"], tmp_path / "run", monkeypatch, capfd
+    )
+    assert code == 2 and "saved with model.kind='hf' (now 'gpt')." in err, err
+    rc = from_dict(composed_config("resume=true", "train.steps=4", "model=hf", "model.attn_implementation=eager"))
+    rc.check_run_dir(tmp_path / "run")  # the attention kernel is not the model's shape
+    del saved["lora_rank"]  # a checkpoint saved before a model setting existed: not a change
+    (d / "meta.json").write_text(json.dumps(meta | {"extra": {"step": 2, "model": saved}}))
+    from_dict(composed_config("resume=true", "train.steps=4", "model=hf")).check_run_dir(tmp_path / "run")
+
+
+def test_resume_at_another_tp_is_refused_before_ranks(tmp_path, monkeypatch, capfd) -> None:
+    """An engine checkpoint saved with ``topology.tp=2`` resumed at tp=1 (its pieces load at the
+    same tp only): exit 2 naming both (before: every rank started and raised the load's refusal)."""
+    from tests.checkpoint_helpers import write_version
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    d = write_version(ckpt, "ckpt-00000002-0123456789abcdef", parent=None)
+    (ckpt / "LATEST").write_text(d.name + "\n")
+    (d / "meta.json").write_text(json.dumps(json.loads((d / "meta.json").read_text()) | {"tp": 2}))
+    code, err = run_cli(
+        ["resume=true", "logger=none", "model=tiny", "train.steps=4"], tmp_path / "run", monkeypatch, capfd
+    )
+    assert code == 2, err
+    assert f"the checkpoint {d} was saved with topology.tp=2 and this run has topology.tp=1" in err, err
+    from_dict(composed_config("resume=true", "train.steps=4", "topology=1x2", "topology.tp=2")).check_run_dir(
+        tmp_path / "run"
+    )
+
+
+def test_resume_from_a_pretrained_directory_that_changed_is_refused(tmp_path) -> None:
+    """A Hugging Face run's checkpoint records the transformers config its model was built with;
+    a resume whose model.pretrained now holds another config (another norm epsilon), or that drops
+    model.pretrained, is refused naming the attribute (before: every rank rebuilt the model from
+    the directory as it is now and trained the checkpoint's weights in it, silently)."""
+    pytest.importorskip("transformers", reason='the hf extra: pip install -e ".[hf]"')
+    from tests.checkpoint_helpers import write_version
+    from zeropp.models import build_hf_model
+    from zeropp.models.hf import hf_model_config, recorded_config
+
+    sizes = ["model=hf", "model.hf_config=llama", "model.n_heads=4", "model.d_model=32", "model.n_layers=1"]
+    base = from_dict(composed_config(*sizes)).model
+    conf = hf_model_config(base)
+    conf.rms_norm_eps = 1e-2
+    pre = tmp_path / "pre"
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    rc = from_dict(composed_config(*sizes, f"model.pretrained={pre}", "resume=true", "train.steps=4"))
+    ckpt = tmp_path / "run" / "checkpoints"
+    d = write_version(ckpt, "ckpt-00000002-0123456789abcdef", parent=None)
+    (ckpt / "LATEST").write_text(d.name + "\n")
+    record = {"step": 2, "model": rc.to_dict()["model"], "transformers_config": recorded_config(rc.model)}
+    (d / "meta.json").write_text(json.dumps(json.loads((d / "meta.json").read_text()) | {"extra": record}))
+    rc.check_run_dir(tmp_path / "run")  # the directory as it was: resumes
+    conf.rms_norm_eps = 0.5
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    with pytest.raises(
+        ConfigError, match=rf"differs from the one model.pretrained={pre} builds: rms_norm_eps=0.01 \(now 0.5\)"
+    ):
+        rc.check_run_dir(tmp_path / "run")
+    bare = from_dict(composed_config(*sizes, "resume=true", "train.steps=4"))
+    with pytest.raises(
+        ConfigError, match=r"these settings \(no model.pretrained\) builds: .*rms_norm_eps=0.01 \(now 1e-06\)"
+    ):
+        bare.check_run_dir(tmp_path / "run")
 
 
 def test_the_runners_hydra_plugins_are_found_outside_the_checkout(tmp_path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,47 @@ def test_trainers_build_the_hf_model(trainer: str) -> None:
     ref = build_hf_model(rc.model, seed=5)
     assert type(model) is type(ref) and len(model.blocks) == 2
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))  # seeded like every rank
+
+
+def test_runner_refuses_incomplete_pretrained_weights_before_any_rank(tmp_path: Path) -> None:
+    """A weight missing from model.pretrained is refused while the config is read (before: every
+    rank started and trained with that weight drawn at random)."""
+    pytest.importorskip("transformers", reason=REASON)
+    from hydra import compose, initialize_config_module
+    from safetensors.torch import load_file, save_file
+
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
+    from zeropp.models import build_hf_model
+
+    build_hf_model(HFConfig(d_model=32, n_layers=1), seed=0).hf.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["transformer.h.0.mlp.c_fc.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    args = ["model=hf", "model.d_model=32", "model.n_layers=1", f"model.pretrained={tmp_path}"]
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    with pytest.raises(ConfigError, match=r"invalid config model: model.pretrained=.*missing \['transformer.h.0.mlp"):
+        from_omegaconf(cfg)
+
+
+def test_a_broken_transformers_install_is_one_error_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """transformers found but failing to import (a broken or mismatched install): with
+    model.pretrained the weights check needs it, and says so in one ConfigError (before: an
+    ImportError traceback from the runner)."""
+    pytest.importorskip("transformers", reason=REASON)
+    import importlib.util
+
+    from hydra import compose, initialize_config_module
+
+    import zeropp.experiments.runner.run  # noqa: F401 - registers the generated schema and groups
+    from zeropp.models import build_hf_model
+
+    build_hf_model(HFConfig(d_model=32, n_layers=1), seed=0).hf.save_pretrained(tmp_path)
+    args = ["model=hf", "model.d_model=32", "model.n_layers=1", f"model.pretrained={tmp_path}"]
+    with initialize_config_module(config_module="zeropp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    found = importlib.util.find_spec("transformers")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found if name == "transformers" else None)
+    with pytest.raises(ConfigError, match=r"model=hf cannot import transformers: .*pip install -e"):
+        from_omegaconf(cfg)

@@ -10,6 +10,7 @@ weights. The runner's 2x2 stage-3 runs exported end to end are ``tests/e2e/test_
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ CASES: dict[str, tuple[HFConfig, int]] = {  # name -> (model, stage)
     "llama": (LLAMA, 3),
     "gpt2-lora": (GPT2.with_(lora_rank=2), 3),
     "llama-lora": (LLAMA.with_(lora_rank=2, tie_embeddings=False), 1),
+    "llama-tied-lora": (LLAMA.with_(lora_rank=2), 3),  # a frozen tied weight: saved under one of its names
 }
 
 
@@ -82,7 +84,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(ckpts: dict[str, A
     assert not list(tmp_path.glob(".*export-tmp*"))  # the temporary directory was renamed into place
 
 
-@pytest.mark.parametrize("name", ["gpt2-lora", "llama-lora"])
+@pytest.mark.parametrize("name", ["gpt2-lora", "llama-lora", "llama-tied-lora"])
 def test_lora_merged_gives_the_adapted_logits(ckpts: dict[str, Any], tmp_path: Path, name: str) -> None:
     cfg = CASES[name][0]
     idx, _ = tokens(cfg, seed=7)
@@ -130,6 +132,9 @@ def test_refuses_a_non_empty_out_dir_and_touches_nothing(ckpts: dict[str, Any], 
         _export(ckpts, "gpt2", tmp_path / "file")
     empty = tmp_path / "empty"
     empty.mkdir()
+    (tmp_path / "link").symlink_to(empty)  # the rename at the end would replace the link, not fill its target
+    with pytest.raises(ExportError, match=r"link is a symlink \(to .*empty\); the export writes a new directory"):
+        _export(ckpts, "gpt2", tmp_path / "link")
     assert (_export(ckpts, "gpt2", empty) / "model.safetensors").is_file()  # an empty directory is fine
 
 
@@ -162,13 +167,43 @@ def test_refuses_a_checkpoint_of_the_built_in_gpt(ckpts: dict[str, Any], tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def _without_record(src: Path, dst: Path) -> Path:
+def test_a_run_from_a_pretrained_directory_exports_without_it(tmp_path: Path) -> None:
+    """The export rebuilds the model from the transformers config the checkpoint recorded, not from
+    model.pretrained's directory: once that is gone the export still works, and when it now holds
+    another model (another norm epsilon and rotary base) the export is still the trained one
+    (before: 'HFConfig.pretrained=... does not exist', or logits of the other settings)."""
+    pytest.importorskip("transformers", reason=REASON)
+    from zeropp.models import build_hf_model
+    from zeropp.models.hf import hf_model_config
+    from zeropp.models.hf_export import export_pretrained
+
+    base = LLAMA.with_(tie_embeddings=False)
+    conf = hf_model_config(base)
+    conf.rms_norm_eps, conf.rope_parameters = 1e-2, {"rope_type": "default", "rope_theta": 500.0}
+    pre = tmp_path / "pre"
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    cfg = base.with_(pretrained=str(pre), lora_rank=2)
+    with world_of_one(tmp_path / "store"):
+        trained = train_and_save(build_hf_model(cfg, seed=0), cfg, tmp_path / "run", stage=3)
+    idx, _ = tokens(cfg, seed=7)
+    want = our_logits(cfg, trained, idx)
+    conf.rms_norm_eps = 0.5  # the directory now holds another model of the same sizes
+    type(build_hf_model(base).hf)(conf).save_pretrained(pre)
+    out = export_pretrained(tmp_path / "run", tmp_path / "a")
+    torch.testing.assert_close(hf_logits(load_pretrained(out), idx), want, rtol=1e-5, atol=1e-5)
+    shutil.rmtree(pre)
+    out = export_pretrained(tmp_path / "run", tmp_path / "b", lora_format="peft")
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-2
+
+
+def _without_record(src: Path, dst: Path, keys: tuple[str, ...] = ("model",)) -> Path:
     """A copy of checkpoint ``src`` whose meta.json has no model settings (as saved before they were
-    recorded; meta.json is not among the checksummed files)."""
+    recorded; meta.json is not among the checksummed files), nor the other ``keys`` of its extra."""
     shutil.copytree(src, dst)
     d = dst / (dst / "LATEST").read_text().strip()
     meta = json.loads((d / "meta.json").read_text())
-    del meta["extra"]["model"]
+    for k in keys:
+        meta["extra"].pop(k, None)
     (d / "meta.json").write_text(json.dumps(meta))
     return dst
 
@@ -191,8 +226,11 @@ def test_refuses_settings_that_do_not_match_the_checkpoint(ckpts: dict[str, Any]
     with pytest.raises(ExportError, match="differs from the model settings recorded"):
         _export(ckpts, "gpt2", tmp_path / "a", model_config=GPT2.with_(n_layers=1))
     src = _without_record(ckpts["root"] / "gpt2", tmp_path / "old")
-    with pytest.raises(ExportError, match="does not match the gpt2 model.*unexpected \\['transformer.h.1"):
+    with pytest.raises(ExportError, match="recorded transformers config has n_layers=2, which these settings do not"):
         export_pretrained(src, tmp_path / "b", model_config=GPT2.with_(n_layers=1))
+    older = _without_record(ckpts["root"] / "gpt2", tmp_path / "older", ("model", "transformers_config"))
+    with pytest.raises(ExportError, match="does not match the gpt2 model.*unexpected \\['transformer.h.1"):
+        export_pretrained(older, tmp_path / "b", model_config=GPT2.with_(n_layers=1))
     with pytest.raises(ExportError, match="lora_format=peft needs a LoRA run"):
         _export(ckpts, "gpt2", tmp_path / "c", lora_format="peft")
     with pytest.raises(ExportError, match="no LATEST"):
@@ -242,6 +280,15 @@ def test_command_line_exports_a_run_dir_and_reports_errors(
     settings.write_text(json.dumps(model_record(GPT2)))
     main([str(run / "checkpoints"), str(tmp_path / "out2"), "--model-config", str(settings)])
     assert (tmp_path / "out2" / "model.safetensors").is_file()
+    os.mkfifo(tmp_path / "fifo")  # a settings file named by mistake: refused at once, not read (or waited on)
+    for bad, words in [
+        ("fifo", "is a FIFO (named pipe), not a regular file"),
+        ("", "is a directory, not a regular file"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main([str(run / "checkpoints"), str(tmp_path / "out3"), "--model-config", str(tmp_path / bad)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--model-config {tmp_path / bad} cannot be read: {words}" in err, err
 
 
 def test_refuses_a_corrupt_or_crafted_checkpoint(ckpts: dict[str, Any], tmp_path: Path) -> None:
@@ -264,3 +311,51 @@ def test_refuses_a_corrupt_or_crafted_checkpoint(ckpts: dict[str, Any], tmp_path
     with pytest.raises(ExportError, match="cannot read the checkpoint.*metadata"):
         export_pretrained(src, tmp_path / "b")
     assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_command_line_says_when_the_checkpoint_is_not_the_runs_end(
+    ckpts: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The export names the step it exported, and warns when that is not where the run ended: a
+    diverged run (its last good checkpoint) or one stopped before train.steps (before: 'wrote out'
+    alone, whichever step it was)."""
+    from zeropp.experiments.export import main
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpts["root"] / "gpt2", run / "checkpoints")
+    d = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    meta = json.loads((d / "meta.json").read_text())
+    meta["extra"]["run"] = {"train.steps": 8}  # as the runner records it
+    (d / "meta.json").write_text(json.dumps(meta))
+    main([str(run), str(tmp_path / "a")])
+    out, err = capsys.readouterr()
+    assert "from the checkpoint of step 1 " in out
+    assert "warning: the run was to train 8 steps (train.steps) and this checkpoint is of step 1" in err, err
+    (run / "summary.json").write_text(json.dumps({"status": "diverged", "divergence": {"step": 2}}))
+    main([str(run), str(tmp_path / "b")])
+    assert "warning: the run diverged at step 2; this is its last good checkpoint, of step 1" in capsys.readouterr().err
+    meta["extra"]["run"] = {"train.steps": 1}
+    (d / "meta.json").write_text(json.dumps(meta))
+    (run / "summary.json").write_text(json.dumps({"status": "completed"}))
+    main([str(run), str(tmp_path / "c")])
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_peft_missing_is_refused_before_the_checkpoint_is_read(
+    ckpts: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--lora-format peft`` without peft installed stops at once (before: after the whole
+    checkpoint was read and the base model written to the temporary directory)."""
+    import sys
+
+    from zeropp.models.hf_export import ExportError
+    from zeropp.runtime import consolidate
+
+    def unread(*a: Any, **k: Any) -> None:
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now raises ImportError
+    monkeypatch.setattr(consolidate, "read_consolidated", unread)
+    with pytest.raises(ExportError, match=r"lora_format=peft needs the peft package: pip install peft"):
+        _export(ckpts, "gpt2-lora", tmp_path / "out", lora_format="peft")
+    assert not list(tmp_path.iterdir())

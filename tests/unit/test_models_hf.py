@@ -116,3 +116,133 @@ def test_missing_extra_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> N
     assert cfg.num_params() > 0
     with pytest.raises(ImportError, match=r'need the optional extra: pip install -e "\.\[hf\]"'):
         build_hf_model(cfg)
+
+
+def _saved(tmp_path: Any, cfg: HFConfig, name: str = "ckpt") -> Any:
+    """``cfg``'s model written by ``save_pretrained`` into ``tmp_path / name``."""
+    path = tmp_path / name
+    build_hf_model(cfg, seed=0).hf.save_pretrained(path)
+    return path
+
+
+def test_a_bad_config_json_is_named_and_refused(tf: Any, tmp_path: Any) -> None:
+    """config.json is read as a bounded regular file holding a JSON object: anything else is one
+    ValueError naming the file (before: an AttributeError for a JSON list, "has no config.json"
+    for a FIFO, and "set hf_config to match" for an architecture zeropp does not build)."""
+    import json
+    import os
+
+    path = _saved(tmp_path, GPT2)
+    conf = path / "config.json"
+    good = json.loads(conf.read_text())
+    for text, words in [
+        ("{not json", r"config.json is not JSON \(Expecting"),
+        ("[1, 2]", r"config.json holds a JSON list, not the object save_pretrained writes"),
+        (
+            json.dumps(good | {"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}),
+            r"holds a quantized model \(config.json's quantization_config: bitsandbytes\); zeropp trains float",
+        ),
+        (
+            json.dumps(good | {"model_type": "mistral"}),
+            r"holds a 'mistral' model .*which zeropp does not build; it supports gpt2, llama",
+        ),
+    ]:
+        conf.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            GPT2.with_(pretrained=str(path))
+    conf.unlink()
+    os.mkfifo(conf)  # reading it would wait for a writer forever
+    with pytest.raises(ValueError, match=r"cannot read .*config.json: is a FIFO \(named pipe\), not a regular file"):
+        GPT2.with_(pretrained=str(path))
+
+
+def test_weights_that_are_not_the_models_are_refused_before_loading(tf: Any, tmp_path: Any) -> None:
+    """The safetensors headers must hold exactly the model's weights: transformers would fill a
+    missing one with random values and drop an extra one without an error (before: the run
+    trained from partly random weights, or a traceback came from every rank)."""
+    from safetensors.torch import load_file, save_file
+
+    from zeropp.models.hf import check_pretrained
+
+    path = _saved(tmp_path, GPT2)
+    weights = path / "model.safetensors"
+    good = load_file(weights)
+    cfg = GPT2.with_(pretrained=str(path))
+    some = "transformer.h.1.attn.c_attn.weight"
+    cases: list[tuple[dict[str, torch.Tensor], str]] = [
+        ({k: v for k, v in good.items() if k != some}, rf"missing \['{some}'\]"),
+        (good | {"transformer.h.5.mlp.c_fc.weight": torch.zeros(3)}, r"not in the model \['transformer.h.5.mlp"),
+        (good | {some: torch.zeros(5, 5)}, rf"shaped differently: {some} \[5, 5\] \(the model: \[32, 96\]\)"),
+    ]
+    for state, words in cases:
+        save_file(state, weights, metadata={"format": "pt"})
+        for check in (check_pretrained, build_hf_model):
+            with pytest.raises(ValueError, match=r"its weights are not those of the gpt2 model .*" + words):
+                check(cfg)
+    save_file(good, weights, metadata={"format": "pt"})
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file or is truncated"):
+        build_hf_model(cfg)
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"holds no weights file; zeropp loads model.safetensors"):
+        build_hf_model(cfg)
+    torch.save(good, path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"holds only pytorch_model.bin \(pickled weights\); .*a pickle can run code"):
+        build_hf_model(cfg)  # never unpickled
+
+
+def test_sharded_and_ignorable_weights_load(tf: Any, tmp_path: Any) -> None:
+    """What transformers loads exactly still loads: shards with an index, bf16 weights, GPT-2's
+    legacy attention-mask buffers; an index naming a file outside the directory is refused."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    ref = build_hf_model(GPT2, seed=0).hf
+    sharded = tmp_path / "sharded"
+    ref.save_pretrained(sharded, max_shard_size="20KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    loaded = build_hf_model(GPT2.with_(pretrained=str(sharded)))
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), loaded.hf.state_dict().values()))
+    legacy = _saved(tmp_path, GPT2, "legacy")
+    state = load_file(legacy / "model.safetensors") | {"transformer.h.0.attn.bias": torch.ones(1, 1, 16, 16)}
+    save_file(state, legacy / "model.safetensors", metadata={"format": "pt"})
+    build_hf_model(GPT2.with_(pretrained=str(legacy)))
+    index = sharded / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][next(iter(data["weight_map"]))] = "../legacy/model.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"names '../legacy/model.safetensors', which is not a file of"):
+        build_hf_model(GPT2.with_(pretrained=str(sharded)))
+
+
+def test_a_directory_with_a_peft_adapter_is_refused(tf: Any, tmp_path: Any) -> None:
+    """A `--lora-format peft` export (base model plus adapter/) or a peft adapter directory given as
+    the pretrained model: loading it would leave the adapter out (before: the run started from
+    the base model, silently, or said 'has no config.json')."""
+    path = _saved(tmp_path, GPT2)
+    (path / "adapter").mkdir()
+    (path / "adapter" / "adapter_config.json").write_text("{}")
+    for given in (path, path / "adapter"):
+        with pytest.raises(ValueError, match=r"holds a peft adapter \(.*adapter_config.json\), which is not loaded"):
+            GPT2.with_(pretrained=str(given))
+
+
+def test_the_weights_checked_are_the_ones_transformers_reads(tf: Any, tmp_path: Any) -> None:
+    """config.json's ``transformers_weights`` makes transformers read the file it names (a pickled
+    ``adapter_model.bin`` included), and model.safetensors comes before a shard index: the check
+    reads that same file, and refuses any other name (before: the header check read one file and
+    transformers loaded another, a pickle among them)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = _saved(tmp_path, GPT2)
+    torch.save(load_file(path / "model.safetensors"), path / "adapter_model.bin")
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(conf | {"transformers_weights": "adapter_model.bin"}))
+    with pytest.raises(ValueError, match=r"names its weights file transformers_weights='adapter_model.bin'"):
+        build_hf_model(GPT2.with_(pretrained=str(path)))  # the pickle is never read
+    (path / "config.json").write_text(json.dumps(conf))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    build_hf_model(GPT2.with_(pretrained=str(path)))  # a stale index beside model.safetensors: transformers' order

@@ -123,3 +123,30 @@ def test_hf_models_take_lora_rank(arch: str) -> None:
     torch.testing.assert_close(m(idx, idx)[1], base(idx, idx)[1])  # B = 0: the base model's loss
     with pytest.raises(ValueError, match="lora_rank must be an integer >= 0"):
         cfg.with_(lora_rank=-2)
+
+
+def test_a_rank_above_a_layer_or_a_target_matching_nothing_is_refused() -> None:
+    """A rank above an adapted layer's min(in, out) adds parameters and no expressiveness, and a
+    listed target that matches no layer is a typo: both are refused, naming the layer or target
+    (before: a rank of 1000 on a 32-wide model trained adapters larger than their layers, and
+    ``targets=["qkv", "prj"]`` adapted ``qkv`` only, silently)."""
+    with pytest.raises(
+        ValueError, match=r"rank 33 exceeds the smallest adapted layer, blocks.0.attn.qkv \(32 in, 96 out\)"
+    ):
+        apply_lora(GPT(TINY), 33)
+    apply_lora(GPT(TINY), 32)  # full rank is a choice
+    with pytest.raises(ValueError, match=r"targets \['prj'\] match none of the linear layers of GPT"):
+        apply_lora(GPT(TINY), 2, targets=["qkv", "prj"])
+    with pytest.raises(ValueError, match=r"GPTConfig.lora_rank=33 exceeds d_model=32"):
+        TINY.with_(lora_rank=33)
+
+
+def test_hf_lora_rank_above_the_narrowest_layer_is_refused() -> None:
+    from zeropp.models import HFConfig
+
+    llama = HFConfig(hf_config="llama", d_model=32, n_heads=4, n_kv_heads=1, n_layers=1)  # k/v: 8 wide
+    with pytest.raises(ValueError, match=r"HFConfig.lora_rank=9 exceeds the narrowest adapted layer \(8 wide\)"):
+        llama.with_(lora_rank=9)
+    llama.with_(lora_rank=8)
+    with pytest.raises(ValueError, match=r"lora_rank=33 exceeds the narrowest adapted layer \(32 wide\)"):
+        HFConfig(d_model=32, lora_rank=33)

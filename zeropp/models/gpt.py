@@ -65,6 +65,11 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"GPTConfig.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
+        if self.lora_rank > self.d_model:  # every adapted layer has d_model inputs or outputs
+            raise ValueError(
+                f"GPTConfig.lora_rank={self.lora_rank} exceeds d_model={self.d_model}: an adapter's update has "
+                f"rank at most {self.d_model}, so a larger rank only adds parameters; choose lora_rank <= {self.d_model}"
+            )
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"GPTConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if self.d_model % self.n_heads:

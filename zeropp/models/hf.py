@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .hf_pretrained import check_pretrained_weights, read_saved_config
 
 HF_ARCHS = ("gpt2", "llama")
 """Values of :attr:`HFConfig.hf_config`: the ``transformers`` config classes this module maps."""
@@ -127,38 +129,60 @@ class HFConfig:
                 f"HFConfig: the head size d_model / n_heads = {self.d_model // self.n_heads} must be even "
                 "for hf_config=llama (rotary embeddings rotate pairs of channels)"
             )
+        kv = self.kv_heads * (self.d_model // self.n_heads)  # llama's k/v projections are the narrowest
+        narrowest = min(self.d_model, self.ffn_size, kv if self.hf_config == "llama" else self.d_model)
+        if self.lora_rank > narrowest:
+            raise ValueError(
+                f"HFConfig.lora_rank={self.lora_rank} exceeds the narrowest adapted layer ({narrowest} wide): "
+                f"an adapter's update has rank at most {narrowest}, so a larger rank only adds parameters; "
+                f"choose lora_rank <= {narrowest}"
+            )
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"HFConfig.attn_implementation={self.attn_implementation!r}; choose sdpa or eager")
         if self.pretrained is not None:
             self._check_pretrained(Path(self.pretrained).expanduser())
 
     def _check_pretrained(self, path: Path) -> None:
-        """The directory holds a checkpoint of this architecture and these sizes (its config.json)."""
-        if not (path / "config.json").is_file():
+        """The directory holds a checkpoint of this architecture and these sizes (its config.json),
+        and no peft adapter that loading it would leave out."""
+        for adapter in (path, path / "adapter"):  # a peft adapter itself, or beside its base (the export's layout)
+            if (adapter / "adapter_config.json").exists():
+                raise ValueError(
+                    f"HFConfig.pretrained={str(path)!r} holds a peft adapter ({adapter / 'adapter_config.json'}), "
+                    "which is not loaded: the run would start from the base model without "
+                    "it. Give a directory with the adapter merged (python -m experiments.export "
+                    "--lora-format merged, or peft's merge_and_unload + save_pretrained)"
+                )
+        if not (path / "config.json").exists():
             what = "has no config.json" if path.is_dir() else "does not exist"
             raise ValueError(
                 f"HFConfig.pretrained={str(path)!r} {what}; give a local directory written by "
                 "save_pretrained (nothing is downloaded), or leave it unset for random weights"
             )
-        saved = json.loads((path / "config.json").read_text())
-        if saved.get("model_type") != self.hf_config:
+        try:
+            saved = read_saved_config(path / "config.json")
+        except ValueError as e:
+            raise ValueError(f"HFConfig.pretrained={str(path)!r}: {e}") from None
+        kind = saved.get("model_type")
+        if kind not in HF_ARCHS:
             raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} holds a {saved.get('model_type')!r} model but "
+                f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model (config.json's model_type), "
+                f"which zeropp does not build; it supports {', '.join(HF_ARCHS)}"
+            )
+        quant = saved.get("quantization_config")
+        if quant is not None:  # transformers would load it through a quantization library, or fail in every rank
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} holds a quantized model (config.json's quantization_config: "
+                f"{method}); zeropp trains float weights and quantizes on the wire itself: give the "
+                "unquantized checkpoint"
+            )
+        if kind != self.hf_config:
+            raise ValueError(
+                f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model but "
                 f"hf_config={self.hf_config!r}; set hf_config to match"
             )
-        want = {field: getattr(self, field) for field in _HF_KEYS[self.hf_config]}
-        want = _resolved(self, want)
-        wrong = []
-        for field, key in _HF_KEYS[self.hf_config].items():
-            have = saved.get(key)
-            if field == "intermediate_size" and have is None:
-                have = 4 * saved.get(_HF_KEYS[self.hf_config]["d_model"], 0)
-            if field == "n_kv_heads" and have is None:
-                have = saved.get("num_attention_heads")
-            if field == "tie_embeddings" and have is None:
-                have = self.hf_config == "gpt2"  # the config classes' defaults
-            if have != want[field]:
-                wrong.append(f"{field}={have}")
+        wrong = size_mismatch(self, saved)
         if wrong:
             raise ValueError(
                 f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
@@ -193,6 +217,24 @@ class HFConfig:
         return v * d + n * block + d + head
 
 
+def size_mismatch(cfg: HFConfig, saved: Mapping[str, Any]) -> list[str]:
+    """``field=value`` for each size of ``cfg`` that the ``transformers`` config dict ``saved`` (a
+    ``config.json``) has otherwise; empty when they describe the same shapes."""
+    want = _resolved(cfg, {field: getattr(cfg, field) for field in _HF_KEYS[cfg.hf_config]})
+    wrong = []
+    for field, key in _HF_KEYS[cfg.hf_config].items():
+        have = saved.get(key)
+        if field == "intermediate_size" and have is None:
+            have = 4 * saved.get(_HF_KEYS[cfg.hf_config]["d_model"], 0)
+        if field == "n_kv_heads" and have is None:
+            have = saved.get("num_attention_heads")
+        if field == "tie_embeddings" and have is None:
+            have = cfg.hf_config == "gpt2"  # the config classes' defaults
+        if have != want[field]:
+            wrong.append(f"{field}={have}")
+    return wrong
+
+
 def _resolved(cfg: HFConfig, values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     out["intermediate_size"] = cfg.ffn_size
@@ -213,22 +255,56 @@ def require_transformers() -> Any:
     return transformers
 
 
-def hf_model_config(cfg: HFConfig) -> Any:
+def hf_model_config(cfg: HFConfig, recorded: Mapping[str, Any] | None = None) -> Any:
     """The ``transformers`` config object of ``cfg`` (dropout 0, no KV cache). With
     ``cfg.pretrained`` it is the checkpoint's own (its sizes were checked against ``cfg``; its other
-    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes."""
+    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes. With
+    ``recorded`` (what :func:`recorded_config` gave when the model was built, as a run's checkpoint
+    keeps it) it is that one, whatever ``cfg.pretrained`` names now: plain attributes, nothing that
+    could load code (an ``auto_map`` is dropped)."""
     tf = require_transformers()
     run = {
         **dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0),
         "use_cache": False,
         "attn_implementation": cfg.attn_implementation,
     }
+    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
+    if recorded is not None:
+        if recorded.get("model_type") != cfg.hf_config:
+            raise ValueError(
+                f"the recorded transformers config is of a {recorded.get('model_type')!r} model, "
+                f"not hf_config={cfg.hf_config!r}"
+            )
+        wrong = size_mismatch(cfg, recorded)
+        if wrong:
+            raise ValueError(f"the recorded transformers config has {', '.join(wrong)}, which these settings do not")
+        return cls.from_dict({k: v for k, v in recorded.items() if k not in ("auto_map", "_name_or_path")}, **run)
     if cfg.pretrained is not None:  # keyword arguments of from_pretrained override the saved attributes
         return tf.AutoConfig.from_pretrained(str(Path(cfg.pretrained).expanduser()), local_files_only=True, **run)
     keys = _HF_KEYS[cfg.hf_config]
     sizes = {keys[f]: v for f, v in _resolved(cfg, {f: getattr(cfg, f) for f in keys}).items()}
-    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
     return cls(**sizes, **run, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def recorded_config(cfg: HFConfig) -> dict[str, Any]:
+    """``hf_model_config(cfg)`` as plain JSON values, for a checkpoint to keep: the export rebuilds
+    the model from it, so a run from ``cfg.pretrained`` exports the model it trained (norm epsilon,
+    rotary base, ...) even where that directory is gone or now holds another model."""
+    return json.loads(hf_model_config(cfg).to_json_string(use_diff=False))
+
+
+_BOOKKEEPING = ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "auto_map")
+"""Keys of a recorded config that do not change the model's computation."""
+
+
+def config_differences(cfg: HFConfig, recorded: Mapping[str, Any]) -> list[str]:
+    """``key=recorded value (now value)`` for each attribute of the ``transformers`` config ``cfg``
+    builds now that differs from ``recorded`` (:func:`recorded_config` of the model a checkpoint was
+    trained in); empty when they build the same model. Only attributes both have are compared: a
+    ``transformers`` release that adds one is not a different model."""
+    now = recorded_config(cfg)
+    keys = sorted((set(now) & set(recorded)) - set(_BOOKKEEPING))
+    return [f"{k}={recorded.get(k)!r} (now {now.get(k)!r})" for k in keys if now.get(k) != recorded.get(k)]
 
 
 class HFCausalLM(nn.Module):
@@ -265,19 +341,42 @@ class HFCausalLM(nn.Module):
         return logits, loss
 
 
+def _model_class(cfg: HFConfig) -> Any:
+    tf = require_transformers()
+    return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
+
+
+def check_pretrained(cfg: HFConfig) -> None:
+    """``ValueError`` unless ``cfg.pretrained`` holds safetensors weights that are exactly the
+    model's (``hf_pretrained.check_pretrained_weights``; reads headers, no tensor): what
+    :func:`build_hf_model` checks, for a caller that refuses before starting ranks."""
+    if cfg.pretrained is not None:
+        check_pretrained_weights(cfg, _model_class(cfg), hf_model_config(cfg))
+
+
 def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     """``cfg``'s model in fp32 on the CPU: random weights from the ``transformers`` config class
     (after ``torch.manual_seed(seed)`` when ``seed`` is given; nothing downloaded), or the weights
-    of the local directory ``cfg.pretrained`` (``from_pretrained(local_files_only=True)``)."""
-    tf = require_transformers()
+    of the local directory ``cfg.pretrained`` (``from_pretrained(local_files_only=True)``, safetensors
+    only, every weight of the model present and nothing else: ``hf_pretrained``)."""
     conf = hf_model_config(cfg)
-    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
+    cls = _model_class(cfg)
     if seed is not None:
         torch.manual_seed(seed)
     if cfg.pretrained is None:
         hf = cls(conf)
     else:
-        hf = cls.from_pretrained(str(Path(cfg.pretrained).expanduser()), config=conf, local_files_only=True)
+        check_pretrained_weights(cfg, cls, conf)  # headers only: a refusal costs no tensor read
+        hf, info = cls.from_pretrained(
+            str(Path(cfg.pretrained).expanduser()),
+            config=conf,
+            local_files_only=True,
+            use_safetensors=True,  # never a pickle
+            output_loading_info=True,
+        )
+        left = {k: sorted(v) for k, v in info.items() if v}
+        if left:  # what the header check allows, transformers must have loaded whole
+            raise ValueError(f"HFConfig.pretrained={cfg.pretrained!r} did not load exactly: {left}")
     hf = hf.float().train()
     if cfg.lora_rank:
         from .lora import apply_lora

@@ -4,7 +4,9 @@
 size, stage, topology or trainer that saved it (``zeropp.runtime.read_consolidated``: DCP reads
 every rank's pieces, tensor-parallel pieces are merged, nothing in the files can run code), rebuilds
 the ``transformers`` model from the model settings the runner records in the checkpoint
-(``meta.json``'s ``extra["model"]``, what ``model.*`` was), and writes it with the model's own
+(``meta.json``'s ``extra["model"]``, what ``model.*`` was, and ``extra["transformers_config"]``, the
+``transformers`` config the ranks built, so a run from ``model.pretrained`` needs that directory no
+more), and writes it with the model's own
 ``save_pretrained`` (safetensors weights and ``config.json``), so
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model's logits exactly (fp32).
 
@@ -32,6 +34,7 @@ name beside ``out_dir`` and renamed into place at the end, so a failed export le
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -113,7 +116,12 @@ def hf_config_from_record(rec: dict, where: str | os.PathLike) -> HFConfig:
 def check_out_dir(out_dir: str | os.PathLike) -> Path:
     """``out_dir`` as a Path, refused when it exists and is not an empty directory."""
     out = Path(out_dir).expanduser()
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():  # the final rename would replace the link itself, not write where it points
+        raise ExportError(
+            f"{out} is a symlink (to {os.readlink(out)}); the export writes a new directory, not through a "
+            "link: name the directory itself, or a new one"
+        )
+    if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory: choose a new directory for the export")
     if out.is_dir() and any(out.iterdir()):
         raise ExportError(
@@ -148,15 +156,22 @@ def export_pretrained(
     error when they differ)."""
     if lora_format not in LORA_FORMATS:
         raise ExportError(f"lora_format={lora_format!r}: choose one of {', '.join(LORA_FORMATS)}")
+    if lora_format == "peft":
+        _require_peft()  # before the checkpoint is read and the base model written, not after
     out = check_out_dir(out_dir)
     src = find_checkpoint(checkpoint_dir)
     from zeropp.runtime.checkpoint_files import latest, read_meta
     from zeropp.runtime.consolidate import read_consolidated
 
     try:
-        recorded = (read_meta(latest(src)).get("extra") or {}).get("model")
+        extra = read_meta(latest(src)).get("extra") or {}
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read the checkpoint in {src}: {exc}") from exc
+    recorded, tconf = extra.get("model"), extra.get("transformers_config")
+    tconf = tconf if isinstance(tconf, dict) else None
+    if tconf is not None:  # the model is rebuilt from it: model.pretrained's directory is not read again
+        recorded = {**recorded, "pretrained": None} if isinstance(recorded, dict) else recorded
+        model_config = model_config.with_(pretrained=None) if model_config is not None else None
     if model_config is None:
         cfg = model_config_of({"extra": {"model": recorded}}, src)
     else:
@@ -173,16 +188,27 @@ def export_pretrained(
     if lora_format == "peft" and not cfg.lora_rank:
         raise ExportError(f"lora_format=peft needs a LoRA run (model.lora_rank > 0); {src} has no adapters")
     weights = _hf_state(state, src)
-    adapters = _lora_layers(cfg) if cfg.lora_rank else {}
+    try:
+        conf = hf_model_config(cfg, tconf)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{src}: {exc}; give the model settings of the run that saved it") from exc
+    adapters = _lora_layers(cfg, conf) if cfg.lora_rank else {}
     base = _split_lora(weights, adapters, merge=lora_format == "merged", where=src)
-    hf = _plain_model(cfg, base, src)
+    hf = _plain_model(cfg, conf, base, src)
     tmp = out.with_name(f".{out.name}.export-tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
         hf.save_pretrained(tmp)
         if lora_format == "peft":
             _save_peft(hf, weights, adapters, tmp / ADAPTER_DIR, final=out)
-        info = {"checkpoint": str(src.resolve()), "step": meta.get("step"), "lora_format": lora_format}
+        run = extra.get("run")
+        run = run if isinstance(run, dict) else {}
+        info = {
+            "checkpoint": str(src.resolve()),
+            "step": meta.get("step"),
+            "train_steps": run.get("train.steps"),  # the run's length: a smaller step is not its end
+            "lora_format": lora_format,
+        }
         (tmp / "zeropp_export.json").write_text(json.dumps(info, indent=1) + "\n")
         if out.is_dir():
             out.rmdir()  # empty (checked above); fails, leaving it, if something appeared in it since
@@ -221,13 +247,14 @@ def _hf_class(cfg: HFConfig) -> Any:
     return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
 
 
-def _lora_layers(cfg: HFConfig) -> dict[str, _Adapter]:
-    """Module name -> adapter of every layer ``apply_lora`` adapts in ``cfg``'s model, found by
-    building it on the meta device (no memory, no weights) exactly as the training run did."""
+def _lora_layers(cfg: HFConfig, conf: Any) -> dict[str, _Adapter]:
+    """Module name -> adapter of every layer ``apply_lora`` adapts in ``cfg``'s model (whose
+    ``transformers`` config is ``conf``), found by building it on the meta device (no memory, no
+    weights) exactly as the training run did."""
     from .lora import LoRALinear, apply_lora
 
     with torch.device("meta"):
-        hf = _hf_class(cfg)(hf_model_config(cfg))
+        hf = _hf_class(cfg)(copy.deepcopy(conf))
     apply_lora(hf, cfg.lora_rank)
     return {
         n: _Adapter(scaling=m.scaling, transposed=m.transposed, rank=m.rank, alpha=m.alpha)
@@ -259,14 +286,26 @@ def _split_lora(
     return out
 
 
-def _plain_model(cfg: HFConfig, state: dict[str, torch.Tensor], where: Path) -> Any:
-    """The ``transformers`` model (no adapters) holding ``state``: built on the meta device, its
-    parameters then assigned from ``state`` (strictly: a missing or extra entry is an error)."""
-    conf = hf_model_config(cfg.with_(lora_rank=0))
+def _plain_model(cfg: HFConfig, conf: Any, state: dict[str, torch.Tensor], where: Path) -> Any:
+    """The ``transformers`` model (no adapters; its config ``conf``) holding ``state``: built on the
+    meta device, its parameters then assigned from ``state`` (strictly: a missing or extra entry is
+    an error)."""
+    conf = copy.deepcopy(conf)
     conf.use_cache = True  # the run disables the KV cache; a shared model generates with it
     with torch.device("meta"):
         hf = _hf_class(cfg)(conf)
     want = set(hf.state_dict())
+    # a tied weight may be saved under one of its names only (a frozen one, e.g. the embedding
+    # of a LoRA run, is stored once): the others take it from there
+    aliases: dict[int, list[str]] = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    state = dict(state)
+    for names in aliases.values():
+        have = [n for n in names if n in state]
+        for n in names:
+            if have and n not in state:
+                state[n] = state[have[0]]
     # the engine saves every buffer; those the model does not persist (rotary frequencies) it
     # recomputes when built, so they are not part of the saved model
     transient = {n for n, _ in hf.named_buffers()} - want
@@ -282,20 +321,26 @@ def _plain_model(cfg: HFConfig, state: dict[str, torch.Tensor], where: Path) -> 
     return hf.float().eval()
 
 
+def _require_peft() -> Any:
+    """The ``peft`` module, or the :class:`ExportError` that says how to install it."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ExportError(f"lora_format=peft needs the peft package: {PEFT_HINT} ({e})") from e
+    return peft
+
+
 def _save_peft(
     base: nn.Module, weights: dict[str, torch.Tensor], adapters: dict[str, _Adapter], target: Path, *, final: Path
 ) -> None:
     """The adapters as a ``peft`` LoRA adapter directory, written by ``peft`` itself (our ``lora_a``
     is its ``lora_A`` ``[r, in]``, our ``lora_b`` its ``lora_B`` ``[out, r]``; GPT-2's ``Conv1D`` is
     ``fan_in_fan_out``)."""
-    try:
-        import peft
-    except ImportError as e:
-        raise ExportError(f"lora_format=peft needs the peft package: {PEFT_HINT} ({e})") from e
+    peft = _require_peft()
     first = next(iter(adapters.values()))
     conf = peft.LoraConfig(
         r=first.rank,
-        lora_alpha=int(first.alpha) if first.alpha.is_integer() else first.alpha,  # type: ignore[arg-type]
+        lora_alpha=int(first.alpha) if first.alpha.is_integer() else first.alpha,
         target_modules=sorted(adapters),
         lora_dropout=0.0,
         bias="none",

@@ -71,6 +71,13 @@ def _is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(getattr(m, "weight", None), torch.Tensor)
 
 
+def _in_out(m: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D`` (weight ``[in, out]``)."""
+    w = m.weight
+    assert isinstance(w, torch.Tensor)
+    return (w.shape[0], w.shape[1]) if _is_conv1d(m) else (w.shape[1], w.shape[0])
+
+
 def _matcher(model: nn.Module, targets: Targets) -> Callable[[str, nn.Module], bool]:
     if targets is None:
         lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
@@ -88,8 +95,9 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, targe
 
     ``rank`` (>= 1) is ``r``; ``alpha`` defaults to ``2 * rank`` (scaling 2). Modifies ``model`` in
     place and returns it. A model (or a ``targets`` choice) without any ``nn.Linear`` / ``Conv1D``
-    layer to adapt is a ``ValueError``: it depends only on the model, so every rank raises it alike,
-    before any training.
+    layer to adapt, a listed target that matches no layer, and a rank above an adapted layer's
+    ``min(in, out)`` are ``ValueError``: they depend only on the model, so every rank raises them
+    alike, before any training.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"apply_lora: rank must be an integer >= 1, got {rank!r}")
@@ -112,6 +120,22 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, targe
         raise ValueError(
             f"LoRA (rank {rank}) needs linear layers to adapt, but {type(model).__name__}: {what}; "
             f"use lora_rank=0 for this model, or pass targets naming its linear layers"
+        )
+    if targets is not None and not callable(targets):  # a listed suffix that names nothing is a typo, not a choice
+        names = [targets] if isinstance(targets, str) else list(targets)
+        unused = [t for t in names if not any(n == t or n.endswith("." + t) for n, _ in chosen)]
+        if unused:
+            raise ValueError(
+                f"apply_lora: targets {unused} match none of the linear layers of {type(model).__name__} "
+                f"(the others match {[n for n, _ in chosen][:4]}); remove them or name existing layers"
+            )
+    widths = {n: _in_out(m) for n, m in chosen}
+    small = min(widths, key=lambda n: min(widths[n]))
+    if rank > min(widths[small]):
+        raise ValueError(
+            f"apply_lora: rank {rank} exceeds the smallest adapted layer, {small} ({widths[small][0]} in, "
+            f"{widths[small][1]} out): its update B @ A has rank at most {min(widths[small])}, so a larger "
+            f"rank only adds parameters; choose a rank <= {min(widths[small])}"
         )
     for p in model.parameters():
         p.requires_grad_(False)
