@@ -373,12 +373,17 @@ def check_resumes_its_model(
         return  # the ranks' load names the problem precisely
     extra = meta.get("extra") or {}
     saved_tp = meta.get("tp", 1)
+    hf = model.get("kind") == "hf"  # (an export, and a fresh run from it, are Hugging Face models' only)
     if meta.get("kind", "engine") == "engine" and isinstance(saved_tp, int) and saved_tp != tp:
+        export = (
+            ", or export it (python -m experiments.export) and start a fresh run from its weights (model.pretrained=)"
+            if hf
+            else ""
+        )
         raise ConfigError(
             f"invalid config: resume=true, but the checkpoint {newest} was saved with topology.tp={saved_tp} and "
             f"this run has topology.tp={tp}: a tensor-parallel checkpoint resumes at the same tp (any data-parallel "
-            f"size). Resume with topology.tp={saved_tp}, or export it (python -m experiments.export, "
-            "zeropp.runtime.export_consolidated) and start a fresh run from its weights"
+            f"size). Resume with topology.tp={saved_tp}{export}"
         )
     saved = extra.get("model")
     if not isinstance(saved, dict):
@@ -394,7 +399,7 @@ def check_resumes_its_model(
         raise ConfigError(
             f"invalid config: resume=true, but the checkpoint {newest} is of another model: it was saved with "
             f"{', '.join(changed)}. Resume with the saving run's model settings, or start a fresh run "
-            "elsewhere (model.pretrained=<an export of it> starts one from its weights)"
+            "elsewhere" + (" (model.pretrained=<an export of it> starts one from its weights)" if hf else "")
         )
     recorded = extra.get("transformers_config")
     if isinstance(built, HFConfig) and isinstance(recorded, dict):

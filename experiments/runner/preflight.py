@@ -250,12 +250,21 @@ def check_persistence(rc: RunConfig) -> None:
     largest = max((n for n, _ in _param_sizes(rc)), default=0)  # frozen ones too
     if largest and largest < z.persistence_threshold:
         offload = f", and zero.offload_param={z.offload_param} would move nothing" if z.offload_param != "none" else ""
+        kept = (
+            "optimizer state"
+            if z.offload_optimizer == "none"
+            else f"optimizer state (on the {z.offload_optimizer} tier)"
+        )
+        # the replicated alternative that keeps this run's other settings: stage 0 takes no optimizer offload
+        other = (
+            "stage=0" if z.offload_optimizer == "none" else f"stage=1 with zero.offload_optimizer={z.offload_optimizer}"
+        )
         raise ConfigError(
             f"invalid config: zero.persistence_threshold={z.persistence_threshold} is above every "
             f"parameter of this model (the largest has {largest:,} elements), so stage 3 would keep them all "
-            f"whole on every rank with their whole gradients and optimizer state: stage 0's memory under "
+            f"whole on every rank with their whole gradients and {kept}: no parameter sharded under "
             f"stage 3's name{offload}. Lower zero.persistence_threshold to at most {largest:,} (0 shards "
-            "every parameter), or use stage=0"
+            f"every parameter), or use {other}"
         )
 
 

@@ -122,7 +122,8 @@ class Checkpointer:
         for k in MODEL_KEYS_FREE_ON_RESUME:  # the others must match (config.check_resumes_its_model)
             if isinstance(saved, dict) and k in saved and saved[k] != model.get(k):
                 why = " (the weights come from the checkpoint)" if k == "pretrained" else ""
-                keys.append(f"model.{k}")
+                if k != "pretrained":  # (the config it builds was checked equal, the weights are the checkpoint's:
+                    keys.append(f"model.{k}")  # listed when something else warns, no reason to warn alone)
                 changed.append(f"model.{k} {saved[k]!r} -> {model.get(k)!r}{why}")
         # train.steps alone changes nothing of the steps both runs take (raising it is how a run trains
         # on): warn only when something else differs; then it is listed too, as the reason a derived

@@ -146,3 +146,19 @@ def test_a_broken_transformers_install_is_one_error_line(monkeypatch: pytest.Mon
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found if name == "transformers" else None)
     with pytest.raises(ConfigError, match=r"model=hf cannot import transformers: .*pip install -e"):
         from_omegaconf(cfg)
+
+
+def test_the_pre_launch_size_checks_build_a_pretrained_model_as_shapes(tmp_path: Path) -> None:
+    """The runner's memory checks count parameters on a model built on the meta device; for
+    ``model.pretrained`` that is the directory's config without its weights (before:
+    ``from_pretrained`` under the meta device raised, a traceback for a valid stage-3 config with
+    a persistence threshold)."""
+    pytest.importorskip("transformers", reason=REASON)
+    from zeropp.experiments.runner.preflight import persistent_params
+    from zeropp.models import build_hf_model
+
+    build_hf_model(HFConfig(d_model=32, n_layers=1), seed=0).hf.save_pretrained(tmp_path)
+    sizes = ["model=hf", "model.d_model=32", "model.n_layers=1", "stage=3", "zero.persistence_threshold=100"]
+    rc = from_dict(composed_config(*sizes, f"model.pretrained={tmp_path}"))
+    fresh = from_dict(composed_config(*sizes))
+    assert persistent_params(rc) == persistent_params(fresh) > 0  # the biases and norms under 100 elements

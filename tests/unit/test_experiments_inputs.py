@@ -287,7 +287,7 @@ def test_nvme_staging_buffers_beyond_host_memory_name_the_buffer_keys(cli, tmp_p
     assert "Lower zero.swap_buffer_size" in line and "smaller model" not in line, line
 
 
-@pytest.mark.parametrize("offload", [[], ["zero.offload_param=cpu"]])
+@pytest.mark.parametrize("offload", [[], ["zero.offload_param=cpu"], ["zero.offload_optimizer=cpu"]])
 def test_a_persistence_threshold_above_every_parameter_is_refused(cli, offload: list[str]) -> None:
     """DeepSpeed's default stage3_param_persistence_threshold (1e5) on model=small keeps every
     parameter whole on every rank: the stage-3 run held stage 0's memory (and offload_param moved
@@ -295,7 +295,9 @@ def test_a_persistence_threshold_above_every_parameter_is_refused(cli, offload: 
     line = cli("model=small", "stage=3", "zero.persistence_threshold=100000", *offload)
     assert "zero.persistence_threshold=100000 is above every parameter" in line, line
     assert "the largest has 65,536 elements" in line and "at most 65,536" in line, line
-    assert ("zero.offload_param=cpu would move nothing" in line) == bool(offload), line
+    assert ("zero.offload_param=cpu would move nothing" in line) == ("zero.offload_param=cpu" in offload), line
+    # the advice keeps the run's other settings possible (stage 0 takes no optimizer offload)
+    assert ("stage=1 with zero.offload_optimizer=cpu" if "zero.offload_optimizer=cpu" in offload else "stage=0") in line
 
 
 # ------------------------------------------------------------------ the checkpoint directory

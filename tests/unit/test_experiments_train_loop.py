@@ -132,6 +132,20 @@ def test_resume_continues_after_the_checkpoint_and_warns_about_changed_settings(
     wider = resume_keys(_cfg(topology={"nodes": 2, "ranks_per_node": 2}))
     assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra={"step": 3, "run": wider}), lead=True).resume() == 3
     assert "resumed with changed settings: topology.dp_size 4 -> 1. Training continues" in capsys.readouterr().err
+    # the directory the weights first came from moved: the same model (the runner checked its config),
+    # the weights the checkpoint's, so no warning alone; listed beside a change that warns
+    same = resume_keys(cfg)
+    model = cfg.to_dict()["model"] | {"pretrained": "/moved/away"}
+    assert (
+        Checkpointer(
+            cfg, tmp_path, FakeTrainer(resume_extra={"step": 3, "run": same, "model": model}), lead=True
+        ).resume()
+        == 3
+    )
+    assert "warning" not in capsys.readouterr().err
+    with_seed = {"step": 3, "run": older, "model": model}
+    assert Checkpointer(cfg, tmp_path, FakeTrainer(resume_extra=with_seed), lead=True).resume() == 3
+    assert "model.pretrained '/moved/away' -> None (the weights come from the checkpoint)" in capsys.readouterr().err
     done = FakeTrainer(resume_extra={"step": 6, "run": resume_keys(cfg)})
     with pytest.raises(RuntimeError, match="is at step 6 and train.steps=6: this run already finished"):
         Checkpointer(cfg, tmp_path, done, lead=True).resume()

@@ -216,6 +216,26 @@ def test_sharded_and_ignorable_weights_load(tf: Any, tmp_path: Any) -> None:
         build_hf_model(GPT2.with_(pretrained=str(sharded)))
 
 
+def test_buffers_older_transformers_saved_load(tf: Any, tmp_path: Any) -> None:
+    """Checkpoints written by older ``transformers`` hold buffers today's versions drop when loading:
+    Llama's ``rotary_emb.inv_freq`` (before 4.31), GPT-2's ``attn.masked_bias``. They load, with
+    the same weights (before: refused as weights not in the model); a real extra weight still is not."""
+    from safetensors.torch import load_file, save_file
+
+    for cfg, extra in (
+        (LLAMA, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}),
+        (GPT2, {"transformer.h.0.attn.masked_bias": torch.tensor(-1e4)}),
+    ):
+        path = _saved(tmp_path, cfg, cfg.hf_config)
+        state = load_file(path / "model.safetensors")
+        save_file(state | extra, path / "model.safetensors", metadata={"format": "pt"})
+        loaded = build_hf_model(cfg.with_(pretrained=str(path)))
+        assert all(torch.equal(loaded.hf.state_dict()[k], v) for k, v in state.items() if k in loaded.hf.state_dict())
+        save_file(state | {"model.extra.weight": torch.ones(2)}, path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=r"not in the model \['model.extra.weight'\]"):
+            build_hf_model(cfg.with_(pretrained=str(path)))
+
+
 def test_a_directory_with_a_peft_adapter_is_refused(tf: Any, tmp_path: Any) -> None:
     """A `--lora-format peft` export (base model plus adapter/) or a peft adapter directory given as
     the pretrained model: loading it would leave the adapter out (before: the run started from
@@ -246,3 +266,14 @@ def test_the_weights_checked_are_the_ones_transformers_reads(tf: Any, tmp_path: 
     (path / "config.json").write_text(json.dumps(conf))
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     build_hf_model(GPT2.with_(pretrained=str(path)))  # a stale index beside model.safetensors: transformers' order
+
+
+def test_special_token_ids_are_not_a_different_model(tf: Any) -> None:
+    """A GPT-2 directory's config names its special tokens (50256); the config the same settings
+    build names none. That is no difference of the model a checkpoint was trained in (before: a
+    resume without the directory was refused over them), while a real one still is."""
+    from zeropp.models.hf import config_differences, recorded_config
+
+    recorded = recorded_config(GPT2) | {"bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": 0}
+    assert config_differences(GPT2, recorded) == []
+    assert config_differences(GPT2, recorded | {"layer_norm_epsilon": 0.5}) == ["layer_norm_epsilon=0.5 (now 1e-05)"]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf_pretrained import check_pretrained_weights, read_saved_config
+from .hf_pretrained import check_pretrained_weights, ignorable, read_saved_config
 
 HF_ARCHS = ("gpt2", "llama")
 """Values of :attr:`HFConfig.hf_config`: the ``transformers`` config classes this module maps."""
@@ -293,8 +293,21 @@ def recorded_config(cfg: HFConfig) -> dict[str, Any]:
     return json.loads(hf_model_config(cfg).to_json_string(use_diff=False))
 
 
-_BOOKKEEPING = ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "auto_map")
-"""Keys of a recorded config that do not change the model's computation."""
+_BOOKKEEPING = (
+    "transformers_version",
+    "_name_or_path",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "auto_map",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+)
+"""Keys of a recorded config that do not change the model's computation (special-token ids are
+the tokenizer's and generation's, not the forward's: a GPT-2 directory names 50256, a config
+built from settings none)."""
 
 
 def config_differences(cfg: HFConfig, recorded: Mapping[str, Any]) -> list[str]:
@@ -358,12 +371,15 @@ def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     """``cfg``'s model in fp32 on the CPU: random weights from the ``transformers`` config class
     (after ``torch.manual_seed(seed)`` when ``seed`` is given; nothing downloaded), or the weights
     of the local directory ``cfg.pretrained`` (``from_pretrained(local_files_only=True)``, safetensors
-    only, every weight of the model present and nothing else: ``hf_pretrained``)."""
+    only, every weight of the model present and nothing else: ``hf_pretrained``). Under a
+    ``torch.device("meta")`` context (shapes only: the runner's memory and plan checks) the model
+    is built from the same config without reading any weight (``from_pretrained`` refuses a meta
+    context)."""
     conf = hf_model_config(cfg)
     cls = _model_class(cfg)
     if seed is not None:
         torch.manual_seed(seed)
-    if cfg.pretrained is None:
+    if cfg.pretrained is None or torch.get_default_device().type == "meta":
         hf = cls(conf)
     else:
         check_pretrained_weights(cfg, cls, conf)  # headers only: a refusal costs no tensor read
@@ -374,6 +390,7 @@ def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
             use_safetensors=True,  # never a pickle
             output_loading_info=True,
         )
+        info["unexpected_keys"] = [k for k in info.get("unexpected_keys", ()) if not ignorable(hf, k)]
         left = {k: sorted(v) for k, v in info.items() if v}
         if left:  # what the header check allows, transformers must have loaded whole
             raise ValueError(f"HFConfig.pretrained={cfg.pretrained!r} did not load exactly: {left}")

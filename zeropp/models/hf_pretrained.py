@@ -147,6 +147,20 @@ def saved_weights(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     )
 
 
+LEGACY_EXTRA = (r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$", r"attn\.masked_bias$")
+"""Saved names older ``transformers`` versions wrote that today's versions drop when loading: the
+rotary embedding's ``inv_freq`` buffer (Llama checkpoints saved before 4.31), position-id buffers,
+GPT-2's ``attn.masked_bias``. They hold nothing the model learns."""
+
+
+def ignorable(model: Any, name: str) -> bool:
+    """Whether a saved weight ``name`` that ``model`` has no parameter or buffer for may be left
+    out: the model's own ``_keys_to_ignore_on_load_unexpected`` patterns (its instance's, which
+    ``transformers`` merges from its submodules) or one of :data:`LEGACY_EXTRA`."""
+    patterns = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *LEGACY_EXTRA]
+    return any(re.search(p, name) for p in patterns)
+
+
 def check_pretrained_weights(cfg: Any, model_cls: Any, conf: Any) -> None:
     """``ValueError`` unless the weights of ``cfg.pretrained`` are exactly those of ``model_cls(conf)``
     (names and shapes; a tied weight may be saved under either of its names, a name the class
@@ -174,8 +188,7 @@ def check_pretrained_weights(cfg: Any, model_cls: Any, conf: Any) -> None:
         aliases.setdefault(id(p), []).append(name)
     tied = {n: names for names in aliases.values() for n in names if len(names) > 1}
     missing = sorted(k for k in want if k not in saved and not any(t in saved for t in tied.get(k, ())))
-    ignorable = [re.compile(p) for p in getattr(model_cls, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    extra = sorted(k for k in saved if k not in want and not any(p.search(k) for p in ignorable))
+    extra = sorted(k for k in saved if k not in want and not ignorable(model, k))
     shapes = sorted(
         f"{k} {list(saved[k][1])} (the model: {list(want[k])})" for k in want if k in saved and saved[k][1] != want[k]
     )
@@ -189,4 +202,4 @@ def check_pretrained_weights(cfg: Any, model_cls: Any, conf: Any) -> None:
         )
 
 
-__all__ = ["check_pretrained_weights", "read_saved_config", "saved_weights"]
+__all__ = ["LEGACY_EXTRA", "check_pretrained_weights", "ignorable", "read_saved_config", "saved_weights"]
