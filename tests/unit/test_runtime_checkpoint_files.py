@@ -325,3 +325,16 @@ def test_export_consolidated_writes_whole_files_and_leaves_no_temporary(tmp_path
         export_consolidated(ckpt, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"]  # no .model.pt.tmp<pid> left
     assert torch.equal(torch.load(out)["w"], torch.arange(4.0))  # the previous file untouched
+
+
+def test_a_meta_json_larger_than_any_we_write_is_refused_unread(tmp_path, monkeypatch) -> None:
+    """A ``meta.json`` of more than ``META_LIMIT`` bytes (crafted, or another file under that name)
+    is refused before it is read into memory (before: read whole, whatever its size); the runner
+    reads it before any rank starts to check a resume."""
+    from zeropp.runtime import checkpoint_files as cf
+
+    monkeypatch.setattr(cf, "META_LIMIT", 1024)
+    with open(tmp_path / "meta.json", "wb") as f:
+        f.truncate(1025)  # sparse: no disk used
+    with pytest.raises(ValueError, match=r"meta.json cannot be read \(.*holds 1,025 bytes, more than the 1,024"):
+        cf.read_meta(tmp_path)

@@ -40,6 +40,8 @@ from typing import Any, Iterable
 
 import torch
 
+from zeropp.input_files import read_regular
+
 METADATA = ".metadata"
 """The name DCP gives a checkpoint's (global) metadata file."""
 
@@ -120,13 +122,20 @@ def latest(root: str | os.PathLike) -> Path:
     return d
 
 
+META_LIMIT = 1 << 28
+"""Bytes a ``meta.json`` may have (256 MiB: its per-file checksums and unit layouts stay far below
+that for any model): a larger file is refused before it is read into memory."""
+
+
 def read_meta(d: Path, kind: str | None = None) -> dict:
     """The ``meta.json`` of version folder ``d``, checked for a readable format and, if given, ``kind``."""
     f = d / META
     if f.is_symlink() or not f.is_file():
         raise FileNotFoundError(f"{f} is missing (not a complete checkpoint of this format)")
     try:
-        meta = json.loads(f.read_text())
+        meta = json.loads(read_regular(f, META_LIMIT))
+    except OSError as exc:  # larger than any meta.json this library writes, or unreadable
+        raise ValueError(f"{f} cannot be read ({exc}): not a meta.json of this format") from exc
     except ValueError as exc:
         raise ValueError(f"{f} cannot be read ({type(exc).__name__}: {exc}): the file is corrupt or truncated") from exc
     if not isinstance(meta, dict) or meta.get("format") not in READABLE:
