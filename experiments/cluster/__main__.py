@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -33,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("clean", help="delete stale namespaces (owner process gone)")
     sub.add_parser("down", help="delete every namespace with the prefix")
     a = p.parse_args(argv)
+    try:
+        netns.check_prefix(a.prefix)
+        if a.cmd == "up":  # a bad shape is a usage error before anything is built, not a traceback
+            EmulatedCluster(a.nodes, a.ranks_per_node, a.gbps, a.latency_ms, a.prefix)
+    except ValueError as e:
+        p.error(str(e).replace("cluster.inter_gbps", "--gbps").replace("cluster.inter_latency_ms", "--latency-ms"))
+    if a.cmd == "up" and a.seconds is not None and not (math.isfinite(a.seconds) and a.seconds >= 0):
+        p.error(f"--seconds must be a finite number >= 0, got {a.seconds:g}")
     try:
         if a.cmd == "up":
             with EmulatedCluster(a.nodes, a.ranks_per_node, a.gbps, a.latency_ms, a.prefix) as c:
