@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from zeropp.input_files import read_regular
+from zeropp.input_files import read_json
 from zeropp.output_files import write_output_file
 
 from .spec import Cluster
@@ -180,7 +180,7 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
     version or an invalid figure, naming the file and the key."""
     p = Path(path)
     try:
-        d = json.loads(read_regular(p))
+        d = read_json(p)
     except OSError as e:
         raise ClusterFileError(f"cannot read cluster file {p}: {e.strerror or e}") from None
     except ValueError as e:

@@ -361,10 +361,9 @@ SUMMARY_KEYS = ("label", "config", "step_time_s", "comm_bytes_per_step")
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    import json
     from pathlib import Path
 
-    from zeropp.input_files import read_regular
+    from zeropp.input_files import read_json
 
     from .flags import non_negative, positive_rate
 
@@ -383,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = []
     for p in paths:
         try:
-            summary = json.loads(read_regular(p))
+            summary = read_json(p)
         except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
             ap.exit(2, f"error: {p} cannot be read as a run's summary ({e}); move it away or repair it\n")
         missing = [k for k in SUMMARY_KEYS if k not in summary] if isinstance(summary, dict) else list(SUMMARY_KEYS)
