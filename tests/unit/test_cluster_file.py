@@ -95,6 +95,19 @@ def _edit(tmp_path, change) -> str:
         (lambda d: d["quant_rates"][0].update(gbs=0), "GB/s > 0"),
         (lambda d: d["links"].update(nvlink=d["links"]["intra"]), "give one or more of"),
         (lambda d: d.pop("kind"), "is not a cluster file"),
+        # finite figures the cost model turns into inf / nan step times (before: a table of inf and
+        # 'nanx', exit 0), and JSON values of the wrong type that Python would have taken
+        (lambda d: d["links"]["inter"].update(gbps=1e-320), r"LinkFit.gbps=1e-320; .* from 1e-06 to 100000"),
+        (lambda d: d["links"]["inter"].update(gbps=1e308), r"LinkFit.gbps=1e\+308"),
+        (lambda d: d["links"]["inter"].update(alpha_s=1e308), r"alpha_s=1e\+308; .* <= 10"),
+        (lambda d: d["links"]["inter"].update(gbps=True), "LinkFit.gbps=True"),
+        (lambda d: d["quant_rates"][0].update(gbs="1e-300"), r"'1e-300'\); a rate is"),
+        (lambda d: d["quant_rates"][0].update(gbs=1e-320), "from 1e-06 to 100000 GB/s"),
+        (lambda d: d["quant_rates"][0].pop("gbs"), "a quant_rates entry has no 'gbs'"),
+        (lambda d: d.update(nodes=float("nan")), "nodes=nan, .* whole numbers"),
+        (lambda d: d.update(ranks_per_node=1.5), "ranks_per_node=1.5; use whole numbers"),
+        (lambda d: d["links"]["inter"].update(ranks=float("nan")), "ranks=nan, .*whole numbers"),
+        (lambda d: d.update(backend=["gloo"]), "ClusterFile.backend="),
     ],
 )
 def test_a_bad_cluster_file_is_refused_with_the_key(tmp_path, change, message) -> None:
