@@ -232,16 +232,16 @@ class EmulatedCluster:
     def _build(self) -> None:
         s = self.spec
         sw, bridge = self.switch_namespace, f"{s.prefix}-{self.BRIDGE_SUFFIX}"
-        self._created.append(sw)
         netns.add_namespace(sw)
+        self._created.append(sw)  # after the add: a namespace of that name that was there before is not ours to delete
         netns.add_bridge(sw, bridge)
         prefix_len = ipaddress.ip_network(s.subnet).prefixlen
         # Half the latency on each egress point: node->switch, then switch->other node.
         shaping = netns.Shaping.for_rate(s.inter_gbps, s.inter_latency_ms / 2)
         for i in range(s.nodes):
             ns, port = self.node_namespace(i), f"{s.prefix}-p{i}"
-            self._created.append(ns)
             netns.add_namespace(ns)
+            self._created.append(ns)
             netns.add_uplink(ns, self.interface, sw, port, bridge, f"{self.node_address(i)}/{prefix_len}")
             netns.keep_tcp_window_when_idle(ns)  # a fabric, not a WAN: no slow start after each compute phase
             netns.shape_egress(ns, self.interface, shaping)

@@ -141,6 +141,25 @@ def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clust
 
 
 @needs_netns
+@pytest.mark.parametrize("which", ["switch", "node1", "probe"])
+def test_a_namespace_of_that_name_made_before_is_refused_and_left_untouched(which):
+    """A namespace that exists under a name the emulator is about to use (one left by an earlier
+    process with the same pid, or a user's) is neither entered, emptied nor deleted: the build is
+    refused naming it. Before, the failed build's teardown deleted it (and killed what ran in it)."""
+    c = EmulatedCluster(2, 1, 1.0, probe=False)
+    name = {"switch": c.switch_namespace, "node1": c.node_namespace(1), "probe": f"{PREFIX}-{os.getpid()}-probe"}[which]
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        with pytest.raises(NetnsError, match=f"named {name} exists already .* left untouched"):
+            c.up()
+        assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert [n for n in c.namespaces() if n != name and n in netns.list_namespaces(PREFIX)] == []
+    finally:
+        c.down()
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_owner_tears_down(sig):
     # The owner keeps a SIGINT its parent ignores (a shell's `cmd &` does that, and pytest run that
