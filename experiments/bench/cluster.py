@@ -351,6 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tolerance must be a percentage > 0, got {a.tolerance}")
     if a.coalesce < 0:
         p.error(f"--coalesce must be >= 0 elements, got {a.coalesce}")
+    if a.nodes < 2:  # the runner would refuse each job alike (one node: no link to shape)
+        p.error(f"--nodes {a.nodes}: the emulated cluster shapes the links between nodes; give --nodes >= 2")
     for g in a.gbps:  # every rate is checked before the first run, not by tc when its run builds the cluster
         if why := link_problem(g, a.latency_ms, gbps_key="--gbps", latency_key="--latency-ms"):
             p.error(why)

@@ -161,5 +161,20 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
+    check_emulated_nodes(rc)
     if local:
         check_local_ranks(rc)
+
+
+def check_emulated_nodes(rc: RunConfig) -> None:
+    """``cluster=emulated`` shapes the links *between* nodes: with one node there is none, so the
+    run would be a plain local run that records a link rate (``cluster.inter_gbps``) nothing
+    crossed, which ``scaling_check`` then reads as the run's cross-node rate. Refused, as
+    ``bench_comm --cluster emulated --nodes 1`` is."""
+    t = rc.topology
+    if rc.cluster.name == "emulated" and t.nodes < 2:
+        raise ConfigError(
+            f"invalid config: cluster=emulated with topology {t.nodes}x{t.ranks_per_node} has one node, so no "
+            f"link is shaped and cluster.inter_gbps={rc.cluster.inter_gbps:g} would do nothing; use topology.nodes "
+            ">= 2 (e.g. topology=2x2), or cluster=local for one node"
+        )

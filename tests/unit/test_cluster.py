@@ -76,3 +76,12 @@ def test_the_cluster_command_refuses_a_bad_prefix_or_shape_with_usage_exit_2(cap
             cluster_cli(argv)
         assert e.value.code == 2
         assert "error: " in capsys.readouterr().err
+
+
+def test_bench_cluster_refuses_one_node_as_a_usage_error(capsys):
+    """One node has no cross-node link: before, every job failed alike in the runner."""
+    from zeropp.experiments.bench import cluster as bench_cluster
+
+    with pytest.raises(SystemExit) as e:
+        bench_cluster.parse_args(["--nodes", "1"])
+    assert e.value.code == 2 and "--nodes >= 2" in capsys.readouterr().err
