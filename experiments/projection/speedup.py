@@ -182,7 +182,7 @@ def main(
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--gbps", type=positive_rate, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC"
+        "--gbps", type=positive_rate, nargs="+", default=None, help="Gbit/s of one cross-node NIC (default 100 400)"
     )
     ap.add_argument("--ranks-per-node", type=positive_count, default=8)
     ap.add_argument(
@@ -207,6 +207,7 @@ def main(
         "bandwidths and quantization rates replace the hand-set constants (its inter-node rate replaces --gbps)",
     )
     a = ap.parse_args(argv)
+    given_gbps, a.gbps = a.gbps is not None, a.gbps or [100.0, 400.0]
     if len(set(a.gbps)) != len(a.gbps):
         ap.error(
             f"--gbps {' '.join(f'{g:g}' for g in a.gbps)} repeats a rate (its rows would print twice); give each once"
@@ -224,6 +225,11 @@ def main(
         cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
     except ClusterFileError as e:
         ap.exit(2, f"error: {e}\n")
+    if given_gbps and cf is not None and "inter" in cf.links:  # the file's rate wins: the flag would do nothing
+        ap.error(
+            f"--gbps {' '.join(f'{g:g}' for g in a.gbps)} does nothing with --cluster-file {a.cluster_file}, whose "
+            f"inter-node rate ({cf.links['inter'].gbps:.4g} Gbit/s) replaces it: remove --gbps, or the file"
+        )
     if projector is not None and a.overlap:
         ap.error(
             "--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "

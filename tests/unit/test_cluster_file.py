@@ -189,3 +189,18 @@ def test_the_scaling_cli_refuses_a_bad_file(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--cluster-file", str(bad), "--plot", ""])
     assert e.value.code == 2 and "version 7" in capsys.readouterr().err
+
+
+def test_the_scaling_cli_refuses_a_gbps_the_files_rate_replaces(tmp_path, capsys) -> None:
+    """``scaling --gbps 5 --cluster-file c.json``: the file's inter-node rate replaced the typed one
+    silently (the table's rows were at 0.9 Gbit/s). A file without an inter-node fit keeps --gbps."""
+    from zeropp.experiments.projection.speedup import main
+
+    p = tmp_path / "c.json"
+    write_cluster_file(p, _file())
+    with pytest.raises(SystemExit) as e:
+        main(["--gbps", "5", "--cluster-file", str(p), "--plot", ""])
+    assert e.value.code == 2 and "--gbps 5 does nothing with --cluster-file" in capsys.readouterr().err
+    write_cluster_file(p, _file(links={"intra": LinkFit(alpha_s=40e-6, gbps=2.5)}))
+    main(["--gbps", "5", "--cluster-file", str(p), "--plot", "", "--max-gpus", "16"])
+    assert "     5 " in capsys.readouterr().out
