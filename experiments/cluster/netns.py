@@ -93,9 +93,13 @@ def require_privileges(prefix: str = "zpp") -> None:
         )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise ClusterPrivilegeError(
-            f"{' and '.join(missing)} not found on PATH: install iproute2 (`apt-get install -y iproute2`). {LOCAL_HINT}"
+        elsewhere = [d for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin") if os.access(f"{d}/{missing[0]}", os.X_OK)]
+        fix = (  # installed but off PATH (sudo's or cron's PATH, a venv's wrapper): say so, not "install it"
+            f"found in {elsewhere[0]}, which is not on PATH ({os.environ.get('PATH', '')}): add {elsewhere[0]} to PATH"
+            if elsewhere
+            else "install iproute2 (`apt-get install -y iproute2`)"
         )
+        raise ClusterPrivilegeError(f"{' and '.join(missing)} not found on PATH: {fix}. {LOCAL_HINT}")
     trial = f"{prefix}-{os.getpid()}-probe"
     refuse_existing(trial)
     try:

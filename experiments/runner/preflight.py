@@ -161,8 +161,9 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
-    check_emulated_nodes(rc)
-    if local:
+    if local:  # under torchrun cluster=emulated is refused as such (run.execute)
+        check_emulated_nodes(rc)
+        check_emulated_privileges(rc)
         check_local_ranks(rc)
 
 
@@ -178,3 +179,17 @@ def check_emulated_nodes(rc: RunConfig) -> None:
             f"link is shaped and cluster.inter_gbps={rc.cluster.inter_gbps:g} would do nothing; use topology.nodes "
             ">= 2 (e.g. topology=2x2), or cluster=local for one node"
         )
+
+
+def check_emulated_privileges(rc: RunConfig) -> None:
+    """``cluster=emulated`` needs root and iproute2: checked here, so the refusal (``netns``'s
+    message, which says how to run with ``cluster=local``) comes before the run directory gets its
+    ``ranks/`` and the runner announces a run, as every other host check does."""
+    if rc.cluster.name != "emulated":
+        return
+    from ..cluster.netns import ClusterPrivilegeError, require_privileges
+
+    try:
+        require_privileges()
+    except ClusterPrivilegeError as e:
+        raise ConfigError(f"cluster=emulated cannot build its namespaces: {e}") from None

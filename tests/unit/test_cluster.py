@@ -7,6 +7,7 @@ Here: the one-process checks. The topic's full description and its end-to-end ch
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -85,3 +86,24 @@ def test_bench_cluster_refuses_one_node_as_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench_cluster.parse_args(["--nodes", "1"])
     assert e.value.code == 2 and "--nodes >= 2" in capsys.readouterr().err
+
+
+def test_ip_and_tc_off_path_are_named_where_they_are(monkeypatch, tmp_path):
+    """iproute2 installed but not on PATH (sudo's or cron's PATH): the error said to install it."""
+    if not os.access("/usr/sbin/ip", os.X_OK) and not os.access("/sbin/ip", os.X_OK):
+        pytest.skip("needs iproute2 installed in /usr/sbin or /sbin")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ClusterPrivilegeError, match=rf"found in /(usr/)?sbin, which is not on PATH \({tmp_path}\)"):
+        netns.require_privileges()
+
+
+def test_the_runner_refuses_an_emulated_run_without_privileges_before_the_run_starts(monkeypatch, tmp_path, capfd):
+    """Before: the runner announced the run (`zeropp: ... -> DIR`) and wrote DIR/ranks/spec.json,
+    and only the emulator's build said it needs root; now it is a host check like the others."""
+    from tests.cli_helpers import run_cli
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    code, err = run_cli(["cluster=emulated", "topology=2x2", "model=tiny"], tmp_path / "run", monkeypatch, capfd)
+    assert code == 2 and "error: cluster=emulated cannot build its namespaces:" in err and "needs root" in err
+    assert "zeropp: " not in err and not (tmp_path / "run" / "ranks").exists()
