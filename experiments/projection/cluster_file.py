@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 from zeropp.input_files import read_json
 from zeropp.output_files import write_output_file
 
+from .flags import LINK_GBPS
 from .spec import Cluster
 
 VERSION = 1
@@ -47,8 +48,8 @@ class ClusterFileError(ValueError):
     """A cluster file that cannot be used: the message names the file, the key and the fix."""
 
 
-GBPS_RANGE = (1e-6, 1e5)
-"""Link bandwidths a cluster file may hold, Gbit/s: 1 kbit/s to 100 Tbit/s (NVLink's bus rate is
+GBPS_RANGE = LINK_GBPS
+"""Link bandwidths a cluster file may hold, Gbit/s (those the commands take): 1 kbit/s to 100 Tbit/s (NVLink's bus rate is
 some 4 Tbit/s). Outside, the figure is a corrupt or crafted file or a unit slip, and the cost model
 would turn it into a step time of 0 or inf (a table of ``inf`` and ``nanx``, exit 0)."""
 ALPHA_MAX_S = 10.0

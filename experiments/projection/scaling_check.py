@@ -378,14 +378,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from zeropp.input_files import read_json
 
-    from .flags import non_negative, positive_rate
+    from .flags import link_rate, non_negative
 
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling_check", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "runs", type=path_text_arg, metavar="DIR", help="check the model against every summary.json under DIR"
     )
-    ap.add_argument("--cross-gbps", type=positive_rate, default=None, help="link rate of cluster=local runs, Gbit/s")
-    ap.add_argument("--intra-gbps", type=positive_rate, default=20.0, help="intra-node (loopback) rate, Gbit/s")
+    ap.add_argument("--cross-gbps", type=link_rate, default=None, help="link rate of cluster=local runs, Gbit/s")
+    ap.add_argument("--intra-gbps", type=link_rate, default=20.0, help="intra-node (loopback) rate, Gbit/s")
     ap.add_argument("--alpha", type=non_negative, default=100e-6, help="seconds per message step")
     ap.add_argument("--calibrate", action="store_true", help="fit --alpha and --intra-gbps on these runs first")
     a = ap.parse_args(argv)

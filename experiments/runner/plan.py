@@ -37,7 +37,7 @@ from zeropp.output_files import OutputFileError, check_output_files, path_text_a
 
 from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
-from ..projection.flags import positive_rate
+from ..projection.flags import compute_rate, link_rate
 from .config import ConfigError, RunConfig, without_hydra
 from .plan_draw import LANES, check_plannable, chrome_trace, model_units, plan_outputs, plot, project
 
@@ -53,9 +53,9 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument(
         "--out", type=path_text_arg, default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json"
     )
-    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per rank")
+    ap.add_argument("--tflops", type=compute_rate, default=50.0, help="achieved compute TFLOP/s per rank")
     ap.add_argument(
-        "--gbps", type=positive_rate, default=None, help="cross-node NIC rate, Gbit/s (cluster=local; default 100)"
+        "--gbps", type=link_rate, default=None, help="cross-node NIC rate, Gbit/s (cluster=local; default 100)"
     )
     ap.add_argument(
         "--cluster-file",
