@@ -63,6 +63,17 @@ def link_problem(gbps: float, latency_ms: float, *, gbps_key: str, latency_key: 
     return None
 
 
+class ClusterInterrupted(SystemExit):
+    """SIGINT / SIGTERM reached the cluster's owner while the cluster was up and no other handler
+    was installed: the cluster is torn down and this ends the process with 128 + N, as the signal
+    would have. A caller that reports interruptions (the runner) turns it into its own one line;
+    before, the process ended silently with 143."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """What to emulate. inter_latency_ms is one-way node-to-node latency (RTT = 2x)."""
@@ -309,4 +320,4 @@ class EmulatedCluster:
         if callable(prev):
             prev(signum, frame)  # e.g. Python's default SIGINT handler raises KeyboardInterrupt
         else:
-            raise SystemExit(128 + signum)
+            raise ClusterInterrupted(signum)

@@ -186,6 +186,38 @@ def test_signal_to_the_owner_tears_down(sig):
 
 
 @needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_runner_builds_the_cluster_is_one_error_line(sig, tmp_path):
+    """SIGTERM while the runner's emulated cluster is built or probed (before the launcher's own
+    handlers) ended the runner silently with 143 (SIGINT already ended in one line, through
+    KeyboardInterrupt). Now one ``error: interrupted by SIG...`` line, 128 + N, nothing left behind."""
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "zeropp.experiments.run", "cluster=emulated", "topology=2x2", "model=tiny"]
+        + ["train.steps=5", f"hydra.run.dir={tmp_path / 'run'}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == runner.pid]  # noqa: E731
+        deadline = time.monotonic() + 60
+        while len(mine()) < 3 and runner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the node namespaces exist: the build or the probe is under way
+        assert len(mine()) == 3, runner.stderr.read() if runner.poll() is not None else "never built"
+        runner.send_signal(sig)
+        _, err = runner.communicate(timeout=60)
+        assert runner.returncode == 128 + sig, err
+        assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {sig.name}"), err
+        assert "Traceback" not in err and mine() == []
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait(timeout=10)
+        netns.clean(PREFIX)
+
+
+@needs_netns
 def test_latency_is_applied_or_refused_clearly(clusters):
     if not netns.qdisc_supported("netem", PREFIX):
         with pytest.raises(NetnsError, match="netem"):
