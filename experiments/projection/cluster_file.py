@@ -32,6 +32,7 @@ from zeropp.input_files import read_json
 from zeropp.output_files import write_output_file
 
 from .flags import LINK_GBPS
+from .scaling import QUANT_OPS, known_formats
 from .spec import Cluster
 
 VERSION = 1
@@ -129,6 +130,11 @@ class ClusterFile:
             lo, hi = RATE_RANGE
             if not (isinstance(op, str) and isinstance(fmt, str) and _real(gbs) and math.isfinite(gbs)):
                 raise ValueError(f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; a rate is (op, format, GB/s > 0)")
+            if op not in QUANT_OPS or fmt not in known_formats():  # a rate never looked up would be ignored
+                raise ValueError(
+                    f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; the op is one of {', '.join(QUANT_OPS)} "
+                    f"and the format one of {', '.join(sorted(known_formats()))}"
+                )
             if not lo <= gbs <= hi:
                 raise ValueError(
                     f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; a rate is (op, format, GB/s > 0), "

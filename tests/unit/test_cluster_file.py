@@ -108,6 +108,9 @@ def _edit(tmp_path, change) -> str:
         (lambda d: d.update(ranks_per_node=1.5), "ranks_per_node=1.5; use whole numbers"),
         (lambda d: d["links"]["inter"].update(ranks=float("nan")), "ranks=nan, .*whole numbers"),
         (lambda d: d.update(backend=["gloo"]), "ClusterFile.backend="),
+        # a rate under an op or format the model never looks up was silently ignored
+        (lambda d: d["quant_rates"][0].update(op="bogus"), "the op is one of quantize, dequantize"),
+        (lambda d: d["quant_rates"][0].update(format="int3"), "the format one of fp8, int4, int8"),
     ],
 )
 def test_a_bad_cluster_file_is_refused_with_the_key(tmp_path, change, message) -> None:
