@@ -167,7 +167,7 @@ def test_signal_to_the_owner_tears_down(sig):
     owner = subprocess.Popen(
         [sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2", "--ranks-per-node", "1"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -176,8 +176,10 @@ def test_signal_to_the_owner_tears_down(sig):
         assert owner.stdout.readline()  # summary printed: the cluster is up and probed
         assert len(mine()) == 3
         owner.send_signal(sig)
-        owner.wait(timeout=30)
+        _, err = owner.communicate(timeout=30)
         assert mine() == []
+        # Ctrl-C is how `up` is ended: one line and 128 + N (before: a KeyboardInterrupt traceback)
+        assert err == f"error: interrupted by {sig.name}; the cluster was removed\n" and owner.returncode == 128 + sig
     finally:
         if owner.poll() is None:
             owner.kill()
