@@ -6,16 +6,21 @@ Reading a path blindly hangs on a FIFO (a read waits for a writer forever), neve
 ``/dev/zero`` and exhausts memory on a huge file, whatever the name says; a mistyped path, a
 symlink left behind or a scratch pipe is enough to meet one. :func:`read_regular` opens without
 blocking, looks at what it opened, and refuses anything but a regular file of at most ``limit``
-bytes with an ``OSError`` whose text says what the path is.
+bytes with an ``OSError`` whose text says what the path is. :func:`parse_json` and
+:func:`read_json` parse such bytes as JSON (only parsed: nothing in them runs), turning the
+``RecursionError`` of a deeply nested document (``[[[[...`` a few thousand deep) into the
+``ValueError`` of any other malformed JSON, which every reader reports in one line.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+from typing import Any
 
-__all__ = ["MAX_BYTES", "read_head", "read_regular"]
+__all__ = ["MAX_BYTES", "parse_json", "read_head", "read_json", "read_regular"]
 
 MAX_BYTES = 256 << 20
 """The largest such file read (256 MiB): far above any summary or cluster file, well below memory."""
@@ -73,3 +78,17 @@ def read_regular(path: str | os.PathLike[str], limit: int = MAX_BYTES) -> bytes:
         return data
     finally:
         os.close(fd)
+
+
+def parse_json(data: bytes | str) -> Any:
+    """``json.loads(data)``, with a document nested too deeply for the parser (a crafted or corrupt
+    file) raised as ``ValueError`` like any other malformed JSON, not as ``RecursionError``."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply to be parsed (a corrupt or crafted file)") from None
+
+
+def read_json(path: str | os.PathLike[str], limit: int = MAX_BYTES) -> Any:
+    """:func:`parse_json` of :func:`read_regular` (``OSError`` / ``ValueError`` as those raise)."""
+    return parse_json(read_regular(path, limit))

@@ -59,6 +59,7 @@ from typing import Any, NoReturn
 
 from zeropp.output_files import path_text_arg, write_output_file
 
+from ..cluster.emulator import link_problem
 from ..cluster.netns import ClusterPrivilegeError, NetnsError, require_privileges
 from ..launch.command import run_command
 from ..projection.calibration import measure_loopback_gbps
@@ -350,8 +351,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tolerance must be a percentage > 0, got {a.tolerance}")
     if a.coalesce < 0:
         p.error(f"--coalesce must be >= 0 elements, got {a.coalesce}")
-    if not all(g > 0 for g in a.gbps):
-        p.error(f"every --gbps rate must be > 0, got {a.gbps}")
+    if a.nodes < 2:  # the runner would refuse each job alike (one node: no link to shape)
+        p.error(f"--nodes {a.nodes}: the emulated cluster shapes the links between nodes; give --nodes >= 2")
+    for g in a.gbps:  # every rate is checked before the first run, not by tc when its run builds the cluster
+        if why := link_problem(g, a.latency_ms, gbps_key="--gbps", latency_key="--latency-ms"):
+            p.error(why)
     check_fresh_out(p, a.out, [*(["local"] if a.check else []), *(f"{g:g}gbps" for g in a.gbps)])
     check_json_output(p, a.json, "--json", json_with_keys("args", "rows"))
     return a

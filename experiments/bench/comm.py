@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 
 from zeropp.output_files import path_text_arg, write_output_file
 
+from ..cluster.emulator import link_problem
 from ..launch import ModuleEntry, RankFailure, RunInterrupted, in_torchrun, launch_world
 from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFile, is_cluster_file, link_fit, write_cluster_file
@@ -210,6 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_local_ranks(p, a.spec.world)
     if a.cluster == "emulated" and not (math.isfinite(a.gbps) and a.gbps > 0 and a.nodes >= 2):
         p.error(f"--cluster emulated needs --nodes >= 2 and a finite --gbps > 0, got {a.nodes} and {a.gbps}")
+    if a.cluster == "emulated" and (
+        why := link_problem(a.gbps, a.latency_ms, gbps_key="--gbps", latency_key="--latency-ms")
+    ):
+        p.error(why)  # a rate tc cannot shape (a unit slip): refused here, not by tc once the world is up
     if a.calibrate and "all_gather" not in a.ops:
         p.error("--calibrate fits the plain all-gathers: keep all_gather in --ops")
     check_json_output(p, a.json, "--json", JSON_SHAPE)

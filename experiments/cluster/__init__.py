@@ -20,17 +20,31 @@ This package does not import the launcher, so the launcher can import it.
 CLI: ``python -m experiments.cluster up|down|status|clean`` (see ``__main__.py``).
 """
 
-from .emulator import DEFAULT_SUBNET, ClusterSpec, EmulatedCluster
+from .emulator import (
+    DEFAULT_SUBNET,
+    MAX_GBPS,
+    MAX_LATENCY_MS,
+    MIN_GBPS,
+    ClusterInterrupted,
+    ClusterSpec,
+    EmulatedCluster,
+    link_problem,
+)
 from .netns import ClusterPrivilegeError, NetnsError, clean, list_namespaces, require_privileges, stale_namespaces
 from .probe import measure_rtt, measure_throughput
 
 __all__ = [
     "DEFAULT_SUBNET",
+    "MAX_GBPS",
+    "MAX_LATENCY_MS",
+    "MIN_GBPS",
+    "ClusterInterrupted",
     "ClusterPrivilegeError",
     "ClusterSpec",
     "EmulatedCluster",
     "NetnsError",
     "clean",
+    "link_problem",
     "list_namespaces",
     "measure_rtt",
     "measure_throughput",

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
 import sys
 import time
 
 from . import netns
-from .emulator import EmulatedCluster
+from .emulator import ClusterInterrupted, EmulatedCluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,13 +36,29 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="delete every namespace with the prefix")
     a = p.parse_args(argv)
     try:
+        netns.check_prefix(a.prefix)
+        if a.cmd == "up":  # a bad shape is a usage error before anything is built, not a traceback
+            EmulatedCluster(a.nodes, a.ranks_per_node, a.gbps, a.latency_ms, a.prefix)
+    except ValueError as e:
+        p.error(str(e).replace("cluster.inter_gbps", "--gbps").replace("cluster.inter_latency_ms", "--latency-ms"))
+    if a.cmd == "up" and a.seconds is not None and not (math.isfinite(a.seconds) and a.seconds >= 0):
+        p.error(f"--seconds must be a finite number >= 0, got {a.seconds:g}")
+    try:
         if a.cmd == "up":
-            with EmulatedCluster(a.nodes, a.ranks_per_node, a.gbps, a.latency_ms, a.prefix) as c:
-                print(json.dumps(c.summary(), indent=2), flush=True)
-                print(f"enter node 0: {' '.join(c.rank_command_prefix(0))} bash   (Ctrl-C here tears down)", flush=True)
-                deadline = None if a.seconds is None else time.monotonic() + a.seconds
-                while deadline is None or time.monotonic() < deadline:
-                    time.sleep(0.2)
+            try:
+                with EmulatedCluster(a.nodes, a.ranks_per_node, a.gbps, a.latency_ms, a.prefix) as c:
+                    print(json.dumps(c.summary(), indent=2), flush=True)
+                    print(
+                        f"enter node 0: {' '.join(c.rank_command_prefix(0))} bash   (Ctrl-C here tears down)",
+                        flush=True,
+                    )
+                    deadline = None if a.seconds is None else time.monotonic() + a.seconds
+                    while deadline is None or time.monotonic() < deadline:
+                        time.sleep(0.2)
+            except (KeyboardInterrupt, ClusterInterrupted) as e:  # the way to end `up`: one line, not a traceback
+                signum = e.signum if isinstance(e, ClusterInterrupted) else signal.SIGINT
+                print(f"error: interrupted by {signal.Signals(signum).name}; the cluster was removed", file=sys.stderr)
+                return 128 + signum
             return 0
         if a.cmd == "status":
             names = netns.list_namespaces(a.prefix)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import itertools
+import math
 import os
 import signal
 import sys
@@ -38,6 +39,39 @@ from . import netns
 from .probe import measure_rtt, measure_throughput
 
 DEFAULT_SUBNET = "10.213.0.0/24"
+
+MIN_GBPS, MAX_GBPS = 1e-3, 400.0
+"""Cross-node rates the emulator shapes, Gbit/s. tbf needs at least a byte per second and sizes
+its queue (50 ms of traffic, :class:`netns.Shaping`) in 32-bit bytes, which overflows above about
+680 Gbit/s; one host's loopback carries far less than 400 anyway. A rate outside is nearly always
+a unit slip (bit/s or Mbit/s typed where Gbit/s is meant), refused before anything is built rather
+than reported by ``tc`` after the namespaces are up."""
+MAX_LATENCY_MS = 1000.0
+"""Largest one-way cross-node latency, ms: a second is beyond any cluster fabric (a unit slip, s or
+us typed as ms), and a step would spend its collective timeout waiting."""
+
+
+def link_problem(gbps: float, latency_ms: float, *, gbps_key: str, latency_key: str) -> str | None:
+    """Why ``gbps`` / ``latency_ms`` cannot be emulated (naming the caller's keys), or None."""
+    if not (math.isfinite(gbps) and MIN_GBPS <= gbps <= MAX_GBPS):
+        return (
+            f"{gbps_key}={gbps:g} is not a rate the emulator can shape: give Gbit/s from {MIN_GBPS:g} to "
+            f"{MAX_GBPS:g} (1 Gbit/s is 1, not 1e9)"
+        )
+    if not (math.isfinite(latency_ms) and 0 <= latency_ms <= MAX_LATENCY_MS):
+        return f"{latency_key}={latency_ms:g} is not a one-way latency the emulator adds: give ms from 0 to {MAX_LATENCY_MS:g}"
+    return None
+
+
+class ClusterInterrupted(SystemExit):
+    """SIGINT / SIGTERM reached the cluster's owner while the cluster was up and no other handler
+    was installed: the cluster is torn down and this ends the process with 128 + N, as the signal
+    would have. A caller that reports interruptions (the runner) turns it into its own one line;
+    before, the process ended silently with 143."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -58,10 +92,14 @@ class ClusterSpec:
             raise ValueError(
                 f"cluster needs nodes >= 1 and ranks_per_node >= 1, got {self.nodes}x{self.ranks_per_node}"
             )
-        if not self.inter_gbps > 0:
-            raise ValueError(f"cluster.inter_gbps must be > 0 (Gbit/s), got {self.inter_gbps}")
-        if self.inter_latency_ms < 0:
-            raise ValueError(f"cluster.inter_latency_ms must be >= 0, got {self.inter_latency_ms}")
+        problem = link_problem(
+            self.inter_gbps,
+            self.inter_latency_ms,
+            gbps_key="cluster.inter_gbps",
+            latency_key="cluster.inter_latency_ms",
+        )
+        if problem:
+            raise ValueError(problem)
         net = ipaddress.ip_network(self.subnet)
         if not net.is_private or net.num_addresses - 2 < self.nodes:
             raise ValueError(f"subnet {self.subnet} must be private and hold {self.nodes} node addresses")
@@ -205,16 +243,16 @@ class EmulatedCluster:
     def _build(self) -> None:
         s = self.spec
         sw, bridge = self.switch_namespace, f"{s.prefix}-{self.BRIDGE_SUFFIX}"
-        self._created.append(sw)
         netns.add_namespace(sw)
+        self._created.append(sw)  # after the add: a namespace of that name that was there before is not ours to delete
         netns.add_bridge(sw, bridge)
         prefix_len = ipaddress.ip_network(s.subnet).prefixlen
         # Half the latency on each egress point: node->switch, then switch->other node.
         shaping = netns.Shaping.for_rate(s.inter_gbps, s.inter_latency_ms / 2)
         for i in range(s.nodes):
             ns, port = self.node_namespace(i), f"{s.prefix}-p{i}"
-            self._created.append(ns)
             netns.add_namespace(ns)
+            self._created.append(ns)
             netns.add_uplink(ns, self.interface, sw, port, bridge, f"{self.node_address(i)}/{prefix_len}")
             netns.keep_tcp_window_when_idle(ns)  # a fabric, not a WAN: no slow start after each compute phase
             netns.shape_egress(ns, self.interface, shaping)
@@ -282,4 +320,4 @@ class EmulatedCluster:
         if callable(prev):
             prev(signum, frame)  # e.g. Python's default SIGINT handler raises KeyboardInterrupt
         else:
-            raise SystemExit(128 + signum)
+            raise ClusterInterrupted(signum)

@@ -93,10 +93,15 @@ def require_privileges(prefix: str = "zpp") -> None:
         )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise ClusterPrivilegeError(
-            f"{' and '.join(missing)} not found on PATH: install iproute2 (`apt-get install -y iproute2`). {LOCAL_HINT}"
+        elsewhere = [d for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin") if os.access(f"{d}/{missing[0]}", os.X_OK)]
+        fix = (  # installed but off PATH (sudo's or cron's PATH, a venv's wrapper): say so, not "install it"
+            f"found in {elsewhere[0]}, which is not on PATH ({os.environ.get('PATH', '')}): add {elsewhere[0]} to PATH"
+            if elsewhere
+            else "install iproute2 (`apt-get install -y iproute2`)"
         )
+        raise ClusterPrivilegeError(f"{' and '.join(missing)} not found on PATH: {fix}. {LOCAL_HINT}")
     trial = f"{prefix}-{os.getpid()}-probe"
+    refuse_existing(trial)
     try:
         run(["ip", "netns", "add", trial])
     except NetnsError as e:
@@ -104,8 +109,7 @@ def require_privileges(prefix: str = "zpp") -> None:
             f"cannot create a network namespace here ({e}); containers need --privileged or CAP_SYS_ADMIN "
             f"+ CAP_NET_ADMIN. {LOCAL_HINT}"
         ) from e
-    finally:
-        run(["ip", "netns", "del", trial], check=False)
+    run(["ip", "netns", "del", trial], check=False)  # only once made here: a namespace of that name before is not ours
 
 
 def qdisc_supported(kind: str, prefix: str = "zpp") -> bool:
@@ -114,6 +118,7 @@ def qdisc_supported(kind: str, prefix: str = "zpp") -> bool:
     Tested on a veth inside a throw-away namespace of ours, never on a real interface.
     """
     ns = f"{prefix}-{os.getpid()}-qcheck"
+    refuse_existing(ns)
     run(["ip", "netns", "add", ns])
     try:
         # a veth pair (always available where the emulator works at all; `dummy` often is not)
@@ -194,9 +199,33 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def refuse_existing(ns: str) -> None:
+    """Raise :class:`NetnsError` when a namespace named ``ns`` exists already.
+
+    Names carry this process's pid, so one that exists before this process made it belongs to
+    someone else: a user's, or one left by an earlier process that had the same pid (pids are
+    reused, and such a leftover looks live to :func:`stale_namespaces`). It is neither entered,
+    emptied nor deleted; the user is told how to remove it if it is a leftover.
+    """
+    if ns in run(["ip", "netns", "list"]).stdout.split():
+        raise NetnsError(
+            f"a network namespace named {ns} exists already and was not made by this process (a leftover "
+            f"of an earlier process with the same pid, or someone else's); it was left untouched. If nothing "
+            f"uses it (`ip netns pids {ns}` prints nothing), remove it with `ip netns del {ns}` and run again"
+        )
+
+
 def add_namespace(ns: str) -> None:
+    """Create ``ns`` (refused if it exists: :func:`refuse_existing`) with its loopback up; on a
+    failure after the creation, the new namespace is deleted again, so the caller owns a namespace
+    exactly when this returns."""
+    refuse_existing(ns)
     run(["ip", "netns", "add", ns])
-    ip_ns(ns, "link", "set", "lo", "up")
+    try:
+        ip_ns(ns, "link", "set", "lo", "up")
+    except BaseException:
+        run(["ip", "netns", "del", ns], check=False)
+        raise
 
 
 def delete_namespace(ns: str) -> None:

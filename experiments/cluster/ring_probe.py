@@ -124,11 +124,23 @@ def main(argv: list[str] | None = None) -> None:
     if a.rank_main:
         _rank_main(a.nbytes, a.repeats)
         return
-    from . import EmulatedCluster
+    from . import EmulatedCluster, NetnsError, link_problem
 
+    # every flag before the first cluster is built (before: a ValueError traceback for --gbps 0, and
+    # --nodes 1 built a cluster without a cross-node link and then blamed its probe)
+    if a.nodes < 2 or a.ranks_per_node < 1:
+        ap.error(f"--nodes {a.nodes} --ranks-per-node {a.ranks_per_node}: the probe needs >= 2 nodes of >= 1 rank")
+    if a.nbytes < 1 or a.repeats < 1:
+        ap.error(f"--nbytes {a.nbytes} --repeats {a.repeats}: give counts >= 1")
     for g in a.gbps:
-        with EmulatedCluster(a.nodes, a.ranks_per_node, g) as c:
-            tcp = c.measured_gbps
+        if why := link_problem(g, 0.0, gbps_key="--gbps", latency_key="--latency-ms"):
+            ap.error(why)
+    for g in a.gbps:
+        try:
+            with EmulatedCluster(a.nodes, a.ranks_per_node, g) as c:
+                tcp = c.measured_gbps
+        except NetnsError as e:  # no root, no iproute2, a namespace name in use: what to change, no traceback
+            raise SystemExit(f"error: {e}") from None
         if tcp is None:
             raise SystemExit(f"error: the {g:g} Gbit/s cluster measured no TCP rate (its link probe did not run)")
         ring = measure_ring_gbps(a.nodes, a.ranks_per_node, g, nbytes=a.nbytes, repeats=a.repeats)

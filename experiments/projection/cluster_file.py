@@ -28,9 +28,11 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from zeropp.input_files import read_regular
+from zeropp.input_files import read_json
 from zeropp.output_files import write_output_file
 
+from .flags import LINK_GBPS
+from .scaling import QUANT_OPS, known_formats
 from .spec import Cluster
 
 VERSION = 1
@@ -47,6 +49,27 @@ class ClusterFileError(ValueError):
     """A cluster file that cannot be used: the message names the file, the key and the fix."""
 
 
+GBPS_RANGE = LINK_GBPS
+"""Link bandwidths a cluster file may hold, Gbit/s (those the commands take): 1 kbit/s to 100 Tbit/s (NVLink's bus rate is
+some 4 Tbit/s). Outside, the figure is a corrupt or crafted file or a unit slip, and the cost model
+would turn it into a step time of 0 or inf (a table of ``inf`` and ``nanx``, exit 0)."""
+ALPHA_MAX_S = 10.0
+"""Largest latency of one message step, seconds (a fabric's is microseconds; a ring's whole
+start-up at 1000 nodes is well below this)."""
+RATE_RANGE = (1e-6, 1e5)
+"""Codec rates a cluster file may hold, GB/s of full-precision input (a GPU kernel reaches some
+3000)."""
+
+
+def _real(x: object) -> bool:
+    """A JSON number (not a bool, which JSON keeps apart and Python counts as an int; not a string)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkFit:
     """Latency and bandwidth of one link class, fitted on a size sweep."""
@@ -61,12 +84,19 @@ class LinkFit:
     """Sizes the fit used (0: set by hand)."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
-            raise ValueError(f"LinkFit.alpha_s={self.alpha_s!r}; a latency is a finite number of seconds >= 0")
-        if not (math.isfinite(self.gbps) and self.gbps > 0):
-            raise ValueError(f"LinkFit.gbps={self.gbps!r}; a bandwidth is a finite rate > 0 Gbit/s")
-        if self.ranks < 2 or self.points < 0:
-            raise ValueError(f"LinkFit ranks={self.ranks}, points={self.points}; a link joins >= 2 ranks")
+        if not (_real(self.alpha_s) and math.isfinite(self.alpha_s) and 0 <= self.alpha_s <= ALPHA_MAX_S):
+            raise ValueError(
+                f"LinkFit.alpha_s={self.alpha_s!r}; a latency is a finite number of seconds >= 0 and <= {ALPHA_MAX_S:g}"
+            )
+        lo, hi = GBPS_RANGE
+        if not (_real(self.gbps) and math.isfinite(self.gbps) and lo <= self.gbps <= hi):
+            raise ValueError(
+                f"LinkFit.gbps={self.gbps!r}; a bandwidth is a finite rate > 0 Gbit/s, from {lo:g} to {hi:g}"
+            )
+        if not (_count(self.ranks) and _count(self.points) and self.ranks >= 2 and self.points >= 0):
+            raise ValueError(
+                f"LinkFit ranks={self.ranks!r}, points={self.points!r}; a link joins >= 2 ranks (whole numbers)"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,14 +117,29 @@ class ClusterFile:
     """Free-form provenance (command, host, date); not read by the model."""
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.ranks_per_node < 1:
-            raise ValueError(f"ClusterFile nodes={self.nodes}, ranks_per_node={self.ranks_per_node}; use >= 1")
+        if not (_count(self.nodes) and _count(self.ranks_per_node) and self.nodes >= 1 and self.ranks_per_node >= 1):
+            raise ValueError(
+                f"ClusterFile nodes={self.nodes!r}, ranks_per_node={self.ranks_per_node!r}; use whole numbers >= 1"
+            )
+        if not isinstance(self.backend, str):
+            raise ValueError(f"ClusterFile.backend={self.backend!r}; name the backend (gloo, nccl)")
         unknown = set(self.links) - set(LINK_CLASSES)
         if unknown or not self.links:
             raise ValueError(f"ClusterFile.links={sorted(self.links)}; give one or more of {LINK_CLASSES}")
         for op, fmt, gbs in self.quant_rates:
-            if not (isinstance(op, str) and isinstance(fmt, str) and math.isfinite(gbs) and gbs > 0):
+            lo, hi = RATE_RANGE
+            if not (isinstance(op, str) and isinstance(fmt, str) and _real(gbs) and math.isfinite(gbs)):
                 raise ValueError(f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; a rate is (op, format, GB/s > 0)")
+            if op not in QUANT_OPS or fmt not in known_formats():  # a rate never looked up would be ignored
+                raise ValueError(
+                    f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; the op is one of {', '.join(QUANT_OPS)} "
+                    f"and the format one of {', '.join(sorted(known_formats()))}"
+                )
+            if not lo <= gbs <= hi:
+                raise ValueError(
+                    f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; a rate is (op, format, GB/s > 0), "
+                    f"from {lo:g} to {hi:g} GB/s"
+                )
 
     def link_overrides(self) -> dict[str, float]:
         """The :class:`Cluster` fields this file sets: ``alpha_intra_s`` and ``intra_gbps`` from the
@@ -180,7 +225,7 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
     version or an invalid figure, naming the file and the key."""
     p = Path(path)
     try:
-        d = json.loads(read_regular(p))
+        d = read_json(p)
     except OSError as e:
         raise ClusterFileError(f"cannot read cluster file {p}: {e.strerror or e}") from None
     except ValueError as e:
@@ -197,7 +242,11 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
             for k, v in _need(d, "links", "the file", p).items()
         }
         rates = tuple(
-            (_need(r, "op", "a quant_rates entry", p), _need(r, "format", "a quant_rates entry", p), float(r["gbs"]))
+            (
+                _need(r, "op", "a quant_rates entry", p),
+                _need(r, "format", "a quant_rates entry", p),
+                _need(r, "gbs", "a quant_rates entry", p),
+            )
             for r in _need(d, "quant_rates", "the file", p)
         )
         return ClusterFile(

@@ -240,6 +240,14 @@ def format_name(spec: QuantSpec, bits: int) -> str:
     return spec.scheme if spec.scheme[-1:].isdigit() else f"{spec.scheme}{bits}"
 
 
+def known_formats() -> frozenset[str]:
+    """Every wire format name :func:`format_name` gives for the registered schemes at their widths:
+    the format keys a calibrated cluster file may hold."""
+    from zeropp.comm.spec import schemes
+
+    return frozenset(format_name(QuantSpec(scheme=k, bits=b), b) for k, widths in schemes().items() for b in widths)
+
+
 def quant_work_formats(w: Workload, c: Cluster) -> dict[tuple[str, int, str], int]:
     """:func:`quant_work` keyed by ``(op, bits, format)`` (:func:`format_name`), so a rate timed
     for one format is charged to that format only."""

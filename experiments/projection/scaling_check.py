@@ -30,6 +30,7 @@ from zeropp.output_files import path_text_arg
 
 from ..launch.command import run_command
 from .calibration import measure_quant_rates
+from .cluster_file import GBPS_RANGE
 from .scaling import control_messages, gpt_units, link_terms, messages, project, quant_time, quant_work
 from .spec import GBPS, Cluster, Workload
 from .step_schedule import message_transfer
@@ -147,7 +148,19 @@ def link_gbps(summary: dict) -> float | None:
     cfg = summary["config"]
     if cfg["cluster"]["name"] != "emulated":
         return None
-    return (summary.get("placement") or {}).get("measured_gbps") or cfg["cluster"]["inter_gbps"]
+    measured = (summary.get("placement") or {}).get("measured_gbps")
+    key, rate = (
+        ("placement.measured_gbps", measured)
+        if measured
+        else ("config.cluster.inter_gbps", cfg["cluster"].get("inter_gbps"))
+    )
+    lo, hi = GBPS_RANGE  # a summary is read from disk: a rate the model cannot use is named, not divided by
+    if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and lo <= rate <= hi):
+        raise ValueError(
+            f"run {summary.get('run_dir')}: {key}={rate!r} is not a link rate ({lo:g} to {hi:g} Gbit/s); its "
+            "summary.json is damaged: re-run it, or give the rate with --cross-gbps"
+        )
+    return float(rate)
 
 
 def _measured_cluster(s: dict, cross_gbps: float | None, intra_gbps: float, alpha_s: float) -> Cluster:
@@ -361,19 +374,18 @@ SUMMARY_KEYS = ("label", "config", "step_time_s", "comm_bytes_per_step")
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    import json
     from pathlib import Path
 
-    from zeropp.input_files import read_regular
+    from zeropp.input_files import read_json
 
-    from .flags import non_negative, positive_rate
+    from .flags import link_rate, non_negative
 
     ap = argparse.ArgumentParser(prog="python -m experiments.scaling_check", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "runs", type=path_text_arg, metavar="DIR", help="check the model against every summary.json under DIR"
     )
-    ap.add_argument("--cross-gbps", type=positive_rate, default=None, help="link rate of cluster=local runs, Gbit/s")
-    ap.add_argument("--intra-gbps", type=positive_rate, default=20.0, help="intra-node (loopback) rate, Gbit/s")
+    ap.add_argument("--cross-gbps", type=link_rate, default=None, help="link rate of cluster=local runs, Gbit/s")
+    ap.add_argument("--intra-gbps", type=link_rate, default=20.0, help="intra-node (loopback) rate, Gbit/s")
     ap.add_argument("--alpha", type=non_negative, default=100e-6, help="seconds per message step")
     ap.add_argument("--calibrate", action="store_true", help="fit --alpha and --intra-gbps on these runs first")
     a = ap.parse_args(argv)
@@ -383,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = []
     for p in paths:
         try:
-            summary = json.loads(read_regular(p))
+            summary = read_json(p)
         except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
             ap.exit(2, f"error: {p} cannot be read as a run's summary ({e}); move it away or repair it\n")
         missing = [k for k in SUMMARY_KEYS if k not in summary] if isinstance(summary, dict) else list(SUMMARY_KEYS)
@@ -391,13 +403,14 @@ def main(argv: list[str] | None = None) -> None:
             ap.exit(
                 2, f"error: {p} has no {', '.join(missing)}; it is not a run's summary: move it away or repair it\n"
             )
+        summary["run_dir"] = str(p.parent)  # where it is now (a run moved or copied names its new place)
         summaries.append(summary)
     try:
         rows = compare_measured(
             summaries, cross_gbps=a.cross_gbps, intra_gbps=a.intra_gbps, alpha_s=a.alpha, calibrated=a.calibrate
         )
-    except ValueError as e:  # e.g. a cluster=local run without --cross-gbps
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:  # a cluster=local run without --cross-gbps, a summary's damaged link rate
+        ap.exit(2, f"error: {e}\n")
     name_apart(rows, [s for s in summaries if _is_zeropp(s)])
     if rows:
         print(links_line(rows))

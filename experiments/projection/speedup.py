@@ -18,7 +18,7 @@ from zeropp.output_files import OutputFileError, check_output_file, holds_tag, w
 
 from ..launch.command import run_command
 from .cluster_file import ClusterFile, ClusterFileError, merge_rates, read_cluster_file
-from .flags import fraction, positive_count, positive_rate
+from .flags import compute_rate, fraction, link_rate, positive_count
 from .scaling import Projection, gpt_units, project
 from .spec import Cluster, Workload
 from .text_table import Column, number, text_table
@@ -182,7 +182,7 @@ def main(
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--gbps", type=positive_rate, nargs="+", default=[100.0, 400.0], help="Gbit/s of one cross-node NIC"
+        "--gbps", type=link_rate, nargs="+", default=None, help="Gbit/s of one cross-node NIC (default 100 400)"
     )
     ap.add_argument("--ranks-per-node", type=positive_count, default=8)
     ap.add_argument(
@@ -193,7 +193,7 @@ def main(
     )
     ap.add_argument("--max-gpus", type=positive_count, default=384)
     ap.add_argument("--tokens-per-gpu", type=positive_count, default=1024)
-    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per GPU")
+    ap.add_argument("--tflops", type=compute_rate, default=50.0, help="achieved compute TFLOP/s per GPU")
     ap.add_argument("--overlap", type=fraction, default=0.0, help="fraction of comm hidden under compute")
     ap.add_argument(
         "--plot",
@@ -207,6 +207,7 @@ def main(
         "bandwidths and quantization rates replace the hand-set constants (its inter-node rate replaces --gbps)",
     )
     a = ap.parse_args(argv)
+    given_gbps, a.gbps = a.gbps is not None, a.gbps or [100.0, 400.0]
     if len(set(a.gbps)) != len(a.gbps):
         ap.error(
             f"--gbps {' '.join(f'{g:g}' for g in a.gbps)} repeats a rate (its rows would print twice); give each once"
@@ -224,6 +225,11 @@ def main(
         cf = read_cluster_file(a.cluster_file) if a.cluster_file else None
     except ClusterFileError as e:
         ap.exit(2, f"error: {e}\n")
+    if given_gbps and cf is not None and "inter" in cf.links:  # the file's rate wins: the flag would do nothing
+        ap.error(
+            f"--gbps {' '.join(f'{g:g}' for g in a.gbps)} does nothing with --cluster-file {a.cluster_file}, whose "
+            f"inter-node rate ({cf.links['inter'].gbps:.4g} Gbit/s) replaces it: remove --gbps, or the file"
+        )
     if projector is not None and a.overlap:
         ap.error(
             "--overlap is the serial model's fraction; the scheduled model takes its overlap from the engine's "

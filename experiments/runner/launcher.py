@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..cluster import EmulatedCluster, NetnsError
+from ..cluster import ClusterInterrupted, EmulatedCluster, NetnsError
 from ..launch import (
     LOCAL,
     ModuleEntry,
@@ -86,10 +87,21 @@ def emulated_placement(
         cluster.__enter__()
     except (NetnsError, ValueError) as e:  # the messages already say how to run with cluster=local
         raise PlacementError(f"cluster=emulated cannot build its namespaces: {e}") from e
+    except ClusterInterrupted as e:  # Ctrl-C / SIGTERM while the namespaces were built or probed
+        raise _interrupted(e) from None
     try:
         yield cluster_placement(cluster)
+    except ClusterInterrupted as e:  # ... or before the launcher's own handlers took over
+        raise _interrupted(e) from None
     finally:
         cluster.__exit__(None, None, None)
+
+
+def _interrupted(e: ClusterInterrupted) -> RunInterrupted:
+    """The emulator's teardown-on-signal as the launcher reports an interrupt (one ``error:`` line,
+    128 + N), instead of a silent exit."""
+    name = signal.Signals(e.signum).name
+    return RunInterrupted(f"interrupted by {name}; the emulated cluster was removed", exit_code=128 + e.signum)
 
 
 def launch(

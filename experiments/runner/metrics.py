@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.comm.choices import plain
-from zeropp.input_files import read_regular
+from zeropp.input_files import parse_json, read_regular
 
 from .config import RunConfig
 
@@ -328,4 +328,4 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not (p.exists() or p.is_symlink()):
         return []
-    return [json.loads(line) for line in read_regular(p).decode().splitlines() if line.strip()]
+    return [parse_json(line) for line in read_regular(p).decode().splitlines() if line.strip()]

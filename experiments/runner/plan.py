@@ -37,7 +37,7 @@ from zeropp.output_files import OutputFileError, check_output_files, path_text_a
 
 from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFileError, read_cluster_file
-from ..projection.flags import positive_rate
+from ..projection.flags import compute_rate, link_rate
 from .config import ConfigError, RunConfig, without_hydra
 from .plan_draw import LANES, check_modelled, check_plannable, chrome_trace, model_units, plan_outputs, plot, project
 
@@ -53,8 +53,10 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument(
         "--out", type=path_text_arg, default="outputs/plan", help="directory for plan_timeline.png and plan_trace.json"
     )
-    ap.add_argument("--tflops", type=positive_rate, default=50.0, help="achieved compute TFLOP/s per rank")
-    ap.add_argument("--gbps", type=positive_rate, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
+    ap.add_argument("--tflops", type=compute_rate, default=50.0, help="achieved compute TFLOP/s per rank")
+    ap.add_argument(
+        "--gbps", type=link_rate, default=None, help="cross-node NIC rate, Gbit/s (cluster=local; default 100)"
+    )
     ap.add_argument(
         "--cluster-file",
         default=None,
@@ -79,11 +81,32 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             )
         else:
             rest.append(o)
+    a.gbps_given, a.gbps = a.gbps is not None, 100.0 if a.gbps is None else a.gbps  # given: see _check_link_sources
     try:
         a.calibrated = read_cluster_file(a.cluster_file) if a.cluster_file else None
     except ClusterFileError as e:
         raise ConfigError(f"--cluster-file / plan.cluster_file: {e}") from None
     return a, rest
+
+
+def _check_link_sources(a: argparse.Namespace, rc: RunConfig, overrides: list[str]) -> None:
+    """One source for the cross-node rate: ``--gbps`` (``cluster=local``), ``cluster.inter_gbps``
+    (``cluster=emulated``) or the cluster file's inter-node fit, which replaces either. A rate given
+    where another one wins would be ignored, so it is refused."""
+    cf = a.calibrated
+    file_rate = cf.links["inter"].gbps if cf is not None and "inter" in cf.links else None
+    if a.gbps_given and rc.cluster.name == "emulated":
+        raise ConfigError(
+            f"--gbps {a.gbps:g} does nothing with cluster=emulated, whose link is cluster.inter_gbps "
+            f"({rc.cluster.inter_gbps:g}): set cluster.inter_gbps={a.gbps:g} instead, or remove --gbps"
+        )
+    given = [f"--gbps {a.gbps:g}"] if a.gbps_given else []
+    given += [o for o in overrides if o.lstrip("+").partition("=")[0] == "cluster.inter_gbps"]
+    if file_rate is not None and given:
+        raise ConfigError(
+            f"{given[0]} does nothing with --cluster-file / plan.cluster_file {a.cluster_file}, whose inter-node "
+            f"rate ({file_rate:.4g} Gbit/s) replaces it: remove {given[0].split('=')[0].split()[0]}, or the file"
+        )
 
 
 def _node_counts(text: str | None, default: int) -> list[int]:
@@ -162,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a, overrides = _args(argv)
         rc = load_config(overrides)
+        _check_link_sources(a, rc, overrides)
         counts = _node_counts(a.nodes, rc.topology.nodes)
         out = Path(a.out)
         check_writable_dir("--out / plan.out", out)

@@ -33,6 +33,7 @@ from typing import Any
 
 from zeropp.output_files import OutputFileError, check_output_files, path_text_arg, tagged_png, write_output_file
 
+from ..projection.flags import compute_rate, link_rate
 from .config import ConfigError
 from .profiling import PROFILE_DIR, Span, busy_s, read_step, trace_path
 
@@ -54,8 +55,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="directory for step_vs_plan.png / .json (default <run dir>/profile)",
     )
-    ap.add_argument("--tflops", type=float, default=50.0, help="achieved compute TFLOP/s per rank")
-    ap.add_argument("--gbps", type=float, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
+    ap.add_argument("--tflops", type=compute_rate, default=50.0, help="achieved compute TFLOP/s per rank")
+    ap.add_argument("--gbps", type=link_rate, default=100.0, help="cross-node NIC rate, Gbit/s (cluster=local)")
     return ap.parse_args(argv)
 
 

@@ -305,6 +305,36 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
     check_persistence(rc)
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
-    if local:
+    if local:  # under torchrun cluster=emulated is refused as such (run.execute)
+        check_emulated_nodes(rc)
+        check_emulated_privileges(rc)
         check_local_ranks(rc)
         check_nvme_space(rc, rc.topology.world_size)
+
+
+def check_emulated_nodes(rc: RunConfig) -> None:
+    """``cluster=emulated`` shapes the links *between* nodes: with one node there is none, so the
+    run would be a plain local run that records a link rate (``cluster.inter_gbps``) nothing
+    crossed, which ``scaling_check`` then reads as the run's cross-node rate. Refused, as
+    ``bench_comm --cluster emulated --nodes 1`` is."""
+    t = rc.topology
+    if rc.cluster.name == "emulated" and t.nodes < 2:
+        raise ConfigError(
+            f"invalid config: cluster=emulated with topology {t.nodes}x{t.ranks_per_node} has one node, so no "
+            f"link is shaped and cluster.inter_gbps={rc.cluster.inter_gbps:g} would do nothing; use topology.nodes "
+            ">= 2 (e.g. topology=2x2), or cluster=local for one node"
+        )
+
+
+def check_emulated_privileges(rc: RunConfig) -> None:
+    """``cluster=emulated`` needs root and iproute2: checked here, so the refusal (``netns``'s
+    message, which says how to run with ``cluster=local``) comes before the run directory gets its
+    ``ranks/`` and the runner announces a run, as every other host check does."""
+    if rc.cluster.name != "emulated":
+        return
+    from ..cluster.netns import ClusterPrivilegeError, require_privileges
+
+    try:
+        require_privileges()
+    except ClusterPrivilegeError as e:
+        raise ConfigError(f"cluster=emulated cannot build its namespaces: {e}") from None

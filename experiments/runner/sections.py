@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..cluster.emulator import MAX_GBPS, MAX_LATENCY_MS, MIN_GBPS
 from .checks import (
     MAX_SECONDS,
     MIN_CORPUS_BYTES,
@@ -164,6 +165,19 @@ class ClusterConfig:
         choice(self, "name", ClusterName, "cluster.name")
         check(self.inter_gbps > 0, "cluster.inter_gbps", self.inter_gbps, "a positive rate")
         check(self.inter_latency_ms >= 0, "cluster.inter_latency_ms", self.inter_latency_ms, ">= 0")
+        if self.name == "emulated":  # what tc can shape: a unit slip (1e9 for 1 Gbit/s) is refused here, not by tc
+            check(
+                MIN_GBPS <= self.inter_gbps <= MAX_GBPS,
+                "cluster.inter_gbps",
+                self.inter_gbps,
+                f"Gbit/s from {MIN_GBPS:g} to {MAX_GBPS:g}, what the emulator shapes (1 Gbit/s is 1, not 1e9)",
+            )
+            check(
+                self.inter_latency_ms <= MAX_LATENCY_MS,
+                "cluster.inter_latency_ms",
+                self.inter_latency_ms,
+                f"one-way ms from 0 to {MAX_LATENCY_MS:g}",
+            )
         if self.name == "local":  # loopback, nothing shaped: the emulator's link settings would be ignored
             for f in dataclasses.fields(self):
                 if f.name != "name":

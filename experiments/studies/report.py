@@ -18,13 +18,12 @@ also exits 2 with ``error: ...`` naming it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropp.input_files import read_regular
+from zeropp.input_files import read_json
 from zeropp.output_files import path_arg
 
 from ..launch.command import run_command
@@ -77,7 +76,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; :class:`ReportError` naming the file when it is unreadable, not
     JSON or not an object (only parsed, so nothing in it can run code)."""
     try:
-        doc = json.loads(read_regular(path))
+        doc = read_json(path)
     except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise ReportError(f"cannot read {path}: {e}; fix or remove the file") from None
     if not isinstance(doc, dict):

@@ -141,6 +141,25 @@ def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clust
 
 
 @needs_netns
+@pytest.mark.parametrize("which", ["switch", "node1", "probe"])
+def test_a_namespace_of_that_name_made_before_is_refused_and_left_untouched(which):
+    """A namespace that exists under a name the emulator is about to use (one left by an earlier
+    process with the same pid, or a user's) is neither entered, emptied nor deleted: the build is
+    refused naming it. Before, the failed build's teardown deleted it (and killed what ran in it)."""
+    c = EmulatedCluster(2, 1, 1.0, probe=False)
+    name = {"switch": c.switch_namespace, "node1": c.node_namespace(1), "probe": f"{PREFIX}-{os.getpid()}-probe"}[which]
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        with pytest.raises(NetnsError, match=f"named {name} exists already .* left untouched"):
+            c.up()
+        assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert [n for n in c.namespaces() if n != name and n in netns.list_namespaces(PREFIX)] == []
+    finally:
+        c.down()
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_owner_tears_down(sig):
     # The owner keeps a SIGINT its parent ignores (a shell's `cmd &` does that, and pytest run that
@@ -148,7 +167,7 @@ def test_signal_to_the_owner_tears_down(sig):
     owner = subprocess.Popen(
         [sys.executable, "-m", "zeropp.experiments.cluster", "up", "--nodes", "2", "--ranks-per-node", "1"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -157,12 +176,46 @@ def test_signal_to_the_owner_tears_down(sig):
         assert owner.stdout.readline()  # summary printed: the cluster is up and probed
         assert len(mine()) == 3
         owner.send_signal(sig)
-        owner.wait(timeout=30)
+        _, err = owner.communicate(timeout=30)
         assert mine() == []
+        # Ctrl-C is how `up` is ended: one line and 128 + N (before: a KeyboardInterrupt traceback)
+        assert err == f"error: interrupted by {sig.name}; the cluster was removed\n" and owner.returncode == 128 + sig
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait(timeout=10)
+        netns.clean(PREFIX)
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_runner_builds_the_cluster_is_one_error_line(sig, tmp_path):
+    """SIGTERM while the runner's emulated cluster is built or probed (before the launcher's own
+    handlers) ended the runner silently with 143 (SIGINT already ended in one line, through
+    KeyboardInterrupt). Now one ``error: interrupted by SIG...`` line, 128 + N, nothing left behind."""
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "zeropp.experiments.run", "cluster=emulated", "topology=2x2", "model=tiny"]
+        + ["train.steps=5", f"hydra.run.dir={tmp_path / 'run'}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        mine = lambda: [n for n in netns.list_namespaces(PREFIX) if netns.owner_pid(n, PREFIX) == runner.pid]  # noqa: E731
+        deadline = time.monotonic() + 60
+        while len(mine()) < 3 and runner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the node namespaces exist: the build or the probe is under way
+        assert len(mine()) == 3, runner.stderr.read() if runner.poll() is not None else "never built"
+        runner.send_signal(sig)
+        _, err = runner.communicate(timeout=60)
+        assert runner.returncode == 128 + sig, err
+        assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {sig.name}"), err
+        assert "Traceback" not in err and mine() == []
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait(timeout=10)
         netns.clean(PREFIX)
 
 

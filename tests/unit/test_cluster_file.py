@@ -95,6 +95,22 @@ def _edit(tmp_path, change) -> str:
         (lambda d: d["quant_rates"][0].update(gbs=0), "GB/s > 0"),
         (lambda d: d["links"].update(nvlink=d["links"]["intra"]), "give one or more of"),
         (lambda d: d.pop("kind"), "is not a cluster file"),
+        # finite figures the cost model turns into inf / nan step times (before: a table of inf and
+        # 'nanx', exit 0), and JSON values of the wrong type that Python would have taken
+        (lambda d: d["links"]["inter"].update(gbps=1e-320), r"LinkFit.gbps=1e-320; .* from 1e-06 to 100000"),
+        (lambda d: d["links"]["inter"].update(gbps=1e308), r"LinkFit.gbps=1e\+308"),
+        (lambda d: d["links"]["inter"].update(alpha_s=1e308), r"alpha_s=1e\+308; .* <= 10"),
+        (lambda d: d["links"]["inter"].update(gbps=True), "LinkFit.gbps=True"),
+        (lambda d: d["quant_rates"][0].update(gbs="1e-300"), r"'1e-300'\); a rate is"),
+        (lambda d: d["quant_rates"][0].update(gbs=1e-320), "from 1e-06 to 100000 GB/s"),
+        (lambda d: d["quant_rates"][0].pop("gbs"), "a quant_rates entry has no 'gbs'"),
+        (lambda d: d.update(nodes=float("nan")), "nodes=nan, .* whole numbers"),
+        (lambda d: d.update(ranks_per_node=1.5), "ranks_per_node=1.5; use whole numbers"),
+        (lambda d: d["links"]["inter"].update(ranks=float("nan")), "ranks=nan, .*whole numbers"),
+        (lambda d: d.update(backend=["gloo"]), "ClusterFile.backend="),
+        # a rate under an op or format the model never looks up was silently ignored
+        (lambda d: d["quant_rates"][0].update(op="bogus"), "the op is one of quantize, dequantize"),
+        (lambda d: d["quant_rates"][0].update(format="int3"), "the format one of fp8, int4, int8"),
     ],
 )
 def test_a_bad_cluster_file_is_refused_with_the_key(tmp_path, change, message) -> None:
@@ -176,3 +192,18 @@ def test_the_scaling_cli_refuses_a_bad_file(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--cluster-file", str(bad), "--plot", ""])
     assert e.value.code == 2 and "version 7" in capsys.readouterr().err
+
+
+def test_the_scaling_cli_refuses_a_gbps_the_files_rate_replaces(tmp_path, capsys) -> None:
+    """``scaling --gbps 5 --cluster-file c.json``: the file's inter-node rate replaced the typed one
+    silently (the table's rows were at 0.9 Gbit/s). A file without an inter-node fit keeps --gbps."""
+    from zeropp.experiments.projection.speedup import main
+
+    p = tmp_path / "c.json"
+    write_cluster_file(p, _file())
+    with pytest.raises(SystemExit) as e:
+        main(["--gbps", "5", "--cluster-file", str(p), "--plot", ""])
+    assert e.value.code == 2 and "--gbps 5 does nothing with --cluster-file" in capsys.readouterr().err
+    write_cluster_file(p, _file(links={"intra": LinkFit(alpha_s=40e-6, gbps=2.5)}))
+    main(["--gbps", "5", "--cluster-file", str(p), "--plot", "", "--max-gpus", "16"])
+    assert "     5 " in capsys.readouterr().out

@@ -428,3 +428,14 @@ def test_a_mistyped_debug_mode_is_refused_before_ranks(cli, monkeypatch, name: s
     monkeypatch.setenv(name, "yes")
     line = cli("model=tiny")
     assert line.startswith("error: invalid environment:") and f"{name}='yes'" in line, line
+
+
+def test_an_emulated_cluster_of_one_node_is_refused_before_anything_is_built(cli, tmp_path) -> None:
+    """``cluster=emulated topology=1x2`` has no cross-node link to shape: it ran as a plain local run
+    whose summary recorded ``inter_gbps`` as its link rate (``scaling_check`` then printed
+    ``links: cross 1 Gbit/s`` for a run nothing crossed). Refused before any namespace or rank."""
+    line = cli("cluster=emulated", "topology=1x2", "cluster.inter_gbps=5")
+    assert "topology 1x2 has one node" in line and "cluster.inter_gbps=5 would do nothing" in line
+    assert "topology=2x2" in line and "cluster=local" in line
+    assert not (tmp_path / "run" / "ranks").exists()
+    preflight.check_emulated_nodes(from_dict(composed_config("cluster=emulated", "topology=2x1")))

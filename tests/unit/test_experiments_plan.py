@@ -123,3 +123,25 @@ def test_a_setting_the_projected_step_leaves_out_is_refused(setting: list[str], 
     assert err.startswith("error: invalid config: ") and setting[-1] in err and fix in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_link_rate_another_source_replaces_is_refused(tmp_path, capsys) -> None:
+    """``--gbps`` with ``cluster=emulated`` (whose link is ``cluster.inter_gbps``), or ``--gbps`` /
+    ``cluster.inter_gbps`` beside a cluster file with an inter-node fit (whose rate replaces them),
+    was silently ignored: the plan ran at another rate than the one typed. Now one ``error:`` line."""
+    from zeropp.experiments.projection.cluster_file import ClusterFile, LinkFit, write_cluster_file
+
+    cf = tmp_path / "c.json"
+    links = {"intra": LinkFit(alpha_s=1e-4, gbps=8.0), "inter": LinkFit(alpha_s=1e-3, gbps=0.98, ranks=4)}
+    write_cluster_file(cf, ClusterFile(nodes=2, ranks_per_node=2, backend="gloo", links=links))
+    base = ["model=tiny", "topology=2x2", "--out", str(tmp_path / "o")]
+    for argv, words in [
+        (["cluster=emulated", "--gbps", "5"], "--gbps 5 does nothing with cluster=emulated"),
+        (["--gbps", "5", "--cluster-file", str(cf)], "--gbps 5 does nothing with --cluster-file"),
+        (["cluster=emulated", "cluster.inter_gbps=3", f"plan.cluster_file={cf}"], "cluster.inter_gbps=3 does nothing"),
+    ]:
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and ("0.98 Gbit/s" in err or "cluster.inter_gbps (1)" in err), err
+    assert main([*base, "--cluster-file", str(cf)]) == 0  # the file alone, or --gbps alone, still plan
+    assert main([*base, "--gbps", "5"]) == 0

@@ -73,3 +73,24 @@ def test_commands_refuse_a_fifo_instead_of_blocking(tmp_path: Path, capsys) -> N
     e = _within(lambda: read_metrics(run / "metrics.jsonl"))
     assert isinstance(e, OSError) and "FIFO" in str(e)
     assert read_metrics(run / "missing.jsonl") == []
+
+
+def test_a_deeply_nested_json_file_is_one_error_not_a_recursion_traceback(tmp_path: Path, capsys) -> None:
+    """``[[[[...`` 100000 deep as a cluster file, a summary.json or a metrics line: each reader
+    reports it as malformed JSON naming the file (before: ``RecursionError`` traceback, exit 1)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    cf = tmp_path / "c.json"
+    cf.write_text(deep)
+    with pytest.raises(ClusterFileError, match="c.json is not JSON .*nested too deeply"):
+        read_cluster_file(cf)
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(deep)
+    with pytest.raises(ReportError, match="summary.json: nested too deeply"):
+        load_runs(tmp_path / "runs")
+    with pytest.raises(SystemExit) as e:
+        scaling_check.main([str(tmp_path / "runs")])
+    assert e.value.code == 2 and "nested too deeply" in capsys.readouterr().err
+    (run / "metrics.jsonl").write_text(deep + "\n")
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_metrics(run / "metrics.jsonl")

@@ -24,6 +24,10 @@ SCALING = [
     (["--overlap", "2"], "argument --overlap: '2': give a fraction in [0, 1]"),
     (["--tflops", "fast"], "argument --tflops: 'fast' is not a number"),
     (["--gbps", "100", "100"], "--gbps 100 100 repeats a rate"),  # before: every row printed twice
+    # a rate in another unit: before, a table at 1e11 Gbit/s (no link time) or of 1e31 s steps, exit 0
+    (["--gbps", "100e9"], "argument --gbps: '100e9': give Gbit/s from 1e-06 to 100000 (a rate in another unit?"),
+    (["--tflops", "5e14"], "argument --tflops: '5e14': give TFLOP/s from 1e-06 to 100000"),
+    (["--tflops", "1e-30"], "argument --tflops: '1e-30': give TFLOP/s from"),
 ]
 
 
@@ -46,6 +50,8 @@ def test_scaling_prints_a_slow_link_as_given(capsys) -> None:
         (["--tflops", "0"], "argument --tflops: '0': give a finite number > 0"),  # before: ZeroDivisionError
         (["--tflops", "nan"], "argument --tflops: 'nan': give a finite number > 0"),
         (["--gbps", "-1"], "argument --gbps: '-1': give a finite number > 0"),  # before: invalid cluster traceback
+        (["--gbps", "1e11"], "argument --gbps: '1e11': give Gbit/s from 1e-06 to 100000"),  # before: accepted
+        (["--tflops", "1e-30"], "argument --tflops: '1e-30': give TFLOP/s from"),  # before: a 1e31 s step
     ],
 )
 def test_plan_refuses_a_rate_that_is_not_positive(argv: list[str], msg: str, capsys, tmp_path: Path) -> None:
@@ -79,3 +85,17 @@ def test_scaling_check_refuses_a_link_it_cannot_use(argv: list[str], tmp_path: P
     with pytest.raises(SystemExit) as e:
         scaling_check.main([str(tmp_path), *argv])
     assert e.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err
+
+
+def test_scaling_check_and_the_side_by_side_refuse_a_rate_in_another_unit(tmp_path: Path, capsys) -> None:
+    """``scaling_check --cross-gbps 1e9`` (bit/s); ``plan <run> --gbps 0`` took any float (type=float)."""
+    from zeropp.experiments.runner import plan_measured
+
+    (tmp_path / "summary.json").write_text(json.dumps({}))
+    with pytest.raises(SystemExit) as e:
+        scaling_check.main([str(tmp_path), "--cross-gbps", "1e9"])
+    assert e.value.code == 2 and "give Gbit/s from" in capsys.readouterr().err
+    for flag, bad in (("--gbps", "0"), ("--tflops", "1e-30")):
+        with pytest.raises(SystemExit) as e:
+            plan_measured._args([str(tmp_path), flag, bad])
+        assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

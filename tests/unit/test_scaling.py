@@ -327,6 +327,27 @@ def test_runs_of_a_link_rate_sweep_each_show_their_own_rate() -> None:
     assert links_line([one]).startswith("links: cross 1 Gbit/s, intra") and one["label"] == "run"
 
 
+@pytest.mark.parametrize("rate", [0, -1, "abc", 1e-320, True])
+def test_a_damaged_link_rate_in_a_summary_is_one_error_naming_the_run(rate, tmp_path, capsys) -> None:
+    """An emulated run's summary.json whose link rate is 0, negative, a string, subnormal or a bool:
+    before, a TypeError traceback ('abc'), a ``predicted inf`` row with exit 0 (1e-320), or
+    ``invalid cluster Cluster(...)`` with exit 1 naming neither the file nor the key."""
+    import json
+
+    from zeropp.experiments.projection.scaling_check import main
+
+    s = _summary({"name": "emulated", "inter_gbps": rate, "inter_latency_ms": 0.0})
+    s["placement"] = {"measured_gbps": rate}
+    s["comm_bytes_per_step"] = {"by_link": {"cross": 1, "intra": 1}}
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "moved" / "summary.json").write_text(json.dumps({**s, "run_dir": "/elsewhere"}))
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: run {tmp_path / 'moved'}: "), err
+    assert "is not a link rate" in err and "--cross-gbps" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     "kw, word",
     [
