@@ -325,8 +325,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """fp32: a run killed after its step-3 checkpoint and resumed with resume=true reaches the same
     losses as a run that never stopped (same data, LR schedule, optimizer state); resumed at another
-    world size and stage it carries on from the same weights, and of the settings it changed only
-    the seed (which changes the data) is warned about."""
+    world size and stage it carries on from the same weights, and of the settings it changed the
+    warning names the seed and the number of data-parallel ranks (both change the data)."""
     common = ["topology=1x2", "logger=none", *FAST, "train.steps=6", "stage=3", "quant=none"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     p = run_cli_here([*common, f"hydra.run.dir={ref}"], capfd)
@@ -348,7 +348,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
     assert s["first_step"] == 4 and s["steps"] == 3
     # resumed on 4 ranks at stage 1 from the 2-rank stage-3 checkpoint, with another seed: the same
     # weights carry on (different data per rank); world size and stage may change (the checkpoint
-    # reshards), so the seed is the one changed setting the warning names
+    # reshards); the warning names the seed and the data-parallel size, which both change the data
     wide = tmp_path / "wide"
     p = run_cli_here(
         [
@@ -366,7 +366,9 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path: Path, capfd: py
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert abs(_losses(wide)[6] - want[6]) < 0.1 * want[6]
-    assert "resumed with changed settings: train.seed " in p.stderr and " -> 1. Training" in p.stderr, p.stderr[-2000:]
+    assert "resumed with changed settings: topology.dp_size 2 -> 4; train.seed 0 -> 1. Training" in p.stderr, p.stderr[
+        -2000:
+    ]
     # resume=true where there is no checkpoint: tests/unit/test_experiments_config.py (refused before any rank)
 
 
