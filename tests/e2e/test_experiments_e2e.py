@@ -293,20 +293,25 @@ def test_a_sigterm_stops_the_whole_sweep(tmp_path: Path) -> None:
 def test_an_interrupt_stops_every_rank_without_waiting_for_the_kill(tmp_path: Path, sig: signal.Signals) -> None:
     """Ctrl-C (or SIGTERM) while stage 3 trains: a rank that leaves with a prefetch issued, or
     while its peer waits in a collective, aborts its process groups, so the peer fails at once
-    instead of blocking in gloo until the launcher's SIGKILL after ``launcher.grace_s`` (60 s
-    here), and neither waits at exit (``CommContext.close``, 30 s) for buffers the aborted work
-    holds. Every rank ends on its own SIGTERM: torch's "forcefully exiting via 9" never appears.
+    instead of blocking in gloo until the launcher's SIGKILL after ``launcher.grace_s`` (90 s
+    here; the command must end within half of it, with room for a loaded CI machine), and neither
+    waits at exit (``CommContext.close``, 30 s) for buffers the aborted work holds (its log line). Every rank ends on its own SIGTERM: torch's "forcefully exiting via 9" never appears.
     (Whether the interrupt finds work in flight is timing; the deterministic case is
     ``tests/distributed/test_comm_lifetime.py``.)"""
     run_dir = tmp_path / "run"
     p = _start_runner(
-        ["train.steps=100000", "topology=1x2", "stage=3", "launcher.grace_s=60", f"hydra.run.dir={run_dir}"], tmp_path
+        ["train.steps=100000", "topology=1x2", "stage=3", "launcher.grace_s=90", f"hydra.run.dir={run_dir}"], tmp_path
     )
     try:
         _wait_for_training(p, run_dir, tmp_path / "stderr")
         time.sleep(1.0)  # a few steps in: gathers and reduce-scatters in flight
         p.send_signal(sig)
-        assert p.wait(timeout=25) == 128 + sig, (tmp_path / "stderr").read_text()[-3000:]
+        try:
+            code = p.wait(timeout=45)
+        except subprocess.TimeoutExpired:  # say where it hangs: the runner's and the ranks' last words
+            logs = "".join(f.read_text(errors="replace")[-1500:] for f in (run_dir / "ranks").glob("rank*.log"))
+            pytest.fail(f"still running 45 s after {sig.name}: {(tmp_path / 'stderr').read_text()[-1500:]}\n{logs}")
+        assert code == 128 + sig, (tmp_path / "stderr").read_text()[-3000:]
     finally:
         if p.poll() is None:
             p.kill()
