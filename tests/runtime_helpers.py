@@ -3,8 +3,12 @@ and rank functions for ``run_world`` (module-level so they pickle by name)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
@@ -254,3 +258,21 @@ def spied_train_engine(
             setattr(zc, name, fn)
     out["public"] = calls
     return out
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(tmp_path: Path, size: str = "64k") -> Iterator[Path]:
+    """A directory under ``tmp_path`` on a freshly mounted tmpfs of ``size`` (a disk that fills up
+    at once), unmounted on exit; the test is skipped where that needs root we lack or mounting fails."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tiny tmpfs needs root")
+    d = tmp_path / "tiny"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)

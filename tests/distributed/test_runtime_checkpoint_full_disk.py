@@ -7,11 +7,7 @@ when the checkpoint directory's disk has no room left. Needs root (a tiny tmpfs 
 
 from __future__ import annotations
 
-import subprocess
-
-import pytest
-
-from tests.runtime_helpers import make_model, rank_batches
+from tests.runtime_helpers import make_model, rank_batches, tiny_tmpfs
 from tests.worlds import run_world
 
 
@@ -37,17 +33,9 @@ def _save_world(rank: int, world: int, root: str) -> str:
 
 
 def test_a_save_onto_a_full_disk_says_the_disk_is_full(tmp_path):
-    if subprocess.run(["id", "-u"], capture_output=True, text=True).stdout.strip() != "0":
-        pytest.skip("mounting a tiny tmpfs needs root")
-    d = tmp_path / "tiny"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tiny_tmpfs(tmp_path) as d:
         out = run_world(_save_world, 2, str(d / "ck"))
         assert out[0] == out[1] != "saved", out
         assert f"The disk holding {d / 'ck'} is full (or over its quota)" in out[0] and "larger disk" in out[0], out[0]
         assert "Nothing was committed" in out[0], out[0]
         assert sorted(p.name for p in (d / "ck").iterdir()) == [], "the partial folder is removed"
-    finally:
-        subprocess.run(["umount", str(d)], capture_output=True)

@@ -14,27 +14,19 @@ import tempfile
 
 import pytest
 
-from tests.runtime_helpers import make_model, rank_batches
+from tests.runtime_helpers import make_model, rank_batches, tiny_tmpfs
 from tests.worlds import run_world
 from zeropp.runtime import OptimizerConfig
 from zeropp.runtime.swap import SwapError, SwapSpace
 
 
 def test_a_real_full_disk_fails_at_creation(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tiny tmpfs needs root")
-    d = tmp_path / "tiny"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tiny_tmpfs(tmp_path) as d:
         sp = SwapSpace(d, 0, buffers=2, buffer_size=16)
         with pytest.raises(SwapError, match=r"cannot preallocate swap file .*big\.swp.*disk .* is full") as e:
             sp.create("big.swp", 1 << 20)
         assert e.value.errno == errno.ENOSPC
         sp.close()
-    finally:
-        subprocess.run(["umount", str(d)], capture_output=True)
 
 
 # ---------------------------------------------------------------------------------- engine
