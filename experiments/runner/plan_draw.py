@@ -69,15 +69,11 @@ def check_modelled(rc: RunConfig) -> None:
 
 def model_units(rc: RunConfig) -> tuple:
     """The runner's model's units, from a model built on the meta device."""
-    import torch
-
     from zeropp.runtime.plan import plan_units
 
-    from .trainers import build_model
+    from .trainers import meta_model
 
-    with torch.device("meta"):
-        model = build_model(rc, torch.device("meta"))
-    units = plan_units(model)
+    units = plan_units(meta_model(rc))
     if any(u.frozen for u in units) or not all(u.numel for u in units):
         raise ConfigError(
             "invalid config: the model has frozen parameters (model.lora_rank); the step's timeline "

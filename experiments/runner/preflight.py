@@ -105,13 +105,9 @@ def model_state_by_tier(
 def _param_sizes(rc: RunConfig) -> list[tuple[int, bool]]:
     """``(elements, trainable)`` of each floating-point parameter of the run's model, built on the
     meta device (shapes only, no memory)."""
-    import torch
+    from .trainers import meta_model
 
-    from .trainers import build_model
-
-    with torch.device("meta"):
-        model = build_model(rc, torch.device("meta"))
-    return [(p.numel(), p.requires_grad) for p in model.parameters() if p.is_floating_point()]
+    return [(p.numel(), p.requires_grad) for p in meta_model(rc).parameters() if p.is_floating_point()]
 
 
 def persistent_params(rc: RunConfig) -> int:

@@ -128,6 +128,13 @@ def build_model(cfg: RunConfig, device: torch.device) -> nn.Module:
     return GPT(cfg.model).to(device)
 
 
+def meta_model(cfg: RunConfig) -> nn.Module:
+    """The model of ``cfg.model`` built on the meta device: shapes only, no memory and no weights
+    read (what the runner's pre-launch size checks and the plan count)."""
+    with torch.device("meta"):
+        return build_model(cfg, torch.device("meta"))
+
+
 def stats_dict(stats: Any) -> dict[str, int] | None:
     """``CommStats.snapshot()`` flattened to ``{"<kind>.<link>": bytes}``."""
     if stats is None:
