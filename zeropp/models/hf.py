@@ -354,7 +354,8 @@ class HFCausalLM(nn.Module):
         return logits, loss
 
 
-def _model_class(cfg: HFConfig) -> Any:
+def model_class(cfg: HFConfig) -> Any:
+    """The ``transformers`` causal-LM class of ``cfg.hf_config``."""
     tf = require_transformers()
     return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
 
@@ -364,7 +365,7 @@ def check_pretrained(cfg: HFConfig) -> None:
     model's (``hf_pretrained.check_pretrained_weights``; reads headers, no tensor): what
     :func:`build_hf_model` checks, for a caller that refuses before starting ranks."""
     if cfg.pretrained is not None:
-        check_pretrained_weights(cfg, _model_class(cfg), hf_model_config(cfg))
+        check_pretrained_weights(cfg, model_class(cfg), hf_model_config(cfg))
 
 
 def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
@@ -376,7 +377,7 @@ def build_hf_model(cfg: HFConfig, *, seed: int | None = None) -> HFCausalLM:
     is built from the same config without reading any weight (``from_pretrained`` refuses a meta
     context)."""
     conf = hf_model_config(cfg)
-    cls = _model_class(cfg)
+    cls = model_class(cfg)
     if seed is not None:
         torch.manual_seed(seed)
     if cfg.pretrained is None or torch.get_default_device().type == "meta":

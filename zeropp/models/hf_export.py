@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ..output_files import creation_refused, nearest_existing
-from .hf import HFConfig, hf_model_config, require_transformers
+from .hf import HFConfig, hf_model_config, model_class
 
 LORA_FORMATS = ("merged", "peft")
 """Values of ``lora_format``: adapters folded into the base weights, or a ``peft`` adapter directory."""
@@ -242,11 +242,6 @@ class _Adapter:
     alpha: float
 
 
-def _hf_class(cfg: HFConfig) -> Any:
-    tf = require_transformers()
-    return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}[cfg.hf_config]
-
-
 def _lora_layers(cfg: HFConfig, conf: Any) -> dict[str, _Adapter]:
     """Module name -> adapter of every layer ``apply_lora`` adapts in ``cfg``'s model (whose
     ``transformers`` config is ``conf``), found by building it on the meta device (no memory, no
@@ -254,7 +249,7 @@ def _lora_layers(cfg: HFConfig, conf: Any) -> dict[str, _Adapter]:
     from .lora import LoRALinear, apply_lora
 
     with torch.device("meta"):
-        hf = _hf_class(cfg)(copy.deepcopy(conf))
+        hf = model_class(cfg)(copy.deepcopy(conf))
     apply_lora(hf, cfg.lora_rank)
     return {
         n: _Adapter(scaling=m.scaling, transposed=m.transposed, rank=m.rank, alpha=m.alpha)
@@ -293,7 +288,7 @@ def _plain_model(cfg: HFConfig, conf: Any, state: dict[str, torch.Tensor], where
     conf = copy.deepcopy(conf)
     conf.use_cache = True  # the run disables the KV cache; a shared model generates with it
     with torch.device("meta"):
-        hf = _hf_class(cfg)(conf)
+        hf = model_class(cfg)(conf)
     want = set(hf.state_dict())
     # a tied weight may be saved under one of its names only (a frozen one, e.g. the embedding
     # of a LoRA run, is stored once): the others take it from there
