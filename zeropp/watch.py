@@ -395,7 +395,8 @@ def close_world(world_dir: str, rid: str) -> None:
 
 
 def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], list[str]]:
-    """Remove every directory recorded by :func:`scratch_prefix` in ``world_dir`` for run ``rid``;
+    """Remove every directory (or file: the shared-memory region, ``zeropp.comm.shm``) recorded by
+    :func:`scratch_prefix` in ``world_dir`` for run ``rid``;
     ``(removed, problems)``. Records whose prefix lacks the run id (or is a path) are refused and
     named in ``problems``, as are roots that could not be listed and directories that could not be
     removed: it never raises, since the launcher calls it while a rank's failure may be on its way
@@ -427,9 +428,15 @@ def remove_scratch(world_dir: str | os.PathLike, rid: str) -> tuple[list[str], l
                 problems.append(f"could not look for {prefix}* in {root}: {e}")
                 continue
             for entry in entries:
-                if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
+                if not entry.name.startswith(prefix):
+                    continue
+                directory = entry.is_dir(follow_symlinks=False)
+                if directory or entry.is_file(follow_symlinks=False):
                     try:
-                        shutil.rmtree(entry.path)
+                        if directory:
+                            shutil.rmtree(entry.path)
+                        else:
+                            os.unlink(entry.path)
                         removed.append(entry.path)
                     except OSError as e:
                         problems.append(f"could not remove {entry.path}: {e}")

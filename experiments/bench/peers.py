@@ -102,6 +102,25 @@ ROWS: dict[str, Row] = {
         overrides=("trainer=zeropp", "stage=3", "zero.coalesce_numel=4000000", "zero.keep_at_turn=true"),
         zeropp=True,
     ),
+    **{
+        f"stage{s}s": Row(
+            label=f"zeropp stage {s}, transport=shm",
+            overrides=("trainer=zeropp", f"stage={s}", "zero.transport=shm"),
+            zeropp=True,
+        )
+        for s in (0, 3)
+    },
+    "stage3cks": Row(
+        label="zeropp stage 3, coalesce_numel=4M, keep_at_turn, transport=shm",
+        overrides=(
+            "trainer=zeropp",
+            "stage=3",
+            "zero.coalesce_numel=4000000",
+            "zero.keep_at_turn=true",
+            "zero.transport=shm",
+        ),
+        zeropp=True,
+    ),
     "zeropp": Row(label="zeropp ZeRO++", overrides=("trainer=zeropp", "stage=3"), zeropp=True),
 }
 """Row key -> row, in table order."""

@@ -89,6 +89,10 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             f"cross {human_bytes(comm['by_link']['cross'])} (all torch.distributed calls)",
         ),
     ]
+    if s.get("zero", {}).get("transport") == "shm":  # the gathers and reductions are not torch.distributed calls
+        rows.append(
+            ("  (zero.transport=shm)", "the ZeRO group's plain data moves through shared memory: see zeropp kinds")
+        )
     rows += [(f"  {k}", human_bytes(v)) for k, v in sorted(comm["by_kind_link"].items())]
     eng = s.get("engine_comm_bytes_per_step")
     if eng:

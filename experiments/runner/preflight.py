@@ -306,6 +306,37 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
         check_emulated_privileges(rc)
         check_local_ranks(rc)
         check_nvme_space(rc, rc.topology.world_size)
+        check_shm(rc)
+
+
+def check_shm(rc: RunConfig) -> None:
+    """``zero.transport=shm`` (``zeropp.comm.shm``): CPU ranks, and room under ``/dev/shm`` for the
+    region of each ZeRO group on this host (one per tensor-parallel index). Each rank would raise the
+    same refusal after start-up; here it comes before any rank starts."""
+    if rc.zero.transport != "shm":
+        return
+    from zeropp.comm.shm import DEFAULT_REGION_BYTES, SHM_DIR
+
+    if rc.launcher.device == "cuda" or _ranks_on_cuda(rc, rc.topology.world_size):
+        raise ConfigError(
+            "invalid config: zero.transport=shm moves CPU tensors through this host's shared memory, but the "
+            "ranks run on GPUs; set zero.transport=backend (NCCL has its own shared-memory paths) or "
+            "launcher.device=cpu"
+        )
+    need = DEFAULT_REGION_BYTES * rc.topology.tp
+    try:
+        free = disk_free(SHM_DIR)
+    except OSError as e:
+        raise ConfigError(
+            f"invalid config: zero.transport=shm needs {SHM_DIR}, which this host lacks ({e.strerror}); "
+            "set zero.transport=backend"
+        ) from None
+    if free < need:
+        raise ConfigError(
+            f"invalid config: zero.transport=shm needs {human_bytes(need)} under {SHM_DIR} but it has "
+            f"{human_bytes(free)} free; free space there (in a container: a larger --shm-size) or set "
+            "zero.transport=backend"
+        )
 
 
 def check_emulated_nodes(rc: RunConfig) -> None:

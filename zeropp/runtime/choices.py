@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zeropp.comm.choices import StrChoice
 
-__all__ = ["MemoryTier", "OffloadTier", "Precision", "QuantizeFrozen", "Schedule"]
+__all__ = ["MemoryTier", "OffloadTier", "Precision", "QuantizeFrozen", "Schedule", "Transport"]
 
 
 class Precision(StrChoice):
@@ -65,6 +65,15 @@ class QuantizeFrozen(StrChoice):
     """INT8 codes and scales, quantized once."""
     int4 = "int4"
     """INT4 codes and scales, quantized once."""
+
+
+class Transport(StrChoice):
+    """``ZeroConfig.transport``: how the ZeRO group's plain (unquantized) collectives move data."""
+
+    backend = "backend"
+    """The process group's backend (gloo, NCCL)."""
+    shm = "shm"
+    """Shared memory of the host (CPU ranks of one node; ``zeropp.comm.shm``)."""
 
 
 class Schedule(StrChoice):

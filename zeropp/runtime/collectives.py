@@ -36,7 +36,7 @@ would be rounded twice).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.lifetime import Buffers
 from zeropp.comm.session import CommSession
+from zeropp.comm.shm import ShmTransport
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
@@ -107,7 +108,9 @@ class Pending:
 class EngineComm:
     """Collectives for one engine over a :class:`Topology` (groups built collectively at init)."""
 
-    def __init__(self, topology: Topology, stats: CommStats, device: torch.device | None = None) -> None:
+    def __init__(
+        self, topology: Topology, stats: CommStats, device: torch.device | None = None, *, transport: str = "backend"
+    ) -> None:
         from zeropp import comm as zcomm  # the public collectives (qwZ / qgZ / accounting)
 
         self._z = zcomm
@@ -125,9 +128,18 @@ class EngineComm:
         self.hpz_size = topology.hpz_group_size // topology.tp
         self.hpz_rank = self.rank % self.hpz_size
         self.device = device if device is not None else torch.device("cpu")  # where scalars travel (NCCL: the GPU)
+        if transport == "shm" and self.device.type != "cpu":
+            raise ValueError(
+                f"transport='shm' moves CPU tensors through the host's shared memory; the engine runs on "
+                f"{self.device}, so use transport='backend' (NCCL has its own shared-memory paths)"
+            )
         self.streams = CommStreams(self.device)
         """Side streams, events and blocked-time measurement (``streams.py``; no-ops on CPU)."""
         self._before_next: Optional[Callable[[], object]] = None  # see defer_until_next_collective
+        self.shm: Optional[ShmTransport] = None
+        """The ZeRO group's shared-memory transport (``ZeroConfig.transport='shm'``; None: the backend's)."""
+        if transport == "shm" and self.world_size > 1:
+            self.shm = ShmTransport(self.group)
 
     def defer_until_next_collective(self, check: Callable[[], object]) -> None:
         """Run ``check`` before this engine's next collective, or at :meth:`run_deferred`,
@@ -186,6 +198,8 @@ class EngineComm:
         s = shard.numel()
         if g == 1 and spec is None and wire_out is None:
             return self._alone(out, shard, bucket=bucket, kind=kind, unit=unit)
+        if self.shm is not None and spec is None and not hpz and wire_out is None:
+            return self._shm_call("all_gather", out, shard, bucket=bucket, kind=kind, unit=unit, async_op=async_op)
         if wire_out is not None and not self.gathers_whole(s, hpz=hpz, bucket=bucket):
             raise ValueError(
                 f"EngineComm.all_gather: wire_out keeps one call's wire rows, but a shard of {s} elements is cut into "
@@ -303,6 +317,8 @@ class EngineComm:
         quantized = spec is not None
         if w == 1 and not quantized:  # the sum over one rank is its input, and x / 1 == x: a copy
             return self._alone(out, full, bucket=bucket, kind=kind, unit=unit)
+        if self.shm is not None and not quantized:
+            return self._shm_call("reduce_scatter", out, full, bucket=bucket, kind=kind, unit=unit, async_op=async_op)
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
 
         def issue() -> Pending:
@@ -361,6 +377,42 @@ class EngineComm:
         done.done = True
         return done
 
+    def _shm_call(
+        self,
+        op: Literal["all_gather", "reduce_scatter", "all_reduce"],
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        bucket: int,
+        kind: CommKind,
+        unit: str,
+        async_op: bool,
+    ) -> Pending:
+        """A plain collective through the shared-memory transport: accounted as the backend call
+        it replaces (one call per bucket-sized chunk, the same bytes to the same peers), named in the
+        profiler as one range, averaged by the same local divide."""
+        shm = self.shm
+        assert shm is not None
+        w, ranks = self.world_size, group_ranks(self.group)
+        per_rank = src.numel() // w if op == "reduce_scatter" else src.numel()  # S (gather, scatter) or n
+        chunks = [(0, per_rank)] if op == "all_reduce" else chunk_ranges(per_rank, w, bucket)
+        size = src.element_size()
+        for a, b in chunks:
+            self.stats.count_call(kind)
+            n = (b - a) * (w if op == "reduce_scatter" else 1)  # the elements this rank sends in that call
+            record_sends(self.stats, kind, self.topology, ranks, peer_bytes(op, n * size, w))
+        name = ranges.call_name(kind, unit, 0) if ranges.enabled() else None
+
+        def issue() -> Pending:
+            with ranges.span(name):
+                if op == "all_gather":
+                    return Pending(self, [shm.all_gather(dst, src)], None, what=(kind, unit))
+                if op == "reduce_scatter":
+                    return Pending(self, [shm.reduce_scatter_sum(dst, src)], lambda: dst.div_(w), what=(kind, unit))
+                return Pending(self, [shm.all_reduce_sum(dst)], lambda: dst.div_(w), what=(kind, unit))
+
+        return self.launch("reduce_scatter" if op != "all_gather" else "all_gather", issue, (src,), async_op)
+
     def launch(
         self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool
     ) -> Pending:
@@ -388,6 +440,8 @@ class EngineComm:
         on the gradient side stream); ``t`` holds the mean after the returned :class:`Pending`'s
         ``wait``, so several units' all-reduces can be in flight at once."""
         w = self.world_size
+        if self.shm is not None and w > 1:
+            return self._shm_call("all_reduce", t, t, bucket=t.numel(), kind=kind, unit=unit, async_op=async_op)
 
         def issue() -> Pending:
             work = self._z.all_reduce(

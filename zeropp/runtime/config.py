@@ -20,7 +20,7 @@ import torch
 from zeropp.comm.choices import StrChoice
 from zeropp.comm.spec import QuantRecipe, QuantSpec
 
-from .choices import OffloadTier, Precision, QuantizeFrozen, Schedule
+from .choices import OffloadTier, Precision, QuantizeFrozen, Schedule, Transport
 
 _DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 SCHEDULES = Schedule.values()
@@ -119,6 +119,15 @@ class ZeroConfig:
     (every parameter gathered twice per micro-step: ZeRO-3's 3M), which the byte accounting and
     the scaling model then follow (``plan.py``)."""
 
+    transport: Transport = Transport.backend
+    """How the ZeRO group's plain (unquantized) gathers, reduce-scatters and all-reduces move data
+    (a :class:`~.choices.Transport`): ``backend`` (the process group's: gloo, NCCL) or ``shm`` (a
+    region of shared memory that the CPU ranks of one host map, synchronised through the backend
+    once per chunk: no copies through loopback TCP; ``zeropp.comm.shm``). ``shm`` needs CPU ranks
+    and a ZeRO group on one node; the bytes are accounted as with the backend, the reductions add
+    in rank order (a reduce-scatter gives the backend path's bits, an all-reduce may differ from
+    gloo's ring in the last bit). Quantized collectives keep the backend."""
+
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``train_step`` must receive exactly this many."""
 
@@ -206,6 +215,12 @@ class ZeroConfig:
                 f"residual, so leave both unset (intra_bits=None, error_feedback=False)"
             )
         self._check_weight_diff()
+        _choice(
+            self,
+            "transport",
+            Transport,
+            "ZeroConfig.transport must be one of " + str(Transport.values()) + ", got {value!r}",
+        )
         if self.hpz and self.stage != 3:
             raise ValueError(f"hpZ partitions stage-3 parameters; set stage=3 or hpz=False (got stage={self.stage})")
         if self.hpz_size is not None and not self.hpz:
@@ -431,6 +446,11 @@ def validate_against_topology(cfg: ZeroConfig, world_size: int, nodes: int, rank
         raise ValueError(
             f"topology {nodes} nodes x {ranks_per_node} ranks = {nodes * ranks_per_node} does not match "
             f"the world size {world_size}; pass a Topology built for this world"
+        )
+    if cfg.transport == "shm" and nodes > 1:
+        raise ValueError(
+            f"transport='shm' moves the ZeRO group's data through the shared memory of one host, but the group spans "
+            f"{nodes} nodes; use transport='backend' (or one node)"
         )
     if cfg.hpz:
         size = cfg.hpz_size or ranks_per_node

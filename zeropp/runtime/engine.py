@@ -172,7 +172,7 @@ class ZeroEngine:
         self.comm_stats = CommStats()
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        self.comm = EngineComm(topo, self.comm_stats, self.device)
+        self.comm = EngineComm(topo, self.comm_stats, self.device, transport=cfg.transport)
         self.comm_session = self.comm.session
         """This engine's communication state (``zeropp.comm.CommSession``): its ``stats`` are
         :attr:`comm_stats`, its ``stochastic`` counter the seed rule's call index (saved with

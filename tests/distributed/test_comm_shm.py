@@ -1,0 +1,135 @@
+"""The shared-memory transport (``zeropp.comm.shm``): the same results as the reference sums and
+gathers on awkward sizes and every float dtype, chunked through a small region, a reduce-scatter
+bit for bit the backend's; an engine trained through it equal to one trained through gloo; setup
+faults raised on every rank; nothing left under the region's directory."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.parity_helpers import BASE, STEPS, check_parity
+from tests.runtime_helpers import parity_world
+from tests.worlds import run_world
+
+pytestmark = pytest.mark.distributed
+
+SIZES = [1, 7, 17 * 257]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(rank: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randn(n, generator=g).mul(3).to(dtype)
+
+
+def _collectives(rank: int, world: int, region_bytes: int) -> list[tuple[str, bool]]:
+    """Every (size, dtype): the transport's results against sums of all ranks' inputs made here."""
+    import torch.distributed as dist
+
+    from zeropp.comm import collectives
+    from zeropp.comm.shm import ShmTransport
+
+    shm = ShmTransport(region_bytes=region_bytes)
+    out = []
+    for n in SIZES:
+        for dtype in DTYPES:
+            tag = f"{n}/{dtype}"
+            everyone = [_inputs(r, n * world, dtype, n) for r in range(world)]  # [W] of [W * n]
+            # all-gather: rank r's shard is its first n values
+            gathered = torch.full((world * n,), float("nan"), dtype=dtype)
+            shm.all_gather(gathered, everyone[rank][:n]).wait()
+            out.append((f"gather {tag}", torch.equal(gathered, torch.cat([e[:n] for e in everyone]))))
+            # reduce-scatter: the rank-order sum of chunk `rank` of everyone's input
+            mine = torch.empty(n, dtype=dtype)
+            shm.reduce_scatter_sum(mine, everyone[rank]).wait()
+            rows = torch.stack([e.view(world, n)[rank] for e in everyone])  # [W, n]
+            want = collectives.rank_order_sum(rows, torch.empty(n, dtype=dtype))
+            out.append((f"scatter {tag}", torch.equal(mine, want)))
+            # all-reduce, in place, on a non-contiguous view (written back)
+            base = everyone[rank].clone().view(world, n)
+            t = base[:, :1] if n > 1 else base  # [W, 1] strided
+            want_all = collectives.rank_order_sum(
+                torch.stack([e.view(world, n)[:, :1].reshape(-1) if n > 1 else e for e in everyone]),
+                torch.empty(t.numel(), dtype=dtype),
+            )
+            shm.all_reduce_sum(t).wait()
+            out.append((f"all-reduce {tag}", torch.equal(t.reshape(-1), want_all)))
+    # several collectives in flight before any wait: each still gets its own values
+    a, b = torch.empty(world * 5), torch.empty(3)
+    first = shm.all_gather(a, torch.full((5,), float(rank)))
+    second = shm.reduce_scatter_sum(b, torch.arange(world * 3, dtype=torch.float32) + rank)
+    second.wait()
+    first.wait()
+    out.append(("in flight gather", torch.equal(a, torch.arange(world).repeat_interleave(5).float())))
+    want_b = sum(torch.arange(world * 3, dtype=torch.float32).view(world, 3)[rank] + r for r in range(world))
+    out.append(("in flight scatter", torch.equal(b, want_b)))
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("region_bytes", [8 * 4 * 1024, 32 << 20], ids=["chunked", "whole"])
+def test_collectives_match_reference_sums(region_bytes):
+    for rank_results in run_world(_collectives, 4, region_bytes, timeout=180):
+        bad = [name for name, ok in rank_results if not ok]
+        assert not bad, bad
+
+
+def _setup_fails(rank: int, world: int, directory: str) -> str:
+    from zeropp.comm.shm import ShmError, ShmTransport
+
+    try:
+        ShmTransport(directory=directory)
+    except ShmError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unusable_directory_is_one_error_on_every_rank(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    errors = run_world(_setup_fails, 3, missing)
+    assert all("zero.transport=shm" in e and "use zero.transport=backend" in e for e in errors), errors
+    assert "could not create" in errors[0] and missing in errors[0], errors[0]
+
+
+def _leftovers(rank: int, world: int, directory: str) -> list[str]:
+    from zeropp.comm.shm import ShmTransport
+
+    shm = ShmTransport(directory=directory, region_bytes=1 << 20)
+    t = torch.ones(10)
+    shm.all_reduce_sum(t).wait()
+    assert torch.equal(t, torch.full((10,), float(world)))
+    return sorted(os.listdir(directory))
+
+
+def test_region_file_is_gone_once_mapped(tmp_path):
+    (tmp_path / "theirs").write_text("not ours")
+    listings = run_world(_leftovers, 2, str(tmp_path))
+    assert listings == [["theirs"], ["theirs"]]
+
+
+# Stages 2 and 3 reduce-scatter in rank order through either transport: the same bits as gloo. Stages
+# 0-1 (and stage 3's replicated small parameters) all-reduce: rank order here, gloo's ring there.
+SHM = [
+    dict(BASE, stage=3, transport="shm"),
+    dict(BASE, stage=3, transport="shm", coalesce_numel=10**9, keep_at_turn=True, reduce_bucket_size=1000),
+    dict(BASE, stage=2, transport="shm"),
+    dict(BASE, stage=0, transport="shm"),
+    dict(BASE, stage=1, transport="shm", allgather_bucket_size=999),
+    dict(BASE, stage=3, transport="shm", persistence_threshold=100),
+]
+TWINS = [{k: v for k, v in c.items() if k != "transport"} for c in SHM[:3]]
+
+
+def test_engine_through_shared_memory_matches_single_process_and_gloo():
+    configs = SHM + TWINS
+    results = run_world(parity_world, 4, 1, configs, STEPS, timeout=300)
+    check_parity(results, 4, configs[: len(SHM)])
+    for shm, twin in zip(SHM, TWINS):
+        a, b = results[0][configs.index(shm)], results[0][configs.index(twin)]
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"], shm
+        assert all(np.array_equal(a["weights"][k], b["weights"][k]) for k in b["weights"]), shm
+        assert a["comm"] == b["comm"] and a["calls"] == b["calls"], shm  # accounted as the backend call
