@@ -143,11 +143,12 @@ def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clust
 @needs_netns
 @pytest.mark.parametrize("which", ["switch", "node1", "probe"])
 def test_a_namespace_of_that_name_made_before_is_refused_and_left_untouched(which):
-    """A namespace that exists under a name the emulator is about to use (one left by an earlier
-    process with the same pid, or a user's) is neither entered, emptied nor deleted: the build is
+    """A namespace that exists under a name the emulator is about to use (a user's: the names carry
+    this process's pid and start time) is neither entered, emptied nor deleted: the build is
     refused naming it. Before, the failed build's teardown deleted it (and killed what ran in it)."""
     c = EmulatedCluster(2, 1, 1.0, probe=False)
-    name = {"switch": c.switch_namespace, "node1": c.node_namespace(1), "probe": f"{PREFIX}-{os.getpid()}-probe"}[which]
+    probe = f"{PREFIX}-{netns.owner_tag()}-probe"
+    name = {"switch": c.switch_namespace, "node1": c.node_namespace(1), "probe": probe}[which]
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         with pytest.raises(NetnsError, match=f"named {name} exists already .* left untouched"):
