@@ -48,6 +48,7 @@ from torch import nn
 
 from ..output_files import creation_refused, nearest_existing
 from .hf import HFConfig, hf_model_config, model_class
+from .hf_pretrained import tied_names
 
 LORA_FORMATS = ("merged", "peft")
 """Values of ``lora_format``: adapters folded into the base weights, or a ``peft`` adapter directory."""
@@ -292,15 +293,11 @@ def _plain_model(cfg: HFConfig, conf: Any, state: dict[str, torch.Tensor], where
     want = set(hf.state_dict())
     # a tied weight may be saved under one of its names only (a frozen one, e.g. the embedding
     # of a LoRA run, is stored once): the others take it from there
-    aliases: dict[int, list[str]] = {}
-    for name, p in hf.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
     state = dict(state)
-    for names in aliases.values():
-        have = [n for n in names if n in state]
-        for n in names:
-            if have and n not in state:
-                state[n] = state[have[0]]
+    for n, names in tied_names(hf).items():
+        have = [a for a in names if a in state]
+        if have and n not in state:
+            state[n] = state[have[0]]
     # the engine saves every buffer; those the model does not persist (rotary frequencies) it
     # recomputes when built, so they are not part of the saved model
     transient = {n for n, _ in hf.named_buffers()} - want
