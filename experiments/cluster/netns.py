@@ -286,6 +286,20 @@ def clean(prefix: str, *, everything: bool = False) -> list[str]:
     return names
 
 
+def interface_tx_bytes(ifname: str) -> int | None:
+    """Bytes interface ``ifname`` of this process's network namespace has sent so far (the kernel's
+    counter, headers included), or None when there is no such interface. A rank of the emulated
+    cluster runs under ``ip netns exec``, which mounts its node namespace's ``/sys``, so its
+    uplink's counter is that node's."""
+    if not ifname or "/" in ifname or ifname in (".", ".."):
+        return None
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 # ----------------------------------------------------------------------------- links and shaping
 
 

@@ -11,7 +11,10 @@ when the trainer has one (semantic kinds like ``fwd_all_gather``, ``grad_reduce_
 ``Work.wait()`` (CommWatch); ``engine_comm_wait_s_per_step`` is ZeroEngine's own measure.
 ``cpu_s_per_step`` is the CPU time (user + system, every thread) of all ranks' processes per
 measured step, summed over ranks: against ``step_time_s`` times the cores the ranks share it
-says whether a step is bound by the CPU or waits with cores idle.
+says whether a step is bound by the CPU or waits with cores idle. ``uplink_tx_bytes_per_step``
+(``cluster=emulated`` only, else None): the bytes one node's uplink sent per measured step, the
+kernel's counter (headers and every rank of the node included), averaged over nodes; what
+``experiments.bench_cluster`` compares with the projection's uplink bytes.
 
 Memory: ``memory_per_rank`` is each rank's flat model-state report (end of backward);
 ``memory_by_phase`` gives per rank, per phase (``zeropp.runtime.memory.PHASES``: model_creation,
@@ -224,7 +227,9 @@ def build_summary(
 
     Each rank report has ``wire_bytes`` and ``engine_bytes`` (totals over measured steps),
     ``wait_s`` (total), ``measured_steps``, ``memory`` (model-state bytes by part) and
-    ``cpu_s`` (the process's CPU seconds over the measured steps; absent: no ``cpu_s_per_step``).
+    ``cpu_s`` (the process's CPU seconds over the measured steps; absent: no ``cpu_s_per_step``),
+    ``uplink_tx_bytes`` (a node's first rank on an emulated cluster: its uplink's bytes over the
+    measured steps; else None or absent).
     ``divergence``: ``DivergenceError.record()`` of a run stopped as diverged (its ``status`` is
     then ``"diverged"``, else ``"completed"``); ``skipped_steps``: steps that made no update.
     """
@@ -241,6 +246,7 @@ def build_summary(
     wait = sum(r["wait_s"] for r in rank_reports) / (world * n_meas)
     eng_wait = sum(r.get("engine_wait_s", 0.0) for r in rank_reports) / (world * n_meas)
     cpu = sum(r["cpu_s"] for r in rank_reports) / n_meas if all("cpu_s" in r for r in rank_reports) else None
+    uplinks = [u for r in rank_reports if (u := r.get("uplink_tx_bytes")) is not None]
     step_mean = total_time / len(measured) if measured else math.nan
     mems = [r["memory"] for r in rank_reports]
     phases = [r.get("memory_phases") or {} for r in rank_reports]
@@ -284,6 +290,7 @@ def build_summary(
         "engine_comm_wait_s_per_step": eng_wait if engine_mean is not None else None,
         "comm_wait_fraction": wait / step_mean if step_mean and step_mean > 0 else math.nan,
         "cpu_s_per_step": cpu,
+        "uplink_tx_bytes_per_step": sum(uplinks) / (len(uplinks) * n_meas) if uplinks else None,
         "memory_per_rank": mems,
         "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
         "memory_by_phase": phases,

@@ -286,7 +286,10 @@ def test_launcher_on_a_2x2_emulated_cluster_local_ranks_and_failure(clusters, tm
 
 @needs_netns
 def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
-    """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link."""
+    """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link,
+    and each node's uplink counter per step (``uplink_tx_bytes_per_step``; before: not recorded, so
+    ``experiments.bench_cluster``'s uplink comparison never ran)."""
+    from zeropp.experiments.bench import cluster as bench_cluster
     from zeropp.experiments.runner.run import run_job
 
     s = run_job(
@@ -311,6 +314,11 @@ def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
     by = s["engine_comm_bytes_per_step"]["by_link"]
     assert by["cross"] > 0 and by["intra"] > 0
     assert s["placement"]["cluster"] == "emulated" and s["placement"]["measured_gbps"] > 0
+    # the node's uplink counter: its 2 ranks' cross-node bytes plus TCP/IP headers and the ACKs of
+    # what it received (1.15x on the development machine); bench_cluster's uplink table reads it
+    uplink, cross = s["uplink_tx_bytes_per_step"], s["comm_bytes_per_step"]["by_link"]["cross"]
+    assert 2 * cross <= uplink <= 1.5 * 2 * cross, (uplink, cross)
+    assert bench_cluster.aggregate("zeropp", [s])["uplink_bytes"] == uplink
 
 
 def test_nothing_left_behind():
