@@ -16,6 +16,7 @@ host's size comes from the standard library (``os.sched_getaffinity``, ``os.sysc
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from zeropp.comm import context
@@ -254,6 +255,33 @@ def check_persistence(rc: RunConfig) -> None:
         )
 
 
+_WARNED: set[str] = set()
+"""Warnings this process printed already (each once, however many sweep points share it)."""
+
+
+def warn_once(message: str) -> None:
+    """``zeropp: warning: <message>`` on stderr, the first time this process gives that message."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"zeropp: warning: {message}", file=sys.stderr, flush=True)
+
+
+def warn_hpz_on_one_node(rc: RunConfig) -> None:
+    """hpZ (``zero.hpz``: ``quant=hpz`` / ``zeropp``) keeps a secondary partition of stage 3's
+    parameters inside each node so backward gathers them without crossing nodes. On one node whose
+    hpZ group is the whole node (``zero.hpz_size`` unset or ``ranks_per_node``) that partition is
+    the primary one over again: no traffic saved, its copy's memory spent. Warned once, not refused:
+    the ``quant=zeropp`` preset and ``sweep=ablation`` bundle it, and the run is still correct (the
+    engine and FSDP2 honour it the same way on any topology)."""
+    z, t = rc.zero, rc.topology
+    if z.hpz and t.nodes == 1 and (z.hpz_size or t.ranks_per_node) == t.ranks_per_node:
+        warn_once(
+            f"zero.hpz=true on one node (topology {t.nodes}x{t.ranks_per_node}): hpZ's secondary partition spans "
+            f"the same {t.dp_size} data-parallel rank(s) as the primary one, so it saves no cross-node traffic and "
+            "only adds its copy's memory; use topology.nodes >= 2 to measure hpZ, or add zero.hpz=false"
+        )
+
+
 def check_writable_dir(key: str, path: Path) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
     existing ancestor is a directory that lets this process create files. Tried for real
@@ -289,6 +317,7 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
     if rc.train.checkpoint_every > 0:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
     check_persistence(rc)
+    warn_hpz_on_one_node(rc)
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
     if local:  # under torchrun cluster=emulated is refused as such (run.execute)
