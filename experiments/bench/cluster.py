@@ -86,7 +86,8 @@ NAMES = (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"))
 
 UPLINK_KEY = "uplink_tx_bytes_per_step"
 """Summary key of the bytes one node's uplink sent per measured step (its kernel tx counter,
-headers included), compared with the projection's ``uplink_bytes`` when a run records it."""
+headers included; every ``cluster=emulated`` run records it, ``runner.metrics``), compared with the
+projection's ``uplink_bytes``."""
 
 
 def job_overrides(a: argparse.Namespace, gbps: float, mode: str) -> list[str]:

@@ -27,7 +27,6 @@ import atexit
 import ipaddress
 import itertools
 import math
-import os
 import signal
 import sys
 import threading
@@ -130,7 +129,7 @@ class EmulatedCluster:
     ) -> None:
         self.spec = ClusterSpec(nodes, ranks_per_node, inter_gbps, inter_latency_ms, prefix, subnet, probe_seconds)
         self.probe = probe
-        self.cluster_id = f"{os.getpid()}-{next(self._ids)}"
+        self.cluster_id = f"{netns.owner_tag()}-{next(self._ids)}"
         self.measured_gbps: float | None = None
         self.measured_rtt_ms: float | None = None
         self.cleaned_stale: list[str] = []

@@ -11,8 +11,10 @@ Safety rules this module enforces, because it runs as root:
 - processes are only signalled when they live inside one of those namespaces (i.e. were started
   there by this project), and only by pid.
 
-Namespace names carry the owning process id (``zpp-<pid>-<k>-n0``) so a later run can tell a
-namespace left behind by a crashed run (owner gone) from one a live run is using.
+Namespace names carry the owning process's id and start time (``zpp-<pid>-<start>-<k>-n0``,
+:func:`owner_tag`) so a later run can tell a namespace left behind by a crashed run (owner gone,
+or its pid now reused by another program, which started at another time) from one a live run is
+using.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def require_privileges(prefix: str = "zpp") -> None:
             else "install iproute2 (`apt-get install -y iproute2`)"
         )
         raise ClusterPrivilegeError(f"{' and '.join(missing)} not found on PATH: {fix}. {LOCAL_HINT}")
-    trial = f"{prefix}-{os.getpid()}-probe"
+    trial = f"{prefix}-{owner_tag()}-probe"
     refuse_existing(trial)
     try:
         run(["ip", "netns", "add", trial])
@@ -117,7 +119,7 @@ def qdisc_supported(kind: str, prefix: str = "zpp") -> bool:
 
     Tested on a veth inside a throw-away namespace of ours, never on a real interface.
     """
-    ns = f"{prefix}-{os.getpid()}-qcheck"
+    ns = f"{prefix}-{owner_tag()}-qcheck"
     refuse_existing(ns)
     run(["ip", "netns", "add", ns])
     try:
@@ -132,9 +134,29 @@ def qdisc_supported(kind: str, prefix: str = "zpp") -> bool:
 # ----------------------------------------------------------------------------- namespaces
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``),
+    or None when there is no such process. A pid is reused by later processes; the pair (pid,
+    start time) names one process for as long as the machine runs (and network namespaces do not
+    outlive a reboot)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # fields after the command's name start at 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``<pid>-<start ticks>`` of this process (or ``pid``): the owner part of the names it creates."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{start_ticks(pid) or 0}"
+
+
 def _name_re(prefix: str) -> re.Pattern:
-    """The exact names this package creates: ``<p>-<pid>-<k>-sw|n<i>`` and its short-lived checks."""
-    return re.compile(rf"^{re.escape(prefix)}-(\d+)-(\d+-(sw|n\d+)|probe|qcheck)$")
+    """The exact names this package creates: ``<p>-<pid>-<start>-<k>-sw|n<i>`` and its short-lived
+    checks, and the ``<p>-<pid>-<k>-...`` of versions that named the pid only (group 2 is None)."""
+    kinds = r"(\d+-(sw|n\d+)|probe|qcheck)"
+    return re.compile(rf"^{re.escape(prefix)}-(\d+)-(?:(\d+)-{kinds}|{kinds})$")
 
 
 def list_namespaces(prefix: str) -> list[str]:
@@ -149,6 +171,19 @@ def owner_pid(name: str, prefix: str) -> int | None:
     """The pid encoded in ``<prefix>-<pid>-...``, or None for names in another format."""
     m = _name_re(prefix).match(name)
     return int(m.group(1)) if m else None
+
+
+def owner_alive(name: str, prefix: str) -> bool:
+    """Whether the process that created namespace ``name`` still runs: its pid is alive and started
+    when the name says (a pid reused by another program started later). Names of versions that
+    recorded the pid only are judged by the pid alone."""
+    m = _name_re(prefix).match(name)
+    if m is None:
+        return False
+    pid = int(m.group(1))
+    if m.group(2) is None:
+        return pid_alive(pid)
+    return pid_alive(pid) and start_ticks(pid) == int(m.group(2))
 
 
 def pid_alive(pid: int) -> bool:
@@ -202,9 +237,8 @@ def _is_zombie(pid: int) -> bool:
 def refuse_existing(ns: str) -> None:
     """Raise :class:`NetnsError` when a namespace named ``ns`` exists already.
 
-    Names carry this process's pid, so one that exists before this process made it belongs to
-    someone else: a user's, or one left by an earlier process that had the same pid (pids are
-    reused, and such a leftover looks live to :func:`stale_namespaces`). It is neither entered,
+    Names carry this process's pid and start time, so one that exists before this process made it
+    belongs to someone else (a user's). It is neither entered,
     emptied nor deleted; the user is told how to remove it if it is a leftover.
     """
     if ns in run(["ip", "netns", "list"]).stdout.split():
@@ -235,8 +269,9 @@ def delete_namespace(ns: str) -> None:
 
 
 def stale_namespaces(prefix: str) -> list[str]:
-    """Namespaces of ours whose owning process is gone: left behind by a crashed run."""
-    return [n for n in list_namespaces(prefix) if not pid_alive(owner_pid(n, prefix) or 0)]
+    """Namespaces of ours whose owning process is gone (:func:`owner_alive`): left behind by a
+    crashed run, even when its pid now belongs to another program."""
+    return [n for n in list_namespaces(prefix) if not owner_alive(n, prefix)]
 
 
 def clean(prefix: str, *, everything: bool = False) -> list[str]:
@@ -249,6 +284,20 @@ def clean(prefix: str, *, everything: bool = False) -> list[str]:
     for ns in sorted(names, key=lambda n: n.endswith("-sw")):
         delete_namespace(ns)
     return names
+
+
+def interface_tx_bytes(ifname: str) -> int | None:
+    """Bytes interface ``ifname`` of this process's network namespace has sent so far (the kernel's
+    counter, headers included), or None when there is no such interface. A rank of the emulated
+    cluster runs under ``ip netns exec``, which mounts its node namespace's ``/sys``, so its
+    uplink's counter is that node's."""
+    if not ifname or "/" in ifname or ifname in (".", ".."):
+        return None
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------- links and shaping

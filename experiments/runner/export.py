@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     note = _not_the_end(a.source, info)
     if note:
         print(f"warning: {note}", file=sys.stderr)
+    skipped = info.get("tokenizer_skipped") or {}
+    if skipped:  # model.pretrained's tokenizer, or part of it, is not in the export
+        why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        print(f"warning: tokenizer files of model.pretrained not copied into {out} ({why})", file=sys.stderr)
 
 
 def _not_the_end(source: Path, info: dict[str, Any]) -> str | None:

@@ -59,12 +59,22 @@ def predictions(rc: Any) -> list[dict[str, Any]]:
     """One row per stage x (offload_optimizer, offload_param): the formula's bytes per tier for this
     run's model and world (``preflight.model_state_by_tier``: the tensor-parallel slice over the
     data-parallel ranks, no gradient or optimizer state for a LoRA base). The chosen row is the
-    trainer's stage (DDP: 0, FSDP2: 3) with the run's offload choices."""
+    trainer's stage (DDP: 0, FSDP2: 3) with the run's offload choices. :class:`config.ConfigError`
+    for ``topology.tp > 1`` with ``zero.persistence_threshold``, which the formula cannot split."""
     from zeropp.runtime.memory import offload_choices, tier_totals
 
+    from .config import ConfigError
     from .preflight import model_state_by_tier, persistent_params
 
     z = rc.zero
+    if rc.topology.tp > 1 and z.persistence_threshold > 0 and rc.trainer_spec.zero_engine:
+        raise ConfigError(
+            f"python -m experiments.memory cannot predict topology.tp={rc.topology.tp} with "
+            f"zero.persistence_threshold={z.persistence_threshold}: which parameters stay whole depends on their "
+            "tensor-parallel slices, which the formula (Ψ/tp) does not see; predict with "
+            "zero.persistence_threshold=0 or topology.tp=1, or measure the run itself (python -m experiments.run "
+            "... writes memory.json with the engine's own counts)"
+        )
     fixed = rc.trainer_spec.fixed_stage
     run_stage = z.stage if fixed is None else fixed
     whole = persistent_params(rc)  # stage 3's rows: under zero.persistence_threshold, kept whole
@@ -187,10 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     try:
         rc, model_name = _compose(overrides)
+        rows = predictions(rc)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    rows = predictions(rc)
     print(predicted_table(rc, rows, model_name))
     out: dict[str, Any] = {"predicted": rows, "measured": None, "run_dir": None}
     if a.predict_only:

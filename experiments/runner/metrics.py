@@ -11,7 +11,10 @@ when the trainer has one (semantic kinds like ``fwd_all_gather``, ``grad_reduce_
 ``Work.wait()`` (CommWatch); ``engine_comm_wait_s_per_step`` is ZeroEngine's own measure.
 ``cpu_s_per_step`` is the CPU time (user + system, every thread) of all ranks' processes per
 measured step, summed over ranks: against ``step_time_s`` times the cores the ranks share it
-says whether a step is bound by the CPU or waits with cores idle.
+says whether a step is bound by the CPU or waits with cores idle. ``uplink_tx_bytes_per_step``
+(``cluster=emulated`` only, else None): the bytes one node's uplink sent per measured step, the
+kernel's counter (headers and every rank of the node included), averaged over nodes; what
+``experiments.bench_cluster`` compares with the projection's uplink bytes.
 
 Memory: ``memory_per_rank`` is each rank's flat model-state report (end of backward);
 ``memory_by_phase`` gives per rank, per phase (``zeropp.runtime.memory.PHASES``: model_creation,
@@ -36,8 +39,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from zeropp.comm import Topology
 from zeropp.comm.choices import plain
 from zeropp.input_files import parse_json, read_regular
+from zeropp.runtime import ZeroConfig
 
 from .config import RunConfig
 
@@ -122,35 +127,42 @@ def _mean_dicts(dicts: list[dict[str, float]], divisor: float) -> dict[str, floa
     return {k: sum(d.get(k, 0) for d in dicts) / max(divisor, 1) for k in keys}
 
 
-def expected_model_state(
-    cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0, replicated: int = 0
-) -> dict[str, dict[str, float]] | None:
-    """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` for a ZeroEngine run of
-    ``cfg`` (None for the other trainers, whose memory the formulas do not describe); ``n_params``
-    are the trained parameters one rank's engine partitions (the TP-local ones under ``topology.tp``);
-    ``frozen_bytes`` the stage-3 frozen shards it stores (their layout's size: compute dtype, or
-    MixZ++'s wire rows), added to the params of ``offload_param``'s tier, and hpZ's secondary copy
-    of them (the ``dp_size / hpz_size`` shards of the rank's node share, kept as stored) to the
-    device's. ``replicated``: of ``n_params``, those kept whole on every rank at stage 3 (under
-    ``zero.persistence_threshold``): their parameters and gradients stay on the device unsharded and
-    their optimizer state is whole, on ``offload_optimizer``'s tier (ZeRO's formula at N = 1)."""
-    if not cfg.trainer_spec.zero_engine:
-        return None
+def model_state_formula(
+    z: ZeroConfig,
+    t: Topology,
+    *,
+    stage: int,
+    offload_optimizer: str,
+    offload_param: str,
+    trained: int,
+    replicated: int = 0,
+    frozen_bytes: float = 0.0,
+) -> dict[str, dict[str, float]]:
+    """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` of a ZeroEngine with ``z``'s
+    precision and hpZ on topology ``t`` at ``stage`` with those offload choices: the one formula of
+    both a run's ``memory_expected`` (:func:`expected_model_state`, with the engine's own counts)
+    and ``python -m experiments.memory``'s predictions (``preflight.model_state_by_tier``, with
+    counts from the config). ``trained``: the trainable parameters one rank's engine partitions
+    (the TP-local ones under ``topology.tp``), over the data-parallel ranks. ``replicated``: of
+    ``trained``, those a stage-3 engine keeps whole on every rank (its ``persistent`` unit, under
+    ``zero.persistence_threshold``): parameters and gradients on the device unsharded, optimizer
+    state whole on ``offload_optimizer``'s tier (ZeRO's formula at N = 1). ``frozen_bytes``: the
+    frozen (LoRA base) bytes the rank stores, on ``offload_param``'s tier, plus hpZ's secondary copy
+    of the stage-3 shards (the ``dp_size / hpz_size`` shards of the rank's node share) on the device."""
     from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
 
-    z, t = cfg.zero, cfg.topology
-    pbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[z.precision]
-    # with tensor parallelism ZeRO partitions each rank's TP-local parameters over the dp ranks
-    hpz = (z.hpz_size or t.ranks_per_node) // t.tp if z.hpz else None
+    pbytes = z.dtype.itemsize
+    # with tensor parallelism hpZ's group is the node's ranks of this rank's tp slice
+    hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
     out = expected_by_tier(
-        z.stage,
-        n_params - replicated,
+        stage,
+        max(0, trained - replicated),
         t.dp_size,
         param_bytes=pbytes,
         hpz_size=hpz,
         hpz_bytes=hpz_bytes_per_param(z.weights, pbytes, weight_diff=z.weight_diff is not None),
-        offload_optimizer=z.offload_optimizer,
-        offload_param=z.offload_param,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
         shared_master=z.shares_fp32_master,
     )
     if replicated:  # one unit sharded over nobody: stage 1's formula on one rank, parameters on the device
@@ -159,15 +171,38 @@ def expected_model_state(
             replicated,
             1,
             param_bytes=pbytes,
-            offload_optimizer=z.offload_optimizer,
-            shared_master=z.shares_fp32_master and z.offload_param == "none",
+            offload_optimizer=offload_optimizer,
+            shared_master=z.shares_fp32_master and offload_param == "none",
         )
         for tier, cats in whole.items():
             for cat, b in cats.items():
                 out[tier][cat] += b
-    out[OFFLOAD_TIER[z.offload_param]]["params"] += frozen_bytes
+    out[OFFLOAD_TIER[offload_param]]["params"] += frozen_bytes
     out["device"]["params"] += frozen_bytes * (t.dp_size // hpz if hpz else 0)
     return out
+
+
+def expected_model_state(
+    cfg: RunConfig, n_params: int, *, frozen_bytes: int = 0, replicated: int = 0
+) -> dict[str, dict[str, float]] | None:
+    """ZeRO's per-rank model-state bytes ``{tier: {category: bytes}}`` for a ZeroEngine run of
+    ``cfg`` (None for the other trainers, whose memory the formulas do not describe), from what the
+    engine reports: ``n_params`` trained parameters of one rank's engine, ``frozen_bytes`` of
+    stage-3 frozen shards as stored (compute dtype, or MixZ++'s wire rows) and ``replicated``
+    persistent parameters (:func:`model_state_formula`)."""
+    if not cfg.trainer_spec.zero_engine:
+        return None
+    z = cfg.zero
+    return model_state_formula(
+        z,
+        cfg.topology,
+        stage=z.stage,
+        offload_optimizer=z.offload_optimizer,
+        offload_param=z.offload_param,
+        trained=n_params,
+        replicated=replicated,
+        frozen_bytes=frozen_bytes,
+    )
 
 
 def build_summary(
@@ -192,7 +227,9 @@ def build_summary(
 
     Each rank report has ``wire_bytes`` and ``engine_bytes`` (totals over measured steps),
     ``wait_s`` (total), ``measured_steps``, ``memory`` (model-state bytes by part) and
-    ``cpu_s`` (the process's CPU seconds over the measured steps; absent: no ``cpu_s_per_step``).
+    ``cpu_s`` (the process's CPU seconds over the measured steps; absent: no ``cpu_s_per_step``),
+    ``uplink_tx_bytes`` (a node's first rank on an emulated cluster: its uplink's bytes over the
+    measured steps; else None or absent).
     ``divergence``: ``DivergenceError.record()`` of a run stopped as diverged (its ``status`` is
     then ``"diverged"``, else ``"completed"``); ``skipped_steps``: steps that made no update.
     """
@@ -209,6 +246,7 @@ def build_summary(
     wait = sum(r["wait_s"] for r in rank_reports) / (world * n_meas)
     eng_wait = sum(r.get("engine_wait_s", 0.0) for r in rank_reports) / (world * n_meas)
     cpu = sum(r["cpu_s"] for r in rank_reports) / n_meas if all("cpu_s" in r for r in rank_reports) else None
+    uplinks = [u for r in rank_reports if (u := r.get("uplink_tx_bytes")) is not None]
     step_mean = total_time / len(measured) if measured else math.nan
     mems = [r["memory"] for r in rank_reports]
     phases = [r.get("memory_phases") or {} for r in rank_reports]
@@ -252,6 +290,7 @@ def build_summary(
         "engine_comm_wait_s_per_step": eng_wait if engine_mean is not None else None,
         "comm_wait_fraction": wait / step_mean if step_mean and step_mean > 0 else math.nan,
         "cpu_s_per_step": cpu,
+        "uplink_tx_bytes_per_step": sum(uplinks) / (len(uplinks) * n_meas) if uplinks else None,
         "memory_per_rank": mems,
         "memory_max_rank_bytes": max((m.get("total", 0) for m in mems), default=0),
         "memory_by_phase": phases,

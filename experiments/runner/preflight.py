@@ -16,6 +16,7 @@ host's size comes from the standard library (``os.sched_getaffinity``, ``os.sysc
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from zeropp.comm import context
@@ -52,54 +53,41 @@ def model_state_by_tier(
     stage: int | None = None,
     offload_optimizer: str | None = None,
     offload_param: str | None = None,
-    persistent: int | None = None,
+    persistent: tuple[int, int] | None = None,
 ) -> dict[str, dict[str, float]]:
     """ZeRO's model-state bytes per rank ``{tier: {params, grads, optimizer}}`` for this run, or for
     it at another ``stage`` / offload choice (``python -m experiments.memory``'s other rows):
-    ``expected_by_tier`` for the trainable parameters of this rank's tensor-parallel slice (Ψ/tp, a
-    lower bound: embeddings and norms stay whole on every tp rank) partitioned over the
-    data-parallel ranks, hpZ's secondary as the run keeps it (qwZ's wire rows), plus the stored
-    shard of frozen (LoRA base) parameters, which have no gradient or optimizer state. At stage 3
-    the ``persistent`` trainable parameters (under ``zero.persistence_threshold``; default: counted
-    by :func:`persistent_params`) are whole on every rank, as ``metrics.expected_model_state`` counts
-    them. ``stage`` defaults to the trainer's (FSDP2 shards everything, DDP replicates everything)."""
-    from zeropp.runtime.memory import OFFLOAD_TIER, expected_by_tier, hpz_bytes_per_param
+    ``metrics.model_state_formula`` (the formula of the run's own ``memory_expected``) for the
+    trainable parameters of this rank's tensor-parallel slice (Ψ/tp, a lower bound: embeddings and
+    norms stay whole on every tp rank) partitioned over the data-parallel ranks, hpZ's secondary as
+    the run keeps it (qwZ's wire rows), plus the stored shard of frozen (LoRA base) parameters,
+    which have no gradient or optimizer state. At stage 3 the parameters under
+    ``zero.persistence_threshold`` stay whole on every rank: ``persistent`` = (trainable, frozen) of
+    them (default: counted by :func:`persistent_params`); the trainable ones with their whole
+    optimizer state, the frozen ones outside the engine's frozen shards (and its model state).
+    ``stage`` defaults to the trainer's (FSDP2 shards everything, DDP replicates everything)."""
+    from .metrics import model_state_formula
 
     z, t = rc.zero, rc.topology
     fixed = rc.trainer_spec.fixed_stage
     if stage is None:
         stage = z.stage if fixed is None else fixed
-    opt = z.offload_optimizer if offload_optimizer is None else offload_optimizer
-    par = z.offload_param if offload_param is None else offload_param
     psi = rc.model.num_params()
     frozen = rc.model.with_(lora_rank=0).num_params() if rc.model.lora_rank else 0
-    pbytes = z.dtype.itemsize
-    hpz = max(1, (z.hpz_size or t.ranks_per_node) // t.tp) if z.hpz and stage == 3 else None
-    whole = 0
+    whole = frozen_whole = 0
     if stage == 3:
-        whole = persistent_params(rc) if persistent is None else persistent
-    by = expected_by_tier(
-        stage,
-        max(0, (psi - frozen) // t.tp - whole),
-        t.dp_size,
-        param_bytes=pbytes,
-        hpz_size=hpz,
-        hpz_bytes=hpz_bytes_per_param(z.weights, pbytes, weight_diff=z.weight_diff is not None),
-        offload_optimizer=opt,
-        offload_param=par,
-        shared_master=z.shares_fp32_master,
+        whole, frozen_whole = persistent_params(rc) if persistent is None else persistent
+    stored = (frozen - frozen_whole) / t.tp * FROZEN_BYTES.get(z.quantize_frozen, z.dtype.itemsize)
+    return model_state_formula(
+        z,
+        t,
+        stage=stage,
+        offload_optimizer=z.offload_optimizer if offload_optimizer is None else offload_optimizer,
+        offload_param=z.offload_param if offload_param is None else offload_param,
+        trained=(psi - frozen) // t.tp,
+        replicated=whole,
+        frozen_bytes=stored / (t.dp_size if stage == 3 else 1),
     )
-    if whole:  # stage 1's formula on one rank, the parameters on the device (offload_param skips them)
-        rows = expected_by_tier(
-            1, whole, 1, param_bytes=pbytes, offload_optimizer=opt, shared_master=z.shares_fp32_master and par == "none"
-        )
-        for tier, cats in rows.items():
-            for cat, b in cats.items():
-                by[tier][cat] += b
-    by[OFFLOAD_TIER[par]]["params"] += (
-        frozen / t.tp * FROZEN_BYTES.get(z.quantize_frozen, pbytes) / (t.dp_size if stage == 3 else 1)
-    )
-    return by
 
 
 def _param_sizes(rc: RunConfig) -> list[tuple[int, bool]]:
@@ -110,13 +98,16 @@ def _param_sizes(rc: RunConfig) -> list[tuple[int, bool]]:
     return [(p.numel(), p.requires_grad) for p in meta_model(rc).parameters() if p.is_floating_point()]
 
 
-def persistent_params(rc: RunConfig) -> int:
-    """Trainable parameters a stage-3 engine keeps whole on every rank (``partition.build_units``:
-    fewer elements than ``zero.persistence_threshold``); 0 without a threshold."""
+def persistent_params(rc: RunConfig) -> tuple[int, int]:
+    """``(trainable, frozen)`` parameters a stage-3 engine keeps whole on every rank, those with
+    fewer elements than ``zero.persistence_threshold``: the trainable ones form its ``persistent``
+    unit (``units.build_units``), the frozen ones stay out of its frozen shards
+    (``frozen.build_frozen_units``); ``(0, 0)`` without a threshold."""
     z = rc.zero
     if not (rc.trainer_spec.zero_engine and z.persistence_threshold > 0):
-        return 0
-    return sum(n for n, trained in _param_sizes(rc) if trained and n < z.persistence_threshold)
+        return 0, 0
+    sizes = [(n, trained) for n, trained in _param_sizes(rc) if n < z.persistence_threshold]
+    return sum(n for n, trained in sizes if trained), sum(n for n, trained in sizes if not trained)
 
 
 def model_state_per_rank(rc: RunConfig) -> dict[str, float]:
@@ -264,6 +255,33 @@ def check_persistence(rc: RunConfig) -> None:
         )
 
 
+_WARNED: set[str] = set()
+"""Warnings this process printed already (each once, however many sweep points share it)."""
+
+
+def warn_once(message: str) -> None:
+    """``zeropp: warning: <message>`` on stderr, the first time this process gives that message."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"zeropp: warning: {message}", file=sys.stderr, flush=True)
+
+
+def warn_hpz_on_one_node(rc: RunConfig) -> None:
+    """hpZ (``zero.hpz``: ``quant=hpz`` / ``zeropp``) keeps a secondary partition of stage 3's
+    parameters inside each node so backward gathers them without crossing nodes. On one node whose
+    hpZ group is the whole node (``zero.hpz_size`` unset or ``ranks_per_node``) that partition is
+    the primary one over again: no traffic saved, its copy's memory spent. Warned once, not refused:
+    the ``quant=zeropp`` preset and ``sweep=ablation`` bundle it, and the run is still correct (the
+    engine and FSDP2 honour it the same way on any topology)."""
+    z, t = rc.zero, rc.topology
+    if z.hpz and t.nodes == 1 and (z.hpz_size or t.ranks_per_node) == t.ranks_per_node:
+        warn_once(
+            f"zero.hpz=true on one node (topology {t.nodes}x{t.ranks_per_node}): hpZ's secondary partition spans "
+            f"the same {t.dp_size} data-parallel rank(s) as the primary one, so it saves no cross-node traffic and "
+            "only adds its copy's memory; use topology.nodes >= 2 to measure hpZ, or add zero.hpz=false"
+        )
+
+
 def check_writable_dir(key: str, path: Path) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
     existing ancestor is a directory that lets this process create files. Tried for real
@@ -299,6 +317,7 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
     if rc.train.checkpoint_every > 0:
         check_writable_dir("train.checkpoint_dir", rc.checkpoint_dir(run_dir))  # null: <run dir>/checkpoints
     check_persistence(rc)
+    warn_hpz_on_one_node(rc)
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
         check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
     if local:  # under torchrun cluster=emulated is refused as such (run.execute)

@@ -8,13 +8,15 @@ comm worker's included, so ``cpu_s / (step time x cores)`` says how busy the ste
 of a host the ranks share); rank 0
 writes them to ``metrics.jsonl`` and wandb every ``train.log_every`` steps (and at the last or a
 diverged step). Steps after ``train.throughput_skip_steps`` are summed into this rank's report
-(bytes on the wire, the trainer's own bytes and waits), which :meth:`RunMetrics.finish` turns, on
+(bytes on the wire, the trainer's own bytes and waits; on an emulated cluster, each node's first
+rank also the bytes its node's uplink sent, the kernel's counter), which :meth:`RunMetrics.finish` turns, on
 rank 0, into ``summary.json`` and ``memory.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from zeropp.comm.backend import backend_all_reduce
 from zeropp.runtime.divergence import DivergenceError
 
+from ..cluster.netns import interface_tx_bytes
 from .config import RunConfig
 from .console import Progress, print_summary
 from .metrics import MetricsFile, build_summary, tokens_per_step, write_memory_json, write_summary
@@ -124,12 +127,28 @@ class RunMetrics:
         self._engine_before: dict[str, int] | None = None
         self.cpu_tot = 0.0
         self._cpu_mark: float | None = None
+        # the emulated cluster's uplink counter, read by each node's first rank (the ranks of node i
+        # are i*rpn .. i*rpn+rpn-1, each under its node namespace with GLOO_SOCKET_IFNAME = the uplink)
+        lead_of_node = cfg.cluster.name == "emulated" and rank % cfg.topology.ranks_per_node == 0
+        self.uplink = os.environ.get("GLOO_SOCKET_IFNAME", "") if lead_of_node else ""
+        self.uplink_tot: int | None = None
+        self._tx_mark: int | None = None
 
     def begin(self, trainer: Trainer) -> None:
         """Before the first step: the trainer's byte counters so far (model creation's) and the
         process's CPU time so far."""
         self._engine_before = trainer.comm_stats()
         self._cpu_mark = time.process_time()
+        self._tx_mark = interface_tx_bytes(self.uplink) if self.uplink else None
+
+    def _tx_since_mark(self) -> int | None:
+        """Bytes this node's uplink sent since the last mark (None: not a node's first rank of an
+        emulated cluster, or no counter); moves the mark."""
+        if not self.uplink:
+            return None
+        now = interface_tx_bytes(self.uplink)
+        before, self._tx_mark = self._tx_mark, now
+        return now - before if now is not None and before is not None else None
 
     def _cpu_since_mark(self) -> float:
         """This process's CPU seconds (every thread) since the last mark; moves the mark."""
@@ -142,6 +161,7 @@ class RunMetrics:
     ) -> StepStats:
         """Collective: account one step and reduce its figures over ranks."""
         cpu = self._cpu_since_mark()
+        tx = self._tx_since_mark()
         now = trainer.comm_stats()
         eng = _delta(now, self._engine_before)
         self._engine_before = now
@@ -150,6 +170,8 @@ class RunMetrics:
             self.wait_tot += wait
             self.engine_wait_tot += out.comm_wait_s or 0.0
             self.cpu_tot += cpu
+            if tx is not None:
+                self.uplink_tot = (self.uplink_tot or 0) + tx
             _add(self.wire_tot, wire)
             if eng is not None:
                 self.engine_tot = self.engine_tot or {}
@@ -213,6 +235,7 @@ class RunMetrics:
             "wait_s": self.wait_tot,
             "engine_wait_s": self.engine_wait_tot,
             "cpu_s": self.cpu_tot,
+            "uplink_tx_bytes": self.uplink_tot,
             "measured_steps": self.measured,
             "memory": trainer.memory_report(),
             "state_params": trainer.trained_params(),

@@ -126,3 +126,31 @@ def test_persistent_parameters_are_in_the_formula(tmp_path: Path, extra: list[st
         got = phases["backward"]["tiers"]
         for tier in expected:
             assert {c: got[tier][c] for c in expected[tier]} == pytest.approx(expected[tier]), (tier, got, expected)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["topology=1x2", "zero.persistence_threshold=5000"],
+        ["topology=2x2", "zero.persistence_threshold=5000", "zero.hpz=true", "zero.offload_optimizer=cpu"],
+    ],
+)
+def test_the_memory_prediction_of_a_lora_run_with_a_persistence_threshold_is_what_it_measures(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """``python -m experiments.memory``'s chosen row for LoRA at stage 3 with
+    ``zero.persistence_threshold`` equals the model state each rank measures at the end of
+    backward: frozen parameters under the threshold stay whole, outside the engine's frozen shards
+    (before: the prediction counted them as sharded frozen state), and hpZ's secondary copy of the
+    frozen shards is counted as the run's own formula counts it."""
+    from tests.experiment_helpers import composed_config
+    from zeropp.experiments.runner import memory as memcmd
+    from zeropp.experiments.runner.config import from_dict
+
+    overrides = ["logger=none", *FAST, "train.steps=1", "stage=3", "model.lora_rank=4", *extra]
+    s = train_in_world(overrides, tmp_path / "r")
+    chosen = next(r for r in memcmd.predictions(from_dict(composed_config(*overrides))) if r["chosen"])
+    for phases in s["memory_by_phase"]:
+        got = phases["backward"]["tiers"]
+        for tier, want in chosen["by_tier"].items():
+            assert {c: got[tier][c] for c in want} == pytest.approx(want), (tier, got, chosen["by_tier"])

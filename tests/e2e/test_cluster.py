@@ -143,11 +143,12 @@ def test_stale_namespaces_of_a_killed_owner_are_cleaned_and_live_ones_kept(clust
 @needs_netns
 @pytest.mark.parametrize("which", ["switch", "node1", "probe"])
 def test_a_namespace_of_that_name_made_before_is_refused_and_left_untouched(which):
-    """A namespace that exists under a name the emulator is about to use (one left by an earlier
-    process with the same pid, or a user's) is neither entered, emptied nor deleted: the build is
+    """A namespace that exists under a name the emulator is about to use (a user's: the names carry
+    this process's pid and start time) is neither entered, emptied nor deleted: the build is
     refused naming it. Before, the failed build's teardown deleted it (and killed what ran in it)."""
     c = EmulatedCluster(2, 1, 1.0, probe=False)
-    name = {"switch": c.switch_namespace, "node1": c.node_namespace(1), "probe": f"{PREFIX}-{os.getpid()}-probe"}[which]
+    probe = f"{PREFIX}-{netns.owner_tag()}-probe"
+    name = {"switch": c.switch_namespace, "node1": c.node_namespace(1), "probe": probe}[which]
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         with pytest.raises(NetnsError, match=f"named {name} exists already .* left untouched"):
@@ -285,7 +286,10 @@ def test_launcher_on_a_2x2_emulated_cluster_local_ranks_and_failure(clusters, tm
 
 @needs_netns
 def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
-    """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link."""
+    """The runner's own job on the emulated cluster: ranks in their node's namespace, bytes by link,
+    and each node's uplink counter per step (``uplink_tx_bytes_per_step``; before: not recorded, so
+    ``experiments.bench_cluster``'s uplink comparison never ran)."""
+    from zeropp.experiments.bench import cluster as bench_cluster
     from zeropp.experiments.runner.run import run_job
 
     s = run_job(
@@ -310,6 +314,11 @@ def test_short_zeropp_training_on_a_2x2_emulated_cluster(tmp_path):
     by = s["engine_comm_bytes_per_step"]["by_link"]
     assert by["cross"] > 0 and by["intra"] > 0
     assert s["placement"]["cluster"] == "emulated" and s["placement"]["measured_gbps"] > 0
+    # the node's uplink counter: its 2 ranks' cross-node bytes plus TCP/IP headers and the ACKs of
+    # what it received (1.15x on the development machine); bench_cluster's uplink table reads it
+    uplink, cross = s["uplink_tx_bytes_per_step"], s["comm_bytes_per_step"]["by_link"]["cross"]
+    assert 2 * cross <= uplink <= 1.5 * 2 * cross, (uplink, cross)
+    assert bench_cluster.aggregate("zeropp", [s])["uplink_bytes"] == uplink
 
 
 def test_nothing_left_behind():

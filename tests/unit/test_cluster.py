@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -107,3 +108,35 @@ def test_the_runner_refuses_an_emulated_run_without_privileges_before_the_run_st
     code, err = run_cli(["cluster=emulated", "topology=2x2", "model=tiny"], tmp_path / "run", monkeypatch, capfd)
     assert code == 2 and "error: cluster=emulated cannot build its namespaces:" in err and "needs root" in err
     assert "zeropp: " not in err and not (tmp_path / "run" / "ranks").exists()
+
+
+def test_a_namespace_whose_owner_pid_was_reused_is_stale_and_a_live_owners_is_kept(monkeypatch):
+    """Names carry the owner's pid and start time (``/proc/<pid>/stat`` field 22, read here on its
+    own as the reference): a namespace whose pid now belongs to a process started at another time
+    (pid reuse) is stale and cleaned, one of the live owner is kept, other names are not ours.
+    Before, a live pid alone made a leftover look live, so it was never cleaned."""
+    me = os.getpid()
+    with open(f"/proc/{me}/stat") as f:
+        start = int(f.read().rsplit(")", 1)[1].split()[19])
+    assert netns.owner_tag() == f"{me}-{start}"
+    names = {
+        f"zpp-{me}-{start}-0-sw": "live",  # this process's
+        f"zpp-{me}-{start}-0-n1": "live",
+        f"zpp-{me}-{start + 1}-0-n0": "stale",  # the same pid, another process: pid reused
+        f"zpp-{me}-{start}-probe": "live",
+        f"zpp-{me}-0-n0": "live",  # an older version's name (pid only): judged by the pid
+        "zpp-999999999-5-0-sw": "stale",  # no such process
+        "zpp-foo": None,  # not a name this package makes: never listed, never deleted
+        f"other-{me}-{start}-0-sw": None,
+    }
+    listing = "\n".join(f"{n} (id: 3)" for n in names)
+    monkeypatch.setattr(netns, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, listing, ""))
+    deleted: list[str] = []
+    monkeypatch.setattr(netns, "delete_namespace", deleted.append)
+    assert netns.list_namespaces("zpp") == sorted(n for n, v in names.items() if v)
+    stale = sorted(n for n, v in names.items() if v == "stale")
+    assert sorted(netns.stale_namespaces("zpp")) == stale
+    assert sorted(netns.clean("zpp")) == stale == sorted(deleted)
+    c = EmulatedCluster(2, 1, 1.0)
+    assert c.switch_namespace == f"zpp-{me}-{start}-{c.cluster_id.rsplit('-', 1)[1]}-sw"
+    assert netns.owner_pid(c.node_namespace(1), "zpp") == me and netns.owner_alive(c.node_namespace(1), "zpp")

@@ -379,3 +379,29 @@ def test_format_settings_are_config_errors_before_any_rank(override: list[str], 
         assert w in str(e.value), str(e.value)
     cfg = from_dict(composed_config("quant=w_mxfp8_g_mxfp4", "zero.weights.fp8_format=e5m2"))
     assert cfg.zero.weights.fp8_format == "e5m2" and cfg.zero.grads.hop_bits == (8, 4)
+
+
+def test_hpz_on_one_node_is_warned_once_before_any_rank(tmp_path, capsys, monkeypatch):
+    """``quant=hpz`` (or ``zeropp``, which bundles it) on one node whose hpZ group is the whole node:
+    the secondary partition is the primary one over again, a no-op that costs memory. Warned in one
+    line, once per process (a sweep's points share it), before any rank starts; not refused, as the
+    ``quant=zeropp`` preset and ``sweep=ablation`` bundle it (before: nothing said so). Two nodes, or
+    a smaller hpZ group inside the node, are no such no-op: nothing is printed."""
+    from zeropp.experiments.runner import preflight
+
+    monkeypatch.setattr(preflight, "_WARNED", set())
+    for quant in ("hpz", "zeropp"):
+        rc = from_dict(composed_config(f"quant={quant}", "topology=1x2", "stage=3", "data=random"))
+        for _ in range(2):
+            preflight.check_before_launch(rc, tmp_path, local=False)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "zeropp: warning: zero.hpz=true on one node (topology 1x2): hpZ's secondary partition spans the same 2 "
+        "data-parallel rank(s) as the primary one, so it saves no cross-node traffic and only adds its copy's "
+        "memory; use topology.nodes >= 2 to measure hpZ, or add zero.hpz=false"
+    ]
+    monkeypatch.setattr(preflight, "_WARNED", set())
+    for extra in (["topology=2x2"], ["topology=1x4", "zero.hpz_size=2"], ["quant=none", "topology=1x2"]):
+        rc = from_dict(composed_config("quant=hpz", "stage=3", "data=random", *extra))
+        preflight.check_before_launch(rc, tmp_path, local=False)
+    assert capsys.readouterr().err == ""

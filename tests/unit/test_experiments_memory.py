@@ -138,3 +138,16 @@ def test_a_measured_run_the_runner_refuses_is_one_error_line(tmp_path, capsys):
     assert e.value.code == 2, err
     assert err.startswith("error: invalid config: ") and "already holds a run" in err and "--run-dir" in err, err
     assert "Traceback" not in err and (tmp_path / "summary.json").read_text() == '{"mine": true}'
+
+
+def test_tensor_parallel_with_a_persistence_threshold_is_refused_in_one_line(capsys):
+    """Which parameters stay whole under ``zero.persistence_threshold`` depends on their
+    tensor-parallel slices, which the formula (Ψ/tp) does not see: refused, exit 2, naming both keys
+    and what to do instead (before: the whole model's count under the threshold was taken from one
+    rank's Ψ/tp, a wrong row marked as the run's)."""
+    with pytest.raises(SystemExit) as e:
+        memcmd.main(["--predict-only", *FAST, "stage=3", "topology.tp=2", "zero.persistence_threshold=4000"])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1
+    assert "cannot predict topology.tp=2 with zero.persistence_threshold=4000" in out.err

@@ -248,3 +248,38 @@ def test_steps_record_the_cpu_time_of_every_thread_summed_over_ranks(tmp_path: P
         skipped_steps=0,
     )
     assert without["cpu_s_per_step"] is None  # a report without CPU time (an older rank report): no figure
+
+
+def test_each_nodes_first_rank_records_its_uplink_bytes_on_an_emulated_cluster(tmp_path: Path, monkeypatch) -> None:
+    """On ``cluster=emulated`` the first rank of each node reads its node's uplink counter (the
+    interface ``GLOO_SOCKET_IFNAME`` names) around every step; the measured steps' bytes go into
+    its report and the summary's ``uplink_tx_bytes_per_step`` is their mean over nodes per step,
+    the figure ``experiments.bench_cluster`` compares with the projection (before: no run recorded
+    it, so that comparison never ran). Other ranks and ``cluster=local`` record none."""
+    from zeropp.experiments.runner import train_metrics
+
+    counters = {"zpp-up": iter([1000, 1500, 2300, 3000])}  # begin, after steps 1, 2, 3
+    monkeypatch.setattr(train_metrics, "interface_tx_bytes", lambda name: next(counters[name]))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "zpp-up")
+    train = {"steps": 3, "throughput_skip_steps": 1}
+    emulated = _cfg(train=train, topology={"nodes": 2, "ranks_per_node": 2}, cluster={"name": "emulated"})
+    reports = []
+    for rank, cfg in ((0, emulated), (1, emulated), (0, _cfg(train=train))):
+        m = RunMetrics(
+            cfg, {}, tmp_path / str(len(reports)), rank=rank, world=1, device=torch.device("cpu"), start=0,
+            all_reduce=lambda t: None,
+        )  # fmt: skip
+        trainer = FakeTrainer([3.0, 2.0, 1.0])
+        m.begin(trainer)
+        for step in (1, 2, 3):
+            m.observe(step, trainer.train_step([]), 0.25, {}, 0.0, trainer)
+        reports.append(m.rank_report(trainer))
+    assert [r["uplink_tx_bytes"] for r in reports] == [800 + 700, None, None]  # steps 2 and 3 of node 0's counter
+    node1 = dict(reports[0], rank=2, uplink_tx_bytes=2500)
+    summary = m.finish(
+        [reports[0], reports[1], node1, reports[1]],
+        eval_loss=None, backend="gloo", checkpoint=None, diverged=None, skipped_steps=0,
+    )  # fmt: skip
+    assert summary["uplink_tx_bytes_per_step"] == (1500 + 2500) / (2 * 2)
+    local = m.finish([reports[2]], eval_loss=None, backend="gloo", checkpoint=None, diverged=None, skipped_steps=0)
+    assert local["uplink_tx_bytes_per_step"] is None

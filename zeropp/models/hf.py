@@ -18,306 +18,26 @@ validate ``model=hf`` settings anywhere. Its size fields share their names with
 
 Dropout is always 0 (also for a pretrained checkpoint): two runs with the same weights and data
 are then bit-for-bit reproducible, which the parity tests rely on.
+
+The pieces by role: ``hf_config.py`` (:class:`HFConfig`, the settings), ``hf_transformers.py``
+(the ``transformers`` config object they give, and the record a checkpoint keeps of it),
+``hf_pretrained.py`` (a ``save_pretrained`` directory's files, checked by their headers), here the
+model (build, wrap, tensor-parallel plan), which also names the others' public pieces;
+``hf_export.py`` and ``hf_tokenizer.py`` write a run's checkpoint back out.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf_pretrained import check_pretrained_weights, ignorable, read_saved_config
-
-HF_ARCHS = ("gpt2", "llama")
-"""Values of :attr:`HFConfig.hf_config`: the ``transformers`` config classes this module maps."""
-
-INSTALL_HINT = 'pip install -e ".[hf]"'
-
-# HFConfig field -> the transformers config attribute of each architecture (save_pretrained's config.json keys)
-_HF_KEYS: dict[str, dict[str, str]] = {
-    "gpt2": {
-        "vocab_size": "vocab_size",
-        "seq_len": "n_positions",
-        "d_model": "n_embd",
-        "n_layers": "n_layer",
-        "n_heads": "n_head",
-        "intermediate_size": "n_inner",
-        "tie_embeddings": "tie_word_embeddings",
-    },
-    "llama": {
-        "vocab_size": "vocab_size",
-        "seq_len": "max_position_embeddings",
-        "d_model": "hidden_size",
-        "n_layers": "num_hidden_layers",
-        "n_heads": "num_attention_heads",
-        "n_kv_heads": "num_key_value_heads",
-        "intermediate_size": "intermediate_size",
-        "tie_embeddings": "tie_word_embeddings",
-    },
-}
-_DROPOUT = {
-    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
-    "llama": ("attention_dropout",),
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class HFConfig:
-    """A Hugging Face causal LM: which architecture, its shape, and optionally a local checkpoint.
-    Frozen so it can be hashed, logged and compared."""
-
-    hf_config: str = "gpt2"
-    """Architecture, i.e. the ``transformers`` config class: ``gpt2`` (GPT2Config) or ``llama`` (LlamaConfig)."""
-    vocab_size: int = 256
-    """Number of token ids; 256 matches the runner's byte-level data."""
-    seq_len: int = 64
-    """Longest sequence (GPT-2 ``n_positions``, Llama ``max_position_embeddings``)."""
-    d_model: int = 64
-    """Hidden width (GPT-2 ``n_embd``, Llama ``hidden_size``)."""
-    n_layers: int = 2
-    """Decoder layers, the ZeRO-3 gather units (GPT-2 ``n_layer``, Llama ``num_hidden_layers``)."""
-    n_heads: int = 2
-    """Attention heads; must divide ``d_model`` (GPT-2 ``n_head``, Llama ``num_attention_heads``)."""
-    intermediate_size: int | None = None
-    """MLP hidden width (GPT-2 ``n_inner``, Llama ``intermediate_size``); None: ``4 * d_model``."""
-    n_kv_heads: int | None = None
-    """Llama only: key/value heads (grouped-query attention), must divide ``n_heads``; None: ``n_heads``."""
-    tie_embeddings: bool = False
-    """Share the token embedding with the output layer (``tie_word_embeddings``; GPT-2's own default is
-    True). Off by default: the engine keeps one parameter in one communication unit."""
-    attn_implementation: str = "sdpa"
-    """``transformers`` attention kernel: ``sdpa`` (torch's scaled_dot_product_attention) or ``eager``."""
-    lora_rank: int = 0
-    """LoRA fine-tuning (``zeropp.models.lora.apply_lora``): > 0 gives every linear layer of the decoder
-    layers (GPT-2's ``Conv1D`` projections, Llama's q/k/v/o and MLP projections) a trainable
-    rank-``lora_rank`` adapter (alpha = 2 * rank) and freezes the rest; 0 (default) trains everything."""
-    pretrained: str | None = None
-    """A LOCAL ``save_pretrained`` directory to load weights from (``local_files_only``; never a hub
-    name, nothing is downloaded). Its config.json must have this config's architecture and sizes."""
-
-    def __post_init__(self) -> None:
-        if self.hf_config not in HF_ARCHS:
-            raise ValueError(
-                f"HFConfig.hf_config={self.hf_config!r} is not supported; choose one of {', '.join(HF_ARCHS)}"
-            )
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "intermediate_size", "n_kv_heads"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"HFConfig.{name} must be an integer >= 1, got {v!r}")
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise ValueError(f"HFConfig.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"HFConfig: n_heads={self.n_heads} must divide d_model={self.d_model}; "
-                "pick d_model as a multiple of n_heads"
-            )
-        if self.n_kv_heads is not None:
-            if self.hf_config != "llama":
-                raise ValueError(
-                    f"HFConfig.n_kv_heads={self.n_kv_heads} applies to hf_config=llama only "
-                    f"(hf_config={self.hf_config!r} has one key/value head per query head); remove it"
-                )
-            if self.n_heads % self.n_kv_heads:
-                raise ValueError(f"HFConfig: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        if self.hf_config == "llama" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(
-                f"HFConfig: the head size d_model / n_heads = {self.d_model // self.n_heads} must be even "
-                "for hf_config=llama (rotary embeddings rotate pairs of channels)"
-            )
-        kv = self.kv_heads * (self.d_model // self.n_heads)  # llama's k/v projections are the narrowest
-        narrowest = min(self.d_model, self.ffn_size, kv if self.hf_config == "llama" else self.d_model)
-        if self.lora_rank > narrowest:
-            raise ValueError(
-                f"HFConfig.lora_rank={self.lora_rank} exceeds the narrowest adapted layer ({narrowest} wide): "
-                f"an adapter's update has rank at most {narrowest}, so a larger rank only adds parameters; "
-                f"choose lora_rank <= {narrowest}"
-            )
-        if self.attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"HFConfig.attn_implementation={self.attn_implementation!r}; choose sdpa or eager")
-        if self.pretrained is not None:
-            self._check_pretrained(Path(self.pretrained).expanduser())
-
-    def _check_pretrained(self, path: Path) -> None:
-        """The directory holds a checkpoint of this architecture and these sizes (its config.json),
-        and no peft adapter that loading it would leave out."""
-        for adapter in (path, path / "adapter"):  # a peft adapter itself, or beside its base (the export's layout)
-            if (adapter / "adapter_config.json").exists():
-                raise ValueError(
-                    f"HFConfig.pretrained={str(path)!r} holds a peft adapter ({adapter / 'adapter_config.json'}), "
-                    "which is not loaded: the run would start from the base model without "
-                    "it. Give a directory with the adapter merged (python -m experiments.export "
-                    "--lora-format merged, or peft's merge_and_unload + save_pretrained)"
-                )
-        if not (path / "config.json").exists():
-            what = "has no config.json" if path.is_dir() else "does not exist"
-            raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} {what}; give a local directory written by "
-                "save_pretrained (nothing is downloaded), or leave it unset for random weights"
-            )
-        try:
-            saved = read_saved_config(path / "config.json")
-        except ValueError as e:
-            raise ValueError(f"HFConfig.pretrained={str(path)!r}: {e}") from None
-        kind = saved.get("model_type")
-        if kind not in HF_ARCHS:
-            raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model (config.json's model_type), "
-                f"which zeropp does not build; it supports {', '.join(HF_ARCHS)}"
-            )
-        quant = saved.get("quantization_config")
-        if quant is not None:  # transformers would load it through a quantization library, or fail in every rank
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} holds a quantized model (config.json's quantization_config: "
-                f"{method}); zeropp trains float weights and quantizes on the wire itself: give the "
-                "unquantized checkpoint"
-            )
-        if kind != self.hf_config:
-            raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} holds a {kind!r} model but "
-                f"hf_config={self.hf_config!r}; set hf_config to match"
-            )
-        wrong = size_mismatch(self, saved)
-        if wrong:
-            raise ValueError(
-                f"HFConfig.pretrained={str(path)!r} does not match this config; the checkpoint has "
-                f"{', '.join(wrong)}: set these (model.<name>=... in the runner)"
-            )
-
-    def with_(self, **changes: Any) -> HFConfig:
-        return replace(self, **changes)
-
-    @property
-    def ffn_size(self) -> int:
-        """The MLP hidden width actually built."""
-        return self.intermediate_size or 4 * self.d_model
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads actually built."""
-        return self.n_kv_heads or self.n_heads
-
-    def num_params(self) -> int:
-        """Exact parameter count of the built model (tied embeddings counted once, LoRA adapters
-        included: ``lora_rank * (in + out)`` per adapted layer)."""
-        v, t, d, h, n, r = self.vocab_size, self.seq_len, self.d_model, self.ffn_size, self.n_layers, self.lora_rank
-        head = 0 if self.tie_embeddings else d * v
-        if self.hf_config == "gpt2":  # LayerNorms and linear layers with biases, learned positions
-            block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
-            block += r * ((d + 3 * d) + (d + d) + (d + h) + (h + d))
-            return v * d + t * d + n * block + 2 * d + head
-        kv = self.kv_heads * (d // self.n_heads)  # llama: RMSNorms, bias-free linears, rotary positions
-        block = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * h
-        block += r * (2 * (d + d) + 2 * (d + kv) + 2 * (d + h) + (h + d))  # q, o; k, v; gate, up; down
-        return v * d + n * block + d + head
-
-
-def size_mismatch(cfg: HFConfig, saved: Mapping[str, Any]) -> list[str]:
-    """``field=value`` for each size of ``cfg`` that the ``transformers`` config dict ``saved`` (a
-    ``config.json``) has otherwise; empty when they describe the same shapes."""
-    want = _resolved(cfg, {field: getattr(cfg, field) for field in _HF_KEYS[cfg.hf_config]})
-    wrong = []
-    for field, key in _HF_KEYS[cfg.hf_config].items():
-        have = saved.get(key)
-        if field == "intermediate_size" and have is None:
-            have = 4 * saved.get(_HF_KEYS[cfg.hf_config]["d_model"], 0)
-        if field == "n_kv_heads" and have is None:
-            have = saved.get("num_attention_heads")
-        if field == "tie_embeddings" and have is None:
-            have = cfg.hf_config == "gpt2"  # the config classes' defaults
-        if have != want[field]:
-            wrong.append(f"{field}={have}")
-    return wrong
-
-
-def _resolved(cfg: HFConfig, values: dict[str, Any]) -> dict[str, Any]:
-    out = dict(values)
-    out["intermediate_size"] = cfg.ffn_size
-    if "n_kv_heads" in out:
-        out["n_kv_heads"] = cfg.kv_heads
-    return out
-
-
-def require_transformers() -> Any:
-    """The ``transformers`` module, or an ImportError that says how to install the extra."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError(
-            f"Hugging Face models (model=hf, zeropp.models.hf) need the optional extra: {INSTALL_HINT} "
-            f"(transformers is not installed: {e})"
-        ) from e
-    return transformers
-
-
-def hf_model_config(cfg: HFConfig, recorded: Mapping[str, Any] | None = None) -> Any:
-    """The ``transformers`` config object of ``cfg`` (dropout 0, no KV cache). With
-    ``cfg.pretrained`` it is the checkpoint's own (its sizes were checked against ``cfg``; its other
-    settings, e.g. norm epsilon or rotary base, are kept), with the same three changes. With
-    ``recorded`` (what :func:`recorded_config` gave when the model was built, as a run's checkpoint
-    keeps it) it is that one, whatever ``cfg.pretrained`` names now: plain attributes, nothing that
-    could load code (an ``auto_map`` is dropped)."""
-    tf = require_transformers()
-    run = {
-        **dict.fromkeys(_DROPOUT[cfg.hf_config], 0.0),
-        "use_cache": False,
-        "attn_implementation": cfg.attn_implementation,
-    }
-    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[cfg.hf_config]
-    if recorded is not None:
-        if recorded.get("model_type") != cfg.hf_config:
-            raise ValueError(
-                f"the recorded transformers config is of a {recorded.get('model_type')!r} model, "
-                f"not hf_config={cfg.hf_config!r}"
-            )
-        wrong = size_mismatch(cfg, recorded)
-        if wrong:
-            raise ValueError(f"the recorded transformers config has {', '.join(wrong)}, which these settings do not")
-        return cls.from_dict({k: v for k, v in recorded.items() if k not in ("auto_map", "_name_or_path")}, **run)
-    if cfg.pretrained is not None:  # keyword arguments of from_pretrained override the saved attributes
-        return tf.AutoConfig.from_pretrained(str(Path(cfg.pretrained).expanduser()), local_files_only=True, **run)
-    keys = _HF_KEYS[cfg.hf_config]
-    sizes = {keys[f]: v for f, v in _resolved(cfg, {f: getattr(cfg, f) for f in keys}).items()}
-    return cls(**sizes, **run, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-def recorded_config(cfg: HFConfig) -> dict[str, Any]:
-    """``hf_model_config(cfg)`` as plain JSON values, for a checkpoint to keep: the export rebuilds
-    the model from it, so a run from ``cfg.pretrained`` exports the model it trained (norm epsilon,
-    rotary base, ...) even where that directory is gone or now holds another model."""
-    return json.loads(hf_model_config(cfg).to_json_string(use_diff=False))
-
-
-_BOOKKEEPING = (
-    "transformers_version",
-    "_name_or_path",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "auto_map",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "decoder_start_token_id",
-)
-"""Keys of a recorded config that do not change the model's computation (special-token ids are
-the tokenizer's and generation's, not the forward's: a GPT-2 directory names 50256, a config
-built from settings none)."""
-
-
-def config_differences(cfg: HFConfig, recorded: Mapping[str, Any]) -> list[str]:
-    """``key=recorded value (now value)`` for each attribute of the ``transformers`` config ``cfg``
-    builds now that differs from ``recorded`` (:func:`recorded_config` of the model a checkpoint was
-    trained in); empty when they build the same model. Only attributes both have are compared: a
-    ``transformers`` release that adds one is not a different model."""
-    now = recorded_config(cfg)
-    keys = sorted((set(now) & set(recorded)) - set(_BOOKKEEPING))
-    return [f"{k}={recorded.get(k)!r} (now {now.get(k)!r})" for k in keys if now.get(k) != recorded.get(k)]
+from .hf_config import HF_ARCHS, INSTALL_HINT, HFConfig, size_mismatch
+from .hf_pretrained import check_pretrained_weights, ignorable
+from .hf_transformers import config_differences, hf_model_config, recorded_config, require_transformers
 
 
 class HFCausalLM(nn.Module):
@@ -444,4 +164,19 @@ def parallelize_hf(model: HFCausalLM, tp_mesh: Any) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
-__all__ = ["HF_ARCHS", "HFCausalLM", "HFConfig", "build_hf_model", "hf_model_config", "require_transformers"]
+__all__ = [  # the settings and the transformers config re-exported: zeropp.models.hf names every HF piece
+    "HF_ARCHS",
+    "INSTALL_HINT",
+    "HFCausalLM",
+    "HFConfig",
+    "build_hf_model",
+    "check_hf_tp",
+    "check_pretrained",
+    "config_differences",
+    "hf_model_config",
+    "model_class",
+    "parallelize_hf",
+    "recorded_config",
+    "require_transformers",
+    "size_mismatch",
+]

@@ -9,6 +9,8 @@ the ``transformers`` model from the model settings the runner records in the che
 more), and writes it with the model's own
 ``save_pretrained`` (safetensors weights and ``config.json``), so
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model's logits exactly (fp32).
+A run from ``model.pretrained`` gets that directory's tokenizer files beside the model when the
+directory still has them (``hf_tokenizer.py``: data files only, bounded, no symlink out followed).
 
 LoRA (``model.lora_rank > 0``): ``lora_format="merged"`` (default) folds each adapter into its
 base weight, ``W + (alpha / r) * B @ A`` (transposed for GPT-2's ``Conv1D``), and writes a plain
@@ -48,6 +50,8 @@ from torch import nn
 
 from ..output_files import creation_refused, nearest_existing
 from .hf import HFConfig, hf_model_config, model_class
+from .hf_pretrained import tied_names
+from .hf_tokenizer import copy_tokenizer
 
 LORA_FORMATS = ("merged", "peft")
 """Values of ``lora_format``: adapters folded into the base weights, or a ``peft`` adapter directory."""
@@ -169,6 +173,9 @@ def export_pretrained(
         raise ExportError(f"cannot read the checkpoint in {src}: {exc}") from exc
     recorded, tconf = extra.get("model"), extra.get("transformers_config")
     tconf = tconf if isinstance(tconf, dict) else None
+    pretrained = (model_config.pretrained if model_config is not None else None) or (  # its tokenizer is copied
+        recorded.get("pretrained") if isinstance(recorded, dict) else None
+    )
     if tconf is not None:  # the model is rebuilt from it: model.pretrained's directory is not read again
         recorded = {**recorded, "pretrained": None} if isinstance(recorded, dict) else recorded
         model_config = model_config.with_(pretrained=None) if model_config is not None else None
@@ -199,6 +206,7 @@ def export_pretrained(
     try:
         tmp.mkdir(parents=True)
         hf.save_pretrained(tmp)
+        tokenizer, skipped = copy_tokenizer(pretrained if isinstance(pretrained, str) else None, tmp)
         if lora_format == "peft":
             _save_peft(hf, weights, adapters, tmp / ADAPTER_DIR, final=out)
         run = extra.get("run")
@@ -208,6 +216,8 @@ def export_pretrained(
             "step": meta.get("step"),
             "train_steps": run.get("train.steps"),  # the run's length: a smaller step is not its end
             "lora_format": lora_format,
+            "tokenizer_files": tokenizer,  # copied from model.pretrained's directory (hf_tokenizer.py)
+            "tokenizer_skipped": skipped,
         }
         (tmp / "zeropp_export.json").write_text(json.dumps(info, indent=1) + "\n")
         if out.is_dir():
@@ -292,15 +302,11 @@ def _plain_model(cfg: HFConfig, conf: Any, state: dict[str, torch.Tensor], where
     want = set(hf.state_dict())
     # a tied weight may be saved under one of its names only (a frozen one, e.g. the embedding
     # of a LoRA run, is stored once): the others take it from there
-    aliases: dict[int, list[str]] = {}
-    for name, p in hf.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
     state = dict(state)
-    for names in aliases.values():
-        have = [n for n in names if n in state]
-        for n in names:
-            if have and n not in state:
-                state[n] = state[have[0]]
+    for n, names in tied_names(hf).items():
+        have = [a for a in names if a in state]
+        if have and n not in state:
+            state[n] = state[have[0]]
     # the engine saves every buffer; those the model does not persist (rotary frequencies) it
     # recomputes when built, so they are not part of the saved model
     transient = {n for n, _ in hf.named_buffers()} - want

@@ -161,6 +161,17 @@ def ignorable(model: Any, name: str) -> bool:
     return any(re.search(p, name) for p in patterns)
 
 
+def tied_names(model: Any) -> dict[str, list[str]]:
+    """Every name of a tied parameter (one registered under several names, e.g. an embedding and
+    the output head) to all its names, in registration order; untied names are absent. A tied
+    weight may be saved under any one of its names (a checkpoint stores it once), which both the
+    check of a pretrained directory and the export of a run's weights must accept."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return {n: names for names in aliases.values() for n in names if len(names) > 1}
+
+
 def check_pretrained_weights(cfg: Any, model_cls: Any, conf: Any) -> None:
     """``ValueError`` unless the weights of ``cfg.pretrained`` are exactly those of ``model_cls(conf)``
     (names and shapes; a tied weight may be saved under either of its names, a name the class
@@ -183,10 +194,7 @@ def check_pretrained_weights(cfg: Any, model_cls: Any, conf: Any) -> None:
         saved = {
             prefix + k: v for k, v in saved.items()
         }  # a base model's checkpoint (GPT2Model), as transformers maps it
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    tied = {n: names for names in aliases.values() for n in names if len(names) > 1}
+    tied = tied_names(model)
     missing = sorted(k for k in want if k not in saved and not any(t in saved for t in tied.get(k, ())))
     extra = sorted(k for k in saved if k not in want and not ignorable(model, k))
     shapes = sorted(
@@ -202,4 +210,4 @@ def check_pretrained_weights(cfg: Any, model_cls: Any, conf: Any) -> None:
         )
 
 
-__all__ = ["LEGACY_EXTRA", "check_pretrained_weights", "ignorable", "read_saved_config", "saved_weights"]
+__all__ = ["LEGACY_EXTRA", "check_pretrained_weights", "ignorable", "read_saved_config", "saved_weights", "tied_names"]
