@@ -26,15 +26,19 @@ def _inputs(rank: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=g).mul(3).to(dtype)
 
 
-def _collectives(rank: int, world: int, region_bytes: int) -> list[tuple[str, bool]]:
-    """Every (size, dtype): the transport's results against sums of all ranks' inputs made here."""
+def _collectives(rank: int, world: int, region_bytes: int, flags: bool) -> list[tuple[str, bool]]:
+    """Every (size, dtype): the transport's results against sums of all ranks' inputs made here.
+    ``flags``: synchronised by the futex counters (where the machine allows), else by the backend."""
     import torch.distributed as dist
 
-    from zeropp.comm import collectives
-    from zeropp.comm.shm import ShmTransport
+    from zeropp.comm import collectives, shm_sync
+    from zeropp.comm import shm as shm_module
 
-    shm = ShmTransport(region_bytes=region_bytes)
-    out = []
+    if not flags:
+        shm_module.flags_usable = lambda: False  # this rank process only
+    shm = shm_module.ShmTransport(region_bytes=region_bytes)
+    want_sync = shm_sync.FlagSync if flags and shm_sync.flags_usable() else shm_sync.BackendSync
+    out = [("synchronisation", type(shm._sync) is want_sync)]
     for n in SIZES:
         for dtype in DTYPES:
             tag = f"{n}/{dtype}"
@@ -71,9 +75,13 @@ def _collectives(rank: int, world: int, region_bytes: int) -> list[tuple[str, bo
     return out
 
 
-@pytest.mark.parametrize("region_bytes", [8 * 4 * 1024, 32 << 20], ids=["chunked", "whole"])
-def test_collectives_match_reference_sums(region_bytes):
-    for rank_results in run_world(_collectives, 4, region_bytes, timeout=180):
+@pytest.mark.parametrize(
+    "region_bytes, flags",
+    [(8 * 4 * 1024, True), (32 << 20, True), (8 * 4 * 1024, False)],
+    ids=["chunked", "whole", "backend-sync"],
+)
+def test_collectives_match_reference_sums(region_bytes, flags):
+    for rank_results in run_world(_collectives, 4, region_bytes, flags, timeout=180):
         bad = [name for name, ok in rank_results if not ok]
         assert not bad, bad
 

@@ -5,8 +5,8 @@ wake-ups of each rank's gloo threads. With 4 ranks of a 3.3M-parameter model on 
 threads and the kernel took about a tenth of all CPU of a training step, as much for zeropp's
 gathers and reduce-scatters as for DDP's all-reduce. Ranks on one host can instead read each
 other's values from memory they all map: a rank writes its part once, every rank reads what it
-needs, and gloo carries only a small synchronisation per chunk (``control_all_reduce``, one
-message round). An all-gather plus a reduce-scatter of 3.3M fp32 values took 18 ms of CPU over
+needs, and one synchronisation per chunk tells it when (``shm_sync.py``: a futex on a counter per
+rank in the region, or the backend's one-round exchange where that cannot be used). An all-gather plus a reduce-scatter of 3.3M fp32 values took 18 ms of CPU over
 4 ranks this way against 60 ms through gloo (``docs/benchmarks.md``).
 
 torch has no shared-memory transport for CPU tensors (gloo's is TCP; oneCCL and MPI are separate
@@ -51,6 +51,16 @@ import torch.distributed as dist
 from ..watch import scratch_prefix
 from .backend import control_all_reduce
 from .collectives import rank_order_sum
+from .shm_sync import (
+    BackendSync,
+    FlagSync,
+    flags_usable,
+    group_timeout_s,
+    header_bytes,
+    process_alive,
+    publish_pid,
+    read_pids,
+)
 from .stats import group_ranks
 
 DEFAULT_REGION_BYTES = 32 << 20
@@ -99,16 +109,27 @@ class ShmTransport:
         self.ranks = group_ranks(group)
         self.world = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
-        if region_bytes is not None and _row_bytes(region_bytes, self.world) < 1024:
+        W, head = self.world, header_bytes(self.world)
+        if region_bytes is not None and _row_bytes(region_bytes - head, W) < 1024:
             raise ValueError(
-                f"ShmTransport: region_bytes={region_bytes} leaves rows of under 1 KiB for {self.world} members; "
-                f"pass at least {2 * self.world * 1024}"
+                f"ShmTransport: region_bytes={region_bytes} leaves rows of under 1 KiB for {W} members; "
+                f"pass at least {head + 2 * W * 1024}"
             )
         self._mm, region = _map_region(self.group, self.ranks, region_bytes, directory)
-        self.row_bytes = _row_bytes(region.numel(), self.world)
+        self.row_bytes = _row_bytes(region.numel() - head, W)
         """Bytes of one member's row in a slot: a use moves at most this much per member."""
-        self._slots = region[: 2 * self.world * self.row_bytes].view(2, self.world, self.row_bytes)  # [2, W, R]
-        self._flag = torch.zeros(1, dtype=torch.int64)  # the synchronisation's payload
+        self._slots = region[head : head + 2 * W * self.row_bytes].view(2, W, self.row_bytes)  # [2, W, R]
+        # the counters in the header where every member can watch every peer's process, else the backend
+        pids = read_pids(self._mm, W)
+        cannot = torch.tensor([0 if flags_usable() and all(map(process_alive, pids)) else 1], dtype=torch.int64)
+        control_all_reduce(cannot, "max", self.group)
+        self._sync: FlagSync | BackendSync = (
+            BackendSync(group)
+            if int(cannot)
+            else FlagSync(
+                self._mm, world=W, rank=self.rank, ranks=self.ranks, pids=pids, timeout_s=group_timeout_s(group)
+            )
+        )
         self._issued = 0  # uses issued
         self._completed = 0  # uses whose synchronisation and read ran on this rank
         self._pending: Optional[Callable[[], None]] = None  # the last issued use's completion
@@ -132,8 +153,7 @@ class ShmTransport:
         k = self._issued
         slot = self._slot(k, dtype)
         write(slot, self._slot(k - 1, dtype))
-        self._flag.zero_()
-        synced = control_all_reduce(self._flag, "max", self.group, async_op=True)
+        synced = self._sync.start(k + 1)
 
         def complete() -> None:
             synced()
@@ -298,6 +318,8 @@ def _map_region(
         if fd >= 0:
             os.close(fd)
         region = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+        if mm is not None:
+            publish_pid(mm, len(ranks), ranks.index(me))
         token_sent = msg[_NAME_BYTES : _NAME_BYTES + _TOKEN_BYTES]
         if me == src and mm is not None:
             region[:_TOKEN_BYTES].copy_(token_sent)
