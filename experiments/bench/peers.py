@@ -9,7 +9,9 @@ trainer, stage and ``quant=`` recipe: the same model initialisation, data and pe
 AdamW with the same LR schedule, precision (``zero.precision``) and steps, each in a freshly started
 world. The rows: plain DDP (``trainer=ddp``, the baseline of every ratio), FSDP2 (``trainer=fsdp2``),
 DeepSpeed ZeRO-3 (``trainer=deepspeed stage=3``; skipped, with the install hint, when DeepSpeed is
-not installed), and zeropp's ZeroEngine at stages 0-3 and at stage 3 with a ZeRO++ recipe (``--quant``).
+not installed), and zeropp's ZeroEngine at stages 0-3, at stage 3 with coalesced units and
+``keep_at_turn``, with ``zero.transport=shm`` (CPU ranks: the shared-memory transport), and at stage 3
+with a ZeRO++ recipe (``--quant``).
 
 Rounds are interleaved: round 1 runs every row once, then round 2, ... (each round starting one row
 later than the one before, so no row always runs first or right after the same neighbour), and each
@@ -253,24 +255,25 @@ def format_table(out: dict[str, dict[str, Any]], a: argparse.Namespace) -> str:
     seconds per step (all ranks, every thread) and their ratio to DDP's."""
     ran = [r for r in out.values() if "step_s" in r]
     device = ran[0]["device"] if ran else a.device
+    w = max([28, *(len(label(a, key)) + 1 for key in out)])  # the label column fits the longest label
     lines = [
         f"GPT {a.preset} seq {a.seq}, batch {a.batch}/rank, {a.world} ranks ({a.nodes} node(s), {device}), "
         f"{a.precision}; median over {a.rounds} interleaved round(s) of {a.steps} steps after {a.warmup} warm-up",
-        f"{'':28}{'steps/s':>9}{'/ DDP':>8}{'peak RSS MiB':>14}{'state MiB':>11}{'loss drift':>12}"
+        f"{'':{w}}{'steps/s':>9}{'/ DDP':>8}{'peak RSS MiB':>14}{'state MiB':>11}{'loss drift':>12}"
         f"{'CPU s/step':>12}{'CPU / DDP':>11}",
     ]
     for key, r in out.items():
         name = label(a, key)
         if "step_s" not in r:
             what = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error'].splitlines()[0][:100]}"
-            lines.append(f"{name:28}{what}")
+            lines.append(f"{name:{w}}{what}")
             continue
         ratio = f"{r['ratio']:8.2f}" if r["ratio"] is not None else f"{'-':>8}"
         drift = f"{r['loss_drift']:12.2e}" if r["loss_drift"] is not None else f"{'-':>12}"
         cpu = f"{r['cpu_s']:12.3f}" if r.get("cpu_s") is not None else f"{'-':>12}"
         cpu_ratio = f"{r['cpu_ratio']:11.2f}" if r.get("cpu_ratio") is not None else f"{'-':>11}"
         lines.append(
-            f"{name:28}{r['steps_per_s']:9.2f}{ratio}{r['peak_rss_bytes'] / 2**20:14.1f}"
+            f"{name:{w}}{r['steps_per_s']:9.2f}{ratio}{r['peak_rss_bytes'] / 2**20:14.1f}"
             f"{r['memory_bytes'] / 2**20:11.2f}{drift}{cpu}{cpu_ratio}"
         )
     return "\n".join(lines)

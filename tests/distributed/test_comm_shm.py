@@ -141,3 +141,13 @@ def test_engine_through_shared_memory_matches_single_process_and_gloo():
         assert a["losses"] == b["losses"] and a["norms"] == b["norms"], shm
         assert all(np.array_equal(a["weights"][k], b["weights"][k]) for k in b["weights"]), shm
         assert a["comm"] == b["comm"] and a["calls"] == b["calls"], shm  # accounted as the backend call
+
+
+def test_tensor_parallel_zero_groups_each_get_their_own_region():
+    """1 node x 4 ranks, tp=2: two ZeRO groups of 2 (one per tensor-parallel index), each with its
+    region; training equals single-process training on the dp ranks' batches."""
+    from tests.distributed.test_runtime_tp import BASE as TP_BASE
+    from tests.distributed.test_runtime_tp import _check, _tp_world, reference
+
+    configs = [dict(TP_BASE, stage=s, transport="shm") for s in (0, 3)]
+    _check(run_world(_tp_world, 4, 1, configs, "gpt", timeout=300), configs, reference("gpt", 2))
