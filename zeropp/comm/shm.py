@@ -6,22 +6,24 @@ threads and the kernel took about a tenth of all CPU of a training step, as much
 gathers and reduce-scatters as for DDP's all-reduce. Ranks on one host can instead read each
 other's values from memory they all map: a rank writes its part once, every rank reads what it
 needs, and one synchronisation per chunk tells it when (``shm_sync.py``: a futex on a counter per
-rank in the region, or the backend's one-round exchange where that cannot be used). An all-gather plus a reduce-scatter of 3.3M fp32 values took 18 ms of CPU over
-4 ranks this way against 60 ms through gloo (``docs/benchmarks.md``).
+rank in the region, or the backend's one-round exchange where that cannot be used). What that
+saves on the ``bench_peers`` job is in ``docs/benchmarks.md``.
 
 torch has no shared-memory transport for CPU tensors (gloo's is TCP; oneCCL and MPI are separate
 installs), so it is written here; it moves plain values only, the quantized collectives keep
 the backend.
 
 **The region.** Group rank 0 creates a file under ``/dev/shm`` (``mkstemp``: a fresh name, mode
-0600, registered with the launcher's scratch cleanup) of ``region_bytes``; every member opens it
+0600, registered with the launcher's scratch cleanup) of ``region_bytes`` (by default an eighth of
+the free space there, 32-256 MiB: :func:`region_bytes_for`); every member opens it
 without following links, checks that it is a regular file of this user and of that size, and maps
 it; after every member mapped it, rank 0 unlinks it, so from then on nothing is left on disk
 whatever happens to the ranks. A random token rank 0 writes into the region and sends through the
 backend proves that every member maps the same memory (ranks on other hosts or in other
 containers do not); otherwise every member raises the same error.
 
-**Two slots, one use in flight.** The region is two slots of ``[W, R]`` bytes (``W`` members, ``R``
+**Two slots, one use in flight.** After a header (rank 0's token, a counter and a pid per member),
+the region is two slots of ``[W, R]`` bytes (``W`` members, ``R``
 a row). A *use* writes this rank's row of one slot, then starts the synchronisation; the next use
 (or a wait) first finishes that synchronisation and runs the use's read. Uses alternate slots, and
 a rank completes its previous use (synchronisation and read) before it writes again, so when a
