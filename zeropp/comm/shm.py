@@ -15,7 +15,7 @@ the backend.
 
 **The region.** Group rank 0 creates a file under ``/dev/shm`` (``mkstemp``: a fresh name, mode
 0600, registered with the launcher's scratch cleanup) of ``region_bytes`` (by default an eighth of
-the free space there, 32-256 MiB: :func:`region_bytes_for`); every member opens it
+the free space there, 32-64 MiB: :func:`region_bytes_for`); every member opens it
 without following links, checks that it is a regular file of this user and of that size, and maps
 it; after every member mapped it, rank 0 unlinks it, so from then on nothing is left on disk
 whatever happens to the ranks. A random token rank 0 writes into the region and sends through the
@@ -56,6 +56,7 @@ from .collectives import rank_order_sum
 from .shm_sync import (
     BackendSync,
     FlagSync,
+    ShmError,
     flags_usable,
     group_timeout_s,
     header_bytes,
@@ -69,19 +70,16 @@ DEFAULT_REGION_BYTES = 32 << 20
 """The smallest region the engine asks for (and what the runner requires free under ``/dev/shm``):
 it fits Docker's default 64 MB ``/dev/shm``."""
 
-MAX_REGION_BYTES = 256 << 20
-"""The largest region :func:`region_bytes_for` picks: rows large enough that a 4M-element gradient
-reduce-scatter over 4 ranks is one use (each use costs a synchronisation round)."""
+MAX_REGION_BYTES = 64 << 20
+"""The largest region :func:`region_bytes_for` picks. The region's touched pages count in every
+rank's resident set (shared, so the host holds them once); with the futex synchronisation a use
+costs microseconds, so larger rows would buy little."""
 
 SHM_DIR = "/dev/shm"
 """Where the region's file is created (and unlinked once every member mapped it)."""
 
 _NAME_BYTES = 512  # the file's path, sent from group rank 0 as bytes
 _TOKEN_BYTES = 8  # rank 0's random token, at the region's start and sent with the name
-
-
-class ShmError(RuntimeError):
-    """The shared-memory transport cannot be set up or used; the message says what to change."""
 
 
 class ShmOp:

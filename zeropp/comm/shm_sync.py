@@ -43,6 +43,10 @@ _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the words live in a map
 _LINE = 64  # one counter per cache line
 
 
+class ShmError(RuntimeError):
+    """The shared-memory transport cannot be set up or used; the message says what to change."""
+
+
 def header_bytes(world: int) -> int:
     """The region's header: rank 0's token, then a counter and a pid per member, each on its own line."""
     return -(-_LINE * (2 * world + 1) // 4096) * 4096
@@ -136,12 +140,12 @@ class FlagSync:
                 if self._arrived(r, k):
                     break
                 if not process_alive(self._pids[r]):
-                    raise RuntimeError(
+                    raise ShmError(
                         f"rank {self._ranks[r]} (pid {self._pids[r]}) exited while rank {self._ranks[self._rank]} "
                         f"waited for it in a shared-memory collective (zero.transport=shm)"
                     )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
+                    raise ShmError(
                         f"rank {self._ranks[self._rank]} waited {self._timeout_s:.0f} s (the process group's "
                         f"timeout) for rank {self._ranks[r]} in a shared-memory collective it never reached "
                         f"(zero.transport=shm): the ranks did not issue the same collectives"
