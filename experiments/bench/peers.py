@@ -110,7 +110,7 @@ ROWS: dict[str, Row] = {
             overrides=("trainer=zeropp", f"stage={s}", "zero.transport=shm"),
             zeropp=True,
         )
-        for s in (0, 3)
+        for s in range(4)
     },
     "stage3cks": Row(
         label="zeropp stage 3, coalesce_numel=4M, keep_at_turn, transport=shm",

@@ -40,6 +40,7 @@ rank reads the whole result from there.
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 import secrets
@@ -53,17 +54,7 @@ import torch.distributed as dist
 from ..watch import scratch_prefix
 from .backend import control_all_reduce
 from .collectives import rank_order_sum
-from .shm_sync import (
-    BackendSync,
-    FlagSync,
-    ShmError,
-    flags_usable,
-    group_timeout_s,
-    header_bytes,
-    process_alive,
-    publish_pid,
-    read_pids,
-)
+from .shm_sync import BackendSync, FlagSync, ShmError, flags_usable, header_bytes, process_alive, publish_pid, read_pids
 from .stats import group_ranks
 
 DEFAULT_REGION_BYTES = 32 << 20
@@ -100,10 +91,17 @@ class ShmOp:
 class ShmTransport:
     """All-gather, reduce-scatter (sum) and all-reduce (sum) of plain CPU tensors over ``group``
     (None: the default group), through shared memory. Collective to construct; every member must be
-    on this host and see the same ``directory``."""
+    on this host and see the same ``directory``. ``timeout``: how long a member waits for a peer that
+    is alive but does not reach the same collective (torch's default process-group timeout; a peer
+    whose process ended is named at once)."""
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup] = None, *, region_bytes: Optional[int] = None, directory: str = SHM_DIR
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        region_bytes: Optional[int] = None,
+        directory: str = SHM_DIR,
+        timeout: datetime.timedelta = dist.default_pg_timeout,
     ) -> None:
         self.group = group
         self.ranks = group_ranks(group)
@@ -127,7 +125,7 @@ class ShmTransport:
             BackendSync(group)
             if int(cannot)
             else FlagSync(
-                self._mm, world=W, rank=self.rank, ranks=self.ranks, pids=pids, timeout_s=group_timeout_s(group)
+                self._mm, world=W, rank=self.rank, ranks=self.ranks, pids=pids, timeout_s=timeout.total_seconds()
             )
         )
         self._issued = 0  # uses issued

@@ -79,15 +79,6 @@ def process_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def group_timeout_s(group: Optional[dist.ProcessGroup]) -> float:
-    """The process group's collective timeout in seconds (torch's default when it cannot be read)."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # type: ignore[union-attr]
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout.total_seconds()
-
-
 class FlagSync:
     """Per-member counters in the header of ``mm``, waited on with futexes (module docstring)."""
 
@@ -146,8 +137,8 @@ class FlagSync:
                     )
                 if time.monotonic() > deadline:
                     raise ShmError(
-                        f"rank {self._ranks[self._rank]} waited {self._timeout_s:.0f} s (the process group's "
-                        f"timeout) for rank {self._ranks[r]} in a shared-memory collective it never reached "
+                        f"rank {self._ranks[self._rank]} waited {self._timeout_s:.0f} s (the transport's timeout) "
+                        f"for rank {self._ranks[r]} in a shared-memory collective it never reached "
                         f"(zero.transport=shm): the ranks did not issue the same collectives"
                     )
 
