@@ -57,9 +57,10 @@ def qmax(bits: int) -> int:
 
 
 def check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
+    """``bits`` is an int the kernels take (``8.0`` equals 8 but would fail later, sizing a tensor)."""
+    if isinstance(bits, bool) or not hasattr(bits, "__index__") or bits not in SUPPORTED_BITS:
         raise ValueError(
-            f"bits={bits!r} is not supported by the quantization kernels; use one of "
+            f"bits={bits!r} is not supported by the quantization kernels; use an int, one of "
             f"{SUPPORTED_BITS} (or no quantization)"
         )
 
