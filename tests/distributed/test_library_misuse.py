@@ -11,6 +11,7 @@ with ``engine.model`` and the collectives that used to go silently wrong or fail
 - an integer AVG through ``all_reduce`` / the plain ``quantized_reduce_scatter`` failed after the
   exchange with ``result type Float can't be cast ...``: refused on every rank before any message.
 - the DDP hook after ``destroy_process_group`` surfaced as ``Unable to cast <message> to Tensor``.
+- ``set_topology`` of a topology of another world was taken, and every later collective refused.
 
 One-process checks of this topic: ``tests/unit/test_library_misuse.py``.
 """
@@ -128,3 +129,24 @@ def test_the_ddp_hook_after_destroy_process_group_says_what_to_do() -> None:
         assert "Unable to cast" not in msg
         assert msg.startswith("RuntimeError: quantized_allreduce_hook: the default process group was destroyed")
         assert "wrap the model in a new DDP and register the hook with a new state" in msg
+
+
+def _set_topology_world(rank: int, world: int) -> dict[str, Any]:
+    from zeropp.comm import Topology, get_topology, quantized_all_gather, set_topology
+
+    out: dict[str, Any] = {"set": _error(lambda: set_topology(Topology(nodes=2, ranks_per_node=2)))}
+    out["kept"] = get_topology()
+    gathered = torch.empty(2 * world)
+    quantized_all_gather(gathered, torch.full((2,), float(rank)))  # the default (one node) still works
+    out["gathered"] = gathered.tolist()
+    return out
+
+
+def test_a_default_topology_of_another_world_is_refused_where_it_is_set() -> None:
+    """Before: ``set_topology`` took it, and every later collective without ``topology=`` raised."""
+    for r in run_world(_set_topology_world, 2):
+        assert r["set"] == (
+            "ValueError: Topology(nodes=2, ranks_per_node=2, hpz_size=None, tp=1) describes 4 ranks but the process "
+            "group has 2; use Topology.from_world(2, ranks_per_node=...)"
+        )
+        assert r["kept"] is None and r["gathered"] == [0.0, 0.0, 1.0, 1.0]
