@@ -150,3 +150,38 @@ def test_a_default_topology_of_another_world_is_refused_where_it_is_set() -> Non
             "group has 2; use Topology.from_world(2, ranks_per_node=...)"
         )
         assert r["kept"] is None and r["gathered"] == [0.0, 0.0, 1.0, 1.0]
+
+
+def _loop_world(rank: int, world: int) -> dict[str, Any]:
+    from zeropp.runtime import WithTargets, ZeroConfig, ZeroEngine
+
+    def engine(**kw: Any) -> Any:
+        loss = kw.pop("loss", lambda out, mb: F.mse_loss(out, mb.targets))
+        return ZeroEngine(mlp(), config=ZeroConfig(stage=3, grad_accum_steps=2, **kw), loss_fn=loss)
+
+    mbs = [WithTargets(*data(j, rank)) for j in range(2)]
+    a, b = engine(), engine()
+    out: dict[str, Any] = {"same": a.train_step(mbs).loss == b.train_step(iter(mbs)).loss}  # a list, an iterator
+    out["tuple"] = _error(lambda: a.train_step(tuple(mbs[:1])))
+    out["no_grad_loss"] = _error(lambda: engine(loss=lambda o, mb: F.mse_loss(o, mb.targets).detach()).train_step(mbs))
+    bf16 = engine(precision="bf16")
+    out["dtype"] = _error(lambda: bf16.train_step(mbs))  # fp32 inputs to bf16 parameters
+    out["then"] = a.train_step(mbs).loss  # every refusal left the world usable
+    return out
+
+
+def test_a_users_loop_mistakes_in_train_step_are_one_clear_line() -> None:
+    """An iterator of micro-batches was a ``TypeError: object of type ... has no len()``; a loss
+    without autograd failed in backward with torch's ``element 0 of tensors does not require
+    grad``; a dtype mismatch at stage 3 carried the hint about parameters shared across blocks."""
+    res = run_world(_loop_world, 2)
+    for r in res:
+        assert r["same"]
+        assert r["tuple"] == (
+            "ValueError: train_step got 1 micro-batches but grad_accum_steps=2; pass a list of exactly 2 "
+            "(one micro-batch (x, y) is train_step([(x, y)]))"
+        )
+        assert "raised on rank(s) [0, 1]" in r["no_grad_loss"]
+        assert "loss_fn(output, micro_batch) does not require grad, so backward has nothing" in r["no_grad_loss"]
+        assert "must have the same dtype" in r["dtype"] and "register it in the block" not in r["dtype"]
+    assert res[0]["then"] == res[1]["then"]

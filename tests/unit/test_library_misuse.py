@@ -90,3 +90,24 @@ def test_kernel_bits_must_be_an_int() -> None:
     with pytest.raises(ValueError, match=r"bits=True is not supported"):
         quantize(x, bits=True)
     assert torch.equal(dequantize(quantize(x, bits=8)), dequantize(quantize(x, bits=torch.tensor(8).item())))
+
+
+def test_a_model_without_trainable_parameters_or_a_torch_optimizer_is_refused() -> None:
+    """Before: a frozen model failed in its first backward with torch's ``element 0 of tensors does
+    not require grad``; ``optimizer=torch.optim.SGD`` was taken and failed at the first step."""
+    frozen = mlp().requires_grad_(False)
+    with fake_world(0, 2):
+        with pytest.raises(ValueError, match=r"Sequential has no trainable parameter .*unfreeze the parameters"):
+            _engine(frozen, 3)
+        with pytest.raises(TypeError, match=r"optimizer must be a zeropp.runtime.OptimizerConfig .*got <class"):
+            ZeroEngine(mlp(), optimizer=torch.optim.SGD)  # type: ignore[arg-type]
+
+
+def test_train_step_under_no_grad_is_refused_before_anything_is_sent() -> None:
+    with fake_world(0, 2):
+        eng = _engine(mlp(), 3)
+        try:
+            with torch.no_grad(), pytest.raises(RuntimeError, match=r"train_step was called under torch.no_grad\(\)"):
+                eng.train_step([torch.zeros(4, 8)])
+        finally:
+            eng.close()

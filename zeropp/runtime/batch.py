@@ -166,6 +166,12 @@ def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor
             f"{where} is {_describe(loss)}, not a one-element floating loss; return a scalar loss, or "
             f"pass ZeroEngine(..., loss_fn=callable(output, micro_batch) -> loss)"
         )
+    if torch.is_grad_enabled() and not loss.requires_grad:  # a training forward (evaluation runs under no_grad)
+        raise ValueError(
+            f"{where} does not require grad, so backward has nothing to differentiate: it was computed outside "
+            f"autograd (under torch.no_grad(), from .detach()ed or .item() values) or from no trainable "
+            f"parameter; return the loss tensor the forward computed"
+        )
     return loss.reshape(())
 
 

@@ -152,6 +152,11 @@ class ZeroEngine:
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
         if cpu_adam is not None and cpu_adam not in KERNELS:
             raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
+        if optimizer is not None and not isinstance(optimizer, OptimizerConfig):
+            raise TypeError(
+                f"optimizer must be a zeropp.runtime.OptimizerConfig (the engine runs its own sharded AdamW over "
+                f"its shards), got {optimizer!r}; e.g. optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1)"
+            )
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass callable(output, micro_batch) -> loss or None")
         block_modules = find_blocks(
@@ -171,6 +176,11 @@ class ZeroEngine:
         validate_against_topology(cfg, world, topo.nodes, topo.ranks_per_node)  # before any allocation
         tpar.check_model_matches(model, topo)  # tp > 1: a model split by tensor_parallel.parallelize
         self.cfg, self.opt_cfg, self.topology = cfg, optimizer or OptimizerConfig(), topo
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} has no trainable parameter (none with requires_grad=True), so ZeroEngine "
+                f"has nothing to train; unfreeze the parameters to train (or add adapters, e.g. LoRA) before wrapping"
+            )
         self.dtype = cfg.dtype
         self.model = model
         self.comm_stats = CommStats()
@@ -416,10 +426,18 @@ class ZeroEngine:
         the other ranks waiting in the next collective."""
         self._check_open()
         self.guard.check_params(self.model)  # a parameter added after wrapping would never be trained
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "train_step was called under torch.no_grad() (or inference_mode), where its backward has nothing "
+                "to differentiate; call it with gradients enabled (eval_loss is the no-grad forward)"
+            )
         a = self.cfg.grad_accum_steps
+        if not isinstance(micro_batches, Sequence):  # an iterator or generator of micro-batches
+            micro_batches = list(micro_batches)
         if len(micro_batches) != a:
             raise ValueError(
-                f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}"
+                f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass a list of exactly "
+                f"{a} (one micro-batch (x, y) is train_step([(x, y)]))"
             )
         t0 = time.perf_counter()
         self.comm.reset_wait()
