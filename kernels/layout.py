@@ -186,8 +186,8 @@ def codes_dtype(bits: int) -> torch.dtype:
 
 def split_rows(numel: int, rows: int) -> int:
     """Columns per row for ``numel`` elements in ``rows`` equal rows, with a clear error if uneven."""
-    if rows <= 0:
-        raise ValueError(f"rows must be positive, got {rows}")
+    if isinstance(rows, bool) or not hasattr(rows, "__index__") or rows <= 0:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
     if numel % rows:
         raise ValueError(
             f"cannot split {numel} elements into {rows} equal rows; pad the tensor to a multiple of {rows}"

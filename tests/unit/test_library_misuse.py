@@ -16,7 +16,7 @@ from torch import nn
 from tests.plain_models import mlp
 from tests.plan_helpers import fake_world
 from zeropp.comm import Topology
-from zeropp.kernels import dequantize, quantize
+from zeropp.kernels import dequantize, hadamard, quantize
 from zeropp.runtime import ZeroConfig, ZeroEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -82,9 +82,20 @@ def test_an_engine_used_after_destroy_process_group_says_so() -> None:
     eng.close()  # local: still fine
 
 
-def test_kernel_bits_must_be_an_int() -> None:
-    """``bits=8.0`` equals 8, passed the check and failed sizing a tensor with a TypeError."""
+def test_kernel_arguments_of_the_wrong_type_are_one_clear_line() -> None:
+    """``bits=8.0`` equals 8, passed the check and failed sizing a tensor (``TypeError: empty():
+    argument 'size' failed to unpack ...``); ``rows=2.0`` likewise (``empty() takes 1 positional
+    argument but 2 were given``); ``stochastic="no"`` failed with ``invalid literal for int()``; a
+    list with ``'list' object has no attribute 'is_cuda'``."""
     x = torch.randn(300)
+    with pytest.raises(ValueError, match=r"rows must be a positive int, got 2.0"):
+        quantize(x, rows=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rows must be a positive int, got 2.0"):
+        hadamard(torch.randn(32), 16, rows=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"stochastic must be True or False, got 'no'"):
+        quantize(x, stochastic="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"quantize takes a torch.Tensor, got list"):
+        quantize([1.0, 2.0])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"bits=8.0 is not supported by the quantization kernels; use an int"):
         quantize(x, bits=8.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"bits=True is not supported"):
