@@ -114,6 +114,16 @@ def test_a_model_without_trainable_parameters_or_a_torch_optimizer_is_refused() 
             ZeroEngine(mlp(), optimizer=torch.optim.SGD)  # type: ignore[arg-type]
 
 
+def test_a_model_on_the_meta_device_is_refused_before_anything_is_sent() -> None:
+    """Before: the engine broadcast and sharded the shapes, and the first forward failed with
+    ``Tensor on device meta is not on the expected device cpu!`` and a hint about parameters shared
+    across blocks."""
+    with torch.device("meta"):
+        m = mlp()
+    with fake_world(0, 2), pytest.raises(ValueError, match=r"Sequential's '0.weight' is on the meta device .*to_empty"):
+        _engine(m, 3)
+
+
 def test_train_step_under_no_grad_is_refused_before_anything_is_sent() -> None:
     with fake_world(0, 2):
         eng = _engine(mlp(), 3)

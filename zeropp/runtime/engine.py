@@ -176,6 +176,13 @@ class ZeroEngine:
         validate_against_topology(cfg, world, topo.nodes, topo.ranks_per_node)  # before any allocation
         tpar.check_model_matches(model, topo)  # tp > 1: a model split by tensor_parallel.parallelize
         self.cfg, self.opt_cfg, self.topology = cfg, optimizer or OptimizerConfig(), topo
+        meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+        if meta is not None:
+            raise ValueError(
+                f"{type(model).__name__}'s {meta!r} is on the meta device (a shape without values), so there is "
+                f"nothing to broadcast or shard; materialize the model before wrapping it (model.to_empty(device=...) "
+                f"then initialise or load its weights)"
+            )
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameter (none with requires_grad=True), so ZeroEngine "
