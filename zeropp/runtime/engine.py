@@ -64,7 +64,7 @@ from . import frozen as fz
 from . import memory as mem
 from . import tensor_parallel as tpar
 from .activations import ActivationStore, checkpoint_blocks
-from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
+from .batch import LossFn, agree_on_forward, call_model, control_group, differentiable, loss_of
 from .blocks import BlockChoiceWarning, BlockPolicy, find_blocks, one_unit_warning
 from .buffers import BufferPool
 from .collectives import EngineComm
@@ -458,7 +458,7 @@ class ZeroEngine:
                 self.stage3.training_forward = True  # (ZeroConfig.keep_at_turn: units backward needs first stay)
             try:
                 with self.activations.saving():
-                    loss = loss_of(call_model(self.model, mb), mb, self.loss_fn)
+                    loss = differentiable(loss_of(call_model(self.model, mb), mb, self.loss_fn))
             except Exception as exc:
                 error = exc
             finally:
