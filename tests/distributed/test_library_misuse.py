@@ -185,3 +185,27 @@ def test_a_users_loop_mistakes_in_train_step_are_one_clear_line() -> None:
         assert "ValueError: the loss does not require grad, so backward has nothing" in r["no_grad_loss"]
         assert "must have the same dtype" in r["dtype"] and "register it in the block" not in r["dtype"]
     assert res[0]["then"] == res[1]["then"]
+
+
+def _ddp_foreign_group_world(rank: int, world: int) -> str:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zeropp.comm import QuantSpec
+    from zeropp.comm.ddp import QuantizedAllReduceState, quantized_allreduce_hook
+
+    only0 = dist.new_group([0])
+    ddp = DDP(mlp())  # over the whole world, but the hook's state names a group without rank 1
+    ddp.register_comm_hook(QuantizedAllReduceState(grads=QuantSpec(bits=8), group=only0), quantized_allreduce_hook)
+    x, _ = data(0, rank)
+    return _error(lambda: ddp(x).sum().backward())
+
+
+def test_the_ddp_hook_on_a_rank_outside_its_states_group_says_what_to_pass() -> None:
+    """Before: ``RuntimeError: Unable to cast rank 1 is not a member of the all-reduce group [0]; only
+    members may call it to Tensor`` (the check ran in the continuation, whose error DDP reads as a value)."""
+    ok, outside = run_world(_ddp_foreign_group_world, 2)
+    assert ok == "no error"  # rank 0 is the group: it reduces alone
+    assert outside == (
+        "ValueError: quantized_allreduce_hook: rank 1 is not in QuantizedAllReduceState.group (ranks [0]); pass "
+        "the DDP model's own process group, or None for the default group"
+    )
