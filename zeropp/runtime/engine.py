@@ -80,7 +80,7 @@ from .swap import SwapSpace
 from .units import assign_homes, build_units, check_persistence_threshold
 from .update import ParamUpdate, StepResult
 from .weight_diff import WeightDiff
-from .wrapped import ModelGuard, check_unwrapped
+from .wrapped import ModelGuard, check_wrappable
 
 if TYPE_CHECKING:  # imported where used: DCP pulls in DTensor and sympy (seconds per process)
     from . import checkpoint as ckpt
@@ -162,7 +162,7 @@ class ZeroEngine:
         block_modules = find_blocks(
             model, blocks
         )  # a bad policy fails here, alike on every rank, before any collective
-        check_unwrapped(model)  # not held by another engine; likewise
+        check_wrappable(model)  # materialized, trainable, not held by another engine; likewise
         if cfg.stage == 3:
             check_persistence_threshold(model, cfg.persistence_threshold)  # likewise
         self.loss_fn = loss_fn
@@ -176,18 +176,6 @@ class ZeroEngine:
         validate_against_topology(cfg, world, topo.nodes, topo.ranks_per_node)  # before any allocation
         tpar.check_model_matches(model, topo)  # tp > 1: a model split by tensor_parallel.parallelize
         self.cfg, self.opt_cfg, self.topology = cfg, optimizer or OptimizerConfig(), topo
-        meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
-        if meta is not None:
-            raise ValueError(
-                f"{type(model).__name__}'s {meta!r} is on the meta device (a shape without values), so there is "
-                f"nothing to broadcast or shard; materialize the model before wrapping it (model.to_empty(device=...) "
-                f"then initialise or load its weights)"
-            )
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(
-                f"{type(model).__name__} has no trainable parameter (none with requires_grad=True), so ZeroEngine "
-                f"has nothing to train; unfreeze the parameters to train (or add adapters, e.g. LoRA) before wrapping"
-            )
         self.dtype = cfg.dtype
         self.model = model
         self.comm_stats = CommStats()

@@ -2,8 +2,9 @@
 error for what it may not.
 
 The engine replaces the model's parameters by views into its own buffers (stage 3: empty tensors
-between gathers) and trains exactly the parameters the model had when it was wrapped. Three
-things a researcher's own loop does with ``engine.model`` would then go silently wrong:
+between gathers) and trains exactly the parameters the model had when it was wrapped. What a
+researcher's own code does with such a model that would then go silently wrong, or fail later in
+torch's words:
 
 - ``model.state_dict()`` at stage 3 returns empty tensors (``torch.distributed.checkpoint`` would
   save them as such): refused, pointing at ``engine.consolidated_state_dict()`` /
@@ -11,6 +12,8 @@ things a researcher's own loop does with ``engine.model`` would then go silently
 - ``model.load_state_dict(sd)`` writes into the compute copies only (stage 3: empty shards, a
   list of size mismatches); the fp32 masters the next step starts from keep the old weights:
   refused at every stage, pointing at loading before wrapping or ``engine.load_checkpoint``.
+- a model still on the meta device, or without a trainable parameter, would fail in the forward
+  or the backward: refused at construction (:func:`check_wrappable`).
 - a second ``ZeroEngine(model)`` on a model an open engine wraps would re-point its parameters at
   new buffers behind the first engine's back, and on one a stage-3 engine wrapped (closed or not)
   would broadcast and shard its empty shards: refused before anything is sent
@@ -33,6 +36,27 @@ from torch.utils.hooks import RemovableHandle
 
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, ModelGuard] = weakref.WeakKeyDictionary()
 """Each model a ZeroEngine wrapped in this process -> that engine's guard."""
+
+
+def check_wrappable(model: nn.Module) -> None:
+    """Refuse, before anything is sent, a model ZeroEngine cannot wrap: one still on the meta device
+    (its shapes would be broadcast and sharded, and the first forward fail on the device), one
+    without a trainable parameter (the first backward would fail with torch's ``element 0 of
+    tensors does not require grad``), or one another engine holds (:func:`check_unwrapped`)."""
+    name = type(model).__name__
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{name}'s {meta!r} is on the meta device (a shape without values), so there is nothing to broadcast "
+            f"or shard; materialize the model before wrapping it (model.to_empty(device=...) then initialise or "
+            f"load its weights)"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"{name} has no trainable parameter (none with requires_grad=True), so ZeroEngine has nothing to train; "
+            f"unfreeze the parameters to train (or add adapters, e.g. LoRA) before wrapping"
+        )
+    check_unwrapped(model)
 
 
 def check_unwrapped(model: nn.Module) -> None:
