@@ -57,9 +57,10 @@ def qmax(bits: int) -> int:
 
 
 def check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
+    """``bits`` is an int the kernels take (``8.0`` equals 8 but would fail later, sizing a tensor)."""
+    if isinstance(bits, bool) or not hasattr(bits, "__index__") or bits not in SUPPORTED_BITS:
         raise ValueError(
-            f"bits={bits!r} is not supported by the quantization kernels; use one of "
+            f"bits={bits!r} is not supported by the quantization kernels; use an int, one of "
             f"{SUPPORTED_BITS} (or no quantization)"
         )
 
@@ -185,8 +186,8 @@ def codes_dtype(bits: int) -> torch.dtype:
 
 def split_rows(numel: int, rows: int) -> int:
     """Columns per row for ``numel`` elements in ``rows`` equal rows, with a clear error if uneven."""
-    if rows <= 0:
-        raise ValueError(f"rows must be positive, got {rows}")
+    if isinstance(rows, bool) or not hasattr(rows, "__index__") or rows <= 0:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
     if numel % rows:
         raise ValueError(
             f"cannot split {numel} elements into {rows} equal rows; pad the tensor to a multiple of {rows}"

@@ -311,6 +311,10 @@ def quantize(
     ``layout.row_geometry``): the Triton kernels read it in place; the CPU path reads long rows
     (``ROW_LOOP_MIN_COLS``) one by one when rounding to nearest, and copies it otherwise.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}; e.g. quantize(torch.as_tensor(x))")
+    if not isinstance(stochastic, bool):  # "no" would be read as truthy, or fail int() deep in a kernel
+        raise TypeError(f"quantize's stochastic must be True or False, got {stochastic!r}")
     group_size = DEFAULT_WEIGHT_GROUP_SIZE if group_size is None else group_size
     if _use_triton(x, impl):
         return _quantize_triton(x, bits, group_size, rows=rows, stochastic=stochastic, seed=seed, out=out)

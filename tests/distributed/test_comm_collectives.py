@@ -323,8 +323,8 @@ def _bad_calls(rank: int, world: int, topo: Topology) -> dict:
             msgs[name] = None
         except (ValueError, TypeError) as e:
             msgs[name] = f"{type(e).__name__}: {e}"
-    set_topology(Topology(1, 8))  # a wrong process-wide default is caught the same way
-    try:
+    try:  # a wrong process-wide default is caught the same way, where it is set (library_misuse)
+        set_topology(Topology(1, 8))
         quantized_all_gather(torch.empty(world * n), x, spec=q8)
         msgs["default topology of another world"] = None
     except ValueError as e:

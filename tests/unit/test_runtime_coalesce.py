@@ -166,13 +166,15 @@ def test_fewer_units_mean_fewer_collectives() -> None:
 
 
 def test_one_unit_warning_names_the_threshold_that_merged_every_block() -> None:
-    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
+    def seq() -> nn.Sequential:  # a fresh one per engine: stage 3 leaves a wrapped model's parameters empty
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
+
     with fake_world(0, 2):
         with warnings.catch_warnings():
             warnings.simplefilter("error", BlockChoiceWarning)
-            ZeroEngine(seq, config=ZeroConfig(stage=3), topology=Topology.single_node(2)).close()  # 3 units
+            ZeroEngine(seq(), config=ZeroConfig(stage=3), topology=Topology.single_node(2)).close()  # 3 units
         with pytest.warns(BlockChoiceWarning, match=r"coalesce_numel=1,000 merged every block .*'block0-2'"):
-            ZeroEngine(seq, config=ZeroConfig(stage=3, coalesce_numel=1000), topology=Topology.single_node(2)).close()
+            ZeroEngine(seq(), config=ZeroConfig(stage=3, coalesce_numel=1000), topology=Topology.single_node(2)).close()
 
 
 def test_a_block_without_parameters_inside_a_span_gets_no_hooks_and_no_extra_gather() -> None:

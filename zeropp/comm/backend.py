@@ -354,6 +354,17 @@ def check_member(ranks: list[int], what: str) -> None:
         raise ValueError(f"rank {me} is not a member of the {what} group {ranks}; only members may call it")
 
 
+def check_op_dtype(op_name: str, t: torch.Tensor, what: str) -> None:
+    """An average (AVG, or PREMUL_SUM's scaling) of an integer or bool tensor has no place to put
+    its fraction: gloo fails it only after the exchange, with ``result type Float can't be cast to
+    the desired output type Long``. Refused here, alike on every rank, before any message."""
+    if op_name in ("avg", "premul_sum") and not (t.is_floating_point() or t.is_complex()):
+        raise ValueError(
+            f"{what} with ReduceOp.{op_name.upper()} of a {t.dtype} tensor: its mean is not a {t.dtype}; "
+            f"reduce with ReduceOp.SUM and divide, or pass a floating-point tensor"
+        )
+
+
 def parse_op(op: ReduceOpLike) -> tuple[str, float]:
     """ReduceOp -> ("sum" | "avg" | "premul_sum" | other name, factor). PREMUL_SUM carries its factor."""
     code = op.op if isinstance(op, dist.ReduceOp) and hasattr(op, "op") and op.op is not None else op

@@ -55,6 +55,7 @@ from .backend import (
     check_float,
     check_gather_spec,
     check_member,
+    check_op_dtype,
     check_plain_dtypes,
     check_reduce_spec,
     finish_or_handle,
@@ -309,6 +310,7 @@ def quantized_reduce_scatter(
         fp["op"] = callcheck.op_name(op_name, factor)
         if spec is None:
             check_plain_dtypes(output_tensor, input_tensor, "reduce-scatter")
+            check_op_dtype(op_name, input_tensor, "reduce-scatter")
             fp["dtype"] = callcheck.dtype_name(input_tensor.dtype)  # plain: the dtype is the wire's
         else:
             fp["topology"] = callcheck.topology_name(topo)  # picks one hop or qgZ's two
@@ -476,8 +478,10 @@ def all_reduce(
     check = sess.check_collectives
     with callcheck.agreed(check, group, "all_reduce", ranks, tensor.numel()) as fp:  # callcheck.py
         topo = sess.resolve_topology(topology)
+        op_name, factor = parse_op(op)
+        check_op_dtype(op_name, tensor, "all-reduce")
         if check:
-            fp["op"] = callcheck.op_name(*parse_op(op))
+            fp["op"] = callcheck.op_name(op_name, factor)
             fp["dtype"] = callcheck.dtype_name(tensor.dtype)
     stats = stats if stats is not None else sess.stats
     stats.count_call(kind)

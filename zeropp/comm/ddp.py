@@ -85,6 +85,20 @@ def quantized_allreduce_hook(
     returned future completes (with the buffer) once both collectives have finished. A bucket
     that a quantized spec cannot take (float64) is a ValueError raised from the backward."""
     buf = bucket.buffer()
+    if not dist.is_initialized():
+        # refused here, on DDP's calling thread: raised in the continuation, DDP would report the error
+        # as "Unable to cast <message> to Tensor"
+        raise RuntimeError(
+            "quantized_allreduce_hook: the default process group was destroyed (destroy_process_group); this "
+            "DDP model and its QuantizedAllReduceState belong to it: after a new init_process_group, wrap the "
+            "model in a new DDP and register the hook with a new state"
+        )
+    if state.group is not None and dist.get_rank(state.group) < 0:  # likewise refused on the calling thread
+        raise ValueError(
+            f"quantized_allreduce_hook: rank {dist.get_rank()} is not in QuantizedAllReduceState.group (ranks "
+            f"{dist.get_process_group_ranks(state.group)}); pass the DDP model's own process group, or None for the "
+            f"default group"
+        )
     if (state.grads is not None or state.gather is not None) and buf.dtype not in QUANT_FLOAT_DTYPES:
         # refused here, on DDP's calling thread (the same on every rank): raised in the continuation,
         # the error would reach DDP only as its future's value, which DDP reports as a failed cast

@@ -304,10 +304,14 @@ _DEFAULT: Optional[Topology] = None
 
 def set_topology(topology: Optional[Topology]) -> None:
     """Make ``topology`` the process-wide default used by collectives called without one (and by
-    sessions created without one, ``session.CommSession``)."""
+    sessions created without one, ``session.CommSession``). Checked against the default group's
+    size when one is initialised: a topology of another world is refused here, where it is set,
+    rather than by every later collective."""
     global _DEFAULT
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"set_topology expects a Topology or None, got {type(topology).__name__}")
+    if topology is not None and dist.is_initialized():
+        topology.check_world(dist.get_world_size())
     _DEFAULT = topology
 
 

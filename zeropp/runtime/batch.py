@@ -169,6 +169,18 @@ def loss_of(output: Any, mb: Any, loss_fn: LossFn | None = None) -> torch.Tensor
     return loss.reshape(())
 
 
+def differentiable(loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, checked for a training step: it must require grad, else backward fails with torch's
+    ``element 0 of tensors does not require grad``, which names neither the loss nor the cause."""
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad, so backward has nothing to differentiate: it was computed outside "
+            "autograd (under torch.no_grad(), from .detach()ed or .item() values) or from no trainable parameter; "
+            "return the loss tensor the forward computed"
+        )
+    return loss
+
+
 ON_RANKS = re.compile(r"(?:raised|failed) on rank\(s\) \[([0-9, ]*)\]")
 """How :func:`on_ranks` reads back inside an error's text."""
 

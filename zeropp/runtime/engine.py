@@ -64,7 +64,7 @@ from . import frozen as fz
 from . import memory as mem
 from . import tensor_parallel as tpar
 from .activations import ActivationStore, checkpoint_blocks
-from .batch import LossFn, agree_on_forward, call_model, control_group, loss_of
+from .batch import LossFn, agree_on_forward, call_model, control_group, differentiable, loss_of
 from .blocks import BlockChoiceWarning, BlockPolicy, find_blocks, one_unit_warning
 from .buffers import BufferPool
 from .collectives import EngineComm
@@ -77,9 +77,10 @@ from .partition import FlatUnit
 from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
-from .units import assign_homes, build_units
+from .units import assign_homes, build_units, check_persistence_threshold
 from .update import ParamUpdate, StepResult
 from .weight_diff import WeightDiff
+from .wrapped import ModelGuard, check_wrappable
 
 if TYPE_CHECKING:  # imported where used: DCP pulls in DTensor and sympy (seconds per process)
     from . import checkpoint as ckpt
@@ -151,11 +152,19 @@ class ZeroEngine:
             raise TypeError(f"config must be a ZeroConfig, got {type(cfg).__name__}")
         if cpu_adam is not None and cpu_adam not in KERNELS:
             raise ValueError(f"ZeroEngine cpu_adam={cpu_adam!r} is not a CPU AdamW kernel; use one of {KERNELS}")
+        if optimizer is not None and not isinstance(optimizer, OptimizerConfig):
+            raise TypeError(
+                f"optimizer must be a zeropp.runtime.OptimizerConfig (the engine runs its own sharded AdamW over "
+                f"its shards), got {optimizer!r}; e.g. optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1)"
+            )
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass callable(output, micro_batch) -> loss or None")
         block_modules = find_blocks(
             model, blocks
         )  # a bad policy fails here, alike on every rank, before any collective
+        check_wrappable(model)  # materialized, trainable, not held by another engine; likewise
+        if cfg.stage == 3:
+            check_persistence_threshold(model, cfg.persistence_threshold)  # likewise
         self.loss_fn = loss_fn
         """``loss_fn(output, micro_batch) -> loss`` given at construction, or None (loss from the output)."""
         if not dist.is_initialized():
@@ -180,6 +189,7 @@ class ZeroEngine:
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         """ZeRO's world: the data-parallel ranks (all ranks unless ``topology.tp > 1``) and this rank's index there."""
         self._all_ranks = world  # the default group (tp ranks included): scalar sums, error reports
+        self._pg = dist.group.WORLD  # a later destroy_process_group (and init) replaces it: _check_open
         self.param_dtypes: dict[str, torch.dtype] = {
             n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)
         }
@@ -394,6 +404,9 @@ class ZeroEngine:
         self._record_phase("optimizer_creation")  # + the optimizer state, allocated whole here (see memory.PHASES)
         self._checkpoint_origin: ckpt.Origin | None = None
         """The checkpoint this state was last saved to or loaded from: the next save's parent."""
+        self.guard = ModelGuard(model, cfg.stage)
+        """Refuses ``model.state_dict()`` at stage 3, ``model.load_state_dict()`` and parameters added
+        after wrapping, each with what to use instead (``wrapped.py``)."""
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -407,10 +420,19 @@ class ZeroEngine:
         forward (or loss) is raised on every rank, after one small exchange, instead of leaving
         the other ranks waiting in the next collective."""
         self._check_open()
+        self.guard.check_params(self.model)  # a parameter added after wrapping would never be trained
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "train_step was called under torch.no_grad() (or inference_mode), where its backward has nothing "
+                "to differentiate; call it with gradients enabled (eval_loss is the no-grad forward)"
+            )
         a = self.cfg.grad_accum_steps
+        if not isinstance(micro_batches, Sequence):  # an iterator or generator of micro-batches
+            micro_batches = list(micro_batches)
         if len(micro_batches) != a:
             raise ValueError(
-                f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass exactly {a}"
+                f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass a list of exactly "
+                f"{a} (one micro-batch (x, y) is train_step([(x, y)]))"
             )
         t0 = time.perf_counter()
         self.comm.reset_wait()
@@ -424,7 +446,7 @@ class ZeroEngine:
                 self.stage3.training_forward = True  # (ZeroConfig.keep_at_turn: units backward needs first stay)
             try:
                 with self.activations.saving():
-                    loss = loss_of(call_model(self.model, mb), mb, self.loss_fn)
+                    loss = differentiable(loss_of(call_model(self.model, mb), mb, self.loss_fn))
             except Exception as exc:
                 error = exc
             finally:
@@ -581,14 +603,15 @@ class ZeroEngine:
         frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
         from .consolidate import consolidated_state_dict
 
-        sd = consolidated_state_dict(
-            self.units,
-            self.update.master_copy,
-            gather,
-            self.model,
-            self.param_dtypes,
-            {**self.frozen_originals, **frozen_values},
-        )
+        with self.guard.own_use():  # its model.state_dict() at stage 3: the empty shards, replaced here
+            sd = consolidated_state_dict(
+                self.units,
+                self.update.master_copy,
+                gather,
+                self.model,
+                self.param_dtypes,
+                {**self.frozen_originals, **frozen_values},
+            )
         return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
 
     def close(self) -> None:
@@ -596,6 +619,7 @@ class ZeroEngine:
         if self._closed:
             return
         self.reducer.close()  # hooks removed, reduce-scatters in flight waited
+        self.guard.remove()
         if self.stage3 is not None:
             self.stage3.release_all()
             self.stage3.remove()
@@ -730,6 +754,11 @@ class ZeroEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZeroEngine was closed; create a new one")
+        if not dist.is_initialized() or self._pg is not dist.group.WORLD:
+            raise RuntimeError(
+                "the process group this ZeroEngine was built on was destroyed (destroy_process_group); its "
+                "groups are gone: after a new init_process_group, build a new model and a new ZeroEngine"
+            )
 
     def __repr__(self) -> str:
         c = self.cfg

@@ -73,7 +73,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import frozen as fz
-from .batch import MicroBatchError, host_max, host_max_start, on_ranks, per_rank
+from .batch import host_max, host_max_start, on_ranks, per_rank
 from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import ZeroConfig
@@ -96,6 +96,13 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.hooks.pre_backward(ctx.index)
         return (None, None, *grads)
+
+
+def _dtype_error(error: BaseException) -> bool:
+    """Whether ``error`` is torch's complaint about mixed dtypes (inputs in another dtype than the
+    engine's compute dtype), never caused by an empty (gathered-elsewhere) parameter."""
+    text = str(error)
+    return "dtype" in text or "scalar type" in text
 
 
 class Stage3Hooks:
@@ -247,13 +254,14 @@ class Stage3Hooks:
             msg = f"{type(error).__name__}{where}: {error}"
         # this forward's report, taken now (a deferred verdict runs after backward's recomputation may
         # have counted blocks again); last: whether this rank's error could be a block using another
-        # block's parameter (not a micro-batch the model's forward cannot take, which fails before any block runs)
+        # block's parameter: a torch op's error (not a micro-batch the model's forward cannot take, which fails
+        # before any block runs, nor the loss's own check or a dtype mismatch: an empty parameter has the right dtype)
         mine = (
             list(self.ran),
             list(self.first),
             msg,
             self.disorder,
-            error is not None and not isinstance(error, MicroBatchError),
+            isinstance(error, (RuntimeError, IndexError)) and not _dtype_error(error),
         )
         both = vec + [-v for v in vec]  # per entry: the max over ranks, and -min, once exchanged
         if world == 1:

@@ -74,6 +74,28 @@ def build_units(
     return units, blocks, root, pers
 
 
+def check_persistence_threshold(model: nn.Module, threshold: int) -> None:
+    """Refuse a stage-3 ``persistence_threshold`` above every floating-point parameter of
+    ``model`` (frozen ones too): every parameter would stay whole on every rank with its whole
+    gradient and optimizer state, stage 0's memory under stage 3's name, and ``offload_param``
+    would move nothing (DeepSpeed's default ``stage3_param_persistence_threshold`` of 1e5 does
+    that to a small model). The runner refuses the same before any rank starts
+    (``experiments/runner/preflight.py::check_persistence``); this is the library's own refusal,
+    read off the model alone, so it is the same on every rank and comes before any collective."""
+    sizes = {name: p.numel() for name, p in model.named_parameters() if p.is_floating_point()}
+    if threshold <= 0 or not sizes:
+        return
+    name = max(sizes, key=lambda n: sizes[n])
+    largest = sizes[name]
+    if largest < threshold:
+        raise ValueError(
+            f"ZeroConfig.persistence_threshold={threshold} is above every parameter of this model (the largest, "
+            f"{name!r}, has {largest:,} elements), so stage 3 would keep them all whole on every rank with their "
+            f"whole gradients and optimizer state: stage 0's memory under stage 3's name, and offload_param would "
+            f"move nothing. Lower persistence_threshold to at most {largest:,} (0 shards every parameter), or use stage=0"
+        )
+
+
 @dataclass
 class Homes:
     """Which unit each parameter belongs to (shared by the trainable and the frozen units)."""
