@@ -14,7 +14,8 @@ launches one process per rank (``launcher.py``) or, under torchrun, runs this pr
 Exit status: 0 the run completed; 2 an invalid config (nothing started); 3 training diverged
 (a non-finite loss or gradient norm, or ``train.max_skipped_steps`` fp16 overflows in a row: every
 rank stopped at that step, ``summary.json`` says ``"status": "diverged"``, nothing of that step
-was saved); otherwise a rank's failure (its exit code, 1 for an error, 128+N for signal N).
+was saved); 130 / 143 interrupted by SIGINT / SIGTERM (one line naming the last checkpoint; the
+ranks exit quietly); otherwise a rank's failure (its exit code, 1 for an error, 128+N for signal N).
 Under torchrun the nodes are torchrun's: ``topology.nodes`` / ``topology.ranks_per_node`` not given
 on the command line are its agents and ``--nproc-per-node`` (the last example runs 1 node x 4), and
 given ones must agree with them (:func:`validated`, :func:`check_launch`); the local launcher
@@ -23,6 +24,7 @@ instead poses ``topology=NxR`` (default 2x2) on this one host.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -39,6 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zeropp.comm.layout import LaunchLayout
+from zeropp.runtime import checkpoint_files
 from zeropp.runtime.divergence import DivergenceError
 
 from ..launch.failure import shell_status
@@ -52,6 +55,7 @@ from .config import (
     from_omegaconf,
     interpolation_error,
     run_records,
+    saved_by,
     without_hydra,
 )
 from .launcher import (
@@ -208,7 +212,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     if info["multirun"]:  # this point runs again (resumed, or started in a resumed sweep): an earlier failure
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # record of it is no longer its outcome (ours: removed)
     if in_torchrun():
-        from .worker import run_rank
+        from .worker import run_rank, stopped_status
 
         if rc.cluster.name == "emulated":
             raise ConfigError(
@@ -217,7 +221,16 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
                 "without torchrun"
             )
         placed = check_launch(rc, info["overrides"])  # before this rank joins anything, on every rank
-        summary = run_rank(_spec(rc, info))
+        try:
+            summary = run_rank(_spec(rc, info))
+        except (Exception, KeyboardInterrupt) as e:  # torchrun's agent stops its ranks with SIGTERM
+            code = stopped_status(e)
+            if code is None:
+                raise
+            name = signal.Signals(code - 128).name
+            raise RunInterrupted(
+                f"interrupted by {name}; stopped; {last_checkpoint(rc, run_dir)}", exit_code=code
+            ) from None
         if summary is not None:  # rank 0: record how the ranks were started, as the launcher does
             summary["placement"] = placed
             write_summary(run_dir / "summary.json", summary)
@@ -250,6 +263,8 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
             grace_s=rc.launcher.grace_s,
             heartbeat_s=rc.launcher.heartbeat_s,
         )
+    except RunInterrupted as e:
+        raise RunInterrupted(f"{e}; {last_checkpoint(rc, run_dir)}", exit_code=e.exit_code) from None
     except RankFailure:
         diverged = recorded_divergence(run_dir / "summary.json", started)
         if diverged is None:
@@ -259,6 +274,21 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     summary["placement"] = placed  # e.g. the emulated links' configured and measured rates
     write_summary(run_dir / "summary.json", summary)
     return summary
+
+
+def last_checkpoint(rc: RunConfig, run_dir: Path) -> str:
+    """Where an interrupted run can be continued from, for its one ``error:`` line: the newest
+    checkpoint this run saved (``checkpoint_files.latest``; one another run saved into a shared
+    ``train.checkpoint_dir`` is not this run's) and how to resume it, or that it saved none."""
+    ckpt = rc.checkpoint_dir(run_dir)
+    with contextlib.suppress(OSError, ValueError):
+        newest = checkpoint_files.latest(ckpt)
+        step = checkpoint_files.version_step(newest.name)
+        if saved_by(newest) in (None, str(run_dir.resolve())):
+            return f"last checkpoint: step {step} in {newest} (resume=true in the same run directory continues it)"
+    if rc.train.checkpoint_every <= 0:
+        return "no checkpoint (train.checkpoint_every=0)"
+    return f"no checkpoint saved yet (train.checkpoint_every={rc.train.checkpoint_every})"
 
 
 class RunDiverged(RankFailure):
@@ -530,8 +560,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             )
             return None
         code = command_status(e)
-        if not (isinstance(e, DivergenceError) and os.environ.get("RANK", "0") != "0"):
-            print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged torchrun job: rank 0 says it once
+        if not (isinstance(e, (DivergenceError, RunInterrupted)) and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {e}", file=sys.stderr, flush=True)  # a diverged or stopped torchrun job: rank 0 says it once
         local_sweep = info["launcher"] in (None, "basic")  # (on a Slurm node the launcher records the job's error)
         if (
             in_torchrun()
