@@ -43,6 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from zeropp.runtime.divergence import DivergenceError
 
+from ..launch.command import Terminated, sigterm_raises
 from ..launch.failure import shell_status
 from . import plugins, schema
 from .config import ConfigError, RunDirTaken, RunFinished, RunNeverSaved, interpolation_error, without_hydra
@@ -208,10 +209,14 @@ def cli() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        _hydra_main()
+        with sigterm_raises():  # the launcher installs its own handlers while ranks run
+            _hydra_main()
     except KeyboardInterrupt:  # before any rank started (composing the config): ranks report RunInterrupted
         print("error: interrupted by SIGINT; stopped", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except Terminated:  # likewise (a sweep between its points too)
+        print("error: interrupted by SIGTERM; stopped", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     if _failed:
         print(f"error: {len(_failed)} multirun job(s) failed (each directory has {FAILED_FILE}):", file=sys.stderr)
         for job in _failed:
