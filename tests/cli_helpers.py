@@ -17,12 +17,13 @@ def run_cli(
     args: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> tuple[int, str]:
     """``python -m zeropp.experiments.run *args hydra.run.dir=run_dir`` in-process: (exit code, stderr)."""
+    import zeropp.experiments.runner.job as job
     import zeropp.experiments.runner.run as run
 
     def no_launch(**_: object) -> dict:
         raise AssertionError("the runner accepted this config and would have started ranks")
 
-    monkeypatch.setattr(run, "launch", no_launch)
+    monkeypatch.setattr(job, "launch", no_launch)
     monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"])
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:

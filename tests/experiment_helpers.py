@@ -241,13 +241,14 @@ def train_in_world(overrides: list[str], run_dir: Path) -> dict:
     fraction of a second instead of seconds of imports. For tests of what a config key does to
     training; the launch itself (spawned ranks, their spec file, failures) is the e2e tier's."""
     from tests.worlds import run_world
-    from zeropp.experiments.runner.run import _spec, check_overrides
+    from zeropp.experiments.runner.job import job_spec
+    from zeropp.experiments.runner.run import check_overrides
 
     check_overrides(overrides)  # the command line's first check, as run_job makes it
     cfg, rc = _composed(overrides)
     model_name = cfg.hydra.runtime.choices.get("model") or ""
     info = {"run_dir": str(run_dir), "overrides": list(overrides), "name": ",".join(overrides), "group": None}
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = run_world(_train_rank, rc.topology.world_size, _spec(rc, {**info, "model_name": model_name}))[0]
+    summary = run_world(_train_rank, rc.topology.world_size, job_spec(rc, {**info, "model_name": model_name}))[0]
     assert summary is not None
     return summary

@@ -23,7 +23,7 @@ def flag(name: str) -> str:
 
 def check_fresh_out(p: argparse.ArgumentParser, out: str | None, rows: Iterable[str] = ()) -> None:
     """``--out`` must not hold an earlier benchmark's runs: the runner refuses a fresh run where a
-    run's records are (``experiments.runner.config.check_fresh_run_dir``), so every row would fail
+    run's records are (``experiments.runner.run_dir_checks.check_fresh_run_dir``), so every row would fail
     one by one; this says so once, before the first row. Nor may it hold, under a name of ``rows``
     (the folders this invocation writes its jobs into, relative to ``--out``), anything but an empty
     folder: the jobs would write their logs and records among files the benchmark did not write."""

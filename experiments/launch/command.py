@@ -13,14 +13,15 @@ benchmark's scratch files (a swap test's gigabytes) behind, unwinds like Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from .failure import RankFailure, RunInterrupted, shell_status
 
-__all__ = ["Terminated", "run_command"]
+__all__ = ["Terminated", "run_command", "sigterm_raises"]
 
 
 class Terminated(BaseException):
@@ -37,6 +38,19 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside: SIGTERM raises :class:`Terminated` in the main thread (once; the previous
+    handler is restored afterwards). ``run_command`` runs a command's ``main`` so, and the runner
+    its Hydra app (``runner/run.py``: a SIGTERM before the ranks start, or between a sweep's
+    points, is one line too)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_command(main: Callable[[], object]) -> NoReturn:
     """Run a command's ``main`` and exit: with its return value when that is an int (0 for
     anything else, e.g. the rows a benchmark returns to its in-process callers), or as the module
@@ -44,9 +58,9 @@ def run_command(main: Callable[[], object]) -> NoReturn:
     a command's own status) passes through unchanged. SIGTERM is turned into :class:`Terminated`
     while ``main`` runs (a world of ranks installs its own handler meanwhile and reports it as
     :class:`RunInterrupted`)."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        status = main()
+        with sigterm_raises():
+            status = main()
     except RunInterrupted as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code or 128 + signal.SIGINT)
@@ -59,6 +73,4 @@ def run_command(main: Callable[[], object]) -> NoReturn:
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(shell_status(e.exit_code))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -90,6 +91,16 @@ from .failure import RankFailure, RunInterrupted, exit_status, root_cause
 from .placement import LAUNCHED_MARK, LOCAL, ModuleEntry, Placement, PlacementError, free_port
 
 _TORCH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # start_processes' handlers
+
+
+def _not_a_closing_notice(record: logging.LogRecord) -> bool:
+    """torch's "Sending process N closing signal SIGTERM", one warning line per rank, logged while
+    :meth:`_World.stop` closes the ranks: the launcher's own message (``all ranks stopped``,
+    ``stopped ranks [...]``) says it once. Its other warnings (a rank that had to be killed) stay."""
+    return not str(record.msg).startswith("Sending process")
+
+
+_TORCH_LOG = logging.getLogger(PContext.__module__)
 
 
 # ---------------------------------------------------------------------------------- launching
@@ -132,7 +143,11 @@ class _World:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGTERM)
         _signal_groups(list(self.pids.values()), signal.SIGCONT)
-        self.pc.close(timeout=max(self.grace_s, 0.5))  # type: ignore[arg-type]  # torch annotates int, uses float
+        _TORCH_LOG.addFilter(_not_a_closing_notice)
+        try:
+            self.pc.close(timeout=max(self.grace_s, 0.5))  # type: ignore[arg-type]  # torch annotates int, uses float
+        finally:
+            _TORCH_LOG.removeFilter(_not_a_closing_notice)
         _signal_groups(list(self.pids.values()), signal.SIGKILL)
 
     def failure(self, first: dict[int, int], codes: dict[int, int]) -> RankFailure:

@@ -8,8 +8,9 @@ the world shape ``zeropp.comm.Topology`` (``topology.*``); quantization is
 ``zeropp.comm.spec.QuantSpec`` values (``zero.weights.*``, ``zero.grads.*``). Only what no library
 object holds is the harness's own: data, trainer, logger, cluster, the training loop and the
 launcher, declared in ``sections.py`` (with :class:`ConfigError`; all re-exported here). This
-module puts them together (:class:`RunConfig`) and checks them across sections. ``schema.py``
-generates the Hydra schema from all of them.
+module puts them together (:class:`RunConfig`); ``config_checks.py`` checks them across sections,
+``run_dir_checks.py`` the run directory a run starts or resumes in (both re-exported here).
+``schema.py`` generates the Hydra schema from all of them.
 
 :func:`from_dict` builds a :class:`RunConfig` from the composed config; every library
 ``__post_init__`` runs there, before any rank starts, and its objection comes back as a
@@ -17,17 +18,14 @@ generates the Hydra schema from all of them.
 would not use, or capabilities it lacks, are refused too (its ``trainer_registry.TrainerSpec``
 says which), as are data, logger and cluster keys that the chosen data source, logger or cluster
 would not read: nothing is silently ignored. Every float setting of every section must be finite
-(:func:`_check_finite`). What needs this host (the corpus file, the checkpoint directory, the rank
+(:func:`check_finite`). What needs this host (the corpus file, the checkpoint directory, the rank
 count and memory) is checked by ``preflight.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import typing
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,7 +35,25 @@ from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import OptimizerConfig, ZeroConfig, checkpoint_files
 from zeropp.runtime.config import validate_against_topology
 
-from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check, unused
+from .checks import MAX_SECONDS, MIN_CORPUS_BYTES, SEED_LIMIT, ConfigError, check
+from .config_checks import (
+    check_capabilities,
+    check_finite,
+    check_settings_in_use,
+    check_tp,
+    check_trainer_keys,
+    trainers_that,
+)
+from .run_dir_checks import (
+    RunDirTaken,
+    RunFinished,
+    RunNeverSaved,
+    check_fresh_run_dir,
+    check_resumes_its_model,
+    check_resumes_its_own,
+    run_records,
+    saved_by,
+)
 from .sections import ClusterConfig, DataConfig, LauncherConfig, LoggerConfig, TrainConfig, TrainerConfig
 from .slurm import SlurmConfig
 from .trainer_registry import TRAINER_SPECS, TrainerSpec, missing_requirement
@@ -128,7 +144,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         spec = TRAINER_SPECS[self.trainer.name]  # TrainerConfig checked the name
-        _check_trainer_keys(self, spec)
+        check_trainer_keys(self, spec)
         t = self.topology
         try:
             validate_against_topology(self.zero, t.world_size, t.nodes, t.ranks_per_node)
@@ -141,10 +157,10 @@ class RunConfig:
                 raise ConfigError(
                     f"invalid config (zero.hpz_size={self.zero.hpz_size} against topology.tp={t.tp}): {e}"
                 ) from None
-        _check_capabilities(self, spec)
-        _check_settings_in_use(self)
+        check_capabilities(self, spec)
+        check_settings_in_use(self)
         if t.tp > 1:
-            _check_tp(self)
+            check_tp(self)
         if self.data.kind == "text" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"invalid config: model.vocab_size={self.model.vocab_size} with data.kind=text; byte "
@@ -208,7 +224,7 @@ class RunConfig:
         if missing:
             raise ConfigError(
                 f"invalid config: {missing} (the module {self.trainer_spec.requires!r} is not installed); "
-                f"or choose a trainer without it: {_trainers_that(lambda s: not s.requires)}"
+                f"or choose a trainer without it: {trainers_that(lambda s: not s.requires)}"
             )
         if isinstance(self.model, HFConfig):
             if importlib.util.find_spec("transformers") is None:
@@ -259,290 +275,6 @@ class RunConfig:
         return f"{head} {model_name or shape}{prec} {t.nodes}x{t.ranks_per_node}"
 
 
-def _trainers_that(ok: Callable[[TrainerSpec], bool]) -> str:
-    """``trainer=a / trainer=b``: the registered trainers for which ``ok(spec)`` holds."""
-    return " / ".join(f"trainer={n}" for n, s in TRAINER_SPECS.items() if ok(s)) or "no registered trainer"
-
-
-def _check_capabilities(rc: RunConfig, spec: TrainerSpec) -> None:
-    """What the run asks of its trainer beyond single keys: a precision, tensor parallelism,
-    checkpoints, and the quantized collective a trainer exists for."""
-    name, z = spec.name, rc.zero
-    if z.precision not in spec.precisions:
-        raise ConfigError(
-            f"invalid config: zero.precision={z.precision} with trainer={name}; allowed: "
-            f"{', '.join(spec.precisions)} (zero.precision={z.precision} is implemented by "
-            f"{_trainers_that(lambda s: z.precision in s.precisions)})"
-        )
-    if spec.needs_any_of and all(getattr(z, k.removeprefix("zero.")) is None for k in spec.needs_any_of):
-        raise ConfigError(f"invalid config: {spec.needs_message}")
-    if rc.topology.tp > 1 and not spec.tensor_parallel:
-        raise ConfigError(
-            f"invalid config: topology.tp={rc.topology.tp} with trainer={name}; tensor parallelism is "
-            f"implemented by {_trainers_that(lambda s: s.tensor_parallel)} only (or set topology.tp=1)"
-        )
-    if not spec.checkpoint and (rc.train.checkpoint_every or rc.resume):
-        key = "resume=true" if rc.resume else f"train.checkpoint_every={rc.train.checkpoint_every}"
-        raise ConfigError(
-            f"invalid config: {key} with trainer={name}, which cannot save or load checkpoints; "
-            "remove it, or use a trainer that can: "
-            f"{_trainers_that(lambda s: s.checkpoint)}"
-        )
-
-
-def _check_tp(rc: RunConfig) -> None:
-    """``topology.tp > 1`` (with a trainer that splits models): the model's heads and widths must
-    divide (checkpoints of a split model load at the same tp, which ``ZeroEngine.load_checkpoint`` checks)."""
-    from zeropp.models.gpt import check_gpt_tp
-    from zeropp.models.hf import check_hf_tp
-
-    try:
-        if isinstance(rc.model, HFConfig):
-            check_hf_tp(rc.model, rc.topology.tp)
-        else:
-            check_gpt_tp(rc.model, rc.topology.tp)
-    except ValueError as e:
-        raise ConfigError(f"invalid config: {e}") from None
-
-
-def saved_by(version: Path) -> str | None:
-    """The run directory that saved checkpoint folder ``version`` (``run_dir`` of the extra the
-    runner saves with it), or None: not recorded (saved before it was), or unreadable."""
-    try:
-        extra = checkpoint_files.read_meta(version).get("extra")
-    except (OSError, ValueError):
-        return None
-    by = extra.get("run_dir") if isinstance(extra, dict) else None
-    return by if isinstance(by, str) else None
-
-
-def check_resumes_its_own(ckpt: Path, run_dir: Path) -> None:
-    """With ``resume=true``: in a checkpoint directory shared by several runs (one
-    ``train.checkpoint_dir`` for every point of a sweep), ``LATEST`` names the last save of any of
-    them; when this run saved there too but another run saved the newest checkpoint, resuming would
-    continue the other run's weights under this run's name and settings: refused, naming both.
-    A run resuming from checkpoints it never saved to (another run's, on purpose) passes."""
-    this = str(run_dir.resolve())
-    if Path(ckpt).resolve().is_relative_to(this):
-        return  # the run's own folder (the default, <run dir>/checkpoints): not shared, whatever path saved it
-    try:
-        newest = checkpoint_files.latest(ckpt)
-    except (OSError, ValueError):
-        return  # the ranks' load names the problem precisely
-    by = saved_by(newest)
-    if by is None or by == this:
-        return
-    try:
-        own = sorted(
-            (d for d in ckpt.iterdir() if checkpoint_files.NAME.fullmatch(d.name) and saved_by(d) == this),
-            key=lambda d: checkpoint_files.version_step(d.name),
-        )
-    except OSError:
-        return
-    if own:
-        raise ConfigError(
-            f"invalid config: resume=true, but the newest checkpoint in {ckpt} ({newest.name}) was saved by the "
-            f"run in {by}, not by this run ({this}, whose newest there is {own[-1].name}): the directory is shared "
-            "(train.checkpoint_dir), and resuming would continue that other run's weights here. Give each run its "
-            "own train.checkpoint_dir (the default is <run dir>/checkpoints), or resume the other run in its own "
-            "directory"
-        )
-
-
-MODEL_KEYS_FREE_ON_RESUME = ("attn_implementation", "pretrained")
-"""``model.*`` keys a resumed run may change: the attention kernel, and where the weights of a
-fresh run came from (a resume takes them from the checkpoint). Every other key shapes the model."""
-
-
-def check_resumes_its_model(
-    newest: Path, model: Mapping[str, Any], built: GPTConfig | HFConfig | None = None, tp: int = 1
-) -> None:
-    """With ``resume=true``: the model settings the newest checkpoint recorded (``extra["model"]``)
-    must be this run's, but for :data:`MODEL_KEYS_FREE_ON_RESUME`. Another model (a LoRA rank, a
-    size, tied embeddings, the architecture) either fails on every rank after they start, with the
-    engine's message about units, or, where the shapes happen to agree, trains the checkpoint under
-    settings it was not trained with and records those for the export: refused here, naming the keys.
-    For a Hugging Face model (``built``) the ``transformers`` config the checkpoint recorded must
-    also be the one these settings build: ``model.pretrained`` is read again by every rank, and a
-    directory that now holds another model, or a resume without it, would change the norm epsilon,
-    rotary base, ... of the model the weights were trained in. An engine checkpoint's
-    ``topology.tp`` must be ``tp`` (its pieces load at the same tp only)."""
-    try:
-        meta = checkpoint_files.read_meta(newest)
-    except (OSError, ValueError):
-        return  # the ranks' load names the problem precisely
-    extra = meta.get("extra") or {}
-    saved_tp = meta.get("tp", 1)
-    hf = model.get("kind") == "hf"  # (an export, and a fresh run from it, are Hugging Face models' only)
-    if meta.get("kind", "engine") == "engine" and isinstance(saved_tp, int) and saved_tp != tp:
-        export = (
-            ", or export it (python -m experiments.export) and start a fresh run from its weights (model.pretrained=)"
-            if hf
-            else ""
-        )
-        raise ConfigError(
-            f"invalid config: resume=true, but the checkpoint {newest} was saved with topology.tp={saved_tp} and "
-            f"this run has topology.tp={tp}: a tensor-parallel checkpoint resumes at the same tp (any data-parallel "
-            f"size). Resume with topology.tp={saved_tp}{export}"
-        )
-    saved = extra.get("model")
-    if not isinstance(saved, dict):
-        return  # saved before the settings were recorded
-    # keys both records have: a setting added to the model configs since the checkpoint was saved is not a change
-    keys = ["kind"] if saved.get("kind") != model.get("kind") else sorted(set(saved) & set(model))
-    changed = [
-        f"model.{k}={saved.get(k)!r} (now {model.get(k)!r})"
-        for k in keys
-        if k not in MODEL_KEYS_FREE_ON_RESUME and saved.get(k) != model.get(k)
-    ]
-    if changed:
-        raise ConfigError(
-            f"invalid config: resume=true, but the checkpoint {newest} is of another model: it was saved with "
-            f"{', '.join(changed)}. Resume with the saving run's model settings, or start a fresh run "
-            "elsewhere" + (" (model.pretrained=<an export of it> starts one from its weights)" if hf else "")
-        )
-    recorded = extra.get("transformers_config")
-    if isinstance(built, HFConfig) and isinstance(recorded, dict):
-        from zeropp.models.hf import config_differences
-
-        try:
-            differ = config_differences(built, recorded)
-        except ImportError as e:  # installed but broken
-            raise ConfigError(f"invalid config: model=hf cannot import transformers: {e}") from None
-        if differ:
-            where = (
-                f"model.pretrained={built.pretrained}" if built.pretrained else "these settings (no model.pretrained)"
-            )
-            raise ConfigError(
-                f"invalid config: resume=true, but the checkpoint {newest} was trained in a model whose transformers "
-                f"config differs from the one {where} builds: {', '.join(differ[:6])}. Resume with model.pretrained "
-                "naming a directory with the checkpoint's config (python -m experiments.export writes one from it)"
-            )
-
-
-class RunFinished(ConfigError):
-    """``resume=true`` of a run whose newest checkpoint is of its last step (:meth:`RunConfig.check_run_dir`).
-    A resumed sweep skips such a point (its run is done) instead of recording it as failed."""
-
-
-class RunNeverSaved(ConfigError):
-    """``resume=true`` where no checkpoint is and no run left records (:meth:`RunConfig.check_run_dir`).
-    A resumed sweep starts such a point fresh (it never started, or stopped before writing
-    anything): resuming a sweep means finishing every point, and there is nothing of it to lose."""
-
-
-class RunDirTaken(ConfigError):
-    """A fresh run would land on an earlier run's records (:func:`check_fresh_run_dir`). A sweep
-    stops at it instead of recording a failed job (whose ``failed.json`` would go into that
-    earlier run's directory)."""
-
-
-def run_records(run_dir: Path) -> list[Path]:
-    """What makes ``run_dir`` an earlier run's: its ``summary.json``, a non-empty ``metrics.jsonl``."""
-    held = [run_dir / "summary.json"] if (run_dir / "summary.json").exists() else []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        held.append(metrics)
-    return held
-
-
-def check_fresh_run_dir(run_dir: Path, *, key: str, resumable: bool) -> None:
-    """Raise :class:`RunDirTaken` when ``run_dir`` holds an earlier run's records: a fresh run there
-    would truncate its ``metrics.jsonl``, replace its ``summary.json`` and, saving into the default
-    ``<run dir>/checkpoints``, move its ``LATEST`` (a later ``resume=true`` would continue the wrong
-    run). ``resumable``: that run left a checkpoint, so ``resume=true`` is offered. A
-    ``train.checkpoint_dir`` shared by several runs on purpose is not a record: each run keeps its
-    own newest checkpoint there (``checkpoint_files``)."""
-    held = run_records(run_dir)
-    if held:
-        resume = "pass resume=true to continue it from its latest checkpoint, or " if resumable else ""
-        raise RunDirTaken(
-            f"invalid config: {run_dir} already holds a run ({', '.join(p.name for p in held)}), which this "
-            f"fresh run would overwrite; {resume}choose another {key}"
-        )
-
-
-def _check_settings_in_use(rc: RunConfig) -> None:
-    """Settings that only another setting reads stay at their defaults (nothing is silently
-    ignored): the checkpoint keys without checkpointing, the nvme tier's staging buffers without
-    the nvme tier, stage 3's prefetch depth at stages 0-2 (the library refuses its siblings
-    ``persistence_threshold``, ``keep_at_turn`` and ``nvme_path`` the same way)."""
-    train, zero, default = rc.train, rc.zero, ZeroConfig()
-    if train.checkpoint_every == 0:
-        if not rc.resume:
-            unused(
-                "train.checkpoint_dir",
-                train.checkpoint_dir,
-                None,
-                "train.checkpoint_every=0 and no resume=true (nothing is saved there or loaded from it)",
-                "set train.checkpoint_every=N to save there, resume=true to continue from it, or remove it",
-            )
-        unused(
-            "train.keep_checkpoints",
-            train.keep_checkpoints,
-            TrainConfig().keep_checkpoints,
-            "train.checkpoint_every=0 (this run saves no checkpoint)",
-            "set train.checkpoint_every=N, or remove it",
-        )
-    if "nvme" not in (zero.offload_optimizer, zero.offload_param):
-        for name in ("swap_buffers", "swap_buffer_size"):
-            unused(
-                f"zero.{name}",
-                getattr(zero, name),
-                getattr(default, name),
-                "no nvme tier (it sizes the nvme tier's host staging buffers)",
-                "add zero.offload_optimizer=nvme or zero.offload_param=nvme with zero.nvme_path=<dir>, or remove it",
-            )
-    if zero.stage != 3:
-        unused(
-            "zero.prefetch_depth",
-            zero.prefetch_depth,
-            default.prefetch_depth,
-            f"stage={zero.stage} (it sets how far ahead stage 3 gathers its blocks)",
-            "set stage=3, or remove it",
-        )
-
-
-def _check_trainer_keys(rc: RunConfig, spec: TrainerSpec) -> None:
-    """Every ``zero.*`` key (and ``stage``) the trainer does not honour stays at its default."""
-    name = spec.name
-    default = ZeroConfig()
-    if not spec.honours_key("stage") and rc.zero.stage != default.stage:
-        raise ConfigError(
-            f"invalid config: stage={rc.zero.stage} does nothing with trainer={name} ({spec.stage_note}); "
-            f"remove it, or choose the stage with {_trainers_that(lambda s: s.honours_key('stage'))}"
-        )
-    for f in dataclasses.fields(ZeroConfig):
-        key = f"zero.{f.name}"
-        if f.name == "stage" or spec.honours_key(key):
-            continue
-        if getattr(rc.zero, f.name) != getattr(default, f.name):
-            used = ", ".join(sorted(k.removeprefix("zero.") for k in spec.honours or () if k != "stage"))
-            raise ConfigError(
-                f"invalid config: {key}={getattr(rc.zero, f.name)!r} does nothing with "
-                f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it, "
-                f"or use {_trainers_that(functools.partial(TrainerSpec.honours_key, key=key))}"
-            )
-
-
-def _mentions_float(tp: Any) -> bool:
-    """True when a field annotation holds floats (``float``, ``float | None``, ``tuple[float, ...]``)."""
-    return tp is float or any(_mentions_float(a) for a in typing.get_args(tp))
-
-
-def _check_finite(key: str, tp: Any, value: Any) -> None:
-    """Every float setting of every section is finite: no setting means anything at inf or nan
-    (a rate, a timeout, a learning rate, a loss scale), and where "off" exists it is ``null``.
-    One check for every section, library ones included, so a new float field is covered too."""
-    if not _mentions_float(tp):
-        return
-    for x in value if isinstance(value, tuple) else (value,):
-        if isinstance(x, float) and not math.isfinite(x):
-            raise ConfigError(
-                f"invalid config: {key}={value!r}; allowed: a finite number (inf and nan are not settings)"
-            )
-
-
 def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
     """``cls(**values)`` with nested dataclasses and tuples rebuilt; errors name ``key``."""
     hints = typing.get_type_hints(cls)
@@ -559,7 +291,7 @@ def _build(cls: type, values: Mapping[str, Any], key: str) -> Any:
         elif isinstance(v, list):
             v = tuple(v)
         kw[name] = v
-        _check_finite(f"{key}.{name}", hints[name], v)
+        check_finite(f"{key}.{name}", hints[name], v)
     try:
         return cls(**kw)
     except ConfigError:

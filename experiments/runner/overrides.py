@@ -29,8 +29,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
-from .config import CONF_DIR, ConfigError, check_fresh_run_dir
+from .config import CONF_DIR, ConfigError
 from .preflight import check_writable_dir
+from .run_dir_checks import check_fresh_run_dir
 from .schema import group_options as generated_options
 from .schema import run_schema
 
@@ -294,7 +295,7 @@ def check_fresh_outputs(args: list[str]) -> None:
     """Refuse, before Hydra writes its ``.hydra/`` files, a fresh run (no ``resume=true``) whose
     explicit ``hydra.run.dir`` holds an earlier run's records, or a sweep whose explicit
     ``hydra.sweep.dir`` does in one of its job directories (Hydra's default
-    ``hydra.sweep.subdir``, the job number): :func:`~.config.check_fresh_run_dir`. A directory
+    ``hydra.sweep.subdir``, the job number): :func:`~.run_dir_checks.check_fresh_run_dir`. A directory
     Hydra names by the time (the default), a custom ``hydra.sweep.subdir`` or an unreadable
     directory are left to the check the runner makes again before each job starts."""
     given = _given(args)

@@ -20,7 +20,8 @@ from zeropp.models import HFConfig
 from zeropp.runtime.divergence import DivergenceError, DivergenceGuard
 
 from ..launch import heartbeat
-from .config import MODEL_KEYS_FREE_ON_RESUME, RunConfig
+from .config import RunConfig
+from .run_dir_checks import MODEL_KEYS_FREE_ON_RESUME
 from .trainers import Trainer
 
 
@@ -83,7 +84,7 @@ class Checkpointer:
         self.cfg, self.trainer, self.lead = cfg, trainer, lead
         self.run_dir = str(Path(run_dir).resolve())
         """Saved with each checkpoint, so a resume can tell its own checkpoints from another run's in a
-        shared directory (``config.check_resumes_its_own``)."""
+        shared directory (``run_dir_checks.check_resumes_its_own``)."""
         self.dir = cfg.checkpoint_dir(run_dir)
         """Where the versions and ``LATEST`` live."""
         self.saved: str | None = None
@@ -119,7 +120,7 @@ class Checkpointer:
         keys = [k for k, v in sorted(now.items()) if k in was and was[k] != v]
         changed = [f"{k} {was[k]!r} -> {now[k]!r}" for k in keys]
         model, saved = self.cfg.to_dict()["model"], extra.get("model")
-        for k in MODEL_KEYS_FREE_ON_RESUME:  # the others must match (config.check_resumes_its_model)
+        for k in MODEL_KEYS_FREE_ON_RESUME:  # the others must match (run_dir_checks.check_resumes_its_model)
             if isinstance(saved, dict) and k in saved and saved[k] != model.get(k):
                 why = " (the weights come from the checkpoint)" if k == "pretrained" else ""
                 if k != "pretrained":  # (the config it builds was checked equal, the weights are the checkpoint's:

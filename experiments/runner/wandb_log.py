@@ -62,7 +62,7 @@ class WandbLogger:
             )
             self.dir = str(Path(self.run.dir).parent)
         except Exception as e:
-            log.warning("warning: wandb disabled for this run (training goes on): %s: %s", type(e).__name__, e)
+            log.warning("warning: wandb disabled for this run (training goes on): %s", init_failure(e, settings))
             self.run = None
 
     def log(self, data: dict[str, Any], step: int) -> None:
@@ -84,6 +84,21 @@ class WandbLogger:
         except Exception as e:
             log.warning("warning: wandb finish failed: %s", e)
         self.run = None
+
+
+def init_failure(e: Exception, settings: LoggerConfig) -> str:
+    """One line for a failed ``wandb.init``: wandb's own first line (its timeout adds advice to
+    change ``wandb.Settings(init_timeout=...)`` in code, which a runner user cannot; the runner's
+    setting for it is named instead)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else "(no message)"
+    line = f"{type(e).__name__}: {first}"
+    if "init_timeout" in text or "Timed out" in first:
+        line += (
+            f" (wandb gave up after logger.init_timeout_s={settings.init_timeout_s:g} s: raise it, "
+            "or log offline with logger.mode=offline and sync later with `wandb sync`)"
+        )
+    return line
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

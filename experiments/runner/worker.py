@@ -21,7 +21,9 @@ stops at the same step, before that step's eval and checkpoint; rank 0 writes th
 
 A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``,
 so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
-removed) instead of dying where it stands. The rank marks its progress with
+removed) instead of dying where it stands; then it exits quietly with 128 + the signal
+(:func:`stopped_status`: 143, 130 for a SIGINT), without a traceback: being stopped is not the
+rank's error, and the launcher (or torchrun) that stopped it says so once. The rank marks its progress with
 ``zeropp.experiments.launch.heartbeat`` on paths every rank takes; phases that may legitimately be long
 (start-up and model creation, checkpoint load and save, the first step, the end) are announced
 as such (see ``zeropp.watch``).
@@ -84,21 +86,42 @@ def _maybe_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (ZEROPP_INJECT_FAULT={spec})")
 
 
+_stopped_by: list[signal.Signals] = []  # the signal that stopped this rank's current run_rank, once it came
+
+
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
     """Turn the launcher's SIGTERM into an exception once; a repeated SIGTERM (the launcher signals
     a stopped rank before continuing it, and torch's process context signals again) is ignored, so
     the first exception's ``finally`` blocks (destroying the process group) run to the end."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _stopped_by.append(signal.Signals(signum))
     raise SignalException(
         f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by {signal.Signals(signum).name}",
         sigval=signal.Signals(signum),
     )
 
 
+def stopped_status(e: BaseException) -> int | None:
+    """128 + N when signal N stopped this rank and ``e`` is how it left: the ``SignalException`` of
+    :func:`_raise_on_sigterm` (or of torch's handlers), ``KeyboardInterrupt`` for SIGINT, or any
+    error raised after the stop, which is its consequence (a checkpoint save the signal broke off
+    reports a ``CheckpointError`` on every rank; a collective whose peer left fails). None for an
+    error of the rank's own. A rank so stopped exits with that status and no traceback."""
+    if isinstance(e, SignalException):
+        return 128 + int(e.sigval)
+    if isinstance(e, KeyboardInterrupt):
+        return 128 + int(signal.SIGINT)
+    if _stopped_by:
+        return 128 + int(_stopped_by[0])
+    return None
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Train one rank; returns the summary on rank 0 (None elsewhere). A run that diverges raises
-    :class:`DivergenceError` on every rank, after rank 0 has written its summary."""
+    :class:`DivergenceError` on every rank, after rank 0 has written its summary. A stop by a
+    signal raises (:func:`stopped_status` tells it from the rank's own errors)."""
     heartbeat("startup", long=True)  # model creation and the rendezvous with slower-starting ranks
+    _stopped_by.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         return _run_rank(spec)
@@ -226,15 +249,26 @@ def main(argv: list[str]) -> int:
     """Entry of a launched rank: ``python -m <pkg>.worker <spec.json>``. A diverged run exits with
     ``DivergenceError.exit_code`` on every rank, without a traceback: the error goes to torch's
     error file (for the launcher), and ranks other than 0 print it to their log; rank 0 prints
-    nothing, the runner prints the message once from the summary."""
+    nothing, the runner prints the message once from the summary. A rank stopped by a signal (the
+    launcher's SIGTERM on Ctrl-C, ``timeout`` or a failing peer) exits with 128 + the signal once
+    its cleanup has run, also without a traceback; ranks other than 0 note it in their log (which
+    names the rank if it was stopped alone, by someone else)."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         run_rank(json.loads(Path(argv[1]).read_text()))
         code = 0
     except DivergenceError as e:
         get_error_handler().record_exception(e)
-        if int(os.environ.get("RANK", "0")) != 0:
+        if rank != 0:
             print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
+    except (Exception, KeyboardInterrupt) as e:
+        stopped = stopped_status(e)
+        if stopped is None:
+            raise
+        if rank != 0:
+            print(f"rank {rank} (pid {os.getpid()}) stopped by {signal.Signals(stopped - 128).name}", file=sys.stderr)
+        code = stopped
     sys.stdout.flush()
     sys.stderr.flush()
     return code

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.experiment_helpers import run_cli, run_cli_here
+from tests.experiment_helpers import checkpoint_steps, run_cli, run_cli_here
 from zeropp.experiments.runner.metrics import SUMMARY_KEYS
 from zeropp.experiments.studies.report import PLOTS
 from zeropp.experiments.studies.report import main as report_main
+from zeropp.runtime import checkpoint_files
 
 FAST = ["train.steps=4", "train.micro_batch_size=4", "model=tiny", "model.seq_len=32", "data.max_bytes=200000"]
 
@@ -256,16 +257,19 @@ def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: p
     assert "2 runs." in md and "failed (not in the table" not in md  # the diverged job is a row, counted once
 
 
-def _start_runner(args: list[str], tmp_path: Path) -> subprocess.Popen:
+def _start_runner(args: list[str], tmp_path: Path, *, launch: tuple[str, ...] = ()) -> subprocess.Popen:
     """``python -m zeropp.experiments.run`` with ``args`` on the tiny model (:data:`FAST` less its
-    step count), wandb off, in the background; its stderr goes to ``tmp_path / "stderr"``."""
+    step count), wandb off, in the background, in a session of its own (a terminal's Ctrl-C is
+    ``os.killpg(p.pid, SIGINT)``); its stdout and stderr go to ``tmp_path / "stdout"`` and
+    ``"stderr"``. ``launch``: what starts the module instead of this interpreter (torchrun)."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    with open(tmp_path / "stderr", "w") as err_file:
+    with open(tmp_path / "stdout", "w") as out_file, open(tmp_path / "stderr", "w") as err_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "zeropp.experiments.run", *args, "logger=none", *FAST[1:]],
-            stdout=subprocess.DEVNULL,
+            [*(launch or (sys.executable,)), "-m", "zeropp.experiments.run", *args, "logger=none", *FAST[1:]],
+            stdout=out_file,
             stderr=err_file,
             env=env,
+            start_new_session=True,
         )
 
 
@@ -289,23 +293,39 @@ def test_a_sigterm_stops_the_whole_sweep(tmp_path: Path) -> None:
     assert _live_procs_mentioning(str(sweep)) == []
 
 
+def _interrupt(p: subprocess.Popen, sig: signal.Signals) -> None:
+    """SIGINT as a terminal's Ctrl-C sends it (to the command's process group), SIGTERM as
+    ``timeout`` / ``kill`` do (to the command alone)."""
+    if sig == signal.SIGINT:
+        os.killpg(p.pid, sig)
+    else:
+        p.send_signal(sig)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_stops_every_rank_without_waiting_for_the_kill(tmp_path: Path, sig: signal.Signals) -> None:
-    """Ctrl-C (or SIGTERM) while stage 3 trains: a rank that leaves with a prefetch issued, or
+    """Ctrl-C (or SIGTERM) while stage 3 trains and saves: a rank that leaves with a prefetch issued, or
     while its peer waits in a collective, aborts its process groups, so the peer fails at once
     instead of blocking in gloo until the launcher's SIGKILL after ``launcher.grace_s`` (90 s
     here; the command must end within half of it, with room for a loaded CI machine), and neither
     waits at exit (``CommContext.close``, 30 s) for buffers the aborted work holds (its log line). Every rank ends on its own SIGTERM: torch's "forcefully exiting via 9" never appears.
     (Whether the interrupt finds work in flight is timing; the deterministic case is
-    ``tests/distributed/test_comm_lifetime.py``.)"""
+    ``tests/distributed/test_comm_lifetime.py``.) What the user sees is the runner's one line, with
+    the run's last checkpoint, which is complete: no rank's traceback (a stopped rank exits 128 +
+    the signal quietly, also when the stop breaks off a save) and no torch notice per rank."""
     run_dir = tmp_path / "run"
     p = _start_runner(
-        ["train.steps=100000", "topology=1x2", "stage=3", "launcher.grace_s=90", f"hydra.run.dir={run_dir}"], tmp_path
+        ["train.steps=100000", "topology=1x2", "stage=3", "launcher.grace_s=90", "train.checkpoint_every=2"]
+        + [f"hydra.run.dir={run_dir}"],
+        tmp_path,
     )
     try:
         _wait_for_training(p, run_dir, tmp_path / "stderr")
+        while not (run_dir / "checkpoints" / "LATEST").exists():  # one save done, the next ones to come
+            assert p.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.1)
         time.sleep(1.0)  # a few steps in: gathers and reduce-scatters in flight
-        p.send_signal(sig)
+        _interrupt(p, sig)
         try:
             code = p.wait(timeout=45)
         except subprocess.TimeoutExpired:  # say where it hangs: the runner's and the ranks' last words
@@ -314,12 +334,43 @@ def test_an_interrupt_stops_every_rank_without_waiting_for_the_kill(tmp_path: Pa
         assert code == 128 + sig, (tmp_path / "stderr").read_text()[-3000:]
     finally:
         if p.poll() is None:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
     err = (tmp_path / "stderr").read_text()
-    assert f"interrupted by {sig.name}; all ranks stopped" in err
+    shown = (tmp_path / "stdout").read_text() + err
+    assert "Traceback" not in shown and "Sending process" not in shown, shown[-3000:]
     assert "forcefully exiting" not in err, err[-3000:]
+    step, _ = checkpoint_steps(run_dir / "checkpoints")
+    last = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert last == [
+        f"error: interrupted by {sig.name}; all ranks stopped; last checkpoint: step {step} in "
+        f"{checkpoint_files.latest(run_dir / 'checkpoints')} (resume=true in the same run directory continues it)"
+    ], err[-3000:]
     logs = "".join(f.read_text(errors="replace") for f in (run_dir / "ranks").glob("rank*.log"))
     assert "still referenced after" not in logs, logs[-3000:]  # no rank waited out CommContext.close
+    assert "Traceback" not in logs and "rank 1 (pid " in logs and "stopped by SIGTERM" in logs, logs[-3000:]
+    assert _live_procs_mentioning(str(run_dir)) == []
+
+
+def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(tmp_path: Path) -> None:
+    """Ctrl-C to ``torchrun ... -m zeropp.experiments.run``: torchrun's agent passes the SIGINT to
+    its ranks, which stop (process groups aborted) and exit 130 without a traceback; rank 0 says
+    it once, with the run's checkpoint. (torchrun's agent prints its own ``SignalException``
+    traceback and exits 1: torch's code, not ours.)"""
+    run_dir = tmp_path / "run"
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    p = _start_runner(["train.steps=100000", "stage=3", f"hydra.run.dir={run_dir}"], tmp_path, launch=torchrun)
+    try:
+        _wait_for_training(p, run_dir, tmp_path / "stderr")
+        time.sleep(1.0)
+        _interrupt(p, signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    err = (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+    assert "[rank" not in err and "experiments/runner" not in err, err[-3000:]  # no rank's traceback
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: interrupted by SIGINT; stopped; no checkpoint (train.checkpoint_every=0)"], err[-3000:]
     assert _live_procs_mentioning(str(run_dir)) == []
 
 

@@ -166,6 +166,8 @@ def test_command_line_precheck() -> None:
         check_overrides(["-m", "quant=none,int9"])
     with pytest.raises(ConfigError, match="did you mean quant"):
         check_overrides(["quantt=int8"])
+    with pytest.raises(ConfigError, match=r"logger='wanb' is not a logger option \(did you mean logger=wandb\?\)"):
+        check_overrides(["logger=wanb"])
     with pytest.raises(ConfigError, match=r"train\.stepz.*did you mean train\.steps"):
         check_overrides(["train.stepz=3"])
     with pytest.raises(ConfigError, match=r"zero\.grads\.intra_bitz.*did you mean zero\.grads\.intra_bits"):

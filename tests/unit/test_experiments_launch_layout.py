@@ -9,6 +9,9 @@ The real two-agent run is in ``test_experiments_e2e.py``.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -199,22 +202,36 @@ def test_a_sweep_under_torchrun_is_refused_before_hydra(
     assert "run one job per torchrun, or sweep with `python -m experiments.run -m ...` locally" in err
 
 
-def test_ctrl_c_while_hydra_composes_is_one_line_and_130(
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_hydra_composes_is_one_line_and_its_status(
+    sig: signal.Signals, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Ctrl-C after the imports but before any rank starts (Hydra composing the config): one
-    ``error:`` line and 130, as once the ranks run (before: Hydra's traceback)."""
+    """Ctrl-C (or SIGTERM: ``timeout``, ``kill``) after the imports but before any rank starts
+    (Hydra composing the config, the pre-launch checks): one ``error:`` line and 128 + the
+    signal, as once the ranks run (before: Hydra's traceback for SIGINT; SIGTERM ended the
+    command without a word). The signal itself is sent, to this process, from inside the app."""
     import sys
 
     import zeropp.experiments.runner.run as run
 
     def interrupted() -> None:
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises here
+        pytest.fail(f"{sig.name} did not stop the command")
 
     monkeypatch.delenv(LAUNCHED_MARK, raising=False)
     monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", "model=tiny"])
     monkeypatch.setattr(run, "_hydra_main", interrupted)
-    with pytest.raises(SystemExit) as e:
-        run.cli()
-    assert e.value.code == 130
-    assert capfd.readouterr().err == "error: interrupted by SIGINT; stopped\n"
+
+    def unhandled(signum: int, frame: object) -> None:
+        pytest.fail("the command left SIGTERM to the process's handler (by default: the end, without a word)")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with pytest.raises(SystemExit) as e:
+            run.cli()
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # the command's own handler is gone afterwards
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert e.value.code == 128 + sig
+    assert capfd.readouterr().err == f"error: interrupted by {sig.name}; stopped\n"

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing import SignalException
 
 from tests.toy_trainer import FakeTrainer
 from zeropp.experiments.runner.config import RunConfig, from_dict
@@ -23,6 +26,7 @@ from zeropp.experiments.runner.train_checkpoint import Checkpointer, divergence_
 from zeropp.experiments.runner.train_data import TrainData
 from zeropp.experiments.runner.train_eval import Evaluator
 from zeropp.experiments.runner.train_metrics import RunMetrics
+from zeropp.runtime.checkpoint_files import CheckpointError
 from zeropp.runtime.divergence import DivergenceError
 
 
@@ -283,3 +287,53 @@ def test_each_nodes_first_rank_records_its_uplink_bytes_on_an_emulated_cluster(t
     assert summary["uplink_tx_bytes_per_step"] == (1500 + 2500) / (2 * 2)
     local = m.finish([reports[2]], eval_loss=None, backend="gloo", checkpoint=None, diverged=None, skipped_steps=0)
     assert local["uplink_tx_bytes_per_step"] is None
+
+
+def _save_broken_off_by_sigterm(spec: dict) -> None:
+    """A rank whose checkpoint save the launcher's SIGTERM broke off: the save's error handling
+    turns the stop into the ``CheckpointError`` every rank raises."""
+    from zeropp.experiments.runner import worker
+
+    try:
+        worker._raise_on_sigterm(signal.SIGTERM, None)
+    except SignalException as e:
+        raise CheckpointError(f"checkpoint save failed on rank(s) [1] of 2: rank 1: {e}", {1: str(e)}) from None
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigterm mid-save", "sigint"])
+def test_a_stopped_rank_exits_with_the_signals_status_and_no_traceback(
+    stop: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The worker's entry for a rank the launcher stops (Ctrl-C, ``timeout``, a failing peer):
+    128 + the signal, one line in the rank's log and no traceback, also when the stop surfaces as
+    another error (a save it broke off); a rank's own error still propagates (for ``@record``)."""
+    from zeropp.experiments.runner import worker
+
+    def run(spec: dict) -> None:
+        worker._stopped_by.clear()
+        if stop == "sigterm":
+            worker._raise_on_sigterm(signal.SIGTERM, None)
+        elif stop == "sigint":
+            raise KeyboardInterrupt
+        _save_broken_off_by_sigterm(spec)
+
+    spec = tmp_path / "spec.json"
+    spec.write_text("{}")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(worker, "run_rank", run)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = worker.main(["worker", str(spec)])
+    finally:
+        signal.signal(signal.SIGTERM, before)  # the handler ignores SIGTERMs after the first
+    sig = signal.SIGINT if stop == "sigint" else signal.SIGTERM
+    assert code == 128 + sig
+    assert capfd.readouterr().err == f"rank 1 (pid {os.getpid()}) stopped by {sig.name}\n"
+
+    def own_error(spec: dict) -> None:
+        worker._stopped_by.clear()
+        raise CheckpointError("checkpoint save failed on rank(s) [1] of 2: rank 1: OSError: disk full", {})
+
+    monkeypatch.setattr(worker, "run_rank", own_error)
+    with pytest.raises(CheckpointError, match="disk full"):
+        worker.main(["worker", str(spec)])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import zeropp.experiments.runner.job as runner_job
 import zeropp.experiments.runner.run as run
 from tests.experiment_helpers import MINI_1X2_CPU, RunnerTimeout, run_cli_here
 from zeropp.experiments.launch import RankFailure
@@ -30,7 +31,7 @@ def test_the_launch_sees_the_scrubbed_environment_and_its_failure_is_the_exit_st
         print("a rank's line")
         raise RankFailure("rank 1 exited with code 7", rank=1, exit_code=7)
 
-    monkeypatch.setattr(run, "launch", failing_launch)
+    monkeypatch.setattr(runner_job, "launch", failing_launch)
     monkeypatch.setenv("ZEROPP_INJECT_FAULT", "raise@0:1")  # inherited from the test: not the command's
     p = run_cli_here([*MINI_1X2_CPU, f"hydra.run.dir={tmp_path}"], capfd, env={"ZPP_TEST_EXTRA": "1"}, timeout=120)
     assert p.returncode == 7 and "error: rank 1 exited with code 7" in p.stderr, p.stderr[-2000:]
@@ -46,7 +47,7 @@ def test_a_command_past_its_timeout_is_stopped_and_reported(
         time.sleep(300)
         raise AssertionError("the timeout did not stop the command")
 
-    monkeypatch.setattr(run, "launch", stuck_launch)
+    monkeypatch.setattr(runner_job, "launch", stuck_launch)
     handler = signal.getsignal(signal.SIGALRM)
     with pytest.raises(RunnerTimeout, match="ran past run_cli_here's timeout of 3 s"):
         run_cli_here([*MINI_1X2_CPU, f"hydra.run.dir={tmp_path}"], capfd, timeout=3)
@@ -77,7 +78,7 @@ def test_a_rank_killed_by_a_signal_gives_the_shells_status(
     def killed_launch(**_: object) -> dict:
         raise RankFailure("rank 1 was killed", rank=1, exit_code=code)
 
-    monkeypatch.setattr(run, "launch", killed_launch)
+    monkeypatch.setattr(runner_job, "launch", killed_launch)
     p = run_cli_here([*MINI_1X2_CPU, f"hydra.run.dir={tmp_path}"], capfd, timeout=120)
     assert p.returncode == status, p.stderr[-2000:]
 
@@ -98,7 +99,7 @@ def test_a_fresh_run_does_not_land_on_an_earlier_runs_records(
     before Hydra writes anything there (no .hydra/) and before any rank starts; resume=true is
     offered once that run has a checkpoint, and with it the run goes on to the launch."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     path = tmp_path / held
     path.write_text('{"step": 1}\n')
     before = path.read_bytes()
@@ -121,7 +122,7 @@ def test_a_sweep_into_earlier_runs_stops_before_its_first_job(
     """A sweep whose hydra.sweep.dir holds an earlier sweep's finished job is refused as a whole
     (exit 2, naming hydra.sweep.dir) before any job runs; no failed.json is written into that job."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     (tmp_path / "0").mkdir()
     (tmp_path / "0" / "summary.json").write_text("{}")
     p = run_cli_here(["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={tmp_path}"], capfd, timeout=120)
@@ -136,7 +137,7 @@ def test_a_sweep_with_an_invalid_later_point_starts_no_point(
     bucket size only the third point gets is named with its point; exit 2, no job directory, no
     launch (before, the first two points ran)."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     sweep = tmp_path / "sweep"
     args = ["-m", *MINI_1X2_CPU, "zero.reduce_bucket_size=1000,2000,-5", f"hydra.sweep.dir={sweep}"]
     p = run_cli_here(args, capfd, timeout=120)
@@ -158,7 +159,7 @@ def test_an_empty_metrics_file_or_unused_checkpoints_do_not_block_a_fresh_run(
     """An empty metrics.jsonl (a run stopped before its first step) is no record, and checkpoints
     alone do not block a run (a train.checkpoint_dir may be shared by several runs on purpose)."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     (tmp_path / "metrics.jsonl").write_text("")
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
@@ -171,7 +172,7 @@ def test_every_spelling_of_resume_true_passes_the_check_before_hydra(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, spelling: str
 ) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000006\n")
@@ -185,7 +186,7 @@ def test_a_sweep_adding_points_under_its_own_subdirs_is_not_refused(
     """With a custom hydra.sweep.subdir the job directories are not the numbered ones: an earlier
     point's finished run (stage=2) does not stop new points (stage=3), which land elsewhere."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     (tmp_path / "stage=2").mkdir()
     (tmp_path / "stage=2" / "summary.json").write_text("{}")
     args = [
@@ -215,7 +216,7 @@ def test_sweep_points_sharing_a_run_dir_or_landing_on_earlier_runs_start_no_poin
     directory, and a sweep extended with a custom subdir meets an earlier run's records. Exit 2
     naming the points, nothing launched (before, the first point ran, then the sweep stopped)."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     sweep = tmp_path / "sweep"
     p = run_cli_here(
         ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=same"], capfd
@@ -243,7 +244,7 @@ def test_a_sweep_with_an_interpolation_naming_no_key_starts_no_point(
     """``key=${typo}`` in a sweep is each point's one ``invalid config`` line naming the key, exit 2
     before any starts (before: OmegaConf's InterpolationKeyError traceback from the sweeper, exit 1)."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     args = ["-m", *MINI_1X2_CPU, "train.seed=1,2", "zero.reduce_bucket_size=${zero.nope}"]
     p = run_cli_here([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], capfd)
     assert p.returncode == 2 and "2 of 2 sweep point(s) cannot run" in p.stderr, p.stderr[-2000:]
@@ -260,7 +261,7 @@ def test_a_resume_from_a_shared_checkpoint_dir_refuses_another_runs_newest(
     import json
 
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     ckpt, a, b = tmp_path / "ck", tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
     for name, by in (("ckpt-00000002-00000000000000aa", a), ("ckpt-00000002-00000000000000bb", b)):
         (ckpt / name).mkdir(parents=True)
@@ -307,7 +308,7 @@ def test_a_sweep_batch_size_below_one_is_refused_before_any_point(
     """``hydra.sweeper.max_batch_size`` below 1 is one error line and exit 2, nothing launched and
     no sweep directory (before: the AssertionError traceback of Hydra's basic sweeper, exit 1)."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     sweep = tmp_path / "sweep"
     args = ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", f"hydra.sweeper.max_batch_size={size}"]
     p = run_cli_here(args, capfd)
@@ -325,7 +326,7 @@ def test_resuming_a_sweep_with_other_values_refuses_to_map_a_point_onto_another_
     import json
 
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     sweep = tmp_path / "sweep"
     for job, seed in ((0, 1), (1, 2)):
         (sweep / str(job) / "ranks").mkdir(parents=True)
@@ -365,7 +366,7 @@ def test_a_resumed_sweep_resumes_skips_or_starts_each_point_at_its_turn(
         assert not (Path(str(kw["run_dir"])) / "failed.json").exists()  # the earlier failure's record is gone
         raise RankFailure("rank 0 exited with code 5", rank=0, exit_code=5)
 
-    monkeypatch.setattr(run, "launch", fake_launch)
+    monkeypatch.setattr(runner_job, "launch", fake_launch)
     sweep = tmp_path / "sweep"
     (sweep / "0" / "ranks").mkdir(parents=True)
     spec = {"overrides": [*MINI_1X2_CPU, "train.seed=1", "train.steps=4", "train.checkpoint_every=2"]}
@@ -395,7 +396,7 @@ def test_a_command_line_value_that_replaces_a_sweep_presets_axis_is_named(
     quant axis becomes one point. That runs, and one line says so (before: the sweep just ran one
     point); the preset alone, or a key it does not sweep, prints no such line."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     p = run_cli_here(["sweep=ablation", "quant=hpz", *MINI_1X2_CPU, f"hydra.sweep.dir={tmp_path / 'a'}"], capfd)
     assert calls == [1], p.stderr[-2000:]
     assert "zeropp: quant=hpz replaces the sweep's quant=none,qwz,hpz,qgz,zeropp (the command line wins)" in p.stderr
@@ -430,7 +431,7 @@ def test_a_sweep_resumed_in_a_directory_where_none_of_its_points_began_is_refuse
     (a resumed sweep starts its points that never ran only beside points that did: else every point
     would silently retrain from scratch)."""
     calls: list[int] = []
-    monkeypatch.setattr(run, "launch", _launch_recorder(calls))
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
     sweep = tmp_path / "typo"
     args = ["-m", *MINI_1X2_CPU, "train.steps=4", "train.checkpoint_every=2", "resume=true", "train.seed=1,2"]
     p = run_cli_here([*args, f"hydra.sweep.dir={sweep}"], capfd)
