@@ -29,6 +29,7 @@ and finds the loss the engine's way (``zeropp.runtime.batch``: a tuple micro-bat
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -170,6 +171,7 @@ class ZeroTrainer:
             optimizer=cfg.optim,
             topology=cfg.topology,
             activation_checkpointing=cfg.train.activation_checkpointing,
+            comm_timeout=datetime.timedelta(seconds=cfg.launcher.pg_timeout_s),  # the process groups' own
         )
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:

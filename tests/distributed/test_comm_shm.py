@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.parity_helpers import BASE, STEPS, check_parity
-from tests.runtime_helpers import parity_world
+from tests.runtime_helpers import parity_world, tiny_tmpfs
 from tests.worlds import run_world
+from zeropp.comm import shm_sync
 
 pytestmark = pytest.mark.distributed
 
@@ -86,11 +87,11 @@ def test_collectives_match_reference_sums(region_bytes, flags):
         assert not bad, bad
 
 
-def _setup_fails(rank: int, world: int, directory: str) -> str:
+def _setup_fails(rank: int, world: int, directory: str, region_bytes: int | None = None) -> str:
     from zeropp.comm.shm import ShmError, ShmTransport
 
     try:
-        ShmTransport(directory=directory)
+        ShmTransport(directory=directory, region_bytes=region_bytes)
     except ShmError as e:
         return str(e)
     return "no error"
@@ -111,6 +112,54 @@ def _leftovers(rank: int, world: int, directory: str) -> list[str]:
     shm.all_reduce_sum(t).wait()
     assert torch.equal(t, torch.full((10,), float(world)))
     return sorted(os.listdir(directory))
+
+
+def test_a_shared_memory_too_small_for_the_region_is_one_error_not_a_sigbus(tmp_path):
+    """The region is allocated whole at set-up: a tmpfs without room fails there, on every rank,
+    instead of killing a rank with SIGBUS at its first write to a page the tmpfs cannot back."""
+    with tiny_tmpfs(tmp_path, "256k") as small:
+        errors = run_world(_setup_fails, 2, str(small), 1 << 20)
+    assert all("No space left on device" in e and "zero.transport=shm" in e for e in errors), errors
+
+
+def _mismatched(rank: int, world: int, flags: bool) -> list[str]:
+    """Rank 0 gathers then reduce-scatters; rank 1 the other way round (and then the reverse sizes)."""
+    from zeropp.comm import shm as shm_module
+    from zeropp.comm.shm import ShmError, ShmTransport
+
+    if not flags:
+        shm_module.flags_usable = lambda: False
+    shm = ShmTransport(region_bytes=1 << 20)
+    errors = []
+    gathered, mine = torch.empty(8), torch.empty(4)
+    first = (
+        shm.all_gather(gathered, torch.full((4,), float(rank)))
+        if rank == 0
+        else shm.reduce_scatter_sum(mine, torch.ones(8))
+    )
+    try:
+        shm.all_reduce_sum(torch.ones(3))  # completes the first use: the mismatch is found there
+    except ShmError as e:
+        errors.append(str(e))
+    try:
+        first.wait()  # the first collective never finished: its wait says so instead of returning garbage
+    except ShmError as e:
+        errors.append(str(e))
+    out = torch.zeros(4)[::2]  # [2], strided
+    try:
+        shm.reduce_scatter_sum(out, torch.ones(4))
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("flags", [True, False], ids=["futex", "backend-sync"])
+def test_ranks_issuing_different_collectives_raise_instead_of_reading_unrelated_rows(flags):
+    for errors in run_world(_mismatched, 2, flags):
+        assert len(errors) == 3, errors
+        assert "issued" in errors[0] and "same collectives, with the same sizes and dtypes" in errors[0], errors
+        assert "did not finish" in errors[1], errors
+        assert "output must be contiguous" in errors[2], errors
 
 
 def test_region_file_is_gone_once_mapped(tmp_path):
@@ -151,3 +200,25 @@ def test_tensor_parallel_zero_groups_each_get_their_own_region():
 
     configs = [dict(TP_BASE, stage=s, transport="shm") for s in (0, 3)]
     _check(run_world(_tp_world, 4, 1, configs, "gpt", timeout=300), configs, reference("gpt", 2))
+
+
+def _engine_timeout(rank: int, world: int) -> float:
+    import datetime
+
+    from tests.runtime_helpers import make_model
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+
+    eng = ZeroEngine(make_model(), config=ZeroConfig(transport="shm"), comm_timeout=datetime.timedelta(seconds=7))  # type: ignore[arg-type]
+    try:
+        return eng.comm.shm._sync._timeout_s  # type: ignore[union-attr]
+    finally:
+        eng.close()
+
+
+@pytest.mark.skipif(
+    not shm_sync.flags_usable(), reason="the futex counters (which time out themselves) are x86-64 Linux"
+)
+def test_the_engine_waits_for_peers_as_long_as_it_is_told():
+    """``ZeroEngine(comm_timeout=...)`` (the runner passes ``launcher.pg_timeout_s``) bounds the
+    transport's waits for a live peer, not torch's 30-minute default."""
+    assert run_world(_engine_timeout, 2) == [7.0, 7.0]

@@ -38,12 +38,24 @@ def test_rank_order_differs_from_a_pairwise_order() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("W", [2, 4, 5])
+@pytest.mark.parametrize("W", [1, 2, 4, 5, 16])
 def test_half_precision_is_rounded_once(W: int, dtype: torch.dtype) -> None:
     rows = _rows(W, 17 * 257, dtype).clamp(-1000, 1000)  # [W, n], inside fp16's range
     out = torch.empty(rows.shape[1], dtype=dtype)
     rank_order_sum(rows, out)
     want = rows.float()[0].clone()
     for j in range(1, W):
-        want += rows.float()[j]  # fp32 accumulation (exact enough here: one rounding at the end)
+        want += rows.float()[j]  # fp32 accumulation in rank order, one rounding at the end
     assert torch.equal(out, want.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_columns_cut_anywhere_give_the_same_bits(dtype: torch.dtype) -> None:
+    """A reduction cut into column chunks (the backend's buckets, the shared-memory transport's
+    rows) sums each column the same way: the result does not depend on the cut."""
+    rows = _rows(16, 64, dtype).clamp(-1000, 1000)  # [16, 64]
+    whole = rank_order_sum(rows, torch.empty(64, dtype=dtype))
+    cut = torch.empty(64, dtype=dtype)
+    for a, b in ((0, 57), (57, 64)):
+        rank_order_sum(rows[:, a:b], cut[a:b])
+    assert torch.equal(cut, whole)

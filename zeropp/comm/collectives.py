@@ -443,14 +443,21 @@ def rank_order_sum(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     in that order. fp32 / fp64: one element-wise addition at a time, rounded after each, exactly
     that order on every CPU (torch's ``sum`` over dim 0 takes another order from 5 rows on, and
     its outer-sum kernel is about 3x slower than the additions on cache-resident rows of this
-    size). Half precision: torch's ``sum``, which accumulates in fp32 and rounds once."""
+    size). Half precision: accumulated in fp32 in the same order and rounded once (torch's ``sum``
+    also accumulates in fp32, but in an order that depends on how the columns are cut, so two
+    chunkings of one reduction could differ in the last bit)."""
     W = rows.shape[0]
-    if rows.dtype not in (torch.float32, torch.float64) or W < 2:
-        return torch.sum(rows, 0, out=out)
-    torch.add(rows[0], rows[1], out=out)
+    if W < 2:
+        return out.copy_(rows.reshape(out.shape)) if W == 1 else out.zero_()
+    if rows.dtype in (torch.float32, torch.float64):
+        torch.add(rows[0], rows[1], out=out)
+        for j in range(2, W):
+            out.add_(rows[j])
+        return out
+    acc = torch.add(rows[0].float(), rows[1])  # [n] fp32
     for j in range(2, W):
-        out.add_(rows[j])
-    return out
+        acc.add_(rows[j])
+    return out.copy_(acc)
 
 
 def all_reduce(

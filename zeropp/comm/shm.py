@@ -54,7 +54,17 @@ import torch.distributed as dist
 from ..watch import scratch_prefix
 from .backend import control_all_reduce
 from .collectives import rank_order_sum
-from .shm_sync import BackendSync, FlagSync, ShmError, flags_usable, header_bytes, process_alive, publish_pid, read_pids
+from .shm_sync import (
+    BackendSync,
+    FlagSync,
+    ShmError,
+    describe,
+    flags_usable,
+    header_bytes,
+    peers_visible,
+    publish_pid,
+    read_pids,
+)
 from .stats import group_ranks
 
 DEFAULT_REGION_BYTES = 32 << 20
@@ -119,13 +129,18 @@ class ShmTransport:
         self._slots = region[head : head + 2 * W * self.row_bytes].view(2, W, self.row_bytes)  # [2, W, R]
         # the counters in the header where every member can watch every peer's process, else the backend
         pids = read_pids(self._mm, W)
-        cannot = torch.tensor([0 if flags_usable() and all(map(process_alive, pids)) else 1], dtype=torch.int64)
+        cannot = torch.tensor([0 if flags_usable() and peers_visible(pids) else 1], dtype=torch.int64)
         control_all_reduce(cannot, "max", self.group)
         self._sync: FlagSync | BackendSync = (
             BackendSync(group)
             if int(cannot)
             else FlagSync(
-                self._mm, world=W, rank=self.rank, ranks=self.ranks, pids=pids, timeout_s=timeout.total_seconds()
+                self._mm,
+                world=W,
+                rank=self.rank,
+                ranks=self.ranks,
+                pids=[p for p, _ in pids],
+                timeout_s=timeout.total_seconds(),
             )
         )
         self._issued = 0  # uses issued
@@ -140,18 +155,20 @@ class ShmTransport:
     def _use(
         self,
         dtype: torch.dtype,
+        desc: int,
         write: Callable[[torch.Tensor, torch.Tensor], object],
         read: Optional[Callable[[torch.Tensor], object]] = None,
     ) -> int:
-        """One use: complete the previous one, ``write(slot, previous slot)`` this rank's part,
-        start the synchronisation; ``read(slot)`` runs when the use completes. Returns its number."""
+        """One use, described by ``desc`` (``shm_sync.describe``: what every member must agree it
+        is): complete the previous one, ``write(slot, previous slot)`` this rank's part, start the
+        synchronisation; ``read(slot)`` runs when the use completes. Returns its number."""
         self.complete_through(self._issued)
         if self._broken is not None:
             raise ShmError(f"the shared-memory transport failed earlier ({self._broken}); it cannot be used again")
         k = self._issued
         slot = self._slot(k, dtype)
         write(slot, self._slot(k - 1, dtype))
-        synced = self._sync.start(k + 1)
+        synced = self._sync.start(k + 1, desc)
 
         def complete() -> None:
             synced()
@@ -164,8 +181,12 @@ class ShmTransport:
 
     def complete_through(self, use: int) -> None:
         """Finish the uses up to number ``use`` (at most the last one is still open)."""
-        if self._completed >= use or self._pending is None:
+        if self._completed >= use:
             return
+        if self._pending is None:  # a use up to ``use`` failed: its output was never read
+            raise ShmError(
+                f"the shared-memory transport failed earlier ({self._broken}); this collective did not finish"
+            )
         complete, self._pending = self._pending, None
         try:
             complete()
@@ -191,13 +212,15 @@ class ShmTransport:
             def read(slot: torch.Tensor, a: int = a, b: int = b) -> None:
                 dst[:, a:b].copy_(slot[:, : b - a])
 
-            last = self._use(src.dtype, write, read)
+            last = self._use(src.dtype, describe("all_gather", src.dtype, src.numel(), a, b), write, read)
         return ShmOp(self, last)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> ShmOp:
         """``out`` ([S]) <- the sum over members of their ``full`` ([W * S]) chunk ``rank``, added in
         member order."""
         W, me = self.world, self.rank
+        if not out.is_contiguous():
+            raise ValueError("shared-memory reduce-scatter: the output must be contiguous (it is written in place)")
         dst, src = _flat(out, "reduce-scatter output"), full.reshape(W, -1)  # [S], [W, S]
         _check(full, out, W * dst.numel(), "reduce-scatter")
         cap = self.row_bytes // dst.element_size() // W
@@ -212,7 +235,7 @@ class ShmTransport:
             def read(slot: torch.Tensor, a: int = a, b: int = b, c: int = c) -> None:
                 rank_order_sum(slot[:, me * c : (me + 1) * c], dst[a:b])  # [W, c] rows -> [c]
 
-            last = self._use(dst.dtype, write, read)
+            last = self._use(dst.dtype, describe("reduce_scatter", dst.dtype, dst.numel(), a, b), write, read)
         return ShmOp(self, last)
 
     def all_reduce_sum(self, t: torch.Tensor) -> ShmOp:
@@ -235,15 +258,17 @@ class ShmTransport:
             def read(slot: torch.Tensor, a: int = a, b: int = b) -> None:
                 flat[a:b].copy_(slot.view(-1)[: b - a])
 
-            self._use(flat.dtype, write_row)
-            last = self._use(flat.dtype, write_sum, read)
+            desc = describe("all_reduce", flat.dtype, flat.numel(), a, b)
+            self._use(flat.dtype, desc, write_row)
+            last = self._use(flat.dtype, desc, write_sum, read)
         return ShmOp(self, last, None if flat is t else (lambda: t.copy_(flat.view_as(t))))
 
 
 def region_bytes_for(free: int) -> int:
     """The region's size given ``free`` bytes under its directory: an eighth of them, at least
-    :data:`DEFAULT_REGION_BYTES` and at most :data:`MAX_REGION_BYTES` (pages are touched only as
-    rows fill, and the file is unlinked once mapped, so it holds memory, not disk, for the run)."""
+    :data:`DEFAULT_REGION_BYTES` and at most :data:`MAX_REGION_BYTES`. The region is allocated
+    whole at set-up (``posix_fallocate``: a ``/dev/shm`` that fills later cannot kill a rank with
+    SIGBUS mid-write) and holds host memory, once for the host, until the ranks exit."""
     return max(DEFAULT_REGION_BYTES, min(MAX_REGION_BYTES, free // 8 // (1 << 20) << 20))
 
 
@@ -285,6 +310,8 @@ def _map_region(
                 nbytes = region_bytes_for(st.f_bavail * st.f_frsize)
             fd, path = tempfile.mkstemp(prefix=scratch_prefix(directory, "shm", me), dir=directory)
             os.ftruncate(fd, nbytes)
+            if hasattr(os, "posix_fallocate"):  # the pages now: a tmpfs filled later would SIGBUS a write
+                os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             size = f"a {nbytes >> 20} MiB file" if nbytes else "a file"
             problem = f"rank {me} could not create {size} in {directory}: {exc.strerror or exc}"
@@ -298,15 +325,19 @@ def _map_region(
             msg[_NAME_BYTES + _TOKEN_BYTES :] = torch.frombuffer(
                 bytearray(nbytes.to_bytes(8, "little")), dtype=torch.uint8
             )
+        else:  # no path, but why: every member's error names rank 0's cause
+            why = problem.encode()[: _NAME_BYTES - 2]
+            msg[1 : 1 + len(why)] = torch.frombuffer(bytearray(why), dtype=torch.uint8)
     try:
         dist.broadcast(msg, src, group=group)
         nbytes = int.from_bytes(bytes(msg[_NAME_BYTES + _TOKEN_BYTES :].tolist()), "little")
         if me != src:
-            path = bytes(msg[:_NAME_BYTES].tolist()).rstrip(b"\0").decode(errors="replace")
-            if path:
+            text = bytes(msg[:_NAME_BYTES].tolist()).rstrip(b"\0")
+            if text[:1] not in (b"", b"\0"):
+                path = text.decode(errors="replace")
                 fd, problem = _open_checked(path, nbytes)
-            else:
-                problem = f"rank {src} could not create the region (it says why)"
+            else:  # rank 0's reason after a zero byte
+                problem = text[1:].decode(errors="replace") or f"rank {src} could not create the region"
         mm = None
         if not problem:
             try:

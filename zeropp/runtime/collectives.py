@@ -36,12 +36,13 @@ would be rounded twice).
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
-from zeropp.comm import ranges
+from zeropp.comm import callcheck, ranges
 from zeropp.comm.backend import backend_all_gather, control_all_reduce
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
@@ -109,7 +110,13 @@ class EngineComm:
     """Collectives for one engine over a :class:`Topology` (groups built collectively at init)."""
 
     def __init__(
-        self, topology: Topology, stats: CommStats, device: torch.device | None = None, *, transport: str = "backend"
+        self,
+        topology: Topology,
+        stats: CommStats,
+        device: torch.device | None = None,
+        *,
+        transport: str = "backend",
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         from zeropp import comm as zcomm  # the public collectives (qwZ / qgZ / accounting)
 
@@ -139,7 +146,7 @@ class EngineComm:
         self.shm: Optional[ShmTransport] = None
         """The ZeRO group's shared-memory transport (``ZeroConfig.transport='shm'``; None: the backend's)."""
         if transport == "shm" and self.world_size > 1:
-            self.shm = ShmTransport(self.group)
+            self.shm = ShmTransport(self.group, timeout=dist.default_pg_timeout if timeout is None else timeout)
 
     def defer_until_next_collective(self, check: Callable[[], object]) -> None:
         """Run ``check`` before this engine's next collective, or at :meth:`run_deferred`,
@@ -393,8 +400,12 @@ class EngineComm:
         profiler as one range, averaged by the same local divide."""
         shm = self.shm
         assert shm is not None
+        self.run_deferred()  # a deferred forward check raises before anything is counted or sent
         w, ranks = self.world_size, group_ranks(self.group)
         per_rank = src.numel() // w if op == "reduce_scatter" else src.numel()  # S (gather, scatter) or n
+        # ZEROPP_DEBUG_COLLECTIVES=1: every rank's call compared first, as the backend path's (callcheck.py)
+        with callcheck.agreed(self.session.check_collectives, self.group, f"shm_{op}", ranks, per_rank) as fp:
+            fp["dtype"] = callcheck.dtype_name(src.dtype)
         chunks = [(0, per_rank)] if op == "all_reduce" else chunk_ranges(per_rank, w, bucket)
         size = src.element_size()
         for a, b in chunks:

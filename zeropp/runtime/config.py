@@ -122,11 +122,12 @@ class ZeroConfig:
     transport: Transport = Transport.backend
     """How the ZeRO group's plain (unquantized) gathers, reduce-scatters and all-reduces move data
     (a :class:`~.choices.Transport`): ``backend`` (the process group's: gloo, NCCL) or ``shm`` (a
-    region of shared memory that the CPU ranks of one host map, synchronised through the backend
-    once per chunk: no copies through loopback TCP; ``zeropp.comm.shm``). ``shm`` needs CPU ranks
-    and a ZeRO group on one node; the bytes are accounted as with the backend, the reductions add
-    in rank order (a reduce-scatter gives the backend path's bits, an all-reduce may differ from
-    gloo's ring in the last bit). Quantized collectives keep the backend."""
+    region of shared memory that the CPU ranks of one host map: each rank writes its part once and
+    reads what it needs, synchronised by a futex per rank; no copies through loopback TCP;
+    ``zeropp.comm.shm``). ``shm`` needs CPU ranks and a ZeRO group on one node; the bytes are
+    accounted as with the backend; the reductions add in rank order (a reduce-scatter gives the
+    backend path's bits; an all-reduce may differ from gloo's ring in the last bit, and in fp16 it
+    sums in fp32 where gloo's sum can overflow). Quantized collectives keep the backend."""
 
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``train_step`` must receive exactly this many."""

@@ -47,6 +47,7 @@ next to NCCL), which never waits for the GPU.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import time
 import warnings
@@ -133,6 +134,11 @@ class ZeroEngine:
     ``activation_checkpointing=True`` recomputes each block's activations in backward (the
     engine's blocks that hold trainable parameters); a model without blocks is refused with a
     ``ValueError`` at construction.
+
+    ``comm_timeout``: how long the engine's own waits for a peer (the shared-memory transport of
+    ``ZeroConfig.transport='shm'``) last before raising; pass the timeout given to
+    ``init_process_group`` (None: torch's default process-group timeout). The backend's collectives
+    keep the process group's own.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class ZeroEngine:
         blocks: BlockPolicy = None,
         loss_fn: LossFn | None = None,
         cpu_adam: str | None = None,
+        comm_timeout: datetime.timedelta | None = None,
     ) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
@@ -181,7 +188,7 @@ class ZeroEngine:
         self.comm_stats = CommStats()
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        self.comm = EngineComm(topo, self.comm_stats, self.device, transport=cfg.transport)
+        self.comm = EngineComm(topo, self.comm_stats, self.device, transport=cfg.transport, timeout=comm_timeout)
         self.comm_session = self.comm.session
         """This engine's communication state (``zeropp.comm.CommSession``): its ``stats`` are
         :attr:`comm_stats`, its ``stochastic`` counter the seed rule's call index (saved with
