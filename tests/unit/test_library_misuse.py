@@ -173,3 +173,20 @@ def test_stage3_save_pretrained_of_a_wrapped_hf_model_is_refused(tmp_path: objec
             m.hf.save_pretrained(str(tmp_path))
     finally:
         eng.close()
+
+
+def test_an_integer_average_is_refused_on_gloo_only() -> None:
+    """gloo (CPU tensors) fails an integer AVG after the exchange, so it is refused before; NCCL
+    averages integers (``ncclAvg``), so a tensor of another device is left to it (before: refused on
+    every backend). A bool AVG and an integer PREMUL_SUM stay refused everywhere (NCCL refuses them too)."""
+    from zeropp.comm.backend import check_op_dtype
+
+    with pytest.raises(ValueError, match=r"ReduceOp.AVG of a torch.int64 tensor: .*gloo, the backend of CPU tensors"):
+        check_op_dtype("avg", torch.arange(4), "all-reduce")
+    elsewhere = torch.empty(4, dtype=torch.int64, device="meta")  # stands for a CUDA tensor (NCCL) here
+    check_op_dtype("avg", elsewhere, "all-reduce")
+    check_op_dtype("avg", torch.zeros(4), "all-reduce")
+    with pytest.raises(ValueError, match=r"ReduceOp.AVG of a torch.bool tensor: its mean is not a torch.bool;"):
+        check_op_dtype("avg", elsewhere.bool(), "all-reduce")
+    with pytest.raises(ValueError, match=r"ReduceOp.PREMUL_SUM of a torch.int64 tensor"):
+        check_op_dtype("premul_sum", elsewhere, "reduce-scatter")
