@@ -47,7 +47,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,7 @@ def _log_stacks(signum: int) -> None:
     ``launcher.timeout_s`` or the heartbeat monitor: where the ranks were stuck) to the rank's own
     log; never to a terminal, which stays quiet. Best effort: the stop goes on if it cannot."""
     try:
+        f: TextIO
         if _stack_log:
             sys.stderr.flush()  # rank > 0: the same file as its stderr; keep the order
             f = open(_stack_log[0], "a")  # noqa: SIM115 - closed below, after faulthandler wrote to its fd
