@@ -160,12 +160,7 @@ class Checkpointer:
             return False
         heartbeat("checkpoint_save", step, long=True)
         # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
-        extra = {
-            "step": step,
-            "run": resume_keys(self.cfg),
-            "model": self.model_record(),
-            "run_dir": self.run_dir,
-        }
+        extra = {"step": step, "run": resume_keys(self.cfg), "model": self.model_record(), "run_dir": self.run_dir}
         if self.transformers_config is not None:
             extra["transformers_config"] = self.transformers_config
         self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)
