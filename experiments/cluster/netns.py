@@ -147,7 +147,8 @@ def start_ticks(pid: int) -> int | None:
 
 
 def owner_tag(pid: int | None = None) -> str:
-    """``<pid>-<start ticks>`` of this process (or ``pid``): the owner part of the names it creates."""
+    """``<pid>-<start ticks>`` of this process (or ``pid``): the owner part of the names it creates;
+    ``<pid>-0`` when the start time cannot be read (:func:`owner_alive` then judges by the pid)."""
     pid = os.getpid() if pid is None else pid
     return f"{pid}-{start_ticks(pid) or 0}"
 
@@ -176,12 +177,13 @@ def owner_pid(name: str, prefix: str) -> int | None:
 def owner_alive(name: str, prefix: str) -> bool:
     """Whether the process that created namespace ``name`` still runs: its pid is alive and started
     when the name says (a pid reused by another program started later). Names of versions that
-    recorded the pid only are judged by the pid alone."""
+    recorded the pid only, and names whose owner could not read its start time (``<pid>-0``: see
+    :func:`owner_tag`), are judged by the pid alone: a live owner's namespaces are never removed."""
     m = _name_re(prefix).match(name)
     if m is None:
         return False
     pid = int(m.group(1))
-    if m.group(2) is None:
+    if m.group(2) is None or int(m.group(2)) == 0:
         return pid_alive(pid)
     return pid_alive(pid) and start_ticks(pid) == int(m.group(2))
 

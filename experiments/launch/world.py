@@ -240,6 +240,9 @@ def launch_world(
             (log_dir / "elastic").mkdir(parents=True, exist_ok=True)
             for path in filter(None, logs.values()):
                 Path(path).write_bytes(b"")  # a fresh log per run (ranks append)
+            # rank 0 keeps the terminal; a stop writes where it was to rank0.log (the runner's worker):
+            # a previous run's must not be read as this one's (the failure report reads rank<r>.log)
+            (log_dir / "rank0.log").unlink(missing_ok=True)
         if function:
             pg_timeout = pg_timeout_s if pg_timeout_s is not None else max(timeout_s - 5, 10)
             ep: Callable | str = function_rank

@@ -43,7 +43,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
     if info["multirun"]:  # this point runs again (resumed, or started in a resumed sweep): an earlier failure
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # record of it is no longer its outcome (ours: removed)
     if in_torchrun():
-        from .worker import run_rank, stopped_status
+        from .worker import raise_own_error, run_rank, stopped_status
 
         if rc.cluster.name == "emulated":
             raise ConfigError(
@@ -57,7 +57,7 @@ def execute(rc: RunConfig, info: dict[str, Any]) -> dict[str, Any] | None:
         except (Exception, KeyboardInterrupt) as e:  # torchrun's agent stops its ranks with SIGTERM
             code = stopped_status(e)
             if code is None:
-                raise
+                raise_own_error(e)  # the rank's own error, also one a stop interrupted while unwinding from it
             name = signal.Signals(code - 128).name
             raise RunInterrupted(
                 f"interrupted by {name}; stopped; {last_checkpoint(rc, run_dir)}", exit_code=code

@@ -272,8 +272,11 @@ def warn_hpz_on_one_node(rc: RunConfig) -> None:
     hpZ group is the whole node (``zero.hpz_size`` unset or ``ranks_per_node``) that partition is
     the primary one over again: no traffic saved, its copy's memory spent. Warned once, not refused:
     the ``quant=zeropp`` preset and ``sweep=ablation`` bundle it, and the run is still correct (the
-    engine and FSDP2 honour it the same way on any topology)."""
+    engine and FSDP2 honour it the same way on any topology). Printed by the local launcher, or by
+    torchrun's rank 0 alone (every torchrun rank runs these checks: one line, not one per rank)."""
     z, t = rc.zero, rc.topology
+    if os.environ.get("RANK", "0") != "0":
+        return
     if z.hpz and t.nodes == 1 and (z.hpz_size or t.ranks_per_node) == t.ranks_per_node:
         warn_once(
             f"zero.hpz=true on one node (topology {t.nodes}x{t.ranks_per_node}): hpZ's secondary partition spans "

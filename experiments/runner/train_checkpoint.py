@@ -99,6 +99,15 @@ class Checkpointer:
 
             self.transformers_config = recorded_config(cfg.model)
 
+    def model_record(self) -> dict[str, Any]:
+        """The model's settings as a checkpoint records them: ``model.*``, with ``model.pretrained``
+        made absolute against this rank's working directory (where the run read it), so the export,
+        run from anywhere, reads that directory and never a same-named one under its own."""
+        model = self.cfg.to_dict()["model"]
+        if isinstance(model.get("pretrained"), str):
+            model = {**model, "pretrained": str(Path(model["pretrained"]).expanduser().absolute())}
+        return model
+
     def resume(self) -> int:
         """Collective: with ``resume=true`` load the newest checkpoint and return its step (the
         run continues after it); else 0. A checkpoint of a finished run is refused; changed
@@ -119,7 +128,7 @@ class Checkpointer:
         was = _leaves(extra.get("run", {}) if isinstance(extra.get("run"), dict) else {})
         keys = [k for k, v in sorted(now.items()) if k in was and was[k] != v]
         changed = [f"{k} {was[k]!r} -> {now[k]!r}" for k in keys]
-        model, saved = self.cfg.to_dict()["model"], extra.get("model")
+        model, saved = self.model_record(), extra.get("model")
         for k in MODEL_KEYS_FREE_ON_RESUME:  # the others must match (run_dir_checks.check_resumes_its_model)
             if isinstance(saved, dict) and k in saved and saved[k] != model.get(k):
                 why = " (the weights come from the checkpoint)" if k == "pretrained" else ""
@@ -151,12 +160,7 @@ class Checkpointer:
             return False
         heartbeat("checkpoint_save", step, long=True)
         # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
-        extra = {
-            "step": step,
-            "run": resume_keys(self.cfg),
-            "model": self.cfg.to_dict()["model"],
-            "run_dir": self.run_dir,
-        }
+        extra = {"step": step, "run": resume_keys(self.cfg), "model": self.model_record(), "run_dir": self.run_dir}
         if self.transformers_config is not None:
             extra["transformers_config"] = self.transformers_config
         self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)

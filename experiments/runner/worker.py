@@ -23,7 +23,10 @@ A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``S
 so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
 removed) instead of dying where it stands; then it exits quietly with 128 + the signal
 (:func:`stopped_status`: 143, 130 for a SIGINT), without a traceback: being stopped is not the
-rank's error, and the launcher (or torchrun) that stopped it says so once. The rank marks its progress with
+rank's error, and the launcher (or torchrun) that stopped it says so once. Where it was (every
+thread's stack) goes to the rank's own log (``ranks/rank<r>.log``), for a run the timeout or the
+heartbeat monitor stopped. A SIGTERM that lands while the rank unwinds from its own error leaves
+that error the rank's (:func:`own_error`): it propagates, noting the stop. The rank marks its progress with
 ``zeropp.experiments.launch.heartbeat`` on paths every rank takes; phases that may legitimately be long
 (start-up and model creation, checkpoint load and save, the first step, the end) are announced
 as such (see ``zeropp.watch``).
@@ -37,13 +40,14 @@ run on).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
@@ -87,6 +91,32 @@ def _maybe_fault(rank: int, step: int) -> None:
 
 
 _stopped_by: list[signal.Signals] = []  # the signal that stopped this rank's current run_rank, once it came
+_stack_log: list[Path] = []  # the rank's own log (main() sets it): where a stop writes the rank's stacks
+
+
+def _log_stacks(signum: int) -> None:
+    """Write where every thread of this rank was when signal ``signum`` stopped it (a run stopped by
+    ``launcher.timeout_s`` or the heartbeat monitor: where the ranks were stuck) to the rank's own
+    log; never to a terminal, which stays quiet. Best effort: the stop goes on if it cannot."""
+    try:
+        f: TextIO
+        if _stack_log:
+            sys.stderr.flush()  # rank > 0: the same file as its stderr; keep the order
+            f = open(_stack_log[0], "a")  # noqa: SIM115 - closed below, after faulthandler wrote to its fd
+        elif not sys.stderr.isatty():  # under torchrun: its log (or the job's output file)
+            f = sys.stderr
+        else:
+            return
+        try:
+            name = signal.Signals(signum).name
+            print(f"rank {os.environ.get('RANK')} (pid {os.getpid()}) stopped by {name} here:", file=f, flush=True)
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.flush()
+        finally:
+            if f is not sys.stderr:
+                f.close()
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
@@ -95,6 +125,7 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     the first exception's ``finally`` blocks (destroying the process group) run to the end."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _stopped_by.append(signal.Signals(signum))
+    _log_stacks(signum)  # where it was stuck, for the rank's log only
     raise SignalException(
         f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by {signal.Signals(signum).name}",
         sigval=signal.Signals(signum),
@@ -106,7 +137,10 @@ def stopped_status(e: BaseException) -> int | None:
     :func:`_raise_on_sigterm` (or of torch's handlers), ``KeyboardInterrupt`` for SIGINT, or any
     error raised after the stop, which is its consequence (a checkpoint save the signal broke off
     reports a ``CheckpointError`` on every rank; a collective whose peer left fails). None for an
-    error of the rank's own. A rank so stopped exits with that status and no traceback."""
+    error of the rank's own, also one the stop interrupted while the rank was unwinding from it
+    (:func:`own_error`). A rank so stopped exits with that status and no traceback."""
+    if own_error(e) is not None:
+        return None  # the stop came while the rank was unwinding from its own error
     if isinstance(e, SignalException):
         return 128 + int(e.sigval)
     if isinstance(e, KeyboardInterrupt):
@@ -114,6 +148,39 @@ def stopped_status(e: BaseException) -> int | None:
     if _stopped_by:
         return 128 + int(_stopped_by[0])
     return None
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e``, then what it was raised from or during (``__cause__``, else ``__context__``), and so on."""
+    out: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and all(x is not y for y in out):
+        out.append(x)
+        x = x.__cause__ or x.__context__
+    return out
+
+
+def own_error(e: BaseException) -> BaseException | None:
+    """The rank's own error that a stop (``SignalException``, ``KeyboardInterrupt``) in ``e``'s chain
+    interrupted: the launcher's SIGTERM (a failing peer's, the timeout's) may land while this rank
+    unwinds from its own error, and the stop then carries that error only as its ``__context__``.
+    None when the chain holds no error from before a stop (errors after it are its consequence)."""
+    chain = _chain(e)
+    first = next((i for i, x in enumerate(chain) if isinstance(x, (SignalException, KeyboardInterrupt))), None)
+    if first is None:
+        return None
+    return next((x for x in chain[first + 1 :] if not isinstance(x, (SignalException, KeyboardInterrupt))), None)
+
+
+def raise_own_error(e: BaseException) -> NoReturn:
+    """Raise the rank's own error of ``e`` (:func:`own_error`, else ``e``) with its traceback, for
+    ``@record`` and the rank's log, noting the stop that came while the rank unwound from it."""
+    own = own_error(e)
+    if own is None:
+        raise e
+    stop = next(x for x in _chain(e) if isinstance(x, (SignalException, KeyboardInterrupt)))
+    own.add_note(f"(while the rank unwound from this error it was stopped: {type(stop).__name__}: {stop})")
+    raise own from None
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -254,6 +321,7 @@ def main(argv: list[str]) -> int:
     its cleanup has run, also without a traceback; ranks other than 0 note it in their log (which
     names the rank if it was stopped alone, by someone else)."""
     rank = int(os.environ.get("RANK", "0"))
+    _stack_log[:] = [Path(argv[1]).parent / f"rank{rank}.log"]  # the launcher's log_dir holds the spec
     try:
         run_rank(json.loads(Path(argv[1]).read_text()))
         code = 0
@@ -265,7 +333,7 @@ def main(argv: list[str]) -> int:
     except (Exception, KeyboardInterrupt) as e:
         stopped = stopped_status(e)
         if stopped is None:
-            raise
+            raise_own_error(e)  # the rank's own error, also one a stop interrupted while unwinding from it
         if rank != 0:
             print(f"rank {rank} (pid {os.getpid()}) stopped by {signal.Signals(stopped - 128).name}", file=sys.stderr)
         code = stopped

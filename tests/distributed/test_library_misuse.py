@@ -9,7 +9,8 @@ with ``engine.model`` and the collectives that used to go silently wrong or fail
 - a parameter added after wrapping was used by the forward and never trained: ``train_step``
   refuses it on every rank, naming it, before any collective; the world stays usable.
 - an integer AVG through ``all_reduce`` / the plain ``quantized_reduce_scatter`` failed after the
-  exchange with ``result type Float can't be cast ...``: refused on every rank before any message.
+  exchange with ``result type Float can't be cast ...``: refused on gloo on every rank before any message
+  (NCCL averages integers: left to it).
 - the DDP hook after ``destroy_process_group`` surfaced as ``Unable to cast <message> to Tensor``.
 - ``set_topology`` of a topology of another world was taken, and every later collective refused.
 
@@ -103,8 +104,9 @@ def test_an_integer_average_is_refused_on_every_rank_before_any_message() -> Non
         for what in ("all-reduce", "reduce-scatter"):
             key = "all_reduce" if what == "all-reduce" else "reduce_scatter"
             assert r[key] == (
-                f"ValueError: {what} with ReduceOp.AVG of a torch.int64 tensor: its mean is not a torch.int64; "
-                "reduce with ReduceOp.SUM and divide, or pass a floating-point tensor"
+                f"ValueError: {what} with ReduceOp.AVG of a torch.int64 tensor: its mean is not a torch.int64 "
+                "(gloo, the backend of CPU tensors, cannot average integers; NCCL can); reduce with ReduceOp.SUM "
+                "and divide, or pass a floating-point tensor"
             )
         assert r["all_reduce_q"].startswith("ValueError: reduce-scatter with ReduceOp.AVG of a torch.int64 tensor")
         assert r["sum"] == [0, 3, 6, 9]

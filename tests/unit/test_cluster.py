@@ -110,6 +110,19 @@ def test_the_runner_refuses_an_emulated_run_without_privileges_before_the_run_st
     assert "zeropp: " not in err and not (tmp_path / "run" / "ranks").exists()
 
 
+def test_a_namespace_of_an_owner_whose_start_time_was_unreadable_is_judged_by_its_pid(monkeypatch):
+    """An owner that could not read its start time (``/proc/<pid>/stat``) tags its names
+    ``<pid>-0``. Before: other runs compared 0 with the live owner's real start time and removed
+    that live run's namespaces as stale. Now such a name is judged by the pid alone."""
+    me = os.getpid()
+    monkeypatch.setattr(netns, "start_ticks", lambda pid: None)
+    assert netns.owner_tag() == f"{me}-0"
+    monkeypatch.undo()
+    assert netns.owner_alive(f"zpp-{me}-0-0-n1", "zpp")  # live owner: kept
+    assert netns.owner_alive(f"zpp-{me}-0-probe", "zpp")
+    assert not netns.owner_alive("zpp-999999999-0-0-sw", "zpp")  # no such process: stale
+
+
 def test_a_namespace_whose_owner_pid_was_reused_is_stale_and_a_live_owners_is_kept(monkeypatch):
     """Names carry the owner's pid and start time (``/proc/<pid>/stat`` field 22, read here on its
     own as the reference): a namespace whose pid now belongs to a process started at another time

@@ -402,6 +402,14 @@ def test_hpz_on_one_node_is_warned_once_before_any_rank(tmp_path, capsys, monkey
         "data-parallel rank(s) as the primary one, so it saves no cross-node traffic and only adds its copy's "
         "memory; use topology.nodes >= 2 to measure hpZ, or add zero.hpz=false"
     ]
+    # under torchrun every rank runs these checks: rank 0 alone prints the line (before: each rank did)
+    rc = from_dict(composed_config("quant=hpz", "topology=1x2", "stage=3", "data=random"))
+    for rank in ("1", "0"):
+        monkeypatch.setattr(preflight, "_WARNED", set())
+        monkeypatch.setenv("RANK", rank)
+        preflight.check_before_launch(rc, tmp_path, local=False)
+    assert capsys.readouterr().err.splitlines() == err
+    monkeypatch.delenv("RANK")
     monkeypatch.setattr(preflight, "_WARNED", set())
     for extra in (["topology=2x2"], ["topology=1x4", "zero.hpz_size=2"], ["quant=none", "topology=1x2"]):
         rc = from_dict(composed_config("quant=hpz", "stage=3", "data=random", *extra))

@@ -162,3 +162,31 @@ def test_the_pre_launch_size_checks_build_a_pretrained_model_as_shapes(tmp_path:
     rc = from_dict(composed_config(*sizes, f"model.pretrained={tmp_path}"))
     fresh = from_dict(composed_config(*sizes))
     assert persistent_params(rc) == persistent_params(fresh) and persistent_params(rc)[0] > 0  # biases, norms < 100
+
+
+def test_a_checkpoint_records_model_pretrained_as_the_absolute_path_the_run_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative ``model.pretrained`` is recorded against the run's working directory, so the export
+    (``python -m experiments.export`` run elsewhere) reads that directory's tokenizer and config
+    (before: recorded as given, then resolved against the export's working directory, where a
+    same-named folder would have been read)."""
+    pytest.importorskip("transformers", reason=REASON)
+    from tests.toy_trainer import FakeTrainer
+    from zeropp.experiments.runner.train_checkpoint import Checkpointer
+    from zeropp.models import build_hf_model
+
+    (tmp_path / "work").mkdir()
+    build_hf_model(HFConfig(d_model=32, n_layers=1), seed=0).hf.save_pretrained(tmp_path / "work" / "pre")
+    monkeypatch.chdir(tmp_path / "work")
+    rc = from_dict(
+        composed_config(
+            "model=hf", "model.d_model=32", "model.n_layers=1", "model.pretrained=pre", "train.checkpoint_every=1"
+        )
+    )
+    trainer = FakeTrainer()
+    ckpt = Checkpointer(rc, tmp_path / "run", trainer, lead=True)
+    assert ckpt.after_step(1, diverged=False)
+    recorded = trainer.saves[0][1]["model"]
+    assert recorded["pretrained"] == str(tmp_path / "work" / "pre")
+    assert {**recorded, "pretrained": "pre"} == rc.to_dict()["model"]

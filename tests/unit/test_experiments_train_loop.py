@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -300,6 +301,23 @@ def _save_broken_off_by_sigterm(spec: dict) -> None:
         raise CheckpointError(f"checkpoint save failed on rank(s) [1] of 2: rank 1: {e}", {1: str(e)}) from None
 
 
+def _worker_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: Any) -> int:
+    """The worker's entry as rank 1 of a launched world (its spec, and so its log, in ``tmp_path``)
+    with ``run`` as the rank's training; the SIGTERM handler and the stack log restored after."""
+    from zeropp.experiments.runner import worker
+
+    spec = tmp_path / "spec.json"
+    spec.write_text("{}")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(worker, "run_rank", run)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        return worker.main(["worker", str(spec)])
+    finally:
+        signal.signal(signal.SIGTERM, before)  # the handler ignores SIGTERMs after the first
+        worker._stack_log.clear()
+
+
 @pytest.mark.parametrize("stop", ["sigterm", "sigterm mid-save", "sigint"])
 def test_a_stopped_rank_exits_with_the_signals_status_and_no_traceback(
     stop: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
@@ -317,15 +335,7 @@ def test_a_stopped_rank_exits_with_the_signals_status_and_no_traceback(
             raise KeyboardInterrupt
         _save_broken_off_by_sigterm(spec)
 
-    spec = tmp_path / "spec.json"
-    spec.write_text("{}")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(worker, "run_rank", run)
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        code = worker.main(["worker", str(spec)])
-    finally:
-        signal.signal(signal.SIGTERM, before)  # the handler ignores SIGTERMs after the first
+    code = _worker_main(tmp_path, monkeypatch, run)
     sig = signal.SIGINT if stop == "sigint" else signal.SIGTERM
     assert code == 128 + sig
     assert capfd.readouterr().err == f"rank 1 (pid {os.getpid()}) stopped by {sig.name}\n"
@@ -334,6 +344,53 @@ def test_a_stopped_rank_exits_with_the_signals_status_and_no_traceback(
         worker._stopped_by.clear()
         raise CheckpointError("checkpoint save failed on rank(s) [1] of 2: rank 1: OSError: disk full", {})
 
-    monkeypatch.setattr(worker, "run_rank", own_error)
     with pytest.raises(CheckpointError, match="disk full"):
-        worker.main(["worker", str(spec)])
+        _worker_main(tmp_path, monkeypatch, own_error)
+
+
+def _stuck_in_the_training_loop() -> None:
+    """Where the launcher's SIGTERM finds the rank (a frame its log must name)."""
+    from zeropp.experiments.runner import worker
+
+    worker._raise_on_sigterm(signal.SIGTERM, None)
+
+
+def test_a_sigterm_while_unwinding_from_the_ranks_own_error_keeps_that_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's SIGTERM (a failing peer's, the timeout's) may land while the rank unwinds from
+    its own error (destroying the process group). Before: the stop replaced it (the error only its
+    ``__context__``) and the rank said just ``rank 1 stopped by SIGTERM``, exit 143. Now the rank's
+    own error propagates (for ``@record`` and its log), noting the stop."""
+    from zeropp.experiments.runner import worker
+
+    def run(spec: dict) -> None:
+        worker._stopped_by.clear()
+        try:
+            raise ValueError("the rank's own bug")
+        finally:
+            _stuck_in_the_training_loop()  # the SIGTERM lands in the cleanup
+
+    with pytest.raises(ValueError, match="the rank's own bug") as info:
+        _worker_main(tmp_path, monkeypatch, run)
+    assert any("stopped: SignalException" in n for n in info.value.__notes__)
+    assert worker.stopped_status(SignalException("x", sigval=signal.SIGTERM)) == 128 + signal.SIGTERM
+
+
+def test_a_stopped_rank_writes_where_it_was_to_its_own_log_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A run stopped by ``launcher.timeout_s`` or the heartbeat monitor: each rank's log shows where
+    it was (every thread's stack; before: nothing once the stop exited quietly); the terminal stays
+    one line."""
+    from zeropp.experiments.runner import worker
+
+    def run(spec: dict) -> None:
+        worker._stopped_by.clear()
+        _stuck_in_the_training_loop()
+
+    assert _worker_main(tmp_path, monkeypatch, run) == 128 + signal.SIGTERM
+    log = (tmp_path / "rank1.log").read_text()
+    assert "stopped by SIGTERM here" in log and "_stuck_in_the_training_loop" in log
+    assert "Thread 0x" in log or "Current thread" in log  # faulthandler's every-thread dump
+    assert capfd.readouterr().err == f"rank 1 (pid {os.getpid()}) stopped by SIGTERM\n"

@@ -132,3 +132,61 @@ def test_train_step_under_no_grad_is_refused_before_anything_is_sent() -> None:
                 eng.train_step([torch.zeros(4, 8)])
         finally:
             eng.close()
+
+
+def test_stage3_state_dict_is_refused_on_every_submodule_and_after_close() -> None:
+    """Before: only the root module was hooked, so ``model.inner.state_dict()`` (or a ``transformers``
+    model's ``save_pretrained``, which reads its own ``state_dict``) returned empty ``(0,)`` tensors,
+    and after ``close()`` the hook was gone and ``torch.save(model.state_dict(), f)`` saved them."""
+    m = nn.Sequential(mlp())
+    fresh = nn.Sequential(mlp()).state_dict()
+    with fake_world(0, 2):
+        eng = _engine(m, 3)
+    try:
+        with pytest.raises(RuntimeError, match=r"stage 3 would hold empty tensors.*consolidated_state_dict"):
+            m[0].state_dict()
+        with pytest.raises(RuntimeError, match=r"stage 3 would hold empty tensors"):
+            m[0][2].state_dict()
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\) on a model ZeroEngine wraps \(stage 3\)"):
+            m[0].load_state_dict({k[2:]: v for k, v in fresh.items()})
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match=r"after engine.close\(\).*consolidated_state_dict\(\).*before close\(\)"):
+        m.state_dict()
+    with pytest.raises(RuntimeError, match=r"after engine.close\(\)"):
+        m[0].state_dict()
+    with torch.no_grad():  # parameters given their values again (e.g. from consolidated_state_dict): readable
+        for n, p in m.named_parameters():
+            p.set_(fresh[n].clone())
+    assert all(torch.equal(v, fresh[k]) for k, v in m.state_dict().items())
+
+
+def test_stage3_save_pretrained_of_a_wrapped_hf_model_is_refused(tmp_path: object) -> None:
+    pytest.importorskip("transformers")
+    from zeropp.models import HFConfig, build_hf_model
+
+    m = build_hf_model(HFConfig(hf_config="llama", d_model=32, seq_len=32, n_layers=2), seed=0)
+    with fake_world(0, 2):
+        eng = _engine(m, 3)
+    try:
+        with pytest.raises(RuntimeError, match=r"stage 3 would hold empty tensors"):
+            m.hf.save_pretrained(str(tmp_path))
+    finally:
+        eng.close()
+
+
+def test_an_integer_average_is_refused_on_gloo_only() -> None:
+    """gloo (CPU tensors) fails an integer AVG after the exchange, so it is refused before; NCCL
+    averages integers (``ncclAvg``), so a tensor of another device is left to it (before: refused on
+    every backend). A bool AVG and an integer PREMUL_SUM stay refused everywhere (NCCL refuses them too)."""
+    from zeropp.comm.backend import check_op_dtype
+
+    with pytest.raises(ValueError, match=r"ReduceOp.AVG of a torch.int64 tensor: .*gloo, the backend of CPU tensors"):
+        check_op_dtype("avg", torch.arange(4), "all-reduce")
+    elsewhere = torch.empty(4, dtype=torch.int64, device="meta")  # stands for a CUDA tensor (NCCL) here
+    check_op_dtype("avg", elsewhere, "all-reduce")
+    check_op_dtype("avg", torch.zeros(4), "all-reduce")
+    with pytest.raises(ValueError, match=r"ReduceOp.AVG of a torch.bool tensor: its mean is not a torch.bool;"):
+        check_op_dtype("avg", elsewhere.bool(), "all-reduce")
+    with pytest.raises(ValueError, match=r"ReduceOp.PREMUL_SUM of a torch.int64 tensor"):
+        check_op_dtype("premul_sum", elsewhere, "reduce-scatter")

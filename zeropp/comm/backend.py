@@ -355,14 +355,25 @@ def check_member(ranks: list[int], what: str) -> None:
 
 
 def check_op_dtype(op_name: str, t: torch.Tensor, what: str) -> None:
-    """An average (AVG, or PREMUL_SUM's scaling) of an integer or bool tensor has no place to put
-    its fraction: gloo fails it only after the exchange, with ``result type Float can't be cast to
-    the desired output type Long``. Refused here, alike on every rank, before any message."""
-    if op_name in ("avg", "premul_sum") and not (t.is_floating_point() or t.is_complex()):
-        raise ValueError(
-            f"{what} with ReduceOp.{op_name.upper()} of a {t.dtype} tensor: its mean is not a {t.dtype}; "
-            f"reduce with ReduceOp.SUM and divide, or pass a floating-point tensor"
-        )
+    """An average of an integer tensor on gloo (the backend of CPU tensors) has no place to put its
+    fraction: gloo fails it only after the exchange, with ``result type Float can't be cast to the
+    desired output type Long``. Refused here, alike on every rank, before any message. NCCL (a CUDA
+    tensor) averages integers itself (``ncclAvg``, rounding as integer division), so that AVG is
+    left to it; a bool AVG and an integer PREMUL_SUM (its scaling) are refused on every backend,
+    as NCCL refuses them too, in torch's words."""
+    if op_name not in ("avg", "premul_sum") or t.is_floating_point() or t.is_complex():
+        return
+    if op_name == "avg" and t.dtype != torch.bool and t.device.type != "cpu":
+        return  # NCCL's integer average
+    why = (
+        " (gloo, the backend of CPU tensors, cannot average integers; NCCL can)"
+        if op_name == "avg" and t.dtype != torch.bool
+        else ""
+    )
+    raise ValueError(
+        f"{what} with ReduceOp.{op_name.upper()} of a {t.dtype} tensor: its mean is not a {t.dtype}{why}; "
+        f"reduce with ReduceOp.SUM and divide, or pass a floating-point tensor"
+    )
 
 
 def parse_op(op: ReduceOpLike) -> tuple[str, float]:

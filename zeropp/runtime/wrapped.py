@@ -8,10 +8,13 @@ torch's words:
 
 - ``model.state_dict()`` at stage 3 returns empty tensors (``torch.distributed.checkpoint`` would
   save them as such): refused, pointing at ``engine.consolidated_state_dict()`` /
-  ``engine.save_checkpoint``.
-- ``model.load_state_dict(sd)`` writes into the compute copies only (stage 3: empty shards, a
-  list of size mismatches); the fp32 masters the next step starts from keep the old weights:
-  refused at every stage, pointing at loading before wrapping or ``engine.load_checkpoint``.
+  ``engine.save_checkpoint``. The hook sits on every submodule (``model.inner.state_dict()``, a
+  ``transformers`` model's ``save_pretrained``), and stays after ``close()`` on each module whose
+  parameters are still empty shards.
+- ``model.load_state_dict(sd)`` (of the model or any submodule) writes into the compute copies only
+  (stage 3: empty shards, a list of size mismatches); the fp32 masters the next step starts from
+  keep the old weights: refused at every stage while the engine is open, pointing at loading before
+  wrapping or ``engine.load_checkpoint``.
 - a model still on the meta device, or without a trainable parameter, would fail in the forward
   or the backward: refused at construction (:func:`check_wrappable`).
 - a second ``ZeroEngine(model)`` on a model an open engine wraps would re-point its parameters at
@@ -86,9 +89,11 @@ class ModelGuard:
         self._own = False
         self.closed = False
         _WRAPPED[model] = self
-        self._handles: list[RemovableHandle] = [model.register_load_state_dict_pre_hook(self._on_load)]
-        if stage == 3:
-            self._handles.append(model.register_state_dict_pre_hook(self._on_state_dict))
+        mods = list(model.modules())  # a submodule's own state_dict / load_state_dict too
+        self._handles: list[RemovableHandle] = [m.register_load_state_dict_pre_hook(self._on_load) for m in mods]
+        self._state_handles: list[RemovableHandle] = (
+            [m.register_state_dict_pre_hook(self._on_state_dict) for m in mods] if stage == 3 else []
+        )
 
     @contextlib.contextmanager
     def own_use(self) -> Iterator[None]:
@@ -100,6 +105,16 @@ class ModelGuard:
             self._own = False
 
     def _on_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.closed:
+            # after close() the weights live nowhere but in these empty shards
+            if any(p.numel() == 0 for p in module.parameters(recurse=False)):
+                raise RuntimeError(
+                    "model.state_dict() of a model a stage-3 ZeroEngine wrapped holds empty tensors after "
+                    "engine.close() (each parameter is an empty shard and the engine's buffers are gone); call "
+                    "engine.consolidated_state_dict() (collective: every rank calls it) before close() for the "
+                    "full weights, or save them with engine.save_checkpoint(path) before close()"
+                )
+            return
         if not self._own:
             raise RuntimeError(
                 "model.state_dict() of a model ZeroEngine wraps at stage 3 would hold empty tensors (each "
@@ -136,7 +151,8 @@ class ModelGuard:
         )
 
     def remove(self) -> None:
-        """The engine closed: its hooks go; the model may be wrapped again (stages 0-2)."""
+        """The engine closed: its hooks go (the model may be wrapped again, stages 0-2), except stage 3's
+        ``state_dict`` refusal, which then names ``consolidated_state_dict`` before ``close()``."""
         for h in self._handles:
             h.remove()
         self._handles = []
