@@ -60,6 +60,7 @@ from zeropp.comm.objects import all_gather_json
 from zeropp.runtime.divergence import DivergenceError
 
 from ..launch import heartbeat, select_device
+from ..launch.failure import PEER_ERRORS
 from .commwatch import CommWatch
 from .config import RunConfig, from_dict
 from .launcher import device_for_cluster
@@ -164,12 +165,15 @@ def own_error(e: BaseException) -> BaseException | None:
     """The rank's own error that a stop (``SignalException``, ``KeyboardInterrupt``) in ``e``'s chain
     interrupted: the launcher's SIGTERM (a failing peer's, the timeout's) may land while this rank
     unwinds from its own error, and the stop then carries that error only as its ``__context__``.
-    None when the chain holds no error from before a stop (errors after it are its consequence)."""
+    None when the chain holds no error from before a stop (errors after it are its consequence), or
+    only errors a peer's exit caused (``PEER_ERRORS``: a Ctrl-C stops every rank, and the rank that
+    leaves first closes its connections under the others' collectives: their stop, not their error)."""
     chain = _chain(e)
     first = next((i for i, x in enumerate(chain) if isinstance(x, (SignalException, KeyboardInterrupt))), None)
     if first is None:
         return None
-    return next((x for x in chain[first + 1 :] if not isinstance(x, (SignalException, KeyboardInterrupt))), None)
+    before = [x for x in chain[first + 1 :] if not isinstance(x, (SignalException, KeyboardInterrupt))]
+    return next((x for x in before if not any(p in str(x) for p in PEER_ERRORS)), None)
 
 
 def raise_own_error(e: BaseException) -> NoReturn:

@@ -377,6 +377,27 @@ def test_a_sigterm_while_unwinding_from_the_ranks_own_error_keeps_that_error(
     assert worker.stopped_status(SignalException("x", sigval=signal.SIGTERM)) == 128 + signal.SIGTERM
 
 
+def test_a_stop_while_unwinding_from_a_peers_exit_is_a_stop_not_an_error() -> None:
+    """Ctrl-C under torchrun stops every rank; the one that leaves first closes its connections under
+    the others' collectives, whose ``Connection closed by peer`` the stop then interrupts. That error
+    is the peer's exit, not the rank's own: the rank exits 130 quietly (before: its traceback)."""
+    from zeropp.experiments.runner import worker
+
+    def stopped_while(cause: BaseException) -> BaseException:
+        try:
+            try:
+                raise cause
+            finally:
+                raise KeyboardInterrupt()
+        except KeyboardInterrupt as e:
+            return e
+
+    peer = stopped_while(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:38576"))
+    assert worker.own_error(peer) is None and worker.stopped_status(peer) == 128 + signal.SIGINT
+    own = stopped_while(ValueError("the rank's own bug"))
+    assert isinstance(worker.own_error(own), ValueError) and worker.stopped_status(own) is None
+
+
 def test_a_stopped_rank_writes_where_it_was_to_its_own_log_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
