@@ -162,9 +162,7 @@ class ShmTransport:
         """One use, described by ``desc`` (``shm_sync.describe``: what every member must agree it
         is): complete the previous one, ``write(slot, previous slot)`` this rank's part, start the
         synchronisation; ``read(slot)`` runs when the use completes. Returns its number."""
-        self.complete_through(self._issued)
-        if self._broken is not None:
-            raise ShmError(f"the shared-memory transport failed earlier ({self._broken}); it cannot be used again")
+        self.complete_through(self._issued)  # raises if an earlier use failed
         k = self._issued
         slot = self._slot(k, dtype)
         write(slot, self._slot(k - 1, dtype))
@@ -185,7 +183,8 @@ class ShmTransport:
             return
         if self._pending is None:  # a use up to ``use`` failed: its output was never read
             raise ShmError(
-                f"the shared-memory transport failed earlier ({self._broken}); this collective did not finish"
+                f"the shared-memory transport failed earlier ({self._broken}); this collective did not finish and "
+                f"the transport cannot be used again"
             )
         complete, self._pending = self._pending, None
         try:
@@ -252,7 +251,7 @@ class ShmTransport:
             def write_row(slot: torch.Tensor, _prev: torch.Tensor, a: int = a, b: int = b) -> None:
                 slot[me, : b - a].copy_(flat[a:b])
 
-            def write_sum(slot: torch.Tensor, rows: torch.Tensor, n: int = n, lo: int = lo, hi: int = hi) -> None:
+            def write_sum(slot: torch.Tensor, rows: torch.Tensor, lo: int = lo, hi: int = hi) -> None:
                 rank_order_sum(rows[:, lo:hi], slot.view(-1)[lo:hi])  # [W, hi - lo] -> the result's slice
 
             def read(slot: torch.Tensor, a: int = a, b: int = b) -> None:

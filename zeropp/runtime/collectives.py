@@ -451,7 +451,7 @@ class EngineComm:
         on the gradient side stream); ``t`` holds the mean after the returned :class:`Pending`'s
         ``wait``, so several units' all-reduces can be in flight at once."""
         w = self.world_size
-        if self.shm is not None and w > 1:
+        if self.shm is not None:  # (built for a group of two or more only)
             return self._shm_call("all_reduce", t, t, bucket=t.numel(), kind=kind, unit=unit, async_op=async_op)
 
         def issue() -> Pending:
