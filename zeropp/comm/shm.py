@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from ..watch import scratch_prefix
 from .backend import control_all_reduce
-from .collectives import rank_order_sum
+from .plain import rank_order_sum
 from .shm_sync import (
     BackendSync,
     FlagSync,
