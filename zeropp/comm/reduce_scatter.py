@@ -1,8 +1,9 @@
 """qgZ: the reduce-scatter, quantized by a :class:`~.spec.QuantSpec` (one all-to-all, or the
 hierarchical two hops of ``qgz.py``) or plain (``spec=None``, ``plain.py``).
 
-Public through ``zeropp.comm`` (and ``zeropp.comm.collectives``), whose module docstring holds the
-rules every collective keeps: devices, buffer lifetimes, sessions, autograd, the call contract.
+Imported by ``zeropp.comm.collectives`` (and exported by ``zeropp.comm``); the rules it keeps with
+every collective (devices, buffer lifetimes, sessions, autograd, the call contract) are written
+there once.
 """
 
 from __future__ import annotations
