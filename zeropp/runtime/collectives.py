@@ -54,7 +54,7 @@ from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
 
 from .batch import CONTROL_RANGE
-from .host_routes import ShmOpName, ShmRoute, copy_alone
+from .host_routes import ShmRoute, copy_alone
 from .pending import Pending
 from .plan_kinds import chunk_ranges, group_size_of
 from .streams import CommStreams
@@ -104,7 +104,8 @@ class EngineComm:
         None: the backend's)."""
         if transport == "shm" and self.world_size > 1:
             wait = dist.default_pg_timeout if timeout is None else timeout
-            self.shm_route = ShmRoute(self, self.group, timeout=wait)
+            secondary = self.groups.hpz if self.hpz_size > 1 else None  # hpZ's gathers: the same region
+            self.shm_route = ShmRoute(self, self.group, timeout=wait, secondary=secondary)
 
     @property
     def shm(self) -> Optional[ShmTransport]:
@@ -168,8 +169,10 @@ class EngineComm:
         s = shard.numel()
         if g == 1 and spec is None and wire_out is None:
             return self._alone(out, shard, bucket=bucket, kind=kind, unit=unit)
-        if self.shm_route is not None and spec is None and not hpz and wire_out is None:
-            return self._shm_call("all_gather", out, shard, bucket=bucket, kind=kind, unit=unit, async_op=async_op)
+        route, within = self.shm_route, self.shm_route.secondary if hpz and self.shm_route is not None else None
+        if route is not None and spec is None and wire_out is None and (within is not None or not hpz):
+            through = route.prepare("all_gather", out, shard, bucket=bucket, kind=kind, unit=unit, within=within)
+            return self.launch("all_gather", through, (shard,), async_op)
         if wire_out is not None and not self.gathers_whole(s, hpz=hpz, bucket=bucket):
             raise ValueError(
                 f"EngineComm.all_gather: wire_out keeps one call's wire rows, but a shard of {s} elements is cut into "
@@ -288,7 +291,8 @@ class EngineComm:
         if w == 1 and not quantized:  # the sum over one rank is its input, and x / 1 == x: a copy
             return self._alone(out, full, bucket=bucket, kind=kind, unit=unit)
         if self.shm_route is not None and not quantized:
-            return self._shm_call("reduce_scatter", out, full, bucket=bucket, kind=kind, unit=unit, async_op=async_op)
+            through = self.shm_route.prepare("reduce_scatter", out, full, bucket=bucket, kind=kind, unit=unit)
+            return self.launch("reduce_scatter", through, (full,), async_op)
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
 
         def issue() -> Pending:
@@ -327,24 +331,6 @@ class EngineComm:
         self.run_deferred()
         return copy_alone(self, dst, src, bucket=bucket, kind=kind, unit=unit)
 
-    def _shm_call(
-        self,
-        op: ShmOpName,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        bucket: int,
-        kind: CommKind,
-        unit: str,
-        async_op: bool,
-    ) -> Pending:
-        """A plain collective of the ZeRO group through its shared-memory route (``host_routes.py``)."""
-        route = self.shm_route
-        assert route is not None
-        self.run_deferred()  # a deferred forward check raises before anything is counted or sent
-        issue = route.prepare(op, dst, src, bucket=bucket, kind=kind, unit=unit)
-        return self.launch("reduce_scatter" if op != "all_gather" else "all_gather", issue, (src,), async_op)
-
     def launch(
         self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool
     ) -> Pending:
@@ -373,7 +359,8 @@ class EngineComm:
         ``wait``, so several units' all-reduces can be in flight at once."""
         w = self.world_size
         if self.shm_route is not None:  # (built for a group of two or more only)
-            return self._shm_call("all_reduce", t, t, bucket=t.numel(), kind=kind, unit=unit, async_op=async_op)
+            through = self.shm_route.prepare("all_reduce", t, t, bucket=t.numel(), kind=kind, unit=unit)
+            return self.launch("reduce_scatter", through, (t,), async_op)  # (a gradient reduction: that side stream)
 
         def issue() -> Pending:
             work = self._z.all_reduce(

@@ -14,6 +14,7 @@ engine's local divide, as the backend path is.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Callable, Literal, Optional, Protocol
 
@@ -44,6 +45,9 @@ class RouteOwner(Protocol):
     session: CommSession
     streams: CommStreams
 
+    def run_deferred(self) -> None:
+        """Run the engine's deferred check (it raises before anything is counted or sent)."""
+
 
 def copy_alone(
     owner: RouteOwner, dst: torch.Tensor, src: torch.Tensor, *, bucket: int, kind: CommKind, unit: str
@@ -70,28 +74,77 @@ def copy_alone(
     return Pending.finished(owner, (kind, unit))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubGroup:
+    """A group inside a route's group whose gathers the route carries (hpZ's secondary group: every
+    ZeRO rank gathers the same unit at the same point, each inside its own secondary group)."""
+
+    group: Optional[dist.ProcessGroup]
+    ranks: list[int]
+    """Its global ranks, in group order (what the call is accounted and checked over)."""
+    members: range
+    """Their indices in the route's group (consecutive)."""
+
+
 class ShmRoute:
     """``group``'s plain collectives through a region of shared memory (collective to construct, on
-    every member of ``group``; ``timeout``: how long a wait for a live peer lasts)."""
+    every member of ``group``; ``timeout``: how long a wait for a live peer lasts). ``secondary``:
+    hpZ's secondary group of this rank, whose gathers the same region carries when its members are
+    consecutive members of ``group`` (as ``Topology.build`` makes them)."""
 
-    def __init__(self, owner: RouteOwner, group: Optional[dist.ProcessGroup], *, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        owner: RouteOwner,
+        group: Optional[dist.ProcessGroup],
+        *,
+        timeout: datetime.timedelta,
+        secondary: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         self.owner = owner
         self.group = group
         self.ranks = group_ranks(group)
         self.world = len(self.ranks)
         self.transport = ShmTransport(group, timeout=timeout)
         """The group's region and its synchronisation (``zeropp.comm.shm``)."""
+        self.secondary = None if secondary is None else self.sub_group(secondary)
+        """hpZ's secondary group as a :class:`SubGroup` (None: none, or its gathers keep the backend)."""
+
+    def sub_group(self, group: Optional[dist.ProcessGroup]) -> Optional[SubGroup]:
+        """``group`` as a :class:`SubGroup` whose gathers this route carries; None unless its members
+        are consecutive members of this route's group."""
+        ranks = group_ranks(group)
+        if not set(ranks) <= set(self.ranks):
+            return None
+        first = self.ranks.index(ranks[0])
+        if self.ranks[first : first + len(ranks)] != ranks:
+            return None
+        return SubGroup(group=group, ranks=ranks, members=range(first, first + len(ranks)))
 
     def prepare(
-        self, op: ShmOpName, dst: torch.Tensor, src: torch.Tensor, *, bucket: int, kind: CommKind, unit: str
+        self,
+        op: ShmOpName,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        bucket: int,
+        kind: CommKind,
+        unit: str,
+        within: Optional[SubGroup] = None,
     ) -> Callable[[], Pending]:
-        """Check (in the collectives debug mode) and account one collective now; returns what issues
-        it (for ``EngineComm.launch``). ``dst`` / ``src``: ``[W * S]`` / ``[S]`` (all-gather),
-        ``[S]`` / ``[W * S]`` (reduce-scatter), the same ``[n]`` tensor (all-reduce, in place)."""
-        owner, w, ranks = self.owner, self.world, self.ranks
+        """Run the owner's deferred check, check (in the collectives debug mode) and account one
+        collective now; returns what issues it (for ``EngineComm.launch``). ``dst`` / ``src``: ``[W * S]`` / ``[S]`` (all-gather),
+        ``[S]`` / ``[W * S]`` (reduce-scatter), the same ``[n]`` tensor (all-reduce, in place).
+        ``within`` (all-gather only): gather inside that sub-group (``[G * S]`` / ``[S]``), accounted
+        and checked as the backend's gather over it."""
+        if within is not None and op != "all_gather":
+            raise ValueError(f"ShmRoute.prepare: a sub-group carries all-gathers only, not {op}")
+        owner = self.owner
+        owner.run_deferred()  # a deferred forward check raises before anything is counted or sent
+        group, ranks = (self.group, self.ranks) if within is None else (within.group, within.ranks)
+        w = len(ranks)
         per_rank = src.numel() // w if op == "reduce_scatter" else src.numel()  # S (gather, scatter) or n
         # ZEROPP_DEBUG_COLLECTIVES=1: every rank's call compared first, as the backend path's (callcheck.py)
-        with callcheck.agreed(owner.session.check_collectives, self.group, f"shm_{op}", ranks, per_rank) as fp:
+        with callcheck.agreed(owner.session.check_collectives, group, f"shm_{op}", ranks, per_rank) as fp:
             fp["dtype"] = callcheck.dtype_name(src.dtype)
         chunks = [(0, per_rank)] if op == "all_reduce" else chunk_ranges(per_rank, w, bucket)
         size = src.element_size()
@@ -105,7 +158,8 @@ class ShmRoute:
         def issue() -> Pending:
             with ranges.span(name):
                 if op == "all_gather":
-                    return Pending(owner, [shm.all_gather(dst, src)], None, what=(kind, unit))
+                    members = None if within is None else within.members
+                    return Pending(owner, [shm.all_gather(dst, src, members)], None, what=(kind, unit))
                 if op == "reduce_scatter":
                     return Pending(owner, [shm.reduce_scatter_sum(dst, src)], lambda: dst.div_(w), what=(kind, unit))
                 return Pending(owner, [shm.all_reduce_sum(dst)], lambda: dst.div_(w), what=(kind, unit))
