@@ -1,5 +1,5 @@
 """Stage 3's full-precision gathers and reductions over a group of one rank (world 1, hpZ groups of
-one) are a copy at issue in the engine itself (``EngineComm._alone``): no call of the public
+one) are a copy at issue in the engine itself (``EngineComm._alone``, ``host_routes.copy_alone``): no call of the public
 collectives, the same call counts per kind as a world of two, and the same bits as the replicated
 stage 0. A quantized gather keeps the codec's rounding, so it still goes through the public
 collective; so does an hpZ engine's world gather when only its hpZ group is of one rank.

@@ -1,5 +1,5 @@
 """Stage 3 at world 1 on CUDA under NCCL: the engine's full-precision gathers and reductions are
-copies at issue on the compute stream (``EngineComm._alone``), with no public collective, no side
+copies at issue on the compute stream (``EngineComm._alone``, ``host_routes.copy_alone``), with no public collective, no side
 stream and no event; the result must be stage 0's bit for bit, as on CPU ranks
 (``tests/distributed/test_runtime_local_group.py``). A copy issued on the wrong stream, or a pool
 buffer reused before the compute stream read it, would show as a different weight."""

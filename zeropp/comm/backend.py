@@ -348,6 +348,24 @@ def check_contiguous(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be contiguous (got strides {tuple(t.stride())}); pass t.contiguous()")
 
 
+def check_rows(t: torch.Tensor, W: int, n: int, spec: Optional[QuantSpec], what: str, written: bool = False) -> None:
+    """A collective's ``[W * n]`` side must be contiguous; a quantized one may also be a ``[W, n]``
+    view whose rows are each contiguous and a fixed stride apart (the kernels index it in place).
+    A ``written`` side's rows must not overlap (a row stride of at least ``n``; an ``expand``-ed
+    or ``as_strided`` view would have each member's row overwrite the others'): refused here,
+    before any message, rather than by the kernel after the gather."""
+    if t.is_contiguous():
+        return
+    rows_ok = t.dim() == 2 and tuple(t.shape) == (W, n) and (n <= 1 or t.stride(1) == 1)
+    if spec is not None and rows_ok and (not written or W <= 1 or t.stride(0) >= n):
+        return
+    hint = f" or, quantized, a [{W}, {n}] view with contiguous rows" if spec is not None else ""
+    raise ValueError(
+        f"{what} must be contiguous{hint} (got shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
+        "pass t.contiguous()"
+    )
+
+
 def check_member(ranks: list[int], what: str) -> None:
     me = dist.get_rank()
     if me not in ranks:

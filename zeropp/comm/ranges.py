@@ -35,7 +35,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-__all__ = ["HOPS", "PARTS", "PREFIX", "RangeName", "call_name", "enabled", "parse", "span", "wait_name"]
+__all__ = ["HOPS", "PARTS", "PREFIX", "RangeName", "call_name", "call_range", "enabled", "parse", "span", "wait_name"]
 
 PREFIX = "zeropp"
 """First segment of every range name."""
@@ -63,6 +63,12 @@ def call_name(kind: str, unit: Optional[str] = None, bucket: Optional[int] = Non
     if hop:
         name += f"/{hop}"
     return name
+
+
+def call_range(name: Optional[str], kind: str) -> Optional[str]:
+    """A call's range name: ``name``, else ``zeropp/<kind>`` while a profiler records (else None:
+    no name is built)."""
+    return name if name is not None or not enabled() else call_name(kind)
 
 
 def wait_name(kind: str, unit: str) -> str:

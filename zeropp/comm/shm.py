@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from ..watch import scratch_prefix
 from .backend import control_all_reduce
-from .collectives import rank_order_sum
+from .plain import rank_order_sum
 from .shm_sync import (
     BackendSync,
     FlagSync,
@@ -195,11 +195,20 @@ class ShmTransport:
         self._completed = self._issued
 
     # ------------------------------------------------------------------ collectives
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> ShmOp:
-        """``out`` ([W * S]) <- every member's ``shard`` ([S]), in member order."""
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, within: Optional[range] = None) -> ShmOp:
+        """``out`` ([W * S]) <- every member's ``shard`` ([S]), in member order.
+
+        ``within``: a gather inside sub-groups of consecutive members that partition the group
+        (hpZ's secondary groups): ``within`` is this rank's (member indices, its own among them),
+        ``out`` ([len(within) * S]) receives those members' shards. Every member of the group makes
+        the same call at the same point, each naming its own sub-group of the same size: one use of
+        the region, each rank reading only its sub-group's rows."""
         W, me = self.world, self.rank
-        src, dst = _flat(shard, "all-gather input"), out.view(W, -1)  # [S], [W, S]
-        _check(out, shard, W * src.numel(), "all-gather")
+        rows = _sub_group_rows(within, W, me)  # the rows this rank reads
+        M = rows.stop - rows.start
+        src = _flat(shard, "all-gather input")  # [S]
+        _check(out, shard, M * src.numel(), "all-gather")
+        dst = out.view(M, -1)  # [M, S]
         cap = self.row_bytes // src.element_size()
         last = self._completed
         for a in range(0, src.numel(), cap):
@@ -209,9 +218,10 @@ class ShmTransport:
                 slot[me, : b - a].copy_(src[a:b])
 
             def read(slot: torch.Tensor, a: int = a, b: int = b) -> None:
-                dst[:, a:b].copy_(slot[:, : b - a])
+                dst[:, a:b].copy_(slot[rows, : b - a])
 
-            last = self._use(src.dtype, describe("all_gather", src.dtype, src.numel(), a, b), write, read)
+            desc = describe("all_gather", src.dtype, src.numel(), a, b, *(() if within is None else ("within", M)))
+            last = self._use(src.dtype, desc, write, read)
         return ShmOp(self, last)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> ShmOp:
@@ -273,6 +283,19 @@ def region_bytes_for(free: int) -> int:
 
 def _row_bytes(region_bytes: int, world: int) -> int:
     return region_bytes // (2 * world) // 64 * 64  # a multiple of every dtype's element size
+
+
+def _sub_group_rows(within: Optional[range], world: int, me: int) -> slice:
+    """The slot rows a gather reads: all ``world`` members, or the sub-group ``within`` (consecutive
+    member indices that include this rank's ``me``)."""
+    if within is None:
+        return slice(0, world)
+    if within.step != 1 or not 0 <= within.start < within.stop <= world or me not in within:
+        raise ValueError(
+            f"shared-memory all-gather: within={within!r} must be consecutive member indices of this group of "
+            f"{world} that include this rank's {me}"
+        )
+    return slice(within.start, within.stop)
 
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:

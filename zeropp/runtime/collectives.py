@@ -16,11 +16,11 @@ Everything the engine sends goes through :class:`EngineComm`, which
   with events on CUDA, host time on CPU; see ``streams.py``), which the runner reports as
   exposed communication.
 
-Buffer lifetimes (``zeropp.comm.lifetime``): a chunk's contiguous temporary (the input copy of
-a plain reduce-scatter chunk, the output of a plain all-gather chunk) belongs to the
-:class:`Pending` and is released by :meth:`Pending.complete`, after the chunk's handles were
-waited and its copy-out ran, on the stream that completed it (the side stream with streams);
-the handles release their own wire buffers the same way.
+Buffer lifetimes (``zeropp.comm.lifetime``): a chunk's contiguous temporaries belong to its
+:class:`~.pending.Pending` (``pending.py``); the handles release their own wire buffers.
+
+The shared-memory transport (``ZeroConfig.transport='shm'``) carries the ZeRO group's plain
+collectives through :class:`~.host_routes.ShmRoute` (``host_routes.py``).
 
 Profiler ranges (``zeropp.comm.ranges``): while a profiler records, chunk ``k`` of unit ``u``'s
 collective of kind ``K`` is the range ``zeropp/K/u/bk`` (the plan's entry,
@@ -37,12 +37,12 @@ would be rounded twice).
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from zeropp.comm import callcheck, ranges
+from zeropp.comm import ranges
 from zeropp.comm.backend import backend_all_gather, control_all_reduce
 from zeropp.comm.codecs import codec_for
 from zeropp.comm.kinds import CommKind
@@ -54,56 +54,12 @@ from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
 
 from .batch import CONTROL_RANGE
+from .host_routes import ShmRoute, copy_alone
+from .pending import Pending
 from .plan_kinds import chunk_ranges, group_size_of
 from .streams import CommStreams
 
-
-class Pending:
-    """One logical collective (possibly several chunks): wait for it before using its output.
-
-    Without streams: the backend handles plus what to do after them (chunk copies, a divide),
-    run in :meth:`wait`. With streams (CUDA): everything was enqueued on a side stream at issue
-    and ``event`` marks its end; :meth:`wait` makes the compute stream wait for it.
-    """
-
-    def __init__(
-        self,
-        comm: EngineComm,
-        works: list,
-        finish: Optional[Callable[[], object]] = None,
-        *,
-        event: object = None,
-        buffers: Optional[Buffers] = None,
-        what: tuple[str, str] = ("", ""),
-    ) -> None:
-        self._comm, self._works, self._finish, self._event, self.done = comm, works, finish, event, False
-        self._buffers = buffers  # the chunks' temporaries, released by complete()
-        self.what = what
-        """``(kind, unit)`` of the collective: its wait's profiler range (module doc)."""
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        kind, unit = self.what
-        with ranges.span(ranges.wait_name(kind, unit) if kind and ranges.enabled() else None):
-            if self._event is not None:
-                self._comm.streams.wait(self._event)  # timed inside
-            else:
-                with self._comm.streams.blocked():
-                    self.complete()
-        self.done = True
-
-    def complete(self) -> None:
-        """Wait for the backend handles and run the post-processing, untimed (callers time it)."""
-        for w in self._works:
-            if w is not None:
-                w.wait()
-        if self._finish is not None:
-            self._finish()
-        self._works, self._finish = [], None
-        buffers, self._buffers = self._buffers, None
-        if buffers is not None:
-            buffers.release()
+__all__ = ["EngineComm", "Pending"]
 
 
 class EngineComm:
@@ -143,10 +99,18 @@ class EngineComm:
         self.streams = CommStreams(self.device)
         """Side streams, events and blocked-time measurement (``streams.py``; no-ops on CPU)."""
         self._before_next: Optional[Callable[[], object]] = None  # see defer_until_next_collective
-        self.shm: Optional[ShmTransport] = None
-        """The ZeRO group's shared-memory transport (``ZeroConfig.transport='shm'``; None: the backend's)."""
+        self.shm_route: Optional[ShmRoute] = None
+        """The ZeRO group's plain collectives through shared memory (``ZeroConfig.transport='shm'``;
+        None: the backend's)."""
         if transport == "shm" and self.world_size > 1:
-            self.shm = ShmTransport(self.group, timeout=dist.default_pg_timeout if timeout is None else timeout)
+            wait = dist.default_pg_timeout if timeout is None else timeout
+            secondary = self.groups.hpz if self.hpz_size > 1 else None  # hpZ's gathers: the same region
+            self.shm_route = ShmRoute(self, self.group, timeout=wait, secondary=secondary)
+
+    @property
+    def shm(self) -> Optional[ShmTransport]:
+        """The ZeRO group's shared-memory transport (None: the backend's)."""
+        return None if self.shm_route is None else self.shm_route.transport
 
     def defer_until_next_collective(self, check: Callable[[], object]) -> None:
         """Run ``check`` before this engine's next collective, or at :meth:`run_deferred`,
@@ -205,8 +169,10 @@ class EngineComm:
         s = shard.numel()
         if g == 1 and spec is None and wire_out is None:
             return self._alone(out, shard, bucket=bucket, kind=kind, unit=unit)
-        if self.shm is not None and spec is None and not hpz and wire_out is None:
-            return self._shm_call("all_gather", out, shard, bucket=bucket, kind=kind, unit=unit, async_op=async_op)
+        route, within = self.shm_route, self.shm_route.secondary if hpz and self.shm_route is not None else None
+        if route is not None and spec is None and wire_out is None and (within is not None or not hpz):
+            through = route.prepare("all_gather", out, shard, bucket=bucket, kind=kind, unit=unit, within=within)
+            return self.launch("all_gather", through, (shard,), async_op)
         if wire_out is not None and not self.gathers_whole(s, hpz=hpz, bucket=bucket):
             raise ValueError(
                 f"EngineComm.all_gather: wire_out keeps one call's wire rows, but a shard of {s} elements is cut into "
@@ -324,8 +290,9 @@ class EngineComm:
         quantized = spec is not None
         if w == 1 and not quantized:  # the sum over one rank is its input, and x / 1 == x: a copy
             return self._alone(out, full, bucket=bucket, kind=kind, unit=unit)
-        if self.shm is not None and not quantized:
-            return self._shm_call("reduce_scatter", out, full, bucket=bucket, kind=kind, unit=unit, async_op=async_op)
+        if self.shm_route is not None and not quantized:
+            through = self.shm_route.prepare("reduce_scatter", out, full, bucket=bucket, kind=kind, unit=unit)
+            return self.launch("reduce_scatter", through, (full,), async_op)
         op = dist.ReduceOp.AVG if quantized else dist.ReduceOp.SUM  # see the module docstring
 
         def issue() -> Pending:
@@ -360,69 +327,9 @@ class EngineComm:
         return self.launch("reduce_scatter", issue, (full,), async_op)
 
     def _alone(self, dst: torch.Tensor, src: torch.Tensor, *, bucket: int, kind: CommKind, unit: str) -> Pending:
-        """A full-precision all-gather or reduce-scatter over a group of this rank alone (world 1, hpZ
-        groups of one): its result is its input, so ``src`` is copied into ``dst`` at once, on the
-        current stream (stream order makes it visible to what runs after, with no side stream or
-        event), and the returned work is already finished. Each bucket-sized chunk is counted as the
-        call it would have been, and named in the profiler when ranges are on (one copy per chunk
-        then), so byte accounting, the plan and a profiled step read as with a backend.
-        The backends' own local path (``zeropp.comm.backend``) gives the same bits, but a gather or
-        reduction of a unit would still pass the public collective's checks, the chunk loop, a side
-        stream and two events: host time that was most of stage 3's overhead over stage 0 at world 1."""
+        """A full-precision collective over a group of this rank alone: a copy at issue (``host_routes.py``)."""
         self.run_deferred()
-        d, s = dst.view(-1), src.reshape(-1)  # [n] each
-        chunks = chunk_ranges(d.numel(), 1, bucket)
-        for _ in chunks:
-            self.stats.count_call(kind)
-        if ranges.enabled():
-            for k, (a, b) in enumerate(chunks):
-                with ranges.span(ranges.call_name(kind, unit, k)):
-                    d[a:b].copy_(s[a:b])
-        else:
-            d.copy_(s)
-        done = Pending(self, [], None, what=(kind, unit))
-        done.done = True
-        return done
-
-    def _shm_call(
-        self,
-        op: Literal["all_gather", "reduce_scatter", "all_reduce"],
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        bucket: int,
-        kind: CommKind,
-        unit: str,
-        async_op: bool,
-    ) -> Pending:
-        """A plain collective through the shared-memory transport: accounted as the backend call
-        it replaces (one call per bucket-sized chunk, the same bytes to the same peers), named in the
-        profiler as one range, averaged by the same local divide."""
-        shm = self.shm
-        assert shm is not None
-        self.run_deferred()  # a deferred forward check raises before anything is counted or sent
-        w, ranks = self.world_size, group_ranks(self.group)
-        per_rank = src.numel() // w if op == "reduce_scatter" else src.numel()  # S (gather, scatter) or n
-        # ZEROPP_DEBUG_COLLECTIVES=1: every rank's call compared first, as the backend path's (callcheck.py)
-        with callcheck.agreed(self.session.check_collectives, self.group, f"shm_{op}", ranks, per_rank) as fp:
-            fp["dtype"] = callcheck.dtype_name(src.dtype)
-        chunks = [(0, per_rank)] if op == "all_reduce" else chunk_ranges(per_rank, w, bucket)
-        size = src.element_size()
-        for a, b in chunks:
-            self.stats.count_call(kind)
-            n = (b - a) * (w if op == "reduce_scatter" else 1)  # the elements this rank sends in that call
-            record_sends(self.stats, kind, self.topology, ranks, peer_bytes(op, n * size, w))
-        name = ranges.call_name(kind, unit, 0) if ranges.enabled() else None
-
-        def issue() -> Pending:
-            with ranges.span(name):
-                if op == "all_gather":
-                    return Pending(self, [shm.all_gather(dst, src)], None, what=(kind, unit))
-                if op == "reduce_scatter":
-                    return Pending(self, [shm.reduce_scatter_sum(dst, src)], lambda: dst.div_(w), what=(kind, unit))
-                return Pending(self, [shm.all_reduce_sum(dst)], lambda: dst.div_(w), what=(kind, unit))
-
-        return self.launch("reduce_scatter" if op != "all_gather" else "all_gather", issue, (src,), async_op)
+        return copy_alone(self, dst, src, bucket=bucket, kind=kind, unit=unit)
 
     def launch(
         self, kind: str, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool
@@ -451,8 +358,9 @@ class EngineComm:
         on the gradient side stream); ``t`` holds the mean after the returned :class:`Pending`'s
         ``wait``, so several units' all-reduces can be in flight at once."""
         w = self.world_size
-        if self.shm is not None:  # (built for a group of two or more only)
-            return self._shm_call("all_reduce", t, t, bucket=t.numel(), kind=kind, unit=unit, async_op=async_op)
+        if self.shm_route is not None:  # (built for a group of two or more only)
+            through = self.shm_route.prepare("all_reduce", t, t, bucket=t.numel(), kind=kind, unit=unit)
+            return self.launch("reduce_scatter", through, (t,), async_op)  # (a gradient reduction: that side stream)
 
         def issue() -> Pending:
             work = self._z.all_reduce(

@@ -1,0 +1,167 @@
+"""The engine's plain collectives that never leave the host: a group of this rank alone
+(:func:`copy_alone`) and the host's shared memory (``ZeroConfig.transport='shm'``, :class:`ShmRoute`).
+
+Both are accounted as the backend calls they replace (one call per bucket-sized chunk), so the
+byte accounting, the plan and a profiled step read the same through any route.
+
+A :class:`ShmRoute` owns one group's :class:`~zeropp.comm.shm.ShmTransport` and issues the plain
+(unquantized) all-gathers, reduce-scatters and all-reduces that :class:`~.collectives.EngineComm`
+routes to it. Each is accounted as the backend call it replaces (one call per bucket-sized chunk,
+the same bytes to the same peers), so the byte accounting, the plan and the scaling model read the
+same through either transport; it is named in the profiler as one range, and averaged by the
+engine's local divide, as the backend path is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Callable, Literal, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from zeropp.comm import callcheck, ranges
+from zeropp.comm.kinds import CommKind
+from zeropp.comm.session import CommSession
+from zeropp.comm.shm import ShmTransport
+from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
+from zeropp.comm.topology import Topology
+
+from .pending import Pending
+from .plan_kinds import chunk_ranges
+from .streams import CommStreams
+
+ShmOpName = Literal["all_gather", "reduce_scatter", "all_reduce"]
+"""The collectives a route carries (sums: the reductions are averaged by the caller's divide)."""
+
+
+class RouteOwner(Protocol):
+    """What a route reads from its engine's communication: where calls are counted and checked,
+    and the streams its :class:`~.pending.Pending` waits through."""
+
+    topology: Topology
+    stats: CommStats
+    session: CommSession
+    streams: CommStreams
+
+    def run_deferred(self) -> None:
+        """Run the engine's deferred check (it raises before anything is counted or sent)."""
+
+
+def copy_alone(
+    owner: RouteOwner, dst: torch.Tensor, src: torch.Tensor, *, bucket: int, kind: CommKind, unit: str
+) -> Pending:
+    """A full-precision all-gather or reduce-scatter over a group of this rank alone (world 1, hpZ
+    groups of one): its result is its input, so ``src`` is copied into ``dst`` at once, on the
+    current stream (stream order makes it visible to what runs after, with no side stream or
+    event), and the returned work is already finished. Each bucket-sized chunk is counted as the
+    call it would have been, and named in the profiler when ranges are on (one copy per chunk
+    then), so byte accounting, the plan and a profiled step read as with a backend.
+    The backends' own local path (``zeropp.comm.backend``) gives the same bits, but a gather or
+    reduction of a unit would still pass the public collective's checks, the chunk loop, a side
+    stream and two events: host time that was most of stage 3's overhead over stage 0 at world 1."""
+    d, s = dst.view(-1), src.reshape(-1)  # [n] each
+    chunks = chunk_ranges(d.numel(), 1, bucket)
+    for _ in chunks:
+        owner.stats.count_call(kind)
+    if ranges.enabled():
+        for k, (a, b) in enumerate(chunks):
+            with ranges.span(ranges.call_name(kind, unit, k)):
+                d[a:b].copy_(s[a:b])
+    else:
+        d.copy_(s)
+    return Pending.finished(owner, (kind, unit))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubGroup:
+    """A group inside a route's group whose gathers the route carries (hpZ's secondary group: every
+    ZeRO rank gathers the same unit at the same point, each inside its own secondary group)."""
+
+    group: Optional[dist.ProcessGroup]
+    ranks: list[int]
+    """Its global ranks, in group order (what the call is accounted and checked over)."""
+    members: range
+    """Their indices in the route's group (consecutive)."""
+
+
+class ShmRoute:
+    """``group``'s plain collectives through a region of shared memory (collective to construct, on
+    every member of ``group``; ``timeout``: how long a wait for a live peer lasts). ``secondary``:
+    hpZ's secondary group of this rank, whose gathers the same region carries when its members are
+    consecutive members of ``group`` (as ``Topology.build`` makes them)."""
+
+    def __init__(
+        self,
+        owner: RouteOwner,
+        group: Optional[dist.ProcessGroup],
+        *,
+        timeout: datetime.timedelta,
+        secondary: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        self.owner = owner
+        self.group = group
+        self.ranks = group_ranks(group)
+        self.world = len(self.ranks)
+        self.transport = ShmTransport(group, timeout=timeout)
+        """The group's region and its synchronisation (``zeropp.comm.shm``)."""
+        self.secondary = None if secondary is None else self.sub_group(secondary)
+        """hpZ's secondary group as a :class:`SubGroup` (None: none, or its gathers keep the backend)."""
+
+    def sub_group(self, group: Optional[dist.ProcessGroup]) -> Optional[SubGroup]:
+        """``group`` as a :class:`SubGroup` whose gathers this route carries; None unless its members
+        are consecutive members of this route's group."""
+        ranks = group_ranks(group)
+        if not set(ranks) <= set(self.ranks):
+            return None
+        first = self.ranks.index(ranks[0])
+        if self.ranks[first : first + len(ranks)] != ranks:
+            return None
+        return SubGroup(group=group, ranks=ranks, members=range(first, first + len(ranks)))
+
+    def prepare(
+        self,
+        op: ShmOpName,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        bucket: int,
+        kind: CommKind,
+        unit: str,
+        within: Optional[SubGroup] = None,
+    ) -> Callable[[], Pending]:
+        """Run the owner's deferred check, check (in the collectives debug mode) and account one
+        collective now; returns what issues it (for ``EngineComm.launch``). ``dst`` / ``src``: ``[W * S]`` / ``[S]`` (all-gather),
+        ``[S]`` / ``[W * S]`` (reduce-scatter), the same ``[n]`` tensor (all-reduce, in place).
+        ``within`` (all-gather only): gather inside that sub-group (``[G * S]`` / ``[S]``), accounted
+        and checked as the backend's gather over it."""
+        if within is not None and op != "all_gather":
+            raise ValueError(f"ShmRoute.prepare: a sub-group carries all-gathers only, not {op}")
+        owner = self.owner
+        owner.run_deferred()  # a deferred forward check raises before anything is counted or sent
+        group, ranks = (self.group, self.ranks) if within is None else (within.group, within.ranks)
+        w = len(ranks)
+        per_rank = src.numel() // w if op == "reduce_scatter" else src.numel()  # S (gather, scatter) or n
+        # ZEROPP_DEBUG_COLLECTIVES=1: every rank's call compared first, as the backend path's (callcheck.py)
+        with callcheck.agreed(owner.session.check_collectives, group, f"shm_{op}", ranks, per_rank) as fp:
+            fp["dtype"] = callcheck.dtype_name(src.dtype)
+        chunks = [(0, per_rank)] if op == "all_reduce" else chunk_ranges(per_rank, w, bucket)
+        size = src.element_size()
+        for a, b in chunks:
+            owner.stats.count_call(kind)
+            n = (b - a) * (w if op == "reduce_scatter" else 1)  # the elements this rank sends in that call
+            record_sends(owner.stats, kind, owner.topology, ranks, peer_bytes(op, n * size, w))
+        name = ranges.call_name(kind, unit, 0) if ranges.enabled() else None
+        shm = self.transport
+
+        def issue() -> Pending:
+            with ranges.span(name):
+                if op == "all_gather":
+                    members = None if within is None else within.members
+                    return Pending(owner, [shm.all_gather(dst, src, members)], None, what=(kind, unit))
+                if op == "reduce_scatter":
+                    return Pending(owner, [shm.reduce_scatter_sum(dst, src)], lambda: dst.div_(w), what=(kind, unit))
+                return Pending(owner, [shm.all_reduce_sum(dst)], lambda: dst.div_(w), what=(kind, unit))
+
+        return issue
