@@ -35,13 +35,6 @@ Gathers and reduce-scatters draw their buffers from one constant pool (``self.bu
 
 The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
 are averaged over ranks, so the update equals single-process training on the global batch.
-
-Host reads: a step reads one device value back, the all-reduced ``[loss, squared norms]`` that
-decides skip and clip (``update.py``), so the host can queue the step's forwards and backwards
-ahead of the GPU; stage 2-3's count of late gradients travels in that all-reduce too. The
-per-micro-step checks every rank must pass before backward (a forward that raised on some rank,
-stage 3's blocks-ran check) exchange host values on a host group (``batch.control_group``: gloo
-next to NCCL), which never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -73,6 +66,7 @@ from .offload import HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit
 from .reduction import GradReducer, reduces_when_ready
+from .rollcall import EVAL_TIMEOUT, RollCall
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .units import assign_homes, build_units, check_persistence_threshold
@@ -137,7 +131,9 @@ class ZeroEngine(EngineSteps, EngineState):
     ``comm_timeout``: how long the engine's own waits for a peer (the shared-memory transport of
     ``ZeroConfig.transport='shm'``) last before raising; pass the timeout given to
     ``init_process_group`` (None: torch's default process-group timeout). The backend's collectives
-    keep the process group's own.
+    keep the process group's own. ``eval_timeout``: how long :meth:`eval_loss` waits for every rank
+    to call it before raising on the ranks that did (``rollcall.py``; ``eval_loss(..., local=True)``
+    is this rank's loss alone, at stages 0-2).
     """
 
     def __init__(
@@ -152,6 +148,7 @@ class ZeroEngine(EngineSteps, EngineState):
         loss_fn: LossFn | None = None,
         cpu_adam: str | None = None,
         comm_timeout: datetime.timedelta | None = None,
+        eval_timeout: datetime.timedelta = EVAL_TIMEOUT,
     ) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
@@ -333,6 +330,8 @@ class ZeroEngine(EngineSteps, EngineState):
         if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
+        self._eval_roll_call = RollCall.for_world("eval_loss", timeout=eval_timeout)
+        """Checks that every rank called ``eval_loss`` before its collectives (``rollcall.py``), or None."""
         self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
         """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
         NCCL, else None for the default group)."""
@@ -413,6 +412,7 @@ class ZeroEngine(EngineSteps, EngineState):
         self.guard = ModelGuard(model, cfg.stage)
         """Refuses ``model.state_dict()`` at stage 3, ``model.load_state_dict()`` and parameters added
         after wrapping, each with what to use instead (``wrapped.py``)."""
+        self.guard.park_grads()  # p.grad between steps: one clear error for clip_grad_norm_ and backward
         self._closed = False
 
     def __repr__(self) -> str:

@@ -32,6 +32,7 @@ from .offload import ParamStore, SwappedAdamW
 from .optimizer import ShardedAdamW
 from .partition import FlatUnit
 from .reduction import GradReducer
+from .rollcall import RollCall
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .update import ParamUpdate
@@ -82,6 +83,7 @@ class EngineParts:
     _all_ranks: int
     _pg: object
     _control: dist.ProcessGroup | None
+    _eval_roll_call: RollCall | None
     _defer_checks: bool
     _last_memory: dict[str, int] | None
     _memory_sources: dict[str, list[object]]

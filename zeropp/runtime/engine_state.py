@@ -188,3 +188,4 @@ class EngineState(EngineParts):
         ``weight_diff`` the weights are sent whole (stages 1-2) or the hpZ secondaries and their
         references are dropped, to be rebuilt by the next training forward (stage 3). Collective."""
         self.update.refresh_all()
+        self.guard.settle()  # the parameters are the masters' again (wrapped.py: writes outside the engine)

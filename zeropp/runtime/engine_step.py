@@ -4,6 +4,19 @@
 rank passes before backward, the stage-2/3 reductions during backward), then the optimizer step
 (``update.py``); ``eval_loss`` is the forward without gradients, averaged over the ranks. The
 life of a step is told in ``engine.py``'s docstring.
+
+Host reads: a step reads one device value back, the all-reduced ``[loss, squared norms]`` that
+decides skip and clip (``update.py``), so the host can queue the step's forwards and backwards
+ahead of the GPU; stage 2-3's count of late gradients travels in that all-reduce too. The
+per-micro-step checks every rank must pass before backward (a forward that raised on some rank,
+stage 3's blocks-ran check) exchange host values on a host group (``batch.control_group``: gloo
+next to NCCL), which never waits for the GPU.
+
+A user's loop around the engine (``wrapped.py``): between steps every trainable parameter's
+``.grad`` is a ``GradInEngine`` (``clip_grad_norm_`` or a ``backward`` outside ``train_step`` raise,
+naming ``ZeroConfig.grad_clip``); a step and an evaluation first refuse, on every rank through the
+forward's agreement, parameters written in place since the engine's last write
+(``ModelGuard.written``); ``eval_loss`` first checks that every rank called it (``rollcall.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +58,17 @@ class EngineSteps(EngineMemory):
                 f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass a list of exactly "
                 f"{a} (one micro-batch (x, y) is train_step([(x, y)]))"
             )
+        written = self.guard.written_error()  # parameters written in place since the engine's last write
+        try:
+            res = self._step(micro_batches, written)
+        finally:
+            self.guard.park_grads()  # p.grad until the next step (wrapped.py: clip_grad_norm_, backward)
+        self.guard.settle()
+        return res
+
+    def _step(self, micro_batches: Sequence[Any], written: RuntimeError | None) -> StepResult:
+        """:meth:`train_step` once its arguments are checked; ``written``: refused on every rank."""
+        a = self.cfg.grad_accum_steps
         t0 = time.perf_counter()
         self.comm.reset_wait()
         scale = self.scaler.scale
@@ -56,6 +80,8 @@ class EngineSteps(EngineMemory):
             if self.stage3 is not None:
                 self.stage3.training_forward = True  # (ZeroConfig.keep_at_turn: units backward needs first stay)
             try:
+                if j == 0 and written is not None:
+                    raise written  # through the check below: raised on every rank, before any collective
                 with self.activations.saving():
                     loss = differentiable(loss_of(call_model(self.model, mb), mb, self.loss_fn))
             except Exception as exc:
@@ -102,20 +128,35 @@ class EngineSteps(EngineMemory):
         return res
 
     @torch.no_grad()
-    def eval_loss(self, *batch: Any) -> float:
+    def eval_loss(self, *batch: Any, local: bool = False) -> float:
         """Loss on a batch without gradients, averaged over ranks. Collective (stage 3 gathers).
 
         ``eval_loss(idx, targets)`` calls ``model(idx, targets)`` as before; one argument is a
-        micro-batch as in :meth:`train_step` (a dict, a tuple or one object)."""
+        micro-batch as in :meth:`train_step` (a dict, a tuple or one object). Every rank must call
+        it: a rank that waited ``eval_timeout`` (``ZeroEngine``) for the others raises, naming the
+        ranks that did not come, before anything is sent (``rollcall.py``). ``local=True``: this
+        rank's loss on its batch, with no collective (callable on one rank, e.g. under
+        ``if rank == 0:``), where the forward needs no other rank: stages 0-2 without tensor
+        parallelism or ``SyncBatchNorm``."""
         self._check_open()
         if not batch:
             raise TypeError("eval_loss needs a batch: eval_loss(micro_batch) or eval_loss(*model_args)")
+        if local:
+            self._check_local_eval()
+        elif self._eval_roll_call is not None:
+            self._eval_roll_call.check()
         mb = batch[0] if len(batch) == 1 else tuple(batch)
-        loss, error = 0.0, None
-        try:
-            loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-        except Exception as exc:
-            error = exc
+        loss = 0.0
+        error: Exception | None = self.guard.written_error()  # evaluating written weights would hide the refusal
+        if error is None:
+            try:
+                loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
+            except Exception as exc:
+                error = exc
+        if local:
+            if error is not None:
+                raise error
+            return loss
         if self.stage3 is not None:
             try:
                 self.stage3.check_forward(error)  # as in training: one rank's error raised on every rank
@@ -124,6 +165,20 @@ class EngineSteps(EngineMemory):
         else:
             agree_on_forward(error, self._control)  # before the sum below, which would wait for the failed rank
         return self.comm.sum_scalars([loss])[0] / self._all_ranks
+
+    def _check_local_eval(self) -> None:
+        """Refuse ``eval_loss(local=True)`` where the forward itself needs the other ranks."""
+        if self.stage3 is not None:
+            why = "at stage 3 its forward gathers every block's parameters from every rank"
+        elif not self._defer_checks:
+            why = "its forward runs collectives of its own (tensor parallelism or SyncBatchNorm)"
+        else:
+            return
+        raise ValueError(
+            f"eval_loss(..., local=True) evaluates on this rank alone, but {why}; call eval_loss(batch) on every "
+            f"rank (the loss averaged over ranks), or evaluate a plain model loaded with "
+            f"engine.consolidated_state_dict() (collective too: every rank calls it)"
+        )
 
     # ------------------------------------------------------------------ gradients
     def _after_backward(self, last: bool) -> None:
