@@ -90,6 +90,16 @@ def reference_train(
     return losses, norms, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def outcome(fn: Any) -> str:
+    """``fn()``'s error as ``"Type: message"``, or ``"no error"``: a rank function's result that
+    pickles and compares across ranks."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def rel_err(a: Any, b: Any) -> float:
     """Norm-relative difference ||a - b|| / ||b|| (elementwise relative error is meaningless
     where Adam's normalised update makes near-zero gradients move weights by a full lr)."""

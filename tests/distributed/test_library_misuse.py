@@ -28,17 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.plain_models import data, mlp
+from tests.runtime_helpers import outcome as _error
 from tests.worlds import run_world
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _model_world(rank: int, world: int, stage: int) -> dict[str, Any]:

@@ -76,7 +76,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,9 @@ from .loss_scale import LossScaler
 from .optimizer import ShardedAdamW
 from .partition import UnitLayout
 
+if TYPE_CHECKING:
+    from .offload import SwappedAdamW
+
 __all__ = ["FORMAT", "CheckpointError", "CheckpointTarget", "Origin", "commit", "latest", "load", "read_meta", "save"]
 
 
@@ -103,7 +106,7 @@ class CheckpointTarget:
 
     layouts: Sequence[UnitLayout]
     """The engine's flat units, in the order of ``optimizer``'s lists."""
-    optimizer: ShardedAdamW
+    optimizer: ShardedAdamW | SwappedAdamW
     """Holds this rank's master shards and Adam moments (padded ``[S]``, or ``[numel]`` if replicated),
     in memory or offloaded (``offload.SwappedAdamW`` has the same interface): read and written
     piece by piece through ``read_range`` / ``write_range`` (in place when ``in_memory``), sized by

@@ -35,29 +35,19 @@ Gathers and reduce-scatters draw their buffers from one constant pool (``self.bu
 
 The loss of each micro-batch is divided by ``grad_accum_steps`` before backward and gradients
 are averaged over ranks, so the update equals single-process training on the global batch.
-
-Host reads: a step reads one device value back, the all-reduced ``[loss, squared norms]`` that
-decides skip and clip (``update.py``), so the host can queue the step's forwards and backwards
-ahead of the GPU; stage 2-3's count of late gradients travels in that all-reduce too. The
-per-micro-step checks every rank must pass before backward (a forward that raised on some rank,
-stage 3's blocks-ran check) exchange host values on a host group (``batch.control_group``: gloo
-next to NCCL), which never waits for the GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import time
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeropp.comm.kinds import CommKind
 from zeropp.comm.stats import CommStats
 from zeropp.comm.topology import Topology
 
@@ -65,17 +55,18 @@ from . import frozen as fz
 from . import memory as mem
 from . import tensor_parallel as tpar
 from .activations import ActivationStore, checkpoint_blocks
-from .batch import LossFn, agree_on_forward, call_model, control_group, differentiable, loss_of
+from .batch import LossFn, control_group
 from .blocks import BlockChoiceWarning, BlockPolicy, find_blocks, one_unit_warning
-from .buffers import BufferPool
 from .collectives import EngineComm
 from .config import OptimizerConfig, ZeroConfig, validate_against_topology
+from .engine_state import EngineState
+from .engine_step import EngineSteps
 from .loss_scale import make_loss_scaler
-from .memory import measure_memory
 from .offload import HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit
-from .reduction import REDUCE_INFLIGHT, GradReducer, reduces_when_ready
+from .reduction import GradReducer, reduces_when_ready
+from .rollcall import EVAL_TIMEOUT, RollCall
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .units import assign_homes, build_units, check_persistence_threshold
@@ -83,11 +74,13 @@ from .update import ParamUpdate, StepResult
 from .weight_diff import WeightDiff
 from .wrapped import ModelGuard, check_wrappable
 
+__all__ = ["StepResult", "ZeroEngine"]  # StepResult: what train_step returns, importable from here
+
 if TYPE_CHECKING:  # imported where used: DCP pulls in DTensor and sympy (seconds per process)
     from . import checkpoint as ckpt
 
 
-class ZeroEngine:
+class ZeroEngine(EngineSteps, EngineState):
     """Wrap ``model`` for ZeRO ``config.stage`` training with AdamW ``optimizer``.
 
     Must be created on every rank of an initialised default process group, with the same model
@@ -138,7 +131,9 @@ class ZeroEngine:
     ``comm_timeout``: how long the engine's own waits for a peer (the shared-memory transport of
     ``ZeroConfig.transport='shm'``) last before raising; pass the timeout given to
     ``init_process_group`` (None: torch's default process-group timeout). The backend's collectives
-    keep the process group's own.
+    keep the process group's own. ``eval_timeout``: how long :meth:`eval_loss` waits for every rank
+    to call it before raising on the ranks that did (``rollcall.py``; ``eval_loss(..., local=True)``
+    is this rank's loss alone, at stages 0-2).
     """
 
     def __init__(
@@ -153,6 +148,7 @@ class ZeroEngine:
         loss_fn: LossFn | None = None,
         cpu_adam: str | None = None,
         comm_timeout: datetime.timedelta | None = None,
+        eval_timeout: datetime.timedelta = EVAL_TIMEOUT,
     ) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
@@ -334,6 +330,8 @@ class ZeroEngine:
         if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
+        self._eval_roll_call = RollCall.for_world("eval_loss", timeout=eval_timeout)
+        """Checks that every rank called ``eval_loss`` before its collectives (``rollcall.py``), or None."""
         self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
         """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
         NCCL, else None for the default group)."""
@@ -414,358 +412,8 @@ class ZeroEngine:
         self.guard = ModelGuard(model, cfg.stage)
         """Refuses ``model.state_dict()`` at stage 3, ``model.load_state_dict()`` and parameters added
         after wrapping, each with what to use instead (``wrapped.py``)."""
+        self.guard.park_grads()  # p.grad between steps: one clear error for clip_grad_norm_ and backward
         self._closed = False
-
-    # ------------------------------------------------------------------ public API
-    def train_step(self, micro_batches: Sequence[Any]) -> StepResult:
-        """Forward/backward every micro-batch, then clip and step. Collective.
-
-        A micro-batch is whatever the model takes: a dict (``model(**mb)``), a tuple (``model(*mb)``,
-        e.g. ``(idx, targets)``), a ``WithTargets(inputs, targets)`` (the model gets the inputs) or one
-        object (``model(mb)``); the loss is ``loss_fn(output, mb)``
-        or found in the output (``zeropp.runtime.batch.loss_of``). An error in one rank's
-        forward (or loss) is raised on every rank, after one small exchange, instead of leaving
-        the other ranks waiting in the next collective."""
-        self._check_open()
-        self.guard.check_params(self.model)  # a parameter added after wrapping would never be trained
-        if not torch.is_grad_enabled():
-            raise RuntimeError(
-                "train_step was called under torch.no_grad() (or inference_mode), where its backward has nothing "
-                "to differentiate; call it with gradients enabled (eval_loss is the no-grad forward)"
-            )
-        a = self.cfg.grad_accum_steps
-        if not isinstance(micro_batches, Sequence):  # an iterator or generator of micro-batches
-            micro_batches = list(micro_batches)
-        if len(micro_batches) != a:
-            raise ValueError(
-                f"train_step got {len(micro_batches)} micro-batches but grad_accum_steps={a}; pass a list of exactly "
-                f"{a} (one micro-batch (x, y) is train_step([(x, y)]))"
-            )
-        t0 = time.perf_counter()
-        self.comm.reset_wait()
-        scale = self.scaler.scale
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, with the norm (update.py)
-        self.reducer.start_step()
-        for j, mb in enumerate(micro_batches):
-            self.reducer.start_micro_step(last=j == a - 1)
-            loss, error = None, None
-            if self.stage3 is not None:
-                self.stage3.training_forward = True  # (ZeroConfig.keep_at_turn: units backward needs first stay)
-            try:
-                with self.activations.saving():
-                    loss = differentiable(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-            except Exception as exc:
-                error = exc
-            finally:
-                if self.stage3 is not None:
-                    self.stage3.training_forward = False
-            # the same blocks ran on every rank and no rank failed, else one clear error everywhere; no rank
-            # goes on to backward's reductions alone (deferred to this rank's next collective: batch.py)
-            if self.stage3 is not None:
-                later = self.stage3.check_forward(error, defer=self._defer_checks)
-            else:
-                later = agree_on_forward(error, self._control, defer=self._defer_checks)
-            if later is not None:
-                self.comm.defer_until_next_collective(later)
-            try:
-                if j == a - 1:
-                    self._record_phase("forward")  # activations saved for backward are alive now
-                if self.stage3 is not None:
-                    self.stage3.before_backward()  # the root, whatever form the output and the loss take
-                loss_sum += loss.detach().to(device=self.device, dtype=torch.float64)  # stays on the device
-                (loss * (scale / a)).backward()
-            except Exception as exc:
-                # this rank's backward raised before the verdict was read: read it now (a failed peer waits
-                # for this rank in the verdict's exchange), and raise what it says, chained to the error
-                try:
-                    self.comm.run_deferred()
-                except Exception as verdict:
-                    raise verdict from exc
-                raise
-            self.comm.run_deferred()  # a backward without collectives: the verdict before going on
-            self._after_backward(last=j == a - 1)
-        grads = self.reducer.final_grads()
-        res = self.update.step(
-            grads,
-            loss_sum / a,
-            self._last_memory,
-            late=self.reducer.late_grads(),  # summed with the loss: raised on every rank before any update
-            on_late=self.reducer.raise_late_grads,
-        )
-        self._record_phase("step")
-        res.step_time_s = time.perf_counter() - t0
-        return res
-
-    @torch.no_grad()
-    def eval_loss(self, *batch: Any) -> float:
-        """Loss on a batch without gradients, averaged over ranks. Collective (stage 3 gathers).
-
-        ``eval_loss(idx, targets)`` calls ``model(idx, targets)`` as before; one argument is a
-        micro-batch as in :meth:`train_step` (a dict, a tuple or one object)."""
-        self._check_open()
-        if not batch:
-            raise TypeError("eval_loss needs a batch: eval_loss(micro_batch) or eval_loss(*model_args)")
-        mb = batch[0] if len(batch) == 1 else tuple(batch)
-        loss, error = 0.0, None
-        try:
-            loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-        except Exception as exc:
-            error = exc
-        if self.stage3 is not None:
-            try:
-                self.stage3.check_forward(error)  # as in training: one rank's error raised on every rank
-            finally:
-                self.stage3.release_all()
-        else:
-            agree_on_forward(error, self._control)  # before the sum below, which would wait for the failed rank
-        return self.comm.sum_scalars([loss])[0] / self._all_ranks
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of parameters, gradients, optimizer states and hpZ secondary copies this rank
-        holds (measured at the end of the last step's backward; from the buffers if no step yet)."""
-        return dict(self._last_memory) if self._last_memory is not None else self._measure_memory()
-
-    def memory_phases(self) -> dict[str, mem.MemorySnapshot]:
-        """This rank's memory by tier and category after model creation and optimizer creation
-        (both inside the constructor) and, from the last step, after its (last micro-batch's)
-        forward, backward and optimizer step, each with the phase's peak
-        (``zeropp.runtime.memory.MemorySnapshot``; what each phase holds: ``memory.PHASES``). Local, cheap."""
-        return dict(self._phases)
-
-    def track_memory(self, category: str, source: object) -> None:
-        """Count ``source``'s bytes under ``category`` (one of ``memory.CATEGORIES``) in
-        :meth:`memory_phases`: it must have ``memory_by_tier() -> {"device"|"host"|"disk": int}``
-        or ``nbytes`` (device bytes). A ``params`` source (offloaded parameter store) reports the
-        sharded units' parameter shards itself, so the engine stops counting them."""
-        if category not in self._memory_sources:
-            raise ValueError(f"track_memory: category {category!r} is not one of {mem.CATEGORIES}")
-        mem.source_tiers(source)  # fails now, naming the object, if it cannot report
-        self._memory_sources[category].append(source)
-
-    def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None, *, keep: int = 2) -> str:
-        """Atomically save this engine's state under directory ``path`` through
-        ``torch.distributed.checkpoint``, with ``extra`` (small JSON values, e.g. the runner's step
-        and data position) returned by the load, in a folder named by ``extra["step"]`` (else the
-        optimizer's step count). Keeps this run's ``keep`` newest checkpoints there and never
-        touches anything else. Refuses NaN/inf weights. Returns the version directory. Collective."""
-        self._check_open()
-        from . import checkpoint as ckpt
-
-        self._checkpoint_origin = ckpt.save(
-            self._checkpoint_target(), path, extra, keep=keep, origin=self._checkpoint_origin
-        )
-        return str(self._checkpoint_origin.path)
-
-    @torch.no_grad()
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Load the latest complete checkpoint under ``path``, saved at any world size and stage
-        from the same model; returns the ``extra`` it was saved with. Collective. The qgZ
-        error-feedback residuals and this engine's stochastic-rounding call counter come back too
-        (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
-        self._check_open()
-        from . import checkpoint as ckpt
-
-        extra, model_state, origin = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
-        named = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        frozen_names = {s.name for u in self.frozen_units for s in u.slots}
-        fz.load_values(self.frozen, {k: v for k, v in model_state.items() if k in frozen_names})
-        for k, v in model_state.items():
-            if k in frozen_names:
-                continue
-            if k in self.frozen_originals:
-                self.frozen_originals[k].copy_(v)
-            if k in named:
-                named[k].data.copy_(v)
-            else:
-                buffers[k].copy_(v)
-        for u in self.units:
-            u.secondary = None  # hpZ: stale, built from the weights before the load
-            if u.grad_shard is not None:
-                u.grad_shard.zero_()
-        self.refresh_params()
-        self._checkpoint_origin = origin
-        return extra
-
-    @torch.no_grad()
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank
-        (parameters in their original dtype, on the CPU). Collective. With ``topology.tp > 1``
-        the split weights are also all-gathered over tp, under the unsplit model's names."""
-        self._check_open()
-
-        def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
-            full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]
-            self.comm.all_gather(
-                full,
-                m,
-                spec=None,
-                bucket=self.cfg.allgather_bucket_size,
-                kind=CommKind.CHECKPOINT,
-                unit=u.name,
-                async_op=False,
-            )
-            return full
-
-        frozen_values = fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
-        from .consolidate import consolidated_state_dict
-
-        with self.guard.own_use():  # its model.state_dict() at stage 3: the empty shards, replaced here
-            sd = consolidated_state_dict(
-                self.units,
-                self.update.master_copy,
-                gather,
-                self.model,
-                self.param_dtypes,
-                {**self.frozen_originals, **frozen_values},
-            )
-        return sd if self.topology.tp == 1 else tpar.full_state_dict(self.model, sd)  # tp: all-gathered over tp
-
-    def close(self) -> None:
-        """Remove all hooks and drop buffers. Local (no collective), safe to call twice."""
-        if self._closed:
-            return
-        self.reducer.close()  # hooks removed, reduce-scatters in flight waited
-        self.guard.remove()
-        if self.stage3 is not None:
-            self.stage3.release_all()
-            self.stage3.remove()
-        if self.checkpointing is not None:
-            self.checkpointing.remove()
-        for u in self.units + self.frozen_units:
-            u.secondary = u.grad_shard = None
-        if self.weight_diff is not None:
-            self.weight_diff.reset()
-        if self.swap is not None:
-            self.swap.close()  # deletes this rank's swap files
-        if self._control is not None and dist.is_initialized():  # (the default group's end destroyed it already)
-            dist.destroy_process_group(self._control)
-        self._control = None
-        self._closed = True
-
-    # ------------------------------------------------------------------ gradients
-    def _after_backward(self, last: bool) -> None:
-        """After each micro-step's backward: the reductions of stages 2-3 are done (``reduction.py``),
-        stage 3 frees what is still gathered; after the last one, the backward memory is recorded."""
-        self.reducer.finish_backward()
-        if self.stage3 is not None:
-            self.stage3.release_all()
-        if last:
-            self._last_memory = self._measure_memory()
-            self._record_phase("backward")
-
-    @torch.no_grad()
-    def refresh_params(self) -> None:
-        """Rebuild compute-dtype parameters from the fp32 masters (after a load). Exact: with
-        ``weight_diff`` the weights are sent whole (stages 1-2) or the hpZ secondaries and their
-        references are dropped, to be rebuilt by the next training forward (stage 3). Collective."""
-        self.update.refresh_all()
-
-    # ------------------------------------------------------------------ misc
-    def _checkpoint_target(self, *, gather_frozen: bool = True) -> ckpt.CheckpointTarget:
-        """``gather_frozen``: the sharded frozen parameters' full values (collective); False: empty
-        tensors of their shapes and dtypes (enough for a load)."""
-        sharded_frozen = self.frozen.param_ids()
-        model_state = {
-            n: self.frozen_originals.get(n, p.data)
-            for n, p in self.model.named_parameters()
-            if not p.requires_grad and p.is_floating_point() and id(p) not in sharded_frozen
-        }
-        if gather_frozen:
-            model_state.update(
-                fz.full_values(self.comm, self.frozen, self.param_dtypes, bucket=self.cfg.allgather_bucket_size)
-            )
-        else:
-            model_state.update(
-                {
-                    s.name: torch.empty(s.shape, dtype=self.param_dtypes[s.name])
-                    for u in self.frozen_units
-                    for s in u.slots
-                }
-            )
-        model_state.update(dict(self.model.named_buffers()))
-        from . import checkpoint as ckpt
-
-        return ckpt.CheckpointTarget(
-            layouts=[u.layout for u in self.units],
-            optimizer=self.optim,
-            scaler=self.scaler,
-            rank=self.rank,
-            world_size=self.world_size,
-            device=self.device,
-            stage=self.cfg.stage,
-            param_dtypes=self.param_dtypes,
-            model_state=model_state,
-            info={"config": repr(self.cfg), "topology": repr(self.topology)},
-            feedback=self.error_feedback,  # restored by the load at the same world / stage / topology, else reset
-            stochastic=self.comm_session.stochastic,
-            **self._tp_checkpoint_args(),
-        )
-
-    def _tp_checkpoint_args(self) -> dict[str, Any]:
-        """``topology.tp > 1``: each tp index saves its own TP-local pieces, sharded over the dp
-        dimension of the model's mesh (``checkpoint.py``); nothing extra otherwise."""
-        info = tpar.tp_info(self.model)
-        if info is None:
-            return {}
-        return dict(
-            tp=info.tp,
-            tp_rank=self.topology.tp_index(dist.get_rank()),
-            mesh=info.mesh["dp"],
-            tp_split=tpar.split_table(self.model),
-        )
-
-    def _measure_memory(self) -> dict[str, int]:
-        return measure_memory(self.units + self.frozen_units, self.optim.nbytes())
-
-    def _record_phase(self, phase: str) -> None:
-        """Snapshot memory at the end of ``phase`` and start the next phase's peak."""
-        sources = self._memory_sources
-        if phase != "forward":  # saved activations live from a forward to its backward only
-            sources = {**sources, "activations": []}
-        self._phases[phase] = mem.snapshot(phase, self.units + self.frozen_units, sources, self.device)
-        mem.reset_peak(self.device)
-
-    def _make_buffer_pool(self) -> BufferPool:
-        """The gather / reduce-scatter pool, preallocated for what is in use at once: at stage 3 the
-        root, the running block and ``prefetch_depth`` prefetched blocks (a block is freed before
-        the next but ``prefetch_depth`` one is gathered, in forward and in backward); the
-        reduce-scatters of stages 2-3 keep at most ``REDUCE_INFLIGHT`` in flight (an older one is
-        waited for before the next is sent, in the same order on every rank; their output buffers
-        only from a step's second micro-step on: the first writes the gradient shards); stage 1 reduces
-        one unit at a time. Collectives larger than a bucket are chunked inside ``EngineComm``."""
-        pool = BufferPool(self.dtype, self.device)
-        gathered = [u for u in self.units if u.kind == "sharded"]
-        # distinct units (coalesced blocks share one); never more at once than there are
-        block_units = list(dict.fromkeys(u for _, u in self.blocks if u.kind == "sharded"))
-        frozen_blocks = list(dict.fromkeys(u for _, u in self.frozen.blocks))
-        if gathered:
-            if self.root is not None and self.root.kind == "sharded":
-                pool.reserve("gather", 1, self.root.padded)
-            if block_units:
-                live = min(self.cfg.prefetch_depth + 1, len(block_units))
-                pool.reserve("gather", live, max(u.padded for u in block_units))
-        if self.frozen.root is not None:  # frozen units are gathered next to their block's (same schedule)
-            pool.reserve("gather", 1, self.frozen.root.padded)
-        if frozen_blocks:
-            live = min(self.cfg.prefetch_depth + 1, len(frozen_blocks))
-            pool.reserve("gather", live, max(u.padded for u in frozen_blocks))
-        reduced = [u for u in self.units if u.kind != "replicated"]
-        if reduced:
-            inflight = min(REDUCE_INFLIGHT if self.cfg.stage >= 2 else 1, len(reduced))
-            pool.reserve("grad_flat", inflight, max(u.padded for u in reduced))
-            if self.cfg.stage >= 2 and self.cfg.grad_accum_steps > 1:  # (the first micro-step needs none)
-                pool.reserve("grad_shard", inflight, max(u.shard_numel for u in reduced))
-        return pool
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this ZeroEngine was closed; create a new one")
-        if not dist.is_initialized() or self._pg is not dist.group.WORLD:
-            raise RuntimeError(
-                "the process group this ZeroEngine was built on was destroyed (destroy_process_group); its "
-                "groups are gone: after a new init_process_group, build a new model and a new ZeroEngine"
-            )
 
     def __repr__(self) -> str:
         c = self.cfg

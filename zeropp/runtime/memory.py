@@ -55,6 +55,7 @@ from . import frozen as fz
 from .choices import MemoryTier, OffloadTier
 from .partition import FlatUnit
 from .plan_kinds import group_size_of
+from .wrapped import GradInEngine
 
 KEYS = ("params", "grads", "optimizer", "hpz_secondary", "total")
 """Keys of the flat model-state report (``ZeroEngine.memory_report``)."""
@@ -87,7 +88,7 @@ OFFLOAD_TIER = {t.value: t.memory_tier.value for t in OffloadTier}
 
 
 def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    return 0 if t is None or isinstance(t, GradInEngine) else t.numel() * t.element_size()  # (the latter: no storage)
 
 
 def measure_memory(units: Iterable[FlatUnit], optimizer_bytes: int) -> dict[str, int]:

@@ -24,6 +24,18 @@ torch's words:
 - a parameter added or replaced after wrapping is used by the forward but never updated (no
   unit, no optimizer state): ``train_step`` refuses it on every rank before any collective,
   naming it (the check reads the model alone, so every rank with the same change raises it).
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` (a DDP loop's clip) found no
+  ``p.grad`` (the gradients are reduced into the engine's shards and consumed by its step) and
+  returned 0, clipping nothing; a ``loss.backward()`` of the model outside ``train_step`` trained
+  nothing. Between steps every trainable parameter's ``.grad`` is a :class:`GradInEngine`: a
+  tensor of the right shape with no storage whose every use (the norm, ``zero_()``, autograd
+  adding into it) raises one error naming ``ZeroConfig.grad_clip`` and ``train_step``.
+- a write into the parameters in place (``torch.distributed.checkpoint.load`` into
+  ``model.state_dict()``, whose tensors alias the parameters at stages 0-2, or ``p.copy_`` under
+  ``no_grad``) changed the compute copies only (or the masters too, where they are the same
+  tensor): the next step overwrote it, or trained from a mix. :meth:`ModelGuard.written` finds it
+  from the parameters' version counters, and ``train_step`` / ``eval_loss`` refuse it on every rank
+  until ``engine.refresh_params()`` or ``engine.load_checkpoint``.
 
 The engine's own reads (``consolidated_state_dict``) run inside :meth:`ModelGuard.own_use`.
 """
@@ -34,6 +46,7 @@ import contextlib
 import weakref
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -79,6 +92,46 @@ def check_unwrapped(model: nn.Module) -> None:
     )
 
 
+GRADS_IN_ENGINE = (
+    "the wrapped model's parameters hold no gradients: ZeroEngine reduces them into its own sharded buffers "
+    "during train_step and consumes them in its optimizer step, so torch.nn.utils.clip_grad_norm_ over "
+    "engine.model.parameters() (or reading, zeroing or accumulating p.grad) would see none; clip with "
+    "ZeroConfig(grad_clip=...) (the global norm over every shard, applied inside train_step; train_step's "
+    "result has grad_norm, the norm before clipping), and train with engine.train_step(micro_batches) instead "
+    "of loss.backward() (evaluate with engine.eval_loss or a forward under torch.no_grad())"
+)
+
+
+class GradInEngine(torch.Tensor):
+    """Stands in for ``p.grad`` of a wrapped parameter between steps: the parameter's shape, dtype
+    and device, no storage, and every operation on it raises :data:`GRADS_IN_ENGINE` (module
+    docstring: why). ``train_step`` drops it before its first backward."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> GradInEngine:
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # (torch declares it as an attribute)
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        raise RuntimeError(GRADS_IN_ENGINE)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]  # (no values: none to print)
+        return f"GradInEngine(shape={tuple(self.shape)}: {GRADS_IN_ENGINE.split(':')[0]})"
+
+
+_VERSION = vars(torch._C.TensorBase)["_version"]
+"""The tensor attribute that reads a tensor's version counter (torch has no public name for it)."""
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter: torch adds one on every in-place write through ``t`` or a tensor
+    sharing its counter (``t.detach()``, what ``state_dict()`` returns); not on writes through
+    ``t.data`` or another view of the storage, which is how the engine writes its parameters."""
+    return int(_VERSION.__get__(t))
+
+
 class ModelGuard:
     """The hooks above on ``model`` (wrapped at ``stage``) and the parameter check of each step."""
 
@@ -86,6 +139,9 @@ class ModelGuard:
         self.stage = stage
         self._params = {id(p): n for n, p in model.named_parameters()}
         """``id(p)`` -> name of every parameter the model had when it was wrapped."""
+        self._named = list(model.named_parameters())
+        self._versions = [version(p) for _, p in self._named]
+        """Each parameter's version counter when the engine last wrote or checked it (:meth:`written`)."""
         self._own = False
         self.closed = False
         _WRAPPED[model] = self
@@ -125,11 +181,48 @@ class ModelGuard:
 
     def _on_load(self, module: nn.Module, *args: Any) -> None:
         place = "empty shards" if self.stage == 3 else "compute copies"
+        already = (
+            "; torch.distributed.checkpoint.load has already written the loaded values into the parameters in "
+            "place (the next train_step refuses them; engine.refresh_params() rebuilds the parameters from the "
+            "engine's masters)"
+            if self.written()
+            else ""
+        )
         raise RuntimeError(
             f"model.load_state_dict() on a model ZeroEngine wraps (stage {self.stage}) would write into the "
             f"engine's {place} while the fp32 masters the next step starts from keep the old weights; load the "
             f"weights into the model before ZeroEngine(model) wraps it, or resume with "
-            f"engine.load_checkpoint(path)"
+            f"engine.load_checkpoint(path){already}"
+        )
+
+    def park_grads(self) -> None:
+        """Between steps: every trainable parameter's ``.grad`` becomes a :class:`GradInEngine`."""
+        for _, p in self._named:
+            if p.requires_grad:
+                p.grad = GradInEngine(p)
+
+    def written(self) -> list[str]:
+        """Names of the parameters written in place by anyone but the engine since :meth:`settle`."""
+        return [n for (n, p), v in zip(self._named, self._versions) if version(p) != v]
+
+    def settle(self) -> None:
+        """The parameters as they are now are the engine's (after its own writes, or a refresh)."""
+        self._versions = [version(p) for _, p in self._named]
+
+    def written_error(self) -> RuntimeError | None:
+        """The error :meth:`written` parameters make (None if there are none), naming what to use."""
+        names = self.written()
+        if not names:
+            return None
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return RuntimeError(
+            f"the wrapped model's parameters {shown} were written in place outside ZeroEngine (e.g. "
+            f"torch.distributed.checkpoint.load into engine.model.state_dict(), whose tensors are the parameters, "
+            f"or an in-place op on a parameter), but the engine trains its own fp32 masters and optimizer state, "
+            f"so the next step would overwrite the written values or train from a mix; resume with "
+            f"engine.load_checkpoint(path) (a checkpoint of engine.save_checkpoint), or load the weights into the "
+            f"model before ZeroEngine(model) wraps it; engine.refresh_params() (collective) rebuilds the "
+            f"parameters from the engine's masters and lets training go on"
         )
 
     def check_params(self, model: nn.Module) -> None:
@@ -156,4 +249,7 @@ class ModelGuard:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for _, p in self._named:
+            if isinstance(p.grad, GradInEngine):
+                p.grad = None  # a plain model again (stages 0-2)
         self.closed = True

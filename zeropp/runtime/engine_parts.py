@@ -1,0 +1,101 @@
+"""What every role of ``ZeroEngine`` reads: the engine's parts, declared once, and its open check.
+
+``ZeroEngine`` (``engine.py``) builds these parts in its constructor and is assembled from role
+classes, one per module: the training step and evaluation (``engine_step.py``), the checkpoint
+and state-dict side (``engine_state.py``) and the memory accounting (``engine_memory.py``). Each
+role derives from :class:`EngineParts`, which only declares the attributes the constructor sets
+(so each role's code is type-checked against them) and holds the one check every public entry
+point runs first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeropp.comm.session import CommSession
+from zeropp.comm.stats import CommStats
+from zeropp.comm.topology import Topology
+
+from . import frozen as fz
+from . import memory as mem
+from .activations import ActivationStore, BlockCheckpointing
+from .batch import LossFn
+from .buffers import BufferPool
+from .collectives import EngineComm
+from .config import OptimizerConfig, ZeroConfig
+from .loss_scale import DynamicLossScaler, StaticLossScaler
+from .offload import ParamStore, SwappedAdamW
+from .optimizer import ShardedAdamW
+from .partition import FlatUnit
+from .reduction import GradReducer
+from .rollcall import RollCall
+from .stage3 import Stage3Hooks
+from .swap import SwapSpace
+from .update import ParamUpdate
+from .weight_diff import WeightDiff
+from .wrapped import ModelGuard
+
+if TYPE_CHECKING:
+    from .checkpoint_io import Origin
+
+
+class EngineParts:
+    """The attributes ``ZeroEngine.__init__`` sets (documented there), typed for the role classes."""
+
+    cfg: ZeroConfig
+    opt_cfg: OptimizerConfig
+    topology: Topology
+    dtype: torch.dtype
+    device: torch.device
+    model: nn.Module
+    loss_fn: LossFn | None
+    comm: EngineComm
+    comm_stats: CommStats
+    comm_session: CommSession
+    world_size: int
+    rank: int
+    param_dtypes: dict[str, torch.dtype]
+    num_params: int
+    frozen: fz.FrozenUnits
+    frozen_units: list[FlatUnit]
+    frozen_originals: dict[str, torch.Tensor]
+    units: list[FlatUnit]
+    blocks: list[tuple[nn.Module, FlatUnit]]
+    root: FlatUnit | None
+    swap: SwapSpace | None
+    param_store: ParamStore | None
+    buffers: BufferPool
+    optim: ShardedAdamW | SwappedAdamW
+    checkpointing: BlockCheckpointing | None
+    activations: ActivationStore
+    reducer: GradReducer
+    error_feedback: object | None
+    weight_diff: WeightDiff | None
+    stage3: Stage3Hooks | None
+    scaler: DynamicLossScaler | StaticLossScaler
+    update: ParamUpdate
+    guard: ModelGuard
+
+    _all_ranks: int
+    _pg: object
+    _control: dist.ProcessGroup | None
+    _eval_roll_call: RollCall | None
+    _defer_checks: bool
+    _last_memory: dict[str, int] | None
+    _memory_sources: dict[str, list[object]]
+    _phases: dict[str, mem.MemorySnapshot]
+    _checkpoint_origin: Origin | None
+    _closed: bool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ZeroEngine was closed; create a new one")
+        if not dist.is_initialized() or self._pg is not dist.group.WORLD:
+            raise RuntimeError(
+                "the process group this ZeroEngine was built on was destroyed (destroy_process_group); its "
+                "groups are gone: after a new init_process_group, build a new model and a new ZeroEngine"
+            )
