@@ -20,4 +20,4 @@ repository root also ``experiments``.
 
 from zeropp.interrupts import quiet_interrupts_while_importing
 
-quiet_interrupts_while_importing(__name__)  # Ctrl-C while a `python -m experiments.X` command imports: one line, 130
+quiet_interrupts_while_importing(__name__)  # Ctrl-C / SIGTERM while `python -m experiments.X` imports: one line
