@@ -290,6 +290,61 @@ def test_a_second_ctrl_c_while_the_ranks_stop_does_not_cut_the_stop_short(tmp_pa
                 os.kill(pid, signal.SIGKILL)
 
 
+_SWALLOWED_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from tests.distributed.test_harness import _hang_with_grandchild
+    from zeropp.experiments.launch import RankFailure, launch_world, world
+    sent = []
+    watched = world.exit_status
+
+    def swallowing_poll(pid):
+        if not sent and len(os.listdir(sys.argv[1])) == 2:  # both ranks run: the SIGTERM lands where
+            sent.append(pid)  # an exception is lost (a finalizer, a logging handler, an `except Exception`)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)
+            except Exception:
+                pass
+        return watched(pid)
+
+    world.exit_status = swallowing_poll
+    try:
+        launch_world(_hang_with_grandchild, 2, args=(sys.argv[1],), timeout_s=120, grace_s=1)
+    except RankFailure as e:
+        print(type(e).__name__, e, file=sys.stderr)
+        sys.exit(e.exit_code)
+""")
+
+
+def test_a_signal_landing_where_an_exception_is_swallowed_still_stops_the_world(tmp_path: Path):
+    """The launcher's SIGTERM (``kill``, ``timeout``) was an exception raised wherever the main thread
+    was; one raised inside code that swallows exceptions was lost, and the launcher watched on, its
+    ranks running, until the whole-run timeout. Noted by the handler and acted on by the watch loop,
+    it stops every rank: exit 143, one line, nothing left."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen(
+            [sys.executable, "-c", _SWALLOWED_SCRIPT, str(pid_dir)],
+            stderr=err_file,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+    try:
+        pids = _pids(pid_dir, 2)
+        p.wait(timeout=30)
+        err = (tmp_path / "stderr").read_text()
+        assert p.returncode == 128 + signal.SIGTERM and "RunInterrupted interrupted by SIGTERM" in err, err
+        assert _wait_gone(pids) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for f in pid_dir.glob("rank*"):
+            for pid in map(int, f.read_text().split()):
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signals):
     """SIGTERM: the launcher stops the ranks and their groups and says so. SIGKILL: no handler
