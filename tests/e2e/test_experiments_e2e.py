@@ -374,6 +374,32 @@ def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(tmp_path: Path) -> Non
     assert _live_procs_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_our_torchrun_stops_with_the_signals_status_and_no_traceback(tmp_path: Path, sig: signal.Signals) -> None:
+    """``python -m zeropp.experiments.torchrun`` (torch's torchrun, its own entry) under Ctrl-C or a
+    scheduler's SIGTERM (to the agent alone): the ranks stop and rank 0 says it once; the agent
+    exits 128 + the signal without its ``SignalException`` traceback or its stop notices (plain
+    torchrun: both, and exit 1, the test above)."""
+    run_dir = tmp_path / "run"
+    ours = (sys.executable, "-m", "zeropp.experiments.torchrun", "--standalone", "--nproc-per-node", "2")
+    p = _start_runner(["train.steps=100000", "stage=3", f"hydra.run.dir={run_dir}"], tmp_path, launch=ours)
+    try:
+        _wait_for_training(p, run_dir, tmp_path / "stderr")
+        time.sleep(1.0)
+        _interrupt(p, sig)
+        code = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    err = (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+    assert code == 128 + sig, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err and "[rank" not in err, err[-3000:]
+    assert "death signal" not in err and "closing signal" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == [f"error: interrupted by {sig.name}; stopped; no checkpoint (train.checkpoint_every=0)"], err
+    assert _live_procs_mentioning(str(run_dir)) == []
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
