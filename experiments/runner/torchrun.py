@@ -11,19 +11,20 @@ nothing of it re-implemented), and only ends differently when a signal stopped i
 signal (130 for Ctrl-C, 143 for SIGTERM, as every command here), without the traceback and without
 the agent's two notices per stop (``Received SIGINT death signal, shutting down workers``,
 ``Sending process N closing signal SIGINT``); the ranks' own report is the one line. A Ctrl-C
-before any rank started (the rendezvous) is ``error: interrupted by SIGINT; stopped``. A failing
-rank is torchrun's as ever: its ``ChildFailedError`` summary, exit 1.
+or SIGTERM before any rank started (the rendezvous) is ``error: interrupted by SIGINT; stopped``
+(``run_command``, as every command). A failing rank is torchrun's as ever: its
+``ChildFailedError`` summary, exit 1.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.run import main as torchrun_main
+
+from ..launch.command import run_command
 
 __all__ = ["cli", "main"]
 
@@ -56,9 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun_main(None if argv is None else list(argv))
     except SignalException as e:  # the agent stopped its ranks, which said so
         return 128 + int(e.sigval)
-    except KeyboardInterrupt:  # before the agent started any rank: nobody else says it
-        print("error: interrupted by SIGINT; stopped", file=sys.stderr)
-        return 128 + int(signal.SIGINT)
     finally:
         for logger, f in filters:
             logger.removeFilter(f)
@@ -66,4 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    """The command: :func:`main` through ``run_command``, which makes a Ctrl-C or SIGTERM before the
+    agent started any rank (its rendezvous) one line, ``error: interrupted by SIGINT; stopped``."""
+    run_command(main)

@@ -44,7 +44,9 @@ def test_ctrl_c_before_any_rank_is_one_line(monkeypatch: pytest.MonkeyPatch, cap
         raise KeyboardInterrupt  # Python's handler: the agent installs torch's only when ranks start
 
     monkeypatch.setattr(ours, "torchrun_main", rendezvous)
-    assert ours.main([]) == 128 + signal.SIGINT
+    with pytest.raises(SystemExit) as e:
+        ours.cli()
+    assert e.value.code == 128 + signal.SIGINT
     assert capsys.readouterr().err == "error: interrupted by SIGINT; stopped\n"
 
 
