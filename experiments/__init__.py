@@ -1,7 +1,7 @@
 """zeropp.experiments: what the researcher runs, in rooms by role.
 
 - ``runner/``: one run, ``python -m experiments.run`` (and its previews ``experiments.plan``,
-  ``experiments.memory``);
+  ``experiments.memory``; torch's torchrun ending quietly on a signal, ``experiments.torchrun``);
 - ``projection/``: the cost model and its check (``experiments.scaling``,
   ``experiments.step_schedule``, ``experiments.scaling_check``);
 - ``cluster/``: the network-namespace cluster emulator and its probes (``experiments.cluster``,
@@ -20,4 +20,4 @@ repository root also ``experiments``.
 
 from zeropp.interrupts import quiet_interrupts_while_importing
 
-quiet_interrupts_while_importing(__name__)  # Ctrl-C while a `python -m experiments.X` command imports: one line, 130
+quiet_interrupts_while_importing(__name__)  # Ctrl-C / SIGTERM while `python -m experiments.X` imports: one line

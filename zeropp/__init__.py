@@ -12,4 +12,4 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__"]
 
-quiet_interrupts_while_importing(__name__)  # Ctrl-C while `python -m zeropp.X` imports: one line, 130
+quiet_interrupts_while_importing(__name__)  # Ctrl-C / SIGTERM while `python -m zeropp.X` imports: one line

@@ -1,4 +1,4 @@
-"""Ctrl-C while one of our commands is still importing (torch, triton, Hydra: a second or more).
+"""Ctrl-C or SIGTERM while one of our commands is still importing (torch, triton, Hydra: a second or more).
 
 Every ``python -m experiments.X`` / ``python -m zeropp.X`` command turns an interrupt into one
 ``error:`` line and exit status 130 once its ``main`` runs (``experiments.launch.command``), but
@@ -13,6 +13,17 @@ it), prints that one line and ends the process by SIGINT itself, as Python does 
 and nothing of the command exists yet to clean up. Anywhere else (a lazy import inside ``main``,
 ordinary code) it raises ``KeyboardInterrupt`` as Python's own handler does, so the commands'
 own handling is unchanged. A user's script that imports zeropp keeps Python's handler.
+
+SIGTERM (``timeout``, ``kill``, a scheduler's preemption) ended such a command silently in its
+first seconds: until the command's own handler is in place (``sigterm_raises``), Python leaves
+SIGTERM to the kernel. The same handler takes it while SIGTERM still has that default
+disposition: one line (``error: interrupted by SIGTERM while starting; stopped``, or without
+"while starting" once the imports are done and before the command's handler takes over) and
+death by SIGTERM (the shell sees 143), as the default would have ended it. A process that is a
+rank of a world (``RANK`` in its environment other than 0, or a rank of our own launcher,
+:data:`LAUNCHED_MARK`) stops without the line: its launcher reports the stop once (the runner's
+``all ranks stopped``; under torchrun rank 0's line). As a namespace's init (PID 1), which the
+kernel does not end with a default-handled signal, the process exits 128 + the signal instead.
 """
 
 from __future__ import annotations
@@ -24,7 +35,11 @@ import sys
 import threading
 from types import FrameType
 
-__all__ = ["quiet_interrupts_while_importing", "run_as_module"]
+__all__ = ["LAUNCHED_MARK", "quiet_interrupts_while_importing", "run_as_module"]
+
+LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
+"""Set in ranks our launcher starts (``experiments.launch``): the launcher, not the rank, reports their
+stop, and a rank never mistakes itself for a torchrun rank that should spawn."""
 
 
 def run_as_module(argv: list[str]) -> str | None:
@@ -59,28 +74,62 @@ def _starting(frame: FrameType | None) -> bool:
     return caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
 
 
-def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    if _starting(frame):
+def _reports_stops() -> bool:
+    """Whether this process says that a signal stopped it: not when it is a rank another process
+    started and reports for (a rank of our launcher, or a torchrun rank other than rank 0)."""
+    return LAUNCHED_MARK not in os.environ and os.environ.get("RANK", "0") == "0"
+
+
+def _stop(sig: signal.Signals, line: str) -> None:
+    """Say ``line`` (when :func:`_reports_stops`) and end the process by ``sig`` itself: an
+    exception could be swallowed by a C-level import, and nothing of the command exists yet to
+    clean up. Returns only where the kernel ignores the signal (PID 1), by raising SystemExit."""
+    if _reports_stops():
         with contextlib.suppress(OSError):  # a closed stderr must not stop the stop
-            print("error: interrupted by SIGINT while starting; stopped", file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)  # ends the process here; an exception could be swallowed
-        # still here: the process is a namespace's init (PID 1 in a container), which the kernel does
-        # not end with a default-handled signal. Python's handler back, so a later Ctrl-C still counts.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise SystemExit(128 + signal.SIGINT)
-    raise KeyboardInterrupt
+            print(line, file=sys.stderr, flush=True)
+    handler = signal.getsignal(sig)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    # still here: the process is a namespace's init (PID 1 in a container), which the kernel does
+    # not end with a default-handled signal. Our handler back, so a later signal still counts.
+    signal.signal(sig, handler)
+    raise SystemExit(128 + sig)
+
+
+_installed_by: list[int] = []  # the pid that installed the handler (a forked child inherits it)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    sig = signal.Signals(signum)
+    if os.getpid() not in _installed_by:  # a forked child (a data loader's worker): Python's defaults
+        if sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return
+    if _starting(frame):
+        _stop(sig, f"error: interrupted by {sig.name} while starting; stopped")
+    if sig == signal.SIGINT:
+        raise KeyboardInterrupt  # as Python's own handler: the command's handling decides
+    # SIGTERM with no handler of the command's in place (before it installs one, or after): where
+    # the default disposition would have ended the process without a word
+    _stop(sig, f"error: interrupted by {sig.name}; stopped")
 
 
 def quiet_interrupts_while_importing(package: str) -> None:
     """Install the handler (module doc) when this process is ``python -m package.X`` (``package``:
-    the calling package's own name, ``zeropp`` or ``experiments``), SIGINT still has Python's
-    default handler, and this is the main thread (only it may set handlers); otherwise nothing. A
-    user's ``python -m their_pkg.train`` that imports zeropp keeps Python's handler."""
+    the calling package's own name, ``zeropp`` or ``experiments``) and this is the main thread
+    (only it may set handlers): for SIGINT while it still has Python's default handler, for
+    SIGTERM while it still has the default disposition (an ignored SIGTERM stays ignored);
+    otherwise nothing. A user's ``python -m their_pkg.train`` that imports zeropp keeps Python's
+    handlers."""
     module = run_as_module(list(getattr(sys, "orig_argv", [])))
     if module is None or not (module == package or module.startswith(package + ".")):
         return
     if threading.current_thread() is not threading.main_thread():
         return
+    _installed_by[:] = [os.getpid()]
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
+        signal.signal(signal.SIGINT, _on_signal)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_signal)

@@ -15,13 +15,13 @@ import socket
 
 import torch
 
+from zeropp.interrupts import LAUNCHED_MARK
+
 from .failure import RankFailure
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
-"""Set in ranks this launcher starts, so a rank never mistakes itself for a torchrun rank that should spawn."""
+# LAUNCHED_MARK (from zeropp.interrupts, which also reads it): set in ranks this launcher starts, so a
+# rank never mistakes itself for a torchrun rank that should spawn
 
 
 class PlacementError(RankFailure):

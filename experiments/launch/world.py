@@ -33,10 +33,14 @@ leaves the child for torch to reap), so the launcher knows which rank died *firs
 ``PContext.close(timeout=grace_s)`` (SIGTERM to each rank's process group, SIGKILL after the
 grace), then each group is SIGKILLed once more so grandchildren (e.g. wandb's service) go too.
 :class:`RankFailure` names the root cause, with the tail of its error (how it is chosen, and
-where the error text comes from: :mod:`zeropp.experiments.launch.failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher (torch's
-handlers, restored afterwards) and the whole-run timeout stop all ranks the same way. A stop
-first sends SIGTERM to every rank and then SIGCONT to its group, so a stopped rank handles its
-SIGTERM as soon as it continues.
+where the error text comes from: :mod:`zeropp.experiments.launch.failure`). SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher
+(handlers restored afterwards) and the whole-run timeout stop all ranks the same way. While the
+ranks start, torch's handlers raise its ``SignalException``; once they run, the launcher's own
+handlers only note the signal, and the watch loop stops the world at its next poll: an exception
+raised wherever the signal lands can be swallowed there (a finalizer, a logging handler, any
+``except Exception``: ``SignalException`` is one), and the launcher then watched on with its ranks
+training, a single ``kill`` lost. A stop first sends SIGTERM to every rank and then SIGCONT to its
+group, so a stopped rank handles its SIGTERM as soon as it continues.
 
 Silent ranks (``heartbeat_s``): a rank that is alive but no longer heard from (SIGSTOPped,
 deadlocked, stuck in I/O) would otherwise only surface when a peer's collective times out, blamed
@@ -78,6 +82,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -317,7 +322,15 @@ def _start_and_watch(
     )
     old_handlers = {s: signal.getsignal(s) for s in _TORCH_SIGNALS}  # start_processes installs its own
     world: _World | None = None
+    arrived: list[int] = []  # signals that arrived while the ranks ran (the watch loop stops them)
     during_stop: list[int] = []  # signals that arrived while the ranks were being stopped
+
+    def note(signum: int, frame: object) -> None:
+        """A signal while the ranks run: noted, not raised (module doc); the watch loop stops them.
+        A second one (the watch loop already stopping a failed world) hurries as :func:`hurry`."""
+        arrived.append(signum)
+        if len(arrived) > 1 and world is not None:
+            _signal_groups(list(world.pids.values()), signal.SIGKILL)
 
     def hurry(signum: int, frame: object) -> None:
         """A signal while the ranks stop: no exception inside the stop (that would cut it short and
@@ -340,9 +353,16 @@ def _start_and_watch(
             world = _World(
                 pc=pc, pids=pc.pids(), log_dir=log_dir, grace_s=grace_s, ranks_per_node=ranks_per_node, monitor=monitor
             )
-            results = _watch(world, timeout_s=timeout_s, poll_s=poll_s)
+            if threading.current_thread() is threading.main_thread():  # (as start_processes installs its own)
+                for sig in _TORCH_SIGNALS:
+                    signal.signal(sig, note)
+            results = _watch(world, timeout_s=timeout_s, poll_s=poll_s, arrived=arrived)
         except SignalException as e:
             raise _interrupted(e.sigval) from None
+        except RankFailure:
+            if arrived:  # the signal came while a failing world was stopped: the command was interrupted
+                raise _interrupted(signal.Signals(arrived[0])) from None
+            raise
         finally:
             try:
                 if world is not None:
@@ -353,8 +373,8 @@ def _start_and_watch(
                 for sig, handler in old_handlers.items():  # one that cannot be restored: the others still are
                     with contextlib.suppress(TypeError, ValueError):
                         signal.signal(sig, handler)
-    if during_stop:  # the world had finished when the signal came: the command still stops
-        raise _interrupted(signal.Signals(during_stop[0]))
+    if arrived or during_stop:  # the world had finished when the signal came: the command still stops
+        raise _interrupted(signal.Signals([*arrived, *during_stop][0]))
     return results
 
 
@@ -363,12 +383,16 @@ def _interrupted(sig: signal.Signals) -> RunInterrupted:
     return RunInterrupted(f"interrupted by {sig.name}; all ranks stopped", exit_code=128 + int(sig))
 
 
-def _watch(world: _World, *, timeout_s: float, poll_s: float) -> list[Any]:
-    """Poll until every rank is done (results by rank) or one fails or the deadline passes (raise)."""
+def _watch(world: _World, *, timeout_s: float, poll_s: float, arrived: Sequence[int] = ()) -> list[Any]:
+    """Poll until every rank is done (results by rank) or one fails or the deadline passes (raise),
+    or a signal was noted in ``arrived`` (raise torch's ``SignalException`` for it)."""
     deadline = time.monotonic() + timeout_s
     next_beat_check = time.monotonic()
     codes: dict[int, int] = {}
     while True:
+        if arrived:
+            sig = signal.Signals(arrived[0])
+            raise SignalException(f"launcher (pid {os.getpid()}) got signal {sig.name}", sigval=sig)
         first = {}
         for r, pid in world.pids.items():
             if r not in codes and (c := exit_status(pid)) is not None:

@@ -1,6 +1,7 @@
 """A sweep checked before its first point starts (``hydra/sweeper=zeropp`` hands every composed
 point to :func:`check_sweep_points`): each point's settings, Slurm keys, this host's checks and
-its own run directory; and, resumed (``resume=true``), that each point continues its own run
+its own run directory; that its ``hydra.sweep.dir`` holds no other sweep (:func:`other_sweep_in`);
+and, resumed (``resume=true``), that each point continues its own run
 (:func:`check_resumed_point`) in a sweep that began there (:func:`sweep_point_began`).
 """
 
@@ -20,7 +21,23 @@ from .overrides import point_run_dir
 from .preflight import check_before_launch
 from .slurm import check_slurm_keys
 
-__all__ = ["RESUME_MAY_CHANGE", "check_resumed_point", "check_sweep_points", "sweep_point_began", "sweep_point_dir"]
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "SWEEP_RECORD",
+    "check_resumed_point",
+    "check_sweep_points",
+    "other_sweep_in",
+    "sweep_point_began",
+    "sweep_point_dir",
+]
+
+SWEEP_RECORD = "multirun.yaml"
+"""The sweep's config, which Hydra's sweeper writes into ``hydra.sweep.dir`` (over any earlier one)."""
+
+
+def _typed_subdir(cfg: DictConfig) -> object:
+    """``hydra.sweep.subdir`` as typed (its ``${...}`` unresolved, as the sweep record keeps it)."""
+    return cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]
 
 
 def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
@@ -29,8 +46,7 @@ def sweep_point_dir(cfg: DictConfig, num: int) -> Path | None:
     that point; None when it cannot be resolved before the launch (a resolver of the job itself)."""
     try:
         if cfg.hydra.runtime.choices.get("hydra/launcher") not in (None, "basic"):
-            subdir = cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]  # as typed
-            if "hydra.job.id" in str(subdir):
+            if "hydra.job.id" in str(_typed_subdir(cfg)):
                 return None  # another launcher's job id (a Slurm job's) exists only once it is submitted
         return point_run_dir(cfg, num, num)  # the job id as Hydra's basic launcher sets it
     except Exception:  # any resolution error: the job's own check runs again at its start
@@ -106,6 +122,8 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
     command exits 2 and no point has started."""
     shared = set.intersection(*(set(o) for o, _ in points)) if len(points) > 1 else set()
     bad: list[str] = []
+    if points and (elsewhere := other_sweep_in(points[0][1])) is not None:
+        bad.append(f"  (every point): {elsewhere}")
     resumed: list[tuple[RunConfig, Path]] = []  # the resumed points whose directories resolve
     taken: dict[Path, Sequence[str]] = {}  # each point's run directory -> the point that runs there
     for num, (overrides, cfg) in enumerate(points):
@@ -117,9 +135,8 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
             if run_dir is not None:
                 other = taken.setdefault(run_dir.resolve(), overrides)
                 if other is not overrides:
-                    subdir = cast(dict, OmegaConf.to_container(cfg.hydra.sweep))["subdir"]  # as typed
                     raise ConfigError(
-                        f"invalid config: hydra.sweep.subdir={subdir!r} "
+                        f"invalid config: hydra.sweep.subdir={_typed_subdir(cfg)!r} "
                         f"puts this point into {run_dir}, where point {' '.join(o for o in other if o not in shared)!r} "
                         "runs too (each would overwrite the other's records); make hydra.sweep.subdir differ "
                         "between points: ${hydra.job.num} (the default) or ${hydra.job.override_dirname}"
@@ -151,6 +168,31 @@ def check_sweep_points(points: Sequence[tuple[Sequence[str], DictConfig]]) -> No
             flush=True,
         )
         sys.exit(2)
+
+
+def other_sweep_in(cfg: DictConfig) -> str | None:
+    """Why this sweep (composed as ``cfg``) must not run in its ``hydra.sweep.dir``, or None: the
+    directory's :data:`SWEEP_RECORD` is another sweep's, one with another ``hydra.sweep.subdir``.
+    Its points would land beside that sweep's, Hydra would write this sweep's record over that
+    one, and whatever reads the directory as one sweep (``experiments.report``, the wandb group,
+    a resume) would mix the two. The same subdir is the same sweep resumed or extended (each
+    point's own directory is checked apart); a record without a readable subdir is not judged."""
+    sweep_dir = Path(str(cfg.hydra.sweep.dir))
+    try:  # OmegaConf's loader is YAML's safe one: the file builds plain data, never objects
+        record = OmegaConf.to_container(OmegaConf.load(sweep_dir / SWEEP_RECORD), resolve=False)
+        earlier = cast(dict, record)["hydra"]["sweep"]["subdir"]
+    except Exception:  # no record, or none of a sweep (unreadable, not a mapping, no subdir): not judged
+        return None
+    subdir = _typed_subdir(cfg)
+    if not isinstance(earlier, str) or earlier == subdir:
+        return None
+    return (
+        f"invalid config: hydra.sweep.dir={sweep_dir} holds another sweep (its {SWEEP_RECORD} has "
+        f"hydra.sweep.subdir={earlier!r}, this sweep {subdir!r}): its points would run beside that sweep's, "
+        f"its {SWEEP_RECORD} would replace that sweep's, and a report of the directory would mix both; give "
+        f"this sweep a directory of its own (hydra.sweep.dir={sweep_dir.parent / (sweep_dir.name + '-2')}), or pass "
+        f"hydra.sweep.subdir={earlier!r} to resume or extend that sweep"
+    )
 
 
 def sweep_point_began(rc: RunConfig, run_dir: Path) -> bool:

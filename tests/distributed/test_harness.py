@@ -114,6 +114,32 @@ def _pids(pid_dir: Path, n: int, timeout: float = 60.0) -> list[int]:
     return [int(p) for f in sorted(pid_dir.glob("rank*")) for p in f.read_text().split()]
 
 
+def _start_launcher(script: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """``script`` (a launcher of ranks that write their pids into the directory it is given) in a
+    child process, its stderr in ``tmp_path / "stderr"``; the process and the pid directory."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    with open(tmp_path / "stderr", "w") as err_file:
+        p = subprocess.Popen(
+            [sys.executable, "-c", script, str(pid_dir)],
+            stderr=err_file,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+    return p, pid_dir
+
+
+def _kill_what_is_left(p: subprocess.Popen, pid_dir: Path) -> None:
+    """SIGKILL the launcher and every recorded pid still alive (what a failed test, or a SIGKILLed
+    launcher, leaves behind)."""
+    if p.poll() is None:
+        p.kill()
+    for f in pid_dir.glob("rank*"):
+        for pid in map(int, f.read_text().split()):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
@@ -263,15 +289,7 @@ def test_a_second_ctrl_c_while_the_ranks_stop_does_not_cut_the_stop_short(tmp_pa
     raises nothing inside the stop but kills the ranks' groups at once, so the stop ends with every
     rank gone and the launcher reports the interrupt in one line (before: torch's SignalException
     traceback from inside the stop, and the ranks not yet killed were left to PDEATHSIG)."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    with open(tmp_path / "stderr", "w") as err_file:
-        p = subprocess.Popen(
-            [sys.executable, "-c", _TWICE_SCRIPT, str(pid_dir)],
-            stderr=err_file,
-            cwd=Path(__file__).resolve().parents[2],
-            env={**os.environ, "TMPDIR": str(tmp_path)},
-        )
+    p, pid_dir = _start_launcher(_TWICE_SCRIPT, tmp_path)
     try:
         pids = _pids(pid_dir, 2)
         p.send_signal(signal.SIGINT)
@@ -283,11 +301,46 @@ def test_a_second_ctrl_c_while_the_ranks_stop_does_not_cut_the_stop_short(tmp_pa
         assert "Traceback" not in err and "SignalException" not in err, err
         assert _wait_gone(pids) == []
     finally:
-        if p.poll() is None:
-            p.kill()
-        for pid in (int(f.read_text()) for f in pid_dir.glob("rank*")):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_what_is_left(p, pid_dir)
+
+
+_SWALLOWED_SCRIPT = (
+    textwrap.dedent("""
+    import os, signal, sys, time
+    from zeropp.experiments.launch import world
+    sent = []
+    watched = world.exit_status
+
+    def swallowing_poll(pid):
+        if not sent and len(os.listdir(sys.argv[1])) == 2:  # both ranks run: the SIGTERM lands where
+            sent.append(pid)  # an exception is lost (a finalizer, a logging handler, an `except Exception`)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)
+            except Exception:
+                pass
+        return watched(pid)
+
+    world.exit_status = swallowing_poll
+""")
+    + _SIGNAL_SCRIPT
+)  # then the launch of the SIGTERM test below
+
+
+def test_a_signal_landing_where_an_exception_is_swallowed_still_stops_the_world(tmp_path: Path):
+    """The launcher's SIGTERM (``kill``, ``timeout``) was an exception raised wherever the main thread
+    was; one raised inside code that swallows exceptions was lost, and the launcher watched on, its
+    ranks running, until the whole-run timeout. Noted by the handler and acted on by the watch loop,
+    it stops every rank: exit 143, one line, nothing left."""
+    p, pid_dir = _start_launcher(_SWALLOWED_SCRIPT, tmp_path)
+    try:
+        pids = _pids(pid_dir, 2)
+        p.wait(timeout=30)
+        err = (tmp_path / "stderr").read_text()
+        assert p.returncode == 128 + signal.SIGTERM and "RunInterrupted interrupted by SIGTERM" in err, err
+        assert _wait_gone(pids) == []
+    finally:
+        _kill_what_is_left(p, pid_dir)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -295,15 +348,7 @@ def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Si
     """SIGTERM: the launcher stops the ranks and their groups and says so. SIGKILL: no handler
     runs; PDEATHSIG still takes the ranks down (their own grandchildren then need their own
     parent watch, as wandb's service has)."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    with open(tmp_path / "stderr", "w") as err_file:
-        p = subprocess.Popen(
-            [sys.executable, "-c", _SIGNAL_SCRIPT, str(pid_dir)],
-            stderr=err_file,
-            cwd=Path(__file__).resolve().parents[2],
-            env={**os.environ, "TMPDIR": str(tmp_path)},
-        )  # what a SIGKILLed launcher leaves
+    p, pid_dir = _start_launcher(_SIGNAL_SCRIPT, tmp_path)
     try:
         pids = _pids(pid_dir, 2)
         p.send_signal(sig)
@@ -316,12 +361,7 @@ def test_signal_to_the_launcher_leaves_no_process(tmp_path: Path, sig: signal.Si
         else:
             assert _wait_gone(pids[0::2]) == []  # the ranks (the grandchildren belong to them, see below)
     finally:
-        if p.poll() is None:
-            p.kill()
-        for f in pid_dir.glob("rank*"):  # whatever outlived a SIGKILLed launcher: clean up
-            for pid in map(int, f.read_text().split()):
-                if _alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+        _kill_what_is_left(p, pid_dir)
 
 
 # ---------------------------------------------------------------- devices and placements

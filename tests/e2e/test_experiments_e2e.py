@@ -351,27 +351,48 @@ def test_an_interrupt_stops_every_rank_without_waiting_for_the_kill(tmp_path: Pa
     assert _live_procs_mentioning(str(run_dir)) == []
 
 
+def _stop_under_torchrun(tmp_path: Path, torchrun: str, sig: signal.Signals) -> tuple[int, str]:
+    """``python -m <torchrun> --standalone --nproc-per-node 2 -m zeropp.experiments.run`` (stage 3,
+    training on) given ``sig`` as :func:`_interrupt` sends it, once it trains; its exit status and
+    everything it printed. No process of the run is left."""
+    run_dir = tmp_path / "run"
+    launch = (sys.executable, "-m", torchrun, "--standalone", "--nproc-per-node", "2")
+    p = _start_runner(["train.steps=100000", "stage=3", f"hydra.run.dir={run_dir}"], tmp_path, launch=launch)
+    try:
+        _wait_for_training(p, run_dir, tmp_path / "stderr")
+        time.sleep(1.0)
+        _interrupt(p, sig)
+        code = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert _live_procs_mentioning(str(run_dir)) == []
+    return code, (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+
+
 def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(tmp_path: Path) -> None:
     """Ctrl-C to ``torchrun ... -m zeropp.experiments.run``: torchrun's agent passes the SIGINT to
     its ranks, which stop (process groups aborted) and exit 130 without a traceback; rank 0 says
     it once, with the run's checkpoint. (torchrun's agent prints its own ``SignalException``
-    traceback and exits 1: torch's code, not ours.)"""
-    run_dir = tmp_path / "run"
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    p = _start_runner(["train.steps=100000", "stage=3", f"hydra.run.dir={run_dir}"], tmp_path, launch=torchrun)
-    try:
-        _wait_for_training(p, run_dir, tmp_path / "stderr")
-        time.sleep(1.0)
-        _interrupt(p, signal.SIGINT)
-        p.wait(timeout=60)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    err = (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+    traceback and exits 1: torch's code, not ours; ``experiments.torchrun``: the test below.)"""
+    _, err = _stop_under_torchrun(tmp_path, "torch.distributed.run", signal.SIGINT)
     assert "[rank" not in err and "experiments/runner" not in err, err[-3000:]  # no rank's traceback
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert lines == ["error: interrupted by SIGINT; stopped; no checkpoint (train.checkpoint_every=0)"], err[-3000:]
-    assert _live_procs_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_our_torchrun_stops_with_the_signals_status_and_no_traceback(tmp_path: Path, sig: signal.Signals) -> None:
+    """``python -m zeropp.experiments.torchrun`` (torch's torchrun, its own entry) under Ctrl-C or a
+    scheduler's SIGTERM (to the agent alone): the ranks stop and rank 0 says it once; the agent
+    exits 128 + the signal without its ``SignalException`` traceback or its stop notices (plain
+    torchrun: both, and exit 1)."""
+    code, err = _stop_under_torchrun(tmp_path, "zeropp.experiments.torchrun", sig)
+    assert code == 128 + sig, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err and "[rank" not in err, err[-3000:]
+    assert "death signal" not in err and "closing signal" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == [f"error: interrupted by {sig.name}; stopped; no checkpoint (train.checkpoint_every=0)"], err
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

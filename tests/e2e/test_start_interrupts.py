@@ -1,9 +1,11 @@
-"""Ctrl-C while one of our ``python -m`` commands still imports: one line and death by SIGINT, even
-where an import swallows exceptions (torch's C-level import of numpy does); a lazy import later,
-and a user's own script, keep Python's ``KeyboardInterrupt``."""
+"""Ctrl-C or SIGTERM while one of our ``python -m`` commands still imports: one line and death by
+that signal, even where an import swallows exceptions (torch's C-level import of numpy does); a
+lazy import later, and a user's own script, keep Python's ``KeyboardInterrupt`` (and SIGTERM's
+silent default); a rank that its launcher reports for stops without the line."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from zeropp.interrupts import run_as_module
+from zeropp.interrupts import LAUNCHED_MARK, run_as_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 _SWALLOWING = """
 import os, signal, time
 try:  # as a C-level import that clears any error: an exception raised here is lost
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIG{sig})
     time.sleep(5)
 except BaseException:
     print("swallowed")
@@ -28,17 +30,27 @@ print("imported")
 
 _PLAIN = """
 import os, signal, time
-os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIG{sig})
 time.sleep(5)
 print("imported")
 """
 
 
-def _run(tmp_path: Path, body: str, *, module: str | None = "experiments.fake") -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path,
+    body: str,
+    *,
+    module: str | None = "experiments.fake",
+    sig: str = "INT",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """``body`` in a child whose command line reads ``python -m module`` (None: ``python -c``), after
-    ``import zeropp`` and our ``experiments`` package's own call (``__init__``)."""
-    (tmp_path / "swallowing.py").write_text(_SWALLOWING)
-    (tmp_path / "plain.py").write_text(_PLAIN)
+    ``import zeropp`` and our ``experiments`` package's own call (``__init__``). Its modules
+    ``swallowing`` and ``plain`` send the process ``SIG<sig>`` while they are imported. ``env``:
+    added to the child's environment (which has no ``RANK`` unless given)."""
+    (tmp_path / "swallowing.py").write_text(_SWALLOWING.format(sig=sig))
+    (tmp_path / "plain.py").write_text(_PLAIN.format(sig=sig))
+    child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", LAUNCHED_MARK)}
     prelude = (
         "import sys\n"
         + (f"sys.orig_argv = [sys.executable, '-m', {module!r}]\n" if module else "")
@@ -47,7 +59,12 @@ def _run(tmp_path: Path, body: str, *, module: str | None = "experiments.fake") 
         + "zeropp.interrupts.quiet_interrupts_while_importing('experiments')\n"
     )
     return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(body)], capture_output=True, text=True, timeout=60, cwd=REPO
+        [sys.executable, "-c", prelude + textwrap.dedent(body)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**child_env, **(env or {})},
     )
 
 
@@ -58,12 +75,60 @@ def test_an_interrupt_during_start_up_imports_is_one_line_and_death_by_sigint(tm
     assert p.stdout == ""  # neither swallowed nor run on
 
 
+def test_a_sigterm_during_start_up_imports_is_one_line_and_death_by_sigterm(tmp_path: Path) -> None:
+    """SIGTERM (``timeout``, ``kill``) in the first seconds ended the command with no word (the
+    kernel's default); now as Ctrl-C: one line, and still death by SIGTERM (the shell shows 143)."""
+    p = _run(tmp_path, "import swallowing\nprint('ran on')\n", sig="TERM")
+    assert p.returncode == -signal.SIGTERM, (p.returncode, p.stdout, p.stderr)
+    assert p.stderr == "error: interrupted by SIGTERM while starting; stopped\n"
+    assert p.stdout == ""
+
+
+def test_a_sigterm_after_the_imports_before_the_commands_handler_is_one_line(tmp_path: Path) -> None:
+    """Between the imports and the command's own SIGTERM handler (``sigterm_raises``) the default
+    disposition would end the process silently too: the line without "while starting"."""
+    p = _run(
+        tmp_path, "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('ran on')\n"
+    )
+    assert (p.returncode, p.stdout, p.stderr) == (-signal.SIGTERM, "", "error: interrupted by SIGTERM; stopped\n")
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"RANK": "0", LAUNCHED_MARK: "0"}])
+def test_a_rank_its_launcher_reports_for_stops_without_the_line(tmp_path: Path, sig: str, env: dict[str, str]) -> None:
+    """A torchrun rank other than 0, or any rank of our launcher (which says ``all ranks stopped``
+    once): the same death by the signal, without a line of its own (one per rank, before)."""
+    p = _run(tmp_path, "import swallowing\nprint('ran on')\n", sig=sig, env=env)
+    assert (p.returncode, p.stdout, p.stderr) == (-getattr(signal, f"SIG{sig}"), "", "")
+    torchrun_rank0 = _run(tmp_path, "import swallowing\n", sig=sig, env={"RANK": "0"})  # says it, once per job
+    assert torchrun_rank0.stderr == f"error: interrupted by SIG{sig} while starting; stopped\n"
+
+
+def test_a_forked_child_keeps_the_default_sigterm(tmp_path: Path) -> None:
+    """A child forked after the imports (a data loader's worker) inherits the handler: a SIGTERM
+    there ends it silently, as the default disposition does; the line is the command's alone."""
+    body = (
+        "import os, signal, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "    os._exit(0)\n"
+        "print(os.waitpid(pid, 0)[1] == signal.SIGTERM)\n"
+    )
+    p = _run(tmp_path, body)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "True\n", "")
+
+
 @pytest.mark.parametrize("module", [None, "mytool.train", "experimentsx.run"])
 def test_a_lazy_import_and_a_users_script_keep_keyboard_interrupt(tmp_path: Path, module: str | None) -> None:
     lazy = _run(tmp_path, "def f():\n    import plain\ntry:\n    f()\nexcept KeyboardInterrupt:\n    print('KI')\n")
     assert (lazy.returncode, lazy.stdout) == (0, "KI\n"), lazy.stderr
     users = _run(tmp_path, "import swallowing\nprint('ran on')\n", module=module)  # Python's own handler
     assert (users.returncode, users.stdout) == (0, "swallowed\nimported\nran on\n"), users.stderr
+    if module is not None:  # a user's SIGTERM: the kernel's default, no line of ours
+        term = _run(tmp_path, "import swallowing\nprint('ran on')\n", module=module, sig="TERM")
+        assert (term.returncode, term.stdout, term.stderr) == (-signal.SIGTERM, "", "")
 
 
 def test_a_users_own_experiments_package_importing_zeropp_keeps_pythons_handler(tmp_path: Path) -> None:

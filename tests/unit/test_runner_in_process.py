@@ -130,6 +130,35 @@ def test_a_sweep_into_earlier_runs_stops_before_its_first_job(
     assert calls == [] and sorted(x.name for x in tmp_path.rglob("*")) == ["0", "summary.json"]
 
 
+def test_a_second_sweep_with_another_subdir_in_the_same_sweep_dir_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sweeps into one ``hydra.sweep.dir`` with different ``hydra.sweep.subdir``: the second
+    would run its points beside the first's and write its ``multirun.yaml`` over the first's (a
+    report of the directory then mixes both). Refused before any point, naming what to change,
+    the first sweep's record as it was; the same subdir (the sweep extended) and a directory of
+    its own still run."""
+    calls: list[int] = []
+    monkeypatch.setattr(runner_job, "launch", _launch_recorder(calls))
+    sweep = tmp_path / "sweep"
+    first = ["-m", *MINI_1X2_CPU, "train.seed=1,2", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=seed${train.seed}"]
+    assert run_cli_here(first, capfd).returncode == 5 and calls == [1, 1]  # (the recorder's failure)
+    record = (sweep / "multirun.yaml").read_bytes()
+    second = ["-m", *MINI_1X2_CPU, "train.seed=3,4", "hydra.sweep.subdir=other${train.seed}"]
+    p = run_cli_here([*second, f"hydra.sweep.dir={sweep}"], capfd)
+    assert p.returncode == 2 and "2 sweep point(s) cannot run; no point was started" in p.stderr, p.stderr[-2000:]
+    assert (
+        f"(every point): invalid config: hydra.sweep.dir={sweep} holds another sweep (its multirun.yaml has "
+        "hydra.sweep.subdir='seed${train.seed}', this sweep 'other${train.seed}')" in p.stderr
+    ), p.stderr[-2000:]
+    assert f"hydra.sweep.dir={tmp_path / 'sweep-2'}), or pass hydra.sweep.subdir='seed${{train.seed}}'" in p.stderr
+    assert calls == [1, 1] and (sweep / "multirun.yaml").read_bytes() == record
+    assert sorted(d.name for d in sweep.iterdir()) == ["multirun.yaml", "seed1", "seed2"]
+    assert run_cli_here([*second, f"hydra.sweep.dir={tmp_path / 'sweep-2'}"], capfd).returncode == 5  # its own dir
+    extended = [*first[:-3], "train.seed=3", f"hydra.sweep.dir={sweep}", first[-1]]
+    assert run_cli_here(extended, capfd).returncode == 5 and calls == [1, 1, 1, 1, 1]
+
+
 def test_a_sweep_with_an_invalid_later_point_starts_no_point(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
