@@ -74,6 +74,15 @@ def parse_bytes(text: str) -> int:
     return n
 
 
+def _bytes_arg(text: str) -> int:
+    """:func:`parse_bytes` for argparse: its message reaches the user (argparse reports a plain
+    ValueError of a ``type=`` as ``invalid parse_bytes value``, dropping what to type instead)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def size_sweep(lo: int, hi: int, step: int) -> tuple[int, ...]:
     """``lo, lo * step, ...`` up to ``hi`` (inclusive when reached)."""
     if step not in (2, 4) or lo > hi:
@@ -161,8 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="wire formats beside the plain collective, comma-separated (default: every registered scheme at "
         f"each width: {','.join(format_specs())}); 'none': plain only",
     )
-    p.add_argument("--min-bytes", type=parse_bytes, default=1024)
-    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 1G on GPUs, 4M on CPU (see above)")
+    p.add_argument("--min-bytes", type=_bytes_arg, default=1024)
+    p.add_argument("--max-bytes", type=_bytes_arg, default=None, help="default 1G on GPUs, 4M on CPU (see above)")
     p.add_argument("--step", type=int, default=4, help="size multiplier between rows, 2 or 4")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)

@@ -63,6 +63,9 @@ def test_sizes_and_their_spelling() -> None:
         (["--cluster", "emulated", "--nodes", "1", "--ranks-per-node", "4"], "--nodes >= 2"),
         (["--calibrate", "x.json", "--ops", "all_reduce"], "keep all_gather"),
         (["--iters", "0"], "iters=0"),
+        # before: "invalid parse_bytes value: '1.5K'", without the spellings to use
+        (["--min-bytes", "1.5K"], "argument --min-bytes: '1.5K' is not a size; use e.g. 1024, 64K, 4M, 1G"),
+        (["--max-bytes", "2"], "argument --max-bytes: size '2' is below one fp32 element (4 bytes)"),
         # before: accepted, and the world started (and failed), or the flag was silently ignored
         (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0"),
         (["--gbps", "5"], "--gbps shape(s) the links of --cluster emulated; with --cluster local nothing is shaped"),
