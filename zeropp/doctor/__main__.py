@@ -5,7 +5,8 @@
     python -m zeropp.doctor --quick              # without the bandwidth measurements
 
 Exit status: 0 when no check failed (skipped rows allowed), 1 when one failed, 2 for a wrong
-command line (an unwritable ``--json`` path is refused before any check runs).
+command line (an unwritable ``--json`` path, or a ``--master-addr`` that does not resolve or is not
+this host's, is refused before any check runs).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..output_files import path_arg
 from . import CHECKS, print_progress, run_checks
 from .report import check_json_path, exit_status, print_report, to_json, write_json
 from .result import DoctorOptions
+from .world import address_problem
 
 
 def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
@@ -46,6 +48,9 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
         "--gloo-ranks", type=int, default=defaults.gloo_ranks, metavar="N", help="ranks of the gloo world (default 2)"
     )
     a = p.parse_args(argv)
+    unusable = address_problem(a.master_addr) if a.master_addr.strip() else None  # (blank: DoctorOptions says)
+    if unusable:
+        p.error(unusable)
     try:
         if a.json is not None:
             check_json_path(a.json)
