@@ -218,6 +218,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_groups(p, a.spec)
     if not in_torchrun():
         _check_local_ranks(p, a.spec.world)
+    if a.min_bytes < 4 * a.spec.world:  # each rank holds whole fp32 elements: smaller sizes round up alike
+        p.error(
+            f"--min-bytes {a.min_bytes} is less than one fp32 element per rank of the {a.spec.world}-rank world "
+            f"({4 * a.spec.world} bytes): every size below that would be measured at {4 * a.spec.world} bytes, the "
+            f"same row again; use --min-bytes >= {4 * a.spec.world}"
+        )
     if a.cluster == "emulated" and not (math.isfinite(a.gbps) and a.gbps > 0 and a.nodes >= 2):
         p.error(f"--cluster emulated needs --nodes >= 2 and a finite --gbps > 0, got {a.nodes} and {a.gbps}")
     if a.cluster == "emulated" and (
