@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from zeropp.comm import Topology
+from zeropp.comm import QuantSpec, Topology
 from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import ZeroConfig
 
@@ -164,11 +164,14 @@ def check_trainer_keys(rc: RunSections, spec: TrainerSpec) -> None:
         key = f"zero.{f.name}"
         if f.name == "stage" or spec.honours_key(key):
             continue
-        if getattr(rc.zero, f.name) != getattr(default, f.name):
+        value = getattr(rc.zero, f.name)
+        if value != getattr(default, f.name):
             used = ", ".join(sorted(k.removeprefix("zero.") for k in spec.honours or () if k != "stage"))
+            spec_set = isinstance(value, QuantSpec)  # most often by a quant= recipe: named by its label
             raise ConfigError(
-                f"invalid config: {key}={getattr(rc.zero, f.name)!r} does nothing with "
-                f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it, "
+                f"invalid config: {f'{key} ({value.label})' if spec_set else f'{key}={value!r}'} does nothing with "
+                f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it"
+                f"{f' ({key}=null, or a quant= recipe without it)' if spec_set else ''}, "
                 f"or use {trainers_that(functools.partial(TrainerSpec.honours_key, key=key))}"
             )
 
