@@ -129,6 +129,21 @@ def test_an_invalid_point_is_refused_before_submitting(slurm: SlurmCluster, tmp_
     assert after.stdout == before.stdout
 
 
+def test_a_partition_sbatch_refuses_is_one_error_line(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A mistyped partition: the real sbatch refuses the job array, and the command says so in one
+    line with sbatch's words, exit 2 (before: submitit's FailedJobError traceback)."""
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        ["-m", "stage=2,3", "topology=1x2", *TINY_CPU, "hydra/launcher=slurm", "slurm.partition=nosuchpartition"]
+        + ["slurm.time_min=5", f"hydra.sweep.dir={sweep}"],
+        env=_client_env(slurm),
+        timeout=150,
+    )
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "error: sbatch refused the sweep's jobs, so none was submitted: " in p.stderr, p.stderr[-3000:]
+    assert "partition" in p.stderr.split("error: sbatch refused", 1)[1] and "Traceback" not in p.stderr
+
+
 def test_train_sbatch_runs_torchrun_with_the_topology_from_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
     """sbatch --cpus-per-task=2: one torchrun agent on the node starts 2 CPU ranks; the run's
     topology (1 node x 2 ranks) comes from torchrun's environment, not from the command line."""
