@@ -99,6 +99,9 @@ def _csv(choices: tuple[str, ...]) -> Any:
         bad = [x for x in items if x not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"{text!r}: use a comma-separated subset of {','.join(choices)}")
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:  # each would be measured again: the same rows twice
+            raise argparse.ArgumentTypeError(f"{text!r} names {','.join(twice)} more than once; name each once")
         return items
 
     return parse
@@ -195,11 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         a.ranks_per_node, a.nodes = local, int(os.environ["WORLD_SIZE"]) // local
     try:
-        formats = (
-            ()
-            if a.formats == "none"
-            else tuple(format_specs(None if a.formats is None else tuple(a.formats.split(","))))
-        )
+        named = None if a.formats in (None, "none") else a.formats.split(",")
+        if named is not None and len(set(named)) < len(named):
+            raise ValueError(f"--formats {a.formats} names a format more than once; name each once")
+        formats = () if a.formats == "none" else tuple(format_specs(None if named is None else tuple(named)))
         a.spec = CommBenchSpec(
             nodes=a.nodes,
             ranks_per_node=a.ranks_per_node,

@@ -56,6 +56,10 @@ def test_sizes_and_their_spelling() -> None:
     "argv, message",
     [
         (["--formats", "int8,fp3"], "unknown wire format"),
+        # before: --ops / --groups measured twice (the same rows again); --formats silently once
+        (["--ops", "all_gather,all_reduce,all_gather"], "'all_gather,all_reduce,all_gather' names all_gather more"),
+        (["--groups", "world,world"], "names world more than once; name each once"),
+        (["--formats", "int8,mx4,int8"], "--formats int8,mx4,int8 names a format more than once"),
         (["--ops", "all_gather,broadcast"], "comma-separated subset"),
         (["--step", "3"], "--step 2 or 4"),
         (["--nodes", "1", "--ranks-per-node", "1"], "needs >= 2 ranks"),
