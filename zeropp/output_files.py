@@ -8,7 +8,9 @@ measurements away. A file already at the path is overwritten only when it is rec
 command's own output (``ours``: e.g. a JSON document of the command's shape); anything else there,
 a user's notes or another tool's results, is refused untouched. The write itself goes through
 :func:`zeropp.runtime.checkpoint_files.write_atomic`: a reader, or an interrupted run, sees the old
-file or the new one, never half of it.
+file or the new one, never half of it. A write that fails all the same (the disk filled, a quota,
+the directory made read-only meanwhile) raises :class:`OutputWriteError`: one line naming the
+file and why, which the commands print as ``error: ...`` instead of a traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from zeropp.runtime.checkpoint_files import write_atomic
 
 __all__ = [
     "OutputFileError",
+    "OutputWriteError",
     "check_output_file",
     "check_output_files",
     "creation_refused",
@@ -40,6 +43,11 @@ __all__ = [
 
 class OutputFileError(ValueError):
     """A path an output file cannot be written to, in one line naming the flag and what to change."""
+
+
+class OutputWriteError(OSError):
+    """Writing an output file failed after the work (a full disk, a quota): the message names the
+    file, the system's reason and that the file there was left as it was."""
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -177,6 +185,13 @@ def json_file_is(path: Path, shape: Callable[[Any], bool]) -> bool:
 
 def write_output_file(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` atomically, creating missing parent directories (the path was
-    checked by :func:`check_output_file` before the work began)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, data)
+    checked by :func:`check_output_file` before the work began); :class:`OutputWriteError` when
+    the system refuses the write."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data)
+    except OSError as e:
+        raise OutputWriteError(
+            f"cannot write {path}: {e.strerror or e}; nothing was written there (an earlier file is as it was): "
+            "free space or choose another path, and run again"
+        ) from None

@@ -74,6 +74,15 @@ def parse_bytes(text: str) -> int:
     return n
 
 
+def _bytes_arg(text: str) -> int:
+    """:func:`parse_bytes` for argparse: its message reaches the user (argparse reports a plain
+    ValueError of a ``type=`` as ``invalid parse_bytes value``, dropping what to type instead)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def size_sweep(lo: int, hi: int, step: int) -> tuple[int, ...]:
     """``lo, lo * step, ...`` up to ``hi`` (inclusive when reached)."""
     if step not in (2, 4) or lo > hi:
@@ -90,6 +99,9 @@ def _csv(choices: tuple[str, ...]) -> Any:
         bad = [x for x in items if x not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"{text!r}: use a comma-separated subset of {','.join(choices)}")
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:  # each would be measured again: the same rows twice
+            raise argparse.ArgumentTypeError(f"{text!r} names {','.join(twice)} more than once; name each once")
         return items
 
     return parse
@@ -161,8 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="wire formats beside the plain collective, comma-separated (default: every registered scheme at "
         f"each width: {','.join(format_specs())}); 'none': plain only",
     )
-    p.add_argument("--min-bytes", type=parse_bytes, default=1024)
-    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 1G on GPUs, 4M on CPU (see above)")
+    p.add_argument("--min-bytes", type=_bytes_arg, default=1024)
+    p.add_argument("--max-bytes", type=_bytes_arg, default=None, help="default 1G on GPUs, 4M on CPU (see above)")
     p.add_argument("--step", type=int, default=4, help="size multiplier between rows, 2 or 4")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -186,11 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         a.ranks_per_node, a.nodes = local, int(os.environ["WORLD_SIZE"]) // local
     try:
-        formats = (
-            ()
-            if a.formats == "none"
-            else tuple(format_specs(None if a.formats is None else tuple(a.formats.split(","))))
-        )
+        named = None if a.formats in (None, "none") else a.formats.split(",")
+        if named is not None and len(set(named)) < len(named):
+            raise ValueError(f"--formats {a.formats} names a format more than once; name each once")
+        formats = () if a.formats == "none" else tuple(format_specs(None if named is None else tuple(named)))
         a.spec = CommBenchSpec(
             nodes=a.nodes,
             ranks_per_node=a.ranks_per_node,
@@ -209,6 +220,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_groups(p, a.spec)
     if not in_torchrun():
         _check_local_ranks(p, a.spec.world)
+    if a.min_bytes < 4 * a.spec.world:  # each rank holds whole fp32 elements: smaller sizes round up alike
+        p.error(
+            f"--min-bytes {a.min_bytes} is less than one fp32 element per rank of the {a.spec.world}-rank world "
+            f"({4 * a.spec.world} bytes): every size below that would be measured at {4 * a.spec.world} bytes, the "
+            f"same row again; use --min-bytes >= {4 * a.spec.world}"
+        )
     if a.cluster == "emulated" and not (math.isfinite(a.gbps) and a.gbps > 0 and a.nodes >= 2):
         p.error(f"--cluster emulated needs --nodes >= 2 and a finite --gbps > 0, got {a.nodes} and {a.gbps}")
     if a.cluster == "emulated" and (

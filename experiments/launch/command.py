@@ -7,7 +7,8 @@ already stopped) in the second; a rank that fails arrives as :class:`RankFailure
 is a bug of the command, so none should end in a Python traceback: :func:`run_command` turns
 each into one ``error:`` line and the exit status a shell expects (128 + the signal for an
 interrupt, so 130 for Ctrl-C and 143 for SIGTERM; the failing rank's status, else 1, for a
-failed world). SIGTERM, which would otherwise end the process on the spot and leave a
+failed world). An output file the system refuses at the end (a full disk:
+``zeropp.output_files.OutputWriteError``) is one line too, exit 1. SIGTERM, which would otherwise end the process on the spot and leave a
 benchmark's scratch files (a swap test's gigabytes) behind, unwinds like Ctrl-C.
 """
 
@@ -18,6 +19,8 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import NoReturn
+
+from zeropp.output_files import OutputWriteError
 
 from .failure import RankFailure, RunInterrupted, shell_status
 
@@ -73,4 +76,7 @@ def run_command(main: Callable[[], object]) -> NoReturn:
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(shell_status(e.exit_code))
+    except OutputWriteError as e:  # the disk filled while the command ran: what was printed stands
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)

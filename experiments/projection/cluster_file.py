@@ -16,7 +16,8 @@ What it holds (version :data:`VERSION`, plain JSON, never pickle):
   e.g. ``int8``, ``mx4``, ``nvfp4``), timed in the benchmark's ranks, all at once.
 
 :func:`read_cluster_file` refuses a file that is not one (a missing key, another version, a
-negative or zero bandwidth) with what to change; :meth:`ClusterFile.cluster` and
+negative or zero bandwidth; a key nothing reads, or two rates for one ``(op, format)``: hand edits
+that would be silently dropped) with what to change; :meth:`ClusterFile.cluster` and
 :meth:`ClusterFile.link_overrides` put its figures into a :class:`~.spec.Cluster`.
 """
 
@@ -126,6 +127,13 @@ class ClusterFile:
         unknown = set(self.links) - set(LINK_CLASSES)
         if unknown or not self.links:
             raise ValueError(f"ClusterFile.links={sorted(self.links)}; give one or more of {LINK_CLASSES}")
+        timed = [(op, fmt) for op, fmt, _ in self.quant_rates]
+        twice = sorted({k for k in timed if timed.count(k) > 1}, key=str)
+        if twice:  # the model would take the last one, the other silently dropped
+            raise ValueError(
+                f"ClusterFile.quant_rates gives (op, format) {twice[0]!r} more than once, and the model would read "
+                "only the last; keep one rate per (op, format)"
+            )
         for op, fmt, gbs in self.quant_rates:
             lo, hi = RATE_RANGE
             if not (isinstance(op, str) and isinstance(fmt, str) and _real(gbs) and math.isfinite(gbs)):
@@ -213,6 +221,25 @@ def write_cluster_file(path: str | Path, cf: ClusterFile) -> None:
     write_output_file(p, json.dumps(cf.to_json(), indent=1) + "\n")
 
 
+FILE_KEYS = ("kind", "version", "nodes", "ranks_per_node", "backend", "links", "quant_rates", "source")
+"""The keys of a cluster file (:meth:`ClusterFile.to_json`)."""
+LINK_KEYS = ("alpha_s", "gbps", "ranks", "points")
+"""The keys of a ``links`` entry (:class:`LinkFit`'s fields)."""
+RATE_KEYS = ("op", "format", "gbs")
+"""The keys of a ``quant_rates`` entry."""
+
+
+def _only(d: Any, keys: Sequence[str], where: str, path: Path) -> None:
+    """A key of ``d`` outside ``keys`` (a hand edit: ``"intra_gbps": 100`` beside ``links``, a typo)
+    would be read by nothing: :class:`ClusterFileError` naming it and the keys there are."""
+    extra = sorted(k for k in d if k not in keys) if isinstance(d, dict) else []
+    if extra:
+        raise ClusterFileError(
+            f"{path}: {where} has the key(s) {', '.join(map(repr, extra))}, which nothing reads; the keys there "
+            f"are {', '.join(keys)} (remove the others, or re-run python -m experiments.bench_comm --calibrate)"
+        )
+
+
 def _need(d: dict[str, Any], key: str, where: str, path: Path) -> Any:
     if key not in d:
         raise ClusterFileError(f"{path}: {where} has no {key!r}; re-run python -m experiments.bench_comm --calibrate")
@@ -236,9 +263,14 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
         raise ClusterFileError(
             f"{p}: cluster file version {d['version']!r}, this zeropp reads version {VERSION}; re-run --calibrate"
         )
+    _only(d, FILE_KEYS, "the file", p)
     try:
+        for k, v in _need(d, "links", "the file", p).items():
+            _only(v, LINK_KEYS, f"links.{k}", p)
+        for r in _need(d, "quant_rates", "the file", p):
+            _only(r, RATE_KEYS, "a quant_rates entry", p)
         links = {
-            k: LinkFit(**{f: _need(v, f, f"links.{k}", p) for f in ("alpha_s", "gbps", "ranks", "points")})
+            k: LinkFit(**{f: _need(v, f, f"links.{k}", p) for f in LINK_KEYS})
             for k, v in _need(d, "links", "the file", p).items()
         }
         rates = tuple(

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from zeropp.comm import Topology
+from zeropp.comm import QuantSpec, Topology
 from zeropp.models import GPTConfig, HFConfig
 from zeropp.runtime import ZeroConfig
 
@@ -104,7 +104,8 @@ def check_tp(rc: RunSections) -> None:
 def check_settings_in_use(rc: RunSections) -> None:
     """Settings that only another setting reads stay at their defaults (nothing is silently
     ignored): the checkpoint keys without checkpointing, the nvme tier's staging buffers without
-    the nvme tier, stage 3's prefetch depth at stages 0-2 (the library refuses its siblings
+    the nvme tier, MixZ++'s frozen storage without LoRA (no frozen parameters), stage 3's prefetch
+    depth at stages 0-2 (the library refuses its siblings
     ``persistence_threshold``, ``keep_at_turn`` and ``nvme_path`` the same way)."""
     train, zero, default = rc.train, rc.zero, ZeroConfig()
     if train.checkpoint_every == 0:
@@ -132,6 +133,14 @@ def check_settings_in_use(rc: RunSections) -> None:
                 "no nvme tier (it sizes the nvme tier's host staging buffers)",
                 "add zero.offload_optimizer=nvme or zero.offload_param=nvme with zero.nvme_path=<dir>, or remove it",
             )
+    if not rc.model.lora_rank:  # the runner's models freeze parameters only under LoRA
+        unused(
+            "zero.quantize_frozen",
+            zero.quantize_frozen,
+            default.quantize_frozen,
+            "model.lora_rank=0 (it stores frozen parameters quantized, and without LoRA nothing is frozen)",
+            "set model.lora_rank=N to train LoRA adapters on a frozen base (MixZ++), or remove it",
+        )
     if zero.stage != 3:
         unused(
             "zero.prefetch_depth",
@@ -155,11 +164,14 @@ def check_trainer_keys(rc: RunSections, spec: TrainerSpec) -> None:
         key = f"zero.{f.name}"
         if f.name == "stage" or spec.honours_key(key):
             continue
-        if getattr(rc.zero, f.name) != getattr(default, f.name):
+        value = getattr(rc.zero, f.name)
+        if value != getattr(default, f.name):
             used = ", ".join(sorted(k.removeprefix("zero.") for k in spec.honours or () if k != "stage"))
+            spec_set = isinstance(value, QuantSpec)  # most often by a quant= recipe: named by its label
             raise ConfigError(
-                f"invalid config: {key}={getattr(rc.zero, f.name)!r} does nothing with "
-                f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it, "
+                f"invalid config: {f'{key} ({value.label})' if spec_set else f'{key}={value!r}'} does nothing with "
+                f"trainer={name}: it does not honour {key} (it uses only zero.{{{used}}}). Remove it"
+                f"{f' ({key}=null, or a quant= recipe without it)' if spec_set else ''}, "
                 f"or use {trainers_that(functools.partial(TrainerSpec.honours_key, key=key))}"
             )
 

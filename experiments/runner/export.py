@@ -10,7 +10,8 @@ this is its command line.
 The model's settings come from the checkpoint (the runner records them there). A checkpoint saved
 before they were recorded still exports from a run directory, with its ``summary.json``'s
 ``config.model``, or with ``--model-config`` naming such a file (a ``summary.json``, or a JSON
-object of ``model.*`` settings). Errors print ``error: ...`` and exit with status 2.
+object of ``model.*`` settings). Errors print ``error: ...`` and exit with status 2; a write the
+system refuses (a full disk) exits with status 1, leaving nothing in ``out_dir``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zeropp.input_files import read_regular
-from zeropp.output_files import path_arg
+from zeropp.output_files import OutputWriteError, path_arg
 
 from ..launch.command import run_command
 
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OutputWriteError as e:  # the system refused the write (a full disk): not the command line's fault
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     info = json.loads((out / "zeropp_export.json").read_text())
     print(
         f"wrote {out} from the checkpoint of step {info['step']} (AutoModelForCausalLM.from_pretrained({str(out)!r}))"

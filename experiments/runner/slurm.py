@@ -12,7 +12,11 @@ point's ranks on that node as the local launcher does; a job over several nodes 
 
 What is checked before Hydra submits anything (:func:`check_slurm_launch`): the extra is
 installed and ``sbatch`` is on PATH; and with any other launcher, ``slurm.*`` keys set away from
-their defaults are refused (:func:`check_slurm_keys`), since nothing would read them.
+their defaults are refused (:func:`check_slurm_keys`), since nothing would read them. Once the
+launcher is set up, before its one ``sbatch`` call (:func:`check_slurm_job`): each job is one
+task on one node (the plugin's ``hydra.launcher.nodes`` / ``tasks_per_node`` would start the
+whole run once per task, every copy writing the same run directory), and GPUs asked for are
+used (``launcher.device=cpu`` leaves them idle).
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from typing import Any, Mapping, Optional, Sequence
 
 from .checks import ConfigError, check, pos_int
 
-__all__ = ["LAUNCHER_CHOICE", "PLUGIN_MODULE", "SlurmConfig", "check_slurm_keys", "check_slurm_launch", "selects_slurm"]
+__all__ = [
+    "LAUNCHER_CHOICE",
+    "PLUGIN_MODULE",
+    "SlurmConfig",
+    "check_slurm_job",
+    "check_slurm_keys",
+    "check_slurm_launch",
+    "selects_slurm",
+]
 
 LAUNCHER_CHOICE = "slurm"
 """``hydra/launcher=slurm``: the option name of ``conf/hydra/launcher/slurm.yaml``."""
@@ -111,3 +123,27 @@ def check_slurm_keys(values: Mapping[str, Any], launcher_choice: Optional[str]) 
                 f"hydra/launcher={launcher_choice or 'basic'}; slurm.* are the resources of the jobs "
                 "hydra/launcher=slurm submits. Add hydra/launcher=slurm (with -m), or remove it"
             )
+
+
+def check_slurm_job(launcher_params: Mapping[str, Any], device: Any, point: str = "") -> None:
+    """The job the plugin will submit for a point (``launcher_params``: its resolved
+    ``hydra.launcher.*``; ``device``: the point's ``launcher.device``), refused with the fix when
+    it cannot run as asked. Each job is one task on one node: the runner in it starts the point's
+    ranks on that node, so a second node or task would run the whole point again, every copy
+    writing the same run directory. GPUs asked for (``slurm.gpus_per_node``) with
+    ``launcher.device=cpu`` would sit idle for the job's whole time."""
+    for key in ("nodes", "tasks_per_node"):
+        value = launcher_params.get(key, 1)
+        if value != 1:
+            raise ConfigError(
+                f"invalid config: hydra.launcher.{key}={value!r}: each point of a Slurm sweep is one task on "
+                "one node (the runner starts the point's ranks there; another task would run the whole point again "
+                f"into the same directory). Remove hydra.launcher.{key}; for one run across nodes submit "
+                "scripts/slurm/train.sbatch"
+            )
+    gpus = launcher_params.get("gpus_per_node")
+    if gpus and str(device) == "cpu":
+        raise ConfigError(
+            f"invalid config: {f'point {point}: ' if point else ''}slurm.gpus_per_node={gpus!r} asks Slurm for GPUs that launcher.device=cpu "
+            "leaves idle; remove slurm.gpus_per_node for CPU ranks, or set launcher.device=cuda (or auto)"
+        )

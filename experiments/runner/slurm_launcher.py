@@ -13,6 +13,12 @@ in that point's directory, on the node. Two things the plugin does not do, and
   script failed) does not abort the whole sweep with submitit's exception: it gets a
   ``failed.json`` with submitit's account of it, and the other points' results stay.
 
+Before the one ``sbatch`` call, each point's job is checked (``slurm.check_slurm_job``: one task
+on one node, GPUs used); and ``sbatch`` refusing the submission (a partition or account that does
+not exist, a time limit above the partition's, no controller reachable) ends the command with
+``error:`` and sbatch's own words, exit 2, instead of submitit's traceback: the sweep's points go
+in one job array, so nothing was submitted.
+
 Everything else (submission, job arrays, waiting, results) is the plugin's and submitit's. The
 plugin's ``launch`` waits with ``submitit.Job.results()`` in one list comprehension, so the first
 job without a result would raise out of it; :func:`_results_or_dead` replaces that one method for
@@ -25,12 +31,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
 
+from .checks import ConfigError
 from .overrides import point_run_dir
-from .slurm import check_slurm_launch
+from .slurm import check_slurm_job, check_slurm_launch
 
 FAILED_FILE = "failed.json"
 """The runner's per-point failure record (``run.FAILED_FILE``; not imported, see :func:`_runner`)."""
@@ -43,10 +50,36 @@ def _runner(task_function: Any) -> Any:
     return sys.modules[task_function.__module__]
 
 
-def _job_dir(launcher: Any, overrides: Sequence[str], job_num: int) -> Path:
-    """The directory Hydra gives point ``job_num`` (``hydra.sweep.dir`` / ``hydra.sweep.subdir``)."""
-    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+def _point_config(launcher: Any, overrides: Sequence[str]) -> Any:
+    """The composed config of the point of ``overrides``, as its job will compose it."""
+    return launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+
+
+def _job_dir(cfg: Any, job_num: int) -> Path:
+    """The directory Hydra gives point ``job_num`` of config ``cfg`` (``hydra.sweep.dir`` / ``hydra.sweep.subdir``)."""
     return point_run_dir(cfg, job_num, f"job_id_for_{job_num}")  # the job id the plugin sets at submission
+
+
+def _refuse(message: str) -> NoReturn:
+    """End the submitting command before (or instead of) its submission: one ``error:`` line, exit 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def submit(launch: Callable[[Sequence[Sequence[str]], int], Sequence[JobReturn]], *args: Any) -> list[JobReturn]:
+    """``launch(*args)`` (the plugin's: submit the sweep's job array, wait for every job); ``sbatch``
+    refusing the submission is :func:`_refuse`'d with sbatch's message (module docstring)."""
+    from submitit.core.utils import FailedJobError
+
+    try:
+        return list(launch(*args))
+    except FailedJobError as e:  # raised by the submission only: a job's own failure is _results_or_dead's
+        said = " / ".join(line.strip() for line in str(e).strip().splitlines()[-4:]) or type(e).__name__
+        _refuse(
+            f"sbatch refused the sweep's jobs, so none was submitted: {said}. Check slurm.partition, "
+            "slurm.time_min, slurm.gpus_per_node and any hydra.launcher.* sbatch option (account, qos) against "
+            "the cluster (sinfo lists its partitions), and that its controller answers (squeue)"
+        )
 
 
 def launch_recording_failures(
@@ -60,8 +93,14 @@ def launch_recording_failures(
     import submitit
 
     check_slurm_launch(["-m", "hydra/launcher=slurm"])  # sbatch still on PATH (the launcher chosen in a YAML)
+    configs = [_point_config(launcher, o) for o in job_overrides]
+    try:
+        for overrides, cfg in zip(job_overrides, configs):
+            check_slurm_job(launcher.params, cfg.launcher.device, " ".join(overrides) if len(configs) > 1 else "")
+    except ConfigError as e:
+        _refuse(str(e))
     runner = _runner(launcher.task_function)
-    dirs = [_job_dir(launcher, o, initial_job_idx + i) for i, o in enumerate(job_overrides)]
+    dirs = [_job_dir(cfg, initial_job_idx + i) for i, cfg in enumerate(configs)]
     before = {
         d: _stamp(d / FAILED_FILE) for d in dirs
     }  # an older sweep's record in a reused directory is not this one's
@@ -75,7 +114,7 @@ def launch_recording_failures(
 
     submitit.Job.results = _results_or_dead  # type: ignore[method-assign,assignment]
     try:
-        returns = list(launch(job_overrides, initial_job_idx))
+        returns = submit(launch, job_overrides, initial_job_idx)
     finally:
         submitit.Job.results = original  # type: ignore[method-assign]
     for i, (overrides, run_dir, ret) in enumerate(zip(job_overrides, dirs, returns)):

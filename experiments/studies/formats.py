@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         if not formats:
             raise ConfigError("--formats is empty; name at least one (e.g. int8)")
+        twice = sorted({f for f in formats if formats.count(f) > 1})
+        if twice:  # each would be captured, measured and tabled again, under one name
+            raise ConfigError(f"--formats names {', '.join(twice)} more than once; name each format once")
         for f in formats:
             format_specs(f)
         check_writable_dir("out", a.out)

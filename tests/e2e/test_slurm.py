@@ -129,6 +129,21 @@ def test_an_invalid_point_is_refused_before_submitting(slurm: SlurmCluster, tmp_
     assert after.stdout == before.stdout
 
 
+def test_a_partition_sbatch_refuses_is_one_error_line(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A mistyped partition: the real sbatch refuses the job array, and the command says so in one
+    line with sbatch's words, exit 2 (before: submitit's FailedJobError traceback)."""
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        ["-m", "stage=2,3", "topology=1x2", *TINY_CPU, "hydra/launcher=slurm", "slurm.partition=nosuchpartition"]
+        + ["slurm.time_min=5", f"hydra.sweep.dir={sweep}"],
+        env=_client_env(slurm),
+        timeout=150,
+    )
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "error: sbatch refused the sweep's jobs, so none was submitted: " in p.stderr, p.stderr[-3000:]
+    assert "partition" in p.stderr.split("error: sbatch refused", 1)[1] and "Traceback" not in p.stderr
+
+
 def test_train_sbatch_runs_torchrun_with_the_topology_from_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
     """sbatch --cpus-per-task=2: one torchrun agent on the node starts 2 CPU ranks; the run's
     topology (1 node x 2 ranks) comes from torchrun's environment, not from the command line."""
@@ -223,3 +238,52 @@ def test_slurm_keys_with_the_local_launcher_are_refused(tmp_path: Path, capfd: p
     assert p.returncode == 2, p.stderr
     assert "slurm.partition='gpu' does nothing with hydra/launcher=basic" in p.stderr
     assert not (tmp_path / "run" / "ranks").exists()
+
+
+def _fake_slurm_job(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """train.sbatch as a job's batch step would run it, with ``srun`` and ``scontrol`` stand-ins on
+    PATH (srun records its arguments and starts nothing): what srun would have been asked to run."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    argv_file = tmp_path / "srun.argv"
+    (bindir / "srun").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {argv_file}\n')
+    # a job of 50,000 nodes' worth of host names: more than a pipe holds, as a large job's list is
+    (bindir / "scontrol").write_text("#!/usr/bin/env bash\nseq -f node%g 1 50000\n")
+    for f in ("srun", "scontrol"):
+        (bindir / f).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ZEROPP_RDZV"))}
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
+    full = {**base, **job, "PYTHON": sys.executable, "PATH": f"{bindir}:{base['PATH']}", **env}
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "stage=3"], env=full, capture_output=True, text=True, timeout=60)
+    return p, argv_file.read_text().splitlines() if argv_file.exists() else []
+
+
+def test_train_sbatch_passes_cpus_per_task_to_srun_only_when_the_job_has_it(tmp_path: Path) -> None:
+    """A GPU job without --cpus-per-task: no empty argument (under set -u an empty array was an
+    unbound variable in bash < 4.4, failing every such job); with it, srun gets it back. The head
+    node of a long host list is its first (before: ``| head -n 1`` killed scontrol with SIGPIPE and
+    pipefail ended the job with status 141 and no message)."""
+    p, argv = _fake_slurm_job(tmp_path, SLURM_GPUS_ON_NODE="4")
+    assert p.returncode == 0, p.stderr
+    assert not any(a.startswith("--cpus-per-task") for a in argv) and "" not in argv
+    assert "--nproc-per-node=4" in argv and "--rdzv-endpoint=node1:24242" in argv and argv[-1] == "stage=3"
+    p, argv = _fake_slurm_job(tmp_path, SLURM_CPUS_PER_TASK="2")
+    assert p.returncode == 0, p.stderr
+    assert "--cpus-per-task=2" in argv and "--nproc-per-node=2" in argv
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"PYTHON": "/nonexistent/python3"}, "PYTHON=/nonexistent/python3 is not an interpreter"),
+        ({"PYTHON": "env"}, "env cannot import zeropp; activate the environment"),
+        ({"ZEROPP_RDZV_PORT": "abc"}, "ZEROPP_RDZV_PORT=abc is not a TCP port from 1024 to 65535"),
+        ({"ZEROPP_RDZV_PORT": "80"}, "ZEROPP_RDZV_PORT=80 is not a TCP port"),
+    ],
+)
+def test_train_sbatch_with_a_bad_environment_stops_before_srun(tmp_path: Path, env: dict, words: str) -> None:
+    """Before: srun started the step on every node, and each failed there (exec error, no module
+    zeropp, torchrun's port parse), one log per node."""
+    p, argv = _fake_slurm_job(tmp_path, **env)
+    assert p.returncode == 2 and words in p.stderr, p.stderr
+    assert argv == []

@@ -56,6 +56,10 @@ def test_sizes_and_their_spelling() -> None:
     "argv, message",
     [
         (["--formats", "int8,fp3"], "unknown wire format"),
+        # before: --ops / --groups measured twice (the same rows again); --formats silently once
+        (["--ops", "all_gather,all_reduce,all_gather"], "'all_gather,all_reduce,all_gather' names all_gather more"),
+        (["--groups", "world,world"], "names world more than once; name each once"),
+        (["--formats", "int8,mx4,int8"], "--formats int8,mx4,int8 names a format more than once"),
         (["--ops", "all_gather,broadcast"], "comma-separated subset"),
         (["--step", "3"], "--step 2 or 4"),
         (["--nodes", "1", "--ranks-per-node", "1"], "needs >= 2 ranks"),
@@ -63,6 +67,11 @@ def test_sizes_and_their_spelling() -> None:
         (["--cluster", "emulated", "--nodes", "1", "--ranks-per-node", "4"], "--nodes >= 2"),
         (["--calibrate", "x.json", "--ops", "all_reduce"], "keep all_gather"),
         (["--iters", "0"], "iters=0"),
+        # before: "invalid parse_bytes value: '1.5K'", without the spellings to use
+        (["--min-bytes", "1.5K"], "argument --min-bytes: '1.5K' is not a size; use e.g. 1024, 64K, 4M, 1G"),
+        (["--max-bytes", "2"], "argument --max-bytes: size '2' is below one fp32 element (4 bytes)"),
+        # before: 4, 8 and 16 bytes were each measured at 16 (one element per rank): three equal rows
+        (["--min-bytes", "8", "--step", "2"], "--min-bytes 8 is less than one fp32 element per rank of the 4-rank"),
         # before: accepted, and the world started (and failed), or the flag was silently ignored
         (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0"),
         (["--gbps", "5"], "--gbps shape(s) the links of --cluster emulated; with --cluster local nothing is shaped"),

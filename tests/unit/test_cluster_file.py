@@ -111,6 +111,14 @@ def _edit(tmp_path, change) -> str:
         # a rate under an op or format the model never looks up was silently ignored
         (lambda d: d["quant_rates"][0].update(op="bogus"), "the op is one of quantize, dequantize"),
         (lambda d: d["quant_rates"][0].update(format="int3"), "the format one of fp8, int4, int8"),
+        # hand edits nothing would read (before: accepted, the key dropped, the earlier rate dropped)
+        (lambda d: d.update(intra_gbps=100), r"the file has the key\(s\) 'intra_gbps', which nothing reads"),
+        (lambda d: d["links"]["inter"].update(alpha_us=5), r"links.inter has the key\(s\) 'alpha_us'"),
+        (lambda d: d["quant_rates"][1].update(bits=4), r"a quant_rates entry has the key\(s\) 'bits'"),
+        (
+            lambda d: d["quant_rates"].append({"op": "quantize", "format": "int8", "gbs": 30.0}),
+            r"\('quantize', 'int8'\) more than once, and the model would read only the last",
+        ),
     ],
 )
 def test_a_bad_cluster_file_is_refused_with_the_key(tmp_path, change, message) -> None:

@@ -453,3 +453,18 @@ def test_bad_flags_are_usage_errors_naming_the_flag(argv, words, capsys):
         cli.parse_args(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and words in err and "_s must" not in err
+
+
+def test_a_master_addr_that_does_not_resolve_or_is_not_this_hosts_exits_2_before_any_check(monkeypatch, capsys):
+    """Before: every rank waited out --world-timeout (60 s) and the gloo row blamed a hung init."""
+    ran = []
+    monkeypatch.setattr(cli, "CHECKS", [("ok", lambda o: ran.append(1) or ok_check(o))])
+    for addr in ("nosuchhost.invalid", "192.0.2.1"):  # RFC 6761's never-resolving name; RFC 5737's TEST-NET-1
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--master-addr", addr])
+        assert e.value.code == 2, addr
+    assert ran == []
+    err = capsys.readouterr().err
+    assert "--master-addr nosuchhost.invalid does not resolve" in err
+    assert "--master-addr 192.0.2.1 (192.0.2.1) is not an address of this host" in err
+    assert world.address_problem("127.0.0.1") is None and world.address_problem("localhost") is None

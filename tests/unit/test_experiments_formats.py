@@ -105,6 +105,9 @@ def test_bad_options_exit_2_before_any_training(monkeypatch, capsys, tmp_path) -
     with pytest.raises(SystemExit) as e:
         fs.main(["--formats", "int8,nope", "--out", str(tmp_path)])
     assert e.value.code == 2 and "unknown recipe 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # before: measured twice, two rows of one name in each table
+        fs.main(["--formats", "int4,mxfp4,int4", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--formats names int4 more than once" in capsys.readouterr().err
 
 
 def test_the_command_prints_and_saves_a_table_per_kind(capsys, tmp_path) -> None:

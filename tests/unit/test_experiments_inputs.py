@@ -401,6 +401,10 @@ def test_writable_check_creates_nothing(tmp_path, monkeypatch) -> None:
         (["zero.swap_buffer_size=1024"], ["zero.swap_buffer_size=1024", "no nvme tier"]),
         (["stage=0", "zero.prefetch_depth=3"], ["zero.prefetch_depth=3", "stage=0", "set stage=3"]),
         (["stage=2", "zero.prefetch_depth=0"], ["zero.prefetch_depth=0", "stage=2"]),
+        (
+            ["stage=3", "zero.quantize_frozen=int8"],
+            ["zero.quantize_frozen=", "model.lora_rank=0", "set model.lora_rank=N"],
+        ),
     ],
 )
 def test_audit_refusals(cli, args: list[str], words: list[str]) -> None:
@@ -416,6 +420,7 @@ def test_audit_refusals(cli, args: list[str], words: list[str]) -> None:
         ["zero.offload_optimizer=nvme", "zero.nvme_path=/tmp", "zero.swap_buffers=8"],
         ["stage=3", "zero.prefetch_depth=3"],
         ["stage=1", "zero.prefetch_depth=1"],  # the default: nothing set
+        ["stage=3", "model.lora_rank=4", "zero.quantize_frozen=int8"],
     ],
 )
 def test_the_same_settings_where_they_are_read_are_accepted(args: list[str]) -> None:

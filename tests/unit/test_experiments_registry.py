@@ -70,7 +70,13 @@ def test_sweep_trainer_job_composes_the_trainer_with_its_recipe(name: str) -> No
     "trainer, override, words",
     [
         ("ddp", "zero.offload_optimizer=cpu", ["zero.offload_optimizer='cpu'", "trainer=ddp", "trainer=zeropp"]),
-        ("fsdp2", "quant=int8", ["zero.weights", "does not honour zero.weights", "trainer=fsdp2_zeropp"]),
+        # a recipe's spec by its label and how to drop it (before: QuantSpec(bits=8, group_size=None, ...), "Remove it")
+        (
+            "fsdp2",
+            "quant=int8",
+            ["zero.weights (int8) does nothing", "does not honour zero.weights", "zero.weights=null", "fsdp2_zeropp"],
+        ),
+        ("ddp_zeropp", "quant=nvfp4", ["zero.weights (nvfp4) does nothing with trainer=ddp_zeropp"]),
         ("ddp", "quant=qgz", ["zero.grads", "trainer=ddp_zeropp"]),
         ("fsdp2", "stage=2", ["stage=2", "FSDP2 is always ZeRO-3", "trainer=zeropp"]),
         ("ddp", "zero.precision=fp16", ["zero.precision=fp16", "trainer=ddp", "allowed: fp32, bf16", "trainer=zeropp"]),
@@ -84,6 +90,7 @@ def test_a_setting_the_trainer_does_not_honour_is_refused_by_its_spec(
         from_dict(composed_config(f"trainer={trainer}", override))
     for w in words:
         assert w in str(e.value), str(e.value)
+    assert "QuantSpec(" not in str(e.value), str(e.value)
 
 
 def test_an_unregistered_trainer_is_refused_with_the_registered_ones() -> None:

@@ -29,6 +29,7 @@ from tests.hf_export_helpers import (
     world_of_one,
 )
 from zeropp.models import GPT, GPTConfig, HFConfig
+from zeropp.output_files import OutputWriteError
 
 REASON = 'Hugging Face models need the optional extra: pip install -e ".[hf]"'
 GPT2 = HFConfig(hf_config="gpt2", d_model=32, n_layers=2, n_heads=2, seq_len=16, vocab_size=64)
@@ -249,9 +250,28 @@ def test_a_failed_write_leaves_no_out_dir(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(hf_export, "_save_peft", broken)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OutputWriteError) as e:
         _export(ckpts, "gpt2-lora", tmp_path / "out", lora_format="peft")
     assert list(tmp_path.iterdir()) == []
+    assert str(e.value).startswith(f"cannot write the export to {tmp_path / 'out'}: No space left on device")
+
+
+def test_the_command_line_reports_a_full_disk_in_one_line(
+    ckpts: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: transformers' OSError traceback from inside save_pretrained, exit 1."""
+    from zeropp.experiments.export import main
+    from zeropp.models import hf_export
+
+    def full(*a: Any, **k: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_export, "copy_tokenizer", full)  # after save_pretrained wrote the weights
+    with pytest.raises(SystemExit) as e:
+        main([str(ckpts["root"] / "gpt2"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "\nerror: cannot write the export to " in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_command_line_exports_a_run_dir_and_reports_errors(

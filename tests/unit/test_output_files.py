@@ -5,18 +5,29 @@ on the rule itself and on each command that writes such a file."""
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import pytest
 
+from zeropp import output_files
 from zeropp.doctor import __main__ as doctor_cli
+from zeropp.doctor.result import passed
 from zeropp.experiments.bench import cluster as bench_cluster
 from zeropp.experiments.bench import comm as bench_comm
 from zeropp.experiments.bench import offload as bench_offload
+from zeropp.experiments.launch.command import run_command
 from zeropp.experiments.projection import speedup
 from zeropp.experiments.studies import mixz
-from zeropp.output_files import OutputFileError, check_output_file, holds_tag, json_file_is, write_output_file
+from zeropp.output_files import (
+    OutputFileError,
+    OutputWriteError,
+    check_output_file,
+    holds_tag,
+    json_file_is,
+    write_output_file,
+)
 
 NOTES = '{"mine": 1}\n'
 
@@ -194,3 +205,27 @@ def test_a_tag_counts_only_in_the_plots_metadata_field(tmp_path: Path, kind: str
     notes.write_bytes(b"my own figure, drawn like zeropp TAG's\n" + bytes(200_000))
     assert holds_tag(plot, "zeropp TAG") and not holds_tag(notes, "zeropp TAG")
     assert not holds_tag(plot, "zeropp TA") and not holds_tag(tmp_path / "missing.png", "zeropp TAG")
+
+
+def _disk_full(path: Path, data: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_write_the_system_refuses_is_one_line_naming_the_file(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A disk that filled during the run: the doctor's table was printed, then its --json write
+    ended in write_atomic's OSError traceback (likewise plan --out, scaling --plot, the benchmarks'
+    --json). Now one ``error:`` line naming the file and why, exit 1."""
+    monkeypatch.setattr(output_files, "write_atomic", _disk_full)
+    target = tmp_path / "out.json"
+    with pytest.raises(OutputWriteError) as e:
+        write_output_file(target, "{}")
+    assert str(e.value).startswith(f"cannot write {target}: No space left on device; nothing was written there")
+    with pytest.raises(SystemExit) as ended:
+        run_command(lambda: write_output_file(target, "{}"))
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == f"error: {e.value}\n"
+    monkeypatch.setattr(doctor_cli, "CHECKS", [("ok", lambda o: passed("ok", "fine"))])
+    assert doctor_cli.main(["--json", str(target)]) == 1
+    out = capsys.readouterr()
+    assert "zeropp doctor: ok: 1 passed" in out.out + out.err
+    assert out.err.endswith(f"zeropp doctor: error: --json {e.value}\n") and not target.exists()

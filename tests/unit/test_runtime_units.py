@@ -24,7 +24,10 @@ from zeropp.runtime.units import build_units
         (dict(stage=3, grads=dict(bits=4, intra_bits=6)), "intra_bits=6"),
         (dict(stage=2, hpz=True), "set stage=3 or hpz=False"),
         (dict(stage=1, weights=dict(bits=8)), "set stage=3"),
-        (dict(stage=0, grads=dict(bits=4)), "stage 0 does not use"),
+        # the spec by its label (before: its whole repr, QuantSpec(bits=8, group_size=None, ...))
+        (dict(stage=1, weights=dict(scheme="nvfp4", bits=4)), r"^ZeroConfig.weights \(nvfp4, qwZ\) quantizes"),
+        (dict(stage=0, grads=dict(bits=4)), r"^ZeroConfig.grads \(int4, qgZ\) .*stage 0 does not use"),
+        (dict(stage=0, weight_diff=dict(bits=4)), r"^ZeroConfig.weight_diff \(int4, qWD\) replaces"),
         (dict(stage=3, hpz_size=2), "hpz=False"),
         (dict(stage=3, weights=dict(bits=8, error_feedback=True)), "error_feedback=True.*one hop"),
         (dict(stage=3, weights=dict(bits=8, intra_bits=4)), "intra_bits=4.*one hop"),
@@ -45,7 +48,9 @@ def test_bad_configs_raise_with_a_fix(kwargs, match):
         # a plain dict of QuantSpec fields is built here, inside the check (its own errors count too);
         # the "raw" marker keeps a dict as is, to test ZeroConfig's own type check
         built = {
-            k: QuantSpec(**v) if k in ("weights", "grads") and isinstance(v, dict) and "raw" not in v else v
+            k: QuantSpec(**v)
+            if k in ("weights", "grads", "weight_diff") and isinstance(v, dict) and "raw" not in v
+            else v
             for k, v in kwargs.items()
         }
         ZeroConfig(**built)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from hydra import compose, initialize_config_module
 
-from zeropp.experiments.runner import schema
+from zeropp.experiments.runner import schema, slurm_launcher
 from zeropp.experiments.runner.config import ConfigError, from_omegaconf
-from zeropp.experiments.runner.slurm import SlurmConfig, check_slurm_keys, check_slurm_launch, selects_slurm
+from zeropp.experiments.runner.slurm import (
+    SlurmConfig,
+    check_slurm_job,
+    check_slurm_keys,
+    check_slurm_launch,
+    selects_slurm,
+)
 
 
 @pytest.mark.parametrize(
@@ -77,3 +86,63 @@ def test_slurm_launch_needs_a_sweep_and_sbatch() -> None:
     with pytest.raises(ConfigError, match="sbatch, which is not on PATH"):
         check_slurm_launch(["-m", "hydra/launcher=slurm"], which=lambda _: None)
     check_slurm_launch(["sweep=bits", "hydra/launcher=slurm"], which=lambda _: "/usr/bin/sbatch")
+
+
+def test_a_point_job_is_one_task_on_one_node_and_uses_its_gpus() -> None:
+    """hydra.launcher.nodes / tasks_per_node > 1 would run the whole point once per task into one
+    directory; GPUs with launcher.device=cpu would sit idle: refused with the fix."""
+    check_slurm_job({"nodes": 1, "tasks_per_node": 1, "gpus_per_node": None}, "cpu")
+    check_slurm_job({"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 4}, "auto")
+    check_slurm_job({"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 4}, "cuda")
+    for key in ("nodes", "tasks_per_node"):
+        with pytest.raises(ConfigError) as e:
+            check_slurm_job({"nodes": 1, "tasks_per_node": 1, key: 2}, "auto")
+        assert f"hydra.launcher.{key}=2" in str(e.value) and "scripts/slurm/train.sbatch" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        check_slurm_job({"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 2}, "cpu", "stage=3")
+    assert "point stage=3: slurm.gpus_per_node=2" in str(e.value) and "launcher.device=cuda" in str(e.value)
+
+
+class _Loader:
+    def load_sweep_config(self, config: Any, overrides: list[str]) -> Any:
+        return _compose(["hydra/launcher=slurm", *overrides])[0]
+
+
+def _launcher(**params: Any) -> Any:
+    cfg, _ = _compose(["hydra/launcher=slurm"])
+    resolved = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": None, **params}
+    return SimpleNamespace(
+        params=resolved, config=cfg, hydra_context=SimpleNamespace(config_loader=_Loader()), task_function=print
+    )
+
+
+def test_a_job_that_cannot_run_as_asked_is_refused_before_sbatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(slurm_launcher, "check_slurm_launch", lambda argv: None)  # no sbatch needed here
+    submitted: list[object] = []
+    with pytest.raises(SystemExit) as e:
+        slurm_launcher.launch_recording_failures(
+            _launcher(nodes=2), lambda *a: submitted.append(a) or [], [["stage=2"], ["stage=3"]], 0
+        )
+    assert e.value.code == 2 and submitted == []
+    assert "error: invalid config: hydra.launcher.nodes=2" in capsys.readouterr().err
+
+
+def test_sbatch_refusing_the_submission_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A partition that does not exist (or no controller): sbatch's words and what to check, exit
+    2, not submitit's traceback; a submission sbatch takes returns the plugin's results."""
+    from submitit.core.utils import FailedJobError
+
+    def refused(*args: object) -> list[object]:
+        raise FailedJobError(
+            "sbatch: error: invalid partition specified: nosuch\nsbatch: error: Batch job submission failed"
+        )
+
+    with pytest.raises(SystemExit) as e:
+        slurm_launcher.submit(refused, [["stage=3"]], 0)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: sbatch refused the sweep's jobs, so none was submitted: ")
+    assert "invalid partition specified: nosuch" in err and "slurm.partition" in err
+    assert slurm_launcher.submit(lambda *a: iter(["ok"]), [["stage=3"]], 0) == ["ok"]

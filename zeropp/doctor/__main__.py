@@ -4,8 +4,10 @@
     python -m zeropp.doctor --json doctor.json   # and the JSON report
     python -m zeropp.doctor --quick              # without the bandwidth measurements
 
-Exit status: 0 when no check failed (skipped rows allowed), 1 when one failed, 2 for a wrong
-command line (an unwritable ``--json`` path is refused before any check runs).
+Exit status: 0 when no check failed (skipped rows allowed), 1 when one failed or the ``--json``
+report could not be written (a full disk; the table was printed), 2 for a wrong
+command line (an unwritable ``--json`` path, or a ``--master-addr`` that does not resolve or is not
+this host's, is refused before any check runs).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import sys
 import time
 from typing import Optional
 
-from ..output_files import path_arg
+from ..output_files import OutputWriteError, path_arg
 from . import CHECKS, print_progress, run_checks
 from .report import check_json_path, exit_status, print_report, to_json, write_json
 from .result import DoctorOptions
+from .world import address_problem
 
 
 def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
@@ -46,6 +49,9 @@ def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
         "--gloo-ranks", type=int, default=defaults.gloo_ranks, metavar="N", help="ranks of the gloo world (default 2)"
     )
     a = p.parse_args(argv)
+    unusable = address_problem(a.master_addr) if a.master_addr.strip() else None  # (blank: DoctorOptions says)
+    if unusable:
+        p.error(unusable)
     try:
         if a.json is not None:
             check_json_path(a.json)
@@ -86,7 +92,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 128 + signal.SIGINT
     print_report(results)
     if options.json_path is not None:
-        write_json(options.json_path, to_json(results, time.perf_counter() - t0))
+        try:
+            write_json(options.json_path, to_json(results, time.perf_counter() - t0))
+        except OutputWriteError as e:  # a full disk: the table above stands, the JSON report is missing
+            print(f"zeropp doctor: error: --json {e}", file=sys.stderr)
+            return 1
     return exit_status(results)
 
 

@@ -35,6 +35,30 @@ in a collective for the failed one forever)."""
 HINT = "check: the firewall, the address (--master-addr / MASTER_ADDR), GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME"
 
 
+def address_problem(addr: str) -> Optional[str]:
+    """Why the doctor's local worlds cannot rendezvous on ``addr``, or None: every rank runs on this
+    host and meets on ``addr``, so it must resolve and be one of this host's addresses (one a
+    socket can bind). Otherwise each rank waits out ``--world-timeout`` and the row blamed a hung
+    init; this says so before any check runs."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return f"--master-addr {addr} does not resolve ({why}); give this host's address or name (default 127.0.0.1)"
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0))
+            return None
+        except OSError:
+            continue
+    found = ", ".join(sorted({str(i[4][0]) for i in infos}))
+    return (
+        f"--master-addr {addr} ({found}) is not an address of this host: the doctor's worlds start their ranks "
+        "here and they meet on it; give one of this host's addresses (default 127.0.0.1)"
+    )
+
+
 def free_port(addr: str) -> int:
     """A TCP port free on ``addr`` at this moment (the OS picks it); on an address this host does
     not own, one free on all interfaces."""

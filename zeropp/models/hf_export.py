@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..output_files import creation_refused, nearest_existing
+from ..output_files import OutputWriteError, creation_refused, nearest_existing
 from .hf import HFConfig, hf_model_config, model_class
 from .hf_pretrained import tied_names
 from .hf_tokenizer import copy_tokenizer
@@ -223,8 +223,13 @@ def export_pretrained(
         if out.is_dir():
             out.rmdir()  # empty (checked above); fails, leaving it, if something appeared in it since
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # our own temporary directory only
+        if isinstance(e, OSError) and not isinstance(e, OutputWriteError):  # a full disk, a quota
+            raise OutputWriteError(
+                f"cannot write the export to {out}: {e.strerror or e}; nothing was left there: free space or "
+                "choose another out_dir, and run again"
+            ) from e
         raise
     return out
 

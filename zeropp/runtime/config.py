@@ -206,7 +206,7 @@ class ZeroConfig:
         w, g = self.weights, self.grads
         if w is not None and self.stage != 3:
             raise ValueError(
-                f"ZeroConfig.weights={w} (qwZ) quantizes the stage-3 parameter gathers; set stage=3 or "
+                f"ZeroConfig.weights ({w.label}, qwZ) quantizes the stage-3 parameter gathers; set stage=3 or "
                 f"weights=None (stage {self.stage} keeps full replicas, which quantized gathers would corrupt)"
             )
         if w is not None and (w.intra_bits is not None or w.error_feedback):
@@ -230,7 +230,7 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.hpz_size must be >= 1, got {self.hpz_size}")
         if g is not None and self.stage == 0:
             raise ValueError(
-                f"ZeroConfig.grads={g} (qgZ) quantizes the gradient reduce-scatter, which stage 0 does not use "
+                f"ZeroConfig.grads ({g.label}, qgZ) quantizes the gradient reduce-scatter, which stage 0 does not use "
                 f"(it all-reduces); set stage>=1 or grads=None"
             )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "grad_accum_steps"):
@@ -269,13 +269,13 @@ class ZeroConfig:
             return
         if self.stage == 0:
             raise ValueError(
-                f"ZeroConfig.weight_diff={wd} (qWD) replaces the parameter all-gather of stages 1-2 and hpZ's refresh "
+                f"ZeroConfig.weight_diff ({wd.label}, qWD) replaces the parameter all-gather of stages 1-2 and hpZ's refresh "
                 f"at stage 3; stage 0 updates full replicas locally and sends no weights. Set stage>=1 or "
                 f"weight_diff=None"
             )
         if self.stage == 3 and not self.hpz:
             raise ValueError(
-                f"ZeroConfig.weight_diff={wd} at stage 3 refreshes hpZ's secondary copies, which hpz=False does not "
+                f"ZeroConfig.weight_diff ({wd.label}) at stage 3 refreshes hpZ's secondary copies, which hpz=False does not "
                 f"keep; set hpz=True or weight_diff=None"
             )
         if wd.intra_bits is not None or wd.error_feedback:
