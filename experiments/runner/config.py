@@ -218,6 +218,7 @@ class RunConfig:
         ``model=hf`` needs the ``hf`` extra, a trainer its spec's ``requires``; and the weights of
         ``model.pretrained`` are those of the model (``zeropp.models.hf_pretrained``: headers only).
         Not part of validation, so configs compose anywhere."""
+        import importlib
         import importlib.util
 
         missing = missing_requirement(self.trainer_spec)
@@ -232,6 +233,13 @@ class RunConfig:
                     "invalid config: model=hf needs the Hugging Face extra, which is not installed: "
                     'pip install -e ".[hf]" (or choose a GPT preset: model=mini, ...)'
                 )
+            try:  # installed but broken: one line here, not the same traceback from every rank
+                importlib.import_module("transformers")
+            except Exception as e:
+                raise ConfigError(
+                    f"invalid config: model=hf cannot import transformers ({type(e).__name__}: {e}); repair the "
+                    'install (pip install --force-reinstall -e ".[hf]") or choose a GPT preset: model=mini, ...'
+                ) from None
             if self.model.pretrained is not None:  # its weights' headers, before every rank reads them
                 from zeropp.models.hf import check_pretrained
 

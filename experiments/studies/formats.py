@@ -185,6 +185,19 @@ WORKING_COPIES = 4
 its decoded copy, the wire bytes and a padded or rotated copy): its host-memory estimate."""
 
 
+def _check_chunk_holds_a_group(chunk: int, name: str, specs: dict[str, QuantSpec]) -> None:
+    """Refuse (ConfigError) a ``--chunk`` smaller than a group of ``name``'s specs: each row would be
+    one padded group carrying its scales, so bits per element and GB/s would describe the padding,
+    not the format (a message is never smaller than one group)."""
+    for kind, spec in specs.items():
+        group = group_size_of(spec, weights=IS_WEIGHTS[kind])
+        if chunk < group:
+            raise ConfigError(
+                f"--chunk {chunk} is smaller than one group of {name} for {kind} ({group} elements): the figures would "
+                f"measure the padding; use --chunk {group} or more (or a smaller group: {name.split('@')[0]}@g<N>)"
+            )
+
+
 def _check_host_memory(chunk: int, speed_mib: float) -> None:
     """Refuse (ConfigError) a ``--chunk`` or ``--speed-mib`` whose tensors this host cannot hold:
     before, the study trained and then died of the allocation with its traceback."""
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if twice:  # each would be captured, measured and tabled again, under one name
             raise ConfigError(f"--formats names {', '.join(twice)} more than once; name each format once")
         for f in formats:
-            format_specs(f)
+            _check_chunk_holds_a_group(a.chunk, f, format_specs(f))
         check_writable_dir("out", a.out)
         check_outputs(a.out, OUTPUTS)
     except (ConfigError, ValueError) as e:  # ReportError is a ValueError

@@ -163,3 +163,12 @@ def test_sizes_beyond_host_memory_exit_2_before_training(argv, words, monkeypatc
     with pytest.raises(SystemExit) as e:
         fs.main(["--formats", "int8", "--out", str(tmp_path), *argv])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_chunk_smaller_than_a_group_exits_2_before_training(monkeypatch, capsys, tmp_path) -> None:
+    """Before: --chunk 7 studied 7-element rows of padded 32-element groups (589 bits per element)."""
+    monkeypatch.setattr(fs, "capture", lambda cfg: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--formats", "int8,mxfp4", "--chunk", "31", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--chunk 31 is smaller than one group of" in err and "use --chunk" in err
