@@ -368,8 +368,13 @@ def check_parsable(arg: str) -> None:
 def check_overrides(args: list[str]) -> None:
     """Reject a command-line override that Hydra cannot parse, names an unknown group option or
     key, gives a key a value of the wrong type (``train.steps=abc``: an integer is expected), or
-    names an output directory (``hydra.run.dir``) this process cannot write to."""
+    names an output directory (``hydra.run.dir``, or Hydra's default under the current directory)
+    this process cannot write to or whose disk is full."""
     groups = config_groups()
+    given = {a.split("=", 1)[0] for a in args if "=" in a}
+    key = "hydra.sweep.dir" if is_multirun(args) else "hydra.run.dir"
+    if key not in given:  # Hydra's default, under the current directory
+        check_writable_dir(key, Path("multirun" if key == "hydra.sweep.dir" else "outputs"))
     for arg in args:
         if "=" in arg and not arg.startswith("-"):
             check_parsable(arg)

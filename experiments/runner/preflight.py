@@ -285,6 +285,12 @@ def warn_hpz_on_one_node(rc: RunConfig) -> None:
         )
 
 
+MIN_OUTPUT_FREE = 1 << 20
+"""Free bytes below which an output directory's disk counts as full: the smallest records a command
+writes (Hydra's ``.hydra/`` files, a summary, a report) are kilobytes; what is larger (checkpoints,
+swap files) is checked against its own size where it is written."""
+
+
 def check_writable_dir(key: str, path: Path) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
     existing ancestor is a directory that lets this process create files. Tried for real
@@ -301,6 +307,12 @@ def check_writable_dir(key: str, path: Path) -> None:
         raise ConfigError(
             f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
             f"process create files ({err.strerror or err}); choose a directory you can write to"
+        )
+    free = disk_free(existing)
+    if free < MIN_OUTPUT_FREE:  # an empty file can still be created on a full disk; its contents cannot
+        raise ConfigError(
+            f"invalid config: {key}={str(path)!r} is on a full disk ({human_bytes(free)} free at {existing}); "
+            f"free space there or choose a directory on another disk"
         )
 
 

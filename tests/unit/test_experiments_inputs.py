@@ -444,3 +444,30 @@ def test_an_emulated_cluster_of_one_node_is_refused_before_anything_is_built(cli
     assert "topology=2x2" in line and "cluster=local" in line
     assert not (tmp_path / "run" / "ranks").exists()
     preflight.check_emulated_nodes(from_dict(composed_config("cluster=emulated", "topology=2x1")))
+
+
+def test_an_output_directory_on_a_full_disk_is_refused_before_hydra(tmp_path, monkeypatch) -> None:
+    """Before: Hydra's OSError traceback (No space left on device) writing its ``.hydra/`` files,
+    for ``hydra.run.dir`` on a full disk and for the default ``outputs/`` under a full working
+    directory; an empty file can still be created there, so the writable check alone passed."""
+    from tests.runtime_helpers import tiny_tmpfs
+
+    with tiny_tmpfs(tmp_path) as full:
+        fd = os.open(full / "fill", os.O_WRONLY | os.O_CREAT)
+        try:  # fill every block
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with pytest.raises(ConfigError, match=r"hydra.run.dir='.*run' is on a full disk \(0 B free at .*tiny\)"):
+            check_overrides([f"hydra.run.dir={full}/run"])
+        monkeypatch.chdir(full)
+        with pytest.raises(ConfigError, match=r"hydra.run.dir='outputs' is on a full disk"):
+            check_overrides(["train.steps=2"])
+        with pytest.raises(ConfigError, match=r"hydra.sweep.dir='multirun' is on a full disk"):
+            check_overrides(["-m", "train.steps=2,3"])
+        assert sorted(p.name for p in full.iterdir()) == ["fill"]  # nothing created
+    monkeypatch.setattr(preflight, "disk_free", lambda path: preflight.MIN_OUTPUT_FREE)  # at the floor: fine
+    check_overrides([f"hydra.run.dir={tmp_path}/run"])
