@@ -172,6 +172,7 @@ class ZeroTrainer:
             topology=cfg.topology,
             activation_checkpointing=cfg.train.activation_checkpointing,
             comm_timeout=datetime.timedelta(seconds=cfg.launcher.pg_timeout_s),  # the process groups' own
+            call_timeout=datetime.timedelta(seconds=cfg.launcher.pg_timeout_s),  # (every rank calls; no tighter)
         )
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOut:

@@ -12,7 +12,7 @@ wrong or wait for the process group's timeout, each now right or one clear error
   ``engine.load_checkpoint``, until ``engine.refresh_params()``; plain ``load_state_dict`` is
   refused before it writes anything.
 - ``engine.eval_loss(batch)`` under ``if rank == 0:`` waited for the group's timeout (30 minutes):
-  it now raises within ``eval_timeout`` naming the absent rank, the group stays usable, and
+  it now raises within ``call_timeout`` naming the absent rank, the group stays usable, and
   ``eval_loss(..., local=True)`` is this rank's loss alone at stages 0-2 (refused at stage 3).
 """
 
@@ -40,12 +40,12 @@ CLIP = 0.05
 def _engine(stage: int, **kw: Any) -> Any:
     from zeropp.runtime import ZeroConfig, ZeroEngine
 
-    timeout = kw.pop("eval_timeout", datetime.timedelta(seconds=60))
+    timeout = kw.pop("call_timeout", datetime.timedelta(seconds=60))
     return ZeroEngine(
         mlp(),
         config=ZeroConfig(stage=stage, **kw),
         loss_fn=lambda out, mb: F.mse_loss(out, mb.targets),
-        eval_timeout=timeout,
+        call_timeout=timeout,
     )
 
 
@@ -153,7 +153,7 @@ def _eval_case(rank: int, stage: int) -> dict[str, Any]:
     from zeropp.runtime import WithTargets
 
     mb = WithTargets(*data(5, rank))
-    eng = _engine(stage, eval_timeout=datetime.timedelta(seconds=1))
+    eng = _engine(stage, call_timeout=datetime.timedelta(seconds=1))
     r: dict[str, Any] = {}
     if rank == 0:  # a DDP script's evaluation on rank 0 only
         t0 = time.perf_counter()
@@ -193,3 +193,38 @@ def test_eval_loss_on_one_rank_fails_fast_or_runs_locally() -> None:
     for r in res:
         for stage, got in r.items():
             assert abs(got["every"] - every) <= 1e-6 * every and got["again"] == got["every"], (stage, got, every)
+
+
+def _save_case(rank: int, stage: int, root: str) -> dict[str, Any]:
+    eng = _engine(stage, call_timeout=datetime.timedelta(seconds=1))
+    r: dict[str, Any] = {}
+    if rank == 0:  # a DDP script's save and export on rank 0 only
+        t0 = time.perf_counter()
+        r["save"] = _error(lambda: eng.save_checkpoint(f"{root}/alone{stage}"))
+        r["weights"] = _error(eng.consolidated_state_dict)
+        r["alone_s"] = time.perf_counter() - t0
+    dist.barrier()  # the group is still in step
+    r["saved"] = Path(eng.save_checkpoint(f"{root}/every{stage}")).name  # every rank: the calls pair up again
+    r["full"] = {k: v.clone() for k, v in eng.consolidated_state_dict().items()}
+    eng.close()
+    return r
+
+
+def _save_world(rank: int, world: int, root: str) -> dict[int, dict[str, Any]]:
+    return {stage: _save_case(rank, stage, root) for stage in (0, 3)}
+
+
+def test_save_and_export_on_one_rank_fail_fast_and_write_nothing(tmp_path: Path) -> None:
+    """Before: ``if rank == 0: engine.save_checkpoint(...)`` (or ``consolidated_state_dict()``)
+    waited in the first collective for the process group's timeout."""
+    res = run_world(_save_world, 2, tmp_path, timeout=120)
+    ref = mlp().state_dict()
+    for stage, got in res[0].items():
+        for key, what in (("save", "save_checkpoint"), ("weights", "consolidated_state_dict")):
+            assert got[key].startswith(f"RuntimeError: {what} is collective, but rank(s) [1] did not call it"), got
+        assert got["alone_s"] < 20, got["alone_s"]
+        assert not (tmp_path / f"alone{stage}").exists()  # nothing written
+    for r in res:
+        for stage, got in r.items():
+            assert (tmp_path / f"every{stage}" / got["saved"]).is_dir()
+            assert got["full"].keys() == ref.keys() and all(torch.equal(got["full"][k], ref[k]) for k in ref), stage

@@ -192,10 +192,10 @@ def test_an_integer_average_is_refused_on_gloo_only() -> None:
         check_op_dtype("premul_sum", elsewhere, "reduce-scatter")
 
 
-def test_the_stand_in_gradients_cost_nothing_and_a_bad_eval_timeout_is_refused() -> None:
+def test_the_stand_in_gradients_cost_nothing_and_a_bad_call_timeout_is_refused() -> None:
     """Between steps each ``p.grad`` is a ``GradInEngine`` (no storage): the memory report counts no
     gradient bytes for it (it would count a full gradient per parameter by shape), and ``close()``
-    leaves a plain model. ``eval_timeout`` must be a positive ``timedelta``."""
+    leaves a plain model. ``call_timeout`` must be a positive ``timedelta``."""
     import datetime
 
     from zeropp.runtime.wrapped import GradInEngine
@@ -210,4 +210,4 @@ def test_the_stand_in_gradients_cost_nothing_and_a_bad_eval_timeout_is_refused()
         assert all(p.grad is None for p in eng.model.parameters())
         for bad in (datetime.timedelta(0), 60):
             with pytest.raises(ValueError, match=r"eval_loss must be a positive datetime.timedelta, got "):
-                ZeroEngine(mlp(), config=ZeroConfig(stage=1), eval_timeout=bad)  # type: ignore[arg-type]
+                ZeroEngine(mlp(), config=ZeroConfig(stage=1), call_timeout=bad)  # type: ignore[arg-type]

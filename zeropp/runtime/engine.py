@@ -66,7 +66,7 @@ from .offload import HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit
 from .reduction import GradReducer, reduces_when_ready
-from .rollcall import EVAL_TIMEOUT, RollCall
+from .rollcall import CALL_TIMEOUT, RollCall
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .units import assign_homes, build_units, check_persistence_threshold
@@ -131,9 +131,10 @@ class ZeroEngine(EngineSteps, EngineState):
     ``comm_timeout``: how long the engine's own waits for a peer (the shared-memory transport of
     ``ZeroConfig.transport='shm'``) last before raising; pass the timeout given to
     ``init_process_group`` (None: torch's default process-group timeout). The backend's collectives
-    keep the process group's own. ``eval_timeout``: how long :meth:`eval_loss` waits for every rank
-    to call it before raising on the ranks that did (``rollcall.py``; ``eval_loss(..., local=True)``
-    is this rank's loss alone, at stages 0-2).
+    keep the process group's own. ``call_timeout``: how long the collective calls a user may make on
+    some ranks only (``if rank == 0:``) -- :meth:`eval_loss`, :meth:`save_checkpoint`,
+    :meth:`consolidated_state_dict` -- wait for every rank to call them before raising on the ranks
+    that did (``rollcall.py``; ``eval_loss(..., local=True)`` is this rank's loss alone, at stages 0-2).
     """
 
     def __init__(
@@ -148,7 +149,7 @@ class ZeroEngine(EngineSteps, EngineState):
         loss_fn: LossFn | None = None,
         cpu_adam: str | None = None,
         comm_timeout: datetime.timedelta | None = None,
-        eval_timeout: datetime.timedelta = EVAL_TIMEOUT,
+        call_timeout: datetime.timedelta = CALL_TIMEOUT,
     ) -> None:
         cfg = config if config is not None else ZeroConfig()
         if not isinstance(cfg, ZeroConfig):
@@ -330,8 +331,12 @@ class ZeroEngine(EngineSteps, EngineState):
         if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
-        self._eval_roll_call = RollCall.for_world("eval_loss", timeout=eval_timeout)
-        """Checks that every rank called ``eval_loss`` before its collectives (``rollcall.py``), or None."""
+        self._roll_calls = {
+            what: RollCall.for_world(what, timeout=call_timeout)
+            for what in ("eval_loss", "save_checkpoint", "consolidated_state_dict")
+        }
+        """Per user-facing collective call: the check that every rank called it, before its
+        collectives (``rollcall.py``); None on one rank."""
         self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
         """The host group of the per-micro-step checks (``batch.control_group``: a gloo group under
         NCCL, else None for the default group)."""

@@ -83,7 +83,7 @@ class EngineParts:
     _all_ranks: int
     _pg: object
     _control: dist.ProcessGroup | None
-    _eval_roll_call: RollCall | None
+    _roll_calls: dict[str, RollCall | None]
     _defer_checks: bool
     _last_memory: dict[str, int] | None
     _memory_sources: dict[str, list[object]]

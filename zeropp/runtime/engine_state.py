@@ -33,8 +33,12 @@ class EngineState(EngineParts):
         ``torch.distributed.checkpoint``, with ``extra`` (small JSON values, e.g. the runner's step
         and data position) returned by the load, in a folder named by ``extra["step"]`` (else the
         optimizer's step count). Keeps this run's ``keep`` newest checkpoints there and never
-        touches anything else. Refuses NaN/inf weights. Returns the version directory. Collective."""
+        touches anything else. Refuses NaN/inf weights. Returns the version directory. Collective:
+        a rank that waited ``call_timeout`` (``ZeroEngine``) for the others raises before anything
+        is written or sent (``rollcall.py``), as under ``if rank == 0:``."""
         self._check_open()
+        if (roll_call := self._roll_calls["save_checkpoint"]) is not None:
+            roll_call.check()
         from . import checkpoint as ckpt
 
         self._checkpoint_origin = ckpt.save(
@@ -77,8 +81,12 @@ class EngineState(EngineParts):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights as a plain ``state_dict`` for the unwrapped model, on every rank
         (parameters in their original dtype, on the CPU). Collective. With ``topology.tp > 1``
-        the split weights are also all-gathered over tp, under the unsplit model's names."""
+        the split weights are also all-gathered over tp, under the unsplit model's names. A rank
+        that waited ``call_timeout`` (``ZeroEngine``) for the others raises before anything is sent
+        (``rollcall.py``), as under ``if rank == 0:``."""
         self._check_open()
+        if (roll_call := self._roll_calls["consolidated_state_dict"]) is not None:
+            roll_call.check()
 
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]

@@ -133,7 +133,7 @@ class EngineSteps(EngineMemory):
 
         ``eval_loss(idx, targets)`` calls ``model(idx, targets)`` as before; one argument is a
         micro-batch as in :meth:`train_step` (a dict, a tuple or one object). Every rank must call
-        it: a rank that waited ``eval_timeout`` (``ZeroEngine``) for the others raises, naming the
+        it: a rank that waited ``call_timeout`` (``ZeroEngine``) for the others raises, naming the
         ranks that did not come, before anything is sent (``rollcall.py``). ``local=True``: this
         rank's loss on its batch, with no collective (callable on one rank, e.g. under
         ``if rank == 0:``), where the forward needs no other rank: stages 0-2 without tensor
@@ -143,8 +143,8 @@ class EngineSteps(EngineMemory):
             raise TypeError("eval_loss needs a batch: eval_loss(micro_batch) or eval_loss(*model_args)")
         if local:
             self._check_local_eval()
-        elif self._eval_roll_call is not None:
-            self._eval_roll_call.check()
+        elif (roll_call := self._roll_calls["eval_loss"]) is not None:
+            roll_call.check()
         mb = batch[0] if len(batch) == 1 else tuple(batch)
         loss = 0.0
         error: Exception | None = self.guard.written_error()  # evaluating written weights would hide the refusal

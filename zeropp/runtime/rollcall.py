@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from .batch import on_ranks
 
-EVAL_TIMEOUT = datetime.timedelta(seconds=60)
-"""``ZeroEngine(eval_timeout=...)``'s default: long enough for ranks a step's host work apart."""
+CALL_TIMEOUT = datetime.timedelta(seconds=60)
+"""``ZeroEngine(call_timeout=...)``'s default: long enough for ranks a step's host work apart."""
 
 _NAMES = itertools.count()
 """Roll calls made in this process, in order: every rank makes its engines in the same order."""
