@@ -67,3 +67,7 @@ def cli() -> None:
     """The command: :func:`main` through ``run_command``, which makes a Ctrl-C or SIGTERM before the
     agent started any rank (its rendezvous) one line, ``error: interrupted by SIGINT; stopped``."""
     run_command(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -56,6 +56,7 @@ def test_the_documented_entry_points_are_all_there() -> None:
             "scaling",
             "scaling_check",
             "step_schedule",
+            "torchrun",
         ]
     )
 
