@@ -291,11 +291,12 @@ writes (Hydra's ``.hydra/`` files, a summary, a report) are kilobytes; what is l
 swap files) is checked against its own size where it is written."""
 
 
-def check_writable_dir(key: str, path: Path) -> None:
+def check_writable_dir(key: str, path: Path, *, room: bool = True) -> None:
     """``path`` is a directory this process can create files in, or can be created: its nearest
     existing ancestor is a directory that lets this process create files. Tried for real
     (``zeropp.output_files.creation_refused``: a temporary file removed at once), since permission
-    bits lie for root and on read-only mounts; nothing is left behind."""
+    bits lie for root and on read-only mounts; nothing is left behind. ``room``: also refuse a full
+    disk (:data:`MIN_OUTPUT_FREE`); False where the caller checks the room its files need itself."""
     existing = nearest_existing(path.expanduser())  # "/" or "." at worst (missing only if the cwd was deleted)
     if not existing.is_dir():
         what = "is not a directory" if existing.exists() or existing.is_symlink() else "does not exist"
@@ -308,8 +309,9 @@ def check_writable_dir(key: str, path: Path) -> None:
             f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
             f"process create files ({err.strerror or err}); choose a directory you can write to"
         )
-    free = disk_free(existing)
-    if free < MIN_OUTPUT_FREE:  # an empty file can still be created on a full disk; its contents cannot
+    if (
+        room and (free := disk_free(existing)) < MIN_OUTPUT_FREE
+    ):  # an empty file can still be created on a full disk; its contents cannot
         raise ConfigError(
             f"invalid config: {key}={str(path)!r} is on a full disk ({human_bytes(free)} free at {existing}); "
             f"free space there or choose a directory on another disk"
@@ -334,7 +336,7 @@ def check_before_launch(rc: RunConfig, run_dir: Path, *, local: bool) -> None:
     check_persistence(rc)
     warn_hpz_on_one_node(rc)
     if rc.zero.nvme_path is not None:  # ZeroConfig saw a writable directory by its bits; /proc passes that
-        check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path))
+        check_writable_dir("zero.nvme_path", Path(rc.zero.nvme_path), room=False)  # its room: check_nvme_space
     if local:  # under torchrun cluster=emulated is refused as such (run.execute)
         check_emulated_nodes(rc)
         check_emulated_privileges(rc)
