@@ -241,10 +241,20 @@ def test_ctrl_c_to_the_runner_removes_the_runs_swap_folders(tmp_path: Path) -> N
 def test_a_failing_multirun_job_does_not_stop_the_sweep(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Job 0 fails while training (it diverges: a failure no check before the start can see; an
     invalid config stops the whole sweep before any job, ``test_runner_in_process``); job 1 still
-    runs; the command exits non-zero naming job 0, which leaves failed.json, and the report lists it."""
+    runs; the command exits non-zero naming job 0, which leaves failed.json, and the report lists it.
+    Two ranks per job: the sweep's handling of a failed job does not depend on the world's shape."""
     sweep = tmp_path / "sweep"
     p = run_cli_here(
-        ["-m", "optim.lr=1e30,0.003", "logger=none", *FAST, "train.steps=2", f"hydra.sweep.dir={sweep}"], capfd
+        [
+            "-m",
+            "optim.lr=1e30,0.003",
+            "topology=1x2",
+            "logger=none",
+            *FAST,
+            "train.steps=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        capfd,
     )
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
     assert "1 multirun job(s) failed" in p.stderr and "optim.lr=1e+30" in p.stderr  # (as Hydra spells it)

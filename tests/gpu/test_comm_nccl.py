@@ -221,9 +221,12 @@ def _worker(rank: int, world: int, store_path: str, backend: str) -> None:
         dist.destroy_process_group()
 
 
-def run_spawned(world: int, tmp_path, backend: str = "nccl") -> None:
-    """Start ``world`` ranks with torch.multiprocessing.spawn; a failing rank fails the call."""
-    torch.multiprocessing.spawn(_worker, args=(world, str(tmp_path / "store"), backend), nprocs=world, join=True)
+def run_spawned(world: int, tmp_path, backend: str = "nccl", start_method: str = "spawn") -> None:
+    """Start ``world`` ranks with torch.multiprocessing (spawned: what CUDA needs; the gloo mode
+    may fork them from the tests' preloaded fork server instead); a failing rank fails the call."""
+    torch.multiprocessing.start_processes(
+        _worker, args=(world, str(tmp_path / "store"), backend), nprocs=world, join=True, start_method=start_method
+    )
 
 
 @pytest.mark.parametrize("world", [w for w in (2, 4) if w <= GPUS] or [2])

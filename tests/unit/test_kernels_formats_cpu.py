@@ -41,6 +41,24 @@ def native_formats(monkeypatch):
         pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
 
 
+@pytest.fixture(scope="module")
+def narrow_library(tmp_path_factory):
+    """``narrow_library(flag)``: the path of ``cpu_formats.cpp`` built with the usual flags plus
+    ``flag`` (what a CPU without that feature runs), built once per module: a build takes some 10
+    CPU-seconds, and two tests read the ``-mno-avx512f`` one."""
+    built: dict[str, str] = {}
+
+    def path(flag: str) -> str:
+        if flag not in built:
+            out = tmp_path_factory.mktemp("narrow") / "narrow.so"
+            _, build = cpu_native.named_build(cpu_formats.SOURCE, [*cpu_native.FLAGS, flag], "zf", cpu_formats.HEADERS)
+            build(out)
+            built[flag] = str(out)
+        return built[flag]
+
+    return path
+
+
 def awkward_formats(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Gaussian data whose magnitude sweeps 2**-140 .. 2**120 along the tensor (clipped to the
     dtype's range), with a zero block, a -0.0 run, fp32 subnormals, values beyond every format's
@@ -265,12 +283,10 @@ def test_dequantize_of_crafted_rows_of_awkward_shapes(scheme, elem, rows, cols):
 
 
 @pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512bf16"])
-def test_dequantize_built_without_avx512_or_its_bf16_gives_the_same_bits(flag, tmp_path, monkeypatch):
+def test_dequantize_built_without_avx512_or_its_bf16_gives_the_same_bits(flag, narrow_library, monkeypatch):
     """The scalar dequantize (no AVX-512) and the vector one whose bf16 outputs all take the
     integer rounding (no AVX512-BF16) decode every code under every scale as the reference."""
-    _, build = cpu_native.named_build(cpu_formats.SOURCE, [*cpu_native.FLAGS, flag], "zf", cpu_formats.HEADERS)
-    build(tmp_path / "narrow.so")
-    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(str(tmp_path / "narrow.so")))
+    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(narrow_library(flag)))
     for scheme, elem in DEQ_VECTOR_FORMATS:
         check_every_code_under_every_scale(scheme, elem)
 
@@ -389,14 +405,10 @@ def test_nvfp4_long_awkward_rows(dtype):
         assert_same(cpu_formats.quantize_nvfp4(x, **kw), ref.quantize_nvfp4_ref(x, **kw))
 
 
-def test_the_build_without_avx512_gives_the_same_bits(tmp_path, monkeypatch):
+def test_the_build_without_avx512_gives_the_same_bits(narrow_library, monkeypatch):
     """The library built without AVX-512 (the scalar nvfp4 tiles, and what CPUs without AVX-512
     run) quantizes nvfp4 to the reference's bits too: the ties, long awkward rows, every dtype."""
-    _, build = cpu_native.named_build(
-        cpu_formats.SOURCE, [*cpu_native.FLAGS, "-mno-avx512f"], "zf", cpu_formats.HEADERS
-    )
-    build(tmp_path / "narrow.so")
-    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(str(tmp_path / "narrow.so")))
+    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(narrow_library("-mno-avx512f")))
     for dtype in DTYPES:
         for x, rows in ((nvfp4_ties(3, 2128, dtype, seed=2), 3), (awkward_formats((2, 4200), dtype, seed=4), 2)):
             for stochastic in (False, True):

@@ -1,6 +1,7 @@
 """The scaling cost model: exact message sizes, and the ZeRO++ paper's direction and size.
 
-Here: the one-process checks of this topic; its other tiers' checks are in ``tests/e2e/test_scaling.py``.
+Here: the one-process checks of this topic. That ``scaling`` never imports its check
+(``scaling_check``) is part of ``tests/unit/test_imports.py::test_no_import_cycles``.
 """
 
 from __future__ import annotations
