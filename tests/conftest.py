@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop(INTERPRET, None)
     else:
         os.environ[INTERPRET] = want
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A test run started in the background by a script inherits Ctrl-C ignored, and so would
+        # every command the interrupt tests start (Python installs no handler where SIGINT is
+        # ignored at start-up): give this process Python's own handler, which the children's exec
+        # resets to the default, as in an interactive shell.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")
