@@ -116,6 +116,13 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     _stop(sig, f"error: interrupted by {sig.name}; stopped")
 
 
+def stands_in_for_sigterms_default(handler: object) -> bool:
+    """``handler`` is this module's SIGTERM handler, installed in place of the default disposition
+    (module doc): code that chains to the previous SIGTERM handler after its own clean-up treats it
+    as the default, and ends in its own words rather than this module's generic line."""
+    return handler is _on_signal
+
+
 def quiet_interrupts_while_importing(package: str) -> None:
     """Install the handler (module doc) when this process is ``python -m package.X`` (``package``:
     the calling package's own name, ``zeropp`` or ``experiments``) and this is the main thread

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
+from zeropp.interrupts import stands_in_for_sigterms_default
+
 from . import netns
 from .probe import measure_rtt, measure_throughput
 
@@ -316,7 +318,7 @@ class EmulatedCluster:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         prev = self._prev_handlers.get(signum)
         self.down()
-        if callable(prev):
+        if callable(prev) and not (signum == signal.SIGTERM and stands_in_for_sigterms_default(prev)):
             prev(signum, frame)  # e.g. Python's default SIGINT handler raises KeyboardInterrupt
         else:
             raise ClusterInterrupted(signum)
