@@ -365,16 +365,22 @@ def check_parsable(arg: str) -> None:
         ) from None
 
 
+def check_default_output_dir(args: list[str]) -> None:
+    """The command's run (or sweep) directory where the command line names none: Hydra's default
+    under the current directory (``outputs/`` or ``multirun/``) can be written and its disk is not
+    full, checked before Hydra writes its ``.hydra/`` files there (a traceback otherwise)."""
+    sweep = is_multirun(args)
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    if any(a.split("=", 1)[0].lstrip("+") == key for a in args if "=" in a):
+        return  # named on the command line: check_overrides checks it
+    check_writable_dir(key, Path("multirun" if sweep else "outputs"))
+
+
 def check_overrides(args: list[str]) -> None:
     """Reject a command-line override that Hydra cannot parse, names an unknown group option or
     key, gives a key a value of the wrong type (``train.steps=abc``: an integer is expected), or
-    names an output directory (``hydra.run.dir``, or Hydra's default under the current directory)
-    this process cannot write to or whose disk is full."""
+    names an output directory (``hydra.run.dir``) this process cannot write to or whose disk is full."""
     groups = config_groups()
-    given = {a.split("=", 1)[0] for a in args if "=" in a}
-    key = "hydra.sweep.dir" if is_multirun(args) else "hydra.run.dir"
-    if key not in given:  # Hydra's default, under the current directory
-        check_writable_dir(key, Path("multirun" if key == "hydra.sweep.dir" else "outputs"))
     for arg in args:
         if "=" in arg and not arg.startswith("-"):
             check_parsable(arg)

@@ -7,8 +7,8 @@ wrong or wait for the process group's timeout, each now right or one clear error
   engine's own clip gives the norm plain torch's ``clip_grad_norm_`` gives on the global batch.
 - ``torch.distributed.checkpoint.load`` into ``engine.model`` (through ``load_state_dict``, or in
   place into ``engine.model.state_dict()``) at stages 0-2 changed the parameters but not the
-  engine's masters; the next step overwrote it or trained from a mix. Now ``train_step`` and
-  ``eval_loss`` refuse on every rank (also when one rank alone wrote), naming
+  engine's masters; the next step overwrote it or trained from a mix. Now ``train_step`` refuses
+  on every rank (also when one rank alone wrote), naming
   ``engine.load_checkpoint``, until ``engine.refresh_params()``; plain ``load_state_dict`` is
   refused before it writes anything.
 - ``engine.eval_loss(batch)`` under ``if rank == 0:`` waited for the group's timeout (30 minutes):
@@ -106,7 +106,8 @@ def _written_case(rank: int, stage: int, ckpt: str, other: dict[str, torch.Tenso
     r["plain_then"] = _error(lambda: eng.train_step([mb]))  # nothing was written: training goes on
     r["stateful"] = _error(lambda: dcp.load({"model": eng.model}, checkpoint_id=ckpt))
     r["stateful_step"] = _error(lambda: eng.train_step([mb]))
-    r["stateful_eval"] = _error(lambda: eng.eval_loss(mb))
+    r["stateful_eval"] = eng.eval_loss(mb)  # evaluates what was loaded (a user's right: EMA weights)
+    r["stateful_step_again"] = _error(lambda: eng.train_step([mb]))  # the evaluation settled nothing
     eng.refresh_params()
     r["refreshed"] = _error(lambda: eng.train_step([mb]))
     dcp.load({"model": eng.model.state_dict()}, checkpoint_id=ckpt)  # in place, no load_state_dict
@@ -117,6 +118,16 @@ def _written_case(rank: int, stage: int, ckpt: str, other: dict[str, torch.Tenso
             next(eng.model.parameters()).add_(1.0)
     r["one_rank_step"] = _error(lambda: eng.train_step([mb]))
     eng.refresh_params()
+    first = next(eng.model.parameters())
+
+    def clamp(module: torch.nn.Module, args: Any) -> None:  # a model that bounds its own parameter
+        with torch.no_grad():
+            first.clamp_(-10.0, 10.0)
+
+    hook = eng.model.register_forward_pre_hook(clamp)
+    r["own_writes"] = [_error(lambda: eng.train_step([mb])), _error(lambda: eng.eval_loss(mb))]
+    r["own_writes"].append(_error(lambda: eng.train_step([mb])))
+    hook.remove()
     r["end"] = eng.train_step([mb]).loss
     eng.close()
     return r
@@ -141,7 +152,14 @@ def test_writes_into_the_wrapped_models_parameters_are_refused_on_every_rank(tmp
                 assert "engine.load_checkpoint(path)" in got[call]
             assert "has already written" not in got["plain"] and "has already written" in got["stateful"]
             assert got["plain_unchanged"] and got["plain_then"] == "no error" and got["refreshed"] == "no error"
-            for call in ("stateful_step", "stateful_eval", "in_place_step", "one_rank_step"):
+            loaded = mlp()
+            loaded.load_state_dict({k: torch.full_like(v, 0.5) for k, v in loaded.state_dict().items()})
+            x, y = _global_batch(0, 2)
+            with torch.no_grad():
+                want = float(F.mse_loss(loaded(x), y))
+                assert abs(got["stateful_eval"] - want) <= 1e-6 * want, (stage, got["stateful_eval"], want)
+            assert got["own_writes"] == ["no error"] * 3, (stage, got["own_writes"])
+            for call in ("stateful_step", "stateful_step_again", "in_place_step", "one_rank_step"):
                 msg = got[call]
                 assert "were written in place outside ZeroEngine" in msg, (stage, call, msg)
                 assert "engine.load_checkpoint(path)" in msg and "engine.refresh_params()" in msg, msg

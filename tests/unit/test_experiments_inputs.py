@@ -24,7 +24,7 @@ from tests.experiment_helpers import composed_config
 from zeropp.experiments.runner import preflight
 from zeropp.experiments.runner.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
 from zeropp.experiments.runner.console import human_bytes
-from zeropp.experiments.runner.overrides import check_overrides
+from zeropp.experiments.runner.overrides import check_default_output_dir, check_overrides
 from zeropp.runtime import OptimizerConfig, ZeroConfig
 
 
@@ -465,9 +465,11 @@ def test_an_output_directory_on_a_full_disk_is_refused_before_hydra(tmp_path, mo
             check_overrides([f"hydra.run.dir={full}/run"])
         monkeypatch.chdir(full)
         with pytest.raises(ConfigError, match=r"hydra.run.dir='outputs' is on a full disk"):
-            check_overrides(["train.steps=2"])
+            check_default_output_dir(["train.steps=2"])
         with pytest.raises(ConfigError, match=r"hydra.sweep.dir='multirun' is on a full disk"):
-            check_overrides(["-m", "train.steps=2,3"])
+            check_default_output_dir(["-m", "train.steps=2,3"])
+        check_default_output_dir([f"+hydra.run.dir={tmp_path}/run"])  # named (also with +): not the default's
+        check_overrides(["train.steps=2"])  # (the composing helpers, which write elsewhere, do not check it)
         assert sorted(p.name for p in full.iterdir()) == ["fill"]  # nothing created
     monkeypatch.setattr(preflight, "disk_free", lambda path: preflight.MIN_OUTPUT_FREE)  # at the floor: fine
     check_overrides([f"hydra.run.dir={tmp_path}/run"])

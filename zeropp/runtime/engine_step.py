@@ -14,9 +14,9 @@ next to NCCL), which never waits for the GPU.
 
 A user's loop around the engine (``wrapped.py``): between steps every trainable parameter's
 ``.grad`` is a ``GradInEngine`` (``clip_grad_norm_`` or a ``backward`` outside ``train_step`` raise,
-naming ``ZeroConfig.grad_clip``); a step and an evaluation first refuse, on every rank through the
-forward's agreement, parameters written in place since the engine's last write
-(``ModelGuard.written``); ``eval_loss`` first checks that every rank called it (``rollcall.py``).
+naming ``ZeroConfig.grad_clip``); a step first refuses, on every rank through the forward's
+agreement, parameters written in place since the engine's last write (``ModelGuard.written``; an
+evaluation uses what they hold); ``eval_loss`` first checks that every rank called it (``rollcall.py``).
 """
 
 from __future__ import annotations
@@ -147,12 +147,18 @@ class EngineSteps(EngineMemory):
             roll_call.check()
         mb = batch[0] if len(batch) == 1 else tuple(batch)
         loss = 0.0
-        error: Exception | None = self.guard.written_error()  # evaluating written weights would hide the refusal
-        if error is None:
-            try:
-                loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
-            except Exception as exc:
-                error = exc
+        # Evaluates what the parameters hold, written from outside or not (evaluating EMA weights copied
+        # in is a user's right; the next train_step refuses such writes). Writes the forward itself
+        # makes (a model clamping its own parameter) are the model's, as in training: settled, unless
+        # an outside write came first (which must stay visible to train_step).
+        outside = bool(self.guard.written())
+        error: Exception | None = None
+        try:
+            loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
+        except Exception as exc:
+            error = exc
+        if not outside:
+            self.guard.settle()
         if local:
             if error is not None:
                 raise error

@@ -31,8 +31,10 @@ import torch.distributed as dist
 
 from .batch import on_ranks
 
-CALL_TIMEOUT = datetime.timedelta(seconds=60)
-"""``ZeroEngine(call_timeout=...)``'s default: long enough for ranks a step's host work apart."""
+CALL_TIMEOUT = datetime.timedelta(minutes=5)
+"""``ZeroEngine(call_timeout=...)``'s default: long enough for one rank's host work between two
+collective calls (saving a consolidated state dict on rank 0, logging), far below the process
+group's 30 minutes."""
 
 _NAMES = itertools.count()
 """Roll calls made in this process, in order: every rank makes its engines in the same order."""
