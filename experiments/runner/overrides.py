@@ -371,8 +371,8 @@ def check_default_output_dir(args: list[str]) -> None:
     full, checked before Hydra writes its ``.hydra/`` files there (a traceback otherwise)."""
     sweep = is_multirun(args)
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
-    if any(a.split("=", 1)[0].lstrip("+") == key for a in args if "=" in a):
-        return  # named on the command line: check_overrides checks it
+    if key in _given(args):
+        return  # named on the command line (also as +key=): check_overrides checks it
     check_writable_dir(key, Path("multirun" if sweep else "outputs"))
 
 

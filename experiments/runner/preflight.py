@@ -309,9 +309,8 @@ def check_writable_dir(key: str, path: Path, *, room: bool = True) -> None:
             f"invalid config: {key}={str(path)!r} cannot be written: {existing} does not let this "
             f"process create files ({err.strerror or err}); choose a directory you can write to"
         )
-    if (
-        room and (free := disk_free(existing)) < MIN_OUTPUT_FREE
-    ):  # an empty file can still be created on a full disk; its contents cannot
+    # an empty file can still be created on a full disk; its contents cannot
+    if room and (free := disk_free(existing)) < MIN_OUTPUT_FREE:
         raise ConfigError(
             f"invalid config: {key}={str(path)!r} is on a full disk ({human_bytes(free)} free at {existing}); "
             f"free space there or choose a directory on another disk"

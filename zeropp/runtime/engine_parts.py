@@ -99,3 +99,8 @@ class EngineParts:
                 "the process group this ZeroEngine was built on was destroyed (destroy_process_group); its "
                 "groups are gone: after a new init_process_group, build a new model and a new ZeroEngine"
             )
+
+    def _check_every_rank_called(self, what: str) -> None:
+        """The roll call of the user-facing collective ``what`` (``rollcall.py``; none on one rank)."""
+        if (roll_call := self._roll_calls[what]) is not None:
+            roll_call.check()

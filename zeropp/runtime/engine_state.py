@@ -37,8 +37,7 @@ class EngineState(EngineParts):
         a rank that waited ``call_timeout`` (``ZeroEngine``) for the others raises before anything
         is written or sent (``rollcall.py``), as under ``if rank == 0:``."""
         self._check_open()
-        if (roll_call := self._roll_calls["save_checkpoint"]) is not None:
-            roll_call.check()
+        self._check_every_rank_called("save_checkpoint")
         from . import checkpoint as ckpt
 
         self._checkpoint_origin = ckpt.save(
@@ -85,8 +84,7 @@ class EngineState(EngineParts):
         that waited ``call_timeout`` (``ZeroEngine``) for the others raises before anything is sent
         (``rollcall.py``), as under ``if rank == 0:``."""
         self._check_open()
-        if (roll_call := self._roll_calls["consolidated_state_dict"]) is not None:
-            roll_call.check()
+        self._check_every_rank_called("consolidated_state_dict")
 
         def gather(u: FlatUnit, m: torch.Tensor) -> torch.Tensor:
             full = torch.empty(u.padded, dtype=torch.float32, device=m.device)  # [padded]

@@ -143,8 +143,8 @@ class EngineSteps(EngineMemory):
             raise TypeError("eval_loss needs a batch: eval_loss(micro_batch) or eval_loss(*model_args)")
         if local:
             self._check_local_eval()
-        elif (roll_call := self._roll_calls["eval_loss"]) is not None:
-            roll_call.check()
+        else:
+            self._check_every_rank_called("eval_loss")
         mb = batch[0] if len(batch) == 1 else tuple(batch)
         loss = 0.0
         # Evaluates what the parameters hold, written from outside or not (evaluating EMA weights copied
