@@ -21,11 +21,17 @@ from omegaconf.errors import ValidationError
 
 from tests.cli_helpers import ROOT, run_cli, unwritable_dir
 from tests.experiment_helpers import composed_config
+from zeropp.disk_space import FreeSpace
 from zeropp.experiments.runner import preflight
 from zeropp.experiments.runner.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
 from zeropp.experiments.runner.console import human_bytes
 from zeropp.experiments.runner.overrides import check_default_output_dir, check_overrides
 from zeropp.runtime import OptimizerConfig, ZeroConfig
+
+
+def _space(nbytes: int) -> FreeSpace:
+    """A filesystem with ``nbytes`` free, no reserve: for faking ``preflight.disk_space``."""
+    return FreeSpace(usable=nbytes, shown=nbytes)
 
 
 @pytest.fixture
@@ -337,7 +343,7 @@ def test_an_nvme_disk_too_small_for_the_swap_files_is_refused_before_ranks(cli, 
     ]
     rc = from_dict(composed_config(*args))
     need = preflight.model_state_per_rank(rc)["disk"] * rc.topology.world_size
-    monkeypatch.setattr(preflight, "disk_free", lambda path: int(need) - 1)
+    monkeypatch.setattr(preflight, "disk_space", lambda path: _space(int(need) - 1))
     line = cli(*args)
     assert f"zero.nvme_path='{nvme}'" in line and human_bytes(need) in line and "free" in line, line
     assert "larger disk" in line, line
@@ -353,7 +359,7 @@ def test_a_full_nvme_disk_names_the_swap_folders_left_on_it(cli, tmp_path, monke
     left.mkdir(parents=True)
     (left / "optimizer.swp").write_bytes(b"\0" * 3000)
     (nvme / "notes.txt").write_text("mine")
-    monkeypatch.setattr(preflight, "disk_free", lambda path: 1 if str(path).startswith(str(nvme)) else 1 << 40)
+    monkeypatch.setattr(preflight, "disk_space", lambda path: _space(1 if str(path).startswith(str(nvme)) else 1 << 40))
     line = cli("zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}")
     assert "It holds 1 swap folder(s) of other runs (2.93 KiB: zeropp-swap-0123456789ab-r0-abcd1234)" in line, line
     assert sorted(p.name for p in nvme.iterdir()) == ["notes.txt", left.name] and (left / "optimizer.swp").exists()
@@ -471,5 +477,5 @@ def test_an_output_directory_on_a_full_disk_is_refused_before_hydra(tmp_path, mo
         check_default_output_dir([f"+hydra.run.dir={tmp_path}/run"])  # named (also with +): not the default's
         check_overrides(["train.steps=2"])  # (the composing helpers, which write elsewhere, do not check it)
         assert sorted(p.name for p in full.iterdir()) == ["fill"]  # nothing created
-    monkeypatch.setattr(preflight, "disk_free", lambda path: preflight.MIN_OUTPUT_FREE)  # at the floor: fine
+    monkeypatch.setattr(preflight, "disk_space", lambda path: _space(preflight.MIN_OUTPUT_FREE))  # at the floor: fine
     check_overrides([f"hydra.run.dir={tmp_path}/run"])
