@@ -13,7 +13,8 @@ What it holds (version :data:`VERSION`, plain JSON, never pickle):
   the world (whose ring crosses every node's uplink once per step: ``Cluster.wire="ring"``).
 * ``quant_rates``: GB/s of full-precision input per ``(op, format)`` of the codecs
   (``scaling.QUANT_OPS``; a format is :func:`~experiments.projection.scaling.format_name`,
-  e.g. ``int8``, ``mx4``, ``nvfp4``), timed in the benchmark's ranks, all at once.
+  e.g. ``int8``, ``mxfp4``, ``nvfp4``; the earlier ``mx4`` / ``mx6`` / ``mx8`` are read as
+  ``mxfp4`` / ``mxfp6`` / ``mxfp8``: ``scaling.FORMAT_ALIASES``), timed in the benchmark's ranks, all at once.
 
 :func:`read_cluster_file` refuses a file that is not one (a missing key, another version, a
 negative or zero bandwidth; a key nothing reads, or two rates for one ``(op, format)``: hand edits
@@ -33,7 +34,7 @@ from zeropp.input_files import read_json
 from zeropp.output_files import write_output_file
 
 from .flags import LINK_GBPS
-from .scaling import QUANT_OPS, known_formats
+from .scaling import QUANT_OPS, canonical_format, known_formats
 from .spec import Cluster
 
 VERSION = 1
@@ -276,7 +277,7 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
         rates = tuple(
             (
                 _need(r, "op", "a quant_rates entry", p),
-                _need(r, "format", "a quant_rates entry", p),
+                _format_key(_need(r, "format", "a quant_rates entry", p)),
                 _need(r, "gbs", "a quant_rates entry", p),
             )
             for r in _need(d, "quant_rates", "the file", p)
@@ -293,6 +294,12 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ClusterFileError(f"{p}: invalid cluster file: {e}") from None
+
+
+def _format_key(fmt: Any) -> Any:
+    """A file's format key as :func:`~.scaling.format_name` spells it (an earlier ``mx4`` is ``mxfp4``);
+    a key that is no string is left for :class:`ClusterFile` to refuse."""
+    return canonical_format(fmt) if isinstance(fmt, str) else fmt
 
 
 def merge_rates(
