@@ -119,6 +119,12 @@ def _edit(tmp_path, change) -> str:
             lambda d: d["quant_rates"].append({"op": "quantize", "format": "int8", "gbs": 30.0}),
             r"\('quantize', 'int8'\) more than once, and the model would read only the last",
         ),
+        # a link's ranks is the group its class is fitted on (before: any count >= 2 was taken)
+        (lambda d: d["links"]["intra"].update(ranks=3), r"links.intra.ranks=3, but the intra link is fitted on one"),
+        (lambda d: d["links"]["inter"].update(ranks=2), r"links.inter.ranks=2, .* the world: 4 ranks of nodes=2"),
+        (lambda d: d.update(nodes=1), r"links.inter is given but nodes=1: one node has no cross-node link"),
+        (lambda d: d.update(ranks_per_node=1), r"links.intra is given but ranks_per_node=1: a node of one rank"),
+        (lambda d: d.update(nodes=4), r"links.inter.ranks=4, .* 8 ranks of nodes=4 x ranks_per_node=2"),
         (  # an earlier spelling is the same format: two rates for one (op, format)
             lambda d: d["quant_rates"].append({"op": "quantize", "format": "mx4", "gbs": 30.0}),
             r"\('quantize', 'mxfp4'\) more than once",
@@ -129,6 +135,20 @@ def test_a_bad_cluster_file_is_refused_with_the_key(tmp_path, change, message) -
     with pytest.raises(ClusterFileError, match=message) as e:
         read_cluster_file(_edit(tmp_path, change))
     assert "c.json" in str(e.value)
+
+
+def test_a_key_given_twice_is_refused_not_dropped(tmp_path) -> None:
+    """JSON keeps the last of two equal keys: a second ``intra`` link (or ``nodes``) pasted in was read
+    and the first dropped without a word."""
+    text = json.dumps(_file().to_json(), indent=1)
+    intra = json.dumps(_file().to_json()["links"]["intra"])
+    p = tmp_path / "c.json"
+    p.write_text(text.replace('"links": {', '"links": {"intra": ' + intra.replace("2.5", "9.0") + ",", 1))
+    with pytest.raises(ClusterFileError, match=r"c.json: invalid cluster file: the key 'intra' is given twice"):
+        read_cluster_file(p)
+    p.write_text(text.replace('"nodes": 2,', '"nodes": 2, "nodes": 3,', 1))
+    with pytest.raises(ClusterFileError, match="the key 'nodes' is given twice"):
+        read_cluster_file(p)
 
 
 def test_a_file_with_the_earlier_mx_spellings_reads_as_the_spec_names(tmp_path) -> None:
