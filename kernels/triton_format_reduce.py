@@ -1,6 +1,6 @@
 """Triton launchers of the float formats' reductions over received wire rows (the kernels are
-``_triton_format_reduce_kernels.py``): the CUDA counterparts of ``cpu_formats.dequantize_sum_wire``
-and ``cpu_formats.dequantize_sum_requantize_wire``, with their signatures and their bits (the
+``_triton_format_reduce_kernels.py``): the CUDA counterparts of ``cpu_format_wire.dequantize_sum_wire``
+and ``cpu_format_wire.dequantize_sum_requantize_wire``, with their signatures and their bits (the
 codecs' generic path: each source dequantized, added in fp32 in source order from zero, then
 rounded or quantized), checked under ``TRITON_INTERPRET=1`` by the tests and compiled for sm_90 by
 ``compile_check``. ``FormatCodec`` dispatches CUDA wire rows here.
@@ -109,7 +109,7 @@ def dequantize_sum_wire(
     out: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``cpu_formats.dequantize_sum_wire`` on the GPU: received rows ``uint8 [k, rows, B]`` -> their
+    """``cpu_format_wire.dequantize_sum_wire`` on the GPU: received rows ``uint8 [k, rows, B]`` -> their
     sum ``[rows, cols]`` in ``dtype`` (or into ``out``, whose dtype wins)."""
     buf, cb, _ = _checked(buf, scheme, elem, cols, group_size)
     k, rows = buf.shape[0], buf.shape[1]
@@ -133,7 +133,7 @@ def dequantize_sum_requantize_wire(
     stochastic: bool,
     seed: int,
 ) -> torch.Tensor:
-    """``cpu_formats.dequantize_sum_requantize_wire`` on the GPU: received rows at ``elem`` -> new
+    """``cpu_format_wire.dequantize_sum_requantize_wire`` on the GPU: received rows at ``elem`` -> new
     wire rows ``uint8 [rows, wire_bytes]`` of their sum at ``out_elem``."""
     buf, cb, _ = _checked(buf, scheme, elem, cols, group_size)
     seed = check_requantize_args(scheme, out_elem, scale_rule, seed)

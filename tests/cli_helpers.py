@@ -14,9 +14,10 @@ import pytest
 
 
 def run_cli(
-    args: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    args: list[str], run_dir: Path | None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> tuple[int, str]:
-    """``python -m zeropp.experiments.run *args hydra.run.dir=run_dir`` in-process: (exit code, stderr)."""
+    """``python -m zeropp.experiments.run *args hydra.run.dir=run_dir`` in-process: (exit code, stderr).
+    ``run_dir`` None: no ``hydra.run.dir`` on the command line (the config's own, or Hydra's default)."""
     import zeropp.experiments.runner.job as job
     import zeropp.experiments.runner.run as run
 
@@ -24,12 +25,13 @@ def run_cli(
         raise AssertionError("the runner accepted this config and would have started ranks")
 
     monkeypatch.setattr(job, "launch", no_launch)
-    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", *args, f"hydra.run.dir={run_dir}"])
+    given = [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
+    monkeypatch.setattr(sys, "argv", ["zeropp.experiments.run", *args, *given])
     capfd.readouterr()
     with pytest.raises(SystemExit) as e:
         run.cli()
     err = capfd.readouterr().err
-    assert not (run_dir / "ranks").exists(), "a rank was started"
+    assert run_dir is None or not (run_dir / "ranks").exists(), "a rank was started"
     return int(e.value.code or 0), err
 
 

@@ -20,7 +20,7 @@ import os
 import stat
 from typing import Any
 
-__all__ = ["MAX_BYTES", "parse_json", "read_head", "read_json", "read_regular"]
+__all__ = ["MAX_BYTES", "DuplicateKeyError", "parse_json", "read_head", "read_json", "read_regular"]
 
 MAX_BYTES = 256 << 20
 """The largest such file read (256 MiB): far above any summary or cluster file, well below memory."""
@@ -80,15 +80,30 @@ def read_regular(path: str | os.PathLike[str], limit: int = MAX_BYTES) -> bytes:
         os.close(fd)
 
 
-def parse_json(data: bytes | str) -> Any:
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice: ``json.loads`` keeps the last value and drops the other
+    without a word, so a file where that matters is refused (``unique_keys=True``)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise DuplicateKeyError(f"the key {key!r} is given twice in one object, and JSON keeps only the last")
+        seen.add(key)
+    return dict(pairs)
+
+
+def parse_json(data: bytes | str, *, unique_keys: bool = False) -> Any:
     """``json.loads(data)``, with a document nested too deeply for the parser (a crafted or corrupt
-    file) raised as ``ValueError`` like any other malformed JSON, not as ``RecursionError``."""
+    file) raised as ``ValueError`` like any other malformed JSON, not as ``RecursionError``.
+    ``unique_keys``: an object naming a key twice raises :class:`DuplicateKeyError` (a ValueError)."""
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=_unique_pairs if unique_keys else None)
     except RecursionError:
         raise ValueError("nested too deeply to be parsed (a corrupt or crafted file)") from None
 
 
-def read_json(path: str | os.PathLike[str], limit: int = MAX_BYTES) -> Any:
+def read_json(path: str | os.PathLike[str], limit: int = MAX_BYTES, *, unique_keys: bool = False) -> Any:
     """:func:`parse_json` of :func:`read_regular` (``OSError`` / ``ValueError`` as those raise)."""
-    return parse_json(read_regular(path, limit))
+    return parse_json(read_regular(path, limit), unique_keys=unique_keys)

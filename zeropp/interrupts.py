@@ -24,6 +24,14 @@ rank of a world (``RANK`` in its environment other than 0, or a rank of our own 
 :data:`LAUNCHED_MARK`) stops without the line: its launcher reports the stop once (the runner's
 ``all ranks stopped``; under torchrun rank 0's line). As a namespace's init (PID 1), which the
 kernel does not end with a default-handled signal, the process exits 128 + the signal instead.
+
+The stand-in is a Python-level handler, and Python runs those only between bytecodes of the main
+thread: while that thread waits in C (a gloo collective, a rendezvous, a lock in an extension) a
+SIGTERM under the stand-in waits with it, where the default disposition ends the process at once.
+So it holds only through start-up: :func:`end_start_up`, called where a command's own code takes
+over (``sigterm_raises``, which ``run_command`` and the runner use, and the entry points of ranks
+and of the commands that install no handler), gives SIGTERM back its default disposition and
+SIGINT Python's handler.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import sys
 import threading
 from types import FrameType
 
-__all__ = ["LAUNCHED_MARK", "quiet_interrupts_while_importing", "run_as_module"]
+__all__ = ["LAUNCHED_MARK", "end_start_up", "quiet_interrupts_while_importing", "run_as_module"]
 
 LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
 """Set in ranks our launcher starts (``experiments.launch``): the launcher, not the rank, reports their
@@ -140,3 +148,17 @@ def quiet_interrupts_while_importing(package: str) -> None:
         signal.signal(signal.SIGINT, _on_signal)
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_signal)
+
+
+def end_start_up() -> None:
+    """The command's own code runs from here: where the stand-in still holds SIGTERM, SIGTERM gets
+    its default disposition back (the kernel ends the process at once, also while the main thread
+    waits in C, which a Python-level handler cannot), and SIGINT Python's own handler. A handler
+    installed since (the command's) is left alone. Only the main thread may set handlers; elsewhere,
+    and where the stand-in was never installed, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _on_signal:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is _on_signal:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -48,6 +48,7 @@ from ..cluster.emulator import link_problem
 from ..launch import ModuleEntry, RankFailure, RunInterrupted, in_torchrun, launch_world
 from ..launch.command import run_command
 from ..projection.cluster_file import ClusterFile, is_cluster_file, link_fit, write_cluster_file
+from ..projection.scaling import canonical_format
 from ..runner.launcher import emulated_placement, local_placement
 from ..runner.preflight import RANKS_PER_CPU, host_cpus
 from .args import check_json_output, json_with_keys
@@ -198,9 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         a.ranks_per_node, a.nodes = local, int(os.environ["WORLD_SIZE"]) // local
     try:
-        named = None if a.formats in (None, "none") else a.formats.split(",")
+        named = None if a.formats in (None, "none") else [canonical_format(f) for f in a.formats.split(",")]
         if named is not None and len(set(named)) < len(named):
-            raise ValueError(f"--formats {a.formats} names a format more than once; name each once")
+            raise ValueError(
+                f"--formats {a.formats} names a format more than once (mx4 / mx6 / mx8 are earlier spellings of "
+                "mxfp4 / mxfp6 / mxfp8); name each once"
+            )
         formats = () if a.formats == "none" else tuple(format_specs(None if named is None else tuple(named)))
         a.spec = CommBenchSpec(
             nodes=a.nodes,

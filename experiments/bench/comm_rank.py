@@ -56,7 +56,7 @@ class CommBenchSpec:
     """Groups to time them over (:data:`GROUPS`; those of one rank, or equal to the world, are skipped)."""
     formats: tuple[str, ...] = ()
     """Wire formats (``scaling.format_name`` of a registered scheme and width, e.g. ``int8``,
-    ``mx4``), each timed beside the plain collective."""
+    ``mxfp4``), each timed beside the plain collective."""
     sizes: tuple[int, ...] = (1024,)
     """Bytes of each call's full-precision buffer (nccl-tests' size: the gathered output, the
     reduced input, the all-reduced or all-to-all'ed buffer)."""
@@ -95,10 +95,11 @@ class CommBenchSpec:
 
 def format_specs(names: tuple[str, ...] | None = None) -> dict[str, Any]:
     """``{format: QuantSpec}`` of the registered schemes at each of their widths (``names``: only
-    these; an unknown one raises ValueError listing the known ones)."""
+    these, an earlier spelling taken as its name (``mx4``: ``mxfp4``, ``scaling.FORMAT_ALIASES``);
+    an unknown one raises ValueError listing the known ones)."""
     from zeropp.comm.spec import QuantSpec, schemes
 
-    from ..projection.scaling import format_name
+    from ..projection.scaling import canonical_format, format_name
 
     known = {}
     for scheme, widths in schemes().items():
@@ -107,6 +108,7 @@ def format_specs(names: tuple[str, ...] | None = None) -> dict[str, Any]:
             known[format_name(spec, bits)] = spec
     if names is None:
         return known
+    names = tuple(canonical_format(n) for n in names)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown wire format(s) {unknown}; use some of {sorted(known)} (or none)")

@@ -17,11 +17,14 @@ import signal
 import sys
 import time
 
+from zeropp.interrupts import end_start_up
+
 from . import netns
 from .emulator import ClusterInterrupted, EmulatedCluster
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_start_up()  # the start-up SIGTERM stand-in off: a SIGTERM in a C wait ends the process at once
     p = argparse.ArgumentParser(prog="python -m experiments.cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix", default="zpp")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from zeropp.interrupts import end_start_up
+
 
 def check(rank: int, world: int) -> dict[str, object]:
     """Run the collectives on the initialised default group and say whether they were right."""
@@ -39,6 +41,7 @@ def check(rank: int, world: int) -> dict[str, object]:
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    end_start_up()  # the start-up SIGTERM stand-in off: a SIGTERM in a C wait ends the process at once
     p = argparse.ArgumentParser(prog="python -m zeropp.experiments.cluster.check")
     p.add_argument("--out", required=True, help="directory for rank<r>.json")
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises before the collectives")

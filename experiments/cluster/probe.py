@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from zeropp.interrupts import end_start_up
+
 _MODULE = "zeropp.experiments.cluster.probe"
 # The probe roles run this file directly (not `-m`), so they start fast and never import the
 # package's __init__ chain (which may pull in torch/hydra as the experiments package grows).
@@ -178,6 +180,7 @@ def measure_rtt(server_prefix: list[str], client_prefix: list[str], server_addr:
 
 
 def main(argv: list[str] | None = None) -> None:
+    end_start_up()  # the start-up SIGTERM stand-in off: a SIGTERM in a C wait ends the process at once
     p = argparse.ArgumentParser(prog=_MODULE, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="role", required=True)
     s = sub.add_parser("serve")

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from zeropp.interrupts import end_start_up
+
 _SELF = [sys.executable, os.path.abspath(__file__)]
 """The ranks run this file directly (torch only, no package imports): the repository root, where
 ``zeropp/`` has no ``experiments`` folder, may be the working directory."""
@@ -113,6 +115,7 @@ def measure_ring_gbps(
 
 
 def main(argv: list[str] | None = None) -> None:
+    end_start_up()  # the start-up SIGTERM stand-in off: a SIGTERM in a C wait ends the process at once
     ap = argparse.ArgumentParser(prog="python -m experiments.ring_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gbps", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 1.0])
     ap.add_argument("--nodes", type=int, default=2)

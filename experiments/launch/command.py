@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
+from zeropp.interrupts import end_start_up
 from zeropp.output_files import OutputWriteError
 
 from .failure import RankFailure, RunInterrupted, shell_status
@@ -46,7 +47,10 @@ def sigterm_raises() -> Iterator[None]:
     """While inside: SIGTERM raises :class:`Terminated` in the main thread (once; the previous
     handler is restored afterwards). ``run_command`` runs a command's ``main`` so, and the runner
     its Hydra app (``runner/run.py``: a SIGTERM before the ranks start, or between a sweep's
-    points, is one line too)."""
+    points, is one line too). Start-up ends here (``zeropp.interrupts.end_start_up``): the handler
+    restored afterwards is the default disposition, not the start-up stand-in, so a SIGTERM while
+    the main thread then waits in C (the interpreter's shutdown) still ends the process at once."""
+    end_start_up()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield

@@ -13,11 +13,14 @@ What it holds (version :data:`VERSION`, plain JSON, never pickle):
   the world (whose ring crosses every node's uplink once per step: ``Cluster.wire="ring"``).
 * ``quant_rates``: GB/s of full-precision input per ``(op, format)`` of the codecs
   (``scaling.QUANT_OPS``; a format is :func:`~experiments.projection.scaling.format_name`,
-  e.g. ``int8``, ``mx4``, ``nvfp4``), timed in the benchmark's ranks, all at once.
+  e.g. ``int8``, ``mxfp4``, ``nvfp4``; the earlier ``mx4`` / ``mx6`` / ``mx8`` are read as
+  ``mxfp4`` / ``mxfp6`` / ``mxfp8``: ``scaling.FORMAT_ALIASES``), timed in the benchmark's ranks, all at once.
 
 :func:`read_cluster_file` refuses a file that is not one (a missing key, another version, a
-negative or zero bandwidth; a key nothing reads, or two rates for one ``(op, format)``: hand edits
-that would be silently dropped) with what to change; :meth:`ClusterFile.cluster` and
+negative or zero bandwidth; a key nothing reads, a key given twice in one object, or two rates for
+one ``(op, format)``: hand edits that would be silently dropped; a link whose ``ranks`` is not the
+group its class is fitted on, ``ranks_per_node`` for ``intra`` and the world for ``inter``, or a
+link class the shape has not: one node has no ``inter``) with what to change; :meth:`ClusterFile.cluster` and
 :meth:`ClusterFile.link_overrides` put its figures into a :class:`~.spec.Cluster`.
 """
 
@@ -29,11 +32,11 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from zeropp.input_files import read_json
+from zeropp.input_files import DuplicateKeyError, read_json
 from zeropp.output_files import write_output_file
 
 from .flags import LINK_GBPS
-from .scaling import QUANT_OPS, known_formats
+from .scaling import QUANT_OPS, canonical_format, known_formats
 from .spec import Cluster
 
 VERSION = 1
@@ -127,6 +130,7 @@ class ClusterFile:
         unknown = set(self.links) - set(LINK_CLASSES)
         if unknown or not self.links:
             raise ValueError(f"ClusterFile.links={sorted(self.links)}; give one or more of {LINK_CLASSES}")
+        self._check_link_ranks()
         timed = [(op, fmt) for op, fmt, _ in self.quant_rates]
         twice = sorted({k for k in timed if timed.count(k) > 1}, key=str)
         if twice:  # the model would take the last one, the other silently dropped
@@ -147,6 +151,32 @@ class ClusterFile:
                 raise ValueError(
                     f"ClusterFile.quant_rates entry {(op, fmt, gbs)!r}; a rate is (op, format, GB/s > 0), "
                     f"from {lo:g} to {hi:g} GB/s"
+                )
+
+    def _check_link_ranks(self) -> None:
+        """Each link class was fitted on one group of this file's world (module doc): ``intra`` on one
+        node's ranks, ``inter`` on the whole world, which spans nodes. A ``ranks`` of another group
+        (a hand edit, a file of another shape pasted in) would charge its per-step latency to rings
+        of another length; refused, naming the key and the value it must have."""
+        world = self.nodes * self.ranks_per_node
+        if "intra" in self.links and self.ranks_per_node < 2:
+            raise ValueError(
+                f"ClusterFile links.intra is given but ranks_per_node={self.ranks_per_node}: a node of one rank has "
+                "no intra-node link; remove links.intra or give the ranks per node the sweep ran"
+            )
+        if "inter" in self.links and self.nodes < 2:
+            raise ValueError(
+                f"ClusterFile links.inter is given but nodes={self.nodes}: one node has no cross-node link; "
+                "remove links.inter or give the nodes the sweep spanned"
+            )
+        want = {"intra": (self.ranks_per_node, "one node's ranks (ranks_per_node)"), "inter": (world, "the world")}
+        for link, fit in self.links.items():
+            n, group = want[link]
+            if _count(fit.ranks) and fit.ranks != n:
+                raise ValueError(
+                    f"ClusterFile links.{link}.ranks={fit.ranks}, but the {link} link is fitted on {group}: "
+                    f"{n} ranks of nodes={self.nodes} x ranks_per_node={self.ranks_per_node}; set links.{link}.ranks "
+                    f"to {n} (or re-run python -m experiments.bench_comm --calibrate on this shape)"
                 )
 
     def link_overrides(self) -> dict[str, float]:
@@ -252,9 +282,11 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
     version or an invalid figure, naming the file and the key."""
     p = Path(path)
     try:
-        d = read_json(p)
+        d = read_json(p, unique_keys=True)  # a link or key given twice: one would be dropped unseen
     except OSError as e:
         raise ClusterFileError(f"cannot read cluster file {p}: {e.strerror or e}") from None
+    except DuplicateKeyError as e:
+        raise ClusterFileError(f"{p}: invalid cluster file: {e}; keep one (a link class is given once)") from None
     except ValueError as e:
         raise ClusterFileError(f"{p} is not JSON ({e}); give a file written by bench_comm --calibrate") from None
     if not isinstance(d, dict) or d.get("kind") != KIND:
@@ -276,7 +308,7 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
         rates = tuple(
             (
                 _need(r, "op", "a quant_rates entry", p),
-                _need(r, "format", "a quant_rates entry", p),
+                _format_key(_need(r, "format", "a quant_rates entry", p)),
                 _need(r, "gbs", "a quant_rates entry", p),
             )
             for r in _need(d, "quant_rates", "the file", p)
@@ -293,6 +325,12 @@ def read_cluster_file(path: str | Path) -> ClusterFile:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ClusterFileError(f"{p}: invalid cluster file: {e}") from None
+
+
+def _format_key(fmt: Any) -> Any:
+    """A file's format key as :func:`~.scaling.format_name` spells it (an earlier ``mx4`` is ``mxfp4``);
+    a key that is no string is left for :class:`ClusterFile` to refuse."""
+    return canonical_format(fmt) if isinstance(fmt, str) else fmt
 
 
 def merge_rates(

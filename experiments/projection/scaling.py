@@ -233,11 +233,28 @@ QUANT_OPS = ("quantize", "dequantize", "dequantize_sum_requantize", "dequantize_
 fused dequantize-sum-requantize, dequantize-sum)."""
 
 
+FORMAT_ALIASES: dict[str, str] = {"mx4": "mxfp4", "mx6": "mxfp6", "mx8": "mxfp8"}
+"""Earlier spellings of the MX float formats -> their names (:func:`format_name`, the names of
+``zeropp.comm.spec.RECIPES``). Accepted wherever a format name is read (``bench_comm --formats``,
+a cluster file calibrated with them), never printed."""
+
+
 def format_name(spec: QuantSpec, bits: int) -> str:
-    """The wire format of ``spec`` at ``bits`` (one hop's width), as quantization rates are keyed:
-    ``int8``, ``int4``, ``mx4``, ``mxint8``; a scheme whose name carries its width (``fp8``,
-    ``nvfp4``) is its name. The bits alone cannot tell MXFP4 from INT4; this can."""
-    return spec.scheme if spec.scheme[-1:].isdigit() else f"{spec.scheme}{bits}"
+    """The wire format of ``spec`` at ``bits`` (one hop's width), as quantization rates are keyed
+    and benchmark tables print it: ``int8``, ``int4``, ``mxfp4``, ``mxint8``, the names of the spec's
+    recipes (``quant=mxfp4``); a scheme whose name carries its width (``fp8``, ``nvfp4``) is its
+    name. The bits alone cannot tell MXFP4 from INT4; this can."""
+    if spec.scheme[-1:].isdigit():
+        return spec.scheme
+    if spec.scheme == "mx":  # the MX float elements: MXFP8 / MXFP6 / MXFP4, as the OCP spec names them
+        return f"mxfp{bits}"
+    return f"{spec.scheme}{bits}"
+
+
+def canonical_format(name: str) -> str:
+    """``name`` as :func:`format_name` spells it: an earlier spelling (:data:`FORMAT_ALIASES`) mapped,
+    any other name unchanged (an unknown one is for the caller to refuse)."""
+    return FORMAT_ALIASES.get(name, name)
 
 
 def known_formats() -> frozenset[str]:

@@ -135,7 +135,7 @@ class Workload:
     quant_rates: tuple[tuple[str, int | str, float], ...] = ()
     """Measured ``(op, bits or format, GB/s of full-precision input)`` per kernel op (see
     ``scaling.QUANT_OPS``; ``calibration.measure_quant_rates`` keys by bits, a calibrated cluster
-    file by format, ``scaling.format_name``: ``int4`` and ``mx4`` are both 4 bits); overrides
+    file by format, ``scaling.format_name``: ``int4`` and ``mxfp4`` are both 4 bits); overrides
     ``quant_gbs`` for the ops listed, a format key before a bits key."""
 
     def __post_init__(self) -> None:

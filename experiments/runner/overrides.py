@@ -365,17 +365,6 @@ def check_parsable(arg: str) -> None:
         ) from None
 
 
-def check_default_output_dir(args: list[str]) -> None:
-    """The command's run (or sweep) directory where the command line names none: Hydra's default
-    under the current directory (``outputs/`` or ``multirun/``) can be written and its disk is not
-    full, checked before Hydra writes its ``.hydra/`` files there (a traceback otherwise)."""
-    sweep = is_multirun(args)
-    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
-    if key in _given(args):
-        return  # named on the command line (also as +key=): check_overrides checks it
-    check_writable_dir(key, Path("multirun" if sweep else "outputs"))
-
-
 def check_overrides(args: list[str]) -> None:
     """Reject a command-line override that Hydra cannot parse, names an unknown group option or
     key, gives a key a value of the wrong type (``train.steps=abc``: an integer is expected), or

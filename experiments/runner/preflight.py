@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from zeropp.comm import context
+from zeropp.disk_space import FreeSpace, free_space
 from zeropp.output_files import creation_refused, nearest_existing
 
 from .config import ConfigError, RunConfig
@@ -177,10 +178,25 @@ def check_local_ranks(rc: RunConfig) -> None:
         )
 
 
+def disk_space(path: str | Path) -> FreeSpace:
+    """The free space of the filesystem holding ``path``: what this process may write (root may
+    write into an ext filesystem's reserved blocks) and what ``df`` shows (``zeropp.disk_space``)."""
+    return free_space(path)
+
+
 def disk_free(path: str | Path) -> int:
-    """Bytes an unprivileged process may still write on the filesystem holding ``path``."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    """Bytes this process may still write on the filesystem holding ``path``."""
+    return disk_space(path).usable
+
+
+def free_words(space: FreeSpace) -> str:
+    """``space`` for a refusal, in ``df``'s terms where the two differ: a user compares it with ``df``."""
+    if not space.reserved:
+        return f"{human_bytes(space.usable)} free"
+    return (
+        f"{human_bytes(space.usable)} free to this process ({human_bytes(space.shown)} in df's Avail column "
+        f"and {human_bytes(space.reserved)} of blocks the filesystem reserves for root, which this process may use)"
+    )
 
 
 def check_nvme_space(rc: RunConfig, ranks: int) -> None:
@@ -193,11 +209,11 @@ def check_nvme_space(rc: RunConfig, ranks: int) -> None:
     if z.nvme_path is None:
         return
     per_rank = model_state_per_rank(rc)["disk"]
-    need, free = per_rank * ranks, disk_free(z.nvme_path)
-    if need > free:
+    need, space = per_rank * ranks, disk_space(z.nvme_path)
+    if need > space.usable:
         left = _swap_folders(Path(z.nvme_path))
         raise ConfigError(
-            f"invalid config: zero.nvme_path={z.nvme_path!r} has {human_bytes(free)} free but the nvme "
+            f"invalid config: zero.nvme_path={z.nvme_path!r} has {free_words(space)} but the nvme "
             f"tier's swap files need about {human_bytes(need)} ({human_bytes(per_rank)} per rank x "
             f"{ranks} ranks on this host: ZeRO's formula, disk tier); free space there, point "
             "zero.nvme_path at a larger disk, or keep part of the state in host memory "
@@ -310,9 +326,9 @@ def check_writable_dir(key: str, path: Path, *, room: bool = True) -> None:
             f"process create files ({err.strerror or err}); choose a directory you can write to"
         )
     # an empty file can still be created on a full disk; its contents cannot
-    if room and (free := disk_free(existing)) < MIN_OUTPUT_FREE:
+    if room and (space := disk_space(existing)).usable < MIN_OUTPUT_FREE:
         raise ConfigError(
-            f"invalid config: {key}={str(path)!r} is on a full disk ({human_bytes(free)} free at {existing}); "
+            f"invalid config: {key}={str(path)!r} is on a full disk ({free_words(space)} at {existing}); "
             f"free space there or choose a directory on another disk"
         )
 

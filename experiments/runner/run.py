@@ -50,7 +50,7 @@ from .config import ConfigError, RunDirTaken, RunFinished, RunNeverSaved, interp
 from .job import FAILED_FILE, RunDiverged, execute, job_spec, last_checkpoint, recorded_divergence, run_job
 from .launch_layout import LAYOUT_KEYS, check_launch, declared_layout, validated
 from .launcher import RankFailure, RunInterrupted, in_torchrun
-from .overrides import check_default_output_dir, check_fresh_outputs, check_overrides, check_single_run_values
+from .overrides import check_fresh_outputs, check_overrides, check_single_run_values
 from .slurm import check_slurm_keys, check_slurm_launch
 from .sweep_checks import RESUME_MAY_CHANGE, check_resumed_point, check_sweep_points, sweep_point_began, sweep_point_dir
 
@@ -204,7 +204,6 @@ def cli() -> None:
         check_overrides(sys.argv[1:])
         check_single_run_values(sys.argv[1:])
         check_fresh_outputs(sys.argv[1:])  # before Hydra writes its .hydra/ files into an earlier run
-        check_default_output_dir(sys.argv[1:])  # likewise, where no directory is named
         check_slurm_launch(sys.argv[1:])  # before Hydra: nothing submitted without the plugin and sbatch
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -57,6 +57,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from zeropp import watch
 from zeropp.comm import context as comm_context
 from zeropp.comm.objects import all_gather_json
+from zeropp.interrupts import end_start_up
 from zeropp.runtime.divergence import DivergenceError
 
 from ..launch import heartbeat, select_device
@@ -324,6 +325,7 @@ def main(argv: list[str]) -> int:
     launcher's SIGTERM on Ctrl-C, ``timeout`` or a failing peer) exits with 128 + the signal once
     its cleanup has run, also without a traceback; ranks other than 0 note it in their log (which
     names the rank if it was stopped alone, by someone else)."""
+    end_start_up()  # outside run_rank's own handler, a SIGTERM ends the rank at once, also in a C wait
     rank = int(os.environ.get("RANK", "0"))
     _stack_log[:] = [Path(argv[1]).parent / f"rank{rank}.log"]  # the launcher's log_dir holds the spec
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tests.worlds import run_world
 from zeropp.experiments.bench.comm_rank import KERNEL_OPS, OPS, CommBenchSpec, busbw_factor, run_rank
 
-SPEC = CommBenchSpec(nodes=2, ranks_per_node=1, formats=("int8", "mx4"), sizes=(1024, 4096), warmup=1, iters=2)
+SPEC = CommBenchSpec(nodes=2, ranks_per_node=1, formats=("int8", "mxfp4"), sizes=(1024, 4096), warmup=1, iters=2)
 
 
 def _bench(rank: int, world: int) -> dict | None:
@@ -21,7 +21,7 @@ def test_the_benchmark_produces_sane_rows_on_two_ranks() -> None:
     # 2 ranks as 2 nodes x 1: only the world group (intra has one rank, inter is the world)
     assert {r["group"] for r in rows} == {"world"} and all(r["ranks"] == 2 for r in rows)
     keys = [(r["op"], r["format"], r["bytes"]) for r in rows]
-    assert sorted(keys) == sorted((op, f, b) for op in OPS for f in ("plain", "int8", "mx4") for b in (1024, 4096))
+    assert sorted(keys) == sorted((op, f, b) for op in OPS for f in ("plain", "int8", "mxfp4") for b in (1024, 4096))
     for r in rows:
         assert 0 < r["seconds"] < 5, r
         assert r["algbw_gbs"] == r["bytes"] / r["seconds"] / 1e9
@@ -31,7 +31,7 @@ def test_the_benchmark_produces_sane_rows_on_two_ranks() -> None:
     quant = {r["algorithm"] for r in rows if r["format"] != "plain"}
     assert quant == {"encode+ring+decode", "qgZ a2a", "encode+pairwise+decode", "qgZ rs + q ag"}
     rates = {(q["op"], q["format"]): q["gbs"] for q in result["quant_rates"]}
-    assert set(rates) == {(op, f) for op in KERNEL_OPS for f in ("int8", "mx4")} and min(rates.values()) > 0
+    assert set(rates) == {(op, f) for op in KERNEL_OPS for f in ("int8", "mxfp4")} and min(rates.values()) > 0
 
 
 def test_sigterm_to_the_benchmark_is_one_line_and_143(tmp_path) -> None:

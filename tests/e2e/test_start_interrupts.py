@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,13 @@ def _run(
     module: str | None = "experiments.fake",
     sig: str = "INT",
     env: dict[str, str] | None = None,
+    timeout: float = 60,
 ) -> subprocess.CompletedProcess[str]:
     """``body`` in a child whose command line reads ``python -m module`` (None: ``python -c``), after
     ``import zeropp`` and our ``experiments`` package's own call (``__init__``). Its modules
     ``swallowing`` and ``plain`` send the process ``SIG<sig>`` while they are imported. ``env``:
-    added to the child's environment (which has no ``RANK`` unless given)."""
+    added to the child's environment (which has no ``RANK`` unless given); ``timeout``: seconds
+    before the child counts as hung (``subprocess.TimeoutExpired``)."""
     (tmp_path / "swallowing.py").write_text(_SWALLOWING.format(sig=sig))
     (tmp_path / "plain.py").write_text(_PLAIN.format(sig=sig))
     child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", LAUNCHED_MARK)}
@@ -62,7 +65,7 @@ def _run(
         [sys.executable, "-c", prelude + textwrap.dedent(body)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         cwd=REPO,
         env={**child_env, **(env or {})},
     )
@@ -91,6 +94,69 @@ def test_a_sigterm_after_the_imports_before_the_commands_handler_is_one_line(tmp
         tmp_path, "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('ran on')\n"
     )
     assert (p.returncode, p.stdout, p.stderr) == (-signal.SIGTERM, "", "error: interrupted by SIGTERM; stopped\n")
+
+
+_C_WAIT = """
+import ctypes, os, signal, threading
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+mutex = ctypes.create_string_buffer(64)  # a default pthread mutex, locked twice by this thread:
+libc = ctypes.CDLL(None)                 # a wait in C that goes on through signals (as gloo's do)
+libc.pthread_mutex_lock(mutex)
+libc.pthread_mutex_lock(mutex)
+print("ran on")
+"""
+
+
+def test_a_sigterm_while_the_command_waits_in_c_after_its_handler_ends_the_process(tmp_path: Path) -> None:
+    """Once the command's own handling began (``sigterm_raises``, as ``run_command`` and the runner
+    use it) and ended, SIGTERM has its default disposition again, not the start-up stand-in: a
+    Python-level handler runs only between bytecodes, so a main thread waiting in C (a collective,
+    the interpreter's shutdown) held the process until that wait ended (here: never)."""
+    body = "from zeropp.experiments.launch.command import sigterm_raises\nwith sigterm_raises():\n    pass\n"
+    p = _run(tmp_path, body + _C_WAIT, timeout=30)
+    assert (p.returncode, p.stdout) == (-signal.SIGTERM, ""), (p.returncode, p.stdout, p.stderr)  # a shell shows 143
+
+
+def test_a_doctor_rank_waiting_in_its_rendezvous_ends_at_once_on_sigterm(tmp_path: Path) -> None:
+    """A real entry point: ``python -m zeropp.doctor.rank`` (rank 0 of 2, its peer never comes) waits
+    in torch's rendezvous, in C; a SIGTERM there ends it by the signal (before: the start-up stand-in,
+    still installed, waited for the rendezvous's timeout)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", LAUNCHED_MARK)}
+    env.update(
+        RANK="0",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ZEROPP_DOCTOR_BACKEND="gloo",
+        ZEROPP_DOCTOR_TIMEOUT_S="120",
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "zeropp.doctor.rank"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        assert p.stdout is not None and '"started"' in p.stdout.readline()
+        stat = Path(f"/proc/{p.pid}/task/{p.pid}/stat")
+        for _ in range(600):  # until the main thread sleeps in the rendezvous (nothing else runs after "started")
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "S":
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        code = p.wait(timeout=30)
+    finally:
+        p.kill()
+        p.wait()
+    assert code == -signal.SIGTERM, (code, p.stderr.read() if p.stderr else "")
 
 
 @pytest.mark.parametrize("sig", ["INT", "TERM"])

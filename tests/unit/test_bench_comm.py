@@ -59,7 +59,8 @@ def test_sizes_and_their_spelling() -> None:
         # before: --ops / --groups measured twice (the same rows again); --formats silently once
         (["--ops", "all_gather,all_reduce,all_gather"], "'all_gather,all_reduce,all_gather' names all_gather more"),
         (["--groups", "world,world"], "names world more than once; name each once"),
-        (["--formats", "int8,mx4,int8"], "--formats int8,mx4,int8 names a format more than once"),
+        (["--formats", "int8,mxfp4,int8"], "--formats int8,mxfp4,int8 names a format more than once"),
+        (["--formats", "mx4,mxfp4"], "--formats mx4,mxfp4 names a format more than once (mx4 / mx6 / mx8 are earlier"),
         (["--ops", "all_gather,broadcast"], "comma-separated subset"),
         (["--step", "3"], "--step 2 or 4"),
         (["--nodes", "1", "--ranks-per-node", "1"], "needs >= 2 ranks"),
@@ -96,6 +97,23 @@ def test_default_formats_are_every_registered_scheme_and_width() -> None:
     assert a.spec.formats == () and a.spec.sizes[-1] == comm.CPU_MAX_BYTES  # this host has no GPU
     spec = CommBenchSpec(nodes=2, ranks_per_node=2, formats=("int8",), sizes=(1024, 4096))
     assert CommBenchSpec.from_json(json.loads(json.dumps(spec.__dict__))) == spec
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int4", "fp8", "mxfp8", "mxfp6", "mxfp4", "mxint8", "nvfp4"])
+def test_wire_format_names_are_the_spec_recipes_names(recipe: str) -> None:
+    """The table's and ``--formats``' name of a format is the name of the ``quant=`` recipe that sends
+    it (``zeropp.comm.spec.RECIPES``): ``mxfp4`` names MXFP4 everywhere (before: ``mx4`` here)."""
+    from zeropp.comm.spec import RECIPES
+
+    want = RECIPES[recipe].weights
+    assert want is not None
+    got = format_specs((recipe,))
+    assert list(got) == [recipe] and (got[recipe].scheme, got[recipe].bits) == (want.scheme, want.bits)
+
+
+def test_the_earlier_mx_spellings_are_accepted_as_the_spec_names() -> None:
+    a = comm.parse_args(["--formats", "int8,mx4,mx6,mx8", "--max-bytes", "4K"])
+    assert a.spec.formats == ("int8", "mxfp4", "mxfp6", "mxfp8")  # the names the table prints
 
 
 def _result(alpha_step: float, gbps: float, nodes: int = 2, rpn: int = 2) -> dict:

@@ -62,7 +62,7 @@ def _file(**kw) -> ClusterFile:
             "intra": LinkFit(alpha_s=40e-6, gbps=2.5, ranks=2, points=7),
             "inter": LinkFit(alpha_s=120e-6, gbps=0.9, ranks=4, points=7),
         },
-        quant_rates=(("quantize", "int8", 3.0), ("quantize", "mx4", 0.5), ("dequantize", "int8", 9.0)),
+        quant_rates=(("quantize", "int8", 3.0), ("quantize", "mxfp4", 0.5), ("dequantize", "int8", 9.0)),
         source={"command": "python -m experiments.bench_comm --calibrate x"},
     )
     return ClusterFile(**{**base, **kw})
@@ -119,12 +119,48 @@ def _edit(tmp_path, change) -> str:
             lambda d: d["quant_rates"].append({"op": "quantize", "format": "int8", "gbs": 30.0}),
             r"\('quantize', 'int8'\) more than once, and the model would read only the last",
         ),
+        # a link's ranks is the group its class is fitted on (before: any count >= 2 was taken)
+        (lambda d: d["links"]["intra"].update(ranks=3), r"links.intra.ranks=3, but the intra link is fitted on one"),
+        (lambda d: d["links"]["inter"].update(ranks=2), r"links.inter.ranks=2, .* the world: 4 ranks of nodes=2"),
+        (lambda d: d.update(nodes=1), r"links.inter is given but nodes=1: one node has no cross-node link"),
+        (lambda d: d.update(ranks_per_node=1), r"links.intra is given but ranks_per_node=1: a node of one rank"),
+        (lambda d: d.update(nodes=4), r"links.inter.ranks=4, .* 8 ranks of nodes=4 x ranks_per_node=2"),
+        (  # an earlier spelling is the same format: two rates for one (op, format)
+            lambda d: d["quant_rates"].append({"op": "quantize", "format": "mx4", "gbs": 30.0}),
+            r"\('quantize', 'mxfp4'\) more than once",
+        ),
     ],
 )
 def test_a_bad_cluster_file_is_refused_with_the_key(tmp_path, change, message) -> None:
     with pytest.raises(ClusterFileError, match=message) as e:
         read_cluster_file(_edit(tmp_path, change))
     assert "c.json" in str(e.value)
+
+
+def test_a_key_given_twice_is_refused_not_dropped(tmp_path) -> None:
+    """JSON keeps the last of two equal keys: a second ``intra`` link (or ``nodes``) pasted in was read
+    and the first dropped without a word."""
+    text = json.dumps(_file().to_json(), indent=1)
+    intra = json.dumps(_file().to_json()["links"]["intra"])
+    p = tmp_path / "c.json"
+    p.write_text(text.replace('"links": {', '"links": {"intra": ' + intra.replace("2.5", "9.0") + ",", 1))
+    with pytest.raises(ClusterFileError, match=r"c.json: invalid cluster file: the key 'intra' is given twice"):
+        read_cluster_file(p)
+    p.write_text(text.replace('"nodes": 2,', '"nodes": 2, "nodes": 3,', 1))
+    with pytest.raises(ClusterFileError, match="the key 'nodes' is given twice"):
+        read_cluster_file(p)
+
+
+def test_a_file_with_the_earlier_mx_spellings_reads_as_the_spec_names(tmp_path) -> None:
+    """Files calibrated when the MX float formats were keyed ``mx4`` / ``mx8``: read under the names
+    the benchmark and the spec's recipes use now, so their rates are still looked up."""
+
+    def earlier(d: dict) -> None:
+        d["quant_rates"][1]["format"] = "mx4"
+        d["quant_rates"].append({"op": "dequantize", "format": "mx8", "gbs": 7.0})
+
+    got = read_cluster_file(_edit(tmp_path, earlier))
+    assert got == _file(quant_rates=(*_file().quant_rates, ("dequantize", "mxfp8", 7.0)))
 
 
 def test_unreadable_and_foreign_files(tmp_path) -> None:
@@ -163,11 +199,13 @@ def test_quant_rates_are_keyed_by_format_and_old_bit_keys_still_work() -> None:
         grads=QuantSpec(bits=4),
     )
     by_fmt = quant_work_formats(w, c)
-    assert {f for _, _, f in by_fmt} == {"mx4", "int4"} and format_name(QuantSpec(scheme="nvfp4", bits=4), 4) == "nvfp4"
-    q_mx = by_fmt[("quantize", 4, "mx4")]
+    assert {f for _, _, f in by_fmt} == {"mxfp4", "int4"} and format_name(
+        QuantSpec(scheme="nvfp4", bits=4), 4
+    ) == "nvfp4"
+    q_mx = by_fmt[("quantize", 4, "mxfp4")]
     q_int = by_fmt[("quantize", 4, "int4")]
     assert quant_work(w, c)[("quantize", 4)] == q_mx + q_int  # the old view sums the formats
-    rates = (("quantize", "mx4", 0.5), ("quantize", 4, 2.0))
+    rates = (("quantize", "mxfp4", 0.5), ("quantize", 4, 2.0))
     others = sum(n for (op, _, _), n in by_fmt.items() if op != "quantize")
     hand = (q_mx * 4 / 0.5e9) + (q_int * 4 / 2.0e9) + others * 4 / (w.quant_gbs * 1e9)
     assert quant_time(dataclasses.replace(w, quant_rates=rates), c) == pytest.approx(hand)

@@ -31,7 +31,7 @@ from zeropp.comm.codec_base import generic_sum_requantize
 from zeropp.comm.codecs import Codec, codec_for
 from zeropp.comm.format_codecs import FormatCodec
 from zeropp.comm.spec import QuantSpec
-from zeropp.kernels import cpu_formats, cpu_native
+from zeropp.kernels import cpu_format_wire, cpu_formats, cpu_native
 
 
 @pytest.fixture(autouse=True)
@@ -47,13 +47,13 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records each call of the fused kernels' wrappers, so a test knows the fused path ran."""
     calls: list[str] = []
     for name in ("dequantize_sum_wire", "dequantize_sum_requantize_wire"):
-        real = getattr(cpu_formats, name)
+        real = getattr(cpu_format_wire, name)
 
         def spy(*a, _real=real, _name=name, **kw):
             calls.append(_name)
             return _real(*a, **kw)
 
-        monkeypatch.setattr(cpu_formats, name, spy)
+        monkeypatch.setattr(cpu_format_wire, name, spy)
     return calls
 
 

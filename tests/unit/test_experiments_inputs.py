@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -21,11 +22,17 @@ from omegaconf.errors import ValidationError
 
 from tests.cli_helpers import ROOT, run_cli, unwritable_dir
 from tests.experiment_helpers import composed_config
+from zeropp.disk_space import FreeSpace
 from zeropp.experiments.runner import preflight
 from zeropp.experiments.runner.config import MODEL_KINDS, SECTION_CLASSES, ConfigError, DataConfig, from_dict
 from zeropp.experiments.runner.console import human_bytes
-from zeropp.experiments.runner.overrides import check_default_output_dir, check_overrides
+from zeropp.experiments.runner.overrides import check_overrides
 from zeropp.runtime import OptimizerConfig, ZeroConfig
+
+
+def _space(nbytes: int) -> FreeSpace:
+    """A filesystem with ``nbytes`` free, no reserve: for faking ``preflight.disk_space``."""
+    return FreeSpace(usable=nbytes, shown=nbytes)
 
 
 @pytest.fixture
@@ -337,7 +344,7 @@ def test_an_nvme_disk_too_small_for_the_swap_files_is_refused_before_ranks(cli, 
     ]
     rc = from_dict(composed_config(*args))
     need = preflight.model_state_per_rank(rc)["disk"] * rc.topology.world_size
-    monkeypatch.setattr(preflight, "disk_free", lambda path: int(need) - 1)
+    monkeypatch.setattr(preflight, "disk_space", lambda path: _space(int(need) - 1))
     line = cli(*args)
     assert f"zero.nvme_path='{nvme}'" in line and human_bytes(need) in line and "free" in line, line
     assert "larger disk" in line, line
@@ -353,7 +360,7 @@ def test_a_full_nvme_disk_names_the_swap_folders_left_on_it(cli, tmp_path, monke
     left.mkdir(parents=True)
     (left / "optimizer.swp").write_bytes(b"\0" * 3000)
     (nvme / "notes.txt").write_text("mine")
-    monkeypatch.setattr(preflight, "disk_free", lambda path: 1 if str(path).startswith(str(nvme)) else 1 << 40)
+    monkeypatch.setattr(preflight, "disk_space", lambda path: _space(1 if str(path).startswith(str(nvme)) else 1 << 40))
     line = cli("zero.offload_optimizer=nvme", f"zero.nvme_path={nvme}")
     assert "It holds 1 swap folder(s) of other runs (2.93 KiB: zeropp-swap-0123456789ab-r0-abcd1234)" in line, line
     assert sorted(p.name for p in nvme.iterdir()) == ["notes.txt", left.name] and (left / "optimizer.swp").exists()
@@ -446,7 +453,7 @@ def test_an_emulated_cluster_of_one_node_is_refused_before_anything_is_built(cli
     preflight.check_emulated_nodes(from_dict(composed_config("cluster=emulated", "topology=2x1")))
 
 
-def test_an_output_directory_on_a_full_disk_is_refused_before_hydra(tmp_path, monkeypatch) -> None:
+def test_an_output_directory_on_a_full_disk_is_refused_before_hydra(tmp_path, monkeypatch, capfd) -> None:
     """Before: Hydra's OSError traceback (No space left on device) writing its ``.hydra/`` files,
     for ``hydra.run.dir`` on a full disk and for the default ``outputs/`` under a full working
     directory; an empty file can still be created there, so the writable check alone passed."""
@@ -464,12 +471,64 @@ def test_an_output_directory_on_a_full_disk_is_refused_before_hydra(tmp_path, mo
         with pytest.raises(ConfigError, match=r"hydra.run.dir='.*run' is on a full disk \(0 B free at .*tiny\)"):
             check_overrides([f"hydra.run.dir={full}/run"])
         monkeypatch.chdir(full)
-        with pytest.raises(ConfigError, match=r"hydra.run.dir='outputs' is on a full disk"):
-            check_default_output_dir(["train.steps=2"])
-        with pytest.raises(ConfigError, match=r"hydra.sweep.dir='multirun' is on a full disk"):
-            check_default_output_dir(["-m", "train.steps=2,3"])
-        check_default_output_dir([f"+hydra.run.dir={tmp_path}/run"])  # named (also with +): not the default's
+        try:
+            for args, line in (
+                (["train.steps=2"], r"error: invalid config: hydra.run.dir='outputs/.*' is on a full disk"),
+                (["-m", "train.steps=2,3"], r"error: invalid config: hydra.sweep.dir='multirun/.*' is on a full disk"),
+            ):
+                code, err = run_cli([*args, "model=tiny"], None, monkeypatch, capfd)
+                assert code == 2 and re.search(line, err) and "Traceback" not in err, err
+        finally:
+            monkeypatch.chdir(tmp_path)  # out of the tmpfs, so that it can be unmounted
         check_overrides(["train.steps=2"])  # (the composing helpers, which write elsewhere, do not check it)
         assert sorted(p.name for p in full.iterdir()) == ["fill"]  # nothing created
-    monkeypatch.setattr(preflight, "disk_free", lambda path: preflight.MIN_OUTPUT_FREE)  # at the floor: fine
+    monkeypatch.setattr(preflight, "disk_space", lambda path: _space(preflight.MIN_OUTPUT_FREE))  # at the floor: fine
     check_overrides([f"hydra.run.dir={tmp_path}/run"])
+
+
+def _users_config_dir(tmp_path: Path, key: str, folder: str) -> Path:
+    """A ``--config-dir`` holding a group option ``place/custom.yaml`` that sets ``key`` (``run`` /
+    ``sweep``) ``.dir`` for the whole config, as a user's own yaml does."""
+    conf = tmp_path / "userconf"
+    (conf / "place").mkdir(parents=True)
+    (conf / "place" / "custom.yaml").write_text(f"# @package _global_\nhydra:\n  {key}:\n    dir: {folder}\n")
+    return conf
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_an_output_directory_a_config_file_sets_is_the_one_checked(tmp_path, monkeypatch, capfd, sweep) -> None:
+    """``hydra.run.dir`` (``hydra.sweep.dir``) set in a user's yaml rather than on the command line:
+    the folder Hydra composes is checked before Hydra writes there. Before: the check before Hydra
+    looked at the default ``outputs/`` (``multirun/``), passed, and Hydra failed creating the real
+    folder with an ``OSError`` traceback, exit 1."""
+    key = "sweep" if sweep else "run"
+    bad = f"{unwritable_dir(tmp_path)}/runs/a"
+    conf = _users_config_dir(tmp_path, key, bad)
+    flags = ["-m"] if sweep else []
+    args = [*flags, "--config-dir", str(conf), "+place=custom", "model=tiny"] + (["train.steps=2,3"] if sweep else [])
+    monkeypatch.chdir(tmp_path)  # (the default outputs/ would be writable here)
+    code, err = run_cli(args, None, monkeypatch, capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert f"hydra.{key}.dir='{bad}' cannot be written" in lines[0], lines[0]
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_the_default_outputs_are_not_refused_for_a_run_a_config_file_puts_elsewhere(tmp_path, monkeypatch) -> None:
+    """The composed folder, not ``outputs/``, is what the check looks at: a yaml moving the run to a
+    writable disk is let through even where ``outputs/`` could not be written."""
+    from hydra import compose, initialize_config_dir
+
+    import zeropp.experiments.runner.run  # noqa: F401 - the schema and the resolvers
+    from zeropp.experiments.runner.output_dir_check import check_output_dir
+
+    conf = _users_config_dir(tmp_path, "run", str(tmp_path / "mine"))
+    (conf / "config.yaml").write_text("defaults:\n  - /config\n  - _self_\n")
+    checked: list[tuple[str, Path]] = []
+    monkeypatch.setattr(
+        "zeropp.experiments.runner.output_dir_check.check_writable_dir", lambda k, p: checked.append((k, p))
+    )
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("place/custom", return_hydra_config=True)
+    check_output_dir(cfg, "hydra.run.dir")
+    assert checked == [("hydra.run.dir", tmp_path / "mine")]

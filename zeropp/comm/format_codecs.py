@@ -18,14 +18,14 @@ scheme     bits -> element                   group size
 
 The reductions over received rows (:meth:`FormatCodec.dequantize_sum`, and
 :meth:`FormatCodec.dequantize_sum_requantize`: qgZ's intra-node hop) are fused: on CPU the native
-kernels (``cpu_formats.dequantize_sum_wire`` / ``dequantize_sum_requantize_wire``), on CUDA the
+kernels (``cpu_format_wire.dequantize_sum_wire`` / ``dequantize_sum_requantize_wire``), on CUDA the
 Triton ones of the same names (``triton_format_reduce``), read the k received rows in place and
 sum each tile of a row in fp32 while it is in L1 / registers, bit for bit the base class's generic
 path (dequantize each source, add in fp32 in source order, round or re-encode), which stays the
 specification and serves where neither is available. The
 codec is not ``in_place`` (its received rows are unpacked with copies), but on CPU
 :meth:`FormatCodec.encode` has the kernel write the codes straight into the wire rows
-(``cpu_formats.encode_wire``).
+(``cpu_format_wire.encode_wire``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from zeropp.kernels import cpu_formats
+from zeropp.kernels import cpu_format_wire, cpu_formats
 from zeropp.kernels import format_layout as fl
 from zeropp.kernels.format_layout import FormatTensor
 from zeropp.kernels.format_ops import dequantize_format, quantize_fp8, quantize_mx, quantize_nvfp4
@@ -96,14 +96,16 @@ class FormatCodec(Codec):
 
     def encode(self, x: torch.Tensor, bits: int, group_size: int, *, rows: int, seed: Optional[int]) -> torch.Tensor:
         """Wire rows ``uint8 [rows, wire_bytes]``; CPU tensors are quantized straight into them
-        (``cpu_formats.encode_wire``: no codes tensor, no concatenation), others quantize and pack."""
+        (``cpu_format_wire.encode_wire``: no codes tensor, no concatenation), others quantize and pack."""
         if x.device.type != "cpu":
             return super().encode(x, bits, group_size, rows=rows, seed=seed)
         elem = self.element(bits)
         if self.kernel_scheme != "fp8":
             fl.check_format_group_size(self.kernel_scheme, group_size)
         stochastic, kseed = seed is not None, 0 if seed is None else seed
-        return cpu_formats.encode_wire(x, self.kernel_scheme, elem, group_size, self.mx_scale, rows, stochastic, kseed)
+        return cpu_format_wire.encode_wire(
+            x, self.kernel_scheme, elem, group_size, self.mx_scale, rows, stochastic, kseed
+        )
 
     def dequantize(
         self, q: FormatTensor, *, out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
@@ -112,12 +114,12 @@ class FormatCodec(Codec):
 
     def _fused(self, buf: torch.Tensor, dtype: torch.dtype = torch.float32) -> Optional[ModuleType]:
         """The module whose fused reductions take ``buf`` (``[k, rows, B]`` wire rows, an output
-        dtype the kernels write): ``cpu_formats`` on CPU where its kernels are built,
+        dtype the kernels write): ``cpu_format_wire`` on CPU where its kernels are built,
         ``triton_format_reduce`` on CUDA where Triton is installed; None for the generic path."""
         if buf.dim() != 3 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return None
         if buf.device.type == "cpu":
-            return cpu_formats if cpu_formats.native_enabled() else None
+            return cpu_format_wire if cpu_formats.native_enabled() else None
         if buf.is_cuda:
             from zeropp.kernels import triton_format_reduce  # imports triton: only where CUDA data is
 
@@ -142,7 +144,7 @@ class FormatCodec(Codec):
         (``out``, ``[rows, cols]``, receives the sum; its dtype wins; a non-contiguous ``out`` on CPU
         is filled through the generic sum, the native kernels write contiguous rows)."""
         fused = self._fused(buf, dtype if out is None else out.dtype)
-        if fused is cpu_formats and out is not None and not out.is_contiguous():
+        if fused is cpu_format_wire and out is not None and not out.is_contiguous():
             fused = None
         if fused is None:
             s = super().dequantize_sum(buf, cols, bits, group_size, dtype=dtype if out is None else out.dtype)

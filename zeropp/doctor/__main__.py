@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Optional
 
+from ..interrupts import end_start_up
 from ..output_files import OutputWriteError, path_arg
 from . import CHECKS, print_progress, run_checks
 from .report import check_json_path, exit_status, print_report, to_json, write_json
@@ -83,6 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run the checks, print the report (and write the JSON); the exit status of the report, or
     130 after one line when Ctrl-C stops it (the report of an interrupted run is not written: it
     would pass off the checks that did not run as missing)."""
+    end_start_up()  # SIGTERM: the default disposition from here (the checks install no handler of their own)
     options = parse_args(argv)
     t0 = time.perf_counter()
     try:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from zeropp.comm import QuantSpec, quantized_all_gather, quantized_reduce_scatter
+from zeropp.interrupts import end_start_up
 
 ELEMENTS = 4099
 """Elements of each rank's shard: several quantization blocks, the last one partial."""
@@ -82,6 +83,7 @@ def rank_main() -> int:
     ZEROPP_DOCTOR_BACKEND, ZEROPP_DOCTOR_TIMEOUT_S). Exit status 0 when it reported its checks."""
     import torch.distributed as dist
 
+    end_start_up()  # a SIGTERM during the rendezvous or a collective (waits in C) ends the rank at once
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = os.environ["ZEROPP_DOCTOR_BACKEND"]
     timeout = datetime.timedelta(seconds=float(os.environ["ZEROPP_DOCTOR_TIMEOUT_S"]))

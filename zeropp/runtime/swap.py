@@ -33,38 +33,32 @@ chunks are processed. An ``OSError`` in any read or write (ENOSPC, EIO, ...) is 
 :class:`SwapError` naming the file, the offset and the cause, after every outstanding I/O has
 finished (so no buffer is still being written into). Swap files are scratch space: a checkpoint
 is never written through them, so a failed swap leaves the run's last checkpoint intact.
+
+The files, segments and errors are ``swap_files.py``'s; the two ways a read copies a chunk out of
+a staging buffer (blocking, or on a CUDA copy stream with a fence per buffer) ``swap_copies.py``'s.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Generator, Iterator, Protocol, Sequence
+from typing import Generator, Iterator, Sequence
 
 import torch
 
 from ..watch import scratch_prefix
+from .swap_copies import HOST_COPIES, Copies, CudaCopies
+from .swap_files import Segment, SwapError, SwapFile, disk_hint, release_files, wait_all
+
+__all__ = ["ALIGN", "HOST_COPIES", "Segment", "SwapError", "SwapFile", "SwapSpace"]
 
 ALIGN = 64
 """Chunks of more than this many elements are cut at multiples of it (see :meth:`SwapSpace.chunks_of`)."""
-
-
-class SwapError(RuntimeError):
-    """A swap-file operation failed (disk full, I/O error); the message names the file."""
-
-    def __init__(self, message: str, path: str, errno_: int | None) -> None:
-        super().__init__(message)
-        self.path = path
-        """The swap file involved."""
-        self.errno = errno_
-        """The OS error number (``errno.ENOSPC`` for a full disk), when there was one."""
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:
@@ -84,35 +78,6 @@ def _read_at(fd: int, out: memoryview, offset: int) -> None:
         out, offset = out[n:], offset + n
 
 
-def _hint(err: int | None, directory: str) -> str:
-    if err == errno.ENOSPC:
-        return f"the disk holding {directory} is full: free space there or point zero.nvme_path at a larger disk"
-    return f"check the disk holding {directory} (zero.nvme_path)"
-
-
-@dataclass(frozen=True)
-class SwapFile:
-    """One preallocated file of a :class:`SwapSpace`."""
-
-    path: str
-    nbytes: int
-    fd: int
-
-
-@dataclass(frozen=True)
-class Segment:
-    """``numel`` elements of ``dtype`` at byte ``offset`` of ``file``."""
-
-    file: SwapFile
-    offset: int
-    numel: int
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
-
-
 class SwapSpace:
     """Swap files, staging buffers and I/O threads of one rank (see the module docstring)."""
 
@@ -127,7 +92,7 @@ class SwapSpace:
         self.files: list[SwapFile] = []
         self.dir = tempfile.mkdtemp(prefix=scratch_prefix(root, "swap", rank), dir=os.fspath(root))
         # before anything else can fail: a constructor that raises leaves no folder behind either
-        self._release = weakref.finalize(self, _release, self.pool, self.files, self.dir)
+        self._release = weakref.finalize(self, release_files, self.pool, self.files, self.dir)
         self.buffer_bytes = 4 * buffer_size
         try:
             self.buffers = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
@@ -156,7 +121,7 @@ class SwapSpace:
             os.unlink(path)
             raise SwapError(
                 f"cannot preallocate swap file {path} ({nbytes} bytes): {exc.strerror or exc}; "
-                f"{_hint(exc.errno, self.dir)}",
+                f"{disk_hint(exc.errno, self.dir)}",
                 path,
                 exc.errno,
             ) from exc
@@ -189,7 +154,7 @@ class SwapSpace:
             what = "write to" if write else "read from"
             raise SwapError(
                 f"swap {what} {seg.file.path} failed at byte {seg.offset} ({seg.nbytes} bytes): "
-                f"[Errno {exc.errno}] {exc.strerror or exc}; {_hint(exc.errno, self.dir)}",
+                f"[Errno {exc.errno}] {exc.strerror or exc}; {disk_hint(exc.errno, self.dir)}",
                 seg.file.path,
                 exc.errno,
             ) from exc
@@ -238,7 +203,7 @@ class SwapSpace:
         def take() -> int:
             while not free:
                 b, fs = behind.popleft()
-                _wait(fs)
+                wait_all(fs)
                 free.append(b)
             b = free.pop()
             self._wait_fence(b)  # an asynchronous copy out of it (read_to) has finished
@@ -257,7 +222,7 @@ class SwapSpace:
             for k in range(len(chunks)):
                 fill()
                 b, fs = ahead.popleft()
-                _wait(fs)
+                wait_all(fs)
                 buf, views, at = self.buffers[b], [], 0
                 for s in chunks[k]:
                     views.append(buf[at : at + s.nbytes].view(s.dtype))
@@ -275,7 +240,7 @@ class SwapSpace:
             first = None
             for _b, fs in list(ahead) + list(behind):
                 try:
-                    _wait(fs)
+                    wait_all(fs)
                 except SwapError as exc:
                     first = first or exc
             self.io_s += time.perf_counter() - t0
@@ -312,7 +277,7 @@ class SwapSpace:
             n = min(self.buffer_bytes, seg.nbytes - lo)
             piece = Segment(seg.file, seg.offset + lo, n, torch.uint8)
             fs.append(self.pool.submit(self._io, write, piece, raw, lo))
-        _wait(fs)
+        wait_all(fs)
         if write:
             self.bytes_written += seg.nbytes
         else:
@@ -328,7 +293,7 @@ class SwapSpace:
         if self._direct(False, seg, out):
             return
         if out.is_cuda and self.pinned:
-            self._read_staged(seg, out, _CudaCopies(torch.cuda.current_stream(out.device), side=False))
+            self._read_staged(seg, out, CudaCopies(torch.cuda.current_stream(out.device), side=False))
         else:
             self._read_staged(seg, out, HOST_COPIES)
 
@@ -346,13 +311,13 @@ class SwapSpace:
             out = torch.empty(seg.numel, dtype=seg.dtype, device=device)
             self.read_into(seg, out)
             return out
-        copies = _CudaCopies(self._copy_stream(device), side=True)
+        copies = CudaCopies(self._copy_stream(device), side=True)
         with torch.cuda.stream(copies.stream):  # allocated where it is written: no wait for the compute stream
             out = torch.empty(seg.numel, dtype=seg.dtype, device=device)
         self._read_staged(seg, out, copies)
         return out
 
-    def _read_staged(self, seg: Segment, out: torch.Tensor, copies: _Copies) -> None:
+    def _read_staged(self, seg: Segment, out: torch.Tensor, copies: Copies) -> None:
         """Fill ``out`` from ``seg`` through the staging buffers with ``copies`` (the one loop of
         both :meth:`read_into` and :meth:`read_to`): each chunk's copy leaves a fence on its
         buffer, waited for before that buffer takes the next read."""
@@ -395,7 +360,7 @@ class SwapSpace:
         if src.device.type != "cpu" or src.dtype != seg.dtype or src.numel() != seg.numel:
             raise ValueError(f"write_direct needs a CPU {seg.dtype} tensor of {seg.numel} elements")
         t0 = time.perf_counter()
-        _wait([self.pool.submit(self._io, True, seg, src.contiguous().view(torch.uint8), 0)])
+        wait_all([self.pool.submit(self._io, True, seg, src.contiguous().view(torch.uint8), 0)])
         self.bytes_written += seg.nbytes
         self.io_s += time.perf_counter() - t0
 
@@ -413,75 +378,3 @@ class SwapSpace:
             self._wait_fence(b)  # no copy still reads a buffer about to be freed
         self._release()  # runs once; also run if the space is collected or the interpreter exits unclosed
         self.buffers = []
-
-
-def _release(pool: ThreadPoolExecutor, files: list[SwapFile], directory: str) -> None:
-    """What :meth:`SwapSpace.close` frees (a function of the parts, not of the space, so that
-    ``weakref.finalize`` can run it after the space is gone)."""
-    pool.shutdown(wait=True)
-    for f in files:
-        try:
-            os.close(f.fd)
-        except OSError:
-            pass
-    files.clear()
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-class _Copies(Protocol):
-    """How :meth:`SwapSpace._read_staged` copies a chunk out of a staging buffer."""
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Copy ``src`` (a staging-buffer view) into ``dst``; returns None when done, else a fence
-        whose ``synchronize()`` returns once ``src`` has been read."""
-        ...
-
-    def finish(self, out: torch.Tensor) -> None:
-        """After the last chunk: make ``out`` safe to use where the caller works."""
-        ...
-
-
-class _HostCopies:
-    """Blocking copies (the destination on the CPU, or unpinned buffers): nothing to fence."""
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def finish(self, out: torch.Tensor) -> None:
-        pass
-
-
-HOST_COPIES = _HostCopies()
-
-
-class _CudaCopies:
-    """``non_blocking=True`` copies from pinned buffers on ``stream``, an event after each. With
-    ``side`` (``stream`` is not the current stream) :meth:`finish` makes the current stream wait
-    for the copies on the device and records the result's use there for the caching allocator."""
-
-    def __init__(self, stream: torch.cuda.Stream, *, side: bool) -> None:
-        self.stream, self.side = stream, side
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
-
-    def finish(self, out: torch.Tensor) -> None:
-        if self.side:
-            current = torch.cuda.current_stream(out.device)
-            current.wait_stream(self.stream)
-            out.record_stream(current)
-
-
-def _wait(fs: Sequence[Future]) -> None:
-    """Wait for every future, then raise the first failure (so no I/O is left running)."""
-    first = None
-    for f in fs:
-        exc = f.exception()
-        if exc is not None and first is None:
-            first = exc
-    if first is not None:
-        raise first
