@@ -154,6 +154,7 @@ def train_engine(
             "scales": [r.loss_scale for r in results],
             "calls": eng.comm_stats.calls(),
             "stochastic_calls": eng.comm_session.stochastic.value,
+            "transport": str(eng.transport),
         }
         if consolidate:
             # numpy, not tensors: torch's queue would share tensors by fd, which dies with the process

@@ -10,8 +10,9 @@ AdamW with the same LR schedule, precision (``zero.precision``) and steps, each 
 world. The rows: plain DDP (``trainer=ddp``, the baseline of every ratio), FSDP2 (``trainer=fsdp2``),
 DeepSpeed ZeRO-3 (``trainer=deepspeed stage=3``; skipped, with the install hint, when DeepSpeed is
 not installed), and zeropp's ZeroEngine at stages 0-3, at stage 3 with coalesced units and
-``keep_at_turn``, with ``zero.transport=shm`` (CPU ranks: the shared-memory transport), and at stage 3
-with a ZeRO++ recipe (``--quant``).
+``keep_at_turn``, with ``zero.transport`` pinned to ``shm`` (rows ending in ``s``) or to ``backend``
+(gloo, rows ending in ``b``; the default ``auto`` picks ``shm`` for CPU ranks of one host), and at
+stage 3 with a ZeRO++ recipe (``--quant``).
 
 Rounds are interleaved: round 1 runs every row once, then round 2, ... (each round starting one row
 later than the one before, so no row always runs first or right after the same neighbour), and each
@@ -105,12 +106,13 @@ ROWS: dict[str, Row] = {
         zeropp=True,
     ),
     **{
-        f"stage{s}s": Row(
-            label=f"zeropp stage {s}, transport=shm",
-            overrides=("trainer=zeropp", f"stage={s}", "zero.transport=shm"),
+        f"stage{s}{k}": Row(
+            label=f"zeropp stage {s}, transport={t}",
+            overrides=("trainer=zeropp", f"stage={s}", f"zero.transport={t}"),
             zeropp=True,
         )
         for s in range(4)
+        for k, t in (("s", "shm"), ("b", "backend"))
     },
     "stage3cks": Row(
         label="zeropp stage 3, coalesce_numel=4M, keep_at_turn, transport=shm",
@@ -120,6 +122,17 @@ ROWS: dict[str, Row] = {
             "zero.coalesce_numel=4000000",
             "zero.keep_at_turn=true",
             "zero.transport=shm",
+        ),
+        zeropp=True,
+    ),
+    "stage3ckb": Row(
+        label="zeropp stage 3, coalesce_numel=4M, keep_at_turn, transport=backend",
+        overrides=(
+            "trainer=zeropp",
+            "stage=3",
+            "zero.coalesce_numel=4000000",
+            "zero.keep_at_turn=true",
+            "zero.transport=backend",
         ),
         zeropp=True,
     ),

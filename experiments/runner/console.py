@@ -71,13 +71,23 @@ class Progress:
             self._bar = None
 
 
+def transport_rows(transport: dict[str, str]) -> list[tuple[str, str]]:
+    """The summary's ``zero.transport`` row: as requested, as resolved and why (none without one)."""
+    if not transport:
+        return []
+    asked, used, why = transport.get("requested"), transport.get("resolved"), transport.get("reason")
+    return [("zero.transport", f"{asked}" + (f" -> {used}" if used != asked else "") + (f" ({why})" if why else ""))]
+
+
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The (name, value) rows of the end-of-run table."""
     comm = s["comm_bytes_per_step"]
     mem = s["memory_per_rank"]
+    transport = s.get("transport") or {}
     rows: list[tuple[str, str]] = [
         ("run", s["label"]),
         ("device / backend", f"{s['device']} / {s['backend']}"),
+        *transport_rows(transport),
         ("params", f"{s['model']['params'] / 1e6:.3f} M"),
         ("steps (measured)", f"{s['first_step']}-{s['first_step'] + s['steps'] - 1} ({s['measured_steps']})"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
@@ -89,10 +99,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             f"cross {human_bytes(comm['by_link']['cross'])} (all torch.distributed calls)",
         ),
     ]
-    if s.get("zero", {}).get("transport") == "shm":  # the gathers and reductions are not torch.distributed calls
-        rows.append(
-            ("  (zero.transport=shm)", "the ZeRO group's plain data moves through shared memory: see zeropp kinds")
-        )
+    if transport.get("resolved") == "shm":  # the gathers and reductions are not torch.distributed calls
+        rows.append(("  (shared memory)", "the ZeRO group's plain data moves through shared memory: see zeropp kinds"))
     rows += [(f"  {k}", human_bytes(v)) for k, v in sorted(comm["by_kind_link"].items())]
     eng = s.get("engine_comm_bytes_per_step")
     if eng:

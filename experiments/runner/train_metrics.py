@@ -125,6 +125,9 @@ class RunMetrics:
         self.step_times: list[float] = []
         self.losses: list[float] = []
         self._engine_before: dict[str, int] | None = None
+        self.transport: dict[str, str] | None = None
+        """The trainer's ``zero.transport``, requested and resolved, with the reason (None: the
+        trainer's collectives are the backend's, nothing to choose)."""
         self.cpu_tot = 0.0
         self._cpu_mark: float | None = None
         # the emulated cluster's uplink counter, read by each node's first rank (the ranks of node i
@@ -138,6 +141,8 @@ class RunMetrics:
         """Before the first step: the trainer's byte counters so far (model creation's) and the
         process's CPU time so far."""
         self._engine_before = trainer.comm_stats()
+        choice = getattr(trainer.comm_session(), "transport", None)  # a zeropp session's resolved transport
+        self.transport = None if choice is None else choice.as_dict()
         self._cpu_mark = time.process_time()
         self._tx_mark = interface_tx_bytes(self.uplink) if self.uplink else None
 
@@ -275,6 +280,7 @@ class RunMetrics:
             skipped_steps=skipped_steps,
         )
         summary["checkpoint"] = checkpoint
+        summary["transport"] = self.transport
         assert self.file is not None and self.wandb is not None
         self.file.close()
         summary["wandb_dir"] = self.wandb.dir

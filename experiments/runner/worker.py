@@ -238,6 +238,9 @@ def _train(
     lead = rank == 0
     data = TrainData(cfg, rank, device)
     trainer = build_trainer(cfg, device)
+    choice = getattr(trainer.comm_session(), "transport", None)  # zero.transport, as the ranks resolved it
+    if lead and choice is not None and choice.requested != choice.resolved:
+        print(f"zeropp: zero.{choice}", file=sys.stderr, flush=True)
     ckpt = Checkpointer(cfg, run_dir, trainer, lead=lead)
     start = ckpt.resume()
     data.skip_steps(start)

@@ -212,7 +212,7 @@ SHM = [
     dict(BASE, stage=1, transport="shm", allgather_bucket_size=999),
     dict(BASE, stage=3, transport="shm", persistence_threshold=100),
 ]
-TWINS = [{k: v for k, v in c.items() if k != "transport"} for c in SHM[:3]]
+TWINS = [dict(c, transport="backend") for c in SHM[:3]]
 
 
 def test_engine_through_shared_memory_matches_single_process_and_gloo():
@@ -359,3 +359,74 @@ def test_the_engine_waits_for_peers_as_long_as_it_is_told():
     """``ZeroEngine(comm_timeout=...)`` (the runner passes ``launcher.pg_timeout_s``) bounds the
     transport's waits for a live peer, not torch's 30-minute default."""
     assert run_world(_engine_timeout, 2) == [7.0, 7.0]
+
+
+AUTO_CASES = ("default", "no_directory", "no_mapping", "two_nodes")
+"""``transport=auto`` on one host of 3 CPU ranks: as it is; with rank 1's ``/dev/shm`` unusable; with
+the region's set-up failing on rank 1 only (it cannot open rank 0's file); on 2 nodes."""
+
+
+def _auto_choices(rank: int, world: int) -> dict[str, dict]:
+    """Per case: the engine's resolved transport on this rank and its stage-3 losses (the same bits
+    through either transport: a fallback that trained wrongly or hung would show)."""
+    from tests.runtime_helpers import train_engine
+    from zeropp.comm import shm as shm_module
+    from zeropp.comm import shm_auto
+
+    out = {}
+    for case in AUTO_CASES:
+        saved = shm_auto.SHM_DIR, shm_module._open_checked
+        if rank == 1 and case == "no_directory":
+            shm_auto.SHM_DIR = "/nonexistent/zeropp"
+        if rank == 1 and case == "no_mapping":
+            shm_module._open_checked = lambda path, nbytes: (-1, f"rank 1 could not open {path}: refused")
+        try:
+            nodes = world if case == "two_nodes" else 1
+            r = train_engine(rank, world, dict(BASE, stage=3), steps=2, nodes=nodes, consolidate=False)
+        finally:
+            shm_auto.SHM_DIR, shm_module._open_checked = saved
+        out[case] = {"transport": r["transport"], "losses": r["losses"]}
+    return out
+
+
+def test_auto_transport_resolves_alike_on_every_rank():
+    """``transport=auto`` (the default) takes the shared memory where every rank can, and the backend
+    on every rank together where one rank cannot (its ``/dev/shm`` unusable, or the region's set-up
+    failing there): never half the ranks on each transport, which would hang. Each engine says what
+    it resolved to and why, and trains the same losses either way."""
+    ranks = run_world(_auto_choices, 3, timeout=180)
+    for case in AUTO_CASES:
+        seen = {r[case]["transport"] for r in ranks}
+        assert len(seen) == 1, (case, seen)  # the same resolution, and the same reason, on every rank
+        assert ranks[0][case]["losses"] == ranks[0]["default"]["losses"], case
+    want = {
+        "default": "transport=auto -> shm (3 CPU ranks on one host with room for the region)",
+        "no_directory": "transport=auto -> backend (rank 1 cannot write to its shared-memory directory)",
+        "no_mapping": "transport=auto -> backend (the shared-memory region could not be set up: rank 1 could not open",
+        "two_nodes": "transport=auto -> backend (the group spans 3 nodes)",
+    }
+    for case, text in want.items():
+        assert ranks[0][case]["transport"].startswith(text), (case, ranks[0][case]["transport"])
+
+
+def _hpz_secondaries(rank: int, world: int) -> list[bool]:
+    """A route over the 4 ranks whose secondary groups are consecutive members on ranks 1 and 3
+    (each alone) but not on ranks 0 and 2 (together): whether each rank's route carries its
+    secondary gathers."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from zeropp.runtime.host_routes import ShmRoute
+
+    groups = {0: dist.new_group([0, 2]), 1: dist.new_group([1]), 3: dist.new_group([3])}  # same order everywhere
+    mine = groups[0 if rank in (0, 2) else rank]
+    route = ShmRoute(None, None, timeout=datetime.timedelta(seconds=30), secondary=mine)  # type: ignore[arg-type]
+    return [route.secondary is not None]
+
+
+def test_hpz_secondary_gathers_take_one_route_on_every_rank():
+    """Whether the region carries hpZ's secondary gathers is decided by the whole ZeRO group: a rank
+    whose own secondary group could use it keeps the backend when another rank's cannot (else its
+    shared-memory gather would wait for ranks gathering through the backend)."""
+    assert run_world(_hpz_secondaries, 4) == [[False]] * 4

@@ -50,6 +50,13 @@ def test_zeropp_fp32_divergence_is_one_error_and_saves_nothing(
     s = _check_outputs(tmp_path, 2, "non_finite")
     assert s["divergence"]["loss"] == "nan" and s["divergence"]["grad_norm"] == "nan" and s["skipped_steps"] == 1
     assert checkpoint_steps(tmp_path / "checkpoints") == (1, [1])
+    # the default transport on 2 CPU ranks of one host: the shared memory, said at start-up and recorded
+    assert "zeropp: zero.transport=auto -> shm (2 CPU ranks on one host with room for the region)" in p.stderr
+    assert s["transport"] == {
+        "requested": "auto",
+        "resolved": "shm",
+        "reason": "2 CPU ranks on one host with room for the region",
+    }
 
 
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp2"])

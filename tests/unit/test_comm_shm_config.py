@@ -1,6 +1,8 @@
 """``zero.transport=shm`` refused where it cannot work, before anything starts: an unknown
 transport, a ZeRO group over several nodes, GPU ranks, a ``/dev/shm`` without room for the
-region; and the launcher's scratch cleanup removes a region file a killed rank 0 left (only ours)."""
+region; the default ``auto`` refused nowhere (it falls back to the backend instead), and its record
+read as the runner prints it; and the launcher's scratch cleanup removes a region file a killed
+rank 0 left (only ours)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import pytest
 
 from tests.experiment_helpers import composed_config
 from zeropp.comm.shm import DEFAULT_REGION_BYTES
+from zeropp.comm.shm_choice import TransportChoice
 from zeropp.experiments.runner import preflight
 from zeropp.experiments.runner.config import ConfigError, from_dict
+from zeropp.experiments.runner.console import transport_rows
 from zeropp.runtime import ZeroConfig
 from zeropp.runtime.config import validate_against_topology
 from zeropp.watch import remove_scratch
@@ -22,7 +26,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_unknown_transport_is_refused():
-    with pytest.raises(ValueError, match=r"transport must be one of \('backend', 'shm'\), got 'tcp'"):
+    with pytest.raises(ValueError, match=r"transport must be one of \('auto', 'backend', 'shm'\), got 'tcp'"):
         ZeroConfig(transport="tcp")  # type: ignore[arg-type]
     assert ZeroConfig(transport="shm").transport == "shm"  # type: ignore[arg-type]
 
@@ -65,3 +69,26 @@ def test_scratch_cleanup_removes_a_recorded_region_file_only(tmp_path: Path):
     removed, problems = remove_scratch(world, rid)
     assert removed == [str(mine)] and problems == []
     assert os.listdir(shm) == [theirs.name]
+
+
+def test_auto_is_the_default_and_is_refused_nowhere(monkeypatch):
+    """``auto`` resolves in the ranks (the backend where shm cannot work): no refusal for several
+    nodes, GPU ranks or a full ``/dev/shm``, where an explicit ``shm`` is refused."""
+    cfg = ZeroConfig()
+    assert cfg.transport == "auto"
+    validate_against_topology(cfg, 4, 2, 2)  # several nodes: the ranks resolve it to the backend
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 0)
+    for overrides in (("topology=1x2", "launcher.device=cuda"), ("topology=1x4", "launcher.device=cpu")):
+        rc = from_dict(composed_config(*overrides))
+        assert rc.zero.transport == "auto"
+        preflight.check_shm(rc)
+
+
+def test_the_resolved_transport_reads_as_requested_resolved_and_why():
+    auto = TransportChoice(requested="auto", resolved="backend", reason="the group spans 2 nodes")
+    assert str(auto) == "transport=auto -> backend (the group spans 2 nodes)"
+    assert str(TransportChoice(requested="shm", resolved="shm", reason="")) == "transport=shm"
+    assert transport_rows(auto.as_dict()) == [("zero.transport", "auto -> backend (the group spans 2 nodes)")]
+    assert transport_rows({}) == []  # a trainer without a transport of its own: no row
+    with pytest.raises(ValueError, match=r"resolved backend or shm; got 'auto' -> 'auto'"):
+        TransportChoice(requested="auto", resolved="auto", reason="")

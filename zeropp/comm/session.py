@@ -38,6 +38,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import context
+from .shm_choice import TransportChoice
 from .stats import CommStats, get_comm_stats
 from .stochastic import DEFAULT_COUNTER, StochasticCounter
 from .topology import Topology, TopologyGroups, resolve_topology
@@ -77,6 +78,10 @@ class CommSession:
         """The topology of this session's calls (None: the process-wide default at each call)."""
         self.stats = stats if stats is not None else CommStats()
         """Bytes and calls of this session's collectives, by kind and link."""
+        self.transport: Optional[TransportChoice] = None
+        """What carries the owner's plain collectives, as requested and as resolved, when the owner
+        chose one (the engine: ``ZeroConfig.transport``; ``shm_auto.TransportChoice``); None: the
+        backend, nothing chosen."""
         self._check = None if check_collectives is None else bool(check_collectives)
         self.stochastic = self._new_counter()
         """The seed rule's call counter of this session (``stochastic.StochasticCounter``)."""

@@ -402,13 +402,22 @@ def _open_checked(path: str, nbytes: int) -> tuple[int, str]:
 
 
 def _agree(problem: str, group: Optional[dist.ProcessGroup], directory: str) -> None:
-    """Raise on every member when any member has a problem (the first one it names here)."""
-    flag = torch.tensor([1 if problem else 0], dtype=torch.int64)
-    control_all_reduce(flag, "max", group)
-    if int(flag) == 0:
+    """Raise on every member when any member has a problem, naming the first such member's problem
+    on every member (one more exchange, on that path only)."""
+    ranks = group_ranks(group)
+    first = torch.tensor([len(ranks) - ranks.index(dist.get_rank()) if problem else 0], dtype=torch.int64)
+    control_all_reduce(first, "max", group)  # len(ranks) - the lowest member index with a problem
+    if int(first) == 0:
         return
-    reason = problem or "another rank could not set it up (its own error says why)"
+    src = ranks[len(ranks) - int(first)]
+    text = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    if dist.get_rank() == src:
+        raw = problem.encode()[:_NAME_BYTES]
+        text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(text, src, group=group)
+    reason = bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
     raise ShmError(
         f"zero.transport=shm: {reason}; every rank of the ZeRO group must share {directory} on one host "
-        f"with room for the region (use zero.transport=backend otherwise)"
+        f"with room for the region (use zero.transport=backend otherwise)",
+        cause=reason,
     )

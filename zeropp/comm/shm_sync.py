@@ -51,6 +51,11 @@ _LINE = 64  # one counter per cache line
 class ShmError(RuntimeError):
     """The shared-memory transport cannot be set up or used; the message says what to change."""
 
+    def __init__(self, message: str, *, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause or message
+        """What went wrong, without the message's advice (what a fallback to the backend quotes)."""
+
 
 def describe(*parts: object) -> int:
     """A use's descriptor: a signed 32-bit digest of what the collective is (operation, dtype, sizes,

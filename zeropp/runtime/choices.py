@@ -70,6 +70,9 @@ class QuantizeFrozen(StrChoice):
 class Transport(StrChoice):
     """``ZeroConfig.transport``: how the ZeRO group's plain (unquantized) collectives move data."""
 
+    auto = "auto"
+    """``shm`` where every rank of the ZeRO group can use it (CPU ranks of one node, room under
+    ``/dev/shm``), ``backend`` otherwise: decided once at set-up, the same on every rank."""
     backend = "backend"
     """The process group's backend (gloo, NCCL)."""
     shm = "shm"

@@ -19,8 +19,8 @@ Everything the engine sends goes through :class:`EngineComm`, which
 Buffer lifetimes (``zeropp.comm.lifetime``): a chunk's contiguous temporaries belong to its
 :class:`~.pending.Pending` (``pending.py``); the handles release their own wire buffers.
 
-The shared-memory transport (``ZeroConfig.transport='shm'``) carries the ZeRO group's plain
-collectives through :class:`~.host_routes.ShmRoute` (``host_routes.py``).
+The shared-memory transport (``ZeroConfig.transport='shm'``, or ``'auto'`` resolved to it) carries
+the ZeRO group's plain collectives through :class:`~.host_routes.ShmRoute` (``host_routes.py``).
 
 Profiler ranges (``zeropp.comm.ranges``): while a profiler records, chunk ``k`` of unit ``u``'s
 collective of kind ``K`` is the range ``zeropp/K/u/bk`` (the plan's entry,
@@ -49,12 +49,14 @@ from zeropp.comm.kinds import CommKind
 from zeropp.comm.lifetime import Buffers
 from zeropp.comm.session import CommSession
 from zeropp.comm.shm import ShmTransport
+from zeropp.comm.shm_choice import TransportChoice
 from zeropp.comm.spec import QuantSpec
 from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
 
 from .batch import CONTROL_RANGE
-from .host_routes import ShmRoute, copy_alone
+from .choices import Transport
+from .host_routes import ShmRoute, copy_alone, open_route
 from .pending import Pending
 from .plan_kinds import chunk_ranges, group_size_of
 from .streams import CommStreams
@@ -71,7 +73,7 @@ class EngineComm:
         stats: CommStats,
         device: torch.device | None = None,
         *,
-        transport: str = "backend",
+        transport: str | Transport = Transport.backend,
         timeout: datetime.timedelta | None = None,
     ) -> None:
         from zeropp import comm as zcomm  # the public collectives (qwZ / qgZ / accounting)
@@ -99,13 +101,22 @@ class EngineComm:
         self.streams = CommStreams(self.device)
         """Side streams, events and blocked-time measurement (``streams.py``; no-ops on CPU)."""
         self._before_next: Optional[Callable[[], object]] = None  # see defer_until_next_collective
-        self.shm_route: Optional[ShmRoute] = None
-        """The ZeRO group's plain collectives through shared memory (``ZeroConfig.transport='shm'``;
-        None: the backend's)."""
-        if transport == "shm" and self.world_size > 1:
-            wait = dist.default_pg_timeout if timeout is None else timeout
-            secondary = self.groups.hpz if self.hpz_size > 1 else None  # hpZ's gathers: the same region
-            self.shm_route = ShmRoute(self, self.group, timeout=wait, secondary=secondary)
+        route, choice = open_route(
+            self,
+            self.group,
+            requested=Transport(transport),
+            device=self.device,
+            nodes=topology.nodes,
+            timeout=dist.default_pg_timeout if timeout is None else timeout,
+            secondary=self.groups.hpz if self.hpz_size > 1 else None,  # hpZ's gathers: the same region
+        )
+        self.shm_route: Optional[ShmRoute] = route
+        """The ZeRO group's plain collectives through shared memory (``ZeroConfig.transport``
+        ``shm``, or ``auto`` resolved to it; None: the backend's)."""
+        self.transport: TransportChoice = choice
+        """What carries the plain collectives, as requested and as resolved, the same on every rank of
+        the ZeRO group (``host_routes.open_route``)."""
+        self.session.transport = choice
 
     @property
     def shm(self) -> Optional[ShmTransport]:

@@ -119,15 +119,20 @@ class ZeroConfig:
     (every parameter gathered twice per micro-step: ZeRO-3's 3M), which the byte accounting and
     the scaling model then follow (``plan.py``)."""
 
-    transport: Transport = Transport.backend
+    transport: Transport = Transport.auto
     """How the ZeRO group's plain (unquantized) gathers, reduce-scatters and all-reduces move data
-    (a :class:`~.choices.Transport`): ``backend`` (the process group's: gloo, NCCL) or ``shm`` (a
+    (a :class:`~.choices.Transport`): ``backend`` (the process group's: gloo, NCCL), ``shm`` (a
     region of shared memory that the CPU ranks of one host map: each rank writes its part once and
     reads what it needs, synchronised by a futex per rank; no copies through loopback TCP;
-    ``zeropp.comm.shm``). ``shm`` needs CPU ranks and a ZeRO group on one node; the bytes are
-    accounted as with the backend; the reductions add in rank order (a reduce-scatter gives the
-    backend path's bits; an all-reduce may differ from gloo's ring in the last bit, and in fp16 it
-    sums in fp32 where gloo's sum can overflow). Quantized collectives keep the backend."""
+    ``zeropp.comm.shm``) or ``auto`` (the default: ``shm`` when every rank of the ZeRO group is a
+    CPU rank of one node, the group has two or more ranks and ``/dev/shm`` has room for the region,
+    else ``backend``; resolved once when the engine is built, the same on every rank, and recorded
+    with its reason in ``ZeroEngine.transport``). An explicit ``shm`` is refused where it cannot
+    work (GPU ranks, several nodes, no room). Either way the bytes are accounted as with the
+    backend; the reductions through ``shm`` add in rank order (a reduce-scatter gives the backend
+    path's bits; an all-reduce may differ from gloo's ring in the last bit, and in fp16 it sums in
+    fp32 where gloo's sum can overflow: pin ``backend`` to keep gloo's exact all-reduce).
+    Quantized collectives keep the backend."""
 
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``train_step`` must receive exactly this many."""

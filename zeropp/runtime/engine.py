@@ -129,7 +129,7 @@ class ZeroEngine(EngineSteps, EngineState):
     ``ValueError`` at construction.
 
     ``comm_timeout``: how long the engine's own waits for a peer (the shared-memory transport of
-    ``ZeroConfig.transport='shm'``) last before raising; pass the timeout given to
+    ``ZeroConfig.transport`` ``shm``, or ``auto`` resolved to it) last before raising; pass the timeout given to
     ``init_process_group`` (None: torch's default process-group timeout). The backend's collectives
     keep the process group's own. ``call_timeout``: how long the collective calls a user may make on
     some ranks only (``if rank == 0:``) -- :meth:`eval_loss`, :meth:`save_checkpoint`,
@@ -186,6 +186,9 @@ class ZeroEngine(EngineSteps, EngineState):
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.comm = EngineComm(topo, self.comm_stats, self.device, transport=cfg.transport, timeout=comm_timeout)
+        self.transport = self.comm.transport
+        """What carries the ZeRO group's plain collectives (``ZeroConfig.transport`` as requested, as
+        resolved and why; ``str()`` reads ``transport=auto -> shm (...)``), the same on every rank."""
         self.comm_session = self.comm.session
         """This engine's communication state (``zeropp.comm.CommSession``): its ``stats`` are
         :attr:`comm_stats`, its ``stochastic`` counter the seed rule's call index (saved with

@@ -10,6 +10,10 @@ routes to it. Each is accounted as the backend call it replaces (one call per bu
 the same bytes to the same peers), so the byte accounting, the plan and the scaling model read the
 same through either transport; it is named in the profiler as one range, and averaged by the
 engine's local divide, as the backend path is.
+
+:func:`open_route` resolves ``ZeroConfig.transport`` into a route once, at set-up: ``auto`` (the
+default) takes the shared memory wherever every rank of the ZeRO group can use it and the backend
+otherwise, the same on every rank (``zeropp.comm.shm_auto``), and records why.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ import torch
 import torch.distributed as dist
 
 from zeropp.comm import callcheck, ranges
+from zeropp.comm.backend import control_all_reduce
 from zeropp.comm.kinds import CommKind
 from zeropp.comm.session import CommSession
 from zeropp.comm.shm import ShmTransport
+from zeropp.comm.shm_auto import shm_ability
+from zeropp.comm.shm_choice import TransportChoice
+from zeropp.comm.shm_sync import ShmError
 from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
 
+from .choices import Transport
 from .pending import Pending
 from .plan_kinds import chunk_ranges
 from .streams import CommStreams
@@ -106,8 +115,15 @@ class ShmRoute:
         self.world = len(self.ranks)
         self.transport = ShmTransport(group, timeout=timeout)
         """The group's region and its synchronisation (``zeropp.comm.shm``)."""
-        self.secondary = None if secondary is None else self.sub_group(secondary)
-        """hpZ's secondary group as a :class:`SubGroup` (None: none, or its gathers keep the backend)."""
+        own = None if secondary is None else self.sub_group(secondary)
+        # Each member judges its own secondary group; the region carries those gathers only if it
+        # carries every member's, else a member writing its row would wait for ever on members that
+        # gather through the backend. One exchange makes the choice the group's.
+        refused = torch.tensor([0 if own is not None else 1], dtype=torch.int64)
+        control_all_reduce(refused, "max", group)
+        self.secondary = own if int(refused) == 0 else None
+        """hpZ's secondary group as a :class:`SubGroup` (None: none, or its gathers keep the backend,
+        on every member alike)."""
 
     def sub_group(self, group: Optional[dist.ProcessGroup]) -> Optional[SubGroup]:
         """``group`` as a :class:`SubGroup` whose gathers this route carries; None unless its members
@@ -165,3 +181,37 @@ class ShmRoute:
                 return Pending(owner, [shm.all_reduce_sum(dst)], lambda: dst.div_(w), what=(kind, unit))
 
         return issue
+
+
+def open_route(
+    owner: RouteOwner,
+    group: Optional[dist.ProcessGroup],
+    *,
+    requested: Transport,
+    device: torch.device,
+    nodes: int,
+    timeout: datetime.timedelta,
+    secondary: Optional[dist.ProcessGroup] = None,
+) -> tuple[Optional[ShmRoute], TransportChoice]:
+    """Collective over ``group``: the route of its plain collectives as ``requested``
+    (``ZeroConfig.transport``) and what was chosen. ``shm``: a :class:`ShmRoute` (None for a group
+    of one), whose set-up errors raise; ``backend``: None. ``auto``: a :class:`ShmRoute` when every
+    member can use one (``zeropp.comm.shm_auto.shm_ability``: CPU ranks of a group on one node,
+    ``nodes`` as the topology says, room under ``/dev/shm``) and its region sets up, else None;
+    either way the same on every member, with the reason recorded."""
+    choice = Transport(requested)
+    world = len(group_ranks(group))
+    if choice is Transport.backend:
+        return None, TransportChoice(requested="backend", resolved="backend", reason="")
+    if choice is Transport.shm:
+        route = ShmRoute(owner, group, timeout=timeout, secondary=secondary) if world > 1 else None
+        return route, TransportChoice(requested="shm", resolved="shm", reason="")
+    ability = shm_ability(group, device=device, nodes=nodes)
+    if not ability.able:
+        return None, TransportChoice(requested="auto", resolved="backend", reason=ability.reason)
+    try:
+        route = ShmRoute(owner, group, timeout=timeout, secondary=secondary)
+    except ShmError as exc:  # raised on every member alike (the region's set-up agrees on failure)
+        reason = f"the shared-memory region could not be set up: {exc.cause}"
+        return None, TransportChoice(requested="auto", resolved="backend", reason=reason)
+    return route, TransportChoice(requested="auto", resolved="shm", reason=ability.reason)
