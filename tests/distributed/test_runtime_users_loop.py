@@ -245,6 +245,12 @@ def _eval_case(rank: int, stage: int) -> dict[str, Any]:
     dist.barrier()  # the group is still in step
     r["every"] = eng.eval_loss(mb)  # every rank: the calls pair up again
     r["again"] = eng.eval_loss(mb)
+    if stage == 3:  # a forward of the model's own: it gathers every block from every rank
+        with torch.no_grad():
+            if rank == 0:
+                r["forward_alone"] = _error(lambda: eng.model(mb.inputs))
+            dist.barrier()
+            r["forward"] = [eng.model(mb.inputs) for _ in range(2)]  # every rank: pairs up; the second unchecked
     eng.close()
     return r
 
@@ -295,6 +301,14 @@ def test_eval_loss_on_one_rank_fails_fast_or_runs_locally() -> None:
     for r in res:
         for stage, got in r.items():
             assert abs(got["every"] - every) <= 1e-6 * every and got["again"] == got["every"], (stage, got, every)
+    # before: a stage-3 forward on rank 0 alone waited in its first gather for the group's timeout
+    alone = res[0][3]["forward_alone"]
+    assert alone.startswith("RuntimeError: engine.model's forward (outside train_step and eval_loss; at stage 3"), alone
+    assert "but rank(s) [1] did not call it within 1 s" in alone, alone
+    for rank, r in enumerate(res):
+        with torch.no_grad():
+            want = ref(data(5, rank)[0])
+        assert all(torch.allclose(out, want, rtol=1e-5, atol=1e-6) for out in r[3]["forward"]), rank
     assert late[0]["late"].startswith("RuntimeError: eval_loss is collective, but rank(s) [1] did not call it"), late
     msg = late[1]["late"]  # before: it waited another call_timeout, then named rank 0 as absent
     assert msg.startswith("RuntimeError: eval_loss is collective, and this rank came to it late: rank(s) [0]"), msg
@@ -371,6 +385,17 @@ def _attempt(rank: int, world: int, port: int, attempt: int) -> dict[str, Any]:
     if attempt == 1:
         dist.barrier()
     r["every"] = eng.eval_loss(mb)  # attempt 0: its roll call's keys stay in the store (the attempt ends here)
+    if attempt == 0:
+        # gloo's own address keys would stay too, and the next attempt could connect to this one's
+        # closed ports (a race of torch's, not the engine's): removed, the roll call's keys kept
+        dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        gloo_keys = [f"cpu//0/{r}" for r in range(world)]
+        r["gloo_keys"] = store.check(gloo_keys)
+        dist.barrier()
+        if rank == 0:
+            for key in gloo_keys:
+                store.delete_key(key)
     return r
 
 
@@ -384,5 +409,6 @@ def test_a_restarted_attempt_does_not_read_the_roll_calls_of_the_attempt_before(
     with torch.no_grad():
         x, y = _global_batch(5, 2)
         every = float(F.mse_loss(ref(x), y))
+    assert first[0]["gloo_keys"], "torch keeps gloo's addresses elsewhere now: update the keys removed above"
     assert second[0]["alone"].startswith("RuntimeError: eval_loss is collective, but rank(s) [1] did not call it")
     assert all(abs(r["every"] - every) <= 1e-6 * every for r in first + second), (first, second)

@@ -209,5 +209,7 @@ def test_the_stand_in_gradients_cost_nothing_and_a_bad_call_timeout_is_refused()
             eng.close()
         assert all(p.grad is None for p in eng.model.parameters())
         for bad in (datetime.timedelta(0), 60):
-            with pytest.raises(ValueError, match=r"eval_loss must be a positive datetime.timedelta, got "):
+            with pytest.raises(
+                ValueError, match=r"wait for every rank to call them, must be a positive datetime.timedelta, got "
+            ):
                 ZeroEngine(mlp(), config=ZeroConfig(stage=1), call_timeout=bad)  # type: ignore[arg-type]

@@ -66,7 +66,7 @@ from .offload import HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit
 from .reduction import GradReducer, reduces_when_ready
-from .rollcall import CALL_TIMEOUT, check_timeout, roll_calls
+from .rollcall import CALL_TIMEOUT, USER_FORWARD, check_timeout, roll_calls
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .units import assign_homes, build_units, check_persistence_threshold
@@ -334,7 +334,8 @@ class ZeroEngine(EngineSteps, EngineState):
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
         self._roll_calls = roll_calls(
-            ("eval_loss", "save_checkpoint", "load_checkpoint", "consolidated_state_dict"),
+            ("eval_loss", "save_checkpoint", "load_checkpoint", "consolidated_state_dict")
+            + ((USER_FORWARD,) if cfg.stage == 3 else ()),
             timeout=call_timeout,
             device=self.device,
         )
@@ -421,6 +422,13 @@ class ZeroEngine(EngineSteps, EngineState):
         """Refuses ``model.state_dict()`` at stage 3, ``model.load_state_dict()`` and parameters added
         after wrapping, each with what to use instead (``wrapped.py``)."""
         self.guard.park_grads()  # p.grad between steps: one clear error for clip_grad_norm_ and backward
+        self._forward_checked = False
+        self._forward_hook = (
+            model.register_forward_pre_hook(self._check_user_forward, prepend=True)  # before stage 3's gathers
+            if self._roll_calls.get(USER_FORWARD) is not None
+            else None
+        )
+        """Stage 3: the roll call of a forward a user makes on some ranks only (``EngineParts._check_user_forward``)."""
         self._closed = False
 
     def __repr__(self) -> str:

@@ -121,6 +121,8 @@ class EngineState(EngineParts):
         if self._closed:
             return
         self.reducer.close()  # hooks removed, reduce-scatters in flight waited
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
         self.guard.remove()
         if self.stage3 is not None:
             self.stage3.release_all()

@@ -59,6 +59,7 @@ class EngineSteps(EngineMemory):
                 f"{a} (one micro-batch (x, y) is train_step([(x, y)]))"
             )
         written = self.guard.written_error()  # parameters written in place since the engine's last write
+        self._forward_checked = False  # the next forward of the user's own (stage 3) gets the roll call
         with self.guard.engine_call(step=True):  # p.grad: stand-ins again at its end (wrapped.py)
             res = self._step(micro_batches, written)
         self.guard.settle()

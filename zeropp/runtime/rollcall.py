@@ -60,12 +60,17 @@ collective calls (saving a consolidated state dict on rank 0, logging), far belo
 group's 30 minutes."""
 
 
-def check_timeout(timeout: object, what: str = "a collective call") -> None:
+USER_FORWARD = "engine.model's forward (outside train_step and eval_loss; at stage 3 it gathers from every rank)"
+"""The roll call's name for a stage-3 forward a user makes (``EngineParts._check_user_forward``)."""
+
+
+def check_timeout(timeout: object) -> None:
     """Refuse a wait that is not a positive ``datetime.timedelta`` (before any rank sends anything)."""
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(
-            f"the wait for every rank to call {what} (ZeroEngine(call_timeout=...)) must be a positive "
-            f"datetime.timedelta, got {timeout!r}; e.g. datetime.timedelta(seconds=60)"
+            f"ZeroEngine(call_timeout=...), how long eval_loss, save_checkpoint, load_checkpoint and "
+            f"consolidated_state_dict wait for every rank to call them, must be a positive datetime.timedelta, "
+            f"got {timeout!r}; e.g. datetime.timedelta(seconds=60)"
         )
 
 
@@ -76,7 +81,7 @@ def roll_calls(
     (module docstring); collective. None each where there is no one to wait for: one rank, or torch's
     ``fake`` test backend (every collective a no-op, a store without the requests above)."""
     whats = list(whats)
-    check_timeout(timeout, " or ".join(whats))
+    check_timeout(timeout)
     if dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return {what: None for what in whats}
     token = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64, device=device)
@@ -89,8 +94,8 @@ def _sequence() -> int | None:
     """The default group's collective sequence number (module docstring), or None where the backend
     does not keep one."""
     try:
-        group = dist.distributed_c10d._get_default_group()
-        return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]  # (torch: no stub)
+        group = torch.distributed.distributed_c10d._get_default_group()
+        return int(torch.distributed.ProcessGroup._get_sequence_number_for_group(group))  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):
         return None
 

@@ -73,11 +73,16 @@ module's own ``_apply`` / ``named_parameters`` / ``zero_grad`` below look up. A 
 (an EMA copy) carries these methods but is no key here, so it behaves as a plain module."""
 
 
+def _class_method(module: nn.Module, name: str) -> Callable[..., Any]:
+    """The method ``name`` of ``module``'s class: the one its instance attribute (``_GUARDED``) shadows."""
+    return getattr(type(module), name)
+
+
 def _guarded_apply(module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
     """``module._apply`` (what ``.to()``, ``.half()``, ``.cuda()`` ... run) while an engine wraps it."""
     guard = _OPEN.get(module)
     if guard is None:
-        return type(module)._apply(module, fn, recurse)
+        return _class_method(module, "_apply")(module, fn, recurse)
     return guard.apply(module, fn, recurse)
 
 
@@ -86,13 +91,13 @@ def _guarded_named_parameters(module: nn.Module, *args: Any, **kwargs: Any) -> I
     guard = _OPEN.get(module)
     if guard is not None:
         guard.repark()
-    return type(module).named_parameters(module, *args, **kwargs)
+    return _class_method(module, "named_parameters")(module, *args, **kwargs)
 
 
 def _guarded_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     """``module.zero_grad``: torch's (which raises on a stand-in with ``set_to_none=False``), then
     the stand-ins are back (``set_to_none=True`` dropped them)."""
-    type(module).zero_grad(module, set_to_none)
+    _class_method(module, "zero_grad")(module, set_to_none)
     guard = _OPEN.get(module)
     if guard is not None:
         guard.repark()
@@ -270,6 +275,11 @@ class ModelGuard:
             if p.requires_grad and p.grad is None:
                 p.grad = GradInEngine(p)
 
+    @property
+    def busy(self) -> bool:
+        """Inside the engine's own step or evaluation (:meth:`engine_call`)."""
+        return self._busy
+
     @contextlib.contextmanager
     def engine_call(self, *, step: bool) -> Iterator[None]:
         """The engine's own step (``step``) or evaluation: no stand-in is put back meanwhile (a
@@ -289,8 +299,8 @@ class ModelGuard:
         """``module._apply(fn)``: refused, before anything changes, if ``fn`` would replace a
         parameter (module docstring); else torch's, with the stand-ins set aside meanwhile."""
         if self._applying:  # a submodule's, inside the call checked below
-            return type(module)._apply(module, fn, recurse)
-        for name, p in type(module).named_parameters(module, recurse=recurse):
+            return _class_method(module, "_apply")(module, fn, recurse)
+        for name, p in _class_method(module, "named_parameters")(module, recurse=recurse):
             with torch.no_grad():
                 out = fn(p)
             if out is not p:
@@ -300,7 +310,7 @@ class ModelGuard:
             for _, p in self._named:
                 if isinstance(p.grad, GradInEngine):
                     p.grad = None  # (torch's _apply would convert it too)
-            return type(module)._apply(module, fn, recurse)
+            return _class_method(module, "_apply")(module, fn, recurse)
         finally:
             self._applying = False
             self.park_grads()
