@@ -27,6 +27,11 @@ the same collectives, so it counts alike on every rank at the same point of the 
   one, which pairs with their next call. A user's collective between the two (a ``barrier``, the
   next ``train_step``) is what separates the two cases; without one the late reading holds.
 
+The engine runs one before ``eval_loss``, ``save_checkpoint``, ``load_checkpoint`` and
+``consolidated_state_dict``, and at stage 3 before the first forward of ``engine.model`` a user
+makes outside ``train_step`` / ``eval_loss`` after each engine call (:data:`USER_FORWARD`; not
+before every forward: that would add a store round trip to each).
+
 Keys are namespaced per engine by a random token rank 0 draws and broadcasts when the engine is
 built. The process group's store can outlive the processes that wrote into it: under
 ``torchrun --max-restarts`` the agent's shared ``TCPStore`` (torch's default c10d rendezvous keeps

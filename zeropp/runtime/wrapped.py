@@ -306,14 +306,15 @@ class ModelGuard:
             if out is not p:
                 raise self._apply_error(self._params.get(id(p), name), p, out)
         self._applying = True
+        aside = [p for _, p in self._named if isinstance(p.grad, GradInEngine)]
         try:
-            for _, p in self._named:
-                if isinstance(p.grad, GradInEngine):
-                    p.grad = None  # (torch's _apply would convert it too)
+            for p in aside:
+                p.grad = None  # (torch's _apply would convert it too)
             return _class_method(module, "_apply")(module, fn, recurse)
         finally:
             self._applying = False
-            self.park_grads()
+            for p in aside:  # (inside the engine's step there are none: its gradients stay as they are)
+                p.grad = GradInEngine(p)
 
     def _apply_error(self, name: str, p: torch.Tensor, out: object) -> RuntimeError:
         """The refusal of a conversion that would replace parameter ``name`` by ``out``."""
