@@ -412,3 +412,35 @@ def test_a_restarted_attempt_does_not_read_the_roll_calls_of_the_attempt_before(
     assert first[0]["gloo_keys"], "torch keeps gloo's addresses elsewhere now: update the keys removed above"
     assert second[0]["alone"].startswith("RuntimeError: eval_loss is collective, but rank(s) [1] did not call it")
     assert all(abs(r["every"] - every) <= 1e-6 * every for r in first + second), (first, second)
+
+
+def _calls_in_a_row(rank: int, world: int) -> dict[str, Any]:
+    """Roll calls that go ahead with no collective between them (a call that then raises alike on
+    every rank before sending anything, called again); rank 1 slowed down now and then."""
+    from zeropp.runtime.rollcall import roll_calls
+
+    check = roll_calls(["save_checkpoint"], timeout=datetime.timedelta(seconds=10), device=torch.device("cpu"))
+    roll_call = check["save_checkpoint"]
+    assert roll_call is not None
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    keys = store.num_keys()
+    errors = []
+    for i in range(60):
+        if rank == 1 and i % 3 == 0:
+            time.sleep(0.01)
+        try:
+            roll_call.check()
+        except RuntimeError as e:
+            errors.append(f"call {i}: {e}")
+            break
+    dist.barrier()
+    return {"errors": errors, "keys_left": store.num_keys() - keys}
+
+
+def test_roll_calls_that_go_ahead_without_a_collective_between_them_all_go_ahead() -> None:
+    """Before: rank 0's next call removed the last call's keys, the verdict too, while a slower rank
+    could still be reading it; that rank then waited ``call_timeout`` for it and raised."""
+    res = run_world(_calls_in_a_row, 2, timeout=120)
+    assert [r["errors"] for r in res] == [[], []], res
+    assert res[0]["keys_left"] <= 3 * 6, res  # the keys of the last few calls only (6 keys a call at world 2)

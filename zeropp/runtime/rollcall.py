@@ -40,11 +40,12 @@ a per-attempt prefix; the default group's own prefix, ``default_pg`` and its gro
 in every attempt), a reused ``file://`` store. Without the token a restarted attempt would read
 the failed attempt's verdicts (a stale ``go`` would let a rank into a collective alone).
 
-Costs: three or four small store requests per call (on the store's host, next to the collective
+Costs: four or five small store requests per call (on the store's host, next to the collective
 the call makes anyway), and one 8-byte broadcast when the engine is built; nothing when the world
-has one rank. The keys of a call that went ahead are removed by rank 0's next call (every rank has
-read that verdict by then: it made the collective that followed it); those of a call given up
-stay, for a rank that comes late.
+has one rank. Each rank counts itself in once it has read a ``go``; rank 0 removes the keys of such
+a call at a later call, once every rank has (not sooner: a call can go ahead and then raise alike on
+every rank before any collective, and a slow rank may still be reading its verdict). The keys of a
+call given up stay, for a rank that comes late.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ class RollCall:
         self.store = torch.distributed.distributed_c10d._get_default_store()
         self.calls = 0
         """This rank's next call's number (the same on every rank once void calls are skipped)."""
-        self.went_ahead: str | None = None
-        """The key prefix of this rank's last call if it went ahead (rank 0 removes its keys next call)."""
+        self.went_ahead: list[str] = []
+        """Rank 0: the key prefixes of its calls that went ahead and whose keys are not removed yet."""
 
     def check(self) -> None:
         """Return once every rank has called; else raise on every rank that did (before any collective)."""
@@ -126,9 +127,9 @@ class RollCall:
             came = self._arrivals(call)
             if seq is not None and any(s >= seq for s, _ in came.values()):
                 raise self._late(came)
-        if self.rank == 0 and self.went_ahead is not None:
-            self._forget(self.went_ahead)
-        call, self.went_ahead = self._key(self.calls), None
+        if self.went_ahead:
+            self._forget_read()
+        call = self._key(self.calls)
         self.calls += 1
         self.store.set(f"{call}rank{self.rank}", f"{-1 if seq is None else seq} {time.time():.3f}")
         if self.store.add(f"{call}arrived", 1) == self.world:
@@ -138,7 +139,9 @@ class RollCall:
         except RuntimeError:  # (DistStoreError; a FileStore's is a plain RuntimeError)
             pass  # the wait ran out: the verdict below is "missing" unless the last rank came just now
         if self.store.compare_set(f"{call}verdict", "", "missing") == b"go":
-            self.went_ahead = call
+            self.store.add(f"{call}read", 1)  # (module docstring: when rank 0 removes the keys)
+            if self.rank == 0:
+                self.went_ahead.append(call)
             return
         present = sorted(self._arrivals(call))
         absent = [r for r in range(self.world) if r not in present]
@@ -177,7 +180,13 @@ class RollCall:
                 found[r] = (int(seq), float(at))
         return found
 
-    def _forget(self, call: str) -> None:
-        """Remove the keys of a call that went ahead (every rank is past its verdict)."""
-        for key in ("arrived", "verdict", *(f"rank{r}" for r in range(self.world))):
-            self.store.delete_key(f"{call}{key}")
+    def _forget_read(self) -> None:
+        """Rank 0: remove the keys of each call that went ahead whose verdict every rank has read."""
+        pending = []
+        for call in self.went_ahead:
+            if self.store.add(f"{call}read", 0) < self.world:
+                pending.append(call)
+                continue
+            for key in ("arrived", "verdict", "read", *(f"rank{r}" for r in range(self.world))):
+                self.store.delete_key(f"{call}{key}")
+        self.went_ahead = pending
