@@ -109,6 +109,8 @@ _GUARDED: dict[str, Callable[..., Any]] = {
     "zero_grad": _guarded_zero_grad,
 }
 """Methods each module of a wrapped model gets as its own (instance) attributes while the engine is open."""
+for _attr, _method in _GUARDED.items():
+    _method.__name__ = _attr  # a bound method pickles by name: a pickled model gets its class's own back on load
 
 
 def check_wrappable(model: nn.Module) -> None:
