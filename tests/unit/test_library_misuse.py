@@ -209,5 +209,28 @@ def test_the_stand_in_gradients_cost_nothing_and_a_bad_call_timeout_is_refused()
             eng.close()
         assert all(p.grad is None for p in eng.model.parameters())
         for bad in (datetime.timedelta(0), 60):
-            with pytest.raises(ValueError, match=r"eval_loss must be a positive datetime.timedelta, got "):
+            with pytest.raises(
+                ValueError, match=r"wait for every rank to call them, must be a positive datetime.timedelta, got "
+            ):
                 ZeroEngine(mlp(), config=ZeroConfig(stage=1), call_timeout=bad)  # type: ignore[arg-type]
+
+
+def test_a_copy_of_the_wrapped_model_is_a_plain_model() -> None:
+    """The conversion refusal and the stand-in gradients hold for the wrapped model only: a deep copy
+    (an EMA model) or a pickled copy converts and drops its gradients as a plain model does (the
+    refusal's own methods ride along on the copy's modules, and a pickled one finds its class's back)."""
+    import copy
+    import pickle
+
+    with fake_world(0, 2):
+        eng = _engine(mlp(), 1)
+        try:
+            with pytest.raises(RuntimeError, match=r"converting or moving the wrapped model .* ZeroConfig\(precision="):
+                eng.model.half()
+            for twin in (copy.deepcopy(eng.model), pickle.loads(pickle.dumps(eng.model))):
+                twin.zero_grad()
+                assert [p.grad for p in twin.parameters()] == [None] * len(list(twin.parameters()))
+                assert {p.dtype for p in twin.half().parameters()} == {torch.float16}
+            assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
+        finally:
+            eng.close()

@@ -66,7 +66,7 @@ from .offload import HostAdamW, ParamStore, make_optimizer
 from .optimizer import KERNELS
 from .partition import FlatUnit
 from .reduction import GradReducer, reduces_when_ready
-from .rollcall import CALL_TIMEOUT, RollCall
+from .rollcall import CALL_TIMEOUT, USER_FORWARD, check_timeout, roll_calls
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .units import assign_homes, build_units, check_persistence_threshold
@@ -133,8 +133,9 @@ class ZeroEngine(EngineSteps, EngineState):
     ``init_process_group`` (None: torch's default process-group timeout). The backend's collectives
     keep the process group's own. ``call_timeout``: how long the collective calls a user may make on
     some ranks only (``if rank == 0:``) -- :meth:`eval_loss`, :meth:`save_checkpoint`,
-    :meth:`consolidated_state_dict` -- wait for every rank to call them before raising on the ranks
-    that did (``rollcall.py``; ``eval_loss(..., local=True)`` is this rank's loss alone, at stages 0-2).
+    :meth:`load_checkpoint`, :meth:`consolidated_state_dict` -- wait for every rank to call them before
+    raising on the ranks that did (``rollcall.py``; a rank that comes after the others gave up raises at
+    once; ``eval_loss(..., local=True)`` is this rank's loss alone, at stages 0-2).
     """
 
     def __init__(
@@ -161,6 +162,7 @@ class ZeroEngine(EngineSteps, EngineState):
                 f"optimizer must be a zeropp.runtime.OptimizerConfig (the engine runs its own sharded AdamW over "
                 f"its shards), got {optimizer!r}; e.g. optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1)"
             )
+        check_timeout(call_timeout)  # before any collective
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass callable(output, micro_batch) -> loss or None")
         block_modules = find_blocks(
@@ -334,10 +336,12 @@ class ZeroEngine(EngineSteps, EngineState):
         if topo.tp > 1:  # split weights' aliases in saved DTensor ops are found by storage
             self.activations.storage_params = [p for u in self.units for p in u.params if tpar.is_tp_local(p)]
         """Saved activations of each training forward: tier (device / pinned host) and bytes (``memory_by_tier``)."""
-        self._roll_calls = {
-            what: RollCall.for_world(what, timeout=call_timeout)
-            for what in ("eval_loss", "save_checkpoint", "consolidated_state_dict")
-        }
+        self._roll_calls = roll_calls(
+            ("eval_loss", "save_checkpoint", "load_checkpoint", "consolidated_state_dict")
+            + ((USER_FORWARD,) if cfg.stage == 3 else ()),
+            timeout=call_timeout,
+            device=self.device,
+        )
         """Per user-facing collective call: the check that every rank called it, before its
         collectives (``rollcall.py``); None on one rank."""
         self._control = control_group()  # collective; after the steps above that can fail (close() destroys it)
@@ -421,6 +425,13 @@ class ZeroEngine(EngineSteps, EngineState):
         """Refuses ``model.state_dict()`` at stage 3, ``model.load_state_dict()`` and parameters added
         after wrapping, each with what to use instead (``wrapped.py``)."""
         self.guard.park_grads()  # p.grad between steps: one clear error for clip_grad_norm_ and backward
+        self._forward_checked = False
+        self._forward_hook = (
+            model.register_forward_pre_hook(self._check_user_forward, prepend=True)  # before stage 3's gathers
+            if self._roll_calls.get(USER_FORWARD) is not None
+            else None
+        )
+        """Stage 3: the roll call of a forward a user makes on some ranks only (``EngineParts._check_user_forward``)."""
         self._closed = False
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zeropp.comm.session import CommSession
 from zeropp.comm.stats import CommStats
@@ -32,7 +33,7 @@ from .offload import ParamStore, SwappedAdamW
 from .optimizer import ShardedAdamW
 from .partition import FlatUnit
 from .reduction import GradReducer
-from .rollcall import RollCall
+from .rollcall import USER_FORWARD, RollCall
 from .stage3 import Stage3Hooks
 from .swap import SwapSpace
 from .update import ParamUpdate
@@ -84,6 +85,8 @@ class EngineParts:
     _pg: object
     _control: dist.ProcessGroup | None
     _roll_calls: dict[str, RollCall | None]
+    _forward_checked: bool
+    _forward_hook: RemovableHandle | None
     _defer_checks: bool
     _last_memory: dict[str, int] | None
     _memory_sources: dict[str, list[object]]
@@ -102,5 +105,17 @@ class EngineParts:
 
     def _check_every_rank_called(self, what: str) -> None:
         """The roll call of the user-facing collective ``what`` (``rollcall.py``; none on one rank)."""
+        self._forward_checked = False  # an engine call: the next forward of the user's own is checked again
         if (roll_call := self._roll_calls[what]) is not None:
             roll_call.check()
+
+    def _check_user_forward(self, module: nn.Module, args: object) -> None:
+        """Stage 3, a pre-hook of the model's forward, before stage 3's own: the first forward a user
+        makes outside ``train_step`` / ``eval_loss`` after each engine call gets the roll call (a
+        forward gathers every block from every rank, so ``if rank == 0: engine.model(x)`` would wait
+        in the first gather for the group's timeout); the forwards after it are not checked (a roll
+        call per forward would add a store round trip to each)."""
+        if self.guard.busy or self._forward_checked:
+            return
+        self._check_every_rank_called(USER_FORWARD)
+        self._forward_checked = True

@@ -48,10 +48,13 @@ class EngineState(EngineParts):
     @torch.no_grad()
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Load the latest complete checkpoint under ``path``, saved at any world size and stage
-        from the same model; returns the ``extra`` it was saved with. Collective. The qgZ
-        error-feedback residuals and this engine's stochastic-rounding call counter come back too
-        (residuals only at the saving world size, stage and topology; see ``checkpoint.py``)."""
+        from the same model; returns the ``extra`` it was saved with. Collective: a rank that waited
+        ``call_timeout`` (``ZeroEngine``) for the others raises before anything is read or sent
+        (``rollcall.py``), as under ``if rank == 0:``. The qgZ error-feedback residuals and this
+        engine's stochastic-rounding call counter come back too (residuals only at the saving world
+        size, stage and topology; see ``checkpoint.py``)."""
         self._check_open()
+        self._check_every_rank_called("load_checkpoint")
         from . import checkpoint as ckpt
 
         extra, model_state, origin = ckpt.load(self._checkpoint_target(gather_frozen=False), path)
@@ -118,6 +121,8 @@ class EngineState(EngineParts):
         if self._closed:
             return
         self.reducer.close()  # hooks removed, reduce-scatters in flight waited
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
         self.guard.remove()
         if self.stage3 is not None:
             self.stage3.release_all()

@@ -59,10 +59,9 @@ class EngineSteps(EngineMemory):
                 f"{a} (one micro-batch (x, y) is train_step([(x, y)]))"
             )
         written = self.guard.written_error()  # parameters written in place since the engine's last write
-        try:
+        self._forward_checked = False  # the next forward of the user's own (stage 3) gets the roll call
+        with self.guard.engine_call(step=True):  # p.grad: stand-ins again at its end (wrapped.py)
             res = self._step(micro_batches, written)
-        finally:
-            self.guard.park_grads()  # p.grad until the next step (wrapped.py: clip_grad_norm_, backward)
         self.guard.settle()
         return res
 
@@ -154,7 +153,8 @@ class EngineSteps(EngineMemory):
         outside = bool(self.guard.written())
         error: Exception | None = None
         try:
-            loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
+            with self.guard.engine_call(step=False):
+                loss = float(loss_of(call_model(self.model, mb), mb, self.loss_fn))
         except Exception as exc:
             error = exc
         if not outside:

@@ -30,6 +30,19 @@ torch's words:
   nothing. Between steps every trainable parameter's ``.grad`` is a :class:`GradInEngine`: a
   tensor of the right shape with no storage whose every use (the norm, ``zero_()``, autograd
   adding into it) raises one error naming ``ZeroConfig.grad_clip`` and ``train_step``.
+- ``engine.model.zero_grad()`` (``set_to_none=True``, also a torch optimizer's ``zero_grad()`` or
+  ``p.grad = None``) removed the stand-ins, and ``clip_grad_norm_`` returned 0 again until the next
+  step: ``zero_grad`` of the model (or a submodule) puts them back, and so does every listing of the
+  parameters between steps (``model.parameters()`` / ``named_parameters()``, which is how
+  ``clip_grad_norm_(model.parameters())`` and ``zero_grad`` find them); the engine's own steps and
+  evaluations list them without that (a model's forward reading ``self.parameters()``).
+- ``engine.model.half()`` / ``.to(dtype)`` / ``.bfloat16()`` (and ``.to(device)``, ``.cuda()``,
+  ``.cpu()``, ``to_empty``: every conversion torch runs through ``Module._apply``) replaced each
+  parameter's tensor by a converted copy that no longer viewed the engine's buffers (the engine
+  would train its buffers and the forward use the copies), then failed on the first stand-in with
+  the clip message: refused before anything changes, naming the parameter and what to set instead
+  (``ZeroConfig(precision=...)``, or moving the model before wrapping). A conversion that changes no
+  parameter (``.to()`` of the dtype and device they have, a cast of float buffers only) runs.
 - a write into the parameters in place (``torch.distributed.checkpoint.load`` into
   ``model.state_dict()``, whose tensors alias the parameters at stages 0-2, or ``p.copy_`` under
   ``no_grad``) changed the compute copies only (or the masters too, where they are the same
@@ -43,8 +56,9 @@ The engine's own reads (``consolidated_state_dict``) run inside :meth:`ModelGuar
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -52,6 +66,51 @@ from torch.utils.hooks import RemovableHandle
 
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, ModelGuard] = weakref.WeakKeyDictionary()
 """Each model a ZeroEngine wrapped in this process -> that engine's guard."""
+
+_OPEN: weakref.WeakKeyDictionary[nn.Module, ModelGuard] = weakref.WeakKeyDictionary()
+"""Each module (the model and every submodule) of a model an open engine wraps -> its guard: what the
+module's own ``_apply`` / ``named_parameters`` / ``zero_grad`` below look up. A deep copy of the model
+(an EMA copy) carries these methods but is no key here, so it behaves as a plain module."""
+
+
+def _class_method(module: nn.Module, name: str) -> Callable[..., Any]:
+    """The method ``name`` of ``module``'s class: the one its instance attribute (``_GUARDED``) shadows."""
+    return getattr(type(module), name)
+
+
+def _guarded_apply(module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+    """``module._apply`` (what ``.to()``, ``.half()``, ``.cuda()`` ... run) while an engine wraps it."""
+    guard = _OPEN.get(module)
+    if guard is None:
+        return _class_method(module, "_apply")(module, fn, recurse)
+    return guard.apply(module, fn, recurse)
+
+
+def _guarded_named_parameters(module: nn.Module, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+    """``module.named_parameters`` (and so ``parameters()``): the stand-in grads first put back."""
+    guard = _OPEN.get(module)
+    if guard is not None:
+        guard.repark()
+    return _class_method(module, "named_parameters")(module, *args, **kwargs)
+
+
+def _guarded_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    """``module.zero_grad``: torch's (which raises on a stand-in with ``set_to_none=False``), then
+    the stand-ins are back (``set_to_none=True`` dropped them)."""
+    _class_method(module, "zero_grad")(module, set_to_none)
+    guard = _OPEN.get(module)
+    if guard is not None:
+        guard.repark()
+
+
+_GUARDED: dict[str, Callable[..., Any]] = {
+    "_apply": _guarded_apply,
+    "named_parameters": _guarded_named_parameters,
+    "zero_grad": _guarded_zero_grad,
+}
+"""Methods each module of a wrapped model gets as its own (instance) attributes while the engine is open."""
+for _attr, _method in _GUARDED.items():
+    _method.__name__ = _attr  # a bound method pickles by name: a pickled model gets its class's own back on load
 
 
 def check_wrappable(model: nn.Module) -> None:
@@ -143,9 +202,17 @@ class ModelGuard:
         self._versions = [version(p) for _, p in self._named]
         """Each parameter's version counter when the engine last wrote or checked it (:meth:`written`)."""
         self._own = False
+        self._busy = False
+        """Inside the engine's own step or evaluation: no stand-in is put back (:meth:`repark`)."""
+        self._applying = False
         self.closed = False
         _WRAPPED[model] = self
         mods = list(model.modules())  # a submodule's own state_dict / load_state_dict too
+        self._modules = mods
+        for m in mods:
+            _OPEN[m] = self
+            for attr, method in _GUARDED.items():
+                m.__dict__[attr] = types.MethodType(method, m)  # found before the class's (module docstring)
         self._handles: list[RemovableHandle] = [m.register_load_state_dict_pre_hook(self._on_load) for m in mods]
         self._state_handles: list[RemovableHandle] = (
             [m.register_state_dict_pre_hook(self._on_state_dict) for m in mods] if stage == 3 else []
@@ -201,6 +268,76 @@ class ModelGuard:
             if p.requires_grad:
                 p.grad = GradInEngine(p)
 
+    def repark(self) -> None:
+        """Put back each stand-in that was set to None since (``zero_grad``, ``p.grad = None``),
+        except inside the engine's own step or evaluation."""
+        if self._busy or self.closed:
+            return
+        for _, p in self._named:
+            if p.requires_grad and p.grad is None:
+                p.grad = GradInEngine(p)
+
+    @property
+    def busy(self) -> bool:
+        """Inside the engine's own step or evaluation (:meth:`engine_call`)."""
+        return self._busy
+
+    @contextlib.contextmanager
+    def engine_call(self, *, step: bool) -> Iterator[None]:
+        """The engine's own step (``step``) or evaluation: no stand-in is put back meanwhile (a
+        model's forward may list its parameters); all are in place at its end (a step: every
+        ``.grad`` replaced, whatever the step left there)."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+            if step:
+                self.park_grads()
+            else:
+                self.repark()
+
+    def apply(self, module: nn.Module, fn: Any, recurse: bool) -> nn.Module:
+        """``module._apply(fn)``: refused, before anything changes, if ``fn`` would replace a
+        parameter (module docstring); else torch's, with the stand-ins set aside meanwhile."""
+        if self._applying:  # a submodule's, inside the call checked below
+            return _class_method(module, "_apply")(module, fn, recurse)
+        for name, p in _class_method(module, "named_parameters")(module, recurse=recurse):
+            with torch.no_grad():
+                out = fn(p)
+            if out is not p:
+                raise self._apply_error(self._params.get(id(p), name), p, out)
+        self._applying = True
+        aside = [p for _, p in self._named if isinstance(p.grad, GradInEngine)]
+        try:
+            for p in aside:
+                p.grad = None  # (torch's _apply would convert it too)
+            return _class_method(module, "_apply")(module, fn, recurse)
+        finally:
+            self._applying = False
+            for p in aside:  # (inside the engine's step there are none: its gradients stay as they are)
+                p.grad = GradInEngine(p)
+
+    def _apply_error(self, name: str, p: torch.Tensor, out: object) -> RuntimeError:
+        """The refusal of a conversion that would replace parameter ``name`` by ``out``."""
+        to = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        advice = []
+        if not isinstance(out, torch.Tensor) or out.dtype != p.dtype:
+            advice.append(
+                "choose the compute dtype with ZeroConfig(precision='bf16' or 'fp16') when building the engine "
+                "(it casts the parameters and keeps fp32 masters), and cast inputs or float buffers yourself"
+            )
+        if not isinstance(out, torch.Tensor) or out.device != p.device:
+            advice.append("move the model to its device before ZeroEngine(model) wraps it")
+        return RuntimeError(
+            f"converting or moving the wrapped model (Module.half(), .bfloat16(), .float(), .to(dtype or device), "
+            f".cuda(), .cpu(), .to_empty(): torch's Module._apply) would replace its parameter {name!r} "
+            f"({p.dtype} on {p.device}) by a copy ({to}) that ZeroEngine neither trains nor refreshes: the "
+            f"parameters view the engine's own buffers, whose dtype and device are fixed when it wraps the model; "
+            f"nothing was changed: {'; '.join(advice or ['make the change before ZeroEngine(model) wraps it'])} "
+            f"(a conversion that changes no parameter, e.g. of float buffers only, runs)"
+        )
+
     def written(self) -> list[str]:
         """Names of the parameters written in place by anyone but the engine since :meth:`settle`."""
         return [n for (n, p), v in zip(self._named, self._versions) if version(p) != v]
@@ -249,6 +386,11 @@ class ModelGuard:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for m in self._modules:
+            _OPEN.pop(m, None)
+            for attr in _GUARDED:
+                m.__dict__.pop(attr, None)
+        self._modules = []
         for _, p in self._named:
             if isinstance(p.grad, GradInEngine):
                 p.grad = None  # a plain model again (stages 0-2)
