@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import cache_warmers
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -80,6 +82,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"selects the GPU tier and nothing else): {', '.join(misplaced[:5])}"
             + (f" and {len(misplaced) - 5} more" if len(misplaced) > 5 else "")
         )
+
+
+_WARMERS = cache_warmers.Running()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the compile-cache warmers this selection is worth (``tests/cache_warmers.py``): not in
+    an xdist worker or a collect-only session."""
+    if session.config.option.collectonly or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    ids = [item.nodeid for item in session.items]
+    tiers = [tier_of(item.path) for item in session.items]
+    _WARMERS.start(cache_warmers.to_start(ids, tiers, os.environ.get(cache_warmers.ENV)))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _WARMERS.wait_for(item.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _WARMERS.stop()
 
 
 def selects_cuda(markexpr: str) -> bool:

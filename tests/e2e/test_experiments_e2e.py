@@ -55,8 +55,22 @@ def _live_procs_mentioning(text: str) -> list[int]:
     return out
 
 
-def test_single_run_summary_and_wandb_offline(tmp_path: Path) -> None:
-    p = run_cli(["stage=3", "quant=zeropp", *FAST, f"hydra.run.dir={tmp_path}"])
+ZEROPP_2X2 = ["stage=3", "quant=zeropp", *FAST]
+"""The stage-3 ZeRO++ job (qwZ + hpZ + qgZ) on the default 2 emulated nodes x 2 ranks."""
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """:data:`ZEROPP_2X2` as typed (``python -m zeropp.experiments.run``, wandb offline): its result
+    and run directory. One run serves the summary checks and, as the single launcher's reference,
+    the two-torchrun-node comparison (neither the logger nor ``launcher.pg_timeout_s`` changes what
+    a job computes or sends)."""
+    run_dir = tmp_path_factory.mktemp("single")
+    return run_cli([*ZEROPP_2X2, f"hydra.run.dir={run_dir}"]), run_dir
+
+
+def test_single_run_summary_and_wandb_offline(single_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    p, tmp_path = single_run
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "tokens/s" in p.stdout and "ZeRO-3+qwZ[int8]+hpZ+qgZ[int4]" in p.stdout  # the summary table
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -534,24 +548,24 @@ def _torchrun_agents(
 
 
 def test_e2e_two_torchrun_nodes_count_what_the_local_2x2_run_counts(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, single_run: tuple[subprocess.CompletedProcess, Path]
 ) -> None:
     """e2e (the expensive one): two torchrun agents x 2 ranks as two nodes, each agent in its own
     network namespace of the emulated cluster (cross-node traffic crosses its link), no topology
     given: the node layout comes from torchrun (2 x 2), rank 0 alone writes the summary, and every
     byte count per step, cross-node ones included, equals the single-launcher ``topology=2x2`` run's
     for a stage-3 ZeRO++ job (qwZ + hpZ + qgZ: cross vs intra decides what is sent where)."""
-    args = ["stage=3", "quant=zeropp", "logger=none", *FAST, "launcher.pg_timeout_s=60"]
+    args = [*ZEROPP_2X2, "logger=none", "launcher.pg_timeout_s=60"]
     agents, where = _torchrun_agents([*args, f"hydra.run.dir={tmp_path / 'tr'}"], 2, 2)
     for a in agents:
         assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    one = run_cli_here([*args, "topology=2x2", f"hydra.run.dir={tmp_path / 'one'}"], capfd)
+    one, one_dir = single_run  # the same job from the single launcher (its default topology: 2x2)
     assert one.returncode == 0, one.stderr[-3000:]
     # rank 0 alone summarizes: one agent prints the table, one metrics line per step
     assert [p.name for p in (tmp_path / "tr").rglob("summary.json")] == ["summary.json"]
     assert sum("tokens/s" in a.stdout for a in agents) == 1, [a.stdout[-500:] for a in agents]
     assert len((tmp_path / "tr" / "metrics.jsonl").read_text().splitlines()) == 4
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("tr", "one"))
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (tmp_path / "tr", one_dir))
     assert a["placement"] == {"cluster": "torchrun", "nodes": 2, "ranks_per_node": 2, "declared": []}, where
     assert a["topology"] == b["topology"] == {"world_size": 4, "ranks_per_node": 2, "tp": 1, "nodes": 2}
     assert set(a) == set(b) and a["label"] == b["label"] and a["tokens_per_step"] == b["tokens_per_step"]

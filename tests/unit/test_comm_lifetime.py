@@ -13,7 +13,8 @@ while the interpreter was finalizing. The checks, cheapest first:
   init_process_group stops the worker and starts a fresh one that serves the new world;
 - the user's script itself (``tests/data/readme_collectives.py``, 4 ranks as 2 nodes of 2) under
   torchrun, several times, every other run ending with ``destroy_process_group()``: every run
-  exits 0. ``ZEROPP_TORCHRUN_RUNS`` sets how many (default 3; the acceptance bar is 20).
+  exits 0. ``ZEROPP_TORCHRUN_RUNS`` sets how many (default 2, one without and one with
+  ``destroy_process_group()``; the acceptance bar is 20).
 
 Here: the one-process checks of this topic; its other tiers' checks are in
 ``tests/distributed/test_comm_lifetime.py``, ``tests/e2e/test_comm_lifetime.py``.
