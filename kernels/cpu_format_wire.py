@@ -18,7 +18,7 @@ import threading
 import torch
 
 from . import cpu_native, format_reference
-from .cpu_formats import DTYPES, ELEMENTS, SCHEMES, check_rc, library, native_enabled, quantize_into
+from .cpu_format_library import DTYPES, ELEMENTS, SCHEMES, check_rc, library, native_enabled, quantize_into
 from .format_layout import (
     check_format_args,
     check_requantize_args,

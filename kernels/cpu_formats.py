@@ -45,26 +45,40 @@ awkward cases and on crafted wire bytes):
 - zero, non-finite and zero-scale blocks follow the reference's rules (its module docstring).
 
 The wire-row operations (quantize straight into wire rows, the fused reductions over received
-rows) are ``cpu_format_wire.py``'s, on this module's library.
+rows) are ``cpu_format_wire.py``'s, on this module's library; their names (``encode_wire``,
+``dequantize_sum_wire``, ``dequantize_sum_requantize_wire``) are read from here too.
 
 The build and its cache are ``cpu_native.py``'s (same compiler, flags, cache directory and
-``build_cache`` checks), for a library of its own keyed by this source (``zf_<hash>.so``).
+``build_cache`` checks), for a library of its own keyed by this source (``zf_<hash>.so``); its
+loading and ``ctypes`` binding are ``cpu_format_library.py``'s, re-exported here with the wire-row
+operations, so both modules use one library and neither imports this one.
 ``ZEROPP_CPU_NATIVE=0`` turns these kernels off with the int ones. If the build or the load
 fails, :func:`native_enabled` warns once and the public functions run the reference instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import sys
-import threading
-import warnings
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-from . import build_cache, cpu_native, format_reference
+from . import cpu_format_library, cpu_native, format_reference
+from .cpu_format_library import (
+    DTYPES,
+    ELEMENTS,
+    HEADERS,
+    SCHEMES,
+    SOURCE,
+    available,
+    check_rc,
+    dequantize_into,
+    library,
+    load,
+    native_enabled,
+    philox_uniform,
+    quantize_into,
+)
+from .cpu_format_wire import dequantize_sum_requantize_wire, dequantize_sum_wire, encode_wire
 from .format_layout import (
     FIXED_GROUP_SIZE,
     FormatTensor,
@@ -75,168 +89,38 @@ from .format_layout import (
 )
 from .layout import check_float_dtype, num_groups, output_buffer
 
-SOURCE = Path(__file__).with_name("cpu_formats.cpp")
-HEADERS = (Path(__file__).with_name("cpu_formats_nvfp4.h"), Path(__file__).with_name("cpu_formats_deq.h"))
-"""The source's own headers (beside the shared ``cpu_common.h``), hashed into the build key."""
-
-FAILED: str | None = None
-"""Why the format kernels are unavailable in this process (None while they work or are unbuilt)."""
-
-SCHEMES = {"fp8": 0, "mx": 1, "nvfp4": 2}
-"""Scheme names -> the C++ entry points' ``scheme`` argument."""
-ELEMENTS = {"e4m3": 0, "e5m2": 1, "e3m2": 2, "e2m3": 3, "e2m1": 4, "int8": 5}
-"""Element format names -> the C++ entry points' ``fmt`` argument."""
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-"""Tensor dtypes -> the C++ entry points' ``dtype`` arguments."""
-_LIB: ctypes.CDLL | None = None
-_LOCK = threading.Lock()
-
-
-def _name_and_builder() -> tuple[str, Callable[[Path], None]]:
-    """The library's file name (its cache key) and a function that builds it at a given path."""
-    return cpu_native.named_build(SOURCE, cpu_native.FLAGS, "zf", HEADERS)
-
-
-def _load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    p, i, u, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int
-    lib.zf_quantize.argtypes = [p, i, c, i, i, c, c, i, c, c, u, p, i, p, i, p, i]
-    lib.zf_dequantize.argtypes = [p, i, p, i, p, i, i, i, c, c, i, p, c]
-    lib.zf_quantize.restype = lib.zf_dequantize.restype = c
-    lib.zf_dequantize_sum.argtypes = [p, i, i, i, i, i, c, c, i, i, i, p, c]
-    lib.zf_dequantize_sum_requantize.argtypes = [p, i, i, i, i, i, c, c, c, i, i, i, c, c, u, p, i, p, i, p, i, p]
-    lib.zf_dequantize_sum.restype = lib.zf_dequantize_sum_requantize.restype = c
-    lib.zf_philox_uniform.argtypes = [p, i, u, u]
-    lib.zf_philox_uniform.restype = None
-    return lib
+__all__ = [
+    "DTYPES",
+    "ELEMENTS",
+    "HEADERS",
+    "SCHEMES",
+    "SOURCE",
+    "available",
+    "check_rc",
+    "dequantize_fp8",
+    "dequantize_into",
+    "dequantize_mx",
+    "dequantize_nvfp4",
+    "dequantize_sum_requantize_wire",
+    "dequantize_sum_wire",
+    "encode_wire",
+    "library",
+    "load",
+    "native_enabled",
+    "philox_uniform",
+    "quantize_fp8",
+    "quantize_into",
+    "quantize_mx",
+    "quantize_nvfp4",
+]
 
 
-def load() -> tuple[ctypes.CDLL, Path]:
-    """Load the kernels (from the cache, else built) and return them with their file."""
-    name, build = _name_and_builder()
-    return build_cache.load_library(cpu_native.cache_dir(), name, build, _load)
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels (built at the first call), or None when off or unavailable."""
-    return build_cache.load_once(sys.modules[__name__], load) if cpu_native.ENABLED else None
-
-
-def available() -> bool:
-    """Whether CPU tensors take these kernels in this process (builds them if needed)."""
-    return library() is not None
-
-
-def check_rc(rc: int, what: str) -> None:
-    """Raise for a nonzero status of the kernel entry point ``what``."""
-    if rc != 0:  # arguments are validated before the call: this is a bug or out of memory
-        raise RuntimeError(f"zeropp.kernels.cpu_formats: {what} failed (rc={rc})")
-
-
-def quantize_into(
-    x2: torch.Tensor,
-    scheme: str,
-    element: str,
-    block: int,
-    round_up: bool,
-    stochastic: bool,
-    seed: int,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    tscales: torch.Tensor | None,
-) -> None:
-    """x2 [rows, cols] (fp32/bf16/fp16, last dim contiguous) -> codes [rows, *] (uint8), scales
-    [rows, G] (fp32 for fp8, uint8 otherwise), tscales [rows, 1]-like fp32 (nvfp4 only)."""
-    rows, cols = x2.shape
-    lib = library()
-    assert lib is not None, "callers check available() first"
-    check_rc(
-        lib.zf_quantize(
-            x2.data_ptr(),
-            x2.stride(0),
-            DTYPES[x2.dtype],
-            rows,
-            cols,
-            SCHEMES[scheme],
-            ELEMENTS[element],
-            block,
-            int(round_up),
-            int(stochastic),
-            seed,
-            codes.data_ptr(),
-            codes.stride(0),
-            scales.data_ptr(),
-            scales.stride(0),
-            0 if tscales is None else tscales.data_ptr(),
-            0 if tscales is None else tscales.stride(0),
-        ),
-        "quantize",
-    )
-
-
-def dequantize_into(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    tscales: torch.Tensor | None,
-    scheme: str,
-    element: str,
-    block: int,
-    cols: int,
-    out: torch.Tensor,
-) -> None:
-    """The inverse of :func:`quantize_into` into ``out`` (contiguous rows * cols, any float dtype)."""
-    rows = codes.shape[0]
-    lib = library()
-    assert lib is not None, "callers check available() first"
-    check_rc(
-        lib.zf_dequantize(
-            codes.data_ptr(),
-            codes.stride(0),
-            scales.data_ptr(),
-            scales.stride(0),
-            0 if tscales is None else tscales.data_ptr(),
-            0 if tscales is None else tscales.stride(0),
-            rows,
-            cols,
-            SCHEMES[scheme],
-            ELEMENTS[element],
-            block,
-            out.data_ptr(),
-            DTYPES[out.dtype],
-        ),
-        "dequantize",
-    )
-
-
-def philox_uniform(seed: int, base: int, n: int) -> torch.Tensor:
-    """The ``n`` uniforms of offsets ``base ..`` under ``seed`` that the kernels' stochastic
-    rounding draws (``reference.philox_uniform`` of the same offsets, bit for bit)."""
-    lib = library()
-    assert lib is not None, "callers check available() first"
-    u = torch.empty(n, dtype=torch.float32)
-    lib.zf_philox_uniform(u.data_ptr(), n, base, seed)
-    return u
-
-
-_warned = False
-
-
-def native_enabled() -> bool:
-    """Whether CPU tensors take these kernels. When they cannot be built or loaded, warns once and
-    returns False: the reference (``format_reference.py``) then serves, bit-identical but slower."""
-    global _warned
-    if available():
-        return True
-    if FAILED is not None and not _warned:
-        _warned = True
-        warnings.warn(
-            f"zeropp.kernels: the native CPU kernels of the float formats are unavailable ({FAILED}); "
-            "using the slower torch reference for the rest of this process",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return False
+def __getattr__(name: str) -> str | None:
+    """``FAILED``, why the kernels are unavailable, read where the library keeps it: it changes when
+    the first call builds the library, so a copy taken at import would stay None."""
+    if name == "FAILED":
+        return cpu_format_library.FAILED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _quantize(

@@ -41,9 +41,17 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["LAUNCHED_MARK", "end_start_up", "quiet_interrupts_while_importing", "run_as_module"]
+__all__ = [
+    "LAUNCHED_MARK",
+    "Terminated",
+    "end_start_up",
+    "quiet_interrupts_while_importing",
+    "run_as_module",
+    "sigterm_raises",
+]
 
 LAUNCHED_MARK = "ZEROPP_LAUNCHED_RANK"
 """Set in ranks our launcher starts (``experiments.launch``): the launcher, not the rank, reports their
@@ -162,3 +170,33 @@ def end_start_up() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if signal.getsignal(signal.SIGINT) is _on_signal:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (``timeout``, a scheduler's preemption, ``kill``): raised in the main thread
+    like Python's ``KeyboardInterrupt`` for SIGINT, so that ``finally`` blocks and context managers
+    run (a benchmark's scratch files are removed, a world's ranks are stopped) instead of the
+    process ending on the spot."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    """Raise :class:`Terminated` once: a repeated SIGTERM (``kill`` typed twice, a supervisor's
+    second try) is ignored, so the cleanup the first one started (a swap folder removed) runs to
+    its end; :func:`sigterm_raises` restores the previous handler afterwards."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside: SIGTERM raises :class:`Terminated` in the main thread (once; the previous
+    handler is restored afterwards). The commands run their ``main`` so (``run_command``, the
+    runner's Hydra app, the doctor). Start-up ends here (:func:`end_start_up`): the handler
+    restored afterwards is the default disposition, not the start-up stand-in, so a SIGTERM while
+    the main thread then waits in C (the interpreter's shutdown) still ends the process at once."""
+    end_start_up()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

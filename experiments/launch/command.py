@@ -9,53 +9,23 @@ each into one ``error:`` line and the exit status a shell expects (128 + the sig
 interrupt, so 130 for Ctrl-C and 143 for SIGTERM; the failing rank's status, else 1, for a
 failed world). An output file the system refuses at the end (a full disk:
 ``zeropp.output_files.OutputWriteError``) is one line too, exit 1. SIGTERM, which would otherwise end the process on the spot and leave a
-benchmark's scratch files (a swap test's gigabytes) behind, unwinds like Ctrl-C.
+benchmark's scratch files (a swap test's gigabytes) behind, unwinds like Ctrl-C
+(``zeropp.interrupts.sigterm_raises``, which the doctor below this package uses too).
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NoReturn
 
-from zeropp.interrupts import end_start_up
+from zeropp.interrupts import Terminated, sigterm_raises
 from zeropp.output_files import OutputWriteError
 
 from .failure import RankFailure, RunInterrupted, shell_status
 
 __all__ = ["Terminated", "run_command", "sigterm_raises"]
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (``timeout``, a scheduler's preemption, ``kill``): raised in the main thread
-    like Python's ``KeyboardInterrupt`` for SIGINT, so that ``finally`` blocks and context managers
-    run (a benchmark's scratch files are removed) instead of the process ending on the spot."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    """Raise :class:`Terminated` once: a repeated SIGTERM (``kill`` typed twice, a supervisor's
-    second try) is ignored, so the cleanup the first one started (a swap folder removed) runs to
-    its end; ``run_command`` restores the previous handler afterwards."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """While inside: SIGTERM raises :class:`Terminated` in the main thread (once; the previous
-    handler is restored afterwards). ``run_command`` runs a command's ``main`` so, and the runner
-    its Hydra app (``runner/run.py``: a SIGTERM before the ranks start, or between a sweep's
-    points, is one line too). Start-up ends here (``zeropp.interrupts.end_start_up``): the handler
-    restored afterwards is the default disposition, not the start-up stand-in, so a SIGTERM while
-    the main thread then waits in C (the interpreter's shutdown) still ends the process at once."""
-    end_start_up()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_command(main: Callable[[], object]) -> NoReturn:

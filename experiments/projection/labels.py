@@ -17,6 +17,7 @@ written by older versions still get labels, and a spec it cannot read falls back
 from __future__ import annotations
 
 import dataclasses
+import string
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
@@ -73,13 +74,15 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _spec(d: Any) -> str:
-    """A QuantSpec dict as ``INT8``, ``INT8g64``, ``INT4+had+ef`` (``QuantSpec.label``, the scheme
-    in capitals); ``custom`` for a dict this version cannot read."""
+    """A QuantSpec dict as ``INT8``, ``INT8g64``, ``MXFP8/4``, ``INT4+had+ef`` (``QuantSpec.label``,
+    its format's name in capitals); ``custom`` for a dict this version cannot read."""
     try:
         spec = QuantSpec(**d)
     except (TypeError, ValueError):
         return "custom"
-    return spec.scheme.upper() + spec.label[len(spec.scheme) :]
+    label = spec.label
+    name = len(label) - len(label.lstrip(string.ascii_lowercase))  # the letters before the width
+    return label[:name].upper() + label[name:]
 
 
 def _plain_bits(d: Any) -> int | None:

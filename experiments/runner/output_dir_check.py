@@ -5,12 +5,13 @@ Hydra composes ``hydra.run.dir`` / ``hydra.sweep.dir`` from every config source:
 ``# @package _global_``, a ``--config-dir``, an edited ``conf/config.yaml``) and the command line.
 Only the command line is known before Hydra starts (``overrides.check_overrides`` checks a directory
 named there); the folder a config file sets is known once Hydra has composed the config. So
-:class:`OutputDirCheck`, a Hydra callback the package's config registers (``hydra.callbacks``),
-checks the directory Hydra resolved, at ``on_run_start`` / ``on_multirun_start``: after composing,
+:class:`OutputDirCheck`, a Hydra callback, checks the directory Hydra resolved, at ``on_run_start`` / ``on_multirun_start``: after composing,
 before ``run_job`` (or the sweep's launcher) creates it and writes its ``.hydra/`` files. A directory
 this process cannot create files in, or on a full disk, is one ``error:`` line and exit 2 instead of
 Hydra's ``OSError`` traceback; a folder the config puts elsewhere is not refused for the state of
-the default ``outputs/``.
+the default ``outputs/``. The runner registers it on Hydra's command line (:data:`REGISTER`),
+not in the package's ``conf/config.yaml``: a user's own primary config (``--config-dir`` with a
+``config.yaml`` that does not inherit ``/config``) then gets the check too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from omegaconf.errors import OmegaConfBaseException
 from .config import ConfigError
 from .preflight import check_writable_dir
 
-__all__ = ["OutputDirCheck", "check_output_dir", "output_dir"]
+__all__ = ["REGISTER", "OutputDirCheck", "check_output_dir", "output_dir"]
+
+REGISTER = "++hydra.callbacks.output_dir._target_=zeropp.experiments.runner.output_dir_check.OutputDirCheck"
+"""The Hydra override that registers :class:`OutputDirCheck` whatever the primary config (``++``:
+added, or set where a config already names a callback ``output_dir``)."""
 
 
 def output_dir(config: DictConfig, key: str) -> str | None:

@@ -179,8 +179,8 @@ def check_local_ranks(rc: RunConfig) -> None:
 
 
 def disk_space(path: str | Path) -> FreeSpace:
-    """The free space of the filesystem holding ``path``: what this process may write (root may
-    write into an ext filesystem's reserved blocks) and what ``df`` shows (``zeropp.disk_space``)."""
+    """The free space of the filesystem holding ``path``: what this process may write (the owner of
+    an ext filesystem's reserved blocks may write into them) and what ``df`` shows (``zeropp.disk_space``)."""
     return free_space(path)
 
 
@@ -195,7 +195,7 @@ def free_words(space: FreeSpace) -> str:
         return f"{human_bytes(space.usable)} free"
     return (
         f"{human_bytes(space.usable)} free to this process ({human_bytes(space.shown)} in df's Avail column "
-        f"and {human_bytes(space.reserved)} of blocks the filesystem reserves for root, which this process may use)"
+        f"and {human_bytes(space.reserved)} of blocks the filesystem reserves for their owner, which this process is)"
     )
 
 

@@ -50,6 +50,7 @@ from .config import ConfigError, RunDirTaken, RunFinished, RunNeverSaved, interp
 from .job import FAILED_FILE, RunDiverged, execute, job_spec, last_checkpoint, recorded_divergence, run_job
 from .launch_layout import LAYOUT_KEYS, check_launch, declared_layout, validated
 from .launcher import RankFailure, RunInterrupted, in_torchrun
+from .output_dir_check import REGISTER as REGISTER_OUTPUT_DIR_CHECK
 from .overrides import check_fresh_outputs, check_overrides, check_single_run_values
 from .slurm import check_slurm_keys, check_slurm_launch
 from .sweep_checks import RESUME_MAY_CHANGE, check_resumed_point, check_sweep_points, sweep_point_began, sweep_point_dir
@@ -210,6 +211,8 @@ def cli() -> None:
         sys.exit(2)
     try:
         with sigterm_raises():  # the launcher installs its own handlers while ranks run
+            # the composed output folder is checked whatever the primary config (a user's own too)
+            sys.argv = [*sys.argv, REGISTER_OUTPUT_DIR_CHECK]
             _hydra_main()
     except KeyboardInterrupt:  # before any rank started (composing the config): ranks report RunInterrupted
         print("error: interrupted by SIGINT; stopped", file=sys.stderr)

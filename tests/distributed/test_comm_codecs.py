@@ -223,11 +223,11 @@ def test_every_registered_codec_in_every_collective() -> None:
     labels = res[0]["checked"]
     assert {
         "ag int8g16",
-        "ag mx6",
+        "ag mxfp6",
         "ag nvfp4",
         "ag fp8g16",
         "ag mxint8",
         "rs int8/4g16",
-        "rs mx8/4",
+        "rs mxfp8/4",
         "rs nvfp4",
     } <= set(labels)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.doctor_helpers import rank_program
 from zeropp.doctor import CHECKS, world
@@ -84,3 +86,58 @@ def test_a_dead_rank_stops_the_world_without_waiting_for_the_limit(monkeypatch):
     assert [r["killed"] for r in w["ranks"]] == [True, False]
     r = world.verdict("gloo world", "gloo", 2, DoctorOptions(world_timeout_s=120), w)
     assert r.detail.startswith("rank 1 exited with 1 during init") and "lost its GPU" in r.detail
+
+
+DOCTOR_WITH_A_SLOW_WORLD = """
+import sys
+from zeropp.doctor import __main__ as doctor, world
+
+def slow_world(options):
+    return world.launch("gloo", 2, options, cmd=[sys.executable, "-c", {rank!r}])
+
+doctor.CHECKS = [("gloo world", slow_world)]
+sys.exit(doctor.main([]))
+"""
+
+
+def test_a_sigterm_while_the_doctor_waits_on_its_ranks_is_one_line_and_stops_them(tmp_path):
+    """The world check runs in its own thread; SIGTERM to the doctor (``timeout``, ``kill``) printed
+    nothing and left its ranks running until their check ended (the default disposition killed the
+    doctor alone). Now: one line, exit 143, and no rank survives."""
+    rank = (
+        f"import os, pathlib, time\npathlib.Path({str(tmp_path)!r}, f'rank-{{os.getpid()}}').touch()\ntime.sleep(600)\n"
+    )
+    doctor = subprocess.Popen(
+        [sys.executable, "-c", DOCTOR_WITH_A_SLOW_WORLD.format(rank=rank)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        for _ in range(600):  # both ranks started (each wrote its pid)
+            pids = [int(p.name.split("-")[1]) for p in tmp_path.glob("rank-*")]
+            if len(pids) == 2:
+                break
+            time.sleep(0.05)
+        assert len(pids) == 2, doctor.stderr.read() if doctor.poll() is not None and doctor.stderr else pids
+        doctor.send_signal(signal.SIGTERM)
+        _, err = doctor.communicate(timeout=60)
+    finally:
+        doctor.kill()
+        survivors = [pid for pid in pids if _alive(pid)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+    assert (doctor.returncode, err) == (
+        128 + signal.SIGTERM,
+        "zeropp doctor: error: interrupted by SIGTERM; no report written\n",
+    )
+    assert survivors == []
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

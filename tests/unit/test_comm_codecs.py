@@ -183,12 +183,24 @@ def test_format_spec_refusals(kw: dict, message: str) -> None:
         QuantSpec(**kw)
 
 
+def test_every_format_is_labelled_as_the_benchmarks_name_it() -> None:
+    """A run's label and bench_comm's format name (``format_name``: mxfp8, not mx8) agree for every
+    registered scheme at each of its widths."""
+    from zeropp.comm.spec import schemes
+    from zeropp.experiments.projection.scaling import format_name
+
+    for scheme, widths in schemes().items():
+        for bits in widths:
+            spec = QuantSpec(scheme=scheme, bits=bits)
+            assert spec.label == format_name(spec, bits), (scheme, bits)
+
+
 def test_format_spec_labels_and_fixed_group_sizes() -> None:
     assert QuantSpec(scheme="mx", bits=4).group_size == 32 and QuantSpec(scheme="nvfp4", bits=4).group_size == 16
-    assert QuantSpec(scheme="mx", bits=4, intra_bits=8, fp8_format="e5m2").label == "mx8/4+e5m2"
+    assert QuantSpec(scheme="mx", bits=4, intra_bits=8, fp8_format="e5m2").label == "mxfp8/4+e5m2"
     assert QuantSpec(scheme="fp8", bits=8, group_size=64).label == "fp8g64"
     assert QuantSpec(scheme="nvfp4", bits=4, rotation="hadamard").label == "nvfp4+had"
-    assert QuantSpec(scheme="mx", bits=8, mx_scale="round_up").label == "mx8+round_up"
+    assert QuantSpec(scheme="mx", bits=8, mx_scale="round_up").label == "mxfp8+round_up"
     with pytest.raises(ValueError, match="built-in scheme 'mx' cannot be unregistered"):
         unregister_codec("mx")
     with pytest.raises(ValueError, match="built-in scheme 'nvfp4' cannot be replaced"):
@@ -223,10 +235,10 @@ def test_format_codecs_encode_straight_into_wire_rows_as_pack_of_quantize(
     ``pack(quantize)``, for bf16 rows over several kernel tiles, a row length whose codes leave
     the fp32 scales unaligned (fp8) and an nvfp4 tensor scale at an odd offset, nearest and
     stochastic, with the kernels on and off (the reference path)."""
-    from zeropp.kernels import cpu_formats, cpu_native
+    from zeropp.kernels import cpu_format_library, cpu_formats, cpu_native
 
     if native and not cpu_formats.available():
-        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_format_library.FAILED}")
     monkeypatch.setattr(cpu_native, "ENABLED", native)
     codec = codec_for(spec)
     gs = spec.group_size or 32

@@ -10,6 +10,8 @@ subnormal / huge scales)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -31,7 +33,7 @@ from zeropp.comm.codec_base import generic_sum_requantize
 from zeropp.comm.codecs import Codec, codec_for
 from zeropp.comm.format_codecs import FormatCodec
 from zeropp.comm.spec import QuantSpec
-from zeropp.kernels import cpu_format_wire, cpu_formats, cpu_native
+from zeropp.kernels import cpu_format_library, cpu_format_wire, cpu_formats, cpu_native
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +41,7 @@ def native_formats(monkeypatch: pytest.MonkeyPatch):
     """The native kernels on (skip where they cannot be built here)."""
     monkeypatch.setattr(cpu_native, "ENABLED", True)
     if not cpu_formats.available():
-        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_format_library.FAILED}")
 
 
 @pytest.fixture
@@ -107,9 +109,9 @@ def test_a_failed_build_keeps_the_codec_on_the_generic_path(tmp_path, monkeypatc
     want = reference(monkeypatch, Codec.dequantize_sum, codec, buf, 100, 4, 16)
     want2 = reference(monkeypatch, generic_sum_requantize, codec, buf, 100, 4, 16, out_bits=4, seed=3)
     failing_compiler(tmp_path, monkeypatch)
-    monkeypatch.setattr(cpu_formats, "_LIB", None)
-    monkeypatch.setattr(cpu_formats, "FAILED", None)
-    monkeypatch.setattr(cpu_formats, "_warned", False)
+    monkeypatch.setattr(cpu_format_library, "_LIB", None)
+    monkeypatch.setattr(cpu_format_library, "FAILED", None)
+    monkeypatch.setattr(cpu_format_library, "_warned", False)
     with pytest.warns(RuntimeWarning, match=r"float formats are unavailable \(RuntimeError: .*failed"):
         assert_same_bits(codec.dequantize_sum(buf, 100, 4, 16), want)
     with warnings.catch_warnings():
@@ -176,3 +178,22 @@ def test_a_strided_out_gets_the_same_sum(monkeypatch: pytest.MonkeyPatch) -> Non
     codec.dequantize_sum(buf, 50, spec.bits, spec.group_size, out=big[:, 10:60])
     assert_same_bits(big[:, 10:60], want)
     assert torch.all(big[:, :10] == 7.0) and torch.all(big[:, 60:] == 7.0)
+
+
+WIRE_NAMES = ("encode_wire", "dequantize_sum_wire", "dequantize_sum_requantize_wire")
+
+
+def test_the_wire_operations_are_still_read_from_cpu_formats(monkeypatch) -> None:
+    """They moved to ``cpu_format_wire``; ``zeropp.kernels.cpu_formats.encode_wire`` (and the fused
+    sums) stay where users import them, as the same functions, with no import cycle
+    (``test_imports``): a fresh interpreter imports them from the old module first. ``FAILED`` is
+    read where the library records it."""
+    for name in WIRE_NAMES:
+        assert getattr(cpu_formats, name) is getattr(cpu_format_wire, name), name
+    monkeypatch.setattr(cpu_format_library, "FAILED", "RuntimeError: no C++ compiler found")
+    assert cpu_formats.FAILED == "RuntimeError: no C++ compiler found"
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_op'"):
+        cpu_formats.no_such_op  # noqa: B018
+    code = f"from zeropp.kernels.cpu_formats import {', '.join(WIRE_NAMES)}; print(encode_wire.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "zeropp.kernels.cpu_format_wire\n"), out.stderr

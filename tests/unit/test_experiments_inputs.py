@@ -514,6 +514,25 @@ def test_an_output_directory_a_config_file_sets_is_the_one_checked(tmp_path, mon
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_users_own_primary_config_gets_the_output_directory_check(tmp_path, monkeypatch, capfd, sweep) -> None:
+    """``--config-dir DIR --config-name mine``, where ``mine.yaml`` does not inherit the package's
+    ``/config`` (so none of its settings): the runner registers the check itself, so the folder that config sets is still
+    checked before Hydra writes there. Before: no check, Hydra's ``OSError`` traceback, exit 1."""
+    key = "sweep" if sweep else "run"
+    bad = f"{unwritable_dir(tmp_path)}/runs/a"
+    conf = tmp_path / "ownconf"
+    conf.mkdir()
+    (conf / "mine.yaml").write_text(f"train:\n  steps: 2\nhydra:\n  {key}:\n    dir: {bad}\n")
+    args = ["-m"] if sweep else []
+    args += ["--config-dir", str(conf), "--config-name", "mine"] + (["train.steps=2,3"] if sweep else [])
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(args, None, monkeypatch, capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert f"hydra.{key}.dir='{bad}' cannot be written" in lines[0], lines[0]
+
+
 def test_the_default_outputs_are_not_refused_for_a_run_a_config_file_puts_elsewhere(tmp_path, monkeypatch) -> None:
     """The composed folder, not ``outputs/``, is what the check looks at: a yaml moving the run to a
     writable disk is let through even where ``outputs/`` could not be written."""

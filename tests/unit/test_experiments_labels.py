@@ -128,6 +128,11 @@ def test_duplicate_runs_get_numbers_and_settings_that_measure_nothing_are_not_na
             "ZeRO++ (w8g4) + CPU offload",
         ),
         ("zeropp", {"stage": 3, "weights": {"bits": 8, "no_such_field": 1}}, "ZeRO++ (qwZ custom)"),
+        (
+            "zeropp",
+            {"stage": 3, "weights": {"scheme": "mx", "bits": 8}, "grads": {"scheme": "mx", "bits": 4, "intra_bits": 8}},
+            "ZeRO++ (qwZ MXFP8, qgZ MXFP8/4)",
+        ),
         ("fsdp2", {"hpz": True}, "FSDP2 (hpZ)"),
         ("megatron", {}, "trainer=megatron"),
     ],

@@ -66,15 +66,15 @@ def test_build_fsyncs_file_and_directory_around_the_rename(tmp_path: Path, monke
 def test_both_libraries_cache_keys_cover_the_shared_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # an edit of cpu_common.h alone must name (and so build) new int and format libraries: a
     # stale library compiled from the old header must never be loaded
-    from zeropp.kernels import cpu_formats
+    from zeropp.kernels import cpu_format_library, cpu_formats
 
     if cpu_native.FAILED is not None or shutil.which(cpu_native._compiler()) is None:
         pytest.skip("no C++ compiler here")
-    before = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    before = cpu_native._name_and_builder()[0], cpu_format_library._name_and_builder()[0]
     edited = tmp_path / "cpu_common.h"
     edited.write_text(cpu_native.HEADER.read_text() + "\n// edited\n")
     monkeypatch.setattr(cpu_native, "HEADER", edited)
-    after = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    after = cpu_native._name_and_builder()[0], cpu_format_library._name_and_builder()[0]
     assert before[0] != after[0] and before[1] != after[1]
     assert '#include "cpu_common.h"' in cpu_native.SOURCE.read_text()
     assert '#include "cpu_common.h"' in cpu_formats.SOURCE.read_text()
@@ -87,17 +87,17 @@ def test_the_format_librarys_key_covers_its_own_headers(
     # cpu_formats.cpp includes cpu_formats_nvfp4.h (its AVX-512 nvfp4 tiles) and
     # cpu_formats_deq.h (its AVX-512 MXFP6 / NVFP4 dequantize): an edit of either header alone
     # must name a new format library, and leave the int library's name alone
-    from zeropp.kernels import cpu_formats
+    from zeropp.kernels import cpu_format_library, cpu_formats
 
     if cpu_native.FAILED is not None or shutil.which(cpu_native._compiler()) is None:
         pytest.skip("no C++ compiler here")
-    before = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
-    headers = cpu_formats.HEADERS
+    before = cpu_native._name_and_builder()[0], cpu_format_library._name_and_builder()[0]
+    headers = cpu_format_library.HEADERS
     assert [h.name for h in headers] == ["cpu_formats_nvfp4.h", "cpu_formats_deq.h"]
     header = headers[which]
     assert f'#include "{header.name}"' in cpu_formats.SOURCE.read_text()
     edited = tmp_path / header.name
     edited.write_text(header.read_text() + "\n// edited\n")
-    monkeypatch.setattr(cpu_formats, "HEADERS", tuple(edited if h == header else h for h in headers))
-    after = cpu_native._name_and_builder()[0], cpu_formats._name_and_builder()[0]
+    monkeypatch.setattr(cpu_format_library, "HEADERS", tuple(edited if h == header else h for h in headers))
+    after = cpu_native._name_and_builder()[0], cpu_format_library._name_and_builder()[0]
     assert before[0] == after[0] and before[1] != after[1]

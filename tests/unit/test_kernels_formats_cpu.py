@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernel_helpers import DTYPES, gaussian
-from zeropp.kernels import cpu_formats, cpu_native, format_ops, reference
+from zeropp.kernels import cpu_format_library, cpu_formats, cpu_native, format_ops, reference
 from zeropp.kernels import format_reference as ref
 from zeropp.kernels.format_layout import ELEMENTS, FormatTensor, code_bytes, num_groups
 
@@ -38,7 +38,7 @@ def native_formats(monkeypatch):
     """The native kernels on (skip where they cannot be built here)."""
     monkeypatch.setattr(cpu_native, "ENABLED", True)
     if not cpu_formats.available():
-        pytest.skip(f"native CPU format kernels unavailable here: {cpu_formats.FAILED}")
+        pytest.skip(f"native CPU format kernels unavailable here: {cpu_format_library.FAILED}")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,9 @@ def narrow_library(tmp_path_factory):
     def path(flag: str) -> str:
         if flag not in built:
             out = tmp_path_factory.mktemp("narrow") / "narrow.so"
-            _, build = cpu_native.named_build(cpu_formats.SOURCE, [*cpu_native.FLAGS, flag], "zf", cpu_formats.HEADERS)
+            _, build = cpu_native.named_build(
+                cpu_formats.SOURCE, [*cpu_native.FLAGS, flag], "zf", cpu_format_library.HEADERS
+            )
             build(out)
             built[flag] = str(out)
         return built[flag]
@@ -286,7 +288,7 @@ def test_dequantize_of_crafted_rows_of_awkward_shapes(scheme, elem, rows, cols):
 def test_dequantize_built_without_avx512_or_its_bf16_gives_the_same_bits(flag, narrow_library, monkeypatch):
     """The scalar dequantize (no AVX-512) and the vector one whose bf16 outputs all take the
     integer rounding (no AVX512-BF16) decode every code under every scale as the reference."""
-    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(narrow_library(flag)))
+    monkeypatch.setattr(cpu_format_library, "_LIB", cpu_format_library._load(narrow_library(flag)))
     for scheme, elem in DEQ_VECTOR_FORMATS:
         check_every_code_under_every_scale(scheme, elem)
 
@@ -408,7 +410,7 @@ def test_nvfp4_long_awkward_rows(dtype):
 def test_the_build_without_avx512_gives_the_same_bits(narrow_library, monkeypatch):
     """The library built without AVX-512 (the scalar nvfp4 tiles, and what CPUs without AVX-512
     run) quantizes nvfp4 to the reference's bits too: the ties, long awkward rows, every dtype."""
-    monkeypatch.setattr(cpu_formats, "_LIB", cpu_formats._load(narrow_library("-mno-avx512f")))
+    monkeypatch.setattr(cpu_format_library, "_LIB", cpu_format_library._load(narrow_library("-mno-avx512f")))
     for dtype in DTYPES:
         for x, rows in ((nvfp4_ties(3, 2128, dtype, seed=2), 3), (awkward_formats((2, 4200), dtype, seed=4), 2)):
             for stochastic in (False, True):
@@ -454,9 +456,9 @@ def test_the_kernels_refuse_what_the_reference_refuses():
 
 
 def test_unavailable_kernels_warn_once_and_fall_back_to_the_reference(monkeypatch):
-    monkeypatch.setattr(cpu_formats, "_LIB", None)
-    monkeypatch.setattr(cpu_formats, "FAILED", "RuntimeError: no C++ compiler found")
-    monkeypatch.setattr(cpu_formats, "_warned", False)
+    monkeypatch.setattr(cpu_format_library, "_LIB", None)
+    monkeypatch.setattr(cpu_format_library, "FAILED", "RuntimeError: no C++ compiler found")
+    monkeypatch.setattr(cpu_format_library, "_warned", False)
     x = awkward_formats((3, 100), torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="float formats are unavailable .*no C\\+\\+ compiler found"):
         q = cpu_formats.quantize_nvfp4(x, rows=3)

@@ -257,13 +257,16 @@ class QuantSpec:
 
     @property
     def label(self) -> str:
-        """Short text for tables: ``int8``, ``int8/4`` (intra/cross), ``mx8/4``, ``fp8+e5m2`` (a
-        non-default element or scale rule), ``+sr`` stochastic, ``+ef``."""
+        """Short text for tables: ``int8``, ``int8/4`` (intra/cross), ``mxfp8/4``, ``fp8+e5m2`` (a
+        non-default element or scale rule), ``+sr`` stochastic, ``+ef``. The MX float formats are
+        named as the recipes (``quant=mxfp8``) and the benchmarks' format names call them: MXFP8,
+        MXFP6, MXFP4 in the OCP spec's words, beside ``mxint8``."""
         intra, cross = self.hop_bits
+        stem = "mxfp" if self.scheme == "mx" else self.scheme
         if self.scheme[-1:].isdigit():  # fp8, nvfp4: the name carries the width
             s = self.scheme
         else:
-            s = f"{self.scheme}{cross}" if intra == cross else f"{self.scheme}{intra}/{cross}"
+            s = f"{stem}{cross}" if intra == cross else f"{stem}{intra}/{cross}"
         if self.group_size is not None and self.scheme not in _FIXED_GROUP_SIZE:
             s += f"g{self.group_size}"
         uses = _SCHEME_FIELDS.get(self.scheme, {})

@@ -7,7 +7,8 @@
 Exit status: 0 when no check failed (skipped rows allowed), 1 when one failed or the ``--json``
 report could not be written (a full disk; the table was printed), 2 for a wrong
 command line (an unwritable ``--json`` path, or a ``--master-addr`` that does not resolve or is not
-this host's, is refused before any check runs).
+this host's, is refused before any check runs), 130 after Ctrl-C and 143 after SIGTERM (one line,
+no report, every rank of its worlds stopped).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import sys
 import time
 from typing import Optional
 
-from ..interrupts import end_start_up
+from ..interrupts import Terminated, sigterm_raises
 from ..output_files import OutputWriteError, path_arg
 from . import CHECKS, print_progress, run_checks
 from .report import check_json_path, exit_status, print_report, to_json, write_json
 from .result import DoctorOptions
-from .world import address_problem
+from .world import address_problem, stop_ranks
 
 
 def parse_args(argv: Optional[list[str]] = None) -> DoctorOptions:
@@ -82,16 +83,22 @@ FLAGS = {
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the checks, print the report (and write the JSON); the exit status of the report, or
-    130 after one line when Ctrl-C stops it (the report of an interrupted run is not written: it
-    would pass off the checks that did not run as missing)."""
-    end_start_up()  # SIGTERM: the default disposition from here (the checks install no handler of their own)
-    options = parse_args(argv)
-    t0 = time.perf_counter()
+    after one line 130 when Ctrl-C stops it and 143 for SIGTERM, every rank of a world it ran
+    stopped first (the report of an interrupted run is not written: it would pass off the checks
+    that did not run as missing)."""
     try:
-        results = run_checks(options, CHECKS, progress=print_progress)
-    except KeyboardInterrupt:
-        print("zeropp doctor: error: interrupted by SIGINT; no report written", file=sys.stderr)
-        return 128 + signal.SIGINT
+        with sigterm_raises():  # ends start-up: the checks install no SIGTERM handler of their own
+            options = parse_args(argv)
+            t0 = time.perf_counter()
+            try:
+                results = run_checks(options, CHECKS, progress=print_progress)
+            except BaseException:
+                stop_ranks()  # a world check runs in its own thread, which the interrupt does not reach
+                raise
+    except (KeyboardInterrupt, Terminated) as e:
+        sig = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        print(f"zeropp doctor: error: interrupted by {sig.name}; no report written", file=sys.stderr)
+        return 128 + sig
     print_report(results)
     if options.json_path is not None:
         try:

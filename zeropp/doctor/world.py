@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Optional
 
@@ -72,6 +73,51 @@ def free_port(addr: str) -> int:
     raise OSError(f"no free TCP port on {addr!r}")
 
 
+class _Ranks:
+    """Every rank process of the doctor's worlds still running. The checks run in threads of their
+    own (``result.run_check``), where the exception a signal raises in the main thread never
+    arrives, so :func:`launch`'s own clean-up cannot stop a world's ranks when the doctor is
+    interrupted; :func:`stop_ranks`, called from the main thread, does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self._stopped = False
+
+    def start(self, cmd: list[str], **kw: Any) -> subprocess.Popen:
+        """Start a rank, unless :meth:`stop` was called (an interrupted doctor starts none)."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the doctor was interrupted: no rank is started")
+            p = subprocess.Popen(cmd, **kw)
+            self._procs.add(p)
+            return p
+
+    def forget(self, p: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.discard(p)
+
+    def stop(self) -> None:
+        """Kill every rank still running and reap it; no rank starts after this."""
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+
+
+_ranks = _Ranks()
+
+
+def stop_ranks() -> None:
+    """Kill every rank of the doctor's worlds still running, and start no more: for an interrupted
+    doctor, whose world check still runs in its own thread."""
+    _ranks.stop()
+
+
 def _rank_cmd() -> list[str]:
     return [sys.executable, "-m", "zeropp.doctor.rank"]
 
@@ -101,7 +147,7 @@ def launch(backend: str, nranks: int, options: DoctorOptions, cmd: Optional[list
                     OMP_NUM_THREADS="1",
                 )
                 procs.append(
-                    subprocess.Popen(
+                    _ranks.start(
                         cmd or _rank_cmd(), stdout=outs[rank], stderr=errs[rank], stdin=subprocess.DEVNULL, env=env
                     )
                 )
@@ -112,6 +158,7 @@ def launch(backend: str, nranks: int, options: DoctorOptions, cmd: Optional[list
                 if p.poll() is None:
                     p.kill()
                 p.wait()
+                _ranks.forget(p)
         ranks = [
             dict(_read_rank(rank, p, out, err), killed=k)
             for rank, (p, out, err, k) in enumerate(zip(procs, outs, errs, killed))
