@@ -430,3 +430,49 @@ def test_hpz_secondary_gathers_take_one_route_on_every_rank():
     whose own secondary group could use it keeps the backend when another rank's cannot (else its
     shared-memory gather would wait for ranks gathering through the backend)."""
     assert run_world(_hpz_secondaries, 4) == [[False]] * 4
+
+
+def _region_mappings() -> int:
+    """This process's mappings of a shared-memory region (its file is unlinked once mapped)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "zeropp-shm-" in line)
+
+
+def _engines_closed_in_turn(rank: int, world: int) -> dict:
+    """Three engines built, closed and dropped in turn with the cycle collector off: the mappings
+    left after each, and what a collective on a closed engine's transport raises."""
+    import gc
+
+    from tests.runtime_helpers import make_model
+    from zeropp.comm.shm_sync import ShmError
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+
+    gc.collect()
+    gc.disable()  # only references may free the region: what a cycle would keep, stays
+    try:
+        left, error = [], ""
+        for _ in range(3):
+            eng = ZeroEngine(make_model(), config=ZeroConfig(transport="shm"))  # type: ignore[arg-type]
+            mapped = _region_mappings()
+            shm = eng.comm.shm
+            eng.close()
+            eng.close()  # twice: no error
+            try:
+                shm.all_reduce_sum(torch.ones(4)).wait()  # type: ignore[union-attr]
+            except ShmError as exc:
+                error = str(exc)
+            del eng, shm
+            left.append((mapped, _region_mappings()))
+        return {"left": left, "error": error}
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads this process's mappings (Linux)")
+def test_engine_close_unmaps_the_region_at_once():
+    """``engine.close()`` unmaps the ZeRO group's region then and there (not when the cycle
+    collector runs), so a later engine in the same process finds ``/dev/shm``'s room again; a
+    collective on a closed transport is one clear error."""
+    for r in run_world(_engines_closed_in_turn, 2):
+        assert r["left"] == [(1, 0)] * 3, r["left"]
+        assert "closed" in r["error"], r["error"]
