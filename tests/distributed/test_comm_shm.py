@@ -371,20 +371,19 @@ def _auto_choices(rank: int, world: int) -> dict[str, dict]:
     through either transport: a fallback that trained wrongly or hung would show)."""
     from tests.runtime_helpers import train_engine
     from zeropp.comm import shm as shm_module
-    from zeropp.comm import shm_auto
 
     out = {}
     for case in AUTO_CASES:
-        saved = shm_auto.SHM_DIR, shm_module._open_checked
+        saved = shm_module.SHM_DIR, shm_module._open_checked
         if rank == 1 and case == "no_directory":
-            shm_auto.SHM_DIR = "/nonexistent/zeropp"
+            shm_module.SHM_DIR = "/nonexistent/zeropp"  # read at the call
         if rank == 1 and case == "no_mapping":
             shm_module._open_checked = lambda path, nbytes: (-1, f"rank 1 could not open {path}: refused")
         try:
             nodes = world if case == "two_nodes" else 1
             r = train_engine(rank, world, dict(BASE, stage=3), steps=2, nodes=nodes, consolidate=False)
         finally:
-            shm_auto.SHM_DIR, shm_module._open_checked = saved
+            shm_module.SHM_DIR, shm_module._open_checked = saved
         out[case] = {"transport": r["transport"], "losses": r["losses"]}
     return out
 
@@ -403,7 +402,7 @@ def test_auto_transport_resolves_alike_on_every_rank():
         "default": "transport=auto -> shm (3 CPU ranks on one host with room for the region)",
         "no_directory": "transport=auto -> backend (rank 1 cannot write to its shared-memory directory)",
         "no_mapping": "transport=auto -> backend (the shared-memory region could not be set up: rank 1 could not open",
-        "two_nodes": "transport=auto -> backend (the group spans 3 nodes)",
+        "two_nodes": "transport=auto -> backend (the ZeRO group of rank 0 spans 3 nodes)",
     }
     for case, text in want.items():
         assert ranks[0][case]["transport"].startswith(text), (case, ranks[0][case]["transport"])
@@ -476,3 +475,45 @@ def test_engine_close_unmaps_the_region_at_once():
     for r in run_world(_engines_closed_in_turn, 2):
         assert r["left"] == [(1, 0)] * 3, r["left"]
         assert "closed" in r["error"], r["error"]
+
+
+def _tp_choices(rank: int, world: int, directory: str, room_mib: int) -> str:
+    """The resolved transport of a tp=2 engine on 1 node x 4 ranks (two ZeRO groups of 2) when the
+    shared-memory directory reports ``room_mib`` MiB free."""
+    import types
+
+    from tests.runtime_helpers import make_model
+    from zeropp.comm import Topology
+    from zeropp.comm import shm as shm_module
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+    from zeropp.runtime.tensor_parallel import make_mesh, parallelize
+
+    real = os.statvfs
+
+    def statvfs(path: str) -> object:  # the room, as /dev/shm of that size would report it
+        if os.path.realpath(path) == os.path.realpath(directory):
+            return types.SimpleNamespace(f_bavail=room_mib << 8, f_frsize=4096)
+        return real(path)
+
+    shm_module.SHM_DIR, os.statvfs = directory, statvfs  # type: ignore[assignment]
+    try:
+        topo = Topology(nodes=1, ranks_per_node=world, tp=2)
+        eng = ZeroEngine(parallelize(make_model(), make_mesh(topo)), config=ZeroConfig(), topology=topo)
+        try:
+            return str(eng.transport)
+        finally:
+            eng.close()
+    finally:
+        os.statvfs = real  # type: ignore[assignment]
+
+
+def test_tensor_parallel_zero_groups_resolve_auto_alike(tmp_path):
+    """With tp=2 two ZeRO groups each make a region on the host: ``auto`` asks the whole run and
+    counts both regions, so a ``/dev/shm`` with room for one region only sends every group to the
+    backend together (not one group on each transport, decided by which allocates first), and one
+    with room for both gives every group shared memory."""
+    for room, want in (
+        (48, "transport=auto -> backend (rank 0 has 48 MiB free for shared memory, 2 regions need 64 MiB)"),
+        (80, "transport=auto -> shm (4 CPU ranks on one host with room for the region)"),
+    ):
+        assert run_world(_tp_choices, 4, str(tmp_path), room, timeout=180) == [want] * 4, room

@@ -106,7 +106,7 @@ class EngineComm:
             self.group,
             requested=Transport(transport),
             device=self.device,
-            nodes=topology.nodes,
+            nodes=len({topology.node_of(r) for r in group_ranks(self.group)}),  # the ZeRO group's
             timeout=dist.default_pg_timeout if timeout is None else timeout,
             secondary=self.groups.hpz if self.hpz_size > 1 else None,  # hpZ's gathers: the same region
         )

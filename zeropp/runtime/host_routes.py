@@ -231,12 +231,14 @@ def open_route(
     timeout: datetime.timedelta,
     secondary: Optional[dist.ProcessGroup] = None,
 ) -> tuple[Optional[ShmRoute], TransportChoice]:
-    """Collective over ``group``: the route of its plain collectives as ``requested``
+    """Collective over the default group (every rank of the run calls it at the same point): the route
+    of ``group``'s plain collectives as ``requested``
     (``ZeroConfig.transport``) and what was chosen. ``shm``: a :class:`ShmRoute` (None for a group
     of one), whose set-up errors raise; ``backend``: None. ``auto``: a :class:`ShmRoute` when every
     member can use one (``zeropp.comm.shm_auto.shm_ability``: CPU ranks of a group on one node,
-    ``nodes`` as the topology says, room under ``/dev/shm``) and its region sets up, else None;
-    either way the same on every member, with the reason recorded."""
+    ``nodes``: those ``group`` spans, room under ``/dev/shm``) and its region sets up, else None;
+    decided over the whole run (every ZeRO group resolves alike: one transport per run), with the
+    reason recorded."""
     choice = Transport(requested)
     world = len(group_ranks(group))
     if choice is Transport.backend:
@@ -244,12 +246,24 @@ def open_route(
     if choice is Transport.shm:
         route = ShmRoute(owner, group, timeout=timeout, secondary=secondary) if world > 1 else None
         return route, TransportChoice(requested="shm", resolved="shm", reason="")
-    ability = shm_ability(group, device=device, nodes=nodes)
+    if world < 2:
+        return None, TransportChoice(requested="auto", resolved="backend", reason="one rank: nothing to exchange")
+    # Asked of the whole run, not the ZeRO group alone: with tensor parallelism several ZeRO groups
+    # share the host's room, and a group that agreed within itself could still differ from another.
+    regions = dist.get_world_size() // world  # every ZeRO group makes one (all on this host when able)
+    ability = shm_ability(None, device=device, nodes=nodes, regions=regions)
     if not ability.able:
         return None, TransportChoice(requested="auto", resolved="backend", reason=ability.reason)
+    route, reason = None, ""
     try:
         route = ShmRoute(owner, group, timeout=timeout, secondary=secondary)
     except ShmError as exc:  # raised on every member alike (the region's set-up agrees on failure)
         reason = f"the shared-memory region could not be set up: {exc.cause}"
+    failed = torch.tensor([0 if route is not None else 1], dtype=torch.int64)
+    control_all_reduce(failed, "max", None)  # one transport for the run: any group's failure is every group's
+    if int(failed):
+        if route is not None:
+            route.close()
+        reason = reason or "the shared-memory region of another ZeRO group could not be set up"
         return None, TransportChoice(requested="auto", resolved="backend", reason=reason)
     return route, TransportChoice(requested="auto", resolved="shm", reason=ability.reason)
