@@ -8,7 +8,9 @@ shared-memory uses while others issue the backend's collectives, and both would 
 until the timeout). So :func:`shm_ability` is collective: each member states its own verdict as a
 small code, one control all-reduce hands every member all of them, and every member derives the
 same answer from the same codes, naming the first member that cannot and why (in words made from
-the codes alone, so the reason too is the same on every member).
+the codes alone, so the reason too is the same on every member). The engine asks it of the whole
+run, not the ZeRO group alone: with tensor parallelism several ZeRO groups each make a region on
+the host, so every member counts the room of all of them and every group resolves alike.
 
 What it cannot see (members on several hosts or in separate containers whose ``/dev/shm`` differ
 while each has room) the region's set-up finds: rank 0's token is not in the others' memory, and
