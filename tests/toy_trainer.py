@@ -81,7 +81,14 @@ class ToyTrainer:
         return None
 
     def comm_session(self) -> Any:
-        return None
+        if self.transport is None:
+            return None
+        from zeropp.comm import CommSession
+        from zeropp.comm.shm_choice import TransportChoice
+
+        session = CommSession()
+        session.transport = TransportChoice(requested="auto", resolved=self.transport, reason="")
+        return session
 
     def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
         raise NotImplementedError("trainer=toy keeps no checkpoints (its TrainerSpec has checkpoint=False)")
@@ -97,8 +104,15 @@ class FakeTrainer:
     """A trainer with no model: ``losses`` scripts each step's loss (NaN makes a non-finite step),
     ``save`` / ``load`` record what they were given, ``eval_loss`` returns the batch's first token."""
 
-    def __init__(self, losses: list[float] | None = None, *, resume_extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        losses: list[float] | None = None,
+        *,
+        resume_extra: dict[str, Any] | None = None,
+        transport: str | None = None,
+    ) -> None:
         self.losses = list(losses or [])
+        self.transport = transport  # resolved transport its session reports (None: no session)
         self.saves: list[tuple[Path, dict[str, Any], int]] = []
         self.loads: list[Path] = []
         self.resume_extra = resume_extra or {}
@@ -131,7 +145,14 @@ class FakeTrainer:
         return {"all_gather.intra": self.bytes}
 
     def comm_session(self) -> Any:
-        return None
+        if self.transport is None:
+            return None
+        from zeropp.comm import CommSession
+        from zeropp.comm.shm_choice import TransportChoice
+
+        session = CommSession()
+        session.transport = TransportChoice(requested="auto", resolved=self.transport, reason="")
+        return session
 
     def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
         self.saves.append((path, extra, keep))

@@ -19,6 +19,10 @@ off the ``torch.distributed`` call's arguments):
   zeropp handle (a qgZ continuation's cross-node hop and the local dequantize included) is timed
   through the wait hook of the trainer's ``zeropp.comm.CommSession`` (``sessions=``), not by
   patching zeropp's classes; the backend waits nested in it count once, as part of it.
+* **past torch.distributed**: a collective a session carries itself (the zeropp engine's
+  shared-memory route, ``ZeroConfig.transport``) is told to the session's send hook and counted
+  here as the backend call it replaces, and its issue and wait through the wait hook, so a run's
+  ``comm_bytes`` and wait read the same whichever transport carried the data.
 
 Nested calls (a collective implemented with another) are counted once, at the outermost call.
 Counting never breaks a collective: one whose bytes cannot be read off its arguments still runs,
@@ -158,6 +162,15 @@ class CommWatch:
             record_sends(self.stats, kind, self.topology, ranks, per_peer(len(ranks), ranks.index(me)))
             self.stats.count_call(kind)
 
+    def account_sent(self, kind: str, ranks: list[int], per_peer: list[int]) -> None:
+        """One collective a session carried past ``torch.distributed`` (``CommSession.add_send_hook``:
+        the engine's shared-memory route), counted as the backend call it replaces would be."""
+        if dist.get_rank() not in ranks:
+            return
+        with self._lock:
+            record_sends(self.stats, kind, self.topology, ranks, per_peer)
+            self.stats.count_call(kind)
+
     def _wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -221,6 +234,8 @@ class CommWatch:
             work.wait = self._wrap_wait(work.wait)
         # a zeropp handle's wait (qgZ's cross-node hop on the comm worker included): the sessions' hook
         self._hooks = [s.add_wait_hook(self.timing_wait) for s in self.sessions]
+        # a call a session carries past torch.distributed (the engine's shared memory): counted alike
+        self._hooks += [s.add_send_hook(self.account_sent) for s in self.sessions]
         if self.functional:
             self._mode = _FunctionalCollectives(self)
             self._mode.__enter__()

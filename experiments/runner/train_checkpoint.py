@@ -108,6 +108,15 @@ class Checkpointer:
             model = {**model, "pretrained": str(Path(model["pretrained"]).expanduser().absolute())}
         return model
 
+    def transport(self) -> str | None:
+        """What carried the trainer's plain collectives, as resolved (``zero.transport``: ``shm`` or
+        ``backend``); None for a trainer without that choice. Recorded by each checkpoint because
+        ``auto`` may resolve otherwise on resume (another host, less ``/dev/shm``), and the
+        all-reduces of the two transports differ in the last bit."""
+        session = self.trainer.comm_session()
+        choice = getattr(session, "transport", None)
+        return None if choice is None else str(choice.resolved)
+
     def resume(self) -> int:
         """Collective: with ``resume=true`` load the newest checkpoint and return its step (the
         run continues after it); else 0. A checkpoint of a finished run is refused; changed
@@ -135,6 +144,15 @@ class Checkpointer:
                 if k != "pretrained":  # (the config it builds was checked equal, the weights are the checkpoint's:
                     keys.append(f"model.{k}")  # listed when something else warns, no reason to warn alone)
                 changed.append(f"model.{k} {saved[k]!r} -> {model.get(k)!r}{why}")
+        transport, saved_transport = self.transport(), extra.get("transport")
+        if transport is not None and saved_transport != transport:
+            keys.append("transport")
+            was_t = "not recorded" if saved_transport is None else repr(saved_transport)
+            changed.append(
+                f"the transport of the plain collectives {was_t} -> {transport!r} (zero.transport: its "
+                "all-reduces, stages 0-1 and stage 3's persisted parameters, differ in the last bit; pin "
+                "zero.transport to the checkpoint's to continue it exactly)"
+            )
         # train.steps alone changes nothing of the steps both runs take (raising it is how a run trains
         # on): warn only when something else differs; then it is listed too, as the reason a derived
         # default moved (the LR schedule's length follows train.steps), not an unexplained "optim"
@@ -161,6 +179,8 @@ class Checkpointer:
         heartbeat("checkpoint_save", step, long=True)
         # "model": the model's settings, so the checkpoint alone rebuilds it (python -m experiments.export)
         extra = {"step": step, "run": resume_keys(self.cfg), "model": self.model_record(), "run_dir": self.run_dir}
+        if (transport := self.transport()) is not None:
+            extra["transport"] = transport  # compared on resume (auto may resolve otherwise then)
         if self.transformers_config is not None:
             extra["transformers_config"] = self.transformers_config
         self.trainer.save(self.dir, extra, keep=self.cfg.train.keep_checkpoints)

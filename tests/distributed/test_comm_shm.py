@@ -371,20 +371,19 @@ def _auto_choices(rank: int, world: int) -> dict[str, dict]:
     through either transport: a fallback that trained wrongly or hung would show)."""
     from tests.runtime_helpers import train_engine
     from zeropp.comm import shm as shm_module
-    from zeropp.comm import shm_auto
 
     out = {}
     for case in AUTO_CASES:
-        saved = shm_auto.SHM_DIR, shm_module._open_checked
+        saved = shm_module.SHM_DIR, shm_module._open_checked
         if rank == 1 and case == "no_directory":
-            shm_auto.SHM_DIR = "/nonexistent/zeropp"
+            shm_module.SHM_DIR = "/nonexistent/zeropp"  # read at the call
         if rank == 1 and case == "no_mapping":
             shm_module._open_checked = lambda path, nbytes: (-1, f"rank 1 could not open {path}: refused")
         try:
             nodes = world if case == "two_nodes" else 1
             r = train_engine(rank, world, dict(BASE, stage=3), steps=2, nodes=nodes, consolidate=False)
         finally:
-            shm_auto.SHM_DIR, shm_module._open_checked = saved
+            shm_module.SHM_DIR, shm_module._open_checked = saved
         out[case] = {"transport": r["transport"], "losses": r["losses"]}
     return out
 
@@ -403,7 +402,7 @@ def test_auto_transport_resolves_alike_on_every_rank():
         "default": "transport=auto -> shm (3 CPU ranks on one host with room for the region)",
         "no_directory": "transport=auto -> backend (rank 1 cannot write to its shared-memory directory)",
         "no_mapping": "transport=auto -> backend (the shared-memory region could not be set up: rank 1 could not open",
-        "two_nodes": "transport=auto -> backend (the group spans 3 nodes)",
+        "two_nodes": "transport=auto -> backend (the ZeRO group of rank 0 spans 3 nodes)",
     }
     for case, text in want.items():
         assert ranks[0][case]["transport"].startswith(text), (case, ranks[0][case]["transport"])
@@ -421,7 +420,12 @@ def _hpz_secondaries(rank: int, world: int) -> list[bool]:
 
     groups = {0: dist.new_group([0, 2]), 1: dist.new_group([1]), 3: dist.new_group([3])}  # same order everywhere
     mine = groups[0 if rank in (0, 2) else rank]
-    route = ShmRoute(None, None, timeout=datetime.timedelta(seconds=30), secondary=mine)  # type: ignore[arg-type]
+
+    class Owner:  # set-up reads nothing of its owner
+        pass
+
+    owner = Owner()
+    route = ShmRoute(owner, None, timeout=datetime.timedelta(seconds=30), secondary=mine)  # type: ignore[arg-type]
     return [route.secondary is not None]
 
 
@@ -430,3 +434,91 @@ def test_hpz_secondary_gathers_take_one_route_on_every_rank():
     whose own secondary group could use it keeps the backend when another rank's cannot (else its
     shared-memory gather would wait for ranks gathering through the backend)."""
     assert run_world(_hpz_secondaries, 4) == [[False]] * 4
+
+
+def _region_mappings() -> int:
+    """This process's mappings of a shared-memory region (its file is unlinked once mapped)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "zeropp-shm-" in line)
+
+
+def _engines_closed_in_turn(rank: int, world: int) -> dict:
+    """Three engines built, closed and dropped in turn with the cycle collector off: the mappings
+    left after each, and what a collective on a closed engine's transport raises."""
+    import gc
+
+    from tests.runtime_helpers import make_model
+    from zeropp.comm.shm_sync import ShmError
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+
+    gc.collect()
+    gc.disable()  # only references may free the region: what a cycle would keep, stays
+    try:
+        left, error = [], ""
+        for _ in range(3):
+            eng = ZeroEngine(make_model(), config=ZeroConfig(transport="shm"))  # type: ignore[arg-type]
+            mapped = _region_mappings()
+            shm = eng.comm.shm
+            eng.close()
+            eng.close()  # twice: no error
+            try:
+                shm.all_reduce_sum(torch.ones(4)).wait()  # type: ignore[union-attr]
+            except ShmError as exc:
+                error = str(exc)
+            del eng, shm
+            left.append((mapped, _region_mappings()))
+        return {"left": left, "error": error}
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads this process's mappings (Linux)")
+def test_engine_close_unmaps_the_region_at_once():
+    """``engine.close()`` unmaps the ZeRO group's region then and there (not when the cycle
+    collector runs), so a later engine in the same process finds ``/dev/shm``'s room again; a
+    collective on a closed transport is one clear error."""
+    for r in run_world(_engines_closed_in_turn, 2):
+        assert r["left"] == [(1, 0)] * 3, r["left"]
+        assert "closed" in r["error"], r["error"]
+
+
+def _tp_choices(rank: int, world: int, directory: str, room_mib: int) -> str:
+    """The resolved transport of a tp=2 engine on 1 node x 4 ranks (two ZeRO groups of 2) when the
+    shared-memory directory reports ``room_mib`` MiB free."""
+    import types
+
+    from tests.runtime_helpers import make_model
+    from zeropp.comm import Topology
+    from zeropp.comm import shm as shm_module
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+    from zeropp.runtime.tensor_parallel import make_mesh, parallelize
+
+    real = os.statvfs
+
+    def statvfs(path: str) -> object:  # the room, as /dev/shm of that size would report it
+        if os.path.realpath(path) == os.path.realpath(directory):
+            return types.SimpleNamespace(f_bavail=room_mib << 8, f_frsize=4096)
+        return real(path)
+
+    shm_module.SHM_DIR, os.statvfs = directory, statvfs  # type: ignore[assignment]
+    try:
+        topo = Topology(nodes=1, ranks_per_node=world, tp=2)
+        eng = ZeroEngine(parallelize(make_model(), make_mesh(topo)), config=ZeroConfig(), topology=topo)
+        try:
+            return str(eng.transport)
+        finally:
+            eng.close()
+    finally:
+        os.statvfs = real  # type: ignore[assignment]
+
+
+def test_tensor_parallel_zero_groups_resolve_auto_alike(tmp_path):
+    """With tp=2 two ZeRO groups each make a region on the host: ``auto`` asks the whole run and
+    counts both regions, so a ``/dev/shm`` with room for one region only sends every group to the
+    backend together (not one group on each transport, decided by which allocates first), and one
+    with room for both gives every group shared memory."""
+    for room, want in (
+        (48, "transport=auto -> backend (rank 0 has 48 MiB free for shared memory, 2 regions need 64 MiB)"),
+        (80, "transport=auto -> shm (4 CPU ranks on one host with room for the region)"),
+    ):
+        assert run_world(_tp_choices, 4, str(tmp_path), room, timeout=180) == [want] * 4, room

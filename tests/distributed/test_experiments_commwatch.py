@@ -161,3 +161,50 @@ def test_tp_block_bytes_match_the_tensor_parallel_formula(world) -> None:
     for r in world:
         assert r["forward"] == {"all_reduce.intra": want["forward"]}, r["forward"]
         assert r["backward"] == {"all_reduce.intra": want["backward"]}, r["backward"]
+
+
+def _transports(rank: int, world: int) -> dict[str, Any]:
+    """Per (stage, transport): what CommWatch counted over two training steps of the same engine,
+    bytes by kind and link and the time blocked, and what the engine counted itself."""
+    from experiments.runner.commwatch import CommWatch
+    from tests.runtime_helpers import make_model, rank_batches
+    from zeropp.comm import Topology
+    from zeropp.runtime import ZeroConfig, ZeroEngine
+
+    topo = Topology(nodes=1, ranks_per_node=world)
+    out: dict[str, Any] = {}
+    for stage in (0, 3):
+        for transport in ("shm", "backend"):
+            zc = ZeroConfig(stage=stage, transport=transport)  # type: ignore[arg-type]
+            eng = ZeroEngine(make_model(), config=zc, topology=topo)
+            try:
+                with CommWatch(topo, sessions=[eng.comm_session]) as w:
+                    w.take()
+                    for s in range(2):
+                        eng.train_step(rank_batches(s, zc.grad_accum_steps, rank, TINY, False))
+                    counted, wait = w.take()
+                out[f"{stage}/{transport}"] = {
+                    "bytes": counted,
+                    "wait": wait,
+                    "engine": eng.comm_stats.snapshot(),
+                    "resolved": eng.transport.resolved,
+                }
+            finally:
+                eng.close()
+    return out
+
+
+def test_shared_memory_collectives_are_counted_as_the_backends():
+    """The engine's collectives through shared memory never reach ``torch.distributed``; CommWatch
+    (``comm_bytes_per_step``, ``comm_wait_s_per_step`` of every run) counts them through the
+    session's send and wait hooks, so a run reads the same bytes by kind and link whichever
+    transport carried them, and its time blocked is not lost."""
+    for r in run_world(_transports, 2):
+        for stage in (0, 3):
+            shm, backend = r[f"{stage}/shm"], r[f"{stage}/backend"]
+            assert (shm["resolved"], backend["resolved"]) == ("shm", "backend")
+            assert shm["engine"] == backend["engine"]
+            assert shm["bytes"] == backend["bytes"], (stage, shm["bytes"], backend["bytes"])
+            moved = sum(v for k, v in shm["bytes"].items() if k.endswith(".intra"))
+            assert moved >= sum(sum(links.values()) for links in shm["engine"].values()) > 0
+            assert shm["wait"] > 0

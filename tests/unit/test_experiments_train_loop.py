@@ -415,3 +415,24 @@ def test_a_stopped_rank_writes_where_it_was_to_its_own_log_only(
     assert "stopped by SIGTERM here" in log and "_stuck_in_the_training_loop" in log
     assert "Thread 0x" in log or "Current thread" in log  # faulthandler's every-thread dump
     assert capfd.readouterr().err == f"rank 1 (pid {os.getpid()}) stopped by SIGTERM\n"
+
+
+def test_resume_warns_when_the_transport_resolves_otherwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each checkpoint records the resolved transport; a resume on which ``zero.transport=auto``
+    resolves to the other one (or whose checkpoint did not record one) is told, naming both: its
+    all-reduces differ from the checkpointed run's in the last bit. The same transport says nothing."""
+    cfg = _cfg(resume=True)
+    saver = FakeTrainer(transport="backend")
+    assert Checkpointer(_cfg(train={"checkpoint_every": 2}), tmp_path, saver, lead=True).after_step(2, diverged=False)
+    extra = saver.saves[0][1]
+    assert extra["transport"] == "backend"
+    same = FakeTrainer(resume_extra=extra, transport="backend")
+    assert Checkpointer(cfg, tmp_path, same, lead=True).resume() == 2
+    assert "warning" not in capsys.readouterr().err
+    other = FakeTrainer(resume_extra=extra, transport="shm")
+    assert Checkpointer(cfg, tmp_path, other, lead=True).resume() == 2
+    err = capsys.readouterr().err
+    assert "resumed with changed settings: the transport of the plain collectives 'backend' -> 'shm'" in err, err
+    unrecorded = FakeTrainer(resume_extra={k: v for k, v in extra.items() if k != "transport"}, transport="shm")
+    assert Checkpointer(cfg, tmp_path, unrecorded, lead=True).resume() == 2
+    assert "the transport of the plain collectives not recorded -> 'shm'" in capsys.readouterr().err

@@ -208,6 +208,14 @@ def backend_all_reduce(tensor: torch.Tensor, op, group, async_op: bool):
     return context.current().issue(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), (tensor,))
 
 
+def exchange_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device ``group``'s backend exchanges tensors on: the current CUDA device for NCCL, else
+    the CPU (what a control exchange must use whatever device a rank's model is on)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def control_all_reduce(
     t: torch.Tensor, op: Literal["sum", "max"], group=None, *, async_op: bool = False
 ) -> Callable[[], None]:

@@ -18,18 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import backend_all_gather
+from .backend import backend_all_gather, exchange_device
 
 __all__ = ["all_gather_json"]
 
 
 def _device(group: dist.ProcessGroup | None, device: torch.device | None) -> torch.device:
     """The device the group's backend exchanges on: ``device`` if given, else CUDA for NCCL."""
-    if device is not None:
-        return device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device if device is not None else exchange_device(group)
 
 
 def all_gather_json(obj: Any, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> list[Any]:

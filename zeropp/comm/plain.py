@@ -118,6 +118,14 @@ def plain_reduce_scatter(
     return finish_or_handle([work], finish, async_op, bufs, session=call.session, kind=call.kind)
 
 
+def sum_reduce_scatter_call(group: Optional[dist.ProcessGroup]) -> str:
+    """The ``torch.distributed`` collective (its kind: ``all_to_all`` or ``reduce_scatter``) a sum
+    reduce-scatter over ``group`` of two or more ranks issues here: on gloo an all-to-all
+    (:func:`gloo_reduce_scatter_sum`), else the backend's reduce-scatter. A route that carries the
+    reduction itself reports it so, to be counted as the call it replaces."""
+    return "all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+
+
 def gloo_reduce_scatter_sum(
     dst: torch.Tensor,
     src: torch.Tensor,

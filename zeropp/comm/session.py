@@ -43,12 +43,19 @@ from .stats import CommStats, get_comm_stats
 from .stochastic import DEFAULT_COUNTER, StochasticCounter
 from .topology import Topology, TopologyGroups, resolve_topology
 
-__all__ = ["CommSession", "WaitHook", "default_session"]
+__all__ = ["CommSession", "SendHook", "WaitHook", "default_session"]
 
 WaitHook = Callable[[str], ContextManager[None]]
 """A wait hook: called with the waited collective's ``kind`` just before the wait, on the waiting
 thread; the wait runs inside the context manager it returns (so it can time the wait, and see
 the backend waits nested in it as part of it)."""
+
+SendHook = Callable[[str, list[int], list[int]], None]
+"""A send hook: told of each call the session's owner carries past ``torch.distributed`` (the
+engine's shared-memory route), with the kind of the ``torch.distributed`` call it replaces
+(``all_gather``, ``all_reduce``, ``all_to_all`` for a reduce-scatter on gloo), the group's global
+ranks and the bytes this rank sends to each member (``stats.peer_bytes``), so an outside count of
+the process's communication sees those bytes as it sees the backend's."""
 
 
 class CommSession:
@@ -88,6 +95,7 @@ class CommSession:
         self._lock = threading.Lock()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._wait_hooks: collections.OrderedDict[int, WaitHook] = collections.OrderedDict()  # RemovableHandle's kind
+        self._send_hooks: collections.OrderedDict[int, SendHook] = collections.OrderedDict()
 
     def _new_counter(self) -> StochasticCounter:
         return StochasticCounter()
@@ -148,6 +156,21 @@ class CommSession:
             for hook in hooks:
                 stack.enter_context(hook(kind))
             yield
+
+    # -------------------------------------------------------------- send hooks
+    def add_send_hook(self, hook: SendHook) -> RemovableHandle:
+        """Tell ``hook`` of every call this session's owner carries past ``torch.distributed`` (see
+        :data:`SendHook`); returns a handle whose ``remove()`` takes the hook off again."""
+        if not callable(hook):
+            raise TypeError(f"add_send_hook expects callable(kind, ranks, per_peer), got {type(hook).__name__}")
+        handle = RemovableHandle(self._send_hooks)
+        self._send_hooks[handle.id] = hook
+        return handle
+
+    def sent(self, kind: str, ranks: list[int], per_peer: list[int]) -> None:
+        """One call carried past ``torch.distributed``: every send hook is told (see :data:`SendHook`)."""
+        for hook in list(self._send_hooks.values()):
+            hook(kind, ranks, per_peer)
 
     def __repr__(self) -> str:
         return (

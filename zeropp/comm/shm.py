@@ -110,7 +110,7 @@ class ShmTransport:
         group: Optional[dist.ProcessGroup] = None,
         *,
         region_bytes: Optional[int] = None,
-        directory: str = SHM_DIR,
+        directory: Optional[str] = None,
         timeout: datetime.timedelta = dist.default_pg_timeout,
     ) -> None:
         self.group = group
@@ -123,6 +123,8 @@ class ShmTransport:
                 f"ShmTransport: region_bytes={region_bytes} leaves rows of under 1 KiB for {W} members; "
                 f"pass at least {head + 2 * W * 1024}"
             )
+        directory = SHM_DIR if directory is None else directory  # read at the call (tests point it elsewhere)
+        self._mm: Optional[mmap.mmap]
         self._mm, region = _map_region(self.group, self.ranks, region_bytes, directory)
         self.row_bytes = _row_bytes(region.numel() - head, W)
         """Bytes of one member's row in a slot: a use moves at most this much per member."""
@@ -131,7 +133,7 @@ class ShmTransport:
         pids = read_pids(self._mm, W)
         cannot = torch.tensor([0 if flags_usable() and peers_visible(pids) else 1], dtype=torch.int64)
         control_all_reduce(cannot, "max", self.group)
-        self._sync: FlagSync | BackendSync = (
+        self._sync: Optional[FlagSync | BackendSync] = (
             BackendSync(group)
             if int(cannot)
             else FlagSync(
@@ -148,6 +150,25 @@ class ShmTransport:
         self._pending: Optional[Callable[[], None]] = None  # the last issued use's completion
         self._broken: Optional[BaseException] = None
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the region is unmapped; no collective can run)."""
+        return self._mm is None
+
+    def close(self) -> None:
+        """Unmap the region now (local, no collective; safe to call twice). The region's memory goes
+        back to the host once every member closed it or exited, rather than when the cycle
+        collector happens to run: a later transport in the same process (the next engine) finds
+        the room again. A use still open is dropped unfinished; a collective after this raises."""
+        if self._mm is None:
+            return
+        mm, self._mm = self._mm, None
+        self._pending = None
+        # every view of the mapping goes first: a buffer still exported would keep it mapped
+        self._slots = torch.empty(0, dtype=torch.uint8)
+        self._sync = None
+        mm.close()
+
     # ------------------------------------------------------------------ uses
     def _slot(self, use: int, dtype: torch.dtype) -> torch.Tensor:
         return self._slots[use % 2].view(dtype)  # [W, R / element size]
@@ -162,6 +183,10 @@ class ShmTransport:
         """One use, described by ``desc`` (``shm_sync.describe``: what every member must agree it
         is): complete the previous one, ``write(slot, previous slot)`` this rank's part, start the
         synchronisation; ``read(slot)`` runs when the use completes. Returns its number."""
+        if self._sync is None:
+            raise ShmError(
+                "the shared-memory transport was closed (engine.close()); build a new engine to communicate again"
+            )
         self.complete_through(self._issued)  # raises if an earlier use failed
         k = self._issued
         slot = self._slot(k, dtype)
@@ -181,6 +206,8 @@ class ShmTransport:
         """Finish the uses up to number ``use`` (at most the last one is still open)."""
         if self._completed >= use:
             return
+        if self._sync is None:
+            raise ShmError("the shared-memory transport was closed (engine.close()) before this collective finished")
         if self._pending is None:  # a use up to ``use`` failed: its output was never read
             raise ShmError(
                 f"the shared-memory transport failed earlier ({self._broken}); this collective did not finish and "

@@ -8,7 +8,9 @@ shared-memory uses while others issue the backend's collectives, and both would 
 until the timeout). So :func:`shm_ability` is collective: each member states its own verdict as a
 small code, one control all-reduce hands every member all of them, and every member derives the
 same answer from the same codes, naming the first member that cannot and why (in words made from
-the codes alone, so the reason too is the same on every member).
+the codes alone, so the reason too is the same on every member). The engine asks it of the whole
+run, not the ZeRO group alone: with tensor parallelism several ZeRO groups each make a region on
+the host, so every member counts the room of all of them and every group resolves alike.
 
 What it cannot see (members on several hosts or in separate containers whose ``/dev/shm`` differ
 while each has room) the region's set-up finds: rank 0's token is not in the others' memory, and
@@ -27,8 +29,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .backend import control_all_reduce
-from .shm import DEFAULT_REGION_BYTES, SHM_DIR
+from . import shm
+from .backend import control_all_reduce, exchange_device
+from .shm import DEFAULT_REGION_BYTES
 from .shm_choice import TransportChoice
 from .stats import group_ranks
 
@@ -61,22 +64,27 @@ def shm_ability(
     *,
     device: torch.device,
     nodes: int,
+    regions: int = 1,
     directory: Optional[str] = None,
     need: int = DEFAULT_REGION_BYTES,
 ) -> ShmAbility:
     """Collective over ``group`` (None: the default group; every member calls it at the same point):
-    whether the group's plain collectives can go through a region of shared memory under
-    ``directory``: every member a CPU rank (``device``) of a group on one node (``nodes``, as the
-    member's topology says), with ``directory`` (None: :data:`~.shm.SHM_DIR`, read at the call)
-    present, writable and holding ``need`` free bytes. A group of one member needs no region and is
-    never able (no exchange is made then)."""
-    directory = SHM_DIR if directory is None else directory
+    whether the plain collectives of the ZeRO groups among its members can go through regions of
+    shared memory under ``directory``: every member a CPU rank (``device``: where its model runs)
+    of a ZeRO group on one node (``nodes``: the nodes the member's ZeRO group spans), with
+    ``directory`` (None: :data:`~.shm.SHM_DIR`, read at the call) present, writable and holding
+    room for ``regions`` regions of ``need`` bytes (every ZeRO group on the host makes one; asked
+    over the default group, all members judge the same total, so no group takes the room another
+    counted on). A group of one member is never able (no exchange is made then). The exchange
+    runs on the group's backend device, whatever ``device`` is."""
+    directory = shm.SHM_DIR if directory is None else directory
     ranks = group_ranks(group)
     W = len(ranks)
     if W < 2:
         return ShmAbility(able=False, reason="one rank: nothing to exchange")
-    verdict, free = _own_verdict(device, nodes, directory, need)
-    table = torch.zeros(W, 3, dtype=torch.int64, device=device)  # [W, (verdict, free MiB, nodes)]
+    total = need * regions
+    verdict, free = _own_verdict(device, nodes, directory, total)
+    table = torch.zeros(W, 3, dtype=torch.int64, device=exchange_device(group))  # [W, (verdict, free MiB, nodes)]
     me = ranks.index(dist.get_rank())
     table[me] = torch.tensor([int(verdict), free >> 20, nodes], dtype=torch.int64)
     control_all_reduce(table, "sum", group)  # each row written by its member only: the sum is every row
@@ -86,11 +94,12 @@ def shm_ability(
     if code == _Verdict.able:
         return ShmAbility(able=True, reason=f"{W} CPU ranks on one host with room for the region")
     who = f"rank {ranks[worst]}"
+    room = f"the region needs {need >> 20} MiB" if regions == 1 else f"{regions} regions need {total >> 20} MiB"
     why = {
-        _Verdict.no_room: f"{who} has {free_mib} MiB free for shared memory, the region needs {need >> 20} MiB",
+        _Verdict.no_room: f"{who} has {free_mib} MiB free for shared memory, {room}",
         _Verdict.no_directory: f"{who} cannot write to its shared-memory directory",
         _Verdict.not_cpu: f"{who} runs on a GPU (NCCL has its own shared-memory paths)",
-        _Verdict.several_nodes: f"the group spans {member_nodes} nodes",
+        _Verdict.several_nodes: f"the ZeRO group of {who} spans {member_nodes} nodes",
     }[_Verdict(code)]
     return ShmAbility(able=False, reason=why)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zeropp.comm.choices import StrChoice
 
-__all__ = ["MemoryTier", "OffloadTier", "Precision", "QuantizeFrozen", "Schedule", "Transport"]
+__all__ = ["DEFAULT_TRANSPORT", "MemoryTier", "OffloadTier", "Precision", "QuantizeFrozen", "Schedule", "Transport"]
 
 
 class Precision(StrChoice):
@@ -77,6 +77,10 @@ class Transport(StrChoice):
     """The process group's backend (gloo, NCCL)."""
     shm = "shm"
     """Shared memory of the host (CPU ranks of one node; ``zeropp.comm.shm``)."""
+
+
+DEFAULT_TRANSPORT = Transport.auto
+"""The one default of ``ZeroConfig.transport`` and of an engine's communication built without one."""
 
 
 class Schedule(StrChoice):

@@ -55,7 +55,7 @@ from zeropp.comm.stats import CommStats, group_ranks, peer_bytes, record_sends
 from zeropp.comm.topology import Topology
 
 from .batch import CONTROL_RANGE
-from .choices import Transport
+from .choices import DEFAULT_TRANSPORT, Transport
 from .host_routes import ShmRoute, copy_alone, open_route
 from .pending import Pending
 from .plan_kinds import chunk_ranges, group_size_of
@@ -73,7 +73,7 @@ class EngineComm:
         stats: CommStats,
         device: torch.device | None = None,
         *,
-        transport: str | Transport = Transport.backend,
+        transport: str | Transport = DEFAULT_TRANSPORT,
         timeout: datetime.timedelta | None = None,
     ) -> None:
         from zeropp import comm as zcomm  # the public collectives (qwZ / qgZ / accounting)
@@ -106,7 +106,7 @@ class EngineComm:
             self.group,
             requested=Transport(transport),
             device=self.device,
-            nodes=topology.nodes,
+            nodes=len({topology.node_of(r) for r in group_ranks(self.group)}),  # the ZeRO group's
             timeout=dist.default_pg_timeout if timeout is None else timeout,
             secondary=self.groups.hpz if self.hpz_size > 1 else None,  # hpZ's gathers: the same region
         )
@@ -117,6 +117,13 @@ class EngineComm:
         """What carries the plain collectives, as requested and as resolved, the same on every rank of
         the ZeRO group (``host_routes.open_route``)."""
         self.session.transport = choice
+
+    def close(self) -> None:
+        """Release what this engine's communication holds outside the process's objects: the ZeRO
+        group's shared-memory region (local, no collective; safe to call twice). A collective after
+        this through that region raises."""
+        if self.shm_route is not None:
+            self.shm_route.close()
 
     @property
     def shm(self) -> Optional[ShmTransport]:

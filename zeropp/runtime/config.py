@@ -20,7 +20,7 @@ import torch
 from zeropp.comm.choices import StrChoice
 from zeropp.comm.spec import QuantRecipe, QuantSpec
 
-from .choices import OffloadTier, Precision, QuantizeFrozen, Schedule, Transport
+from .choices import DEFAULT_TRANSPORT, OffloadTier, Precision, QuantizeFrozen, Schedule, Transport
 
 _DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 SCHEDULES = Schedule.values()
@@ -119,7 +119,7 @@ class ZeroConfig:
     (every parameter gathered twice per micro-step: ZeRO-3's 3M), which the byte accounting and
     the scaling model then follow (``plan.py``)."""
 
-    transport: Transport = Transport.auto
+    transport: Transport = DEFAULT_TRANSPORT
     """How the ZeRO group's plain (unquantized) gathers, reduce-scatters and all-reduces move data
     (a :class:`~.choices.Transport`): ``backend`` (the process group's: gloo, NCCL), ``shm`` (a
     region of shared memory that the CPU ranks of one host map: each rank writes its part once and

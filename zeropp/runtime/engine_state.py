@@ -135,6 +135,7 @@ class EngineState(EngineParts):
             self.weight_diff.reset()
         if self.swap is not None:
             self.swap.close()  # deletes this rank's swap files
+        self.comm.close()  # unmaps the shared-memory region now, not at the next cycle collection
         if self._control is not None and dist.is_initialized():  # (the default group's end destroyed it already)
             dist.destroy_process_group(self._control)
         self._control = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import weakref
 from typing import Callable, Literal, Optional, Protocol
 
 import torch
@@ -28,8 +29,9 @@ import torch.distributed as dist
 from zeropp.comm import callcheck, ranges
 from zeropp.comm.backend import control_all_reduce
 from zeropp.comm.kinds import CommKind
+from zeropp.comm.plain import sum_reduce_scatter_call
 from zeropp.comm.session import CommSession
-from zeropp.comm.shm import ShmTransport
+from zeropp.comm.shm import ShmOp, ShmTransport
 from zeropp.comm.shm_auto import shm_ability
 from zeropp.comm.shm_choice import TransportChoice
 from zeropp.comm.shm_sync import ShmError
@@ -109,7 +111,7 @@ class ShmRoute:
         timeout: datetime.timedelta,
         secondary: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # the owner holds the route: no cycle keeps the region mapped
         self.group = group
         self.ranks = group_ranks(group)
         self.world = len(self.ranks)
@@ -124,6 +126,18 @@ class ShmRoute:
         self.secondary = own if int(refused) == 0 else None
         """hpZ's secondary group as a :class:`SubGroup` (None: none, or its gathers keep the backend,
         on every member alike)."""
+
+    @property
+    def owner(self) -> RouteOwner:
+        """The engine communication this route counts and checks through (held weakly)."""
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("ShmRoute: its engine's communication is gone; the route cannot be used")
+        return owner
+
+    def close(self) -> None:
+        """Unmap the group's region now (local; safe to call twice; ``ShmTransport.close``)."""
+        self.transport.close()
 
     def sub_group(self, group: Optional[dist.ProcessGroup]) -> Optional[SubGroup]:
         """``group`` as a :class:`SubGroup` whose gathers this route carries; None unless its members
@@ -164,23 +178,47 @@ class ShmRoute:
             fp["dtype"] = callcheck.dtype_name(src.dtype)
         chunks = [(0, per_rank)] if op == "all_reduce" else chunk_ranges(per_rank, w, bucket)
         size = src.element_size()
+        session = owner.session
+        # the torch.distributed call the backend path makes (gloo reduce-scatters by an all-to-all)
+        call = sum_reduce_scatter_call(group) if op == "reduce_scatter" else op
         for a, b in chunks:
             owner.stats.count_call(kind)
             n = (b - a) * (w if op == "reduce_scatter" else 1)  # the elements this rank sends in that call
-            record_sends(owner.stats, kind, owner.topology, ranks, peer_bytes(op, n * size, w))
+            per_peer = peer_bytes(op, n * size, w)
+            record_sends(owner.stats, kind, owner.topology, ranks, per_peer)
+            session.sent(call, ranks, per_peer)  # what an outside count of torch.distributed would have seen
         name = ranges.call_name(kind, unit, 0) if ranges.enabled() else None
         shm = self.transport
 
         def issue() -> Pending:
-            with ranges.span(name):
+            # issuing and waiting count as time blocked on communication, as a backend call and its
+            # Work.wait do (the session's wait hooks)
+            with ranges.span(name), session.waiting(op):
                 if op == "all_gather":
                     members = None if within is None else within.members
-                    return Pending(owner, [shm.all_gather(dst, src, members)], None, what=(kind, unit))
-                if op == "reduce_scatter":
-                    return Pending(owner, [shm.reduce_scatter_sum(dst, src)], lambda: dst.div_(w), what=(kind, unit))
-                return Pending(owner, [shm.all_reduce_sum(dst)], lambda: dst.div_(w), what=(kind, unit))
+                    started = shm.all_gather(dst, src, members)
+                    finish: Optional[Callable[[], object]] = None
+                elif op == "reduce_scatter":
+                    started, finish = shm.reduce_scatter_sum(dst, src), lambda: dst.div_(w)
+                else:
+                    started, finish = shm.all_reduce_sum(dst), lambda: dst.div_(w)
+            return Pending(owner, [_SessionWait(started, session, op)], finish, what=(kind, unit))
 
         return issue
+
+
+class _SessionWait:
+    """A shared-memory collective's wait, run inside its session's wait hooks (so an outside
+    measure of time blocked on communication sees it, as it sees a backend ``Work.wait``)."""
+
+    def __init__(self, op: ShmOp, session: CommSession, kind: str) -> None:
+        self._op, self._session, self._kind = op, session, kind
+
+    def wait(self) -> None:
+        if self._op.done:
+            return
+        with self._session.waiting(self._kind):
+            self._op.wait()
 
 
 def open_route(
@@ -193,12 +231,14 @@ def open_route(
     timeout: datetime.timedelta,
     secondary: Optional[dist.ProcessGroup] = None,
 ) -> tuple[Optional[ShmRoute], TransportChoice]:
-    """Collective over ``group``: the route of its plain collectives as ``requested``
+    """Collective over the default group (every rank of the run calls it at the same point): the route
+    of ``group``'s plain collectives as ``requested``
     (``ZeroConfig.transport``) and what was chosen. ``shm``: a :class:`ShmRoute` (None for a group
     of one), whose set-up errors raise; ``backend``: None. ``auto``: a :class:`ShmRoute` when every
     member can use one (``zeropp.comm.shm_auto.shm_ability``: CPU ranks of a group on one node,
-    ``nodes`` as the topology says, room under ``/dev/shm``) and its region sets up, else None;
-    either way the same on every member, with the reason recorded."""
+    ``nodes``: those ``group`` spans, room under ``/dev/shm``) and its region sets up, else None;
+    decided over the whole run (every ZeRO group resolves alike: one transport per run), with the
+    reason recorded."""
     choice = Transport(requested)
     world = len(group_ranks(group))
     if choice is Transport.backend:
@@ -206,12 +246,24 @@ def open_route(
     if choice is Transport.shm:
         route = ShmRoute(owner, group, timeout=timeout, secondary=secondary) if world > 1 else None
         return route, TransportChoice(requested="shm", resolved="shm", reason="")
-    ability = shm_ability(group, device=device, nodes=nodes)
+    if world < 2:
+        return None, TransportChoice(requested="auto", resolved="backend", reason="one rank: nothing to exchange")
+    # Asked of the whole run, not the ZeRO group alone: with tensor parallelism several ZeRO groups
+    # share the host's room, and a group that agreed within itself could still differ from another.
+    regions = dist.get_world_size() // world  # every ZeRO group makes one (all on this host when able)
+    ability = shm_ability(None, device=device, nodes=nodes, regions=regions)
     if not ability.able:
         return None, TransportChoice(requested="auto", resolved="backend", reason=ability.reason)
+    route, reason = None, ""
     try:
         route = ShmRoute(owner, group, timeout=timeout, secondary=secondary)
     except ShmError as exc:  # raised on every member alike (the region's set-up agrees on failure)
         reason = f"the shared-memory region could not be set up: {exc.cause}"
+    failed = torch.tensor([0 if route is not None else 1], dtype=torch.int64)
+    control_all_reduce(failed, "max", None)  # one transport for the run: any group's failure is every group's
+    if int(failed):
+        if route is not None:
+            route.close()
+        reason = reason or "the shared-memory region of another ZeRO group could not be set up"
         return None, TransportChoice(requested="auto", resolved="backend", reason=reason)
     return route, TransportChoice(requested="auto", resolved="shm", reason=ability.reason)
