@@ -81,14 +81,7 @@ class ToyTrainer:
         return None
 
     def comm_session(self) -> Any:
-        if self.transport is None:
-            return None
-        from zeropp.comm import CommSession
-        from zeropp.comm.shm_choice import TransportChoice
-
-        session = CommSession()
-        session.transport = TransportChoice(requested="auto", resolved=self.transport, reason="")
-        return session
+        return None
 
     def save(self, path: Path, extra: dict[str, Any], keep: int) -> None:
         raise NotImplementedError("trainer=toy keeps no checkpoints (its TrainerSpec has checkpoint=False)")
