@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -82,12 +83,15 @@ class _Ranks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._procs: set[subprocess.Popen] = set()
-        self._stopped = False
+        self._refused: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        """The threads that were running when :meth:`stop` was called (an interrupted doctor's check
+        threads): they start no rank. Other threads, a later doctor run in this process among them
+        (a test session's), still may."""
 
     def start(self, cmd: list[str], **kw: Any) -> subprocess.Popen:
         """Start a rank, unless :meth:`stop` was called (an interrupted doctor starts none)."""
         with self._lock:
-            if self._stopped:
+            if threading.current_thread() in self._refused:
                 raise RuntimeError("the doctor was interrupted: no rank is started")
             p = subprocess.Popen(cmd, **kw)
             self._procs.add(p)
@@ -98,9 +102,10 @@ class _Ranks:
             self._procs.discard(p)
 
     def stop(self) -> None:
-        """Kill every rank still running and reap it; no rank starts after this."""
+        """Kill every rank still running and reap it; no thread running now starts one after this."""
         with self._lock:
-            self._stopped = True
+            me = threading.current_thread()
+            self._refused.update(t for t in threading.enumerate() if t is not me)
             procs = list(self._procs)
         for p in procs:
             if p.poll() is None:
