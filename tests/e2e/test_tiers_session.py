@@ -15,7 +15,8 @@ def test_a_stray_test_module_stops_the_session_naming_it(tmp_path: Path) -> None
     shutil.copy(TESTS.parent / "pyproject.toml", tmp_path / "pyproject.toml")
     tests = tmp_path / "tests"
     (tests / "unit").mkdir(parents=True)
-    shutil.copy(TESTS / "conftest.py", tests / "conftest.py")
+    for helper in ("conftest.py", "cache_warmers.py"):  # the session's hooks and the module they import
+        shutil.copy(TESTS / helper, tests / helper)
     for init in (tests / "__init__.py", tests / "unit" / "__init__.py"):
         init.write_text("")
     (tests / "unit" / "test_ok.py").write_text("def test_ok():\n    pass\n")
