@@ -36,19 +36,25 @@ SIGINT Python's handler.
 
 from __future__ import annotations
 
+import concurrent.futures._base
+import concurrent.futures.thread
 import contextlib
 import os
+import queue
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 __all__ = [
     "LAUNCHED_MARK",
     "Terminated",
     "end_start_up",
+    "interrupt_when_safe",
     "quiet_interrupts_while_importing",
+    "raise_when_safe",
     "run_as_module",
     "sigterm_raises",
 ]
@@ -179,12 +185,69 @@ class Terminated(BaseException):
     process ending on the spot."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    """Raise :class:`Terminated` once: a repeated SIGTERM (``kill`` typed twice, a supervisor's
-    second try) is ignored, so the cleanup the first one started (a swap folder removed) runs to
-    its end; :func:`sigterm_raises` restores the previous handler afterwards."""
+_SYNC_FILES = frozenset(
+    m.__file__ for m in (threading, queue, concurrent.futures._base, concurrent.futures.thread) if m.__file__
+)
+"""The standard library's pure-Python synchronisation: ``threading.Condition`` (under ``Event``,
+``Semaphore``, ``Barrier``), ``queue.Queue`` and ``concurrent.futures``' futures."""
+
+_WAITS = frozenset({"wait", "wait_for", "join", "_wait_for_tstate_lock", "get", "put", "result", "exception"})
+"""Their blocking waits, written to be interrupted (``KeyboardInterrupt`` in the blocking acquire
+leaves their lock as it found it): a signal that finds the main thread blocked there stops it there."""
+
+
+def _unsafe(frame: FrameType | None) -> bool:
+    """Whether an exception raised in ``frame`` may leave a lock held: ``frame`` runs the standard
+    library's synchronisation code (:data:`_SYNC_FILES`) outside its blocking waits, for example
+    ``Condition.__exit__`` before it releases the lock, or ``__enter__`` after acquiring it."""
+    return frame is not None and frame.f_code.co_filename in _SYNC_FILES and frame.f_code.co_name not in _WAITS
+
+
+def raise_when_safe(frame: FrameType | None, exc: BaseException) -> None:
+    """Raise ``exc`` from a signal handler that interrupted ``frame``, at once where that is safe,
+    else as soon as the main thread is back in code that is (:func:`_unsafe`).
+
+    Python runs a handler between two bytecodes of whatever the main thread was running, and an
+    exception raised there lands in that code: in ``threading.Condition.__exit__`` before its
+    ``release`` (every ``Event.set`` passes there, a rank's heartbeat beats through one) it leaves
+    the lock held, and the stop's own clean-up then blocks on it forever (a rank that never stops,
+    found only by the launcher's SIGKILL). Deferred, the exception is raised by a trace function at
+    the first event (line, call or return) of a frame outside that code: microseconds later, once
+    the lock is released. The trace function is the main thread's only until then, and Python
+    unsets it when it raises: a trace function in place before (a debugger, coverage) is not put
+    back, as the process is stopping. A handler may be called only in the main thread."""
+    if not _unsafe(frame):
+        raise exc
+    traced: list[tuple[FrameType, Any]] = []
+
+    def tracer(f: FrameType, event: str, arg: object) -> Callable[..., Any] | None:
+        if _unsafe(f):
+            return tracer
+        for g, trace in traced:
+            g.f_trace = trace
+        raise exc  # Python unsets the thread's trace function (this one) as it propagates
+
+    f = frame
+    while f is not None:  # every frame on the stack: the events of the frames it returns into
+        traced.append((f, f.f_trace))
+        f.f_trace = tracer
+        f = f.f_back
+    sys.settrace(tracer)
+
+
+def interrupt_when_safe(signum: int, frame: FrameType | None) -> None:
+    """A SIGINT handler like Python's own (``KeyboardInterrupt``), raised where it is safe
+    (:func:`raise_when_safe`): for a process whose stop must not hang on a lock it interrupted."""
+    raise_when_safe(frame, KeyboardInterrupt())
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    """Raise :class:`Terminated` once (where it is safe: :func:`raise_when_safe`): a repeated SIGTERM
+    (``kill`` typed twice, a supervisor's second try) is ignored, so the cleanup the first one
+    started (a swap folder removed) runs to its end; :func:`sigterm_raises` restores the previous
+    handler afterwards."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated
+    raise_when_safe(frame, Terminated())
 
 
 @contextlib.contextmanager

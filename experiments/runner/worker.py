@@ -19,8 +19,10 @@ skip flag are all-reduced with the log line's figures, so every rank judges the 
 stops at the same step, before that step's eval and checkpoint; rank 0 writes the metrics line and
 ``summary.json`` (``"status": "diverged"``), then every rank raises ``DivergenceError`` and exits 3.
 
-A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``,
-so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
+A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``
+(and a SIGINT as ``KeyboardInterrupt``), never inside the standard library's own lock code
+(``zeropp.interrupts.raise_when_safe``: one that landed in the heartbeat's ``Event.set`` left the
+Event's lock held and the stop blocked on it), so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
 removed) instead of dying where it stands; then it exits quietly with 128 + the signal
 (:func:`stopped_status`: 143, 130 for a SIGINT), without a traceback: being stopped is not the
 rank's error, and the launcher (or torchrun) that stopped it says so once. Where it was (every
@@ -57,7 +59,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from zeropp import watch
 from zeropp.comm import context as comm_context
 from zeropp.comm.objects import all_gather_json
-from zeropp.interrupts import end_start_up
+from zeropp.interrupts import end_start_up, interrupt_when_safe, raise_when_safe
 from zeropp.runtime.divergence import DivergenceError
 
 from ..launch import heartbeat, select_device
@@ -128,10 +130,11 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _stopped_by.append(signal.Signals(signum))
     _log_stacks(signum)  # where it was stuck, for the rank's log only
-    raise SignalException(
+    stop = SignalException(
         f"rank {os.environ.get('RANK')} (pid {os.getpid()}) was stopped by {signal.Signals(signum).name}",
         sigval=signal.Signals(signum),
     )
+    raise_when_safe(frame, stop)  # not inside a lock's own code (the heartbeat's Event.set): the stop would hang on it
 
 
 def stopped_status(e: BaseException) -> int | None:
@@ -195,10 +198,15 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     heartbeat("startup", long=True)  # model creation and the rendezvous with slower-starting ranks
     _stopped_by.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    own_int = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if own_int:  # Ctrl-C: Python's KeyboardInterrupt, but not inside a lock
+        signal.signal(signal.SIGINT, interrupt_when_safe)
     try:
         return _run_rank(spec)
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        if own_int:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:

@@ -103,6 +103,28 @@ def _safety_world(rank, world, root, marker):
     out["late_listing"] = _listing(root)
     out["before"] = before
 
+    # a stop (Ctrl-C, the launcher's SIGTERM) landing on rank 0 right after its commit: LATEST names the
+    # new version, so the stop's unwinding must not remove that folder (the last good checkpoint)
+    real_agree = checkpoint_io.agree
+
+    def stopped_after_commit(device, error, what, hint, token=0, disk=None):
+        real_agree(device, error, what, hint, token, disk)
+        if hint == "":  # the agreement that follows the commit (rank 0's message only)
+            raise KeyboardInterrupt
+
+    if rank == 0:
+        checkpoint_io.agree = stopped_after_commit
+    try:
+        a.save_checkpoint(root, extra={"step": 40})
+        out["stopped"] = False
+    except KeyboardInterrupt:
+        out["stopped"] = True
+    finally:
+        checkpoint_io.agree = real_agree
+    dist.barrier()
+    named = (root / "LATEST").read_text().strip()
+    out["stop_after_commit"] = (named, (root / named / "meta.json").is_file(), named in out["late_listing"])
+
     # a checkpoint of the previous format (2: no kind/parent, only the data files checksummed) loads
     old = root.parent / "format2"
     if rank == 0:
@@ -201,6 +223,13 @@ def test_failed_saves_change_nothing(world):
         assert (
             len(new) == 1 and next(iter(new)).startswith("ckpt-00000040-") and set(r["before"]) < set(r["late_listing"])
         )
+
+
+def test_a_stop_right_after_the_commit_keeps_the_version_latest_names(world):
+    _, _, res = world
+    assert [r["stopped"] for r in res] == [True, False]
+    named, complete, older = res[0]["stop_after_commit"]
+    assert named.startswith("ckpt-00000040-") and complete and not older, res[0]["stop_after_commit"]
 
 
 def test_previous_format_still_loads(world):

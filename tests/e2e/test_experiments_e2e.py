@@ -339,10 +339,7 @@ def test_an_interrupt_stops_every_rank_without_waiting_for_the_kill(tmp_path: Pa
     the signal quietly, also when the stop breaks off a save) and no torch notice per rank."""
     run_dir = tmp_path / "run"
     p = _start_runner(
-        # the backend transport: with the default's shared memory a SIGTERMed rank 0 failed to stop within 45 s in two
-        # full-suite runs (not alone): an open defect of the shared-memory path, not what this test pins
         ["train.steps=100000", "topology=1x2", "stage=3", "launcher.grace_s=90", "train.checkpoint_every=2"]
-        + ["zero.transport=backend"]
         + [f"hydra.run.dir={run_dir}"],
         tmp_path,
     )

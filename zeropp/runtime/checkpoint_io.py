@@ -269,6 +269,7 @@ def save_version(
         if me == 0:
             try:
                 _commit(root, name)
+                created = False  # LATEST names it: whatever stops this save from here on, the folder stays
             except Exception as exc:
                 error = f"committing {root / cf.LATEST} -> {name}: {describe(exc)}"
                 if cf.named_by_latest(root) == name:  # replaced, then the directory sync failed
@@ -281,7 +282,7 @@ def save_version(
                     error += f". {hint}"
         agree(device, error, "save", "", disk=root)  # only rank 0 commits: its message says what state it left
     except BaseException:
-        if created:
+        if created and cf.named_by_latest(root) != name:  # a stop inside the commit may land after its rename
             try:
                 cf.discard(d)
             except OSError as exc:  # the save's own error matters more; say what is left behind
