@@ -36,9 +36,9 @@ SIGINT Python's handler.
 
 from __future__ import annotations
 
-import concurrent.futures._base
-import concurrent.futures.thread
+import concurrent.futures
 import contextlib
+import inspect
 import os
 import queue
 import signal
@@ -186,7 +186,7 @@ class Terminated(BaseException):
 
 
 _SYNC_FILES = frozenset(
-    m.__file__ for m in (threading, queue, concurrent.futures._base, concurrent.futures.thread) if m.__file__
+    inspect.getfile(x) for x in (threading, queue, concurrent.futures.Future, concurrent.futures.ThreadPoolExecutor)
 )
 """The standard library's pure-Python synchronisation: ``threading.Condition`` (under ``Event``,
 ``Semaphore``, ``Barrier``), ``queue.Queue`` and ``concurrent.futures``' futures."""

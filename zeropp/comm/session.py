@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from typing import Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -138,11 +138,7 @@ class CommSession:
     def add_wait_hook(self, hook: WaitHook) -> RemovableHandle:
         """Run every wait on a handle of this session's calls inside ``hook(kind)`` (see
         :data:`WaitHook`); returns a handle whose ``remove()`` takes the hook off again."""
-        if not callable(hook):
-            raise TypeError(f"add_wait_hook expects callable(kind) -> context manager, got {type(hook).__name__}")
-        handle = RemovableHandle(self._wait_hooks)
-        self._wait_hooks[handle.id] = hook
-        return handle
+        return _register(self._wait_hooks, hook, "add_wait_hook expects callable(kind) -> context manager")
 
     @contextlib.contextmanager
     def waiting(self, kind: str) -> Iterator[None]:
@@ -161,11 +157,7 @@ class CommSession:
     def add_send_hook(self, hook: SendHook) -> RemovableHandle:
         """Tell ``hook`` of every call this session's owner carries past ``torch.distributed`` (see
         :data:`SendHook`); returns a handle whose ``remove()`` takes the hook off again."""
-        if not callable(hook):
-            raise TypeError(f"add_send_hook expects callable(kind, ranks, per_peer), got {type(hook).__name__}")
-        handle = RemovableHandle(self._send_hooks)
-        self._send_hooks[handle.id] = hook
-        return handle
+        return _register(self._send_hooks, hook, "add_send_hook expects callable(kind, ranks, per_peer)")
 
     def sent(self, kind: str, ranks: list[int], per_peer: list[int]) -> None:
         """One call carried past ``torch.distributed``: every send hook is told (see :data:`SendHook`)."""
@@ -177,6 +169,16 @@ class CommSession:
             f"{type(self).__name__}(topology={self.topology}, stochastic_calls={self.stochastic.value}, "
             f"wait_hooks={len(self._wait_hooks)})"
         )
+
+
+def _register(hooks: dict[int, Any], hook: object, expects: str) -> RemovableHandle:
+    """Add ``hook`` to ``hooks`` (a session's wait or send hooks) under a handle whose ``remove()``
+    takes it off again; ``expects`` is the error's start when ``hook`` is not callable."""
+    if not callable(hook):
+        raise TypeError(f"{expects}, got {type(hook).__name__}")
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
 
 
 class _DefaultSession(CommSession):
