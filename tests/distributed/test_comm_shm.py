@@ -522,3 +522,44 @@ def test_tensor_parallel_zero_groups_resolve_auto_alike(tmp_path):
         (80, "transport=auto -> shm (4 CPU ranks on one host with room for the region)"),
     ):
         assert run_world(_tp_choices, 4, str(tmp_path), room, timeout=180) == [want] * 4, room
+
+
+def _tp_explicit_shm_one_group_failing(rank: int, world: int) -> str:
+    """A tp=2 engine (two ZeRO groups of 2) with ``transport='shm'`` whose region set-up fails in
+    rank 0's ZeRO group only (as a full ``/dev/shm`` seen by that group's members would): what
+    each rank got, an error's message or ``"built"``."""
+    from tests.runtime_helpers import make_model
+    from zeropp.comm import Topology
+    from zeropp.comm.shm_sync import ShmError
+    from zeropp.comm.stats import group_ranks
+    from zeropp.runtime import ZeroConfig, ZeroEngine, host_routes
+    from zeropp.runtime.tensor_parallel import make_mesh, parallelize
+
+    real = host_routes.ShmRoute
+
+    def route(owner, group, **kw):  # the agreed failure of one group's set-up, on its members only
+        if 0 in group_ranks(group):
+            raise ShmError("no room for the region", cause="no room")
+        return real(owner, group, **kw)
+
+    host_routes.ShmRoute = route  # type: ignore[assignment,misc]
+    try:
+        topo = Topology(nodes=1, ranks_per_node=world, tp=2)
+        eng = ZeroEngine(parallelize(make_model(), make_mesh(topo)), config=ZeroConfig(transport="shm"), topology=topo)
+        eng.close()
+        return "built"
+    except ShmError as exc:
+        return str(exc)
+    finally:
+        host_routes.ShmRoute = real  # type: ignore[misc]
+
+
+def test_explicit_shm_with_tensor_parallelism_stops_every_group_when_one_fails():
+    """``transport='shm'`` with tp=2: a region that cannot be set up in one ZeRO group stops every
+    rank at construction, the other group's naming the failed ranks, instead of that group training
+    on into a tensor-parallel collective the failed ranks never join (a hang until the timeout)."""
+    got = run_world(_tp_explicit_shm_one_group_failing, 4, timeout=180)
+    failed = [r for r, g in enumerate(got) if g == "no room for the region"]
+    others = [g for g in got if g != "no room for the region"]
+    assert len(failed) == 2 and 0 in failed, got
+    assert len(others) == 2 and all(f"another ZeRO group (ranks {failed})" in g for g in others), got

@@ -221,6 +221,44 @@ class _SessionWait:
             self._op.wait()
 
 
+def _explicit_shm(
+    owner: RouteOwner,
+    group: Optional[dist.ProcessGroup],
+    world: int,
+    *,
+    timeout: datetime.timedelta,
+    secondary: Optional[dist.ProcessGroup],
+) -> Optional[ShmRoute]:
+    """``transport='shm'``: ``group``'s route (None for a group of one), whose set-up error raises.
+    A region's set-up agrees within its own group only; with tensor parallelism the run has several
+    ZeRO groups, and a group whose region failed would stop while the others trained on into their
+    next tensor-parallel collective with its ranks and waited there until the timeout. So, where the
+    run holds more than this group, one control all-reduce over the run tells every rank whether
+    any group failed, and every rank raises."""
+    route, error = None, None
+    try:
+        route = ShmRoute(owner, group, timeout=timeout, secondary=secondary) if world > 1 else None
+    except ShmError as exc:
+        error = exc
+    if dist.get_world_size() > world:  # the same on every rank: ZeRO groups are all of one size
+        failed = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        failed[dist.get_rank()] = int(error is not None)
+        control_all_reduce(failed, "sum", None)
+        ranks = [r for r, f in enumerate(failed.tolist()) if f]
+        if ranks and error is None:
+            if route is not None:
+                route.close()
+            raise ShmError(
+                f"transport='shm': the shared-memory region of another ZeRO group (ranks {ranks}) could not be "
+                f"set up, so no group starts (their error says why); free room under /dev/shm or use "
+                f"transport='backend' (or 'auto', which falls back to it)",
+                cause=f"ranks {ranks} could not set up their ZeRO group's region",
+            )
+    if error is not None:
+        raise error
+    return route
+
+
 def open_route(
     owner: RouteOwner,
     group: Optional[dist.ProcessGroup],
@@ -244,8 +282,9 @@ def open_route(
     if choice is Transport.backend:
         return None, TransportChoice(requested="backend", resolved="backend", reason="")
     if choice is Transport.shm:
-        route = ShmRoute(owner, group, timeout=timeout, secondary=secondary) if world > 1 else None
-        return route, TransportChoice(requested="shm", resolved="shm", reason="")
+        return _explicit_shm(owner, group, world, timeout=timeout, secondary=secondary), TransportChoice(
+            requested="shm", resolved="shm", reason=""
+        )
     if world < 2:
         return None, TransportChoice(requested="auto", resolved="backend", reason="one rank: nothing to exchange")
     # Asked of the whole run, not the ZeRO group alone: with tensor parallelism several ZeRO groups
