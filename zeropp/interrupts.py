@@ -212,8 +212,10 @@ def raise_when_safe(frame: FrameType | None, exc: BaseException) -> None:
     ``release`` (every ``Event.set`` passes there, a rank's heartbeat beats through one) it leaves
     the lock held, and the stop's own clean-up then blocks on it forever (a rank that never stops,
     found only by the launcher's SIGKILL). Deferred, the exception is raised by a trace function at
-    the first event (line, call or return) of a frame outside that code: microseconds later, once
-    the lock is released. The trace function is the main thread's only until then, and Python
+    the first line or return event of a frame of the interrupted stack outside that code:
+    microseconds later, once the lock is released (never in a function that code calls, such as a
+    finalizer the garbage collector runs meanwhile, which would swallow it). The trace function is
+    the main thread's only until then, and Python
     unsets it when it raises: a trace function in place before (a debugger, coverage) is not put
     back, as the process is stopping. A handler may be called only in the main thread."""
     if not _unsafe(frame):
@@ -221,6 +223,8 @@ def raise_when_safe(frame: FrameType | None, exc: BaseException) -> None:
     traced: list[tuple[FrameType, Any]] = []
 
     def tracer(f: FrameType, event: str, arg: object) -> Callable[..., Any] | None:
+        if event == "call" and all(f is not g for g, _ in traced):
+            return None  # called meanwhile (a finalizer the collector ran): an exception there could be swallowed
         if _unsafe(f):
             return tracer
         for g, trace in traced:

@@ -146,3 +146,36 @@ def test_the_ranks_sigterm_handler_defers_out_of_the_heartbeats_event(
         signal.signal(signal.SIGTERM, before)
         worker._stopped_by.clear()
         worker._stack_log.clear()
+
+
+_LOCKED_SECTION = """
+def locked_section(interrupt, finalizer):
+    interrupt()  # the signal lands in this frame
+    finalizer()  # code this section calls meanwhile, as a finalizer the garbage collector runs
+    return "section done"
+"""
+
+
+def test_a_function_called_meanwhile_runs_to_its_end_and_the_stop_comes_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deferred exception is raised only in a frame of the interrupted stack: a function the
+    unsafe code calls meanwhile (a finalizer, whose exception Python would print and swallow, losing
+    the stop) runs to its end, and the exception comes out once the section has returned."""
+    from zeropp import interrupts
+
+    ns: dict[str, Any] = {}
+    exec(compile(_LOCKED_SECTION, "<synchronisation code>", "exec"), ns)
+    monkeypatch.setattr(interrupts, "_SYNC_FILES", frozenset({"<synchronisation code>"}))
+    ran: list[str] = []
+
+    def finalizer() -> None:
+        ran.append("started")
+        ran.append("finished")
+
+    def caller() -> str:
+        return ns["locked_section"](lambda: raise_when_safe(sys._getframe(1), Stop()), finalizer)
+
+    with pytest.raises(Stop) as info:
+        caller()
+    assert ran == ["started", "finished"]
+    assert not {"finalizer", "locked_section"} & {e.name for e in info.traceback}  # raised once the section returned
+    assert sys.gettrace() is None
