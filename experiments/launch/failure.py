@@ -45,6 +45,8 @@ PEER_ERRORS = (
     "Timed out waiting",
     "ECONNRESET",
     "connectFullMesh",
+    "Connection was likely closed",  # the TCPStore client's, when the rank hosting the store left (a roll call's key)
+    "exited while rank",  # the shared-memory transport's: a peer's process ended during a collective (zero.transport=shm)
 )
 """Errors a rank meets because a *peer* failed: such a rank is blamed only if no other one is."""
 

@@ -392,8 +392,18 @@ def test_a_stop_while_unwinding_from_a_peers_exit_is_a_stop_not_an_error() -> No
         except KeyboardInterrupt as e:
             return e
 
-    peer = stopped_while(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:38576"))
-    assert worker.own_error(peer) is None and worker.stopped_status(peer) == 128 + signal.SIGINT
+    for left in (
+        RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:38576"),
+        # rank 0 hosts the store: a roll call's key read after it left (torch's DistNetworkError)
+        RuntimeError(
+            "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?"
+        ),
+        RuntimeError(
+            "rank 0 (pid 31827) exited while rank 1 waited for it in a shared-memory collective (zero.transport=shm)"
+        ),
+    ):
+        peer = stopped_while(left)
+        assert worker.own_error(peer) is None and worker.stopped_status(peer) == 128 + signal.SIGINT, left
     own = stopped_while(ValueError("the rank's own bug"))
     assert isinstance(worker.own_error(own), ValueError) and worker.stopped_status(own) is None
 
