@@ -215,9 +215,9 @@ def raise_when_safe(frame: FrameType | None, exc: BaseException) -> None:
     the first line or return event of a frame of the interrupted stack outside that code:
     microseconds later, once the lock is released (never in a function that code calls, such as a
     finalizer the garbage collector runs meanwhile, which would swallow it). The trace function is
-    the main thread's only until then, and Python
-    unsets it when it raises: a trace function in place before (a debugger, coverage) is not put
-    back, as the process is stopping. A handler may be called only in the main thread."""
+    the main thread's only until then, and Python unsets it when it raises: a trace function in
+    place before (a debugger, coverage) is not put back, as the process is stopping. A handler may
+    be called only in the main thread."""
     if not _unsafe(frame):
         raise exc
     traced: list[tuple[FrameType, Any]] = []

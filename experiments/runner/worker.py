@@ -22,8 +22,9 @@ stops at the same step, before that step's eval and checkpoint; rank 0 writes th
 A SIGTERM (how launchers stop ranks) is raised in the main thread as torch's ``SignalException``
 (and a SIGINT as ``KeyboardInterrupt``), never inside the standard library's own lock code
 (``zeropp.interrupts.raise_when_safe``: one that landed in the heartbeat's ``Event.set`` left the
-Event's lock held and the stop blocked on it), so the rank unwinds like on any error (the process group destroyed, the nvme tier's swap files
-removed) instead of dying where it stands; then it exits quietly with 128 + the signal
+Event's lock held and the stop blocked on it), so the rank unwinds like on any error (the process
+group destroyed, the nvme tier's swap files removed) instead of dying where it stands; then it
+exits quietly with 128 + the signal
 (:func:`stopped_status`: 143, 130 for a SIGINT), without a traceback: being stopped is not the
 rank's error, and the launcher (or torchrun) that stopped it says so once. Where it was (every
 thread's stack) goes to the rank's own log (``ranks/rank<r>.log``), for a run the timeout or the
