@@ -23,6 +23,7 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -36,6 +37,29 @@ INTERPRET = "TRITON_INTERPRET"
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "distributed", "e2e", "gpu")
 """The tier folders under ``tests/``, cheapest first; each is also the marker of its tests."""
+WORLD_TIERS = ("distributed", "e2e")
+"""The tiers whose tests start worlds of processes. Under pytest-xdist with ``--dist loadgroup``
+(README's test command) they are one work unit, :data:`WORLDS_GROUP` (:func:`pytest_xdist_make_scheduler`),
+run by one worker in their usual order while the other workers take the one-process unit tests:
+the worlds keep the cores they were written against (their heartbeats, timeouts and interrupt
+timings), and the unit tier, which leaves a core idle on its own, runs beside them instead of
+before them."""
+WORLDS_GROUP = "worlds"
+FREE_WORLD_MODULES = frozenset(
+    {
+        "tests/distributed/test_experiments_training.py",
+        "tests/distributed/test_models_hf.py",
+        "tests/distributed/test_runtime_frozen.py",
+        "tests/distributed/test_runtime_parity.py",
+        "tests/distributed/test_runtime_tp.py",
+        "tests/distributed/test_runtime_zero_r.py",
+        "tests/e2e/test_hf_export.py",
+    }
+)
+"""World modules that check results only (parity with a reference run, whole-world timeouts of
+minutes, no timing of their own), the heaviest: under pytest-xdist each is a work unit of its own
+(its module fixtures run once), free to run beside :data:`WORLDS_GROUP` on the worker that the unit
+tier leaves idle at its end."""
 
 
 def tier_of(path: Path) -> str | None:
@@ -82,6 +106,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"selects the GPU tier and nothing else): {', '.join(misplaced[:5])}"
             + (f" and {len(misplaced) - 5} more" if len(misplaced) > 5 else "")
         )
+
+
+def scope_of(nodeid: str, fallback: Callable[[str], str]) -> str:
+    """The xdist work unit of a test: its module for :data:`FREE_WORLD_MODULES`, :data:`WORLDS_GROUP`
+    for the other world tests, ``fallback``'s (pytest-xdist's own ``loadgroup`` scope) for the rest."""
+    module = nodeid.split("::", 1)[0]
+    if module in FREE_WORLD_MODULES:
+        return module
+    parts = module.split("/")
+    if len(parts) > 2 and parts[0] == TESTS.name and parts[1] in WORLD_TIERS:
+        return WORLDS_GROUP
+    return fallback(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown where it is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadgroup``: pytest-xdist's scheduler for it, with the world tiers as one work
+    unit (:data:`WORLD_TIERS`). Done here, not with ``xdist_group`` marks: pytest 9.2's structured
+    node ids drop the group suffix pytest-xdist 3.8 writes into them, so the marks group nothing
+    (pytest-xdist issue 1386). The largest unit is handed out first, so the worlds start at once."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class WorldsTogether(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid, super()._split_scope)
+
+    return WorldsTogether(config, log)
 
 
 _WARMERS = cache_warmers.Running()

@@ -28,7 +28,7 @@ def test_the_docs_hold_commands_to_check() -> None:
     cases = _shell_cases()
     readme = [c for label, c in cases if label.startswith("README.md")]
     assert len(cases) >= 40 and len(readme) >= 5, (len(cases), len(readme))
-    assert ["python", "-m", "pytest", "-q"] in readme
+    assert ["python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"] in readme
     assert any(b.lang == "" or b.lang in SHELL or b.lang == "python" for b in all_blocks())
     unknown = [b.where for b in all_blocks() if b.lang not in (*SHELL, "python", "text", "")]
     assert not unknown, f"fenced blocks of a language this check does not read: {unknown}"
@@ -53,7 +53,8 @@ def test_readme_first_command_is_the_one_ci_runs() -> None:
     assert ["pip", "install", "torch==2.13.0"] in setup and "pip install --quiet torch==2.13.0" in ci
     assert ["pip", "install", "-e", ".[dev]"] in setup and 'pip install --quiet -e ".[dev]"' in ci
     assert setup[-1] == ["python", "-m", "experiments.run", "stage=3", "quant=int8"]
-    assert commands(second) == [["python", "-m", "pytest", "-q"]] and "python -m pytest -q" in ci
+    test = ["python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"]
+    assert commands(second) == [test] and " ".join(test) in ci
 
 
 def test_readme_stays_short_and_docs_hold_no_issue_status() -> None:

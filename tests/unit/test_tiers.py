@@ -55,6 +55,22 @@ def test_each_test_gets_its_folder_marker_and_gpu_tests_are_cuda() -> None:
     assert [sorted(i.marks) for i in items] == [["unit"], ["distributed"], ["e2e"], ["cuda", "gpu"]]
 
 
+def test_under_xdist_the_world_tiers_are_one_work_unit_and_the_rest_keep_xdists_scopes() -> None:
+    """README's ``-n 2 --dist loadgroup``: every distributed and e2e test in one unit (one worker, in
+    order), a unit or gpu test in pytest-xdist's own scope (here: the fallback's)."""
+    own = "own:{}".format
+    g = conftest.WORLDS_GROUP
+    assert conftest.scope_of("tests/distributed/test_a.py::test_x[2]", own) == g
+    assert conftest.scope_of("tests/e2e/test_b.py::TestC::test_y", own) == g
+    assert conftest.scope_of("tests/unit/test_c.py::test_z", own) == "own:tests/unit/test_c.py::test_z"
+    assert conftest.scope_of("tests/gpu/test_d.py::test_w", own) == "own:tests/gpu/test_d.py::test_w"
+    assert conftest.scope_of("tests/unit/test_e2e.py::test_v", own) == "own:tests/unit/test_e2e.py::test_v"
+    free = "tests/distributed/test_runtime_parity.py"
+    assert conftest.scope_of(f"{free}::test_stages[s3]", own) == free  # one unit per module: its fixtures run once
+    for module in conftest.FREE_WORLD_MODULES:
+        assert (ROOT / module).is_file() and conftest.tier_of(ROOT / module) in conftest.WORLD_TIERS, module
+
+
 def test_a_cuda_test_outside_the_gpu_tier_is_refused() -> None:
     items = [_Item(TESTS / "gpu" / "test_a.py", "cuda"), _Item(TESTS / "distributed" / "test_b.py", "cuda")]
     with pytest.raises(pytest.UsageError, match=r"marked cuda outside tests/gpu/.*tests/distributed/test_b.py::test_x"):
