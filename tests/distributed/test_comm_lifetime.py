@@ -133,6 +133,9 @@ def _leave_alone(rank: int, world: int, note: str) -> None:
         # machine may not schedule this rank again before the launcher's SIGTERM arrives
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sub = dist.new_group(list(range(world)))
+    # Both ranks past the group's set-up before rank 0 leaves: rank 1's new_group may still be reading
+    # the store rank 0 hosts when rank 0's returns, and would fail there instead of in the wait below.
+    dist.barrier()
     if rank == 0:
         backend_all_reduce(torch.ones(8), dist.ReduceOp.SUM, None, True)  # in flight, never joined
         raise RuntimeError("rank 0 fails with a collective in flight")
