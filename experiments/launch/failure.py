@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 
+from zeropp.comm.shm_sync import PEER_EXITED
 from zeropp.runtime.batch import origin_ranks
 
 __all__: Sequence[str] = (
@@ -46,7 +47,7 @@ PEER_ERRORS = (
     "ECONNRESET",
     "connectFullMesh",
     "Connection was likely closed",  # the TCPStore client's, when the rank hosting the store left (a roll call's key)
-    "exited while rank",  # the shared-memory transport's: a peer's process ended during a collective (zero.transport=shm)
+    PEER_EXITED,  # the shared-memory transport's: a peer's process ended during a collective (zero.transport=shm)
 )
 """Errors a rank meets because a *peer* failed: such a rank is blamed only if no other one is."""
 

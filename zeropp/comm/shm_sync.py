@@ -42,6 +42,9 @@ from .backend import control_all_reduce
 
 SLICE_S = 0.05
 """A waiting member checks its peer's process and the deadline this often."""
+PEER_EXITED = "exited while rank"
+"""The words of the error a member raises when the peer it waits for has exited (the launcher
+counts such a rank as stopped by a peer, not failing: ``experiments/launch/failure.PEER_ERRORS``)."""
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the words live in a mapping of several processes
@@ -164,7 +167,7 @@ class FlagSync:
                 break
             if not process_alive(self._pids[r]):
                 raise ShmError(
-                    f"rank {self._ranks[r]} (pid {self._pids[r]}) exited while rank {self._ranks[self._rank]} "
+                    f"rank {self._ranks[r]} (pid {self._pids[r]}) {PEER_EXITED} {self._ranks[self._rank]} "
                     f"waited for it in a shared-memory collective (zero.transport=shm)"
                 )
             if time.monotonic() > deadline:
