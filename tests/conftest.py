@@ -39,8 +39,8 @@ TIERS = ("unit", "distributed", "e2e", "gpu")
 """The tier folders under ``tests/``, cheapest first; each is also the marker of its tests."""
 WORLD_TIERS = ("distributed", "e2e")
 """The tiers whose tests start worlds of processes. Under pytest-xdist with ``--dist loadgroup``
-(README's test command) they are one work unit, :data:`WORLDS_GROUP` (:func:`pytest_xdist_make_scheduler`),
-run by one worker in their usual order while the other workers take the one-process unit tests:
+(README's test command) they are one work unit, :data:`WORLDS_GROUP` (:func:`pytest_xdist_make_scheduler`;
+the modules of :data:`FREE_WORLD_MODULES` apart), run by one worker in their usual order while the other workers take the one-process unit tests:
 the worlds keep the cores they were written against (their heartbeats, timeouts and interrupt
 timings), and the unit tier, which leaves a core idle on its own, runs beside them instead of
 before them."""
@@ -111,11 +111,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def scope_of(nodeid: str, fallback: Callable[[str], str]) -> str:
     """The xdist work unit of a test: its module for :data:`FREE_WORLD_MODULES`, :data:`WORLDS_GROUP`
     for the other world tests, ``fallback``'s (pytest-xdist's own ``loadgroup`` scope) for the rest."""
-    module = nodeid.split("::", 1)[0]
+    module = nodeid.split("::", 1)[0]  # relative to the rootdir, the folder above tests/
     if module in FREE_WORLD_MODULES:
         return module
-    parts = module.split("/")
-    if len(parts) > 2 and parts[0] == TESTS.name and parts[1] in WORLD_TIERS:
+    if tier_of(TESTS.parent / module) in WORLD_TIERS:
         return WORLDS_GROUP
     return fallback(nodeid)
 

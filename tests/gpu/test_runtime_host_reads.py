@@ -86,7 +86,7 @@ def test_on_cuda_an_nvme_fetch_does_not_wait_for_the_compute_stream(tmp_path):
         src = torch.randn(10_007)
         seg = Segment(sp.create("p.swp", src.numel() * 4), 0, src.numel(), torch.float32)
         sp.write_from(seg, src)
-        warm = sp.read_to(seg, "cuda")  # the copy stream's pool now holds a block of this size
+        warm = sp.read_to(seg, "cuda")  # the process's first read, which waits for the device once
         torch.cuda.synchronize()
         del warm
         torch.cuda._sleep(2_000_000_000)  # about 1 s of GPU clock cycles on the compute stream

@@ -14,6 +14,8 @@ from tests.docs_commands import ROOT, Block, all_blocks, blocks, check_command, 
 from zeropp.experiments.runner.config import ConfigError
 
 SHELL = ("bash", "sh", "shell", "console")
+TEST_COMMAND = ["python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"]
+"""README's second command, the one `.ci/run` runs."""
 
 
 def _shell_cases() -> list[tuple[str, list[str]]]:
@@ -28,7 +30,7 @@ def test_the_docs_hold_commands_to_check() -> None:
     cases = _shell_cases()
     readme = [c for label, c in cases if label.startswith("README.md")]
     assert len(cases) >= 40 and len(readme) >= 5, (len(cases), len(readme))
-    assert ["python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"] in readme
+    assert TEST_COMMAND in readme
     assert any(b.lang == "" or b.lang in SHELL or b.lang == "python" for b in all_blocks())
     unknown = [b.where for b in all_blocks() if b.lang not in (*SHELL, "python", "text", "")]
     assert not unknown, f"fenced blocks of a language this check does not read: {unknown}"
@@ -53,8 +55,7 @@ def test_readme_first_command_is_the_one_ci_runs() -> None:
     assert ["pip", "install", "torch==2.13.0"] in setup and "pip install --quiet torch==2.13.0" in ci
     assert ["pip", "install", "-e", ".[dev]"] in setup and 'pip install --quiet -e ".[dev]"' in ci
     assert setup[-1] == ["python", "-m", "experiments.run", "stage=3", "quant=int8"]
-    test = ["python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"]
-    assert commands(second) == [test] and " ".join(test) in ci
+    assert commands(second) == [TEST_COMMAND] and " ".join(TEST_COMMAND) in ci
 
 
 def test_readme_stays_short_and_docs_hold_no_issue_status() -> None:
